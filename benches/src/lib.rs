@@ -1,0 +1,1 @@
+//! Criterion microbenchmarks live in `benches/`; this library is empty.

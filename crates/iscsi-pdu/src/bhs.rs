@@ -1,0 +1,297 @@
+//! The Basic Header Segment and the framing of a whole PDU (RFC 7143 section 11.2):
+//! BHS (48) | AHS (4 * TotalAHSLength) | HeaderDigest (4) | DataSegment | pad to 4 | DataDigest (4).
+
+use core::fmt;
+use core::ops::Range;
+
+use nom::bytes::streaming::take;
+use nom::number::complete::{be_u32, be_u8};
+use nom::number::streaming::le_u32;
+use nom::{IResult, Parser};
+
+use crate::digest::{crc32c, Digests};
+use crate::error::DecodeError;
+
+/// Length of the Basic Header Segment.
+pub const BHS_LEN: usize = 48;
+/// The longest AHS a BHS can announce (TotalAHSLength is one byte of 4-byte words).
+pub const MAX_AHS_LEN: usize = 255 * 4;
+/// The largest DataSegmentLength the 24-bit field can carry; also the RFC's upper bound for
+/// MaxRecvDataSegmentLength.
+pub const MAX_DATA_SEGMENT_LENGTH: u32 = (1 << 24) - 1;
+/// The longest header this crate encodes or decodes: BHS, the largest AHS and a header digest.
+pub const MAX_HEADER_LEN: usize = BHS_LEN + MAX_AHS_LEN + 4;
+
+/// iSCSI opcodes (RFC 7143 section 11.2.1.2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum Opcode {
+    /// Initiator: NOP-Out.
+    NopOut = 0x00,
+    /// Initiator: SCSI Command.
+    ScsiCommand = 0x01,
+    /// Initiator: SCSI Task Management Function Request.
+    TaskManagementRequest = 0x02,
+    /// Initiator: Login Request.
+    LoginRequest = 0x03,
+    /// Initiator: Text Request.
+    TextRequest = 0x04,
+    /// Initiator: SCSI Data-Out.
+    DataOut = 0x05,
+    /// Initiator: Logout Request.
+    LogoutRequest = 0x06,
+    /// Initiator: SNACK Request.
+    SnackRequest = 0x10,
+    /// Target: NOP-In.
+    NopIn = 0x20,
+    /// Target: SCSI Response.
+    ScsiResponse = 0x21,
+    /// Target: SCSI Task Management Function Response.
+    TaskManagementResponse = 0x22,
+    /// Target: Login Response.
+    LoginResponse = 0x23,
+    /// Target: Text Response.
+    TextResponse = 0x24,
+    /// Target: SCSI Data-In.
+    DataIn = 0x25,
+    /// Target: Logout Response.
+    LogoutResponse = 0x26,
+    /// Target: Ready To Transfer (R2T).
+    ReadyToTransfer = 0x31,
+    /// Target: Asynchronous Message.
+    AsyncMessage = 0x32,
+    /// Target: Reject.
+    Reject = 0x3f,
+}
+
+impl Opcode {
+    /// The opcode for the 6-bit field, or `None` for reserved and vendor-specific values.
+    pub fn from_u8(v: u8) -> Option<Opcode> {
+        use Opcode::*;
+        Some(match v {
+            0x00 => NopOut,
+            0x01 => ScsiCommand,
+            0x02 => TaskManagementRequest,
+            0x03 => LoginRequest,
+            0x04 => TextRequest,
+            0x05 => DataOut,
+            0x06 => LogoutRequest,
+            0x10 => SnackRequest,
+            0x20 => NopIn,
+            0x21 => ScsiResponse,
+            0x22 => TaskManagementResponse,
+            0x23 => LoginResponse,
+            0x24 => TextResponse,
+            0x25 => DataIn,
+            0x26 => LogoutResponse,
+            0x31 => ReadyToTransfer,
+            0x32 => AsyncMessage,
+            0x3f => Reject,
+            _ => return None,
+        })
+    }
+
+    /// Whether the initiator sends this opcode (the target sends the others).
+    pub fn is_initiator(self) -> bool {
+        (self as u8) < 0x20
+    }
+}
+
+/// A raw 48-byte Basic Header Segment.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Bhs(pub [u8; BHS_LEN]);
+
+impl Bhs {
+    /// The 6-bit opcode field.
+    pub fn opcode_byte(&self) -> u8 {
+        self.0[0] & 0x3f
+    }
+
+    /// The opcode, if defined.
+    pub fn opcode(&self) -> Option<Opcode> {
+        Opcode::from_u8(self.opcode_byte())
+    }
+
+    /// The I (immediate delivery) bit.
+    pub fn immediate(&self) -> bool {
+        self.0[0] & 0x40 != 0
+    }
+
+    /// The F (final) bit, bit 7 of byte 1, for the PDUs that have one.
+    pub fn final_bit(&self) -> bool {
+        self.0[1] & 0x80 != 0
+    }
+
+    /// TotalAHSLength in bytes.
+    pub fn total_ahs_length(&self) -> usize {
+        usize::from(self.0[4]) * 4
+    }
+
+    /// DataSegmentLength in bytes, without padding.
+    pub fn data_segment_length(&self) -> u32 {
+        u32::from_be_bytes([0, self.0[5], self.0[6], self.0[7]])
+    }
+
+    /// The Initiator Task Tag (bytes 16..20).
+    pub fn initiator_task_tag(&self) -> u32 {
+        u32::from_be_bytes([self.0[16], self.0[17], self.0[18], self.0[19]])
+    }
+
+    /// The length of the whole PDU this header announces, with the given digests.
+    pub fn frame_length(&self, digests: Digests) -> usize {
+        let dsl = self.data_segment_length() as usize;
+        let mut n = BHS_LEN + self.total_ahs_length() + dsl + padding(dsl).len();
+        if digests.header {
+            n += 4;
+        }
+        if digests.data && dsl > 0 {
+            n += 4;
+        }
+        n
+    }
+}
+
+impl fmt::Debug for Bhs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Bhs(opcode {:#04x}, itt {:#010x})",
+            self.opcode_byte(),
+            self.initiator_task_tag()
+        )
+    }
+}
+
+/// The zero bytes that pad a segment of `len` bytes to a 4-byte boundary.
+#[inline]
+pub fn padding(len: usize) -> &'static [u8] {
+    const ZEROS: [u8; 3] = [0; 3];
+    &ZEROS[..(4 - len % 4) % 4]
+}
+
+/// The BHS as fields: bytes 0..4, the eight bytes at 8..16 (LUN or opcode specific), and the
+/// seven 32-bit words from byte 16 on (ITT first). TotalAHSLength and DataSegmentLength belong to
+/// the frame and are filled in by the encoder.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Fields {
+    pub b: [u8; 4],
+    pub lun: [u8; 8],
+    pub w: [u32; 8],
+}
+
+impl Fields {
+    /// Parses the fields of a BHS with nom. The input is always 48 bytes.
+    pub fn parse(bhs: &[u8; BHS_LEN]) -> Fields {
+        fn fields(i: &[u8]) -> IResult<&[u8], Fields> {
+            let (i, (b0, b1, b2, b3)) = (be_u8, be_u8, be_u8, be_u8).parse(i)?;
+            let (i, _lengths) = be_u32(i)?;
+            let (i, lun) = nom::bytes::complete::take(8usize)(i)?;
+            let (i, (w0, w1, w2, w3, w4, w5, w6, w7)) = (
+                be_u32, be_u32, be_u32, be_u32, be_u32, be_u32, be_u32, be_u32,
+            )
+                .parse(i)?;
+            let mut l = [0u8; 8];
+            l.copy_from_slice(lun);
+            Ok((
+                i,
+                Fields {
+                    b: [b0, b1, b2, b3],
+                    lun: l,
+                    w: [w0, w1, w2, w3, w4, w5, w6, w7],
+                },
+            ))
+        }
+        match fields(bhs) {
+            Ok((_, f)) => f,
+            // A 48-byte input always holds every field.
+            Err(_) => unreachable!("a 48-byte BHS holds every field"),
+        }
+    }
+
+    /// Writes the fields, with the frame's TotalAHSLength and DataSegmentLength.
+    pub fn write(&self, ahs_len: usize, data_len: u32, out: &mut [u8; BHS_LEN]) {
+        out[..4].copy_from_slice(&self.b);
+        out[4] = (ahs_len / 4) as u8;
+        out[5..8].copy_from_slice(&data_len.to_be_bytes()[1..]);
+        out[8..16].copy_from_slice(&self.lun);
+        for (i, w) in self.w.iter().enumerate() {
+            out[16 + 4 * i..20 + 4 * i].copy_from_slice(&w.to_be_bytes());
+        }
+    }
+
+    /// A 16-bit half of word `i`: the upper half when `high`.
+    pub fn half(&self, i: usize, high: bool) -> u16 {
+        if high {
+            (self.w[i] >> 16) as u16
+        } else {
+            self.w[i] as u16
+        }
+    }
+}
+
+/// Where the parts of one framed PDU lie in its input.
+#[derive(Debug, Clone)]
+pub(crate) struct Frame {
+    pub bhs: [u8; BHS_LEN],
+    pub ahs: Range<usize>,
+    pub data: Range<usize>,
+    pub data_digest: Option<u32>,
+    pub len: usize,
+}
+
+/// Frames one PDU with nom's streaming parsers: `Incomplete` says how many more bytes it needs.
+/// Checks the header digest, and DataSegmentLength against `max_data` before the segment has to
+/// be present.
+pub(crate) fn frame(input: &[u8], digests: Digests, max_data: u32) -> Result<Frame, DecodeError> {
+    let incomplete = |e: nom::Err<nom::error::Error<&[u8]>>| match e {
+        nom::Err::Incomplete(nom::Needed::Size(n)) => DecodeError::Incomplete { needed: n.get() },
+        _ => DecodeError::Incomplete { needed: 1 },
+    };
+    let (rest, bhs_bytes) =
+        take::<_, _, nom::error::Error<&[u8]>>(BHS_LEN)(input).map_err(incomplete)?;
+    let mut bhs = [0u8; BHS_LEN];
+    bhs.copy_from_slice(bhs_bytes);
+    let header = Bhs(bhs);
+    let dsl = header.data_segment_length();
+    if dsl > max_data {
+        return Err(DecodeError::DataSegmentTooLong {
+            header: Box::new(header),
+            length: dsl,
+            limit: max_data,
+        });
+    }
+    let ahs_len = header.total_ahs_length();
+    let (rest, _ahs) = take::<_, _, nom::error::Error<&[u8]>>(ahs_len)(rest).map_err(incomplete)?;
+    let ahs = BHS_LEN..BHS_LEN + ahs_len;
+    let rest = if digests.header {
+        let (rest, d) = le_u32::<_, nom::error::Error<&[u8]>>(rest).map_err(incomplete)?;
+        let computed = crc32c(&input[..ahs.end]);
+        if computed != d {
+            return Err(DecodeError::HeaderDigest {
+                computed,
+                received: d,
+            });
+        }
+        rest
+    } else {
+        rest
+    };
+    let data_start = input.len() - rest.len();
+    let dsl = dsl as usize;
+    let pad = padding(dsl).len();
+    let (rest, _data) =
+        take::<_, _, nom::error::Error<&[u8]>>(dsl + pad)(rest).map_err(incomplete)?;
+    let (rest, data_digest) = if digests.data && dsl > 0 {
+        let (rest, d) = le_u32::<_, nom::error::Error<&[u8]>>(rest).map_err(incomplete)?;
+        (rest, Some(d))
+    } else {
+        (rest, None)
+    };
+    Ok(Frame {
+        bhs,
+        ahs,
+        data: data_start..data_start + dsl,
+        data_digest,
+        len: input.len() - rest.len(),
+    })
+}
