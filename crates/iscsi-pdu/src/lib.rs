@@ -28,6 +28,7 @@ pub mod chap;
 pub mod deframer;
 pub mod digest;
 pub mod error;
+pub mod names;
 pub mod negotiation;
 pub mod pdu;
 pub mod serial;
