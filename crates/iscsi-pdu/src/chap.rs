@@ -74,19 +74,32 @@ pub struct ChapCredentials {
 
 impl core::fmt::Debug for ChapCredentials {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("ChapCredentials").field("name", &self.name).field("secret", &"<redacted>").finish()
+        f.debug_struct("ChapCredentials")
+            .field("name", &self.name)
+            .field("secret", &"<redacted>")
+            .finish()
     }
 }
 
 impl ChapCredentials {
     /// Credentials whose secret has at least `min_secret_len` bytes
     /// ([`DEFAULT_MIN_SECRET_LEN`] unless policy says otherwise).
-    pub fn new(name: impl Into<String>, secret: impl Into<Vec<u8>>, min_secret_len: usize) -> Result<Self, ChapError> {
+    pub fn new(
+        name: impl Into<String>,
+        secret: impl Into<Vec<u8>>,
+        min_secret_len: usize,
+    ) -> Result<Self, ChapError> {
         let secret = secret.into();
         if secret.len() < min_secret_len {
-            return Err(ChapError::SecretTooShort { len: secret.len(), min: min_secret_len });
+            return Err(ChapError::SecretTooShort {
+                len: secret.len(),
+                min: min_secret_len,
+            });
         }
-        Ok(ChapCredentials { name: name.into(), secret })
+        Ok(ChapCredentials {
+            name: name.into(),
+            secret,
+        })
     }
 
     /// The CHAP name.
@@ -111,7 +124,10 @@ fn get<'a>(p: &'a TextParams, key: &'static str) -> Result<&'a str, ChapError> {
 fn binary(p: &TextParams, key: &'static str) -> Result<Vec<u8>, ChapError> {
     let v = parse_binary(get(p, key)?).map_err(|e| ChapError::Malformed { key, reason: e.0 })?;
     if v.is_empty() || v.len() > MAX_CHAP_BINARY_LEN {
-        return Err(ChapError::Malformed { key, reason: "length must be 1 to 1024 bytes" });
+        return Err(ChapError::Malformed {
+            key,
+            reason: "length must be 1 to 1024 bytes",
+        });
     }
     Ok(v)
 }
@@ -119,11 +135,19 @@ fn binary(p: &TextParams, key: &'static str) -> Result<Vec<u8>, ChapError> {
 fn identifier(p: &TextParams) -> Result<u8, ChapError> {
     parse_number(get(p, "CHAP_I")?)
         .and_then(|n| u8::try_from(n).ok())
-        .ok_or(ChapError::Malformed { key: "CHAP_I", reason: "not a number from 0 to 255" })
+        .ok_or(ChapError::Malformed {
+            key: "CHAP_I",
+            reason: "not a number from 0 to 255",
+        })
 }
 
 /// Verifies a peer's CHAP_N / CHAP_R against `expected` for the challenge this side issued.
-fn verify(p: &TextParams, expected: &ChapCredentials, id: u8, challenge: &[u8]) -> Result<(), ChapError> {
+fn verify(
+    p: &TextParams,
+    expected: &ChapCredentials,
+    id: u8,
+    challenge: &[u8],
+) -> Result<(), ChapError> {
     let name = get(p, "CHAP_N")?;
     let response = binary(p, "CHAP_R")?;
     let want = chap_md5_response(id, &expected.secret, challenge);
@@ -171,7 +195,10 @@ impl ChapTarget {
         target: Option<ChapCredentials>,
         entropy: [u8; ENTROPY_LEN],
     ) -> Result<Self, ChapError> {
-        if target.as_ref().is_some_and(|t| t.secret == initiator.secret) {
+        if target
+            .as_ref()
+            .is_some_and(|t| t.secret == initiator.secret)
+        {
             return Err(ChapError::SameSecretBothWays);
         }
         let (identifier, challenge) = split_entropy(entropy);
@@ -201,7 +228,10 @@ impl ChapTarget {
         match self.state {
             TargetState::AwaitAlgorithms => {
                 let offered = get(p, "CHAP_A")?;
-                if !offered.split(',').any(|a| parse_number(a) == Some(u64::from(CHAP_MD5))) {
+                if !offered
+                    .split(',')
+                    .any(|a| parse_number(a) == Some(u64::from(CHAP_MD5)))
+                {
                     return Err(ChapError::UnsupportedAlgorithm(offered.into()));
                 }
                 for key in ["CHAP_N", "CHAP_R", "CHAP_I", "CHAP_C"] {
@@ -228,7 +258,10 @@ impl ChapTarget {
                             return Err(ChapError::ReflectedChallenge);
                         }
                         out.push("CHAP_N", own.name.clone());
-                        out.push("CHAP_R", encode_hex(&chap_md5_response(id, &own.secret, &challenge)));
+                        out.push(
+                            "CHAP_R",
+                            encode_hex(&chap_md5_response(id, &own.secret, &challenge)),
+                        );
                     }
                     (None, Some(_)) => return Err(ChapError::MissingKey("CHAP_I")),
                     (Some(_), None) => return Err(ChapError::MissingKey("CHAP_C")),
@@ -277,11 +310,20 @@ impl ChapInitiator {
         target: Option<ChapCredentials>,
         entropy: [u8; ENTROPY_LEN],
     ) -> Result<Self, ChapError> {
-        if target.as_ref().is_some_and(|t| t.secret == initiator.secret) {
+        if target
+            .as_ref()
+            .is_some_and(|t| t.secret == initiator.secret)
+        {
             return Err(ChapError::SameSecretBothWays);
         }
         let (identifier, challenge) = split_entropy(entropy);
-        Ok(ChapInitiator { initiator, target, identifier, challenge, state: InitiatorState::Start })
+        Ok(ChapInitiator {
+            initiator,
+            target,
+            identifier,
+            challenge,
+            state: InitiatorState::Start,
+        })
     }
 
     /// Whether authentication (both ways, if mutual) is complete.
@@ -312,7 +354,10 @@ impl ChapInitiator {
                 let id = identifier(p)?;
                 let challenge = binary(p, "CHAP_C")?;
                 out.push("CHAP_N", self.initiator.name.clone());
-                out.push("CHAP_R", encode_hex(&chap_md5_response(id, &self.initiator.secret, &challenge)));
+                out.push(
+                    "CHAP_R",
+                    encode_hex(&chap_md5_response(id, &self.initiator.secret, &challenge)),
+                );
                 if self.target.is_some() {
                     if challenge == self.challenge {
                         // Never send back what the target sent: change one bit.
@@ -374,15 +419,24 @@ mod tests {
     #[test]
     fn one_way_and_mutual_succeed() {
         let mut t = ChapTarget::new(creds("user", "0123456789ab"), None, [3; ENTROPY_LEN]).unwrap();
-        let mut i = ChapInitiator::new(creds("user", "0123456789ab"), None, [4; ENTROPY_LEN]).unwrap();
+        let mut i =
+            ChapInitiator::new(creds("user", "0123456789ab"), None, [4; ENTROPY_LEN]).unwrap();
         exchange(&mut t, &mut i).unwrap();
         assert!(t.is_done() && i.is_done());
 
-        let mut t = ChapTarget::new(creds("user", "0123456789ab"), Some(creds("tgt", "ba9876543210")), [5; ENTROPY_LEN])
-            .unwrap()
-            .require_mutual(true);
-        let mut i =
-            ChapInitiator::new(creds("user", "0123456789ab"), Some(creds("tgt", "ba9876543210")), [6; ENTROPY_LEN]).unwrap();
+        let mut t = ChapTarget::new(
+            creds("user", "0123456789ab"),
+            Some(creds("tgt", "ba9876543210")),
+            [5; ENTROPY_LEN],
+        )
+        .unwrap()
+        .require_mutual(true);
+        let mut i = ChapInitiator::new(
+            creds("user", "0123456789ab"),
+            Some(creds("tgt", "ba9876543210")),
+            [6; ENTROPY_LEN],
+        )
+        .unwrap();
         exchange(&mut t, &mut i).unwrap();
         assert!(t.is_done() && i.is_done());
     }
@@ -390,31 +444,56 @@ mod tests {
     #[test]
     fn failures() {
         let mut t = ChapTarget::new(creds("user", "0123456789ab"), None, [3; ENTROPY_LEN]).unwrap();
-        let mut i = ChapInitiator::new(creds("user", "0123456789XX"), None, [4; ENTROPY_LEN]).unwrap();
+        let mut i =
+            ChapInitiator::new(creds("user", "0123456789XX"), None, [4; ENTROPY_LEN]).unwrap();
         assert_eq!(exchange(&mut t, &mut i), Err(ChapError::WrongResponse));
 
         let mut t = ChapTarget::new(creds("user", "0123456789ab"), None, [3; ENTROPY_LEN]).unwrap();
-        let mut i = ChapInitiator::new(creds("other", "0123456789ab"), None, [4; ENTROPY_LEN]).unwrap();
-        assert_eq!(exchange(&mut t, &mut i), Err(ChapError::WrongName("other".into())));
+        let mut i =
+            ChapInitiator::new(creds("other", "0123456789ab"), None, [4; ENTROPY_LEN]).unwrap();
+        assert_eq!(
+            exchange(&mut t, &mut i),
+            Err(ChapError::WrongName("other".into()))
+        );
 
         // Mutual asked of a target without a secret of its own.
         let mut t = ChapTarget::new(creds("user", "0123456789ab"), None, [3; ENTROPY_LEN]).unwrap();
-        let mut i =
-            ChapInitiator::new(creds("user", "0123456789ab"), Some(creds("tgt", "ba9876543210")), [4; ENTROPY_LEN]).unwrap();
-        assert_eq!(exchange(&mut t, &mut i), Err(ChapError::MutualNotConfigured));
+        let mut i = ChapInitiator::new(
+            creds("user", "0123456789ab"),
+            Some(creds("tgt", "ba9876543210")),
+            [4; ENTROPY_LEN],
+        )
+        .unwrap();
+        assert_eq!(
+            exchange(&mut t, &mut i),
+            Err(ChapError::MutualNotConfigured)
+        );
 
         // The target proves the wrong secret.
-        let mut t = ChapTarget::new(creds("user", "0123456789ab"), Some(creds("tgt", "wrongwrong12")), [3; ENTROPY_LEN])
-            .unwrap();
-        let mut i =
-            ChapInitiator::new(creds("user", "0123456789ab"), Some(creds("tgt", "ba9876543210")), [4; ENTROPY_LEN]).unwrap();
+        let mut t = ChapTarget::new(
+            creds("user", "0123456789ab"),
+            Some(creds("tgt", "wrongwrong12")),
+            [3; ENTROPY_LEN],
+        )
+        .unwrap();
+        let mut i = ChapInitiator::new(
+            creds("user", "0123456789ab"),
+            Some(creds("tgt", "ba9876543210")),
+            [4; ENTROPY_LEN],
+        )
+        .unwrap();
         assert_eq!(exchange(&mut t, &mut i), Err(ChapError::WrongResponse));
 
         // Mutual required but not done.
-        let mut t = ChapTarget::new(creds("user", "0123456789ab"), Some(creds("tgt", "ba9876543210")), [3; ENTROPY_LEN])
-            .unwrap()
-            .require_mutual(true);
-        let mut i = ChapInitiator::new(creds("user", "0123456789ab"), None, [4; ENTROPY_LEN]).unwrap();
+        let mut t = ChapTarget::new(
+            creds("user", "0123456789ab"),
+            Some(creds("tgt", "ba9876543210")),
+            [3; ENTROPY_LEN],
+        )
+        .unwrap()
+        .require_mutual(true);
+        let mut i =
+            ChapInitiator::new(creds("user", "0123456789ab"), None, [4; ENTROPY_LEN]).unwrap();
         assert_eq!(exchange(&mut t, &mut i), Err(ChapError::MutualRequired));
     }
 
@@ -426,20 +505,29 @@ mod tests {
         );
         assert!(ChapCredentials::new("u", b"short".to_vec(), 4).is_ok());
         assert_eq!(
-            ChapTarget::new(creds("u", "0123456789ab"), Some(creds("t", "0123456789ab")), [0; ENTROPY_LEN]).unwrap_err(),
+            ChapTarget::new(
+                creds("u", "0123456789ab"),
+                Some(creds("t", "0123456789ab")),
+                [0; ENTROPY_LEN]
+            )
+            .unwrap_err(),
             ChapError::SameSecretBothWays
         );
         let mut t = ChapTarget::new(creds("user", "0123456789ab"), None, [3; ENTROPY_LEN]).unwrap();
         let mut req = TextParams::new();
         req.push("CHAP_A", "7,6");
-        assert_eq!(t.receive(&req, &mut TextParams::new()), Err(ChapError::UnsupportedAlgorithm("7,6".into())));
+        assert_eq!(
+            t.receive(&req, &mut TextParams::new()),
+            Err(ChapError::UnsupportedAlgorithm("7,6".into()))
+        );
     }
 
     #[test]
     fn refuses_a_reflected_challenge() {
         let entropy = [9u8; ENTROPY_LEN];
         let user = creds("user", "0123456789ab");
-        let mut t = ChapTarget::new(user.clone(), Some(creds("tgt", "ba9876543210")), entropy).unwrap();
+        let mut t =
+            ChapTarget::new(user.clone(), Some(creds("tgt", "ba9876543210")), entropy).unwrap();
         let mut req = TextParams::new();
         req.push("CHAP_A", "5");
         let mut resp = TextParams::new();
@@ -448,10 +536,16 @@ mod tests {
         let c = resp.get("CHAP_C").unwrap().to_string();
         let mut req = TextParams::new();
         req.push("CHAP_N", "user");
-        req.push("CHAP_R", encode_hex(&chap_md5_response(9, b"0123456789ab", &[9u8; 16])));
+        req.push(
+            "CHAP_R",
+            encode_hex(&chap_md5_response(9, b"0123456789ab", &[9u8; 16])),
+        );
         req.push("CHAP_I", "9");
         req.push("CHAP_C", c);
-        assert_eq!(t.receive(&req, &mut TextParams::new()), Err(ChapError::ReflectedChallenge));
+        assert_eq!(
+            t.receive(&req, &mut TextParams::new()),
+            Err(ChapError::ReflectedChallenge)
+        );
     }
 
     #[test]
@@ -465,7 +559,10 @@ mod tests {
         let c = parse_binary(resp.get("CHAP_C").unwrap()).unwrap();
         let mut req = TextParams::new();
         req.push("CHAP_N", "user");
-        req.push("CHAP_R", encode_base64(&chap_md5_response(3, b"0123456789ab", &c)));
+        req.push(
+            "CHAP_R",
+            encode_base64(&chap_md5_response(3, b"0123456789ab", &c)),
+        );
         t.receive(&req, &mut TextParams::new()).unwrap();
         assert!(t.is_done());
     }

@@ -6,7 +6,8 @@ pub const MAX_NAME_LEN: usize = 223;
 /// Whether `name` is a well-formed iSCSI name: `iqn.YYYY-MM.reversed.domain[:anything]`,
 /// `eui.` + 16 hex digits, or `naa.` + 16 or 32 hex digits; at most 223 bytes, no spaces.
 pub fn valid_iscsi_name(name: &str) -> bool {
-    if name.is_empty() || name.len() > MAX_NAME_LEN || name.bytes().any(|c| c <= b' ' || c == 0x7f) {
+    if name.is_empty() || name.len() > MAX_NAME_LEN || name.bytes().any(|c| c <= b' ' || c == 0x7f)
+    {
         return false;
     }
     let lower = name.to_ascii_lowercase();
@@ -17,7 +18,10 @@ pub fn valid_iscsi_name(name: &str) -> bool {
             && b[..4].iter().all(u8::is_ascii_digit)
             && b[4] == b'-'
             && b[5..7].iter().all(u8::is_ascii_digit)
-            && matches!(&rest[5..7], "01" | "02" | "03" | "04" | "05" | "06" | "07" | "08" | "09" | "10" | "11" | "12")
+            && matches!(
+                &rest[5..7],
+                "01" | "02" | "03" | "04" | "05" | "06" | "07" | "08" | "09" | "10" | "11" | "12"
+            )
             && b[7] == b'.'
             && b[8].is_ascii_alphanumeric()
     } else if let Some(hex) = lower.strip_prefix("eui.") {
@@ -44,6 +48,9 @@ mod tests {
         assert!(!valid_iscsi_name("iqn.2026-11.io.example:has space"));
         assert!(!valid_iscsi_name("eui.123"));
         assert!(!valid_iscsi_name("disk1"));
-        assert!(!valid_iscsi_name(&format!("iqn.2026-11.io.{}", "a".repeat(220))));
+        assert!(!valid_iscsi_name(&format!(
+            "iqn.2026-11.io.{}",
+            "a".repeat(220)
+        )));
     }
 }

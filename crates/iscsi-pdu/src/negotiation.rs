@@ -102,9 +102,13 @@ impl TaskReporting {
     }
 
     fn parse(s: &str) -> Option<Self> {
-        [TaskReporting::Rfc3720, TaskReporting::ResponseFence, TaskReporting::FastAbort]
-            .into_iter()
-            .find(|t| t.as_str() == s)
+        [
+            TaskReporting::Rfc3720,
+            TaskReporting::ResponseFence,
+            TaskReporting::FastAbort,
+        ]
+        .into_iter()
+        .find(|t| t.as_str() == s)
     }
 }
 
@@ -230,21 +234,33 @@ impl Settings {
         }
         let mrdsl = u64::from(self.max_recv_data_segment_length);
         if !(512..=MAX_SEGMENT).contains(&mrdsl) {
-            return err("MaxRecvDataSegmentLength", format!("{mrdsl} is outside 512..={MAX_SEGMENT}"));
+            return err(
+                "MaxRecvDataSegmentLength",
+                format!("{mrdsl} is outside 512..={MAX_SEGMENT}"),
+            );
         }
         if self.first_burst_length > self.max_burst_length {
             return err(
                 "FirstBurstLength",
-                format!("{} exceeds MaxBurstLength {}", self.first_burst_length, self.max_burst_length),
+                format!(
+                    "{} exceeds MaxBurstLength {}",
+                    self.first_burst_length, self.max_burst_length
+                ),
             );
         }
         if self.header_digest.is_empty() || self.data_digest.is_empty() {
             return err("HeaderDigest", "at least one digest value is needed".into());
         }
-        if self.auth.methods.contains(&AuthMethod::Chap) && self.auth.local.is_none() && self.auth.peer.is_none() {
+        if self.auth.methods.contains(&AuthMethod::Chap)
+            && self.auth.local.is_none()
+            && self.auth.peer.is_none()
+        {
             return err("AuthMethod", "CHAP needs credentials".into());
         }
-        for (key, name) in [("InitiatorName", &self.initiator_name), ("TargetName", &self.target_name)] {
+        for (key, name) in [
+            ("InitiatorName", &self.initiator_name),
+            ("TargetName", &self.target_name),
+        ] {
             if let Some(n) = name {
                 if !valid_iscsi_name(n) {
                     return err(key, format!("{n:?} is not an iqn., eui. or naa. name"));
@@ -500,7 +516,14 @@ struct KeyDef {
 }
 
 const fn key(name: &'static str, kind: Kind, usage: Usage, i: bool, t: bool, d: bool) -> KeyDef {
-    KeyDef { name, kind, usage, from_initiator: i, from_target: t, discovery_irrelevant: d }
+    KeyDef {
+        name,
+        kind,
+        usage,
+        from_initiator: i,
+        from_target: t,
+        discovery_irrelevant: d,
+    }
 }
 
 const N16: u64 = 65_535;
@@ -509,34 +532,181 @@ const N16: u64 = 65_535;
 static KEYS: &[KeyDef] = &[
     key("HeaderDigest", Kind::List, Usage::Io, true, true, false),
     key("DataDigest", Kind::List, Usage::Io, true, true, false),
-    key("MaxConnections", Kind::Min(1, N16), Usage::Lo, true, true, true),
-    key("SendTargets", Kind::Declarative, Usage::Ffpo, true, false, false),
-    key("TargetName", Kind::Declarative, Usage::Io, true, true, false),
-    key("InitiatorName", Kind::Declarative, Usage::Io, true, false, false),
-    key("TargetAlias", Kind::Declarative, Usage::All, false, true, false),
-    key("InitiatorAlias", Kind::Declarative, Usage::All, true, false, false),
-    key("TargetAddress", Kind::Declarative, Usage::All, false, true, false),
-    key("TargetPortalGroupTag", Kind::Declarative, Usage::Io, false, true, false),
+    key(
+        "MaxConnections",
+        Kind::Min(1, N16),
+        Usage::Lo,
+        true,
+        true,
+        true,
+    ),
+    key(
+        "SendTargets",
+        Kind::Declarative,
+        Usage::Ffpo,
+        true,
+        false,
+        false,
+    ),
+    key(
+        "TargetName",
+        Kind::Declarative,
+        Usage::Io,
+        true,
+        true,
+        false,
+    ),
+    key(
+        "InitiatorName",
+        Kind::Declarative,
+        Usage::Io,
+        true,
+        false,
+        false,
+    ),
+    key(
+        "TargetAlias",
+        Kind::Declarative,
+        Usage::All,
+        false,
+        true,
+        false,
+    ),
+    key(
+        "InitiatorAlias",
+        Kind::Declarative,
+        Usage::All,
+        true,
+        false,
+        false,
+    ),
+    key(
+        "TargetAddress",
+        Kind::Declarative,
+        Usage::All,
+        false,
+        true,
+        false,
+    ),
+    key(
+        "TargetPortalGroupTag",
+        Kind::Declarative,
+        Usage::Io,
+        false,
+        true,
+        false,
+    ),
     key("InitialR2T", Kind::Or, Usage::Lo, true, true, true),
     key("ImmediateData", Kind::And, Usage::Lo, true, true, true),
-    key("MaxRecvDataSegmentLength", Kind::Declarative, Usage::All, true, true, false),
-    key("MaxBurstLength", Kind::Min(512, MAX_SEGMENT), Usage::Lo, true, true, true),
-    key("FirstBurstLength", Kind::Min(512, MAX_SEGMENT), Usage::Lo, true, true, true),
-    key("DefaultTime2Wait", Kind::Max(0, 3600), Usage::Lo, true, true, false),
-    key("DefaultTime2Retain", Kind::Min(0, 3600), Usage::Lo, true, true, false),
-    key("MaxOutstandingR2T", Kind::Min(1, N16), Usage::Lo, true, true, true),
+    key(
+        "MaxRecvDataSegmentLength",
+        Kind::Declarative,
+        Usage::All,
+        true,
+        true,
+        false,
+    ),
+    key(
+        "MaxBurstLength",
+        Kind::Min(512, MAX_SEGMENT),
+        Usage::Lo,
+        true,
+        true,
+        true,
+    ),
+    key(
+        "FirstBurstLength",
+        Kind::Min(512, MAX_SEGMENT),
+        Usage::Lo,
+        true,
+        true,
+        true,
+    ),
+    key(
+        "DefaultTime2Wait",
+        Kind::Max(0, 3600),
+        Usage::Lo,
+        true,
+        true,
+        false,
+    ),
+    key(
+        "DefaultTime2Retain",
+        Kind::Min(0, 3600),
+        Usage::Lo,
+        true,
+        true,
+        false,
+    ),
+    key(
+        "MaxOutstandingR2T",
+        Kind::Min(1, N16),
+        Usage::Lo,
+        true,
+        true,
+        true,
+    ),
     key("DataPDUInOrder", Kind::Or, Usage::Lo, true, true, true),
     key("DataSequenceInOrder", Kind::Or, Usage::Lo, true, true, true),
-    key("ErrorRecoveryLevel", Kind::Min(0, 2), Usage::Lo, true, true, false),
-    key("SessionType", Kind::Declarative, Usage::Lo, true, false, false),
+    key(
+        "ErrorRecoveryLevel",
+        Kind::Min(0, 2),
+        Usage::Lo,
+        true,
+        true,
+        false,
+    ),
+    key(
+        "SessionType",
+        Kind::Declarative,
+        Usage::Lo,
+        true,
+        false,
+        false,
+    ),
     key("AuthMethod", Kind::List, Usage::Security, true, true, false),
     key("TaskReporting", Kind::List, Usage::Lo, true, true, false),
-    key("iSCSIProtocolLevel", Kind::Min(0, 31), Usage::Lo, true, true, false),
+    key(
+        "iSCSIProtocolLevel",
+        Kind::Min(0, 31),
+        Usage::Lo,
+        true,
+        true,
+        false,
+    ),
     // Markers were removed by RFC 7143; old initiators still offer them.
-    key("IFMarker", Kind::Obsolete("No"), Usage::Io, true, true, false),
-    key("OFMarker", Kind::Obsolete("No"), Usage::Io, true, true, false),
-    key("IFMarkInt", Kind::Obsolete("Irrelevant"), Usage::Io, true, true, false),
-    key("OFMarkInt", Kind::Obsolete("Irrelevant"), Usage::Io, true, true, false),
+    key(
+        "IFMarker",
+        Kind::Obsolete("No"),
+        Usage::Io,
+        true,
+        true,
+        false,
+    ),
+    key(
+        "OFMarker",
+        Kind::Obsolete("No"),
+        Usage::Io,
+        true,
+        true,
+        false,
+    ),
+    key(
+        "IFMarkInt",
+        Kind::Obsolete("Irrelevant"),
+        Usage::Io,
+        true,
+        true,
+        false,
+    ),
+    key(
+        "OFMarkInt",
+        Kind::Obsolete("Irrelevant"),
+        Usage::Io,
+        true,
+        true,
+        false,
+    ),
 ];
 
 fn lookup(name: &str) -> Option<&'static KeyDef> {
@@ -603,7 +773,10 @@ impl Negotiator {
             max_recv_data_segment_length: 8192,
             ..ConnectionParams::default()
         };
-        let session = SessionParams { session_type: settings.session_type, ..SessionParams::default() };
+        let session = SessionParams {
+            session_type: settings.session_type,
+            ..SessionParams::default()
+        };
         Negotiator {
             role,
             settings,
@@ -630,7 +803,8 @@ impl Negotiator {
 
     /// Whether this side still waits for answers to its proposals or for CHAP to finish.
     pub fn is_waiting(&self) -> bool {
-        !self.pending.is_empty() || matches!(self.auth, Auth::ChapTarget(_) | Auth::ChapInitiator(_))
+        !self.pending.is_empty()
+            || matches!(self.auth, Auth::ChapTarget(_) | Auth::ChapInitiator(_))
     }
 
     /// Whether authentication is required by this side's settings.
@@ -651,7 +825,8 @@ impl Negotiator {
     /// steps are outstanding, an error if it would leave (or skip) a security stage this side
     /// requires before authentication completed.
     pub fn may_transit(&self, from: Stage, to: Stage) -> Result<bool, NegotiationError> {
-        let leaves_security = from == Stage::SecurityNegotiation && to != Stage::SecurityNegotiation
+        let leaves_security = from == Stage::SecurityNegotiation
+            && to != Stage::SecurityNegotiation
             || from != Stage::SecurityNegotiation;
         if leaves_security && self.auth_required() && !matches!(self.auth, Auth::Done) {
             if matches!(self.auth, Auth::ChapTarget(_) | Auth::ChapInitiator(_)) {
@@ -692,7 +867,11 @@ impl Negotiator {
     /// the keys to send back: answers, CHAP steps, and this side's own offers.
     ///
     /// SendTargets is left to the caller, which knows the targets.
-    pub fn receive(&mut self, stage: Stage, text: &TextParams) -> Result<TextParams, NegotiationError> {
+    pub fn receive(
+        &mut self,
+        stage: Stage,
+        text: &TextParams,
+    ) -> Result<TextParams, NegotiationError> {
         if self.role == Role::Target
             && stage != Stage::SecurityNegotiation
             && self.auth_required()
@@ -741,13 +920,22 @@ impl Negotiator {
     }
 
     /// Handles a key the peer offered or declared.
-    fn offer_received(&mut self, stage: Stage, key: &str, value: &str, out: &mut TextParams) -> Result<(), NegotiationError> {
+    fn offer_received(
+        &mut self,
+        stage: Stage,
+        key: &str,
+        value: &str,
+        out: &mut TextParams,
+    ) -> Result<(), NegotiationError> {
         let Some(def) = lookup(key) else {
             // X- and X# extension keys and anything unknown.
             out.push(key, "NotUnderstood");
             return Ok(());
         };
-        if def.name == "SendTargets" && stage == Stage::FullFeaturePhase && self.role == Role::Target {
+        if def.name == "SendTargets"
+            && stage == Stage::FullFeaturePhase
+            && self.role == Role::Target
+        {
             return Ok(());
         }
         let allowed_sender = match self.role {
@@ -755,15 +943,24 @@ impl Negotiator {
             Role::Initiator => def.from_target,
         };
         if !allowed_sender {
-            return Err(NegotiationError::KeyNotAllowed { key: key.into(), reason: "not sent by this role" });
+            return Err(NegotiationError::KeyNotAllowed {
+                key: key.into(),
+                reason: "not sent by this role",
+            });
         }
         let login = stage != Stage::FullFeaturePhase;
         match def.usage {
             Usage::Security if stage != Stage::SecurityNegotiation => {
-                return Err(NegotiationError::KeyNotAllowed { key: key.into(), reason: "security stage only" });
+                return Err(NegotiationError::KeyNotAllowed {
+                    key: key.into(),
+                    reason: "security stage only",
+                });
             }
             Usage::Ffpo if login => {
-                return Err(NegotiationError::KeyNotAllowed { key: key.into(), reason: "full feature phase only" });
+                return Err(NegotiationError::KeyNotAllowed {
+                    key: key.into(),
+                    reason: "full feature phase only",
+                });
             }
             Usage::Io | Usage::Lo if !login => {
                 out.push(key, "Reject");
@@ -800,24 +997,39 @@ impl Negotiator {
         let reject = || Ok("Reject".to_string());
         let result = match def.kind {
             Kind::Or | Kind::And => {
-                let Some(theirs) = parse_boolean(offered) else { return reject() };
+                let Some(theirs) = parse_boolean(offered) else {
+                    return reject();
+                };
                 let ours = self.settings.local_bool(def.name);
-                boolean(if def.kind == Kind::Or { theirs || ours } else { theirs && ours }).to_string()
+                boolean(if def.kind == Kind::Or {
+                    theirs || ours
+                } else {
+                    theirs && ours
+                })
+                .to_string()
             }
             Kind::Min(lo, hi) | Kind::Max(lo, hi) => {
-                let Some(theirs) = parse_number(offered).filter(|n| (lo..=hi).contains(n)) else { return reject() };
+                let Some(theirs) = parse_number(offered).filter(|n| (lo..=hi).contains(n)) else {
+                    return reject();
+                };
                 let mut ours = self.settings.local_number(def.name);
                 if def.name == "FirstBurstLength" {
                     ours = ours.min(u64::from(self.session.max_burst_length));
                 }
-                let v = if matches!(def.kind, Kind::Min(..)) { theirs.min(ours) } else { theirs.max(ours) };
+                let v = if matches!(def.kind, Kind::Min(..)) {
+                    theirs.min(ours)
+                } else {
+                    theirs.max(ours)
+                };
                 v.to_string()
             }
             Kind::List => {
                 let ours = self.settings.local_list(def.name);
                 match offered.split(',').find(|v| ours.contains(v)) {
                     Some(v) => v.to_string(),
-                    None if def.name == "AuthMethod" => return Err(NegotiationError::AuthenticationRequired),
+                    None if def.name == "AuthMethod" => {
+                        return Err(NegotiationError::AuthenticationRequired)
+                    }
                     None => return reject(),
                 }
             }
@@ -828,9 +1040,17 @@ impl Negotiator {
     }
 
     /// Checks the peer's answer to this side's proposal and applies it.
-    fn check_answer(&mut self, key: &'static str, proposed: &str, answer: &str) -> Result<(), NegotiationError> {
+    fn check_answer(
+        &mut self,
+        key: &'static str,
+        proposed: &str,
+        answer: &str,
+    ) -> Result<(), NegotiationError> {
         let def = lookup(key).expect("only known keys are proposed");
-        let invalid = || NegotiationError::InvalidAnswer { key: key.into(), value: answer.into() };
+        let invalid = || NegotiationError::InvalidAnswer {
+            key: key.into(),
+            value: answer.into(),
+        };
         if def.kind == Kind::Declarative {
             // A declaration needs no answer; a peer that echoes one is tolerated.
             return Ok(());
@@ -847,7 +1067,9 @@ impl Negotiator {
         }
         let ok = match def.kind {
             Kind::Or | Kind::And => {
-                let (Some(p), Some(a)) = (parse_boolean(proposed), parse_boolean(answer)) else { return Err(invalid()) };
+                let (Some(p), Some(a)) = (parse_boolean(proposed), parse_boolean(answer)) else {
+                    return Err(invalid());
+                };
                 // OR: a proposed Yes stays Yes. AND: a proposed No stays No.
                 if def.kind == Kind::Or {
                     !p || a
@@ -856,8 +1078,15 @@ impl Negotiator {
                 }
             }
             Kind::Min(lo, hi) | Kind::Max(lo, hi) => {
-                let (Some(p), Some(a)) = (parse_number(proposed), parse_number(answer)) else { return Err(invalid()) };
-                (lo..=hi).contains(&a) && if matches!(def.kind, Kind::Min(..)) { a <= p } else { a >= p }
+                let (Some(p), Some(a)) = (parse_number(proposed), parse_number(answer)) else {
+                    return Err(invalid());
+                };
+                (lo..=hi).contains(&a)
+                    && if matches!(def.kind, Kind::Min(..)) {
+                        a <= p
+                    } else {
+                        a >= p
+                    }
             }
             Kind::List => proposed.split(',').any(|v| v == answer),
             Kind::Declarative | Kind::Obsolete(_) => true,
@@ -883,10 +1112,15 @@ impl Negotiator {
 
     /// Records a value the peer declared.
     fn declared(&mut self, key: &'static str, value: &str) -> Result<(), NegotiationError> {
-        let invalid = || NegotiationError::InvalidValue { key: key.into(), value: value.into() };
+        let invalid = || NegotiationError::InvalidValue {
+            key: key.into(),
+            value: value.into(),
+        };
         match key {
             "MaxRecvDataSegmentLength" => {
-                let n = parse_number(value).filter(|n| (512..=MAX_SEGMENT).contains(n)).ok_or_else(invalid)?;
+                let n = parse_number(value)
+                    .filter(|n| (512..=MAX_SEGMENT).contains(n))
+                    .ok_or_else(invalid)?;
                 self.connection.max_send_data_segment_length = n as u32;
             }
             "InitiatorName" | "TargetName" => {
@@ -904,7 +1138,9 @@ impl Negotiator {
             "TargetAlias" => self.session.target_alias = Some(value.into()),
             "TargetAddress" => {}
             "TargetPortalGroupTag" => {
-                let n = parse_number(value).filter(|&n| n <= N16).ok_or_else(invalid)?;
+                let n = parse_number(value)
+                    .filter(|&n| n <= N16)
+                    .ok_or_else(invalid)?;
                 self.session.target_portal_group_tag = Some(n as u16);
             }
             "SessionType" => {
@@ -921,7 +1157,10 @@ impl Negotiator {
 
     /// Stores an agreed value.
     fn apply(&mut self, key: &str, value: &str) -> Result<(), NegotiationError> {
-        let invalid = || NegotiationError::InvalidValue { key: key.into(), value: value.into() };
+        let invalid = || NegotiationError::InvalidValue {
+            key: key.into(),
+            value: value.into(),
+        };
         let num = || parse_number(value).ok_or_else(invalid);
         let yes = || parse_boolean(value).ok_or_else(invalid);
         let s = &mut self.session;
@@ -942,7 +1181,9 @@ impl Negotiator {
             "DataPDUInOrder" => s.data_pdu_in_order = yes()?,
             "DataSequenceInOrder" => s.data_sequence_in_order = yes()?,
             "ErrorRecoveryLevel" => s.error_recovery_level = num()? as u8,
-            "TaskReporting" => s.task_reporting = TaskReporting::parse(value).ok_or_else(invalid)?,
+            "TaskReporting" => {
+                s.task_reporting = TaskReporting::parse(value).ok_or_else(invalid)?
+            }
             "iSCSIProtocolLevel" => s.iscsi_protocol_level = num()? as u8,
             "AuthMethod" => self.auth_agreed(value)?,
             _ => {}
@@ -962,13 +1203,24 @@ impl Negotiator {
                 self.session.auth_method = Some(AuthMethod::Chap);
                 match self.role {
                     Role::Target => {
-                        let peer = a.peer.clone().ok_or(NegotiationError::AuthenticationRequired)?;
-                        let t = ChapTarget::new(peer, a.local.clone(), self.entropy)?.require_mutual(a.require_mutual);
+                        let peer = a
+                            .peer
+                            .clone()
+                            .ok_or(NegotiationError::AuthenticationRequired)?;
+                        let t = ChapTarget::new(peer, a.local.clone(), self.entropy)?
+                            .require_mutual(a.require_mutual);
                         Auth::ChapTarget(Box::new(t))
                     }
                     Role::Initiator => {
-                        let local = a.local.clone().ok_or(NegotiationError::AuthenticationRequired)?;
-                        Auth::ChapInitiator(Box::new(ChapInitiator::new(local, a.peer.clone(), self.entropy)?))
+                        let local = a
+                            .local
+                            .clone()
+                            .ok_or(NegotiationError::AuthenticationRequired)?;
+                        Auth::ChapInitiator(Box::new(ChapInitiator::new(
+                            local,
+                            a.peer.clone(),
+                            self.entropy,
+                        )?))
                     }
                 }
             }
@@ -978,7 +1230,11 @@ impl Negotiator {
     }
 
     /// Runs one CHAP step on the CHAP keys of `text`.
-    fn chap_step(&mut self, text: &TextParams, out: &mut TextParams) -> Result<(), NegotiationError> {
+    fn chap_step(
+        &mut self,
+        text: &TextParams,
+        out: &mut TextParams,
+    ) -> Result<(), NegotiationError> {
         let done = match &mut self.auth {
             Auth::ChapTarget(t) => {
                 t.receive(text, out)?;
@@ -994,7 +1250,12 @@ impl Negotiator {
                     i.is_done()
                 }
             }
-            _ => return Err(NegotiationError::KeyNotAllowed { key: "CHAP_A".into(), reason: "CHAP was not agreed" }),
+            _ => {
+                return Err(NegotiationError::KeyNotAllowed {
+                    key: "CHAP_A".into(),
+                    reason: "CHAP was not agreed",
+                })
+            }
         };
         if done {
             self.auth = Auth::Done;
@@ -1044,14 +1305,23 @@ impl Negotiator {
                 }
                 if undeclared(self, "MaxRecvDataSegmentLength") {
                     self.connection.max_recv_data_segment_length = st.max_recv_data_segment_length;
-                    self.declare("MaxRecvDataSegmentLength", st.max_recv_data_segment_length.to_string(), out);
+                    self.declare(
+                        "MaxRecvDataSegmentLength",
+                        st.max_recv_data_segment_length.to_string(),
+                        out,
+                    );
                 }
                 for def in KEYS {
-                    let operational = matches!(def.kind, Kind::Or | Kind::And | Kind::Min(..) | Kind::Max(..) | Kind::List);
+                    let operational = matches!(
+                        def.kind,
+                        Kind::Or | Kind::And | Kind::Min(..) | Kind::Max(..) | Kind::List
+                    );
                     if !operational || def.usage == Usage::Security || !unsent(self, def.name) {
                         continue;
                     }
-                    if def.usage == Usage::Lo && !self.leading || def.discovery_irrelevant && !normal {
+                    if def.usage == Usage::Lo && !self.leading
+                        || def.discovery_irrelevant && !normal
+                    {
                         continue;
                     }
                     let value = self.local_value(def);
@@ -1074,14 +1344,23 @@ impl Negotiator {
                 }
                 if undeclared(self, "MaxRecvDataSegmentLength") {
                     self.connection.max_recv_data_segment_length = st.max_recv_data_segment_length;
-                    self.declare("MaxRecvDataSegmentLength", st.max_recv_data_segment_length.to_string(), out);
+                    self.declare(
+                        "MaxRecvDataSegmentLength",
+                        st.max_recv_data_segment_length.to_string(),
+                        out,
+                    );
                 }
                 for def in KEYS {
-                    let negotiated = matches!(def.kind, Kind::And | Kind::Min(..) | Kind::Max(..) | Kind::List);
+                    let negotiated = matches!(
+                        def.kind,
+                        Kind::And | Kind::Min(..) | Kind::Max(..) | Kind::List
+                    );
                     if !negotiated || def.usage == Usage::Security || !unsent(self, def.name) {
                         continue;
                     }
-                    if def.usage == Usage::Lo && !self.leading || def.discovery_irrelevant && !normal {
+                    if def.usage == Usage::Lo && !self.leading
+                        || def.discovery_irrelevant && !normal
+                    {
                         continue;
                     }
                     if !self.default_acceptable(def) {

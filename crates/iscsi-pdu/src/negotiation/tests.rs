@@ -78,7 +78,11 @@ fn target_answers_every_key() {
         ("DataSequenceInOrder", "No", Some("Yes")),
         ("ErrorRecoveryLevel", "2", Some("0")),
         ("ErrorRecoveryLevel", "3", Some("Reject")),
-        ("TaskReporting", "FastAbort,ResponseFence", Some("ResponseFence")),
+        (
+            "TaskReporting",
+            "FastAbort,ResponseFence",
+            Some("ResponseFence"),
+        ),
         ("TaskReporting", "FastAbort", Some("Reject")),
         ("iSCSIProtocolLevel", "1", Some("1")),
         ("iSCSIProtocolLevel", "31", Some("2")),
@@ -98,7 +102,11 @@ fn target_answers_every_key() {
         ("SessionType", "Normal", None),
     ];
     for (key, offered, expected) in table {
-        assert_eq!(answer(key, offered).unwrap().as_deref(), *expected, "{key}={offered}");
+        assert_eq!(
+            answer(key, offered).unwrap().as_deref(),
+            *expected,
+            "{key}={offered}"
+        );
     }
 }
 
@@ -124,7 +132,10 @@ fn target_records_results_and_declarations() {
     assert_eq!(out.get("MaxRecvDataSegmentLength"), Some("262144"));
     assert_eq!(out.get("TargetPortalGroupTag"), Some("1"));
     let s = t.session();
-    assert_eq!(s.initiator_name.as_deref(), Some("iqn.1994-05.com.example:a"));
+    assert_eq!(
+        s.initiator_name.as_deref(),
+        Some("iqn.1994-05.com.example:a")
+    );
     assert!(!s.initial_r2t);
     let c = t.connection();
     assert!(c.header_digest && c.data_digest);
@@ -138,47 +149,82 @@ fn target_records_results_and_declarations() {
 fn odd_cases() {
     // A key negotiated twice in one login.
     let mut t = target();
-    t.receive(OP, &params(&[("MaxBurstLength", "65536")])).unwrap();
-    let e = t.receive(OP, &params(&[("MaxBurstLength", "65536")])).unwrap_err();
-    assert_eq!(e, NegotiationError::KeyRenegotiated("MaxBurstLength".into()));
+    t.receive(OP, &params(&[("MaxBurstLength", "65536")]))
+        .unwrap();
+    let e = t
+        .receive(OP, &params(&[("MaxBurstLength", "65536")]))
+        .unwrap_err();
+    assert_eq!(
+        e,
+        NegotiationError::KeyRenegotiated("MaxBurstLength".into())
+    );
     assert_eq!(e.login_status(), LoginStatus::INITIATOR_ERROR);
 
     // Security keys outside the security stage.
-    let e = target().receive(OP, &params(&[("AuthMethod", "None")])).unwrap_err();
+    let e = target()
+        .receive(OP, &params(&[("AuthMethod", "None")]))
+        .unwrap_err();
     assert!(matches!(e, NegotiationError::KeyNotAllowed { .. }));
-    let e = target().receive(OP, &params(&[("CHAP_A", "5")])).unwrap_err();
+    let e = target()
+        .receive(OP, &params(&[("CHAP_A", "5")]))
+        .unwrap_err();
     assert!(matches!(e, NegotiationError::KeyNotAllowed { .. }));
 
     // Keys only a target sends, offered by an initiator.
-    let e = target().receive(OP, &params(&[("TargetPortalGroupTag", "1")])).unwrap_err();
+    let e = target()
+        .receive(OP, &params(&[("TargetPortalGroupTag", "1")]))
+        .unwrap_err();
     assert!(matches!(e, NegotiationError::KeyNotAllowed { .. }));
 
     // SendTargets during login.
-    let e = target().receive(OP, &params(&[("SendTargets", "All")])).unwrap_err();
+    let e = target()
+        .receive(OP, &params(&[("SendTargets", "All")]))
+        .unwrap_err();
     assert!(matches!(e, NegotiationError::KeyNotAllowed { .. }));
 
     // Malformed declarations.
-    let e = target().receive(OP, &params(&[("MaxRecvDataSegmentLength", "100")])).unwrap_err();
+    let e = target()
+        .receive(OP, &params(&[("MaxRecvDataSegmentLength", "100")]))
+        .unwrap_err();
     assert!(matches!(e, NegotiationError::InvalidValue { .. }));
-    let e = target().receive(OP, &params(&[("InitiatorName", "not a name")])).unwrap_err();
+    let e = target()
+        .receive(OP, &params(&[("InitiatorName", "not a name")]))
+        .unwrap_err();
     assert!(matches!(e, NegotiationError::InvalidValue { .. }));
-    let e = target().receive(OP, &params(&[("SessionType", "Bogus")])).unwrap_err();
+    let e = target()
+        .receive(OP, &params(&[("SessionType", "Bogus")]))
+        .unwrap_err();
     assert_eq!(e.login_status(), LoginStatus::SESSION_TYPE_NOT_SUPPORTED);
 
     // Missing declarations.
     let t = target();
-    assert_eq!(t.require_initiator_declarations(), Err(NegotiationError::MissingParameter("InitiatorName")));
+    assert_eq!(
+        t.require_initiator_declarations(),
+        Err(NegotiationError::MissingParameter("InitiatorName"))
+    );
 
     // Leading-only keys on a connection joining a session are irrelevant; IO keys still count.
     let mut t = Negotiator::new(Role::Target, target_settings(), false, [0; ENTROPY_LEN]);
-    let out = t.receive(OP, &params(&[("MaxBurstLength", "4096"), ("HeaderDigest", "CRC32C")])).unwrap();
+    let out = t
+        .receive(
+            OP,
+            &params(&[("MaxBurstLength", "4096"), ("HeaderDigest", "CRC32C")]),
+        )
+        .unwrap();
     assert_eq!(out.get("MaxBurstLength"), Some("Irrelevant"));
     assert_eq!(out.get("HeaderDigest"), Some("CRC32C"));
 
     // Discovery sessions: data-transfer keys are irrelevant, SessionType is read first.
     let mut t = target();
     let out = t
-        .receive(OP, &params(&[("MaxBurstLength", "4096"), ("InitialR2T", "No"), ("SessionType", "Discovery")]))
+        .receive(
+            OP,
+            &params(&[
+                ("MaxBurstLength", "4096"),
+                ("InitialR2T", "No"),
+                ("SessionType", "Discovery"),
+            ]),
+        )
         .unwrap();
     assert_eq!(out.get("MaxBurstLength"), Some("Irrelevant"));
     assert_eq!(out.get("InitialR2T"), Some("Irrelevant"));
@@ -188,12 +234,17 @@ fn odd_cases() {
     // Full feature phase: declarations are fine, login-only keys are rejected, SendTargets is
     // left to the caller, and a new exchange may declare again.
     let mut t = target();
-    t.receive(OP, &params(&[("MaxRecvDataSegmentLength", "8192")])).unwrap();
+    t.receive(OP, &params(&[("MaxRecvDataSegmentLength", "8192")]))
+        .unwrap();
     t.begin_text_exchange();
     let out = t
         .receive(
             FFP,
-            &params(&[("MaxRecvDataSegmentLength", "16384"), ("MaxBurstLength", "4096"), ("SendTargets", "All")]),
+            &params(&[
+                ("MaxRecvDataSegmentLength", "16384"),
+                ("MaxBurstLength", "4096"),
+                ("SendTargets", "All"),
+            ]),
         )
         .unwrap();
     assert_eq!(out.get("MaxBurstLength"), Some("Reject"));
@@ -232,10 +283,15 @@ fn target_proposes_only_what_the_defaults_would_violate() {
     assert_eq!(t.session().max_burst_length, 65536);
     assert!(t.connection().header_digest);
     // An answer breaking the result function is refused.
-    let settings = Settings { immediate_data: false, ..target_settings() };
+    let settings = Settings {
+        immediate_data: false,
+        ..target_settings()
+    };
     let mut t = Negotiator::new(Role::Target, settings, true, [0; ENTROPY_LEN]);
     t.receive(OP, &TextParams::new()).unwrap();
-    let e = t.receive(OP, &params(&[("ImmediateData", "Yes")])).unwrap_err();
+    let e = t
+        .receive(OP, &params(&[("ImmediateData", "Yes")]))
+        .unwrap_err();
     assert!(matches!(e, NegotiationError::InvalidAnswer { .. }));
 }
 
@@ -267,7 +323,12 @@ fn initiator_checks_answers() {
         ("DefaultTime2Wait", "1"), // Max: below the proposal
     ];
     for (key, value) in bad {
-        let mut i = Negotiator::new(Role::Initiator, initiator_settings(), true, [0; ENTROPY_LEN]);
+        let mut i = Negotiator::new(
+            Role::Initiator,
+            initiator_settings(),
+            true,
+            [0; ENTROPY_LEN],
+        );
         let offers = i.offers(OP);
         assert!(offers.get(key).is_some(), "{key} proposed");
         let r = i.receive(OP, &params(&[(key, value)]));
@@ -275,20 +336,40 @@ fn initiator_checks_answers() {
             assert!(r.is_ok());
             assert!(i.session().initial_r2t);
         } else {
-            assert!(matches!(r, Err(NegotiationError::InvalidAnswer { .. })), "{key}={value}: {r:?}");
+            assert!(
+                matches!(r, Err(NegotiationError::InvalidAnswer { .. })),
+                "{key}={value}: {r:?}"
+            );
         }
     }
     // OR: a proposed Yes must stay Yes.
-    let settings = Settings { data_pdu_in_order: true, ..initiator_settings() };
+    let settings = Settings {
+        data_pdu_in_order: true,
+        ..initiator_settings()
+    };
     let mut i = Negotiator::new(Role::Initiator, settings, true, [0; ENTROPY_LEN]);
     i.offers(OP);
     assert!(i.receive(OP, &params(&[("DataPDUInOrder", "No")])).is_err());
     // NotUnderstood keeps the default when the default is acceptable, and fails otherwise.
-    let mut i = Negotiator::new(Role::Initiator, initiator_settings(), true, [0; ENTROPY_LEN]);
+    let mut i = Negotiator::new(
+        Role::Initiator,
+        initiator_settings(),
+        true,
+        [0; ENTROPY_LEN],
+    );
     i.offers(OP);
-    i.receive(OP, &params(&[("iSCSIProtocolLevel", "NotUnderstood"), ("TaskReporting", "NotUnderstood")]))
-        .unwrap();
-    let settings = Settings { data_digest: vec![DigestAlgorithm::Crc32c], ..initiator_settings() };
+    i.receive(
+        OP,
+        &params(&[
+            ("iSCSIProtocolLevel", "NotUnderstood"),
+            ("TaskReporting", "NotUnderstood"),
+        ]),
+    )
+    .unwrap();
+    let settings = Settings {
+        data_digest: vec![DigestAlgorithm::Crc32c],
+        ..initiator_settings()
+    };
     let mut i = Negotiator::new(Role::Initiator, settings, true, [0; ENTROPY_LEN]);
     i.offers(OP);
     assert_eq!(
@@ -300,7 +381,11 @@ fn initiator_checks_answers() {
 
 /// Runs a whole login between an initiator and a target negotiator, through the wire form of the
 /// text, and returns both.
-fn login(init: Settings, targ: Settings, with_security: bool) -> Result<(Negotiator, Negotiator), NegotiationError> {
+fn login(
+    init: Settings,
+    targ: Settings,
+    with_security: bool,
+) -> Result<(Negotiator, Negotiator), NegotiationError> {
     let mut i = Negotiator::new(Role::Initiator, init, true, [1; ENTROPY_LEN]);
     let mut t = Negotiator::new(Role::Target, targ, true, [2; ENTROPY_LEN]);
     let wire = |p: &TextParams| TextParams::parse(&p.encode()).unwrap();
@@ -318,7 +403,10 @@ fn login(init: Settings, targ: Settings, with_security: bool) -> Result<(Negotia
                 break;
             }
         }
-        assert!(!i.is_waiting() && !t.is_waiting(), "stage {stage:?} settled");
+        assert!(
+            !i.is_waiting() && !t.is_waiting(),
+            "stage {stage:?} settled"
+        );
     }
     Ok((i, t))
 }
@@ -333,8 +421,11 @@ fn full_login_agrees_on_both_sides() {
     assert!(!i.session().initial_r2t);
     assert_eq!(i.session().target_portal_group_tag, Some(1));
     assert_eq!(i.session().auth_method, Some(AuthMethod::None));
-    let fields: [fn(&SessionParams) -> u32; 3] =
-        [|s| s.max_burst_length, |s| s.first_burst_length, |s| u32::from(s.max_connections)];
+    let fields: [fn(&SessionParams) -> u32; 3] = [
+        |s| s.max_burst_length,
+        |s| s.first_burst_length,
+        |s| u32::from(s.max_connections),
+    ];
     for field in fields {
         assert_eq!(field(i.session()), field(t.session()));
     }
@@ -401,24 +492,48 @@ fn login_without_security_stage() {
 
 #[test]
 fn discovery_login() {
-    let init = Settings { session_type: SessionType::Discovery, target_name: None, ..initiator_settings() };
+    let init = Settings {
+        session_type: SessionType::Discovery,
+        target_name: None,
+        ..initiator_settings()
+    };
     let (i, t) = login(init, target_settings(), true).unwrap();
     assert_eq!(t.session().session_type, SessionType::Discovery);
-    assert_eq!(i.session().max_burst_length, 262_144, "irrelevant keys keep their defaults");
+    assert_eq!(
+        i.session().max_burst_length,
+        262_144,
+        "irrelevant keys keep their defaults"
+    );
     t.require_initiator_declarations().unwrap();
 }
 
 #[test]
 fn settings_validation_names_the_key() {
-    let mut s = Settings { max_burst_length: 100, ..Settings::default() };
+    let mut s = Settings {
+        max_burst_length: 100,
+        ..Settings::default()
+    };
     assert_eq!(s.validate().unwrap_err().key, "MaxBurstLength");
-    s = Settings { first_burst_length: 1 << 20, max_burst_length: 1 << 19, ..Settings::default() };
+    s = Settings {
+        first_burst_length: 1 << 20,
+        max_burst_length: 1 << 19,
+        ..Settings::default()
+    };
     assert_eq!(s.validate().unwrap_err().key, "FirstBurstLength");
-    s = Settings { max_recv_data_segment_length: 1 << 24, ..Settings::default() };
+    s = Settings {
+        max_recv_data_segment_length: 1 << 24,
+        ..Settings::default()
+    };
     assert_eq!(s.validate().unwrap_err().key, "MaxRecvDataSegmentLength");
-    s = Settings { error_recovery_level: 3, ..Settings::default() };
+    s = Settings {
+        error_recovery_level: 3,
+        ..Settings::default()
+    };
     assert_eq!(s.validate().unwrap_err().key, "ErrorRecoveryLevel");
-    s = Settings { initiator_name: Some("bad name".into()), ..Settings::default() };
+    s = Settings {
+        initiator_name: Some("bad name".into()),
+        ..Settings::default()
+    };
     assert_eq!(s.validate().unwrap_err().key, "InitiatorName");
     Settings::default().validate().unwrap();
     target_settings().validate().unwrap();

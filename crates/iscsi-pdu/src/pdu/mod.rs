@@ -215,7 +215,9 @@ impl Pdu {
             error,
         };
         if let Some(received) = fr.data_digest {
-            let computed = data_digest([&input[fr.data.clone()]]);
+            // Over the padding as received: the RFC includes it in the digest.
+            let padded_end = fr.data.end + padding(fr.data.len()).len();
+            let computed = crc32c(&input[fr.data.start..padded_end]);
             if computed != received {
                 return Err(malformed(PduError::DataDigest { computed, received }));
             }
