@@ -72,10 +72,19 @@ pub fn valid_key(key: &str) -> bool {
     })
 }
 
+/// Whether `value` starts with the two ASCII characters `prefix` (any case) and has more after.
+fn has_prefix(value: &str, prefix: &str) -> bool {
+    value.len() > 2 && value.as_bytes()[..2].eq_ignore_ascii_case(prefix.as_bytes())
+}
+
+/// Whether `value` is in binary form (`0x` hex or `0b` base64).
+fn is_binary(value: &str) -> bool {
+    has_prefix(value, "0x") || has_prefix(value, "0b")
+}
+
 /// The longest value allowed for `key`, in its string form.
 fn value_limit(key: &str, value: &str) -> usize {
-    let binary = value.len() > 2
-        && (value[..2].eq_ignore_ascii_case("0x") || value[..2].eq_ignore_ascii_case("0b"));
+    let binary = is_binary(value);
     let decoded_limit = if matches!(key, "CHAP_C" | "CHAP_R") {
         MAX_CHAP_BINARY_LEN
     } else {
@@ -254,9 +263,7 @@ pub fn split_text(text: &Bytes, max: usize) -> impl Iterator<Item = (Bytes, bool
 /// Parses a numerical value: decimal, or hex with `0x`. Values in base64 (`0b`) are accepted too,
 /// big-endian, up to eight bytes.
 pub fn parse_number(value: &str) -> Option<u64> {
-    if value.len() > 2 && value[..2].eq_ignore_ascii_case("0x")
-        || value.len() > 2 && value[..2].eq_ignore_ascii_case("0b")
-    {
+    if is_binary(value) {
         let bytes = parse_binary(value).ok()?;
         if bytes.len() > 8 {
             return None;
@@ -295,11 +302,12 @@ pub struct BinaryError(pub &'static str);
 /// Decodes a binary value: `0x` + hex digits (an odd count gets a leading zero nibble) or
 /// `0b` + base64.
 pub fn parse_binary(value: &str) -> Result<Vec<u8>, BinaryError> {
-    if value.len() < 3 {
-        return Err(BinaryError("too short"));
+    if !is_binary(value) {
+        return Err(BinaryError("neither 0x nor 0b followed by digits"));
     }
-    let (prefix, body) = value.split_at(2);
-    if prefix.eq_ignore_ascii_case("0x") {
+    // The prefix is ASCII, so byte 2 is a character boundary.
+    let body = &value[2..];
+    if has_prefix(value, "0x") {
         let digits: Vec<u8> = body
             .bytes()
             .map(|c| {
@@ -318,12 +326,10 @@ pub fn parse_binary(value: &str) -> Result<Vec<u8>, BinaryError> {
             out.push(h << 4 | l);
         }
         Ok(out)
-    } else if prefix.eq_ignore_ascii_case("0b") {
+    } else {
         base64::engine::general_purpose::STANDARD
             .decode(body)
             .map_err(|_| BinaryError("not base64"))
-    } else {
-        Err(BinaryError("neither 0x nor 0b"))
     }
 }
 
@@ -443,5 +449,10 @@ mod tests {
             vec![9, 8, 7, 6]
         );
         assert_eq!(encode_hex(&[0, 255]), "0x00ff");
+        // Multi-byte characters where a prefix would be (found by fuzzing).
+        assert_eq!(parse_number("é1"), None);
+        assert!(parse_binary("0é").is_err());
+        assert!(parse_binary("0x").is_err());
+        assert!(TextParams::parse("K=é\0".as_bytes()).is_ok());
     }
 }
