@@ -18,7 +18,10 @@ struct Input {
 /// Everything the deframer yields, up to its first fatal error.
 fn run(input: &Input, chunks: impl Iterator<Item = usize>) -> Vec<Result<Pdu, String>> {
     let mut d = Deframer::new();
-    d.set_digests(Digests { header: input.header_digest, data: input.data_digest });
+    d.set_digests(Digests {
+        header: input.header_digest,
+        data: input.data_digest,
+    });
     d.set_max_recv_data_segment_length(u32::from(input.max_segment));
     let mut out = Vec::new();
     let mut at: usize = 0;
@@ -49,6 +52,14 @@ fn run(input: &Input, chunks: impl Iterator<Item = usize>) -> Vec<Result<Pdu, St
 
 fuzz_target!(|input: Input| {
     let whole = run(&input, std::iter::once(input.stream.len()));
-    let split = run(&input, input.splits.iter().map(|&s| usize::from(s)).cycle().take(input.stream.len()));
+    let split = run(
+        &input,
+        input
+            .splits
+            .iter()
+            .map(|&s| usize::from(s))
+            .cycle()
+            .take(input.stream.len()),
+    );
     assert_eq!(whole, split);
 });

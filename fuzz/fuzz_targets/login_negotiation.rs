@@ -10,19 +10,73 @@ use iscsi_pdu::Stage;
 use libfuzzer_sys::fuzz_target;
 
 const KEYS: &[&str] = &[
-    "HeaderDigest", "DataDigest", "MaxConnections", "SendTargets", "TargetName", "InitiatorName",
-    "TargetAlias", "InitiatorAlias", "TargetAddress", "TargetPortalGroupTag", "InitialR2T",
-    "ImmediateData", "MaxRecvDataSegmentLength", "MaxBurstLength", "FirstBurstLength",
-    "DefaultTime2Wait", "DefaultTime2Retain", "MaxOutstandingR2T", "DataPDUInOrder",
-    "DataSequenceInOrder", "ErrorRecoveryLevel", "SessionType", "AuthMethod", "TaskReporting",
-    "iSCSIProtocolLevel", "IFMarker", "OFMarker", "IFMarkInt", "OFMarkInt", "CHAP_A", "CHAP_I",
-    "CHAP_C", "CHAP_N", "CHAP_R", "X-vendor.Key",
+    "HeaderDigest",
+    "DataDigest",
+    "MaxConnections",
+    "SendTargets",
+    "TargetName",
+    "InitiatorName",
+    "TargetAlias",
+    "InitiatorAlias",
+    "TargetAddress",
+    "TargetPortalGroupTag",
+    "InitialR2T",
+    "ImmediateData",
+    "MaxRecvDataSegmentLength",
+    "MaxBurstLength",
+    "FirstBurstLength",
+    "DefaultTime2Wait",
+    "DefaultTime2Retain",
+    "MaxOutstandingR2T",
+    "DataPDUInOrder",
+    "DataSequenceInOrder",
+    "ErrorRecoveryLevel",
+    "SessionType",
+    "AuthMethod",
+    "TaskReporting",
+    "iSCSIProtocolLevel",
+    "IFMarker",
+    "OFMarker",
+    "IFMarkInt",
+    "OFMarkInt",
+    "CHAP_A",
+    "CHAP_I",
+    "CHAP_C",
+    "CHAP_N",
+    "CHAP_R",
+    "X-vendor.Key",
 ];
 const VALUES: &[&str] = &[
-    "Yes", "No", "None", "CRC32C", "CRC32C,None", "CHAP", "CHAP,None", "0", "1", "2", "512",
-    "8192", "65536", "16777215", "16777216", "3600", "Normal", "Discovery", "All", "5", "0x00",
-    "0xffffffffffffffffffffffffffffffff", "0bAAAA", "iqn.2026-11.io.example:t",
-    "iqn.1994-05.com.example:i", "user", "Reject", "Irrelevant", "NotUnderstood", "",
+    "Yes",
+    "No",
+    "None",
+    "CRC32C",
+    "CRC32C,None",
+    "CHAP",
+    "CHAP,None",
+    "0",
+    "1",
+    "2",
+    "512",
+    "8192",
+    "65536",
+    "16777215",
+    "16777216",
+    "3600",
+    "Normal",
+    "Discovery",
+    "All",
+    "5",
+    "0x00",
+    "0xffffffffffffffffffffffffffffffff",
+    "0bAAAA",
+    "iqn.2026-11.io.example:t",
+    "iqn.1994-05.com.example:i",
+    "user",
+    "Reject",
+    "Irrelevant",
+    "NotUnderstood",
+    "",
 ];
 
 #[derive(Arbitrary, Debug)]
@@ -61,7 +115,11 @@ fn settings(chap: bool) -> Settings {
 }
 
 fuzz_target!(|input: Input| {
-    let role = if input.initiator { Role::Initiator } else { Role::Target };
+    let role = if input.initiator {
+        Role::Initiator
+    } else {
+        Role::Target
+    };
     let mut n = Negotiator::new(role, settings(input.chap), input.leading, input.entropy);
     for step in input.steps.iter().take(16) {
         let stage = Stage::from_bits(step.stage);

@@ -1,7 +1,9 @@
 //! Text parsing and reassembly never panic; whatever parses round-trips; values parse safely.
 #![no_main]
 
-use iscsi_pdu::text::{parse_binary, parse_boolean, parse_number, split_text, TextParams, TextReassembler};
+use iscsi_pdu::text::{
+    parse_binary, parse_boolean, parse_number, split_text, TextParams, TextReassembler,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|input: &[u8]| {

@@ -825,9 +825,8 @@ impl Negotiator {
     /// steps are outstanding, an error if it would leave (or skip) a security stage this side
     /// requires before authentication completed.
     pub fn may_transit(&self, from: Stage, to: Stage) -> Result<bool, NegotiationError> {
-        let leaves_security = from == Stage::SecurityNegotiation
-            && to != Stage::SecurityNegotiation
-            || from != Stage::SecurityNegotiation;
+        let leaves_security =
+            from != Stage::SecurityNegotiation || to != Stage::SecurityNegotiation;
         if leaves_security && self.auth_required() && !matches!(self.auth, Auth::Done) {
             if matches!(self.auth, Auth::ChapTarget(_) | Auth::ChapInitiator(_)) {
                 return Ok(false);

@@ -34,18 +34,11 @@ impl SerialNumber {
         self == other || self.gt(other)
     }
 
-    /// The number `n` steps later, wrapping.
-    #[inline]
-    #[must_use]
-    pub fn add(self, n: u32) -> SerialNumber {
-        SerialNumber(self.0.wrapping_add(n))
-    }
-
     /// The next number, wrapping.
     #[inline]
     #[must_use]
     pub fn next(self) -> SerialNumber {
-        self.add(1)
+        self + 1
     }
 
     /// Whether `self` lies in the window `[low, high]` (both inclusive), as a CmdSN must lie in
@@ -65,6 +58,16 @@ impl fmt::Debug for SerialNumber {
 impl fmt::Display for SerialNumber {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", self.0)
+    }
+}
+
+/// `n` steps later, wrapping (serial addition, RFC 1982 section 3.1).
+impl core::ops::Add<u32> for SerialNumber {
+    type Output = SerialNumber;
+
+    #[inline]
+    fn add(self, n: u32) -> SerialNumber {
+        SerialNumber(self.0.wrapping_add(n))
     }
 }
 

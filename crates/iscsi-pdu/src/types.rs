@@ -97,11 +97,12 @@ impl fmt::Display for Isid {
 }
 
 /// SAM task attribute carried in the ATTR field of a SCSI Command (RFC 7143 section 11.3.1.1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum TaskAttribute {
     /// 0: untagged (treated as SIMPLE by SAM-5 targets).
     Untagged,
     /// 1: SIMPLE.
+    #[default]
     Simple,
     /// 2: ORDERED.
     Ordered,

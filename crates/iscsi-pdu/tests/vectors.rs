@@ -176,10 +176,10 @@ fn task_management_request_and_response() {
             exp_data_sn: 0,
         }),
     );
-    let b = hex(&format!(
+    let b = hex(
         "22 80 07 00 | 00 000000 | 0000000000000000 | 00000020 | 00000000 | 00000040 | 00000032 | 000000b1
-         | 06290000 | 00000000 00000000"
-    ));
+         | 06290000 | 00000000 00000000",
+    );
     check(
         b,
         Pdu::TaskManagementResponse(TaskManagementResponse {

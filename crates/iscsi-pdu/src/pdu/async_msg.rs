@@ -71,6 +71,7 @@ impl Default for AsyncMessage {
 impl Body for AsyncMessage {
     const OPCODE: Opcode = Opcode::AsyncMessage;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         let [event, vcode, _, _] = f.w[5].to_be_bytes();

@@ -32,6 +32,7 @@ pub struct DataOut {
 impl Body for DataOut {
     const OPCODE: Opcode = Opcode::DataOut;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         Ok(DataOut {
@@ -102,6 +103,7 @@ pub struct DataIn {
 impl Body for DataIn {
     const OPCODE: Opcode = Opcode::DataIn;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         let flags = f.b[1];

@@ -87,6 +87,7 @@ impl Default for LoginRequest {
 impl Body for LoginRequest {
     const OPCODE: Opcode = Opcode::LoginRequest;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         let flags = f.b[1];
@@ -271,6 +272,7 @@ impl Default for LoginResponse {
 impl Body for LoginResponse {
     const OPCODE: Opcode = Opcode::LoginResponse;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         let flags = f.b[1];

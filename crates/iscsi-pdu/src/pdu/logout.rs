@@ -66,6 +66,7 @@ impl Default for LogoutRequest {
 impl Body for LogoutRequest {
     const OPCODE: Opcode = Opcode::LogoutRequest;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         no_data(&data)?;
@@ -132,6 +133,7 @@ impl Default for LogoutResponse {
 impl Body for LogoutResponse {
     const OPCODE: Opcode = Opcode::LogoutResponse;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         no_data(&data)?;

@@ -133,6 +133,7 @@ macro_rules! pdu_enum {
                 }
             }
 
+            #[inline(always)]
             fn from_parts(opcode: Opcode, f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Pdu, PduError> {
                 match opcode {
                     $(Opcode::$variant => <$ty as Body>::decode(f, ahs, data).map(Pdu::$variant),)+
@@ -203,15 +204,19 @@ impl Pdu {
     /// Decodes the PDU at the start of `input`. The data segment (and an extended CDB) are
     /// zero-copy slices of `input`. `max_data_segment_length` is this side's declared
     /// MaxRecvDataSegmentLength; a longer segment is refused before it is looked at.
+    #[inline]
     pub fn decode(
         input: &Bytes,
         digests: Digests,
         max_data_segment_length: u32,
     ) -> Result<Decoded, DecodeError> {
         let fr = frame(input, digests, max_data_segment_length)?;
-        let header = Bhs(fr.bhs);
+        let bhs: &[u8; BHS_LEN] = input[..BHS_LEN]
+            .try_into()
+            .expect("framed input holds a BHS");
+        // The header is copied only on the error path, for the Reject.
         let malformed = |error: PduError| DecodeError::Malformed {
-            header: Box::new(header),
+            header: Box::new(Bhs(*bhs)),
             error,
         };
         if let Some(received) = fr.data_digest {
@@ -222,10 +227,9 @@ impl Pdu {
                 return Err(malformed(PduError::DataDigest { computed, received }));
             }
         }
-        let opcode = header
-            .opcode()
-            .ok_or_else(|| malformed(PduError::UnsupportedOpcode(header.opcode_byte())))?;
-        let f = Fields::parse(&fr.bhs);
+        let opcode = Opcode::from_u8(bhs[0] & 0x3f)
+            .ok_or_else(|| malformed(PduError::UnsupportedOpcode(bhs[0] & 0x3f)))?;
+        let f = Fields::parse(bhs);
         let ahs = if fr.ahs.is_empty() {
             Bytes::new()
         } else {
@@ -236,8 +240,10 @@ impl Pdu {
         } else {
             input.slice(fr.data.clone())
         };
-        let pdu = Pdu::from_parts(opcode, &f, &ahs, data).map_err(malformed)?;
-        Ok(Decoded { pdu, len: fr.len })
+        match Pdu::from_parts(opcode, &f, &ahs, data) {
+            Ok(pdu) => Ok(Decoded { pdu, len: fr.len }),
+            Err(e) => Err(malformed(e)),
+        }
     }
 
     /// Decodes a PDU from its parts, for transports that read the BHS first and then receive the

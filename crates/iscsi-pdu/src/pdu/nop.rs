@@ -31,6 +31,7 @@ pub struct NopOut {
 impl Body for NopOut {
     const OPCODE: Opcode = Opcode::NopOut;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         Ok(NopOut {
@@ -85,6 +86,7 @@ pub struct NopIn {
 impl Body for NopIn {
     const OPCODE: Opcode = Opcode::NopIn;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         Ok(NopIn {

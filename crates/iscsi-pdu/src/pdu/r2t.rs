@@ -34,6 +34,7 @@ pub struct ReadyToTransfer {
 impl Body for ReadyToTransfer {
     const OPCODE: Opcode = Opcode::ReadyToTransfer;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         no_data(&data)?;

@@ -86,6 +86,7 @@ impl Reject {
 impl Body for Reject {
     const OPCODE: Opcode = Opcode::Reject;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         Ok(Reject {

@@ -50,12 +50,6 @@ pub struct ScsiCommand {
     pub data: Bytes,
 }
 
-impl Default for TaskAttribute {
-    fn default() -> Self {
-        TaskAttribute::Simple
-    }
-}
-
 impl ScsiCommand {
     /// The CDB's length: 16 plus the extended part.
     pub fn cdb_len(&self) -> usize {
@@ -66,13 +60,18 @@ impl ScsiCommand {
 impl Body for ScsiCommand {
     const OPCODE: Opcode = Opcode::ScsiCommand;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         let flags = f.b[1];
         let mut cdb = [0u8; 16];
         for (i, w) in f.w[4..8].iter().enumerate() {
             cdb[4 * i..4 * i + 4].copy_from_slice(&w.to_be_bytes());
         }
-        let (extended_cdb, bidirectional_read_length) = decode_ahs(ahs)?;
+        let (extended_cdb, bidirectional_read_length) = if ahs.is_empty() {
+            (None, None)
+        } else {
+            decode_ahs(ahs)?
+        };
         Ok(ScsiCommand {
             immediate: f.b[0] & 0x40 != 0,
             final_bit: flags & 0x80 != 0,
@@ -135,41 +134,48 @@ impl Body for ScsiCommand {
 
 type Ahs = (Option<Bytes>, Option<u32>);
 
-/// Walks the AHS list: AHSLength (2) | AHSType (1) | type-specific, each padded to 4 bytes.
+/// One AHS: AHSLength (2) | AHSType (1) | type-specific bytes (AHSLength of them, the first
+/// reserved) | padding to 4 bytes.
+fn ahs_entry(i: &[u8]) -> nom::IResult<&[u8], (u8, &[u8])> {
+    use nom::bytes::complete::take;
+    use nom::number::complete::{be_u16, be_u8};
+    use nom::Parser;
+    let (i, (len, kind)) = (be_u16, be_u8).parse(i)?;
+    let len = usize::from(len);
+    let (i, body) = take(len)(i)?;
+    let (i, _pad) = take(padding(3 + len).len())(i)?;
+    Ok((i, (kind, body)))
+}
+
+/// Walks the AHS list of a SCSI Command (RFC 7143 section 11.2.2).
 fn decode_ahs(ahs: &Bytes) -> Result<Ahs, PduError> {
     let bad = |reason| PduError::InvalidField {
         field: "AHS",
         reason,
     };
     let (mut ext, mut bidi) = (None, None);
-    let mut at = 0usize;
-    while at < ahs.len() {
-        if ahs.len() - at < 4 {
-            return Err(bad("truncated AHS header"));
+    let mut rest: &[u8] = ahs;
+    while !rest.is_empty() {
+        let (next, (kind, body)) =
+            ahs_entry(rest).map_err(|_| bad("AHSLength runs past TotalAHSLength"))?;
+        if body.is_empty() {
+            return Err(bad("AHSLength is 0"));
         }
-        let len = usize::from(u16::from_be_bytes([ahs[at], ahs[at + 1]]));
-        let kind = ahs[at + 2];
-        // AHSLength counts the type-specific bytes after AHSType, from the reserved byte on.
-        let body = at + 3..at + 3 + len;
-        let next = at + 3 + len + padding(3 + len).len();
-        if len == 0 || next > ahs.len() {
-            return Err(bad("AHSLength runs past TotalAHSLength"));
-        }
+        let start = ahs.len() - rest.len() + 4;
         match kind {
             AHS_EXTENDED_CDB if ext.is_none() => {
-                ext = Some(ahs.slice(body.start + 1..body.end));
+                ext = Some(ahs.slice(start..start + body.len() - 1))
             }
             AHS_BIDI_READ_LENGTH if bidi.is_none() => {
-                if len != 5 {
-                    return Err(bad("bidirectional read length AHS must have AHSLength 5"));
-                }
-                let b = &ahs[body.start + 1..body.end];
-                bidi = Some(u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+                let b: [u8; 4] = body[1..]
+                    .try_into()
+                    .map_err(|_| bad("bidirectional read length AHS must have AHSLength 5"))?;
+                bidi = Some(u32::from_be_bytes(b));
             }
             AHS_EXTENDED_CDB | AHS_BIDI_READ_LENGTH => return Err(bad("AHS type repeated")),
             _ => return Err(bad("unknown AHS type")),
         }
-        at = next;
+        rest = next;
     }
     Ok((ext, bidi))
 }
@@ -184,6 +190,8 @@ code_enum! {
     }
 }
 
+// `code_enum!` cannot carry `#[default]`.
+#[allow(clippy::derivable_impls)]
 impl Default for ScsiResponseCode {
     fn default() -> Self {
         ScsiResponseCode::CommandCompleted
@@ -242,6 +250,7 @@ impl ScsiResponse {
 impl Body for ScsiResponse {
     const OPCODE: Opcode = Opcode::ScsiResponse;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         super::no_ahs(ahs)?;
         let flags = f.b[1];

@@ -58,6 +58,7 @@ impl Default for SnackRequest {
 impl Body for SnackRequest {
     const OPCODE: Opcode = Opcode::SnackRequest;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         no_data(&data)?;

@@ -105,6 +105,7 @@ impl Default for TaskManagementRequest {
 impl Body for TaskManagementRequest {
     const OPCODE: Opcode = Opcode::TaskManagementRequest;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         no_data(&data)?;
@@ -175,6 +176,7 @@ impl Default for TaskManagementResponse {
 impl Body for TaskManagementResponse {
     const OPCODE: Opcode = Opcode::TaskManagementResponse;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         no_data(&data)?;

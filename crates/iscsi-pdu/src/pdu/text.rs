@@ -45,6 +45,7 @@ pub struct TextRequest {
 impl Body for TextRequest {
     const OPCODE: Opcode = Opcode::TextRequest;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         let (final_bit, continue_bit) = final_continue(f.b[1])?;
@@ -105,6 +106,7 @@ pub struct TextResponse {
 impl Body for TextResponse {
     const OPCODE: Opcode = Opcode::TextResponse;
 
+    #[inline(always)]
     fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
         no_ahs(ahs)?;
         let (final_bit, continue_bit) = final_continue(f.b[1])?;
