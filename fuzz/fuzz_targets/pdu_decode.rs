@@ -13,13 +13,15 @@ fuzz_target!(|input: &[u8]| {
         header: flags & 1 != 0,
         data: flags & 2 != 0,
     };
-    let bytes = Bytes::copy_from_slice(rest);
-    let Ok(first) = Pdu::decode(&bytes, digests, MAX_DATA_SEGMENT_LENGTH) else {
+    let mut bytes = Bytes::copy_from_slice(rest);
+    let Ok(first) = Pdu::decode(&mut bytes, digests, MAX_DATA_SEGMENT_LENGTH) else {
         return;
     };
     let mut wire = BytesMut::new();
-    first.pdu.encode(digests, &mut wire);
-    let second = Pdu::decode(&wire.freeze(), digests, MAX_DATA_SEGMENT_LENGTH)
-        .expect("own encoding decodes");
-    assert_eq!(first.pdu, second.pdu);
+    first.encode(digests, &mut wire);
+    let mut wire = wire.freeze();
+    let second =
+        Pdu::decode(&mut wire, digests, MAX_DATA_SEGMENT_LENGTH).expect("own encoding decodes");
+    assert_eq!(first, second);
+    assert!(wire.is_empty());
 });

@@ -134,15 +134,7 @@ impl Bhs {
 
     /// The length of the whole PDU this header announces, with the given digests.
     pub fn frame_length(&self, digests: Digests) -> usize {
-        let dsl = self.data_segment_length() as usize;
-        let mut n = BHS_LEN + self.total_ahs_length() + dsl + padding(dsl).len();
-        if digests.header {
-            n += 4;
-        }
-        if digests.data && dsl > 0 {
-            n += 4;
-        }
-        n
+        frame_length(self.0[4], self.data_segment_length(), digests)
     }
 }
 
@@ -155,6 +147,21 @@ impl fmt::Debug for Bhs {
             self.initiator_task_tag()
         )
     }
+}
+
+/// The length of a whole PDU from its TotalAHSLength (in words) and DataSegmentLength.
+#[inline]
+fn frame_length(ahs_words: u8, dsl: u32, digests: Digests) -> usize {
+    let dsl = dsl as usize;
+    // Padding to a 4-byte boundary is (-dsl) mod 4.
+    let mut n = BHS_LEN + usize::from(ahs_words) * 4 + dsl + (dsl.wrapping_neg() & 3);
+    if digests.header {
+        n += 4;
+    }
+    if digests.data && dsl > 0 {
+        n += 4;
+    }
+    n
 }
 
 /// The zero bytes that pad a segment of `len` bytes to a 4-byte boundary.
@@ -175,30 +182,6 @@ pub(crate) struct Fields {
 }
 
 impl Fields {
-    /// Reads the fields of a BHS. The layout is fixed, so these are plain big-endian loads at
-    /// constant offsets (a few instructions); nom is kept for the variable-length framing, where
-    /// it earns its keep: threading a `Result` through 14 fixed fields cost ~35 ns a header.
-    #[inline(always)]
-    pub fn parse(bhs: &[u8; BHS_LEN]) -> Fields {
-        let word = |at: usize| u32::from_be_bytes([bhs[at], bhs[at + 1], bhs[at + 2], bhs[at + 3]]);
-        let mut lun = [0u8; 8];
-        lun.copy_from_slice(&bhs[8..16]);
-        Fields {
-            b: [bhs[0], bhs[1], bhs[2], bhs[3]],
-            lun,
-            w: [
-                word(16),
-                word(20),
-                word(24),
-                word(28),
-                word(32),
-                word(36),
-                word(40),
-                word(44),
-            ],
-        }
-    }
-
     /// Writes the fields, with the frame's TotalAHSLength and DataSegmentLength.
     pub fn write(&self, ahs_len: usize, data_len: u32, out: &mut [u8; BHS_LEN]) {
         out[..4].copy_from_slice(&self.b);
@@ -209,14 +192,51 @@ impl Fields {
             out[16 + 4 * i..20 + 4 * i].copy_from_slice(&w.to_be_bytes());
         }
     }
+}
+
+/// A received BHS seen as fields, for the per-family decoders: each accessor is one load at a
+/// constant offset, so decoding writes the PDU's fields straight from the header bytes.
+#[derive(Clone, Copy)]
+pub(crate) struct View<'a>(pub &'a [u8; BHS_LEN]);
+
+impl View<'_> {
+    /// Byte `i` (0..4 are the opcode byte, the flags and two opcode-specific bytes).
+    #[inline(always)]
+    pub fn b(&self, i: usize) -> u8 {
+        self.0[i]
+    }
+
+    /// Bytes 8..16 (LUN, or ISID and TSIH).
+    #[inline(always)]
+    pub fn lun(&self) -> [u8; 8] {
+        *self.0[8..16].first_chunk().expect("8 bytes")
+    }
+
+    /// Word `i` of the seven 32-bit words from byte 16 on (ITT first).
+    #[inline(always)]
+    pub fn w(&self, i: usize) -> u32 {
+        u32::from_be_bytes(
+            *self.0[16 + 4 * i..20 + 4 * i]
+                .first_chunk()
+                .expect("4 bytes"),
+        )
+    }
 
     /// A 16-bit half of word `i`: the upper half when `high`.
+    #[inline(always)]
     pub fn half(&self, i: usize, high: bool) -> u16 {
+        let w = self.w(i);
         if high {
-            (self.w[i] >> 16) as u16
+            (w >> 16) as u16
         } else {
-            self.w[i] as u16
+            w as u16
         }
+    }
+
+    /// Bytes `N` bytes from `at`.
+    #[inline(always)]
+    pub fn bytes<const N: usize>(&self, at: usize) -> [u8; N] {
+        *self.0[at..at + N].first_chunk().expect("in the BHS")
     }
 }
 
@@ -239,22 +259,21 @@ pub(crate) fn frame(input: &[u8], digests: Digests, max_data: u32) -> Result<Fra
             needed: BHS_LEN - input.len(),
         });
     };
-    let header = Bhs(*bhs);
-    let dsl = header.data_segment_length();
+    let dsl = u32::from_be_bytes([0, bhs[5], bhs[6], bhs[7]]);
     if dsl > max_data {
         return Err(DecodeError::DataSegmentTooLong {
-            header: Box::new(header),
+            header: Box::new(Bhs(*bhs)),
             length: dsl,
             limit: max_data,
         });
     }
-    let len = header.frame_length(digests);
+    let len = frame_length(bhs[4], dsl, digests);
     if input.len() < len {
         return Err(DecodeError::Incomplete {
             needed: len - input.len(),
         });
     }
-    let ahs = BHS_LEN..BHS_LEN + header.total_ahs_length();
+    let ahs = BHS_LEN..BHS_LEN + usize::from(bhs[4]) * 4;
     let mut at = ahs.end;
     if digests.header {
         let received = u32::from_le_bytes(input[at..at + 4].try_into().expect("4 bytes"));

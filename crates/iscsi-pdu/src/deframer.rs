@@ -115,7 +115,7 @@ impl Deframer {
             return Ok(None);
         }
         self.frame_len = None;
-        let frame: Bytes = self.buf.split_to(len).freeze();
-        Pdu::decode(&frame, self.digests, self.max_recv_data_segment_length).map(|d| Some(d.pdu))
+        let mut frame: Bytes = self.buf.split_to(len).freeze();
+        Pdu::decode(&mut frame, self.digests, self.max_recv_data_segment_length).map(Some)
     }
 }

@@ -103,3 +103,13 @@ impl DecodeError {
         }
     }
 }
+
+/// A [`PduError`] from a per-family decoder, its header filled in by the caller.
+impl From<PduError> for DecodeError {
+    fn from(error: PduError) -> Self {
+        DecodeError::Malformed {
+            header: Box::new(Bhs([0; crate::bhs::BHS_LEN])),
+            error,
+        }
+    }
+}

@@ -235,24 +235,32 @@ proptest! {
         let mut first = BytesMut::new();
         pdu.encode(digests, &mut first);
         let first = first.freeze();
-        let decoded = Pdu::decode(&first, digests, MAX_DATA_SEGMENT_LENGTH).expect("own encoding decodes");
-        prop_assert_eq!(decoded.len, first.len());
-        prop_assert_eq!(&decoded.pdu, &pdu);
+        let mut input = first.clone();
+        let decoded = Pdu::decode(&mut input, digests, MAX_DATA_SEGMENT_LENGTH).expect("own encoding decodes");
+        prop_assert!(input.is_empty(), "consumed the whole PDU");
+        prop_assert_eq!(&decoded, &pdu);
         let mut second = BytesMut::new();
-        decoded.pdu.encode(digests, &mut second);
+        decoded.encode(digests, &mut second);
         prop_assert_eq!(&first[..], &second[..]);
     }
 
     #[test]
     fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..400),
                                    digests in digests(), limit in 0u32..2048) {
-        let input = Bytes::from(bytes);
-        if let Ok(d) = Pdu::decode(&input, digests, limit) {
+        let mut input = Bytes::from(bytes);
+        let before = input.len();
+        let result = Pdu::decode(&mut input, digests, limit);
+        match &result {
+            Err(DecodeError::Incomplete { .. }) => prop_assert_eq!(input.len(), before),
+            Err(e) if e.is_fatal() => prop_assert_eq!(input.len(), before),
+            _ => prop_assert!(input.len() < before),
+        }
+        if let Ok(d) = result {
             // Whatever decodes re-encodes and decodes to the same PDU.
             let mut again = BytesMut::new();
-            d.pdu.encode(digests, &mut again);
-            let again = Pdu::decode(&again.freeze(), digests, MAX_DATA_SEGMENT_LENGTH).unwrap();
-            prop_assert_eq!(again.pdu, d.pdu);
+            d.encode(digests, &mut again);
+            let again = Pdu::decode(&mut again.freeze(), digests, MAX_DATA_SEGMENT_LENGTH).unwrap();
+            prop_assert_eq!(again, d);
         }
     }
 

@@ -14,10 +14,10 @@ fn hex(s: &str) -> Vec<u8> {
 }
 
 fn check(bytes: Vec<u8>, expected: Pdu) {
-    let input = Bytes::from(bytes.clone());
-    let decoded = Pdu::decode(&input, Digests::NONE, MAX_DATA_SEGMENT_LENGTH).expect("decodes");
-    assert_eq!(decoded.len, bytes.len(), "consumed the whole PDU");
-    assert_eq!(decoded.pdu, expected);
+    let mut input = Bytes::from(bytes.clone());
+    let decoded = Pdu::decode(&mut input, Digests::NONE, MAX_DATA_SEGMENT_LENGTH).expect("decodes");
+    assert!(input.is_empty(), "consumed the whole PDU");
+    assert_eq!(decoded, expected);
     let mut out = BytesMut::new();
     expected.encode(Digests::NONE, &mut out);
     assert_eq!(&out[..], &bytes[..], "encodes to the same bytes");
@@ -464,20 +464,22 @@ fn digests_round_trip_and_detect_corruption() {
     let pdu = write10(b"hello, target");
     let bytes = encoded(&pdu, Digests::BOTH);
     assert_eq!(bytes.len(), 48 + 4 + 16 + 4);
-    let d = Pdu::decode(&Bytes::from(bytes.clone()), Digests::BOTH, 8192).unwrap();
-    assert_eq!(d.pdu, pdu);
+    let d = Pdu::decode(&mut Bytes::from(bytes.clone()), Digests::BOTH, 8192).unwrap();
+    assert_eq!(d, pdu);
 
     // A flipped header bit: the header cannot be trusted, the connection must close.
     let mut bad = bytes.clone();
     bad[20] ^= 1;
-    let e = Pdu::decode(&Bytes::from(bad), Digests::BOTH, 8192).unwrap_err();
+    let e = Pdu::decode(&mut Bytes::from(bad), Digests::BOTH, 8192).unwrap_err();
     assert!(matches!(e, DecodeError::HeaderDigest { .. }) && e.is_fatal());
 
     // A flipped data bit: Reject with reason "data digest error", the stream goes on.
     let mut bad = bytes.clone();
     bad[55] ^= 1;
-    let e = Pdu::decode(&Bytes::from(bad), Digests::BOTH, 8192).unwrap_err();
+    let mut input = Bytes::from(bad);
+    let e = Pdu::decode(&mut input, Digests::BOTH, 8192).unwrap_err();
     assert!(!e.is_fatal());
+    assert!(input.is_empty(), "the rejected PDU is consumed");
     let (reason, header) = e.reject().unwrap();
     assert_eq!(reason, RejectReason::DataDigestError);
     assert_eq!(header.initiator_task_tag(), 42);
@@ -485,7 +487,7 @@ fn digests_round_trip_and_detect_corruption() {
     // Padding is covered by the data digest too.
     let mut bad = bytes;
     bad[48 + 4 + 14] = 1;
-    assert!(Pdu::decode(&Bytes::from(bad), Digests::BOTH, 8192).is_err());
+    assert!(Pdu::decode(&mut Bytes::from(bad), Digests::BOTH, 8192).is_err());
 }
 
 #[test]
@@ -543,7 +545,7 @@ fn malformed_pdus_are_answered_with_reject() {
         ),
     ];
     for (bytes, reason) in cases {
-        let e = Pdu::decode(&Bytes::from(bytes.clone()), Digests::NONE, 8192).unwrap_err();
+        let e = Pdu::decode(&mut Bytes::from(bytes.clone()), Digests::NONE, 8192).unwrap_err();
         assert!(!e.is_fatal(), "{e}");
         assert_eq!(e.reject().unwrap().0, reason, "{e}");
         assert_eq!(e.reject().unwrap().1 .0[..], bytes[..48]);
@@ -657,9 +659,16 @@ fn header_only_encoding_matches_full_encoding() {
 #[test]
 fn decode_reports_how_much_more_it_needs() {
     let bytes = encoded(&write10(b"0123456789"), Digests::NONE);
-    let e = Pdu::decode(&Bytes::copy_from_slice(&bytes[..10]), Digests::NONE, 8192).unwrap_err();
+    let mut short = Bytes::copy_from_slice(&bytes[..10]);
+    let e = Pdu::decode(&mut short, Digests::NONE, 8192).unwrap_err();
+    assert_eq!(short.len(), 10, "nothing consumed");
     assert_eq!(e, DecodeError::Incomplete { needed: 38 });
-    let e = Pdu::decode(&Bytes::copy_from_slice(&bytes[..50]), Digests::NONE, 8192).unwrap_err();
+    let e = Pdu::decode(
+        &mut Bytes::copy_from_slice(&bytes[..50]),
+        Digests::NONE,
+        8192,
+    )
+    .unwrap_err();
     assert_eq!(e, DecodeError::Incomplete { needed: 10 });
 }
 

@@ -2,9 +2,9 @@
 
 use bytes::Bytes;
 
-use super::{code_enum, no_ahs, Body};
-use crate::bhs::{Fields, Opcode};
-use crate::error::PduError;
+use super::{code_enum, no_ahs, Body, Pdu};
+use crate::bhs::{Fields, Opcode, View};
+use crate::error::DecodeError;
 use crate::serial::SerialNumber;
 use crate::types::{Lun, RESERVED_TAG};
 
@@ -72,21 +72,21 @@ impl Body for AsyncMessage {
     const OPCODE: Opcode = Opcode::AsyncMessage;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
-        let [event, vcode, _, _] = f.w[5].to_be_bytes();
-        Ok(AsyncMessage {
-            lun: Lun(f.lun),
-            stat_sn: SerialNumber(f.w[2]),
-            exp_cmd_sn: SerialNumber(f.w[3]),
-            max_cmd_sn: SerialNumber(f.w[4]),
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
+        let [event, vcode, _, _] = f.w(5).to_be_bytes();
+        Ok(Pdu::AsyncMessage(AsyncMessage {
+            lun: Lun(f.lun()),
+            stat_sn: SerialNumber(f.w(2)),
+            exp_cmd_sn: SerialNumber(f.w(3)),
+            max_cmd_sn: SerialNumber(f.w(4)),
             event: AsyncEvent::from(event),
             vcode,
             parameter1: f.half(5, false),
             parameter2: f.half(6, true),
             parameter3: f.half(6, false),
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {

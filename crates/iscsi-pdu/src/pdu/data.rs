@@ -2,9 +2,9 @@
 
 use bytes::Bytes;
 
-use super::{no_ahs, Body};
-use crate::bhs::{Fields, Opcode};
-use crate::error::PduError;
+use super::{no_ahs, Body, Pdu};
+use crate::bhs::{Fields, Opcode, View};
+use crate::error::{DecodeError, PduError};
 use crate::serial::SerialNumber;
 use crate::types::{Lun, Residual, ScsiStatus};
 
@@ -33,18 +33,18 @@ impl Body for DataOut {
     const OPCODE: Opcode = Opcode::DataOut;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
-        Ok(DataOut {
-            final_bit: f.b[1] & 0x80 != 0,
-            lun: Lun(f.lun),
-            initiator_task_tag: f.w[0],
-            target_transfer_tag: f.w[1],
-            exp_stat_sn: SerialNumber(f.w[3]),
-            data_sn: f.w[5],
-            buffer_offset: f.w[6],
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
+        Ok(Pdu::DataOut(DataOut {
+            final_bit: f.b(1) & 0x80 != 0,
+            lun: Lun(f.lun()),
+            initiator_task_tag: f.w(0),
+            target_transfer_tag: f.w(1),
+            exp_stat_sn: SerialNumber(f.w(3)),
+            data_sn: f.w(5),
+            buffer_offset: f.w(6),
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {
@@ -104,38 +104,39 @@ impl Body for DataIn {
     const OPCODE: Opcode = Opcode::DataIn;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
-        let flags = f.b[1];
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
+        let flags = f.b(1);
         let final_bit = flags & 0x80 != 0;
         let status = if flags & 0x01 != 0 {
             if !final_bit {
                 return Err(PduError::InvalidField {
                     field: "S bit",
                     reason: "set without the F bit",
-                });
+                }
+                .into());
             }
             Some(DataInStatus {
-                status: ScsiStatus(f.b[3]),
-                stat_sn: SerialNumber(f.w[2]),
-                residual: decode_residual(flags >> 1, f.w[7], "O/U bits")?,
+                status: ScsiStatus(f.b(3)),
+                stat_sn: SerialNumber(f.w(2)),
+                residual: decode_residual(flags >> 1, f.w(7), "O/U bits")?,
             })
         } else {
             None
         };
-        Ok(DataIn {
+        Ok(Pdu::DataIn(DataIn {
             final_bit,
             acknowledge: flags & 0x40 != 0,
             status,
-            lun: Lun(f.lun),
-            initiator_task_tag: f.w[0],
-            target_transfer_tag: f.w[1],
-            exp_cmd_sn: SerialNumber(f.w[3]),
-            max_cmd_sn: SerialNumber(f.w[4]),
-            data_sn: f.w[5],
-            buffer_offset: f.w[6],
+            lun: Lun(f.lun()),
+            initiator_task_tag: f.w(0),
+            target_transfer_tag: f.w(1),
+            exp_cmd_sn: SerialNumber(f.w(3)),
+            max_cmd_sn: SerialNumber(f.w(4)),
+            data_sn: f.w(5),
+            buffer_offset: f.w(6),
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {

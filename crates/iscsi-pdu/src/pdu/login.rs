@@ -2,9 +2,9 @@
 
 use bytes::Bytes;
 
-use super::{no_ahs, Body};
-use crate::bhs::{Fields, Opcode};
-use crate::error::PduError;
+use super::{no_ahs, Body, Pdu};
+use crate::bhs::{Fields, Opcode, View};
+use crate::error::{DecodeError, PduError};
 use crate::serial::SerialNumber;
 use crate::types::{Isid, Stage};
 
@@ -22,10 +22,8 @@ fn check_transit_continue(flags: u8) -> Result<(), PduError> {
     Ok(())
 }
 
-fn isid_tsih(f: &Fields) -> (Isid, u16) {
-    let mut isid = [0u8; 6];
-    isid.copy_from_slice(&f.lun[..6]);
-    (Isid(isid), u16::from_be_bytes([f.lun[6], f.lun[7]]))
+fn isid_tsih(f: View<'_>) -> (Isid, u16) {
+    (Isid(f.bytes(8)), u16::from_be_bytes(f.bytes(14)))
 }
 
 fn put_isid_tsih(f: &mut Fields, isid: Isid, tsih: u16) {
@@ -88,26 +86,26 @@ impl Body for LoginRequest {
     const OPCODE: Opcode = Opcode::LoginRequest;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
-        let flags = f.b[1];
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
+        let flags = f.b(1);
         check_transit_continue(flags)?;
         let (isid, tsih) = isid_tsih(f);
-        Ok(LoginRequest {
+        Ok(Pdu::LoginRequest(LoginRequest {
             transit: flags & 0x80 != 0,
             continue_bit: flags & 0x40 != 0,
             current_stage: Stage::from_bits(flags >> 2),
             next_stage: Stage::from_bits(flags),
-            version_max: f.b[2],
-            version_min: f.b[3],
+            version_max: f.b(2),
+            version_min: f.b(3),
             isid,
             tsih,
-            initiator_task_tag: f.w[0],
+            initiator_task_tag: f.w(0),
             cid: f.half(1, true),
-            cmd_sn: SerialNumber(f.w[2]),
-            exp_stat_sn: SerialNumber(f.w[3]),
+            cmd_sn: SerialNumber(f.w(2)),
+            exp_stat_sn: SerialNumber(f.w(3)),
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {
@@ -273,27 +271,27 @@ impl Body for LoginResponse {
     const OPCODE: Opcode = Opcode::LoginResponse;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
-        let flags = f.b[1];
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
+        let flags = f.b(1);
         check_transit_continue(flags)?;
         let (isid, tsih) = isid_tsih(f);
-        Ok(LoginResponse {
+        Ok(Pdu::LoginResponse(LoginResponse {
             transit: flags & 0x80 != 0,
             continue_bit: flags & 0x40 != 0,
             current_stage: Stage::from_bits(flags >> 2),
             next_stage: Stage::from_bits(flags),
-            version_max: f.b[2],
-            version_active: f.b[3],
+            version_max: f.b(2),
+            version_active: f.b(3),
             isid,
             tsih,
-            initiator_task_tag: f.w[0],
-            stat_sn: SerialNumber(f.w[2]),
-            exp_cmd_sn: SerialNumber(f.w[3]),
-            max_cmd_sn: SerialNumber(f.w[4]),
+            initiator_task_tag: f.w(0),
+            stat_sn: SerialNumber(f.w(2)),
+            exp_cmd_sn: SerialNumber(f.w(3)),
+            max_cmd_sn: SerialNumber(f.w(4)),
             status: LoginStatus(f.half(5, true)),
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {

@@ -2,9 +2,9 @@
 
 use bytes::Bytes;
 
-use super::{code_enum, no_ahs, no_data, Body, EMPTY};
-use crate::bhs::{Fields, Opcode};
-use crate::error::PduError;
+use super::{code_enum, no_ahs, no_data, Body, Pdu, EMPTY};
+use crate::bhs::{Fields, Opcode, View};
+use crate::error::DecodeError;
 use crate::serial::SerialNumber;
 
 code_enum! {
@@ -67,17 +67,17 @@ impl Body for LogoutRequest {
     const OPCODE: Opcode = Opcode::LogoutRequest;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
         no_data(&data)?;
-        Ok(LogoutRequest {
-            immediate: f.b[0] & 0x40 != 0,
-            reason: LogoutReason::from(f.b[1] & 0x7f),
-            initiator_task_tag: f.w[0],
+        Ok(Pdu::LogoutRequest(LogoutRequest {
+            immediate: f.b(0) & 0x40 != 0,
+            reason: LogoutReason::from(f.b(1) & 0x7f),
+            initiator_task_tag: f.w(0),
             cid: f.half(1, true),
-            cmd_sn: SerialNumber(f.w[2]),
-            exp_stat_sn: SerialNumber(f.w[3]),
-        })
+            cmd_sn: SerialNumber(f.w(2)),
+            exp_stat_sn: SerialNumber(f.w(3)),
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {
@@ -134,18 +134,18 @@ impl Body for LogoutResponse {
     const OPCODE: Opcode = Opcode::LogoutResponse;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
         no_data(&data)?;
-        Ok(LogoutResponse {
-            response: LogoutResponseCode::from(f.b[2]),
-            initiator_task_tag: f.w[0],
-            stat_sn: SerialNumber(f.w[2]),
-            exp_cmd_sn: SerialNumber(f.w[3]),
-            max_cmd_sn: SerialNumber(f.w[4]),
+        Ok(Pdu::LogoutResponse(LogoutResponse {
+            response: LogoutResponseCode::from(f.b(2)),
+            initiator_task_tag: f.w(0),
+            stat_sn: SerialNumber(f.w(2)),
+            exp_cmd_sn: SerialNumber(f.w(3)),
+            max_cmd_sn: SerialNumber(f.w(4)),
             time2wait: f.half(6, true),
             time2retain: f.half(6, false),
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {

@@ -1,8 +1,10 @@
 //! Every PDU of RFC 7143, one file per family, and the [`Pdu`] enum that decodes and encodes them.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 
-use crate::bhs::{frame, padding, Bhs, Fields, Opcode, BHS_LEN, MAX_DATA_SEGMENT_LENGTH};
+use crate::bhs::{
+    frame, padding, Bhs, Fields, Frame, Opcode, View, BHS_LEN, MAX_DATA_SEGMENT_LENGTH,
+};
 use crate::digest::{crc32c, data_digest, Digests};
 use crate::error::{DecodeError, PduError};
 
@@ -67,7 +69,7 @@ pub(crate) use code_enum;
 pub(crate) trait Body: Sized {
     const OPCODE: Opcode;
     /// Builds the PDU from the parsed BHS, the raw AHS and the data segment (a zero-copy slice).
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError>;
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError>;
     /// Fills `f` (all but the opcode byte, which the caller sets from `OPCODE` and `immediate`).
     fn encode(&self, f: &mut Fields);
     /// The I bit (initiator PDUs only).
@@ -81,8 +83,8 @@ pub(crate) trait Body: Sized {
 }
 
 /// Checks that a PDU that must not carry an AHS has none.
-pub(crate) fn no_ahs(ahs: &Bytes) -> Result<(), PduError> {
-    if ahs.is_empty() {
+pub(crate) fn no_ahs(ahs: &Option<Bytes>) -> Result<(), PduError> {
+    if ahs.is_none() {
         Ok(())
     } else {
         Err(PduError::InvalidField {
@@ -101,6 +103,14 @@ pub(crate) fn no_data(data: &Bytes) -> Result<(), PduError> {
             field: "DataSegmentLength",
             reason: "this PDU carries no data",
         })
+    }
+}
+
+/// Puts the offending header into a [`DecodeError::Malformed`] from a [`Body`] decoder.
+#[inline(always)]
+fn with_header(result: &mut Result<Pdu, DecodeError>, bhs: &[u8; BHS_LEN]) {
+    if let Err(DecodeError::Malformed { header, .. }) = result {
+        **header = Bhs(*bhs);
     }
 }
 
@@ -134,9 +144,9 @@ macro_rules! pdu_enum {
             }
 
             #[inline(always)]
-            fn from_parts(opcode: Opcode, f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Pdu, PduError> {
+            fn from_parts(opcode: Opcode, f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
                 match opcode {
-                    $(Opcode::$variant => <$ty as Body>::decode(f, ahs, data).map(Pdu::$variant),)+
+                    $(Opcode::$variant => <$ty as Body>::decode(f, ahs, data),)+
                 }
             }
 
@@ -191,26 +201,27 @@ fn fields_of<B: Body>(p: &B) -> Fields {
     f
 }
 
-/// A decoded PDU and how many input bytes it took.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Decoded {
-    /// The PDU.
-    pub pdu: Pdu,
-    /// Bytes of input consumed: header, digests, data and padding.
-    pub len: usize,
-}
-
 impl Pdu {
-    /// Decodes the PDU at the start of `input`. The data segment (and an extended CDB) are
-    /// zero-copy slices of `input`. `max_data_segment_length` is this side's declared
-    /// MaxRecvDataSegmentLength; a longer segment is refused before it is looked at.
+    /// Decodes the PDU at the start of `buf` and advances `buf` past it. The data segment (and
+    /// an extended CDB) are zero-copy slices of `buf`. `max_data_segment_length` is this side's
+    /// declared MaxRecvDataSegmentLength; a longer segment is refused before it is looked at.
+    ///
+    /// On [`DecodeError::Incomplete`] and on fatal errors `buf` is left as it was. After a
+    /// [`DecodeError::Malformed`] the bad PDU has been consumed: answer it with a Reject and go on.
     #[inline]
     pub fn decode(
-        input: &Bytes,
+        buf: &mut Bytes,
         digests: Digests,
         max_data_segment_length: u32,
-    ) -> Result<Decoded, DecodeError> {
-        let fr = frame(input, digests, max_data_segment_length)?;
+    ) -> Result<Pdu, DecodeError> {
+        let fr = frame(buf, digests, max_data_segment_length)?;
+        let result = Pdu::decode_frame(buf, &fr);
+        buf.advance(fr.len);
+        result
+    }
+
+    #[inline(always)]
+    fn decode_frame(input: &Bytes, fr: &Frame) -> Result<Pdu, DecodeError> {
         let bhs: &[u8; BHS_LEN] = input[..BHS_LEN]
             .try_into()
             .expect("framed input holds a BHS");
@@ -229,38 +240,39 @@ impl Pdu {
         }
         let opcode = Opcode::from_u8(bhs[0] & 0x3f)
             .ok_or_else(|| malformed(PduError::UnsupportedOpcode(bhs[0] & 0x3f)))?;
-        let f = Fields::parse(bhs);
-        let ahs = if fr.ahs.is_empty() {
-            Bytes::new()
-        } else {
-            input.slice(fr.ahs.clone())
-        };
+        let ahs = (!fr.ahs.is_empty()).then(|| input.slice(fr.ahs.clone()));
         let data = if fr.data.is_empty() {
             Bytes::new()
         } else {
             input.slice(fr.data.clone())
         };
-        match Pdu::from_parts(opcode, &f, &ahs, data) {
-            Ok(pdu) => Ok(Decoded { pdu, len: fr.len }),
-            Err(e) => Err(malformed(e)),
-        }
+        let mut result = Pdu::from_parts(opcode, View(bhs), ahs, data);
+        with_header(&mut result, bhs);
+        result
     }
 
     /// Decodes a PDU from its parts, for transports that read the BHS first and then receive the
     /// AHS and data segment into buffers of their own. Digests must already have been checked.
-    pub fn from_header_and_data(header: &Bhs, ahs: Bytes, data: Bytes) -> Result<Pdu, PduError> {
+    pub fn from_header_and_data(header: &Bhs, ahs: Bytes, data: Bytes) -> Result<Pdu, DecodeError> {
+        let malformed = |error: PduError| DecodeError::Malformed {
+            header: Box::new(*header),
+            error,
+        };
         let opcode = header
             .opcode()
-            .ok_or(PduError::UnsupportedOpcode(header.opcode_byte()))?;
+            .ok_or_else(|| malformed(PduError::UnsupportedOpcode(header.opcode_byte())))?;
         if ahs.len() != header.total_ahs_length()
             || data.len() != header.data_segment_length() as usize
         {
-            return Err(PduError::InvalidField {
+            return Err(malformed(PduError::InvalidField {
                 field: "DataSegmentLength",
                 reason: "does not match the segment",
-            });
+            }));
         }
-        Pdu::from_parts(opcode, &Fields::parse(&header.0), &ahs, data)
+        let ahs = (!ahs.is_empty()).then_some(ahs);
+        let mut result = Pdu::from_parts(opcode, View(&header.0), ahs, data);
+        with_header(&mut result, &header.0);
+        result
     }
 
     /// Encodes the whole PDU: header, header digest, data segment, padding, data digest.

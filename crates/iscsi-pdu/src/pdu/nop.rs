@@ -2,9 +2,9 @@
 
 use bytes::Bytes;
 
-use super::{no_ahs, Body};
-use crate::bhs::{Fields, Opcode};
-use crate::error::PduError;
+use super::{no_ahs, Body, Pdu};
+use crate::bhs::{Fields, Opcode, View};
+use crate::error::DecodeError;
 use crate::serial::SerialNumber;
 use crate::types::Lun;
 
@@ -32,17 +32,17 @@ impl Body for NopOut {
     const OPCODE: Opcode = Opcode::NopOut;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
-        Ok(NopOut {
-            immediate: f.b[0] & 0x40 != 0,
-            lun: Lun(f.lun),
-            initiator_task_tag: f.w[0],
-            target_transfer_tag: f.w[1],
-            cmd_sn: SerialNumber(f.w[2]),
-            exp_stat_sn: SerialNumber(f.w[3]),
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
+        Ok(Pdu::NopOut(NopOut {
+            immediate: f.b(0) & 0x40 != 0,
+            lun: Lun(f.lun()),
+            initiator_task_tag: f.w(0),
+            target_transfer_tag: f.w(1),
+            cmd_sn: SerialNumber(f.w(2)),
+            exp_stat_sn: SerialNumber(f.w(3)),
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {
@@ -87,17 +87,17 @@ impl Body for NopIn {
     const OPCODE: Opcode = Opcode::NopIn;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
-        Ok(NopIn {
-            lun: Lun(f.lun),
-            initiator_task_tag: f.w[0],
-            target_transfer_tag: f.w[1],
-            stat_sn: SerialNumber(f.w[2]),
-            exp_cmd_sn: SerialNumber(f.w[3]),
-            max_cmd_sn: SerialNumber(f.w[4]),
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
+        Ok(Pdu::NopIn(NopIn {
+            lun: Lun(f.lun()),
+            initiator_task_tag: f.w(0),
+            target_transfer_tag: f.w(1),
+            stat_sn: SerialNumber(f.w(2)),
+            exp_cmd_sn: SerialNumber(f.w(3)),
+            max_cmd_sn: SerialNumber(f.w(4)),
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {

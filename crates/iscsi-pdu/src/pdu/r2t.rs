@@ -2,9 +2,9 @@
 
 use bytes::Bytes;
 
-use super::{no_ahs, no_data, Body, EMPTY};
-use crate::bhs::{Fields, Opcode};
-use crate::error::PduError;
+use super::{no_ahs, no_data, Body, Pdu, EMPTY};
+use crate::bhs::{Fields, Opcode, View};
+use crate::error::{DecodeError, PduError};
 use crate::serial::SerialNumber;
 use crate::types::Lun;
 
@@ -35,26 +35,27 @@ impl Body for ReadyToTransfer {
     const OPCODE: Opcode = Opcode::ReadyToTransfer;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
         no_data(&data)?;
-        if f.w[7] == 0 {
+        if f.w(7) == 0 {
             return Err(PduError::InvalidField {
                 field: "DesiredDataTransferLength",
                 reason: "must not be 0",
-            });
+            }
+            .into());
         }
-        Ok(ReadyToTransfer {
-            lun: Lun(f.lun),
-            initiator_task_tag: f.w[0],
-            target_transfer_tag: f.w[1],
-            stat_sn: SerialNumber(f.w[2]),
-            exp_cmd_sn: SerialNumber(f.w[3]),
-            max_cmd_sn: SerialNumber(f.w[4]),
-            r2t_sn: f.w[5],
-            buffer_offset: f.w[6],
-            desired_data_transfer_length: f.w[7],
-        })
+        Ok(Pdu::ReadyToTransfer(ReadyToTransfer {
+            lun: Lun(f.lun()),
+            initiator_task_tag: f.w(0),
+            target_transfer_tag: f.w(1),
+            stat_sn: SerialNumber(f.w(2)),
+            exp_cmd_sn: SerialNumber(f.w(3)),
+            max_cmd_sn: SerialNumber(f.w(4)),
+            r2t_sn: f.w(5),
+            buffer_offset: f.w(6),
+            desired_data_transfer_length: f.w(7),
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {

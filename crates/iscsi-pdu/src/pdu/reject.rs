@@ -2,9 +2,9 @@
 
 use bytes::Bytes;
 
-use super::{code_enum, no_ahs, Body};
-use crate::bhs::{Bhs, Fields, Opcode, BHS_LEN};
-use crate::error::PduError;
+use super::{code_enum, no_ahs, Body, Pdu};
+use crate::bhs::{Bhs, Fields, Opcode, View, BHS_LEN};
+use crate::error::DecodeError;
 use crate::serial::SerialNumber;
 use crate::types::RESERVED_TAG;
 
@@ -87,16 +87,16 @@ impl Body for Reject {
     const OPCODE: Opcode = Opcode::Reject;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
-        Ok(Reject {
-            reason: RejectReason::from(f.b[2]),
-            stat_sn: SerialNumber(f.w[2]),
-            exp_cmd_sn: SerialNumber(f.w[3]),
-            max_cmd_sn: SerialNumber(f.w[4]),
-            data_sn_or_r2t_sn: f.w[5],
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
+        Ok(Pdu::Reject(Reject {
+            reason: RejectReason::from(f.b(2)),
+            stat_sn: SerialNumber(f.w(2)),
+            exp_cmd_sn: SerialNumber(f.w(3)),
+            max_cmd_sn: SerialNumber(f.w(4)),
+            data_sn_or_r2t_sn: f.w(5),
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {

@@ -4,9 +4,9 @@
 use bytes::{BufMut, Bytes, BytesMut};
 
 use super::data::{decode_residual, residual_bits};
-use super::{code_enum, Body};
-use crate::bhs::{padding, Fields, Opcode};
-use crate::error::PduError;
+use super::{code_enum, no_ahs, Body, Pdu};
+use crate::bhs::{padding, Fields, Opcode, View};
+use crate::error::{DecodeError, PduError};
 use crate::serial::SerialNumber;
 use crate::types::{Lun, Residual, ScsiStatus, TaskAttribute};
 
@@ -61,33 +61,29 @@ impl Body for ScsiCommand {
     const OPCODE: Opcode = Opcode::ScsiCommand;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        let flags = f.b[1];
-        let mut cdb = [0u8; 16];
-        for (i, w) in f.w[4..8].iter().enumerate() {
-            cdb[4 * i..4 * i + 4].copy_from_slice(&w.to_be_bytes());
-        }
-        let (extended_cdb, bidirectional_read_length) = if ahs.is_empty() {
-            (None, None)
-        } else {
-            decode_ahs(ahs)?
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        let flags = f.b(1);
+        let cdb = f.bytes(32);
+        let (extended_cdb, bidirectional_read_length) = match ahs {
+            None => (None, None),
+            Some(ahs) => decode_ahs(&ahs)?,
         };
-        Ok(ScsiCommand {
-            immediate: f.b[0] & 0x40 != 0,
+        Ok(Pdu::ScsiCommand(ScsiCommand {
+            immediate: f.b(0) & 0x40 != 0,
             final_bit: flags & 0x80 != 0,
             read: flags & 0x40 != 0,
             write: flags & 0x20 != 0,
             task_attribute: TaskAttribute::from_bits(flags),
-            lun: Lun(f.lun),
-            initiator_task_tag: f.w[0],
-            expected_data_transfer_length: f.w[1],
-            cmd_sn: SerialNumber(f.w[2]),
-            exp_stat_sn: SerialNumber(f.w[3]),
+            lun: Lun(f.lun()),
+            initiator_task_tag: f.w(0),
+            expected_data_transfer_length: f.w(1),
+            cmd_sn: SerialNumber(f.w(2)),
+            exp_stat_sn: SerialNumber(f.w(3)),
             cdb,
             extended_cdb,
             bidirectional_read_length,
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {
@@ -251,22 +247,22 @@ impl Body for ScsiResponse {
     const OPCODE: Opcode = Opcode::ScsiResponse;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        super::no_ahs(ahs)?;
-        let flags = f.b[1];
-        Ok(ScsiResponse {
-            bidirectional_read_residual: decode_residual(flags >> 3, f.w[6], "o/u bits")?,
-            residual: decode_residual(flags >> 1, f.w[7], "O/U bits")?,
-            response: ScsiResponseCode::from(f.b[2]),
-            status: ScsiStatus(f.b[3]),
-            initiator_task_tag: f.w[0],
-            snack_tag: f.w[1],
-            stat_sn: SerialNumber(f.w[2]),
-            exp_cmd_sn: SerialNumber(f.w[3]),
-            max_cmd_sn: SerialNumber(f.w[4]),
-            exp_data_sn: f.w[5],
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
+        let flags = f.b(1);
+        Ok(Pdu::ScsiResponse(ScsiResponse {
+            bidirectional_read_residual: decode_residual(flags >> 3, f.w(6), "o/u bits")?,
+            residual: decode_residual(flags >> 1, f.w(7), "O/U bits")?,
+            response: ScsiResponseCode::from(f.b(2)),
+            status: ScsiStatus(f.b(3)),
+            initiator_task_tag: f.w(0),
+            snack_tag: f.w(1),
+            stat_sn: SerialNumber(f.w(2)),
+            exp_cmd_sn: SerialNumber(f.w(3)),
+            max_cmd_sn: SerialNumber(f.w(4)),
+            exp_data_sn: f.w(5),
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {

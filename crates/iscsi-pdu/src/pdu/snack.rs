@@ -2,9 +2,9 @@
 
 use bytes::Bytes;
 
-use super::{code_enum, no_ahs, no_data, Body, EMPTY};
-use crate::bhs::{Fields, Opcode};
-use crate::error::PduError;
+use super::{code_enum, no_ahs, no_data, Body, Pdu, EMPTY};
+use crate::bhs::{Fields, Opcode, View};
+use crate::error::DecodeError;
 use crate::serial::SerialNumber;
 use crate::types::Lun;
 
@@ -59,18 +59,18 @@ impl Body for SnackRequest {
     const OPCODE: Opcode = Opcode::SnackRequest;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
         no_data(&data)?;
-        Ok(SnackRequest {
-            snack_type: SnackType::from(f.b[1] & 0x0f),
-            lun: Lun(f.lun),
-            initiator_task_tag: f.w[0],
-            target_transfer_tag: f.w[1],
-            exp_stat_sn: SerialNumber(f.w[3]),
-            beg_run: f.w[6],
-            run_length: f.w[7],
-        })
+        Ok(Pdu::SnackRequest(SnackRequest {
+            snack_type: SnackType::from(f.b(1) & 0x0f),
+            lun: Lun(f.lun()),
+            initiator_task_tag: f.w(0),
+            target_transfer_tag: f.w(1),
+            exp_stat_sn: SerialNumber(f.w(3)),
+            beg_run: f.w(6),
+            run_length: f.w(7),
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {

@@ -3,9 +3,9 @@
 
 use bytes::Bytes;
 
-use super::{code_enum, no_ahs, no_data, Body, EMPTY};
-use crate::bhs::{Fields, Opcode};
-use crate::error::PduError;
+use super::{code_enum, no_ahs, no_data, Body, Pdu, EMPTY};
+use crate::bhs::{Fields, Opcode, View};
+use crate::error::DecodeError;
 use crate::serial::SerialNumber;
 use crate::types::Lun;
 
@@ -106,20 +106,20 @@ impl Body for TaskManagementRequest {
     const OPCODE: Opcode = Opcode::TaskManagementRequest;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
         no_data(&data)?;
-        Ok(TaskManagementRequest {
-            immediate: f.b[0] & 0x40 != 0,
-            function: TaskManagementFunction::from(f.b[1] & 0x7f),
-            lun: Lun(f.lun),
-            initiator_task_tag: f.w[0],
-            referenced_task_tag: f.w[1],
-            cmd_sn: SerialNumber(f.w[2]),
-            exp_stat_sn: SerialNumber(f.w[3]),
-            ref_cmd_sn: SerialNumber(f.w[4]),
-            exp_data_sn: f.w[5],
-        })
+        Ok(Pdu::TaskManagementRequest(TaskManagementRequest {
+            immediate: f.b(0) & 0x40 != 0,
+            function: TaskManagementFunction::from(f.b(1) & 0x7f),
+            lun: Lun(f.lun()),
+            initiator_task_tag: f.w(0),
+            referenced_task_tag: f.w(1),
+            cmd_sn: SerialNumber(f.w(2)),
+            exp_stat_sn: SerialNumber(f.w(3)),
+            ref_cmd_sn: SerialNumber(f.w(4)),
+            exp_data_sn: f.w(5),
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {
@@ -177,18 +177,18 @@ impl Body for TaskManagementResponse {
     const OPCODE: Opcode = Opcode::TaskManagementResponse;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
         no_data(&data)?;
-        let info = f.w[5].to_be_bytes();
-        Ok(TaskManagementResponse {
-            response: TmfResponse::from(f.b[2]),
-            initiator_task_tag: f.w[0],
-            stat_sn: SerialNumber(f.w[2]),
-            exp_cmd_sn: SerialNumber(f.w[3]),
-            max_cmd_sn: SerialNumber(f.w[4]),
+        let info = f.w(5).to_be_bytes();
+        Ok(Pdu::TaskManagementResponse(TaskManagementResponse {
+            response: TmfResponse::from(f.b(2)),
+            initiator_task_tag: f.w(0),
+            stat_sn: SerialNumber(f.w(2)),
+            exp_cmd_sn: SerialNumber(f.w(3)),
+            max_cmd_sn: SerialNumber(f.w(4)),
             additional_response_information: [info[0], info[1], info[2]],
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {

@@ -2,9 +2,9 @@
 
 use bytes::Bytes;
 
-use super::{no_ahs, Body};
-use crate::bhs::{Fields, Opcode};
-use crate::error::PduError;
+use super::{no_ahs, Body, Pdu};
+use crate::bhs::{Fields, Opcode, View};
+use crate::error::{DecodeError, PduError};
 use crate::serial::SerialNumber;
 use crate::types::Lun;
 
@@ -46,20 +46,20 @@ impl Body for TextRequest {
     const OPCODE: Opcode = Opcode::TextRequest;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
-        let (final_bit, continue_bit) = final_continue(f.b[1])?;
-        Ok(TextRequest {
-            immediate: f.b[0] & 0x40 != 0,
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
+        let (final_bit, continue_bit) = final_continue(f.b(1))?;
+        Ok(Pdu::TextRequest(TextRequest {
+            immediate: f.b(0) & 0x40 != 0,
             final_bit,
             continue_bit,
-            lun: Lun(f.lun),
-            initiator_task_tag: f.w[0],
-            target_transfer_tag: f.w[1],
-            cmd_sn: SerialNumber(f.w[2]),
-            exp_stat_sn: SerialNumber(f.w[3]),
+            lun: Lun(f.lun()),
+            initiator_task_tag: f.w(0),
+            target_transfer_tag: f.w(1),
+            cmd_sn: SerialNumber(f.w(2)),
+            exp_stat_sn: SerialNumber(f.w(3)),
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {
@@ -107,20 +107,20 @@ impl Body for TextResponse {
     const OPCODE: Opcode = Opcode::TextResponse;
 
     #[inline(always)]
-    fn decode(f: &Fields, ahs: &Bytes, data: Bytes) -> Result<Self, PduError> {
-        no_ahs(ahs)?;
-        let (final_bit, continue_bit) = final_continue(f.b[1])?;
-        Ok(TextResponse {
+    fn decode(f: View<'_>, ahs: Option<Bytes>, data: Bytes) -> Result<Pdu, DecodeError> {
+        no_ahs(&ahs)?;
+        let (final_bit, continue_bit) = final_continue(f.b(1))?;
+        Ok(Pdu::TextResponse(TextResponse {
             final_bit,
             continue_bit,
-            lun: Lun(f.lun),
-            initiator_task_tag: f.w[0],
-            target_transfer_tag: f.w[1],
-            stat_sn: SerialNumber(f.w[2]),
-            exp_cmd_sn: SerialNumber(f.w[3]),
-            max_cmd_sn: SerialNumber(f.w[4]),
+            lun: Lun(f.lun()),
+            initiator_task_tag: f.w(0),
+            target_transfer_tag: f.w(1),
+            stat_sn: SerialNumber(f.w(2)),
+            exp_cmd_sn: SerialNumber(f.w(3)),
+            max_cmd_sn: SerialNumber(f.w(4)),
             data,
-        })
+        }))
     }
 
     fn encode(&self, f: &mut Fields) {
