@@ -1,26 +1,4 @@
-//! Sans-IO iSCSI (RFC 7143) for targets and initiators: typed codecs for every PDU, a streaming
-//! deframer, text key=value handling, the login/text negotiation engine for every key of
-//! RFC 7143 section 13, CHAP, and CRC32C digests.
-//!
-//! Nothing here owns a socket, a clock or a thread: callers feed bytes and events in and act on
-//! what comes back, so the same code serves a tokio daemon, a test harness and a fuzzer.
-//!
-//! ```
-//! use bytes::BytesMut;
-//! use iscsi_pdu::{Deframer, Digests, NopOut, Pdu, SerialNumber};
-//!
-//! let ping = Pdu::NopOut(NopOut { initiator_task_tag: 7, target_transfer_tag: 0xffff_ffff,
-//!     cmd_sn: SerialNumber(1), ..Default::default() });
-//! let mut wire = BytesMut::new();
-//! ping.encode(Digests::NONE, &mut wire);
-//!
-//! let mut deframer = Deframer::new();
-//! deframer.feed(&wire[..10]);
-//! assert_eq!(deframer.next_pdu().unwrap(), None);
-//! assert_eq!(deframer.needed(), 38);
-//! deframer.feed(&wire[10..]);
-//! assert_eq!(deframer.next_pdu().unwrap(), Some(ping));
-//! ```
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 
 pub mod bhs;
