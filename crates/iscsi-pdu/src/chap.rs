@@ -162,10 +162,19 @@ fn verify(
     Ok(())
 }
 
-fn split_entropy(entropy: [u8; ENTROPY_LEN]) -> (u8, [u8; CHALLENGE_LEN]) {
-    let mut c = [0u8; CHALLENGE_LEN];
-    c.copy_from_slice(&entropy[1..]);
-    (entropy[0], c)
+/// Refuses one secret for both directions, and splits the entropy into this side's CHAP
+/// identifier and challenge.
+fn checked_setup(
+    initiator: &ChapCredentials,
+    target: Option<&ChapCredentials>,
+    entropy: [u8; ENTROPY_LEN],
+) -> Result<(u8, [u8; CHALLENGE_LEN]), ChapError> {
+    if target.is_some_and(|t| t.secret == initiator.secret) {
+        return Err(ChapError::SameSecretBothWays);
+    }
+    let mut challenge = [0u8; CHALLENGE_LEN];
+    challenge.copy_from_slice(&entropy[1..]);
+    Ok((entropy[0], challenge))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,13 +204,7 @@ impl ChapTarget {
         target: Option<ChapCredentials>,
         entropy: [u8; ENTROPY_LEN],
     ) -> Result<Self, ChapError> {
-        if target
-            .as_ref()
-            .is_some_and(|t| t.secret == initiator.secret)
-        {
-            return Err(ChapError::SameSecretBothWays);
-        }
-        let (identifier, challenge) = split_entropy(entropy);
+        let (identifier, challenge) = checked_setup(&initiator, target.as_ref(), entropy)?;
         Ok(ChapTarget {
             initiator,
             target,
@@ -310,13 +313,7 @@ impl ChapInitiator {
         target: Option<ChapCredentials>,
         entropy: [u8; ENTROPY_LEN],
     ) -> Result<Self, ChapError> {
-        if target
-            .as_ref()
-            .is_some_and(|t| t.secret == initiator.secret)
-        {
-            return Err(ChapError::SameSecretBothWays);
-        }
-        let (identifier, challenge) = split_entropy(entropy);
+        let (identifier, challenge) = checked_setup(&initiator, target.as_ref(), entropy)?;
         Ok(ChapInitiator {
             initiator,
             target,

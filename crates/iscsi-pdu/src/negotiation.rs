@@ -127,22 +127,16 @@ pub struct AuthSettings {
     pub require_mutual: bool,
 }
 
-/// What one side supports and prefers. For a target these bound what it accepts; for an initiator
-/// they are what it proposes.
-#[derive(Debug, Clone)]
-pub struct Settings {
-    /// HeaderDigest values, in preference order.
-    pub header_digest: Vec<DigestAlgorithm>,
-    /// DataDigest values, in preference order.
-    pub data_digest: Vec<DigestAlgorithm>,
+/// The numeric and boolean operational keys (RFC 7143 section 13), one field each, holding the
+/// RFC defaults until set. [`Settings`] hold what a side offers; [`SessionParams`] what was agreed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OperationalParams {
     /// MaxConnections.
     pub max_connections: u16,
     /// InitialR2T.
     pub initial_r2t: bool,
     /// ImmediateData.
     pub immediate_data: bool,
-    /// MaxRecvDataSegmentLength this side declares.
-    pub max_recv_data_segment_length: u32,
     /// MaxBurstLength.
     pub max_burst_length: u32,
     /// FirstBurstLength.
@@ -159,10 +153,101 @@ pub struct Settings {
     pub data_sequence_in_order: bool,
     /// ErrorRecoveryLevel.
     pub error_recovery_level: u8,
-    /// TaskReporting values supported, in preference order.
-    pub task_reporting: Vec<TaskReporting>,
     /// iSCSIProtocolLevel.
     pub iscsi_protocol_level: u8,
+}
+
+impl Default for OperationalParams {
+    /// The RFC defaults.
+    fn default() -> Self {
+        OperationalParams {
+            max_connections: 1,
+            initial_r2t: true,
+            immediate_data: true,
+            max_burst_length: 262_144,
+            first_burst_length: 65_536,
+            default_time2wait: 2,
+            default_time2retain: 20,
+            max_outstanding_r2t: 1,
+            data_pdu_in_order: true,
+            data_sequence_in_order: true,
+            error_recovery_level: 0,
+            iscsi_protocol_level: 1,
+        }
+    }
+}
+
+impl OperationalParams {
+    /// The value of a numeric key; `None` for any other key.
+    pub fn number(&self, key: &str) -> Option<u64> {
+        Some(match key {
+            "MaxConnections" => self.max_connections.into(),
+            "MaxBurstLength" => self.max_burst_length.into(),
+            "FirstBurstLength" => self.first_burst_length.into(),
+            "DefaultTime2Wait" => self.default_time2wait.into(),
+            "DefaultTime2Retain" => self.default_time2retain.into(),
+            "MaxOutstandingR2T" => self.max_outstanding_r2t.into(),
+            "ErrorRecoveryLevel" => self.error_recovery_level.into(),
+            "iSCSIProtocolLevel" => self.iscsi_protocol_level.into(),
+            _ => return None,
+        })
+    }
+
+    /// The value of a boolean key; `None` for any other key.
+    pub fn boolean(&self, key: &str) -> Option<bool> {
+        Some(match key {
+            "InitialR2T" => self.initial_r2t,
+            "ImmediateData" => self.immediate_data,
+            "DataPDUInOrder" => self.data_pdu_in_order,
+            "DataSequenceInOrder" => self.data_sequence_in_order,
+            _ => return None,
+        })
+    }
+
+    /// Stores a numeric key's value, already checked against the key's range. FirstBurstLength
+    /// never exceeds MaxBurstLength (RFC 7143 section 13.14).
+    fn set_number(&mut self, key: &str, n: u64) {
+        // The key tables bound every range below its field's width.
+        match key {
+            "MaxConnections" => self.max_connections = n as u16,
+            "MaxBurstLength" => self.max_burst_length = n as u32,
+            "FirstBurstLength" => self.first_burst_length = n as u32,
+            "DefaultTime2Wait" => self.default_time2wait = n as u16,
+            "DefaultTime2Retain" => self.default_time2retain = n as u16,
+            "MaxOutstandingR2T" => self.max_outstanding_r2t = n as u16,
+            "ErrorRecoveryLevel" => self.error_recovery_level = n as u8,
+            "iSCSIProtocolLevel" => self.iscsi_protocol_level = n as u8,
+            _ => {}
+        }
+        self.first_burst_length = self.first_burst_length.min(self.max_burst_length);
+    }
+
+    /// Stores a boolean key's value.
+    fn set_boolean(&mut self, key: &str, v: bool) {
+        match key {
+            "InitialR2T" => self.initial_r2t = v,
+            "ImmediateData" => self.immediate_data = v,
+            "DataPDUInOrder" => self.data_pdu_in_order = v,
+            "DataSequenceInOrder" => self.data_sequence_in_order = v,
+            _ => {}
+        }
+    }
+}
+
+/// What one side supports and prefers. For a target these bound what it accepts; for an initiator
+/// they are what it proposes.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// HeaderDigest values, in preference order.
+    pub header_digest: Vec<DigestAlgorithm>,
+    /// DataDigest values, in preference order.
+    pub data_digest: Vec<DigestAlgorithm>,
+    /// MaxRecvDataSegmentLength this side declares.
+    pub max_recv_data_segment_length: u32,
+    /// The numeric and boolean keys.
+    pub operational: OperationalParams,
+    /// TaskReporting values supported, in preference order.
+    pub task_reporting: Vec<TaskReporting>,
     /// Authentication.
     pub auth: AuthSettings,
     /// Initiator: InitiatorName to declare.
@@ -185,20 +270,9 @@ impl Default for Settings {
         Settings {
             header_digest: vec![DigestAlgorithm::None, DigestAlgorithm::Crc32c],
             data_digest: vec![DigestAlgorithm::None, DigestAlgorithm::Crc32c],
-            max_connections: 1,
-            initial_r2t: true,
-            immediate_data: true,
             max_recv_data_segment_length: 8192,
-            max_burst_length: 262_144,
-            first_burst_length: 65_536,
-            default_time2wait: 2,
-            default_time2retain: 20,
-            max_outstanding_r2t: 1,
-            data_pdu_in_order: true,
-            data_sequence_in_order: true,
-            error_recovery_level: 0,
+            operational: OperationalParams::default(),
             task_reporting: vec![TaskReporting::Rfc3720],
-            iscsi_protocol_level: 1,
             auth: AuthSettings::default(),
             initiator_name: None,
             initiator_alias: None,
@@ -226,7 +300,7 @@ impl Settings {
         let err = |key, reason: String| Err(SettingsError { key, reason });
         for def in KEYS {
             if let Kind::Min(lo, hi) | Kind::Max(lo, hi) = def.kind {
-                let v = self.local_number(def.name);
+                let v = self.operational.number(def.name).unwrap_or(0);
                 if v < lo || v > hi {
                     return err(def.name, format!("{v} is outside {lo}..={hi}"));
                 }
@@ -239,12 +313,13 @@ impl Settings {
                 format!("{mrdsl} is outside 512..={MAX_SEGMENT}"),
             );
         }
-        if self.first_burst_length > self.max_burst_length {
+        let op = &self.operational;
+        if op.first_burst_length > op.max_burst_length {
             return err(
                 "FirstBurstLength",
                 format!(
                     "{} exceeds MaxBurstLength {}",
-                    self.first_burst_length, self.max_burst_length
+                    op.first_burst_length, op.max_burst_length
                 ),
             );
         }
@@ -268,30 +343,6 @@ impl Settings {
             }
         }
         Ok(())
-    }
-
-    fn local_number(&self, key: &str) -> u64 {
-        match key {
-            "MaxConnections" => self.max_connections.into(),
-            "MaxBurstLength" => self.max_burst_length.into(),
-            "FirstBurstLength" => self.first_burst_length.into(),
-            "DefaultTime2Wait" => self.default_time2wait.into(),
-            "DefaultTime2Retain" => self.default_time2retain.into(),
-            "MaxOutstandingR2T" => self.max_outstanding_r2t.into(),
-            "ErrorRecoveryLevel" => self.error_recovery_level.into(),
-            "iSCSIProtocolLevel" => self.iscsi_protocol_level.into(),
-            _ => 0,
-        }
-    }
-
-    fn local_bool(&self, key: &str) -> bool {
-        match key {
-            "InitialR2T" => self.initial_r2t,
-            "ImmediateData" => self.immediate_data,
-            "DataPDUInOrder" => self.data_pdu_in_order,
-            "DataSequenceInOrder" => self.data_sequence_in_order,
-            _ => false,
-        }
     }
 
     fn local_list(&self, key: &str) -> Vec<&'static str> {
@@ -324,32 +375,10 @@ pub struct SessionParams {
     pub target_alias: Option<String>,
     /// TargetPortalGroupTag as declared.
     pub target_portal_group_tag: Option<u16>,
-    /// MaxConnections.
-    pub max_connections: u16,
-    /// InitialR2T.
-    pub initial_r2t: bool,
-    /// ImmediateData.
-    pub immediate_data: bool,
-    /// MaxBurstLength.
-    pub max_burst_length: u32,
-    /// FirstBurstLength.
-    pub first_burst_length: u32,
-    /// DefaultTime2Wait.
-    pub default_time2wait: u16,
-    /// DefaultTime2Retain.
-    pub default_time2retain: u16,
-    /// MaxOutstandingR2T.
-    pub max_outstanding_r2t: u16,
-    /// DataPDUInOrder.
-    pub data_pdu_in_order: bool,
-    /// DataSequenceInOrder.
-    pub data_sequence_in_order: bool,
-    /// ErrorRecoveryLevel.
-    pub error_recovery_level: u8,
+    /// The numeric and boolean keys.
+    pub operational: OperationalParams,
     /// TaskReporting.
     pub task_reporting: TaskReporting,
-    /// iSCSIProtocolLevel.
-    pub iscsi_protocol_level: u8,
     /// The AuthMethod agreed, if the security stage ran.
     pub auth_method: Option<AuthMethod>,
 }
@@ -363,19 +392,8 @@ impl Default for SessionParams {
             target_name: None,
             target_alias: None,
             target_portal_group_tag: None,
-            max_connections: 1,
-            initial_r2t: true,
-            immediate_data: true,
-            max_burst_length: 262_144,
-            first_burst_length: 65_536,
-            default_time2wait: 2,
-            default_time2retain: 20,
-            max_outstanding_r2t: 1,
-            data_pdu_in_order: true,
-            data_sequence_in_order: true,
-            error_recovery_level: 0,
+            operational: OperationalParams::default(),
             task_reporting: TaskReporting::Rfc3720,
-            iscsi_protocol_level: 1,
             auth_method: None,
         }
     }
@@ -713,19 +731,12 @@ fn lookup(name: &str) -> Option<&'static KeyDef> {
     KEYS.iter().find(|k| k.name == name)
 }
 
-/// The RFC default value of a negotiated key, in wire form.
-fn default_value(key: &str) -> &'static str {
+/// The RFC default of a list-valued key (the others are in [`OperationalParams::default`]).
+fn default_list_value(key: &str) -> &'static str {
     match key {
-        "HeaderDigest" | "DataDigest" | "AuthMethod" => "None",
-        "MaxConnections" | "MaxOutstandingR2T" | "iSCSIProtocolLevel" => "1",
-        "InitialR2T" | "ImmediateData" | "DataPDUInOrder" | "DataSequenceInOrder" => "Yes",
-        "MaxBurstLength" => "262144",
-        "FirstBurstLength" => "65536",
-        "DefaultTime2Wait" => "2",
-        "DefaultTime2Retain" => "20",
-        "ErrorRecoveryLevel" => "0",
         "TaskReporting" => "RFC3720",
-        _ => "",
+        // HeaderDigest, DataDigest, AuthMethod.
+        _ => "None",
     }
 }
 
@@ -999,7 +1010,7 @@ impl Negotiator {
                 let Some(theirs) = parse_boolean(offered) else {
                     return reject();
                 };
-                let ours = self.settings.local_bool(def.name);
+                let ours = self.settings.operational.boolean(def.name).unwrap_or(false);
                 boolean(if def.kind == Kind::Or {
                     theirs || ours
                 } else {
@@ -1011,9 +1022,9 @@ impl Negotiator {
                 let Some(theirs) = parse_number(offered).filter(|n| (lo..=hi).contains(n)) else {
                     return reject();
                 };
-                let mut ours = self.settings.local_number(def.name);
+                let mut ours = self.settings.operational.number(def.name).unwrap_or(0);
                 if def.name == "FirstBurstLength" {
-                    ours = ours.min(u64::from(self.session.max_burst_length));
+                    ours = ours.min(u64::from(self.session.operational.max_burst_length));
                 }
                 let v = if matches!(def.kind, Kind::Min(..)) {
                     theirs.min(ours)
@@ -1098,13 +1109,20 @@ impl Negotiator {
 
     /// Whether the RFC default of `def` is within this side's settings.
     fn default_acceptable(&self, def: &KeyDef) -> bool {
-        let d = default_value(def.name);
+        let (rfc, ours) = (OperationalParams::default(), &self.settings.operational);
+        let number = |p: &OperationalParams| p.number(def.name).unwrap_or(0);
         match def.kind {
+            // OR keys default to Yes, which every side can do.
             Kind::Or => true,
-            Kind::And => self.settings.local_bool(def.name) || d == "No",
-            Kind::Min(..) => parse_number(d).unwrap_or(0) <= self.settings.local_number(def.name),
-            Kind::Max(..) => parse_number(d).unwrap_or(0) >= self.settings.local_number(def.name),
-            Kind::List => self.settings.local_list(def.name).contains(&d),
+            Kind::And => {
+                ours.boolean(def.name).unwrap_or(false) || rfc.boolean(def.name) == Some(false)
+            }
+            Kind::Min(..) => number(&rfc) <= number(ours),
+            Kind::Max(..) => number(&rfc) >= number(ours),
+            Kind::List => self
+                .settings
+                .local_list(def.name)
+                .contains(&default_list_value(def.name)),
             Kind::Declarative | Kind::Obsolete(_) => true,
         }
     }
@@ -1160,32 +1178,21 @@ impl Negotiator {
             key: key.into(),
             value: value.into(),
         };
-        let num = || parse_number(value).ok_or_else(invalid);
-        let yes = || parse_boolean(value).ok_or_else(invalid);
-        let s = &mut self.session;
-        match key {
-            "HeaderDigest" => self.connection.header_digest = value == "CRC32C",
-            "DataDigest" => self.connection.data_digest = value == "CRC32C",
-            "MaxConnections" => s.max_connections = num()? as u16,
-            "InitialR2T" => s.initial_r2t = yes()?,
-            "ImmediateData" => s.immediate_data = yes()?,
-            "MaxBurstLength" => {
-                s.max_burst_length = num()? as u32;
-                s.first_burst_length = s.first_burst_length.min(s.max_burst_length);
+        let op = &mut self.session.operational;
+        if op.number(key).is_some() {
+            op.set_number(key, parse_number(value).ok_or_else(invalid)?);
+        } else if op.boolean(key).is_some() {
+            op.set_boolean(key, parse_boolean(value).ok_or_else(invalid)?);
+        } else {
+            match key {
+                "HeaderDigest" => self.connection.header_digest = value == "CRC32C",
+                "DataDigest" => self.connection.data_digest = value == "CRC32C",
+                "TaskReporting" => {
+                    self.session.task_reporting = TaskReporting::parse(value).ok_or_else(invalid)?
+                }
+                "AuthMethod" => self.auth_agreed(value)?,
+                _ => {}
             }
-            "FirstBurstLength" => s.first_burst_length = (num()? as u32).min(s.max_burst_length),
-            "DefaultTime2Wait" => s.default_time2wait = num()? as u16,
-            "DefaultTime2Retain" => s.default_time2retain = num()? as u16,
-            "MaxOutstandingR2T" => s.max_outstanding_r2t = num()? as u16,
-            "DataPDUInOrder" => s.data_pdu_in_order = yes()?,
-            "DataSequenceInOrder" => s.data_sequence_in_order = yes()?,
-            "ErrorRecoveryLevel" => s.error_recovery_level = num()? as u8,
-            "TaskReporting" => {
-                s.task_reporting = TaskReporting::parse(value).ok_or_else(invalid)?
-            }
-            "iSCSIProtocolLevel" => s.iscsi_protocol_level = num()? as u8,
-            "AuthMethod" => self.auth_agreed(value)?,
-            _ => {}
         }
         Ok(())
     }
@@ -1374,8 +1381,15 @@ impl Negotiator {
     /// This side's value for a negotiated key, in wire form.
     fn local_value(&self, def: &KeyDef) -> String {
         match def.kind {
-            Kind::Or | Kind::And => boolean(self.settings.local_bool(def.name)).to_string(),
-            Kind::Min(..) | Kind::Max(..) => self.settings.local_number(def.name).to_string(),
+            Kind::Or | Kind::And => {
+                boolean(self.settings.operational.boolean(def.name).unwrap_or(false)).to_string()
+            }
+            Kind::Min(..) | Kind::Max(..) => self
+                .settings
+                .operational
+                .number(def.name)
+                .unwrap_or(0)
+                .to_string(),
             _ => self.settings.local_list(def.name).join(","),
         }
     }

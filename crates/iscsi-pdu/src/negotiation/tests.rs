@@ -9,19 +9,22 @@ fn target_settings() -> Settings {
     Settings {
         header_digest: vec![DigestAlgorithm::None, DigestAlgorithm::Crc32c],
         data_digest: vec![DigestAlgorithm::None, DigestAlgorithm::Crc32c],
-        max_connections: 8,
-        initial_r2t: false,
-        immediate_data: true,
         max_recv_data_segment_length: 262_144,
-        max_burst_length: 1_048_576,
-        first_burst_length: 262_144,
-        default_time2wait: 2,
-        default_time2retain: 20,
-        max_outstanding_r2t: 16,
-        error_recovery_level: 0,
         task_reporting: vec![TaskReporting::Rfc3720, TaskReporting::ResponseFence],
-        iscsi_protocol_level: 2,
         target_portal_group_tag: Some(1),
+        operational: OperationalParams {
+            max_connections: 8,
+            initial_r2t: false,
+            immediate_data: true,
+            max_burst_length: 1_048_576,
+            first_burst_length: 262_144,
+            default_time2wait: 2,
+            default_time2retain: 20,
+            max_outstanding_r2t: 16,
+            error_recovery_level: 0,
+            iscsi_protocol_level: 2,
+            ..Settings::default().operational
+        },
         ..Settings::default()
     }
 }
@@ -136,7 +139,7 @@ fn target_records_results_and_declarations() {
         s.initiator_name.as_deref(),
         Some("iqn.1994-05.com.example:a")
     );
-    assert!(!s.initial_r2t);
+    assert!(!s.operational.initial_r2t);
     let c = t.connection();
     assert!(c.header_digest && c.data_digest);
     assert_eq!(c.max_send_data_segment_length, 32768);
@@ -255,10 +258,13 @@ fn odd_cases() {
 #[test]
 fn target_proposes_only_what_the_defaults_would_violate() {
     let settings = Settings {
-        immediate_data: false,
-        max_burst_length: 131_072,
-        first_burst_length: 32_768,
         header_digest: vec![DigestAlgorithm::Crc32c],
+        operational: OperationalParams {
+            immediate_data: false,
+            max_burst_length: 131_072,
+            first_burst_length: 32_768,
+            ..target_settings().operational
+        },
         ..target_settings()
     };
     let mut t = Negotiator::new(Role::Target, settings, true, [0; ENTROPY_LEN]);
@@ -279,12 +285,15 @@ fn target_proposes_only_what_the_defaults_would_violate() {
     ]);
     t.receive(OP, &answers).unwrap();
     assert!(t.may_transit(OP, FFP).unwrap());
-    assert!(!t.session().immediate_data);
-    assert_eq!(t.session().max_burst_length, 65536);
+    assert!(!t.session().operational.immediate_data);
+    assert_eq!(t.session().operational.max_burst_length, 65536);
     assert!(t.connection().header_digest);
     // An answer breaking the result function is refused.
     let settings = Settings {
-        immediate_data: false,
+        operational: OperationalParams {
+            immediate_data: false,
+            ..target_settings().operational
+        },
         ..target_settings()
     };
     let mut t = Negotiator::new(Role::Target, settings, true, [0; ENTROPY_LEN]);
@@ -301,13 +310,16 @@ fn initiator_settings() -> Settings {
         target_name: Some("iqn.2026-11.io.example:disk1".into()),
         header_digest: vec![DigestAlgorithm::Crc32c, DigestAlgorithm::None],
         data_digest: vec![DigestAlgorithm::None],
-        initial_r2t: false,
-        immediate_data: true,
         max_recv_data_segment_length: 65_536,
-        max_burst_length: 16_776_192,
-        first_burst_length: 262_144,
-        max_outstanding_r2t: 8,
-        max_connections: 4,
+        operational: OperationalParams {
+            initial_r2t: false,
+            immediate_data: true,
+            max_burst_length: 16_776_192,
+            first_burst_length: 262_144,
+            max_outstanding_r2t: 8,
+            max_connections: 4,
+            ..Settings::default().operational
+        },
         ..Settings::default()
     }
 }
@@ -334,7 +346,7 @@ fn initiator_checks_answers() {
         let r = i.receive(OP, &params(&[(key, value)]));
         if *key == "InitialR2T" {
             assert!(r.is_ok());
-            assert!(i.session().initial_r2t);
+            assert!(i.session().operational.initial_r2t);
         } else {
             assert!(
                 matches!(r, Err(NegotiationError::InvalidAnswer { .. })),
@@ -344,7 +356,10 @@ fn initiator_checks_answers() {
     }
     // OR: a proposed Yes must stay Yes.
     let settings = Settings {
-        data_pdu_in_order: true,
+        operational: OperationalParams {
+            data_pdu_in_order: true,
+            ..initiator_settings().operational
+        },
         ..initiator_settings()
     };
     let mut i = Negotiator::new(Role::Initiator, settings, true, [0; ENTROPY_LEN]);
@@ -414,23 +429,29 @@ fn login(
 #[test]
 fn full_login_agrees_on_both_sides() {
     let (i, t) = login(initiator_settings(), target_settings(), true).unwrap();
-    assert_eq!(i.session().max_burst_length, 1_048_576);
-    assert_eq!(i.session().first_burst_length, 262_144);
-    assert_eq!(i.session().max_connections, 4);
-    assert_eq!(i.session().max_outstanding_r2t, 8);
-    assert!(!i.session().initial_r2t);
+    assert_eq!(i.session().operational.max_burst_length, 1_048_576);
+    assert_eq!(i.session().operational.first_burst_length, 262_144);
+    assert_eq!(i.session().operational.max_connections, 4);
+    assert_eq!(i.session().operational.max_outstanding_r2t, 8);
+    assert!(!i.session().operational.initial_r2t);
     assert_eq!(i.session().target_portal_group_tag, Some(1));
     assert_eq!(i.session().auth_method, Some(AuthMethod::None));
     let fields: [fn(&SessionParams) -> u32; 3] = [
-        |s| s.max_burst_length,
-        |s| s.first_burst_length,
-        |s| u32::from(s.max_connections),
+        |s| s.operational.max_burst_length,
+        |s| s.operational.first_burst_length,
+        |s| u32::from(s.operational.max_connections),
     ];
     for field in fields {
         assert_eq!(field(i.session()), field(t.session()));
     }
-    assert_eq!(i.session().initial_r2t, t.session().initial_r2t);
-    assert_eq!(i.session().immediate_data, t.session().immediate_data);
+    assert_eq!(
+        i.session().operational.initial_r2t,
+        t.session().operational.initial_r2t
+    );
+    assert_eq!(
+        i.session().operational.immediate_data,
+        t.session().operational.immediate_data
+    );
     assert_eq!(i.session().task_reporting, t.session().task_reporting);
     assert!(i.connection().header_digest && t.connection().header_digest);
     assert!(!i.connection().data_digest && !t.connection().data_digest);
@@ -486,7 +507,10 @@ fn login_with_chap_one_way_and_mutual() {
 fn login_without_security_stage() {
     let (i, t) = login(initiator_settings(), target_settings(), false).unwrap();
     assert!(t.authenticated());
-    assert_eq!(i.session().max_burst_length, t.session().max_burst_length);
+    assert_eq!(
+        i.session().operational.max_burst_length,
+        t.session().operational.max_burst_length
+    );
     t.require_initiator_declarations().unwrap();
 }
 
@@ -500,7 +524,7 @@ fn discovery_login() {
     let (i, t) = login(init, target_settings(), true).unwrap();
     assert_eq!(t.session().session_type, SessionType::Discovery);
     assert_eq!(
-        i.session().max_burst_length,
+        i.session().operational.max_burst_length,
         262_144,
         "irrelevant keys keep their defaults"
     );
@@ -510,13 +534,19 @@ fn discovery_login() {
 #[test]
 fn settings_validation_names_the_key() {
     let mut s = Settings {
-        max_burst_length: 100,
+        operational: OperationalParams {
+            max_burst_length: 100,
+            ..Settings::default().operational
+        },
         ..Settings::default()
     };
     assert_eq!(s.validate().unwrap_err().key, "MaxBurstLength");
     s = Settings {
-        first_burst_length: 1 << 20,
-        max_burst_length: 1 << 19,
+        operational: OperationalParams {
+            first_burst_length: 1 << 20,
+            max_burst_length: 1 << 19,
+            ..Settings::default().operational
+        },
         ..Settings::default()
     };
     assert_eq!(s.validate().unwrap_err().key, "FirstBurstLength");
@@ -526,7 +556,10 @@ fn settings_validation_names_the_key() {
     };
     assert_eq!(s.validate().unwrap_err().key, "MaxRecvDataSegmentLength");
     s = Settings {
-        error_recovery_level: 3,
+        operational: OperationalParams {
+            error_recovery_level: 3,
+            ..Settings::default().operational
+        },
         ..Settings::default()
     };
     assert_eq!(s.validate().unwrap_err().key, "ErrorRecoveryLevel");
