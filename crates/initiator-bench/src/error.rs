@@ -1,0 +1,91 @@
+//! Errors of the initiator library, scoped to what recovers: a failed command leaves the session
+//! usable; a lost connection fails the commands on it and the session logs in again on next use.
+
+use iscsi_pdu::negotiation::NegotiationError;
+use iscsi_pdu::{LoginStatus, RejectReason, ScsiStatus, TmfResponse};
+
+use crate::scsi::Sense;
+
+/// An initiator error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The URL is malformed.
+    #[error("bad iSCSI URL {url:?}: {reason}")]
+    Url {
+        /// The URL.
+        url: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// Socket I/O failed.
+    #[error("I/O: {0}")]
+    Io(#[from] std::io::Error),
+    /// The target refused the login.
+    #[error("login refused: status {status:?}{}", if .message.is_empty() { String::new() } else { format!(" ({})", .message) })]
+    LoginRefused {
+        /// Status-Class and Status-Detail.
+        status: LoginStatus,
+        /// A readable name for the status.
+        message: &'static str,
+    },
+    /// Negotiation or authentication failed.
+    #[error("negotiation: {0}")]
+    Negotiation(#[from] NegotiationError),
+    /// The target broke the protocol; the connection is closed.
+    #[error("protocol violation by the target: {0}")]
+    Protocol(String),
+    /// The target broke the protocol for one command; the session goes on.
+    #[error("command failed: {0}")]
+    Command(String),
+    /// The target rejected a PDU of this command.
+    #[error("target rejected the command: {0:?}")]
+    Rejected(RejectReason),
+    /// A task management function did not complete.
+    #[error("task management function failed: {0:?}")]
+    TaskManagement(TmfResponse),
+    /// The command completed with a status other than GOOD.
+    #[error("SCSI status {status:?}, sense {sense:?}")]
+    Scsi {
+        /// The status.
+        status: ScsiStatus,
+        /// Sense key, ASC and ASCQ, if sense data came.
+        sense: Option<Sense>,
+    },
+    /// The command was aborted by a task management function.
+    #[error("command aborted")]
+    Aborted,
+    /// The connection carrying the command was lost; the command may or may not have run.
+    #[error("connection lost: {0}")]
+    ConnectionLost(String),
+    /// The command took longer than allowed.
+    #[error("timed out")]
+    Timeout,
+}
+
+/// A readable name for a login status.
+pub(crate) fn login_status_message(s: LoginStatus) -> &'static str {
+    match s {
+        LoginStatus::TARGET_MOVED_TEMPORARILY => "target moved temporarily",
+        LoginStatus::TARGET_MOVED_PERMANENTLY => "target moved permanently",
+        LoginStatus::INITIATOR_ERROR => "initiator error",
+        LoginStatus::AUTHENTICATION_FAILURE => "authentication failure",
+        LoginStatus::AUTHORIZATION_FAILURE => "authorization failure",
+        LoginStatus::NOT_FOUND => "target not found",
+        LoginStatus::TARGET_REMOVED => "target removed",
+        LoginStatus::UNSUPPORTED_VERSION => "unsupported version",
+        LoginStatus::TOO_MANY_CONNECTIONS => "too many connections",
+        LoginStatus::MISSING_PARAMETER => "missing parameter",
+        LoginStatus::CANT_INCLUDE_IN_SESSION => "can't include in session",
+        LoginStatus::SESSION_TYPE_NOT_SUPPORTED => "session type not supported",
+        LoginStatus::SESSION_DOES_NOT_EXIST => "session does not exist",
+        LoginStatus::INVALID_DURING_LOGIN => "invalid request during login",
+        LoginStatus::TARGET_ERROR => "target error",
+        LoginStatus::SERVICE_UNAVAILABLE => "service unavailable",
+        LoginStatus::OUT_OF_RESOURCES => "out of resources",
+        _ => "",
+    }
+}
+
+/// Result of the initiator library.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

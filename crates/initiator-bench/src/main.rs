@@ -1,0 +1,3 @@
+//! `initiator-bench`: the command-line load generator.
+
+fn main() {}
