@@ -1,3 +1,651 @@
-//! `initiator-bench`: the command-line load generator.
+//! `initiator-bench`: tests, benchmarks and compares iSCSI targets.
 
-fn main() {}
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use initiator_bench::login::LoginOptions;
+use initiator_bench::plot::{plot, Series};
+use initiator_bench::proxy::{parse_duration, parse_rate, Link, Proxy};
+use initiator_bench::workload::{run, Progress, Report, Rw, Workload};
+use initiator_bench::{discover, IscsiUrl};
+use iscsi_pdu::chap::ChapCredentials;
+use iscsi_pdu::negotiation::DigestAlgorithm;
+
+#[derive(Parser)]
+#[command(
+    name = "initiator-bench",
+    version,
+    about = "iSCSI initiator and load generator"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run one workload and report IOPS, throughput and latency.
+    Run {
+        /// iscsi://[user%secret@]host[:port]/IQN/LUN
+        url: String,
+        #[command(flatten)]
+        workload: WorkloadArgs,
+        #[command(flatten)]
+        login: LoginArgs,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run one workload per value of a parameter; write a table and a plot.
+    Sweep {
+        /// iscsi://[user%secret@]host[:port]/IQN/LUN
+        url: String,
+        /// The parameter to vary.
+        #[arg(long, value_enum)]
+        param: Param,
+        /// Comma-separated values (sizes like 4k for bs, durations like 16ms for delay).
+        #[arg(long, value_delimiter = ',', required = true)]
+        values: Vec<String>,
+        /// Directory for sweep.md, sweep.csv, sweep.json, sweep.svg and sweep.png.
+        #[arg(long, default_value = "sweep-out")]
+        out: PathBuf,
+        /// Link rate for delay sweeps (e.g. 1gbit); unlimited when absent.
+        #[arg(long)]
+        rate: Option<String>,
+        #[command(flatten)]
+        workload: WorkloadArgs,
+        #[command(flatten)]
+        login: LoginArgs,
+    },
+    /// Relay TCP with a one-way delay each way (and a rate limit), like Dummynet.
+    Proxy {
+        /// Address to listen on.
+        #[arg(long)]
+        listen: String,
+        /// Address to relay to.
+        #[arg(long)]
+        to: String,
+        /// One-way delay, each direction (e.g. 16ms).
+        #[arg(long, default_value = "0")]
+        delay: String,
+        /// Link rate each direction (e.g. 1gbit).
+        #[arg(long)]
+        rate: Option<String>,
+    },
+    /// Run a workload on two targets in alternation and report the ratios.
+    Compare {
+        /// First target URL (A).
+        url_a: String,
+        /// Second target URL (B).
+        url_b: String,
+        /// Rounds of A then B.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+        #[command(flatten)]
+        workload: WorkloadArgs,
+        #[command(flatten)]
+        login: LoginArgs,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the targets a portal offers (SendTargets=All).
+    Discover {
+        /// iscsi://host[:port]
+        url: String,
+        #[command(flatten)]
+        login: LoginArgs,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Param {
+    Qd,
+    Bs,
+    Sessions,
+    Delay,
+}
+
+#[derive(Args, Clone)]
+struct WorkloadArgs {
+    /// I/O pattern.
+    #[arg(long, value_enum, default_value = "randread")]
+    rw: Rw,
+    /// Block size of each I/O (e.g. 512, 4k, 1m).
+    #[arg(long, default_value = "4k", value_parser = parse_size)]
+    bs: u64,
+    /// Commands outstanding per session.
+    #[arg(long, default_value_t = 32)]
+    qd: usize,
+    /// Sessions, each its own login.
+    #[arg(long, default_value_t = 1)]
+    sessions: usize,
+    /// Run time (e.g. 10s).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    time: Duration,
+    /// Total I/Os instead of a run time.
+    #[arg(long)]
+    ios: Option<u64>,
+    /// Percent reads in rw and randrw.
+    #[arg(long, default_value_t = 50)]
+    rwmix: u8,
+    /// Start of the range (e.g. 1g).
+    #[arg(long, default_value = "0", value_parser = parse_size)]
+    offset: u64,
+    /// Length of the range; the rest of the LU when absent.
+    #[arg(long, value_parser = parse_size)]
+    size: Option<u64>,
+    /// Write a seeded pattern with the LBA in every block and check it on read.
+    #[arg(long)]
+    verify: bool,
+    /// Seed for random offsets and the verify pattern.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+impl WorkloadArgs {
+    fn workload(&self) -> anyhow::Result<Workload> {
+        Ok(Workload {
+            rw: self.rw,
+            bs: u32::try_from(self.bs).context("--bs is too large")?,
+            qd: self.qd,
+            sessions: self.sessions,
+            time: self.time,
+            ios: self.ios,
+            rwmix: self.rwmix,
+            offset: self.offset,
+            size: self.size,
+            verify: self.verify,
+            seed: self.seed,
+        })
+    }
+}
+
+#[derive(Args, Clone)]
+struct LoginArgs {
+    /// InitiatorName.
+    #[arg(long, default_value = "iqn.2026-11.io.storage-target:initiator-bench")]
+    initiator_name: String,
+    /// HeaderDigest proposal, in preference order (None, CRC32C).
+    #[arg(long, value_delimiter = ',', default_value = "None")]
+    header_digest: Vec<String>,
+    /// DataDigest proposal.
+    #[arg(long, value_delimiter = ',', default_value = "None")]
+    data_digest: Vec<String>,
+    /// ImmediateData proposal.
+    #[arg(long, default_value = "yes")]
+    immediate_data: YesNo,
+    /// InitialR2T proposal.
+    #[arg(long, default_value = "no")]
+    initial_r2t: YesNo,
+    /// FirstBurstLength proposal.
+    #[arg(long, default_value = "256k", value_parser = parse_size)]
+    first_burst_length: u64,
+    /// MaxBurstLength proposal.
+    #[arg(long, default_value = "16776192", value_parser = parse_size)]
+    max_burst_length: u64,
+    /// MaxRecvDataSegmentLength this initiator declares.
+    #[arg(long, default_value = "256k", value_parser = parse_size)]
+    max_recv_data_segment_length: u64,
+    /// MaxOutstandingR2T proposal.
+    #[arg(long, default_value_t = 16)]
+    max_outstanding_r2t: u16,
+    /// Connections per session (MC/S).
+    #[arg(long, default_value_t = 1)]
+    connections: u16,
+    /// CHAP name the target must prove (mutual CHAP).
+    #[arg(long, requires = "target_secret")]
+    target_user: Option<String>,
+    /// CHAP secret the target must prove.
+    #[arg(long, requires = "target_user")]
+    target_secret: Option<String>,
+    /// Timeout for the login and for each command.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    timeout: Duration,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum YesNo {
+    Yes,
+    No,
+}
+
+impl LoginArgs {
+    fn options(&self) -> anyhow::Result<LoginOptions> {
+        let digests = |names: &[String], key: &str| -> anyhow::Result<Vec<DigestAlgorithm>> {
+            names
+                .iter()
+                .map(|n| match n.to_ascii_lowercase().as_str() {
+                    "none" => Ok(DigestAlgorithm::None),
+                    "crc32c" => Ok(DigestAlgorithm::Crc32c),
+                    other => bail!("--{key}: {other:?} is neither None nor CRC32C"),
+                })
+                .collect()
+        };
+        let mut o = LoginOptions {
+            initiator_name: self.initiator_name.clone(),
+            ..LoginOptions::default()
+        };
+        o.settings.header_digest = digests(&self.header_digest, "header-digest")?;
+        o.settings.data_digest = digests(&self.data_digest, "data-digest")?;
+        o.settings.max_recv_data_segment_length = u32::try_from(self.max_recv_data_segment_length)?;
+        let op = &mut o.settings.operational;
+        op.immediate_data = matches!(self.immediate_data, YesNo::Yes);
+        op.initial_r2t = matches!(self.initial_r2t, YesNo::Yes);
+        op.first_burst_length = u32::try_from(self.first_burst_length)?;
+        op.max_burst_length = u32::try_from(self.max_burst_length)?;
+        op.max_outstanding_r2t = self.max_outstanding_r2t;
+        o.connections = self.connections.max(1);
+        o.timeout = self.timeout;
+        if let (Some(u), Some(s)) = (&self.target_user, &self.target_secret) {
+            o.mutual_chap = Some(
+                ChapCredentials::new(u.clone(), s.as_bytes().to_vec(), 1)
+                    .map_err(|e| anyhow::anyhow!("{e}"))?,
+            );
+        }
+        let mut check = o.settings.clone();
+        check.initiator_name = Some(o.initiator_name.clone());
+        check
+            .validate()
+            .map_err(|e| anyhow::anyhow!("login settings: {e}"))?;
+        Ok(o)
+    }
+}
+
+/// Parses sizes like `512`, `4k`, `1m`, `2g` (binary multiples).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let t = t
+        .strip_suffix("ib")
+        .or_else(|| t.strip_suffix('b'))
+        .unwrap_or(&t);
+    let (num, mult) = match t.chars().last() {
+        Some('k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('m') => (&t[..t.len() - 1], 1 << 20),
+        Some('g') => (&t[..t.len() - 1], 1 << 30),
+        Some('t') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a size (e.g. 4k, 1m)"))
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        match cli.command {
+            Cmd::Run {
+                url,
+                workload,
+                login,
+                json,
+            } => {
+                let url = IscsiUrl::parse(&url)?;
+                let report =
+                    run_with_progress(&url, &login.options()?, &workload.workload()?).await?;
+                if json {
+                    println!("{}", serde_json::to_string(&report)?);
+                } else {
+                    print_report(&report);
+                }
+                if report.verify_errors > 0 {
+                    bail!("{} blocks failed verification", report.verify_errors);
+                }
+                Ok(())
+            }
+            Cmd::Sweep {
+                url,
+                param,
+                values,
+                out,
+                rate,
+                workload,
+                login,
+            } => {
+                sweep(
+                    &IscsiUrl::parse(&url)?,
+                    param,
+                    &values,
+                    &out,
+                    rate.as_deref(),
+                    &workload,
+                    &login.options()?,
+                )
+                .await
+            }
+            Cmd::Proxy {
+                listen,
+                to,
+                delay,
+                rate,
+            } => {
+                let link = Link {
+                    delay: parse_duration(&delay).map_err(anyhow::Error::msg)?,
+                    rate_bps: rate
+                        .as_deref()
+                        .map(parse_rate)
+                        .transpose()
+                        .map_err(anyhow::Error::msg)?,
+                };
+                let proxy = Proxy::start(&listen, &to, link).await?;
+                eprintln!(
+                    "relaying {} -> {to} with {:?} each way",
+                    proxy.local_addr, link.delay
+                );
+                tokio::signal::ctrl_c().await?;
+                Ok(())
+            }
+            Cmd::Compare {
+                url_a,
+                url_b,
+                rounds,
+                workload,
+                login,
+                json,
+            } => {
+                compare(
+                    &IscsiUrl::parse(&url_a)?,
+                    &IscsiUrl::parse(&url_b)?,
+                    rounds,
+                    &workload.workload()?,
+                    &login.options()?,
+                    json,
+                )
+                .await
+            }
+            Cmd::Discover { url, login } => {
+                for t in discover(&IscsiUrl::parse(&url)?, &login.options()?).await? {
+                    println!("{} {}", t.name, t.addresses.join(" "));
+                }
+                Ok(())
+            }
+        }
+    })
+}
+
+/// Runs a workload, with a live progress line when stderr is a terminal.
+async fn run_with_progress(
+    url: &IscsiUrl,
+    login: &LoginOptions,
+    w: &Workload,
+) -> anyhow::Result<Report> {
+    let progress = Arc::new(Progress::default());
+    let ticker = std::io::stderr().is_terminal().then(|| {
+        let p = progress.clone();
+        tokio::spawn(async move {
+            let t0 = Instant::now();
+            let (mut last_ios, mut last_bytes) = (0u64, 0u64);
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let (ios, bytes) = (
+                    p.ios.load(Ordering::Relaxed),
+                    p.bytes.load(Ordering::Relaxed),
+                );
+                eprint!(
+                    "\r{:>6.1}s  {:>10.0} IOPS  {:>9.1} MB/s   ",
+                    t0.elapsed().as_secs_f64(),
+                    (ios - last_ios) as f64,
+                    (bytes - last_bytes) as f64 / 1e6
+                );
+                let _ = std::io::stderr().flush();
+                (last_ios, last_bytes) = (ios, bytes);
+            }
+        })
+    });
+    let report = run(url, login, w, progress).await;
+    if let Some(t) = ticker {
+        t.abort();
+        eprintln!();
+    }
+    Ok(report?)
+}
+
+fn print_report(r: &Report) {
+    let w = &r.workload;
+    println!(
+        "{:?} bs={} qd={} sessions={}: {} I/Os in {:.2}s, {} errors",
+        w.rw, w.bs, w.qd, w.sessions, r.ios, r.elapsed_seconds, r.errors
+    );
+    println!(
+        "  IOPS {:.0}   throughput {:.1} MB/s",
+        r.iops,
+        r.bytes_per_sec / 1e6
+    );
+    let l = &r.latency_us;
+    println!(
+        "  latency us: p50 {:.1}  p90 {:.1}  p99 {:.1}  p99.9 {:.1}  max {:.1}  mean {:.1}",
+        l.p50, l.p90, l.p99, l.p999, l.max, l.mean
+    );
+    println!(
+        "  client CPU {:.2}s ({:.1} us per I/O)",
+        r.cpu_seconds,
+        r.cpu_seconds * 1e6 / r.ios.max(1) as f64
+    );
+    if w.sessions > 1 {
+        println!(
+            "  per-session I/Os {:?}, Jain's fairness {:.3}",
+            r.per_session_ios,
+            r.fairness()
+        );
+    }
+    if w.verify {
+        println!(
+            "  verified {} blocks, {} wrong",
+            r.verified_blocks, r.verify_errors
+        );
+    }
+}
+
+async fn sweep(
+    url: &IscsiUrl,
+    param: Param,
+    values: &[String],
+    out: &std::path::Path,
+    rate: Option<&str>,
+    args: &WorkloadArgs,
+    login: &LoginOptions,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let rate_bps = rate
+        .map(parse_rate)
+        .transpose()
+        .map_err(anyhow::Error::msg)?;
+    let (name, unit) = match param {
+        Param::Qd => ("queue depth", ""),
+        Param::Bs => ("block size", " (bytes)"),
+        Param::Sessions => ("sessions", ""),
+        Param::Delay => ("one-way delay", " (ms)"),
+    };
+    let mut rows = Vec::new();
+    for v in values {
+        let mut w = args.workload()?;
+        let mut target = url.clone();
+        let mut _proxy = None;
+        let x = match param {
+            Param::Qd => {
+                w.qd = v.parse().with_context(|| format!("queue depth {v:?}"))?;
+                w.qd as f64
+            }
+            Param::Bs => {
+                w.bs = u32::try_from(parse_size(v).map_err(anyhow::Error::msg)?)?;
+                f64::from(w.bs)
+            }
+            Param::Sessions => {
+                w.sessions = v.parse().with_context(|| format!("sessions {v:?}"))?;
+                w.sessions as f64
+            }
+            Param::Delay => {
+                let delay = parse_duration(v).map_err(anyhow::Error::msg)?;
+                let proxy =
+                    Proxy::start("127.0.0.1:0", &url.portal, Link { delay, rate_bps }).await?;
+                target.portal = proxy.local_addr.to_string();
+                _proxy = Some(proxy);
+                delay.as_secs_f64() * 1e3
+            }
+        };
+        eprintln!("{name} = {v} ...");
+        let r = run_with_progress(&target, login, &w).await?;
+        eprintln!(
+            "  {:.0} IOPS, {:.1} MB/s, p99 {:.0} us",
+            r.iops,
+            r.bytes_per_sec / 1e6,
+            r.latency_us.p99
+        );
+        rows.push((v.clone(), x, r));
+    }
+    let mut md = format!(
+        "| {name} | IOPS | MB/s | p50 us | p99 us | client CPU s | fairness |\n| --- | --- | --- | --- | --- | --- | --- |\n"
+    );
+    let mut csv = String::from(
+        "value,iops,bytes_per_sec,p50_us,p90_us,p99_us,p999_us,max_us,cpu_seconds,fairness\n",
+    );
+    for (v, _, r) in &rows {
+        let l = &r.latency_us;
+        md.push_str(&format!(
+            "| {v} | {:.0} | {:.1} | {:.0} | {:.0} | {:.2} | {:.3} |\n",
+            r.iops,
+            r.bytes_per_sec / 1e6,
+            l.p50,
+            l.p99,
+            r.cpu_seconds,
+            r.fairness()
+        ));
+        csv.push_str(&format!(
+            "{v},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.1},{:.3},{:.4}\n",
+            r.iops,
+            r.bytes_per_sec,
+            l.p50,
+            l.p90,
+            l.p99,
+            l.p999,
+            l.max,
+            r.cpu_seconds,
+            r.fairness()
+        ));
+    }
+    std::fs::write(out.join("sweep.md"), &md)?;
+    std::fs::write(out.join("sweep.csv"), &csv)?;
+    let reports: Vec<&Report> = rows.iter().map(|(_, _, r)| r).collect();
+    std::fs::write(
+        out.join("sweep.json"),
+        serde_json::to_string_pretty(&reports)?,
+    )?;
+    let by_bytes = matches!(param, Param::Bs | Param::Delay);
+    let series = vec![Series {
+        label: if by_bytes {
+            "MB/s".into()
+        } else {
+            "IOPS".into()
+        },
+        points: rows
+            .iter()
+            .map(|(_, x, r)| {
+                (
+                    *x,
+                    if by_bytes {
+                        r.bytes_per_sec / 1e6
+                    } else {
+                        r.iops
+                    },
+                )
+            })
+            .collect(),
+    }];
+    let w = args.workload()?;
+    let title = format!("{:?} bs={} qd={} sessions={}", w.rw, w.bs, w.qd, w.sessions);
+    let files = plot(
+        &out.join("sweep"),
+        &title,
+        &format!("{name}{unit}"),
+        if by_bytes { "MB/s" } else { "IOPS" },
+        &series,
+    )
+    .map_err(anyhow::Error::msg)?;
+    print!("{md}");
+    for f in files {
+        eprintln!("wrote {}", f.display());
+    }
+    Ok(())
+}
+
+async fn compare(
+    a: &IscsiUrl,
+    b: &IscsiUrl,
+    rounds: usize,
+    w: &Workload,
+    login: &LoginOptions,
+    json: bool,
+) -> anyhow::Result<()> {
+    let mut pairs = Vec::new();
+    for round in 0..rounds.max(1) {
+        let ra = run_with_progress(a, login, w)
+            .await
+            .with_context(|| format!("round {round}, A"))?;
+        let rb = run_with_progress(b, login, w)
+            .await
+            .with_context(|| format!("round {round}, B"))?;
+        pairs.push((ra, rb));
+    }
+    let metrics: [(&str, fn(&Report) -> f64); 5] = [
+        ("IOPS", |r| r.iops),
+        ("MB/s", |r| r.bytes_per_sec / 1e6),
+        ("p50 us", |r| r.latency_us.p50),
+        ("p99 us", |r| r.latency_us.p99),
+        ("CPU us/IO", |r| r.cpu_seconds * 1e6 / r.ios.max(1) as f64),
+    ];
+    if json {
+        let rows: Vec<serde_json::Value> = pairs
+            .iter()
+            .map(|(ra, rb)| {
+                let mut m = serde_json::Map::new();
+                for (name, f) in metrics {
+                    m.insert(
+                        name.into(),
+                        serde_json::json!({ "a": f(ra), "b": f(rb), "b_over_a": f(rb) / f(ra) }),
+                    );
+                }
+                serde_json::Value::Object(m)
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({ "a": a.to_string(), "b": b.to_string(), "workload": w, "rounds": rows })
+        );
+        return Ok(());
+    }
+    println!("A = {a}\nB = {b}");
+    println!("| round | metric | A | B | B/A |\n| --- | --- | --- | --- | --- |");
+    for (i, (ra, rb)) in pairs.iter().enumerate() {
+        for (name, f) in metrics {
+            println!(
+                "| {} | {name} | {:.1} | {:.1} | {:.3} |",
+                i + 1,
+                f(ra),
+                f(rb),
+                f(rb) / f(ra)
+            );
+        }
+    }
+    for (name, f) in metrics {
+        let mut ratios: Vec<f64> = pairs.iter().map(|(ra, rb)| f(rb) / f(ra)).collect();
+        ratios.sort_by(f64::total_cmp);
+        println!("median B/A {name}: {:.3}", ratios[ratios.len() / 2]);
+    }
+    Ok(())
+}

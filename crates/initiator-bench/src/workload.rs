@@ -1,0 +1,521 @@
+//! Workloads: what `initiator-bench run` does, and its report.
+//!
+//! Each of `qd` workers per session keeps one command outstanding. Latency goes into a per-worker
+//! HdrHistogram (nanoseconds, 3 significant digits), merged at the end.
+//!
+//! `--verify` writes every block with a pattern that depends only on its LBA and the seed (the
+//! LBA leads the block), so a block's content is the same whichever write reached it last, and
+//! reads check any block this run has finished writing (or every block, for a read-only run over
+//! data an earlier run wrote with the same seed). After a run that wrote, a verify pass reads
+//! back every block written.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::login::LoginOptions;
+use crate::session::Session;
+use crate::url::IscsiUrl;
+
+/// The I/O pattern.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Rw {
+    /// Sequential reads.
+    Read,
+    /// Sequential writes.
+    Write,
+    /// Random reads.
+    Randread,
+    /// Random writes.
+    Randwrite,
+    /// Sequential, mixed (`rwmix` percent reads).
+    Rw,
+    /// Random, mixed.
+    Randrw,
+}
+
+impl Rw {
+    fn random(self) -> bool {
+        matches!(self, Rw::Randread | Rw::Randwrite | Rw::Randrw)
+    }
+
+    fn read_percent(self, rwmix: u8) -> u8 {
+        match self {
+            Rw::Read | Rw::Randread => 100,
+            Rw::Write | Rw::Randwrite => 0,
+            Rw::Rw | Rw::Randrw => rwmix.min(100),
+        }
+    }
+}
+
+/// One workload.
+#[derive(Debug, Clone, Serialize)]
+pub struct Workload {
+    /// Pattern.
+    pub rw: Rw,
+    /// Block size of each I/O, bytes (a multiple of the LU's block size).
+    pub bs: u32,
+    /// Commands outstanding per session.
+    pub qd: usize,
+    /// Sessions (each its own login).
+    pub sessions: usize,
+    /// Run time, unless `ios` is given.
+    #[serde(serialize_with = "seconds")]
+    pub time: Duration,
+    /// Total I/Os instead of a time.
+    pub ios: Option<u64>,
+    /// Percent reads for mixed patterns.
+    pub rwmix: u8,
+    /// Start of the range, bytes.
+    pub offset: u64,
+    /// Length of the range, bytes (the rest of the LU when absent).
+    pub size: Option<u64>,
+    /// Check data integrity.
+    pub verify: bool,
+    /// Seed for random offsets and the verify pattern.
+    pub seed: u64,
+}
+
+fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
+}
+
+impl Default for Workload {
+    fn default() -> Self {
+        Workload {
+            rw: Rw::Randread,
+            bs: 4096,
+            qd: 32,
+            sessions: 1,
+            time: Duration::from_secs(10),
+            ios: None,
+            rwmix: 50,
+            offset: 0,
+            size: None,
+            verify: false,
+            seed: 1,
+        }
+    }
+}
+
+/// Latency percentiles, microseconds.
+#[derive(Debug, Clone, Copy, Serialize, Default)]
+pub struct Latency {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// 99.9th percentile.
+    pub p999: f64,
+    /// Maximum.
+    pub max: f64,
+    /// Mean.
+    pub mean: f64,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// The workload.
+    pub workload: Workload,
+    /// Completed I/Os per second.
+    pub iops: f64,
+    /// Payload bytes per second.
+    pub bytes_per_sec: f64,
+    /// Latency of completed I/Os.
+    pub latency_us: Latency,
+    /// CPU time of this process (user + system) during the run.
+    pub cpu_seconds: f64,
+    /// Completed I/Os.
+    pub ios: u64,
+    /// Failed I/Os.
+    pub errors: u64,
+    /// Wall-clock run time.
+    pub elapsed_seconds: f64,
+    /// Blocks whose content was checked, and how many were wrong.
+    pub verified_blocks: u64,
+    /// Blocks that did not hold the expected pattern.
+    pub verify_errors: u64,
+    /// Completed I/Os of each session, for fairness.
+    pub per_session_ios: Vec<u64>,
+}
+
+impl Report {
+    /// Jain's fairness index of per-session throughput: 1 when all sessions got the same.
+    pub fn fairness(&self) -> f64 {
+        jain(
+            &self
+                .per_session_ios
+                .iter()
+                .map(|&x| x as f64)
+                .collect::<Vec<_>>(),
+        )
+    }
+}
+
+/// Jain's fairness index: (sum x)^2 / (n * sum x^2).
+pub fn jain(xs: &[f64]) -> f64 {
+    let sum: f64 = xs.iter().sum();
+    let sq: f64 = xs.iter().map(|x| x * x).sum();
+    if xs.is_empty() || sq == 0.0 {
+        1.0
+    } else {
+        sum * sum / (xs.len() as f64 * sq)
+    }
+}
+
+/// Live counters, for a progress line.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// I/Os completed so far.
+    pub ios: AtomicU64,
+    /// Bytes moved so far.
+    pub bytes: AtomicU64,
+}
+
+/// CPU time of this process so far (user + system), from /proc/self/stat.
+pub fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the parenthesised command name; utime and stime are the 12th and 13th.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // USER_HZ is 100 on Linux.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// The verify pattern of one block: its LBA, the seed, then a xorshift stream of both.
+pub fn fill_pattern(block: &mut [u8], lba: u64, seed: u64) {
+    let mut x = lba.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed ^ 0x2545_f491_4f6c_dd1d;
+    for (i, chunk) in block.chunks_mut(8).enumerate() {
+        let v = match i {
+            0 => lba,
+            1 => seed,
+            _ => {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            }
+        };
+        chunk.copy_from_slice(&v.to_be_bytes()[..chunk.len()]);
+    }
+}
+
+/// A small deterministic generator for offsets.
+#[derive(Debug, Clone)]
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Blocks this run has finished writing (one bit each), for `--verify`.
+#[derive(Debug)]
+struct Written(Mutex<Vec<u64>>);
+
+impl Written {
+    fn new(blocks: u64) -> Self {
+        Written(Mutex::new(vec![0; blocks.div_ceil(64) as usize]))
+    }
+    fn set(&self, from: u64, n: u64) {
+        let mut b = self.0.lock().expect("bitmap");
+        for i in from..from + n {
+            b[(i / 64) as usize] |= 1 << (i % 64);
+        }
+    }
+    fn get(&self, i: u64) -> bool {
+        self.0.lock().expect("bitmap")[(i / 64) as usize] & (1 << (i % 64)) != 0
+    }
+}
+
+/// Runs `w` against the LU of `url`.
+pub async fn run(
+    url: &IscsiUrl,
+    opts: &LoginOptions,
+    w: &Workload,
+    progress: Arc<Progress>,
+) -> Result<Report> {
+    let mut sessions = Vec::new();
+    for _ in 0..w.sessions.max(1) {
+        sessions.push(Arc::new(Session::connect(url, opts.clone()).await?));
+    }
+    let (lu_blocks, block_size) = sessions[0].capacity().await?;
+    if w.bs == 0 || w.bs % block_size != 0 {
+        return Err(Error::Command(format!(
+            "--bs {} is not a multiple of the LU's {block_size}-byte blocks",
+            w.bs
+        )));
+    }
+    let lu_bytes = lu_blocks * u64::from(block_size);
+    let start = w.offset / u64::from(block_size);
+    let len = w
+        .size
+        .unwrap_or(lu_bytes.saturating_sub(w.offset))
+        .min(lu_bytes.saturating_sub(w.offset));
+    let io_blocks = u64::from(w.bs / block_size);
+    let slots = len / u64::from(w.bs);
+    if slots == 0 {
+        return Err(Error::Command(format!(
+            "the range holds no {}-byte I/O",
+            w.bs
+        )));
+    }
+    let shared = Arc::new(Shared {
+        w: w.clone(),
+        block_size,
+        start,
+        io_blocks,
+        slots,
+        stop: AtomicBool::new(false),
+        issued: AtomicU64::new(0),
+        cursor: AtomicU64::new(0),
+        errors: AtomicU64::new(0),
+        verified: AtomicU64::new(0),
+        verify_errors: AtomicU64::new(0),
+        written: w.verify.then(|| Written::new(slots * io_blocks)),
+        progress,
+    });
+    let cpu0 = cpu_seconds();
+    let t0 = Instant::now();
+    let mut workers = Vec::new();
+    for (si, s) in sessions.iter().enumerate() {
+        for q in 0..w.qd.max(1) {
+            let seed =
+                w.seed ^ ((si as u64) << 32 | q as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            workers.push((
+                si,
+                tokio::spawn(worker(shared.clone(), s.clone(), XorShift(seed))),
+            ));
+        }
+    }
+    if w.ios.is_none() {
+        let stopper = shared.clone();
+        let time = w.time;
+        tokio::spawn(async move {
+            tokio::time::sleep(time).await;
+            stopper.stop.store(true, Ordering::Release);
+        });
+    }
+    let mut hist = Histogram::<u64>::new(3).expect("3 significant digits");
+    let mut per_session = vec![0u64; sessions.len()];
+    let mut ios = 0u64;
+    for (si, h) in workers {
+        let (n, wh) = h
+            .await
+            .map_err(|e| Error::Command(format!("worker failed: {e}")))?;
+        hist.add(&wh).expect("same precision");
+        per_session[si] += n;
+        ios += n;
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - cpu0;
+    if w.verify && w.rw.read_percent(w.rwmix) < 100 {
+        verify_pass(&shared, &sessions[0]).await?;
+    }
+    for s in &sessions {
+        let _ = s.logout().await;
+    }
+    let us = |v: u64| v as f64 / 1000.0;
+    Ok(Report {
+        workload: w.clone(),
+        iops: ios as f64 / elapsed,
+        bytes_per_sec: (ios * u64::from(w.bs)) as f64 / elapsed,
+        latency_us: Latency {
+            p50: us(hist.value_at_quantile(0.5)),
+            p90: us(hist.value_at_quantile(0.9)),
+            p99: us(hist.value_at_quantile(0.99)),
+            p999: us(hist.value_at_quantile(0.999)),
+            max: us(hist.max()),
+            mean: hist.mean() / 1000.0,
+        },
+        cpu_seconds: cpu,
+        ios,
+        errors: shared.errors.load(Ordering::Relaxed),
+        elapsed_seconds: elapsed,
+        verified_blocks: shared.verified.load(Ordering::Relaxed),
+        verify_errors: shared.verify_errors.load(Ordering::Relaxed),
+        per_session_ios: per_session,
+    })
+}
+
+#[derive(Debug)]
+struct Shared {
+    w: Workload,
+    block_size: u32,
+    /// First LBA of the range.
+    start: u64,
+    io_blocks: u64,
+    /// I/O-sized slots in the range.
+    slots: u64,
+    stop: AtomicBool,
+    issued: AtomicU64,
+    cursor: AtomicU64,
+    errors: AtomicU64,
+    verified: AtomicU64,
+    verify_errors: AtomicU64,
+    written: Option<Written>,
+    progress: Arc<Progress>,
+}
+
+impl Shared {
+    /// Claims the next I/O, or `None` when the run is over.
+    fn claim(&self) -> Option<()> {
+        if self.stop.load(Ordering::Acquire) {
+            return None;
+        }
+        match self.w.ios {
+            Some(n) => (self.issued.fetch_add(1, Ordering::AcqRel) < n).then_some(()),
+            None => Some(()),
+        }
+    }
+
+    fn block_data(&self, lba: u64) -> Bytes {
+        let bs = self.block_size as usize;
+        let mut buf = vec![0u8; self.w.bs as usize];
+        if self.w.verify {
+            for (i, block) in buf.chunks_mut(bs).enumerate() {
+                fill_pattern(block, lba + i as u64, self.w.seed);
+            }
+        } else {
+            // Not all zeros, so thin targets store it, and cheap to make.
+            for (i, b) in buf.iter_mut().enumerate().step_by(512) {
+                *b = (lba as usize + i) as u8 | 1;
+            }
+        }
+        Bytes::from(buf)
+    }
+
+    /// Checks read data against the pattern, block by block.
+    fn check(&self, lba: u64, data: &[u8], all: bool) {
+        let bs = self.block_size as usize;
+        let mut expect = vec![0u8; bs];
+        for (i, block) in data.chunks(bs).enumerate() {
+            let b = lba + i as u64;
+            let written = self.written.as_ref().is_some_and(|w| w.get(b - self.start));
+            if !(all || written) {
+                continue;
+            }
+            fill_pattern(&mut expect, b, self.w.seed);
+            self.verified.fetch_add(1, Ordering::Relaxed);
+            if block != &expect[..] {
+                self.verify_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::error!("block {b}: data does not match the pattern written for it");
+            }
+        }
+    }
+}
+
+async fn worker(
+    sh: Arc<Shared>,
+    session: Arc<Session>,
+    mut rng: XorShift,
+) -> (u64, Histogram<u64>) {
+    let mut hist = Histogram::<u64>::new(3).expect("3 significant digits");
+    let mut done = 0u64;
+    let read_percent = u64::from(sh.w.rw.read_percent(sh.w.rwmix));
+    let read_only = read_percent == 100;
+    while sh.claim().is_some() {
+        let slot = if sh.w.rw.random() {
+            rng.next() % sh.slots
+        } else {
+            sh.cursor.fetch_add(1, Ordering::Relaxed) % sh.slots
+        };
+        let lba = sh.start + slot * sh.io_blocks;
+        let is_read = rng.next() % 100 < read_percent;
+        let t = Instant::now();
+        let result = if is_read {
+            session
+                .read(lba, sh.io_blocks as u32, sh.block_size)
+                .await
+                .map(|d| {
+                    if sh.w.verify {
+                        sh.check(lba, &d, read_only);
+                    }
+                })
+        } else {
+            let data = sh.block_data(lba);
+            session.write(lba, data, sh.block_size).await.map(|()| {
+                if let Some(w) = &sh.written {
+                    w.set(lba - sh.start, sh.io_blocks);
+                }
+            })
+        };
+        match result {
+            Ok(()) => {
+                let ns = t.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
+                let _ = hist.record(ns.max(1));
+                done += 1;
+                sh.progress.ios.fetch_add(1, Ordering::Relaxed);
+                sh.progress
+                    .bytes
+                    .fetch_add(u64::from(sh.w.bs), Ordering::Relaxed);
+            }
+            Err(e) => {
+                sh.errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!("I/O at LBA {lba} failed: {e}");
+                if matches!(e, Error::ConnectionLost(_)) {
+                    // The next command logs in again; pause so a dead target is not hammered.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+    (done, hist)
+}
+
+/// Reads back every block the run wrote and checks it.
+async fn verify_pass(sh: &Shared, session: &Session) -> Result<()> {
+    let Some(w) = &sh.written else { return Ok(()) };
+    for slot in 0..sh.slots {
+        let lba = sh.start + slot * sh.io_blocks;
+        if !(0..sh.io_blocks).any(|i| w.get(lba - sh.start + i)) {
+            continue;
+        }
+        let data = session
+            .read(lba, sh.io_blocks as u32, sh.block_size)
+            .await?;
+        sh.check(lba, &data, false);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pattern_and_fairness() {
+        let mut a = [0u8; 512];
+        let mut b = [0u8; 512];
+        fill_pattern(&mut a, 7, 1);
+        fill_pattern(&mut b, 7, 1);
+        assert_eq!(a, b);
+        assert_eq!(&a[..8], &7u64.to_be_bytes());
+        fill_pattern(&mut b, 8, 1);
+        assert_ne!(a, b);
+        fill_pattern(&mut b, 7, 2);
+        assert_ne!(a, b);
+        assert!((jain(&[1.0, 1.0, 1.0]) - 1.0).abs() < 1e-9);
+        assert!((jain(&[1.0, 0.0, 0.0, 0.0]) - 0.25).abs() < 1e-9);
+        assert_eq!(Rw::Randrw.read_percent(70), 70);
+        assert_eq!(Rw::Write.read_percent(70), 0);
+    }
+}
