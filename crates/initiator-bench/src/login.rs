@@ -241,12 +241,11 @@ impl LoginExchange<'_> {
         request: LoginRequest,
         text: bytes::Bytes,
     ) -> Result<(iscsi_pdu::LoginResponse, bytes::Bytes)> {
-        let mut segments = split_text(
+        let segments = split_text(
             &text,
             iscsi_pdu::LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH as usize,
-        )
-        .peekable();
-        while let Some((segment, more)) = segments.next() {
+        );
+        for (segment, more) in segments {
             let pdu = LoginRequest {
                 continue_bit: more,
                 transit: request.transit && !more,
