@@ -584,6 +584,9 @@ async fn sweep(
     Ok(())
 }
 
+/// A named figure of a report.
+type Metric = (&'static str, fn(&Report) -> f64);
+
 async fn compare(
     a: &IscsiUrl,
     b: &IscsiUrl,
@@ -602,7 +605,7 @@ async fn compare(
             .with_context(|| format!("round {round}, B"))?;
         pairs.push((ra, rb));
     }
-    let metrics: [(&str, fn(&Report) -> f64); 5] = [
+    let metrics: [Metric; 5] = [
         ("IOPS", |r| r.iops),
         ("MB/s", |r| r.bytes_per_sec / 1e6),
         ("p50 us", |r| r.latency_us.p50),
