@@ -5,16 +5,17 @@
 //! far end, and a writer that sleeps until a chunk is due and forwards it. The delay is added
 //! once per chunk as latency, not once per read as a sleep, so throughput at zero delay is that
 //! of loopback and at a delay D it is bounded only by the TCP windows, as on a real link.
+//!
+//! The data path runs on plain threads with blocking sockets: `thread::sleep` wakes within about
+//! 0.1 ms of its deadline, where tokio's timer wheel rounds up to the next millisecond, which
+//! would add up to 1 ms to every emulated delay.
 
-use std::net::SocketAddr;
-use std::time::Duration;
-
-use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
-use tokio::time::Instant;
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// The emulated link.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -30,90 +31,116 @@ const QUEUE_CHUNKS: usize = 4096;
 /// The largest chunk read at once.
 const CHUNK: usize = 64 * 1024;
 
-/// A running proxy.
+/// A running proxy; dropping it stops accepting (relayed connections run until they close).
 #[derive(Debug)]
 pub struct Proxy {
     /// The address it listens on.
     pub local_addr: SocketAddr,
-    task: tokio::task::JoinHandle<()>,
+    stop: Arc<AtomicBool>,
 }
 
 impl Drop for Proxy {
     fn drop(&mut self) {
-        self.task.abort();
+        self.stop.store(true, Ordering::Release);
+        // Wake the accept loop so it sees the flag.
+        let _ = TcpStream::connect(self.local_addr);
     }
 }
 
 impl Proxy {
     /// Listens on `listen` and relays every connection to `to` over `link`.
     pub async fn start(listen: &str, to: &str, link: Link) -> std::io::Result<Proxy> {
-        let listener = TcpListener::bind(listen).await?;
+        let listener = TcpListener::bind(listen)?;
         let local_addr = listener.local_addr()?;
-        let to = to.to_string();
-        let task = tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let to = to.clone();
-                tokio::spawn(async move {
-                    match TcpStream::connect(&to).await {
-                        Ok(server) => relay(client, server, link).await,
+        let stop = Arc::new(AtomicBool::new(false));
+        let (to, flag) = (to.to_string(), stop.clone());
+        std::thread::Builder::new()
+            .name("proxy-accept".into())
+            .spawn(move || {
+                for client in listener.incoming() {
+                    if flag.load(Ordering::Acquire) {
+                        return;
+                    }
+                    let Ok(client) = client else { continue };
+                    match TcpStream::connect(&to) {
+                        Ok(server) => relay(client, server, link),
                         Err(e) => tracing::warn!("proxy: cannot reach {to}: {e}"),
                     }
-                });
-            }
-        });
-        Ok(Proxy { local_addr, task })
+                }
+            })?;
+        Ok(Proxy { local_addr, stop })
     }
 }
 
-async fn relay(client: TcpStream, server: TcpStream, link: Link) {
+/// Starts both directions of one relayed connection.
+fn relay(client: TcpStream, server: TcpStream, link: Link) {
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
-    let (cr, cw) = client.into_split();
-    let (sr, sw) = server.into_split();
-    let up = tokio::spawn(direction(cr, sw, link));
-    let down = tokio::spawn(direction(sr, cw, link));
-    let _ = tokio::join!(up, down);
+    for (from, to) in [(&client, &server), (&server, &client)] {
+        match (from.try_clone(), to.try_clone()) {
+            (Ok(from), Ok(to)) => direction(from, to, link),
+            _ => tracing::warn!("proxy: cannot clone a socket"),
+        }
+    }
 }
 
-/// One direction: read, stamp with the due time, deliver when due.
-async fn direction(mut r: OwnedReadHalf, mut w: OwnedWriteHalf, link: Link) {
-    let (tx, mut rx) = mpsc::channel::<(Instant, Bytes)>(QUEUE_CHUNKS);
-    let reader = async move {
-        let mut link_free = Instant::now();
-        let mut buf = BytesMut::with_capacity(CHUNK);
-        loop {
-            buf.reserve(CHUNK);
-            match r.read_buf(&mut buf).await {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
-            let now = Instant::now();
-            let chunk = buf.split().freeze();
-            // Serialisation: the chunk occupies the link after what is already on it.
-            if let Some(bps) = link.rate_bps {
-                let start = link_free.max(now);
-                link_free = start
-                    + Duration::from_nanos(
-                        (chunk.len() as u64 * 8).saturating_mul(1_000_000_000) / bps.max(1),
-                    );
-            } else {
-                link_free = now;
-            }
-            if tx.send((link_free + link.delay, chunk)).await.is_err() {
-                break;
-            }
+/// One direction: a reader thread stamps chunks with their due time, a writer thread delivers
+/// them when due.
+fn direction(mut from: TcpStream, mut to: TcpStream, link: Link) {
+    let (tx, rx) = sync_channel::<(Instant, Vec<u8>)>(QUEUE_CHUNKS);
+    let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+        if let Err(e) = std::thread::Builder::new()
+            .name(name.into())
+            .stack_size(64 * 1024)
+            .spawn(f)
+        {
+            tracing::warn!("proxy: cannot start a thread: {e}");
         }
     };
-    let writer = async move {
-        while let Some((due, chunk)) = rx.recv().await {
-            tokio::time::sleep_until(due).await;
-            if w.write_all(&chunk).await.is_err() {
-                break;
+    spawn(
+        "proxy-read",
+        Box::new(move || {
+            let mut link_free = Instant::now();
+            let mut buf = vec![0u8; CHUNK];
+            loop {
+                let n = match from.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                let now = Instant::now();
+                // Serialisation: the chunk occupies the link after what is already on it.
+                link_free = match link.rate_bps {
+                    Some(bps) => {
+                        let wire = Duration::from_nanos(
+                            (n as u64 * 8).saturating_mul(1_000_000_000) / bps.max(1),
+                        );
+                        link_free.max(now) + wire
+                    }
+                    None => now,
+                };
+                if tx
+                    .send((link_free + link.delay, buf[..n].to_vec()))
+                    .is_err()
+                {
+                    break;
+                }
             }
+        }),
+    );
+    spawn("proxy-write", Box::new(move || deliver(rx, &mut to)));
+}
+
+fn deliver(rx: Receiver<(Instant, Vec<u8>)>, to: &mut TcpStream) {
+    while let Ok((due, chunk)) = rx.recv() {
+        let now = Instant::now();
+        if due > now {
+            std::thread::sleep(due - now);
         }
-        let _ = w.shutdown().await;
-    };
-    tokio::join!(reader, writer);
+        if to.write_all(&chunk).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(Shutdown::Write);
 }
 
 /// Parses a duration such as `16ms`, `1.5s`, `250us` or `0`.

@@ -173,6 +173,11 @@ impl Session {
         self.current().map(|i| i.params.clone())
     }
 
+    /// The digests in force on the first connection.
+    pub fn digests(&self) -> Option<Digests> {
+        self.current().map(|i| i.conns[0].digests)
+    }
+
     /// TSIH and connection count.
     pub fn info(&self) -> SessionInfo {
         self.current()

@@ -89,6 +89,7 @@ async fn digests_and_a_small_cmdsn_window() {
     o.settings.header_digest = vec![DigestAlgorithm::Crc32c];
     o.settings.data_digest = vec![DigestAlgorithm::Crc32c];
     let s = std::sync::Arc::new(session(&t, o).await);
+    assert_eq!(s.digests(), Some(iscsi_pdu::Digests::BOTH));
     let (_, bs) = s.capacity().await.unwrap();
     // Eight commands at once through a window of one.
     let mut handles = Vec::new();

@@ -48,14 +48,19 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        let mut settings = Settings::default();
-        settings.target_portal_group_tag = Some(1);
-        settings.max_recv_data_segment_length = 8192;
-        settings.operational.max_burst_length = 65536;
-        settings.operational.first_burst_length = 16384;
-        settings.operational.initial_r2t = false;
-        settings.operational.max_outstanding_r2t = 4;
-        settings.operational.max_connections = 4;
+        let settings = Settings {
+            target_portal_group_tag: Some(1),
+            max_recv_data_segment_length: 8192,
+            operational: OperationalParams {
+                max_burst_length: 65536,
+                first_burst_length: 16384,
+                initial_r2t: false,
+                max_outstanding_r2t: 4,
+                max_connections: 4,
+                ..OperationalParams::default()
+            },
+            ..Settings::default()
+        };
         Config {
             settings,
             blocks: 4096,
@@ -352,7 +357,7 @@ impl Conn {
                 continue;
             };
             let outcome = TextParams::parse(&all)
-                .map_err(|e| iscsi_pdu::negotiation::NegotiationError::Text(e))
+                .map_err(iscsi_pdu::negotiation::NegotiationError::Text)
                 .and_then(|p| neg.receive(req.current_stage, &p))
                 .and_then(|out| neg.require_initiator_declarations().map(|()| out));
             let (status, out) = match outcome {
