@@ -11,7 +11,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use initiator_bench::login::LoginOptions;
 use initiator_bench::plot::{plot, Series};
 use initiator_bench::proxy::{parse_duration, parse_rate, Link, Proxy};
-use initiator_bench::workload::{run, Progress, Report, Rw, Workload};
+use initiator_bench::workload::{run_many, Progress, Report, Rw, Workload};
 use initiator_bench::{discover, IscsiUrl};
 use iscsi_pdu::chap::ChapCredentials;
 use iscsi_pdu::negotiation::DigestAlgorithm;
@@ -31,8 +31,9 @@ struct Cli {
 enum Cmd {
     /// Run one workload and report IOPS, throughput and latency.
     Run {
-        /// iscsi://[user%secret@]host[:port]/IQN/LUN
-        url: String,
+        /// iscsi://[user%secret@]host[:port]/IQN/LUN; several spread the sessions over them.
+        #[arg(required = true)]
+        urls: Vec<String>,
         #[command(flatten)]
         workload: WorkloadArgs,
         #[command(flatten)]
@@ -291,14 +292,17 @@ fn main() -> anyhow::Result<()> {
     rt.block_on(async move {
         match cli.command {
             Cmd::Run {
-                url,
+                urls,
                 workload,
                 login,
                 json,
             } => {
-                let url = IscsiUrl::parse(&url)?;
+                let urls = urls
+                    .iter()
+                    .map(|u| IscsiUrl::parse(u))
+                    .collect::<Result<Vec<_>, _>>()?;
                 let report =
-                    run_with_progress(&url, &login.options()?, &workload.workload()?).await?;
+                    run_with_progress(&urls, &login.options()?, &workload.workload()?).await?;
                 if json {
                     println!("{}", serde_json::to_string(&report)?);
                 } else {
@@ -381,7 +385,7 @@ fn main() -> anyhow::Result<()> {
 
 /// Runs a workload, with a live progress line when stderr is a terminal.
 async fn run_with_progress(
-    url: &IscsiUrl,
+    urls: &[IscsiUrl],
     login: &LoginOptions,
     w: &Workload,
 ) -> anyhow::Result<Report> {
@@ -408,7 +412,7 @@ async fn run_with_progress(
             }
         })
     });
-    let report = run(url, login, w, progress).await;
+    let report = run_many(urls, login, w, progress).await;
     if let Some(t) = ticker {
         t.abort();
         eprintln!();
@@ -500,7 +504,7 @@ async fn sweep(
             }
         };
         eprintln!("{name} = {v} ...");
-        let r = run_with_progress(&target, login, &w).await?;
+        let r = run_with_progress(std::slice::from_ref(&target), login, &w).await?;
         eprintln!(
             "  {:.0} IOPS, {:.1} MB/s, p99 {:.0} us",
             r.iops,
@@ -568,15 +572,34 @@ async fn sweep(
             .collect(),
     }];
     let w = args.workload()?;
-    let title = format!("{:?} bs={} qd={} sessions={}", w.rw, w.bs, w.qd, w.sessions);
-    let files = plot(
+    // The fixed parameters; the swept one is the x axis.
+    let mut fixed = vec![format!("{:?}", w.rw)];
+    for (p, text) in [
+        (Param::Bs, format!("bs={}", w.bs)),
+        (Param::Qd, format!("qd={}", w.qd)),
+        (Param::Sessions, format!("sessions={}", w.sessions)),
+    ] {
+        if std::mem::discriminant(&p) != std::mem::discriminant(&param) {
+            fixed.push(text);
+        }
+    }
+    if let (Param::Delay, Some(r)) = (param, rate) {
+        fixed.push(format!("link {r}"));
+    }
+    let title = fixed.join(" ");
+    let files = match plot(
         &out.join("sweep"),
         &title,
         &format!("{name}{unit}"),
         if by_bytes { "MB/s" } else { "IOPS" },
         &series,
-    )
-    .map_err(anyhow::Error::msg)?;
+    ) {
+        Ok(files) => files,
+        Err(e) => {
+            eprintln!("no plot: {e}");
+            Vec::new()
+        }
+    };
     print!("{md}");
     for f in files {
         eprintln!("wrote {}", f.display());
@@ -597,10 +620,10 @@ async fn compare(
 ) -> anyhow::Result<()> {
     let mut pairs = Vec::new();
     for round in 0..rounds.max(1) {
-        let ra = run_with_progress(a, login, w)
+        let ra = run_with_progress(std::slice::from_ref(a), login, w)
             .await
             .with_context(|| format!("round {round}, A"))?;
-        let rb = run_with_progress(b, login, w)
+        let rb = run_with_progress(std::slice::from_ref(b), login, w)
             .await
             .with_context(|| format!("round {round}, B"))?;
         pairs.push((ra, rb));

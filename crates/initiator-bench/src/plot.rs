@@ -1,6 +1,7 @@
-//! Line plots of sweeps, as SVG and PNG, with plotters and no system libraries. The PNG needs a
-//! TrueType font for its labels: the first of a few common paths (DejaVu, Liberation) is loaded at
-//! run time; without one only the SVG is written.
+//! Line plots of sweeps, as SVG and PNG, with plotters and no system libraries. Both backends
+//! lay text out with a TrueType font: the first of a few common paths (DejaVu, Liberation; Debian
+//! package fonts-dejavu-core) is loaded at run time. Without one, no plot is drawn and the
+//! caller keeps its tables.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -30,7 +31,11 @@ fn font_ready() -> bool {
         for path in FONTS {
             if let Ok(bytes) = std::fs::read(path) {
                 let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-                if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                // Every family plotters may ask for, so no label goes without a face.
+                let all = ["sans-serif", "serif", "monospace"].iter().all(|family| {
+                    plotters::style::register_font(family, FontStyle::Normal, bytes).is_ok()
+                });
+                if all {
                     return true;
                 }
             }
@@ -47,33 +52,19 @@ pub fn plot(
     y_label: &str,
     series: &[Series],
 ) -> Result<Vec<PathBuf>, String> {
-    let mut written = Vec::new();
-    let svg = stem.with_extension("svg");
-    draw(
-        SVGBackend::new(&svg, (900, 560)).into_drawing_area(),
-        title,
-        x_label,
-        y_label,
-        series,
-    )?;
-    written.push(svg);
-    if font_ready() {
-        let png = stem.with_extension("png");
-        draw(
-            BitMapBackend::new(&png, (900, 560)).into_drawing_area(),
-            title,
-            x_label,
-            y_label,
-            series,
-        )?;
-        written.push(png);
-    } else {
-        tracing::warn!(
-            "no TrueType font found ({}); PNG not written",
+    if !font_ready() {
+        return Err(format!(
+            "no TrueType font for the labels (looked for {})",
             FONTS.join(", ")
-        );
+        ));
     }
-    Ok(written)
+    let svg = stem.with_extension("svg");
+    let area = SVGBackend::new(&svg, (900, 560)).into_drawing_area();
+    draw(area, title, x_label, y_label, series).map_err(|e| format!("{}: {e}", svg.display()))?;
+    let png = stem.with_extension("png");
+    let area = BitMapBackend::new(&png, (900, 560)).into_drawing_area();
+    draw(area, title, x_label, y_label, series).map_err(|e| format!("{}: {e}", png.display()))?;
+    Ok(vec![svg, png])
 }
 
 fn draw<DB: DrawingBackend>(
@@ -83,8 +74,8 @@ fn draw<DB: DrawingBackend>(
     y_label: &str,
     series: &[Series],
 ) -> Result<(), String> {
-    let err = |e: &dyn std::fmt::Display| format!("plot: {e}");
-    root.fill(&WHITE).map_err(|e| err(&e))?;
+    let err = |step: &str, e: &dyn std::fmt::Display| format!("plot {step}: {e}");
+    root.fill(&WHITE).map_err(|e| err("fill", &e))?;
     let xs = series.iter().flat_map(|s| s.points.iter().map(|p| p.0));
     let ys = series.iter().flat_map(|s| s.points.iter().map(|p| p.1));
     let (x0, x1) = xs.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
@@ -104,27 +95,27 @@ fn draw<DB: DrawingBackend>(
     if x0 > 0.0 && x1 / x0 >= 16.0 {
         let mut c = chart
             .build_cartesian_2d((x0..x1).log_scale(), 0.0..y1)
-            .map_err(|e| err(&e))?;
+            .map_err(|e| err("build", &e))?;
         c.configure_mesh()
             .x_desc(x_label)
             .y_desc(y_label)
             .draw()
-            .map_err(|e| err(&e))?;
+            .map_err(|e| err("mesh", &e))?;
         lines(&mut c, series)?;
         legend(&mut c)
     } else {
         let mut c = chart
             .build_cartesian_2d(x0..x1, 0.0..y1)
-            .map_err(|e| err(&e))?;
+            .map_err(|e| err("build", &e))?;
         c.configure_mesh()
             .x_desc(x_label)
             .y_desc(y_label)
             .draw()
-            .map_err(|e| err(&e))?;
+            .map_err(|e| err("mesh", &e))?;
         lines(&mut c, series)?;
         legend(&mut c)
     }?;
-    root.present().map_err(|e| err(&e))
+    root.present().map_err(|e| err("present", &e))
 }
 
 fn lines<'a, DB, X>(
@@ -162,5 +153,34 @@ where
         .border_style(BLACK)
         .position(SeriesLabelPosition::UpperLeft)
         .draw()
-        .map_err(|e| format!("plot: {e}"))
+        .map_err(|e| format!("plot legend: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn draws_svg_and_png_when_a_font_is_present() {
+        let dir = std::env::temp_dir().join(format!("plot-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let series = [Series {
+            label: "IOPS".into(),
+            points: vec![(1.0, 10.0), (2.0, 20.0), (128.0, 900.0)],
+        }];
+        match plot(&dir.join("p"), "title", "x", "y", &series) {
+            Ok(files) => {
+                for f in files {
+                    assert!(
+                        std::fs::metadata(&f).unwrap().len() > 1000,
+                        "{} is empty",
+                        f.display()
+                    );
+                }
+            }
+            Err(e) if !font_ready() => eprintln!("skipping: {e}"),
+            Err(e) => panic!("{e}"),
+        }
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

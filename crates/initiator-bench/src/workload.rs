@@ -253,9 +253,25 @@ pub async fn run(
     w: &Workload,
     progress: Arc<Progress>,
 ) -> Result<Report> {
+    run_many(std::slice::from_ref(url), opts, w, progress).await
+}
+
+/// Runs `w` with its sessions spread round-robin over the LUs of `urls` (one session per URL
+/// when `w.sessions` equals their number). The range is taken from the first LU's capacity.
+pub async fn run_many(
+    urls: &[IscsiUrl],
+    opts: &LoginOptions,
+    w: &Workload,
+    progress: Arc<Progress>,
+) -> Result<Report> {
+    if urls.is_empty() {
+        return Err(Error::Command("no target URL".into()));
+    }
     let mut sessions = Vec::new();
-    for _ in 0..w.sessions.max(1) {
-        sessions.push(Arc::new(Session::connect(url, opts.clone()).await?));
+    for i in 0..w.sessions.max(1) {
+        sessions.push(Arc::new(
+            Session::connect(&urls[i % urls.len()], opts.clone()).await?,
+        ));
     }
     let (lu_blocks, block_size) = sessions[0].capacity().await?;
     if w.bs == 0 || w.bs % block_size != 0 {
@@ -286,7 +302,10 @@ pub async fn run(
         slots,
         stop: AtomicBool::new(false),
         issued: AtomicU64::new(0),
-        cursor: AtomicU64::new(0),
+        // Each session streams its own sequence, from its own part of the range.
+        cursors: (0..sessions.len() as u64)
+            .map(|i| AtomicU64::new(i * slots / sessions.len() as u64))
+            .collect(),
         errors: AtomicU64::new(0),
         verified: AtomicU64::new(0),
         verify_errors: AtomicU64::new(0),
@@ -302,7 +321,7 @@ pub async fn run(
                 w.seed ^ ((si as u64) << 32 | q as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
             workers.push((
                 si,
-                tokio::spawn(worker(shared.clone(), s.clone(), XorShift(seed))),
+                tokio::spawn(worker(shared.clone(), si, s.clone(), XorShift(seed))),
             ));
         }
     }
@@ -367,7 +386,8 @@ struct Shared {
     slots: u64,
     stop: AtomicBool,
     issued: AtomicU64,
-    cursor: AtomicU64,
+    /// The next sequential slot of each session.
+    cursors: Vec<AtomicU64>,
     errors: AtomicU64,
     verified: AtomicU64,
     verify_errors: AtomicU64,
@@ -425,6 +445,7 @@ impl Shared {
 
 async fn worker(
     sh: Arc<Shared>,
+    si: usize,
     session: Arc<Session>,
     mut rng: XorShift,
 ) -> (u64, Histogram<u64>) {
@@ -436,7 +457,7 @@ async fn worker(
         let slot = if sh.w.rw.random() {
             rng.next() % sh.slots
         } else {
-            sh.cursor.fetch_add(1, Ordering::Relaxed) % sh.slots
+            sh.cursors[si].fetch_add(1, Ordering::Relaxed) % sh.slots
         };
         let lba = sh.start + slot * sh.io_blocks;
         let is_read = rng.next() % 100 < read_percent;
