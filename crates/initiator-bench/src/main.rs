@@ -607,6 +607,17 @@ async fn sweep(
     Ok(())
 }
 
+/// The median; the mean of the middle two for an even count.
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => xs[n / 2],
+        _ => (xs[n / 2 - 1] + xs[n / 2]) / 2.0,
+    }
+}
+
 /// A named figure of a report.
 type Metric = (&'static str, fn(&Report) -> f64);
 
@@ -669,9 +680,8 @@ async fn compare(
         }
     }
     for (name, f) in metrics {
-        let mut ratios: Vec<f64> = pairs.iter().map(|(ra, rb)| f(rb) / f(ra)).collect();
-        ratios.sort_by(f64::total_cmp);
-        println!("median B/A {name}: {:.3}", ratios[ratios.len() / 2]);
+        let ratios: Vec<f64> = pairs.iter().map(|(ra, rb)| f(rb) / f(ra)).collect();
+        println!("median B/A {name}: {:.3}", median(ratios));
     }
     Ok(())
 }
