@@ -71,10 +71,11 @@ impl LoginOptions {
     /// The negotiation settings for one login: the proposals plus identity and authentication.
     pub(crate) fn settings_for(&self, target: Option<&str>) -> Settings {
         let mut s = self.settings.clone();
-        s.initiator_name = Some(self.initiator_name.clone());
-        s.initiator_alias = self.initiator_alias.clone();
-        s.target_name = target.map(str::to_string);
-        s.session_type = if target.is_some() {
+        let d = &mut s.declarations;
+        d.initiator_name = Some(self.initiator_name.clone());
+        d.initiator_alias = self.initiator_alias.clone();
+        d.target_name = target.map(str::to_string);
+        d.session_type = if target.is_some() {
             SessionType::Normal
         } else {
             SessionType::Discovery

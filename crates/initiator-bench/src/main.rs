@@ -250,7 +250,7 @@ impl LoginArgs {
             );
         }
         let mut check = o.settings.clone();
-        check.initiator_name = Some(o.initiator_name.clone());
+        check.declarations.initiator_name = Some(o.initiator_name.clone());
         check
             .validate()
             .map_err(|e| anyhow::anyhow!("login settings: {e}"))?;

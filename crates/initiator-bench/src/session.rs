@@ -18,7 +18,7 @@ use iscsi_pdu::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 
 use crate::error::{Error, Result};
 use crate::login::{random_isid, LoginExchange, LoginOptions, LoginOutcome};
@@ -92,6 +92,8 @@ struct Inner {
     conns: Vec<Arc<Conn>>,
     next_conn: AtomicUsize,
     dead: AtomicBool,
+    /// Set when the login is shut down, to wake readers blocked on a silent target.
+    closed: watch::Sender<bool>,
 }
 
 /// Session statistics since login.
@@ -119,19 +121,43 @@ pub struct Session {
 pub struct PendingCommand {
     /// The Initiator Task Tag.
     pub itt: u32,
-    rx: oneshot::Receiver<Result<Reply>>,
+    rx: Option<oneshot::Receiver<Result<Reply>>>,
     timeout: std::time::Duration,
+    inner: Arc<Inner>,
+}
+
+/// A command abandoned before it completed (timed out, or its future dropped) leaves the task
+/// table; a late response for it is then ignored.
+impl Drop for PendingCommand {
+    fn drop(&mut self) {
+        self.inner
+            .state
+            .lock()
+            .expect("state")
+            .tasks
+            .remove(&self.itt);
+    }
 }
 
 impl PendingCommand {
     /// Waits for the command to complete.
-    pub async fn wait(self) -> Result<Response> {
-        match tokio::time::timeout(self.timeout, self.rx).await {
+    pub async fn wait(mut self) -> Result<Response> {
+        let rx = self.rx.take().expect("waited once");
+        match tokio::time::timeout(self.timeout, rx).await {
             Err(_) => Err(Error::Timeout),
             Ok(Err(_)) => Err(Error::ConnectionLost("session closed".into())),
             Ok(Ok(Err(e))) => Err(e),
             Ok(Ok(Ok(Reply::Scsi(r)))) => Ok(r),
             Ok(Ok(Ok(other))) => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+        }
+    }
+}
+
+/// Dropping a session without logging out closes its connections.
+impl Drop for Session {
+    fn drop(&mut self) {
+        if let Some(inner) = self.current() {
+            inner.shutdown("session dropped");
         }
     }
 }
@@ -256,8 +282,9 @@ impl Session {
         let (itt, rx) = inner.send_command(cmd).await?;
         Ok(PendingCommand {
             itt,
-            rx,
+            rx: Some(rx),
             timeout: self.opts.timeout,
+            inner,
         })
     }
 
@@ -572,6 +599,7 @@ impl Inner {
     /// Marks the login dead and fails every task.
     fn shutdown(&self, why: &str) {
         self.dead.store(true, Ordering::Release);
+        self.closed.send_replace(true);
         for c in &self.conns {
             c.alive.store(false, Ordering::Release);
         }
@@ -705,16 +733,20 @@ async fn writer(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Bytes>) {
 
 /// Reads and dispatches PDUs until the connection ends.
 async fn reader(inner: Arc<Inner>, idx: usize, mut r: OwnedReadHalf, mut deframer: Deframer) {
+    let mut closed = inner.closed.subscribe();
     let why = loop {
         let pdu = match deframer.next_pdu() {
             Ok(Some(pdu)) => pdu,
             Ok(None) => {
                 let want = deframer.needed().max(64 * 1024);
                 deframer.buffer_mut().reserve(want);
-                match r.read_buf(deframer.buffer_mut()).await {
-                    Ok(0) => break "target closed the connection".to_string(),
-                    Ok(_) => continue,
-                    Err(e) => break format!("read: {e}"),
+                tokio::select! {
+                    read = r.read_buf(deframer.buffer_mut()) => match read {
+                        Ok(0) => break "target closed the connection".to_string(),
+                        Ok(_) => continue,
+                        Err(e) => break format!("read: {e}"),
+                    },
+                    _ = closed.wait_for(|c| *c) => break "session closed".to_string(),
                 }
             }
             Err(e) if e.is_fatal() => break format!("target sent a bad PDU: {e}"),
@@ -1134,6 +1166,7 @@ fn start_inner(
         conns,
         next_conn: AtomicUsize::new(0),
         dead: AtomicBool::new(false),
+        closed: watch::channel(false).0,
     });
     for (idx, (r, w, rx, deframer)) in halves.into_iter().enumerate() {
         tokio::spawn(writer(w, rx));

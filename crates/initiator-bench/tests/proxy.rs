@@ -10,6 +10,13 @@ use initiator_bench::proxy::{Link, Proxy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+/// A proxy on a free loopback port in front of `to`.
+async fn proxy(to: &str, delay: Duration, rate_bps: Option<u64>) -> Proxy {
+    Proxy::start("127.0.0.1:0", to, Link { delay, rate_bps })
+        .await
+        .unwrap()
+}
+
 /// An echo server on loopback; returns its address.
 async fn echo() -> String {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -76,16 +83,7 @@ async fn adds_the_configured_one_way_delay() {
     let base = median_rtt(&server).await;
     for ms in [5u64, 16] {
         let delay = Duration::from_millis(ms);
-        let p = Proxy::start(
-            "127.0.0.1:0",
-            &server,
-            Link {
-                delay,
-                rate_bps: None,
-            },
-        )
-        .await
-        .unwrap();
+        let p = proxy(&server, delay, None).await;
         let rtt = median_rtt(&p.local_addr.to_string()).await;
         let one_way = rtt.saturating_sub(base) / 2;
         let error = one_way.abs_diff(delay);
@@ -115,16 +113,7 @@ async fn delay_is_latency_not_a_sleep_per_read() {
     // at least 1024 x 20 ms = 20 s; a link with 20 ms of latency needs little more than 20 ms
     // beyond the copying.
     let (dst, got) = sink().await;
-    let p = Proxy::start(
-        "127.0.0.1:0",
-        &dst,
-        Link {
-            delay: Duration::from_millis(20),
-            rate_bps: None,
-        },
-    )
-    .await
-    .unwrap();
+    let p = proxy(&dst, Duration::from_millis(20), None).await;
     let t = Instant::now();
     transfer(&p.local_addr.to_string(), 64 << 20).await;
     assert_eq!(got.await.unwrap(), 64 << 20);
@@ -137,16 +126,7 @@ async fn delay_is_latency_not_a_sleep_per_read() {
     // Unlimited and without delay: not capped (loopback does GB/s; 50 MB/s is a floor any
     // working relay clears by far).
     let (dst, got) = sink().await;
-    let p = Proxy::start(
-        "127.0.0.1:0",
-        &dst,
-        Link {
-            delay: Duration::ZERO,
-            rate_bps: None,
-        },
-    )
-    .await
-    .unwrap();
+    let p = proxy(&dst, Duration::ZERO, None).await;
     let t = Instant::now();
     transfer(&p.local_addr.to_string(), 256 << 20).await;
     assert_eq!(got.await.unwrap(), 256 << 20);
@@ -158,16 +138,7 @@ async fn delay_is_latency_not_a_sleep_per_read() {
 async fn rate_limit_serialises_at_the_link_rate() {
     // 8 MiB at 100 Mbit/s takes at least 0.67 s on the wire.
     let (dst, got) = sink().await;
-    let p = Proxy::start(
-        "127.0.0.1:0",
-        &dst,
-        Link {
-            delay: Duration::ZERO,
-            rate_bps: Some(100_000_000),
-        },
-    )
-    .await
-    .unwrap();
+    let p = proxy(&dst, Duration::ZERO, Some(100_000_000)).await;
     let t = Instant::now();
     transfer(&p.local_addr.to_string(), 8 << 20).await;
     assert_eq!(got.await.unwrap(), 8 << 20);

@@ -289,3 +289,27 @@ async fn a_misbehaving_target_fails_the_command_not_the_process() {
         );
     }
 }
+
+#[tokio::test]
+async fn dropping_a_session_closes_its_connection_even_when_the_target_is_silent() {
+    let t = ScriptedTarget::start(Config {
+        hold_reads: true,
+        ..Config::default()
+    })
+    .await;
+    let s = session(&t, opts()).await;
+    let pending = s
+        .start(Command::read(s.lun(), cdb::read(0, 8), 4096))
+        .await
+        .unwrap();
+    drop(pending);
+    drop(s);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while t.observed.closed.load(Ordering::SeqCst) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the connection stayed open"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

@@ -112,6 +112,24 @@ impl TaskReporting {
     }
 }
 
+/// The declarations that name a session's ends (RFC 7143 sections 13.4 to 13.9 and 13.21): in
+/// [`Settings`] what one side declares, in [`SessionParams`] what both sides declared.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Declarations {
+    /// SessionType (the initiator's).
+    pub session_type: SessionType,
+    /// InitiatorName.
+    pub initiator_name: Option<String>,
+    /// InitiatorAlias.
+    pub initiator_alias: Option<String>,
+    /// TargetName (the initiator names the target it wants; normal sessions only).
+    pub target_name: Option<String>,
+    /// TargetAlias.
+    pub target_alias: Option<String>,
+    /// TargetPortalGroupTag (the target's, declared in normal sessions).
+    pub target_portal_group_tag: Option<u16>,
+}
+
 /// Authentication settings. For a target, `peer` are the initiator's credentials to verify and
 /// `local` the target's own for mutual CHAP; for an initiator, `local` are its credentials and
 /// `peer` what the target must prove.
@@ -250,18 +268,8 @@ pub struct Settings {
     pub task_reporting: Vec<TaskReporting>,
     /// Authentication.
     pub auth: AuthSettings,
-    /// Initiator: InitiatorName to declare.
-    pub initiator_name: Option<String>,
-    /// Initiator: InitiatorAlias to declare.
-    pub initiator_alias: Option<String>,
-    /// Initiator: TargetName to declare (normal sessions).
-    pub target_name: Option<String>,
-    /// Target: TargetAlias to declare.
-    pub target_alias: Option<String>,
-    /// Target: TargetPortalGroupTag to declare in normal sessions.
-    pub target_portal_group_tag: Option<u16>,
-    /// Initiator: the SessionType to declare.
-    pub session_type: SessionType,
+    /// What this side declares about itself (and, for an initiator, the target it wants).
+    pub declarations: Declarations,
 }
 
 impl Default for Settings {
@@ -274,12 +282,7 @@ impl Default for Settings {
             operational: OperationalParams::default(),
             task_reporting: vec![TaskReporting::Rfc3720],
             auth: AuthSettings::default(),
-            initiator_name: None,
-            initiator_alias: None,
-            target_name: None,
-            target_alias: None,
-            target_portal_group_tag: None,
-            session_type: SessionType::Normal,
+            declarations: Declarations::default(),
         }
     }
 }
@@ -333,8 +336,8 @@ impl Settings {
             return err("AuthMethod", "CHAP needs credentials".into());
         }
         for (key, name) in [
-            ("InitiatorName", &self.initiator_name),
-            ("TargetName", &self.target_name),
+            ("InitiatorName", &self.declarations.initiator_name),
+            ("TargetName", &self.declarations.target_name),
         ] {
             if let Some(n) = name {
                 if !valid_iscsi_name(n) {
@@ -363,18 +366,8 @@ const MAX_SEGMENT: u64 = (1 << 24) - 1;
 /// The session-wide outcome of negotiation (RFC defaults until negotiated).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionParams {
-    /// SessionType.
-    pub session_type: SessionType,
-    /// InitiatorName as declared.
-    pub initiator_name: Option<String>,
-    /// InitiatorAlias as declared.
-    pub initiator_alias: Option<String>,
-    /// TargetName as declared.
-    pub target_name: Option<String>,
-    /// TargetAlias as declared.
-    pub target_alias: Option<String>,
-    /// TargetPortalGroupTag as declared.
-    pub target_portal_group_tag: Option<u16>,
+    /// What both sides declared.
+    pub declared: Declarations,
     /// The numeric and boolean keys.
     pub operational: OperationalParams,
     /// TaskReporting.
@@ -386,12 +379,7 @@ pub struct SessionParams {
 impl Default for SessionParams {
     fn default() -> Self {
         SessionParams {
-            session_type: SessionType::Normal,
-            initiator_name: None,
-            initiator_alias: None,
-            target_name: None,
-            target_alias: None,
-            target_portal_group_tag: None,
+            declared: Declarations::default(),
             operational: OperationalParams::default(),
             task_reporting: TaskReporting::Rfc3720,
             auth_method: None,
@@ -785,7 +773,10 @@ impl Negotiator {
             ..ConnectionParams::default()
         };
         let session = SessionParams {
-            session_type: settings.session_type,
+            declared: Declarations {
+                session_type: settings.declarations.session_type,
+                ..Declarations::default()
+            },
             ..SessionParams::default()
         };
         Negotiator {
@@ -855,10 +846,12 @@ impl Negotiator {
     /// Checks the declarations a target needs from the first login request: InitiatorName, and
     /// TargetName for a normal session.
     pub fn require_initiator_declarations(&self) -> Result<(), NegotiationError> {
-        if self.session.initiator_name.is_none() {
+        if self.session.declared.initiator_name.is_none() {
             return Err(NegotiationError::MissingParameter("InitiatorName"));
         }
-        if self.session.session_type == SessionType::Normal && self.session.target_name.is_none() {
+        if self.session.declared.session_type == SessionType::Normal
+            && self.session.declared.target_name.is_none()
+        {
             return Err(NegotiationError::MissingParameter("TargetName"));
         }
         Ok(())
@@ -983,7 +976,8 @@ impl Negotiator {
         }
         self.settled.push(def.name);
         let irrelevant = (def.usage == Usage::Lo && !self.leading && def.kind != Kind::Declarative)
-            || (def.discovery_irrelevant && self.session.session_type == SessionType::Discovery);
+            || (def.discovery_irrelevant
+                && self.session.declared.session_type == SessionType::Discovery);
         if irrelevant {
             out.push(key, "Irrelevant");
             return Ok(());
@@ -1146,22 +1140,22 @@ impl Negotiator {
                 }
                 let name = Some(value.to_ascii_lowercase());
                 if key == "InitiatorName" {
-                    self.session.initiator_name = name;
+                    self.session.declared.initiator_name = name;
                 } else {
-                    self.session.target_name = name;
+                    self.session.declared.target_name = name;
                 }
             }
-            "InitiatorAlias" => self.session.initiator_alias = Some(value.into()),
-            "TargetAlias" => self.session.target_alias = Some(value.into()),
+            "InitiatorAlias" => self.session.declared.initiator_alias = Some(value.into()),
+            "TargetAlias" => self.session.declared.target_alias = Some(value.into()),
             "TargetAddress" => {}
             "TargetPortalGroupTag" => {
                 let n = parse_number(value)
                     .filter(|&n| n <= N16)
                     .ok_or_else(invalid)?;
-                self.session.target_portal_group_tag = Some(n as u16);
+                self.session.declared.target_portal_group_tag = Some(n as u16);
             }
             "SessionType" => {
-                self.session.session_type = match value {
+                self.session.declared.session_type = match value {
                     "Discovery" => SessionType::Discovery,
                     "Normal" => SessionType::Normal,
                     other => return Err(NegotiationError::SessionTypeNotSupported(other.into())),
@@ -1284,7 +1278,7 @@ impl Negotiator {
         if stage == Stage::FullFeaturePhase {
             return;
         }
-        let normal = self.session.session_type == SessionType::Normal;
+        let normal = self.session.declared.session_type == SessionType::Normal;
         let st = self.settings.clone();
         // Declarations go out once whatever the peer declared; a proposal only for a key that
         // neither side has settled yet.
@@ -1293,10 +1287,16 @@ impl Negotiator {
         match self.role {
             Role::Initiator => {
                 let decl = [
-                    ("InitiatorName", st.initiator_name.clone()),
-                    ("InitiatorAlias", st.initiator_alias.clone()),
-                    ("SessionType", Some(st.session_type.as_str().to_string())),
-                    ("TargetName", st.target_name.clone().filter(|_| normal)),
+                    ("InitiatorName", st.declarations.initiator_name.clone()),
+                    ("InitiatorAlias", st.declarations.initiator_alias.clone()),
+                    (
+                        "SessionType",
+                        Some(st.declarations.session_type.as_str().to_string()),
+                    ),
+                    (
+                        "TargetName",
+                        st.declarations.target_name.clone().filter(|_| normal),
+                    ),
                 ];
                 for (k, v) in decl {
                     if let Some(v) = v.filter(|_| undeclared(self, k)) {
@@ -1336,12 +1336,12 @@ impl Negotiator {
             }
             Role::Target => {
                 if normal && undeclared(self, "TargetPortalGroupTag") {
-                    if let Some(tpgt) = st.target_portal_group_tag {
+                    if let Some(tpgt) = st.declarations.target_portal_group_tag {
                         self.declare("TargetPortalGroupTag", tpgt.to_string(), out);
                     }
                 }
                 if normal && undeclared(self, "TargetAlias") {
-                    if let Some(alias) = st.target_alias.clone() {
+                    if let Some(alias) = st.declarations.target_alias.clone() {
                         self.declare("TargetAlias", alias, out);
                     }
                 }

@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 
 use bytes::{Bytes, BytesMut};
 use iscsi_pdu::chap::ENTROPY_LEN;
-use iscsi_pdu::negotiation::{Negotiator, OperationalParams, Role, SessionType, Settings};
+use iscsi_pdu::negotiation::{
+    Declarations, Negotiator, OperationalParams, Role, SessionType, Settings,
+};
 use iscsi_pdu::text::{TextParams, TextReassembler};
 use iscsi_pdu::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -49,7 +51,10 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         let settings = Settings {
-            target_portal_group_tag: Some(1),
+            declarations: Declarations {
+                target_portal_group_tag: Some(1),
+                ..Declarations::default()
+            },
             max_recv_data_segment_length: 8192,
             operational: OperationalParams {
                 max_burst_length: 65536,
@@ -82,6 +87,8 @@ pub struct Observed {
     pub logins: AtomicUsize,
     pub commands: AtomicUsize,
     pub max_r2ts_outstanding: AtomicUsize,
+    /// Connections that have ended.
+    pub closed: AtomicUsize,
 }
 
 pub struct ScriptedTarget {
@@ -111,7 +118,9 @@ impl ScriptedTarget {
             while let Ok((stream, _)) = listener.accept().await {
                 let (c, d, o) = (config.clone(), disk.clone(), obs.clone());
                 tokio::spawn(async move {
-                    if let Err(e) = Conn::new(stream, c, d, o, addr).serve().await {
+                    let result = Conn::new(stream, c, d, o.clone(), addr).serve().await;
+                    o.closed.fetch_add(1, Ordering::SeqCst);
+                    if let Err(e) = result {
                         if std::env::var_os("SCRIPTED_TARGET_LOG").is_some() {
                             eprintln!("scripted target: connection ended: {e}");
                         }
@@ -421,8 +430,8 @@ impl Conn {
                 self.initial_r2t = op.initial_r2t;
                 let s = neg.session();
                 assert_eq!(
-                    s.session_type == SessionType::Discovery,
-                    s.target_name.is_none()
+                    s.declared.session_type == SessionType::Discovery,
+                    s.declared.target_name.is_none()
                 );
                 return Ok(());
             }

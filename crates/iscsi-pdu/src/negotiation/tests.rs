@@ -11,7 +11,10 @@ fn target_settings() -> Settings {
         data_digest: vec![DigestAlgorithm::None, DigestAlgorithm::Crc32c],
         max_recv_data_segment_length: 262_144,
         task_reporting: vec![TaskReporting::Rfc3720, TaskReporting::ResponseFence],
-        target_portal_group_tag: Some(1),
+        declarations: Declarations {
+            target_portal_group_tag: Some(1),
+            ..Declarations::default()
+        },
         operational: OperationalParams {
             max_connections: 8,
             initial_r2t: false,
@@ -136,7 +139,7 @@ fn target_records_results_and_declarations() {
     assert_eq!(out.get("TargetPortalGroupTag"), Some("1"));
     let s = t.session();
     assert_eq!(
-        s.initiator_name.as_deref(),
+        s.declared.initiator_name.as_deref(),
         Some("iqn.1994-05.com.example:a")
     );
     assert!(!s.operational.initial_r2t);
@@ -306,8 +309,11 @@ fn target_proposes_only_what_the_defaults_would_violate() {
 
 fn initiator_settings() -> Settings {
     Settings {
-        initiator_name: Some("iqn.1994-05.com.example:client".into()),
-        target_name: Some("iqn.2026-11.io.example:disk1".into()),
+        declarations: Declarations {
+            initiator_name: Some("iqn.1994-05.com.example:client".into()),
+            target_name: Some("iqn.2026-11.io.example:disk1".into()),
+            ..Declarations::default()
+        },
         header_digest: vec![DigestAlgorithm::Crc32c, DigestAlgorithm::None],
         data_digest: vec![DigestAlgorithm::None],
         max_recv_data_segment_length: 65_536,
@@ -434,7 +440,7 @@ fn full_login_agrees_on_both_sides() {
     assert_eq!(i.session().operational.max_connections, 4);
     assert_eq!(i.session().operational.max_outstanding_r2t, 8);
     assert!(!i.session().operational.initial_r2t);
-    assert_eq!(i.session().target_portal_group_tag, Some(1));
+    assert_eq!(i.session().declared.target_portal_group_tag, Some(1));
     assert_eq!(i.session().auth_method, Some(AuthMethod::None));
     let fields: [fn(&SessionParams) -> u32; 3] = [
         |s| s.operational.max_burst_length,
@@ -516,13 +522,17 @@ fn login_without_security_stage() {
 
 #[test]
 fn discovery_login() {
+    let base = initiator_settings();
     let init = Settings {
-        session_type: SessionType::Discovery,
-        target_name: None,
-        ..initiator_settings()
+        declarations: Declarations {
+            session_type: SessionType::Discovery,
+            target_name: None,
+            ..base.declarations.clone()
+        },
+        ..base
     };
     let (i, t) = login(init, target_settings(), true).unwrap();
-    assert_eq!(t.session().session_type, SessionType::Discovery);
+    assert_eq!(t.session().declared.session_type, SessionType::Discovery);
     assert_eq!(
         i.session().operational.max_burst_length,
         262_144,
@@ -564,7 +574,10 @@ fn settings_validation_names_the_key() {
     };
     assert_eq!(s.validate().unwrap_err().key, "ErrorRecoveryLevel");
     s = Settings {
-        initiator_name: Some("bad name".into()),
+        declarations: Declarations {
+            initiator_name: Some("bad name".into()),
+            ..Declarations::default()
+        },
         ..Settings::default()
     };
     assert_eq!(s.validate().unwrap_err().key, "InitiatorName");
