@@ -23,6 +23,9 @@ use iscsi_pdu::negotiation::DigestAlgorithm;
     about = "iSCSI initiator and load generator"
 )]
 struct Cli {
+    /// Runtime threads for the initiator's I/O.
+    #[arg(long, global = true, default_value_t = 1)]
+    threads: usize,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -286,9 +289,18 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    // One thread by default: the workers, readers and writers then wake each other without
+    // crossing threads, which measured 15% less CPU per I/O than two (10.8 vs 12.5 us per 4 KiB
+    // read against tgtd); a target faster than one core of initiator needs more.
+    let rt = match cli.threads {
+        0 | 1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?,
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .enable_all()
+            .build()?,
+    };
     rt.block_on(async move {
         match cli.command {
             Cmd::Run {
