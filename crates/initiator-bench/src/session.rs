@@ -199,6 +199,15 @@ impl Session {
         self.current().map(|i| i.params.clone())
     }
 
+    /// The command window the target grants now: (ExpCmdSN, MaxCmdSN); MaxCmdSN - ExpCmdSN + 1
+    /// commands may be outstanding.
+    pub fn command_window(&self) -> Option<(SerialNumber, SerialNumber)> {
+        self.current().map(|i| {
+            let st = i.state.lock().expect("state");
+            (st.exp_cmd_sn, st.max_cmd_sn)
+        })
+    }
+
     /// The digests in force on the first connection.
     pub fn digests(&self) -> Option<Digests> {
         self.current().map(|i| i.conns[0].digests)

@@ -166,6 +166,15 @@ async fn reads_and_writes_through_every_r2t_path() {
             o.settings.operational.immediate_data = immediate;
             o.settings.operational.initial_r2t = initial_r2t;
             let s = Session::connect(&url, o).await.unwrap();
+            let window = |s: &Session| {
+                let (exp, max) = s.command_window().unwrap();
+                max.0.wrapping_sub(exp.0).wrapping_add(1)
+            };
+            // tgt 1.0.85 grants 2 commands at login and MaxCmdSN = ExpCmdSN + 128 once the
+            // session runs: the cap docs/experiments.md finds in paper 000.
+            assert_eq!(window(&s), 2, "tgtd's CmdSN window at login");
+            s.capacity().await.unwrap();
+            assert_eq!(window(&s), 129, "tgtd's CmdSN window in use");
             let p = s.params().unwrap().operational;
             assert_eq!((p.immediate_data, p.initial_r2t), (immediate, initial_r2t));
             let (_, bs) = s.capacity().await.unwrap();
