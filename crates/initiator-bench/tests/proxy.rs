@@ -10,6 +10,9 @@ use initiator_bench::proxy::{Link, Proxy};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
+/// The tests take turns: the bulk transfers would otherwise disturb the delay measurement.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// A proxy on a free loopback port in front of `to`.
 async fn proxy(to: &str, delay: Duration, rate_bps: Option<u64>) -> Proxy {
     Proxy::start("127.0.0.1:0", to, Link { delay, rate_bps })
@@ -79,6 +82,7 @@ async fn median_rtt(addr: &str) -> Duration {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn adds_the_configured_one_way_delay() {
+    let _turn = SERIAL.lock().await;
     let server = echo().await;
     let base = median_rtt(&server).await;
     for ms in [5u64, 16] {
@@ -109,6 +113,7 @@ async fn transfer(to: &str, bytes: usize) -> Duration {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delay_is_latency_not_a_sleep_per_read() {
+    let _turn = SERIAL.lock().await;
     // 64 MiB in 64 KiB writes through a 20 ms link. A proxy that slept 20 ms per read would need
     // at least 1024 x 20 ms = 20 s; a link with 20 ms of latency needs little more than 20 ms
     // beyond the copying.
@@ -136,6 +141,7 @@ async fn delay_is_latency_not_a_sleep_per_read() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_limit_serialises_at_the_link_rate() {
+    let _turn = SERIAL.lock().await;
     // 8 MiB at 100 Mbit/s takes at least 0.67 s on the wire.
     let (dst, got) = sink().await;
     let p = proxy(&dst, Duration::ZERO, Some(100_000_000)).await;
