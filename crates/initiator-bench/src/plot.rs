@@ -178,7 +178,9 @@ mod tests {
                     );
                 }
             }
-            Err(e) if !font_ready() => eprintln!("skipping: {e}"),
+            Err(e) if !font_ready() && std::env::var_os("CI").is_none() => {
+                eprintln!("skipping the plot test: {e} (Debian package fonts-dejavu-core)")
+            }
             Err(e) => panic!("{e}"),
         }
         let _ = std::fs::remove_dir_all(dir);
