@@ -1284,19 +1284,14 @@ impl Negotiator {
         // neither side has settled yet.
         let undeclared = |n: &Negotiator, k: &str| !n.sent.contains(&k);
         let unsent = |n: &Negotiator, k: &str| !n.sent.contains(&k) && !n.settled.contains(&k);
+        let d = &st.declarations;
         match self.role {
             Role::Initiator => {
                 let decl = [
-                    ("InitiatorName", st.declarations.initiator_name.clone()),
-                    ("InitiatorAlias", st.declarations.initiator_alias.clone()),
-                    (
-                        "SessionType",
-                        Some(st.declarations.session_type.as_str().to_string()),
-                    ),
-                    (
-                        "TargetName",
-                        st.declarations.target_name.clone().filter(|_| normal),
-                    ),
+                    ("InitiatorName", d.initiator_name.clone()),
+                    ("InitiatorAlias", d.initiator_alias.clone()),
+                    ("SessionType", Some(d.session_type.as_str().to_string())),
+                    ("TargetName", d.target_name.clone().filter(|_| normal)),
                 ];
                 for (k, v) in decl {
                     if let Some(v) = v.filter(|_| undeclared(self, k)) {
@@ -1309,72 +1304,52 @@ impl Negotiator {
                     }
                     return;
                 }
-                if undeclared(self, "MaxRecvDataSegmentLength") {
-                    self.connection.max_recv_data_segment_length = st.max_recv_data_segment_length;
-                    self.declare(
-                        "MaxRecvDataSegmentLength",
-                        st.max_recv_data_segment_length.to_string(),
-                        out,
-                    );
-                }
-                for def in KEYS {
-                    let operational = matches!(
-                        def.kind,
-                        Kind::Or | Kind::And | Kind::Min(..) | Kind::Max(..) | Kind::List
-                    );
-                    if !operational || def.usage == Usage::Security || !unsent(self, def.name) {
-                        continue;
-                    }
-                    if def.usage == Usage::Lo && !self.leading
-                        || def.discovery_irrelevant && !normal
-                    {
-                        continue;
-                    }
-                    let value = self.local_value(def);
-                    self.propose(def.name, value, out);
-                }
             }
             Role::Target => {
-                if normal && undeclared(self, "TargetPortalGroupTag") {
-                    if let Some(tpgt) = st.declarations.target_portal_group_tag {
-                        self.declare("TargetPortalGroupTag", tpgt.to_string(), out);
-                    }
-                }
-                if normal && undeclared(self, "TargetAlias") {
-                    if let Some(alias) = st.declarations.target_alias.clone() {
-                        self.declare("TargetAlias", alias, out);
+                let decl = [
+                    (
+                        "TargetPortalGroupTag",
+                        d.target_portal_group_tag.map(|t| t.to_string()),
+                    ),
+                    ("TargetAlias", d.target_alias.clone()),
+                ];
+                for (k, v) in decl {
+                    if let Some(v) = v.filter(|_| normal && undeclared(self, k)) {
+                        self.declare(k, v, out);
                     }
                 }
                 if stage != Stage::LoginOperationalNegotiation {
                     return;
                 }
-                if undeclared(self, "MaxRecvDataSegmentLength") {
-                    self.connection.max_recv_data_segment_length = st.max_recv_data_segment_length;
-                    self.declare(
-                        "MaxRecvDataSegmentLength",
-                        st.max_recv_data_segment_length.to_string(),
-                        out,
-                    );
-                }
-                for def in KEYS {
-                    let negotiated = matches!(
-                        def.kind,
-                        Kind::And | Kind::Min(..) | Kind::Max(..) | Kind::List
-                    );
-                    if !negotiated || def.usage == Usage::Security || !unsent(self, def.name) {
-                        continue;
-                    }
-                    if def.usage == Usage::Lo && !self.leading
-                        || def.discovery_irrelevant && !normal
-                    {
-                        continue;
-                    }
-                    if !self.default_acceptable(def) {
-                        let value = self.local_value(def);
-                        self.propose(def.name, value, out);
-                    }
-                }
             }
+        }
+        // The operational stage: both sides declare what they receive, then propose. An
+        // initiator proposes every negotiated key; a target only those whose RFC default would
+        // break its settings (it answers the rest).
+        if undeclared(self, "MaxRecvDataSegmentLength") {
+            self.connection.max_recv_data_segment_length = st.max_recv_data_segment_length;
+            self.declare(
+                "MaxRecvDataSegmentLength",
+                st.max_recv_data_segment_length.to_string(),
+                out,
+            );
+        }
+        for def in KEYS {
+            let negotiated = matches!(
+                def.kind,
+                Kind::Or | Kind::And | Kind::Min(..) | Kind::Max(..) | Kind::List
+            );
+            if !negotiated || def.usage == Usage::Security || !unsent(self, def.name) {
+                continue;
+            }
+            if def.usage == Usage::Lo && !self.leading || def.discovery_irrelevant && !normal {
+                continue;
+            }
+            if self.role == Role::Target && self.default_acceptable(def) {
+                continue;
+            }
+            let value = self.local_value(def);
+            self.propose(def.name, value, out);
         }
     }
 
