@@ -2,13 +2,17 @@
 //! what to do; nothing here owns a socket, a thread or a clock.
 //!
 //! So far: sense data in fixed and descriptor formats with sense-key-specific field pointers
-//! ([`sense`]), and CDB structure with the decoding of the SBC read and write family ([`cdb`]).
-//! The task set, the logical unit model, the command handlers and the backend interface follow
-//! (issue 3).
+//! ([`sense`]); CDB structure with the decoding of the SBC read and write family ([`cdb`]); the
+//! logical unit's identity, geometry and limits ([`lu`]); INQUIRY with standard data and VPD
+//! pages ([`spc::inquiry`]). The task set, the other command handlers and the backend interface
+//! follow (issue 3).
 #![forbid(unsafe_code)]
 
 pub mod cdb;
+pub mod lu;
 pub mod sense;
+pub mod spc;
 
 pub use cdb::BlockIo;
+pub use lu::{Geometry, Identity, Limits, LogicalUnit, TargetPort};
 pub use sense::{Asc, FieldIn, FieldPointer, Sense, SenseBytes, SenseKey};
