@@ -4,12 +4,14 @@
 //! So far: sense data in fixed and descriptor formats with sense-key-specific field pointers
 //! ([`sense`]); CDB structure with the decoding of the SBC read and write family ([`cdb`]); the
 //! logical unit's identity, geometry and limits ([`lu`]); INQUIRY with standard data and VPD
-//! pages ([`spc::inquiry`]). The task set, the other command handlers and the backend interface
+//! pages ([`spc::inquiry`]), REPORT LUNS ([`spc::report_luns`]) and READ CAPACITY 10/16
+//! ([`sbc::capacity`]). The task set, the other command handlers and the backend interface
 //! follow (issue 3).
 #![forbid(unsafe_code)]
 
 pub mod cdb;
 pub mod lu;
+pub mod sbc;
 pub mod sense;
 pub mod spc;
 
