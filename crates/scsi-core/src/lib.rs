@@ -4,8 +4,8 @@
 //! So far: sense data in fixed and descriptor formats with sense-key-specific field pointers
 //! ([`sense`]); CDB structure with the decoding of the SBC read and write family ([`cdb`]); the
 //! logical unit's identity, geometry and limits ([`lu`]); INQUIRY with standard data and VPD
-//! pages ([`spc::inquiry`]), REPORT LUNS ([`spc::report_luns`]) and READ CAPACITY 10/16
-//! ([`sbc::capacity`]). The task set, the other command handlers and the backend interface
+//! pages ([`spc::inquiry`](mod@spc::inquiry)), REPORT LUNS ([`spc::report_luns`](mod@spc::report_luns)) and READ CAPACITY 10/16
+//! ([`sbc::capacity`](mod@sbc::capacity)). The task set, the other command handlers and the backend interface
 //! follow (issue 3).
 #![forbid(unsafe_code)]
 
