@@ -1,20 +1,39 @@
 //! The transport-agnostic SCSI target core, sans-IO: transports hand in commands and get back
 //! what to do; nothing here owns a socket, a thread or a clock.
 //!
-//! So far: sense data in fixed and descriptor formats with sense-key-specific field pointers
-//! ([`sense`]); CDB structure with the decoding of the SBC read and write family ([`cdb`]); the
-//! logical unit's identity, geometry and limits ([`lu`]); INQUIRY with standard data and VPD
-//! pages ([`spc::inquiry`](mod@spc::inquiry)), REPORT LUNS ([`spc::report_luns`](mod@spc::report_luns)) and READ CAPACITY 10/16
-//! ([`sbc::capacity`](mod@sbc::capacity)). The task set, the other command handlers and the backend interface
-//! follow (issue 3).
+//! A [`Device`] is a SCSI target device: logical units, the I_T nexuses that reach it and
+//! their task sets. A transport opens a nexus per initiator port, [submits](Device::submit)
+//! commands and [polls](Device::poll) [`Action`]s: fetch data-out, run a backend [`Op`],
+//! complete with status, sense and residual. Backend completions come back through
+//! [`Device::backend_done`]. Payload stays in buffers the transport and backend own; the core
+//! reads only parameter lists. [`testing::Harness`] joins a device to in-memory backends for
+//! tests, fuzzing and benchmarks.
+//!
+//! Modules follow the standards: [`sense`], [`cdb`], SPC commands under [`spc`], SBC commands
+//! under [`sbc`], persistent reservations in [`pr`], initiator ports in [`nexus`], the task
+//! vocabulary in [`task`], and the [`backend`] interface.
 #![forbid(unsafe_code)]
 
+pub mod backend;
 pub mod cdb;
+mod device;
+mod dispatch;
 pub mod lu;
+pub mod nexus;
+pub mod pr;
 pub mod sbc;
 pub mod sense;
 pub mod spc;
+pub mod task;
+pub mod testing;
 
+pub use backend::{Backend, BackendError, MemoryBackend, Op, Output};
 pub use cdb::BlockIo;
+pub use device::{lun_index, Device, DeviceError, TaskError, MAX_LUN};
 pub use lu::{Geometry, Identity, Limits, LogicalUnit, TargetPort};
+pub use nexus::{ItNexus, TransportId};
 pub use sense::{Asc, FieldIn, FieldPointer, Sense, SenseBytes, SenseKey};
+pub use task::{
+    Action, Command, DataIn, NexusId, Residual, Status, TaskAttribute, TaskId, TmfFunction,
+    TmfResponse,
+};

@@ -1,5 +1,6 @@
-//! SBC commands, one file per command group.
+//! SBC-3 block commands: one module per command group.
 
+pub mod block;
 pub mod capacity;
-
-pub use capacity::{read_capacity10, read_capacity16};
+pub mod lba_status;
+pub mod unmap;

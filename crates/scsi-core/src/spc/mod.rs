@@ -1,7 +1,8 @@
-//! SPC commands, one file per command group.
+//! SPC-4 primary commands: one module per command group.
 
 pub mod inquiry;
+pub mod log;
+pub mod mode;
+pub mod opcodes;
 pub mod report_luns;
-
-pub use inquiry::inquiry;
-pub use report_luns::report_luns;
+pub mod tpg;

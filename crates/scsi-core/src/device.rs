@@ -1,0 +1,1238 @@
+//! The device server: logical units, I_T nexuses, the task set and its ordering rules (SAM-5
+//! section 8), unit attentions, reservations and task management, driven by commands and
+//! completions and answering with [`Action`]s.
+//!
+//! The life of a task: it enters the task set dormant or enabled by its attribute; once enabled
+//! its unit attentions and reservation conflicts are checked and its CDB dispatched; it may
+//! then ask for data-out, run backend operations one after another (each write holds its block
+//! range against other writers, which makes overlapping writes and COMPARE AND WRITE atomic
+//! with respect to each other), and complete. Aborted tasks whose backend operation is in
+//! flight end when it completes; a task management function answers once its tasks are gone.
+
+use std::collections::VecDeque;
+
+use crate::backend::{BackendError, Op, Output};
+use crate::lu::{LogicalUnit, TargetPort};
+use crate::nexus::{ItNexus, TransportId};
+use crate::pr::{PrState, PrStore};
+use crate::sense::{Asc, Sense, SenseKey};
+use crate::spc::opcodes::{self, Access};
+use crate::task::{
+    Action, Command, DataIn, NexusId, Residual, Status, TaskAttribute, TaskId, TmfFunction,
+    TmfResponse,
+};
+
+/// Why a task ended without GOOD status: each becomes the status (and sense) of the response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TaskError {
+    /// CHECK CONDITION with this sense.
+    Sense(Sense),
+    /// RESERVATION CONFLICT.
+    ReservationConflict,
+}
+
+impl From<Sense> for TaskError {
+    fn from(s: Sense) -> TaskError {
+        TaskError::Sense(s)
+    }
+}
+
+impl From<BackendError> for TaskError {
+    fn from(e: BackendError) -> TaskError {
+        TaskError::Sense(e.into())
+    }
+}
+
+/// A successful command's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Reply {
+    /// GOOD, nothing to send.
+    Good,
+    /// GOOD with parameter data (untruncated by the expected length).
+    Data(Vec<u8>),
+}
+
+/// Backend operations a task runs one after another.
+#[derive(Debug, Default)]
+pub(crate) enum OpList {
+    #[default]
+    Empty,
+    One(Op),
+    Many(VecDeque<Op>),
+}
+
+impl OpList {
+    fn pop(&mut self) -> Option<Op> {
+        match std::mem::take(self) {
+            OpList::Empty => None,
+            OpList::One(op) => Some(op),
+            OpList::Many(mut q) => {
+                let op = q.pop_front();
+                if !q.is_empty() {
+                    *self = OpList::Many(q);
+                }
+                op
+            }
+        }
+    }
+}
+
+/// How a task answers once its operations are done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Finish {
+    /// GOOD.
+    Good,
+    /// GOOD after sending `len` bytes the backend read into the buffer.
+    ReadData { len: u32 },
+    /// GET LBA STATUS parameter data from the last operation's output.
+    LbaStatus { lba: u64, alloc: u32 },
+}
+
+/// A command that takes a parameter list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Parameters {
+    ModeSelect { ten: bool },
+    Unmap,
+    PersistentReserveOut { action: u8, scope_type: u8 },
+}
+
+/// What a dispatched command does next.
+#[derive(Debug)]
+pub(crate) enum Step {
+    Done(Reply),
+    Ops(OpList, Finish),
+    DataOut { len: u32, then: AfterData },
+}
+
+/// What happens once data-out has arrived.
+#[derive(Debug)]
+pub(crate) enum AfterData {
+    Ops(OpList, Finish),
+    Parameters(Parameters),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Dormant,
+    Enabled,
+    DataOut,
+    Locked,
+    Backend,
+}
+
+#[derive(Debug)]
+pub(crate) struct Task {
+    pub(crate) nexus: NexusId,
+    pub(crate) lun: u16,
+    pub(crate) tag: u64,
+    attribute: TaskAttribute,
+    seq: u64,
+    pub(crate) cdb: [u8; 16],
+    pub(crate) data_in_len: u32,
+    pub(crate) data_out_len: u32,
+    phase: Phase,
+    aborted: bool,
+    /// Bytes the command transfers, once known, for the residual.
+    pub(crate) wanted: Option<u64>,
+    ops: OpList,
+    finish: Finish,
+    after: Option<AfterData>,
+    /// The operation in flight or waiting for its range.
+    current: Option<Op>,
+    output: Output,
+}
+
+#[derive(Debug)]
+struct Slot<T> {
+    generation: u32,
+    value: Option<T>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Nexus {
+    pub(crate) name: ItNexus,
+    /// Pending unit attentions by LUN index, oldest first.
+    pub(crate) unit_attentions: Vec<(u16, Asc)>,
+}
+
+/// A logical unit's state in the device server.
+#[derive(Debug)]
+pub(crate) struct Lu {
+    pub(crate) unit: LogicalUnit,
+    /// Control mode page D_SENSE: descriptor-format sense.
+    pub(crate) d_sense: bool,
+    /// Control mode page SWP: software write protect.
+    pub(crate) swp: bool,
+    /// WCE as configured, the Caching page's default.
+    pub(crate) default_wce: bool,
+    /// Stopped by START STOP UNIT: media access reports NOT READY.
+    pub(crate) stopped: bool,
+    /// I_T nexuses that prevent medium removal.
+    pub(crate) prevent: Vec<ItNexus>,
+    /// SPC-2 reservation holder.
+    pub(crate) reserved_by: Option<ItNexus>,
+    pub(crate) pr: PrState,
+    /// Tasks in the task set (not ended).
+    live: u32,
+    /// Live ORDERED and HEAD OF QUEUE tasks.
+    blockers: u32,
+    dormant: u32,
+    /// Ranges (start, end) held by write operations in flight.
+    locks: Vec<(TaskId, u64, u64)>,
+    lock_waiters: VecDeque<TaskId>,
+}
+
+#[derive(Debug)]
+struct PendingTmf {
+    nexus: NexusId,
+    reference: u64,
+    response: TmfResponse,
+    waiting: Vec<TaskId>,
+}
+
+/// A SCSI target device: its logical units, the I_T nexuses that reach it and their tasks.
+pub struct Device {
+    pub(crate) target_name: String,
+    pub(crate) ports: Vec<TargetPort>,
+    pub(crate) lus: Vec<Option<Lu>>,
+    nexuses: Vec<Slot<Nexus>>,
+    tasks: Vec<Slot<Task>>,
+    free_tasks: Vec<u32>,
+    actions: VecDeque<Action>,
+    seq: u64,
+    tmfs: Vec<PendingTmf>,
+    pub(crate) store: Option<Box<dyn PrStore>>,
+}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("target_name", &self.target_name)
+            .field("luns", &self.luns())
+            .field("tasks", &self.task_count())
+            .finish()
+    }
+}
+
+/// Errors of the calls a transport makes; they are the transport's mistakes, not the
+/// initiator's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeviceError {
+    /// The nexus handle is stale.
+    #[error("unknown I_T nexus")]
+    UnknownNexus,
+    /// The task handle is stale.
+    #[error("unknown task")]
+    UnknownTask,
+    /// The task is not waiting for that event.
+    #[error("the task is not waiting for this")]
+    WrongPhase,
+    /// A logical unit with that LUN exists already, or none does.
+    #[error("LUN {0} is in use or absent")]
+    Lun(u16),
+}
+
+/// The largest LUN index (flat space addressing).
+pub const MAX_LUN: u16 = 0x3fff;
+
+/// The LUN index of an 8-byte LUN field in peripheral or flat space addressing.
+pub fn lun_index(lun: u64) -> Option<u16> {
+    let b = lun.to_be_bytes();
+    if b[2..].iter().any(|&x| x != 0) {
+        return None;
+    }
+    match b[0] >> 6 {
+        0 if b[0] == 0 => Some(u16::from(b[1])),
+        1 => Some(u16::from(b[0] & 0x3f) << 8 | u16::from(b[1])),
+        _ => None,
+    }
+}
+
+impl Device {
+    /// A device named `target_name` (the SCSI target device name) reached through `ports`.
+    pub fn new(target_name: &str, ports: Vec<TargetPort>) -> Device {
+        Device {
+            target_name: target_name.to_string(),
+            ports,
+            lus: Vec::new(),
+            nexuses: Vec::new(),
+            tasks: Vec::new(),
+            free_tasks: Vec::new(),
+            actions: VecDeque::new(),
+            seq: 0,
+            tmfs: Vec::new(),
+            store: None,
+        }
+    }
+
+    /// Persists APTPL reservations through `store`, and loads what it holds for the units
+    /// already added and those added later.
+    pub fn set_reservation_store(&mut self, store: Box<dyn PrStore>) {
+        self.store = Some(store);
+        for i in 0..self.lus.len() {
+            self.load_reservations(i as u16);
+        }
+    }
+
+    fn load_reservations(&mut self, index: u16) {
+        let (Some(store), Some(Some(lu))) = (&self.store, self.lus.get_mut(usize::from(index)))
+        else {
+            return;
+        };
+        if let Some(bytes) = store.load(&lu.unit.identity.serial) {
+            if let Some(pr) = PrState::decode(&bytes) {
+                lu.pr = pr;
+            }
+        }
+    }
+
+    /// The LUN indexes in use, ascending.
+    pub fn luns(&self) -> Vec<u16> {
+        (0..self.lus.len())
+            .filter(|&i| self.lus[i].is_some())
+            .map(|i| i as u16)
+            .collect()
+    }
+
+    /// The logical unit at `index`.
+    pub fn logical_unit(&self, index: u16) -> Option<&LogicalUnit> {
+        self.lu(index).map(|lu| &lu.unit)
+    }
+
+    pub(crate) fn lu(&self, index: u16) -> Option<&Lu> {
+        self.lus.get(usize::from(index)).and_then(Option::as_ref)
+    }
+
+    pub(crate) fn lu_mut(&mut self, index: u16) -> Option<&mut Lu> {
+        self.lus.get_mut(usize::from(index)).and_then(Option::as_mut)
+    }
+
+    /// Tasks in the task sets.
+    pub fn task_count(&self) -> usize {
+        self.tasks.len() - self.free_tasks.len()
+    }
+
+    /// Adds a logical unit; nexuses already connected get REPORTED LUNS DATA HAS CHANGED.
+    pub fn add_lu(&mut self, index: u16, unit: LogicalUnit) -> Result<(), DeviceError> {
+        if index > MAX_LUN || self.lu(index).is_some() {
+            return Err(DeviceError::Lun(index));
+        }
+        let i = usize::from(index);
+        if self.lus.len() <= i {
+            self.lus.resize_with(i + 1, || None);
+        }
+        self.lus[i] = Some(Lu {
+            d_sense: false,
+            swp: false,
+            default_wce: unit.geometry.write_cache,
+            unit,
+            stopped: false,
+            prevent: Vec::new(),
+            reserved_by: None,
+            pr: PrState::default(),
+            live: 0,
+            blockers: 0,
+            dormant: 0,
+            locks: Vec::new(),
+            lock_waiters: VecDeque::new(),
+        });
+        self.load_reservations(index);
+        let luns = self.luns();
+        for n in self.nexuses.iter_mut().filter_map(|s| s.value.as_mut()) {
+            n.unit_attentions.push((index, Asc::POWER_ON_RESET));
+            for &l in luns.iter().filter(|&&l| l != index) {
+                push_ua(n, l, Asc::REPORTED_LUNS_DATA_HAS_CHANGED);
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes a logical unit, aborting its tasks; other units' nexuses get REPORTED LUNS DATA
+    /// HAS CHANGED. Tasks with a backend operation in flight end when it completes.
+    pub fn remove_lu(&mut self, index: u16) -> Result<(), DeviceError> {
+        if self.lu(index).is_none() {
+            return Err(DeviceError::Lun(index));
+        }
+        let doomed = self.select_tasks(|t| t.lun == index);
+        self.abort_tasks(&doomed, None);
+        // Tasks still in the backend keep the slot until they end; the unit is gone for new
+        // commands at once.
+        self.lus[usize::from(index)] = None;
+        let luns = self.luns();
+        for n in self.nexuses.iter_mut().filter_map(|s| s.value.as_mut()) {
+            n.unit_attentions.retain(|&(l, _)| l != index);
+            for &l in &luns {
+                push_ua(n, l, Asc::REPORTED_LUNS_DATA_HAS_CHANGED);
+            }
+        }
+        Ok(())
+    }
+
+    /// Changes a unit's capacity; every nexus gets CAPACITY DATA HAS CHANGED.
+    pub fn resize_lu(&mut self, index: u16, blocks: u64) -> Result<(), DeviceError> {
+        let lu = self.lu_mut(index).ok_or(DeviceError::Lun(index))?;
+        lu.unit.geometry.blocks = blocks;
+        self.unit_attention_all(index, Asc::CAPACITY_DATA_HAS_CHANGED, None);
+        Ok(())
+    }
+
+    /// Opens an I_T nexus for `initiator` through the target port `relative_port`; it starts
+    /// with a POWER ON, RESET unit attention on every unit.
+    pub fn open_nexus(&mut self, initiator: TransportId, relative_port: u16) -> NexusId {
+        let nexus = Nexus {
+            name: ItNexus {
+                initiator,
+                relative_port,
+            },
+            unit_attentions: self
+                .luns()
+                .into_iter()
+                .map(|l| (l, Asc::POWER_ON_RESET))
+                .collect(),
+        };
+        let index = match self.nexuses.iter().position(|s| s.value.is_none()) {
+            Some(i) => i,
+            None => {
+                self.nexuses.push(Slot {
+                    generation: 0,
+                    value: None,
+                });
+                self.nexuses.len() - 1
+            }
+        };
+        let slot = &mut self.nexuses[index];
+        slot.value = Some(nexus);
+        NexusId {
+            index: index as u32,
+            generation: slot.generation,
+        }
+    }
+
+    /// Closes an I_T nexus (I_T nexus loss): its tasks are aborted, its SPC-2 reservations
+    /// released and its medium-removal prevention dropped; persistent reservations stay.
+    pub fn close_nexus(&mut self, id: NexusId) -> Result<(), DeviceError> {
+        let name = self.nexus(id)?.name.clone();
+        let doomed = self.select_tasks(|t| t.nexus == id);
+        self.abort_tasks(&doomed, None);
+        for lu in self.lus.iter_mut().flatten() {
+            if lu.reserved_by.as_ref() == Some(&name) {
+                lu.reserved_by = None;
+            }
+            lu.prevent.retain(|n| n != &name);
+        }
+        let slot = &mut self.nexuses[id.index as usize];
+        slot.value = None;
+        slot.generation = slot.generation.wrapping_add(1);
+        Ok(())
+    }
+
+    pub(crate) fn nexus(&self, id: NexusId) -> Result<&Nexus, DeviceError> {
+        self.nexuses
+            .get(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.value.as_ref())
+            .ok_or(DeviceError::UnknownNexus)
+    }
+
+    pub(crate) fn nexus_mut(&mut self, id: NexusId) -> Option<&mut Nexus> {
+        self.nexuses
+            .get_mut(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.value.as_mut())
+    }
+
+    /// Live nexuses with their handles.
+    pub(crate) fn nexus_ids(&self) -> Vec<NexusId> {
+        self.nexuses
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.value.is_some())
+            .map(|(i, s)| NexusId {
+                index: i as u32,
+                generation: s.generation,
+            })
+            .collect()
+    }
+
+    /// Establishes a unit attention on `lun` for every nexus but `except`.
+    pub(crate) fn unit_attention_all(&mut self, lun: u16, asc: Asc, except: Option<NexusId>) {
+        for (i, s) in self.nexuses.iter_mut().enumerate() {
+            let me = except.is_some_and(|e| e.index as usize == i && e.generation == s.generation);
+            if let (false, Some(n)) = (me, s.value.as_mut()) {
+                push_ua(n, lun, asc);
+            }
+        }
+    }
+
+    /// Establishes a unit attention on `lun` for every nexus named `name`.
+    pub(crate) fn unit_attention_for(&mut self, lun: u16, asc: Asc, name: &ItNexus) {
+        for n in self.nexuses.iter_mut().filter_map(|s| s.value.as_mut()) {
+            if &n.name == name {
+                push_ua(n, lun, asc);
+            }
+        }
+    }
+
+    /// The next action for the transport.
+    pub fn poll(&mut self) -> Option<Action> {
+        self.actions.pop_front()
+    }
+
+    pub(crate) fn task(&self, id: TaskId) -> Result<&Task, DeviceError> {
+        self.tasks
+            .get(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.value.as_ref())
+            .ok_or(DeviceError::UnknownTask)
+    }
+
+    pub(crate) fn task_mut(&mut self, id: TaskId) -> Result<&mut Task, DeviceError> {
+        self.tasks
+            .get_mut(id.index as usize)
+            .filter(|s| s.generation == id.generation)
+            .and_then(|s| s.value.as_mut())
+            .ok_or(DeviceError::UnknownTask)
+    }
+
+    /// Accepts a command. Its outcome comes out of [`Device::poll`], possibly at once (a
+    /// command for an absent LUN completes immediately).
+    pub fn submit(&mut self, cmd: Command<'_>) -> Result<TaskId, DeviceError> {
+        let name = self.nexus(cmd.nexus)?;
+        let _ = name;
+        let index = lun_index(cmd.lun).filter(|&i| self.lu(i).is_some());
+        let mut cdb = [0u8; 16];
+        let n = cmd.cdb.len().min(16);
+        cdb[..n].copy_from_slice(&cmd.cdb[..n]);
+        self.seq += 1;
+        let task = Task {
+            nexus: cmd.nexus,
+            lun: index.unwrap_or(u16::MAX),
+            tag: cmd.tag,
+            attribute: cmd.attribute,
+            seq: self.seq,
+            cdb,
+            data_in_len: cmd.data_in_len,
+            data_out_len: cmd.data_out_len,
+            phase: Phase::Dormant,
+            aborted: false,
+            wanted: None,
+            ops: OpList::Empty,
+            finish: Finish::Good,
+            after: None,
+            current: None,
+            output: Output::Done,
+        };
+        let id = match self.free_tasks.pop() {
+            Some(i) => {
+                let slot = &mut self.tasks[i as usize];
+                slot.value = Some(task);
+                TaskId {
+                    index: i,
+                    generation: slot.generation,
+                }
+            }
+            None => {
+                self.tasks.push(Slot {
+                    generation: 0,
+                    value: Some(task),
+                });
+                TaskId {
+                    index: (self.tasks.len() - 1) as u32,
+                    generation: 0,
+                }
+            }
+        };
+        if cmd.cdb.len() > 16 {
+            self.complete(id, Err(Sense::invalid_opcode().into()));
+            return Ok(id);
+        }
+        let Some(index) = index else {
+            let r = self.no_such_lun(&cdb, cmd.lun);
+            self.complete(id, r);
+            return Ok(id);
+        };
+        if cmd.attribute == TaskAttribute::Aca {
+            // No ACA condition is ever established (NACA is refused).
+            self.complete(
+                id,
+                Err(Sense::new(SenseKey::IllegalRequest, Asc::INVALID_MESSAGE_ERROR).into()),
+            );
+            return Ok(id);
+        }
+        let lu = self.lu_mut(index).expect("checked above");
+        let enabled = match cmd.attribute {
+            TaskAttribute::HeadOfQueue => true,
+            TaskAttribute::Ordered => lu.live == 0,
+            _ => lu.blockers == 0 && lu.dormant == 0,
+        };
+        lu.live += 1;
+        if matches!(
+            cmd.attribute,
+            TaskAttribute::Ordered | TaskAttribute::HeadOfQueue
+        ) {
+            lu.blockers += 1;
+        }
+        if enabled {
+            self.start(id);
+        } else {
+            lu.dormant += 1;
+        }
+        Ok(id)
+    }
+
+    /// Commands addressed to a LUN without a logical unit: INQUIRY answers with peripheral
+    /// qualifier 011b, REPORT LUNS and REQUEST SENSE work, anything else is LOGICAL UNIT NOT
+    /// SUPPORTED.
+    fn no_such_lun(&mut self, cdb: &[u8; 16], lun: u64) -> Result<Reply, TaskError> {
+        let _ = lun;
+        match cdb[0] {
+            0x12 => {
+                let alloc = usize::from(u16::from_be_bytes([cdb[3], cdb[4]]));
+                if cdb[1] & 0x01 != 0 || cdb[2] != 0 {
+                    return Err(Sense::new(
+                        SenseKey::IllegalRequest,
+                        Asc::LOGICAL_UNIT_NOT_SUPPORTED,
+                    )
+                    .into());
+                }
+                let mut d = vec![0u8; 36];
+                d[0] = 0x7f;
+                d[2] = 0x06;
+                d[3] = 0x02;
+                d[4] = 31;
+                d.truncate(alloc);
+                Ok(Reply::Data(d))
+            }
+            0xa0 => Ok(Reply::Data(crate::spc::report_luns::report_luns(
+                &self.luns(),
+                &cdb[..12],
+            )?)),
+            0x03 => {
+                let mut d = Sense::new(SenseKey::IllegalRequest, Asc::LOGICAL_UNIT_NOT_SUPPORTED)
+                    .encode(cdb[1] & 1 != 0)
+                    .as_slice()
+                    .to_vec();
+                d.truncate(usize::from(cdb[4]));
+                Ok(Reply::Data(d))
+            }
+            _ => Err(Sense::new(SenseKey::IllegalRequest, Asc::LOGICAL_UNIT_NOT_SUPPORTED).into()),
+        }
+    }
+
+    /// Runs an enabled task up to its first wait.
+    fn start(&mut self, id: TaskId) {
+        let Ok(t) = self.task_mut(id) else { return };
+        t.phase = Phase::Enabled;
+        let (nexus, lun, cdb) = (t.nexus, t.lun, t.cdb);
+        let step = self.admit(nexus, lun, &cdb).and_then(|()| self.dispatch(id));
+        self.proceed(id, step);
+    }
+
+    /// Unit attentions, reservations and NOT READY: whether the command may run at all.
+    fn admit(&mut self, nexus: NexusId, lun: u16, cdb: &[u8; 16]) -> Result<(), TaskError> {
+        let info = opcodes::lookup(cdb)?;
+        if info.access == Access::Exempt {
+            return Ok(());
+        }
+        if let Some(n) = self.nexus_mut(nexus) {
+            if let Some(i) = n.unit_attentions.iter().position(|&(l, _)| l == lun) {
+                let (_, asc) = n.unit_attentions.remove(i);
+                return Err(Sense::unit_attention(asc).into());
+            }
+        }
+        let name = self.nexus(nexus).map_err(|_| Sense::invalid_opcode())?.name.clone();
+        let lu = self.lu(lun).expect("tasks live on existing units");
+        if let Some(holder) = &lu.reserved_by {
+            let allowed = info.access == Access::Unrestricted && !matches!(cdb[0], 0x5e | 0x5f)
+                || matches!(cdb[0], 0x17 | 0x57);
+            if holder != &name && !allowed {
+                return Err(TaskError::ReservationConflict);
+            }
+        }
+        if !lu.pr.allows(&name, info.access, cdb[0]) {
+            return Err(TaskError::ReservationConflict);
+        }
+        if lu.stopped && (is_media_access(cdb[0]) || cdb[0] == 0x00) {
+            return Err(Sense::new(SenseKey::NotReady, Asc::NOT_READY_INITIALIZING_COMMAND_REQUIRED).into());
+        }
+        Ok(())
+    }
+
+    /// Carries out a dispatch result.
+    pub(crate) fn proceed(&mut self, id: TaskId, step: Result<Step, TaskError>) {
+        match step {
+            Err(e) => self.complete(id, Err(e)),
+            Ok(Step::Done(reply)) => self.complete(id, Ok(reply)),
+            Ok(Step::Ops(ops, finish)) => {
+                if let Ok(t) = self.task_mut(id) {
+                    t.ops = ops;
+                    t.finish = finish;
+                }
+                self.issue_next(id);
+            }
+            Ok(Step::DataOut { len, then }) => {
+                let Ok(t) = self.task_mut(id) else { return };
+                if t.wanted.is_none() {
+                    t.wanted = Some(u64::from(len));
+                }
+                if len > t.data_out_len {
+                    // The initiator would send less than the command needs: transfer nothing
+                    // (SAM-5, FCP-4 9.4.2 b).
+                    let e = Sense::new(
+                        SenseKey::IllegalRequest,
+                        Asc::INVALID_FIELD_IN_COMMAND_INFORMATION_UNIT,
+                    );
+                    return self.complete(id, Err(e.into()));
+                }
+                if len == 0 {
+                    t.after = Some(then);
+                    t.phase = Phase::DataOut;
+                    return self.after_data(id, &[]);
+                }
+                t.after = Some(then);
+                t.phase = Phase::DataOut;
+                let tag = t.tag;
+                self.actions.push_back(Action::DataOut { task: id, tag, len });
+            }
+        }
+    }
+
+    /// The data-out asked for by [`Action::DataOut`] is in the task's buffer; `data` is that
+    /// buffer (the core reads it only for parameter lists).
+    pub fn data_out(&mut self, id: TaskId, data: &[u8]) -> Result<(), DeviceError> {
+        let t = self.task(id)?;
+        if t.phase != Phase::DataOut {
+            return Err(DeviceError::WrongPhase);
+        }
+        self.after_data(id, data);
+        Ok(())
+    }
+
+    fn after_data(&mut self, id: TaskId, data: &[u8]) {
+        let Ok(t) = self.task_mut(id) else { return };
+        t.phase = Phase::Enabled;
+        match t.after.take() {
+            Some(AfterData::Ops(ops, finish)) => self.proceed(id, Ok(Step::Ops(ops, finish))),
+            Some(AfterData::Parameters(p)) => {
+                let len = t.wanted.unwrap_or(0) as usize;
+                let data = &data[..len.min(data.len())];
+                let step = self.parameters(id, p, data);
+                self.proceed(id, step);
+            }
+            None => self.complete(
+                id,
+                Err(Sense::new(SenseKey::HardwareError, Asc::INTERNAL_TARGET_FAILURE).into()),
+            ),
+        }
+    }
+
+    /// Issues the task's next backend operation, or finishes it.
+    fn issue_next(&mut self, id: TaskId) {
+        let Ok(t) = self.task_mut(id) else { return };
+        let Some(mut op) = t.current.take().or_else(|| t.ops.pop()) else {
+            let finish = t.finish;
+            let output = t.output;
+            let reply = match finish {
+                Finish::Good => Ok(Reply::Good),
+                Finish::ReadData { len } => {
+                    let sent = len.min(t.data_in_len);
+                    let tag = t.tag;
+                    let residual = Residual::of(u64::from(len), t.data_in_len);
+                    return self.end(
+                        id,
+                        Action::Complete {
+                            task: id,
+                            tag,
+                            status: Status::Good,
+                            sense: None,
+                            data_in: DataIn::Buffer { len: sent },
+                            residual,
+                        },
+                    );
+                }
+                Finish::LbaStatus { lba, alloc } => {
+                    Ok(Reply::Data(crate::sbc::lba_status::descriptor(lba, output, alloc)))
+                }
+            };
+            return self.complete(id, reply);
+        };
+        let lun = t.lun;
+        let lu = self.lu(lun).expect("tasks live on existing units");
+        if !lu.unit.geometry.write_cache {
+            // Write-through: every write is forced to the medium.
+            if let Op::Write { fua, .. }
+            | Op::WriteSame { fua, .. }
+            | Op::CompareAndWrite { fua, .. }
+            | Op::OrWrite { fua, .. } = &mut op
+            {
+                *fua = true;
+            }
+        }
+        if let Some((start, blocks)) = op.written_range() {
+            let end = start.saturating_add(blocks);
+            let lu = self.lu_mut(lun).expect("checked");
+            let busy = lu.locks.iter().any(|&(_, s, e)| s < end && start < e);
+            if busy || !lu.lock_waiters.is_empty() {
+                lu.lock_waiters.push_back(id);
+                let t = self.task_mut(id).expect("checked");
+                t.current = Some(op);
+                t.phase = Phase::Locked;
+                if !busy {
+                    self.retry_lock_waiters(lun);
+                }
+                return;
+            }
+            lu.locks.push((id, start, end));
+        }
+        let t = self.task_mut(id).expect("checked");
+        t.current = Some(op);
+        t.phase = Phase::Backend;
+        self.actions.push_back(Action::Backend { task: id, lun, op });
+    }
+
+    /// Lets waiting writers whose ranges are free go, in arrival order: a waiter also blocks
+    /// later waiters that overlap it.
+    fn retry_lock_waiters(&mut self, lun: u16) {
+        let Some(lu) = self.lu_mut(lun) else { return };
+        let waiters: Vec<TaskId> = lu.lock_waiters.drain(..).collect();
+        let mut still: Vec<(u64, u64)> = Vec::new();
+        for id in waiters {
+            let Some((start, blocks)) = self
+                .task(id)
+                .ok()
+                .and_then(|t| t.current)
+                .and_then(|op| op.written_range())
+            else {
+                continue;
+            };
+            let end = start.saturating_add(blocks);
+            let lu = self.lu_mut(lun).expect("checked");
+            let overlaps = |&(s, e): &(u64, u64)| s < end && start < e;
+            if lu.locks.iter().any(|&(_, s, e)| overlaps(&(s, e))) || still.iter().any(overlaps) {
+                lu.lock_waiters.push_back(id);
+                still.push((start, end));
+                continue;
+            }
+            lu.locks.push((id, start, end));
+            let t = self.task_mut(id).expect("checked");
+            let op = t.current.expect("waiters hold an op");
+            t.phase = Phase::Backend;
+            self.actions.push_back(Action::Backend { task: id, lun, op });
+        }
+    }
+
+    /// A backend operation of [`Action::Backend`] has finished.
+    pub fn backend_done(
+        &mut self,
+        id: TaskId,
+        result: Result<Output, BackendError>,
+    ) -> Result<(), DeviceError> {
+        let t = self.task_mut(id)?;
+        if t.phase != Phase::Backend {
+            return Err(DeviceError::WrongPhase);
+        }
+        let lun = t.lun;
+        let op = t.current.take();
+        t.phase = Phase::Enabled;
+        if op.and_then(|o| o.written_range()).is_some() {
+            if let Some(lu) = self.lu_mut(lun) {
+                lu.locks.retain(|&(holder, _, _)| holder != id);
+            }
+            self.retry_lock_waiters(lun);
+        }
+        let t = self.task_mut(id).expect("checked");
+        if t.aborted {
+            let tag = t.tag;
+            return {
+                self.end(id, Action::Aborted { task: id, tag });
+                Ok(())
+            };
+        }
+        match result {
+            Ok(output) => {
+                t.output = output;
+                self.issue_next(id);
+            }
+            Err(e) => self.complete(id, Err(e.into())),
+        }
+        Ok(())
+    }
+
+    /// Ends a task with status.
+    pub(crate) fn complete(&mut self, id: TaskId, result: Result<Reply, TaskError>) {
+        let Ok(t) = self.task(id) else { return };
+        let d_sense = self.lu(t.lun).is_some_and(|lu| lu.d_sense);
+        let (status, sense, data) = match result {
+            Ok(Reply::Good) => (Status::Good, None, None),
+            Ok(Reply::Data(d)) => (Status::Good, None, Some(d)),
+            Err(TaskError::ReservationConflict) => (Status::ReservationConflict, None, None),
+            Err(TaskError::Sense(s)) => (Status::CheckCondition, Some(s.encode(d_sense)), None),
+        };
+        let (data_in, residual) = match data {
+            Some(mut d) => {
+                let residual = Residual::of(d.len() as u64, t.data_in_len);
+                d.truncate(t.data_in_len as usize);
+                (DataIn::Parameter(d), residual)
+            }
+            None => {
+                // Nothing moved in: the command's own length (if known) against the larger of
+                // the expected lengths.
+                let expected = t.data_in_len.max(t.data_out_len);
+                let residual = match t.wanted {
+                    Some(w) if status == Status::Good || w > u64::from(expected) => {
+                        Residual::of(w, expected)
+                    }
+                    _ if expected > 0 => Residual::Underflow(expected),
+                    _ => Residual::None,
+                };
+                (DataIn::None, residual)
+            }
+        };
+        let tag = t.tag;
+        self.end(
+            id,
+            Action::Complete {
+                task: id,
+                tag,
+                status,
+                sense,
+                data_in,
+                residual,
+            },
+        );
+    }
+
+    /// Removes a task from the task set, emits its last action, and lets waiting tasks go.
+    fn end(&mut self, id: TaskId, last: Action) {
+        let slot = &mut self.tasks[id.index as usize];
+        let Some(t) = slot.value.take() else { return };
+        slot.generation = slot.generation.wrapping_add(1);
+        self.free_tasks.push(id.index);
+        self.actions.push_back(last);
+        if let Some(lu) = self.lu_mut(t.lun) {
+            lu.live -= 1;
+            if matches!(
+                t.attribute,
+                TaskAttribute::Ordered | TaskAttribute::HeadOfQueue
+            ) {
+                lu.blockers -= 1;
+            }
+            if t.phase == Phase::Dormant {
+                lu.dormant -= 1;
+            }
+            if t.phase == Phase::Locked {
+                lu.lock_waiters.retain(|&w| w != id);
+            }
+            if lu.dormant > 0 {
+                self.enable_dormant(t.lun);
+            }
+        }
+        if !self.tmfs.is_empty() {
+            for tmf in &mut self.tmfs {
+                tmf.waiting.retain(|&w| w != id);
+            }
+            let mut i = 0;
+            while i < self.tmfs.len() {
+                if self.tmfs[i].waiting.is_empty() {
+                    let tmf = self.tmfs.remove(i);
+                    self.actions.push_back(Action::TaskManagementDone {
+                        nexus: tmf.nexus,
+                        reference: tmf.reference,
+                        response: tmf.response,
+                    });
+                } else {
+                    i += 1;
+                }
+            }
+        }
+    }
+
+    /// Applies the task attribute rules to the unit's dormant tasks.
+    fn enable_dormant(&mut self, lun: u16) {
+        let mut set: Vec<(u64, TaskId, TaskAttribute, Phase, bool)> = self
+            .tasks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let t = s.value.as_ref()?;
+                (t.lun == lun).then(|| {
+                    let id = TaskId {
+                        index: i as u32,
+                        generation: s.generation,
+                    };
+                    (t.seq, id, t.attribute, t.phase, t.aborted)
+                })
+            })
+            .collect();
+        set.sort_unstable_by_key(|e| e.0);
+        let (mut older_live, mut older_blocker) = (false, false);
+        let mut enable = Vec::new();
+        for (_, id, attribute, phase, aborted) in set {
+            let blocker = matches!(
+                attribute,
+                TaskAttribute::Ordered | TaskAttribute::HeadOfQueue
+            );
+            if phase == Phase::Dormant && !aborted {
+                let go = match attribute {
+                    TaskAttribute::Ordered => !older_live,
+                    _ => !older_blocker,
+                };
+                if go {
+                    enable.push(id);
+                }
+            }
+            older_live = true;
+            older_blocker |= blocker;
+        }
+        for id in enable {
+            if let Some(lu) = self.lu_mut(lun) {
+                lu.dormant -= 1;
+            }
+            self.start(id);
+        }
+    }
+
+    /// Tasks matching `f`, oldest first.
+    fn select_tasks(&self, f: impl Fn(&Task) -> bool) -> Vec<TaskId> {
+        let mut v: Vec<(u64, TaskId)> = self
+            .tasks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let t = s.value.as_ref()?;
+                f(t).then_some((
+                    t.seq,
+                    TaskId {
+                        index: i as u32,
+                        generation: s.generation,
+                    },
+                ))
+            })
+            .collect();
+        v.sort_unstable_by_key(|e| e.0);
+        v.into_iter().map(|e| e.1).collect()
+    }
+
+    /// Aborts tasks: those not in the backend end now; the others when their operation
+    /// completes. Returns the latter, which a task management function waits for. `by` is
+    /// the nexus on whose behalf the tasks are aborted: other nexuses' tasks leave them a
+    /// COMMANDS CLEARED BY ANOTHER INITIATOR unit attention (TAS is zero).
+    fn abort_tasks(&mut self, ids: &[TaskId], by: Option<NexusId>) -> Vec<TaskId> {
+        for &id in ids {
+            if let Ok(t) = self.task_mut(id) {
+                t.aborted = true;
+            }
+        }
+        let mut in_flight = Vec::new();
+        for &id in ids {
+            let Ok(t) = self.task(id) else { continue };
+            let (nexus, lun, tag, phase) = (t.nexus, t.lun, t.tag, t.phase);
+            if by.is_some_and(|b| b != nexus) {
+                if let Some(n) = self.nexus_mut(nexus) {
+                    push_ua(n, lun, Asc::COMMANDS_CLEARED_BY_ANOTHER_INITIATOR);
+                }
+            }
+            if phase == Phase::Backend {
+                in_flight.push(id);
+            } else {
+                self.end(id, Action::Aborted { task: id, tag });
+            }
+        }
+        in_flight
+    }
+
+    /// Starts a task management function; [`Action::TaskManagementDone`] answers it.
+    pub fn task_management(
+        &mut self,
+        nexus: NexusId,
+        lun: u64,
+        function: TmfFunction,
+        reference: u64,
+    ) -> Result<(), DeviceError> {
+        let name = self.nexus(nexus)?.name.clone();
+        let index = lun_index(lun).filter(|&i| self.lu(i).is_some());
+        let mut response = TmfResponse::Complete;
+        let needs_lu = !matches!(
+            function,
+            TmfFunction::ItNexusReset | TmfFunction::TargetWarmReset
+        );
+        let waiting = match (function, index) {
+            (_, None) if needs_lu => {
+                response = TmfResponse::IncorrectLun;
+                Vec::new()
+            }
+            (TmfFunction::AbortTask(tag), Some(l)) => {
+                let ids = self.select_tasks(|t| t.nexus == nexus && t.lun == l && t.tag == tag);
+                if ids.is_empty() {
+                    response = TmfResponse::TaskNotFound;
+                }
+                self.abort_tasks(&ids, Some(nexus))
+            }
+            (TmfFunction::AbortTaskSet, Some(l)) => {
+                let ids = self.select_tasks(|t| t.nexus == nexus && t.lun == l);
+                self.abort_tasks(&ids, Some(nexus))
+            }
+            (TmfFunction::ClearTaskSet, Some(l)) => {
+                let ids = self.select_tasks(|t| t.lun == l);
+                self.abort_tasks(&ids, Some(nexus))
+            }
+            (TmfFunction::ClearAca, Some(_)) => Vec::new(),
+            (TmfFunction::LogicalUnitReset, Some(l)) => {
+                let ids = self.select_tasks(|t| t.lun == l);
+                let w = self.abort_tasks(&ids, None);
+                self.reset_lu(l, Some(nexus));
+                w
+            }
+            (TmfFunction::ItNexusReset, _) => {
+                let ids = self.select_tasks(|t| t.nexus == nexus);
+                let w = self.abort_tasks(&ids, None);
+                for lu in self.lus.iter_mut().flatten() {
+                    if lu.reserved_by.as_ref() == Some(&name) {
+                        lu.reserved_by = None;
+                    }
+                    lu.prevent.retain(|n| n != &name);
+                }
+                for l in self.luns() {
+                    if let Some(n) = self.nexus_mut(nexus) {
+                        push_ua(n, l, Asc::I_T_NEXUS_LOSS);
+                    }
+                }
+                w
+            }
+            (TmfFunction::TargetWarmReset, _) => {
+                let ids = self.select_tasks(|_| true);
+                let w = self.abort_tasks(&ids, None);
+                for l in self.luns() {
+                    self.reset_lu(l, None);
+                }
+                w
+            }
+            (TmfFunction::QueryTask(tag), Some(l)) => {
+                if self
+                    .select_tasks(|t| t.nexus == nexus && t.lun == l && t.tag == tag && !t.aborted)
+                    .is_empty()
+                {
+                    response = TmfResponse::Complete
+                } else {
+                    response = TmfResponse::Succeeded(None)
+                }
+                Vec::new()
+            }
+            (TmfFunction::QueryTaskSet, Some(l)) => {
+                if !self
+                    .select_tasks(|t| t.nexus == nexus && t.lun == l && !t.aborted)
+                    .is_empty()
+                {
+                    response = TmfResponse::Succeeded(None)
+                }
+                Vec::new()
+            }
+            (TmfFunction::QueryAsynchronousEvent, Some(l)) => {
+                let n = self.nexus(nexus)?;
+                if let Some(&(_, asc)) = n.unit_attentions.iter().find(|&&(x, _)| x == l) {
+                    response =
+                        TmfResponse::Succeeded(Some([SenseKey::UnitAttention as u8, asc.0, asc.1]));
+                }
+                Vec::new()
+            }
+            (_, None) => Vec::new(),
+        };
+        if waiting.is_empty() {
+            self.actions.push_back(Action::TaskManagementDone {
+                nexus,
+                reference,
+                response,
+            });
+        } else {
+            self.tmfs.push(PendingTmf {
+                nexus,
+                reference,
+                response,
+                waiting,
+            });
+        }
+        Ok(())
+    }
+
+    /// LOGICAL UNIT RESET's effects on the unit's state (SAM-5 section 6.3.3): the SPC-2
+    /// reservation and medium removal prevention go, mode parameters return to their defaults,
+    /// and every nexus gets a unit attention (persistent reservations stay).
+    fn reset_lu(&mut self, lun: u16, _by: Option<NexusId>) {
+        if let Some(lu) = self.lu_mut(lun) {
+            lu.reserved_by = None;
+            lu.prevent.clear();
+            lu.stopped = false;
+            lu.d_sense = false;
+        }
+        self.unit_attention_all(lun, Asc::BUS_DEVICE_RESET_OCCURRED, None);
+    }
+}
+
+impl Device {
+    /// Takes the nexus's oldest unit attention on `lun` (REQUEST SENSE reports it).
+    pub(crate) fn nexus_ua_pop(&mut self, nexus: NexusId, lun: u16) -> Option<Asc> {
+        let n = self.nexus_mut(nexus)?;
+        let i = n.unit_attentions.iter().position(|&(l, _)| l == lun)?;
+        Some(n.unit_attentions.remove(i).1)
+    }
+
+    /// The relative target port of a nexus.
+    pub(crate) fn relative_port(&self, nexus: NexusId) -> Option<u16> {
+        self.nexus(nexus).ok().map(|n| n.name.relative_port)
+    }
+
+    /// The name of a nexus, for reservations.
+    pub(crate) fn nexus_name(&self, nexus: NexusId) -> Result<ItNexus, TaskError> {
+        self.nexus(nexus).map(|n| n.name.clone()).map_err(|_| {
+            Sense::new(SenseKey::HardwareError, Asc::INTERNAL_TARGET_FAILURE).into()
+        })
+    }
+
+    /// The configured write cache setting of a unit.
+    pub(crate) fn default_wce(&self, lun: u16) -> bool {
+        self.lu(lun).is_some_and(|lu| lu.default_wce)
+    }
+
+    /// PREEMPT AND ABORT: aborts the tasks on `lun` of the nexuses named, except `except`.
+    pub(crate) fn abort_nexus_tasks(&mut self, lun: u16, names: &[ItNexus], except: TaskId) {
+        let ids: Vec<NexusId> = self
+            .nexus_ids()
+            .into_iter()
+            .filter(|&n| self.nexus(n).is_ok_and(|x| names.contains(&x.name)))
+            .collect();
+        let doomed = self.select_tasks(|t| t.lun == lun && ids.contains(&t.nexus));
+        let doomed: Vec<TaskId> = doomed.into_iter().filter(|&t| t != except).collect();
+        self.abort_tasks(&doomed, None);
+    }
+}
+
+/// Queues a unit attention unless the same one is already pending.
+pub(crate) fn push_ua(n: &mut Nexus, lun: u16, asc: Asc) {
+    if !n.unit_attentions.contains(&(lun, asc)) {
+        n.unit_attentions.push((lun, asc));
+    }
+}
+
+/// Commands that touch the medium, refused while the unit is stopped.
+fn is_media_access(opcode: u8) -> bool {
+    matches!(
+        opcode,
+        0x08 | 0x0a
+            | 0x28
+            | 0x2a
+            | 0x2e
+            | 0x2f
+            | 0x34
+            | 0x35
+            | 0x41
+            | 0x42
+            | 0x88..=0x93
+            | 0x9c
+            | 0xa8
+            | 0xaa
+            | 0xae
+            | 0xaf
+    )
+}

@@ -1,0 +1,684 @@
+//! Persistent reservations (SPC-4 sections 5.13, 6.15 and 6.16): registrations by I_T nexus,
+//! the six reservation types with their access rules, PERSISTENT RESERVE IN and OUT, and
+//! persistence through a power loss (APTPL) by a [`PrStore`].
+
+use std::path::PathBuf;
+
+use crate::nexus::{ItNexus, TransportId};
+use crate::sense::{Asc, FieldPointer, Sense, SenseKey};
+use crate::spc::opcodes::Access;
+
+/// Reservation TYPE values.
+pub mod kind {
+    /// Write Exclusive.
+    pub const WRITE_EXCLUSIVE: u8 = 1;
+    /// Exclusive Access.
+    pub const EXCLUSIVE_ACCESS: u8 = 3;
+    /// Write Exclusive - Registrants Only.
+    pub const WRITE_EXCLUSIVE_REGISTRANTS_ONLY: u8 = 5;
+    /// Exclusive Access - Registrants Only.
+    pub const EXCLUSIVE_ACCESS_REGISTRANTS_ONLY: u8 = 6;
+    /// Write Exclusive - All Registrants.
+    pub const WRITE_EXCLUSIVE_ALL_REGISTRANTS: u8 = 7;
+    /// Exclusive Access - All Registrants.
+    pub const EXCLUSIVE_ACCESS_ALL_REGISTRANTS: u8 = 8;
+}
+
+fn valid_type(t: u8) -> bool {
+    matches!(t, 1 | 3 | 5 | 6 | 7 | 8)
+}
+
+fn all_registrants(t: u8) -> bool {
+    matches!(t, 7 | 8)
+}
+
+/// One registration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Registration {
+    /// The registered I_T nexus.
+    pub nexus: ItNexus,
+    /// Its reservation key.
+    pub key: u64,
+    /// Registered through every target port (ALL_TG_PT).
+    pub all_target_ports: bool,
+}
+
+impl Registration {
+    fn covers(&self, n: &ItNexus) -> bool {
+        self.nexus.initiator == n.initiator
+            && (self.all_target_ports || self.nexus.relative_port == n.relative_port)
+    }
+}
+
+/// The persistent reservation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    /// The holder (for the all-registrants types, the nexus that reserved; every registrant
+    /// holds it).
+    pub holder: ItNexus,
+    /// TYPE.
+    pub kind: u8,
+}
+
+/// A logical unit's persistent reservation state.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrState {
+    /// PRGENERATION.
+    pub generation: u32,
+    /// Registrations, in the order they were made.
+    pub registrations: Vec<Registration>,
+    /// The reservation, if any.
+    pub reservation: Option<Reservation>,
+    /// Activate persist through power loss.
+    pub aptpl: bool,
+}
+
+/// What a PERSISTENT RESERVE OUT did beyond the state: unit attentions to establish, nexuses
+/// whose tasks to abort (PREEMPT AND ABORT), and whether the state must be saved.
+#[derive(Debug, Default)]
+pub(crate) struct Effects {
+    pub unit_attentions: Vec<(ItNexus, Asc)>,
+    pub abort: Vec<ItNexus>,
+    pub save: bool,
+}
+
+/// A PERSISTENT RESERVE OUT failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PrError {
+    Conflict,
+    Sense(Sense),
+}
+
+impl From<Sense> for PrError {
+    fn from(s: Sense) -> PrError {
+        PrError::Sense(s)
+    }
+}
+
+fn param_error(byte: u16) -> PrError {
+    PrError::Sense(Sense::invalid_field_in_parameter_list(FieldPointer::parameter(byte)))
+}
+
+impl PrState {
+    fn registration(&self, n: &ItNexus) -> Option<&Registration> {
+        self.registrations.iter().find(|r| r.covers(n))
+    }
+
+    /// Whether `n` holds the reservation.
+    pub fn is_holder(&self, n: &ItNexus) -> bool {
+        match &self.reservation {
+            Some(r) if all_registrants(r.kind) => self.registration(n).is_some(),
+            Some(r) => &r.holder == n || self.registration(n).is_some_and(|reg| reg.covers(&r.holder) && reg.all_target_ports),
+            None => false,
+        }
+    }
+
+    /// Whether a command of class `access` from `n` may run (SPC-4 table 45).
+    pub fn allows(&self, n: &ItNexus, access: Access, _opcode: u8) -> bool {
+        let Some(r) = &self.reservation else {
+            return true;
+        };
+        if self.is_holder(n) {
+            return true;
+        }
+        let registered = self.registration(n).is_some();
+        match access {
+            Access::Exempt | Access::Always | Access::Unrestricted => true,
+            Access::Read => match r.kind {
+                kind::EXCLUSIVE_ACCESS => false,
+                kind::EXCLUSIVE_ACCESS_REGISTRANTS_ONLY
+                | kind::EXCLUSIVE_ACCESS_ALL_REGISTRANTS => registered,
+                _ => true,
+            },
+            Access::Write => match r.kind {
+                kind::WRITE_EXCLUSIVE | kind::EXCLUSIVE_ACCESS => false,
+                _ => registered,
+            },
+        }
+    }
+
+    /// Whether any I_T nexus is registered.
+    pub fn has_registrations(&self) -> bool {
+        !self.registrations.is_empty()
+    }
+
+    /// PERSISTENT RESERVE IN parameter data for `action`, truncated to `alloc` bytes.
+    pub fn read(&self, action: u8, alloc: usize, ptpl_capable: bool) -> Result<Vec<u8>, Sense> {
+        let mut d = Vec::new();
+        d.extend_from_slice(&self.generation.to_be_bytes());
+        match action {
+            0 => {
+                d.extend_from_slice(&((8 * self.registrations.len()) as u32).to_be_bytes());
+                for r in &self.registrations {
+                    d.extend_from_slice(&r.key.to_be_bytes());
+                }
+            }
+            1 => match &self.reservation {
+                None => d.extend_from_slice(&[0; 4]),
+                Some(r) => {
+                    d.extend_from_slice(&16u32.to_be_bytes());
+                    let key = if all_registrants(r.kind) {
+                        0
+                    } else {
+                        self.registration(&r.holder).map_or(0, |x| x.key)
+                    };
+                    d.extend_from_slice(&key.to_be_bytes());
+                    d.extend_from_slice(&[0, 0, 0, 0, 0, r.kind, 0, 0]);
+                }
+            },
+            2 => {
+                d.clear();
+                // RLR_C 0, CRH, SIP_C, ATP_C, PTPL_C; TMV, ALLOW COMMANDS 001b, PTPL_A.
+                let caps = 0x10 | 0x08 | 0x04 | u8::from(ptpl_capable);
+                d.extend_from_slice(&[0, 8, caps, 0x80 | 0x10 | u8::from(self.aptpl)]);
+                d.extend_from_slice(&[0xea, 0x01, 0, 0]);
+            }
+            3 => {
+                d.extend_from_slice(&[0; 4]);
+                for r in &self.registrations {
+                    let holder = self.reservation.as_ref().is_some_and(|res| {
+                        if all_registrants(res.kind) {
+                            true
+                        } else {
+                            r.covers(&res.holder)
+                        }
+                    });
+                    d.extend_from_slice(&r.key.to_be_bytes());
+                    d.extend_from_slice(&[0; 4]);
+                    d.push(u8::from(r.all_target_ports) << 1 | u8::from(holder));
+                    d.push(match (&self.reservation, holder) {
+                        (Some(res), true) => res.kind,
+                        _ => 0,
+                    });
+                    d.extend_from_slice(&[0; 4]);
+                    d.extend_from_slice(&r.nexus.relative_port.to_be_bytes());
+                    let mut tid = Vec::new();
+                    r.nexus.initiator.encode(&mut tid);
+                    d.extend_from_slice(&(tid.len() as u32).to_be_bytes());
+                    d.extend_from_slice(&tid);
+                }
+                let len = (d.len() - 8) as u32;
+                d[4..8].copy_from_slice(&len.to_be_bytes());
+            }
+            _ => return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(1, 4))),
+        }
+        d.truncate(alloc);
+        Ok(d)
+    }
+
+    /// PERSISTENT RESERVE OUT from `me` with `action`, SCOPE and TYPE byte `scope_type`, and
+    /// parameter list `p` (whose length the CDB gave). `ports` are the target's relative port
+    /// identifiers, for ALL_TG_PT.
+    pub(crate) fn out(
+        &mut self,
+        me: &ItNexus,
+        action: u8,
+        scope_type: u8,
+        p: &[u8],
+        ports: &[u16],
+    ) -> Result<Effects, PrError> {
+        let mut fx = Effects::default();
+        if action == 7 {
+            return self.register_and_move(me, scope_type, p, fx);
+        }
+        if p.len() < 24 {
+            return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+        }
+        let be64 = |at: usize| u64::from_be_bytes(p[at..at + 8].try_into().unwrap());
+        let key = be64(0);
+        let sa_key = be64(8);
+        let spec_i_pt = p[20] & 0x08 != 0;
+        let all_tg_pt = p[20] & 0x04 != 0;
+        let aptpl = p[20] & 0x01 != 0;
+        if p.len() != 24 && !(spec_i_pt && matches!(action, 0)) {
+            return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+        }
+        let scope = scope_type >> 4;
+        let ty = scope_type & 0x0f;
+        let mine = self.registration(me).cloned();
+        match action {
+            0 | 6 => {
+                if action == 6 && spec_i_pt {
+                    return Err(param_error(20));
+                }
+                match &mine {
+                    None if action == 0 && key != 0 => return Err(PrError::Conflict),
+                    Some(r) if action == 0 && r.key != key => return Err(PrError::Conflict),
+                    Some(_) if spec_i_pt => return Err(param_error(20)),
+                    _ => {}
+                }
+                if sa_key == 0 {
+                    if mine.is_some() {
+                        self.unregister(me, &mut fx);
+                        self.generation = self.generation.wrapping_add(1);
+                    }
+                    // Unregistering (or registering nothing) still sets APTPL.
+                    self.aptpl = aptpl && self.has_registrations();
+                    fx.save = true;
+                    return Ok(fx);
+                }
+                let mut new = Vec::new();
+                if spec_i_pt {
+                    if p.len() < 28 {
+                        return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+                    }
+                    let len = u32::from_be_bytes(p[24..28].try_into().unwrap()) as usize;
+                    if p.len() != 28 + len {
+                        return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+                    }
+                    let mut at = 28;
+                    while at < p.len() {
+                        let (tid, n) = TransportId::parse(&p[at..], at)?;
+                        if tid.port.is_none() && tid.protocol == crate::nexus::protocol::ISCSI {
+                            // A name-only TransportID designates every port of the name: we
+                            // cannot register ports we have not seen; refuse rather than guess.
+                            return Err(param_error(at as u16));
+                        }
+                        for &port in ports {
+                            if all_tg_pt || port == me.relative_port {
+                                new.push(ItNexus {
+                                    initiator: tid.clone(),
+                                    relative_port: port,
+                                });
+                            }
+                        }
+                        at += n;
+                    }
+                    if new.iter().any(|n| self.registration(n).is_some() && n != me) {
+                        // An already registered nexus named in the list: the whole command fails.
+                        return Err(param_error(24));
+                    }
+                }
+                match self.registrations.iter_mut().find(|r| r.covers(me)) {
+                    Some(r) => r.key = sa_key,
+                    None => self.registrations.push(Registration {
+                        nexus: me.clone(),
+                        key: sa_key,
+                        all_target_ports: all_tg_pt,
+                    }),
+                }
+                for n in new.into_iter().filter(|n| n != me) {
+                    self.registrations.push(Registration {
+                        nexus: n,
+                        key: sa_key,
+                        all_target_ports: all_tg_pt,
+                    });
+                }
+                self.aptpl = aptpl;
+                self.generation = self.generation.wrapping_add(1);
+                fx.save = true;
+                Ok(fx)
+            }
+            1..=5 => {
+                let Some(mine) = mine else {
+                    return Err(PrError::Conflict);
+                };
+                if mine.key != key {
+                    return Err(PrError::Conflict);
+                }
+                if spec_i_pt || all_tg_pt {
+                    return Err(param_error(20));
+                }
+                let needs_type = matches!(action, 1 | 4 | 5) || (action == 2 && self.reservation.is_some());
+                if needs_type && (scope != 0 || !valid_type(ty)) {
+                    return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb(2)).into());
+                }
+                match action {
+                    1 => match &self.reservation {
+                        None => {
+                            self.reservation = Some(Reservation {
+                                holder: me.clone(),
+                                kind: ty,
+                            });
+                        }
+                        Some(r) if self.is_holder(me) && r.kind == ty => {}
+                        Some(_) => return Err(PrError::Conflict),
+                    },
+                    2 => {
+                        let Some(r) = self.reservation.clone() else {
+                            return Ok(fx);
+                        };
+                        if !self.is_holder(me) {
+                            return Ok(fx);
+                        }
+                        if r.kind != ty {
+                            return Err(Sense::new(
+                                SenseKey::IllegalRequest,
+                                Asc::INVALID_RELEASE_OF_PERSISTENT_RESERVATION,
+                            )
+                            .into());
+                        }
+                        self.reservation = None;
+                        if !matches!(r.kind, kind::WRITE_EXCLUSIVE | kind::EXCLUSIVE_ACCESS) {
+                            self.notify_others(me, Asc::RESERVATIONS_RELEASED, &mut fx);
+                        }
+                    }
+                    3 => {
+                        self.notify_others(me, Asc::RESERVATIONS_PREEMPTED, &mut fx);
+                        self.registrations.clear();
+                        self.reservation = None;
+                        self.generation = self.generation.wrapping_add(1);
+                    }
+                    _ => self.preempt(me, sa_key, ty, action == 5, &mut fx)?,
+                }
+                fx.save = true;
+                Ok(fx)
+            }
+            _ => Err(Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(1, 4)).into()),
+        }
+    }
+
+    /// Unit attentions to every registrant other than `me`.
+    fn notify_others(&self, me: &ItNexus, asc: Asc, fx: &mut Effects) {
+        for r in self.registrations.iter().filter(|r| !r.covers(me)) {
+            fx.unit_attentions.push((r.nexus.clone(), asc));
+        }
+    }
+
+    fn unregister(&mut self, me: &ItNexus, fx: &mut Effects) {
+        let was_holder = self.is_holder(me);
+        self.registrations.retain(|r| !r.covers(me));
+        if let Some(r) = self.reservation.clone() {
+            let release = if all_registrants(r.kind) {
+                self.registrations.is_empty()
+            } else {
+                was_holder
+            };
+            if release {
+                self.reservation = None;
+                if matches!(
+                    r.kind,
+                    kind::WRITE_EXCLUSIVE_REGISTRANTS_ONLY | kind::EXCLUSIVE_ACCESS_REGISTRANTS_ONLY
+                ) {
+                    self.notify_others(me, Asc::RESERVATIONS_RELEASED, fx);
+                }
+            }
+        }
+    }
+
+    fn preempt(
+        &mut self,
+        me: &ItNexus,
+        sa_key: u64,
+        ty: u8,
+        abort: bool,
+        fx: &mut Effects,
+    ) -> Result<(), PrError> {
+        let res = self.reservation.clone();
+        let removed: Vec<Registration> = match &res {
+            Some(r) if all_registrants(r.kind) && sa_key == 0 => {
+                // Preempting an all-registrants reservation with key 0: every other
+                // registration goes and the caller holds the new reservation.
+                let gone = self.registrations.iter().filter(|x| !x.covers(me)).cloned().collect();
+                self.reservation = Some(Reservation {
+                    holder: me.clone(),
+                    kind: ty,
+                });
+                gone
+            }
+            Some(r)
+                if !all_registrants(r.kind)
+                    && self.registration(&r.holder).is_some_and(|h| h.key == sa_key) =>
+            {
+                let gone = self
+                    .registrations
+                    .iter()
+                    .filter(|x| x.key == sa_key && !x.covers(me))
+                    .cloned()
+                    .collect();
+                self.reservation = Some(Reservation {
+                    holder: me.clone(),
+                    kind: ty,
+                });
+                gone
+            }
+            _ => {
+                if sa_key == 0 {
+                    return Err(param_error(8));
+                }
+                let gone: Vec<Registration> = self
+                    .registrations
+                    .iter()
+                    .filter(|x| x.key == sa_key)
+                    .cloned()
+                    .collect();
+                if gone.is_empty() {
+                    return Err(PrError::Conflict);
+                }
+                gone
+            }
+        };
+        self.registrations.retain(|x| !removed.contains(x));
+        for r in &removed {
+            fx.unit_attentions
+                .push((r.nexus.clone(), Asc::REGISTRATIONS_PREEMPTED));
+            if abort {
+                fx.abort.push(r.nexus.clone());
+            }
+        }
+        if let (Some(old), Some(new)) = (&res, &self.reservation) {
+            if old.kind != new.kind || old.holder != new.holder {
+                for r in self.registrations.iter().filter(|r| !r.covers(me)) {
+                    if !removed.contains(r) {
+                        fx.unit_attentions
+                            .push((r.nexus.clone(), Asc::RESERVATIONS_RELEASED));
+                    }
+                }
+            }
+        }
+        self.generation = self.generation.wrapping_add(1);
+        Ok(())
+    }
+
+    fn register_and_move(
+        &mut self,
+        me: &ItNexus,
+        scope_type: u8,
+        p: &[u8],
+        mut fx: Effects,
+    ) -> Result<Effects, PrError> {
+        if p.len() < 24 {
+            return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+        }
+        let key = u64::from_be_bytes(p[0..8].try_into().unwrap());
+        let sa_key = u64::from_be_bytes(p[8..16].try_into().unwrap());
+        let unreg = p[17] & 0x02 != 0;
+        let aptpl = p[17] & 0x01 != 0;
+        let port = u16::from_be_bytes([p[18], p[19]]);
+        let tid_len = u32::from_be_bytes(p[20..24].try_into().unwrap()) as usize;
+        if p.len() < 24 + tid_len {
+            return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+        }
+        let Some(mine) = self.registration(me).cloned() else {
+            return Err(PrError::Conflict);
+        };
+        if mine.key != key {
+            return Err(PrError::Conflict);
+        }
+        let Some(res) = self.reservation.clone() else {
+            return Err(PrError::Conflict);
+        };
+        if all_registrants(res.kind) || !self.is_holder(me) {
+            return Err(PrError::Conflict);
+        }
+        if sa_key == 0 {
+            return Err(param_error(8));
+        }
+        let (tid, _) = TransportId::parse(&p[24..24 + tid_len], 24)?;
+        if tid.port.is_none() && tid.protocol == crate::nexus::protocol::ISCSI {
+            return Err(param_error(24));
+        }
+        let dest = ItNexus {
+            initiator: tid,
+            relative_port: port,
+        };
+        if &dest == me || (dest.initiator == me.initiator && mine.all_target_ports) {
+            return Err(param_error(24));
+        }
+        let ty = scope_type & 0x0f;
+        if scope_type >> 4 != 0 || !valid_type(ty) {
+            return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb(2)).into());
+        }
+        match self.registrations.iter_mut().find(|r| r.covers(&dest)) {
+            Some(r) => r.key = sa_key,
+            None => self.registrations.push(Registration {
+                nexus: dest.clone(),
+                key: sa_key,
+                all_target_ports: false,
+            }),
+        }
+        self.reservation = Some(Reservation {
+            holder: dest,
+            kind: ty,
+        });
+        if unreg {
+            self.registrations.retain(|r| !r.covers(me));
+        }
+        self.aptpl = aptpl;
+        self.generation = self.generation.wrapping_add(1);
+        fx.save = true;
+        Ok(fx)
+    }
+
+    /// The state as text, for a [`PrStore`]: one line per fact, names as they are.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut s = format!("generation {}\naptpl {}\n", self.generation, u8::from(self.aptpl));
+        let nexus = |n: &ItNexus| {
+            format!(
+                "{} {} {} {}",
+                n.initiator.protocol,
+                n.relative_port,
+                n.initiator.name,
+                n.initiator.port.as_deref().unwrap_or("-")
+            )
+        };
+        for r in &self.registrations {
+            s += &format!(
+                "register {:016x} {} {}\n",
+                r.key,
+                u8::from(r.all_target_ports),
+                nexus(&r.nexus)
+            );
+        }
+        if let Some(r) = &self.reservation {
+            s += &format!("reserve {} {}\n", r.kind, nexus(&r.holder));
+        }
+        s.into_bytes()
+    }
+
+    /// Parses what [`PrState::encode`] wrote; `None` if it is damaged.
+    pub fn decode(bytes: &[u8]) -> Option<PrState> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut st = PrState::default();
+        let nexus = |w: &[&str]| -> Option<ItNexus> {
+            Some(ItNexus {
+                initiator: TransportId {
+                    protocol: w.first()?.parse().ok()?,
+                    name: w.get(2)?.to_string(),
+                    port: match *w.get(3)? {
+                        "-" => None,
+                        p => Some(p.to_string()),
+                    },
+                },
+                relative_port: w.get(1)?.parse().ok()?,
+            })
+        };
+        for line in text.lines() {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            match w.first().copied() {
+                Some("generation") => st.generation = w.get(1)?.parse().ok()?,
+                Some("aptpl") => st.aptpl = *w.get(1)? == "1",
+                Some("register") => st.registrations.push(Registration {
+                    key: u64::from_str_radix(w.get(1)?, 16).ok()?,
+                    all_target_ports: *w.get(2)? == "1",
+                    nexus: nexus(w.get(3..)?)?,
+                }),
+                Some("reserve") => {
+                    st.reservation = Some(Reservation {
+                        kind: w.get(1)?.parse().ok().filter(|&t| valid_type(t))?,
+                        holder: nexus(w.get(2..)?)?,
+                    })
+                }
+                None => {}
+                Some(_) => return None,
+            }
+        }
+        Some(st)
+    }
+}
+
+/// Where reservations with APTPL set are kept across restarts, by logical unit serial number.
+pub trait PrStore: Send {
+    /// What was saved for `unit`.
+    fn load(&self, unit: &str) -> Option<Vec<u8>>;
+    /// Saves `state` for `unit`, durably; `None` forgets it.
+    fn save(&mut self, unit: &str, state: Option<&[u8]>) -> std::io::Result<()>;
+}
+
+/// A [`PrStore`] in memory (tests, or units that need no persistence).
+#[derive(Debug, Default)]
+pub struct MemoryStore(pub std::collections::HashMap<String, Vec<u8>>);
+
+impl PrStore for MemoryStore {
+    fn load(&self, unit: &str) -> Option<Vec<u8>> {
+        self.0.get(unit).cloned()
+    }
+
+    fn save(&mut self, unit: &str, state: Option<&[u8]>) -> std::io::Result<()> {
+        match state {
+            Some(s) => self.0.insert(unit.to_string(), s.to_vec()),
+            None => self.0.remove(unit),
+        };
+        Ok(())
+    }
+}
+
+/// A [`PrStore`] in a directory, one file per unit. Saves are atomic: write a temporary file,
+/// fsync it, rename it over the old one, fsync the directory. A crash leaves the old state or
+/// the new one, never a torn file.
+#[derive(Debug)]
+pub struct FileStore {
+    dir: PathBuf,
+}
+
+impl FileStore {
+    /// A store in `dir`, created if missing.
+    pub fn new(dir: impl Into<PathBuf>) -> std::io::Result<FileStore> {
+        let dir = dir.into();
+        std::fs::create_dir_all(&dir)?;
+        Ok(FileStore { dir })
+    }
+
+    fn path(&self, unit: &str) -> PathBuf {
+        let safe: String = unit
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        self.dir.join(format!("{safe}.pr"))
+    }
+}
+
+impl PrStore for FileStore {
+    fn load(&self, unit: &str) -> Option<Vec<u8>> {
+        std::fs::read(self.path(unit)).ok()
+    }
+
+    fn save(&mut self, unit: &str, state: Option<&[u8]>) -> std::io::Result<()> {
+        use std::io::Write;
+        let path = self.path(unit);
+        match state {
+            None => match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            },
+            Some(bytes) => {
+                let tmp = path.with_extension("pr.tmp");
+                let mut f = std::fs::File::create(&tmp)?;
+                f.write_all(bytes)?;
+                f.sync_all()?;
+                std::fs::rename(&tmp, &path)?;
+            }
+        }
+        std::fs::File::open(&self.dir)?.sync_all()
+    }
+}
