@@ -475,6 +475,11 @@ impl Device {
         }
     }
 
+    /// Puts an action back at the head of the queue (a driver that deferred it).
+    pub fn actions_push_front(&mut self, action: Action) {
+        self.actions.push_front(action);
+    }
+
     /// The next action for the transport.
     pub fn poll(&mut self) -> Option<Action> {
         self.actions.pop_front()

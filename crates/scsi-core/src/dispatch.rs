@@ -542,10 +542,9 @@ impl Device {
                 .into(),
             );
         }
-        let ports: Vec<u16> = self.ports.iter().map(|p| p.relative_port).collect();
         let lu = self.lu_mut(lun).ok_or_else(internal)?;
         let before = lu.pr.clone();
-        let fx = match lu.pr.out(&me, action, scope_type, data, &ports) {
+        let fx = match lu.pr.out(&me, action, scope_type, data) {
             Ok(fx) => fx,
             Err(PrError::Conflict) => return Err(TaskError::ReservationConflict),
             Err(PrError::Sense(s)) => return Err(s.into()),

@@ -207,15 +207,13 @@ impl PrState {
     }
 
     /// PERSISTENT RESERVE OUT from `me` with `action`, SCOPE and TYPE byte `scope_type`, and
-    /// parameter list `p` (whose length the CDB gave). `ports` are the target's relative port
-    /// identifiers, for ALL_TG_PT.
+    /// parameter list `p` (whose length the CDB gave).
     pub(crate) fn out(
         &mut self,
         me: &ItNexus,
         action: u8,
         scope_type: u8,
         p: &[u8],
-        ports: &[u16],
     ) -> Result<Effects, PrError> {
         let mut fx = Effects::default();
         if action == 7 {
@@ -274,14 +272,12 @@ impl PrState {
                             // cannot register ports we have not seen; refuse rather than guess.
                             return Err(param_error(at as u16));
                         }
-                        for &port in ports {
-                            if all_tg_pt || port == me.relative_port {
-                                new.push(ItNexus {
-                                    initiator: tid.clone(),
-                                    relative_port: port,
-                                });
-                            }
-                        }
+                        // Through this target port, or (ALL_TG_PT) every port, as the
+                        // registration records.
+                        new.push(ItNexus {
+                            initiator: tid,
+                            relative_port: me.relative_port,
+                        });
                         at += n;
                     }
                     if new.iter().any(|n| self.registration(n).is_some() && n != me) {

@@ -54,6 +54,10 @@ pub struct Harness {
     pub hold_backend: bool,
     /// Backend operations waiting for [`Harness::release`].
     pub held: VecDeque<(TaskId, u16, Op)>,
+    /// When set, data-out requests wait in [`Harness::held_data_out`].
+    pub hold_data_out: bool,
+    /// Tasks waiting for data-out, until [`Harness::release_data_out`].
+    pub held_data_out: VecDeque<(TaskId, u32)>,
     buffers: Vec<Vec<u8>>,
     data_out: Vec<Vec<u8>>,
     asked: Vec<u32>,
@@ -72,6 +76,8 @@ impl Harness {
             backends: Vec::new(),
             hold_backend: false,
             held: VecDeque::new(),
+            hold_data_out: false,
+            held_data_out: VecDeque::new(),
             buffers: Vec::new(),
             data_out: Vec::new(),
             asked: Vec::new(),
@@ -175,6 +181,18 @@ impl Harness {
         true
     }
 
+    /// Sends the data-out of the oldest task waiting for it.
+    pub fn release_data_out(&mut self) -> bool {
+        let Some((task, len)) = self.held_data_out.pop_front() else {
+            return false;
+        };
+        let hold = std::mem::replace(&mut self.hold_data_out, false);
+        self.device.actions_push_front(Action::DataOut { task, tag: 0, len });
+        self.run();
+        self.hold_data_out = hold;
+        true
+    }
+
     fn execute(&mut self, task: TaskId, lun: u16, op: Op) {
         let i = task.index();
         let backend = self.backends[usize::from(lun)]
@@ -198,6 +216,10 @@ impl Harness {
     pub fn run(&mut self) {
         while let Some(action) = self.device.poll() {
             match action {
+                Action::DataOut { task, len, .. } if self.hold_data_out => {
+                    self.asked[task.index()] = len;
+                    self.held_data_out.push_back((task, len));
+                }
                 Action::DataOut { task, len, .. } => {
                     let i = task.index();
                     self.asked[i] = len;
