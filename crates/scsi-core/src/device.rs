@@ -133,6 +133,8 @@ pub(crate) struct Task {
     pub(crate) data_out_len: u32,
     phase: Phase,
     aborted: bool,
+    /// Counted in its unit's task set (commands refused on arrival never are).
+    in_set: bool,
     /// Bytes the command transfers, once known, for the residual.
     pub(crate) wanted: Option<u64>,
     ops: OpList,
@@ -475,11 +477,6 @@ impl Device {
         }
     }
 
-    /// Puts an action back at the head of the queue (a driver that deferred it).
-    pub fn actions_push_front(&mut self, action: Action) {
-        self.actions.push_front(action);
-    }
-
     /// The next action for the transport.
     pub fn poll(&mut self) -> Option<Action> {
         self.actions.pop_front()
@@ -522,6 +519,7 @@ impl Device {
             data_out_len: cmd.data_out_len,
             phase: Phase::Dormant,
             aborted: false,
+            in_set: false,
             wanted: None,
             ops: OpList::Empty,
             finish: Finish::Good,
@@ -566,6 +564,7 @@ impl Device {
             );
             return Ok(id);
         }
+        self.task_mut(id).expect("just made").in_set = true;
         let lu = self.lu_mut(index).expect("checked above");
         let enabled = match cmd.attribute {
             TaskAttribute::HeadOfQueue => true,
@@ -916,7 +915,7 @@ impl Device {
         slot.generation = slot.generation.wrapping_add(1);
         self.free_tasks.push(id.index);
         self.actions.push_back(last);
-        if let Some(lu) = self.lu_mut(t.lun) {
+        if let Some(lu) = self.lu_mut(t.lun).filter(|_| t.in_set) {
             lu.live -= 1;
             if matches!(
                 t.attribute,

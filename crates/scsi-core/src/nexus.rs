@@ -68,7 +68,6 @@ impl TransportId {
                     .unwrap_or(0);
             }
             out.extend_from_slice(&id);
-            out.extend_from_slice(&[0; 8]);
             return;
         }
         let mut text = self.name.clone();

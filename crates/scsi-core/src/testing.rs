@@ -186,11 +186,22 @@ impl Harness {
         let Some((task, len)) = self.held_data_out.pop_front() else {
             return false;
         };
-        let hold = std::mem::replace(&mut self.hold_data_out, false);
-        self.device.actions_push_front(Action::DataOut { task, tag: 0, len });
+        self.supply_data_out(task, len);
         self.run();
-        self.hold_data_out = hold;
         true
+    }
+
+    /// Hands the task the first `len` bytes of its data-out (zero-padded).
+    fn supply_data_out(&mut self, task: TaskId, len: u32) {
+        let i = task.index();
+        self.asked[i] = len;
+        let mut buf = std::mem::take(&mut self.buffers[i]);
+        buf.clear();
+        buf.resize(len as usize, 0);
+        let n = self.data_out[i].len().min(len as usize);
+        buf[..n].copy_from_slice(&self.data_out[i][..n]);
+        self.device.data_out(task, &buf).expect("task waits");
+        self.buffers[i] = buf;
     }
 
     fn execute(&mut self, task: TaskId, lun: u16, op: Op) {
@@ -220,18 +231,7 @@ impl Harness {
                     self.asked[task.index()] = len;
                     self.held_data_out.push_back((task, len));
                 }
-                Action::DataOut { task, len, .. } => {
-                    let i = task.index();
-                    self.asked[i] = len;
-                    let buf = &mut self.buffers[i];
-                    buf.clear();
-                    buf.resize(len as usize, 0);
-                    let n = self.data_out[i].len().min(len as usize);
-                    buf[..n].copy_from_slice(&self.data_out[i][..n]);
-                    let buf = std::mem::take(&mut self.buffers[i]);
-                    self.device.data_out(task, &buf).expect("task waits");
-                    self.buffers[i] = buf;
-                }
+                Action::DataOut { task, len, .. } => self.supply_data_out(task, len),
                 Action::Backend { task, lun, op } => {
                     if self.hold_backend {
                         self.held.push_back((task, lun, op));
