@@ -343,14 +343,20 @@ impl MemoryBackend {
         }
         match *op {
             Op::Read {
-                lba, blocks, offset, ..
+                lba,
+                blocks,
+                offset,
+                ..
             } => {
                 let (start, end) = self.byte_range(lba, blocks.into())?;
                 let o = offset as usize;
                 self.read_bytes(start, &mut buf[o..o + (end - start) as usize]);
             }
             Op::Write {
-                lba, blocks, offset, ..
+                lba,
+                blocks,
+                offset,
+                ..
             } => {
                 let (start, end) = self.byte_range(lba, blocks.into())?;
                 let o = offset as usize;
@@ -395,13 +401,12 @@ impl MemoryBackend {
                 if same {
                     let mut at = start;
                     while at < end {
-                        self.compare(at, &buf[o..o + bs])
-                            .map_err(|e| match e {
-                                BackendError::Miscompare { offset } => BackendError::Miscompare {
-                                    offset: at - start + offset,
-                                },
-                                e => e,
-                            })?;
+                        self.compare(at, &buf[o..o + bs]).map_err(|e| match e {
+                            BackendError::Miscompare { offset } => BackendError::Miscompare {
+                                offset: at - start + offset,
+                            },
+                            e => e,
+                        })?;
                         at += bs as u64;
                     }
                 } else {
@@ -471,7 +476,11 @@ mod tests {
             fua: false,
         };
         m.execute(&w, &mut buf).unwrap();
-        assert_eq!(m.allocated(), 2 * MEMORY_CHUNK, "the write straddles two chunks");
+        assert_eq!(
+            m.allocated(),
+            2 * MEMORY_CHUNK,
+            "the write straddles two chunks"
+        );
         let mut out = vec![0u8; 5120];
         let r = Op::Read {
             lba: 126,

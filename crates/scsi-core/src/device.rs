@@ -308,7 +308,9 @@ impl Device {
     }
 
     pub(crate) fn lu_mut(&mut self, index: u16) -> Option<&mut Lu> {
-        self.lus.get_mut(usize::from(index)).and_then(Option::as_mut)
+        self.lus
+            .get_mut(usize::from(index))
+            .and_then(Option::as_mut)
     }
 
     /// Tasks in the task sets.
@@ -630,7 +632,9 @@ impl Device {
         let Ok(t) = self.task_mut(id) else { return };
         t.phase = Phase::Enabled;
         let (nexus, lun, cdb) = (t.nexus, t.lun, t.cdb);
-        let step = self.admit(nexus, lun, &cdb).and_then(|()| self.dispatch(id));
+        let step = self
+            .admit(nexus, lun, &cdb)
+            .and_then(|()| self.dispatch(id));
         self.proceed(id, step);
     }
 
@@ -646,20 +650,25 @@ impl Device {
                 return Err(Sense::unit_attention(asc).into());
             }
         }
-        let name = self.nexus(nexus).map_err(|_| Sense::invalid_opcode())?.name.clone();
+        // Borrowed, not cloned: this runs for every command.
+        let name = &self.nexus(nexus).map_err(|_| Sense::invalid_opcode())?.name;
         let lu = self.lu(lun).expect("tasks live on existing units");
         if let Some(holder) = &lu.reserved_by {
             let allowed = info.access == Access::Unrestricted && !matches!(cdb[0], 0x5e | 0x5f)
                 || matches!(cdb[0], 0x17 | 0x57);
-            if holder != &name && !allowed {
+            if holder != name && !allowed {
                 return Err(TaskError::ReservationConflict);
             }
         }
-        if !lu.pr.allows(&name, info.access, cdb[0]) {
+        if !lu.pr.allows(name, info.access, cdb[0]) {
             return Err(TaskError::ReservationConflict);
         }
         if lu.stopped && (is_media_access(cdb[0]) || cdb[0] == 0x00) {
-            return Err(Sense::new(SenseKey::NotReady, Asc::NOT_READY_INITIALIZING_COMMAND_REQUIRED).into());
+            return Err(Sense::new(
+                SenseKey::NotReady,
+                Asc::NOT_READY_INITIALIZING_COMMAND_REQUIRED,
+            )
+            .into());
         }
         Ok(())
     }
@@ -698,7 +707,8 @@ impl Device {
                 t.after = Some(then);
                 t.phase = Phase::DataOut;
                 let tag = t.tag;
-                self.actions.push_back(Action::DataOut { task: id, tag, len });
+                self.actions
+                    .push_back(Action::DataOut { task: id, tag, len });
             }
         }
     }
@@ -756,9 +766,9 @@ impl Device {
                         },
                     );
                 }
-                Finish::LbaStatus { lba, alloc } => {
-                    Ok(Reply::Data(crate::sbc::lba_status::descriptor(lba, output, alloc)))
-                }
+                Finish::LbaStatus { lba, alloc } => Ok(Reply::Data(
+                    crate::sbc::lba_status::descriptor(lba, output, alloc),
+                )),
             };
             return self.complete(id, reply);
         };
@@ -793,7 +803,8 @@ impl Device {
         let t = self.task_mut(id).expect("checked");
         t.current = Some(op);
         t.phase = Phase::Backend;
-        self.actions.push_back(Action::Backend { task: id, lun, op });
+        self.actions
+            .push_back(Action::Backend { task: id, lun, op });
     }
 
     /// Lets waiting writers whose ranges are free go, in arrival order: a waiter also blocks
@@ -823,7 +834,8 @@ impl Device {
             let t = self.task_mut(id).expect("checked");
             let op = t.current.expect("waiters hold an op");
             t.phase = Phase::Backend;
-            self.actions.push_back(Action::Backend { task: id, lun, op });
+            self.actions
+                .push_back(Action::Backend { task: id, lun, op });
         }
     }
 
@@ -1189,9 +1201,9 @@ impl Device {
 
     /// The name of a nexus, for reservations.
     pub(crate) fn nexus_name(&self, nexus: NexusId) -> Result<ItNexus, TaskError> {
-        self.nexus(nexus).map(|n| n.name.clone()).map_err(|_| {
-            Sense::new(SenseKey::HardwareError, Asc::INTERNAL_TARGET_FAILURE).into()
-        })
+        self.nexus(nexus)
+            .map(|n| n.name.clone())
+            .map_err(|_| Sense::new(SenseKey::HardwareError, Asc::INTERNAL_TARGET_FAILURE).into())
     }
 
     /// The configured write cache setting of a unit.
@@ -1223,20 +1235,7 @@ pub(crate) fn push_ua(n: &mut Nexus, lun: u16, asc: Asc) {
 fn is_media_access(opcode: u8) -> bool {
     matches!(
         opcode,
-        0x08 | 0x0a
-            | 0x28
-            | 0x2a
-            | 0x2e
-            | 0x2f
-            | 0x34
-            | 0x35
-            | 0x41
-            | 0x42
-            | 0x88..=0x93
-            | 0x9c
-            | 0xa8
-            | 0xaa
-            | 0xae
-            | 0xaf
+        0x08 | 0x0a | 0x28 | 0x2a | 0x2e | 0x2f | 0x34 | 0x35 | 0x41 | 0x42 | 0x88
+            ..=0x93 | 0x9c | 0xa8 | 0xaa | 0xae | 0xaf
     )
 }

@@ -53,11 +53,13 @@ impl Device {
         let cdb = &cdb[..len];
         check_control(cdb, len)?;
         // Every bit the command does not use is reserved.
-        for i in 1..len - 1 {
-            let extra = cdb[i] & !info.usage[i];
+        for (i, (&byte, &usage)) in cdb.iter().zip(info.usage).enumerate().take(len - 1).skip(1) {
+            let extra = byte & !usage;
             if extra != 0 {
                 let bit = 7 - extra.leading_zeros() as u8;
-                return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(i as u16, bit)).into());
+                return Err(
+                    Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(i as u16, bit)).into(),
+                );
             }
         }
         let lu = self.lu(lun).ok_or_else(internal)?;
@@ -108,7 +110,16 @@ impl Device {
                     12 => 6,
                     _ => 10,
                 };
-                self.transfer(id, op, io.lba, io.blocks, field, &g, swp, limits.max_transfer)
+                self.transfer(
+                    id,
+                    op,
+                    io.lba,
+                    io.blocks,
+                    field,
+                    &g,
+                    swp,
+                    limits.max_transfer,
+                )
             }
             0x12 => {
                 let port = self
@@ -124,11 +135,7 @@ impl Device {
                 mode::check_mode_select(cdb)?;
                 let ten = cdb[0] == 0x55;
                 let plen = if ten { be16(cdb, 7) } else { u32::from(cdb[4]) };
-                self.parameter_list(
-                    id,
-                    plen,
-                    Parameters::ModeSelect { ten },
-                )
+                self.parameter_list(id, plen, Parameters::ModeSelect { ten })
             }
             0x16 | 0x56 => {
                 let me = self.nexus_name(nexus)?;

@@ -180,7 +180,11 @@ mod tests {
         assert_eq!(s.len(), 24);
         assert_eq!(TransportId::parse(&s, 0).unwrap().0, srp);
 
-        for bad in [&[0x45u8, 0, 0, 3][..], &[0x45, 0, 0, 8, b'a', b'b', 1, 2], &[0x09]] {
+        for bad in [
+            &[0x45u8, 0, 0, 3][..],
+            &[0x45, 0, 0, 8, b'a', b'b', 1, 2],
+            &[0x09],
+        ] {
             assert!(TransportId::parse(bad, 10).is_err());
         }
     }

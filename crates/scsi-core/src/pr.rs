@@ -96,7 +96,9 @@ impl From<Sense> for PrError {
 }
 
 fn param_error(byte: u16) -> PrError {
-    PrError::Sense(Sense::invalid_field_in_parameter_list(FieldPointer::parameter(byte)))
+    PrError::Sense(Sense::invalid_field_in_parameter_list(
+        FieldPointer::parameter(byte),
+    ))
 }
 
 impl PrState {
@@ -108,7 +110,12 @@ impl PrState {
     pub fn is_holder(&self, n: &ItNexus) -> bool {
         match &self.reservation {
             Some(r) if all_registrants(r.kind) => self.registration(n).is_some(),
-            Some(r) => &r.holder == n || self.registration(n).is_some_and(|reg| reg.covers(&r.holder) && reg.all_target_ports),
+            Some(r) => {
+                &r.holder == n
+                    || self
+                        .registration(n)
+                        .is_some_and(|reg| reg.covers(&r.holder) && reg.all_target_ports)
+            }
             None => false,
         }
     }
@@ -220,7 +227,9 @@ impl PrState {
             return self.register_and_move(me, scope_type, p, fx);
         }
         if p.len() < 24 {
-            return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+            return Err(
+                Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into(),
+            );
         }
         let be64 = |at: usize| u64::from_be_bytes(p[at..at + 8].try_into().unwrap());
         let key = be64(0);
@@ -229,7 +238,9 @@ impl PrState {
         let all_tg_pt = p[20] & 0x04 != 0;
         let aptpl = p[20] & 0x01 != 0;
         if p.len() != 24 && !(spec_i_pt && matches!(action, 0)) {
-            return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+            return Err(
+                Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into(),
+            );
         }
         let scope = scope_type >> 4;
         let ty = scope_type & 0x0f;
@@ -258,11 +269,19 @@ impl PrState {
                 let mut new = Vec::new();
                 if spec_i_pt {
                     if p.len() < 28 {
-                        return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+                        return Err(Sense::new(
+                            SenseKey::IllegalRequest,
+                            Asc::PARAMETER_LIST_LENGTH_ERROR,
+                        )
+                        .into());
                     }
                     let len = u32::from_be_bytes(p[24..28].try_into().unwrap()) as usize;
                     if p.len() != 28 + len {
-                        return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+                        return Err(Sense::new(
+                            SenseKey::IllegalRequest,
+                            Asc::PARAMETER_LIST_LENGTH_ERROR,
+                        )
+                        .into());
                     }
                     let mut at = 28;
                     while at < p.len() {
@@ -280,7 +299,10 @@ impl PrState {
                         });
                         at += n;
                     }
-                    if new.iter().any(|n| self.registration(n).is_some() && n != me) {
+                    if new
+                        .iter()
+                        .any(|n| self.registration(n).is_some() && n != me)
+                    {
                         // An already registered nexus named in the list: the whole command fails.
                         return Err(param_error(24));
                     }
@@ -315,7 +337,8 @@ impl PrState {
                 if spec_i_pt || all_tg_pt {
                     return Err(param_error(20));
                 }
-                let needs_type = matches!(action, 1 | 4 | 5) || (action == 2 && self.reservation.is_some());
+                let needs_type =
+                    matches!(action, 1 | 4 | 5) || (action == 2 && self.reservation.is_some());
                 if needs_type && (scope != 0 || !valid_type(ty)) {
                     return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb(2)).into());
                 }
@@ -384,7 +407,8 @@ impl PrState {
                 self.reservation = None;
                 if matches!(
                     r.kind,
-                    kind::WRITE_EXCLUSIVE_REGISTRANTS_ONLY | kind::EXCLUSIVE_ACCESS_REGISTRANTS_ONLY
+                    kind::WRITE_EXCLUSIVE_REGISTRANTS_ONLY
+                        | kind::EXCLUSIVE_ACCESS_REGISTRANTS_ONLY
                 ) {
                     self.notify_others(me, Asc::RESERVATIONS_RELEASED, fx);
                 }
@@ -405,7 +429,12 @@ impl PrState {
             Some(r) if all_registrants(r.kind) && sa_key == 0 => {
                 // Preempting an all-registrants reservation with key 0: every other
                 // registration goes and the caller holds the new reservation.
-                let gone = self.registrations.iter().filter(|x| !x.covers(me)).cloned().collect();
+                let gone = self
+                    .registrations
+                    .iter()
+                    .filter(|x| !x.covers(me))
+                    .cloned()
+                    .collect();
                 self.reservation = Some(Reservation {
                     holder: me.clone(),
                     kind: ty,
@@ -414,7 +443,9 @@ impl PrState {
             }
             Some(r)
                 if !all_registrants(r.kind)
-                    && self.registration(&r.holder).is_some_and(|h| h.key == sa_key) =>
+                    && self
+                        .registration(&r.holder)
+                        .is_some_and(|h| h.key == sa_key) =>
             {
                 let gone = self
                     .registrations
@@ -474,7 +505,9 @@ impl PrState {
         mut fx: Effects,
     ) -> Result<Effects, PrError> {
         if p.len() < 24 {
-            return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+            return Err(
+                Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into(),
+            );
         }
         let key = u64::from_be_bytes(p[0..8].try_into().unwrap());
         let sa_key = u64::from_be_bytes(p[8..16].try_into().unwrap());
@@ -483,7 +516,9 @@ impl PrState {
         let port = u16::from_be_bytes([p[18], p[19]]);
         let tid_len = u32::from_be_bytes(p[20..24].try_into().unwrap()) as usize;
         if p.len() < 24 + tid_len {
-            return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into());
+            return Err(
+                Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into(),
+            );
         }
         let Some(mine) = self.registration(me).cloned() else {
             return Err(PrError::Conflict);
@@ -538,7 +573,11 @@ impl PrState {
 
     /// The state as text, for a [`PrStore`]: one line per fact, names as they are.
     pub fn encode(&self) -> Vec<u8> {
-        let mut s = format!("generation {}\naptpl {}\n", self.generation, u8::from(self.aptpl));
+        let mut s = format!(
+            "generation {}\naptpl {}\n",
+            self.generation,
+            u8::from(self.aptpl)
+        );
         let nexus = |n: &ItNexus| {
             format!(
                 "{} {} {} {}",

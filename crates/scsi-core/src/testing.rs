@@ -157,7 +157,14 @@ impl Harness {
         data_out: &[u8],
         data_in_len: u32,
     ) -> Outcome {
-        let tag = self.submit(nexus, lun, cdb, TaskAttribute::Simple, data_out, data_in_len);
+        let tag = self.submit(
+            nexus,
+            lun,
+            cdb,
+            TaskAttribute::Simple,
+            data_out,
+            data_in_len,
+        );
         self.run();
         self.outcomes.remove(&tag).expect("the command finished")
     }
@@ -209,8 +216,11 @@ impl Harness {
         let backend = self.backends[usize::from(lun)]
             .as_mut()
             .expect("backend for every unit");
-        let need = op.buffer_len(self.device.logical_unit(lun).map_or(512, |u| u.geometry.block_size))
-            as usize;
+        let need = op.buffer_len(
+            self.device
+                .logical_unit(lun)
+                .map_or(512, |u| u.geometry.block_size),
+        ) as usize;
         let buf = std::mem::take(&mut self.buffers[i]);
         let mut buf = buf;
         if buf.len() < need {

@@ -58,7 +58,10 @@ fn read_write_round_trip_with_residuals() {
     let w = h.command(n, 0, &cdb10(0x2a, 0, 100, 2), &pattern(1, 9), 0);
     check(&w, 5, 0x0e, 0x03);
     assert_eq!((w.data_out_asked, w.residual), (0, Residual::Overflow(512)));
-    assert_eq!(h.command(n, 0, &cdb10(0x28, 0, 100, 8), &[], 4096).data, data);
+    assert_eq!(
+        h.command(n, 0, &cdb10(0x28, 0, 100, 8), &[], 4096).data,
+        data
+    );
     // Extra expected data-out: only the command's length is written.
     let mut long = pattern(2, 7);
     long.extend_from_slice(&[0xee; 100]);
@@ -77,10 +80,25 @@ fn range_protect_and_reserved_bits() {
     let mut h = harness();
     let n = h.login("iqn.x:a", 1);
     let end = BLOCKS as u32;
-    check(&h.command(n, 0, &cdb10(0x28, 0, end, 1), &[], 512), 5, 0x21, 0);
-    check(&h.command(n, 0, &cdb10(0x28, 0, end - 1, 2), &[], 1024), 5, 0x21, 0);
+    check(
+        &h.command(n, 0, &cdb10(0x28, 0, end, 1), &[], 512),
+        5,
+        0x21,
+        0,
+    );
+    check(
+        &h.command(n, 0, &cdb10(0x28, 0, end - 1, 2), &[], 1024),
+        5,
+        0x21,
+        0,
+    );
     good(&h.command(n, 0, &cdb10(0x28, 0, end - 1, 1), &[], 512));
-    check(&h.command(n, 0, &cdb16(0x88, 0, u64::MAX, 1), &[], 512), 5, 0x21, 0);
+    check(
+        &h.command(n, 0, &cdb16(0x88, 0, u64::MAX, 1), &[], 512),
+        5,
+        0x21,
+        0,
+    );
     // RDPROTECT
     let o = h.command(n, 0, &cdb10(0x28, 0x20, 0, 1), &[], 512);
     check(&o, 5, 0x24, 0);
@@ -97,9 +115,19 @@ fn range_protect_and_reserved_bits() {
     check(&h.command(n, 0, &c, &[], 512), 5, 0x24, 0);
     // Unknown opcode and unknown service action.
     check(&h.command(n, 0, &[0xc0, 0, 0, 0, 0, 0], &[], 0), 5, 0x20, 0);
-    check(&h.command(n, 0, &cdb16(0x9e, 0x05, 0, 0), &[], 0), 5, 0x24, 0);
+    check(
+        &h.command(n, 0, &cdb16(0x9e, 0x05, 0, 0), &[], 0),
+        5,
+        0x24,
+        0,
+    );
     // Transfer length beyond MAXIMUM TRANSFER LENGTH.
-    check(&h.command(n, 0, &cdb16(0x88, 0, 0, 8193), &[], 0), 5, 0x24, 0);
+    check(
+        &h.command(n, 0, &cdb16(0x88, 0, 0, 8193), &[], 0),
+        5,
+        0x24,
+        0,
+    );
 }
 
 #[test]
@@ -111,18 +139,31 @@ fn capacity_inquiry_and_reports() {
     let mut c16 = cdb16(0x9e, 0x10, 0, 32);
     c16[10..14].copy_from_slice(&32u32.to_be_bytes());
     let rc16 = h.command(n, 0, &c16, &[], 32);
-    assert_eq!(rc16.data[14] & 0xc0, 0xc0, "LBPME and LBPRZ on the thin unit");
+    assert_eq!(
+        rc16.data[14] & 0xc0,
+        0xc0,
+        "LBPME and LBPRZ on the thin unit"
+    );
     let rc16 = h.command(n, 1, &c16, &[], 32);
     assert_eq!(rc16.data[14] & 0xc0, 0, "not on the thick one");
     let vpd83 = h.command(n, 0, &[0x12, 1, 0x83, 1, 0, 0], &[], 256);
     good(&vpd83);
     let rl = h.command(n, 0, &[0xa0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0], &[], 256);
     assert_eq!(&rl.data[..4], &[0, 0, 0, 16]);
-    assert_eq!(&rl.data[8..24], &[0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(
+        &rl.data[8..24],
+        &[0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0]
+    );
     let rtpg = h.command(n, 0, &[0xa3, 0x0a, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0], &[], 256);
     assert_eq!(&rtpg.data[4..8], &[0x80, 0x01, 0, 1]);
     assert_eq!(rtpg.data[11], 2);
-    let rsoc = h.command(n, 0, &[0xa3, 0x0c, 0x01, 0x89, 0, 0, 0, 0, 0, 64, 0, 0], &[], 64);
+    let rsoc = h.command(
+        n,
+        0,
+        &[0xa3, 0x0c, 0x01, 0x89, 0, 0, 0, 0, 0, 64, 0, 0],
+        &[],
+        64,
+    );
     assert_eq!(&rsoc.data[..5], &[0, 3, 0, 16, 0x89]);
     let rstmf = h.command(n, 0, &[0xa3, 0x0d, 0, 0, 0, 0, 0, 0, 0, 4, 0, 0], &[], 4);
     assert_eq!(rstmf.data, [0xfe, 0x07, 0, 0]);
@@ -137,7 +178,9 @@ fn mode_select_changes_d_sense_wce_and_swp() {
     let mut h = harness();
     let a = h.login("iqn.x:a", 1);
     let b = h.login("iqn.x:b", 2);
-    let mut page = h.command(a, 0, &[0x1a, 0x08, 0x0a, 0, 255, 0], &[], 255).data;
+    let mut page = h
+        .command(a, 0, &[0x1a, 0x08, 0x0a, 0, 255, 0], &[], 255)
+        .data;
     assert_eq!(page.len(), 16);
     page[0] = 0;
     page[4 + 2] |= 0x04;
@@ -151,16 +194,41 @@ fn mode_select_changes_d_sense_wce_and_swp() {
     page[4 + 2] &= !0x04;
     page[4 + 4] |= 0x08;
     good(&h.command(a, 0, &[0x15, 0x10, 0, 0, page.len() as u8, 0], &page, 0));
-    check(&h.command(a, 0, &cdb10(0x2a, 0, 0, 1), &pattern(1, 0), 0), 7, 0x27, 0);
+    check(
+        &h.command(a, 0, &cdb10(0x2a, 0, 0, 1), &pattern(1, 0), 0),
+        7,
+        0x27,
+        0,
+    );
     let ms = h.command(a, 0, &[0x1a, 0, 0x0a, 0, 255, 0], &[], 255);
     assert_eq!(ms.data[2] & 0x80, 0x80, "WP in the header");
     // SP=1 and PF=0 refused; a page with a non-changeable bit flipped too.
-    check(&h.command(a, 0, &[0x15, 0x11, 0, 0, 16, 0], &page, 0), 5, 0x24, 0);
-    check(&h.command(a, 0, &[0x15, 0x00, 0, 0, 16, 0], &page, 0), 5, 0x24, 0);
+    check(
+        &h.command(a, 0, &[0x15, 0x11, 0, 0, 16, 0], &page, 0),
+        5,
+        0x24,
+        0,
+    );
+    check(
+        &h.command(a, 0, &[0x15, 0x00, 0, 0, 16, 0], &page, 0),
+        5,
+        0x24,
+        0,
+    );
     page[4 + 3] = 0;
-    check(&h.command(a, 0, &[0x15, 0x10, 0, 0, 16, 0], &page, 0), 5, 0x26, 0);
+    check(
+        &h.command(a, 0, &[0x15, 0x10, 0, 0, 16, 0], &page, 0),
+        5,
+        0x26,
+        0,
+    );
     // Saved values are not supported.
-    check(&h.command(a, 0, &[0x1a, 0, 0xca, 0, 255, 0], &[], 255), 5, 0x39, 0);
+    check(
+        &h.command(a, 0, &[0x1a, 0, 0xca, 0, 255, 0], &[], 255),
+        5,
+        0x39,
+        0,
+    );
 }
 
 #[test]
@@ -174,8 +242,17 @@ fn verify_compare_and_write_orwrite() {
     wrong[700] ^= 1;
     let o = h.command(n, 0, &cdb10(0x2f, 0x02, 10, 4), &wrong, 0);
     check(&o, 0x0e, 0x1d, 0);
-    assert_eq!(&o.sense[3..7], &700u32.to_be_bytes(), "INFORMATION: the offset");
-    check(&h.command(n, 0, &cdb10(0x2f, 0x04, 10, 4), &data, 0), 5, 0x24, 0);
+    assert_eq!(
+        &o.sense[3..7],
+        &700u32.to_be_bytes(),
+        "INFORMATION: the offset"
+    );
+    check(
+        &h.command(n, 0, &cdb10(0x2f, 0x04, 10, 4), &data, 0),
+        5,
+        0x24,
+        0,
+    );
     // BYTCHK 11b: one block against each.
     good(&h.command(n, 0, &cdb10(0x2a, 0, 20, 1), &data[..512], 512));
     let same: Vec<u8> = data[..512].repeat(3);
@@ -198,7 +275,10 @@ fn verify_compare_and_write_orwrite() {
     // ORWRITE
     good(&h.command(n, 0, &cdb16(0x8b, 0, 30, 1), &[0x0f; 512], 0));
     good(&h.command(n, 0, &cdb16(0x8b, 0, 30, 1), &[0xf0; 512], 0));
-    assert_eq!(h.command(n, 0, &cdb10(0x28, 0, 30, 1), &[], 512).data, vec![0xff; 512]);
+    assert_eq!(
+        h.command(n, 0, &cdb10(0x28, 0, 30, 1), &[], 512).data,
+        vec![0xff; 512]
+    );
 }
 
 #[test]
@@ -227,13 +307,38 @@ fn write_same_unmap_and_lba_status() {
     // NDOB on WRITE SAME(16).
     good(&h.command(n, 0, &cdb16(0x93, 0x09, 128, 128), &[], 0));
     assert_eq!(lba_status(&mut h, 0).1, 1);
-    assert!(h.command(n, 0, &cdb10(0x28, 0, 0, 256), &[], 256 * 512).data.iter().all(|&b| b == 0));
+    assert!(h
+        .command(n, 0, &cdb10(0x28, 0, 0, 256), &[], 256 * 512)
+        .data
+        .iter()
+        .all(|&b| b == 0));
     // Zero blocks (WSNZ), ANCHOR and out-of-range refused.
-    check(&h.command(n, 0, &cdb10(0x41, 0, 0, 0), &block, 512), 5, 0x24, 0);
-    check(&h.command(n, 0, &cdb10(0x41, 0x18, 0, 1), &block, 512), 5, 0x24, 0);
-    check(&h.command(n, 0, &cdb10(0x41, 0, BLOCKS as u32, 1), &block, 512), 5, 0x21, 0);
+    check(
+        &h.command(n, 0, &cdb10(0x41, 0, 0, 0), &block, 512),
+        5,
+        0x24,
+        0,
+    );
+    check(
+        &h.command(n, 0, &cdb10(0x41, 0x18, 0, 1), &block, 512),
+        5,
+        0x24,
+        0,
+    );
+    check(
+        &h.command(n, 0, &cdb10(0x41, 0, BLOCKS as u32, 1), &block, 512),
+        5,
+        0x21,
+        0,
+    );
     // UNMAP.
-    good(&h.command(n, 0, &cdb10(0x2a, 0, 1024, 256), &pattern(256, 1), 256 * 512));
+    good(&h.command(
+        n,
+        0,
+        &cdb10(0x2a, 0, 1024, 256),
+        &pattern(256, 1),
+        256 * 512,
+    ));
     assert_eq!(lba_status(&mut h, 1024).1, 0);
     let mut list = vec![0, 22, 0, 16, 0, 0, 0, 0];
     list.extend_from_slice(&1024u64.to_be_bytes());
@@ -263,11 +368,21 @@ fn sync_prefetch_start_stop_and_reserve() {
     good(&h.command(a, 0, &cdb10(0x35, 0, 0, 0), &[], 0));
     good(&h.command(a, 0, &cdb16(0x91, 0x02, 0, 100), &[], 0));
     good(&h.command(a, 0, &cdb10(0x34, 0, 0, 100), &[], 0));
-    check(&h.command(a, 0, &cdb10(0x34, 0, BLOCKS as u32 - 1, 2), &[], 0), 5, 0x21, 0);
+    check(
+        &h.command(a, 0, &cdb10(0x34, 0, BLOCKS as u32 - 1, 2), &[], 0),
+        5,
+        0x21,
+        0,
+    );
     // STOP: media access and TUR report NOT READY; START brings it back.
     good(&h.command(a, 0, &[0x1b, 0, 0, 0, 0, 0], &[], 0));
     check(&h.command(a, 0, &[0; 6], &[], 0), 2, 0x04, 0x02);
-    check(&h.command(a, 0, &cdb10(0x28, 0, 0, 1), &[], 512), 2, 0x04, 0x02);
+    check(
+        &h.command(a, 0, &cdb10(0x28, 0, 0, 1), &[], 512),
+        2,
+        0x04,
+        0x02,
+    );
     good(&h.command(a, 0, &[0x12, 0, 0, 0, 36, 0], &[], 36));
     good(&h.command(a, 0, &[0x1b, 0, 0, 0, 1, 0], &[], 0));
     good(&h.command(a, 0, &cdb10(0x28, 0, 0, 1), &[], 512));

@@ -14,12 +14,35 @@ const BS: usize = 512;
 
 #[derive(Debug, Clone)]
 enum Cmd {
-    Write { lba: u64, blocks: u32, seed: u8 },
-    Read { lba: u64, blocks: u32 },
-    WriteSame { lba: u64, blocks: u32, byte: u8, unmap: bool, ndob: bool },
-    Unmap { ranges: Vec<(u64, u32)> },
-    CompareAndWrite { lba: u64, blocks: u8, seed: u8, matching: bool },
-    Garbage { cdb: Vec<u8>, data: Vec<u8> },
+    Write {
+        lba: u64,
+        blocks: u32,
+        seed: u8,
+    },
+    Read {
+        lba: u64,
+        blocks: u32,
+    },
+    WriteSame {
+        lba: u64,
+        blocks: u32,
+        byte: u8,
+        unmap: bool,
+        ndob: bool,
+    },
+    Unmap {
+        ranges: Vec<(u64, u32)>,
+    },
+    CompareAndWrite {
+        lba: u64,
+        blocks: u8,
+        seed: u8,
+        matching: bool,
+    },
+    Garbage {
+        cdb: Vec<u8>,
+        data: Vec<u8>,
+    },
 }
 
 /// Opcodes that change data, left out of the arbitrary CDBs so the model stays exact.
@@ -30,14 +53,35 @@ const WRITERS: [u8; 14] = [
 fn cmd() -> impl Strategy<Value = Cmd> {
     let lba = 0..BLOCKS + 4;
     prop_oneof![
-        (lba.clone(), 0..40u32, any::<u8>()).prop_map(|(lba, blocks, seed)| Cmd::Write { lba, blocks, seed }),
+        (lba.clone(), 0..40u32, any::<u8>()).prop_map(|(lba, blocks, seed)| Cmd::Write {
+            lba,
+            blocks,
+            seed
+        }),
         (lba.clone(), 0..40u32).prop_map(|(lba, blocks)| Cmd::Read { lba, blocks }),
-        (lba.clone(), 0..300u32, any::<u8>(), any::<bool>(), any::<bool>()).prop_map(
-            |(lba, blocks, byte, unmap, ndob)| Cmd::WriteSame { lba, blocks, byte, unmap, ndob }
-        ),
-        proptest::collection::vec((lba.clone(), 0..300u32), 0..4).prop_map(|ranges| Cmd::Unmap { ranges }),
+        (
+            lba.clone(),
+            0..300u32,
+            any::<u8>(),
+            any::<bool>(),
+            any::<bool>()
+        )
+            .prop_map(|(lba, blocks, byte, unmap, ndob)| Cmd::WriteSame {
+                lba,
+                blocks,
+                byte,
+                unmap,
+                ndob
+            }),
+        proptest::collection::vec((lba.clone(), 0..300u32), 0..4)
+            .prop_map(|ranges| Cmd::Unmap { ranges }),
         (lba, 0..4u8, any::<u8>(), any::<bool>()).prop_map(|(lba, blocks, seed, matching)| {
-            Cmd::CompareAndWrite { lba, blocks, seed, matching }
+            Cmd::CompareAndWrite {
+                lba,
+                blocks,
+                seed,
+                matching,
+            }
         }),
         (
             proptest::collection::vec(any::<u8>(), 1..17),

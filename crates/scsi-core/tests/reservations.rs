@@ -62,7 +62,10 @@ fn access_matrix_for_every_type() {
         good(&prout(&mut h, a, 0, 0, 0, 0xa, 0));
         good(&prout(&mut h, b, 0, 0, 0, 0xb, 0));
         good(&prout(&mut h, a, 1, ty, 0xa, 0, 0));
-        assert!(can_read(&mut h, a) && can_write(&mut h, a), "type {ty}: holder");
+        assert!(
+            can_read(&mut h, a) && can_write(&mut h, a),
+            "type {ty}: holder"
+        );
         assert_eq!(can_read(&mut h, b), b_read, "type {ty}: registrant read");
         assert_eq!(can_write(&mut h, b), b_write, "type {ty}: registrant write");
         assert_eq!(can_read(&mut h, c), c_read, "type {ty}: other read");
@@ -108,7 +111,11 @@ fn registration_rules() {
     good(&prout(&mut h, a, 6, 0, 0x1234, 0xa, 0));
     good(&prout(&mut h, b, 6, 0, 0, 0xb, 0));
     let keys = prin(&mut h, a, 0);
-    assert_eq!(&keys[..4], &4u32.to_be_bytes(), "PRGENERATION counts registrations");
+    assert_eq!(
+        &keys[..4],
+        &4u32.to_be_bytes(),
+        "PRGENERATION counts registrations"
+    );
     assert_eq!(&keys[4..8], &[0, 0, 0, 16]);
     assert_eq!(&keys[8..16], &0xau64.to_be_bytes());
     assert_eq!(&keys[16..24], &0xbu64.to_be_bytes());
@@ -170,7 +177,11 @@ fn preempt_clear_and_preempt_and_abort() {
     check(&h.command(c, 0, &[0; 6], &[], 0), 6, 0x2a, 0x05);
     // READ FULL STATUS: only B, holding.
     let full = prin(&mut h, b, 3);
-    assert_eq!(&full[4..8], &56u32.to_be_bytes(), "one descriptor, 24 + TransportID 32");
+    assert_eq!(
+        &full[4..8],
+        &56u32.to_be_bytes(),
+        "one descriptor, 24 + TransportID 32"
+    );
     assert_eq!(&full[8..16], &0xbu64.to_be_bytes());
     assert_eq!(full[20], 0x01, "R_HOLDER");
     assert_eq!(full[21], 1);
@@ -254,7 +265,8 @@ fn aptpl_survives_a_restart_and_store_round_trips() {
             self.0.lock().unwrap().save(unit, state)
         }
     }
-    h.device.set_reservation_store(Box::new(Shared(shared.clone())));
+    h.device
+        .set_reservation_store(Box::new(Shared(shared.clone())));
     let a = h.login("iqn.x:a", 1);
     good(&prout(&mut h, a, 0, 0, 0, 0xa, 0x01));
     good(&prout(&mut h, a, 1, 3, 0xa, 0, 0));
@@ -262,9 +274,13 @@ fn aptpl_survives_a_restart_and_store_round_trips() {
     // "Restart": a new device with the same units and store.
     let mut h = Harness::new(Device::new("iqn.2026-11.io.example:t", ports()));
     h.add_lu(0, unit(true, b"lu0"));
-    h.device.set_reservation_store(Box::new(Shared(shared.clone())));
+    h.device
+        .set_reservation_store(Box::new(Shared(shared.clone())));
     let b = h.login("iqn.x:b", 2);
-    assert!(!can_read(&mut h, b), "the Exclusive Access reservation is back");
+    assert!(
+        !can_read(&mut h, b),
+        "the Exclusive Access reservation is back"
+    );
     let r = prin(&mut h, b, 1);
     assert_eq!(&r[8..16], &0xau64.to_be_bytes());
     // Unregistering with APTPL 0 forgets the saved state.
@@ -281,9 +297,11 @@ fn file_store_is_atomic_and_round_trips() {
     assert_eq!(s.load("abc/def").unwrap(), b"generation 1\n");
     s.save("abc/def", Some(b"generation 2\n")).unwrap();
     assert_eq!(s.load("abc/def").unwrap(), b"generation 2\n");
-    assert!(std::fs::read_dir(&dir)
+    assert!(std::fs::read_dir(&dir).unwrap().all(|e| !e
         .unwrap()
-        .all(|e| !e.unwrap().file_name().to_string_lossy().ends_with(".tmp")));
+        .file_name()
+        .to_string_lossy()
+        .ends_with(".tmp")));
     s.save("abc/def", None).unwrap();
     assert!(s.load("abc/def").is_none());
     s.save("abc/def", None).unwrap();

@@ -76,7 +76,14 @@ fn overlapping_writes_are_serialized_in_arrival_order() {
     w(&mut h, 10, 1, 4); // overlaps only the waiting second: waits behind it
     let mut caw = cdb16(0x89, 0, 6, 0);
     caw[13] = 1;
-    let c = h.submit(n, 0, &caw, TaskAttribute::Simple, &[vec![0; 512], pattern(1, 5)].concat(), 1024);
+    let c = h.submit(
+        n,
+        0,
+        &caw,
+        TaskAttribute::Simple,
+        &[vec![0; 512], pattern(1, 5)].concat(),
+        1024,
+    );
     h.run();
     assert_eq!(held_lbas(&h), [0, 100]);
     // Reads are not held back by writers.
@@ -113,11 +120,21 @@ fn abort_task_at_every_stage() {
     assert!(!h.tmf.contains_key(&2), "waits for the backend");
     assert!(h.release());
     assert_eq!(h.tmf[&2], TmfResponse::Complete);
-    assert_eq!(h.outcomes[&in_backend].status, None, "no status for an aborted task");
+    assert_eq!(
+        h.outcomes[&in_backend].status, None,
+        "no status for an aborted task"
+    );
     assert!(h.release());
     assert!(h.outcomes[&ordered].is_good());
     // Waiting for data-out.
-    let w = h.submit(n, 0, &cdb10(0x2a, 0, 0, 1), TaskAttribute::Simple, &pattern(1, 1), 512);
+    let w = h.submit(
+        n,
+        0,
+        &cdb10(0x2a, 0, 0, 1),
+        TaskAttribute::Simple,
+        &pattern(1, 1),
+        512,
+    );
     h.run();
     assert_eq!(h.held_data_out.len(), 1);
     h.task_management(n, 0, TmfFunction::QueryTask(w), 3);

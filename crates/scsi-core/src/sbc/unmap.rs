@@ -7,21 +7,32 @@ use crate::sense::{Asc, FieldPointer, Sense, SenseKey};
 /// capacity and limits. Descriptors with no blocks are dropped.
 pub fn parse(p: &[u8], g: &Geometry, l: &Limits) -> Result<Vec<(u64, u64)>, Sense> {
     if p.len() < 8 {
-        return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR));
+        return Err(Sense::new(
+            SenseKey::IllegalRequest,
+            Asc::PARAMETER_LIST_LENGTH_ERROR,
+        ));
     }
     let data_len = usize::from(u16::from_be_bytes([p[0], p[1]]));
     let desc_len = usize::from(u16::from_be_bytes([p[2], p[3]]));
     // UNMAP DATA LENGTH counts the bytes after itself; a shorter list than it claims is an
     // error, as is a descriptor length that is not whole descriptors.
     if data_len + 2 > p.len() && data_len != 0 {
-        return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR));
+        return Err(Sense::new(
+            SenseKey::IllegalRequest,
+            Asc::PARAMETER_LIST_LENGTH_ERROR,
+        ));
     }
     if desc_len % 16 != 0 || 8 + desc_len > p.len() {
-        return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR));
+        return Err(Sense::new(
+            SenseKey::IllegalRequest,
+            Asc::PARAMETER_LIST_LENGTH_ERROR,
+        ));
     }
     let count = desc_len / 16;
     if count > l.max_unmap_descriptors as usize {
-        return Err(Sense::invalid_field_in_parameter_list(FieldPointer::parameter(2)));
+        return Err(Sense::invalid_field_in_parameter_list(
+            FieldPointer::parameter(2),
+        ));
     }
     let mut ranges = Vec::with_capacity(count);
     for i in 0..count {
@@ -32,9 +43,9 @@ pub fn parse(p: &[u8], g: &Geometry, l: &Limits) -> Result<Vec<(u64, u64)>, Sens
             return Err(Sense::lba_out_of_range());
         }
         if blocks > u64::from(l.max_unmap_blocks) {
-            return Err(Sense::invalid_field_in_parameter_list(FieldPointer::parameter(
-                (8 + 16 * i + 8) as u16,
-            )));
+            return Err(Sense::invalid_field_in_parameter_list(
+                FieldPointer::parameter((8 + 16 * i + 8) as u16),
+            ));
         }
         if blocks > 0 {
             ranges.push((lba, blocks));

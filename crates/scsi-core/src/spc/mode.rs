@@ -88,7 +88,10 @@ pub fn mode_sense(
         _ => {
             return Err(Sense {
                 field: Some(FieldPointer::cdb_bit(2, 7)),
-                ..Sense::new(SenseKey::IllegalRequest, Asc::SAVING_PARAMETERS_NOT_SUPPORTED)
+                ..Sense::new(
+                    SenseKey::IllegalRequest,
+                    Asc::SAVING_PARAMETERS_NOT_SUPPORTED,
+                )
             })
         }
     };
@@ -96,9 +99,9 @@ pub fn mode_sense(
     let subpage = cdb[3];
     let codes: &[u8] = match (code, subpage) {
         (0x3f, 0x00 | 0xff) => &PAGES,
-        (c, 0x00 | 0xff) if PAGES.contains(&c) => std::slice::from_ref(
-            PAGES.iter().find(|&&p| p == c).expect("contains"),
-        ),
+        (c, 0x00 | 0xff) if PAGES.contains(&c) => {
+            std::slice::from_ref(PAGES.iter().find(|&&p| p == c).expect("contains"))
+        }
         (c, _) if PAGES.contains(&c) || c == 0x3f => {
             return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb(3)))
         }
@@ -162,9 +165,13 @@ pub fn mode_select(
     default_wce: bool,
 ) -> Result<ModeParameters, Sense> {
     let header = if ten { 8 } else { 4 };
-    let bad = |at: usize| Sense::invalid_field_in_parameter_list(FieldPointer::parameter(at as u16));
+    let bad =
+        |at: usize| Sense::invalid_field_in_parameter_list(FieldPointer::parameter(at as u16));
     if p.len() < header {
-        return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR));
+        return Err(Sense::new(
+            SenseKey::IllegalRequest,
+            Asc::PARAMETER_LIST_LENGTH_ERROR,
+        ));
     }
     let bdl = if ten {
         usize::from(u16::from_be_bytes([p[6], p[7]]))
@@ -214,7 +221,10 @@ pub fn mode_select(
         let current = page(code, &new, default_wce, Pc::Current);
         let mask = page(code, &new, default_wce, Pc::Changeable);
         let Some(given) = p.get(at..at + current.len()) else {
-            return Err(Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR));
+            return Err(Sense::new(
+                SenseKey::IllegalRequest,
+                Asc::PARAMETER_LIST_LENGTH_ERROR,
+            ));
         };
         if usize::from(given[1]) != current.len() - 2 {
             return Err(bad(at + 1));
@@ -265,10 +275,24 @@ mod tests {
         assert_eq!(d[3], 8);
         assert_eq!(&d[4..12], &[0, 0x20, 0, 0, 0, 0, 2, 0]);
         assert_eq!(d.len(), 12 + 12 + 20 + 12 + 12);
-        let ten = mode_sense(&[0x5a, 0x18, 0x0a, 0, 0, 0, 0, 1, 0, 0], true, &g(), &M, true).unwrap();
+        let ten = mode_sense(
+            &[0x5a, 0x18, 0x0a, 0, 0, 0, 0, 1, 0, 0],
+            true,
+            &g(),
+            &M,
+            true,
+        )
+        .unwrap();
         assert_eq!(&ten[..8], &[0, 6 + 12, 0, 0x10, 0, 0, 0, 0]);
         assert_eq!(&ten[8..10], &[0x0a, 0x0a]);
-        let long = mode_sense(&[0x5a, 0x10, 0x08, 0, 0, 0, 0, 1, 0, 0], true, &g(), &M, true).unwrap();
+        let long = mode_sense(
+            &[0x5a, 0x10, 0x08, 0, 0, 0, 0, 1, 0, 0],
+            true,
+            &g(),
+            &M,
+            true,
+        )
+        .unwrap();
         assert_eq!(long[4], 1);
         assert_eq!(&long[6..8], &[0, 16]);
         let changeable = mode_sense(&[0x1a, 0x08, 0x48, 0, 255, 0], false, &g(), &M, true).unwrap();

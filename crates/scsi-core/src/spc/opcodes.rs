@@ -123,25 +123,23 @@ pub fn has_service_action(opcode: u8) -> bool {
 /// an unknown service action of a known one (which points at the service action field).
 pub fn lookup(cdb: &[u8]) -> Result<&'static CommandInfo, Sense> {
     let opcode = *cdb.first().ok_or_else(Sense::invalid_opcode)?;
+    // The table is sorted by (opcode, service action).
     if has_service_action(opcode) {
         let sa = cdb.get(1).map_or(0, |b| b & 0x1f);
-        let mut known = false;
-        for c in COMMANDS.iter().filter(|c| c.opcode == opcode) {
-            known = true;
-            if c.service_action == Some(sa) {
-                return Ok(c);
+        return match COMMANDS
+            .binary_search_by_key(&(opcode, Some(sa)), |c| (c.opcode, c.service_action))
+        {
+            Ok(i) => Ok(&COMMANDS[i]),
+            Err(_) if COMMANDS.iter().any(|c| c.opcode == opcode) => {
+                Err(Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(1, 4)))
             }
-        }
-        return Err(if known {
-            Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(1, 4))
-        } else {
-            Sense::invalid_opcode()
-        });
+            Err(_) => Err(Sense::invalid_opcode()),
+        };
     }
     COMMANDS
-        .iter()
-        .find(|c| c.opcode == opcode)
-        .ok_or_else(Sense::invalid_opcode)
+        .binary_search_by_key(&(opcode, None), |c| (c.opcode, c.service_action))
+        .map(|i| &COMMANDS[i])
+        .map_err(|_| Sense::invalid_opcode())
 }
 
 /// Nominal timeout and recommended timeout (seconds) in the command timeouts descriptor.
@@ -186,20 +184,15 @@ pub fn report_supported_operation_codes(cdb: &[u8]) -> Result<Vec<u8>, Sense> {
             // 001b: by opcode, which must not have service actions; 010b: opcode and service
             // action, which it must have; 011b: either.
             match (options, with_sa) {
-                (1, true) => {
-                    return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(2, 2)))
-                }
-                (2, false) => {
-                    return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(2, 2)))
-                }
+                (1, true) => return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(2, 2))),
+                (2, false) => return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(2, 2))),
                 _ => {}
             }
             if options == 1 && sa != 0 {
                 return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb(4)));
             }
             let found = COMMANDS.iter().find(|c| {
-                c.opcode == opcode
-                    && (!with_sa || c.service_action.map(u16::from) == Some(sa))
+                c.opcode == opcode && (!with_sa || c.service_action.map(u16::from) == Some(sa))
             });
             d.extend_from_slice(&[0, 0, 0, 0]);
             match found {
@@ -248,7 +241,12 @@ mod tests {
     fn table_is_consistent() {
         for c in COMMANDS {
             assert_eq!(cdb_length(c.opcode), Some(c.usage.len()), "{}", c.name);
-            assert_eq!(has_service_action(c.opcode), c.service_action.is_some(), "{}", c.name);
+            assert_eq!(
+                has_service_action(c.opcode),
+                c.service_action.is_some(),
+                "{}",
+                c.name
+            );
             assert_eq!(*c.usage.last().unwrap(), 0, "{}: CONTROL byte", c.name);
         }
         for (i, a) in COMMANDS.iter().enumerate() {
@@ -277,19 +275,21 @@ mod tests {
                 .unwrap();
         assert_eq!(&one[..4], &[0, 3, 0, 10]);
         assert_eq!(one[4], 0x28);
-        let sa = report_supported_operation_codes(&[0xa3, 0x0c, 0x02, 0x9e, 0, 0x10, 0, 0, 1, 0, 0, 0])
-            .unwrap();
+        let sa =
+            report_supported_operation_codes(&[0xa3, 0x0c, 0x02, 0x9e, 0, 0x10, 0, 0, 1, 0, 0, 0])
+                .unwrap();
         assert_eq!(&sa[..4], &[0, 3, 0, 16]);
         let missing =
             report_supported_operation_codes(&[0xa3, 0x0c, 0x01, 0xee, 0, 0, 0, 0, 1, 0, 0, 0])
                 .unwrap();
         assert_eq!(missing[1], 1);
+        assert!(report_supported_operation_codes(&[
+            0xa3, 0x0c, 0x01, 0x9e, 0, 0, 0, 0, 1, 0, 0, 0
+        ])
+        .is_err());
         assert!(
-            report_supported_operation_codes(&[0xa3, 0x0c, 0x01, 0x9e, 0, 0, 0, 0, 1, 0, 0, 0])
+            report_supported_operation_codes(&[0xa3, 0x0c, 0x07, 0, 0, 0, 0, 0, 1, 0, 0, 0])
                 .is_err()
-        );
-        assert!(
-            report_supported_operation_codes(&[0xa3, 0x0c, 0x07, 0, 0, 0, 0, 0, 1, 0, 0, 0]).is_err()
         );
     }
 }
