@@ -126,6 +126,7 @@ fn block_limits(lu: &LogicalUnit) -> Vec<u8> {
     let l = &lu.limits;
     let thin = lu.geometry.thin;
     let mut b = vec![0u8; 0x3c];
+    b[0] = 0x01; // WSNZ: WRITE SAME with zero blocks is refused.
     b[1] = l.max_compare_and_write;
     b[2..4].copy_from_slice(&1u16.to_be_bytes()); // OPTIMAL TRANSFER LENGTH GRANULARITY.
     b[4..8].copy_from_slice(&l.max_transfer.to_be_bytes());
@@ -137,6 +138,10 @@ fn block_limits(lu: &LogicalUnit) -> Vec<u8> {
         b[24..28].copy_from_slice(&l.unmap_granularity.to_be_bytes());
     }
     b[32..40].copy_from_slice(&l.max_write_same.to_be_bytes());
+    // WRITE ATOMIC(16): up to a full transfer, any alignment, no boundaries.
+    b[40..44].copy_from_slice(&l.max_transfer.to_be_bytes());
+    b[44..48].copy_from_slice(&1u32.to_be_bytes());
+    b[48..52].copy_from_slice(&1u32.to_be_bytes());
     b
 }
 
