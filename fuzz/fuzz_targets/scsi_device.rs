@@ -56,13 +56,19 @@ fuzz_target!(|steps: Vec<Step>| {
         target_name: "iqn.2026-11.io.example:f".into(),
     };
     let mut h = Harness::new(Device::new("iqn.2026-11.io.example:f", vec![port]));
-    h.device.set_reservation_store(Box::new(MemoryStore::default()));
+    h.device
+        .set_reservation_store(Box::new(MemoryStore::default()));
     h.add_lu(0, unit(true, 512));
     h.add_lu(1, unit(false, 4096));
     h.hold_backend = true;
     h.hold_data_out = true;
     let mut nexuses: Vec<_> = (0..3)
-        .map(|i| h.device.open_nexus(scsi_core::TransportId::iscsi("iqn.x:f", [0, 0, 0, 0, 0, i]), 1))
+        .map(|i| {
+            h.device.open_nexus(
+                scsi_core::TransportId::iscsi("iqn.x:f", [0, 0, 0, 0, 0, i]),
+                1,
+            )
+        })
         .collect();
     let mut submitted = Vec::new();
     for step in steps.into_iter().take(64) {
@@ -85,7 +91,14 @@ fuzz_target!(|steps: Vec<Step>| {
                     _ => TaskAttribute::Aca,
                 };
                 let n = nexuses[usize::from(nexus % 3)];
-                let tag = h.submit(n, u16::from(lun % 3), &cdb, attribute, &data_out, data_in_len.into());
+                let tag = h.submit(
+                    n,
+                    u16::from(lun % 3),
+                    &cdb,
+                    attribute,
+                    &data_out,
+                    data_in_len.into(),
+                );
                 submitted.push(tag);
                 h.run();
             }
@@ -120,9 +133,10 @@ fuzz_target!(|steps: Vec<Step>| {
                 let i = usize::from(nexus % 3);
                 h.device.close_nexus(nexuses[i]).unwrap();
                 h.run();
-                nexuses[i] = h
-                    .device
-                    .open_nexus(scsi_core::TransportId::iscsi("iqn.x:f", [0, 0, 0, 0, 0, i as u8]), 1);
+                nexuses[i] = h.device.open_nexus(
+                    scsi_core::TransportId::iscsi("iqn.x:f", [0, 0, 0, 0, 0, i as u8]),
+                    1,
+                );
             }
         }
     }

@@ -503,8 +503,7 @@ impl Device {
     /// Accepts a command. Its outcome comes out of [`Device::poll`], possibly at once (a
     /// command for an absent LUN completes immediately).
     pub fn submit(&mut self, cmd: Command<'_>) -> Result<TaskId, DeviceError> {
-        let name = self.nexus(cmd.nexus)?;
-        let _ = name;
+        self.nexus(cmd.nexus)?;
         let index = lun_index(cmd.lun).filter(|&i| self.lu(i).is_some());
         let mut cdb = [0u8; 16];
         let n = cmd.cdb.len().min(16);
@@ -554,7 +553,7 @@ impl Device {
             return Ok(id);
         }
         let Some(index) = index else {
-            let r = self.no_such_lun(&cdb, cmd.lun);
+            let r = self.no_such_lun(&cdb);
             self.complete(id, r);
             return Ok(id);
         };
@@ -591,8 +590,7 @@ impl Device {
     /// Commands addressed to a LUN without a logical unit: INQUIRY answers with peripheral
     /// qualifier 011b, REPORT LUNS and REQUEST SENSE work, anything else is LOGICAL UNIT NOT
     /// SUPPORTED.
-    fn no_such_lun(&mut self, cdb: &[u8; 16], lun: u64) -> Result<Reply, TaskError> {
-        let _ = lun;
+    fn no_such_lun(&mut self, cdb: &[u8; 16]) -> Result<Reply, TaskError> {
         match cdb[0] {
             0x12 => {
                 let alloc = usize::from(u16::from_be_bytes([cdb[3], cdb[4]]));
@@ -660,7 +658,7 @@ impl Device {
                 return Err(TaskError::ReservationConflict);
             }
         }
-        if !lu.pr.allows(name, info.access, cdb[0]) {
+        if !lu.pr.allows(name, info.access) {
             return Err(TaskError::ReservationConflict);
         }
         if lu.stopped && (is_media_access(cdb[0]) || cdb[0] == 0x00) {
@@ -1098,7 +1096,7 @@ impl Device {
             (TmfFunction::LogicalUnitReset, Some(l)) => {
                 let ids = self.select_tasks(|t| t.lun == l);
                 let w = self.abort_tasks(&ids, None);
-                self.reset_lu(l, Some(nexus));
+                self.reset_lu(l);
                 w
             }
             (TmfFunction::ItNexusReset, _) => {
@@ -1121,7 +1119,7 @@ impl Device {
                 let ids = self.select_tasks(|_| true);
                 let w = self.abort_tasks(&ids, None);
                 for l in self.luns() {
-                    self.reset_lu(l, None);
+                    self.reset_lu(l);
                 }
                 w
             }
@@ -1175,7 +1173,7 @@ impl Device {
     /// LOGICAL UNIT RESET's effects on the unit's state (SAM-5 section 6.3.3): the SPC-2
     /// reservation and medium removal prevention go, mode parameters return to their defaults,
     /// and every nexus gets a unit attention (persistent reservations stay).
-    fn reset_lu(&mut self, lun: u16, _by: Option<NexusId>) {
+    fn reset_lu(&mut self, lun: u16) {
         if let Some(lu) = self.lu_mut(lun) {
             lu.reserved_by = None;
             lu.prevent.clear();

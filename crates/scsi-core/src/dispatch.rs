@@ -357,9 +357,6 @@ impl Device {
                 if lba >= g.blocks {
                     return Err(Sense::lba_out_of_range().into());
                 }
-                if alloc < 24 && alloc != 0 {
-                    // A descriptor does not fit; the header alone is allowed.
-                }
                 if !g.thin {
                     let out = crate::backend::Output::LbaStatus {
                         mapped: true,

@@ -121,7 +121,7 @@ impl PrState {
     }
 
     /// Whether a command of class `access` from `n` may run (SPC-4 table 45).
-    pub fn allows(&self, n: &ItNexus, access: Access, _opcode: u8) -> bool {
+    pub fn allows(&self, n: &ItNexus, access: Access) -> bool {
         let Some(r) = &self.reservation else {
             return true;
         };
