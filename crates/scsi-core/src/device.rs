@@ -420,16 +420,22 @@ impl Device {
         let name = self.nexus(id)?.name.clone();
         let doomed = self.select_tasks(|t| t.nexus == id);
         self.abort_tasks(&doomed, None);
-        for lu in self.lus.iter_mut().flatten() {
-            if lu.reserved_by.as_ref() == Some(&name) {
-                lu.reserved_by = None;
-            }
-            lu.prevent.retain(|n| n != &name);
-        }
+        self.release_nexus_holds(&name);
         let slot = &mut self.nexuses[id.index as usize];
         slot.value = None;
         slot.generation = slot.generation.wrapping_add(1);
         Ok(())
+    }
+
+    /// What an I_T nexus loss or reset drops: its SPC-2 reservations and its medium removal
+    /// prevention (persistent reservations stay).
+    fn release_nexus_holds(&mut self, name: &ItNexus) {
+        for lu in self.lus.iter_mut().flatten() {
+            if lu.reserved_by.as_ref() == Some(name) {
+                lu.reserved_by = None;
+            }
+            lu.prevent.retain(|n| n != name);
+        }
     }
 
     pub(crate) fn nexus(&self, id: NexusId) -> Result<&Nexus, DeviceError> {
@@ -697,13 +703,11 @@ impl Device {
                     );
                     return self.complete(id, Err(e.into()));
                 }
-                if len == 0 {
-                    t.after = Some(then);
-                    t.phase = Phase::DataOut;
-                    return self.after_data(id, &[]);
-                }
                 t.after = Some(then);
                 t.phase = Phase::DataOut;
+                if len == 0 {
+                    return self.after_data(id, &[]);
+                }
                 let tag = t.tag;
                 self.actions
                     .push_back(Action::DataOut { task: id, tag, len });
@@ -859,10 +863,8 @@ impl Device {
         let t = self.task_mut(id).expect("checked");
         if t.aborted {
             let tag = t.tag;
-            return {
-                self.end(id, Action::Aborted { task: id, tag });
-                Ok(())
-            };
+            self.end(id, Action::Aborted { task: id, tag });
+            return Ok(());
         }
         match result {
             Ok(output) => {
@@ -965,25 +967,11 @@ impl Device {
 
     /// Applies the task attribute rules to the unit's dormant tasks.
     fn enable_dormant(&mut self, lun: u16) {
-        let mut set: Vec<(u64, TaskId, TaskAttribute, Phase, bool)> = self
-            .tasks
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| {
-                let t = s.value.as_ref()?;
-                (t.lun == lun).then(|| {
-                    let id = TaskId {
-                        index: i as u32,
-                        generation: s.generation,
-                    };
-                    (t.seq, id, t.attribute, t.phase, t.aborted)
-                })
-            })
-            .collect();
-        set.sort_unstable_by_key(|e| e.0);
         let (mut older_live, mut older_blocker) = (false, false);
         let mut enable = Vec::new();
-        for (_, id, attribute, phase, aborted) in set {
+        for id in self.select_tasks(|t| t.lun == lun) {
+            let t = self.task(id).expect("just selected");
+            let (attribute, phase, aborted) = (t.attribute, t.phase, t.aborted);
             let blocker = matches!(
                 attribute,
                 TaskAttribute::Ordered | TaskAttribute::HeadOfQueue
@@ -1102,12 +1090,7 @@ impl Device {
             (TmfFunction::ItNexusReset, _) => {
                 let ids = self.select_tasks(|t| t.nexus == nexus);
                 let w = self.abort_tasks(&ids, None);
-                for lu in self.lus.iter_mut().flatten() {
-                    if lu.reserved_by.as_ref() == Some(&name) {
-                        lu.reserved_by = None;
-                    }
-                    lu.prevent.retain(|n| n != &name);
-                }
+                self.release_nexus_holds(&name);
                 for l in self.luns() {
                     if let Some(n) = self.nexus_mut(nexus) {
                         push_ua(n, l, Asc::I_T_NEXUS_LOSS);

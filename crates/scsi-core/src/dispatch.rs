@@ -39,10 +39,6 @@ fn in_range(lba: u64, blocks: u64, g: &Geometry) -> Result<(), TaskError> {
     }
 }
 
-fn parameter_length_error() -> TaskError {
-    Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into()
-}
-
 impl Device {
     /// Decodes and starts the task's command.
     pub(crate) fn dispatch(&mut self, id: TaskId) -> Result<Step, TaskError> {
@@ -273,7 +269,7 @@ impl Device {
                 }
                 let plen = be16(cdb, 7);
                 if plen > 0 && plen < 8 {
-                    return Err(parameter_length_error());
+                    return Err(Sense::parameter_list_length_error().into());
                 }
                 self.parameter_list(id, plen, Parameters::Unmap)
             }
@@ -292,7 +288,7 @@ impl Device {
                 let action = cdb[1] & 0x1f;
                 if plen == 0 {
                     // Every service action needs at least the basic parameter list.
-                    return Err(parameter_length_error());
+                    return Err(Sense::parameter_list_length_error().into());
                 }
                 self.parameter_list(
                     id,

@@ -227,9 +227,7 @@ impl PrState {
             return self.register_and_move(me, scope_type, p, fx);
         }
         if p.len() < 24 {
-            return Err(
-                Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into(),
-            );
+            return Err(Sense::parameter_list_length_error().into());
         }
         let be64 = |at: usize| u64::from_be_bytes(p[at..at + 8].try_into().unwrap());
         let key = be64(0);
@@ -238,9 +236,7 @@ impl PrState {
         let all_tg_pt = p[20] & 0x04 != 0;
         let aptpl = p[20] & 0x01 != 0;
         if p.len() != 24 && !(spec_i_pt && matches!(action, 0)) {
-            return Err(
-                Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into(),
-            );
+            return Err(Sense::parameter_list_length_error().into());
         }
         let scope = scope_type >> 4;
         let ty = scope_type & 0x0f;
@@ -269,19 +265,11 @@ impl PrState {
                 let mut new = Vec::new();
                 if spec_i_pt {
                     if p.len() < 28 {
-                        return Err(Sense::new(
-                            SenseKey::IllegalRequest,
-                            Asc::PARAMETER_LIST_LENGTH_ERROR,
-                        )
-                        .into());
+                        return Err(Sense::parameter_list_length_error().into());
                     }
                     let len = u32::from_be_bytes(p[24..28].try_into().unwrap()) as usize;
                     if p.len() != 28 + len {
-                        return Err(Sense::new(
-                            SenseKey::IllegalRequest,
-                            Asc::PARAMETER_LIST_LENGTH_ERROR,
-                        )
-                        .into());
+                        return Err(Sense::parameter_list_length_error().into());
                     }
                     let mut at = 28;
                     while at < p.len() {
@@ -505,9 +493,7 @@ impl PrState {
         mut fx: Effects,
     ) -> Result<Effects, PrError> {
         if p.len() < 24 {
-            return Err(
-                Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into(),
-            );
+            return Err(Sense::parameter_list_length_error().into());
         }
         let key = u64::from_be_bytes(p[0..8].try_into().unwrap());
         let sa_key = u64::from_be_bytes(p[8..16].try_into().unwrap());
@@ -516,9 +502,7 @@ impl PrState {
         let port = u16::from_be_bytes([p[18], p[19]]);
         let tid_len = u32::from_be_bytes(p[20..24].try_into().unwrap()) as usize;
         if p.len() < 24 + tid_len {
-            return Err(
-                Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR).into(),
-            );
+            return Err(Sense::parameter_list_length_error().into());
         }
         let Some(mine) = self.registration(me).cloned() else {
             return Err(PrError::Conflict);

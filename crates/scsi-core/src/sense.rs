@@ -257,6 +257,12 @@ impl Sense {
         }
     }
 
+    /// ILLEGAL REQUEST / PARAMETER LIST LENGTH ERROR: a parameter list shorter or longer than
+    /// its contents say.
+    pub fn parameter_list_length_error() -> Sense {
+        Sense::new(SenseKey::IllegalRequest, Asc::PARAMETER_LIST_LENGTH_ERROR)
+    }
+
     /// ILLEGAL REQUEST / INVALID COMMAND OPERATION CODE, pointing at byte 0 (and, for service
     /// actions, at the service action field).
     pub fn invalid_opcode() -> Sense {

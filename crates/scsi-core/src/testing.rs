@@ -11,6 +11,11 @@ use crate::nexus::TransportId;
 use crate::task::{Action, Command, DataIn, NexusId, Residual, Status, TaskAttribute, TaskId};
 use crate::task::{TmfFunction, TmfResponse};
 
+/// The 8-byte LUN field for a LUN index, as an integer.
+fn lun_field(lun: u16) -> u64 {
+    u64::from_be_bytes(crate::spc::report_luns::lun_bytes(lun))
+}
+
 /// How a command ended, as an initiator sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
@@ -122,12 +127,11 @@ impl Harness {
     ) -> u64 {
         let tag = self.next_tag;
         self.next_tag += 1;
-        let lun_field = u64::from_be_bytes(crate::spc::report_luns::lun_bytes(lun));
         let id = self
             .device
             .submit(Command {
                 nexus,
-                lun: lun_field,
+                lun: lun_field(lun),
                 cdb,
                 attribute,
                 tag,
@@ -171,9 +175,8 @@ impl Harness {
 
     /// Starts a task management function; its response lands in [`Harness::tmf`].
     pub fn task_management(&mut self, nexus: NexusId, lun: u16, f: TmfFunction, reference: u64) {
-        let lun_field = u64::from_be_bytes(crate::spc::report_luns::lun_bytes(lun));
         self.device
-            .task_management(nexus, lun_field, f, reference)
+            .task_management(nexus, lun_field(lun), f, reference)
             .expect("live nexus");
         self.run();
     }

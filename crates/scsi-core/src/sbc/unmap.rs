@@ -1,32 +1,23 @@
 //! UNMAP (SBC-3 section 5.28): the parameter list of block descriptors.
 
 use crate::lu::{Geometry, Limits};
-use crate::sense::{Asc, FieldPointer, Sense, SenseKey};
+use crate::sense::{FieldPointer, Sense};
 
 /// The ranges (LBA, blocks) an UNMAP parameter list names, checked against the unit's
 /// capacity and limits. Descriptors with no blocks are dropped.
 pub fn parse(p: &[u8], g: &Geometry, l: &Limits) -> Result<Vec<(u64, u64)>, Sense> {
     if p.len() < 8 {
-        return Err(Sense::new(
-            SenseKey::IllegalRequest,
-            Asc::PARAMETER_LIST_LENGTH_ERROR,
-        ));
+        return Err(Sense::parameter_list_length_error());
     }
     let data_len = usize::from(u16::from_be_bytes([p[0], p[1]]));
     let desc_len = usize::from(u16::from_be_bytes([p[2], p[3]]));
     // UNMAP DATA LENGTH counts the bytes after itself; a shorter list than it claims is an
     // error, as is a descriptor length that is not whole descriptors.
     if data_len + 2 > p.len() && data_len != 0 {
-        return Err(Sense::new(
-            SenseKey::IllegalRequest,
-            Asc::PARAMETER_LIST_LENGTH_ERROR,
-        ));
+        return Err(Sense::parameter_list_length_error());
     }
     if desc_len % 16 != 0 || 8 + desc_len > p.len() {
-        return Err(Sense::new(
-            SenseKey::IllegalRequest,
-            Asc::PARAMETER_LIST_LENGTH_ERROR,
-        ));
+        return Err(Sense::parameter_list_length_error());
     }
     let count = desc_len / 16;
     if count > l.max_unmap_descriptors as usize {
@@ -57,6 +48,7 @@ pub fn parse(p: &[u8], g: &Geometry, l: &Limits) -> Result<Vec<(u64, u64)>, Sens
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sense::Asc;
 
     fn list(descs: &[(u64, u32)]) -> Vec<u8> {
         let mut p = Vec::new();

@@ -168,10 +168,7 @@ pub fn mode_select(
     let bad =
         |at: usize| Sense::invalid_field_in_parameter_list(FieldPointer::parameter(at as u16));
     if p.len() < header {
-        return Err(Sense::new(
-            SenseKey::IllegalRequest,
-            Asc::PARAMETER_LIST_LENGTH_ERROR,
-        ));
+        return Err(Sense::parameter_list_length_error());
     }
     let bdl = if ten {
         usize::from(u16::from_be_bytes([p[6], p[7]]))
@@ -221,10 +218,7 @@ pub fn mode_select(
         let current = page(code, &new, default_wce, Pc::Current);
         let mask = page(code, &new, default_wce, Pc::Changeable);
         let Some(given) = p.get(at..at + current.len()) else {
-            return Err(Sense::new(
-                SenseKey::IllegalRequest,
-                Asc::PARAMETER_LIST_LENGTH_ERROR,
-            ));
+            return Err(Sense::parameter_list_length_error());
         };
         if usize::from(given[1]) != current.len() - 2 {
             return Err(bad(at + 1));
