@@ -16,7 +16,7 @@ use crate::lu::{LogicalUnit, TargetPort};
 use crate::nexus::{ItNexus, TransportId};
 use crate::pr::{PrState, PrStore};
 use crate::sense::{Asc, Sense, SenseKey};
-use crate::spc::opcodes::{self, Access};
+use crate::spc::opcodes::{self, Access, CommandInfo};
 use crate::task::{
     Action, Command, DataIn, NexusId, Residual, Status, TaskAttribute, TaskId, TmfFunction,
     TmfResponse,
@@ -638,15 +638,21 @@ impl Device {
         let (nexus, lun, cdb) = (t.nexus, t.lun, t.cdb);
         let step = self
             .admit(nexus, lun, &cdb)
-            .and_then(|()| self.dispatch(id));
+            .and_then(|info| self.dispatch(id, info));
         self.proceed(id, step);
     }
 
-    /// Unit attentions, reservations and NOT READY: whether the command may run at all.
-    fn admit(&mut self, nexus: NexusId, lun: u16, cdb: &[u8; 16]) -> Result<(), TaskError> {
+    /// Unit attentions, reservations and NOT READY: whether the command may run at all. Gives
+    /// the command's table entry on to the dispatch.
+    fn admit(
+        &mut self,
+        nexus: NexusId,
+        lun: u16,
+        cdb: &[u8; 16],
+    ) -> Result<&'static CommandInfo, TaskError> {
         let info = opcodes::lookup(cdb)?;
         if info.access == Access::Exempt {
-            return Ok(());
+            return Ok(info);
         }
         if let Some(n) = self.nexus_mut(nexus) {
             if let Some(i) = n.unit_attentions.iter().position(|&(l, _)| l == lun) {
@@ -674,7 +680,7 @@ impl Device {
             )
             .into());
         }
-        Ok(())
+        Ok(info)
     }
 
     /// Carries out a dispatch result.

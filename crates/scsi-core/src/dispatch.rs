@@ -40,11 +40,14 @@ fn in_range(lba: u64, blocks: u64, g: &Geometry) -> Result<(), TaskError> {
 }
 
 impl Device {
-    /// Decodes and starts the task's command.
-    pub(crate) fn dispatch(&mut self, id: TaskId) -> Result<Step, TaskError> {
+    /// Decodes and starts the task's command; `info` is its entry in the command table.
+    pub(crate) fn dispatch(
+        &mut self,
+        id: TaskId,
+        info: &'static opcodes::CommandInfo,
+    ) -> Result<Step, TaskError> {
         let t = self.task(id).map_err(|_| internal())?;
         let (cdb, lun, nexus) = (t.cdb, t.lun, t.nexus);
-        let info = opcodes::lookup(&cdb)?;
         let len = info.usage.len();
         let cdb = &cdb[..len];
         check_control(cdb, len)?;
