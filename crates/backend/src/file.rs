@@ -1,0 +1,593 @@
+//! The `file` backend's storage: a regular file or a block device, opened per its
+//! configuration, and the blocking implementation of every [`Op`] on it. The thread-pool engine
+//! runs everything here; the io_uring engine runs reads, writes, flushes and deallocation on
+//! the ring and the rare composite operations (compare, write same, or-write, LBA status)
+//! here, on its helper threads.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use scsi_core::{BackendError, Op, Output};
+
+/// Alignment O_DIRECT I/O must keep (buffer address, file offset, length); anything else goes
+/// through the buffered descriptor.
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// How to open a file backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileConfig {
+    /// A regular file or a block device.
+    pub path: PathBuf,
+    /// Capacity in bytes; required when the file does not exist yet. A smaller existing file is
+    /// grown (sparse); a larger one is refused (shrinking is an explicit resize).
+    pub size: Option<u64>,
+    /// 512 or 4096.
+    pub block_size: u32,
+    /// O_DIRECT: bypass the page cache (misaligned requests use a buffered descriptor).
+    pub direct: bool,
+    /// Write-through (O_DSYNC): every write is durable when it completes.
+    pub write_through: bool,
+    /// Open read-only.
+    pub read_only: bool,
+}
+
+impl FileConfig {
+    /// A thin, write-back, buffered file of `size` bytes in 512-byte blocks.
+    pub fn new(path: impl Into<PathBuf>, size: Option<u64>) -> FileConfig {
+        FileConfig {
+            path: path.into(),
+            size,
+            block_size: 512,
+            direct: false,
+            write_through: false,
+            read_only: false,
+        }
+    }
+}
+
+/// Why a file backend could not be opened; each names the path and the reason.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OpenError {
+    /// The block size is not 512 or 4096.
+    #[error("block_size {0}: must be 512 or 4096")]
+    BlockSize(u32),
+    /// No size for a file that has to be created.
+    #[error("{0}: does not exist and no size is given to create it")]
+    NoSize(PathBuf),
+    /// The size is zero or not a multiple of the block size.
+    #[error("size {size}: must be a non-zero multiple of the block size {block_size}")]
+    Size {
+        /// Bytes configured.
+        size: u64,
+        /// Block size.
+        block_size: u32,
+    },
+    /// The configured size is larger than a block device, or smaller than an existing file.
+    #[error("{path}: size {size} does not fit: the {what} is {actual} bytes")]
+    SizeMismatch {
+        /// The path.
+        path: PathBuf,
+        /// Bytes configured.
+        size: u64,
+        /// "device" or "file".
+        what: &'static str,
+        /// Its size.
+        actual: u64,
+    },
+    /// Neither a regular file nor a block device.
+    #[error("{0}: not a regular file or block device")]
+    Kind(PathBuf),
+    /// The OS refused.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// What the OS said.
+        source: io::Error,
+    },
+}
+
+/// An open file backend: its descriptors and geometry. Shared by the reactor and the helper
+/// threads.
+#[derive(Debug)]
+pub struct FileHandle {
+    file: File,
+    /// A buffered descriptor beside an O_DIRECT one, for misaligned requests.
+    buffered: Option<File>,
+    path: PathBuf,
+    block_size: u32,
+    blocks: u64,
+    block_device: bool,
+    write_through: bool,
+}
+
+impl FileHandle {
+    /// Opens (creating sparse when missing) the file `config` names.
+    pub fn open(config: &FileConfig) -> Result<FileHandle, OpenError> {
+        let bs = config.block_size;
+        if bs != 512 && bs != 4096 {
+            return Err(OpenError::BlockSize(bs));
+        }
+        if let Some(size) = config.size {
+            if size == 0 || size % u64::from(bs) != 0 {
+                return Err(OpenError::Size {
+                    size,
+                    block_size: bs,
+                });
+            }
+        }
+        let path = &config.path;
+        let io_err = |source| OpenError::Io {
+            path: path.clone(),
+            source,
+        };
+        let exists = path.exists();
+        if !exists {
+            if config.size.is_none() {
+                return Err(OpenError::NoSize(path.clone()));
+            }
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).map_err(io_err)?;
+            }
+        }
+        let open = |direct: bool| {
+            let mut o = OpenOptions::new();
+            o.read(true).write(!config.read_only);
+            if !config.read_only && !exists {
+                o.create(true);
+            }
+            let mut flags = libc::O_CLOEXEC;
+            if direct {
+                flags |= libc::O_DIRECT;
+            }
+            if config.write_through {
+                flags |= libc::O_DSYNC;
+            }
+            o.custom_flags(flags).open(path)
+        };
+        let file = open(config.direct).map_err(io_err)?;
+        let meta = file.metadata().map_err(io_err)?;
+        let kind = meta.file_type();
+        let (blocks, block_device) = if kind.is_block_device() {
+            let actual = device_size(&file).map_err(io_err)?;
+            let size = config.size.unwrap_or(actual - actual % u64::from(bs));
+            if size > actual || size == 0 {
+                return Err(OpenError::SizeMismatch {
+                    path: path.clone(),
+                    size,
+                    what: "device",
+                    actual,
+                });
+            }
+            (size / u64::from(bs), true)
+        } else if kind.is_file() {
+            let actual = meta.len();
+            let size = match config.size {
+                Some(size) if size < actual => {
+                    return Err(OpenError::SizeMismatch {
+                        path: path.clone(),
+                        size,
+                        what: "file",
+                        actual,
+                    })
+                }
+                Some(size) => {
+                    if size > actual {
+                        if exists {
+                            tracing::info!(path = %path.display(), from = actual, to = size, "growing backing file");
+                        }
+                        file.set_len(size).map_err(io_err)?;
+                    }
+                    size
+                }
+                None if actual == 0 || actual % u64::from(bs) != 0 => {
+                    return Err(OpenError::Size {
+                        size: actual,
+                        block_size: bs,
+                    })
+                }
+                None => actual,
+            };
+            (size / u64::from(bs), false)
+        } else {
+            return Err(OpenError::Kind(path.clone()));
+        };
+        let buffered = if config.direct {
+            Some(open(false).map_err(io_err)?)
+        } else {
+            None
+        };
+        Ok(FileHandle {
+            file,
+            buffered,
+            path: path.clone(),
+            block_size: bs,
+            blocks,
+            block_device,
+            write_through: config.write_through,
+        })
+    }
+
+    /// Wraps an already open descriptor of `blocks` blocks, e.g. a character device such as
+    /// /dev/full in tests, or a file the embedder opened itself.
+    pub fn from_file(file: File, block_size: u32, blocks: u64) -> FileHandle {
+        FileHandle {
+            file,
+            buffered: None,
+            path: PathBuf::new(),
+            block_size,
+            blocks,
+            block_device: false,
+            write_through: false,
+        }
+    }
+
+    /// The path opened.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Block size in bytes.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Capacity in blocks.
+    pub fn blocks(&self) -> u64 {
+        self.blocks
+    }
+
+    /// A block device rather than a file.
+    pub fn is_block_device(&self) -> bool {
+        self.block_device
+    }
+
+    /// Opened O_DSYNC.
+    pub fn write_through(&self) -> bool {
+        self.write_through
+    }
+
+    /// Grows or shrinks a regular file's capacity (blocks beyond the old end read as zeros).
+    pub fn resize(&mut self, blocks: u64) -> io::Result<()> {
+        if self.block_device {
+            return Err(io::Error::from_raw_os_error(libc::EINVAL));
+        }
+        self.file.set_len(blocks * u64::from(self.block_size))?;
+        self.blocks = blocks;
+        Ok(())
+    }
+
+    /// The descriptor to use for `len` bytes at file offset `at` from memory `ptr`: the
+    /// O_DIRECT one when everything is aligned, the buffered one otherwise.
+    pub fn fd_for(&self, ptr: *const u8, at: u64, len: usize) -> (i32, bool) {
+        match &self.buffered {
+            Some(b)
+                if (ptr as usize) % DIRECT_ALIGN != 0
+                    || at % DIRECT_ALIGN as u64 != 0
+                    || len % DIRECT_ALIGN != 0 =>
+            {
+                (b.as_raw_fd(), false)
+            }
+            _ => (self.file.as_raw_fd(), true),
+        }
+    }
+
+    fn file_for(&self, buf: &[u8], at: u64) -> &File {
+        match (&self.buffered, self.fd_for(buf.as_ptr(), at, buf.len()).1) {
+            (Some(b), false) => b,
+            _ => &self.file,
+        }
+    }
+
+    /// The primary descriptor, for registering with a ring.
+    pub fn raw_fd(&self) -> i32 {
+        self.file.as_raw_fd()
+    }
+
+    fn bytes(&self, lba: u64, blocks: u64) -> Result<(u64, usize), BackendError> {
+        match lba.checked_add(blocks) {
+            Some(end) if end <= self.blocks => {
+                let bs = u64::from(self.block_size);
+                let len = usize::try_from(blocks * bs).map_err(|_| BackendError::Internal)?;
+                Ok((lba * bs, len))
+            }
+            _ => Err(BackendError::Internal),
+        }
+    }
+
+    fn read_into(&self, buf: &mut [u8], at: u64) -> Result<(), BackendError> {
+        let bs = u64::from(self.block_size);
+        let mut done = 0;
+        while done < buf.len() {
+            let pos = at + done as u64;
+            let f = self.file_for(&buf[done..], pos);
+            match f.read_at(&mut buf[done..], pos) {
+                Ok(0) => return Err(BackendError::Read { lba: pos / bs }),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(error_for(e, false, pos / bs)),
+            }
+        }
+        Ok(())
+    }
+
+    fn write_from(&self, buf: &[u8], at: u64, fua: bool) -> Result<(), BackendError> {
+        let bs = u64::from(self.block_size);
+        let mut done = 0;
+        while done < buf.len() {
+            let pos = at + done as u64;
+            let f = self.file_for(&buf[done..], pos);
+            let r = if fua && !self.write_through {
+                pwrite_dsync(f, &buf[done..], pos)
+            } else {
+                f.write_at(&buf[done..], pos)
+            };
+            match r {
+                Ok(0) => return Err(BackendError::Write { lba: pos / bs }),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(error_for(e, true, pos / bs)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Deallocates `len` bytes at `at` (the range reads back as zeros).
+    pub fn punch_hole(&self, at: u64, len: u64) -> Result<(), BackendError> {
+        let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+        fallocate(&self.file, mode, at, len).map_err(|e| error_for(e, true, at))
+    }
+
+    /// Runs `op` on `buf` now, blocking.
+    pub fn execute(&self, op: &Op, buf: &mut [u8]) -> Result<Output, BackendError> {
+        let bs = self.block_size as usize;
+        if (buf.len() as u64) < op.buffer_len(self.block_size) {
+            return Err(BackendError::Internal);
+        }
+        match *op {
+            Op::Read {
+                lba,
+                blocks,
+                offset,
+                ..
+            } => {
+                let (at, n) = self.bytes(lba, blocks.into())?;
+                let o = offset as usize;
+                self.read_into(&mut buf[o..o + n], at)?;
+            }
+            Op::Write {
+                lba,
+                blocks,
+                offset,
+                fua,
+            } => {
+                let (at, n) = self.bytes(lba, blocks.into())?;
+                let o = offset as usize;
+                self.write_from(&buf[o..o + n], at, fua)?;
+            }
+            Op::Flush { .. } => self.flush()?,
+            Op::Unmap { lba, blocks } => {
+                let (at, n) = self.bytes(lba, blocks)?;
+                self.punch_hole(at, n as u64)?;
+            }
+            Op::WriteSame {
+                lba,
+                blocks,
+                zeros,
+                unmap,
+                fua,
+            } => {
+                let (at, n) = self.bytes(lba, blocks)?;
+                let zero_block = zeros || buf[..bs].iter().all(|&b| b == 0);
+                if zero_block && unmap {
+                    self.punch_hole(at, n as u64)?;
+                } else {
+                    self.write_same(at, n, if zeros { None } else { Some(&buf[..bs]) }, fua)?;
+                }
+            }
+            Op::Compare {
+                lba,
+                blocks,
+                offset,
+                same,
+            } => {
+                let (at, n) = self.bytes(lba, blocks.into())?;
+                let o = offset as usize;
+                let expected = &buf[o..o + if same { bs } else { n }];
+                self.compare(at, n, expected)?;
+            }
+            Op::CompareAndWrite { lba, blocks, fua } => {
+                let (at, n) = self.bytes(lba, blocks.into())?;
+                self.compare(at, n, &buf[..n])?;
+                self.write_from(&buf[n..2 * n], at, fua)?;
+            }
+            Op::OrWrite { lba, blocks, fua } => {
+                let (at, n) = self.bytes(lba, blocks.into())?;
+                let mut scratch = vec![0u8; n.min(SCRATCH)];
+                let mut done = 0;
+                while done < n {
+                    let k = scratch.len().min(n - done);
+                    let pos = at + done as u64;
+                    self.read_into(&mut scratch[..k], pos)?;
+                    scratch[..k]
+                        .iter_mut()
+                        .zip(&buf[done..done + k])
+                        .for_each(|(d, s)| *d |= s);
+                    self.write_from(&scratch[..k], pos, fua)?;
+                    done += k;
+                }
+            }
+            Op::LbaStatus { lba } => return self.lba_status(lba),
+            Op::Prefetch { lba, blocks } => {
+                let (at, n) = self.bytes(lba, blocks)?;
+                // Safety: posix_fadvise only reads its integer arguments; the fd is open.
+                unsafe {
+                    libc::posix_fadvise(
+                        self.file.as_raw_fd(),
+                        at as i64,
+                        n as i64,
+                        libc::POSIX_FADV_WILLNEED,
+                    );
+                }
+            }
+            _ => return Err(BackendError::Unsupported),
+        }
+        Ok(Output::Done)
+    }
+
+    /// fdatasync; a no-op cost when opened write-through.
+    pub fn flush(&self) -> Result<(), BackendError> {
+        self.file.sync_data().map_err(|e| error_for(e, true, 0))
+    }
+
+    /// Writes one block (or zeros) over `n` bytes at `at`, a scratch buffer at a time.
+    fn write_same(
+        &self,
+        at: u64,
+        n: usize,
+        block: Option<&[u8]>,
+        fua: bool,
+    ) -> Result<(), BackendError> {
+        let bs = self.block_size as usize;
+        if block.is_none() && !fua {
+            // Zeros that stay allocated (anchored), without moving them through memory.
+            let mode = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+            if fallocate(&self.file, mode, at, n as u64).is_ok() {
+                return Ok(());
+            }
+        }
+        let mut scratch = vec![0u8; n.min(SCRATCH)];
+        if let Some(block) = block {
+            scratch
+                .chunks_mut(bs)
+                .for_each(|c| c.copy_from_slice(block));
+        }
+        let mut done = 0;
+        while done < n {
+            let k = scratch.len().min(n - done);
+            self.write_from(&scratch[..k], at + done as u64, fua)?;
+            done += k;
+        }
+        Ok(())
+    }
+
+    /// Compares `n` bytes at `at` with `expected`, repeated when it is one block.
+    fn compare(&self, at: u64, n: usize, expected: &[u8]) -> Result<(), BackendError> {
+        let mut scratch = vec![0u8; n.min(SCRATCH)];
+        let mut done = 0;
+        while done < n {
+            let k = scratch.len().min(n - done);
+            self.read_into(&mut scratch[..k], at + done as u64)?;
+            for (i, &b) in scratch[..k].iter().enumerate() {
+                let j = done + i;
+                if b != expected[j % expected.len()] {
+                    return Err(BackendError::Miscompare { offset: j as u64 });
+                }
+            }
+            done += k;
+        }
+        Ok(())
+    }
+
+    /// Mapped or deallocated from `lba`, and for how many blocks, from SEEK_DATA/SEEK_HOLE.
+    fn lba_status(&self, lba: u64) -> Result<Output, BackendError> {
+        if lba >= self.blocks {
+            return Err(BackendError::Internal);
+        }
+        let bs = u64::from(self.block_size);
+        let end = self.blocks * bs;
+        let at = lba * bs;
+        let fd = self.file.as_raw_fd();
+        let (mapped, until) = match seek(fd, at, libc::SEEK_DATA) {
+            Ok(d) if d <= at => (true, seek(fd, at, libc::SEEK_HOLE).unwrap_or(end)),
+            Ok(d) => (false, d),
+            Err(libc::ENXIO) => (false, end),
+            // No hole support (a block device): everything is mapped.
+            Err(_) => (true, end),
+        };
+        let until = until.min(end);
+        // A block partly mapped counts as mapped; so round the extent's end to blocks.
+        let blocks = if mapped {
+            until.div_ceil(bs) - lba
+        } else {
+            (until / bs).saturating_sub(lba)
+        };
+        Ok(Output::LbaStatus {
+            mapped: mapped || blocks == 0,
+            blocks: blocks.max(1),
+        })
+    }
+}
+
+const SCRATCH: usize = 1 << 20;
+
+/// The errno of a failed operation as the sense a disk would give: see the crate README.
+pub fn errno_to_error(errno: i32, writing: bool, lba: u64) -> BackendError {
+    match errno {
+        libc::ENOSPC | libc::EDQUOT => BackendError::NoSpace,
+        libc::EOPNOTSUPP | libc::ENOSYS => BackendError::Unsupported,
+        libc::EIO | libc::ENODATA | libc::EILSEQ | libc::EREMOTEIO => {
+            if writing {
+                BackendError::Write { lba }
+            } else {
+                BackendError::Read { lba }
+            }
+        }
+        _ => BackendError::Internal,
+    }
+}
+
+fn error_for(e: io::Error, writing: bool, lba: u64) -> BackendError {
+    errno_to_error(e.raw_os_error().unwrap_or(0), writing, lba)
+}
+
+fn pwrite_dsync(f: &File, buf: &[u8], at: u64) -> io::Result<usize> {
+    let iov = libc::iovec {
+        iov_base: buf.as_ptr() as *mut _,
+        iov_len: buf.len(),
+    };
+    // Safety: one iovec describing `buf`, which outlives the call; the kernel only reads it.
+    let n = unsafe { libc::pwritev2(f.as_raw_fd(), &iov, 1, at as i64, libc::RWF_DSYNC) };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+fn fallocate(f: &File, mode: i32, at: u64, len: u64) -> io::Result<()> {
+    // Safety: fallocate reads only its integer arguments; the descriptor is open.
+    let r = unsafe { libc::fallocate(f.as_raw_fd(), mode, at as i64, len as i64) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn seek(fd: i32, at: u64, whence: i32) -> Result<u64, i32> {
+    // Safety: lseek reads only its integer arguments.
+    let r = unsafe { libc::lseek(fd, at as i64, whence) };
+    if r < 0 {
+        Err(io::Error::last_os_error().raw_os_error().unwrap_or(0))
+    } else {
+        Ok(r as u64)
+    }
+}
+
+fn device_size(f: &File) -> io::Result<u64> {
+    // BLKGETSIZE64 = _IOR(0x12, 114, size_t).
+    const BLKGETSIZE64: libc::c_ulong = 0x8008_1272;
+    let mut size: u64 = 0;
+    // Safety: BLKGETSIZE64 writes one u64 through the pointer, which points at `size`.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), BLKGETSIZE64 as _, &mut size as *mut u64) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(size)
+    }
+}

@@ -1,0 +1,78 @@
+//! Storage backends for scsi-core, on io_uring with a registered buffer arena.
+//!
+//! The zero-copy path of ../../DESIGN.md: each reactor owns one [`Arena`] (a mapping cut into
+//! slots) and one [`Engine`] (an io_uring with that arena registered as a fixed buffer and the
+//! backing files as fixed files). A read lands in a slot that the transport then sends; a write
+//! is received into a slot and written from it. Where io_uring cannot be set up, or the config
+//! says so, the engine is a thread pool with the same interface.
+//!
+//! Backends implement [`scsi_core::Backend`] with [`Buffer`] as their buffer type:
+//! - [`FileBackend`]: a regular file or block device, thin through hole punching.
+//! - [`MemoryBackend`]: a thin RAM disk.
+//! - [`NullBackend`]: reads zeros, discards writes.
+//!
+//! [`AnyBackend`] is whichever of the three a logical unit's config names.
+
+pub mod arena;
+mod engine;
+pub mod file;
+mod immediate;
+mod pool;
+
+pub use arena::{Arena, ArenaConfig, ArenaError, Buffer, HugePages};
+pub use engine::{Engine, EngineChoice, EngineConfig, EngineKind, FileBackend, UringSupport};
+pub use file::{FileConfig, FileHandle, OpenError};
+pub use immediate::{Execute, Immediate, MemoryBackend, Null, NullBackend};
+
+use scsi_core::{Backend, BackendError, Op, Output};
+
+/// Any backend a logical unit may have.
+#[derive(Debug)]
+pub enum AnyBackend {
+    /// A file or block device on the reactor's engine.
+    File(FileBackend),
+    /// A RAM disk.
+    Memory(MemoryBackend),
+    /// Zeros in, nothing out.
+    Null(NullBackend),
+}
+
+impl AnyBackend {
+    /// Block size in bytes.
+    pub fn block_size(&self) -> u32 {
+        match self {
+            AnyBackend::File(f) => f.file().block_size(),
+            AnyBackend::Memory(m) => m.block_size(),
+            AnyBackend::Null(n) => n.block_size(),
+        }
+    }
+
+    /// Capacity in blocks.
+    pub fn blocks(&self) -> u64 {
+        match self {
+            AnyBackend::File(f) => f.file().blocks(),
+            AnyBackend::Memory(m) => m.blocks(),
+            AnyBackend::Null(n) => n.blocks(),
+        }
+    }
+}
+
+impl Backend for AnyBackend {
+    type Buffer = Buffer;
+
+    fn submit(&mut self, token: u64, op: Op, buf: Buffer) {
+        match self {
+            AnyBackend::File(f) => f.submit(token, op, buf),
+            AnyBackend::Memory(m) => m.submit(token, op, buf),
+            AnyBackend::Null(n) => n.submit(token, op, buf),
+        }
+    }
+
+    fn poll_completion(&mut self) -> Option<(u64, Result<Output, BackendError>, Buffer)> {
+        match self {
+            AnyBackend::File(f) => f.poll_completion(),
+            AnyBackend::Memory(m) => m.poll_completion(),
+            AnyBackend::Null(n) => n.poll_completion(),
+        }
+    }
+}
