@@ -163,7 +163,12 @@ impl Engine {
                 Ok(u) => (Some(u), None),
                 Err(e) => {
                     let reason = format!("io_uring unavailable ({e}); using the thread pool");
-                    tracing::warn!("{reason}");
+                    // Every reactor falls back for the same reason: say it once per process.
+                    static LOGGED: std::sync::atomic::AtomicBool =
+                        std::sync::atomic::AtomicBool::new(false);
+                    if !LOGGED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                        tracing::warn!("{reason}");
+                    }
                     (None, Some(reason))
                 }
             },
