@@ -1,0 +1,695 @@
+//! The daemon's configuration (schema in ../../DESIGN.md): parsed with serde, then checked as a
+//! whole, so a bad file is refused at start with the key and the reason.
+//!
+//! Unknown keys are refused (`deny_unknown_fields`); TOML syntax and type errors carry the
+//! line and column; every other check names the key as a path, e.g.
+//! `targets[0].luns[1].size: 1000 is not a multiple of block_size 512`.
+
+use std::collections::HashSet;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use iscsi_pdu::negotiation::{DigestAlgorithm, Settings};
+use serde::Deserialize;
+
+/// A refused configuration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What the OS said.
+        source: std::io::Error,
+    },
+    /// Not TOML, a wrong type or an unknown key (the message has line and column).
+    #[error("{path}: {message}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// A value that parses but is refused.
+    #[error("{path}: {key}: {reason}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// The key, as a path from the top of the file.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The whole file.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Listeners, admin socket, reactors.
+    pub server: Server,
+    /// What the target offers in login negotiation.
+    #[serde(default)]
+    pub iscsi: Iscsi,
+    /// The targets exported.
+    #[serde(default)]
+    pub targets: Vec<Target>,
+}
+
+/// `[server]`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Server {
+    /// iSCSI/TCP listen addresses, `host:port`.
+    pub portals: Vec<String>,
+    /// Unix socket for targetctl (created mode 0600).
+    #[serde(default = "default_admin_socket")]
+    pub admin_socket: PathBuf,
+    /// Reactor threads; 0 = one per CPU core.
+    #[serde(default)]
+    pub reactors: usize,
+    /// Prometheus text endpoint, off when absent.
+    #[serde(default)]
+    pub metrics_listen: Option<String>,
+    /// SRP over RDMA listen addresses (feature `rdma`).
+    #[serde(default)]
+    pub rdma_portals: Vec<String>,
+    /// The I/O engine: "auto", "uring" or "threads".
+    #[serde(default = "default_engine")]
+    pub engine: String,
+    /// tracing filter (RUST_LOG syntax); RUST_LOG overrides it.
+    #[serde(default)]
+    pub log: Option<String>,
+    /// Seconds between target NOP-In pings on an idle connection; 0 = off.
+    #[serde(default = "default_nop_interval")]
+    pub nop_interval: u64,
+    /// Seconds without an answer before the connection is dropped.
+    #[serde(default = "default_nop_timeout")]
+    pub nop_timeout: u64,
+}
+
+fn default_admin_socket() -> PathBuf {
+    "targetd.sock".into()
+}
+fn default_engine() -> String {
+    "auto".into()
+}
+fn default_nop_interval() -> u64 {
+    30
+}
+fn default_nop_timeout() -> u64 {
+    15
+}
+
+/// `[iscsi]`: the values the target offers.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Iscsi {
+    /// MaxRecvDataSegmentLength the target declares.
+    pub max_recv_data_segment_length: u32,
+    /// MaxBurstLength offered.
+    pub max_burst_length: u32,
+    /// FirstBurstLength offered.
+    pub first_burst_length: u32,
+    /// ImmediateData offered.
+    pub immediate_data: bool,
+    /// InitialR2T offered.
+    pub initial_r2t: bool,
+    /// MaxOutstandingR2T offered.
+    pub max_outstanding_r2t: u16,
+    /// MaxConnections offered.
+    pub max_connections: u16,
+    /// Commands the initiator may have outstanding (MaxCmdSN - ExpCmdSN + 1).
+    pub cmdsn_window: u32,
+    /// HeaderDigest values, in preference order.
+    pub header_digest: Vec<String>,
+    /// DataDigest values, in preference order.
+    pub data_digest: Vec<String>,
+}
+
+impl Default for Iscsi {
+    fn default() -> Self {
+        Iscsi {
+            max_recv_data_segment_length: 262_144,
+            max_burst_length: 1_048_576,
+            first_burst_length: 262_144,
+            immediate_data: true,
+            initial_r2t: false,
+            max_outstanding_r2t: 16,
+            max_connections: 8,
+            cmdsn_window: 128,
+            header_digest: vec!["None".into(), "CRC32C".into()],
+            data_digest: vec!["None".into(), "CRC32C".into()],
+        }
+    }
+}
+
+/// `[[targets]]`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Target {
+    /// The target's iSCSI name.
+    pub name: String,
+    /// Initiator names allowed; empty = any.
+    #[serde(default)]
+    pub initiators: Vec<String>,
+    /// Source networks allowed (CIDR); empty = any.
+    #[serde(default)]
+    pub networks: Vec<String>,
+    /// CHAP the initiator must pass.
+    #[serde(default)]
+    pub chap: Option<Chap>,
+    /// CHAP the target answers (mutual); needs `chap`.
+    #[serde(default)]
+    pub mutual_chap: Option<Chap>,
+    /// Logical units.
+    #[serde(default)]
+    pub luns: Vec<Lun>,
+}
+
+/// CHAP credentials.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Chap {
+    /// CHAP_N.
+    pub username: String,
+    /// The shared secret.
+    pub secret: String,
+}
+
+/// `[[targets.luns]]`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Lun {
+    /// LUN number, 0..=16383.
+    pub lun: u16,
+    /// "file", "memory" or "null".
+    pub backend: String,
+    /// Backing file or block device (file backend).
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Capacity: bytes, or with a unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB).
+    #[serde(default)]
+    pub size: Option<Size>,
+    /// 512 or 4096.
+    #[serde(default = "default_block_size")]
+    pub block_size: u32,
+    /// Thin provisioning: UNMAP, WRITE SAME(UNMAP), GET LBA STATUS.
+    #[serde(default = "yes")]
+    pub thin: bool,
+    /// Write-back cache; false = write-through (O_DSYNC).
+    #[serde(default = "yes")]
+    pub write_cache: bool,
+    /// Refuse writes.
+    #[serde(default)]
+    pub read_only: bool,
+    /// O_DIRECT.
+    #[serde(default)]
+    pub direct: bool,
+}
+
+fn default_block_size() -> u32 {
+    512
+}
+fn yes() -> bool {
+    true
+}
+
+/// A size in bytes, written as a number or a string with a unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Size, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Bytes(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Bytes(b) => Ok(Size(b)),
+            Raw::Text(t) => parse_size(&t).map(Size).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// Parses "1GiB", "512 MiB", "4096", "10GB".
+pub fn parse_size(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{text:?} is not a size (e.g. 1GiB, 512MiB, 4096)"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" => 1 << 10,
+        "MiB" | "M" => 1 << 20,
+        "GiB" | "G" => 1 << 30,
+        "TiB" | "T" => 1 << 40,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        u => return Err(format!("unknown size unit {u:?} in {text:?}")),
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{text:?} is too large"))
+}
+
+impl Config {
+    /// Reads, parses and validates `path`; relative paths in it are taken from the directory
+    /// the daemon runs in, as the repo's config.toml expects.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::parse(path, &text)
+    }
+
+    /// Parses and validates `text`, naming `path` in errors.
+    pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string().trim_end().to_string(),
+        })?;
+        config
+            .validate()
+            .map_err(|(key, reason)| ConfigError::Invalid {
+                path: path.to_path_buf(),
+                key,
+                reason,
+            })?;
+        Ok(config)
+    }
+
+    /// The login negotiation settings `[iscsi]` describes.
+    pub fn settings(&self) -> Settings {
+        let i = &self.iscsi;
+        let mut s = Settings {
+            max_recv_data_segment_length: i.max_recv_data_segment_length,
+            header_digest: i.header_digest.iter().filter_map(|d| digest(d)).collect(),
+            data_digest: i.data_digest.iter().filter_map(|d| digest(d)).collect(),
+            ..Settings::default()
+        };
+        let op = &mut s.operational;
+        op.max_burst_length = i.max_burst_length;
+        op.first_burst_length = i.first_burst_length;
+        op.immediate_data = i.immediate_data;
+        op.initial_r2t = i.initial_r2t;
+        op.max_outstanding_r2t = i.max_outstanding_r2t;
+        op.max_connections = i.max_connections;
+        s
+    }
+
+    /// Every check beyond types: `Err((key, reason))`.
+    fn validate(&self) -> Result<(), (String, String)> {
+        let fail = |key: &str, reason: String| Err((key.to_string(), reason));
+        let s = &self.server;
+        if s.portals.is_empty() {
+            return fail(
+                "server.portals",
+                "at least one listen address is needed".into(),
+            );
+        }
+        for (i, p) in s.portals.iter().enumerate() {
+            if p.parse::<SocketAddr>().is_err() {
+                return fail(
+                    &format!("server.portals[{i}]"),
+                    format!("{p:?} is not an address:port"),
+                );
+            }
+        }
+        if let Some(m) = &s.metrics_listen {
+            if m.parse::<SocketAddr>().is_err() {
+                return fail(
+                    "server.metrics_listen",
+                    format!("{m:?} is not an address:port"),
+                );
+            }
+        }
+        if !matches!(s.engine.as_str(), "auto" | "uring" | "threads") {
+            return fail(
+                "server.engine",
+                format!(
+                    "{:?}: expected \"auto\", \"uring\" or \"threads\"",
+                    s.engine
+                ),
+            );
+        }
+        if s.nop_interval > 0 && s.nop_timeout == 0 {
+            return fail(
+                "server.nop_timeout",
+                "must be at least 1 second when pings are on".into(),
+            );
+        }
+        self.validate_iscsi()?;
+        let mut names = HashSet::new();
+        let mut paths = HashSet::new();
+        for (t, target) in self.targets.iter().enumerate() {
+            let key = |k: &str| format!("targets[{t}].{k}");
+            if !iscsi_pdu::names::valid_iscsi_name(&target.name) {
+                return fail(
+                    &key("name"),
+                    format!("{:?} is not an iSCSI name (iqn.YYYY-MM.domain[:id], eui.<16 hex>, naa.<16|32 hex>)", target.name),
+                );
+            }
+            if !names.insert(target.name.to_ascii_lowercase()) {
+                return fail(&key("name"), format!("{:?} is defined twice", target.name));
+            }
+            for (i, ini) in target.initiators.iter().enumerate() {
+                if !iscsi_pdu::names::valid_iscsi_name(ini) {
+                    return fail(
+                        &key(&format!("initiators[{i}]")),
+                        format!("{ini:?} is not an iSCSI name"),
+                    );
+                }
+            }
+            for (i, net) in target.networks.iter().enumerate() {
+                if let Err(reason) = Network::parse(net) {
+                    return fail(&key(&format!("networks[{i}]")), reason);
+                }
+            }
+            for (k, chap) in [("chap", &target.chap), ("mutual_chap", &target.mutual_chap)] {
+                if let Some(c) = chap {
+                    if c.username.is_empty() {
+                        return fail(&key(&format!("{k}.username")), "must not be empty".into());
+                    }
+                    // RFC 7143 section 12.1.3: at least 96 bits when not random; many
+                    // initiators (Windows, VMware) also cap it at 16 bytes.
+                    if !(12..=16).contains(&c.secret.len()) {
+                        return fail(
+                            &key(&format!("{k}.secret")),
+                            format!("{} bytes: must be 12 to 16", c.secret.len()),
+                        );
+                    }
+                }
+            }
+            match (&target.chap, &target.mutual_chap) {
+                (None, Some(_)) => {
+                    return fail(
+                        &key("mutual_chap"),
+                        "needs chap (the initiator authenticates first)".into(),
+                    )
+                }
+                (Some(a), Some(b)) if a.secret == b.secret => {
+                    return fail(
+                        &key("mutual_chap.secret"),
+                        "must differ from chap.secret (RFC 7143 section 12.1.3)".into(),
+                    )
+                }
+                _ => {}
+            }
+            let mut luns = HashSet::new();
+            for (l, lun) in target.luns.iter().enumerate() {
+                let key = |k: &str| format!("targets[{t}].luns[{l}].{k}");
+                if lun.lun > scsi_core::MAX_LUN {
+                    return fail(
+                        &key("lun"),
+                        format!("{} exceeds {}", lun.lun, scsi_core::MAX_LUN),
+                    );
+                }
+                if !luns.insert(lun.lun) {
+                    return fail(
+                        &key("lun"),
+                        format!("LUN {} is defined twice in this target", lun.lun),
+                    );
+                }
+                if lun.block_size != 512 && lun.block_size != 4096 {
+                    return fail(
+                        &key("block_size"),
+                        format!("{}: must be 512 or 4096", lun.block_size),
+                    );
+                }
+                if let Some(Size(size)) = lun.size {
+                    if size == 0 || size % u64::from(lun.block_size) != 0 {
+                        return fail(
+                            &key("size"),
+                            format!(
+                                "{size} is not a non-zero multiple of block_size {}",
+                                lun.block_size
+                            ),
+                        );
+                    }
+                }
+                match lun.backend.as_str() {
+                    "file" => {
+                        let Some(path) = &lun.path else {
+                            return fail(&key("path"), "the file backend needs a path".into());
+                        };
+                        if !paths.insert(path.clone()) {
+                            return fail(
+                                &key("path"),
+                                format!("{} backs another LUN already", path.display()),
+                            );
+                        }
+                    }
+                    "memory" | "null" => {
+                        if lun.size.is_none() {
+                            return fail(
+                                &key("size"),
+                                format!("the {} backend needs a size", lun.backend),
+                            );
+                        }
+                        if lun.path.is_some() {
+                            return fail(
+                                &key("path"),
+                                format!("the {} backend has no path", lun.backend),
+                            );
+                        }
+                    }
+                    other => {
+                        return fail(
+                            &key("backend"),
+                            format!("{other:?}: expected \"file\", \"memory\" or \"null\""),
+                        )
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_iscsi(&self) -> Result<(), (String, String)> {
+        let i = &self.iscsi;
+        for (k, list) in [
+            ("header_digest", &i.header_digest),
+            ("data_digest", &i.data_digest),
+        ] {
+            if list.is_empty() {
+                return Err((
+                    format!("iscsi.{k}"),
+                    "at least one of \"None\", \"CRC32C\"".into(),
+                ));
+            }
+            for v in list {
+                if digest(v).is_none() {
+                    return Err((
+                        format!("iscsi.{k}"),
+                        format!("{v:?}: expected \"None\" or \"CRC32C\""),
+                    ));
+                }
+            }
+        }
+        if !(1..=(1u32 << 31)).contains(&i.cmdsn_window) {
+            return Err((
+                "iscsi.cmdsn_window".into(),
+                format!("{} is outside 1..=2^31", i.cmdsn_window),
+            ));
+        }
+        // The RFC's ranges, checked once by iscsi-pdu, reported under the config's key names.
+        self.settings().validate().map_err(|e| {
+            let key = match e.key {
+                "MaxRecvDataSegmentLength" => "max_recv_data_segment_length",
+                "MaxBurstLength" => "max_burst_length",
+                "FirstBurstLength" => "first_burst_length",
+                "MaxOutstandingR2T" => "max_outstanding_r2t",
+                "MaxConnections" => "max_connections",
+                other => other,
+            };
+            (format!("iscsi.{key}"), e.reason)
+        })
+    }
+}
+
+fn digest(v: &str) -> Option<DigestAlgorithm> {
+    match v {
+        "None" => Some(DigestAlgorithm::None),
+        "CRC32C" => Some(DigestAlgorithm::Crc32c),
+        _ => None,
+    }
+}
+
+/// A source network an initiator may connect from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Network {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+impl Network {
+    /// Parses "10.0.0.0/8", "::1/128" or a bare address (a single host).
+    pub fn parse(text: &str) -> Result<Network, String> {
+        let (a, p) = match text.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (text, None),
+        };
+        let addr: IpAddr = a
+            .parse()
+            .map_err(|_| format!("{text:?} is not an address or CIDR network"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match p {
+            None => max,
+            Some(p) => p
+                .parse::<u8>()
+                .ok()
+                .filter(|&n| n <= max)
+                .ok_or_else(|| format!("{text:?}: prefix length must be 0..={max}"))?,
+        };
+        Ok(Network { addr, prefix })
+    }
+
+    /// Whether `ip` is in this network (IPv4-mapped IPv6 addresses count as IPv4).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        match (self.addr, ip) {
+            (IpAddr::V4(n), IpAddr::V4(a)) => {
+                let mask = u32::MAX
+                    .checked_shl(32 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u32::from(n) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(a)) => {
+                let mask = u128::MAX
+                    .checked_shl(128 - u32::from(self.prefix))
+                    .unwrap_or(0);
+                u128::from(n) & mask == u128::from(a) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[server]
+portals = ["127.0.0.1:3260"]
+admin_socket = "targetd.sock"
+
+[[targets]]
+name = "iqn.2026-11.io.example:disk1"
+
+[[targets.luns]]
+lun = 0
+backend = "file"
+path = "data/disk1.img"
+size = "1GiB"
+"#;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse(Path::new("config.toml"), text)
+    }
+
+    fn refused(text: &str) -> String {
+        parse(text).expect_err("must be refused").to_string()
+    }
+
+    #[test]
+    fn the_repo_config_parses() {
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config.toml");
+        let c = Config::load(&repo).unwrap();
+        let lun = &c.targets[0].luns[0];
+        assert_eq!(
+            (lun.backend.as_str(), lun.size),
+            ("file", Some(Size(1 << 30)))
+        );
+        assert_eq!(c.server.portals, ["127.0.0.1:3260"]);
+        let c = parse(GOOD).unwrap();
+        assert_eq!(c.iscsi, Iscsi::default());
+        assert_eq!((c.server.engine.as_str(), c.server.reactors), ("auto", 0));
+        let s = c.settings();
+        assert_eq!(s.operational.first_burst_length, 262_144);
+        assert_eq!(
+            s.data_digest,
+            [DigestAlgorithm::None, DigestAlgorithm::Crc32c]
+        );
+    }
+
+    #[test]
+    fn unknown_keys_and_types_are_refused_with_their_place() {
+        let e = refused(&GOOD.replace("admin_socket", "admin_sockte"));
+        assert!(
+            e.contains("admin_sockte") && e.contains("config.toml"),
+            "{e}"
+        );
+        let e = refused(&GOOD.replace("lun = 0", "lun = 0\ncolour = \"red\""));
+        assert!(e.contains("colour"), "{e}");
+        let e = refused(&GOOD.replace("lun = 0", "lun = \"zero\""));
+        assert!(e.contains("line"), "{e}");
+    }
+
+    #[test]
+    fn each_bad_value_names_its_key() {
+        let cases = [
+            (GOOD.replace("iqn.2026-11.io.example:disk1", "disk1"), "targets[0].name"),
+            (GOOD.replace("127.0.0.1:3260", "localhost"), "server.portals[0]"),
+            (GOOD.replace("\"1GiB\"", "\"1 parsec\""), "unknown size unit"),
+            (GOOD.replace("\"1GiB\"", "1000"), "targets[0].luns[0].size"),
+            (GOOD.replace("backend = \"file\"", "backend = \"tape\""), "targets[0].luns[0].backend"),
+            (GOOD.replace("path = \"data/disk1.img\"", ""), "targets[0].luns[0].path"),
+            (GOOD.replace("lun = 0", "lun = 0\nblock_size = 1024"), "targets[0].luns[0].block_size"),
+            (GOOD.replace("lun = 0", "lun = 20000"), "targets[0].luns[0].lun"),
+            (format!("{GOOD}\n[[targets.luns]]\nlun = 0\nbackend = \"null\"\nsize = 4096\n"), "defined twice"),
+            (format!("{GOOD}\n[[targets.luns]]\nlun = 1\nbackend = \"file\"\npath = \"data/disk1.img\"\n"), "backs another LUN"),
+            (format!("{GOOD}\n[[targets]]\nname = \"iqn.2026-11.io.example:disk1\"\n"), "targets[1].name"),
+            (format!("{GOOD}\n[iscsi]\nfirst_burst_length = 2097152\n"), "iscsi.first_burst_length"),
+            (format!("{GOOD}\n[iscsi]\nmax_recv_data_segment_length = 100\n"), "iscsi.max_recv_data_segment_length"),
+            (format!("{GOOD}\n[iscsi]\nheader_digest = [\"MD5\"]\n"), "iscsi.header_digest"),
+            (format!("{GOOD}\n[iscsi]\ncmdsn_window = 0\n"), "iscsi.cmdsn_window"),
+            (GOOD.replace("[[targets.luns]]", "chap = { username = \"u\", secret = \"short\" }\n[[targets.luns]]"), "targets[0].chap.secret"),
+            (GOOD.replace("[[targets.luns]]", "mutual_chap = { username = \"t\", secret = \"0123456789ab\" }\n[[targets.luns]]"), "needs chap"),
+            (GOOD.replace("[[targets.luns]]", "chap = { username = \"u\", secret = \"0123456789ab\" }\nmutual_chap = { username = \"t\", secret = \"0123456789ab\" }\n[[targets.luns]]"), "must differ"),
+            (GOOD.replace("[[targets.luns]]", "networks = [\"10.0.0.0/33\"]\n[[targets.luns]]"), "targets[0].networks[0]"),
+            (GOOD.replace("[[targets.luns]]", "initiators = [\"bob\"]\n[[targets.luns]]"), "targets[0].initiators[0]"),
+            (GOOD.replace("admin_socket = \"targetd.sock\"", "engine = \"aio\""), "server.engine"),
+        ];
+        for (text, want) in cases {
+            let e = refused(&text);
+            assert!(e.contains(want), "expected {want:?} in: {e}");
+        }
+    }
+
+    #[test]
+    fn sizes_and_networks() {
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("512 MiB"), Ok(512 << 20));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("10GB"), Ok(10_000_000_000));
+        assert!(parse_size("GiB").is_err());
+        assert!(parse_size("99999999999TiB").is_err());
+        let n = Network::parse("10.1.0.0/16").unwrap();
+        assert!(n.contains("10.1.200.3".parse().unwrap()));
+        assert!(n.contains("::ffff:10.1.0.9".parse().unwrap()));
+        assert!(!n.contains("10.2.0.1".parse().unwrap()));
+        assert!(Network::parse("0.0.0.0/0")
+            .unwrap()
+            .contains("192.0.2.1".parse().unwrap()));
+        assert!(Network::parse("::1")
+            .unwrap()
+            .contains("::1".parse().unwrap()));
+        assert!(Network::parse("fe80::/10")
+            .unwrap()
+            .contains("fe80::1".parse().unwrap()));
+        assert!(Network::parse("nope/8").is_err());
+    }
+}
