@@ -4,6 +4,8 @@
 
 use std::collections::HashMap;
 
+mod common;
+
 use backend::{
     AnyBackend, Arena, ArenaConfig, Buffer, Engine, EngineChoice, EngineConfig, FileConfig,
     FileHandle,
@@ -182,7 +184,7 @@ fn read10(lba: u32, blocks: u16) -> [u8; 10] {
 
 #[test]
 fn the_core_reads_and_writes_through_both_engines() {
-    for choice in [EngineChoice::Uring, EngineChoice::Threads] {
+    for choice in common::engines() {
         let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
         let mut d = Driver::new(choice, &dir.path().join("lu.img"));
         // Eight 32 KiB writes in flight together, then read all back in one command.
