@@ -995,6 +995,11 @@ impl Device {
             older_blocker |= blocker;
         }
         for id in enable {
+            // A task that completes at once ends and enables the dormant tasks after it from
+            // within start(): skip those this loop would otherwise start a second time.
+            if !matches!(self.task(id), Ok(t) if t.phase == Phase::Dormant) {
+                continue;
+            }
             if let Some(lu) = self.lu_mut(lun) {
                 lu.dormant -= 1;
             }

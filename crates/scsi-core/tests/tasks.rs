@@ -205,3 +205,27 @@ fn closing_a_nexus_aborts_its_tasks_but_not_others() {
     assert_eq!(h.outcomes[&b1].status, Some(Status::Good));
     assert_eq!(h.device.task_count(), 0);
 }
+
+#[test]
+fn dormant_tasks_that_complete_at_once_are_started_once() {
+    // Found by the scsi_device fuzz target: an ORDERED task ends, enabling two SIMPLE tasks
+    // that complete without the backend; the first one's end enabled the second from within.
+    let mut h = harness();
+    let n = h.login("iqn.x:a", 1);
+    h.hold_backend = true;
+    let o = read(&mut h, n, TaskAttribute::Ordered, 1);
+    let turs: Vec<u64> = (0..3)
+        .map(|_| {
+            let t = h.submit(n, 0, &[0; 6], TaskAttribute::Simple, &[], 0);
+            h.run();
+            t
+        })
+        .collect();
+    assert_eq!(held_lbas(&h), [1]);
+    assert!(h.release());
+    assert!(h.outcomes[&o].is_good());
+    for t in turs {
+        assert!(h.outcomes[&t].is_good(), "TEST UNIT READY {t}");
+    }
+    assert_eq!(h.device.task_count(), 0);
+}
