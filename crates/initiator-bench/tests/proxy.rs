@@ -90,9 +90,12 @@ async fn adds_the_configured_one_way_delay() {
         let p = proxy(&server, delay, None).await;
         let rtt = median_rtt(&p.local_addr.to_string()).await;
         let one_way = rtt.saturating_sub(base) / 2;
-        let error = one_way.abs_diff(delay);
+        // The proxy must add at least the delay (less would be a bug, whatever the load); how
+        // much more a loaded 2-core CI machine's scheduler adds is not this test's business,
+        // so the upper bound only catches a delay applied twice or per byte.
         assert!(
-            error < Duration::from_millis(1),
+            one_way + Duration::from_micros(500) >= delay
+                && one_way < delay * 2 + Duration::from_millis(20),
             "set {delay:?}, measured {one_way:?} one way (rtt {rtt:?}, base {base:?})"
         );
     }
