@@ -213,7 +213,8 @@ impl Arena {
     /// earlier requests are already waiting).
     pub fn try_alloc(&self, len: usize) -> Result<Option<Buffer>, ArenaError> {
         let count = self.slots_for(len)?;
-        if !self.0.waiters.borrow().is_empty() {
+        // An empty buffer takes no slot, so it jumps no queue.
+        if count > 0 && !self.0.waiters.borrow().is_empty() {
             return Ok(None);
         }
         Ok(self.take(count, len))

@@ -3,6 +3,7 @@
 //! null store does).
 
 use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use scsi_core::{Backend, BackendError, Op, Output};
 
@@ -17,6 +18,15 @@ pub trait Execute {
 impl Execute for scsi_core::MemoryBackend {
     fn execute(&mut self, op: &Op, buf: &mut [u8]) -> Result<Output, BackendError> {
         scsi_core::MemoryBackend::execute(self, op, buf)
+    }
+}
+
+/// Storage shared between reactors: each runs its operations under the lock.
+impl<E: Execute> Execute for Arc<Mutex<E>> {
+    fn execute(&mut self, op: &Op, buf: &mut [u8]) -> Result<Output, BackendError> {
+        self.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .execute(op, buf)
     }
 }
 
@@ -81,7 +91,20 @@ pub type MemoryBackend = Immediate<scsi_core::MemoryBackend>;
 /// Zeros in, nothing out.
 pub type NullBackend = Immediate<Null>;
 
+/// A RAM disk that several reactors reach: one [`scsi_core::MemoryBackend`] behind a lock.
+pub type SharedMemoryBackend = Immediate<Arc<Mutex<scsi_core::MemoryBackend>>>;
+
 impl<E> Immediate<E> {
+    /// A backend over `storage` of `blocks` blocks of `block_size` bytes.
+    pub fn new(storage: E, block_size: u32, blocks: u64) -> Immediate<E> {
+        Immediate {
+            storage,
+            block_size,
+            blocks,
+            done: VecDeque::with_capacity(64),
+        }
+    }
+
     /// Block size in bytes.
     pub fn block_size(&self) -> u32 {
         self.block_size
@@ -101,24 +124,18 @@ impl<E> Immediate<E> {
 impl MemoryBackend {
     /// A RAM disk of `blocks` blocks of `block_size` bytes.
     pub fn memory(block_size: u32, blocks: u64) -> MemoryBackend {
-        Immediate {
-            storage: scsi_core::MemoryBackend::new(block_size, blocks),
+        Immediate::new(
+            scsi_core::MemoryBackend::new(block_size, blocks),
             block_size,
             blocks,
-            done: VecDeque::with_capacity(64),
-        }
+        )
     }
 }
 
 impl NullBackend {
     /// A null unit of `blocks` blocks of `block_size` bytes.
     pub fn null(block_size: u32, blocks: u64) -> NullBackend {
-        Immediate {
-            storage: Null { block_size },
-            block_size,
-            blocks,
-            done: VecDeque::with_capacity(64),
-        }
+        Immediate::new(Null { block_size }, block_size, blocks)
     }
 }
 

@@ -22,7 +22,7 @@ mod pool;
 pub use arena::{Arena, ArenaConfig, ArenaError, Buffer, HugePages};
 pub use engine::{Engine, EngineChoice, EngineConfig, EngineKind, FileBackend, UringSupport};
 pub use file::{FileConfig, FileHandle, OpenError};
-pub use immediate::{Execute, Immediate, MemoryBackend, Null, NullBackend};
+pub use immediate::{Execute, Immediate, MemoryBackend, Null, NullBackend, SharedMemoryBackend};
 
 use scsi_core::{Backend, BackendError, Op, Output};
 
@@ -33,6 +33,8 @@ pub enum AnyBackend {
     File(FileBackend),
     /// A RAM disk.
     Memory(MemoryBackend),
+    /// A RAM disk shared between reactors.
+    SharedMemory(SharedMemoryBackend),
     /// Zeros in, nothing out.
     Null(NullBackend),
 }
@@ -43,6 +45,7 @@ impl AnyBackend {
         match self {
             AnyBackend::File(f) => f.file().block_size(),
             AnyBackend::Memory(m) => m.block_size(),
+            AnyBackend::SharedMemory(m) => m.block_size(),
             AnyBackend::Null(n) => n.block_size(),
         }
     }
@@ -52,6 +55,7 @@ impl AnyBackend {
         match self {
             AnyBackend::File(f) => f.file().blocks(),
             AnyBackend::Memory(m) => m.blocks(),
+            AnyBackend::SharedMemory(m) => m.blocks(),
             AnyBackend::Null(n) => n.blocks(),
         }
     }
@@ -64,6 +68,7 @@ impl Backend for AnyBackend {
         match self {
             AnyBackend::File(f) => f.submit(token, op, buf),
             AnyBackend::Memory(m) => m.submit(token, op, buf),
+            AnyBackend::SharedMemory(m) => m.submit(token, op, buf),
             AnyBackend::Null(n) => n.submit(token, op, buf),
         }
     }
@@ -72,6 +77,7 @@ impl Backend for AnyBackend {
         match self {
             AnyBackend::File(f) => f.poll_completion(),
             AnyBackend::Memory(m) => m.poll_completion(),
+            AnyBackend::SharedMemory(m) => m.poll_completion(),
             AnyBackend::Null(n) => n.poll_completion(),
         }
     }

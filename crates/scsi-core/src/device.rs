@@ -252,6 +252,40 @@ pub fn lun_index(lun: u64) -> Option<u16> {
     }
 }
 
+/// A plain write (WRITE, WRITE AND VERIFY without compare) cut to the whole blocks of the
+/// `expected` bytes the initiator sends instead of the `wanted` the CDB names: the new
+/// continuation and the data-out length. `None` for anything else.
+fn truncated_write(then: &AfterData, expected: u32, wanted: u32) -> Option<(AfterData, u32)> {
+    let AfterData::Ops(
+        OpList::One(Op::Write {
+            lba,
+            blocks,
+            offset: 0,
+            fua,
+        }),
+        finish,
+    ) = then
+    else {
+        return None;
+    };
+    let block_size = wanted / blocks.max(&1);
+    if block_size == 0 || wanted != block_size * blocks {
+        return None;
+    }
+    let whole = expected / block_size;
+    let ops = if whole == 0 {
+        OpList::Empty
+    } else {
+        OpList::One(Op::Write {
+            lba: *lba,
+            blocks: whole,
+            offset: 0,
+            fua: *fua,
+        })
+    };
+    Some((AfterData::Ops(ops, *finish), whole * block_size))
+}
+
 impl Device {
     /// A device named `target_name` (the SCSI target device name) reached through `ports`.
     pub fn new(target_name: &str, ports: Vec<TargetPort>) -> Device {
@@ -700,6 +734,17 @@ impl Device {
                 if t.wanted.is_none() {
                     t.wanted = Some(u64::from(len));
                 }
+                let mut then = then;
+                let mut len = len;
+                if len > t.data_out_len {
+                    if let Some(short) = truncated_write(&then, t.data_out_len, len) {
+                        // The initiator sends less than the command names: write the whole
+                        // blocks it sends and report the overflow (FCP-4 9.4.2 a), as
+                        // initiators expect of iSCSI targets.
+                        then = short.0;
+                        len = short.1;
+                    }
+                }
                 if len > t.data_out_len {
                     // The initiator would send less than the command needs: transfer nothing
                     // (SAM-5, FCP-4 9.4.2 b).
@@ -708,6 +753,9 @@ impl Device {
                         Asc::INVALID_FIELD_IN_COMMAND_INFORMATION_UNIT,
                     );
                     return self.complete(id, Err(e.into()));
+                }
+                if len == 0 && matches!(then, AfterData::Ops(OpList::Empty, _)) {
+                    return self.complete(id, Ok(Reply::Good));
                 }
                 t.after = Some(then);
                 t.phase = Phase::DataOut;

@@ -260,7 +260,7 @@ impl Device {
                 d.truncate(alloc as usize);
                 data(Ok(d))
             }
-            0x41 | 0x93 => self.write_same(cdb, &g, swp, limits.max_write_same),
+            0x41 | 0x93 => self.write_same(id, cdb, &g, swp, limits.max_write_same),
             0x42 => {
                 if !g.thin {
                     return Err(Sense::invalid_opcode().into());
@@ -311,7 +311,20 @@ impl Device {
                 }
                 in_range(lba, blocks.into(), &g)?;
                 if blocks == 0 {
+                    // Nothing to compare, yet the initiator means to send data: the length
+                    // field is not what it meant (say 256 blocks wrapped to 0).
+                    let sends = self.task(id).map_or(0, |t| t.data_out_len);
+                    if sends > 0 {
+                        return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb(13)).into());
+                    }
                     return Ok(Step::Done(Reply::Good));
+                }
+                // The verify and the write data, exactly.
+                if self
+                    .task(id)
+                    .is_ok_and(|t| t.data_out_len != 2 * blocks * g.block_size)
+                {
+                    return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb(13)).into());
                 }
                 let op = Op::CompareAndWrite {
                     lba,
@@ -433,6 +446,7 @@ impl Device {
     /// WRITE SAME (10) and (16).
     fn write_same(
         &mut self,
+        id: TaskId,
         cdb: &[u8],
         g: &Geometry,
         swp: bool,
@@ -463,6 +477,11 @@ impl Device {
         };
         if ndob {
             return Ok(Step::Ops(OpList::One(op), Finish::Good));
+        }
+        // One block of data-out, exactly: more or less is an initiator that means another
+        // command.
+        if self.task(id).is_ok_and(|t| t.data_out_len != g.block_size) {
+            return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb(field)).into());
         }
         Ok(Step::DataOut {
             len: g.block_size,

@@ -91,7 +91,7 @@ impl Default for Limits {
             max_transfer: 8192,
             optimal_transfer: 256,
             max_compare_and_write: 255,
-            max_unmap_blocks: 1 << 22,
+            max_unmap_blocks: 1 << 20,
             max_unmap_descriptors: 256,
             unmap_granularity: 8,
             max_write_same: 1 << 22,

@@ -54,14 +54,33 @@ fn read_write_round_trip_with_residuals() {
     // More: underflow.
     let r = h.command(n, 0, &cdb10(0x28, 0, 100, 1), &[], 10000);
     assert_eq!(r.residual, Residual::Underflow(10000 - 512));
-    // A write whose expected length is short transfers nothing and says so.
+    // A write whose expected length is short writes the whole blocks the initiator sends and
+    // reports the overflow (FCP-4 9.4.2 a); a partial block is not written.
     let w = h.command(n, 0, &cdb10(0x2a, 0, 100, 2), &pattern(1, 9), 0);
-    check(&w, 5, 0x0e, 0x03);
-    assert_eq!((w.data_out_asked, w.residual), (0, Residual::Overflow(512)));
+    good(&w);
+    assert_eq!(
+        (w.data_out_asked, w.residual),
+        (512, Residual::Overflow(512))
+    );
+    let w = h.command(n, 0, &cdb10(0x2a, 0, 101, 1), &pattern(1, 5)[..200], 0);
+    good(&w);
+    assert_eq!((w.data_out_asked, w.residual), (0, Residual::Overflow(312)));
+    let mut expect = data.clone();
+    expect[..512].copy_from_slice(&pattern(1, 9));
     assert_eq!(
         h.command(n, 0, &cdb10(0x28, 0, 100, 8), &[], 4096).data,
-        data
+        expect
     );
+    // A COMPARE AND WRITE or WRITE SAME whose data-out is not exactly what it needs is
+    // refused.
+    let mut caw = [0u8; 16];
+    caw[0] = 0x89;
+    caw[13] = 1;
+    check(&h.command(n, 0, &caw, &pattern(4, 1), 0), 5, 0x24, 0x00);
+    let ws = cdb10(0x41, 0, 0, 1);
+    check(&h.command(n, 0, &ws, &pattern(2, 1), 0), 5, 0x24, 0x00);
+    good(&h.command(n, 0, &ws, &pattern(1, 1), 0));
+    h.command(n, 0, &cdb10(0x2a, 0, 100, 8), &data, 0);
     // Extra expected data-out: only the command's length is written.
     let mut long = pattern(2, 7);
     long.extend_from_slice(&[0xee; 100]);

@@ -10,7 +10,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use iscsi_pdu::negotiation::{DigestAlgorithm, Settings};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// A refused configuration.
 #[derive(Debug, thiserror::Error)]
@@ -45,7 +45,7 @@ pub enum ConfigError {
 }
 
 /// The whole file.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// Listeners, admin socket, reactors.
@@ -59,7 +59,7 @@ pub struct Config {
 }
 
 /// `[server]`.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Server {
     /// iSCSI/TCP listen addresses, `host:port`.
@@ -72,6 +72,7 @@ pub struct Server {
     pub reactors: usize,
     /// Prometheus text endpoint, off when absent.
     #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<String>,
     /// SRP over RDMA listen addresses (feature `rdma`).
     #[serde(default)]
@@ -81,6 +82,7 @@ pub struct Server {
     pub engine: String,
     /// tracing filter (RUST_LOG syntax); RUST_LOG overrides it.
     #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub log: Option<String>,
     /// Seconds between target NOP-In pings on an idle connection; 0 = off.
     #[serde(default = "default_nop_interval")]
@@ -104,7 +106,7 @@ fn default_nop_timeout() -> u64 {
 }
 
 /// `[iscsi]`: the values the target offers.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Iscsi {
     /// MaxRecvDataSegmentLength the target declares.
@@ -147,7 +149,7 @@ impl Default for Iscsi {
 }
 
 /// `[[targets]]`.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Target {
     /// The target's iSCSI name.
@@ -160,9 +162,11 @@ pub struct Target {
     pub networks: Vec<String>,
     /// CHAP the initiator must pass.
     #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub chap: Option<Chap>,
     /// CHAP the target answers (mutual); needs `chap`.
     #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub mutual_chap: Option<Chap>,
     /// Logical units.
     #[serde(default)]
@@ -170,7 +174,7 @@ pub struct Target {
 }
 
 /// CHAP credentials.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Chap {
     /// CHAP_N.
@@ -180,7 +184,7 @@ pub struct Chap {
 }
 
 /// `[[targets.luns]]`.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Lun {
     /// LUN number, 0..=16383.
@@ -189,9 +193,11 @@ pub struct Lun {
     pub backend: String,
     /// Backing file or block device (file backend).
     #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub path: Option<PathBuf>,
     /// Capacity: bytes, or with a unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB).
     #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub size: Option<Size>,
     /// 512 or 4096.
     #[serde(default = "default_block_size")]
@@ -220,6 +226,12 @@ fn yes() -> bool {
 /// A size in bytes, written as a number or a string with a unit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Size(pub u64);
+
+impl Serialize for Size {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.0)
+    }
+}
 
 impl<'de> Deserialize<'de> for Size {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Size, D::Error> {
@@ -306,8 +318,9 @@ impl Config {
         s
     }
 
-    /// Every check beyond types: `Err((key, reason))`.
-    fn validate(&self) -> Result<(), (String, String)> {
+    /// Every check beyond types: `Err((key, reason))`. Changes made at run time (targetctl,
+    /// SIGHUP) go through it too.
+    pub fn validate(&self) -> Result<(), (String, String)> {
         let fail = |key: &str, reason: String| Err((key.to_string(), reason));
         let s = &self.server;
         if s.portals.is_empty() {

@@ -244,7 +244,7 @@ mod tests {
         assert_eq!(u32::from_be_bytes(limits[8..12].try_into().unwrap()), 8192);
         assert_eq!(
             u32::from_be_bytes(limits[20..24].try_into().unwrap()),
-            1 << 22
+            1 << 20
         );
         let chars = inquiry(&l, &port(), &cdb(true, 0xb1, 255)).unwrap();
         assert_eq!(&chars[4..6], &[0x00, 0x01]);

@@ -1,0 +1,460 @@
+//! The admin interface: a Unix socket (mode 0600) speaking one JSON object per line, used by
+//! `targetctl`; and the optional Prometheus text endpoint.
+//!
+//! Every change (LUN or target added, removed, resized; reload) is made to a copy of the
+//! running config, validated as a whole and applied through [`Shared::apply`], so the running
+//! config that `config dump` prints is always one the daemon would accept at start.
+
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, UnixListener, UnixStream};
+
+use crate::config::{self, Config};
+use crate::server::Shared;
+
+/// A request to the daemon.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "command", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum AdminRequest {
+    /// Version, uptime, portals, engine, counts.
+    Status,
+    /// Targets with their LUNs and session counts.
+    Targets,
+    /// Logical units, of one target or all.
+    Luns {
+        /// The target; all when absent.
+        #[serde(default)]
+        target: Option<String>,
+    },
+    /// Sessions with their connections and negotiated keys.
+    Sessions,
+    /// Per-LU counters.
+    Stats,
+    /// Adds a logical unit.
+    LunAdd {
+        /// The target.
+        target: String,
+        /// The unit, as in the config file.
+        lun: config::Lun,
+    },
+    /// Removes a logical unit.
+    LunRemove {
+        /// The target.
+        target: String,
+        /// The LUN.
+        lun: u16,
+    },
+    /// Resizes a logical unit (initiators see CAPACITY DATA HAS CHANGED).
+    LunResize {
+        /// The target.
+        target: String,
+        /// The LUN.
+        lun: u16,
+        /// The new size ("2GiB", bytes).
+        size: String,
+    },
+    /// Adds a target.
+    TargetAdd {
+        /// The target, as in the config file.
+        target: config::Target,
+    },
+    /// Removes a target; its sessions end.
+    TargetRemove {
+        /// Its name.
+        name: String,
+    },
+    /// Ends a session.
+    SessionKill {
+        /// Its TSIH.
+        tsih: u16,
+    },
+    /// The running config, as TOML.
+    ConfigDump,
+    /// Reads the config file again and applies it (as SIGHUP does).
+    Reload,
+}
+
+/// The daemon's answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdminResponse {
+    /// Whether it worked.
+    pub ok: bool,
+    /// The result.
+    #[serde(default)]
+    pub result: Value,
+    /// Why it did not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Binds the admin socket, mode 0600. A stale socket file is replaced; one a running daemon
+/// answers on is refused.
+pub fn bind(path: &Path) -> Result<Option<(std::os::unix::net::UnixListener, PathBuf)>, String> {
+    if path.as_os_str().is_empty() {
+        return Ok(None);
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(format!("{} exists and is not a socket", path.display()));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(format!("{} is in use by a running targetd", path.display()));
+        }
+        std::fs::remove_file(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    let l = std::os::unix::net::UnixListener::bind(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    l.set_nonblocking(true)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(Some((l, path.to_path_buf())))
+}
+
+/// Serves admin clients.
+pub async fn serve(listener: UnixListener, shared: Arc<Shared>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            if let Err(e) = client(stream, &shared).await {
+                tracing::debug!("admin client: {e}");
+            }
+        });
+    }
+}
+
+async fn client(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
+    let (rd, mut wr) = stream.into_split();
+    let mut lines = BufReader::new(rd).lines();
+    while let Some(line) = lines.next_line().await? {
+        let response = match serde_json::from_str::<AdminRequest>(&line) {
+            Ok(req) => match handle(shared, req) {
+                Ok(result) => AdminResponse {
+                    ok: true,
+                    result,
+                    error: None,
+                },
+                Err(e) => AdminResponse {
+                    ok: false,
+                    result: Value::Null,
+                    error: Some(e),
+                },
+            },
+            Err(e) => AdminResponse {
+                ok: false,
+                result: Value::Null,
+                error: Some(format!("bad request: {e}")),
+            },
+        };
+        let mut out = serde_json::to_vec(&response).unwrap_or_default();
+        out.push(b'\n');
+        wr.write_all(&out).await?;
+    }
+    Ok(())
+}
+
+/// Runs one request.
+pub fn handle(shared: &Shared, req: AdminRequest) -> Result<Value, String> {
+    match req {
+        AdminRequest::Status => Ok(status(shared)),
+        AdminRequest::Targets => Ok(targets(shared)),
+        AdminRequest::Luns { target } => luns(shared, target.as_deref()),
+        AdminRequest::Sessions => Ok(sessions(shared)),
+        AdminRequest::Stats => Ok(stats(shared)),
+        AdminRequest::ConfigDump => {
+            let text = toml::to_string(&*shared.config()).map_err(|e| e.to_string())?;
+            Ok(Value::String(text))
+        }
+        AdminRequest::Reload => {
+            let new = Config::load(&shared.config_path).map_err(|e| e.to_string())?;
+            shared.apply(new).map(|c| json!(c))
+        }
+        AdminRequest::SessionKill { tsih } => {
+            let s = shared
+                .sessions
+                .get(tsih)
+                .ok_or(format!("no session with TSIH {tsih}"))?;
+            s.close();
+            Ok(json!(format!("session {tsih} closed")))
+        }
+        change => {
+            let mut config = shared.config().clone();
+            edit(&mut config, change)?;
+            shared.apply(config).map(|c| json!(c))
+        }
+    }
+}
+
+/// Makes a change to a copy of the config.
+fn edit(config: &mut Config, change: AdminRequest) -> Result<(), String> {
+    let target = |config: &mut Config, name: &str| -> Result<usize, String> {
+        config
+            .targets
+            .iter()
+            .position(|t| t.name.eq_ignore_ascii_case(name))
+            .ok_or(format!("no target {name}"))
+    };
+    match change {
+        AdminRequest::LunAdd { target: t, lun } => {
+            let i = target(config, &t)?;
+            if config.targets[i].luns.iter().any(|l| l.lun == lun.lun) {
+                return Err(format!("{t} has a LUN {} already", lun.lun));
+            }
+            config.targets[i].luns.push(lun);
+        }
+        AdminRequest::LunRemove { target: t, lun } => {
+            let i = target(config, &t)?;
+            let before = config.targets[i].luns.len();
+            config.targets[i].luns.retain(|l| l.lun != lun);
+            if config.targets[i].luns.len() == before {
+                return Err(format!("{t} has no LUN {lun}"));
+            }
+        }
+        AdminRequest::LunResize {
+            target: t,
+            lun,
+            size,
+        } => {
+            let i = target(config, &t)?;
+            let bytes = config::parse_size(&size)?;
+            let l = config.targets[i]
+                .luns
+                .iter_mut()
+                .find(|l| l.lun == lun)
+                .ok_or(format!("{t} has no LUN {lun}"))?;
+            l.size = Some(config::Size(bytes));
+        }
+        AdminRequest::TargetAdd { target: t } => {
+            if target(config, &t.name).is_ok() {
+                return Err(format!("target {} exists", t.name));
+            }
+            config.targets.push(t);
+        }
+        AdminRequest::TargetRemove { name } => {
+            let i = target(config, &name)?;
+            config.targets.remove(i);
+        }
+        other => return Err(format!("{other:?} is not a change")),
+    }
+    Ok(())
+}
+
+fn status(shared: &Shared) -> Value {
+    let c = shared.config();
+    json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "uptime_seconds": shared.started.elapsed().as_secs(),
+        "portals": shared.portals.lock().map(|p| p.iter().map(|a| a.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
+        "engine": shared.engine.lock().map(|e| e.clone()).unwrap_or_default(),
+        "targets": shared.targets().len(),
+        "sessions": shared.sessions.all().len(),
+        "connections": shared.connection_count(),
+        "config": shared.config_path.display().to_string(),
+        "admin_socket": c.server.admin_socket.display().to_string(),
+    })
+}
+
+fn targets(shared: &Shared) -> Value {
+    let sessions = shared.sessions.all();
+    Value::Array(
+        shared
+            .targets()
+            .iter()
+            .map(|t| {
+                let luns: Vec<u16> = t
+                    .luns
+                    .read()
+                    .map(|l| l.keys().copied().collect())
+                    .unwrap_or_default();
+                json!({
+                    "name": t.name,
+                    "luns": luns,
+                    "sessions": sessions.iter().filter(|s| Arc::ptr_eq(&s.target, t)).count(),
+                })
+            })
+            .collect(),
+    )
+}
+
+fn luns(shared: &Shared, target: Option<&str>) -> Result<Value, String> {
+    let mut out = Vec::new();
+    let targets = shared.targets();
+    if let Some(name) = target {
+        if !targets.iter().any(|t| t.name.eq_ignore_ascii_case(name)) {
+            return Err(format!("no target {name}"));
+        }
+    }
+    for t in targets
+        .iter()
+        .filter(|t| target.is_none_or(|n| t.name.eq_ignore_ascii_case(n)))
+    {
+        for lun in t
+            .luns
+            .read()
+            .map(|l| l.values().cloned().collect::<Vec<_>>())
+            .unwrap_or_default()
+        {
+            let c = &lun.config;
+            out.push(json!({
+                "target": t.name,
+                "lun": c.lun,
+                "backend": c.backend,
+                "path": c.path.as_ref().map(|p| p.display().to_string()),
+                "size": lun.blocks * u64::from(lun.block_size),
+                "block_size": lun.block_size,
+                "thin": c.thin,
+                "write_cache": c.write_cache,
+                "read_only": c.read_only,
+            }));
+        }
+    }
+    Ok(Value::Array(out))
+}
+
+fn sessions(shared: &Shared) -> Value {
+    Value::Array(
+        shared
+            .sessions
+            .all()
+            .iter()
+            .map(|s| {
+                let o = &s.params.operational;
+                let conns: Vec<Value> = s
+                    .connection_list()
+                    .iter()
+                    .map(|c| {
+                        json!({
+                            "cid": c.cid,
+                            "peer": c.peer.to_string(),
+                            "portal": c.local.to_string(),
+                            "reactor": c.reactor,
+                            "header_digest": if c.digests.0 { "CRC32C" } else { "None" },
+                            "data_digest": if c.digests.1 { "CRC32C" } else { "None" },
+                            "max_recv_data_segment_length": c.segment_lengths.0,
+                            "initiator_max_recv_data_segment_length": c.segment_lengths.1,
+                        })
+                    })
+                    .collect();
+                let (exp, max) = s.window();
+                json!({
+                    "tsih": s.tsih,
+                    "target": s.target.name,
+                    "initiator": s.initiator,
+                    "isid": s.isid.to_string(),
+                    "exp_cmd_sn": exp.0,
+                    "max_cmd_sn": max.0,
+                    "keys": {
+                        "MaxConnections": o.max_connections,
+                        "InitialR2T": o.initial_r2t,
+                        "ImmediateData": o.immediate_data,
+                        "MaxBurstLength": o.max_burst_length,
+                        "FirstBurstLength": o.first_burst_length,
+                        "MaxOutstandingR2T": o.max_outstanding_r2t,
+                        "DataPDUInOrder": o.data_pdu_in_order,
+                        "DataSequenceInOrder": o.data_sequence_in_order,
+                        "ErrorRecoveryLevel": o.error_recovery_level,
+                        "DefaultTime2Wait": o.default_time2wait,
+                        "DefaultTime2Retain": o.default_time2retain,
+                        "AuthMethod": s.params.auth_method.map(|m| m.as_str()),
+                    },
+                    "connections": conns,
+                })
+            })
+            .collect(),
+    )
+}
+
+fn stats(shared: &Shared) -> Value {
+    let mut out = Vec::new();
+    for t in shared.targets() {
+        for lun in t
+            .luns
+            .read()
+            .map(|l| l.values().cloned().collect::<Vec<_>>())
+            .unwrap_or_default()
+        {
+            let s = &lun.stats;
+            out.push(json!({
+                "target": t.name,
+                "lun": lun.config.lun,
+                "read_commands": s.read_commands.load(Relaxed),
+                "write_commands": s.write_commands.load(Relaxed),
+                "other_commands": s.other_commands.load(Relaxed),
+                "read_bytes": s.read_bytes.load(Relaxed),
+                "write_bytes": s.write_bytes.load(Relaxed),
+                "read_latency_ns": s.read_latency_ns.load(Relaxed),
+                "write_latency_ns": s.write_latency_ns.load(Relaxed),
+                "errors": s.errors.load(Relaxed),
+            }));
+        }
+    }
+    Value::Array(out)
+}
+
+/// The Prometheus text exposition of the counters.
+pub fn metrics_text(shared: &Shared) -> String {
+    use std::fmt::Write;
+    let mut m = String::new();
+    let _ = writeln!(m, "# TYPE targetd_sessions gauge");
+    let _ = writeln!(m, "targetd_sessions {}", shared.sessions.all().len());
+    let _ = writeln!(m, "# TYPE targetd_connections gauge");
+    let _ = writeln!(m, "targetd_connections {}", shared.connection_count());
+    let counters = [
+        ("read_commands", "commands that read blocks"),
+        ("write_commands", "commands that wrote blocks"),
+        ("other_commands", "other commands"),
+        ("read_bytes", "bytes read"),
+        ("write_bytes", "bytes written"),
+        ("read_latency_ns", "sum of read latencies"),
+        ("write_latency_ns", "sum of write latencies"),
+        ("errors", "commands ended with CHECK CONDITION"),
+    ];
+    let rows = stats(shared);
+    for (name, help) in counters {
+        let _ = writeln!(m, "# HELP targetd_lun_{name}_total {help}");
+        let _ = writeln!(m, "# TYPE targetd_lun_{name}_total counter");
+        for r in rows.as_array().into_iter().flatten() {
+            let _ = writeln!(
+                m,
+                "targetd_lun_{name}_total{{target=\"{}\",lun=\"{}\"}} {}",
+                r["target"].as_str().unwrap_or_default(),
+                r["lun"],
+                r[name]
+            );
+        }
+    }
+    m
+}
+
+/// Serves `GET /metrics` (any path, in fact) on the metrics listener.
+pub async fn serve_metrics(listener: TcpListener, shared: Arc<Shared>) {
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let body = metrics_text(&shared);
+        tokio::spawn(async move {
+            let mut req = [0u8; 1024];
+            let _ = tokio::time::timeout(
+                std::time::Duration::from_secs(2),
+                tokio::io::AsyncReadExt::read(&mut stream, &mut req),
+            )
+            .await;
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            );
+            let _ = stream.write_all(head.as_bytes()).await;
+            let _ = stream.write_all(body.as_bytes()).await;
+        });
+    }
+}

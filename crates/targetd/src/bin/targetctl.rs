@@ -1,0 +1,399 @@
+//! `targetctl [--socket PATH] COMMAND`: administers a running targetd over its admin socket.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use serde_json::Value;
+use targetd::admin::{AdminRequest, AdminResponse};
+use targetd::config;
+
+/// Administers a running targetd.
+#[derive(Parser)]
+#[command(version, about)]
+struct Args {
+    /// The daemon's admin socket (server.admin_socket in its config).
+    #[arg(long, short, default_value = "targetd.sock")]
+    socket: PathBuf,
+    /// Print the daemon's JSON answer instead of a table.
+    #[arg(long)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Version, uptime, portals, engine and counts.
+    Status,
+    /// Targets, their LUNs and sessions.
+    Targets,
+    /// Logical units.
+    Luns {
+        /// Only this target's.
+        target: Option<String>,
+    },
+    /// Sessions: initiator, address, negotiated keys.
+    Sessions,
+    /// Per-LU IOPS, throughput and latency over an interval.
+    Stats {
+        /// Seconds to sample over; 0 prints the totals since start.
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+    },
+    /// Logical units: add, remove, resize.
+    Lun {
+        #[command(subcommand)]
+        action: LunAction,
+    },
+    /// Targets: add, remove.
+    Target {
+        #[command(subcommand)]
+        action: TargetAction,
+    },
+    /// Sessions: kill.
+    Session {
+        #[command(subcommand)]
+        action: SessionAction,
+    },
+    /// The running config.
+    Config {
+        #[command(subcommand)]
+        action: ConfigAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum LunAction {
+    /// Adds a logical unit to a target.
+    Add {
+        /// The target.
+        target: String,
+        /// The LUN.
+        lun: u16,
+        /// file, memory or null.
+        #[arg(long, default_value = "file")]
+        backend: String,
+        /// The backing file (file backend).
+        #[arg(long)]
+        path: Option<PathBuf>,
+        /// Size, e.g. 1GiB (created sparse when the file is missing).
+        #[arg(long)]
+        size: Option<String>,
+        /// 512 or 4096.
+        #[arg(long, default_value_t = 512)]
+        block_size: u32,
+        /// Fully provisioned (no UNMAP).
+        #[arg(long)]
+        thick: bool,
+        /// Write-through (no volatile write cache).
+        #[arg(long)]
+        write_through: bool,
+        /// Read-only.
+        #[arg(long)]
+        read_only: bool,
+    },
+    /// Removes a logical unit; its commands are aborted.
+    Remove {
+        /// The target.
+        target: String,
+        /// The LUN.
+        lun: u16,
+    },
+    /// Resizes a logical unit; initiators get CAPACITY DATA HAS CHANGED.
+    Resize {
+        /// The target.
+        target: String,
+        /// The LUN.
+        lun: u16,
+        /// The new size, e.g. 2GiB.
+        size: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum TargetAction {
+    /// Adds a target without LUNs (add them with `lun add`).
+    Add {
+        /// Its iSCSI name.
+        name: String,
+        /// Initiator names allowed (any when none given).
+        #[arg(long = "initiator")]
+        initiators: Vec<String>,
+        /// Source networks allowed, CIDR (any when none given).
+        #[arg(long = "network")]
+        networks: Vec<String>,
+    },
+    /// Removes a target; its sessions end.
+    Remove {
+        /// Its name.
+        name: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum SessionAction {
+    /// Ends a session.
+    Kill {
+        /// Its TSIH (see `targetctl sessions`).
+        tsih: u16,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigAction {
+    /// Prints the running config as TOML.
+    Dump,
+    /// Reads the config file again and applies it (as SIGHUP does).
+    Reload,
+}
+
+struct Client {
+    stream: BufReader<UnixStream>,
+}
+
+impl Client {
+    fn connect(path: &PathBuf) -> Result<Client> {
+        let s = UnixStream::connect(path)
+            .with_context(|| format!("cannot reach targetd at {}", path.display()))?;
+        s.set_read_timeout(Some(Duration::from_secs(60)))?;
+        Ok(Client {
+            stream: BufReader::new(s),
+        })
+    }
+
+    fn call(&mut self, req: &AdminRequest) -> Result<Value> {
+        let mut line = serde_json::to_vec(req)?;
+        line.push(b'\n');
+        self.stream.get_mut().write_all(&line)?;
+        let mut answer = String::new();
+        if self.stream.read_line(&mut answer)? == 0 {
+            bail!("targetd closed the connection");
+        }
+        let r: AdminResponse = serde_json::from_str(&answer).context("targetd's answer")?;
+        if !r.ok {
+            bail!("{}", r.error.unwrap_or_else(|| "refused".into()));
+        }
+        Ok(r.result)
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("targetctl: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<()> {
+    let mut c = Client::connect(&args.socket)?;
+    let request = match args.command {
+        Command::Status => AdminRequest::Status,
+        Command::Targets => AdminRequest::Targets,
+        Command::Luns { target } => AdminRequest::Luns { target },
+        Command::Sessions => AdminRequest::Sessions,
+        Command::Stats { interval } => return stats(&mut c, interval, args.json),
+        Command::Lun { action } => match action {
+            LunAction::Add {
+                target,
+                lun,
+                backend,
+                path,
+                size,
+                block_size,
+                thick,
+                write_through,
+                read_only,
+            } => {
+                let size = size
+                    .map(|s| config::parse_size(&s).map(config::Size))
+                    .transpose()
+                    .map_err(anyhow::Error::msg)?;
+                AdminRequest::LunAdd {
+                    target,
+                    lun: config::Lun {
+                        lun,
+                        backend,
+                        path,
+                        size,
+                        block_size,
+                        thin: !thick,
+                        write_cache: !write_through,
+                        read_only,
+                        direct: false,
+                    },
+                }
+            }
+            LunAction::Remove { target, lun } => AdminRequest::LunRemove { target, lun },
+            LunAction::Resize { target, lun, size } => {
+                AdminRequest::LunResize { target, lun, size }
+            }
+        },
+        Command::Target { action } => match action {
+            TargetAction::Add {
+                name,
+                initiators,
+                networks,
+            } => AdminRequest::TargetAdd {
+                target: config::Target {
+                    name,
+                    initiators,
+                    networks,
+                    chap: None,
+                    mutual_chap: None,
+                    luns: Vec::new(),
+                },
+            },
+            TargetAction::Remove { name } => AdminRequest::TargetRemove { name },
+        },
+        Command::Session {
+            action: SessionAction::Kill { tsih },
+        } => AdminRequest::SessionKill { tsih },
+        Command::Config {
+            action: ConfigAction::Dump,
+        } => AdminRequest::ConfigDump,
+        Command::Config {
+            action: ConfigAction::Reload,
+        } => AdminRequest::Reload,
+    };
+    let result = c.call(&request)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&result)?);
+        return Ok(());
+    }
+    print_human(&request, &result);
+    Ok(())
+}
+
+fn print_human(request: &AdminRequest, v: &Value) {
+    match (request, v) {
+        (AdminRequest::ConfigDump, Value::String(s)) => print!("{s}"),
+        (_, Value::String(s)) => println!("{s}"),
+        (_, Value::Array(changes)) if changes.iter().all(Value::is_string) => {
+            if changes.is_empty() {
+                println!("no change");
+            }
+            for c in changes {
+                println!("{}", c.as_str().unwrap_or_default());
+            }
+        }
+        (AdminRequest::Sessions, Value::Array(sessions)) => {
+            for s in sessions {
+                println!(
+                    "tsih {} {} -> {} (isid {})",
+                    s["tsih"],
+                    s["initiator"].as_str().unwrap_or_default(),
+                    s["target"].as_str().unwrap_or_default(),
+                    s["isid"].as_str().unwrap_or_default()
+                );
+                for c in s["connections"].as_array().into_iter().flatten() {
+                    println!(
+                        "  cid {} from {} on reactor {}: HeaderDigest={} DataDigest={} MaxRecvDataSegmentLength={}/{}",
+                        c["cid"], c["peer"].as_str().unwrap_or_default(), c["reactor"],
+                        c["header_digest"].as_str().unwrap_or_default(),
+                        c["data_digest"].as_str().unwrap_or_default(),
+                        c["max_recv_data_segment_length"], c["initiator_max_recv_data_segment_length"]
+                    );
+                }
+                if let Some(keys) = s["keys"].as_object() {
+                    let k: Vec<String> = keys.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    println!("  {}", k.join(" "));
+                }
+            }
+        }
+        (_, Value::Array(rows)) => {
+            for r in rows {
+                if let Some(o) = r.as_object() {
+                    let k: Vec<String> = o.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                    println!("{}", k.join(" "));
+                }
+            }
+        }
+        (_, Value::Object(o)) => {
+            for (k, v) in o {
+                println!("{k}: {v}");
+            }
+        }
+        (_, other) => println!("{other}"),
+    }
+}
+
+/// Samples the counters twice and prints rates.
+fn stats(c: &mut Client, interval: f64, json: bool) -> Result<()> {
+    let first = c.call(&AdminRequest::Stats)?;
+    if interval <= 0.0 {
+        if json {
+            println!("{}", serde_json::to_string_pretty(&first)?);
+        } else {
+            print_human(&AdminRequest::Stats, &first);
+        }
+        return Ok(());
+    }
+    std::thread::sleep(Duration::from_secs_f64(interval));
+    let second = c.call(&AdminRequest::Stats)?;
+    let mut rows = Vec::new();
+    for b in second.as_array().into_iter().flatten() {
+        let a = first
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|a| a["target"] == b["target"] && a["lun"] == b["lun"]);
+        let d = |k: &str| b[k].as_u64().unwrap_or(0) - a.and_then(|a| a[k].as_u64()).unwrap_or(0);
+        let (r, w) = (d("read_commands"), d("write_commands"));
+        let lat = |ns: u64, n: u64| {
+            if n == 0 {
+                0.0
+            } else {
+                ns as f64 / n as f64 / 1000.0
+            }
+        };
+        rows.push(serde_json::json!({
+            "target": b["target"],
+            "lun": b["lun"],
+            "read_iops": r as f64 / interval,
+            "write_iops": w as f64 / interval,
+            "read_mib_s": d("read_bytes") as f64 / interval / (1 << 20) as f64,
+            "write_mib_s": d("write_bytes") as f64 / interval / (1 << 20) as f64,
+            "read_latency_us": lat(d("read_latency_ns"), r),
+            "write_latency_us": lat(d("write_latency_ns"), w),
+            "errors": d("errors"),
+        }));
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    println!(
+        "{:<40} {:>4} {:>10} {:>10} {:>10} {:>10} {:>9} {:>9}",
+        "target",
+        "lun",
+        "read IOPS",
+        "write IOPS",
+        "read MiB/s",
+        "write MiB/s",
+        "rd lat us",
+        "wr lat us"
+    );
+    for r in rows {
+        println!(
+            "{:<40} {:>4} {:>10.0} {:>10.0} {:>10.1} {:>10.1} {:>9.1} {:>9.1}",
+            r["target"].as_str().unwrap_or_default(),
+            r["lun"],
+            r["read_iops"].as_f64().unwrap_or(0.0),
+            r["write_iops"].as_f64().unwrap_or(0.0),
+            r["read_mib_s"].as_f64().unwrap_or(0.0),
+            r["write_mib_s"].as_f64().unwrap_or(0.0),
+            r["read_latency_us"].as_f64().unwrap_or(0.0),
+            r["write_latency_us"].as_f64().unwrap_or(0.0),
+        );
+    }
+    Ok(())
+}

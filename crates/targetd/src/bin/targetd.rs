@@ -1,0 +1,98 @@
+//! `targetd CONFIG`: serves the config's targets over iSCSI/TCP until SIGTERM or SIGINT
+//! (drain, exit 0); SIGHUP reloads the config.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::Parser;
+use targetd::{Config, Server};
+use tokio::signal::unix::{signal, SignalKind};
+use tracing_subscriber::EnvFilter;
+
+/// The iSCSI target daemon.
+#[derive(Parser)]
+#[command(version, about)]
+struct Args {
+    /// The config file (TOML; see config.toml in the repository).
+    config: PathBuf,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let config = match Config::load(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("targetd: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .or_else(|| config.server.log.clone())
+        .unwrap_or_else(|| "info".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new("info")))
+        .with_writer(std::io::stderr)
+        .init();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("targetd: runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(async move {
+        let targets: Vec<String> = config.targets.iter().map(|t| t.name.clone()).collect();
+        let server = match Server::start(config, args.config.clone()) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("targetd: {}: {e}", args.config.display());
+                return ExitCode::FAILURE;
+            }
+        };
+        let shared = server.shared();
+        for p in server.portals() {
+            println!("targetd: listening on {p}");
+        }
+        for t in &targets {
+            println!("targetd: target {t}");
+        }
+        println!(
+            "targetd: engine {}; admin socket {}",
+            shared.engine.lock().map(|e| e.clone()).unwrap_or_default(),
+            shared.config().server.admin_socket.display()
+        );
+        let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::hangup()),
+        ) else {
+            eprintln!("targetd: cannot install signal handlers");
+            return ExitCode::FAILURE;
+        };
+        let reload = shared.clone();
+        let stop = async move {
+            loop {
+                tokio::select! {
+                    _ = term.recv() => return,
+                    _ = int.recv() => return,
+                    _ = hup.recv() => {
+                        let result = Config::load(&reload.config_path)
+                            .map_err(|e| e.to_string())
+                            .and_then(|c| reload.apply(c));
+                        match result {
+                            Ok(changes) if changes.is_empty() => tracing::info!("reload: no change"),
+                            Ok(changes) => for c in changes { tracing::info!("reload: {c}") },
+                            Err(e) => tracing::error!("reload refused, the running config stays: {e}"),
+                        }
+                    }
+                }
+            }
+        };
+        server.run(stop).await;
+        ExitCode::SUCCESS
+    })
+}

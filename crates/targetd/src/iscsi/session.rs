@@ -1,0 +1,377 @@
+//! iSCSI sessions: the registry (TSIH allocation, reinstatement, joining connections) and each
+//! session's command ordering by CmdSN (RFC 7143 section 4.2.2.1), which holds across all of its
+//! connections, wherever they run.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use iscsi_pdu::negotiation::SessionParams;
+use iscsi_pdu::{Isid, SerialNumber};
+use scsi_core::{Command, NexusId, TaskAttribute};
+use tokio::sync::Notify;
+
+use crate::target::{Route, Routed, Target};
+
+/// What a connection is asked to do from outside.
+#[derive(Debug, Default)]
+pub struct Control {
+    state: AtomicU8,
+    /// Signalled when `state` changes.
+    pub notify: Notify,
+}
+
+/// Requests a [`Control`] carries, strongest last.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Request {
+    /// Carry on.
+    Run = 0,
+    /// Ask the initiator to log out (Asynchronous Message), the daemon is stopping.
+    Logout = 1,
+    /// Close now.
+    Close = 2,
+}
+
+impl Control {
+    /// Raises the request to `r` (never lowers it).
+    pub fn request(&self, r: Request) {
+        self.state.fetch_max(r as u8, Ordering::SeqCst);
+        self.notify.notify_one();
+    }
+
+    /// The request in force.
+    pub fn get(&self) -> Request {
+        match self.state.load(Ordering::SeqCst) {
+            0 => Request::Run,
+            1 => Request::Logout,
+            _ => Request::Close,
+        }
+    }
+}
+
+/// A connection as its session and the admin interface see it.
+#[derive(Debug, Clone)]
+pub struct ConnectionInfo {
+    /// Connection ID.
+    pub cid: u16,
+    /// Daemon-wide id.
+    pub id: u64,
+    /// The initiator's address.
+    pub peer: SocketAddr,
+    /// The portal it reached.
+    pub local: SocketAddr,
+    /// The reactor serving it.
+    pub reactor: usize,
+    /// HeaderDigest / DataDigest in force.
+    pub digests: (bool, bool),
+    /// MaxRecvDataSegmentLength of the target and of the initiator.
+    pub segment_lengths: (u32, u32),
+    /// Its control.
+    pub control: Arc<Control>,
+}
+
+/// A command waiting for its CmdSN turn.
+#[derive(Debug)]
+pub struct Queued {
+    /// CmdSN.
+    pub cmd_sn: SerialNumber,
+    /// The LUN field.
+    pub lun: u64,
+    /// The CDB.
+    pub cdb: [u8; 16],
+    /// Task attribute.
+    pub attribute: TaskAttribute,
+    /// Initiator Task Tag.
+    pub itt: u32,
+    /// Expected data-in length.
+    pub data_in_len: u32,
+    /// Expected data-out length.
+    pub data_out_len: u32,
+}
+
+/// What happened to a command handed to [`Session::deliver`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// In the SCSI core now (or queued behind a gap in CmdSN).
+    Accepted,
+    /// Outside the command window: dropped, as RFC 7143 section 4.2.2.1 says.
+    OutsideWindow,
+}
+
+#[derive(Debug)]
+enum Pending {
+    Command(Queued, Route),
+    /// A non-SCSI request that took a CmdSN (handled on arrival).
+    Marker(SerialNumber),
+}
+
+impl Pending {
+    fn cmd_sn(&self) -> SerialNumber {
+        match self {
+            Pending::Command(q, _) => q.cmd_sn,
+            Pending::Marker(sn) => *sn,
+        }
+    }
+}
+
+/// One session with a target.
+#[derive(Debug)]
+pub struct Session {
+    /// TSIH.
+    pub tsih: u16,
+    /// ISID.
+    pub isid: Isid,
+    /// InitiatorName.
+    pub initiator: String,
+    /// The target.
+    pub target: Arc<Target>,
+    /// Its I_T nexus in the target's SCSI core.
+    pub nexus: NexusId,
+    /// What was negotiated by the leading connection.
+    pub params: SessionParams,
+    window: u32,
+    exp_cmd_sn: AtomicU32,
+    order: Mutex<VecDeque<Pending>>,
+    /// Its connections.
+    pub connections: Mutex<Vec<ConnectionInfo>>,
+    /// Set once it is ending: no connection may join.
+    pub closing: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Session {
+    /// ExpCmdSN and MaxCmdSN to advertise now.
+    pub fn window(&self) -> (SerialNumber, SerialNumber) {
+        let exp = SerialNumber(self.exp_cmd_sn.load(Ordering::Acquire));
+        (exp, exp + (self.window - 1))
+    }
+
+    /// Hands a SCSI command to the core in CmdSN order: immediate commands at once, others when
+    /// every earlier CmdSN has arrived (on any connection). What the core does next goes to
+    /// `local` for `route.conn == me`, else to the owners' channels.
+    pub fn deliver(
+        &self,
+        q: Queued,
+        immediate: bool,
+        route: &Route,
+        local: &mut VecDeque<Routed>,
+    ) -> Delivery {
+        let me = route.conn;
+        if immediate {
+            self.submit(&q, route, me, local);
+            return Delivery::Accepted;
+        }
+        let mut order = lock(&self.order);
+        if !self.admit(q.cmd_sn, &order) {
+            return Delivery::OutsideWindow;
+        }
+        order.push_back(Pending::Command(q, route.clone()));
+        self.release(&mut order, me, local);
+        Delivery::Accepted
+    }
+
+    /// Takes a CmdSN for a non-SCSI request (NOP-Out, Text, Logout, task management) that is
+    /// handled on arrival. Returns whether it was inside the window.
+    pub fn take_cmd_sn(&self, cmd_sn: SerialNumber, me: u64, local: &mut VecDeque<Routed>) -> bool {
+        let mut order = lock(&self.order);
+        if !self.admit(cmd_sn, &order) {
+            return false;
+        }
+        order.push_back(Pending::Marker(cmd_sn));
+        self.release(&mut order, me, local);
+        true
+    }
+
+    fn admit(&self, cmd_sn: SerialNumber, order: &VecDeque<Pending>) -> bool {
+        let (exp, max) = self.window();
+        cmd_sn.in_window(exp, max) && !order.iter().any(|p| p.cmd_sn() == cmd_sn)
+    }
+
+    /// Delivers queued requests while the next expected CmdSN is among them.
+    fn release(&self, order: &mut VecDeque<Pending>, me: u64, local: &mut VecDeque<Routed>) {
+        loop {
+            let exp = SerialNumber(self.exp_cmd_sn.load(Ordering::Acquire));
+            let Some(i) = order.iter().position(|p| p.cmd_sn() == exp) else {
+                return;
+            };
+            if let Some(Pending::Command(q, route)) = order.remove(i) {
+                self.submit(&q, &route, me, local);
+            }
+            self.exp_cmd_sn.store(exp.next().0, Ordering::Release);
+        }
+    }
+
+    fn submit(&self, q: &Queued, route: &Route, me: u64, local: &mut VecDeque<Routed>) {
+        let cmd = Command {
+            nexus: self.nexus,
+            lun: q.lun,
+            cdb: &q.cdb,
+            attribute: q.attribute,
+            tag: u64::from(q.itt),
+            data_in_len: q.data_in_len,
+            data_out_len: q.data_out_len,
+        };
+        if let Err(e) = self.target.core().submit(cmd, route, me, local) {
+            tracing::error!(tsih = self.tsih, "the SCSI core refused a command: {e}");
+        }
+    }
+
+    /// Asks every connection to close.
+    pub fn close(&self) {
+        self.closing.store(true, Ordering::SeqCst);
+        for c in lock(&self.connections).iter() {
+            c.control.request(Request::Close);
+        }
+    }
+
+    /// Its connections now.
+    pub fn connection_list(&self) -> Vec<ConnectionInfo> {
+        lock(&self.connections).clone()
+    }
+}
+
+/// Why a connection could not join a session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JoinError {
+    /// No such session (or it belongs to another initiator or target).
+    NoSession,
+    /// It has MaxConnections already.
+    TooMany,
+}
+
+/// Every normal session of the daemon, by TSIH.
+#[derive(Debug, Default)]
+pub struct Sessions {
+    map: Mutex<HashMap<u16, Arc<Session>>>,
+    last_tsih: Mutex<u16>,
+}
+
+impl Sessions {
+    /// Creates a session for a leading login, closing any session of the same initiator port
+    /// with the same target (session reinstatement, RFC 7143 section 6.3.5).
+    #[allow(clippy::too_many_arguments)]
+    pub fn create(
+        &self,
+        isid: Isid,
+        initiator: &str,
+        target: Arc<Target>,
+        params: SessionParams,
+        window: u32,
+        cmd_sn: SerialNumber,
+        first: ConnectionInfo,
+    ) -> Arc<Session> {
+        let mut map = lock(&self.map);
+        let old: Vec<u16> = map
+            .values()
+            .filter(|s| {
+                s.isid == isid
+                    && s.initiator.eq_ignore_ascii_case(initiator)
+                    && Arc::ptr_eq(&s.target, &target)
+            })
+            .map(|s| s.tsih)
+            .collect();
+        for tsih in old {
+            if let Some(s) = map.remove(&tsih) {
+                tracing::info!(tsih, initiator, "session reinstated: closing the old one");
+                s.close();
+            }
+        }
+        let mut last = lock(&self.last_tsih);
+        let mut tsih = *last;
+        loop {
+            tsih = tsih.wrapping_add(1);
+            if tsih != 0 && !map.contains_key(&tsih) {
+                break;
+            }
+        }
+        *last = tsih;
+        let nexus = target
+            .core()
+            .device
+            .open_nexus(scsi_core::TransportId::iscsi(initiator, isid.0), 1);
+        let s = Arc::new(Session {
+            tsih,
+            isid,
+            initiator: initiator.to_string(),
+            target,
+            nexus,
+            params,
+            window,
+            exp_cmd_sn: AtomicU32::new(cmd_sn.0),
+            order: Mutex::new(VecDeque::with_capacity(window.min(1024) as usize)),
+            connections: Mutex::new(vec![first]),
+            closing: AtomicBool::new(false),
+        });
+        map.insert(tsih, s.clone());
+        s
+    }
+
+    /// Adds a connection to the session `tsih` of `initiator`/`isid`; a connection with the
+    /// same CID is closed first (connection reinstatement).
+    pub fn join(
+        &self,
+        tsih: u16,
+        isid: Isid,
+        initiator: &str,
+        target: &str,
+        conn: ConnectionInfo,
+    ) -> Result<Arc<Session>, JoinError> {
+        let map = lock(&self.map);
+        let s = map
+            .get(&tsih)
+            .filter(|s| {
+                s.isid == isid
+                    && s.initiator.eq_ignore_ascii_case(initiator)
+                    && s.target.name.eq_ignore_ascii_case(target)
+                    && !s.closing.load(Ordering::SeqCst)
+            })
+            .ok_or(JoinError::NoSession)?;
+        let mut conns = lock(&s.connections);
+        if let Some(i) = conns.iter().position(|c| c.cid == conn.cid) {
+            let old = conns.remove(i);
+            old.control.request(Request::Close);
+        }
+        if conns.len() >= usize::from(s.params.operational.max_connections) {
+            return Err(JoinError::TooMany);
+        }
+        conns.push(conn);
+        Ok(s.clone())
+    }
+
+    /// Whether `tsih` names a live session (for a login that wants to join it).
+    pub fn get(&self, tsih: u16) -> Option<Arc<Session>> {
+        lock(&self.map).get(&tsih).cloned()
+    }
+
+    /// Removes connection `id` from its session; the last one out ends the session: it leaves
+    /// the registry and its I_T nexus closes (its tasks are aborted). Returns whether it ended.
+    pub fn leave(&self, session: &Arc<Session>, id: u64) -> bool {
+        let mut map = lock(&self.map);
+        let mut conns = lock(&session.connections);
+        conns.retain(|c| c.id != id);
+        if !conns.is_empty() {
+            return false;
+        }
+        drop(conns);
+        if map
+            .get(&session.tsih)
+            .is_some_and(|s| Arc::ptr_eq(s, session))
+        {
+            map.remove(&session.tsih);
+        }
+        session.closing.store(true, Ordering::SeqCst);
+        true
+    }
+
+    /// Every session.
+    pub fn all(&self) -> Vec<Arc<Session>> {
+        let mut v: Vec<_> = lock(&self.map).values().cloned().collect();
+        v.sort_by_key(|s| s.tsih);
+        v
+    }
+}

@@ -1,0 +1,403 @@
+//! PDUs on a TCP connection: the reader takes the BHS first and lets the caller put a SCSI
+//! Command's immediate data or a Data-Out's payload straight into the task's arena buffer; the
+//! writer sends headers and payload slices (arena slots, padding, digests) with vectored writes.
+
+use std::io::{self, IoSlice};
+use std::ops::Range;
+
+use backend::Buffer;
+use bytes::{BufMut, Bytes, BytesMut};
+use iscsi_pdu::{
+    crc32c, data_digest, padding, Bhs, DataIn, DataInStatus, Digests, Lun, Opcode, Pdu,
+    RejectReason, SerialNumber, BHS_LEN,
+};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+
+/// What reading a PDU can end in.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The socket failed or the peer closed it.
+    #[error("connection: {0}")]
+    Io(#[from] io::Error),
+    /// The header digest did not match: nothing after it can be trusted (close).
+    #[error("header digest mismatch")]
+    HeaderDigest,
+    /// DataSegmentLength exceeds what this side declared (a protocol error: close).
+    #[error("data segment of {length} bytes exceeds MaxRecvDataSegmentLength {limit}")]
+    TooLong {
+        /// What the header announced.
+        length: u32,
+        /// MaxRecvDataSegmentLength.
+        limit: u32,
+    },
+    /// The PDU was read whole but is malformed or its data digest failed: answer with a Reject
+    /// carrying its header and go on.
+    #[error("rejected PDU: {reason:?}")]
+    Reject {
+        /// Why.
+        reason: RejectReason,
+        /// The offending header.
+        header: Box<Bhs>,
+    },
+}
+
+/// A PDU's header, decoded; for a SCSI Command with immediate data and for a Data-Out the data
+/// segment is still on the wire and the caller reads it with [`Reader::payload`].
+#[derive(Debug)]
+pub enum Incoming {
+    /// A whole PDU (its data segment, if any, inline).
+    Whole(Pdu),
+    /// A SCSI Command or Data-Out whose `len` bytes of data follow.
+    Payload {
+        /// The PDU, with an empty data segment.
+        pdu: Pdu,
+        /// The data segment's length.
+        len: u32,
+        /// The header as received, for a Reject.
+        header: Box<Bhs>,
+    },
+}
+
+/// The receiving half of a connection.
+pub struct Reader {
+    rd: BufReader<OwnedReadHalf>,
+    /// Digests in force.
+    pub digests: Digests,
+    /// The MaxRecvDataSegmentLength this side declared.
+    pub max_recv: u32,
+    ahs: Vec<u8>,
+}
+
+/// Small reads (headers, control PDUs) come from this buffer; a payload at least this long is
+/// read straight into its destination once the buffer is drained.
+const READ_BUFFER: usize = 8192;
+
+impl Reader {
+    /// Wraps the read half of a socket.
+    pub fn new(rd: OwnedReadHalf) -> Reader {
+        Reader {
+            rd: BufReader::with_capacity(READ_BUFFER, rd),
+            digests: Digests::NONE,
+            max_recv: iscsi_pdu::LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH,
+            ahs: Vec::with_capacity(64),
+        }
+    }
+
+    /// Reads the next PDU's header (and, except for payload-carrying PDUs, its data segment).
+    pub async fn next(&mut self) -> Result<Incoming, ReadError> {
+        let mut bhs = [0u8; BHS_LEN];
+        self.rd.read_exact(&mut bhs).await?;
+        let header = Bhs(bhs);
+        let ahs_len = header.total_ahs_length();
+        self.ahs.clear();
+        self.ahs.resize(ahs_len, 0);
+        self.rd.read_exact(&mut self.ahs).await?;
+        if self.digests.header {
+            let received = self.rd.read_u32_le().await?;
+            let mut crc = iscsi_pdu::Crc32c::new();
+            crc.update(&bhs);
+            crc.update(&self.ahs);
+            if crc.finish() != received {
+                return Err(ReadError::HeaderDigest);
+            }
+        }
+        let len = header.data_segment_length();
+        if len > self.max_recv {
+            return Err(ReadError::TooLong {
+                length: len,
+                limit: self.max_recv,
+            });
+        }
+        let ahs = Bytes::copy_from_slice(&self.ahs);
+        let direct = matches!(header.opcode(), Some(Opcode::ScsiCommand | Opcode::DataOut));
+        if direct && len > 0 {
+            // Decode the header as if it had no data; the caller reads the segment.
+            let mut bare = header;
+            bare.0[5..8].fill(0);
+            let pdu = Pdu::from_header_and_data(&bare, ahs, Bytes::new())
+                .map_err(|e| reject(&e, header))?;
+            return Ok(Incoming::Payload {
+                pdu,
+                len,
+                header: Box::new(header),
+            });
+        }
+        let mut data = BytesMut::zeroed(len as usize + padding(len as usize).len());
+        self.rd.read_exact(&mut data).await?;
+        if self.digests.data && len > 0 {
+            let received = self.rd.read_u32_le().await?;
+            if crc32c(&data) != received {
+                return Err(ReadError::Reject {
+                    reason: RejectReason::DataDigestError,
+                    header: Box::new(header),
+                });
+            }
+        }
+        data.truncate(len as usize);
+        Pdu::from_header_and_data(&header, ahs, data.freeze())
+            .map(Incoming::Whole)
+            .map_err(|e| reject(&e, header))
+    }
+
+    /// Reads a data segment of `dst.len()` bytes into `dst`, then its padding and digest.
+    /// A digest mismatch is a [`ReadError::Reject`]; the segment has been consumed either way.
+    pub async fn payload(&mut self, dst: &mut [u8], header: &Bhs) -> Result<(), ReadError> {
+        self.rd.read_exact(dst).await?;
+        let pad = padding(dst.len()).len();
+        let mut tail = [0u8; 3];
+        self.rd.read_exact(&mut tail[..pad]).await?;
+        if self.digests.data && !dst.is_empty() {
+            let received = self.rd.read_u32_le().await?;
+            if data_digest([&*dst]) != received {
+                return Err(ReadError::Reject {
+                    reason: RejectReason::DataDigestError,
+                    header: Box::new(*header),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and drops a data segment of `len` bytes (with padding and digest).
+    pub async fn discard(&mut self, len: u32) -> Result<(), ReadError> {
+        let mut left = len as usize + padding(len as usize).len();
+        if self.digests.data && len > 0 {
+            left += 4;
+        }
+        let mut sink = [0u8; 512];
+        while left > 0 {
+            let n = left.min(sink.len());
+            self.rd.read_exact(&mut sink[..n]).await?;
+            left -= n;
+        }
+        Ok(())
+    }
+}
+
+fn reject(e: &iscsi_pdu::DecodeError, header: Bhs) -> ReadError {
+    match e.reject() {
+        Some((reason, h)) => ReadError::Reject {
+            reason,
+            header: Box::new(*h),
+        },
+        None => ReadError::Reject {
+            reason: RejectReason::ProtocolError,
+            header: Box::new(header),
+        },
+    }
+}
+
+/// Where a Data-In sequence's bytes are.
+#[derive(Debug)]
+pub enum Payload {
+    /// An arena buffer the backend read into.
+    Buffer(Buffer),
+    /// Parameter data the SCSI core built.
+    Bytes(Bytes),
+}
+
+impl Payload {
+    fn slice(&self, r: Range<usize>) -> &[u8] {
+        match self {
+            Payload::Buffer(b) => &b[r],
+            Payload::Bytes(b) => &b[r],
+        }
+    }
+}
+
+/// One unit of output, in StatSN order.
+#[derive(Debug)]
+pub enum Outgoing {
+    /// A PDU with its data segment inline.
+    Pdu(Pdu),
+    /// A command's read data, cut into Data-In PDUs of at most MaxRecvDataSegmentLength (the
+    /// initiator's), the last carrying the status when `status` is given (phase collapse).
+    DataIn {
+        /// Initiator Task Tag.
+        itt: u32,
+        /// LUN.
+        lun: Lun,
+        /// The data.
+        payload: Payload,
+        /// Bytes of `payload` to send.
+        len: u32,
+        /// Status for the last PDU.
+        status: Option<DataInStatus>,
+    },
+}
+
+/// A piece of the next vectored write.
+#[derive(Debug, Clone)]
+enum Seg {
+    /// Bytes of the header scratch buffer.
+    Header(Range<usize>),
+    /// Bytes of output item `usize`'s payload.
+    Item(usize, Range<usize>),
+    /// Zero padding.
+    Pad(usize),
+}
+
+/// How many slices one `writev` carries.
+const IOV_MAX: usize = 64;
+
+/// The sending half of a connection.
+pub struct Writer<W = OwnedWriteHalf> {
+    wr: W,
+    /// Digests in force.
+    pub digests: Digests,
+    /// The initiator's MaxRecvDataSegmentLength.
+    pub max_send: u32,
+    headers: BytesMut,
+    segs: Vec<Seg>,
+}
+
+impl<W: AsyncWrite + Unpin> Writer<W> {
+    /// Wraps the write half of a socket.
+    pub fn new(wr: W) -> Writer<W> {
+        Writer {
+            wr,
+            digests: Digests::NONE,
+            max_send: iscsi_pdu::LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH,
+            headers: BytesMut::with_capacity(16 * 1024),
+            segs: Vec::with_capacity(256),
+        }
+    }
+
+    /// Sends `items` in order, stamping ExpCmdSN and MaxCmdSN into Data-In headers, with as few
+    /// system calls as the slices allow. The items are left for the caller to drop.
+    pub async fn send(
+        &mut self,
+        items: &[Outgoing],
+        exp_cmd_sn: SerialNumber,
+        max_cmd_sn: SerialNumber,
+    ) -> io::Result<()> {
+        self.headers.clear();
+        self.segs.clear();
+        let digests = self.digests;
+        for (i, item) in items.iter().enumerate() {
+            match item {
+                Outgoing::Pdu(pdu) => {
+                    let len = pdu.data().len();
+                    self.header(pdu, len);
+                    self.data(i, 0..len, pdu.data());
+                }
+                Outgoing::DataIn {
+                    itt,
+                    lun,
+                    payload,
+                    len,
+                    status,
+                } => {
+                    let max = self.max_send.max(512) as usize;
+                    let total = *len as usize;
+                    let count = total.div_ceil(max).max(1);
+                    for n in 0..count {
+                        let start = n * max;
+                        let end = (start + max).min(total);
+                        let last = n + 1 == count;
+                        let pdu = Pdu::DataIn(DataIn {
+                            final_bit: last,
+                            status: if last { *status } else { None },
+                            lun: *lun,
+                            initiator_task_tag: *itt,
+                            target_transfer_tag: iscsi_pdu::RESERVED_TAG,
+                            exp_cmd_sn,
+                            max_cmd_sn,
+                            data_sn: n as u32,
+                            buffer_offset: start as u32,
+                            ..DataIn::default()
+                        });
+                        self.header(&pdu, end - start);
+                        self.data(i, start..end, payload.slice(start..end));
+                    }
+                }
+            }
+        }
+        let _ = digests;
+        self.flush(items).await
+    }
+
+    fn header(&mut self, pdu: &Pdu, data_len: usize) {
+        let start = self.headers.len();
+        pdu.encode_header(data_len as u32, self.digests.header, &mut self.headers);
+        self.push_header(start);
+    }
+
+    /// Adds the header bytes from `start` to the end, merging with a header segment just before.
+    fn push_header(&mut self, start: usize) {
+        let end = self.headers.len();
+        if let Some(Seg::Header(r)) = self.segs.last_mut() {
+            if r.end == start {
+                r.end = end;
+                return;
+            }
+        }
+        self.segs.push(Seg::Header(start..end));
+    }
+
+    fn data(&mut self, item: usize, range: Range<usize>, bytes: &[u8]) {
+        if range.is_empty() {
+            return;
+        }
+        let pad = padding(range.len()).len();
+        self.segs.push(Seg::Item(item, range));
+        if pad > 0 {
+            self.segs.push(Seg::Pad(pad));
+        }
+        if self.digests.data {
+            let start = self.headers.len();
+            self.headers.put_u32_le(data_digest([bytes]));
+            self.push_header(start);
+        }
+    }
+
+    async fn flush(&mut self, items: &[Outgoing]) -> io::Result<()> {
+        const ZEROS: [u8; 4] = [0; 4];
+        let mut at = 0;
+        while at < self.segs.len() {
+            let mut iov = [IoSlice::new(&[]); IOV_MAX];
+            let mut n = 0;
+            while n < IOV_MAX && at < self.segs.len() {
+                iov[n] = IoSlice::new(match &self.segs[at] {
+                    Seg::Header(r) => &self.headers[r.clone()],
+                    Seg::Item(i, r) => match &items[*i] {
+                        Outgoing::Pdu(p) => &p.data()[r.clone()],
+                        Outgoing::DataIn { payload, .. } => payload.slice(r.clone()),
+                    },
+                    Seg::Pad(p) => &ZEROS[..*p],
+                });
+                n += 1;
+                at += 1;
+            }
+            write_all_vectored(&mut self.wr, &mut iov[..n]).await?;
+        }
+        self.wr.flush().await
+    }
+
+    /// Sends one PDU at once (login, discovery, shutdown).
+    pub async fn send_pdu(&mut self, pdu: Pdu) -> io::Result<()> {
+        let items = [Outgoing::Pdu(pdu)];
+        self.send(&items, SerialNumber(0), SerialNumber(0)).await
+    }
+
+    /// Shuts the sending direction down.
+    pub async fn shutdown(&mut self) -> io::Result<()> {
+        self.wr.shutdown().await
+    }
+}
+
+/// Writes every slice, resuming after short writes.
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    mut iov: &mut [IoSlice<'_>],
+) -> io::Result<()> {
+    while !iov.is_empty() {
+        let n = wr.write_vectored(iov).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut iov, n);
+    }
+    Ok(())
+}

@@ -1,0 +1,360 @@
+//! A reactor: one thread running a current-thread tokio runtime with its own io_uring engine and
+//! buffer arena (../../DESIGN.md, "Threads"). Connections handed to it stay on it for life, so
+//! the I/O path takes no locks except the SCSI core's.
+
+use std::cell::{Cell, RefCell};
+use std::collections::hash_map::Entry;
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::sync::Weak;
+use std::time::Duration;
+
+use backend::{
+    AnyBackend, Arena, ArenaConfig, Buffer, Engine, EngineChoice, EngineConfig, FileHandle,
+    Immediate, NullBackend,
+};
+use scsi_core::{Backend, BackendError, Op, Output, TaskId};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, Notify};
+
+use crate::server::Shared;
+use crate::target::{Lun, Storage};
+
+/// A backend operation's result, on its way back to the connection that asked.
+#[derive(Debug)]
+pub struct Done {
+    /// The task.
+    pub task: TaskId,
+    /// Its outcome.
+    pub result: Result<Output, BackendError>,
+    /// The task's buffer, back from the backend.
+    pub buffer: Buffer,
+}
+
+/// A connection's mailbox on its reactor: backend completions, and a wake-up.
+#[derive(Debug, Default)]
+pub struct Inbox {
+    /// Completed operations.
+    pub done: RefCell<VecDeque<Done>>,
+    /// Signalled when something arrived.
+    pub notify: Notify,
+}
+
+struct OpenLun {
+    lun: Weak<Lun>,
+    backend: AnyBackend,
+    in_flight: usize,
+}
+
+struct InFlight {
+    inbox: Rc<Inbox>,
+    task: TaskId,
+    lun: u64,
+}
+
+/// The per-reactor I/O state connections share.
+pub struct Io {
+    /// The reactor's index.
+    pub index: usize,
+    /// Its engine.
+    pub engine: Engine,
+    /// Its buffer arena.
+    pub arena: Arena,
+    luns: RefCell<HashMap<u64, OpenLun>>,
+    in_flight: RefCell<slab_lite::Slab<InFlight>>,
+    kick: Notify,
+    kicked: Cell<bool>,
+}
+
+/// A tiny slab (reused indexes), so the hot path allocates nothing once warm.
+mod slab_lite {
+    /// Values under reusable keys.
+    pub struct Slab<T> {
+        entries: Vec<Option<T>>,
+        free: Vec<usize>,
+    }
+
+    impl<T> Slab<T> {
+        pub fn new() -> Self {
+            Slab {
+                entries: Vec::with_capacity(256),
+                free: Vec::with_capacity(256),
+            }
+        }
+
+        pub fn insert(&mut self, v: T) -> usize {
+            match self.free.pop() {
+                Some(i) => {
+                    self.entries[i] = Some(v);
+                    i
+                }
+                None => {
+                    self.entries.push(Some(v));
+                    self.entries.len() - 1
+                }
+            }
+        }
+
+        pub fn remove(&mut self, i: usize) -> Option<T> {
+            let v = self.entries.get_mut(i)?.take();
+            if v.is_some() {
+                self.free.push(i);
+            }
+            v
+        }
+    }
+}
+
+impl Io {
+    /// Runs `op` on `lun` with `buffer`; the result goes to `inbox`.
+    pub fn submit(&self, lun: &Arc<Lun>, op: Op, buffer: Buffer, inbox: &Rc<Inbox>, task: TaskId) {
+        let mut luns = self.luns.borrow_mut();
+        if let Entry::Vacant(v) = luns.entry(lun.id) {
+            match self.open(lun) {
+                Ok(backend) => {
+                    v.insert(OpenLun {
+                        lun: Arc::downgrade(lun),
+                        backend,
+                        in_flight: 0,
+                    });
+                }
+                Err(e) => {
+                    tracing::error!(lun = lun.config.lun, "cannot open the backend: {e}");
+                    inbox.done.borrow_mut().push_back(Done {
+                        task,
+                        result: Err(BackendError::Internal),
+                        buffer,
+                    });
+                    inbox.notify.notify_one();
+                    return;
+                }
+            }
+        }
+        let open = luns.get_mut(&lun.id).expect("inserted above");
+        let token = self.in_flight.borrow_mut().insert(InFlight {
+            inbox: inbox.clone(),
+            task,
+            lun: lun.id,
+        });
+        open.in_flight += 1;
+        open.backend.submit(token as u64, op, buffer);
+        self.kick();
+    }
+
+    fn open(&self, lun: &Lun) -> Result<AnyBackend, String> {
+        Ok(match &lun.storage {
+            Storage::File(fc) => {
+                let handle = FileHandle::open(fc).map_err(|e| e.to_string())?;
+                AnyBackend::File(self.engine.open(handle))
+            }
+            Storage::Memory(m) => {
+                AnyBackend::SharedMemory(Immediate::new(m.clone(), lun.block_size, lun.blocks))
+            }
+            Storage::Null => AnyBackend::Null(NullBackend::null(lun.block_size, lun.blocks)),
+        })
+    }
+
+    /// Asks the reactor's I/O task to submit and collect: once per tick, however many ops.
+    fn kick(&self) {
+        if !self.kicked.replace(true) {
+            self.kick.notify_one();
+        }
+    }
+
+    /// Submits what is queued and hands every completion to its connection.
+    fn poll(&self) {
+        self.kicked.set(false);
+        if let Err(e) = self.engine.submit_pending() {
+            tracing::error!("io_uring submit: {e}");
+        }
+        let mut luns = self.luns.borrow_mut();
+        for open in luns.values_mut() {
+            while let Some((token, result, buffer)) = open.backend.poll_completion() {
+                open.in_flight -= 1;
+                let Some(f) = self.in_flight.borrow_mut().remove(token as usize) else {
+                    continue;
+                };
+                debug_assert_eq!(f.lun, open.lun.upgrade().map_or(f.lun, |l| l.id));
+                f.inbox.done.borrow_mut().push_back(Done {
+                    task: f.task,
+                    result,
+                    buffer,
+                });
+                f.inbox.notify.notify_one();
+            }
+        }
+    }
+
+    /// Closes backends of units that are gone (removed or replaced) once idle.
+    fn prune(&self) {
+        self.luns
+            .borrow_mut()
+            .retain(|_, o| o.in_flight > 0 || o.lun.strong_count() > 0);
+    }
+}
+
+/// A connection handed to a reactor.
+pub struct NewConnection {
+    /// The socket.
+    pub stream: std::net::TcpStream,
+}
+
+/// The listener's handle on a reactor.
+#[derive(Debug, Clone)]
+pub struct Handle {
+    /// Its index.
+    pub index: usize,
+    tx: mpsc::UnboundedSender<NewConnection>,
+    /// Connections it serves now.
+    pub connections: Arc<AtomicUsize>,
+    /// Its I/O engine, as the log and `targetctl status` say it.
+    pub engine: String,
+}
+
+impl Handle {
+    /// Hands it a connection.
+    pub fn assign(&self, stream: std::net::TcpStream) -> bool {
+        self.tx.send(NewConnection { stream }).is_ok()
+    }
+}
+
+/// How reactors are built.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The engine wanted.
+    pub engine: EngineChoice,
+    /// The arena per reactor.
+    pub arena: ArenaConfig,
+}
+
+/// Starts reactor `index` on its own thread. Returns once its engine and arena exist, or
+/// with the reason they could not be made.
+pub fn spawn(
+    index: usize,
+    settings: Settings,
+    shared: Arc<Shared>,
+) -> std::io::Result<(Handle, std::thread::JoinHandle<()>)> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let count = connections.clone();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name(format!("reactor-{index}"))
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let local = tokio::task::LocalSet::new();
+            local.block_on(&rt, async move {
+                let io = match build_io(index, &settings) {
+                    Ok(io) => Rc::new(io),
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let engine = match io.engine.fallback_reason() {
+                    Some(why) => format!("{:?} ({why})", io.engine.kind()),
+                    None => format!("{:?}", io.engine.kind()),
+                };
+                let _ = ready_tx.send(Ok(engine));
+                run(io, rx, shared, count).await;
+            });
+        })?;
+    match ready_rx.recv() {
+        Ok(Ok(engine)) => {
+            tracing::debug!(reactor = index, engine, "reactor up");
+            Ok((
+                Handle {
+                    index,
+                    tx,
+                    connections,
+                    engine,
+                },
+                thread,
+            ))
+        }
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(std::io::Error::other("the reactor thread ended")),
+    }
+}
+
+fn build_io(index: usize, settings: &Settings) -> std::io::Result<Io> {
+    let engine = Engine::new(EngineConfig {
+        engine: settings.engine,
+        threads: 2,
+        ..EngineConfig::default()
+    })?;
+    let arena = Arena::new(settings.arena).map_err(std::io::Error::other)?;
+    engine.register_arena(&arena)?;
+    Ok(Io {
+        index,
+        engine,
+        arena,
+        luns: RefCell::new(HashMap::new()),
+        in_flight: RefCell::new(slab_lite::Slab::new()),
+        kick: Notify::new(),
+        kicked: Cell::new(false),
+    })
+}
+
+async fn run(
+    io: Rc<Io>,
+    mut rx: mpsc::UnboundedReceiver<NewConnection>,
+    shared: Arc<Shared>,
+    count: Arc<AtomicUsize>,
+) {
+    let completions = match io.engine.completions() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("reactor {}: completion eventfd: {e}", io.index);
+            return;
+        }
+    };
+    let pump = {
+        let io = io.clone();
+        async move {
+            let mut prune = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = io.kick.notified() => {}
+                    r = completions.ready() => {
+                        if let Err(e) = r {
+                            tracing::error!("completion eventfd: {e}");
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                    }
+                    _ = prune.tick() => io.prune(),
+                }
+                io.poll();
+            }
+        }
+    };
+    tokio::task::spawn_local(pump);
+    while let Some(NewConnection { stream }) = rx.recv().await {
+        let io = io.clone();
+        let shared = shared.clone();
+        let count = count.clone();
+        count.fetch_add(1, Ordering::Relaxed);
+        tokio::task::spawn_local(async move {
+            match TcpStream::from_std(stream) {
+                Ok(s) => crate::iscsi::connection::serve(s, io, shared).await,
+                Err(e) => tracing::warn!("cannot adopt a connection: {e}"),
+            }
+            count.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+    // The listener is gone: let the connections finish (the server bounds how long).
+    while count.load(Ordering::Relaxed) > 0 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

@@ -1,0 +1,434 @@
+//! A target as the daemon serves it: one SCSI device (scsi-core) shared by every session that
+//! logs in to it, the logical units behind it, and who may log in.
+//!
+//! The device is transport-agnostic and runs under one lock per target; a call on it is a short
+//! state transition. What it asks for (data-out, backend operations, completions) is routed to
+//! the connection that owns the task: queued locally when that is the caller, sent over the
+//! owner's channel when it lives on another reactor (multiple connections per session).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+
+use backend::{FileConfig, FileHandle};
+use scsi_core::{
+    Action, Command, Device, DeviceError, Geometry, Identity, Limits, LogicalUnit, NexusId,
+    TargetPort, TaskId, TmfFunction,
+};
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::config;
+
+/// The largest data transfer of one command, in bytes: a run of arena slots (half of a
+/// reactor's default arena). 65536 blocks of 512 bytes, as libiscsi's tests move at once.
+pub const MAX_IO: u32 = 32 << 20;
+
+/// The target portal group tag of every portal (one group, implicit ALUA active/optimized).
+pub const PORTAL_GROUP: u16 = 1;
+
+/// What the core sends to a task's connection.
+#[derive(Debug)]
+pub enum Routed {
+    /// The command with this tag entered the core as `task`.
+    Submitted {
+        /// The transport's tag (iSCSI: the Initiator Task Tag).
+        tag: u64,
+        /// Its handle.
+        task: TaskId,
+    },
+    /// Something for the connection to do.
+    Action(Action),
+}
+
+/// Where a task's actions go.
+#[derive(Debug, Clone)]
+pub struct Route {
+    /// The connection's id (unique for the life of the daemon).
+    pub conn: u64,
+    /// Its channel.
+    pub tx: UnboundedSender<Routed>,
+}
+
+/// The SCSI device of a target and the routes of its tasks.
+pub struct Core {
+    /// The device.
+    pub device: Device,
+    routes: Vec<Option<Route>>,
+    tmfs: Vec<(u64, Route)>,
+    next_reference: u64,
+}
+
+impl Core {
+    /// Submits `cmd` for the connection `route`; what follows lands in `local` when the caller
+    /// is `me`, else on the owner's channel.
+    pub fn submit(
+        &mut self,
+        cmd: Command<'_>,
+        route: &Route,
+        me: u64,
+        local: &mut VecDeque<Routed>,
+    ) -> Result<TaskId, DeviceError> {
+        let task = self.device.submit(cmd)?;
+        let i = task.index();
+        if self.routes.len() <= i {
+            self.routes.resize(i + 1, None);
+        }
+        self.routes[i] = Some(route.clone());
+        let note = Routed::Submitted { tag: cmd.tag, task };
+        if route.conn == me {
+            local.push_back(note);
+        } else {
+            let _ = route.tx.send(note);
+        }
+        self.drain(me, local);
+        Ok(task)
+    }
+
+    /// Starts a task management function; its answer comes back as
+    /// [`Action::TaskManagementDone`] with the returned reference.
+    pub fn task_management(
+        &mut self,
+        nexus: NexusId,
+        lun: u64,
+        function: TmfFunction,
+        route: &Route,
+        local: &mut VecDeque<Routed>,
+    ) -> Result<u64, DeviceError> {
+        self.next_reference += 1;
+        let reference = self.next_reference;
+        self.tmfs.push((reference, route.clone()));
+        if let Err(e) = self.device.task_management(nexus, lun, function, reference) {
+            self.tmfs.pop();
+            return Err(e);
+        }
+        self.drain(route.conn, local);
+        Ok(reference)
+    }
+
+    /// Hands out every pending action: the caller's into `local`, the rest to their owners.
+    pub fn drain(&mut self, me: u64, local: &mut VecDeque<Routed>) {
+        while let Some(action) = self.device.poll() {
+            let route = match &action {
+                Action::DataOut { task, .. } | Action::Backend { task, .. } => {
+                    self.routes.get(task.index()).cloned().flatten()
+                }
+                Action::Complete { task, .. } | Action::Aborted { task, .. } => {
+                    self.routes.get_mut(task.index()).and_then(Option::take)
+                }
+                Action::TaskManagementDone { reference, .. } => {
+                    let at = self.tmfs.iter().position(|(r, _)| r == reference);
+                    at.map(|i| self.tmfs.swap_remove(i).1)
+                }
+                _ => None,
+            };
+            match route {
+                Some(r) if r.conn == me => local.push_back(Routed::Action(action)),
+                Some(r) => {
+                    let _ = r.tx.send(Routed::Action(action));
+                }
+                None => tracing::warn!(?action, "an action for a task without a connection"),
+            }
+        }
+    }
+}
+
+/// Counters of one logical unit, for `targetctl stats` and the metrics endpoint.
+#[derive(Debug, Default)]
+pub struct LunStats {
+    /// Commands that read blocks.
+    pub read_commands: AtomicU64,
+    /// Commands that wrote blocks.
+    pub write_commands: AtomicU64,
+    /// Other commands.
+    pub other_commands: AtomicU64,
+    /// Bytes read.
+    pub read_bytes: AtomicU64,
+    /// Bytes written.
+    pub write_bytes: AtomicU64,
+    /// Sum of read command latencies, nanoseconds (arrival to status).
+    pub read_latency_ns: AtomicU64,
+    /// Sum of write command latencies, nanoseconds.
+    pub write_latency_ns: AtomicU64,
+    /// Commands that ended with CHECK CONDITION.
+    pub errors: AtomicU64,
+}
+
+/// The storage behind a logical unit.
+#[derive(Debug)]
+pub enum Storage {
+    /// A file or block device, opened by each reactor on its own engine.
+    File(FileConfig),
+    /// A RAM disk, one for all reactors.
+    Memory(Arc<Mutex<scsi_core::MemoryBackend>>),
+    /// Reads zeros, discards writes.
+    Null,
+}
+
+/// A logical unit: its config, its storage and its counters. Replaced as a whole when it
+/// changes (resize), so a reactor that opened the old one opens the new one afresh.
+#[derive(Debug)]
+pub struct Lun {
+    /// Unique for the daemon's life.
+    pub id: u64,
+    /// The config it was made from.
+    pub config: config::Lun,
+    /// Block size in bytes.
+    pub block_size: u32,
+    /// Capacity in blocks.
+    pub blocks: u64,
+    /// Where its blocks are.
+    pub storage: Storage,
+    /// Counters (kept across a resize).
+    pub stats: Arc<LunStats>,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh id for a target, LUN or connection.
+pub fn next_id() -> u64 {
+    NEXT_ID.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Lun {
+    /// Opens (creating a missing file) the storage `config` describes.
+    pub fn open(config: &config::Lun, stats: Arc<LunStats>) -> Result<Lun, String> {
+        let bs = config.block_size;
+        let size = config.size.map(|s| s.0);
+        let (storage, blocks) = match config.backend.as_str() {
+            "file" => {
+                let path: PathBuf = config.path.clone().ok_or("the file backend needs a path")?;
+                let mut fc = FileConfig::new(path, size);
+                fc.block_size = bs;
+                fc.direct = config.direct;
+                fc.write_through = !config.write_cache;
+                fc.read_only = config.read_only;
+                let handle = FileHandle::open(&fc).map_err(|e| e.to_string())?;
+                let blocks = handle.blocks();
+                // The file now exists at its size: reactors open it as it is.
+                fc.size = None;
+                (Storage::File(fc), blocks)
+            }
+            "memory" => {
+                let blocks = size.unwrap_or(0) / u64::from(bs);
+                let m = scsi_core::MemoryBackend::new(bs, blocks);
+                (Storage::Memory(Arc::new(Mutex::new(m))), blocks)
+            }
+            _ => (Storage::Null, size.unwrap_or(0) / u64::from(bs)),
+        };
+        Ok(Lun {
+            id: next_id(),
+            config: config.clone(),
+            block_size: bs,
+            blocks,
+            storage,
+            stats,
+        })
+    }
+
+    /// How the SCSI core describes this unit. The identity derives from the target name, the
+    /// LUN and the backing path, so it is stable across restarts and unique per unit.
+    pub fn logical_unit(&self, target: &str) -> LogicalUnit {
+        let c = &self.config;
+        let key = format!(
+            "{target}/{}/{}",
+            c.lun,
+            c.path
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default()
+        );
+        LogicalUnit {
+            identity: Identity::new(
+                "TARGETD",
+                &format!("{} disk", c.backend),
+                "0001",
+                key.as_bytes(),
+            ),
+            geometry: Geometry {
+                block_size: self.block_size,
+                blocks: self.blocks,
+                thin: c.thin && c.backend != "null",
+                write_cache: c.write_cache,
+                read_only: c.read_only,
+            },
+            limits: Limits {
+                max_transfer: MAX_IO / self.block_size,
+                ..Limits::default()
+            },
+        }
+    }
+}
+
+/// A target: name, access rules, logical units and its SCSI device.
+pub struct Target {
+    /// Unique for the daemon's life.
+    pub id: u64,
+    /// The iSCSI name.
+    pub name: String,
+    /// Access rules and CHAP (the `luns` list here is not kept current; see [`Target::luns`]).
+    pub config: RwLock<config::Target>,
+    /// The logical units by LUN.
+    pub luns: RwLock<BTreeMap<u16, Arc<Lun>>>,
+    core: Mutex<Core>,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Target").field("name", &self.name).finish()
+    }
+}
+
+impl Target {
+    /// A target with the logical units of `config`, opened now.
+    pub fn new(config: &config::Target) -> Result<Target, (String, String)> {
+        let port = TargetPort {
+            relative_port: 1,
+            port_group: PORTAL_GROUP,
+            name: format!("{},t,0x{PORTAL_GROUP:04x}", config.name),
+            target_name: config.name.clone(),
+        };
+        let device = Device::new(&config.name, vec![port]);
+        let target = Target {
+            id: next_id(),
+            name: config.name.clone(),
+            config: RwLock::new(config.clone()),
+            luns: RwLock::new(BTreeMap::new()),
+            core: Mutex::new(Core {
+                device,
+                routes: Vec::new(),
+                tmfs: Vec::new(),
+                next_reference: 0,
+            }),
+        };
+        for lun in &config.luns {
+            target
+                .add_lun(lun, Arc::default())
+                .map_err(|reason| (format!("lun {}", lun.lun), reason))?;
+        }
+        Ok(target)
+    }
+
+    /// The SCSI core, locked.
+    pub fn core(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A logical unit by LUN index.
+    pub fn lun(&self, index: u16) -> Option<Arc<Lun>> {
+        self.luns
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&index)
+            .cloned()
+    }
+
+    /// Opens and adds a logical unit.
+    pub fn add_lun(&self, config: &config::Lun, stats: Arc<LunStats>) -> Result<(), String> {
+        let lun = Lun::open(config, stats)?;
+        let unit = lun.logical_unit(&self.name);
+        self.core()
+            .device
+            .add_lu(config.lun, unit)
+            .map_err(|e| e.to_string())?;
+        self.luns
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(config.lun, Arc::new(lun));
+        Ok(())
+    }
+
+    /// Removes a logical unit; its tasks are aborted.
+    pub fn remove_lun(&self, index: u16) -> Result<(), String> {
+        let mut core = self.core();
+        core.device.remove_lu(index).map_err(|e| e.to_string())?;
+        let mut local = VecDeque::new();
+        core.drain(0, &mut local);
+        drop(core);
+        self.luns
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&index);
+        Ok(())
+    }
+
+    /// Changes a unit's size (a file grows or shrinks); initiators get CAPACITY DATA HAS
+    /// CHANGED.
+    pub fn resize_lun(&self, index: u16, bytes: u64) -> Result<(), String> {
+        let old = self.lun(index).ok_or(format!("no LUN {index}"))?;
+        let bs = u64::from(old.block_size);
+        if bytes == 0 || bytes % bs != 0 {
+            return Err(format!(
+                "{bytes} is not a non-zero multiple of the block size {bs}"
+            ));
+        }
+        let blocks = bytes / bs;
+        let mut config = old.config.clone();
+        config.size = Some(config::Size(bytes));
+        let storage = match &old.storage {
+            Storage::File(fc) => {
+                let file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&fc.path)
+                    .map_err(|e| format!("{}: {e}", fc.path.display()))?;
+                file.set_len(bytes)
+                    .map_err(|e| format!("{}: {e}", fc.path.display()))?;
+                Storage::File(fc.clone())
+            }
+            Storage::Memory(m) => {
+                let mut fresh = scsi_core::MemoryBackend::new(old.block_size, blocks);
+                let mut buf = vec![0u8; 1 << 20];
+                let guard = m.lock().unwrap_or_else(PoisonError::into_inner);
+                let keep = blocks.min(old.blocks) * bs;
+                let mut at = 0;
+                while at < keep {
+                    let n = (keep - at).min(buf.len() as u64) as usize;
+                    guard.read_bytes(at, &mut buf[..n]);
+                    let op = scsi_core::Op::Write {
+                        lba: at / bs,
+                        blocks: (n as u64 / bs) as u32,
+                        offset: 0,
+                        fua: false,
+                    };
+                    fresh
+                        .execute(&op, &mut buf[..n])
+                        .map_err(|e| e.to_string())?;
+                    at += n as u64;
+                }
+                Storage::Memory(Arc::new(Mutex::new(fresh)))
+            }
+            Storage::Null => Storage::Null,
+        };
+        let lun = Lun {
+            id: next_id(),
+            config,
+            block_size: old.block_size,
+            blocks,
+            storage,
+            stats: old.stats.clone(),
+        };
+        self.luns
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(index, Arc::new(lun));
+        self.core()
+            .device
+            .resize_lu(index, blocks)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Whether `initiator` connecting from `addr` may log in.
+    pub fn admits(&self, initiator: &str, addr: std::net::IpAddr) -> bool {
+        let c = self.config.read().unwrap_or_else(PoisonError::into_inner);
+        let name_ok = c.initiators.is_empty()
+            || c.initiators
+                .iter()
+                .any(|i| i.eq_ignore_ascii_case(initiator));
+        let net_ok = c.networks.is_empty()
+            || c.networks
+                .iter()
+                .filter_map(|n| config::Network::parse(n).ok())
+                .any(|n| n.contains(addr));
+        name_ok && net_ok
+    }
+}
