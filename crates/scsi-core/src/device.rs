@@ -60,19 +60,29 @@ pub(crate) enum OpList {
     Empty,
     One(Op),
     Many(VecDeque<Op>),
+    /// Operations on named units (EXTENDED COPY moves blocks between units).
+    Placed(VecDeque<(u16, Op)>),
 }
 
 impl OpList {
-    fn pop(&mut self) -> Option<Op> {
+    /// The next operation, with its unit when it is not the task's own.
+    fn pop(&mut self) -> Option<(Option<u16>, Op)> {
         match std::mem::take(self) {
             OpList::Empty => None,
-            OpList::One(op) => Some(op),
+            OpList::One(op) => Some((None, op)),
             OpList::Many(mut q) => {
                 let op = q.pop_front();
                 if !q.is_empty() {
                     *self = OpList::Many(q);
                 }
-                op
+                op.map(|op| (None, op))
+            }
+            OpList::Placed(mut q) => {
+                let next = q.pop_front();
+                if !q.is_empty() {
+                    *self = OpList::Placed(q);
+                }
+                next.map(|(lun, op)| (Some(lun), op))
             }
         }
     }
@@ -87,6 +97,13 @@ pub(crate) enum Finish {
     ReadData { len: u32 },
     /// GET LBA STATUS parameter data from the last operation's output.
     LbaStatus { lba: u64, alloc: u32 },
+    /// GOOD after an EXTENDED COPY; with `hold`, its status is kept for RECEIVE COPY RESULTS.
+    Copied {
+        list_id: u8,
+        hold: bool,
+        segments: u16,
+        bytes: u64,
+    },
 }
 
 /// A command that takes a parameter list.
@@ -95,6 +112,7 @@ pub(crate) enum Parameters {
     ModeSelect { ten: bool },
     Unmap,
     PersistentReserveOut { action: u8, scope_type: u8 },
+    ExtendedCopy,
 }
 
 /// What a dispatched command does next.
@@ -142,6 +160,8 @@ pub(crate) struct Task {
     after: Option<AfterData>,
     /// The operation in flight or waiting for its range.
     current: Option<Op>,
+    /// The unit `current` runs on.
+    op_lun: u16,
     output: Output,
 }
 
@@ -183,6 +203,9 @@ pub(crate) struct Lu {
     /// Ranges (start, end) held by write operations in flight.
     locks: Vec<(TaskId, u64, u64)>,
     lock_waiters: VecDeque<TaskId>,
+    /// Results of finished EXTENDED COPY commands held for RECEIVE COPY RESULTS: the nexus,
+    /// the list identifier and the COPY STATUS data, newest last.
+    pub(crate) copies: VecDeque<(ItNexus, u8, [u8; 12])>,
 }
 
 #[derive(Debug)]
@@ -375,6 +398,7 @@ impl Device {
             dormant: 0,
             locks: Vec::new(),
             lock_waiters: VecDeque::new(),
+            copies: VecDeque::new(),
         });
         self.load_reservations(index);
         let luns = self.luns();
@@ -566,6 +590,7 @@ impl Device {
             finish: Finish::Good,
             after: None,
             current: None,
+            op_lun: index.unwrap_or(u16::MAX),
             output: Output::Done,
         };
         let id = match self.free_tasks.pop() {
@@ -801,7 +826,12 @@ impl Device {
     /// Issues the task's next backend operation, or finishes it.
     fn issue_next(&mut self, id: TaskId) {
         let Ok(t) = self.task_mut(id) else { return };
-        let Some(mut op) = t.current.take().or_else(|| t.ops.pop()) else {
+        let op_lun = t.op_lun;
+        let next = match t.current.take() {
+            Some(op) => Some((Some(op_lun), op)),
+            None => t.ops.pop(),
+        };
+        let Some((place, mut op)) = next else {
             let finish = t.finish;
             let output = t.output;
             let reply = match finish {
@@ -825,11 +855,30 @@ impl Device {
                 Finish::LbaStatus { lba, alloc } => Ok(Reply::Data(
                     crate::sbc::lba_status::descriptor(lba, output, alloc),
                 )),
+                Finish::Copied {
+                    list_id,
+                    hold,
+                    segments,
+                    bytes,
+                } => {
+                    if hold {
+                        self.hold_copy_status(id, list_id, segments, bytes);
+                    }
+                    Ok(Reply::Good)
+                }
             };
             return self.complete(id, reply);
         };
-        let lun = t.lun;
-        let lu = self.lu(lun).expect("tasks live on existing units");
+        let lun = place.unwrap_or(t.lun);
+        t.op_lun = lun;
+        let Some(lu) = self.lu(lun) else {
+            // A copy's other unit went away meanwhile.
+            let e = Sense::new(
+                SenseKey::CopyAborted,
+                crate::spc::copy::UNREACHABLE_COPY_TARGET,
+            );
+            return self.complete(id, Err(e.into()));
+        };
         if !lu.unit.geometry.write_cache {
             // Write-through: every write is forced to the medium.
             if let Op::Write { fua, .. }
@@ -905,7 +954,7 @@ impl Device {
         if t.phase != Phase::Backend {
             return Err(DeviceError::WrongPhase);
         }
-        let lun = t.lun;
+        let lun = t.op_lun;
         let op = t.current.take();
         t.phase = Phase::Enabled;
         if op.and_then(|o| o.written_range()).is_some() {
@@ -974,6 +1023,23 @@ impl Device {
         );
     }
 
+    /// Keeps a finished copy's status for RECEIVE COPY RESULTS (the last few per unit).
+    fn hold_copy_status(&mut self, id: TaskId, list_id: u8, segments: u16, bytes: u64) {
+        const HELD: usize = 16;
+        let Ok(t) = self.task(id) else { return };
+        let (lun, nexus) = (t.lun, t.nexus);
+        let Ok(name) = self.nexus(nexus).map(|n| n.name.clone()) else {
+            return;
+        };
+        let Some(lu) = self.lu_mut(lun) else { return };
+        lu.copies.retain(|(n, l, _)| !(n == &name && *l == list_id));
+        if lu.copies.len() == HELD {
+            lu.copies.pop_front();
+        }
+        let status = crate::spc::copy::copy_status(segments, bytes);
+        lu.copies.push_back((name, list_id, status));
+    }
+
     /// Removes a task from the task set, emits its last action, and lets waiting tasks go.
     fn end(&mut self, id: TaskId, last: Action) {
         let slot = &mut self.tasks[id.index as usize];
@@ -981,6 +1047,11 @@ impl Device {
         slot.generation = slot.generation.wrapping_add(1);
         self.free_tasks.push(id.index);
         self.actions.push_back(last);
+        if t.phase == Phase::Locked && t.op_lun != t.lun {
+            if let Some(lu) = self.lu_mut(t.op_lun) {
+                lu.lock_waiters.retain(|&w| w != id);
+            }
+        }
         if let Some(lu) = self.lu_mut(t.lun).filter(|_| t.in_set) {
             lu.live -= 1;
             if matches!(
@@ -992,7 +1063,7 @@ impl Device {
             if t.phase == Phase::Dormant {
                 lu.dormant -= 1;
             }
-            if t.phase == Phase::Locked {
+            if t.phase == Phase::Locked && t.op_lun == t.lun {
                 lu.lock_waiters.retain(|&w| w != id);
             }
             if lu.dormant > 0 {

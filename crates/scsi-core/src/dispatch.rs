@@ -10,7 +10,7 @@ use crate::lu::Geometry;
 use crate::pr::PrError;
 use crate::sbc::{block, capacity, unmap};
 use crate::sense::{Asc, FieldPointer, Sense, SenseKey};
-use crate::spc::{inquiry, log, mode, opcodes, report_luns, tpg};
+use crate::spc::{copy, inquiry, log, mode, opcodes, report_luns, tpg};
 use crate::task::TaskId;
 
 fn internal() -> TaskError {
@@ -360,6 +360,21 @@ impl Device {
                 };
                 self.transfer(id, op, lba, blocks, 12, &g, swp, limits.max_transfer)
             }
+            0x83 => {
+                // EXTENDED COPY (LID1): the opcode table admits service action 00h only.
+                let plen = u32::from_be_bytes(cdb[10..14].try_into().unwrap());
+                self.parameter_list(id, plen, Parameters::ExtendedCopy)
+            }
+            0x84 => {
+                let alloc = u32::from_be_bytes(cdb[10..14].try_into().unwrap()) as usize;
+                let mut d = if cdb[1] & 0x1f == 0x03 {
+                    copy::operating_parameters()
+                } else {
+                    self.held_copy_status(id, cdb[2])?.to_vec()
+                };
+                d.truncate(alloc);
+                Ok(Step::Done(Reply::Data(d)))
+            }
             0x9e if cdb[1] & 0x1f == capacity::SERVICE_ACTION_READ_CAPACITY_16 => {
                 data(capacity::read_capacity16(&g, cdb))
             }
@@ -503,6 +518,20 @@ impl Device {
         })
     }
 
+    /// RECEIVE COPY RESULTS, COPY STATUS: what a finished EXTENDED COPY of this nexus with
+    /// `list_id` left; INVALID FIELD IN CDB when there is none.
+    fn held_copy_status(&self, id: TaskId, list_id: u8) -> Result<[u8; 12], TaskError> {
+        let t = self.task(id).map_err(|_| internal())?;
+        let name = &self.nexus(t.nexus).map_err(|_| internal())?.name;
+        let lu = self.lu(t.lun).ok_or_else(internal)?;
+        lu.copies
+            .iter()
+            .rev()
+            .find(|(n, l, _)| n == name && *l == list_id)
+            .map(|(_, _, status)| *status)
+            .ok_or_else(|| Sense::invalid_field_in_cdb(FieldPointer::cdb(2)).into())
+    }
+
     /// A parameter list has arrived.
     pub(crate) fn parameters(
         &mut self,
@@ -526,6 +555,36 @@ impl Device {
                     self.unit_attention_all(lun, Asc::MODE_PARAMETERS_CHANGED, Some(nexus));
                 }
                 Ok(Step::Done(Reply::Good))
+            }
+            Parameters::ExtendedCopy => {
+                let units: Vec<copy::CopyTarget> = self
+                    .lus
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, lu)| {
+                        let u = &lu.as_ref()?.unit;
+                        Some(copy::CopyTarget {
+                            lun: i as u16,
+                            naa: u.identity.naa,
+                            block_size: u.geometry.block_size,
+                            blocks: u.geometry.blocks,
+                        })
+                    })
+                    .collect();
+                let plan = copy::parse(data, &units)?;
+                let mut bytes = 0u64;
+                for s in &plan.segments {
+                    let dst = self.lu(s.destination.lun).ok_or_else(internal)?;
+                    writable(&dst.unit.geometry, dst.swp)?;
+                    bytes += u64::from(s.blocks) * u64::from(s.source.block_size);
+                }
+                let finish = Finish::Copied {
+                    list_id: plan.list_id,
+                    hold: plan.hold,
+                    segments: plan.segments.len() as u16,
+                    bytes,
+                };
+                Ok(Step::Ops(OpList::Placed(copy::ops(&plan)), finish))
             }
             Parameters::Unmap => {
                 let ranges = unmap::parse(data, &g, &lu.unit.limits)?;

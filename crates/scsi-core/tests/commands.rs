@@ -438,3 +438,118 @@ fn lun_changes_raise_unit_attentions() {
     h.device.remove_lu(5).unwrap();
     check(&h.command(n, 5, &[0; 6], &[], 0), 5, 0x25, 0);
 }
+
+/// An EXTENDED COPY (LID1) parameter list: identification target descriptors naming units by
+/// NAA, then block-to-block segments (source index, destination index, blocks, LBAs).
+fn xcopy_list(list_id: u8, units: &[[u8; 8]], segments: &[(u16, u16, u16, u64, u64)]) -> Vec<u8> {
+    let mut t = Vec::new();
+    for naa in units {
+        let mut d = [0u8; 32];
+        d[0] = 0xe4;
+        d[4] = 0x01;
+        d[5] = 0x03;
+        d[7] = 8;
+        d[8..16].copy_from_slice(naa);
+        d[29..32].copy_from_slice(&512u32.to_be_bytes()[1..]);
+        t.extend_from_slice(&d);
+    }
+    let mut s = Vec::new();
+    for &(src, dst, blocks, from, to) in segments {
+        let mut d = [0u8; 28];
+        d[0] = 0x02;
+        d[3] = 24;
+        d[4..6].copy_from_slice(&src.to_be_bytes());
+        d[6..8].copy_from_slice(&dst.to_be_bytes());
+        d[10..12].copy_from_slice(&blocks.to_be_bytes());
+        d[12..20].copy_from_slice(&from.to_be_bytes());
+        d[20..28].copy_from_slice(&to.to_be_bytes());
+        s.extend_from_slice(&d);
+    }
+    let mut h = vec![0u8; 16];
+    h[0] = list_id;
+    h[2..4].copy_from_slice(&(t.len() as u16).to_be_bytes());
+    h[8..12].copy_from_slice(&(s.len() as u32).to_be_bytes());
+    [h, t, s].concat()
+}
+
+fn xcopy_cdb(len: usize) -> Vec<u8> {
+    let mut c = vec![0u8; 16];
+    c[0] = 0x83;
+    c[10..14].copy_from_slice(&(len as u32).to_be_bytes());
+    c
+}
+
+fn copy_results_cdb(service_action: u8, list_id: u8) -> Vec<u8> {
+    let mut c = vec![0u8; 16];
+    c[0] = 0x84;
+    c[1] = service_action;
+    c[2] = list_id;
+    c[10..14].copy_from_slice(&1024u32.to_be_bytes());
+    c
+}
+
+#[test]
+fn extended_copy_moves_blocks_within_and_between_units_and_reports_status() {
+    let mut h = harness();
+    let n = h.login("iqn.x:a", 1);
+    let naa = |h: &mut scsi_core::testing::Harness, lun: u16| {
+        let mut c = vec![0u8; 6];
+        c[0] = 0x12;
+        c[1] = 1;
+        c[2] = 0x83;
+        c[4] = 255;
+        let id = h.command(n, lun, &c, &[], 255);
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&id.data[8..16]);
+        a
+    };
+    let (naa0, naa1) = (naa(&mut h, 0), naa(&mut h, 1));
+    // 3000 blocks: more than one chunk of the copy's buffer.
+    let data = pattern(3000, 3);
+    good(&h.command(n, 0, &cdb16(0x8a, 0, 0, 3000), &data, 0));
+    // Nothing held yet.
+    check(
+        &h.command(n, 0, &copy_results_cdb(0, 5), &[], 1024),
+        5,
+        0x24,
+        0x00,
+    );
+    // LUN 0 blocks 0.. to LUN 1 blocks 100.., then LUN 0 to itself, overlapping forward.
+    let list = xcopy_list(
+        5,
+        &[naa0, naa1],
+        &[(0, 1, 3000, 0, 100), (0, 0, 3000, 0, 10)],
+    );
+    good(&h.command(n, 0, &xcopy_cdb(list.len()), &list, 0));
+    let r = h.command(n, 1, &cdb16(0x88, 0, 100, 3000), &[], 3000 * 512);
+    assert!(r.data == data, "LUN 1 holds the copy");
+    let r = h.command(n, 0, &cdb16(0x88, 0, 10, 3000), &[], 3000 * 512);
+    assert!(r.data == data, "the overlapping copy on LUN 0 is intact");
+    // The status is held for this nexus and list identifier.
+    let st = h.command(n, 0, &copy_results_cdb(0, 5), &[], 1024);
+    good(&st);
+    assert_eq!(st.data[6], 2, "segments processed");
+    assert_eq!(
+        u32::from_be_bytes(st.data[8..12].try_into().unwrap()),
+        2 * 3000 * 512
+    );
+    let other = h.login("iqn.x:b", 2);
+    check(
+        &h.command(other, 0, &copy_results_cdb(0, 5), &[], 1024),
+        5,
+        0x24,
+        0x00,
+    );
+    let op = h.command(n, 0, &copy_results_cdb(3, 0), &[], 1024);
+    good(&op);
+    assert_eq!(&op.data[44..], &[0x02, 0xe4]);
+    // An empty list does nothing; a unit this target does not have aborts the copy.
+    good(&h.command(n, 0, &xcopy_cdb(0), &[], 0));
+    let list = xcopy_list(6, &[[0x3f; 8]], &[(0, 0, 8, 0, 0)]);
+    check(
+        &h.command(n, 0, &xcopy_cdb(list.len()), &list, 0),
+        0x0a,
+        0x08,
+        0x04,
+    );
+}

@@ -6,7 +6,7 @@ use crate::lu::{LogicalUnit, TargetPort};
 use crate::sense::{FieldPointer, Sense};
 
 /// The VPD pages this logical unit supports, in ascending order.
-pub const SUPPORTED_VPD_PAGES: [u8; 7] = [0x00, 0x80, 0x83, 0x86, 0xb0, 0xb1, 0xb2];
+pub const SUPPORTED_VPD_PAGES: [u8; 8] = [0x00, 0x80, 0x83, 0x86, 0x8f, 0xb0, 0xb1, 0xb2];
 
 /// Version descriptors (SPC-4 table 143): SAM-5, iSCSI (no version claimed), SPC-4, SBC-3.
 const VERSION_DESCRIPTORS: [u16; 4] = [0x00a0, 0x0960, 0x0460, 0x04c0];
@@ -41,7 +41,7 @@ fn standard(lu: &LogicalUnit) -> Vec<u8> {
     b[2] = 0x06; // SPC-4.
     b[3] = 0x10 | 0x02; // HISUP, response data format 2.
     b[4] = (b.len() - 5) as u8;
-    b[5] = 0x10; // TPGS 01b: implicit asymmetric logical unit access.
+    b[5] = 0x10 | 0x08; // TPGS 01b: implicit asymmetric logical unit access; 3PC.
     b[7] = 0x02; // CMDQUE.
     b[8..16].copy_from_slice(&lu.identity.vendor);
     b[16..32].copy_from_slice(&lu.identity.product);
@@ -59,6 +59,7 @@ fn vpd(lu: &LogicalUnit, port: &TargetPort, page: u8) -> Option<Vec<u8>> {
         0x80 => lu.identity.serial.as_bytes().to_vec(),
         0x83 => device_identification(lu, port),
         0x86 => extended_inquiry(lu),
+        0x8f => crate::spc::copy::vpd_page(),
         0xb0 => block_limits(lu),
         0xb1 => {
             let mut b = vec![0u8; 0x3c];
@@ -193,7 +194,7 @@ mod tests {
     fn standard_data() {
         let d = inquiry(&lu(false), &port(), &cdb(false, 0, 255)).unwrap();
         assert_eq!(d.len(), 96);
-        assert_eq!(&d[..8], &[0x00, 0x00, 0x06, 0x12, 91, 0x10, 0x00, 0x02]);
+        assert_eq!(&d[..8], &[0x00, 0x00, 0x06, 0x12, 91, 0x18, 0x00, 0x02]);
         assert_eq!(&d[8..16], b"STGT    ");
         assert_eq!(
             &d[58..66],
@@ -215,7 +216,7 @@ mod tests {
         let pages = inquiry(&l, &port(), &cdb(true, 0x00, 255)).unwrap();
         assert_eq!(
             pages,
-            [&[0x00, 0x00, 0x00, 0x07][..], &SUPPORTED_VPD_PAGES].concat()
+            [&[0x00, 0x00, 0x00, 0x08][..], &SUPPORTED_VPD_PAGES].concat()
         );
         let serial = inquiry(&l, &port(), &cdb(true, 0x80, 255)).unwrap();
         assert_eq!(&serial[4..], l.identity.serial.as_bytes());
