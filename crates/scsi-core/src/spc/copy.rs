@@ -446,7 +446,7 @@ mod tests {
         let units = [unit(0)];
         let t = target(&units[0]);
         let s = segment(0, 0, 8, 0, 100);
-        let full = list(&[t.clone()], &[s.clone()]);
+        let full = list(std::slice::from_ref(&t), std::slice::from_ref(&s));
         // Truncated anywhere: PARAMETER LIST LENGTH ERROR.
         for cut in [8, 16 + 31, full.len() - 1] {
             assert_eq!(
@@ -455,12 +455,12 @@ mod tests {
                 "cut at {cut}"
             );
         }
-        let many_targets = list(&vec![t.clone(); 9], &[s.clone()]);
+        let many_targets = list(&vec![t.clone(); 9], std::slice::from_ref(&s));
         assert_eq!(
             asc(parse(&many_targets, &units).unwrap_err()),
             (SenseKey::IllegalRequest, 0x26, 0x06)
         );
-        let many_segments = list(&[t.clone()], &vec![s.clone(); 65]);
+        let many_segments = list(std::slice::from_ref(&t), &vec![s.clone(); 65]);
         assert_eq!(
             asc(parse(&many_segments, &units).unwrap_err()),
             (SenseKey::IllegalRequest, 0x26, 0x08)
@@ -468,26 +468,26 @@ mod tests {
         let mut fc = t.clone();
         fc[0] = 0xe0;
         assert_eq!(
-            asc(parse(&list(&[fc], &[s.clone()]), &units).unwrap_err()),
+            asc(parse(&list(&[fc], std::slice::from_ref(&s)), &units).unwrap_err()),
             (SenseKey::IllegalRequest, 0x26, 0x07)
         );
         let mut stream = s.clone();
         stream[0] = 0x03;
         assert_eq!(
-            asc(parse(&list(&[t.clone()], &[stream]), &units).unwrap_err()),
+            asc(parse(&list(std::slice::from_ref(&t), &[stream]), &units).unwrap_err()),
             (SenseKey::IllegalRequest, 0x26, 0x09)
         );
-        let bad_index = list(&[t.clone()], &[segment(0, 1, 8, 0, 0)]);
+        let bad_index = list(std::slice::from_ref(&t), &[segment(0, 1, 8, 0, 0)]);
         assert_eq!(
             parse(&bad_index, &units).unwrap_err().key,
             SenseKey::CopyAborted
         );
-        let beyond = list(&[t.clone()], &[segment(0, 0, 8, 0, 9_999)]);
+        let beyond = list(std::slice::from_ref(&t), &[segment(0, 0, 8, 0, 9_999)]);
         assert_eq!(
             parse(&beyond, &units).unwrap_err().key,
             SenseKey::CopyAborted
         );
-        let other = list(&[target(&unit(5))], &[s.clone()]);
+        let other = list(&[target(&unit(5))], std::slice::from_ref(&s));
         assert_eq!(
             asc(parse(&other, &units).unwrap_err()),
             (SenseKey::CopyAborted, 0x08, 0x04)
