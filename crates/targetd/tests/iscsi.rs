@@ -1,0 +1,480 @@
+//! targetd in-process, driven by the project's initiator (crates/initiator-bench) and by raw
+//! PDUs: every R2T path, digests, CHAP, discovery, MC/S across reactors, reinstatement, task
+//! management, NOP timeout, malformed PDUs, and the admin interface.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use common::{config, memory_target, opts, pattern, Daemon, TARGET};
+use initiator_bench::scsi::{cdb, Command};
+use initiator_bench::{discover, Error, LoginOptions, Session};
+use iscsi_pdu::chap::ChapCredentials;
+use iscsi_pdu::negotiation::{AuthMethod, DigestAlgorithm};
+use iscsi_pdu::text::TextParams;
+use iscsi_pdu::{
+    Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, SerialNumber, Stage,
+    TaskManagementFunction, TmfResponse, RESERVED_TAG,
+};
+use targetd::admin::{handle, AdminRequest};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Small bursts so every path is taken with small I/Os: FirstBurstLength 16K, MaxBurstLength
+/// 64K, segments of 8K.
+const SMALL: &str = "max_recv_data_segment_length = 8192\nfirst_burst_length = 16384\n\
+                     max_burst_length = 65536\nmax_outstanding_r2t = 4";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_and_writes_through_every_r2t_path() {
+    let d = Daemon::start(&config(SMALL, &memory_target(TARGET, "")));
+    let sizes = [
+        512usize,
+        8192,
+        16384 - 512,
+        16384 + 512,
+        65536 + 4096,
+        3 * 65536 + 1024,
+    ];
+    let mut seed = 0;
+    for immediate in [true, false] {
+        for initial_r2t in [true, false] {
+            for outstanding in [1u16, 4] {
+                let mut o = opts();
+                o.settings.operational.immediate_data = immediate;
+                o.settings.operational.initial_r2t = initial_r2t;
+                o.settings.operational.max_outstanding_r2t = outstanding;
+                let s = d.session(o).await;
+                let p = s.params().unwrap().operational;
+                assert_eq!((p.immediate_data, p.initial_r2t), (immediate, initial_r2t));
+                for &len in &sizes {
+                    seed += 1;
+                    let data = pattern(len.div_ceil(512) * 512, seed);
+                    let lba = (seed * 512) as u64;
+                    s.write(lba, data.clone(), 512).await.unwrap();
+                    let back = s.read(lba, (data.len() / 512) as u32, 512).await.unwrap();
+                    assert!(
+                        back == data,
+                        "immediate {immediate} initial_r2t {initial_r2t} r2t {outstanding} len {len}"
+                    );
+                }
+                s.logout().await.unwrap();
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn digests_on_every_pdu() {
+    let d = Daemon::start(&config(SMALL, &memory_target(TARGET, "")));
+    let mut o = opts();
+    o.settings.header_digest = vec![DigestAlgorithm::Crc32c];
+    o.settings.data_digest = vec![DigestAlgorithm::Crc32c];
+    let s = d.session(o).await;
+    assert_eq!(s.digests(), Some(Digests::BOTH));
+    let data = pattern(200 * 1024, 3);
+    s.write(10, data.clone(), 512).await.unwrap();
+    assert!(s.read(10, 400, 512).await.unwrap() == data);
+    s.nop().await.unwrap();
+    s.logout().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chap_one_way_and_mutual() {
+    let extra = "chap = { username = \"alice\", secret = \"0123456789ab\" }\n\
+                 mutual_chap = { username = \"target\", secret = \"ba9876543210\" }";
+    let d = Daemon::start(&config("", &memory_target(TARGET, extra)));
+    let creds = |u: &str, s: &str| Some(ChapCredentials::new(u, s.as_bytes(), 1).unwrap());
+    let chap = |o: &mut LoginOptions| o.settings.auth.methods = vec![AuthMethod::Chap];
+    // No CHAP offered: refused.
+    let err = Session::connect(&d.url(TARGET, 0), opts())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::LoginRefused { status, .. } if status == LoginStatus::AUTHENTICATION_FAILURE),
+        "{err}"
+    );
+    // Wrong secret: refused.
+    let mut o = opts();
+    chap(&mut o);
+    o.chap = creds("alice", "wrongwrongwrong");
+    assert!(Session::connect(&d.url(TARGET, 0), o).await.is_err());
+    // One-way.
+    let mut o = opts();
+    chap(&mut o);
+    o.chap = creds("alice", "0123456789ab");
+    let s = Session::connect(&d.url(TARGET, 0), o.clone())
+        .await
+        .unwrap();
+    s.capacity().await.unwrap();
+    s.logout().await.unwrap();
+    // Mutual: the target proves itself.
+    o.mutual_chap = creds("target", "ba9876543210");
+    let s = Session::connect(&d.url(TARGET, 0), o.clone())
+        .await
+        .unwrap();
+    s.logout().await.unwrap();
+    // Mutual with the wrong expectation of the target's secret: the initiator refuses.
+    o.mutual_chap = creds("target", "not-the-secret");
+    assert!(Session::connect(&d.url(TARGET, 0), o).await.is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovery_lists_only_targets_the_initiator_may_reach() {
+    let open = memory_target(TARGET, "");
+    let closed = memory_target(
+        "iqn.2026-11.io.example:closed",
+        "initiators = [\"iqn.2026-11.io.example:someone-else\"]",
+    );
+    let d = Daemon::start(&config("", &format!("{open}\n{closed}")));
+    let found = discover(&d.url(TARGET, 0), &opts()).await.unwrap();
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].name, TARGET);
+    assert_eq!(found[0].addresses, vec![format!("{},1", d.addr)]);
+    // And the closed one refuses the login.
+    let err = Session::connect(&d.url("iqn.2026-11.io.example:closed", 0), opts())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::LoginRefused { status, .. } if status == LoginStatus::AUTHORIZATION_FAILURE),
+        "{err}"
+    );
+    let err = Session::connect(&d.url("iqn.2026-11.io.example:nope", 0), opts())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::LoginRefused { status, .. } if status == LoginStatus::NOT_FOUND),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_of_one_session_on_both_reactors_keep_command_order() {
+    let d = Daemon::start(&config(SMALL, &memory_target(TARGET, "")));
+    let mut o = opts();
+    o.connections = 4;
+    o.settings.operational.max_connections = 4;
+    let s = d.session(o).await;
+    assert_eq!(s.info().connections, 4);
+    let reactors: std::collections::HashSet<usize> = d.shared.sessions.all()[0]
+        .connection_list()
+        .iter()
+        .map(|c| c.reactor)
+        .collect();
+    assert_eq!(reactors.len(), 2, "the session spans both reactors");
+    // The new nexus's POWER ON unit attention goes to the first command.
+    let _ = s
+        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await;
+    // Many commands in flight over all connections: the writes to one block are ordered by
+    // CmdSN, so the last one wins; every block reads back as written.
+    let mut pending = Vec::new();
+    for i in 0..64u32 {
+        let data = pattern(4096, i as usize);
+        let c = Command::write(s.lun(), cdb::write(u64::from(i % 8) * 8, 8), data);
+        pending.push(s.start(c).await.unwrap());
+    }
+    for p in pending {
+        p.wait().await.unwrap().good().unwrap();
+    }
+    for i in 56..64u32 {
+        let back = s.read(u64::from(i % 8) * 8, 8, 512).await.unwrap();
+        assert!(back == pattern(4096, i as usize), "block group {}", i % 8);
+    }
+    s.logout().await.unwrap();
+}
+
+/// A bare connection: login with a fixed ISID and the minimum of keys, then raw PDUs.
+struct Raw {
+    stream: TcpStream,
+    deframer: Deframer,
+    cmd_sn: SerialNumber,
+    tsih: u16,
+}
+
+impl Raw {
+    async fn login(d: &Daemon, isid: [u8; 6], tsih: u16) -> Result<Raw, LoginStatus> {
+        let mut stream = TcpStream::connect(d.addr).await.unwrap();
+        let mut text = TextParams::new();
+        text.push("InitiatorName", "iqn.2026-11.io.example:raw");
+        text.push("TargetName", TARGET);
+        text.push("SessionType", "Normal");
+        text.push("HeaderDigest", "None");
+        text.push("DataDigest", "None");
+        let req = LoginRequest {
+            transit: true,
+            current_stage: Stage::LoginOperationalNegotiation,
+            next_stage: Stage::FullFeaturePhase,
+            isid: Isid(isid),
+            tsih,
+            initiator_task_tag: 1,
+            cmd_sn: SerialNumber(1),
+            data: text.encode(),
+            ..LoginRequest::default()
+        };
+        let mut out = BytesMut::new();
+        Pdu::LoginRequest(req).encode(Digests::NONE, &mut out);
+        stream.write_all(&out).await.unwrap();
+        let mut raw = Raw {
+            stream,
+            deframer: Deframer::new(),
+            cmd_sn: SerialNumber(1),
+            tsih: 0,
+        };
+        match raw.next().await {
+            Some(Pdu::LoginResponse(r)) if r.status == LoginStatus::SUCCESS => {
+                assert!(r.transit && r.next_stage == Stage::FullFeaturePhase);
+                raw.tsih = r.tsih;
+                Ok(raw)
+            }
+            Some(Pdu::LoginResponse(r)) => Err(r.status),
+            other => panic!("login answered with {other:?}"),
+        }
+    }
+
+    async fn send_bytes(&mut self, b: &[u8]) {
+        self.stream.write_all(b).await.unwrap();
+    }
+
+    async fn send(&mut self, pdu: Pdu) {
+        let mut out = BytesMut::new();
+        pdu.encode(Digests::NONE, &mut out);
+        self.send_bytes(&out).await;
+    }
+
+    /// The next PDU, or `None` when the target closed the connection (or said nothing in 10 s).
+    async fn next(&mut self) -> Option<Pdu> {
+        loop {
+            if let Ok(Some(p)) = self.deframer.next_pdu() {
+                return Some(p);
+            }
+            let mut buf = [0u8; 4096];
+            let n = tokio::time::timeout(Duration::from_secs(10), self.stream.read(&mut buf))
+                .await
+                .ok()?
+                .ok()?;
+            if n == 0 {
+                return None;
+            }
+            self.deframer.feed(&buf[..n]);
+        }
+    }
+
+    async fn ping(&mut self, itt: u32) -> bool {
+        self.send(Pdu::NopOut(NopOut {
+            immediate: true,
+            lun: Lun::ZERO,
+            initiator_task_tag: itt,
+            target_transfer_tag: RESERVED_TAG,
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: SerialNumber(0),
+            data: Bytes::from_static(b"ping"),
+        }))
+        .await;
+        loop {
+            match self.next().await {
+                Some(Pdu::NopIn(n)) if n.initiator_task_tag == itt => {
+                    return &n.data[..] == b"ping"
+                }
+                Some(_) => continue,
+                None => return false,
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_pdus_are_rejected_without_harm_to_the_session_or_others() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let bystander = d.session(opts()).await;
+    let mut raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 1], 0).await.unwrap();
+    assert!(raw.ping(7).await);
+    // A reserved opcode: Reject, the session goes on.
+    let mut bhs = [0u8; 48];
+    bhs[0] = 0x1f;
+    bhs[16..20].copy_from_slice(&9u32.to_be_bytes());
+    raw.send_bytes(&bhs).await;
+    match raw.next().await {
+        Some(Pdu::Reject(r)) => assert_eq!(r.rejected_header().unwrap().0[0] & 0x3f, 0x1f),
+        other => panic!("expected a Reject, got {other:?}"),
+    }
+    assert!(raw.ping(8).await);
+    // A Data-Out for no task is dropped; a SNACK at ERL 0 is rejected.
+    let mut snack = [0u8; 48];
+    snack[0] = 0x10;
+    snack[1] = 0x80;
+    raw.send_bytes(&snack).await;
+    assert!(matches!(raw.next().await, Some(Pdu::Reject(_))));
+    assert!(raw.ping(9).await);
+    // A data segment longer than MaxRecvDataSegmentLength closes this connection only.
+    let mut long = [0u8; 48];
+    long[0] = 0x40; // NOP-Out, immediate.
+    long[1] = 0x80;
+    long[5..8].copy_from_slice(&[0xff, 0xff, 0xff]);
+    raw.send_bytes(&long).await;
+    assert!(raw.next().await.is_none(), "the connection closes");
+    // The other session never noticed.
+    bystander.nop().await.unwrap();
+    let data = pattern(4096, 1);
+    bystander.write(0, data.clone(), 512).await.unwrap();
+    assert!(bystander.read(0, 8, 512).await.unwrap() == data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_login_with_the_same_isid_reinstates_the_session() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let isid = [0x80, 1, 2, 3, 4, 5];
+    let mut first = Raw::login(&d, isid, 0).await.unwrap();
+    let old = first.tsih;
+    let mut second = Raw::login(&d, isid, 0).await.unwrap();
+    assert_ne!(second.tsih, old);
+    assert!(
+        first.next().await.is_none(),
+        "the old session's connection is closed"
+    );
+    assert!(second.ping(1).await);
+    // Joining the old session is refused; joining the new one works.
+    assert_eq!(
+        Raw::login(&d, isid, old).await.err(),
+        Some(LoginStatus::SESSION_DOES_NOT_EXIST)
+    );
+    let joined = Raw::login(&d, isid, second.tsih).await;
+    assert!(joined.is_ok(), "a second connection may join");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn task_management() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let s = d.session(opts()).await;
+    let abort = s
+        .task_management(TaskManagementFunction::AbortTask, Some(0x1234))
+        .await
+        .unwrap();
+    assert_eq!(abort, TmfResponse::TaskDoesNotExist);
+    for f in [
+        TaskManagementFunction::AbortTaskSet,
+        TaskManagementFunction::ClearTaskSet,
+        TaskManagementFunction::LogicalUnitReset,
+    ] {
+        assert_eq!(
+            s.task_management(f, None).await.unwrap(),
+            TmfResponse::FunctionComplete
+        );
+    }
+    assert_eq!(
+        s.task_management(TaskManagementFunction::TaskReassign, Some(1))
+            .await
+            .unwrap(),
+        TmfResponse::ReassignmentNotSupported
+    );
+    // The session works after the resets (the unit attention they raised is reported once).
+    let _ = s
+        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await;
+    s.execute_good(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_initiator_that_does_not_answer_pings_is_dropped() {
+    let text = config("", &memory_target(TARGET, ""))
+        .replace("nop_interval = 0", "nop_interval = 1\nnop_timeout = 1");
+    let d = Daemon::start(&text);
+    let mut raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 2], 0).await.unwrap();
+    // The target pings; this initiator never answers, so the target closes the connection.
+    let mut pinged = false;
+    loop {
+        match raw.next().await {
+            Some(Pdu::NopIn(n)) => {
+                assert_eq!(n.initiator_task_tag, RESERVED_TAG);
+                pinged = true;
+            }
+            Some(other) => panic!("unexpected {other:?}"),
+            None => break,
+        }
+    }
+    assert!(pinged);
+    // An initiator that answers stays.
+    let s = d.session(opts()).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    s.nop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_changes_apply_live() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let s = d.session(opts()).await;
+    let (blocks, _) = s.capacity().await.unwrap();
+    assert_eq!(blocks, (64 << 20) / 512);
+    // Resize: the initiator sees CAPACITY DATA HAS CHANGED, then the new size.
+    let r = handle(
+        &d.shared,
+        AdminRequest::LunResize {
+            target: TARGET.into(),
+            lun: 0,
+            size: "128MiB".into(),
+        },
+    );
+    assert!(r.is_ok(), "{r:?}");
+    let ua = s
+        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await
+        .unwrap();
+    let sense = initiator_bench::Sense::parse(&ua.sense.unwrap()).unwrap();
+    assert_eq!((sense.key, sense.asc, sense.ascq), (6, 0x2a, 0x09));
+    assert_eq!(s.capacity().await.unwrap().0, (128 << 20) / 512);
+    // Add a LUN, see it, remove it.
+    let lun: targetd::config::Lun = toml::from_str(
+        "lun = 3\nbackend = \"file\"\npath = \"@DIR@/three.img\"\nsize = \"8MiB\""
+            .replace("@DIR@", &d.dir.path().display().to_string())
+            .as_str(),
+    )
+    .unwrap();
+    handle(
+        &d.shared,
+        AdminRequest::LunAdd {
+            target: TARGET.into(),
+            lun,
+        },
+    )
+    .unwrap();
+    assert!(d.dir.path().join("three.img").exists());
+    let s3 = Session::connect(&d.url(TARGET, 3), opts()).await.unwrap();
+    let data = pattern(4096, 5);
+    s3.write(0, data.clone(), 512).await.unwrap();
+    assert!(s3.read(0, 8, 512).await.unwrap() == data);
+    // The running config holds the changes and parses back.
+    let dump = handle(&d.shared, AdminRequest::ConfigDump).unwrap();
+    let text = dump.as_str().unwrap();
+    let back = targetd::Config::parse(std::path::Path::new("dump"), text).unwrap();
+    assert_eq!(back.targets[0].luns.len(), 2);
+    // Sessions are listed and can be killed.
+    let sessions = handle(&d.shared, AdminRequest::Sessions).unwrap();
+    let tsih = sessions[0]["tsih"].as_u64().unwrap() as u16;
+    handle(&d.shared, AdminRequest::SessionKill { tsih }).unwrap();
+    // Bad changes are refused with the reason.
+    let e = handle(
+        &d.shared,
+        AdminRequest::LunRemove {
+            target: TARGET.into(),
+            lun: 9,
+        },
+    )
+    .unwrap_err();
+    assert!(e.contains("no LUN 9"), "{e}");
+}
+
+#[test]
+fn a_busy_port_is_refused_naming_the_key() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let text = config("", &memory_target(TARGET, ""))
+        .replace("127.0.0.1:0", &taken.local_addr().unwrap().to_string());
+    let dir = tempfile::tempdir().unwrap();
+    let text = text.replace("@SOCKET@", &dir.path().join("s").display().to_string());
+    let c = targetd::Config::parse(std::path::Path::new("t.toml"), &text).unwrap();
+    let e = targetd::Server::start(c, "t.toml".into()).err().unwrap();
+    assert_eq!(e.key, "server.portals[0]");
+    assert!(e.reason.contains("in use"), "{e}");
+}
