@@ -229,6 +229,14 @@ pub struct Settings {
     pub arena: ArenaConfig,
 }
 
+static THREAD_HOOK: std::sync::OnceLock<fn()> = std::sync::OnceLock::new();
+
+/// Runs `hook` first thing on every reactor thread started after this call: a test's counting
+/// allocator uses it to mark the threads whose allocations it counts.
+pub fn on_reactor_thread(hook: fn()) {
+    let _ = THREAD_HOOK.set(hook);
+}
+
 /// Starts reactor `index` on its own thread. Returns once its engine and arena exist, or
 /// with the reason they could not be made.
 pub fn spawn(
@@ -243,6 +251,9 @@ pub fn spawn(
     let thread = std::thread::Builder::new()
         .name(format!("reactor-{index}"))
         .spawn(move || {
+            if let Some(hook) = THREAD_HOOK.get() {
+                hook();
+            }
             let rt = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()

@@ -55,7 +55,7 @@ pub enum Incoming {
         /// The data segment's length.
         len: u32,
         /// The header as received, for a Reject.
-        header: Box<Bhs>,
+        header: Bhs,
     },
 }
 
@@ -117,11 +117,7 @@ impl Reader {
             bare.0[5..8].fill(0);
             let pdu = Pdu::from_header_and_data(&bare, ahs, Bytes::new())
                 .map_err(|e| reject(&e, header))?;
-            return Ok(Incoming::Payload {
-                pdu,
-                len,
-                header: Box::new(header),
-            });
+            return Ok(Incoming::Payload { pdu, len, header });
         }
         let mut data = BytesMut::zeroed(len as usize + padding(len as usize).len());
         self.rd.read_exact(&mut data).await?;
