@@ -3,8 +3,8 @@
 
 use iscsi_pdu::negotiation::Negotiator;
 use iscsi_pdu::{
-    Digests, LogoutResponse, LogoutResponseCode, NopIn, Pdu, Reject, RejectReason, SerialNumber,
-    RESERVED_TAG,
+    Bhs, Digests, LogoutResponse, LogoutResponseCode, NopIn, Pdu, Reject, RejectReason,
+    SerialNumber, RESERVED_TAG,
 };
 
 use super::connection::wait_for;
@@ -42,33 +42,35 @@ pub async fn serve(
             _ = wait_for(&peer.control, Request::Logout) => return,
         };
         let pdu = match incoming {
-            Ok(Incoming::Whole(p)) => p,
+            Ok(Incoming::Whole(p)) => Ok(p),
             Ok(Incoming::Payload { len, header, .. }) => {
+                // SCSI commands and Data-Out have no place in a discovery session.
                 if reader.discard(len).await.is_err() {
                     return;
                 }
-                let mut r = Reject::of(RejectReason::ProtocolError, &header);
-                r.stat_sn = stat_sn;
-                stat_sn = stat_sn.next();
-                (r.exp_cmd_sn, r.max_cmd_sn) = (exp_cmd_sn, exp_cmd_sn + (window - 1));
-                if writer.send_pdu(Pdu::Reject(r)).await.is_err() {
-                    return;
-                }
-                continue;
+                Err((RejectReason::ProtocolError, header))
             }
-            Err(ReadError::Reject { reason, header }) => {
-                let mut r = Reject::of(reason, &header);
-                r.stat_sn = stat_sn;
-                stat_sn = stat_sn.next();
-                (r.exp_cmd_sn, r.max_cmd_sn) = (exp_cmd_sn, exp_cmd_sn + (window - 1));
-                if writer.send_pdu(Pdu::Reject(r)).await.is_err() {
-                    return;
-                }
-                continue;
-            }
+            Err(ReadError::Reject { reason, header }) => Err((reason, *header)),
             Err(e) => {
                 tracing::debug!(peer = %peer.addr, "discovery session ends: {e}");
                 return;
+            }
+        };
+        let pdu = match pdu {
+            Ok(p) => p,
+            Err((reason, header)) => {
+                let r = reject(
+                    reason,
+                    &header,
+                    stat_sn,
+                    exp_cmd_sn,
+                    exp_cmd_sn + (window - 1),
+                );
+                stat_sn = stat_sn.next();
+                if writer.send_pdu(r).await.is_err() {
+                    return;
+                }
+                continue;
             }
         };
         let (immediate, cmd_sn) = match &pdu {
@@ -97,7 +99,7 @@ pub async fn serve(
                     Err(reason) => (
                         reject(
                             reason,
-                            &Pdu::TextRequest(t),
+                            &Pdu::TextRequest(t).bhs(),
                             stat_sn,
                             exp_cmd_sn,
                             max_cmd_sn,
@@ -138,7 +140,7 @@ pub async fn serve(
             other => (
                 reject(
                     RejectReason::ProtocolError,
-                    &other,
+                    &other.bhs(),
                     stat_sn,
                     exp_cmd_sn,
                     max_cmd_sn,
@@ -156,12 +158,12 @@ pub async fn serve(
 
 fn reject(
     reason: RejectReason,
-    pdu: &Pdu,
+    header: &Bhs,
     stat_sn: SerialNumber,
     exp_cmd_sn: SerialNumber,
     max_cmd_sn: SerialNumber,
 ) -> Pdu {
-    let mut r = Reject::of(reason, &pdu.bhs());
+    let mut r = Reject::of(reason, header);
     r.stat_sn = stat_sn;
     r.exp_cmd_sn = exp_cmd_sn;
     r.max_cmd_sn = max_cmd_sn;
