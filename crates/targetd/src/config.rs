@@ -129,6 +129,12 @@ pub struct Iscsi {
     pub header_digest: Vec<String>,
     /// DataDigest values, in preference order.
     pub data_digest: Vec<String>,
+    /// CHAP an initiator must pass to open a discovery session; open when absent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub discovery_chap: Option<Chap>,
+    /// The target's own CHAP credentials for mutual CHAP in discovery sessions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub discovery_mutual_chap: Option<Chap>,
 }
 
 impl Default for Iscsi {
@@ -144,6 +150,8 @@ impl Default for Iscsi {
             cmdsn_window: 128,
             header_digest: vec!["None".into(), "CRC32C".into()],
             data_digest: vec!["None".into(), "CRC32C".into()],
+            discovery_chap: None,
+            discovery_mutual_chap: None,
         }
     }
 }
@@ -387,36 +395,11 @@ impl Config {
                     return fail(&key(&format!("networks[{i}]")), reason);
                 }
             }
-            for (k, chap) in [("chap", &target.chap), ("mutual_chap", &target.mutual_chap)] {
-                if let Some(c) = chap {
-                    if c.username.is_empty() {
-                        return fail(&key(&format!("{k}.username")), "must not be empty".into());
-                    }
-                    // RFC 7143 section 12.1.3: at least 96 bits when not random; many
-                    // initiators (Windows, VMware) also cap it at 16 bytes.
-                    if !(12..=16).contains(&c.secret.len()) {
-                        return fail(
-                            &key(&format!("{k}.secret")),
-                            format!("{} bytes: must be 12 to 16", c.secret.len()),
-                        );
-                    }
-                }
-            }
-            match (&target.chap, &target.mutual_chap) {
-                (None, Some(_)) => {
-                    return fail(
-                        &key("mutual_chap"),
-                        "needs chap (the initiator authenticates first)".into(),
-                    )
-                }
-                (Some(a), Some(b)) if a.secret == b.secret => {
-                    return fail(
-                        &key("mutual_chap.secret"),
-                        "must differ from chap.secret (RFC 7143 section 12.1.3)".into(),
-                    )
-                }
-                _ => {}
-            }
+            check_chap(
+                &format!("targets[{t}]."),
+                ("chap", &target.chap),
+                ("mutual_chap", &target.mutual_chap),
+            )?;
             let mut luns = HashSet::new();
             for (l, lun) in target.luns.iter().enumerate() {
                 let key = |k: &str| format!("targets[{t}].luns[{l}].{k}");
@@ -489,6 +472,11 @@ impl Config {
 
     fn validate_iscsi(&self) -> Result<(), (String, String)> {
         let i = &self.iscsi;
+        check_chap(
+            "iscsi.",
+            ("discovery_chap", &i.discovery_chap),
+            ("discovery_mutual_chap", &i.discovery_mutual_chap),
+        )?;
         for (k, list) in [
             ("header_digest", &i.header_digest),
             ("data_digest", &i.data_digest),
@@ -526,6 +514,44 @@ impl Config {
             };
             (format!("iscsi.{key}"), e.reason)
         })
+    }
+}
+
+/// Checks a CHAP pair: each secret 12 to 16 bytes (RFC 7143 section 12.1.3 asks for at least
+/// 96 bits; Windows and VMware initiators cap it at 16 bytes), mutual CHAP only with CHAP and
+/// with a different secret. `prefix` and the names make the keys of the messages.
+fn check_chap(
+    prefix: &str,
+    one_way: (&str, &Option<Chap>),
+    mutual: (&str, &Option<Chap>),
+) -> Result<(), (String, String)> {
+    let key = |k: &str| format!("{prefix}{k}");
+    for (k, chap) in [one_way, mutual] {
+        if let Some(c) = chap {
+            if c.username.is_empty() {
+                return Err((key(&format!("{k}.username")), "must not be empty".into()));
+            }
+            if !(12..=16).contains(&c.secret.len()) {
+                return Err((
+                    key(&format!("{k}.secret")),
+                    format!("{} bytes: must be 12 to 16", c.secret.len()),
+                ));
+            }
+        }
+    }
+    match (one_way.1, mutual.1) {
+        (None, Some(_)) => Err((
+            key(mutual.0),
+            format!("needs {} (the initiator authenticates first)", one_way.0),
+        )),
+        (Some(a), Some(b)) if a.secret == b.secret => Err((
+            key(&format!("{}.secret", mutual.0)),
+            format!(
+                "must differ from {}.secret (RFC 7143 section 12.1.3)",
+                one_way.0
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -672,6 +698,8 @@ size = "1GiB"
             (GOOD.replace("[[targets.luns]]", "chap = { username = \"u\", secret = \"short\" }\n[[targets.luns]]"), "targets[0].chap.secret"),
             (GOOD.replace("[[targets.luns]]", "mutual_chap = { username = \"t\", secret = \"0123456789ab\" }\n[[targets.luns]]"), "needs chap"),
             (GOOD.replace("[[targets.luns]]", "chap = { username = \"u\", secret = \"0123456789ab\" }\nmutual_chap = { username = \"t\", secret = \"0123456789ab\" }\n[[targets.luns]]"), "must differ"),
+            (GOOD.replace("[[targets]]", "[iscsi]\ndiscovery_chap = { username = \"\", secret = \"0123456789ab\" }\n\n[[targets]]"), "iscsi.discovery_chap.username"),
+            (GOOD.replace("[[targets]]", "[iscsi]\ndiscovery_mutual_chap = { username = \"t\", secret = \"0123456789ab\" }\n\n[[targets]]"), "iscsi.discovery_mutual_chap: needs discovery_chap"),
             (GOOD.replace("[[targets.luns]]", "networks = [\"10.0.0.0/33\"]\n[[targets.luns]]"), "targets[0].networks[0]"),
             (GOOD.replace("[[targets.luns]]", "initiators = [\"bob\"]\n[[targets.luns]]"), "targets[0].initiators[0]"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "engine = \"aio\""), "server.engine"),

@@ -121,6 +121,20 @@ async fn chap_one_way_and_mutual() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn discovery_with_chap() {
+    let iscsi = "discovery_chap = { username = \"finder\", secret = \"0123456789ab\" }";
+    let d = Daemon::start(&config(iscsi, &memory_target(TARGET, "")));
+    assert!(discover(&d.url(TARGET, 0), &opts()).await.is_err());
+    let mut o = opts();
+    o.settings.auth.methods = vec![AuthMethod::Chap];
+    o.chap = Some(ChapCredentials::new("finder", &b"0123456789ab"[..], 1).unwrap());
+    let found = discover(&d.url(TARGET, 0), &o).await.unwrap();
+    assert_eq!(found[0].name, TARGET);
+    // The target itself has no CHAP: a normal session logs in without.
+    d.session(opts()).await.logout().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn discovery_lists_only_targets_the_initiator_may_reach() {
     let open = memory_target(TARGET, "");
     let closed = memory_target(
@@ -191,17 +205,28 @@ struct Raw {
     deframer: Deframer,
     cmd_sn: SerialNumber,
     tsih: u16,
+    digests: Digests,
 }
 
 impl Raw {
     async fn login(d: &Daemon, isid: [u8; 6], tsih: u16) -> Result<Raw, LoginStatus> {
+        Raw::login_with(d, isid, tsih, Digests::NONE).await
+    }
+
+    async fn login_with(
+        d: &Daemon,
+        isid: [u8; 6],
+        tsih: u16,
+        digests: Digests,
+    ) -> Result<Raw, LoginStatus> {
         let mut stream = TcpStream::connect(d.addr).await.unwrap();
         let mut text = TextParams::new();
         text.push("InitiatorName", "iqn.2026-11.io.example:raw");
         text.push("TargetName", TARGET);
         text.push("SessionType", "Normal");
-        text.push("HeaderDigest", "None");
-        text.push("DataDigest", "None");
+        let digest = |on: bool| if on { "CRC32C" } else { "None" };
+        text.push("HeaderDigest", digest(digests.header));
+        text.push("DataDigest", digest(digests.data));
         let req = LoginRequest {
             transit: true,
             current_stage: Stage::LoginOperationalNegotiation,
@@ -221,11 +246,13 @@ impl Raw {
             deframer: Deframer::new(),
             cmd_sn: SerialNumber(1),
             tsih: 0,
+            digests,
         };
         match raw.next().await {
             Some(Pdu::LoginResponse(r)) if r.status == LoginStatus::SUCCESS => {
                 assert!(r.transit && r.next_stage == Stage::FullFeaturePhase);
                 raw.tsih = r.tsih;
+                raw.deframer.set_digests(digests);
                 Ok(raw)
             }
             Some(Pdu::LoginResponse(r)) => Err(r.status),
@@ -239,7 +266,7 @@ impl Raw {
 
     async fn send(&mut self, pdu: Pdu) {
         let mut out = BytesMut::new();
-        pdu.encode(Digests::NONE, &mut out);
+        pdu.encode(self.digests, &mut out);
         self.send_bytes(&out).await;
     }
 
@@ -319,6 +346,53 @@ async fn malformed_pdus_are_rejected_without_harm_to_the_session_or_others() {
     let data = pattern(4096, 1);
     bystander.write(0, data.clone(), 512).await.unwrap();
     assert!(bystander.read(0, 8, 512).await.unwrap() == data);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn digest_errors_at_error_recovery_level_0() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let mut raw = Raw::login_with(&d, [0x80, 0, 0, 0, 0, 3], 0, Digests::BOTH)
+        .await
+        .unwrap();
+    assert!(raw.ping(1).await);
+    // A WRITE whose immediate data fails its digest: Rejected, the command discarded, its
+    // CmdSN not taken (the initiator plugs the gap by sending it again).
+    let write = |itt: u32, cmd_sn: u32| {
+        Pdu::ScsiCommand(iscsi_pdu::ScsiCommand {
+            final_bit: true,
+            write: true,
+            lun: Lun::ZERO,
+            initiator_task_tag: itt,
+            expected_data_transfer_length: 512,
+            cmd_sn: SerialNumber(cmd_sn),
+            cdb: cdb::write(0, 1),
+            data: pattern(512, 9),
+            ..iscsi_pdu::ScsiCommand::default()
+        })
+    };
+    let mut out = BytesMut::new();
+    write(5, 1).encode(Digests::BOTH, &mut out);
+    let n = out.len();
+    out[n - 1] ^= 0xff;
+    raw.send_bytes(&out).await;
+    match raw.next().await {
+        Some(Pdu::Reject(r)) => assert_eq!(r.reason, iscsi_pdu::RejectReason::DataDigestError),
+        other => panic!("expected a Reject, got {other:?}"),
+    }
+    raw.send(write(6, 1)).await;
+    loop {
+        match raw.next().await {
+            Some(Pdu::ScsiResponse(r)) if r.initiator_task_tag == 6 => break,
+            Some(_) => continue,
+            None => panic!("the connection closed"),
+        }
+    }
+    // A header digest error: nothing after it can be trusted, the connection closes.
+    let mut out = BytesMut::new();
+    write(7, 2).encode(Digests::BOTH, &mut out);
+    out[50] ^= 0xff;
+    raw.send_bytes(&out).await;
+    assert!(raw.next().await.is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -450,6 +524,11 @@ async fn admin_changes_apply_live() {
     let text = dump.as_str().unwrap();
     let back = targetd::Config::parse(std::path::Path::new("dump"), text).unwrap();
     assert_eq!(back.targets[0].luns.len(), 2);
+    // The metrics endpoint's text counts what was done.
+    let metrics = targetd::admin::metrics_text(&d.shared);
+    assert!(metrics.contains("targetd_sessions 2"), "{metrics}");
+    let writes = format!("targetd_lun_write_commands_total{{target=\"{TARGET}\",lun=\"3\"}} 1");
+    assert!(metrics.contains(&writes), "{metrics}");
     // Sessions are listed and can be killed.
     let sessions = handle(&d.shared, AdminRequest::Sessions).unwrap();
     let tsih = sessions[0]["tsih"].as_u64().unwrap() as u16;

@@ -305,17 +305,17 @@ fn start(
             .config
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(chap) = &c.chap {
-            settings.auth.methods = vec![AuthMethod::Chap];
-            settings.auth.peer =
-                ChapCredentials::new(&chap.username, chap.secret.as_bytes(), 1).ok();
-            settings.auth.local = c
-                .mutual_chap
-                .as_ref()
-                .and_then(|m| ChapCredentials::new(&m.username, m.secret.as_bytes(), 1).ok());
-        }
+        require_chap(&mut settings, c.chap.as_ref(), c.mutual_chap.as_ref());
         drop(c);
         st.target = Some(target);
+    } else {
+        let c = shared.config();
+        let i = &c.iscsi;
+        require_chap(
+            &mut settings,
+            i.discovery_chap.as_ref(),
+            i.discovery_mutual_chap.as_ref(),
+        );
     }
     Ok(Negotiator::new(
         Role::Target,
@@ -323,6 +323,21 @@ fn start(
         req.tsih == 0,
         entropy(),
     ))
+}
+
+/// Makes CHAP the only AuthMethod when `chap` is configured: the initiator proves `chap`, and
+/// the target proves `mutual` when the initiator asks.
+fn require_chap(
+    settings: &mut iscsi_pdu::negotiation::Settings,
+    chap: Option<&crate::config::Chap>,
+    mutual: Option<&crate::config::Chap>,
+) {
+    let Some(chap) = chap else { return };
+    let creds =
+        |c: &crate::config::Chap| ChapCredentials::new(&c.username, c.secret.as_bytes(), 1).ok();
+    settings.auth.methods = vec![AuthMethod::Chap];
+    settings.auth.peer = creds(chap);
+    settings.auth.local = mutual.and_then(creds);
 }
 
 fn refuse(
