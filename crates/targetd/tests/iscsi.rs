@@ -452,6 +452,68 @@ async fn task_management() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_task_ends_a_write_waiting_for_its_data() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    // The raw login proposes nothing: InitialR2T stays Yes, so a WRITE without immediate data
+    // waits for an R2T's Data-Out.
+    let mut raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 4], 0).await.unwrap();
+    let write = |itt: u32, cmd_sn: u32| {
+        Pdu::ScsiCommand(iscsi_pdu::ScsiCommand {
+            final_bit: true,
+            write: true,
+            lun: Lun::ZERO,
+            initiator_task_tag: itt,
+            expected_data_transfer_length: 4096,
+            cmd_sn: SerialNumber(cmd_sn),
+            cdb: cdb::write(0, 8),
+            ..iscsi_pdu::ScsiCommand::default()
+        })
+    };
+    // The first command collects the POWER ON unit attention.
+    raw.send(write(1, 1)).await;
+    loop {
+        match raw.next().await {
+            Some(Pdu::ScsiResponse(r)) if r.initiator_task_tag == 1 => break,
+            Some(_) => continue,
+            None => panic!("closed"),
+        }
+    }
+    raw.send(write(2, 2)).await;
+    match raw.next().await {
+        Some(Pdu::ReadyToTransfer(r)) => assert_eq!(r.initiator_task_tag, 2),
+        other => panic!("expected an R2T, got {other:?}"),
+    }
+    raw.send(Pdu::TaskManagementRequest(
+        iscsi_pdu::TaskManagementRequest {
+            immediate: true,
+            function: TaskManagementFunction::AbortTask,
+            lun: Lun::ZERO,
+            initiator_task_tag: 3,
+            referenced_task_tag: 2,
+            cmd_sn: SerialNumber(3),
+            exp_stat_sn: SerialNumber(0),
+            ref_cmd_sn: SerialNumber(2),
+            exp_data_sn: 0,
+        },
+    ))
+    .await;
+    match raw.next().await {
+        Some(Pdu::TaskManagementResponse(r)) => {
+            assert_eq!(r.initiator_task_tag, 3);
+            assert_eq!(r.response, TmfResponse::FunctionComplete);
+        }
+        other => panic!("expected the TMF response, got {other:?}"),
+    }
+    // The aborted write gets no response, and the session carries on.
+    assert!(raw.ping(4).await);
+    raw.send(write(5, 3)).await;
+    match raw.next().await {
+        Some(Pdu::ReadyToTransfer(r)) => assert_eq!(r.initiator_task_tag, 5),
+        other => panic!("expected an R2T for the next write, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_initiator_that_does_not_answer_pings_is_dropped() {
     let text = config("", &memory_target(TARGET, ""))
         .replace("nop_interval = 0", "nop_interval = 1\nnop_timeout = 2");
