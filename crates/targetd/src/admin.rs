@@ -270,11 +270,7 @@ fn targets(shared: &Shared) -> Value {
             .targets()
             .iter()
             .map(|t| {
-                let luns: Vec<u16> = t
-                    .luns
-                    .read()
-                    .map(|l| l.keys().copied().collect())
-                    .unwrap_or_default();
+                let luns: Vec<u16> = t.lun_list().iter().map(|l| l.config.lun).collect();
                 json!({
                     "name": t.name,
                     "luns": luns,
@@ -297,12 +293,7 @@ fn luns(shared: &Shared, target: Option<&str>) -> Result<Value, String> {
         .iter()
         .filter(|t| target.is_none_or(|n| t.name.eq_ignore_ascii_case(n)))
     {
-        for lun in t
-            .luns
-            .read()
-            .map(|l| l.values().cloned().collect::<Vec<_>>())
-            .unwrap_or_default()
-        {
+        for lun in t.lun_list() {
             let c = &lun.config;
             out.push(json!({
                 "target": t.name,
@@ -376,12 +367,7 @@ fn sessions(shared: &Shared) -> Value {
 fn stats(shared: &Shared) -> Value {
     let mut out = Vec::new();
     for t in shared.targets() {
-        for lun in t
-            .luns
-            .read()
-            .map(|l| l.values().cloned().collect::<Vec<_>>())
-            .unwrap_or_default()
-        {
+        for lun in t.lun_list() {
             let s = &lun.stats;
             out.push(json!({
                 "target": t.name,

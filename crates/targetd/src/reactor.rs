@@ -51,7 +51,6 @@ struct OpenLun {
 struct InFlight {
     inbox: Rc<Inbox>,
     task: TaskId,
-    lun: u64,
 }
 
 /// The per-reactor I/O state connections share.
@@ -136,7 +135,6 @@ impl Io {
         let token = self.in_flight.borrow_mut().insert(InFlight {
             inbox: inbox.clone(),
             task,
-            lun: lun.id,
         });
         open.in_flight += 1;
         open.backend.submit(token as u64, op, buffer);
@@ -176,7 +174,6 @@ impl Io {
                 let Some(f) = self.in_flight.borrow_mut().remove(token as usize) else {
                     continue;
                 };
-                debug_assert_eq!(f.lun, open.lun.upgrade().map_or(f.lun, |l| l.id));
                 f.inbox.done.borrow_mut().push_back(Done {
                     task: f.task,
                     result,

@@ -449,12 +449,7 @@ impl Server {
 /// Makes every file-backed unit's writes durable before exit.
 fn flush(shared: &Shared) {
     for t in shared.targets() {
-        for lun in t
-            .luns
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .values()
-        {
+        for lun in t.lun_list() {
             if let crate::target::Storage::File(fc) = &lun.storage {
                 let r = std::fs::OpenOptions::new()
                     .read(true)

@@ -323,6 +323,16 @@ impl Target {
             .cloned()
     }
 
+    /// Every logical unit, by LUN.
+    pub fn lun_list(&self) -> Vec<Arc<Lun>> {
+        self.luns
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
+    }
+
     /// Opens and adds a logical unit.
     pub fn add_lun(&self, config: &config::Lun, stats: Arc<LunStats>) -> Result<(), String> {
         let lun = Lun::open(config, stats)?;

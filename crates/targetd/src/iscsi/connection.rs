@@ -371,7 +371,7 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
                             .payload(&mut buffer[at..at + len as usize], &header)
                             .await;
                         match r {
-                            Ok(()) => conn.borrow_mut().data_out(&d, len, buffer),
+                            Ok(()) => conn.borrow_mut().data_out(&d, len, Some(buffer)),
                             Err(ReadError::Reject { reason, header }) => conn
                                 .borrow_mut()
                                 .data_digest_error(&d, buffer, reason, &header),
@@ -583,14 +583,7 @@ impl Conn {
         if too_big {
             // More than one command may move: refuse it in order, as the core would.
             if self.take_cmd_sn(cmd.immediate, cmd.cmd_sn) {
-                let sense = Sense::new(SenseKey::IllegalRequest, Asc::INVALID_FIELD_IN_CDB);
-                self.finish(
-                    itt,
-                    Status::CheckCondition,
-                    Some(sense.fixed()),
-                    DataIn::None,
-                    Residual::None,
-                );
+                self.check_condition(itt, SenseKey::IllegalRequest, Asc::INVALID_FIELD_IN_CDB);
             } else {
                 self.tasks.remove(&itt);
             }
@@ -631,12 +624,15 @@ impl Conn {
         Some(b)
     }
 
-    fn data_out(&mut self, d: &DataOut, len: u32, buffer: Buffer) {
+    /// A Data-Out has arrived: its payload (if any) is in `buffer`, which goes back to the task.
+    fn data_out(&mut self, d: &DataOut, len: u32, buffer: Option<Buffer>) {
         let itt = d.initiator_task_tag;
         let Some(t) = self.tasks.get_mut(&itt) else {
             return;
         };
-        t.buffer = Some(buffer);
+        if buffer.is_some() {
+            t.buffer = buffer;
+        }
         if !self.in_sequence(d) {
             // At ErrorRecoveryLevel 0 a lost or repeated Data-Out cannot be asked for again.
             let header = Pdu::DataOut(d.clone()).bhs();
@@ -856,14 +852,7 @@ impl Conn {
                 let Some(itt) = self.itt_of(task) else { return };
                 let failed = self.tasks.get(&itt).and_then(|t| t.failed);
                 if let Some(asc) = failed {
-                    let sense = Sense::new(SenseKey::AbortedCommand, asc);
-                    self.finish(
-                        itt,
-                        Status::CheckCondition,
-                        Some(sense.fixed()),
-                        DataIn::None,
-                        Residual::None,
-                    );
+                    self.check_condition(itt, SenseKey::AbortedCommand, asc);
                 } else {
                     self.forget(itt);
                 }
@@ -1053,6 +1042,18 @@ impl Conn {
         self.out.push(Outgoing::Pdu(Pdu::ScsiResponse(r)));
     }
 
+    /// Ends a task the transport itself refuses: CHECK CONDITION with this sense, no data.
+    fn check_condition(&mut self, itt: u32, key: SenseKey, asc: Asc) {
+        let sense = Sense::new(key, asc).fixed();
+        self.finish(
+            itt,
+            Status::CheckCondition,
+            Some(sense),
+            DataIn::None,
+            Residual::None,
+        );
+    }
+
     fn account(&self, t: &Task, status: Status) {
         let Some(lun) = t.lun.index().and_then(|i| self.target.lun(i)) else {
             return;
@@ -1106,17 +1107,8 @@ impl Conn {
             }
             Pdu::LogoutRequest(l) => self.logout(l),
             Pdu::SnackRequest(_) => self.reject_pdu(RejectReason::SnackReject, &pdu),
-            Pdu::DataOut(d) => {
-                // A Data-Out without data.
-                if let Some(t) = self.tasks.get_mut(&d.initiator_task_tag) {
-                    if d.target_transfer_tag != RESERVED_TAG && d.final_bit {
-                        t.outstanding_r2t = t.outstanding_r2t.saturating_sub(1);
-                        let itt = d.initiator_task_tag;
-                        self.solicit(itt);
-                        self.deliver_data(itt);
-                    }
-                }
-            }
+            // A Data-Out without data (with data it comes as a payload).
+            Pdu::DataOut(d) => self.data_out(&d, 0, None),
             Pdu::LoginRequest(_) => self.reject_pdu(RejectReason::ProtocolError, &pdu),
             other => self.reject_pdu(RejectReason::CommandNotSupported, &other),
         }

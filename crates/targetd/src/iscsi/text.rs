@@ -2,7 +2,7 @@
 //! with long requests reassembled and long responses continued under a Target Transfer Tag.
 
 use bytes::Bytes;
-use iscsi_pdu::negotiation::{NegotiationError, Negotiator};
+use iscsi_pdu::negotiation::Negotiator;
 use iscsi_pdu::text::{split_text, TextParams, TextReassembler};
 use iscsi_pdu::{RejectReason, Stage, TextRequest, TextResponse, RESERVED_TAG};
 
@@ -70,7 +70,6 @@ impl TextExchange {
         };
         match negotiator.receive(Stage::FullFeaturePhase, &params) {
             Ok(answers) => out.extend(answers),
-            Err(NegotiationError::Text(_)) => return Err(RejectReason::ProtocolError),
             Err(e) => {
                 tracing::debug!("text negotiation: {e}");
                 return Err(RejectReason::ProtocolError);

@@ -270,7 +270,6 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
     ) -> io::Result<()> {
         self.headers.clear();
         self.segs.clear();
-        let digests = self.digests;
         for (i, item) in items.iter().enumerate() {
             match item {
                 Outgoing::Pdu(pdu) => {
@@ -310,7 +309,6 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
                 }
             }
         }
-        let _ = digests;
         self.flush(items).await
     }
 
