@@ -514,6 +514,17 @@ impl std::ops::DerefMut for Buffer {
     }
 }
 
+/// The task layer of scsi-core holds a task's data in a buffer of this arena.
+impl scsi_core::transport::TaskBuffer for Buffer {
+    fn capacity(&self) -> usize {
+        Buffer::capacity(self)
+    }
+
+    fn set_len(&mut self, len: usize) {
+        Buffer::set_len(self, len);
+    }
+}
+
 impl Drop for Buffer {
     fn drop(&mut self) {
         if self.count > 0 {

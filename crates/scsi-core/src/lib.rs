@@ -26,6 +26,7 @@ pub mod sense;
 pub mod spc;
 pub mod task;
 pub mod testing;
+pub mod transport;
 
 pub use backend::{Backend, BackendError, MemoryBackend, Op, Output};
 pub use cdb::BlockIo;

@@ -619,3 +619,42 @@ fn a_busy_port_is_refused_naming_the_key() {
     assert_eq!(e.key, "server.portals[0]");
     assert!(e.reason.contains("in use"), "{e}");
 }
+
+/// Eight concurrent 16 MiB reads need twice a reactor's 64 MiB arena: the later ones wait for
+/// buffers in arrival order and are woken as earlier ones return theirs (no polling), and
+/// every read returns what was written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_beyond_the_arena_wait_for_buffers() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let s = d.session(opts()).await;
+    const CHUNK: usize = 16 << 20;
+    let blocks = (CHUNK / 512) as u32;
+    for i in 0..4 {
+        let data = pattern(CHUNK, 1000 + i);
+        s.write((i * CHUNK / 512) as u64, data, 512).await.unwrap();
+    }
+    let reads = (0..8).map(|n| {
+        let s = &s;
+        async move {
+            let i = n % 4;
+            let back = s.read((i * CHUNK / 512) as u64, blocks, 512).await.unwrap();
+            assert!(back == pattern(CHUNK, 1000 + i), "read {n} of chunk {i}");
+        }
+    });
+    futures_join_all(reads).await;
+    s.logout().await.unwrap();
+}
+
+/// Runs futures concurrently on this task (the initiator's session is shared by reference).
+async fn futures_join_all<F: std::future::Future<Output = ()>>(fs: impl Iterator<Item = F>) {
+    let mut set: Vec<std::pin::Pin<Box<F>>> = fs.map(Box::pin).collect();
+    std::future::poll_fn(|cx| {
+        set.retain_mut(|f| f.as_mut().poll(cx).is_pending());
+        if set.is_empty() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+}

@@ -21,9 +21,9 @@ use iscsi_pdu::{
     RejectReason, ScsiCommand, ScsiResponse, ScsiStatus, SerialNumber, TaskManagementFunction,
     TaskManagementRequest, TaskManagementResponse, TmfResponse as IscsiTmfResponse, RESERVED_TAG,
 };
+use scsi_core::transport::{Accounting, Completion, NewTask, Request as TaskRequest, TaskTable};
 use scsi_core::{
-    Action, Asc, DataIn, Op, Residual, Sense, SenseBytes, SenseKey, Status, TaskAttribute, TaskId,
-    TmfFunction, TmfResponse,
+    Action, Asc, DataIn, Op, Residual, SenseKey, TaskAttribute, TaskId, TmfFunction, TmfResponse,
 };
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
@@ -104,33 +104,20 @@ pub async fn wait_for(control: &Control, at_least: Request) {
     }
 }
 
-/// A command this connection carries.
+/// iSCSI's own state of a task: R2T and DataSN bookkeeping (RFC 7143 sections 11.7-11.8).
+/// The rest (buffer, lengths, the core's handle, accounting) is the task layer's.
 #[derive(Debug)]
-struct Task {
-    lun: Lun,
-    task: Option<TaskId>,
-    buffer: Option<Buffer>,
-    edtl: u32,
-    /// Bytes of data-out received.
-    received: u32,
-    /// What the core asked for, once it has.
-    wanted: Option<u32>,
+struct IscsiTask {
     /// The next offset to solicit: the initiator may send up to here without an R2T.
     next_r2t: u32,
     outstanding_r2t: u16,
     r2t_sn: u32,
-    data_delivered: bool,
-    /// A backend operation waiting for a buffer.
-    parked: Option<(u16, Op)>,
-    /// A Data-Out was lost (digest) or out of sequence (DataSN): the task is aborted and ends
-    /// with CHECK CONDITION, ABORTED COMMAND and this code.
-    failed: Option<Asc>,
     /// The next DataSN of the unsolicited Data-Out sequence.
     unsolicited_data_sn: u32,
-    arrived: Instant,
-    read_bytes: u64,
-    write_bytes: u64,
 }
+
+/// A connection's tasks by Initiator Task Tag.
+type Tasks = TaskTable<IscsiTask, Buffer>;
 
 /// Who asked for a task management function.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -158,8 +145,10 @@ struct Conn {
     op: OperationalParams,
     max_send: u32,
     stat_sn: SerialNumber,
-    tasks: HashMap<u32, Task>,
-    by_task: Vec<u32>,
+    tasks: Tasks,
+    /// Tasks whose backend operation waits for arena slots, in arrival order: (ITT, bytes).
+    /// The head's allocation is a future of the worker; the arena wakes it.
+    buffer_wait: VecDeque<(u32, usize)>,
     local: VecDeque<Routed>,
     out: Vec<Outgoing>,
     next_ttt: u32,
@@ -175,7 +164,6 @@ struct Conn {
     /// A target NOP-In awaiting its NOP-Out: (TTT, sent).
     ping: Option<(u32, Instant)>,
     last_rx: Instant,
-    parked: usize,
     logout_asked: bool,
     nop_interval: Duration,
     nop_timeout: Duration,
@@ -225,8 +213,8 @@ async fn full_feature(
         route: Route { conn: peer.id, tx },
         max_send: c.max_send_data_segment_length,
         stat_sn,
-        tasks: HashMap::with_capacity(256),
-        by_task: Vec::with_capacity(256),
+        tasks: Tasks::new(),
+        buffer_wait: VecDeque::with_capacity(64),
         local: VecDeque::with_capacity(256),
         out: Vec::with_capacity(256),
         next_ttt: 1,
@@ -237,7 +225,6 @@ async fn full_feature(
         close_after_flush: false,
         ping: None,
         last_rx: Instant::now(),
-        parked: 0,
         logout_asked: false,
         nop_interval: Duration::from_secs(nop_interval),
         nop_timeout: Duration::from_secs(nop_timeout),
@@ -275,38 +262,35 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
             core.drain(c.id, &mut c.local);
             tracing::info!(tsih = session.tsih, initiator = %session.initiator, "session ends");
         } else {
-            for (itt, t) in &c.tasks {
-                if t.task.is_some() {
-                    let f = TmfFunction::AbortTask(u64::from(*itt));
-                    if let Ok(r) = core.task_management(
-                        session.nexus,
-                        t.lun.as_u64(),
-                        f,
-                        &c.route,
-                        &mut c.local,
-                    ) {
-                        c.tmfs.push((r, RESERVED_TAG, Tmf::Internal));
-                    }
+            for (itt, lun) in c.tasks.in_core() {
+                let f = TmfFunction::AbortTask(itt);
+                if let Ok(r) = core.task_management(session.nexus, lun, f, &c.route, &mut c.local) {
+                    c.tmfs.push((r, RESERVED_TAG, Tmf::Internal));
                 }
             }
         }
     }
     let deadline = tokio::time::Instant::now() + DRAIN_TIMEOUT;
+    let (inbox, io) = {
+        let c = conn.borrow();
+        (c.inbox.clone(), c.io.clone())
+    };
+    let mut waiting = None;
     loop {
         {
             let mut c = conn.borrow_mut();
             c.absorb();
             c.pump();
             c.out.clear();
-            if c.tasks.values().all(|t| t.task.is_none()) && c.local.is_empty() {
+            if c.tasks.idle() && c.local.is_empty() {
                 return;
             }
+            c.wait_for_buffer(&io, &mut waiting);
         }
-        let inbox = conn.borrow().inbox.clone();
         tokio::select! {
             _ = inbox.notify.notified() => {}
             Some(ev) = rx.recv() => conn.borrow_mut().local.push_back(ev),
-            _ = tokio::time::sleep(Duration::from_millis(5)) => conn.borrow_mut().retry_parked(),
+            (itt, b) = granted(&mut waiting) => conn.borrow_mut().granted(itt, b),
             _ = tokio::time::sleep_until(deadline) => {
                 tracing::warn!("a closed connection's tasks did not finish in {DRAIN_TIMEOUT:?}");
                 return;
@@ -414,6 +398,21 @@ async fn command_buffer(conn: &Rc<RefCell<Conn>>, cmd: &ScsiCommand) -> Option<B
     b.ok()
 }
 
+/// The head of a connection's buffer queue: its ITT and its place in the arena's FIFO. It
+/// lives across the worker's loop iterations so the place is kept.
+type Waiting<'a> = Option<(u32, backend::Alloc<'a>)>;
+
+/// Resolves when the arena grants the waiting buffer (never, when none waits).
+async fn granted(waiting: &mut Waiting<'_>) -> (u32, Result<Buffer, backend::ArenaError>) {
+    let Some((itt, alloc)) = waiting else {
+        return std::future::pending().await;
+    };
+    let b = alloc.await;
+    let itt = *itt;
+    *waiting = None;
+    (itt, b)
+}
+
 /// Runs what the core and the backend hand back, and writes the output.
 async fn work_loop(
     conn: &Rc<RefCell<Conn>>,
@@ -421,13 +420,17 @@ async fn work_loop(
     writer: &mut Writer,
     control: &Arc<Control>,
 ) -> std::io::Result<()> {
-    let inbox = conn.borrow().inbox.clone();
+    let (inbox, io) = {
+        let c = conn.borrow();
+        (c.inbox.clone(), c.io.clone())
+    };
     let session = conn.borrow().session.clone();
     let mut batch: Vec<Outgoing> = Vec::with_capacity(256);
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut waiting = None;
     loop {
-        let parked = conn.borrow().parked > 0;
+        conn.borrow_mut().wait_for_buffer(&io, &mut waiting);
         tokio::select! {
             biased;
             _ = inbox.notify.notified() => {}
@@ -438,7 +441,7 @@ async fn work_loop(
                     return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "NOP-In ping not answered"));
                 }
             }
-            _ = tokio::time::sleep(Duration::from_millis(1)), if parked => conn.borrow_mut().retry_parked(),
+            (itt, b) = granted(&mut waiting) => conn.borrow_mut().granted(itt, b),
         }
         let close = {
             let mut c = conn.borrow_mut();
@@ -535,15 +538,6 @@ impl Conn {
     /// A SCSI Command, with its buffer and `immediate` bytes of immediate data in it.
     fn command(&mut self, cmd: ScsiCommand, buffer: Option<Buffer>, immediate: u32) {
         let itt = cmd.initiator_task_tag;
-        if itt == RESERVED_TAG || self.tasks.contains_key(&itt) {
-            let reason = if itt == RESERVED_TAG {
-                RejectReason::InvalidPduField
-            } else {
-                RejectReason::TaskInProgress
-            };
-            self.reject_pdu(reason, &Pdu::ScsiCommand(cmd));
-            return;
-        }
         let edtl = cmd.expected_data_transfer_length;
         let write = cmd.write;
         let unsolicited_end = if !write {
@@ -558,34 +552,41 @@ impl Conn {
             (true, true) => cmd.bidirectional_read_length.unwrap_or(0),
             _ => 0,
         };
+        let data_out_len = if write { edtl } else { 0 };
         let too_big = edtl > MAX_IO || (write && edtl > 0 && buffer.is_none());
-        self.tasks.insert(
-            itt,
-            Task {
-                lun: cmd.lun,
-                task: None,
-                buffer,
-                edtl,
-                received: immediate,
-                wanted: None,
+        let new = NewTask {
+            lun: cmd.lun.as_u64(),
+            data_out_len,
+            data_in_len,
+            buffer,
+            received: immediate,
+            transport: IscsiTask {
                 next_r2t: unsolicited_end,
                 outstanding_r2t: 0,
                 r2t_sn: 0,
-                data_delivered: false,
-                parked: None,
-                failed: None,
                 unsolicited_data_sn: 0,
-                arrived: Instant::now(),
-                read_bytes: 0,
-                write_bytes: 0,
             },
-        );
+        };
+        let inserted = if itt == RESERVED_TAG {
+            Err(RejectReason::InvalidPduField)
+        } else {
+            let r = self.tasks.insert(u64::from(itt), new, Instant::now());
+            r.map_err(|_| RejectReason::TaskInProgress)
+        };
+        if let Err(reason) = inserted {
+            self.reject_pdu(reason, &Pdu::ScsiCommand(cmd));
+            return;
+        }
         if too_big {
             // More than one command may move: refuse it in order, as the core would.
             if self.take_cmd_sn(cmd.immediate, cmd.cmd_sn) {
-                self.check_condition(itt, SenseKey::IllegalRequest, Asc::INVALID_FIELD_IN_CDB);
+                let (key, asc) = (SenseKey::IllegalRequest, Asc::INVALID_FIELD_IN_CDB);
+                let now = Instant::now();
+                if let Some(c) = self.tasks.refuse(u64::from(itt), key, asc, now) {
+                    self.finish(c);
+                }
             } else {
-                self.tasks.remove(&itt);
+                self.tasks.remove(u64::from(itt));
             }
             return;
         }
@@ -596,7 +597,7 @@ impl Conn {
             attribute: attribute(cmd.task_attribute),
             itt,
             data_in_len,
-            data_out_len: if write { edtl } else { 0 },
+            data_out_len,
         };
         if self
             .session
@@ -604,21 +605,22 @@ impl Conn {
             == Delivery::OutsideWindow
         {
             tracing::debug!(cmd_sn = %cmd.cmd_sn, "a command outside the window is dropped");
-            self.tasks.remove(&itt);
+            self.tasks.remove(u64::from(itt));
         }
     }
 
     /// Where a Data-Out's payload goes: the task's buffer, taken out while the payload is read.
     fn data_out_buffer(&mut self, d: &DataOut, len: u32, header: &Bhs) -> Option<Buffer> {
-        let t = self.tasks.get_mut(&d.initiator_task_tag)?;
+        let tag = u64::from(d.initiator_task_tag);
+        let t = self.tasks.get(tag)?;
         let end = u64::from(d.buffer_offset) + u64::from(len);
-        if end > u64::from(t.edtl) {
+        if end > u64::from(t.data_out_len) {
             self.reject(RejectReason::ProtocolError, header);
             return None;
         }
-        let b = t.buffer.take()?;
+        let b = self.tasks.take_buffer(tag)?;
         if end as usize > b.len() {
-            t.buffer = Some(b);
+            self.tasks.put_buffer(tag, b);
             return None;
         }
         Some(b)
@@ -627,11 +629,12 @@ impl Conn {
     /// A Data-Out has arrived: its payload (if any) is in `buffer`, which goes back to the task.
     fn data_out(&mut self, d: &DataOut, len: u32, buffer: Option<Buffer>) {
         let itt = d.initiator_task_tag;
-        let Some(t) = self.tasks.get_mut(&itt) else {
+        let tag = u64::from(itt);
+        if !self.tasks.contains(tag) {
             return;
-        };
-        if buffer.is_some() {
-            t.buffer = buffer;
+        }
+        if let Some(b) = buffer {
+            self.tasks.put_buffer(tag, b);
         }
         if !self.in_sequence(d) {
             // At ErrorRecoveryLevel 0 a lost or repeated Data-Out cannot be asked for again.
@@ -640,10 +643,11 @@ impl Conn {
             self.fail_task(itt, Asc(0x4b, 0x00));
             return;
         }
-        let t = self.tasks.get_mut(&itt).expect("found");
-        t.received = t.received.saturating_add(len);
+        self.tasks.data_received(tag, len);
         if d.target_transfer_tag != RESERVED_TAG && d.final_bit {
-            t.outstanding_r2t = t.outstanding_r2t.saturating_sub(1);
+            if let Some(t) = self.tasks.get_mut(tag) {
+                t.transport.outstanding_r2t = t.transport.outstanding_r2t.saturating_sub(1);
+            }
             self.solicit(itt);
         }
         self.deliver_data(itt);
@@ -654,11 +658,12 @@ impl Conn {
     fn in_sequence(&mut self, d: &DataOut) -> bool {
         let itt = d.initiator_task_tag;
         if d.target_transfer_tag == RESERVED_TAG {
-            let Some(t) = self.tasks.get_mut(&itt) else {
+            let Some(t) = self.tasks.get_mut(u64::from(itt)) else {
                 return false;
             };
-            let ok = d.data_sn == t.unsolicited_data_sn;
-            t.unsolicited_data_sn = t.unsolicited_data_sn.wrapping_add(1);
+            let sn = &mut t.transport.unsolicited_data_sn;
+            let ok = d.data_sn == *sn;
+            *sn = sn.wrapping_add(1);
             return ok;
         }
         let Some(r) = self.r2ts.get_mut(&d.target_transfer_tag) else {
@@ -683,34 +688,25 @@ impl Conn {
     ) {
         self.reject(reason, header);
         let itt = d.initiator_task_tag;
-        if let Some(t) = self.tasks.get_mut(&itt) {
-            t.buffer = Some(buffer);
-            self.fail_task(itt, Asc(0x47, 0x05));
-        }
+        self.tasks.put_buffer(u64::from(itt), buffer);
+        self.fail_task(itt, Asc(0x47, 0x05));
     }
 
-    /// Aborts a task in the core; it ends with ABORTED COMMAND and `asc`.
+    /// Fails a task: the core aborts it and it ends with ABORTED COMMAND and `asc`.
     fn fail_task(&mut self, itt: u32, asc: Asc) {
-        let Some(t) = self.tasks.get_mut(&itt) else {
+        let Some((_, lun)) = self.tasks.fail(u64::from(itt), asc) else {
             return;
         };
-        if t.failed.is_some() {
-            return;
-        }
-        t.failed = Some(asc);
-        if t.task.is_some() {
-            let f = TmfFunction::AbortTask(u64::from(itt));
-            let lun = t.lun.as_u64();
-            let r = self.target.core().task_management(
-                self.session.nexus,
-                lun,
-                f,
-                &self.route,
-                &mut self.local,
-            );
-            if let Ok(r) = r {
-                self.tmfs.push((r, RESERVED_TAG, Tmf::Internal));
-            }
+        let f = TmfFunction::AbortTask(u64::from(itt));
+        let r = self.target.core().task_management(
+            self.session.nexus,
+            lun,
+            f,
+            &self.route,
+            &mut self.local,
+        );
+        if let Ok(r) = r {
+            self.tmfs.push((r, RESERVED_TAG, Tmf::Internal));
         }
     }
 
@@ -719,59 +715,44 @@ impl Conn {
     fn solicit(&mut self, itt: u32) {
         let (exp, max) = self.window();
         let stat_sn = self.stat_sn;
-        let Some(t) = self.tasks.get_mut(&itt) else {
+        let Some(t) = self.tasks.get_mut(u64::from(itt)) else {
             return;
         };
         let Some(wanted) = t.wanted else {
             return;
         };
-        while t.outstanding_r2t < self.op.max_outstanding_r2t && t.next_r2t < wanted {
-            let n = (wanted - t.next_r2t).min(self.op.max_burst_length);
+        let lun = Lun(t.lun.to_be_bytes());
+        let s = &mut t.transport;
+        while s.outstanding_r2t < self.op.max_outstanding_r2t && s.next_r2t < wanted {
+            let n = (wanted - s.next_r2t).min(self.op.max_burst_length);
             let ttt = self.next_ttt;
             self.next_ttt = self.next_ttt.wrapping_add(1).max(1) & 0x7fff_ffff;
             self.r2ts.insert(ttt, (itt, 0));
             self.out
                 .push(Outgoing::Pdu(Pdu::ReadyToTransfer(ReadyToTransfer {
-                    lun: t.lun,
+                    lun,
                     initiator_task_tag: itt,
                     target_transfer_tag: ttt,
                     stat_sn,
                     exp_cmd_sn: exp,
                     max_cmd_sn: max,
-                    r2t_sn: t.r2t_sn,
-                    buffer_offset: t.next_r2t,
+                    r2t_sn: s.r2t_sn,
+                    buffer_offset: s.next_r2t,
                     desired_data_transfer_length: n,
                 })));
-            t.r2t_sn += 1;
-            t.next_r2t += n;
-            t.outstanding_r2t += 1;
+            s.r2t_sn += 1;
+            s.next_r2t += n;
+            s.outstanding_r2t += 1;
         }
     }
 
     /// Hands the data-out to the core once all it asked for is in.
     fn deliver_data(&mut self, itt: u32) {
-        let Some(t) = self.tasks.get_mut(&itt) else {
+        let Some((task, data)) = self.tasks.data_complete(u64::from(itt)) else {
             return;
         };
-        let (Some(wanted), Some(task)) = (t.wanted, t.task) else {
-            return;
-        };
-        if t.data_delivered || t.received < wanted || t.failed.is_some() {
-            return;
-        }
-        let Some(buffer) = &t.buffer else {
-            if wanted > 0 {
-                return;
-            }
-            t.data_delivered = true;
-            let mut core = self.target.core();
-            let _ = core.device.data_out(task, &[]);
-            core.drain(self.id, &mut self.local);
-            return;
-        };
-        t.data_delivered = true;
         let mut core = self.target.core();
-        let _ = core.device.data_out(task, &buffer[..wanted as usize]);
+        let _ = core.device.data_out(task, data);
         core.drain(self.id, &mut self.local);
     }
 
@@ -782,14 +763,7 @@ impl Conn {
             let Some(done) = inbox.done.borrow_mut().pop_front() else {
                 break;
             };
-            if let Some(t) = self
-                .by_task
-                .get(done.task.index())
-                .and_then(|itt| self.tasks.get_mut(itt))
-                .filter(|t| t.task == Some(done.task))
-            {
-                t.buffer = Some(done.buffer);
-            }
+            self.tasks.backend_returned(done.task, done.buffer);
             let mut core = self.target.core();
             if let Err(e) = core.device.backend_done(done.task, done.result) {
                 tracing::error!("backend completion refused by the core: {e}");
@@ -802,202 +776,172 @@ impl Conn {
     fn pump(&mut self) {
         while let Some(ev) = self.local.pop_front() {
             match ev {
-                Routed::Submitted { tag, task } => {
-                    let itt = tag as u32;
-                    if let Some(t) = self.tasks.get_mut(&itt) {
-                        t.task = Some(task);
-                        let i = task.index();
-                        if self.by_task.len() <= i {
-                            self.by_task.resize(i + 1, RESERVED_TAG);
-                        }
-                        self.by_task[i] = itt;
-                    }
-                }
+                Routed::Submitted { tag, task } => self.tasks.submitted(tag, task),
                 Routed::Action(a) => self.action(a),
             }
         }
     }
 
-    fn itt_of(&self, task: TaskId) -> Option<u32> {
-        let itt = *self.by_task.get(task.index())?;
-        self.tasks
-            .get(&itt)
-            .filter(|t| t.task == Some(task))
-            .map(|_| itt)
-    }
-
+    /// Carries out what the task layer makes of the core's action.
     fn action(&mut self, a: Action) {
-        match a {
-            Action::DataOut { task, len, .. } => {
-                let Some(itt) = self.itt_of(task) else { return };
-                let t = self.tasks.get_mut(&itt).expect("found");
-                t.wanted = Some(len.min(t.edtl));
-                self.solicit(itt);
-                self.deliver_data(itt);
+        let target = &self.target;
+        let mut unit = None;
+        let request = self.tasks.action(a, Instant::now(), |lun| {
+            let u = target.lun(lun)?;
+            let bs = u.block_size;
+            unit = Some(u);
+            Some(bs)
+        });
+        let Some(request) = request else {
+            return;
+        };
+        match request {
+            TaskRequest::DataOut { tag, .. } => {
+                self.solicit(tag as u32);
+                self.deliver_data(tag as u32);
             }
-            Action::Backend { task, lun, op } => self.backend(task, lun, op),
-            Action::Complete {
+            TaskRequest::Backend {
                 task,
-                status,
-                sense,
-                data_in,
-                residual,
+                lun,
+                op,
+                buffer,
                 ..
-            } => {
-                if let Some(itt) = self.itt_of(task) {
-                    self.finish(itt, status, sense, data_in, residual);
-                }
-            }
-            Action::Aborted { task, .. } => {
-                let Some(itt) = self.itt_of(task) else { return };
-                let failed = self.tasks.get(&itt).and_then(|t| t.failed);
-                if let Some(asc) = failed {
-                    self.check_condition(itt, SenseKey::AbortedCommand, asc);
-                } else {
-                    self.forget(itt);
-                }
-            }
-            Action::TaskManagementDone {
+            } => self.run_backend(task, lun, op, buffer, unit),
+            TaskRequest::BufferWanted { tag, len } => self.want_buffer(tag as u32, len),
+            TaskRequest::Complete(c) => self.finish(c),
+            TaskRequest::Ended { tag, entry } => self.ended(tag as u32, &entry.transport),
+            TaskRequest::UnitGone { task, .. } => self.backend_failed(task),
+            TaskRequest::TaskManagementDone {
                 reference,
                 response,
                 ..
-            } => {
-                let Some(i) = self.tmfs.iter().position(|(r, _, _)| *r == reference) else {
-                    return;
-                };
-                let (_, itt, kind) = self.tmfs.swap_remove(i);
-                match kind {
-                    Tmf::Internal => {}
-                    Tmf::Initiator => self.tmf_response(itt, response),
-                    Tmf::ColdReset => {
-                        self.tmf_response(itt, response);
-                        // A cold reset also drops every connection to the target (RFC 7143
-                        // section 11.5.1), this one once the response is out.
-                        for s in self.shared.sessions.all() {
-                            if Arc::ptr_eq(&s.target, &self.target)
-                                && !Arc::ptr_eq(&s, &self.session)
-                            {
-                                s.close();
-                            }
-                        }
-                        for c in self.session.connection_list() {
-                            if c.id != self.id {
-                                c.control.request(Request::Close);
-                            }
-                        }
-                        self.close_after_flush = true;
-                    }
-                }
-            }
-            other => tracing::warn!(?other, "unexpected action"),
+            } => self.tmf_done(reference, response),
         }
     }
 
-    fn forget(&mut self, itt: u32) -> Option<Task> {
-        let t = self.tasks.remove(&itt)?;
-        if t.parked.is_some() {
-            self.parked -= 1;
+    fn tmf_done(&mut self, reference: u64, response: TmfResponse) {
+        let Some(i) = self.tmfs.iter().position(|(r, _, _)| *r == reference) else {
+            return;
+        };
+        let (_, itt, kind) = self.tmfs.swap_remove(i);
+        match kind {
+            Tmf::Internal => {}
+            Tmf::Initiator => self.tmf_response(itt, response),
+            Tmf::ColdReset => {
+                self.tmf_response(itt, response);
+                // A cold reset also drops every connection to the target (RFC 7143
+                // section 11.5.1), this one once the response is out.
+                for s in self.shared.sessions.all() {
+                    if Arc::ptr_eq(&s.target, &self.target) && !Arc::ptr_eq(&s, &self.session) {
+                        s.close();
+                    }
+                }
+                for c in self.session.connection_list() {
+                    if c.id != self.id {
+                        c.control.request(Request::Close);
+                    }
+                }
+                self.close_after_flush = true;
+            }
         }
+    }
+
+    /// A task has ended: its R2Ts are void.
+    fn ended(&mut self, itt: u32, t: &IscsiTask) {
         if t.outstanding_r2t > 0 {
             self.r2ts.retain(|_, r| r.0 != itt);
         }
-        Some(t)
     }
 
-    /// Runs a backend operation on the task's buffer (allocated now for reads).
-    fn backend(&mut self, task: TaskId, lun: u16, op: Op) {
-        let Some(itt) = self.itt_of(task) else {
-            return;
-        };
-        let Some(unit) = self.target.lun(lun) else {
-            let mut core = self.target.core();
-            let _ = core
-                .device
-                .backend_done(task, Err(scsi_core::BackendError::Internal));
-            core.drain(self.id, &mut self.local);
-            return;
-        };
-        let need = op.buffer_len(unit.block_size) as usize;
-        let t = self.tasks.get_mut(&itt).expect("found");
-        let buffer = match t.buffer.take() {
-            Some(mut b) if b.capacity() >= need => {
-                if b.len() < need {
-                    b.set_len(need);
-                }
-                b
+    /// The backend cannot run the task's operation: the core ends it with an error.
+    fn backend_failed(&mut self, task: TaskId) {
+        let mut core = self.target.core();
+        let _ = core
+            .device
+            .backend_done(task, Err(scsi_core::BackendError::Internal));
+        core.drain(self.id, &mut self.local);
+    }
+
+    /// Runs a backend operation on the reactor's engine.
+    fn run_backend(
+        &mut self,
+        task: TaskId,
+        lun: u16,
+        op: Op,
+        buffer: Buffer,
+        unit: Option<Arc<crate::target::Lun>>,
+    ) {
+        match unit.or_else(|| self.target.lun(lun)) {
+            Some(unit) => self.io.submit(&unit, op, buffer, &self.inbox, task),
+            None => {
+                self.tasks.backend_returned(task, buffer);
+                self.backend_failed(task);
             }
-            other => match self.io.arena.try_alloc(need) {
-                Ok(Some(b)) => {
-                    drop(other);
-                    b
-                }
-                Ok(None) => {
-                    // The arena is short: retry when buffers come back.
-                    t.buffer = other;
-                    if t.parked.is_none() {
-                        self.parked += 1;
-                    }
-                    t.parked = Some((lun, op));
-                    return;
-                }
-                Err(e) => {
-                    tracing::error!("buffer of {need} bytes: {e}");
-                    t.buffer = other;
-                    let mut core = self.target.core();
-                    let _ = core
-                        .device
-                        .backend_done(task, Err(scsi_core::BackendError::Internal));
-                    core.drain(self.id, &mut self.local);
-                    return;
-                }
-            },
-        };
-        if t.parked.take().is_some() {
-            self.parked -= 1;
         }
-        let bytes = need as u64;
-        match op {
-            Op::Read { .. } => t.read_bytes += bytes,
-            Op::Write { .. } | Op::OrWrite { .. } => t.write_bytes += bytes,
-            Op::CompareAndWrite { .. } => t.write_bytes += bytes / 2,
-            _ => {}
-        }
-        self.io.submit(&unit, op, buffer, &self.inbox, task);
     }
 
-    fn retry_parked(&mut self) {
-        if self.parked == 0 {
-            return;
+    /// A backend operation needs `len` bytes of arena: now if the arena has them and no
+    /// earlier request waits, else in arrival order when buffers come back.
+    fn want_buffer(&mut self, itt: u32, len: usize) {
+        if self.buffer_wait.is_empty() {
+            match self.io.arena.try_alloc(len) {
+                Ok(Some(b)) => return self.grant(itt, b),
+                Ok(None) => {}
+                Err(e) => return self.buffer_refused(itt, e),
+            }
         }
-        let waiting: Vec<(TaskId, u16, Op)> = self
-            .tasks
-            .values()
-            .filter_map(|t| Some((t.task?, t.parked?.0, t.parked?.1)))
-            .collect();
-        for (task, lun, op) in waiting {
-            self.backend(task, lun, op);
+        self.buffer_wait.push_back((itt, len));
+    }
+
+    /// Starts waiting for the oldest queued buffer, unless a wait is on already.
+    fn wait_for_buffer<'a>(&self, io: &'a Io, waiting: &mut Waiting<'a>) {
+        if waiting.is_none() {
+            if let Some(&(itt, len)) = self.buffer_wait.front() {
+                *waiting = Some((itt, io.arena.alloc(len)));
+            }
+        }
+    }
+
+    /// The arena has granted (or refused) the oldest queued buffer.
+    fn granted(&mut self, itt: u32, r: Result<Buffer, backend::ArenaError>) {
+        self.buffer_wait.pop_front();
+        match r {
+            Ok(b) => self.grant(itt, b),
+            Err(e) => self.buffer_refused(itt, e),
+        }
+    }
+
+    fn grant(&mut self, itt: u32, buffer: Buffer) {
+        if let Some(TaskRequest::Backend {
+            task,
+            lun,
+            op,
+            buffer,
+            ..
+        }) = self.tasks.grant_buffer(u64::from(itt), buffer)
+        {
+            self.run_backend(task, lun, op, buffer, None);
+        }
+    }
+
+    fn buffer_refused(&mut self, itt: u32, e: backend::ArenaError) {
+        tracing::error!("buffer for task {itt:#x}: {e}");
+        if let Some(task) = self.tasks.buffer_refused(u64::from(itt)) {
+            self.backend_failed(task);
         }
     }
 
     /// The task has ended: Data-In (with the status collapsed into the last PDU when there is
     /// no sense), or a SCSI Response.
-    fn finish(
-        &mut self,
-        itt: u32,
-        status: Status,
-        sense: Option<SenseBytes>,
-        data_in: DataIn,
-        res: Residual,
-    ) {
-        let Some(mut t) = self.forget(itt) else {
-            return;
-        };
-        self.account(&t, status);
-        let status = ScsiStatus(status as u8);
-        let residual = residual(res);
-        let payload = match data_in {
+    fn finish(&mut self, c: Completion<IscsiTask, Buffer>) {
+        let itt = c.tag as u32;
+        self.ended(itt, &c.transport);
+        self.account(&c.accounting);
+        let status = ScsiStatus(c.status as u8);
+        let residual = residual(c.residual);
+        let payload = match c.data_in {
             DataIn::None => None,
-            DataIn::Buffer { len } => t.buffer.take().map(|b| (Payload::Buffer(b), len)),
+            DataIn::Buffer { len } => c.buffer.map(|b| (Payload::Buffer(b), len)),
             DataIn::Parameter(v) => {
                 let len = v.len() as u32;
                 Some((Payload::Bytes(Bytes::from(v)), len))
@@ -1005,7 +949,7 @@ impl Conn {
         }
         .filter(|(_, len)| *len > 0);
         let collapse =
-            sense.is_none() && matches!(status, ScsiStatus::GOOD | ScsiStatus::CONDITION_MET);
+            c.sense.is_none() && matches!(status, ScsiStatus::GOOD | ScsiStatus::CONDITION_MET);
         let mut data_pdus = 0;
         if let Some((payload, len)) = payload {
             data_pdus = len.div_ceil(self.max_send.max(512));
@@ -1016,7 +960,7 @@ impl Conn {
             });
             self.out.push(Outgoing::DataIn {
                 itt,
-                lun: t.lun,
+                lun: Lun(c.lun.to_be_bytes()),
                 payload,
                 len,
                 status: st,
@@ -1034,7 +978,8 @@ impl Conn {
             exp_cmd_sn: exp,
             max_cmd_sn: max,
             exp_data_sn: data_pdus,
-            data: sense
+            data: c
+                .sense
                 .map(|s| ScsiResponse::sense_segment(s.as_slice()))
                 .unwrap_or_default(),
             ..ScsiResponse::default()
@@ -1042,35 +987,24 @@ impl Conn {
         self.out.push(Outgoing::Pdu(Pdu::ScsiResponse(r)));
     }
 
-    /// Ends a task the transport itself refuses: CHECK CONDITION with this sense, no data.
-    fn check_condition(&mut self, itt: u32, key: SenseKey, asc: Asc) {
-        let sense = Sense::new(key, asc).fixed();
-        self.finish(
-            itt,
-            Status::CheckCondition,
-            Some(sense),
-            DataIn::None,
-            Residual::None,
-        );
-    }
-
-    fn account(&self, t: &Task, status: Status) {
-        let Some(lun) = t.lun.index().and_then(|i| self.target.lun(i)) else {
+    /// Adds a finished task to its unit's counters.
+    fn account(&self, a: &Accounting) {
+        let Some(lun) = scsi_core::lun_index(a.lun).and_then(|i| self.target.lun(i)) else {
             return;
         };
         let s = &lun.stats;
-        let ns = t.arrived.elapsed().as_nanos() as u64;
+        let ns = a.latency.as_nanos() as u64;
         use std::sync::atomic::Ordering::Relaxed;
-        if status == Status::CheckCondition {
+        if a.error {
             s.errors.fetch_add(1, Relaxed);
         }
-        if t.read_bytes > 0 {
+        if a.read_bytes > 0 {
             s.read_commands.fetch_add(1, Relaxed);
-            s.read_bytes.fetch_add(t.read_bytes, Relaxed);
+            s.read_bytes.fetch_add(a.read_bytes, Relaxed);
             s.read_latency_ns.fetch_add(ns, Relaxed);
-        } else if t.write_bytes > 0 {
+        } else if a.write_bytes > 0 {
             s.write_commands.fetch_add(1, Relaxed);
-            s.write_bytes.fetch_add(t.write_bytes, Relaxed);
+            s.write_bytes.fetch_add(a.write_bytes, Relaxed);
             s.write_latency_ns.fetch_add(ns, Relaxed);
         } else {
             s.other_commands.fetch_add(1, Relaxed);

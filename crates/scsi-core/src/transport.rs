@@ -1,0 +1,625 @@
+//! The task layer every transport drives: what a SCSI transport protocol (iSCSI, SRP) keeps
+//! for each command between the wire and the [`Device`](crate::Device), in one place, so a
+//! transport adds only its own framing and data movement.
+//!
+//! A [`TaskTable`] maps the transport's tag (iSCSI Initiator Task Tag, SRP tag) to a task:
+//! the core's [`TaskId`] once the command is in, the task's data buffer, the expected
+//! data-out and data-in lengths, how much data-out has arrived, the backend operation that
+//! waits for a buffer, a transport failure to report, and what the task moved (for per-LU
+//! accounting). The transport owns the table; [`TaskTable::action`] turns each [`Action`] the
+//! core hands out into a [`Request`] the transport carries out:
+//!
+//! | the core's [`Action`] | the transport's [`Request`] |
+//! | --- | --- |
+//! | `DataOut` | [`Request::DataOut`]: fetch data-out up to this length (R2T, RDMA READ) |
+//! | `Backend` | [`Request::Backend`] with the task's buffer, or [`Request::BufferWanted`] |
+//! | `Complete` | [`Request::Complete`]: send the data-in, then the status with sense |
+//! | `Aborted` | [`Request::Complete`] for a task the transport failed, else [`Request::Ended`] |
+//! | `TaskManagementDone` | [`Request::TaskManagementDone`] |
+//!
+//! Buffers are the transport's type `B` ([`TaskBuffer`]): a registered arena slot run in the
+//! daemon, a `Vec<u8>` in tests. The table never allocates one: it says how many bytes it
+//! wants ([`Request::BufferWanted`]) and the transport grants it ([`TaskTable::grant_buffer`])
+//! when its allocator has room, which is how a short arena becomes backpressure instead of an
+//! error. Time comes in as an argument (sans-IO), as it does everywhere in this crate.
+//!
+//! Calls into the [`Device`](crate::Device) stay with the transport: it decides when to take
+//! the device's lock and may batch them. The table says what to call: a task whose data-out
+//! is complete ([`TaskTable::data_complete`]), one to abort ([`TaskTable::fail`]).
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use crate::backend::Op;
+use crate::sense::{Asc, Sense, SenseBytes, SenseKey};
+use crate::task::{Action, DataIn, NexusId, Residual, Status, TaskId, TmfResponse};
+
+/// A task's data buffer as the table sees it: bytes with a usable length within a capacity.
+pub trait TaskBuffer: std::ops::DerefMut<Target = [u8]> {
+    /// Bytes it can hold without reallocation.
+    fn capacity(&self) -> usize;
+    /// Sets the usable length, at most [`TaskBuffer::capacity`].
+    fn set_len(&mut self, len: usize);
+}
+
+impl TaskBuffer for Vec<u8> {
+    fn capacity(&self) -> usize {
+        Vec::capacity(self)
+    }
+
+    fn set_len(&mut self, len: usize) {
+        self.resize(len, 0);
+    }
+}
+
+/// A command as the transport hands it to the table, before the core has it.
+#[derive(Debug)]
+pub struct NewTask<T, B> {
+    /// The 8-byte LUN field.
+    pub lun: u64,
+    /// Bytes of data-out the initiator expects to send (0 for none).
+    pub data_out_len: u32,
+    /// Bytes of data-in the initiator expects to receive (0 for none).
+    pub data_in_len: u32,
+    /// The buffer data-out lands in, when the transport had one ready (immediate data).
+    pub buffer: Option<B>,
+    /// Bytes of data-out already in `buffer` (iSCSI immediate data).
+    pub received: u32,
+    /// The transport's own per-task state (iSCSI: R2T and DataSN bookkeeping; SRP: the
+    /// initiator's memory descriptors).
+    pub transport: T,
+}
+
+/// One task in the table.
+#[derive(Debug)]
+pub struct TaskEntry<T, B> {
+    /// The 8-byte LUN field.
+    pub lun: u64,
+    /// Bytes of data-out the initiator expects to send.
+    pub data_out_len: u32,
+    /// Bytes of data-in the initiator expects to receive.
+    pub data_in_len: u32,
+    /// Bytes of data-out received so far.
+    pub received: u32,
+    /// Bytes of data-out the core asked for (at most `data_out_len`), once it has.
+    pub wanted: Option<u32>,
+    /// The transport's own state.
+    pub transport: T,
+    task: Option<TaskId>,
+    buffer: Option<B>,
+    data_delivered: bool,
+    /// A backend operation waiting for a buffer: LUN index, operation, bytes needed.
+    parked: Option<(u16, Op, usize)>,
+    failed: Option<Asc>,
+    arrived: Instant,
+    read_bytes: u64,
+    write_bytes: u64,
+}
+
+impl<T, B> TaskEntry<T, B> {
+    /// The core's handle, once the command is in the core.
+    pub fn task(&self) -> Option<TaskId> {
+        self.task
+    }
+
+    /// The task's buffer, when the table holds it (not lent to the backend or the wire).
+    pub fn buffer(&self) -> Option<&B> {
+        self.buffer.as_ref()
+    }
+
+    /// Whether the transport failed the task ([`TaskTable::fail`]).
+    pub fn failed(&self) -> Option<Asc> {
+        self.failed
+    }
+
+    /// Whether a backend operation waits for a buffer.
+    pub fn is_parked(&self) -> bool {
+        self.parked.is_some()
+    }
+}
+
+/// What a finished task moved, for per-LU counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Accounting {
+    /// The 8-byte LUN field.
+    pub lun: u64,
+    /// Bytes the backend read for it.
+    pub read_bytes: u64,
+    /// Bytes the backend wrote for it.
+    pub write_bytes: u64,
+    /// From arrival to completion.
+    pub latency: Duration,
+    /// Whether it ended with CHECK CONDITION.
+    pub error: bool,
+}
+
+/// A finished task: what to send, and what the table held for it.
+#[derive(Debug)]
+pub struct Completion<T, B> {
+    /// The transport's tag.
+    pub tag: u64,
+    /// The 8-byte LUN field.
+    pub lun: u64,
+    /// Status.
+    pub status: Status,
+    /// Sense data, with CHECK CONDITION.
+    pub sense: Option<SenseBytes>,
+    /// Data-in to send before the status: `DataIn::Buffer` names bytes of `buffer`.
+    pub data_in: DataIn,
+    /// Residual.
+    pub residual: Residual,
+    /// The task's buffer, if the table held one.
+    pub buffer: Option<B>,
+    /// The transport's state.
+    pub transport: T,
+    /// For the per-LU counters.
+    pub accounting: Accounting,
+}
+
+/// What the transport is to do for a task, from the core's [`Action`]s.
+#[derive(Debug)]
+pub enum Request<T, B> {
+    /// The core wants `len` bytes of data-out (already limited to the expected length); the
+    /// transport fetches what has not arrived (`received..len` less what is on its way
+    /// unsolicited) and calls [`TaskTable::data_received`] as it lands.
+    DataOut {
+        /// The transport's tag.
+        tag: u64,
+        /// Bytes wanted in all.
+        len: u32,
+        /// Bytes already in the buffer.
+        received: u32,
+    },
+    /// Run `op` on LUN index `lun` with `buffer` (lent out of the table: it comes back with
+    /// [`TaskTable::backend_returned`], then the core hears of it through
+    /// [`Device::backend_done`](crate::Device::backend_done)).
+    Backend {
+        /// The transport's tag.
+        tag: u64,
+        /// The core's handle.
+        task: TaskId,
+        /// LUN index.
+        lun: u16,
+        /// The operation.
+        op: Op,
+        /// Its buffer, at least [`Op::buffer_len`] long.
+        buffer: B,
+    },
+    /// A backend operation waits for a buffer of `len` bytes: grant one with
+    /// [`TaskTable::grant_buffer`] when the allocator has room.
+    BufferWanted {
+        /// The transport's tag.
+        tag: u64,
+        /// Bytes needed.
+        len: usize,
+    },
+    /// The task has ended: send the data-in, then the status.
+    Complete(Completion<T, B>),
+    /// The task has ended with nothing to send (aborted by the initiator or the nexus).
+    Ended {
+        /// The transport's tag.
+        tag: u64,
+        /// What the table held for it.
+        entry: TaskEntry<T, B>,
+    },
+    /// The logical unit of a backend operation is gone (removed while the task ran): tell
+    /// the core with [`Device::backend_done`](crate::Device::backend_done) and an error.
+    UnitGone {
+        /// The transport's tag.
+        tag: u64,
+        /// The core's handle.
+        task: TaskId,
+    },
+    /// A task management function has finished.
+    TaskManagementDone {
+        /// The nexus that asked.
+        nexus: NexusId,
+        /// The reference the transport gave it.
+        reference: u64,
+        /// The outcome.
+        response: TmfResponse,
+    },
+}
+
+/// Why a command cannot enter the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum TagError {
+    /// A task with this tag is in progress (iSCSI: Reject with TASK IN PROGRESS; SRP: a
+    /// response with INVALID FIELD).
+    #[error("a task with tag {0:#x} is in progress")]
+    InUse(u64),
+}
+
+/// A transport connection's (or channel's) tasks, by the transport's tag.
+#[derive(Debug)]
+pub struct TaskTable<T, B> {
+    tasks: HashMap<u64, TaskEntry<T, B>>,
+    /// Tag by the core's task index: actions name tasks by [`TaskId`].
+    by_task: Vec<Option<u64>>,
+    parked: usize,
+}
+
+/// How many tasks a table holds without growing.
+const INITIAL_TASKS: usize = 256;
+
+impl<T, B: TaskBuffer> Default for TaskTable<T, B> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<T, B: TaskBuffer> TaskTable<T, B> {
+    /// An empty table, sized for a few hundred tasks so steady state does not allocate.
+    pub fn new() -> Self {
+        TaskTable {
+            tasks: HashMap::with_capacity(INITIAL_TASKS),
+            by_task: Vec::with_capacity(INITIAL_TASKS),
+            parked: 0,
+        }
+    }
+
+    /// Tasks held.
+    pub fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// Whether no task is held.
+    pub fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+
+    /// Whether no task is in the core (what a closing connection waits for).
+    pub fn idle(&self) -> bool {
+        self.tasks.values().all(|t| t.task.is_none())
+    }
+
+    /// Backend operations waiting for a buffer.
+    pub fn parked(&self) -> usize {
+        self.parked
+    }
+
+    /// Whether `tag` is in use.
+    pub fn contains(&self, tag: u64) -> bool {
+        self.tasks.contains_key(&tag)
+    }
+
+    /// A task by tag.
+    pub fn get(&self, tag: u64) -> Option<&TaskEntry<T, B>> {
+        self.tasks.get(&tag)
+    }
+
+    /// A task by tag, to change its transport state.
+    pub fn get_mut(&mut self, tag: u64) -> Option<&mut TaskEntry<T, B>> {
+        self.tasks.get_mut(&tag)
+    }
+
+    /// The tag of a task the core names, if this table holds it.
+    pub fn tag_of(&self, task: TaskId) -> Option<u64> {
+        let tag = (*self.by_task.get(task.index())?)?;
+        self.tasks
+            .get(&tag)
+            .filter(|t| t.task == Some(task))
+            .map(|_| tag)
+    }
+
+    /// Every task the core holds: (tag, LUN field), for a closing connection to abort.
+    pub fn in_core(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.tasks
+            .iter()
+            .filter(|(_, t)| t.task.is_some())
+            .map(|(tag, t)| (*tag, t.lun))
+    }
+
+    /// Records a command arriving at `now`. The transport then submits it to the core and
+    /// tells the table its handle with [`TaskTable::submitted`].
+    pub fn insert(&mut self, tag: u64, new: NewTask<T, B>, now: Instant) -> Result<(), TagError> {
+        if self.tasks.contains_key(&tag) {
+            return Err(TagError::InUse(tag));
+        }
+        self.tasks.insert(
+            tag,
+            TaskEntry {
+                lun: new.lun,
+                data_out_len: new.data_out_len,
+                data_in_len: new.data_in_len,
+                received: new.received,
+                wanted: None,
+                transport: new.transport,
+                task: None,
+                buffer: new.buffer,
+                data_delivered: false,
+                parked: None,
+                failed: None,
+                arrived: now,
+                read_bytes: 0,
+                write_bytes: 0,
+            },
+        );
+        Ok(())
+    }
+
+    /// The command with `tag` entered the core as `task`.
+    pub fn submitted(&mut self, tag: u64, task: TaskId) {
+        let Some(t) = self.tasks.get_mut(&tag) else {
+            return;
+        };
+        t.task = Some(task);
+        let i = task.index();
+        if self.by_task.len() <= i {
+            self.by_task.resize(i + 1, None);
+        }
+        self.by_task[i] = Some(tag);
+    }
+
+    /// Drops a task the core never had (refused before submission, or outside the command
+    /// window), returning what it held.
+    pub fn remove(&mut self, tag: u64) -> Option<TaskEntry<T, B>> {
+        let t = self.tasks.remove(&tag)?;
+        if t.parked.is_some() {
+            self.parked -= 1;
+        }
+        Some(t)
+    }
+
+    /// Lends the task's buffer out (to receive data-out into it); give it back with
+    /// [`TaskTable::put_buffer`].
+    pub fn take_buffer(&mut self, tag: u64) -> Option<B> {
+        self.tasks.get_mut(&tag)?.buffer.take()
+    }
+
+    /// Gives a lent buffer back. Without a task for `tag` the buffer is dropped (freed).
+    pub fn put_buffer(&mut self, tag: u64, buffer: B) {
+        if let Some(t) = self.tasks.get_mut(&tag) {
+            t.buffer = Some(buffer);
+        }
+    }
+
+    /// `len` more bytes of data-out have landed in the task's buffer.
+    pub fn data_received(&mut self, tag: u64, len: u32) {
+        if let Some(t) = self.tasks.get_mut(&tag) {
+            t.received = t.received.saturating_add(len);
+        }
+    }
+
+    /// Once all the data-out the core asked for is in, the task and its data, for
+    /// [`Device::data_out`](crate::Device::data_out); `None` until then (and after, and for a
+    /// failed task).
+    pub fn data_complete(&mut self, tag: u64) -> Option<(TaskId, &[u8])> {
+        let t = self.tasks.get_mut(&tag)?;
+        let (wanted, task) = (t.wanted?, t.task?);
+        if t.data_delivered || t.received < wanted || t.failed.is_some() {
+            return None;
+        }
+        let data: &[u8] = match &t.buffer {
+            Some(b) if b.len() >= wanted as usize => &b[..wanted as usize],
+            None if wanted == 0 => &[],
+            // Lent out, or too short (the transport's mistake): not yet.
+            _ => return None,
+        };
+        t.data_delivered = true;
+        Some((task, data))
+    }
+
+    /// The transport has failed the task (a lost or out-of-order data-out it cannot ask for
+    /// again): it will end with CHECK CONDITION, ABORTED COMMAND and `asc`. Returns the task
+    /// and its LUN field when the core holds it and must be asked to abort it; the abort's
+    /// [`Action::Aborted`] then becomes that [`Request::Complete`].
+    pub fn fail(&mut self, tag: u64, asc: Asc) -> Option<(TaskId, u64)> {
+        let t = self.tasks.get_mut(&tag)?;
+        if t.failed.is_some() {
+            return None;
+        }
+        t.failed = Some(asc);
+        Some((t.task?, t.lun))
+    }
+
+    /// A backend operation came back with the task's buffer. Returns whether the task is
+    /// still here (the buffer is dropped otherwise).
+    pub fn backend_returned(&mut self, task: TaskId, buffer: B) -> bool {
+        match self.tag_of(task).and_then(|tag| self.tasks.get_mut(&tag)) {
+            Some(t) => {
+                t.buffer = Some(buffer);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// A buffer for a task whose backend operation waits ([`Request::BufferWanted`]): the
+    /// operation to run now, or `None` when nothing waits any more (the buffer is dropped).
+    pub fn grant_buffer(&mut self, tag: u64, buffer: B) -> Option<Request<T, B>> {
+        let t = self.tasks.get_mut(&tag)?;
+        let (lun, op, need) = t.parked.take()?;
+        self.parked -= 1;
+        let old = t.buffer.replace(buffer);
+        // The new buffer replaces a smaller one; what data-out it held was delivered already
+        // (the core copies what it keeps before asking for an operation that needs more).
+        drop(old);
+        Some(self.lend(tag, lun, op, need))
+    }
+
+    /// No buffer can ever be had for the task's waiting operation (larger than the whole
+    /// allocator): the task to fail with [`Device::backend_done`](crate::Device::backend_done)
+    /// and an error.
+    pub fn buffer_refused(&mut self, tag: u64) -> Option<TaskId> {
+        let t = self.tasks.get_mut(&tag)?;
+        t.parked.take()?;
+        self.parked -= 1;
+        t.task
+    }
+
+    /// Turns the core's action into what the transport does, at `now`. `block_size` gives a
+    /// LUN index's block size (for the bytes a backend operation needs). `None` when the
+    /// action is not for this table's tasks.
+    pub fn action(
+        &mut self,
+        action: Action,
+        now: Instant,
+        mut block_size: impl FnMut(u16) -> Option<u32>,
+    ) -> Option<Request<T, B>> {
+        match action {
+            Action::DataOut { task, len, .. } => {
+                let tag = self.tag_of(task)?;
+                let t = self.tasks.get_mut(&tag).expect("tag_of found it");
+                let len = len.min(t.data_out_len);
+                t.wanted = Some(len);
+                Some(Request::DataOut {
+                    tag,
+                    len,
+                    received: t.received,
+                })
+            }
+            Action::Backend { task, lun, op } => {
+                let tag = self.tag_of(task)?;
+                let Some(bs) = block_size(lun) else {
+                    let task = self.tasks.get(&tag)?.task?;
+                    return Some(Request::UnitGone { tag, task });
+                };
+                let need = op.buffer_len(bs) as usize;
+                let t = self.tasks.get_mut(&tag).expect("tag_of found it");
+                // A task without a buffer is granted one even for an operation that moves no
+                // data (an empty one, which takes no slot), so every operation has one.
+                let fits = t.buffer.as_ref().is_some_and(|b| b.capacity() >= need);
+                if !fits {
+                    if t.parked.is_none() {
+                        self.parked += 1;
+                    }
+                    t.parked = Some((lun, op, need));
+                    return Some(Request::BufferWanted { tag, len: need });
+                }
+                Some(self.lend(tag, lun, op, need))
+            }
+            Action::Complete {
+                task,
+                status,
+                sense,
+                data_in,
+                residual,
+                ..
+            } => {
+                let tag = self.tag_of(task)?;
+                let entry = self.forget(tag)?;
+                Some(Request::Complete(Self::completion(
+                    tag, entry, status, sense, data_in, residual, now,
+                )))
+            }
+            Action::Aborted { task, .. } => {
+                let tag = self.tag_of(task)?;
+                let entry = self.forget(tag)?;
+                match entry.failed {
+                    Some(asc) => {
+                        let sense = Sense::new(SenseKey::AbortedCommand, asc).fixed();
+                        Some(Request::Complete(Self::completion(
+                            tag,
+                            entry,
+                            Status::CheckCondition,
+                            Some(sense),
+                            DataIn::None,
+                            Residual::None,
+                            now,
+                        )))
+                    }
+                    None => Some(Request::Ended { tag, entry }),
+                }
+            }
+            Action::TaskManagementDone {
+                nexus,
+                reference,
+                response,
+            } => Some(Request::TaskManagementDone {
+                nexus,
+                reference,
+                response,
+            }),
+        }
+    }
+
+    /// Ends a task the transport itself refuses before or instead of the core (too large to
+    /// buffer, say): CHECK CONDITION with `key` and `asc`, no data.
+    pub fn refuse(
+        &mut self,
+        tag: u64,
+        key: SenseKey,
+        asc: Asc,
+        now: Instant,
+    ) -> Option<Completion<T, B>> {
+        let entry = self.forget(tag)?;
+        let sense = Sense::new(key, asc).fixed();
+        Some(Self::completion(
+            tag,
+            entry,
+            Status::CheckCondition,
+            Some(sense),
+            DataIn::None,
+            Residual::None,
+            now,
+        ))
+    }
+
+    /// Takes the task's buffer (sized to what `op` needs) out for the backend.
+    fn lend(&mut self, tag: u64, lun: u16, op: Op, need: usize) -> Request<T, B> {
+        let t = self.tasks.get_mut(&tag).expect("the caller found it");
+        let task = t
+            .task
+            .expect("only tasks in the core run backend operations");
+        match op {
+            Op::Read { .. } => t.read_bytes += need as u64,
+            Op::Write { .. } | Op::OrWrite { .. } => t.write_bytes += need as u64,
+            Op::CompareAndWrite { .. } => t.write_bytes += need as u64 / 2,
+            _ => {}
+        }
+        let mut buffer = t.buffer.take().expect("the caller saw a buffer that fits");
+        if buffer.len() < need {
+            buffer.set_len(need);
+        }
+        Request::Backend {
+            tag,
+            task,
+            lun,
+            op,
+            buffer,
+        }
+    }
+
+    fn forget(&mut self, tag: u64) -> Option<TaskEntry<T, B>> {
+        let t = self.tasks.remove(&tag)?;
+        if t.parked.is_some() {
+            self.parked -= 1;
+        }
+        if let Some(task) = t.task {
+            if let Some(slot) = self.by_task.get_mut(task.index()) {
+                *slot = None;
+            }
+        }
+        Some(t)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn completion(
+        tag: u64,
+        mut entry: TaskEntry<T, B>,
+        status: Status,
+        sense: Option<SenseBytes>,
+        data_in: DataIn,
+        residual: Residual,
+        now: Instant,
+    ) -> Completion<T, B> {
+        Completion {
+            tag,
+            lun: entry.lun,
+            status,
+            sense,
+            data_in,
+            residual,
+            buffer: entry.buffer.take(),
+            accounting: Accounting {
+                lun: entry.lun,
+                read_bytes: entry.read_bytes,
+                write_bytes: entry.write_bytes,
+                latency: now.saturating_duration_since(entry.arrived),
+                error: status == Status::CheckCondition,
+            },
+            transport: entry.transport,
+        }
+    }
+}
