@@ -249,11 +249,15 @@ pub(crate) struct Frame {
     pub len: usize,
 }
 
-/// Frames one PDU: BHS, AHS, header digest, data, padding, data digest. The layout is fixed
-/// once the BHS is in, so this is arithmetic on its two length fields. Checks DataSegmentLength
-/// against `max_data` before the segment has to be present, and the header digest.
-#[inline]
-pub(crate) fn frame(input: &[u8], digests: Digests, max_data: u32) -> Result<Frame, DecodeError> {
+/// Checks a PDU's header at the start of `input`: DataSegmentLength within `max_data` as soon
+/// as the BHS is there, then the header digest once BHS, AHS and digest are. Returns the BHS
+/// and the header's length (BHS, AHS, digest). Both framing modes start here, so a header is
+/// judged the same way whichever way its segment is received.
+pub(crate) fn check_header(
+    input: &[u8],
+    digests: Digests,
+    max_data: u32,
+) -> Result<(&[u8; BHS_LEN], usize), DecodeError> {
     let Some(bhs) = input.first_chunk::<BHS_LEN>() else {
         return Err(DecodeError::Incomplete {
             needed: BHS_LEN - input.len(),
@@ -267,6 +271,42 @@ pub(crate) fn frame(input: &[u8], digests: Digests, max_data: u32) -> Result<Fra
             limit: max_data,
         });
     }
+    let ahs_end = BHS_LEN + usize::from(bhs[4]) * 4;
+    let header_len = ahs_end + if digests.header { 4 } else { 0 };
+    if input.len() < header_len {
+        return Err(DecodeError::Incomplete {
+            needed: header_len - input.len(),
+        });
+    }
+    if digests.header {
+        let at = ahs_end;
+        let received = u32::from_le_bytes(input[at..at + 4].try_into().expect("4 bytes"));
+        let computed = crc32c(&input[..at]);
+        if computed != received {
+            return Err(DecodeError::HeaderDigest { computed, received });
+        }
+    }
+    Ok((bhs, header_len))
+}
+
+/// Frames one PDU: BHS, AHS, header digest, data, padding, data digest. The layout is fixed
+/// once the BHS is in, so this is arithmetic on its two length fields; the header is checked by
+/// [`check_header`] before the segment has to be present.
+#[inline]
+pub(crate) fn frame(input: &[u8], digests: Digests, max_data: u32) -> Result<Frame, DecodeError> {
+    let (bhs, at) = match check_header(input, digests, max_data) {
+        Ok(h) => h,
+        // Once the BHS is in, the whole frame's length is known: ask for all of it.
+        Err(DecodeError::Incomplete { needed }) => {
+            let needed = match input.first_chunk::<BHS_LEN>() {
+                Some(b) => Bhs(*b).frame_length(digests) - input.len(),
+                None => needed,
+            };
+            return Err(DecodeError::Incomplete { needed });
+        }
+        Err(e) => return Err(e),
+    };
+    let dsl = u32::from_be_bytes([0, bhs[5], bhs[6], bhs[7]]);
     let len = frame_length(bhs[4], dsl, digests);
     if input.len() < len {
         return Err(DecodeError::Incomplete {
@@ -274,15 +314,6 @@ pub(crate) fn frame(input: &[u8], digests: Digests, max_data: u32) -> Result<Fra
         });
     }
     let ahs = BHS_LEN..BHS_LEN + usize::from(bhs[4]) * 4;
-    let mut at = ahs.end;
-    if digests.header {
-        let received = u32::from_le_bytes(input[at..at + 4].try_into().expect("4 bytes"));
-        let computed = crc32c(&input[..at]);
-        if computed != received {
-            return Err(DecodeError::HeaderDigest { computed, received });
-        }
-        at += 4;
-    }
     let data = at..at + dsl as usize;
     let data_digest = (digests.data && dsl > 0).then(|| {
         let d = len - 4;

@@ -14,7 +14,7 @@ pub mod text;
 pub mod types;
 
 pub use bhs::{padding, Bhs, Opcode, BHS_LEN, MAX_DATA_SEGMENT_LENGTH, MAX_HEADER_LEN};
-pub use deframer::{Deframer, LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH};
+pub use deframer::{Deframer, Received, LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH};
 pub use digest::{crc32c, data_digest, Crc32c, Digests};
 pub use error::{DecodeError, PduError};
 pub use pdu::*;

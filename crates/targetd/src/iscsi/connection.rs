@@ -181,12 +181,13 @@ async fn full_feature(
     peer: &Peer,
 ) {
     let c = *negotiator.connection();
-    reader.digests = iscsi_pdu::Digests {
+    let digests = iscsi_pdu::Digests {
         header: c.header_digest,
         data: c.data_digest,
     };
-    reader.max_recv = c.max_recv_data_segment_length;
-    writer.digests = reader.digests;
+    reader.set_digests(digests);
+    reader.set_max_recv(c.max_recv_data_segment_length);
+    writer.digests = digests;
     writer.max_send = c.max_send_data_segment_length;
     let cid = session
         .connection_list()
@@ -321,24 +322,33 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
             }) => {
                 let refusal = conn.borrow().immediate_refusal(&cmd, len);
                 if let Some(reason) = refusal {
-                    reader.discard(len).await?;
+                    reader.discard();
                     conn.borrow_mut().reject(reason, &header);
                 } else if cmd.expected_data_transfer_length > MAX_IO {
                     // Too large to buffer: the data is dropped and the command refused in
                     // order with CHECK CONDITION.
-                    reader.discard(len).await?;
+                    reader.discard();
                     conn.borrow_mut().command(cmd, None, len);
                 } else {
                     let mut buffer = command_buffer(conn, &cmd).await;
-                    let at = buffer.as_mut().map(|b| &mut b[..len as usize]);
-                    match reader.payload(at.unwrap_or(&mut []), &header).await {
-                        Ok(()) => conn.borrow_mut().command(cmd, buffer, len),
+                    let read = match buffer.as_mut() {
+                        Some(b) => Some(reader.payload(&mut b[..len as usize]).await),
+                        None => None,
+                    };
+                    match read {
+                        Some(Ok(())) => conn.borrow_mut().command(cmd, buffer, len),
                         // The command is discarded and its CmdSN not taken: the initiator
                         // plugs the gap (RFC 7143 section 7.8).
-                        Err(ReadError::Reject { reason, header }) => {
+                        Some(Err(ReadError::Reject { reason, header })) => {
                             conn.borrow_mut().reject(reason, &header)
                         }
-                        Err(e) => return Err(e),
+                        Some(Err(e)) => return Err(e),
+                        // No buffer for it: the data is dropped and the command refused in
+                        // order.
+                        None => {
+                            reader.discard();
+                            conn.borrow_mut().command(cmd, None, len);
+                        }
                     }
                 }
             }
@@ -351,9 +361,7 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
                 match taken {
                     Some(mut buffer) => {
                         let at = d.buffer_offset as usize;
-                        let r = reader
-                            .payload(&mut buffer[at..at + len as usize], &header)
-                            .await;
+                        let r = reader.payload(&mut buffer[at..at + len as usize]).await;
                         match r {
                             Ok(()) => conn.borrow_mut().data_out(&d, len, Some(buffer)),
                             Err(ReadError::Reject { reason, header }) => conn
@@ -362,11 +370,11 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
                             Err(e) => return Err(e),
                         }
                     }
-                    None => reader.discard(len).await?,
+                    None => reader.discard(),
                 }
             }
-            Ok(Incoming::Payload { len, header, .. }) => {
-                reader.discard(len).await?;
+            Ok(Incoming::Payload { header, .. }) => {
+                reader.discard();
                 conn.borrow_mut()
                     .reject(RejectReason::ProtocolError, &header);
             }

@@ -27,12 +27,13 @@ pub async fn serve(
     peer: &Peer,
 ) {
     let c = *negotiator.connection();
-    reader.digests = Digests {
+    let digests = Digests {
         header: c.header_digest,
         data: c.data_digest,
     };
-    reader.max_recv = c.max_recv_data_segment_length;
-    writer.digests = reader.digests;
+    reader.set_digests(digests);
+    reader.set_max_recv(c.max_recv_data_segment_length);
+    writer.digests = digests;
     writer.max_send = c.max_send_data_segment_length;
     let window = shared.window();
     let mut text = TextExchange::default();
@@ -43,11 +44,9 @@ pub async fn serve(
         };
         let pdu = match incoming {
             Ok(Incoming::Whole(p)) => Ok(p),
-            Ok(Incoming::Payload { len, header, .. }) => {
+            Ok(Incoming::Payload { header, .. }) => {
                 // SCSI commands and Data-Out have no place in a discovery session.
-                if reader.discard(len).await.is_err() {
-                    return;
-                }
+                reader.discard();
                 Err((RejectReason::ProtocolError, header))
             }
             Err(ReadError::Reject { reason, header }) => Err((reason, *header)),

@@ -8,10 +8,10 @@ use std::ops::Range;
 use backend::Buffer;
 use bytes::{BufMut, Bytes, BytesMut};
 use iscsi_pdu::{
-    crc32c, data_digest, padding, Bhs, DataIn, DataInStatus, Digests, Lun, Opcode, Pdu,
-    RejectReason, SerialNumber, BHS_LEN,
+    data_digest, padding, Bhs, DataIn, DataInStatus, DecodeError, Deframer, Digests, Lun, Opcode,
+    Pdu, Received, RejectReason, SerialNumber,
 };
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 /// What reading a PDU can end in.
@@ -43,7 +43,8 @@ pub enum ReadError {
 }
 
 /// A PDU's header, decoded; for a SCSI Command with immediate data and for a Data-Out the data
-/// segment is still on the wire and the caller reads it with [`Reader::payload`].
+/// segment is still on the wire and the caller reads it with [`Reader::payload`] or drops it
+/// with [`Reader::discard`].
 #[derive(Debug)]
 pub enum Incoming {
     /// A whole PDU (its data segment, if any, inline).
@@ -59,128 +60,115 @@ pub enum Incoming {
     },
 }
 
-/// The receiving half of a connection.
+/// The receiving half of a connection: an async shell around iscsi-pdu's [`Deframer`] in its
+/// header-first mode, which makes every check (lengths, digests, decoding); this only moves
+/// bytes from the socket into the deframer or, for a payload, straight into its destination.
 pub struct Reader {
-    rd: BufReader<OwnedReadHalf>,
-    /// Digests in force.
-    pub digests: Digests,
-    /// The MaxRecvDataSegmentLength this side declared.
-    pub max_recv: u32,
-    ahs: Vec<u8>,
+    rd: OwnedReadHalf,
+    deframer: Deframer,
 }
 
-/// Small reads (headers, control PDUs) come from this buffer; a payload at least this long is
-/// read straight into its destination once the buffer is drained.
+/// Headers and control PDUs are read in chunks of up to this much; a payload with at least
+/// this much left is read straight into its destination.
 const READ_BUFFER: usize = 8192;
+
+/// The PDUs whose payload goes straight to a task's buffer.
+fn direct(op: Opcode) -> bool {
+    matches!(op, Opcode::ScsiCommand | Opcode::DataOut)
+}
 
 impl Reader {
     /// Wraps the read half of a socket.
     pub fn new(rd: OwnedReadHalf) -> Reader {
-        Reader {
-            rd: BufReader::with_capacity(READ_BUFFER, rd),
-            digests: Digests::NONE,
-            max_recv: iscsi_pdu::LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH,
-            ahs: Vec::with_capacity(64),
+        let mut deframer = Deframer::new();
+        deframer.buffer_mut().reserve(2 * READ_BUFFER);
+        Reader { rd, deframer }
+    }
+
+    /// Switches digests on or off (after the login phase).
+    pub fn set_digests(&mut self, digests: Digests) {
+        self.deframer.set_digests(digests);
+    }
+
+    /// Sets the MaxRecvDataSegmentLength this side declared (after the login phase).
+    pub fn set_max_recv(&mut self, len: u32) {
+        self.deframer.set_max_recv_data_segment_length(len);
+    }
+
+    /// Reads what the socket has (at least one byte) into the deframer.
+    async fn fill(&mut self) -> Result<(), ReadError> {
+        let buf = self.deframer.buffer_mut();
+        buf.reserve(READ_BUFFER);
+        if self.rd.read_buf(buf).await? == 0 {
+            return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
         }
+        Ok(())
     }
 
     /// Reads the next PDU's header (and, except for payload-carrying PDUs, its data segment).
     pub async fn next(&mut self) -> Result<Incoming, ReadError> {
-        let mut bhs = [0u8; BHS_LEN];
-        self.rd.read_exact(&mut bhs).await?;
-        let header = Bhs(bhs);
-        let ahs_len = header.total_ahs_length();
-        self.ahs.clear();
-        self.ahs.resize(ahs_len, 0);
-        self.rd.read_exact(&mut self.ahs).await?;
-        if self.digests.header {
-            let received = self.rd.read_u32_le().await?;
-            let mut crc = iscsi_pdu::Crc32c::new();
-            crc.update(&bhs);
-            crc.update(&self.ahs);
-            if crc.finish() != received {
-                return Err(ReadError::HeaderDigest);
+        loop {
+            match self.deframer.next_header(direct) {
+                Ok(Some(Received::Pdu(pdu))) => return Ok(Incoming::Whole(pdu)),
+                Ok(Some(Received::Header { pdu, header, len })) => {
+                    return Ok(Incoming::Payload { pdu, len, header })
+                }
+                Ok(None) => self.fill().await?,
+                Err(e) => return Err(e.into()),
             }
         }
-        let len = header.data_segment_length();
-        if len > self.max_recv {
-            return Err(ReadError::TooLong {
-                length: len,
-                limit: self.max_recv,
-            });
-        }
-        let ahs = Bytes::copy_from_slice(&self.ahs);
-        let direct = matches!(header.opcode(), Some(Opcode::ScsiCommand | Opcode::DataOut));
-        if direct && len > 0 {
-            // Decode the header as if it had no data; the caller reads the segment.
-            let mut bare = header;
-            bare.0[5..8].fill(0);
-            let pdu = Pdu::from_header_and_data(&bare, ahs, Bytes::new())
-                .map_err(|e| reject(&e, header))?;
-            return Ok(Incoming::Payload { pdu, len, header });
-        }
-        let mut data = BytesMut::zeroed(len as usize + padding(len as usize).len());
-        self.rd.read_exact(&mut data).await?;
-        if self.digests.data && len > 0 {
-            let received = self.rd.read_u32_le().await?;
-            if crc32c(&data) != received {
-                return Err(ReadError::Reject {
-                    reason: RejectReason::DataDigestError,
-                    header: Box::new(header),
-                });
-            }
-        }
-        data.truncate(len as usize);
-        Pdu::from_header_and_data(&header, ahs, data.freeze())
-            .map(Incoming::Whole)
-            .map_err(|e| reject(&e, header))
     }
 
-    /// Reads a data segment of `dst.len()` bytes into `dst`, then its padding and digest.
-    /// A digest mismatch is a [`ReadError::Reject`]; the segment has been consumed either way.
-    pub async fn payload(&mut self, dst: &mut [u8], header: &Bhs) -> Result<(), ReadError> {
-        self.rd.read_exact(dst).await?;
-        let pad = padding(dst.len()).len();
-        let mut tail = [0u8; 3];
-        self.rd.read_exact(&mut tail[..pad]).await?;
-        if self.digests.data && !dst.is_empty() {
-            let received = self.rd.read_u32_le().await?;
-            if data_digest([&*dst]) != received {
-                return Err(ReadError::Reject {
-                    reason: RejectReason::DataDigestError,
-                    header: Box::new(*header),
-                });
+    /// Reads the payload announced by the last [`Incoming::Payload`] into `dst` (its length),
+    /// then its padding and digest. A digest mismatch is a [`ReadError::Reject`]; the payload
+    /// has been consumed either way.
+    pub async fn payload(&mut self, dst: &mut [u8]) -> Result<(), ReadError> {
+        let mut got = self.deframer.payload(dst);
+        while got < dst.len() {
+            if dst.len() - got >= READ_BUFFER {
+                let n = self.rd.read(&mut dst[got..]).await?;
+                if n == 0 {
+                    return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+                }
+                self.deframer.payload_direct(&dst[got..got + n]);
+                got += n;
+            } else {
+                self.fill().await?;
+                got += self.deframer.payload(&mut dst[got..]);
             }
         }
-        Ok(())
+        loop {
+            match self.deframer.end_payload() {
+                Ok(Some(())) => return Ok(()),
+                Ok(None) => self.fill().await?,
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 
-    /// Reads and drops a data segment of `len` bytes (with padding and digest).
-    pub async fn discard(&mut self, len: u32) -> Result<(), ReadError> {
-        let mut left = len as usize + padding(len as usize).len();
-        if self.digests.data && len > 0 {
-            left += 4;
-        }
-        let mut sink = [0u8; 512];
-        while left > 0 {
-            let n = left.min(sink.len());
-            self.rd.read_exact(&mut sink[..n]).await?;
-            left -= n;
-        }
-        Ok(())
+    /// Drops the payload announced by the last [`Incoming::Payload`]; it is skipped as it
+    /// arrives.
+    pub fn discard(&mut self) {
+        self.deframer.discard_payload();
     }
 }
 
-fn reject(e: &iscsi_pdu::DecodeError, header: Bhs) -> ReadError {
-    match e.reject() {
-        Some((reason, h)) => ReadError::Reject {
-            reason,
-            header: Box::new(*h),
-        },
-        None => ReadError::Reject {
-            reason: RejectReason::ProtocolError,
-            header: Box::new(header),
-        },
+impl From<DecodeError> for ReadError {
+    fn from(e: DecodeError) -> ReadError {
+        match e {
+            DecodeError::HeaderDigest { .. } => ReadError::HeaderDigest,
+            DecodeError::DataSegmentTooLong { length, limit, .. } => {
+                ReadError::TooLong { length, limit }
+            }
+            e => match e.reject() {
+                Some((reason, header)) => ReadError::Reject {
+                    reason,
+                    header: Box::new(*header),
+                },
+                // Incomplete: the deframer asks for bytes instead of reporting it.
+                None => ReadError::Io(io::Error::other(e.to_string())),
+            },
+        }
     }
 }
 
