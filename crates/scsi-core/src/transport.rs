@@ -507,18 +507,13 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
                 let tag = self.tag_of(task)?;
                 let entry = self.forget(tag)?;
                 match entry.failed {
-                    Some(asc) => {
-                        let sense = Sense::new(SenseKey::AbortedCommand, asc).fixed();
-                        Some(Request::Complete(Self::completion(
-                            tag,
-                            entry,
-                            Status::CheckCondition,
-                            Some(sense),
-                            DataIn::None,
-                            Residual::None,
-                            now,
-                        )))
-                    }
+                    Some(asc) => Some(Request::Complete(Self::check_condition(
+                        tag,
+                        entry,
+                        SenseKey::AbortedCommand,
+                        asc,
+                        now,
+                    ))),
                     None => Some(Request::Ended { tag, entry }),
                 }
             }
@@ -544,8 +539,19 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
         now: Instant,
     ) -> Option<Completion<T, B>> {
         let entry = self.forget(tag)?;
+        Some(Self::check_condition(tag, entry, key, asc, now))
+    }
+
+    /// A completion with CHECK CONDITION, `key` and `asc`, and no data.
+    fn check_condition(
+        tag: u64,
+        entry: TaskEntry<T, B>,
+        key: SenseKey,
+        asc: Asc,
+        now: Instant,
+    ) -> Completion<T, B> {
         let sense = Sense::new(key, asc).fixed();
-        Some(Self::completion(
+        Self::completion(
             tag,
             entry,
             Status::CheckCondition,
@@ -553,7 +559,7 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
             DataIn::None,
             Residual::None,
             now,
-        ))
+        )
     }
 
     /// Takes the task's buffer (sized to what `op` needs) out for the backend.
