@@ -5,7 +5,7 @@ use core::fmt;
 use core::ops::Range;
 
 use crate::digest::{crc32c, Digests};
-use crate::error::DecodeError;
+use crate::error::{DecodeError, PduError};
 
 /// Length of the Basic Header Segment.
 pub const BHS_LEN: usize = 48;
@@ -287,6 +287,19 @@ pub(crate) fn check_header(
         }
     }
     Ok((bhs, header_len))
+}
+
+/// Checks a framed PDU's data digest, over the data segment and its padding as received (RFC
+/// 7143 includes the padding in the digest).
+pub(crate) fn check_data_digest(input: &[u8], fr: &Frame) -> Result<(), PduError> {
+    if let Some(received) = fr.data_digest {
+        let padded_end = fr.data.end + padding(fr.data.len()).len();
+        let computed = crc32c(&input[fr.data.start..padded_end]);
+        if computed != received {
+            return Err(PduError::DataDigest { computed, received });
+        }
+    }
+    Ok(())
 }
 
 /// Frames one PDU: BHS, AHS, header digest, data, padding, data digest. The layout is fixed

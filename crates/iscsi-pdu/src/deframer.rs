@@ -17,7 +17,7 @@
 
 use bytes::{Buf, Bytes, BytesMut};
 
-use crate::bhs::{check_header, padding, Bhs, Opcode, BHS_LEN};
+use crate::bhs::{check_data_digest, check_header, frame, padding, Bhs, Opcode, BHS_LEN};
 use crate::digest::{Crc32c, Digests};
 use crate::error::{DecodeError, PduError};
 use crate::pdu::Pdu;
@@ -201,33 +201,33 @@ impl Deframer {
             self.buf.advance(p.tail);
             self.payload = None;
         }
-        let max = self.max_recv_data_segment_length;
-        let (bhs, header_len) = match check_header(&self.buf, self.digests, max) {
-            Ok(h) => h,
-            Err(DecodeError::Incomplete { needed }) => {
-                self.frame_len = Some(self.buf.len() + needed);
-                return Ok(None);
-            }
-            Err(e) => return Err(e),
+        let Some(bhs) = self.buf.first_chunk::<BHS_LEN>() else {
+            self.frame_len = Some(BHS_LEN);
+            return Ok(None);
         };
         let header = Bhs(*bhs);
         let len = header.data_segment_length();
-        let ahs = match header.total_ahs_length() {
-            0 => Bytes::new(),
-            n => Bytes::copy_from_slice(&self.buf[BHS_LEN..BHS_LEN + n]),
-        };
-        let padded = len as usize + padding(len as usize).len();
-        let digest = if self.digests.data && len > 0 { 4 } else { 0 };
+        let max = self.max_recv_data_segment_length;
         if len > 0 && header.opcode().is_some_and(&direct) {
+            let header_len = match check_header(&self.buf, self.digests, max) {
+                Ok((_, n)) => n,
+                Err(DecodeError::Incomplete { needed }) => {
+                    self.frame_len = Some(self.buf.len() + needed);
+                    return Ok(None);
+                }
+                Err(e) => return Err(e),
+            };
+            let ahs = self.ahs(&header);
             self.buf.advance(header_len);
             self.frame_len = None;
             let mut bare = header;
             bare.0[5..8].fill(0);
             let decoded = Pdu::from_header_and_data(&bare, ahs, Bytes::new());
+            let digest = if self.digests.data { 4 } else { 0 };
             self.payload = Some(Payload {
                 header,
                 left: len as usize,
-                tail: padded - len as usize + digest,
+                tail: padding(len as usize).len() + digest,
                 crc: self.digests.data.then(Crc32c::new),
                 discard: decoded.is_err(),
             });
@@ -240,32 +240,38 @@ impl Deframer {
             })?;
             return Ok(Some(Received::Header { pdu, header, len }));
         }
-        let frame = header_len + padded + digest;
-        if self.buf.len() < frame {
-            self.frame_len = Some(frame);
-            self.buf.reserve(frame - self.buf.len());
-            return Ok(None);
-        }
-        self.frame_len = None;
-        let data = &self.buf[header_len..header_len + len as usize];
-        if digest > 0 {
-            let at = header_len + padded;
-            let received = u32::from_le_bytes(self.buf[at..at + 4].try_into().expect("4 bytes"));
-            let computed = crate::digest::crc32c(&self.buf[header_len..at]);
-            if computed != received {
-                self.buf.advance(frame);
-                return Err(DecodeError::Malformed {
-                    header: Box::new(header),
-                    error: PduError::DataDigest { computed, received },
-                });
+        let fr = match frame(&self.buf, self.digests, max) {
+            Ok(fr) => fr,
+            Err(DecodeError::Incomplete { needed }) => {
+                self.frame_len = Some(self.buf.len() + needed);
+                self.buf.reserve(needed);
+                return Ok(None);
             }
+            Err(e) => return Err(e),
+        };
+        self.frame_len = None;
+        if let Err(error) = check_data_digest(&self.buf, &fr) {
+            self.buf.advance(fr.len);
+            return Err(DecodeError::Malformed {
+                header: Box::new(header),
+                error,
+            });
         }
+        let ahs = self.ahs(&header);
         let data = match len {
             0 => Bytes::new(),
-            _ => Bytes::copy_from_slice(data),
+            _ => Bytes::copy_from_slice(&self.buf[fr.data]),
         };
-        self.buf.advance(frame);
+        self.buf.advance(fr.len);
         Pdu::from_header_and_data(&header, ahs, data).map(|p| Some(Received::Pdu(p)))
+    }
+
+    /// A copy of the buffered header's AHS (none for nearly every PDU, so no allocation).
+    fn ahs(&self, header: &Bhs) -> Bytes {
+        match header.total_ahs_length() {
+            0 => Bytes::new(),
+            n => Bytes::copy_from_slice(&self.buf[BHS_LEN..BHS_LEN + n]),
+        }
     }
 
     /// Payload bytes of the last [`Received::Header`] not yet taken.

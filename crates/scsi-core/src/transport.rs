@@ -351,12 +351,17 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
         self.by_task[i] = Some(tag);
     }
 
-    /// Drops a task the core never had (refused before submission, or outside the command
-    /// window), returning what it held.
+    /// Drops a task, returning what it held: one the core never had (refused before
+    /// submission, or outside the command window), or one that has ended.
     pub fn remove(&mut self, tag: u64) -> Option<TaskEntry<T, B>> {
         let t = self.tasks.remove(&tag)?;
         if t.parked.is_some() {
             self.parked -= 1;
+        }
+        if let Some(task) = t.task {
+            if let Some(slot) = self.by_task.get_mut(task.index()) {
+                *slot = None;
+            }
         }
         Some(t)
     }
@@ -498,14 +503,14 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
                 ..
             } => {
                 let tag = self.tag_of(task)?;
-                let entry = self.forget(tag)?;
+                let entry = self.remove(tag)?;
                 Some(Request::Complete(Self::completion(
                     tag, entry, status, sense, data_in, residual, now,
                 )))
             }
             Action::Aborted { task, .. } => {
                 let tag = self.tag_of(task)?;
-                let entry = self.forget(tag)?;
+                let entry = self.remove(tag)?;
                 match entry.failed {
                     Some(asc) => Some(Request::Complete(Self::check_condition(
                         tag,
@@ -538,7 +543,7 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
         asc: Asc,
         now: Instant,
     ) -> Option<Completion<T, B>> {
-        let entry = self.forget(tag)?;
+        let entry = self.remove(tag)?;
         Some(Self::check_condition(tag, entry, key, asc, now))
     }
 
@@ -587,20 +592,6 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
         }
     }
 
-    fn forget(&mut self, tag: u64) -> Option<TaskEntry<T, B>> {
-        let t = self.tasks.remove(&tag)?;
-        if t.parked.is_some() {
-            self.parked -= 1;
-        }
-        if let Some(task) = t.task {
-            if let Some(slot) = self.by_task.get_mut(task.index()) {
-                *slot = None;
-            }
-        }
-        Some(t)
-    }
-
-    #[allow(clippy::too_many_arguments)]
     fn completion(
         tag: u64,
         mut entry: TaskEntry<T, B>,

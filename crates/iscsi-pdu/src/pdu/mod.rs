@@ -3,7 +3,8 @@
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 use crate::bhs::{
-    frame, padding, Bhs, Fields, Frame, Opcode, View, BHS_LEN, MAX_DATA_SEGMENT_LENGTH,
+    check_data_digest, frame, padding, Bhs, Fields, Frame, Opcode, View, BHS_LEN,
+    MAX_DATA_SEGMENT_LENGTH,
 };
 use crate::digest::{crc32c, data_digest, Digests};
 use crate::error::{DecodeError, PduError};
@@ -230,14 +231,7 @@ impl Pdu {
             header: Box::new(Bhs(*bhs)),
             error,
         };
-        if let Some(received) = fr.data_digest {
-            // Over the padding as received: the RFC includes it in the digest.
-            let padded_end = fr.data.end + padding(fr.data.len()).len();
-            let computed = crc32c(&input[fr.data.start..padded_end]);
-            if computed != received {
-                return Err(malformed(PduError::DataDigest { computed, received }));
-            }
-        }
+        check_data_digest(input, fr).map_err(malformed)?;
         let opcode = Opcode::from_u8(bhs[0] & 0x3f)
             .ok_or_else(|| malformed(PduError::UnsupportedOpcode(bhs[0] & 0x3f)))?;
         let ahs = (!fr.ahs.is_empty()).then(|| input.slice(fr.ahs.clone()));
