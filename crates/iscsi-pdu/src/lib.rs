@@ -10,6 +10,7 @@ pub mod names;
 pub mod negotiation;
 pub mod pdu;
 pub mod serial;
+pub mod target;
 pub mod text;
 pub mod types;
 

@@ -27,19 +27,8 @@ pub const MAX_IO: u32 = 32 << 20;
 /// The target portal group tag of every portal (one group, implicit ALUA active/optimized).
 pub const PORTAL_GROUP: u16 = 1;
 
-/// What the core sends to a task's connection.
-#[derive(Debug)]
-pub enum Routed {
-    /// The command with this tag entered the core as `task`.
-    Submitted {
-        /// The transport's tag (iSCSI: the Initiator Task Tag).
-        tag: u64,
-        /// Its handle.
-        task: TaskId,
-    },
-    /// Something for the connection to do.
-    Action(Action),
-}
+/// What the core sends to a task's connection: the connection machine's [`CoreEvent`].
+pub use iscsi_pdu::target::CoreEvent as Routed;
 
 /// Where a task's actions go.
 #[derive(Debug, Clone)]

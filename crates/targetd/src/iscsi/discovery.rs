@@ -10,9 +10,9 @@ use iscsi_pdu::{
 use super::connection::wait_for;
 use super::login::Peer;
 use super::session::Request;
-use super::text::TextExchange;
 use super::wire::{Incoming, ReadError, Reader, Writer};
 use crate::server::Shared;
+use iscsi_pdu::target::TextExchange;
 
 /// Serves a discovery session until logout or close.
 #[allow(clippy::too_many_arguments)]

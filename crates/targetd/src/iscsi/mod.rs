@@ -4,5 +4,4 @@ pub mod connection;
 pub mod discovery;
 pub mod login;
 pub mod session;
-pub mod text;
 pub mod wire;

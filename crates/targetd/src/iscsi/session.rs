@@ -8,8 +8,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use iscsi_pdu::negotiation::SessionParams;
+use iscsi_pdu::target::{CommandOrder, OrderedCommand};
 use iscsi_pdu::{Isid, SerialNumber};
-use scsi_core::{Command, NexusId, TaskAttribute};
+use scsi_core::{Command, NexusId};
 use tokio::sync::Notify;
 
 use crate::target::{Route, Routed, Target};
@@ -72,50 +73,6 @@ pub struct ConnectionInfo {
     pub control: Arc<Control>,
 }
 
-/// A command waiting for its CmdSN turn.
-#[derive(Debug)]
-pub struct Queued {
-    /// CmdSN.
-    pub cmd_sn: SerialNumber,
-    /// The LUN field.
-    pub lun: u64,
-    /// The CDB.
-    pub cdb: [u8; 16],
-    /// Task attribute.
-    pub attribute: TaskAttribute,
-    /// Initiator Task Tag.
-    pub itt: u32,
-    /// Expected data-in length.
-    pub data_in_len: u32,
-    /// Expected data-out length.
-    pub data_out_len: u32,
-}
-
-/// What happened to a command handed to [`Session::deliver`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Delivery {
-    /// In the SCSI core now (or queued behind a gap in CmdSN).
-    Accepted,
-    /// Outside the command window: dropped, as RFC 7143 section 4.2.2.1 says.
-    OutsideWindow,
-}
-
-#[derive(Debug)]
-enum Pending {
-    Command(Queued, Route),
-    /// A non-SCSI request that took a CmdSN (handled on arrival).
-    Marker(SerialNumber),
-}
-
-impl Pending {
-    fn cmd_sn(&self) -> SerialNumber {
-        match self {
-            Pending::Command(q, _) => q.cmd_sn,
-            Pending::Marker(sn) => *sn,
-        }
-    }
-}
-
 /// One session with a target.
 #[derive(Debug)]
 pub struct Session {
@@ -132,8 +89,9 @@ pub struct Session {
     /// What was negotiated by the leading connection.
     pub params: SessionParams,
     window: u32,
+    /// ExpCmdSN as `order` last left it, read without its lock for every response.
     exp_cmd_sn: AtomicU32,
-    order: Mutex<VecDeque<Pending>>,
+    order: Mutex<CommandOrder<(OrderedCommand, Route)>>,
     /// Its connections.
     pub connections: Mutex<Vec<ConnectionInfo>>,
     /// Set once it is ending: no connection may join.
@@ -153,60 +111,54 @@ impl Session {
 
     /// Hands a SCSI command to the core in CmdSN order: immediate commands at once, others when
     /// every earlier CmdSN has arrived (on any connection). What the core does next goes to
-    /// `local` for `route.conn == me`, else to the owners' channels.
+    /// `local` for `route.conn == me`, else to the owners' channels. False when `cmd` is
+    /// outside the window (RFC 7143 section 4.2.2.1 has it dropped).
     pub fn deliver(
         &self,
-        q: Queued,
+        cmd: OrderedCommand,
         immediate: bool,
         route: &Route,
         local: &mut VecDeque<Routed>,
-    ) -> Delivery {
+    ) -> bool {
         let me = route.conn;
         if immediate {
-            self.submit(&q, route, me, local);
-            return Delivery::Accepted;
+            self.submit(&cmd, route, me, local);
+            return true;
         }
         let mut order = lock(&self.order);
-        if !self.admit(q.cmd_sn, &order) {
-            return Delivery::OutsideWindow;
+        if !order.admit(cmd.cmd_sn, Some((cmd, route.clone()))) {
+            return false;
         }
-        order.push_back(Pending::Command(q, route.clone()));
         self.release(&mut order, me, local);
-        Delivery::Accepted
+        true
     }
 
     /// Takes a CmdSN for a non-SCSI request (NOP-Out, Text, Logout, task management) that is
     /// handled on arrival. Returns whether it was inside the window.
     pub fn take_cmd_sn(&self, cmd_sn: SerialNumber, me: u64, local: &mut VecDeque<Routed>) -> bool {
         let mut order = lock(&self.order);
-        if !self.admit(cmd_sn, &order) {
+        if !order.admit(cmd_sn, None) {
             return false;
         }
-        order.push_back(Pending::Marker(cmd_sn));
         self.release(&mut order, me, local);
         true
     }
 
-    fn admit(&self, cmd_sn: SerialNumber, order: &VecDeque<Pending>) -> bool {
-        let (exp, max) = self.window();
-        cmd_sn.in_window(exp, max) && !order.iter().any(|p| p.cmd_sn() == cmd_sn)
-    }
-
-    /// Delivers queued requests while the next expected CmdSN is among them.
-    fn release(&self, order: &mut VecDeque<Pending>, me: u64, local: &mut VecDeque<Routed>) {
-        loop {
-            let exp = SerialNumber(self.exp_cmd_sn.load(Ordering::Acquire));
-            let Some(i) = order.iter().position(|p| p.cmd_sn() == exp) else {
-                return;
-            };
-            if let Some(Pending::Command(q, route)) = order.remove(i) {
-                self.submit(&q, &route, me, local);
-            }
-            self.exp_cmd_sn.store(exp.next().0, Ordering::Release);
+    /// Delivers queued commands while the next expected CmdSN is among them.
+    fn release(
+        &self,
+        order: &mut CommandOrder<(OrderedCommand, Route)>,
+        me: u64,
+        local: &mut VecDeque<Routed>,
+    ) {
+        while let Some((cmd, route)) = order.next_ready() {
+            self.submit(&cmd, &route, me, local);
         }
+        self.exp_cmd_sn
+            .store(order.window().0 .0, Ordering::Release);
     }
 
-    fn submit(&self, q: &Queued, route: &Route, me: u64, local: &mut VecDeque<Routed>) {
+    fn submit(&self, q: &OrderedCommand, route: &Route, me: u64, local: &mut VecDeque<Routed>) {
         let cmd = Command {
             nexus: self.nexus,
             lun: q.lun,
@@ -303,7 +255,7 @@ impl Sessions {
             params,
             window,
             exp_cmd_sn: AtomicU32::new(cmd_sn.0),
-            order: Mutex::new(VecDeque::with_capacity(window.min(1024) as usize)),
+            order: Mutex::new(CommandOrder::new(cmd_sn, window)),
             connections: Mutex::new(vec![first]),
             closing: AtomicBool::new(false),
         });

@@ -6,10 +6,11 @@ use std::io::{self, IoSlice};
 use std::ops::Range;
 
 use backend::Buffer;
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{BufMut, BytesMut};
+use iscsi_pdu::target::Transmit;
 use iscsi_pdu::{
-    data_digest, padding, Bhs, DataIn, DataInStatus, DecodeError, Deframer, Digests, Lun, Opcode,
-    Pdu, Received, RejectReason, SerialNumber,
+    data_digest, padding, Bhs, DataIn, DecodeError, Deframer, Digests, Opcode, Pdu, Received,
+    RejectReason, SerialNumber,
 };
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -172,44 +173,8 @@ impl From<DecodeError> for ReadError {
     }
 }
 
-/// Where a Data-In sequence's bytes are.
-#[derive(Debug)]
-pub enum Payload {
-    /// An arena buffer the backend read into.
-    Buffer(Buffer),
-    /// Parameter data the SCSI core built.
-    Bytes(Bytes),
-}
-
-impl Payload {
-    fn slice(&self, r: Range<usize>) -> &[u8] {
-        match self {
-            Payload::Buffer(b) => &b[r],
-            Payload::Bytes(b) => &b[r],
-        }
-    }
-}
-
-/// One unit of output, in StatSN order.
-#[derive(Debug)]
-pub enum Outgoing {
-    /// A PDU with its data segment inline.
-    Pdu(Pdu),
-    /// A command's read data, cut into Data-In PDUs of at most MaxRecvDataSegmentLength (the
-    /// initiator's), the last carrying the status when `status` is given (phase collapse).
-    DataIn {
-        /// Initiator Task Tag.
-        itt: u32,
-        /// LUN.
-        lun: Lun,
-        /// The data.
-        payload: Payload,
-        /// Bytes of `payload` to send.
-        len: u32,
-        /// Status for the last PDU.
-        status: Option<DataInStatus>,
-    },
-}
+/// One unit of output: the connection machine's transmit, over arena buffers.
+pub type Outgoing = Transmit<Buffer>;
 
 /// A piece of the next vectored write.
 #[derive(Debug, Clone)]
@@ -260,12 +225,12 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
         self.segs.clear();
         for (i, item) in items.iter().enumerate() {
             match item {
-                Outgoing::Pdu(pdu) => {
+                Transmit::Pdu(pdu) => {
                     let len = pdu.data().len();
                     self.header(pdu, len);
                     self.data(i, 0..len, pdu.data());
                 }
-                Outgoing::DataIn {
+                Transmit::DataIn {
                     itt,
                     lun,
                     payload,
@@ -292,7 +257,7 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
                             ..DataIn::default()
                         });
                         self.header(&pdu, end - start);
-                        self.data(i, start..end, payload.slice(start..end));
+                        self.data(i, start..end, &payload.as_slice()[start..end]);
                     }
                 }
             }
@@ -344,8 +309,8 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
                 iov[n] = IoSlice::new(match &self.segs[at] {
                     Seg::Header(r) => &self.headers[r.clone()],
                     Seg::Item(i, r) => match &items[*i] {
-                        Outgoing::Pdu(p) => &p.data()[r.clone()],
-                        Outgoing::DataIn { payload, .. } => payload.slice(r.clone()),
+                        Transmit::Pdu(p) => &p.data()[r.clone()],
+                        Transmit::DataIn { payload, .. } => &payload.as_slice()[r.clone()],
                     },
                     Seg::Pad(p) => &ZEROS[..*p],
                 });
@@ -359,7 +324,7 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
 
     /// Sends one PDU at once (login, discovery, shutdown).
     pub async fn send_pdu(&mut self, pdu: Pdu) -> io::Result<()> {
-        let items = [Outgoing::Pdu(pdu)];
+        let items = [Transmit::Pdu(pdu)];
         self.send(&items, SerialNumber(0), SerialNumber(0)).await
     }
 

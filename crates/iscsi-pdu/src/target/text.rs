@@ -1,10 +1,10 @@
 //! Text requests in full feature phase (RFC 7143 section 11.10): SendTargets and renegotiation,
 //! with long requests reassembled and long responses continued under a Target Transfer Tag.
 
+use crate::negotiation::Negotiator;
+use crate::text::{split_text, TextParams, TextReassembler};
+use crate::{RejectReason, Stage, TextRequest, TextResponse, RESERVED_TAG};
 use bytes::Bytes;
-use iscsi_pdu::negotiation::Negotiator;
-use iscsi_pdu::text::{split_text, TextParams, TextReassembler};
-use iscsi_pdu::{RejectReason, Stage, TextRequest, TextResponse, RESERVED_TAG};
 
 /// The TTT of a continued response.
 const CONTINUE_TAG: u32 = 0x7fff_fffe;

@@ -1,0 +1,1213 @@
+//! One target connection in full feature phase (RFC 7143 sections 4 and 11), as a state machine
+//! without I/O: SCSI commands into the session's CmdSN order, R2Ts and Data-Out, Data-In with
+//! phase collapse, NOP-In pings on the caller's clock, text, logout, task management and Reject.
+//!
+//! # Driving it
+//!
+//! The caller reads PDUs header first (the [`Deframer`](crate::Deframer)'s `next_header` mode)
+//! and hands each in; the connection answers with a [`Plan`] for the payload:
+//!
+//! 1. a whole PDU goes to [`Connection::handle_pdu`], a header whose payload is still on the wire
+//!    to [`Connection::handle_header`], a PDU the deframer rejected to
+//!    [`Connection::handle_reject`];
+//! 2. [`Plan::Allocate`]: a write command wants its data buffer; the caller allocates it
+//!    (waiting for it is the connection's backpressure) and calls
+//!    [`Connection::handle_allocated`], which gives the next plan;
+//! 3. [`Plan::Receive`]: the payload goes into `buffer[at..at + len]`; the caller reads it there
+//!    and hands the buffer back with [`Connection::handle_payload`] (or
+//!    [`Connection::handle_payload_error`] on a data digest mismatch);
+//! 4. [`Plan::Discard`]: the payload is skipped; [`Plan::Next`]: read the next header.
+//!
+//! What the SCSI core decides arrives through [`Connection::handle_core`]; backend completions
+//! through [`Connection::handle_backend_done`]; buffers for backend operations through
+//! [`Connection::handle_buffer`]; time through [`Connection::handle_timeout`].
+//!
+//! After each input the caller drains, in this order: [`Connection::poll_event`] (backend
+//! operations, buffers wanted, accounting), [`Connection::poll_transmit`] (the output, in StatSN
+//! order), then [`Connection::poll_timeout`] and [`Connection::closing`].
+//!
+//! The session and the SCSI core behind it are reached through the [`Nexus`] trait: the daemon
+//! implements it over its shared state, a test over one in-process device.
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::Deref;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use scsi_core::transport::{Accounting, Completion, NewTask, Request, TaskBuffer, TaskTable};
+use scsi_core::{
+    Action, Asc, BackendError, DataIn as CoreDataIn, Op, Output, Residual as CoreResidual,
+    SenseKey, TaskAttribute as CoreAttribute, TaskId, TmfFunction, TmfResponse,
+};
+
+use super::text::TextExchange;
+use crate::negotiation::{Negotiator, OperationalParams};
+use crate::text::TextParams;
+use crate::{
+    AsyncEvent, AsyncMessage, Bhs, DataInStatus, DataOut, LogoutReason, LogoutRequest,
+    LogoutResponse, LogoutResponseCode, Lun, NopIn, NopOut, Pdu, ReadyToTransfer, Reject,
+    RejectReason, Residual, ScsiCommand, ScsiResponse, ScsiStatus, SerialNumber, TaskAttribute,
+    TaskManagementFunction, TaskManagementRequest, TaskManagementResponse,
+    TmfResponse as IscsiTmfResponse, RESERVED_TAG,
+};
+
+/// Seconds the Asynchronous Message that asks for a logout gives the initiator.
+pub const LOGOUT_GRACE: u16 = 5;
+
+/// A SCSI command ready for the session's CmdSN order and then the SCSI core.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OrderedCommand {
+    /// CmdSN.
+    pub cmd_sn: SerialNumber,
+    /// The 8-byte LUN field.
+    pub lun: u64,
+    /// The CDB (16 bytes; shorter CDBs are zero-padded).
+    pub cdb: [u8; 16],
+    /// Task attribute.
+    pub attribute: CoreAttribute,
+    /// Initiator Task Tag.
+    pub itt: u32,
+    /// Expected data-in length.
+    pub data_in_len: u32,
+    /// Expected data-out length.
+    pub data_out_len: u32,
+}
+
+/// What the SCSI core hands back to the connection that owns a task.
+#[derive(Debug)]
+pub enum CoreEvent {
+    /// The command with this tag entered the core as `task`.
+    Submitted {
+        /// The Initiator Task Tag, widened.
+        tag: u64,
+        /// The core's handle.
+        task: TaskId,
+    },
+    /// Something for the connection to do.
+    Action(Action),
+}
+
+/// The session and the SCSI core as one connection reaches them. Calls into the core report what
+/// follows for this connection as [`CoreEvent`]s, which the caller hands to
+/// [`Connection::handle_core`] once the call returns.
+pub trait Nexus {
+    /// ExpCmdSN and MaxCmdSN to advertise now.
+    fn window(&self) -> (SerialNumber, SerialNumber);
+    /// Hands `cmd` to the core in CmdSN order (at once when `immediate`). False when it is
+    /// outside the window: the connection forgets it (RFC 7143 drops it silently).
+    fn deliver(&mut self, cmd: OrderedCommand, immediate: bool) -> bool;
+    /// Takes `cmd_sn` for a request handled on arrival; false when outside the window.
+    fn take_cmd_sn(&mut self, cmd_sn: SerialNumber) -> bool;
+    /// All the data-out the core asked of `task` is in `data`.
+    fn data_out(&mut self, task: TaskId, data: &[u8]);
+    /// A backend operation of `task` has ended (or could not run).
+    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>);
+    /// Starts a task management function for the session's I_T nexus; its answer comes back as
+    /// [`Action::TaskManagementDone`] with the returned reference. `None`: the core refused it.
+    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64>;
+    /// The block size of LUN index `lun`, `None` when it is gone.
+    fn block_size(&mut self, lun: u16) -> Option<u32>;
+    /// The answer to `SendTargets=value` for this initiator on this portal.
+    fn send_targets(&mut self, value: &str) -> TextParams;
+    /// Closes the session's connection `cid` (a logout naming another connection); false when
+    /// there is none.
+    fn close_connection(&mut self, cid: u16) -> bool;
+    /// Closes the session's other connections (a logout of the session).
+    fn close_session(&mut self);
+    /// Closes every other session of the target and this session's other connections (TARGET
+    /// COLD RESET, RFC 7143 section 11.5.1).
+    fn reset_target(&mut self);
+}
+
+/// Where a Data-In sequence's bytes are.
+#[derive(Debug)]
+pub enum Payload<B> {
+    /// A task's buffer the backend read into.
+    Buffer(B),
+    /// Parameter data the SCSI core built.
+    Bytes(Bytes),
+}
+
+impl<B: Deref<Target = [u8]>> Payload<B> {
+    /// Its bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Payload::Buffer(b) => b,
+            Payload::Bytes(b) => b,
+        }
+    }
+}
+
+/// One unit of output, in StatSN order.
+#[derive(Debug)]
+pub enum Transmit<B> {
+    /// A PDU with its data segment inline.
+    Pdu(Pdu),
+    /// A command's read data, to be cut into Data-In PDUs of at most `max_segment` bytes
+    /// (the initiator's MaxRecvDataSegmentLength) with DataSN from 0, the last carrying the
+    /// status when `status` is given (phase collapse). ExpCmdSN and MaxCmdSN are stamped when it
+    /// is encoded.
+    DataIn {
+        /// Initiator Task Tag.
+        itt: u32,
+        /// LUN.
+        lun: Lun,
+        /// The data.
+        payload: Payload<B>,
+        /// Bytes of `payload` to send.
+        len: u32,
+        /// Status for the last PDU.
+        status: Option<DataInStatus>,
+    },
+}
+
+/// What the connection asks of its caller, besides sending.
+#[derive(Debug)]
+pub enum Event<B> {
+    /// Run `op` on LUN index `lun` with `buffer`; report the outcome with
+    /// [`Connection::handle_backend_done`].
+    Backend {
+        /// The core's handle.
+        task: TaskId,
+        /// LUN index.
+        lun: u16,
+        /// The operation.
+        op: Op,
+        /// Its buffer.
+        buffer: B,
+    },
+    /// A backend operation waits for a buffer of `len` bytes: answer with
+    /// [`Connection::handle_buffer`], in the order asked, when the allocator has room.
+    BufferWanted {
+        /// The task's tag.
+        tag: u64,
+        /// Bytes needed.
+        len: usize,
+    },
+    /// A task has ended: what it moved, for the counters.
+    Completed(Accounting),
+}
+
+/// What to do with the payload of the PDU just handed in.
+#[derive(Debug)]
+pub enum Plan<B> {
+    /// There is none (or it came inline): read the next header.
+    Next,
+    /// Skip it.
+    Discard,
+    /// A write command needs a data buffer of this many bytes first: allocate one (waiting
+    /// while the allocator is short) and hand it to [`Connection::handle_allocated`].
+    Allocate(u32),
+    /// Read it into `buffer[at..at + len]`, then return the buffer with
+    /// [`Connection::handle_payload`] or [`Connection::handle_payload_error`].
+    Receive {
+        /// The task's buffer, lent while the payload is read.
+        buffer: B,
+        /// Where the payload starts in it.
+        at: usize,
+        /// The payload's length.
+        len: usize,
+    },
+}
+
+/// Why the connection is to close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Close {
+    /// A logout was answered, or a TARGET COLD RESET: send what is queued, then close.
+    AfterFlush,
+    /// The initiator did not answer a NOP-In ping in time: close at once.
+    NoPingAnswer,
+}
+
+/// A connection's fixed settings.
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    /// Its CID.
+    pub cid: u16,
+    /// The largest data transfer of one command, in bytes; larger ones end with CHECK
+    /// CONDITION, INVALID FIELD IN CDB.
+    pub max_io: u32,
+    /// Ping an initiator silent this long with a NOP-In; zero: never.
+    pub nop_interval: Duration,
+    /// Close when a ping is not answered in this long.
+    pub nop_timeout: Duration,
+}
+
+/// iSCSI's own state of a task: R2T and DataSN bookkeeping (RFC 7143 sections 11.7-11.8).
+/// The rest (buffer, lengths, the core's handle, accounting) is the task layer's.
+#[derive(Debug)]
+pub struct IscsiTask {
+    /// The next offset to solicit: the initiator may send up to here without an R2T.
+    next_r2t: u32,
+    outstanding_r2t: u16,
+    r2t_sn: u32,
+    /// The next DataSN of the unsolicited Data-Out sequence.
+    unsolicited_data_sn: u32,
+}
+
+/// Who asked for a task management function.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Tmf {
+    /// The connection itself (aborting a failed task, or its tasks at close): no response.
+    Internal,
+    /// The initiator: a Task Management Function Response.
+    Initiator,
+    /// The initiator's TARGET COLD RESET: the response, then every connection closes.
+    ColdReset,
+}
+
+/// A payload being read into a task's buffer.
+#[derive(Debug)]
+enum Receiving {
+    /// A write command waiting for its buffer, with this much immediate data on the wire.
+    Buffer(ScsiCommand, u32),
+    /// A command's immediate data.
+    Command(ScsiCommand, u32),
+    /// A Data-Out's data.
+    DataOut(DataOut, u32),
+}
+
+/// One target connection in full feature phase. `B` is the task buffer type (the daemon's
+/// registered arena slots; `Vec<u8>` in tests).
+#[derive(Debug)]
+pub struct Connection<B> {
+    settings: Settings,
+    op: OperationalParams,
+    negotiator: Negotiator,
+    /// The initiator's MaxRecvDataSegmentLength.
+    max_send: u32,
+    stat_sn: SerialNumber,
+    tasks: TaskTable<IscsiTask, B>,
+    next_ttt: u32,
+    /// Outstanding R2Ts by TTT: (ITT, next DataSN).
+    r2ts: HashMap<u32, (u32, u32)>,
+    /// Task management functions in the core: (reference, ITT, who asked).
+    tmfs: Vec<(u64, u32, Tmf)>,
+    text: TextExchange,
+    receiving: Option<Receiving>,
+    transmits: VecDeque<Transmit<B>>,
+    events: VecDeque<Event<B>>,
+    closing: Option<Close>,
+    /// A NOP-In ping awaiting its NOP-Out: (TTT, sent).
+    ping: Option<(u32, Instant)>,
+    last_rx: Instant,
+    logout_asked: bool,
+}
+
+fn attribute(a: TaskAttribute) -> CoreAttribute {
+    match a {
+        TaskAttribute::Ordered => CoreAttribute::Ordered,
+        TaskAttribute::HeadOfQueue => CoreAttribute::HeadOfQueue,
+        TaskAttribute::Aca => CoreAttribute::Aca,
+        _ => CoreAttribute::Simple,
+    }
+}
+
+/// Hands out a Target Transfer Tag: never the reserved tag, never the top bit (kept clear for
+/// the text exchange's continuation tag range).
+fn next_ttt(counter: &mut u32) -> u32 {
+    let ttt = *counter;
+    *counter = counter.wrapping_add(1).max(1) & 0x7fff_ffff;
+    ttt
+}
+
+fn residual(r: CoreResidual) -> Residual {
+    match r {
+        CoreResidual::None => Residual::None,
+        CoreResidual::Overflow(n) => Residual::Overflow(n),
+        CoreResidual::Underflow(n) => Residual::Underflow(n),
+    }
+}
+
+impl<B: TaskBuffer> Connection<B> {
+    /// A connection whose login has just ended: `negotiator` holds what was negotiated (and
+    /// renegotiates in text exchanges), `op` the session's operational parameters, `stat_sn`
+    /// the next StatSN.
+    pub fn new(
+        now: Instant,
+        settings: Settings,
+        negotiator: Negotiator,
+        op: OperationalParams,
+        stat_sn: SerialNumber,
+    ) -> Connection<B> {
+        let max_send = negotiator.connection().max_send_data_segment_length;
+        Connection {
+            settings,
+            op,
+            negotiator,
+            max_send,
+            stat_sn,
+            tasks: TaskTable::new(),
+            next_ttt: 1,
+            r2ts: HashMap::with_capacity(256),
+            tmfs: Vec::new(),
+            text: TextExchange::default(),
+            receiving: None,
+            transmits: VecDeque::with_capacity(256),
+            events: VecDeque::with_capacity(256),
+            closing: None,
+            ping: None,
+            last_rx: now,
+            logout_asked: false,
+        }
+    }
+
+    /// Its CID.
+    pub fn cid(&self) -> u16 {
+        self.settings.cid
+    }
+
+    /// The initiator's MaxRecvDataSegmentLength now (a text exchange may change it).
+    pub fn max_send_data_segment_length(&self) -> u32 {
+        self.max_send
+    }
+
+    /// The next StatSN.
+    pub fn stat_sn(&self) -> SerialNumber {
+        self.stat_sn
+    }
+
+    /// Tasks in the table.
+    pub fn task_count(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// Whether no task is left (nor waits for its backend operation).
+    pub fn is_idle(&self) -> bool {
+        self.tasks.idle()
+    }
+
+    /// Why the connection is to close, once it is.
+    pub fn closing(&self) -> Option<Close> {
+        self.closing
+    }
+
+    /// The next unit of output.
+    pub fn poll_transmit(&mut self) -> Option<Transmit<B>> {
+        self.transmits.pop_front()
+    }
+
+    /// The next request for the caller.
+    pub fn poll_event(&mut self) -> Option<Event<B>> {
+        self.events.pop_front()
+    }
+
+    /// When [`Connection::handle_timeout`] is next due.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        if self.settings.nop_interval.is_zero() || self.closing.is_some() {
+            return None;
+        }
+        Some(match self.ping {
+            Some((_, sent)) => sent + self.settings.nop_timeout,
+            None => self.last_rx + self.settings.nop_interval,
+        })
+    }
+
+    /// Time has passed: ping an initiator silent for the NOP interval, give up on one that
+    /// does not answer a ping within the NOP timeout.
+    pub fn handle_timeout(&mut self, now: Instant, nexus: &mut impl Nexus) {
+        if self.settings.nop_interval.is_zero() || self.closing.is_some() {
+            return;
+        }
+        if let Some((_, sent)) = self.ping {
+            if now.saturating_duration_since(sent) >= self.settings.nop_timeout {
+                tracing::warn!(
+                    cid = self.settings.cid,
+                    "no answer to NOP-In in {:?}: dropping the connection",
+                    self.settings.nop_timeout
+                );
+                self.closing = Some(Close::NoPingAnswer);
+            }
+            return;
+        }
+        if now.saturating_duration_since(self.last_rx) >= self.settings.nop_interval {
+            let ttt = next_ttt(&mut self.next_ttt);
+            let (exp, max) = nexus.window();
+            self.ping = Some((ttt, now));
+            // A ping takes no StatSN (RFC 7143 section 11.19.2).
+            self.transmit(Pdu::NopIn(NopIn {
+                lun: Lun::ZERO,
+                initiator_task_tag: RESERVED_TAG,
+                target_transfer_tag: ttt,
+                stat_sn: self.stat_sn,
+                exp_cmd_sn: exp,
+                max_cmd_sn: max,
+                data: Bytes::new(),
+            }));
+        }
+    }
+
+    /// A whole PDU (a SCSI Command or Data-Out without data, or any other PDU with its data
+    /// segment).
+    pub fn handle_pdu(&mut self, now: Instant, pdu: Pdu, nexus: &mut impl Nexus) -> Plan<B> {
+        self.last_rx = now;
+        match pdu {
+            Pdu::ScsiCommand(cmd) => return self.scsi_command(now, cmd, 0, nexus),
+            Pdu::DataOut(d) => self.data_out(&d, 0, None, nexus),
+            Pdu::NopOut(n) => self.nop_out(n, nexus),
+            Pdu::TaskManagementRequest(t) => self.task_management(t, nexus),
+            Pdu::TextRequest(t) => {
+                if !self.take_cmd_sn(t.immediate, t.cmd_sn, nexus) {
+                    return Plan::Next;
+                }
+                let max_send = self.max_send;
+                let r = self.text.request(&t, &mut self.negotiator, max_send, |v| {
+                    nexus.send_targets(v)
+                });
+                match r {
+                    Ok(mut r) => {
+                        r.stat_sn = self.next_stat_sn();
+                        (r.exp_cmd_sn, r.max_cmd_sn) = nexus.window();
+                        self.max_send = self.negotiator.connection().max_send_data_segment_length;
+                        self.transmit(Pdu::TextResponse(r));
+                    }
+                    Err(reason) => self.reject_pdu(reason, &Pdu::TextRequest(t), nexus),
+                }
+            }
+            Pdu::LogoutRequest(l) => self.logout(l, nexus),
+            Pdu::SnackRequest(_) => self.reject_pdu(RejectReason::SnackReject, &pdu, nexus),
+            Pdu::LoginRequest(_) => self.reject_pdu(RejectReason::ProtocolError, &pdu, nexus),
+            other => self.reject_pdu(RejectReason::CommandNotSupported, &other, nexus),
+        }
+        Plan::Next
+    }
+
+    /// A PDU's header whose `len` bytes of payload are still on the wire (a SCSI Command's
+    /// immediate data or a Data-Out's data; `pdu` has an empty data segment). `header` is the
+    /// header as received, for a Reject.
+    pub fn handle_header(
+        &mut self,
+        now: Instant,
+        pdu: Pdu,
+        header: &Bhs,
+        len: u32,
+        nexus: &mut impl Nexus,
+    ) -> Plan<B> {
+        self.last_rx = now;
+        match pdu {
+            Pdu::ScsiCommand(cmd) => {
+                if let Some(reason) = self.immediate_refusal(&cmd, len) {
+                    self.reject(reason, header, nexus);
+                    return Plan::Discard;
+                }
+                self.scsi_command(now, cmd, len, nexus)
+            }
+            Pdu::DataOut(d) => match self.data_out_buffer(&d, len, header, nexus) {
+                Some(buffer) => {
+                    let at = d.buffer_offset as usize;
+                    self.receiving = Some(Receiving::DataOut(d, len));
+                    Plan::Receive {
+                        buffer,
+                        at,
+                        len: len as usize,
+                    }
+                }
+                None => Plan::Discard,
+            },
+            _ => {
+                self.reject(RejectReason::ProtocolError, header, nexus);
+                Plan::Discard
+            }
+        }
+    }
+
+    /// A PDU the deframer found malformed (or whose data digest failed) but could skip: it is
+    /// rejected and the connection goes on (a command rejected so does not take its CmdSN:
+    /// the initiator plugs the gap, RFC 7143 section 7.8).
+    pub fn handle_reject(
+        &mut self,
+        now: Instant,
+        reason: RejectReason,
+        header: &Bhs,
+        nexus: &mut impl Nexus,
+    ) {
+        self.last_rx = now;
+        self.reject(reason, header, nexus);
+    }
+
+    /// The buffer asked for with [`Plan::Allocate`], or `None` when the allocator refused:
+    /// the command then ends with CHECK CONDITION in its CmdSN turn.
+    pub fn handle_allocated(
+        &mut self,
+        now: Instant,
+        buffer: Option<B>,
+        nexus: &mut impl Nexus,
+    ) -> Plan<B> {
+        let Some(Receiving::Buffer(cmd, len)) = self.receiving.take() else {
+            return Plan::Next;
+        };
+        match buffer {
+            Some(buffer) if len > 0 => {
+                self.receiving = Some(Receiving::Command(cmd, len));
+                Plan::Receive {
+                    buffer,
+                    at: 0,
+                    len: len as usize,
+                }
+            }
+            Some(buffer) => {
+                self.command(now, cmd, Some(buffer), 0, nexus);
+                Plan::Next
+            }
+            None => {
+                self.command(now, cmd, None, len, nexus);
+                if len > 0 {
+                    Plan::Discard
+                } else {
+                    Plan::Next
+                }
+            }
+        }
+    }
+
+    /// The payload of [`Plan::Receive`] is in `buffer`, padding and digest checked.
+    pub fn handle_payload(&mut self, now: Instant, buffer: B, nexus: &mut impl Nexus) {
+        match self.receiving.take() {
+            Some(Receiving::Command(cmd, len)) => self.command(now, cmd, Some(buffer), len, nexus),
+            Some(Receiving::DataOut(d, len)) => self.data_out(&d, len, Some(buffer), nexus),
+            _ => {}
+        }
+    }
+
+    /// The payload of [`Plan::Receive`] failed its data digest. At ErrorRecoveryLevel 0 it
+    /// cannot be asked for again: the PDU is rejected; a command is dropped without taking its
+    /// CmdSN, a Data-Out's task ends with PROTOCOL SERVICE CRC ERROR (RFC 7143 section 7.8).
+    pub fn handle_payload_error(
+        &mut self,
+        buffer: B,
+        reason: RejectReason,
+        header: &Bhs,
+        nexus: &mut impl Nexus,
+    ) {
+        self.reject(reason, header, nexus);
+        if let Some(Receiving::DataOut(d, _)) = self.receiving.take() {
+            let itt = d.initiator_task_tag;
+            self.tasks.put_buffer(u64::from(itt), buffer);
+            self.fail_task(itt, Asc(0x47, 0x05), nexus);
+        }
+    }
+
+    /// What the SCSI core decided for one of this connection's tasks.
+    pub fn handle_core(&mut self, now: Instant, event: CoreEvent, nexus: &mut impl Nexus) {
+        match event {
+            CoreEvent::Submitted { tag, task } => self.tasks.submitted(tag, task),
+            CoreEvent::Action(a) => self.action(now, a, nexus),
+        }
+    }
+
+    /// A backend operation of `task` has ended; its buffer comes back to the task.
+    pub fn handle_backend_done(
+        &mut self,
+        task: TaskId,
+        buffer: B,
+        result: Result<Output, BackendError>,
+        nexus: &mut impl Nexus,
+    ) {
+        self.tasks.backend_returned(task, buffer);
+        nexus.backend_done(task, result);
+    }
+
+    /// The buffer of an [`Event::BufferWanted`], or `None` when the allocator cannot ever give
+    /// it: the task ends with an error.
+    pub fn handle_buffer(&mut self, tag: u64, buffer: Option<B>, nexus: &mut impl Nexus) {
+        match buffer {
+            Some(buffer) => {
+                if let Some(Request::Backend {
+                    task,
+                    lun,
+                    op,
+                    buffer,
+                    ..
+                }) = self.tasks.grant_buffer(tag, buffer)
+                {
+                    self.events.push_back(Event::Backend {
+                        task,
+                        lun,
+                        op,
+                        buffer,
+                    });
+                }
+            }
+            None => {
+                if let Some(task) = self.tasks.buffer_refused(tag) {
+                    nexus.backend_done(task, Err(BackendError::Internal));
+                }
+            }
+        }
+    }
+
+    /// The daemon is stopping: ask the initiator to log out (Asynchronous Message, event 1),
+    /// once.
+    pub fn ask_logout(&mut self, nexus: &mut impl Nexus) {
+        if self.logout_asked {
+            return;
+        }
+        self.logout_asked = true;
+        let (exp, max) = nexus.window();
+        let m = AsyncMessage {
+            lun: Lun::ZERO,
+            stat_sn: self.next_stat_sn(),
+            exp_cmd_sn: exp,
+            max_cmd_sn: max,
+            event: AsyncEvent::LogoutRequested,
+            vcode: 0,
+            parameter1: 0,
+            parameter2: 0,
+            parameter3: LOGOUT_GRACE,
+            data: Bytes::new(),
+        };
+        self.transmit(Pdu::AsyncMessage(m));
+    }
+
+    /// The connection is gone but its session goes on: the core aborts its tasks (they end
+    /// without a response). When the session ends instead, the caller closes the I_T nexus.
+    /// Either way the caller goes on handing in core events and backend completions until
+    /// [`Connection::is_idle`], dropping the output.
+    pub fn abort_tasks(&mut self, nexus: &mut impl Nexus) {
+        let tasks: Vec<(u64, u64)> = self.tasks.in_core().collect();
+        for (itt, lun) in tasks {
+            if let Some(r) = nexus.task_management(lun, TmfFunction::AbortTask(itt)) {
+                self.tmfs.push((r, RESERVED_TAG, Tmf::Internal));
+            }
+        }
+    }
+
+    fn next_stat_sn(&mut self) -> SerialNumber {
+        let s = self.stat_sn;
+        self.stat_sn = s.next();
+        s
+    }
+
+    fn transmit(&mut self, pdu: Pdu) {
+        self.transmits.push_back(Transmit::Pdu(pdu));
+    }
+
+    fn reject(&mut self, reason: RejectReason, header: &Bhs, nexus: &mut impl Nexus) {
+        tracing::debug!(?reason, ?header, "Reject");
+        let mut r = Reject::of(reason, header);
+        r.stat_sn = self.next_stat_sn();
+        (r.exp_cmd_sn, r.max_cmd_sn) = nexus.window();
+        self.transmit(Pdu::Reject(r));
+    }
+
+    fn reject_pdu(&mut self, reason: RejectReason, pdu: &Pdu, nexus: &mut impl Nexus) {
+        let header = pdu.bhs();
+        self.reject(reason, &header, nexus);
+    }
+
+    /// Takes the CmdSN of a non-SCSI request; false when it is outside the window.
+    fn take_cmd_sn(
+        &mut self,
+        immediate: bool,
+        cmd_sn: SerialNumber,
+        nexus: &mut impl Nexus,
+    ) -> bool {
+        immediate || nexus.take_cmd_sn(cmd_sn)
+    }
+
+    /// Why a SCSI Command's immediate data cannot be taken, if it cannot.
+    fn immediate_refusal(&self, cmd: &ScsiCommand, len: u32) -> Option<RejectReason> {
+        let bad = !self.op.immediate_data
+            || !cmd.write
+            || len > cmd.expected_data_transfer_length
+            || len > self.op.first_burst_length;
+        if bad {
+            tracing::debug!(
+                immediate_data = self.op.immediate_data,
+                write = cmd.write,
+                len,
+                edtl = cmd.expected_data_transfer_length,
+                first_burst = self.op.first_burst_length,
+                "immediate data refused"
+            );
+        }
+        bad.then_some(RejectReason::ProtocolError)
+    }
+
+    /// A SCSI Command with `len` bytes of immediate data on the wire: a write within the
+    /// size limit first gets its buffer; anything else goes in at once.
+    fn scsi_command(
+        &mut self,
+        now: Instant,
+        cmd: ScsiCommand,
+        len: u32,
+        nexus: &mut impl Nexus,
+    ) -> Plan<B> {
+        let edtl = cmd.expected_data_transfer_length;
+        if cmd.write && edtl > 0 && edtl <= self.settings.max_io {
+            self.receiving = Some(Receiving::Buffer(cmd, len));
+            return Plan::Allocate(edtl);
+        }
+        self.command(now, cmd, None, len, nexus);
+        if len > 0 {
+            Plan::Discard
+        } else {
+            Plan::Next
+        }
+    }
+
+    /// A SCSI Command, with its buffer and `immediate` bytes of immediate data in it.
+    fn command(
+        &mut self,
+        now: Instant,
+        cmd: ScsiCommand,
+        buffer: Option<B>,
+        immediate: u32,
+        nexus: &mut impl Nexus,
+    ) {
+        let itt = cmd.initiator_task_tag;
+        let edtl = cmd.expected_data_transfer_length;
+        let write = cmd.write;
+        let unsolicited_end = if !write {
+            0
+        } else if self.op.initial_r2t {
+            immediate
+        } else {
+            self.op.first_burst_length.min(edtl).max(immediate)
+        };
+        let data_in_len = match (cmd.read, write) {
+            (true, false) => edtl,
+            (true, true) => cmd.bidirectional_read_length.unwrap_or(0),
+            _ => 0,
+        };
+        let data_out_len = if write { edtl } else { 0 };
+        let too_big = edtl > self.settings.max_io || (write && edtl > 0 && buffer.is_none());
+        let new = NewTask {
+            lun: cmd.lun.as_u64(),
+            data_out_len,
+            data_in_len,
+            buffer,
+            received: immediate,
+            transport: IscsiTask {
+                next_r2t: unsolicited_end,
+                outstanding_r2t: 0,
+                r2t_sn: 0,
+                unsolicited_data_sn: 0,
+            },
+        };
+        let inserted = if itt == RESERVED_TAG {
+            Err(RejectReason::InvalidPduField)
+        } else {
+            let r = self.tasks.insert(u64::from(itt), new, now);
+            r.map_err(|_| RejectReason::TaskInProgress)
+        };
+        if let Err(reason) = inserted {
+            self.reject_pdu(reason, &Pdu::ScsiCommand(cmd), nexus);
+            return;
+        }
+        if too_big {
+            // More than one command may move: refuse it in order, as the core would.
+            if self.take_cmd_sn(cmd.immediate, cmd.cmd_sn, nexus) {
+                let (key, asc) = (SenseKey::IllegalRequest, Asc::INVALID_FIELD_IN_CDB);
+                if let Some(c) = self.tasks.refuse(u64::from(itt), key, asc, now) {
+                    self.finish(c, nexus);
+                }
+            } else {
+                self.tasks.remove(u64::from(itt));
+            }
+            return;
+        }
+        let q = OrderedCommand {
+            cmd_sn: cmd.cmd_sn,
+            lun: cmd.lun.as_u64(),
+            cdb: cmd.cdb,
+            attribute: attribute(cmd.task_attribute),
+            itt,
+            data_in_len,
+            data_out_len,
+        };
+        if !nexus.deliver(q, cmd.immediate) {
+            tracing::debug!(cmd_sn = %cmd.cmd_sn, "a command outside the window is dropped");
+            self.tasks.remove(u64::from(itt));
+        }
+    }
+
+    /// Where a Data-Out's payload goes: the task's buffer, taken out while the payload is read.
+    fn data_out_buffer(
+        &mut self,
+        d: &DataOut,
+        len: u32,
+        header: &Bhs,
+        nexus: &mut impl Nexus,
+    ) -> Option<B> {
+        let tag = u64::from(d.initiator_task_tag);
+        let t = self.tasks.get(tag)?;
+        let end = u64::from(d.buffer_offset) + u64::from(len);
+        if end > u64::from(t.data_out_len) {
+            self.reject(RejectReason::ProtocolError, header, nexus);
+            return None;
+        }
+        let b = self.tasks.take_buffer(tag)?;
+        if end as usize > b.len() {
+            self.tasks.put_buffer(tag, b);
+            return None;
+        }
+        Some(b)
+    }
+
+    /// A Data-Out has arrived: its payload (if any) is in `buffer`, which goes back to the task.
+    fn data_out(&mut self, d: &DataOut, len: u32, buffer: Option<B>, nexus: &mut impl Nexus) {
+        let itt = d.initiator_task_tag;
+        let tag = u64::from(itt);
+        if !self.tasks.contains(tag) {
+            return;
+        }
+        if let Some(b) = buffer {
+            self.tasks.put_buffer(tag, b);
+        }
+        if !self.in_sequence(d) {
+            // At ErrorRecoveryLevel 0 a lost or repeated Data-Out cannot be asked for again.
+            let header = Pdu::DataOut(d.clone()).bhs();
+            self.reject(RejectReason::ProtocolError, &header, nexus);
+            self.fail_task(itt, Asc(0x4b, 0x00), nexus);
+            return;
+        }
+        self.tasks.data_received(tag, len);
+        if d.target_transfer_tag != RESERVED_TAG && d.final_bit {
+            if let Some(t) = self.tasks.get_mut(tag) {
+                t.transport.outstanding_r2t = t.transport.outstanding_r2t.saturating_sub(1);
+            }
+            self.solicit(itt, nexus);
+        }
+        self.deliver_data(itt, nexus);
+    }
+
+    /// Whether a Data-Out carries the DataSN its sequence expects (RFC 7143 section 11.7.5):
+    /// numbered from 0 in the unsolicited sequence and in each R2T's.
+    fn in_sequence(&mut self, d: &DataOut) -> bool {
+        let itt = d.initiator_task_tag;
+        if d.target_transfer_tag == RESERVED_TAG {
+            let Some(t) = self.tasks.get_mut(u64::from(itt)) else {
+                return false;
+            };
+            let sn = &mut t.transport.unsolicited_data_sn;
+            let ok = d.data_sn == *sn;
+            *sn = sn.wrapping_add(1);
+            return ok;
+        }
+        let Some(r) = self.r2ts.get_mut(&d.target_transfer_tag) else {
+            return false;
+        };
+        let ok = r.0 == itt && d.data_sn == r.1;
+        r.1 = r.1.wrapping_add(1);
+        if d.final_bit {
+            self.r2ts.remove(&d.target_transfer_tag);
+        }
+        ok
+    }
+
+    /// Fails a task: the core aborts it and it ends with ABORTED COMMAND and `asc`.
+    fn fail_task(&mut self, itt: u32, asc: Asc, nexus: &mut impl Nexus) {
+        let Some((_, lun)) = self.tasks.fail(u64::from(itt), asc) else {
+            return;
+        };
+        if let Some(r) = nexus.task_management(lun, TmfFunction::AbortTask(u64::from(itt))) {
+            self.tmfs.push((r, RESERVED_TAG, Tmf::Internal));
+        }
+    }
+
+    /// Sends R2Ts for what the core wants beyond the unsolicited data, up to
+    /// MaxOutstandingR2T at a time, each at most MaxBurstLength.
+    fn solicit(&mut self, itt: u32, nexus: &mut impl Nexus) {
+        let (exp, max) = nexus.window();
+        let stat_sn = self.stat_sn;
+        let Some(t) = self.tasks.get_mut(u64::from(itt)) else {
+            return;
+        };
+        let Some(wanted) = t.wanted else {
+            return;
+        };
+        let lun = Lun(t.lun.to_be_bytes());
+        let s = &mut t.transport;
+        while s.outstanding_r2t < self.op.max_outstanding_r2t && s.next_r2t < wanted {
+            let n = (wanted - s.next_r2t).min(self.op.max_burst_length);
+            let ttt = next_ttt(&mut self.next_ttt);
+            self.r2ts.insert(ttt, (itt, 0));
+            self.transmits
+                .push_back(Transmit::Pdu(Pdu::ReadyToTransfer(ReadyToTransfer {
+                    lun,
+                    initiator_task_tag: itt,
+                    target_transfer_tag: ttt,
+                    stat_sn,
+                    exp_cmd_sn: exp,
+                    max_cmd_sn: max,
+                    r2t_sn: s.r2t_sn,
+                    buffer_offset: s.next_r2t,
+                    desired_data_transfer_length: n,
+                })));
+            s.r2t_sn += 1;
+            s.next_r2t += n;
+            s.outstanding_r2t += 1;
+        }
+    }
+
+    /// Hands the data-out to the core once all it asked for is in.
+    fn deliver_data(&mut self, itt: u32, nexus: &mut impl Nexus) {
+        if let Some((task, data)) = self.tasks.data_complete(u64::from(itt)) {
+            nexus.data_out(task, data);
+        }
+    }
+
+    /// Carries out what the task layer makes of the core's action.
+    fn action(&mut self, now: Instant, a: Action, nexus: &mut impl Nexus) {
+        let Some(request) = self.tasks.action(a, now, |lun| nexus.block_size(lun)) else {
+            return;
+        };
+        match request {
+            Request::DataOut { tag, .. } => {
+                self.solicit(tag as u32, nexus);
+                self.deliver_data(tag as u32, nexus);
+            }
+            Request::Backend {
+                task,
+                lun,
+                op,
+                buffer,
+                ..
+            } => self.events.push_back(Event::Backend {
+                task,
+                lun,
+                op,
+                buffer,
+            }),
+            Request::BufferWanted { tag, len } => {
+                self.events.push_back(Event::BufferWanted { tag, len })
+            }
+            Request::Complete(c) => self.finish(c, nexus),
+            Request::Ended { tag, entry } => self.ended(tag as u32, &entry.transport),
+            Request::UnitGone { task, .. } => nexus.backend_done(task, Err(BackendError::Internal)),
+            Request::TaskManagementDone {
+                reference,
+                response,
+                ..
+            } => self.tmf_done(reference, response, nexus),
+        }
+    }
+
+    /// The task has ended: Data-In (with the status collapsed into the last PDU when there is
+    /// no sense), or a SCSI Response.
+    fn finish(&mut self, c: Completion<IscsiTask, B>, nexus: &mut impl Nexus) {
+        let itt = c.tag as u32;
+        self.ended(itt, &c.transport);
+        self.events.push_back(Event::Completed(c.accounting));
+        let status = ScsiStatus(c.status as u8);
+        let residual = residual(c.residual);
+        let payload = match c.data_in {
+            CoreDataIn::None => None,
+            CoreDataIn::Buffer { len } => c.buffer.map(|b| (Payload::Buffer(b), len)),
+            CoreDataIn::Parameter(v) => {
+                let len = v.len() as u32;
+                Some((Payload::Bytes(Bytes::from(v)), len))
+            }
+        }
+        .filter(|(_, len)| *len > 0);
+        let collapse =
+            c.sense.is_none() && matches!(status, ScsiStatus::GOOD | ScsiStatus::CONDITION_MET);
+        let mut data_pdus = 0;
+        if let Some((payload, len)) = payload {
+            data_pdus = len.div_ceil(self.max_send.max(512));
+            let st = collapse.then(|| DataInStatus {
+                status,
+                stat_sn: self.next_stat_sn(),
+                residual,
+            });
+            self.transmits.push_back(Transmit::DataIn {
+                itt,
+                lun: Lun(c.lun.to_be_bytes()),
+                payload,
+                len,
+                status: st,
+            });
+            if collapse {
+                return;
+            }
+        }
+        let (exp, max) = nexus.window();
+        let r = ScsiResponse {
+            residual,
+            status,
+            initiator_task_tag: itt,
+            stat_sn: self.next_stat_sn(),
+            exp_cmd_sn: exp,
+            max_cmd_sn: max,
+            exp_data_sn: data_pdus,
+            data: c
+                .sense
+                .map(|s| ScsiResponse::sense_segment(s.as_slice()))
+                .unwrap_or_default(),
+            ..ScsiResponse::default()
+        };
+        self.transmit(Pdu::ScsiResponse(r));
+    }
+
+    /// A task has ended: its R2Ts are void.
+    fn ended(&mut self, itt: u32, t: &IscsiTask) {
+        if t.outstanding_r2t > 0 {
+            self.r2ts.retain(|_, r| r.0 != itt);
+        }
+    }
+
+    fn nop_out(&mut self, n: NopOut, nexus: &mut impl Nexus) {
+        if n.initiator_task_tag == RESERVED_TAG {
+            // An answer to our ping (or a NOP-Out that wants none).
+            if self
+                .ping
+                .is_some_and(|(ttt, _)| ttt == n.target_transfer_tag)
+            {
+                self.ping = None;
+            }
+            return;
+        }
+        if !self.take_cmd_sn(n.immediate, n.cmd_sn, nexus) {
+            return;
+        }
+        if n.target_transfer_tag != RESERVED_TAG {
+            self.reject_pdu(RejectReason::ProtocolError, &Pdu::NopOut(n), nexus);
+            return;
+        }
+        let (exp, max) = nexus.window();
+        let mut data = n.data;
+        data.truncate(self.max_send as usize);
+        let r = NopIn {
+            lun: n.lun,
+            initiator_task_tag: n.initiator_task_tag,
+            target_transfer_tag: RESERVED_TAG,
+            stat_sn: self.next_stat_sn(),
+            exp_cmd_sn: exp,
+            max_cmd_sn: max,
+            data,
+        };
+        self.transmit(Pdu::NopIn(r));
+    }
+
+    fn task_management(&mut self, t: TaskManagementRequest, nexus: &mut impl Nexus) {
+        if !self.take_cmd_sn(t.immediate, t.cmd_sn, nexus) {
+            return;
+        }
+        let itt = t.initiator_task_tag;
+        let f = match t.function {
+            TaskManagementFunction::AbortTask => {
+                TmfFunction::AbortTask(u64::from(t.referenced_task_tag))
+            }
+            TaskManagementFunction::AbortTaskSet => TmfFunction::AbortTaskSet,
+            TaskManagementFunction::ClearAca => TmfFunction::ClearAca,
+            TaskManagementFunction::ClearTaskSet => TmfFunction::ClearTaskSet,
+            TaskManagementFunction::LogicalUnitReset => TmfFunction::LogicalUnitReset,
+            TaskManagementFunction::TargetWarmReset | TaskManagementFunction::TargetColdReset => {
+                TmfFunction::TargetWarmReset
+            }
+            TaskManagementFunction::QueryTask => {
+                TmfFunction::QueryTask(u64::from(t.referenced_task_tag))
+            }
+            TaskManagementFunction::QueryTaskSet => TmfFunction::QueryTaskSet,
+            TaskManagementFunction::Other(11) => TmfFunction::QueryAsynchronousEvent,
+            TaskManagementFunction::Other(12) => TmfFunction::ItNexusReset,
+            TaskManagementFunction::TaskReassign => {
+                self.tmf_reply(
+                    itt,
+                    IscsiTmfResponse::ReassignmentNotSupported,
+                    [0; 3],
+                    nexus,
+                );
+                return;
+            }
+            _ => {
+                self.tmf_reply(itt, IscsiTmfResponse::NotSupported, [0; 3], nexus);
+                return;
+            }
+        };
+        match nexus.task_management(t.lun.as_u64(), f) {
+            Some(reference) => {
+                let kind = if t.function == TaskManagementFunction::TargetColdReset {
+                    Tmf::ColdReset
+                } else {
+                    Tmf::Initiator
+                };
+                self.tmfs.push((reference, itt, kind));
+            }
+            None => self.tmf_reply(itt, IscsiTmfResponse::FunctionRejected, [0; 3], nexus),
+        }
+    }
+
+    fn tmf_done(&mut self, reference: u64, response: TmfResponse, nexus: &mut impl Nexus) {
+        let Some(i) = self.tmfs.iter().position(|(r, _, _)| *r == reference) else {
+            return;
+        };
+        let (_, itt, kind) = self.tmfs.swap_remove(i);
+        if kind == Tmf::Internal {
+            return;
+        }
+        let (code, info) = match response {
+            TmfResponse::Complete => (IscsiTmfResponse::FunctionComplete, [0; 3]),
+            TmfResponse::Succeeded(info) => (
+                IscsiTmfResponse::FunctionSucceeded,
+                info.unwrap_or_default(),
+            ),
+            TmfResponse::TaskNotFound => (IscsiTmfResponse::TaskDoesNotExist, [0; 3]),
+            TmfResponse::IncorrectLun => (IscsiTmfResponse::LunDoesNotExist, [0; 3]),
+            TmfResponse::Rejected => (IscsiTmfResponse::FunctionRejected, [0; 3]),
+        };
+        self.tmf_reply(itt, code, info, nexus);
+        if kind == Tmf::ColdReset {
+            // A cold reset also drops every connection to the target (RFC 7143 section
+            // 11.5.1), this one once the response is out.
+            nexus.reset_target();
+            self.closing = Some(Close::AfterFlush);
+        }
+    }
+
+    fn tmf_reply(
+        &mut self,
+        itt: u32,
+        response: IscsiTmfResponse,
+        info: [u8; 3],
+        nexus: &mut impl Nexus,
+    ) {
+        let (exp, max) = nexus.window();
+        let r = TaskManagementResponse {
+            response,
+            initiator_task_tag: itt,
+            stat_sn: self.next_stat_sn(),
+            exp_cmd_sn: exp,
+            max_cmd_sn: max,
+            additional_response_information: info,
+        };
+        self.transmit(Pdu::TaskManagementResponse(r));
+    }
+
+    fn logout(&mut self, l: LogoutRequest, nexus: &mut impl Nexus) {
+        if !self.take_cmd_sn(l.immediate, l.cmd_sn, nexus) {
+            return;
+        }
+        let code = match l.reason {
+            LogoutReason::CloseSession => {
+                nexus.close_session();
+                self.closing = Some(Close::AfterFlush);
+                LogoutResponseCode::ClosedSuccessfully
+            }
+            LogoutReason::CloseConnection if l.cid == self.settings.cid => {
+                self.closing = Some(Close::AfterFlush);
+                LogoutResponseCode::ClosedSuccessfully
+            }
+            LogoutReason::CloseConnection => {
+                if nexus.close_connection(l.cid) {
+                    LogoutResponseCode::ClosedSuccessfully
+                } else {
+                    LogoutResponseCode::CidNotFound
+                }
+            }
+            _ => LogoutResponseCode::RecoveryNotSupported,
+        };
+        let (exp, max) = nexus.window();
+        let r = LogoutResponse {
+            response: code,
+            initiator_task_tag: l.initiator_task_tag,
+            stat_sn: self.next_stat_sn(),
+            exp_cmd_sn: exp,
+            max_cmd_sn: max,
+            time2wait: 0,
+            time2retain: 0,
+        };
+        self.transmit(Pdu::LogoutResponse(r));
+    }
+}

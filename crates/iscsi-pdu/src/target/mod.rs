@@ -1,0 +1,15 @@
+//! The target side of iSCSI as state machines without I/O: a connection in full feature phase
+//! ([`Connection`]), a session's CmdSN order ([`CommandOrder`]) and the text exchange
+//! ([`TextExchange`]). They take PDUs, events and the time, and hand back what to send and
+//! what to do; a daemon (targetd) or a test wraps them with sockets, clocks and the SCSI core.
+
+pub mod connection;
+pub mod order;
+pub mod text;
+
+pub use connection::{
+    Close, Connection, CoreEvent, Event, IscsiTask, Nexus, OrderedCommand, Payload, Plan, Settings,
+    Transmit, LOGOUT_GRACE,
+};
+pub use order::CommandOrder;
+pub use text::TextExchange;

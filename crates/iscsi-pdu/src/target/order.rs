@@ -1,0 +1,107 @@
+//! A session's command ordering (RFC 7143 section 4.2.2.1): every non-immediate request takes a
+//! CmdSN inside the window the target advertises (ExpCmdSN..=MaxCmdSN) and the target carries
+//! them out in CmdSN order, whichever of the session's connections they came on. A request that
+//! arrives ahead of a gap waits until the gap is filled.
+//!
+//! This is the ordering alone, without locks or I/O: a daemon whose connections run on several
+//! threads keeps one per session behind its own lock.
+
+use std::collections::VecDeque;
+
+use crate::SerialNumber;
+
+/// The CmdSN window of one session and the requests waiting for their turn in it.
+///
+/// Memory is bounded by the window: at most one queued request per CmdSN inside it.
+#[derive(Debug)]
+pub struct CommandOrder<T> {
+    window: u32,
+    exp_cmd_sn: SerialNumber,
+    /// Requests that arrived ahead of ExpCmdSN; `None` marks a request handled on arrival that
+    /// only takes its number (NOP-Out, Text, Logout, task management).
+    pending: VecDeque<(SerialNumber, Option<T>)>,
+}
+
+impl<T> CommandOrder<T> {
+    /// A session whose first expected CmdSN is `exp_cmd_sn` (the leading login's CmdSN),
+    /// admitting `window` commands ahead (at least 1).
+    pub fn new(exp_cmd_sn: SerialNumber, window: u32) -> CommandOrder<T> {
+        let window = window.max(1);
+        CommandOrder {
+            window,
+            exp_cmd_sn,
+            pending: VecDeque::with_capacity(window.min(1024) as usize),
+        }
+    }
+
+    /// ExpCmdSN and MaxCmdSN to advertise now.
+    pub fn window(&self) -> (SerialNumber, SerialNumber) {
+        (self.exp_cmd_sn, self.exp_cmd_sn + (self.window - 1))
+    }
+
+    /// Queues `request` under `cmd_sn` (`None` for a request handled on arrival, which only
+    /// takes the number). False when `cmd_sn` is outside the window or already taken: RFC 7143
+    /// has the target drop such a request silently.
+    pub fn admit(&mut self, cmd_sn: SerialNumber, request: Option<T>) -> bool {
+        let (exp, max) = self.window();
+        if !cmd_sn.in_window(exp, max) || self.pending.iter().any(|(sn, _)| *sn == cmd_sn) {
+            return false;
+        }
+        self.pending.push_back((cmd_sn, request));
+        true
+    }
+
+    /// The next request whose turn has come, advancing ExpCmdSN past it and past every
+    /// number-only request before it; `None` while the next CmdSN has not arrived.
+    pub fn next_ready(&mut self) -> Option<T> {
+        loop {
+            let exp = self.exp_cmd_sn;
+            let i = self.pending.iter().position(|(sn, _)| *sn == exp)?;
+            let (_, request) = self.pending.remove(i)?;
+            self.exp_cmd_sn = exp.next();
+            if request.is_some() {
+                return request;
+            }
+        }
+    }
+
+    /// Requests waiting behind a gap.
+    pub fn waiting(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn releases_in_order_across_gaps_and_markers() {
+        let mut o = CommandOrder::new(SerialNumber(10), 4);
+        assert_eq!(o.window(), (SerialNumber(10), SerialNumber(13)));
+        assert!(o.admit(SerialNumber(12), Some("c")));
+        assert!(o.admit(SerialNumber(11), None));
+        assert_eq!(o.next_ready(), None, "10 has not arrived");
+        assert!(o.admit(SerialNumber(10), Some("a")));
+        assert_eq!(o.next_ready(), Some("a"));
+        assert_eq!(o.next_ready(), Some("c"), "the marker 11 is passed over");
+        assert_eq!(o.next_ready(), None);
+        assert_eq!(o.window(), (SerialNumber(13), SerialNumber(16)));
+        assert_eq!(o.waiting(), 0);
+    }
+
+    #[test]
+    fn refuses_outside_the_window_and_duplicates() {
+        let mut o = CommandOrder::new(SerialNumber(u32::MAX), 2);
+        assert!(!o.admit(SerialNumber(1), Some(1)), "beyond MaxCmdSN");
+        assert!(
+            !o.admit(SerialNumber(u32::MAX - 1), Some(1)),
+            "before ExpCmdSN"
+        );
+        assert!(o.admit(SerialNumber(0), Some(2)), "the window wraps");
+        assert!(!o.admit(SerialNumber(0), Some(3)), "taken");
+        assert!(o.admit(SerialNumber(u32::MAX), Some(4)));
+        assert_eq!(o.next_ready(), Some(4));
+        assert_eq!(o.next_ready(), Some(2));
+    }
+}
