@@ -30,10 +30,10 @@
 //! implements it over its shared state, a test over one in-process device.
 
 use std::collections::{HashMap, VecDeque};
-use std::ops::Deref;
+use std::ops::{Deref, Range};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes, BytesMut};
 use scsi_core::transport::{Accounting, Completion, NewTask, Request, TaskBuffer, TaskTable};
 use scsi_core::{
     Action, Asc, BackendError, DataIn as CoreDataIn, Op, Output, Residual as CoreResidual,
@@ -44,11 +44,11 @@ use super::text::TextExchange;
 use crate::negotiation::{Negotiator, OperationalParams};
 use crate::text::TextParams;
 use crate::{
-    AsyncEvent, AsyncMessage, Bhs, DataInStatus, DataOut, LogoutReason, LogoutRequest,
-    LogoutResponse, LogoutResponseCode, Lun, NopIn, NopOut, Pdu, ReadyToTransfer, Reject,
-    RejectReason, Residual, ScsiCommand, ScsiResponse, ScsiStatus, SerialNumber, TaskAttribute,
-    TaskManagementFunction, TaskManagementRequest, TaskManagementResponse,
-    TmfResponse as IscsiTmfResponse, RESERVED_TAG,
+    data_digest, padding, AsyncEvent, AsyncMessage, Bhs, DataIn, DataInStatus, DataOut, Digests,
+    LogoutReason, LogoutRequest, LogoutResponse, LogoutResponseCode, Lun, NopIn, NopOut, Pdu,
+    ReadyToTransfer, Reject, RejectReason, Residual, ScsiCommand, ScsiResponse, ScsiStatus,
+    SerialNumber, TaskAttribute, TaskManagementFunction, TaskManagementRequest,
+    TaskManagementResponse, TmfResponse as IscsiTmfResponse, RESERVED_TAG,
 };
 
 /// Seconds the Asynchronous Message that asks for a logout gives the initiator.
@@ -159,6 +159,78 @@ pub enum Transmit<B> {
         /// Status for the last PDU.
         status: Option<DataInStatus>,
     },
+}
+
+impl<B: Deref<Target = [u8]>> Transmit<B> {
+    /// The Data-In PDUs a [`Transmit::DataIn`] goes out as, each with the range of the payload
+    /// its data segment carries: segments of at most `max_segment` bytes (at least 512), DataSN
+    /// from 0, the status in the last. Nothing for a [`Transmit::Pdu`].
+    pub fn data_in_pdus(
+        &self,
+        max_segment: u32,
+        exp_cmd_sn: SerialNumber,
+        max_cmd_sn: SerialNumber,
+    ) -> impl Iterator<Item = (Pdu, Range<usize>)> + '_ {
+        let (itt, lun, len, status) = match self {
+            Transmit::DataIn {
+                itt,
+                lun,
+                len,
+                status,
+                ..
+            } => (*itt, *lun, *len as usize, *status),
+            Transmit::Pdu(_) => (0, Lun::ZERO, 0, None),
+        };
+        let max = max_segment.max(512) as usize;
+        let count = match self {
+            Transmit::DataIn { .. } => len.div_ceil(max).max(1),
+            Transmit::Pdu(_) => 0,
+        };
+        (0..count).map(move |n| {
+            let start = n * max;
+            let end = (start + max).min(len);
+            let last = n + 1 == count;
+            let pdu = Pdu::DataIn(DataIn {
+                final_bit: last,
+                status: if last { status } else { None },
+                lun,
+                initiator_task_tag: itt,
+                target_transfer_tag: RESERVED_TAG,
+                exp_cmd_sn,
+                max_cmd_sn,
+                data_sn: n as u32,
+                buffer_offset: start as u32,
+                ..DataIn::default()
+            });
+            (pdu, start..end)
+        })
+    }
+
+    /// Appends the whole unit to `dst` as it goes on the wire (headers, data, padding,
+    /// digests). A daemon sends headers and payload slices apart instead, without the copy.
+    pub fn encode(
+        &self,
+        digests: Digests,
+        max_segment: u32,
+        exp_cmd_sn: SerialNumber,
+        max_cmd_sn: SerialNumber,
+        dst: &mut BytesMut,
+    ) {
+        match self {
+            Transmit::Pdu(pdu) => pdu.encode(digests, dst),
+            Transmit::DataIn { payload, .. } => {
+                for (pdu, range) in self.data_in_pdus(max_segment, exp_cmd_sn, max_cmd_sn) {
+                    let data = &payload.as_slice()[range];
+                    pdu.encode_header(data.len() as u32, digests.header, dst);
+                    dst.extend_from_slice(data);
+                    dst.extend_from_slice(padding(data.len()));
+                    if digests.data && !data.is_empty() {
+                        dst.put_u32_le(data_digest([data]));
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// What the connection asks of its caller, besides sending.

@@ -5,6 +5,7 @@
 
 pub mod connection;
 pub mod order;
+pub mod testing;
 pub mod text;
 
 pub use connection::{

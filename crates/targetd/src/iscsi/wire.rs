@@ -9,8 +9,8 @@ use backend::Buffer;
 use bytes::{BufMut, BytesMut};
 use iscsi_pdu::target::Transmit;
 use iscsi_pdu::{
-    data_digest, padding, Bhs, DataIn, DecodeError, Deframer, Digests, Opcode, Pdu, Received,
-    RejectReason, SerialNumber,
+    data_digest, padding, Bhs, DecodeError, Deframer, Digests, Opcode, Pdu, Received, RejectReason,
+    SerialNumber,
 };
 use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -230,34 +230,12 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
                     self.header(pdu, len);
                     self.data(i, 0..len, pdu.data());
                 }
-                Transmit::DataIn {
-                    itt,
-                    lun,
-                    payload,
-                    len,
-                    status,
-                } => {
-                    let max = self.max_send.max(512) as usize;
-                    let total = *len as usize;
-                    let count = total.div_ceil(max).max(1);
-                    for n in 0..count {
-                        let start = n * max;
-                        let end = (start + max).min(total);
-                        let last = n + 1 == count;
-                        let pdu = Pdu::DataIn(DataIn {
-                            final_bit: last,
-                            status: if last { *status } else { None },
-                            lun: *lun,
-                            initiator_task_tag: *itt,
-                            target_transfer_tag: iscsi_pdu::RESERVED_TAG,
-                            exp_cmd_sn,
-                            max_cmd_sn,
-                            data_sn: n as u32,
-                            buffer_offset: start as u32,
-                            ..DataIn::default()
-                        });
-                        self.header(&pdu, end - start);
-                        self.data(i, start..end, &payload.as_slice()[start..end]);
+                Transmit::DataIn { payload, .. } => {
+                    let max = self.max_send;
+                    for (pdu, range) in item.data_in_pdus(max, exp_cmd_sn, max_cmd_sn) {
+                        self.header(&pdu, range.len());
+                        let bytes = &payload.as_slice()[range.clone()];
+                        self.data(i, range, bytes);
                     }
                 }
             }

@@ -1,0 +1,660 @@
+//! The target connection machine on the rig (one in-process device, a virtual clock, bytes cut
+//! anywhere): every R2T path, digests and their errors, DataSN gaps, NOP pings and their
+//! timeout in virtual time, CmdSN order, task management, text, logout, buffer waits and
+//! malformed PDUs. No sockets, no sleeps: each test is deterministic.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use iscsi_pdu::target::testing::{Options, Rig};
+use iscsi_pdu::target::Close;
+use iscsi_pdu::*;
+use proptest::prelude::*;
+
+/// The initiator's side of a session: numbering and PDU building.
+struct Initiator {
+    cmd_sn: SerialNumber,
+    itt: u32,
+}
+
+impl Initiator {
+    fn new() -> Initiator {
+        Initiator {
+            cmd_sn: SerialNumber(1),
+            itt: 0x10,
+        }
+    }
+
+    fn next_cmd_sn(&mut self) -> SerialNumber {
+        let s = self.cmd_sn;
+        self.cmd_sn = s.next();
+        s
+    }
+
+    fn command(&mut self, cdb: &[u8], read: u32, write: u32, data: Bytes) -> ScsiCommand {
+        self.itt += 1;
+        let mut c = [0; 16];
+        c[..cdb.len()].copy_from_slice(cdb);
+        ScsiCommand {
+            final_bit: true,
+            read: read > 0,
+            write: write > 0,
+            task_attribute: TaskAttribute::Simple,
+            initiator_task_tag: self.itt,
+            expected_data_transfer_length: read.max(write),
+            cmd_sn: self.next_cmd_sn(),
+            cdb: c,
+            data,
+            ..ScsiCommand::default()
+        }
+    }
+}
+
+fn cdb10(op: u8, lba: u32, blocks: u16) -> [u8; 10] {
+    let mut c = [0u8; 10];
+    c[0] = op;
+    c[2..6].copy_from_slice(&lba.to_be_bytes());
+    c[7..9].copy_from_slice(&blocks.to_be_bytes());
+    c
+}
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+        .collect()
+}
+
+/// A rig whose power-on unit attention has been cleared.
+fn rig(options: Options) -> (Rig, Initiator) {
+    let mut rig = Rig::new(options);
+    let mut i = Initiator::new();
+    let tur = i.command(&[0; 6], 0, 0, Bytes::new());
+    rig.send(&Pdu::ScsiCommand(tur));
+    let r = rig.responses();
+    assert!(matches!(&r[..], [Pdu::ScsiResponse(s)] if s.status == ScsiStatus::CHECK_CONDITION));
+    (rig, i)
+}
+
+fn offers(pairs: &[(&str, &str)]) -> Options {
+    Options {
+        offers: pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Options::default()
+    }
+}
+
+/// Reads `blocks` at `lba` through the connection and returns the data (and checks GOOD).
+fn read(rig: &mut Rig, i: &mut Initiator, lba: u32, blocks: u16) -> Bytes {
+    let len = u32::from(blocks) * 512;
+    let cmd = i.command(&cdb10(0x28, lba, blocks), len, 0, Bytes::new());
+    let itt = cmd.initiator_task_tag;
+    rig.send(&Pdu::ScsiCommand(cmd));
+    let mut data = BytesMut::new();
+    let mut done = false;
+    for p in rig.responses() {
+        match p {
+            Pdu::DataIn(d) if d.initiator_task_tag == itt => {
+                assert_eq!(d.buffer_offset as usize, data.len(), "in order");
+                data.extend_from_slice(&d.data);
+                if let Some(st) = d.status {
+                    assert_eq!(st.status, ScsiStatus::GOOD);
+                    done = true;
+                }
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert!(
+        done,
+        "the read ended with its status collapsed into the last Data-In"
+    );
+    data.freeze()
+}
+
+/// Writes `data` at `lba` as an initiator would under the negotiated parameters: immediate
+/// data and unsolicited Data-Out up to FirstBurstLength, the rest as R2Ts ask. Returns the
+/// R2Ts seen.
+fn write(rig: &mut Rig, i: &mut Initiator, lba: u32, data: &Bytes, op: (bool, bool, u32)) -> usize {
+    let (immediate_data, initial_r2t, first_burst) = op;
+    let len = data.len() as u32;
+    let blocks = (len / 512) as u16;
+    let first = if initial_r2t { 0 } else { first_burst.min(len) };
+    let immediate = if immediate_data { first.min(8192) } else { 0 };
+    let mut cmd = i.command(
+        &cdb10(0x2a, lba, blocks),
+        0,
+        len,
+        data.slice(..immediate as usize),
+    );
+    cmd.final_bit = immediate >= first;
+    let itt = cmd.initiator_task_tag;
+    rig.send(&Pdu::ScsiCommand(cmd));
+    // Unsolicited Data-Out.
+    let mut at = immediate;
+    let mut sn = 0;
+    while at < first {
+        let n = (first - at).min(4096);
+        rig.send(&Pdu::DataOut(DataOut {
+            final_bit: at + n == first,
+            initiator_task_tag: itt,
+            target_transfer_tag: RESERVED_TAG,
+            data_sn: sn,
+            buffer_offset: at,
+            data: data.slice(at as usize..(at + n) as usize),
+            ..DataOut::default()
+        }));
+        at += n;
+        sn += 1;
+    }
+    let mut r2ts = 0;
+    loop {
+        let responses = rig.responses();
+        assert!(!responses.is_empty(), "the write stalled");
+        let mut finished = false;
+        for p in responses {
+            match p {
+                Pdu::ReadyToTransfer(r) => {
+                    r2ts += 1;
+                    let mut off = r.buffer_offset;
+                    let end = off + r.desired_data_transfer_length;
+                    let mut sn = 0;
+                    while off < end {
+                        let n = (end - off).min(8192);
+                        rig.send(&Pdu::DataOut(DataOut {
+                            final_bit: off + n == end,
+                            initiator_task_tag: itt,
+                            target_transfer_tag: r.target_transfer_tag,
+                            data_sn: sn,
+                            buffer_offset: off,
+                            data: data.slice(off as usize..(off + n) as usize),
+                            ..DataOut::default()
+                        }));
+                        off += n;
+                        sn += 1;
+                    }
+                }
+                Pdu::ScsiResponse(s) => {
+                    assert_eq!(s.initiator_task_tag, itt);
+                    assert_eq!(s.status, ScsiStatus::GOOD, "{s:?}");
+                    finished = true;
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        if finished {
+            return r2ts;
+        }
+    }
+}
+
+#[test]
+fn writes_and_reads_through_every_r2t_path() {
+    for (immediate, initial) in [(true, false), (true, true), (false, false), (false, true)] {
+        let yes = |b: bool| if b { "Yes" } else { "No" };
+        let o = offers(&[
+            ("ImmediateData", yes(immediate)),
+            ("InitialR2T", yes(initial)),
+            ("FirstBurstLength", "16384"),
+            ("MaxBurstLength", "32768"),
+        ]);
+        let (mut rig, mut i) = rig(o);
+        for (lba, len) in [(0u32, 512usize), (8, 16384), (100, 128 << 10)] {
+            let data = pattern(len, lba as u8);
+            let r2ts = write(&mut rig, &mut i, lba, &data, (immediate, initial, 16384));
+            let solicited = if initial {
+                len
+            } else {
+                len.saturating_sub(16384)
+            };
+            assert_eq!(
+                r2ts,
+                solicited.div_ceil(32768),
+                "R2Ts at most MaxBurstLength each"
+            );
+            assert_eq!(rig.stored(u64::from(lba), (len / 512) as u32), data);
+            assert_eq!(read(&mut rig, &mut i, lba, (len / 512) as u16), data);
+        }
+        assert_eq!(rig.conn.task_count(), 0);
+    }
+}
+
+#[test]
+fn data_in_is_cut_at_the_initiators_segment_length_and_collapses_the_status() {
+    let (mut rig, mut i) = rig(offers(&[("MaxRecvDataSegmentLength", "4096")]));
+    let data = pattern(64 << 10, 3);
+    write(&mut rig, &mut i, 0, &data, (true, false, 65536));
+    let cmd = i.command(&cdb10(0x28, 0, 128), 64 << 10, 0, Bytes::new());
+    rig.send(&Pdu::ScsiCommand(cmd));
+    let r = rig.responses();
+    assert_eq!(r.len(), 16, "64 KiB in 4 KiB segments");
+    for (n, p) in r.iter().enumerate() {
+        let Pdu::DataIn(d) = p else { panic!("{p:?}") };
+        assert_eq!(d.data_sn, n as u32);
+        assert_eq!(d.data.len(), 4096);
+        assert_eq!(d.status.is_some(), n == 15, "status in the last only");
+    }
+}
+
+#[test]
+fn a_write_fed_one_byte_at_a_time_lands_whole() {
+    let (mut rig, mut i) = rig(offers(&[
+        ("HeaderDigest", "CRC32C"),
+        ("DataDigest", "CRC32C"),
+    ]));
+    let data = pattern(8192, 9);
+    let cmd = i.command(&cdb10(0x2a, 7, 16), 0, 8192, data.clone());
+    let mut wire = BytesMut::new();
+    Pdu::ScsiCommand(cmd).encode(rig.digests, &mut wire);
+    for b in wire.iter() {
+        rig.receive(&[*b]);
+    }
+    let r = rig.responses();
+    assert!(
+        matches!(&r[..], [Pdu::ScsiResponse(s)] if s.status == ScsiStatus::GOOD),
+        "{r:?}"
+    );
+    assert_eq!(rig.stored(7, 16), data);
+}
+
+#[test]
+fn a_data_digest_error_rejects_the_pdu_and_ends_its_task() {
+    let (mut rig, mut i) = rig(offers(&[
+        ("DataDigest", "CRC32C"),
+        ("InitialR2T", "Yes"),
+        ("ImmediateData", "No"),
+    ]));
+    let cmd = i.command(&cdb10(0x2a, 0, 8), 0, 4096, Bytes::new());
+    let itt = cmd.initiator_task_tag;
+    rig.send(&Pdu::ScsiCommand(cmd));
+    let Pdu::ReadyToTransfer(r2t) = &rig.responses()[0] else {
+        panic!("an R2T")
+    };
+    let mut wire = BytesMut::new();
+    let d = DataOut {
+        final_bit: true,
+        initiator_task_tag: itt,
+        target_transfer_tag: r2t.target_transfer_tag,
+        data: pattern(4096, 1),
+        ..DataOut::default()
+    };
+    Pdu::DataOut(d).encode(rig.digests, &mut wire);
+    let last = wire.len() - 1;
+    wire[last] ^= 0xff;
+    rig.receive(&wire);
+    let r = rig.responses();
+    assert!(
+        matches!(&r[0], Pdu::Reject(j) if j.reason == RejectReason::DataDigestError),
+        "{r:?}"
+    );
+    let Pdu::ScsiResponse(s) = &r[1] else {
+        panic!("{r:?}")
+    };
+    assert_eq!(s.status, ScsiStatus::CHECK_CONDITION);
+    let sense = s.sense().expect("sense");
+    assert_eq!((sense[2] & 0x0f, sense[12], sense[13]), (0x0b, 0x47, 0x05));
+    assert_eq!(
+        rig.stored(0, 8),
+        Bytes::from(vec![0; 4096]),
+        "nothing written"
+    );
+    // The session goes on.
+    assert_eq!(read(&mut rig, &mut i, 0, 1).len(), 512);
+}
+
+#[test]
+fn a_header_digest_error_closes_the_connection() {
+    let (mut rig, mut i) = rig(offers(&[("HeaderDigest", "CRC32C")]));
+    let mut wire = BytesMut::new();
+    Pdu::ScsiCommand(i.command(&[0; 6], 0, 0, Bytes::new())).encode(rig.digests, &mut wire);
+    wire[50] ^= 1;
+    rig.receive(&wire);
+    assert!(
+        rig.closed.as_deref().is_some_and(|w| w.contains("digest")),
+        "{:?}",
+        rig.closed
+    );
+}
+
+#[test]
+fn a_data_sn_gap_ends_the_task_with_aborted_command() {
+    let (mut rig, mut i) = rig(offers(&[("InitialR2T", "No"), ("ImmediateData", "No")]));
+    let cmd = i.command(&cdb10(0x2a, 0, 16), 0, 8192, Bytes::new());
+    let itt = cmd.initiator_task_tag;
+    rig.send(&Pdu::ScsiCommand(cmd));
+    for (sn, off) in [(0, 0), (2, 4096)] {
+        rig.send(&Pdu::DataOut(DataOut {
+            final_bit: off == 4096,
+            initiator_task_tag: itt,
+            target_transfer_tag: RESERVED_TAG,
+            data_sn: sn,
+            buffer_offset: off,
+            data: pattern(4096, 0),
+            ..DataOut::default()
+        }));
+    }
+    let r = rig.responses();
+    assert!(
+        matches!(&r[0], Pdu::Reject(j) if j.reason == RejectReason::ProtocolError),
+        "{r:?}"
+    );
+    let Pdu::ScsiResponse(s) = &r[1] else {
+        panic!("{r:?}")
+    };
+    let sense = s.sense().expect("sense");
+    assert_eq!((sense[2] & 0x0f, sense[12]), (0x0b, 0x4b));
+    assert_eq!(rig.conn.task_count(), 0);
+}
+
+#[test]
+fn an_idle_initiator_is_pinged_and_dropped_when_it_does_not_answer() {
+    let (mut rig, _) = rig(Options::default());
+    rig.advance(Duration::from_secs(4));
+    assert!(rig.responses().is_empty(), "not idle long enough");
+    rig.advance(Duration::from_secs(1));
+    let r = rig.responses();
+    let Pdu::NopIn(ping) = &r[0] else {
+        panic!("{r:?}")
+    };
+    assert_eq!(ping.initiator_task_tag, RESERVED_TAG);
+    // Answered: the connection lives on and pings again after the next idle interval.
+    rig.send(&Pdu::NopOut(NopOut {
+        immediate: true,
+        initiator_task_tag: RESERVED_TAG,
+        target_transfer_tag: ping.target_transfer_tag,
+        ..NopOut::default()
+    }));
+    rig.advance(Duration::from_secs(5));
+    assert!(matches!(&rig.responses()[..], [Pdu::NopIn(_)]));
+    assert_eq!(rig.conn.closing(), None);
+    // Not answered: dropped once the timeout passes.
+    rig.advance(Duration::from_secs(4));
+    assert_eq!(rig.conn.closing(), None);
+    rig.advance(Duration::from_secs(1));
+    assert_eq!(rig.conn.closing(), Some(Close::NoPingAnswer));
+}
+
+#[test]
+fn commands_run_in_cmd_sn_order_and_outside_the_window_are_dropped() {
+    let (mut rig, mut i) = rig(Options {
+        window: 4,
+        ..Options::default()
+    });
+    let data = pattern(512, 5);
+    let w = i.command(&cdb10(0x2a, 3, 1), 0, 512, data.clone());
+    let mut r = i.command(&cdb10(0x28, 3, 1), 512, 0, Bytes::new());
+    // ORDERED: the core may not run it before the write (SIMPLE tasks may pass each other).
+    r.task_attribute = TaskAttribute::Ordered;
+    // The read arrives first but waits for the write's CmdSN.
+    rig.send(&Pdu::ScsiCommand(r.clone()));
+    assert!(rig.responses().is_empty());
+    rig.send(&Pdu::ScsiCommand(w));
+    let out = rig.responses();
+    assert!(
+        matches!(&out[0], Pdu::ScsiResponse(s) if s.status == ScsiStatus::GOOD),
+        "{out:?}"
+    );
+    let Pdu::DataIn(d) = &out[1] else {
+        panic!("{out:?}")
+    };
+    assert_eq!(d.data, data, "the read saw the write");
+    // Beyond MaxCmdSN: dropped without an answer, its tag free again.
+    let mut far = i.command(&[0; 6], 0, 0, Bytes::new());
+    far.cmd_sn = far.cmd_sn + 10;
+    rig.send(&Pdu::ScsiCommand(far));
+    assert!(rig.responses().is_empty());
+    assert_eq!(rig.conn.task_count(), 0);
+}
+
+#[test]
+fn abort_task_and_lun_reset() {
+    let (mut rig, mut i) = rig(Options::default());
+    rig.hold_backend = true;
+    let cmd = i.command(&cdb10(0x28, 0, 8), 4096, 0, Bytes::new());
+    let itt = cmd.initiator_task_tag;
+    rig.send(&Pdu::ScsiCommand(cmd));
+    assert_eq!(rig.held.len(), 1);
+    rig.send(&Pdu::TaskManagementRequest(TaskManagementRequest {
+        immediate: true,
+        function: TaskManagementFunction::AbortTask,
+        initiator_task_tag: 0x999,
+        referenced_task_tag: itt,
+        cmd_sn: i.cmd_sn,
+        ..TaskManagementRequest::default()
+    }));
+    // The abort waits for the backend operation in flight.
+    rig.release_backend();
+    let r = rig.responses();
+    assert!(
+        matches!(&r[..], [Pdu::TaskManagementResponse(t)] if t.response == TmfResponse::FunctionComplete && t.initiator_task_tag == 0x999),
+        "the aborted read is not answered: {r:?}"
+    );
+    assert_eq!(rig.conn.task_count(), 0);
+    rig.hold_backend = false;
+    rig.send(&Pdu::TaskManagementRequest(TaskManagementRequest {
+        immediate: true,
+        function: TaskManagementFunction::LogicalUnitReset,
+        initiator_task_tag: 0x99a,
+        ..TaskManagementRequest::default()
+    }));
+    let r = rig.responses();
+    assert!(
+        matches!(&r[..], [Pdu::TaskManagementResponse(t)] if t.response == TmfResponse::FunctionComplete),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn reads_wait_for_buffers_in_order() {
+    let (mut rig, mut i) = rig(Options::default());
+    rig.hold_buffers = true;
+    let a = i.command(&cdb10(0x28, 0, 8), 4096, 0, Bytes::new());
+    let b = i.command(&cdb10(0x28, 8, 8), 4096, 0, Bytes::new());
+    rig.send(&Pdu::ScsiCommand(a));
+    rig.send(&Pdu::ScsiCommand(b));
+    assert!(rig.responses().is_empty(), "both wait for a buffer");
+    rig.grant_buffers();
+    let r = rig.responses();
+    let tags: Vec<u32> = r
+        .iter()
+        .map(|p| match p {
+            Pdu::DataIn(d) => d.initiator_task_tag,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(tags, [0x12, 0x13]);
+}
+
+#[test]
+fn malformed_and_misplaced_pdus_are_rejected_and_the_session_goes_on() {
+    let (mut rig, mut i) = rig(Options::default());
+    // A reused tag while its task runs.
+    rig.hold_backend = true;
+    let cmd = i.command(&cdb10(0x28, 0, 1), 512, 0, Bytes::new());
+    let mut dup = cmd.clone();
+    dup.cmd_sn = i.next_cmd_sn();
+    rig.send(&Pdu::ScsiCommand(cmd));
+    rig.send(&Pdu::ScsiCommand(dup.clone()));
+    let r = rig.responses();
+    assert!(
+        matches!(&r[..], [Pdu::Reject(j)] if j.reason == RejectReason::TaskInProgress),
+        "{r:?}"
+    );
+    // A rejected command does not take its CmdSN: the initiator's next command carries it.
+    i.cmd_sn = dup.cmd_sn;
+    rig.hold_backend = false;
+    rig.release_backend();
+    assert_eq!(rig.responses().len(), 1);
+    // Immediate data on a read.
+    let bad = i.command(&cdb10(0x28, 0, 1), 512, 0, pattern(512, 0));
+    rig.send(&Pdu::ScsiCommand(bad.clone()));
+    assert!(
+        matches!(&rig.responses()[..], [Pdu::Reject(j)] if j.reason == RejectReason::ProtocolError)
+    );
+    i.cmd_sn = bad.cmd_sn;
+    // A Data-Out beyond the expected length.
+    let cmd = i.command(&cdb10(0x2a, 0, 1), 0, 512, Bytes::new());
+    let itt = cmd.initiator_task_tag;
+    rig.send(&Pdu::ScsiCommand(cmd));
+    rig.send(&Pdu::DataOut(DataOut {
+        final_bit: true,
+        initiator_task_tag: itt,
+        target_transfer_tag: RESERVED_TAG,
+        buffer_offset: 512,
+        data: pattern(512, 0),
+        ..DataOut::default()
+    }));
+    let r = rig.responses();
+    assert!(
+        matches!(&r[..], [Pdu::ReadyToTransfer(_), Pdu::Reject(_)]),
+        "an R2T for the write (InitialR2T=Yes), a Reject for the Data-Out: {r:?}"
+    );
+    // A SNACK (ErrorRecoveryLevel 0) and a login request in full feature phase.
+    rig.send(&Pdu::SnackRequest(SnackRequest::default()));
+    assert!(
+        matches!(&rig.responses()[..], [Pdu::Reject(j)] if j.reason == RejectReason::SnackReject)
+    );
+    // An unknown opcode.
+    let mut raw = [0u8; 48];
+    raw[0] = 0x1f;
+    rig.receive(&raw);
+    assert!(matches!(&rig.responses()[..], [Pdu::Reject(_)]));
+    // Data-Out for a task that does not exist: dropped.
+    rig.send(&Pdu::DataOut(DataOut {
+        initiator_task_tag: 0xdead,
+        data: pattern(512, 0),
+        ..DataOut::default()
+    }));
+    assert!(rig.responses().is_empty());
+    assert_eq!(rig.closed, None);
+    let fresh = i.command(&[0; 6], 0, 0, Bytes::new());
+    rig.send(&Pdu::ScsiCommand(fresh));
+    let r = rig.responses();
+    assert!(
+        matches!(&r[..], [Pdu::ScsiResponse(s)] if s.status == ScsiStatus::GOOD),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn text_send_targets_and_logout() {
+    let (mut rig, mut i) = rig(Options::default());
+    rig.send(&Pdu::TextRequest(TextRequest {
+        final_bit: true,
+        initiator_task_tag: 0x50,
+        target_transfer_tag: RESERVED_TAG,
+        cmd_sn: i.next_cmd_sn(),
+        data: Bytes::from_static(b"SendTargets=All\0"),
+        ..TextRequest::default()
+    }));
+    let r = rig.responses();
+    let Pdu::TextResponse(t) = &r[0] else {
+        panic!("{r:?}")
+    };
+    assert!(t
+        .data
+        .starts_with(b"TargetName=iqn.2026-11.io.example:rig\0"));
+    rig.nexus.other_cids = vec![2];
+    for (cid, code) in [
+        (7, LogoutResponseCode::CidNotFound),
+        (2, LogoutResponseCode::ClosedSuccessfully),
+    ] {
+        rig.send(&Pdu::LogoutRequest(LogoutRequest {
+            reason: LogoutReason::CloseConnection,
+            initiator_task_tag: 0x60 + u32::from(cid),
+            cid,
+            cmd_sn: i.next_cmd_sn(),
+            ..LogoutRequest::default()
+        }));
+        assert!(matches!(&rig.responses()[..], [Pdu::LogoutResponse(l)] if l.response == code));
+    }
+    assert_eq!(rig.nexus.closed_cids, [2]);
+    assert_eq!(rig.conn.closing(), None);
+    rig.send(&Pdu::LogoutRequest(LogoutRequest {
+        reason: LogoutReason::CloseSession,
+        initiator_task_tag: 0x70,
+        cmd_sn: i.next_cmd_sn(),
+        ..LogoutRequest::default()
+    }));
+    assert!(matches!(&rig.responses()[..], [Pdu::LogoutResponse(_)]));
+    assert_eq!(rig.conn.closing(), Some(Close::AfterFlush));
+    assert!(rig.nexus.session_closed);
+}
+
+#[test]
+fn a_stopping_daemon_asks_for_a_logout_once() {
+    let (mut rig, _) = rig(Options::default());
+    rig.ask_logout();
+    rig.ask_logout();
+    let r = rig.responses();
+    assert!(
+        matches!(&r[..], [Pdu::AsyncMessage(m)] if m.event == AsyncEvent::LogoutRequested),
+        "{r:?}"
+    );
+}
+
+#[test]
+fn a_dropped_connection_leaves_no_task_behind() {
+    let (mut rig, mut i) = rig(offers(&[("InitialR2T", "Yes")]));
+    rig.hold_backend = true;
+    rig.send(&Pdu::ScsiCommand(i.command(
+        &cdb10(0x28, 0, 8),
+        4096,
+        0,
+        Bytes::new(),
+    )));
+    rig.send(&Pdu::ScsiCommand(i.command(
+        &cdb10(0x2a, 0, 8),
+        0,
+        4096,
+        Bytes::new(),
+    )));
+    assert_eq!(rig.conn.task_count(), 2);
+    rig.drop_connection();
+    assert_eq!(rig.conn.task_count(), 0);
+    assert!(rig.conn.is_idle());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// A write and a read, their bytes cut into pieces anywhere, with or without digests.
+    #[test]
+    fn any_cut_of_the_stream_gives_the_same_result(
+        cuts in proptest::collection::vec(1usize..700, 1..40),
+        digests in any::<bool>(),
+        seed in any::<u8>(),
+    ) {
+        let yes = if digests { "CRC32C" } else { "None" };
+        let (mut rig, mut i) = rig(offers(&[("HeaderDigest", yes), ("DataDigest", yes), ("InitialR2T", "No")]));
+        let data = pattern(12288, seed);
+        let cmd = i.command(&cdb10(0x2a, 1, 24), 0, 12288, data.slice(..4096));
+        let itt = cmd.initiator_task_tag;
+        let mut wire = BytesMut::new();
+        Pdu::ScsiCommand(cmd).encode(rig.digests, &mut wire);
+        for (sn, off) in [(0u32, 4096u32), (1, 8192)] {
+            Pdu::DataOut(DataOut {
+                final_bit: off == 8192,
+                initiator_task_tag: itt,
+                target_transfer_tag: RESERVED_TAG,
+                data_sn: sn,
+                buffer_offset: off,
+                data: data.slice(off as usize..off as usize + 4096),
+                ..DataOut::default()
+            }).encode(rig.digests, &mut wire);
+        }
+        let mut at = 0;
+        for c in cuts.iter().cycle() {
+            if at >= wire.len() {
+                break;
+            }
+            let end = (at + c).min(wire.len());
+            rig.receive(&wire[at..end]);
+            at = end;
+        }
+        let r = rig.responses();
+        prop_assert!(matches!(&r[..], [Pdu::ScsiResponse(s)] if s.status == ScsiStatus::GOOD), "{:?}", r);
+        prop_assert_eq!(rig.stored(1, 24), data);
+    }
+}
