@@ -616,6 +616,20 @@ fn a_dropped_connection_leaves_no_task_behind() {
     assert!(rig.conn.is_idle());
 }
 
+#[test]
+fn a_command_waiting_behind_a_gap_is_forgotten_when_the_connection_drops() {
+    // Found by the iscsi_connection fuzz target: the command never reached the core, so
+    // closing the nexus did not end it, and it stayed in the table (and, with more connections
+    // in the session, would have reached the core later with no connection to answer it).
+    let (mut rig, mut i) = rig(Options::default());
+    let mut cmd = i.command(&[0; 6], 0, 0, Bytes::new());
+    cmd.cmd_sn = cmd.cmd_sn + 1;
+    rig.send(&Pdu::ScsiCommand(cmd));
+    assert_eq!(rig.conn.task_count(), 1);
+    rig.drop_connection();
+    assert_eq!(rig.conn.task_count(), 0);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
 

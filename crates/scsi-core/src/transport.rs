@@ -310,6 +310,15 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
             .map(|(tag, t)| (*tag, t.lun))
     }
 
+    /// Every task the core does not hold yet (iSCSI: waiting for its CmdSN turn), for a
+    /// closing connection to forget.
+    pub fn not_in_core(&self) -> impl Iterator<Item = u64> + '_ {
+        self.tasks
+            .iter()
+            .filter(|(_, t)| t.task.is_none())
+            .map(|(tag, _)| *tag)
+    }
+
     /// Records a command arriving at `now`. The transport then submits it to the core and
     /// tells the table its handle with [`TaskTable::submitted`].
     pub fn insert(&mut self, tag: u64, new: NewTask<T, B>, now: Instant) -> Result<(), TagError> {

@@ -112,6 +112,9 @@ pub trait Nexus {
     /// Closes the session's connection `cid` (a logout naming another connection); false when
     /// there is none.
     fn close_connection(&mut self, cid: u16) -> bool;
+    /// Drops this connection's commands still waiting for their CmdSN turn (it has closed);
+    /// their numbers stay taken.
+    fn cancel_queued(&mut self);
     /// Closes the session's other connections (a logout of the session).
     fn close_session(&mut self);
     /// Closes every other session of the target and this session's other connections (TARGET
@@ -731,11 +734,25 @@ impl<B: TaskBuffer> Connection<B> {
         self.transmit(Pdu::AsyncMessage(m));
     }
 
-    /// The connection is gone but its session goes on: the core aborts its tasks (they end
-    /// without a response). When the session ends instead, the caller closes the I_T nexus.
-    /// Either way the caller goes on handing in core events and backend completions until
-    /// [`Connection::is_idle`], dropping the output.
-    pub fn abort_tasks(&mut self, nexus: &mut impl Nexus) {
+    /// The connection is gone. Its commands still waiting for their CmdSN turn leave the
+    /// session's order (their numbers stay taken) and the table. When the session goes on, the
+    /// core aborts the rest (they end without a response); when `session_ends`, the caller
+    /// closes the I_T nexus instead, which ends them. Either way the caller goes on handing in
+    /// core events and backend completions, dropping the output, until
+    /// [`Connection::is_idle`]; then the table is empty.
+    ///
+    /// Hand in the core events already reported first: a command the core has taken must be
+    /// known to be in it.
+    pub fn close(&mut self, session_ends: bool, nexus: &mut impl Nexus) {
+        self.receiving = None;
+        nexus.cancel_queued();
+        let queued: Vec<u64> = self.tasks.not_in_core().collect();
+        for tag in queued {
+            self.tasks.remove(tag);
+        }
+        if session_ends {
+            return;
+        }
         let tasks: Vec<(u64, u64)> = self.tasks.in_core().collect();
         for (itt, lun) in tasks {
             if let Some(r) = nexus.task_management(lun, TmfFunction::AbortTask(itt)) {

@@ -65,6 +65,16 @@ impl<T> CommandOrder<T> {
         }
     }
 
+    /// Drops the queued requests `cancelled` picks (a closed connection's), keeping their
+    /// numbers taken so the requests after them still run in order.
+    pub fn cancel(&mut self, mut cancelled: impl FnMut(&T) -> bool) {
+        for (_, request) in &mut self.pending {
+            if request.as_ref().is_some_and(&mut cancelled) {
+                *request = None;
+            }
+        }
+    }
+
     /// Requests waiting behind a gap.
     pub fn waiting(&self) -> usize {
         self.pending.len()
@@ -88,6 +98,21 @@ mod tests {
         assert_eq!(o.next_ready(), None);
         assert_eq!(o.window(), (SerialNumber(13), SerialNumber(16)));
         assert_eq!(o.waiting(), 0);
+    }
+
+    #[test]
+    fn cancelled_requests_keep_their_numbers() {
+        let mut o = CommandOrder::new(SerialNumber(1), 8);
+        assert!(o.admit(SerialNumber(2), Some(("dead", 2))));
+        assert!(o.admit(SerialNumber(3), Some(("live", 3))));
+        o.cancel(|(conn, _)| *conn == "dead");
+        assert!(
+            !o.admit(SerialNumber(2), Some(("live", 2))),
+            "2 stays taken"
+        );
+        assert!(o.admit(SerialNumber(1), None));
+        assert_eq!(o.next_ready(), Some(("live", 3)));
+        assert_eq!(o.window().0, SerialNumber(4));
     }
 
     #[test]

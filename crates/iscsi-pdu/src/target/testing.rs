@@ -200,6 +200,10 @@ impl Nexus for LocalNexus {
         known
     }
 
+    fn cancel_queued(&mut self) {
+        self.order.cancel(|_| true);
+    }
+
     fn close_session(&mut self) {
         self.session_closed = true;
     }
@@ -390,6 +394,8 @@ impl Rig {
     /// last connection, and every task ends. Afterwards the task table must be empty.
     pub fn drop_connection(&mut self) {
         self.closed.get_or_insert_with(|| "dropped".into());
+        self.run();
+        self.conn.close(true, &mut self.nexus);
         let _ = self.nexus.device.close_nexus(self.nexus.nexus);
         self.nexus.drain();
         self.hold_backend = false;
@@ -505,7 +511,19 @@ impl Rig {
                 self.run();
                 continue;
             }
-            let plan = match self.rx.next_header(direct) {
+            let next = self.rx.next_header(direct);
+            if let Ok(Some(
+                Received::Pdu(Pdu::ScsiCommand(c))
+                | Received::Header {
+                    pdu: Pdu::ScsiCommand(c),
+                    ..
+                },
+            )) = &next
+            {
+                // A new command may reuse the tag of an answered one.
+                self.reuse_tag(c.initiator_task_tag);
+            }
+            let plan = match next {
                 Ok(None) => return,
                 Ok(Some(Received::Pdu(pdu))) => {
                     self.conn.handle_pdu(self.now, pdu, &mut self.nexus)

@@ -180,6 +180,10 @@ impl Nexus for Link {
         true
     }
 
+    fn cancel_queued(&mut self) {
+        self.session.cancel_queued(self.id);
+    }
+
     fn close_session(&mut self) {
         for c in self.session.connection_list() {
             if c.id != self.id {
@@ -290,16 +294,23 @@ async fn full_feature(
 async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Routed>) {
     {
         let mut c = conn.borrow_mut();
-        let c = &mut *c;
-        let link = &mut c.link;
+        // No queued command of this connection reaches the core from now on; what reached it
+        // before has been reported on the channel (releases report under the order's lock), so
+        // once the channel is drained every task not in the core never will be.
+        c.link.session.cancel_queued(c.link.id);
+        while let Ok(ev) = rx.try_recv() {
+            c.link.local.push_back(ev);
+        }
+        c.pump(Instant::now());
+        let Conn { machine, link, .. } = &mut *c;
         let session = link.session.clone();
-        if link.shared.sessions.leave(&session, link.id) {
+        let last = link.shared.sessions.leave(&session, link.id);
+        machine.close(last, link);
+        if last {
             let mut core = link.target.core();
             let _ = core.device.close_nexus(session.nexus);
             core.drain(link.id, &mut link.local);
             tracing::info!(tsih = session.tsih, initiator = %session.initiator, "session ends");
-        } else {
-            c.machine.abort_tasks(link);
         }
     }
     let deadline = tokio::time::Instant::now() + DRAIN_TIMEOUT;
@@ -443,9 +454,13 @@ async fn work_loop(
             c.wait_for_buffer(&io, &mut waiting);
             c.machine.poll_timeout()
         };
-        let at = due.map_or_else(|| tokio::time::Instant::now() + NEVER, Into::into);
-        if timer.deadline() != at || timer.is_elapsed() {
-            timer.as_mut().reset(at);
+        // The deadline moves with every PDU received; re-arming the timer each time would cost
+        // a timer-wheel update per I/O. It is moved only earlier (or re-armed once it fired):
+        // a wake-up before the machine's deadline finds nothing due and re-arms.
+        if let Some(at) = due.map(tokio::time::Instant::from) {
+            if timer.is_elapsed() || at < timer.deadline() {
+                timer.as_mut().reset(at);
+            }
         }
         tokio::select! {
             biased;

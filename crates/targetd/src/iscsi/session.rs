@@ -144,6 +144,13 @@ impl Session {
         true
     }
 
+    /// Drops the commands of connection `conn` (closed) still waiting for their CmdSN turn:
+    /// they would reach the core with no connection to carry them out. Their numbers stay
+    /// taken.
+    pub fn cancel_queued(&self, conn: u64) {
+        lock(&self.order).cancel(|(_, route)| route.conn == conn);
+    }
+
     /// Delivers queued commands while the next expected CmdSN is among them.
     fn release(
         &self,
