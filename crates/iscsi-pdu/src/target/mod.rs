@@ -1,9 +1,10 @@
-//! The target side of iSCSI as state machines without I/O: a connection in full feature phase
-//! ([`Connection`]), a session's CmdSN order ([`CommandOrder`]) and the text exchange
-//! ([`TextExchange`]). They take PDUs, events and the time, and hand back what to send and
+//! The target side of iSCSI as state machines without I/O: the login phase ([`Login`], asking
+//! a [`LoginPolicy`]), a connection in full feature phase ([`Connection`]), a session's CmdSN
+//! order ([`CommandOrder`]) and the text exchange ([`TextExchange`]). They take PDUs, events and the time, and hand back what to send and
 //! what to do; a daemon (targetd) or a test wraps them with sockets, clocks and the SCSI core.
 
 pub mod connection;
+pub mod login;
 pub mod order;
 pub mod testing;
 pub mod text;
@@ -12,5 +13,6 @@ pub use connection::{
     Close, Connection, CoreEvent, Event, IscsiTask, Nexus, OrderedCommand, Payload, Plan, Settings,
     Transmit, LOGOUT_GRACE,
 };
+pub use login::{Completed, Login, LoginPolicy, Step};
 pub use order::CommandOrder;
 pub use text::TextExchange;

@@ -1,15 +1,15 @@
-//! The login phase (RFC 7143 section 6): security and operational negotiation through
-//! iscsi-pdu's [`Negotiator`], access control, CHAP, and the session the login creates or joins.
+//! The login phase (RFC 7143 section 6): the I/O shell around iscsi-pdu's sans-IO
+//! [`Login`], and the daemon's [`LoginPolicy`]: which targets exist, who may reach them (ACLs),
+//! with which CHAP credentials, and the session the login creates or joins.
 
 use std::io::Read;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use bytes::Bytes;
 use iscsi_pdu::chap::{ChapCredentials, ENTROPY_LEN};
-use iscsi_pdu::negotiation::{AuthMethod, NegotiationError, Negotiator, Role, SessionType};
-use iscsi_pdu::text::{split_text, TextParams, TextReassembler};
-use iscsi_pdu::{Isid, LoginRequest, LoginResponse, LoginStatus, Pdu, SerialNumber, Stage};
+use iscsi_pdu::negotiation::{AuthMethod, NegotiationError, Negotiator, Settings};
+use iscsi_pdu::target::{Completed, Login, LoginPolicy, Step};
+use iscsi_pdu::{Isid, LoginStatus, Pdu, SerialNumber};
 
 use super::session::{ConnectionInfo, JoinError, Session};
 use super::wire::{Incoming, Reader, Writer};
@@ -77,16 +77,130 @@ fn entropy() -> [u8; ENTROPY_LEN] {
     e
 }
 
-struct State {
-    negotiator: Option<Negotiator>,
+/// The daemon's answers to a login's questions, for one connection.
+struct Policy<'a> {
+    shared: &'a Arc<Shared>,
+    peer: &'a Peer,
     target: Option<Arc<Target>>,
-    initiator: String,
-    session_type: SessionType,
-    first: Option<LoginRequest>,
-    stat_sn: SerialNumber,
-    text: TextReassembler,
-    /// The rest of a response too long for one PDU.
-    more: Option<(Bytes, usize)>,
+    session: Option<Arc<Session>>,
+}
+
+impl LoginPolicy for Policy<'_> {
+    fn normal(&mut self, initiator: &str, name: &str, tsih: u16) -> Result<Settings, LoginStatus> {
+        let shared = self.shared;
+        if shared.stopping() {
+            return Err(LoginStatus::SERVICE_UNAVAILABLE);
+        }
+        let Some(target) = shared.target(name) else {
+            shared.refused(self.peer.addr, initiator, name, "no such target");
+            return Err(LoginStatus::NOT_FOUND);
+        };
+        if !target.admits(initiator, self.peer.addr.ip()) {
+            let why = "initiator or network not allowed";
+            shared.refused(self.peer.addr, initiator, name, why);
+            return Err(LoginStatus::AUTHORIZATION_FAILURE);
+        }
+        if tsih != 0 && shared.sessions.get(tsih).is_none() {
+            return Err(LoginStatus::SESSION_DOES_NOT_EXIST);
+        }
+        let mut settings = shared.settings();
+        settings.declarations.target_portal_group_tag = Some(PORTAL_GROUP);
+        let c = target
+            .config
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        require_chap(&mut settings, c.chap.as_ref(), c.mutual_chap.as_ref());
+        drop(c);
+        self.target = Some(target);
+        Ok(settings)
+    }
+
+    fn discovery(&mut self, _initiator: &str) -> Result<Settings, LoginStatus> {
+        if self.shared.stopping() {
+            return Err(LoginStatus::SERVICE_UNAVAILABLE);
+        }
+        let mut settings = self.shared.settings();
+        let c = self.shared.config();
+        let i = &c.iscsi;
+        let (chap, mutual) = (i.discovery_chap.as_ref(), i.discovery_mutual_chap.as_ref());
+        require_chap(&mut settings, chap, mutual);
+        Ok(settings)
+    }
+
+    fn refused(&mut self, initiator: &str, target: Option<&str>, e: &NegotiationError) {
+        let target = target.unwrap_or("discovery");
+        self.shared
+            .refused(self.peer.addr, initiator, target, &e.to_string());
+    }
+
+    fn window(&self, tsih: u16, cmd_sn: SerialNumber) -> (SerialNumber, SerialNumber) {
+        match (tsih != 0)
+            .then(|| self.shared.sessions.get(tsih))
+            .flatten()
+        {
+            Some(s) => s.window(),
+            None => (cmd_sn, cmd_sn + (self.shared.window() - 1)),
+        }
+    }
+
+    fn complete(
+        &mut self,
+        login: &Completed,
+    ) -> Result<(u16, SerialNumber, SerialNumber), LoginStatus> {
+        let (shared, peer) = (self.shared, self.peer);
+        let cmd = login.cmd_sn;
+        let Some(target) = self.target.clone() else {
+            // Discovery sessions are never joined; any non-zero TSIH outside the normal range.
+            let tsih = 0x8000 | (peer.id & 0x7fff) as u16;
+            return Ok((tsih, cmd, cmd + (shared.window() - 1)));
+        };
+        let c = *login.negotiator.connection();
+        let info = ConnectionInfo {
+            cid: login.cid,
+            id: peer.id,
+            peer: peer.addr,
+            local: peer.local,
+            reactor: peer.reactor,
+            digests: (c.header_digest, c.data_digest),
+            segment_lengths: (
+                c.max_recv_data_segment_length,
+                c.max_send_data_segment_length,
+            ),
+            control: peer.control.clone(),
+        };
+        let session = if login.tsih == 0 {
+            let params = login.negotiator.session().clone();
+            let (initiator, window) = (&login.initiator, shared.window());
+            let s = &shared.sessions;
+            s.create(login.isid, initiator, target, params, window, cmd, info)
+        } else {
+            let name = &target.name;
+            shared
+                .sessions
+                .join(login.tsih, login.isid, &login.initiator, name, info)
+                .map_err(|e| match e {
+                    JoinError::NoSession => LoginStatus::SESSION_DOES_NOT_EXIST,
+                    JoinError::TooMany => LoginStatus::TOO_MANY_CONNECTIONS,
+                })?
+        };
+        let (exp, max) = session.window();
+        tracing::info!(
+            tsih = session.tsih,
+            initiator = %session.initiator,
+            isid = %Isid(login.isid.0),
+            target = %session.target.name,
+            peer = %peer.addr,
+            cid = login.cid,
+            "login"
+        );
+        let tsih = session.tsih;
+        self.session = Some(session);
+        Ok((tsih, exp, max))
+    }
+
+    fn entropy(&mut self) -> [u8; ENTROPY_LEN] {
+        entropy()
+    }
 }
 
 /// Runs the login phase to its end: `Some` when the connection enters full feature phase,
@@ -97,15 +211,12 @@ pub async fn run(
     shared: &Arc<Shared>,
     peer: &Peer,
 ) -> Option<Outcome> {
-    let mut st = State {
-        negotiator: None,
+    let mut login = Login::new();
+    let mut policy = Policy {
+        shared,
+        peer,
         target: None,
-        initiator: String::new(),
-        session_type: SessionType::Normal,
-        first: None,
-        stat_sn: SerialNumber(0),
-        text: TextReassembler::default(),
-        more: None,
+        session: None,
     };
     loop {
         let req = match reader.next().await {
@@ -119,216 +230,45 @@ pub async fn run(
                 return None;
             }
         };
-        match step(&mut st, &req, shared, peer) {
-            Ok((response, outcome)) => {
-                if writer.send_pdu(Pdu::LoginResponse(response)).await.is_err() {
-                    return None;
-                }
-                if outcome.is_some() {
-                    return outcome;
-                }
-            }
-            Err(status) => {
-                let r = response(&st, &req, status);
+        let (response, done) = match login.handle_request(&req, &mut policy) {
+            Step::Continue(r) => (r, None),
+            Step::Done(r, done) => (r, Some(done)),
+            Step::Refused(r) => {
                 let _ = writer.send_pdu(Pdu::LoginResponse(r)).await;
                 return None;
             }
-        }
-    }
-}
-
-fn response(st: &State, req: &LoginRequest, status: LoginStatus) -> LoginResponse {
-    LoginResponse {
-        current_stage: req.current_stage,
-        next_stage: req.current_stage,
-        isid: req.isid,
-        tsih: req.tsih,
-        initiator_task_tag: req.initiator_task_tag,
-        stat_sn: st.stat_sn,
-        exp_cmd_sn: req.cmd_sn,
-        max_cmd_sn: req.cmd_sn,
-        status,
-        ..LoginResponse::default()
-    }
-}
-
-fn step(
-    st: &mut State,
-    req: &LoginRequest,
-    shared: &Arc<Shared>,
-    peer: &Peer,
-) -> Result<(LoginResponse, Option<Outcome>), LoginStatus> {
-    match &st.first {
-        None => {
-            st.stat_sn = req.exp_stat_sn;
-            if req.version_min > 0 {
-                return Err(LoginStatus::UNSUPPORTED_VERSION);
-            }
-            st.first = Some(req.clone());
-        }
-        Some(first) => {
-            if req.isid != first.isid || req.tsih != first.tsih || req.cid != first.cid {
-                return Err(LoginStatus::INITIATOR_ERROR);
-            }
-            st.stat_sn = st.stat_sn.next();
-        }
-    }
-    if matches!(req.current_stage, Stage::FullFeaturePhase | Stage::Reserved)
-        || (req.transit
-            && (req.next_stage <= req.current_stage || req.next_stage == Stage::Reserved))
-    {
-        return Err(LoginStatus::INITIATOR_ERROR);
-    }
-    let mut r = response(st, req, LoginStatus::SUCCESS);
-    // The rest of a long response, asked for with empty requests.
-    if let Some((text, at)) = st.more.take() {
-        return Ok((continue_response(st, r, text, at), None));
-    }
-    let all = match st.text.push(&req.data, req.continue_bit) {
-        Ok(Some(all)) => all,
-        // More of the initiator's text follows: acknowledge with an empty response.
-        Ok(None) => return Ok((r, None)),
-        Err(_) => return Err(LoginStatus::INITIATOR_ERROR),
-    };
-    let params = TextParams::parse(&all).map_err(|_| LoginStatus::INITIATOR_ERROR)?;
-    if st.negotiator.is_none() {
-        st.negotiator = Some(start(st, req, &params, shared, peer)?);
-    }
-    let neg = st.negotiator.as_mut().expect("set");
-    let out = neg
-        .receive(req.current_stage, &params)
-        .and_then(|out| neg.require_initiator_declarations().map(|()| out))
-        .map_err(|e| refuse(shared, peer, &st.initiator, st.target.as_deref(), &e))?;
-    let transit = req.transit
-        && neg
-            .may_transit(req.current_stage, req.next_stage)
-            .map_err(|e| refuse(shared, peer, &st.initiator, st.target.as_deref(), &e))?;
-    r.transit = transit;
-    r.next_stage = if transit {
-        req.next_stage
-    } else {
-        req.current_stage
-    };
-    let mut outcome = None;
-    if transit && req.next_stage == Stage::FullFeaturePhase {
-        let (o, tsih, exp, max) = finish(st, req, shared, peer)?;
-        r.tsih = tsih;
-        r.exp_cmd_sn = exp;
-        r.max_cmd_sn = max;
-        outcome = Some(o);
-    } else if let Some(s) = (req.tsih != 0)
-        .then(|| shared.sessions.get(req.tsih))
-        .flatten()
-    {
-        (r.exp_cmd_sn, r.max_cmd_sn) = s.window();
-    } else {
-        r.max_cmd_sn = req.cmd_sn + (shared.window() - 1);
-    }
-    let text = out.encode();
-    if text.len() > iscsi_pdu::LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH as usize {
-        if outcome.is_some() {
-            // Cannot both finish and continue; the keys that make a response this long are
-            // CHAP's, which never come with the final transit.
-            return Err(LoginStatus::TARGET_ERROR);
-        }
-        r.transit = false;
-        r.next_stage = req.current_stage;
-        return Ok((continue_response(st, r, text, 0), None));
-    }
-    r.data = text;
-    Ok((r, outcome))
-}
-
-fn continue_response(
-    st: &mut State,
-    mut r: LoginResponse,
-    text: Bytes,
-    at: usize,
-) -> LoginResponse {
-    let max = iscsi_pdu::LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH as usize;
-    let rest = text.slice(at..);
-    let (chunk, more) = split_text(&rest, max)
-        .next()
-        .unwrap_or((Bytes::new(), false));
-    r.transit = false;
-    r.continue_bit = more;
-    if more {
-        st.more = Some((text, at + chunk.len()));
-    }
-    r.data = chunk;
-    r
-}
-
-/// The first request: who is connecting to what, and may they.
-fn start(
-    st: &mut State,
-    req: &LoginRequest,
-    params: &TextParams,
-    shared: &Arc<Shared>,
-    peer: &Peer,
-) -> Result<Negotiator, LoginStatus> {
-    let initiator = params
-        .get("InitiatorName")
-        .ok_or(LoginStatus::MISSING_PARAMETER)?;
-    st.initiator = initiator.to_string();
-    st.session_type = match params.get("SessionType") {
-        None | Some("Normal") => SessionType::Normal,
-        Some("Discovery") => SessionType::Discovery,
-        Some(_) => return Err(LoginStatus::SESSION_TYPE_NOT_SUPPORTED),
-    };
-    if shared.stopping() {
-        return Err(LoginStatus::SERVICE_UNAVAILABLE);
-    }
-    let mut settings = shared.settings();
-    if st.session_type == SessionType::Normal {
-        let name = params
-            .get("TargetName")
-            .ok_or(LoginStatus::MISSING_PARAMETER)?;
-        let Some(target) = shared.target(name) else {
-            shared.refused(peer.addr, initiator, name, "no such target");
-            return Err(LoginStatus::NOT_FOUND);
         };
-        if !target.admits(initiator, peer.addr.ip()) {
-            shared.refused(
-                peer.addr,
+        if writer.send_pdu(Pdu::LoginResponse(response)).await.is_err() {
+            return None;
+        }
+        let Some(done) = done else { continue };
+        let Completed {
+            negotiator,
+            initiator,
+            stat_sn,
+            cmd_sn,
+            ..
+        } = *done;
+        return Some(match policy.session.take() {
+            Some(session) => Outcome::Normal {
+                session,
+                negotiator,
+                stat_sn,
+            },
+            None => Outcome::Discovery {
+                negotiator,
                 initiator,
-                name,
-                "initiator or network not allowed",
-            );
-            return Err(LoginStatus::AUTHORIZATION_FAILURE);
-        }
-        if req.tsih != 0 && shared.sessions.get(req.tsih).is_none() {
-            return Err(LoginStatus::SESSION_DOES_NOT_EXIST);
-        }
-        settings.declarations.target_portal_group_tag = Some(PORTAL_GROUP);
-        let c = target
-            .config
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        require_chap(&mut settings, c.chap.as_ref(), c.mutual_chap.as_ref());
-        drop(c);
-        st.target = Some(target);
-    } else {
-        let c = shared.config();
-        let i = &c.iscsi;
-        require_chap(
-            &mut settings,
-            i.discovery_chap.as_ref(),
-            i.discovery_mutual_chap.as_ref(),
-        );
+                stat_sn,
+                exp_cmd_sn: cmd_sn,
+            },
+        });
     }
-    Ok(Negotiator::new(
-        Role::Target,
-        settings,
-        req.tsih == 0,
-        entropy(),
-    ))
 }
 
 /// Makes CHAP the only AuthMethod when `chap` is configured: the initiator proves `chap`, and
 /// the target proves `mutual` when the initiator asks.
 fn require_chap(
-    settings: &mut iscsi_pdu::negotiation::Settings,
+    settings: &mut Settings,
     chap: Option<&crate::config::Chap>,
     mutual: Option<&crate::config::Chap>,
 ) {
@@ -338,100 +278,4 @@ fn require_chap(
     settings.auth.methods = vec![AuthMethod::Chap];
     settings.auth.peer = creds(chap);
     settings.auth.local = mutual.and_then(creds);
-}
-
-fn refuse(
-    shared: &Shared,
-    peer: &Peer,
-    initiator: &str,
-    target: Option<&Target>,
-    e: &NegotiationError,
-) -> LoginStatus {
-    let status = e.login_status();
-    shared.refused(
-        peer.addr,
-        initiator,
-        target.map_or("discovery", |t| &t.name),
-        &e.to_string(),
-    );
-    status
-}
-
-/// The final transit: create or join the session.
-fn finish(
-    st: &mut State,
-    req: &LoginRequest,
-    shared: &Arc<Shared>,
-    peer: &Peer,
-) -> Result<(Outcome, u16, SerialNumber, SerialNumber), LoginStatus> {
-    let neg = st.negotiator.take().expect("negotiating");
-    let c = *neg.connection();
-    let info = ConnectionInfo {
-        cid: req.cid,
-        id: peer.id,
-        peer: peer.addr,
-        local: peer.local,
-        reactor: peer.reactor,
-        digests: (c.header_digest, c.data_digest),
-        segment_lengths: (
-            c.max_recv_data_segment_length,
-            c.max_send_data_segment_length,
-        ),
-        control: peer.control.clone(),
-    };
-    let stat_sn = st.stat_sn.next();
-    let Some(target) = st.target.clone() else {
-        let cmd = req.cmd_sn;
-        return Ok((
-            Outcome::Discovery {
-                negotiator: neg,
-                initiator: st.initiator.clone(),
-                stat_sn,
-                exp_cmd_sn: cmd,
-            },
-            // Discovery sessions are never joined; any non-zero TSIH outside the normal range.
-            0x8000 | (peer.id & 0x7fff) as u16,
-            cmd,
-            cmd + (shared.window() - 1),
-        ));
-    };
-    let session = if req.tsih == 0 {
-        shared.sessions.create(
-            req.isid,
-            &st.initiator,
-            target,
-            neg.session().clone(),
-            shared.window(),
-            req.cmd_sn,
-            info,
-        )
-    } else {
-        shared
-            .sessions
-            .join(req.tsih, req.isid, &st.initiator, &target.name, info)
-            .map_err(|e| match e {
-                JoinError::NoSession => LoginStatus::SESSION_DOES_NOT_EXIST,
-                JoinError::TooMany => LoginStatus::TOO_MANY_CONNECTIONS,
-            })?
-    };
-    let (exp, max) = session.window();
-    tracing::info!(
-        tsih = session.tsih,
-        initiator = %session.initiator,
-        isid = %Isid(req.isid.0),
-        target = %session.target.name,
-        peer = %peer.addr,
-        cid = req.cid,
-        "login"
-    );
-    Ok((
-        Outcome::Normal {
-            session: session.clone(),
-            negotiator: neg,
-            stat_sn,
-        },
-        session.tsih,
-        exp,
-        max,
-    ))
 }
