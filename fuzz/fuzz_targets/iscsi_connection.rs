@@ -1,4 +1,4 @@
-//! The target connection machine after a login, fed Arbitrary sequences of raw bytes,
+//! The target connection machine after a login (normal or discovery), fed Arbitrary sequences of raw bytes,
 //! well-formed PDUs (cut anywhere), clock advances, backend completions and buffer grants. After
 //! every step the rig checks the stream the initiator would see: no malformed PDU, StatSN never
 //! goes back, no Data-In segment beyond the initiator's MaxRecvDataSegmentLength, no command
@@ -23,6 +23,7 @@ struct Setup {
     /// The initiator's MaxRecvDataSegmentLength, in 512-byte units (at least 1).
     max_recv: u8,
     window: u8,
+    discovery: bool,
 }
 
 #[derive(Arbitrary, Debug)]
@@ -248,6 +249,9 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
         ..Options::default()
     };
     options.settings.max_io = 256 << 10;
+    if setup.discovery {
+        options.settings.session_type = iscsi_pdu::negotiation::SessionType::Discovery;
+    }
     let mut rig = Rig::new(options);
     rig.nexus.other_cids = vec![2];
     for step in steps.into_iter().take(128) {

@@ -583,6 +583,59 @@ fn text_send_targets_and_logout() {
 }
 
 #[test]
+fn a_discovery_session_takes_only_text_nop_and_logout() {
+    let mut o = Options::default();
+    o.settings.session_type = iscsi_pdu::negotiation::SessionType::Discovery;
+    let mut rig = Rig::new(o);
+    let mut i = Initiator::new();
+    // A SCSI command, with data and without, and task management: rejected, nothing runs.
+    for data in [Bytes::new(), pattern(512, 1)] {
+        let cmd = i.command(&cdb10(0x2a, 0, 1), 0, 512, data);
+        rig.send(&Pdu::ScsiCommand(cmd));
+        let r = rig.responses();
+        assert!(
+            matches!(&r[..], [Pdu::Reject(j)] if j.reason == RejectReason::ProtocolError),
+            "{r:?}"
+        );
+    }
+    rig.send(&Pdu::TaskManagementRequest(TaskManagementRequest {
+        immediate: true,
+        function: TaskManagementFunction::LogicalUnitReset,
+        ..TaskManagementRequest::default()
+    }));
+    assert!(matches!(&rig.responses()[..], [Pdu::Reject(_)]));
+    assert_eq!(rig.conn.task_count(), 0);
+    i.cmd_sn = SerialNumber(1);
+    rig.send(&Pdu::TextRequest(TextRequest {
+        final_bit: true,
+        initiator_task_tag: 0x50,
+        target_transfer_tag: RESERVED_TAG,
+        cmd_sn: i.next_cmd_sn(),
+        data: Bytes::from_static(b"SendTargets=All\0"),
+        ..TextRequest::default()
+    }));
+    assert!(
+        matches!(&rig.responses()[..], [Pdu::TextResponse(t)] if t.data.starts_with(b"TargetName="))
+    );
+    // Never pinged, however long it idles.
+    rig.advance(Duration::from_secs(3600));
+    assert!(rig.responses().is_empty());
+    // Any logout ends it.
+    rig.send(&Pdu::LogoutRequest(LogoutRequest {
+        reason: LogoutReason::CloseConnection,
+        cid: 9,
+        cmd_sn: i.next_cmd_sn(),
+        ..LogoutRequest::default()
+    }));
+    let r = rig.responses();
+    assert!(
+        matches!(&r[..], [Pdu::LogoutResponse(l)] if l.response == LogoutResponseCode::ClosedSuccessfully),
+        "{r:?}"
+    );
+    assert_eq!(rig.conn.closing(), Some(Close::AfterFlush));
+}
+
+#[test]
 fn a_stopping_daemon_asks_for_a_logout_once() {
     let (mut rig, _) = rig(Options::default());
     rig.ask_logout();

@@ -41,7 +41,7 @@ use scsi_core::{
 };
 
 use super::text::TextExchange;
-use crate::negotiation::{Negotiator, OperationalParams};
+use crate::negotiation::{Negotiator, OperationalParams, SessionType};
 use crate::text::TextParams;
 use crate::{
     data_digest, padding, AsyncEvent, AsyncMessage, Bhs, DataIn, DataInStatus, DataOut, Digests,
@@ -299,6 +299,9 @@ pub enum Close {
 pub struct Settings {
     /// Its CID.
     pub cid: u16,
+    /// A discovery session takes only text (SendTargets), NOP-Out and Logout (RFC 7143 section
+    /// 4.3); anything else is rejected.
+    pub session_type: SessionType,
     /// The largest data transfer of one command, in bytes; larger ones end with CHECK
     /// CONDITION, INVALID FIELD IN CDB.
     pub max_io: u32,
@@ -469,7 +472,7 @@ impl<B: TaskBuffer> Connection<B> {
 
     /// When [`Connection::handle_timeout`] is next due.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        if self.settings.nop_interval.is_zero() || self.closing.is_some() {
+        if !self.pings() {
             return None;
         }
         Some(match self.ping {
@@ -481,7 +484,7 @@ impl<B: TaskBuffer> Connection<B> {
     /// Time has passed: ping an initiator silent for the NOP interval, give up on one that
     /// does not answer a ping within the NOP timeout.
     pub fn handle_timeout(&mut self, now: Instant, nexus: &mut impl Nexus) {
-        if self.settings.nop_interval.is_zero() || self.closing.is_some() {
+        if !self.pings() {
             return;
         }
         if let Some((_, sent)) = self.ping {
@@ -516,6 +519,15 @@ impl<B: TaskBuffer> Connection<B> {
     /// segment).
     pub fn handle_pdu(&mut self, now: Instant, pdu: Pdu, nexus: &mut impl Nexus) -> Plan<B> {
         self.last_rx = now;
+        if self.discovery()
+            && !matches!(
+                pdu,
+                Pdu::NopOut(_) | Pdu::TextRequest(_) | Pdu::LogoutRequest(_)
+            )
+        {
+            self.reject_pdu(RejectReason::ProtocolError, &pdu, nexus);
+            return Plan::Next;
+        }
         match pdu {
             Pdu::ScsiCommand(cmd) => return self.scsi_command(now, cmd, 0, nexus),
             Pdu::DataOut(d) => self.data_out(&d, 0, None, nexus),
@@ -559,6 +571,11 @@ impl<B: TaskBuffer> Connection<B> {
         nexus: &mut impl Nexus,
     ) -> Plan<B> {
         self.last_rx = now;
+        if self.discovery() {
+            // SCSI commands and Data-Out have no place in a discovery session.
+            self.reject(RejectReason::ProtocolError, header, nexus);
+            return Plan::Discard;
+        }
         match pdu {
             Pdu::ScsiCommand(cmd) => {
                 if let Some(reason) = self.immediate_refusal(&cmd, len) {
@@ -759,6 +776,16 @@ impl<B: TaskBuffer> Connection<B> {
                 self.tmfs.push((r, RESERVED_TAG, Tmf::Internal));
             }
         }
+    }
+
+    /// Whether the initiator is pinged when idle: not with a zero NOP interval, not once
+    /// closing, and never in a discovery session (short-lived by nature).
+    fn pings(&self) -> bool {
+        !self.settings.nop_interval.is_zero() && self.closing.is_none() && !self.discovery()
+    }
+
+    fn discovery(&self) -> bool {
+        self.settings.session_type == SessionType::Discovery
     }
 
     fn next_stat_sn(&mut self) -> SerialNumber {
@@ -1269,6 +1296,11 @@ impl<B: TaskBuffer> Connection<B> {
             return;
         }
         let code = match l.reason {
+            // A discovery session has one connection: any logout ends it.
+            _ if self.discovery() => {
+                self.closing = Some(Close::AfterFlush);
+                LogoutResponseCode::ClosedSuccessfully
+            }
             LogoutReason::CloseSession => {
                 nexus.close_session();
                 self.closing = Some(Close::AfterFlush);

@@ -22,7 +22,7 @@ use super::connection::Settings;
 use super::connection::{Close, Connection, CoreEvent, Event, Nexus, OrderedCommand, Plan};
 use super::order::CommandOrder;
 use crate::chap::ENTROPY_LEN;
-use crate::negotiation::{self, Negotiator, OperationalParams, Role};
+use crate::negotiation::{self, Negotiator, OperationalParams, Role, SessionType};
 use crate::text::TextParams;
 use crate::{DecodeError, Deframer, Digests, Opcode, Pdu, Received, SerialNumber, Stage};
 
@@ -70,6 +70,7 @@ impl Default for Options {
             offers: Vec::new(),
             settings: Settings {
                 cid: 1,
+                session_type: SessionType::Normal,
                 max_io: 4 << 20,
                 nop_interval: Duration::from_secs(5),
                 nop_timeout: Duration::from_secs(5),
@@ -264,8 +265,13 @@ impl Rig {
         let mut n = Negotiator::new(Role::Target, options.target.clone(), true, [0; ENTROPY_LEN]);
         let mut keys = TextParams::new();
         keys.push("InitiatorName", INITIATOR);
-        keys.push("SessionType", "Normal");
-        keys.push("TargetName", TARGET);
+        match options.settings.session_type {
+            SessionType::Normal => {
+                keys.push("SessionType", "Normal");
+                keys.push("TargetName", TARGET);
+            }
+            SessionType::Discovery => keys.push("SessionType", "Discovery"),
+        }
         for (k, v) in &options.offers {
             keys.push(k.as_str(), v.as_str());
         }

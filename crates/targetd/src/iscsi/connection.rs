@@ -17,8 +17,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backend::Buffer;
-use iscsi_pdu::negotiation::Negotiator;
-use iscsi_pdu::target::{self, Close, Event, Nexus, OrderedCommand, Plan, Settings, Transmit};
+use iscsi_pdu::negotiation::SessionType;
+use iscsi_pdu::target::{
+    self, Close, CommandOrder, Event, Nexus, OrderedCommand, Plan, Settings, Transmit,
+};
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::SerialNumber;
 use scsi_core::transport::Accounting;
@@ -63,29 +65,8 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, shared: Arc<Shared>) {
         o = tokio::time::timeout(LOGIN_TIMEOUT, login::run(&mut reader, &mut writer, &shared, &peer)) => o.ok().flatten(),
         _ = wait_for(&control, Request::Close) => None,
     };
-    match outcome {
-        None => {}
-        Some(Outcome::Discovery {
-            negotiator,
-            initiator,
-            stat_sn,
-            exp_cmd_sn,
-        }) => {
-            super::discovery::serve(
-                reader, writer, negotiator, &initiator, stat_sn, exp_cmd_sn, &shared, &peer,
-            )
-            .await
-        }
-        Some(Outcome::Normal {
-            session,
-            negotiator,
-            stat_sn,
-        }) => {
-            full_feature(
-                reader, writer, session, negotiator, stat_sn, io, &shared, &peer,
-            )
-            .await
-        }
+    if let Some(outcome) = outcome {
+        full_feature(reader, writer, outcome, io, &shared, &peer).await;
     }
     shared.unregister(id);
 }
@@ -101,14 +82,28 @@ pub async fn wait_for(control: &Control, at_least: Request) {
     }
 }
 
+/// What a connection's link reaches.
+enum Scope {
+    /// A normal session: its CmdSN order and the target's SCSI core.
+    Session {
+        session: Arc<Session>,
+        target: Arc<Target>,
+    },
+    /// A discovery session: a CmdSN window of its own and no SCSI core (the machine rejects
+    /// every request that would need one).
+    Discovery {
+        order: CommandOrder<()>,
+        initiator: String,
+    },
+}
+
 /// The session and the target as one connection reaches them: the daemon's side of the
 /// machine's [`Nexus`]. What the SCSI core hands back for this connection lands in `local`.
 struct Link {
     id: u64,
     peer: SocketAddr,
     portal: SocketAddr,
-    session: Arc<Session>,
-    target: Arc<Target>,
+    scope: Scope,
     shared: Arc<Shared>,
     route: Route,
     local: VecDeque<Routed>,
@@ -117,62 +112,111 @@ struct Link {
     unit: Option<Arc<crate::target::Lun>>,
 }
 
+impl Link {
+    fn session(&self) -> Option<&Arc<Session>> {
+        match &self.scope {
+            Scope::Session { session, .. } => Some(session),
+            Scope::Discovery { .. } => None,
+        }
+    }
+
+    fn target(&self) -> Option<&Arc<Target>> {
+        match &self.scope {
+            Scope::Session { target, .. } => Some(target),
+            Scope::Discovery { .. } => None,
+        }
+    }
+
+    /// The SCSI core's call `f`, and what it hands back drained into `local`.
+    fn core<R>(
+        &mut self,
+        f: impl FnOnce(&mut crate::target::Core, &Route, &mut VecDeque<Routed>) -> R,
+    ) -> Option<R> {
+        let Scope::Session { target, .. } = &self.scope else {
+            return None;
+        };
+        let mut core = target.core();
+        let r = f(&mut core, &self.route, &mut self.local);
+        core.drain(self.id, &mut self.local);
+        Some(r)
+    }
+}
+
 impl Nexus for Link {
     fn window(&self) -> (SerialNumber, SerialNumber) {
-        self.session.window()
+        match &self.scope {
+            Scope::Session { session, .. } => session.window(),
+            Scope::Discovery { order, .. } => order.window(),
+        }
     }
 
     fn deliver(&mut self, cmd: OrderedCommand, immediate: bool) -> bool {
-        self.session
-            .deliver(cmd, immediate, &self.route, &mut self.local)
+        match &self.scope {
+            Scope::Session { session, .. } => {
+                session.deliver(cmd, immediate, &self.route, &mut self.local)
+            }
+            Scope::Discovery { .. } => false,
+        }
     }
 
     fn take_cmd_sn(&mut self, cmd_sn: SerialNumber) -> bool {
-        self.session.take_cmd_sn(cmd_sn, self.id, &mut self.local)
+        match &mut self.scope {
+            Scope::Session { session, .. } => session.take_cmd_sn(cmd_sn, self.id, &mut self.local),
+            Scope::Discovery { order, .. } => {
+                let taken = order.admit(cmd_sn, None);
+                while order.next_ready().is_some() {}
+                taken
+            }
+        }
     }
 
     fn data_out(&mut self, task: TaskId, data: &[u8]) {
-        let mut core = self.target.core();
-        if let Err(e) = core.device.data_out(task, data) {
-            tracing::error!("data-out refused by the core: {e}");
-        }
-        core.drain(self.id, &mut self.local);
+        self.core(|core, _, _| {
+            if let Err(e) = core.device.data_out(task, data) {
+                tracing::error!("data-out refused by the core: {e}");
+            }
+        });
     }
 
     fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
-        let mut core = self.target.core();
-        if let Err(e) = core.device.backend_done(task, result) {
-            tracing::error!("backend completion refused by the core: {e}");
-        }
-        core.drain(self.id, &mut self.local);
+        self.core(|core, _, _| {
+            if let Err(e) = core.device.backend_done(task, result) {
+                tracing::error!("backend completion refused by the core: {e}");
+            }
+        });
     }
 
     fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
-        let nexus = self.session.nexus;
-        let r =
-            self.target
-                .core()
-                .task_management(nexus, lun, function, &self.route, &mut self.local);
-        r.map_err(|e| tracing::error!("task management refused by the core: {e}"))
-            .ok()
+        let nexus = self.session()?.nexus;
+        self.core(|core, route, local| {
+            core.task_management(nexus, lun, function, route, local)
+                .map_err(|e| tracing::error!("task management refused by the core: {e}"))
+                .ok()
+        })
+        .flatten()
     }
 
     fn block_size(&mut self, lun: u16) -> Option<u32> {
-        let unit = self.target.lun(lun)?;
+        let unit = self.target()?.lun(lun)?;
         let bs = unit.block_size;
         self.unit = Some(unit);
         Some(bs)
     }
 
     fn send_targets(&mut self, value: &str) -> TextParams {
-        let own = Some(self.target.name.as_str());
-        let initiator = &self.session.initiator;
+        let (initiator, own) = match &self.scope {
+            Scope::Session { session, target } => (&session.initiator, Some(target.name.as_str())),
+            Scope::Discovery { initiator, .. } => (initiator, None),
+        };
         self.shared
             .send_targets(initiator, self.peer.ip(), self.portal, value, own)
     }
 
     fn close_connection(&mut self, cid: u16) -> bool {
-        let conns = self.session.connection_list();
+        let Some(session) = self.session() else {
+            return false;
+        };
+        let conns = session.connection_list();
         let Some(c) = conns.iter().find(|c| c.cid == cid) else {
             return false;
         };
@@ -181,11 +225,16 @@ impl Nexus for Link {
     }
 
     fn cancel_queued(&mut self) {
-        self.session.cancel_queued(self.id);
+        if let Some(session) = self.session() {
+            session.cancel_queued(self.id);
+        }
     }
 
     fn close_session(&mut self) {
-        for c in self.session.connection_list() {
+        let Some(session) = self.session() else {
+            return;
+        };
+        for c in session.connection_list() {
             if c.id != self.id {
                 c.control.request(Request::Close);
             }
@@ -193,8 +242,11 @@ impl Nexus for Link {
     }
 
     fn reset_target(&mut self) {
+        let Scope::Session { session, target } = &self.scope else {
+            return;
+        };
         for s in self.shared.sessions.all() {
-            if Arc::ptr_eq(&s.target, &self.target) && !Arc::ptr_eq(&s, &self.session) {
+            if Arc::ptr_eq(&s.target, target) && !Arc::ptr_eq(&s, session) {
                 s.close();
             }
         }
@@ -214,17 +266,34 @@ struct Conn {
     buffer_wait: VecDeque<(u64, usize)>,
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Full feature phase: a normal or a discovery session on this connection until it closes.
 async fn full_feature(
     mut reader: Reader,
     mut writer: Writer,
-    session: Arc<Session>,
-    negotiator: Negotiator,
-    stat_sn: SerialNumber,
+    outcome: Outcome,
     io: Rc<Io>,
     shared: &Arc<Shared>,
     peer: &Peer,
 ) {
+    let (scope, negotiator, stat_sn) = match outcome {
+        Outcome::Normal {
+            session,
+            negotiator,
+            stat_sn,
+        } => {
+            let target = session.target.clone();
+            (Scope::Session { session, target }, negotiator, stat_sn)
+        }
+        Outcome::Discovery {
+            negotiator,
+            initiator,
+            stat_sn,
+            exp_cmd_sn,
+        } => {
+            let order = CommandOrder::new(exp_cmd_sn, shared.window());
+            (Scope::Discovery { order, initiator }, negotiator, stat_sn)
+        }
+    };
     let c = *negotiator.connection();
     let digests = iscsi_pdu::Digests {
         header: c.header_digest,
@@ -234,24 +303,30 @@ async fn full_feature(
     reader.set_max_recv(c.max_recv_data_segment_length);
     writer.digests = digests;
     writer.max_send = c.max_send_data_segment_length;
-    let cid = session
-        .connection_list()
-        .iter()
-        .find(|x| x.id == peer.id)
-        .map_or(0, |x| x.cid);
     let (tx, rx) = mpsc::unbounded_channel();
     let inbox = Rc::new(Inbox::default());
     let (nop_interval, nop_timeout) = {
         let c = shared.config();
         (c.server.nop_interval, c.server.nop_timeout)
     };
+    let (cid, session_type, op) = match &scope {
+        Scope::Session { session, .. } => {
+            let conns = session.connection_list();
+            let cid = conns.iter().find(|x| x.id == peer.id).map_or(0, |x| x.cid);
+            (cid, SessionType::Normal, session.params.operational)
+        }
+        Scope::Discovery { .. } => {
+            let op = negotiator.session().operational;
+            (0, SessionType::Discovery, op)
+        }
+    };
     let settings = Settings {
         cid,
+        session_type,
         max_io: MAX_IO,
         nop_interval: Duration::from_secs(nop_interval),
         nop_timeout: Duration::from_secs(nop_timeout),
     };
-    let op = session.params.operational;
     let machine = target::Connection::new(Instant::now(), settings, negotiator, op, stat_sn);
     let conn = Rc::new(RefCell::new(Conn {
         machine,
@@ -259,8 +334,7 @@ async fn full_feature(
             id: peer.id,
             peer: peer.addr,
             portal: peer.local,
-            target: session.target.clone(),
-            session,
+            scope,
             shared: shared.clone(),
             route: Route { conn: peer.id, tx },
             local: VecDeque::with_capacity(256),
@@ -297,19 +371,20 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
         // No queued command of this connection reaches the core from now on; what reached it
         // before has been reported on the channel (releases report under the order's lock), so
         // once the channel is drained every task not in the core never will be.
-        c.link.session.cancel_queued(c.link.id);
+        c.link.cancel_queued();
         while let Ok(ev) = rx.try_recv() {
             c.link.local.push_back(ev);
         }
         c.pump(Instant::now());
         let Conn { machine, link, .. } = &mut *c;
-        let session = link.session.clone();
+        let Some(session) = link.session().cloned() else {
+            machine.close(true, link);
+            return;
+        };
         let last = link.shared.sessions.leave(&session, link.id);
         machine.close(last, link);
         if last {
-            let mut core = link.target.core();
-            let _ = core.device.close_nexus(session.nexus);
-            core.drain(link.id, &mut link.local);
+            link.core(|core, _, _| core.device.close_nexus(session.nexus).ok());
             tracing::info!(tsih = session.tsih, initiator = %session.initiator, "session ends");
         }
     }
@@ -443,7 +518,7 @@ async fn work_loop(
         let c = conn.borrow();
         (c.inbox.clone(), c.io.clone())
     };
-    let session = conn.borrow().link.session.clone();
+    let discovery = conn.borrow().link.session().is_none();
     let mut batch: Vec<Transmit<Buffer>> = Vec::with_capacity(256);
     let timer = tokio::time::sleep(NEVER);
     tokio::pin!(timer);
@@ -481,7 +556,11 @@ async fn work_loop(
             }
             c.absorb();
             c.pump(Instant::now());
-            let request = control.get();
+            let mut request = control.get();
+            if discovery && request == Request::Logout {
+                // A discovery session is simply closed when the daemon stops.
+                request = Request::Close;
+            }
             if request == Request::Logout {
                 let Conn { machine, link, .. } = &mut *c;
                 machine.ask_logout(link);
@@ -505,7 +584,7 @@ async fn work_loop(
             writer.max_send = c.machine.max_send_data_segment_length();
         }
         if !batch.is_empty() {
-            let (exp, max) = session.window();
+            let (exp, max) = conn.borrow().link.window();
             writer.send(&batch, exp, max).await?;
             batch.clear();
         }
@@ -555,7 +634,7 @@ impl Conn {
     /// Runs a backend operation on the reactor's engine.
     fn run_backend(&mut self, task: TaskId, lun: u16, op: Op, buffer: Buffer) {
         let unit = self.link.unit.take().filter(|u| u.config.lun == lun);
-        match unit.or_else(|| self.link.target.lun(lun)) {
+        match unit.or_else(|| self.link.target()?.lun(lun)) {
             Some(unit) => self.io.submit(&unit, op, buffer, &self.inbox, task),
             None => {
                 let link = &mut self.link;
@@ -600,7 +679,8 @@ impl Conn {
 
     /// Adds a finished task to its unit's counters.
     fn account(&self, a: &Accounting) {
-        let unit = scsi_core::lun_index(a.lun).and_then(|i| self.link.target.lun(i));
+        let target = self.link.target();
+        let unit = scsi_core::lun_index(a.lun).and_then(|i| target?.lun(i));
         let Some(lun) = unit else {
             return;
         };

@@ -1,7 +1,6 @@
 //! iSCSI over TCP (RFC 7143): the login phase, discovery and normal sessions, and the wire.
 
 pub mod connection;
-pub mod discovery;
 pub mod login;
 pub mod session;
 pub mod wire;
