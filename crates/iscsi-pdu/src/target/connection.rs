@@ -18,13 +18,15 @@
 //!    [`Connection::handle_payload_error`] on a data digest mismatch);
 //! 4. [`Plan::Discard`]: the payload is skipped; [`Plan::Next`]: read the next header.
 //!
-//! What the SCSI core decides arrives through [`Connection::handle_core`]; backend completions
-//! through [`Connection::handle_backend_done`]; buffers for backend operations through
+//! What the SCSI core decides comes back through [`Nexus::poll_core`] (or
+//! [`Connection::handle_core`]); backend completions through
+//! [`Connection::handle_backend_done`]; buffers for backend operations through
 //! [`Connection::handle_buffer`]; time through [`Connection::handle_timeout`].
 //!
 //! After each input the caller drains, in this order: [`Connection::poll_event`] (backend
-//! operations, buffers wanted, accounting), [`Connection::poll_transmit`] (the output, in StatSN
-//! order), then [`Connection::poll_timeout`] and [`Connection::closing`].
+//! operations, buffers wanted, accounting; it takes in the core's events on the way),
+//! [`Connection::poll_transmit`] (the output, in StatSN order), then
+//! [`Connection::poll_timeout`] and [`Connection::closing`].
 //!
 //! The session and the SCSI core behind it are reached through the [`Nexus`] trait: the daemon
 //! implements it over its shared state, a test over one in-process device.
@@ -36,8 +38,9 @@ use std::time::{Duration, Instant};
 use bytes::{BufMut, Bytes, BytesMut};
 use scsi_core::transport::{Accounting, Completion, NewTask, Request, TaskBuffer, TaskTable};
 use scsi_core::{
-    Action, Asc, BackendError, DataIn as CoreDataIn, Op, Output, Residual as CoreResidual,
-    SenseKey, TaskAttribute as CoreAttribute, TaskId, TmfFunction, TmfResponse,
+    Action, Asc, BackendError, Command, DataIn as CoreDataIn, NexusId, Op, Output,
+    Residual as CoreResidual, SenseKey, TaskAttribute as CoreAttribute, TaskId, TmfFunction,
+    TmfResponse,
 };
 
 use super::text::TextExchange;
@@ -87,10 +90,27 @@ pub enum CoreEvent {
     Action(Action),
 }
 
+impl OrderedCommand {
+    /// The command as the SCSI core takes it, for the I_T nexus `nexus`.
+    pub fn command(&self, nexus: NexusId) -> Command<'_> {
+        Command {
+            nexus,
+            lun: self.lun,
+            cdb: &self.cdb,
+            attribute: self.attribute,
+            tag: u64::from(self.itt),
+            data_in_len: self.data_in_len,
+            data_out_len: self.data_out_len,
+        }
+    }
+}
+
 /// The session and the SCSI core as one connection reaches them. Calls into the core report what
-/// follows for this connection as [`CoreEvent`]s, which the caller hands to
-/// [`Connection::handle_core`] once the call returns.
+/// follows for this connection as [`CoreEvent`]s, which [`Nexus::poll_core`] hands back (to
+/// [`Connection::poll_event`]) once the call has returned.
 pub trait Nexus {
+    /// The next event the SCSI core reported for this connection.
+    fn poll_core(&mut self) -> Option<CoreEvent>;
     /// ExpCmdSN and MaxCmdSN to advertise now.
     fn window(&self) -> (SerialNumber, SerialNumber);
     /// Hands `cmd` to the core in CmdSN order (at once when `immediate`). False when it is
@@ -465,9 +485,16 @@ impl<B: TaskBuffer> Connection<B> {
         self.transmits.pop_front()
     }
 
-    /// The next request for the caller.
-    pub fn poll_event(&mut self) -> Option<Event<B>> {
-        self.events.pop_front()
+    /// The next request for the caller, handling what the core reported on the way (its
+    /// events are taken from [`Nexus::poll_core`] whenever no request is left).
+    pub fn poll_event(&mut self, now: Instant, nexus: &mut impl Nexus) -> Option<Event<B>> {
+        loop {
+            if let Some(ev) = self.events.pop_front() {
+                return Some(ev);
+            }
+            let core = nexus.poll_core()?;
+            self.handle_core(now, core, nexus);
+        }
     }
 
     /// When [`Connection::handle_timeout`] is next due.

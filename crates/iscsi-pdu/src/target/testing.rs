@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use scsi_core::{
-    Backend, BackendError, Command, Device, Geometry, Identity, Limits, LogicalUnit, MemoryBackend,
-    NexusId, Op, Output, TargetPort, TaskId, TmfFunction, TransportId,
+    Backend, BackendError, Device, Geometry, Identity, Limits, LogicalUnit, MemoryBackend, NexusId,
+    Op, Output, TargetPort, TaskId, TmfFunction, TransportId,
 };
 
 use super::connection::Settings;
@@ -111,16 +111,7 @@ impl LocalNexus {
     }
 
     fn submit(&mut self, q: &OrderedCommand) {
-        let cmd = Command {
-            nexus: self.nexus,
-            lun: q.lun,
-            cdb: &q.cdb,
-            attribute: q.attribute,
-            tag: u64::from(q.itt),
-            data_in_len: q.data_in_len,
-            data_out_len: q.data_out_len,
-        };
-        if let Ok(task) = self.device.submit(cmd) {
+        if let Ok(task) = self.device.submit(q.command(self.nexus)) {
             self.local.push_back(CoreEvent::Submitted {
                 tag: u64::from(q.itt),
                 task,
@@ -137,6 +128,10 @@ impl LocalNexus {
 }
 
 impl Nexus for LocalNexus {
+    fn poll_core(&mut self) -> Option<CoreEvent> {
+        self.local.pop_front()
+    }
+
     fn window(&self) -> (SerialNumber, SerialNumber) {
         self.order.window()
     }
@@ -594,40 +589,34 @@ impl Rig {
     /// Runs the machine's requests and the core's events until neither has anything left,
     /// then puts the output on the wire.
     pub fn run(&mut self) {
-        loop {
-            while let Some(ev) = self.conn.poll_event() {
-                match ev {
-                    Event::Backend {
-                        task,
-                        lun,
-                        op,
-                        buffer,
-                    } => {
-                        if lun != 0 {
-                            let gone = Err(BackendError::Internal);
-                            self.conn
-                                .handle_backend_done(task, buffer, gone, &mut self.nexus);
-                        } else if self.hold_backend {
-                            self.held.push_back((task, op, buffer));
-                        } else {
-                            self.execute(task, op, buffer);
-                        }
+        while let Some(ev) = self.conn.poll_event(self.now, &mut self.nexus) {
+            match ev {
+                Event::Backend {
+                    task,
+                    lun,
+                    op,
+                    buffer,
+                } => {
+                    if lun != 0 {
+                        let gone = Err(BackendError::Internal);
+                        self.conn
+                            .handle_backend_done(task, buffer, gone, &mut self.nexus);
+                    } else if self.hold_backend {
+                        self.held.push_back((task, op, buffer));
+                    } else {
+                        self.execute(task, op, buffer);
                     }
-                    Event::BufferWanted { tag, len } => {
-                        if self.hold_buffers {
-                            self.wanted.push_back((tag, len));
-                        } else {
-                            self.conn
-                                .handle_buffer(tag, Some(vec![0; len]), &mut self.nexus);
-                        }
-                    }
-                    Event::Completed(_) => {}
                 }
+                Event::BufferWanted { tag, len } => {
+                    if self.hold_buffers {
+                        self.wanted.push_back((tag, len));
+                    } else {
+                        self.conn
+                            .handle_buffer(tag, Some(vec![0; len]), &mut self.nexus);
+                    }
+                }
+                Event::Completed(_) => {}
             }
-            let Some(ev) = self.nexus.local.pop_front() else {
-                break;
-            };
-            self.conn.handle_core(self.now, ev, &mut self.nexus);
         }
         let (exp, max) = self.nexus.window();
         let max_segment = self.conn.max_send_data_segment_length();

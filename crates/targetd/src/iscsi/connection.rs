@@ -143,6 +143,10 @@ impl Link {
 }
 
 impl Nexus for Link {
+    fn poll_core(&mut self) -> Option<Routed> {
+        self.local.pop_front()
+    }
+
     fn window(&self) -> (SerialNumber, SerialNumber) {
         match &self.scope {
             Scope::Session { session, .. } => session.window(),
@@ -611,23 +615,17 @@ impl Conn {
     /// Hands the core's events to the machine and carries out what it asks, until neither
     /// has anything left.
     fn pump(&mut self, now: Instant) {
-        loop {
-            while let Some(ev) = self.machine.poll_event() {
-                match ev {
-                    Event::Backend {
-                        task,
-                        lun,
-                        op,
-                        buffer,
-                    } => self.run_backend(task, lun, op, buffer),
-                    Event::BufferWanted { tag, len } => self.want_buffer(tag, len),
-                    Event::Completed(a) => self.account(&a),
-                }
+        while let Some(ev) = self.machine.poll_event(now, &mut self.link) {
+            match ev {
+                Event::Backend {
+                    task,
+                    lun,
+                    op,
+                    buffer,
+                } => self.run_backend(task, lun, op, buffer),
+                Event::BufferWanted { tag, len } => self.want_buffer(tag, len),
+                Event::Completed(a) => self.account(&a),
             }
-            let Some(ev) = self.link.local.pop_front() else {
-                return;
-            };
-            self.machine.handle_core(now, ev, &mut self.link);
         }
     }
 

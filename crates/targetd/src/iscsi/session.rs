@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use iscsi_pdu::negotiation::SessionParams;
 use iscsi_pdu::target::{CommandOrder, OrderedCommand};
 use iscsi_pdu::{Isid, SerialNumber};
-use scsi_core::{Command, NexusId};
+use scsi_core::NexusId;
 use tokio::sync::Notify;
 
 use crate::target::{Route, Routed, Target};
@@ -166,15 +166,7 @@ impl Session {
     }
 
     fn submit(&self, q: &OrderedCommand, route: &Route, me: u64, local: &mut VecDeque<Routed>) {
-        let cmd = Command {
-            nexus: self.nexus,
-            lun: q.lun,
-            cdb: &q.cdb,
-            attribute: q.attribute,
-            tag: u64::from(q.itt),
-            data_in_len: q.data_in_len,
-            data_out_len: q.data_out_len,
-        };
+        let cmd = q.command(self.nexus);
         if let Err(e) = self.target.core().submit(cmd, route, me, local) {
             tracing::error!(tsih = self.tsih, "the SCSI core refused a command: {e}");
         }
