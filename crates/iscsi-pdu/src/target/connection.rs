@@ -194,21 +194,18 @@ impl<B: Deref<Target = [u8]>> Transmit<B> {
         exp_cmd_sn: SerialNumber,
         max_cmd_sn: SerialNumber,
     ) -> impl Iterator<Item = (Pdu, Range<usize>)> + '_ {
-        let (itt, lun, len, status) = match self {
+        let (itt, lun, len, status, count) = match self {
             Transmit::DataIn {
                 itt,
                 lun,
                 len,
                 status,
                 ..
-            } => (*itt, *lun, *len as usize, *status),
-            Transmit::Pdu(_) => (0, Lun::ZERO, 0, None),
+            } => (*itt, *lun, *len, *status, data_in_count(*len, max_segment)),
+            Transmit::Pdu(_) => (0, Lun::ZERO, 0, None, 0),
         };
+        let (len, count) = (len as usize, count as usize);
         let max = max_segment.max(512) as usize;
-        let count = match self {
-            Transmit::DataIn { .. } => len.div_ceil(max).max(1),
-            Transmit::Pdu(_) => 0,
-        };
         (0..count).map(move |n| {
             let start = n * max;
             let end = (start + max).min(len);
@@ -399,6 +396,12 @@ fn attribute(a: TaskAttribute) -> CoreAttribute {
         TaskAttribute::Aca => CoreAttribute::Aca,
         _ => CoreAttribute::Simple,
     }
+}
+
+/// How many Data-In PDUs carry `len` bytes in segments of at most `max_segment` (at least 512):
+/// at least one, for the status.
+fn data_in_count(len: u32, max_segment: u32) -> u32 {
+    len.div_ceil(max_segment.max(512)).max(1)
 }
 
 /// Hands out a Target Transfer Tag: never the reserved tag, never the top bit (kept clear for
@@ -1148,7 +1151,7 @@ impl<B: TaskBuffer> Connection<B> {
             c.sense.is_none() && matches!(status, ScsiStatus::GOOD | ScsiStatus::CONDITION_MET);
         let mut data_pdus = 0;
         if let Some((payload, len)) = payload {
-            data_pdus = len.div_ceil(self.max_send.max(512));
+            data_pdus = data_in_count(len, self.max_send);
             let st = collapse.then(|| DataInStatus {
                 status,
                 stat_sn: self.next_stat_sn(),

@@ -84,11 +84,8 @@ pub async fn wait_for(control: &Control, at_least: Request) {
 
 /// What a connection's link reaches.
 enum Scope {
-    /// A normal session: its CmdSN order and the target's SCSI core.
-    Session {
-        session: Arc<Session>,
-        target: Arc<Target>,
-    },
+    /// A normal session: its CmdSN order and its target's SCSI core.
+    Session(Arc<Session>),
     /// A discovery session: a CmdSN window of its own and no SCSI core (the machine rejects
     /// every request that would need one).
     Discovery {
@@ -115,16 +112,13 @@ struct Link {
 impl Link {
     fn session(&self) -> Option<&Arc<Session>> {
         match &self.scope {
-            Scope::Session { session, .. } => Some(session),
+            Scope::Session(session) => Some(session),
             Scope::Discovery { .. } => None,
         }
     }
 
     fn target(&self) -> Option<&Arc<Target>> {
-        match &self.scope {
-            Scope::Session { target, .. } => Some(target),
-            Scope::Discovery { .. } => None,
-        }
+        self.session().map(|s| &s.target)
     }
 
     /// The SCSI core's call `f`, and what it hands back drained into `local`.
@@ -132,10 +126,10 @@ impl Link {
         &mut self,
         f: impl FnOnce(&mut crate::target::Core, &Route, &mut VecDeque<Routed>) -> R,
     ) -> Option<R> {
-        let Scope::Session { target, .. } = &self.scope else {
+        let Scope::Session(session) = &self.scope else {
             return None;
         };
-        let mut core = target.core();
+        let mut core = session.target.core();
         let r = f(&mut core, &self.route, &mut self.local);
         core.drain(self.id, &mut self.local);
         Some(r)
@@ -149,14 +143,14 @@ impl Nexus for Link {
 
     fn window(&self) -> (SerialNumber, SerialNumber) {
         match &self.scope {
-            Scope::Session { session, .. } => session.window(),
+            Scope::Session(session) => session.window(),
             Scope::Discovery { order, .. } => order.window(),
         }
     }
 
     fn deliver(&mut self, cmd: OrderedCommand, immediate: bool) -> bool {
         match &self.scope {
-            Scope::Session { session, .. } => {
+            Scope::Session(session) => {
                 session.deliver(cmd, immediate, &self.route, &mut self.local)
             }
             Scope::Discovery { .. } => false,
@@ -165,7 +159,7 @@ impl Nexus for Link {
 
     fn take_cmd_sn(&mut self, cmd_sn: SerialNumber) -> bool {
         match &mut self.scope {
-            Scope::Session { session, .. } => session.take_cmd_sn(cmd_sn, self.id, &mut self.local),
+            Scope::Session(session) => session.take_cmd_sn(cmd_sn, self.id, &mut self.local),
             Scope::Discovery { order, .. } => {
                 let taken = order.admit(cmd_sn, None);
                 while order.next_ready().is_some() {}
@@ -209,7 +203,7 @@ impl Nexus for Link {
 
     fn send_targets(&mut self, value: &str) -> TextParams {
         let (initiator, own) = match &self.scope {
-            Scope::Session { session, target } => (&session.initiator, Some(target.name.as_str())),
+            Scope::Session(session) => (&session.initiator, Some(session.target.name.as_str())),
             Scope::Discovery { initiator, .. } => (initiator, None),
         };
         self.shared
@@ -246,11 +240,11 @@ impl Nexus for Link {
     }
 
     fn reset_target(&mut self) {
-        let Scope::Session { session, target } = &self.scope else {
+        let Some(session) = self.session() else {
             return;
         };
         for s in self.shared.sessions.all() {
-            if Arc::ptr_eq(&s.target, target) && !Arc::ptr_eq(&s, session) {
+            if Arc::ptr_eq(&s.target, &session.target) && !Arc::ptr_eq(&s, session) {
                 s.close();
             }
         }
@@ -284,10 +278,7 @@ async fn full_feature(
             session,
             negotiator,
             stat_sn,
-        } => {
-            let target = session.target.clone();
-            (Scope::Session { session, target }, negotiator, stat_sn)
-        }
+        } => (Scope::Session(session), negotiator, stat_sn),
         Outcome::Discovery {
             negotiator,
             initiator,
@@ -314,7 +305,7 @@ async fn full_feature(
         (c.server.nop_interval, c.server.nop_timeout)
     };
     let (cid, session_type, op) = match &scope {
-        Scope::Session { session, .. } => {
+        Scope::Session(session) => {
             let conns = session.connection_list();
             let cid = conns.iter().find(|x| x.id == peer.id).map_or(0, |x| x.cid);
             (cid, SessionType::Normal, session.params.operational)
