@@ -15,7 +15,7 @@ use iscsi_pdu::negotiation::{AuthMethod, DigestAlgorithm};
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{
     Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, SerialNumber, Stage,
-    TaskManagementFunction, TmfResponse, RESERVED_TAG,
+    TaskAttribute, TaskManagementFunction, TmfResponse, RESERVED_TAG,
 };
 use targetd::admin::{handle, AdminRequest};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -181,12 +181,15 @@ async fn connections_of_one_session_on_both_reactors_keep_command_order() {
     let _ = s
         .execute(Command::new(s.lun(), cdb::test_unit_ready()))
         .await;
-    // Many commands in flight over all connections: the writes to one block are ordered by
-    // CmdSN, so the last one wins; every block reads back as written.
+    // Many commands in flight over all connections. They are ORDERED tasks: SIMPLE ones may
+    // run in any order (SAM-5 8.6), and over four connections a later write's data can well
+    // arrive first. The core receives them in CmdSN order across the connections and runs
+    // ordered tasks in the order received, so the last write to each block wins.
     let mut pending = Vec::new();
     for i in 0..64u32 {
         let data = pattern(4096, i as usize);
-        let c = Command::write(s.lun(), cdb::write(u64::from(i % 8) * 8, 8), data);
+        let mut c = Command::write(s.lun(), cdb::write(u64::from(i % 8) * 8, 8), data);
+        c.attribute = TaskAttribute::Ordered;
         pending.push(s.start(c).await.unwrap());
     }
     for p in pending {
