@@ -63,6 +63,14 @@ pub struct NexusId {
     pub(crate) generation: u32,
 }
 
+impl NexusId {
+    /// A dense index, below the number of nexuses ever open at once: transports can keep their
+    /// per-nexus state in a vector indexed by it (a closed nexus's index is reused).
+    pub fn index(&self) -> usize {
+        self.index as usize
+    }
+}
+
 /// Residual (SAM-5 section 5.4.3): how the data the command wanted compares with what the
 /// initiator expected to transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

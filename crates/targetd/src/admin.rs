@@ -275,6 +275,7 @@ fn targets(shared: &Shared) -> Value {
                     "name": t.name,
                     "luns": luns,
                     "sessions": sessions.iter().filter(|s| Arc::ptr_eq(&s.target, t)).count(),
+                    "core_lock_acquisitions": t.core_acquisitions(),
                 })
             })
             .collect(),
@@ -404,6 +405,22 @@ pub fn metrics_text(shared: &Shared) -> String {
         ("write_latency_ns", "sum of write latencies"),
         ("errors", "commands ended with CHECK CONDITION"),
     ];
+    let _ = writeln!(
+        m,
+        "# HELP targetd_target_core_lock_acquisitions_total times a target's SCSI core lock was taken"
+    );
+    let _ = writeln!(
+        m,
+        "# TYPE targetd_target_core_lock_acquisitions_total counter"
+    );
+    for t in shared.targets() {
+        let _ = writeln!(
+            m,
+            "targetd_target_core_lock_acquisitions_total{{target=\"{}\"}} {}",
+            t.name,
+            t.core_acquisitions()
+        );
+    }
     let rows = stats(shared);
     for (name, help) in counters {
         let _ = writeln!(m, "# HELP targetd_lun_{name}_total {help}");

@@ -661,3 +661,51 @@ async fn futures_join_all<F: std::future::Future<Output = ()>>(fs: impl Iterator
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_takes_the_core_lock_once_on_arrival_and_once_to_complete() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let s = d.session(opts()).await;
+    // The new nexus's POWER ON unit attention goes to the first command.
+    let _ = s
+        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await;
+    let target = d.shared.targets()[0].clone();
+    // One at a time, so no step can serve two commands: this is the most a command costs.
+    // Before the CmdSN order moved under the core's lock and a step took it once, a read cost
+    // three (order, submit, completion) and a write with immediate data four.
+    let n = 100u64;
+    let before = target.core_acquisitions();
+    for i in 0..n {
+        s.write(i * 8, pattern(4096, i as usize), 512)
+            .await
+            .unwrap();
+    }
+    let writes = target.core_acquisitions() - before;
+    let before = target.core_acquisitions();
+    for i in 0..n {
+        let back = s.read(i * 8, 8, 512).await.unwrap();
+        assert!(back == pattern(4096, i as usize), "block {i}");
+    }
+    let reads = target.core_acquisitions() - before;
+    // A little room for a NOP exchange that takes a CmdSN meanwhile.
+    assert!(writes <= 2 * n + 4, "{writes} acquisitions for {n} writes");
+    assert!(reads <= 2 * n + 4, "{reads} acquisitions for {n} reads");
+    // Many in flight: completions that land in one turn share its acquisition.
+    let before = target.core_acquisitions();
+    let mut pending = Vec::new();
+    for i in 0..n {
+        let c = Command::read(s.lun(), cdb::read(i * 8, 8), 4096);
+        pending.push(s.start(c).await.unwrap());
+    }
+    for p in pending {
+        p.wait().await.unwrap().good().unwrap();
+    }
+    let concurrent = target.core_acquisitions() - before;
+    assert!(
+        concurrent <= 2 * n,
+        "{concurrent} acquisitions for {n} reads"
+    );
+    eprintln!("core lock acquisitions per command: writes {writes}/{n}, reads {reads}/{n}, {n} reads in flight {concurrent}/{n}");
+    s.logout().await.unwrap();
+}

@@ -1,6 +1,6 @@
-//! iSCSI sessions: the registry (TSIH allocation, reinstatement, joining connections) and each
+//! iSCSI sessions: the registry (TSIH allocation, reinstatement, joining connections). Each
 //! session's command ordering by CmdSN (RFC 7143 section 4.2.2.1), which holds across all of its
-//! connections, wherever they run.
+//! connections wherever they run, is kept under its target's core lock ([`Core::deliver`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -8,12 +8,12 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use iscsi_pdu::negotiation::SessionParams;
-use iscsi_pdu::target::{CommandOrder, OrderedCommand};
+use iscsi_pdu::target::OrderedCommand;
 use iscsi_pdu::{Isid, SerialNumber};
 use scsi_core::NexusId;
 use tokio::sync::Notify;
 
-use crate::target::{Route, Routed, Target};
+use crate::target::{Core, Route, Routed, Target};
 
 /// What a connection is asked to do from outside.
 #[derive(Debug, Default)]
@@ -89,9 +89,9 @@ pub struct Session {
     /// What was negotiated by the leading connection.
     pub params: SessionParams,
     window: u32,
-    /// ExpCmdSN as `order` last left it, read without its lock for every response.
+    /// ExpCmdSN as the core's order last left it, read without the core's lock for every
+    /// response.
     exp_cmd_sn: AtomicU32,
-    order: Mutex<CommandOrder<(OrderedCommand, Route)>>,
     /// Its connections.
     pub connections: Mutex<Vec<ConnectionInfo>>,
     /// Set once it is ending: no connection may join.
@@ -109,66 +109,38 @@ impl Session {
         (exp, exp + (self.window - 1))
     }
 
-    /// Hands a SCSI command to the core in CmdSN order: immediate commands at once, others when
-    /// every earlier CmdSN has arrived (on any connection). What the core does next goes to
-    /// `local` for `route.conn == me`, else to the owners' channels. False when `cmd` is
-    /// outside the window (RFC 7143 section 4.2.2.1 has it dropped).
+    /// Hands a SCSI command to the core in CmdSN order ([`Core::deliver`]); `core` is the
+    /// session's target's, locked by the caller.
     pub fn deliver(
         &self,
+        core: &mut Core,
         cmd: OrderedCommand,
         immediate: bool,
         route: &Route,
         local: &mut VecDeque<Routed>,
     ) -> bool {
-        let me = route.conn;
-        if immediate {
-            self.submit(&cmd, route, me, local);
-            return true;
-        }
-        let mut order = lock(&self.order);
-        if !order.admit(cmd.cmd_sn, Some((cmd, route.clone()))) {
-            return false;
-        }
-        self.release(&mut order, me, local);
-        true
+        let taken = core.deliver(self.nexus, cmd, immediate, route, local);
+        self.mirror(core);
+        taken
     }
 
-    /// Takes a CmdSN for a non-SCSI request (NOP-Out, Text, Logout, task management) that is
-    /// handled on arrival. Returns whether it was inside the window.
-    pub fn take_cmd_sn(&self, cmd_sn: SerialNumber, me: u64, local: &mut VecDeque<Routed>) -> bool {
-        let mut order = lock(&self.order);
-        if !order.admit(cmd_sn, None) {
-            return false;
-        }
-        self.release(&mut order, me, local);
-        true
-    }
-
-    /// Drops the commands of connection `conn` (closed) still waiting for their CmdSN turn:
-    /// they would reach the core with no connection to carry them out. Their numbers stay
-    /// taken.
-    pub fn cancel_queued(&self, conn: u64) {
-        lock(&self.order).cancel(|(_, route)| route.conn == conn);
-    }
-
-    /// Delivers queued commands while the next expected CmdSN is among them.
-    fn release(
+    /// Takes a CmdSN for a request handled on arrival ([`Core::take_cmd_sn`]).
+    pub fn take_cmd_sn(
         &self,
-        order: &mut CommandOrder<(OrderedCommand, Route)>,
+        core: &mut Core,
+        cmd_sn: SerialNumber,
         me: u64,
         local: &mut VecDeque<Routed>,
-    ) {
-        while let Some((cmd, route)) = order.next_ready() {
-            self.submit(&cmd, &route, me, local);
-        }
-        self.exp_cmd_sn
-            .store(order.window().0 .0, Ordering::Release);
+    ) -> bool {
+        let taken = core.take_cmd_sn(self.nexus, cmd_sn, me, local);
+        self.mirror(core);
+        taken
     }
 
-    fn submit(&self, q: &OrderedCommand, route: &Route, me: u64, local: &mut VecDeque<Routed>) {
-        let cmd = q.command(self.nexus);
-        if let Err(e) = self.target.core().submit(cmd, route, me, local) {
-            tracing::error!(tsih = self.tsih, "the SCSI core refused a command: {e}");
+    /// Keeps the lock-free copy of ExpCmdSN current.
+    fn mirror(&self, core: &Core) {
+        if let Some((exp, _)) = core.window(self.nexus) {
+            self.exp_cmd_sn.store(exp.0, Ordering::Release);
         }
     }
 
@@ -241,10 +213,8 @@ impl Sessions {
             }
         }
         *last = tsih;
-        let nexus = target
-            .core()
-            .device
-            .open_nexus(scsi_core::TransportId::iscsi(initiator, isid.0), 1);
+        let id = scsi_core::TransportId::iscsi(initiator, isid.0);
+        let nexus = target.core().open_session(id, cmd_sn, window);
         let s = Arc::new(Session {
             tsih,
             isid,
@@ -254,7 +224,6 @@ impl Sessions {
             params,
             window,
             exp_cmd_sn: AtomicU32::new(cmd_sn.0),
-            order: Mutex::new(CommandOrder::new(cmd_sn, window)),
             connections: Mutex::new(vec![first]),
             closing: AtomicBool::new(false),
         });
