@@ -2,7 +2,7 @@
 //! `targetctl`; and the optional Prometheus text endpoint.
 //!
 //! Every change (LUN or target added, removed, resized; reload) is made to a copy of the
-//! running config, validated as a whole and applied through [`Shared::apply`], so the running
+//! running config, validated as a whole and applied through [`Registry::apply`], so the running
 //! config that `config dump` prints is always one the daemon would accept at start.
 
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -16,7 +16,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 
 use crate::config::{self, Config};
-use crate::server::Shared;
+use crate::registry::Registry;
 
 /// A request to the daemon.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -118,26 +118,26 @@ pub fn bind(path: &Path) -> Result<Option<(std::os::unix::net::UnixListener, Pat
 }
 
 /// Serves admin clients.
-pub async fn serve(listener: UnixListener, shared: Arc<Shared>) {
+pub async fn serve(listener: UnixListener, registry: Arc<Registry>) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let shared = shared.clone();
+        let registry = registry.clone();
         tokio::spawn(async move {
-            if let Err(e) = client(stream, &shared).await {
+            if let Err(e) = client(stream, &registry).await {
                 tracing::debug!("admin client: {e}");
             }
         });
     }
 }
 
-async fn client(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
+async fn client(stream: UnixStream, registry: &Registry) -> std::io::Result<()> {
     let (rd, mut wr) = stream.into_split();
     let mut lines = BufReader::new(rd).lines();
     while let Some(line) = lines.next_line().await? {
         let response = match serde_json::from_str::<AdminRequest>(&line) {
-            Ok(req) => match handle(shared, req) {
+            Ok(req) => match handle(registry, req) {
                 Ok(result) => AdminResponse {
                     ok: true,
                     result,
@@ -163,23 +163,23 @@ async fn client(stream: UnixStream, shared: &Shared) -> std::io::Result<()> {
 }
 
 /// Runs one request.
-pub fn handle(shared: &Shared, req: AdminRequest) -> Result<Value, String> {
+pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
     match req {
-        AdminRequest::Status => Ok(status(shared)),
-        AdminRequest::Targets => Ok(targets(shared)),
-        AdminRequest::Luns { target } => luns(shared, target.as_deref()),
-        AdminRequest::Sessions => Ok(sessions(shared)),
-        AdminRequest::Stats => Ok(stats(shared)),
+        AdminRequest::Status => Ok(status(registry)),
+        AdminRequest::Targets => Ok(targets(registry)),
+        AdminRequest::Luns { target } => luns(registry, target.as_deref()),
+        AdminRequest::Sessions => Ok(sessions(registry)),
+        AdminRequest::Stats => Ok(stats(registry)),
         AdminRequest::ConfigDump => {
-            let text = toml::to_string(&*shared.config()).map_err(|e| e.to_string())?;
+            let text = toml::to_string(&*registry.config()).map_err(|e| e.to_string())?;
             Ok(Value::String(text))
         }
         AdminRequest::Reload => {
-            let new = Config::load(&shared.config_path).map_err(|e| e.to_string())?;
-            shared.apply(new).map(|c| json!(c))
+            let new = Config::load(&registry.config_path).map_err(|e| e.to_string())?;
+            registry.apply(new).map(|c| json!(c))
         }
         AdminRequest::SessionKill { tsih } => {
-            let s = shared
+            let s = registry
                 .sessions
                 .get(tsih)
                 .ok_or(format!("no session with TSIH {tsih}"))?;
@@ -187,9 +187,9 @@ pub fn handle(shared: &Shared, req: AdminRequest) -> Result<Value, String> {
             Ok(json!(format!("session {tsih} closed")))
         }
         change => {
-            let mut config = shared.config().clone();
+            let mut config = registry.config().clone();
             edit(&mut config, change)?;
-            shared.apply(config).map(|c| json!(c))
+            registry.apply(config).map(|c| json!(c))
         }
     }
 }
@@ -248,25 +248,25 @@ fn edit(config: &mut Config, change: AdminRequest) -> Result<(), String> {
     Ok(())
 }
 
-fn status(shared: &Shared) -> Value {
-    let c = shared.config();
+fn status(registry: &Registry) -> Value {
+    let c = registry.config();
     json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "uptime_seconds": shared.started.elapsed().as_secs(),
-        "portals": shared.portals.lock().map(|p| p.iter().map(|a| a.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
-        "engine": shared.engine.lock().map(|e| e.clone()).unwrap_or_default(),
-        "targets": shared.targets().len(),
-        "sessions": shared.sessions.all().len(),
-        "connections": shared.connection_count(),
-        "config": shared.config_path.display().to_string(),
+        "uptime_seconds": registry.started.elapsed().as_secs(),
+        "portals": registry.portals.lock().map(|p| p.iter().map(|a| a.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
+        "engine": registry.engine.lock().map(|e| e.clone()).unwrap_or_default(),
+        "targets": registry.targets().len(),
+        "sessions": registry.sessions.all().len(),
+        "connections": registry.connection_count(),
+        "config": registry.config_path.display().to_string(),
         "admin_socket": c.server.admin_socket.display().to_string(),
     })
 }
 
-fn targets(shared: &Shared) -> Value {
-    let sessions = shared.sessions.all();
+fn targets(registry: &Registry) -> Value {
+    let sessions = registry.sessions.all();
     Value::Array(
-        shared
+        registry
             .targets()
             .iter()
             .map(|t| {
@@ -282,9 +282,9 @@ fn targets(shared: &Shared) -> Value {
     )
 }
 
-fn luns(shared: &Shared, target: Option<&str>) -> Result<Value, String> {
+fn luns(registry: &Registry, target: Option<&str>) -> Result<Value, String> {
     let mut out = Vec::new();
-    let targets = shared.targets();
+    let targets = registry.targets();
     if let Some(name) = target {
         if !targets.iter().any(|t| t.name.eq_ignore_ascii_case(name)) {
             return Err(format!("no target {name}"));
@@ -312,9 +312,9 @@ fn luns(shared: &Shared, target: Option<&str>) -> Result<Value, String> {
     Ok(Value::Array(out))
 }
 
-fn sessions(shared: &Shared) -> Value {
+fn sessions(registry: &Registry) -> Value {
     Value::Array(
-        shared
+        registry
             .sessions
             .all()
             .iter()
@@ -365,9 +365,9 @@ fn sessions(shared: &Shared) -> Value {
     )
 }
 
-fn stats(shared: &Shared) -> Value {
+fn stats(registry: &Registry) -> Value {
     let mut out = Vec::new();
-    for t in shared.targets() {
+    for t in registry.targets() {
         for lun in t.lun_list() {
             let s = &lun.stats;
             out.push(json!({
@@ -388,13 +388,13 @@ fn stats(shared: &Shared) -> Value {
 }
 
 /// The Prometheus text exposition of the counters.
-pub fn metrics_text(shared: &Shared) -> String {
+pub fn metrics_text(registry: &Registry) -> String {
     use std::fmt::Write;
     let mut m = String::new();
     let _ = writeln!(m, "# TYPE targetd_sessions gauge");
-    let _ = writeln!(m, "targetd_sessions {}", shared.sessions.all().len());
+    let _ = writeln!(m, "targetd_sessions {}", registry.sessions.all().len());
     let _ = writeln!(m, "# TYPE targetd_connections gauge");
-    let _ = writeln!(m, "targetd_connections {}", shared.connection_count());
+    let _ = writeln!(m, "targetd_connections {}", registry.connection_count());
     let counters = [
         ("read_commands", "commands that read blocks"),
         ("write_commands", "commands that wrote blocks"),
@@ -413,7 +413,7 @@ pub fn metrics_text(shared: &Shared) -> String {
         m,
         "# TYPE targetd_target_core_lock_acquisitions_total counter"
     );
-    for t in shared.targets() {
+    for t in registry.targets() {
         let _ = writeln!(
             m,
             "targetd_target_core_lock_acquisitions_total{{target=\"{}\"}} {}",
@@ -421,7 +421,7 @@ pub fn metrics_text(shared: &Shared) -> String {
             t.core_acquisitions()
         );
     }
-    let rows = stats(shared);
+    let rows = stats(registry);
     for (name, help) in counters {
         let _ = writeln!(m, "# HELP targetd_lun_{name}_total {help}");
         let _ = writeln!(m, "# TYPE targetd_lun_{name}_total counter");
@@ -439,12 +439,12 @@ pub fn metrics_text(shared: &Shared) -> String {
 }
 
 /// Serves `GET /metrics` (any path, in fact) on the metrics listener.
-pub async fn serve_metrics(listener: TcpListener, shared: Arc<Shared>) {
+pub async fn serve_metrics(listener: TcpListener, registry: Arc<Registry>) {
     loop {
         let Ok((mut stream, _)) = listener.accept().await else {
             continue;
         };
-        let body = metrics_text(&shared);
+        let body = metrics_text(&registry);
         tokio::spawn(async move {
             let mut req = [0u8; 1024];
             let _ = tokio::time::timeout(

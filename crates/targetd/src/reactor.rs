@@ -19,7 +19,7 @@ use scsi_core::{Backend, BackendError, Op, Output, TaskId};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Notify};
 
-use crate::server::Shared;
+use crate::registry::Registry;
 use crate::target::{Lun, Storage};
 
 /// A backend operation's result, on its way back to the connection that asked.
@@ -239,7 +239,7 @@ pub fn on_reactor_thread(hook: fn()) {
 pub fn spawn(
     index: usize,
     settings: Settings,
-    shared: Arc<Shared>,
+    registry: Arc<Registry>,
 ) -> std::io::Result<(Handle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::unbounded_channel();
     let connections = Arc::new(AtomicUsize::new(0));
@@ -275,7 +275,7 @@ pub fn spawn(
                     None => format!("{:?}", io.engine.kind()),
                 };
                 let _ = ready_tx.send(Ok(engine));
-                run(io, rx, shared, count).await;
+                run(io, rx, registry, count).await;
             });
         })?;
     match ready_rx.recv() {
@@ -318,7 +318,7 @@ fn build_io(index: usize, settings: &Settings) -> std::io::Result<Io> {
 async fn run(
     io: Rc<Io>,
     mut rx: mpsc::UnboundedReceiver<NewConnection>,
-    shared: Arc<Shared>,
+    registry: Arc<Registry>,
     count: Arc<AtomicUsize>,
 ) {
     let completions = match io.engine.completions() {
@@ -350,12 +350,12 @@ async fn run(
     tokio::task::spawn_local(pump);
     while let Some(NewConnection { stream }) = rx.recv().await {
         let io = io.clone();
-        let shared = shared.clone();
+        let registry = registry.clone();
         let count = count.clone();
         count.fetch_add(1, Ordering::Relaxed);
         tokio::task::spawn_local(async move {
             match TcpStream::from_std(stream) {
-                Ok(s) => crate::iscsi::connection::serve(s, io, shared).await,
+                Ok(s) => crate::iscsi::connection::serve(s, io, registry).await,
                 Err(e) => tracing::warn!("cannot adopt a connection: {e}"),
             }
             count.fetch_sub(1, Ordering::Relaxed);

@@ -78,14 +78,14 @@ impl Core {
     }
 
     /// Closes a session's nexus (its tasks are aborted) and forgets its order.
-    pub fn close_session(&mut self, nexus: NexusId, me: u64, local: &mut VecDeque<Routed>) {
+    pub fn close_session(&mut self, nexus: NexusId, out: &mut Outbox) {
         if self.order(nexus).is_some() {
             self.orders[nexus.index()] = None;
         }
         if let Err(e) = self.device.close_nexus(nexus) {
             tracing::error!("closing a nexus: {e}");
         }
-        self.drain(me, local);
+        self.drain(out);
     }
 
     /// ExpCmdSN and MaxCmdSN of the session `nexus`.
@@ -112,10 +112,10 @@ impl Core {
         cmd: OrderedCommand,
         immediate: bool,
         route: &Route,
-        local: &mut VecDeque<Routed>,
+        out: &mut Outbox,
     ) -> bool {
         if immediate {
-            self.submit_ordered(nexus, &cmd, route, route.conn, local);
+            self.submit_ordered(nexus, &cmd, route, out);
             return true;
         }
         let Some(order) = self.order(nexus) else {
@@ -124,26 +124,20 @@ impl Core {
         if !order.admit(cmd.cmd_sn, Some((cmd, route.clone()))) {
             return false;
         }
-        self.release(nexus, route.conn, local);
+        self.release(nexus, out);
         true
     }
 
     /// Takes a CmdSN of the session `nexus` for a request handled on arrival (NOP-Out, Text,
     /// Logout, task management). Returns whether it was inside the window.
-    pub fn take_cmd_sn(
-        &mut self,
-        nexus: NexusId,
-        cmd_sn: SerialNumber,
-        me: u64,
-        local: &mut VecDeque<Routed>,
-    ) -> bool {
+    pub fn take_cmd_sn(&mut self, nexus: NexusId, cmd_sn: SerialNumber, out: &mut Outbox) -> bool {
         let Some(order) = self.order(nexus) else {
             return false;
         };
         if !order.admit(cmd_sn, None) {
             return false;
         }
-        self.release(nexus, me, local);
+        self.release(nexus, out);
         true
     }
 
@@ -157,9 +151,9 @@ impl Core {
     }
 
     /// Submits queued commands while the next expected CmdSN is among them.
-    fn release(&mut self, nexus: NexusId, me: u64, local: &mut VecDeque<Routed>) {
+    fn release(&mut self, nexus: NexusId, out: &mut Outbox) {
         while let Some((cmd, route)) = self.order(nexus).and_then(CommandOrder::next_ready) {
-            self.submit_ordered(nexus, &cmd, &route, me, local);
+            self.submit_ordered(nexus, &cmd, &route, out);
         }
     }
 
@@ -168,22 +162,19 @@ impl Core {
         nexus: NexusId,
         cmd: &OrderedCommand,
         route: &Route,
-        me: u64,
-        local: &mut VecDeque<Routed>,
+        out: &mut Outbox,
     ) {
-        if let Err(e) = self.submit(cmd.command(nexus), route, me, local) {
+        if let Err(e) = self.submit(cmd.command(nexus), route, out) {
             tracing::error!("the SCSI core refused a command: {e}");
         }
     }
 
-    /// Submits `cmd` for the connection `route`; what follows lands in `local` when the caller
-    /// is `me`, else on the owner's channel.
+    /// Submits `cmd` for the connection `route`; what follows goes to `out`.
     pub fn submit(
         &mut self,
         cmd: Command<'_>,
         route: &Route,
-        me: u64,
-        local: &mut VecDeque<Routed>,
+        out: &mut Outbox,
     ) -> Result<TaskId, DeviceError> {
         let task = self.device.submit(cmd)?;
         let i = task.index();
@@ -191,13 +182,8 @@ impl Core {
             self.routes.resize(i + 1, None);
         }
         self.routes[i] = Some(route.clone());
-        let note = Routed::Submitted { tag: cmd.tag, task };
-        if route.conn == me {
-            local.push_back(note);
-        } else {
-            let _ = route.tx.send(note);
-        }
-        self.drain(me, local);
+        out.push(route, Routed::Submitted { tag: cmd.tag, task });
+        self.drain(out);
         Ok(task)
     }
 
@@ -209,7 +195,7 @@ impl Core {
         lun: u64,
         function: TmfFunction,
         route: &Route,
-        local: &mut VecDeque<Routed>,
+        out: &mut Outbox,
     ) -> Result<u64, DeviceError> {
         self.next_reference += 1;
         let reference = self.next_reference;
@@ -218,16 +204,22 @@ impl Core {
             self.tmfs.pop();
             return Err(e);
         }
-        self.drain(route.conn, local);
+        self.drain(out);
         Ok(reference)
     }
 
-    /// Hands out every pending action: the caller's into `local`, the rest to their owners.
-    pub fn drain(&mut self, me: u64, local: &mut VecDeque<Routed>) {
+    /// Hands every pending action to `out`, addressed to the connection of its task.
+    pub fn drain(&mut self, out: &mut Outbox) {
         while let Some(action) = self.device.poll() {
-            let route = match &action {
+            let routed = match &action {
                 Action::DataOut { task, .. } | Action::Backend { task, .. } => {
-                    self.routes.get(task.index()).cloned().flatten()
+                    match self.routes.get(task.index()).and_then(Option::as_ref) {
+                        Some(route) => {
+                            out.push(route, Routed::Action(action));
+                            continue;
+                        }
+                        None => None,
+                    }
                 }
                 Action::Complete { task, .. } | Action::Aborted { task, .. } => {
                     self.routes.get_mut(task.index()).and_then(Option::take)
@@ -238,13 +230,51 @@ impl Core {
                 }
                 _ => None,
             };
-            match route {
-                Some(r) if r.conn == me => local.push_back(Routed::Action(action)),
-                Some(r) => {
-                    let _ = r.tx.send(Routed::Action(action));
-                }
+            match routed {
+                Some(route) => out.push(&route, Routed::Action(action)),
                 None => tracing::warn!(?action, "an action for a task without a connection"),
             }
+        }
+    }
+}
+
+/// Where the core's actions go from the calls of one connection (`me`): its own into `local`,
+/// other connections' (multiple connections per session on other reactors) as
+/// `(route, event)` values into `remote`, which the caller sends once it has let the core's
+/// lock go ([`Outbox::send_remote`]): the core routes, it does not send.
+#[derive(Debug)]
+pub struct Outbox {
+    /// The calling connection.
+    pub me: u64,
+    /// Its own events.
+    pub local: VecDeque<Routed>,
+    /// Other connections' events.
+    pub remote: Vec<(Route, Routed)>,
+}
+
+impl Outbox {
+    /// An empty outbox for connection `me` (0 for none, as for a reload that removes a unit).
+    pub fn new(me: u64) -> Outbox {
+        Outbox {
+            me,
+            local: VecDeque::with_capacity(256),
+            remote: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, route: &Route, event: Routed) {
+        if route.conn == self.me {
+            self.local.push_back(event);
+        } else {
+            self.remote.push((route.clone(), event));
+        }
+    }
+
+    /// Sends the other connections' events over their channels.
+    pub fn send_remote(&mut self) {
+        for (route, event) in self.remote.drain(..) {
+            // A closed channel is a connection that has ended; its tasks end with it.
+            let _ = route.tx.send(event);
         }
     }
 }
@@ -480,9 +510,10 @@ impl Target {
     pub fn remove_lun(&self, index: u16) -> Result<(), String> {
         let mut core = self.core();
         core.device.remove_lu(index).map_err(|e| e.to_string())?;
-        let mut local = VecDeque::new();
-        core.drain(0, &mut local);
+        let mut out = Outbox::new(0);
+        core.drain(&mut out);
         drop(core);
+        out.send_remote();
         self.luns
             .write()
             .unwrap_or_else(PoisonError::into_inner)

@@ -171,7 +171,7 @@ async fn connections_of_one_session_on_both_reactors_keep_command_order() {
     o.settings.operational.max_connections = 4;
     let s = d.session(o).await;
     assert_eq!(s.info().connections, 4);
-    let reactors: std::collections::HashSet<usize> = d.shared.sessions.all()[0]
+    let reactors: std::collections::HashSet<usize> = d.registry.sessions.all()[0]
         .connection_list()
         .iter()
         .map(|c| c.reactor)
@@ -549,7 +549,7 @@ async fn admin_changes_apply_live() {
     assert_eq!(blocks, (64 << 20) / 512);
     // Resize: the initiator sees CAPACITY DATA HAS CHANGED, then the new size.
     let r = handle(
-        &d.shared,
+        &d.registry,
         AdminRequest::LunResize {
             target: TARGET.into(),
             lun: 0,
@@ -572,7 +572,7 @@ async fn admin_changes_apply_live() {
     )
     .unwrap();
     handle(
-        &d.shared,
+        &d.registry,
         AdminRequest::LunAdd {
             target: TARGET.into(),
             lun,
@@ -585,22 +585,22 @@ async fn admin_changes_apply_live() {
     s3.write(0, data.clone(), 512).await.unwrap();
     assert!(s3.read(0, 8, 512).await.unwrap() == data);
     // The running config holds the changes and parses back.
-    let dump = handle(&d.shared, AdminRequest::ConfigDump).unwrap();
+    let dump = handle(&d.registry, AdminRequest::ConfigDump).unwrap();
     let text = dump.as_str().unwrap();
     let back = targetd::Config::parse(std::path::Path::new("dump"), text).unwrap();
     assert_eq!(back.targets[0].luns.len(), 2);
     // The metrics endpoint's text counts what was done.
-    let metrics = targetd::admin::metrics_text(&d.shared);
+    let metrics = targetd::admin::metrics_text(&d.registry);
     assert!(metrics.contains("targetd_sessions 2"), "{metrics}");
     let writes = format!("targetd_lun_write_commands_total{{target=\"{TARGET}\",lun=\"3\"}} 1");
     assert!(metrics.contains(&writes), "{metrics}");
     // Sessions are listed and can be killed.
-    let sessions = handle(&d.shared, AdminRequest::Sessions).unwrap();
+    let sessions = handle(&d.registry, AdminRequest::Sessions).unwrap();
     let tsih = sessions[0]["tsih"].as_u64().unwrap() as u16;
-    handle(&d.shared, AdminRequest::SessionKill { tsih }).unwrap();
+    handle(&d.registry, AdminRequest::SessionKill { tsih }).unwrap();
     // Bad changes are refused with the reason.
     let e = handle(
-        &d.shared,
+        &d.registry,
         AdminRequest::LunRemove {
             target: TARGET.into(),
             lun: 9,
@@ -670,7 +670,7 @@ async fn a_command_takes_the_core_lock_once_on_arrival_and_once_to_complete() {
     let _ = s
         .execute(Command::new(s.lun(), cdb::test_unit_ready()))
         .await;
-    let target = d.shared.targets()[0].clone();
+    let target = d.registry.targets()[0].clone();
     // One at a time, so no step can serve two commands: this is the most a command costs.
     // Before the CmdSN order moved under the core's lock and a step took it once, a read cost
     // three (order, submit, completion) and a write with immediate data four.

@@ -53,7 +53,7 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         };
-        let shared = server.shared();
+        let registry = server.registry();
         for p in server.portals() {
             println!("targetd: listening on {p}");
         }
@@ -62,8 +62,8 @@ fn main() -> ExitCode {
         }
         println!(
             "targetd: engine {}; admin socket {}",
-            shared.engine.lock().map(|e| e.clone()).unwrap_or_default(),
-            shared.config().server.admin_socket.display()
+            registry.engine.lock().map(|e| e.clone()).unwrap_or_default(),
+            registry.config().server.admin_socket.display()
         );
         let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
             signal(SignalKind::terminate()),
@@ -73,7 +73,7 @@ fn main() -> ExitCode {
             eprintln!("targetd: cannot install signal handlers");
             return ExitCode::FAILURE;
         };
-        let reload = shared.clone();
+        let reload = registry.clone();
         let stop = async move {
             loop {
                 tokio::select! {

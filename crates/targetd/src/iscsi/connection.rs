@@ -28,12 +28,12 @@ use scsi_core::{BackendError, Op, Output, TaskId, TmfFunction};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use super::login::{self, Outcome, Peer};
+use super::login::{self, Outcome};
 use super::session::{Control, Request, Session};
 use super::wire::{Incoming, ReadError, Reader, Writer};
 use crate::reactor::{Inbox, Io};
-use crate::server::Shared;
-use crate::target::{next_id, Core, Route, Routed, Target, MAX_IO};
+use crate::registry::{Peer, Registry};
+use crate::target::{next_id, Core, Outbox, Route, Routed, Target, MAX_IO};
 
 /// How long a login may take.
 const LOGIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -43,14 +43,14 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 pub use iscsi_pdu::target::LOGOUT_GRACE;
 
 /// Serves a new TCP connection: login, then a discovery or normal session.
-pub async fn serve(stream: TcpStream, io: Rc<Io>, shared: Arc<Shared>) {
+pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
     let (Ok(addr), Ok(local)) = (stream.peer_addr(), stream.local_addr()) else {
         return;
     };
     let _ = stream.set_nodelay(true);
     let id = next_id();
     let control = Arc::new(Control::default());
-    shared.register(id, control.clone());
+    registry.register(id, control.clone());
     let peer = Peer {
         id,
         addr,
@@ -62,13 +62,13 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, shared: Arc<Shared>) {
     let mut reader = Reader::new(rd);
     let mut writer = Writer::new(wr);
     let outcome = tokio::select! {
-        o = tokio::time::timeout(LOGIN_TIMEOUT, login::run(&mut reader, &mut writer, &shared, &peer)) => o.ok().flatten(),
+        o = tokio::time::timeout(LOGIN_TIMEOUT, login::run(&mut reader, &mut writer, &registry, &peer)) => o.ok().flatten(),
         _ = wait_for(&control, Request::Close) => None,
     };
     if let Some(outcome) = outcome {
-        full_feature(reader, writer, outcome, io, &shared, &peer).await;
+        full_feature(reader, writer, outcome, io, &registry, &peer).await;
     }
-    shared.unregister(id);
+    registry.unregister(id);
 }
 
 /// Resolves once `control` asks for `at_least`.
@@ -116,14 +116,14 @@ impl Scope {
 }
 
 /// This connection's end of its session: its route for the core's actions, and what the core
-/// has handed back for it, not yet taken by the machine.
+/// has handed back (for it, not yet taken by the machine; for other connections, not yet sent).
 struct Link {
     id: u64,
     peer: SocketAddr,
     portal: SocketAddr,
-    shared: Arc<Shared>,
+    registry: Arc<Registry>,
     route: Route,
-    local: VecDeque<Routed>,
+    out: Outbox,
     /// The unit whose block size the machine asked for last: the backend operation that
     /// follows runs on it without a second lookup.
     unit: Option<Arc<crate::target::Lun>>,
@@ -153,27 +153,34 @@ impl<'a> Step<'a> {
     /// the core hands back drained into `local`.
     fn core<R>(
         &mut self,
-        f: impl FnOnce(&Session, &mut Core, &Route, &mut VecDeque<Routed>) -> R,
+        f: impl FnOnce(&Session, &mut Core, &Route, &mut Outbox) -> R,
     ) -> Option<R> {
         let scope: &'a Scope = self.scope;
         let session = scope.session()?;
         let core = self.core.get_or_insert_with(|| session.target.core());
         let link = &mut *self.link;
-        let r = f(session, core, &link.route, &mut link.local);
-        core.drain(link.id, &mut link.local);
+        let r = f(session, core, &link.route, &mut link.out);
+        core.drain(&mut link.out);
         Some(r)
     }
 
-    /// Lets the core's lock go before taking locks that are taken before it elsewhere (the
-    /// session registry's).
+    /// Lets the core's lock go (before taking locks that are taken before it elsewhere: the
+    /// session registry's), then sends what the core routed to other connections.
     fn release(&mut self) {
         self.core = None;
+        self.link.out.send_remote();
+    }
+}
+
+impl Drop for Step<'_> {
+    fn drop(&mut self) {
+        self.release();
     }
 }
 
 impl Nexus for Step<'_> {
     fn poll_core(&mut self) -> Option<Routed> {
-        self.link.local.pop_front()
+        self.link.out.local.pop_front()
     }
 
     fn window(&self) -> (SerialNumber, SerialNumber) {
@@ -181,7 +188,7 @@ impl Nexus for Step<'_> {
     }
 
     fn deliver(&mut self, cmd: OrderedCommand, immediate: bool) -> bool {
-        self.core(|session, core, route, local| session.deliver(core, cmd, immediate, route, local))
+        self.core(|session, core, route, out| session.deliver(core, cmd, immediate, route, out))
             .unwrap_or(false)
     }
 
@@ -192,8 +199,7 @@ impl Nexus for Step<'_> {
             while order.next_ready().is_some() {}
             return taken;
         }
-        let me = self.link.id;
-        self.core(|session, core, _, local| session.take_cmd_sn(core, cmd_sn, me, local))
+        self.core(|session, core, _, out| session.take_cmd_sn(core, cmd_sn, out))
             .unwrap_or(false)
     }
 
@@ -214,8 +220,8 @@ impl Nexus for Step<'_> {
     }
 
     fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
-        self.core(|session, core, route, local| {
-            core.task_management(session.nexus, lun, function, route, local)
+        self.core(|session, core, route, out| {
+            core.task_management(session.nexus, lun, function, route, out)
                 .map_err(|e| tracing::error!("task management refused by the core: {e}"))
                 .ok()
         })
@@ -236,7 +242,7 @@ impl Nexus for Step<'_> {
             Scope::Discovery { initiator, .. } => (initiator, None),
         };
         let link = &self.link;
-        link.shared
+        link.registry
             .send_targets(initiator, link.peer.ip(), link.portal, value, own)
     }
 
@@ -275,7 +281,7 @@ impl Nexus for Step<'_> {
         let Some(session) = self.scope.session() else {
             return;
         };
-        for s in self.link.shared.sessions.all() {
+        for s in self.link.registry.sessions.all() {
             if Arc::ptr_eq(&s.target, &session.target) && !Arc::ptr_eq(&s, session) {
                 s.close();
             }
@@ -334,7 +340,7 @@ async fn full_feature(
     mut writer: Writer,
     outcome: Outcome,
     io: Rc<Io>,
-    shared: &Arc<Shared>,
+    registry: &Arc<Registry>,
     peer: &Peer,
 ) {
     let (scope, negotiator, stat_sn) = match outcome {
@@ -349,7 +355,7 @@ async fn full_feature(
             stat_sn,
             exp_cmd_sn,
         } => {
-            let order = RefCell::new(CommandOrder::new(exp_cmd_sn, shared.window()));
+            let order = RefCell::new(CommandOrder::new(exp_cmd_sn, registry.window()));
             (Scope::Discovery { order, initiator }, negotiator, stat_sn)
         }
     };
@@ -365,7 +371,7 @@ async fn full_feature(
     let (tx, rx) = mpsc::unbounded_channel();
     let inbox = Rc::new(Inbox::default());
     let (nop_interval, nop_timeout) = {
-        let c = shared.config();
+        let c = registry.config();
         (c.server.nop_interval, c.server.nop_timeout)
     };
     let (cid, session_type, op) = match &scope {
@@ -393,9 +399,9 @@ async fn full_feature(
             id: peer.id,
             peer: peer.addr,
             portal: peer.local,
-            shared: shared.clone(),
+            registry: registry.clone(),
             route: Route { conn: peer.id, tx },
-            local: VecDeque::with_capacity(256),
+            out: Outbox::new(peer.id),
             unit: None,
         },
         scope,
@@ -433,7 +439,7 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
         // once the channel is drained every task not in the core never will be.
         t.nexus.cancel_queued();
         while let Ok(ev) = rx.try_recv() {
-            t.nexus.link.local.push_back(ev);
+            t.nexus.link.out.local.push_back(ev);
         }
         t.pump(Instant::now());
         let Some(session) = t.nexus.scope.session() else {
@@ -442,12 +448,16 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
         };
         // The registry's lock is taken before the core's elsewhere (a session is made).
         t.nexus.release();
-        let last = t.nexus.link.shared.sessions.leave(session, t.nexus.link.id);
+        let last = t
+            .nexus
+            .link
+            .registry
+            .sessions
+            .leave(session, t.nexus.link.id);
         t.machine.close(last, &mut t.nexus);
         if last {
-            let me = t.nexus.link.id;
             t.nexus
-                .core(|session, core, _, local| core.close_session(session.nexus, me, local));
+                .core(|session, core, _, out| core.close_session(session.nexus, out));
             tracing::info!(tsih = session.tsih, initiator = %session.initiator, "session ends");
         }
     }
@@ -464,7 +474,7 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
             t.absorb();
             t.pump(Instant::now());
             while t.machine.poll_transmit().is_some() {}
-            if t.machine.is_idle() && t.nexus.link.local.is_empty() {
+            if t.machine.is_idle() && t.nexus.link.out.local.is_empty() {
                 return;
             }
             drop(t);
@@ -472,7 +482,7 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
         }
         tokio::select! {
             _ = inbox.notify.notified() => {}
-            Some(ev) = rx.recv() => conn.borrow_mut().link.local.push_back(ev),
+            Some(ev) = rx.recv() => conn.borrow_mut().link.out.local.push_back(ev),
             (tag, b) = granted(&mut waiting) => conn.borrow_mut().turn().granted(tag, b),
             _ = tokio::time::sleep_until(deadline) => {
                 tracing::warn!("a closed connection's tasks did not finish in {DRAIN_TIMEOUT:?}");
@@ -620,7 +630,7 @@ async fn work_loop(
         tokio::select! {
             biased;
             _ = inbox.notify.notified() => {}
-            Some(ev) = rx.recv() => conn.borrow_mut().link.local.push_back(ev),
+            Some(ev) = rx.recv() => conn.borrow_mut().link.out.local.push_back(ev),
             _ = control.notify.notified() => {}
             _ = &mut timer, if due.is_some() => {
                 let mut c = conn.borrow_mut();
@@ -633,7 +643,7 @@ async fn work_loop(
             let mut c = conn.borrow_mut();
             let mut t = c.turn();
             while let Ok(ev) = rx.try_recv() {
-                t.nexus.link.local.push_back(ev);
+                t.nexus.link.out.local.push_back(ev);
             }
             t.absorb();
             t.pump(Instant::now());

@@ -2,7 +2,7 @@
 //! session's command ordering by CmdSN (RFC 7143 section 4.2.2.1), which holds across all of its
 //! connections wherever they run, is kept under its target's core lock ([`Core::deliver`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -13,7 +13,7 @@ use iscsi_pdu::{Isid, SerialNumber};
 use scsi_core::NexusId;
 use tokio::sync::Notify;
 
-use crate::target::{Core, Route, Routed, Target};
+use crate::target::{Core, Outbox, Route, Target};
 
 /// What a connection is asked to do from outside.
 #[derive(Debug, Default)]
@@ -117,22 +117,16 @@ impl Session {
         cmd: OrderedCommand,
         immediate: bool,
         route: &Route,
-        local: &mut VecDeque<Routed>,
+        out: &mut Outbox,
     ) -> bool {
-        let taken = core.deliver(self.nexus, cmd, immediate, route, local);
+        let taken = core.deliver(self.nexus, cmd, immediate, route, out);
         self.mirror(core);
         taken
     }
 
     /// Takes a CmdSN for a request handled on arrival ([`Core::take_cmd_sn`]).
-    pub fn take_cmd_sn(
-        &self,
-        core: &mut Core,
-        cmd_sn: SerialNumber,
-        me: u64,
-        local: &mut VecDeque<Routed>,
-    ) -> bool {
-        let taken = core.take_cmd_sn(self.nexus, cmd_sn, me, local);
+    pub fn take_cmd_sn(&self, core: &mut Core, cmd_sn: SerialNumber, out: &mut Outbox) -> bool {
+        let taken = core.take_cmd_sn(self.nexus, cmd_sn, out);
         self.mirror(core);
         taken
     }

@@ -9,14 +9,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use initiator_bench::{IscsiUrl, LoginOptions, Session};
-use targetd::{Config, Server, Shared};
+use targetd::{Config, Registry, Server};
 
 pub const TARGET: &str = "iqn.2026-11.io.example:test";
 
 /// A running daemon.
 pub struct Daemon {
     pub addr: SocketAddr,
-    pub shared: Arc<Shared>,
+    pub registry: Arc<Registry>,
     pub dir: tempfile::TempDir,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -53,7 +53,7 @@ impl Daemon {
         let config = Config::parse(&path, &text).unwrap();
         let server = Server::start(config, path).unwrap();
         let addr = server.portals()[0];
-        let shared = server.shared();
+        let registry = server.registry();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -66,7 +66,7 @@ impl Daemon {
         });
         Daemon {
             addr,
-            shared,
+            registry,
             dir,
             stop: Some(tx),
             thread: Some(thread),

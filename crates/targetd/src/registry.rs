@@ -1,0 +1,491 @@
+//! The daemon's registry of targets, sessions and connections: what every reactor, the
+//! listeners and the admin interface share, and the login policy over it. It depends on the
+//! config, the targets and the sessions only; the connections, the reactors, the server and the
+//! admin interface depend on it (there is no import cycle back).
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard};
+use std::time::{Duration, Instant};
+
+use iscsi_pdu::chap::{ChapCredentials, ENTROPY_LEN};
+use iscsi_pdu::negotiation::{AuthMethod, NegotiationError, Settings};
+use iscsi_pdu::target::{Completed, LoginPolicy};
+use iscsi_pdu::text::TextParams;
+use iscsi_pdu::{Isid, LoginStatus, SerialNumber};
+
+use crate::config::{self, Config};
+use crate::iscsi::session::{ConnectionInfo, Control, JoinError, Request, Session, Sessions};
+use crate::target::{Target, PORTAL_GROUP};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The daemon's registry: the running config, the targets, the sessions and the live
+/// connections, shared by every reactor, the listeners and the admin interface. It answers a
+/// login's questions ([`Registry::admission`]) and applies reloads ([`Registry::apply`]).
+pub struct Registry {
+    config: RwLock<Config>,
+    /// The file the config came from (SIGHUP reads it again).
+    pub config_path: PathBuf,
+    targets: RwLock<Vec<Arc<Target>>>,
+    /// Normal sessions.
+    pub sessions: Sessions,
+    /// When the daemon started.
+    pub started: Instant,
+    stopping: AtomicBool,
+    controls: Mutex<HashMap<u64, Arc<Control>>>,
+    /// The I/O engine the reactors run, as they reported it.
+    pub engine: Mutex<String>,
+    refusals: Mutex<(Option<Instant>, u64)>,
+    /// The listeners' addresses.
+    pub portals: Mutex<Vec<SocketAddr>>,
+}
+
+impl Registry {
+    /// A registry of `targets` (already opened) under `config`, serving on `portals`.
+    pub fn new(
+        config: Config,
+        config_path: PathBuf,
+        targets: Vec<Arc<Target>>,
+        portals: Vec<SocketAddr>,
+    ) -> Registry {
+        Registry {
+            config: RwLock::new(config),
+            config_path,
+            targets: RwLock::new(targets),
+            sessions: Sessions::default(),
+            started: Instant::now(),
+            stopping: AtomicBool::new(false),
+            controls: Mutex::new(HashMap::new()),
+            engine: Mutex::new(String::new()),
+            refusals: Mutex::new((None, 0)),
+            portals: Mutex::new(portals),
+        }
+    }
+
+    /// From now on logins are refused with SERVICE_UNAVAILABLE.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    /// The running config.
+    pub fn config(&self) -> RwLockReadGuard<'_, Config> {
+        self.config.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// What the target offers in login negotiation.
+    pub fn settings(&self) -> Settings {
+        self.config().settings()
+    }
+
+    /// The CmdSN window of new sessions.
+    pub fn window(&self) -> u32 {
+        self.config().iscsi.cmdsn_window
+    }
+
+    /// Whether the daemon is shutting down.
+    pub fn stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
+    /// A target by name (iSCSI names compare without case).
+    pub fn target(&self, name: &str) -> Option<Arc<Target>> {
+        self.targets()
+            .into_iter()
+            .find(|t| t.name.eq_ignore_ascii_case(name))
+    }
+
+    /// Every target.
+    pub fn targets(&self) -> Vec<Arc<Target>> {
+        self.targets
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Records a live connection's control.
+    pub fn register(&self, id: u64, control: Arc<Control>) {
+        lock(&self.controls).insert(id, control);
+    }
+
+    /// Forgets a connection.
+    pub fn unregister(&self, id: u64) {
+        lock(&self.controls).remove(&id);
+    }
+
+    /// Connections alive now.
+    pub fn connection_count(&self) -> usize {
+        lock(&self.controls).len()
+    }
+
+    /// Asks every live connection for `r`.
+    pub fn request_all(&self, r: Request) {
+        for c in lock(&self.controls).values() {
+            c.request(r);
+        }
+    }
+
+    /// Logs a refused login, at most once a second (a scanner must not flood the log).
+    pub fn refused(&self, peer: SocketAddr, initiator: &str, target: &str, reason: &str) {
+        let mut r = lock(&self.refusals);
+        let now = Instant::now();
+        if r.0
+            .is_some_and(|t| now.duration_since(t) < Duration::from_secs(1))
+        {
+            r.1 += 1;
+            return;
+        }
+        let suppressed = std::mem::take(&mut r.1);
+        r.0 = Some(now);
+        tracing::warn!(%peer, initiator, target, suppressed, "login refused: {reason}");
+    }
+
+    /// The SendTargets answer for `value` (RFC 7143 section 12.3 and appendix C): `All`, a
+    /// target name, or empty for the session's own target; only targets `initiator` may reach.
+    pub fn send_targets(
+        &self,
+        initiator: &str,
+        peer: IpAddr,
+        local: SocketAddr,
+        value: &str,
+        session_target: Option<&str>,
+    ) -> TextParams {
+        let mut out = TextParams::new();
+        let wanted = |name: &str| match value {
+            "All" => session_target.is_none_or(|s| s.eq_ignore_ascii_case(name)),
+            "" => session_target.is_some_and(|s| s.eq_ignore_ascii_case(name)),
+            v => v.eq_ignore_ascii_case(name),
+        };
+        let portals = lock(&self.portals).clone();
+        for t in self.targets() {
+            if !wanted(&t.name) || !t.admits(initiator, peer) {
+                continue;
+            }
+            out.push("TargetName", t.name.clone());
+            for p in &portals {
+                // A wildcard listener is reported by the address this connection reached.
+                let ip = if p.ip().is_unspecified() {
+                    local.ip()
+                } else {
+                    p.ip()
+                };
+                let addr = SocketAddr::new(ip, p.port());
+                out.push("TargetAddress", format!("{addr},{PORTAL_GROUP}"));
+            }
+        }
+        out
+    }
+
+    /// Applies a changed config while running: targets and LUNs added, removed or changed,
+    /// access rules and negotiation settings for new logins. Returns what changed.
+    pub fn apply(&self, new: Config) -> Result<Vec<String>, String> {
+        new.validate().map_err(|(k, r)| format!("{k}: {r}"))?;
+        let old = self.config().clone();
+        let mut changes = Vec::new();
+        for key in [
+            ("server.portals", old.server.portals != new.server.portals),
+            (
+                "server.reactors",
+                old.server.reactors != new.server.reactors,
+            ),
+            ("server.engine", old.server.engine != new.server.engine),
+            (
+                "server.admin_socket",
+                old.server.admin_socket != new.server.admin_socket,
+            ),
+            (
+                "server.metrics_listen",
+                old.server.metrics_listen != new.server.metrics_listen,
+            ),
+        ] {
+            if key.1 {
+                changes.push(format!("{}: takes effect at the next start", key.0));
+            }
+        }
+        let mut targets = self.targets();
+        // Removed targets: their sessions end.
+        targets.retain(|t| {
+            let keep = new
+                .targets
+                .iter()
+                .any(|n| n.name.eq_ignore_ascii_case(&t.name));
+            if !keep {
+                for s in self.sessions.all() {
+                    if Arc::ptr_eq(&s.target, t) {
+                        s.close();
+                    }
+                }
+                changes.push(format!("target {} removed", t.name));
+            }
+            keep
+        });
+        for nt in &new.targets {
+            let Some(t) = targets
+                .iter()
+                .find(|t| t.name.eq_ignore_ascii_case(&nt.name))
+            else {
+                let t = Target::new(nt).map_err(|(k, r)| format!("target {} {k}: {r}", nt.name))?;
+                targets.push(Arc::new(t));
+                changes.push(format!("target {} added", nt.name));
+                continue;
+            };
+            let ot = t
+                .config
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            for ol in &ot.luns {
+                if !nt.luns.iter().any(|l| l.lun == ol.lun) {
+                    t.remove_lun(ol.lun)?;
+                    changes.push(format!("{} LUN {} removed", nt.name, ol.lun));
+                }
+            }
+            for nl in &nt.luns {
+                match ot.luns.iter().find(|l| l.lun == nl.lun) {
+                    None => {
+                        t.add_lun(nl, Arc::default())?;
+                        changes.push(format!("{} LUN {} added", nt.name, nl.lun));
+                    }
+                    Some(ol) if ol == nl => {}
+                    Some(ol) if only_size_differs(ol, nl) => {
+                        let bytes = nl.size.map_or(0, |s| s.0);
+                        t.resize_lun(nl.lun, bytes)?;
+                        changes.push(format!(
+                            "{} LUN {} resized to {bytes} bytes",
+                            nt.name, nl.lun
+                        ));
+                    }
+                    Some(_) => {
+                        let stats = t.lun(nl.lun).map(|l| l.stats.clone()).unwrap_or_default();
+                        t.remove_lun(nl.lun)?;
+                        t.add_lun(nl, stats)?;
+                        changes.push(format!("{} LUN {} replaced", nt.name, nl.lun));
+                    }
+                }
+            }
+            let rules_changed = ot.initiators != nt.initiators
+                || ot.networks != nt.networks
+                || ot.chap != nt.chap
+                || ot.mutual_chap != nt.mutual_chap;
+            if rules_changed {
+                changes.push(format!("{} access rules changed (for new logins)", nt.name));
+            }
+            *t.config.write().unwrap_or_else(PoisonError::into_inner) = nt.clone();
+        }
+        if old.iscsi != new.iscsi {
+            changes.push("iscsi settings changed (for new logins)".into());
+        }
+        *self.targets.write().unwrap_or_else(PoisonError::into_inner) = targets;
+        *self.config.write().unwrap_or_else(PoisonError::into_inner) = new;
+        Ok(changes)
+    }
+}
+
+fn only_size_differs(a: &config::Lun, b: &config::Lun) -> bool {
+    let mut a = a.clone();
+    a.size = b.size;
+    &a == b
+}
+
+/// Who is connecting.
+pub struct Peer {
+    /// Daemon-wide connection id.
+    pub id: u64,
+    /// Remote address.
+    pub addr: SocketAddr,
+    /// The portal reached.
+    pub local: SocketAddr,
+    /// The reactor serving it.
+    pub reactor: usize,
+    /// Its control.
+    pub control: Arc<Control>,
+}
+
+/// Fresh random bytes for CHAP identifiers and challenges.
+fn entropy() -> [u8; ENTROPY_LEN] {
+    let mut e = [0u8; ENTROPY_LEN];
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut e))
+        .is_err()
+    {
+        // No urandom: mix the clock and the address of a stack value.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default();
+        let mut x = t ^ (&e as *const _ as usize as u128);
+        for b in e.iter_mut() {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            *b = (x >> 64) as u8;
+        }
+    }
+    e
+}
+
+impl Registry {
+    /// The registry as one connection's login sees it: its [`LoginPolicy`].
+    pub fn admission<'a>(&'a self, peer: &'a Peer) -> Admission<'a> {
+        Admission {
+            registry: self,
+            peer,
+            target: None,
+            session: None,
+        }
+    }
+}
+
+/// The daemon's answers to a login's questions, for one connection: which targets exist, who
+/// may reach them, with which CHAP credentials, and the session the login creates or joins.
+pub struct Admission<'a> {
+    registry: &'a Registry,
+    peer: &'a Peer,
+    target: Option<Arc<Target>>,
+    session: Option<Arc<Session>>,
+}
+
+impl Admission<'_> {
+    /// The session the login created or joined (none for discovery), once it is complete.
+    pub fn take_session(&mut self) -> Option<Arc<Session>> {
+        self.session.take()
+    }
+}
+
+impl LoginPolicy for Admission<'_> {
+    fn normal(&mut self, initiator: &str, name: &str, tsih: u16) -> Result<Settings, LoginStatus> {
+        let registry = self.registry;
+        if registry.stopping() {
+            return Err(LoginStatus::SERVICE_UNAVAILABLE);
+        }
+        let Some(target) = registry.target(name) else {
+            registry.refused(self.peer.addr, initiator, name, "no such target");
+            return Err(LoginStatus::NOT_FOUND);
+        };
+        if !target.admits(initiator, self.peer.addr.ip()) {
+            let why = "initiator or network not allowed";
+            registry.refused(self.peer.addr, initiator, name, why);
+            return Err(LoginStatus::AUTHORIZATION_FAILURE);
+        }
+        if tsih != 0 && registry.sessions.get(tsih).is_none() {
+            return Err(LoginStatus::SESSION_DOES_NOT_EXIST);
+        }
+        let mut settings = registry.settings();
+        settings.declarations.target_portal_group_tag = Some(PORTAL_GROUP);
+        let c = target
+            .config
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        require_chap(&mut settings, c.chap.as_ref(), c.mutual_chap.as_ref());
+        drop(c);
+        self.target = Some(target);
+        Ok(settings)
+    }
+
+    fn discovery(&mut self, _initiator: &str) -> Result<Settings, LoginStatus> {
+        if self.registry.stopping() {
+            return Err(LoginStatus::SERVICE_UNAVAILABLE);
+        }
+        let mut settings = self.registry.settings();
+        let c = self.registry.config();
+        let i = &c.iscsi;
+        let (chap, mutual) = (i.discovery_chap.as_ref(), i.discovery_mutual_chap.as_ref());
+        require_chap(&mut settings, chap, mutual);
+        Ok(settings)
+    }
+
+    fn refused(&mut self, initiator: &str, target: Option<&str>, e: &NegotiationError) {
+        let target = target.unwrap_or("discovery");
+        self.registry
+            .refused(self.peer.addr, initiator, target, &e.to_string());
+    }
+
+    fn window(&self, tsih: u16, cmd_sn: SerialNumber) -> (SerialNumber, SerialNumber) {
+        match (tsih != 0)
+            .then(|| self.registry.sessions.get(tsih))
+            .flatten()
+        {
+            Some(s) => s.window(),
+            None => (cmd_sn, cmd_sn + (self.registry.window() - 1)),
+        }
+    }
+
+    fn complete(
+        &mut self,
+        login: &Completed,
+    ) -> Result<(u16, SerialNumber, SerialNumber), LoginStatus> {
+        let (registry, peer) = (self.registry, self.peer);
+        let cmd = login.cmd_sn;
+        let Some(target) = self.target.clone() else {
+            // Discovery sessions are never joined; any non-zero TSIH outside the normal range.
+            let tsih = 0x8000 | (peer.id & 0x7fff) as u16;
+            return Ok((tsih, cmd, cmd + (registry.window() - 1)));
+        };
+        let c = *login.negotiator.connection();
+        let info = ConnectionInfo {
+            cid: login.cid,
+            id: peer.id,
+            peer: peer.addr,
+            local: peer.local,
+            reactor: peer.reactor,
+            digests: (c.header_digest, c.data_digest),
+            segment_lengths: (
+                c.max_recv_data_segment_length,
+                c.max_send_data_segment_length,
+            ),
+            control: peer.control.clone(),
+        };
+        let session = if login.tsih == 0 {
+            let params = login.negotiator.session().clone();
+            let (initiator, window) = (&login.initiator, registry.window());
+            let s = &registry.sessions;
+            s.create(login.isid, initiator, target, params, window, cmd, info)
+        } else {
+            let name = &target.name;
+            registry
+                .sessions
+                .join(login.tsih, login.isid, &login.initiator, name, info)
+                .map_err(|e| match e {
+                    JoinError::NoSession => LoginStatus::SESSION_DOES_NOT_EXIST,
+                    JoinError::TooMany => LoginStatus::TOO_MANY_CONNECTIONS,
+                })?
+        };
+        let (exp, max) = session.window();
+        tracing::info!(
+            tsih = session.tsih,
+            initiator = %session.initiator,
+            isid = %Isid(login.isid.0),
+            target = %session.target.name,
+            peer = %peer.addr,
+            cid = login.cid,
+            "login"
+        );
+        let tsih = session.tsih;
+        self.session = Some(session);
+        Ok((tsih, exp, max))
+    }
+
+    fn entropy(&mut self) -> [u8; ENTROPY_LEN] {
+        entropy()
+    }
+}
+
+/// Makes CHAP the only AuthMethod when `chap` is configured: the initiator proves `chap`, and
+/// the target proves `mutual` when the initiator asks.
+fn require_chap(
+    settings: &mut Settings,
+    chap: Option<&crate::config::Chap>,
+    mutual: Option<&crate::config::Chap>,
+) {
+    let Some(chap) = chap else { return };
+    let creds =
+        |c: &crate::config::Chap| ChapCredentials::new(&c.username, c.secret.as_bytes(), 1).ok();
+    settings.auth.methods = vec![AuthMethod::Chap];
+    settings.auth.peer = creds(chap);
+    settings.auth.local = mutual.and_then(creds);
+}
