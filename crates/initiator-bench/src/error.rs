@@ -1,6 +1,7 @@
 //! Errors of the initiator library, scoped to what recovers: a failed command leaves the session
 //! usable; a lost connection fails the commands on it and the session logs in again on next use.
 
+use iscsi_pdu::initiator::{Failure, LoginError};
 use iscsi_pdu::negotiation::NegotiationError;
 use iscsi_pdu::{LoginStatus, RejectReason, ScsiStatus, TmfResponse};
 
@@ -61,6 +62,30 @@ pub enum Error {
     /// The command took longer than allowed.
     #[error("timed out")]
     Timeout,
+}
+
+impl From<LoginError> for Error {
+    fn from(e: LoginError) -> Error {
+        match e {
+            LoginError::Refused(status) => Error::LoginRefused {
+                status,
+                message: login_status_message(status),
+            },
+            LoginError::Negotiation(e) => Error::Negotiation(e),
+            LoginError::Protocol(why) => Error::Protocol(why),
+        }
+    }
+}
+
+impl From<Failure> for Error {
+    fn from(f: Failure) -> Error {
+        match f {
+            Failure::Command(why) => Error::Command(why),
+            Failure::Rejected(reason) => Error::Rejected(reason),
+            Failure::Aborted => Error::Aborted,
+            Failure::ConnectionLost(why) => Error::ConnectionLost(why),
+        }
+    }
 }
 
 /// A readable name for a login status.

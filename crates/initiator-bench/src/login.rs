@@ -1,20 +1,20 @@
-//! Login: drives `iscsi_pdu`'s negotiation engine over a connection through the security and
-//! operational stages to full feature phase.
+//! Login: the I/O shell around `iscsi_pdu`'s sans-IO initiator [`Login`], which takes a
+//! connection through the security and operational stages to full feature phase.
 
 use std::time::Duration;
 
 use bytes::BytesMut;
 use iscsi_pdu::chap::{ChapCredentials, ENTROPY_LEN};
+pub(crate) use iscsi_pdu::initiator::Established;
+use iscsi_pdu::initiator::Login;
 use iscsi_pdu::negotiation::{
-    AuthMethod, AuthSettings, ConnectionParams, DigestAlgorithm, Negotiator, OperationalParams,
-    Role, SessionParams, SessionType, Settings,
+    AuthMethod, AuthSettings, DigestAlgorithm, OperationalParams, SessionType, Settings,
 };
-use iscsi_pdu::text::{split_text, TextParams, TextReassembler};
-use iscsi_pdu::{Deframer, Digests, Isid, LoginRequest, LoginStatus, Pdu, SerialNumber, Stage};
+use iscsi_pdu::{Deframer, Digests, Isid, Pdu, SerialNumber};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::error::{login_status_message, Error, Result};
+use crate::error::{Error, Result};
 
 /// What the initiator proposes and how it authenticates.
 #[derive(Debug, Clone)]
@@ -93,17 +93,6 @@ impl LoginOptions {
     }
 }
 
-/// What a successful login established.
-#[derive(Debug, Clone)]
-pub(crate) struct LoginOutcome {
-    pub session: SessionParams,
-    pub connection: ConnectionParams,
-    pub tsih: u16,
-    pub exp_stat_sn: SerialNumber,
-    pub exp_cmd_sn: SerialNumber,
-    pub max_cmd_sn: SerialNumber,
-}
-
 /// Fresh CHAP entropy. The initiator is not sans-IO, so it asks the OS-seeded hasher state,
 /// mixed with the time, which is unpredictable enough for a test initiator's challenges.
 pub(crate) fn entropy() -> [u8; ENTROPY_LEN] {
@@ -141,8 +130,8 @@ pub(crate) struct LoginExchange<'a> {
 }
 
 impl LoginExchange<'_> {
-    /// Logs in to `target` (a discovery session when `None`).
-    pub async fn run(&mut self, opts: &LoginOptions, target: Option<&str>) -> Result<LoginOutcome> {
+    /// Runs the login to full feature phase within the options' timeout.
+    pub async fn run(&mut self, opts: &LoginOptions, target: Option<&str>) -> Result<Established> {
         tokio::time::timeout(opts.timeout, self.run_inner(opts, target))
             .await
             .map_err(|_| Error::Timeout)?
@@ -152,142 +141,18 @@ impl LoginExchange<'_> {
         &mut self,
         opts: &LoginOptions,
         target: Option<&str>,
-    ) -> Result<LoginOutcome> {
+    ) -> Result<Established> {
         let settings = opts.settings_for(target);
-        let chap_offered =
-            !settings.auth.methods.is_empty() && settings.auth.methods != [AuthMethod::None];
-        let mut neg = Negotiator::new(Role::Initiator, settings, self.tsih == 0, entropy());
-        let mut stage = Stage::SecurityNegotiation;
-        let mut out = neg.offers(stage);
-        let mut exp_stat_sn = SerialNumber(0);
-        let mut itt = 0u32;
+        let (isid, tsih, cid, cmd_sn) = (self.isid, self.tsih, self.cid, self.cmd_sn);
+        let mut login = Login::new(settings, isid, tsih, cid, cmd_sn, entropy());
         loop {
-            let next = if stage == Stage::SecurityNegotiation {
-                Stage::LoginOperationalNegotiation
-            } else {
-                Stage::FullFeaturePhase
-            };
-            // Ask to move on unless a CHAP step is still to come from our side.
-            let transit = stage != Stage::SecurityNegotiation
-                || !chap_offered
-                || out.get("CHAP_R").is_some()
-                || neg.authenticated();
-            let request = LoginRequest {
-                transit,
-                current_stage: stage,
-                next_stage: if transit { next } else { stage },
-                isid: self.isid,
-                tsih: self.tsih,
-                initiator_task_tag: itt,
-                cid: self.cid,
-                cmd_sn: self.cmd_sn,
-                exp_stat_sn,
-                ..LoginRequest::default()
-            };
-            let (response, text) = self.exchange(request, out.encode()).await?;
-            itt = itt.wrapping_add(1);
-            if response.status != LoginStatus::SUCCESS {
-                return Err(Error::LoginRefused {
-                    status: response.status,
-                    message: login_status_message(response.status),
-                });
+            while let Some(pdu) = login.poll_transmit() {
+                self.send(&pdu).await?;
             }
-            exp_stat_sn = response.stat_sn.next();
-            let params = TextParams::parse(&text)
-                .map_err(|e| Error::Protocol(format!("login text: {e}")))?;
-            let reply = neg.receive(stage, &params)?;
-            if response.transit {
-                if response.next_stage <= stage
-                    || response.next_stage == Stage::Reserved
-                    || !transit
-                {
-                    return Err(Error::Protocol(format!(
-                        "login response moves from {stage:?} to {:?}",
-                        response.next_stage
-                    )));
-                }
-                if stage == Stage::SecurityNegotiation && !neg.authenticated() {
-                    return Err(Error::Protocol(
-                        "target left the security stage before authentication".into(),
-                    ));
-                }
-                stage = response.next_stage;
-                if stage == Stage::FullFeaturePhase {
-                    if neg.is_waiting() {
-                        return Err(Error::Protocol(
-                            "target entered full feature phase with keys unanswered".into(),
-                        ));
-                    }
-                    return Ok(LoginOutcome {
-                        session: neg.session().clone(),
-                        connection: *neg.connection(),
-                        tsih: response.tsih,
-                        exp_stat_sn,
-                        exp_cmd_sn: response.exp_cmd_sn,
-                        max_cmd_sn: response.max_cmd_sn,
-                    });
-                }
-                out = reply;
-                out.extend(neg.offers(stage));
-            } else {
-                out = reply;
+            let response = self.receive().await?;
+            if let Some(established) = login.handle_response(response)? {
+                return Ok(established);
             }
-        }
-    }
-
-    /// Sends one login request (split with the C bit if its text is long) and reads the whole
-    /// response, following the target's C bit.
-    async fn exchange(
-        &mut self,
-        request: LoginRequest,
-        text: bytes::Bytes,
-    ) -> Result<(iscsi_pdu::LoginResponse, bytes::Bytes)> {
-        let segments = split_text(
-            &text,
-            iscsi_pdu::LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH as usize,
-        );
-        for (segment, more) in segments {
-            let pdu = LoginRequest {
-                continue_bit: more,
-                transit: request.transit && !more,
-                data: segment,
-                ..request.clone()
-            };
-            self.send(&Pdu::LoginRequest(pdu)).await?;
-            if more {
-                // The target answers each partial request with an empty response.
-                let r = self.receive().await?;
-                if r.status != LoginStatus::SUCCESS {
-                    return Err(Error::LoginRefused {
-                        status: r.status,
-                        message: login_status_message(r.status),
-                    });
-                }
-            }
-        }
-        let mut text = TextReassembler::default();
-        loop {
-            let r = self.receive().await?;
-            if r.initiator_task_tag != request.initiator_task_tag {
-                return Err(Error::Protocol("login response for another task".into()));
-            }
-            let more = r.continue_bit;
-            let whole = text
-                .push(&r.data, more)
-                .map_err(|e| Error::Protocol(format!("login text: {e}")))?;
-            if let Some(whole) = whole {
-                return Ok((r, whole));
-            }
-            // Ask for the rest with an empty request of the same stage.
-            let cont = LoginRequest {
-                transit: false,
-                continue_bit: false,
-                next_stage: request.current_stage,
-                exp_stat_sn: r.stat_sn.next(),
-                data: bytes::Bytes::new(),
-                ..request.clone()
-            };
-            self.send(&Pdu::LoginRequest(cont)).await?;
         }
     }
 

@@ -2,53 +2,12 @@
 //! CDB builders for the commands the load generator needs; sense data parsing.
 
 use bytes::Bytes;
-use iscsi_pdu::{Lun, Residual, ScsiStatus, TaskAttribute};
+use iscsi_pdu::{Residual, ScsiStatus};
 
 use crate::error::{Error, Result};
 
-/// A SCSI command to execute.
-#[derive(Debug, Clone)]
-pub struct Command {
-    /// The logical unit.
-    pub lun: Lun,
-    /// The CDB (16 bytes; shorter CDBs are zero-padded).
-    pub cdb: [u8; 16],
-    /// Data to send (writes); empty for none.
-    pub data_out: Bytes,
-    /// Bytes expected back (reads); 0 for none.
-    pub data_in_len: u32,
-    /// Task attribute.
-    pub attribute: TaskAttribute,
-}
-
-impl Command {
-    /// A command without data.
-    pub fn new(lun: Lun, cdb: [u8; 16]) -> Command {
-        Command {
-            lun,
-            cdb,
-            data_out: Bytes::new(),
-            data_in_len: 0,
-            attribute: TaskAttribute::Simple,
-        }
-    }
-
-    /// A command reading `len` bytes.
-    pub fn read(lun: Lun, cdb: [u8; 16], len: u32) -> Command {
-        Command {
-            data_in_len: len,
-            ..Command::new(lun, cdb)
-        }
-    }
-
-    /// A command writing `data`.
-    pub fn write(lun: Lun, cdb: [u8; 16], data: Bytes) -> Command {
-        Command {
-            data_out: data,
-            ..Command::new(lun, cdb)
-        }
-    }
-}
+/// A SCSI command to execute (the initiator machine's).
+pub use iscsi_pdu::initiator::Command;
 
 /// Sense key, additional sense code and qualifier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,6 +50,17 @@ pub struct Response {
     pub data: Bytes,
     /// Residual as the target reported it.
     pub residual: Residual,
+}
+
+impl From<iscsi_pdu::initiator::ScsiReply> for Response {
+    fn from(r: iscsi_pdu::initiator::ScsiReply) -> Response {
+        Response {
+            status: r.status,
+            sense: r.sense,
+            data: r.data,
+            residual: r.residual,
+        }
+    }
 }
 
 impl Response {

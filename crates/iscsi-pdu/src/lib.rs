@@ -6,6 +6,7 @@ pub mod chap;
 pub mod deframer;
 pub mod digest;
 pub mod error;
+pub mod initiator;
 pub mod names;
 pub mod negotiation;
 pub mod pdu;

@@ -1,0 +1,839 @@
+//! An initiator's session in full feature phase as a state machine: the task table by Initiator
+//! Task Tag, the CmdSN window the target grants (RFC 7143 section 4.2.2.1), immediate and
+//! unsolicited data, Data-Out answering R2Ts, Data-In reassembly, NOP (both ways), task
+//! management, text, logout, and several connections per session.
+//!
+//! Inputs are calls (`start_*`, [`Session::handle_pdu`], [`Session::connection_lost`]); outputs
+//! are polled: [`Session::poll_transmit`] per connection (PDUs in the order they must be sent;
+//! the shell encodes them with the connection's digests) and [`Session::poll_event`] (a task's
+//! outcome, the window opening). It owns no socket, clock or thread; an I/O shell keeps the
+//! timers (a command's timeout is [`Session::forget`]).
+
+use std::collections::{HashMap, VecDeque};
+
+use bytes::{Bytes, BytesMut};
+
+use crate::negotiation::{ConnectionParams, SessionParams};
+use crate::text::TextReassembler;
+use crate::{
+    AsyncEvent, DataIn, DataOut, Digests, LogoutReason, LogoutRequest, Lun, NopOut, Pdu,
+    ReadyToTransfer, RejectReason, Residual, ScsiCommand, ScsiResponse, ScsiResponseCode,
+    ScsiStatus, SerialNumber, TaskAttribute, TaskManagementFunction, TaskManagementRequest,
+    TextRequest, TextResponse, TmfResponse, RESERVED_TAG,
+};
+
+/// A SCSI command as the initiator sends it.
+#[derive(Debug, Clone)]
+pub struct Command {
+    /// The logical unit.
+    pub lun: Lun,
+    /// The CDB (16 bytes; shorter CDBs are zero-padded).
+    pub cdb: [u8; 16],
+    /// Data to send (writes); empty for none.
+    pub data_out: Bytes,
+    /// Bytes expected back (reads); 0 for none.
+    pub data_in_len: u32,
+    /// Task attribute.
+    pub attribute: TaskAttribute,
+}
+
+impl Command {
+    /// A command without data.
+    pub fn new(lun: Lun, cdb: [u8; 16]) -> Command {
+        Command {
+            lun,
+            cdb,
+            data_out: Bytes::new(),
+            data_in_len: 0,
+            attribute: TaskAttribute::Simple,
+        }
+    }
+
+    /// A command reading `len` bytes.
+    pub fn read(lun: Lun, cdb: [u8; 16], len: u32) -> Command {
+        Command {
+            data_in_len: len,
+            ..Command::new(lun, cdb)
+        }
+    }
+
+    /// A command writing `data`.
+    pub fn write(lun: Lun, cdb: [u8; 16], data: Bytes) -> Command {
+        Command {
+            data_out: data,
+            ..Command::new(lun, cdb)
+        }
+    }
+}
+
+/// How a SCSI command ended.
+#[derive(Debug, Clone)]
+pub struct ScsiReply {
+    /// SCSI status.
+    pub status: ScsiStatus,
+    /// Sense data, with CHECK CONDITION.
+    pub sense: Option<Bytes>,
+    /// Data read (as many bytes as the target sent, and no more than the residual allows).
+    pub data: Bytes,
+    /// Residual as the target reported it.
+    pub residual: Residual,
+}
+
+/// What a task resolves to.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    /// A SCSI command's status and data.
+    Scsi(ScsiReply),
+    /// A NOP-In answered the NOP-Out.
+    Nop,
+    /// A task management response.
+    Tmf(TmfResponse),
+    /// The logout was answered; the connection closes.
+    Logout,
+    /// A whole text response (after as many continuations as it took).
+    Text(Bytes),
+}
+
+/// Why a task failed, scoped to what recovers: `Command` leaves the session usable; the others
+/// mean the task's connection (or session) is gone or the target refused the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// The target broke the protocol for this task only.
+    Command(String),
+    /// The target rejected the request.
+    Rejected(RejectReason),
+    /// The task was aborted by task management.
+    Aborted,
+    /// The task's connection or the session ended.
+    ConnectionLost(String),
+}
+
+/// Why a request could not start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartError {
+    /// The target's CmdSN window is full: wait for [`Event::WindowOpened`].
+    WindowClosed,
+    /// No connection of the session is alive.
+    NoConnection,
+}
+
+/// What the machine reports.
+#[derive(Debug)]
+pub enum Event {
+    /// A task ended.
+    Done {
+        /// Its Initiator Task Tag.
+        itt: u32,
+        /// Its outcome.
+        result: Result<Reply, Failure>,
+    },
+    /// ExpCmdSN or MaxCmdSN moved: commands refused with [`StartError::WindowClosed`] may go.
+    WindowOpened,
+}
+
+#[derive(Debug)]
+enum TaskKind {
+    Scsi {
+        /// Where Data-In lands; `read_len` bytes.
+        read: BytesMut,
+        read_len: u32,
+        received: u32,
+        next_data_sn: u32,
+        /// The data of a write, sliced for each Data-Out.
+        write: Bytes,
+        next_r2t_sn: u32,
+    },
+    Nop,
+    Tmf {
+        function: TaskManagementFunction,
+        referenced: u32,
+    },
+    Logout,
+    Text {
+        text: TextReassembler,
+    },
+}
+
+#[derive(Debug)]
+struct Task {
+    kind: TaskKind,
+    /// The connection the task is allegiant to.
+    conn: usize,
+}
+
+#[derive(Debug)]
+struct Connection {
+    params: ConnectionParams,
+    digests: Digests,
+    exp_stat_sn: SerialNumber,
+    alive: bool,
+    out: VecDeque<Pdu>,
+}
+
+/// Why the target's PDU closes the connection it came on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConnectionError(pub String);
+
+/// One login of a session: its connections, CmdSN window and task table.
+#[derive(Debug)]
+pub struct Session {
+    params: SessionParams,
+    tsih: u16,
+    cmd_sn: SerialNumber,
+    exp_cmd_sn: SerialNumber,
+    max_cmd_sn: SerialNumber,
+    next_itt: u32,
+    tasks: HashMap<u32, Task>,
+    conns: Vec<Connection>,
+    next_conn: usize,
+    events: VecDeque<Event>,
+}
+
+impl Session {
+    /// A session as its leading login left it: the negotiated session parameters, the TSIH and
+    /// the window (the first command takes `exp_cmd_sn`). Add its connections with
+    /// [`Session::add_connection`].
+    pub fn new(
+        params: SessionParams,
+        tsih: u16,
+        exp_cmd_sn: SerialNumber,
+        max_cmd_sn: SerialNumber,
+    ) -> Session {
+        Session {
+            params,
+            tsih,
+            cmd_sn: exp_cmd_sn,
+            exp_cmd_sn,
+            max_cmd_sn,
+            next_itt: 1,
+            tasks: HashMap::new(),
+            conns: Vec::new(),
+            next_conn: 0,
+            events: VecDeque::new(),
+        }
+    }
+
+    /// Adds a logged-in connection; returns its index (for `handle_pdu` and `poll_transmit`).
+    pub fn add_connection(&mut self, params: ConnectionParams, exp_stat_sn: SerialNumber) -> usize {
+        self.conns.push(Connection {
+            params,
+            digests: Digests {
+                header: params.header_digest,
+                data: params.data_digest,
+            },
+            exp_stat_sn,
+            alive: true,
+            out: VecDeque::new(),
+        });
+        self.conns.len() - 1
+    }
+
+    /// The negotiated session parameters.
+    pub fn params(&self) -> &SessionParams {
+        &self.params
+    }
+
+    /// TSIH.
+    pub fn tsih(&self) -> u16 {
+        self.tsih
+    }
+
+    /// Connections in the session (alive or not).
+    pub fn connection_count(&self) -> usize {
+        self.conns.len()
+    }
+
+    /// The digests of connection `conn`.
+    pub fn digests(&self, conn: usize) -> Digests {
+        self.conns.get(conn).map_or(Digests::NONE, |c| c.digests)
+    }
+
+    /// The window the target grants now: (ExpCmdSN, MaxCmdSN).
+    pub fn window(&self) -> (SerialNumber, SerialNumber) {
+        (self.exp_cmd_sn, self.max_cmd_sn)
+    }
+
+    /// Whether any connection is alive.
+    pub fn is_alive(&self) -> bool {
+        self.conns.iter().any(|c| c.alive)
+    }
+
+    /// Tasks not yet ended.
+    pub fn tasks_in_flight(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// The next PDU to send on connection `conn`.
+    pub fn poll_transmit(&mut self, conn: usize) -> Option<Pdu> {
+        self.conns.get_mut(conn)?.out.pop_front()
+    }
+
+    /// The next event.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    fn pick_conn(&mut self) -> Result<usize, StartError> {
+        let n = self.conns.len();
+        let start = self.next_conn;
+        self.next_conn = self.next_conn.wrapping_add(1);
+        (0..n)
+            .map(|k| (start + k) % n)
+            .find(|&i| self.conns[i].alive)
+            .ok_or(StartError::NoConnection)
+    }
+
+    fn next_itt(&mut self) -> u32 {
+        loop {
+            let itt = self.next_itt;
+            self.next_itt = self.next_itt.wrapping_add(1);
+            if itt != RESERVED_TAG && !self.tasks.contains_key(&itt) {
+                return itt;
+            }
+        }
+    }
+
+    /// Starts a SCSI command: takes a CmdSN inside the window and queues the command with its
+    /// immediate data and the unsolicited Data-Out, in CmdSN order, on one connection.
+    pub fn start_command(&mut self, cmd: &Command) -> Result<u32, StartError> {
+        if !self.cmd_sn.le(self.max_cmd_sn) {
+            return Err(StartError::WindowClosed);
+        }
+        let ci = self.pick_conn()?;
+        let itt = self.next_itt();
+        let cmd_sn = self.cmd_sn;
+        self.cmd_sn = cmd_sn.next();
+        self.queue_command(ci, cmd, itt, cmd_sn);
+        let read = if cmd.data_in_len > 0 {
+            BytesMut::zeroed(cmd.data_in_len as usize)
+        } else {
+            BytesMut::new()
+        };
+        let kind = TaskKind::Scsi {
+            read,
+            read_len: cmd.data_in_len,
+            received: 0,
+            next_data_sn: 0,
+            write: cmd.data_out.clone(),
+            next_r2t_sn: 0,
+        };
+        self.tasks.insert(itt, Task { kind, conn: ci });
+        Ok(itt)
+    }
+
+    /// The SCSI Command PDU with its immediate data, and the unsolicited Data-Out PDUs.
+    fn queue_command(&mut self, ci: usize, cmd: &Command, itt: u32, cmd_sn: SerialNumber) {
+        let op = &self.params.operational;
+        let len = cmd.data_out.len() as u32;
+        let conn = &mut self.conns[ci];
+        let mrdsl = conn.params.max_send_data_segment_length;
+        let first_burst = if op.initial_r2t && !op.immediate_data {
+            0
+        } else {
+            op.first_burst_length.min(len)
+        };
+        let immediate = if op.immediate_data {
+            first_burst.min(mrdsl)
+        } else {
+            0
+        };
+        let unsolicited_end = if op.initial_r2t {
+            immediate
+        } else {
+            first_burst
+        };
+        conn.out.push_back(Pdu::ScsiCommand(ScsiCommand {
+            immediate: false,
+            final_bit: unsolicited_end == immediate,
+            read: cmd.data_in_len > 0,
+            write: len > 0,
+            task_attribute: cmd.attribute,
+            lun: cmd.lun,
+            initiator_task_tag: itt,
+            expected_data_transfer_length: if len > 0 { len } else { cmd.data_in_len },
+            cmd_sn,
+            exp_stat_sn: conn.exp_stat_sn,
+            cdb: cmd.cdb,
+            extended_cdb: None,
+            bidirectional_read_length: (len > 0 && cmd.data_in_len > 0).then_some(cmd.data_in_len),
+            data: cmd.data_out.slice(..immediate as usize),
+        }));
+        let seq = DataOutSequence {
+            lun: cmd.lun,
+            itt,
+            ttt: RESERVED_TAG,
+            from: immediate,
+            to: unsolicited_end,
+        };
+        seq.queue(conn, &cmd.data_out);
+    }
+
+    /// Starts an immediate request (it does not advance CmdSN) built by `build` from its ITT,
+    /// CmdSN and ExpStatSN.
+    fn start_immediate(
+        &mut self,
+        kind: TaskKind,
+        build: impl FnOnce(u32, SerialNumber, SerialNumber) -> Pdu,
+    ) -> Result<u32, StartError> {
+        let ci = self.pick_conn()?;
+        let itt = self.next_itt();
+        let conn = &mut self.conns[ci];
+        conn.out
+            .push_back(build(itt, self.cmd_sn, conn.exp_stat_sn));
+        self.tasks.insert(itt, Task { kind, conn: ci });
+        Ok(itt)
+    }
+
+    /// A NOP-Out ping, answered by a NOP-In ([`Reply::Nop`]).
+    pub fn start_nop(&mut self) -> Result<u32, StartError> {
+        self.start_immediate(TaskKind::Nop, |itt, cmd_sn, exp| {
+            Pdu::NopOut(NopOut {
+                immediate: true,
+                initiator_task_tag: itt,
+                target_transfer_tag: RESERVED_TAG,
+                cmd_sn,
+                exp_stat_sn: exp,
+                data: Bytes::new(),
+                ..Default::default()
+            })
+        })
+    }
+
+    /// A task management function on `lun`; `referenced` is the ITT of the task for ABORT TASK
+    /// and QUERY TASK. When an ABORT TASK completes, the aborted task ends with
+    /// [`Failure::Aborted`].
+    pub fn start_task_management(
+        &mut self,
+        function: TaskManagementFunction,
+        lun: Lun,
+        referenced: Option<u32>,
+    ) -> Result<u32, StartError> {
+        let referenced = referenced.unwrap_or(RESERVED_TAG);
+        let kind = TaskKind::Tmf {
+            function,
+            referenced,
+        };
+        self.start_immediate(kind, |itt, cmd_sn, exp| {
+            Pdu::TaskManagementRequest(TaskManagementRequest {
+                immediate: true,
+                function,
+                lun,
+                initiator_task_tag: itt,
+                referenced_task_tag: referenced,
+                cmd_sn,
+                exp_stat_sn: exp,
+                ref_cmd_sn: cmd_sn,
+                exp_data_sn: 0,
+            })
+        })
+    }
+
+    /// A logout closing the session (from connection CID 0's point of view).
+    pub fn start_logout(&mut self) -> Result<u32, StartError> {
+        self.start_immediate(TaskKind::Logout, |itt, cmd_sn, exp| {
+            Pdu::LogoutRequest(LogoutRequest {
+                immediate: true,
+                reason: LogoutReason::CloseSession,
+                initiator_task_tag: itt,
+                cid: 0,
+                cmd_sn,
+                exp_stat_sn: exp,
+            })
+        })
+    }
+
+    /// A text request with `data` (key=value pairs); the whole response comes back as
+    /// [`Reply::Text`], continuations asked for as they come.
+    pub fn start_text(&mut self, data: Bytes) -> Result<u32, StartError> {
+        let kind = TaskKind::Text {
+            text: TextReassembler::default(),
+        };
+        self.start_immediate(kind, |itt, cmd_sn, exp| {
+            Pdu::TextRequest(TextRequest {
+                immediate: true,
+                final_bit: true,
+                continue_bit: false,
+                lun: Lun::ZERO,
+                initiator_task_tag: itt,
+                target_transfer_tag: RESERVED_TAG,
+                cmd_sn,
+                exp_stat_sn: exp,
+                data,
+            })
+        })
+    }
+
+    /// Forgets a task the caller abandoned (timed out): a late response for it is ignored.
+    pub fn forget(&mut self, itt: u32) {
+        self.tasks.remove(&itt);
+    }
+
+    fn complete(&mut self, itt: u32, result: Result<Reply, Failure>) {
+        if self.tasks.remove(&itt).is_some() {
+            self.events.push_back(Event::Done { itt, result });
+        }
+    }
+
+    /// Every task ends with `why`; no connection is alive any more.
+    pub fn shutdown(&mut self, why: &str) {
+        for c in &mut self.conns {
+            c.alive = false;
+            c.out.clear();
+        }
+        let mut itts: Vec<u32> = self.tasks.keys().copied().collect();
+        itts.sort_unstable();
+        for itt in itts {
+            self.complete(itt, Err(Failure::ConnectionLost(why.into())));
+        }
+        self.events.push_back(Event::WindowOpened);
+    }
+
+    /// Connection `conn` ended: its tasks fail; the session ends with its last connection.
+    pub fn connection_lost(&mut self, conn: usize, why: &str) {
+        let Some(c) = self.conns.get_mut(conn) else {
+            return;
+        };
+        c.alive = false;
+        c.out.clear();
+        if !self.is_alive() {
+            return self.shutdown(why);
+        }
+        let mut lost: Vec<u32> = self
+            .tasks
+            .iter()
+            .filter(|(_, t)| t.conn == conn)
+            .map(|(k, _)| *k)
+            .collect();
+        lost.sort_unstable();
+        for itt in lost {
+            self.complete(itt, Err(Failure::ConnectionLost(why.into())));
+        }
+    }
+
+    /// ExpCmdSN and MaxCmdSN from a target PDU: ignored when MaxCmdSN < ExpCmdSN - 1, and only
+    /// ever moved forward.
+    fn update_window(&mut self, exp: SerialNumber, max: SerialNumber) {
+        if max.lt(SerialNumber(exp.0.wrapping_sub(1))) {
+            return;
+        }
+        let mut moved = false;
+        if exp.gt(self.exp_cmd_sn) {
+            self.exp_cmd_sn = exp;
+            moved = true;
+        }
+        if max.gt(self.max_cmd_sn) {
+            self.max_cmd_sn = max;
+            moved = true;
+        }
+        if moved {
+            self.events.push_back(Event::WindowOpened);
+        }
+    }
+
+    fn advance(&mut self, conn: usize, stat_sn: SerialNumber) {
+        let c = &mut self.conns[conn];
+        if stat_sn.next().gt(c.exp_stat_sn) {
+            c.exp_stat_sn = stat_sn.next();
+        }
+    }
+
+    /// A PDU from the target on connection `conn`. An error closes that connection (call
+    /// [`Session::connection_lost`] once it is closed); a logout response is one.
+    pub fn handle_pdu(&mut self, conn: usize, pdu: Pdu) -> Result<(), ConnectionError> {
+        if !self.conns.get(conn).is_some_and(|c| c.alive) {
+            return Err(ConnectionError("connection closed".into()));
+        }
+        match pdu {
+            Pdu::DataIn(d) => {
+                self.update_window(d.exp_cmd_sn, d.max_cmd_sn);
+                if let Some(s) = &d.status {
+                    self.advance(conn, s.stat_sn);
+                }
+                self.data_in(d);
+            }
+            Pdu::ScsiResponse(r) => {
+                self.update_window(r.exp_cmd_sn, r.max_cmd_sn);
+                self.advance(conn, r.stat_sn);
+                self.scsi_response(r);
+            }
+            Pdu::ReadyToTransfer(r2t) => {
+                self.update_window(r2t.exp_cmd_sn, r2t.max_cmd_sn);
+                self.ready_to_transfer(conn, r2t);
+            }
+            Pdu::NopIn(n) => {
+                self.update_window(n.exp_cmd_sn, n.max_cmd_sn);
+                if n.initiator_task_tag != RESERVED_TAG {
+                    self.advance(conn, n.stat_sn);
+                    self.complete(n.initiator_task_tag, Ok(Reply::Nop));
+                }
+                if n.target_transfer_tag != RESERVED_TAG {
+                    // The target pings: answer with the same TTT, LUN and data.
+                    let c = &mut self.conns[conn];
+                    c.out.push_back(Pdu::NopOut(NopOut {
+                        immediate: true,
+                        lun: n.lun,
+                        initiator_task_tag: RESERVED_TAG,
+                        target_transfer_tag: n.target_transfer_tag,
+                        cmd_sn: self.cmd_sn,
+                        exp_stat_sn: c.exp_stat_sn,
+                        data: n.data,
+                    }));
+                }
+            }
+            Pdu::TaskManagementResponse(t) => {
+                self.update_window(t.exp_cmd_sn, t.max_cmd_sn);
+                self.advance(conn, t.stat_sn);
+                let aborted = match self.tasks.get(&t.initiator_task_tag) {
+                    Some(Task {
+                        kind:
+                            TaskKind::Tmf {
+                                function: TaskManagementFunction::AbortTask,
+                                referenced,
+                            },
+                        ..
+                    }) if t.response == TmfResponse::FunctionComplete => Some(*referenced),
+                    _ => None,
+                };
+                self.complete(t.initiator_task_tag, Ok(Reply::Tmf(t.response)));
+                if let Some(itt) = aborted {
+                    self.complete(itt, Err(Failure::Aborted));
+                }
+            }
+            Pdu::LogoutResponse(l) => {
+                self.advance(conn, l.stat_sn);
+                self.complete(l.initiator_task_tag, Ok(Reply::Logout));
+                return Err(ConnectionError("logged out".into()));
+            }
+            Pdu::TextResponse(t) => {
+                self.update_window(t.exp_cmd_sn, t.max_cmd_sn);
+                self.advance(conn, t.stat_sn);
+                self.text_response(conn, t);
+            }
+            Pdu::Reject(r) => {
+                self.update_window(r.exp_cmd_sn, r.max_cmd_sn);
+                if let Some(h) = r.rejected_header() {
+                    self.complete(h.initiator_task_tag(), Err(Failure::Rejected(r.reason)));
+                }
+            }
+            Pdu::AsyncMessage(a) => {
+                self.update_window(a.exp_cmd_sn, a.max_cmd_sn);
+                if matches!(
+                    a.event,
+                    AsyncEvent::ConnectionDropped | AsyncEvent::SessionDropped
+                ) {
+                    return Err(ConnectionError(format!(
+                        "target dropping the connection ({:?})",
+                        a.event
+                    )));
+                }
+            }
+            other => {
+                return Err(ConnectionError(format!(
+                    "target sent an initiator PDU: {:?}",
+                    other.opcode()
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// Places Data-In payload, checking DataSN order and bounds; a bad PDU fails its command
+    /// only.
+    fn data_in(&mut self, d: DataIn) {
+        let Some(task) = self.tasks.get_mut(&d.initiator_task_tag) else {
+            return; // Already failed, aborted or forgotten.
+        };
+        let failure = match &mut task.kind {
+            TaskKind::Scsi {
+                read,
+                read_len,
+                received,
+                next_data_sn,
+                ..
+            } => {
+                let end = u64::from(d.buffer_offset) + d.data.len() as u64;
+                if d.data_sn != *next_data_sn {
+                    Some(format!(
+                        "Data-In DataSN {} where {} was due",
+                        d.data_sn, next_data_sn
+                    ))
+                } else if end > u64::from(*read_len) {
+                    Some(format!(
+                        "Data-In for bytes {}..{end} of a {read_len}-byte buffer",
+                        d.buffer_offset
+                    ))
+                } else {
+                    read[d.buffer_offset as usize..end as usize].copy_from_slice(&d.data);
+                    *received += d.data.len() as u32;
+                    *next_data_sn += 1;
+                    None
+                }
+            }
+            _ => Some("Data-In for a task that is not a SCSI command".into()),
+        };
+        if let Some(why) = failure {
+            return self.complete(d.initiator_task_tag, Err(Failure::Command(why)));
+        }
+        if let Some(s) = d.status {
+            self.finish_scsi(d.initiator_task_tag, s.status, None, s.residual);
+        }
+    }
+
+    fn scsi_response(&mut self, r: ScsiResponse) {
+        if r.response != ScsiResponseCode::CommandCompleted {
+            let why = format!("target failure ({:?})", r.response);
+            return self.complete(r.initiator_task_tag, Err(Failure::Command(why)));
+        }
+        let sense = r.sense();
+        self.finish_scsi(r.initiator_task_tag, r.status, sense, r.residual);
+    }
+
+    fn finish_scsi(
+        &mut self,
+        itt: u32,
+        status: ScsiStatus,
+        sense: Option<Bytes>,
+        residual: Residual,
+    ) {
+        let Some(task) = self.tasks.get_mut(&itt) else {
+            return;
+        };
+        let TaskKind::Scsi {
+            read,
+            read_len,
+            received,
+            ..
+        } = &mut task.kind
+        else {
+            let why = "SCSI status for a non-SCSI task".to_string();
+            return self.complete(itt, Err(Failure::Command(why)));
+        };
+        // What the residual says came, and never more than did come.
+        let len = match residual {
+            Residual::Underflow(n) => read_len.saturating_sub(n),
+            _ => *read_len,
+        }
+        .min(*received);
+        let mut data = std::mem::take(read);
+        data.truncate(len as usize);
+        let reply = ScsiReply {
+            status,
+            sense,
+            data: data.freeze(),
+            residual,
+        };
+        self.complete(itt, Ok(Reply::Scsi(reply)));
+    }
+
+    /// Answers an R2T with Data-Out PDUs from the command's data.
+    fn ready_to_transfer(&mut self, conn: usize, r2t: ReadyToTransfer) {
+        let itt = r2t.initiator_task_tag;
+        let Some(task) = self.tasks.get_mut(&itt) else {
+            return;
+        };
+        let checked = match &mut task.kind {
+            TaskKind::Scsi {
+                write, next_r2t_sn, ..
+            } => {
+                let end =
+                    u64::from(r2t.buffer_offset) + u64::from(r2t.desired_data_transfer_length);
+                if r2t.r2t_sn != *next_r2t_sn {
+                    Err(format!(
+                        "R2TSN {} where {} was due",
+                        r2t.r2t_sn, next_r2t_sn
+                    ))
+                } else if end > write.len() as u64 {
+                    Err(format!(
+                        "R2T for bytes {}..{end} of a {}-byte write",
+                        r2t.buffer_offset,
+                        write.len()
+                    ))
+                } else {
+                    *next_r2t_sn += 1;
+                    Ok(write.clone())
+                }
+            }
+            _ => Err("R2T for a task that is not a SCSI command".into()),
+        };
+        match checked {
+            Ok(data) => {
+                let seq = DataOutSequence {
+                    lun: r2t.lun,
+                    itt,
+                    ttt: r2t.target_transfer_tag,
+                    from: r2t.buffer_offset,
+                    to: r2t.buffer_offset + r2t.desired_data_transfer_length,
+                };
+                seq.queue(&mut self.conns[conn], &data);
+            }
+            Err(why) => self.complete(itt, Err(Failure::Command(why))),
+        }
+    }
+
+    fn text_response(&mut self, conn: usize, t: TextResponse) {
+        let itt = t.initiator_task_tag;
+        let Some(Task {
+            kind: TaskKind::Text { text },
+            ..
+        }) = self.tasks.get_mut(&itt)
+        else {
+            return;
+        };
+        match text.push(&t.data, t.continue_bit || !t.final_bit) {
+            Err(e) => {
+                let why = format!("text response: {e}");
+                self.complete(itt, Err(Failure::Command(why)));
+            }
+            Ok(Some(all)) => self.complete(itt, Ok(Reply::Text(all))),
+            Ok(None) => {
+                // Ask for the rest: an empty Text Request with the target's TTT.
+                let c = &mut self.conns[conn];
+                c.out.push_back(Pdu::TextRequest(TextRequest {
+                    immediate: true,
+                    final_bit: true,
+                    continue_bit: false,
+                    lun: t.lun,
+                    initiator_task_tag: itt,
+                    target_transfer_tag: t.target_transfer_tag,
+                    cmd_sn: self.cmd_sn,
+                    exp_stat_sn: c.exp_stat_sn,
+                    data: Bytes::new(),
+                }));
+            }
+        }
+    }
+}
+
+/// Data-Out PDUs for bytes `from..to` of a write: one sequence (DataSN from 0, F on the last),
+/// each at most the target's MaxRecvDataSegmentLength.
+struct DataOutSequence {
+    lun: Lun,
+    itt: u32,
+    ttt: u32,
+    from: u32,
+    to: u32,
+}
+
+impl DataOutSequence {
+    fn queue(&self, conn: &mut Connection, data: &Bytes) {
+        let max = conn.params.max_send_data_segment_length.max(512);
+        let mut offset = self.from;
+        let mut data_sn = 0;
+        while offset < self.to {
+            let n = max.min(self.to - offset);
+            conn.out.push_back(Pdu::DataOut(DataOut {
+                final_bit: offset + n == self.to,
+                lun: self.lun,
+                initiator_task_tag: self.itt,
+                target_transfer_tag: self.ttt,
+                exp_stat_sn: conn.exp_stat_sn,
+                data_sn,
+                buffer_offset: offset,
+                data: data.slice(offset as usize..(offset + n) as usize),
+            }));
+            offset += n;
+            data_sn += 1;
+        }
+    }
+}
