@@ -9,6 +9,7 @@ pub mod error;
 pub mod initiator;
 pub mod names;
 pub mod negotiation;
+pub mod pair;
 pub mod pdu;
 pub mod serial;
 pub mod target;

@@ -16,7 +16,7 @@ use bytes::{Bytes, BytesMut};
 use crate::negotiation::{ConnectionParams, SessionParams};
 use crate::text::TextReassembler;
 use crate::{
-    AsyncEvent, DataIn, DataOut, Digests, LogoutReason, LogoutRequest, Lun, NopOut, Pdu,
+    AsyncEvent, DataIn, DataOut, Digests, LogoutReason, LogoutRequest, Lun, NopOut, Opcode, Pdu,
     ReadyToTransfer, RejectReason, Residual, ScsiCommand, ScsiResponse, ScsiResponseCode,
     ScsiStatus, SerialNumber, TaskAttribute, TaskManagementFunction, TaskManagementRequest,
     TextRequest, TextResponse, TmfResponse, RESERVED_TAG,
@@ -142,6 +142,11 @@ enum TaskKind {
         /// The data of a write, sliced for each Data-Out.
         write: Bytes,
         next_r2t_sn: u32,
+        /// The command and its CmdSN, to send again when the target rejects it for a data
+        /// digest error (it has not taken the CmdSN: the gap must be filled).
+        command: Command,
+        cmd_sn: SerialNumber,
+        retries: u8,
     },
     Nop,
     Tmf {
@@ -317,6 +322,9 @@ impl Session {
             next_data_sn: 0,
             write: cmd.data_out.clone(),
             next_r2t_sn: 0,
+            command: cmd.clone(),
+            cmd_sn,
+            retries: 0,
         };
         self.tasks.insert(itt, Task { kind, conn: ci });
         Ok(itt)
@@ -613,7 +621,7 @@ impl Session {
             Pdu::Reject(r) => {
                 self.update_window(r.exp_cmd_sn, r.max_cmd_sn);
                 if let Some(h) = r.rejected_header() {
-                    self.complete(h.initiator_task_tag(), Err(Failure::Rejected(r.reason)));
+                    self.rejected(h.opcode(), h.initiator_task_tag(), r.reason);
                 }
             }
             Pdu::AsyncMessage(a) => {
@@ -636,6 +644,41 @@ impl Session {
             }
         }
         Ok(())
+    }
+
+    /// The target rejected a PDU of task `itt`. A SCSI Command rejected for a data digest error
+    /// was not taken (nor its CmdSN): it is sent again, same ITT and CmdSN, a few times. A
+    /// rejected Data-Out leaves the task to the target, which ends it with status. Any other
+    /// rejected request ends.
+    fn rejected(&mut self, opcode: Option<Opcode>, itt: u32, reason: RejectReason) {
+        const RETRIES: u8 = 3;
+        match opcode {
+            Some(Opcode::DataOut) => {}
+            Some(Opcode::ScsiCommand) if reason == RejectReason::DataDigestError => {
+                let Some(Task {
+                    kind:
+                        TaskKind::Scsi {
+                            command,
+                            cmd_sn,
+                            retries,
+                            next_r2t_sn,
+                            ..
+                        },
+                    conn,
+                }) = self.tasks.get_mut(&itt)
+                else {
+                    return;
+                };
+                if *retries >= RETRIES || !self.conns[*conn].alive {
+                    return self.complete(itt, Err(Failure::Rejected(reason)));
+                }
+                *retries += 1;
+                *next_r2t_sn = 0;
+                let (command, cmd_sn, conn) = (command.clone(), *cmd_sn, *conn);
+                self.queue_command(conn, &command, itt, cmd_sn);
+            }
+            _ => self.complete(itt, Err(Failure::Rejected(reason))),
+        }
     }
 
     /// Places Data-In payload, checking DataSN order and bounds; a bad PDU fails its command

@@ -272,6 +272,15 @@ impl Rig {
         }
         n.receive(Stage::LoginOperationalNegotiation, &keys)
             .expect("the rig's login negotiates");
+        Rig::after_login(options, n, SerialNumber(1))
+    }
+
+    /// A rig whose connection enters full feature phase after a login that ended in `n`, its
+    /// next StatSN `stat_sn` (the deterministic pair logs in through the target's [`Login`]
+    /// machine and hands over here).
+    ///
+    /// [`Login`]: super::Login
+    pub fn after_login(options: Options, n: Negotiator, stat_sn: SerialNumber) -> Rig {
         let c = *n.connection();
         let op = n.session().operational;
         let digests = Digests {
@@ -306,7 +315,7 @@ impl Rig {
         from_target.set_max_recv_data_segment_length(c.max_send_data_segment_length.max(512));
         let now = Instant::now();
         Rig {
-            conn: Connection::new(now, options.settings, n, op, SerialNumber(1)),
+            conn: Connection::new(now, options.settings, n, op, stat_sn),
             nexus: LocalNexus {
                 device,
                 nexus,
@@ -407,6 +416,21 @@ impl Rig {
         self.grant_buffers();
         self.run();
         self.tx.clear();
+    }
+
+    /// The bytes the target has sent since the last call, as they go on the wire. They are
+    /// decoded and checked on the way as [`Rig::responses`] does (and so panic on a broken
+    /// promise); mix the two only at PDU boundaries.
+    pub fn take_sent(&mut self) -> Bytes {
+        let bytes = self.tx.split().freeze();
+        self.from_target.feed(&bytes);
+        loop {
+            match self.from_target.next_pdu() {
+                Ok(Some(p)) => self.check(&p),
+                Ok(None) => return bytes,
+                Err(e) => panic!("the target sent a malformed PDU: {e}"),
+            }
+        }
     }
 
     /// The PDUs the target has sent since the last call, decoded as the initiator would. Panics

@@ -1,0 +1,328 @@
+//! The deterministic pair: the initiator's and the target's machines against each other on a
+//! virtual clock, through links that cut, delay, lose and corrupt bytes. Both sides log in
+//! through their own login machines; every run is the same run.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use iscsi_pdu::initiator::{Command, Failure, Reply, ScsiReply};
+use iscsi_pdu::pair::{Faults, Pair, PairOptions};
+use iscsi_pdu::target::Close;
+use iscsi_pdu::{Lun, ScsiStatus, TaskManagementFunction, TmfResponse};
+use proptest::prelude::*;
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+fn cdb16(op: u8, lba: u64, blocks: u32) -> [u8; 16] {
+    let mut c = [0u8; 16];
+    c[0] = op;
+    c[2..10].copy_from_slice(&lba.to_be_bytes());
+    c[10..14].copy_from_slice(&blocks.to_be_bytes());
+    c
+}
+
+fn write(lba: u64, data: Bytes) -> Command {
+    let blocks = (data.len() / 512) as u32;
+    Command::write(Lun::ZERO, cdb16(0x8a, lba, blocks), data)
+}
+
+fn read(lba: u64, blocks: u32) -> Command {
+    Command::read(Lun::ZERO, cdb16(0x88, lba, blocks), blocks * 512)
+}
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
+        .collect()
+}
+
+fn scsi(r: Option<Result<Reply, Failure>>) -> ScsiReply {
+    match r {
+        Some(Ok(Reply::Scsi(s))) => s,
+        other => panic!("a SCSI reply, not {other:?}"),
+    }
+}
+
+fn good(r: Option<Result<Reply, Failure>>) -> Bytes {
+    let s = scsi(r);
+    assert_eq!(s.status, ScsiStatus::GOOD, "{s:?}");
+    s.data
+}
+
+/// A pair whose power-on unit attention has been taken by a TEST UNIT READY.
+fn pair(options: PairOptions) -> Pair {
+    let mut p = Pair::new(options);
+    let tur = Command::new(Lun::ZERO, [0; 16]);
+    let r = scsi(p.execute(&tur));
+    assert_eq!(
+        r.status,
+        ScsiStatus::CHECK_CONDITION,
+        "power on reported once"
+    );
+    good(p.execute(&tur));
+    p
+}
+
+/// Small segments and bursts on both sides, so that a few KiB take many PDUs and R2Ts.
+fn small(initial_r2t: bool, immediate_data: bool, digests: bool) -> PairOptions {
+    let mut o = PairOptions::default();
+    let t = &mut o.target.target;
+    t.max_recv_data_segment_length = 8192;
+    t.operational.first_burst_length = 16384;
+    t.operational.max_burst_length = 65536;
+    t.operational.max_outstanding_r2t = 4;
+    let i = &mut o.initiator;
+    i.max_recv_data_segment_length = 4096;
+    i.operational.initial_r2t = initial_r2t;
+    i.operational.immediate_data = immediate_data;
+    i.operational.first_burst_length = 16384;
+    i.operational.max_burst_length = 65536;
+    if digests {
+        use iscsi_pdu::negotiation::DigestAlgorithm::{Crc32c, None};
+        for s in [&mut o.target.target, &mut o.initiator] {
+            s.header_digest = vec![Crc32c, None];
+            s.data_digest = vec![Crc32c, None];
+        }
+        o.initiator.header_digest = vec![Crc32c];
+        o.initiator.data_digest = vec![Crc32c];
+    }
+    o
+}
+
+#[test]
+fn both_login_machines_agree_and_every_r2t_path_moves_the_bytes() {
+    for (initial_r2t, immediate_data) in
+        [(false, true), (true, true), (false, false), (true, false)]
+    {
+        let mut p = pair(small(initial_r2t, immediate_data, false));
+        let op = p.params().operational;
+        assert_eq!(
+            (op.initial_r2t, op.immediate_data),
+            (initial_r2t, immediate_data)
+        );
+        for (n, bytes) in [512usize, 8192, 16384 + 512, 65536 + 4096, 300 * 1024]
+            .into_iter()
+            .enumerate()
+        {
+            let lba = n as u64 * 1024;
+            let data = pattern(bytes, n as u8);
+            good(p.execute(&write(lba, data.clone())));
+            assert!(
+                p.rig.stored(lba, (bytes / 512) as u32) == data,
+                "stored {bytes}"
+            );
+            let back = good(p.execute(&read(lba, (bytes / 512) as u32)));
+            assert!(back == data, "read back {bytes}");
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    /// Writes and reads in flight together, every byte stream cut at random points both ways,
+    /// with and without digests, with a delay: the same bytes land and come back.
+    #[test]
+    fn any_cut_and_delay_gives_the_same_result(
+        seed in 1u64..u64::MAX,
+        digests in any::<bool>(),
+        delay_us in 0u64..2000,
+        initial_r2t in any::<bool>(),
+    ) {
+        let mut p = pair(small(initial_r2t, true, digests));
+        let faults = Faults {
+            cut: Some(seed),
+            delay: Duration::from_micros(delay_us),
+            ..Faults::default()
+        };
+        p.set_faults(faults.clone(), Faults { cut: Some(seed ^ 0x5555), ..faults });
+        let writes: Vec<_> = (0..6u8)
+            .map(|k| {
+                let data = pattern(4096 * (1 + k as usize), k);
+                (u64::from(k) * 256, data)
+            })
+            .collect();
+        let itts: Vec<u32> = writes
+            .iter()
+            .map(|(lba, data)| p.start(&write(*lba, data.clone())).expect("in the window"))
+            .collect();
+        for itt in itts {
+            good(p.wait(itt, MINUTE));
+        }
+        let reads: Vec<u32> = writes
+            .iter()
+            .map(|(lba, data)| p.start(&read(*lba, (data.len() / 512) as u32)).expect("window"))
+            .collect();
+        for ((_, data), itt) in writes.iter().zip(reads) {
+            prop_assert!(good(p.wait(itt, MINUTE)) == *data);
+        }
+    }
+}
+
+#[test]
+fn a_command_whose_data_digest_fails_is_sent_again_and_fills_its_cmd_sn() {
+    let mut p = pair(small(false, true, true));
+    // Past the 48-byte header and its 4-byte digest: inside the immediate data.
+    let flip = Faults {
+        flip: Some(48 + 4 + 100),
+        ..Faults::default()
+    };
+    p.set_faults(flip, Faults::default());
+    let data = pattern(4096, 9);
+    good(p.execute(&write(8, data.clone())));
+    assert!(p.rig.stored(8, 8) == data, "the retried write landed whole");
+    // The CmdSN the rejected copy carried was filled: later commands run.
+    assert!(good(p.execute(&read(8, 8))) == data);
+}
+
+#[test]
+fn a_data_out_whose_digest_fails_ends_its_command_with_check_condition() {
+    let mut p = pair(small(true, false, true));
+    // The command goes first (a header and its digest, no data: ImmediateData=No), then the
+    // Data-Out answering the R2T: its data starts after its own header and digest.
+    let flip = Faults {
+        flip: Some(52 + 52 + 10),
+        ..Faults::default()
+    };
+    p.set_faults(flip, Faults::default());
+    let itt = p.start(&write(0, pattern(8192, 4))).expect("window");
+    let r = scsi(p.wait(itt, MINUTE));
+    assert_eq!(r.status, ScsiStatus::CHECK_CONDITION);
+    let sense = r.sense.expect("sense");
+    assert_eq!((sense[2] & 0x0f, sense[12], sense[13]), (0x0b, 0x47, 0x05));
+    // The session goes on.
+    good(p.execute(&read(0, 1)));
+}
+
+#[test]
+fn a_flipped_header_bit_closes_the_connection_and_fails_its_tasks() {
+    let mut p = pair(small(false, true, true));
+    p.set_faults(
+        Faults {
+            flip: Some(20),
+            ..Faults::default()
+        },
+        Faults::default(),
+    );
+    let r = p.execute(&read(0, 8));
+    assert!(
+        matches!(r, Some(Err(Failure::ConnectionLost(_)))),
+        "the task fails with the connection: {r:?}"
+    );
+    assert!(p
+        .rig
+        .closed
+        .as_deref()
+        .is_some_and(|w| w.contains("digest")));
+    assert!(!p.initiator.is_alive());
+    assert!(p.rig.conn.is_idle());
+}
+
+#[test]
+fn a_cut_link_is_found_by_the_targets_ping_in_virtual_time() {
+    let mut p = pair(PairOptions::default());
+    // Nothing from the initiator reaches the target any more.
+    p.set_faults(
+        Faults {
+            lose_after: Some(0),
+            ..Faults::default()
+        },
+        Faults::default(),
+    );
+    let start = p.now();
+    let closed = p.run_until(|p| p.rig.closed.is_some(), MINUTE);
+    assert!(closed, "the target gave up on the initiator");
+    assert_eq!(p.rig.conn.closing(), Some(Close::NoPingAnswer));
+    // Ping after 5 s of silence, drop 5 s later (the rig's defaults).
+    assert_eq!(p.now() - start, Duration::from_secs(10));
+    // The initiator answered the ping; its answer was lost on the way.
+    assert!(p.initiator_closed.is_some());
+}
+
+#[test]
+fn an_answered_ping_keeps_an_idle_connection() {
+    let mut p = pair(PairOptions::default());
+    let stayed = !p.run_until(|p| p.rig.closed.is_some(), Duration::from_secs(120));
+    assert!(stayed, "pinged every 5 s and answered, for two minutes");
+    good(p.execute(&read(0, 1)));
+}
+
+#[test]
+fn the_window_holds_commands_back_until_the_target_opens_it() {
+    let mut o = PairOptions::default();
+    o.target.window = 4;
+    let mut p = pair(o);
+    p.rig.hold_backend = true;
+    let started: Vec<_> = (0..6).map(|k| p.start(&read(k, 1))).collect();
+    assert!(started[..4].iter().all(Result::is_ok), "{started:?}");
+    assert!(
+        started[4..]
+            .iter()
+            .all(|r| *r == Err(iscsi_pdu::initiator::StartError::WindowClosed)),
+        "{started:?}"
+    );
+    p.rig.hold_backend = false;
+    while p.rig.release_backend() {
+        p.pump();
+    }
+    for itt in started.into_iter().flatten() {
+        good(p.wait(itt, MINUTE));
+    }
+    // The window moved with the responses: the two held back may go now.
+    for k in 4..6 {
+        good(p.execute(&read(k, 1)));
+    }
+}
+
+#[test]
+fn abort_task_ends_the_task_on_both_sides() {
+    let mut p = pair(PairOptions::default());
+    p.rig.hold_backend = true;
+    let itt = p.start(&read(0, 8)).expect("window");
+    let tmf = p
+        .start_with(|s| {
+            s.start_task_management(TaskManagementFunction::AbortTask, Lun::ZERO, Some(itt))
+        })
+        .expect("immediate");
+    p.rig.hold_backend = false;
+    while p.rig.release_backend() {
+        p.pump();
+    }
+    match p.wait(tmf, MINUTE) {
+        Some(Ok(Reply::Tmf(TmfResponse::FunctionComplete))) => {}
+        other => panic!("{other:?}"),
+    }
+    let aborted = p.done.remove(&itt);
+    assert!(
+        matches!(aborted, Some(Err(Failure::Aborted))),
+        "{aborted:?}"
+    );
+    assert!(p.rig.conn.is_idle());
+    good(p.execute(&read(0, 1)));
+}
+
+#[test]
+fn send_targets_in_full_feature_phase() {
+    let mut p = pair(PairOptions::default());
+    let itt = p
+        .start_with(|s| s.start_text(Bytes::from_static(b"SendTargets=All\0")))
+        .expect("immediate");
+    match p.wait(itt, MINUTE) {
+        Some(Ok(Reply::Text(t))) => assert!(
+            t.starts_with(b"TargetName=iqn.2026-11.io.example:rig\0"),
+            "{t:?}"
+        ),
+        other => panic!("{other:?}"),
+    }
+    good(p.execute(&read(0, 1)));
+}
+
+#[test]
+fn logout_ends_the_session_cleanly() {
+    let mut p = pair(PairOptions::default());
+    let itt = p.start_with(|s| s.start_logout()).expect("immediate");
+    match p.wait(itt, MINUTE) {
+        Some(Ok(Reply::Logout)) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(p.initiator_closed.as_deref() == Some("logged out"));
+}
