@@ -196,6 +196,9 @@ pub struct Pair {
     pub done: HashMap<u32, Result<Reply, Failure>>,
     /// Why the initiator's connection closed, once it has.
     pub initiator_closed: Option<String>,
+    /// Whether the target's end has been torn down (as a daemon does once a connection
+    /// closes: its tasks end, the session's nexus closes).
+    torn_down: bool,
 }
 
 impl Pair {
@@ -264,6 +267,7 @@ impl Pair {
             to_initiator: Link::default(),
             done: HashMap::new(),
             initiator_closed: None,
+            torn_down: false,
         };
         pair.to_target.arm(options.to_target);
         pair.to_initiator.arm(options.to_initiator);
@@ -355,6 +359,7 @@ impl Pair {
                     self.initiator_lost(format!("target closed: {why}"));
                     moved = true;
                 }
+                self.tear_down();
             }
             if !moved {
                 return;
@@ -387,7 +392,13 @@ impl Pair {
     fn initiator_lost(&mut self, why: String) {
         self.initiator_closed = Some(why.clone());
         self.initiator.connection_lost(0, &why);
-        if self.rig.closed.is_none() {
+        self.tear_down();
+    }
+
+    /// The target's end is gone: its tasks end and the session's nexus closes.
+    fn tear_down(&mut self) {
+        if !self.torn_down {
+            self.torn_down = true;
             self.rig.drop_connection();
         }
     }
