@@ -122,7 +122,7 @@ impl Server {
         lock(&self.registry.portals).clone()
     }
 
-    /// The shared state (for embedding and tests).
+    /// The registry every part shares (for embedding and tests).
     pub fn registry(&self) -> Arc<Registry> {
         self.registry.clone()
     }
