@@ -161,7 +161,10 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
     // target waits for forever, as RFC 7143 says); an initiator's timeout is what ends such a
     // task, and the pair has none. With digests every flip is caught.
     let detectable = setup.flip.is_none() || setup.digests;
-    assert!(ended || !detectable, "a task never ended on a live connection");
+    assert!(
+        ended || !detectable,
+        "a task never ended on a live connection"
+    );
     settle(&p, &writes, &mut settled, &mut model);
     if p.initiator_closed.is_some() || p.rig.closed.is_some() {
         p.run_until(|_| false, Duration::from_secs(1));
