@@ -6,7 +6,7 @@
 //! connection.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::{Bytes, BytesMut};
@@ -36,16 +36,14 @@ struct State {
 /// One login of a session: its machine and the channels to its connections' writers.
 #[derive(Debug)]
 struct Inner {
-    params: SessionParams,
-    tsih: u16,
     state: Mutex<State>,
     window: Notify,
     writers: Vec<mpsc::UnboundedSender<Bytes>>,
     dead: AtomicBool,
     /// Set when the login is shut down, to wake readers blocked on a silent target.
     closed: watch::Sender<bool>,
-    connections: AtomicUsize,
 }
+
 /// Session statistics since login.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SessionInfo {
@@ -143,7 +141,7 @@ impl Session {
 
     /// The negotiated session parameters.
     pub fn params(&self) -> Option<SessionParams> {
-        self.current().map(|i| i.params.clone())
+        self.current().map(|i| i.state().machine.params().clone())
     }
 
     /// The command window the target grants now: (ExpCmdSN, MaxCmdSN); MaxCmdSN - ExpCmdSN + 1
@@ -161,8 +159,8 @@ impl Session {
     pub fn info(&self) -> SessionInfo {
         self.current()
             .map_or_else(SessionInfo::default, |i| SessionInfo {
-                tsih: i.tsih,
-                connections: i.connections.load(Ordering::Relaxed),
+                tsih: i.state().machine.tsih(),
+                connections: i.writers.len(),
             })
     }
 
@@ -605,9 +603,6 @@ fn start_inner(
         halves.push((r, w, rx, deframer));
     }
     let inner = Arc::new(Inner {
-        params: lead.session.clone(),
-        tsih: lead.tsih,
-        connections: AtomicUsize::new(writers.len()),
         state: Mutex::new(State {
             machine,
             replies: HashMap::new(),
