@@ -18,8 +18,8 @@ use crate::pr::{PrState, PrStore};
 use crate::sense::{Asc, Sense, SenseKey};
 use crate::spc::opcodes::{self, Access, CommandInfo};
 use crate::task::{
-    Action, Command, DataIn, NexusId, Residual, Status, TaskAttribute, TaskId, TmfFunction,
-    TmfResponse,
+    Action, Command, DataIn, Delegation, NexusId, Residual, Status, TaskAttribute, TaskId,
+    TmfFunction, TmfResponse,
 };
 
 /// Why a task ended without GOOD status: each becomes the status (and sense) of the response.
@@ -137,6 +137,8 @@ enum Phase {
     DataOut,
     Locked,
     Backend,
+    /// Handed to the transport to finish ([`Action::Delegated`]) until it is retired.
+    Delegated,
 }
 
 #[derive(Debug)]
@@ -228,6 +230,8 @@ pub struct Device {
     seq: u64,
     tmfs: Vec<PendingTmf>,
     pub(crate) store: Option<Box<dyn PrStore>>,
+    /// Plain reads and writes are delegated to the transport ([`Device::set_delegation`]).
+    delegate: bool,
 }
 
 impl std::fmt::Debug for Device {
@@ -323,7 +327,17 @@ impl Device {
             seq: 0,
             tmfs: Vec::new(),
             store: None,
+            delegate: false,
         }
+    }
+
+    /// Whether plain reads and writes are delegated to the transport ([`Action::Delegated`]):
+    /// READ and WRITE commands of one backend operation then end without another call into
+    /// the core but [`Device::retire`], which a transport that locks the core per call may make
+    /// without the lock (queued, and applied by whoever holds it next). Off by default, so a
+    /// transport that does not finish tasks by itself never sees such an action.
+    pub fn set_delegation(&mut self, on: bool) {
+        self.delegate = on;
     }
 
     /// Persists APTPL reservations through `store`, and loads what it holds for the units
@@ -375,6 +389,11 @@ impl Device {
         self.tasks.len() - self.free_tasks.len()
     }
 
+    /// The transport's tag of a live task.
+    pub fn tag(&self, task: TaskId) -> Option<u64> {
+        self.task(task).ok().map(|t| t.tag)
+    }
+
     /// Adds a logical unit; nexuses already connected get REPORTED LUNS DATA HAS CHANGED.
     pub fn add_lu(&mut self, index: u16, unit: LogicalUnit) -> Result<(), DeviceError> {
         if index > MAX_LUN || self.lu(index).is_some() {
@@ -418,9 +437,15 @@ impl Device {
             return Err(DeviceError::Lun(index));
         }
         let doomed = self.select_tasks(|t| t.lun == index);
-        self.abort_tasks(&doomed, None);
-        // Tasks still in the backend keep the slot until they end; the unit is gone for new
-        // commands at once.
+        let survivors = self.abort_tasks(&doomed, None);
+        // Tasks still in the backend (or at their transport) keep their slot until they end;
+        // the unit is gone for new commands at once, and they no longer count in its task set
+        // (a unit added again at this LUN starts with an empty one).
+        for id in survivors {
+            if let Ok(t) = self.task_mut(id) {
+                t.in_set = false;
+            }
+        }
         self.lus[usize::from(index)] = None;
         let luns = self.luns();
         for n in self.nexuses.iter_mut().filter_map(|s| s.value.as_mut()) {
@@ -748,6 +773,13 @@ impl Device {
             Err(e) => self.complete(id, Err(e)),
             Ok(Step::Done(reply)) => self.complete(id, Ok(reply)),
             Ok(Step::Ops(ops, finish)) => {
+                if let (OpList::One(op @ Op::Read { .. }), Finish::ReadData { len }) =
+                    (&ops, finish)
+                {
+                    if self.delegated(id, *op, 0, len) {
+                        return;
+                    }
+                }
                 if let Ok(t) = self.task_mut(id) {
                     t.ops = ops;
                     t.finish = finish;
@@ -782,6 +814,12 @@ impl Device {
                 if len == 0 && matches!(then, AfterData::Ops(OpList::Empty, _)) {
                     return self.complete(id, Ok(Reply::Good));
                 }
+                if let AfterData::Ops(OpList::One(op @ Op::Write { .. }), Finish::Good) = &then {
+                    if len > 0 && self.delegated(id, *op, len, 0) {
+                        return;
+                    }
+                }
+                let Ok(t) = self.task_mut(id) else { return };
                 t.after = Some(then);
                 t.phase = Phase::DataOut;
                 if len == 0 {
@@ -792,6 +830,94 @@ impl Device {
                     .push_back(Action::DataOut { task: id, tag, len });
             }
         }
+    }
+
+    /// Delegates a plain read (`read` bytes of data-in) or write (`data_out` bytes) to the
+    /// transport, if delegation is on and a write's block range is free now (else the task
+    /// goes the ordinary way, waiting for its range in order). Returns whether it did.
+    fn delegated(&mut self, id: TaskId, mut op: Op, data_out: u32, read: u32) -> bool {
+        if !self.delegate {
+            return false;
+        }
+        let Ok(t) = self.task(id) else { return false };
+        let lun = t.lun;
+        let Some(lu) = self.lu(lun) else { return false };
+        let d_sense = lu.d_sense;
+        if let Op::Write { fua, .. } = &mut op {
+            // Write-through: every write is forced to the medium, as issue_next does.
+            *fua |= !lu.unit.geometry.write_cache;
+        }
+        if let Some((start, blocks)) = op.written_range() {
+            let end = start.saturating_add(blocks);
+            let busy = lu.locks.iter().any(|&(_, s, e)| s < end && start < e);
+            if busy || !lu.lock_waiters.is_empty() {
+                return false;
+            }
+            self.lu_mut(lun)
+                .expect("checked")
+                .locks
+                .push((id, start, end));
+        }
+        let t = self.task_mut(id).expect("checked");
+        let plan = if data_out == 0 {
+            Delegation {
+                data_in: read.min(t.data_in_len),
+                residual: Residual::of(u64::from(read), t.data_in_len),
+                failed_residual: residual_without_data(t, false),
+                d_sense,
+            }
+        } else {
+            Delegation {
+                data_in: 0,
+                residual: residual_without_data(t, true),
+                failed_residual: residual_without_data(t, false),
+                d_sense,
+            }
+        };
+        t.phase = Phase::Delegated;
+        t.current = Some(op);
+        t.op_lun = lun;
+        let tag = t.tag;
+        self.actions.push_back(Action::Delegated {
+            task: id,
+            tag,
+            lun,
+            op,
+            data_out,
+            plan,
+        });
+        true
+    }
+
+    /// A delegated task ([`Action::Delegated`]) has ended at its transport: it leaves the task
+    /// set, a write's block range is free again, and what waited for it goes on.
+    pub fn retire(&mut self, id: TaskId) -> Result<(), DeviceError> {
+        let t = self.task_mut(id)?;
+        if t.phase != Phase::Delegated {
+            return Err(DeviceError::WrongPhase);
+        }
+        let lun = t.op_lun;
+        if t.current.take().and_then(|o| o.written_range()).is_some() {
+            if let Some(lu) = self.lu_mut(lun) {
+                lu.locks.retain(|&(holder, _, _)| holder != id);
+            }
+            self.retry_lock_waiters(lun);
+        }
+        self.end(id, None);
+        Ok(())
+    }
+
+    /// Whether retiring a delegated task could let something go on now: a dormant task, a
+    /// write waiting for a block range, or a task management function waiting for tasks to
+    /// end. A transport that queues retirements checks this before it lets the core go, and
+    /// retires at once while it holds.
+    pub fn awaits_retirement(&self) -> bool {
+        !self.tmfs.is_empty()
+            || self
+                .lus
+                .iter()
+                .flatten()
+                .any(|lu| lu.dormant > 0 || !lu.lock_waiters.is_empty())
     }
 
     /// The data-out asked for by [`Action::DataOut`] is in the task's buffer; `data` is that
@@ -842,14 +968,14 @@ impl Device {
                     let residual = Residual::of(u64::from(len), t.data_in_len);
                     return self.end(
                         id,
-                        Action::Complete {
+                        Some(Action::Complete {
                             task: id,
                             tag,
                             status: Status::Good,
                             sense: None,
                             data_in: DataIn::Buffer { len: sent },
                             residual,
-                        },
+                        }),
                     );
                 }
                 Finish::LbaStatus { lba, alloc } => Ok(Reply::Data(
@@ -966,7 +1092,7 @@ impl Device {
         let t = self.task_mut(id).expect("checked");
         if t.aborted {
             let tag = t.tag;
-            self.end(id, Action::Aborted { task: id, tag });
+            self.end(id, Some(Action::Aborted { task: id, tag }));
             return Ok(());
         }
         match result {
@@ -995,31 +1121,22 @@ impl Device {
                 d.truncate(t.data_in_len as usize);
                 (DataIn::Parameter(d), residual)
             }
-            None => {
-                // Nothing moved in: the command's own length (if known) against the larger of
-                // the expected lengths.
-                let expected = t.data_in_len.max(t.data_out_len);
-                let residual = match t.wanted {
-                    Some(w) if status == Status::Good || w > u64::from(expected) => {
-                        Residual::of(w, expected)
-                    }
-                    _ if expected > 0 => Residual::Underflow(expected),
-                    _ => Residual::None,
-                };
-                (DataIn::None, residual)
-            }
+            None => (
+                DataIn::None,
+                residual_without_data(t, status == Status::Good),
+            ),
         };
         let tag = t.tag;
         self.end(
             id,
-            Action::Complete {
+            Some(Action::Complete {
                 task: id,
                 tag,
                 status,
                 sense,
                 data_in,
                 residual,
-            },
+            }),
         );
     }
 
@@ -1041,12 +1158,13 @@ impl Device {
     }
 
     /// Removes a task from the task set, emits its last action, and lets waiting tasks go.
-    fn end(&mut self, id: TaskId, last: Action) {
+    /// A retired task (`last` is `None`) has nothing more to say.
+    fn end(&mut self, id: TaskId, last: Option<Action>) {
         let slot = &mut self.tasks[id.index as usize];
         let Some(t) = slot.value.take() else { return };
         slot.generation = slot.generation.wrapping_add(1);
         self.free_tasks.push(id.index);
-        self.actions.push_back(last);
+        self.actions.extend(last);
         if t.phase == Phase::Locked && t.op_lun != t.lun {
             if let Some(lu) = self.lu_mut(t.op_lun) {
                 lu.lock_waiters.retain(|&w| w != id);
@@ -1152,13 +1270,18 @@ impl Device {
     /// the nexus on whose behalf the tasks are aborted: other nexuses' tasks leave them a
     /// COMMANDS CLEARED BY ANOTHER INITIATOR unit attention (TAS is zero).
     fn abort_tasks(&mut self, ids: &[TaskId], by: Option<NexusId>) -> Vec<TaskId> {
+        // Delegated tasks learn of their first abort only: they end at their transport.
+        let mut first = Vec::with_capacity(ids.len());
         for &id in ids {
             if let Ok(t) = self.task_mut(id) {
+                first.push(!t.aborted);
                 t.aborted = true;
+            } else {
+                first.push(false);
             }
         }
         let mut in_flight = Vec::new();
-        for &id in ids {
+        for (&id, first) in ids.iter().zip(first) {
             let Ok(t) = self.task(id) else { continue };
             let (nexus, lun, tag, phase) = (t.nexus, t.lun, t.tag, t.phase);
             if by.is_some_and(|b| b != nexus) {
@@ -1166,10 +1289,15 @@ impl Device {
                     push_ua(n, lun, Asc::COMMANDS_CLEARED_BY_ANOTHER_INITIATOR);
                 }
             }
-            if phase == Phase::Backend {
+            if phase == Phase::Delegated {
+                in_flight.push(id);
+                if first {
+                    self.actions.push_back(Action::Aborted { task: id, tag });
+                }
+            } else if phase == Phase::Backend {
                 in_flight.push(id);
             } else {
-                self.end(id, Action::Aborted { task: id, tag });
+                self.end(id, Some(Action::Aborted { task: id, tag }));
             }
         }
         in_flight
@@ -1332,6 +1460,17 @@ impl Device {
         let doomed = self.select_tasks(|t| t.lun == lun && ids.contains(&t.nexus));
         let doomed: Vec<TaskId> = doomed.into_iter().filter(|&t| t != except).collect();
         self.abort_tasks(&doomed, None);
+    }
+}
+
+/// The residual of a task that ends with no data-in: the command's own length (if known)
+/// against the larger of the expected lengths.
+fn residual_without_data(t: &Task, good: bool) -> Residual {
+    let expected = t.data_in_len.max(t.data_out_len);
+    match t.wanted {
+        Some(w) if good || w > u64::from(expected) => Residual::of(w, expected),
+        _ if expected > 0 => Residual::Underflow(expected),
+        _ => Residual::None,
     }
 }
 

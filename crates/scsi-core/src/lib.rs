@@ -35,6 +35,6 @@ pub use lu::{Geometry, Identity, Limits, LogicalUnit, TargetPort};
 pub use nexus::{ItNexus, TransportId};
 pub use sense::{Asc, FieldIn, FieldPointer, Sense, SenseBytes, SenseKey};
 pub use task::{
-    Action, Command, DataIn, NexusId, Residual, Status, TaskAttribute, TaskId, TmfFunction,
-    TmfResponse,
+    Action, Command, DataIn, Delegation, NexusId, Outcome, Residual, Status, TaskAttribute, TaskId,
+    TmfFunction, TmfResponse,
 };

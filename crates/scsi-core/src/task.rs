@@ -1,8 +1,8 @@
 //! The vocabulary between a transport and the core (SAM-5 sections 5 and 8): commands in,
 //! actions out, task attributes, status, residuals and task management.
 
-use crate::backend::Op;
-use crate::sense::SenseBytes;
+use crate::backend::{BackendError, Op};
+use crate::sense::{Sense, SenseBytes};
 
 /// Task attribute (SAM-5 section 8.6): how a command is ordered in the task set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -53,6 +53,21 @@ impl TaskId {
     /// per-task state in a vector indexed by it.
     pub fn index(&self) -> usize {
         self.index as usize
+    }
+
+    /// The handle as one integer, for a transport that passes handles through atomics (a
+    /// lock-free queue of tasks to retire).
+    pub fn to_bits(self) -> u64 {
+        u64::from(self.generation) << 32 | u64::from(self.index)
+    }
+
+    /// The handle [`TaskId::to_bits`] made. Any integer gives a handle; one the device never
+    /// issued is stale, which every call that takes a handle checks.
+    pub fn from_bits(bits: u64) -> TaskId {
+        TaskId {
+            index: bits as u32,
+            generation: (bits >> 32) as u32,
+        }
     }
 }
 
@@ -156,6 +171,30 @@ pub enum Action {
         /// The operation.
         op: Op,
     },
+    /// A plain read or write the transport carries out to the end by itself: fetch `data_out`
+    /// bytes of data-out into the task's buffer (none for a read), run `op` on logical unit
+    /// `lun` with it, send the status [`Delegation::outcome`] gives for the operation's result,
+    /// then call [`Device::retire`](crate::Device::retire). The core does not hear of the data
+    /// or the backend, so such a command costs its transport one call into the core (the
+    /// submission), which is what lets a transport that shares the core between threads take
+    /// the core's lock once per command. The core holds the task, and a write's block range,
+    /// until it is retired. If the task is aborted meanwhile, [`Action::Aborted`] names it: the
+    /// transport sends nothing for it and retires it once its operation, if started, has
+    /// returned.
+    Delegated {
+        /// The task.
+        task: TaskId,
+        /// Its tag.
+        tag: u64,
+        /// The LUN index.
+        lun: u16,
+        /// The operation.
+        op: Op,
+        /// Bytes of data-out to fetch before running `op` (0 for a read).
+        data_out: u32,
+        /// How the task ends.
+        plan: Delegation,
+    },
     /// The task has ended: send the data-in, then the status (with sense when there is any).
     Complete {
         /// The task (its handle is free from now on).
@@ -171,9 +210,10 @@ pub enum Action {
         /// Residual for the response.
         residual: Residual,
     },
-    /// The task was aborted: send nothing for it and release its buffer.
+    /// The task was aborted: send nothing for it and release its buffer. A delegated task
+    /// ([`Action::Delegated`]) is retired once its operation, if started, has returned.
     Aborted {
-        /// The task (its handle is free from now on).
+        /// The task (its handle is free from now on, unless it was delegated).
         task: TaskId,
         /// Its tag.
         tag: u64,
@@ -187,6 +227,59 @@ pub enum Action {
         /// The outcome.
         response: TmfResponse,
     },
+}
+
+/// How a delegated task ([`Action::Delegated`]) ends, decided by the core when it delegated
+/// it: the transport only says whether the backend operation succeeded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delegation {
+    /// Bytes of the buffer to send as data-in when the operation succeeds (a read's data,
+    /// already limited to the expected length; 0 for a write).
+    pub data_in: u32,
+    /// The residual with GOOD status.
+    pub residual: Residual,
+    /// The residual with CHECK CONDITION.
+    pub failed_residual: Residual,
+    /// Sense in descriptor format (the unit's D_SENSE).
+    pub d_sense: bool,
+}
+
+/// How a task ends: its status, sense, data-in and residual.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// Status.
+    pub status: Status,
+    /// Sense data, with CHECK CONDITION.
+    pub sense: Option<SenseBytes>,
+    /// Data-in to send before the status.
+    pub data_in: DataIn,
+    /// Residual.
+    pub residual: Residual,
+}
+
+impl Delegation {
+    /// The task's ending after its operation returned `result`: GOOD with the data-in, or
+    /// CHECK CONDITION with the sense the core gives the backend's error.
+    pub fn outcome(&self, result: Result<(), BackendError>) -> Outcome {
+        match result {
+            Ok(()) => Outcome {
+                status: Status::Good,
+                sense: None,
+                data_in: if self.data_in > 0 {
+                    DataIn::Buffer { len: self.data_in }
+                } else {
+                    DataIn::None
+                },
+                residual: self.residual,
+            },
+            Err(e) => Outcome {
+                status: Status::CheckCondition,
+                sense: Some(Sense::from(e).encode(self.d_sense)),
+                data_in: DataIn::None,
+                residual: self.failed_residual,
+            },
+        }
+    }
 }
 
 /// Task management functions (SAM-5 section 7).

@@ -8,7 +8,9 @@ use crate::backend::{Backend, MemoryBackend, Op};
 use crate::device::Device;
 use crate::lu::LogicalUnit;
 use crate::nexus::TransportId;
-use crate::task::{Action, Command, DataIn, NexusId, Residual, Status, TaskAttribute, TaskId};
+use crate::task::{
+    Action, Command, DataIn, Delegation, NexusId, Residual, Status, TaskAttribute, TaskId,
+};
 use crate::task::{TmfFunction, TmfResponse};
 
 /// The 8-byte LUN field for a LUN index, as an integer.
@@ -66,6 +68,10 @@ pub struct Harness {
     buffers: Vec<Vec<u8>>,
     data_out: Vec<Vec<u8>>,
     asked: Vec<u32>,
+    /// Delegated tasks' operation and plan, by task index, until they are retired; and
+    /// whether the core aborted the task while its operation was held in the backend.
+    plans: Vec<Option<(u16, Op, Delegation)>>,
+    aborted: Vec<bool>,
     /// Finished commands by tag.
     pub outcomes: HashMap<u64, Outcome>,
     /// Finished task management functions by reference.
@@ -74,7 +80,9 @@ pub struct Harness {
 }
 
 impl Harness {
-    /// A harness around `device` (add units with [`Harness::add_lu`]).
+    /// A harness around `device` (add units with [`Harness::add_lu`]). It finishes delegated
+    /// tasks ([`Action::Delegated`]) as a transport does; turn delegation on with
+    /// [`Device::set_delegation`].
     pub fn new(device: Device) -> Harness {
         Harness {
             device,
@@ -86,6 +94,8 @@ impl Harness {
             buffers: Vec::new(),
             data_out: Vec::new(),
             asked: Vec::new(),
+            plans: Vec::new(),
+            aborted: Vec::new(),
             outcomes: HashMap::new(),
             tmf: HashMap::new(),
             next_tag: 1,
@@ -144,6 +154,8 @@ impl Harness {
             self.data_out.resize_with(i + 1, Vec::new);
             self.buffers.resize_with(i + 1, Vec::new);
             self.asked.resize(i + 1, 0);
+            self.plans.resize(i + 1, None);
+            self.aborted.resize(i + 1, false);
         }
         self.data_out[i].clear();
         self.data_out[i].extend_from_slice(data_out);
@@ -210,8 +222,23 @@ impl Harness {
         buf.resize(len as usize, 0);
         let n = self.data_out[i].len().min(len as usize);
         buf[..n].copy_from_slice(&self.data_out[i][..n]);
-        self.device.data_out(task, &buf).expect("task waits");
         self.buffers[i] = buf;
+        match self.plans[i] {
+            Some((lun, op, _)) => self.run_op(task, lun, op),
+            None => self
+                .device
+                .data_out(task, &self.buffers[i])
+                .expect("task waits"),
+        }
+    }
+
+    /// Runs a backend operation now, or holds it.
+    fn run_op(&mut self, task: TaskId, lun: u16, op: Op) {
+        if self.hold_backend {
+            self.held.push_back((task, lun, op));
+        } else {
+            self.execute(task, lun, op);
+        }
     }
 
     fn execute(&mut self, task: TaskId, lun: u16, op: Op) {
@@ -230,10 +257,48 @@ impl Harness {
             buf.resize(need, 0);
         }
         backend.submit(i as u64, op, buf);
-        while let Some((_, result, buf)) = backend.poll_completion() {
-            self.buffers[i] = buf;
-            self.device.backend_done(task, result).expect("task waits");
+        let mut done = Vec::with_capacity(1);
+        while let Some(c) = backend.poll_completion() {
+            done.push(c);
         }
+        for (_, result, buf) in done {
+            self.buffers[i] = buf;
+            match self.plans[i].take() {
+                Some((_, _, plan)) => {
+                    let (tag, o) = (self.tag_of_delegated(task), plan.outcome(result.map(drop)));
+                    if !std::mem::take(&mut self.aborted[i]) {
+                        self.finished(task, tag, o);
+                    }
+                    self.device.retire(task).expect("delegated");
+                }
+                None => self.device.backend_done(task, result).expect("task waits"),
+            }
+        }
+    }
+
+    /// The tag a delegated task was submitted with.
+    fn tag_of_delegated(&self, task: TaskId) -> u64 {
+        self.device.tag(task).expect("a live task")
+    }
+
+    /// Records how a task ended.
+    fn finished(&mut self, task: TaskId, tag: u64, o: crate::task::Outcome) {
+        let i = task.index();
+        let data = match o.data_in {
+            DataIn::None => Vec::new(),
+            DataIn::Parameter(d) => d,
+            DataIn::Buffer { len } => self.buffers[i][..len as usize].to_vec(),
+        };
+        self.outcomes.insert(
+            tag,
+            Outcome {
+                status: Some(o.status),
+                sense: o.sense.map(|s| s.as_slice().to_vec()).unwrap_or_default(),
+                data,
+                residual: o.residual,
+                data_out_asked: self.asked[i],
+            },
+        );
     }
 
     /// Processes actions until none is left (held backend operations stay held).
@@ -245,11 +310,23 @@ impl Harness {
                     self.held_data_out.push_back((task, len));
                 }
                 Action::DataOut { task, len, .. } => self.supply_data_out(task, len),
-                Action::Backend { task, lun, op } => {
-                    if self.hold_backend {
-                        self.held.push_back((task, lun, op));
-                    } else {
-                        self.execute(task, lun, op);
+                Action::Backend { task, lun, op } => self.run_op(task, lun, op),
+                Action::Delegated {
+                    task,
+                    lun,
+                    op,
+                    data_out,
+                    plan,
+                    ..
+                } => {
+                    self.plans[task.index()] = Some((lun, op, plan));
+                    match data_out {
+                        0 => self.run_op(task, lun, op),
+                        len if self.hold_data_out => {
+                            self.asked[task.index()] = len;
+                            self.held_data_out.push_back((task, len));
+                        }
+                        len => self.supply_data_out(task, len),
                     }
                 }
                 Action::Complete {
@@ -260,24 +337,24 @@ impl Harness {
                     data_in,
                     residual,
                 } => {
-                    let i = task.index();
-                    let data = match data_in {
-                        DataIn::None => Vec::new(),
-                        DataIn::Parameter(d) => d,
-                        DataIn::Buffer { len } => self.buffers[i][..len as usize].to_vec(),
+                    let o = crate::task::Outcome {
+                        status,
+                        sense,
+                        data_in,
+                        residual,
                     };
-                    self.outcomes.insert(
-                        tag,
-                        Outcome {
-                            status: Some(status),
-                            sense: sense.map(|s| s.as_slice().to_vec()).unwrap_or_default(),
-                            data,
-                            residual,
-                            data_out_asked: self.asked[i],
-                        },
-                    );
+                    self.finished(task, tag, o);
                 }
                 Action::Aborted { task, tag } => {
+                    let i = task.index();
+                    if self.held.iter().any(|h| h.0 == task) && self.plans[i].is_some() {
+                        // In the backend: retired once the operation returns.
+                        self.aborted[i] = true;
+                    } else if self.plans[i].take().is_some() {
+                        // Not started: nothing more happens for it.
+                        self.held_data_out.retain(|h| h.0 != task);
+                        self.device.retire(task).expect("delegated");
+                    }
                     self.outcomes.insert(
                         tag,
                         Outcome {

@@ -13,6 +13,7 @@
 //! | --- | --- |
 //! | `DataOut` | [`Request::DataOut`]: fetch data-out up to this length (R2T, RDMA READ) |
 //! | `Backend` | [`Request::Backend`] with the task's buffer, or [`Request::BufferWanted`] |
+//! | `Delegated` | as `DataOut` (a write), then as `Backend`; the table ends the task itself |
 //! | `Complete` | [`Request::Complete`]: send the data-in, then the status with sense |
 //! | `Aborted` | [`Request::Complete`] for a task the transport failed, else [`Request::Ended`] |
 //! | `TaskManagementDone` | [`Request::TaskManagementDone`] |
@@ -25,14 +26,21 @@
 //!
 //! Calls into the [`Device`](crate::Device) stay with the transport: it decides when to take
 //! the device's lock and may batch them. The table says what to call: a task whose data-out
-//! is complete ([`TaskTable::data_complete`]), one to abort ([`TaskTable::fail`]).
+//! is complete ([`TaskTable::data_complete`]), one to abort ([`TaskTable::fail`]), one whose
+//! backend operation returned ([`TaskTable::backend_returned`]), one to retire
+//! ([`Completion::retire`], [`TaskEntry::retire`]).
+//!
+//! A delegated task ([`Action::Delegated`], a plain READ or WRITE) is carried to its end by
+//! the table: data-out, then the backend operation, then the completion the core planned,
+//! with no call into the core between its submission and its retirement. That is how a
+//! command costs one acquisition of a core shared between threads.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use crate::backend::Op;
+use crate::backend::{BackendError, Op};
 use crate::sense::{Asc, Sense, SenseBytes, SenseKey};
-use crate::task::{Action, DataIn, NexusId, Residual, Status, TaskId, TmfResponse};
+use crate::task::{Action, DataIn, Delegation, NexusId, Residual, Status, TaskId, TmfResponse};
 
 /// A task's data buffer as the table sees it: bytes with a usable length within a capacity.
 pub trait TaskBuffer: std::ops::DerefMut<Target = [u8]> {
@@ -94,6 +102,14 @@ pub struct TaskEntry<T, B> {
     arrived: Instant,
     read_bytes: u64,
     write_bytes: u64,
+    /// How a delegated task ends.
+    delegation: Option<Delegation>,
+    /// A delegated write's operation, waiting for its data-out: LUN index, operation, bytes.
+    queued: Option<(u16, Op, usize)>,
+    /// A delegated task's operation is in the backend.
+    running: bool,
+    /// The core aborted the delegated task while its operation ran.
+    aborted: bool,
 }
 
 impl<T, B> TaskEntry<T, B> {
@@ -115,6 +131,12 @@ impl<T, B> TaskEntry<T, B> {
     /// Whether a backend operation waits for a buffer.
     pub fn is_parked(&self) -> bool {
         self.parked.is_some()
+    }
+
+    /// The core's handle of a delegated task, which the transport retires
+    /// ([`Device::retire`](crate::Device::retire)) once the table has let it go.
+    pub fn retire(&self) -> Option<TaskId> {
+        self.delegation.and(self.task)
     }
 }
 
@@ -154,6 +176,42 @@ pub struct Completion<T, B> {
     pub transport: T,
     /// For the per-LU counters.
     pub accounting: Accounting,
+    /// A delegated task: retire it ([`Device::retire`](crate::Device::retire)) once its
+    /// response is on its way (queued ahead of anything the retirement may cause).
+    pub retire: Option<TaskId>,
+}
+
+/// A task's data-out is all in ([`TaskTable::data_complete`]).
+#[derive(Debug)]
+pub enum DataReady<'a, T, B> {
+    /// Hand it to the core: [`Device::data_out`](crate::Device::data_out).
+    Core {
+        /// The core's handle.
+        task: TaskId,
+        /// The data-out the core asked for.
+        data: &'a [u8],
+    },
+    /// A delegated write: carry out this [`Request::Backend`] or [`Request::BufferWanted`].
+    Run(Request<T, B>),
+}
+
+/// A backend operation has returned ([`TaskTable::backend_returned`]).
+#[derive(Debug)]
+pub enum Returned<T, B> {
+    /// Tell the core: [`Device::backend_done`](crate::Device::backend_done).
+    Core(TaskId),
+    /// A delegated task has ended: send it, then retire it ([`Completion::retire`]).
+    Complete(Completion<T, B>),
+    /// A delegated task the core aborted meanwhile: send nothing, retire it
+    /// ([`TaskEntry::retire`]).
+    Ended {
+        /// The transport's tag.
+        tag: u64,
+        /// What the table held for it.
+        entry: TaskEntry<T, B>,
+    },
+    /// The task is gone (its buffer is dropped).
+    Gone,
 }
 
 /// What the transport is to do for a task, from the core's [`Action`]s.
@@ -195,7 +253,8 @@ pub enum Request<T, B> {
     },
     /// The task has ended: send the data-in, then the status.
     Complete(Completion<T, B>),
-    /// The task has ended with nothing to send (aborted by the initiator or the nexus).
+    /// The task has ended with nothing to send (aborted by the initiator or the nexus); a
+    /// delegated one is to be retired ([`TaskEntry::retire`]).
     Ended {
         /// The transport's tag.
         tag: u64,
@@ -342,6 +401,10 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
                 arrived: now,
                 read_bytes: 0,
                 write_bytes: 0,
+                delegation: None,
+                queued: None,
+                running: false,
+                aborted: false,
             },
         );
         Ok(())
@@ -396,14 +459,24 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
     }
 
     /// Once all the data-out the core asked for is in, the task and its data, for
-    /// [`Device::data_out`](crate::Device::data_out); `None` until then (and after, and for a
-    /// failed task).
-    pub fn data_complete(&mut self, tag: u64) -> Option<(TaskId, &[u8])> {
-        let t = self.tasks.get_mut(&tag)?;
+    /// [`Device::data_out`](crate::Device::data_out), or a delegated write's operation to run;
+    /// `None` until then (and after, and for a failed task).
+    pub fn data_complete(&mut self, tag: u64) -> Option<DataReady<'_, T, B>> {
+        let t = self.tasks.get(&tag)?;
         let (wanted, task) = (t.wanted?, t.task?);
         if t.data_delivered || t.received < wanted || t.failed.is_some() {
             return None;
         }
+        if t.queued.is_some() {
+            if t.buffer.as_ref().is_none_or(|b| b.len() < wanted as usize) {
+                return None;
+            }
+            let t = self.tasks.get_mut(&tag).expect("found above");
+            t.data_delivered = true;
+            let (lun, op, need) = t.queued.take().expect("checked");
+            return Some(DataReady::Run(self.run(tag, lun, op, need)));
+        }
+        let t = self.tasks.get_mut(&tag).expect("found above");
         let data: &[u8] = match &t.buffer {
             Some(b) if b.len() >= wanted as usize => &b[..wanted as usize],
             None if wanted == 0 => &[],
@@ -411,7 +484,7 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
             _ => return None,
         };
         t.data_delivered = true;
-        Some((task, data))
+        Some(DataReady::Core { task, data })
     }
 
     /// The transport has failed the task (a lost or out-of-order data-out it cannot ask for
@@ -427,16 +500,54 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
         Some((t.task?, t.lun))
     }
 
-    /// A backend operation came back with the task's buffer. Returns whether the task is
-    /// still here (the buffer is dropped otherwise).
-    pub fn backend_returned(&mut self, task: TaskId, buffer: B) -> bool {
-        match self.tag_of(task).and_then(|tag| self.tasks.get_mut(&tag)) {
-            Some(t) => {
-                t.buffer = Some(buffer);
-                true
-            }
-            None => false,
+    /// A backend operation came back with the task's buffer and `result`, at `now`: whom to
+    /// tell, or the end of a delegated task.
+    pub fn backend_returned(
+        &mut self,
+        task: TaskId,
+        buffer: B,
+        result: Result<(), BackendError>,
+        now: Instant,
+    ) -> Returned<T, B> {
+        let Some(tag) = self.tag_of(task) else {
+            return Returned::Gone;
+        };
+        let t = self.tasks.get_mut(&tag).expect("tag_of found it");
+        t.buffer = Some(buffer);
+        if t.delegation.is_none() {
+            return Returned::Core(task);
         }
+        t.running = false;
+        self.delegated_end(tag, result, now)
+    }
+
+    /// Ends a delegated task whose operation returned `result` (or will not run).
+    fn delegated_end(
+        &mut self,
+        tag: u64,
+        result: Result<(), BackendError>,
+        now: Instant,
+    ) -> Returned<T, B> {
+        let Some(entry) = self.remove(tag) else {
+            return Returned::Gone;
+        };
+        let plan = entry.delegation.expect("a delegated task");
+        if entry.aborted {
+            return match entry.failed {
+                Some(asc) => Returned::Complete(Self::check_condition(
+                    tag,
+                    entry,
+                    SenseKey::AbortedCommand,
+                    asc,
+                    now,
+                )),
+                None => Returned::Ended { tag, entry },
+            };
+        }
+        let o = plan.outcome(result);
+        Returned::Complete(Self::completion(
+            tag, entry, o.status, o.sense, o.data_in, o.residual, now,
+        ))
     }
 
     /// A buffer for a task whose backend operation waits ([`Request::BufferWanted`]): the
@@ -453,13 +564,17 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
     }
 
     /// No buffer can ever be had for the task's waiting operation (larger than the whole
-    /// allocator): the task to fail with [`Device::backend_done`](crate::Device::backend_done)
-    /// and an error.
-    pub fn buffer_refused(&mut self, tag: u64) -> Option<TaskId> {
+    /// allocator): it fails as if the backend had (the core to tell, or a delegated task's
+    /// end). `None` when nothing waits.
+    pub fn buffer_refused(&mut self, tag: u64, now: Instant) -> Option<Returned<T, B>> {
         let t = self.tasks.get_mut(&tag)?;
         t.parked.take()?;
         self.parked -= 1;
-        t.task
+        let task = t.task?;
+        if t.delegation.is_none() {
+            return Some(Returned::Core(task));
+        }
+        Some(self.delegated_end(tag, Err(BackendError::Internal), now))
     }
 
     /// Turns the core's action into what the transport does, at `now`. `block_size` gives a
@@ -486,22 +601,42 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
             Action::Backend { task, lun, op } => {
                 let tag = self.tag_of(task)?;
                 let Some(bs) = block_size(lun) else {
-                    let task = self.tasks.get(&tag)?.task?;
                     return Some(Request::UnitGone { tag, task });
                 };
-                let need = op.buffer_len(bs) as usize;
+                Some(self.run(tag, lun, op, op.buffer_len(bs) as usize))
+            }
+            Action::Delegated {
+                task,
+                lun,
+                op,
+                data_out,
+                plan,
+                ..
+            } => {
+                let tag = self.tag_of(task)?;
+                let bs = block_size(lun);
                 let t = self.tasks.get_mut(&tag).expect("tag_of found it");
-                // A task without a buffer is granted one even for an operation that moves no
-                // data (an empty one, which takes no slot), so every operation has one.
-                let fits = t.buffer.as_ref().is_some_and(|b| b.capacity() >= need);
-                if !fits {
-                    if t.parked.is_none() {
-                        self.parked += 1;
-                    }
-                    t.parked = Some((lun, op, need));
-                    return Some(Request::BufferWanted { tag, len: need });
+                t.delegation = Some(plan);
+                let Some(bs) = bs else {
+                    // The unit went away between submission and now.
+                    return match self.delegated_end(tag, Err(BackendError::Internal), now) {
+                        Returned::Complete(c) => Some(Request::Complete(c)),
+                        Returned::Ended { tag, entry } => Some(Request::Ended { tag, entry }),
+                        Returned::Core(_) | Returned::Gone => None,
+                    };
+                };
+                let need = op.buffer_len(bs) as usize;
+                if data_out == 0 {
+                    return Some(self.run(tag, lun, op, need));
                 }
-                Some(self.lend(tag, lun, op, need))
+                let len = data_out.min(t.data_out_len);
+                t.wanted = Some(len);
+                t.queued = Some((lun, op, need));
+                Some(Request::DataOut {
+                    tag,
+                    len,
+                    received: t.received,
+                })
             }
             Action::Complete {
                 task,
@@ -519,6 +654,12 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
             }
             Action::Aborted { task, .. } => {
                 let tag = self.tag_of(task)?;
+                let t = self.tasks.get_mut(&tag).expect("tag_of found it");
+                if t.running {
+                    // A delegated task ends when its operation returns.
+                    t.aborted = true;
+                    return None;
+                }
                 let entry = self.remove(tag)?;
                 match entry.failed {
                     Some(asc) => Some(Request::Complete(Self::check_condition(
@@ -576,6 +717,23 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
         )
     }
 
+    /// Runs `op` (`need` bytes of buffer) on LUN index `lun` for the task: with its buffer
+    /// when that is large enough, else once one is granted.
+    fn run(&mut self, tag: u64, lun: u16, op: Op, need: usize) -> Request<T, B> {
+        let t = self.tasks.get_mut(&tag).expect("the caller found it");
+        // A task without a buffer is granted one even for an operation that moves no data (an
+        // empty one, which takes no slot), so every operation has one.
+        let fits = t.buffer.as_ref().is_some_and(|b| b.capacity() >= need);
+        if !fits {
+            if t.parked.is_none() {
+                self.parked += 1;
+            }
+            t.parked = Some((lun, op, need));
+            return Request::BufferWanted { tag, len: need };
+        }
+        self.lend(tag, lun, op, need)
+    }
+
     /// Takes the task's buffer (sized to what `op` needs) out for the backend.
     fn lend(&mut self, tag: u64, lun: u16, op: Op, need: usize) -> Request<T, B> {
         let t = self.tasks.get_mut(&tag).expect("the caller found it");
@@ -588,6 +746,7 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
             Op::CompareAndWrite { .. } => t.write_bytes += need as u64 / 2,
             _ => {}
         }
+        t.running = t.delegation.is_some();
         let mut buffer = t.buffer.take().expect("the caller saw a buffer that fits");
         if buffer.len() < need {
             buffer.set_len(need);
@@ -612,6 +771,7 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
     ) -> Completion<T, B> {
         Completion {
             tag,
+            retire: entry.retire(),
             lun: entry.lun,
             status,
             sense,

@@ -99,8 +99,13 @@ fn fits(lba: u64, blocks: u32) -> bool {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
     #[test]
-    fn reads_return_what_was_last_written(cmds in proptest::collection::vec(cmd(), 1..40)) {
-        let mut h = Harness::new(Device::new("iqn.2026-11.io.example:t", ports()));
+    fn reads_return_what_was_last_written(
+        cmds in proptest::collection::vec(cmd(), 1..40),
+        delegate in any::<bool>(),
+    ) {
+        let mut device = Device::new("iqn.2026-11.io.example:t", ports());
+        device.set_delegation(delegate);
+        let mut h = Harness::new(device);
         h.add_lu(0, LogicalUnit {
             identity: Identity::new("STGT", "model", "0001", b"m"),
             geometry: Geometry { block_size: BS as u32, blocks: BLOCKS, thin: true, write_cache: true, read_only: false },

@@ -98,157 +98,165 @@ fn access_matrix_for_every_type() {
 
 #[test]
 fn registration_rules() {
-    let mut h = harness();
-    let a = h.login("iqn.x:a", 1);
-    let b = h.login("iqn.x:b", 2);
-    // Unregistered with a non-zero key: conflict.
-    assert!(conflict(&prout(&mut h, a, 0, 0, 5, 0xa, 0)));
-    good(&prout(&mut h, a, 0, 0, 0, 0xa, 0));
-    // Registered: the key must match.
-    assert!(conflict(&prout(&mut h, a, 0, 0, 0xb, 0xc, 0)));
-    good(&prout(&mut h, a, 0, 0, 0xa, 0xaa, 0));
-    // REGISTER AND IGNORE EXISTING KEY.
-    good(&prout(&mut h, a, 6, 0, 0x1234, 0xa, 0));
-    good(&prout(&mut h, b, 6, 0, 0, 0xb, 0));
-    let keys = prin(&mut h, a, 0);
-    assert_eq!(
-        &keys[..4],
-        &4u32.to_be_bytes(),
-        "PRGENERATION counts registrations"
-    );
-    assert_eq!(&keys[4..8], &[0, 0, 0, 16]);
-    assert_eq!(&keys[8..16], &0xau64.to_be_bytes());
-    assert_eq!(&keys[16..24], &0xbu64.to_be_bytes());
-    // Reserve needs a registration and the right key.
-    let c = h.login("iqn.x:c", 3);
-    assert!(conflict(&prout(&mut h, c, 1, 1, 0, 0, 0)));
-    assert!(conflict(&prout(&mut h, a, 1, 1, 0xb, 0, 0)));
-    check(&prout(&mut h, a, 1, 2, 0xa, 0, 0), 5, 0x24, 0);
-    good(&prout(&mut h, a, 1, 1, 0xa, 0, 0));
-    good(&prout(&mut h, a, 1, 1, 0xa, 0, 0));
-    assert!(conflict(&prout(&mut h, b, 1, 1, 0xb, 0, 0)));
-    assert!(conflict(&prout(&mut h, a, 1, 3, 0xa, 0, 0)));
-    // SPC-2 RESERVE conflicts with registrations.
-    assert!(conflict(&h.command(b, 0, &[0x16, 0, 0, 0, 0, 0], &[], 0)));
-    // Unregistering the holder releases a Write Exclusive reservation.
-    good(&prout(&mut h, a, 0, 0, 0xa, 0, 0));
-    assert_eq!(&prin(&mut h, b, 1)[4..8], &[0, 0, 0, 0]);
-    // The parameter list must be 24 bytes.
-    let o = prout_raw(&mut h, b, 0, 0, &[0; 20]);
-    check(&o, 5, 0x1a, 0);
-    // APTPL without a store is refused.
-    check(&prout(&mut h, b, 0, 0, 0xb, 0xb, 0x01), 5, 0x26, 0);
-    let caps = prin(&mut h, a, 2);
-    assert_eq!(&caps[..2], &[0, 8]);
-    assert_eq!(caps[2] & 0x01, 0, "no PTPL_C without a store");
-    assert_eq!(&caps[4..6], &[0xea, 0x01]);
+    for delegate in [false, true] {
+        let mut h = harness_with(delegate);
+        let a = h.login("iqn.x:a", 1);
+        let b = h.login("iqn.x:b", 2);
+        // Unregistered with a non-zero key: conflict.
+        assert!(conflict(&prout(&mut h, a, 0, 0, 5, 0xa, 0)));
+        good(&prout(&mut h, a, 0, 0, 0, 0xa, 0));
+        // Registered: the key must match.
+        assert!(conflict(&prout(&mut h, a, 0, 0, 0xb, 0xc, 0)));
+        good(&prout(&mut h, a, 0, 0, 0xa, 0xaa, 0));
+        // REGISTER AND IGNORE EXISTING KEY.
+        good(&prout(&mut h, a, 6, 0, 0x1234, 0xa, 0));
+        good(&prout(&mut h, b, 6, 0, 0, 0xb, 0));
+        let keys = prin(&mut h, a, 0);
+        assert_eq!(
+            &keys[..4],
+            &4u32.to_be_bytes(),
+            "PRGENERATION counts registrations"
+        );
+        assert_eq!(&keys[4..8], &[0, 0, 0, 16]);
+        assert_eq!(&keys[8..16], &0xau64.to_be_bytes());
+        assert_eq!(&keys[16..24], &0xbu64.to_be_bytes());
+        // Reserve needs a registration and the right key.
+        let c = h.login("iqn.x:c", 3);
+        assert!(conflict(&prout(&mut h, c, 1, 1, 0, 0, 0)));
+        assert!(conflict(&prout(&mut h, a, 1, 1, 0xb, 0, 0)));
+        check(&prout(&mut h, a, 1, 2, 0xa, 0, 0), 5, 0x24, 0);
+        good(&prout(&mut h, a, 1, 1, 0xa, 0, 0));
+        good(&prout(&mut h, a, 1, 1, 0xa, 0, 0));
+        assert!(conflict(&prout(&mut h, b, 1, 1, 0xb, 0, 0)));
+        assert!(conflict(&prout(&mut h, a, 1, 3, 0xa, 0, 0)));
+        // SPC-2 RESERVE conflicts with registrations.
+        assert!(conflict(&h.command(b, 0, &[0x16, 0, 0, 0, 0, 0], &[], 0)));
+        // Unregistering the holder releases a Write Exclusive reservation.
+        good(&prout(&mut h, a, 0, 0, 0xa, 0, 0));
+        assert_eq!(&prin(&mut h, b, 1)[4..8], &[0, 0, 0, 0]);
+        // The parameter list must be 24 bytes.
+        let o = prout_raw(&mut h, b, 0, 0, &[0; 20]);
+        check(&o, 5, 0x1a, 0);
+        // APTPL without a store is refused.
+        check(&prout(&mut h, b, 0, 0, 0xb, 0xb, 0x01), 5, 0x26, 0);
+        let caps = prin(&mut h, a, 2);
+        assert_eq!(&caps[..2], &[0, 8]);
+        assert_eq!(caps[2] & 0x01, 0, "no PTPL_C without a store");
+        assert_eq!(&caps[4..6], &[0xea, 0x01]);
+    }
 }
 
 #[test]
 fn preempt_clear_and_preempt_and_abort() {
-    let mut h = harness();
-    let a = h.login("iqn.x:a", 1);
-    let b = h.login("iqn.x:b", 2);
-    let c = h.login("iqn.x:c", 3);
-    good(&prout(&mut h, a, 0, 0, 0, 0xa, 0));
-    good(&prout(&mut h, b, 0, 0, 0, 0xb, 0));
-    good(&prout(&mut h, c, 0, 0, 0, 0xc, 0));
-    good(&prout(&mut h, a, 1, 3, 0xa, 0, 0));
-    // PREEMPT of a key nobody has: conflict; of key 0 without all-registrants: error.
-    assert!(conflict(&prout(&mut h, b, 4, 3, 0xb, 0x99, 0)));
-    check(&prout(&mut h, b, 4, 3, 0xb, 0, 0), 5, 0x26, 0);
-    // B preempts the holder: it holds the reservation and A is unregistered.
-    good(&prout(&mut h, b, 4, 1, 0xb, 0xa, 0));
-    check(&h.command(a, 0, &[0; 6], &[], 0), 6, 0x2a, 0x05);
-    // The remaining registrant hears that the reservation changed.
-    check(&h.command(c, 0, &[0; 6], &[], 0), 6, 0x2a, 0x04);
-    let r = prin(&mut h, c, 1);
-    assert_eq!((&r[8..16], r[21]), (&0xbu64.to_be_bytes()[..], 1));
-    assert!(!can_write(&mut h, a));
-    // PREEMPT AND ABORT: C's in-flight command on the unit is aborted.
-    h.hold_backend = true;
-    let tag = h.submit(c, 0, &cdb10(0x28, 0, 0, 1), TaskAttribute::Simple, &[], 512);
-    h.run();
-    assert_eq!(h.held.len(), 1, "{:?}", h.outcomes.get(&tag));
-    h.hold_backend = false;
-    good(&prout(&mut h, b, 5, 1, 0xb, 0xc, 0));
-    while h.release() {}
-    assert_eq!(h.outcomes.remove(&tag).unwrap().status, None, "aborted");
-    check(&h.command(c, 0, &[0; 6], &[], 0), 6, 0x2a, 0x05);
-    // READ FULL STATUS: only B, holding.
-    let full = prin(&mut h, b, 3);
-    assert_eq!(
-        &full[4..8],
-        &56u32.to_be_bytes(),
-        "one descriptor, 24 + TransportID 32"
-    );
-    assert_eq!(&full[8..16], &0xbu64.to_be_bytes());
-    assert_eq!(full[20], 0x01, "R_HOLDER");
-    assert_eq!(full[21], 1);
-    let (tid, _) = TransportId::parse(&full[32..], 32).unwrap();
-    assert_eq!(tid, TransportId::iscsi("iqn.x:b", [0x80, 0, 0, 0, 0, 2]));
-    // CLEAR removes everything and tells the other registrants.
-    good(&prout(&mut h, a, 0, 0, 0, 0xa, 0));
-    good(&prout(&mut h, b, 3, 0, 0xb, 0, 0));
-    check(&h.command(a, 0, &[0; 6], &[], 0), 6, 0x2a, 0x03);
-    assert_eq!(&prin(&mut h, a, 0)[4..8], &[0, 0, 0, 0]);
+    for delegate in [false, true] {
+        let mut h = harness_with(delegate);
+        let a = h.login("iqn.x:a", 1);
+        let b = h.login("iqn.x:b", 2);
+        let c = h.login("iqn.x:c", 3);
+        good(&prout(&mut h, a, 0, 0, 0, 0xa, 0));
+        good(&prout(&mut h, b, 0, 0, 0, 0xb, 0));
+        good(&prout(&mut h, c, 0, 0, 0, 0xc, 0));
+        good(&prout(&mut h, a, 1, 3, 0xa, 0, 0));
+        // PREEMPT of a key nobody has: conflict; of key 0 without all-registrants: error.
+        assert!(conflict(&prout(&mut h, b, 4, 3, 0xb, 0x99, 0)));
+        check(&prout(&mut h, b, 4, 3, 0xb, 0, 0), 5, 0x26, 0);
+        // B preempts the holder: it holds the reservation and A is unregistered.
+        good(&prout(&mut h, b, 4, 1, 0xb, 0xa, 0));
+        check(&h.command(a, 0, &[0; 6], &[], 0), 6, 0x2a, 0x05);
+        // The remaining registrant hears that the reservation changed.
+        check(&h.command(c, 0, &[0; 6], &[], 0), 6, 0x2a, 0x04);
+        let r = prin(&mut h, c, 1);
+        assert_eq!((&r[8..16], r[21]), (&0xbu64.to_be_bytes()[..], 1));
+        assert!(!can_write(&mut h, a));
+        // PREEMPT AND ABORT: C's in-flight command on the unit is aborted.
+        h.hold_backend = true;
+        let tag = h.submit(c, 0, &cdb10(0x28, 0, 0, 1), TaskAttribute::Simple, &[], 512);
+        h.run();
+        assert_eq!(h.held.len(), 1, "{:?}", h.outcomes.get(&tag));
+        h.hold_backend = false;
+        good(&prout(&mut h, b, 5, 1, 0xb, 0xc, 0));
+        while h.release() {}
+        assert_eq!(h.outcomes.remove(&tag).unwrap().status, None, "aborted");
+        check(&h.command(c, 0, &[0; 6], &[], 0), 6, 0x2a, 0x05);
+        // READ FULL STATUS: only B, holding.
+        let full = prin(&mut h, b, 3);
+        assert_eq!(
+            &full[4..8],
+            &56u32.to_be_bytes(),
+            "one descriptor, 24 + TransportID 32"
+        );
+        assert_eq!(&full[8..16], &0xbu64.to_be_bytes());
+        assert_eq!(full[20], 0x01, "R_HOLDER");
+        assert_eq!(full[21], 1);
+        let (tid, _) = TransportId::parse(&full[32..], 32).unwrap();
+        assert_eq!(tid, TransportId::iscsi("iqn.x:b", [0x80, 0, 0, 0, 0, 2]));
+        // CLEAR removes everything and tells the other registrants.
+        good(&prout(&mut h, a, 0, 0, 0, 0xa, 0));
+        good(&prout(&mut h, b, 3, 0, 0xb, 0, 0));
+        check(&h.command(a, 0, &[0; 6], &[], 0), 6, 0x2a, 0x03);
+        assert_eq!(&prin(&mut h, a, 0)[4..8], &[0, 0, 0, 0]);
+    }
 }
 
 #[test]
 fn all_registrants_preempt_with_zero_key() {
-    let mut h = harness();
-    let a = h.login("iqn.x:a", 1);
-    let b = h.login("iqn.x:b", 2);
-    good(&prout(&mut h, a, 0, 0, 0, 0xa, 0));
-    good(&prout(&mut h, b, 0, 0, 0, 0xb, 0));
-    good(&prout(&mut h, a, 1, 8, 0xa, 0, 0));
-    // Unregistering one registrant keeps an all-registrants reservation.
-    good(&prout(&mut h, a, 0, 0, 0xa, 0, 0));
-    assert_eq!(prin(&mut h, b, 1)[21], 8);
-    good(&prout(&mut h, a, 0, 0, 0, 0xa, 0));
-    good(&prout(&mut h, b, 4, 3, 0xb, 0, 0));
-    let r = prin(&mut h, b, 1);
-    assert_eq!((&r[8..16], r[21]), (&0xbu64.to_be_bytes()[..], 3));
-    assert_eq!(&prin(&mut h, b, 0)[4..8], &[0, 0, 0, 8]);
+    for delegate in [false, true] {
+        let mut h = harness_with(delegate);
+        let a = h.login("iqn.x:a", 1);
+        let b = h.login("iqn.x:b", 2);
+        good(&prout(&mut h, a, 0, 0, 0, 0xa, 0));
+        good(&prout(&mut h, b, 0, 0, 0, 0xb, 0));
+        good(&prout(&mut h, a, 1, 8, 0xa, 0, 0));
+        // Unregistering one registrant keeps an all-registrants reservation.
+        good(&prout(&mut h, a, 0, 0, 0xa, 0, 0));
+        assert_eq!(prin(&mut h, b, 1)[21], 8);
+        good(&prout(&mut h, a, 0, 0, 0, 0xa, 0));
+        good(&prout(&mut h, b, 4, 3, 0xb, 0, 0));
+        let r = prin(&mut h, b, 1);
+        assert_eq!((&r[8..16], r[21]), (&0xbu64.to_be_bytes()[..], 3));
+        assert_eq!(&prin(&mut h, b, 0)[4..8], &[0, 0, 0, 8]);
+    }
 }
 
 #[test]
 fn spec_i_pt_all_tg_pt_and_register_and_move() {
-    let mut h = harness();
-    let a = h.login("iqn.x:a", 1);
-    let b_port = TransportId::iscsi("iqn.x:b", [0x80, 0, 0, 0, 0, 2]);
-    let mut p = vec![0u8; 24];
-    p[8..16].copy_from_slice(&0xau64.to_be_bytes());
-    p[20] = 0x08 | 0x04; // SPEC_I_PT, ALL_TG_PT
-    let mut tid = Vec::new();
-    b_port.encode(&mut tid);
-    p.extend_from_slice(&(tid.len() as u32).to_be_bytes());
-    p.extend_from_slice(&tid);
-    good(&prout_raw(&mut h, a, 0, 0, &p));
-    // A and B, each through every port: B is registered without logging in.
-    let full = prin(&mut h, a, 3);
-    let keys = prin(&mut h, a, 0);
-    assert_eq!(&keys[4..8], &[0, 0, 0, 16]);
-    assert_eq!(full[20] & 0x02, 0x02, "ALL_TG_PT");
-    let b = h.login("iqn.x:b", 2);
-    good(&prout(&mut h, b, 1, 1, 0xa, 0, 0));
-    // REGISTER AND MOVE to a new nexus C.
-    let c_port = TransportId::iscsi("iqn.x:c", [0x80, 0, 0, 0, 0, 3]);
-    let mut mv = vec![0u8; 24];
-    mv[..8].copy_from_slice(&0xau64.to_be_bytes());
-    mv[8..16].copy_from_slice(&0xcu64.to_be_bytes());
-    mv[17] = 0x02; // UNREG
-    mv[18..20].copy_from_slice(&1u16.to_be_bytes());
-    let mut tid = Vec::new();
-    c_port.encode(&mut tid);
-    mv[20..24].copy_from_slice(&(tid.len() as u32).to_be_bytes());
-    mv.extend_from_slice(&tid);
-    good(&prout_raw(&mut h, b, 7, 1, &mv));
-    let c = h.login("iqn.x:c", 3);
-    assert!(can_write(&mut h, c));
-    assert!(!can_write(&mut h, b));
-    let r = prin(&mut h, c, 1);
-    assert_eq!(&r[8..16], &0xcu64.to_be_bytes());
+    for delegate in [false, true] {
+        let mut h = harness_with(delegate);
+        let a = h.login("iqn.x:a", 1);
+        let b_port = TransportId::iscsi("iqn.x:b", [0x80, 0, 0, 0, 0, 2]);
+        let mut p = vec![0u8; 24];
+        p[8..16].copy_from_slice(&0xau64.to_be_bytes());
+        p[20] = 0x08 | 0x04; // SPEC_I_PT, ALL_TG_PT
+        let mut tid = Vec::new();
+        b_port.encode(&mut tid);
+        p.extend_from_slice(&(tid.len() as u32).to_be_bytes());
+        p.extend_from_slice(&tid);
+        good(&prout_raw(&mut h, a, 0, 0, &p));
+        // A and B, each through every port: B is registered without logging in.
+        let full = prin(&mut h, a, 3);
+        let keys = prin(&mut h, a, 0);
+        assert_eq!(&keys[4..8], &[0, 0, 0, 16]);
+        assert_eq!(full[20] & 0x02, 0x02, "ALL_TG_PT");
+        let b = h.login("iqn.x:b", 2);
+        good(&prout(&mut h, b, 1, 1, 0xa, 0, 0));
+        // REGISTER AND MOVE to a new nexus C.
+        let c_port = TransportId::iscsi("iqn.x:c", [0x80, 0, 0, 0, 0, 3]);
+        let mut mv = vec![0u8; 24];
+        mv[..8].copy_from_slice(&0xau64.to_be_bytes());
+        mv[8..16].copy_from_slice(&0xcu64.to_be_bytes());
+        mv[17] = 0x02; // UNREG
+        mv[18..20].copy_from_slice(&1u16.to_be_bytes());
+        let mut tid = Vec::new();
+        c_port.encode(&mut tid);
+        mv[20..24].copy_from_slice(&(tid.len() as u32).to_be_bytes());
+        mv.extend_from_slice(&tid);
+        good(&prout_raw(&mut h, b, 7, 1, &mv));
+        let c = h.login("iqn.x:c", 3);
+        assert!(can_write(&mut h, c));
+        assert!(!can_write(&mut h, b));
+        let r = prin(&mut h, c, 1);
+        assert_eq!(&r[8..16], &0xcu64.to_be_bytes());
+    }
 }
 
 #[test]

@@ -8,10 +8,19 @@
 //! completions) is routed to the connection that owns the task: queued locally when that is the
 //! caller, sent over the owner's channel when it lives on another reactor (multiple connections
 //! per session).
+//!
+//! Plain reads and writes are delegated to their connection, which finishes them without the
+//! core; their retirement goes through a lock-free queue ([`Retirements`]) that whoever takes
+//! the lock next applies. So a READ or WRITE takes the lock once, when it arrives. Retiring
+//! matters at once only when something waits for a task to end (a dormant ORDERED task, an
+//! overlapping write, a task management function): the holder says so in
+//! `Target::awaiting` before it lets the lock go, and a connection that queues a retirement
+//! and sees it takes the lock to apply the queue.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use backend::{FileConfig, FileHandle};
@@ -208,11 +217,26 @@ impl Core {
         Ok(reference)
     }
 
+    /// A delegated task has ended at its connection ([`scsi_core::Device::retire`]).
+    pub fn retire(&mut self, task: TaskId, out: &mut Outbox) {
+        match self.device.retire(task) {
+            Ok(()) => {
+                if let Some(r) = self.routes.get_mut(task.index()) {
+                    *r = None;
+                }
+                self.drain(out);
+            }
+            Err(e) => tracing::error!("retiring a task: {e}"),
+        }
+    }
+
     /// Hands every pending action to `out`, addressed to the connection of its task.
     pub fn drain(&mut self, out: &mut Outbox) {
         while let Some(action) = self.device.poll() {
             let routed = match &action {
-                Action::DataOut { task, .. } | Action::Backend { task, .. } => {
+                Action::DataOut { task, .. }
+                | Action::Backend { task, .. }
+                | Action::Delegated { task, .. } => {
                     match self.routes.get(task.index()).and_then(Option::as_ref) {
                         Some(route) => {
                             out.push(route, Routed::Action(action));
@@ -253,6 +277,16 @@ pub struct Outbox {
 }
 
 impl Outbox {
+    /// An outbox that sends everything over the owners' channels (no connection is the
+    /// caller); empty, it holds no memory.
+    pub fn detached() -> Outbox {
+        Outbox {
+            me: 0,
+            local: VecDeque::new(),
+            remote: Vec::new(),
+        }
+    }
+
     /// An empty outbox for connection `me` (0 for none, as for a reload that removes a unit).
     pub fn new(me: u64) -> Outbox {
         Outbox {
@@ -276,6 +310,137 @@ impl Outbox {
             // A closed channel is a connection that has ended; its tasks end with it.
             let _ = route.tx.send(event);
         }
+    }
+}
+
+/// How many ended delegated tasks a target queues for retirement before a connection takes the
+/// lock to retire its own (each holder of the lock empties the queue).
+const RETIREMENTS: usize = 4096;
+
+/// The SCSI core of a target, locked. Taking it retires the queued delegated tasks; letting it
+/// go records whether anything waits for a retirement, and retires what was queued meanwhile
+/// while something does. What those retirements cause is sent over the connections' channels
+/// once the lock is released.
+pub struct CoreGuard<'a> {
+    target: &'a Target,
+    core: Option<MutexGuard<'a, Core>>,
+    out: Outbox,
+}
+
+impl CoreGuard<'_> {
+    fn retire_queued(&mut self) -> bool {
+        let core = self.core.as_mut().expect("held until dropped");
+        let mut any = false;
+        while let Some(task) = self.target.retired.pop() {
+            core.retire(task, &mut self.out);
+            any = true;
+        }
+        any
+    }
+}
+
+impl Deref for CoreGuard<'_> {
+    type Target = Core;
+
+    fn deref(&self) -> &Core {
+        self.core.as_ref().expect("held until dropped")
+    }
+}
+
+impl DerefMut for CoreGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Core {
+        self.core.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for CoreGuard<'_> {
+    fn drop(&mut self) {
+        loop {
+            let waiting = self.device.awaits_retirement();
+            // Sequentially consistent with a connection's push and its load of the flag (see
+            // `Target::retire`): a retirement queued after the look below sees the flag.
+            self.target.awaiting.store(waiting, Ordering::SeqCst);
+            if !waiting || !self.retire_queued() {
+                break;
+            }
+        }
+        self.core = None;
+        self.out.send_remote();
+    }
+}
+
+/// A bounded lock-free queue of task handles (Vyukov's bounded queue, in safe atomics): any
+/// connection pushes; only the holder of the core's lock pops, so pops never race each other.
+struct Retirements {
+    slots: Box<[RetireSlot]>,
+    mask: u64,
+    /// The next position to push to (claimed by compare-and-swap).
+    tail: AtomicU64,
+    /// The next position to pop from (changed only under the core's lock).
+    head: AtomicU64,
+}
+
+/// A slot: `seq` is its position plus one once a task is in it, the position a lap later once
+/// it is free again.
+struct RetireSlot {
+    seq: AtomicU64,
+    task: AtomicU64,
+}
+
+impl Retirements {
+    fn new(capacity: usize) -> Retirements {
+        let capacity = capacity.next_power_of_two();
+        Retirements {
+            slots: (0..capacity as u64)
+                .map(|i| RetireSlot {
+                    seq: AtomicU64::new(i),
+                    task: AtomicU64::new(0),
+                })
+                .collect(),
+            mask: capacity as u64 - 1,
+            tail: AtomicU64::new(0),
+            head: AtomicU64::new(0),
+        }
+    }
+
+    /// Queues `task`; false when the queue is full.
+    fn push(&self, task: TaskId) -> bool {
+        let mut pos = self.tail.load(Ordering::Relaxed);
+        loop {
+            let slot = &self.slots[(pos & self.mask) as usize];
+            let seq = slot.seq.load(Ordering::Acquire);
+            match seq.wrapping_sub(pos) as i64 {
+                0 => match self.tail.compare_exchange_weak(
+                    pos,
+                    pos + 1,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                ) {
+                    Ok(_) => {
+                        slot.task.store(task.to_bits(), Ordering::Relaxed);
+                        slot.seq.store(pos + 1, Ordering::SeqCst);
+                        return true;
+                    }
+                    Err(now) => pos = now,
+                },
+                d if d < 0 => return false,
+                _ => pos = self.tail.load(Ordering::Relaxed),
+            }
+        }
+    }
+
+    /// The oldest queued task, if its push has finished. Only the holder of the core's lock
+    /// calls this.
+    fn pop(&self) -> Option<TaskId> {
+        let pos = self.head.load(Ordering::Relaxed);
+        let slot = &self.slots[(pos & self.mask) as usize];
+        if slot.seq.load(Ordering::SeqCst) != pos + 1 {
+            return None;
+        }
+        let task = TaskId::from_bits(slot.task.load(Ordering::Relaxed));
+        slot.seq.store(pos + self.mask + 1, Ordering::Release);
+        self.head.store(pos + 1, Ordering::Relaxed);
+        Some(task)
     }
 }
 
@@ -419,6 +584,11 @@ pub struct Target {
     core: Mutex<Core>,
     /// How often `core` was locked: the figure the lock-per-command goal is checked by.
     acquisitions: AtomicU64,
+    /// Delegated tasks that have ended, for the next holder of `core` to retire.
+    retired: Retirements,
+    /// Whether the last holder of `core` left something waiting for a retirement: a
+    /// connection that queues one then takes the lock to apply the queue.
+    awaiting: AtomicBool,
 }
 
 impl std::fmt::Debug for Target {
@@ -436,7 +606,8 @@ impl Target {
             name: format!("{},t,0x{PORTAL_GROUP:04x}", config.name),
             target_name: config.name.clone(),
         };
-        let device = Device::new(&config.name, vec![port]);
+        let mut device = Device::new(&config.name, vec![port]);
+        device.set_delegation(true);
         let target = Target {
             id: next_id(),
             name: config.name.clone(),
@@ -450,6 +621,8 @@ impl Target {
                 orders: Vec::new(),
             }),
             acquisitions: AtomicU64::new(0),
+            retired: Retirements::new(RETIREMENTS),
+            awaiting: AtomicBool::new(false),
         };
         for lun in &config.luns {
             target
@@ -459,12 +632,35 @@ impl Target {
         Ok(target)
     }
 
-    /// The SCSI core, locked.
-    pub fn core(&self) -> MutexGuard<'_, Core> {
+    /// The SCSI core, locked, with the queued retirements applied.
+    pub fn core(&self) -> CoreGuard<'_> {
         let guard = self.core.lock().unwrap_or_else(PoisonError::into_inner);
         // Counted under the lock: the counter's cache line moves with the lock's anyway.
         self.acquisitions.fetch_add(1, Ordering::Relaxed);
-        guard
+        let mut g = CoreGuard {
+            target: self,
+            core: Some(guard),
+            out: Outbox::detached(),
+        };
+        g.retire_queued();
+        g
+    }
+
+    /// A delegated task has ended at its connection, which does not hold the core's lock:
+    /// queued for the next holder, who retires it; at once when something waits for it.
+    pub fn retire(&self, task: TaskId) {
+        if !self.retired.push(task) {
+            // Full: retire it now (the acquisition empties the queue as well).
+            let mut core = self.core();
+            let CoreGuard { core: c, out, .. } = &mut core;
+            c.as_mut().expect("held").retire(task, out);
+            return;
+        }
+        // Sequentially consistent with the holder's store of `awaiting` and its look at the
+        // queue after it: either it sees this task queued, or this sees its flag.
+        if self.awaiting.load(Ordering::SeqCst) {
+            drop(self.core());
+        }
     }
 
     /// How many times the SCSI core's lock has been taken since the target was made.
@@ -599,5 +795,65 @@ impl Target {
                 .filter_map(|n| config::Network::parse(n).ok())
                 .any(|n| n.contains(addr));
         name_ok && net_ok
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retirements_hand_every_task_over_once_in_push_order_per_pusher() {
+        let q = Arc::new(Retirements::new(64));
+        let popper = Arc::new(Mutex::new(Vec::new()));
+        let threads: Vec<_> = (0..4u64)
+            .map(|t| {
+                let (q, popper) = (q.clone(), popper.clone());
+                std::thread::spawn(move || {
+                    for i in 0..20_000u64 {
+                        let task = TaskId::from_bits(t << 32 | i);
+                        // Full: pop under the "lock", as a connection takes the core's.
+                        while !q.push(task) {
+                            let mut got = popper.lock().unwrap();
+                            while let Some(x) = q.pop() {
+                                got.push(x);
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let mut got = popper.lock().unwrap();
+        while let Some(x) = q.pop() {
+            got.push(x);
+        }
+        assert_eq!(got.len(), 80_000);
+        // Each pusher's tasks come out in its order, none twice.
+        let mut next = [0u64; 4];
+        for x in got.iter() {
+            let b = x.to_bits();
+            let (t, i) = ((b >> 32) as usize, b & 0xffff_ffff);
+            assert_eq!(i, next[t], "pusher {t}");
+            next[t] += 1;
+        }
+        assert!(q.pop().is_none());
+    }
+
+    #[test]
+    fn a_full_retirement_queue_refuses() {
+        let q = Retirements::new(4);
+        for i in 0..4 {
+            assert!(q.push(TaskId::from_bits(i)));
+        }
+        assert!(!q.push(TaskId::from_bits(9)));
+        assert_eq!(q.pop(), Some(TaskId::from_bits(0)));
+        assert!(q.push(TaskId::from_bits(9)));
+        let rest: Vec<u64> = std::iter::from_fn(|| q.pop())
+            .map(TaskId::to_bits)
+            .collect();
+        assert_eq!(rest, [1, 2, 3, 9]);
     }
 }

@@ -202,6 +202,50 @@ async fn connections_of_one_session_on_both_reactors_keep_command_order() {
     s.logout().await.unwrap();
 }
 
+/// Reads and writes end at their connection and are retired by whoever takes the core's lock
+/// next. An ORDERED command behind them, on another connection and reactor, with nothing
+/// after it to take the lock, must still run: the connections that finish the tasks it waits
+/// for see that it waits and retire them at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ordered_command_behind_delegated_tasks_runs_with_nothing_after_it() {
+    let file = "[[targets]]\nname = \"iqn.2026-11.io.example:test\"\n[[targets.luns]]\nlun = 0\n\
+                backend = \"file\"\npath = \"@DIR@/lun0.img\"\nsize = \"16MiB\"\n";
+    let d = Daemon::start(&config("", file));
+    let mut o = opts();
+    o.connections = 4;
+    o.settings.operational.max_connections = 4;
+    let s = d.session(o).await;
+    let _ = s
+        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await;
+    for round in 0..20usize {
+        let mut pending = Vec::new();
+        for i in 0..24u64 {
+            let c = if i % 3 == 0 {
+                let data = pattern(8192, round * 100 + i as usize);
+                Command::write(s.lun(), cdb::write(i * 16, 16), data)
+            } else {
+                Command::read(s.lun(), cdb::read(i * 16, 16), 8192)
+            };
+            pending.push(s.start(c).await.unwrap());
+        }
+        let mut c = Command::write(s.lun(), cdb::write(1000, 16), pattern(8192, round));
+        c.attribute = TaskAttribute::Ordered;
+        pending.push(s.start(c).await.unwrap());
+        let all = async {
+            for p in pending {
+                p.wait().await.unwrap().good().unwrap();
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), all)
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: a command never ended"));
+    }
+    let back = s.read(1000, 16, 512).await.unwrap();
+    assert!(back == pattern(8192, 19));
+    s.logout().await.unwrap();
+}
+
 /// A bare connection: login with a fixed ISID and the minimum of keys, then raw PDUs.
 struct Raw {
     stream: TcpStream,
@@ -663,7 +707,7 @@ async fn futures_join_all<F: std::future::Future<Output = ()>>(fs: impl Iterator
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_command_takes_the_core_lock_once_on_arrival_and_once_to_complete() {
+async fn a_read_or_write_takes_the_core_lock_once() {
     let d = Daemon::start(&config("", &memory_target(TARGET, "")));
     let s = d.session(opts()).await;
     // The new nexus's POWER ON unit attention goes to the first command.
@@ -673,7 +717,8 @@ async fn a_command_takes_the_core_lock_once_on_arrival_and_once_to_complete() {
     let target = d.registry.targets()[0].clone();
     // One at a time, so no step can serve two commands: this is the most a command costs.
     // Before the CmdSN order moved under the core's lock and a step took it once, a read cost
-    // three (order, submit, completion) and a write with immediate data four.
+    // three (order, submit, completion) and a write with immediate data four; before reads
+    // and writes were delegated to the connection, two (arrival, completion).
     let n = 100u64;
     let before = target.core_acquisitions();
     for i in 0..n {
@@ -688,9 +733,27 @@ async fn a_command_takes_the_core_lock_once_on_arrival_and_once_to_complete() {
         assert!(back == pattern(4096, i as usize), "block {i}");
     }
     let reads = target.core_acquisitions() - before;
+    // Writes larger than FirstBurstLength: the rest of the data comes after R2Ts.
+    let big = 20u64;
+    let before = target.core_acquisitions();
+    for i in 0..big {
+        s.write(4096 + i * 1024, pattern(512 << 10, i as usize), 512)
+            .await
+            .unwrap();
+    }
+    let solicited = target.core_acquisitions() - before;
+    let back = s.read(4096 + 7 * 1024, 1024, 512).await.unwrap();
+    assert!(
+        back == pattern(512 << 10, 7),
+        "a solicited write reads back"
+    );
     // A little room for a NOP exchange that takes a CmdSN meanwhile.
-    assert!(writes <= 2 * n + 4, "{writes} acquisitions for {n} writes");
-    assert!(reads <= 2 * n + 4, "{reads} acquisitions for {n} reads");
+    assert!(writes <= n + 4, "{writes} acquisitions for {n} writes");
+    assert!(reads <= n + 4, "{reads} acquisitions for {n} reads");
+    assert!(
+        solicited <= big + 4,
+        "{solicited} acquisitions for {big} writes with R2Ts"
+    );
     // Many in flight: completions that land in one turn share its acquisition.
     let before = target.core_acquisitions();
     let mut pending = Vec::new();
@@ -703,9 +766,9 @@ async fn a_command_takes_the_core_lock_once_on_arrival_and_once_to_complete() {
     }
     let concurrent = target.core_acquisitions() - before;
     assert!(
-        concurrent <= 2 * n,
+        concurrent <= n + 4,
         "{concurrent} acquisitions for {n} reads"
     );
-    eprintln!("core lock acquisitions per command: writes {writes}/{n}, reads {reads}/{n}, {n} reads in flight {concurrent}/{n}");
+    eprintln!("core lock acquisitions per command: writes {writes}/{n}, reads {reads}/{n}, writes with R2Ts {solicited}/{big}, {n} reads in flight {concurrent}/{n}");
     s.logout().await.unwrap();
 }

@@ -36,7 +36,9 @@ use std::ops::{Deref, Range};
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use scsi_core::transport::{Accounting, Completion, NewTask, Request, TaskBuffer, TaskTable};
+use scsi_core::transport::{
+    Accounting, Completion, DataReady, NewTask, Request, Returned, TaskBuffer, TaskEntry, TaskTable,
+};
 use scsi_core::{
     Action, Asc, BackendError, Command, DataIn as CoreDataIn, NexusId, Op, Output,
     Residual as CoreResidual, SenseKey, TaskAttribute as CoreAttribute, TaskId, TmfFunction,
@@ -122,6 +124,12 @@ pub trait Nexus {
     fn data_out(&mut self, task: TaskId, data: &[u8]);
     /// A backend operation of `task` has ended (or could not run).
     fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>);
+    /// A delegated task (a plain READ or WRITE the connection finished without the core,
+    /// [`Action::Delegated`]) has ended: [`Device::retire`](scsi_core::Device::retire). Its
+    /// response is already queued. A daemon that shares the core between threads may queue
+    /// this without taking the core's lock, as long as the queue is applied before anything
+    /// that waits for it ([`Device::awaits_retirement`](scsi_core::Device::awaits_retirement)).
+    fn retire(&mut self, task: TaskId);
     /// Starts a task management function for the session's I_T nexus; its answer comes back as
     /// [`Action::TaskManagementDone`] with the returned reference. `None`: the core refused it.
     fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64>;
@@ -717,21 +725,45 @@ impl<B: TaskBuffer> Connection<B> {
         }
     }
 
-    /// A backend operation of `task` has ended; its buffer comes back to the task.
+    /// A backend operation of `task` has ended at `now`; its buffer comes back to the task.
+    /// A delegated task ends here, without the core.
     pub fn handle_backend_done(
         &mut self,
+        now: Instant,
         task: TaskId,
         buffer: B,
         result: Result<Output, BackendError>,
         nexus: &mut impl Nexus,
     ) {
-        self.tasks.backend_returned(task, buffer);
-        nexus.backend_done(task, result);
+        let ok = result.as_ref().map(drop).map_err(|e| *e);
+        let returned = self.tasks.backend_returned(task, buffer, ok, now);
+        self.returned(returned, result, nexus);
+    }
+
+    /// Carries out what the task layer makes of a backend operation's end.
+    fn returned(
+        &mut self,
+        r: Returned<IscsiTask, B>,
+        result: Result<Output, BackendError>,
+        nexus: &mut impl Nexus,
+    ) {
+        match r {
+            Returned::Core(task) => nexus.backend_done(task, result),
+            Returned::Complete(c) => self.finish(c, nexus),
+            Returned::Ended { tag, entry } => self.ended_silently(tag, &entry, nexus),
+            Returned::Gone => {}
+        }
     }
 
     /// The buffer of an [`Event::BufferWanted`], or `None` when the allocator cannot ever give
     /// it: the task ends with an error.
-    pub fn handle_buffer(&mut self, tag: u64, buffer: Option<B>, nexus: &mut impl Nexus) {
+    pub fn handle_buffer(
+        &mut self,
+        now: Instant,
+        tag: u64,
+        buffer: Option<B>,
+        nexus: &mut impl Nexus,
+    ) {
         match buffer {
             Some(buffer) => {
                 if let Some(Request::Backend {
@@ -751,8 +783,8 @@ impl<B: TaskBuffer> Connection<B> {
                 }
             }
             None => {
-                if let Some(task) = self.tasks.buffer_refused(tag) {
-                    nexus.backend_done(task, Err(BackendError::Internal));
+                if let Some(r) = self.tasks.buffer_refused(tag, now) {
+                    self.returned(r, Err(BackendError::Internal), nexus);
                 }
             }
         }
@@ -1087,18 +1119,25 @@ impl<B: TaskBuffer> Connection<B> {
         }
     }
 
-    /// Hands the data-out to the core once all it asked for is in.
+    /// Hands the data-out to the core once all it asked for is in, or runs a delegated
+    /// write's operation.
     fn deliver_data(&mut self, itt: u32, nexus: &mut impl Nexus) {
-        if let Some((task, data)) = self.tasks.data_complete(u64::from(itt)) {
-            nexus.data_out(task, data);
+        match self.tasks.data_complete(u64::from(itt)) {
+            Some(DataReady::Core { task, data }) => nexus.data_out(task, data),
+            Some(DataReady::Run(r)) => self.request(r, nexus),
+            None => {}
         }
     }
 
     /// Carries out what the task layer makes of the core's action.
     fn action(&mut self, now: Instant, a: Action, nexus: &mut impl Nexus) {
-        let Some(request) = self.tasks.action(a, now, |lun| nexus.block_size(lun)) else {
-            return;
-        };
+        if let Some(request) = self.tasks.action(a, now, |lun| nexus.block_size(lun)) {
+            self.request(request, nexus);
+        }
+    }
+
+    /// Carries out what the task layer asks.
+    fn request(&mut self, request: Request<IscsiTask, B>, nexus: &mut impl Nexus) {
         match request {
             Request::DataOut { tag, .. } => {
                 self.solicit(tag as u32, nexus);
@@ -1120,7 +1159,7 @@ impl<B: TaskBuffer> Connection<B> {
                 self.events.push_back(Event::BufferWanted { tag, len })
             }
             Request::Complete(c) => self.finish(c, nexus),
-            Request::Ended { tag, entry } => self.ended(tag as u32, &entry.transport),
+            Request::Ended { tag, entry } => self.ended_silently(tag, &entry, nexus),
             Request::UnitGone { task, .. } => nexus.backend_done(task, Err(BackendError::Internal)),
             Request::TaskManagementDone {
                 reference,
@@ -1132,7 +1171,18 @@ impl<B: TaskBuffer> Connection<B> {
 
     /// The task has ended: Data-In (with the status collapsed into the last PDU when there is
     /// no sense), or a SCSI Response.
+    /// A delegated task is retired once its response is queued, so that what the retirement
+    /// lets go (a task management function's response) goes out after it.
     fn finish(&mut self, c: Completion<IscsiTask, B>, nexus: &mut impl Nexus) {
+        let retire = c.retire;
+        self.respond(c, nexus);
+        if let Some(task) = retire {
+            nexus.retire(task);
+        }
+    }
+
+    /// Queues a finished task's Data-In and status.
+    fn respond(&mut self, c: Completion<IscsiTask, B>, nexus: &mut impl Nexus) {
         let itt = c.tag as u32;
         self.ended(itt, &c.transport);
         self.events.push_back(Event::Completed(c.accounting));
@@ -1184,6 +1234,19 @@ impl<B: TaskBuffer> Connection<B> {
             ..ScsiResponse::default()
         };
         self.transmit(Pdu::ScsiResponse(r));
+    }
+
+    /// A task has ended without a response; a delegated one is retired.
+    fn ended_silently(
+        &mut self,
+        tag: u64,
+        entry: &TaskEntry<IscsiTask, B>,
+        nexus: &mut impl Nexus,
+    ) {
+        self.ended(tag as u32, &entry.transport);
+        if let Some(task) = entry.retire() {
+            nexus.retire(task);
+        }
     }
 
     /// A task has ended: its R2Ts are void.

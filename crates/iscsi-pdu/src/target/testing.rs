@@ -49,6 +49,9 @@ pub struct Options {
     pub block_size: u32,
     /// LUN 0's capacity in blocks.
     pub blocks: u64,
+    /// Whether the core delegates plain reads and writes to the connection (as targetd's
+    /// does), so they end without calling the core again.
+    pub delegate: bool,
 }
 
 impl Default for Options {
@@ -79,6 +82,7 @@ impl Default for Options {
             cmd_sn: SerialNumber(1),
             block_size: 512,
             blocks: 1 << 16,
+            delegate: true,
         }
     }
 }
@@ -163,6 +167,15 @@ impl Nexus for LocalNexus {
 
     fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
         let _ = self.device.backend_done(task, result);
+        self.drain();
+    }
+
+    fn retire(&mut self, task: TaskId) {
+        // A retirement the core refuses is the connection's mistake: every test and the fuzz
+        // targets check it here.
+        self.device
+            .retire(task)
+            .expect("a delegated task is retired once");
         self.drain();
     }
 
@@ -294,6 +307,7 @@ impl Rig {
             target_name: TARGET.into(),
         };
         let mut device = Device::new(TARGET, vec![port]);
+        device.set_delegation(options.delegate);
         let unit = LogicalUnit {
             identity: Identity::new("RIG", "memory", "0001", b"rig-lu0"),
             geometry: Geometry {
@@ -389,7 +403,7 @@ impl Rig {
     pub fn grant_buffers(&mut self) {
         while let Some((tag, len)) = self.wanted.pop_front() {
             self.conn
-                .handle_buffer(tag, Some(vec![0; len]), &mut self.nexus);
+                .handle_buffer(self.now, tag, Some(vec![0; len]), &mut self.nexus);
         }
         self.run();
     }
@@ -606,7 +620,7 @@ impl Rig {
         self.backend.submit(0, op, buffer);
         while let Some((_, result, buffer)) = self.backend.poll_completion() {
             self.conn
-                .handle_backend_done(task, buffer, result, &mut self.nexus);
+                .handle_backend_done(self.now, task, buffer, result, &mut self.nexus);
         }
     }
 
@@ -623,8 +637,13 @@ impl Rig {
                 } => {
                     if lun != 0 {
                         let gone = Err(BackendError::Internal);
-                        self.conn
-                            .handle_backend_done(task, buffer, gone, &mut self.nexus);
+                        self.conn.handle_backend_done(
+                            self.now,
+                            task,
+                            buffer,
+                            gone,
+                            &mut self.nexus,
+                        );
                     } else if self.hold_backend {
                         self.held.push_back((task, op, buffer));
                     } else {
@@ -636,7 +655,7 @@ impl Rig {
                         self.wanted.push_back((tag, len));
                     } else {
                         self.conn
-                            .handle_buffer(tag, Some(vec![0; len]), &mut self.nexus);
+                            .handle_buffer(self.now, tag, Some(vec![0; len]), &mut self.nexus);
                     }
                 }
                 Event::Completed(_) => {}

@@ -32,7 +32,14 @@ pub fn ports() -> Vec<TargetPort> {
 
 /// A harness with a thin LUN 0 and a thick LUN 1.
 pub fn harness() -> Harness {
-    let mut h = Harness::new(Device::new("iqn.2026-11.io.example:t", ports()));
+    harness_with(false)
+}
+
+/// A harness whose device delegates plain reads and writes when `delegate` is set.
+pub fn harness_with(delegate: bool) -> Harness {
+    let mut device = Device::new("iqn.2026-11.io.example:t", ports());
+    device.set_delegation(delegate);
+    let mut h = Harness::new(device);
     h.add_lu(0, unit(true, b"lu0"));
     h.add_lu(1, unit(false, b"lu1"));
     h

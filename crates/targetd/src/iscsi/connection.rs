@@ -13,7 +13,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::rc::Rc;
-use std::sync::{Arc, MutexGuard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backend::Buffer;
@@ -33,7 +33,7 @@ use super::session::{Control, Request, Session};
 use super::wire::{Incoming, ReadError, Reader, Writer};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{Peer, Registry};
-use crate::target::{next_id, Core, Outbox, Route, Routed, Target, MAX_IO};
+use crate::target::{next_id, Core, CoreGuard, Outbox, Route, Routed, Target, MAX_IO};
 
 /// How long a login may take.
 const LOGIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -137,7 +137,7 @@ struct Link {
 struct Step<'a> {
     link: &'a mut Link,
     scope: &'a Scope,
-    core: Option<MutexGuard<'a, Core>>,
+    core: Option<CoreGuard<'a>>,
 }
 
 impl<'a> Step<'a> {
@@ -217,6 +217,15 @@ impl Nexus for Step<'_> {
                 tracing::error!("backend completion refused by the core: {e}");
             }
         });
+    }
+
+    fn retire(&mut self, task: TaskId) {
+        match (&mut self.core, self.scope.session()) {
+            (Some(core), _) => core.retire(task, &mut self.link.out),
+            // No lock taken for it: queued for the next holder (see `Target::retire`).
+            (None, Some(session)) => session.target.retire(task),
+            (None, None) => {}
+        }
     }
 
     fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
@@ -698,12 +707,14 @@ impl Conn {
 impl Turn<'_> {
     /// Moves backend completions into the machine (and through it the core).
     fn absorb(&mut self) {
+        let now = Instant::now();
         loop {
             let Some(done) = self.inbox.done.borrow_mut().pop_front() else {
                 break;
             };
+            let (task, buffer, result) = (done.task, done.buffer, done.result);
             self.machine
-                .handle_backend_done(done.task, done.buffer, done.result, &mut self.nexus);
+                .handle_backend_done(now, task, buffer, result, &mut self.nexus);
         }
     }
 
@@ -731,8 +742,13 @@ impl Turn<'_> {
             Some(unit) => self.io.submit(&unit, op, buffer, self.inbox, task),
             None => {
                 let gone = Err(BackendError::Internal);
-                self.machine
-                    .handle_backend_done(task, buffer, gone, &mut self.nexus);
+                self.machine.handle_backend_done(
+                    Instant::now(),
+                    task,
+                    buffer,
+                    gone,
+                    &mut self.nexus,
+                );
             }
         }
     }
@@ -758,7 +774,8 @@ impl Turn<'_> {
         let buffer = r
             .map_err(|e| tracing::error!("buffer for task {tag:#x}: {e}"))
             .ok();
-        self.machine.handle_buffer(tag, buffer, &mut self.nexus);
+        self.machine
+            .handle_buffer(Instant::now(), tag, buffer, &mut self.nexus);
     }
 
     /// Adds a finished task to its unit's counters.
