@@ -1,6 +1,7 @@
 //! Arbitrary commands, parameter lists, task attributes, task management and nexus churn from
-//! three initiators against a device with two memory-backed units: nothing panics, every
-//! command ends exactly once, and the task set drains.
+//! three initiators against a device with two memory-backed units, with plain reads and writes
+//! delegated to the harness or not: nothing panics, every command ends exactly once, and the
+//! task set drains.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -48,14 +49,18 @@ fn unit(thin: bool, block_size: u32) -> LogicalUnit {
     }
 }
 
-fuzz_target!(|steps: Vec<Step>| {
+fuzz_target!(|input: (bool, Vec<Step>)| {
+    let (delegate, steps) = input;
     let port = TargetPort {
         relative_port: 1,
         port_group: 1,
         name: "iqn.2026-11.io.example:f,t,0x1".into(),
         target_name: "iqn.2026-11.io.example:f".into(),
     };
-    let mut h = Harness::new(Device::new("iqn.2026-11.io.example:f", vec![port]));
+    let mut device = Device::new("iqn.2026-11.io.example:f", vec![port]);
+    // Plain reads and writes delegated to the harness (as targetd's core does), or not.
+    device.set_delegation(delegate);
+    let mut h = Harness::new(device);
     h.device
         .set_reservation_store(Box::new(MemoryStore::default()));
     h.add_lu(0, unit(true, 512));
