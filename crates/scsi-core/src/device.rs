@@ -279,9 +279,11 @@ pub fn lun_index(lun: u64) -> Option<u16> {
     }
 }
 
-/// A plain write (WRITE, WRITE AND VERIFY without compare) cut to the whole blocks of the
-/// `expected` bytes the initiator sends instead of the `wanted` the CDB names: the new
-/// continuation and the data-out length. `None` for anything else.
+/// A plain write (WRITE, WRITE AND VERIFY without compare) cut to the `expected` bytes the
+/// initiator sends instead of the `wanted` the CDB names, when those are whole blocks: the new
+/// continuation and the data-out length. `None` for anything else, and for a partial last
+/// block, which the caller refuses without writing anything (FCP-4 9.4.2 b): writing the whole
+/// blocks alone and answering GOOD would report bytes as written that were dropped.
 fn truncated_write(then: &AfterData, expected: u32, wanted: u32) -> Option<(AfterData, u32)> {
     let AfterData::Ops(
         OpList::One(Op::Write {
@@ -296,7 +298,7 @@ fn truncated_write(then: &AfterData, expected: u32, wanted: u32) -> Option<(Afte
         return None;
     };
     let block_size = wanted / blocks.max(&1);
-    if block_size == 0 || wanted != block_size * blocks {
+    if block_size == 0 || wanted != block_size * blocks || expected % block_size != 0 {
         return None;
     }
     let whole = expected / block_size;
@@ -795,9 +797,9 @@ impl Device {
                 let mut len = len;
                 if len > t.data_out_len {
                     if let Some(short) = truncated_write(&then, t.data_out_len, len) {
-                        // The initiator sends less than the command names: write the whole
-                        // blocks it sends and report the overflow (FCP-4 9.4.2 a), as
-                        // initiators expect of iSCSI targets.
+                        // The initiator sends whole blocks, fewer than the command names: write
+                        // them and report the overflow (FCP-4 9.4.2 a), as initiators expect
+                        // of iSCSI targets.
                         then = short.0;
                         len = short.1;
                     }

@@ -60,16 +60,21 @@ fn read_write_round_trip_with_residuals() {
         let r = h.command(n, 0, &cdb10(0x28, 0, 100, 1), &[], 10000);
         assert_eq!(r.residual, Residual::Underflow(10000 - 512));
         // A write whose expected length is short writes the whole blocks the initiator sends and
-        // reports the overflow (FCP-4 9.4.2 a); a partial block is not written.
+        // reports the overflow (FCP-4 9.4.2 a).
         let w = h.command(n, 0, &cdb10(0x2a, 0, 100, 2), &pattern(1, 9), 0);
         good(&w);
         assert_eq!(
             (w.data_out_asked, w.residual),
             (512, Residual::Overflow(512))
         );
+        // A partial block cannot be written as sent: nothing is written and the command is
+        // refused (FCP-4 9.4.2 b), with the overflow; never GOOD for bytes dropped.
         let w = h.command(n, 0, &cdb10(0x2a, 0, 101, 1), &pattern(1, 5)[..200], 0);
-        good(&w);
+        check(&w, 5, 0x0e, 0x03);
         assert_eq!((w.data_out_asked, w.residual), (0, Residual::Overflow(312)));
+        let w = h.command(n, 0, &cdb10(0x2a, 0, 102, 2), &pattern(2, 5)[..600], 0);
+        check(&w, 5, 0x0e, 0x03);
+        assert_eq!((w.data_out_asked, w.residual), (0, Residual::Overflow(424)));
         let mut expect = data.clone();
         expect[..512].copy_from_slice(&pattern(1, 9));
         assert_eq!(

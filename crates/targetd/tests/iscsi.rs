@@ -14,8 +14,8 @@ use iscsi_pdu::chap::ChapCredentials;
 use iscsi_pdu::negotiation::{AuthMethod, DigestAlgorithm};
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{
-    Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, SerialNumber, Stage,
-    TaskAttribute, TaskManagementFunction, TmfResponse, RESERVED_TAG,
+    Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, Residual, SerialNumber,
+    Stage, TaskAttribute, TaskManagementFunction, TmfResponse, RESERVED_TAG,
 };
 use targetd::admin::{handle, AdminRequest};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -243,6 +243,47 @@ async fn an_ordered_command_behind_delegated_tasks_runs_with_nothing_after_it() 
     }
     let back = s.read(1000, 16, 512).await.unwrap();
     assert!(back == pattern(8192, 19));
+    s.logout().await.unwrap();
+}
+
+/// A WRITE whose expected data transfer length ends inside a block (200 bytes for one 512-byte
+/// block) cannot be written as sent: it is refused with INVALID FIELD IN COMMAND INFORMATION UNIT
+/// and the overflow, and nothing is written (it used to answer GOOD having written nothing).
+/// Whole blocks short of the CDB's length are written, with the overflow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_ending_inside_a_block_is_refused_and_writes_nothing() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let s = d.session(opts()).await;
+    let _ = s
+        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await;
+    s.write(40, pattern(2048, 1), 512).await.unwrap();
+    for (blocks, len) in [(1u32, 200usize), (2, 600), (4, 1000)] {
+        let data = pattern(len, 9);
+        let r = s
+            .execute(Command::write(s.lun(), cdb::write(40, blocks), data))
+            .await
+            .unwrap();
+        let sense = initiator_bench::Sense::parse(&r.sense.clone().unwrap()).unwrap();
+        assert_eq!((sense.key, sense.asc, sense.ascq), (5, 0x0e, 0x03), "{r:?}");
+        let over = blocks * 512 - len as u32;
+        assert_eq!(
+            r.residual,
+            Residual::Overflow(over),
+            "{blocks} blocks, {len} bytes"
+        );
+        let back = s.read(40, 4, 512).await.unwrap();
+        assert!(back == pattern(2048, 1), "nothing written for {len} bytes");
+    }
+    let r = s
+        .execute(Command::write(s.lun(), cdb::write(40, 2), pattern(512, 9)))
+        .await
+        .unwrap()
+        .good()
+        .unwrap();
+    assert_eq!(r.residual, Residual::Overflow(512));
+    let back = s.read(40, 4, 512).await.unwrap();
+    assert!(back[..512] == pattern(512, 9)[..] && back[512..] == pattern(2048, 1)[512..]);
     s.logout().await.unwrap();
 }
 
