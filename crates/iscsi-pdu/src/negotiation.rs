@@ -982,17 +982,22 @@ impl Negotiator {
             out.push(key, "Irrelevant");
             return Ok(());
         }
-        match def.kind {
+        let r = match def.kind {
             Kind::Declarative => self.declared(def.name, value),
             Kind::Obsolete(answer) => {
                 out.push(key, answer);
                 Ok(())
             }
-            _ => {
-                let answer = self.accept(def, value)?;
-                out.push(key, answer);
+            _ => self.accept(def, value).map(|answer| out.push(key, answer)),
+        };
+        match r {
+            // In full feature phase a value out of the key's range is answered, not fatal: the
+            // key keeps its value and the session goes on (RFC 7143 section 6.2).
+            Err(NegotiationError::InvalidValue { .. }) if !login => {
+                out.push(key, "Reject");
                 Ok(())
             }
+            r => r,
         }
     }
 

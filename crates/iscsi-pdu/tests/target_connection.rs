@@ -725,3 +725,64 @@ proptest! {
         prop_assert_eq!(rig.stored(1, 24), data);
     }
 }
+
+/// Text requests with keys the target does not know or values it cannot take get a Text
+/// Response that answers each such key (NotUnderstood for an unknown key, key names being
+/// case-sensitive; Reject for a value outside the key's range), and the session goes on
+/// (RFC 7143 sections 6.2 and 13.x). They once got a Reject, and the initiator waited for a
+/// Text Response that never came.
+#[test]
+fn text_with_unknown_keys_or_bad_values_is_answered_and_the_session_goes_on() {
+    let (mut rig, mut i) = rig(Options::default());
+    let cases: [(&[u8], &[u8]); 6] = [
+        (
+            b"SendTargetsPlease=All\0",
+            b"SendTargetsPlease=NotUnderstood\0",
+        ),
+        (b"sENDtARGETS=aLL\0", b"sENDtARGETS=NotUnderstood\0"),
+        (b"SendTargets=Alle\0", b"SendTargets=Reject\0"),
+        (b"SendTargets=A\0", b"SendTargets=Reject\0"),
+        (
+            b"MaxRecvDataSegmentLength=lots\0",
+            b"MaxRecvDataSegmentLength=Reject\0",
+        ),
+        (
+            b"X-io.example.thing=1\0",
+            b"X-io.example.thing=NotUnderstood\0",
+        ),
+    ];
+    for (n, (request, answer)) in cases.into_iter().enumerate() {
+        rig.send(&Pdu::TextRequest(TextRequest {
+            final_bit: true,
+            initiator_task_tag: 0x50 + n as u32,
+            target_transfer_tag: RESERVED_TAG,
+            cmd_sn: i.next_cmd_sn(),
+            data: Bytes::copy_from_slice(request),
+            ..TextRequest::default()
+        }));
+        let r = rig.responses();
+        let [Pdu::TextResponse(t)] = &r[..] else {
+            panic!("{}: {r:?}", String::from_utf8_lossy(request))
+        };
+        assert_eq!(t.initiator_task_tag, 0x50 + n as u32);
+        assert!(t.final_bit);
+        assert_eq!(&t.data[..], answer, "{}", String::from_utf8_lossy(request));
+        assert_eq!(rig.conn.closing(), None);
+        assert_eq!(rig.closed, None);
+    }
+    // A good request still works, and so do commands.
+    rig.send(&Pdu::TextRequest(TextRequest {
+        final_bit: true,
+        initiator_task_tag: 0x60,
+        target_transfer_tag: RESERVED_TAG,
+        cmd_sn: i.next_cmd_sn(),
+        data: Bytes::from_static(b"SendTargets=All\0"),
+        ..TextRequest::default()
+    }));
+    assert!(
+        matches!(&rig.responses()[..], [Pdu::TextResponse(t)] if t.data.starts_with(b"TargetName="))
+    );
+    let cmd = i.command(&[0; 6], 0, 0, Bytes::new());
+    rig.send(&Pdu::ScsiCommand(cmd));
+    assert!(matches!(&rig.responses()[..], [Pdu::ScsiResponse(_)]));
+}

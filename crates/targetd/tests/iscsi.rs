@@ -15,7 +15,7 @@ use iscsi_pdu::negotiation::{AuthMethod, DigestAlgorithm};
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{
     Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, Residual, SerialNumber,
-    Stage, TaskAttribute, TaskManagementFunction, TmfResponse, RESERVED_TAG,
+    Stage, TaskAttribute, TaskManagementFunction, TextRequest, TmfResponse, RESERVED_TAG,
 };
 use targetd::admin::{handle, AdminRequest};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -285,6 +285,44 @@ async fn a_write_ending_inside_a_block_is_refused_and_writes_nothing() {
     let back = s.read(40, 4, 512).await.unwrap();
     assert!(back[..512] == pattern(512, 9)[..] && back[512..] == pattern(2048, 1)[512..]);
     s.logout().await.unwrap();
+}
+
+/// Text requests with an unknown key or a bad value, as outside clients sent them, get a Text
+/// Response answering the key, and the connection goes on (issue 15: a bad value used to get
+/// a Reject and the initiator waited for a response that never came).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_with_unknown_keys_or_bad_values_gets_answers() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let mut raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 0x15], 0).await.unwrap();
+    let cases: [(&str, &str); 5] = [
+        ("SendTargetsPlease=All", "SendTargetsPlease=NotUnderstood"),
+        ("SendTargets=Alle", "SendTargets=Reject"),
+        ("SendTargets=A", "SendTargets=Reject"),
+        ("sENDtARGETS=aLL", "sENDtARGETS=NotUnderstood"),
+        ("SendTargets=All", "TargetName=iqn.2026-11.io.example:test"),
+    ];
+    for (n, (request, answer)) in cases.into_iter().enumerate() {
+        let itt = 0x100 + n as u32;
+        raw.send(Pdu::TextRequest(TextRequest {
+            final_bit: true,
+            initiator_task_tag: itt,
+            target_transfer_tag: RESERVED_TAG,
+            cmd_sn: raw.cmd_sn,
+            data: Bytes::from(format!("{request}\0")),
+            ..TextRequest::default()
+        }))
+        .await;
+        raw.cmd_sn = raw.cmd_sn.next();
+        match raw.next().await {
+            Some(Pdu::TextResponse(t)) => {
+                assert_eq!(t.initiator_task_tag, itt);
+                let text = String::from_utf8_lossy(&t.data);
+                assert!(text.starts_with(answer), "{request}: {text}");
+            }
+            other => panic!("{request}: {other:?}"),
+        }
+    }
+    assert!(raw.ping(0x200).await, "the connection goes on");
 }
 
 /// A bare connection: login with a fixed ISID and the minimum of keys, then raw PDUs.

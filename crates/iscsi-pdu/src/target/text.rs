@@ -1,6 +1,7 @@
 //! Text requests in full feature phase (RFC 7143 section 11.10): SendTargets and renegotiation,
 //! with long requests reassembled and long responses continued under a Target Transfer Tag.
 
+use crate::names::valid_iscsi_name;
 use crate::negotiation::Negotiator;
 use crate::text::{split_text, TextParams, TextReassembler};
 use crate::{RejectReason, Stage, TextRequest, TextResponse, RESERVED_TAG};
@@ -65,7 +66,13 @@ impl TextExchange {
         };
         let params = TextParams::parse(&all).map_err(|_| RejectReason::ProtocolError)?;
         let mut out = match params.get("SendTargets") {
-            Some(v) => send_targets(v),
+            // All, an iSCSI name, or nothing (this session's target): RFC 7143 section 13.x.
+            Some(v) if v == "All" || v.is_empty() || valid_iscsi_name(v) => send_targets(v),
+            Some(_) => {
+                let mut refused = TextParams::new();
+                refused.push("SendTargets", "Reject");
+                refused
+            }
             None => TextParams::new(),
         };
         match negotiator.receive(Stage::FullFeaturePhase, &params) {
