@@ -540,14 +540,11 @@ fn malformed_and_misplaced_pdus_are_rejected_and_the_session_goes_on() {
 #[test]
 fn text_send_targets_and_logout() {
     let (mut rig, mut i) = rig(Options::default());
-    rig.send(&Pdu::TextRequest(TextRequest {
-        final_bit: true,
-        initiator_task_tag: 0x50,
-        target_transfer_tag: RESERVED_TAG,
-        cmd_sn: i.next_cmd_sn(),
-        data: Bytes::from_static(b"SendTargets=All\0"),
-        ..TextRequest::default()
-    }));
+    rig.send(&text_request(
+        0x50,
+        i.next_cmd_sn(),
+        Bytes::from_static(b"SendTargets=All\0"),
+    ));
     let r = rig.responses();
     let Pdu::TextResponse(t) = &r[0] else {
         panic!("{r:?}")
@@ -606,14 +603,11 @@ fn a_discovery_session_takes_only_text_nop_and_logout() {
     assert!(matches!(&rig.responses()[..], [Pdu::Reject(_)]));
     assert_eq!(rig.conn.task_count(), 0);
     i.cmd_sn = SerialNumber(1);
-    rig.send(&Pdu::TextRequest(TextRequest {
-        final_bit: true,
-        initiator_task_tag: 0x50,
-        target_transfer_tag: RESERVED_TAG,
-        cmd_sn: i.next_cmd_sn(),
-        data: Bytes::from_static(b"SendTargets=All\0"),
-        ..TextRequest::default()
-    }));
+    rig.send(&text_request(
+        0x50,
+        i.next_cmd_sn(),
+        Bytes::from_static(b"SendTargets=All\0"),
+    ));
     assert!(
         matches!(&rig.responses()[..], [Pdu::TextResponse(t)] if t.data.starts_with(b"TargetName="))
     );
@@ -752,14 +746,11 @@ fn text_with_unknown_keys_or_bad_values_is_answered_and_the_session_goes_on() {
         ),
     ];
     for (n, (request, answer)) in cases.into_iter().enumerate() {
-        rig.send(&Pdu::TextRequest(TextRequest {
-            final_bit: true,
-            initiator_task_tag: 0x50 + n as u32,
-            target_transfer_tag: RESERVED_TAG,
-            cmd_sn: i.next_cmd_sn(),
-            data: Bytes::copy_from_slice(request),
-            ..TextRequest::default()
-        }));
+        rig.send(&text_request(
+            0x50 + n as u32,
+            i.next_cmd_sn(),
+            Bytes::copy_from_slice(request),
+        ));
         let r = rig.responses();
         let [Pdu::TextResponse(t)] = &r[..] else {
             panic!("{}: {r:?}", String::from_utf8_lossy(request))
@@ -771,18 +762,27 @@ fn text_with_unknown_keys_or_bad_values_is_answered_and_the_session_goes_on() {
         assert_eq!(rig.closed, None);
     }
     // A good request still works, and so do commands.
-    rig.send(&Pdu::TextRequest(TextRequest {
-        final_bit: true,
-        initiator_task_tag: 0x60,
-        target_transfer_tag: RESERVED_TAG,
-        cmd_sn: i.next_cmd_sn(),
-        data: Bytes::from_static(b"SendTargets=All\0"),
-        ..TextRequest::default()
-    }));
+    rig.send(&text_request(
+        0x60,
+        i.next_cmd_sn(),
+        Bytes::from_static(b"SendTargets=All\0"),
+    ));
     assert!(
         matches!(&rig.responses()[..], [Pdu::TextResponse(t)] if t.data.starts_with(b"TargetName="))
     );
     let cmd = i.command(&[0; 6], 0, 0, Bytes::new());
     rig.send(&Pdu::ScsiCommand(cmd));
     assert!(matches!(&rig.responses()[..], [Pdu::ScsiResponse(_)]));
+}
+
+/// A final Text Request with no Target Transfer Tag.
+fn text_request(itt: u32, cmd_sn: SerialNumber, data: Bytes) -> Pdu {
+    Pdu::TextRequest(TextRequest {
+        final_bit: true,
+        initiator_task_tag: itt,
+        target_transfer_tag: RESERVED_TAG,
+        cmd_sn,
+        data,
+        ..TextRequest::default()
+    })
 }

@@ -163,6 +163,34 @@ impl Port {
         }
     }
 
+    /// Submits a one-block WRITE at LBA 0 with a buffer but no data-out yet, and takes the
+    /// core's first action for it (the transport carries it out by hand).
+    fn one_block_write(&mut self, tag: u64) -> (scsi_core::TaskId, scsi_core::Action) {
+        let new = NewTask {
+            lun: 0,
+            data_out_len: 512,
+            data_in_len: 0,
+            buffer: Some(vec![0u8; 512]),
+            received: 0,
+            transport: Wire::default(),
+        };
+        self.table.insert(tag, new, self.now).unwrap();
+        let task = self
+            .device
+            .submit(Command {
+                nexus: self.nexus,
+                lun: 0,
+                cdb: &cdb10(0x2a, 0, 0, 1),
+                attribute: TaskAttribute::Simple,
+                tag,
+                data_in_len: 0,
+                data_out_len: 512,
+            })
+            .unwrap();
+        self.table.submitted(tag, task);
+        (task, self.device.poll().unwrap())
+    }
+
     /// A task has ended with a response; a delegated one is retired after it.
     fn completed(&mut self, c: Completion<Wire, Vec<u8>>) {
         self.pool += c.buffer.as_ref().map_or(0, Vec::capacity);
@@ -296,29 +324,7 @@ fn a_failed_task_ends_with_aborted_command_and_its_asc() {
     for delegate in [false, true] {
         let mut p = Port::with(delegate);
         // A write whose data-out the transport "loses": the core asked, the table fails it.
-        let new = NewTask {
-            lun: 0,
-            data_out_len: 512,
-            data_in_len: 0,
-            buffer: Some(vec![0u8; 512]),
-            received: 0,
-            transport: Wire::default(),
-        };
-        p.table.insert(77, new, p.now).unwrap();
-        let task = p
-            .device
-            .submit(Command {
-                nexus: p.nexus,
-                lun: 0,
-                cdb: &cdb10(0x2a, 0, 0, 1),
-                attribute: TaskAttribute::Simple,
-                tag: 77,
-                data_in_len: 0,
-                data_out_len: 512,
-            })
-            .unwrap();
-        p.table.submitted(77, task);
-        let a = p.device.poll().unwrap();
+        let (submitted, a) = p.one_block_write(77);
         match p.table.action(a, p.now, |_| Some(512)) {
             Some(Request::DataOut {
                 tag: 77,
@@ -331,6 +337,7 @@ fn a_failed_task_ends_with_aborted_command_and_its_asc() {
             .table
             .fail(77, Asc(0x47, 0x05))
             .expect("the core holds it");
+        assert_eq!(task, submitted);
         assert_eq!(p.table.fail(77, Asc(0x47, 0x05)), None, "failed once");
         p.table.data_received(77, 512);
         assert!(
@@ -547,29 +554,7 @@ fn delegated_tasks_hold_the_task_set_until_retired() {
 fn aborting_a_delegated_task() {
     let mut p = Port::with(true);
     // A write waiting for its data-out ends at once, without a response, and is retired.
-    let new = NewTask {
-        lun: 0,
-        data_out_len: 512,
-        data_in_len: 0,
-        buffer: Some(Vec::with_capacity(512)),
-        received: 0,
-        transport: Wire::default(),
-    };
-    p.table.insert(70, new, p.now).unwrap();
-    let task = p
-        .device
-        .submit(Command {
-            nexus: p.nexus,
-            lun: 0,
-            cdb: &cdb10(0x2a, 0, 0, 1),
-            attribute: TaskAttribute::Simple,
-            tag: 70,
-            data_in_len: 0,
-            data_out_len: 512,
-        })
-        .unwrap();
-    p.table.submitted(70, task);
-    let a = p.device.poll().unwrap();
+    let (_, a) = p.one_block_write(70);
     assert!(matches!(
         a,
         scsi_core::Action::Delegated { data_out: 512, .. }
