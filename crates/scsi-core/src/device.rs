@@ -845,14 +845,10 @@ impl Device {
         let lun = t.lun;
         let Some(lu) = self.lu(lun) else { return false };
         let d_sense = lu.d_sense;
-        if let Op::Write { fua, .. } = &mut op {
-            // Write-through: every write is forced to the medium, as issue_next does.
-            *fua |= !lu.unit.geometry.write_cache;
-        }
+        lu.write_through(&mut op);
         if let Some((start, blocks)) = op.written_range() {
             let end = start.saturating_add(blocks);
-            let busy = lu.locks.iter().any(|&(_, s, e)| s < end && start < e);
-            if busy || !lu.lock_waiters.is_empty() {
+            if lu.range_busy(start, end) || !lu.lock_waiters.is_empty() {
                 return false;
             }
             self.lu_mut(lun)
@@ -862,9 +858,10 @@ impl Device {
         }
         let t = self.task_mut(id).expect("checked");
         let plan = if data_out == 0 {
+            let (data_in, residual) = read_data(read, t.data_in_len);
             Delegation {
-                data_in: read.min(t.data_in_len),
-                residual: Residual::of(u64::from(read), t.data_in_len),
+                data_in,
+                residual,
                 failed_residual: residual_without_data(t, false),
                 d_sense,
             }
@@ -894,10 +891,18 @@ impl Device {
     /// A delegated task ([`Action::Delegated`]) has ended at its transport: it leaves the task
     /// set, a write's block range is free again, and what waited for it goes on.
     pub fn retire(&mut self, id: TaskId) -> Result<(), DeviceError> {
-        let t = self.task_mut(id)?;
-        if t.phase != Phase::Delegated {
+        if self.task(id)?.phase != Phase::Delegated {
             return Err(DeviceError::WrongPhase);
         }
+        self.release_range(id);
+        self.end(id, None);
+        Ok(())
+    }
+
+    /// The task's operation has ended: a write's block range is free, and writers waiting
+    /// for it may go.
+    fn release_range(&mut self, id: TaskId) {
+        let Ok(t) = self.task_mut(id) else { return };
         let lun = t.op_lun;
         if t.current.take().and_then(|o| o.written_range()).is_some() {
             if let Some(lu) = self.lu_mut(lun) {
@@ -905,8 +910,6 @@ impl Device {
             }
             self.retry_lock_waiters(lun);
         }
-        self.end(id, None);
-        Ok(())
     }
 
     /// Whether retiring a delegated task could let something go on now: a dormant task, a
@@ -965,9 +968,8 @@ impl Device {
             let reply = match finish {
                 Finish::Good => Ok(Reply::Good),
                 Finish::ReadData { len } => {
-                    let sent = len.min(t.data_in_len);
+                    let (sent, residual) = read_data(len, t.data_in_len);
                     let tag = t.tag;
-                    let residual = Residual::of(u64::from(len), t.data_in_len);
                     return self.end(
                         id,
                         Some(Action::Complete {
@@ -1007,20 +1009,11 @@ impl Device {
             );
             return self.complete(id, Err(e.into()));
         };
-        if !lu.unit.geometry.write_cache {
-            // Write-through: every write is forced to the medium.
-            if let Op::Write { fua, .. }
-            | Op::WriteSame { fua, .. }
-            | Op::CompareAndWrite { fua, .. }
-            | Op::OrWrite { fua, .. } = &mut op
-            {
-                *fua = true;
-            }
-        }
+        lu.write_through(&mut op);
         if let Some((start, blocks)) = op.written_range() {
             let end = start.saturating_add(blocks);
             let lu = self.lu_mut(lun).expect("checked");
-            let busy = lu.locks.iter().any(|&(_, s, e)| s < end && start < e);
+            let busy = lu.range_busy(start, end);
             if busy || !lu.lock_waiters.is_empty() {
                 lu.lock_waiters.push_back(id);
                 let t = self.task_mut(id).expect("checked");
@@ -1058,7 +1051,7 @@ impl Device {
             let end = start.saturating_add(blocks);
             let lu = self.lu_mut(lun).expect("checked");
             let overlaps = |&(s, e): &(u64, u64)| s < end && start < e;
-            if lu.locks.iter().any(|&(_, s, e)| overlaps(&(s, e))) || still.iter().any(overlaps) {
+            if lu.range_busy(start, end) || still.iter().any(overlaps) {
                 lu.lock_waiters.push_back(id);
                 still.push((start, end));
                 continue;
@@ -1082,15 +1075,8 @@ impl Device {
         if t.phase != Phase::Backend {
             return Err(DeviceError::WrongPhase);
         }
-        let lun = t.op_lun;
-        let op = t.current.take();
         t.phase = Phase::Enabled;
-        if op.and_then(|o| o.written_range()).is_some() {
-            if let Some(lu) = self.lu_mut(lun) {
-                lu.locks.retain(|&(holder, _, _)| holder != id);
-            }
-            self.retry_lock_waiters(lun);
-        }
+        self.release_range(id);
         let t = self.task_mut(id).expect("checked");
         if t.aborted {
             let tag = t.tag;
@@ -1462,6 +1448,31 @@ impl Device {
         let doomed = self.select_tasks(|t| t.lun == lun && ids.contains(&t.nexus));
         let doomed: Vec<TaskId> = doomed.into_iter().filter(|&t| t != except).collect();
         self.abort_tasks(&doomed, None);
+    }
+}
+
+/// A read's data-in and residual: `len` bytes read, at most `expected` of them sent.
+fn read_data(len: u32, expected: u32) -> (u32, Residual) {
+    (len.min(expected), Residual::of(u64::from(len), expected))
+}
+
+impl Lu {
+    /// Whether a write in flight holds a block of `start..end`.
+    fn range_busy(&self, start: u64, end: u64) -> bool {
+        self.locks.iter().any(|&(_, s, e)| s < end && start < e)
+    }
+
+    /// Forces a write to the medium when the unit is write-through (its write cache off).
+    fn write_through(&self, op: &mut Op) {
+        if !self.unit.geometry.write_cache {
+            if let Op::Write { fua, .. }
+            | Op::WriteSame { fua, .. }
+            | Op::CompareAndWrite { fua, .. }
+            | Op::OrWrite { fua, .. } = op
+            {
+                *fua = true;
+            }
+        }
     }
 }
 

@@ -265,7 +265,8 @@ impl Harness {
             self.buffers[i] = buf;
             match self.plans[i].take() {
                 Some((_, _, plan)) => {
-                    let (tag, o) = (self.tag_of_delegated(task), plan.outcome(result.map(drop)));
+                    let tag = self.device.tag(task).expect("a live task");
+                    let o = plan.outcome(result.map(drop));
                     if !std::mem::take(&mut self.aborted[i]) {
                         self.finished(task, tag, o);
                     }
@@ -274,11 +275,6 @@ impl Harness {
                 None => self.device.backend_done(task, result).expect("task waits"),
             }
         }
-    }
-
-    /// The tag a delegated task was submitted with.
-    fn tag_of_delegated(&self, task: TaskId) -> u64 {
-        self.device.tag(task).expect("a live task")
     }
 
     /// Records how a task ended.
