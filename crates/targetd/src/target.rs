@@ -277,8 +277,8 @@ pub struct Outbox {
 }
 
 impl Outbox {
-    /// An outbox that sends everything over the owners' channels (no connection is the
-    /// caller); empty, it holds no memory.
+    /// An outbox that sends everything over the owners' channels, for a caller that is no
+    /// connection (a retirement, a reload that removes a unit); empty, it holds no memory.
     pub fn detached() -> Outbox {
         Outbox {
             me: 0,
@@ -287,7 +287,7 @@ impl Outbox {
         }
     }
 
-    /// An empty outbox for connection `me` (0 for none, as for a reload that removes a unit).
+    /// An empty outbox for connection `me`, with room for a few hundred events.
     pub fn new(me: u64) -> Outbox {
         Outbox {
             me,
@@ -706,7 +706,7 @@ impl Target {
     pub fn remove_lun(&self, index: u16) -> Result<(), String> {
         let mut core = self.core();
         core.device.remove_lu(index).map_err(|e| e.to_string())?;
-        let mut out = Outbox::new(0);
+        let mut out = Outbox::detached();
         core.drain(&mut out);
         drop(core);
         out.send_remote();
