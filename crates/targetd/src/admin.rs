@@ -183,7 +183,7 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
                 .sessions
                 .get(tsih)
                 .ok_or(format!("no session with TSIH {tsih}"))?;
-            s.close();
+            registry.sessions.close(&s);
             Ok(json!(format!("session {tsih} closed")))
         }
         change => {
@@ -320,8 +320,9 @@ fn sessions(registry: &Registry) -> Value {
             .iter()
             .map(|s| {
                 let o = &s.params.operational;
-                let conns: Vec<Value> = s
-                    .connection_list()
+                let conns: Vec<Value> = registry
+                    .sessions
+                    .connections(s)
                     .iter()
                     .map(|c| {
                         json!({

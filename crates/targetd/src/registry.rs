@@ -13,12 +13,12 @@ use std::time::{Duration, Instant};
 
 use iscsi_pdu::chap::{ChapCredentials, ENTROPY_LEN};
 use iscsi_pdu::negotiation::{AuthMethod, NegotiationError, Settings};
-use iscsi_pdu::target::{Completed, LoginPolicy};
+use iscsi_pdu::target::{Completed, LoginPolicy, SessionError};
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{Isid, LoginStatus, SerialNumber};
 
 use crate::config::{self, Config};
-use crate::iscsi::session::{ConnectionInfo, Control, JoinError, Request, Session, Sessions};
+use crate::iscsi::session::{ConnectionInfo, Control, Request, Session, Sessions};
 use crate::target::{Target, PORTAL_GROUP};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -217,7 +217,7 @@ impl Registry {
             if !keep {
                 for s in self.sessions.all() {
                     if Arc::ptr_eq(&s.target, t) {
-                        s.close();
+                        self.sessions.close(&s);
                     }
                 }
                 changes.push(format!("target {} removed", t.name));
@@ -440,21 +440,15 @@ impl LoginPolicy for Admission<'_> {
             ),
             control: peer.control.clone(),
         };
+        let (initiator, s) = (&login.initiator, &registry.sessions);
         let session = if login.tsih == 0 {
             let params = login.negotiator.session().clone();
-            let (initiator, window) = (&login.initiator, registry.window());
-            let s = &registry.sessions;
+            let window = registry.window();
             s.create(login.isid, initiator, target, params, window, cmd, info)
         } else {
-            let name = &target.name;
-            registry
-                .sessions
-                .join(login.tsih, login.isid, &login.initiator, name, info)
-                .map_err(|e| match e {
-                    JoinError::NoSession => LoginStatus::SESSION_DOES_NOT_EXIST,
-                    JoinError::TooMany => LoginStatus::TOO_MANY_CONNECTIONS,
-                })?
-        };
+            s.join(login.tsih, login.isid, initiator, &target.name, info)
+        }
+        .map_err(SessionError::status)?;
         let (exp, max) = session.window();
         tracing::info!(
             tsih = session.tsih,

@@ -24,12 +24,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use backend::{FileConfig, FileHandle};
-use iscsi_pdu::target::{CommandOrder, OrderedCommand};
-use iscsi_pdu::SerialNumber;
-use scsi_core::{
-    Action, Command, Device, DeviceError, Geometry, Identity, Limits, LogicalUnit, NexusId,
-    TargetPort, TaskId, TmfFunction, TransportId,
-};
+use iscsi_pdu::target::{Sink, TargetCore};
+use scsi_core::{Device, Geometry, Identity, Limits, LogicalUnit, TargetPort, TaskId};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config;
@@ -53,212 +49,20 @@ pub struct Route {
     pub tx: UnboundedSender<Routed>,
 }
 
-/// A session's CmdSN order: its commands wait with the route of the connection they came on.
-type SessionOrder = CommandOrder<(OrderedCommand, Route)>;
-
-/// The SCSI device of a target, the routes of its tasks and the CmdSN order of its sessions.
-pub struct Core {
-    /// The device.
-    pub device: Device,
-    routes: Vec<Option<Route>>,
-    tmfs: Vec<(u64, Route)>,
-    next_reference: u64,
-    /// Each session's CmdSN window and the commands waiting for their turn, by its I_T
-    /// nexus's index.
-    orders: Vec<Option<(NexusId, SessionOrder)>>,
+impl iscsi_pdu::target::Route for Route {
+    fn connection(&self) -> u64 {
+        self.conn
+    }
 }
 
-impl Core {
-    /// Opens the I_T nexus of a new session whose first expected CmdSN is `cmd_sn`, admitting
-    /// `window` commands ahead.
-    pub fn open_session(
-        &mut self,
-        initiator: TransportId,
-        cmd_sn: SerialNumber,
-        window: u32,
-    ) -> NexusId {
-        let nexus = self.device.open_nexus(initiator, 1);
-        let i = nexus.index();
-        if self.orders.len() <= i {
-            self.orders.resize_with(i + 1, || None);
-        }
-        self.orders[i] = Some((nexus, CommandOrder::new(cmd_sn, window)));
-        nexus
-    }
+/// The SCSI device of a target, the routes of its tasks and the CmdSN order of its sessions:
+/// iscsi-pdu's sans-IO core, its events carried over the connections' channels.
+pub type Core = TargetCore<Route>;
 
-    /// Closes a session's nexus (its tasks are aborted) and forgets its order.
-    pub fn close_session(&mut self, nexus: NexusId, out: &mut Outbox) {
-        if self.order(nexus).is_some() {
-            self.orders[nexus.index()] = None;
-        }
-        if let Err(e) = self.device.close_nexus(nexus) {
-            tracing::error!("closing a nexus: {e}");
-        }
-        self.drain(out);
-    }
-
-    /// ExpCmdSN and MaxCmdSN of the session `nexus`.
-    pub fn window(&self, nexus: NexusId) -> Option<(SerialNumber, SerialNumber)> {
-        match self.orders.get(nexus.index()) {
-            Some(Some((n, order))) if *n == nexus => Some(order.window()),
-            _ => None,
-        }
-    }
-
-    fn order(&mut self, nexus: NexusId) -> Option<&mut SessionOrder> {
-        match self.orders.get_mut(nexus.index()) {
-            Some(Some((n, order))) if *n == nexus => Some(order),
-            _ => None,
-        }
-    }
-
-    /// Hands a SCSI command of the session `nexus` to the device in CmdSN order: an immediate
-    /// command at once, others when every earlier CmdSN has arrived (on any connection). False
-    /// when `cmd` is outside the window (RFC 7143 section 4.2.2.1 has it dropped).
-    pub fn deliver(
-        &mut self,
-        nexus: NexusId,
-        cmd: OrderedCommand,
-        immediate: bool,
-        route: &Route,
-        out: &mut Outbox,
-    ) -> bool {
-        if immediate {
-            self.submit_ordered(nexus, &cmd, route, out);
-            return true;
-        }
-        let Some(order) = self.order(nexus) else {
-            return false;
-        };
-        if !order.admit(cmd.cmd_sn, Some((cmd, route.clone()))) {
-            return false;
-        }
-        self.release(nexus, out);
-        true
-    }
-
-    /// Takes a CmdSN of the session `nexus` for a request handled on arrival (NOP-Out, Text,
-    /// Logout, task management). Returns whether it was inside the window.
-    pub fn take_cmd_sn(&mut self, nexus: NexusId, cmd_sn: SerialNumber, out: &mut Outbox) -> bool {
-        let Some(order) = self.order(nexus) else {
-            return false;
-        };
-        if !order.admit(cmd_sn, None) {
-            return false;
-        }
-        self.release(nexus, out);
-        true
-    }
-
-    /// Drops the commands of connection `conn` (closed) still waiting for their CmdSN turn:
-    /// they would reach the device with no connection to carry them out. Their numbers stay
-    /// taken.
-    pub fn cancel_queued(&mut self, nexus: NexusId, conn: u64) {
-        if let Some(order) = self.order(nexus) {
-            order.cancel(|(_, route)| route.conn == conn);
-        }
-    }
-
-    /// Submits queued commands while the next expected CmdSN is among them.
-    fn release(&mut self, nexus: NexusId, out: &mut Outbox) {
-        while let Some((cmd, route)) = self.order(nexus).and_then(CommandOrder::next_ready) {
-            self.submit_ordered(nexus, &cmd, &route, out);
-        }
-    }
-
-    fn submit_ordered(
-        &mut self,
-        nexus: NexusId,
-        cmd: &OrderedCommand,
-        route: &Route,
-        out: &mut Outbox,
-    ) {
-        if let Err(e) = self.submit(cmd.command(nexus), route, out) {
-            tracing::error!("the SCSI core refused a command: {e}");
-        }
-    }
-
-    /// Submits `cmd` for the connection `route`; what follows goes to `out`.
-    pub fn submit(
-        &mut self,
-        cmd: Command<'_>,
-        route: &Route,
-        out: &mut Outbox,
-    ) -> Result<TaskId, DeviceError> {
-        let task = self.device.submit(cmd)?;
-        let i = task.index();
-        if self.routes.len() <= i {
-            self.routes.resize(i + 1, None);
-        }
-        self.routes[i] = Some(route.clone());
-        out.push(route, Routed::Submitted { tag: cmd.tag, task });
-        self.drain(out);
-        Ok(task)
-    }
-
-    /// Starts a task management function; its answer comes back as
-    /// [`Action::TaskManagementDone`] with the returned reference.
-    pub fn task_management(
-        &mut self,
-        nexus: NexusId,
-        lun: u64,
-        function: TmfFunction,
-        route: &Route,
-        out: &mut Outbox,
-    ) -> Result<u64, DeviceError> {
-        self.next_reference += 1;
-        let reference = self.next_reference;
-        self.tmfs.push((reference, route.clone()));
-        if let Err(e) = self.device.task_management(nexus, lun, function, reference) {
-            self.tmfs.pop();
-            return Err(e);
-        }
-        self.drain(out);
-        Ok(reference)
-    }
-
-    /// A delegated task has ended at its connection ([`scsi_core::Device::retire`]).
-    pub fn retire(&mut self, task: TaskId, out: &mut Outbox) {
-        match self.device.retire(task) {
-            Ok(()) => {
-                if let Some(r) = self.routes.get_mut(task.index()) {
-                    *r = None;
-                }
-                self.drain(out);
-            }
-            Err(e) => tracing::error!("retiring a task: {e}"),
-        }
-    }
-
-    /// Hands every pending action to `out`, addressed to the connection of its task.
-    pub fn drain(&mut self, out: &mut Outbox) {
-        while let Some(action) = self.device.poll() {
-            let routed = match &action {
-                Action::DataOut { task, .. }
-                | Action::Backend { task, .. }
-                | Action::Delegated { task, .. } => {
-                    match self.routes.get(task.index()).and_then(Option::as_ref) {
-                        Some(route) => {
-                            out.push(route, Routed::Action(action));
-                            continue;
-                        }
-                        None => None,
-                    }
-                }
-                Action::Complete { task, .. } | Action::Aborted { task, .. } => {
-                    self.routes.get_mut(task.index()).and_then(Option::take)
-                }
-                Action::TaskManagementDone { reference, .. } => {
-                    let at = self.tmfs.iter().position(|(r, _)| r == reference);
-                    at.map(|i| self.tmfs.swap_remove(i).1)
-                }
-                _ => None,
-            };
-            match routed {
-                Some(route) => out.push(&route, Routed::Action(action)),
-                None => tracing::warn!(?action, "an action for a task without a connection"),
-            }
-        }
+/// Retires a delegated task ([`TargetCore::retire`]); a refusal is a connection's bug, logged.
+pub fn retire(core: &mut Core, task: TaskId, out: &mut Outbox) {
+    if let Err(e) = core.retire(task, out) {
+        tracing::error!("retiring a task: {e}");
     }
 }
 
@@ -296,19 +100,21 @@ impl Outbox {
         }
     }
 
-    fn push(&mut self, route: &Route, event: Routed) {
-        if route.conn == self.me {
-            self.local.push_back(event);
-        } else {
-            self.remote.push((route.clone(), event));
-        }
-    }
-
     /// Sends the other connections' events over their channels.
     pub fn send_remote(&mut self) {
         for (route, event) in self.remote.drain(..) {
             // A closed channel is a connection that has ended; its tasks end with it.
             let _ = route.tx.send(event);
+        }
+    }
+}
+
+impl Sink<Route> for Outbox {
+    fn push(&mut self, route: &Route, event: Routed) {
+        if route.conn == self.me {
+            self.local.push_back(event);
+        } else {
+            self.remote.push((route.clone(), event));
         }
     }
 }
@@ -332,7 +138,7 @@ impl CoreGuard<'_> {
         let core = self.core.as_mut().expect("held until dropped");
         let mut any = false;
         while let Some(task) = self.target.retired.pop() {
-            core.retire(task, &mut self.out);
+            retire(core, task, &mut self.out);
             any = true;
         }
         any
@@ -613,13 +419,7 @@ impl Target {
             name: config.name.clone(),
             config: RwLock::new(config.clone()),
             luns: RwLock::new(BTreeMap::new()),
-            core: Mutex::new(Core {
-                device,
-                routes: Vec::new(),
-                tmfs: Vec::new(),
-                next_reference: 0,
-                orders: Vec::new(),
-            }),
+            core: Mutex::new(Core::new(device)),
             acquisitions: AtomicU64::new(0),
             retired: Retirements::new(RETIREMENTS),
             awaiting: AtomicBool::new(false),
@@ -653,7 +453,7 @@ impl Target {
             // Full: retire it now (the acquisition empties the queue as well).
             let mut core = self.core();
             let CoreGuard { core: c, out, .. } = &mut core;
-            c.as_mut().expect("held").retire(task, out);
+            retire(c.as_mut().expect("held"), task, out);
             return;
         }
         // Sequentially consistent with the holder's store of `awaiting` and its look at the

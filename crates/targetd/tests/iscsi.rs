@@ -171,8 +171,9 @@ async fn connections_of_one_session_on_both_reactors_keep_command_order() {
     o.settings.operational.max_connections = 4;
     let s = d.session(o).await;
     assert_eq!(s.info().connections, 4);
-    let reactors: std::collections::HashSet<usize> = d.registry.sessions.all()[0]
-        .connection_list()
+    let sessions = &d.registry.sessions;
+    let reactors: std::collections::HashSet<usize> = sessions
+        .connections(&sessions.all()[0])
         .iter()
         .map(|c| c.reactor)
         .collect();

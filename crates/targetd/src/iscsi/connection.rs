@@ -204,24 +204,16 @@ impl Nexus for Step<'_> {
     }
 
     fn data_out(&mut self, task: TaskId, data: &[u8]) {
-        self.core(|_, core, _, _| {
-            if let Err(e) = core.device.data_out(task, data) {
-                tracing::error!("data-out refused by the core: {e}");
-            }
-        });
+        self.core(|_, core, _, out| core.data_out(task, data, out));
     }
 
     fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
-        self.core(|_, core, _, _| {
-            if let Err(e) = core.device.backend_done(task, result) {
-                tracing::error!("backend completion refused by the core: {e}");
-            }
-        });
+        self.core(|_, core, _, out| core.backend_done(task, result, out));
     }
 
     fn retire(&mut self, task: TaskId) {
         match (&mut self.core, self.scope.session()) {
-            (Some(core), _) => core.retire(task, &mut self.link.out),
+            (Some(core), _) => crate::target::retire(core, task, &mut self.link.out),
             // No lock taken for it: queued for the next holder (see `Target::retire`).
             (None, Some(session)) => session.target.retire(task),
             (None, None) => {}
@@ -260,7 +252,7 @@ impl Nexus for Step<'_> {
         let Some(session) = self.scope.session() else {
             return false;
         };
-        let conns = session.connection_list();
+        let conns = self.link.registry.sessions.connections(session);
         let Some(c) = conns.iter().find(|c| c.cid == cid) else {
             return false;
         };
@@ -278,7 +270,7 @@ impl Nexus for Step<'_> {
         let Some(session) = self.scope.session() else {
             return;
         };
-        for c in session.connection_list() {
+        for c in self.link.registry.sessions.connections(session) {
             if c.id != self.link.id {
                 c.control.request(Request::Close);
             }
@@ -292,7 +284,7 @@ impl Nexus for Step<'_> {
         };
         for s in self.link.registry.sessions.all() {
             if Arc::ptr_eq(&s.target, &session.target) && !Arc::ptr_eq(&s, session) {
-                s.close();
+                self.link.registry.sessions.close(&s);
             }
         }
         self.close_session();
@@ -385,7 +377,7 @@ async fn full_feature(
     };
     let (cid, session_type, op) = match &scope {
         Scope::Session(session) => {
-            let conns = session.connection_list();
+            let conns = registry.sessions.connections(session);
             let cid = conns.iter().find(|x| x.id == peer.id).map_or(0, |x| x.cid);
             (cid, SessionType::Normal, session.params.operational)
         }

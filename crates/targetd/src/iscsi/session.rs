@@ -1,14 +1,14 @@
-//! iSCSI sessions: the registry (TSIH allocation, reinstatement, joining connections). Each
+//! iSCSI sessions: the registry (iscsi-pdu's [`SessionTable`] behind a lock: TSIH allocation,
+//! reinstatement, joining connections) and each session's link to its target's core. Each
 //! session's command ordering by CmdSN (RFC 7143 section 4.2.2.1), which holds across all of its
 //! connections wherever they run, is kept under its target's core lock ([`Core::deliver`]).
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use iscsi_pdu::negotiation::SessionParams;
-use iscsi_pdu::target::OrderedCommand;
+use iscsi_pdu::target::{Left, OrderedCommand, SessionError, SessionKey, SessionTable};
 use iscsi_pdu::{Isid, SerialNumber};
 use scsi_core::NexusId;
 use tokio::sync::Notify;
@@ -92,10 +92,6 @@ pub struct Session {
     /// ExpCmdSN as the core's order last left it, read without the core's lock for every
     /// response.
     exp_cmd_sn: AtomicU32,
-    /// Its connections.
-    pub connections: Mutex<Vec<ConnectionInfo>>,
-    /// Set once it is ending: no connection may join.
-    pub closing: AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -137,35 +133,20 @@ impl Session {
             self.exp_cmd_sn.store(exp.0, Ordering::Release);
         }
     }
-
-    /// Asks every connection to close.
-    pub fn close(&self) {
-        self.closing.store(true, Ordering::SeqCst);
-        for c in lock(&self.connections).iter() {
-            c.control.request(Request::Close);
-        }
-    }
-
-    /// Its connections now.
-    pub fn connection_list(&self) -> Vec<ConnectionInfo> {
-        lock(&self.connections).clone()
-    }
 }
 
-/// Why a connection could not join a session.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JoinError {
-    /// No such session (or it belongs to another initiator or target).
-    NoSession,
-    /// It has MaxConnections already.
-    TooMany,
-}
-
-/// Every normal session of the daemon, by TSIH.
+/// Every normal session of the daemon: iscsi-pdu's [`SessionTable`] (TSIH allocation,
+/// reinstatement, joins, the last connection out) behind a lock, each session with its
+/// connections' controls. The table decides which connections close; this asks them to.
 #[derive(Debug, Default)]
 pub struct Sessions {
-    map: Mutex<HashMap<u16, Arc<Session>>>,
-    last_tsih: Mutex<u16>,
+    table: Mutex<SessionTable<Arc<Session>, ConnectionInfo>>,
+}
+
+fn close_all(connections: &[ConnectionInfo]) {
+    for c in connections {
+        c.control.request(Request::Close);
+    }
 }
 
 impl Sessions {
@@ -181,48 +162,36 @@ impl Sessions {
         window: u32,
         cmd_sn: SerialNumber,
         first: ConnectionInfo,
-    ) -> Arc<Session> {
-        let mut map = lock(&self.map);
-        let old: Vec<u16> = map
-            .values()
-            .filter(|s| {
-                s.isid == isid
-                    && s.initiator.eq_ignore_ascii_case(initiator)
-                    && Arc::ptr_eq(&s.target, &target)
-            })
-            .map(|s| s.tsih)
-            .collect();
-        for tsih in old {
-            if let Some(s) = map.remove(&tsih) {
-                tracing::info!(tsih, initiator, "session reinstated: closing the old one");
-                s.close();
-            }
-        }
-        let mut last = lock(&self.last_tsih);
-        let mut tsih = *last;
-        loop {
-            tsih = tsih.wrapping_add(1);
-            if tsih != 0 && !map.contains_key(&tsih) {
-                break;
-            }
-        }
-        *last = tsih;
-        let id = scsi_core::TransportId::iscsi(initiator, isid.0);
-        let nexus = target.core().open_session(id, cmd_sn, window);
-        let s = Arc::new(Session {
-            tsih,
+    ) -> Result<Arc<Session>, SessionError> {
+        let key = SessionKey {
             isid,
             initiator: initiator.to_string(),
-            target,
-            nexus,
-            params,
-            window,
-            exp_cmd_sn: AtomicU32::new(cmd_sn.0),
-            connections: Mutex::new(vec![first]),
-            closing: AtomicBool::new(false),
-        });
-        map.insert(tsih, s.clone());
-        s
+            target: target.name.clone(),
+        };
+        let max = params.operational.max_connections;
+        let mut table = lock(&self.table);
+        let made = table.create(key, max, first.cid, first, |tsih| {
+            let id = scsi_core::TransportId::iscsi(initiator, isid.0);
+            let nexus = target.core().open_session(id, cmd_sn, window);
+            Arc::new(Session {
+                tsih,
+                isid,
+                initiator: initiator.to_string(),
+                target: target.clone(),
+                nexus,
+                params,
+                window,
+                exp_cmd_sn: AtomicU32::new(cmd_sn.0),
+            })
+        })?;
+        if !made.reinstated.is_empty() {
+            tracing::info!(initiator, "session reinstated: closing the old one");
+            close_all(&made.reinstated);
+        }
+        Ok(table
+            .get(made.tsih)
+            .map(|s| s.value.clone())
+            .expect("just made"))
     }
 
     /// Adds a connection to the session `tsih` of `initiator`/`isid`; a connection with the
@@ -234,58 +203,51 @@ impl Sessions {
         initiator: &str,
         target: &str,
         conn: ConnectionInfo,
-    ) -> Result<Arc<Session>, JoinError> {
-        let map = lock(&self.map);
-        let s = map
-            .get(&tsih)
-            .filter(|s| {
-                s.isid == isid
-                    && s.initiator.eq_ignore_ascii_case(initiator)
-                    && s.target.name.eq_ignore_ascii_case(target)
-                    && !s.closing.load(Ordering::SeqCst)
-            })
-            .ok_or(JoinError::NoSession)?;
-        let mut conns = lock(&s.connections);
-        if let Some(i) = conns.iter().position(|c| c.cid == conn.cid) {
-            let old = conns.remove(i);
+    ) -> Result<Arc<Session>, SessionError> {
+        let mut table = lock(&self.table);
+        let replaced = table.join(tsih, isid, initiator, target, conn.cid, conn)?;
+        if let Some(old) = replaced {
+            tracing::info!(
+                tsih,
+                cid = old.cid,
+                "connection reinstated: closing the old one"
+            );
             old.control.request(Request::Close);
         }
-        if conns.len() >= usize::from(s.params.operational.max_connections) {
-            return Err(JoinError::TooMany);
-        }
-        conns.push(conn);
-        Ok(s.clone())
+        Ok(table
+            .get(tsih)
+            .map(|s| s.value.clone())
+            .expect("just joined"))
     }
 
-    /// Whether `tsih` names a live session (for a login that wants to join it).
+    /// The live session `tsih` (for a login that wants to join it).
     pub fn get(&self, tsih: u16) -> Option<Arc<Session>> {
-        lock(&self.map).get(&tsih).cloned()
+        lock(&self.table).get(tsih).map(|s| s.value.clone())
     }
 
     /// Removes connection `id` from its session; the last one out ends the session: it leaves
-    /// the registry and its I_T nexus closes (its tasks are aborted). Returns whether it ended.
-    pub fn leave(&self, session: &Arc<Session>, id: u64) -> bool {
-        let mut map = lock(&self.map);
-        let mut conns = lock(&session.connections);
-        conns.retain(|c| c.id != id);
-        if !conns.is_empty() {
-            return false;
-        }
-        drop(conns);
-        if map
-            .get(&session.tsih)
-            .is_some_and(|s| Arc::ptr_eq(s, session))
-        {
-            map.remove(&session.tsih);
-        }
-        session.closing.store(true, Ordering::SeqCst);
-        true
+    /// the registry, and the caller closes its I_T nexus. Returns whether it ended.
+    pub fn leave(&self, session: &Session, id: u64) -> bool {
+        let left = lock(&self.table).leave(session.tsih, |c| c.id == id);
+        matches!(left, Left::Ended(_))
     }
 
-    /// Every session.
+    /// Asks every connection of `session` to close; it ends when the last one has left.
+    pub fn close(&self, session: &Session) {
+        let conns = lock(&self.table).close(session.tsih);
+        close_all(&conns);
+    }
+
+    /// The connections of `session` now.
+    pub fn connections(&self, session: &Session) -> Vec<ConnectionInfo> {
+        lock(&self.table)
+            .entry(session.tsih)
+            .map(|s| s.connections.iter().map(|(_, c)| c.clone()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Every session, ending ones included, by TSIH.
     pub fn all(&self) -> Vec<Arc<Session>> {
-        let mut v: Vec<_> = lock(&self.map).values().cloned().collect();
-        v.sort_by_key(|s| s.tsih);
-        v
+        lock(&self.table).iter().map(|s| s.value.clone()).collect()
     }
 }
