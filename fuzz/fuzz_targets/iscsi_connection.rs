@@ -241,6 +241,7 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
             ("InitialR2T", yes(setup.initial_r2t)),
             ("ImmediateData", yes(setup.immediate_data)),
             ("MaxRecvDataSegmentLength", max_recv.as_str()),
+            ("MaxConnections", "2"),
         ]
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -253,13 +254,14 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
         options.settings.session_type = iscsi_pdu::negotiation::SessionType::Discovery;
     }
     let mut rig = Rig::new(options);
-    rig.nexus.other_cids = vec![2];
+    // A second connection in a normal session, which a logout may name.
+    let other = (!setup.discovery).then(|| rig.join(2).expect("a connection joins"));
     for step in steps.into_iter().take(128) {
         match step {
             Step::Send { message, cut } => {
-                let (next, _) = iscsi_pdu::target::Nexus::window(&rig.nexus);
+                let (next, _) = rig.window();
                 let mut wire = BytesMut::new();
-                pdu(message, next).encode(rig.digests, &mut wire);
+                pdu(message, next).encode(rig.digests(), &mut wire);
                 let at = usize::from(cut) % (wire.len() + 1);
                 rig.receive(&wire[..at]);
                 rig.receive(&wire[at..]);
@@ -275,11 +277,18 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
         }
         // Checks the stream as the initiator reads it.
         let _ = rig.responses();
-        if rig.closed.is_some() {
+        if rig.closed().is_some() {
             break;
         }
     }
+    // Its session lives on in the other connection: its own tasks end all the same.
     rig.drop_connection();
-    assert_eq!(rig.conn.task_count(), 0, "a task outlived its connection");
-    assert!(rig.conn.is_idle());
+    assert_eq!(rig.conn().task_count(), 0, "a task outlived its connection");
+    if let Some(other) = other {
+        rig.shut(other, "dropped");
+    }
+    for c in &rig.conns {
+        assert_eq!(c.conn.task_count(), 0, "a task outlived its connection");
+        assert!(c.conn.is_idle());
+    }
 });

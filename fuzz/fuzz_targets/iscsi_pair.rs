@@ -154,7 +154,7 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
     }
     let all_done = |p: &Pair| started.iter().all(|itt| p.done.contains_key(itt));
     let ended = p.run_until(
-        |p| all_done(p) || p.initiator_closed.is_some(),
+        |p| all_done(p) || p.initiator_closed().is_some(),
         Duration::from_secs(120),
     );
     // Without digests a flipped bit can go unnoticed (a CmdSN off by one is a command the
@@ -166,11 +166,11 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
         "a task never ended on a live connection"
     );
     settle(&p, &writes, &mut settled, &mut model);
-    if p.initiator_closed.is_some() || p.rig.closed.is_some() {
+    if p.initiator_closed().is_some() || p.rig.closed().is_some() {
         p.run_until(|_| false, Duration::from_secs(1));
-        assert!(p.rig.conn.is_idle(), "a task left on a closed connection");
+        assert!(p.rig.conn().is_idle(), "a task left on a closed connection");
     }
-    if clean && p.initiator_closed.is_none() {
+    if clean && p.initiator_closed().is_none() {
         // Everything has ended: a read now sees every known block.
         for (b, block) in model {
             let Some(want) = block.known() else { continue };

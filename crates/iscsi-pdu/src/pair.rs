@@ -1,7 +1,8 @@
 //! The deterministic pair: the initiator's machines ([`initiator::Login`],
-//! [`initiator::Session`]) and the target's ([`target::Login`], then the connection on a
-//! [`Rig`] with scsi-core's memory backend) in one process, on one virtual clock, joined by two
-//! links that cut the byte stream anywhere, delay it, lose everything after a point or flip a bit.
+//! [`initiator::Session`]) and the target's ([`target::Login`], then the connections on a
+//! [`Rig`] with scsi-core's memory backend) in one process, on one virtual clock, each
+//! connection joined by two links that cut the byte stream anywhere, delay it, lose everything
+//! after a point or flip a bit. A session may have several connections ([`Pair::connect`]).
 //!
 //! Both sides log in through their own machines; faults start once the connection is in full
 //! feature phase. Nothing here sleeps, spawns or opens a socket, so every run of a test is the
@@ -15,8 +16,8 @@ use bytes::{Bytes, BytesMut};
 use crate::chap::ENTROPY_LEN;
 use crate::initiator::{self, Command, Failure, Reply, StartError};
 use crate::negotiation::{self, NegotiationError, SessionType, Settings};
-use crate::target::testing::{Options, Rig, INITIATOR, TARGET};
-use crate::target::{self, Completed, LoginPolicy, Step};
+use crate::target::testing::{Admitted, Options, Rig, INITIATOR, TARGET};
+use crate::target::{self, Completed, LoginPolicy, SessionError, Step};
 use crate::{Deframer, Digests, Isid, LoginStatus, Pdu, SerialNumber};
 
 /// What a link does to the bytes it carries once the login is over.
@@ -141,18 +142,20 @@ impl Default for PairOptions {
     }
 }
 
-/// The target's answers to the login: one target, anyone may log in, a new session each time.
-struct Policy {
+/// The target's answers to the login: one target, anyone may log in; sessions are made and
+/// joined in the rig's session table, as targetd's registry does.
+struct Policy<'a> {
+    rig: &'a mut Rig,
     settings: Settings,
-    window: u32,
+    admitted: Option<Admitted>,
 }
 
-impl LoginPolicy for Policy {
+impl LoginPolicy for Policy<'_> {
     fn normal(&mut self, _: &str, target: &str, tsih: u16) -> Result<Settings, LoginStatus> {
         if !target.eq_ignore_ascii_case(TARGET) {
             return Err(LoginStatus::NOT_FOUND);
         }
-        if tsih != 0 {
+        if tsih != 0 && self.rig.target.sessions.get(tsih).is_none() {
             return Err(LoginStatus::SESSION_DOES_NOT_EXIST);
         }
         let mut s = self.settings.clone();
@@ -166,15 +169,17 @@ impl LoginPolicy for Policy {
 
     fn refused(&mut self, _: &str, _: Option<&str>, _: &NegotiationError) {}
 
-    fn window(&self, _: u16, cmd_sn: SerialNumber) -> (SerialNumber, SerialNumber) {
-        (cmd_sn, cmd_sn + (self.window - 1))
+    fn window(&self, tsih: u16, cmd_sn: SerialNumber) -> (SerialNumber, SerialNumber) {
+        self.rig.login_window(tsih, cmd_sn)
     }
 
     fn complete(
         &mut self,
         login: &Completed,
     ) -> Result<(u16, SerialNumber, SerialNumber), LoginStatus> {
-        Ok((1, login.cmd_sn, login.cmd_sn + (self.window - 1)))
+        let a = self.rig.admit(login).map_err(SessionError::status)?;
+        self.admitted = Some(a);
+        Ok((a.tsih, a.window.0, a.window.1))
     }
 
     fn entropy(&mut self) -> [u8; ENTROPY_LEN] {
@@ -182,24 +187,87 @@ impl LoginPolicy for Policy {
     }
 }
 
-/// The two machines, the links and the clock.
+/// Runs a login through both sides' machines, without faults: the initiator's `login` against
+/// the target's [`target::Login`] answering for `rig`. Returns what the initiator established
+/// and the rig's index of the new connection; panics if either side fails.
+fn log_in(
+    rig: &mut Rig,
+    target_settings: &Settings,
+    mut login: initiator::Login,
+) -> (initiator::Established, usize) {
+    let mut target_login = target::Login::new();
+    let mut policy = Policy {
+        rig,
+        settings: target_settings.clone(),
+        admitted: None,
+    };
+    let mut from_target = Deframer::new();
+    let mut to_target = Deframer::new();
+    let mut completed = None;
+    loop {
+        while let Some(pdu) = login.poll_transmit() {
+            to_target.feed(&encode(&pdu, Digests::NONE));
+            while let Ok(Some(Pdu::LoginRequest(req))) = to_target.next_pdu() {
+                let response = match target_login.handle_request(&req, &mut policy) {
+                    Step::Continue(r) => r,
+                    Step::Done(r, done) => {
+                        completed = Some(done);
+                        r
+                    }
+                    Step::Refused(r) => panic!("the target refused the login: {r:?}"),
+                };
+                from_target.feed(&encode(&Pdu::LoginResponse(response), Digests::NONE));
+            }
+        }
+        let Ok(Some(Pdu::LoginResponse(r))) = from_target.next_pdu() else {
+            panic!("the target did not answer a login request");
+        };
+        match login.handle_response(r) {
+            Ok(Some(e)) => {
+                let done = completed.expect("the target completed too");
+                let admitted = policy.admitted.expect("admitted");
+                return (e, policy.rig.attach(admitted, *done));
+            }
+            Ok(None) => {}
+            Err(e) => panic!("the initiator's login failed: {e}"),
+        }
+    }
+}
+
+/// One connection of the pair: the rig's end, the initiator's deframer and the two links.
 #[derive(Debug)]
-pub struct Pair {
-    /// The target connection, its device and its clock.
-    pub rig: Rig,
-    /// The initiator's session.
-    pub initiator: initiator::Session,
+struct PairLink {
+    /// The rig's index of the target's end.
+    rig: usize,
     deframer: Deframer,
     to_target: Link,
     to_initiator: Link,
-    /// Tasks the initiator has seen end, by ITT.
-    pub done: HashMap<u32, Result<Reply, Failure>>,
-    /// Why the initiator's connection closed, once it has.
-    pub initiator_closed: Option<String>,
+    /// Why the initiator's end closed, once it has.
+    closed: Option<String>,
     /// Whether the target's end has been torn down (as a daemon does once a connection
-    /// closes: its tasks end, the session's nexus closes).
+    /// closes: its tasks end, and the session's nexus closes with its last connection).
     torn_down: bool,
 }
+
+/// The two machines, the links and the clock.
+#[derive(Debug)]
+pub struct Pair {
+    /// The target: its connections, its device and its clock.
+    pub rig: Rig,
+    /// The initiator's session.
+    pub initiator: initiator::Session,
+    /// The session's connections, by the initiator's index.
+    links: Vec<PairLink>,
+    /// Tasks the initiator has seen end, by ITT.
+    pub done: HashMap<u32, Result<Reply, Failure>>,
+    /// What the initiator proposes, for connections that join later.
+    settings: Settings,
+    /// What the target supports.
+    target_settings: Settings,
+}
+
+/// The ISID of the pair's session.
+const ISID: Isid = Isid([0x80, 0, 0, 0, 0, 1]);
 
 impl Pair {
     /// Logs in through both sides' login machines (without faults), then arms the links.
@@ -210,76 +278,107 @@ impl Pair {
         d.initiator_name = Some(INITIATOR.into());
         d.target_name = Some(TARGET.into());
         d.session_type = SessionType::Normal;
-        let isid = Isid([0x80, 0, 0, 0, 0, 1]);
-        let mut login =
-            initiator::Login::new(settings, isid, 0, 1, SerialNumber(0), [3; ENTROPY_LEN]);
-        let mut target_login = target::Login::new();
-        let mut policy = Policy {
-            settings: options.target.target.clone(),
-            window: options.target.window,
-        };
-        let mut from_target = Deframer::new();
-        let mut to_target = Deframer::new();
-        let (established, completed) = loop {
-            let mut completed = None;
-            while let Some(pdu) = login.poll_transmit() {
-                to_target.feed(&encode(&pdu, Digests::NONE));
-                while let Ok(Some(Pdu::LoginRequest(req))) = to_target.next_pdu() {
-                    let response = match target_login.handle_request(&req, &mut policy) {
-                        Step::Continue(r) => r,
-                        Step::Done(r, done) => {
-                            completed = Some(done);
-                            r
-                        }
-                        Step::Refused(r) => panic!("the target refused the login: {r:?}"),
-                    };
-                    from_target.feed(&encode(&Pdu::LoginResponse(response), Digests::NONE));
-                }
-            }
-            let Ok(Some(Pdu::LoginResponse(r))) = from_target.next_pdu() else {
-                panic!("the target did not answer a login request");
-            };
-            match login.handle_response(r) {
-                Ok(Some(e)) => break (e, completed.expect("the target completed too")),
-                Ok(None) => {}
-                Err(e) => panic!("the initiator's login failed: {e}"),
-            }
-        };
-        let mut target = options.target.clone();
-        target.cmd_sn = completed.cmd_sn;
-        let rig = Rig::after_login(target, completed.negotiator, completed.stat_sn);
-        let mut session = initiator::Session::new(
+        let login = initiator::Login::new(
+            settings.clone(),
+            ISID,
+            0,
+            1,
+            SerialNumber(0),
+            [3; ENTROPY_LEN],
+        );
+        let mut rig = Rig::empty(options.target.clone());
+        let target_settings = options.target.target.clone();
+        let (established, index) = log_in(&mut rig, &target_settings, login);
+        let session = initiator::Session::new(
             established.session.clone(),
             established.tsih,
             established.exp_cmd_sn,
             established.max_cmd_sn,
         );
-        let ci = session.add_connection(established.connection, established.exp_stat_sn);
-        let mut deframer = Deframer::new();
-        deframer.set_digests(session.digests(ci));
-        deframer
-            .set_max_recv_data_segment_length(established.connection.max_recv_data_segment_length);
         let mut pair = Pair {
             rig,
             initiator: session,
-            deframer,
-            to_target: Link::default(),
-            to_initiator: Link::default(),
+            links: Vec::new(),
             done: HashMap::new(),
-            initiator_closed: None,
-            torn_down: false,
+            settings,
+            target_settings,
         };
-        pair.to_target.arm(options.to_target);
-        pair.to_initiator.arm(options.to_initiator);
+        pair.add_link(established, index, options.to_target, options.to_initiator);
         pair
     }
 
-    /// Changes the faults of both links from now on (offsets count from here).
+    fn add_link(
+        &mut self,
+        established: initiator::Established,
+        rig: usize,
+        to_target: Faults,
+        to_initiator: Faults,
+    ) -> usize {
+        let ci = self
+            .initiator
+            .add_connection(established.connection, established.exp_stat_sn);
+        let mut deframer = Deframer::new();
+        deframer.set_digests(self.initiator.digests(ci));
+        deframer
+            .set_max_recv_data_segment_length(established.connection.max_recv_data_segment_length);
+        let mut link = PairLink {
+            rig,
+            deframer,
+            to_target: Link::default(),
+            to_initiator: Link::default(),
+            closed: None,
+            torn_down: false,
+        };
+        link.to_target.arm(to_target);
+        link.to_initiator.arm(to_initiator);
+        assert_eq!(ci, self.links.len(), "one link per connection");
+        self.links.push(link);
+        ci
+    }
+
+    /// Another connection with CID `cid` logs in to the session (MC/S) through both login
+    /// machines, its links with these faults once it is in full feature phase. Returns the
+    /// initiator's index of it (the initiator spreads commands over its connections).
+    pub fn connect(&mut self, cid: u16, to_target: Faults, to_initiator: Faults) -> usize {
+        let login = initiator::Login::new(
+            self.settings.clone(),
+            ISID,
+            self.initiator.tsih(),
+            cid,
+            self.initiator.window().0,
+            [3; ENTROPY_LEN],
+        );
+        let (established, index) = log_in(&mut self.rig, &self.target_settings, login);
+        self.add_link(established, index, to_target, to_initiator)
+    }
+
+    /// Changes the faults of connection 0's links from now on (offsets count from here).
     pub fn set_faults(&mut self, to_target: Faults, to_initiator: Faults) {
-        self.to_target.carried = 0;
-        self.to_initiator.carried = 0;
-        self.to_target.arm(to_target);
-        self.to_initiator.arm(to_initiator);
+        self.set_faults_on(0, to_target, to_initiator);
+    }
+
+    /// Changes the faults of connection `ci`'s links from now on (offsets count from here).
+    pub fn set_faults_on(&mut self, ci: usize, to_target: Faults, to_initiator: Faults) {
+        let link = &mut self.links[ci];
+        link.to_target.carried = 0;
+        link.to_initiator.carried = 0;
+        link.to_target.arm(to_target);
+        link.to_initiator.arm(to_initiator);
+    }
+
+    /// Why the initiator's connection 0 closed, once it has.
+    pub fn initiator_closed(&self) -> Option<&str> {
+        self.closed_on(0)
+    }
+
+    /// Why the initiator's connection `ci` closed, once it has.
+    pub fn closed_on(&self, ci: usize) -> Option<&str> {
+        self.links[ci].closed.as_deref()
+    }
+
+    /// The rig's index of the initiator's connection `ci`.
+    pub fn rig_index(&self, ci: usize) -> usize {
+        self.links[ci].rig
     }
 
     /// The negotiated session parameters, as the initiator has them.
@@ -321,31 +420,14 @@ impl Pair {
         self.wait(itt, Duration::from_secs(60))
     }
 
-    /// Moves everything that can move now: the initiator's output onto its link, the target's
-    /// onto its own, and what is due off both; until nothing moves.
+    /// Moves everything that can move now: the initiator's output onto its links, the
+    /// target's onto its own, and what is due off all of them; until nothing moves.
     pub fn pump(&mut self) {
         loop {
             let mut moved = false;
             let now = self.rig.now;
-            let digests = self.initiator.digests(0);
-            while let Some(pdu) = self.initiator.poll_transmit(0) {
-                if self.initiator_closed.is_none() {
-                    self.to_target.push(now, encode(&pdu, digests));
-                }
-                moved = true;
-            }
-            let sent = self.rig.take_sent();
-            if !sent.is_empty() {
-                self.to_initiator.push(now, sent);
-                moved = true;
-            }
-            while let Some(bytes) = self.to_target.pop_due(now) {
-                self.rig.receive(&bytes);
-                moved = true;
-            }
-            while let Some(bytes) = self.to_initiator.pop_due(now) {
-                self.initiator_receives(&bytes);
-                moved = true;
+            for ci in 0..self.links.len() {
+                moved |= self.pump_link(ci, now);
             }
             while let Some(ev) = self.initiator.poll_event() {
                 if let initiator::Event::Done { itt, result } = ev {
@@ -353,13 +435,16 @@ impl Pair {
                 }
                 moved = true;
             }
-            if let Some(why) = self.rig.closed.clone() {
-                if self.initiator_closed.is_none() {
-                    // The target closed its end: the initiator sees the connection go.
-                    self.initiator_lost(format!("target closed: {why}"));
-                    moved = true;
+            for ci in 0..self.links.len() {
+                let index = self.links[ci].rig;
+                if let Some(why) = self.rig.conns[index].closed.clone() {
+                    if self.links[ci].closed.is_none() {
+                        // The target closed its end: the initiator sees the connection go.
+                        self.initiator_lost(ci, format!("target closed: {why}"));
+                        moved = true;
+                    }
+                    self.tear_down(ci);
                 }
-                self.tear_down();
             }
             if !moved {
                 return;
@@ -367,20 +452,47 @@ impl Pair {
         }
     }
 
-    fn initiator_receives(&mut self, bytes: &[u8]) {
-        if self.initiator_closed.is_some() {
+    /// Moves what can move on connection `ci`'s links; whether anything did.
+    fn pump_link(&mut self, ci: usize, now: Instant) -> bool {
+        let mut moved = false;
+        let digests = self.initiator.digests(ci);
+        let link = &mut self.links[ci];
+        while let Some(pdu) = self.initiator.poll_transmit(ci) {
+            if link.closed.is_none() {
+                link.to_target.push(now, encode(&pdu, digests));
+            }
+            moved = true;
+        }
+        let sent = self.rig.take_sent_on(link.rig);
+        if !sent.is_empty() {
+            link.to_initiator.push(now, sent);
+            moved = true;
+        }
+        while let Some(bytes) = self.links[ci].to_target.pop_due(now) {
+            self.rig.receive_on(self.links[ci].rig, &bytes);
+            moved = true;
+        }
+        while let Some(bytes) = self.links[ci].to_initiator.pop_due(now) {
+            self.initiator_receives(ci, &bytes);
+            moved = true;
+        }
+        moved
+    }
+
+    fn initiator_receives(&mut self, ci: usize, bytes: &[u8]) {
+        if self.links[ci].closed.is_some() {
             return;
         }
-        self.deframer.feed(bytes);
+        self.links[ci].deframer.feed(bytes);
         loop {
-            match self.deframer.next_pdu() {
+            match self.links[ci].deframer.next_pdu() {
                 Ok(Some(pdu)) => {
-                    if let Err(e) = self.initiator.handle_pdu(0, pdu) {
-                        return self.initiator_lost(e.0);
+                    if let Err(e) = self.initiator.handle_pdu(ci, pdu) {
+                        return self.initiator_lost(ci, e.0);
                     }
                 }
                 Ok(None) => return,
-                Err(e) if e.is_fatal() => return self.initiator_lost(format!("{e}")),
+                Err(e) if e.is_fatal() => return self.initiator_lost(ci, format!("{e}")),
                 // A PDU the initiator cannot use (a data digest error): it is dropped, and its
                 // command waits for recovery (none at ErrorRecoveryLevel 0) or a timeout.
                 Err(_) => {}
@@ -388,22 +500,24 @@ impl Pair {
         }
     }
 
-    /// The initiator's connection is gone: its tasks fail and the target's end drops too.
-    fn initiator_lost(&mut self, why: String) {
-        self.initiator_closed = Some(why.clone());
-        self.initiator.connection_lost(0, &why);
-        self.tear_down();
+    /// The initiator's connection `ci` is gone: its tasks fail and the target's end drops too.
+    fn initiator_lost(&mut self, ci: usize, why: String) {
+        self.links[ci].closed = Some(why.clone());
+        self.initiator.connection_lost(ci, &why);
+        self.tear_down(ci);
     }
 
-    /// The target's end is gone: its tasks end and the session's nexus closes.
-    fn tear_down(&mut self) {
-        if !self.torn_down {
-            self.torn_down = true;
-            self.rig.drop_connection();
+    /// The target's end of connection `ci` is gone: its tasks end, and the session's nexus
+    /// closes with its last connection.
+    fn tear_down(&mut self, ci: usize) {
+        let link = &mut self.links[ci];
+        if !link.torn_down {
+            link.torn_down = true;
+            self.rig.shut(link.rig, "dropped");
         }
     }
 
-    /// Runs, moving the virtual clock to each next event (a piece of the wire falling due, the
+    /// Runs, moving the virtual clock to each next event (a piece of a wire falling due, a
     /// target's timer), until `done` holds or `limit` has passed. Returns whether `done` held.
     pub fn run_until(&mut self, mut done: impl FnMut(&Pair) -> bool, limit: Duration) -> bool {
         let end = self.rig.now + limit;
@@ -412,18 +526,11 @@ impl Pair {
             if done(self) {
                 return true;
             }
-            let next = [
-                self.to_target.next_due(),
-                self.to_initiator.next_due(),
-                self.rig
-                    .closed
-                    .is_none()
-                    .then(|| self.rig.conn.poll_timeout())
-                    .flatten(),
-            ]
-            .into_iter()
-            .flatten()
-            .min();
+            let wires = self
+                .links
+                .iter()
+                .flat_map(|l| [l.to_target.next_due(), l.to_initiator.next_due()]);
+            let next = wires.chain([self.rig.poll_timeout()]).flatten().min();
             match next {
                 Some(at) if at <= end => {
                     let step = at.saturating_duration_since(self.rig.now);

@@ -208,13 +208,9 @@ fn a_flipped_header_bit_closes_the_connection_and_fails_its_tasks() {
         matches!(r, Some(Err(Failure::ConnectionLost(_)))),
         "the task fails with the connection: {r:?}"
     );
-    assert!(p
-        .rig
-        .closed
-        .as_deref()
-        .is_some_and(|w| w.contains("digest")));
+    assert!(p.rig.closed().is_some_and(|w| w.contains("digest")));
     assert!(!p.initiator.is_alive());
-    assert!(p.rig.conn.is_idle());
+    assert!(p.rig.conn().is_idle());
 }
 
 #[test]
@@ -229,19 +225,19 @@ fn a_cut_link_is_found_by_the_targets_ping_in_virtual_time() {
         Faults::default(),
     );
     let start = p.now();
-    let closed = p.run_until(|p| p.rig.closed.is_some(), MINUTE);
+    let closed = p.run_until(|p| p.rig.closed().is_some(), MINUTE);
     assert!(closed, "the target gave up on the initiator");
-    assert_eq!(p.rig.conn.closing(), Some(Close::NoPingAnswer));
+    assert_eq!(p.rig.conn().closing(), Some(Close::NoPingAnswer));
     // Ping after 5 s of silence, drop 5 s later (the rig's defaults).
     assert_eq!(p.now() - start, Duration::from_secs(10));
     // The initiator answered the ping; its answer was lost on the way.
-    assert!(p.initiator_closed.is_some());
+    assert!(p.initiator_closed().is_some());
 }
 
 #[test]
 fn an_answered_ping_keeps_an_idle_connection() {
     let mut p = pair(PairOptions::default());
-    let stayed = !p.run_until(|p| p.rig.closed.is_some(), Duration::from_secs(120));
+    let stayed = !p.run_until(|p| p.rig.closed().is_some(), Duration::from_secs(120));
     assert!(stayed, "pinged every 5 s and answered, for two minutes");
     good(p.execute(&read(0, 1)));
 }
@@ -296,7 +292,7 @@ fn abort_task_ends_the_task_on_both_sides() {
         matches!(aborted, Some(Err(Failure::Aborted))),
         "{aborted:?}"
     );
-    assert!(p.rig.conn.is_idle());
+    assert!(p.rig.conn().is_idle());
     good(p.execute(&read(0, 1)));
 }
 
@@ -324,5 +320,104 @@ fn logout_ends_the_session_cleanly() {
         Some(Ok(Reply::Logout)) => {}
         other => panic!("{other:?}"),
     }
-    assert!(p.initiator_closed.as_deref() == Some("logged out"));
+    assert!(p.initiator_closed() == Some("logged out"));
+}
+
+/// A pair whose initiator and target allow `n` connections per session.
+fn multi(n: u16) -> PairOptions {
+    let mut o = PairOptions::default();
+    o.initiator.operational.max_connections = n;
+    o
+}
+
+fn slow(ms: u64) -> Faults {
+    Faults {
+        delay: Duration::from_millis(ms),
+        ..Faults::default()
+    }
+}
+
+#[test]
+fn connections_of_one_session_keep_command_order_across_their_delays() {
+    let mut p = pair(multi(4));
+    // Two more connections, each slower than the one before: a command on a slow connection
+    // reaches the target after later commands on faster ones, which must wait for it.
+    for (cid, ms) in [(2, 3), (3, 7)] {
+        p.connect(cid, slow(ms), slow(ms));
+    }
+    assert_eq!(p.initiator.connection_count(), 3);
+    // ORDERED writes over all three connections (the initiator takes turns), six to each of
+    // four block groups, so each group's writes go over every connection: SIMPLE tasks could
+    // run in any order (SAM-5 8.6), ORDERED ones run in the order the target received them,
+    // which is CmdSN order across connections.
+    let mut started = Vec::new();
+    for k in 0..24u8 {
+        let mut c = write(u64::from(k % 4) * 8, pattern(4096, k));
+        c.attribute = iscsi_pdu::TaskAttribute::Ordered;
+        started.push(p.start(&c).expect("window"));
+    }
+    let nexus = p.rig.conns[0].nexus;
+    assert!(
+        p.rig.target.core.queued(nexus) > 0,
+        "commands arrived ahead of their CmdSN and wait"
+    );
+    for itt in started {
+        good(p.wait(itt, MINUTE));
+    }
+    for k in 20..24u8 {
+        let lba = u64::from(k % 4) * 8;
+        assert!(p.rig.stored(lba, 8) == pattern(4096, k), "group {}", k % 4);
+        assert!(good(p.execute(&read(lba, 8))) == pattern(4096, k));
+    }
+    // Each command was answered on the connection it came on (the initiator would have
+    // failed the task otherwise), and every connection carried some.
+    for ci in 0..3 {
+        let index = p.rig_index(ci);
+        assert!(!p.rig.conns[index].answered.is_empty(), "connection {ci}");
+    }
+    assert_eq!(p.rig.target.core.queued(nexus), 0);
+}
+
+#[test]
+fn a_lost_connection_fails_its_own_tasks_and_the_session_goes_on() {
+    let mut p = pair(multi(2));
+    let second = p.connect(2, Faults::default(), Faults::default());
+    p.rig.hold_backend = true;
+    let itts: Vec<u32> = (0..4)
+        .map(|k| p.start(&read(k, 8)).expect("window"))
+        .collect();
+    // The second connection's cable is pulled: nothing more arrives either way; the target
+    // finds out by its ping.
+    let cut = Faults {
+        lose_after: Some(0),
+        ..Faults::default()
+    };
+    p.set_faults_on(second, cut.clone(), cut);
+    p.rig.hold_backend = false;
+    while p.rig.release_backend() {
+        p.pump();
+    }
+    let gone = p.run_until(|p| p.closed_on(second).is_some(), MINUTE);
+    assert!(gone, "the target gave up on the silent connection");
+    let (mut ok, mut lost) = (0, 0);
+    for itt in itts {
+        match p.wait(itt, MINUTE) {
+            Some(Ok(_)) => ok += 1,
+            Some(Err(Failure::ConnectionLost(_))) => lost += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((ok, lost), (2, 2), "each connection carried two");
+    let index = p.rig_index(second);
+    assert!(p.rig.conns[index].conn.is_idle());
+    // The session lives on over its first connection.
+    let tsih = p.initiator.tsih();
+    assert!(p.rig.target.sessions.get(tsih).is_some());
+    good(p.execute(&read(0, 8)));
+    // A new connection with the lost one's CID joins in its place.
+    let again = p.connect(2, Faults::default(), Faults::default());
+    for k in 0..4 {
+        good(p.execute(&read(k, 1)));
+    }
+    assert!(!p.rig.conns[p.rig_index(again)].answered.is_empty());
 }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use iscsi_pdu::target::testing::{Options, Rig};
-use iscsi_pdu::target::Close;
+use iscsi_pdu::target::{Close, SessionError};
 use iscsi_pdu::*;
 use proptest::prelude::*;
 
@@ -216,7 +216,7 @@ fn writes_and_reads_through_every_r2t_path() {
             assert_eq!(rig.stored(u64::from(lba), (len / 512) as u32), data);
             assert_eq!(read(&mut rig, &mut i, lba, (len / 512) as u16), data);
         }
-        assert_eq!(rig.conn.task_count(), 0);
+        assert_eq!(rig.conn().task_count(), 0);
     }
 }
 
@@ -246,7 +246,7 @@ fn a_write_fed_one_byte_at_a_time_lands_whole() {
     let data = pattern(8192, 9);
     let cmd = i.command(&cdb10(0x2a, 7, 16), 0, 8192, data.clone());
     let mut wire = BytesMut::new();
-    Pdu::ScsiCommand(cmd).encode(rig.digests, &mut wire);
+    Pdu::ScsiCommand(cmd).encode(rig.digests(), &mut wire);
     for b in wire.iter() {
         rig.receive(&[*b]);
     }
@@ -279,7 +279,7 @@ fn a_data_digest_error_rejects_the_pdu_and_ends_its_task() {
         data: pattern(4096, 1),
         ..DataOut::default()
     };
-    Pdu::DataOut(d).encode(rig.digests, &mut wire);
+    Pdu::DataOut(d).encode(rig.digests(), &mut wire);
     let last = wire.len() - 1;
     wire[last] ^= 0xff;
     rig.receive(&wire);
@@ -307,13 +307,13 @@ fn a_data_digest_error_rejects_the_pdu_and_ends_its_task() {
 fn a_header_digest_error_closes_the_connection() {
     let (mut rig, mut i) = rig(offers(&[("HeaderDigest", "CRC32C")]));
     let mut wire = BytesMut::new();
-    Pdu::ScsiCommand(i.command(&[0; 6], 0, 0, Bytes::new())).encode(rig.digests, &mut wire);
+    Pdu::ScsiCommand(i.command(&[0; 6], 0, 0, Bytes::new())).encode(rig.digests(), &mut wire);
     wire[50] ^= 1;
     rig.receive(&wire);
     assert!(
-        rig.closed.as_deref().is_some_and(|w| w.contains("digest")),
+        rig.closed().is_some_and(|w| w.contains("digest")),
         "{:?}",
-        rig.closed
+        rig.closed()
     );
 }
 
@@ -344,7 +344,7 @@ fn a_data_sn_gap_ends_the_task_with_aborted_command() {
     };
     let sense = s.sense().expect("sense");
     assert_eq!((sense[2] & 0x0f, sense[12]), (0x0b, 0x4b));
-    assert_eq!(rig.conn.task_count(), 0);
+    assert_eq!(rig.conn().task_count(), 0);
 }
 
 #[test]
@@ -367,12 +367,12 @@ fn an_idle_initiator_is_pinged_and_dropped_when_it_does_not_answer() {
     }));
     rig.advance(Duration::from_secs(5));
     assert!(matches!(&rig.responses()[..], [Pdu::NopIn(_)]));
-    assert_eq!(rig.conn.closing(), None);
+    assert_eq!(rig.conn().closing(), None);
     // Not answered: dropped once the timeout passes.
     rig.advance(Duration::from_secs(4));
-    assert_eq!(rig.conn.closing(), None);
+    assert_eq!(rig.conn().closing(), None);
     rig.advance(Duration::from_secs(1));
-    assert_eq!(rig.conn.closing(), Some(Close::NoPingAnswer));
+    assert_eq!(rig.conn().closing(), Some(Close::NoPingAnswer));
 }
 
 #[test]
@@ -404,7 +404,7 @@ fn commands_run_in_cmd_sn_order_and_outside_the_window_are_dropped() {
     far.cmd_sn = far.cmd_sn + 10;
     rig.send(&Pdu::ScsiCommand(far));
     assert!(rig.responses().is_empty());
-    assert_eq!(rig.conn.task_count(), 0);
+    assert_eq!(rig.conn().task_count(), 0);
 }
 
 #[test]
@@ -430,7 +430,7 @@ fn abort_task_and_lun_reset() {
         matches!(&r[..], [Pdu::TaskManagementResponse(t)] if t.response == TmfResponse::FunctionComplete && t.initiator_task_tag == 0x999),
         "the aborted read is not answered: {r:?}"
     );
-    assert_eq!(rig.conn.task_count(), 0);
+    assert_eq!(rig.conn().task_count(), 0);
     rig.hold_backend = false;
     rig.send(&Pdu::TaskManagementRequest(TaskManagementRequest {
         immediate: true,
@@ -527,7 +527,7 @@ fn malformed_and_misplaced_pdus_are_rejected_and_the_session_goes_on() {
         ..DataOut::default()
     }));
     assert!(rig.responses().is_empty());
-    assert_eq!(rig.closed, None);
+    assert_eq!(rig.closed(), None);
     let fresh = i.command(&[0; 6], 0, 0, Bytes::new());
     rig.send(&Pdu::ScsiCommand(fresh));
     let r = rig.responses();
@@ -539,7 +539,7 @@ fn malformed_and_misplaced_pdus_are_rejected_and_the_session_goes_on() {
 
 #[test]
 fn text_send_targets_and_logout() {
-    let (mut rig, mut i) = rig(Options::default());
+    let (mut rig, mut i) = rig(offers(&[("MaxConnections", "4")]));
     rig.send(&text_request(
         0x50,
         i.next_cmd_sn(),
@@ -552,7 +552,9 @@ fn text_send_targets_and_logout() {
     assert!(t
         .data
         .starts_with(b"TargetName=iqn.2026-11.io.example:rig\0"));
-    rig.nexus.other_cids = vec![2];
+    // Two more connections in the session: CIDs 2 and 3 (the first is CID 1).
+    let two = rig.join(2).expect("joins");
+    let three = rig.join(3).expect("joins");
     for (cid, code) in [
         (7, LogoutResponseCode::CidNotFound),
         (2, LogoutResponseCode::ClosedSuccessfully),
@@ -566,8 +568,12 @@ fn text_send_targets_and_logout() {
         }));
         assert!(matches!(&rig.responses()[..], [Pdu::LogoutResponse(l)] if l.response == code));
     }
-    assert_eq!(rig.nexus.closed_cids, [2]);
-    assert_eq!(rig.conn.closing(), None);
+    assert!(
+        rig.conns[two].closed.is_some(),
+        "the connection named closes"
+    );
+    assert_eq!(rig.conns[three].closed, None);
+    assert_eq!(rig.conn().closing(), None);
     rig.send(&Pdu::LogoutRequest(LogoutRequest {
         reason: LogoutReason::CloseSession,
         initiator_task_tag: 0x70,
@@ -575,8 +581,11 @@ fn text_send_targets_and_logout() {
         ..LogoutRequest::default()
     }));
     assert!(matches!(&rig.responses()[..], [Pdu::LogoutResponse(_)]));
-    assert_eq!(rig.conn.closing(), Some(Close::AfterFlush));
-    assert!(rig.nexus.session_closed);
+    assert_eq!(rig.conn().closing(), Some(Close::AfterFlush));
+    assert!(
+        rig.conns[three].closed.is_some(),
+        "the session's other connections close"
+    );
 }
 
 #[test]
@@ -601,7 +610,7 @@ fn a_discovery_session_takes_only_text_nop_and_logout() {
         ..TaskManagementRequest::default()
     }));
     assert!(matches!(&rig.responses()[..], [Pdu::Reject(_)]));
-    assert_eq!(rig.conn.task_count(), 0);
+    assert_eq!(rig.conn().task_count(), 0);
     i.cmd_sn = SerialNumber(1);
     rig.send(&text_request(
         0x50,
@@ -626,7 +635,7 @@ fn a_discovery_session_takes_only_text_nop_and_logout() {
         matches!(&r[..], [Pdu::LogoutResponse(l)] if l.response == LogoutResponseCode::ClosedSuccessfully),
         "{r:?}"
     );
-    assert_eq!(rig.conn.closing(), Some(Close::AfterFlush));
+    assert_eq!(rig.conn().closing(), Some(Close::AfterFlush));
 }
 
 #[test]
@@ -657,10 +666,10 @@ fn a_dropped_connection_leaves_no_task_behind() {
         4096,
         Bytes::new(),
     )));
-    assert_eq!(rig.conn.task_count(), 2);
+    assert_eq!(rig.conn().task_count(), 2);
     rig.drop_connection();
-    assert_eq!(rig.conn.task_count(), 0);
-    assert!(rig.conn.is_idle());
+    assert_eq!(rig.conn().task_count(), 0);
+    assert!(rig.conn().is_idle());
 }
 
 #[test]
@@ -672,9 +681,9 @@ fn a_command_waiting_behind_a_gap_is_forgotten_when_the_connection_drops() {
     let mut cmd = i.command(&[0; 6], 0, 0, Bytes::new());
     cmd.cmd_sn = cmd.cmd_sn + 1;
     rig.send(&Pdu::ScsiCommand(cmd));
-    assert_eq!(rig.conn.task_count(), 1);
+    assert_eq!(rig.conn().task_count(), 1);
     rig.drop_connection();
-    assert_eq!(rig.conn.task_count(), 0);
+    assert_eq!(rig.conn().task_count(), 0);
 }
 
 proptest! {
@@ -693,7 +702,7 @@ proptest! {
         let cmd = i.command(&cdb10(0x2a, 1, 24), 0, 12288, data.slice(..4096));
         let itt = cmd.initiator_task_tag;
         let mut wire = BytesMut::new();
-        Pdu::ScsiCommand(cmd).encode(rig.digests, &mut wire);
+        Pdu::ScsiCommand(cmd).encode(rig.digests(), &mut wire);
         for (sn, off) in [(0u32, 4096u32), (1, 8192)] {
             Pdu::DataOut(DataOut {
                 final_bit: off == 8192,
@@ -703,7 +712,7 @@ proptest! {
                 buffer_offset: off,
                 data: data.slice(off as usize..off as usize + 4096),
                 ..DataOut::default()
-            }).encode(rig.digests, &mut wire);
+            }).encode(rig.digests(), &mut wire);
         }
         let mut at = 0;
         for c in cuts.iter().cycle() {
@@ -758,8 +767,8 @@ fn text_with_unknown_keys_or_bad_values_is_answered_and_the_session_goes_on() {
         assert_eq!(t.initiator_task_tag, 0x50 + n as u32);
         assert!(t.final_bit);
         assert_eq!(&t.data[..], answer, "{}", String::from_utf8_lossy(request));
-        assert_eq!(rig.conn.closing(), None);
-        assert_eq!(rig.closed, None);
+        assert_eq!(rig.conn().closing(), None);
+        assert_eq!(rig.closed(), None);
     }
     // A good request still works, and so do commands.
     rig.send(&text_request(
@@ -785,4 +794,108 @@ fn text_request(itt: u32, cmd_sn: SerialNumber, data: Bytes) -> Pdu {
         data,
         ..TextRequest::default()
     })
+}
+
+/// The status a connection answered `itt` with.
+fn status_of(r: &[Pdu], itt: u32) -> Option<ScsiStatus> {
+    r.iter().find_map(|p| match p {
+        Pdu::ScsiResponse(s) if s.initiator_task_tag == itt => Some(s.status),
+        Pdu::DataIn(d) if d.initiator_task_tag == itt => d.status.map(|s| s.status),
+        _ => None,
+    })
+}
+
+#[test]
+fn a_new_leading_login_of_the_same_port_reinstates_the_session() {
+    let (mut rig, mut i) = rig(offers(&[("MaxConnections", "2")]));
+    let old_tsih = rig.conns[0].tsih;
+    let old_nexus = rig.conns[0].nexus;
+    let second = rig.join(2).expect("joins");
+    // A read in flight on the old session when the initiator logs in again with its ISID
+    // (RFC 7143 section 6.3.5: the old session's tasks end, the new session starts clean).
+    rig.hold_backend = true;
+    rig.send(&Pdu::ScsiCommand(i.command(
+        &cdb10(0x28, 0, 8),
+        4096,
+        0,
+        Bytes::new(),
+    )));
+    assert_eq!(rig.held.len(), 1);
+    rig.hold_backend = false;
+    let new = rig.reinstate(SerialNumber(100));
+    for old in [0, second] {
+        assert!(rig.conns[old].closed.is_some(), "connection {old} closed");
+        assert_eq!(rig.conns[old].conn.task_count(), 0);
+        assert!(rig.conns[old].conn.is_idle());
+    }
+    assert!(rig.held.is_empty(), "the held operation was let go");
+    assert_eq!(
+        rig.target.core.window(old_nexus),
+        None,
+        "the old I_T nexus is gone"
+    );
+    let new_tsih = rig.conns[new].tsih;
+    assert_ne!(new_tsih, old_tsih);
+    assert!(rig.target.sessions.get(old_tsih).is_none());
+    // The new session has its own nexus (its own power-on unit attention) and window.
+    let mut j = Initiator::new();
+    j.cmd_sn = SerialNumber(100);
+    let tur = j.command(&[0; 6], 0, 0, Bytes::new());
+    let itt = tur.initiator_task_tag;
+    rig.send_on(new, &Pdu::ScsiCommand(tur));
+    let r = rig.responses_on(new);
+    assert_eq!(
+        status_of(&r, itt),
+        Some(ScsiStatus::CHECK_CONDITION),
+        "{r:?}"
+    );
+    let read = j.command(&cdb10(0x28, 0, 8), 4096, 0, Bytes::new());
+    let itt = read.initiator_task_tag;
+    rig.send_on(new, &Pdu::ScsiCommand(read));
+    assert_eq!(
+        status_of(&rig.responses_on(new), itt),
+        Some(ScsiStatus::GOOD)
+    );
+}
+
+#[test]
+fn a_login_with_a_live_cid_replaces_that_connection() {
+    let (mut rig, mut i) = rig(offers(&[("MaxConnections", "2")]));
+    let first = rig.join(2).expect("joins");
+    // MaxConnections 2: a third is refused, the session untouched.
+    assert_eq!(rig.join(3), Err(SessionError::TooManyConnections));
+    assert_eq!(rig.conns[first].closed, None);
+    // A read in flight on CID 2 when the initiator logs in with CID 2 again (RFC 7143
+    // section 6.3.4: connection reinstatement): the old connection's tasks end, the session
+    // and its other connection go on.
+    rig.hold_backend = true;
+    let read = i.command(&cdb10(0x28, 0, 8), 4096, 0, Bytes::new());
+    rig.send_on(first, &Pdu::ScsiCommand(read));
+    assert_eq!(rig.held.len(), 1);
+    rig.hold_backend = false;
+    let again = rig.join(2).expect("replaces CID 2");
+    assert!(rig.conns[first].closed.is_some());
+    assert_eq!(rig.conns[first].conn.task_count(), 0);
+    assert_eq!(rig.conns[0].closed, None);
+    let tsih = rig.conns[0].tsih;
+    let cids: Vec<u16> = rig
+        .target
+        .sessions
+        .get(tsih)
+        .expect("lives")
+        .connections
+        .iter()
+        .map(|&(cid, _)| cid)
+        .collect();
+    assert_eq!(cids, [1, 2]);
+    // Both connections of the session carry commands in one CmdSN order.
+    for (conn, lba) in [(again, 0), (0, 8), (again, 16)] {
+        let cmd = i.command(&cdb10(0x28, lba, 1), 512, 0, Bytes::new());
+        let itt = cmd.initiator_task_tag;
+        rig.send_on(conn, &Pdu::ScsiCommand(cmd));
+        assert_eq!(
+            status_of(&rig.responses_on(conn), itt),
+            Some(ScsiStatus::GOOD)
+        );
+    }
 }

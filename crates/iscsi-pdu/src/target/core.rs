@@ -98,6 +98,14 @@ impl<R: Route> TargetCore<R> {
         }
     }
 
+    /// How many requests of the session `nexus` wait for an earlier CmdSN.
+    pub fn queued(&self, nexus: NexusId) -> usize {
+        match self.orders.get(nexus.index()) {
+            Some(Some((n, order))) if *n == nexus => order.waiting(),
+            _ => 0,
+        }
+    }
+
     fn order(&mut self, nexus: NexusId) -> Option<&mut SessionOrder<R>> {
         match self.orders.get_mut(nexus.index()) {
             Some(Some((n, order))) if *n == nexus => Some(order),

@@ -1,13 +1,18 @@
-//! A target connection on a bench: one in-process SCSI device with a memory-backed unit, the
-//! session's CmdSN order, a virtual clock, and a wire that carries bytes in whatever pieces the
-//! caller cuts them into. Tests, the fuzz target and the benches drive the connection machine
-//! through it exactly as a daemon would (header first, payloads placed by the machine's plans),
-//! but deterministically and without sockets or threads.
+//! Target connections on a bench: one in-process SCSI device with a memory-backed unit shared
+//! by every connection through the target's core ([`TargetCore`]: CmdSN order per session,
+//! routes of tasks to their connections), the portal group's sessions ([`SessionTable`]), a
+//! virtual clock, and a wire per connection that carries bytes in whatever pieces the caller
+//! cuts them into. Tests, the fuzz targets and the benches drive the connection machines through
+//! it exactly as a daemon would (header first, payloads placed by the machine's plans), but
+//! deterministically and without sockets or threads.
 //!
-//! The initiator's side is left to the caller: it sends PDUs ([`Rig::send`]) or raw bytes
-//! ([`Rig::receive`]) and reads back what the target sent ([`Rig::responses`]), which checks the
-//! wire-level promises on the way (StatSN never goes back, no Data-In segment beyond the
-//! initiator's MaxRecvDataSegmentLength).
+//! The rig starts with one connection (index 0); more log in to its session or to new ones
+//! ([`Rig::log_in`], [`Rig::join`]), with session and connection reinstatement as targetd
+//! does them. The initiator's side is left to the caller: it sends PDUs ([`Rig::send`],
+//! [`Rig::send_on`]) or raw bytes ([`Rig::receive`]) and reads back what the target sent
+//! ([`Rig::responses`]), which checks the wire-level promises on the way (StatSN never goes
+//! back, no Data-In segment beyond the initiator's MaxRecvDataSegmentLength, every command
+//! answered once).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -20,16 +25,20 @@ use scsi_core::{
 
 use super::connection::Settings;
 use super::connection::{Close, Connection, CoreEvent, Event, Nexus, OrderedCommand, Plan};
-use super::order::CommandOrder;
+use super::core::{Sink, TargetCore};
+use super::login::Completed;
+use super::session::{Created, Left, SessionError, SessionKey, SessionTable};
 use crate::chap::ENTROPY_LEN;
 use crate::negotiation::{self, Negotiator, OperationalParams, Role, SessionType};
 use crate::text::TextParams;
-use crate::{DecodeError, Deframer, Digests, Opcode, Pdu, Received, SerialNumber, Stage};
+use crate::{DecodeError, Deframer, Digests, Isid, Opcode, Pdu, Received, SerialNumber, Stage};
 
 /// The rig's target name.
 pub const TARGET: &str = "iqn.2026-11.io.example:rig";
 /// The rig's initiator name.
 pub const INITIATOR: &str = "iqn.2026-11.io.example:initiator";
+/// The ISID of the rig's first session.
+pub const ISID: Isid = Isid([0x80, 0, 0, 0, 0, 1]);
 
 /// How the rig is set up.
 #[derive(Debug, Clone)]
@@ -87,111 +96,105 @@ impl Default for Options {
     }
 }
 
-/// The session and the SCSI core as the rig's one connection reaches them.
+/// Every connection's core events, by connection index.
+#[derive(Debug, Default)]
+struct Queues(Vec<VecDeque<CoreEvent>>);
+
+impl Sink<u64> for Queues {
+    fn push(&mut self, route: &u64, event: CoreEvent) {
+        if let Some(q) = self.0.get_mut(*route as usize) {
+            q.push_back(event);
+        }
+    }
+}
+
+/// The target behind the rig's connections: its SCSI core and its sessions.
 #[derive(Debug)]
-pub struct LocalNexus {
-    /// The SCSI device.
-    pub device: Device,
-    /// The session's I_T nexus.
-    pub nexus: NexusId,
-    order: CommandOrder<OrderedCommand>,
-    local: VecDeque<CoreEvent>,
-    next_reference: u64,
-    /// CIDs of the session's other connections (a logout may name them).
-    pub other_cids: Vec<u16>,
-    /// Connections closed through [`Nexus::close_connection`].
-    pub closed_cids: Vec<u16>,
-    /// Whether the session's other connections were closed (logout of the session).
-    pub session_closed: bool,
-    /// Whether a TARGET COLD RESET closed the target's other sessions.
-    pub target_reset: bool,
+pub struct LocalTarget {
+    /// The device, each session's CmdSN order and the routes of tasks (to connection indexes).
+    pub core: TargetCore<u64>,
+    /// The sessions: each with its I_T nexus, its connections by index.
+    pub sessions: SessionTable<NexusId, u64>,
+    queues: Queues,
+    /// Connections that something asked to close (a logout naming them, a logout of their
+    /// session, TARGET COLD RESET), by index; the rig closes them.
+    pub close_requests: Vec<usize>,
 }
 
-impl LocalNexus {
-    fn drain(&mut self) {
-        while let Some(a) = self.device.poll() {
-            self.local.push_back(CoreEvent::Action(a));
-        }
-    }
-
-    fn submit(&mut self, q: &OrderedCommand) {
-        if let Ok(task) = self.device.submit(q.command(self.nexus)) {
-            self.local.push_back(CoreEvent::Submitted {
-                tag: u64::from(q.itt),
-                task,
-            });
-        }
-        self.drain();
-    }
-
-    fn release(&mut self) {
-        while let Some(q) = self.order.next_ready() {
-            self.submit(&q);
-        }
+impl LocalTarget {
+    /// The session `tsih`'s connections other than `me`.
+    fn others(&self, tsih: u16, me: usize) -> Vec<usize> {
+        self.sessions.entry(tsih).map_or(Vec::new(), |s| {
+            s.connections
+                .iter()
+                .map(|&(_, c)| c as usize)
+                .filter(|&c| c != me)
+                .collect()
+        })
     }
 }
 
-impl Nexus for LocalNexus {
+/// The session and the core as connection `me` reaches them: the rig's [`Nexus`].
+struct Via<'a> {
+    target: &'a mut LocalTarget,
+    me: usize,
+    tsih: u16,
+    nexus: NexusId,
+}
+
+impl Nexus for Via<'_> {
     fn poll_core(&mut self) -> Option<CoreEvent> {
-        self.local.pop_front()
+        self.target.queues.0[self.me].pop_front()
     }
 
     fn window(&self) -> (SerialNumber, SerialNumber) {
-        self.order.window()
+        // A session that has ended has no window; its connections send nothing more.
+        let none = (SerialNumber(0), SerialNumber(0));
+        self.target.core.window(self.nexus).unwrap_or(none)
     }
 
     fn deliver(&mut self, cmd: OrderedCommand, immediate: bool) -> bool {
-        if immediate {
-            self.submit(&cmd);
-            return true;
-        }
-        if !self.order.admit(cmd.cmd_sn, Some(cmd)) {
-            return false;
-        }
-        self.release();
-        true
+        let t = &mut *self.target;
+        let route = self.me as u64;
+        t.core
+            .deliver(self.nexus, cmd, immediate, &route, &mut t.queues)
     }
 
     fn take_cmd_sn(&mut self, cmd_sn: SerialNumber) -> bool {
-        if !self.order.admit(cmd_sn, None) {
-            return false;
-        }
-        self.release();
-        true
+        let t = &mut *self.target;
+        t.core.take_cmd_sn(self.nexus, cmd_sn, &mut t.queues)
     }
 
     fn data_out(&mut self, task: TaskId, data: &[u8]) {
-        let _ = self.device.data_out(task, data);
-        self.drain();
+        let t = &mut *self.target;
+        t.core.data_out(task, data, &mut t.queues);
     }
 
     fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
-        let _ = self.device.backend_done(task, result);
-        self.drain();
+        let t = &mut *self.target;
+        t.core.backend_done(task, result, &mut t.queues);
     }
 
     fn retire(&mut self, task: TaskId) {
         // A retirement the core refuses is the connection's mistake: every test and the fuzz
         // targets check it here.
-        self.device
-            .retire(task)
+        let t = &mut *self.target;
+        t.core
+            .retire(task, &mut t.queues)
             .expect("a delegated task is retired once");
-        self.drain();
     }
 
     fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
-        self.next_reference += 1;
-        let r = self.next_reference;
-        let ok = self
-            .device
-            .task_management(self.nexus, lun, function, r)
-            .is_ok();
-        self.drain();
-        ok.then_some(r)
+        let t = &mut *self.target;
+        let route = self.me as u64;
+        t.core
+            .task_management(self.nexus, lun, function, &route, &mut t.queues)
+            .ok()
     }
 
     fn block_size(&mut self, lun: u16) -> Option<u32> {
-        self.device.logical_unit(lun).map(|u| u.geometry.block_size)
+        let unit = self.target.core.device.logical_unit(lun);
+        unit.map(|u| u.geometry.block_size)
     }
 
     fn send_targets(&mut self, _value: &str) -> TextParams {
@@ -202,23 +205,38 @@ impl Nexus for LocalNexus {
     }
 
     fn close_connection(&mut self, cid: u16) -> bool {
-        let known = self.other_cids.contains(&cid);
-        if known {
-            self.closed_cids.push(cid);
+        let found = self.target.sessions.entry(self.tsih).and_then(|s| {
+            let at = s.connections.iter().find(|&&(c, _)| c == cid);
+            at.map(|&(_, i)| i as usize)
+        });
+        match found {
+            Some(i) if i != self.me => {
+                self.target.close_requests.push(i);
+                true
+            }
+            _ => false,
         }
-        known
     }
 
     fn cancel_queued(&mut self) {
-        self.order.cancel(|_| true);
+        let me = self.me as u64;
+        self.target.core.cancel_queued(self.nexus, me);
     }
 
     fn close_session(&mut self) {
-        self.session_closed = true;
+        let others = self.target.others(self.tsih, self.me);
+        self.target.close_requests.extend(others);
     }
 
     fn reset_target(&mut self) {
-        self.target_reset = true;
+        let t = &mut *self.target;
+        let all: Vec<usize> = t
+            .sessions
+            .iter()
+            .flat_map(|s| s.connections.iter().map(|&(_, c)| c as usize))
+            .filter(|&c| c != self.me)
+            .collect();
+        t.close_requests.extend(all);
     }
 }
 
@@ -232,24 +250,17 @@ struct Placing {
     got: usize,
 }
 
-/// The target connection, its session and device, the wire and the clock.
+/// One connection of the rig: the machine and its wire.
 #[derive(Debug)]
-pub struct Rig {
+pub struct RigConnection {
     /// The machine under test.
     pub conn: Connection<Vec<u8>>,
-    /// Its session and device.
-    pub nexus: LocalNexus,
-    /// LUN 0's storage.
-    pub backend: MemoryBackend,
-    /// When set, backend operations wait in [`Rig::held`] until [`Rig::release_backend`].
-    pub hold_backend: bool,
-    /// Held backend operations.
-    pub held: VecDeque<(TaskId, Op, Vec<u8>)>,
-    /// When set, buffers wanted by backend operations wait until [`Rig::grant_buffers`].
-    pub hold_buffers: bool,
-    wanted: VecDeque<(u64, usize)>,
-    /// The virtual clock.
-    pub now: Instant,
+    /// Its CID.
+    pub cid: u16,
+    /// Its session's TSIH.
+    pub tsih: u16,
+    /// Its session's I_T nexus.
+    pub nexus: NexusId,
     /// Digests in force.
     pub digests: Digests,
     /// The initiator's MaxRecvDataSegmentLength (the most a Data-In segment may carry).
@@ -258,6 +269,8 @@ pub struct Rig {
     placing: Option<Placing>,
     /// The connection is closed, and why.
     pub closed: Option<String>,
+    /// Its end has been torn down (its tasks ended, it left its session).
+    torn_down: bool,
     tx: BytesMut,
     from_target: Deframer,
     last_stat_sn: Option<SerialNumber>,
@@ -266,205 +279,7 @@ pub struct Rig {
     pub answered: Vec<u32>,
 }
 
-impl Rig {
-    /// A rig after a login with `options`; panics if the login's negotiation fails (the
-    /// options are the caller's).
-    pub fn new(options: Options) -> Rig {
-        let mut n = Negotiator::new(Role::Target, options.target.clone(), true, [0; ENTROPY_LEN]);
-        let mut keys = TextParams::new();
-        keys.push("InitiatorName", INITIATOR);
-        match options.settings.session_type {
-            SessionType::Normal => {
-                keys.push("SessionType", "Normal");
-                keys.push("TargetName", TARGET);
-            }
-            SessionType::Discovery => keys.push("SessionType", "Discovery"),
-        }
-        for (k, v) in &options.offers {
-            keys.push(k.as_str(), v.as_str());
-        }
-        n.receive(Stage::LoginOperationalNegotiation, &keys)
-            .expect("the rig's login negotiates");
-        Rig::after_login(options, n, SerialNumber(1))
-    }
-
-    /// A rig whose connection enters full feature phase after a login that ended in `n`, its
-    /// next StatSN `stat_sn` (the deterministic pair logs in through the target's [`Login`]
-    /// machine and hands over here).
-    ///
-    /// [`Login`]: super::Login
-    pub fn after_login(options: Options, n: Negotiator, stat_sn: SerialNumber) -> Rig {
-        let c = *n.connection();
-        let op = n.session().operational;
-        let digests = Digests {
-            header: c.header_digest,
-            data: c.data_digest,
-        };
-        let port = TargetPort {
-            relative_port: 1,
-            port_group: 1,
-            name: format!("{TARGET},t,0x1"),
-            target_name: TARGET.into(),
-        };
-        let mut device = Device::new(TARGET, vec![port]);
-        device.set_delegation(options.delegate);
-        let unit = LogicalUnit {
-            identity: Identity::new("RIG", "memory", "0001", b"rig-lu0"),
-            geometry: Geometry {
-                block_size: options.block_size,
-                blocks: options.blocks,
-                thin: true,
-                write_cache: true,
-                read_only: false,
-            },
-            limits: Limits::default(),
-        };
-        device.add_lu(0, unit).expect("LUN 0 is free");
-        let nexus = device.open_nexus(TransportId::iscsi(INITIATOR, [0x80, 0, 0, 0, 0, 1]), 1);
-        let mut rx = Deframer::new();
-        rx.set_digests(digests);
-        rx.set_max_recv_data_segment_length(c.max_recv_data_segment_length);
-        let mut from_target = Deframer::new();
-        from_target.set_digests(digests);
-        from_target.set_max_recv_data_segment_length(c.max_send_data_segment_length.max(512));
-        let now = Instant::now();
-        Rig {
-            conn: Connection::new(now, options.settings, n, op, stat_sn),
-            nexus: LocalNexus {
-                device,
-                nexus,
-                order: CommandOrder::new(options.cmd_sn, options.window),
-                local: VecDeque::new(),
-                next_reference: 0,
-                other_cids: Vec::new(),
-                closed_cids: Vec::new(),
-                session_closed: false,
-                target_reset: false,
-            },
-            backend: MemoryBackend::new(options.block_size, options.blocks),
-            hold_backend: false,
-            held: VecDeque::new(),
-            hold_buffers: false,
-            wanted: VecDeque::new(),
-            now,
-            digests,
-            initiator_max_recv: c.max_send_data_segment_length,
-            rx,
-            placing: None,
-            closed: None,
-            tx: BytesMut::new(),
-            from_target,
-            last_stat_sn: None,
-            answered: Vec::new(),
-        }
-    }
-
-    /// Sends `pdu` from the initiator, in one piece.
-    pub fn send(&mut self, pdu: &Pdu) {
-        let mut b = BytesMut::new();
-        pdu.encode(self.digests, &mut b);
-        self.receive(&b);
-    }
-
-    /// Bytes from the initiator: the target takes in every whole header and as much payload as
-    /// there is, then runs until it has nothing left to do.
-    pub fn receive(&mut self, bytes: &[u8]) {
-        if self.closed.is_some() {
-            return;
-        }
-        self.rx.feed(bytes);
-        self.take_in();
-        self.run();
-    }
-
-    /// Moves the virtual clock on by `d` and lets the connection's timer fire if it is due.
-    pub fn advance(&mut self, d: Duration) {
-        self.now += d;
-        if self.closed.is_some() {
-            return;
-        }
-        if self.conn.poll_timeout().is_some_and(|t| t <= self.now) {
-            self.conn.handle_timeout(self.now, &mut self.nexus);
-        }
-        self.run();
-    }
-
-    /// Completes the oldest held backend operation.
-    pub fn release_backend(&mut self) -> bool {
-        let Some((task, op, buffer)) = self.held.pop_front() else {
-            return false;
-        };
-        self.execute(task, op, buffer);
-        self.run();
-        true
-    }
-
-    /// Grants every buffer held back by [`Rig::hold_buffers`].
-    pub fn grant_buffers(&mut self) {
-        while let Some((tag, len)) = self.wanted.pop_front() {
-            self.conn
-                .handle_buffer(self.now, tag, Some(vec![0; len]), &mut self.nexus);
-        }
-        self.run();
-    }
-
-    /// The daemon is stopping: the connection asks the initiator to log out.
-    pub fn ask_logout(&mut self) {
-        self.conn.ask_logout(&mut self.nexus);
-        self.run();
-    }
-
-    /// The connection drops (the initiator went away): the session ends, as when it was its
-    /// last connection, and every task ends. Afterwards the task table must be empty.
-    pub fn drop_connection(&mut self) {
-        self.closed.get_or_insert_with(|| "dropped".into());
-        self.run();
-        self.conn.close(true, &mut self.nexus);
-        let _ = self.nexus.device.close_nexus(self.nexus.nexus);
-        self.nexus.drain();
-        self.hold_backend = false;
-        while let Some((task, op, buffer)) = self.held.pop_front() {
-            self.execute(task, op, buffer);
-        }
-        self.hold_buffers = false;
-        self.grant_buffers();
-        self.run();
-        self.tx.clear();
-    }
-
-    /// The bytes the target has sent since the last call, as they go on the wire. They are
-    /// decoded and checked on the way as [`Rig::responses`] does (and so panic on a broken
-    /// promise); mix the two only at PDU boundaries.
-    pub fn take_sent(&mut self) -> Bytes {
-        let bytes = self.tx.split().freeze();
-        self.from_target.feed(&bytes);
-        loop {
-            match self.from_target.next_pdu() {
-                Ok(Some(p)) => self.check(&p),
-                Ok(None) => return bytes,
-                Err(e) => panic!("the target sent a malformed PDU: {e}"),
-            }
-        }
-    }
-
-    /// The PDUs the target has sent since the last call, decoded as the initiator would. Panics
-    /// if the stream breaks a promise: a malformed PDU, StatSN going back, a Data-In segment
-    /// beyond the initiator's MaxRecvDataSegmentLength, or a command answered twice.
-    pub fn responses(&mut self) -> Vec<Pdu> {
-        self.from_target.feed(&self.tx.split());
-        let mut out = Vec::new();
-        loop {
-            match self.from_target.next_pdu() {
-                Ok(Some(p)) => {
-                    self.check(&p);
-                    out.push(p);
-                }
-                Ok(None) => return out,
-                Err(e) => panic!("the target sent a malformed PDU: {e}"),
-            }
-        }
-    }
-
+impl RigConnection {
     fn check(&mut self, p: &Pdu) {
         let stat_sn = match p {
             Pdu::ScsiResponse(r) => Some(r.stat_sn),
@@ -509,102 +324,544 @@ impl Rig {
     pub fn reuse_tag(&mut self, itt: u32) {
         self.answered.retain(|&t| t != itt);
     }
+}
 
-    fn close(&mut self, why: String) {
-        self.closed.get_or_insert(why);
+/// A login the rig has admitted into a session, waiting for its connection
+/// ([`Rig::attach`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Admitted {
+    /// The connection's index.
+    pub index: usize,
+    /// Its session's TSIH.
+    pub tsih: u16,
+    /// Its session's I_T nexus.
+    pub nexus: NexusId,
+    /// ExpCmdSN and MaxCmdSN for the final Login Response.
+    pub window: (SerialNumber, SerialNumber),
+}
+
+/// A held backend operation: its connection, task, operation and buffer.
+type Held = (usize, TaskId, Op, Vec<u8>);
+
+/// The target, its connections, the wire and the clock.
+#[derive(Debug)]
+pub struct Rig {
+    /// The target behind the connections.
+    pub target: LocalTarget,
+    /// The connections by index; 0 is the first.
+    pub conns: Vec<RigConnection>,
+    /// LUN 0's storage.
+    pub backend: MemoryBackend,
+    /// When set, backend operations wait in [`Rig::held`] until [`Rig::release_backend`].
+    pub hold_backend: bool,
+    /// Held backend operations.
+    pub held: VecDeque<Held>,
+    /// When set, buffers wanted by backend operations wait until [`Rig::grant_buffers`].
+    pub hold_buffers: bool,
+    wanted: VecDeque<(usize, u64, usize)>,
+    /// The virtual clock.
+    pub now: Instant,
+    options: Options,
+}
+
+impl Rig {
+    /// A rig after a login with `options`; panics if the login's negotiation fails (the
+    /// options are the caller's).
+    pub fn new(options: Options) -> Rig {
+        let mut rig = Rig::empty(options);
+        let first = rig.negotiated(&rig.options.offers.clone(), None);
+        rig.log_in(first, SerialNumber(1))
+            .expect("the first login makes a session");
+        rig
     }
 
-    /// Takes headers and payloads out of the receive buffer while there are whole ones.
-    fn take_in(&mut self) {
+    /// A login as if it had negotiated `offers` on a connection of session `tsih` (`None`: a
+    /// new session of [`ISID`]), as the first connection's options say otherwise.
+    fn negotiated(&self, offers: &[(String, String)], join: Option<(u16, u16)>) -> Completed {
+        let o = &self.options;
+        let mut n = Negotiator::new(
+            Role::Target,
+            o.target.clone(),
+            join.is_none(),
+            [0; ENTROPY_LEN],
+        );
+        let mut keys = TextParams::new();
+        keys.push("InitiatorName", INITIATOR);
+        match o.settings.session_type {
+            SessionType::Normal => {
+                keys.push("SessionType", "Normal");
+                keys.push("TargetName", TARGET);
+            }
+            SessionType::Discovery => keys.push("SessionType", "Discovery"),
+        }
+        for (k, v) in offers {
+            keys.push(k.as_str(), v.as_str());
+        }
+        n.receive(Stage::LoginOperationalNegotiation, &keys)
+            .expect("the rig's login negotiates");
+        let (tsih, cid) = join.unwrap_or((0, o.settings.cid));
+        Completed {
+            negotiator: n,
+            initiator: INITIATOR.into(),
+            target: (o.settings.session_type == SessionType::Normal).then(|| TARGET.into()),
+            isid: ISID,
+            tsih,
+            cid,
+            cmd_sn: o.cmd_sn,
+            stat_sn: SerialNumber(1),
+        }
+    }
+
+    /// The target with its unit and no connection yet: logins come through [`Rig::admit`]
+    /// and [`Rig::attach`] (the deterministic pair runs the login machines for them).
+    pub fn empty(options: Options) -> Rig {
+        let port = TargetPort {
+            relative_port: 1,
+            port_group: 1,
+            name: format!("{TARGET},t,0x1"),
+            target_name: TARGET.into(),
+        };
+        let mut device = Device::new(TARGET, vec![port]);
+        device.set_delegation(options.delegate);
+        let unit = LogicalUnit {
+            identity: Identity::new("RIG", "memory", "0001", b"rig-lu0"),
+            geometry: Geometry {
+                block_size: options.block_size,
+                blocks: options.blocks,
+                thin: true,
+                write_cache: true,
+                read_only: false,
+            },
+            limits: Limits::default(),
+        };
+        device.add_lu(0, unit).expect("LUN 0 is free");
+        Rig {
+            target: LocalTarget {
+                core: TargetCore::new(device),
+                sessions: SessionTable::new(),
+                queues: Queues::default(),
+                close_requests: Vec::new(),
+            },
+            conns: Vec::new(),
+            backend: MemoryBackend::new(options.block_size, options.blocks),
+            hold_backend: false,
+            held: VecDeque::new(),
+            hold_buffers: false,
+            wanted: VecDeque::new(),
+            now: Instant::now(),
+            options,
+        }
+    }
+
+    /// Admits a completed login as targetd does: a new session (TSIH 0), reinstating any
+    /// session of the same initiator port (whose connections close now), or a connection
+    /// joining session `login.tsih`, replacing one with the same CID.
+    pub fn admit(&mut self, login: &Completed) -> Result<Admitted, SessionError> {
+        let index = self.conns.len();
+        let t = &mut self.target;
+        let (tsih, replaced) = if login.tsih == 0 {
+            let key = SessionKey {
+                isid: login.isid,
+                initiator: login.initiator.clone(),
+                target: login.target.clone().unwrap_or_default(),
+            };
+            let max = login.negotiator.session().operational.max_connections;
+            let core = &mut t.core;
+            let Created { tsih, reinstated } =
+                t.sessions.create(key, max, login.cid, index as u64, |_| {
+                    let id = TransportId::iscsi(&login.initiator, login.isid.0);
+                    core.open_session(id, login.cmd_sn, self.options.window)
+                })?;
+            (tsih, reinstated)
+        } else {
+            let target = login.target.as_deref().unwrap_or_default();
+            let (tsih, isid, who) = (login.tsih, login.isid, &login.initiator);
+            let replaced = t
+                .sessions
+                .join(tsih, isid, who, target, login.cid, index as u64)?;
+            (tsih, replaced.into_iter().collect())
+        };
+        let nexus = self.target.sessions.get(tsih).expect("admitted").value;
+        let window = self.target.core.window(nexus).expect("a live session");
+        for old in replaced {
+            self.shut(old as usize, "reinstated by a new login");
+        }
+        Ok(Admitted {
+            index,
+            tsih,
+            nexus,
+            window,
+        })
+    }
+
+    /// ExpCmdSN and MaxCmdSN for a Login Response: session `tsih`'s window, or a new session's
+    /// from `cmd_sn`.
+    pub fn login_window(&self, tsih: u16, cmd_sn: SerialNumber) -> (SerialNumber, SerialNumber) {
+        let session = (tsih != 0)
+            .then(|| self.target.sessions.get(tsih))
+            .flatten();
+        match session.and_then(|s| self.target.core.window(s.value)) {
+            Some(w) => w,
+            None => (cmd_sn, cmd_sn + (self.options.window.max(1) - 1)),
+        }
+    }
+
+    /// The connection of an admitted login enters full feature phase; returns its index.
+    pub fn attach(&mut self, admitted: Admitted, login: Completed) -> usize {
+        assert_eq!(admitted.index, self.conns.len(), "attached as admitted");
+        let n = login.negotiator;
+        let c = *n.connection();
+        let op = n.session().operational;
+        let digests = Digests {
+            header: c.header_digest,
+            data: c.data_digest,
+        };
+        let mut rx = Deframer::new();
+        rx.set_digests(digests);
+        rx.set_max_recv_data_segment_length(c.max_recv_data_segment_length);
+        let mut from_target = Deframer::new();
+        from_target.set_digests(digests);
+        from_target.set_max_recv_data_segment_length(c.max_send_data_segment_length.max(512));
+        let settings = Settings {
+            cid: login.cid,
+            ..self.options.settings
+        };
+        self.target.queues.0.push(VecDeque::new());
+        self.conns.push(RigConnection {
+            conn: Connection::new(self.now, settings, n, op, login.stat_sn),
+            cid: login.cid,
+            tsih: admitted.tsih,
+            nexus: admitted.nexus,
+            digests,
+            initiator_max_recv: c.max_send_data_segment_length,
+            rx,
+            placing: None,
+            closed: None,
+            torn_down: false,
+            tx: BytesMut::new(),
+            from_target,
+            last_stat_sn: None,
+            answered: Vec::new(),
+        });
+        admitted.index
+    }
+
+    /// Admits and attaches a completed login whose next StatSN is `stat_sn`.
+    pub fn log_in(
+        &mut self,
+        mut login: Completed,
+        stat_sn: SerialNumber,
+    ) -> Result<usize, SessionError> {
+        login.stat_sn = stat_sn;
+        let admitted = self.admit(&login)?;
+        Ok(self.attach(admitted, login))
+    }
+
+    /// A connection with CID `cid` joins the session of connection 0 (negotiating as it did);
+    /// returns its index.
+    pub fn join(&mut self, cid: u16) -> Result<usize, SessionError> {
+        let tsih = self.conns[0].tsih;
+        let login = self.negotiated(&self.options.offers.clone(), Some((tsih, cid)));
+        self.log_in(login, SerialNumber(1))
+    }
+
+    /// A new leading login of the rig's initiator port ([`ISID`]): it reinstates the session
+    /// of connection 0. Returns the new connection's index.
+    pub fn reinstate(&mut self, cmd_sn: SerialNumber) -> usize {
+        let mut login = self.negotiated(&self.options.offers.clone(), None);
+        login.cmd_sn = cmd_sn;
+        self.log_in(login, SerialNumber(1))
+            .expect("a new session is made")
+    }
+
+    /// ExpCmdSN and MaxCmdSN of connection 0's session now.
+    pub fn window(&self) -> (SerialNumber, SerialNumber) {
+        let none = (SerialNumber(0), SerialNumber(0));
+        self.target.core.window(self.conns[0].nexus).unwrap_or(none)
+    }
+
+    /// Connection 0's machine.
+    pub fn conn(&self) -> &Connection<Vec<u8>> {
+        &self.conns[0].conn
+    }
+
+    /// Why connection 0 closed, once it has.
+    pub fn closed(&self) -> Option<&str> {
+        self.conns[0].closed.as_deref()
+    }
+
+    /// Connection 0's digests.
+    pub fn digests(&self) -> Digests {
+        self.conns[0].digests
+    }
+
+    /// Sends `pdu` from the initiator on connection 0, in one piece.
+    pub fn send(&mut self, pdu: &Pdu) {
+        self.send_on(0, pdu);
+    }
+
+    /// Sends `pdu` from the initiator on connection `i`, in one piece.
+    pub fn send_on(&mut self, i: usize, pdu: &Pdu) {
+        let mut b = BytesMut::new();
+        pdu.encode(self.conns[i].digests, &mut b);
+        self.receive_on(i, &b);
+    }
+
+    /// Bytes from the initiator on connection 0.
+    pub fn receive(&mut self, bytes: &[u8]) {
+        self.receive_on(0, bytes);
+    }
+
+    /// Bytes from the initiator on connection `i`: the target takes in every whole header and
+    /// as much payload as there is, then runs until it has nothing left to do.
+    pub fn receive_on(&mut self, i: usize, bytes: &[u8]) {
+        if self.conns[i].closed.is_some() {
+            return;
+        }
+        self.conns[i].rx.feed(bytes);
+        self.take_in(i);
+        self.run();
+    }
+
+    /// The earliest timer of the open connections.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let open = self.conns.iter().filter(|c| c.closed.is_none());
+        open.filter_map(|c| c.conn.poll_timeout()).min()
+    }
+
+    /// Moves the virtual clock on by `d` and lets the connections' timers fire if they are due.
+    pub fn advance(&mut self, d: Duration) {
+        self.now += d;
+        for i in 0..self.conns.len() {
+            let (t, c) = (&mut self.target, &mut self.conns[i]);
+            if c.closed.is_none() && c.conn.poll_timeout().is_some_and(|at| at <= self.now) {
+                c.conn.handle_timeout(self.now, &mut via(t, i, c));
+            }
+        }
+        self.run();
+    }
+
+    /// Completes the oldest held backend operation.
+    pub fn release_backend(&mut self) -> bool {
+        let Some((i, task, op, buffer)) = self.held.pop_front() else {
+            return false;
+        };
+        self.execute(i, task, op, buffer);
+        self.run();
+        true
+    }
+
+    /// Grants every buffer held back by [`Rig::hold_buffers`].
+    pub fn grant_buffers(&mut self) {
+        while let Some((i, tag, len)) = self.wanted.pop_front() {
+            let (t, c) = (&mut self.target, &mut self.conns[i]);
+            c.conn
+                .handle_buffer(self.now, tag, Some(vec![0; len]), &mut via(t, i, c));
+        }
+        self.run();
+    }
+
+    /// The daemon is stopping: connection 0 asks the initiator to log out.
+    pub fn ask_logout(&mut self) {
+        let (t, c) = (&mut self.target, &mut self.conns[0]);
+        c.conn.ask_logout(&mut via(t, 0, c));
+        self.run();
+    }
+
+    /// Connection 0 drops (the initiator went away).
+    pub fn drop_connection(&mut self) {
+        self.shut(0, "dropped");
+    }
+
+    /// Connection `i` closes for `why` and its end is torn down as targetd does: its queued
+    /// commands are cancelled, it leaves its session, and its tasks end (the session's nexus
+    /// closes when it was the last connection; else its own tasks are aborted). Its held
+    /// backend operations and buffers are let go, and it holds none from now on. Afterwards
+    /// its task table must be empty.
+    pub fn shut(&mut self, i: usize, why: &str) {
+        if self.conns[i].torn_down {
+            return;
+        }
+        self.conns[i].closed.get_or_insert_with(|| why.into());
+        self.run();
+        let (t, c) = (&mut self.target, &mut self.conns[i]);
+        c.torn_down = true;
+        let last = match t.sessions.leave(c.tsih, |&x| x == i as u64) {
+            Left::Ended(_) => true,
+            Left::Stays | Left::Unknown => false,
+        };
+        c.conn.close(last, &mut via(t, i, c));
+        if last {
+            t.core.close_session(c.nexus, &mut t.queues);
+        }
+        let held = std::mem::take(&mut self.held);
+        let (mine, others): (VecDeque<Held>, _) = held.into_iter().partition(|h| h.0 == i);
+        self.held = others;
+        for (i, task, op, buffer) in mine {
+            self.execute(i, task, op, buffer);
+        }
+        let wanted = std::mem::take(&mut self.wanted);
+        let (mine, others): (VecDeque<_>, _) = wanted.into_iter().partition(|w| w.0 == i);
+        self.wanted = others;
+        for (i, tag, len) in mine {
+            let (t, c) = (&mut self.target, &mut self.conns[i]);
+            c.conn
+                .handle_buffer(self.now, tag, Some(vec![0; len]), &mut via(t, i, c));
+        }
+        self.run();
+        self.conns[i].tx.clear();
+    }
+
+    /// The bytes connection 0 has sent since the last call ([`Rig::take_sent_on`]).
+    pub fn take_sent(&mut self) -> Bytes {
+        self.take_sent_on(0)
+    }
+
+    /// The bytes connection `i` has sent since the last call, as they go on the wire. They
+    /// are decoded and checked on the way as [`Rig::responses`] does (and so panic on a broken
+    /// promise); mix the two only at PDU boundaries.
+    pub fn take_sent_on(&mut self, i: usize) -> Bytes {
+        let c = &mut self.conns[i];
+        let bytes = c.tx.split().freeze();
+        c.from_target.feed(&bytes);
+        loop {
+            match c.from_target.next_pdu() {
+                Ok(Some(p)) => c.check(&p),
+                Ok(None) => return bytes,
+                Err(e) => panic!("the target sent a malformed PDU: {e}"),
+            }
+        }
+    }
+
+    /// The PDUs connection 0 has sent since the last call ([`Rig::responses_on`]).
+    pub fn responses(&mut self) -> Vec<Pdu> {
+        self.responses_on(0)
+    }
+
+    /// The PDUs connection `i` has sent since the last call, decoded as the initiator would.
+    /// Panics if the stream breaks a promise: a malformed PDU, StatSN going back, a Data-In
+    /// segment beyond the initiator's MaxRecvDataSegmentLength, or a command answered twice.
+    pub fn responses_on(&mut self, i: usize) -> Vec<Pdu> {
+        let c = &mut self.conns[i];
+        c.from_target.feed(&c.tx.split());
+        let mut out = Vec::new();
+        loop {
+            match c.from_target.next_pdu() {
+                Ok(Some(p)) => {
+                    c.check(&p);
+                    out.push(p);
+                }
+                Ok(None) => return out,
+                Err(e) => panic!("the target sent a malformed PDU: {e}"),
+            }
+        }
+    }
+
+    /// Forgets that `itt` was answered on connection 0, so the initiator may reuse the tag.
+    pub fn reuse_tag(&mut self, itt: u32) {
+        self.conns[0].reuse_tag(itt);
+    }
+
+    /// Takes headers and payloads out of connection `i`'s receive buffer while there are whole
+    /// ones.
+    fn take_in(&mut self, i: usize) {
         let direct = |op: Opcode| matches!(op, Opcode::ScsiCommand | Opcode::DataOut);
         loop {
-            if self.closed.is_some() || self.conn.closing().is_some() {
+            let (t, c) = (&mut self.target, &mut self.conns[i]);
+            if c.closed.is_some() || c.conn.closing().is_some() {
                 return;
             }
-            if let Some(p) = &mut self.placing {
+            if let Some(p) = &mut c.placing {
                 let (at, len) = (p.at, p.len);
-                p.got += self.rx.payload(&mut p.buffer[at + p.got..at + len]);
+                p.got += c.rx.payload(&mut p.buffer[at + p.got..at + len]);
                 if p.got < len {
                     return;
                 }
-                match self.rx.end_payload() {
+                match c.rx.end_payload() {
                     Ok(None) => return,
                     Ok(Some(())) => {
-                        let p = self.placing.take().expect("placing");
-                        self.conn
-                            .handle_payload(self.now, p.buffer, &mut self.nexus);
+                        let p = c.placing.take().expect("placing");
+                        c.conn.handle_payload(self.now, p.buffer, &mut via(t, i, c));
                     }
                     Err(e) => {
-                        let p = self.placing.take().expect("placing");
+                        let p = c.placing.take().expect("placing");
                         match e.reject() {
-                            Some((reason, header)) => self.conn.handle_payload_error(
+                            Some((reason, header)) => c.conn.handle_payload_error(
                                 p.buffer,
                                 reason,
                                 header,
-                                &mut self.nexus,
+                                &mut via(t, i, c),
                             ),
-                            None => return self.close(format!("payload: {e}")),
+                            None => {
+                                c.closed.get_or_insert(format!("payload: {e}"));
+                                return;
+                            }
                         }
                     }
                 }
                 self.run();
                 continue;
             }
-            let next = self.rx.next_header(direct);
+            let next = c.rx.next_header(direct);
             if let Ok(Some(
-                Received::Pdu(Pdu::ScsiCommand(c))
+                Received::Pdu(Pdu::ScsiCommand(cmd))
                 | Received::Header {
-                    pdu: Pdu::ScsiCommand(c),
+                    pdu: Pdu::ScsiCommand(cmd),
                     ..
                 },
             )) = &next
             {
                 // A new command may reuse the tag of an answered one.
-                self.reuse_tag(c.initiator_task_tag);
+                c.reuse_tag(cmd.initiator_task_tag);
             }
+            let now = self.now;
             let plan = match next {
                 Ok(None) => return,
-                Ok(Some(Received::Pdu(pdu))) => {
-                    self.conn.handle_pdu(self.now, pdu, &mut self.nexus)
-                }
+                Ok(Some(Received::Pdu(pdu))) => c.conn.handle_pdu(now, pdu, &mut via(t, i, c)),
                 Ok(Some(Received::Header { pdu, header, len })) => {
-                    self.conn
-                        .handle_header(self.now, pdu, &header, len, &mut self.nexus)
+                    c.conn
+                        .handle_header(now, pdu, &header, len, &mut via(t, i, c))
                 }
                 Err(
                     e @ (DecodeError::HeaderDigest { .. } | DecodeError::DataSegmentTooLong { .. }),
-                ) => return self.close(format!("fatal: {e}")),
+                ) => {
+                    c.closed.get_or_insert(format!("fatal: {e}"));
+                    return;
+                }
                 Err(e) => match e.reject() {
                     Some((reason, header)) => {
-                        self.conn
-                            .handle_reject(self.now, reason, header, &mut self.nexus);
+                        c.conn.handle_reject(now, reason, header, &mut via(t, i, c));
                         Plan::Next
                     }
-                    None => return self.close(format!("undecodable: {e}")),
+                    None => {
+                        c.closed.get_or_insert(format!("undecodable: {e}"));
+                        return;
+                    }
                 },
             };
-            self.follow(plan);
+            self.follow(i, plan);
             self.run();
         }
     }
 
-    fn follow(&mut self, mut plan: Plan<Vec<u8>>) {
+    fn follow(&mut self, i: usize, mut plan: Plan<Vec<u8>>) {
         loop {
+            let (t, c) = (&mut self.target, &mut self.conns[i]);
             match plan {
                 Plan::Next => return,
                 Plan::Discard => {
-                    self.rx.discard_payload();
+                    c.rx.discard_payload();
                     return;
                 }
                 Plan::Allocate(len) => {
                     let b = vec![0; len as usize];
-                    plan = self
+                    plan = c
                         .conn
-                        .handle_allocated(self.now, Some(b), &mut self.nexus);
+                        .handle_allocated(self.now, Some(b), &mut via(t, i, c));
                 }
                 Plan::Receive { buffer, at, len } => {
                     assert!(at + len <= buffer.len(), "a plan within its buffer");
-                    self.placing = Some(Placing {
+                    c.placing = Some(Placing {
                         buffer,
                         at,
                         len,
@@ -616,67 +873,100 @@ impl Rig {
         }
     }
 
-    fn execute(&mut self, task: TaskId, op: Op, buffer: Vec<u8>) {
+    fn execute(&mut self, i: usize, task: TaskId, op: Op, buffer: Vec<u8>) {
         self.backend.submit(0, op, buffer);
         while let Some((_, result, buffer)) = self.backend.poll_completion() {
-            self.conn
-                .handle_backend_done(self.now, task, buffer, result, &mut self.nexus);
+            let (t, c) = (&mut self.target, &mut self.conns[i]);
+            c.conn
+                .handle_backend_done(self.now, task, buffer, result, &mut via(t, i, c));
         }
     }
 
-    /// Runs the machine's requests and the core's events until neither has anything left,
-    /// then puts the output on the wire.
+    /// Runs every connection's requests and the core's events until none has anything left,
+    /// closes the connections something asked to close, then puts the output on the wires.
     pub fn run(&mut self) {
-        while let Some(ev) = self.conn.poll_event(self.now, &mut self.nexus) {
-            match ev {
-                Event::Backend {
-                    task,
-                    lun,
-                    op,
-                    buffer,
-                } => {
-                    if lun != 0 {
-                        let gone = Err(BackendError::Internal);
-                        self.conn.handle_backend_done(
-                            self.now,
-                            task,
-                            buffer,
-                            gone,
-                            &mut self.nexus,
-                        );
-                    } else if self.hold_backend {
-                        self.held.push_back((task, op, buffer));
-                    } else {
-                        self.execute(task, op, buffer);
-                    }
+        loop {
+            let mut moved = false;
+            for i in 0..self.conns.len() {
+                while self.step(i) {
+                    moved = true;
                 }
-                Event::BufferWanted { tag, len } => {
-                    if self.hold_buffers {
-                        self.wanted.push_back((tag, len));
-                    } else {
-                        self.conn
-                            .handle_buffer(self.now, tag, Some(vec![0; len]), &mut self.nexus);
-                    }
-                }
-                Event::Completed(_) => {}
+            }
+            let asked = std::mem::take(&mut self.target.close_requests);
+            for i in asked {
+                // Its output so far goes out first (a logout's response on another
+                // connection is queued before the close).
+                self.flush(i);
+                self.shut(i, "closed by the session");
+                moved = true;
+            }
+            if !moved {
+                break;
             }
         }
-        let (exp, max) = self.nexus.window();
-        let max_segment = self.conn.max_send_data_segment_length();
-        while let Some(t) = self.conn.poll_transmit() {
-            if self.closed.is_none() {
-                t.encode(self.digests, max_segment, exp, max, &mut self.tx);
+        for i in 0..self.conns.len() {
+            self.flush(i);
+            let c = &mut self.conns[i];
+            if c.conn.closing() == Some(Close::NoPingAnswer) {
+                c.closed.get_or_insert_with(|| "no answer to a ping".into());
             }
         }
-        if self.conn.closing() == Some(Close::NoPingAnswer) {
-            self.close("no answer to a ping".into());
+    }
+
+    /// Handles one event of connection `i`; false when it had none.
+    fn step(&mut self, i: usize) -> bool {
+        let (t, c) = (&mut self.target, &mut self.conns[i]);
+        let Some(ev) = c.conn.poll_event(self.now, &mut via(t, i, c)) else {
+            return false;
+        };
+        match ev {
+            Event::Backend {
+                task,
+                lun,
+                op,
+                buffer,
+            } => {
+                if lun != 0 {
+                    let gone = Err(BackendError::Internal);
+                    c.conn
+                        .handle_backend_done(self.now, task, buffer, gone, &mut via(t, i, c));
+                } else if self.hold_backend && !c.torn_down {
+                    self.held.push_back((i, task, op, buffer));
+                } else {
+                    self.execute(i, task, op, buffer);
+                }
+            }
+            Event::BufferWanted { tag, len } => {
+                if self.hold_buffers && !c.torn_down {
+                    self.wanted.push_back((i, tag, len));
+                } else {
+                    c.conn
+                        .handle_buffer(self.now, tag, Some(vec![0; len]), &mut via(t, i, c));
+                }
+            }
+            Event::Completed(_) => {}
+        }
+        true
+    }
+
+    /// Puts connection `i`'s output on its wire (dropped once it is closed).
+    fn flush(&mut self, i: usize) {
+        let (t, c) = (&self.target, &mut self.conns[i]);
+        let none = (SerialNumber(0), SerialNumber(0));
+        let (exp, max) = t.core.window(c.nexus).unwrap_or(none);
+        let max_segment = c.conn.max_send_data_segment_length();
+        while let Some(x) = c.conn.poll_transmit() {
+            if c.closed.is_none() {
+                x.encode(c.digests, max_segment, exp, max, &mut c.tx);
+            }
         }
     }
 
     /// A read of `blocks` blocks at `lba` straight from LUN 0's storage.
     pub fn stored(&mut self, lba: u64, blocks: u32) -> Bytes {
         let bs = self
-            .nexus
+            .target
+            .core
             .device
             .logical_unit(0)
             .map_or(512, |u| u.geometry.block_size);
@@ -697,5 +987,15 @@ impl Rig {
             .expect("memory completes at once");
         r.expect("in range");
         Bytes::from(buf)
+    }
+}
+
+/// Connection `i`'s view of the target ([`Nexus`]).
+fn via<'a>(target: &'a mut LocalTarget, i: usize, c: &RigConnection) -> Via<'a> {
+    Via {
+        target,
+        me: i,
+        tsih: c.tsih,
+        nexus: c.nexus,
     }
 }
