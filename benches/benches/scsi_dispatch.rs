@@ -10,12 +10,7 @@ use scsi_core::{
 use std::hint::black_box;
 
 fn device() -> (Device, scsi_core::NexusId) {
-    let port = TargetPort {
-        relative_port: 1,
-        port_group: 1,
-        name: "iqn.2026-11.io.example:b,t,0x1".into(),
-        target_name: "iqn.2026-11.io.example:b".into(),
-    };
+    let port = TargetPort::iscsi("iqn.2026-11.io.example:b", 1);
     let mut d = Device::new("iqn.2026-11.io.example:b", vec![port]);
     d.add_lu(
         0,

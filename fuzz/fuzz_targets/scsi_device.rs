@@ -51,12 +51,7 @@ fn unit(thin: bool, block_size: u32) -> LogicalUnit {
 
 fuzz_target!(|input: (bool, Vec<Step>)| {
     let (delegate, steps) = input;
-    let port = TargetPort {
-        relative_port: 1,
-        port_group: 1,
-        name: "iqn.2026-11.io.example:f,t,0x1".into(),
-        target_name: "iqn.2026-11.io.example:f".into(),
-    };
+    let port = TargetPort::iscsi("iqn.2026-11.io.example:f", 1);
     let mut device = Device::new("iqn.2026-11.io.example:f", vec![port]);
     // Plain reads and writes delegated to the harness (as targetd's core does), or not.
     device.set_delegation(delegate);

@@ -45,12 +45,7 @@ impl Driver {
         let file = FileHandle::open(&FileConfig::new(path, Some(64 << 20))).unwrap();
         let blocks = file.blocks();
         let lu = AnyBackend::File(engine.open(file));
-        let port = TargetPort {
-            relative_port: 1,
-            port_group: 1,
-            name: "iqn.2026-11.io.example:t,t,0x1".into(),
-            target_name: "iqn.2026-11.io.example:t".into(),
-        };
+        let port = TargetPort::iscsi("iqn.2026-11.io.example:t", 1);
         let mut device = Device::new("iqn.2026-11.io.example:t", vec![port]);
         device
             .add_lu(

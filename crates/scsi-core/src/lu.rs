@@ -123,6 +123,20 @@ pub struct TargetPort {
     pub target_name: String,
 }
 
+impl TargetPort {
+    /// An iSCSI target port: target `target` through portal group `portal_group`, named as
+    /// RFC 7143 section 4.2.7.1 and SPC-4's SCSI name string designator say
+    /// (`<target>,t,0x<tpgt>`), its relative port identifier the group's tag.
+    pub fn iscsi(target: &str, portal_group: u16) -> TargetPort {
+        TargetPort {
+            relative_port: portal_group.max(1),
+            port_group: portal_group,
+            name: format!("{target},t,0x{portal_group:04x}"),
+            target_name: target.to_string(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -406,12 +406,7 @@ impl std::fmt::Debug for Target {
 impl Target {
     /// A target with the logical units of `config`, opened now.
     pub fn new(config: &config::Target) -> Result<Target, (String, String)> {
-        let port = TargetPort {
-            relative_port: 1,
-            port_group: PORTAL_GROUP,
-            name: format!("{},t,0x{PORTAL_GROUP:04x}", config.name),
-            target_name: config.name.clone(),
-        };
+        let port = TargetPort::iscsi(&config.name, PORTAL_GROUP);
         let mut device = Device::new(&config.name, vec![port]);
         device.set_delegation(true);
         let target = Target {

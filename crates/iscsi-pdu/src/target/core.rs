@@ -302,12 +302,7 @@ mod tests {
     }
 
     fn core() -> TargetCore<u64> {
-        let port = TargetPort {
-            relative_port: 1,
-            port_group: 1,
-            name: "iqn.2026-11.io.example:t,t,0x1".into(),
-            target_name: "iqn.2026-11.io.example:t".into(),
-        };
+        let port = TargetPort::iscsi("iqn.2026-11.io.example:t", 1);
         let mut device = Device::new("iqn.2026-11.io.example:t", vec![port]);
         let unit = LogicalUnit {
             identity: Identity::new("T", "memory", "0001", b"t-lu0"),

@@ -415,12 +415,7 @@ impl Rig {
     /// The target with its unit and no connection yet: logins come through [`Rig::admit`]
     /// and [`Rig::attach`] (the deterministic pair runs the login machines for them).
     pub fn empty(options: Options) -> Rig {
-        let port = TargetPort {
-            relative_port: 1,
-            port_group: 1,
-            name: format!("{TARGET},t,0x1"),
-            target_name: TARGET.into(),
-        };
+        let port = TargetPort::iscsi(TARGET, 1);
         let mut device = Device::new(TARGET, vec![port]);
         device.set_delegation(options.delegate);
         let unit = LogicalUnit {
