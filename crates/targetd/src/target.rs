@@ -10,7 +10,7 @@
 //! per session).
 //!
 //! Plain reads and writes are delegated to their connection, which finishes them without the
-//! core; their retirement goes through a lock-free queue ([`Retirements`]) that whoever takes
+//! core; their retirement goes through a lock-free queue (`Retirements`) that whoever takes
 //! the lock next applies. So a READ or WRITE takes the lock once, when it arrives. Retiring
 //! matters at once only when something waits for a task to end (a dormant ORDERED task, an
 //! overlapping write, a task management function): the holder says so in
@@ -37,7 +37,7 @@ pub const MAX_IO: u32 = 32 << 20;
 /// The target portal group tag of every portal (one group, implicit ALUA active/optimized).
 pub const PORTAL_GROUP: u16 = 1;
 
-/// What the core sends to a task's connection: the connection machine's [`CoreEvent`].
+/// What the core sends to a task's connection: the connection machine's [`CoreEvent`](iscsi_pdu::target::CoreEvent).
 pub use iscsi_pdu::target::CoreEvent as Routed;
 
 /// Where a task's actions go.
