@@ -11,7 +11,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use initiator_bench::login::LoginOptions;
 use initiator_bench::plot::{plot, Series};
 use initiator_bench::proxy::{parse_duration, parse_rate, Link, Proxy};
-use initiator_bench::workload::{run_many, Progress, Report, Rw, Workload};
+use initiator_bench::workload::{parse_size, run_many, Progress, Report, Rw, Split, Workload};
 use initiator_bench::{discover, IscsiUrl};
 use iscsi_pdu::chap::ChapCredentials;
 use iscsi_pdu::negotiation::DigestAlgorithm;
@@ -150,6 +150,11 @@ struct WorkloadArgs {
     /// Seed for random offsets and the verify pattern.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// How each I/O goes out: `none` (one command), a size (commands of at most that many
+    /// bytes, in flight together), or `linux` (as Linux sizes requests from the LU's Block
+    /// Limits page: at most its OPTIMAL TRANSFER LENGTH per command).
+    #[arg(long, default_value = "none")]
+    split: Split,
 }
 
 impl WorkloadArgs {
@@ -166,6 +171,7 @@ impl WorkloadArgs {
             size: self.size,
             verify: self.verify,
             seed: self.seed,
+            split: self.split,
         })
     }
 }
@@ -259,26 +265,6 @@ impl LoginArgs {
             .map_err(|e| anyhow::anyhow!("login settings: {e}"))?;
         Ok(o)
     }
-}
-
-/// Parses sizes like `512`, `4k`, `1m`, `2g` (binary multiples).
-fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim().to_ascii_lowercase();
-    let t = t
-        .strip_suffix("ib")
-        .or_else(|| t.strip_suffix('b'))
-        .unwrap_or(&t);
-    let (num, mult) = match t.chars().last() {
-        Some('k') => (&t[..t.len() - 1], 1u64 << 10),
-        Some('m') => (&t[..t.len() - 1], 1 << 20),
-        Some('g') => (&t[..t.len() - 1], 1 << 30),
-        Some('t') => (&t[..t.len() - 1], 1 << 40),
-        _ => (t, 1),
-    };
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| format!("{s:?} is not a size (e.g. 4k, 1m)"))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -439,9 +425,10 @@ fn print_report(r: &Report) {
         w.rw, w.bs, w.qd, w.sessions, r.ios, r.elapsed_seconds, r.errors
     );
     println!(
-        "  IOPS {:.0}   throughput {:.1} MB/s",
+        "  IOPS {:.0}   throughput {:.1} MB/s   commands of at most {} bytes",
         r.iops,
-        r.bytes_per_sec / 1e6
+        r.bytes_per_sec / 1e6,
+        r.command_bytes
     );
     let l = &r.latency_us;
     println!(

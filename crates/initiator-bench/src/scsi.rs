@@ -128,6 +128,14 @@ pub mod cdb {
         c
     }
 
+    /// INQUIRY of vital product data page `page`.
+    pub fn inquiry_vpd(page: u8, allocation_length: u16) -> [u8; 16] {
+        let mut c = inquiry(allocation_length);
+        c[1] = 0x01; // EVPD.
+        c[2] = page;
+        c
+    }
+
     /// SYNCHRONIZE CACHE (10) of the whole LU.
     pub fn synchronize_cache() -> [u8; 16] {
         let mut c = [0u8; 16];
@@ -144,6 +152,50 @@ pub fn parse_capacity16(data: &[u8]) -> Option<(u64, u32)> {
     let last = u64::from_be_bytes(data[..8].try_into().ok()?);
     let bs = u32::from_be_bytes(data[8..12].try_into().ok()?);
     Some((last.checked_add(1)?, bs))
+}
+
+/// What the Block Limits page (VPD B0h) says about transfer lengths, in blocks; 0 is "not
+/// reported".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockLimits {
+    /// MAXIMUM TRANSFER LENGTH.
+    pub max_transfer: u32,
+    /// OPTIMAL TRANSFER LENGTH.
+    pub optimal_transfer: u32,
+}
+
+impl BlockLimits {
+    /// Parses the page (with its 4-byte header).
+    pub fn parse(page: &[u8]) -> Option<BlockLimits> {
+        if page.len() < 16 || page[1] != 0xb0 {
+            return None;
+        }
+        let word = |at: usize| u32::from_be_bytes(page[at..at + 4].try_into().expect("4 bytes"));
+        Some(BlockLimits {
+            max_transfer: word(8),
+            optimal_transfer: word(12),
+        })
+    }
+
+    /// The most blocks Linux's sd driver puts in one request for a unit with these limits
+    /// and `block_size`-byte blocks (drivers/scsi/sd.c, sd_revalidate_disk and
+    /// sd_validate_opt_xfer_size: the optimal length when it is valid, at least a 4 KiB page,
+    /// within the maximum and the driver's 0xffff blocks; else the maximum, capped at
+    /// BLK_DEF_MAX_SECTORS_CAP, 2560 sectors of 512 bytes).
+    pub fn linux_max_blocks(&self, block_size: u32) -> u32 {
+        let bs = u64::from(block_size.max(1));
+        let optimal = u64::from(self.optimal_transfer) * bs;
+        let within = self.max_transfer == 0 || self.optimal_transfer <= self.max_transfer;
+        let valid = optimal >= 4096 && within && self.optimal_transfer <= 0xffff;
+        if valid {
+            return self.optimal_transfer;
+        }
+        let cap = 2560 * 512 / bs;
+        match self.max_transfer {
+            0 => cap as u32,
+            m => u64::from(m).min(cap) as u32,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -181,5 +233,31 @@ mod tests {
         cap[..8].copy_from_slice(&1023u64.to_be_bytes());
         cap[8..12].copy_from_slice(&512u32.to_be_bytes());
         assert_eq!(parse_capacity16(&cap), Some((1024, 512)));
+    }
+
+    #[test]
+    fn block_limits_and_linux_request_sizes() {
+        let mut page = [0u8; 64];
+        page[1] = 0xb0;
+        page[8..12].copy_from_slice(&65536u32.to_be_bytes());
+        page[12..16].copy_from_slice(&256u32.to_be_bytes());
+        let l = BlockLimits::parse(&page).unwrap();
+        assert_eq!((l.max_transfer, l.optimal_transfer), (65536, 256));
+        // 256 blocks of 512: Linux sends 128 KiB commands.
+        assert_eq!(l.linux_max_blocks(512), 256);
+        // No optimal length: the maximum, capped at 1280 KiB (what it sends to tgt).
+        let none = BlockLimits {
+            optimal_transfer: 0,
+            ..l
+        };
+        assert_eq!(none.linux_max_blocks(512), 2560);
+        assert_eq!(none.linux_max_blocks(4096), 320);
+        // An optimal length below a page is ignored.
+        let tiny = BlockLimits {
+            optimal_transfer: 4,
+            ..l
+        };
+        assert_eq!(tiny.linux_max_blocks(512), 2560);
+        assert_eq!(BlockLimits::parse(&page[..8]), None);
     }
 }

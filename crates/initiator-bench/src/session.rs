@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot, watch, Notify};
 
 use crate::error::{Error, Result};
 use crate::login::{random_isid, Established, LoginExchange, LoginOptions};
-use crate::scsi::{cdb, parse_capacity16, Command, Response};
+use crate::scsi::{cdb, parse_capacity16, BlockLimits, Command, Response};
 use crate::url::IscsiUrl;
 
 /// The machine and the waiters of its tasks, under one lock.
@@ -96,6 +96,15 @@ impl PendingCommand {
             Ok(Ok(Ok(other))) => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
         }
     }
+}
+
+/// `blocks` cut into runs of at most `max` (at least 1): (offset, length) pairs.
+fn pieces(blocks: u32, max: u32) -> impl Iterator<Item = (u64, u32)> {
+    let max = max.max(1);
+    (0..blocks.div_ceil(max)).map(move |i| {
+        let at = i * max;
+        (u64::from(at), max.min(blocks - at))
+    })
 }
 
 /// Dropping a session without logging out closes its connections.
@@ -265,6 +274,57 @@ impl Session {
         Ok(self.execute_good(cmd).await?.data)
     }
 
+    /// READ of `blocks` blocks at `lba` as commands of at most `max_blocks` blocks, all in
+    /// flight together (as a block layer splits a request it may not send whole); the data
+    /// comes back joined.
+    pub async fn read_split(
+        &self,
+        lba: u64,
+        blocks: u32,
+        block_size: u32,
+        max_blocks: u32,
+    ) -> Result<Bytes> {
+        if max_blocks == 0 || blocks <= max_blocks {
+            return self.read(lba, blocks, block_size).await;
+        }
+        let mut pending = Vec::new();
+        for (at, n) in pieces(blocks, max_blocks) {
+            let cmd = Command::read(self.lun(), cdb::read(lba + at, n), n * block_size);
+            pending.push(self.start(cmd).await?);
+        }
+        let mut data = BytesMut::with_capacity((blocks * block_size) as usize);
+        for p in pending {
+            data.extend_from_slice(&p.wait().await?.good()?.data);
+        }
+        Ok(data.freeze())
+    }
+
+    /// WRITE of `data` at `lba` as commands of at most `max_blocks` blocks, all in flight
+    /// together.
+    pub async fn write_split(
+        &self,
+        lba: u64,
+        data: Bytes,
+        block_size: u32,
+        max_blocks: u32,
+    ) -> Result<()> {
+        let blocks = (data.len() / block_size as usize) as u32;
+        if max_blocks == 0 || blocks <= max_blocks {
+            return self.write(lba, data, block_size).await;
+        }
+        let mut pending = Vec::new();
+        for (at, n) in pieces(blocks, max_blocks) {
+            let from = (at * u64::from(block_size)) as usize;
+            let piece = data.slice(from..from + (n * block_size) as usize);
+            let cmd = Command::write(self.lun(), cdb::write(lba + at, n), piece);
+            pending.push(self.start(cmd).await?);
+        }
+        for p in pending {
+            p.wait().await?.good()?;
+        }
+        Ok(())
+    }
+
     /// WRITE of `data` at `lba`.
     pub async fn write(&self, lba: u64, data: Bytes, block_size: u32) -> Result<()> {
         let blocks = (data.len() / block_size as usize) as u32;
@@ -279,6 +339,13 @@ impl Session {
             .execute_good(Command::read(self.lun(), cdb::read_capacity16(), 32))
             .await?;
         parse_capacity16(&r.data).ok_or_else(|| Error::Command("short READ CAPACITY data".into()))
+    }
+
+    /// The unit's Block Limits page (VPD B0h).
+    pub async fn block_limits(&self) -> Result<BlockLimits> {
+        let cmd = Command::read(self.lun(), cdb::inquiry_vpd(0xb0, 64), 64);
+        let r = self.execute_good(cmd).await?;
+        BlockLimits::parse(&r.data).ok_or_else(|| Error::Command("short Block Limits page".into()))
     }
 
     /// A NOP-Out ping, answered by a NOP-In.

@@ -80,6 +80,58 @@ pub struct Workload {
     pub verify: bool,
     /// Seed for random offsets and the verify pattern.
     pub seed: u64,
+    /// How each I/O goes out as SCSI commands.
+    pub split: Split,
+}
+
+/// Parses sizes like `512`, `4k`, `1m`, `2g` (binary multiples).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let t = t
+        .strip_suffix("ib")
+        .or_else(|| t.strip_suffix('b'))
+        .unwrap_or(&t);
+    let (num, mult) = match t.chars().last() {
+        Some('k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('m') => (&t[..t.len() - 1], 1 << 20),
+        Some('g') => (&t[..t.len() - 1], 1 << 30),
+        Some('t') => (&t[..t.len() - 1], 1 << 40),
+        _ => (t, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("{s:?} is not a size (e.g. 4k, 1m)"))
+}
+
+/// How an I/O goes out as commands: whole, or cut into commands of a most some size that are
+/// in flight together, as a block layer cuts a request it may not send whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Split {
+    /// One command per I/O.
+    None,
+    /// Commands of at most this many bytes (a multiple of the LU's block size).
+    Bytes(u32),
+    /// As Linux's sd driver sizes requests from the LU's Block Limits page
+    /// ([`BlockLimits::linux_max_blocks`](crate::scsi::BlockLimits::linux_max_blocks)).
+    Linux,
+}
+
+impl std::str::FromStr for Split {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Split, String> {
+        match s {
+            "none" => Ok(Split::None),
+            "linux" => Ok(Split::Linux),
+            size => parse_size(size)
+                .ok()
+                .and_then(|b| u32::try_from(b).ok())
+                .filter(|&b| b > 0)
+                .map(Split::Bytes)
+                .ok_or_else(|| format!("{s:?}: expected none, linux or a size such as 128k")),
+        }
+    }
 }
 
 fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
@@ -100,6 +152,7 @@ impl Default for Workload {
             size: None,
             verify: false,
             seed: 1,
+            split: Split::None,
         }
     }
 }
@@ -146,6 +199,8 @@ pub struct Report {
     pub verify_errors: u64,
     /// Completed I/Os of each session, for fairness.
     pub per_session_ios: Vec<u64>,
+    /// The largest SCSI command an I/O went out as, bytes (the I/O size unless split).
+    pub command_bytes: u64,
 }
 
 impl Report {
@@ -287,6 +342,20 @@ pub async fn run_many(
         .unwrap_or(lu_bytes.saturating_sub(w.offset))
         .min(lu_bytes.saturating_sub(w.offset));
     let io_blocks = u64::from(w.bs / block_size);
+    let command_blocks = match w.split {
+        Split::None => io_blocks,
+        Split::Bytes(b) if b % block_size == 0 => u64::from(b / block_size),
+        Split::Bytes(b) => {
+            return Err(Error::Command(format!(
+                "--split {b} is not a multiple of the LU's {block_size}-byte blocks"
+            )))
+        }
+        Split::Linux => {
+            let limits = sessions[0].block_limits().await?;
+            u64::from(limits.linux_max_blocks(block_size))
+        }
+    }
+    .clamp(1, io_blocks.max(1));
     let slots = len / u64::from(w.bs);
     if slots == 0 {
         return Err(Error::Command(format!(
@@ -299,6 +368,7 @@ pub async fn run_many(
         block_size,
         start,
         io_blocks,
+        command_blocks: command_blocks as u32,
         slots,
         stop: AtomicBool::new(false),
         issued: AtomicU64::new(0),
@@ -372,6 +442,7 @@ pub async fn run_many(
         verified_blocks: shared.verified.load(Ordering::Relaxed),
         verify_errors: shared.verify_errors.load(Ordering::Relaxed),
         per_session_ios: per_session,
+        command_bytes: command_blocks * u64::from(block_size),
     })
 }
 
@@ -382,6 +453,8 @@ struct Shared {
     /// First LBA of the range.
     start: u64,
     io_blocks: u64,
+    /// The most blocks of one command.
+    command_blocks: u32,
     /// I/O-sized slots in the range.
     slots: u64,
     stop: AtomicBool,
@@ -464,7 +537,7 @@ async fn worker(
         let t = Instant::now();
         let result = if is_read {
             session
-                .read(lba, sh.io_blocks as u32, sh.block_size)
+                .read_split(lba, sh.io_blocks as u32, sh.block_size, sh.command_blocks)
                 .await
                 .map(|d| {
                     if sh.w.verify {
@@ -473,7 +546,8 @@ async fn worker(
                 })
         } else {
             let data = sh.block_data(lba);
-            session.write(lba, data, sh.block_size).await.map(|()| {
+            let (bs, max) = (sh.block_size, sh.command_blocks);
+            session.write_split(lba, data, bs, max).await.map(|()| {
                 if let Some(w) = &sh.written {
                     w.set(lba - sh.start, sh.io_blocks);
                 }

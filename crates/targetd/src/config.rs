@@ -222,6 +222,37 @@ pub struct Lun {
     /// O_DIRECT.
     #[serde(default)]
     pub direct: bool,
+    /// The largest transfer of one command, reported as the Block Limits page's MAXIMUM
+    /// TRANSFER LENGTH: bytes, or with a unit; a multiple of block_size, at most 32 MiB (what
+    /// one command may hold of a reactor's arena, the default).
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_transfer_length: Option<Size>,
+    /// The transfer initiators should use, reported as OPTIMAL TRANSFER LENGTH: a multiple of
+    /// block_size, at most max_transfer_length. Linux sizes its requests from it (it sends at
+    /// most this much per command). Default 1 MiB, the default MaxBurstLength, so a write of
+    /// this size is one burst of Data-Out.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub optimal_transfer_length: Option<Size>,
+}
+
+/// OPTIMAL TRANSFER LENGTH when the config sets none, bytes.
+pub const DEFAULT_OPTIMAL_TRANSFER: u64 = 1 << 20;
+
+impl Lun {
+    /// MAXIMUM and OPTIMAL TRANSFER LENGTH in blocks, as configured or by default (the optimal
+    /// one never above the maximum).
+    pub fn transfer_lengths(&self) -> (u32, u32) {
+        let bs = u64::from(self.block_size.max(1));
+        let max = self
+            .max_transfer_length
+            .map_or(u64::from(crate::target::MAX_IO), |s| s.0);
+        let optimal = self
+            .optimal_transfer_length
+            .map_or(DEFAULT_OPTIMAL_TRANSFER.min(max), |s| s.0);
+        ((max / bs) as u32, (optimal / bs) as u32)
+    }
 }
 
 fn default_block_size() -> u32 {
@@ -420,6 +451,31 @@ impl Config {
                         &key("block_size"),
                         format!("{}: must be 512 or 4096", lun.block_size),
                     );
+                }
+                let bs = u64::from(lun.block_size);
+                let max_io = u64::from(crate::target::MAX_IO);
+                if let Some(Size(max)) = lun.max_transfer_length {
+                    if max == 0 || max % bs != 0 || max > max_io {
+                        return fail(
+                            &key("max_transfer_length"),
+                            format!(
+                                "{max} is not a non-zero multiple of block_size {bs} of at most \
+                                 {max_io} (the largest transfer of one command)"
+                            ),
+                        );
+                    }
+                }
+                if let Some(Size(optimal)) = lun.optimal_transfer_length {
+                    let max = u64::from(lun.transfer_lengths().0) * bs;
+                    if optimal == 0 || optimal % bs != 0 || optimal > max {
+                        return fail(
+                            &key("optimal_transfer_length"),
+                            format!(
+                                "{optimal} is not a non-zero multiple of block_size {bs} of at \
+                                 most the maximum transfer length {max}"
+                            ),
+                        );
+                    }
                 }
                 if let Some(Size(size)) = lun.size {
                     if size == 0 || size % u64::from(lun.block_size) != 0 {
@@ -703,11 +759,32 @@ size = "1GiB"
             (GOOD.replace("[[targets.luns]]", "networks = [\"10.0.0.0/33\"]\n[[targets.luns]]"), "targets[0].networks[0]"),
             (GOOD.replace("[[targets.luns]]", "initiators = [\"bob\"]\n[[targets.luns]]"), "targets[0].initiators[0]"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "engine = \"aio\""), "server.engine"),
+            (GOOD.replace("lun = 0", "lun = 0\nmax_transfer_length = \"64MiB\""), "targets[0].luns[0].max_transfer_length"),
+            (GOOD.replace("lun = 0", "lun = 0\nmax_transfer_length = 1000"), "targets[0].luns[0].max_transfer_length"),
+            (GOOD.replace("lun = 0", "lun = 0\noptimal_transfer_length = 0"), "targets[0].luns[0].optimal_transfer_length"),
+            (GOOD.replace("lun = 0", "lun = 0\nmax_transfer_length = \"256KiB\"\noptimal_transfer_length = \"1MiB\""), "at most the maximum transfer length 262144"),
         ];
         for (text, want) in cases {
             let e = refused(&text);
             assert!(e.contains(want), "expected {want:?} in: {e}");
         }
+    }
+
+    #[test]
+    fn transfer_lengths_default_to_the_arena_and_max_burst_length() {
+        let c = parse(GOOD).unwrap();
+        // 32 MiB and 1 MiB in 512-byte blocks.
+        assert_eq!(c.targets[0].luns[0].transfer_lengths(), (65536, 2048));
+        let c = parse(&GOOD.replace(
+            "lun = 0",
+            "lun = 0\nblock_size = 4096\nmax_transfer_length = \"512KiB\"",
+        ))
+        .unwrap();
+        // The optimal length never exceeds the maximum.
+        assert_eq!(c.targets[0].luns[0].transfer_lengths(), (128, 128));
+        let c = parse(&GOOD.replace("lun = 0", "lun = 0\noptimal_transfer_length = \"128KiB\""))
+            .unwrap();
+        assert_eq!(c.targets[0].luns[0].transfer_lengths(), (65536, 256));
     }
 
     #[test]

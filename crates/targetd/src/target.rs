@@ -369,9 +369,13 @@ impl Lun {
                 write_cache: c.write_cache,
                 read_only: c.read_only,
             },
-            limits: Limits {
-                max_transfer: MAX_IO / self.block_size,
-                ..Limits::default()
+            limits: {
+                let (max_transfer, optimal_transfer) = c.transfer_lengths();
+                Limits {
+                    max_transfer,
+                    optimal_transfer,
+                    ..Limits::default()
+                }
             },
         }
     }

@@ -4,11 +4,13 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use common::{config, memory_target, opts, pattern, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
+use initiator_bench::workload::{run, Rw, Split, Workload};
 use initiator_bench::{discover, Error, LoginOptions, Session};
 use iscsi_pdu::chap::ChapCredentials;
 use iscsi_pdu::negotiation::{AuthMethod, DigestAlgorithm};
@@ -851,4 +853,63 @@ async fn a_read_or_write_takes_the_core_lock_once() {
     );
     eprintln!("core lock acquisitions per command: writes {writes}/{n}, reads {reads}/{n}, writes with R2Ts {solicited}/{big}, {n} reads in flight {concurrent}/{n}");
     s.logout().await.unwrap();
+}
+
+/// The Block Limits page: by default a 32 MiB maximum (what one command may hold of the arena)
+/// and a 1 MiB optimal transfer (the default MaxBurstLength), so Linux, which sends at most
+/// the optimal transfer per command, sends 1 MiB requests; both set per LU, and the maximum
+/// enforced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_limits_follow_the_config_and_let_linux_send_large_requests() {
+    let lun1 = "[[targets.luns]]\nlun = 1\nbackend = \"memory\"\nsize = \"16MiB\"\n\
+                block_size = 4096\nmax_transfer_length = \"4MiB\"\n\
+                optimal_transfer_length = \"256KiB\"\n";
+    let d = Daemon::start(&config("", &format!("{}{lun1}", memory_target(TARGET, ""))));
+    let s = d.session(opts()).await;
+    let l = s.block_limits().await.unwrap();
+    assert_eq!((l.max_transfer, l.optimal_transfer), (65536, 2048));
+    assert_eq!(l.linux_max_blocks(512) * 512, 1 << 20, "1 MiB requests");
+    s.logout().await.unwrap();
+    let s = Session::connect(&d.url(TARGET, 1), opts()).await.unwrap();
+    let l = s.block_limits().await.unwrap();
+    assert_eq!((l.max_transfer, l.optimal_transfer), (1024, 64));
+    assert_eq!(l.linux_max_blocks(4096) * 4096, 256 << 10);
+    // A transfer of the maximum works; one block more is refused: ILLEGAL REQUEST, INVALID
+    // FIELD IN CDB.
+    let data = pattern(4 << 20, 3);
+    s.write(0, data.clone(), 4096).await.unwrap();
+    assert!(s.read(0, 1024, 4096).await.unwrap() == data);
+    match s.read(0, 1025, 4096).await {
+        Err(Error::Scsi { sense: Some(k), .. }) => {
+            assert_eq!((k.key, k.asc, k.ascq), (0x05, 0x24, 0x00))
+        }
+        other => panic!("a transfer beyond the maximum: {other:?}"),
+    }
+    s.logout().await.unwrap();
+    // 1 MiB writes and reads as Linux would send them: whole on LUN 0 (optimal 1 MiB), as
+    // four 256 KiB commands on LUN 1. Every block written is read back and checked, by the
+    // write pass and by a read pass of the whole range.
+    for (lun, command) in [(0, 1u64 << 20), (1, 256 << 10)] {
+        for rw in [Rw::Write, Rw::Read] {
+            let w = Workload {
+                rw,
+                bs: 1 << 20,
+                qd: 4,
+                ios: Some(16),
+                size: Some(16 << 20),
+                verify: true,
+                split: Split::Linux,
+                ..Workload::default()
+            };
+            let r = run(&d.url(TARGET, lun), &opts(), &w, Arc::default())
+                .await
+                .unwrap();
+            assert_eq!(r.command_bytes, command, "LUN {lun}");
+            assert_eq!((r.ios, r.errors, r.verify_errors), (16, 0, 0), "LUN {lun}");
+            assert_eq!(
+                r.verified_blocks,
+                (16 << 20) / if lun == 0 { 512 } else { 4096 }
+            );
+        }
+    }
 }

@@ -96,6 +96,13 @@ enum LunAction {
         /// Read-only.
         #[arg(long)]
         read_only: bool,
+        /// MAXIMUM TRANSFER LENGTH of the Block Limits page, e.g. 8MiB (default 32 MiB).
+        #[arg(long)]
+        max_transfer_length: Option<String>,
+        /// OPTIMAL TRANSFER LENGTH, e.g. 1MiB (the default): Linux sends at most this per
+        /// command.
+        #[arg(long)]
+        optimal_transfer_length: Option<String>,
     },
     /// Removes a logical unit; its commands are aborted.
     Remove {
@@ -212,23 +219,28 @@ fn run(args: Args) -> Result<()> {
                 thick,
                 write_through,
                 read_only,
+                max_transfer_length,
+                optimal_transfer_length,
             } => {
-                let size = size
-                    .map(|s| config::parse_size(&s).map(config::Size))
-                    .transpose()
-                    .map_err(anyhow::Error::msg)?;
+                let size_of = |s: Option<String>| {
+                    s.map(|s| config::parse_size(&s).map(config::Size))
+                        .transpose()
+                        .map_err(anyhow::Error::msg)
+                };
                 AdminRequest::LunAdd {
                     target,
                     lun: config::Lun {
                         lun,
                         backend,
                         path,
-                        size,
+                        size: size_of(size)?,
                         block_size,
                         thin: !thick,
                         write_cache: !write_through,
                         read_only,
                         direct: false,
+                        max_transfer_length: size_of(max_transfer_length)?,
+                        optimal_transfer_length: size_of(optimal_transfer_length)?,
                     },
                 }
             }
