@@ -396,6 +396,13 @@ pub fn metrics_text(registry: &Registry) -> String {
     let _ = writeln!(m, "targetd_sessions {}", registry.sessions.all().len());
     let _ = writeln!(m, "# TYPE targetd_connections gauge");
     let _ = writeln!(m, "targetd_connections {}", registry.connection_count());
+    let refused = registry.connections_refused.load(Relaxed);
+    let _ = writeln!(
+        m,
+        "# HELP targetd_connections_refused_total closed at once: server.max_connections were open"
+    );
+    let _ = writeln!(m, "# TYPE targetd_connections_refused_total counter");
+    let _ = writeln!(m, "targetd_connections_refused_total {refused}");
     let counters = [
         ("read_commands", "commands that read blocks"),
         ("write_commands", "commands that wrote blocks"),

@@ -90,6 +90,17 @@ pub struct Server {
     /// Seconds without an answer before the connection is dropped.
     #[serde(default = "default_nop_timeout")]
     pub nop_timeout: u64,
+    /// Seconds a connection may take to finish its login; it is closed after that.
+    #[serde(default = "default_login_timeout")]
+    pub login_timeout: u64,
+    /// Connections the daemon keeps open at once, logged in or not; more are closed as soon
+    /// as they are accepted.
+    #[serde(default = "default_max_connections")]
+    pub max_connections: usize,
+    /// Normal sessions the daemon keeps at once; a login that would make one more is refused
+    /// with "out of resources".
+    #[serde(default = "default_max_sessions")]
+    pub max_sessions: usize,
 }
 
 fn default_admin_socket() -> PathBuf {
@@ -103,6 +114,15 @@ fn default_nop_interval() -> u64 {
 }
 fn default_nop_timeout() -> u64 {
     15
+}
+fn default_login_timeout() -> u64 {
+    30
+}
+fn default_max_connections() -> usize {
+    1024
+}
+fn default_max_sessions() -> usize {
+    1024
 }
 
 /// `[iscsi]`: the values the target offers.
@@ -397,6 +417,25 @@ impl Config {
             return fail(
                 "server.nop_timeout",
                 "must be at least 1 second when pings are on".into(),
+            );
+        }
+        if !(1..=3600).contains(&s.login_timeout) {
+            return fail(
+                "server.login_timeout",
+                format!("{}: must be 1 to 3600 seconds", s.login_timeout),
+            );
+        }
+        if s.max_connections == 0 {
+            return fail("server.max_connections", "must be at least 1".into());
+        }
+        if !(1..=iscsi_pdu::target::session::MAX_SESSIONS).contains(&s.max_sessions) {
+            return fail(
+                "server.max_sessions",
+                format!(
+                    "{}: must be 1 to {} (one per TSIH)",
+                    s.max_sessions,
+                    iscsi_pdu::target::session::MAX_SESSIONS
+                ),
             );
         }
         self.validate_iscsi()?;
@@ -759,6 +798,9 @@ size = "1GiB"
             (GOOD.replace("[[targets.luns]]", "networks = [\"10.0.0.0/33\"]\n[[targets.luns]]"), "targets[0].networks[0]"),
             (GOOD.replace("[[targets.luns]]", "initiators = [\"bob\"]\n[[targets.luns]]"), "targets[0].initiators[0]"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "engine = \"aio\""), "server.engine"),
+            (GOOD.replace("admin_socket = \"targetd.sock\"", "login_timeout = 0"), "server.login_timeout"),
+            (GOOD.replace("admin_socket = \"targetd.sock\"", "max_connections = 0"), "server.max_connections"),
+            (GOOD.replace("admin_socket = \"targetd.sock\"", "max_sessions = 70000"), "server.max_sessions"),
             (GOOD.replace("lun = 0", "lun = 0\nmax_transfer_length = \"64MiB\""), "targets[0].luns[0].max_transfer_length"),
             (GOOD.replace("lun = 0", "lun = 0\nmax_transfer_length = 1000"), "targets[0].luns[0].max_transfer_length"),
             (GOOD.replace("lun = 0", "lun = 0\noptimal_transfer_length = 0"), "targets[0].luns[0].optimal_transfer_length"),

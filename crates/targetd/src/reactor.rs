@@ -19,7 +19,7 @@ use scsi_core::{Backend, BackendError, Op, Output, TaskId};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Notify};
 
-use crate::registry::Registry;
+use crate::registry::{ConnectionSlot, Registry};
 use crate::target::{Lun, Storage};
 
 /// A backend operation's result, on its way back to the connection that asked.
@@ -196,6 +196,8 @@ impl Io {
 pub struct NewConnection {
     /// The socket.
     pub stream: std::net::TcpStream,
+    /// Its place among the daemon's connections, given back when it ends.
+    pub slot: ConnectionSlot,
 }
 
 /// The listener's handle on a reactor.
@@ -212,8 +214,8 @@ pub struct Handle {
 
 impl Handle {
     /// Hands it a connection.
-    pub fn assign(&self, stream: std::net::TcpStream) -> bool {
-        self.tx.send(NewConnection { stream }).is_ok()
+    pub fn assign(&self, stream: std::net::TcpStream, slot: ConnectionSlot) -> bool {
+        self.tx.send(NewConnection { stream, slot }).is_ok()
     }
 }
 
@@ -348,7 +350,7 @@ async fn run(
         }
     };
     tokio::task::spawn_local(pump);
-    while let Some(NewConnection { stream }) = rx.recv().await {
+    while let Some(NewConnection { stream, slot }) = rx.recv().await {
         let io = io.clone();
         let registry = registry.clone();
         let count = count.clone();
@@ -359,6 +361,7 @@ async fn run(
                 Err(e) => tracing::warn!("cannot adopt a connection: {e}"),
             }
             count.fetch_sub(1, Ordering::Relaxed);
+            drop(slot);
         });
     }
     // The listener is gone: let the connections finish (the server bounds how long).

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,10 @@ pub struct Registry {
     pub started: Instant,
     stopping: AtomicBool,
     controls: Mutex<HashMap<u64, Arc<Control>>>,
+    /// Connections accepted and not yet closed (`server.max_connections`).
+    open: Arc<AtomicUsize>,
+    /// Connections closed at once because the daemon had `server.max_connections` open.
+    pub connections_refused: AtomicU64,
     /// The I/O engine the reactors run, as they reported it.
     pub engine: Mutex<String>,
     refusals: Mutex<(Option<Instant>, u64)>,
@@ -54,11 +58,15 @@ impl Registry {
         targets: Vec<Arc<Target>>,
         portals: Vec<SocketAddr>,
     ) -> Registry {
+        let sessions = Sessions::default();
+        sessions.set_limit(config.server.max_sessions);
         Registry {
             config: RwLock::new(config),
             config_path,
             targets: RwLock::new(targets),
-            sessions: Sessions::default(),
+            sessions,
+            open: Arc::default(),
+            connections_refused: AtomicU64::new(0),
             started: Instant::now(),
             stopping: AtomicBool::new(false),
             controls: Mutex::new(HashMap::new()),
@@ -116,6 +124,24 @@ impl Registry {
     /// Forgets a connection.
     pub fn unregister(&self, id: u64) {
         lock(&self.controls).remove(&id);
+    }
+
+    /// A place for one more connection, `None` when `server.max_connections` are open: the
+    /// listener closes the socket at once. The place is given back when the slot is dropped,
+    /// as the connection ends.
+    pub fn open_connection(&self) -> Option<ConnectionSlot> {
+        let max = self.config().server.max_connections;
+        let taken = self
+            .open
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok();
+        if !taken {
+            self.connections_refused.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(ConnectionSlot(self.open.clone()))
     }
 
     /// Connections alive now.
@@ -207,6 +233,7 @@ impl Registry {
                 changes.push(format!("{}: takes effect at the next start", key.0));
             }
         }
+        self.sessions.set_limit(new.server.max_sessions);
         let mut targets = self.targets();
         // Removed targets: their sessions end.
         targets.retain(|t| {
@@ -338,6 +365,16 @@ impl Registry {
             target: None,
             session: None,
         }
+    }
+}
+
+/// One connection's place among `server.max_connections`, given back on drop.
+#[derive(Debug)]
+pub struct ConnectionSlot(Arc<AtomicUsize>);
+
+impl Drop for ConnectionSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

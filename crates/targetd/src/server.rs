@@ -144,7 +144,7 @@ impl Server {
             let reactors = reactors.clone();
             match tokio::net::TcpListener::from_std(l) {
                 Ok(l) => {
-                    tasks.spawn(accept(l, reactors));
+                    tasks.spawn(accept(l, reactors, registry.clone()));
                 }
                 Err(e) => tracing::error!("listener: {e}"),
             }
@@ -212,8 +212,13 @@ fn flush(registry: &Registry) {
     }
 }
 
-/// Accepts connections and hands each to the least loaded reactor.
-async fn accept(listener: tokio::net::TcpListener, reactors: Vec<reactor::Handle>) {
+/// Accepts connections and hands each to the least loaded reactor; beyond
+/// `server.max_connections` open, closes them at once.
+async fn accept(
+    listener: tokio::net::TcpListener,
+    reactors: Vec<reactor::Handle>,
+    registry: Arc<Registry>,
+) {
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(s) => s,
@@ -222,6 +227,11 @@ async fn accept(listener: tokio::net::TcpListener, reactors: Vec<reactor::Handle
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
+        };
+        let Some(slot) = registry.open_connection() else {
+            let why = "server.max_connections connections are open: closed";
+            registry.refused(peer, "-", "-", why);
+            continue;
         };
         let Some(r) = reactors
             .iter()
@@ -232,7 +242,7 @@ async fn accept(listener: tokio::net::TcpListener, reactors: Vec<reactor::Handle
         match stream.into_std() {
             Ok(s) => {
                 tracing::debug!(%peer, reactor = r.index, "connection");
-                if !r.assign(s) {
+                if !r.assign(s, slot) {
                     tracing::error!("reactor {} is gone", r.index);
                 }
             }

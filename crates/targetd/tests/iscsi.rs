@@ -913,3 +913,77 @@ async fn block_limits_follow_the_config_and_let_linux_send_large_requests() {
         }
     }
 }
+
+/// Reads until the target closes the connection; false if it sends anything or stays open for
+/// `within`.
+async fn closed_by_target(stream: &mut TcpStream, within: Duration) -> bool {
+    let mut buf = [0u8; 64];
+    matches!(
+        tokio::time::timeout(within, stream.read(&mut buf)).await,
+        Ok(Ok(0) | Err(_))
+    )
+}
+
+/// Connection and session limits from the config, and a login that never finishes: beyond
+/// `max_connections` a connection is closed at once, beyond `max_sessions` a login is refused
+/// with "out of resources", a silent connection is dropped after `login_timeout`; the sessions
+/// already open keep working throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_and_session_limits_and_the_login_timeout() {
+    let text = config("", &memory_target(TARGET, "")).replace(
+        "nop_interval = 0",
+        "nop_interval = 0\nmax_connections = 6\nmax_sessions = 2\nlogin_timeout = 1",
+    );
+    let d = Daemon::start(&text);
+    let mut first = Raw::login(&d, [0x80, 0, 0, 0, 0, 1], 0).await.unwrap();
+    let _second = Raw::login(&d, [0x80, 0, 0, 0, 0, 2], 0).await.unwrap();
+    assert_eq!(
+        Raw::login(&d, [0x80, 0, 0, 0, 0, 3], 0).await.err(),
+        Some(LoginStatus::OUT_OF_RESOURCES),
+        "a third session"
+    );
+    // 100 connections at once that never log in: four fit beside the two sessions; the rest are
+    // closed at once.
+    let mut silent = Vec::new();
+    for _ in 0..100 {
+        silent.push(TcpStream::connect(d.addr).await.unwrap());
+    }
+    let mut refused = 0;
+    for s in &mut silent {
+        if closed_by_target(s, Duration::from_millis(300)).await {
+            refused += 1;
+        }
+    }
+    assert!(refused >= 94, "{refused} of 100 closed at once");
+    assert!(first.ping(1).await, "an open session keeps working");
+    // The four that got in are dropped once the login timeout (1 s) passes; then there is room
+    // again.
+    for s in &mut silent {
+        assert!(closed_by_target(s, Duration::from_secs(10)).await);
+    }
+    let metrics = targetd::admin::metrics_text(&d.registry);
+    let count = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("targetd_connections_refused_total "))
+        .and_then(|n| n.parse::<usize>().ok());
+    // Those closed at once, counted by the target (the ones that got in may have timed out
+    // while the test looked at the others).
+    let count = count.expect("the counter");
+    assert!((94..=refused).contains(&count), "{count}: {metrics}");
+    drop(first);
+    let mut again = None;
+    for _ in 0..50 {
+        match Raw::login(&d, [0x80, 0, 0, 0, 0, 4], 0).await {
+            Ok(r) => {
+                again = Some(r);
+                break;
+            }
+            // The first session ends once the target sees its connection go.
+            Err(LoginStatus::OUT_OF_RESOURCES) => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+    assert!(again.expect("a session after one ended").ping(2).await);
+}

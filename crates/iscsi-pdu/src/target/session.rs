@@ -73,7 +73,8 @@ pub enum SessionError {
     NoSession,
     /// It has MaxConnections already ("too many connections").
     TooManyConnections,
-    /// Every TSIH is in use ("out of resources").
+    /// The table holds as many sessions as it may, or every TSIH is in use ("out of
+    /// resources").
     TooManySessions,
 }
 
@@ -104,6 +105,7 @@ pub enum Left<S> {
 pub struct SessionTable<S, C> {
     sessions: BTreeMap<u16, SessionEntry<S, C>>,
     last_tsih: u16,
+    limit: usize,
 }
 
 impl<S, C> Default for SessionTable<S, C> {
@@ -111,6 +113,7 @@ impl<S, C> Default for SessionTable<S, C> {
         SessionTable {
             sessions: BTreeMap::new(),
             last_tsih: 0,
+            limit: MAX_SESSIONS,
         }
     }
 }
@@ -119,6 +122,13 @@ impl<S, C: Clone> SessionTable<S, C> {
     /// An empty table.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Holds at most `limit` sessions (at most [`MAX_SESSIONS`]), ending ones included: a
+    /// leading login beyond is refused with `TooManySessions`. Sessions already in the table
+    /// stay.
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit.clamp(1, MAX_SESSIONS);
     }
 
     /// Makes a session for a leading login (TSIH 0) whose first connection is `conn` with CID
@@ -133,7 +143,7 @@ impl<S, C: Clone> SessionTable<S, C> {
         conn: C,
         make: impl FnOnce(u16) -> S,
     ) -> Result<Created<C>, SessionError> {
-        if self.sessions.len() >= MAX_SESSIONS {
+        if self.sessions.len() >= self.limit {
             return Err(SessionError::TooManySessions);
         }
         let mut reinstated = Vec::new();
@@ -355,5 +365,13 @@ mod tests {
         let b = t.create(key(2, T), 1, 0, 2, |tsih| tsih).unwrap();
         assert_eq!(b.tsih, 2);
         assert_eq!(t.get(2).map(|s| s.value), Some(2), "made with its TSIH");
+        // A limit counts ending sessions too: their resources are still held.
+        t.set_limit(3);
+        assert_eq!(
+            t.create(key(4, T), 1, 0, 4, |tsih| tsih).err(),
+            Some(SessionError::TooManySessions)
+        );
+        assert_eq!(t.leave(1, |&c| c == 3), Left::Ended(1));
+        assert!(t.create(key(4, T), 1, 0, 4, |tsih| tsih).is_ok());
     }
 }

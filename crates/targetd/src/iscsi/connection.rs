@@ -35,8 +35,6 @@ use crate::reactor::{Inbox, Io};
 use crate::registry::{Peer, Registry};
 use crate::target::{next_id, Core, CoreGuard, Outbox, Route, Routed, Target, MAX_IO};
 
-/// How long a login may take.
-const LOGIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a closing connection waits for its tasks' backend operations.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Seconds the Asynchronous Message gives the initiator to log out.
@@ -61,8 +59,11 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
     let (rd, wr) = stream.into_split();
     let mut reader = Reader::new(rd);
     let mut writer = Writer::new(wr);
+    // A login that does not finish in `server.login_timeout` is dropped: it holds a place among
+    // `server.max_connections` until then.
+    let login_timeout = Duration::from_secs(registry.config().server.login_timeout);
     let outcome = tokio::select! {
-        o = tokio::time::timeout(LOGIN_TIMEOUT, login::run(&mut reader, &mut writer, &registry, &peer)) => o.ok().flatten(),
+        o = tokio::time::timeout(login_timeout, login::run(&mut reader, &mut writer, &registry, &peer)) => o.ok().flatten(),
         _ = wait_for(&control, Request::Close) => None,
     };
     if let Some(outcome) = outcome {

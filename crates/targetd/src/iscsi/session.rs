@@ -246,6 +246,11 @@ impl Sessions {
             .unwrap_or_default()
     }
 
+    /// Holds at most `limit` sessions (`server.max_sessions`); those already open stay.
+    pub fn set_limit(&self, limit: usize) {
+        lock(&self.table).set_limit(limit);
+    }
+
     /// Every session, ending ones included, by TSIH.
     pub fn all(&self) -> Vec<Arc<Session>> {
         lock(&self.table).iter().map(|s| s.value.clone()).collect()
