@@ -92,17 +92,18 @@ impl<R: Route> TargetCore<R> {
 
     /// ExpCmdSN and MaxCmdSN of the session `nexus`.
     pub fn window(&self, nexus: NexusId) -> Option<(SerialNumber, SerialNumber)> {
-        match self.orders.get(nexus.index()) {
-            Some(Some((n, order))) if *n == nexus => Some(order.window()),
-            _ => None,
-        }
+        self.order_of(nexus).map(CommandOrder::window)
     }
 
     /// How many requests of the session `nexus` wait for an earlier CmdSN.
     pub fn queued(&self, nexus: NexusId) -> usize {
+        self.order_of(nexus).map_or(0, CommandOrder::waiting)
+    }
+
+    fn order_of(&self, nexus: NexusId) -> Option<&SessionOrder<R>> {
         match self.orders.get(nexus.index()) {
-            Some(Some((n, order))) if *n == nexus => order.waiting(),
-            _ => 0,
+            Some(Some((n, order))) if *n == nexus => Some(order),
+            _ => None,
         }
     }
 

@@ -122,6 +122,13 @@ pub struct LocalTarget {
 }
 
 impl LocalTarget {
+    /// ExpCmdSN and MaxCmdSN of the session `nexus`. A session that has ended has no window;
+    /// its connections send nothing more, so any will do.
+    fn window(&self, nexus: NexusId) -> (SerialNumber, SerialNumber) {
+        let none = (SerialNumber(0), SerialNumber(0));
+        self.core.window(nexus).unwrap_or(none)
+    }
+
     /// The session `tsih`'s connections other than `me`.
     fn others(&self, tsih: u16, me: usize) -> Vec<usize> {
         self.sessions.entry(tsih).map_or(Vec::new(), |s| {
@@ -148,9 +155,7 @@ impl Nexus for Via<'_> {
     }
 
     fn window(&self) -> (SerialNumber, SerialNumber) {
-        // A session that has ended has no window; its connections send nothing more.
-        let none = (SerialNumber(0), SerialNumber(0));
-        self.target.core.window(self.nexus).unwrap_or(none)
+        self.target.window(self.nexus)
     }
 
     fn deliver(&mut self, cmd: OrderedCommand, immediate: bool) -> bool {
@@ -369,15 +374,15 @@ impl Rig {
     /// options are the caller's).
     pub fn new(options: Options) -> Rig {
         let mut rig = Rig::empty(options);
-        let first = rig.negotiated(&rig.options.offers.clone(), None);
+        let first = rig.negotiated(None);
         rig.log_in(first, SerialNumber(1))
             .expect("the first login makes a session");
         rig
     }
 
-    /// A login as if it had negotiated `offers` on a connection of session `tsih` (`None`: a
-    /// new session of [`ISID`]), as the first connection's options say otherwise.
-    fn negotiated(&self, offers: &[(String, String)], join: Option<(u16, u16)>) -> Completed {
+    /// A login as if it had negotiated the options' offers, joining session `tsih` as CID `cid`
+    /// when `join` is `Some((tsih, cid))`, else a new session of [`ISID`].
+    fn negotiated(&self, join: Option<(u16, u16)>) -> Completed {
         let o = &self.options;
         let mut n = Negotiator::new(
             Role::Target,
@@ -394,7 +399,7 @@ impl Rig {
             }
             SessionType::Discovery => keys.push("SessionType", "Discovery"),
         }
-        for (k, v) in offers {
+        for (k, v) in &o.offers {
             keys.push(k.as_str(), v.as_str());
         }
         n.receive(Stage::LoginOperationalNegotiation, &keys)
@@ -556,14 +561,14 @@ impl Rig {
     /// returns its index.
     pub fn join(&mut self, cid: u16) -> Result<usize, SessionError> {
         let tsih = self.conns[0].tsih;
-        let login = self.negotiated(&self.options.offers.clone(), Some((tsih, cid)));
+        let login = self.negotiated(Some((tsih, cid)));
         self.log_in(login, SerialNumber(1))
     }
 
     /// A new leading login of the rig's initiator port ([`ISID`]): it reinstates the session
     /// of connection 0. Returns the new connection's index.
     pub fn reinstate(&mut self, cmd_sn: SerialNumber) -> usize {
-        let mut login = self.negotiated(&self.options.offers.clone(), None);
+        let mut login = self.negotiated(None);
         login.cmd_sn = cmd_sn;
         self.log_in(login, SerialNumber(1))
             .expect("a new session is made")
@@ -571,8 +576,7 @@ impl Rig {
 
     /// ExpCmdSN and MaxCmdSN of connection 0's session now.
     pub fn window(&self) -> (SerialNumber, SerialNumber) {
-        let none = (SerialNumber(0), SerialNumber(0));
-        self.target.core.window(self.conns[0].nexus).unwrap_or(none)
+        self.target.window(self.conns[0].nexus)
     }
 
     /// Connection 0's machine.
@@ -947,8 +951,7 @@ impl Rig {
     /// Puts connection `i`'s output on its wire (dropped once it is closed).
     fn flush(&mut self, i: usize) {
         let (t, c) = (&self.target, &mut self.conns[i]);
-        let none = (SerialNumber(0), SerialNumber(0));
-        let (exp, max) = t.core.window(c.nexus).unwrap_or(none);
+        let (exp, max) = t.window(c.nexus);
         let max_segment = c.conn.max_send_data_segment_length();
         while let Some(x) = c.conn.poll_transmit() {
             if c.closed.is_none() {
