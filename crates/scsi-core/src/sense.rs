@@ -107,6 +107,10 @@ impl Asc {
     pub const MEDIUM_REMOVAL_PREVENTED: Asc = Asc(0x53, 0x02);
     /// 55/04 INSUFFICIENT REGISTRATION RESOURCES.
     pub const INSUFFICIENT_REGISTRATION_RESOURCES: Asc = Asc(0x55, 0x04);
+    /// 4B/00 DATA PHASE ERROR (a transport could not move a command's data).
+    pub const DATA_PHASE_ERROR: Asc = Asc(0x4b, 0x00);
+    /// 4E/00 OVERLAPPED COMMANDS ATTEMPTED (a tag already in use on the nexus).
+    pub const OVERLAPPED_COMMANDS_ATTEMPTED: Asc = Asc(0x4e, 0x00);
 }
 
 impl fmt::Debug for Asc {

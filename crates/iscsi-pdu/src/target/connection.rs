@@ -1037,7 +1037,7 @@ impl<B: TaskBuffer> Connection<B> {
             // At ErrorRecoveryLevel 0 a lost or repeated Data-Out cannot be asked for again.
             let header = Pdu::DataOut(d.clone()).bhs();
             self.reject(RejectReason::ProtocolError, &header, nexus);
-            self.fail_task(itt, Asc(0x4b, 0x00), nexus);
+            self.fail_task(itt, Asc::DATA_PHASE_ERROR, nexus);
             return;
         }
         self.tasks.data_received(tag, len);

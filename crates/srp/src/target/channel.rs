@@ -1,0 +1,1080 @@
+//! One RDMA channel of an SRP target port in its logged-in state (SRP-2 sections 5 and 6), as a
+//! sans-IO state machine on scsi-core's task layer.
+//!
+//! The shell (targetd's reactor, or the software fabric in tests) hands in each IU the channel
+//! received, the buffers it allocated, the RDMA transfers and backend operations that ended;
+//! the channel hands back what to transmit ([`Channel::poll_transmit`]: IUs to send, RDMA
+//! WRITEs of data-in, RDMA READs of data-out and of descriptor tables, in the order they must
+//! be posted on the queue pair) and what to run ([`Channel::poll_event`]: backend operations,
+//! buffers wanted, accounting). It owns no queue pair, buffer pool or clock.
+//!
+//! The SCSI work is scsi-core's: each command goes into a [`TaskTable`] keyed by the SRP tag,
+//! with the initiator's memory descriptors as the transport's per-task state ([`SrpTask`]), and
+//! the table turns the core's actions into requests. What SRP adds is how data moves (the
+//! target's own RDMA, no R2T), credits (REQUEST LIMIT DELTA) and its IUs.
+//!
+//! ## Credits
+//!
+//! The login gives the initiator `request_limit` credits: it may have that many SRP_CMD and
+//! SRP_TSK_MGMT requests outstanding, and the shell keeps that many receives posted for them
+//! (plus [`SPARE_RECEIVES`] for the initiator's answers to the target's own requests). Every
+//! SRP_RSP gives back the credits of every request that has ended since the last one went out;
+//! a request that ends without a response (an aborted command) gives its credit back in the
+//! next response, or in an SRP_CRED_REQ when no response is due. A request beyond the limit is
+//! answered BUSY and holds no credit.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use scsi_core::transport::{
+    Accounting, Completion, DataReady, NewTask, Request, Returned, TagError, TaskBuffer, TaskEntry,
+    TaskTable,
+};
+use scsi_core::{
+    Action, Asc, BackendError, Command, DataIn, DeviceError, NexusId, Op, Output, Residual, Sense,
+    SenseBytes, SenseKey, Status, TaskId, TmfFunction, TmfResponse,
+};
+
+use crate::iu::{
+    BufferFormats, DataBufferDescriptor, Descriptors, Iu, IuError, IuType, MemoryDescriptor,
+    ResponseCode, SrpCmd, SrpCredReq, SrpRsp, SrpTLogout, SrpTskMgmt, TargetLogoutReason,
+    DESCRIPTOR_LEN,
+};
+
+/// Receives the shell posts beyond the request limit: for SRP_CRED_RSP and SRP_AER_RSP, which
+/// use no credit.
+pub const SPARE_RECEIVES: u32 = 2;
+
+/// What a login settled for a channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChannelParams {
+    /// The largest IU the initiator may send (the size of each receive buffer).
+    pub max_it_iu_len: u32,
+    /// The largest IU the target sends.
+    pub max_ti_iu_len: u32,
+    /// Requests the initiator may have outstanding (its first credit).
+    pub request_limit: u32,
+    /// Descriptor formats the initiator may use.
+    pub formats: BufferFormats,
+    /// The most memory descriptors one command's table may hold, fetched or not: a table is
+    /// read into memory only when it is within this bound.
+    pub max_descriptors: u32,
+}
+
+/// The SCSI core as one channel reaches it. Calls report what follows for this channel's
+/// tasks as actions, which [`Core::poll_core`] hands back once the call has returned.
+pub trait Core {
+    /// The next action the core reported for this channel.
+    fn poll_core(&mut self) -> Option<Action>;
+    /// Submits a command of this channel's I_T nexus.
+    fn submit(&mut self, cmd: Command<'_>) -> Result<TaskId, DeviceError>;
+    /// All the data-out the core asked of `task` is in `data`.
+    fn data_out(&mut self, task: TaskId, data: &[u8]);
+    /// A backend operation of `task` has ended.
+    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>);
+    /// A delegated task has ended here ([`scsi_core::Device::retire`]).
+    fn retire(&mut self, task: TaskId);
+    /// Starts a task management function for the channel's I_T nexus; its answer comes back
+    /// as [`Action::TaskManagementDone`] with the returned reference. `None`: refused.
+    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64>;
+    /// The block size of LUN index `lun`, `None` when it is gone.
+    fn block_size(&mut self, lun: u16) -> Option<u32>;
+}
+
+/// The transport's state of one command: the initiator's memory descriptors.
+#[derive(Debug, Default)]
+pub struct SrpTask {
+    /// SCSOLNT/UCSOLNT of the command, for its response.
+    sol_not: u8,
+    /// Where data-out comes from.
+    data_out: Vec<MemoryDescriptor>,
+    /// Where data-in goes.
+    data_in: Vec<MemoryDescriptor>,
+    /// A command waiting for its descriptor table (its CDB and attribute, until submitted).
+    waiting: Option<Waiting>,
+}
+
+/// A command whose descriptor table is being fetched.
+#[derive(Debug)]
+struct Waiting {
+    cdb: Vec<u8>,
+    attribute: scsi_core::TaskAttribute,
+    /// The table is data-in's (else data-out's).
+    data_in: bool,
+    table: MemoryDescriptor,
+}
+
+/// The bytes of data-in an RDMA WRITE carries.
+#[derive(Debug)]
+pub enum Payload<B> {
+    /// A task's buffer the backend read into.
+    Buffer(B),
+    /// Parameter data the SCSI core built (INQUIRY, MODE SENSE, ...): the shell copies it into
+    /// registered memory.
+    Bytes(Vec<u8>),
+}
+
+impl<B: std::ops::Deref<Target = [u8]>> Payload<B> {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Payload::Buffer(b) => b,
+            Payload::Bytes(v) => v,
+        }
+    }
+}
+
+/// What to post on the queue pair, in this order (RC queue pairs keep it: an SRP_RSP sent
+/// after an RDMA WRITE reaches the initiator after the data).
+#[derive(Debug)]
+pub enum Transmit<B> {
+    /// Send the IU written into the buffer given to [`Channel::poll_transmit`].
+    Send {
+        /// Its length.
+        len: usize,
+        /// Ask for a solicited event at the initiator (SOLNT).
+        solicited: bool,
+    },
+    /// RDMA WRITE the first `len` bytes of `payload` into `regions`, filling each in turn.
+    /// The shell keeps the payload until the write's completion, then drops it, and gives
+    /// `regions` back with [`Channel::recycle`].
+    RdmaWrite {
+        /// The command's tag.
+        tag: u64,
+        /// The data.
+        payload: Payload<B>,
+        /// Bytes to write.
+        len: u32,
+        /// The initiator's regions, in order; together at least `len` bytes.
+        regions: Vec<MemoryDescriptor>,
+    },
+    /// RDMA READ `len` bytes from `regions` (filling the buffer in order from offset 0) into
+    /// `buffer`, then [`Channel::handle_data_out`].
+    RdmaRead {
+        /// The command's tag.
+        tag: u64,
+        /// Where the data lands.
+        buffer: B,
+        /// Bytes to read.
+        len: u32,
+        /// The initiator's regions; together at least `len` bytes.
+        regions: Vec<MemoryDescriptor>,
+    },
+    /// RDMA READ a command's descriptor table (`table.len` bytes, checked against
+    /// [`ChannelParams::max_descriptors`]), then [`Channel::handle_table`].
+    ReadTable {
+        /// The command's tag.
+        tag: u64,
+        /// Where the table is.
+        table: MemoryDescriptor,
+    },
+}
+
+/// Something for the shell to do.
+#[derive(Debug)]
+pub enum Event<B> {
+    /// Run `op` on LUN index `lun` with `buffer`, then [`Channel::handle_backend_done`].
+    Backend {
+        /// The core's handle.
+        task: TaskId,
+        /// LUN index.
+        lun: u16,
+        /// The operation.
+        op: Op,
+        /// Its buffer.
+        buffer: B,
+    },
+    /// A backend operation waits for a buffer of `len` bytes: [`Channel::handle_buffer`]
+    /// when the allocator has room.
+    BufferWanted {
+        /// The command's tag.
+        tag: u64,
+        /// Bytes.
+        len: usize,
+    },
+    /// A buffer of `len` bytes for a command's data-out: [`Channel::handle_allocated`] when
+    /// the allocator has room (the channel's backpressure).
+    Allocate {
+        /// The command's tag.
+        tag: u64,
+        /// Bytes.
+        len: usize,
+    },
+    /// A command has ended: its accounting for the per-LU counters.
+    Completed(Accounting),
+}
+
+/// Why the channel ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Close {
+    /// The initiator sent SRP_I_LOGOUT.
+    InitiatorLogout,
+    /// The target sent SRP_T_LOGOUT with this reason: disconnect once it is out.
+    TargetLogout(TargetLogoutReason),
+}
+
+/// An IU waiting to be sent, encoded when the shell polls so that its credit is current.
+#[derive(Debug)]
+enum Out<B> {
+    /// An SRP_RSP.
+    Rsp(Rsp),
+    /// An SRP_CRED_REQ carrying whatever credit is owed then.
+    CredReq,
+    /// An SRP_T_LOGOUT.
+    TLogout(TargetLogoutReason),
+    /// A transfer.
+    Transfer(Transmit<B>),
+}
+
+/// An SRP_RSP's content.
+#[derive(Debug)]
+struct Rsp {
+    tag: u64,
+    sol_not: u8,
+    status: Status,
+    data_in_residual: Residual,
+    data_out_residual: Residual,
+    response: Option<[u8; 4]>,
+    sense: Option<SenseBytes>,
+}
+
+impl Rsp {
+    fn status(tag: u64, sol_not: u8, status: Status) -> Rsp {
+        Rsp {
+            tag,
+            sol_not,
+            status,
+            data_in_residual: Residual::None,
+            data_out_residual: Residual::None,
+            response: None,
+            sense: None,
+        }
+    }
+}
+
+/// A task management function this channel asked of the core.
+#[derive(Debug, Clone, Copy)]
+struct PendingTmf {
+    reference: u64,
+    /// The SRP_TSK_MGMT's tag and SOLNT; `None` for the channel's own aborts as it closes.
+    request: Option<(u64, u8)>,
+}
+
+/// One RDMA channel.
+#[derive(Debug)]
+pub struct Channel<B> {
+    nexus: NexusId,
+    params: ChannelParams,
+    tasks: TaskTable<SrpTask, B>,
+    out: VecDeque<Out<B>>,
+    events: VecDeque<Event<B>>,
+    tmfs: Vec<PendingTmf>,
+    /// Requests holding a credit (commands and task management functions not yet answered).
+    outstanding: u32,
+    /// Credit to give back with the next SRP_RSP or SRP_CRED_REQ.
+    owed: u32,
+    /// Responses queued and not yet encoded: they will carry the owed credit.
+    queued_responses: usize,
+    /// SRP_CRED_REQs sent and not yet answered, by tag.
+    credit_requests: Vec<u64>,
+    /// An SRP_CRED_REQ is queued.
+    credit_queued: bool,
+    next_target_tag: u64,
+    closing: Option<Close>,
+    closed: bool,
+    /// Descriptor lists to reuse, so steady state allocates none.
+    lists: Vec<Vec<MemoryDescriptor>>,
+}
+
+/// How many descriptor lists a channel keeps for reuse.
+const KEPT_LISTS: usize = 512;
+
+impl<B: TaskBuffer> Channel<B> {
+    /// A channel of the I_T nexus `nexus`, logged in with `params`.
+    pub fn new(nexus: NexusId, params: ChannelParams) -> Channel<B> {
+        Channel {
+            nexus,
+            params,
+            tasks: TaskTable::new(),
+            out: VecDeque::with_capacity(256),
+            events: VecDeque::with_capacity(256),
+            tmfs: Vec::new(),
+            outstanding: 0,
+            owed: 0,
+            queued_responses: 0,
+            credit_requests: Vec::new(),
+            credit_queued: false,
+            next_target_tag: 1,
+            closing: None,
+            closed: false,
+            lists: Vec::new(),
+        }
+    }
+
+    /// The channel's I_T nexus.
+    pub fn nexus(&self) -> NexusId {
+        self.nexus
+    }
+
+    /// What the login settled.
+    pub fn params(&self) -> &ChannelParams {
+        &self.params
+    }
+
+    /// Commands held (waiting, in the core, or moving data).
+    pub fn task_count(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// Requests holding a credit.
+    pub fn outstanding(&self) -> u32 {
+        self.outstanding
+    }
+
+    /// Whether nothing is left in the core, so a closed channel can be dropped.
+    pub fn is_idle(&self) -> bool {
+        self.tasks.is_empty() && self.tmfs.is_empty()
+    }
+
+    /// Whether the channel is ending, and why.
+    pub fn closing(&self) -> Option<Close> {
+        self.closing
+    }
+
+    /// The next thing to post. An IU is written into `buf` (cleared first), which must then be
+    /// sent as it is; transfers come with what they move.
+    pub fn poll_transmit(&mut self, buf: &mut Vec<u8>) -> Option<Transmit<B>> {
+        loop {
+            let out = self.out.pop_front()?;
+            buf.clear();
+            match out {
+                Out::Rsp(r) => {
+                    self.queued_responses -= 1;
+                    let delta = std::mem::take(&mut self.owed);
+                    let response = r.response.unwrap_or_default();
+                    SrpRsp {
+                        sol_not: r.sol_not,
+                        req_lim_delta: delta,
+                        tag: r.tag,
+                        status: r.status as u8,
+                        data_out_residual: r.data_out_residual,
+                        data_in_residual: r.data_in_residual,
+                        response_data: if r.response.is_some() { &response } else { &[] },
+                        sense: r.sense.as_ref().map_or(&[], |s| s.as_slice()),
+                    }
+                    .encode(buf);
+                    return Some(Transmit::Send {
+                        len: buf.len(),
+                        solicited: true,
+                    });
+                }
+                Out::CredReq => {
+                    self.credit_queued = false;
+                    if self.owed == 0 {
+                        continue;
+                    }
+                    let tag = self.target_tag();
+                    self.credit_requests.push(tag);
+                    SrpCredReq {
+                        sol_not: 1,
+                        req_lim_delta: std::mem::take(&mut self.owed),
+                        tag,
+                    }
+                    .encode(buf);
+                    return Some(Transmit::Send {
+                        len: buf.len(),
+                        solicited: true,
+                    });
+                }
+                Out::TLogout(reason) => {
+                    let tag = self.target_tag();
+                    SrpTLogout {
+                        sol_not: 1,
+                        reason,
+                        tag,
+                    }
+                    .encode(buf);
+                    return Some(Transmit::Send {
+                        len: buf.len(),
+                        solicited: true,
+                    });
+                }
+                Out::Transfer(t) => return Some(t),
+            }
+        }
+    }
+
+    /// The next thing for the shell to do.
+    pub fn poll_event(&mut self) -> Option<Event<B>> {
+        self.events.pop_front()
+    }
+
+    /// Gives back a descriptor list a transfer carried.
+    pub fn recycle(&mut self, mut regions: Vec<MemoryDescriptor>) {
+        if self.lists.len() < KEPT_LISTS {
+            regions.clear();
+            self.lists.push(regions);
+        }
+    }
+
+    /// An IU arrived on the channel. The shell may post its receive buffer again once this
+    /// returns: nothing of it is kept.
+    pub fn handle_iu(&mut self, now: Instant, iu: &[u8], core: &mut impl Core) {
+        if self.closing.is_some() {
+            return;
+        }
+        if iu.len() > self.params.max_it_iu_len as usize {
+            self.log_out(TargetLogoutReason::InvalidIuLength, core);
+            return;
+        }
+        match Iu::decode(iu) {
+            Ok(Iu::Cmd(c)) => self.command(now, &c, core),
+            Ok(Iu::TskMgmt(t)) => self.task_management(now, &t, core),
+            Ok(Iu::ILogout(_)) => {
+                self.closing = Some(Close::InitiatorLogout);
+                self.close(false, core);
+            }
+            Ok(Iu::CredRsp(r)) => match self.credit_requests.iter().position(|t| *t == r.tag) {
+                Some(i) => {
+                    self.credit_requests.swap_remove(i);
+                }
+                None => self.log_out(TargetLogoutReason::UnexpectedResponse, core),
+            },
+            // This target sends no SRP_AER_REQ.
+            Ok(Iu::AerRsp(_)) => self.log_out(TargetLogoutReason::UnexpectedResponse, core),
+            Ok(_) => self.log_out(TargetLogoutReason::InvalidIuType, core),
+            Err(e) => self.malformed(now, iu, e, core),
+        }
+        self.pump(now, core);
+    }
+
+    /// A buffer of the length [`Event::Allocate`] asked for: the data-out is read into it.
+    pub fn handle_allocated(
+        &mut self,
+        now: Instant,
+        tag: u64,
+        mut buffer: B,
+        core: &mut impl Core,
+    ) {
+        let Some(t) = self.tasks.get_mut(tag) else {
+            return; // Ended meanwhile (aborted): the buffer goes back.
+        };
+        let Some(len) = t.wanted else {
+            return;
+        };
+        if self.closing.is_some() {
+            return;
+        }
+        buffer.set_len(len as usize);
+        let regions = std::mem::take(&mut t.transport.data_out);
+        self.out.push_back(Out::Transfer(Transmit::RdmaRead {
+            tag,
+            buffer,
+            len,
+            regions,
+        }));
+        self.pump(now, core);
+    }
+
+    /// The RDMA READ of a command's data-out has ended: `buffer` holds it, or the transfer
+    /// failed. `regions` is the list [`Transmit::RdmaRead`] carried.
+    pub fn handle_data_out(
+        &mut self,
+        now: Instant,
+        tag: u64,
+        buffer: B,
+        regions: Vec<MemoryDescriptor>,
+        ok: bool,
+        core: &mut impl Core,
+    ) {
+        self.recycle(regions);
+        let Some(t) = self.tasks.get(tag) else {
+            return;
+        };
+        let len = t.wanted.unwrap_or(0);
+        self.tasks.put_buffer(tag, buffer);
+        if !ok {
+            self.fail(tag, core);
+        } else {
+            self.tasks.data_received(tag, len);
+            self.deliver_data(tag, core);
+        }
+        self.pump(now, core);
+    }
+
+    /// A command's descriptor table has been read (`None`: the RDMA READ failed).
+    pub fn handle_table(
+        &mut self,
+        now: Instant,
+        tag: u64,
+        table: Option<&[u8]>,
+        core: &mut impl Core,
+    ) {
+        let Some(t) = self.tasks.get_mut(tag) else {
+            return;
+        };
+        let Some(w) = t.transport.waiting.take() else {
+            return;
+        };
+        let list = table
+            .filter(|b| b.len() == w.table.len as usize)
+            .and_then(Descriptors::new);
+        let valid = match list {
+            Some(list) => {
+                let (expected, into) = if w.data_in {
+                    (t.data_in_len, &mut t.transport.data_in)
+                } else {
+                    (t.data_out_len, &mut t.transport.data_out)
+                };
+                into.clear();
+                into.extend(list.iter());
+                Some(list.total_len() >= u64::from(expected))
+            }
+            None => None,
+        };
+        match valid {
+            Some(true) => self.submit(now, tag, &w.cdb, w.attribute, core),
+            Some(false) => self.refuse(
+                now,
+                tag,
+                SenseKey::IllegalRequest,
+                Asc::INVALID_FIELD_IN_COMMAND_INFORMATION_UNIT,
+            ),
+            None => self.refuse(now, tag, SenseKey::AbortedCommand, Asc::DATA_PHASE_ERROR),
+        }
+        self.pump(now, core);
+    }
+
+    /// A backend operation has returned with its buffer.
+    pub fn handle_backend_done(
+        &mut self,
+        now: Instant,
+        task: TaskId,
+        buffer: B,
+        result: Result<Output, BackendError>,
+        core: &mut impl Core,
+    ) {
+        let simple = result.as_ref().map(|_| ()).map_err(|e| *e);
+        match self.tasks.backend_returned(task, buffer, simple, now) {
+            Returned::Core(task) => core.backend_done(task, result),
+            Returned::Complete(c) => self.finish(c, core),
+            Returned::Ended { tag, entry } => self.ended(tag, entry, core),
+            Returned::Gone => {}
+        }
+        self.pump(now, core);
+    }
+
+    /// A buffer for an operation that waited ([`Event::BufferWanted`]).
+    pub fn handle_buffer(&mut self, now: Instant, tag: u64, buffer: B, core: &mut impl Core) {
+        if let Some(r) = self.tasks.grant_buffer(tag, buffer) {
+            self.request(r, core);
+        }
+        self.pump(now, core);
+    }
+
+    /// No buffer can ever be had for the operation that waits ([`Event::BufferWanted`]
+    /// larger than the whole allocator).
+    pub fn handle_buffer_refused(&mut self, now: Instant, tag: u64, core: &mut impl Core) {
+        match self.tasks.buffer_refused(tag, now) {
+            Some(Returned::Core(task)) => core.backend_done(task, Err(BackendError::Internal)),
+            Some(Returned::Complete(c)) => self.finish(c, core),
+            Some(Returned::Ended { tag, entry }) => self.ended(tag, entry, core),
+            _ => {}
+        }
+        self.pump(now, core);
+    }
+
+    /// Takes what the core reported for this channel (after calls made on its behalf
+    /// elsewhere, say another channel's task management).
+    pub fn handle_core(&mut self, now: Instant, core: &mut impl Core) {
+        self.pump(now, core);
+    }
+
+    /// The channel is gone (disconnected, or logged out). Commands not yet in the core are
+    /// dropped; when the nexus goes on (`nexus_ends` false: other channels remain), the core
+    /// aborts the rest; otherwise the caller closes the nexus, which ends them. Either way the
+    /// caller goes on handing in core actions and backend completions, dropping the output,
+    /// until [`Channel::is_idle`].
+    pub fn close(&mut self, nexus_ends: bool, core: &mut impl Core) {
+        if self.closed {
+            return;
+        }
+        self.closed = true;
+        let waiting: Vec<u64> = self.tasks.not_in_core().collect();
+        for tag in waiting {
+            if let Some(e) = self.tasks.remove(tag) {
+                self.recycle_task(e.transport);
+            }
+        }
+        if nexus_ends {
+            return;
+        }
+        let tasks: Vec<(u64, u64)> = self.tasks.in_core().collect();
+        for (tag, lun) in tasks {
+            if let Some(reference) = core.task_management(lun, TmfFunction::AbortTask(tag)) {
+                self.tmfs.push(PendingTmf {
+                    reference,
+                    request: None,
+                });
+            }
+        }
+    }
+
+    fn target_tag(&mut self) -> u64 {
+        let t = self.next_target_tag;
+        self.next_target_tag = t.wrapping_add(1);
+        t
+    }
+
+    /// Ends the channel from the target's side: SRP_T_LOGOUT, then the shell disconnects
+    /// once it is out. `nexus_ends` as for [`Channel::close`] (a later login's SINGLE CHANNEL
+    /// action replaces the whole nexus).
+    pub fn terminate(
+        &mut self,
+        reason: TargetLogoutReason,
+        nexus_ends: bool,
+        core: &mut impl Core,
+    ) {
+        if self.closing.is_some() {
+            return;
+        }
+        tracing::debug!(?reason, "SRP channel logged out by the target");
+        self.closing = Some(Close::TargetLogout(reason));
+        self.out.push_back(Out::TLogout(reason));
+        self.close(nexus_ends, core);
+    }
+
+    fn log_out(&mut self, reason: TargetLogoutReason, core: &mut impl Core) {
+        self.terminate(reason, false, core);
+    }
+
+    /// An IU that did not decode: answered when it is a request whose tag could be read,
+    /// else the channel is logged out.
+    fn malformed(&mut self, now: Instant, iu: &[u8], e: IuError, core: &mut impl Core) {
+        tracing::debug!(error = %e, "malformed SRP IU");
+        match e {
+            IuError::InvalidField {
+                iu: IuType::Cmd | IuType::TskMgmt,
+                tag,
+                field,
+                ..
+            } => {
+                let out = field.starts_with("DATA-OUT BUFFER DESCRIPTOR FORMAT");
+                let inn = field.starts_with("DATA-IN BUFFER DESCRIPTOR FORMAT");
+                if out || inn {
+                    let reason = if out {
+                        TargetLogoutReason::UnsupportedDataOutFormat
+                    } else {
+                        TargetLogoutReason::UnsupportedDataInFormat
+                    };
+                    self.log_out(reason, core);
+                    return;
+                }
+                let sol_not = iu.get(1).copied().unwrap_or(0);
+                if self.take_credit(tag, sol_not) {
+                    self.respond_check(
+                        tag,
+                        sol_not,
+                        SenseKey::IllegalRequest,
+                        Asc::INVALID_FIELD_IN_COMMAND_INFORMATION_UNIT,
+                    );
+                }
+                let _ = now;
+            }
+            IuError::UnknownType(_) | IuError::InvalidField { .. } => {
+                self.log_out(TargetLogoutReason::InvalidIuType, core)
+            }
+            IuError::Empty | IuError::Truncated { .. } => {
+                self.log_out(TargetLogoutReason::InvalidIuLength, core)
+            }
+        }
+    }
+
+    /// Takes a credit for a request; beyond the limit the request is answered BUSY at once
+    /// and false returned.
+    fn take_credit(&mut self, tag: u64, sol_not: u8) -> bool {
+        if self.outstanding >= self.params.request_limit {
+            tracing::debug!(tag, "SRP request beyond the request limit");
+            self.queue_rsp(Rsp::status(tag, sol_not, Status::Busy));
+            return false;
+        }
+        self.outstanding += 1;
+        true
+    }
+
+    /// A request holding a credit has ended: its credit is owed back.
+    fn release_credit(&mut self) {
+        self.outstanding = self.outstanding.saturating_sub(1);
+        self.owed += 1;
+    }
+
+    fn queue_rsp(&mut self, r: Rsp) {
+        self.queued_responses += 1;
+        self.out.push_back(Out::Rsp(r));
+    }
+
+    /// Answers a request that holds a credit with CHECK CONDITION and gives the credit back.
+    fn respond_check(&mut self, tag: u64, sol_not: u8, key: SenseKey, asc: Asc) {
+        self.release_credit();
+        self.queue_rsp(Rsp {
+            sense: Some(Sense::new(key, asc).fixed()),
+            ..Rsp::status(tag, sol_not, Status::CheckCondition)
+        });
+    }
+
+    fn list(&mut self) -> Vec<MemoryDescriptor> {
+        self.lists.pop().unwrap_or_default()
+    }
+
+    fn recycle_task(&mut self, t: SrpTask) {
+        self.recycle(t.data_out);
+        self.recycle(t.data_in);
+    }
+
+    fn command(&mut self, now: Instant, c: &SrpCmd<'_>, core: &mut impl Core) {
+        if !self.take_credit(c.tag, c.sol_not) {
+            return;
+        }
+        for (d, reason) in [
+            (&c.data_out, TargetLogoutReason::UnsupportedDataOutFormat),
+            (&c.data_in, TargetLogoutReason::UnsupportedDataInFormat),
+        ] {
+            let allowed = match d {
+                DataBufferDescriptor::None => true,
+                DataBufferDescriptor::Direct(_) => {
+                    self.params.formats.contains(BufferFormats::DIRECT)
+                }
+                DataBufferDescriptor::Indirect { .. } => {
+                    self.params.formats.contains(BufferFormats::INDIRECT)
+                }
+                // Immediate data is not offered at login.
+                DataBufferDescriptor::Immediate { .. } => false,
+            };
+            if !allowed {
+                self.release_credit();
+                self.log_out(reason, core);
+                return;
+            }
+        }
+        let mut task = SrpTask {
+            sol_not: c.sol_not,
+            data_out: self.list(),
+            data_in: self.list(),
+            waiting: None,
+        };
+        let mut fetch = None;
+        let mut valid = true;
+        for (d, into, data_in) in [
+            (&c.data_out, &mut task.data_out, false),
+            (&c.data_in, &mut task.data_in, true),
+        ] {
+            match d {
+                DataBufferDescriptor::Direct(m) => into.push(*m),
+                DataBufferDescriptor::Indirect {
+                    table,
+                    total_len,
+                    partial,
+                } => {
+                    let count = table.len as usize / DESCRIPTOR_LEN;
+                    if count > self.params.max_descriptors as usize {
+                        valid = false;
+                    } else if d.is_complete() {
+                        into.extend(partial.iter());
+                        valid &= partial.total_len() >= u64::from(*total_len);
+                    } else if fetch.is_some() {
+                        // Two partial tables in one command: not supported.
+                        valid = false;
+                    } else {
+                        fetch = Some((data_in, *table));
+                    }
+                }
+                DataBufferDescriptor::None | DataBufferDescriptor::Immediate { .. } => {}
+            }
+        }
+        let data_out_len = c.data_out.expected_len();
+        let data_in_len = c.data_in.expected_len();
+        if !valid {
+            self.recycle_task(task);
+            self.respond_check(
+                c.tag,
+                c.sol_not,
+                SenseKey::IllegalRequest,
+                Asc::INVALID_FIELD_IN_COMMAND_INFORMATION_UNIT,
+            );
+            return;
+        }
+        let attribute = c.task_attribute.into();
+        if let Some((data_in, table)) = fetch {
+            task.waiting = Some(Waiting {
+                cdb: c.cdb.to_vec(),
+                attribute,
+                data_in,
+                table,
+            });
+        }
+        let new = NewTask {
+            lun: c.lun,
+            data_out_len,
+            data_in_len,
+            buffer: None,
+            received: 0,
+            transport: task,
+        };
+        if let Err(TagError::InUse(tag)) = self.tasks.insert(c.tag, new, now) {
+            // The task with this tag goes on; the new command is refused.
+            self.respond_check(
+                tag,
+                c.sol_not,
+                SenseKey::AbortedCommand,
+                Asc::OVERLAPPED_COMMANDS_ATTEMPTED,
+            );
+            return;
+        }
+        if let Some((_, table)) = fetch {
+            self.out
+                .push_back(Out::Transfer(Transmit::ReadTable { tag: c.tag, table }));
+            return;
+        }
+        self.submit(now, c.tag, c.cdb, attribute, core);
+    }
+
+    /// Hands a command in the table to the core.
+    fn submit(
+        &mut self,
+        now: Instant,
+        tag: u64,
+        cdb: &[u8],
+        attribute: scsi_core::TaskAttribute,
+        core: &mut impl Core,
+    ) {
+        let Some(t) = self.tasks.get(tag) else {
+            return;
+        };
+        let cmd = Command {
+            nexus: self.nexus,
+            lun: t.lun,
+            cdb,
+            attribute,
+            tag,
+            data_in_len: t.data_in_len,
+            data_out_len: t.data_out_len,
+        };
+        match core.submit(cmd) {
+            Ok(task) => self.tasks.submitted(tag, task),
+            Err(e) => {
+                tracing::warn!("the SCSI core refused an SRP command: {e}");
+                self.refuse(
+                    now,
+                    tag,
+                    SenseKey::AbortedCommand,
+                    Asc::INTERNAL_TARGET_FAILURE,
+                );
+            }
+        }
+    }
+
+    /// Ends a command the core does not hold with CHECK CONDITION.
+    fn refuse(&mut self, now: Instant, tag: u64, key: SenseKey, asc: Asc) {
+        if let Some(c) = self.tasks.refuse(tag, key, asc, now) {
+            self.respond(c);
+        }
+    }
+
+    fn task_management(&mut self, _now: Instant, t: &SrpTskMgmt, core: &mut impl Core) {
+        if !self.take_credit(t.tag, t.sol_not) {
+            return;
+        }
+        let Some(f) = t.function.to_core(t.task_tag) else {
+            self.tmf_reply(t.tag, t.sol_not, ResponseCode::NotSupported, [0; 3]);
+            return;
+        };
+        match core.task_management(t.lun, f) {
+            Some(reference) => self.tmfs.push(PendingTmf {
+                reference,
+                request: Some((t.tag, t.sol_not)),
+            }),
+            None => self.tmf_reply(t.tag, t.sol_not, ResponseCode::Failed, [0; 3]),
+        }
+    }
+
+    fn tmf_done(&mut self, reference: u64, response: TmfResponse) {
+        let Some(i) = self.tmfs.iter().position(|p| p.reference == reference) else {
+            return;
+        };
+        let p = self.tmfs.swap_remove(i);
+        let Some((tag, sol_not)) = p.request else {
+            return;
+        };
+        let (code, info) = match response {
+            TmfResponse::Complete => (ResponseCode::Complete, [0; 3]),
+            TmfResponse::Succeeded(info) => (ResponseCode::Succeeded, info.unwrap_or_default()),
+            // SAM-5: aborting a task that is not in the task set completes the function.
+            TmfResponse::TaskNotFound => (ResponseCode::Complete, [0; 3]),
+            TmfResponse::IncorrectLun => (ResponseCode::IncorrectLun, [0; 3]),
+            TmfResponse::Rejected => (ResponseCode::NotSupported, [0; 3]),
+        };
+        self.tmf_reply(tag, sol_not, code, info);
+    }
+
+    /// Answers a task management function (its credit given back): response data with the
+    /// code, and a query's additional response information in bytes 0..3.
+    fn tmf_reply(&mut self, tag: u64, sol_not: u8, code: ResponseCode, info: [u8; 3]) {
+        self.release_credit();
+        if self.closed {
+            return;
+        }
+        let mut response = code.response_data();
+        response[..3].copy_from_slice(&info);
+        self.queue_rsp(Rsp {
+            response: Some(response),
+            ..Rsp::status(tag, sol_not, Status::Good)
+        });
+    }
+
+    /// Takes every action the core reported for this channel, then gives back owed credit
+    /// when no response is due to carry it.
+    fn pump(&mut self, now: Instant, core: &mut impl Core) {
+        while let Some(a) = core.poll_core() {
+            if let Some(r) = self.tasks.action(a, now, |lun| core.block_size(lun)) {
+                self.request(r, core);
+            }
+        }
+        let answering = self.queued_responses > 0 || self.tmfs.iter().any(|t| t.request.is_some());
+        if self.owed > 0
+            && !answering
+            && !self.credit_queued
+            && self.tasks.is_empty()
+            && !self.closed
+        {
+            self.credit_queued = true;
+            self.out.push_back(Out::CredReq);
+        }
+    }
+
+    /// Carries out what the task layer asks.
+    fn request(&mut self, r: Request<SrpTask, B>, core: &mut impl Core) {
+        match r {
+            Request::DataOut { tag, len, received } => {
+                if received >= len {
+                    self.deliver_data(tag, core);
+                } else {
+                    self.events.push_back(Event::Allocate {
+                        tag,
+                        len: len as usize,
+                    });
+                }
+            }
+            Request::Backend {
+                task,
+                lun,
+                op,
+                buffer,
+                ..
+            } => self.events.push_back(Event::Backend {
+                task,
+                lun,
+                op,
+                buffer,
+            }),
+            Request::BufferWanted { tag, len } => {
+                self.events.push_back(Event::BufferWanted { tag, len })
+            }
+            Request::Complete(c) => self.finish(c, core),
+            Request::Ended { tag, entry } => self.ended(tag, entry, core),
+            Request::UnitGone { task, .. } => core.backend_done(task, Err(BackendError::Internal)),
+            Request::TaskManagementDone {
+                reference,
+                response,
+                ..
+            } => self.tmf_done(reference, response),
+        }
+    }
+
+    /// Hands in the data-out once all of it is there.
+    fn deliver_data(&mut self, tag: u64, core: &mut impl Core) {
+        let r = match self.tasks.data_complete(tag) {
+            Some(DataReady::Core { task, data }) => {
+                core.data_out(task, data);
+                return;
+            }
+            Some(DataReady::Run(r)) => r,
+            None => return,
+        };
+        self.request(r, core);
+    }
+
+    /// The transfer of a command's data failed: the core aborts it, and it ends with CHECK
+    /// CONDITION, ABORTED COMMAND, DATA PHASE ERROR.
+    fn fail(&mut self, tag: u64, core: &mut impl Core) {
+        if let Some((_, lun)) = self.tasks.fail(tag, Asc::DATA_PHASE_ERROR) {
+            if let Some(reference) = core.task_management(lun, TmfFunction::AbortTask(tag)) {
+                self.tmfs.push(PendingTmf {
+                    reference,
+                    request: None,
+                });
+            }
+        }
+    }
+
+    /// A task has ended: data-in by RDMA WRITE, then its SRP_RSP; a delegated one is retired
+    /// once they are queued.
+    fn finish(&mut self, c: Completion<SrpTask, B>, core: &mut impl Core) {
+        let retire = c.retire;
+        self.respond(c);
+        if let Some(task) = retire {
+            core.retire(task);
+        }
+    }
+
+    fn respond(&mut self, mut c: Completion<SrpTask, B>) {
+        self.events.push_back(Event::Completed(c.accounting));
+        self.release_credit();
+        let data_in = std::mem::take(&mut c.transport.data_in);
+        let data_out = std::mem::take(&mut c.transport.data_out);
+        let reads = !data_in.is_empty();
+        self.recycle(data_out);
+        if self.closed {
+            self.recycle(data_in);
+            return;
+        }
+        let payload = match c.data_in {
+            DataIn::Buffer { len } if len > 0 => c.buffer.take().map(|b| (Payload::Buffer(b), len)),
+            DataIn::Parameter(v) if !v.is_empty() => {
+                let len = v.len() as u32;
+                Some((Payload::Bytes(v), len))
+            }
+            _ => None,
+        };
+        match payload {
+            Some((payload, len)) => self.out.push_back(Out::Transfer(Transmit::RdmaWrite {
+                tag: c.tag,
+                payload,
+                len,
+                regions: data_in,
+            })),
+            None => self.recycle(data_in),
+        }
+        let (data_in_residual, data_out_residual) = if reads {
+            (c.residual, Residual::None)
+        } else {
+            (Residual::None, c.residual)
+        };
+        self.queue_rsp(Rsp {
+            data_in_residual,
+            data_out_residual,
+            sense: c.sense,
+            ..Rsp::status(c.tag, c.transport.sol_not, c.status)
+        });
+    }
+
+    /// A task ended with nothing to send (aborted): its credit is owed, a delegated one is
+    /// retired.
+    fn ended(&mut self, _tag: u64, mut entry: TaskEntry<SrpTask, B>, core: &mut impl Core) {
+        self.release_credit();
+        let t = std::mem::take(&mut entry.transport);
+        self.recycle_task(t);
+        if let Some(task) = entry.retire() {
+            core.retire(task);
+        }
+    }
+}

@@ -1,0 +1,8 @@
+//! The SRP target: the login of RDMA channels ([`login`]) and each channel in its logged-in
+//! state ([`channel`]), sans-IO.
+
+pub mod channel;
+pub mod login;
+
+pub use channel::{Channel, ChannelParams, Close, Core, Event, Payload, SrpTask, Transmit};
+pub use login::{Admission, ChannelTable, ItNexusKey, Left, PortSettings, MAX_TI_IU_LEN};
