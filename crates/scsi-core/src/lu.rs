@@ -135,6 +135,18 @@ impl TargetPort {
             target_name: target.to_string(),
         }
     }
+
+    /// An SRP target port of target `target`: the port's 16-byte identifier (in hex) names
+    /// it, and `relative_port` tells it from the target's other ports.
+    pub fn srp(target: &str, port_id: [u8; 16], relative_port: u16) -> TargetPort {
+        let id: String = port_id.iter().map(|b| format!("{b:02x}")).collect();
+        TargetPort {
+            relative_port: relative_port.max(1),
+            port_group: relative_port.max(1),
+            name: format!("{target},srp,0x{id}"),
+            target_name: target.to_string(),
+        }
+    }
 }
 
 #[cfg(test)]

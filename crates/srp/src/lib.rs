@@ -11,7 +11,9 @@
 #![cfg_attr(not(feature = "rdma"), forbid(unsafe_code))]
 #![cfg_attr(feature = "rdma", deny(unsafe_code))]
 
+pub mod fabric;
 pub mod iu;
 pub mod target;
+pub mod testing;
 
 pub use iu::{Iu, IuError, IuType};

@@ -1,0 +1,722 @@
+//! A rig that runs SRP target channels against simple initiators over the software
+//! [`Fabric`], with memory logical units, deterministically: what the tests, the fuzz target
+//! and the experiments drive. The target's side is the real [`Channel`] and login code; the
+//! rig is its shell (receives, RDMA, backend operations, buffers), as targetd's is on real
+//! hardware. The initiator's side is small: it builds SRP_CMDs over its registered memory,
+//! counts credits and records responses.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use scsi_core::{
+    Action, BackendError, Command, Device, DeviceError, Geometry, Identity, Limits, LogicalUnit,
+    MemoryBackend, NexusId, Op, Output, Residual, TargetPort, TaskId, TmfFunction, TransportId,
+};
+
+use crate::fabric::{Access, Fabric, MemoryId, NodeId, QpId, WorkCompletion};
+use crate::iu::{
+    BufferFormats, DataBufferDescriptor, Descriptors, Iu, MemoryDescriptor, MultiChannelAction,
+    SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRej, SrpLoginReq, SrpLoginRsp, SrpTskMgmt,
+    TargetLogoutReason, TaskAttribute, TaskManagementFunction,
+};
+use crate::target::channel::SPARE_RECEIVES;
+use crate::target::{
+    Admission, Channel, ChannelTable, Close, Core, Event, ItNexusKey, Left, PortSettings, Transmit,
+};
+
+/// The target's node.
+pub const TARGET: NodeId = NodeId(0);
+/// The initiators' node.
+pub const INITIATOR: NodeId = NodeId(1);
+/// The rig's target port identifier.
+pub const TARGET_PORT: [u8; 16] = *b"srp-target-port0";
+
+/// The device and the route of every task and task management function to its channel.
+#[derive(Debug)]
+struct Router {
+    device: Device,
+    routes: Vec<Option<usize>>,
+    tmfs: Vec<(u64, usize)>,
+    next_reference: u64,
+    queues: Vec<VecDeque<Action>>,
+}
+
+impl Router {
+    fn queue(&mut self, ch: usize) -> &mut VecDeque<Action> {
+        if self.queues.len() <= ch {
+            self.queues.resize_with(ch + 1, VecDeque::new);
+        }
+        &mut self.queues[ch]
+    }
+
+    fn drain(&mut self) {
+        while let Some(a) = self.device.poll() {
+            let route = match &a {
+                Action::DataOut { task, .. }
+                | Action::Backend { task, .. }
+                | Action::Delegated { task, .. } => {
+                    self.routes.get(task.index()).copied().flatten()
+                }
+                Action::Complete { task, .. } | Action::Aborted { task, .. } => {
+                    self.routes.get(task.index()).copied().flatten()
+                }
+                Action::TaskManagementDone { reference, .. } => {
+                    let at = self.tmfs.iter().position(|(r, _)| r == reference);
+                    at.map(|i| self.tmfs.swap_remove(i).1)
+                }
+                _ => None,
+            };
+            if let Some(ch) = route {
+                self.queue(ch).push_back(a);
+            }
+        }
+    }
+}
+
+/// The router as channel `ch` of nexus `nexus` reaches it.
+struct Via<'a> {
+    router: &'a mut Router,
+    ch: usize,
+    nexus: NexusId,
+}
+
+impl Core for Via<'_> {
+    fn poll_core(&mut self) -> Option<Action> {
+        self.router.queue(self.ch).pop_front()
+    }
+
+    fn submit(&mut self, cmd: Command<'_>) -> Result<TaskId, DeviceError> {
+        let task = self.router.device.submit(cmd)?;
+        let i = task.index();
+        if self.router.routes.len() <= i {
+            self.router.routes.resize(i + 1, None);
+        }
+        self.router.routes[i] = Some(self.ch);
+        self.router.drain();
+        Ok(task)
+    }
+
+    fn data_out(&mut self, task: TaskId, data: &[u8]) {
+        let _ = self.router.device.data_out(task, data);
+        self.router.drain();
+    }
+
+    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
+        let _ = self.router.device.backend_done(task, result);
+        self.router.drain();
+    }
+
+    fn retire(&mut self, task: TaskId) {
+        let _ = self.router.device.retire(task);
+        self.router.drain();
+    }
+
+    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
+        self.router.next_reference += 1;
+        let reference = self.router.next_reference;
+        let nexus = self.nexus;
+        self.router.tmfs.push((reference, self.ch));
+        if self
+            .router
+            .device
+            .task_management(nexus, lun, function, reference)
+            .is_err()
+        {
+            self.router.tmfs.pop();
+            return None;
+        }
+        self.router.drain();
+        Some(reference)
+    }
+
+    fn block_size(&mut self, lun: u16) -> Option<u32> {
+        self.router
+            .device
+            .logical_unit(lun)
+            .map(|u| u.geometry.block_size)
+    }
+}
+
+/// A command as a rig's initiator sends it.
+#[derive(Debug, Clone, Default)]
+pub struct Cmd {
+    /// Its tag.
+    pub tag: u64,
+    /// The 8-byte LUN field.
+    pub lun: u64,
+    /// The CDB.
+    pub cdb: Vec<u8>,
+    /// Data-out to send.
+    pub data_out: Option<Vec<u8>>,
+    /// Bytes of data-in expected.
+    pub data_in: u32,
+    /// Regions the data buffer is cut into (each registered apart, as discrete pages are):
+    /// 1 is a direct descriptor, more an indirect one.
+    pub regions: usize,
+    /// Put only the first descriptor in the IU: the target fetches the table.
+    pub partial: bool,
+    /// Task attribute.
+    pub attribute: TaskAttribute,
+}
+
+/// What a rig's initiator received for a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    /// STATUS.
+    pub status: u8,
+    /// Sense data.
+    pub sense: Vec<u8>,
+    /// Response data (task management).
+    pub response_data: Vec<u8>,
+    /// Data-in residual.
+    pub data_in_residual: Residual,
+    /// Data-out residual.
+    pub data_out_residual: Residual,
+    /// The data-in that reached the initiator's regions.
+    pub data: Vec<u8>,
+    /// The credit it gave back.
+    pub req_lim_delta: u32,
+}
+
+impl Response {
+    /// Sense key, ASC and ASCQ (fixed format).
+    pub fn sense_code(&self) -> Option<(u8, u8, u8)> {
+        (self.sense.len() >= 14).then(|| (self.sense[2] & 0x0f, self.sense[12], self.sense[13]))
+    }
+}
+
+/// A rig's initiator on one channel.
+#[derive(Debug)]
+pub struct InitiatorSide {
+    qp: QpId,
+    /// Credits left: requests it may still send.
+    pub credit: i64,
+    /// Responses by tag.
+    pub responses: HashMap<u64, Response>,
+    /// The target logged the channel out, and why.
+    pub logged_out: Option<TargetLogoutReason>,
+    /// SRP_CRED_REQs received.
+    pub credit_requests: u32,
+    /// Each command's data-in memory and regions, by tag.
+    buffers: HashMap<u64, (Vec<MemoryId>, Vec<MemoryDescriptor>)>,
+    /// Receives to keep posted.
+    receives: usize,
+}
+
+/// One channel of the rig.
+#[derive(Debug)]
+pub struct RigChannel {
+    /// The target's channel machine.
+    pub channel: Channel<Vec<u8>>,
+    /// The initiator facing it.
+    pub initiator: InitiatorSide,
+    key: ItNexusKey,
+    nexus: NexusId,
+    qp: QpId,
+    /// The channel has left the table (its queue pair disconnected).
+    pub gone: bool,
+}
+
+/// Why a rig's initiator did not send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SendError {
+    /// No credit left.
+    NoCredit,
+    /// The channel is gone.
+    Gone,
+}
+
+/// The rig.
+#[derive(Debug)]
+pub struct Rig {
+    /// The fabric.
+    pub fabric: Fabric,
+    /// The port's login settings.
+    pub settings: PortSettings,
+    /// The channels, by index (gone ones stay).
+    pub channels: Vec<RigChannel>,
+    router: Router,
+    table: ChannelTable<usize>,
+    backends: HashMap<u16, MemoryBackend>,
+    /// Hold backend operations instead of running them (released by [`Rig::release`]).
+    pub hold_backend: bool,
+    held: Vec<(usize, TaskId, u16, Op, Vec<u8>)>,
+    now: Instant,
+    buf: Vec<u8>,
+    /// Commands the target finished (its accounting events).
+    pub completed: u64,
+}
+
+impl Rig {
+    /// A target with memory units of (LUN index, block size, blocks), delegating plain READs
+    /// and WRITEs as targetd does; the target's buffer arena registered once.
+    pub fn new(units: &[(u16, u32, u64)]) -> Rig {
+        let name = "iqn.2026-11.io.example:srp";
+        let mut device = Device::new(name, vec![TargetPort::srp(name, TARGET_PORT, 1)]);
+        device.set_delegation(true);
+        let mut backends = HashMap::new();
+        for &(lun, block_size, blocks) in units {
+            let unit = LogicalUnit {
+                identity: Identity::new(
+                    "RIG",
+                    "srp-memory",
+                    "0001",
+                    format!("srp-{lun}").as_bytes(),
+                ),
+                geometry: Geometry {
+                    block_size,
+                    blocks,
+                    thin: true,
+                    write_cache: true,
+                    read_only: false,
+                },
+                limits: Limits::default(),
+            };
+            device.add_lu(lun, unit).expect("distinct LUNs");
+            backends.insert(lun, MemoryBackend::new(block_size, blocks));
+        }
+        let mut fabric = Fabric::new();
+        let arena = fabric.alloc(TARGET, 1 << 20);
+        fabric.register(arena, 0, 1 << 20, Access::default());
+        Rig {
+            fabric,
+            settings: PortSettings {
+                target_port_id: TARGET_PORT,
+                ..PortSettings::default()
+            },
+            channels: Vec::new(),
+            router: Router {
+                device,
+                routes: Vec::new(),
+                tmfs: Vec::new(),
+                next_reference: 0,
+                queues: Vec::new(),
+            },
+            table: ChannelTable::new(PortSettings::default().channels_per_nexus),
+            backends,
+            hold_backend: false,
+            held: Vec::new(),
+            now: Instant::now(),
+            buf: Vec::new(),
+            completed: 0,
+        }
+    }
+
+    /// A login request from initiator port `port` as Linux's ib_srp builds one.
+    pub fn login_request(port: [u8; 16], action: MultiChannelAction) -> SrpLoginReq {
+        SrpLoginReq {
+            tag: 1,
+            req_it_iu_len: 48 + 20 + 32 * 16,
+            req_buf_fmt: BufferFormats::BOTH,
+            multi_channel: action,
+            initiator_port_id: port,
+            target_port_id: TARGET_PORT,
+            ..SrpLoginReq::default()
+        }
+    }
+
+    /// Logs a channel in: the request goes through its codec and the port's checks; accepted,
+    /// the queue pairs are connected and receives posted on both sides.
+    pub fn login(&mut self, req: &SrpLoginReq) -> Result<(usize, SrpLoginRsp), SrpLoginRej> {
+        let mut b = Vec::new();
+        req.encode(&mut b);
+        let Ok(Iu::LoginReq(req)) = Iu::decode(&b) else {
+            panic!("a login request decodes");
+        };
+        let params = self.settings.evaluate(&req)?;
+        let key = ItNexusKey::of(&req);
+        let reject = |reason| SrpLoginRej {
+            reason,
+            tag: req.tag,
+            sup_buf_fmt: self.settings.formats,
+        };
+        let admission = self.table.admit(key, req.multi_channel).map_err(reject)?;
+        let result = admission.result();
+        let nexus = match admission {
+            Admission::Join(nexus) => nexus,
+            Admission::New => self.open_nexus(&req),
+            Admission::Replace { nexus, channels } => {
+                for ch in channels {
+                    let c = &mut self.channels[ch];
+                    let mut via = Via {
+                        router: &mut self.router,
+                        ch,
+                        nexus: c.nexus,
+                    };
+                    c.channel
+                        .terminate(TargetLogoutReason::MultiChannelAction, true, &mut via);
+                }
+                let _ = self.router.device.close_nexus(nexus);
+                self.router.drain();
+                self.open_nexus(&req)
+            }
+        };
+        let ch = self.channels.len();
+        self.table.attach(key, nexus, ch);
+        let (qp, iqp) = self.fabric.connect(TARGET, INITIATOR);
+        for _ in 0..params.request_limit + SPARE_RECEIVES {
+            self.fabric.post_recv(qp, params.max_it_iu_len as usize);
+        }
+        let receives = params.request_limit as usize + 4;
+        for _ in 0..receives {
+            self.fabric.post_recv(iqp, params.max_ti_iu_len as usize);
+        }
+        let rsp = self.settings.response(&req, &params, result);
+        let mut b = Vec::new();
+        rsp.encode(&mut b);
+        let Ok(Iu::LoginRsp(rsp)) = Iu::decode(&b) else {
+            panic!("a login response decodes");
+        };
+        self.channels.push(RigChannel {
+            channel: Channel::new(nexus, params),
+            initiator: InitiatorSide {
+                qp: iqp,
+                credit: i64::from(rsp.req_lim_delta),
+                responses: HashMap::new(),
+                logged_out: None,
+                credit_requests: 0,
+                buffers: HashMap::new(),
+                receives,
+            },
+            key,
+            nexus,
+            qp,
+            gone: false,
+        });
+        self.run();
+        Ok((ch, rsp))
+    }
+
+    fn open_nexus(&mut self, req: &SrpLoginReq) -> NexusId {
+        self.router
+            .device
+            .open_nexus(TransportId::srp(req.initiator_port_id), 1)
+    }
+
+    /// Sends a command on channel `ch` (taking a credit); its data buffer is `regions`
+    /// regions of the initiator's memory, each registered apart.
+    pub fn send(&mut self, ch: usize, cmd: &Cmd) -> Result<(), SendError> {
+        let side = &self.channels[ch];
+        if side.gone {
+            return Err(SendError::Gone);
+        }
+        if side.initiator.credit <= 0 {
+            return Err(SendError::NoCredit);
+        }
+        let len = cmd.data_out.as_ref().map_or(cmd.data_in as usize, Vec::len);
+        let n = cmd.regions.max(1);
+        let chunk = len.div_ceil(n).max(1);
+        let mut memories = Vec::new();
+        let mut regions = Vec::new();
+        let mut at = 0;
+        while at < len || (len == 0 && regions.is_empty() && cmd.data_in > 0) {
+            let this = chunk.min(len - at);
+            let m = self.fabric.alloc(INITIATOR, this);
+            if let Some(d) = &cmd.data_out {
+                self.fabric.memory_mut(m).copy_from_slice(&d[at..at + this]);
+            }
+            let r = self.fabric.register(m, 0, this, Access::REMOTE);
+            regions.push(r.descriptor(0, this as u32));
+            memories.push(m);
+            at += this;
+        }
+        let mut list = Vec::new();
+        regions.iter().for_each(|d| d.encode(&mut list));
+        let table_memory;
+        let descriptor = if len == 0 {
+            DataBufferDescriptor::None
+        } else if regions.len() == 1 && !cmd.partial {
+            DataBufferDescriptor::Direct(regions[0])
+        } else {
+            table_memory = self.fabric.alloc(INITIATOR, list.len());
+            self.fabric.memory_mut(table_memory).copy_from_slice(&list);
+            let t = self
+                .fabric
+                .register(table_memory, 0, list.len(), Access::REMOTE);
+            let in_iu = if cmd.partial { &list[..16] } else { &list[..] };
+            DataBufferDescriptor::Indirect {
+                table: t.descriptor(0, list.len() as u32),
+                total_len: len as u32,
+                partial: Descriptors::new(in_iu).expect("whole descriptors"),
+            }
+        };
+        let (data_out, data_in) = if cmd.data_out.is_some() {
+            (descriptor, DataBufferDescriptor::None)
+        } else {
+            (DataBufferDescriptor::None, descriptor)
+        };
+        let c = SrpCmd {
+            sol_not: 0,
+            tag: cmd.tag,
+            lun: cmd.lun,
+            task_attribute: cmd.attribute,
+            cdb: &cmd.cdb,
+            data_out,
+            data_in,
+        };
+        let mut b = Vec::new();
+        c.encode(&mut b);
+        let side = &mut self.channels[ch].initiator;
+        if cmd.data_out.is_none() {
+            side.buffers.insert(cmd.tag, (memories, regions));
+        }
+        side.credit -= 1;
+        self.send_raw(ch, &b);
+        Ok(())
+    }
+
+    /// Sends bytes as an IU on channel `ch`, whatever they are (no credit is counted).
+    pub fn send_raw(&mut self, ch: usize, iu: &[u8]) {
+        let qp = self.channels[ch].initiator.qp;
+        let _ = self.fabric.post_send(qp, 0, iu);
+    }
+
+    /// Sends a task management function (taking a credit).
+    pub fn task_management(
+        &mut self,
+        ch: usize,
+        tag: u64,
+        lun: u64,
+        function: TaskManagementFunction,
+        task_tag: u64,
+    ) {
+        let t = SrpTskMgmt {
+            sol_not: 0,
+            tag,
+            lun,
+            function,
+            task_tag,
+        };
+        let mut b = Vec::new();
+        t.encode(&mut b);
+        self.channels[ch].initiator.credit -= 1;
+        self.send_raw(ch, &b);
+    }
+
+    /// Logs channel `ch` out from the initiator's side.
+    pub fn logout(&mut self, ch: usize) {
+        let mut b = Vec::new();
+        SrpILogout { tag: 99 }.encode(&mut b);
+        self.send_raw(ch, &b);
+    }
+
+    /// Runs held backend operations.
+    pub fn release(&mut self) {
+        for (ch, task, lun, op, mut buffer) in std::mem::take(&mut self.held) {
+            let r = match self.backends.get_mut(&lun) {
+                Some(b) => b.execute(&op, &mut buffer),
+                None => Err(BackendError::Internal),
+            };
+            let c = &mut self.channels[ch];
+            let mut via = Via {
+                router: &mut self.router,
+                ch,
+                nexus: c.nexus,
+            };
+            c.channel
+                .handle_backend_done(self.now, task, buffer, r, &mut via);
+        }
+        self.run();
+    }
+
+    /// The response to `tag` on channel `ch`, if it came.
+    pub fn response(&self, ch: usize, tag: u64) -> Option<&Response> {
+        self.channels[ch].initiator.responses.get(&tag)
+    }
+
+    /// The I_T nexuses with a channel.
+    pub fn nexuses(&self) -> usize {
+        self.table.len()
+    }
+
+    /// Tasks the device holds.
+    pub fn device_tasks(&self) -> usize {
+        self.router.device.task_count()
+    }
+
+    /// Runs everything until nothing moves.
+    pub fn run(&mut self) {
+        loop {
+            let mut progress = false;
+            for ch in 0..self.channels.len() {
+                progress |= self.step_target(ch);
+                progress |= self.step_initiator(ch);
+            }
+            if !progress {
+                break;
+            }
+        }
+    }
+
+    fn step_target(&mut self, ch: usize) -> bool {
+        let mut progress = false;
+        let now = self.now;
+        let c = &mut self.channels[ch];
+        let mut via = Via {
+            router: &mut self.router,
+            ch,
+            nexus: c.nexus,
+        };
+        while let Some(wc) = self.fabric.poll(c.qp) {
+            progress = true;
+            if let WorkCompletion::Recv(iu) = wc {
+                c.channel.handle_iu(now, &iu, &mut via);
+                if !c.gone {
+                    self.fabric
+                        .post_recv(c.qp, c.channel.params().max_it_iu_len as usize);
+                }
+            }
+        }
+        if !via.router.queue(ch).is_empty() {
+            progress = true;
+            c.channel.handle_core(now, &mut via);
+        }
+        while let Some(t) = c.channel.poll_transmit(&mut self.buf) {
+            progress = true;
+            match t {
+                Transmit::Send { len, .. } => {
+                    let _ = self.fabric.post_send(c.qp, 0, &self.buf[..len]);
+                }
+                Transmit::RdmaWrite {
+                    payload,
+                    len,
+                    regions,
+                    ..
+                } => {
+                    let _ = self.fabric.write_scatter(
+                        c.qp,
+                        0,
+                        &payload.as_slice()[..len as usize],
+                        &regions,
+                    );
+                    c.channel.recycle(regions);
+                }
+                Transmit::RdmaRead {
+                    tag,
+                    mut buffer,
+                    len,
+                    regions,
+                } => {
+                    let ok = self
+                        .fabric
+                        .read_gather(c.qp, 0, &mut buffer[..len as usize], &regions)
+                        .is_ok();
+                    c.channel
+                        .handle_data_out(now, tag, buffer, regions, ok, &mut via);
+                }
+                Transmit::ReadTable { tag, table } => {
+                    let mut b = vec![0; table.len as usize];
+                    let ok = self.fabric.post_rdma_read(c.qp, 0, &mut b, table).is_ok();
+                    c.channel
+                        .handle_table(now, tag, ok.then_some(&b[..]), &mut via);
+                }
+            }
+        }
+        while let Some(e) = c.channel.poll_event() {
+            progress = true;
+            match e {
+                Event::Backend {
+                    task,
+                    lun,
+                    op,
+                    mut buffer,
+                } => {
+                    if self.hold_backend {
+                        self.held.push((ch, task, lun, op, buffer));
+                        continue;
+                    }
+                    let r = match self.backends.get_mut(&lun) {
+                        Some(b) => b.execute(&op, &mut buffer),
+                        None => Err(BackendError::Internal),
+                    };
+                    c.channel
+                        .handle_backend_done(now, task, buffer, r, &mut via);
+                }
+                Event::BufferWanted { tag, len } => {
+                    c.channel.handle_buffer(now, tag, vec![0; len], &mut via)
+                }
+                Event::Allocate { tag, len } => {
+                    c.channel.handle_allocated(now, tag, vec![0; len], &mut via)
+                }
+                Event::Completed(_) => self.completed += 1,
+            }
+        }
+        // A channel that is over leaves once the core is done with it.
+        let lost = self.fabric.is_error(c.qp);
+        if !c.gone && (c.channel.closing().is_some() || lost) {
+            if lost {
+                c.channel.close(false, &mut via);
+            }
+            if c.channel.is_idle() {
+                c.gone = true;
+                progress = true;
+                if !lost {
+                    self.fabric.disconnect(c.qp);
+                }
+                if let Left::Ended(nexus) = self.table.leave(c.key, &ch) {
+                    let _ = via.router.device.close_nexus(nexus);
+                    via.router.drain();
+                }
+            }
+        }
+        progress
+    }
+
+    fn step_initiator(&mut self, ch: usize) -> bool {
+        let mut progress = false;
+        let c = &mut self.channels[ch];
+        let side = &mut c.initiator;
+        while let Some(wc) = self.fabric.poll(side.qp) {
+            progress = true;
+            let WorkCompletion::Recv(iu) = wc else {
+                continue;
+            };
+            if !self.fabric.is_error(side.qp) {
+                self.fabric
+                    .post_recv(side.qp, c.channel.params().max_ti_iu_len as usize);
+            }
+            match Iu::decode(&iu) {
+                Ok(Iu::Rsp(r)) => {
+                    side.credit += i64::from(r.req_lim_delta);
+                    let data = match side.buffers.remove(&r.tag) {
+                        Some((memories, _)) => memories
+                            .iter()
+                            .flat_map(|m| self.fabric.memory(*m).to_vec())
+                            .collect(),
+                        None => Vec::new(),
+                    };
+                    side.responses.insert(
+                        r.tag,
+                        Response {
+                            status: r.status,
+                            sense: r.sense.to_vec(),
+                            response_data: r.response_data.to_vec(),
+                            data_in_residual: r.data_in_residual,
+                            data_out_residual: r.data_out_residual,
+                            data,
+                            req_lim_delta: r.req_lim_delta,
+                        },
+                    );
+                }
+                Ok(Iu::CredReq(r)) => {
+                    side.credit += i64::from(r.req_lim_delta);
+                    side.credit_requests += 1;
+                    let mut b = Vec::new();
+                    SrpCredRsp { tag: r.tag }.encode(&mut b);
+                    let _ = self.fabric.post_send(side.qp, 0, &b);
+                }
+                Ok(Iu::TLogout(t)) => side.logged_out = Some(t.reason),
+                other => panic!("the target sent {other:?}"),
+            }
+        }
+        let _ = side.receives;
+        progress
+    }
+}
+
+impl Close {
+    /// Whether the target ended the channel.
+    pub fn by_target(&self) -> bool {
+        matches!(self, Close::TargetLogout(_))
+    }
+}
