@@ -16,15 +16,8 @@ enum Step {
         port: u8,
         multi: bool,
     },
-    Read {
-        ch: u8,
-        tag: u8,
-        lba: u16,
-        blocks: u8,
-        regions: u8,
-        partial: bool,
-    },
-    Write {
+    Io {
+        write: bool,
         ch: u8,
         tag: u8,
         lba: u16,
@@ -80,7 +73,8 @@ fuzz_target!(|steps: Vec<Step>| {
                 };
                 let _ = rig.login(&Rig::login_request([port % 4; 16], action));
             }
-            Step::Read {
+            Step::Io {
+                write,
                 ch,
                 tag,
                 lba,
@@ -90,31 +84,12 @@ fuzz_target!(|steps: Vec<Step>| {
             } => {
                 if let Some(ch) = live(&rig, ch) {
                     let blocks = blocks % 17;
+                    let len = usize::from(blocks) * 512;
                     let cmd = Cmd {
                         tag: u64::from(tag),
-                        cdb: cdb(0x28, lba, blocks),
-                        data_in: u32::from(blocks) * 512,
-                        regions: usize::from(regions % 9),
-                        partial,
-                        ..Cmd::default()
-                    };
-                    let _ = rig.send(ch, &cmd);
-                }
-            }
-            Step::Write {
-                ch,
-                tag,
-                lba,
-                blocks,
-                regions,
-                partial,
-            } => {
-                if let Some(ch) = live(&rig, ch) {
-                    let blocks = blocks % 17;
-                    let cmd = Cmd {
-                        tag: u64::from(tag),
-                        cdb: cdb(0x2a, lba, blocks),
-                        data_out: (blocks > 0).then(|| vec![tag; usize::from(blocks) * 512]),
+                        cdb: cdb(if write { 0x2a } else { 0x28 }, lba, blocks),
+                        data_out: (write && blocks > 0).then(|| vec![tag; len]),
+                        data_in: if write { 0 } else { len as u32 },
                         regions: usize::from(regions % 9),
                         partial,
                         ..Cmd::default()

@@ -387,6 +387,41 @@ impl Fabric {
         self.elapsed += self.costs.per_transfer + ns(self.costs.per_byte_ns * len as f64);
     }
 
+    /// Checks an RDMA operation of `len` bytes on the peer's region `remote` and charges it:
+    /// where the bytes are, or the failure that put the queue pair in the error state.
+    fn transfer(
+        &mut self,
+        qp: QpId,
+        wr_id: u64,
+        len: usize,
+        remote: MemoryDescriptor,
+        write: bool,
+    ) -> Result<(usize, usize), VerbsError> {
+        let d = MemoryDescriptor {
+            len: len as u32,
+            ..remote
+        };
+        let checked = match self.remote(qp, &d, write) {
+            Ok(_) if len > remote.len as usize => Err(VerbsError::RemoteAccess {
+                key: d.key,
+                va: d.va,
+                len: d.len,
+            }),
+            other => other,
+        };
+        match checked {
+            Ok(at) => {
+                self.charge_transfer(len);
+                self.qps[qp.0].completions.push_back(WorkCompletion::Done {
+                    wr_id,
+                    result: Ok(()),
+                });
+                Ok(at)
+            }
+            Err(e) => self.fail(qp, wr_id, e).map(|_| (0, 0)),
+        }
+    }
+
     /// RDMA WRITE of `local` into the peer's region `remote` (at most `remote.len` bytes:
     /// `local.len()` must not exceed it).
     pub fn post_rdma_write(
@@ -396,28 +431,8 @@ impl Fabric {
         local: &[u8],
         remote: MemoryDescriptor,
     ) -> Result<(), VerbsError> {
-        let d = MemoryDescriptor {
-            len: local.len() as u32,
-            ..remote
-        };
-        let (m, at) = match self.remote(qp, &d, true) {
-            Ok(x) if local.len() <= remote.len as usize => x,
-            Ok(_) => {
-                let e = VerbsError::RemoteAccess {
-                    key: d.key,
-                    va: d.va,
-                    len: d.len,
-                };
-                return self.fail(qp, wr_id, e);
-            }
-            Err(e) => return self.fail(qp, wr_id, e),
-        };
+        let (m, at) = self.transfer(qp, wr_id, local.len(), remote, true)?;
         self.memory[m].1[at..at + local.len()].copy_from_slice(local);
-        self.charge_transfer(local.len());
-        self.qps[qp.0].completions.push_back(WorkCompletion::Done {
-            wr_id,
-            result: Ok(()),
-        });
         Ok(())
     }
 
@@ -429,28 +444,8 @@ impl Fabric {
         local: &mut [u8],
         remote: MemoryDescriptor,
     ) -> Result<(), VerbsError> {
-        let d = MemoryDescriptor {
-            len: local.len() as u32,
-            ..remote
-        };
-        let (m, at) = match self.remote(qp, &d, false) {
-            Ok(x) if local.len() <= remote.len as usize => x,
-            Ok(_) => {
-                let e = VerbsError::RemoteAccess {
-                    key: d.key,
-                    va: d.va,
-                    len: d.len,
-                };
-                return self.fail(qp, wr_id, e);
-            }
-            Err(e) => return self.fail(qp, wr_id, e),
-        };
+        let (m, at) = self.transfer(qp, wr_id, local.len(), remote, false)?;
         local.copy_from_slice(&self.memory[m].1[at..at + local.len()]);
-        self.charge_transfer(local.len());
-        self.qps[qp.0].completions.push_back(WorkCompletion::Done {
-            wr_id,
-            result: Ok(()),
-        });
         Ok(())
     }
 
