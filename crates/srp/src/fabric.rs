@@ -302,13 +302,14 @@ impl Fabric {
         self.qps[qp.0].completions.pop_front()
     }
 
-    fn fail(&mut self, qp: QpId, wr_id: u64, e: VerbsError) -> Result<(), VerbsError> {
+    /// Completes `wr_id` with `e` and puts the queue pair (and its peer) in the error state.
+    fn fail(&mut self, qp: QpId, wr_id: u64, e: VerbsError) -> VerbsError {
         self.qps[qp.0].completions.push_back(WorkCompletion::Done {
             wr_id,
             result: Err(e),
         });
         self.disconnect(qp);
-        Err(e)
+        e
     }
 
     fn ready(&self, qp: QpId) -> Result<usize, VerbsError> {
@@ -323,17 +324,17 @@ impl Fabric {
     pub fn post_send(&mut self, qp: QpId, wr_id: u64, message: &[u8]) -> Result<(), VerbsError> {
         let peer = match self.ready(qp) {
             Ok(p) => p,
-            Err(e) => return self.fail(qp, wr_id, e),
+            Err(e) => return Err(self.fail(qp, wr_id, e)),
         };
         let Some(posted) = self.qps[peer].receives.pop_front() else {
-            return self.fail(qp, wr_id, VerbsError::ReceiverNotReady);
+            return Err(self.fail(qp, wr_id, VerbsError::ReceiverNotReady));
         };
         if message.len() > posted {
             let e = VerbsError::LengthError {
                 len: message.len(),
                 posted,
             };
-            return self.fail(qp, wr_id, e);
+            return Err(self.fail(qp, wr_id, e));
         }
         self.counters.sends += 1;
         self.elapsed += self.costs.per_send + ns(self.costs.per_byte_ns * message.len() as f64);
@@ -418,7 +419,7 @@ impl Fabric {
                 });
                 Ok(at)
             }
-            Err(e) => self.fail(qp, wr_id, e).map(|_| (0, 0)),
+            Err(e) => Err(self.fail(qp, wr_id, e)),
         }
     }
 

@@ -15,13 +15,13 @@ use scsi_core::{
 
 use crate::fabric::{Access, Fabric, MemoryId, NodeId, QpId, WorkCompletion};
 use crate::iu::{
-    BufferFormats, DataBufferDescriptor, Descriptors, Iu, MemoryDescriptor, MultiChannelAction,
-    SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRej, SrpLoginReq, SrpLoginRsp, SrpTskMgmt,
-    TargetLogoutReason, TaskAttribute, TaskManagementFunction,
+    BufferFormats, DataBufferDescriptor, Descriptors, Iu, MultiChannelAction, SrpCmd, SrpCredRsp,
+    SrpILogout, SrpLoginRej, SrpLoginReq, SrpLoginRsp, SrpTskMgmt, TargetLogoutReason,
+    TaskAttribute, TaskManagementFunction,
 };
 use crate::target::channel::SPARE_RECEIVES;
 use crate::target::{
-    Admission, Channel, ChannelTable, Close, Core, Event, ItNexusKey, Left, PortSettings, Transmit,
+    Admission, Channel, ChannelTable, Core, Event, ItNexusKey, Left, PortSettings, Transmit,
 };
 
 /// The target's node.
@@ -54,12 +54,9 @@ impl Router {
             let route = match &a {
                 Action::DataOut { task, .. }
                 | Action::Backend { task, .. }
-                | Action::Delegated { task, .. } => {
-                    self.routes.get(task.index()).copied().flatten()
-                }
-                Action::Complete { task, .. } | Action::Aborted { task, .. } => {
-                    self.routes.get(task.index()).copied().flatten()
-                }
+                | Action::Delegated { task, .. }
+                | Action::Complete { task, .. }
+                | Action::Aborted { task, .. } => self.routes.get(task.index()).copied().flatten(),
                 Action::TaskManagementDone { reference, .. } => {
                     let at = self.tmfs.iter().position(|(r, _)| r == reference);
                     at.map(|i| self.tmfs.swap_remove(i).1)
@@ -197,10 +194,8 @@ pub struct InitiatorSide {
     pub logged_out: Option<TargetLogoutReason>,
     /// SRP_CRED_REQs received.
     pub credit_requests: u32,
-    /// Each command's data-in memory and regions, by tag.
-    buffers: HashMap<u64, (Vec<MemoryId>, Vec<MemoryDescriptor>)>,
-    /// Receives to keep posted.
-    receives: usize,
+    /// Each read's data-in memory, by tag.
+    buffers: HashMap<u64, Vec<MemoryId>>,
 }
 
 /// One channel of the rig.
@@ -376,7 +371,6 @@ impl Rig {
                 logged_out: None,
                 credit_requests: 0,
                 buffers: HashMap::new(),
-                receives,
             },
             key,
             nexus,
@@ -458,7 +452,7 @@ impl Rig {
         c.encode(&mut b);
         let side = &mut self.channels[ch].initiator;
         if cmd.data_out.is_none() {
-            side.buffers.insert(cmd.tag, (memories, regions));
+            side.buffers.insert(cmd.tag, memories);
         }
         side.credit -= 1;
         self.send_raw(ch, &b);
@@ -679,7 +673,7 @@ impl Rig {
                 Ok(Iu::Rsp(r)) => {
                     side.credit += i64::from(r.req_lim_delta);
                     let data = match side.buffers.remove(&r.tag) {
-                        Some((memories, _)) => memories
+                        Some(memories) => memories
                             .iter()
                             .flat_map(|m| self.fabric.memory(*m).to_vec())
                             .collect(),
@@ -709,14 +703,6 @@ impl Rig {
                 other => panic!("the target sent {other:?}"),
             }
         }
-        let _ = side.receives;
         progress
-    }
-}
-
-impl Close {
-    /// Whether the target ended the channel.
-    pub fn by_target(&self) -> bool {
-        matches!(self, Close::TargetLogout(_))
     }
 }

@@ -600,6 +600,24 @@ fn malformed_ius_are_answered_without_harm_to_another_channel() {
         rig.channels[d].initiator.logged_out,
         Some(TargetLogoutReason::InvalidIuType)
     );
+    // A reserved data-out or data-in descriptor format: logged out with the matching reason.
+    for (fmt, reason) in [
+        (0x50, TargetLogoutReason::UnsupportedDataOutFormat),
+        (0x05, TargetLogoutReason::UnsupportedDataInFormat),
+    ] {
+        let e = login(&mut rig, [fmt; 16]);
+        let mut cmd = Vec::new();
+        SrpCmd {
+            tag: 1,
+            cdb: &read10(0, 1),
+            ..SrpCmd::default()
+        }
+        .encode(&mut cmd);
+        cmd[5] = fmt;
+        rig.send_raw(e, &cmd);
+        rig.run();
+        assert_eq!(rig.channels[e].initiator.logged_out, Some(reason));
+    }
     write_read(&mut rig, b, 1, 10, &pattern(4096, 4), 4, false);
     assert_eq!(rig.device_tasks(), 0);
 }

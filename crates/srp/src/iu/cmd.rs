@@ -15,6 +15,12 @@ const INDIRECT_HEAD: usize = DESCRIPTOR_LEN + 4;
 /// Bytes of an immediate data buffer descriptor (SRP-2: the data's length).
 const IMMEDIATE_LEN: usize = 4;
 
+/// The field an [`IuError::InvalidField`] names when the data-out format is not one the
+/// standard defines (a target logs the channel out with UNSUPPORTED DATA-OUT FORMAT).
+pub const DATA_OUT_FORMAT: &str = "DATA-OUT BUFFER DESCRIPTOR FORMAT";
+/// As [`DATA_OUT_FORMAT`], for data-in.
+pub const DATA_IN_FORMAT: &str = "DATA-IN BUFFER DESCRIPTOR FORMAT";
+
 /// TASK ATTRIBUTE (SRP-2 table 19), as SAM-5 defines the attributes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum TaskAttribute {
@@ -217,14 +223,11 @@ impl<'a> SrpCmd<'a> {
         };
         let cdb = b.get(32..cdb_end).ok_or(truncated(cdb_end))?;
         let out_format = DescriptorFormat::from_code(fmt >> 4)
-            .ok_or_else(|| invalid("DATA-OUT BUFFER DESCRIPTOR FORMAT", "reserved"))?;
+            .ok_or_else(|| invalid(DATA_OUT_FORMAT, "reserved"))?;
         let in_format = DescriptorFormat::from_code(fmt & 0x0f)
-            .ok_or_else(|| invalid("DATA-IN BUFFER DESCRIPTOR FORMAT", "reserved"))?;
+            .ok_or_else(|| invalid(DATA_IN_FORMAT, "reserved"))?;
         if in_format == DescriptorFormat::Immediate {
-            return Err(invalid(
-                "DATA-IN BUFFER DESCRIPTOR FORMAT",
-                "immediate data is data-out only",
-            ));
+            return Err(invalid(DATA_IN_FORMAT, "immediate data is data-out only"));
         }
         let (data_out, at) = descriptor(b, cdb_end, out_format, out_count, tag, "DATA-OUT")?;
         let (data_in, _) = descriptor(b, at, in_format, in_count, tag, "DATA-IN")?;

@@ -20,7 +20,7 @@ mod rsp;
 mod tsk_mgmt;
 
 pub use aer::{SrpAerReq, SrpAerRsp};
-pub use cmd::{DataBufferDescriptor, SrpCmd, TaskAttribute};
+pub use cmd::{DataBufferDescriptor, SrpCmd, TaskAttribute, DATA_IN_FORMAT, DATA_OUT_FORMAT};
 pub use cred::{SrpCredReq, SrpCredRsp};
 pub use descriptor::{DescriptorFormat, Descriptors, MemoryDescriptor, DESCRIPTOR_LEN};
 pub use login::{

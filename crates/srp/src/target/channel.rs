@@ -38,7 +38,7 @@ use scsi_core::{
 use crate::iu::{
     BufferFormats, DataBufferDescriptor, Descriptors, Iu, IuError, IuType, MemoryDescriptor,
     ResponseCode, SrpCmd, SrpCredReq, SrpRsp, SrpTLogout, SrpTskMgmt, TargetLogoutReason,
-    DESCRIPTOR_LEN,
+    DATA_IN_FORMAT, DATA_OUT_FORMAT, DESCRIPTOR_LEN,
 };
 
 /// Receives the shell posts beyond the request limit: for SRP_CRED_RSP and SRP_AER_RSP, which
@@ -429,7 +429,7 @@ impl<B: TaskBuffer> Channel<B> {
         }
         match Iu::decode(iu) {
             Ok(Iu::Cmd(c)) => self.command(now, &c, core),
-            Ok(Iu::TskMgmt(t)) => self.task_management(now, &t, core),
+            Ok(Iu::TskMgmt(t)) => self.task_management(&t, core),
             Ok(Iu::ILogout(_)) => {
                 self.closing = Some(Close::InitiatorLogout);
                 self.close(false, core);
@@ -443,7 +443,7 @@ impl<B: TaskBuffer> Channel<B> {
             // This target sends no SRP_AER_REQ.
             Ok(Iu::AerRsp(_)) => self.log_out(TargetLogoutReason::UnexpectedResponse, core),
             Ok(_) => self.log_out(TargetLogoutReason::InvalidIuType, core),
-            Err(e) => self.malformed(now, iu, e, core),
+            Err(e) => self.malformed(iu, e, core),
         }
         self.pump(now, core);
     }
@@ -558,7 +558,7 @@ impl<B: TaskBuffer> Channel<B> {
         match self.tasks.backend_returned(task, buffer, simple, now) {
             Returned::Core(task) => core.backend_done(task, result),
             Returned::Complete(c) => self.finish(c, core),
-            Returned::Ended { tag, entry } => self.ended(tag, entry, core),
+            Returned::Ended { entry, .. } => self.ended(entry, core),
             Returned::Gone => {}
         }
         self.pump(now, core);
@@ -578,7 +578,7 @@ impl<B: TaskBuffer> Channel<B> {
         match self.tasks.buffer_refused(tag, now) {
             Some(Returned::Core(task)) => core.backend_done(task, Err(BackendError::Internal)),
             Some(Returned::Complete(c)) => self.finish(c, core),
-            Some(Returned::Ended { tag, entry }) => self.ended(tag, entry, core),
+            Some(Returned::Ended { entry, .. }) => self.ended(entry, core),
             _ => {}
         }
         self.pump(now, core);
@@ -650,7 +650,7 @@ impl<B: TaskBuffer> Channel<B> {
 
     /// An IU that did not decode: answered when it is a request whose tag could be read,
     /// else the channel is logged out.
-    fn malformed(&mut self, now: Instant, iu: &[u8], e: IuError, core: &mut impl Core) {
+    fn malformed(&mut self, iu: &[u8], e: IuError, core: &mut impl Core) {
         tracing::debug!(error = %e, "malformed SRP IU");
         match e {
             IuError::InvalidField {
@@ -659,14 +659,12 @@ impl<B: TaskBuffer> Channel<B> {
                 field,
                 ..
             } => {
-                let out = field.starts_with("DATA-OUT BUFFER DESCRIPTOR FORMAT");
-                let inn = field.starts_with("DATA-IN BUFFER DESCRIPTOR FORMAT");
-                if out || inn {
-                    let reason = if out {
-                        TargetLogoutReason::UnsupportedDataOutFormat
-                    } else {
-                        TargetLogoutReason::UnsupportedDataInFormat
-                    };
+                let format = match field {
+                    DATA_OUT_FORMAT => Some(TargetLogoutReason::UnsupportedDataOutFormat),
+                    DATA_IN_FORMAT => Some(TargetLogoutReason::UnsupportedDataInFormat),
+                    _ => None,
+                };
+                if let Some(reason) = format {
                     self.log_out(reason, core);
                     return;
                 }
@@ -679,7 +677,6 @@ impl<B: TaskBuffer> Channel<B> {
                         Asc::INVALID_FIELD_IN_COMMAND_INFORMATION_UNIT,
                     );
                 }
-                let _ = now;
             }
             IuError::UnknownType(_) | IuError::InvalidField { .. } => {
                 self.log_out(TargetLogoutReason::InvalidIuType, core)
@@ -880,7 +877,7 @@ impl<B: TaskBuffer> Channel<B> {
         }
     }
 
-    fn task_management(&mut self, _now: Instant, t: &SrpTskMgmt, core: &mut impl Core) {
+    fn task_management(&mut self, t: &SrpTskMgmt, core: &mut impl Core) {
         if !self.take_credit(t.tag, t.sol_not) {
             return;
         }
@@ -980,7 +977,7 @@ impl<B: TaskBuffer> Channel<B> {
                 self.events.push_back(Event::BufferWanted { tag, len })
             }
             Request::Complete(c) => self.finish(c, core),
-            Request::Ended { tag, entry } => self.ended(tag, entry, core),
+            Request::Ended { entry, .. } => self.ended(entry, core),
             Request::UnitGone { task, .. } => core.backend_done(task, Err(BackendError::Internal)),
             Request::TaskManagementDone {
                 reference,
@@ -1069,7 +1066,7 @@ impl<B: TaskBuffer> Channel<B> {
 
     /// A task ended with nothing to send (aborted): its credit is owed, a delegated one is
     /// retired.
-    fn ended(&mut self, _tag: u64, mut entry: TaskEntry<SrpTask, B>, core: &mut impl Core) {
+    fn ended(&mut self, mut entry: TaskEntry<SrpTask, B>, core: &mut impl Core) {
         self.release_credit();
         let t = std::mem::take(&mut entry.transport);
         self.recycle_task(t);
