@@ -51,6 +51,8 @@ enum Step {
     },
     Hold(bool),
     Release,
+    /// Hold the target's RDMA READ completions, or hand them in (a slow fabric).
+    HoldReads(bool),
 }
 
 fn cdb(op: u8, lba: u16, blocks: u8) -> Vec<u8> {
@@ -146,6 +148,11 @@ fuzz_target!(|steps: Vec<Step>| {
             }
             Step::Hold(h) => rig.hold_backend = h,
             Step::Release => rig.release(),
+            Step::HoldReads(true) => rig.hold_reads = true,
+            Step::HoldReads(false) => {
+                rig.hold_reads = false;
+                rig.release_reads();
+            }
         }
         rig.run();
         for c in &rig.channels {
@@ -153,6 +160,8 @@ fuzz_target!(|steps: Vec<Step>| {
         }
     }
     rig.hold_backend = false;
+    rig.hold_reads = false;
+    rig.release_reads();
     rig.release();
     for ch in 0..rig.channels.len() {
         if !rig.channels[ch].gone {
@@ -160,6 +169,7 @@ fuzz_target!(|steps: Vec<Step>| {
         }
     }
     rig.run();
+    rig.release_reads();
     rig.release();
     assert!(rig.channels.iter().all(|c| c.gone), "a channel did not end");
     assert_eq!(rig.device_tasks(), 0, "tasks left in the device");

@@ -18,6 +18,8 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use crate::iu::MemoryDescriptor;
+pub use crate::verbs::{Access, MemoryRegion, VerbsError};
+use crate::verbs::{Completion, Verbs, WorkOp};
 
 /// A side of the fabric (a host): remote access is checked against the region's node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -30,45 +32,6 @@ pub struct MemoryId(u32);
 /// A queue pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct QpId(usize);
-
-/// What a memory region lets the peer do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Access {
-    /// RDMA READ by the peer (a write's data-out).
-    pub remote_read: bool,
-    /// RDMA WRITE by the peer (a read's data-in).
-    pub remote_write: bool,
-}
-
-impl Access {
-    /// Both.
-    pub const REMOTE: Access = Access {
-        remote_read: true,
-        remote_write: true,
-    };
-}
-
-/// A registered memory region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MemoryRegion {
-    /// The key (L_Key and R_Key are one here).
-    pub key: u32,
-    /// Its first virtual address.
-    pub addr: u64,
-    /// Its length.
-    pub len: u32,
-}
-
-impl MemoryRegion {
-    /// A descriptor of `len` bytes at `offset` into the region.
-    pub fn descriptor(&self, offset: u32, len: u32) -> MemoryDescriptor {
-        MemoryDescriptor {
-            va: self.addr + u64::from(offset),
-            key: self.key,
-            len,
-        }
-    }
-}
 
 /// Injected costs, charged to [`Fabric::elapsed`].
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -100,52 +63,6 @@ pub struct Counters {
     pub sends: u64,
 }
 
-/// Why a work request failed (the queue pair is then in the error state).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum VerbsError {
-    /// The queue pair is in the error state (or its peer is gone).
-    #[error("the queue pair is in the error state")]
-    QpError,
-    /// A send found no receive posted at the peer (receiver not ready, retries exhausted).
-    #[error("receiver not ready: no receive posted")]
-    ReceiverNotReady,
-    /// A message longer than the receive buffer posted for it.
-    #[error("message of {len} bytes for a receive of {posted}")]
-    LengthError {
-        /// Bytes sent.
-        len: usize,
-        /// Bytes the receive holds.
-        posted: usize,
-    },
-    /// A key names no region, or the range is outside it.
-    #[error("remote access error: key {key:#x}, address {va:#x}, {len} bytes")]
-    RemoteAccess {
-        /// The key.
-        key: u32,
-        /// The address.
-        va: u64,
-        /// Bytes.
-        len: u32,
-    },
-    /// The region does not allow the operation.
-    #[error("remote operation not allowed by the region of key {0:#x}")]
-    RemoteOperation(u32),
-}
-
-/// A completed work request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum WorkCompletion {
-    /// A message arrived in a posted receive.
-    Recv(Vec<u8>),
-    /// A send, RDMA READ or WRITE finished (`wr_id` as posted), or failed.
-    Done {
-        /// The work request's id.
-        wr_id: u64,
-        /// Its result.
-        result: Result<(), VerbsError>,
-    },
-}
-
 #[derive(Debug)]
 struct Region {
     node: NodeId,
@@ -160,9 +77,9 @@ struct Qp {
     node: NodeId,
     peer: Option<usize>,
     error: bool,
-    /// Lengths of the receives posted.
-    receives: VecDeque<usize>,
-    completions: VecDeque<WorkCompletion>,
+    /// Receives posted: their ids and buffers.
+    receives: VecDeque<(u64, Vec<u8>)>,
+    completions: VecDeque<Completion<Vec<u8>>>,
 }
 
 /// The fabric: memory, regions, queue pairs, counters and the virtual clock of costs.
@@ -191,6 +108,11 @@ impl Fabric {
             next_key: 0x100,
             ..Fabric::default()
         }
+    }
+
+    /// The verbs of `node`: what a shell on that host is given.
+    pub fn port(&mut self, node: NodeId) -> Port<'_> {
+        Port { fabric: self, node }
     }
 
     /// `len` zeroed bytes of memory on `node`.
@@ -242,7 +164,8 @@ impl Fabric {
         self.elapsed +=
             self.costs.per_registration + ns(self.costs.per_registered_byte_ns * len as f64);
         MemoryRegion {
-            key,
+            lkey: key,
+            rkey: key,
             addr: Self::address(m, offset),
             len: len as u32,
         }
@@ -273,13 +196,28 @@ impl Fabric {
         (QpId(ia), QpId(ib))
     }
 
+    /// Puts a queue pair in the error state, flushing its receives.
+    fn break_qp(&mut self, i: usize) {
+        let q = &mut self.qps[i];
+        q.error = true;
+        while let Some((wr_id, buffer)) = q.receives.pop_front() {
+            q.completions.push_back(Completion {
+                wr_id,
+                op: WorkOp::Recv,
+                buffer,
+                len: 0,
+                result: Err(VerbsError::Flushed),
+            });
+        }
+    }
+
     /// Disconnects a queue pair: both it and its peer go to the error state.
     pub fn disconnect(&mut self, qp: QpId) {
         if let Some(peer) = self.qps[qp.0].peer.take() {
             self.qps[peer].peer = None;
-            self.qps[peer].error = true;
+            self.break_qp(peer);
         }
-        self.qps[qp.0].error = true;
+        self.break_qp(qp.0);
     }
 
     /// Whether the queue pair is in the error state.
@@ -287,9 +225,12 @@ impl Fabric {
         self.qps[qp.0].error
     }
 
-    /// Posts a receive of `len` bytes.
-    pub fn post_recv(&mut self, qp: QpId, len: usize) {
-        self.qps[qp.0].receives.push_back(len);
+    /// Posts a receive into `buffer`.
+    pub fn post_recv(&mut self, qp: QpId, wr_id: u64, buffer: Vec<u8>) {
+        self.qps[qp.0].receives.push_back((wr_id, buffer));
+        if self.qps[qp.0].error {
+            self.break_qp(qp.0);
+        }
     }
 
     /// Receives posted and not yet consumed.
@@ -298,57 +239,78 @@ impl Fabric {
     }
 
     /// The next completion of `qp`.
-    pub fn poll(&mut self, qp: QpId) -> Option<WorkCompletion> {
+    pub fn poll(&mut self, qp: QpId) -> Option<Completion<Vec<u8>>> {
         self.qps[qp.0].completions.pop_front()
     }
 
-    /// Completes `wr_id` with `e` and puts the queue pair (and its peer) in the error state.
-    fn fail(&mut self, qp: QpId, wr_id: u64, e: VerbsError) -> VerbsError {
-        self.qps[qp.0].completions.push_back(WorkCompletion::Done {
+    fn complete(&mut self, qp: QpId, wr_id: u64, op: WorkOp, buffer: Vec<u8>, len: usize) {
+        self.qps[qp.0].completions.push_back(Completion {
             wr_id,
+            op,
+            buffer,
+            len,
+            result: Ok(()),
+        });
+    }
+
+    /// Completes a request with `e` and puts the queue pair (and its peer) in the error state.
+    fn fail(&mut self, qp: QpId, wr_id: u64, op: WorkOp, buffer: Vec<u8>, e: VerbsError) {
+        self.qps[qp.0].completions.push_back(Completion {
+            wr_id,
+            op,
+            buffer,
+            len: 0,
             result: Err(e),
         });
         self.disconnect(qp);
-        e
     }
 
     fn ready(&self, qp: QpId) -> Result<usize, VerbsError> {
         let q = &self.qps[qp.0];
         match q.peer {
             Some(p) if !q.error => Ok(p),
-            _ => Err(VerbsError::QpError),
+            _ => Err(VerbsError::Flushed),
         }
     }
 
-    /// Sends `message` to the peer's next posted receive.
-    pub fn post_send(&mut self, qp: QpId, wr_id: u64, message: &[u8]) -> Result<(), VerbsError> {
+    /// Sends the first `len` bytes of `buffer` to the peer's next posted receive.
+    pub fn post_send(&mut self, qp: QpId, wr_id: u64, buffer: Vec<u8>, len: usize) {
         let peer = match self.ready(qp) {
             Ok(p) => p,
-            Err(e) => return Err(self.fail(qp, wr_id, e)),
+            Err(e) => return self.fail(qp, wr_id, WorkOp::Send, buffer, e),
         };
-        let Some(posted) = self.qps[peer].receives.pop_front() else {
-            return Err(self.fail(qp, wr_id, VerbsError::ReceiverNotReady));
+        let Some((rwr, mut rbuf)) = self.qps[peer].receives.pop_front() else {
+            return self.fail(
+                qp,
+                wr_id,
+                WorkOp::Send,
+                buffer,
+                VerbsError::ReceiverNotReady,
+            );
         };
-        if message.len() > posted {
+        if len > rbuf.len() || len > buffer.len() {
             let e = VerbsError::LengthError {
-                len: message.len(),
-                posted,
+                len,
+                posted: rbuf.len(),
             };
-            return Err(self.fail(qp, wr_id, e));
+            self.qps[peer].receives.push_front((rwr, rbuf));
+            return self.fail(qp, wr_id, WorkOp::Send, buffer, e);
         }
         self.counters.sends += 1;
-        self.elapsed += self.costs.per_send + ns(self.costs.per_byte_ns * message.len() as f64);
-        self.qps[peer]
-            .completions
-            .push_back(WorkCompletion::Recv(message.to_vec()));
-        self.qps[qp.0].completions.push_back(WorkCompletion::Done {
-            wr_id,
+        self.elapsed += self.costs.per_send + ns(self.costs.per_byte_ns * len as f64);
+        rbuf[..len].copy_from_slice(&buffer[..len]);
+        self.qps[peer].completions.push_back(Completion {
+            wr_id: rwr,
+            op: WorkOp::Recv,
+            buffer: rbuf,
+            len,
             result: Ok(()),
         });
-        Ok(())
+        self.complete(qp, wr_id, WorkOp::Send, buffer, len);
     }
 
-    /// The bytes `d` names in memory of the peer of `qp`, if it grants `write` or read access.
+    /// Where the bytes `d` names are in memory of the peer of `qp`, if it grants `write` or
+    /// read access.
     fn remote(
         &self,
         qp: QpId,
@@ -382,116 +344,174 @@ impl Fabric {
         Ok((r.memory.0 as usize, r.offset + start as usize))
     }
 
-    fn charge_transfer(&mut self, len: usize) {
-        self.counters.transfers += 1;
-        self.counters.transferred_bytes += len as u64;
-        self.elapsed += self.costs.per_transfer + ns(self.costs.per_byte_ns * len as f64);
-    }
-
-    /// Checks an RDMA operation of `len` bytes on the peer's region `remote` and charges it:
-    /// where the bytes are, or the failure that put the queue pair in the error state.
-    fn transfer(
+    /// One RDMA operation per descriptor of `remote` over the first `len` bytes of `buffer`,
+    /// in order: WRITE copies the buffer out to the peer, READ copies the peer's bytes in. The
+    /// first failure ends it and puts the queue pair in the error state.
+    fn rdma(
         &mut self,
         qp: QpId,
         wr_id: u64,
+        mut buffer: Vec<u8>,
         len: usize,
-        remote: MemoryDescriptor,
+        remote: &[MemoryDescriptor],
         write: bool,
-    ) -> Result<(usize, usize), VerbsError> {
-        let d = MemoryDescriptor {
-            len: len as u32,
-            ..remote
+    ) {
+        let op = if write {
+            WorkOp::RdmaWrite
+        } else {
+            WorkOp::RdmaRead
         };
-        let checked = match self.remote(qp, &d, write) {
-            Ok(_) if len > remote.len as usize => Err(VerbsError::RemoteAccess {
-                key: d.key,
-                va: d.va,
-                len: d.len,
-            }),
-            other => other,
-        };
-        match checked {
-            Ok(at) => {
-                self.charge_transfer(len);
-                self.qps[qp.0].completions.push_back(WorkCompletion::Done {
-                    wr_id,
-                    result: Ok(()),
-                });
-                Ok(at)
+        let mut at = 0;
+        for d in remote {
+            if at >= len {
+                break;
             }
-            Err(e) => Err(self.fail(qp, wr_id, e)),
+            let n = (len - at).min(d.len as usize);
+            let part = MemoryDescriptor {
+                len: n as u32,
+                ..*d
+            };
+            let checked = match self.remote(qp, &part, write) {
+                Ok(_) if at + n > buffer.len() => Err(VerbsError::LengthError {
+                    len,
+                    posted: buffer.len(),
+                }),
+                other => other,
+            };
+            let (m, offset) = match checked {
+                Ok(place) => place,
+                Err(e) => return self.fail(qp, wr_id, op, buffer, e),
+            };
+            let theirs = &mut self.memory[m].1[offset..offset + n];
+            if write {
+                theirs.copy_from_slice(&buffer[at..at + n]);
+            } else {
+                buffer[at..at + n].copy_from_slice(theirs);
+            }
+            self.counters.transfers += 1;
+            self.counters.transferred_bytes += n as u64;
+            self.elapsed += self.costs.per_transfer + ns(self.costs.per_byte_ns * n as f64);
+            at += n;
         }
+        self.complete(qp, wr_id, op, buffer, at);
     }
 
-    /// RDMA WRITE of `local` into the peer's region `remote` (at most `remote.len` bytes:
-    /// `local.len()` must not exceed it).
+    /// RDMA WRITE of the first `len` bytes of `buffer` over the peer's regions `remote`, in
+    /// order (a read's data-in).
     pub fn post_rdma_write(
         &mut self,
         qp: QpId,
         wr_id: u64,
-        local: &[u8],
-        remote: MemoryDescriptor,
-    ) -> Result<(), VerbsError> {
-        let (m, at) = self.transfer(qp, wr_id, local.len(), remote, true)?;
-        self.memory[m].1[at..at + local.len()].copy_from_slice(local);
-        Ok(())
+        buffer: Vec<u8>,
+        len: usize,
+        remote: &[MemoryDescriptor],
+    ) {
+        self.rdma(qp, wr_id, buffer, len, remote, true);
     }
 
-    /// RDMA READ of the peer's region `remote` into `local` (`local.len()` bytes of it).
+    /// RDMA READ of `len` bytes from the peer's regions `remote`, in order, into `buffer` (a
+    /// write's data-out).
     pub fn post_rdma_read(
         &mut self,
         qp: QpId,
         wr_id: u64,
-        local: &mut [u8],
-        remote: MemoryDescriptor,
-    ) -> Result<(), VerbsError> {
-        let (m, at) = self.transfer(qp, wr_id, local.len(), remote, false)?;
-        local.copy_from_slice(&self.memory[m].1[at..at + local.len()]);
-        Ok(())
-    }
-
-    /// Scatters `local` over `regions` in order with one RDMA WRITE per region (what an SRP
-    /// target does for a read's data-in). Stops at the first error.
-    pub fn write_scatter(
-        &mut self,
-        qp: QpId,
-        wr_id: u64,
-        mut local: &[u8],
-        regions: &[MemoryDescriptor],
-    ) -> Result<(), VerbsError> {
-        for r in regions {
-            if local.is_empty() {
-                break;
-            }
-            let n = local.len().min(r.len as usize);
-            self.post_rdma_write(qp, wr_id, &local[..n], *r)?;
-            local = &local[n..];
-        }
-        Ok(())
-    }
-
-    /// Gathers `local.len()` bytes from `regions` in order with one RDMA READ per region (a
-    /// write's data-out). Stops at the first error.
-    pub fn read_gather(
-        &mut self,
-        qp: QpId,
-        wr_id: u64,
-        mut local: &mut [u8],
-        regions: &[MemoryDescriptor],
-    ) -> Result<(), VerbsError> {
-        for r in regions {
-            if local.is_empty() {
-                break;
-            }
-            let n = local.len().min(r.len as usize);
-            let (now, rest) = local.split_at_mut(n);
-            self.post_rdma_read(qp, wr_id, now, *r)?;
-            local = rest;
-        }
-        Ok(())
+        buffer: Vec<u8>,
+        len: usize,
+        remote: &[MemoryDescriptor],
+    ) {
+        self.rdma(qp, wr_id, buffer, len, remote, false);
     }
 }
 
+/// The verbs of one node of a [`Fabric`].
+#[derive(Debug)]
+pub struct Port<'a> {
+    fabric: &'a mut Fabric,
+    node: NodeId,
+}
+
+impl Verbs for Port<'_> {
+    type Qp = QpId;
+    type Buffer = Vec<u8>;
+    type Memory = MemoryId;
+
+    fn alloc(&mut self, len: usize) -> Result<MemoryId, VerbsError> {
+        Ok(self.fabric.alloc(self.node, len))
+    }
+
+    fn memory<'a>(&'a self, m: &'a MemoryId) -> &'a [u8] {
+        self.fabric.memory(*m)
+    }
+
+    fn memory_mut<'a>(&'a mut self, m: &'a mut MemoryId) -> &'a mut [u8] {
+        self.fabric.memory_mut(*m)
+    }
+
+    fn register(
+        &mut self,
+        m: &MemoryId,
+        offset: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion, VerbsError> {
+        let fits = match self.fabric.memory.get(m.0 as usize) {
+            Some((node, bytes)) => {
+                *node == self.node && offset.checked_add(len).is_some_and(|e| e <= bytes.len())
+            }
+            None => false,
+        };
+        if !fits {
+            return Err(VerbsError::Registration);
+        }
+        Ok(self.fabric.register(*m, offset, len, access))
+    }
+
+    fn deregister(&mut self, region: MemoryRegion) {
+        self.fabric.deregister(region.rkey);
+    }
+
+    fn post_recv(&mut self, qp: QpId, wr_id: u64, buffer: Vec<u8>) {
+        self.fabric.post_recv(qp, wr_id, buffer);
+    }
+
+    fn post_send(&mut self, qp: QpId, wr_id: u64, buffer: Vec<u8>, len: usize) {
+        self.fabric.post_send(qp, wr_id, buffer, len);
+    }
+
+    fn post_rdma_write(
+        &mut self,
+        qp: QpId,
+        wr_id: u64,
+        buffer: Vec<u8>,
+        len: usize,
+        remote: &[MemoryDescriptor],
+    ) {
+        self.fabric.post_rdma_write(qp, wr_id, buffer, len, remote);
+    }
+
+    fn post_rdma_read(
+        &mut self,
+        qp: QpId,
+        wr_id: u64,
+        buffer: Vec<u8>,
+        len: usize,
+        remote: &[MemoryDescriptor],
+    ) {
+        self.fabric.post_rdma_read(qp, wr_id, buffer, len, remote);
+    }
+
+    fn poll(&mut self, qp: QpId) -> Option<Completion<Vec<u8>>> {
+        self.fabric.poll(qp)
+    }
+
+    fn is_error(&self, qp: QpId) -> bool {
+        self.fabric.is_error(qp)
+    }
+
+    fn disconnect(&mut self, qp: QpId) {
+        self.fabric.disconnect(qp);
+    }
+}
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -499,54 +519,68 @@ mod tests {
     const T: NodeId = NodeId(0);
     const I: NodeId = NodeId(1);
 
+    fn done(f: &mut Fabric, qp: QpId) -> Completion<Vec<u8>> {
+        f.poll(qp).expect("a completion")
+    }
+
     #[test]
     fn sends_need_a_posted_receive_of_the_length() {
         let mut f = Fabric::new();
         let (t, i) = f.connect(T, I);
-        f.post_recv(i, 16);
-        f.post_send(t, 1, b"hello").expect("a receive is posted");
-        assert_eq!(f.poll(i), Some(WorkCompletion::Recv(b"hello".to_vec())));
+        f.post_recv(i, 7, vec![0; 16]);
+        f.post_send(t, 1, b"hello".to_vec(), 5);
+        let r = done(&mut f, i);
         assert_eq!(
-            f.poll(t),
-            Some(WorkCompletion::Done {
-                wr_id: 1,
-                result: Ok(())
-            })
+            (r.wr_id, r.op, r.len, r.result),
+            (7, WorkOp::Recv, 5, Ok(()))
         );
-        assert_eq!(
-            f.post_send(t, 2, b"again"),
-            Err(VerbsError::ReceiverNotReady)
-        );
+        assert_eq!(&r.buffer[..5], b"hello");
+        let s = done(&mut f, t);
+        assert_eq!((s.wr_id, s.op, s.result), (1, WorkOp::Send, Ok(())));
+        // No receive posted: the sender's request fails and both sides break.
+        f.post_send(t, 2, b"again".to_vec(), 5);
+        let s = done(&mut f, t);
+        assert_eq!(s.result, Err(VerbsError::ReceiverNotReady));
+        assert_eq!(s.buffer, b"again", "the buffer comes back");
         assert!(f.is_error(t) && f.is_error(i));
+        // A receive posted on a broken queue pair is flushed back.
+        f.post_recv(i, 8, vec![0; 4]);
+        assert_eq!(done(&mut f, i).result, Err(VerbsError::Flushed));
         let (t, i) = f.connect(T, I);
-        f.post_recv(i, 4);
+        f.post_recv(i, 9, vec![0; 4]);
+        f.post_send(t, 3, b"hello".to_vec(), 5);
         assert!(matches!(
-            f.post_send(t, 3, b"hello"),
+            done(&mut f, t).result,
             Err(VerbsError::LengthError { .. })
         ));
+        let r = done(&mut f, i);
+        assert_eq!((r.wr_id, r.result), (9, Err(VerbsError::Flushed)));
     }
 
     #[test]
     fn rdma_checks_keys_bounds_nodes_and_access() {
         let mut f = Fabric::new();
         f.costs.per_registration = Duration::from_micros(8);
-        let (t, i) = f.connect(T, I);
+        let (t, _) = f.connect(T, I);
         let m = f.alloc(I, 8192);
         let r = f.register(m, 4096, 4096, Access::REMOTE);
         assert_eq!(f.elapsed, Duration::from_micros(8));
-        f.post_rdma_write(t, 1, &[7; 100], r.descriptor(10, 100))
-            .expect("inside the region");
+        f.post_rdma_write(t, 1, vec![7; 100], 100, &[r.descriptor(10, 100)]);
+        assert_eq!(done(&mut f, t).result, Ok(()));
         assert_eq!(&f.memory(m)[4106..4206], &[7; 100][..]);
-        let mut back = [0u8; 100];
-        f.post_rdma_read(t, 2, &mut back, r.descriptor(10, 100))
-            .expect("readable");
-        assert_eq!(back, [7; 100]);
+        f.post_rdma_read(t, 2, vec![0; 100], 100, &[r.descriptor(10, 100)]);
+        let back = done(&mut f, t);
+        assert_eq!((back.op, back.len), (WorkOp::RdmaRead, 100));
+        assert_eq!(back.buffer, [7; 100]);
         // Beyond the region, though inside the memory.
+        f.post_rdma_write(t, 3, vec![1; 100], 100, &[r.descriptor(4090, 100)]);
         assert!(matches!(
-            f.post_rdma_write(t, 3, &[1; 100], r.descriptor(4090, 100)),
+            done(&mut f, t).result,
             Err(VerbsError::RemoteAccess { .. })
         ));
-        let (t, i2) = f.connect(T, I);
+        assert!(f.is_error(t));
+        // Read-only.
+        let (t, _) = f.connect(T, I);
         let ro = f.register(
             m,
             0,
@@ -556,24 +590,28 @@ mod tests {
                 remote_write: false,
             },
         );
+        f.post_rdma_write(t, 4, vec![1; 8], 8, &[ro.descriptor(0, 8)]);
         assert_eq!(
-            f.post_rdma_write(t, 4, &[1; 8], ro.descriptor(0, 8)),
-            Err(VerbsError::RemoteOperation(ro.key))
+            done(&mut f, t).result,
+            Err(VerbsError::RemoteOperation(ro.rkey))
         );
         // A region of the target's own node is not the peer's.
         let (t, _) = f.connect(T, I);
         let own = f.alloc(T, 64);
         let own = f.register(own, 0, 64, Access::REMOTE);
-        assert!(f
-            .post_rdma_write(t, 5, &[1; 8], own.descriptor(0, 8))
-            .is_err());
+        f.post_rdma_write(t, 5, vec![1; 8], 8, &[own.descriptor(0, 8)]);
+        assert!(done(&mut f, t).result.is_err());
         // A deregistered key grants nothing.
         let (t, _) = f.connect(T, I);
-        f.deregister(r.key);
-        assert!(f
-            .post_rdma_read(t, 6, &mut back, r.descriptor(0, 8))
-            .is_err());
-        let _ = (i, i2);
+        f.deregister(r.rkey);
+        f.post_rdma_read(t, 6, vec![0; 8], 8, &[r.descriptor(0, 8)]);
+        assert!(done(&mut f, t).result.is_err());
+        // The verbs of a node register only that node's memory.
+        assert_eq!(
+            f.port(T).register(&m, 0, 8, Access::REMOTE),
+            Err(VerbsError::Registration)
+        );
+        assert!(f.port(I).register(&m, 8000, 400, Access::REMOTE).is_err());
     }
 
     #[test]
@@ -589,12 +627,12 @@ mod tests {
             })
             .collect();
         let data: Vec<u8> = (0..3 * 4096).map(|i| (i / 4096) as u8).collect();
-        f.write_scatter(t, 1, &data, &regions).expect("fits");
+        f.post_rdma_write(t, 1, data.clone(), data.len(), &regions);
+        assert_eq!(done(&mut f, t).len, 3 * 4096);
         assert_eq!(f.memory(m)[0], 2);
         assert_eq!(f.memory(m)[2 * 4096], 0);
-        let mut back = vec![0; 3 * 4096];
-        f.read_gather(t, 2, &mut back, &regions).expect("fits");
-        assert_eq!(back, data);
+        f.post_rdma_read(t, 2, vec![0; 3 * 4096], 3 * 4096, &regions);
+        assert_eq!(done(&mut f, t).buffer, data);
         assert_eq!(f.counters.transfers, 6);
         assert_eq!(f.counters.registrations, [0, 3]);
     }

@@ -15,5 +15,6 @@ pub mod fabric;
 pub mod iu;
 pub mod target;
 pub mod testing;
+pub mod verbs;
 
 pub use iu::{Iu, IuError, IuType};

@@ -13,7 +13,7 @@ use scsi_core::{
     MemoryBackend, NexusId, Op, Output, Residual, TargetPort, TaskId, TmfFunction, TransportId,
 };
 
-use crate::fabric::{Access, Fabric, MemoryId, NodeId, QpId, WorkCompletion};
+use crate::fabric::{Access, Fabric, MemoryId, NodeId, QpId};
 use crate::iu::{
     BufferFormats, DataBufferDescriptor, Descriptors, Iu, MultiChannelAction, SrpCmd, SrpCredRsp,
     SrpILogout, SrpLoginRej, SrpLoginReq, SrpLoginRsp, SrpTskMgmt, TargetLogoutReason,
@@ -21,8 +21,10 @@ use crate::iu::{
 };
 use crate::target::channel::SPARE_RECEIVES;
 use crate::target::{
-    Admission, Channel, ChannelTable, Core, Event, ItNexusKey, Left, PortSettings, Transmit,
+    Admission, Channel, ChannelTable, Core, Event, ItNexusKey, Left, Payload, PortSettings,
+    Transmit,
 };
+use crate::verbs::{Completion, Verbs, WorkOp};
 
 /// The target's node.
 pub const TARGET: NodeId = NodeId(0);
@@ -208,8 +210,30 @@ pub struct RigChannel {
     key: ItNexusKey,
     nexus: NexusId,
     qp: QpId,
+    /// RDMA READs in flight, by transfer (their work request ids): the command's tag, and
+    /// whether it is a descriptor table.
+    reads: HashMap<u64, (u64, bool)>,
+    /// IU buffers for sends, back from their completions.
+    sends: Vec<Vec<u8>>,
     /// The channel has left the table (its queue pair disconnected).
     pub gone: bool,
+}
+
+impl RigChannel {
+    /// An RDMA READ has completed: the data-out or descriptor table goes to the channel.
+    fn read_done(&mut self, now: Instant, wc: Completion<Vec<u8>>, via: &mut Via<'_>) {
+        let ok = wc.result.is_ok();
+        match self.reads.remove(&wc.wr_id) {
+            Some((tag, false)) => self
+                .channel
+                .handle_data_out(now, tag, wc.wr_id, wc.buffer, ok, via),
+            Some((tag, true)) => {
+                let table = ok.then_some(&wc.buffer[..wc.len]);
+                self.channel.handle_table(now, tag, wc.wr_id, table, via)
+            }
+            None => {}
+        }
+    }
 }
 
 /// Why a rig's initiator did not send.
@@ -236,8 +260,11 @@ pub struct Rig {
     /// Hold backend operations instead of running them (released by [`Rig::release`]).
     pub hold_backend: bool,
     held: Vec<(usize, TaskId, u16, Op, Vec<u8>)>,
+    /// Hold the target's RDMA READ completions (data-out, descriptor tables) instead of
+    /// handing them in, as a slow fabric would (released by [`Rig::release_reads`]).
+    pub hold_reads: bool,
+    held_reads: Vec<(usize, Completion<Vec<u8>>)>,
     now: Instant,
-    buf: Vec<u8>,
     /// Commands the target finished (its accounting events).
     pub completed: u64,
 }
@@ -291,8 +318,9 @@ impl Rig {
             backends,
             hold_backend: false,
             held: Vec::new(),
+            hold_reads: false,
+            held_reads: Vec::new(),
             now: Instant::now(),
-            buf: Vec::new(),
             completed: 0,
         }
     }
@@ -349,12 +377,13 @@ impl Rig {
         let ch = self.channels.len();
         self.table.attach(key, nexus, ch);
         let (qp, iqp) = self.fabric.connect(TARGET, INITIATOR);
+        let mut target = self.fabric.port(TARGET);
         for _ in 0..params.request_limit + SPARE_RECEIVES {
-            self.fabric.post_recv(qp, params.max_it_iu_len as usize);
+            target.post_recv(qp, 0, vec![0; params.max_it_iu_len as usize]);
         }
-        let receives = params.request_limit as usize + 4;
-        for _ in 0..receives {
-            self.fabric.post_recv(iqp, params.max_ti_iu_len as usize);
+        let mut initiator = self.fabric.port(INITIATOR);
+        for _ in 0..params.request_limit + 4 {
+            initiator.post_recv(iqp, 0, vec![0; params.max_ti_iu_len as usize]);
         }
         let rsp = self.settings.response(&req, &params, result);
         let mut b = Vec::new();
@@ -375,6 +404,8 @@ impl Rig {
             key,
             nexus,
             qp,
+            reads: HashMap::new(),
+            sends: Vec::new(),
             gone: false,
         });
         self.run();
@@ -462,7 +493,9 @@ impl Rig {
     /// Sends bytes as an IU on channel `ch`, whatever they are (no credit is counted).
     pub fn send_raw(&mut self, ch: usize, iu: &[u8]) {
         let qp = self.channels[ch].initiator.qp;
-        let _ = self.fabric.post_send(qp, 0, iu);
+        self.fabric
+            .port(INITIATOR)
+            .post_send(qp, 0, iu.to_vec(), iu.len());
     }
 
     /// Sends a task management function (taking a credit).
@@ -513,6 +546,20 @@ impl Rig {
         self.run();
     }
 
+    /// Hands the held RDMA READ completions in, oldest first.
+    pub fn release_reads(&mut self) {
+        for (ch, wc) in std::mem::take(&mut self.held_reads) {
+            let c = &mut self.channels[ch];
+            let mut via = Via {
+                router: &mut self.router,
+                ch,
+                nexus: c.nexus,
+            };
+            c.read_done(self.now, wc, &mut via);
+        }
+        self.run();
+    }
+
     /// The response to `tag` on channel `ch`, if it came.
     pub fn response(&self, ch: usize, tag: u64) -> Option<&Response> {
         self.channels[ch].initiator.responses.get(&tag)
@@ -551,58 +598,68 @@ impl Rig {
             ch,
             nexus: c.nexus,
         };
-        while let Some(wc) = self.fabric.poll(c.qp) {
+        let mut verbs = self.fabric.port(TARGET);
+        while let Some(wc) = verbs.poll(c.qp) {
             progress = true;
-            if let WorkCompletion::Recv(iu) = wc {
-                c.channel.handle_iu(now, &iu, &mut via);
-                if !c.gone {
-                    self.fabric
-                        .post_recv(c.qp, c.channel.params().max_it_iu_len as usize);
+            let ok = wc.result.is_ok();
+            match wc.op {
+                WorkOp::Recv if ok => {
+                    c.channel.handle_iu(now, &wc.buffer[..wc.len], &mut via);
+                    verbs.post_recv(c.qp, 0, wc.buffer);
                 }
+                WorkOp::Recv | WorkOp::RdmaWrite => {}
+                WorkOp::Send => c.sends.push(wc.buffer),
+                WorkOp::RdmaRead if self.hold_reads => self.held_reads.push((ch, wc)),
+                WorkOp::RdmaRead => c.read_done(now, wc, &mut via),
             }
         }
         if !via.router.queue(ch).is_empty() {
             progress = true;
             c.channel.handle_core(now, &mut via);
         }
-        while let Some(t) = c.channel.poll_transmit(&mut self.buf) {
+        loop {
+            let mut iu = c.sends.pop().unwrap_or_default();
+            let Some(t) = c.channel.poll_transmit(&mut iu) else {
+                c.sends.push(iu);
+                break;
+            };
             progress = true;
             match t {
-                Transmit::Send { len, .. } => {
-                    let _ = self.fabric.post_send(c.qp, 0, &self.buf[..len]);
-                }
+                Transmit::Send { len, .. } => verbs.post_send(c.qp, 0, iu, len),
                 Transmit::RdmaWrite {
                     payload,
                     len,
                     regions,
                     ..
                 } => {
-                    let _ = self.fabric.write_scatter(
-                        c.qp,
-                        0,
-                        &payload.as_slice()[..len as usize],
-                        &regions,
-                    );
+                    c.sends.push(iu);
+                    let data = match payload {
+                        Payload::Buffer(b) | Payload::Bytes(b) => b,
+                    };
+                    verbs.post_rdma_write(c.qp, 0, data, len as usize, &regions);
                     c.channel.recycle(regions);
                 }
                 Transmit::RdmaRead {
                     tag,
-                    mut buffer,
+                    transfer,
+                    buffer,
                     len,
                     regions,
                 } => {
-                    let ok = self
-                        .fabric
-                        .read_gather(c.qp, 0, &mut buffer[..len as usize], &regions)
-                        .is_ok();
-                    c.channel
-                        .handle_data_out(now, tag, buffer, regions, ok, &mut via);
+                    c.sends.push(iu);
+                    c.reads.insert(transfer, (tag, false));
+                    verbs.post_rdma_read(c.qp, transfer, buffer, len as usize, &regions);
+                    c.channel.recycle(regions);
                 }
-                Transmit::ReadTable { tag, table } => {
-                    let mut b = vec![0; table.len as usize];
-                    let ok = self.fabric.post_rdma_read(c.qp, 0, &mut b, table).is_ok();
-                    c.channel
-                        .handle_table(now, tag, ok.then_some(&b[..]), &mut via);
+                Transmit::ReadTable {
+                    tag,
+                    transfer,
+                    table,
+                } => {
+                    c.sends.push(iu);
+                    c.reads.insert(transfer, (tag, true));
+                    let len = table.len as usize;
+                    verbs.post_rdma_read(c.qp, transfer, vec![0; len], len, &[table]);
                 }
             }
         }
@@ -636,7 +693,7 @@ impl Rig {
             }
         }
         // A channel that is over leaves once the core is done with it.
-        let lost = self.fabric.is_error(c.qp);
+        let lost = verbs.is_error(c.qp);
         if !c.gone && (c.channel.closing().is_some() || lost) {
             if lost {
                 c.channel.close(false, &mut via);
@@ -645,7 +702,7 @@ impl Rig {
                 c.gone = true;
                 progress = true;
                 if !lost {
-                    self.fabric.disconnect(c.qp);
+                    verbs.disconnect(c.qp);
                 }
                 if let Left::Ended(nexus) = self.table.leave(c.key, &ch) {
                     let _ = via.router.device.close_nexus(nexus);
@@ -660,16 +717,13 @@ impl Rig {
         let mut progress = false;
         let c = &mut self.channels[ch];
         let side = &mut c.initiator;
-        while let Some(wc) = self.fabric.poll(side.qp) {
+        while let Some(wc) = self.fabric.port(INITIATOR).poll(side.qp) {
             progress = true;
-            let WorkCompletion::Recv(iu) = wc else {
+            if wc.op != WorkOp::Recv || wc.result.is_err() {
                 continue;
-            };
-            if !self.fabric.is_error(side.qp) {
-                self.fabric
-                    .post_recv(side.qp, c.channel.params().max_ti_iu_len as usize);
             }
-            match Iu::decode(&iu) {
+            let iu = &wc.buffer[..wc.len];
+            match Iu::decode(iu) {
                 Ok(Iu::Rsp(r)) => {
                     side.credit += i64::from(r.req_lim_delta);
                     let data = match side.buffers.remove(&r.tag) {
@@ -697,11 +751,13 @@ impl Rig {
                     side.credit_requests += 1;
                     let mut b = Vec::new();
                     SrpCredRsp { tag: r.tag }.encode(&mut b);
-                    let _ = self.fabric.post_send(side.qp, 0, &b);
+                    let len = b.len();
+                    self.fabric.port(INITIATOR).post_send(side.qp, 0, b, len);
                 }
                 Ok(Iu::TLogout(t)) => side.logged_out = Some(t.reason),
                 other => panic!("the target sent {other:?}"),
             }
+            self.fabric.port(INITIATOR).post_recv(side.qp, 0, wc.buffer);
         }
         progress
     }

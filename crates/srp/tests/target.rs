@@ -621,3 +621,45 @@ fn malformed_ius_are_answered_without_harm_to_another_channel() {
     write_read(&mut rig, b, 1, 10, &pattern(4096, 4), 4, false);
     assert_eq!(rig.device_tasks(), 0);
 }
+
+/// RDMA completes when it completes: a command aborted while its data-out is being read, its
+/// tag then used again, must not take the late data of the first.
+#[test]
+fn a_late_rdma_read_of_an_aborted_command_does_not_reach_its_tags_next_command() {
+    let mut rig = rig();
+    let ch = login(&mut rig, INI_A);
+    let (old, new) = (pattern(4096, 1), pattern(4096, 2));
+    rig.hold_reads = true;
+    let write = |data: &[u8]| Cmd {
+        tag: 5,
+        cdb: write10(16, 8),
+        data_out: Some(data.to_vec()),
+        regions: 4,
+        ..Cmd::default()
+    };
+    rig.send(ch, &write(&old)).expect("credit");
+    rig.run();
+    rig.task_management(ch, 100, 0, TaskManagementFunction::AbortTask, 5);
+    rig.run();
+    let r = rig.response(ch, 100).expect("the abort is answered");
+    assert_eq!(r.response_data, [0, 0, 0, 0], "FUNCTION COMPLETE");
+    assert!(rig.response(ch, 5).is_none());
+    rig.send(ch, &write(&new)).expect("credit");
+    rig.run();
+    // Both reads complete now, the aborted command's first.
+    rig.release_reads();
+    assert_eq!(rig.response(ch, 5).map(|r| r.status), Some(0));
+    rig.hold_reads = false;
+    rig.send(
+        ch,
+        &Cmd {
+            tag: 6,
+            cdb: read10(16, 8),
+            data_in: 4096,
+            ..Cmd::default()
+        },
+    )
+    .expect("credit");
+    rig.run();
+    assert_eq!(rig.response(ch, 6).expect("read").data, new);
+}

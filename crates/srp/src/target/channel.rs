@@ -92,6 +92,9 @@ pub struct SrpTask {
     data_in: Vec<MemoryDescriptor>,
     /// A command waiting for its descriptor table (its CDB and attribute, until submitted).
     waiting: Option<Waiting>,
+    /// The RDMA READ (data-out or descriptor table) in flight for it: a completion that
+    /// names another belongs to a command that ended, whose tag may be in use again.
+    transfer: Option<u64>,
 }
 
 /// A command whose descriptor table is being fetched.
@@ -137,7 +140,7 @@ pub enum Transmit<B> {
     },
     /// RDMA WRITE the first `len` bytes of `payload` into `regions`, filling each in turn.
     /// The shell keeps the payload until the write's completion, then drops it, and gives
-    /// `regions` back with [`Channel::recycle`].
+    /// `regions` back with [`Channel::recycle`] once posted.
     RdmaWrite {
         /// The command's tag.
         tag: u64,
@@ -149,10 +152,13 @@ pub enum Transmit<B> {
         regions: Vec<MemoryDescriptor>,
     },
     /// RDMA READ `len` bytes from `regions` (filling the buffer in order from offset 0) into
-    /// `buffer`, then [`Channel::handle_data_out`].
+    /// `buffer`, then [`Channel::handle_data_out`]. The shell gives `regions` back with
+    /// [`Channel::recycle`] once posted.
     RdmaRead {
         /// The command's tag.
         tag: u64,
+        /// Names this transfer to [`Channel::handle_data_out`].
+        transfer: u64,
         /// Where the data lands.
         buffer: B,
         /// Bytes to read.
@@ -165,6 +171,8 @@ pub enum Transmit<B> {
     ReadTable {
         /// The command's tag.
         tag: u64,
+        /// Names this transfer to [`Channel::handle_table`].
+        transfer: u64,
         /// Where the table is.
         table: MemoryDescriptor,
     },
@@ -280,6 +288,7 @@ pub struct Channel<B> {
     /// An SRP_CRED_REQ is queued.
     credit_queued: bool,
     next_target_tag: u64,
+    next_transfer: u64,
     closing: Option<Close>,
     closed: bool,
     /// Descriptor lists to reuse, so steady state allocates none.
@@ -305,6 +314,7 @@ impl<B: TaskBuffer> Channel<B> {
             credit_requests: Vec::new(),
             credit_queued: false,
             next_target_tag: 1,
+            next_transfer: 1,
             closing: None,
             closed: false,
             lists: Vec::new(),
@@ -467,8 +477,12 @@ impl<B: TaskBuffer> Channel<B> {
         }
         buffer.set_len(len as usize);
         let regions = std::mem::take(&mut t.transport.data_out);
+        let transfer = self.next_transfer;
+        self.next_transfer += 1;
+        t.transport.transfer = Some(transfer);
         self.out.push_back(Out::Transfer(Transmit::RdmaRead {
             tag,
+            transfer,
             buffer,
             len,
             regions,
@@ -476,21 +490,24 @@ impl<B: TaskBuffer> Channel<B> {
         self.pump(now, core);
     }
 
-    /// The RDMA READ of a command's data-out has ended: `buffer` holds it, or the transfer
-    /// failed. `regions` is the list [`Transmit::RdmaRead`] carried.
+    /// The RDMA READ `transfer` of a command's data-out has ended: `buffer` holds it, or the
+    /// transfer failed.
     pub fn handle_data_out(
         &mut self,
         now: Instant,
         tag: u64,
+        transfer: u64,
         buffer: B,
-        regions: Vec<MemoryDescriptor>,
         ok: bool,
         core: &mut impl Core,
     ) {
-        self.recycle(regions);
-        let Some(t) = self.tasks.get(tag) else {
+        let Some(t) = self.tasks.get_mut(tag) else {
             return;
         };
+        if t.transport.transfer != Some(transfer) {
+            return; // A command that ended had it: the buffer goes back.
+        }
+        t.transport.transfer = None;
         let len = t.wanted.unwrap_or(0);
         self.tasks.put_buffer(tag, buffer);
         if !ok {
@@ -502,17 +519,22 @@ impl<B: TaskBuffer> Channel<B> {
         self.pump(now, core);
     }
 
-    /// A command's descriptor table has been read (`None`: the RDMA READ failed).
+    /// The descriptor table of RDMA READ `transfer` has been read (`None`: it failed).
     pub fn handle_table(
         &mut self,
         now: Instant,
         tag: u64,
+        transfer: u64,
         table: Option<&[u8]>,
         core: &mut impl Core,
     ) {
         let Some(t) = self.tasks.get_mut(tag) else {
             return;
         };
+        if t.transport.transfer != Some(transfer) {
+            return;
+        }
+        t.transport.transfer = None;
         let Some(w) = t.transport.waiting.take() else {
             return;
         };
@@ -758,6 +780,7 @@ impl<B: TaskBuffer> Channel<B> {
             data_out: self.list(),
             data_in: self.list(),
             waiting: None,
+            transfer: None,
         };
         let mut fetch = None;
         let mut valid = true;
@@ -828,8 +851,16 @@ impl<B: TaskBuffer> Channel<B> {
             return;
         }
         if let Some((_, table)) = fetch {
-            self.out
-                .push_back(Out::Transfer(Transmit::ReadTable { tag: c.tag, table }));
+            let transfer = self.next_transfer;
+            self.next_transfer += 1;
+            if let Some(t) = self.tasks.get_mut(c.tag) {
+                t.transport.transfer = Some(transfer);
+            }
+            self.out.push_back(Out::Transfer(Transmit::ReadTable {
+                tag: c.tag,
+                transfer,
+                table,
+            }));
             return;
         }
         self.submit(now, c.tag, c.cdb, attribute, core);

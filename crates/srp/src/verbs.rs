@@ -1,0 +1,198 @@
+//! The verbs an SRP shell runs on: memory regions, reliable-connected queue pairs, sends,
+//! receives, RDMA READ and WRITE, and their completions. Two implementations: the software
+//! [`fabric`](crate::fabric) in the process (everywhere; what tests, fuzzing and the paper's
+//! experiment drive) and, with the feature `rdma`, real devices through libibverbs and
+//! librdmacm ([`rdma`](crate::rdma)).
+//!
+//! Ownership follows the hardware: a buffer given to a work request belongs to the verbs until
+//! that request completes, and comes back in its [`Completion`] (the device may be reading or
+//! writing it until then, so no Rust reference to it may exist). Every post completes, also
+//! when it fails (a full queue, a queue pair in the error state, a bad remote key): the shell
+//! has exactly one place, its completion loop, where buffers come back and failures are seen.
+//!
+//! Memory that the *peer* reaches (an initiator's data buffers, named in SRP_CMD descriptors)
+//! is different: it stays where it is while registered, and the program touches it only between
+//! the commands that expose it. It is allocated by the verbs ([`Verbs::alloc`]) and lives as
+//! long as they do, so a registration never outlives its memory.
+
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::ops::DerefMut;
+
+use crate::iu::MemoryDescriptor;
+
+/// What a memory region lets the peer do (local access is always granted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Access {
+    /// RDMA READ by the peer (a write's data-out).
+    pub remote_read: bool,
+    /// RDMA WRITE by the peer (a read's data-in).
+    pub remote_write: bool,
+}
+
+impl Access {
+    /// Both.
+    pub const REMOTE: Access = Access {
+        remote_read: true,
+        remote_write: true,
+    };
+}
+
+/// A registered memory region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryRegion {
+    /// The key the local side's work requests name it by (L_Key).
+    pub lkey: u32,
+    /// The key the peer names it by in RDMA (R_Key), what a memory descriptor carries.
+    pub rkey: u32,
+    /// Its first virtual address.
+    pub addr: u64,
+    /// Its length.
+    pub len: u32,
+}
+
+impl MemoryRegion {
+    /// A descriptor of `len` bytes at `offset` into the region, for the peer.
+    pub fn descriptor(&self, offset: u32, len: u32) -> MemoryDescriptor {
+        MemoryDescriptor {
+            va: self.addr + u64::from(offset),
+            key: self.rkey,
+            len,
+        }
+    }
+}
+
+/// Why a work request failed. After any of these but [`VerbsError::QueueFull`] the queue pair
+/// is in the error state, and the requests still queued on it complete with
+/// [`VerbsError::Flushed`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum VerbsError {
+    /// The queue pair is in the error state (or its peer is gone).
+    #[error("the queue pair is in the error state")]
+    QpError,
+    /// The queue pair went to the error state before this request ran.
+    #[error("flushed: the queue pair went to the error state")]
+    Flushed,
+    /// More requests than the queue holds.
+    #[error("the work queue is full")]
+    QueueFull,
+    /// A send found no receive posted at the peer (receiver not ready, retries exhausted).
+    #[error("receiver not ready: no receive posted")]
+    ReceiverNotReady,
+    /// A message longer than the receive buffer posted for it.
+    #[error("message of {len} bytes for a receive of {posted}")]
+    LengthError {
+        /// Bytes sent.
+        len: usize,
+        /// Bytes the receive holds.
+        posted: usize,
+    },
+    /// A key names no region, or the range is outside it.
+    #[error("remote access error: key {key:#x}, address {va:#x}, {len} bytes")]
+    RemoteAccess {
+        /// The key.
+        key: u32,
+        /// The address.
+        va: u64,
+        /// Bytes.
+        len: u32,
+    },
+    /// The region does not allow the operation.
+    #[error("remote operation not allowed by the region of key {0:#x}")]
+    RemoteOperation(u32),
+    /// The verbs could not register or allocate memory.
+    #[error("memory registration failed")]
+    Registration,
+    /// Any other failure the device reported (its work completion status or errno).
+    #[error("the device reported status {0}")]
+    Device(u32),
+}
+
+/// What a work request did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkOp {
+    /// A receive (a message arrived, or it was flushed).
+    Recv,
+    /// A send.
+    Send,
+    /// RDMA WRITE of the buffer into the peer's memory.
+    RdmaWrite,
+    /// RDMA READ of the peer's memory into the buffer.
+    RdmaRead,
+}
+
+/// A finished work request, with the buffer it was given.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Completion<B> {
+    /// The id it was posted with.
+    pub wr_id: u64,
+    /// What it was.
+    pub op: WorkOp,
+    /// Its buffer, the verbs' no longer.
+    pub buffer: B,
+    /// Bytes received (a receive) or moved.
+    pub len: usize,
+    /// Its outcome.
+    pub result: Result<(), VerbsError>,
+}
+
+/// The verbs of one side of a fabric: what an SRP target or initiator shell needs, and no
+/// more. See the module's documentation for who owns what.
+pub trait Verbs {
+    /// A connected queue pair.
+    type Qp: Copy + Eq + Hash + Debug;
+    /// Registered local memory a work request reads or fills: IU buffers, the target's arena
+    /// slots.
+    type Buffer: DerefMut<Target = [u8]>;
+    /// Memory the peer may reach once registered.
+    type Memory;
+
+    /// `len` zeroed bytes for [`Verbs::register`], living as long as the verbs.
+    fn alloc(&mut self, len: usize) -> Result<Self::Memory, VerbsError>;
+    /// The bytes of `m`.
+    fn memory<'a>(&'a self, m: &'a Self::Memory) -> &'a [u8];
+    /// The bytes of `m`, to fill or change (not while a command exposes them to the peer).
+    fn memory_mut<'a>(&'a mut self, m: &'a mut Self::Memory) -> &'a mut [u8];
+    /// Registers `len` bytes of `m` from `offset` for `access`.
+    fn register(
+        &mut self,
+        m: &Self::Memory,
+        offset: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion, VerbsError>;
+    /// Deregisters a region: its keys no longer grant anything.
+    fn deregister(&mut self, region: MemoryRegion);
+
+    /// Posts a receive into `buffer` (its whole length).
+    fn post_recv(&mut self, qp: Self::Qp, wr_id: u64, buffer: Self::Buffer);
+    /// Sends the first `len` bytes of `buffer` to the peer's next posted receive.
+    fn post_send(&mut self, qp: Self::Qp, wr_id: u64, buffer: Self::Buffer, len: usize);
+    /// Writes the first `len` bytes of `buffer` into the peer's memory `remote`, in order (one
+    /// RDMA WRITE per descriptor; one completion for all).
+    fn post_rdma_write(
+        &mut self,
+        qp: Self::Qp,
+        wr_id: u64,
+        buffer: Self::Buffer,
+        len: usize,
+        remote: &[MemoryDescriptor],
+    );
+    /// Reads `len` bytes of the peer's memory `remote`, in order, into `buffer` (one RDMA
+    /// READ per descriptor; one completion for all).
+    fn post_rdma_read(
+        &mut self,
+        qp: Self::Qp,
+        wr_id: u64,
+        buffer: Self::Buffer,
+        len: usize,
+        remote: &[MemoryDescriptor],
+    );
+    /// The next finished work request of `qp`.
+    fn poll(&mut self, qp: Self::Qp) -> Option<Completion<Self::Buffer>>;
+    /// Whether `qp` is in the error state (its peer gone, or a request failed).
+    fn is_error(&self, qp: Self::Qp) -> bool;
+    /// Moves `qp` to the error state and tells the peer: the requests still queued complete
+    /// with [`VerbsError::Flushed`].
+    fn disconnect(&mut self, qp: Self::Qp);
+}
