@@ -13,6 +13,8 @@
 
 pub mod fabric;
 pub mod iu;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod target;
 pub mod testing;
 pub mod verbs;

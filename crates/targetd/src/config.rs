@@ -331,6 +331,28 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("{text:?} is too large"))
 }
 
+/// Why `server.rdma_portals` cannot be served by this build on this machine.
+fn rdma_unavailable() -> String {
+    #[cfg(not(feature = "rdma"))]
+    {
+        "SRP over RDMA needs targetd built with the feature rdma \
+         (cargo build --release --features rdma); this build has no RDMA support"
+            .into()
+    }
+    #[cfg(feature = "rdma")]
+    {
+        match srp::rdma::devices() {
+            Err(e) => format!("the RDMA devices cannot be listed: {e}"),
+            Ok(d) if d.is_empty() => "no RDMA device found on this machine".into(),
+            Ok(d) => format!(
+                "RDMA devices {d:?} are present, but this targetd does not serve SRP yet: \
+                 the SRP target runs in the srp crate (software fabric, rdma binding), \
+                 its daemon shell is not built"
+            ),
+        }
+    }
+}
+
 impl Config {
     /// Reads, parses and validates `path`; relative paths in it are taken from the directory
     /// the daemon runs in, as the repo's config.toml expects.
@@ -395,6 +417,17 @@ impl Config {
                     format!("{p:?} is not an address:port"),
                 );
             }
+        }
+        for (i, p) in s.rdma_portals.iter().enumerate() {
+            if p.parse::<SocketAddr>().is_err() {
+                return fail(
+                    &format!("server.rdma_portals[{i}]"),
+                    format!("{p:?} is not an address:port"),
+                );
+            }
+        }
+        if !s.rdma_portals.is_empty() {
+            return fail("server.rdma_portals", rdma_unavailable());
         }
         if let Some(m) = &s.metrics_listen {
             if m.parse::<SocketAddr>().is_err() {
@@ -772,6 +805,21 @@ size = "1GiB"
         assert!(e.contains("line"), "{e}");
     }
 
+    /// A config that names RDMA portals is refused, with the reason, unless this build can
+    /// serve them (the feature `rdma`, a device, and the SRP shell).
+    #[test]
+    fn rdma_portals_are_refused_with_the_reason() {
+        let e = refused(&GOOD.replace(
+            "admin_socket = \"targetd.sock\"",
+            "rdma_portals = [\"0.0.0.0:5555\"]",
+        ));
+        assert!(e.contains("server.rdma_portals"), "{e}");
+        #[cfg(not(feature = "rdma"))]
+        assert!(e.contains("--features rdma"), "{e}");
+        #[cfg(feature = "rdma")]
+        assert!(e.contains("RDMA device"), "{e}");
+    }
+
     #[test]
     fn each_bad_value_names_its_key() {
         let cases = [
@@ -798,6 +846,7 @@ size = "1GiB"
             (GOOD.replace("[[targets.luns]]", "networks = [\"10.0.0.0/33\"]\n[[targets.luns]]"), "targets[0].networks[0]"),
             (GOOD.replace("[[targets.luns]]", "initiators = [\"bob\"]\n[[targets.luns]]"), "targets[0].initiators[0]"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "engine = \"aio\""), "server.engine"),
+            (GOOD.replace("admin_socket = \"targetd.sock\"", "rdma_portals = [\"ib0\"]"), "server.rdma_portals[0]"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "login_timeout = 0"), "server.login_timeout"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "max_connections = 0"), "server.max_connections"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "max_sessions = 70000"), "server.max_sessions"),
