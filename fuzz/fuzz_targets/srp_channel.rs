@@ -8,7 +8,7 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use srp::iu::{MultiChannelAction, SrpCmd, TaskManagementFunction};
-use srp::testing::{Cmd, Rig};
+use srp::testing::{Cmd, Registration, Rig};
 
 #[derive(Arbitrary, Debug)]
 enum Step {
@@ -53,6 +53,8 @@ enum Step {
     Release,
     /// Hold the target's RDMA READ completions, or hand them in (a slow fabric).
     HoldReads(bool),
+    /// How the initiators register their buffers from now on.
+    Registration(u8),
 }
 
 fn cdb(op: u8, lba: u16, blocks: u8) -> Vec<u8> {
@@ -149,6 +151,13 @@ fuzz_target!(|steps: Vec<Step>| {
             Step::Hold(h) => rig.hold_backend = h,
             Step::Release => rig.release(),
             Step::HoldReads(true) => rig.hold_reads = true,
+            Step::Registration(r) => {
+                rig.registration = [
+                    Registration::PerCommand,
+                    Registration::Cache,
+                    Registration::Pool,
+                ][r as usize % 3]
+            }
             Step::HoldReads(false) => {
                 rig.hold_reads = false;
                 rig.release_reads();
