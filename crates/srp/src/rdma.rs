@@ -430,19 +430,11 @@ impl RdmaVerbs {
     /// state: its requests complete, flushed; then [`RdmaVerbs::destroy`] it.
     pub fn poll_connection(&mut self) -> Option<(QpHandle, Connection)> {
         loop {
-            let mut event = ptr::null_mut();
-            // Safety: the channel is valid and non-blocking.
-            if unsafe { rdma_get_cm_event(self.cm, &mut event) } != 0 {
-                return None;
-            }
-            // Safety: a returned event is valid until acknowledged, just after reading it;
-            // an id's context is the queue pair's number plus one (set when it was made).
-            let (kind, context) = unsafe {
-                let kind = (*event).event;
-                let context = (*(*event).id).context as usize;
-                rdma_ack_cm_event(event);
-                (kind, context)
-            };
+            let event = next_event(self.cm)?;
+            // Safety: an id's context is its queue pair's number plus one (set when it was
+            // made); ids of this channel live until their queue pair is destroyed.
+            let context = unsafe { (*event.id).context } as usize;
+            let kind = event.kind;
             let Some(qp) = context.checked_sub(1).map(QpHandle) else {
                 continue;
             };
@@ -1172,19 +1164,23 @@ impl SockAddr {
     }
 }
 
-/// Waits on a blocking rdma_cm channel for `expected`: the event's private data.
-fn wait_event(
-    channel: *mut rdma_event_channel,
-    expected: rdma_cm_event_type::Type,
-) -> Result<Vec<u8>, RdmaError> {
+/// An rdma_cm event, copied out and acknowledged.
+struct CmEvent {
+    kind: rdma_cm_event_type::Type,
+    id: *mut rdma_cm_id,
+    private: Vec<u8>,
+}
+
+/// The next event of `channel` (`None`: none yet on a non-blocking channel, or it failed).
+fn next_event(channel: *mut rdma_event_channel) -> Option<CmEvent> {
     let mut event = ptr::null_mut();
-    // Safety: the channel is valid and blocking.
+    // Safety: the channel is valid.
     if unsafe { rdma_get_cm_event(channel, &mut event) } != 0 {
-        return Err(os("rdma_get_cm_event"));
+        return None;
     }
-    // Safety: the event is valid until acknowledged, after its private data is copied.
-    let (kind, private) = unsafe {
-        let kind = (*event).event;
+    // Safety: the event is valid until acknowledged, after its kind, id and private data are
+    // copied out.
+    unsafe {
         let conn = &(*event).param.conn;
         let private = if conn.private_data.is_null() {
             Vec::new()
@@ -1195,9 +1191,23 @@ fn wait_event(
             )
             .to_vec()
         };
+        let copied = CmEvent {
+            kind: (*event).event,
+            id: (*event).id,
+            private,
+        };
         rdma_ack_cm_event(event);
-        (kind, private)
-    };
+        Some(copied)
+    }
+}
+
+/// Waits on a blocking rdma_cm channel for `expected`: the event's private data.
+fn wait_event(
+    channel: *mut rdma_event_channel,
+    expected: rdma_cm_event_type::Type,
+) -> Result<Vec<u8>, RdmaError> {
+    let event = next_event(channel).ok_or_else(|| os("rdma_get_cm_event"))?;
+    let (kind, private) = (event.kind, event.private);
     match kind {
         k if k == expected => Ok(private),
         rdma_cm_event_type::RDMA_CM_EVENT_REJECTED => Err(RdmaError::Rejected(private)),
@@ -1259,28 +1269,7 @@ impl Listener {
     /// The next connect request, if one has come (its private data is an SRP_LOGIN_REQ).
     pub fn accept(&mut self) -> Option<ConnectRequest> {
         loop {
-            let mut event = ptr::null_mut();
-            // Safety: the channel is valid and non-blocking.
-            if unsafe { rdma_get_cm_event(self.channel, &mut event) } != 0 {
-                return None;
-            }
-            // Safety: the event is valid until acknowledged, after its id and private data
-            // are taken.
-            let (kind, id, private) = unsafe {
-                let conn = &(*event).param.conn;
-                let private = if conn.private_data.is_null() {
-                    Vec::new()
-                } else {
-                    std::slice::from_raw_parts(
-                        conn.private_data.cast::<u8>(),
-                        conn.private_data_len as usize,
-                    )
-                    .to_vec()
-                };
-                let r = ((*event).event, (*event).id, private);
-                rdma_ack_cm_event(event);
-                r
-            };
+            let CmEvent { kind, id, private } = next_event(self.channel)?;
             if kind == rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
                 return Some(ConnectRequest { id, private });
             }
