@@ -238,8 +238,9 @@ struct Qp {
     recv_used: u32,
     in_flight: Vec<Option<InFlight>>,
     free_ids: Vec<usize>,
-    /// Requests that failed before reaching the device, completed in order by `poll`.
-    failed: VecDeque<Completion<Slot>>,
+    /// Requests that ended without reaching the device (failed, or nothing to move), handed
+    /// out by `poll` first.
+    immediate: VecDeque<Completion<Slot>>,
     error: bool,
 }
 
@@ -574,7 +575,7 @@ impl RdmaVerbs {
             recv_used: 0,
             in_flight: Vec::new(),
             free_ids: Vec::new(),
-            failed: VecDeque::new(),
+            immediate: VecDeque::new(),
             error: false,
         }));
         Ok(handle)
@@ -761,7 +762,7 @@ impl RdmaVerbs {
             return; // Destroyed: the buffer goes back to the pool.
         };
         if q.error {
-            q.failed.push_back(failed(VerbsError::Flushed, buffer));
+            q.immediate.push_back(failed(VerbsError::Flushed, buffer));
             return;
         }
         if len > buffer.len() {
@@ -769,7 +770,7 @@ impl RdmaVerbs {
                 len,
                 posted: buffer.len(),
             };
-            q.failed.push_back(failed(e, buffer));
+            q.immediate.push_back(failed(e, buffer));
             return;
         }
         self.sges.clear();
@@ -822,13 +823,24 @@ impl RdmaVerbs {
         } else {
             q.send_used + entries <= q.depth.send
         };
-        if !room || entries == 0 {
-            let e = if room {
-                VerbsError::LengthError { len, posted: 0 }
+        if entries == 0 {
+            // Nothing to move (no bytes), or no descriptor to move them to.
+            let result = if len == 0 {
+                Ok(())
             } else {
-                VerbsError::QueueFull
+                Err(VerbsError::LengthError { len, posted: 0 })
             };
-            q.failed.push_back(failed(e, buffer));
+            q.immediate.push_back(Completion {
+                wr_id,
+                op,
+                buffer,
+                len: 0,
+                result,
+            });
+            return;
+        }
+        if !room {
+            q.immediate.push_back(failed(VerbsError::QueueFull, buffer));
             return;
         }
         let slot = match q.free_ids.pop() {
@@ -886,7 +898,7 @@ impl RdmaVerbs {
                 } else {
                     VerbsError::Device(r as u32)
                 };
-                q.failed.push_back(failed(e, buffer));
+                q.immediate.push_back(failed(e, buffer));
             } else {
                 // Part of the chain may be on the device: the buffer must outlive it, so
                 // it is not returned, and the queue pair is broken.
@@ -1020,7 +1032,7 @@ impl Verbs for RdmaVerbs {
 
     fn poll(&mut self, qp: QpHandle) -> Option<Completion<Slot>> {
         let q = self.qp(qp)?;
-        if let Some(c) = q.failed.pop_front() {
+        if let Some(c) = q.immediate.pop_front() {
             return Some(c);
         }
         loop {
