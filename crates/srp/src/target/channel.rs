@@ -298,6 +298,13 @@ pub struct Channel<B> {
 /// How many descriptor lists a channel keeps for reuse.
 const KEPT_LISTS: usize = 512;
 
+/// The next number of a counter of target-assigned identifiers (tags, transfers).
+fn take_next(counter: &mut u64) -> u64 {
+    let n = *counter;
+    *counter = n.wrapping_add(1);
+    n
+}
+
 impl<B: TaskBuffer> Channel<B> {
     /// A channel of the I_T nexus `nexus`, logged in with `params`.
     pub fn new(nexus: NexusId, params: ChannelParams) -> Channel<B> {
@@ -477,8 +484,7 @@ impl<B: TaskBuffer> Channel<B> {
         }
         buffer.set_len(len as usize);
         let regions = std::mem::take(&mut t.transport.data_out);
-        let transfer = self.next_transfer;
-        self.next_transfer += 1;
+        let transfer = take_next(&mut self.next_transfer);
         t.transport.transfer = Some(transfer);
         self.out.push_back(Out::Transfer(Transmit::RdmaRead {
             tag,
@@ -643,9 +649,7 @@ impl<B: TaskBuffer> Channel<B> {
     }
 
     fn target_tag(&mut self) -> u64 {
-        let t = self.next_target_tag;
-        self.next_target_tag = t.wrapping_add(1);
-        t
+        take_next(&mut self.next_target_tag)
     }
 
     /// Ends the channel from the target's side: SRP_T_LOGOUT, then the shell disconnects
@@ -825,6 +829,7 @@ impl<B: TaskBuffer> Channel<B> {
         }
         let attribute = c.task_attribute.into();
         if let Some((data_in, table)) = fetch {
+            task.transfer = Some(take_next(&mut self.next_transfer));
             task.waiting = Some(Waiting {
                 cdb: c.cdb.to_vec(),
                 attribute,
@@ -832,6 +837,7 @@ impl<B: TaskBuffer> Channel<B> {
                 table,
             });
         }
+        let transfer = task.transfer;
         let new = NewTask {
             lun: c.lun,
             data_out_len,
@@ -850,12 +856,7 @@ impl<B: TaskBuffer> Channel<B> {
             );
             return;
         }
-        if let Some((_, table)) = fetch {
-            let transfer = self.next_transfer;
-            self.next_transfer += 1;
-            if let Some(t) = self.tasks.get_mut(c.tag) {
-                t.transport.transfer = Some(transfer);
-            }
+        if let (Some((_, table)), Some(transfer)) = (fetch, transfer) {
             self.out.push_back(Out::Transfer(Transmit::ReadTable {
                 tag: c.tag,
                 transfer,
