@@ -480,10 +480,9 @@ impl RdmaVerbs {
         unsafe { (*self.comp).fd }
     }
 
-    /// Takes the completion channel's events, acknowledges them and asks for the next:
-    /// the queue pairs that have completions to poll.
-    pub fn ack_events(&mut self) -> Vec<QpHandle> {
-        let mut ready = Vec::new();
+    /// Takes the completion channel's events, acknowledges them and asks for the next: the
+    /// queue pairs that have completions to poll are added to `ready` (the caller's, reused).
+    pub fn ack_events(&mut self, ready: &mut Vec<QpHandle>) {
         loop {
             let mut cq = ptr::null_mut();
             let mut context = ptr::null_mut();
@@ -497,15 +496,12 @@ impl RdmaVerbs {
                 ibv_ack_cq_events(cq, 1);
                 ibv_req_notify_cq(cq, 0);
             }
-            if let Some(i) = self
-                .qps
-                .iter()
-                .position(|q| q.as_ref().is_some_and(|q| q.cq == cq))
-            {
-                ready.push(QpHandle(i));
+            // The queue's context is its queue pair's number plus one (set when it was made).
+            let qp = (context as usize).checked_sub(1).map(QpHandle);
+            if let Some(qp) = qp.filter(|&qp| self.qps.get(qp.0).is_some_and(Option::is_some)) {
+                ready.push(qp);
             }
         }
-        ready
     }
 
     /// Moves connection id `id` onto this device's rdma_cm channel, so that its events come
@@ -525,13 +521,15 @@ impl RdmaVerbs {
             send: depth.send.clamp(1, self.max_qp_wr),
             recv: depth.recv.clamp(1, self.max_qp_wr),
         };
+        let handle = QpHandle(self.qps.len());
         // Safety: the context and completion channel are valid; the queue is destroyed in
-        // `drop` (or below on failure), after its queue pair.
+        // `drop` (or below on failure), after its queue pair. Its context is a number, never
+        // dereferenced.
         let cq = unsafe {
             ibv_create_cq(
                 self.context,
                 (depth.send + depth.recv) as i32,
-                ptr::null_mut(),
+                (handle.0 + 1) as *mut libc::c_void,
                 self.comp,
                 0,
             )
@@ -564,7 +562,6 @@ impl RdmaVerbs {
             unsafe { ibv_destroy_cq(cq) };
             return Err(e);
         }
-        let handle = QpHandle(self.qps.len());
         // Safety: the id is valid; its context names the queue pair for the event loop.
         unsafe { (*id).context = (handle.0 + 1) as *mut libc::c_void };
         self.qps.push(Some(Qp {
