@@ -12,6 +12,7 @@
 #![cfg_attr(feature = "rdma", deny(unsafe_code))]
 
 pub mod fabric;
+pub mod initiator;
 pub mod iu;
 #[cfg(feature = "rdma")]
 pub mod rdma;

@@ -13,11 +13,13 @@ use scsi_core::{
     MemoryBackend, NexusId, Op, Output, Residual, TargetPort, TaskId, TmfFunction, TransportId,
 };
 
-use crate::fabric::{Access, Costs, Fabric, MemoryId, MemoryRegion, NodeId, QpId};
+use crate::fabric::{Access, Costs, Fabric, MemoryId, NodeId, QpId};
+pub use crate::initiator::Registration;
+use crate::initiator::{DataMemory, ExposeError};
 use crate::iu::{
-    BufferFormats, DataBufferDescriptor, Descriptors, Iu, MemoryDescriptor, MultiChannelAction,
-    SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRej, SrpLoginReq, SrpLoginRsp, SrpTskMgmt,
-    TargetLogoutReason, TaskAttribute, TaskManagementFunction, DESCRIPTOR_LEN,
+    BufferFormats, DataBufferDescriptor, Iu, MultiChannelAction, SrpCmd, SrpCredRsp, SrpILogout,
+    SrpLoginRej, SrpLoginReq, SrpLoginRsp, SrpTskMgmt, TargetLogoutReason, TaskAttribute,
+    TaskManagementFunction,
 };
 use crate::target::channel::SPARE_RECEIVES;
 use crate::target::{
@@ -196,8 +198,12 @@ pub struct InitiatorSide {
     pub logged_out: Option<TargetLogoutReason>,
     /// SRP_CRED_REQs received.
     pub credit_requests: u32,
-    /// Each read's data-in memory, by tag.
-    buffers: HashMap<u64, Vec<(MemoryId, usize, usize)>>,
+    /// Each command with a data buffer, by tag: where the buffer is, and whether it is a
+    /// read's (gathered into the response).
+    commands: HashMap<u64, Placed>,
+    /// Task management functions sent, by tag: the function, its task tag and its LUN (what
+    /// the answer ends on the initiator's side).
+    tmfs: HashMap<u64, (TaskManagementFunction, u64, u64)>,
 }
 
 /// One channel of the rig.
@@ -236,23 +242,19 @@ impl RigChannel {
     }
 }
 
-/// How a rig's initiator registers the memory its commands' descriptors name (paper 004's
-/// three ways).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Registration {
-    /// Each region of each command registered when the command is sent (the slow path the
-    /// paper measured: 32 registrations for a 128 KiB command of 4 KiB pages).
-    #[default]
-    PerCommand,
-    /// A registration per buffer place, kept and reused when a later command uses the same
-    /// place (a pin-down cache).
-    Cache,
-    /// One registration of the whole buffer arena, made once; commands name slices of it.
-    Pool,
+/// Where a rig's command keeps its buffer: the strategy's memory, its key there, whether
+/// data-in comes back into it, and its LUN.
+#[derive(Debug, Clone, Copy)]
+struct Placed {
+    registration: Registration,
+    key: u64,
+    read: bool,
+    lun: u64,
 }
 
-/// Buffer places in the initiators' arena (a command's place is its tag modulo this).
-pub const ARENA_SLOTS: usize = 64;
+/// Buffer places in the initiators' memory of each strategy: commands in flight with data, as
+/// many as the port's default request limit.
+pub const ARENA_SLOTS: usize = 128;
 /// Bytes of each place: twice a command's data (its regions lie apart) and its table.
 pub const ARENA_SLOT: usize = 512 * 1024;
 
@@ -263,6 +265,8 @@ pub enum SendError {
     NoCredit,
     /// The channel is gone.
     Gone,
+    /// The initiator's memory could not hold or expose the buffer.
+    Buffer(ExposeError),
 }
 
 /// The rig.
@@ -287,11 +291,12 @@ pub struct Rig {
     now: Instant,
     /// Commands the target finished (its accounting events).
     pub completed: u64,
-    /// How the initiators register their buffers.
+    /// How the initiators register their buffers (a change applies to the next command).
     pub registration: Registration,
-    arena: Option<MemoryId>,
-    pool: Option<MemoryRegion>,
-    cache: HashMap<(usize, usize), MemoryRegion>,
+    /// The initiators' data memory of each strategy, made at its first use.
+    memories: HashMap<Registration, DataMemory<MemoryId>>,
+    /// Keys of commands in the data memories, unique across channels.
+    next_key: u64,
 }
 
 impl Rig {
@@ -348,9 +353,8 @@ impl Rig {
             now: Instant::now(),
             completed: 0,
             registration: Registration::PerCommand,
-            arena: None,
-            pool: None,
-            cache: HashMap::new(),
+            memories: HashMap::new(),
+            next_key: 0,
         }
     }
 
@@ -428,7 +432,8 @@ impl Rig {
                 responses: HashMap::new(),
                 logged_out: None,
                 credit_requests: 0,
-                buffers: HashMap::new(),
+                commands: HashMap::new(),
+                tmfs: HashMap::new(),
             },
             key,
             nexus,
@@ -458,54 +463,30 @@ impl Rig {
             return Err(SendError::NoCredit);
         }
         let len = cmd.data_out.as_ref().map_or(cmd.data_in as usize, Vec::len);
-        let n = cmd.regions.max(1);
-        let chunk = len.div_ceil(n).max(1);
-        let table_len = n * DESCRIPTOR_LEN;
-        // Pool and cache place a command's regions in a slot of one initiator arena, each
-        // region apart from the next (discrete, as scattered pages are); larger commands
-        // fall back to registering per command.
-        let strategy = if 2 * len + table_len <= ARENA_SLOT {
-            self.registration
-        } else {
-            Registration::PerCommand
-        };
-        let slot = (cmd.tag % ARENA_SLOTS as u64) as usize * ARENA_SLOT;
-        let mut places = Vec::new();
-        let mut regions = Vec::new();
-        let mut at = 0;
-        while at < len || (len == 0 && regions.is_empty() && cmd.data_in > 0) {
-            let this = chunk.min(len - at);
-            let (m, offset) = match strategy {
-                Registration::PerCommand => (self.fabric.alloc(INITIATOR, this), 0),
-                _ => (self.arena(), slot + 2 * at),
-            };
-            if let Some(d) = &cmd.data_out {
-                self.fabric.memory_mut(m)[offset..offset + this].copy_from_slice(&d[at..at + this]);
-            }
-            regions.push(self.expose(strategy, m, offset, this));
-            places.push((m, offset, this));
-            at += this;
-        }
-        let mut list = Vec::new();
-        regions.iter().for_each(|d| d.encode(&mut list));
-        let descriptor = if len == 0 {
-            DataBufferDescriptor::None
-        } else if regions.len() == 1 && !cmd.partial {
-            DataBufferDescriptor::Direct(regions[0])
-        } else {
-            let (m, offset) = match strategy {
-                Registration::PerCommand => (self.fabric.alloc(INITIATOR, list.len()), 0),
-                _ => (self.arena(), slot + 2 * len),
-            };
-            self.fabric.memory_mut(m)[offset..offset + list.len()].copy_from_slice(&list);
-            let table = self.expose(strategy, m, offset, list.len());
-            let in_iu = if cmd.partial { &list[..16] } else { &list[..] };
-            DataBufferDescriptor::Indirect {
-                table,
-                total_len: len as u32,
-                partial: Descriptors::new(in_iu).expect("whole descriptors"),
+        let registration = self.registration;
+        let memory = match self.memories.entry(registration) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let mut port = self.fabric.port(INITIATOR);
+                v.insert(
+                    DataMemory::new(&mut port, registration, ARENA_SLOTS, ARENA_SLOT)
+                        .expect("the fabric allocates"),
+                )
             }
         };
+        self.next_key += 1;
+        let key = self.next_key;
+        let exposed = memory
+            .expose(
+                &mut self.fabric.port(INITIATOR),
+                key,
+                len,
+                cmd.regions,
+                cmd.partial,
+                cmd.data_out.as_deref(),
+            )
+            .map_err(SendError::Buffer)?;
+        let descriptor = exposed.descriptor();
         let (data_out, data_in) = if cmd.data_out.is_some() {
             (descriptor, DataBufferDescriptor::None)
         } else {
@@ -522,62 +503,25 @@ impl Rig {
         };
         let mut b = Vec::new();
         c.encode(&mut b);
-        let side = &mut self.channels[ch].initiator;
-        if cmd.data_out.is_none() {
-            side.buffers.insert(cmd.tag, places);
+        let placed = Placed {
+            registration,
+            key,
+            read: cmd.data_out.is_none(),
+            lun: cmd.lun,
+        };
+        // An initiator that reuses a tag in flight forgets the first command's buffer.
+        if let Some(old) = self.channels[ch].initiator.commands.insert(cmd.tag, placed) {
+            self.free(old);
         }
-        side.credit -= 1;
+        self.channels[ch].initiator.credit -= 1;
         self.send_raw(ch, &b);
         Ok(())
     }
 
-    /// The initiators' arena (pool and cache strategies), allocated at first use.
-    fn arena(&mut self) -> MemoryId {
-        match self.arena {
-            Some(m) => m,
-            None => {
-                let m = self.fabric.alloc(INITIATOR, ARENA_SLOTS * ARENA_SLOT);
-                self.arena = Some(m);
-                m
-            }
-        }
-    }
-
-    /// A descriptor of `len` bytes at `offset` of `m` the target may reach, registered as
-    /// `strategy` says: now (per command), once per place (cache), or with the whole arena
-    /// once (pool).
-    fn expose(
-        &mut self,
-        strategy: Registration,
-        m: MemoryId,
-        offset: usize,
-        len: usize,
-    ) -> MemoryDescriptor {
-        match strategy {
-            Registration::PerCommand => self
-                .fabric
-                .register(m, offset, len, Access::REMOTE)
-                .descriptor(0, len as u32),
-            Registration::Cache => {
-                let fabric = &mut self.fabric;
-                self.cache
-                    .entry((offset, len))
-                    .or_insert_with(|| fabric.register(m, offset, len, Access::REMOTE))
-                    .descriptor(0, len as u32)
-            }
-            Registration::Pool => {
-                let pool = match self.pool {
-                    Some(r) => r,
-                    None => {
-                        let r =
-                            self.fabric
-                                .register(m, 0, ARENA_SLOTS * ARENA_SLOT, Access::REMOTE);
-                        self.pool = Some(r);
-                        r
-                    }
-                };
-                pool.descriptor(offset as u32, len as u32)
-            }
+    /// A command's buffer place is free again (and its per-command registrations undone).
+    fn free(&mut self, placed: Placed) {
+        if let Some(m) = self.memories.get_mut(&placed.registration) {
+            m.release(&mut self.fabric.port(INITIATOR), placed.key);
         }
     }
 
@@ -607,7 +551,9 @@ impl Rig {
         };
         let mut b = Vec::new();
         t.encode(&mut b);
-        self.channels[ch].initiator.credit -= 1;
+        let side = &mut self.channels[ch].initiator;
+        side.credit -= 1;
+        side.tmfs.insert(tag, (function, task_tag, lun));
         self.send_raw(ch, &b);
     }
 
@@ -806,6 +752,7 @@ impl Rig {
 
     fn step_initiator(&mut self, ch: usize) -> bool {
         let mut progress = false;
+        let mut ended = Vec::new();
         let c = &mut self.channels[ch];
         let side = &mut c.initiator;
         while let Some(wc) = self.fabric.port(INITIATOR).poll(side.qp) {
@@ -817,13 +764,34 @@ impl Rig {
             match Iu::decode(iu) {
                 Ok(Iu::Rsp(r)) => {
                     side.credit += i64::from(r.req_lim_delta);
-                    let data = match side.buffers.remove(&r.tag) {
-                        Some(places) => places
-                            .iter()
-                            .flat_map(|&(m, at, len)| self.fabric.memory(m)[at..at + len].to_vec())
-                            .collect(),
-                        None => Vec::new(),
-                    };
+                    let mut data = Vec::new();
+                    if let Some(placed) = side.commands.remove(&r.tag) {
+                        if placed.read {
+                            if let Some(m) = self.memories.get(&placed.registration) {
+                                let port = self.fabric.port(INITIATOR);
+                                m.data(&port, placed.key)
+                                    .for_each(|b| data.extend_from_slice(b));
+                            }
+                        }
+                        ended.push(placed);
+                    }
+                    // The answer to a task management function ends the tasks it aborted.
+                    if let Some((function, task_tag, lun)) = side.tmfs.remove(&r.tag) {
+                        let aborted = |t: &u64, p: &Placed| match function {
+                            TaskManagementFunction::AbortTask => *t == task_tag,
+                            TaskManagementFunction::AbortTaskSet
+                            | TaskManagementFunction::ClearTaskSet
+                            | TaskManagementFunction::LogicalUnitReset => p.lun == lun,
+                            _ => false,
+                        };
+                        side.commands.retain(|t, p| {
+                            let gone = aborted(t, p);
+                            if gone {
+                                ended.push(*p);
+                            }
+                            !gone
+                        });
+                    }
                     side.responses.insert(
                         r.tag,
                         Response {
@@ -849,6 +817,13 @@ impl Rig {
                 other => panic!("the target sent {other:?}"),
             }
             self.fabric.port(INITIATOR).post_recv(side.qp, 0, wc.buffer);
+        }
+        // A channel that is gone ends every command still on it.
+        if c.gone {
+            ended.extend(side.commands.drain().map(|(_, p)| p));
+        }
+        for placed in ended {
+            self.free(placed);
         }
         progress
     }
