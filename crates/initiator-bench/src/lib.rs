@@ -26,4 +26,5 @@ pub use session::{discover, DiscoveredTarget, PendingCommand, Session};
 pub use url::IscsiUrl;
 pub mod plot;
 pub mod proxy;
+pub mod srp;
 pub mod workload;

@@ -11,10 +11,12 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use initiator_bench::login::LoginOptions;
 use initiator_bench::plot::{plot, Series};
 use initiator_bench::proxy::{parse_duration, parse_rate, Link, Proxy};
+use initiator_bench::srp::{LinkModel, SrpOptions};
 use initiator_bench::workload::{parse_size, run_many, Progress, Report, Rw, Split, Workload};
 use initiator_bench::{discover, IscsiUrl};
 use iscsi_pdu::chap::ChapCredentials;
 use iscsi_pdu::negotiation::DigestAlgorithm;
+use srp::initiator::Registration;
 
 #[derive(Parser)]
 #[command(
@@ -35,8 +37,14 @@ enum Cmd {
     /// Run one workload and report IOPS, throughput and latency.
     Run {
         /// iscsi://[user%secret@]host[:port]/IQN/LUN; several spread the sessions over them.
+        /// With `--transport srp`: `fabric`, an in-process SRP target over the software fabric.
         #[arg(required = true)]
         urls: Vec<String>,
+        /// The transport.
+        #[arg(long, value_enum, default_value = "iscsi")]
+        transport: Transport,
+        #[command(flatten)]
+        srp: SrpArgs,
         #[command(flatten)]
         workload: WorkloadArgs,
         #[command(flatten)]
@@ -98,6 +106,17 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Paper 004 over SRP on the software fabric: 128 KiB READs and WRITEs cut into 1 to 32
+    /// discrete regions, for each way of registering the initiator's memory; writes
+    /// paper004.md, paper004.csv, paper004.svg and paper004.png.
+    Paper004 {
+        /// Directory for the table and the plot.
+        #[arg(long, default_value = "paper004-out")]
+        out: PathBuf,
+        /// Commands measured per point (each READ and each WRITE).
+        #[arg(long, default_value_t = 512)]
+        ios: u64,
+    },
     /// List the targets a portal offers (SendTargets=All).
     Discover {
         /// iscsi://host[:port]
@@ -105,6 +124,39 @@ enum Cmd {
         #[command(flatten)]
         login: LoginArgs,
     },
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Transport {
+    /// iSCSI over TCP.
+    Iscsi,
+    /// SRP over RDMA verbs (the software fabric: url `fabric`).
+    Srp,
+}
+
+#[derive(Args, Clone)]
+struct SrpArgs {
+    /// SRP: how the initiator registers its buffers (per-command, cache, pool).
+    #[arg(long, default_value = "pool")]
+    registration: Registration,
+    /// SRP: regions each command's buffer is cut into (1 = contiguous; more = an indirect
+    /// descriptor table).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=512))]
+    regions: u16,
+    /// SRP: what the software fabric charges (paper004: the paper's link and registration
+    /// costs on a virtual clock; free: nothing).
+    #[arg(long, value_enum, default_value = "paper004")]
+    link: LinkModel,
+}
+
+impl SrpArgs {
+    fn options(&self) -> SrpOptions {
+        SrpOptions {
+            registration: self.registration,
+            regions: usize::from(self.regions),
+            link: self.link,
+        }
+    }
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -291,9 +343,38 @@ fn main() -> anyhow::Result<()> {
         match cli.command {
             Cmd::Run {
                 urls,
+                transport: Transport::Srp,
+                srp,
+                workload,
+                json,
+                ..
+            } => {
+                if urls.len() != 1 || urls[0] != "fabric" {
+                    bail!(
+                        "--transport srp runs against `fabric` (an in-process SRP target over the \
+                         software fabric); SRP on an RDMA device is not in initiator-bench yet"
+                    );
+                }
+                let report =
+                    initiator_bench::srp::run_fabric(&workload.workload()?, &srp.options())
+                        .map_err(|e| anyhow::anyhow!(e))?;
+                if json {
+                    println!("{}", serde_json::to_string(&report)?);
+                } else {
+                    initiator_bench::srp::print(&report);
+                }
+                if report.verify_errors > 0 {
+                    bail!("{} blocks failed verification", report.verify_errors);
+                }
+                Ok(())
+            }
+            Cmd::Paper004 { out, ios } => paper004(&out, ios),
+            Cmd::Run {
+                urls,
                 workload,
                 login,
                 json,
+                ..
             } => {
                 let urls = urls
                     .iter()
@@ -416,6 +497,83 @@ async fn run_with_progress(
         eprintln!();
     }
     Ok(report?)
+}
+
+/// Paper 004 on the fabric: every strategy and region count, READs and WRITEs of 128 KiB.
+fn paper004(out: &std::path::Path, ios: u64) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("{}", out.display()))?;
+    let regions = [1usize, 2, 4, 8, 16, 32];
+    let mut md = String::from(
+        "| registration | regions per 128 KiB command | READ MB/s | WRITE MB/s | READ latency us (mean) | initiator registrations per command | target registrations |\n| --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    let mut csv = String::from(
+        "registration,regions,read_mb_s,write_mb_s,read_latency_us,registrations_per_command,target_registrations\n",
+    );
+    let mut series = Vec::new();
+    for registration in Registration::ALL {
+        let mut points = Vec::new();
+        for &n in &regions {
+            let options = SrpOptions {
+                registration,
+                regions: n,
+                link: LinkModel::Paper004,
+            };
+            let mut w = Workload {
+                rw: Rw::Read,
+                bs: 128 * 1024,
+                qd: 1,
+                ios: Some(ios),
+                size: Some(64 << 20),
+                ..Workload::default()
+            };
+            let read =
+                initiator_bench::srp::run_fabric(&w, &options).map_err(anyhow::Error::msg)?;
+            w.rw = Rw::Write;
+            let write =
+                initiator_bench::srp::run_fabric(&w, &options).map_err(anyhow::Error::msg)?;
+            let (r, wr) = (read.bytes_per_sec / 1e6, write.bytes_per_sec / 1e6);
+            let regs =
+                (read.initiator_registrations_per_io + write.initiator_registrations_per_io) / 2.0;
+            let target = read.target_registrations + write.target_registrations;
+            md += &format!(
+                "| {} | {n} | {r:.0} | {wr:.0} | {:.1} | {regs:.2} | {target} |\n",
+                registration.name(),
+                read.latency_us.mean
+            );
+            csv += &format!(
+                "{},{n},{r:.1},{wr:.1},{:.2},{regs:.2},{target}\n",
+                registration.name(),
+                read.latency_us.mean
+            );
+            points.push((n as f64, (r + wr) / 2.0));
+            eprintln!(
+                "{} {n}: READ {r:.0} MB/s, WRITE {wr:.0} MB/s",
+                registration.name()
+            );
+        }
+        series.push(Series {
+            label: registration.name().to_string(),
+            points,
+        });
+    }
+    std::fs::write(out.join("paper004.md"), &md)?;
+    std::fs::write(out.join("paper004.csv"), &csv)?;
+    print!("{md}");
+    match plot(
+        &out.join("paper004"),
+        "Paper 004 on the software fabric: 128 KiB commands",
+        "regions per command",
+        "MB/s (mean of READ and WRITE)",
+        &series,
+    ) {
+        Ok(files) => {
+            for f in files {
+                eprintln!("wrote {}", f.display());
+            }
+        }
+        Err(e) => eprintln!("no plot: {e}"),
+    }
+    Ok(())
 }
 
 fn print_report(r: &Report) {

@@ -41,11 +41,11 @@ pub enum Rw {
 }
 
 impl Rw {
-    fn random(self) -> bool {
+    pub(crate) fn random(self) -> bool {
         matches!(self, Rw::Randread | Rw::Randwrite | Rw::Randrw)
     }
 
-    fn read_percent(self, rwmix: u8) -> u8 {
+    pub(crate) fn read_percent(self, rwmix: u8) -> u8 {
         match self {
             Rw::Read | Rw::Randread => 100,
             Rw::Write | Rw::Randwrite => 0,
@@ -174,6 +174,21 @@ pub struct Latency {
     pub mean: f64,
 }
 
+impl Latency {
+    /// The percentiles of a histogram of nanoseconds.
+    pub fn of(hist: &Histogram<u64>) -> Latency {
+        let us = |v: u64| v as f64 / 1000.0;
+        Latency {
+            p50: us(hist.value_at_quantile(0.5)),
+            p90: us(hist.value_at_quantile(0.9)),
+            p99: us(hist.value_at_quantile(0.99)),
+            p999: us(hist.value_at_quantile(0.999)),
+            max: us(hist.max()),
+            mean: hist.mean() / 1000.0,
+        }
+    }
+}
+
 /// What a run measured.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -271,10 +286,10 @@ pub fn fill_pattern(block: &mut [u8], lba: u64, seed: u64) {
 
 /// A small deterministic generator for offsets.
 #[derive(Debug, Clone)]
-struct XorShift(u64);
+pub(crate) struct XorShift(pub(crate) u64);
 
 impl XorShift {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -422,19 +437,11 @@ pub async fn run_many(
     for s in &sessions {
         let _ = s.logout().await;
     }
-    let us = |v: u64| v as f64 / 1000.0;
     Ok(Report {
         workload: w.clone(),
         iops: ios as f64 / elapsed,
         bytes_per_sec: (ios * u64::from(w.bs)) as f64 / elapsed,
-        latency_us: Latency {
-            p50: us(hist.value_at_quantile(0.5)),
-            p90: us(hist.value_at_quantile(0.9)),
-            p99: us(hist.value_at_quantile(0.99)),
-            p999: us(hist.value_at_quantile(0.999)),
-            max: us(hist.max()),
-            mean: hist.mean() / 1000.0,
-        },
+        latency_us: Latency::of(&hist),
         cpu_seconds: cpu,
         ios,
         errors: shared.errors.load(Ordering::Relaxed),
