@@ -107,6 +107,10 @@ proptest! {
             immediate_data: imm,
         };
         let rej = SrpLoginRej { reason: LoginRejectReason::from_code(reason), tag, sup_buf_fmt: BufferFormats(fmt) };
+        let mut cm = Vec::new();
+        req.encode_rdma_cm(&mut cm);
+        prop_assert_eq!(cm.len(), srp::iu::RDMA_CM_LOGIN_LEN);
+        prop_assert_eq!(SrpLoginReq::decode_rdma_cm(&cm), Ok(req));
         for iu in [Iu::LoginReq(req), Iu::LoginRsp(rsp), Iu::LoginRej(rej)] {
             let mut b = Vec::new();
             iu.encode(&mut b);

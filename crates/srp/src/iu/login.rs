@@ -130,6 +130,89 @@ impl SrpLoginReq {
     }
 }
 
+/// Bytes of an SRP_LOGIN_REQ in rdma_cm's private data, as Linux's initiator (ib_srp) and
+/// target (ib_srpt) lay it out (`struct srp_login_req_rdma`): a connect request over InfiniBand
+/// carries at most 56 bytes of private data after rdma_cm's own 36 (92 in all), so the 64-byte
+/// IU is sent with its reserved bytes removed and its fields reordered.
+pub const RDMA_CM_LOGIN_LEN: usize = 56;
+/// The shortest such login: kernels older than SRP-2 immediate data send 48 bytes, without
+/// IMMEDIATE DATA OFFSET.
+pub const RDMA_CM_LOGIN_MIN: usize = 48;
+
+impl SrpLoginReq {
+    /// Decodes an SRP_LOGIN_REQ from rdma_cm's private data (`struct srp_login_req_rdma`:
+    /// TAG at 0, REQUIRED BUFFER FORMATS at 8, the flags at 10, IU TYPE at 11, REQUESTED
+    /// MAXIMUM INITIATOR TO TARGET IU LENGTH at 12, the port identifiers at 16 and 32, IMMEDIATE
+    /// DATA OFFSET at 48 when present). The connection manager may pad the private data, so
+    /// longer input is accepted and what follows is ignored.
+    pub fn decode_rdma_cm(b: &[u8]) -> Result<SrpLoginReq, IuError> {
+        if b.len() < RDMA_CM_LOGIN_MIN {
+            return Err(IuError::Truncated {
+                iu: IuType::LoginReq,
+                len: b.len(),
+                needed: RDMA_CM_LOGIN_MIN,
+            });
+        }
+        let (tag, fmt, flags, opcode, len, ini, tgt) = parsed(
+            (
+                be_u64,
+                be_u16,
+                be_u8,
+                be_u8,
+                be_u32,
+                take(16usize),
+                take(16usize),
+            )
+                .parse(b),
+        );
+        if opcode != IuType::LoginReq as u8 {
+            return Err(IuError::InvalidField {
+                iu: IuType::LoginReq,
+                tag,
+                field: "IU TYPE",
+                reason: "not SRP_LOGIN_REQ",
+            });
+        }
+        let offset = match b.get(48..50) {
+            Some(o) => u16::from_be_bytes([o[0], o[1]]),
+            None => 0,
+        };
+        // The same bytes in the IU's own order, decoded by the one decoder of the IU.
+        let mut iu = Vec::with_capacity(64);
+        SrpLoginReq {
+            tag,
+            req_it_iu_len: len,
+            req_buf_fmt: BufferFormats(fmt),
+            imm_data_offset: offset,
+            initiator_port_id: ini.try_into().expect("16 bytes"),
+            target_port_id: tgt.try_into().expect("16 bytes"),
+            ..SrpLoginReq::default()
+        }
+        .encode(&mut iu);
+        iu[LOGIN_REQ_FLAGS] = flags;
+        SrpLoginReq::decode(&iu)
+    }
+
+    /// Appends the 56 bytes of rdma_cm's private data for this request (see
+    /// [`SrpLoginReq::decode_rdma_cm`]).
+    pub fn encode_rdma_cm(&self, out: &mut Vec<u8>) {
+        let mut iu = Vec::with_capacity(64);
+        self.encode(&mut iu);
+        out.extend_from_slice(&self.tag.to_be_bytes());
+        out.extend_from_slice(&self.req_buf_fmt.0.to_be_bytes());
+        out.push(iu[LOGIN_REQ_FLAGS]);
+        out.push(IuType::LoginReq as u8);
+        out.extend_from_slice(&self.req_it_iu_len.to_be_bytes());
+        out.extend_from_slice(&self.initiator_port_id);
+        out.extend_from_slice(&self.target_port_id);
+        out.extend_from_slice(&self.imm_data_offset.to_be_bytes());
+        out.extend_from_slice(&[0; 6]);
+    }
+}
+
+/// Where an SRP_LOGIN_REQ's flags (MULTI-CHANNEL ACTION, IMMEDIATE DATA REQUESTED) lie.
+const LOGIN_REQ_FLAGS: usize = 26;
+
 /// SRP_LOGIN_RSP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SrpLoginRsp {
@@ -302,6 +385,62 @@ mod tests {
         assert_eq!(again, b);
         b[26] = 2;
         assert!(Iu::decode(&b).is_err());
+    }
+
+    #[test]
+    fn a_login_request_in_rdma_cm_private_data_as_linux_lays_it_out() {
+        let mut b = vec![0u8; RDMA_CM_LOGIN_LEN];
+        b[0..8].copy_from_slice(&7u64.to_be_bytes());
+        b[8..10].copy_from_slice(&0x0006u16.to_be_bytes());
+        b[10] = 0x81;
+        b[11] = 0x00;
+        b[12..16].copy_from_slice(&580u32.to_be_bytes());
+        b[16..32].copy_from_slice(&[0xaa; 16]);
+        b[32..48].copy_from_slice(&[0xbb; 16]);
+        b[48..50].copy_from_slice(&68u16.to_be_bytes());
+        let r = SrpLoginReq::decode_rdma_cm(&b).unwrap();
+        assert_eq!(r.tag, 7);
+        assert_eq!(r.req_it_iu_len, 580);
+        assert_eq!(r.req_buf_fmt, BufferFormats::BOTH);
+        assert_eq!(r.multi_channel, MultiChannelAction::MultiChannel);
+        assert!(r.immediate_data);
+        assert_eq!(r.imm_data_offset, 68);
+        assert_eq!(r.initiator_port_id, [0xaa; 16]);
+        assert_eq!(r.target_port_id, [0xbb; 16]);
+        let mut again = Vec::new();
+        r.encode_rdma_cm(&mut again);
+        assert_eq!(again, b);
+        // Padding after the 56 bytes is ignored; an older kernel's 48 bytes have no offset.
+        let mut padded = b.clone();
+        padded.extend_from_slice(&[0xff; 8]);
+        assert_eq!(SrpLoginReq::decode_rdma_cm(&padded), Ok(r));
+        let old = SrpLoginReq::decode_rdma_cm(&b[..RDMA_CM_LOGIN_MIN]).unwrap();
+        assert_eq!(old.imm_data_offset, 0);
+        assert_eq!(old.initiator_port_id, [0xaa; 16]);
+        // Refused: short, another IU type, a reserved MULTI-CHANNEL ACTION.
+        assert!(matches!(
+            SrpLoginReq::decode_rdma_cm(&b[..47]),
+            Err(IuError::Truncated { needed: 48, .. })
+        ));
+        let mut other = b.clone();
+        other[11] = IuType::Cmd as u8;
+        assert!(matches!(
+            SrpLoginReq::decode_rdma_cm(&other),
+            Err(IuError::InvalidField {
+                field: "IU TYPE",
+                tag: 7,
+                ..
+            })
+        ));
+        let mut reserved = b.clone();
+        reserved[10] = 0x02;
+        assert!(matches!(
+            SrpLoginReq::decode_rdma_cm(&reserved),
+            Err(IuError::InvalidField {
+                field: "MULTI-CHANNEL ACTION",
+                ..
+            })
+        ));
     }
 
     #[test]

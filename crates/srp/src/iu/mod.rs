@@ -25,7 +25,7 @@ pub use cred::{SrpCredReq, SrpCredRsp};
 pub use descriptor::{DescriptorFormat, Descriptors, MemoryDescriptor, DESCRIPTOR_LEN};
 pub use login::{
     BufferFormats, LoginRejectReason, MultiChannelAction, MultiChannelResult, SrpLoginRej,
-    SrpLoginReq, SrpLoginRsp,
+    SrpLoginReq, SrpLoginRsp, RDMA_CM_LOGIN_LEN, RDMA_CM_LOGIN_MIN,
 };
 pub use logout::{SrpILogout, SrpTLogout, TargetLogoutReason};
 pub use rsp::{ResponseCode, SrpRsp, SrpRspFlags};
