@@ -171,7 +171,7 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
         AdminRequest::Sessions => Ok(sessions(registry)),
         AdminRequest::Stats => Ok(stats(registry)),
         AdminRequest::ConfigDump => {
-            let text = toml::to_string(&*registry.config()).map_err(|e| e.to_string())?;
+            let text = toml::to_string(&registry.config().redacted()).map_err(|e| e.to_string())?;
             Ok(Value::String(text))
         }
         AdminRequest::Reload => {
@@ -403,6 +403,22 @@ pub fn metrics_text(registry: &Registry) -> String {
     );
     let _ = writeln!(m, "# TYPE targetd_connections_refused_total counter");
     let _ = writeln!(m, "targetd_connections_refused_total {refused}");
+    let (failures, sources) = {
+        let auth = crate::registry::lock(&registry.auth);
+        (auth.failures, auth.sources())
+    };
+    let _ = writeln!(
+        m,
+        "# HELP targetd_auth_failures_total logins refused for an authentication failure"
+    );
+    let _ = writeln!(m, "# TYPE targetd_auth_failures_total counter");
+    let _ = writeln!(m, "targetd_auth_failures_total {failures}");
+    let _ = writeln!(
+        m,
+        "# HELP targetd_auth_throttled_sources addresses whose logins are slowed by recent failures"
+    );
+    let _ = writeln!(m, "# TYPE targetd_auth_throttled_sources gauge");
+    let _ = writeln!(m, "targetd_auth_throttled_sources {sources}");
     let counters = [
         ("read_commands", "commands that read blocks"),
         ("write_commands", "commands that wrote blocks"),

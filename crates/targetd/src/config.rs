@@ -201,14 +201,27 @@ pub struct Target {
     pub luns: Vec<Lun>,
 }
 
-/// CHAP credentials.
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
+/// CHAP credentials. Their `Debug` never shows the secret, and [`Config::redacted`] (what
+/// `targetctl config dump` prints) replaces it.
+#[derive(Clone, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct Chap {
     /// CHAP_N.
     pub username: String,
     /// The shared secret.
     pub secret: String,
+}
+
+/// What a secret is shown as.
+pub const REDACTED: &str = "<redacted>";
+
+impl std::fmt::Debug for Chap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Chap")
+            .field("username", &self.username)
+            .field("secret", &REDACTED)
+            .finish()
+    }
 }
 
 /// `[[targets.luns]]`.
@@ -354,6 +367,24 @@ fn rdma_unavailable() -> String {
 }
 
 impl Config {
+    /// This config with every CHAP secret replaced by [`REDACTED`]: what may be shown (a
+    /// config dump). It does not load back until the secrets are filled in.
+    pub fn redacted(&self) -> Config {
+        let mut c = self.clone();
+        let hide = |chap: &mut Option<Chap>| {
+            if let Some(chap) = chap {
+                chap.secret = REDACTED.to_string();
+            }
+        };
+        hide(&mut c.iscsi.discovery_chap);
+        hide(&mut c.iscsi.discovery_mutual_chap);
+        for t in &mut c.targets {
+            hide(&mut t.chap);
+            hide(&mut t.mutual_chap);
+        }
+        c
+    }
+
     /// Reads, parses and validates `path`; relative paths in it are taken from the directory
     /// the daemon runs in, as the repo's config.toml expects.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {

@@ -21,7 +21,9 @@ use crate::config::{self, Config};
 use crate::iscsi::session::{ConnectionInfo, Control, Request, Session, Sessions};
 use crate::target::{Target, PORTAL_GROUP};
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+/// Locks `m`, also after a thread panicked holding it (the daemon's state stays usable: every
+/// critical section leaves it consistent).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -48,6 +50,8 @@ pub struct Registry {
     refusals: Mutex<(Option<Instant>, u64)>,
     /// The listeners' addresses.
     pub portals: Mutex<Vec<SocketAddr>>,
+    /// Authentication failures by source address, which slow its next logins.
+    pub auth: Mutex<crate::iscsi::throttle::AuthThrottle>,
 }
 
 impl Registry {
@@ -73,6 +77,7 @@ impl Registry {
             engine: Mutex::new(String::new()),
             refusals: Mutex::new((None, 0)),
             portals: Mutex::new(portals),
+            auth: Mutex::default(),
         }
     }
 

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use backend::{ArenaConfig, EngineChoice};
@@ -14,12 +14,8 @@ use crate::config::Config;
 use crate::iscsi::connection::LOGOUT_GRACE;
 use crate::iscsi::session::Request;
 use crate::reactor;
-use crate::registry::Registry;
+use crate::registry::{lock, Registry};
 use crate::target::Target;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// Why the daemon could not start: the config key at fault and the reason.
 #[derive(Debug, thiserror::Error)]

@@ -119,7 +119,54 @@ async fn chap_one_way_and_mutual() {
     s.logout().await.unwrap();
     // Mutual with the wrong expectation of the target's secret: the initiator refuses.
     o.mutual_chap = creds("target", "not-the-secret");
-    assert!(Session::connect(&d.url(TARGET, 0), o).await.is_err());
+    assert!(Session::connect(&d.url(TARGET, 0), o.clone())
+        .await
+        .is_err());
+    // The two refusals were counted against this address.
+    let metrics = targetd::admin::metrics_text(&d.registry);
+    assert!(
+        metrics.contains("targetd_auth_failures_total 2\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("targetd_auth_throttled_sources 1\n"),
+        "{metrics}"
+    );
+    // Two more failures: the address's next login waits its turn (800 ms after four; a lower
+    // bound with room for the time the refusal took to arrive), and then works.
+    let mut bad = o.clone();
+    bad.mutual_chap = None;
+    bad.chap = creds("alice", "wrongwrongwrong");
+    assert!(Session::connect(&d.url(TARGET, 0), bad.clone())
+        .await
+        .is_err());
+    assert!(Session::connect(&d.url(TARGET, 0), bad).await.is_err());
+    let start = std::time::Instant::now();
+    o.mutual_chap = None;
+    let s = Session::connect(&d.url(TARGET, 0), o).await.unwrap();
+    assert!(
+        start.elapsed() >= std::time::Duration::from_millis(400),
+        "{:?}",
+        start.elapsed()
+    );
+    s.logout().await.unwrap();
+    // No secret in the config dump, the config's Debug, or the session list.
+    let secrets = ["0123456789ab", "ba9876543210"];
+    let dump = handle(&d.registry, AdminRequest::ConfigDump).unwrap();
+    let dump = dump.as_str().unwrap();
+    let debug = format!("{:?}", *d.registry.config());
+    let sessions = handle(&d.registry, AdminRequest::Sessions)
+        .unwrap()
+        .to_string();
+    for text in [dump, &debug, &sessions] {
+        for secret in secrets {
+            assert!(!text.contains(secret), "{secret} shown in {text}");
+        }
+    }
+    assert!(
+        dump.contains("alice") && dump.contains(targetd::config::REDACTED),
+        "{dump}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -986,4 +1033,59 @@ async fn connection_and_session_limits_and_the_login_timeout() {
         }
     }
     assert!(again.expect("a session after one ended").ping(2).await);
+}
+
+/// The admin socket is its owner's alone (mode 0600), and targetctl run by anyone else says so
+/// and what to do, instead of a bare errno.
+#[test]
+fn the_admin_socket_is_the_owners_and_targetctl_says_so() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let mode = std::fs::metadata(d.socket()).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+    let targetctl = env!("CARGO_BIN_EXE_targetctl");
+    let status = std::process::Command::new(targetctl)
+        .arg("--socket")
+        .arg(d.socket())
+        .arg("status")
+        .output()
+        .unwrap();
+    assert!(status.status.success(), "{status:?}");
+    // As another user: needs root to become one, and runuser.
+    let root = std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0\n"));
+    let runuser = std::process::Command::new("sh")
+        .args(["-c", "command -v runuser"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !root || !runuser {
+        let why = "needs root and runuser to run targetctl as another user";
+        assert!(std::env::var_os("CI").is_none(), "{why}");
+        eprintln!("skipped the other-user half: {why}");
+        return;
+    }
+    // A copy of targetctl others may run (the build tree may be private).
+    let copy = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(copy.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let exe = copy.path().join("targetctl");
+    std::fs::copy(targetctl, &exe).unwrap();
+    std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // Let the other user reach the socket's directory, so the socket's own mode is what stops it.
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = std::process::Command::new("runuser")
+        .args(["-u", "nobody", "--"])
+        .arg(&exe)
+        .arg("--socket")
+        .arg(d.socket())
+        .arg("status")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("permission denied") && err.contains("0600"),
+        "{err}"
+    );
 }

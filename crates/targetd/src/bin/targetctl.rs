@@ -165,8 +165,23 @@ struct Client {
 
 impl Client {
     fn connect(path: &PathBuf) -> Result<Client> {
-        let s = UnixStream::connect(path)
-            .with_context(|| format!("cannot reach targetd at {}", path.display()))?;
+        let s = UnixStream::connect(path).map_err(|e| {
+            let why = match e.kind() {
+                // The socket is created mode 0600: only its owner (the user targetd runs as)
+                // may use it.
+                std::io::ErrorKind::PermissionDenied => "permission denied: the admin socket is \
+                     readable and writable only by the user targetd runs as (mode 0600); run \
+                     targetctl as that user (often root)"
+                    .to_string(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused => format!(
+                    "{e}: is targetd running, with server.admin_socket = {:?}? (--socket names \
+                     another)",
+                    path.display().to_string()
+                ),
+                _ => e.to_string(),
+            };
+            anyhow::anyhow!("cannot reach targetd at {}: {why}", path.display())
+        })?;
         s.set_read_timeout(Some(Duration::from_secs(60)))?;
         Ok(Client {
             stream: BufReader::new(s),

@@ -3,14 +3,16 @@
 //! made or joined) are the registry's [`Admission`](crate::registry::Admission).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use iscsi_pdu::negotiation::Negotiator;
+use iscsi_pdu::pdu::LoginStatus;
 use iscsi_pdu::target::{Completed, Login, Step};
 use iscsi_pdu::{Pdu, SerialNumber};
 
 use super::session::Session;
 use super::wire::{Incoming, Reader, Writer};
-use crate::registry::{Peer, Registry};
+use crate::registry::{lock, Peer, Registry};
 
 /// A finished login.
 pub enum Outcome {
@@ -44,6 +46,13 @@ pub async fn run(
     registry: &Arc<Registry>,
     peer: &Peer,
 ) -> Option<Outcome> {
+    // A source that failed authentication repeatedly waits for its turn (the connection's
+    // login timeout still runs).
+    let wait = lock(&registry.auth).admit(peer.addr.ip(), Instant::now());
+    if !wait.is_zero() {
+        tracing::debug!(peer = %peer.addr, ?wait, "login slowed after authentication failures");
+        tokio::time::sleep(wait).await;
+    }
     let mut login = Login::new();
     let mut policy = registry.admission(peer);
     loop {
@@ -62,6 +71,10 @@ pub async fn run(
             Step::Continue(r) => (r, None),
             Step::Done(r, done) => (r, Some(done)),
             Step::Refused(r) => {
+                if r.status == LoginStatus::AUTHENTICATION_FAILURE {
+                    lock(&registry.auth).failed(peer.addr.ip(), Instant::now());
+                    tracing::info!(peer = %peer.addr, "login refused: authentication failure");
+                }
                 let _ = writer.send_pdu(Pdu::LoginResponse(r)).await;
                 return None;
             }

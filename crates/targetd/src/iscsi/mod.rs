@@ -3,4 +3,5 @@
 pub mod connection;
 pub mod login;
 pub mod session;
+pub mod throttle;
 pub mod wire;

@@ -5,7 +5,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex};
 
 use iscsi_pdu::negotiation::SessionParams;
 use iscsi_pdu::target::{Left, OrderedCommand, SessionError, SessionKey, SessionTable};
@@ -13,6 +13,7 @@ use iscsi_pdu::{Isid, SerialNumber};
 use scsi_core::NexusId;
 use tokio::sync::Notify;
 
+use crate::registry::lock;
 use crate::target::{Core, Outbox, Route, Target};
 
 /// What a connection is asked to do from outside.
@@ -92,10 +93,6 @@ pub struct Session {
     /// ExpCmdSN as the core's order last left it, read without the core's lock for every
     /// response.
     exp_cmd_sn: AtomicU32,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Session {
