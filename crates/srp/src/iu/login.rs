@@ -359,6 +359,18 @@ mod tests {
     use super::*;
     use crate::iu::Iu;
 
+    /// The fields both login layouts' byte vectors hold.
+    fn assert_is_linuxs_example(r: &SrpLoginReq) {
+        assert_eq!(r.tag, 7);
+        assert_eq!(r.req_it_iu_len, 580);
+        assert_eq!(r.req_buf_fmt, BufferFormats::BOTH);
+        assert_eq!(r.multi_channel, MultiChannelAction::MultiChannel);
+        assert!(r.immediate_data);
+        assert_eq!(r.imm_data_offset, 68);
+        assert_eq!(r.initiator_port_id, [0xaa; 16]);
+        assert_eq!(r.target_port_id, [0xbb; 16]);
+    }
+
     #[test]
     fn a_login_request_as_linux_sends_it() {
         let mut b = vec![0u8; 64];
@@ -372,14 +384,7 @@ mod tests {
         let Ok(Iu::LoginReq(r)) = Iu::decode(&b) else {
             panic!("a login request");
         };
-        assert_eq!(r.tag, 7);
-        assert_eq!(r.req_it_iu_len, 580);
-        assert_eq!(r.req_buf_fmt, BufferFormats::BOTH);
-        assert_eq!(r.multi_channel, MultiChannelAction::MultiChannel);
-        assert!(r.immediate_data);
-        assert_eq!(r.imm_data_offset, 68);
-        assert_eq!(r.initiator_port_id, [0xaa; 16]);
-        assert_eq!(r.target_port_id, [0xbb; 16]);
+        assert_is_linuxs_example(&r);
         let mut again = Vec::new();
         r.encode(&mut again);
         assert_eq!(again, b);
@@ -399,14 +404,7 @@ mod tests {
         b[32..48].copy_from_slice(&[0xbb; 16]);
         b[48..50].copy_from_slice(&68u16.to_be_bytes());
         let r = SrpLoginReq::decode_rdma_cm(&b).unwrap();
-        assert_eq!(r.tag, 7);
-        assert_eq!(r.req_it_iu_len, 580);
-        assert_eq!(r.req_buf_fmt, BufferFormats::BOTH);
-        assert_eq!(r.multi_channel, MultiChannelAction::MultiChannel);
-        assert!(r.immediate_data);
-        assert_eq!(r.imm_data_offset, 68);
-        assert_eq!(r.initiator_port_id, [0xaa; 16]);
-        assert_eq!(r.target_port_id, [0xbb; 16]);
+        assert_is_linuxs_example(&r);
         let mut again = Vec::new();
         r.encode_rdma_cm(&mut again);
         assert_eq!(again, b);
