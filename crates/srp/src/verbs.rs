@@ -2,7 +2,7 @@
 //! receives, RDMA READ and WRITE, and their completions. Two implementations: the software
 //! [`fabric`](crate::fabric) in the process (everywhere; what tests, fuzzing and the paper's
 //! experiment drive) and, with the feature `rdma`, real devices through libibverbs and
-//! librdmacm ([`rdma`](crate::rdma)).
+//! librdmacm (the module `rdma`).
 //!
 //! Ownership follows the hardware: a buffer given to a work request belongs to the verbs until
 //! that request completes, and comes back in its [`Completion`] (the device may be reading or
