@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 use srp::initiator::Registration;
-use srp::iu::MultiChannelAction;
+use srp::iu::{MultiChannelAction, DESCRIPTOR_LEN};
 use srp::testing::{BlockIo, Rig, ARENA_SLOT, PAPER_004_COSTS};
 
 use crate::workload::{cpu_seconds, fill_pattern, Latency, Split, Workload, XorShift};
@@ -114,7 +114,7 @@ pub fn run_fabric(w: &Workload, o: &SrpOptions) -> Result<SrpReport, String> {
     let mut rig = Rig::new(&[(0, BLOCK_SIZE, first + slots * per_io)]);
     rig.registration = o.registration;
     // A place holds the command's regions apart (twice its bytes) and its table.
-    rig.place_len = ARENA_SLOT.max(2 * w.bs as usize + o.regions * 16);
+    rig.place_len = ARENA_SLOT.max(2 * w.bs as usize + o.regions * DESCRIPTOR_LEN);
     let mut chs = Vec::new();
     for s in 0..w.sessions.max(1) {
         let mut port = *b"initiator-bench\0";

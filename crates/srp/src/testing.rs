@@ -46,6 +46,15 @@ struct Router {
 }
 
 impl Router {
+    /// The router as channel `ch` of `nexus` reaches it.
+    fn via(&mut self, ch: usize, nexus: NexusId) -> Via<'_> {
+        Via {
+            router: self,
+            ch,
+            nexus,
+        }
+    }
+
     fn queue(&mut self, ch: usize) -> &mut VecDeque<Action> {
         if self.queues.len() <= ch {
             self.queues.resize_with(ch + 1, VecDeque::new);
@@ -135,6 +144,19 @@ impl Core for Via<'_> {
             .device
             .logical_unit(lun)
             .map(|u| u.geometry.block_size)
+    }
+}
+
+/// Runs a backend operation on unit `lun`'s memory (a unit that is gone fails it).
+fn execute(
+    backends: &mut HashMap<u16, MemoryBackend>,
+    lun: u16,
+    op: &Op,
+    buffer: &mut [u8],
+) -> Result<Output, BackendError> {
+    match backends.get_mut(&lun) {
+        Some(b) => b.execute(op, buffer),
+        None => Err(BackendError::Internal),
     }
 }
 
@@ -415,11 +437,7 @@ impl Rig {
             Admission::Replace { nexus, channels } => {
                 for ch in channels {
                     let c = &mut self.channels[ch];
-                    let mut via = Via {
-                        router: &mut self.router,
-                        ch,
-                        nexus: c.nexus,
-                    };
+                    let mut via = self.router.via(ch, c.nexus);
                     c.channel
                         .terminate(TargetLogoutReason::MultiChannelAction, true, &mut via);
                 }
@@ -588,16 +606,9 @@ impl Rig {
     /// Runs held backend operations.
     pub fn release(&mut self) {
         for (ch, task, lun, op, mut buffer) in std::mem::take(&mut self.held) {
-            let r = match self.backends.get_mut(&lun) {
-                Some(b) => b.execute(&op, &mut buffer),
-                None => Err(BackendError::Internal),
-            };
+            let r = execute(&mut self.backends, lun, &op, &mut buffer);
             let c = &mut self.channels[ch];
-            let mut via = Via {
-                router: &mut self.router,
-                ch,
-                nexus: c.nexus,
-            };
+            let mut via = self.router.via(ch, c.nexus);
             c.channel
                 .handle_backend_done(self.now, task, buffer, r, &mut via);
         }
@@ -608,11 +619,7 @@ impl Rig {
     pub fn release_reads(&mut self) {
         for (ch, wc) in std::mem::take(&mut self.held_reads) {
             let c = &mut self.channels[ch];
-            let mut via = Via {
-                router: &mut self.router,
-                ch,
-                nexus: c.nexus,
-            };
+            let mut via = self.router.via(ch, c.nexus);
             c.read_done(self.now, wc, &mut via);
         }
         self.run();
@@ -741,11 +748,7 @@ impl Rig {
         let mut progress = false;
         let now = self.now;
         let c = &mut self.channels[ch];
-        let mut via = Via {
-            router: &mut self.router,
-            ch,
-            nexus: c.nexus,
-        };
+        let mut via = self.router.via(ch, c.nexus);
         let mut verbs = self.fabric.port(TARGET);
         while let Some(wc) = verbs.poll(c.qp) {
             progress = true;
@@ -824,10 +827,7 @@ impl Rig {
                         self.held.push((ch, task, lun, op, buffer));
                         continue;
                     }
-                    let r = match self.backends.get_mut(&lun) {
-                        Some(b) => b.execute(&op, &mut buffer),
-                        None => Err(BackendError::Internal),
-                    };
+                    let r = execute(&mut self.backends, lun, &op, &mut buffer);
                     c.channel
                         .handle_backend_done(now, task, buffer, r, &mut via);
                 }

@@ -205,12 +205,7 @@ impl<'a> SrpCmd<'a> {
             )
                 .parse(fixed),
         );
-        let invalid = |field, reason| IuError::InvalidField {
-            iu,
-            tag,
-            field,
-            reason,
-        };
+        let invalid = IuError::invalid(iu, tag);
         let task_attribute = TaskAttribute::from_code(attr & 0x07)
             .ok_or_else(|| invalid("TASK ATTRIBUTE", "reserved"))?;
         // ADDITIONAL CDB LENGTH is in 4-byte words, in bits 7..2.

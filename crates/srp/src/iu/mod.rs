@@ -146,6 +146,17 @@ pub enum IuError {
 }
 
 impl IuError {
+    /// The error for an invalid field of the IU `iu` tagged `tag`, as a function of the field
+    /// and the reason (what a decoder calls for each field it checks).
+    pub(crate) fn invalid(iu: IuType, tag: u64) -> impl Fn(&'static str, &'static str) -> IuError {
+        move |field, reason| IuError::InvalidField {
+            iu,
+            tag,
+            field,
+            reason,
+        }
+    }
+
     /// The IU's type and tag when they could be read, so the request can be answered.
     pub fn tag(&self) -> Option<(IuType, u64)> {
         match self {

@@ -133,12 +133,7 @@ impl<'a> SrpRsp<'a> {
             )
                 .parse(fixed),
         );
-        let invalid = |field, reason| IuError::InvalidField {
-            iu,
-            tag,
-            field,
-            reason,
-        };
+        let invalid = IuError::invalid(iu, tag);
         let residual = |count, over, under, field| match (flags & over != 0, flags & under != 0) {
             (false, false) => Ok(Residual::None),
             (true, false) => Ok(Residual::Overflow(count)),
