@@ -6,6 +6,11 @@
 //! command, and Data-In is sent from one slice. When slots run out, [`Arena::alloc`] waits in
 //! arrival order (backpressure) instead of failing or allocating; the head of the queue is
 //! served first, so a large request is never starved by small ones behind it.
+//!
+//! A [`Share`] bounds what one user (a connection) holds of the arena, so one that stops
+//! giving buffers back (an initiator that stops reading Data-In) cannot take the slots that
+//! everyone else on the reactor needs: its requests beyond the share wait in the share, not
+//! in the arena's queue, so they hold no place there either.
 
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
@@ -237,6 +242,7 @@ impl Arena {
                 first: 0,
                 count: 0,
                 len: 0,
+                share: None,
             });
         }
         if self.0.free_slots.get() < count {
@@ -253,6 +259,7 @@ impl Arena {
             first: first as u32,
             count: count as u32,
             len,
+            share: None,
         })
     }
 
@@ -444,6 +451,8 @@ pub struct Buffer {
     first: u32,
     count: u32,
     len: usize,
+    /// The share its slots count against, if any.
+    share: Option<Rc<ShareInner>>,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -530,6 +539,165 @@ impl Drop for Buffer {
         if self.count > 0 {
             self.arena
                 .give_back(self.first as usize, self.count as usize);
+        }
+        if let Some(share) = self.share.take() {
+            share.release(self.count as usize);
+        }
+    }
+}
+
+/// A bounded part of an arena for one user: the slots its buffers hold together never exceed
+/// the share's limit, except that a single request larger than the limit is served when the
+/// user holds nothing (so any request the arena could serve is served). Requests beyond the
+/// share wait for the user's own buffers to come back, before they queue in the arena.
+/// Cloning shares it.
+#[derive(Clone)]
+pub struct Share(Rc<ShareInner>);
+
+struct ShareInner {
+    arena: Arena,
+    /// The most slots held at once.
+    limit: usize,
+    /// Slots held by buffers, or reserved by an allocation queued in the arena.
+    held: Cell<usize>,
+    /// Allocations waiting for the share to have room.
+    waiters: RefCell<Vec<Waker>>,
+}
+
+impl ShareInner {
+    /// Reserves `count` slots if the share has room for them.
+    fn reserve(&self, count: usize) -> bool {
+        let held = self.held.get();
+        if count > 0 && held > 0 && held + count > self.limit {
+            return false;
+        }
+        self.held.set(held + count);
+        true
+    }
+
+    fn release(&self, count: usize) {
+        self.held.set(self.held.get() - count);
+        for w in self.waiters.borrow_mut().drain(..) {
+            w.wake();
+        }
+    }
+}
+
+impl std::fmt::Debug for Share {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Share")
+            .field("limit", &self.limit())
+            .field("held", &self.held())
+            .finish()
+    }
+}
+
+impl Share {
+    /// A share of `arena` of at most `limit` bytes (rounded up to whole slots, at least one).
+    pub fn new(arena: &Arena, limit: usize) -> Share {
+        let slots = limit.div_ceil(arena.0.slot_size).max(1);
+        Share(Rc::new(ShareInner {
+            arena: arena.clone(),
+            limit: slots,
+            held: Cell::new(0),
+            waiters: RefCell::new(Vec::new()),
+        }))
+    }
+
+    /// The most bytes its buffers hold at once.
+    pub fn limit(&self) -> usize {
+        self.0.limit * self.0.arena.0.slot_size
+    }
+
+    /// Bytes its buffers hold now (whole slots), with what queued allocations reserved.
+    pub fn held(&self) -> usize {
+        self.0.held.get() * self.0.arena.0.slot_size
+    }
+
+    /// A buffer of `len` bytes now, or `Ok(None)` when it would have to wait: the share is
+    /// full, an allocation of this share waits already, or the arena would make it wait.
+    pub fn try_alloc(&self, len: usize) -> Result<Option<Buffer>, ArenaError> {
+        let inner = &self.0;
+        let count = inner.arena.slots_for(len)?;
+        if count > 0 && !inner.waiters.borrow().is_empty() || !inner.reserve(count) {
+            return Ok(None);
+        }
+        match inner.arena.try_alloc(len) {
+            Ok(Some(mut b)) => {
+                b.share = Some(inner.clone());
+                Ok(Some(b))
+            }
+            other => {
+                inner.release(count);
+                other
+            }
+        }
+    }
+
+    /// A buffer of `len` bytes: waits for room in the share, then in the arena's queue.
+    pub fn alloc(&self, len: usize) -> ShareAlloc<'_> {
+        ShareAlloc {
+            share: self,
+            len,
+            reserved: 0,
+            alloc: None,
+        }
+    }
+}
+
+/// A future for [`Share::alloc`]. Dropping it gives up its reservation and its place.
+pub struct ShareAlloc<'a> {
+    share: &'a Share,
+    len: usize,
+    /// Slots reserved in the share while queued in the arena.
+    reserved: usize,
+    alloc: Option<Alloc<'a>>,
+}
+
+impl Future for ShareAlloc<'_> {
+    type Output = Result<Buffer, ArenaError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = &self.share.0;
+        if self.alloc.is_none() {
+            let count = match inner.arena.slots_for(self.len) {
+                Ok(c) => c,
+                Err(e) => return Poll::Ready(Err(e)),
+            };
+            if !inner.reserve(count) {
+                let mut waiters = inner.waiters.borrow_mut();
+                if !waiters.iter().any(|w| w.will_wake(cx.waker())) {
+                    waiters.push(cx.waker().clone());
+                }
+                return Poll::Pending;
+            }
+            self.reserved = count;
+            let arena = &self.share.0.arena;
+            self.alloc = Some(arena.alloc(self.len));
+        }
+        let alloc = self.alloc.as_mut().expect("set above");
+        let r = std::task::ready!(Pin::new(alloc).poll(cx));
+        self.alloc = None;
+        let count = std::mem::take(&mut self.reserved);
+        Poll::Ready(match r {
+            Ok(mut b) => {
+                b.share = Some(self.share.0.clone());
+                Ok(b)
+            }
+            Err(e) => {
+                self.share.0.release(count);
+                Err(e)
+            }
+        })
+    }
+}
+
+impl Drop for ShareAlloc<'_> {
+    fn drop(&mut self) {
+        // The arena's place is given up by the inner allocation's own drop.
+        self.alloc = None;
+        if self.reserved > 0 {
+            self.share.0.release(self.reserved);
         }
     }
 }
@@ -619,6 +787,73 @@ mod tests {
         };
         assert_eq!((f.slots(), s.slots()), (3, 1));
         assert_eq!(a.waiting(), 0);
+    }
+
+    #[test]
+    fn a_share_bounds_what_one_user_holds_and_waits_outside_the_arena_queue() {
+        let a = small(8);
+        let stalled = Share::new(&a, 3 * 4096);
+        let other = Share::new(&a, 3 * 4096);
+        assert_eq!(stalled.limit(), 3 * 4096);
+        let x = stalled.try_alloc(2 * 4096).unwrap().unwrap();
+        let y = stalled.try_alloc(4096).unwrap().unwrap();
+        assert_eq!(stalled.held(), 3 * 4096);
+        // Full: refused now, and a waiting allocation holds no place in the arena's queue.
+        assert!(stalled.try_alloc(4096).unwrap().is_none());
+        let flag = Arc::new(Flag(false.into()));
+        let waker = Waker::from(flag.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut waiting = Box::pin(stalled.alloc(4096));
+        assert!(waiting.as_mut().poll(&mut cx).is_pending());
+        assert_eq!(a.waiting(), 0);
+        let z = other.try_alloc(3 * 4096).unwrap().unwrap();
+        assert_eq!(
+            a.free_slots(),
+            2,
+            "the arena has room the stalled user may not take"
+        );
+        // One of its own buffers back: the waiting allocation is woken and served.
+        drop(y);
+        assert!(flag.0.load(std::sync::atomic::Ordering::SeqCst));
+        let Poll::Ready(Ok(w)) = waiting.as_mut().poll(&mut cx) else {
+            panic!("not served after a buffer of the share came back")
+        };
+        assert_eq!(stalled.held(), 3 * 4096);
+        drop((x, w, z));
+        assert_eq!((stalled.held(), other.held(), a.free_slots()), (0, 0, 8));
+    }
+
+    #[test]
+    fn a_request_beyond_the_share_is_served_when_the_user_holds_nothing() {
+        let a = small(8);
+        let s = Share::new(&a, 4096);
+        let big = s.try_alloc(5 * 4096).unwrap().unwrap();
+        assert_eq!(s.held(), 5 * 4096);
+        assert!(s.try_alloc(4096).unwrap().is_none());
+        drop(big);
+        assert!(s.try_alloc(4096).unwrap().is_some());
+        assert!(matches!(
+            s.try_alloc(9 * 4096),
+            Err(ArenaError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn a_cancelled_share_allocation_gives_its_reservation_back() {
+        let a = small(4);
+        let s = Share::new(&a, 4 * 4096);
+        let hold = a.try_alloc(4 * 4096).unwrap().unwrap();
+        let flag = Arc::new(Flag(false.into()));
+        let waker = Waker::from(flag.clone());
+        let mut cx = Context::from_waker(&waker);
+        let mut queued = Box::pin(s.alloc(2 * 4096));
+        // Room in the share, none in the arena: reserved, and queued in the arena.
+        assert!(queued.as_mut().poll(&mut cx).is_pending());
+        assert_eq!((s.held(), a.waiting()), (2 * 4096, 1));
+        drop(queued);
+        assert_eq!((s.held(), a.waiting()), (0, 0));
+        drop(hold);
+        assert_eq!(s.try_alloc(4 * 4096).unwrap().unwrap().slots(), 4);
     }
 
     #[test]

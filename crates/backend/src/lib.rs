@@ -19,7 +19,7 @@ pub mod file;
 mod immediate;
 mod pool;
 
-pub use arena::{Alloc, Arena, ArenaConfig, ArenaError, Buffer, HugePages};
+pub use arena::{Alloc, Arena, ArenaConfig, ArenaError, Buffer, HugePages, Share, ShareAlloc};
 pub use engine::{Engine, EngineChoice, EngineConfig, EngineKind, FileBackend, UringSupport};
 pub use file::{FileConfig, FileHandle, OpenError};
 pub use immediate::{Execute, Immediate, MemoryBackend, Null, NullBackend, SharedMemoryBackend};

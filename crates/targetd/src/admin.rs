@@ -403,6 +403,34 @@ pub fn metrics_text(registry: &Registry) -> String {
     );
     let _ = writeln!(m, "# TYPE targetd_connections_refused_total counter");
     let _ = writeln!(m, "targetd_connections_refused_total {refused}");
+    let arenas = crate::registry::lock(&registry.arenas).clone();
+    for (name, help, of) in [
+        ("targetd_arena_bytes", "size of a reactor's buffer arena", 0),
+        (
+            "targetd_arena_free_bytes",
+            "free in a reactor's buffer arena",
+            1,
+        ),
+        (
+            "targetd_arena_waiting",
+            "allocations waiting for arena slots",
+            2,
+        ),
+    ] {
+        let _ = writeln!(m, "# HELP {name} {help}");
+        let _ = writeln!(m, "# TYPE {name} gauge");
+        for (reactor, g) in arenas.iter().enumerate() {
+            let v = [&g.bytes, &g.free, &g.waiting][of].load(Relaxed);
+            let _ = writeln!(m, "{name}{{reactor=\"{reactor}\"}} {v}");
+        }
+    }
+    let stalled = registry.send_timeouts.load(Relaxed);
+    let _ = writeln!(
+        m,
+        "# HELP targetd_send_timeouts_total dropped: nothing could be sent for server.send_timeout"
+    );
+    let _ = writeln!(m, "# TYPE targetd_send_timeouts_total counter");
+    let _ = writeln!(m, "targetd_send_timeouts_total {stalled}");
     let (failures, sources) = {
         let auth = crate::registry::lock(&registry.auth);
         (auth.failures, auth.sources())

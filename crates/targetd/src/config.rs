@@ -93,6 +93,10 @@ pub struct Server {
     /// Seconds a connection may take to finish its login; it is closed after that.
     #[serde(default = "default_login_timeout")]
     pub login_timeout: u64,
+    /// Seconds a connection may have data to send and no room in its socket (the initiator
+    /// stopped reading) before it is dropped, giving back the buffers it holds.
+    #[serde(default = "default_send_timeout")]
+    pub send_timeout: u64,
     /// Connections the daemon keeps open at once, logged in or not; more are closed as soon
     /// as they are accepted.
     #[serde(default = "default_max_connections")]
@@ -116,6 +120,9 @@ fn default_nop_timeout() -> u64 {
     15
 }
 fn default_login_timeout() -> u64 {
+    30
+}
+fn default_send_timeout() -> u64 {
     30
 }
 fn default_max_connections() -> usize {
@@ -487,6 +494,12 @@ impl Config {
             return fail(
                 "server.login_timeout",
                 format!("{}: must be 1 to 3600 seconds", s.login_timeout),
+            );
+        }
+        if !(1..=3600).contains(&s.send_timeout) {
+            return fail(
+                "server.send_timeout",
+                format!("{}: must be 1 to 3600 seconds", s.send_timeout),
             );
         }
         if s.max_connections == 0 {
@@ -879,6 +892,7 @@ size = "1GiB"
             (GOOD.replace("admin_socket = \"targetd.sock\"", "engine = \"aio\""), "server.engine"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "rdma_portals = [\"ib0\"]"), "server.rdma_portals[0]"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "login_timeout = 0"), "server.login_timeout"),
+            (GOOD.replace("admin_socket = \"targetd.sock\"", "send_timeout = 0"), "server.send_timeout"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "max_connections = 0"), "server.max_connections"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "max_sessions = 70000"), "server.max_sessions"),
             (GOOD.replace("lun = 0", "lun = 0\nmax_transfer_length = \"64MiB\""), "targets[0].luns[0].max_transfer_length"),

@@ -19,7 +19,7 @@ use scsi_core::{Backend, BackendError, Op, Output, TaskId};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Notify};
 
-use crate::registry::{ConnectionSlot, Registry};
+use crate::registry::{ArenaGauge, ConnectionSlot, Registry};
 use crate::target::{Lun, Storage};
 
 /// A backend operation's result, on its way back to the connection that asked.
@@ -190,6 +190,18 @@ impl Io {
             .borrow_mut()
             .retain(|_, o| o.in_flight > 0 || o.lun.strong_count() > 0);
     }
+
+    /// Reports the arena's state for the metrics.
+    fn report(&self, gauge: &ArenaGauge) {
+        let free = self.arena.free_slots() * self.arena.slot_size();
+        gauge
+            .bytes
+            .store(self.arena.len() as u64, Ordering::Relaxed);
+        gauge.free.store(free as u64, Ordering::Relaxed);
+        gauge
+            .waiting
+            .store(self.arena.waiting() as u64, Ordering::Relaxed);
+    }
 }
 
 /// A connection handed to a reactor.
@@ -246,6 +258,8 @@ pub fn spawn(
     let (tx, rx) = mpsc::unbounded_channel();
     let connections = Arc::new(AtomicUsize::new(0));
     let count = connections.clone();
+    let gauge = Arc::new(ArenaGauge::default());
+    crate::registry::lock(&registry.arenas).push(gauge.clone());
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
         .name(format!("reactor-{index}"))
@@ -277,7 +291,7 @@ pub fn spawn(
                     None => format!("{:?}", io.engine.kind()),
                 };
                 let _ = ready_tx.send(Ok(engine));
-                run(io, rx, registry, count).await;
+                run(io, rx, registry, count, gauge).await;
             });
         })?;
     match ready_rx.recv() {
@@ -322,6 +336,7 @@ async fn run(
     mut rx: mpsc::UnboundedReceiver<NewConnection>,
     registry: Arc<Registry>,
     count: Arc<AtomicUsize>,
+    gauge: Arc<ArenaGauge>,
 ) {
     let completions = match io.engine.completions() {
         Ok(c) => c,
@@ -330,6 +345,7 @@ async fn run(
             return;
         }
     };
+    io.report(&gauge);
     let pump = {
         let io = io.clone();
         async move {
@@ -343,7 +359,10 @@ async fn run(
                             tokio::time::sleep(Duration::from_millis(1)).await;
                         }
                     }
-                    _ = prune.tick() => io.prune(),
+                    _ = prune.tick() => {
+                        io.prune();
+                        io.report(&gauge);
+                    }
                 }
                 io.poll();
             }

@@ -45,6 +45,8 @@ pub struct Registry {
     open: Arc<AtomicUsize>,
     /// Connections closed at once because the daemon had `server.max_connections` open.
     pub connections_refused: AtomicU64,
+    /// Connections dropped because nothing could be sent for `server.send_timeout`.
+    pub send_timeouts: AtomicU64,
     /// The I/O engine the reactors run, as they reported it.
     pub engine: Mutex<String>,
     refusals: Mutex<(Option<Instant>, u64)>,
@@ -52,6 +54,20 @@ pub struct Registry {
     pub portals: Mutex<Vec<SocketAddr>>,
     /// Authentication failures by source address, which slow its next logins.
     pub auth: Mutex<crate::iscsi::throttle::AuthThrottle>,
+    /// Each reactor's buffer arena as it last reported it, in reactor order.
+    pub arenas: Mutex<Vec<Arc<ArenaGauge>>>,
+}
+
+/// A reactor's buffer arena, reported every second for the metrics: how much of it is free,
+/// and how many allocations wait for room.
+#[derive(Debug, Default)]
+pub struct ArenaGauge {
+    /// Its size in bytes.
+    pub bytes: AtomicU64,
+    /// Bytes in free slots.
+    pub free: AtomicU64,
+    /// Allocations queued for slots.
+    pub waiting: AtomicU64,
 }
 
 impl Registry {
@@ -71,6 +87,8 @@ impl Registry {
             sessions,
             open: Arc::default(),
             connections_refused: AtomicU64::new(0),
+            send_timeouts: AtomicU64::new(0),
+            arenas: Mutex::new(Vec::new()),
             started: Instant::now(),
             stopping: AtomicBool::new(false),
             controls: Mutex::new(HashMap::new()),

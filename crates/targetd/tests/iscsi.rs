@@ -8,19 +8,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use common::raw::Raw;
 use common::{config, memory_target, opts, pattern, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
 use initiator_bench::workload::{run, Rw, Split, Workload};
 use initiator_bench::{discover, Error, LoginOptions, Session};
 use iscsi_pdu::chap::ChapCredentials;
 use iscsi_pdu::negotiation::{AuthMethod, DigestAlgorithm};
-use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{
-    Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, Residual, SerialNumber,
-    Stage, TaskAttribute, TaskManagementFunction, TextRequest, TmfResponse, RESERVED_TAG,
+    Digests, LoginStatus, Lun, Pdu, Residual, SerialNumber, TaskAttribute, TaskManagementFunction,
+    TextRequest, TmfResponse, RESERVED_TAG,
 };
 use targetd::admin::{handle, AdminRequest};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
 /// Small bursts so every path is taken with small I/Os: FirstBurstLength 16K, MaxBurstLength
@@ -373,118 +373,6 @@ async fn text_with_unknown_keys_or_bad_values_gets_answers() {
         }
     }
     assert!(raw.ping(0x200).await, "the connection goes on");
-}
-
-/// A bare connection: login with a fixed ISID and the minimum of keys, then raw PDUs.
-struct Raw {
-    stream: TcpStream,
-    deframer: Deframer,
-    cmd_sn: SerialNumber,
-    tsih: u16,
-    digests: Digests,
-}
-
-impl Raw {
-    async fn login(d: &Daemon, isid: [u8; 6], tsih: u16) -> Result<Raw, LoginStatus> {
-        Raw::login_with(d, isid, tsih, Digests::NONE).await
-    }
-
-    async fn login_with(
-        d: &Daemon,
-        isid: [u8; 6],
-        tsih: u16,
-        digests: Digests,
-    ) -> Result<Raw, LoginStatus> {
-        let mut stream = TcpStream::connect(d.addr).await.unwrap();
-        let mut text = TextParams::new();
-        text.push("InitiatorName", "iqn.2026-11.io.example:raw");
-        text.push("TargetName", TARGET);
-        text.push("SessionType", "Normal");
-        let digest = |on: bool| if on { "CRC32C" } else { "None" };
-        text.push("HeaderDigest", digest(digests.header));
-        text.push("DataDigest", digest(digests.data));
-        let req = LoginRequest {
-            transit: true,
-            current_stage: Stage::LoginOperationalNegotiation,
-            next_stage: Stage::FullFeaturePhase,
-            isid: Isid(isid),
-            tsih,
-            initiator_task_tag: 1,
-            cmd_sn: SerialNumber(1),
-            data: text.encode(),
-            ..LoginRequest::default()
-        };
-        let mut out = BytesMut::new();
-        Pdu::LoginRequest(req).encode(Digests::NONE, &mut out);
-        stream.write_all(&out).await.unwrap();
-        let mut raw = Raw {
-            stream,
-            deframer: Deframer::new(),
-            cmd_sn: SerialNumber(1),
-            tsih: 0,
-            digests,
-        };
-        match raw.next().await {
-            Some(Pdu::LoginResponse(r)) if r.status == LoginStatus::SUCCESS => {
-                assert!(r.transit && r.next_stage == Stage::FullFeaturePhase);
-                raw.tsih = r.tsih;
-                raw.deframer.set_digests(digests);
-                Ok(raw)
-            }
-            Some(Pdu::LoginResponse(r)) => Err(r.status),
-            other => panic!("login answered with {other:?}"),
-        }
-    }
-
-    async fn send_bytes(&mut self, b: &[u8]) {
-        self.stream.write_all(b).await.unwrap();
-    }
-
-    async fn send(&mut self, pdu: Pdu) {
-        let mut out = BytesMut::new();
-        pdu.encode(self.digests, &mut out);
-        self.send_bytes(&out).await;
-    }
-
-    /// The next PDU, or `None` when the target closed the connection. Silence for 10 s fails
-    /// the test: the target must answer or close.
-    async fn next(&mut self) -> Option<Pdu> {
-        loop {
-            if let Ok(Some(p)) = self.deframer.next_pdu() {
-                return Some(p);
-            }
-            let mut buf = [0u8; 4096];
-            let read = tokio::time::timeout(Duration::from_secs(10), self.stream.read(&mut buf))
-                .await
-                .expect("the target neither answered nor closed the connection in 10 s");
-            match read {
-                Ok(0) | Err(_) => return None,
-                Ok(n) => self.deframer.feed(&buf[..n]),
-            }
-        }
-    }
-
-    async fn ping(&mut self, itt: u32) -> bool {
-        self.send(Pdu::NopOut(NopOut {
-            immediate: true,
-            lun: Lun::ZERO,
-            initiator_task_tag: itt,
-            target_transfer_tag: RESERVED_TAG,
-            cmd_sn: self.cmd_sn,
-            exp_stat_sn: SerialNumber(0),
-            data: Bytes::from_static(b"ping"),
-        }))
-        .await;
-        loop {
-            match self.next().await {
-                Some(Pdu::NopIn(n)) if n.initiator_task_tag == itt => {
-                    return &n.data[..] == b"ping"
-                }
-                Some(_) => continue,
-                None => return false,
-            }
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -16,7 +16,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use backend::Buffer;
+use backend::{Buffer, Share};
 use iscsi_pdu::negotiation::SessionType;
 use iscsi_pdu::target::{
     self, Close, CommandOrder, Event, Nexus, OrderedCommand, Plan, Settings, Transmit,
@@ -30,7 +30,7 @@ use tokio::sync::mpsc;
 
 use super::login::{self, Outcome};
 use super::session::{Control, Request, Session};
-use super::wire::{Incoming, ReadError, Reader, Writer};
+use super::wire::{Incoming, ReadError, Reader, SendStalled, Writer};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{Peer, Registry};
 use crate::target::{next_id, Core, CoreGuard, Outbox, Route, Routed, Target, MAX_IO};
@@ -59,6 +59,7 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
     let (rd, wr) = stream.into_split();
     let mut reader = Reader::new(rd);
     let mut writer = Writer::new(wr);
+    writer.stall = Duration::from_secs(registry.config().server.send_timeout);
     // A login that does not finish in `server.login_timeout` is dropped: it holds a place among
     // `server.max_connections` until then.
     let login_timeout = Duration::from_secs(registry.config().server.login_timeout);
@@ -303,7 +304,16 @@ struct Conn {
     /// Backend operations waiting for arena slots, in arrival order: (tag, bytes). The head's
     /// allocation is a future of the worker; the arena wakes it.
     buffer_wait: VecDeque<(u64, usize)>,
+    /// What this connection may hold of the reactor's arena ([`CONNECTION_SHARE`]).
+    share: Share,
 }
+
+/// The part of its reactor's arena one connection may hold: half. An initiator that stops
+/// reading Data-In keeps the buffers it was sent in (until `server.send_timeout` drops it), and
+/// without a bound it would hold every slot and stall every other connection on the reactor.
+/// Half still fits the largest command (`target::MAX_IO`), and a command larger than the share
+/// is served when the connection holds nothing else.
+pub const CONNECTION_SHARE: usize = 2;
 
 /// One step of a connection: the machine and its [`Step`] nexus, with the reactor's engine
 /// and arena. Made from a borrowed [`Conn`] and dropped before any await, so the core's lock
@@ -314,6 +324,7 @@ struct Turn<'a> {
     io: &'a Rc<Io>,
     inbox: &'a Rc<Inbox>,
     buffer_wait: &'a mut VecDeque<(u64, usize)>,
+    share: &'a Share,
 }
 
 impl Conn {
@@ -325,6 +336,7 @@ impl Conn {
             io,
             inbox,
             buffer_wait,
+            share,
         } = self;
         Turn {
             machine,
@@ -332,6 +344,7 @@ impl Conn {
             io,
             inbox,
             buffer_wait,
+            share,
         }
     }
 }
@@ -407,6 +420,7 @@ async fn full_feature(
             unit: None,
         },
         scope,
+        share: Share::new(&io.arena, io.arena.len() / CONNECTION_SHARE),
         io,
         inbox,
         buffer_wait: VecDeque::with_capacity(64),
@@ -419,8 +433,13 @@ async fn full_feature(
             }
         }
         r = work_loop(&conn, &mut rx, &mut writer, &peer.control) => {
-            if let Err(e) = r {
-                tracing::debug!(peer = %peer.addr, "connection ends: {e}");
+            match r {
+                Err(e) if SendStalled::is(&e) => {
+                    registry.send_timeouts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::info!(peer = %peer.addr, "connection dropped: {e}");
+                }
+                Err(e) => tracing::debug!(peer = %peer.addr, "connection ends: {e}"),
+                Ok(()) => {}
             }
             let _ = writer.shutdown().await;
         }
@@ -464,9 +483,9 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
         }
     }
     let deadline = tokio::time::Instant::now() + DRAIN_TIMEOUT;
-    let (inbox, io) = {
+    let (inbox, share) = {
         let c = conn.borrow();
-        (c.inbox.clone(), c.io.clone())
+        (c.inbox.clone(), c.share.clone())
     };
     let mut waiting = None;
     loop {
@@ -480,7 +499,7 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
                 return;
             }
             drop(t);
-            c.wait_for_buffer(&io, &mut waiting);
+            c.wait_for_buffer(&share, &mut waiting);
         }
         tokio::select! {
             _ = inbox.notify.notified() => {}
@@ -497,9 +516,9 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
 /// Takes PDUs off the socket until it closes or breaks, putting each payload where the
 /// machine's plan says.
 async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), ReadError> {
-    let (inbox, io) = {
+    let (inbox, share) = {
         let c = conn.borrow();
-        (c.inbox.clone(), c.io.clone())
+        (c.inbox.clone(), c.share.clone())
     };
     loop {
         let incoming = reader.next().await;
@@ -527,7 +546,7 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
                 }
                 Plan::Allocate(len) => {
                     // Waiting for the arena here is the connection's backpressure.
-                    let buffer = io.arena.alloc(len as usize).await.ok();
+                    let buffer = share.alloc(len as usize).await.ok();
                     (plan, closing) = step(conn, |t| {
                         let nexus = &mut t.nexus;
                         Ok(t.machine.handle_allocated(Instant::now(), buffer, nexus))
@@ -582,7 +601,7 @@ fn step(
 
 /// The head of a connection's buffer queue: its tag and its place in the arena's FIFO. It
 /// lives across the worker's loop iterations so the place is kept.
-type Waiting<'a> = Option<(u64, backend::Alloc<'a>)>;
+type Waiting<'a> = Option<(u64, backend::ShareAlloc<'a>)>;
 
 /// Resolves when the arena grants the waiting buffer (never, when none waits).
 async fn granted(waiting: &mut Waiting<'_>) -> (u64, Result<Buffer, backend::ArenaError>) {
@@ -606,9 +625,9 @@ async fn work_loop(
     writer: &mut Writer,
     control: &Arc<Control>,
 ) -> std::io::Result<()> {
-    let (inbox, io) = {
+    let (inbox, share) = {
         let c = conn.borrow();
-        (c.inbox.clone(), c.io.clone())
+        (c.inbox.clone(), c.share.clone())
     };
     let discovery = conn.borrow().scope.session().is_none();
     let mut batch: Vec<Transmit<Buffer>> = Vec::with_capacity(256);
@@ -618,7 +637,7 @@ async fn work_loop(
     loop {
         let due = {
             let c = conn.borrow();
-            c.wait_for_buffer(&io, &mut waiting);
+            c.wait_for_buffer(&share, &mut waiting);
             c.machine.poll_timeout()
         };
         // The deadline moves with every PDU received; re-arming the timer each time would cost
@@ -688,10 +707,10 @@ async fn work_loop(
 
 impl Conn {
     /// Starts waiting for the oldest queued buffer, unless a wait is on already.
-    fn wait_for_buffer<'a>(&self, io: &'a Io, waiting: &mut Waiting<'a>) {
+    fn wait_for_buffer<'a>(&self, share: &'a Share, waiting: &mut Waiting<'a>) {
         if waiting.is_none() {
             if let Some(&(tag, len)) = self.buffer_wait.front() {
-                *waiting = Some((tag, io.arena.alloc(len)));
+                *waiting = Some((tag, share.alloc(len)));
             }
         }
     }
@@ -750,7 +769,7 @@ impl Turn<'_> {
     /// earlier request waits, else in arrival order when buffers come back.
     fn want_buffer(&mut self, tag: u64, len: usize) {
         if self.buffer_wait.is_empty() {
-            match self.io.arena.try_alloc(len) {
+            match self.share.try_alloc(len) {
                 Ok(Some(b)) => return self.granted(tag, Ok(b)),
                 Ok(None) => {}
                 Err(e) => return self.granted(tag, Err(e)),

@@ -2,8 +2,11 @@
 //! Command's immediate data or a Data-Out's payload straight into the task's arena buffer; the
 //! writer sends headers and payload slices (arena slots, padding, digests) with vectored writes.
 
+use std::future::Future;
 use std::io::{self, IoSlice};
 use std::ops::Range;
+use std::task::Poll;
+use std::time::Duration;
 
 use backend::Buffer;
 use bytes::{BufMut, BytesMut};
@@ -197,8 +200,24 @@ pub struct Writer<W = OwnedWriteHalf> {
     pub digests: Digests,
     /// The initiator's MaxRecvDataSegmentLength.
     pub max_send: u32,
+    /// How long a send may wait for room in the socket before the connection is given up
+    /// (`server.send_timeout`): the initiator has stopped reading.
+    pub stall: Duration,
     headers: BytesMut,
     segs: Vec<Seg>,
+}
+
+/// Why a send failed when the socket had no room for [`Writer::stall`]: the initiator stopped
+/// reading. The connection ends; its buffers go back to the arena.
+#[derive(Debug, thiserror::Error)]
+#[error("nothing could be sent for {0:?}: the initiator stopped reading")]
+pub struct SendStalled(pub Duration);
+
+impl SendStalled {
+    /// Whether `e` is a stalled send.
+    pub fn is(e: &io::Error) -> bool {
+        e.get_ref().is_some_and(|inner| inner.is::<SendStalled>())
+    }
 }
 
 impl<W: AsyncWrite + Unpin> Writer<W> {
@@ -208,6 +227,7 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
             wr,
             digests: Digests::NONE,
             max_send: iscsi_pdu::LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH,
+            stall: Duration::from_secs(30),
             headers: BytesMut::with_capacity(16 * 1024),
             segs: Vec::with_capacity(256),
         }
@@ -295,7 +315,7 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
                 n += 1;
                 at += 1;
             }
-            write_all_vectored(&mut self.wr, &mut iov[..n]).await?;
+            write_all_vectored(&mut self.wr, &mut iov[..n], self.stall).await?;
         }
         self.wr.flush().await
     }
@@ -312,17 +332,35 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
     }
 }
 
-/// Writes every slice, resuming after short writes.
+/// Writes every slice, resuming after short writes; fails with [`SendStalled`] when the socket
+/// has had no room for `stall`.
 async fn write_all_vectored<W: AsyncWrite + Unpin>(
     wr: &mut W,
     mut iov: &mut [IoSlice<'_>],
+    stall: Duration,
 ) -> io::Result<()> {
     while !iov.is_empty() {
-        let n = wr.write_vectored(iov).await?;
+        // The socket usually has room: no timer then (the timer is armed only to wait).
+        let n = match poll_once(wr.write_vectored(iov)).await {
+            Some(r) => r?,
+            None => tokio::time::timeout(stall, wr.write_vectored(iov))
+                .await
+                .map_err(|_| io::Error::other(SendStalled(stall)))??,
+        };
         if n == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
         IoSlice::advance_slices(&mut iov, n);
     }
     Ok(())
+}
+
+/// Polls `f` once: its output if it is ready now, `None` if it would wait.
+async fn poll_once<F: Future>(f: F) -> Option<F::Output> {
+    let mut f = std::pin::pin!(f);
+    std::future::poll_fn(|cx| match f.as_mut().poll(cx) {
+        Poll::Ready(v) => Poll::Ready(Some(v)),
+        Poll::Pending => Poll::Ready(None),
+    })
+    .await
 }

@@ -1,0 +1,127 @@
+//! A bare iSCSI connection for tests that speak raw PDUs: a login with a fixed ISID and the
+//! minimum of keys, then whatever bytes the test sends.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use iscsi_pdu::text::TextParams;
+use iscsi_pdu::{
+    Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, SerialNumber, Stage,
+    RESERVED_TAG,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::{Daemon, TARGET};
+
+/// A bare connection: login with a fixed ISID and the minimum of keys, then raw PDUs.
+pub struct Raw {
+    pub stream: TcpStream,
+    pub deframer: Deframer,
+    pub cmd_sn: SerialNumber,
+    pub tsih: u16,
+    pub digests: Digests,
+}
+
+impl Raw {
+    pub async fn login(d: &Daemon, isid: [u8; 6], tsih: u16) -> Result<Raw, LoginStatus> {
+        Raw::login_with(d, isid, tsih, Digests::NONE).await
+    }
+
+    pub async fn login_with(
+        d: &Daemon,
+        isid: [u8; 6],
+        tsih: u16,
+        digests: Digests,
+    ) -> Result<Raw, LoginStatus> {
+        let mut stream = TcpStream::connect(d.addr).await.unwrap();
+        let mut text = TextParams::new();
+        text.push("InitiatorName", "iqn.2026-11.io.example:raw");
+        text.push("TargetName", TARGET);
+        text.push("SessionType", "Normal");
+        let digest = |on: bool| if on { "CRC32C" } else { "None" };
+        text.push("HeaderDigest", digest(digests.header));
+        text.push("DataDigest", digest(digests.data));
+        let req = LoginRequest {
+            transit: true,
+            current_stage: Stage::LoginOperationalNegotiation,
+            next_stage: Stage::FullFeaturePhase,
+            isid: Isid(isid),
+            tsih,
+            initiator_task_tag: 1,
+            cmd_sn: SerialNumber(1),
+            data: text.encode(),
+            ..LoginRequest::default()
+        };
+        let mut out = BytesMut::new();
+        Pdu::LoginRequest(req).encode(Digests::NONE, &mut out);
+        stream.write_all(&out).await.unwrap();
+        let mut raw = Raw {
+            stream,
+            deframer: Deframer::new(),
+            cmd_sn: SerialNumber(1),
+            tsih: 0,
+            digests,
+        };
+        match raw.next().await {
+            Some(Pdu::LoginResponse(r)) if r.status == LoginStatus::SUCCESS => {
+                assert!(r.transit && r.next_stage == Stage::FullFeaturePhase);
+                raw.tsih = r.tsih;
+                raw.deframer.set_digests(digests);
+                Ok(raw)
+            }
+            Some(Pdu::LoginResponse(r)) => Err(r.status),
+            other => panic!("login answered with {other:?}"),
+        }
+    }
+
+    pub async fn send_bytes(&mut self, b: &[u8]) {
+        self.stream.write_all(b).await.unwrap();
+    }
+
+    pub async fn send(&mut self, pdu: Pdu) {
+        let mut out = BytesMut::new();
+        pdu.encode(self.digests, &mut out);
+        self.send_bytes(&out).await;
+    }
+
+    /// The next PDU, or `None` when the target closed the connection. Silence for 10 s fails
+    /// the test: the target must answer or close.
+    pub async fn next(&mut self) -> Option<Pdu> {
+        loop {
+            if let Ok(Some(p)) = self.deframer.next_pdu() {
+                return Some(p);
+            }
+            let mut buf = [0u8; 4096];
+            let read = tokio::time::timeout(Duration::from_secs(10), self.stream.read(&mut buf))
+                .await
+                .expect("the target neither answered nor closed the connection in 10 s");
+            match read {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => self.deframer.feed(&buf[..n]),
+            }
+        }
+    }
+
+    pub async fn ping(&mut self, itt: u32) -> bool {
+        self.send(Pdu::NopOut(NopOut {
+            immediate: true,
+            lun: Lun::ZERO,
+            initiator_task_tag: itt,
+            target_transfer_tag: RESERVED_TAG,
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: SerialNumber(0),
+            data: Bytes::from_static(b"ping"),
+        }))
+        .await;
+        loop {
+            match self.next().await {
+                Some(Pdu::NopIn(n)) if n.initiator_task_tag == itt => {
+                    return &n.data[..] == b"ping"
+                }
+                Some(_) => continue,
+                None => return false,
+            }
+        }
+    }
+}
