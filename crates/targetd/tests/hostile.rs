@@ -4,21 +4,73 @@
 
 mod common;
 
+use std::sync::atomic::AtomicUsize;
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Once;
 use std::time::Duration;
 
 use bytes::Bytes;
 use common::raw::Raw;
 use common::{config, memory_target, opts, pattern, Daemon, TARGET};
 use initiator_bench::scsi::cdb;
-use iscsi_pdu::{Lun, Pdu, ScsiCommand, SerialNumber};
+use initiator_bench::Session;
+use iscsi_pdu::{
+    DataOut, Lun, Pdu, RejectReason, ScsiCommand, ScsiStatus, SerialNumber, TextRequest,
+    RESERVED_TAG,
+};
 
-/// One reactor, so every connection of a test shares its arena and engine with the bystander.
+/// The bystander's own target, so nothing a hostile initiator writes can touch its data.
+const BYSTANDER: &str = "iqn.2026-11.io.example:bystander";
+
+/// One reactor, so every connection of a test shares its arena and engine with the bystander;
+/// the test's target and the bystander's.
 fn one_reactor(server: &str) -> String {
-    config("", &memory_target(TARGET, "")).replace(
+    let targets = format!(
+        "{}\n{}",
+        memory_target(TARGET, ""),
+        memory_target(BYSTANDER, "")
+    );
+    config("", &targets).replace(
         "reactors = 2\nnop_interval = 0",
         &format!("reactors = 1\nnop_interval = 0\n{server}"),
     )
+}
+
+/// A session on the bystander's target, with 1 MiB of known data at LBA 0.
+async fn bystander(d: &Daemon) -> (Session, Bytes) {
+    let s = Session::connect(&d.url(BYSTANDER, 0), opts())
+        .await
+        .expect("the bystander logs in");
+    let data = pattern(1 << 20, 11);
+    s.write(0, data.clone(), 512).await.unwrap();
+    (s, data)
+}
+
+/// The bystander still reads back what it wrote, and no reactor thread has panicked.
+async fn unharmed(s: &Session, data: &Bytes) {
+    s.nop().await.unwrap();
+    let got = s.read(0, 2048, 512).await.unwrap();
+    assert!(got == *data, "the bystander's data changed");
+    assert_eq!(reactor_panics(), 0, "a reactor thread panicked");
+}
+
+/// Panics on the daemon's reactor threads (named `reactor-N`): a connection's task that
+/// panics is caught by its runtime and looks like a closed connection from outside, so the
+/// tests count them here.
+fn reactor_panics() -> usize {
+    static PANICS: AtomicUsize = AtomicUsize::new(0);
+    static HOOK: Once = Once::new();
+    HOOK.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let name = std::thread::current().name().unwrap_or("").to_string();
+            if name.starts_with("reactor-") {
+                PANICS.fetch_add(1, Relaxed);
+            }
+            default(info);
+        }));
+    });
+    PANICS.load(Relaxed)
 }
 
 /// A READ(10) of `blocks` 512-byte blocks at `lba`.
@@ -96,4 +148,246 @@ async fn an_initiator_that_stops_reading_is_dropped_after_the_send_timeout() {
     for _ in 0..2 {
         let _: Bytes = bystander.read(0, 65536, 512).await.unwrap();
     }
+}
+
+/// A WRITE(10) of `blocks` 512-byte blocks at `lba`, `data` as immediate data.
+fn write(itt: u32, cmd_sn: u32, lba: u32, blocks: u16, data: Bytes) -> Pdu {
+    Pdu::ScsiCommand(ScsiCommand {
+        final_bit: true,
+        write: true,
+        lun: Lun::ZERO,
+        initiator_task_tag: itt,
+        expected_data_transfer_length: u32::from(blocks) * 512,
+        cmd_sn: SerialNumber(cmd_sn),
+        cdb: cdb::write(u64::from(lba), u32::from(blocks)),
+        data,
+        ..ScsiCommand::default()
+    })
+}
+
+fn data_out(itt: u32, ttt: u32, offset: u32, data: Bytes) -> Pdu {
+    Pdu::DataOut(DataOut {
+        final_bit: true,
+        lun: Lun::ZERO,
+        initiator_task_tag: itt,
+        target_transfer_tag: ttt,
+        exp_stat_sn: SerialNumber(0),
+        data_sn: 0,
+        buffer_offset: offset,
+        data,
+    })
+}
+
+/// A raw session on the test's target, its first command's unit attention (power on) taken.
+async fn ready(d: &Daemon, isid: u8) -> Raw {
+    let mut raw = Raw::login(d, [0x80, 0, 0, 0, 0, isid], 0).await.unwrap();
+    let sn = raw.take_cmd_sn();
+    raw.send(read(1, sn, 0, 1)).await;
+    raw.finish(1).await.expect("the unit attention");
+    raw
+}
+
+/// Whether `got` holds a Reject for `reason`.
+fn rejected(got: &[Pdu], reason: RejectReason) -> bool {
+    got.iter()
+        .any(|p| matches!(p, Pdu::Reject(r) if r.reason == reason))
+}
+
+/// The TTT of the R2T in `got`.
+fn r2t(got: &[Pdu]) -> u32 {
+    got.iter()
+        .find_map(|p| match p {
+            Pdu::ReadyToTransfer(r) => Some(r.target_transfer_tag),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no R2T in {got:?}"))
+}
+
+/// AHS whose own length disagrees with TotalAHSLength, or of an unknown type: a Reject
+/// (invalid PDU field) for that command, and the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ahs_that_lies_or_is_unknown_is_rejected() {
+    let d = Daemon::start(&one_reactor(""));
+    let (by, data) = bystander(&d).await;
+    let mut raw = ready(&d, 1).await;
+    let sn = raw.cmd_sn.0;
+    // TotalAHSLength one word; the AHS in it claims 100 bytes.
+    let mut lies = raw.encode(read(0x10, sn, 0, 1)).to_vec();
+    lies[4] = 1;
+    lies.splice(48..48, [0u8, 100, 1, 0]);
+    // A consistent length, a reserved type (0x3f).
+    let mut unknown = raw.encode(read(0x11, sn, 0, 1)).to_vec();
+    unknown[4] = 2;
+    unknown.splice(48..48, [0u8, 4, 0x3f, 0, 1, 2, 3, 4]);
+    for (n, bytes) in [lies, unknown].iter().enumerate() {
+        let (got, alive) = raw.probe(bytes, 0x100 + n as u32).await;
+        assert!(alive, "case {n}");
+        assert!(
+            rejected(&got, RejectReason::InvalidPduField),
+            "case {n}: {got:?}"
+        );
+    }
+    // The rejected commands took no CmdSN: the next one at the same number runs.
+    raw.send(read(0x12, raw.cmd_sn.0, 0, 1)).await;
+    assert_eq!(raw.finish(0x12).await.unwrap().0, ScsiStatus::GOOD);
+    unharmed(&by, &data).await;
+}
+
+/// Commands whose CmdSN lies outside the window (ahead of MaxCmdSN, behind ExpCmdSN, half the
+/// number space away) are dropped silently as RFC 7143 section 4.2.2.1 says; the window stays
+/// where it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_outside_the_cmd_sn_window_are_dropped_silently() {
+    let d = Daemon::start(&one_reactor(""));
+    let (by, data) = bystander(&d).await;
+    let mut raw = ready(&d, 2).await;
+    let sn = raw.cmd_sn.0;
+    for (itt, cmd_sn) in [
+        (0x20, sn + 1000),
+        (0x21, sn - 1),
+        (0x22, sn.wrapping_add(1 << 31)),
+    ] {
+        let (got, alive) = raw.probe(&raw.encode(read(itt, cmd_sn, 0, 1)), itt).await;
+        assert!(alive && got.is_empty(), "CmdSN {cmd_sn}: {got:?}");
+    }
+    let sn = raw.take_cmd_sn();
+    raw.send(read(0x23, sn, 0, 1)).await;
+    assert_eq!(raw.finish(0x23).await.unwrap().0, ScsiStatus::GOOD);
+    unharmed(&by, &data).await;
+}
+
+/// A command that reuses the ITT of a task still running is rejected (task in progress); the
+/// running task is untouched and finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_itt_is_rejected_while_its_task_runs() {
+    let d = Daemon::start(&one_reactor(""));
+    let (by, data) = bystander(&d).await;
+    let mut raw = ready(&d, 3).await;
+    let sn = raw.take_cmd_sn();
+    let (got, _) = raw
+        .probe(&raw.encode(write(0x30, sn, 0, 8, Bytes::new())), 1)
+        .await;
+    let ttt = r2t(&got);
+    let (got, alive) = raw
+        .probe(&raw.encode(read(0x30, raw.cmd_sn.0, 0, 1)), 2)
+        .await;
+    assert!(
+        alive && rejected(&got, RejectReason::TaskInProgress),
+        "{got:?}"
+    );
+    let written = pattern(4096, 30);
+    raw.send(data_out(0x30, ttt, 0, written.clone())).await;
+    assert_eq!(raw.finish(0x30).await.unwrap().0, ScsiStatus::GOOD);
+    let sn = raw.take_cmd_sn();
+    raw.send(read(0x31, sn, 0, 8)).await;
+    let (status, got) = raw.finish(0x31).await.unwrap();
+    assert!(status == ScsiStatus::GOOD && got == written[..]);
+    unharmed(&by, &data).await;
+}
+
+/// Data-Out that does not fit its R2T (more data than the R2T asked for, an offset past the
+/// command's data, a segment running past the end) is rejected (protocol error) and none of
+/// it is written; the right Data-Out then completes the command. One naming a TTT the target
+/// never gave breaks the sequence, which ERL 0 cannot repair: rejected, and the command ends
+/// with ABORTED COMMAND, DATA PHASE ERROR, nothing written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_out_that_does_not_fit_its_r2t_is_rejected() {
+    let d = Daemon::start(&one_reactor(""));
+    let (by, data) = bystander(&d).await;
+    let mut raw = ready(&d, 4).await;
+    let junk = pattern(8192, 99);
+    let cases: [(&str, Option<u32>, u32, usize); 4] = [
+        ("more than the R2T asked for", None, 0, 8192),
+        ("an offset past the data", None, 8192, 512),
+        ("a segment past the end", None, 3584, 1024),
+        ("a TTT never given", Some(99), 0, 4096),
+    ];
+    for (n, (case, ttt, offset, len)) in cases.into_iter().enumerate() {
+        let itt = 0x40 + n as u32;
+        let lba = 8 * n as u32;
+        let sn = raw.take_cmd_sn();
+        let (got, _) = raw
+            .probe(&raw.encode(write(itt, sn, lba, 8, Bytes::new())), 1)
+            .await;
+        let given = r2t(&got);
+        let bad = data_out(itt, ttt.unwrap_or(given), offset, junk.slice(..len));
+        let (got, alive) = raw.probe(&raw.encode(bad), 2).await;
+        assert!(alive, "{case}");
+        assert!(
+            rejected(&got, RejectReason::ProtocolError),
+            "{case}: {got:?}"
+        );
+        let right = pattern(4096, n);
+        let expected = if ttt.is_none() {
+            raw.send(data_out(itt, given, 0, right.clone())).await;
+            assert_eq!(raw.finish(itt).await.unwrap().0, ScsiStatus::GOOD, "{case}");
+            right
+        } else {
+            let ended = got.iter().find_map(|p| match p {
+                Pdu::ScsiResponse(r) if r.initiator_task_tag == itt => Some(r),
+                _ => None,
+            });
+            let r = ended.unwrap_or_else(|| panic!("{case}: the command goes on: {got:?}"));
+            assert_eq!(r.status, ScsiStatus::CHECK_CONDITION);
+            // Fixed-format sense after its 2-byte length: key 0x0b, ASC/ASCQ 4B/00.
+            assert_eq!(
+                (r.data[4] & 0xf, r.data[14], r.data[15]),
+                (0x0b, 0x4b, 0),
+                "{case}"
+            );
+            Bytes::from(vec![0u8; 4096])
+        };
+        let sn = raw.take_cmd_sn();
+        raw.send(read(0x50, sn, lba, 8)).await;
+        let (_, back) = raw.finish(0x50).await.unwrap();
+        assert!(back == expected[..], "{case}: the bad Data-Out was written");
+    }
+    unharmed(&by, &data).await;
+}
+
+/// Data-Out for a command whose data is all in, sent right behind the last one (the write may
+/// still be running) or after its status, naming the finished transfer or none: rejected or
+/// dropped, never written; the command answers once, GOOD, with the first data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_out_for_a_finished_command_does_not_touch_it() {
+    // A file LU, so the write runs on the engine while the late Data-Out arrives.
+    let file = "[[targets.luns]]\nlun = 0\nbackend = \"memory\"\nsize = \"64MiB\"\n";
+    let text = one_reactor("").replacen(
+        file,
+        "[[targets.luns]]\nlun = 0\nbackend = \"file\"\npath = \"@DIR@/lun0.img\"\nsize = \"16MiB\"\n",
+        1,
+    );
+    assert!(text.contains("lun0.img"));
+    let d = Daemon::start(&text);
+    let (by, data) = bystander(&d).await;
+    let mut raw = ready(&d, 5).await;
+    for n in 0..8u32 {
+        let itt = 0x60 + n;
+        let sn = raw.take_cmd_sn();
+        let (got, _) = raw
+            .probe(&raw.encode(write(itt, sn, 8 * n, 8, Bytes::new())), 1)
+            .await;
+        let given = r2t(&got);
+        let right = pattern(4096, n as usize);
+        let late = pattern(4096, 77);
+        raw.send(data_out(itt, given, 0, right.clone())).await;
+        raw.send(data_out(itt, given, 0, late.clone())).await;
+        assert_eq!(raw.finish(itt).await.unwrap().0, ScsiStatus::GOOD);
+        for (ttt, m) in [(given, 2), (RESERVED_TAG, 3)] {
+            let (got, alive) = raw
+                .probe(&raw.encode(data_out(itt, ttt, 0, late.clone())), m)
+                .await;
+            assert!(alive);
+            assert!(
+                !got.iter()
+                    .any(|p| matches!(p, Pdu::ScsiResponse(r) if r.initiator_task_tag == itt)),
+                "a second status: {got:?}"
+            );
+        }
+        let sn = raw.take_cmd_sn();
+        raw.send(read(0x70, sn, 8 * n, 8)).await;
+        let (_, back) = raw.finish(0x70).await.unwrap();
+        assert!(back == right[..], "late data was written");
+    }
+    unharmed(&by, &data).await;
 }

@@ -6,8 +6,8 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{
-    Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, SerialNumber, Stage,
-    RESERVED_TAG,
+    Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, ScsiStatus, SerialNumber,
+    Stage, RESERVED_TAG,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -121,6 +121,68 @@ impl Raw {
                 }
                 Some(_) => continue,
                 None => return false,
+            }
+        }
+    }
+}
+
+impl Raw {
+    /// Sends `bytes`, then a ping with tag `itt`: what the target sent before the ping's answer,
+    /// and whether the ping was answered (false: the target closed the connection).
+    pub async fn probe(&mut self, bytes: &[u8], itt: u32) -> (Vec<Pdu>, bool) {
+        self.send_bytes(bytes).await;
+        self.send(Pdu::NopOut(NopOut {
+            immediate: true,
+            lun: Lun::ZERO,
+            initiator_task_tag: itt,
+            target_transfer_tag: RESERVED_TAG,
+            cmd_sn: self.cmd_sn,
+            exp_stat_sn: SerialNumber(0),
+            data: Bytes::from_static(b"ping"),
+        }))
+        .await;
+        let mut got = Vec::new();
+        loop {
+            match self.next().await {
+                Some(Pdu::NopIn(n)) if n.initiator_task_tag == itt => return (got, true),
+                Some(p) => got.push(p),
+                None => return (got, false),
+            }
+        }
+    }
+
+    /// `pdu` encoded with the connection's digests.
+    pub fn encode(&self, pdu: Pdu) -> BytesMut {
+        let mut out = BytesMut::new();
+        pdu.encode(self.digests, &mut out);
+        out
+    }
+}
+
+impl Raw {
+    /// The CmdSN for the next non-immediate command, advancing the count.
+    pub fn take_cmd_sn(&mut self) -> u32 {
+        let sn = self.cmd_sn;
+        self.cmd_sn = sn.next();
+        sn.0
+    }
+
+    /// How the command `itt` ended: its status and the data of its Data-In, skipping
+    /// anything else (R2T, NOP-In, other tasks); `None` when the target closed the connection.
+    pub async fn finish(&mut self, itt: u32) -> Option<(ScsiStatus, BytesMut)> {
+        let mut data = BytesMut::new();
+        loop {
+            match self.next().await? {
+                Pdu::ScsiResponse(r) if r.initiator_task_tag == itt => {
+                    return Some((r.status, data))
+                }
+                Pdu::DataIn(d) if d.initiator_task_tag == itt => {
+                    data.extend_from_slice(&d.data);
+                    if let Some(s) = d.status {
+                        return Some((s.status, data));
+                    }
+                }
+                _ => continue,
             }
         }
     }
