@@ -9,6 +9,8 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Once;
 use std::time::Duration;
 
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
 use bytes::Bytes;
 use common::raw::Raw;
 use common::{config, memory_target, opts, pattern, Daemon, TARGET};
@@ -390,4 +392,280 @@ async fn data_out_for_a_finished_command_does_not_touch_it() {
         assert!(back == right[..], "late data was written");
     }
     unharmed(&by, &data).await;
+}
+
+fn text(itt: u32, cmd_sn: u32, data: Vec<u8>, continued: bool) -> Pdu {
+    Pdu::TextRequest(TextRequest {
+        final_bit: !continued,
+        continue_bit: continued,
+        initiator_task_tag: itt,
+        target_transfer_tag: RESERVED_TAG,
+        cmd_sn: SerialNumber(cmd_sn),
+        data: Bytes::from(data),
+        ..TextRequest::default()
+    })
+}
+
+/// Text keys at and past RFC 7143's limits: a 63-byte name with a 255-byte value is a key
+/// like any other (NotUnderstood); a 64-byte name is rejected; a request continued (C bit) past
+/// the 64 KiB the target reassembles is rejected at that bound, not buffered further; the
+/// next exchange works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_keys_of_maximal_length_and_endless_continuations() {
+    let d = Daemon::start(&one_reactor(""));
+    let (by, data) = bystander(&d).await;
+    let mut raw = ready(&d, 6).await;
+    let name = "X".repeat(63);
+    let longest = format!("{name}={}\0", "v".repeat(255)).into_bytes();
+    let sn = raw.take_cmd_sn();
+    let (got, alive) = raw
+        .probe(&raw.encode(text(0x80, sn, longest, false)), 1)
+        .await;
+    let answer = format!("{name}=NotUnderstood\0");
+    assert!(
+        alive && matches!(&got[..], [Pdu::TextResponse(t)] if t.data == answer.as_bytes()),
+        "{got:?}"
+    );
+    let too_long = format!("{name}Y={}\0", "v".repeat(8000)).into_bytes();
+    let sn = raw.take_cmd_sn();
+    let (got, alive) = raw
+        .probe(&raw.encode(text(0x81, sn, too_long, false)), 2)
+        .await;
+    assert!(
+        alive && rejected(&got, RejectReason::ProtocolError),
+        "{got:?}"
+    );
+    let mut continued = 0;
+    loop {
+        let sn = raw.take_cmd_sn();
+        let part = text(0x82, sn, vec![b'A'; 8192], true);
+        let (got, alive) = raw.probe(&raw.encode(part), 3).await;
+        assert!(alive);
+        match &got[..] {
+            [Pdu::TextResponse(t)] if !t.final_bit && t.data.is_empty() => continued += 1,
+            [Pdu::Reject(r)] if r.reason == RejectReason::ProtocolError => break,
+            other => panic!("{other:?}"),
+        }
+        assert!(continued <= 8, "more than 64 KiB of text reassembled");
+    }
+    assert_eq!(continued, 8, "64 KiB are taken in pieces");
+    let sn = raw.take_cmd_sn();
+    let again = text(0x83, sn, b"SendTargets=All\0".to_vec(), false);
+    let (got, alive) = raw.probe(&raw.encode(again), 4).await;
+    assert!(
+        alive && matches!(&got[..], [Pdu::TextResponse(t)] if t.data.starts_with(b"TargetName=")),
+        "{got:?}"
+    );
+    unharmed(&by, &data).await;
+}
+
+/// A small deterministic generator (xorshift64*), so a failing case can be replayed by seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// `pdu` with one to four of its header bytes changed (any of them: opcode, flags, lengths,
+/// tags, sequence numbers). When TotalAHSLength or DataSegmentLength changed, the bytes after
+/// the header are made as long as the header now says (up to a bound past the target's
+/// MaxRecvDataSegmentLength), so the next PDU starts where the target looks for it.
+fn mutate(rng: &mut Rng, pdu: &[u8]) -> Vec<u8> {
+    let mut b = pdu.to_vec();
+    for _ in 0..1 + rng.below(4) {
+        let at = rng.below(48);
+        b[at] = match rng.below(4) {
+            0 => 0,
+            1 => 0xff,
+            2 => b[at] ^ (1 << rng.below(8)),
+            _ => rng.next() as u8,
+        };
+    }
+    let ahs = usize::from(b[4]) * 4;
+    let dsl = usize::from(b[5]) << 16 | usize::from(b[6]) << 8 | usize::from(b[7]);
+    let claimed = 48 + ahs + dsl.div_ceil(4) * 4;
+    if claimed <= 48 + 1020 + 300 * 1024 {
+        b.resize(claimed, 0xa5);
+    }
+    b
+}
+
+/// Mutated PDUs at every stage: as the first PDU of a login, in full feature phase (every
+/// request an initiator sends), and in the middle of a write's transfer. After each, the
+/// target answers a ping or closes the connection within the probe's 10 s; never a panic;
+/// every connection it closes is gone from its books; the bystander's data is intact.
+/// `HOSTILE_ROUNDS` (default 40) sets the rounds per stage, `HOSTILE_SEED` the seed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutated_pdus_at_every_stage() {
+    let d = Daemon::start(&one_reactor(""));
+    let (by, data) = bystander(&d).await;
+    let env = |k: &str, default: u64| {
+        std::env::var(k)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let rounds = env("HOSTILE_ROUNDS", 40);
+    let seed = env("HOSTILE_SEED", 0x5eed_1e55);
+    let mut rng = Rng(seed | 1);
+    let mut closed = 0;
+    // Login: a mutated first request; the answer is a Login Response or a close.
+    let login = {
+        let raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 0x70], 0).await.unwrap();
+        drop(raw);
+        let mut text = iscsi_pdu::text::TextParams::new();
+        text.push("InitiatorName", "iqn.2026-11.io.example:raw");
+        text.push("TargetName", TARGET);
+        text.push("SessionType", "Normal");
+        let req = iscsi_pdu::LoginRequest {
+            transit: true,
+            current_stage: iscsi_pdu::Stage::LoginOperationalNegotiation,
+            next_stage: iscsi_pdu::Stage::FullFeaturePhase,
+            isid: iscsi_pdu::Isid([0x80, 0, 0, 0, 0, 0x71]),
+            initiator_task_tag: 1,
+            cmd_sn: SerialNumber(1),
+            data: text.encode(),
+            ..iscsi_pdu::LoginRequest::default()
+        };
+        let mut out = bytes::BytesMut::new();
+        Pdu::LoginRequest(req).encode(iscsi_pdu::Digests::NONE, &mut out);
+        out.to_vec()
+    };
+    for round in 0..rounds {
+        let bytes = mutate(&mut rng, &login);
+        let mut s = tokio::net::TcpStream::connect(d.addr).await.unwrap();
+        s.write_all(&bytes).await.unwrap();
+        let mut deframer = iscsi_pdu::Deframer::new();
+        let mut buf = vec![0u8; 65536];
+        let answer = loop {
+            if let Ok(Some(p)) = deframer.next_pdu() {
+                break Some(p);
+            }
+            match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await {
+                Ok(Ok(0) | Err(_)) => break None,
+                Ok(Ok(n)) => deframer.feed(&buf[..n]),
+                Err(_) => panic!("login round {round} (seed {seed:#x}): no answer in 10 s"),
+            }
+        };
+        assert!(
+            matches!(answer, None | Some(Pdu::LoginResponse(_))),
+            "login round {round}: {answer:?}"
+        );
+    }
+    // Full feature phase: each kind of request, mutated.
+    let mut raw = ready(&d, 0x72).await;
+    let mut isid = 0x73u8;
+    for round in 0..rounds {
+        let sn = raw.cmd_sn.0;
+        let requests = [
+            raw.encode(read(0x90, sn, 0, 8)),
+            raw.encode(write(0x91, sn, 8, 2, pattern(1024, 1))),
+            raw.encode(write(0x92, sn, 8, 8, Bytes::new())),
+            raw.encode(text(0x93, sn, b"SendTargets=All\0".to_vec(), false)),
+            raw.encode(Pdu::TaskManagementRequest(
+                iscsi_pdu::TaskManagementRequest {
+                    immediate: true,
+                    function: iscsi_pdu::TaskManagementFunction::AbortTask,
+                    initiator_task_tag: 0x94,
+                    referenced_task_tag: 0x92,
+                    cmd_sn: SerialNumber(sn),
+                    ..iscsi_pdu::TaskManagementRequest::default()
+                },
+            )),
+            raw.encode(Pdu::NopOut(iscsi_pdu::NopOut {
+                immediate: true,
+                initiator_task_tag: 0x95,
+                target_transfer_tag: RESERVED_TAG,
+                cmd_sn: SerialNumber(sn),
+                data: Bytes::from_static(b"data"),
+                ..iscsi_pdu::NopOut::default()
+            })),
+            raw.encode(data_out(0x92, 7, 0, pattern(512, 2))),
+        ];
+        let pick = rng.below(requests.len());
+        let bytes = mutate(&mut rng, &requests[pick]);
+        let (_, alive) = raw.probe(&bytes, 0x1_0000 + round as u32).await;
+        // Resynchronise on the window the target has now: a mutated command may have taken a
+        // CmdSN or not.
+        if !alive {
+            closed += 1;
+            raw = ready(&d, isid).await;
+            isid = isid.wrapping_add(1).max(0x73);
+        } else {
+            raw.cmd_sn = window(&mut raw).await;
+        }
+    }
+    // Mid-transfer: a write waits for its data; its Data-Out arrives mutated. A session of
+    // its own, so no task a mutated command left waiting (a write whose data never comes)
+    // overlaps these writes.
+    drop(raw);
+    let mut raw = ready(&d, isid).await;
+    isid = isid.wrapping_add(1).max(0x73);
+    for round in 0..rounds {
+        let itt = 0xa0 + round as u32;
+        let sn = raw.take_cmd_sn();
+        let lba = 1024 + 8 * (round as u32 % 4096);
+        let (got, alive) = raw
+            .probe(&raw.encode(write(itt, sn, lba, 8, Bytes::new())), 1)
+            .await;
+        assert!(alive);
+        let given = r2t(&got);
+        let bytes = mutate(
+            &mut rng,
+            &raw.encode(data_out(itt, given, 0, pattern(4096, 3))),
+        );
+        let (_, alive) = raw.probe(&bytes, 0x2_0000 + round as u32).await;
+        if !alive {
+            closed += 1;
+            raw = ready(&d, isid).await;
+            isid = isid.wrapping_add(1).max(0x73);
+        } else {
+            // End the write either way: its data, or an abort if the mutation ended it.
+            raw.send(data_out(itt, given, 0, pattern(4096, 3))).await;
+            raw.cmd_sn = window(&mut raw).await;
+        }
+    }
+    drop(raw);
+    eprintln!(
+        "{} rounds per stage, seed {seed:#x}: {closed} connections closed by the target",
+        rounds
+    );
+    // Every hostile connection goes from the target's books; only the bystander stays.
+    let started = std::time::Instant::now();
+    while d.registry.sessions.all().len() > 1 || d.registry.connection_count() > 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "connections left behind"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    unharmed(&by, &data).await;
+}
+
+/// The target's ExpCmdSN, from the answer to a ping (a NOP-In carries it).
+async fn window(raw: &mut Raw) -> SerialNumber {
+    raw.send(Pdu::NopOut(iscsi_pdu::NopOut {
+        immediate: true,
+        initiator_task_tag: 0xfff0,
+        target_transfer_tag: RESERVED_TAG,
+        cmd_sn: raw.cmd_sn,
+        ..iscsi_pdu::NopOut::default()
+    }))
+    .await;
+    loop {
+        match raw.next().await {
+            Some(Pdu::NopIn(n)) if n.initiator_task_tag == 0xfff0 => return n.exp_cmd_sn,
+            Some(_) => continue,
+            None => panic!("closed while asking for the window"),
+        }
+    }
 }

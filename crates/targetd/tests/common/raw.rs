@@ -128,10 +128,10 @@ impl Raw {
 
 impl Raw {
     /// Sends `bytes`, then a ping with tag `itt`: what the target sent before the ping's answer,
-    /// and whether the ping was answered (false: the target closed the connection).
+    /// and whether the ping was answered (false: the target closed the connection, perhaps
+    /// while the bytes were still being sent).
     pub async fn probe(&mut self, bytes: &[u8], itt: u32) -> (Vec<Pdu>, bool) {
-        self.send_bytes(bytes).await;
-        self.send(Pdu::NopOut(NopOut {
+        let ping = self.encode(Pdu::NopOut(NopOut {
             immediate: true,
             lun: Lun::ZERO,
             initiator_task_tag: itt,
@@ -139,13 +139,16 @@ impl Raw {
             cmd_sn: self.cmd_sn,
             exp_stat_sn: SerialNumber(0),
             data: Bytes::from_static(b"ping"),
-        }))
-        .await;
+        }));
+        if self.stream.write_all(bytes).await.is_ok() {
+            let _ = self.stream.write_all(&ping).await;
+        }
         let mut got = Vec::new();
         loop {
             match self.next().await {
                 Some(Pdu::NopIn(n)) if n.initiator_task_tag == itt => return (got, true),
                 Some(p) => got.push(p),
+                // Also when the bytes could not all be sent: the target closed first.
                 None => return (got, false),
             }
         }
