@@ -104,9 +104,7 @@ async fn stall(d: &Daemon) -> Raw {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_initiator_that_stops_reading_data_in_holds_a_bounded_share() {
     let d = Daemon::start(&one_reactor("send_timeout = 3600"));
-    let bystander = d.session(opts()).await;
-    let data = pattern(1 << 20, 3);
-    bystander.write(0, data.clone(), 512).await.unwrap();
+    let (by, data) = bystander(&d).await;
     let _stalled = stall(&d).await;
     // Wait until it holds what it can (the arena reports every second).
     let arena = d.registry.arenas.lock().unwrap()[0].clone();
@@ -116,13 +114,14 @@ async fn an_initiator_that_stops_reading_data_in_holds_a_bounded_share() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     for _ in 0..16 {
-        let got = tokio::time::timeout(Duration::from_secs(10), bystander.read(0, 2048, 512))
+        let got = tokio::time::timeout(Duration::from_secs(10), by.read(0, 2048, 512))
             .await
             .expect("a bystander's read waited for the stalled connection")
             .unwrap();
         assert!(got == data);
     }
     assert_eq!(d.registry.sessions.all().len(), 2, "both sessions are open");
+    unharmed(&by, &data).await;
 }
 
 /// Once nothing could be sent to it for `send_timeout`, the stalled connection is dropped and
@@ -130,7 +129,7 @@ async fn an_initiator_that_stops_reading_data_in_holds_a_bounded_share() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_initiator_that_stops_reading_is_dropped_after_the_send_timeout() {
     let d = Daemon::start(&one_reactor("send_timeout = 1"));
-    let bystander = d.session(opts()).await;
+    let (by, data) = bystander(&d).await;
     let stalled = stall(&d).await;
     let started = std::time::Instant::now();
     while d.registry.sessions.all().len() > 1 {
@@ -148,8 +147,9 @@ async fn an_initiator_that_stops_reading_is_dropped_after_the_send_timeout() {
     );
     // 32 MiB reads need whole halves of the arena: nothing of the stalled connection is left.
     for _ in 0..2 {
-        let _: Bytes = bystander.read(0, 65536, 512).await.unwrap();
+        let _: Bytes = by.read(0, 65536, 512).await.unwrap();
     }
+    unharmed(&by, &data).await;
 }
 
 /// A WRITE(10) of `blocks` 512-byte blocks at `lba`, `data` as immediate data.
@@ -668,4 +668,135 @@ async fn window(raw: &mut Raw) -> SerialNumber {
             None => panic!("closed while asking for the window"),
         }
     }
+}
+
+/// How a connection of the flood ended up.
+#[derive(Debug)]
+enum Fate {
+    /// Closed by the target before any answer (past `max_connections`).
+    Closed,
+    /// Logged in; the stream is kept open.
+    In(tokio::net::TcpStream),
+    /// The login was answered with this status.
+    Refused(iscsi_pdu::LoginStatus),
+}
+
+/// The soft limit on open files of this process (the daemon runs in it too).
+fn open_files_limit() -> usize {
+    std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|l| {
+            let line = l.lines().find(|l| l.starts_with("Max open files"))?;
+            line.split_whitespace().nth(3)?.parse().ok()
+        })
+        .unwrap_or(1024)
+}
+
+/// 1000 connections at once, each logging in at once, against `max_connections = 64` and
+/// `max_sessions = 16`: past the connection limit they are closed before any answer, past the
+/// session limit the login is refused (out of resources), the rest log in; the daemon never
+/// holds more than its limits, the bystander works while they are all open, and once they go
+/// the books hold the bystander alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_connections_at_once_are_held_to_the_limits() {
+    let limit = open_files_limit();
+    // The flood's sockets, the daemon's and the test's own descriptors share the limit.
+    let n = 1000.min(limit.saturating_sub(300));
+    if n < 1000 {
+        eprintln!("{n} connections, not 1000: this process may open {limit} files");
+    }
+    let d = Daemon::start(&one_reactor("max_connections = 64\nmax_sessions = 16"));
+    let (by, data) = bystander(&d).await;
+    let addr = d.addr;
+    let flood: Vec<_> = (0..n)
+        .map(|i| {
+            tokio::spawn(async move {
+                let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+                let login = login_request(i as u32);
+                if s.write_all(&login).await.is_err() {
+                    return Fate::Closed;
+                }
+                let mut deframer = iscsi_pdu::Deframer::new();
+                let mut buf = vec![0u8; 4096];
+                loop {
+                    if let Ok(Some(p)) = deframer.next_pdu() {
+                        return match p {
+                            Pdu::LoginResponse(r)
+                                if r.status == iscsi_pdu::LoginStatus::SUCCESS =>
+                            {
+                                Fate::In(s)
+                            }
+                            Pdu::LoginResponse(r) => Fate::Refused(r.status),
+                            other => panic!("{other:?}"),
+                        };
+                    }
+                    match tokio::time::timeout(Duration::from_secs(30), s.read(&mut buf)).await {
+                        Ok(Ok(0) | Err(_)) => return Fate::Closed,
+                        Ok(Ok(k)) => deframer.feed(&buf[..k]),
+                        Err(_) => panic!("connection {i}: no answer and no close in 30 s"),
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut fates = Vec::new();
+    for f in flood {
+        fates.push(f.await.unwrap());
+    }
+    let logged_in = fates.iter().filter(|f| matches!(f, Fate::In(_))).count();
+    let refused = fates
+        .iter()
+        .filter(|f| matches!(f, Fate::Refused(s) if *s == iscsi_pdu::LoginStatus::OUT_OF_RESOURCES))
+        .count();
+    let closed = fates.iter().filter(|f| matches!(f, Fate::Closed)).count();
+    eprintln!("{n} connections: {logged_in} logged in, {refused} refused (out of resources), {closed} closed at once");
+    assert_eq!(logged_in + refused + closed, n, "{fates:?}");
+    assert!(
+        (1..=15).contains(&logged_in),
+        "{logged_in} sessions beside the bystander"
+    );
+    assert!(closed >= n - 64 - refused, "{closed} closed at once");
+    assert!(d.registry.sessions.all().len() <= 16);
+    assert!(d.registry.connection_count() <= 64);
+    unharmed(&by, &data).await;
+    for f in &fates {
+        if let Fate::In(s) = f {
+            assert!(
+                s.peer_addr().is_ok(),
+                "a session that got in is still connected"
+            );
+        }
+    }
+    drop(fates);
+    let started = std::time::Instant::now();
+    while d.registry.sessions.all().len() > 1 || d.registry.connection_count() > 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "connections left behind"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    unharmed(&by, &data).await;
+}
+
+/// A Login Request straight to full feature phase, with ISID `n`.
+fn login_request(n: u32) -> Vec<u8> {
+    let mut text = iscsi_pdu::text::TextParams::new();
+    text.push("InitiatorName", "iqn.2026-11.io.example:raw");
+    text.push("TargetName", TARGET);
+    text.push("SessionType", "Normal");
+    let b = n.to_be_bytes();
+    let req = iscsi_pdu::LoginRequest {
+        transit: true,
+        current_stage: iscsi_pdu::Stage::LoginOperationalNegotiation,
+        next_stage: iscsi_pdu::Stage::FullFeaturePhase,
+        isid: iscsi_pdu::Isid([0x80, 0, b[0], b[1], b[2], b[3]]),
+        initiator_task_tag: 1,
+        cmd_sn: SerialNumber(1),
+        data: text.encode(),
+        ..iscsi_pdu::LoginRequest::default()
+    };
+    let mut out = bytes::BytesMut::new();
+    Pdu::LoginRequest(req).encode(iscsi_pdu::Digests::NONE, &mut out);
+    out.to_vec()
 }
