@@ -10,7 +10,7 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use initiator_bench::login::LoginOptions;
 use initiator_bench::plot::{plot, Series};
-use initiator_bench::proxy::{parse_duration, parse_rate, Link, Proxy};
+use initiator_bench::proxy::{parse_duration, parse_rate, Cut, Link, Proxy};
 use initiator_bench::srp::{LinkModel, SrpOptions};
 use initiator_bench::workload::{parse_size, run_many, Progress, Report, Rw, Split, Workload};
 use initiator_bench::{discover, IscsiUrl};
@@ -88,6 +88,14 @@ enum Cmd {
         /// Link rate each direction (e.g. 1gbit).
         #[arg(long)]
         rate: Option<String>,
+        /// Cut every connection after this many bytes from the initiator (e.g. 1MiB): a fault
+        /// in the middle of Data-Out.
+        #[arg(long)]
+        cut_upstream: Option<String>,
+        /// Cut every connection after this many bytes from the target: a fault in the middle
+        /// of Data-In.
+        #[arg(long)]
+        cut_downstream: Option<String>,
     },
     /// Run a workload on two targets in alternation and report the ratios.
     Compare {
@@ -417,7 +425,19 @@ fn main() -> anyhow::Result<()> {
                 to,
                 delay,
                 rate,
+                cut_upstream,
+                cut_downstream,
             } => {
+                let bytes = |v: Option<String>| {
+                    v.as_deref()
+                        .map(parse_size)
+                        .transpose()
+                        .map_err(anyhow::Error::msg)
+                };
+                let cut = Cut {
+                    upstream: bytes(cut_upstream)?,
+                    downstream: bytes(cut_downstream)?,
+                };
                 let link = Link {
                     delay: parse_duration(&delay).map_err(anyhow::Error::msg)?,
                     rate_bps: rate
@@ -426,7 +446,7 @@ fn main() -> anyhow::Result<()> {
                         .transpose()
                         .map_err(anyhow::Error::msg)?,
                 };
-                let proxy = Proxy::start(&listen, &to, link).await?;
+                let proxy = Proxy::start_with_cut(&listen, &to, link, cut).await?;
                 eprintln!(
                     "relaying {} -> {to} with {:?} each way",
                     proxy.local_addr, link.delay

@@ -6,6 +6,10 @@
 //! once per chunk as latency, not once per read as a sleep, so throughput at zero delay is that
 //! of loopback and at a delay D it is bounded only by the TCP windows, as on a real link.
 //!
+//! For fault tests a [`Cut`] ends every relayed connection once a given number of bytes has
+//! passed in one direction (mid-Data-Out or mid-Data-In): both sockets are shut down, as when a
+//! link or a switch port dies.
+//!
 //! The data path runs on plain threads with blocking sockets: `thread::sleep` wakes within about
 //! 0.1 ms of its deadline, where tokio's timer wheel rounds up to the next millisecond, which
 //! would add up to 1 ms to every emulated delay.
@@ -24,6 +28,17 @@ pub struct Link {
     pub delay: Duration,
     /// Link rate in bits per second, each direction; `None` for unlimited.
     pub rate_bps: Option<u64>,
+}
+
+/// Where relayed connections are cut: after this many bytes from the initiator (upstream) or
+/// from the target (downstream), counted per connection. The bytes up to the cut are delivered;
+/// then both sockets are shut down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Cut {
+    /// Bytes from the initiator to the target before the cut.
+    pub upstream: Option<u64>,
+    /// Bytes from the target to the initiator before the cut.
+    pub downstream: Option<u64>,
 }
 
 /// Chunks in flight per direction before the reader stops reading (and TCP pushes back).
@@ -50,6 +65,16 @@ impl Drop for Proxy {
 impl Proxy {
     /// Listens on `listen` and relays every connection to `to` over `link`.
     pub async fn start(listen: &str, to: &str, link: Link) -> std::io::Result<Proxy> {
+        Proxy::start_with_cut(listen, to, link, Cut::default()).await
+    }
+
+    /// As [`Proxy::start`], cutting every relayed connection where `cut` says.
+    pub async fn start_with_cut(
+        listen: &str,
+        to: &str,
+        link: Link,
+        cut: Cut,
+    ) -> std::io::Result<Proxy> {
         let listener = TcpListener::bind(listen)?;
         let local_addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
@@ -63,7 +88,7 @@ impl Proxy {
                     }
                     let Ok(client) = client else { continue };
                     match TcpStream::connect(&to) {
-                        Ok(server) => relay(client, server, link),
+                        Ok(server) => relay(client, server, link, cut),
                         Err(e) => tracing::warn!("proxy: cannot reach {to}: {e}"),
                     }
                 }
@@ -73,12 +98,15 @@ impl Proxy {
 }
 
 /// Starts both directions of one relayed connection.
-fn relay(client: TcpStream, server: TcpStream, link: Link) {
+fn relay(client: TcpStream, server: TcpStream, link: Link, cut: Cut) {
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
-    for (from, to) in [(&client, &server), (&server, &client)] {
+    for (from, to, limit) in [
+        (&client, &server, cut.upstream),
+        (&server, &client, cut.downstream),
+    ] {
         match (from.try_clone(), to.try_clone()) {
-            (Ok(from), Ok(to)) => direction(from, to, link),
+            (Ok(from), Ok(to)) => direction(from, to, link, limit),
             _ => tracing::warn!("proxy: cannot clone a socket"),
         }
     }
@@ -86,8 +114,17 @@ fn relay(client: TcpStream, server: TcpStream, link: Link) {
 
 /// One direction: a reader thread stamps chunks with their due time, a writer thread delivers
 /// them when due.
-fn direction(mut from: TcpStream, mut to: TcpStream, link: Link) {
+fn direction(mut from: TcpStream, mut to: TcpStream, link: Link, limit: Option<u64>) {
     let (tx, rx) = sync_channel::<(Instant, Vec<u8>)>(QUEUE_CHUNKS);
+    // The writer cuts the connection once the last byte before the cut is delivered.
+    let cut = match limit.map(|_| from.try_clone()) {
+        Some(Ok(s)) => Some(s),
+        Some(Err(e)) => {
+            tracing::warn!("proxy: cannot clone a socket: {e}");
+            return;
+        }
+        None => None,
+    };
     let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
         if let Err(e) = std::thread::Builder::new()
             .name(name.into())
@@ -102,11 +139,13 @@ fn direction(mut from: TcpStream, mut to: TcpStream, link: Link) {
         Box::new(move || {
             let mut link_free = Instant::now();
             let mut buf = vec![0u8; CHUNK];
-            loop {
+            let mut left = limit.unwrap_or(u64::MAX);
+            while left > 0 {
                 let n = match from.read(&mut buf) {
                     Ok(0) | Err(_) => break,
-                    Ok(n) => n,
+                    Ok(n) => n.min(usize::try_from(left).unwrap_or(usize::MAX)),
                 };
+                left -= n as u64;
                 let now = Instant::now();
                 // Serialisation: the chunk occupies the link after what is already on it.
                 link_free = match link.rate_bps {
@@ -127,7 +166,17 @@ fn direction(mut from: TcpStream, mut to: TcpStream, link: Link) {
             }
         }),
     );
-    spawn("proxy-write", Box::new(move || deliver(rx, &mut to)));
+    spawn(
+        "proxy-write",
+        Box::new(move || {
+            deliver(rx, &mut to);
+            if let Some(from) = cut {
+                // The reader stopped at the cut (or its peer closed first): the link is gone.
+                let _ = from.shutdown(Shutdown::Both);
+                let _ = to.shutdown(Shutdown::Both);
+            }
+        }),
+    );
 }
 
 fn deliver(rx: Receiver<(Instant, Vec<u8>)>, to: &mut TcpStream) {

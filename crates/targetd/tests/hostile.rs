@@ -1,4 +1,4 @@
-//! Hostile input against targetd in-process: each case gets a Reject, a login failure or a
+//! Hostile input and faults against targetd in-process: each case gets a Reject, a login failure or a
 //! closed connection, never a panic, and a bystander session on the same reactor keeps
 //! working throughout. docs/robustness.md lists the cases and what the target does.
 
@@ -799,4 +799,66 @@ fn login_request(n: u32) -> Vec<u8> {
     let mut out = bytes::BytesMut::new();
     Pdu::LoginRequest(req).encode(iscsi_pdu::Digests::NONE, &mut out);
     out.to_vec()
+}
+
+/// Connections cut in the middle of a 1 MiB write's Data-Out and of a 1 MiB read's Data-In
+/// (through initiator-bench's proxy, cut after 600 KiB one way): the initiator sees the
+/// failure, the target ends the session and frees what it held, and the unacknowledged write
+/// left nothing behind (the target writes a command's data only once all of it is in).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_cut_mid_data_out_and_mid_data_in() {
+    use initiator_bench::proxy::{Cut, Link, Proxy};
+    let d = Daemon::start(&one_reactor(""));
+    let (by, data) = bystander(&d).await;
+    let direct = d.session(opts()).await;
+    let old = pattern(1 << 20, 5);
+    direct.write(0, old.clone(), 512).await.unwrap();
+    let link = Link {
+        delay: Duration::ZERO,
+        rate_bps: None,
+    };
+    let at = Some(600 << 10);
+    for (case, cut) in [
+        (
+            "mid-Data-Out",
+            Cut {
+                upstream: at,
+                downstream: None,
+            },
+        ),
+        (
+            "mid-Data-In",
+            Cut {
+                upstream: None,
+                downstream: at,
+            },
+        ),
+    ] {
+        let proxy = Proxy::start_with_cut("127.0.0.1:0", &d.addr.to_string(), link, cut)
+            .await
+            .unwrap();
+        let url = format!("iscsi://{}/{TARGET}/0", proxy.local_addr);
+        let s = Session::connect(&initiator_bench::IscsiUrl::parse(&url).unwrap(), opts())
+            .await
+            .unwrap();
+        let failed = match case {
+            "mid-Data-Out" => s.write(0, pattern(1 << 20, 6), 512).await.is_err(),
+            _ => s.read(0, 2048, 512).await.is_err(),
+        };
+        assert!(failed, "{case}: the initiator saw no failure");
+        let started = std::time::Instant::now();
+        while d.registry.sessions.all().len() > 2 {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "{case}: the session stays"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let now = direct.read(0, 2048, 512).await.unwrap();
+        assert!(
+            now == old,
+            "{case}: the unacknowledged write left data behind"
+        );
+    }
+    unharmed(&by, &data).await;
 }
