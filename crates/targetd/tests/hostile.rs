@@ -1,6 +1,6 @@
-//! Hostile input and faults against targetd in-process: each case gets a Reject, a login failure or a
-//! closed connection, never a panic, and a bystander session on the same reactor keeps
-//! working throughout. docs/robustness.md lists the cases and what the target does.
+//! Hostile input and faults against targetd in-process: each case gets a Reject, a login
+//! failure or a closed connection, never a panic, and a bystander session on the same reactor
+//! keeps working throughout. docs/robustness.md lists the cases and what the target does.
 
 mod common;
 
