@@ -189,6 +189,24 @@ async fn ready(d: &Daemon, isid: u8) -> Raw {
     raw
 }
 
+/// A daemon on one reactor, the bystander with its data, and a raw session (ISID ending in
+/// `isid`) on the test's target, ready for commands.
+async fn scene(isid: u8) -> (Daemon, Session, Bytes, Raw) {
+    let d = Daemon::start(&one_reactor(""));
+    let (by, data) = bystander(&d).await;
+    let raw = ready(&d, isid).await;
+    (d, by, data, raw)
+}
+
+/// READs `blocks` at `lba` with the next CmdSN; they must end GOOD. Their data.
+async fn read_good(raw: &mut Raw, itt: u32, lba: u32, blocks: u16) -> bytes::BytesMut {
+    let sn = raw.take_cmd_sn();
+    raw.send(read(itt, sn, lba, blocks)).await;
+    let (status, data) = raw.finish(itt).await.expect("an answer");
+    assert_eq!(status, ScsiStatus::GOOD, "READ {itt:#x}");
+    data
+}
+
 /// Whether `got` holds a Reject for `reason`.
 fn rejected(got: &[Pdu], reason: RejectReason) -> bool {
     got.iter()
@@ -209,9 +227,7 @@ fn r2t(got: &[Pdu]) -> u32 {
 /// (invalid PDU field) for that command, and the connection goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ahs_that_lies_or_is_unknown_is_rejected() {
-    let d = Daemon::start(&one_reactor(""));
-    let (by, data) = bystander(&d).await;
-    let mut raw = ready(&d, 1).await;
+    let (_d, by, data, mut raw) = scene(1).await;
     let sn = raw.cmd_sn.0;
     // TotalAHSLength one word; the AHS in it claims 100 bytes.
     let mut lies = raw.encode(read(0x10, sn, 0, 1)).to_vec();
@@ -230,8 +246,7 @@ async fn ahs_that_lies_or_is_unknown_is_rejected() {
         );
     }
     // The rejected commands took no CmdSN: the next one at the same number runs.
-    raw.send(read(0x12, raw.cmd_sn.0, 0, 1)).await;
-    assert_eq!(raw.finish(0x12).await.unwrap().0, ScsiStatus::GOOD);
+    read_good(&mut raw, 0x12, 0, 1).await;
     unharmed(&by, &data).await;
 }
 
@@ -240,9 +255,7 @@ async fn ahs_that_lies_or_is_unknown_is_rejected() {
 /// where it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn commands_outside_the_cmd_sn_window_are_dropped_silently() {
-    let d = Daemon::start(&one_reactor(""));
-    let (by, data) = bystander(&d).await;
-    let mut raw = ready(&d, 2).await;
+    let (_d, by, data, mut raw) = scene(2).await;
     let sn = raw.cmd_sn.0;
     for (itt, cmd_sn) in [
         (0x20, sn + 1000),
@@ -252,9 +265,7 @@ async fn commands_outside_the_cmd_sn_window_are_dropped_silently() {
         let (got, alive) = raw.probe(&raw.encode(read(itt, cmd_sn, 0, 1)), itt).await;
         assert!(alive && got.is_empty(), "CmdSN {cmd_sn}: {got:?}");
     }
-    let sn = raw.take_cmd_sn();
-    raw.send(read(0x23, sn, 0, 1)).await;
-    assert_eq!(raw.finish(0x23).await.unwrap().0, ScsiStatus::GOOD);
+    read_good(&mut raw, 0x23, 0, 1).await;
     unharmed(&by, &data).await;
 }
 
@@ -262,9 +273,7 @@ async fn commands_outside_the_cmd_sn_window_are_dropped_silently() {
 /// running task is untouched and finishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reused_itt_is_rejected_while_its_task_runs() {
-    let d = Daemon::start(&one_reactor(""));
-    let (by, data) = bystander(&d).await;
-    let mut raw = ready(&d, 3).await;
+    let (_d, by, data, mut raw) = scene(3).await;
     let sn = raw.take_cmd_sn();
     let (got, _) = raw
         .probe(&raw.encode(write(0x30, sn, 0, 8, Bytes::new())), 1)
@@ -280,10 +289,7 @@ async fn a_reused_itt_is_rejected_while_its_task_runs() {
     let written = pattern(4096, 30);
     raw.send(data_out(0x30, ttt, 0, written.clone())).await;
     assert_eq!(raw.finish(0x30).await.unwrap().0, ScsiStatus::GOOD);
-    let sn = raw.take_cmd_sn();
-    raw.send(read(0x31, sn, 0, 8)).await;
-    let (status, got) = raw.finish(0x31).await.unwrap();
-    assert!(status == ScsiStatus::GOOD && got == written[..]);
+    assert!(read_good(&mut raw, 0x31, 0, 8).await == written[..]);
     unharmed(&by, &data).await;
 }
 
@@ -294,9 +300,7 @@ async fn a_reused_itt_is_rejected_while_its_task_runs() {
 /// with ABORTED COMMAND, DATA PHASE ERROR, nothing written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_out_that_does_not_fit_its_r2t_is_rejected() {
-    let d = Daemon::start(&one_reactor(""));
-    let (by, data) = bystander(&d).await;
-    let mut raw = ready(&d, 4).await;
+    let (_d, by, data, mut raw) = scene(4).await;
     let junk = pattern(8192, 99);
     let cases: [(&str, Option<u32>, u32, usize); 4] = [
         ("more than the R2T asked for", None, 0, 8192),
@@ -339,9 +343,7 @@ async fn data_out_that_does_not_fit_its_r2t_is_rejected() {
             );
             Bytes::from(vec![0u8; 4096])
         };
-        let sn = raw.take_cmd_sn();
-        raw.send(read(0x50, sn, lba, 8)).await;
-        let (_, back) = raw.finish(0x50).await.unwrap();
+        let back = read_good(&mut raw, 0x50, lba, 8).await;
         assert!(back == expected[..], "{case}: the bad Data-Out was written");
     }
     unharmed(&by, &data).await;
@@ -386,9 +388,7 @@ async fn data_out_for_a_finished_command_does_not_touch_it() {
                 "a second status: {got:?}"
             );
         }
-        let sn = raw.take_cmd_sn();
-        raw.send(read(0x70, sn, 8 * n, 8)).await;
-        let (_, back) = raw.finish(0x70).await.unwrap();
+        let back = read_good(&mut raw, 0x70, 8 * n, 8).await;
         assert!(back == right[..], "late data was written");
     }
     unharmed(&by, &data).await;
@@ -412,9 +412,7 @@ fn text(itt: u32, cmd_sn: u32, data: Vec<u8>, continued: bool) -> Pdu {
 /// next exchange works.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_keys_of_maximal_length_and_endless_continuations() {
-    let d = Daemon::start(&one_reactor(""));
-    let (by, data) = bystander(&d).await;
-    let mut raw = ready(&d, 6).await;
+    let (_d, by, data, mut raw) = scene(6).await;
     let name = "X".repeat(63);
     let longest = format!("{name}={}\0", "v".repeat(255)).into_bytes();
     let sn = raw.take_cmd_sn();
@@ -519,27 +517,7 @@ async fn mutated_pdus_at_every_stage() {
     let mut rng = Rng(seed | 1);
     let mut closed = 0;
     // Login: a mutated first request; the answer is a Login Response or a close.
-    let login = {
-        let raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 0x70], 0).await.unwrap();
-        drop(raw);
-        let mut text = iscsi_pdu::text::TextParams::new();
-        text.push("InitiatorName", "iqn.2026-11.io.example:raw");
-        text.push("TargetName", TARGET);
-        text.push("SessionType", "Normal");
-        let req = iscsi_pdu::LoginRequest {
-            transit: true,
-            current_stage: iscsi_pdu::Stage::LoginOperationalNegotiation,
-            next_stage: iscsi_pdu::Stage::FullFeaturePhase,
-            isid: iscsi_pdu::Isid([0x80, 0, 0, 0, 0, 0x71]),
-            initiator_task_tag: 1,
-            cmd_sn: SerialNumber(1),
-            data: text.encode(),
-            ..iscsi_pdu::LoginRequest::default()
-        };
-        let mut out = bytes::BytesMut::new();
-        Pdu::LoginRequest(req).encode(iscsi_pdu::Digests::NONE, &mut out);
-        out.to_vec()
-    };
+    let login = login_request(0x71);
     for round in 0..rounds {
         let bytes = mutate(&mut rng, &login);
         let mut s = tokio::net::TcpStream::connect(d.addr).await.unwrap();
@@ -640,27 +618,13 @@ async fn mutated_pdus_at_every_stage() {
         rounds
     );
     // Every hostile connection goes from the target's books; only the bystander stays.
-    let started = std::time::Instant::now();
-    while d.registry.sessions.all().len() > 1 || d.registry.connection_count() > 1 {
-        assert!(
-            started.elapsed() < Duration::from_secs(20),
-            "connections left behind"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    only_the_bystander_left(&d).await;
     unharmed(&by, &data).await;
 }
 
 /// The target's ExpCmdSN, from the answer to a ping (a NOP-In carries it).
 async fn window(raw: &mut Raw) -> SerialNumber {
-    raw.send(Pdu::NopOut(iscsi_pdu::NopOut {
-        immediate: true,
-        initiator_task_tag: 0xfff0,
-        target_transfer_tag: RESERVED_TAG,
-        cmd_sn: raw.cmd_sn,
-        ..iscsi_pdu::NopOut::default()
-    }))
-    .await;
+    raw.send(raw.ping_pdu(0xfff0)).await;
     loop {
         match raw.next().await {
             Some(Pdu::NopIn(n)) if n.initiator_task_tag == 0xfff0 => return n.exp_cmd_sn,
@@ -768,6 +732,13 @@ async fn a_thousand_connections_at_once_are_held_to_the_limits() {
         }
     }
     drop(fates);
+    only_the_bystander_left(&d).await;
+    unharmed(&by, &data).await;
+}
+
+/// Waits until the daemon's books hold the bystander's session and connection alone: every
+/// connection a test opened or the target closed is gone from them.
+async fn only_the_bystander_left(d: &Daemon) {
     let started = std::time::Instant::now();
     while d.registry.sessions.all().len() > 1 || d.registry.connection_count() > 1 {
         assert!(
@@ -776,7 +747,6 @@ async fn a_thousand_connections_at_once_are_held_to_the_limits() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    unharmed(&by, &data).await;
 }
 
 /// A Login Request straight to full feature phase, with ISID `n`.

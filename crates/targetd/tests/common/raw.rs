@@ -103,8 +103,9 @@ impl Raw {
         }
     }
 
-    pub async fn ping(&mut self, itt: u32) -> bool {
-        self.send(Pdu::NopOut(NopOut {
+    /// An immediate NOP-Out with tag `itt` and data "ping", which the target must answer.
+    pub fn ping_pdu(&self, itt: u32) -> Pdu {
+        Pdu::NopOut(NopOut {
             immediate: true,
             lun: Lun::ZERO,
             initiator_task_tag: itt,
@@ -112,8 +113,11 @@ impl Raw {
             cmd_sn: self.cmd_sn,
             exp_stat_sn: SerialNumber(0),
             data: Bytes::from_static(b"ping"),
-        }))
-        .await;
+        })
+    }
+
+    pub async fn ping(&mut self, itt: u32) -> bool {
+        self.send(self.ping_pdu(itt)).await;
         loop {
             match self.next().await {
                 Some(Pdu::NopIn(n)) if n.initiator_task_tag == itt => {
@@ -131,15 +135,7 @@ impl Raw {
     /// and whether the ping was answered (false: the target closed the connection, perhaps
     /// while the bytes were still being sent).
     pub async fn probe(&mut self, bytes: &[u8], itt: u32) -> (Vec<Pdu>, bool) {
-        let ping = self.encode(Pdu::NopOut(NopOut {
-            immediate: true,
-            lun: Lun::ZERO,
-            initiator_task_tag: itt,
-            target_transfer_tag: RESERVED_TAG,
-            cmd_sn: self.cmd_sn,
-            exp_stat_sn: SerialNumber(0),
-            data: Bytes::from_static(b"ping"),
-        }));
+        let ping = self.encode(self.ping_pdu(itt));
         if self.stream.write_all(bytes).await.is_ok() {
             let _ = self.stream.write_all(&ping).await;
         }
