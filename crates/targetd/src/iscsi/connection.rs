@@ -308,11 +308,16 @@ struct Conn {
     share: Share,
 }
 
-/// The part of its reactor's arena one connection may hold: half. An initiator that stops
-/// reading Data-In keeps the buffers it was sent in (until `server.send_timeout` drops it), and
-/// without a bound it would hold every slot and stall every other connection on the reactor.
-/// Half still fits the largest command (`target::MAX_IO`), and a command larger than the share
-/// is served when the connection holds nothing else.
+/// The part of its reactor's arena one connection's backend operations (READs and the like,
+/// whose buffers go back once their Data-In is sent) may hold: half. An initiator that stops
+/// reading Data-In keeps those buffers (until `server.send_timeout` drops it), and without a
+/// bound it would hold every slot and stall every other connection on the reactor. Half still
+/// fits the largest command (`target::MAX_IO`), and a command larger than the share is served
+/// when the connection holds nothing else.
+///
+/// A write's data buffer is taken by the reader from the arena itself, outside the share: the
+/// reader waits for it before it reads on, and a bound could leave it waiting for buffers that
+/// only the Data-Out behind it in the stream would free.
 pub const CONNECTION_SHARE: usize = 2;
 
 /// One step of a connection: the machine and its [`Step`] nexus, with the reactor's engine
@@ -516,9 +521,9 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
 /// Takes PDUs off the socket until it closes or breaks, putting each payload where the
 /// machine's plan says.
 async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), ReadError> {
-    let (inbox, share) = {
+    let (inbox, io) = {
         let c = conn.borrow();
-        (c.inbox.clone(), c.share.clone())
+        (c.inbox.clone(), c.io.clone())
     };
     loop {
         let incoming = reader.next().await;
@@ -546,7 +551,7 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
                 }
                 Plan::Allocate(len) => {
                     // Waiting for the arena here is the connection's backpressure.
-                    let buffer = share.alloc(len as usize).await.ok();
+                    let buffer = io.arena.alloc(len as usize).await.ok();
                     (plan, closing) = step(conn, |t| {
                         let nexus = &mut t.nexus;
                         Ok(t.machine.handle_allocated(Instant::now(), buffer, nexus))
