@@ -7,6 +7,7 @@
 
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
@@ -404,23 +405,29 @@ pub fn metrics_text(registry: &Registry) -> String {
     let _ = writeln!(m, "# TYPE targetd_connections_refused_total counter");
     let _ = writeln!(m, "targetd_connections_refused_total {refused}");
     let arenas = crate::registry::lock(&registry.arenas).clone();
-    for (name, help, of) in [
-        ("targetd_arena_bytes", "size of a reactor's buffer arena", 0),
+    type Field = fn(&crate::registry::ArenaGauge) -> &AtomicU64;
+    let fields: [(&str, &str, Field); 3] = [
+        (
+            "targetd_arena_bytes",
+            "size of a reactor's buffer arena",
+            |g| &g.bytes,
+        ),
         (
             "targetd_arena_free_bytes",
             "free in a reactor's buffer arena",
-            1,
+            |g| &g.free,
         ),
         (
             "targetd_arena_waiting",
             "allocations waiting for arena slots",
-            2,
+            |g| &g.waiting,
         ),
-    ] {
+    ];
+    for (name, help, field) in fields {
         let _ = writeln!(m, "# HELP {name} {help}");
         let _ = writeln!(m, "# TYPE {name} gauge");
         for (reactor, g) in arenas.iter().enumerate() {
-            let v = [&g.bytes, &g.free, &g.waiting][of].load(Relaxed);
+            let v = field(g).load(Relaxed);
             let _ = writeln!(m, "{name}{{reactor=\"{reactor}\"}} {v}");
         }
     }

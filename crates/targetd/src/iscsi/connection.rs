@@ -58,8 +58,8 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
     };
     let (rd, wr) = stream.into_split();
     let mut reader = Reader::new(rd);
-    let mut writer = Writer::new(wr);
-    writer.stall = Duration::from_secs(registry.config().server.send_timeout);
+    let stall = Duration::from_secs(registry.config().server.send_timeout);
+    let mut writer = Writer::new(wr, stall);
     // A login that does not finish in `server.login_timeout` is dropped: it holds a place among
     // `server.max_connections` until then.
     let login_timeout = Duration::from_secs(registry.config().server.login_timeout);

@@ -202,12 +202,12 @@ pub struct Writer<W = OwnedWriteHalf> {
     pub max_send: u32,
     /// How long a send may wait for room in the socket before the connection is given up
     /// (`server.send_timeout`): the initiator has stopped reading.
-    pub stall: Duration,
+    stall: Duration,
     headers: BytesMut,
     segs: Vec<Seg>,
 }
 
-/// Why a send failed when the socket had no room for [`Writer::stall`]: the initiator stopped
+/// Why a send failed when the socket had no room for `server.send_timeout`: the initiator stopped
 /// reading. The connection ends; its buffers go back to the arena.
 #[derive(Debug, thiserror::Error)]
 #[error("nothing could be sent for {0:?}: the initiator stopped reading")]
@@ -221,13 +221,13 @@ impl SendStalled {
 }
 
 impl<W: AsyncWrite + Unpin> Writer<W> {
-    /// Wraps the write half of a socket.
-    pub fn new(wr: W) -> Writer<W> {
+    /// Wraps the write half of a socket; a send may wait `stall` for room in it.
+    pub fn new(wr: W, stall: Duration) -> Writer<W> {
         Writer {
             wr,
             digests: Digests::NONE,
             max_send: iscsi_pdu::LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH,
-            stall: Duration::from_secs(30),
+            stall,
             headers: BytesMut::with_capacity(16 * 1024),
             segs: Vec::with_capacity(256),
         }
