@@ -428,15 +428,15 @@ fn main() -> anyhow::Result<()> {
                 cut_upstream,
                 cut_downstream,
             } => {
-                let bytes = |v: Option<String>| {
+                let bytes = |flag: &str, v: Option<String>| {
                     v.as_deref()
                         .map(parse_size)
                         .transpose()
-                        .map_err(anyhow::Error::msg)
+                        .map_err(|e| anyhow::anyhow!("{flag}: {e}"))
                 };
                 let cut = Cut {
-                    upstream: bytes(cut_upstream)?,
-                    downstream: bytes(cut_downstream)?,
+                    upstream: bytes("--cut-upstream", cut_upstream)?,
+                    downstream: bytes("--cut-downstream", cut_downstream)?,
                 };
                 let link = Link {
                     delay: parse_duration(&delay).map_err(anyhow::Error::msg)?,
