@@ -5,8 +5,8 @@
 //!
 //! `--verify` writes every block with a pattern that depends only on its LBA and the seed (the
 //! LBA leads the block), so a block's content is the same whichever write reached it last, and
-//! reads check any block this run has finished writing (or every block, for a read-only run over
-//! data an earlier run wrote with the same seed). After a run that wrote, a verify pass reads
+//! reads check the blocks this run had finished writing when the read was issued (or every
+//! block, for a read-only run over data an earlier run wrote with the same seed). After a run that wrote, a verify pass reads
 //! back every block written.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -503,7 +503,8 @@ impl Shared {
         Bytes::from(buf)
     }
 
-    /// Checks read data against the pattern, block by block.
+    /// Checks read data against the pattern, block by block: every block with `all`, otherwise
+    /// those marked written now (right only when no write is in flight, as in the verify pass).
     fn check(&self, lba: u64, data: &[u8], all: bool) {
         let bs = self.block_size as usize;
         let mut expect = vec![0u8; bs];
@@ -541,14 +542,19 @@ async fn worker(
         };
         let lba = sh.start + slot * sh.io_blocks;
         let is_read = rng.next() % 100 < read_percent;
+        // Whether the blocks hold this run's pattern must be known when the read is issued: a
+        // write acknowledged while the read is in flight may land after the read took the data.
+        // A slot's blocks are written and marked together, so its first block speaks for all.
+        let written = sh.w.verify
+            && (read_only || sh.written.as_ref().is_some_and(|w| w.get(lba - sh.start)));
         let t = Instant::now();
         let result = if is_read {
             session
                 .read_split(lba, sh.io_blocks as u32, sh.block_size, sh.command_blocks)
                 .await
                 .map(|d| {
-                    if sh.w.verify {
-                        sh.check(lba, &d, read_only);
+                    if written {
+                        sh.check(lba, &d, true);
                     }
                 })
         } else {
