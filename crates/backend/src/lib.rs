@@ -11,16 +11,19 @@
 //! - [`MemoryBackend`]: a thin RAM disk.
 //! - [`NullBackend`]: reads zeros, discards writes.
 //!
-//! [`AnyBackend`] is whichever of the three a logical unit's config names.
+//! [`AnyBackend`] is whichever of the three a logical unit's config names; [`Faulty`] wraps any
+//! backend to fail chosen operations as a failing disk would.
 
 pub mod arena;
 mod engine;
+pub mod fault;
 pub mod file;
 mod immediate;
 mod pool;
 
 pub use arena::{Alloc, Arena, ArenaConfig, ArenaError, Buffer, HugePages, Share, ShareAlloc};
 pub use engine::{Engine, EngineChoice, EngineConfig, EngineKind, FileBackend, UringSupport};
+pub use fault::{Fault, FaultError, FaultOps, Faults, Faulty};
 pub use file::{FileConfig, FileHandle, OpenError};
 pub use immediate::{Execute, Immediate, MemoryBackend, Null, NullBackend, SharedMemoryBackend};
 

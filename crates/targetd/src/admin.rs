@@ -60,6 +60,17 @@ pub enum AdminRequest {
         /// The new size ("2GiB", bytes).
         size: String,
     },
+    /// Arms a fault on a logical unit (its operations fail as a failing disk's would), or
+    /// clears them all when `fault` is absent. Answers with the faults armed after.
+    LunFault {
+        /// The target.
+        target: String,
+        /// The LUN.
+        lun: u16,
+        /// The fault to arm; none clears every fault of the unit.
+        #[serde(default)]
+        fault: Option<backend::Fault>,
+    },
     /// Adds a target.
     TargetAdd {
         /// The target, as in the config file.
@@ -178,6 +189,23 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
         AdminRequest::Reload => {
             let new = Config::load(&registry.config_path).map_err(|e| e.to_string())?;
             registry.apply(new).map(|c| json!(c))
+        }
+        AdminRequest::LunFault { target, lun, fault } => {
+            let t = registry
+                .target(&target)
+                .ok_or(format!("no target {target}"))?;
+            let unit = t.lun(lun).ok_or(format!("{target} has no LUN {lun}"))?;
+            match fault {
+                Some(f) => {
+                    tracing::warn!(target = %target, lun, "fault armed: {f:?}");
+                    unit.faults.arm(f);
+                }
+                None => {
+                    tracing::info!(target = %target, lun, "faults cleared");
+                    unit.faults.clear();
+                }
+            }
+            Ok(json!(unit.faults.armed()))
         }
         AdminRequest::SessionKill { tsih } => {
             let s = registry
@@ -307,6 +335,7 @@ fn luns(registry: &Registry, target: Option<&str>) -> Result<Value, String> {
                 "thin": c.thin,
                 "write_cache": c.write_cache,
                 "read_only": c.read_only,
+                "faults": lun.faults.armed(),
             }));
         }
     }

@@ -12,7 +12,7 @@ use std::sync::Weak;
 use std::time::Duration;
 
 use backend::{
-    AnyBackend, Arena, ArenaConfig, Buffer, Engine, EngineChoice, EngineConfig, FileHandle,
+    AnyBackend, Arena, ArenaConfig, Buffer, Engine, EngineChoice, EngineConfig, Faulty, FileHandle,
     Immediate, NullBackend,
 };
 use scsi_core::{Backend, BackendError, Op, Output, TaskId};
@@ -44,7 +44,7 @@ pub struct Inbox {
 
 struct OpenLun {
     lun: Weak<Lun>,
-    backend: AnyBackend,
+    backend: Faulty<AnyBackend>,
     in_flight: usize,
 }
 
@@ -141,8 +141,8 @@ impl Io {
         self.kick();
     }
 
-    fn open(&self, lun: &Lun) -> Result<AnyBackend, String> {
-        Ok(match &lun.storage {
+    fn open(&self, lun: &Lun) -> Result<Faulty<AnyBackend>, String> {
+        let backend = match &lun.storage {
             Storage::File(fc) => {
                 let handle = FileHandle::open(fc).map_err(|e| e.to_string())?;
                 AnyBackend::File(self.engine.open(handle))
@@ -151,7 +151,8 @@ impl Io {
                 AnyBackend::SharedMemory(Immediate::new(m.clone(), lun.block_size, lun.blocks))
             }
             Storage::Null => AnyBackend::Null(NullBackend::null(lun.block_size, lun.blocks)),
-        })
+        };
+        Ok(Faulty::new(backend, lun.faults.clone()))
     }
 
     /// Asks the reactor's I/O task to submit and collect: once per tick, however many ops.

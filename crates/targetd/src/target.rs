@@ -23,7 +23,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
-use backend::{FileConfig, FileHandle};
+use backend::{Faults, FileConfig, FileHandle};
 use iscsi_pdu::target::{Sink, TargetCore};
 use scsi_core::{Device, Geometry, Identity, Limits, LogicalUnit, TargetPort, TaskId};
 use tokio::sync::mpsc::UnboundedSender;
@@ -298,6 +298,8 @@ pub struct Lun {
     pub storage: Storage,
     /// Counters (kept across a resize).
     pub stats: Arc<LunStats>,
+    /// Faults armed by `targetctl lun fault` (kept across a resize).
+    pub faults: Arc<Faults>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -340,6 +342,7 @@ impl Lun {
             blocks,
             storage,
             stats,
+            faults: Arc::default(),
         })
     }
 
@@ -570,6 +573,7 @@ impl Target {
             blocks,
             storage,
             stats: old.stats.clone(),
+            faults: old.faults.clone(),
         };
         self.luns
             .write()

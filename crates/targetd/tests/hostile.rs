@@ -14,7 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use bytes::Bytes;
 use common::raw::Raw;
 use common::{config, memory_target, opts, pattern, Daemon, TARGET};
-use initiator_bench::scsi::cdb;
+use initiator_bench::scsi::{cdb, Command, Sense};
 use initiator_bench::Session;
 use iscsi_pdu::{
     DataOut, Lun, Pdu, RejectReason, ScsiCommand, ScsiStatus, SerialNumber, TextRequest,
@@ -35,6 +35,19 @@ fn one_reactor(server: &str) -> String {
     config("", &targets).replace(
         "reactors = 2\nnop_interval = 0",
         &format!("reactors = 1\nnop_interval = 0\n{server}"),
+    )
+}
+
+/// `text` (of [`one_reactor`]) with the test target's LUN 0 a 16 MiB thin file at `path`.
+fn on_file(text: &str, path: &str) -> String {
+    let memory = "[[targets.luns]]\nlun = 0\nbackend = \"memory\"\nsize = \"64MiB\"\n";
+    assert!(text.contains(memory), "a memory LUN 0 to replace");
+    text.replacen(
+        memory,
+        &format!(
+            "[[targets.luns]]\nlun = 0\nbackend = \"file\"\npath = \"{path}\"\nsize = \"16MiB\"\n"
+        ),
+        1,
     )
 }
 
@@ -355,14 +368,7 @@ async fn data_out_that_does_not_fit_its_r2t_is_rejected() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_out_for_a_finished_command_does_not_touch_it() {
     // A file LU, so the write runs on the engine while the late Data-Out arrives.
-    let file = "[[targets.luns]]\nlun = 0\nbackend = \"memory\"\nsize = \"64MiB\"\n";
-    let text = one_reactor("").replacen(
-        file,
-        "[[targets.luns]]\nlun = 0\nbackend = \"file\"\npath = \"@DIR@/lun0.img\"\nsize = \"16MiB\"\n",
-        1,
-    );
-    assert!(text.contains("lun0.img"));
-    let d = Daemon::start(&text);
+    let d = Daemon::start(&on_file(&one_reactor(""), "@DIR@/lun0.img"));
     let (by, data) = bystander(&d).await;
     let mut raw = ready(&d, 5).await;
     for n in 0..8u32 {
@@ -831,4 +837,210 @@ async fn connections_cut_mid_data_out_and_mid_data_in() {
         );
     }
     unharmed(&by, &data).await;
+}
+
+/// The status and sense (key, ASC, ASCQ) of `cmd`.
+async fn outcome(s: &Session, cmd: Command) -> (ScsiStatus, Option<(u8, u8, u8)>) {
+    let r = s.execute(cmd).await.expect("an answer");
+    let sense = r.sense.as_deref().and_then(Sense::parse);
+    (r.status, sense.map(|x| (x.key, x.asc, x.ascq)))
+}
+
+fn write_cmd(lba: u64, data: Bytes) -> Command {
+    Command::write(Lun::ZERO, cdb::write(lba, (data.len() / 512) as u32), data)
+}
+
+fn read_cmd(lba: u64, blocks: u32) -> Command {
+    Command::read(Lun::ZERO, cdb::read(lba, blocks), blocks * 512)
+}
+
+const MEDIUM_ERROR: u8 = 0x03;
+const DATA_PROTECT: u8 = 0x07;
+
+/// A backend that fails (faults armed through the admin interface, as `targetctl lun fault`
+/// does): each failure is CHECK CONDITION with the sense a disk would give, a failed write
+/// writes nothing, the session goes on, and once the faults are cleared all works again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_backend_answers_with_sense_and_harms_no_one() {
+    use targetd::admin::{handle, AdminRequest};
+    let d = Daemon::start(&on_file(&one_reactor(""), "@DIR@/lun0.img"));
+    let (by, by_data) = bystander(&d).await;
+    let s = d.session(opts()).await;
+    let old = pattern(64 << 10, 21);
+    s.write(0, old.clone(), 512).await.unwrap();
+    let arm = |json: serde_json::Value| {
+        let fault = serde_json::from_value(json).unwrap();
+        let req = AdminRequest::LunFault {
+            target: TARGET.into(),
+            lun: 0,
+            fault,
+        };
+        handle(&d.registry, req).unwrap()
+    };
+
+    // Reads of blocks 64..72 fail; the rest of the unit reads.
+    arm(serde_json::json!({"ops": "read", "error": "eio", "lba": 64, "blocks": 8}));
+    let unrecovered_read_error = Some((MEDIUM_ERROR, 0x11, 0x00));
+    let got = outcome(&s, read_cmd(0, 128)).await;
+    assert_eq!(got, (ScsiStatus::CHECK_CONDITION, unrecovered_read_error));
+    assert_eq!(s.read(0, 64, 512).await.unwrap(), old.slice(..32 << 10));
+
+    // One write fails and writes nothing; the next one is written.
+    arm(serde_json::json!({"ops": "write", "error": "eio", "count": 1}));
+    let new = pattern(4096, 22);
+    let write_error = Some((MEDIUM_ERROR, 0x0c, 0x00));
+    let got = outcome(&s, write_cmd(0, new.clone())).await;
+    assert_eq!(got, (ScsiStatus::CHECK_CONDITION, write_error));
+    assert_eq!(s.read(0, 8, 512).await.unwrap(), old.slice(..4096));
+    s.write(0, new.clone(), 512).await.unwrap();
+    assert_eq!(s.read(0, 8, 512).await.unwrap(), new);
+
+    // SYNCHRONIZE CACHE fails as a write error; ENOSPC is DATA PROTECT, SPACE ALLOCATION
+    // FAILED WRITE PROTECT.
+    arm(serde_json::json!({"ops": "flush", "error": "eio"}));
+    let sync = Command::new(Lun::ZERO, cdb::synchronize_cache());
+    assert_eq!(
+        outcome(&s, sync.clone()).await,
+        (ScsiStatus::CHECK_CONDITION, write_error)
+    );
+    arm(serde_json::json!({"ops": "write", "error": "enospc"}));
+    let got = outcome(&s, write_cmd(8, new.clone())).await;
+    assert_eq!(
+        got,
+        (
+            ScsiStatus::CHECK_CONDITION,
+            Some((DATA_PROTECT, 0x27, 0x07))
+        )
+    );
+    // The unit's list shows them; clearing disarms all.
+    let listed = targetd::admin::handle(&d.registry, AdminRequest::Luns { target: None }).unwrap();
+    let faults = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["target"] == TARGET)
+        .unwrap()["faults"]
+        .clone();
+    assert_eq!(faults.as_array().unwrap().len(), 3, "{faults}");
+    assert_eq!(arm(serde_json::Value::Null), serde_json::json!([]));
+    assert_eq!(outcome(&s, sync).await, (ScsiStatus::GOOD, None));
+    s.write(8, new.clone(), 512).await.unwrap();
+    assert_eq!(s.read(0, 64, 512).await.unwrap().slice(4096..8192), new);
+    unharmed(&by, &by_data).await;
+
+    // targetctl arms and clears the same way.
+    let targetctl = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
+            .arg("--socket")
+            .arg(d.socket())
+            .args(["lun", "fault", TARGET, "0"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let said = targetctl(&["--ops", "read", "--count", "1"]);
+    assert!(said.contains("read fail with eio"), "{said}");
+    let got = outcome(&s, read_cmd(100, 1)).await;
+    assert_eq!(got, (ScsiStatus::CHECK_CONDITION, unrecovered_read_error));
+    assert_eq!(s.read(100, 1, 512).await.unwrap().len(), 512, "count spent");
+    targetctl(&["--ops", "all", "--error", "enospc"]);
+    assert_eq!(targetctl(&["--clear"]).trim(), "no faults armed");
+    s.read(100, 1, 512).await.unwrap();
+}
+
+/// Mounts a tmpfs of `size` at `dir` for the life of the guard; `None` when mounting is not
+/// allowed here (needs root), after saying so, unless CI is set, where that fails.
+struct Mount(std::path::PathBuf);
+
+impl Mount {
+    fn tmpfs(dir: &std::path::Path, size: &str) -> Option<Mount> {
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            let why = "cannot mount a tmpfs here (needs root, or CAP_SYS_ADMIN)";
+            assert!(std::env::var_os("CI").is_none(), "{why}");
+            eprintln!("skipped: {why}");
+            return None;
+        }
+        Some(Mount(dir.to_path_buf()))
+    }
+
+    fn resize(&self, size: &str) {
+        let ok = std::process::Command::new("mount")
+            .args(["-o", &format!("remount,size={size}")])
+            .arg(&self.0)
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "remount {}", self.0.display());
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+/// A thin file LU on a filesystem that fills up: the write that finds no space gets DATA
+/// PROTECT, SPACE ALLOCATION FAILED WRITE PROTECT; every acknowledged write reads back; the
+/// session goes on, and once the filesystem has room again writes succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_filesystem_answers_data_protect_and_recovers() {
+    let fs = tempfile::tempdir().unwrap();
+    let Some(mount) = Mount::tmpfs(fs.path(), "2m") else {
+        return;
+    };
+    let path = fs.path().join("lun0.img");
+    let d = Daemon::start(&on_file(&one_reactor(""), &path.display().to_string()));
+    let (by, by_data) = bystander(&d).await;
+    let s = d.session(opts()).await;
+    // Takes the session's first UNIT ATTENTION (POWER ON OCCURRED).
+    let _ = s.execute(Command::new(Lun::ZERO, cdb::test_unit_ready())).await;
+    let chunk = 256 << 10;
+    let mut acknowledged = Vec::new();
+    let mut full = None;
+    for i in 0..16u64 {
+        let data = pattern(chunk, 30 + i as usize);
+        match outcome(&s, write_cmd(i * 512, data.clone())).await {
+            (ScsiStatus::GOOD, None) => acknowledged.push((i, data)),
+            got => {
+                full = Some(got);
+                break;
+            }
+        }
+    }
+    assert_eq!(
+        full,
+        Some((
+            ScsiStatus::CHECK_CONDITION,
+            Some((DATA_PROTECT, 0x27, 0x07))
+        )),
+        "16 x 256 KiB on a 2 MiB filesystem"
+    );
+    assert!(
+        !acknowledged.is_empty() && acknowledged.len() <= 8,
+        "{} acknowledged",
+        acknowledged.len()
+    );
+    for (i, data) in &acknowledged {
+        let back = s.read(i * 512, 512, 512).await.unwrap();
+        assert!(back == *data, "acknowledged chunk {i} lost");
+    }
+    unharmed(&by, &by_data).await;
+    // The operator grows the filesystem: the same write goes through.
+    mount.resize("8m");
+    let next = acknowledged.len() as u64;
+    let data = pattern(chunk, 99);
+    s.write(next * 512, data.clone(), 512).await.unwrap();
+    assert_eq!(s.read(next * 512, 512, 512).await.unwrap(), data);
+    drop(s);
+    d.stop();
 }

@@ -120,6 +120,33 @@ enum LunAction {
         /// The new size, e.g. 2GiB.
         size: String,
     },
+    /// Makes a logical unit fail as a failing disk would, to rehearse or test what initiators
+    /// see (MEDIUM ERROR for eio, DATA PROTECT / SPACE ALLOCATION FAILED for enospc); a failed
+    /// write writes nothing. `--clear` disarms every fault of the unit.
+    Fault {
+        /// The target.
+        target: String,
+        /// The LUN.
+        lun: u16,
+        /// The operations that fail.
+        #[arg(long, value_parser = ["read", "write", "flush", "all"], required_unless_present = "clear")]
+        ops: Option<String>,
+        /// The error they get.
+        #[arg(long, value_parser = ["eio", "enospc"], default_value = "eio")]
+        error: String,
+        /// First block of the failing range.
+        #[arg(long, default_value_t = 0)]
+        lba: u64,
+        /// Blocks in the failing range (0: the whole unit).
+        #[arg(long, default_value_t = 0)]
+        blocks: u64,
+        /// Fail this many operations, then disarm (default: until cleared).
+        #[arg(long)]
+        count: Option<u64>,
+        /// Disarm every fault of the unit instead.
+        #[arg(long, conflicts_with_all = ["ops", "lba", "blocks", "count"])]
+        clear: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -263,6 +290,24 @@ fn run(args: Args) -> Result<()> {
             LunAction::Resize { target, lun, size } => {
                 AdminRequest::LunResize { target, lun, size }
             }
+            LunAction::Fault {
+                target,
+                lun,
+                ops,
+                error,
+                lba,
+                blocks,
+                count,
+                clear,
+            } => {
+                let fault = match (clear, ops) {
+                    (false, Some(ops)) => Some(serde_json::from_value(serde_json::json!({
+                        "ops": ops, "error": error, "lba": lba, "blocks": blocks, "count": count,
+                    }))?),
+                    _ => None,
+                };
+                AdminRequest::LunFault { target, lun, fault }
+            }
         },
         Command::Target { action } => match action {
             TargetAction::Add {
@@ -303,6 +348,25 @@ fn run(args: Args) -> Result<()> {
 fn print_human(request: &AdminRequest, v: &Value) {
     match (request, v) {
         (AdminRequest::ConfigDump, Value::String(s)) => print!("{s}"),
+        (AdminRequest::LunFault { .. }, Value::Array(faults)) => {
+            if faults.is_empty() {
+                println!("no faults armed");
+            }
+            for f in faults {
+                println!(
+                    "armed: {} fail with {} from LBA {} ({} blocks{}), {}",
+                    f["ops"].as_str().unwrap_or_default(),
+                    f["error"].as_str().unwrap_or_default(),
+                    f["lba"],
+                    f["blocks"],
+                    if f["blocks"] == 0 { ": all" } else { "" },
+                    match f["count"].as_u64() {
+                        Some(n) => format!("{n} more times"),
+                        None => "until cleared".into(),
+                    }
+                );
+            }
+        }
         (_, Value::String(s)) => println!("{s}"),
         (_, Value::Array(changes)) if changes.iter().all(Value::is_string) => {
             if changes.is_empty() {
