@@ -33,6 +33,10 @@ pub struct LoginOptions {
     pub connections: u16,
     /// Bound on each login and each command.
     pub timeout: Duration,
+    /// The session's ISID; a random one when absent. With the initiator name it names the I_T
+    /// nexus: the same ISID logs in as the same nexus (keeping its reservation registrations),
+    /// another as a new one.
+    pub isid: Option<Isid>,
 }
 
 impl Default for LoginOptions {
@@ -63,6 +67,7 @@ impl Default for LoginOptions {
             mutual_chap: None,
             connections: 1,
             timeout: Duration::from_secs(30),
+            isid: None,
         }
     }
 }

@@ -134,8 +134,8 @@ impl Session {
         }
         let session = Session {
             url: url.clone(),
+            isid: opts.isid.unwrap_or_else(random_isid),
             opts,
-            isid: random_isid(),
             inner: Mutex::new(None),
             relogin: tokio::sync::Mutex::new(()),
         };

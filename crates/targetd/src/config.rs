@@ -105,6 +105,12 @@ pub struct Server {
     /// with "out of resources".
     #[serde(default = "default_max_sessions")]
     pub max_sessions: usize,
+    /// Where state that must outlive the daemon is kept: persistent reservations made with
+    /// APTPL, one file per logical unit, written atomically and synced before the command
+    /// ends. Without it, PERSISTENT RESERVE OUT with APTPL is refused (ILLEGAL REQUEST).
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_dir: Option<PathBuf>,
 }
 
 fn default_admin_socket() -> PathBuf {

@@ -251,6 +251,10 @@ impl Registry {
                 "server.metrics_listen",
                 old.server.metrics_listen != new.server.metrics_listen,
             ),
+            (
+                "server.state_dir",
+                old.server.state_dir != new.server.state_dir,
+            ),
         ] {
             if key.1 {
                 changes.push(format!("{}: takes effect at the next start", key.0));
@@ -279,7 +283,9 @@ impl Registry {
                 .iter()
                 .find(|t| t.name.eq_ignore_ascii_case(&nt.name))
             else {
-                let t = Target::new(nt).map_err(|(k, r)| format!("target {} {k}: {r}", nt.name))?;
+                // A changed state_dir takes effect at the next start, for every target alike.
+                let t = Target::new(nt, old.server.state_dir.as_deref())
+                    .map_err(|(k, r)| format!("target {} {k}: {r}", nt.name))?;
                 targets.push(Arc::new(t));
                 changes.push(format!("target {} added", nt.name));
                 continue;

@@ -43,7 +43,10 @@ impl Server {
         let fail = |key: String, reason: String| StartError { key, reason };
         let mut targets = Vec::new();
         for (i, t) in config.targets.iter().enumerate() {
-            let target = Target::new(t).map_err(|(k, r)| {
+            let target = Target::new(t, config.server.state_dir.as_deref()).map_err(|(k, r)| {
+                if k.starts_with("server.") {
+                    return fail(k, r);
+                }
                 let l = t
                     .luns
                     .iter()

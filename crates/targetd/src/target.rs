@@ -19,12 +19,13 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::{Deref, DerefMut};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use backend::{Faults, FileConfig, FileHandle};
 use iscsi_pdu::target::{Sink, TargetCore};
+use scsi_core::pr::FileStore;
 use scsi_core::{Device, Geometry, Identity, Limits, LogicalUnit, TargetPort, TaskId};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -411,11 +412,24 @@ impl std::fmt::Debug for Target {
 }
 
 impl Target {
-    /// A target with the logical units of `config`, opened now.
-    pub fn new(config: &config::Target) -> Result<Target, (String, String)> {
+    /// A target with the logical units of `config`, opened now; reservations made with APTPL
+    /// are kept in `state_dir` (`server.state_dir`), and those saved there are loaded.
+    pub fn new(
+        config: &config::Target,
+        state_dir: Option<&Path>,
+    ) -> Result<Target, (String, String)> {
         let port = TargetPort::iscsi(&config.name, PORTAL_GROUP);
         let mut device = Device::new(&config.name, vec![port]);
         device.set_delegation(true);
+        if let Some(dir) = state_dir {
+            let store = FileStore::new(dir).map_err(|e| {
+                (
+                    "server.state_dir".to_string(),
+                    format!("{}: {e}", dir.display()),
+                )
+            })?;
+            device.set_reservation_store(Box::new(store));
+        }
         let target = Target {
             id: next_id(),
             name: config.name.clone(),

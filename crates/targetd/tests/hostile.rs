@@ -1003,7 +1003,9 @@ async fn a_full_filesystem_answers_data_protect_and_recovers() {
     let (by, by_data) = bystander(&d).await;
     let s = d.session(opts()).await;
     // Takes the session's first UNIT ATTENTION (POWER ON OCCURRED).
-    let _ = s.execute(Command::new(Lun::ZERO, cdb::test_unit_ready())).await;
+    let _ = s
+        .execute(Command::new(Lun::ZERO, cdb::test_unit_ready()))
+        .await;
     let chunk = 256 << 10;
     let mut acknowledged = Vec::new();
     let mut full = None;
