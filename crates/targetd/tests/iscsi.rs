@@ -185,24 +185,32 @@ async fn discovery_with_chap() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn discovery_lists_only_targets_the_initiator_may_reach() {
-    let open = memory_target(TARGET, "");
+    let open = memory_target(TARGET, "networks = [\"127.0.0.0/8\"]");
     let closed = memory_target(
         "iqn.2026-11.io.example:closed",
         "initiators = [\"iqn.2026-11.io.example:someone-else\"]",
     );
-    let d = Daemon::start(&config("", &format!("{open}\n{closed}")));
+    let elsewhere = memory_target(
+        "iqn.2026-11.io.example:elsewhere",
+        "networks = [\"10.0.0.0/8\", \"::1/128\"]",
+    );
+    let d = Daemon::start(&config("", &format!("{open}\n{closed}\n{elsewhere}")));
     let found = discover(&d.url(TARGET, 0), &opts()).await.unwrap();
     assert_eq!(found.len(), 1);
     assert_eq!(found[0].name, TARGET);
     assert_eq!(found[0].addresses, vec![format!("{},1", d.addr)]);
-    // And the closed one refuses the login.
-    let err = Session::connect(&d.url("iqn.2026-11.io.example:closed", 0), opts())
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(err, Error::LoginRefused { status, .. } if status == LoginStatus::AUTHORIZATION_FAILURE),
-        "{err}"
-    );
+    // The targets not listed refuse the login (by initiator name; by source network) even
+    // to an initiator that knows their names.
+    for name in [
+        "iqn.2026-11.io.example:closed",
+        "iqn.2026-11.io.example:elsewhere",
+    ] {
+        let err = Session::connect(&d.url(name, 0), opts()).await.unwrap_err();
+        assert!(
+            matches!(err, Error::LoginRefused { status, .. } if status == LoginStatus::AUTHORIZATION_FAILURE),
+            "{name}: {err}"
+        );
+    }
     let err = Session::connect(&d.url("iqn.2026-11.io.example:nope", 0), opts())
         .await
         .unwrap_err();
