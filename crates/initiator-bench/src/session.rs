@@ -254,18 +254,24 @@ impl Session {
     }
 
     /// Executes a command until it completes without a UNIT ATTENTION (a few tries: a new
-    /// nexus reports power-on, a changed LU reports what changed), and requires GOOD status.
-    pub async fn execute_good(&self, cmd: Command) -> Result<Response> {
+    /// nexus reports power-on, a changed LU reports what changed), whatever its status then.
+    pub async fn execute_past_unit_attentions(&self, cmd: Command) -> Result<Response> {
         const UNIT_ATTENTION: u8 = 0x06;
         let mut tries = 0;
         loop {
-            match self.execute(cmd.clone()).await?.good() {
-                Err(Error::Scsi { sense: Some(s), .. }) if s.key == UNIT_ATTENTION && tries < 4 => {
-                    tries += 1
-                }
-                other => return other,
+            let r = self.execute(cmd.clone()).await?;
+            let sense = r.sense.as_deref().and_then(crate::scsi::Sense::parse);
+            if sense.is_some_and(|s| s.key == UNIT_ATTENTION) && tries < 4 {
+                tries += 1;
+                continue;
             }
+            return Ok(r);
         }
+    }
+
+    /// [`Session::execute_past_unit_attentions`], requiring GOOD status.
+    pub async fn execute_good(&self, cmd: Command) -> Result<Response> {
+        self.execute_past_unit_attentions(cmd).await?.good()
     }
 
     /// READ of `blocks` blocks of `block_size` bytes at `lba`.

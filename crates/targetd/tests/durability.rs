@@ -76,17 +76,8 @@ async fn reservation(s: &Session) -> Option<(u64, u8)> {
 
 /// The status of `cmd`, after any UNIT ATTENTION a new nexus reports first.
 async fn status(s: &Session, cmd: Command) -> ScsiStatus {
-    for _ in 0..4 {
-        let r = s.execute(cmd.clone()).await.expect("an answer");
-        let unit_attention = r
-            .sense
-            .as_deref()
-            .and_then(initiator_bench::scsi::Sense::parse);
-        if unit_attention.is_none_or(|x| x.key != 0x06) {
-            return r.status;
-        }
-    }
-    panic!("unit attentions without end");
+    let r = s.execute_past_unit_attentions(cmd).await;
+    r.expect("an answer").status
 }
 
 fn with_isid(isid: u8) -> LoginOptions {
