@@ -6,8 +6,8 @@
 //! `--verify` writes every block with a pattern that depends only on its LBA and the seed (the
 //! LBA leads the block), so a block's content is the same whichever write reached it last, and
 //! reads check the blocks this run had finished writing when the read was issued (or every
-//! block, for a read-only run over data an earlier run wrote with the same seed). After a run that wrote, a verify pass reads
-//! back every block written.
+//! block, for a read-only run over data an earlier run wrote with the same seed). After a run
+//! that wrote, a verify pass reads back every block written.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

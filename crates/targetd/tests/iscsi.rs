@@ -692,6 +692,23 @@ fn a_busy_port_is_refused_naming_the_key() {
     assert!(e.reason.contains("in use"), "{e}");
 }
 
+#[test]
+fn a_state_dir_that_cannot_be_made_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let text = config("", &memory_target(TARGET, ""))
+        .replace("@SOCKET@", &dir.path().join("s").display().to_string())
+        .replace(
+            "nop_interval = 0",
+            &format!("nop_interval = 0\nstate_dir = \"{}/state\"", file.display()),
+        );
+    let c = targetd::Config::parse(std::path::Path::new("t.toml"), &text).unwrap();
+    let e = targetd::Server::start(c, "t.toml".into()).err().unwrap();
+    assert_eq!(e.key, "server.state_dir");
+    assert!(e.reason.contains("a-file/state"), "{e}");
+}
+
 /// Eight concurrent 16 MiB reads need twice a reactor's 64 MiB arena: the later ones wait for
 /// buffers in arrival order and are woken as earlier ones return theirs (no polling), and
 /// every read returns what was written.

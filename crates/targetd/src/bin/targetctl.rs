@@ -141,7 +141,7 @@ enum LunAction {
         #[arg(long, default_value_t = 0)]
         blocks: u64,
         /// Fail this many operations, then disarm (default: until cleared).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
         count: Option<u64>,
         /// Disarm every fault of the unit instead.
         #[arg(long, conflicts_with_all = ["ops", "lba", "blocks", "count"])]
