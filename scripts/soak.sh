@@ -5,6 +5,7 @@
 #
 #   scripts/soak.sh [MINUTES] [OUT_DIR]     # defaults: 30 /tmp/targetd-soak
 #
+# `touch OUT_DIR/stop` ends it early (the rounds running finish first), still with its figures.
 # Writes OUT_DIR/samples.csv (seconds, RSS KiB, fds, sessions, connections) and OUT_DIR/summary.txt;
 # exits non-zero when a block fails verification, the daemon dies, or memory or descriptors grow
 # by more than 10% between the end of the warm-up (the first fifth) and the end.
@@ -72,6 +73,7 @@ done
 direct="iscsi://127.0.0.1:$port/$iqn"
 cut="iscsi://127.0.0.1:$proxy_port/$iqn"
 end=$(($(date +%s) + minutes * 60))
+running() { [ "$(date +%s)" -lt "$end" ] && [ ! -e "$out/stop" ]; }
 
 # One loop of workloads: each works its own range with its own seed, so verification holds
 # whichever write of a block came last; every round writes then verifies what it wrote.
@@ -80,7 +82,7 @@ loop() {
   local name=$1
   shift
   local round=0
-  while [ "$(date +%s)" -lt "$end" ]; do
+  while running; do
     round=$((round + 1))
     if ! "$bin/initiator-bench" run "$@" --verify --seed "$round" --time 30s --timeout 10s \
       --json >"$out/$name.last.json" 2>"$out/$name.last.err"; then
@@ -105,7 +107,7 @@ loop cut-memory "$cut/2" --rw randrw --bs 128k --qd 4 --offset 512m --size 256m 
 
 echo "seconds,rss_kib,fds,sessions,connections" >"$out/samples.csv"
 start=$(date +%s)
-while [ "$(date +%s)" -lt "$end" ]; do
+while running; do
   if ! kill -0 "$target_pid" 2>/dev/null; then
     echo "targetd died" >>"$out/failures.txt"
     break
