@@ -20,6 +20,7 @@ use iscsi_pdu::{
     DataOut, Lun, Pdu, RejectReason, ScsiCommand, ScsiStatus, SerialNumber, TextRequest,
     RESERVED_TAG,
 };
+use scsi_core::{Asc, SenseKey};
 
 /// The bystander's own target, so nothing a hostile initiator writes can touch its data.
 const BYSTANDER: &str = "iqn.2026-11.io.example:bystander";
@@ -547,7 +548,13 @@ async fn mutated_pdus_at_every_stage() {
     }
     // Full feature phase: each kind of request, mutated.
     let mut raw = ready(&d, 0x72).await;
+    // Each fresh session gets its own ISID, from 0x73 on (0x72 is the first session's).
     let mut isid = 0x73u8;
+    let next = |isid: &mut u8| {
+        let this = *isid;
+        *isid = isid.wrapping_add(1).max(0x73);
+        this
+    };
     for round in 0..rounds {
         let sn = raw.cmd_sn.0;
         let requests = [
@@ -582,8 +589,7 @@ async fn mutated_pdus_at_every_stage() {
         // CmdSN or not.
         if !alive {
             closed += 1;
-            raw = ready(&d, isid).await;
-            isid = isid.wrapping_add(1).max(0x73);
+            raw = ready(&d, next(&mut isid)).await;
         } else {
             raw.cmd_sn = window(&mut raw).await;
         }
@@ -592,8 +598,7 @@ async fn mutated_pdus_at_every_stage() {
     // its own, so no task a mutated command left waiting (a write whose data never comes)
     // overlaps these writes.
     drop(raw);
-    let mut raw = ready(&d, isid).await;
-    isid = isid.wrapping_add(1).max(0x73);
+    let mut raw = ready(&d, next(&mut isid)).await;
     for round in 0..rounds {
         let itt = 0xa0 + round as u32;
         let sn = raw.take_cmd_sn();
@@ -610,8 +615,7 @@ async fn mutated_pdus_at_every_stage() {
         let (_, alive) = raw.probe(&bytes, 0x2_0000 + round as u32).await;
         if !alive {
             closed += 1;
-            raw = ready(&d, isid).await;
-            isid = isid.wrapping_add(1).max(0x73);
+            raw = ready(&d, next(&mut isid)).await;
         } else {
             // End the write either way: its data, or an abort if the mutation ended it.
             raw.send(data_out(itt, given, 0, pattern(4096, 3))).await;
@@ -839,9 +843,11 @@ async fn connections_cut_mid_data_out_and_mid_data_in() {
     unharmed(&by, &data).await;
 }
 
-/// The status and sense (key, ASC, ASCQ) of `cmd`.
+/// The status and sense (key, ASC, ASCQ) of `cmd`, after any UNIT ATTENTION a new nexus
+/// reports first.
 async fn outcome(s: &Session, cmd: Command) -> (ScsiStatus, Option<(u8, u8, u8)>) {
-    let r = s.execute(cmd).await.expect("an answer");
+    let r = s.execute_past_unit_attentions(cmd).await;
+    let r = r.expect("an answer");
     let sense = r.sense.as_deref().and_then(Sense::parse);
     (r.status, sense.map(|x| (x.key, x.asc, x.ascq)))
 }
@@ -854,8 +860,10 @@ fn read_cmd(lba: u64, blocks: u32) -> Command {
     Command::read(Lun::ZERO, cdb::read(lba, blocks), blocks * 512)
 }
 
-const MEDIUM_ERROR: u8 = 0x03;
-const DATA_PROTECT: u8 = 0x07;
+/// Sense as [`outcome`] gives it.
+fn sense(key: SenseKey, asc: Asc) -> Option<(u8, u8, u8)> {
+    Some((key as u8, asc.0, asc.1))
+}
 
 /// A backend that fails (faults armed through the admin interface, as `targetctl lun fault`
 /// does): each failure is CHECK CONDITION with the sense a disk would give, a failed write
@@ -880,7 +888,7 @@ async fn a_failing_backend_answers_with_sense_and_harms_no_one() {
 
     // Reads of blocks 64..72 fail; the rest of the unit reads.
     arm(serde_json::json!({"ops": "read", "error": "eio", "lba": 64, "blocks": 8}));
-    let unrecovered_read_error = Some((MEDIUM_ERROR, 0x11, 0x00));
+    let unrecovered_read_error = sense(SenseKey::MediumError, Asc::UNRECOVERED_READ_ERROR);
     let got = outcome(&s, read_cmd(0, 128)).await;
     assert_eq!(got, (ScsiStatus::CHECK_CONDITION, unrecovered_read_error));
     assert_eq!(s.read(0, 64, 512).await.unwrap(), old.slice(..32 << 10));
@@ -888,7 +896,7 @@ async fn a_failing_backend_answers_with_sense_and_harms_no_one() {
     // One write fails and writes nothing; the next one is written.
     arm(serde_json::json!({"ops": "write", "error": "eio", "count": 1}));
     let new = pattern(4096, 22);
-    let write_error = Some((MEDIUM_ERROR, 0x0c, 0x00));
+    let write_error = sense(SenseKey::MediumError, Asc::WRITE_ERROR);
     let got = outcome(&s, write_cmd(0, new.clone())).await;
     assert_eq!(got, (ScsiStatus::CHECK_CONDITION, write_error));
     assert_eq!(s.read(0, 8, 512).await.unwrap(), old.slice(..4096));
@@ -909,7 +917,10 @@ async fn a_failing_backend_answers_with_sense_and_harms_no_one() {
         got,
         (
             ScsiStatus::CHECK_CONDITION,
-            Some((DATA_PROTECT, 0x27, 0x07))
+            sense(
+                SenseKey::DataProtect,
+                Asc::SPACE_ALLOCATION_FAILED_WRITE_PROTECT
+            )
         )
     );
     // The unit's list shows them; clearing disarms all.
@@ -1002,10 +1013,6 @@ async fn a_full_filesystem_answers_data_protect_and_recovers() {
     let d = Daemon::start(&on_file(&one_reactor(""), &path.display().to_string()));
     let (by, by_data) = bystander(&d).await;
     let s = d.session(opts()).await;
-    // Takes the session's first UNIT ATTENTION (POWER ON OCCURRED).
-    let _ = s
-        .execute(Command::new(Lun::ZERO, cdb::test_unit_ready()))
-        .await;
     let chunk = 256 << 10;
     let mut acknowledged = Vec::new();
     let mut full = None;
@@ -1023,7 +1030,10 @@ async fn a_full_filesystem_answers_data_protect_and_recovers() {
         full,
         Some((
             ScsiStatus::CHECK_CONDITION,
-            Some((DATA_PROTECT, 0x27, 0x07))
+            sense(
+                SenseKey::DataProtect,
+                Asc::SPACE_ALLOCATION_FAILED_WRITE_PROTECT
+            )
         )),
         "16 x 256 KiB on a 2 MiB filesystem"
     );
