@@ -625,6 +625,12 @@ fn print_report(r: &Report) {
             r.fairness()
         );
     }
+    if r.resent > 0 {
+        println!(
+            "  {} commands sent again after BUSY or TASK SET FULL",
+            r.resent
+        );
+    }
     if w.verify {
         println!(
             "  verified {} blocks, {} wrong",

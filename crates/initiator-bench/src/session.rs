@@ -6,7 +6,7 @@
 //! connection.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::{Bytes, BytesMut};
@@ -14,7 +14,8 @@ use iscsi_pdu::initiator::{self as machine, Reply, StartError};
 use iscsi_pdu::negotiation::SessionParams;
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{
-    Deframer, Digests, Isid, Lun, Pdu, SerialNumber, TaskManagementFunction, TmfResponse,
+    Deframer, Digests, Isid, Lun, Pdu, ScsiStatus, SerialNumber, TaskManagementFunction,
+    TmfResponse,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
@@ -62,6 +63,19 @@ pub struct Session {
     isid: Isid,
     inner: Mutex<Option<Arc<Inner>>>,
     relogin: tokio::sync::Mutex<()>,
+    /// Commands sent again because the target turned them away ([`turned_away`]).
+    resent: AtomicU64,
+}
+
+/// How long a command the target turned away waits before it is sent again.
+const RESEND_AFTER: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Whether `status` asks the initiator to send the command again later: BUSY, or TASK SET
+/// FULL (SAM-5 5.3.1; targetd's answer to a write its connection has no buffer space for).
+/// A SCSI layer sends such a command again (Linux requeues it); so does this one, after
+/// [`RESEND_AFTER`], until the command timeout has passed since the first answer.
+fn turned_away(status: ScsiStatus) -> bool {
+    matches!(status, ScsiStatus::BUSY | ScsiStatus::TASK_SET_FULL)
 }
 
 /// A command in flight: its Initiator Task Tag, for task management, and its outcome.
@@ -117,6 +131,18 @@ impl Drop for Session {
 }
 
 impl Session {
+    /// A session to `url` that has not logged in yet.
+    fn unconnected(url: &IscsiUrl, opts: LoginOptions, isid: Isid) -> Session {
+        Session {
+            url: url.clone(),
+            opts,
+            isid,
+            inner: Mutex::new(None),
+            relogin: tokio::sync::Mutex::new(()),
+            resent: AtomicU64::new(0),
+        }
+    }
+
     /// Logs in to the target and LUN of `url` (with as many connections as `opts.connections`).
     pub async fn connect(url: &IscsiUrl, opts: LoginOptions) -> Result<Session> {
         let mut opts = opts;
@@ -132,13 +158,8 @@ impl Session {
                 reason: "no target name",
             });
         }
-        let session = Session {
-            url: url.clone(),
-            isid: opts.isid.unwrap_or_else(random_isid),
-            opts,
-            inner: Mutex::new(None),
-            relogin: tokio::sync::Mutex::new(()),
-        };
+        let isid = opts.isid.unwrap_or_else(random_isid);
+        let session = Session::unconnected(url, opts, isid);
         session.login().await?;
         Ok(session)
     }
@@ -248,9 +269,28 @@ impl Session {
         })
     }
 
-    /// Executes a command and returns its response (whatever its status).
+    /// Executes a command and returns its response (whatever its status, but a command the
+    /// target turned away with BUSY or TASK SET FULL is sent again, as a SCSI layer does).
     pub async fn execute(&self, cmd: Command) -> Result<Response> {
-        self.start(cmd).await?.wait().await
+        let pending = self.start(cmd.clone()).await?;
+        self.complete(pending, cmd).await
+    }
+
+    /// Waits for `pending`, the command `cmd`, sending it again while the target turns it away.
+    async fn complete(&self, pending: PendingCommand, cmd: Command) -> Result<Response> {
+        let mut r = pending.wait().await?;
+        let until = tokio::time::Instant::now() + self.opts.timeout;
+        while turned_away(r.status) && tokio::time::Instant::now() < until {
+            self.resent.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(RESEND_AFTER).await;
+            r = self.start(cmd.clone()).await?.wait().await?;
+        }
+        Ok(r)
+    }
+
+    /// Commands sent again because the target answered BUSY or TASK SET FULL.
+    pub fn resent(&self) -> u64 {
+        self.resent.load(Ordering::Relaxed)
     }
 
     /// Executes a command until it completes without a UNIT ATTENTION (a few tries: a new
@@ -296,11 +336,11 @@ impl Session {
         let mut pending = Vec::new();
         for (at, n) in pieces(blocks, max_blocks) {
             let cmd = Command::read(self.lun(), cdb::read(lba + at, n), n * block_size);
-            pending.push(self.start(cmd).await?);
+            pending.push((self.start(cmd.clone()).await?, cmd));
         }
         let mut data = BytesMut::with_capacity((blocks * block_size) as usize);
-        for p in pending {
-            data.extend_from_slice(&p.wait().await?.good()?.data);
+        for (p, cmd) in pending {
+            data.extend_from_slice(&self.complete(p, cmd).await?.good()?.data);
         }
         Ok(data.freeze())
     }
@@ -323,10 +363,10 @@ impl Session {
             let from = (at * u64::from(block_size)) as usize;
             let piece = data.slice(from..from + (n * block_size) as usize);
             let cmd = Command::write(self.lun(), cdb::write(lba + at, n), piece);
-            pending.push(self.start(cmd).await?);
+            pending.push((self.start(cmd.clone()).await?, cmd));
         }
-        for p in pending {
-            p.wait().await?.good()?;
+        for (p, cmd) in pending {
+            self.complete(p, cmd).await?.good()?;
         }
         Ok(())
     }
@@ -612,13 +652,7 @@ pub async fn discover(url: &IscsiUrl, opts: &LoginOptions) -> Result<Vec<Discove
         SerialNumber(0),
     )
     .await?;
-    let session = Session {
-        url: url.clone(),
-        opts: opts.clone(),
-        isid: Isid::default(),
-        inner: Mutex::new(None),
-        relogin: tokio::sync::Mutex::new(()),
-    };
+    let session = Session::unconnected(url, opts.clone(), Isid::default());
     let inner = start_inner(&outcome, vec![(stream, deframer, outcome.clone())])?;
     *session.inner.lock().expect("session lock") = Some(inner.clone());
     let mut request = TextParams::new();

@@ -216,6 +216,8 @@ pub struct Report {
     pub per_session_ios: Vec<u64>,
     /// The largest SCSI command an I/O went out as, bytes (the I/O size unless split).
     pub command_bytes: u64,
+    /// Commands sent again because the target answered BUSY or TASK SET FULL.
+    pub resent: u64,
 }
 
 impl Report {
@@ -450,6 +452,7 @@ pub async fn run_many(
         verify_errors: shared.verify_errors.load(Ordering::Relaxed),
         per_session_ios: per_session,
         command_bytes: command_blocks * u64::from(block_size),
+        resent: sessions.iter().map(|s| s.resent()).sum(),
     })
 }
 

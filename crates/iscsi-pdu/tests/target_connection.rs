@@ -407,6 +407,65 @@ fn commands_run_in_cmd_sn_order_and_outside_the_window_are_dropped() {
     assert_eq!(rig.conn().task_count(), 0);
 }
 
+/// With no room for write buffers, a write is turned away with TASK SET FULL (its immediate
+/// data skipped, its CmdSN taken) while another write's buffer waits for data-out: that data
+/// comes behind it on the wire, so waiting could never end. With nothing waiting for data-out
+/// the connection may wait, and does.
+#[test]
+fn a_write_is_turned_away_while_another_waits_for_its_data_out() {
+    let (mut rig, mut i) = rig(offers(&[("InitialR2T", "Yes")]));
+    rig.short_of_write_buffers = true;
+    let data = pattern(8192, 5);
+    // A: nothing waits for data-out yet, so its buffer is waited for; its R2T goes out.
+    let a = i.command(&cdb10(0x2a, 0, 16), 0, 8192, Bytes::new());
+    let a_itt = a.initiator_task_tag;
+    rig.send(&Pdu::ScsiCommand(a));
+    let r = rig.responses();
+    let [Pdu::ReadyToTransfer(r2t)] = &r[..] else {
+        panic!("an R2T for A: {r:?}");
+    };
+    assert!(
+        !rig.conn().may_wait_for_buffer(),
+        "A's buffer waits for data-out"
+    );
+    // B, with immediate data: turned away at once, in its CmdSN turn.
+    let b = i.command(&cdb10(0x2a, 64, 1), 0, 512, pattern(512, 6));
+    let b_itt = b.initiator_task_tag;
+    rig.send(&Pdu::ScsiCommand(b));
+    let r = rig.responses();
+    match &r[..] {
+        [Pdu::ScsiResponse(s)] => {
+            assert_eq!(s.initiator_task_tag, b_itt);
+            assert_eq!(s.status, ScsiStatus::TASK_SET_FULL);
+            assert!(s.data.is_empty(), "no sense with TASK SET FULL");
+        }
+        other => panic!("TASK SET FULL for B: {other:?}"),
+    }
+    assert_eq!(rig.window().0, i.cmd_sn, "B took its CmdSN");
+    // A's data lands and A ends GOOD; B wrote nothing.
+    rig.send(&Pdu::DataOut(DataOut {
+        final_bit: true,
+        initiator_task_tag: a_itt,
+        target_transfer_tag: r2t.target_transfer_tag,
+        buffer_offset: 0,
+        data: data.clone(),
+        ..DataOut::default()
+    }));
+    let r = rig.responses();
+    let good = |p: &Pdu| {
+        matches!(p, Pdu::ScsiResponse(s)
+            if s.initiator_task_tag == a_itt && s.status == ScsiStatus::GOOD)
+    };
+    assert!(r.len() == 1 && good(&r[0]), "{r:?}");
+    assert!(rig.conn().may_wait_for_buffer());
+    assert_eq!(read(&mut rig, &mut i, 0, 16), data);
+    assert_eq!(read(&mut rig, &mut i, 64, 1), Bytes::from(vec![0u8; 512]));
+    // Sent again with nothing waiting, B goes through.
+    let again = pattern(512, 6);
+    write(&mut rig, &mut i, 64, &again, (true, true, 0));
+    assert_eq!(read(&mut rig, &mut i, 64, 1), again);
+}
+
 #[test]
 fn abort_task_and_lun_reset() {
     let (mut rig, mut i) = rig(Options::default());

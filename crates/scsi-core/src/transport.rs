@@ -332,6 +332,18 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
         self.tasks.values().all(|t| t.task.is_none())
     }
 
+    /// Whether a task holds a buffer that only more data-out from the initiator lets go: its
+    /// data-out is not all in, or not yet handed on (an iSCSI command waiting for its CmdSN
+    /// turn waits for the initiator too). A transport that reads commands and their data from
+    /// one stream must not stop reading to wait for buffer space while this holds: what
+    /// frees the space may be behind the command it would wait for. Costs a pass over the
+    /// table, so ask only when an allocation has failed.
+    pub fn awaits_data_out(&self) -> bool {
+        self.tasks.values().any(|t| {
+            t.data_out_len > 0 && !t.data_delivered && t.failed.is_none() && t.buffer.is_some()
+        })
+    }
+
     /// Backend operations waiting for a buffer.
     pub fn parked(&self) -> usize {
         self.parked
@@ -682,6 +694,26 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
                 response,
             }),
         }
+    }
+
+    /// Ends a task the transport turns away for want of resources, with `status` (TASK SET
+    /// FULL or BUSY) and no sense or data: the initiator sends it again later.
+    pub fn turn_away(
+        &mut self,
+        tag: u64,
+        status: Status,
+        now: Instant,
+    ) -> Option<Completion<T, B>> {
+        let entry = self.remove(tag)?;
+        Some(Self::completion(
+            tag,
+            entry,
+            status,
+            None,
+            DataIn::None,
+            Residual::None,
+            now,
+        ))
     }
 
     /// Ends a task the transport itself refuses before or instead of the core (too large to

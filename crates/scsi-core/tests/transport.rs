@@ -419,6 +419,61 @@ fn tags_in_use_and_refusals() {
     }
 }
 
+/// What holds a buffer for data-out still to come, and a task turned away for want of one.
+#[test]
+fn buffers_awaiting_data_out_and_tasks_turned_away() {
+    let mut p = Port::with(false);
+    assert!(!p.table.awaits_data_out(), "nothing is held");
+    // A read holds no buffer for data-out.
+    let r = p.submit(&cdb10(0x28, 0, 0, 1), Vec::new(), 512);
+    p.run();
+    assert!(!p.table.awaits_data_out());
+    // A write with its buffer and none of its data waits for the initiator ...
+    let (task, action) = p.one_block_write(700);
+    assert!(p.table.awaits_data_out(), "a buffer waiting for data-out");
+    let Some(Request::DataOut { tag, .. }) = p.table.action(action, p.now, |_| Some(512)) else {
+        panic!("the core wants the data-out");
+    };
+    assert_eq!(tag, 700);
+    let b = p.table.take_buffer(700).unwrap();
+    p.table.put_buffer(700, b);
+    p.table.data_received(700, 512);
+    assert!(p.table.awaits_data_out(), "in, but not yet handed on");
+    // ... until its data has gone to the core.
+    match p.table.data_complete(700) {
+        Some(DataReady::Core { task: t, data }) => {
+            assert_eq!(t, task);
+            p.device.data_out(t, data).unwrap();
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!p.table.awaits_data_out(), "its data is in the core");
+    p.settle();
+    assert_eq!(p.take(700).status, Status::Good);
+    assert_eq!(p.take(r).status, Status::Good);
+    // A failed write holds its buffer only until the abort ends it: not for data-out.
+    let (_, action) = p.one_block_write(701);
+    let _ = p.table.action(action, p.now, |_| Some(512));
+    assert!(p.table.awaits_data_out());
+    assert!(p.table.fail(701, Asc::DATA_PHASE_ERROR).is_some());
+    assert!(!p.table.awaits_data_out());
+    // Turned away: the status alone, not an error, and the tag is free again.
+    let new = NewTask {
+        lun: 0,
+        data_out_len: 4096,
+        data_in_len: 0,
+        buffer: None,
+        received: 0,
+        transport: Wire::default(),
+    };
+    p.table.insert(702, new, p.now).unwrap();
+    let c = p.table.turn_away(702, Status::TaskSetFull, p.now).unwrap();
+    assert_eq!(c.status, Status::TaskSetFull);
+    assert!(c.sense.is_none() && !c.accounting.error);
+    assert!(matches!(c.data_in, DataIn::None));
+    assert!(!p.table.contains(702));
+}
+
 #[test]
 fn a_unit_removed_under_a_task_fails_it() {
     for delegate in [false, true] {

@@ -467,6 +467,14 @@ pub fn metrics_text(registry: &Registry) -> String {
     );
     let _ = writeln!(m, "# TYPE targetd_send_timeouts_total counter");
     let _ = writeln!(m, "targetd_send_timeouts_total {stalled}");
+    let busy = registry.task_set_full.load(Relaxed);
+    let _ = writeln!(
+        m,
+        "# HELP targetd_task_set_full_total writes answered TASK SET FULL: their connection's \
+         share of the arena held buffers waiting for data-out"
+    );
+    let _ = writeln!(m, "# TYPE targetd_task_set_full_total counter");
+    let _ = writeln!(m, "targetd_task_set_full_total {busy}");
     let (failures, sources) = {
         let auth = crate::registry::lock(&registry.auth);
         (auth.failures, auth.sources())

@@ -47,6 +47,9 @@ pub struct Registry {
     pub connections_refused: AtomicU64,
     /// Connections dropped because nothing could be sent for `server.send_timeout`.
     pub send_timeouts: AtomicU64,
+    /// Write commands answered TASK SET FULL: their connection's share of the arena was full
+    /// with buffers waiting for data-out.
+    pub task_set_full: AtomicU64,
     /// The I/O engine the reactors run, as they reported it.
     pub engine: Mutex<String>,
     refusals: Mutex<(Option<Instant>, u64)>,
@@ -88,6 +91,7 @@ impl Registry {
             open: Arc::default(),
             connections_refused: AtomicU64::new(0),
             send_timeouts: AtomicU64::new(0),
+            task_set_full: AtomicU64::new(0),
             arenas: Mutex::new(Vec::new()),
             started: Instant::now(),
             stopping: AtomicBool::new(false),

@@ -166,6 +166,67 @@ async fn an_initiator_that_stops_reading_is_dropped_after_the_send_timeout() {
     unharmed(&by, &data).await;
 }
 
+/// An initiator that sends WRITEs and never their data holds at most its connection's share
+/// of the arena: the writes past it are answered TASK SET FULL at once (waiting for buffers
+/// could wait for data that comes only after them), and a bystander on the same reactor
+/// writes and reads 1 MiB commands meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_initiator_that_never_sends_write_data_holds_a_bounded_share() {
+    let (d, by, data, mut raw) = scene(0x31).await;
+    const WRITES: u32 = 100;
+    for i in 0..WRITES {
+        let sn = raw.take_cmd_sn();
+        raw.send(write(0x100 + i, sn, 0, 2048, Bytes::new())).await;
+    }
+    // 100 MiB of writes against a 32 MiB share: at least the rest are turned away, each
+    // taking its CmdSN, and none of them waits.
+    let mut turned_away = 0;
+    while turned_away < WRITES - 32 {
+        let pdu = tokio::time::timeout(Duration::from_secs(10), raw.next())
+            .await
+            .unwrap_or_else(|_| panic!("only {turned_away} writes turned away"))
+            .expect("the connection stays open");
+        match pdu {
+            Pdu::ScsiResponse(r) if r.status == ScsiStatus::TASK_SET_FULL => turned_away += 1,
+            Pdu::ScsiResponse(r) => panic!("a write ended with {:?}", r.status),
+            _ => {}
+        }
+    }
+    let arena = d.registry.arenas.lock().unwrap()[0].clone();
+    let by_data = pattern(1 << 20, 12);
+    for _ in 0..8 {
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            by.write(2048, by_data.clone(), 512),
+        )
+        .await
+        .expect("a bystander's write waited for the hostile connection")
+        .unwrap();
+        let got = tokio::time::timeout(Duration::from_secs(10), by.read(2048, 2048, 512))
+            .await
+            .expect("a bystander's read waited for the hostile connection")
+            .unwrap();
+        assert!(got == by_data);
+    }
+    // What the hostile connection holds stays within its share (the arena reports every
+    // second): half of the 64 MiB arena, whatever it sends.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let free = arena.free.load(Relaxed);
+    assert!(
+        free >= 31 << 20,
+        "the hostile connection holds more than its share: {arena:?}"
+    );
+    let metrics = targetd::admin::metrics_text(&d.registry);
+    let counted: u32 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("targetd_task_set_full_total "))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{metrics}"));
+    assert!((turned_away..=WRITES).contains(&counted), "{metrics}");
+    assert_eq!(d.registry.sessions.all().len(), 2, "both sessions are open");
+    unharmed(&by, &data).await;
+}
+
 /// A WRITE(10) of `blocks` 512-byte blocks at `lba`, `data` as immediate data.
 fn write(itt: u32, cmd_sn: u32, lba: u32, blocks: u16, data: Bytes) -> Pdu {
     Pdu::ScsiCommand(ScsiCommand {

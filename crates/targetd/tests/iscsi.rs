@@ -734,6 +734,37 @@ async fn reads_beyond_the_arena_wait_for_buffers() {
     s.logout().await.unwrap();
 }
 
+/// 96 concurrent 1 MiB writes on one connection: more than its reactor's whole arena, and
+/// three times the connection's share of it, with every buffer waiting for data that comes
+/// behind later commands in the stream. (The reader used to wait for the arena here, for
+/// space only that data would free: no write ever finished.) The writes past the share are
+/// answered TASK SET FULL, the initiator sends them again, and all of them end GOOD with
+/// their data in place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deep_queues_of_large_writes_complete() {
+    let big = memory_target(TARGET, "").replace("size = \"64MiB\"", "size = \"96MiB\"");
+    let d = Daemon::start(&config("", &big));
+    let w = Workload {
+        rw: Rw::Write,
+        bs: 1 << 20,
+        qd: 96,
+        ios: Some(288),
+        size: Some(96 << 20),
+        verify: true,
+        ..Workload::default()
+    };
+    let r = tokio::time::timeout(
+        Duration::from_secs(120),
+        run(&d.url(TARGET, 0), &opts(), &w, Arc::default()),
+    )
+    .await
+    .expect("the writes finish")
+    .unwrap();
+    assert_eq!((r.ios, r.errors, r.verify_errors), (288, 0, 0));
+    assert_eq!(r.verified_blocks, (96 << 20) / 512);
+    assert!(r.resent > 0, "no write was turned away");
+}
+
 /// Runs futures concurrently on this task (the initiator's session is shared by reference).
 async fn futures_join_all<F: std::future::Future<Output = ()>>(fs: impl Iterator<Item = F>) {
     let mut set: Vec<std::pin::Pin<Box<F>>> = fs.map(Box::pin).collect();

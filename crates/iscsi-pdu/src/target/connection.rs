@@ -11,8 +11,10 @@
 //!    to [`Connection::handle_header`], a PDU the deframer rejected to
 //!    [`Connection::handle_reject`];
 //! 2. [`Plan::Allocate`]: a write command wants its data buffer; the caller allocates it
-//!    (waiting for it is the connection's backpressure) and calls
-//!    [`Connection::handle_allocated`], which gives the next plan;
+//!    and calls [`Connection::handle_allocated`], which gives the next plan. Waiting for it
+//!    is the connection's backpressure, but only while [`Connection::may_wait_for_buffer`]:
+//!    otherwise what would free the space may be data behind the command in the stream, so
+//!    the caller answers [`NoBuffer::Busy`] when none is free now (TASK SET FULL);
 //! 3. [`Plan::Receive`]: the payload goes into `buffer[at..at + len]`; the caller reads it there
 //!    and hands the buffer back with [`Connection::handle_payload`] (or
 //!    [`Connection::handle_payload_error`] on a data digest mismatch);
@@ -41,8 +43,8 @@ use scsi_core::transport::{
 };
 use scsi_core::{
     Action, Asc, BackendError, Command, DataIn as CoreDataIn, NexusId, Op, Output,
-    Residual as CoreResidual, SenseKey, TaskAttribute as CoreAttribute, TaskId, TmfFunction,
-    TmfResponse,
+    Residual as CoreResidual, SenseKey, Status as CoreStatus, TaskAttribute as CoreAttribute,
+    TaskId, TmfFunction, TmfResponse,
 };
 
 use super::text::TextExchange;
@@ -295,8 +297,9 @@ pub enum Plan<B> {
     Next,
     /// Skip it.
     Discard,
-    /// A write command needs a data buffer of this many bytes first: allocate one (waiting
-    /// while the allocator is short) and hand it to [`Connection::handle_allocated`].
+    /// A write command needs a data buffer of this many bytes first: allocate one and hand
+    /// it to [`Connection::handle_allocated`]. Wait while the allocator is short only if
+    /// [`Connection::may_wait_for_buffer`]; else answer [`NoBuffer::Busy`].
     Allocate(u32),
     /// Read it into `buffer[at..at + len]`, then return the buffer with
     /// [`Connection::handle_payload`] or [`Connection::handle_payload_error`].
@@ -308,6 +311,18 @@ pub enum Plan<B> {
         /// The payload's length.
         len: usize,
     },
+}
+
+/// Why the caller has no buffer for a [`Plan::Allocate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoBuffer {
+    /// More than the allocator can ever give: CHECK CONDITION, ILLEGAL REQUEST, INVALID FIELD
+    /// IN CDB.
+    TooLarge,
+    /// None free now, and waiting could wait for data behind the command
+    /// ([`Connection::may_wait_for_buffer`] is false): TASK SET FULL, which an initiator
+    /// answers by sending the command again later (SAM-5 5.3.1).
+    Busy,
 }
 
 /// Why the connection is to close.
@@ -655,19 +670,20 @@ impl<B: TaskBuffer> Connection<B> {
         self.reject(reason, header, nexus);
     }
 
-    /// The buffer asked for with [`Plan::Allocate`], or `None` when the allocator refused:
-    /// the command then ends with CHECK CONDITION in its CmdSN turn.
+    /// The buffer asked for with [`Plan::Allocate`], or why there is none: the command then
+    /// ends in its CmdSN turn, with CHECK CONDITION ([`NoBuffer::TooLarge`]) or TASK SET FULL
+    /// ([`NoBuffer::Busy`]), and its immediate data is skipped.
     pub fn handle_allocated(
         &mut self,
         now: Instant,
-        buffer: Option<B>,
+        buffer: Result<B, NoBuffer>,
         nexus: &mut impl Nexus,
     ) -> Plan<B> {
         let Some(Receiving::Buffer(cmd, len)) = self.receiving.take() else {
             return Plan::Next;
         };
         match buffer {
-            Some(buffer) if len > 0 => {
+            Ok(buffer) if len > 0 => {
                 self.receiving = Some(Receiving::Command(cmd, len));
                 Plan::Receive {
                     buffer,
@@ -675,12 +691,12 @@ impl<B: TaskBuffer> Connection<B> {
                     len: len as usize,
                 }
             }
-            Some(buffer) => {
-                self.command(now, cmd, Some(buffer), 0, nexus);
+            Ok(buffer) => {
+                self.command(now, cmd, Ok(Some(buffer)), 0, nexus);
                 Plan::Next
             }
-            None => {
-                self.command(now, cmd, None, len, nexus);
+            Err(why) => {
+                self.command(now, cmd, Err(why), len, nexus);
                 if len > 0 {
                     Plan::Discard
                 } else {
@@ -690,10 +706,22 @@ impl<B: TaskBuffer> Connection<B> {
         }
     }
 
+    /// Whether the caller may wait for an allocator that is short to answer a
+    /// [`Plan::Allocate`]: only while no task of this connection holds a buffer for data-out
+    /// still to come ([`TaskTable::awaits_data_out`]). Such data comes after the command in
+    /// the stream, so a reader waiting for the space it holds would wait forever (with every
+    /// other connection that waits for the same allocator). Costs a pass over the tasks: ask
+    /// only once an allocation without waiting has failed.
+    pub fn may_wait_for_buffer(&self) -> bool {
+        !self.tasks.awaits_data_out()
+    }
+
     /// The payload of [`Plan::Receive`] is in `buffer`, padding and digest checked.
     pub fn handle_payload(&mut self, now: Instant, buffer: B, nexus: &mut impl Nexus) {
         match self.receiving.take() {
-            Some(Receiving::Command(cmd, len)) => self.command(now, cmd, Some(buffer), len, nexus),
+            Some(Receiving::Command(cmd, len)) => {
+                self.command(now, cmd, Ok(Some(buffer)), len, nexus)
+            }
             Some(Receiving::DataOut(d, len)) => self.data_out(&d, len, Some(buffer), nexus),
             _ => {}
         }
@@ -916,7 +944,7 @@ impl<B: TaskBuffer> Connection<B> {
             self.receiving = Some(Receiving::Buffer(cmd, len));
             return Plan::Allocate(edtl);
         }
-        self.command(now, cmd, None, len, nexus);
+        self.command(now, cmd, Ok(None), len, nexus);
         if len > 0 {
             Plan::Discard
         } else {
@@ -924,15 +952,18 @@ impl<B: TaskBuffer> Connection<B> {
         }
     }
 
-    /// A SCSI Command, with its buffer and `immediate` bytes of immediate data in it.
+    /// A SCSI Command, with its buffer and `immediate` bytes of immediate data in it, or why
+    /// a write has no buffer.
     fn command(
         &mut self,
         now: Instant,
         cmd: ScsiCommand,
-        buffer: Option<B>,
+        buffer: Result<Option<B>, NoBuffer>,
         immediate: u32,
         nexus: &mut impl Nexus,
     ) {
+        let busy = matches!(buffer, Err(NoBuffer::Busy));
+        let buffer = buffer.ok().flatten();
         let itt = cmd.initiator_task_tag;
         let edtl = cmd.expected_data_transfer_length;
         let write = cmd.write;
@@ -949,7 +980,8 @@ impl<B: TaskBuffer> Connection<B> {
             _ => 0,
         };
         let data_out_len = if write { edtl } else { 0 };
-        let too_big = edtl > self.settings.max_io || (write && edtl > 0 && buffer.is_none());
+        let too_big =
+            !busy && (edtl > self.settings.max_io || (write && edtl > 0 && buffer.is_none()));
         let new = NewTask {
             lun: cmd.lun.as_u64(),
             data_out_len,
@@ -973,11 +1005,17 @@ impl<B: TaskBuffer> Connection<B> {
             self.reject_pdu(reason, &Pdu::ScsiCommand(cmd), nexus);
             return;
         }
-        if too_big {
+        if too_big || busy {
             // More than one command may move: refuse it in order, as the core would.
             if self.take_cmd_sn(cmd.immediate, cmd.cmd_sn, nexus) {
                 let (key, asc) = (SenseKey::IllegalRequest, Asc::INVALID_FIELD_IN_CDB);
-                if let Some(c) = self.tasks.refuse(u64::from(itt), key, asc, now) {
+                let tag = u64::from(itt);
+                let refused = if busy {
+                    self.tasks.turn_away(tag, CoreStatus::TaskSetFull, now)
+                } else {
+                    self.tasks.refuse(tag, key, asc, now)
+                };
+                if let Some(c) = refused {
                     self.finish(c, nexus);
                 }
             } else {

@@ -24,7 +24,9 @@ use scsi_core::{
 };
 
 use super::connection::Settings;
-use super::connection::{Close, Connection, CoreEvent, Event, Nexus, OrderedCommand, Plan};
+use super::connection::{
+    Close, Connection, CoreEvent, Event, Nexus, NoBuffer, OrderedCommand, Plan,
+};
 use super::core::{Sink, TargetCore};
 use super::login::Completed;
 use super::session::{Created, Left, SessionError, SessionKey, SessionTable};
@@ -363,6 +365,10 @@ pub struct Rig {
     pub held: VecDeque<Held>,
     /// When set, buffers wanted by backend operations wait until [`Rig::grant_buffers`].
     pub hold_buffers: bool,
+    /// When set, the allocator has no room for write buffers now: a write gets one only when
+    /// the connection may wait for it (the wait is taken as granted), else
+    /// [`NoBuffer::Busy`], as targetd's reader answers with its share of the arena full.
+    pub short_of_write_buffers: bool,
     wanted: VecDeque<(usize, u64, usize)>,
     /// The virtual clock.
     pub now: Instant,
@@ -447,6 +453,7 @@ impl Rig {
             hold_backend: false,
             held: VecDeque::new(),
             hold_buffers: false,
+            short_of_write_buffers: false,
             wanted: VecDeque::new(),
             now: Instant::now(),
             options,
@@ -853,10 +860,12 @@ impl Rig {
                     return;
                 }
                 Plan::Allocate(len) => {
-                    let b = vec![0; len as usize];
-                    plan = c
-                        .conn
-                        .handle_allocated(self.now, Some(b), &mut via(t, i, c));
+                    let b = if self.short_of_write_buffers && !c.conn.may_wait_for_buffer() {
+                        Err(NoBuffer::Busy)
+                    } else {
+                        Ok(vec![0; len as usize])
+                    };
+                    plan = c.conn.handle_allocated(self.now, b, &mut via(t, i, c));
                 }
                 Plan::Receive { buffer, at, len } => {
                     assert!(at + len <= buffer.len(), "a plan within its buffer");

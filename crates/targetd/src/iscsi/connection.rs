@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use backend::{Buffer, Share};
 use iscsi_pdu::negotiation::SessionType;
 use iscsi_pdu::target::{
-    self, Close, CommandOrder, Event, Nexus, OrderedCommand, Plan, Settings, Transmit,
+    self, Close, CommandOrder, Event, Nexus, NoBuffer, OrderedCommand, Plan, Settings, Transmit,
 };
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::SerialNumber;
@@ -308,16 +308,18 @@ struct Conn {
     share: Share,
 }
 
-/// The part of its reactor's arena one connection's backend operations (READs and the like,
-/// whose buffers go back once their Data-In is sent) may hold: half. An initiator that stops
-/// reading Data-In keeps those buffers (until `server.send_timeout` drops it), and without a
-/// bound it would hold every slot and stall every other connection on the reactor. Half still
-/// fits the largest command (`target::MAX_IO`), and a command larger than the share is served
-/// when the connection holds nothing else.
+/// The part of its reactor's arena one connection's buffers may hold: half. Without a bound,
+/// an initiator that stops reading Data-In (its READs' buffers go back only once sent), or
+/// one that sends WRITEs and never their data, would hold every slot and stall every other
+/// connection on the reactor. Half still fits the largest command (`target::MAX_IO`), and a
+/// command larger than the share is served when the connection holds nothing else.
 ///
-/// A write's data buffer is taken by the reader from the arena itself, outside the share: the
-/// reader waits for it before it reads on, and a bound could leave it waiting for buffers that
-/// only the Data-Out behind it in the stream would free.
+/// Backend operations wait for their buffers in the worker. A write's data buffer is taken
+/// by the reader, which waits for it only when nothing the connection holds waits for
+/// data-out ([`target::Connection::may_wait_for_buffer`]); otherwise the data that would
+/// free the space may be behind the command in the stream, and waiting would stop the
+/// connection (and every other connection waiting for the same arena) for good. Then the
+/// command is answered TASK SET FULL, and the initiator sends it again later.
 pub const CONNECTION_SHARE: usize = 2;
 
 /// One step of a connection: the machine and its [`Step`] nexus, with the reactor's engine
@@ -521,9 +523,9 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
 /// Takes PDUs off the socket until it closes or breaks, putting each payload where the
 /// machine's plan says.
 async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), ReadError> {
-    let (inbox, io) = {
+    let (inbox, share) = {
         let c = conn.borrow();
-        (c.inbox.clone(), c.io.clone())
+        (c.inbox.clone(), c.share.clone())
     };
     loop {
         let incoming = reader.next().await;
@@ -550,8 +552,7 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
                     break;
                 }
                 Plan::Allocate(len) => {
-                    // Waiting for the arena here is the connection's backpressure.
-                    let buffer = io.arena.alloc(len as usize).await.ok();
+                    let buffer = write_buffer(conn, &share, len as usize).await;
                     (plan, closing) = step(conn, |t| {
                         let nexus = &mut t.nexus;
                         Ok(t.machine.handle_allocated(Instant::now(), buffer, nexus))
@@ -583,6 +584,32 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
             std::future::pending::<()>().await;
         }
     }
+}
+
+/// A write's data buffer from the connection's share: at once when there is room; else by
+/// waiting (the connection's backpressure) when the machine may wait, which holds nothing
+/// that waits for data behind this command; else [`NoBuffer::Busy`] (TASK SET FULL).
+async fn write_buffer(
+    conn: &Rc<RefCell<Conn>>,
+    share: &Share,
+    len: usize,
+) -> Result<Buffer, NoBuffer> {
+    match share.try_alloc(len) {
+        Ok(Some(b)) => return Ok(b),
+        Ok(None) => {}
+        Err(_) => return Err(NoBuffer::TooLarge),
+    }
+    {
+        let c = conn.borrow();
+        if !c.machine.may_wait_for_buffer() {
+            let registry = &c.link.registry;
+            registry
+                .task_set_full
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Err(NoBuffer::Busy);
+        }
+    }
+    share.alloc(len).await.map_err(|_| NoBuffer::TooLarge)
 }
 
 /// One step of the reader: `f` on the machine and, unless it leaves a payload to read, what
