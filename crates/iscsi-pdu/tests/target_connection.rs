@@ -466,6 +466,56 @@ fn a_write_is_turned_away_while_another_waits_for_its_data_out() {
     assert_eq!(read(&mut rig, &mut i, 64, 1), again);
 }
 
+/// An initiator that owes data-out (here an R2T's) and sends none for the data-out timeout is
+/// dropped; data in time starts the clock again, and one that owes nothing is never dropped,
+/// however long it idles.
+#[test]
+fn an_initiator_that_owes_data_out_is_dropped_after_the_data_out_timeout() {
+    let mut o = offers(&[("InitialR2T", "Yes")]);
+    o.settings.nop_interval = Duration::ZERO;
+    o.settings.data_out_timeout = Duration::from_secs(10);
+    let (mut rig, mut i) = rig(o);
+    rig.advance(Duration::from_secs(25));
+    assert_eq!(rig.conn().closing(), None, "nothing owed");
+    let w = i.command(&cdb10(0x2a, 0, 32), 0, 16384, Bytes::new());
+    let itt = w.initiator_task_tag;
+    rig.send(&Pdu::ScsiCommand(w));
+    let r = rig.responses();
+    let [Pdu::ReadyToTransfer(r2t)] = &r[..] else {
+        panic!("an R2T: {r:?}");
+    };
+    let data = pattern(16384, 9);
+    let half = Pdu::DataOut(DataOut {
+        initiator_task_tag: itt,
+        target_transfer_tag: r2t.target_transfer_tag,
+        data: data.slice(..8192),
+        ..DataOut::default()
+    });
+    rig.advance(Duration::from_secs(9));
+    assert_eq!(rig.conn().closing(), None);
+    rig.send(&half);
+    rig.advance(Duration::from_secs(9));
+    assert_eq!(
+        rig.conn().closing(),
+        None,
+        "the clock started again with the data"
+    );
+    rig.advance(Duration::from_secs(1));
+    assert_eq!(rig.conn().closing(), Some(Close::DataOutTimeout));
+    // The same, answered in time: the write ends GOOD and nothing is owed any more.
+    let (mut rig, mut i) = self::rig(Options {
+        settings: iscsi_pdu::target::Settings {
+            nop_interval: Duration::ZERO,
+            data_out_timeout: Duration::from_secs(10),
+            ..Options::default().settings
+        },
+        ..offers(&[("InitialR2T", "Yes")])
+    });
+    write(&mut rig, &mut i, 0, &data, (false, true, 0));
+    rig.advance(Duration::from_secs(60));
+    assert_eq!(rig.conn().closing(), None);
+}
+
 #[test]
 fn abort_task_and_lun_reset() {
     let (mut rig, mut i) = rig(Options::default());

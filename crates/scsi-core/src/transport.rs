@@ -349,6 +349,11 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
         self.parked
     }
 
+    /// Every task: tag and entry, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &TaskEntry<T, B>)> + '_ {
+        self.tasks.iter().map(|(tag, t)| (*tag, t))
+    }
+
     /// Whether `tag` is in use.
     pub fn contains(&self, tag: u64) -> bool {
         self.tasks.contains_key(&tag)

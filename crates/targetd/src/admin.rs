@@ -467,6 +467,14 @@ pub fn metrics_text(registry: &Registry) -> String {
     );
     let _ = writeln!(m, "# TYPE targetd_send_timeouts_total counter");
     let _ = writeln!(m, "targetd_send_timeouts_total {stalled}");
+    let owing = registry.data_out_timeouts.load(Relaxed);
+    let _ = writeln!(
+        m,
+        "# HELP targetd_data_out_timeouts_total dropped: data-out owed and none sent for \
+         server.data_out_timeout"
+    );
+    let _ = writeln!(m, "# TYPE targetd_data_out_timeouts_total counter");
+    let _ = writeln!(m, "targetd_data_out_timeouts_total {owing}");
     let busy = registry.task_set_full.load(Relaxed);
     let _ = writeln!(
         m,

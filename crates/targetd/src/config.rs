@@ -97,6 +97,11 @@ pub struct Server {
     /// stopped reading) before it is dropped, giving back the buffers it holds.
     #[serde(default = "default_send_timeout")]
     pub send_timeout: u64,
+    /// Seconds a connection may owe data-out (an R2T, unsolicited data, or the command an
+    /// earlier CmdSN names) and send none before it is dropped, giving back the write buffers
+    /// it holds.
+    #[serde(default = "default_data_out_timeout")]
+    pub data_out_timeout: u64,
     /// Connections the daemon keeps open at once, logged in or not; more are closed as soon
     /// as they are accepted.
     #[serde(default = "default_max_connections")]
@@ -129,6 +134,9 @@ fn default_login_timeout() -> u64 {
     30
 }
 fn default_send_timeout() -> u64 {
+    30
+}
+fn default_data_out_timeout() -> u64 {
     30
 }
 fn default_max_connections() -> usize {
@@ -496,17 +504,15 @@ impl Config {
                 "must be at least 1 second when pings are on".into(),
             );
         }
-        if !(1..=3600).contains(&s.login_timeout) {
-            return fail(
-                "server.login_timeout",
-                format!("{}: must be 1 to 3600 seconds", s.login_timeout),
-            );
-        }
-        if !(1..=3600).contains(&s.send_timeout) {
-            return fail(
-                "server.send_timeout",
-                format!("{}: must be 1 to 3600 seconds", s.send_timeout),
-            );
+        let timeouts = [
+            ("server.login_timeout", s.login_timeout),
+            ("server.send_timeout", s.send_timeout),
+            ("server.data_out_timeout", s.data_out_timeout),
+        ];
+        for (key, seconds) in timeouts {
+            if !(1..=3600).contains(&seconds) {
+                return fail(key, format!("{seconds}: must be 1 to 3600 seconds"));
+            }
         }
         if s.max_connections == 0 {
             return fail("server.max_connections", "must be at least 1".into());
@@ -899,6 +905,7 @@ size = "1GiB"
             (GOOD.replace("admin_socket = \"targetd.sock\"", "rdma_portals = [\"ib0\"]"), "server.rdma_portals[0]"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "login_timeout = 0"), "server.login_timeout"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "send_timeout = 0"), "server.send_timeout"),
+            (GOOD.replace("admin_socket = \"targetd.sock\"", "data_out_timeout = 3601"), "server.data_out_timeout: 3601: must be 1 to 3600"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "max_connections = 0"), "server.max_connections"),
             (GOOD.replace("admin_socket = \"targetd.sock\"", "max_sessions = 70000"), "server.max_sessions"),
             (GOOD.replace("lun = 0", "lun = 0\nmax_transfer_length = \"64MiB\""), "targets[0].luns[0].max_transfer_length"),

@@ -50,6 +50,9 @@ pub struct Registry {
     /// Write commands answered TASK SET FULL: their connection's share of the arena was full
     /// with buffers waiting for data-out.
     pub task_set_full: AtomicU64,
+    /// Connections dropped because they owed data-out and sent none for
+    /// `server.data_out_timeout`.
+    pub data_out_timeouts: AtomicU64,
     /// The I/O engine the reactors run, as they reported it.
     pub engine: Mutex<String>,
     refusals: Mutex<(Option<Instant>, u64)>,
@@ -92,6 +95,7 @@ impl Registry {
             connections_refused: AtomicU64::new(0),
             send_timeouts: AtomicU64::new(0),
             task_set_full: AtomicU64::new(0),
+            data_out_timeouts: AtomicU64::new(0),
             arenas: Mutex::new(Vec::new()),
             started: Instant::now(),
             stopping: AtomicBool::new(false),

@@ -227,6 +227,38 @@ async fn an_initiator_that_never_sends_write_data_holds_a_bounded_share() {
     unharmed(&by, &data).await;
 }
 
+/// Once it has owed data-out for `data_out_timeout` without sending any, the connection
+/// that never sends write data is dropped and counted, and its share goes back: the
+/// bystander reads 32 MiB commands (whole halves of the arena) again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_initiator_that_owes_data_out_is_dropped_after_the_data_out_timeout() {
+    let d = Daemon::start(&one_reactor("data_out_timeout = 1"));
+    let (by, data) = bystander(&d).await;
+    let mut raw = ready(&d, 0x32).await;
+    for i in 0..40 {
+        let sn = raw.take_cmd_sn();
+        raw.send(write(0x100 + i, sn, 0, 2048, Bytes::new())).await;
+    }
+    let started = std::time::Instant::now();
+    while d.registry.sessions.all().len() > 1 {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "the connection that owes data-out is still open"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(raw);
+    let metrics = targetd::admin::metrics_text(&d.registry);
+    assert!(
+        metrics.contains("targetd_data_out_timeouts_total 1\n"),
+        "{metrics}"
+    );
+    for _ in 0..2 {
+        let _: Bytes = by.read(0, 65536, 512).await.unwrap();
+    }
+    unharmed(&by, &data).await;
+}
+
 /// A WRITE(10) of `blocks` 512-byte blocks at `lba`, `data` as immediate data.
 fn write(itt: u32, cmd_sn: u32, lba: u32, blocks: u16, data: Bytes) -> Pdu {
     Pdu::ScsiCommand(ScsiCommand {

@@ -332,6 +332,8 @@ pub enum Close {
     AfterFlush,
     /// The initiator did not answer a NOP-In ping in time: close at once.
     NoPingAnswer,
+    /// The initiator owed data-out and sent none for the data-out timeout: close at once.
+    DataOutTimeout,
 }
 
 /// A connection's fixed settings.
@@ -349,6 +351,12 @@ pub struct Settings {
     pub nop_interval: Duration,
     /// Close when a ping is not answered in this long.
     pub nop_timeout: Duration,
+    /// Close when the initiator owes data-out (an R2T, unsolicited data, or the command an
+    /// earlier CmdSN names, while a later one holds its buffer) and has sent none, nor a
+    /// write that got a buffer, for this long: at ErrorRecoveryLevel 0 nothing can be asked
+    /// for again, and the buffers it holds are its connection's share of the arena. Zero:
+    /// never.
+    pub data_out_timeout: Duration,
 }
 
 /// iSCSI's own state of a task: R2T and DataSN bookkeeping (RFC 7143 sections 11.7-11.8).
@@ -409,6 +417,9 @@ pub struct Connection<B> {
     /// A NOP-In ping awaiting its NOP-Out: (TTT, sent).
     ping: Option<(u32, Instant)>,
     last_rx: Instant,
+    /// When data-out last arrived or a write got its buffer, or the data-out timeout last
+    /// found nothing owed: what the initiator owes began no earlier.
+    data_out_seen: Instant,
     logout_asked: bool,
 }
 
@@ -472,6 +483,7 @@ impl<B: TaskBuffer> Connection<B> {
             closing: None,
             ping: None,
             last_rx: now,
+            data_out_seen: now,
             logout_asked: false,
         }
     }
@@ -525,18 +537,37 @@ impl<B: TaskBuffer> Connection<B> {
 
     /// When [`Connection::handle_timeout`] is next due.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        if !self.pings() {
-            return None;
-        }
-        Some(match self.ping {
+        let ping = self.pings().then(|| match self.ping {
             Some((_, sent)) => sent + self.settings.nop_timeout,
             None => self.last_rx + self.settings.nop_interval,
-        })
+        });
+        let data_out = self
+            .checks_data_out()
+            .then(|| self.data_out_seen + self.settings.data_out_timeout);
+        match (ping, data_out) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
-    /// Time has passed: ping an initiator silent for the NOP interval, give up on one that
-    /// does not answer a ping within the NOP timeout.
+    /// Time has passed: give up on an initiator that owes data-out and has sent none for the
+    /// data-out timeout; ping one silent for the NOP interval, give up on one that does not
+    /// answer a ping within the NOP timeout.
     pub fn handle_timeout(&mut self, now: Instant, nexus: &mut impl Nexus) {
+        let since = now.saturating_duration_since(self.data_out_seen);
+        if self.checks_data_out() && since >= self.settings.data_out_timeout {
+            // The pass over the tasks is paid once per timeout, not per PDU.
+            if self.owes_data_out() {
+                tracing::warn!(
+                    cid = self.settings.cid,
+                    "data-out owed and none sent in {:?}: dropping the connection",
+                    self.settings.data_out_timeout
+                );
+                self.closing = Some(Close::DataOutTimeout);
+                return;
+            }
+            self.data_out_seen = now;
+        }
         if !self.pings() {
             return;
         }
@@ -682,6 +713,10 @@ impl<B: TaskBuffer> Connection<B> {
         let Some(Receiving::Buffer(cmd, len)) = self.receiving.take() else {
             return Plan::Next;
         };
+        if buffer.is_ok() {
+            // What the initiator owes for this write starts now.
+            self.data_out_seen = now;
+        }
         match buffer {
             Ok(buffer) if len > 0 => {
                 self.receiving = Some(Receiving::Command(cmd, len));
@@ -718,6 +753,7 @@ impl<B: TaskBuffer> Connection<B> {
 
     /// The payload of [`Plan::Receive`] is in `buffer`, padding and digest checked.
     pub fn handle_payload(&mut self, now: Instant, buffer: B, nexus: &mut impl Nexus) {
+        self.data_out_seen = now;
         match self.receiving.take() {
             Some(Receiving::Command(cmd, len)) => {
                 self.command(now, cmd, Ok(Some(buffer)), len, nexus)
@@ -866,6 +902,31 @@ impl<B: TaskBuffer> Connection<B> {
                 self.tmfs.push((r, RESERVED_TAG, Tmf::Internal));
             }
         }
+    }
+
+    /// Whether the data-out timeout applies: set, in a normal session, not once closing.
+    fn checks_data_out(&self) -> bool {
+        !self.settings.data_out_timeout.is_zero() && self.closing.is_none() && !self.discovery()
+    }
+
+    /// Whether the initiator owes data-out that buffers of this connection wait for: a
+    /// payload half read, an R2T not answered in full, unsolicited data not all in, or a
+    /// command holding its buffer while it waits for an earlier CmdSN (whose command the
+    /// initiator owes). A task waiting in the core (behind an ORDERED command, say) owes
+    /// nothing: the target, not the initiator, holds it up.
+    fn owes_data_out(&self) -> bool {
+        if self.receiving.is_some() || !self.r2ts.is_empty() {
+            return true;
+        }
+        let unsolicited = if self.op.initial_r2t {
+            0
+        } else {
+            self.op.first_burst_length
+        };
+        self.tasks.iter().any(|(_, t)| {
+            t.buffer().is_some()
+                && (t.task().is_none() || t.received < unsolicited.min(t.data_out_len))
+        })
     }
 
     /// Whether the initiator is pinged when idle: not with a zero NOP interval, not once

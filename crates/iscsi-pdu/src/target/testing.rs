@@ -88,6 +88,7 @@ impl Default for Options {
                 max_io: 4 << 20,
                 nop_interval: Duration::from_secs(5),
                 nop_timeout: Duration::from_secs(5),
+                data_out_timeout: Duration::from_secs(30),
             },
             window: 32,
             cmd_sn: SerialNumber(1),

@@ -392,9 +392,10 @@ async fn full_feature(
     writer.max_send = c.max_send_data_segment_length;
     let (tx, rx) = mpsc::unbounded_channel();
     let inbox = Rc::new(Inbox::default());
-    let (nop_interval, nop_timeout) = {
+    let (nop_interval, nop_timeout, data_out_timeout) = {
         let c = registry.config();
-        (c.server.nop_interval, c.server.nop_timeout)
+        let s = &c.server;
+        (s.nop_interval, s.nop_timeout, s.data_out_timeout)
     };
     let (cid, session_type, op) = match &scope {
         Scope::Session(session) => {
@@ -413,6 +414,7 @@ async fn full_feature(
         max_io: MAX_IO,
         nop_interval: Duration::from_secs(nop_interval),
         nop_timeout: Duration::from_secs(nop_timeout),
+        data_out_timeout: Duration::from_secs(data_out_timeout),
     };
     let machine = target::Connection::new(Instant::now(), settings, negotiator, op, stat_sn);
     let conn = Rc::new(RefCell::new(Conn {
@@ -714,6 +716,16 @@ async fn work_loop(
                         std::io::ErrorKind::TimedOut,
                         "NOP-In ping not answered",
                     ))
+                }
+                Some(Close::DataOutTimeout) => {
+                    let registry = &t.nexus.link.registry;
+                    registry
+                        .data_out_timeouts
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "data-out owed and not sent for server.data_out_timeout",
+                    ));
                 }
                 Some(Close::AfterFlush) => true,
                 None => request == Request::Close,
