@@ -407,6 +407,29 @@ fn commands_run_in_cmd_sn_order_and_outside_the_window_are_dropped() {
     assert_eq!(rig.conn().task_count(), 0);
 }
 
+/// Sends a WRITE of `blocks` at `lba` without data, which must be answered by one R2T alone
+/// (InitialR2T=Yes): its ITT and that R2T.
+fn write_to_its_r2t(
+    rig: &mut Rig,
+    i: &mut Initiator,
+    lba: u32,
+    blocks: u16,
+) -> (u32, ReadyToTransfer) {
+    let w = i.command(
+        &cdb10(0x2a, lba, blocks),
+        0,
+        u32::from(blocks) * 512,
+        Bytes::new(),
+    );
+    let itt = w.initiator_task_tag;
+    rig.send(&Pdu::ScsiCommand(w));
+    let mut r = rig.responses();
+    match r.pop() {
+        Some(Pdu::ReadyToTransfer(r2t)) if r.is_empty() => (itt, r2t),
+        other => panic!("an R2T alone: {r:?} {other:?}"),
+    }
+}
+
 /// With no room for write buffers, a write is turned away with TASK SET FULL (its immediate
 /// data skipped, its CmdSN taken) while another write's buffer waits for data-out: that data
 /// comes behind it on the wire, so waiting could never end. With nothing waiting for data-out
@@ -417,13 +440,7 @@ fn a_write_is_turned_away_while_another_waits_for_its_data_out() {
     rig.short_of_write_buffers = true;
     let data = pattern(8192, 5);
     // A: nothing waits for data-out yet, so its buffer is waited for; its R2T goes out.
-    let a = i.command(&cdb10(0x2a, 0, 16), 0, 8192, Bytes::new());
-    let a_itt = a.initiator_task_tag;
-    rig.send(&Pdu::ScsiCommand(a));
-    let r = rig.responses();
-    let [Pdu::ReadyToTransfer(r2t)] = &r[..] else {
-        panic!("an R2T for A: {r:?}");
-    };
+    let (a_itt, r2t) = write_to_its_r2t(&mut rig, &mut i, 0, 16);
     assert!(
         !rig.conn().may_wait_for_buffer(),
         "A's buffer waits for data-out"
@@ -477,13 +494,7 @@ fn an_initiator_that_owes_data_out_is_dropped_after_the_data_out_timeout() {
     let (mut rig, mut i) = rig(o);
     rig.advance(Duration::from_secs(25));
     assert_eq!(rig.conn().closing(), None, "nothing owed");
-    let w = i.command(&cdb10(0x2a, 0, 32), 0, 16384, Bytes::new());
-    let itt = w.initiator_task_tag;
-    rig.send(&Pdu::ScsiCommand(w));
-    let r = rig.responses();
-    let [Pdu::ReadyToTransfer(r2t)] = &r[..] else {
-        panic!("an R2T: {r:?}");
-    };
+    let (itt, r2t) = write_to_its_r2t(&mut rig, &mut i, 0, 32);
     let data = pattern(16384, 9);
     let half = Pdu::DataOut(DataOut {
         initiator_task_tag: itt,

@@ -558,12 +558,8 @@ impl<B: TaskBuffer> Connection<B> {
         if self.checks_data_out() && since >= self.settings.data_out_timeout {
             // The pass over the tasks is paid once per timeout, not per PDU.
             if self.owes_data_out() {
-                tracing::warn!(
-                    cid = self.settings.cid,
-                    "data-out owed and none sent in {:?}: dropping the connection",
-                    self.settings.data_out_timeout
-                );
-                self.closing = Some(Close::DataOutTimeout);
+                let after = self.settings.data_out_timeout;
+                self.give_up(Close::DataOutTimeout, "data-out owed and none sent", after);
                 return;
             }
             self.data_out_seen = now;
@@ -572,13 +568,9 @@ impl<B: TaskBuffer> Connection<B> {
             return;
         }
         if let Some((_, sent)) = self.ping {
-            if now.saturating_duration_since(sent) >= self.settings.nop_timeout {
-                tracing::warn!(
-                    cid = self.settings.cid,
-                    "no answer to NOP-In in {:?}: dropping the connection",
-                    self.settings.nop_timeout
-                );
-                self.closing = Some(Close::NoPingAnswer);
+            let after = self.settings.nop_timeout;
+            if now.saturating_duration_since(sent) >= after {
+                self.give_up(Close::NoPingAnswer, "no answer to NOP-In", after);
             }
             return;
         }
@@ -902,6 +894,13 @@ impl<B: TaskBuffer> Connection<B> {
                 self.tmfs.push((r, RESERVED_TAG, Tmf::Internal));
             }
         }
+    }
+
+    /// Drops the connection: `what` happened for `after`.
+    fn give_up(&mut self, why: Close, what: &str, after: Duration) {
+        let cid = self.settings.cid;
+        tracing::warn!(cid, "{what} in {after:?}: dropping the connection");
+        self.closing = Some(why);
     }
 
     /// Whether the data-out timeout applies: set, in a normal session, not once closing.
