@@ -914,7 +914,12 @@ impl<B: TaskBuffer> Connection<B> {
     /// initiator owes). A task waiting in the core (behind an ORDERED command, say) owes
     /// nothing: the target, not the initiator, holds it up.
     fn owes_data_out(&self) -> bool {
-        if self.receiving.is_some() || !self.r2ts.is_empty() {
+        // A command waiting for its buffer waits for the target, not the initiator.
+        let half_read = matches!(
+            self.receiving,
+            Some(Receiving::Command(..) | Receiving::DataOut(..))
+        );
+        if half_read || !self.r2ts.is_empty() {
             return true;
         }
         let unsolicited = if self.op.initial_r2t {
