@@ -70,6 +70,18 @@ async fn unharmed(s: &Session, data: &Bytes) {
     assert_eq!(reactor_panics(), 0, "a reactor thread panicked");
 }
 
+/// A bystander's `what` (a read or a write), which must succeed within 10 s: longer, and it
+/// waited for the hostile connection.
+async fn promptly<T>(
+    op: impl std::future::Future<Output = initiator_bench::Result<T>>,
+    what: &str,
+) -> T {
+    tokio::time::timeout(Duration::from_secs(10), op)
+        .await
+        .unwrap_or_else(|_| panic!("a bystander's {what} waited for the hostile connection"))
+        .unwrap()
+}
+
 /// Panics on the daemon's reactor threads (named `reactor-N`): a connection's task that
 /// panics is caught by its runtime and looks like a closed connection from outside, so the
 /// tests count them here.
@@ -128,10 +140,7 @@ async fn an_initiator_that_stops_reading_data_in_holds_a_bounded_share() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     for _ in 0..16 {
-        let got = tokio::time::timeout(Duration::from_secs(10), by.read(0, 2048, 512))
-            .await
-            .expect("a bystander's read waited for the stalled connection")
-            .unwrap();
+        let got = promptly(by.read(0, 2048, 512), "read").await;
         assert!(got == data);
     }
     assert_eq!(d.registry.sessions.all().len(), 2, "both sessions are open");
@@ -189,17 +198,8 @@ async fn an_initiator_that_never_sends_write_data_holds_a_bounded_share() {
     let arena = d.registry.arenas.lock().unwrap()[0].clone();
     let by_data = pattern(1 << 20, 12);
     for _ in 0..8 {
-        tokio::time::timeout(
-            Duration::from_secs(10),
-            by.write(2048, by_data.clone(), 512),
-        )
-        .await
-        .expect("a bystander's write waited for the hostile connection")
-        .unwrap();
-        let got = tokio::time::timeout(Duration::from_secs(10), by.read(2048, 2048, 512))
-            .await
-            .expect("a bystander's read waited for the hostile connection")
-            .unwrap();
+        promptly(by.write(2048, by_data.clone(), 512), "write").await;
+        let got = promptly(by.read(2048, 2048, 512), "read").await;
         assert!(got == by_data);
     }
     // What the hostile connection holds stays within its share (the arena reports every
