@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use crate::iu::MemoryDescriptor;
 pub use crate::verbs::{Access, MemoryRegion, VerbsError};
-use crate::verbs::{Completion, Verbs, WorkOp};
+use crate::verbs::{Completion, PeerMemory, Verbs, WorkOp};
 
 /// A side of the fabric (a host): remote access is checked against the region's node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -218,6 +218,12 @@ impl Fabric {
             self.break_qp(peer);
         }
         self.break_qp(qp.0);
+    }
+
+    /// The node at the other end of `qp`, while they are connected.
+    pub fn peer_node(&self, qp: QpId) -> Option<NodeId> {
+        let peer = self.qps.get(qp.0)?.peer?;
+        Some(self.qps[peer].node)
     }
 
     /// Whether the queue pair is in the error state.
@@ -430,9 +436,7 @@ pub struct Port<'a> {
     node: NodeId,
 }
 
-impl Verbs for Port<'_> {
-    type Qp = QpId;
-    type Buffer = Vec<u8>;
+impl PeerMemory for Port<'_> {
     type Memory = MemoryId;
 
     fn alloc(&mut self, len: usize) -> Result<MemoryId, VerbsError> {
@@ -469,6 +473,11 @@ impl Verbs for Port<'_> {
     fn deregister(&mut self, region: MemoryRegion) {
         self.fabric.deregister(region.rkey);
     }
+}
+
+impl Verbs for Port<'_> {
+    type Qp = QpId;
+    type Buffer = Vec<u8>;
 
     fn post_recv(&mut self, qp: QpId, wr_id: u64, buffer: Vec<u8>) {
         self.fabric.post_recv(qp, wr_id, buffer);

@@ -22,7 +22,7 @@
 use std::collections::HashMap;
 
 use crate::iu::{DataBufferDescriptor, Descriptors, MemoryDescriptor, DESCRIPTOR_LEN};
-use crate::verbs::{Access, MemoryRegion, Verbs, VerbsError};
+use crate::verbs::{Access, MemoryRegion, PeerMemory, VerbsError};
 
 /// How an initiator registers the memory its commands' descriptors name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -154,7 +154,7 @@ pub struct DataMemory<M> {
 impl<M> DataMemory<M> {
     /// Allocates `places` places of `place_len` bytes with `verbs`; with
     /// [`Registration::Pool`], registers them all now.
-    pub fn new<V: Verbs<Memory = M>>(
+    pub fn new<V: PeerMemory<Memory = M>>(
         verbs: &mut V,
         registration: Registration,
         places: usize,
@@ -207,7 +207,7 @@ impl<M> DataMemory<M> {
     /// first descriptor in the IU so the target must fetch the table. The place is the
     /// command's until [`DataMemory::release`].
     #[allow(clippy::too_many_arguments)]
-    pub fn expose<V: Verbs<Memory = M>>(
+    pub fn expose<V: PeerMemory<Memory = M>>(
         &mut self,
         verbs: &mut V,
         tag: u64,
@@ -258,7 +258,7 @@ impl<M> DataMemory<M> {
         r
     }
 
-    fn describe<V: Verbs<Memory = M>>(
+    fn describe<V: PeerMemory<Memory = M>>(
         &mut self,
         verbs: &mut V,
         c: &mut InFlight,
@@ -294,7 +294,7 @@ impl<M> DataMemory<M> {
     /// A descriptor of `len` bytes at `offset` the target may reach, registered as the
     /// strategy says: now (per command, kept in `own`), once per range (cache), or with the
     /// whole memory (pool).
-    fn remote<V: Verbs<Memory = M>>(
+    fn remote<V: PeerMemory<Memory = M>>(
         &mut self,
         verbs: &mut V,
         own: &mut Vec<MemoryRegion>,
@@ -322,7 +322,7 @@ impl<M> DataMemory<M> {
     }
 
     /// The bytes of command `tag`'s regions, in order (its data-in once it has ended).
-    pub fn data<'a, V: Verbs<Memory = M>>(
+    pub fn data<'a, V: PeerMemory<Memory = M>>(
         &'a self,
         verbs: &'a V,
         tag: u64,
@@ -338,7 +338,7 @@ impl<M> DataMemory<M> {
     /// Command `tag` has ended (its response arrived, it was aborted, or its channel is gone):
     /// its per-command registrations are undone and its place is free again. False if it held
     /// none.
-    pub fn release<V: Verbs<Memory = M>>(&mut self, verbs: &mut V, tag: u64) -> bool {
+    pub fn release<V: PeerMemory<Memory = M>>(&mut self, verbs: &mut V, tag: u64) -> bool {
         match self.in_flight.remove(&tag) {
             Some(c) => {
                 self.end(verbs, c);
@@ -349,13 +349,13 @@ impl<M> DataMemory<M> {
     }
 
     /// Releases every command's place.
-    pub fn release_all<V: Verbs<Memory = M>>(&mut self, verbs: &mut V) {
+    pub fn release_all<V: PeerMemory<Memory = M>>(&mut self, verbs: &mut V) {
         for (_, c) in std::mem::take(&mut self.in_flight) {
             self.end(verbs, c);
         }
     }
 
-    fn end<V: Verbs<Memory = M>>(&mut self, verbs: &mut V, c: InFlight) {
+    fn end<V: PeerMemory<Memory = M>>(&mut self, verbs: &mut V, c: InFlight) {
         for r in c.own {
             verbs.deregister(r);
         }

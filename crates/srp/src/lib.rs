@@ -1,7 +1,8 @@
 //! The SCSI RDMA Protocol (T10 SRP-2) for the storage target: information-unit codecs
 //! ([`iu`]), the target's RDMA channel as a sans-IO state machine on scsi-core's task layer
-//! ([`target`]), and the verbs it runs on ([`fabric`]: a software fabric in the same process;
-//! real devices through rdma-sys with the feature `rdma`).
+//! ([`target`]), and the verbs it runs on ([`fabric`]: a software fabric in the same process,
+//! shared between threads through a [`switch`]; real devices through rdma-sys with the feature
+//! `rdma`).
 //!
 //! An SRP initiator sends commands as SRP_CMD IUs that name its data buffers by memory
 //! descriptors (virtual address, remote key, length); the target moves the data itself, with
@@ -16,6 +17,7 @@ pub mod initiator;
 pub mod iu;
 #[cfg(feature = "rdma")]
 pub mod rdma;
+pub mod switch;
 pub mod target;
 pub mod testing;
 pub mod verbs;

@@ -38,7 +38,7 @@ use rdma_sys::*;
 use scsi_core::transport::TaskBuffer;
 
 use crate::iu::MemoryDescriptor;
-use crate::verbs::{Access, Completion, MemoryRegion, Verbs, VerbsError, WorkOp};
+use crate::verbs::{Access, Completion, MemoryRegion, PeerMemory, Verbs, VerbsError, WorkOp};
 
 /// Why the device could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -936,9 +936,7 @@ fn wc_error(status: ibv_wc_status::Type) -> VerbsError {
     }
 }
 
-impl Verbs for RdmaVerbs {
-    type Qp = QpHandle;
-    type Buffer = Slot;
+impl PeerMemory for RdmaVerbs {
     type Memory = usize;
 
     fn alloc(&mut self, len: usize) -> Result<usize, VerbsError> {
@@ -995,6 +993,11 @@ impl Verbs for RdmaVerbs {
             unsafe { ibv_dereg_mr(mr) };
         }
     }
+}
+
+impl Verbs for RdmaVerbs {
+    type Qp = QpHandle;
+    type Buffer = Slot;
 
     fn post_recv(&mut self, qp: QpHandle, wr_id: u64, buffer: Slot) {
         let len = buffer.len();

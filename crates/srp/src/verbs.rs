@@ -136,18 +136,14 @@ pub struct Completion<B> {
     pub result: Result<(), VerbsError>,
 }
 
-/// The verbs of one side of a fabric: what an SRP target or initiator shell needs, and no
-/// more. See the module's documentation for who owns what.
-pub trait Verbs {
-    /// A connected queue pair.
-    type Qp: Copy + Eq + Hash + Debug;
-    /// Registered local memory a work request reads or fills: IU buffers, the target's arena
-    /// slots.
-    type Buffer: DerefMut<Target = [u8]>;
+/// Memory the peer reaches: allocated by the verbs, registered and deregistered. An
+/// initiator's data buffers live here; a target needs none of it (its buffers are its own
+/// arena, registered once when its verbs are opened).
+pub trait PeerMemory {
     /// Memory the peer may reach once registered.
     type Memory;
 
-    /// `len` zeroed bytes for [`Verbs::register`], living as long as the verbs.
+    /// `len` zeroed bytes for [`PeerMemory::register`], living as long as the verbs.
     fn alloc(&mut self, len: usize) -> Result<Self::Memory, VerbsError>;
     /// The bytes of `m`.
     fn memory<'a>(&'a self, m: &'a Self::Memory) -> &'a [u8];
@@ -163,6 +159,16 @@ pub trait Verbs {
     ) -> Result<MemoryRegion, VerbsError>;
     /// Deregisters a region: its keys no longer grant anything.
     fn deregister(&mut self, region: MemoryRegion);
+}
+
+/// The queue-pair verbs of one side of a fabric: what an SRP target or initiator shell needs
+/// to move IUs and data, and no more. See the module's documentation for who owns what.
+pub trait Verbs {
+    /// A connected queue pair.
+    type Qp: Copy + Eq + Hash + Debug;
+    /// Registered local memory a work request reads or fills: IU buffers, the target's arena
+    /// slots.
+    type Buffer: DerefMut<Target = [u8]>;
 
     /// Posts a receive into `buffer` (its whole length).
     fn post_recv(&mut self, qp: Self::Qp, wr_id: u64, buffer: Self::Buffer);

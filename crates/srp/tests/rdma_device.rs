@@ -9,7 +9,7 @@
 use std::net::SocketAddr;
 
 use srp::rdma::{devices, Connection, Listener, QueueDepth, RdmaError, RdmaVerbs};
-use srp::verbs::{Access, Verbs, WorkOp};
+use srp::verbs::{Access, PeerMemory, Verbs, WorkOp};
 
 #[test]
 fn without_a_device_the_binding_says_so() {

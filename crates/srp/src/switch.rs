@@ -1,0 +1,518 @@
+//! The software [`Fabric`] shared by hosts on different threads: a target in a daemon's
+//! reactor and an initiator in a test or a benchmark, each with its own [`Endpoint`].
+//!
+//! A host's buffers stay on its thread, as they stay in a host's memory on real hardware: an
+//! endpoint keeps the buffers of its posted work requests and gives the fabric staging copies
+//! of their bytes (the wire), copying a received message or an RDMA READ's data into the real
+//! buffer when its completion is polled. So an endpoint's buffers may be anything that derefs
+//! to bytes (a reactor's arena slots, which are neither `Send` nor `Sync`), and what the peer
+//! reaches, its registered memory, lives in the fabric behind the switch's lock.
+//!
+//! Connections are set up as rdma_cm sets them up: a target listens on a service name; an
+//! initiator connects with private data (an SRP_LOGIN_REQ); the target accepts with private
+//! data of its own (an SRP_LOGIN_RSP) once it has posted its receives, or rejects (with an
+//! SRP_LOGIN_REJ). Every change an endpoint should look at (a completion, a connect request,
+//! a reply, a disconnection) wakes the endpoint's task ([`Endpoint::poll_ready`]).
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::DerefMut;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
+
+use crate::fabric::{Fabric, NodeId, QpId};
+use crate::iu::MemoryDescriptor;
+use crate::verbs::{Completion, Verbs, WorkOp};
+
+/// Why a connection could not be asked for or set up.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SwitchError {
+    /// Nobody listens on the service.
+    #[error("no target listens on {0:?}")]
+    NoListener(String),
+    /// Somebody listens on it already.
+    #[error("{0:?} has a listener already")]
+    InUse(String),
+}
+
+/// The target's answer to a connect request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Connected: the initiator's queue pair and the target's private data.
+    Accepted {
+        /// The initiator's queue pair.
+        qp: QpId,
+        /// The target's private data (an SRP_LOGIN_RSP).
+        private: Vec<u8>,
+    },
+    /// Refused, with the target's private data (an SRP_LOGIN_REJ).
+    Rejected(Vec<u8>),
+}
+
+/// A connect request as the listening target sees it: accept it with [`Endpoint::accept`] or
+/// refuse it with [`Endpoint::reject`].
+#[derive(Debug, PartialEq, Eq)]
+pub struct ConnectRequest {
+    id: u64,
+    from: NodeId,
+    /// The initiator's private data (an SRP_LOGIN_REQ).
+    pub private: Vec<u8>,
+}
+
+#[derive(Debug, Default)]
+struct NodeState {
+    waker: Option<Waker>,
+    /// Something changed since the node last looked.
+    changed: bool,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    fabric: Fabric,
+    nodes: HashMap<NodeId, NodeState>,
+    /// Listeners by service: their node and the requests waiting for them.
+    services: HashMap<String, (NodeId, VecDeque<ConnectRequest>)>,
+    /// Answers not yet taken by their initiators, by request.
+    replies: HashMap<u64, Reply>,
+    next_request: u64,
+}
+
+impl Inner {
+    fn wake(&mut self, node: NodeId) {
+        let n = self.nodes.entry(node).or_default();
+        n.changed = true;
+        if let Some(w) = &n.waker {
+            w.wake_by_ref();
+        }
+    }
+
+    /// Wakes the node at the other end of `qp`, if it is still connected.
+    fn wake_peer(&mut self, qp: QpId) {
+        if let Some(node) = self.fabric.peer_node(qp) {
+            self.wake(node);
+        }
+    }
+}
+
+/// A fabric shared between threads, and the connection manager of its hosts.
+#[derive(Debug, Default)]
+pub struct Switch {
+    inner: Mutex<Inner>,
+}
+
+impl Switch {
+    /// An empty fabric with no costs.
+    pub fn new() -> Arc<Switch> {
+        Arc::new(Switch {
+            inner: Mutex::new(Inner {
+                fabric: Fabric::new(),
+                ..Inner::default()
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` on the fabric: its memory, regions, counters and costs.
+    pub fn with<R>(&self, f: impl FnOnce(&mut Fabric) -> R) -> R {
+        f(&mut self.lock().fabric)
+    }
+
+    /// The verbs of `node`, for a host whose buffers are `B`.
+    pub fn endpoint<B>(self: &Arc<Self>, node: NodeId) -> Endpoint<B> {
+        Endpoint {
+            switch: Arc::clone(self),
+            node,
+            posted: Vec::new(),
+            free: Vec::new(),
+            staging: Vec::new(),
+        }
+    }
+
+    /// Asks the target listening on `service` for a connection from `from`, with `private`
+    /// (an SRP_LOGIN_REQ): the request's number, whose [`Switch::reply`] comes later.
+    pub fn connect(&self, from: NodeId, service: &str, private: &[u8]) -> Result<u64, SwitchError> {
+        let mut inner = self.lock();
+        inner.next_request += 1;
+        let id = inner.next_request;
+        let Some((node, requests)) = inner.services.get_mut(service) else {
+            return Err(SwitchError::NoListener(service.to_string()));
+        };
+        requests.push_back(ConnectRequest {
+            id,
+            from,
+            private: private.to_vec(),
+        });
+        let node = *node;
+        inner.wake(node);
+        Ok(id)
+    }
+
+    /// The target's answer to request `id`, once it has come.
+    pub fn reply(&self, id: u64) -> Option<Reply> {
+        self.lock().replies.remove(&id)
+    }
+
+    /// Stops listening on `service`; requests still waiting are rejected with no private data.
+    pub fn unlisten(&self, service: &str) {
+        let mut inner = self.lock();
+        if let Some((_, requests)) = inner.services.remove(service) {
+            for r in requests {
+                inner.replies.insert(r.id, Reply::Rejected(Vec::new()));
+                inner.wake(r.from);
+            }
+        }
+    }
+}
+
+/// One host's verbs on a [`Switch`]: queue pairs, sends and receives, RDMA, its wake-ups, and
+/// (for a target) listening and accepting.
+#[derive(Debug)]
+pub struct Endpoint<B> {
+    switch: Arc<Switch>,
+    node: NodeId,
+    /// Work requests posted and not completed, by the number the fabric knows them by: the
+    /// caller's id and buffer.
+    posted: Vec<Option<(u64, B)>>,
+    free: Vec<usize>,
+    /// Staging copies back from the fabric, for reuse: steady state allocates none.
+    staging: Vec<Vec<u8>>,
+}
+
+/// Staging copies an endpoint keeps for reuse.
+const KEPT_STAGING: usize = 1024;
+
+impl<B: DerefMut<Target = [u8]>> Endpoint<B> {
+    /// The switch.
+    pub fn switch(&self) -> &Arc<Switch> {
+        &self.switch
+    }
+
+    /// The node.
+    pub fn node(&self) -> NodeId {
+        self.node
+    }
+
+    /// Ready when something changed for this node since it last was: a completion, a
+    /// connect request or reply, a disconnection. The caller then polls what it has.
+    pub fn poll_ready(&self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut inner = self.switch.lock();
+        let n = inner.nodes.entry(self.node).or_default();
+        if std::mem::take(&mut n.changed) {
+            return Poll::Ready(());
+        }
+        if !n.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+            n.waker = Some(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+
+    /// Listens for connect requests on `service`.
+    pub fn listen(&self, service: &str) -> Result<(), SwitchError> {
+        let mut inner = self.switch.lock();
+        if inner.services.contains_key(service) {
+            return Err(SwitchError::InUse(service.to_string()));
+        }
+        inner
+            .services
+            .insert(service.to_string(), (self.node, VecDeque::new()));
+        Ok(())
+    }
+
+    /// The next connect request on `service`.
+    pub fn next_request(&self, service: &str) -> Option<ConnectRequest> {
+        let mut inner = self.switch.lock();
+        match inner.services.get_mut(service) {
+            Some((node, requests)) if *node == self.node => requests.pop_front(),
+            _ => None,
+        }
+    }
+
+    /// Accepts `request`: connects a queue pair, posts `receives` on it (before the initiator
+    /// can send), then answers with `private` (an SRP_LOGIN_RSP).
+    pub fn accept(
+        &mut self,
+        request: ConnectRequest,
+        receives: impl IntoIterator<Item = B>,
+        private: &[u8],
+    ) -> QpId {
+        let (qp, theirs) = self.switch.with(|f| f.connect(self.node, request.from));
+        for b in receives {
+            self.post_recv(qp, 0, b);
+        }
+        let mut inner = self.switch.lock();
+        inner.replies.insert(
+            request.id,
+            Reply::Accepted {
+                qp: theirs,
+                private: private.to_vec(),
+            },
+        );
+        inner.wake(request.from);
+        qp
+    }
+
+    /// Refuses `request` with `private` (an SRP_LOGIN_REJ).
+    pub fn reject(&self, request: ConnectRequest, private: &[u8]) {
+        let mut inner = self.switch.lock();
+        inner
+            .replies
+            .insert(request.id, Reply::Rejected(private.to_vec()));
+        inner.wake(request.from);
+    }
+
+    /// Keeps a posted request's id and buffer until its completion; the fabric's number for it.
+    fn park(&mut self, wr_id: u64, buffer: B) -> u64 {
+        let entry = Some((wr_id, buffer));
+        match self.free.pop() {
+            Some(i) => {
+                self.posted[i] = entry;
+                i as u64
+            }
+            None => {
+                self.posted.push(entry);
+                self.posted.len() as u64 - 1
+            }
+        }
+    }
+
+    /// A staging copy of `len` bytes, filled from `from` when given.
+    fn stage(&mut self, len: usize, from: Option<&[u8]>) -> Vec<u8> {
+        let mut s = self.staging.pop().unwrap_or_default();
+        s.clear();
+        match from {
+            Some(bytes) => s.extend_from_slice(&bytes[..len.min(bytes.len())]),
+            None => s.resize(len, 0),
+        }
+        s
+    }
+
+    /// Posts through the fabric, then wakes both ends: this one polls its completion, the
+    /// peer its receive.
+    fn post(&mut self, qp: QpId, f: impl FnOnce(&mut Fabric)) {
+        let mut inner = self.switch.lock();
+        f(&mut inner.fabric);
+        let me = self.node;
+        inner.wake(me);
+        inner.wake_peer(qp);
+    }
+}
+
+impl<B: DerefMut<Target = [u8]>> Verbs for Endpoint<B> {
+    type Qp = QpId;
+    type Buffer = B;
+
+    fn post_recv(&mut self, qp: QpId, wr_id: u64, buffer: B) {
+        let stage = self.stage(buffer.len(), None);
+        let id = self.park(wr_id, buffer);
+        self.post(qp, |f| f.post_recv(qp, id, stage));
+    }
+
+    fn post_send(&mut self, qp: QpId, wr_id: u64, buffer: B, len: usize) {
+        let stage = self.stage(len, Some(&buffer));
+        let id = self.park(wr_id, buffer);
+        self.post(qp, |f| f.post_send(qp, id, stage, len));
+    }
+
+    fn post_rdma_write(
+        &mut self,
+        qp: QpId,
+        wr_id: u64,
+        buffer: B,
+        len: usize,
+        remote: &[MemoryDescriptor],
+    ) {
+        let stage = self.stage(len, Some(&buffer));
+        let id = self.park(wr_id, buffer);
+        self.post(qp, |f| f.post_rdma_write(qp, id, stage, len, remote));
+    }
+
+    fn post_rdma_read(
+        &mut self,
+        qp: QpId,
+        wr_id: u64,
+        buffer: B,
+        len: usize,
+        remote: &[MemoryDescriptor],
+    ) {
+        let stage = self.stage(len.min(buffer.len()), None);
+        let id = self.park(wr_id, buffer);
+        self.post(qp, |f| f.post_rdma_read(qp, id, stage, len, remote));
+    }
+
+    fn poll(&mut self, qp: QpId) -> Option<Completion<B>> {
+        let c = self.switch.lock().fabric.poll(qp)?;
+        let i = c.wr_id as usize;
+        let (wr_id, mut buffer) = self.posted.get_mut(i)?.take()?;
+        self.free.push(i);
+        let inbound = matches!(c.op, WorkOp::Recv | WorkOp::RdmaRead);
+        if inbound && c.result.is_ok() {
+            let n = c.len.min(buffer.len()).min(c.buffer.len());
+            buffer[..n].copy_from_slice(&c.buffer[..n]);
+        }
+        if self.staging.len() < KEPT_STAGING {
+            self.staging.push(c.buffer);
+        }
+        Some(Completion {
+            wr_id,
+            op: c.op,
+            buffer,
+            len: c.len,
+            result: c.result,
+        })
+    }
+
+    fn is_error(&self, qp: QpId) -> bool {
+        self.switch.lock().fabric.is_error(qp)
+    }
+
+    fn disconnect(&mut self, qp: QpId) {
+        let mut inner = self.switch.lock();
+        let peer = inner.fabric.peer_node(qp);
+        inner.fabric.disconnect(qp);
+        let me = self.node;
+        inner.wake(me);
+        if let Some(p) = peer {
+            inner.wake(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fabric::Access;
+    use crate::verbs::VerbsError;
+    use std::rc::Rc;
+
+    const T: NodeId = NodeId(0);
+    const I: NodeId = NodeId(1);
+
+    /// A buffer that cannot leave its thread, as an arena slot cannot.
+    struct Local(Vec<u8>, #[allow(dead_code)] Rc<()>);
+
+    impl std::ops::Deref for Local {
+        type Target = [u8];
+        fn deref(&self) -> &[u8] {
+            &self.0
+        }
+    }
+
+    impl std::ops::DerefMut for Local {
+        fn deref_mut(&mut self) -> &mut [u8] {
+            &mut self.0
+        }
+    }
+
+    fn local(bytes: &[u8]) -> Local {
+        Local(bytes.to_vec(), Rc::new(()))
+    }
+
+    #[test]
+    fn a_login_a_send_and_rdma_between_threads() {
+        let switch = Switch::new();
+        let mut target: Endpoint<Local> = switch.endpoint(T);
+        target.listen("srp").expect("free");
+        assert_eq!(target.listen("srp"), Err(SwitchError::InUse("srp".into())));
+        assert!(matches!(
+            switch.connect(I, "other", b"x"),
+            Err(SwitchError::NoListener(_))
+        ));
+        let memory = switch.with(|f| {
+            let m = f.alloc(I, 64);
+            f.memory_mut(m)[..5].copy_from_slice(b"hello");
+            (m, f.register(m, 0, 64, Access::REMOTE))
+        });
+        let initiator = {
+            let switch = Arc::clone(&switch);
+            std::thread::spawn(move || {
+                let mut me: Endpoint<Vec<u8>> = switch.endpoint(I);
+                let id = switch.connect(I, "srp", b"login").expect("listened");
+                let qp = loop {
+                    match switch.reply(id) {
+                        Some(Reply::Accepted { qp, private }) => {
+                            assert_eq!(private, b"welcome");
+                            break qp;
+                        }
+                        Some(Reply::Rejected(_)) => panic!("rejected"),
+                        None => std::thread::yield_now(),
+                    }
+                };
+                me.post_recv(qp, 9, vec![0; 16]);
+                me.post_send(qp, 1, b"command".to_vec(), 7);
+                let mut got = Vec::new();
+                while got.len() < 2 {
+                    match me.poll(qp) {
+                        Some(c) => got.push((c.wr_id, c.op, c.len, c.buffer)),
+                        None => std::thread::yield_now(),
+                    }
+                }
+                got
+            })
+        };
+        let request = loop {
+            if let Some(r) = target.next_request("srp") {
+                break r;
+            }
+            std::thread::yield_now();
+        };
+        assert_eq!(request.private, b"login");
+        let qp = target.accept(request, [local(&[0; 32])], b"welcome");
+        let received = loop {
+            if let Some(c) = target.poll(qp) {
+                break c;
+            }
+            std::thread::yield_now();
+        };
+        assert_eq!((received.op, received.len), (WorkOp::Recv, 7));
+        assert_eq!(&received.buffer[..7], b"command");
+        // RDMA READ from the initiator's memory lands in the target's own buffer.
+        target.post_rdma_read(qp, 3, local(&[0; 5]), 5, &[memory.1.descriptor(0, 5)]);
+        let read = target.poll(qp).expect("completes at once");
+        assert_eq!(
+            (read.wr_id, read.op, &read.buffer[..]),
+            (3, WorkOp::RdmaRead, &b"hello"[..])
+        );
+        target.post_rdma_write(qp, 4, local(b"HELLO"), 5, &[memory.1.descriptor(8, 5)]);
+        assert_eq!(target.poll(qp).map(|c| c.result), Some(Ok(())));
+        assert_eq!(
+            switch.with(|f| f.memory(memory.0)[8..13].to_vec()),
+            b"HELLO"
+        );
+        target.post_send(qp, 5, local(b"response"), 8);
+        let got = initiator.join().expect("the initiator's thread");
+        assert!(got.contains(&(1, WorkOp::Send, 7, b"command".to_vec())));
+        assert!(got
+            .iter()
+            .any(|(id, op, len, b)| (*id, *op, *len) == (9, WorkOp::Recv, 8)
+                && &b[..8] == b"response"));
+    }
+
+    #[test]
+    fn rejections_and_disconnections_reach_the_other_side() {
+        let switch = Switch::new();
+        let mut target: Endpoint<Local> = switch.endpoint(T);
+        target.listen("srp").expect("free");
+        let id = switch.connect(I, "srp", b"bad").expect("listened");
+        let r = target.next_request("srp").expect("queued");
+        target.reject(r, b"no");
+        assert_eq!(switch.reply(id), Some(Reply::Rejected(b"no".to_vec())));
+        let id = switch.connect(I, "srp", b"good").expect("listened");
+        let r = target.next_request("srp").expect("queued");
+        let qp = target.accept(r, [local(&[0; 8])], b"ok");
+        let Some(Reply::Accepted { qp: theirs, .. }) = switch.reply(id) else {
+            panic!("accepted");
+        };
+        let mut initiator: Endpoint<Vec<u8>> = switch.endpoint(I);
+        initiator.disconnect(theirs);
+        assert!(target.is_error(qp));
+        let flushed = target.poll(qp).expect("the receive comes back");
+        assert_eq!(flushed.result, Err(VerbsError::Flushed));
+        // A waiting request is rejected when the listener goes.
+        let id = switch.connect(I, "srp", b"late").expect("listened");
+        switch.unlisten("srp");
+        assert_eq!(switch.reply(id), Some(Reply::Rejected(Vec::new())));
+    }
+}
