@@ -333,6 +333,21 @@ impl Device {
         }
     }
 
+    /// Adds a port the device is reached through (a transport started after the device was
+    /// made); a port with the same relative port identifier is left as it is. Returns whether
+    /// it was added.
+    pub fn add_port(&mut self, port: TargetPort) -> bool {
+        if self
+            .ports
+            .iter()
+            .any(|p| p.relative_port == port.relative_port)
+        {
+            return false;
+        }
+        self.ports.push(port);
+        true
+    }
+
     /// Whether plain reads and writes are delegated to the transport ([`Action::Delegated`]):
     /// READ and WRITE commands of one backend operation then end without another call into
     /// the core but [`Device::retire`], which a transport that locks the core per call may make

@@ -150,6 +150,19 @@ impl Switch {
         Ok(id)
     }
 
+    /// Node `node` listens for connect requests on `service` (its endpoint takes them with
+    /// [`Endpoint::next_request`]).
+    pub fn listen(&self, node: NodeId, service: &str) -> Result<(), SwitchError> {
+        let mut inner = self.lock();
+        if inner.services.contains_key(service) {
+            return Err(SwitchError::InUse(service.to_string()));
+        }
+        inner
+            .services
+            .insert(service.to_string(), (node, VecDeque::new()));
+        Ok(())
+    }
+
     /// The target's answer to request `id`, once it has come.
     pub fn reply(&self, id: u64) -> Option<Reply> {
         self.lock().replies.remove(&id)
@@ -209,16 +222,9 @@ impl<B: DerefMut<Target = [u8]>> Endpoint<B> {
         Poll::Pending
     }
 
-    /// Listens for connect requests on `service`.
+    /// Listens for connect requests on `service` ([`Switch::listen`]).
     pub fn listen(&self, service: &str) -> Result<(), SwitchError> {
-        let mut inner = self.switch.lock();
-        if inner.services.contains_key(service) {
-            return Err(SwitchError::InUse(service.to_string()));
-        }
-        inner
-            .services
-            .insert(service.to_string(), (self.node, VecDeque::new()));
-        Ok(())
+        self.switch.listen(self.node, service)
     }
 
     /// The next connect request on `service`.

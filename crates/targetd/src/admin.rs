@@ -180,7 +180,7 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
         AdminRequest::Status => Ok(status(registry)),
         AdminRequest::Targets => Ok(targets(registry)),
         AdminRequest::Luns { target } => luns(registry, target.as_deref()),
-        AdminRequest::Sessions => Ok(sessions(registry)),
+        AdminRequest::Sessions => Ok(sessions_json(registry)),
         AdminRequest::Stats => Ok(stats(registry)),
         AdminRequest::ConfigDump => {
             let text = toml::to_string(&registry.config().redacted()).map_err(|e| e.to_string())?;
@@ -304,6 +304,7 @@ fn targets(registry: &Registry) -> Value {
                     "name": t.name,
                     "luns": luns,
                     "sessions": sessions.iter().filter(|s| Arc::ptr_eq(&s.target, t)).count(),
+                    "srp_port_id": crate::srp::hex(&crate::srp::port_id(&t.name)),
                     "core_lock_acquisitions": t.core_acquisitions(),
                 })
             })
@@ -342,58 +343,92 @@ fn luns(registry: &Registry, target: Option<&str>) -> Result<Value, String> {
     Ok(Value::Array(out))
 }
 
-fn sessions(registry: &Registry) -> Value {
-    Value::Array(
-        registry
-            .sessions
-            .all()
-            .iter()
-            .map(|s| {
-                let o = &s.params.operational;
-                let conns: Vec<Value> = registry
-                    .sessions
-                    .connections(s)
-                    .iter()
-                    .map(|c| {
-                        json!({
-                            "cid": c.cid,
-                            "peer": c.peer.to_string(),
-                            "portal": c.local.to_string(),
-                            "reactor": c.reactor,
-                            "header_digest": if c.digests.0 { "CRC32C" } else { "None" },
-                            "data_digest": if c.digests.1 { "CRC32C" } else { "None" },
-                            "max_recv_data_segment_length": c.segment_lengths.0,
-                            "initiator_max_recv_data_segment_length": c.segment_lengths.1,
-                        })
+/// Every session: iSCSI sessions with their connections, then SRP I_T nexuses with their
+/// channels (`transport` tells which).
+pub fn sessions_json(registry: &Registry) -> Value {
+    let mut all: Vec<Value> = registry
+        .sessions
+        .all()
+        .iter()
+        .map(|s| {
+            let o = &s.params.operational;
+            let conns: Vec<Value> = registry
+                .sessions
+                .connections(s)
+                .iter()
+                .map(|c| {
+                    json!({
+                        "cid": c.cid,
+                        "peer": c.peer.to_string(),
+                        "portal": c.local.to_string(),
+                        "reactor": c.reactor,
+                        "header_digest": if c.digests.0 { "CRC32C" } else { "None" },
+                        "data_digest": if c.digests.1 { "CRC32C" } else { "None" },
+                        "max_recv_data_segment_length": c.segment_lengths.0,
+                        "initiator_max_recv_data_segment_length": c.segment_lengths.1,
                     })
-                    .collect();
-                let (exp, max) = s.window();
-                json!({
-                    "tsih": s.tsih,
-                    "target": s.target.name,
-                    "initiator": s.initiator,
-                    "isid": s.isid.to_string(),
-                    "exp_cmd_sn": exp.0,
-                    "max_cmd_sn": max.0,
-                    "keys": {
-                        "MaxConnections": o.max_connections,
-                        "InitialR2T": o.initial_r2t,
-                        "ImmediateData": o.immediate_data,
-                        "MaxBurstLength": o.max_burst_length,
-                        "FirstBurstLength": o.first_burst_length,
-                        "MaxOutstandingR2T": o.max_outstanding_r2t,
-                        "DataPDUInOrder": o.data_pdu_in_order,
-                        "DataSequenceInOrder": o.data_sequence_in_order,
-                        "ErrorRecoveryLevel": o.error_recovery_level,
-                        "DefaultTime2Wait": o.default_time2wait,
-                        "DefaultTime2Retain": o.default_time2retain,
-                        "AuthMethod": s.params.auth_method.map(|m| m.as_str()),
-                    },
-                    "connections": conns,
                 })
+                .collect();
+            let (exp, max) = s.window();
+            json!({
+                "transport": "iscsi",
+                "tsih": s.tsih,
+                "target": s.target.name,
+                "initiator": s.initiator,
+                "isid": s.isid.to_string(),
+                "exp_cmd_sn": exp.0,
+                "max_cmd_sn": max.0,
+                "keys": {
+                    "MaxConnections": o.max_connections,
+                    "InitialR2T": o.initial_r2t,
+                    "ImmediateData": o.immediate_data,
+                    "MaxBurstLength": o.max_burst_length,
+                    "FirstBurstLength": o.first_burst_length,
+                    "MaxOutstandingR2T": o.max_outstanding_r2t,
+                    "DataPDUInOrder": o.data_pdu_in_order,
+                    "DataSequenceInOrder": o.data_sequence_in_order,
+                    "ErrorRecoveryLevel": o.error_recovery_level,
+                    "DefaultTime2Wait": o.default_time2wait,
+                    "DefaultTime2Retain": o.default_time2retain,
+                    "AuthMethod": s.params.auth_method.map(|m| m.as_str()),
+                },
+                "connections": conns,
             })
-            .collect(),
-    )
+        })
+        .collect();
+    // SRP channels grouped by their I_T nexus.
+    let channels = registry.srp_channels();
+    let mut nexuses: Vec<(String, scsi_core::NexusId, Vec<Value>)> = Vec::new();
+    for c in channels.values() {
+        let channel = json!({
+            "portal": c.portal,
+            "reactor": c.reactor,
+            "request_limit": c.request_limit,
+            "max_it_iu_len": c.iu_lengths.0,
+            "max_ti_iu_len": c.iu_lengths.1,
+        });
+        match nexuses
+            .iter_mut()
+            .find(|(t, n, _)| *t == c.target && *n == c.nexus)
+        {
+            Some((_, _, list)) => list.push(channel),
+            None => nexuses.push((c.target.clone(), c.nexus, vec![channel])),
+        }
+    }
+    for (target, nexus, list) in nexuses {
+        let first = channels
+            .values()
+            .find(|c| c.target == target && c.nexus == nexus)
+            .expect("grouped from these");
+        all.push(json!({
+            "transport": "srp",
+            "target": target,
+            "initiator": crate::srp::hex(&first.initiator_port_id),
+            "target_port_id": crate::srp::hex(&first.target_port_id),
+            "channels": list,
+        }));
+    }
+    Value::Array(all)
 }
 
 fn stats(registry: &Registry) -> Value {
@@ -424,6 +459,17 @@ pub fn metrics_text(registry: &Registry) -> String {
     let mut m = String::new();
     let _ = writeln!(m, "# TYPE targetd_sessions gauge");
     let _ = writeln!(m, "targetd_sessions {}", registry.sessions.all().len());
+    let srp = crate::registry::lock(&registry.srp_channels).len();
+    let _ = writeln!(m, "# HELP targetd_srp_channels SRP channels logged in");
+    let _ = writeln!(m, "# TYPE targetd_srp_channels gauge");
+    let _ = writeln!(m, "targetd_srp_channels {srp}");
+    let refused = registry.srp_logins_rejected.load(Relaxed);
+    let _ = writeln!(
+        m,
+        "# HELP targetd_srp_logins_rejected_total answered SRP_LOGIN_REJ"
+    );
+    let _ = writeln!(m, "# TYPE targetd_srp_logins_rejected_total counter");
+    let _ = writeln!(m, "targetd_srp_logins_rejected_total {refused}");
     let _ = writeln!(m, "# TYPE targetd_connections gauge");
     let _ = writeln!(m, "targetd_connections {}", registry.connection_count());
     let refused = registry.connections_refused.load(Relaxed);

@@ -209,6 +209,12 @@ pub struct Target {
     /// Source networks allowed (CIDR); empty = any.
     #[serde(default)]
     pub networks: Vec<String>,
+    /// SRP initiator port identifiers allowed (32 hex digits). Empty: any SRP initiator
+    /// when `initiators` is empty too, none when `initiators` restricts iSCSI (a target
+    /// closed to some initiators does not open to every SRP one).
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub srp_initiators: Vec<String>,
     /// CHAP the initiator must pass.
     #[serde(default)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -546,6 +552,14 @@ impl Config {
                     return fail(
                         &key(&format!("initiators[{i}]")),
                         format!("{ini:?} is not an iSCSI name"),
+                    );
+                }
+            }
+            for (i, port) in target.srp_initiators.iter().enumerate() {
+                if port.len() != 32 || !port.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return fail(
+                        &key(&format!("srp_initiators[{i}]")),
+                        format!("{port:?} is not an SRP initiator port identifier (32 hex digits)"),
                     );
                 }
             }

@@ -15,6 +15,7 @@ pub mod iscsi;
 pub mod reactor;
 pub mod registry;
 pub mod server;
+pub mod srp;
 pub mod target;
 
 pub use config::{Config, ConfigError};

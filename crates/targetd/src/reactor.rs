@@ -5,6 +5,8 @@
 use std::cell::{Cell, RefCell};
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -213,22 +215,50 @@ pub struct NewConnection {
     pub slot: ConnectionSlot,
 }
 
+/// Work that runs on a reactor for its life, given the reactor's I/O state: an SRP target
+/// port, whose queue pairs' buffers are that reactor's.
+pub type Task = Box<dyn FnOnce(Rc<Io>) -> Pin<Box<dyn Future<Output = ()>>> + Send>;
+
+/// What a reactor is handed.
+enum Assignment {
+    /// An iSCSI connection.
+    Connection(NewConnection),
+    /// A task to run on it.
+    Task(Task),
+}
+
 /// The listener's handle on a reactor.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Handle {
     /// Its index.
     pub index: usize,
-    tx: mpsc::UnboundedSender<NewConnection>,
+    tx: mpsc::UnboundedSender<Assignment>,
     /// Connections it serves now.
     pub connections: Arc<AtomicUsize>,
     /// Its I/O engine, as the log and `targetctl status` say it.
     pub engine: String,
 }
 
+impl std::fmt::Debug for Handle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle")
+            .field("index", &self.index)
+            .field("engine", &self.engine)
+            .finish()
+    }
+}
+
 impl Handle {
     /// Hands it a connection.
     pub fn assign(&self, stream: std::net::TcpStream, slot: ConnectionSlot) -> bool {
-        self.tx.send(NewConnection { stream, slot }).is_ok()
+        self.tx
+            .send(Assignment::Connection(NewConnection { stream, slot }))
+            .is_ok()
+    }
+
+    /// Runs `task` on it, counted among its connections while it runs.
+    pub fn spawn(&self, task: Task) -> bool {
+        self.tx.send(Assignment::Task(task)).is_ok()
     }
 }
 
@@ -334,7 +364,7 @@ fn build_io(index: usize, settings: &Settings) -> std::io::Result<Io> {
 
 async fn run(
     io: Rc<Io>,
-    mut rx: mpsc::UnboundedReceiver<NewConnection>,
+    mut rx: mpsc::UnboundedReceiver<Assignment>,
     registry: Arc<Registry>,
     count: Arc<AtomicUsize>,
     gauge: Arc<ArenaGauge>,
@@ -370,19 +400,29 @@ async fn run(
         }
     };
     tokio::task::spawn_local(pump);
-    while let Some(NewConnection { stream, slot }) = rx.recv().await {
+    while let Some(assignment) = rx.recv().await {
         let io = io.clone();
         let registry = registry.clone();
         let count = count.clone();
         count.fetch_add(1, Ordering::Relaxed);
-        tokio::task::spawn_local(async move {
-            match TcpStream::from_std(stream) {
-                Ok(s) => crate::iscsi::connection::serve(s, io, registry).await,
-                Err(e) => tracing::warn!("cannot adopt a connection: {e}"),
+        match assignment {
+            Assignment::Connection(NewConnection { stream, slot }) => {
+                tokio::task::spawn_local(async move {
+                    match TcpStream::from_std(stream) {
+                        Ok(s) => crate::iscsi::connection::serve(s, io, registry).await,
+                        Err(e) => tracing::warn!("cannot adopt a connection: {e}"),
+                    }
+                    count.fetch_sub(1, Ordering::Relaxed);
+                    drop(slot);
+                });
             }
-            count.fetch_sub(1, Ordering::Relaxed);
-            drop(slot);
-        });
+            Assignment::Task(task) => {
+                tokio::task::spawn_local(async move {
+                    task(io).await;
+                    count.fetch_sub(1, Ordering::Relaxed);
+                });
+            }
+        }
     }
     // The listener is gone: let the connections finish (the server bounds how long).
     while count.load(Ordering::Relaxed) > 0 {

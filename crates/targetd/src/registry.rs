@@ -62,6 +62,31 @@ pub struct Registry {
     pub auth: Mutex<crate::iscsi::throttle::AuthThrottle>,
     /// Each reactor's buffer arena as it last reported it, in reactor order.
     pub arenas: Mutex<Vec<Arc<ArenaGauge>>>,
+    /// SRP channels logged in, by their daemon-wide id.
+    pub(crate) srp_channels: Mutex<std::collections::BTreeMap<u64, SrpChannelInfo>>,
+    /// SRP logins refused (SRP_LOGIN_REJ).
+    pub srp_logins_rejected: AtomicU64,
+}
+
+/// An SRP channel as the admin interface sees it.
+#[derive(Debug, Clone)]
+pub struct SrpChannelInfo {
+    /// The target.
+    pub target: String,
+    /// The initiator port identifier.
+    pub initiator_port_id: [u8; 16],
+    /// The target port identifier.
+    pub target_port_id: [u8; 16],
+    /// The RDMA portal (an address, or a software fabric's service).
+    pub portal: String,
+    /// The reactor serving it.
+    pub reactor: usize,
+    /// Requests it may have outstanding.
+    pub request_limit: u32,
+    /// The largest IU the initiator may send, and the largest the target sends.
+    pub iu_lengths: (u32, u32),
+    /// Its I_T nexus in the target's core.
+    pub nexus: scsi_core::NexusId,
 }
 
 /// A reactor's buffer arena, reported every second for the metrics: how much of it is free,
@@ -104,7 +129,14 @@ impl Registry {
             refusals: Mutex::new((None, 0)),
             portals: Mutex::new(portals),
             auth: Mutex::default(),
+            srp_channels: Mutex::default(),
+            srp_logins_rejected: AtomicU64::new(0),
         }
+    }
+
+    /// The SRP channels logged in now, by their daemon-wide id.
+    pub fn srp_channels(&self) -> std::collections::BTreeMap<u64, SrpChannelInfo> {
+        lock(&self.srp_channels).clone()
     }
 
     /// From now on logins are refused with SERVICE_UNAVAILABLE.

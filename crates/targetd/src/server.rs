@@ -121,6 +121,41 @@ impl Server {
         lock(&self.registry.portals).clone()
     }
 
+    /// Serves SRP on the software fabric `switch` as its node `node`, listening on `service`:
+    /// RDMA in the process, for an embedding's or a test's initiator on the same switch. The
+    /// port runs on the least loaded reactor, from now until the daemon stops.
+    pub fn serve_srp_fabric(
+        &self,
+        switch: &Arc<srp::switch::Switch>,
+        node: srp::fabric::NodeId,
+        service: &str,
+    ) -> Result<(), StartError> {
+        let fail = |reason: String| StartError {
+            key: "srp fabric service".into(),
+            reason,
+        };
+        switch
+            .listen(node, service)
+            .map_err(|e| fail(e.to_string()))?;
+        let reactor = self
+            .reactors
+            .iter()
+            .min_by_key(|r| r.connections.load(Ordering::Relaxed))
+            .ok_or_else(|| fail("no reactor runs".into()))?;
+        let (switch, service) = (switch.clone(), service.to_string());
+        let registry = self.registry.clone();
+        let spawned = reactor.spawn(Box::new(move |io| {
+            Box::pin(async move {
+                let port = crate::srp::FabricPort::new(&switch, node, &service);
+                crate::srp::serve(port, io, registry).await;
+            })
+        }));
+        if !spawned {
+            return Err(fail(format!("reactor {} is gone", reactor.index)));
+        }
+        Ok(())
+    }
+
     /// The registry every part shares (for embedding and tests).
     pub fn registry(&self) -> Arc<Registry> {
         self.registry.clone()
@@ -171,7 +206,8 @@ impl Server {
         tasks.abort_all();
         registry.request_all(Request::Logout);
         let grace = Instant::now() + Duration::from_secs(u64::from(LOGOUT_GRACE) + 1);
-        while !registry.sessions.all().is_empty() && Instant::now() < grace {
+        let sessions = |r: &Registry| r.sessions.all().len() + r.srp_channels().len();
+        while sessions(&registry) > 0 && Instant::now() < grace {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         registry.request_all(Request::Close);

@@ -462,6 +462,29 @@ impl Target {
         g
     }
 
+    /// Adds a finished task to its unit's counters.
+    pub fn account(&self, a: &scsi_core::transport::Accounting) {
+        let Some(lun) = scsi_core::lun_index(a.lun).and_then(|i| self.lun(i)) else {
+            return;
+        };
+        let s = &lun.stats;
+        let ns = a.latency.as_nanos() as u64;
+        if a.error {
+            s.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        if a.read_bytes > 0 {
+            s.read_commands.fetch_add(1, Ordering::Relaxed);
+            s.read_bytes.fetch_add(a.read_bytes, Ordering::Relaxed);
+            s.read_latency_ns.fetch_add(ns, Ordering::Relaxed);
+        } else if a.write_bytes > 0 {
+            s.write_commands.fetch_add(1, Ordering::Relaxed);
+            s.write_bytes.fetch_add(a.write_bytes, Ordering::Relaxed);
+            s.write_latency_ns.fetch_add(ns, Ordering::Relaxed);
+        } else {
+            s.other_commands.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
     /// A delegated task has ended at its connection, which does not hold the core's lock:
     /// queued for the next holder, who retires it; at once when something waits for it.
     pub fn retire(&self, task: TaskId) {

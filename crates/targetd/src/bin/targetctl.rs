@@ -161,6 +161,9 @@ enum TargetAction {
         /// Source networks allowed, CIDR (any when none given).
         #[arg(long = "network")]
         networks: Vec<String>,
+        /// SRP initiator port identifiers allowed, 32 hex digits (see `srp_initiators`).
+        #[arg(long = "srp-initiator")]
+        srp_initiators: Vec<String>,
     },
     /// Removes a target; its sessions end.
     Remove {
@@ -314,11 +317,13 @@ fn run(args: Args) -> Result<()> {
                 name,
                 initiators,
                 networks,
+                srp_initiators,
             } => AdminRequest::TargetAdd {
                 target: config::Target {
                     name,
                     initiators,
                     networks,
+                    srp_initiators,
                     chap: None,
                     mutual_chap: None,
                     luns: Vec::new(),
@@ -378,6 +383,25 @@ fn print_human(request: &AdminRequest, v: &Value) {
         }
         (AdminRequest::Sessions, Value::Array(sessions)) => {
             for s in sessions {
+                if s["transport"] == "srp" {
+                    println!(
+                        "srp {} -> {} (target port {})",
+                        s["initiator"].as_str().unwrap_or_default(),
+                        s["target"].as_str().unwrap_or_default(),
+                        s["target_port_id"].as_str().unwrap_or_default()
+                    );
+                    for c in s["channels"].as_array().into_iter().flatten() {
+                        println!(
+                            "  channel on {} reactor {}: request limit {}, IU lengths {}/{}",
+                            c["portal"].as_str().unwrap_or_default(),
+                            c["reactor"],
+                            c["request_limit"],
+                            c["max_it_iu_len"],
+                            c["max_ti_iu_len"]
+                        );
+                    }
+                    continue;
+                }
                 println!(
                     "tsih {} {} -> {} (isid {})",
                     s["tsih"],

@@ -836,27 +836,8 @@ impl Turn<'_> {
 
     /// Adds a finished task to its unit's counters.
     fn account(&self, a: &Accounting) {
-        let target = self.nexus.scope.target();
-        let unit = scsi_core::lun_index(a.lun).and_then(|i| target?.lun(i));
-        let Some(lun) = unit else {
-            return;
-        };
-        let s = &lun.stats;
-        let ns = a.latency.as_nanos() as u64;
-        use std::sync::atomic::Ordering::Relaxed;
-        if a.error {
-            s.errors.fetch_add(1, Relaxed);
-        }
-        if a.read_bytes > 0 {
-            s.read_commands.fetch_add(1, Relaxed);
-            s.read_bytes.fetch_add(a.read_bytes, Relaxed);
-            s.read_latency_ns.fetch_add(ns, Relaxed);
-        } else if a.write_bytes > 0 {
-            s.write_commands.fetch_add(1, Relaxed);
-            s.write_bytes.fetch_add(a.write_bytes, Relaxed);
-            s.write_latency_ns.fetch_add(ns, Relaxed);
-        } else {
-            s.other_commands.fetch_add(1, Relaxed);
+        if let Some(target) = self.nexus.scope.target() {
+            target.account(a);
         }
     }
 }

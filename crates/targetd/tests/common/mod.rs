@@ -43,6 +43,11 @@ impl Daemon {
     /// Starts targetd on `text` (with `@DIR@` and `@SOCKET@` replaced by the temporary
     /// directory and an admin socket in it).
     pub fn start(text: &str) -> Daemon {
+        Daemon::start_with(text, |_| {})
+    }
+
+    /// As [`Daemon::start`], with `prepare` run on the server before it serves.
+    pub fn start_with(text: &str, prepare: impl FnOnce(&Server)) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
         let text = text
             .replace(
@@ -54,6 +59,7 @@ impl Daemon {
         std::fs::write(&path, &text).unwrap();
         let config = Config::parse(&path, &text).unwrap();
         let server = Server::start(config, path).unwrap();
+        prepare(&server);
         let addr = server.portals()[0];
         let registry = server.registry();
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();

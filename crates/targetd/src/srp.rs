@@ -1,0 +1,962 @@
+//! SRP target ports: the I/O shell around srp's sans-IO channel machines, on a reactor.
+//!
+//! A port listens for connect requests (rdma_cm's, or a software fabric's), decides each
+//! login (srp's [`PortSettings`] and [`ChannelTable`], the target named by the request's
+//! target port identifier, the target's access rules), and runs every channel it accepts:
+//! receives go into the channel machine, which the port answers by posting sends and RDMA
+//! transfers, running backend operations on the reactor's engine ([`Io::submit`], as iSCSI
+//! connections do) and handing the target's SCSI core what the machine asks through
+//! [`Via`], the same core and routing iSCSI sessions use. Data moves between the reactor's
+//! arena slots and the initiator's memory: RDMA WRITE from the slot a READ filled, RDMA READ
+//! into the slot a WRITE then writes from. Nothing is registered per I/O.
+//!
+//! All channels of a port run in one task on one reactor: the verbs (a device context, or a
+//! fabric endpoint) belong to it. IU buffers are small vectors per channel, made at login
+//! and reused; data buffers are arena slots.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::future::poll_fn;
+use std::ops::{Deref, DerefMut};
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use backend::{Buffer, Share};
+use scsi_core::{
+    Action, BackendError, Command, DeviceError, NexusId, Output, TaskId, TmfFunction, TransportId,
+};
+use srp::fabric::NodeId;
+use srp::iu::{IuError, LoginRejectReason, SrpLoginRej, SrpLoginReq, TargetLogoutReason};
+use srp::switch::{ConnectRequest, Endpoint, Switch};
+use srp::target::channel::SPARE_RECEIVES;
+use srp::target::{
+    Admission, Channel, ChannelTable, Core, Event, ItNexusKey, Left, Payload, PortSettings,
+    Transmit,
+};
+use srp::verbs::{Completion, Verbs, WorkOp};
+use tokio::sync::mpsc;
+
+use crate::iscsi::session::{Control, Request};
+use crate::reactor::{Inbox, Io};
+use crate::registry::{lock, ConnectionSlot, Registry, SrpChannelInfo};
+use crate::target::{next_id, CoreGuard, Lun, Outbox, Route, Routed, Target};
+
+/// The relative target port identifier of every target's SRP port (its iSCSI port is 1).
+pub const RELATIVE_PORT: u16 = 2;
+
+/// The SRP target port identifier of the target `name`: what an initiator names in its
+/// SRP_LOGIN_REQ to reach it (as ID_EXT and IOC_GUID). Two FNV-1a hashes of the name, so it
+/// stays the same across restarts and hosts; `targetctl targets` shows it.
+pub fn port_id(name: &str) -> [u8; 16] {
+    let fnv = |basis: u64| {
+        name.bytes().fold(basis, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    };
+    let mut id = [0u8; 16];
+    id[..8].copy_from_slice(&fnv(0xcbf2_9ce4_8422_2325).to_be_bytes());
+    id[8..].copy_from_slice(&fnv(0x6c62_272e_07bb_0142).to_be_bytes());
+    id
+}
+
+/// The hexadecimal form of a port identifier, as `targetctl` shows it and a target's
+/// `initiators` list names an SRP initiator port.
+pub fn hex(id: &[u8; 16]) -> String {
+    id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A buffer the port gives its verbs: an IU (a receive or a send, a few KiB, the channel's own)
+/// or a task's data, a slot run of the reactor's arena.
+#[derive(Debug)]
+pub enum SrpBuffer {
+    /// An IU.
+    Iu(Vec<u8>),
+    /// A task's data.
+    Data(Buffer),
+}
+
+impl Deref for SrpBuffer {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            SrpBuffer::Iu(v) => v,
+            SrpBuffer::Data(b) => b,
+        }
+    }
+}
+
+impl DerefMut for SrpBuffer {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            SrpBuffer::Iu(v) => v,
+            SrpBuffer::Data(b) => b,
+        }
+    }
+}
+
+/// What a port runs on: queue-pair verbs over [`SrpBuffer`]s, and connection management as
+/// rdma_cm does it (connect requests carrying an SRP_LOGIN_REQ, answered with an
+/// SRP_LOGIN_RSP or SRP_LOGIN_REJ as private data).
+pub trait Fabric: Verbs<Buffer = SrpBuffer> {
+    /// A connect request.
+    type Request;
+    /// Ready when something may have changed: a completion, a connect request, a
+    /// disconnection.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()>;
+    /// The next connect request.
+    fn next_request(&mut self) -> Option<Self::Request>;
+    /// The login request it carries.
+    fn login(&self, request: &Self::Request) -> Result<SrpLoginReq, IuError>;
+    /// Accepts it: a queue pair with `receives` posted, answered with `private`.
+    fn accept(
+        &mut self,
+        request: Self::Request,
+        receives: Vec<SrpBuffer>,
+        private: &[u8],
+    ) -> Result<Self::Qp, String>;
+    /// Refuses it with `private`.
+    fn reject(&mut self, request: Self::Request, private: &[u8]);
+    /// The portal, as the admin interface names it.
+    fn portal(&self) -> String;
+}
+
+/// A port on the software fabric: a [`Switch`] endpoint listening on a service name.
+#[derive(Debug)]
+pub struct FabricPort {
+    endpoint: Endpoint<SrpBuffer>,
+    service: String,
+}
+
+impl FabricPort {
+    /// The port of node `node` of `switch`, which listens on `service` already
+    /// ([`Switch::listen`]).
+    pub fn new(switch: &Arc<Switch>, node: NodeId, service: &str) -> FabricPort {
+        FabricPort {
+            endpoint: switch.endpoint(node),
+            service: service.to_string(),
+        }
+    }
+}
+
+impl Drop for FabricPort {
+    fn drop(&mut self) {
+        self.endpoint.switch().unlisten(&self.service);
+    }
+}
+
+impl Verbs for FabricPort {
+    type Qp = srp::fabric::QpId;
+    type Buffer = SrpBuffer;
+
+    fn post_recv(&mut self, qp: Self::Qp, wr_id: u64, buffer: SrpBuffer) {
+        self.endpoint.post_recv(qp, wr_id, buffer);
+    }
+
+    fn post_send(&mut self, qp: Self::Qp, wr_id: u64, buffer: SrpBuffer, len: usize) {
+        self.endpoint.post_send(qp, wr_id, buffer, len);
+    }
+
+    fn post_rdma_write(
+        &mut self,
+        qp: Self::Qp,
+        wr_id: u64,
+        buffer: SrpBuffer,
+        len: usize,
+        remote: &[srp::iu::MemoryDescriptor],
+    ) {
+        self.endpoint
+            .post_rdma_write(qp, wr_id, buffer, len, remote);
+    }
+
+    fn post_rdma_read(
+        &mut self,
+        qp: Self::Qp,
+        wr_id: u64,
+        buffer: SrpBuffer,
+        len: usize,
+        remote: &[srp::iu::MemoryDescriptor],
+    ) {
+        self.endpoint.post_rdma_read(qp, wr_id, buffer, len, remote);
+    }
+
+    fn poll(&mut self, qp: Self::Qp) -> Option<Completion<SrpBuffer>> {
+        self.endpoint.poll(qp)
+    }
+
+    fn is_error(&self, qp: Self::Qp) -> bool {
+        self.endpoint.is_error(qp)
+    }
+
+    fn disconnect(&mut self, qp: Self::Qp) {
+        self.endpoint.disconnect(qp);
+    }
+}
+
+impl Fabric for FabricPort {
+    type Request = ConnectRequest;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        self.endpoint.poll_ready(cx)
+    }
+
+    fn next_request(&mut self) -> Option<ConnectRequest> {
+        self.endpoint.next_request(&self.service)
+    }
+
+    fn login(&self, request: &ConnectRequest) -> Result<SrpLoginReq, IuError> {
+        match srp::Iu::decode(&request.private)? {
+            srp::Iu::LoginReq(r) => Ok(r),
+            other => Err(IuError::InvalidField {
+                iu: other.iu_type(),
+                tag: 0,
+                field: "IU TYPE",
+                reason: "a connect request carries an SRP_LOGIN_REQ",
+            }),
+        }
+    }
+
+    fn accept(
+        &mut self,
+        request: ConnectRequest,
+        receives: Vec<SrpBuffer>,
+        private: &[u8],
+    ) -> Result<Self::Qp, String> {
+        Ok(self.endpoint.accept(request, receives, private))
+    }
+
+    fn reject(&mut self, request: ConnectRequest, private: &[u8]) {
+        self.endpoint.reject(request, private);
+    }
+
+    fn portal(&self) -> String {
+        format!("fabric:{}", self.service)
+    }
+}
+
+/// The target's SCSI core as one channel reaches it during one step: the lock taken when the
+/// machine first needs the core and let go when the step ends (then what the core routed to
+/// other connections is sent), as an iSCSI connection's step does.
+struct Via<'a> {
+    target: &'a Target,
+    nexus: NexusId,
+    route: &'a Route,
+    out: &'a mut Outbox,
+    core: Option<CoreGuard<'a>>,
+    /// The unit whose block size the machine asked for last (its backend operation follows).
+    unit: &'a mut Option<Arc<Lun>>,
+}
+
+impl<'a> Via<'a> {
+    fn core<R>(&mut self, f: impl FnOnce(&mut crate::target::Core, &Route, &mut Outbox) -> R) -> R {
+        let target: &'a Target = self.target;
+        let core = self.core.get_or_insert_with(|| target.core());
+        let r = f(core, self.route, self.out);
+        core.drain(self.out);
+        r
+    }
+}
+
+impl Drop for Via<'_> {
+    fn drop(&mut self) {
+        self.core = None;
+        self.out.send_remote();
+    }
+}
+
+impl Core for Via<'_> {
+    fn poll_core(&mut self) -> Option<Action> {
+        loop {
+            match self.out.local.pop_front()? {
+                Routed::Action(a) => return Some(a),
+                // The channel has the task from `submit`'s answer.
+                Routed::Submitted { .. } => {}
+            }
+        }
+    }
+
+    fn submit(&mut self, cmd: Command<'_>) -> Result<TaskId, DeviceError> {
+        self.core(|core, route, out| core.submit(cmd, route, out))
+    }
+
+    fn data_out(&mut self, task: TaskId, data: &[u8]) {
+        self.core(|core, _, out| core.data_out(task, data, out));
+    }
+
+    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
+        self.core(|core, _, out| core.backend_done(task, result, out));
+    }
+
+    fn retire(&mut self, task: TaskId) {
+        match &mut self.core {
+            Some(core) => crate::target::retire(core, task, self.out),
+            // No lock taken for it: queued for the next holder (see `Target::retire`).
+            None => self.target.retire(task),
+        }
+    }
+
+    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
+        let nexus = self.nexus;
+        self.core(|core, route, out| {
+            core.task_management(nexus, lun, function, route, out)
+                .map_err(|e| tracing::error!("task management refused by the core: {e}"))
+                .ok()
+        })
+    }
+
+    fn block_size(&mut self, lun: u16) -> Option<u32> {
+        let unit = self.target.lun(lun)?;
+        let bs = unit.block_size;
+        *self.unit = Some(unit);
+        Some(bs)
+    }
+}
+
+/// What an RDMA READ in flight was for.
+#[derive(Debug, Clone, Copy)]
+enum Read {
+    /// A command's data-out.
+    DataOut(u64),
+    /// A command's descriptor table.
+    Table(u64),
+}
+
+/// A buffer a channel waits for.
+#[derive(Debug, Clone, Copy)]
+struct Want {
+    channel: u64,
+    tag: u64,
+    len: usize,
+    /// For data-out ([`Event::Allocate`]); else for a backend operation
+    /// ([`Event::BufferWanted`]).
+    data_out: bool,
+}
+
+/// One logged-in channel.
+struct Chan<Q> {
+    qp: Q,
+    key: ItNexusKey,
+    target: Arc<Target>,
+    nexus: NexusId,
+    machine: Channel<Buffer>,
+    route: Route,
+    rx: mpsc::UnboundedReceiver<Routed>,
+    out: Outbox,
+    reads: HashMap<u64, Read>,
+    /// IU buffers for sends, back from their completions.
+    sends: Vec<Vec<u8>>,
+    unit: Option<Arc<Lun>>,
+    /// The channel is over (logged out or disconnected) and waits for its tasks to end.
+    lost: bool,
+    _slot: ConnectionSlot,
+}
+
+impl<Q> Chan<Q> {
+    /// The core as this channel reaches it for one step.
+    fn via(&mut self) -> (&mut Channel<Buffer>, Via<'_>) {
+        (
+            &mut self.machine,
+            Via {
+                target: &self.target,
+                nexus: self.nexus,
+                route: &self.route,
+                out: &mut self.out,
+                core: None,
+                unit: &mut self.unit,
+            },
+        )
+    }
+}
+
+/// A port: its fabric, its channels and what they wait for.
+struct Port<F: Fabric> {
+    fabric: F,
+    io: Rc<Io>,
+    registry: Arc<Registry>,
+    portal: String,
+    table: ChannelTable<u64>,
+    channels: BTreeMap<u64, Chan<F::Qp>>,
+    /// The channel of each backend operation in flight, by its task.
+    owners: HashMap<TaskId, u64>,
+    inbox: Rc<Inbox>,
+    share: Share,
+    waits: VecDeque<Want>,
+    /// Asked to log every channel out (the daemon is stopping).
+    logging_out: bool,
+    /// Reused lists (of channels to step, of a channel's events), so a turn allocates nothing
+    /// once warm.
+    ids: Vec<u64>,
+    events: Vec<Event<Buffer>>,
+}
+
+/// Serves SRP on `fabric` until the daemon stops: the task a reactor runs for an SRP portal.
+pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
+    let id = next_id();
+    let control = Arc::new(Control::default());
+    registry.register(id, control.clone());
+    // Half the arena, as an iSCSI connection's share: the rest stays for the other
+    // connections of the reactor.
+    let share = Share::new(&io.arena, io.arena.len() / 2);
+    let mut port = Port {
+        portal: fabric.portal(),
+        fabric,
+        io,
+        registry: registry.clone(),
+        table: ChannelTable::new(PortSettings::default().channels_per_nexus),
+        channels: BTreeMap::new(),
+        owners: HashMap::new(),
+        inbox: Rc::new(Inbox::default()),
+        share,
+        waits: VecDeque::new(),
+        logging_out: false,
+        ids: Vec::with_capacity(64),
+        events: Vec::with_capacity(256),
+    };
+    tracing::info!(portal = %port.portal, reactor = port.io.index, "SRP port listening");
+    loop {
+        port.turn();
+        match control.get() {
+            Request::Run => {}
+            Request::Logout if !port.logging_out => {
+                port.logging_out = true;
+                port.log_out_all();
+                continue;
+            }
+            Request::Logout => {}
+            Request::Close => {
+                // Told at least why, before the queue pairs go.
+                if !port.logging_out {
+                    port.log_out_all();
+                    port.turn();
+                }
+                break;
+            }
+        }
+        if port.logging_out && port.channels.is_empty() {
+            break;
+        }
+        let inbox = port.inbox.clone();
+        let want = port.waits.front().copied();
+        let share = port.share.clone();
+        let granted = tokio::select! {
+            _ = poll_fn(|cx| port.poll_wake(cx)) => None,
+            _ = inbox.notify.notified() => None,
+            _ = control.notify.notified() => None,
+            r = async { share.alloc(want.map_or(0, |w| w.len)).await }, if want.is_some() => {
+                Some(r.ok())
+            }
+        };
+        if let (Some(buffer), Some(w)) = (granted, want) {
+            port.waits.pop_front();
+            port.granted(w, buffer);
+        }
+    }
+    port.close_all();
+    registry.unregister(id);
+    tracing::info!(portal = %port.portal, "SRP port stopped");
+}
+
+impl<F: Fabric> Port<F> {
+    /// Ready when the fabric has news or another connection routed events to a channel
+    /// (moved into the channel's outbox).
+    fn poll_wake(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut any = self.fabric.poll_ready(cx).is_ready();
+        for c in self.channels.values_mut() {
+            while let Poll::Ready(Some(ev)) = c.rx.poll_recv(cx) {
+                c.out.local.push_back(ev);
+                any = true;
+            }
+        }
+        if any {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+
+    /// Does everything there is to do until nothing moves.
+    fn turn(&mut self) {
+        loop {
+            let mut progress = self.logins();
+            progress |= self.backend_completions();
+            let mut ids = std::mem::take(&mut self.ids);
+            ids.clear();
+            ids.extend(self.channels.keys().copied());
+            for &id in &ids {
+                progress |= self.step(id);
+            }
+            self.ids = ids;
+            if !progress {
+                break;
+            }
+        }
+    }
+
+    /// Decides the logins that have come.
+    fn logins(&mut self) -> bool {
+        let mut any = false;
+        while let Some(request) = self.fabric.next_request() {
+            any = true;
+            let req = match self.fabric.login(&request) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::debug!(error = %e, "SRP connect request without a login request");
+                    let rej = SrpLoginRej {
+                        reason: LoginRejectReason::UnableToEstablishChannel,
+                        tag: 0,
+                        sup_buf_fmt: PortSettings::default().formats,
+                    };
+                    self.refuse(request, &rej, "not an SRP_LOGIN_REQ");
+                    continue;
+                }
+            };
+            self.login(request, &req);
+        }
+        any
+    }
+
+    fn refuse(&mut self, request: F::Request, rej: &SrpLoginRej, why: &str) {
+        self.registry
+            .srp_logins_rejected
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::info!(portal = %self.portal, reason = ?rej.reason, "SRP login refused: {why}");
+        let mut b = Vec::new();
+        rej.encode(&mut b);
+        self.fabric.reject(request, &b);
+    }
+
+    /// Accepts `req`, or refuses it with the reason.
+    fn login(&mut self, request: F::Request, req: &SrpLoginReq) {
+        let mut settings = PortSettings::default();
+        let reject = |reason| SrpLoginRej {
+            reason,
+            tag: req.tag,
+            sup_buf_fmt: settings.formats,
+        };
+        if self.logging_out {
+            let r = reject(LoginRejectReason::UnableToEstablishChannel);
+            self.refuse(request, &r, "the daemon is stopping");
+            return;
+        }
+        let target = self
+            .registry
+            .targets()
+            .into_iter()
+            .find(|t| port_id(&t.name) == req.target_port_id);
+        let Some(target) = target else {
+            let r = reject(LoginRejectReason::UnableToEstablishChannel);
+            self.refuse(request, &r, "no target has that target port identifier");
+            return;
+        };
+        if let Err(why) = admits(&target, &req.initiator_port_id) {
+            let r = reject(LoginRejectReason::UnableToEstablishChannel);
+            self.refuse(request, &r, why);
+            return;
+        }
+        settings.target_port_id = req.target_port_id;
+        let params = match settings.evaluate(req) {
+            Ok(p) => p,
+            Err(r) => {
+                self.refuse(request, &r, "its terms are not the port's");
+                return;
+            }
+        };
+        let Some(slot) = self.registry.open_connection() else {
+            let r = reject(LoginRejectReason::InsufficientResources);
+            self.refuse(request, &r, "server.max_connections connections are open");
+            return;
+        };
+        let key = ItNexusKey::of(req);
+        let admission = match self.table.admit(key, req.multi_channel) {
+            Ok(a) => a,
+            Err(reason) => {
+                let r = reject(reason);
+                self.refuse(request, &r, "the I_T nexus has all its channels");
+                return;
+            }
+        };
+        let result = admission.result();
+        let nexus = match admission {
+            Admission::Join(nexus) => nexus,
+            Admission::New => open_nexus(&target, req),
+            Admission::Replace { nexus, channels } => {
+                for id in channels {
+                    if let Some(c) = self.channels.get_mut(&id) {
+                        let (machine, mut via) = c.via();
+                        machine.terminate(TargetLogoutReason::MultiChannelAction, true, &mut via);
+                    }
+                }
+                let mut out = Outbox::detached();
+                target.core().close_session(nexus, &mut out);
+                drop(out);
+                open_nexus(&target, req)
+            }
+        };
+        let receives = (0..params.request_limit + SPARE_RECEIVES)
+            .map(|_| SrpBuffer::Iu(vec![0; params.max_it_iu_len as usize]))
+            .collect();
+        let rsp = settings.response(req, &params, result);
+        let mut b = Vec::new();
+        rsp.encode(&mut b);
+        let qp = match self.fabric.accept(request, receives, &b) {
+            Ok(qp) => qp,
+            Err(e) => {
+                tracing::warn!(portal = %self.portal, "SRP accept: {e}");
+                if self.table.channels(&key).is_empty() {
+                    let mut out = Outbox::detached();
+                    target.core().close_session(nexus, &mut out);
+                }
+                return;
+            }
+        };
+        let id = next_id();
+        self.table.attach(key, nexus, id);
+        let (tx, rx) = mpsc::unbounded_channel();
+        lock(&self.registry.srp_channels).insert(
+            id,
+            SrpChannelInfo {
+                target: target.name.clone(),
+                initiator_port_id: req.initiator_port_id,
+                target_port_id: req.target_port_id,
+                portal: self.portal.clone(),
+                reactor: self.io.index,
+                request_limit: params.request_limit,
+                iu_lengths: (params.max_it_iu_len, params.max_ti_iu_len),
+                nexus,
+            },
+        );
+        tracing::info!(
+            portal = %self.portal,
+            initiator = %hex(&req.initiator_port_id),
+            target = %target.name,
+            "SRP channel logged in"
+        );
+        self.channels.insert(
+            id,
+            Chan {
+                qp,
+                key,
+                target,
+                nexus,
+                machine: Channel::new(nexus, params),
+                route: Route { conn: id, tx },
+                rx,
+                out: Outbox::new(id),
+                reads: HashMap::new(),
+                sends: Vec::new(),
+                unit: None,
+                lost: false,
+                _slot: slot,
+            },
+        );
+    }
+
+    /// Hands finished backend operations to their channels.
+    fn backend_completions(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            let Some(done) = self.inbox.done.borrow_mut().pop_front() else {
+                break;
+            };
+            any = true;
+            let owner = self.owners.remove(&done.task);
+            let Some(c) = owner.and_then(|id| self.channels.get_mut(&id)) else {
+                continue;
+            };
+            let (machine, mut via) = c.via();
+            machine.handle_backend_done(
+                Instant::now(),
+                done.task,
+                done.buffer,
+                done.result,
+                &mut via,
+            );
+        }
+        any
+    }
+
+    /// One channel's completions, core actions, transmissions and events; its end once it is
+    /// over and idle.
+    fn step(&mut self, id: u64) -> bool {
+        let now = Instant::now();
+        let Some(c) = self.channels.get_mut(&id) else {
+            return false;
+        };
+        let mut progress = false;
+        let mut events = std::mem::take(&mut self.events);
+        {
+            let qp = c.qp;
+            while let Some(wc) = self.fabric.poll(qp) {
+                progress = true;
+                let ok = wc.result.is_ok();
+                match (wc.op, wc.buffer) {
+                    (WorkOp::Recv, SrpBuffer::Iu(buffer)) if ok => {
+                        let (machine, mut via) = c.via();
+                        machine.handle_iu(now, &buffer[..wc.len], &mut via);
+                        drop(via);
+                        self.fabric.post_recv(qp, 0, SrpBuffer::Iu(buffer));
+                    }
+                    (WorkOp::Send | WorkOp::RdmaWrite, SrpBuffer::Iu(v)) => c.sends.push(v),
+                    (WorkOp::RdmaRead, buffer) => match c.reads.remove(&wc.wr_id) {
+                        Some(Read::DataOut(tag)) => {
+                            if let SrpBuffer::Data(b) = buffer {
+                                let (machine, mut via) = c.via();
+                                machine.handle_data_out(now, tag, wc.wr_id, b, ok, &mut via);
+                            }
+                        }
+                        Some(Read::Table(tag)) => {
+                            let table = ok.then_some(&buffer[..wc.len]);
+                            let (machine, mut via) = c.via();
+                            machine.handle_table(now, tag, wc.wr_id, table, &mut via);
+                            drop(via);
+                            if let SrpBuffer::Iu(v) = buffer {
+                                c.sends.push(v);
+                            }
+                        }
+                        None => {}
+                    },
+                    // A data buffer written out goes back to the arena; a flushed receive
+                    // with its channel.
+                    _ => {}
+                }
+            }
+            if !c.out.local.is_empty() {
+                progress = true;
+                let (machine, mut via) = c.via();
+                machine.handle_core(now, &mut via);
+            }
+            loop {
+                let mut iu = c.sends.pop().unwrap_or_default();
+                let Some(t) = c.machine.poll_transmit(&mut iu) else {
+                    c.sends.push(iu);
+                    break;
+                };
+                progress = true;
+                match t {
+                    Transmit::Send { len, .. } => {
+                        self.fabric.post_send(qp, 0, SrpBuffer::Iu(iu), len);
+                    }
+                    Transmit::RdmaWrite {
+                        payload,
+                        len,
+                        regions,
+                        ..
+                    } => {
+                        c.sends.push(iu);
+                        let data = match payload {
+                            Payload::Buffer(b) => SrpBuffer::Data(b),
+                            Payload::Bytes(v) => SrpBuffer::Iu(v),
+                        };
+                        self.fabric
+                            .post_rdma_write(qp, 0, data, len as usize, &regions);
+                        c.machine.recycle(regions);
+                    }
+                    Transmit::RdmaRead {
+                        tag,
+                        transfer,
+                        buffer,
+                        len,
+                        regions,
+                    } => {
+                        c.sends.push(iu);
+                        c.reads.insert(transfer, Read::DataOut(tag));
+                        let data = SrpBuffer::Data(buffer);
+                        self.fabric
+                            .post_rdma_read(qp, transfer, data, len as usize, &regions);
+                        c.machine.recycle(regions);
+                    }
+                    Transmit::ReadTable {
+                        tag,
+                        transfer,
+                        table,
+                    } => {
+                        c.reads.insert(transfer, Read::Table(tag));
+                        iu.clear();
+                        iu.resize(table.len as usize, 0);
+                        let len = table.len as usize;
+                        self.fabric
+                            .post_rdma_read(qp, transfer, SrpBuffer::Iu(iu), len, &[table]);
+                    }
+                }
+            }
+            while let Some(e) = c.machine.poll_event() {
+                progress = true;
+                events.push(e);
+            }
+        }
+        for e in events.drain(..) {
+            self.event(id, e);
+        }
+        self.events = events;
+        progress | self.end_if_over(id)
+    }
+
+    /// Carries out what a channel asked.
+    fn event(&mut self, id: u64, e: Event<Buffer>) {
+        let Some(c) = self.channels.get_mut(&id) else {
+            return;
+        };
+        match e {
+            Event::Backend {
+                task,
+                lun,
+                op,
+                buffer,
+            } => {
+                let unit = c.unit.take().filter(|u| u.config.lun == lun);
+                match unit.or_else(|| c.target.lun(lun)) {
+                    Some(unit) => {
+                        self.owners.insert(task, id);
+                        self.io.submit(&unit, op, buffer, &self.inbox, task);
+                    }
+                    None => {
+                        let (machine, mut via) = c.via();
+                        let gone = Err(BackendError::Internal);
+                        machine.handle_backend_done(Instant::now(), task, buffer, gone, &mut via);
+                    }
+                }
+            }
+            Event::BufferWanted { tag, len } => self.want(Want {
+                channel: id,
+                tag,
+                len,
+                data_out: false,
+            }),
+            Event::Allocate { tag, len } => self.want(Want {
+                channel: id,
+                tag,
+                len,
+                data_out: true,
+            }),
+            Event::Completed(a) => c.target.account(&a),
+        }
+    }
+
+    /// A buffer now if the arena has room and nobody waits before, else in turn.
+    fn want(&mut self, w: Want) {
+        if self.waits.is_empty() {
+            match self.share.try_alloc(w.len) {
+                Ok(Some(b)) => return self.granted(w, Some(b)),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::error!("SRP buffer of {} bytes: {e}", w.len);
+                    return self.granted(w, None);
+                }
+            }
+        }
+        self.waits.push_back(w);
+    }
+
+    /// Gives a channel the buffer it waited for (`None`: none can ever be had).
+    fn granted(&mut self, w: Want, buffer: Option<Buffer>) {
+        let Some(c) = self.channels.get_mut(&w.channel) else {
+            return;
+        };
+        let now = Instant::now();
+        let (machine, mut via) = c.via();
+        match (buffer, w.data_out) {
+            (Some(b), true) => machine.handle_allocated(now, w.tag, b, &mut via),
+            (Some(b), false) => machine.handle_buffer(now, w.tag, b, &mut via),
+            (None, _) => machine.handle_buffer_refused(now, w.tag, &mut via),
+        }
+    }
+
+    /// Ends a channel that is over once its tasks have: it leaves the table, its nexus
+    /// closes with its last channel.
+    fn end_if_over(&mut self, id: u64) -> bool {
+        let Some(c) = self.channels.get_mut(&id) else {
+            return false;
+        };
+        let disconnected = self.fabric.is_error(c.qp);
+        if c.machine.closing().is_none() && !disconnected && !c.lost {
+            return false;
+        }
+        if disconnected && !c.lost {
+            c.lost = true;
+            let alone = self.table.channels(&c.key).len() <= 1;
+            let (machine, mut via) = c.via();
+            machine.close(alone, &mut via);
+        }
+        if !c.machine.is_idle() {
+            return false;
+        }
+        let Some(c) = self.channels.remove(&id) else {
+            return false;
+        };
+        if !disconnected {
+            self.fabric.disconnect(c.qp);
+        }
+        lock(&self.registry.srp_channels).remove(&id);
+        if let Left::Ended(nexus) = self.table.leave(c.key, &id) {
+            let mut out = Outbox::detached();
+            c.target.core().close_session(nexus, &mut out);
+        }
+        tracing::info!(portal = %self.portal, target = %c.target.name, "SRP channel ended");
+        true
+    }
+
+    /// Logs channel `id` out (the daemon is stopping).
+    fn log_out(&mut self, id: u64) {
+        if let Some(c) = self.channels.get_mut(&id) {
+            let (machine, mut via) = c.via();
+            machine.terminate(TargetLogoutReason::NoReason, false, &mut via);
+        }
+    }
+
+    fn log_out_all(&mut self) {
+        let ids: Vec<u64> = self.channels.keys().copied().collect();
+        for id in ids {
+            self.log_out(id);
+        }
+    }
+
+    /// Disconnects what is left (the daemon's drain is over).
+    fn close_all(&mut self) {
+        for (id, c) in std::mem::take(&mut self.channels) {
+            self.fabric.disconnect(c.qp);
+            lock(&self.registry.srp_channels).remove(&id);
+            if let Left::Ended(nexus) = self.table.leave(c.key, &id) {
+                let mut out = Outbox::detached();
+                c.target.core().close_session(nexus, &mut out);
+            }
+        }
+    }
+}
+
+/// Opens the I_T nexus of `req`'s initiator port on the target's SRP port (added to its
+/// device at the first SRP login).
+fn open_nexus(target: &Target, req: &SrpLoginReq) -> NexusId {
+    let mut core = target.core();
+    let port = scsi_core::TargetPort::srp(&target.name, req.target_port_id, RELATIVE_PORT);
+    core.device.add_port(port);
+    core.device
+        .open_nexus(TransportId::srp(req.initiator_port_id), RELATIVE_PORT)
+}
+
+/// Whether the target admits an SRP initiator port: a target with CHAP admits none (SRP has
+/// no authentication); one with `srp_initiators` the ports it names; one with only an
+/// iSCSI `initiators` list none; one with neither, any.
+fn admits(target: &Target, initiator: &[u8; 16]) -> Result<(), &'static str> {
+    let config = target
+        .config
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if config.chap.is_some() {
+        return Err("the target requires CHAP, which SRP cannot do");
+    }
+    let me = hex(initiator);
+    if !config.srp_initiators.is_empty() {
+        if !config
+            .srp_initiators
+            .iter()
+            .any(|i| i.eq_ignore_ascii_case(&me))
+        {
+            return Err("the target's srp_initiators do not name the initiator port");
+        }
+    } else if !config.initiators.is_empty() {
+        return Err("the target admits only the iSCSI initiators it names");
+    }
+    Ok(())
+}

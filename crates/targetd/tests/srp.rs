@@ -1,0 +1,498 @@
+//! targetd's SRP port end to end over the software fabric: the daemon serves SRP on a
+//! [`Switch`] (its port on a reactor, data in the reactor's arena, file units through its
+//! engine) and a small initiator on another thread logs in, reads and writes with direct and
+//! 32-region indirect descriptors, sees what iSCSI wrote and the other way round, is refused
+//! with the standard's reasons, logs out and is logged out when the daemon stops.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{config, Daemon, TARGET};
+use scsi_core::Residual;
+use srp::fabric::{Access, MemoryId, MemoryRegion, NodeId, QpId};
+use srp::iu::{
+    BufferFormats, DataBufferDescriptor, Descriptors, Iu, LoginRejectReason, MultiChannelAction,
+    SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRej, SrpLoginReq, SrpLoginRsp, TargetLogoutReason,
+    TaskAttribute,
+};
+use srp::switch::{Endpoint, Reply, Switch};
+use srp::verbs::{Verbs, WorkOp};
+
+const TARGET_NODE: NodeId = NodeId(0);
+const INITIATOR_NODE: NodeId = NodeId(1);
+const SERVICE: &str = "srp0";
+const PORT_A: [u8; 16] = *b"srp-initiator--A";
+const PORT_B: [u8; 16] = *b"srp-initiator--B";
+/// The initiator's memory: 32 places of 256 KiB, the first for data, the last for tables.
+const MEMORY: usize = 8 << 20;
+const WAIT: Duration = Duration::from_secs(10);
+
+/// A target with a 64 MiB file LUN 0 and a 16 MiB memory LUN 1, and a second target that
+/// admits one SRP initiator port only.
+fn daemon(switch: &Arc<Switch>) -> Daemon {
+    let targets = format!(
+        "[[targets]]\nname = \"{TARGET}\"\n\
+         [[targets.luns]]\nlun = 0\nbackend = \"file\"\npath = \"@DIR@/lun0.img\"\nsize = \"64MiB\"\n\
+         [[targets.luns]]\nlun = 1\nbackend = \"memory\"\nsize = \"16MiB\"\nblock_size = 4096\n\n\
+         [[targets]]\nname = \"{TARGET}-only-b\"\nsrp_initiators = [\"{}\"]\n\
+         [[targets.luns]]\nlun = 0\nbackend = \"memory\"\nsize = \"1MiB\"\n",
+        targetd::srp::hex(&PORT_B)
+    );
+    Daemon::start_with(&config("", &targets), |server| {
+        server
+            .serve_srp_fabric(switch, TARGET_NODE, SERVICE)
+            .expect("the service is free");
+    })
+}
+
+/// What a command's SRP_RSP said, and the data-in that reached the initiator's memory.
+#[derive(Debug)]
+struct Answer {
+    status: u8,
+    sense: Vec<u8>,
+    data_in_residual: Residual,
+    data: Vec<u8>,
+}
+
+impl Answer {
+    fn sense_key(&self) -> Option<u8> {
+        (self.sense.len() > 2).then(|| self.sense[2] & 0x0f)
+    }
+}
+
+/// A minimal SRP initiator on the switch: one channel, its memory registered once.
+struct Initiator {
+    switch: Arc<Switch>,
+    verbs: Endpoint<Vec<u8>>,
+    qp: QpId,
+    memory: MemoryId,
+    region: MemoryRegion,
+    credit: i64,
+    next_tag: u64,
+    max_ti_iu_len: usize,
+    /// SRP_T_LOGOUT received, and why.
+    logged_out: Option<TargetLogoutReason>,
+}
+
+fn request(target: &str, port: [u8; 16]) -> SrpLoginReq {
+    SrpLoginReq {
+        tag: 7,
+        req_it_iu_len: 48 + 20 + 32 * 16,
+        req_buf_fmt: BufferFormats::BOTH,
+        multi_channel: MultiChannelAction::SingleChannel,
+        initiator_port_id: port,
+        target_port_id: targetd::srp::port_id(target),
+        ..SrpLoginReq::default()
+    }
+}
+
+/// Sends a login request and waits for the answer.
+fn connect(switch: &Arc<Switch>, req: &SrpLoginReq) -> Reply {
+    let mut b = Vec::new();
+    req.encode(&mut b);
+    let id = switch
+        .connect(INITIATOR_NODE, SERVICE, &b)
+        .expect("the daemon listens");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(r) = switch.reply(id) {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "no answer to the login");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn rejected(reply: Reply) -> LoginRejectReason {
+    let Reply::Rejected(private) = reply else {
+        panic!("accepted: {reply:?}");
+    };
+    match Iu::decode(&private) {
+        Ok(Iu::LoginRej(SrpLoginRej { reason, .. })) => reason,
+        other => panic!("not an SRP_LOGIN_REJ: {other:?}"),
+    }
+}
+
+impl Initiator {
+    fn login(switch: &Arc<Switch>, req: &SrpLoginReq) -> (Initiator, SrpLoginRsp) {
+        let reply = connect(switch, req);
+        let Reply::Accepted { qp, private } = reply else {
+            panic!("refused: {:?}", rejected(reply));
+        };
+        let Ok(Iu::LoginRsp(rsp)) = Iu::decode(&private) else {
+            panic!("not an SRP_LOGIN_RSP");
+        };
+        let mut verbs: Endpoint<Vec<u8>> = switch.endpoint(INITIATOR_NODE);
+        for _ in 0..rsp.req_lim_delta + 4 {
+            verbs.post_recv(qp, 0, vec![0; rsp.max_ti_iu_len as usize]);
+        }
+        let (memory, region) = switch.with(|f| {
+            let m = f.alloc(INITIATOR_NODE, MEMORY);
+            (m, f.register(m, 0, MEMORY, Access::REMOTE))
+        });
+        let me = Initiator {
+            switch: switch.clone(),
+            verbs,
+            qp,
+            memory,
+            region,
+            credit: i64::from(rsp.req_lim_delta),
+            next_tag: 100,
+            max_ti_iu_len: rsp.max_ti_iu_len as usize,
+            logged_out: None,
+        };
+        (me, rsp)
+    }
+
+    /// The descriptor of `len` bytes as `regions` regions of the data place, each in a 8 KiB
+    /// stride (so they lie apart), in reverse order when more than one; with a table at the
+    /// end of memory for an indirect one.
+    fn describe(&mut self, len: usize, regions: usize) -> (Vec<(usize, usize)>, Vec<u8>) {
+        if regions == 1 {
+            return (vec![(0, len)], Vec::new());
+        }
+        let each = len / regions;
+        let places: Vec<(usize, usize)> = (0..regions)
+            .rev()
+            .map(|i| (i * (each + 8192), each))
+            .collect();
+        let mut table = Vec::new();
+        for &(offset, n) in &places {
+            self.region
+                .descriptor(offset as u32, n as u32)
+                .encode(&mut table);
+        }
+        (places, table)
+    }
+
+    /// Runs a command: data-out from memory, data-in gathered back from it.
+    fn command(
+        &mut self,
+        lun: u64,
+        cdb: &[u8],
+        data_out: Option<&[u8]>,
+        data_in: usize,
+        regions: usize,
+    ) -> Answer {
+        self.next_tag += 1;
+        let tag = self.next_tag;
+        let len = data_out.map_or(data_in, <[u8]>::len);
+        let (places, table) = self.describe(len, regions);
+        if let Some(data) = data_out {
+            self.switch.with(|f| {
+                let m = f.memory_mut(self.memory);
+                let mut at = 0;
+                for &(offset, n) in &places {
+                    m[offset..offset + n].copy_from_slice(&data[at..at + n]);
+                    at += n;
+                }
+            });
+        }
+        let table_at = MEMORY - 64 * 1024;
+        let descriptor = match (len, regions) {
+            (0, _) => DataBufferDescriptor::None,
+            (_, 1) => DataBufferDescriptor::Direct(self.region.descriptor(0, len as u32)),
+            _ => {
+                self.switch.with(|f| {
+                    f.memory_mut(self.memory)[table_at..table_at + table.len()]
+                        .copy_from_slice(&table)
+                });
+                DataBufferDescriptor::Indirect {
+                    table: self.region.descriptor(table_at as u32, table.len() as u32),
+                    total_len: len as u32,
+                    partial: Descriptors::new(&table).expect("16-byte descriptors"),
+                }
+            }
+        };
+        let (out, inn) = match data_out {
+            Some(_) => (descriptor, DataBufferDescriptor::None),
+            None => (DataBufferDescriptor::None, descriptor),
+        };
+        let cmd = SrpCmd {
+            sol_not: 0,
+            tag,
+            lun: lun << 48,
+            task_attribute: TaskAttribute::Simple,
+            cdb,
+            data_out: out,
+            data_in: inn,
+        };
+        let mut b = Vec::new();
+        cmd.encode(&mut b);
+        assert!(self.credit > 0, "a credit to send with");
+        self.credit -= 1;
+        let n = b.len();
+        self.verbs.post_send(self.qp, 1, b, n);
+        let answer = self.answer(tag);
+        let data = match data_out {
+            Some(_) => Vec::new(),
+            None => self.switch.with(|f| {
+                let m = f.memory(self.memory);
+                places
+                    .iter()
+                    .flat_map(|&(offset, n)| m[offset..offset + n].to_vec())
+                    .collect()
+            }),
+        };
+        Answer { data, ..answer }
+    }
+
+    /// Waits for the SRP_RSP of `tag`, answering the target's own requests meanwhile.
+    fn answer(&mut self, tag: u64) -> Answer {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            while let Some(wc) = self.verbs.poll(self.qp) {
+                assert!(wc.result.is_ok(), "{:?} failed: {:?}", wc.op, wc.result);
+                if wc.op != WorkOp::Recv {
+                    continue;
+                }
+                let mut found = None;
+                match Iu::decode(&wc.buffer[..wc.len]) {
+                    Ok(Iu::Rsp(r)) => {
+                        self.credit += i64::from(r.req_lim_delta);
+                        if r.tag == tag {
+                            found = Some(Answer {
+                                status: r.status,
+                                sense: r.sense.to_vec(),
+                                data_in_residual: r.data_in_residual,
+                                data: Vec::new(),
+                            });
+                        }
+                    }
+                    Ok(Iu::CredReq(r)) => {
+                        self.credit += i64::from(r.req_lim_delta);
+                        let mut b = Vec::new();
+                        SrpCredRsp { tag: r.tag }.encode(&mut b);
+                        let n = b.len();
+                        self.verbs.post_send(self.qp, 2, b, n);
+                    }
+                    Ok(Iu::TLogout(t)) => self.logged_out = Some(t.reason),
+                    other => panic!("the target sent {other:?}"),
+                }
+                let mut buffer = wc.buffer;
+                buffer.resize(self.max_ti_iu_len, 0);
+                self.verbs.post_recv(self.qp, 0, buffer);
+                if let Some(a) = found {
+                    return a;
+                }
+            }
+            assert!(Instant::now() < deadline, "no SRP_RSP for tag {tag:#x}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Runs a command until it is past the new nexus's unit attentions.
+    fn good(
+        &mut self,
+        lun: u64,
+        cdb: &[u8],
+        data_out: Option<&[u8]>,
+        data_in: usize,
+        regions: usize,
+    ) -> Answer {
+        for _ in 0..4 {
+            let a = self.command(lun, cdb, data_out, data_in, regions);
+            if a.sense_key() != Some(0x6) {
+                assert_eq!(a.status, 0, "sense {:02x?}", a.sense);
+                return a;
+            }
+        }
+        panic!("unit attentions never end");
+    }
+
+    /// Waits until the target logs the channel out or disconnects it.
+    fn wait_for_logout(&mut self) -> Option<TargetLogoutReason> {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            // What arrived before a disconnection is still there to take.
+            let lost = self.verbs.is_error(self.qp);
+            while let Some(wc) = self.verbs.poll(self.qp) {
+                if wc.op == WorkOp::Recv && wc.result.is_ok() {
+                    if let Ok(Iu::TLogout(t)) = Iu::decode(&wc.buffer[..wc.len]) {
+                        self.logged_out = Some(t.reason);
+                    }
+                }
+            }
+            if self.logged_out.is_some() || lost {
+                return self.logged_out;
+            }
+            assert!(Instant::now() < deadline, "never logged out");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+fn rw10(opcode: u8, lba: u32, blocks: u16) -> Vec<u8> {
+    let mut c = vec![opcode, 0];
+    c.extend_from_slice(&lba.to_be_bytes());
+    c.push(0);
+    c.extend_from_slice(&blocks.to_be_bytes());
+    c.push(0);
+    c
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31) ^ seed ^ (i >> 9) as u8)
+        .collect()
+}
+
+/// Waits until `f` holds.
+fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn reads_and_writes_over_srp_reach_file_and_memory_units_that_iscsi_shares() {
+    let switch = Switch::new();
+    let d = daemon(&switch);
+    let (mut i, rsp) = Initiator::login(&switch, &request(TARGET, PORT_A));
+    assert_eq!(rsp.req_lim_delta, 128);
+    // INQUIRY reaches the target's device, through its SRP port.
+    let inquiry = i.good(0, &[0x12, 0, 0, 0, 96, 0], None, 96, 1);
+    assert_eq!(&inquiry.data[8..16], b"TARGETD ");
+    // 64 KiB on the file unit, direct descriptors, verified.
+    let data = pattern(64 * 1024, 1);
+    i.good(0, &rw10(0x2a, 2048, 128), Some(&data), 0, 1);
+    let back = i.good(0, &rw10(0x28, 2048, 128), None, data.len(), 1);
+    assert_eq!(back.data, data, "the file unit gives back what SRP wrote");
+    // 128 KiB on the memory unit as 32 discrete 4 KiB regions, in an indirect table.
+    let data = pattern(128 * 1024, 2);
+    i.good(1, &rw10(0x2a, 64, 32), Some(&data), 0, 32);
+    let back = i.good(1, &rw10(0x28, 64, 32), None, data.len(), 32);
+    assert_eq!(back.data, data, "32 regions gathered in order");
+    // A short buffer: the residual says what did not move.
+    let short = i.good(1, &rw10(0x28, 64, 1), None, 8192, 1);
+    assert_eq!(short.data_in_residual, Residual::Underflow(4096));
+    // A write beyond the end: CHECK CONDITION, ILLEGAL REQUEST.
+    let beyond = i.command(1, &rw10(0x2a, 4096, 1), Some(&[0; 4096]), 0, 1);
+    assert_eq!((beyond.status, beyond.sense_key()), (2, Some(0x5)));
+    // The channel is listed and counted.
+    let channels = d.registry.srp_channels();
+    assert_eq!(channels.len(), 1);
+    let c = channels.values().next().expect("one");
+    assert_eq!((c.target.as_str(), c.initiator_port_id), (TARGET, PORT_A));
+    let metrics = targetd::admin::metrics_text(&d.registry);
+    assert!(metrics.contains("targetd_srp_channels 1"), "{metrics}");
+    let sessions = targetd::admin::sessions_json(&d.registry);
+    assert!(
+        sessions.to_string().contains("\"transport\":\"srp\""),
+        "{sessions}"
+    );
+    // iSCSI sees what SRP wrote, and SRP what iSCSI writes: one logical unit, two ports.
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let from_iscsi = rt.block_on(async {
+        let s = d.session(common::opts()).await;
+        let got = s.read(2048, 128, 512).await.expect("read over iSCSI");
+        s.write(4096, pattern(4096, 3).into(), 512)
+            .await
+            .expect("write over iSCSI");
+        s.logout().await.expect("logout");
+        got
+    });
+    assert_eq!(&from_iscsi[..], &pattern(64 * 1024, 1)[..]);
+    let back = i.good(0, &rw10(0x28, 4096, 8), None, 4096, 1);
+    assert_eq!(back.data, pattern(4096, 3));
+    // The initiator logs out; the channel ends and its nexus with it.
+    let mut b = Vec::new();
+    SrpILogout { tag: 9 }.encode(&mut b);
+    let n = b.len();
+    i.verbs.post_send(i.qp, 3, b, n);
+    eventually("the channel ends", || d.registry.srp_channels().is_empty());
+    d.stop();
+}
+
+#[test]
+fn logins_are_refused_with_the_standards_reasons() {
+    let switch = Switch::new();
+    let d = daemon(&switch);
+    // No target has that port identifier.
+    let unknown = request("iqn.2026-11.io.example:nobody", PORT_A);
+    assert_eq!(
+        rejected(connect(&switch, &unknown)),
+        LoginRejectReason::UnableToEstablishChannel
+    );
+    // IUs longer than the port takes.
+    let long = SrpLoginReq {
+        req_it_iu_len: 1 << 20,
+        ..request(TARGET, PORT_A)
+    };
+    assert_eq!(
+        rejected(connect(&switch, &long)),
+        LoginRejectReason::ItIuLengthTooLarge
+    );
+    // The second target admits port B only.
+    let only_b = format!("{TARGET}-only-b");
+    assert_eq!(
+        rejected(connect(&switch, &request(&only_b, PORT_A))),
+        LoginRejectReason::UnableToEstablishChannel
+    );
+    let (mut b, _) = Initiator::login(&switch, &request(&only_b, PORT_B));
+    b.good(0, &[0, 0, 0, 0, 0, 0], None, 0, 1);
+    // Not a login request at all.
+    let id = switch
+        .connect(INITIATOR_NODE, SERVICE, &[0x02; 36])
+        .expect("listened");
+    let deadline = Instant::now() + WAIT;
+    let reply = loop {
+        if let Some(r) = switch.reply(id) {
+            break r;
+        }
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert!(matches!(reply, Reply::Rejected(_)));
+    assert_eq!(
+        d.registry
+            .srp_logins_rejected
+            .load(std::sync::atomic::Ordering::Relaxed),
+        4
+    );
+    // The channel refused nothing of the one that logged in.
+    b.good(0, &[0, 0, 0, 0, 0, 0], None, 0, 1);
+    d.stop();
+}
+
+#[test]
+fn a_second_single_channel_login_replaces_the_first_and_a_lost_channel_ends() {
+    let switch = Switch::new();
+    let d = daemon(&switch);
+    let (mut first, _) = Initiator::login(&switch, &request(TARGET, PORT_A));
+    first.good(1, &[0, 0, 0, 0, 0, 0], None, 0, 1);
+    // The same initiator port logs in again, SINGLE CHANNEL: the first is logged out.
+    let (mut second, rsp) = Initiator::login(&switch, &request(TARGET, PORT_A));
+    assert_eq!(rsp.multi_channel, srp::iu::MultiChannelResult::Terminated);
+    assert_eq!(
+        first.wait_for_logout(),
+        Some(TargetLogoutReason::MultiChannelAction)
+    );
+    second.good(1, &[0, 0, 0, 0, 0, 0], None, 0, 1);
+    eventually("one channel left", || d.registry.srp_channels().len() == 1);
+    // The initiator vanishes (its queue pair disconnected): the channel ends.
+    second.verbs.disconnect(second.qp);
+    eventually("the lost channel ends", || {
+        d.registry.srp_channels().is_empty()
+    });
+    d.stop();
+}
+
+#[test]
+fn a_stopping_daemon_logs_srp_channels_out() {
+    let switch = Switch::new();
+    let d = daemon(&switch);
+    let (mut i, _) = Initiator::login(&switch, &request(TARGET, PORT_A));
+    i.good(1, &[0, 0, 0, 0, 0, 0], None, 0, 1);
+    let stopper = std::thread::spawn(move || d.stop());
+    assert_eq!(i.wait_for_logout(), Some(TargetLogoutReason::NoReason));
+    stopper.join().expect("the daemon drains");
+    // The port no longer listens.
+    assert!(switch
+        .connect(INITIATOR_NODE, SERVICE, b"")
+        .is_err_and(|e| e.to_string().contains("no target listens")));
+}
