@@ -4,7 +4,8 @@
 //! [`RdmaVerbs`] owns everything it creates on one device and tears it down in order (queue
 //! pairs, completion queues, connection ids, memory regions, memory, the completion channel,
 //! the protection domain): a protection domain; one memory region over a pool of fixed-size
-//! [`Slot`]s registered once at start (the target's buffers: receives, sends, data); memory
+//! [`Slot`]s registered once at start (IU buffers), and any [`backend::Arena`] registered once
+//! with [`RdmaVerbs::register_arena`] (a reactor's, where a target's data moves); memory
 //! the peer may reach ([`Verbs::alloc`], [`Verbs::register`]); one completion queue per queue
 //! pair, all on one completion channel whose descriptor a reactor watches
 //! ([`RdmaVerbs::completion_fd`], then [`RdmaVerbs::ack_events`]). Queue pairs are RC,
@@ -12,7 +13,8 @@
 //! rejected with SRP's login response or rejection as private data), [`RdmaVerbs::connect`]
 //! on an initiator.
 //!
-//! Why this is sound: a [`Slot`] given to a work request is held in that queue pair's
+//! Why this is sound: a buffer ([`Registered`]: a slot, an arena buffer) given to a work
+//! request is held in that queue pair's
 //! in-flight table until the request's completion, so no Rust reference to bytes the device
 //! may be writing exists, and its memory (kept alive by the pool's reference count) outlives
 //! the request; memory from [`Verbs::alloc`] lives as long as the verbs, past every
@@ -38,7 +40,9 @@ use rdma_sys::*;
 use scsi_core::transport::TaskBuffer;
 
 use crate::iu::MemoryDescriptor;
-use crate::verbs::{Access, Completion, MemoryRegion, PeerMemory, Verbs, VerbsError, WorkOp};
+use crate::verbs::{
+    Access, Completion, MemoryRegion, PeerMemory, PortBuffer, Verbs, VerbsError, WorkOp,
+};
 
 /// Why the device could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -162,11 +166,6 @@ impl Slot {
     fn addr(&self) -> u64 {
         self.pool.memory.ptr as u64 + u64::from(self.index) * self.pool.slot_len as u64
     }
-
-    fn lkey(&self) -> u32 {
-        // Safety: the region lives as long as the pool this slot holds.
-        unsafe { (*self.pool.mr).lkey }
-    }
 }
 
 impl Deref for Slot {
@@ -203,6 +202,33 @@ impl Drop for Slot {
     }
 }
 
+/// A buffer a work request may name: bytes that stay where they are, and stay allocated,
+/// for as long as the value lives and is not changed through `&mut` (the verbs hold it,
+/// untouched, until the request's completion). Where they lie decides their local key: the
+/// verbs post a buffer only if it is inside memory registered with them (their slot pool, or
+/// an arena registered with [`RdmaVerbs::register_arena`]); any other completes with
+/// [`VerbsError::Registration`].
+///
+/// # Safety
+///
+/// Implementors guarantee that `deref` and `deref_mut` return the same bytes each time while
+/// the value is not mutated through its own methods, and that nothing else (no other handle,
+/// no interior mutability) frees, moves or resizes them while the value lives.
+pub unsafe trait Registered: DerefMut<Target = [u8]> {}
+
+// Safety: a slot's bytes are a fixed range of the pool's allocation, which it keeps alive.
+unsafe impl Registered for Slot {}
+
+// Safety: a vector's heap bytes move or go only through its own methods (its owner's).
+unsafe impl Registered for Vec<u8> {}
+
+// Safety: a buffer's bytes are a fixed run of slots of its arena's mapping, which the buffer
+// keeps alive (the arena is reference counted) and hands to no one else while it lives.
+unsafe impl Registered for backend::Buffer {}
+
+// Safety: either variant is, and a value never changes variant behind `&`.
+unsafe impl<I: Registered, D: Registered> Registered for PortBuffer<I, D> {}
+
 /// A queue pair of an [`RdmaVerbs`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct QpHandle(usize);
@@ -217,10 +243,10 @@ pub struct QueueDepth {
 }
 
 #[derive(Debug)]
-struct InFlight {
+struct InFlight<B> {
     wr_id: u64,
     op: WorkOp,
-    buffer: Slot,
+    buffer: B,
     len: usize,
     /// Send queue entries it took.
     entries: u32,
@@ -230,22 +256,23 @@ struct InFlight {
 const UNSIGNALLED: u64 = u64::MAX;
 
 #[derive(Debug)]
-struct Qp {
+struct Qp<B> {
     id: *mut rdma_cm_id,
     cq: *mut ibv_cq,
     depth: QueueDepth,
     send_used: u32,
     recv_used: u32,
-    in_flight: Vec<Option<InFlight>>,
+    in_flight: Vec<Option<InFlight<B>>>,
     free_ids: Vec<usize>,
     /// Requests that ended without reaching the device (failed, or nothing to move), handed
     /// out by `poll` first.
-    immediate: VecDeque<Completion<Slot>>,
+    immediate: VecDeque<Completion<B>>,
     error: bool,
 }
 
-/// The verbs of one RDMA device (see the module's documentation).
-pub struct RdmaVerbs {
+/// The verbs of one RDMA device (see the module's documentation), posting buffers of type
+/// `B` (slots of its own pool by default).
+pub struct RdmaVerbs<B = Slot> {
     devices: *mut *mut ibv_context,
     context: *mut ibv_context,
     pd: *mut ibv_pd,
@@ -256,14 +283,18 @@ pub struct RdmaVerbs {
     pool: Option<Rc<Pool>>,
     memory: Vec<Allocation>,
     regions: Vec<(u32, *mut ibv_mr)>,
-    qps: Vec<Option<Qp>>,
+    /// Arenas registered for local access, each with its region; kept alive by the clone.
+    arenas: Vec<(backend::Arena, *mut ibv_mr)>,
+    /// Where local buffers may lie: (first address, end, local key) of the pool and arenas.
+    local: Vec<(u64, u64, u32)>,
+    qps: Vec<Option<Qp<B>>>,
     max_qp_wr: u32,
     max_rd_atom: u8,
     sges: Vec<ibv_sge>,
     wrs: Vec<ibv_send_wr>,
 }
 
-impl std::fmt::Debug for RdmaVerbs {
+impl<B: Registered> std::fmt::Debug for RdmaVerbs<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RdmaVerbs")
             .field("device", &self.name())
@@ -294,10 +325,14 @@ fn set_nonblocking(fd: RawFd) -> Result<(), RdmaError> {
     Ok(())
 }
 
-impl RdmaVerbs {
+impl<B: Registered> RdmaVerbs<B> {
     /// Opens `device` (the first rdma_cm knows when `None`) with a pool of `slots` buffers of
     /// `slot_len` bytes, registered once.
-    pub fn open(device: Option<&str>, slots: u32, slot_len: usize) -> Result<RdmaVerbs, RdmaError> {
+    pub fn open(
+        device: Option<&str>,
+        slots: u32,
+        slot_len: usize,
+    ) -> Result<RdmaVerbs<B>, RdmaError> {
         let mut n = 0;
         // Safety: rdma_get_devices returns rdma_cm's array of `n` open device contexts (or
         // NULL); it is kept until `drop` frees it with rdma_free_devices.
@@ -394,6 +429,10 @@ impl RdmaVerbs {
         // Safety: creates rdma_cm's channel for this device's connections, destroyed in
         // `drop` after their ids.
         let cm = unsafe { rdma_create_event_channel() };
+        // Safety: the pool's region is valid while the pool is.
+        let pool_lkey = unsafe { (*pool.mr).lkey };
+        let pool_start = pool.memory.ptr as u64;
+        let pool_end = pool_start + pool.memory.len() as u64;
         let verbs = RdmaVerbs {
             devices,
             context,
@@ -403,6 +442,8 @@ impl RdmaVerbs {
             pool: Some(Rc::new(pool)),
             memory: Vec::new(),
             regions: Vec::new(),
+            arenas: Vec::new(),
+            local: vec![(pool_start, pool_end, pool_lkey)],
             qps: Vec::new(),
             max_qp_wr: attr.max_qp_wr.max(1) as u32,
             max_rd_atom: attr.max_qp_rd_atom.clamp(1, 255) as u8,
@@ -593,11 +634,13 @@ impl RdmaVerbs {
     }
 
     /// Accepts a connect request with `private` as the reply's private data (an
-    /// SRP_LOGIN_RSP): the new queue pair.
+    /// SRP_LOGIN_RSP): the new queue pair, with `receives` posted on it before the initiator
+    /// hears it may send (work request id 0).
     pub fn accept(
         &mut self,
         request: ConnectRequest,
         depth: QueueDepth,
+        receives: impl IntoIterator<Item = B>,
         private: &[u8],
     ) -> Result<QpHandle, RdmaError> {
         // Safety: the request's id is valid until it is destroyed (by `request`'s drop, or
@@ -617,6 +660,9 @@ impl RdmaVerbs {
                 return Err(e);
             }
         };
+        for b in receives {
+            self.post_recv(qp, 0, b);
+        }
         let mut param = self.conn_param(private);
         // Safety: the id has its queue pair; `param` points at `private`, alive for the call.
         if unsafe { rdma_accept(id, &mut param) } != 0 {
@@ -718,21 +764,49 @@ impl RdmaVerbs {
 
     /// Tears a queue pair down (its in-flight buffers come back to the pool).
     pub fn destroy(&mut self, qp: QpHandle) {
-        let Some(q) = self.qps.get_mut(qp.0).and_then(Option::take) else {
-            return;
-        };
-        // Safety: the queue pair is destroyed before its completion queue and id, each
-        // once; after rdma_destroy_qp the device touches none of its buffers, which are
-        // then dropped with `q`.
-        unsafe {
-            rdma_disconnect(q.id);
-            rdma_destroy_qp(q.id);
-            ibv_destroy_cq(q.cq);
-            rdma_destroy_id(q.id);
+        if let Some(q) = self.qps.get_mut(qp.0).and_then(Option::take) {
+            destroy_qp(q);
         }
     }
 
-    fn qp(&mut self, qp: QpHandle) -> Option<&mut Qp> {
+    /// Registers `arena` for local access, once: its buffers may then be posted (a target's
+    /// data moves from and into them with no registration per I/O). The verbs keep the arena
+    /// mapped while the region exists.
+    pub fn register_arena(&mut self, arena: &backend::Arena) -> Result<(), RdmaError> {
+        if self.arenas.iter().any(|(a, _)| a.same(arena)) {
+            return Ok(());
+        }
+        // Safety: the range is the arena's whole mapping, which the clone kept below keeps
+        // mapped until the region is deregistered (in `drop`, before the domain goes).
+        let mr = unsafe {
+            ibv_reg_mr(
+                self.pd,
+                arena.base().cast(),
+                arena.len(),
+                access_flags(Access::default()),
+            )
+        };
+        if mr.is_null() {
+            return Err(os("ibv_reg_mr"));
+        }
+        // Safety: a registered region's key.
+        let lkey = unsafe { (*mr).lkey };
+        let start = arena.base() as u64;
+        self.local.push((start, start + arena.len() as u64, lkey));
+        self.arenas.push((arena.clone(), mr));
+        Ok(())
+    }
+
+    /// The local key of `len` bytes at `addr`, if they lie in memory registered here.
+    fn local_key(&self, addr: u64, len: usize) -> Option<u32> {
+        let end = addr.checked_add(len as u64)?;
+        self.local
+            .iter()
+            .find(|&&(start, stop, _)| start <= addr && end <= stop)
+            .map(|&(_, _, lkey)| lkey)
+    }
+
+    fn qp(&mut self, qp: QpHandle) -> Option<&mut Qp<B>> {
         self.qps.get_mut(qp.0).and_then(Option::as_mut)
     }
 
@@ -743,12 +817,13 @@ impl RdmaVerbs {
         qp: QpHandle,
         wr_id: u64,
         op: WorkOp,
-        buffer: Slot,
+        buffer: B,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
-        let (addr, lkey) = (buffer.addr(), buffer.lkey());
-        let failed = |e: VerbsError, buffer: Slot| Completion {
+        let addr = buffer.as_ptr() as u64;
+        let lkey = self.local_key(addr, buffer.len());
+        let failed = |e: VerbsError, buffer: B| Completion {
             wr_id,
             op,
             buffer,
@@ -762,6 +837,11 @@ impl RdmaVerbs {
             q.immediate.push_back(failed(VerbsError::Flushed, buffer));
             return;
         }
+        let Some(lkey) = lkey else {
+            q.immediate
+                .push_back(failed(VerbsError::Registration, buffer));
+            return;
+        };
         if len > buffer.len() {
             let e = VerbsError::LengthError {
                 len,
@@ -921,6 +1001,18 @@ impl RdmaVerbs {
     }
 }
 
+/// Tears a queue pair down: after rdma_destroy_qp the device touches none of its buffers,
+/// which are then dropped with it.
+fn destroy_qp<B>(q: Qp<B>) {
+    // Safety: the queue pair is destroyed before its completion queue and id, each once.
+    unsafe {
+        rdma_disconnect(q.id);
+        rdma_destroy_qp(q.id);
+        ibv_destroy_cq(q.cq);
+        rdma_destroy_id(q.id);
+    }
+}
+
 fn wc_error(status: ibv_wc_status::Type) -> VerbsError {
     match status {
         ibv_wc_status::IBV_WC_WR_FLUSH_ERR => VerbsError::Flushed,
@@ -936,7 +1028,7 @@ fn wc_error(status: ibv_wc_status::Type) -> VerbsError {
     }
 }
 
-impl PeerMemory for RdmaVerbs {
+impl<B: Registered> PeerMemory for RdmaVerbs<B> {
     type Memory = usize;
 
     fn alloc(&mut self, len: usize) -> Result<usize, VerbsError> {
@@ -995,16 +1087,16 @@ impl PeerMemory for RdmaVerbs {
     }
 }
 
-impl Verbs for RdmaVerbs {
+impl<B: Registered> Verbs for RdmaVerbs<B> {
     type Qp = QpHandle;
-    type Buffer = Slot;
+    type Buffer = B;
 
-    fn post_recv(&mut self, qp: QpHandle, wr_id: u64, buffer: Slot) {
+    fn post_recv(&mut self, qp: QpHandle, wr_id: u64, buffer: B) {
         let len = buffer.len();
         self.post(qp, wr_id, WorkOp::Recv, buffer, len, &[]);
     }
 
-    fn post_send(&mut self, qp: QpHandle, wr_id: u64, buffer: Slot, len: usize) {
+    fn post_send(&mut self, qp: QpHandle, wr_id: u64, buffer: B, len: usize) {
         self.post(qp, wr_id, WorkOp::Send, buffer, len, &[]);
     }
 
@@ -1012,7 +1104,7 @@ impl Verbs for RdmaVerbs {
         &mut self,
         qp: QpHandle,
         wr_id: u64,
-        buffer: Slot,
+        buffer: B,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
@@ -1023,14 +1115,14 @@ impl Verbs for RdmaVerbs {
         &mut self,
         qp: QpHandle,
         wr_id: u64,
-        buffer: Slot,
+        buffer: B,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
         self.post(qp, wr_id, WorkOp::RdmaRead, buffer, len, remote);
     }
 
-    fn poll(&mut self, qp: QpHandle) -> Option<Completion<Slot>> {
+    fn poll(&mut self, qp: QpHandle) -> Option<Completion<B>> {
         let q = self.qp(qp)?;
         if let Some(c) = q.immediate.pop_front() {
             return Some(c);
@@ -1093,10 +1185,17 @@ impl Verbs for RdmaVerbs {
     }
 }
 
-impl Drop for RdmaVerbs {
+impl<B> Drop for RdmaVerbs<B> {
     fn drop(&mut self) {
         for i in 0..self.qps.len() {
-            self.destroy(QpHandle(i));
+            if let Some(q) = self.qps[i].take() {
+                destroy_qp(q);
+            }
+        }
+        for (_, mr) in self.arenas.drain(..) {
+            // Safety: registered here over an arena this clone keeps mapped, deregistered
+            // once, after every queue pair that could use it.
+            unsafe { ibv_dereg_mr(mr) };
         }
         for (_, mr) in self.regions.drain(..) {
             // Safety: each region was registered here and is deregistered once, before

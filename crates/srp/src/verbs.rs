@@ -202,3 +202,33 @@ pub trait Verbs {
     /// with [`VerbsError::Flushed`].
     fn disconnect(&mut self, qp: Self::Qp);
 }
+
+/// A buffer of a target port: an IU buffer of the verbs' own, or a task's data in memory
+/// registered for the port (a slot run of a reactor's arena).
+#[derive(Debug)]
+pub enum PortBuffer<I, D> {
+    /// An IU: a receive, a send, small parameter data.
+    Iu(I),
+    /// A task's data.
+    Data(D),
+}
+
+impl<I: DerefMut<Target = [u8]>, D: DerefMut<Target = [u8]>> std::ops::Deref for PortBuffer<I, D> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            PortBuffer::Iu(b) => b,
+            PortBuffer::Data(b) => b,
+        }
+    }
+}
+
+impl<I: DerefMut<Target = [u8]>, D: DerefMut<Target = [u8]>> DerefMut for PortBuffer<I, D> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            PortBuffer::Iu(b) => b,
+            PortBuffer::Data(b) => b,
+        }
+    }
+}

@@ -18,7 +18,7 @@ fn without_a_device_the_binding_says_so() {
         eprintln!("RDMA devices present ({names:?}): the no-device case is not this machine's");
         return;
     }
-    match RdmaVerbs::open(None, 4, 4096) {
+    match RdmaVerbs::<srp::rdma::Slot>::open(None, 4, 4096) {
         Err(e @ RdmaError::NoDevice(_)) => assert_eq!(e.to_string(), "no RDMA device found"),
         other => panic!("opened without a device: {other:?}"),
     }
@@ -51,7 +51,7 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
         );
         return;
     }
-    let mut v = RdmaVerbs::open(None, 64, 8192).expect("the device opens");
+    let mut v: RdmaVerbs = RdmaVerbs::open(None, 64, 8192).expect("the device opens");
     let mut m = v.alloc(1 << 20).expect("memory");
     v.memory_mut(&mut m)[..4].copy_from_slice(b"srp!");
     let r = v
@@ -71,7 +71,7 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
     let mut listener = Listener::bind(SocketAddr::new(addr, port), 4).expect("listening");
     let depth = QueueDepth { send: 64, recv: 16 };
     let initiator = std::thread::spawn(move || {
-        let mut v = RdmaVerbs::open(None, 16, 8192).expect("the device opens");
+        let mut v: RdmaVerbs = RdmaVerbs::open(None, 16, 8192).expect("the device opens");
         let (qp, reply) = v
             .connect(SocketAddr::new(addr, port), depth, b"login")
             .expect("connected");
@@ -92,15 +92,17 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
     });
     let request = wait(|| listener.accept());
     assert_eq!(request.private, b"login");
-    let mut v = RdmaVerbs::open(None, 16, 8192).expect("the device opens");
-    let qp = v.accept(request, depth, b"welcome").expect("accepted");
+    let mut v: RdmaVerbs = RdmaVerbs::open(None, 16, 8192).expect("the device opens");
+    let receive = v.slot().expect("a slot");
+    let qp = v
+        .accept(request, depth, [receive], b"welcome")
+        .expect("accepted");
     wait(|| {
         v.poll_connection()
             .filter(|(_, c)| *c == Connection::Established)
     });
-    v.post_recv(qp, 7, v.slot().expect("a slot"));
     let got = wait(|| v.poll(qp).filter(|c| c.op == WorkOp::Recv));
-    assert_eq!((got.wr_id, got.len, got.result), (7, 16, Ok(())));
+    assert_eq!((got.wr_id, got.len, got.result), (0, 16, Ok(())));
     let d = srp::iu::Descriptors::new(&got.buffer[..16])
         .and_then(|l| l.iter().next())
         .expect("a descriptor");
