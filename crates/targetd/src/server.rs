@@ -90,6 +90,8 @@ impl Server {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
+        #[cfg(feature = "rdma")]
+        let rdma_portals = config.server.rdma_portals.clone();
         let registry = Arc::new(Registry::new(config, config_path, targets, portals));
         let settings = reactor::Settings {
             engine,
@@ -105,6 +107,19 @@ impl Server {
             }
             reactors.push(h);
             threads.push(t);
+        }
+        #[cfg(feature = "rdma")]
+        for (i, p) in rdma_portals.iter().enumerate() {
+            let key = format!("server.rdma_portals[{i}]");
+            let addr: SocketAddr = p
+                .parse()
+                .map_err(|_| fail(key.clone(), format!("{p:?} is not an address:port")))?;
+            // Portals spread over the reactors; each port's channels stay on its reactor.
+            let reactor = &reactors[i % reactors.len()];
+            crate::srp::start_port(reactor, registry.clone(), move |io| {
+                crate::srp::rdma::RdmaPort::open(addr, &io.arena).map_err(|e| e.to_string())
+            })
+            .map_err(|r| fail(key, format!("{p}: {r}")))?;
         }
         Ok(Server {
             registry,
@@ -130,30 +145,22 @@ impl Server {
         node: srp::fabric::NodeId,
         service: &str,
     ) -> Result<(), StartError> {
-        let fail = |reason: String| StartError {
-            key: "srp fabric service".into(),
-            reason,
-        };
-        switch
-            .listen(node, service)
-            .map_err(|e| fail(e.to_string()))?;
         let reactor = self
             .reactors
             .iter()
             .min_by_key(|r| r.connections.load(Ordering::Relaxed))
-            .ok_or_else(|| fail("no reactor runs".into()))?;
-        let (switch, service) = (switch.clone(), service.to_string());
-        let registry = self.registry.clone();
-        let spawned = reactor.spawn(Box::new(move |io| {
-            Box::pin(async move {
-                let port = crate::srp::FabricPort::new(&switch, node, &service);
-                crate::srp::serve(port, io, registry).await;
-            })
-        }));
-        if !spawned {
-            return Err(fail(format!("reactor {} is gone", reactor.index)));
-        }
-        Ok(())
+            .ok_or_else(|| StartError {
+                key: "server.reactors".into(),
+                reason: "no reactor runs".into(),
+            })?;
+        let (switch, name) = (switch.clone(), service.to_string());
+        crate::srp::start_port(reactor, self.registry.clone(), move |_| {
+            crate::srp::FabricPort::listen(&switch, node, &name).map_err(|e| e.to_string())
+        })
+        .map_err(|reason| StartError {
+            key: format!("SRP fabric service {service:?}"),
+            reason,
+        })
     }
 
     /// The registry every part shares (for embedding and tests).

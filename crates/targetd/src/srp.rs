@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::poll_fn;
-use std::ops::{Deref, DerefMut};
+use std::ops::DerefMut;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -29,14 +29,17 @@ use scsi_core::{
 };
 use srp::fabric::NodeId;
 use srp::iu::{IuError, LoginRejectReason, SrpLoginRej, SrpLoginReq, TargetLogoutReason};
-use srp::switch::{ConnectRequest, Endpoint, Switch};
+use srp::switch::{ConnectRequest, Endpoint, Switch, SwitchError};
 use srp::target::channel::SPARE_RECEIVES;
 use srp::target::{
     Admission, Channel, ChannelTable, Core, Event, ItNexusKey, Left, Payload, PortSettings,
     Transmit,
 };
-use srp::verbs::{Completion, Verbs, WorkOp};
+use srp::verbs::{Completion, PortBuffer, Verbs, WorkOp};
 use tokio::sync::mpsc;
+
+#[cfg(feature = "rdma")]
+pub mod rdma;
 
 use crate::iscsi::session::{Control, Request};
 use crate::reactor::{Inbox, Io};
@@ -67,42 +70,32 @@ pub fn hex(id: &[u8; 16]) -> String {
     id.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A buffer the port gives its verbs: an IU (a receive or a send, a few KiB, the channel's own)
-/// or a task's data, a slot run of the reactor's arena.
-#[derive(Debug)]
-pub enum SrpBuffer {
-    /// An IU.
-    Iu(Vec<u8>),
-    /// A task's data.
-    Data(Buffer),
-}
-
-impl Deref for SrpBuffer {
-    type Target = [u8];
-
-    fn deref(&self) -> &[u8] {
-        match self {
-            SrpBuffer::Iu(v) => v,
-            SrpBuffer::Data(b) => b,
-        }
-    }
-}
-
-impl DerefMut for SrpBuffer {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        match self {
-            SrpBuffer::Iu(v) => v,
-            SrpBuffer::Data(b) => b,
-        }
-    }
-}
+/// A buffer a port gives its verbs: one of the fabric's IU buffers, or a task's data in a
+/// slot run of the reactor's arena.
+pub type SrpBuffer<I> = PortBuffer<I, Buffer>;
 
 /// What a port runs on: queue-pair verbs over [`SrpBuffer`]s, and connection management as
 /// rdma_cm does it (connect requests carrying an SRP_LOGIN_REQ, answered with an
 /// SRP_LOGIN_RSP or SRP_LOGIN_REJ as private data).
-pub trait Fabric: Verbs<Buffer = SrpBuffer> {
+pub trait Fabric: Verbs<Buffer = SrpBuffer<Self::Iu>> {
+    /// An IU buffer: registered memory of the fabric's own, [`IU_LEN`] bytes.
+    type Iu: DerefMut<Target = [u8]>;
     /// A connect request.
     type Request;
+    /// A free IU buffer; `None` when the fabric has none left.
+    fn iu(&mut self) -> Option<Self::Iu>;
+    /// Parameter data the core built (INQUIRY, MODE SENSE, ...) as a buffer the fabric can
+    /// RDMA WRITE from: by default copied into an IU buffer, or into arena slots when longer.
+    fn payload(&mut self, bytes: Vec<u8>, share: &Share) -> Option<SrpBuffer<Self::Iu>> {
+        if bytes.len() <= IU_LEN {
+            let mut b = self.iu()?;
+            b[..bytes.len()].copy_from_slice(&bytes);
+            return Some(PortBuffer::Iu(b));
+        }
+        let mut b = share.try_alloc(bytes.len()).ok()??;
+        b[..bytes.len()].copy_from_slice(&bytes);
+        Some(PortBuffer::Data(b))
+    }
     /// Ready when something may have changed: a completion, a connect request, a
     /// disconnection.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()>;
@@ -114,30 +107,53 @@ pub trait Fabric: Verbs<Buffer = SrpBuffer> {
     fn accept(
         &mut self,
         request: Self::Request,
-        receives: Vec<SrpBuffer>,
+        receives: Vec<SrpBuffer<Self::Iu>>,
         private: &[u8],
     ) -> Result<Self::Qp, String>;
     /// Refuses it with `private`.
     fn reject(&mut self, request: Self::Request, private: &[u8]);
+    /// An IU buffer back from its send.
+    fn recycle(&mut self, iu: Self::Iu) {
+        drop(iu);
+    }
+    /// A channel's queue pair is done with (disconnected, its completions taken): its
+    /// resources go.
+    fn release(&mut self, qp: Self::Qp) {
+        let _ = qp;
+    }
     /// The portal, as the admin interface names it.
     fn portal(&self) -> String;
 }
 
+/// The length of every IU buffer: the largest IU an initiator may send (srp's
+/// [`PortSettings`] default), which is also more than any IU the target sends.
+pub const IU_LEN: usize = 8192;
+
+/// IU buffers a fabric port keeps for reuse.
+const KEPT_IUS: usize = 1024;
+
 /// A port on the software fabric: a [`Switch`] endpoint listening on a service name.
 #[derive(Debug)]
 pub struct FabricPort {
-    endpoint: Endpoint<SrpBuffer>,
+    endpoint: Endpoint<SrpBuffer<Vec<u8>>>,
     service: String,
+    /// IU buffers back from their completions, for reuse.
+    free: Vec<Vec<u8>>,
 }
 
 impl FabricPort {
-    /// The port of node `node` of `switch`, which listens on `service` already
-    /// ([`Switch::listen`]).
-    pub fn new(switch: &Arc<Switch>, node: NodeId, service: &str) -> FabricPort {
-        FabricPort {
+    /// The port of node `node` of `switch`, listening on `service`.
+    pub fn listen(
+        switch: &Arc<Switch>,
+        node: NodeId,
+        service: &str,
+    ) -> Result<FabricPort, SwitchError> {
+        switch.listen(node, service)?;
+        Ok(FabricPort {
             endpoint: switch.endpoint(node),
             service: service.to_string(),
-        }
+            free: Vec::new(),
+        })
     }
 }
 
@@ -149,13 +165,13 @@ impl Drop for FabricPort {
 
 impl Verbs for FabricPort {
     type Qp = srp::fabric::QpId;
-    type Buffer = SrpBuffer;
+    type Buffer = SrpBuffer<Vec<u8>>;
 
-    fn post_recv(&mut self, qp: Self::Qp, wr_id: u64, buffer: SrpBuffer) {
+    fn post_recv(&mut self, qp: Self::Qp, wr_id: u64, buffer: Self::Buffer) {
         self.endpoint.post_recv(qp, wr_id, buffer);
     }
 
-    fn post_send(&mut self, qp: Self::Qp, wr_id: u64, buffer: SrpBuffer, len: usize) {
+    fn post_send(&mut self, qp: Self::Qp, wr_id: u64, buffer: Self::Buffer, len: usize) {
         self.endpoint.post_send(qp, wr_id, buffer, len);
     }
 
@@ -163,7 +179,7 @@ impl Verbs for FabricPort {
         &mut self,
         qp: Self::Qp,
         wr_id: u64,
-        buffer: SrpBuffer,
+        buffer: Self::Buffer,
         len: usize,
         remote: &[srp::iu::MemoryDescriptor],
     ) {
@@ -175,14 +191,14 @@ impl Verbs for FabricPort {
         &mut self,
         qp: Self::Qp,
         wr_id: u64,
-        buffer: SrpBuffer,
+        buffer: Self::Buffer,
         len: usize,
         remote: &[srp::iu::MemoryDescriptor],
     ) {
         self.endpoint.post_rdma_read(qp, wr_id, buffer, len, remote);
     }
 
-    fn poll(&mut self, qp: Self::Qp) -> Option<Completion<SrpBuffer>> {
+    fn poll(&mut self, qp: Self::Qp) -> Option<Completion<Self::Buffer>> {
         self.endpoint.poll(qp)
     }
 
@@ -196,7 +212,17 @@ impl Verbs for FabricPort {
 }
 
 impl Fabric for FabricPort {
+    type Iu = Vec<u8>;
     type Request = ConnectRequest;
+
+    fn iu(&mut self) -> Option<Vec<u8>> {
+        Some(self.free.pop().unwrap_or_else(|| vec![0; IU_LEN]))
+    }
+
+    /// The fabric copies what it sends anyway: the bytes go as they are.
+    fn payload(&mut self, bytes: Vec<u8>, _: &Share) -> Option<SrpBuffer<Vec<u8>>> {
+        Some(PortBuffer::Iu(bytes))
+    }
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         self.endpoint.poll_ready(cx)
@@ -221,7 +247,7 @@ impl Fabric for FabricPort {
     fn accept(
         &mut self,
         request: ConnectRequest,
-        receives: Vec<SrpBuffer>,
+        receives: Vec<SrpBuffer<Vec<u8>>>,
         private: &[u8],
     ) -> Result<Self::Qp, String> {
         Ok(self.endpoint.accept(request, receives, private))
@@ -229,6 +255,12 @@ impl Fabric for FabricPort {
 
     fn reject(&mut self, request: ConnectRequest, private: &[u8]) {
         self.endpoint.reject(request, private);
+    }
+
+    fn recycle(&mut self, iu: Vec<u8>) {
+        if self.free.len() < KEPT_IUS {
+            self.free.push(iu);
+        }
     }
 
     fn portal(&self) -> String {
@@ -345,8 +377,6 @@ struct Chan<Q> {
     rx: mpsc::UnboundedReceiver<Routed>,
     out: Outbox,
     reads: HashMap<u64, Read>,
-    /// IU buffers for sends, back from their completions.
-    sends: Vec<Vec<u8>>,
     unit: Option<Arc<Lun>>,
     /// The channel is over (logged out or disconnected) and waits for its tasks to end.
     lost: bool,
@@ -389,6 +419,37 @@ struct Port<F: Fabric> {
     /// once warm.
     ids: Vec<u64>,
     events: Vec<Event<Buffer>>,
+    /// Where the channel machines encode the IUs they send.
+    scratch: Vec<u8>,
+}
+
+/// Starts an SRP port on `reactor`: `open` makes its fabric there (the reactor's arena and
+/// runtime are what it registers and watches), then it serves until the daemon stops. Returns
+/// once the port listens, or with the reason `open` gave.
+pub fn start_port<F: Fabric + 'static>(
+    reactor: &crate::reactor::Handle,
+    registry: Arc<Registry>,
+    open: impl FnOnce(&Io) -> Result<F, String> + Send + 'static,
+) -> Result<(), String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = reactor.spawn(Box::new(move |io| {
+        Box::pin(async move {
+            match open(&io) {
+                Ok(port) => {
+                    let _ = tx.send(Ok(()));
+                    serve(port, io, registry).await;
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                }
+            }
+        })
+    }));
+    if !spawned {
+        return Err(format!("reactor {} is gone", reactor.index));
+    }
+    rx.recv()
+        .map_err(|_| format!("reactor {} ended", reactor.index))?
 }
 
 /// Serves SRP on `fabric` until the daemon stops: the task a reactor runs for an SRP portal.
@@ -413,6 +474,7 @@ pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
         logging_out: false,
         ids: Vec::with_capacity(64),
         events: Vec::with_capacity(256),
+        scratch: Vec::with_capacity(IU_LEN),
     };
     tracing::info!(portal = %port.portal, reactor = port.io.index, "SRP port listening");
     loop {
@@ -529,7 +591,10 @@ impl<F: Fabric> Port<F> {
 
     /// Accepts `req`, or refuses it with the reason.
     fn login(&mut self, request: F::Request, req: &SrpLoginReq) {
-        let mut settings = PortSettings::default();
+        let mut settings = PortSettings {
+            max_it_iu_len: IU_LEN as u32,
+            ..PortSettings::default()
+        };
         let reject = |reason| SrpLoginRej {
             reason,
             tag: req.tag,
@@ -594,9 +659,18 @@ impl<F: Fabric> Port<F> {
                 open_nexus(&target, req)
             }
         };
-        let receives = (0..params.request_limit + SPARE_RECEIVES)
-            .map(|_| SrpBuffer::Iu(vec![0; params.max_it_iu_len as usize]))
+        let receives: Option<Vec<_>> = (0..params.request_limit + SPARE_RECEIVES)
+            .map(|_| self.fabric.iu().map(PortBuffer::Iu))
             .collect();
+        let Some(receives) = receives else {
+            if self.table.channels(&key).is_empty() {
+                let mut out = Outbox::detached();
+                target.core().close_session(nexus, &mut out);
+            }
+            let r = reject(LoginRejectReason::InsufficientResources);
+            self.refuse(request, &r, "no IU buffers left for its receives");
+            return;
+        };
         let rsp = settings.response(req, &params, result);
         let mut b = Vec::new();
         rsp.encode(&mut b);
@@ -645,7 +719,6 @@ impl<F: Fabric> Port<F> {
                 rx,
                 out: Outbox::new(id),
                 reads: HashMap::new(),
-                sends: Vec::new(),
                 unit: None,
                 lost: false,
                 _slot: slot,
@@ -686,105 +759,125 @@ impl<F: Fabric> Port<F> {
         };
         let mut progress = false;
         let mut events = std::mem::take(&mut self.events);
-        {
-            let qp = c.qp;
-            while let Some(wc) = self.fabric.poll(qp) {
-                progress = true;
-                let ok = wc.result.is_ok();
-                match (wc.op, wc.buffer) {
-                    (WorkOp::Recv, SrpBuffer::Iu(buffer)) if ok => {
-                        let (machine, mut via) = c.via();
-                        machine.handle_iu(now, &buffer[..wc.len], &mut via);
-                        drop(via);
-                        self.fabric.post_recv(qp, 0, SrpBuffer::Iu(buffer));
-                    }
-                    (WorkOp::Send | WorkOp::RdmaWrite, SrpBuffer::Iu(v)) => c.sends.push(v),
-                    (WorkOp::RdmaRead, buffer) => match c.reads.remove(&wc.wr_id) {
-                        Some(Read::DataOut(tag)) => {
-                            if let SrpBuffer::Data(b) = buffer {
-                                let (machine, mut via) = c.via();
-                                machine.handle_data_out(now, tag, wc.wr_id, b, ok, &mut via);
-                            }
-                        }
-                        Some(Read::Table(tag)) => {
-                            let table = ok.then_some(&buffer[..wc.len]);
+        let qp = c.qp;
+        while let Some(wc) = self.fabric.poll(qp) {
+            progress = true;
+            let ok = wc.result.is_ok();
+            match (wc.op, wc.buffer) {
+                (WorkOp::Recv, PortBuffer::Iu(buffer)) if ok => {
+                    let (machine, mut via) = c.via();
+                    machine.handle_iu(now, &buffer[..wc.len], &mut via);
+                    drop(via);
+                    self.fabric.post_recv(qp, 0, PortBuffer::Iu(buffer));
+                }
+                (WorkOp::RdmaRead, buffer) => match c.reads.remove(&wc.wr_id) {
+                    Some(Read::DataOut(tag)) => {
+                        if let PortBuffer::Data(b) = buffer {
                             let (machine, mut via) = c.via();
-                            machine.handle_table(now, tag, wc.wr_id, table, &mut via);
-                            drop(via);
-                            if let SrpBuffer::Iu(v) = buffer {
-                                c.sends.push(v);
-                            }
+                            machine.handle_data_out(now, tag, wc.wr_id, b, ok, &mut via);
                         }
-                        None => {}
-                    },
-                    // A data buffer written out goes back to the arena; a flushed receive
-                    // with its channel.
-                    _ => {}
-                }
-            }
-            if !c.out.local.is_empty() {
-                progress = true;
-                let (machine, mut via) = c.via();
-                machine.handle_core(now, &mut via);
-            }
-            loop {
-                let mut iu = c.sends.pop().unwrap_or_default();
-                let Some(t) = c.machine.poll_transmit(&mut iu) else {
-                    c.sends.push(iu);
-                    break;
-                };
-                progress = true;
-                match t {
-                    Transmit::Send { len, .. } => {
-                        self.fabric.post_send(qp, 0, SrpBuffer::Iu(iu), len);
                     }
-                    Transmit::RdmaWrite {
-                        payload,
-                        len,
-                        regions,
-                        ..
-                    } => {
-                        c.sends.push(iu);
-                        let data = match payload {
-                            Payload::Buffer(b) => SrpBuffer::Data(b),
-                            Payload::Bytes(v) => SrpBuffer::Iu(v),
-                        };
-                        self.fabric
-                            .post_rdma_write(qp, 0, data, len as usize, &regions);
-                        c.machine.recycle(regions);
+                    Some(Read::Table(tag)) => {
+                        let table = ok.then_some(&buffer[..wc.len]);
+                        let (machine, mut via) = c.via();
+                        machine.handle_table(now, tag, wc.wr_id, table, &mut via);
                     }
-                    Transmit::RdmaRead {
-                        tag,
-                        transfer,
-                        buffer,
-                        len,
-                        regions,
-                    } => {
-                        c.sends.push(iu);
-                        c.reads.insert(transfer, Read::DataOut(tag));
-                        let data = SrpBuffer::Data(buffer);
-                        self.fabric
-                            .post_rdma_read(qp, transfer, data, len as usize, &regions);
-                        c.machine.recycle(regions);
-                    }
-                    Transmit::ReadTable {
-                        tag,
-                        transfer,
-                        table,
-                    } => {
-                        c.reads.insert(transfer, Read::Table(tag));
-                        iu.clear();
-                        iu.resize(table.len as usize, 0);
-                        let len = table.len as usize;
-                        self.fabric
-                            .post_rdma_read(qp, transfer, SrpBuffer::Iu(iu), len, &[table]);
+                    None => {}
+                },
+                // A send or RDMA WRITE that failed without breaking the queue pair (a full
+                // send queue) must not be followed by a response that says all went well.
+                (WorkOp::Send | WorkOp::RdmaWrite, b) if !ok => {
+                    tracing::warn!(error = ?wc.result, "SRP transfer failed: channel disconnected");
+                    self.fabric.disconnect(qp);
+                    if let PortBuffer::Iu(b) = b {
+                        self.fabric.recycle(b);
                     }
                 }
+                // A send's IU buffer goes back to the fabric; a data buffer written out to the
+                // arena; a flushed receive with its channel.
+                (_, PortBuffer::Iu(b)) => self.fabric.recycle(b),
+                (_, PortBuffer::Data(_)) => {}
             }
-            while let Some(e) = c.machine.poll_event() {
-                progress = true;
-                events.push(e);
+        }
+        if !c.out.local.is_empty() {
+            progress = true;
+            let (machine, mut via) = c.via();
+            machine.handle_core(now, &mut via);
+        }
+        let mut broken = None;
+        while let Some(t) = c.machine.poll_transmit(&mut self.scratch) {
+            progress = true;
+            match t {
+                Transmit::Send { len, .. } => match self.fabric.iu() {
+                    Some(mut b) => {
+                        b[..len].copy_from_slice(&self.scratch[..len]);
+                        self.fabric.post_send(qp, 0, PortBuffer::Iu(b), len);
+                    }
+                    None => broken = Some("no IU buffer left to send with"),
+                },
+                Transmit::RdmaWrite {
+                    payload,
+                    len,
+                    regions,
+                    ..
+                } => {
+                    let data = match payload {
+                        Payload::Buffer(b) => Some(PortBuffer::Data(b)),
+                        Payload::Bytes(v) => self.fabric.payload(v, &self.share),
+                    };
+                    match data {
+                        Some(d) => self
+                            .fabric
+                            .post_rdma_write(qp, 0, d, len as usize, &regions),
+                        None => broken = Some("no registered memory for parameter data"),
+                    }
+                    c.machine.recycle(regions);
+                }
+                Transmit::RdmaRead {
+                    tag,
+                    transfer,
+                    buffer,
+                    len,
+                    regions,
+                } => {
+                    c.reads.insert(transfer, Read::DataOut(tag));
+                    let data = PortBuffer::Data(buffer);
+                    self.fabric
+                        .post_rdma_read(qp, transfer, data, len as usize, &regions);
+                    c.machine.recycle(regions);
+                }
+                Transmit::ReadTable {
+                    tag,
+                    transfer,
+                    table,
+                } => {
+                    let len = table.len as usize;
+                    match self.share.try_alloc(len) {
+                        Ok(Some(b)) => {
+                            c.reads.insert(transfer, Read::Table(tag));
+                            let b = PortBuffer::Data(b);
+                            self.fabric.post_rdma_read(qp, transfer, b, len, &[table]);
+                        }
+                        // No room for the table now: the command fails (BUSY-like
+                        // backpressure would need the table's bytes kept somewhere).
+                        _ => {
+                            let (machine, mut via) = c.via();
+                            machine.handle_table(now, tag, transfer, None, &mut via);
+                        }
+                    }
+                }
             }
+            if broken.is_some() {
+                break;
+            }
+        }
+        if let Some(why) = broken {
+            tracing::error!(portal = %self.portal, "SRP channel disconnected: {why}");
+            self.fabric.disconnect(qp);
+        }
+        while let Some(e) = c.machine.poll_event() {
+            progress = true;
+            events.push(e);
         }
         for e in events.drain(..) {
             self.event(id, e);
@@ -888,6 +981,13 @@ impl<F: Fabric> Port<F> {
         if !disconnected {
             self.fabric.disconnect(c.qp);
         }
+        // What the disconnection flushed comes back before the queue pair goes.
+        while let Some(wc) = self.fabric.poll(c.qp) {
+            if let PortBuffer::Iu(b) = wc.buffer {
+                self.fabric.recycle(b);
+            }
+        }
+        self.fabric.release(c.qp);
         lock(&self.registry.srp_channels).remove(&id);
         if let Left::Ended(nexus) = self.table.leave(c.key, &id) {
             let mut out = Outbox::detached();
@@ -916,6 +1016,7 @@ impl<F: Fabric> Port<F> {
     fn close_all(&mut self) {
         for (id, c) in std::mem::take(&mut self.channels) {
             self.fabric.disconnect(c.qp);
+            self.fabric.release(c.qp);
             lock(&self.registry.srp_channels).remove(&id);
             if let Left::Ended(nexus) = self.table.leave(c.key, &id) {
                 let mut out = Outbox::detached();

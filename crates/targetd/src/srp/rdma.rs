@@ -1,0 +1,183 @@
+//! An SRP port on a real RDMA device (feature `rdma`): srp's rdma-sys binding as a
+//! [`Fabric`]. The reactor's arena is registered with the device once, when the port starts;
+//! IU buffers are the binding's pool of slots, registered once too. The reactor watches three
+//! descriptors: the listener's rdma_cm channel (connect requests), the device's rdma_cm
+//! channel (connections established and lost) and its completion channel.
+
+use std::net::SocketAddr;
+use std::task::{Context, Poll};
+
+use srp::iu::{IuError, MemoryDescriptor, SrpLoginReq};
+use srp::rdma::{
+    ConnectRequest, Listener, QpHandle, QueueDepth, RdmaError, RdmaVerbs, Slot, Watch,
+};
+use srp::target::channel::SPARE_RECEIVES;
+use srp::target::PortSettings;
+use srp::verbs::{Completion, Verbs};
+
+use super::{Fabric, SrpBuffer, IU_LEN};
+
+/// Channels one RDMA port serves at once: its IU slots are sized for them (each channel
+/// holds a receive per credit, and as many sends in flight at most).
+pub const CHANNELS: u32 = 16;
+
+/// An SRP port on an RDMA device.
+pub struct RdmaPort {
+    listening: Watch,
+    connections: Watch,
+    completions: Watch,
+    listener: Listener,
+    verbs: RdmaVerbs<SrpBuffer<Slot>>,
+    addr: SocketAddr,
+    depth: QueueDepth,
+    ready: Vec<QpHandle>,
+}
+
+impl std::fmt::Debug for RdmaPort {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaPort")
+            .field("addr", &self.addr)
+            .field("verbs", &self.verbs)
+            .finish()
+    }
+}
+
+impl RdmaPort {
+    /// Opens the device that serves `addr` (the first one), registers `arena` with it, and
+    /// listens. Call on the reactor whose arena it is (the watchers are its runtime's).
+    pub fn open(addr: SocketAddr, arena: &backend::Arena) -> Result<RdmaPort, RdmaError> {
+        let settings = PortSettings::default();
+        let per_channel = 2 * (settings.request_limit + SPARE_RECEIVES) + 8;
+        let mut verbs = RdmaVerbs::open(None, CHANNELS * per_channel, IU_LEN)?;
+        verbs.register_arena(arena)?;
+        let listener = Listener::bind(addr, 64)?;
+        let watch = |fd| {
+            Watch::new(fd).map_err(|source| RdmaError::Os {
+                call: "epoll (AsyncFd)",
+                source,
+            })
+        };
+        Ok(RdmaPort {
+            listening: watch(listener.fd())?,
+            connections: watch(verbs.connection_fd())?,
+            completions: watch(verbs.completion_fd())?,
+            listener,
+            verbs,
+            addr,
+            depth: QueueDepth {
+                // A response per credit, and RDMA transfers of one request per descriptor.
+                send: 4096,
+                recv: settings.request_limit + SPARE_RECEIVES,
+            },
+            ready: Vec::new(),
+        })
+    }
+}
+
+impl Verbs for RdmaPort {
+    type Qp = QpHandle;
+    type Buffer = SrpBuffer<Slot>;
+
+    fn post_recv(&mut self, qp: QpHandle, wr_id: u64, buffer: Self::Buffer) {
+        self.verbs.post_recv(qp, wr_id, buffer);
+    }
+
+    fn post_send(&mut self, qp: QpHandle, wr_id: u64, buffer: Self::Buffer, len: usize) {
+        self.verbs.post_send(qp, wr_id, buffer, len);
+    }
+
+    fn post_rdma_write(
+        &mut self,
+        qp: QpHandle,
+        wr_id: u64,
+        buffer: Self::Buffer,
+        len: usize,
+        remote: &[MemoryDescriptor],
+    ) {
+        self.verbs.post_rdma_write(qp, wr_id, buffer, len, remote);
+    }
+
+    fn post_rdma_read(
+        &mut self,
+        qp: QpHandle,
+        wr_id: u64,
+        buffer: Self::Buffer,
+        len: usize,
+        remote: &[MemoryDescriptor],
+    ) {
+        self.verbs.post_rdma_read(qp, wr_id, buffer, len, remote);
+    }
+
+    fn poll(&mut self, qp: QpHandle) -> Option<Completion<Self::Buffer>> {
+        self.verbs.poll(qp)
+    }
+
+    fn is_error(&self, qp: QpHandle) -> bool {
+        self.verbs.is_error(qp)
+    }
+
+    fn disconnect(&mut self, qp: QpHandle) {
+        self.verbs.disconnect(qp);
+    }
+}
+
+impl Fabric for RdmaPort {
+    type Iu = Slot;
+    type Request = ConnectRequest;
+
+    fn iu(&mut self) -> Option<Slot> {
+        self.verbs.slot()
+    }
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        // Each is polled, so that each has the waker.
+        let requests = self.listening.poll_readable(cx);
+        let connections = self.connections.poll_readable(cx);
+        let completions = self.completions.poll_readable(cx);
+        if completions {
+            // Acknowledged and armed again; the port polls every queue pair anyway.
+            self.ready.clear();
+            self.verbs.ack_events(&mut self.ready);
+        }
+        if connections {
+            // A lost connection puts its queue pair in the error state, which the port sees.
+            while self.verbs.poll_connection().is_some() {}
+        }
+        if requests || connections || completions {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+
+    fn next_request(&mut self) -> Option<ConnectRequest> {
+        self.listener.accept()
+    }
+
+    fn login(&self, request: &ConnectRequest) -> Result<SrpLoginReq, IuError> {
+        SrpLoginReq::decode_rdma_cm(&request.private)
+    }
+
+    fn accept(
+        &mut self,
+        request: ConnectRequest,
+        receives: Vec<Self::Buffer>,
+        private: &[u8],
+    ) -> Result<QpHandle, String> {
+        self.verbs
+            .accept(request, self.depth, receives, private)
+            .map_err(|e| e.to_string())
+    }
+
+    fn reject(&mut self, request: ConnectRequest, private: &[u8]) {
+        request.reject(private);
+    }
+
+    fn release(&mut self, qp: QpHandle) {
+        self.verbs.destroy(qp);
+    }
+
+    fn portal(&self) -> String {
+        format!("rdma:{}", self.addr)
+    }
+}
