@@ -35,7 +35,7 @@ use srp::target::{
     Admission, Channel, ChannelTable, Core, Event, ItNexusKey, Left, Payload, PortSettings,
     Transmit,
 };
-use srp::verbs::{Completion, PortBuffer, Verbs, WorkOp};
+use srp::verbs::{PortBuffer, Verbs, WorkOp};
 use tokio::sync::mpsc;
 
 #[cfg(feature = "rdma")]
@@ -70,6 +70,9 @@ pub fn hex(id: &[u8; 16]) -> String {
     id.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A queue pair of a fabric.
+pub type Qp<F> = <<F as Fabric>::Verbs as Verbs>::Qp;
+
 /// A buffer a port gives its verbs: one of the fabric's IU buffers, or a task's data in a
 /// slot run of the reactor's arena.
 pub type SrpBuffer<I> = PortBuffer<I, Buffer>;
@@ -77,9 +80,13 @@ pub type SrpBuffer<I> = PortBuffer<I, Buffer>;
 /// What a port runs on: queue-pair verbs over [`SrpBuffer`]s, and connection management as
 /// rdma_cm does it (connect requests carrying an SRP_LOGIN_REQ, answered with an
 /// SRP_LOGIN_RSP or SRP_LOGIN_REJ as private data).
-pub trait Fabric: Verbs<Buffer = SrpBuffer<Self::Iu>> {
+pub trait Fabric {
     /// An IU buffer: registered memory of the fabric's own, [`IU_LEN`] bytes.
     type Iu: DerefMut<Target = [u8]>;
+    /// Its queue-pair verbs.
+    type Verbs: Verbs<Buffer = SrpBuffer<Self::Iu>>;
+    /// The verbs.
+    fn verbs(&mut self) -> &mut Self::Verbs;
     /// A connect request.
     type Request;
     /// A free IU buffer; `None` when the fabric has none left.
@@ -109,7 +116,7 @@ pub trait Fabric: Verbs<Buffer = SrpBuffer<Self::Iu>> {
         request: Self::Request,
         receives: Vec<SrpBuffer<Self::Iu>>,
         private: &[u8],
-    ) -> Result<Self::Qp, String>;
+    ) -> Result<Qp<Self>, String>;
     /// Refuses it with `private`.
     fn reject(&mut self, request: Self::Request, private: &[u8]);
     /// An IU buffer back from its send.
@@ -118,7 +125,7 @@ pub trait Fabric: Verbs<Buffer = SrpBuffer<Self::Iu>> {
     }
     /// A channel's queue pair is done with (disconnected, its completions taken): its
     /// resources go.
-    fn release(&mut self, qp: Self::Qp) {
+    fn release(&mut self, qp: Qp<Self>) {
         let _ = qp;
     }
     /// The portal, as the admin interface names it.
@@ -163,57 +170,14 @@ impl Drop for FabricPort {
     }
 }
 
-impl Verbs for FabricPort {
-    type Qp = srp::fabric::QpId;
-    type Buffer = SrpBuffer<Vec<u8>>;
-
-    fn post_recv(&mut self, qp: Self::Qp, wr_id: u64, buffer: Self::Buffer) {
-        self.endpoint.post_recv(qp, wr_id, buffer);
-    }
-
-    fn post_send(&mut self, qp: Self::Qp, wr_id: u64, buffer: Self::Buffer, len: usize) {
-        self.endpoint.post_send(qp, wr_id, buffer, len);
-    }
-
-    fn post_rdma_write(
-        &mut self,
-        qp: Self::Qp,
-        wr_id: u64,
-        buffer: Self::Buffer,
-        len: usize,
-        remote: &[srp::iu::MemoryDescriptor],
-    ) {
-        self.endpoint
-            .post_rdma_write(qp, wr_id, buffer, len, remote);
-    }
-
-    fn post_rdma_read(
-        &mut self,
-        qp: Self::Qp,
-        wr_id: u64,
-        buffer: Self::Buffer,
-        len: usize,
-        remote: &[srp::iu::MemoryDescriptor],
-    ) {
-        self.endpoint.post_rdma_read(qp, wr_id, buffer, len, remote);
-    }
-
-    fn poll(&mut self, qp: Self::Qp) -> Option<Completion<Self::Buffer>> {
-        self.endpoint.poll(qp)
-    }
-
-    fn is_error(&self, qp: Self::Qp) -> bool {
-        self.endpoint.is_error(qp)
-    }
-
-    fn disconnect(&mut self, qp: Self::Qp) {
-        self.endpoint.disconnect(qp);
-    }
-}
-
 impl Fabric for FabricPort {
     type Iu = Vec<u8>;
+    type Verbs = Endpoint<SrpBuffer<Vec<u8>>>;
     type Request = ConnectRequest;
+
+    fn verbs(&mut self) -> &mut Self::Verbs {
+        &mut self.endpoint
+    }
 
     fn iu(&mut self) -> Option<Vec<u8>> {
         Some(self.free.pop().unwrap_or_else(|| vec![0; IU_LEN]))
@@ -249,7 +213,7 @@ impl Fabric for FabricPort {
         request: ConnectRequest,
         receives: Vec<SrpBuffer<Vec<u8>>>,
         private: &[u8],
-    ) -> Result<Self::Qp, String> {
+    ) -> Result<Qp<Self>, String> {
         Ok(self.endpoint.accept(request, receives, private))
     }
 
@@ -407,7 +371,7 @@ struct Port<F: Fabric> {
     registry: Arc<Registry>,
     portal: String,
     table: ChannelTable<u64>,
-    channels: BTreeMap<u64, Chan<F::Qp>>,
+    channels: BTreeMap<u64, Chan<Qp<F>>>,
     /// The channel of each backend operation in flight, by its task.
     owners: HashMap<TaskId, u64>,
     inbox: Rc<Inbox>,
@@ -760,7 +724,7 @@ impl<F: Fabric> Port<F> {
         let mut progress = false;
         let mut events = std::mem::take(&mut self.events);
         let qp = c.qp;
-        while let Some(wc) = self.fabric.poll(qp) {
+        while let Some(wc) = self.fabric.verbs().poll(qp) {
             progress = true;
             let ok = wc.result.is_ok();
             match (wc.op, wc.buffer) {
@@ -768,7 +732,7 @@ impl<F: Fabric> Port<F> {
                     let (machine, mut via) = c.via();
                     machine.handle_iu(now, &buffer[..wc.len], &mut via);
                     drop(via);
-                    self.fabric.post_recv(qp, 0, PortBuffer::Iu(buffer));
+                    self.fabric.verbs().post_recv(qp, 0, PortBuffer::Iu(buffer));
                 }
                 (WorkOp::RdmaRead, buffer) => match c.reads.remove(&wc.wr_id) {
                     Some(Read::DataOut(tag)) => {
@@ -788,7 +752,7 @@ impl<F: Fabric> Port<F> {
                 // send queue) must not be followed by a response that says all went well.
                 (WorkOp::Send | WorkOp::RdmaWrite, b) if !ok => {
                     tracing::warn!(error = ?wc.result, "SRP transfer failed: channel disconnected");
-                    self.fabric.disconnect(qp);
+                    self.fabric.verbs().disconnect(qp);
                     if let PortBuffer::Iu(b) = b {
                         self.fabric.recycle(b);
                     }
@@ -811,7 +775,7 @@ impl<F: Fabric> Port<F> {
                 Transmit::Send { len, .. } => match self.fabric.iu() {
                     Some(mut b) => {
                         b[..len].copy_from_slice(&self.scratch[..len]);
-                        self.fabric.post_send(qp, 0, PortBuffer::Iu(b), len);
+                        self.fabric.verbs().post_send(qp, 0, PortBuffer::Iu(b), len);
                     }
                     None => broken = Some("no IU buffer left to send with"),
                 },
@@ -826,9 +790,10 @@ impl<F: Fabric> Port<F> {
                         Payload::Bytes(v) => self.fabric.payload(v, &self.share),
                     };
                     match data {
-                        Some(d) => self
-                            .fabric
-                            .post_rdma_write(qp, 0, d, len as usize, &regions),
+                        Some(d) => {
+                            let verbs = self.fabric.verbs();
+                            verbs.post_rdma_write(qp, 0, d, len as usize, &regions);
+                        }
                         None => broken = Some("no registered memory for parameter data"),
                     }
                     c.machine.recycle(regions);
@@ -843,6 +808,7 @@ impl<F: Fabric> Port<F> {
                     c.reads.insert(transfer, Read::DataOut(tag));
                     let data = PortBuffer::Data(buffer);
                     self.fabric
+                        .verbs()
                         .post_rdma_read(qp, transfer, data, len as usize, &regions);
                     c.machine.recycle(regions);
                 }
@@ -856,7 +822,9 @@ impl<F: Fabric> Port<F> {
                         Ok(Some(b)) => {
                             c.reads.insert(transfer, Read::Table(tag));
                             let b = PortBuffer::Data(b);
-                            self.fabric.post_rdma_read(qp, transfer, b, len, &[table]);
+                            self.fabric
+                                .verbs()
+                                .post_rdma_read(qp, transfer, b, len, &[table]);
                         }
                         // No room for the table now: the command fails (BUSY-like
                         // backpressure would need the table's bytes kept somewhere).
@@ -873,7 +841,7 @@ impl<F: Fabric> Port<F> {
         }
         if let Some(why) = broken {
             tracing::error!(portal = %self.portal, "SRP channel disconnected: {why}");
-            self.fabric.disconnect(qp);
+            self.fabric.verbs().disconnect(qp);
         }
         while let Some(e) = c.machine.poll_event() {
             progress = true;
@@ -962,7 +930,7 @@ impl<F: Fabric> Port<F> {
         let Some(c) = self.channels.get_mut(&id) else {
             return false;
         };
-        let disconnected = self.fabric.is_error(c.qp);
+        let disconnected = self.fabric.verbs().is_error(c.qp);
         if c.machine.closing().is_none() && !disconnected && !c.lost {
             return false;
         }
@@ -979,10 +947,10 @@ impl<F: Fabric> Port<F> {
             return false;
         };
         if !disconnected {
-            self.fabric.disconnect(c.qp);
+            self.fabric.verbs().disconnect(c.qp);
         }
         // What the disconnection flushed comes back before the queue pair goes.
-        while let Some(wc) = self.fabric.poll(c.qp) {
+        while let Some(wc) = self.fabric.verbs().poll(c.qp) {
             if let PortBuffer::Iu(b) = wc.buffer {
                 self.fabric.recycle(b);
             }
@@ -1015,7 +983,7 @@ impl<F: Fabric> Port<F> {
     /// Disconnects what is left (the daemon's drain is over).
     fn close_all(&mut self) {
         for (id, c) in std::mem::take(&mut self.channels) {
-            self.fabric.disconnect(c.qp);
+            self.fabric.verbs().disconnect(c.qp);
             self.fabric.release(c.qp);
             lock(&self.registry.srp_channels).remove(&id);
             if let Left::Ended(nexus) = self.table.leave(c.key, &id) {

@@ -7,13 +7,12 @@
 use std::net::SocketAddr;
 use std::task::{Context, Poll};
 
-use srp::iu::{IuError, MemoryDescriptor, SrpLoginReq};
+use srp::iu::{IuError, SrpLoginReq};
 use srp::rdma::{
     ConnectRequest, Listener, QpHandle, QueueDepth, RdmaError, RdmaVerbs, Slot, Watch,
 };
 use srp::target::channel::SPARE_RECEIVES;
 use srp::target::PortSettings;
-use srp::verbs::{Completion, Verbs};
 
 use super::{Fabric, SrpBuffer, IU_LEN};
 
@@ -74,56 +73,14 @@ impl RdmaPort {
     }
 }
 
-impl Verbs for RdmaPort {
-    type Qp = QpHandle;
-    type Buffer = SrpBuffer<Slot>;
-
-    fn post_recv(&mut self, qp: QpHandle, wr_id: u64, buffer: Self::Buffer) {
-        self.verbs.post_recv(qp, wr_id, buffer);
-    }
-
-    fn post_send(&mut self, qp: QpHandle, wr_id: u64, buffer: Self::Buffer, len: usize) {
-        self.verbs.post_send(qp, wr_id, buffer, len);
-    }
-
-    fn post_rdma_write(
-        &mut self,
-        qp: QpHandle,
-        wr_id: u64,
-        buffer: Self::Buffer,
-        len: usize,
-        remote: &[MemoryDescriptor],
-    ) {
-        self.verbs.post_rdma_write(qp, wr_id, buffer, len, remote);
-    }
-
-    fn post_rdma_read(
-        &mut self,
-        qp: QpHandle,
-        wr_id: u64,
-        buffer: Self::Buffer,
-        len: usize,
-        remote: &[MemoryDescriptor],
-    ) {
-        self.verbs.post_rdma_read(qp, wr_id, buffer, len, remote);
-    }
-
-    fn poll(&mut self, qp: QpHandle) -> Option<Completion<Self::Buffer>> {
-        self.verbs.poll(qp)
-    }
-
-    fn is_error(&self, qp: QpHandle) -> bool {
-        self.verbs.is_error(qp)
-    }
-
-    fn disconnect(&mut self, qp: QpHandle) {
-        self.verbs.disconnect(qp);
-    }
-}
-
 impl Fabric for RdmaPort {
     type Iu = Slot;
+    type Verbs = RdmaVerbs<SrpBuffer<Slot>>;
     type Request = ConnectRequest;
+
+    fn verbs(&mut self) -> &mut Self::Verbs {
+        &mut self.verbs
+    }
 
     fn iu(&mut self) -> Option<Slot> {
         self.verbs.slot()
@@ -161,7 +118,7 @@ impl Fabric for RdmaPort {
     fn accept(
         &mut self,
         request: ConnectRequest,
-        receives: Vec<Self::Buffer>,
+        receives: Vec<SrpBuffer<Slot>>,
         private: &[u8],
     ) -> Result<QpHandle, String> {
         self.verbs
