@@ -443,12 +443,12 @@ impl PeerMemory for Port<'_> {
         Ok(self.fabric.alloc(self.node, len))
     }
 
-    fn memory<'a>(&'a self, m: &'a MemoryId) -> &'a [u8] {
-        self.fabric.memory(*m)
+    fn read(&self, m: &MemoryId, offset: usize, out: &mut [u8]) {
+        out.copy_from_slice(&self.fabric.memory(*m)[offset..offset + out.len()]);
     }
 
-    fn memory_mut<'a>(&'a mut self, m: &'a mut MemoryId) -> &'a mut [u8] {
-        self.fabric.memory_mut(*m)
+    fn write(&mut self, m: &MemoryId, offset: usize, data: &[u8]) {
+        self.fabric.memory_mut(*m)[offset..offset + data.len()].copy_from_slice(data);
     }
 
     fn register(

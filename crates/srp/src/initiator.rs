@@ -244,9 +244,8 @@ impl<M> DataMemory<M> {
             at += this;
         }
         if let Some(d) = data_out {
-            let bytes = verbs.memory_mut(&mut self.memory);
-            for (&(offset, this), src) in c.regions.iter().zip(d[..len].chunks(chunk)) {
-                bytes[offset..offset + this].copy_from_slice(src);
+            for (&(offset, _), src) in c.regions.iter().zip(d[..len].chunks(chunk)) {
+                verbs.write(&self.memory, offset, src);
             }
         }
         let r = self.describe(verbs, &mut c, base, len, partial);
@@ -278,7 +277,7 @@ impl<M> DataMemory<M> {
             let mut list = Vec::with_capacity(remote.len() * DESCRIPTOR_LEN);
             remote.iter().for_each(|d| d.encode(&mut list));
             let at = base + 2 * len;
-            verbs.memory_mut(&mut self.memory)[at..at + list.len()].copy_from_slice(&list);
+            verbs.write(&self.memory, at, &list);
             let table = self.remote(verbs, &mut c.own, at, list.len())?;
             if partial {
                 list.truncate(DESCRIPTOR_LEN);
@@ -321,18 +320,19 @@ impl<M> DataMemory<M> {
         })
     }
 
-    /// The bytes of command `tag`'s regions, in order (its data-in once it has ended).
-    pub fn data<'a, V: PeerMemory<Memory = M>>(
-        &'a self,
-        verbs: &'a V,
-        tag: u64,
-    ) -> impl Iterator<Item = &'a [u8]> + 'a {
-        let bytes = verbs.memory(&self.memory);
-        self.in_flight
+    /// Appends the bytes of command `tag`'s regions, in order, to `out` (its data-in once it
+    /// has ended).
+    pub fn read_data<V: PeerMemory<Memory = M>>(&self, verbs: &V, tag: u64, out: &mut Vec<u8>) {
+        for &(offset, len) in self
+            .in_flight
             .get(&tag)
             .into_iter()
-            .flat_map(|c| c.regions.iter())
-            .map(move |&(offset, len)| &bytes[offset..offset + len])
+            .flat_map(|c| &c.regions)
+        {
+            let at = out.len();
+            out.resize(at + len, 0);
+            verbs.read(&self.memory, offset, &mut out[at..]);
+        }
     }
 
     /// Command `tag` has ended (its response arrived, it was aborted, or its channel is gone):
@@ -391,7 +391,8 @@ mod tests {
                 e.descriptor(),
                 DataBufferDescriptor::Indirect { total_len, .. } if total_len == 128 * 1024
             ));
-            let gathered: Vec<u8> = m.data(&port, 1).flatten().copied().collect();
+            let mut gathered = Vec::new();
+            m.read_data(&port, 1, &mut gathered);
             assert_eq!(gathered, data, "data-out lies in the regions in order");
             assert!(m.release(&mut port, 1));
             assert!(!m.release(&mut port, 1), "released once");

@@ -17,7 +17,7 @@
 //! request is held in that queue pair's
 //! in-flight table until the request's completion, so no Rust reference to bytes the device
 //! may be writing exists, and its memory (kept alive by the pool's reference count) outlives
-//! the request; memory from [`Verbs::alloc`] lives as long as the verbs, past every
+//! the request; memory from [`PeerMemory::alloc`] lives as long as the verbs, past every
 //! registration of it and every queue pair; a work request chain is posted only when the send
 //! queue has room for all of it, so a post never fails half-way with a buffer the device may
 //! still read. The bytes of registered memory the *peer* writes (an initiator's data-in) can
@@ -1036,17 +1036,19 @@ impl<B: Registered> PeerMemory for RdmaVerbs<B> {
         Ok(self.memory.len() - 1)
     }
 
-    fn memory<'a>(&'a self, m: &'a usize) -> &'a [u8] {
+    fn read(&self, m: &usize, offset: usize, out: &mut [u8]) {
         let a = &self.memory[*m];
         // Safety: the allocation lives as long as `self`; see the module's documentation
         // for bytes the peer may write.
-        unsafe { std::slice::from_raw_parts(a.ptr, a.len()) }
+        let bytes = unsafe { std::slice::from_raw_parts(a.ptr, a.len()) };
+        out.copy_from_slice(&bytes[offset..offset + out.len()]);
     }
 
-    fn memory_mut<'a>(&'a mut self, m: &'a mut usize) -> &'a mut [u8] {
+    fn write(&mut self, m: &usize, offset: usize, data: &[u8]) {
         let a = &self.memory[*m];
-        // Safety: as for `memory`; `&mut self` makes this the only reference from here.
-        unsafe { std::slice::from_raw_parts_mut(a.ptr, a.len()) }
+        // Safety: as for `read`; `&mut self` makes this the only reference from here.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(a.ptr, a.len()) };
+        bytes[offset..offset + data.len()].copy_from_slice(data);
     }
 
     fn register(

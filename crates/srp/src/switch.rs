@@ -19,9 +19,9 @@ use std::ops::DerefMut;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
-use crate::fabric::{Fabric, NodeId, QpId};
+use crate::fabric::{Access, Fabric, MemoryId, MemoryRegion, NodeId, QpId, VerbsError};
 use crate::iu::MemoryDescriptor;
-use crate::verbs::{Completion, Verbs, WorkOp};
+use crate::verbs::{Completion, PeerMemory, Verbs, WorkOp};
 
 /// Why a connection could not be asked for or set up.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -306,6 +306,44 @@ impl<B: DerefMut<Target = [u8]>> Endpoint<B> {
     }
 }
 
+/// Memory the peer reaches lives in the fabric, behind the switch's lock: an initiator on
+/// one thread exposes it, a target on another reads and writes it by RDMA.
+impl<B> PeerMemory for Endpoint<B> {
+    type Memory = MemoryId;
+
+    fn alloc(&mut self, len: usize) -> Result<MemoryId, VerbsError> {
+        let node = self.node;
+        self.switch.with(|f| f.port(node).alloc(len))
+    }
+
+    fn read(&self, m: &MemoryId, offset: usize, out: &mut [u8]) {
+        let node = self.node;
+        self.switch.with(|f| f.port(node).read(m, offset, out));
+    }
+
+    fn write(&mut self, m: &MemoryId, offset: usize, data: &[u8]) {
+        let node = self.node;
+        self.switch.with(|f| f.port(node).write(m, offset, data));
+    }
+
+    fn register(
+        &mut self,
+        m: &MemoryId,
+        offset: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<MemoryRegion, VerbsError> {
+        let node = self.node;
+        self.switch
+            .with(|f| f.port(node).register(m, offset, len, access))
+    }
+
+    fn deregister(&mut self, region: MemoryRegion) {
+        let node = self.node;
+        self.switch.with(|f| f.port(node).deregister(region));
+    }
+}
+
 impl<B: DerefMut<Target = [u8]>> Verbs for Endpoint<B> {
     type Qp = QpId;
     type Buffer = B;
@@ -389,8 +427,6 @@ impl<B: DerefMut<Target = [u8]>> Verbs for Endpoint<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fabric::Access;
-    use crate::verbs::VerbsError;
     use std::rc::Rc;
 
     const T: NodeId = NodeId(0);

@@ -880,8 +880,7 @@ impl Rig {
                         if placed.read {
                             if let Some(m) = self.memories.get(&(ch, placed.registration)) {
                                 let port = self.fabric.port(INITIATOR);
-                                m.data(&port, placed.key)
-                                    .for_each(|b| data.extend_from_slice(b));
+                                m.read_data(&port, placed.key, &mut data);
                             }
                         }
                         ended.push(placed);

@@ -145,10 +145,13 @@ pub trait PeerMemory {
 
     /// `len` zeroed bytes for [`PeerMemory::register`], living as long as the verbs.
     fn alloc(&mut self, len: usize) -> Result<Self::Memory, VerbsError>;
-    /// The bytes of `m`.
-    fn memory<'a>(&'a self, m: &'a Self::Memory) -> &'a [u8];
-    /// The bytes of `m`, to fill or change (not while a command exposes them to the peer).
-    fn memory_mut<'a>(&'a mut self, m: &'a mut Self::Memory) -> &'a mut [u8];
+    /// Copies `out.len()` bytes of `m` from `offset` into `out` (a read's data-in, once its
+    /// command has ended). Copies, not borrows: the memory may live behind a lock (a fabric
+    /// shared between threads). A range outside `m` is the caller's bug: it panics.
+    fn read(&self, m: &Self::Memory, offset: usize, out: &mut [u8]);
+    /// Copies `data` into `m` at `offset` (a write's data-out, before its command exposes
+    /// it). A range outside `m` panics.
+    fn write(&mut self, m: &Self::Memory, offset: usize, data: &[u8]);
     /// Registers `len` bytes of `m` from `offset` for `access`.
     fn register(
         &mut self,

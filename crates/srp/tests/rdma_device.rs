@@ -52,8 +52,8 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
         return;
     }
     let mut v: RdmaVerbs = RdmaVerbs::open(None, 64, 8192).expect("the device opens");
-    let mut m = v.alloc(1 << 20).expect("memory");
-    v.memory_mut(&mut m)[..4].copy_from_slice(b"srp!");
+    let m = v.alloc(1 << 20).expect("memory");
+    v.write(&m, 0, b"srp!");
     let r = v
         .register(&m, 0, 1 << 20, Access::REMOTE)
         .expect("registered");
@@ -77,8 +77,8 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
             .expect("connected");
         assert_eq!(reply, b"welcome");
         // Memory the target writes into and reads from, its descriptor sent to the target.
-        let mut m = v.alloc(8192).expect("memory");
-        v.memory_mut(&mut m)[4096..4100].copy_from_slice(b"read");
+        let m = v.alloc(8192).expect("memory");
+        v.write(&m, 4096, b"read");
         let r = v.register(&m, 0, 8192, Access::REMOTE).expect("registered");
         let mut iu = v.slot().expect("a slot");
         let mut d = Vec::new();
@@ -88,7 +88,9 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
         v.post_send(qp, 1, iu, 16);
         let done = wait(|| v.poll(qp).filter(|c| c.op == WorkOp::Recv));
         assert_eq!(done.result, Ok(()));
-        assert_eq!(&v.memory(&m)[..5], b"hello");
+        let mut got = [0; 5];
+        v.read(&m, 0, &mut got);
+        assert_eq!(&got, b"hello");
     });
     let request = wait(|| listener.accept());
     assert_eq!(request.private, b"login");
