@@ -37,7 +37,9 @@ enum Cmd {
     /// Run one workload and report IOPS, throughput and latency.
     Run {
         /// iscsi://[user%secret@]host[:port]/IQN/LUN; several spread the sessions over them.
-        /// With `--transport srp`: `fabric`, an in-process SRP target over the software fabric.
+        /// With `--transport srp`: `fabric`, an in-process SRP target over the software fabric,
+        /// or srp://ADDR:PORT/TARGET/LUN on an RDMA device (feature rdma), TARGET a targetd
+        /// target's name or a target port identifier in 32 hex digits.
         #[arg(required = true)]
         urls: Vec<String>,
         /// The transport.
@@ -134,11 +136,34 @@ enum Cmd {
     },
 }
 
+/// Runs a workload against an SRP target on this machine's RDMA device.
+#[cfg(feature = "rdma")]
+fn run_srp_device(
+    url: &initiator_bench::srp::SrpUrl,
+    w: &initiator_bench::workload::Workload,
+    o: &SrpOptions,
+) -> Result<initiator_bench::srp::SrpReport, String> {
+    initiator_bench::srp::run_rdma(url, w, o)
+}
+
+#[cfg(not(feature = "rdma"))]
+fn run_srp_device(
+    _: &initiator_bench::srp::SrpUrl,
+    _: &initiator_bench::workload::Workload,
+    _: &SrpOptions,
+) -> Result<initiator_bench::srp::SrpReport, String> {
+    Err(
+        "SRP on an RDMA device needs initiator-bench built with the feature rdma \
+         (cargo build --release -p initiator-bench --features rdma)"
+            .into(),
+    )
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Transport {
     /// iSCSI over TCP.
     Iscsi,
-    /// SRP over RDMA verbs (the software fabric: url `fabric`).
+    /// SRP over RDMA verbs (the software fabric: url `fabric`; a device: srp://...).
     Srp,
 }
 
@@ -357,15 +382,18 @@ fn main() -> anyhow::Result<()> {
                 json,
                 ..
             } => {
-                if urls.len() != 1 || urls[0] != "fabric" {
-                    bail!(
-                        "--transport srp runs against `fabric` (an in-process SRP target over the \
-                         software fabric); SRP on an RDMA device is not in initiator-bench yet"
-                    );
+                if urls.len() != 1 {
+                    bail!("--transport srp runs against one target: `fabric` or srp://...");
                 }
-                let report =
-                    initiator_bench::srp::run_fabric(&workload.workload()?, &srp.options())
+                let w = workload.workload()?;
+                let report = if urls[0] == "fabric" {
+                    initiator_bench::srp::run_fabric(&w, &srp.options())
+                } else {
+                    let url = initiator_bench::srp::SrpUrl::parse(&urls[0])
                         .map_err(|e| anyhow::anyhow!(e))?;
+                    run_srp_device(&url, &w, &srp.options())
+                }
+                .map_err(|e| anyhow::anyhow!(e))?;
                 if json {
                     println!("{}", serde_json::to_string(&report)?);
                 } else {

@@ -16,9 +16,13 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use serde::Serialize;
+use std::collections::HashMap;
+
+use srp::initiator::channel::{Answer, Command, InitiatorChannel};
 use srp::initiator::Registration;
-use srp::iu::{MultiChannelAction, DESCRIPTOR_LEN};
+use srp::iu::{BufferFormats, MultiChannelAction, SrpLoginReq, TaskAttribute, DESCRIPTOR_LEN};
 use srp::testing::{BlockIo, Rig, ARENA_SLOT, PAPER_004_COSTS};
+use srp::verbs::{IuBuffers, PeerMemory};
 
 use crate::workload::{cpu_seconds, fill_pattern, Latency, Split, Workload, XorShift};
 
@@ -91,36 +95,175 @@ pub struct SrpReport {
     pub verify_errors: u64,
 }
 
+/// The I/Os of a workload over one logical unit: which block each goes to, what it
+/// writes, which reads can be checked (their slot was written before they were sent), and,
+/// after the run, the read-back of every slot written. Both runners draw from it.
+struct Plan<'w> {
+    w: &'w Workload,
+    first: u64,
+    per_io: u64,
+    slots: u64,
+    rng: XorShift,
+    cursor: u64,
+    read_percent: u64,
+    /// Slots a write of this run has finished.
+    written: Vec<bool>,
+    deadline: Instant,
+    issued: u64,
+    /// The read-back's position.
+    back: usize,
+}
+
+impl<'w> Plan<'w> {
+    /// The plan of `w`, or why `w` cannot run over SRP.
+    fn new(w: &'w Workload) -> Result<Plan<'w>, String> {
+        if !matches!(w.split, Split::None) {
+            return Err("--split applies to iSCSI only; SRP sends each I/O as one command".into());
+        }
+        let bs = u64::from(BLOCK_SIZE);
+        if w.bs == 0 || u64::from(w.bs) % bs != 0 {
+            return Err(format!("--bs must be a multiple of {BLOCK_SIZE} bytes"));
+        }
+        if w.offset % bs != 0 {
+            return Err(format!("--offset must be a multiple of {BLOCK_SIZE} bytes"));
+        }
+        let size = w.size.unwrap_or(DEFAULT_SIZE);
+        let slots = size / u64::from(w.bs);
+        if slots == 0 {
+            return Err(format!("--size {size} holds no I/O of {} bytes", w.bs));
+        }
+        Ok(Plan {
+            w,
+            first: w.offset / bs,
+            per_io: u64::from(w.bs) / bs,
+            slots,
+            rng: XorShift(w.seed | 1),
+            cursor: 0,
+            read_percent: u64::from(w.rw.read_percent(w.rwmix)),
+            written: vec![false; slots as usize],
+            deadline: Instant::now() + w.time,
+            issued: 0,
+            back: 0,
+        })
+    }
+
+    /// Blocks the logical unit needs.
+    fn blocks(&self) -> u64 {
+        self.first + self.slots * self.per_io
+    }
+
+    /// Starts the clock of a run that lasts `--time`.
+    fn start(&mut self) {
+        self.deadline = Instant::now() + self.w.time;
+    }
+
+    /// The next I/O of the run; its cookie says whether a read is to be checked.
+    fn next(&mut self) -> Option<BlockIo> {
+        let done = match self.w.ios {
+            Some(n) => self.issued >= n,
+            None => Instant::now() >= self.deadline,
+        };
+        if done {
+            return None;
+        }
+        self.issued += 1;
+        let slot = if self.w.rw.random() {
+            self.rng.next() % self.slots
+        } else {
+            self.cursor += 1;
+            (self.cursor - 1) % self.slots
+        };
+        let lba = self.first + slot * self.per_io;
+        let read = self.rng.next() % 100 < self.read_percent;
+        let data = (!read).then(|| pattern(lba, self.per_io, self.w));
+        Some(BlockIo {
+            lba,
+            blocks: self.per_io as u32,
+            data,
+            cookie: u64::from(read && self.w.verify && self.written[slot as usize]),
+        })
+    }
+
+    /// The next read of the read-back: a slot written during the run.
+    fn next_back(&mut self) -> Option<BlockIo> {
+        let at = self.written[self.back..].iter().position(|&b| b)? + self.back;
+        self.back = at + 1;
+        Some(BlockIo {
+            lba: self.first + at as u64 * self.per_io,
+            blocks: self.per_io as u32,
+            data: None,
+            cookie: 1,
+        })
+    }
+}
+
+/// What the I/Os of a run came to.
+struct Tally {
+    hist: Histogram<u64>,
+    ios: u64,
+    errors: u64,
+    verified: u64,
+    verify_errors: u64,
+}
+
+impl Tally {
+    fn new() -> Tally {
+        Tally {
+            hist: Histogram::<u64>::new(3).expect("3 significant digits"),
+            ios: 0,
+            errors: 0,
+            verified: 0,
+            verify_errors: 0,
+        }
+    }
+
+    /// An I/O of the run ended with `status` and, for a read, `data`.
+    fn done(
+        &mut self,
+        plan: &mut Plan<'_>,
+        io: &BlockIo,
+        status: u8,
+        data: &[u8],
+        latency: Duration,
+    ) {
+        self.ios += 1;
+        let _ = self.hist.record(latency.as_nanos() as u64);
+        if status != 0 {
+            self.errors += 1;
+        } else if io.data.is_some() {
+            plan.written[((io.lba - plan.first) / plan.per_io) as usize] = true;
+        } else if io.cookie == 1 {
+            self.check(plan, io, status, data);
+        }
+    }
+
+    /// A read of the read-back (or a checked read) ended.
+    fn check(&mut self, plan: &Plan<'_>, io: &BlockIo, status: u8, data: &[u8]) {
+        if status != 0 {
+            self.verify_errors += plan.per_io;
+            return;
+        }
+        let (v, e) = check(data, io.lba, plan.w);
+        self.verified += v;
+        self.verify_errors += e;
+    }
+}
+
 /// Runs `w` over SRP on the software fabric against an in-process target with one memory
 /// logical unit of `w.offset + w.size` bytes (64 MiB of range by default).
 pub fn run_fabric(w: &Workload, o: &SrpOptions) -> Result<SrpReport, String> {
-    if !matches!(w.split, Split::None) {
-        return Err("--split applies to iSCSI only; SRP sends each I/O as one command".into());
-    }
-    let bs = u64::from(BLOCK_SIZE);
-    if w.bs == 0 || u64::from(w.bs) % bs != 0 {
-        return Err(format!("--bs must be a multiple of {BLOCK_SIZE} bytes"));
-    }
-    if w.offset % bs != 0 {
-        return Err(format!("--offset must be a multiple of {BLOCK_SIZE} bytes"));
-    }
-    let size = w.size.unwrap_or(DEFAULT_SIZE);
-    let per_io = u64::from(w.bs) / bs;
-    let slots = size / u64::from(w.bs);
-    if slots == 0 {
-        return Err(format!("--size {size} holds no I/O of {} bytes", w.bs));
-    }
-    let first = w.offset / bs;
-    let mut rig = Rig::new(&[(0, BLOCK_SIZE, first + slots * per_io)]);
+    let plan = std::cell::RefCell::new(Plan::new(w)?);
+    let mut rig = Rig::new(&[(0, BLOCK_SIZE, plan.borrow().blocks())]);
     rig.registration = o.registration;
     // A place holds the command's regions apart (twice its bytes) and its table.
     rig.place_len = ARENA_SLOT.max(2 * w.bs as usize + o.regions * DESCRIPTOR_LEN);
     let mut chs = Vec::new();
     for s in 0..w.sessions.max(1) {
-        let mut port = *b"initiator-bench\0";
-        port[15] = s as u8;
         let (ch, _) = rig
-            .login(&Rig::login_request(port, MultiChannelAction::SingleChannel))
+            .login(&Rig::login_request(
+                initiator_port(s),
+                MultiChannelAction::SingleChannel,
+            ))
             .map_err(|rej| format!("login refused: {:?}", rej.reason))?;
         chs.push(ch);
     }
@@ -140,63 +283,24 @@ pub fn run_fabric(w: &Workload, o: &SrpOptions) -> Result<SrpReport, String> {
     if o.link == LinkModel::Paper004 {
         rig.fabric.costs = PAPER_004_COSTS;
     }
-
-    let mut rng = XorShift(w.seed | 1);
-    let mut cursor = 0u64;
-    let read_percent = u64::from(w.rw.read_percent(w.rwmix));
-    // Slots a write of this run has finished, as Cells: the source of I/Os reads them (a read
-    // is checked if its slot was written before it was sent) and completions set them.
-    let written = vec![std::cell::Cell::new(false); slots as usize];
-    let limit = w.ios;
-    let deadline = Instant::now() + w.time;
-    let mut issued = 0u64;
-    let mut next = |_: usize| -> Option<BlockIo> {
-        if limit.map_or(Instant::now() >= deadline, |n| issued >= n) {
-            return None;
-        }
-        issued += 1;
-        let slot = if w.rw.random() {
-            rng.next() % slots
-        } else {
-            cursor += 1;
-            (cursor - 1) % slots
-        };
-        let lba = first + slot * per_io;
-        let read = rng.next() % 100 < read_percent;
-        let data = (!read).then(|| pattern(lba, per_io, w));
-        Some(BlockIo {
-            lba,
-            blocks: per_io as u32,
-            data,
-            cookie: u64::from(read && w.verify && written[slot as usize].get()),
-        })
-    };
-    let mut hist = Histogram::<u64>::new(3).expect("3 significant digits");
-    let (mut ios, mut errors, mut verified, mut verify_errors) = (0u64, 0u64, 0u64, 0u64);
-    let mut done = |_: usize, io: BlockIo, r: srp::testing::Response, latency: Duration| {
-        ios += 1;
-        let _ = hist.record(latency.as_nanos() as u64);
-        if r.status != 0 {
-            errors += 1;
-        } else if io.data.is_some() {
-            written[((io.lba - first) / per_io) as usize].set(true);
-        } else if io.cookie == 1 {
-            let (v, e) = check(&r.data, io.lba, w);
-            verified += v;
-            verify_errors += e;
-        }
-    };
+    let tally = std::cell::RefCell::new(Tally::new());
     let before = rig.fabric.counters;
     let clock = rig.fabric.elapsed;
     let cpu0 = cpu_seconds();
     let t0 = Instant::now();
+    plan.borrow_mut().start();
     let run = rig.closed_loop(
         &chs,
         w.qd.max(1),
         BLOCK_SIZE,
         o.regions,
-        &mut next,
-        &mut done,
+        |_| plan.borrow_mut().next(),
+        |_, io, r, latency| {
+            let mut p = plan.borrow_mut();
+            tally
+                .borrow_mut()
+                .done(&mut p, &io, r.status, &r.data, latency)
+        },
     );
     let elapsed = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu0;
@@ -205,53 +309,356 @@ pub fn run_fabric(w: &Workload, o: &SrpOptions) -> Result<SrpReport, String> {
     run.map_err(|e| format!("a command was refused: {e:?}"))?;
     // After a run that wrote, read back every block written.
     if w.verify {
-        let mut slot = 0usize;
-        let mut source = |_: usize| {
-            let at = written[slot..].iter().position(|b| b.get())? + slot;
-            slot = at + 1;
-            Some(BlockIo {
-                lba: first + at as u64 * per_io,
-                blocks: per_io as u32,
-                data: None,
-                cookie: 1,
-            })
-        };
         let back = rig.closed_loop(
             &chs,
             w.qd.max(1),
             BLOCK_SIZE,
             o.regions,
-            &mut source,
+            |_| plan.borrow_mut().next_back(),
             |_, io, r, _| {
-                if r.status != 0 {
-                    verify_errors += per_io;
-                    return;
-                }
-                let (v, e) = check(&r.data, io.lba, w);
-                verified += v;
-                verify_errors += e;
+                tally
+                    .borrow_mut()
+                    .check(&plan.borrow(), &io, r.status, &r.data)
             },
         );
         back.map_err(|e| format!("a read-back command was refused: {e:?}"))?;
     }
-    let per_sec = |n: f64| if fabric > 0.0 { n / fabric } else { 0.0 };
-    Ok(SrpReport {
+    let registrations = Registrations {
+        initiator: (after.registrations[1] - before.registrations[1]) as f64,
+        target: after.registrations[0] - before.registrations[0],
+    };
+    let clock = if fabric > 0.0 {
+        Clock::Fabric(fabric)
+    } else {
+        Clock::Free
+    };
+    Ok(report(
+        w,
+        o,
+        tally.into_inner(),
+        clock,
+        registrations,
+        elapsed,
+        cpu,
+    ))
+}
+
+/// The initiator port identifier of session `s`.
+fn initiator_port(s: usize) -> [u8; 16] {
+    let mut port = *b"initiator-bench\0";
+    port[15] = s as u8;
+    port
+}
+
+/// Which clock a report's rates and latencies are on.
+enum Clock {
+    /// The fabric's virtual clock, over this many seconds.
+    Fabric(f64),
+    /// This machine's: the run's wall-clock seconds.
+    Wall(f64),
+    /// None (a free fabric charges nothing): only this machine's cost is reported.
+    Free,
+}
+
+/// Registrations made during a run.
+struct Registrations {
+    /// By the initiator, in all.
+    initiator: f64,
+    /// By the target (known on a fabric; 0 where the initiator cannot see it).
+    target: u64,
+}
+
+fn report(
+    w: &Workload,
+    o: &SrpOptions,
+    t: Tally,
+    clock: Clock,
+    registrations: Registrations,
+    elapsed: f64,
+    cpu: f64,
+) -> SrpReport {
+    let (fabric, seconds) = match clock {
+        Clock::Fabric(s) => (s, s),
+        Clock::Wall(s) => (0.0, s),
+        Clock::Free => (0.0, 0.0),
+    };
+    let per_sec = |n: f64| if seconds > 0.0 { n / seconds } else { 0.0 };
+    SrpReport {
         workload: w.clone(),
         options: *o,
-        ios,
-        errors,
+        ios: t.ios,
+        errors: t.errors,
         fabric_seconds: fabric,
-        iops: per_sec(ios as f64),
-        bytes_per_sec: per_sec((ios * u64::from(w.bs)) as f64),
-        latency_us: Latency::of(&hist),
-        initiator_registrations_per_io: (after.registrations[1] - before.registrations[1]) as f64
-            / ios.max(1) as f64,
-        target_registrations: after.registrations[0] - before.registrations[0],
+        iops: per_sec(t.ios as f64),
+        bytes_per_sec: per_sec((t.ios * u64::from(w.bs)) as f64),
+        latency_us: Latency::of(&t.hist),
+        initiator_registrations_per_io: registrations.initiator / t.ios.max(1) as f64,
+        target_registrations: registrations.target,
         elapsed_seconds: elapsed,
         cpu_seconds: cpu,
-        verified_blocks: verified,
-        verify_errors,
-    })
+        verified_blocks: t.verified,
+        verify_errors: t.verify_errors,
+    }
+}
+
+/// An SRP target on an RDMA device as a URL names it: `srp://ADDR:PORT/TARGET/LUN`, where
+/// TARGET is its target port identifier in 32 hex digits, or a targetd target's name (whose
+/// identifier is derived from it, [`srp::target::port_id_for`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SrpUrl {
+    /// The target's rdma_cm address.
+    pub addr: std::net::SocketAddr,
+    /// Its target port identifier.
+    pub target_port_id: [u8; 16],
+    /// The LUN.
+    pub lun: u16,
+}
+
+impl SrpUrl {
+    /// Parses `srp://ADDR:PORT/TARGET/LUN`.
+    pub fn parse(url: &str) -> Result<SrpUrl, String> {
+        let rest = url
+            .strip_prefix("srp://")
+            .ok_or_else(|| format!("{url:?} is not srp://ADDR:PORT/TARGET/LUN"))?;
+        let mut parts = rest.splitn(3, '/');
+        let (Some(addr), Some(target), Some(lun)) = (parts.next(), parts.next(), parts.next())
+        else {
+            return Err(format!("{url:?} is not srp://ADDR:PORT/TARGET/LUN"));
+        };
+        let addr = addr
+            .parse()
+            .map_err(|_| format!("{addr:?} in {url:?} is not an address:port"))?;
+        let lun = lun
+            .parse()
+            .map_err(|_| format!("{lun:?} in {url:?} is not a LUN"))?;
+        let hex = target.len() == 32 && target.bytes().all(|b| b.is_ascii_hexdigit());
+        let target_port_id = if hex {
+            let mut id = [0u8; 16];
+            for (i, b) in id.iter_mut().enumerate() {
+                *b = u8::from_str_radix(&target[2 * i..2 * i + 2], 16).expect("hex digits");
+            }
+            id
+        } else {
+            srp::target::port_id_for(target)
+        };
+        Ok(SrpUrl {
+            addr,
+            target_port_id,
+            lun,
+        })
+    }
+}
+
+/// The login request of session `s` to `target_port_id`, asking for IUs of `it_iu_len` bytes.
+pub fn login_request(s: usize, target_port_id: [u8; 16], it_iu_len: u32) -> SrpLoginReq {
+    SrpLoginReq {
+        tag: s as u64,
+        req_it_iu_len: it_iu_len,
+        req_buf_fmt: BufferFormats::BOTH,
+        multi_channel: MultiChannelAction::SingleChannel,
+        initiator_port_id: initiator_port(s),
+        target_port_id,
+        ..SrpLoginReq::default()
+    }
+}
+
+/// How long a run waits for any answer before it gives up on the target.
+const STALL: Duration = Duration::from_secs(30);
+
+/// Runs `w` on LUN `lun` through `channels` (logged in over `verbs`), on this machine's
+/// clock: the runner for real devices, and for a target on a software fabric shared between
+/// threads. Each channel keeps `w.qd` commands in flight while its credit lasts.
+pub fn run_channels<V: IuBuffers + PeerMemory>(
+    verbs: &mut V,
+    channels: &mut [InitiatorChannel<V>],
+    lun: u16,
+    w: &Workload,
+    o: &SrpOptions,
+) -> Result<SrpReport, String> {
+    let mut plan = Plan::new(w)?;
+    let lun_field = u64::from(lun) << 48;
+    let mut tag = 0u64;
+    // Each nexus's first command hears of the power on: a TEST UNIT READY takes it.
+    for ch in channels.iter_mut() {
+        for _ in 0..3 {
+            tag += 1;
+            let tur = Command {
+                tag,
+                lun: lun_field,
+                cdb: &[0; 6],
+                data_out: None,
+                data_in: 0,
+                regions: 1,
+                partial: false,
+                attribute: TaskAttribute::Simple,
+            };
+            ch.send(verbs, &tur)
+                .map_err(|e| format!("TEST UNIT READY: {e}"))?;
+            let a = wait_answer(verbs, ch)?;
+            if a.status == 0 {
+                break;
+            }
+        }
+    }
+    let mut tally = Tally::new();
+    let mut in_flight: Vec<HashMap<u64, (BlockIo, Instant)>> =
+        channels.iter().map(|_| HashMap::new()).collect();
+    let cpu0 = cpu_seconds();
+    let t0 = Instant::now();
+    plan.start();
+    let mut open = true;
+    let mut read_back = false;
+    let mut last_answer = Instant::now();
+    let mut cdb = [0u8; 16];
+    loop {
+        for (i, ch) in channels.iter_mut().enumerate() {
+            while open && in_flight[i].len() < w.qd.max(1) && ch.credit() > 0 {
+                let io = if read_back {
+                    plan.next_back()
+                } else {
+                    plan.next()
+                };
+                let Some(io) = io else {
+                    open = false;
+                    break;
+                };
+                tag += 1;
+                cdb[0] = if io.data.is_some() { 0x8a } else { 0x88 };
+                cdb[2..10].copy_from_slice(&io.lba.to_be_bytes());
+                cdb[10..14].copy_from_slice(&io.blocks.to_be_bytes());
+                let len = io.blocks * BLOCK_SIZE;
+                let cmd = Command {
+                    tag,
+                    lun: lun_field,
+                    cdb: &cdb,
+                    data_out: io.data.as_deref(),
+                    data_in: if io.data.is_some() { 0 } else { len },
+                    regions: o.regions,
+                    partial: false,
+                    attribute: TaskAttribute::Simple,
+                };
+                ch.send(verbs, &cmd)
+                    .map_err(|e| format!("a command was refused: {e}"))?;
+                in_flight[i].insert(tag, (io, Instant::now()));
+            }
+        }
+        let mut moved = false;
+        for (i, ch) in channels.iter_mut().enumerate() {
+            while let Some(a) = ch.poll(verbs) {
+                moved = true;
+                let Some((io, start)) = in_flight[i].remove(&a.tag) else {
+                    continue;
+                };
+                if read_back {
+                    tally.check(&plan, &io, a.status, &a.data);
+                } else {
+                    tally.done(&mut plan, &io, a.status, &a.data, start.elapsed());
+                }
+            }
+            if ch.is_gone(verbs) {
+                return Err(format!(
+                    "the channel ended ({:?}) with {} commands in flight",
+                    ch.logged_out(),
+                    in_flight[i].len()
+                ));
+            }
+        }
+        if in_flight.iter().all(HashMap::is_empty) && !open {
+            if w.verify && !read_back {
+                read_back = true;
+                open = true;
+                continue;
+            }
+            break;
+        }
+        if moved {
+            last_answer = Instant::now();
+        } else if last_answer.elapsed() > STALL {
+            return Err(format!("no answer from the target for {STALL:?}"));
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - cpu0;
+    // The initiator's registrations: as many per command as its strategy makes (the target's
+    // cannot be seen from here).
+    let per_command = match o.registration {
+        Registration::PerCommand => o.regions as f64,
+        _ => 0.0,
+    };
+    let registrations = Registrations {
+        initiator: per_command * tally.ios as f64,
+        target: 0,
+    };
+    Ok(report(
+        w,
+        o,
+        tally,
+        Clock::Wall(elapsed),
+        registrations,
+        elapsed,
+        cpu,
+    ))
+}
+
+/// Waits for the next answer on `ch`.
+fn wait_answer<V: IuBuffers + PeerMemory>(
+    verbs: &mut V,
+    ch: &mut InitiatorChannel<V>,
+) -> Result<Answer, String> {
+    let deadline = Instant::now() + STALL;
+    loop {
+        if let Some(a) = ch.poll(verbs) {
+            return Ok(a);
+        }
+        if ch.is_gone(verbs) {
+            return Err(format!("the channel ended ({:?})", ch.logged_out()));
+        }
+        if Instant::now() > deadline {
+            return Err(format!("no answer from the target for {STALL:?}"));
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// Runs `w` against the SRP target `url` on this machine's RDMA device (feature `rdma`).
+#[cfg(feature = "rdma")]
+pub fn run_rdma(url: &SrpUrl, w: &Workload, o: &SrpOptions) -> Result<SrpReport, String> {
+    use srp::rdma::{QueueDepth, RdmaVerbs};
+    let sessions = w.sessions.max(1);
+    let slots = (sessions * (w.qd.max(1) + 2 * 140)) as u32;
+    let mut verbs: RdmaVerbs =
+        RdmaVerbs::open(None, slots, srp::verbs::IU_BUFFER_LEN).map_err(|e| e.to_string())?;
+    let place = place_len(w, o);
+    let mut channels = Vec::new();
+    for s in 0..sessions {
+        let mut private = Vec::new();
+        login_request(s, url.target_port_id, srp::verbs::IU_BUFFER_LEN as u32)
+            .encode_rdma_cm(&mut private);
+        let depth = QueueDepth {
+            send: 4096,
+            recv: 256,
+        };
+        let (qp, reply) = verbs
+            .connect(url.addr, depth, &private)
+            .map_err(|e| format!("login to {}: {e}", url.addr))?;
+        let rsp = match srp::Iu::decode(&reply) {
+            Ok(srp::Iu::LoginRsp(r)) => r,
+            other => return Err(format!("login answered with {other:?}")),
+        };
+        let places = w.qd.max(1).min(rsp.req_lim_delta as usize);
+        let ch = InitiatorChannel::new(&mut verbs, qp, &rsp, o.registration, places, place)
+            .map_err(|e| e.to_string())?;
+        channels.push(ch);
+    }
+    run_channels(&mut verbs, &mut channels, url.lun, w, o)
+}
+
+/// Bytes of each buffer place of an initiator's data memory for `w`: its regions apart
+/// (twice its bytes) and its descriptor table.
+pub fn place_len(w: &Workload, o: &SrpOptions) -> usize {
+    2 * w.bs as usize + o.regions * DESCRIPTOR_LEN + 4096
 }
 
 /// The verify pattern of `blocks` blocks from `lba`.
@@ -277,9 +684,13 @@ fn check(data: &[u8], lba: u64, w: &Workload) -> (u64, u64) {
 pub fn print(r: &SrpReport) {
     let w = &r.workload;
     let o = &r.options;
+    let over = if r.fabric_seconds > 0.0 || r.iops == 0.0 {
+        format!("the software fabric ({:?} link)", o.link)
+    } else {
+        "RDMA verbs".to_string()
+    };
     println!(
-        "SRP over the software fabric ({:?} link), registration {}, {} region(s) per command",
-        o.link,
+        "SRP over {over}, registration {}, {} region(s) per command",
         o.registration.name(),
         o.regions
     );
@@ -287,11 +698,15 @@ pub fn print(r: &SrpReport) {
         "{:?} bs={} qd={} sessions={}: {} I/Os, {} errors",
         w.rw, w.bs, w.qd, w.sessions, r.ios, r.errors
     );
-    if r.fabric_seconds > 0.0 {
+    if r.iops > 0.0 {
         let l = &r.latency_us;
+        let (clock, seconds) = if r.fabric_seconds > 0.0 {
+            ("fabric clock", r.fabric_seconds)
+        } else {
+            ("wall clock", r.elapsed_seconds)
+        };
         println!(
-            "  fabric clock: {:.4}s, IOPS {:.0}, throughput {:.1} MB/s",
-            r.fabric_seconds,
+            "  {clock}: {seconds:.4}s, IOPS {:.0}, throughput {:.1} MB/s",
             r.iops,
             r.bytes_per_sec / 1e6
         );
@@ -315,5 +730,34 @@ pub fn print(r: &SrpReport) {
             "  verified {} blocks, {} wrong",
             r.verified_blocks, r.verify_errors
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn srp_urls_name_the_target_by_identifier_or_by_name() {
+        let u = SrpUrl::parse("srp://192.0.2.7:5555/0011223344556677a8b9cadbecfd0e1f/3")
+            .expect("parses");
+        assert_eq!(u.addr, "192.0.2.7:5555".parse().expect("address"));
+        assert_eq!(u.target_port_id[0], 0x00);
+        assert_eq!(u.target_port_id[15], 0x1f);
+        assert_eq!(u.lun, 3);
+        let named =
+            SrpUrl::parse("srp://[::1]:5555/iqn.2026-11.io.example:disk1/0").expect("parses");
+        assert_eq!(
+            named.target_port_id,
+            srp::target::port_id_for("iqn.2026-11.io.example:disk1")
+        );
+        for bad in [
+            "iscsi://h/t/0",
+            "srp://nowhere/t/0",
+            "srp://192.0.2.7:5555/t",
+            "srp://192.0.2.7:5555/t/lun",
+        ] {
+            assert!(SrpUrl::parse(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use crate::iu::MemoryDescriptor;
 pub use crate::verbs::{Access, MemoryRegion, VerbsError};
-use crate::verbs::{Completion, PeerMemory, Verbs, WorkOp};
+use crate::verbs::{Completion, IuBuffers, PeerMemory, Verbs, WorkOp, IU_BUFFER_LEN};
 
 /// A side of the fabric (a host): remote access is checked against the region's node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -472,6 +472,12 @@ impl PeerMemory for Port<'_> {
 
     fn deregister(&mut self, region: MemoryRegion) {
         self.fabric.deregister(region.rkey);
+    }
+}
+
+impl IuBuffers for Port<'_> {
+    fn iu_buffer(&mut self) -> Option<Vec<u8>> {
+        Some(vec![0; IU_BUFFER_LEN])
     }
 }
 

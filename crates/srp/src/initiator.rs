@@ -21,6 +21,8 @@
 
 use std::collections::HashMap;
 
+pub mod channel;
+
 use crate::iu::{DataBufferDescriptor, Descriptors, MemoryDescriptor, DESCRIPTOR_LEN};
 use crate::verbs::{Access, MemoryRegion, PeerMemory, VerbsError};
 

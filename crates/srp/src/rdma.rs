@@ -41,7 +41,7 @@ use scsi_core::transport::TaskBuffer;
 
 use crate::iu::MemoryDescriptor;
 use crate::verbs::{
-    Access, Completion, MemoryRegion, PeerMemory, PortBuffer, Verbs, VerbsError, WorkOp,
+    Access, Completion, IuBuffers, MemoryRegion, PeerMemory, PortBuffer, Verbs, VerbsError, WorkOp,
 };
 
 /// Why the device could not be used.
@@ -1025,6 +1025,12 @@ fn wc_error(status: ibv_wc_status::Type) -> VerbsError {
         },
         ibv_wc_status::IBV_WC_REM_INV_REQ_ERR => VerbsError::RemoteOperation(0),
         s => VerbsError::Device(s),
+    }
+}
+
+impl IuBuffers for RdmaVerbs<Slot> {
+    fn iu_buffer(&mut self) -> Option<Slot> {
+        self.slot()
     }
 }
 

@@ -21,7 +21,7 @@ use std::task::{Context, Poll, Waker};
 
 use crate::fabric::{Access, Fabric, MemoryId, MemoryRegion, NodeId, QpId, VerbsError};
 use crate::iu::MemoryDescriptor;
-use crate::verbs::{Completion, PeerMemory, Verbs, WorkOp};
+use crate::verbs::{Completion, IuBuffers, PeerMemory, Verbs, WorkOp, IU_BUFFER_LEN};
 
 /// Why a connection could not be asked for or set up.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -303,6 +303,19 @@ impl<B: DerefMut<Target = [u8]>> Endpoint<B> {
         let me = self.node;
         inner.wake(me);
         inner.wake_peer(qp);
+    }
+}
+
+impl IuBuffers for Endpoint<Vec<u8>> {
+    fn iu_buffer(&mut self) -> Option<Vec<u8>> {
+        Some(self.staging.pop().map_or_else(
+            || vec![0; IU_BUFFER_LEN],
+            |mut v| {
+                v.clear();
+                v.resize(IU_BUFFER_LEN, 0);
+                v
+            },
+        ))
     }
 }
 

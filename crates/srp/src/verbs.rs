@@ -206,6 +206,17 @@ pub trait Verbs {
     fn disconnect(&mut self, qp: Self::Qp);
 }
 
+/// Verbs that hand out IU buffers (for sends and receives) of their own registered memory:
+/// a real device's slot pool, or plain vectors on a software fabric.
+pub trait IuBuffers: Verbs {
+    /// A free IU buffer of [`IU_BUFFER_LEN`] bytes or more; `None` when none is left.
+    fn iu_buffer(&mut self) -> Option<Self::Buffer>;
+}
+
+/// The length of the IU buffers of a software fabric's verbs: more than any IU a target
+/// sends, and the largest an initiator may send to targetd's ports.
+pub const IU_BUFFER_LEN: usize = 8192;
+
 /// A buffer of a target port: an IU buffer of the verbs' own, or a task's data in memory
 /// registered for the port (a slot run of a reactor's arena).
 #[derive(Debug)]

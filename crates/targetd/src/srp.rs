@@ -50,18 +50,9 @@ use crate::target::{next_id, CoreGuard, Lun, Outbox, Route, Routed, Target};
 pub const RELATIVE_PORT: u16 = 2;
 
 /// The SRP target port identifier of the target `name`: what an initiator names in its
-/// SRP_LOGIN_REQ to reach it (as ID_EXT and IOC_GUID). Two FNV-1a hashes of the name, so it
-/// stays the same across restarts and hosts; `targetctl targets` shows it.
+/// SRP_LOGIN_REQ to reach it ([`srp::target::port_id_for`]); `targetctl targets` shows it.
 pub fn port_id(name: &str) -> [u8; 16] {
-    let fnv = |basis: u64| {
-        name.bytes().fold(basis, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-        })
-    };
-    let mut id = [0u8; 16];
-    id[..8].copy_from_slice(&fnv(0xcbf2_9ce4_8422_2325).to_be_bytes());
-    id[8..].copy_from_slice(&fnv(0x6c62_272e_07bb_0142).to_be_bytes());
-    id
+    srp::target::port_id_for(name)
 }
 
 /// The hexadecimal form of a port identifier, as `targetctl` shows it and a target's
@@ -134,7 +125,7 @@ pub trait Fabric {
 
 /// The length of every IU buffer: the largest IU an initiator may send (srp's
 /// [`PortSettings`] default), which is also more than any IU the target sends.
-pub const IU_LEN: usize = 8192;
+pub const IU_LEN: usize = srp::verbs::IU_BUFFER_LEN;
 
 /// IU buffers a fabric port keeps for reuse.
 const KEPT_IUS: usize = 1024;

@@ -496,3 +496,53 @@ fn a_stopping_daemon_logs_srp_channels_out() {
         .connect(INITIATOR_NODE, SERVICE, b"")
         .is_err_and(|e| e.to_string().contains("no target listens")));
 }
+
+/// initiator-bench's SRP runner (the one it runs on RDMA devices) against targetd over the
+/// switch: random reads and writes at queue depth 16 on the file unit, each command 16
+/// discrete regions, every read checked and every block written read back, for each way of
+/// registering.
+#[test]
+fn initiator_bench_runs_verified_workloads_against_targetd() {
+    use initiator_bench::srp::{login_request, place_len, run_channels, LinkModel, SrpOptions};
+    use initiator_bench::workload::{Rw, Workload};
+    use srp::initiator::channel::InitiatorChannel;
+    use srp::initiator::Registration;
+
+    let switch = Switch::new();
+    let d = daemon(&switch);
+    for (s, registration) in Registration::ALL.into_iter().enumerate() {
+        let w = Workload {
+            rw: Rw::Randrw,
+            bs: 32 * 1024,
+            qd: 16,
+            sessions: 1,
+            ios: Some(600),
+            size: Some(4 << 20),
+            verify: true,
+            ..Workload::default()
+        };
+        let o = SrpOptions {
+            registration,
+            regions: 16,
+            link: LinkModel::Free,
+        };
+        let req = login_request(s, targetd::srp::port_id(TARGET), 8192);
+        let Reply::Accepted { qp, private } = connect(&switch, &req) else {
+            panic!("refused");
+        };
+        let Ok(Iu::LoginRsp(rsp)) = Iu::decode(&private) else {
+            panic!("not an SRP_LOGIN_RSP");
+        };
+        let mut verbs: Endpoint<Vec<u8>> = switch.endpoint(INITIATOR_NODE);
+        let ch = InitiatorChannel::new(&mut verbs, qp, &rsp, registration, 16, place_len(&w, &o))
+            .expect("the channel's memory");
+        let mut channels = [ch];
+        let r = run_channels(&mut verbs, &mut channels, 0, &w, &o).expect("the run");
+        assert_eq!((r.ios, r.errors), (600, 0), "{}", registration.name());
+        assert!(r.verified_blocks > 0, "reads were checked");
+        assert_eq!(r.verify_errors, 0, "{}", registration.name());
+        channels[0].logout(&mut verbs).expect("logged out");
+    }
+    eventually("the channels end", || d.registry.srp_channels().is_empty());
+    d.stop();
+}

@@ -21,6 +21,21 @@ pub const MAX_TI_IU_LEN: u32 = 36 + 4 + MAX_SENSE_LEN as u32;
 /// for each direction.
 pub const MIN_IT_IU_LEN: u32 = 48 + 2 * DESCRIPTOR_LEN as u32;
 
+/// A target port identifier for a target named `name`, the same on every host and across
+/// restarts: two FNV-1a hashes of the name, as ID_EXT and IOC_GUID. targetd names its targets'
+/// SRP ports so; an initiator that knows the name (say, from a URL) derives the identifier.
+pub fn port_id_for(name: &str) -> [u8; 16] {
+    let fnv = |basis: u64| {
+        name.bytes().fold(basis, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    };
+    let mut id = [0u8; 16];
+    id[..8].copy_from_slice(&fnv(0xcbf2_9ce4_8422_2325).to_be_bytes());
+    id[8..].copy_from_slice(&fnv(0x6c62_272e_07bb_0142).to_be_bytes());
+    id
+}
+
 /// What a target port offers at login.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PortSettings {

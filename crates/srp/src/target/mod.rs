@@ -5,4 +5,6 @@ pub mod channel;
 pub mod login;
 
 pub use channel::{Channel, ChannelParams, Close, Core, Event, Payload, SrpTask, Transmit};
-pub use login::{Admission, ChannelTable, ItNexusKey, Left, PortSettings, MAX_TI_IU_LEN};
+pub use login::{
+    port_id_for, Admission, ChannelTable, ItNexusKey, Left, PortSettings, MAX_TI_IU_LEN,
+};

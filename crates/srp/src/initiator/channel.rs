@@ -1,0 +1,273 @@
+//! One SRP channel as an initiator runs it, over any verbs that give IU buffers and memory
+//! the peer reaches: a real device (rdma-sys) or a software fabric's endpoint. The login is the
+//! caller's (it is how the connection is made: rdma_cm's private data, or a switch's); from
+//! its SRP_LOGIN_RSP on, the channel counts credits, sends SRP_CMDs whose data buffers lie in
+//! its [`DataMemory`], answers the target's SRP_CRED_REQs, notes an SRP_T_LOGOUT, and hands
+//! back each SRP_RSP with the data-in that reached its memory.
+
+use std::collections::HashMap;
+
+use scsi_core::Residual;
+
+use super::{DataMemory, ExposeError, Registration};
+use crate::iu::{
+    DataBufferDescriptor, Iu, SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRsp, TargetLogoutReason,
+    TaskAttribute,
+};
+use crate::verbs::{IuBuffers, PeerMemory, Verbs, VerbsError, WorkOp};
+
+/// Receives posted beyond the credit: for the target's own requests (SRP_CRED_REQ,
+/// SRP_T_LOGOUT, SRP_AER_REQ), which take none.
+pub const SPARE_RECEIVES: u32 = 4;
+
+/// A command as the channel sends it.
+#[derive(Debug, Clone, Copy)]
+pub struct Command<'a> {
+    /// Its tag, unique among the channel's commands in flight.
+    pub tag: u64,
+    /// The 8-byte LUN field.
+    pub lun: u64,
+    /// The CDB.
+    pub cdb: &'a [u8],
+    /// Data-out, copied into the channel's memory.
+    pub data_out: Option<&'a [u8]>,
+    /// Bytes of data-in expected (without data-out).
+    pub data_in: u32,
+    /// Regions the data buffer is cut into, each registered apart (1: a direct descriptor).
+    pub regions: usize,
+    /// Put only the first descriptor in the IU: the target fetches the table.
+    pub partial: bool,
+    /// Task attribute.
+    pub attribute: TaskAttribute,
+}
+
+/// What came back for a command (or a task management function).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// Its tag.
+    pub tag: u64,
+    /// STATUS.
+    pub status: u8,
+    /// Sense data.
+    pub sense: Vec<u8>,
+    /// Data-in residual.
+    pub data_in_residual: Residual,
+    /// Data-out residual.
+    pub data_out_residual: Residual,
+    /// The data-in that reached the channel's memory (a read's).
+    pub data: Vec<u8>,
+}
+
+impl Answer {
+    /// Sense key, ASC and ASCQ (fixed format).
+    pub fn sense_code(&self) -> Option<(u8, u8, u8)> {
+        (self.sense.len() >= 14).then(|| (self.sense[2] & 0x0f, self.sense[12], self.sense[13]))
+    }
+}
+
+/// Why a command was not sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SendError {
+    /// No credit left: wait for a response.
+    #[error("no credit left")]
+    NoCredit,
+    /// The channel is over (logged out, or its queue pair broken).
+    #[error("the channel is over")]
+    Gone,
+    /// The verbs have no IU buffer free.
+    #[error("no IU buffer free")]
+    NoIuBuffer,
+    /// The data buffer could not be laid out or registered.
+    #[error("data buffer: {0}")]
+    Buffer(#[from] ExposeError),
+}
+
+/// An initiator's SRP channel. See the module's documentation.
+#[derive(Debug)]
+pub struct InitiatorChannel<V: Verbs + PeerMemory> {
+    qp: V::Qp,
+    memory: DataMemory<V::Memory>,
+    credit: i64,
+    /// Commands in flight with a data buffer, by tag: whether data-in comes back into it.
+    buffers: HashMap<u64, bool>,
+    max_it_iu_len: usize,
+    logged_out: Option<TargetLogoutReason>,
+    scratch: Vec<u8>,
+}
+
+impl<V: IuBuffers + PeerMemory> InitiatorChannel<V> {
+    /// The channel of queue pair `qp`, logged in with `rsp`: its receives posted, its data
+    /// memory of `places` places of `place_len` bytes made and registered as `registration`
+    /// says.
+    pub fn new(
+        verbs: &mut V,
+        qp: V::Qp,
+        rsp: &SrpLoginRsp,
+        registration: Registration,
+        places: usize,
+        place_len: usize,
+    ) -> Result<InitiatorChannel<V>, VerbsError> {
+        for _ in 0..rsp.req_lim_delta + SPARE_RECEIVES {
+            let b = verbs.iu_buffer().ok_or(VerbsError::Registration)?;
+            verbs.post_recv(qp, 0, b);
+        }
+        let memory = DataMemory::new(verbs, registration, places, place_len)?;
+        Ok(InitiatorChannel {
+            qp,
+            memory,
+            credit: i64::from(rsp.req_lim_delta),
+            buffers: HashMap::new(),
+            max_it_iu_len: rsp.max_it_iu_len as usize,
+            logged_out: None,
+            scratch: Vec::new(),
+        })
+    }
+
+    /// The queue pair.
+    pub fn qp(&self) -> V::Qp {
+        self.qp
+    }
+
+    /// Requests it may still send.
+    pub fn credit(&self) -> i64 {
+        self.credit
+    }
+
+    /// Commands sent and not answered.
+    pub fn in_flight(&self) -> usize {
+        self.memory.in_flight()
+    }
+
+    /// Why the target logged the channel out, if it did.
+    pub fn logged_out(&self) -> Option<TargetLogoutReason> {
+        self.logged_out
+    }
+
+    /// Whether the channel is over: logged out by the target, or its queue pair broken.
+    pub fn is_gone(&self, verbs: &V) -> bool {
+        self.logged_out.is_some() || verbs.is_error(self.qp)
+    }
+
+    /// The largest command it can send as `regions` regions.
+    pub fn max_len(&self, regions: usize) -> usize {
+        self.memory.max_len(regions)
+    }
+
+    /// Sends `cmd`, taking a credit.
+    pub fn send(&mut self, verbs: &mut V, cmd: &Command<'_>) -> Result<(), SendError> {
+        if self.is_gone(verbs) {
+            return Err(SendError::Gone);
+        }
+        if self.credit <= 0 {
+            return Err(SendError::NoCredit);
+        }
+        let len = cmd.data_out.map_or(cmd.data_in as usize, <[u8]>::len);
+        let exposed =
+            self.memory
+                .expose(verbs, cmd.tag, len, cmd.regions, cmd.partial, cmd.data_out)?;
+        let descriptor = exposed.descriptor();
+        let (data_out, data_in) = match cmd.data_out {
+            Some(_) => (descriptor, DataBufferDescriptor::None),
+            None => (DataBufferDescriptor::None, descriptor),
+        };
+        let iu = SrpCmd {
+            sol_not: 0,
+            tag: cmd.tag,
+            lun: cmd.lun,
+            task_attribute: cmd.attribute,
+            cdb: cmd.cdb,
+            data_out,
+            data_in,
+        };
+        self.scratch.clear();
+        iu.encode(&mut self.scratch);
+        let sent = self.post(verbs);
+        if sent.is_err() || self.scratch.len() > self.max_it_iu_len {
+            self.memory.release(verbs, cmd.tag);
+            return Err(sent
+                .err()
+                .unwrap_or(SendError::Buffer(ExposeError::TooLarge {
+                    len,
+                    regions: cmd.regions,
+                    place: self.max_it_iu_len,
+                })));
+        }
+        self.credit -= 1;
+        self.buffers
+            .insert(cmd.tag, cmd.data_out.is_none() && len > 0);
+        Ok(())
+    }
+
+    /// Sends what `scratch` holds.
+    fn post(&mut self, verbs: &mut V) -> Result<(), SendError> {
+        let mut b = verbs.iu_buffer().ok_or(SendError::NoIuBuffer)?;
+        let len = self.scratch.len();
+        if len > b.len() {
+            return Err(SendError::NoIuBuffer);
+        }
+        b[..len].copy_from_slice(&self.scratch);
+        verbs.post_send(self.qp, 0, b, len);
+        Ok(())
+    }
+
+    /// Logs the channel out (SRP_I_LOGOUT); the target then disconnects it.
+    pub fn logout(&mut self, verbs: &mut V) -> Result<(), SendError> {
+        self.scratch.clear();
+        SrpILogout { tag: 0 }.encode(&mut self.scratch);
+        self.post(verbs)
+    }
+
+    /// Takes the channel's completions until an SRP_RSP comes: its answer (with the data-in
+    /// gathered from memory), or `None` when there is nothing more now.
+    pub fn poll(&mut self, verbs: &mut V) -> Option<Answer> {
+        while let Some(wc) = verbs.poll(self.qp) {
+            if wc.op != WorkOp::Recv || wc.result.is_err() {
+                continue; // A send's buffer goes back; a flushed receive with the channel.
+            }
+            let answer = match Iu::decode(&wc.buffer[..wc.len]) {
+                Ok(Iu::Rsp(r)) => {
+                    self.credit += i64::from(r.req_lim_delta);
+                    let mut data = Vec::new();
+                    if let Some(read) = self.buffers.remove(&r.tag) {
+                        if read {
+                            self.memory.read_data(verbs, r.tag, &mut data);
+                            let residual = match r.data_in_residual {
+                                Residual::Underflow(n) => n as usize,
+                                _ => 0,
+                            };
+                            data.truncate(data.len().saturating_sub(residual));
+                        }
+                        self.memory.release(verbs, r.tag);
+                    }
+                    Some(Answer {
+                        tag: r.tag,
+                        status: r.status,
+                        sense: r.sense.to_vec(),
+                        data_in_residual: r.data_in_residual,
+                        data_out_residual: r.data_out_residual,
+                        data,
+                    })
+                }
+                Ok(Iu::CredReq(r)) => {
+                    self.credit += i64::from(r.req_lim_delta);
+                    self.scratch.clear();
+                    SrpCredRsp { tag: r.tag }.encode(&mut self.scratch);
+                    let _ = self.post(verbs);
+                    None
+                }
+                Ok(Iu::TLogout(t)) => {
+                    self.logged_out = Some(t.reason);
+                    None
+                }
+                // Anything else from a target is ignored: an AER this initiator does not
+                // answer, or a malformed IU.
+                _ => None,
+            };
+            verbs.post_recv(self.qp, 0, wc.buffer);
+            if answer.is_some() {
+                return answer;
+            }
+        }
+        None
+    }
+}
