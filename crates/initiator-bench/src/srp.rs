@@ -22,7 +22,7 @@ use srp::initiator::channel::{Answer, Command, InitiatorChannel};
 use srp::initiator::Registration;
 use srp::iu::{BufferFormats, MultiChannelAction, SrpLoginReq, TaskAttribute, DESCRIPTOR_LEN};
 use srp::testing::{BlockIo, Rig, ARENA_SLOT, PAPER_004_COSTS};
-use srp::verbs::{IuBuffers, PeerMemory};
+use srp::verbs::{IuBuffers, PeerMemory, Verbs};
 
 use crate::workload::{cpu_seconds, fill_pattern, Latency, Split, Workload, XorShift};
 
@@ -468,13 +468,16 @@ const STALL: Duration = Duration::from_secs(30);
 /// Runs `w` on LUN `lun` through `channels` (logged in over `verbs`), on this machine's
 /// clock: the runner for real devices, and for a target on a software fabric shared between
 /// threads. Each channel keeps `w.qd` commands in flight while its credit lasts.
-pub fn run_channels<V: IuBuffers + PeerMemory>(
+pub fn run_channels<V>(
     verbs: &mut V,
     channels: &mut [InitiatorChannel<V>],
     lun: u16,
     w: &Workload,
     o: &SrpOptions,
-) -> Result<SrpReport, String> {
+) -> Result<SrpReport, String>
+where
+    V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
+{
     let mut plan = Plan::new(w)?;
     let lun_field = u64::from(lun) << 48;
     let mut tag = 0u64;
@@ -603,10 +606,10 @@ pub fn run_channels<V: IuBuffers + PeerMemory>(
 }
 
 /// Waits for the next answer on `ch`.
-fn wait_answer<V: IuBuffers + PeerMemory>(
-    verbs: &mut V,
-    ch: &mut InitiatorChannel<V>,
-) -> Result<Answer, String> {
+fn wait_answer<V>(verbs: &mut V, ch: &mut InitiatorChannel<V>) -> Result<Answer, String>
+where
+    V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
+{
     let deadline = Instant::now() + STALL;
     loop {
         if let Some(a) = ch.poll(verbs) {

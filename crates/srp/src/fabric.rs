@@ -476,6 +476,8 @@ impl PeerMemory for Port<'_> {
 }
 
 impl IuBuffers for Port<'_> {
+    type Iu = Vec<u8>;
+
     fn iu_buffer(&mut self) -> Option<Vec<u8>> {
         Some(vec![0; IU_BUFFER_LEN])
     }

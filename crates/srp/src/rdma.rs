@@ -1028,7 +1028,9 @@ fn wc_error(status: ibv_wc_status::Type) -> VerbsError {
     }
 }
 
-impl IuBuffers for RdmaVerbs<Slot> {
+impl<B: Registered> IuBuffers for RdmaVerbs<B> {
+    type Iu = Slot;
+
     fn iu_buffer(&mut self) -> Option<Slot> {
         self.slot()
     }

@@ -306,7 +306,10 @@ impl<B: DerefMut<Target = [u8]>> Endpoint<B> {
     }
 }
 
-impl IuBuffers for Endpoint<Vec<u8>> {
+/// IU buffers are vectors, reused from the endpoint's staging copies.
+impl<B> IuBuffers for Endpoint<B> {
+    type Iu = Vec<u8>;
+
     fn iu_buffer(&mut self) -> Option<Vec<u8>> {
         Some(self.staging.pop().map_or_else(
             || vec![0; IU_BUFFER_LEN],
@@ -316,6 +319,12 @@ impl IuBuffers for Endpoint<Vec<u8>> {
                 v
             },
         ))
+    }
+
+    fn recycle_iu(&mut self, iu: Vec<u8>) {
+        if self.staging.len() < KEPT_STAGING {
+            self.staging.push(iu);
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use scsi_core::{
     MemoryBackend, NexusId, Op, Output, Residual, TargetPort, TaskId, TmfFunction, TransportId,
 };
 
-use crate::fabric::{Access, Costs, Fabric, MemoryId, NodeId, QpId};
+use crate::fabric::{Access, Costs, Fabric, MemoryId, NodeId, Port, QpId};
 pub use crate::initiator::Registration;
 use crate::initiator::{DataMemory, ExposeError};
 use crate::iu::{
@@ -23,8 +23,7 @@ use crate::iu::{
 };
 use crate::target::channel::SPARE_RECEIVES;
 use crate::target::{
-    Admission, Channel, ChannelTable, Core, Event, ItNexusKey, Left, Payload, PortSettings,
-    Transmit,
+    Admission, Buffers, Channel, ChannelTable, Core, Driver, Event, ItNexusKey, Left, PortSettings,
 };
 use crate::verbs::{Completion, Verbs, WorkOp};
 
@@ -250,29 +249,48 @@ pub struct RigChannel {
     pub initiator: InitiatorSide,
     key: ItNexusKey,
     nexus: NexusId,
-    qp: QpId,
-    /// RDMA READs in flight, by transfer (their work request ids): the command's tag, and
-    /// whether it is a descriptor table.
-    reads: HashMap<u64, (u64, bool)>,
-    /// IU buffers for sends, back from their completions.
-    sends: Vec<Vec<u8>>,
+    /// The target's queue pair, driven as targetd drives its channels.
+    driver: Driver<QpId>,
+    /// Buffers back from their completions, for reuse.
+    buffers: RigBuffers,
     /// The channel has left the table (its queue pair disconnected).
     pub gone: bool,
 }
 
-impl RigChannel {
-    /// An RDMA READ has completed: the data-out or descriptor table goes to the channel.
-    fn read_done(&mut self, now: Instant, wc: Completion<Vec<u8>>, via: &mut Via<'_>) {
-        let ok = wc.result.is_ok();
-        match self.reads.remove(&wc.wr_id) {
-            Some((tag, false)) => self
-                .channel
-                .handle_data_out(now, tag, wc.wr_id, wc.buffer, ok, via),
-            Some((tag, true)) => {
-                let table = ok.then_some(&wc.buffer[..wc.len]);
-                self.channel.handle_table(now, tag, wc.wr_id, table, via)
-            }
-            None => {}
+/// The rig's target buffers: plain vectors (the fabric copies what it moves), reused.
+#[derive(Debug, Default)]
+struct RigBuffers(Vec<Vec<u8>>);
+
+/// Vectors the rig keeps for reuse per channel.
+const KEPT_BUFFERS: usize = 256;
+
+impl Buffers<Port<'_>, Vec<u8>> for RigBuffers {
+    fn iu(&mut self, _: &mut Port<'_>, iu: &[u8]) -> Option<Vec<u8>> {
+        let mut b = self.0.pop().unwrap_or_default();
+        b.clear();
+        b.extend_from_slice(iu);
+        Some(b)
+    }
+
+    fn data(&mut self, buffer: Vec<u8>) -> Vec<u8> {
+        buffer
+    }
+
+    fn task(&mut self, buffer: Vec<u8>) -> Option<Vec<u8>> {
+        Some(buffer)
+    }
+
+    fn payload(&mut self, _: &mut Port<'_>, bytes: Vec<u8>) -> Option<Vec<u8>> {
+        Some(bytes)
+    }
+
+    fn table(&mut self, _: &mut Port<'_>, len: usize) -> Option<Vec<u8>> {
+        Some(vec![0; len])
+    }
+
+    fn recycle(&mut self, _: &mut Port<'_>, buffer: Vec<u8>) {
+        if self.0.len() < KEPT_BUFFERS {
+            self.0.push(buffer);
         }
     }
 }
@@ -476,9 +494,8 @@ impl Rig {
             },
             key,
             nexus,
-            qp,
-            reads: HashMap::new(),
-            sends: Vec::new(),
+            driver: Driver::new(qp),
+            buffers: RigBuffers::default(),
             gone: false,
         });
         self.run();
@@ -620,7 +637,18 @@ impl Rig {
         for (ch, wc) in std::mem::take(&mut self.held_reads) {
             let c = &mut self.channels[ch];
             let mut via = self.router.via(ch, c.nexus);
-            c.read_done(self.now, wc, &mut via);
+            let mut verbs = self.fabric.port(TARGET);
+            let done = c.driver.complete(
+                self.now,
+                wc,
+                &mut c.channel,
+                &mut via,
+                &mut verbs,
+                &mut c.buffers,
+            );
+            if done.is_err() {
+                verbs.disconnect(c.driver.qp());
+            }
         }
         self.run();
     }
@@ -750,69 +778,35 @@ impl Rig {
         let c = &mut self.channels[ch];
         let mut via = self.router.via(ch, c.nexus);
         let mut verbs = self.fabric.port(TARGET);
-        while let Some(wc) = verbs.poll(c.qp) {
+        let qp = c.driver.qp();
+        while let Some(wc) = verbs.poll(qp) {
             progress = true;
-            let ok = wc.result.is_ok();
-            match wc.op {
-                WorkOp::Recv if ok => {
-                    c.channel.handle_iu(now, &wc.buffer[..wc.len], &mut via);
-                    verbs.post_recv(c.qp, 0, wc.buffer);
-                }
-                WorkOp::Recv | WorkOp::RdmaWrite => {}
-                WorkOp::Send => c.sends.push(wc.buffer),
-                WorkOp::RdmaRead if self.hold_reads => self.held_reads.push((ch, wc)),
-                WorkOp::RdmaRead => c.read_done(now, wc, &mut via),
+            if wc.op == WorkOp::RdmaRead && self.hold_reads {
+                self.held_reads.push((ch, wc));
+                continue;
+            }
+            let done = c.driver.complete(
+                now,
+                wc,
+                &mut c.channel,
+                &mut via,
+                &mut verbs,
+                &mut c.buffers,
+            );
+            if done.is_err() {
+                verbs.disconnect(qp);
             }
         }
         if !via.router.queue(ch).is_empty() {
             progress = true;
             c.channel.handle_core(now, &mut via);
         }
-        loop {
-            let mut iu = c.sends.pop().unwrap_or_default();
-            let Some(t) = c.channel.poll_transmit(&mut iu) else {
-                c.sends.push(iu);
-                break;
-            };
-            progress = true;
-            match t {
-                Transmit::Send { len, .. } => verbs.post_send(c.qp, 0, iu, len),
-                Transmit::RdmaWrite {
-                    payload,
-                    len,
-                    regions,
-                    ..
-                } => {
-                    c.sends.push(iu);
-                    let data = match payload {
-                        Payload::Buffer(b) | Payload::Bytes(b) => b,
-                    };
-                    verbs.post_rdma_write(c.qp, 0, data, len as usize, &regions);
-                    c.channel.recycle(regions);
-                }
-                Transmit::RdmaRead {
-                    tag,
-                    transfer,
-                    buffer,
-                    len,
-                    regions,
-                } => {
-                    c.sends.push(iu);
-                    c.reads.insert(transfer, (tag, false));
-                    verbs.post_rdma_read(c.qp, transfer, buffer, len as usize, &regions);
-                    c.channel.recycle(regions);
-                }
-                Transmit::ReadTable {
-                    tag,
-                    transfer,
-                    table,
-                } => {
-                    c.sends.push(iu);
-                    c.reads.insert(transfer, (tag, true));
-                    let len = table.len as usize;
-                    verbs.post_rdma_read(c.qp, transfer, vec![0; len], len, &[table]);
-                }
-            }
+        match c
+            .driver
+            .transmit(now, &mut c.channel, &mut via, &mut verbs, &mut c.buffers)
+        {
+            Ok(any) => progress |= any,
+            Err(_) => verbs.disconnect(qp),
         }
         while let Some(e) = c.channel.poll_event() {
             progress = true;
@@ -841,7 +835,7 @@ impl Rig {
             }
         }
         // A channel that is over leaves once the core is done with it.
-        let lost = verbs.is_error(c.qp);
+        let lost = verbs.is_error(qp);
         if !c.gone && (c.channel.closing().is_some() || lost) {
             if lost {
                 c.channel.close(false, &mut via);
@@ -850,7 +844,7 @@ impl Rig {
                 c.gone = true;
                 progress = true;
                 if !lost {
-                    verbs.disconnect(c.qp);
+                    verbs.disconnect(qp);
                 }
                 if let Left::Ended(nexus) = self.table.leave(c.key, &ch) {
                     let _ = via.router.device.close_nexus(nexus);

@@ -208,9 +208,15 @@ pub trait Verbs {
 
 /// Verbs that hand out IU buffers (for sends and receives) of their own registered memory:
 /// a real device's slot pool, or plain vectors on a software fabric.
-pub trait IuBuffers: Verbs {
+pub trait IuBuffers {
+    /// An IU buffer.
+    type Iu: DerefMut<Target = [u8]>;
     /// A free IU buffer of [`IU_BUFFER_LEN`] bytes or more; `None` when none is left.
-    fn iu_buffer(&mut self) -> Option<Self::Buffer>;
+    fn iu_buffer(&mut self) -> Option<Self::Iu>;
+    /// An IU buffer back from its work request, for reuse.
+    fn recycle_iu(&mut self, iu: Self::Iu) {
+        drop(iu);
+    }
 }
 
 /// The length of the IU buffers of a software fabric's verbs: more than any IU a target

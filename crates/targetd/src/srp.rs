@@ -32,10 +32,9 @@ use srp::iu::{IuError, LoginRejectReason, SrpLoginRej, SrpLoginReq, TargetLogout
 use srp::switch::{ConnectRequest, Endpoint, Switch, SwitchError};
 use srp::target::channel::SPARE_RECEIVES;
 use srp::target::{
-    Admission, Channel, ChannelTable, Core, Event, ItNexusKey, Left, Payload, PortSettings,
-    Transmit,
+    Admission, Buffers, Channel, ChannelTable, Core, Driver, Event, ItNexusKey, Left, PortSettings,
 };
-use srp::verbs::{PortBuffer, Verbs, WorkOp};
+use srp::verbs::{IuBuffers, PortBuffer, Verbs};
 use tokio::sync::mpsc;
 
 #[cfg(feature = "rdma")]
@@ -74,26 +73,12 @@ pub type SrpBuffer<I> = PortBuffer<I, Buffer>;
 pub trait Fabric {
     /// An IU buffer: registered memory of the fabric's own, [`IU_LEN`] bytes.
     type Iu: DerefMut<Target = [u8]>;
-    /// Its queue-pair verbs.
-    type Verbs: Verbs<Buffer = SrpBuffer<Self::Iu>>;
-    /// The verbs.
-    fn verbs(&mut self) -> &mut Self::Verbs;
+    /// Its queue-pair verbs, which hand out its IU buffers.
+    type Verbs: Verbs<Buffer = SrpBuffer<Self::Iu>> + IuBuffers<Iu = Self::Iu>;
     /// A connect request.
     type Request;
-    /// A free IU buffer; `None` when the fabric has none left.
-    fn iu(&mut self) -> Option<Self::Iu>;
-    /// Parameter data the core built (INQUIRY, MODE SENSE, ...) as a buffer the fabric can
-    /// RDMA WRITE from: by default copied into an IU buffer, or into arena slots when longer.
-    fn payload(&mut self, bytes: Vec<u8>, share: &Share) -> Option<SrpBuffer<Self::Iu>> {
-        if bytes.len() <= IU_LEN {
-            let mut b = self.iu()?;
-            b[..bytes.len()].copy_from_slice(&bytes);
-            return Some(PortBuffer::Iu(b));
-        }
-        let mut b = share.try_alloc(bytes.len()).ok()??;
-        b[..bytes.len()].copy_from_slice(&bytes);
-        Some(PortBuffer::Data(b))
-    }
+    /// The verbs.
+    fn verbs(&mut self) -> &mut Self::Verbs;
     /// Ready when something may have changed: a completion, a connect request, a
     /// disconnection.
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()>;
@@ -110,10 +95,6 @@ pub trait Fabric {
     ) -> Result<Qp<Self>, String>;
     /// Refuses it with `private`.
     fn reject(&mut self, request: Self::Request, private: &[u8]);
-    /// An IU buffer back from its send.
-    fn recycle(&mut self, iu: Self::Iu) {
-        drop(iu);
-    }
     /// A channel's queue pair is done with (disconnected, its completions taken): its
     /// resources go.
     fn release(&mut self, qp: Qp<Self>) {
@@ -123,20 +104,68 @@ pub trait Fabric {
     fn portal(&self) -> String;
 }
 
+/// Where a port's channels get their buffers: IUs from the fabric's verbs, data and long
+/// parameter data from the port's share of the reactor's arena.
+struct Slots<'a> {
+    share: &'a Share,
+}
+
+impl<V, I> Buffers<V, Buffer> for Slots<'_>
+where
+    V: Verbs<Buffer = SrpBuffer<I>> + IuBuffers<Iu = I>,
+    I: DerefMut<Target = [u8]>,
+{
+    fn iu(&mut self, verbs: &mut V, iu: &[u8]) -> Option<SrpBuffer<I>> {
+        let mut b = verbs.iu_buffer()?;
+        let n = iu.len();
+        if n > b.len() {
+            verbs.recycle_iu(b);
+            return None;
+        }
+        b[..n].copy_from_slice(iu);
+        Some(PortBuffer::Iu(b))
+    }
+
+    fn data(&mut self, buffer: Buffer) -> SrpBuffer<I> {
+        PortBuffer::Data(buffer)
+    }
+
+    fn task(&mut self, buffer: SrpBuffer<I>) -> Option<Buffer> {
+        match buffer {
+            PortBuffer::Data(b) => Some(b),
+            PortBuffer::Iu(_) => None,
+        }
+    }
+
+    fn payload(&mut self, verbs: &mut V, bytes: Vec<u8>) -> Option<SrpBuffer<I>> {
+        if bytes.len() <= IU_LEN {
+            return self.iu(verbs, &bytes);
+        }
+        let mut b = self.share.try_alloc(bytes.len()).ok()??;
+        b[..bytes.len()].copy_from_slice(&bytes);
+        Some(PortBuffer::Data(b))
+    }
+
+    fn table(&mut self, _: &mut V, len: usize) -> Option<SrpBuffer<I>> {
+        Some(PortBuffer::Data(self.share.try_alloc(len).ok()??))
+    }
+
+    fn recycle(&mut self, verbs: &mut V, buffer: SrpBuffer<I>) {
+        if let PortBuffer::Iu(b) = buffer {
+            verbs.recycle_iu(b);
+        }
+    }
+}
+
 /// The length of every IU buffer: the largest IU an initiator may send (srp's
 /// [`PortSettings`] default), which is also more than any IU the target sends.
 pub const IU_LEN: usize = srp::verbs::IU_BUFFER_LEN;
-
-/// IU buffers a fabric port keeps for reuse.
-const KEPT_IUS: usize = 1024;
 
 /// A port on the software fabric: a [`Switch`] endpoint listening on a service name.
 #[derive(Debug)]
 pub struct FabricPort {
     endpoint: Endpoint<SrpBuffer<Vec<u8>>>,
     service: String,
-    /// IU buffers back from their completions, for reuse.
-    free: Vec<Vec<u8>>,
 }
 
 impl FabricPort {
@@ -150,7 +179,6 @@ impl FabricPort {
         Ok(FabricPort {
             endpoint: switch.endpoint(node),
             service: service.to_string(),
-            free: Vec::new(),
         })
     }
 }
@@ -168,15 +196,6 @@ impl Fabric for FabricPort {
 
     fn verbs(&mut self) -> &mut Self::Verbs {
         &mut self.endpoint
-    }
-
-    fn iu(&mut self) -> Option<Vec<u8>> {
-        Some(self.free.pop().unwrap_or_else(|| vec![0; IU_LEN]))
-    }
-
-    /// The fabric copies what it sends anyway: the bytes go as they are.
-    fn payload(&mut self, bytes: Vec<u8>, _: &Share) -> Option<SrpBuffer<Vec<u8>>> {
-        Some(PortBuffer::Iu(bytes))
     }
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()> {
@@ -210,12 +229,6 @@ impl Fabric for FabricPort {
 
     fn reject(&mut self, request: ConnectRequest, private: &[u8]) {
         self.endpoint.reject(request, private);
-    }
-
-    fn recycle(&mut self, iu: Vec<u8>) {
-        if self.free.len() < KEPT_IUS {
-            self.free.push(iu);
-        }
     }
 
     fn portal(&self) -> String {
@@ -301,15 +314,6 @@ impl Core for Via<'_> {
     }
 }
 
-/// What an RDMA READ in flight was for.
-#[derive(Debug, Clone, Copy)]
-enum Read {
-    /// A command's data-out.
-    DataOut(u64),
-    /// A command's descriptor table.
-    Table(u64),
-}
-
 /// A buffer a channel waits for.
 #[derive(Debug, Clone, Copy)]
 struct Want {
@@ -323,7 +327,7 @@ struct Want {
 
 /// One logged-in channel.
 struct Chan<Q> {
-    qp: Q,
+    driver: Driver<Q>,
     key: ItNexusKey,
     target: Arc<Target>,
     nexus: NexusId,
@@ -331,7 +335,6 @@ struct Chan<Q> {
     route: Route,
     rx: mpsc::UnboundedReceiver<Routed>,
     out: Outbox,
-    reads: HashMap<u64, Read>,
     unit: Option<Arc<Lun>>,
     /// The channel is over (logged out or disconnected) and waits for its tasks to end.
     lost: bool,
@@ -341,8 +344,15 @@ struct Chan<Q> {
 impl<Q> Chan<Q> {
     /// The core as this channel reaches it for one step.
     fn via(&mut self) -> (&mut Channel<Buffer>, Via<'_>) {
+        let (machine, _, via) = self.parts();
+        (machine, via)
+    }
+
+    /// The machine, the driver of its queue pair, and the core as the channel reaches it.
+    fn parts(&mut self) -> (&mut Channel<Buffer>, &mut Driver<Q>, Via<'_>) {
         (
             &mut self.machine,
+            &mut self.driver,
             Via {
                 target: &self.target,
                 nexus: self.nexus,
@@ -374,8 +384,6 @@ struct Port<F: Fabric> {
     /// once warm.
     ids: Vec<u64>,
     events: Vec<Event<Buffer>>,
-    /// Where the channel machines encode the IUs they send.
-    scratch: Vec<u8>,
 }
 
 /// Starts an SRP port on `reactor`: `open` makes its fabric there (the reactor's arena and
@@ -429,7 +437,6 @@ pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
         logging_out: false,
         ids: Vec::with_capacity(64),
         events: Vec::with_capacity(256),
-        scratch: Vec::with_capacity(IU_LEN),
     };
     tracing::info!(portal = %port.portal, reactor = port.io.index, "SRP port listening");
     loop {
@@ -615,7 +622,7 @@ impl<F: Fabric> Port<F> {
             }
         };
         let receives: Option<Vec<_>> = (0..params.request_limit + SPARE_RECEIVES)
-            .map(|_| self.fabric.iu().map(PortBuffer::Iu))
+            .map(|_| self.fabric.verbs().iu_buffer().map(PortBuffer::Iu))
             .collect();
         let Some(receives) = receives else {
             if self.table.channels(&key).is_empty() {
@@ -665,7 +672,7 @@ impl<F: Fabric> Port<F> {
         self.channels.insert(
             id,
             Chan {
-                qp,
+                driver: Driver::new(qp),
                 key,
                 target,
                 nexus,
@@ -673,7 +680,6 @@ impl<F: Fabric> Port<F> {
                 route: Route { conn: id, tx },
                 rx,
                 out: Outbox::new(id),
-                reads: HashMap::new(),
                 unit: None,
                 lost: false,
                 _slot: slot,
@@ -713,127 +719,31 @@ impl<F: Fabric> Port<F> {
             return false;
         };
         let mut progress = false;
-        let mut events = std::mem::take(&mut self.events);
-        let qp = c.qp;
-        while let Some(wc) = self.fabric.verbs().poll(qp) {
+        let mut broken = None;
+        let mut slots = Slots { share: &self.share };
+        let verbs = self.fabric.verbs();
+        let (machine, driver, mut via) = c.parts();
+        let qp = driver.qp();
+        while let Some(wc) = verbs.poll(qp) {
             progress = true;
-            let ok = wc.result.is_ok();
-            match (wc.op, wc.buffer) {
-                (WorkOp::Recv, PortBuffer::Iu(buffer)) if ok => {
-                    let (machine, mut via) = c.via();
-                    machine.handle_iu(now, &buffer[..wc.len], &mut via);
-                    drop(via);
-                    self.fabric.verbs().post_recv(qp, 0, PortBuffer::Iu(buffer));
-                }
-                (WorkOp::RdmaRead, buffer) => match c.reads.remove(&wc.wr_id) {
-                    Some(Read::DataOut(tag)) => {
-                        if let PortBuffer::Data(b) = buffer {
-                            let (machine, mut via) = c.via();
-                            machine.handle_data_out(now, tag, wc.wr_id, b, ok, &mut via);
-                        }
-                    }
-                    Some(Read::Table(tag)) => {
-                        let table = ok.then_some(&buffer[..wc.len]);
-                        let (machine, mut via) = c.via();
-                        machine.handle_table(now, tag, wc.wr_id, table, &mut via);
-                    }
-                    None => {}
-                },
-                // A send or RDMA WRITE that failed without breaking the queue pair (a full
-                // send queue) must not be followed by a response that says all went well.
-                (WorkOp::Send | WorkOp::RdmaWrite, b) if !ok => {
-                    tracing::warn!(error = ?wc.result, "SRP transfer failed: channel disconnected");
-                    self.fabric.verbs().disconnect(qp);
-                    if let PortBuffer::Iu(b) = b {
-                        self.fabric.recycle(b);
-                    }
-                }
-                // A send's IU buffer goes back to the fabric; a data buffer written out to the
-                // arena; a flushed receive with its channel.
-                (_, PortBuffer::Iu(b)) => self.fabric.recycle(b),
-                (_, PortBuffer::Data(_)) => {}
+            if let Err(e) = driver.complete(now, wc, machine, &mut via, verbs, &mut slots) {
+                broken = Some(e);
             }
         }
-        if !c.out.local.is_empty() {
+        if !via.out.local.is_empty() {
             progress = true;
-            let (machine, mut via) = c.via();
             machine.handle_core(now, &mut via);
         }
-        let mut broken = None;
-        while let Some(t) = c.machine.poll_transmit(&mut self.scratch) {
-            progress = true;
-            match t {
-                Transmit::Send { len, .. } => match self.fabric.iu() {
-                    Some(mut b) => {
-                        b[..len].copy_from_slice(&self.scratch[..len]);
-                        self.fabric.verbs().post_send(qp, 0, PortBuffer::Iu(b), len);
-                    }
-                    None => broken = Some("no IU buffer left to send with"),
-                },
-                Transmit::RdmaWrite {
-                    payload,
-                    len,
-                    regions,
-                    ..
-                } => {
-                    let data = match payload {
-                        Payload::Buffer(b) => Some(PortBuffer::Data(b)),
-                        Payload::Bytes(v) => self.fabric.payload(v, &self.share),
-                    };
-                    match data {
-                        Some(d) => {
-                            let verbs = self.fabric.verbs();
-                            verbs.post_rdma_write(qp, 0, d, len as usize, &regions);
-                        }
-                        None => broken = Some("no registered memory for parameter data"),
-                    }
-                    c.machine.recycle(regions);
-                }
-                Transmit::RdmaRead {
-                    tag,
-                    transfer,
-                    buffer,
-                    len,
-                    regions,
-                } => {
-                    c.reads.insert(transfer, Read::DataOut(tag));
-                    let data = PortBuffer::Data(buffer);
-                    self.fabric
-                        .verbs()
-                        .post_rdma_read(qp, transfer, data, len as usize, &regions);
-                    c.machine.recycle(regions);
-                }
-                Transmit::ReadTable {
-                    tag,
-                    transfer,
-                    table,
-                } => {
-                    let len = table.len as usize;
-                    match self.share.try_alloc(len) {
-                        Ok(Some(b)) => {
-                            c.reads.insert(transfer, Read::Table(tag));
-                            let b = PortBuffer::Data(b);
-                            self.fabric
-                                .verbs()
-                                .post_rdma_read(qp, transfer, b, len, &[table]);
-                        }
-                        // No room for the table now: the command fails (BUSY-like
-                        // backpressure would need the table's bytes kept somewhere).
-                        _ => {
-                            let (machine, mut via) = c.via();
-                            machine.handle_table(now, tag, transfer, None, &mut via);
-                        }
-                    }
-                }
-            }
-            if broken.is_some() {
-                break;
-            }
+        match driver.transmit(now, machine, &mut via, verbs, &mut slots) {
+            Ok(any) => progress |= any,
+            Err(e) => broken = Some(e),
         }
+        drop(via);
         if let Some(why) = broken {
-            tracing::error!(portal = %self.portal, "SRP channel disconnected: {why}");
-            self.fabric.verbs().disconnect(qp);
+            tracing::warn!(portal = %self.portal, "SRP channel disconnected: {why}");
+            verbs.disconnect(qp);
         }
+        let mut events = std::mem::take(&mut self.events);
         while let Some(e) = c.machine.poll_event() {
             progress = true;
             events.push(e);
@@ -921,7 +831,8 @@ impl<F: Fabric> Port<F> {
         let Some(c) = self.channels.get_mut(&id) else {
             return false;
         };
-        let disconnected = self.fabric.verbs().is_error(c.qp);
+        let qp = c.driver.qp();
+        let disconnected = self.fabric.verbs().is_error(qp);
         if c.machine.closing().is_none() && !disconnected && !c.lost {
             return false;
         }
@@ -937,16 +848,17 @@ impl<F: Fabric> Port<F> {
         let Some(c) = self.channels.remove(&id) else {
             return false;
         };
+        let verbs = self.fabric.verbs();
         if !disconnected {
-            self.fabric.verbs().disconnect(c.qp);
+            verbs.disconnect(qp);
         }
         // What the disconnection flushed comes back before the queue pair goes.
-        while let Some(wc) = self.fabric.verbs().poll(c.qp) {
+        while let Some(wc) = verbs.poll(qp) {
             if let PortBuffer::Iu(b) = wc.buffer {
-                self.fabric.recycle(b);
+                verbs.recycle_iu(b);
             }
         }
-        self.fabric.release(c.qp);
+        self.fabric.release(qp);
         lock(&self.registry.srp_channels).remove(&id);
         if let Left::Ended(nexus) = self.table.leave(c.key, &id) {
             let mut out = Outbox::detached();
@@ -974,8 +886,8 @@ impl<F: Fabric> Port<F> {
     /// Disconnects what is left (the daemon's drain is over).
     fn close_all(&mut self) {
         for (id, c) in std::mem::take(&mut self.channels) {
-            self.fabric.verbs().disconnect(c.qp);
-            self.fabric.release(c.qp);
+            self.fabric.verbs().disconnect(c.driver.qp());
+            self.fabric.release(c.driver.qp());
             lock(&self.registry.srp_channels).remove(&id);
             if let Left::Ended(nexus) = self.table.leave(c.key, &id) {
                 let mut out = Outbox::detached();

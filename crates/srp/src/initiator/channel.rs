@@ -95,7 +95,10 @@ pub struct InitiatorChannel<V: Verbs + PeerMemory> {
     scratch: Vec<u8>,
 }
 
-impl<V: IuBuffers + PeerMemory> InitiatorChannel<V> {
+impl<V> InitiatorChannel<V>
+where
+    V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
+{
     /// The channel of queue pair `qp`, logged in with `rsp`: its receives posted, its data
     /// memory of `places` places of `place_len` bytes made and registered as `registration`
     /// says.
@@ -222,7 +225,9 @@ impl<V: IuBuffers + PeerMemory> InitiatorChannel<V> {
     pub fn poll(&mut self, verbs: &mut V) -> Option<Answer> {
         while let Some(wc) = verbs.poll(self.qp) {
             if wc.op != WorkOp::Recv || wc.result.is_err() {
-                continue; // A send's buffer goes back; a flushed receive with the channel.
+                // A send's buffer goes back; a flushed receive with the channel.
+                verbs.recycle_iu(wc.buffer);
+                continue;
             }
             let answer = match Iu::decode(&wc.buffer[..wc.len]) {
                 Ok(Iu::Rsp(r)) => {

@@ -2,9 +2,11 @@
 //! state ([`channel`]), sans-IO.
 
 pub mod channel;
+pub mod driver;
 pub mod login;
 
 pub use channel::{Channel, ChannelParams, Close, Core, Event, Payload, SrpTask, Transmit};
+pub use driver::{Broken, Buffers, Driver};
 pub use login::{
     port_id_for, Admission, ChannelTable, ItNexusKey, Left, PortSettings, MAX_TI_IU_LEN,
 };

@@ -82,10 +82,6 @@ impl Fabric for RdmaPort {
         &mut self.verbs
     }
 
-    fn iu(&mut self) -> Option<Slot> {
-        self.verbs.slot()
-    }
-
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         // Each is polled, so that each has the waker.
         let requests = self.listening.poll_readable(cx);
