@@ -257,6 +257,25 @@ pub struct RigChannel {
     pub gone: bool,
 }
 
+impl RigChannel {
+    /// Hands a completion of the target's queue pair to its channel; a queue pair that must
+    /// not go on is disconnected.
+    fn complete(
+        &mut self,
+        now: Instant,
+        wc: Completion<Vec<u8>>,
+        via: &mut Via<'_>,
+        verbs: &mut Port<'_>,
+    ) {
+        let done = self
+            .driver
+            .complete(now, wc, &mut self.channel, via, verbs, &mut self.buffers);
+        if done.is_err() {
+            verbs.disconnect(self.driver.qp());
+        }
+    }
+}
+
 /// The rig's target buffers: plain vectors (the fabric copies what it moves), reused.
 #[derive(Debug, Default)]
 struct RigBuffers(Vec<Vec<u8>>);
@@ -637,18 +656,7 @@ impl Rig {
         for (ch, wc) in std::mem::take(&mut self.held_reads) {
             let c = &mut self.channels[ch];
             let mut via = self.router.via(ch, c.nexus);
-            let mut verbs = self.fabric.port(TARGET);
-            let done = c.driver.complete(
-                self.now,
-                wc,
-                &mut c.channel,
-                &mut via,
-                &mut verbs,
-                &mut c.buffers,
-            );
-            if done.is_err() {
-                verbs.disconnect(c.driver.qp());
-            }
+            c.complete(self.now, wc, &mut via, &mut self.fabric.port(TARGET));
         }
         self.run();
     }
@@ -785,17 +793,7 @@ impl Rig {
                 self.held_reads.push((ch, wc));
                 continue;
             }
-            let done = c.driver.complete(
-                now,
-                wc,
-                &mut c.channel,
-                &mut via,
-                &mut verbs,
-                &mut c.buffers,
-            );
-            if done.is_err() {
-                verbs.disconnect(qp);
-            }
+            c.complete(now, wc, &mut via, &mut verbs);
         }
         if !via.router.queue(ch).is_empty() {
             progress = true;
