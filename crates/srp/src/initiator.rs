@@ -16,7 +16,7 @@
 //!
 //! [`DataMemory`] holds one allocation cut into places, one per command in flight; a command's
 //! regions lie apart inside its place (every other chunk, as scattered pages are), followed by
-//! its descriptor table when it has more than one region. It works over any [`Verbs`]: the
+//! its descriptor table when it has more than one region. It works over any [`PeerMemory`]: the
 //! software fabric or a real device.
 
 use std::collections::HashMap;

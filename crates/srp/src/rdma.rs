@@ -6,7 +6,7 @@
 //! the protection domain): a protection domain; one memory region over a pool of fixed-size
 //! [`Slot`]s registered once at start (IU buffers), and any [`backend::Arena`] registered once
 //! with [`RdmaVerbs::register_arena`] (a reactor's, where a target's data moves); memory
-//! the peer may reach ([`Verbs::alloc`], [`Verbs::register`]); one completion queue per queue
+//! the peer may reach ([`PeerMemory::alloc`], [`PeerMemory::register`]); one completion queue per queue
 //! pair, all on one completion channel whose descriptor a reactor watches
 //! ([`RdmaVerbs::completion_fd`], then [`RdmaVerbs::ack_events`]). Queue pairs are RC,
 //! set up through rdma_cm: [`Listener`] on the target (its connect requests accepted or

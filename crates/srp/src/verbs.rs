@@ -12,7 +12,7 @@
 //!
 //! Memory that the *peer* reaches (an initiator's data buffers, named in SRP_CMD descriptors)
 //! is different: it stays where it is while registered, and the program touches it only between
-//! the commands that expose it. It is allocated by the verbs ([`Verbs::alloc`]) and lives as
+//! the commands that expose it. It is allocated by the verbs ([`PeerMemory::alloc`]) and lives as
 //! long as they do, so a registration never outlives its memory.
 
 use std::fmt::Debug;

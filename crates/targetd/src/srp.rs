@@ -6,7 +6,7 @@
 //! receives go into the channel machine, which the port answers by posting sends and RDMA
 //! transfers, running backend operations on the reactor's engine ([`Io::submit`], as iSCSI
 //! connections do) and handing the target's SCSI core what the machine asks through
-//! [`Via`], the same core and routing iSCSI sessions use. Data moves between the reactor's
+//! `Via`, the same core and routing iSCSI sessions use. Data moves between the reactor's
 //! arena slots and the initiator's memory: RDMA WRITE from the slot a READ filled, RDMA READ
 //! into the slot a WRITE then writes from. Nothing is registered per I/O.
 //!
