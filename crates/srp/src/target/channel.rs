@@ -428,7 +428,9 @@ impl<B: TaskBuffer> Channel<B> {
 
     /// Gives back a descriptor list a transfer carried.
     pub fn recycle(&mut self, mut regions: Vec<MemoryDescriptor>) {
-        if self.lists.len() < KEPT_LISTS {
+        // A list that never held anything (its task's was taken for a transfer) is no use
+        // again: keeping it would hand out an empty list that allocates when filled.
+        if regions.capacity() > 0 && self.lists.len() < KEPT_LISTS {
             regions.clear();
             self.lists.push(regions);
         }
