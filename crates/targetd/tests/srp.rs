@@ -52,6 +52,8 @@ fn daemon(switch: &Arc<Switch>) -> Daemon {
 struct Answer {
     status: u8,
     sense: Vec<u8>,
+    /// Response data (a task management function's answer).
+    response: Vec<u8>,
     data_in_residual: Residual,
     data: Vec<u8>,
 }
@@ -74,6 +76,9 @@ struct Initiator {
     max_ti_iu_len: usize,
     /// SRP_T_LOGOUT received, and why.
     logged_out: Option<TargetLogoutReason>,
+    /// Indirect descriptors carry only the first region in the IU: the target fetches the
+    /// table by RDMA READ.
+    partial: bool,
 }
 
 fn request(target: &str, port: [u8; 16]) -> SrpLoginReq {
@@ -142,6 +147,7 @@ impl Initiator {
             next_tag: 100,
             max_ti_iu_len: rsp.max_ti_iu_len as usize,
             logged_out: None,
+            partial: false,
         };
         (me, rsp)
     }
@@ -199,10 +205,15 @@ impl Initiator {
                     f.memory_mut(self.memory)[table_at..table_at + table.len()]
                         .copy_from_slice(&table)
                 });
+                let in_iu = if self.partial {
+                    &table[..16]
+                } else {
+                    &table[..]
+                };
                 DataBufferDescriptor::Indirect {
                     table: self.region.descriptor(table_at as u32, table.len() as u32),
                     total_len: len as u32,
-                    partial: Descriptors::new(&table).expect("16-byte descriptors"),
+                    partial: Descriptors::new(in_iu).expect("16-byte descriptors"),
                 }
             }
         };
@@ -256,6 +267,7 @@ impl Initiator {
                             found = Some(Answer {
                                 status: r.status,
                                 sense: r.sense.to_vec(),
+                                response: r.response_data.to_vec(),
                                 data_in_residual: r.data_in_residual,
                                 data: Vec::new(),
                             });
@@ -281,6 +293,13 @@ impl Initiator {
             assert!(Instant::now() < deadline, "no SRP_RSP for tag {tag:#x}");
             std::thread::sleep(Duration::from_millis(1));
         }
+    }
+
+    /// Sends raw bytes as an IU (taking a credit) and waits for the answer to `tag`.
+    fn raw(&mut self, iu: &[u8], tag: u64) -> Answer {
+        self.credit -= 1;
+        self.verbs.post_send(self.qp, 4, iu.to_vec(), iu.len());
+        self.answer(tag)
     }
 
     /// Runs a command until it is past the new nexus's unit attentions.
@@ -544,5 +563,71 @@ fn initiator_bench_runs_verified_workloads_against_targetd() {
         channels[0].logout(&mut verbs).expect("logged out");
     }
     eventually("the channels end", || d.registry.srp_channels().is_empty());
+    d.stop();
+}
+
+/// Through the daemon: a descriptor table the target must fetch (into its arena), a
+/// LOGICAL UNIT RESET answered through the core's routing, and malformed IUs answered on one
+/// channel while another goes on.
+#[test]
+fn partial_tables_task_management_and_malformed_ius_through_the_daemon() {
+    use srp::iu::{SrpTskMgmt, TaskManagementFunction};
+
+    let switch = Switch::new();
+    let d = daemon(&switch);
+    let (mut a, _) = Initiator::login(&switch, &request(TARGET, PORT_A));
+    let (mut b, _) = Initiator::login(&switch, &request(TARGET, PORT_B));
+    a.good(0, &[0; 6], None, 0, 1);
+    b.good(0, &[0; 6], None, 0, 1);
+    // 32 regions, only the first in the IU: the target reads the table, then the data.
+    a.partial = true;
+    let data = pattern(128 * 1024, 4);
+    a.good(0, &rw10(0x2a, 512, 256), Some(&data), 0, 32);
+    let back = a.good(0, &rw10(0x28, 512, 256), None, data.len(), 32);
+    assert_eq!(back.data, data, "written and read through fetched tables");
+    a.partial = false;
+    // LOGICAL UNIT RESET of LUN 1: answered FUNCTION COMPLETE; the other nexus hears of it.
+    let mut tmf = Vec::new();
+    SrpTskMgmt {
+        sol_not: 0,
+        tag: 77,
+        lun: 1 << 48,
+        function: TaskManagementFunction::LogicalUnitReset,
+        task_tag: 0,
+    }
+    .encode(&mut tmf);
+    let answer = a.raw(&tmf, 77);
+    assert_eq!(
+        answer.response.get(3),
+        Some(&0),
+        "FUNCTION COMPLETE: {answer:?}"
+    );
+    let ua = b.command(1, &[0; 6], None, 0, 1);
+    assert_eq!(
+        (ua.status, ua.sense_key()),
+        (2, Some(0x6)),
+        "the other nexus gets a unit attention after the reset"
+    );
+    // A reserved task attribute: CHECK CONDITION, INVALID FIELD IN COMMAND INFORMATION UNIT.
+    let mut cmd = Vec::new();
+    SrpCmd {
+        tag: 78,
+        cdb: &rw10(0x28, 0, 1),
+        ..SrpCmd::default()
+    }
+    .encode(&mut cmd);
+    cmd[29] = 3;
+    let bad = b.raw(&cmd, 78);
+    assert_eq!(bad.status, 2);
+    assert_eq!((bad.sense[12], bad.sense[13]), (0x0e, 0x03));
+    // An SRP_AER_RSP to an SRP_AER_REQ never sent: the channel is logged out; A goes on.
+    b.verbs.post_send(b.qp, 5, vec![0x41; 64], 64);
+    assert_eq!(
+        b.wait_for_logout(),
+        Some(TargetLogoutReason::UnexpectedResponse)
+    );
+    let back = a.good(0, &rw10(0x28, 512, 256), None, data.len(), 1);
+    assert_eq!(back.data, data);
+    eventually("B's channel ends", || d.registry.srp_channels().len() == 1);
     d.stop();
 }
