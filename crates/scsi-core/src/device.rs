@@ -232,6 +232,9 @@ pub struct Device {
     pub(crate) store: Option<Box<dyn PrStore>>,
     /// Plain reads and writes are delegated to the transport ([`Device::set_delegation`]).
     delegate: bool,
+    /// Reused by `retry_lock_waiters` (the waiters it goes through, the ranges of those that
+    /// stay), so a write released by another's end allocates nothing.
+    scratch: (Vec<TaskId>, Vec<(u64, u64)>),
 }
 
 impl std::fmt::Debug for Device {
@@ -330,6 +333,7 @@ impl Device {
             tmfs: Vec::new(),
             store: None,
             delegate: false,
+            scratch: (Vec::new(), Vec::new()),
         }
     }
 
@@ -1051,10 +1055,15 @@ impl Device {
     /// Lets waiting writers whose ranges are free go, in arrival order: a waiter also blocks
     /// later waiters that overlap it.
     fn retry_lock_waiters(&mut self, lun: u16) {
-        let Some(lu) = self.lu_mut(lun) else { return };
-        let waiters: Vec<TaskId> = lu.lock_waiters.drain(..).collect();
-        let mut still: Vec<(u64, u64)> = Vec::new();
-        for id in waiters {
+        let (mut waiters, mut still) = std::mem::take(&mut self.scratch);
+        let Some(lu) = self.lu_mut(lun) else {
+            self.scratch = (waiters, still);
+            return;
+        };
+        waiters.clear();
+        still.clear();
+        waiters.extend(lu.lock_waiters.drain(..));
+        for &id in &waiters {
             let Some((start, blocks)) = self
                 .task(id)
                 .ok()
@@ -1078,6 +1087,7 @@ impl Device {
             self.actions
                 .push_back(Action::Backend { task: id, lun, op });
         }
+        self.scratch = (waiters, still);
     }
 
     /// A backend operation of [`Action::Backend`] has finished.
