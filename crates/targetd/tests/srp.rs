@@ -29,9 +29,10 @@ const PORT_B: [u8; 16] = *b"srp-initiator--B";
 const MEMORY: usize = 8 << 20;
 const WAIT: Duration = Duration::from_secs(10);
 
-/// A target with a 64 MiB file LUN 0 and a 16 MiB memory LUN 1, and a second target that
-/// admits one SRP initiator port only.
-fn daemon(switch: &Arc<Switch>) -> Daemon {
+/// The daemon serving SRP on a new switch: a target with a 64 MiB file LUN 0 and a 16 MiB
+/// memory LUN 1, and a second target that admits one SRP initiator port only.
+fn daemon() -> (Arc<Switch>, Daemon) {
+    let switch = Switch::new();
     let targets = format!(
         "[[targets]]\nname = \"{TARGET}\"\n\
          [[targets.luns]]\nlun = 0\nbackend = \"file\"\npath = \"@DIR@/lun0.img\"\nsize = \"64MiB\"\n\
@@ -40,11 +41,12 @@ fn daemon(switch: &Arc<Switch>) -> Daemon {
          [[targets.luns]]\nlun = 0\nbackend = \"memory\"\nsize = \"1MiB\"\n",
         targetd::srp::hex(&PORT_B)
     );
-    Daemon::start_with(&config("", &targets), |server| {
+    let d = Daemon::start_with(&config("", &targets), |server| {
         server
-            .serve_srp_fabric(switch, TARGET_NODE, SERVICE)
+            .serve_srp_fabric(&switch, TARGET_NODE, SERVICE)
             .expect("the service is free");
-    })
+    });
+    (switch, d)
 }
 
 /// What a command's SRP_RSP said, and the data-in that reached the initiator's memory.
@@ -295,6 +297,13 @@ impl Initiator {
         }
     }
 
+    /// Logs `port` in to the test target and takes the new nexus's unit attentions.
+    fn ready(switch: &Arc<Switch>, port: [u8; 16]) -> Initiator {
+        let (mut i, _) = Initiator::login(switch, &request(TARGET, port));
+        i.good(0, &TUR, None, 0, 1);
+        i
+    }
+
     /// Sends raw bytes as an IU (taking a credit) and waits for the answer to `tag`.
     fn raw(&mut self, iu: &[u8], tag: u64) -> Answer {
         self.credit -= 1;
@@ -343,6 +352,9 @@ impl Initiator {
     }
 }
 
+/// TEST UNIT READY.
+const TUR: [u8; 6] = [0; 6];
+
 fn rw10(opcode: u8, lba: u32, blocks: u16) -> Vec<u8> {
     let mut c = vec![opcode, 0];
     c.extend_from_slice(&lba.to_be_bytes());
@@ -369,8 +381,7 @@ fn eventually(what: &str, mut f: impl FnMut() -> bool) {
 
 #[test]
 fn reads_and_writes_over_srp_reach_file_and_memory_units_that_iscsi_shares() {
-    let switch = Switch::new();
-    let d = daemon(&switch);
+    let (switch, d) = daemon();
     let (mut i, rsp) = Initiator::login(&switch, &request(TARGET, PORT_A));
     assert_eq!(rsp.req_lim_delta, 128);
     // INQUIRY reaches the target's device, through its SRP port.
@@ -429,8 +440,7 @@ fn reads_and_writes_over_srp_reach_file_and_memory_units_that_iscsi_shares() {
 
 #[test]
 fn logins_are_refused_with_the_standards_reasons() {
-    let switch = Switch::new();
-    let d = daemon(&switch);
+    let (switch, d) = daemon();
     // No target has that port identifier.
     let unknown = request("iqn.2026-11.io.example:nobody", PORT_A);
     assert_eq!(
@@ -453,7 +463,7 @@ fn logins_are_refused_with_the_standards_reasons() {
         LoginRejectReason::UnableToEstablishChannel
     );
     let (mut b, _) = Initiator::login(&switch, &request(&only_b, PORT_B));
-    b.good(0, &[0, 0, 0, 0, 0, 0], None, 0, 1);
+    b.good(0, &TUR, None, 0, 1);
     // Not a login request at all.
     let id = switch
         .connect(INITIATOR_NODE, SERVICE, &[0x02; 36])
@@ -474,16 +484,14 @@ fn logins_are_refused_with_the_standards_reasons() {
         4
     );
     // The channel refused nothing of the one that logged in.
-    b.good(0, &[0, 0, 0, 0, 0, 0], None, 0, 1);
+    b.good(0, &TUR, None, 0, 1);
     d.stop();
 }
 
 #[test]
 fn a_second_single_channel_login_replaces_the_first_and_a_lost_channel_ends() {
-    let switch = Switch::new();
-    let d = daemon(&switch);
-    let (mut first, _) = Initiator::login(&switch, &request(TARGET, PORT_A));
-    first.good(1, &[0, 0, 0, 0, 0, 0], None, 0, 1);
+    let (switch, d) = daemon();
+    let mut first = Initiator::ready(&switch, PORT_A);
     // The same initiator port logs in again, SINGLE CHANNEL: the first is logged out.
     let (mut second, rsp) = Initiator::login(&switch, &request(TARGET, PORT_A));
     assert_eq!(rsp.multi_channel, srp::iu::MultiChannelResult::Terminated);
@@ -491,7 +499,7 @@ fn a_second_single_channel_login_replaces_the_first_and_a_lost_channel_ends() {
         first.wait_for_logout(),
         Some(TargetLogoutReason::MultiChannelAction)
     );
-    second.good(1, &[0, 0, 0, 0, 0, 0], None, 0, 1);
+    second.good(1, &TUR, None, 0, 1);
     eventually("one channel left", || d.registry.srp_channels().len() == 1);
     // The initiator vanishes (its queue pair disconnected): the channel ends.
     second.verbs.disconnect(second.qp);
@@ -503,10 +511,8 @@ fn a_second_single_channel_login_replaces_the_first_and_a_lost_channel_ends() {
 
 #[test]
 fn a_stopping_daemon_logs_srp_channels_out() {
-    let switch = Switch::new();
-    let d = daemon(&switch);
-    let (mut i, _) = Initiator::login(&switch, &request(TARGET, PORT_A));
-    i.good(1, &[0, 0, 0, 0, 0, 0], None, 0, 1);
+    let (switch, d) = daemon();
+    let mut i = Initiator::ready(&switch, PORT_A);
     let stopper = std::thread::spawn(move || d.stop());
     assert_eq!(i.wait_for_logout(), Some(TargetLogoutReason::NoReason));
     stopper.join().expect("the daemon drains");
@@ -527,8 +533,7 @@ fn initiator_bench_runs_verified_workloads_against_targetd() {
     use srp::initiator::channel::InitiatorChannel;
     use srp::initiator::Registration;
 
-    let switch = Switch::new();
-    let d = daemon(&switch);
+    let (switch, d) = daemon();
     for (s, registration) in Registration::ALL.into_iter().enumerate() {
         let w = Workload {
             rw: Rw::Randrw,
@@ -573,12 +578,9 @@ fn initiator_bench_runs_verified_workloads_against_targetd() {
 fn partial_tables_task_management_and_malformed_ius_through_the_daemon() {
     use srp::iu::{SrpTskMgmt, TaskManagementFunction};
 
-    let switch = Switch::new();
-    let d = daemon(&switch);
-    let (mut a, _) = Initiator::login(&switch, &request(TARGET, PORT_A));
-    let (mut b, _) = Initiator::login(&switch, &request(TARGET, PORT_B));
-    a.good(0, &[0; 6], None, 0, 1);
-    b.good(0, &[0; 6], None, 0, 1);
+    let (switch, d) = daemon();
+    let mut a = Initiator::ready(&switch, PORT_A);
+    let mut b = Initiator::ready(&switch, PORT_B);
     // 32 regions, only the first in the IU: the target reads the table, then the data.
     a.partial = true;
     let data = pattern(128 * 1024, 4);
@@ -602,7 +604,7 @@ fn partial_tables_task_management_and_malformed_ius_through_the_daemon() {
         Some(&0),
         "FUNCTION COMPLETE: {answer:?}"
     );
-    let ua = b.command(1, &[0; 6], None, 0, 1);
+    let ua = b.command(1, &TUR, None, 0, 1);
     assert_eq!(
         (ua.status, ua.sense_key()),
         (2, Some(0x6)),
