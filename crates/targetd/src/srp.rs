@@ -837,10 +837,11 @@ impl<F: Fabric> Port<F> {
             return false;
         }
         if disconnected && !c.lost {
+            // Its commands still in the core are aborted (the nexus may go on with other
+            // channels; if not, it closes once this channel is idle and has left).
             c.lost = true;
-            let alone = self.table.channels(&c.key).len() <= 1;
             let (machine, mut via) = c.via();
-            machine.close(alone, &mut via);
+            machine.close(false, &mut via);
         }
         if !c.machine.is_idle() {
             return false;

@@ -501,7 +501,29 @@ fn a_second_single_channel_login_replaces_the_first_and_a_lost_channel_ends() {
     );
     second.good(1, &TUR, None, 0, 1);
     eventually("one channel left", || d.registry.srp_channels().len() == 1);
-    // The initiator vanishes (its queue pair disconnected): the channel ends.
+    // The initiator vanishes (its queue pair disconnected) with writes and reads in flight:
+    // the channel ends all the same.
+    for k in 0..16u32 {
+        let place = second.region.descriptor(k * 256 * 1024, 256 * 1024);
+        let (cdb, data_out, data_in) = if k % 2 == 0 {
+            let d = DataBufferDescriptor::Direct(place);
+            (rw10(0x2a, k * 512, 512), d, DataBufferDescriptor::None)
+        } else {
+            let d = DataBufferDescriptor::Direct(place);
+            (rw10(0x28, k * 512, 512), DataBufferDescriptor::None, d)
+        };
+        let cmd = SrpCmd {
+            tag: 1000 + u64::from(k),
+            cdb: &cdb,
+            data_out,
+            data_in,
+            ..SrpCmd::default()
+        };
+        let mut b = Vec::new();
+        cmd.encode(&mut b);
+        let n = b.len();
+        second.verbs.post_send(second.qp, 6, b, n);
+    }
     second.verbs.disconnect(second.qp);
     eventually("the lost channel ends", || {
         d.registry.srp_channels().is_empty()
