@@ -765,6 +765,34 @@ async fn deep_queues_of_large_writes_complete() {
     assert!(r.resent > 0, "no write was turned away");
 }
 
+/// The default CmdSN window is never an initiator's cap: 2048 commands (open-iscsi's deepest
+/// session queue) may be outstanding, and 2048 reads started at once all run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_command_window_admits_the_deepest_initiator_queue() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let s = d.session(opts()).await;
+    let _ = s
+        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await;
+    let (exp, max) = s.command_window().expect("logged in");
+    let window = max.0.wrapping_sub(exp.0).wrapping_add(1);
+    assert_eq!(window, targetd::config::DEFAULT_CMDSN_WINDOW);
+    assert_eq!(window, 2048);
+    let mut pending = Vec::new();
+    for i in 0..2048u64 {
+        let c = Command::read(s.lun(), cdb::read(i, 1), 512);
+        pending.push(
+            tokio::time::timeout(Duration::from_secs(10), s.start(c))
+                .await
+                .expect("sent without waiting for the window")
+                .unwrap(),
+        );
+    }
+    for p in pending {
+        p.wait().await.unwrap().good().unwrap();
+    }
+}
+
 /// Runs futures concurrently on this task (the initiator's session is shared by reference).
 async fn futures_join_all<F: std::future::Future<Output = ()>>(fs: impl Iterator<Item = F>) {
     let mut set: Vec<std::pin::Pin<Box<F>>> = fs.map(Box::pin).collect();

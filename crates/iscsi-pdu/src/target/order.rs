@@ -30,7 +30,7 @@ impl<T> CommandOrder<T> {
         CommandOrder {
             window,
             exp_cmd_sn,
-            pending: VecDeque::with_capacity(window.min(1024) as usize),
+            pending: VecDeque::with_capacity(window.min(128) as usize),
         }
     }
 
