@@ -127,6 +127,28 @@ enum Cmd {
         #[arg(long, default_value_t = 512)]
         ios: u64,
     },
+    /// Puts sweeps side by side: one table and one plot of a metric from several sweep.csv
+    /// files (say, the same experiment against tgtd and targetd), with an ideal line if asked.
+    Combine {
+        /// LABEL=PATH of each sweep.csv, in the order of the columns.
+        #[arg(required = true)]
+        sweeps: Vec<String>,
+        /// The column of the CSVs to compare (iops, bytes_per_sec, p50_us, p99_us, ...).
+        #[arg(long, default_value = "iops")]
+        metric: String,
+        /// An ideal line y = SLOPE * x (paper 000: 1/RTT transactions per second per stream).
+        #[arg(long)]
+        ideal: Option<f64>,
+        /// The x axis's name.
+        #[arg(long, default_value = "value")]
+        x_label: String,
+        /// The plot's title.
+        #[arg(long, default_value = "")]
+        title: String,
+        /// STEM: writes STEM.md, STEM.svg and STEM.png.
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// List the targets a portal offers (SendTargets=All).
     Discover {
         /// iscsi://host[:port]
@@ -134,6 +156,92 @@ enum Cmd {
         #[command(flatten)]
         login: LoginArgs,
     },
+}
+
+/// One sweep.csv's column `metric`, by its first column's value.
+fn sweep_column(path: &str, metric: &str) -> anyhow::Result<Vec<(f64, f64)>> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{path}: {e}"))?;
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines.next().unwrap_or_default().split(',').collect();
+    let Some(col) = header.iter().position(|h| *h == metric) else {
+        bail!(
+            "{path} has no column {metric:?} (it has {})",
+            header.join(", ")
+        );
+    };
+    let mut points = Vec::new();
+    for (n, line) in lines.enumerate() {
+        let cells: Vec<&str> = line.split(',').collect();
+        let num = |i: usize| -> anyhow::Result<f64> {
+            let cell = cells.get(i).copied().unwrap_or_default();
+            cell.parse()
+                .map_err(|_| anyhow::anyhow!("{path}:{}: {cell:?} is not a number", n + 2))
+        };
+        points.push((num(0)?, num(col)?));
+    }
+    Ok(points)
+}
+
+/// `initiator-bench combine`: a table and a plot of one metric across sweeps.
+fn combine(
+    sweeps: &[String],
+    metric: &str,
+    ideal: Option<f64>,
+    x_label: &str,
+    title: &str,
+    out: &std::path::Path,
+) -> anyhow::Result<()> {
+    let mut series = Vec::new();
+    for s in sweeps {
+        let Some((label, path)) = s.split_once('=') else {
+            bail!("{s:?} is not LABEL=PATH");
+        };
+        series.push(Series {
+            label: label.to_string(),
+            points: sweep_column(path, metric)?,
+        });
+    }
+    let mut xs: Vec<f64> = series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.0))
+        .collect();
+    xs.sort_by(f64::total_cmp);
+    xs.dedup();
+    if let Some(slope) = ideal {
+        series.push(Series {
+            label: format!("ideal ({slope} x)"),
+            points: xs.iter().map(|&x| (x, slope * x)).collect(),
+        });
+    }
+    let mut md = format!("| {x_label} |");
+    for s in &series {
+        md.push_str(&format!(" {} |", s.label));
+    }
+    md.push_str(&format!("\n| --- |{}\n", " --- |".repeat(series.len())));
+    for &x in &xs {
+        md.push_str(&format!("| {x} |"));
+        for s in &series {
+            match s.points.iter().find(|p| p.0 == x) {
+                Some(p) => md.push_str(&format!(" {:.1} |", p.1)),
+                None => md.push_str(" |"),
+            }
+        }
+        md.push('\n');
+    }
+    if let Some(dir) = out.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(out.with_extension("md"), &md)?;
+    print!("{md}");
+    match plot(out, title, x_label, metric, &series) {
+        Ok(files) => {
+            for f in files {
+                println!("wrote {}", f.display());
+            }
+        }
+        Err(e) => eprintln!("no plot: {e}"),
+    }
+    Ok(())
 }
 
 /// Runs a workload against an SRP target on this machine's RDMA device.
@@ -405,6 +513,14 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             }
             Cmd::Paper004 { out, ios } => paper004(&out, ios),
+            Cmd::Combine {
+                sweeps,
+                metric,
+                ideal,
+                x_label,
+                title,
+                out,
+            } => combine(&sweeps, &metric, ideal, &x_label, &title, &out),
             Cmd::Run {
                 urls,
                 workload,
