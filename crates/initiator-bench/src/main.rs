@@ -139,6 +139,12 @@ enum Cmd {
         /// An ideal line y = SLOPE * x (paper 000: 1/RTT transactions per second per stream).
         #[arg(long)]
         ideal: Option<f64>,
+        /// Divide the metric by this (1e6: bytes_per_sec as MB/s).
+        #[arg(long, default_value_t = 1.0)]
+        divide: f64,
+        /// The y axis's name (the metric's when absent).
+        #[arg(long)]
+        y_label: Option<String>,
         /// The x axis's name.
         #[arg(long, default_value = "value")]
         x_label: String,
@@ -177,7 +183,13 @@ fn sweep_column(path: &str, metric: &str) -> anyhow::Result<Vec<(f64, f64)>> {
             cell.parse()
                 .map_err(|_| anyhow::anyhow!("{path}:{}: {cell:?} is not a number", n + 2))
         };
-        points.push((num(0)?, num(col)?));
+        // A delay sweep's values are durations (16ms): its x is milliseconds.
+        let first = cells.first().copied().unwrap_or_default();
+        let x = match initiator_bench::proxy::parse_duration(first) {
+            Ok(d) if first.parse::<f64>().is_err() => d.as_secs_f64() * 1e3,
+            _ => num(0)?,
+        };
+        points.push((x, num(col)?));
     }
     Ok(points)
 }
@@ -185,9 +197,9 @@ fn sweep_column(path: &str, metric: &str) -> anyhow::Result<Vec<(f64, f64)>> {
 /// `initiator-bench combine`: a table and a plot of one metric across sweeps.
 fn combine(
     sweeps: &[String],
-    metric: &str,
+    (metric, divide): (&str, f64),
     ideal: Option<f64>,
-    x_label: &str,
+    (x_label, y_label): (&str, &str),
     title: &str,
     out: &std::path::Path,
 ) -> anyhow::Result<()> {
@@ -196,9 +208,10 @@ fn combine(
         let Some((label, path)) = s.split_once('=') else {
             bail!("{s:?} is not LABEL=PATH");
         };
+        let points = sweep_column(path, metric)?;
         series.push(Series {
             label: label.to_string(),
-            points: sweep_column(path, metric)?,
+            points: points.into_iter().map(|(x, y)| (x, y / divide)).collect(),
         });
     }
     let mut xs: Vec<f64> = series
@@ -233,7 +246,7 @@ fn combine(
     }
     std::fs::write(out.with_extension("md"), &md)?;
     print!("{md}");
-    match plot(out, title, x_label, metric, &series) {
+    match plot(out, title, x_label, y_label, &series) {
         Ok(files) => {
             for f in files {
                 println!("wrote {}", f.display());
@@ -517,10 +530,16 @@ fn main() -> anyhow::Result<()> {
                 sweeps,
                 metric,
                 ideal,
+                divide,
+                y_label,
                 x_label,
                 title,
                 out,
-            } => combine(&sweeps, &metric, ideal, &x_label, &title, &out),
+            } => {
+                let y_label = y_label.unwrap_or_else(|| metric.clone());
+                let axes = (x_label.as_str(), y_label.as_str());
+                combine(&sweeps, (&metric, divide), ideal, axes, &title, &out)
+            }
             Cmd::Run {
                 urls,
                 workload,
