@@ -189,6 +189,65 @@ fn write(rig: &mut Rig, i: &mut Initiator, lba: u32, data: &Bytes, op: (bool, bo
     }
 }
 
+/// With tracing on, each command's stages come out in the order they happened: a read
+/// through the core, its buffer and its backend operation to its response, a write (its
+/// buffer came with its header) through its R2Ts and data-out; with tracing off, none.
+#[test]
+fn traced_commands_show_every_stage_in_order() {
+    use cmdtrace::Stage;
+    let (mut rig, mut i) = rig(offers(&[("InitialR2T", "Yes"), ("ImmediateData", "No")]));
+    rig.conn_mut().set_trace(true);
+    read(&mut rig, &mut i, 0, 8);
+    let read_itt = i.itt;
+    write(&mut rig, &mut i, 16, &pattern(8192, 1), (false, true, 0));
+    let write_itt = i.itt;
+    let mut points = Vec::new();
+    while let Some(p) = rig.conn_mut().poll_trace() {
+        points.push(p);
+    }
+    let stages = |itt: u32| -> Vec<Stage> {
+        points
+            .iter()
+            .filter(|p| p.itt == itt)
+            .map(|p| p.stage)
+            .collect()
+    };
+    assert_eq!(
+        stages(read_itt),
+        [
+            Stage::Received,
+            Stage::Delivered,
+            Stage::Dispatched,
+            Stage::BufferWait,
+            Stage::BackendSubmit,
+            Stage::BackendDone,
+            Stage::Responded
+        ]
+    );
+    assert_eq!(
+        stages(write_itt),
+        [
+            Stage::Received,
+            Stage::Delivered,
+            Stage::Dispatched,
+            Stage::R2tSent,
+            Stage::DataOutDone,
+            Stage::BackendSubmit,
+            Stage::BackendDone,
+            Stage::Responded
+        ]
+    );
+    let received = points.iter().find(|p| p.itt == write_itt).expect("a point");
+    assert_eq!(received.arg, 8192, "the expected data length");
+    assert!(
+        points.windows(2).all(|w| w[0].at <= w[1].at),
+        "in time order"
+    );
+    rig.conn_mut().set_trace(false);
+    read(&mut rig, &mut i, 0, 8);
+    assert!(rig.conn_mut().poll_trace().is_none(), "off: nothing");
+}
+
 #[test]
 fn writes_and_reads_through_every_r2t_path() {
     for (immediate, initial) in [(true, false), (true, true), (false, false), (false, true)] {

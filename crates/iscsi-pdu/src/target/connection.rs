@@ -37,6 +37,8 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::{Deref, Range};
 use std::time::{Duration, Instant};
 
+use cmdtrace::Stage;
+
 use bytes::{BufMut, Bytes, BytesMut};
 use scsi_core::transport::{
     Accounting, Completion, DataReady, NewTask, Request, Returned, TaskBuffer, TaskEntry, TaskTable,
@@ -421,6 +423,53 @@ pub struct Connection<B> {
     /// found nothing owed: what the initiator owes began no earlier.
     data_out_seen: Instant,
     logout_asked: bool,
+    /// The `now` of the last call in, which the trace points deep inside a call stamp.
+    now: Instant,
+    /// Trace points not yet taken ([`Connection::poll_trace`]); `None` while not tracing.
+    trace: Option<VecDeque<TracePoint>>,
+}
+
+/// Where a command was at `at` ([`Connection::poll_trace`]): what the shell records, with
+/// its session, into the trace (`cmdtrace`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TracePoint {
+    /// The stage.
+    pub stage: Stage,
+    /// Its Initiator Task Tag.
+    pub itt: u32,
+    /// Its CmdSN where known here (the command's arrival), else 0.
+    pub cmd_sn: u32,
+    /// Bytes, mostly (see [`Stage`]).
+    pub arg: u32,
+    /// When.
+    pub at: Instant,
+}
+
+/// Trace points a connection keeps untaken at most (the shell takes them after every step).
+const TRACE_POINTS: usize = 4096;
+
+/// Queues a trace point, when tracing (a function of the field, so that it can be called while
+/// other fields are borrowed).
+#[inline]
+fn push_trace(
+    trace: &mut Option<VecDeque<TracePoint>>,
+    at: Instant,
+    stage: Stage,
+    itt: u32,
+    cmd_sn: u32,
+    arg: u32,
+) {
+    if let Some(t) = trace {
+        if t.len() < TRACE_POINTS {
+            t.push_back(TracePoint {
+                stage,
+                itt,
+                cmd_sn,
+                arg,
+                at,
+            });
+        }
+    }
 }
 
 fn attribute(a: TaskAttribute) -> CoreAttribute {
@@ -485,7 +534,27 @@ impl<B: TaskBuffer> Connection<B> {
             last_rx: now,
             data_out_seen: now,
             logout_asked: false,
+            now,
+            trace: None,
         }
+    }
+
+    /// Starts or stops tracing each command's stages ([`Connection::poll_trace`]).
+    pub fn set_trace(&mut self, on: bool) {
+        if on != self.trace.is_some() {
+            self.trace = on.then(|| VecDeque::with_capacity(TRACE_POINTS));
+        }
+    }
+
+    /// The next trace point, while tracing.
+    pub fn poll_trace(&mut self) -> Option<TracePoint> {
+        self.trace.as_mut()?.pop_front()
+    }
+
+    /// Notes that command `itt` reached `stage` (when tracing).
+    #[inline]
+    fn trace(&mut self, stage: Stage, itt: u32, cmd_sn: u32, arg: u32) {
+        push_trace(&mut self.trace, self.now, stage, itt, cmd_sn, arg);
     }
 
     /// Its CID.
@@ -526,6 +595,7 @@ impl<B: TaskBuffer> Connection<B> {
     /// The next request for the caller, handling what the core reported on the way (its
     /// events are taken from [`Nexus::poll_core`] whenever no request is left).
     pub fn poll_event(&mut self, now: Instant, nexus: &mut impl Nexus) -> Option<Event<B>> {
+        self.now = now;
         loop {
             if let Some(ev) = self.events.pop_front() {
                 return Some(ev);
@@ -554,6 +624,7 @@ impl<B: TaskBuffer> Connection<B> {
     /// data-out timeout; ping one silent for the NOP interval, give up on one that does not
     /// answer a ping within the NOP timeout.
     pub fn handle_timeout(&mut self, now: Instant, nexus: &mut impl Nexus) {
+        self.now = now;
         let since = now.saturating_duration_since(self.data_out_seen);
         if self.checks_data_out() && since >= self.settings.data_out_timeout {
             // The pass over the tasks is paid once per timeout, not per PDU.
@@ -594,6 +665,7 @@ impl<B: TaskBuffer> Connection<B> {
     /// A whole PDU (a SCSI Command or Data-Out without data, or any other PDU with its data
     /// segment).
     pub fn handle_pdu(&mut self, now: Instant, pdu: Pdu, nexus: &mut impl Nexus) -> Plan<B> {
+        self.now = now;
         self.last_rx = now;
         if self.discovery()
             && !matches!(
@@ -646,6 +718,7 @@ impl<B: TaskBuffer> Connection<B> {
         len: u32,
         nexus: &mut impl Nexus,
     ) -> Plan<B> {
+        self.now = now;
         self.last_rx = now;
         if self.discovery() {
             // SCSI commands and Data-Out have no place in a discovery session.
@@ -689,6 +762,7 @@ impl<B: TaskBuffer> Connection<B> {
         header: &Bhs,
         nexus: &mut impl Nexus,
     ) {
+        self.now = now;
         self.last_rx = now;
         self.reject(reason, header, nexus);
     }
@@ -702,6 +776,7 @@ impl<B: TaskBuffer> Connection<B> {
         buffer: Result<B, NoBuffer>,
         nexus: &mut impl Nexus,
     ) -> Plan<B> {
+        self.now = now;
         let Some(Receiving::Buffer(cmd, len)) = self.receiving.take() else {
             return Plan::Next;
         };
@@ -745,6 +820,7 @@ impl<B: TaskBuffer> Connection<B> {
 
     /// The payload of [`Plan::Receive`] is in `buffer`, padding and digest checked.
     pub fn handle_payload(&mut self, now: Instant, buffer: B, nexus: &mut impl Nexus) {
+        self.now = now;
         self.data_out_seen = now;
         match self.receiving.take() {
             Some(Receiving::Command(cmd, len)) => {
@@ -775,8 +851,12 @@ impl<B: TaskBuffer> Connection<B> {
 
     /// What the SCSI core decided for one of this connection's tasks.
     pub fn handle_core(&mut self, now: Instant, event: CoreEvent, nexus: &mut impl Nexus) {
+        self.now = now;
         match event {
-            CoreEvent::Submitted { tag, task } => self.tasks.submitted(tag, task),
+            CoreEvent::Submitted { tag, task } => {
+                self.tasks.submitted(tag, task);
+                self.trace(Stage::Dispatched, tag as u32, 0, 0);
+            }
             CoreEvent::Action(a) => self.action(now, a, nexus),
         }
     }
@@ -791,6 +871,12 @@ impl<B: TaskBuffer> Connection<B> {
         result: Result<Output, BackendError>,
         nexus: &mut impl Nexus,
     ) {
+        self.now = now;
+        if self.trace.is_some() {
+            if let Some(tag) = self.tasks.tag_of(task) {
+                self.trace(Stage::BackendDone, tag as u32, 0, 0);
+            }
+        }
         let ok = result.as_ref().map(drop).map_err(|e| *e);
         let returned = self.tasks.backend_returned(task, buffer, ok, now);
         self.returned(returned, result, nexus);
@@ -820,6 +906,7 @@ impl<B: TaskBuffer> Connection<B> {
         buffer: Option<B>,
         nexus: &mut impl Nexus,
     ) {
+        self.now = now;
         match buffer {
             Some(buffer) => {
                 if let Some(Request::Backend {
@@ -830,6 +917,7 @@ impl<B: TaskBuffer> Connection<B> {
                     ..
                 }) = self.tasks.grant_buffer(tag, buffer)
                 {
+                    self.trace(Stage::BackendSubmit, tag as u32, 0, buffer.len() as u32);
                     self.events.push_back(Event::Backend {
                         task,
                         lun,
@@ -1005,6 +1093,7 @@ impl<B: TaskBuffer> Connection<B> {
         nexus: &mut impl Nexus,
     ) -> Plan<B> {
         let edtl = cmd.expected_data_transfer_length;
+        self.trace(Stage::Received, cmd.initiator_task_tag, cmd.cmd_sn.0, edtl);
         if cmd.write && edtl > 0 && edtl <= self.settings.max_io {
             self.receiving = Some(Receiving::Buffer(cmd, len));
             return Plan::Allocate(edtl);
@@ -1088,6 +1177,7 @@ impl<B: TaskBuffer> Connection<B> {
             }
             return;
         }
+        self.trace(Stage::Delivered, itt, 0, immediate);
         let q = OrderedCommand {
             cmd_sn: cmd.cmd_sn,
             lun: cmd.lun.as_u64(),
@@ -1202,6 +1292,7 @@ impl<B: TaskBuffer> Connection<B> {
         let s = &mut t.transport;
         while s.outstanding_r2t < self.op.max_outstanding_r2t && s.next_r2t < wanted {
             let n = (wanted - s.next_r2t).min(self.op.max_burst_length);
+            push_trace(&mut self.trace, self.now, Stage::R2tSent, itt, 0, n);
             let ttt = next_ttt(&mut self.next_ttt);
             self.r2ts.insert(ttt, (itt, 0));
             self.transmits
@@ -1225,7 +1316,11 @@ impl<B: TaskBuffer> Connection<B> {
     /// Hands the data-out to the core once all it asked for is in, or runs a delegated
     /// write's operation.
     fn deliver_data(&mut self, itt: u32, nexus: &mut impl Nexus) {
-        match self.tasks.data_complete(u64::from(itt)) {
+        let ready = self.tasks.data_complete(u64::from(itt));
+        if ready.is_some() {
+            push_trace(&mut self.trace, self.now, Stage::DataOutDone, itt, 0, 0);
+        }
+        match ready {
             Some(DataReady::Core { task, data }) => nexus.data_out(task, data),
             Some(DataReady::Run(r)) => self.request(r, nexus),
             None => {}
@@ -1252,13 +1347,21 @@ impl<B: TaskBuffer> Connection<B> {
                 op,
                 buffer,
                 ..
-            } => self.events.push_back(Event::Backend {
-                task,
-                lun,
-                op,
-                buffer,
-            }),
+            } => {
+                if self.trace.is_some() {
+                    if let Some(tag) = self.tasks.tag_of(task) {
+                        self.trace(Stage::BackendSubmit, tag as u32, 0, buffer.len() as u32);
+                    }
+                }
+                self.events.push_back(Event::Backend {
+                    task,
+                    lun,
+                    op,
+                    buffer,
+                })
+            }
             Request::BufferWanted { tag, len } => {
+                self.trace(Stage::BufferWait, tag as u32, 0, len as u32);
                 self.events.push_back(Event::BufferWanted { tag, len })
             }
             Request::Complete(c) => self.finish(c, nexus),
@@ -1288,6 +1391,8 @@ impl<B: TaskBuffer> Connection<B> {
     fn respond(&mut self, c: Completion<IscsiTask, B>, nexus: &mut impl Nexus) {
         let itt = c.tag as u32;
         self.ended(itt, &c.transport);
+        let data_in = c.accounting.read_bytes.min(u64::from(u32::MAX)) as u32;
+        self.trace(Stage::Responded, itt, 0, data_in);
         self.events.push_back(Event::Completed(c.accounting));
         let status = ScsiStatus(c.status as u8);
         let residual = residual(c.residual);

@@ -592,6 +592,11 @@ impl Rig {
         &self.conns[0].conn
     }
 
+    /// Connection 0's machine, to change (say, to trace it).
+    pub fn conn_mut(&mut self) -> &mut Connection<Vec<u8>> {
+        &mut self.conns[0].conn
+    }
+
     /// Why connection 0 closed, once it has.
     pub fn closed(&self) -> Option<&str> {
         self.conns[0].closed.as_deref()
