@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -18,6 +19,7 @@ use tokio::net::{TcpListener, UnixListener, UnixStream};
 
 use crate::config::{self, Config};
 use crate::registry::Registry;
+use crate::trace::Tracer;
 
 /// A request to the daemon.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -90,6 +92,17 @@ pub enum AdminRequest {
     ConfigDump,
     /// Reads the config file again and applies it (as SIGHUP does).
     Reload,
+    /// Starts tracing every command's stages into `out` (the daemon writes it at the stop).
+    TraceStart {
+        /// The trace file, an absolute path (the daemon's working directory is not the
+        /// caller's).
+        out: PathBuf,
+        /// Stop by itself after this many seconds.
+        #[serde(default)]
+        duration_seconds: Option<f64>,
+    },
+    /// Stops the trace and writes its file.
+    TraceStop,
 }
 
 /// The daemon's answer.
@@ -130,26 +143,61 @@ pub fn bind(path: &Path) -> Result<Option<(std::os::unix::net::UnixListener, Pat
 }
 
 /// Serves admin clients.
-pub async fn serve(listener: UnixListener, registry: Arc<Registry>) {
+pub async fn serve(listener: UnixListener, registry: Arc<Registry>, tracer: Arc<Tracer>) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             continue;
         };
-        let registry = registry.clone();
+        let (registry, tracer) = (registry.clone(), tracer.clone());
         tokio::spawn(async move {
-            if let Err(e) = client(stream, &registry).await {
+            if let Err(e) = client(stream, &registry, &tracer).await {
                 tracing::debug!("admin client: {e}");
             }
         });
     }
 }
 
-async fn client(stream: UnixStream, registry: &Registry) -> std::io::Result<()> {
+/// Carries out a request, the trace's on the reactors' tracer.
+fn handle_with(
+    registry: &Registry,
+    tracer: &Arc<Tracer>,
+    req: AdminRequest,
+) -> Result<Value, String> {
+    match req {
+        AdminRequest::TraceStart {
+            out,
+            duration_seconds,
+        } => {
+            if !out.is_absolute() {
+                return Err(format!(
+                    "{}: the trace file's path must be absolute",
+                    out.display()
+                ));
+            }
+            let duration = match duration_seconds {
+                Some(s) if !(s > 0.0 && s <= 86_400.0) => {
+                    return Err(format!("duration {s} s is outside (0, 86400]"));
+                }
+                Some(s) => Some(Duration::from_secs_f64(s)),
+                None => None,
+            };
+            tracer.start(out, duration)
+        }
+        AdminRequest::TraceStop => tracer.stop(),
+        other => handle(registry, other),
+    }
+}
+
+async fn client(
+    stream: UnixStream,
+    registry: &Registry,
+    tracer: &Arc<Tracer>,
+) -> std::io::Result<()> {
     let (rd, mut wr) = stream.into_split();
     let mut lines = BufReader::new(rd).lines();
     while let Some(line) = lines.next_line().await? {
         let response = match serde_json::from_str::<AdminRequest>(&line) {
-            Ok(req) => match handle(registry, req) {
+            Ok(req) => match handle_with(registry, tracer, req) {
                 Ok(result) => AdminResponse {
                     ok: true,
                     result,
@@ -206,6 +254,9 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
                 }
             }
             Ok(json!(unit.faults.armed()))
+        }
+        AdminRequest::TraceStart { .. } | AdminRequest::TraceStop => {
+            Err("traces are started and stopped through the admin socket".into())
         }
         AdminRequest::SessionKill { tsih } => {
             let s = registry

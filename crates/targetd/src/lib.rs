@@ -17,6 +17,7 @@ pub mod registry;
 pub mod server;
 pub mod srp;
 pub mod target;
+pub mod trace;
 
 pub use config::{Config, ConfigError};
 pub use registry::Registry;

@@ -63,6 +63,8 @@ pub struct Io {
     pub engine: Engine,
     /// Its buffer arena.
     pub arena: Arena,
+    /// Turns the machines' instants into trace time (`cmdtrace`).
+    pub clock: cmdtrace::Clock,
     luns: RefCell<HashMap<u64, OpenLun>>,
     in_flight: RefCell<slab_lite::Slab<InFlight>>,
     kick: Notify,
@@ -355,6 +357,7 @@ fn build_io(index: usize, settings: &Settings) -> std::io::Result<Io> {
         index,
         engine,
         arena,
+        clock: cmdtrace::Clock::new(),
         luns: RefCell::new(HashMap::new()),
         in_flight: RefCell::new(slab_lite::Slab::new()),
         kick: Notify::new(),

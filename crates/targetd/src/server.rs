@@ -194,7 +194,8 @@ impl Server {
         if let Some((l, _)) = admin {
             match tokio::net::UnixListener::from_std(l) {
                 Ok(l) => {
-                    tasks.spawn(crate::admin::serve(l, registry.clone()));
+                    let tracer = crate::trace::Tracer::new(reactors.clone());
+                    tasks.spawn(crate::admin::serve(l, registry.clone(), tracer));
                 }
                 Err(e) => tracing::error!("admin socket: {e}"),
             }

@@ -546,6 +546,11 @@ impl<B: TaskBuffer> Connection<B> {
         }
     }
 
+    /// Whether it traces.
+    pub fn is_tracing(&self) -> bool {
+        self.trace.is_some()
+    }
+
     /// The next trace point, while tracing.
     pub fn poll_trace(&mut self) -> Option<TracePoint> {
         self.trace.as_mut()?.pop_front()

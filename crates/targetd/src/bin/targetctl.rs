@@ -65,6 +65,45 @@ enum Command {
         #[command(subcommand)]
         action: ConfigAction,
     },
+    /// Cross-layer command tracing: start, stop.
+    Trace {
+        #[command(subcommand)]
+        action: TraceAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum TraceAction {
+    /// Records every command's stages on every reactor until `trace stop` (or the duration).
+    Start {
+        /// The trace file the daemon writes at the stop.
+        #[arg(long)]
+        out: PathBuf,
+        /// Stop by itself after this long (10s, 500ms, 2m).
+        #[arg(long)]
+        duration: Option<String>,
+    },
+    /// Stops the trace and writes its file.
+    Stop,
+}
+
+/// A duration like 10s, 500ms, 2m or 1h.
+fn parse_duration(s: &str) -> anyhow::Result<Duration> {
+    let (n, unit) = s.split_at(s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len()));
+    let n: f64 = n
+        .parse()
+        .map_err(|_| anyhow::anyhow!("{s:?} is not a duration (10s, 500ms, 2m)"))?;
+    let secs = match unit {
+        "ms" => n / 1e3,
+        "s" | "" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        _ => anyhow::bail!("{s:?} is not a duration (10s, 500ms, 2m)"),
+    };
+    if secs.is_nan() || secs <= 0.0 {
+        anyhow::bail!("{s:?} is not a positive duration");
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
 
 #[derive(Subcommand)]
@@ -340,6 +379,20 @@ fn run(args: Args) -> Result<()> {
         Command::Config {
             action: ConfigAction::Reload,
         } => AdminRequest::Reload,
+        Command::Trace {
+            action: TraceAction::Start { out, duration },
+        } => AdminRequest::TraceStart {
+            // The daemon's working directory is not this one's.
+            out: std::env::current_dir()?.join(out),
+            duration_seconds: duration
+                .as_deref()
+                .map(parse_duration)
+                .transpose()?
+                .map(|d| d.as_secs_f64()),
+        },
+        Command::Trace {
+            action: TraceAction::Stop,
+        } => AdminRequest::TraceStop,
     };
     let result = c.call(&request)?;
     if args.json {

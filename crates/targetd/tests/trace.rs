@@ -1,0 +1,140 @@
+//! `targetctl trace start` / `stop` through the admin socket: the daemon records every
+//! command's stages on its reactors and writes one trace file whose records follow each
+//! command from its arrival to its response, keyed by the session's TSIH and the ITT.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::time::Duration;
+
+use cmdtrace::{Record, Side, Stage, TraceFile};
+use common::{config, memory_target, opts, pattern, Daemon, TARGET};
+use serde_json::{json, Value};
+
+/// Tracing is on or off for the whole process (one daemon per process in production): the
+/// tests here take turns.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// One admin request: its result, or the daemon's error.
+fn admin(d: &Daemon, req: Value) -> Result<Value, String> {
+    let mut s = UnixStream::connect(d.socket()).expect("the admin socket");
+    let mut line = serde_json::to_vec(&req).expect("json");
+    line.push(b'\n');
+    s.write_all(&line).expect("sent");
+    let mut answer = String::new();
+    BufReader::new(&s).read_line(&mut answer).expect("answered");
+    let a: Value = serde_json::from_str(&answer).expect("json answer");
+    if a["ok"] == true {
+        Ok(a["result"].clone())
+    } else {
+        Err(a["error"].as_str().unwrap_or_default().to_string())
+    }
+}
+
+fn read_trace(path: &std::path::Path) -> TraceFile {
+    let mut f = std::fs::File::open(path).expect("the trace file");
+    TraceFile::read_from(&mut f).expect("a trace")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_follows_every_command_from_arrival_to_response() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let out = d.dir.path().join("target.trace");
+    assert!(
+        admin(&d, json!({"command": "trace-stop"})).is_err_and(|e| e.contains("no trace")),
+        "nothing to stop"
+    );
+    let relative = admin(&d, json!({"command": "trace-start", "out": "t.trace"}));
+    assert!(relative.is_err_and(|e| e.contains("absolute")));
+    admin(&d, json!({"command": "trace-start", "out": out})).expect("started");
+    let again = admin(&d, json!({"command": "trace-start", "out": out}));
+    assert!(again.is_err_and(|e| e.contains("running already")));
+    let s = d.session(opts()).await;
+    let (_, bs) = s.capacity().await.expect("capacity");
+    for k in 0..16u64 {
+        s.write(k * 8, pattern(4096, k as usize), bs)
+            .await
+            .expect("write");
+        s.read(k * 8, 8, bs).await.expect("read");
+    }
+    let tsih = s.info().tsih;
+    s.logout().await.expect("logout");
+    let stopped = admin(&d, json!({"command": "trace-stop"})).expect("stopped");
+    let t = read_trace(&out);
+    assert_eq!(t.side, Side::Target);
+    assert_eq!(t.dropped, 0);
+    assert_eq!(stopped["records"], t.records.len());
+    // Each command's points, by ITT, of this session only.
+    let mine: Vec<&Record> = t
+        .records
+        .iter()
+        .filter(|r| r.session & 0xffff == u64::from(tsih))
+        .collect();
+    let mut itts: Vec<u32> = mine.iter().map(|r| r.itt).collect();
+    itts.sort_unstable();
+    itts.dedup();
+    assert!(
+        itts.len() >= 33,
+        "a capacity, 16 writes and 16 reads: {}",
+        itts.len()
+    );
+    for itt in itts {
+        let stages: Vec<Stage> = mine
+            .iter()
+            .filter(|r| r.itt == itt)
+            .map(|r| r.stage)
+            .collect();
+        assert_eq!(
+            stages.first(),
+            Some(&Stage::Received),
+            "ITT {itt:#x}: {stages:?}"
+        );
+        assert_eq!(
+            stages.last(),
+            Some(&Stage::Responded),
+            "ITT {itt:#x}: {stages:?}"
+        );
+        assert!(
+            stages.contains(&Stage::Dispatched),
+            "ITT {itt:#x}: {stages:?}"
+        );
+    }
+    assert!(
+        mine.windows(2).all(|w| w[0].at_ns <= w[1].at_ns),
+        "in time order"
+    );
+    assert!(mine
+        .iter()
+        .any(|r| r.stage == Stage::Received && r.arg == 4096));
+    // Off again: commands now leave no record.
+    let s = d.session(opts()).await;
+    s.read(0, 8, bs).await.expect("read");
+    s.logout().await.expect("logout");
+    assert!(admin(&d, json!({"command": "trace-stop"})).is_err());
+    d.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_with_a_duration_stops_by_itself() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let out = d.dir.path().join("timed.trace");
+    admin(
+        &d,
+        json!({"command": "trace-start", "out": out, "duration_seconds": 0.5}),
+    )
+    .expect("started");
+    let s = d.session(opts()).await;
+    s.read(0, 8, 512).await.expect("read");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        admin(&d, json!({"command": "trace-stop"})).is_err_and(|e| e.contains("no trace")),
+        "it stopped by itself"
+    );
+    let t = read_trace(&out);
+    assert!(t.records.iter().any(|r| r.stage == Stage::Responded));
+    s.logout().await.expect("logout");
+    d.stop();
+}
