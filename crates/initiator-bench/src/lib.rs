@@ -17,6 +17,7 @@ pub mod error;
 pub mod login;
 pub mod scsi;
 pub mod session;
+pub mod trace;
 pub mod url;
 
 pub use error::{Error, Result};

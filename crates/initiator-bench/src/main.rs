@@ -155,6 +155,11 @@ enum Cmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Command traces (`targetctl trace start/stop`): what they say.
+    Trace {
+        #[command(subcommand)]
+        action: TraceCmd,
+    },
     /// List the targets a portal offers (SendTargets=All).
     Discover {
         /// iscsi://host[:port]
@@ -278,6 +283,40 @@ fn run_srp_device(
          (cargo build --release -p initiator-bench --features rdma)"
             .into(),
     )
+}
+
+#[derive(Subcommand)]
+enum TraceCmd {
+    /// Per-stage latency percentiles, commands in flight per layer, a diagnosis of where
+    /// concurrency stopped (report.md), and a Chrome/Perfetto timeline (trace.json).
+    Report {
+        /// The target's trace file (`targetctl trace stop` wrote it).
+        target_trace: PathBuf,
+        /// Directory for report.md and trace.json.
+        #[arg(long, default_value = "trace-report")]
+        out: PathBuf,
+    },
+}
+
+/// `initiator-bench trace report`.
+fn trace_report(target: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> {
+    let mut f =
+        std::fs::File::open(target).map_err(|e| anyhow::anyhow!("{}: {e}", target.display()))?;
+    let t = cmdtrace::TraceFile::read_from(&mut std::io::BufReader::new(&mut f))
+        .map_err(|e| anyhow::anyhow!("{}: {e}", target.display()))?;
+    let r = initiator_bench::trace::report(&t);
+    let text = initiator_bench::trace::text(&r);
+    std::fs::create_dir_all(out)?;
+    std::fs::write(out.join("report.md"), &text)?;
+    let json = initiator_bench::trace::perfetto(&t);
+    std::fs::write(out.join("trace.json"), serde_json::to_vec(&json)?)?;
+    print!("{text}");
+    println!(
+        "wrote {} and {} (open it in ui.perfetto.dev)",
+        out.join("report.md").display(),
+        out.join("trace.json").display()
+    );
+    Ok(())
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -526,6 +565,9 @@ fn main() -> anyhow::Result<()> {
                 Ok(())
             }
             Cmd::Paper004 { out, ios } => paper004(&out, ios),
+            Cmd::Trace {
+                action: TraceCmd::Report { target_trace, out },
+            } => trace_report(&target_trace, &out),
             Cmd::Combine {
                 sweeps,
                 metric,

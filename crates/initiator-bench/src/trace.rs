@@ -1,0 +1,480 @@
+//! `initiator-bench trace report`: what a command trace (`cmdtrace`, written by `targetctl
+//! trace stop`) says. The records are cut into commands (a session's ITT from one arrival to
+//! its response; an ITT used again starts a new command), then the report gives how long
+//! commands spent between each pair of stages (percentiles), how many were in flight at each
+//! layer, a diagnosis of where concurrency stopped, and a Chrome/Perfetto trace-event file
+//! with a track per layer and a slice per command per layer, to look at in a viewer
+//! (ui.perfetto.dev, chrome://tracing).
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+
+use cmdtrace::{Record, Stage, TraceFile};
+use serde_json::{json, Value};
+
+/// One command's life at the target: its stages in order.
+#[derive(Debug, Clone)]
+pub struct CommandLife {
+    /// Its session (ISID and TSIH).
+    pub session: u64,
+    /// Its ITT.
+    pub itt: u32,
+    /// Its CmdSN.
+    pub cmd_sn: u32,
+    /// Its expected data length.
+    pub len: u32,
+    /// (stage, time in ns), in time order.
+    pub stages: Vec<(Stage, u64)>,
+}
+
+impl CommandLife {
+    /// When it reached `stage` first.
+    pub fn at(&self, stage: Stage) -> Option<u64> {
+        self.stages.iter().find(|s| s.0 == stage).map(|s| s.1)
+    }
+
+    /// Whether it ended (its response queued).
+    pub fn ended(&self) -> bool {
+        self.at(Stage::Responded).is_some()
+    }
+}
+
+/// Cuts target records into commands.
+pub fn commands(records: &[Record]) -> Vec<CommandLife> {
+    let mut sorted: Vec<&Record> = records.iter().filter(|r| r.stage.is_target()).collect();
+    sorted.sort_by_key(|r| r.at_ns);
+    let mut open: HashMap<(u64, u32), usize> = HashMap::new();
+    let mut lives: Vec<CommandLife> = Vec::new();
+    for r in sorted {
+        let key = (r.session, r.itt);
+        if r.stage == Stage::Received {
+            open.insert(key, lives.len());
+            lives.push(CommandLife {
+                session: r.session,
+                itt: r.itt,
+                cmd_sn: r.cmd_sn,
+                len: r.arg,
+                stages: Vec::with_capacity(8),
+            });
+        }
+        // A command whose arrival was before the trace began has no life here.
+        if let Some(&i) = open.get(&key) {
+            lives[i].stages.push((r.stage, r.at_ns));
+            if r.stage == Stage::Responded {
+                open.remove(&key);
+            }
+        }
+    }
+    lives
+}
+
+/// The spans a report measures: from one stage to the next that a command reached.
+pub const SPANS: [(Stage, Stage, &str); 8] = [
+    (
+        Stage::Received,
+        Stage::Delivered,
+        "arrival to CmdSN order (write buffer)",
+    ),
+    (
+        Stage::Delivered,
+        Stage::Dispatched,
+        "CmdSN order to the SCSI core",
+    ),
+    (
+        Stage::Dispatched,
+        Stage::BufferWait,
+        "core to buffer request",
+    ),
+    (
+        Stage::BufferWait,
+        Stage::BackendSubmit,
+        "waiting for a buffer",
+    ),
+    (
+        Stage::R2tSent,
+        Stage::DataOutDone,
+        "R2T to the last data-out",
+    ),
+    (Stage::BackendSubmit, Stage::BackendDone, "backend"),
+    (Stage::BackendDone, Stage::Responded, "backend to response"),
+    (
+        Stage::Received,
+        Stage::Responded,
+        "arrival to response (at the target)",
+    ),
+];
+
+/// Percentiles of a set of durations, microseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Percentiles {
+    /// How many.
+    pub count: usize,
+    /// Median.
+    pub p50: f64,
+    /// 90th.
+    pub p90: f64,
+    /// 99th.
+    pub p99: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+fn percentiles(mut ns: Vec<u64>) -> Option<Percentiles> {
+    if ns.is_empty() {
+        return None;
+    }
+    ns.sort_unstable();
+    let at = |q: f64| ns[((ns.len() - 1) as f64 * q).round() as usize] as f64 / 1e3;
+    Some(Percentiles {
+        count: ns.len(),
+        p50: at(0.5),
+        p90: at(0.9),
+        p99: at(0.99),
+        max: *ns.last().expect("not empty") as f64 / 1e3,
+    })
+}
+
+/// Commands in flight at one layer over the trace.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct InFlight {
+    /// The most at once.
+    pub max: usize,
+    /// The time-weighted mean.
+    pub mean: f64,
+}
+
+/// How many intervals `[start, end)` overlap, at most and on average over `[t0, t1]`.
+fn in_flight(intervals: &[(u64, u64)], t0: u64, t1: u64) -> InFlight {
+    let mut edges: Vec<(u64, i64)> = Vec::with_capacity(intervals.len() * 2);
+    for &(a, b) in intervals {
+        edges.push((a, 1));
+        edges.push((b.max(a), -1));
+    }
+    edges.sort_unstable();
+    let (mut now, mut max, mut last, mut area) = (0i64, 0i64, t0, 0f64);
+    for (t, d) in edges {
+        area += now as f64 * t.saturating_sub(last) as f64;
+        last = t;
+        now += d;
+        max = max.max(now);
+    }
+    let span = t1.saturating_sub(t0).max(1) as f64;
+    InFlight {
+        max: max.max(0) as usize,
+        mean: area / span,
+    }
+}
+
+/// What a trace says.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// Commands whose arrival is in the trace.
+    pub commands: usize,
+    /// Of them, ended within it.
+    pub ended: usize,
+    /// Sessions seen.
+    pub sessions: usize,
+    /// Records lost to full rings.
+    pub dropped: u64,
+    /// Seconds from the first record to the last.
+    pub seconds: f64,
+    /// Per span of [`SPANS`]: its name and percentiles.
+    pub spans: Vec<(&'static str, Option<Percentiles>)>,
+    /// Commands in flight at the target (arrival to response), in the SCSI core (dispatch to
+    /// response), and in the backend.
+    pub in_flight: [(&'static str, InFlight); 3],
+    /// Where concurrency stopped, in words.
+    pub diagnosis: Vec<String>,
+}
+
+/// Reads a target trace into a [`Report`].
+pub fn report(target: &TraceFile) -> Report {
+    let lives = commands(&target.records);
+    let ended: Vec<&CommandLife> = lives.iter().filter(|c| c.ended()).collect();
+    let t0 = target.records.iter().map(|r| r.at_ns).min().unwrap_or(0);
+    let t1 = target.records.iter().map(|r| r.at_ns).max().unwrap_or(0);
+    let spans = SPANS
+        .iter()
+        .map(|&(a, b, name)| {
+            let ns = ended
+                .iter()
+                .filter_map(|c| Some(c.at(b)?.saturating_sub(c.at(a)?)))
+                .collect();
+            (name, percentiles(ns))
+        })
+        .collect::<Vec<_>>();
+    let layer = |from: Stage, to: Stage| -> Vec<(u64, u64)> {
+        lives
+            .iter()
+            .filter_map(|c| Some((c.at(from)?, c.at(to).unwrap_or(t1))))
+            .collect()
+    };
+    let in_flight = [
+        (
+            "target",
+            in_flight(&layer(Stage::Received, Stage::Responded), t0, t1),
+        ),
+        (
+            "SCSI core",
+            in_flight(&layer(Stage::Dispatched, Stage::Responded), t0, t1),
+        ),
+        (
+            "backend",
+            in_flight(&layer(Stage::BackendSubmit, Stage::BackendDone), t0, t1),
+        ),
+    ];
+    let mut sessions: Vec<u64> = lives.iter().map(|c| c.session).collect();
+    sessions.sort_unstable();
+    sessions.dedup();
+    let mut r = Report {
+        commands: lives.len(),
+        ended: ended.len(),
+        sessions: sessions.len(),
+        dropped: target.dropped,
+        seconds: t1.saturating_sub(t0) as f64 / 1e9,
+        spans,
+        in_flight,
+        diagnosis: Vec::new(),
+    };
+    r.diagnosis = diagnose(&r);
+    r
+}
+
+/// Where concurrency stopped, from the target's side.
+fn diagnose(r: &Report) -> Vec<String> {
+    let mut d = Vec::new();
+    if r.commands == 0 {
+        d.push("no command arrived while tracing".into());
+        return d;
+    }
+    let span = |name: &str| r.spans.iter().find(|s| s.0 == name).and_then(|s| s.1);
+    let total = span("arrival to response (at the target)");
+    let order = span("CmdSN order to the SCSI core");
+    let buffer = span("waiting for a buffer");
+    let backend = span("backend");
+    let target = r.in_flight[0].1;
+    let share = |p: Option<Percentiles>| match (p, total) {
+        (Some(p), Some(t)) if t.p50 > 0.0 => p.p50 / t.p50,
+        _ => 0.0,
+    };
+    if share(order) > 0.25 {
+        d.push(format!(
+            "commands wait for their CmdSN turn (median {:.0} us of {:.0} us at the target): \
+             an earlier command is missing or slow to arrive",
+            order.map_or(0.0, |p| p.p50),
+            total.map_or(0.0, |p| p.p50)
+        ));
+    }
+    if share(buffer) > 0.25 {
+        d.push(format!(
+            "commands wait for arena buffers (median {:.0} us): the cap is the target's \
+             buffer memory",
+            buffer.map_or(0.0, |p| p.p50)
+        ));
+    }
+    // How much of the time the target holds the commands it holds at its busiest.
+    let busy = if target.max > 0 {
+        target.mean / target.max as f64
+    } else {
+        0.0
+    };
+    if busy < 0.5 {
+        d.push(format!(
+            "the target holds commands {:.0}% of the time, never more than {} at once (mean \
+             {:.2}), each for {:.0} us (median): the cap is outside the target. Commands spend \
+             their time on the way to it and back, and the initiator keeps no more than {} \
+             outstanding: its queue depth (or its CmdSN window, if it waits for MaxCmdSN) \
+             caps concurrency",
+            busy * 100.0,
+            target.max,
+            target.mean,
+            total.map_or(0.0, |p| p.p50),
+            target.max
+        ));
+    } else if share(backend) > 0.5 {
+        d.push(format!(
+            "the target is busy and the backend takes most of each command's time there \
+             (median {:.0} us of {:.0} us), with up to {} operations in flight: the cap is \
+             the storage",
+            backend.map_or(0.0, |p| p.p50),
+            total.map_or(0.0, |p| p.p50),
+            r.in_flight[2].1.max
+        ));
+    } else if d.is_empty() {
+        d.push(format!(
+            "the target is busy ({:.0}% of the time, up to {} commands at once) and no stage \
+             dominates: the cap is the target's processing (CPU)",
+            busy * 100.0,
+            target.max
+        ));
+    }
+    d
+}
+
+/// The report as text.
+pub fn text(r: &Report) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{} commands ({} ended) of {} sessions over {:.3} s; {} records dropped",
+        r.commands, r.ended, r.sessions, r.seconds, r.dropped
+    );
+    let _ = writeln!(
+        s,
+        "\n| span | commands | p50 us | p90 us | p99 us | max us |\n| --- | --- | --- | --- | --- | --- |"
+    );
+    for (name, p) in &r.spans {
+        if let Some(p) = p {
+            let _ = writeln!(
+                s,
+                "| {name} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                p.count, p.p50, p.p90, p.p99, p.max
+            );
+        }
+    }
+    let _ = writeln!(
+        s,
+        "\n| layer | in flight, most | in flight, mean |\n| --- | --- | --- |"
+    );
+    for (name, f) in &r.in_flight {
+        let _ = writeln!(s, "| {name} | {} | {:.2} |", f.max, f.mean);
+    }
+    let _ = writeln!(s, "\nDiagnosis:");
+    for line in &r.diagnosis {
+        let _ = writeln!(s, "- {line}");
+    }
+    s
+}
+
+/// The tracks of the Perfetto file, each a layer: (name, from, to).
+const TRACKS: [(&str, Stage, Stage); 4] = [
+    (
+        "target: arrival to response",
+        Stage::Received,
+        Stage::Responded,
+    ),
+    ("CmdSN order", Stage::Delivered, Stage::Dispatched),
+    ("SCSI core", Stage::Dispatched, Stage::Responded),
+    ("backend", Stage::BackendSubmit, Stage::BackendDone),
+];
+
+/// A Chrome/Perfetto trace-event file of the commands: a track per layer, a slice per
+/// command per layer (microseconds from the trace's start).
+pub fn perfetto(target: &TraceFile) -> Value {
+    let lives = commands(&target.records);
+    let t0 = target.records.iter().map(|r| r.at_ns).min().unwrap_or(0);
+    let us = |ns: u64| ns.saturating_sub(t0) as f64 / 1e3;
+    let mut events = vec![json!({
+        "name": "process_name", "ph": "M", "pid": 1, "args": {"name": "target"}
+    })];
+    for (tid, (name, ..)) in TRACKS.iter().enumerate() {
+        events.push(json!({
+            "name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
+            "args": {"name": name}
+        }));
+    }
+    for c in &lives {
+        for (tid, &(_, from, to)) in TRACKS.iter().enumerate() {
+            let (Some(a), Some(b)) = (c.at(from), c.at(to)) else {
+                continue;
+            };
+            events.push(json!({
+                "name": format!("ITT {:#x}", c.itt),
+                "ph": "X",
+                "pid": 1,
+                "tid": tid,
+                "ts": us(a),
+                "dur": us(b) - us(a),
+                "args": {
+                    "session": format!("{:016x}", c.session),
+                    "cmd_sn": c.cmd_sn,
+                    "bytes": c.len,
+                },
+            }));
+        }
+    }
+    json!({ "traceEvents": events, "displayTimeUnit": "ns" })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(itt: u32, stage: Stage, at_us: u64) -> Record {
+        Record {
+            at_ns: at_us * 1000,
+            session: 7,
+            itt,
+            cmd_sn: itt,
+            stage,
+            lane: 0,
+            arg: 512,
+        }
+    }
+
+    fn life(itt: u32, start: u64, backend: u64) -> Vec<Record> {
+        vec![
+            rec(itt, Stage::Received, start),
+            rec(itt, Stage::Delivered, start + 1),
+            rec(itt, Stage::Dispatched, start + 2),
+            rec(itt, Stage::BackendSubmit, start + 3),
+            rec(itt, Stage::BackendDone, start + 3 + backend),
+            rec(itt, Stage::Responded, start + 4 + backend),
+        ]
+    }
+
+    fn file(records: Vec<Record>) -> TraceFile {
+        TraceFile {
+            side: cmdtrace::Side::Target,
+            offset_ns: 0,
+            dropped: 0,
+            records,
+        }
+    }
+
+    #[test]
+    fn commands_are_cut_at_each_arrival_and_spans_measured() {
+        let mut rs = life(1, 0, 10);
+        rs.extend(life(1, 100, 10)); // the ITT again, later: another command
+        rs.extend(life(2, 5, 10));
+        rs.push(rec(9, Stage::Responded, 50)); // began before the trace
+        let lives = commands(&rs);
+        assert_eq!(lives.len(), 3);
+        assert!(lives.iter().all(CommandLife::ended));
+        let r = report(&file(rs));
+        let backend = r.spans.iter().find(|s| s.0 == "backend").and_then(|s| s.1);
+        assert_eq!(backend.map(|p| (p.count, p.p50)), Some((3, 10.0)));
+        assert_eq!(r.in_flight[0].1.max, 2, "commands 1 and 2 overlap");
+    }
+
+    #[test]
+    fn a_busy_slow_backend_is_named_and_an_idle_target_is_not_the_cap() {
+        // Eight commands at once, each mostly in the backend, back to back.
+        let slow: Vec<Record> = (0..64)
+            .flat_map(|i| life(i, u64::from(i / 8) * 1005, 1000))
+            .collect();
+        let r = report(&file(slow));
+        assert!(
+            r.diagnosis[0].contains("the cap is the storage"),
+            "{:?}",
+            r.diagnosis
+        );
+        // One command now and then, quick at the target: the initiator is the cap.
+        let quick: Vec<Record> = (0..8).flat_map(|i| life(i, i as u64 * 100, 2)).collect();
+        let r = report(&file(quick));
+        assert!(
+            r.diagnosis[0].contains("cap is outside the target"),
+            "{:?}",
+            r.diagnosis
+        );
+        assert_eq!(r.in_flight[0].1.max, 1);
+        let p = perfetto(&file(life(1, 0, 10)));
+        let slices = p["traceEvents"]
+            .as_array()
+            .expect("events")
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .count();
+        assert_eq!(slices, 4, "one per layer");
+    }
+}
