@@ -54,6 +54,10 @@ enum Cmd {
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
+        /// Record every command's stages (iSCSI) into this trace file, for `trace report`
+        /// beside the target's.
+        #[arg(long)]
+        trace: Option<PathBuf>,
     },
     /// Run one workload per value of a parameter; write a table and a plot.
     Sweep {
@@ -298,6 +302,21 @@ enum TraceCmd {
     },
 }
 
+/// Writes an initiator's trace file.
+fn write_trace(path: &std::path::Path, records: &[cmdtrace::Record]) -> anyhow::Result<()> {
+    let file = cmdtrace::TraceFile {
+        side: cmdtrace::Side::Initiator,
+        offset_ns: 0,
+        dropped: 0,
+        records: records.to_vec(),
+    };
+    let f = std::fs::File::create(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    file.write_to(&mut std::io::BufWriter::new(f))
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    eprintln!("trace: {} records in {}", records.len(), path.display());
+    Ok(())
+}
+
 /// `initiator-bench trace report`.
 fn trace_report(target: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> {
     let mut f =
@@ -417,6 +436,7 @@ impl WorkloadArgs {
             verify: self.verify,
             seed: self.seed,
             split: self.split,
+            trace: false,
         })
     }
 }
@@ -587,14 +607,19 @@ fn main() -> anyhow::Result<()> {
                 workload,
                 login,
                 json,
+                trace,
                 ..
             } => {
                 let urls = urls
                     .iter()
                     .map(|u| IscsiUrl::parse(u))
                     .collect::<Result<Vec<_>, _>>()?;
-                let report =
-                    run_with_progress(&urls, &login.options()?, &workload.workload()?).await?;
+                let mut w = workload.workload()?;
+                w.trace = trace.is_some();
+                let report = run_with_progress(&urls, &login.options()?, &w).await?;
+                if let Some(path) = &trace {
+                    write_trace(path, &report.trace)?;
+                }
                 if json {
                     println!("{}", serde_json::to_string(&report)?);
                 } else {

@@ -32,12 +32,46 @@ use crate::url::IscsiUrl;
 struct State {
     machine: machine::Session,
     replies: HashMap<u32, oneshot::Sender<Result<Reply>>>,
+    /// Each command's stages, while tracing (`initiator-bench run --trace`).
+    trace: Option<Tracing>,
+}
+
+/// A login's trace: its session's key, the records, and the commands whose first data came.
+#[derive(Debug)]
+struct Tracing {
+    session: u64,
+    records: Vec<cmdtrace::Record>,
+    first_data: std::collections::HashSet<u32>,
+}
+
+/// Records a login keeps at most (32 bytes each).
+const TRACE_RECORDS: usize = 1 << 21;
+
+impl State {
+    /// Notes that command `itt` reached `stage` at `at_ns`, while tracing.
+    fn trace(&mut self, stage: cmdtrace::Stage, itt: u32, at_ns: u64, arg: u32) {
+        if let Some(t) = &mut self.trace {
+            if t.records.len() < TRACE_RECORDS {
+                t.records.push(cmdtrace::Record {
+                    at_ns,
+                    session: t.session,
+                    itt,
+                    cmd_sn: 0,
+                    stage,
+                    lane: 0,
+                    arg,
+                });
+            }
+        }
+    }
 }
 
 /// One login of a session: its machine and the channels to its connections' writers.
 #[derive(Debug)]
 struct Inner {
     state: Mutex<State>,
+    /// Whether `state.trace` is on: checked without the lock before reading the clock.
+    tracing: AtomicBool,
     window: Notify,
     writers: Vec<mpsc::UnboundedSender<Bytes>>,
     dead: AtomicBool,
@@ -288,6 +322,32 @@ impl Session {
         Ok(r)
     }
 
+    /// Starts tracing each command's stages on this session's current login (submitted,
+    /// waiting for the CmdSN window, sent, first data, status, completed).
+    pub fn start_trace(&self) {
+        let Some(inner) = self.current() else {
+            return;
+        };
+        let mut st = inner.state();
+        let session = cmdtrace::Record::session_of(self.isid.0, st.machine.tsih());
+        st.trace = Some(Tracing {
+            session,
+            records: Vec::with_capacity(1 << 16),
+            first_data: std::collections::HashSet::new(),
+        });
+        inner.tracing.store(true, Ordering::Relaxed);
+    }
+
+    /// Stops tracing and hands over the records.
+    pub fn take_trace(&self) -> Vec<cmdtrace::Record> {
+        let Some(inner) = self.current() else {
+            return Vec::new();
+        };
+        inner.tracing.store(false, Ordering::Relaxed);
+        let mut st = inner.state();
+        st.trace.take().map(|t| t.records).unwrap_or_default()
+    }
+
     /// Commands sent again because the target answered BUSY or TASK SET FULL.
     pub fn resent(&self) -> u64 {
         self.resent.load(Ordering::Relaxed)
@@ -495,6 +555,9 @@ impl Inner {
         while let Some(ev) = st.machine.poll_event() {
             match ev {
                 machine::Event::Done { itt, result } => {
+                    if st.trace.is_some() {
+                        st.trace(cmdtrace::Stage::Completed, itt, cmdtrace::now_ns(), 0);
+                    }
                     if let Some(reply) = st.replies.remove(&itt) {
                         let _ = reply.send(result.map_err(Error::from));
                     }
@@ -505,6 +568,38 @@ impl Inner {
         if opened {
             self.window.notify_waiters();
         }
+    }
+
+    /// A PDU from connection `idx` into the machine (its data and status noted, while
+    /// tracing).
+    fn received(&self, idx: usize, pdu: Pdu) -> std::result::Result<(), machine::ConnectionError> {
+        let mut st = self.state();
+        if st.trace.is_some() {
+            use cmdtrace::Stage;
+            let now = cmdtrace::now_ns();
+            let (itt, data, status) = match &pdu {
+                Pdu::DataIn(d) => (d.initiator_task_tag, true, d.status.is_some()),
+                Pdu::ScsiResponse(r) => (r.initiator_task_tag, false, true),
+                _ => (0, false, false),
+            };
+            let first = data
+                && st
+                    .trace
+                    .as_mut()
+                    .is_some_and(|t| t.first_data.insert(itt));
+            if first {
+                st.trace(Stage::FirstData, itt, now, 0);
+            }
+            if status {
+                if let Some(t) = st.trace.as_mut() {
+                    t.first_data.remove(&itt);
+                }
+                st.trace(Stage::StatusReceived, itt, now, 0);
+            }
+        }
+        let r = st.machine.handle_pdu(idx, pdu);
+        self.flush(&mut st);
+        r
     }
 
     /// Starts a request that does not wait for the window (NOP-Out, TMF, Logout, Text).
@@ -522,6 +617,9 @@ impl Inner {
 
     /// Starts a SCSI command once the CmdSN window has room for it.
     async fn send_command(&self, cmd: Command) -> Result<(u32, oneshot::Receiver<Result<Reply>>)> {
+        let traced = self.tracing.load(Ordering::Relaxed);
+        let submitted = if traced { cmdtrace::now_ns() } else { 0 };
+        let mut waited = None;
         loop {
             let notified = self.window.notified();
             tokio::pin!(notified);
@@ -533,12 +631,25 @@ impl Inner {
                 let mut st = self.state();
                 match st.machine.start_command(&cmd) {
                     Ok(itt) => {
+                        if traced {
+                            use cmdtrace::Stage;
+                            let len = cmd.data_in_len.max(cmd.data_out.len() as u32);
+                            st.trace(Stage::Submitted, itt, submitted, len);
+                            if let Some(w) = waited {
+                                st.trace(Stage::WindowWait, itt, w, 0);
+                            }
+                            st.trace(Stage::Sent, itt, cmdtrace::now_ns(), 0);
+                        }
                         let (tx, rx) = oneshot::channel();
                         st.replies.insert(itt, tx);
                         self.flush(&mut st);
                         return Ok((itt, rx));
                     }
-                    Err(StartError::WindowClosed) => {}
+                    Err(StartError::WindowClosed) => {
+                        if traced && waited.is_none() {
+                            waited = Some(cmdtrace::now_ns());
+                        }
+                    }
                     Err(e) => return Err(start_error(e)),
                 }
             }
@@ -624,7 +735,7 @@ async fn reader(inner: Arc<Inner>, idx: usize, mut r: OwnedReadHalf, mut deframe
         if inner.dead.load(Ordering::Acquire) {
             break "session closed".to_string();
         }
-        if let Err(why) = inner.with(|m| m.handle_pdu(idx, pdu)) {
+        if let Err(why) = inner.received(idx, pdu) {
             break why.0;
         }
     };
@@ -713,7 +824,9 @@ fn start_inner(
         state: Mutex::new(State {
             machine,
             replies: HashMap::new(),
+            trace: None,
         }),
+        tracing: AtomicBool::new(false),
         window: Notify::new(),
         writers,
         dead: AtomicBool::new(false),

@@ -82,6 +82,9 @@ pub struct Workload {
     pub seed: u64,
     /// How each I/O goes out as SCSI commands.
     pub split: Split,
+    /// Record each command's stages (submitted, waiting for the CmdSN window, sent, first
+    /// data, status, completed) into [`Report::trace`].
+    pub trace: bool,
 }
 
 /// Parses sizes like `512`, `4k`, `1m`, `2g` (binary multiples).
@@ -153,6 +156,7 @@ impl Default for Workload {
             verify: false,
             seed: 1,
             split: Split::None,
+            trace: false,
         }
     }
 }
@@ -218,6 +222,9 @@ pub struct Report {
     pub command_bytes: u64,
     /// Commands sent again because the target answered BUSY or TASK SET FULL.
     pub resent: u64,
+    /// Each command's stages, with [`Workload::trace`].
+    #[serde(skip)]
+    pub trace: Vec<cmdtrace::Record>,
 }
 
 impl Report {
@@ -399,6 +406,11 @@ pub async fn run_many(
         written: w.verify.then(|| Written::new(slots * io_blocks)),
         progress,
     });
+    if w.trace {
+        for s in &sessions {
+            s.start_trace();
+        }
+    }
     let cpu0 = cpu_seconds();
     let t0 = Instant::now();
     let mut workers = Vec::new();
@@ -433,6 +445,13 @@ pub async fn run_many(
     }
     let elapsed = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu0;
+    let mut trace = Vec::new();
+    if w.trace {
+        for s in &sessions {
+            trace.append(&mut s.take_trace());
+        }
+        trace.sort_by_key(|r| r.at_ns);
+    }
     if w.verify && w.rw.read_percent(w.rwmix) < 100 {
         verify_pass(&shared, &sessions[0]).await?;
     }
@@ -453,6 +472,7 @@ pub async fn run_many(
         per_session_ios: per_session,
         command_bytes: command_blocks * u64::from(block_size),
         resent: sessions.iter().map(|s| s.resent()).sum(),
+        trace,
     })
 }
 
