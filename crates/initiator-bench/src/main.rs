@@ -296,6 +296,8 @@ enum TraceCmd {
     Report {
         /// The target's trace file (`targetctl trace stop` wrote it).
         target_trace: PathBuf,
+        /// The initiator's (`initiator-bench run --trace` wrote it): merged on one timeline.
+        initiator_trace: Option<PathBuf>,
         /// Directory for report.md and trace.json.
         #[arg(long, default_value = "trace-report")]
         out: PathBuf,
@@ -317,17 +319,26 @@ fn write_trace(path: &std::path::Path, records: &[cmdtrace::Record]) -> anyhow::
     Ok(())
 }
 
+/// Reads a trace file.
+fn read_trace(path: &std::path::Path) -> anyhow::Result<cmdtrace::TraceFile> {
+    let f = std::fs::File::open(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    cmdtrace::TraceFile::read_from(&mut std::io::BufReader::new(f))
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))
+}
+
 /// `initiator-bench trace report`.
-fn trace_report(target: &std::path::Path, out: &std::path::Path) -> anyhow::Result<()> {
-    let mut f =
-        std::fs::File::open(target).map_err(|e| anyhow::anyhow!("{}: {e}", target.display()))?;
-    let t = cmdtrace::TraceFile::read_from(&mut std::io::BufReader::new(&mut f))
-        .map_err(|e| anyhow::anyhow!("{}: {e}", target.display()))?;
-    let r = initiator_bench::trace::report(&t);
+fn trace_report(
+    target: &std::path::Path,
+    initiator: Option<&std::path::Path>,
+    out: &std::path::Path,
+) -> anyhow::Result<()> {
+    let t = read_trace(target)?;
+    let i = initiator.map(read_trace).transpose()?;
+    let r = initiator_bench::trace::report(&t, i.as_ref());
     let text = initiator_bench::trace::text(&r);
     std::fs::create_dir_all(out)?;
     std::fs::write(out.join("report.md"), &text)?;
-    let json = initiator_bench::trace::perfetto(&t);
+    let json = initiator_bench::trace::perfetto(&t, i.as_ref());
     std::fs::write(out.join("trace.json"), serde_json::to_vec(&json)?)?;
     print!("{text}");
     println!(
@@ -586,8 +597,13 @@ fn main() -> anyhow::Result<()> {
             }
             Cmd::Paper004 { out, ios } => paper004(&out, ios),
             Cmd::Trace {
-                action: TraceCmd::Report { target_trace, out },
-            } => trace_report(&target_trace, &out),
+                action:
+                    TraceCmd::Report {
+                        target_trace,
+                        initiator_trace,
+                        out,
+                    },
+            } => trace_report(&target_trace, initiator_trace.as_deref(), &out),
             Cmd::Combine {
                 sweeps,
                 metric,

@@ -582,11 +582,7 @@ impl Inner {
                 Pdu::ScsiResponse(r) => (r.initiator_task_tag, false, true),
                 _ => (0, false, false),
             };
-            let first = data
-                && st
-                    .trace
-                    .as_mut()
-                    .is_some_and(|t| t.first_data.insert(itt));
+            let first = data && st.trace.as_mut().is_some_and(|t| t.first_data.insert(itt));
             if first {
                 st.trace(Stage::FirstData, itt, now, 0);
             }

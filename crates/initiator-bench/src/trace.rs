@@ -33,21 +33,34 @@ impl CommandLife {
         self.stages.iter().find(|s| s.0 == stage).map(|s| s.1)
     }
 
-    /// Whether it ended (its response queued).
+    /// Whether it ended (its response queued at the target, or handed back at the
+    /// initiator).
     pub fn ended(&self) -> bool {
-        self.at(Stage::Responded).is_some()
+        self.at(Stage::Responded)
+            .or(self.at(Stage::Completed))
+            .is_some()
     }
 }
 
 /// Cuts target records into commands.
 pub fn commands(records: &[Record]) -> Vec<CommandLife> {
-    let mut sorted: Vec<&Record> = records.iter().filter(|r| r.stage.is_target()).collect();
+    lives(records, Stage::Received, Stage::Responded)
+}
+
+/// Cuts records into commands that begin at `first` and end at `last` (the target's, or the
+/// initiator's), by session and ITT; a command begun before the trace has no life here.
+pub fn lives(records: &[Record], first: Stage, last: Stage) -> Vec<CommandLife> {
+    let side = first.is_target();
+    let mut sorted: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.stage.is_target() == side)
+        .collect();
     sorted.sort_by_key(|r| r.at_ns);
     let mut open: HashMap<(u64, u32), usize> = HashMap::new();
     let mut lives: Vec<CommandLife> = Vec::new();
     for r in sorted {
         let key = (r.session, r.itt);
-        if r.stage == Stage::Received {
+        if r.stage == first {
             open.insert(key, lives.len());
             lives.push(CommandLife {
                 session: r.session,
@@ -57,10 +70,9 @@ pub fn commands(records: &[Record]) -> Vec<CommandLife> {
                 stages: Vec::with_capacity(8),
             });
         }
-        // A command whose arrival was before the trace began has no life here.
         if let Some(&i) = open.get(&key) {
             lives[i].stages.push((r.stage, r.at_ns));
-            if r.stage == Stage::Responded {
+            if r.stage == last {
                 open.remove(&key);
             }
         }
@@ -183,12 +195,130 @@ pub struct Report {
     /// Commands in flight at the target (arrival to response), in the SCSI core (dispatch to
     /// response), and in the backend.
     pub in_flight: [(&'static str, InFlight); 3],
+    /// The initiator's side, when its trace was given.
+    pub initiator: Option<InitiatorSide>,
     /// Where concurrency stopped, in words.
     pub diagnosis: Vec<String>,
 }
 
-/// Reads a target trace into a [`Report`].
-pub fn report(target: &TraceFile) -> Report {
+/// What the initiator's trace adds.
+#[derive(Debug, Clone)]
+pub struct InitiatorSide {
+    /// Commands submitted while tracing, and of them completed.
+    pub commands: usize,
+    /// Of them, waited for the CmdSN window before they were sent.
+    pub waited: usize,
+    /// Per initiator span (and across both sides, joined by session and ITT): its name and
+    /// percentiles.
+    pub spans: Vec<(&'static str, Option<Percentiles>)>,
+    /// Commands in flight at the initiator (submitted to completed), and waiting for the
+    /// window.
+    pub in_flight: [(&'static str, InFlight); 2],
+}
+
+/// The initiator's spans.
+pub const INITIATOR_SPANS: [(Stage, Stage, &str); 4] = [
+    (
+        Stage::Submitted,
+        Stage::Sent,
+        "waiting for the CmdSN window (initiator)",
+    ),
+    (
+        Stage::Sent,
+        Stage::StatusReceived,
+        "sent to status (link and target)",
+    ),
+    (
+        Stage::StatusReceived,
+        Stage::Completed,
+        "status to completion (initiator)",
+    ),
+    (
+        Stage::Submitted,
+        Stage::Completed,
+        "submitted to completed (initiator)",
+    ),
+];
+
+/// The initiator's side of a trace, its times moved by `offset_ns` onto the target's clock,
+/// and the spans across both sides (commands joined by session and ITT).
+fn initiator_side(init: &TraceFile, target: &[CommandLife]) -> InitiatorSide {
+    let mut lives = lives(&init.records, Stage::Submitted, Stage::Completed);
+    for c in &mut lives {
+        for s in &mut c.stages {
+            s.1 = (s.1 as i64 + init.offset_ns).max(0) as u64;
+        }
+    }
+    let ended: Vec<&CommandLife> = lives.iter().filter(|c| c.ended()).collect();
+    let mut spans: Vec<(&'static str, Option<Percentiles>)> = INITIATOR_SPANS
+        .iter()
+        .map(|&(a, b, name)| {
+            let ns = ended
+                .iter()
+                .filter_map(|c| Some(c.at(b)?.saturating_sub(c.at(a)?)))
+                .collect();
+            (name, percentiles(ns))
+        })
+        .collect();
+    // The same command at the target: its arrival between the initiator's send and status.
+    let mut at_target: HashMap<(u64, u32), Vec<&CommandLife>> = HashMap::new();
+    for t in target {
+        at_target.entry((t.session, t.itt)).or_default().push(t);
+    }
+    let (mut out, mut back) = (Vec::new(), Vec::new());
+    for c in &ended {
+        let (Some(sent), Some(status)) = (c.at(Stage::Sent), c.at(Stage::StatusReceived)) else {
+            continue;
+        };
+        let same = at_target.get(&(c.session, c.itt)).and_then(|ts| {
+            ts.iter().find(|t| {
+                t.at(Stage::Received)
+                    .is_some_and(|r| r >= sent && r <= status)
+            })
+        });
+        if let Some(t) = same {
+            if let (Some(rx), Some(resp)) = (t.at(Stage::Received), t.at(Stage::Responded)) {
+                out.push(rx.saturating_sub(sent));
+                back.push(status.saturating_sub(resp));
+            }
+        }
+    }
+    spans.push(("sent to arrival at the target", percentiles(out)));
+    spans.push(("response to status at the initiator", percentiles(back)));
+    let all: Vec<u64> = lives
+        .iter()
+        .flat_map(|c| c.stages.iter().map(|s| s.1))
+        .collect();
+    let t0 = all.iter().copied().min().unwrap_or(0);
+    let t1 = all.iter().copied().max().unwrap_or(0);
+    let layer = |from: Stage, to: Stage| -> Vec<(u64, u64)> {
+        lives
+            .iter()
+            .filter_map(|c| Some((c.at(from)?, c.at(to).unwrap_or(t1))))
+            .collect()
+    };
+    InitiatorSide {
+        commands: lives.len(),
+        waited: lives
+            .iter()
+            .filter(|c| c.at(Stage::WindowWait).is_some())
+            .count(),
+        spans,
+        in_flight: [
+            (
+                "initiator",
+                in_flight(&layer(Stage::Submitted, Stage::Completed), t0, t1),
+            ),
+            (
+                "waiting for the window",
+                in_flight(&layer(Stage::WindowWait, Stage::Sent), t0, t1),
+            ),
+        ],
+    }
+}
+
+/// Reads a target trace, and the initiator's if given, into a [`Report`].
+pub fn report(target: &TraceFile, initiator: Option<&TraceFile>) -> Report {
     let lives = commands(&target.records);
     let ended: Vec<&CommandLife> = lives.iter().filter(|c| c.ended()).collect();
     let t0 = target.records.iter().map(|r| r.at_ns).min().unwrap_or(0);
@@ -234,6 +364,7 @@ pub fn report(target: &TraceFile) -> Report {
         seconds: t1.saturating_sub(t0) as f64 / 1e9,
         spans,
         in_flight,
+        initiator: initiator.map(|i| initiator_side(i, &lives)),
         diagnosis: Vec::new(),
     };
     r.diagnosis = diagnose(&r);
@@ -257,6 +388,66 @@ fn diagnose(r: &Report) -> Vec<String> {
         (Some(p), Some(t)) if t.p50 > 0.0 => p.p50 / t.p50,
         _ => 0.0,
     };
+    // How much of the time the target holds the commands it holds at its busiest.
+    let busy = if target.max > 0 {
+        target.mean / target.max as f64
+    } else {
+        0.0
+    };
+    if let Some(i) = &r.initiator {
+        let span = |name: &str| i.spans.iter().find(|s| s.0 == name).and_then(|s| s.1);
+        let wait = span("waiting for the CmdSN window (initiator)");
+        let whole = span("submitted to completed (initiator)");
+        let waited = i.waited as f64 / i.commands.max(1) as f64;
+        let wait_share = match (wait, whole) {
+            (Some(w), Some(t)) if t.p50 > 0.0 => w.p50 / t.p50,
+            _ => 0.0,
+        };
+        if waited > 0.1 && wait_share > 0.1 {
+            d.insert(
+                0,
+                format!(
+                    "commands wait for MaxCmdSN before they are sent ({:.0}% of them, median \
+                     {:.0} us of {:.0} us): the cap is the target's command window; the target \
+                     never had more than {} commands at once while the initiator had up to {}",
+                    waited * 100.0,
+                    wait.map_or(0.0, |p| p.p50),
+                    whole.map_or(0.0, |p| p.p50),
+                    target.max,
+                    i.in_flight[0].1.max
+                ),
+            );
+            return d;
+        }
+        if busy < 0.5 {
+            d.push(format!(
+                "the initiator never has more than {} commands in flight while the target's \
+                 queues are empty (the target holds commands {:.0}% of the time, each for {:.0} \
+                 us of the initiator's {:.0}): the cap is the initiator's queue depth",
+                i.in_flight[0].1.max,
+                busy * 100.0,
+                total.map_or(0.0, |p| p.p50),
+                whole.map_or(0.0, |p| p.p50)
+            ));
+            return d;
+        }
+    }
+    if busy < 0.5 {
+        d.push(format!(
+            "the target holds commands {:.0}% of the time, never more than {} at once (mean \
+             {:.2}), each for {:.0} us (median): the cap is outside the target. Commands spend \
+             their time on the way to it and back, and the initiator keeps no more than {} \
+             outstanding: its queue depth (or its CmdSN window, if it waits for MaxCmdSN) \
+             caps concurrency",
+            busy * 100.0,
+            target.max,
+            target.mean,
+            total.map_or(0.0, |p| p.p50),
+            target.max
+        ));
+        return d;
+    }
+    // The target is busy: where its time goes.
     if share(order) > 0.25 {
         d.push(format!(
             "commands wait for their CmdSN turn (median {:.0} us of {:.0} us at the target): \
@@ -272,26 +463,7 @@ fn diagnose(r: &Report) -> Vec<String> {
             buffer.map_or(0.0, |p| p.p50)
         ));
     }
-    // How much of the time the target holds the commands it holds at its busiest.
-    let busy = if target.max > 0 {
-        target.mean / target.max as f64
-    } else {
-        0.0
-    };
-    if busy < 0.5 {
-        d.push(format!(
-            "the target holds commands {:.0}% of the time, never more than {} at once (mean \
-             {:.2}), each for {:.0} us (median): the cap is outside the target. Commands spend \
-             their time on the way to it and back, and the initiator keeps no more than {} \
-             outstanding: its queue depth (or its CmdSN window, if it waits for MaxCmdSN) \
-             caps concurrency",
-            busy * 100.0,
-            target.max,
-            target.mean,
-            total.map_or(0.0, |p| p.p50),
-            target.max
-        ));
-    } else if share(backend) > 0.5 {
+    if share(backend) > 0.5 {
         d.push(format!(
             "the target is busy and the backend takes most of each command's time there \
              (median {:.0} us of {:.0} us), with up to {} operations in flight: the cap is \
@@ -339,6 +511,29 @@ pub fn text(r: &Report) -> String {
     for (name, f) in &r.in_flight {
         let _ = writeln!(s, "| {name} | {} | {:.2} |", f.max, f.mean);
     }
+    if let Some(i) = &r.initiator {
+        let _ = writeln!(
+            s,
+            "\nInitiator: {} commands, {} of them waited for the CmdSN window\n\n| span | commands | p50 us | p90 us | p99 us | max us |\n| --- | --- | --- | --- | --- | --- |",
+            i.commands, i.waited
+        );
+        for (name, p) in &i.spans {
+            if let Some(p) = p {
+                let _ = writeln!(
+                    s,
+                    "| {name} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+                    p.count, p.p50, p.p90, p.p99, p.max
+                );
+            }
+        }
+        let _ = writeln!(
+            s,
+            "\n| layer | in flight, most | in flight, mean |\n| --- | --- | --- |"
+        );
+        for (name, f) in &i.in_flight {
+            let _ = writeln!(s, "| {name} | {} | {:.2} |", f.max, f.mean);
+        }
+    }
     let _ = writeln!(s, "\nDiagnosis:");
     for line in &r.diagnosis {
         let _ = writeln!(s, "- {line}");
@@ -358,30 +553,90 @@ const TRACKS: [(&str, Stage, Stage); 4] = [
     ("backend", Stage::BackendSubmit, Stage::BackendDone),
 ];
 
+/// The initiator's tracks.
+const INITIATOR_TRACKS: [(&str, Stage, Stage); 3] = [
+    (
+        "initiator: submitted to completed",
+        Stage::Submitted,
+        Stage::Completed,
+    ),
+    (
+        "waiting for the CmdSN window",
+        Stage::WindowWait,
+        Stage::Sent,
+    ),
+    ("sent to status", Stage::Sent, Stage::StatusReceived),
+];
+
 /// A Chrome/Perfetto trace-event file of the commands: a track per layer, a slice per
-/// command per layer (microseconds from the trace's start).
-pub fn perfetto(target: &TraceFile) -> Value {
-    let lives = commands(&target.records);
-    let t0 = target.records.iter().map(|r| r.at_ns).min().unwrap_or(0);
-    let us = |ns: u64| ns.saturating_sub(t0) as f64 / 1e3;
-    let mut events = vec![json!({
-        "name": "process_name", "ph": "M", "pid": 1, "args": {"name": "target"}
-    })];
-    for (tid, (name, ..)) in TRACKS.iter().enumerate() {
+/// command per layer (microseconds from the trace's start); the initiator's layers as a
+/// second process when its trace is given.
+pub fn perfetto(target: &TraceFile, initiator: Option<&TraceFile>) -> Value {
+    let mut t0 = target
+        .records
+        .iter()
+        .map(|r| r.at_ns)
+        .min()
+        .unwrap_or(u64::MAX);
+    if let Some(i) = initiator {
+        let first = i.records.iter().map(|r| r.at_ns).min().unwrap_or(u64::MAX);
+        t0 = t0.min((first as i64 + i.offset_ns).max(0) as u64);
+    }
+    let t0 = if t0 == u64::MAX { 0 } else { t0 };
+    let mut events = Vec::new();
+    slices(
+        &mut events,
+        1,
+        "target",
+        &commands(&target.records),
+        &TRACKS,
+        t0,
+        0,
+    );
+    if let Some(i) = initiator {
+        let lives = lives(&i.records, Stage::Submitted, Stage::Completed);
+        slices(
+            &mut events,
+            2,
+            "initiator",
+            &lives,
+            &INITIATOR_TRACKS,
+            t0,
+            i.offset_ns,
+        );
+    }
+    json!({ "traceEvents": events, "displayTimeUnit": "ns" })
+}
+
+/// The slices of `lives` on `tracks` of process `pid`.
+fn slices(
+    events: &mut Vec<Value>,
+    pid: u32,
+    process: &str,
+    lives: &[CommandLife],
+    tracks: &[(&str, Stage, Stage)],
+    t0: u64,
+    offset_ns: i64,
+) {
+    let us = |ns: u64| ((ns as i64 + offset_ns).max(0) as u64).saturating_sub(t0) as f64 / 1e3;
+    events.push(json!({
+        "name": "process_name", "ph": "M", "pid": pid, "args": {"name": process}
+    }));
+    for (tid, (name, ..)) in tracks.iter().enumerate() {
         events.push(json!({
-            "name": "thread_name", "ph": "M", "pid": 1, "tid": tid,
+            "name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
             "args": {"name": name}
         }));
     }
-    for c in &lives {
-        for (tid, &(_, from, to)) in TRACKS.iter().enumerate() {
+    for c in lives {
+        for (tid, &(_, from, to)) in tracks.iter().enumerate() {
             let (Some(a), Some(b)) = (c.at(from), c.at(to)) else {
                 continue;
             };
             events.push(json!({
                 "name": format!("ITT {:#x}", c.itt),
                 "ph": "X",
-                "pid": 1,
+                "pid": pid,
                 "tid": tid,
                 "ts": us(a),
                 "dur": us(b) - us(a),
@@ -393,7 +648,6 @@ pub fn perfetto(target: &TraceFile) -> Value {
             }));
         }
     }
-    json!({ "traceEvents": events, "displayTimeUnit": "ns" })
 }
 
 #[cfg(test)]
@@ -441,7 +695,7 @@ mod tests {
         let lives = commands(&rs);
         assert_eq!(lives.len(), 3);
         assert!(lives.iter().all(CommandLife::ended));
-        let r = report(&file(rs));
+        let r = report(&file(rs), None);
         let backend = r.spans.iter().find(|s| s.0 == "backend").and_then(|s| s.1);
         assert_eq!(backend.map(|p| (p.count, p.p50)), Some((3, 10.0)));
         assert_eq!(r.in_flight[0].1.max, 2, "commands 1 and 2 overlap");
@@ -453,7 +707,7 @@ mod tests {
         let slow: Vec<Record> = (0..64)
             .flat_map(|i| life(i, u64::from(i / 8) * 1005, 1000))
             .collect();
-        let r = report(&file(slow));
+        let r = report(&file(slow), None);
         assert!(
             r.diagnosis[0].contains("the cap is the storage"),
             "{:?}",
@@ -461,14 +715,14 @@ mod tests {
         );
         // One command now and then, quick at the target: the initiator is the cap.
         let quick: Vec<Record> = (0..8).flat_map(|i| life(i, i as u64 * 100, 2)).collect();
-        let r = report(&file(quick));
+        let r = report(&file(quick), None);
         assert!(
             r.diagnosis[0].contains("cap is outside the target"),
             "{:?}",
             r.diagnosis
         );
         assert_eq!(r.in_flight[0].1.max, 1);
-        let p = perfetto(&file(life(1, 0, 10)));
+        let p = perfetto(&file(life(1, 0, 10)), None);
         let slices = p["traceEvents"]
             .as_array()
             .expect("events")

@@ -138,3 +138,89 @@ async fn a_trace_with_a_duration_stops_by_itself() {
     s.logout().await.expect("logout");
     d.stop();
 }
+
+/// Runs `w` against `d`'s target through a proxy with `delay` each way, tracing both sides;
+/// the report of the two traces and the run's IOPS.
+async fn traced_run(
+    d: &Daemon,
+    delay: Duration,
+    w: initiator_bench::workload::Workload,
+) -> (initiator_bench::trace::Report, f64) {
+    use initiator_bench::proxy::{Link, Proxy};
+    let proxy = Proxy::start(
+        "127.0.0.1:0",
+        &d.addr.to_string(),
+        Link {
+            delay,
+            rate_bps: None,
+        },
+    )
+    .await
+    .expect("a proxy");
+    let url = initiator_bench::IscsiUrl::parse(&format!("iscsi://{}/{TARGET}/0", proxy.local_addr))
+        .expect("url");
+    let out = d.dir.path().join("diagnosis.trace");
+    admin(d, json!({"command": "trace-start", "out": out})).expect("started");
+    let w = initiator_bench::workload::Workload { trace: true, ..w };
+    let r = initiator_bench::workload::run(&url, &opts(), &w, Default::default())
+        .await
+        .expect("the run");
+    admin(d, json!({"command": "trace-stop"})).expect("stopped");
+    let target = read_trace(&out);
+    let initiator = TraceFile {
+        side: Side::Initiator,
+        offset_ns: 0,
+        dropped: 0,
+        records: r.trace.clone(),
+    };
+    (
+        initiator_bench::trace::report(&target, Some(&initiator)),
+        r.iops,
+    )
+}
+
+/// Paper 000 through the product: over a 16 ms link, reads at queue depth 2 are capped by the
+/// initiator's queue depth, which the report says; at 64 the target's window is not what caps
+/// them and throughput scales; against a target whose window is 4, the report names the
+/// target's command window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_report_names_where_concurrency_stops() {
+    use initiator_bench::workload::{Rw, Workload};
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let reads = |qd: usize| Workload {
+        rw: Rw::Read,
+        bs: 512,
+        qd,
+        time: Duration::from_secs(2),
+        ..Workload::default()
+    };
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let delay = Duration::from_millis(16);
+    let (qd2, iops2) = traced_run(&d, delay, reads(2)).await;
+    assert!(
+        qd2.diagnosis[0].contains("the cap is the initiator's queue depth")
+            && qd2.diagnosis[0].contains("never has more than 2 commands"),
+        "{:?}",
+        qd2.diagnosis
+    );
+    let (qd64, iops64) = traced_run(&d, delay, reads(64)).await;
+    assert!(
+        !qd64.diagnosis.iter().any(|l| l.contains("command window")),
+        "{:?}",
+        qd64.diagnosis
+    );
+    assert!(
+        iops64 > 20.0 * iops2,
+        "64 streams over the link scale: {iops64:.0} against {iops2:.0} IOPS"
+    );
+    d.stop();
+    let d = Daemon::start(&config("cmdsn_window = 4", &memory_target(TARGET, "")));
+    let (w4, _) = traced_run(&d, Duration::from_millis(2), reads(16)).await;
+    assert!(
+        w4.diagnosis[0].contains("the cap is the target's command window")
+            && w4.diagnosis[0].contains("never had more than 4 commands"),
+        "{:?}",
+        w4.diagnosis
+    );
+    d.stop();
+}
