@@ -298,6 +298,9 @@ enum TraceCmd {
         target_trace: PathBuf,
         /// The initiator's (`initiator-bench run --trace` wrote it): merged on one timeline.
         initiator_trace: Option<PathBuf>,
+        /// The window of timeline.png: START:LENGTH in milliseconds from the first record.
+        #[arg(long, default_value = "0:100")]
+        window: String,
         /// Directory for report.md and trace.json.
         #[arg(long, default_value = "trace-report")]
         out: PathBuf,
@@ -330,8 +333,14 @@ fn read_trace(path: &std::path::Path) -> anyhow::Result<cmdtrace::TraceFile> {
 fn trace_report(
     target: &std::path::Path,
     initiator: Option<&std::path::Path>,
+    window: &str,
     out: &std::path::Path,
 ) -> anyhow::Result<()> {
+    let (from, len) = window
+        .split_once(':')
+        .and_then(|(a, b)| Some((a.parse::<f64>().ok()?, b.parse::<f64>().ok()?)))
+        .filter(|&(a, b)| a >= 0.0 && b > 0.0)
+        .ok_or_else(|| anyhow::anyhow!("--window {window:?} is not START:LENGTH in ms"))?;
     let t = read_trace(target)?;
     let i = initiator.map(read_trace).transpose()?;
     let r = initiator_bench::trace::report(&t, i.as_ref());
@@ -346,6 +355,12 @@ fn trace_report(
         out.join("report.md").display(),
         out.join("trace.json").display()
     );
+    let tracks = initiator_bench::trace::timeline(&t, i.as_ref(), from, len);
+    let title = format!("commands from {from} ms to {} ms", from + len);
+    match initiator_bench::plot::timeline(&out.join("timeline.png"), &title, &tracks) {
+        Ok(()) => println!("wrote {}", out.join("timeline.png").display()),
+        Err(e) => eprintln!("no timeline.png: {e}"),
+    }
     Ok(())
 }
 
@@ -601,9 +616,10 @@ fn main() -> anyhow::Result<()> {
                     TraceCmd::Report {
                         target_trace,
                         initiator_trace,
+                        window,
                         out,
                     },
-            } => trace_report(&target_trace, initiator_trace.as_deref(), &out),
+            } => trace_report(&target_trace, initiator_trace.as_deref(), &window, &out),
             Cmd::Combine {
                 sweeps,
                 metric,

@@ -156,6 +156,107 @@ where
         .map_err(|e| format!("plot legend: {e}"))
 }
 
+/// One track of a timeline: its label and its slices (start, end), in milliseconds.
+#[derive(Debug, Clone)]
+pub struct Track {
+    /// Label, shown on the left.
+    pub label: String,
+    /// Slices (start, end), ms.
+    pub slices: Vec<(f64, f64)>,
+}
+
+/// Writes `path` (PNG): one band per track, its slices as bars stacked into as many rows as
+/// overlap at once (so concurrency shows as height), time across, as the paper's figures
+/// draw a trace.
+pub fn timeline(path: &Path, title: &str, tracks: &[Track]) -> Result<(), String> {
+    if !font_ready() {
+        return Err(format!(
+            "no TrueType font for the labels (looked for {})",
+            FONTS.join(", ")
+        ));
+    }
+    // Each slice's row within its track: the first row free at its start.
+    let mut rows: Vec<Vec<(f64, f64, usize)>> = Vec::new();
+    let mut heights = Vec::new();
+    for t in tracks {
+        let mut sorted = t.slices.clone();
+        sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut ends: Vec<f64> = Vec::new();
+        let mut placed = Vec::with_capacity(sorted.len());
+        for (a, b) in sorted {
+            let row = match ends.iter().position(|&e| e <= a) {
+                Some(r) => r,
+                None => {
+                    ends.push(0.0);
+                    ends.len() - 1
+                }
+            };
+            ends[row] = b;
+            placed.push((a, b, row));
+        }
+        heights.push(ends.len().max(1));
+        rows.push(placed);
+    }
+    let total: usize = heights.iter().sum::<usize>().max(1);
+    let x0 = tracks
+        .iter()
+        .flat_map(|t| t.slices.iter().map(|s| s.0))
+        .fold(f64::MAX, f64::min);
+    let x1 = tracks
+        .iter()
+        .flat_map(|t| t.slices.iter().map(|s| s.1))
+        .fold(f64::MIN, f64::max);
+    let (x0, x1) = if x0 < x1 { (x0, x1) } else { (0.0, 1.0) };
+    let err = |step: &str, e: &dyn std::fmt::Display| format!("timeline {step}: {e}");
+    let root = BitMapBackend::new(path, (1200, 120 + 60 * tracks.len() as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(|e| err("fill", &e))?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(250)
+        .build_cartesian_2d(x0..x1, 0.0..total as f64)
+        .map_err(|e| err("build", &e))?;
+    // A track's band is labelled at its middle.
+    let mut bands = Vec::new();
+    let mut base = 0usize;
+    for (t, h) in tracks.iter().zip(&heights) {
+        bands.push((base as f64 + *h as f64 / 2.0, t.label.clone()));
+        base += h;
+    }
+    let labels = bands.clone();
+    chart
+        .configure_mesh()
+        .x_desc("ms")
+        .disable_y_mesh()
+        .y_labels(tracks.len() * 2 + 1)
+        .y_label_formatter(&move |y| {
+            labels
+                .iter()
+                .find(|(mid, _)| (mid - y).abs() < 0.5)
+                .map(|(_, l)| l.clone())
+                .unwrap_or_default()
+        })
+        .draw()
+        .map_err(|e| err("mesh", &e))?;
+    let mut base = 0usize;
+    for (i, (placed, h)) in rows.iter().zip(&heights).enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let top = base as f64;
+        chart
+            .draw_series(placed.iter().map(|&(a, b, row)| {
+                let y = top + row as f64;
+                Rectangle::new(
+                    [(a, y + 0.1), (b.max(a + (x1 - x0) / 2000.0), y + 0.9)],
+                    color.filled(),
+                )
+            }))
+            .map_err(|e| err("slices", &e))?;
+        base += h;
+    }
+    root.present().map_err(|e| err("present", &e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -608,6 +608,50 @@ pub fn perfetto(target: &TraceFile, initiator: Option<&TraceFile>) -> Value {
     json!({ "traceEvents": events, "displayTimeUnit": "ns" })
 }
 
+/// The timeline of a window of the trace, `from_ms` milliseconds after its first record for
+/// `len_ms`: a track per layer (the initiator's first when given), each command's slice on it.
+pub fn timeline(
+    target: &TraceFile,
+    initiator: Option<&TraceFile>,
+    from_ms: f64,
+    len_ms: f64,
+) -> Vec<crate::plot::Track> {
+    let mut t0 = target
+        .records
+        .iter()
+        .map(|r| r.at_ns)
+        .min()
+        .unwrap_or(u64::MAX);
+    if let Some(i) = initiator {
+        let first = i.records.iter().map(|r| r.at_ns).min().unwrap_or(u64::MAX);
+        t0 = t0.min((first as i64 + i.offset_ns).max(0) as u64);
+    }
+    let t0 = if t0 == u64::MAX { 0 } else { t0 };
+    let (lo, hi) = (from_ms, from_ms + len_ms);
+    let mut tracks = Vec::new();
+    let mut add = |lives: &[CommandLife], defs: &[(&str, Stage, Stage)], offset_ns: i64| {
+        let ms = |ns: u64| ((ns as i64 + offset_ns).max(0) as u64).saturating_sub(t0) as f64 / 1e6;
+        for &(name, from, to) in defs {
+            let slices = lives
+                .iter()
+                .filter_map(|c| Some((ms(c.at(from)?), ms(c.at(to)?))))
+                .filter(|&(a, b)| b >= lo && a <= hi)
+                .map(|(a, b)| (a.max(lo), b.min(hi)))
+                .collect();
+            tracks.push(crate::plot::Track {
+                label: name.to_string(),
+                slices,
+            });
+        }
+    };
+    if let Some(i) = initiator {
+        let lives = lives(&i.records, Stage::Submitted, Stage::Completed);
+        add(&lives, &INITIATOR_TRACKS, i.offset_ns);
+    }
+    add(&commands(&target.records), &TRACKS, 0);
+    tracks
+}
+
 /// The slices of `lives` on `tracks` of process `pid`.
 fn slices(
     events: &mut Vec<Value>,
