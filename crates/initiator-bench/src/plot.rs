@@ -221,7 +221,8 @@ pub fn timeline(path: &Path, title: &str, tracks: &[Track]) -> Result<(), String
     let mut bands = Vec::new();
     let mut base = 0usize;
     for (t, h) in tracks.iter().zip(&heights) {
-        bands.push((base as f64 + *h as f64 / 2.0, t.label.clone()));
+        // At a whole row, where the axis has a tick.
+        bands.push(((base + h / 2) as f64, t.label.clone()));
         base += h;
     }
     let labels = bands.clone();
@@ -229,11 +230,11 @@ pub fn timeline(path: &Path, title: &str, tracks: &[Track]) -> Result<(), String
         .configure_mesh()
         .x_desc("ms")
         .disable_y_mesh()
-        .y_labels(tracks.len() * 2 + 1)
+        .y_labels(total + 1)
         .y_label_formatter(&move |y| {
             labels
                 .iter()
-                .find(|(mid, _)| (mid - y).abs() < 0.5)
+                .find(|(mid, _)| (mid - y).abs() < 0.01)
                 .map(|(_, l)| l.clone())
                 .unwrap_or_default()
         })
