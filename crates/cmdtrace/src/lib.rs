@@ -38,6 +38,9 @@ pub enum Stage {
     DataOutDone = 8,
     /// Target: Data-In (`arg` bytes) and status queued for sending.
     Responded = 9,
+    /// Target: a NOP-Out (its ITT) arrived: with the initiator's [`Stage::NopSent`] and
+    /// [`Stage::NopAnswered`] it dates the two clocks against each other.
+    NopReceived = 10,
     /// Initiator: the workload submitted the command; `arg` is its data length.
     Submitted = 32,
     /// Initiator: the command waits for the target's CmdSN window.
@@ -50,11 +53,15 @@ pub enum Stage {
     StatusReceived = 36,
     /// Initiator: handed back to the workload.
     Completed = 37,
+    /// Initiator: a NOP-Out sent (to date the clocks).
+    NopSent = 38,
+    /// Initiator: its NOP-In arrived.
+    NopAnswered = 39,
 }
 
 impl Stage {
     /// Every stage, in order.
-    pub const ALL: [Stage; 15] = [
+    pub const ALL: [Stage; 18] = [
         Stage::Received,
         Stage::Delivered,
         Stage::Dispatched,
@@ -64,12 +71,15 @@ impl Stage {
         Stage::R2tSent,
         Stage::DataOutDone,
         Stage::Responded,
+        Stage::NopReceived,
         Stage::Submitted,
         Stage::WindowWait,
         Stage::Sent,
         Stage::FirstData,
         Stage::StatusReceived,
         Stage::Completed,
+        Stage::NopSent,
+        Stage::NopAnswered,
     ];
 
     /// The stage of a file's code.
@@ -89,12 +99,15 @@ impl Stage {
             Stage::R2tSent => "R2T sent",
             Stage::DataOutDone => "data-out done",
             Stage::Responded => "responded",
+            Stage::NopReceived => "NOP-Out received",
             Stage::Submitted => "submitted",
             Stage::WindowWait => "window wait",
             Stage::Sent => "sent",
             Stage::FirstData => "first data",
             Stage::StatusReceived => "status received",
             Stage::Completed => "completed",
+            Stage::NopSent => "NOP-Out sent",
+            Stage::NopAnswered => "NOP-In received",
         }
     }
 

@@ -301,6 +301,10 @@ enum TraceCmd {
         /// The window of timeline.png: START:LENGTH in milliseconds from the first record.
         #[arg(long, default_value = "0:100")]
         window: String,
+        /// Move the initiator's times by the clock offset its NOP round trips give (traces
+        /// from two hosts); without it, by its file's offset (0: one host).
+        #[arg(long)]
+        estimate_offset: bool,
         /// Directory for report.md and trace.json.
         #[arg(long, default_value = "trace-report")]
         out: PathBuf,
@@ -333,7 +337,7 @@ fn read_trace(path: &std::path::Path) -> anyhow::Result<cmdtrace::TraceFile> {
 fn trace_report(
     target: &std::path::Path,
     initiator: Option<&std::path::Path>,
-    window: &str,
+    (window, estimate): (&str, bool),
     out: &std::path::Path,
 ) -> anyhow::Result<()> {
     let (from, len) = window
@@ -343,7 +347,14 @@ fn trace_report(
         .ok_or_else(|| anyhow::anyhow!("--window {window:?} is not START:LENGTH in ms"))?;
     let t = read_trace(target)?;
     let i = initiator.map(read_trace).transpose()?;
-    let r = initiator_bench::trace::report(&t, i.as_ref());
+    let r = initiator_bench::trace::report(&t, i.as_ref(), estimate);
+    let i = match (i, r.clock) {
+        (Some(mut i), Some((c, true))) => {
+            i.offset_ns = c.offset_ns;
+            Some(i)
+        }
+        (i, _) => i,
+    };
     let text = initiator_bench::trace::text(&r);
     std::fs::create_dir_all(out)?;
     std::fs::write(out.join("report.md"), &text)?;
@@ -617,9 +628,15 @@ fn main() -> anyhow::Result<()> {
                         target_trace,
                         initiator_trace,
                         window,
+                        estimate_offset,
                         out,
                     },
-            } => trace_report(&target_trace, initiator_trace.as_deref(), &window, &out),
+            } => trace_report(
+                &target_trace,
+                initiator_trace.as_deref(),
+                (&window, estimate_offset),
+                &out,
+            ),
             Cmd::Combine {
                 sweeps,
                 metric,

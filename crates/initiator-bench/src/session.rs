@@ -457,8 +457,27 @@ impl Session {
     /// A NOP-Out ping, answered by a NOP-In.
     pub async fn nop(&self) -> Result<()> {
         let inner = self.live().await?;
-        let rx = inner.start(|m| m.start_nop())?;
-        match wait(rx, self.opts.timeout).await? {
+        let mut itt = 0;
+        let rx = inner.start(|m| {
+            let r = m.start_nop();
+            if let Ok(i) = r {
+                itt = i;
+            }
+            r
+        })?;
+        if inner.tracing.load(Ordering::Relaxed) {
+            // Sent when queued to the writer (inside `start`); dated just after.
+            inner
+                .state()
+                .trace(cmdtrace::Stage::NopSent, itt, cmdtrace::now_ns(), 0);
+        }
+        let reply = wait(rx, self.opts.timeout).await?;
+        if inner.tracing.load(Ordering::Relaxed) {
+            inner
+                .state()
+                .trace(cmdtrace::Stage::NopAnswered, itt, cmdtrace::now_ns(), 0);
+        }
+        match reply {
             Reply::Nop => Ok(()),
             other => Err(Error::Protocol(format!("NOP answered with {other:?}"))),
         }

@@ -197,8 +197,66 @@ pub struct Report {
     pub in_flight: [(&'static str, InFlight); 3],
     /// The initiator's side, when its trace was given.
     pub initiator: Option<InitiatorSide>,
+    /// The initiator's clock against the target's, when NOP round trips date it, and whether
+    /// the estimate was applied (else the file's offset was).
+    pub clock: Option<(ClockOffset, bool)>,
     /// Where concurrency stopped, in words.
     pub diagnosis: Vec<String>,
+}
+
+/// The initiator's clock dated against the target's by NOP round trips.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClockOffset {
+    /// Nanoseconds to add to the initiator's times to put them on the target's clock: the
+    /// target's arrival time of a NOP-Out less the midpoint of its round trip at the initiator.
+    pub offset_ns: i64,
+    /// The round trip of the NOP that dated it (the shortest, the least uncertain: the error
+    /// is at most half of it).
+    pub round_trip_ns: u64,
+    /// Round trips seen in both traces.
+    pub samples: usize,
+}
+
+/// Dates the initiator's clock against the target's from the NOP-Outs both traces recorded.
+pub fn clock_offset(target: &TraceFile, initiator: &TraceFile) -> Option<ClockOffset> {
+    let arrived: HashMap<(u64, u32), u64> = target
+        .records
+        .iter()
+        .filter(|r| r.stage == Stage::NopReceived)
+        .map(|r| ((r.session, r.itt), r.at_ns))
+        .collect();
+    let answered: HashMap<(u64, u32), u64> = initiator
+        .records
+        .iter()
+        .filter(|r| r.stage == Stage::NopAnswered)
+        .map(|r| ((r.session, r.itt), r.at_ns))
+        .collect();
+    let mut best: Option<ClockOffset> = None;
+    let mut samples = 0;
+    for r in initiator
+        .records
+        .iter()
+        .filter(|r| r.stage == Stage::NopSent)
+    {
+        let key = (r.session, r.itt);
+        let (Some(&at), Some(&back)) = (arrived.get(&key), answered.get(&key)) else {
+            continue;
+        };
+        let Some(rtt) = back.checked_sub(r.at_ns) else {
+            continue;
+        };
+        samples += 1;
+        let mid = r.at_ns + rtt / 2;
+        let estimate = ClockOffset {
+            offset_ns: at as i64 - mid as i64,
+            round_trip_ns: rtt,
+            samples: 0,
+        };
+        if best.is_none_or(|b| rtt < b.round_trip_ns) {
+            best = Some(estimate);
+        }
+    }
+    best.map(|b| ClockOffset { samples, ..b })
 }
 
 /// What the initiator's trace adds.
@@ -317,8 +375,19 @@ fn initiator_side(init: &TraceFile, target: &[CommandLife]) -> InitiatorSide {
     }
 }
 
-/// Reads a target trace, and the initiator's if given, into a [`Report`].
-pub fn report(target: &TraceFile, initiator: Option<&TraceFile>) -> Report {
+/// Reads a target trace, and the initiator's if given, into a [`Report`]; with `estimate`,
+/// the initiator's times are moved by the offset NOP round trips give (two hosts), else by
+/// its file's (0 on one host).
+pub fn report(target: &TraceFile, initiator: Option<&TraceFile>, estimate: bool) -> Report {
+    let clock = initiator.and_then(|i| clock_offset(target, i));
+    let moved = initiator.map(|i| {
+        let mut i = i.clone();
+        if let (true, Some(c)) = (estimate, clock) {
+            i.offset_ns = c.offset_ns;
+        }
+        i
+    });
+    let initiator = moved.as_ref();
     let lives = commands(&target.records);
     let ended: Vec<&CommandLife> = lives.iter().filter(|c| c.ended()).collect();
     let t0 = target.records.iter().map(|r| r.at_ns).min().unwrap_or(0);
@@ -365,6 +434,7 @@ pub fn report(target: &TraceFile, initiator: Option<&TraceFile>) -> Report {
         spans,
         in_flight,
         initiator: initiator.map(|i| initiator_side(i, &lives)),
+        clock: clock.map(|c| (c, estimate)),
         diagnosis: Vec::new(),
     };
     r.diagnosis = diagnose(&r);
@@ -510,6 +580,22 @@ pub fn text(r: &Report) -> String {
     );
     for (name, f) in &r.in_flight {
         let _ = writeln!(s, "| {name} | {} | {:.2} |", f.max, f.mean);
+    }
+    if let Some((c, applied)) = r.clock {
+        let _ = writeln!(
+            s,
+            "\nClocks: the initiator's runs {:.1} us behind the target's (the best of {} NOP \
+             round trips, {:.1} us, bounds the error to {:.1} us); {}",
+            c.offset_ns as f64 / 1e3,
+            c.samples,
+            c.round_trip_ns as f64 / 1e3,
+            c.round_trip_ns as f64 / 2e3,
+            if applied {
+                "applied"
+            } else {
+                "not applied (one host: the trace files' offset is used)"
+            }
+        );
     }
     if let Some(i) = &r.initiator {
         let _ = writeln!(
@@ -739,7 +825,7 @@ mod tests {
         let lives = commands(&rs);
         assert_eq!(lives.len(), 3);
         assert!(lives.iter().all(CommandLife::ended));
-        let r = report(&file(rs), None);
+        let r = report(&file(rs), None, false);
         let backend = r.spans.iter().find(|s| s.0 == "backend").and_then(|s| s.1);
         assert_eq!(backend.map(|p| (p.count, p.p50)), Some((3, 10.0)));
         assert_eq!(r.in_flight[0].1.max, 2, "commands 1 and 2 overlap");
@@ -751,7 +837,7 @@ mod tests {
         let slow: Vec<Record> = (0..64)
             .flat_map(|i| life(i, u64::from(i / 8) * 1005, 1000))
             .collect();
-        let r = report(&file(slow), None);
+        let r = report(&file(slow), None, false);
         assert!(
             r.diagnosis[0].contains("the cap is the storage"),
             "{:?}",
@@ -759,7 +845,7 @@ mod tests {
         );
         // One command now and then, quick at the target: the initiator is the cap.
         let quick: Vec<Record> = (0..8).flat_map(|i| life(i, i as u64 * 100, 2)).collect();
-        let r = report(&file(quick), None);
+        let r = report(&file(quick), None, false);
         assert!(
             r.diagnosis[0].contains("cap is outside the target"),
             "{:?}",
@@ -774,5 +860,50 @@ mod tests {
             .filter(|e| e["ph"] == "X")
             .count();
         assert_eq!(slices, 4, "one per layer");
+    }
+}
+
+#[cfg(test)]
+mod clock_tests {
+    use super::*;
+
+    #[test]
+    fn nop_round_trips_date_the_initiators_clock() {
+        let rec = |stage, itt, at_ns| Record {
+            at_ns,
+            session: 3,
+            itt,
+            cmd_sn: 0,
+            stage,
+            lane: 0,
+            arg: 0,
+        };
+        // The initiator's clock is 1 ms behind the target's; two pings, the second quicker.
+        let target = TraceFile {
+            side: cmdtrace::Side::Target,
+            offset_ns: 0,
+            dropped: 0,
+            records: vec![
+                rec(Stage::NopReceived, 1, 1_000_000 + 5_000),
+                rec(Stage::NopReceived, 2, 1_000_000 + 50_000 + 1_000),
+            ],
+        };
+        let initiator = TraceFile {
+            side: cmdtrace::Side::Initiator,
+            offset_ns: 0,
+            dropped: 0,
+            records: vec![
+                rec(Stage::NopSent, 1, 0),
+                rec(Stage::NopAnswered, 1, 12_000),
+                rec(Stage::NopSent, 2, 50_000),
+                rec(Stage::NopAnswered, 2, 52_000),
+            ],
+        };
+        let c = clock_offset(&target, &initiator).expect("dated");
+        assert_eq!(c.samples, 2);
+        assert_eq!(c.round_trip_ns, 2_000, "the quicker round trip");
+        assert_eq!(c.offset_ns, 1_000_000);
+        let r = report(&target, Some(&initiator), true);
+        assert_eq!(r.clock, Some((c, true)));
     }
 }

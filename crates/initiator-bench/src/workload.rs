@@ -335,6 +335,9 @@ pub async fn run(
     run_many(std::slice::from_ref(url), opts, w, progress).await
 }
 
+/// NOP-Outs a traced run sends at its start and at its end, per session.
+const CLOCK_PINGS: usize = 8;
+
 /// Runs `w` with its sessions spread round-robin over the LUs of `urls` (one session per URL
 /// when `w.sessions` equals their number). The range is taken from the first LU's capacity.
 pub async fn run_many(
@@ -409,6 +412,10 @@ pub async fn run_many(
     if w.trace {
         for s in &sessions {
             s.start_trace();
+            // NOP round trips date the two clocks against each other (the report's offset).
+            for _ in 0..CLOCK_PINGS {
+                s.nop().await?;
+            }
         }
     }
     let cpu0 = cpu_seconds();
@@ -448,6 +455,9 @@ pub async fn run_many(
     let mut trace = Vec::new();
     if w.trace {
         for s in &sessions {
+            for _ in 0..CLOCK_PINGS {
+                s.nop().await?;
+            }
             trace.append(&mut s.take_trace());
         }
         trace.sort_by_key(|r| r.at_ns);

@@ -174,7 +174,7 @@ async fn traced_run(
         records: r.trace.clone(),
     };
     (
-        initiator_bench::trace::report(&target, Some(&initiator)),
+        initiator_bench::trace::report(&target, Some(&initiator), false),
         r.iops,
     )
 }
@@ -203,6 +203,12 @@ async fn the_report_names_where_concurrency_stops() {
         "{:?}",
         qd2.diagnosis
     );
+    // One host, one clock: the NOP round trips (through the same 16 ms each way) find an
+    // offset near zero, within half the round trip they bound it by.
+    let (clock, _) = qd2.clock.expect("NOPs in both traces");
+    assert!(clock.samples >= 8, "{clock:?}");
+    assert!(clock.offset_ns.unsigned_abs() < 2_000_000, "{clock:?}");
+    assert!(clock.offset_ns.unsigned_abs() <= clock.round_trip_ns / 2);
     let (qd64, iops64) = traced_run(&d, delay, reads(64)).await;
     assert!(
         !qd64.diagnosis.iter().any(|l| l.contains("command window")),

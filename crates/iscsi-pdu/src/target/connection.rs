@@ -1487,6 +1487,7 @@ impl<B: TaskBuffer> Connection<B> {
             self.reject_pdu(RejectReason::ProtocolError, &Pdu::NopOut(n), nexus);
             return;
         }
+        self.trace(Stage::NopReceived, n.initiator_task_tag, n.cmd_sn.0, 0);
         let (exp, max) = nexus.window();
         let mut data = n.data;
         data.truncate(self.max_send as usize);
