@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 use std::cell::RefCell;
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -149,6 +150,14 @@ impl Record {
         u64::from_be_bytes(b)
     }
 
+    /// The session number of an SRP I_T nexus's initiator port identifier (its two halves
+    /// folded), which stands where iSCSI has ISID and TSIH.
+    pub fn session_of_port(id: [u8; 16]) -> u64 {
+        let hi = u64::from_be_bytes(id[..8].try_into().expect("8 bytes"));
+        let lo = u64::from_be_bytes(id[8..].try_into().expect("8 bytes"));
+        hi ^ lo
+    }
+
     /// Its 32 bytes (little-endian fields).
     pub fn encode(&self) -> [u8; Record::LEN] {
         let mut b = [0u8; Record::LEN];
@@ -175,6 +184,67 @@ impl Record {
             lane: b[25],
             arg: u32_at(28),
         })
+    }
+}
+
+/// Where a command was at `at`, as a sans-IO machine reports it ([`Points`]): what its shell
+/// records, with the session, as a [`Record`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Point {
+    /// The stage.
+    pub stage: Stage,
+    /// The command's tag (iSCSI's ITT; SRP's tag, its low 32 bits).
+    pub itt: u32,
+    /// Its CmdSN where known, else 0.
+    pub cmd_sn: u32,
+    /// Bytes, mostly (see [`Stage`]).
+    pub arg: u32,
+    /// When (the machine's `now`).
+    pub at: Instant,
+}
+
+/// The trace points a sans-IO machine queues for its shell: off (nothing kept) until
+/// [`Points::set`], bounded, taken with [`Points::poll`] after each step.
+#[derive(Debug, Default)]
+pub struct Points {
+    queue: Option<VecDeque<Point>>,
+}
+
+/// Points a machine keeps untaken at most.
+const POINTS: usize = 4096;
+
+impl Points {
+    /// Turns the points on or off (off drops what is queued).
+    pub fn set(&mut self, on: bool) {
+        if on != self.queue.is_some() {
+            self.queue = on.then(|| VecDeque::with_capacity(POINTS));
+        }
+    }
+
+    /// Whether they are on.
+    pub fn is_on(&self) -> bool {
+        self.queue.is_some()
+    }
+
+    /// Notes that command `itt` reached `stage` at `at`, when on and not full.
+    #[inline]
+    pub fn push(&mut self, at: Instant, stage: Stage, itt: u32, cmd_sn: u32, arg: u32) {
+        if let Some(q) = &mut self.queue {
+            if q.len() < POINTS {
+                q.push_back(Point {
+                    stage,
+                    itt,
+                    cmd_sn,
+                    arg,
+                    at,
+                });
+            }
+        }
+    }
+
+    /// The oldest point not yet taken.
+    pub fn poll(&mut self) -> Option<Point> {
+        self.queue.as_mut()?.pop_front()
     }
 }
 

@@ -663,3 +663,56 @@ fn a_late_rdma_read_of_an_aborted_command_does_not_reach_its_tags_next_command()
     rig.run();
     assert_eq!(rig.response(ch, 6).expect("read").data, new);
 }
+
+/// With tracing on, an SRP channel reports each command's stages as iSCSI's connection does:
+/// a write through its buffer and RDMA READ to its backend operation and response, a read
+/// through its backend operation to its response; off, none.
+#[test]
+fn traced_commands_show_their_stages() {
+    use cmdtrace::Stage;
+    let mut rig = rig();
+    let ch = login(&mut rig, INI_A);
+    rig.channels[ch].channel.set_trace(true);
+    write_read(&mut rig, ch, 40, 8, &pattern(4096, 3), 4, false);
+    let mut points = Vec::new();
+    while let Some(p) = rig.channels[ch].channel.poll_trace() {
+        points.push(p);
+    }
+    let stages = |tag: u32| -> Vec<Stage> {
+        points
+            .iter()
+            .filter(|p| p.itt == tag)
+            .map(|p| p.stage)
+            .collect()
+    };
+    assert_eq!(
+        stages(40),
+        [
+            Stage::Received,
+            Stage::Dispatched,
+            Stage::BufferWait,
+            Stage::DataOutDone,
+            Stage::BackendSubmit,
+            Stage::BackendDone,
+            Stage::Responded
+        ]
+    );
+    assert_eq!(
+        stages(41),
+        [
+            Stage::Received,
+            Stage::Dispatched,
+            Stage::BufferWait,
+            Stage::BackendSubmit,
+            Stage::BackendDone,
+            Stage::Responded
+        ]
+    );
+    assert_eq!(
+        points.iter().find(|p| p.itt == 40).map(|p| p.arg),
+        Some(4096)
+    );
+    rig.channels[ch].channel.set_trace(false);
+    write_read(&mut rig, ch, 50, 8, &pattern(4096, 4), 1, false);
+    assert!(rig.channels[ch].channel.poll_trace().is_none());
+}

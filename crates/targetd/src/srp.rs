@@ -329,6 +329,8 @@ struct Want {
 struct Chan<Q> {
     driver: Driver<Q>,
     key: ItNexusKey,
+    /// Its session in traces: its initiator port identifier, folded.
+    trace_session: u64,
     target: Arc<Target>,
     nexus: NexusId,
     machine: Channel<Buffer>,
@@ -674,6 +676,7 @@ impl<F: Fabric> Port<F> {
             Chan {
                 driver: Driver::new(qp),
                 key,
+                trace_session: cmdtrace::Record::session_of_port(req.initiator_port_id),
                 target,
                 nexus,
                 machine: Channel::new(nexus, params),
@@ -748,6 +751,7 @@ impl<F: Fabric> Port<F> {
             progress = true;
             events.push(e);
         }
+        crate::trace::record_points(c.machine.trace_points(), c.trace_session, &self.io);
         for e in events.drain(..) {
             self.event(id, e);
         }

@@ -13,6 +13,30 @@ use serde_json::{json, Value};
 use crate::reactor::Handle;
 use crate::registry::lock;
 
+/// Moves a machine's trace points into this reactor's ring as records of `session`, and
+/// turns the machine's points on or off with the daemon's tracing: what every connection's
+/// and channel's shell does after a step.
+pub fn record_points(points: &mut cmdtrace::Points, session: u64, io: &crate::reactor::Io) {
+    let on = cmdtrace::enabled();
+    if on != points.is_on() {
+        points.set(on);
+    }
+    if !on {
+        return;
+    }
+    while let Some(p) = points.poll() {
+        cmdtrace::record(cmdtrace::Record {
+            at_ns: io.clock.ns(p.at),
+            session,
+            itt: p.itt,
+            cmd_sn: p.cmd_sn,
+            stage: p.stage,
+            lane: io.index as u8,
+            arg: p.arg,
+        });
+    }
+}
+
 /// Records each reactor keeps (32 bytes each: 32 MiB per reactor).
 pub const RECORDS_PER_REACTOR: usize = 1 << 20;
 

@@ -103,19 +103,11 @@ async fn reads_and_writes_allocate_nothing_on_the_reactors_in_steady_state() {
 /// flight overlap: a write that waits for another's range is another path); the reactor
 /// allocations of a second run of 4096 I/Os on the same channel.
 fn srp_round_trips() -> u64 {
-    use initiator_bench::srp::{login_request, place_len, run_channels, LinkModel, SrpOptions};
+    use initiator_bench::srp::{run_channels, LinkModel, SrpOptions};
     use initiator_bench::workload::{Rw, Workload};
-    use srp::fabric::NodeId;
-    use srp::initiator::channel::InitiatorChannel;
     use srp::initiator::Registration;
-    use srp::switch::{Endpoint, Reply, Switch};
 
-    let switch = Switch::new();
-    let d = Daemon::start_with(&config("", &memory_target(TARGET, "")), |server| {
-        server
-            .serve_srp_fabric(&switch, NodeId(0), "srp0")
-            .expect("listening");
-    });
+    let (switch, d) = common::srp_daemon();
     let w = Workload {
         rw: Rw::Rw,
         bs: 4096,
@@ -129,24 +121,7 @@ fn srp_round_trips() -> u64 {
         regions: 1,
         link: LinkModel::Free,
     };
-    let mut private = Vec::new();
-    login_request(0, targetd::srp::port_id(TARGET), 8192).encode(&mut private);
-    let id = switch.connect(NodeId(1), "srp0", &private).unwrap();
-    let reply = loop {
-        if let Some(r) = switch.reply(id) {
-            break r;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    };
-    let Reply::Accepted { qp, private } = reply else {
-        panic!("refused");
-    };
-    let Ok(srp::Iu::LoginRsp(rsp)) = srp::Iu::decode(&private) else {
-        panic!("not an SRP_LOGIN_RSP");
-    };
-    let mut verbs: Endpoint<Vec<u8>> = switch.endpoint(NodeId(1));
-    let ch =
-        InitiatorChannel::new(&mut verbs, qp, &rsp, o.registration, 16, place_len(&w, &o)).unwrap();
+    let (mut verbs, ch) = common::srp_channel(&switch, 0, &w, &o);
     let mut channels = [ch];
     run_channels(&mut verbs, &mut channels, 0, &w, &o).unwrap();
     let before = REACTOR_ALLOCATIONS.load(Ordering::Relaxed);

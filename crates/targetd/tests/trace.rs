@@ -230,3 +230,49 @@ async fn the_report_names_where_concurrency_stops() {
     );
     d.stop();
 }
+
+/// SRP channels are traced as iSCSI connections are: each command from its SRP_CMD to its
+/// response, keyed by the initiator port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn srp_commands_are_traced_too() {
+    use initiator_bench::srp::{login_request, run_channels, LinkModel, SrpOptions};
+    use initiator_bench::workload::{Rw, Workload};
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let (switch, d) = common::srp_daemon();
+    let out = d.dir.path().join("srp.trace");
+    admin(&d, json!({"command": "trace-start", "out": out})).expect("started");
+    let w = Workload {
+        rw: Rw::Randrw,
+        bs: 4096,
+        qd: 4,
+        ios: Some(200),
+        size: Some(1 << 20),
+        ..Workload::default()
+    };
+    let o = SrpOptions {
+        registration: srp::initiator::Registration::Pool,
+        regions: 1,
+        link: LinkModel::Free,
+    };
+    let r = tokio::task::spawn_blocking(move || {
+        let (mut verbs, ch) = common::srp_channel(&switch, 3, &w, &o);
+        let mut channels = [ch];
+        run_channels(&mut verbs, &mut channels, 0, &w, &o).expect("the run")
+    })
+    .await
+    .expect("the initiator's thread");
+    assert_eq!(r.errors, 0);
+    admin(&d, json!({"command": "trace-stop"})).expect("stopped");
+    let t = read_trace(&out);
+    let port = login_request(3, [0; 16], 0).initiator_port_id;
+    let session = Record::session_of_port(port);
+    let lives: Vec<_> = initiator_bench::trace::commands(&t.records)
+        .into_iter()
+        .filter(|c| c.session == session && c.ended())
+        .collect();
+    assert!(lives.len() >= 200, "{} SRP commands traced", lives.len());
+    assert!(lives
+        .iter()
+        .all(|c| c.at(Stage::BackendSubmit).is_some() || c.len == 0));
+    d.stop();
+}

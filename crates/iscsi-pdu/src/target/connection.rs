@@ -37,7 +37,7 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::{Deref, Range};
 use std::time::{Duration, Instant};
 
-use cmdtrace::Stage;
+use cmdtrace::{Point, Points, Stage};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use scsi_core::transport::{
@@ -425,51 +425,8 @@ pub struct Connection<B> {
     logout_asked: bool,
     /// The `now` of the last call in, which the trace points deep inside a call stamp.
     now: Instant,
-    /// Trace points not yet taken ([`Connection::poll_trace`]); `None` while not tracing.
-    trace: Option<VecDeque<TracePoint>>,
-}
-
-/// Where a command was at `at` ([`Connection::poll_trace`]): what the shell records, with
-/// its session, into the trace (`cmdtrace`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TracePoint {
-    /// The stage.
-    pub stage: Stage,
-    /// Its Initiator Task Tag.
-    pub itt: u32,
-    /// Its CmdSN where known here (the command's arrival), else 0.
-    pub cmd_sn: u32,
-    /// Bytes, mostly (see [`Stage`]).
-    pub arg: u32,
-    /// When.
-    pub at: Instant,
-}
-
-/// Trace points a connection keeps untaken at most (the shell takes them after every step).
-const TRACE_POINTS: usize = 4096;
-
-/// Queues a trace point, when tracing (a function of the field, so that it can be called while
-/// other fields are borrowed).
-#[inline]
-fn push_trace(
-    trace: &mut Option<VecDeque<TracePoint>>,
-    at: Instant,
-    stage: Stage,
-    itt: u32,
-    cmd_sn: u32,
-    arg: u32,
-) {
-    if let Some(t) = trace {
-        if t.len() < TRACE_POINTS {
-            t.push_back(TracePoint {
-                stage,
-                itt,
-                cmd_sn,
-                arg,
-                at,
-            });
-        }
-    }
+    /// Trace points not yet taken ([`Connection::poll_trace`]).
+    trace: Points,
 }
 
 fn attribute(a: TaskAttribute) -> CoreAttribute {
@@ -535,31 +492,34 @@ impl<B: TaskBuffer> Connection<B> {
             data_out_seen: now,
             logout_asked: false,
             now,
-            trace: None,
+            trace: Points::default(),
         }
     }
 
     /// Starts or stops tracing each command's stages ([`Connection::poll_trace`]).
     pub fn set_trace(&mut self, on: bool) {
-        if on != self.trace.is_some() {
-            self.trace = on.then(|| VecDeque::with_capacity(TRACE_POINTS));
-        }
+        self.trace.set(on);
+    }
+
+    /// Its trace points, for a shell that switches them and takes them in one place.
+    pub fn trace_points(&mut self) -> &mut Points {
+        &mut self.trace
     }
 
     /// Whether it traces.
     pub fn is_tracing(&self) -> bool {
-        self.trace.is_some()
+        self.trace.is_on()
     }
 
     /// The next trace point, while tracing.
-    pub fn poll_trace(&mut self) -> Option<TracePoint> {
-        self.trace.as_mut()?.pop_front()
+    pub fn poll_trace(&mut self) -> Option<Point> {
+        self.trace.poll()
     }
 
     /// Notes that command `itt` reached `stage` (when tracing).
     #[inline]
     fn trace(&mut self, stage: Stage, itt: u32, cmd_sn: u32, arg: u32) {
-        push_trace(&mut self.trace, self.now, stage, itt, cmd_sn, arg);
+        self.trace.push(self.now, stage, itt, cmd_sn, arg);
     }
 
     /// Its CID.
@@ -877,7 +837,7 @@ impl<B: TaskBuffer> Connection<B> {
         nexus: &mut impl Nexus,
     ) {
         self.now = now;
-        if self.trace.is_some() {
+        if self.trace.is_on() {
             if let Some(tag) = self.tasks.tag_of(task) {
                 self.trace(Stage::BackendDone, tag as u32, 0, 0);
             }
@@ -1297,7 +1257,7 @@ impl<B: TaskBuffer> Connection<B> {
         let s = &mut t.transport;
         while s.outstanding_r2t < self.op.max_outstanding_r2t && s.next_r2t < wanted {
             let n = (wanted - s.next_r2t).min(self.op.max_burst_length);
-            push_trace(&mut self.trace, self.now, Stage::R2tSent, itt, 0, n);
+            self.trace.push(self.now, Stage::R2tSent, itt, 0, n);
             let ttt = next_ttt(&mut self.next_ttt);
             self.r2ts.insert(ttt, (itt, 0));
             self.transmits
@@ -1323,7 +1283,7 @@ impl<B: TaskBuffer> Connection<B> {
     fn deliver_data(&mut self, itt: u32, nexus: &mut impl Nexus) {
         let ready = self.tasks.data_complete(u64::from(itt));
         if ready.is_some() {
-            push_trace(&mut self.trace, self.now, Stage::DataOutDone, itt, 0, 0);
+            self.trace.push(self.now, Stage::DataOutDone, itt, 0, 0);
         }
         match ready {
             Some(DataReady::Core { task, data }) => nexus.data_out(task, data),
@@ -1353,7 +1313,7 @@ impl<B: TaskBuffer> Connection<B> {
                 buffer,
                 ..
             } => {
-                if self.trace.is_some() {
+                if self.trace.is_on() {
                     if let Some(tag) = self.tasks.tag_of(task) {
                         self.trace(Stage::BackendSubmit, tag as u32, 0, buffer.len() as u32);
                     }

@@ -15,7 +15,7 @@ pub mod text;
 pub use self::core::{Route, Sink, TargetCore};
 pub use connection::{
     Close, Connection, CoreEvent, Event, IscsiTask, Nexus, NoBuffer, OrderedCommand, Payload, Plan,
-    Settings, TracePoint, Transmit, LOGOUT_GRACE,
+    Settings, Transmit, LOGOUT_GRACE,
 };
 pub use login::{Completed, Login, LoginPolicy, Step};
 pub use order::CommandOrder;

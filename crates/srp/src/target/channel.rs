@@ -26,6 +26,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use cmdtrace::{Point, Points, Stage};
 use scsi_core::transport::{
     Accounting, Completion, DataReady, NewTask, Request, Returned, TagError, TaskBuffer, TaskEntry,
     TaskTable,
@@ -291,6 +292,10 @@ pub struct Channel<B> {
     next_transfer: u64,
     closing: Option<Close>,
     closed: bool,
+    /// The `now` of the last call in, which trace points deep inside a call stamp.
+    now: Option<Instant>,
+    /// Each command's stages, while tracing ([`Channel::poll_trace`]).
+    trace: Points,
     /// Descriptor lists to reuse, so steady state allocates none.
     lists: Vec<Vec<MemoryDescriptor>>,
 }
@@ -325,6 +330,8 @@ impl<B: TaskBuffer> Channel<B> {
             closing: None,
             closed: false,
             lists: Vec::new(),
+            now: None,
+            trace: Points::default(),
         }
     }
 
@@ -426,6 +433,34 @@ impl<B: TaskBuffer> Channel<B> {
         self.events.pop_front()
     }
 
+    /// Starts or stops tracing each command's stages ([`Channel::poll_trace`]).
+    pub fn set_trace(&mut self, on: bool) {
+        self.trace.set(on);
+    }
+
+    /// Its trace points, for a shell that switches them and takes them in one place.
+    pub fn trace_points(&mut self) -> &mut Points {
+        &mut self.trace
+    }
+
+    /// Whether it traces.
+    pub fn is_tracing(&self) -> bool {
+        self.trace.is_on()
+    }
+
+    /// The next trace point (the tag's low 32 bits as its ITT), while tracing.
+    pub fn poll_trace(&mut self) -> Option<Point> {
+        self.trace.poll()
+    }
+
+    /// Notes that command `tag` reached `stage` (when tracing).
+    #[inline]
+    fn trace(&mut self, stage: Stage, tag: u64, arg: u32) {
+        if let Some(at) = self.now {
+            self.trace.push(at, stage, tag as u32, 0, arg);
+        }
+    }
+
     /// Gives back a descriptor list a transfer carried.
     pub fn recycle(&mut self, mut regions: Vec<MemoryDescriptor>) {
         // A list that never held anything (its task's was taken for a transfer) is no use
@@ -439,6 +474,7 @@ impl<B: TaskBuffer> Channel<B> {
     /// An IU arrived on the channel. The shell may post its receive buffer again once this
     /// returns: nothing of it is kept.
     pub fn handle_iu(&mut self, now: Instant, iu: &[u8], core: &mut impl Core) {
+        self.now = Some(now);
         if self.closing.is_some() {
             return;
         }
@@ -475,6 +511,7 @@ impl<B: TaskBuffer> Channel<B> {
         mut buffer: B,
         core: &mut impl Core,
     ) {
+        self.now = Some(now);
         let Some(t) = self.tasks.get_mut(tag) else {
             return; // Ended meanwhile (aborted): the buffer goes back.
         };
@@ -509,6 +546,7 @@ impl<B: TaskBuffer> Channel<B> {
         ok: bool,
         core: &mut impl Core,
     ) {
+        self.now = Some(now);
         let Some(t) = self.tasks.get_mut(tag) else {
             return;
         };
@@ -521,6 +559,7 @@ impl<B: TaskBuffer> Channel<B> {
         if !ok {
             self.fail(tag, core);
         } else {
+            self.trace(Stage::DataOutDone, tag, len);
             self.tasks.data_received(tag, len);
             self.deliver_data(tag, core);
         }
@@ -536,6 +575,7 @@ impl<B: TaskBuffer> Channel<B> {
         table: Option<&[u8]>,
         core: &mut impl Core,
     ) {
+        self.now = Some(now);
         let Some(t) = self.tasks.get_mut(tag) else {
             return;
         };
@@ -584,6 +624,12 @@ impl<B: TaskBuffer> Channel<B> {
         result: Result<Output, BackendError>,
         core: &mut impl Core,
     ) {
+        self.now = Some(now);
+        if self.trace.is_on() {
+            if let Some(tag) = self.tasks.tag_of(task) {
+                self.trace(Stage::BackendDone, tag, 0);
+            }
+        }
         let simple = result.as_ref().map(|_| ()).map_err(|e| *e);
         match self.tasks.backend_returned(task, buffer, simple, now) {
             Returned::Core(task) => core.backend_done(task, result),
@@ -596,6 +642,7 @@ impl<B: TaskBuffer> Channel<B> {
 
     /// A buffer for an operation that waited ([`Event::BufferWanted`]).
     pub fn handle_buffer(&mut self, now: Instant, tag: u64, buffer: B, core: &mut impl Core) {
+        self.now = Some(now);
         if let Some(r) = self.tasks.grant_buffer(tag, buffer) {
             self.request(r, core);
         }
@@ -605,6 +652,7 @@ impl<B: TaskBuffer> Channel<B> {
     /// No buffer can ever be had for the operation that waits ([`Event::BufferWanted`]
     /// larger than the whole allocator).
     pub fn handle_buffer_refused(&mut self, now: Instant, tag: u64, core: &mut impl Core) {
+        self.now = Some(now);
         match self.tasks.buffer_refused(tag, now) {
             Some(Returned::Core(task)) => core.backend_done(task, Err(BackendError::Internal)),
             Some(Returned::Complete(c)) => self.finish(c, core),
@@ -617,6 +665,7 @@ impl<B: TaskBuffer> Channel<B> {
     /// Takes what the core reported for this channel (after calls made on its behalf
     /// elsewhere, say another channel's task management).
     pub fn handle_core(&mut self, now: Instant, core: &mut impl Core) {
+        self.now = Some(now);
         self.pump(now, core);
     }
 
@@ -760,6 +809,8 @@ impl<B: TaskBuffer> Channel<B> {
         if !self.take_credit(c.tag, c.sol_not) {
             return;
         }
+        let len = c.data_in.expected_len().max(c.data_out.expected_len());
+        self.trace(Stage::Received, c.tag, len);
         for (d, reason) in [
             (&c.data_out, TargetLogoutReason::UnsupportedDataOutFormat),
             (&c.data_in, TargetLogoutReason::UnsupportedDataInFormat),
@@ -891,7 +942,10 @@ impl<B: TaskBuffer> Channel<B> {
             data_out_len: t.data_out_len,
         };
         match core.submit(cmd) {
-            Ok(task) => self.tasks.submitted(tag, task),
+            Ok(task) => {
+                self.tasks.submitted(tag, task);
+                self.trace(Stage::Dispatched, tag, 0);
+            }
             Err(e) => {
                 tracing::warn!("the SCSI core refused an SRP command: {e}");
                 self.refuse(
@@ -989,6 +1043,7 @@ impl<B: TaskBuffer> Channel<B> {
                 if received >= len {
                     self.deliver_data(tag, core);
                 } else {
+                    self.trace(Stage::BufferWait, tag, len);
                     self.events.push_back(Event::Allocate {
                         tag,
                         len: len as usize,
@@ -1001,13 +1056,21 @@ impl<B: TaskBuffer> Channel<B> {
                 op,
                 buffer,
                 ..
-            } => self.events.push_back(Event::Backend {
-                task,
-                lun,
-                op,
-                buffer,
-            }),
+            } => {
+                if self.trace.is_on() {
+                    if let Some(tag) = self.tasks.tag_of(task) {
+                        self.trace(Stage::BackendSubmit, tag, buffer.len() as u32);
+                    }
+                }
+                self.events.push_back(Event::Backend {
+                    task,
+                    lun,
+                    op,
+                    buffer,
+                })
+            }
             Request::BufferWanted { tag, len } => {
+                self.trace(Stage::BufferWait, tag, len as u32);
                 self.events.push_back(Event::BufferWanted { tag, len })
             }
             Request::Complete(c) => self.finish(c, core),
@@ -1058,6 +1121,8 @@ impl<B: TaskBuffer> Channel<B> {
     }
 
     fn respond(&mut self, mut c: Completion<SrpTask, B>) {
+        let data_in_bytes = c.accounting.read_bytes.min(u64::from(u32::MAX)) as u32;
+        self.trace(Stage::Responded, c.tag, data_in_bytes);
         self.events.push_back(Event::Completed(c.accounting));
         self.release_credit();
         let data_in = std::mem::take(&mut c.transport.data_in);

@@ -795,28 +795,12 @@ impl Turn<'_> {
     /// Moves the machine's trace points into the reactor's trace ring while tracing is on
     /// (`targetctl trace start`), and turns the machine's tracing on or off with it.
     fn trace(&mut self) {
-        let on = cmdtrace::enabled();
-        if on != self.machine.is_tracing() {
-            self.machine.set_trace(on);
-        }
-        if !on {
-            return;
-        }
+        // A discovery session has no commands to trace.
         let Some(session) = self.nexus.scope.session() else {
             return;
         };
         let key = cmdtrace::Record::session_of(session.isid.0, session.tsih);
-        while let Some(p) = self.machine.poll_trace() {
-            cmdtrace::record(cmdtrace::Record {
-                at_ns: self.io.clock.ns(p.at),
-                session: key,
-                itt: p.itt,
-                cmd_sn: p.cmd_sn,
-                stage: p.stage,
-                lane: self.io.index as u8,
-                arg: p.arg,
-            });
-        }
+        crate::trace::record_points(self.machine.trace_points(), key, self.io);
     }
 
     /// Runs a backend operation on the reactor's engine.

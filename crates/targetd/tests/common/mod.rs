@@ -147,3 +147,70 @@ pub fn tool(name: &str) -> bool {
     }
     found
 }
+
+/// The switch node and service targetd's SRP port has in tests.
+pub const SRP_TARGET_NODE: srp::fabric::NodeId = srp::fabric::NodeId(0);
+/// The switch node of tests' SRP initiators.
+pub const SRP_INITIATOR_NODE: srp::fabric::NodeId = srp::fabric::NodeId(1);
+/// The SRP service name.
+pub const SRP_SERVICE: &str = "srp0";
+
+/// targetd with one memory target, also serving SRP on a new switch.
+pub fn srp_daemon() -> (Arc<srp::switch::Switch>, Daemon) {
+    let switch = srp::switch::Switch::new();
+    let d = Daemon::start_with(&config("", &memory_target(TARGET, "")), |server| {
+        server
+            .serve_srp_fabric(&switch, SRP_TARGET_NODE, SRP_SERVICE)
+            .expect("listening");
+    });
+    (switch, d)
+}
+
+/// An SRP channel of session `s` to the test target over `switch`, logged in, its data memory
+/// made as initiator-bench's runner wants it for `w` and `o`.
+pub fn srp_channel(
+    switch: &Arc<srp::switch::Switch>,
+    s: usize,
+    w: &initiator_bench::workload::Workload,
+    o: &initiator_bench::srp::SrpOptions,
+) -> (
+    srp::switch::Endpoint<Vec<u8>>,
+    srp::initiator::channel::InitiatorChannel<srp::switch::Endpoint<Vec<u8>>>,
+) {
+    use srp::switch::Reply;
+    let mut private = Vec::new();
+    initiator_bench::srp::login_request(s, targetd::srp::port_id(TARGET), 8192)
+        .encode(&mut private);
+    let id = switch
+        .connect(SRP_INITIATOR_NODE, SRP_SERVICE, &private)
+        .expect("the daemon listens");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let reply = loop {
+        if let Some(r) = switch.reply(id) {
+            break r;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no answer to the login"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let Reply::Accepted { qp, private } = reply else {
+        panic!("refused");
+    };
+    let Ok(srp::Iu::LoginRsp(rsp)) = srp::Iu::decode(&private) else {
+        panic!("not an SRP_LOGIN_RSP");
+    };
+    let mut verbs = switch.endpoint(SRP_INITIATOR_NODE);
+    let place = initiator_bench::srp::place_len(w, o);
+    let ch = srp::initiator::channel::InitiatorChannel::new(
+        &mut verbs,
+        qp,
+        &rsp,
+        o.registration,
+        w.qd.max(1),
+        place,
+    )
+    .expect("the channel's memory");
+    (verbs, ch)
+}
