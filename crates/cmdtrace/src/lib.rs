@@ -42,6 +42,10 @@ pub enum Stage {
     /// Target: a NOP-Out (its ITT) arrived: with the initiator's [`Stage::NopSent`] and
     /// [`Stage::NopAnswered`] it dates the two clocks against each other.
     NopReceived = 10,
+    /// Target: the shell wrote the command's Data-In (`arg` bytes) to the socket.
+    DataInSent = 11,
+    /// Target: the shell wrote its status (a SCSI Response, or the last Data-In's).
+    StatusSent = 12,
     /// Initiator: the workload submitted the command; `arg` is its data length.
     Submitted = 32,
     /// Initiator: the command waits for the target's CmdSN window.
@@ -62,7 +66,7 @@ pub enum Stage {
 
 impl Stage {
     /// Every stage, in order.
-    pub const ALL: [Stage; 18] = [
+    pub const ALL: [Stage; 20] = [
         Stage::Received,
         Stage::Delivered,
         Stage::Dispatched,
@@ -73,6 +77,8 @@ impl Stage {
         Stage::DataOutDone,
         Stage::Responded,
         Stage::NopReceived,
+        Stage::DataInSent,
+        Stage::StatusSent,
         Stage::Submitted,
         Stage::WindowWait,
         Stage::Sent,
@@ -101,6 +107,8 @@ impl Stage {
             Stage::DataOutDone => "data-out done",
             Stage::Responded => "responded",
             Stage::NopReceived => "NOP-Out received",
+            Stage::DataInSent => "Data-In sent",
+            Stage::StatusSent => "status sent",
             Stage::Submitted => "submitted",
             Stage::WindowWait => "window wait",
             Stage::Sent => "sent",

@@ -47,8 +47,10 @@ pub fn commands(records: &[Record]) -> Vec<CommandLife> {
     lives(records, Stage::Received, Stage::Responded)
 }
 
-/// Cuts records into commands that begin at `first` and end at `last` (the target's, or the
-/// initiator's), by session and ITT; a command begun before the trace has no life here.
+/// Cuts records into commands that begin at `first` (the target's, or the initiator's), by
+/// session and ITT; a command begun before the trace has no life here. (`last`, where a
+/// command ends, names the side's end; records after it until the ITT's next arrival are
+/// still the command's: the status as written.)
 pub fn lives(records: &[Record], first: Stage, last: Stage) -> Vec<CommandLife> {
     let side = first.is_target();
     let mut sorted: Vec<&Record> = records
@@ -70,18 +72,18 @@ pub fn lives(records: &[Record], first: Stage, last: Stage) -> Vec<CommandLife> 
                 stages: Vec::with_capacity(8),
             });
         }
+        // A command's records run to the next arrival of its ITT (the ITT is its own until it
+        // ends): its end (`last`) may be followed by the shell's (the status written).
         if let Some(&i) = open.get(&key) {
             lives[i].stages.push((r.stage, r.at_ns));
-            if r.stage == last {
-                open.remove(&key);
-            }
         }
     }
+    let _ = last;
     lives
 }
 
 /// The spans a report measures: from one stage to the next that a command reached.
-pub const SPANS: [(Stage, Stage, &str); 8] = [
+pub const SPANS: [(Stage, Stage, &str); 9] = [
     (
         Stage::Received,
         Stage::Delivered,
@@ -109,6 +111,11 @@ pub const SPANS: [(Stage, Stage, &str); 8] = [
     ),
     (Stage::BackendSubmit, Stage::BackendDone, "backend"),
     (Stage::BackendDone, Stage::Responded, "backend to response"),
+    (
+        Stage::Responded,
+        Stage::StatusSent,
+        "response queued to its status written",
+    ),
     (
         Stage::Received,
         Stage::Responded,

@@ -66,41 +66,46 @@ async fn a_trace_follows_every_command_from_arrival_to_response() {
     assert_eq!(t.side, Side::Target);
     assert_eq!(t.dropped, 0);
     assert_eq!(stopped["records"], t.records.len());
-    // Each command's points, by ITT, of this session only.
+    // Each command's points, of this session only: from its arrival to its status written.
     let mine: Vec<&Record> = t
         .records
         .iter()
         .filter(|r| r.session & 0xffff == u64::from(tsih))
         .collect();
-    let mut itts: Vec<u32> = mine.iter().map(|r| r.itt).collect();
-    itts.sort_unstable();
-    itts.dedup();
+    let lives: Vec<_> = initiator_bench::trace::commands(&t.records)
+        .into_iter()
+        .filter(|c| c.session & 0xffff == u64::from(tsih))
+        .collect();
     assert!(
-        itts.len() >= 33,
+        lives.len() >= 33,
         "a capacity, 16 writes and 16 reads: {}",
-        itts.len()
+        lives.len()
     );
-    for itt in itts {
-        let stages: Vec<Stage> = mine
-            .iter()
-            .filter(|r| r.itt == itt)
-            .map(|r| r.stage)
-            .collect();
+    for c in &lives {
+        let stages: Vec<Stage> = c.stages.iter().map(|s| s.0).collect();
+        let itt = c.itt;
         assert_eq!(
             stages.first(),
             Some(&Stage::Received),
-            "ITT {itt:#x}: {stages:?}"
-        );
-        assert_eq!(
-            stages.last(),
-            Some(&Stage::Responded),
             "ITT {itt:#x}: {stages:?}"
         );
         assert!(
             stages.contains(&Stage::Dispatched),
             "ITT {itt:#x}: {stages:?}"
         );
+        assert!(
+            stages.contains(&Stage::Responded),
+            "ITT {itt:#x}: {stages:?}"
+        );
+        assert_eq!(
+            stages.last(),
+            Some(&Stage::StatusSent),
+            "ITT {itt:#x}: {stages:?}"
+        );
     }
+    // Every record of the session belongs to one of them (none lost at the start).
+    let counted: usize = lives.iter().map(|c| c.stages.len()).sum();
+    assert_eq!(counted, mine.len());
     assert!(
         mine.windows(2).all(|w| w[0].at_ns <= w[1].at_ns),
         "in time order"

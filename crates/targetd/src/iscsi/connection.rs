@@ -626,6 +626,8 @@ fn step(
 ) -> Result<(Plan<Buffer>, bool), ReadError> {
     let mut c = conn.borrow_mut();
     let mut t = c.turn();
+    // Tracing switched on since the last step covers this step's PDU from its arrival.
+    t.trace();
     let plan = f(&mut t)?;
     if matches!(plan, Plan::Next | Plan::Discard) {
         t.pump(Instant::now());
@@ -741,10 +743,49 @@ async fn work_loop(
         if !batch.is_empty() {
             let (exp, max) = conn.borrow().scope.window();
             writer.send(&batch, exp, max).await?;
+            if cmdtrace::enabled() {
+                sent(&conn.borrow(), &batch);
+            }
             batch.clear();
         }
         if close {
             return Ok(());
+        }
+    }
+}
+
+/// Records the Data-In and the status a batch written to the socket carried (while tracing).
+fn sent(c: &Conn, batch: &[Transmit<Buffer>]) {
+    let Some(session) = c.scope.session() else {
+        return;
+    };
+    let key = cmdtrace::Record::session_of(session.isid.0, session.tsih);
+    let at_ns = cmdtrace::now_ns();
+    let record = |stage, itt, arg| {
+        cmdtrace::record(cmdtrace::Record {
+            at_ns,
+            session: key,
+            itt,
+            cmd_sn: 0,
+            stage,
+            lane: c.io.index as u8,
+            arg,
+        })
+    };
+    for t in batch {
+        match t {
+            Transmit::DataIn {
+                itt, len, status, ..
+            } => {
+                record(cmdtrace::Stage::DataInSent, *itt, *len);
+                if status.is_some() {
+                    record(cmdtrace::Stage::StatusSent, *itt, 0);
+                }
+            }
+            Transmit::Pdu(iscsi_pdu::Pdu::ScsiResponse(r)) => {
+                record(cmdtrace::Stage::StatusSent, r.initiator_task_tag, 0)
+            }
+            Transmit::Pdu(_) => {}
         }
     }
 }
