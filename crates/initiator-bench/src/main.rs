@@ -366,6 +366,22 @@ fn trace_report(
         out.join("report.md").display(),
         out.join("trace.json").display()
     );
+    let series = initiator_bench::trace::in_flight_series(&t, i.as_ref(), 400);
+    let title = "commands in flight at each layer";
+    match initiator_bench::plot::plot(&out.join("in-flight"), title, "ms", "commands", &series) {
+        Ok(_) => println!("wrote {}", out.join("in-flight.png").display()),
+        Err(e) => eprintln!("no in-flight plot: {e}"),
+    }
+    // The estimate goes into the initiator's trace file, for whoever reads it next.
+    if let (Some(path), Some((c, true)), Some(file)) = (initiator, r.clock, &i) {
+        let mut f = std::io::BufWriter::new(std::fs::File::create(path)?);
+        file.write_to(&mut f)?;
+        println!(
+            "wrote the clock offset ({:.1} us) into {}",
+            c.offset_ns as f64 / 1e3,
+            path.display()
+        );
+    }
     let tracks = initiator_bench::trace::timeline(&t, i.as_ref(), from, len);
     let title = format!("commands from {from} ms to {} ms", from + len);
     match initiator_bench::plot::timeline(&out.join("timeline.png"), &title, &tracks) {

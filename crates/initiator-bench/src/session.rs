@@ -50,13 +50,18 @@ const TRACE_RECORDS: usize = 1 << 21;
 impl State {
     /// Notes that command `itt` reached `stage` at `at_ns`, while tracing.
     fn trace(&mut self, stage: cmdtrace::Stage, itt: u32, at_ns: u64, arg: u32) {
+        self.trace_sn(stage, itt, 0, at_ns, arg);
+    }
+
+    /// [`State::trace`] with the command's CmdSN.
+    fn trace_sn(&mut self, stage: cmdtrace::Stage, itt: u32, cmd_sn: u32, at_ns: u64, arg: u32) {
         if let Some(t) = &mut self.trace {
             if t.records.len() < TRACE_RECORDS {
                 t.records.push(cmdtrace::Record {
                     at_ns,
                     session: t.session,
                     itt,
-                    cmd_sn: 0,
+                    cmd_sn,
                     stage,
                     lane: 0,
                     arg,
@@ -644,12 +649,13 @@ impl Inner {
             }
             {
                 let mut st = self.state();
+                let cmd_sn = st.machine.next_cmd_sn().0;
                 match st.machine.start_command(&cmd) {
                     Ok(itt) => {
                         if traced {
                             use cmdtrace::Stage;
                             let len = cmd.data_in_len.max(cmd.data_out.len() as u32);
-                            st.trace(Stage::Submitted, itt, submitted, len);
+                            st.trace_sn(Stage::Submitted, itt, cmd_sn, submitted, len);
                             if let Some(w) = waited {
                                 st.trace(Stage::WindowWait, itt, w, 0);
                             }

@@ -184,6 +184,79 @@ fn in_flight(intervals: &[(u64, u64)], t0: u64, t1: u64) -> InFlight {
     }
 }
 
+/// How many of `intervals` are open at `samples` evenly spaced times of `[t0, t1]`: (ms from
+/// `t0`, count), for a plot of commands in flight over time.
+pub fn in_flight_over_time(
+    intervals: &[(u64, u64)],
+    t0: u64,
+    t1: u64,
+    samples: usize,
+) -> Vec<(f64, f64)> {
+    let mut starts: Vec<u64> = intervals.iter().map(|i| i.0).collect();
+    let mut ends: Vec<u64> = intervals.iter().map(|i| i.1.max(i.0)).collect();
+    starts.sort_unstable();
+    ends.sort_unstable();
+    let span = t1.saturating_sub(t0).max(1);
+    let n = samples.max(2) as u64;
+    (0..n)
+        .map(|k| {
+            let t = t0 + span * k / (n - 1);
+            // Begun by t, not yet ended at t.
+            let open = starts.partition_point(|&s| s <= t) - ends.partition_point(|&e| e <= t);
+            ((t - t0) as f64 / 1e6, open as f64)
+        })
+        .collect()
+}
+
+/// The series of commands in flight over time at each layer of the traces (the initiator's
+/// when given, the target's, its SCSI core's and its backend's).
+pub fn in_flight_series(
+    target: &TraceFile,
+    initiator: Option<&TraceFile>,
+    samples: usize,
+) -> Vec<crate::plot::Series> {
+    let tlives = commands(&target.records);
+    let mut layers: Vec<(String, Vec<(u64, u64)>)> = Vec::new();
+    let span = |lives: &[CommandLife], from: Stage, to: Stage, offset: i64| -> Vec<(u64, u64)> {
+        let at = |ns: u64| (ns as i64 + offset).max(0) as u64;
+        lives
+            .iter()
+            .filter_map(|c| Some((at(c.at(from)?), at(c.at(to)?))))
+            .collect()
+    };
+    if let Some(i) = initiator {
+        let ilives = lives(&i.records, Stage::Submitted, Stage::Completed);
+        let s = span(&ilives, Stage::Submitted, Stage::Completed, i.offset_ns);
+        layers.push(("initiator".into(), s));
+    }
+    layers.push((
+        "target".into(),
+        span(&tlives, Stage::Received, Stage::Responded, 0),
+    ));
+    layers.push((
+        "SCSI core".into(),
+        span(&tlives, Stage::Dispatched, Stage::Responded, 0),
+    ));
+    layers.push((
+        "backend".into(),
+        span(&tlives, Stage::BackendSubmit, Stage::BackendDone, 0),
+    ));
+    let all = layers
+        .iter()
+        .flat_map(|l| l.1.iter().flat_map(|i| [i.0, i.1]));
+    let (t0, t1) = all.fold((u64::MAX, 0), |(a, b), t| (a.min(t), b.max(t)));
+    if t0 > t1 {
+        return Vec::new();
+    }
+    layers
+        .into_iter()
+        .map(|(label, intervals)| crate::plot::Series {
+            label,
+            points: in_flight_over_time(&intervals, t0, t1, samples),
+        })
+        .collect()
+}
+
 /// What a trace says.
 #[derive(Debug, Clone)]
 pub struct Report {
@@ -337,8 +410,10 @@ fn initiator_side(init: &TraceFile, target: &[CommandLife]) -> InitiatorSide {
         };
         let same = at_target.get(&(c.session, c.itt)).and_then(|ts| {
             ts.iter().find(|t| {
-                t.at(Stage::Received)
-                    .is_some_and(|r| r >= sent && r <= status)
+                let same_sn = c.cmd_sn == 0 || t.cmd_sn == c.cmd_sn;
+                same_sn
+                    && t.at(Stage::Received)
+                        .is_some_and(|r| r >= sent && r <= status)
             })
         });
         if let Some(t) = same {
@@ -873,6 +948,14 @@ mod tests {
 #[cfg(test)]
 mod clock_tests {
     use super::*;
+
+    #[test]
+    fn commands_in_flight_are_counted_over_time() {
+        let series = in_flight_over_time(&[(0, 10), (5, 20), (30, 40)], 0, 40, 5);
+        let counts: Vec<f64> = series.iter().map(|p| p.1).collect();
+        // At 0, 10, 20, 30 and 40 ns: one, one (the first ended at 10), none, one, none.
+        assert_eq!(counts, [1.0, 1.0, 0.0, 1.0, 0.0]);
+    }
 
     #[test]
     fn nop_round_trips_date_the_initiators_clock() {

@@ -299,6 +299,11 @@ impl Session {
         }
     }
 
+    /// The CmdSN the next command will take.
+    pub fn next_cmd_sn(&self) -> SerialNumber {
+        self.cmd_sn
+    }
+
     /// Starts a SCSI command: takes a CmdSN inside the window and queues the command with its
     /// immediate data and the unsolicited Data-Out, in CmdSN order, on one connection.
     pub fn start_command(&mut self, cmd: &Command) -> Result<u32, StartError> {
