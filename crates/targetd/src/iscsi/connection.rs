@@ -760,7 +760,9 @@ fn sent(c: &Conn, batch: &[Transmit<Buffer>]) {
         return;
     };
     let key = cmdtrace::Record::session_of(session.isid.0, session.tsih);
-    let at_ns = cmdtrace::now_ns();
+    // The machine's points go through the reactor's clock: so do these, or a point read from
+    // another clock could sort before the points it follows.
+    let at_ns = c.io.clock.ns(Instant::now());
     let record = |stage, itt, arg| {
         cmdtrace::record(cmdtrace::Record {
             at_ns,
