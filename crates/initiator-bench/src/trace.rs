@@ -635,19 +635,13 @@ fn diagnose(r: &Report) -> Vec<String> {
     d
 }
 
-/// The report as text.
-pub fn text(r: &Report) -> String {
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "{} commands ({} ended) of {} sessions over {:.3} s; {} records dropped",
-        r.commands, r.ended, r.sessions, r.seconds, r.dropped
-    );
+/// A table of spans' percentiles.
+fn spans_table(s: &mut String, spans: &[(&str, Option<Percentiles>)]) {
     let _ = writeln!(
         s,
         "\n| span | commands | p50 us | p90 us | p99 us | max us |\n| --- | --- | --- | --- | --- | --- |"
     );
-    for (name, p) in &r.spans {
+    for (name, p) in spans {
         if let Some(p) = p {
             let _ = writeln!(
                 s,
@@ -656,13 +650,29 @@ pub fn text(r: &Report) -> String {
             );
         }
     }
+}
+
+/// A table of commands in flight per layer.
+fn in_flight_table(s: &mut String, layers: &[(&str, InFlight)]) {
     let _ = writeln!(
         s,
         "\n| layer | in flight, most | in flight, mean |\n| --- | --- | --- |"
     );
-    for (name, f) in &r.in_flight {
+    for (name, f) in layers {
         let _ = writeln!(s, "| {name} | {} | {:.2} |", f.max, f.mean);
     }
+}
+
+/// The report as text.
+pub fn text(r: &Report) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "{} commands ({} ended) of {} sessions over {:.3} s; {} records dropped",
+        r.commands, r.ended, r.sessions, r.seconds, r.dropped
+    );
+    spans_table(&mut s, &r.spans);
+    in_flight_table(&mut s, &r.in_flight);
     if let Some((c, applied)) = r.clock {
         let _ = writeln!(
             s,
@@ -682,25 +692,11 @@ pub fn text(r: &Report) -> String {
     if let Some(i) = &r.initiator {
         let _ = writeln!(
             s,
-            "\nInitiator: {} commands, {} of them waited for the CmdSN window\n\n| span | commands | p50 us | p90 us | p99 us | max us |\n| --- | --- | --- | --- | --- | --- |",
+            "\nInitiator: {} commands, {} of them waited for the CmdSN window",
             i.commands, i.waited
         );
-        for (name, p) in &i.spans {
-            if let Some(p) = p {
-                let _ = writeln!(
-                    s,
-                    "| {name} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
-                    p.count, p.p50, p.p90, p.p99, p.max
-                );
-            }
-        }
-        let _ = writeln!(
-            s,
-            "\n| layer | in flight, most | in flight, mean |\n| --- | --- | --- |"
-        );
-        for (name, f) in &i.in_flight {
-            let _ = writeln!(s, "| {name} | {} | {:.2} |", f.max, f.mean);
-        }
+        spans_table(&mut s, &i.spans);
+        in_flight_table(&mut s, &i.in_flight);
     }
     let _ = writeln!(s, "\nDiagnosis:");
     for line in &r.diagnosis {

@@ -196,13 +196,13 @@ fn write(rig: &mut Rig, i: &mut Initiator, lba: u32, data: &Bytes, op: (bool, bo
 fn traced_commands_show_every_stage_in_order() {
     use cmdtrace::Stage;
     let (mut rig, mut i) = rig(offers(&[("InitialR2T", "Yes"), ("ImmediateData", "No")]));
-    rig.conn_mut().set_trace(true);
+    rig.conn_mut().trace_points().set(true);
     read(&mut rig, &mut i, 0, 8);
     let read_itt = i.itt;
     write(&mut rig, &mut i, 16, &pattern(8192, 1), (false, true, 0));
     let write_itt = i.itt;
     let mut points = Vec::new();
-    while let Some(p) = rig.conn_mut().poll_trace() {
+    while let Some(p) = rig.conn_mut().trace_points().poll() {
         points.push(p);
     }
     let stages = |itt: u32| -> Vec<Stage> {
@@ -243,9 +243,12 @@ fn traced_commands_show_every_stage_in_order() {
         points.windows(2).all(|w| w[0].at <= w[1].at),
         "in time order"
     );
-    rig.conn_mut().set_trace(false);
+    rig.conn_mut().trace_points().set(false);
     read(&mut rig, &mut i, 0, 8);
-    assert!(rig.conn_mut().poll_trace().is_none(), "off: nothing");
+    assert!(
+        rig.conn_mut().trace_points().poll().is_none(),
+        "off: nothing"
+    );
 }
 
 #[test]

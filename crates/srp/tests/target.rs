@@ -672,10 +672,10 @@ fn traced_commands_show_their_stages() {
     use cmdtrace::Stage;
     let mut rig = rig();
     let ch = login(&mut rig, INI_A);
-    rig.channels[ch].channel.set_trace(true);
+    rig.channels[ch].channel.trace_points().set(true);
     write_read(&mut rig, ch, 40, 8, &pattern(4096, 3), 4, false);
     let mut points = Vec::new();
-    while let Some(p) = rig.channels[ch].channel.poll_trace() {
+    while let Some(p) = rig.channels[ch].channel.trace_points().poll() {
         points.push(p);
     }
     let stages = |tag: u32| -> Vec<Stage> {
@@ -712,7 +712,7 @@ fn traced_commands_show_their_stages() {
         points.iter().find(|p| p.itt == 40).map(|p| p.arg),
         Some(4096)
     );
-    rig.channels[ch].channel.set_trace(false);
+    rig.channels[ch].channel.trace_points().set(false);
     write_read(&mut rig, ch, 50, 8, &pattern(4096, 4), 1, false);
-    assert!(rig.channels[ch].channel.poll_trace().is_none());
+    assert!(rig.channels[ch].channel.trace_points().poll().is_none());
 }

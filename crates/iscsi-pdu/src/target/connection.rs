@@ -37,7 +37,7 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::{Deref, Range};
 use std::time::{Duration, Instant};
 
-use cmdtrace::{Point, Points, Stage};
+use cmdtrace::{Points, Stage};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use scsi_core::transport::{
@@ -425,7 +425,7 @@ pub struct Connection<B> {
     logout_asked: bool,
     /// The `now` of the last call in, which the trace points deep inside a call stamp.
     now: Instant,
-    /// Trace points not yet taken ([`Connection::poll_trace`]).
+    /// Trace points not yet taken ([`Connection::trace_points`]).
     trace: Points,
 }
 
@@ -496,24 +496,10 @@ impl<B: TaskBuffer> Connection<B> {
         }
     }
 
-    /// Starts or stops tracing each command's stages ([`Connection::poll_trace`]).
-    pub fn set_trace(&mut self, on: bool) {
-        self.trace.set(on);
-    }
-
-    /// Its trace points, for a shell that switches them and takes them in one place.
+    /// Its trace points (each command's stages, `cmdtrace`): off until set on; the shell
+    /// takes them after each step.
     pub fn trace_points(&mut self) -> &mut Points {
         &mut self.trace
-    }
-
-    /// Whether it traces.
-    pub fn is_tracing(&self) -> bool {
-        self.trace.is_on()
-    }
-
-    /// The next trace point, while tracing.
-    pub fn poll_trace(&mut self) -> Option<Point> {
-        self.trace.poll()
     }
 
     /// Notes that command `itt` reached `stage` (when tracing).

@@ -26,7 +26,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use cmdtrace::{Point, Points, Stage};
+use cmdtrace::{Points, Stage};
 use scsi_core::transport::{
     Accounting, Completion, DataReady, NewTask, Request, Returned, TagError, TaskBuffer, TaskEntry,
     TaskTable,
@@ -294,7 +294,7 @@ pub struct Channel<B> {
     closed: bool,
     /// The `now` of the last call in, which trace points deep inside a call stamp.
     now: Option<Instant>,
-    /// Each command's stages, while tracing ([`Channel::poll_trace`]).
+    /// Each command's stages, while tracing ([`Channel::trace_points`]).
     trace: Points,
     /// Descriptor lists to reuse, so steady state allocates none.
     lists: Vec<Vec<MemoryDescriptor>>,
@@ -433,24 +433,10 @@ impl<B: TaskBuffer> Channel<B> {
         self.events.pop_front()
     }
 
-    /// Starts or stops tracing each command's stages ([`Channel::poll_trace`]).
-    pub fn set_trace(&mut self, on: bool) {
-        self.trace.set(on);
-    }
-
-    /// Its trace points, for a shell that switches them and takes them in one place.
+    /// Its trace points (each command's stages, `cmdtrace`): off until set on; the shell
+    /// takes them after each step.
     pub fn trace_points(&mut self) -> &mut Points {
         &mut self.trace
-    }
-
-    /// Whether it traces.
-    pub fn is_tracing(&self) -> bool {
-        self.trace.is_on()
-    }
-
-    /// The next trace point (the tag's low 32 bits as its ITT), while tracing.
-    pub fn poll_trace(&mut self) -> Option<Point> {
-        self.trace.poll()
     }
 
     /// Notes that command `tag` reached `stage` (when tracing).
