@@ -732,10 +732,8 @@ const INITIATOR_TRACKS: [(&str, Stage, Stage); 3] = [
     ("sent to status", Stage::Sent, Stage::StatusReceived),
 ];
 
-/// A Chrome/Perfetto trace-event file of the commands: a track per layer, a slice per
-/// command per layer (microseconds from the trace's start); the initiator's layers as a
-/// second process when its trace is given.
-pub fn perfetto(target: &TraceFile, initiator: Option<&TraceFile>) -> Value {
+/// The time of the traces' first record (the initiator's moved by its offset), 0 if none.
+fn first_record(target: &TraceFile, initiator: Option<&TraceFile>) -> u64 {
     let mut t0 = target
         .records
         .iter()
@@ -746,7 +744,18 @@ pub fn perfetto(target: &TraceFile, initiator: Option<&TraceFile>) -> Value {
         let first = i.records.iter().map(|r| r.at_ns).min().unwrap_or(u64::MAX);
         t0 = t0.min((first as i64 + i.offset_ns).max(0) as u64);
     }
-    let t0 = if t0 == u64::MAX { 0 } else { t0 };
+    if t0 == u64::MAX {
+        0
+    } else {
+        t0
+    }
+}
+
+/// A Chrome/Perfetto trace-event file of the commands: a track per layer, a slice per
+/// command per layer (microseconds from the trace's start); the initiator's layers as a
+/// second process when its trace is given.
+pub fn perfetto(target: &TraceFile, initiator: Option<&TraceFile>) -> Value {
+    let t0 = first_record(target, initiator);
     let mut events = Vec::new();
     slices(
         &mut events,
@@ -780,17 +789,7 @@ pub fn timeline(
     from_ms: f64,
     len_ms: f64,
 ) -> Vec<crate::plot::Track> {
-    let mut t0 = target
-        .records
-        .iter()
-        .map(|r| r.at_ns)
-        .min()
-        .unwrap_or(u64::MAX);
-    if let Some(i) = initiator {
-        let first = i.records.iter().map(|r| r.at_ns).min().unwrap_or(u64::MAX);
-        t0 = t0.min((first as i64 + i.offset_ns).max(0) as u64);
-    }
-    let t0 = if t0 == u64::MAX { 0 } else { t0 };
+    let t0 = first_record(target, initiator);
     let (lo, hi) = (from_ms, from_ms + len_ms);
     let mut tracks = Vec::new();
     let mut add = |lives: &[CommandLife], defs: &[(&str, Stage, Stage)], offset_ns: i64| {
