@@ -312,11 +312,15 @@ enum TraceCmd {
 }
 
 /// Writes an initiator's trace file.
-fn write_trace(path: &std::path::Path, records: &[cmdtrace::Record]) -> anyhow::Result<()> {
+fn write_trace(
+    path: &std::path::Path,
+    records: &[cmdtrace::Record],
+    dropped: u64,
+) -> anyhow::Result<()> {
     let file = cmdtrace::TraceFile {
         side: cmdtrace::Side::Initiator,
         offset_ns: 0,
-        dropped: 0,
+        dropped,
         records: records.to_vec(),
     };
     let f = std::fs::File::create(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
@@ -683,7 +687,7 @@ fn main() -> anyhow::Result<()> {
                 w.trace = trace.is_some();
                 let report = run_with_progress(&urls, &login.options()?, &w).await?;
                 if let Some(path) = &trace {
-                    write_trace(path, &report.trace)?;
+                    write_trace(path, &report.trace, report.trace_dropped)?;
                 }
                 if json {
                     println!("{}", serde_json::to_string(&report)?);

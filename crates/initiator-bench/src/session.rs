@@ -41,6 +41,8 @@ struct State {
 struct Tracing {
     session: u64,
     records: Vec<cmdtrace::Record>,
+    /// Records that found the trace full.
+    dropped: u64,
     first_data: std::collections::HashSet<u32>,
 }
 
@@ -66,6 +68,8 @@ impl State {
                     lane: 0,
                     arg,
                 });
+            } else {
+                t.dropped += 1;
             }
         }
     }
@@ -338,19 +342,23 @@ impl Session {
         st.trace = Some(Tracing {
             session,
             records: Vec::with_capacity(1 << 16),
+            dropped: 0,
             first_data: std::collections::HashSet::new(),
         });
         inner.tracing.store(true, Ordering::Relaxed);
     }
 
-    /// Stops tracing and hands over the records.
-    pub fn take_trace(&self) -> Vec<cmdtrace::Record> {
+    /// Stops tracing and hands over the records, and how many found the trace full.
+    pub fn take_trace(&self) -> (Vec<cmdtrace::Record>, u64) {
         let Some(inner) = self.current() else {
-            return Vec::new();
+            return (Vec::new(), 0);
         };
         inner.tracing.store(false, Ordering::Relaxed);
         let mut st = inner.state();
-        st.trace.take().map(|t| t.records).unwrap_or_default()
+        st.trace
+            .take()
+            .map(|t| (t.records, t.dropped))
+            .unwrap_or_default()
     }
 
     /// Commands sent again because the target answered BUSY or TASK SET FULL.

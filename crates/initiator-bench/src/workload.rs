@@ -225,6 +225,9 @@ pub struct Report {
     /// Each command's stages, with [`Workload::trace`].
     #[serde(skip)]
     pub trace: Vec<cmdtrace::Record>,
+    /// Trace records that found a session's trace full.
+    #[serde(skip)]
+    pub trace_dropped: u64,
 }
 
 impl Report {
@@ -453,12 +456,15 @@ pub async fn run_many(
     let elapsed = t0.elapsed().as_secs_f64();
     let cpu = cpu_seconds() - cpu0;
     let mut trace = Vec::new();
+    let mut trace_dropped = 0;
     if w.trace {
         for s in &sessions {
             for _ in 0..CLOCK_PINGS {
                 s.nop().await?;
             }
-            trace.append(&mut s.take_trace());
+            let (mut records, dropped) = s.take_trace();
+            trace.append(&mut records);
+            trace_dropped += dropped;
         }
         trace.sort_by_key(|r| r.at_ns);
     }
@@ -483,6 +489,7 @@ pub async fn run_many(
         command_bytes: command_blocks * u64::from(block_size),
         resent: sessions.iter().map(|s| s.resent()).sum(),
         trace,
+        trace_dropped,
     })
 }
 
