@@ -123,6 +123,33 @@ pub const SPANS: [(Stage, Stage, &str); 9] = [
     ),
 ];
 
+/// For each span `(from, to, name)`, the percentiles of how long the commands that reached
+/// both stages took between them.
+fn span_percentiles(
+    commands: &[&CommandLife],
+    spans: &[(Stage, Stage, &'static str)],
+) -> Vec<(&'static str, Option<Percentiles>)> {
+    spans
+        .iter()
+        .map(|&(a, b, name)| {
+            let ns = commands
+                .iter()
+                .filter_map(|c| Some(c.at(b)?.saturating_sub(c.at(a)?)))
+                .collect();
+            (name, percentiles(ns))
+        })
+        .collect()
+}
+
+/// When each command that reached `from` was between it and `to` (still there at `end` if it
+/// never reached `to`).
+fn intervals(lives: &[CommandLife], from: Stage, to: Stage, end: u64) -> Vec<(u64, u64)> {
+    lives
+        .iter()
+        .filter_map(|c| Some((c.at(from)?, c.at(to).unwrap_or(end))))
+        .collect()
+}
+
 /// Percentiles of a set of durations, microseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Percentiles {
@@ -388,16 +415,7 @@ fn initiator_side(init: &TraceFile, target: &[CommandLife]) -> InitiatorSide {
         }
     }
     let ended: Vec<&CommandLife> = lives.iter().filter(|c| c.ended()).collect();
-    let mut spans: Vec<(&'static str, Option<Percentiles>)> = INITIATOR_SPANS
-        .iter()
-        .map(|&(a, b, name)| {
-            let ns = ended
-                .iter()
-                .filter_map(|c| Some(c.at(b)?.saturating_sub(c.at(a)?)))
-                .collect();
-            (name, percentiles(ns))
-        })
-        .collect();
+    let mut spans = span_percentiles(&ended, &INITIATOR_SPANS);
     // The same command at the target: its arrival between the initiator's send and status.
     let mut at_target: HashMap<(u64, u32), Vec<&CommandLife>> = HashMap::new();
     for t in target {
@@ -431,12 +449,7 @@ fn initiator_side(init: &TraceFile, target: &[CommandLife]) -> InitiatorSide {
         .collect();
     let t0 = all.iter().copied().min().unwrap_or(0);
     let t1 = all.iter().copied().max().unwrap_or(0);
-    let layer = |from: Stage, to: Stage| -> Vec<(u64, u64)> {
-        lives
-            .iter()
-            .filter_map(|c| Some((c.at(from)?, c.at(to).unwrap_or(t1))))
-            .collect()
-    };
+    let layer = |from, to| intervals(&lives, from, to, t1);
     InitiatorSide {
         commands: lives.len(),
         waited: lives
@@ -474,22 +487,8 @@ pub fn report(target: &TraceFile, initiator: Option<&TraceFile>, estimate: bool)
     let ended: Vec<&CommandLife> = lives.iter().filter(|c| c.ended()).collect();
     let t0 = target.records.iter().map(|r| r.at_ns).min().unwrap_or(0);
     let t1 = target.records.iter().map(|r| r.at_ns).max().unwrap_or(0);
-    let spans = SPANS
-        .iter()
-        .map(|&(a, b, name)| {
-            let ns = ended
-                .iter()
-                .filter_map(|c| Some(c.at(b)?.saturating_sub(c.at(a)?)))
-                .collect();
-            (name, percentiles(ns))
-        })
-        .collect::<Vec<_>>();
-    let layer = |from: Stage, to: Stage| -> Vec<(u64, u64)> {
-        lives
-            .iter()
-            .filter_map(|c| Some((c.at(from)?, c.at(to).unwrap_or(t1))))
-            .collect()
-    };
+    let spans = span_percentiles(&ended, &SPANS);
+    let layer = |from, to| intervals(&lives, from, to, t1);
     let in_flight = [
         (
             "target",
