@@ -10,6 +10,7 @@
 //! - [`FileBackend`]: a regular file or block device, thin through hole punching.
 //! - [`MemoryBackend`]: a thin RAM disk.
 //! - [`NullBackend`]: reads zeros, discards writes.
+//! - [`rbd::RbdBackend`] (feature `rbd`): a Ceph RBD image on librbd's asynchronous API.
 //!
 //! [`AnyBackend`] is whichever of the three a logical unit's config names; [`Faulty`] wraps any
 //! backend to fail chosen operations as a failing disk would.
@@ -20,6 +21,8 @@ pub mod fault;
 pub mod file;
 mod immediate;
 mod pool;
+#[cfg(feature = "rbd")]
+pub mod rbd;
 
 pub use arena::{Alloc, Arena, ArenaConfig, ArenaError, Buffer, HugePages, Share, ShareAlloc};
 pub use engine::{Engine, EngineChoice, EngineConfig, EngineKind, FileBackend, UringSupport};
@@ -40,6 +43,9 @@ pub enum AnyBackend {
     SharedMemory(SharedMemoryBackend),
     /// Zeros in, nothing out.
     Null(NullBackend),
+    /// A Ceph RBD image.
+    #[cfg(feature = "rbd")]
+    Rbd(rbd::RbdBackend),
 }
 
 impl AnyBackend {
@@ -50,6 +56,8 @@ impl AnyBackend {
             AnyBackend::Memory(m) => m.block_size(),
             AnyBackend::SharedMemory(m) => m.block_size(),
             AnyBackend::Null(n) => n.block_size(),
+            #[cfg(feature = "rbd")]
+            AnyBackend::Rbd(r) => r.block_size(),
         }
     }
 
@@ -60,6 +68,8 @@ impl AnyBackend {
             AnyBackend::Memory(m) => m.blocks(),
             AnyBackend::SharedMemory(m) => m.blocks(),
             AnyBackend::Null(n) => n.blocks(),
+            #[cfg(feature = "rbd")]
+            AnyBackend::Rbd(r) => r.blocks(),
         }
     }
 }
@@ -73,6 +83,8 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(m) => m.submit(token, op, buf),
             AnyBackend::SharedMemory(m) => m.submit(token, op, buf),
             AnyBackend::Null(n) => n.submit(token, op, buf),
+            #[cfg(feature = "rbd")]
+            AnyBackend::Rbd(r) => r.submit(token, op, buf),
         }
     }
 
@@ -82,6 +94,8 @@ impl Backend for AnyBackend {
             AnyBackend::Memory(m) => m.poll_completion(),
             AnyBackend::SharedMemory(m) => m.poll_completion(),
             AnyBackend::Null(n) => n.poll_completion(),
+            #[cfg(feature = "rbd")]
+            AnyBackend::Rbd(r) => r.poll_completion(),
         }
     }
 }

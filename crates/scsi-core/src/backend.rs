@@ -183,6 +183,14 @@ pub enum BackendError {
     /// The backend cannot do this operation: ILLEGAL REQUEST / INVALID COMMAND OPERATION CODE.
     #[error("operation not supported by this backend")]
     Unsupported,
+    /// The storage did not answer in time, or is unreachable for now (a networked backend
+    /// whose cluster is down): NOT READY / LOGICAL UNIT IS IN PROCESS OF BECOMING READY, which
+    /// initiators retry (Linux's SCSI midlayer does, without failing the path).
+    #[error("storage unavailable")]
+    Unavailable,
+    /// The storage refuses writes (a read-only image): DATA PROTECT / WRITE PROTECTED.
+    #[error("write protected")]
+    WriteProtected,
     /// Anything else: HARDWARE ERROR / INTERNAL TARGET FAILURE.
     #[error("internal target failure")]
     Internal,
@@ -205,6 +213,8 @@ impl From<BackendError> for Sense {
             ),
             BackendError::Miscompare { offset } => Sense::miscompare(offset),
             BackendError::Unsupported => Sense::invalid_opcode(),
+            BackendError::Unavailable => Sense::new(SenseKey::NotReady, Asc::BECOMING_READY),
+            BackendError::WriteProtected => Sense::new(SenseKey::DataProtect, Asc::WRITE_PROTECTED),
             BackendError::Internal => {
                 Sense::new(SenseKey::HardwareError, Asc::INTERNAL_TARGET_FAILURE)
             }

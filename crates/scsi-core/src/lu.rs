@@ -73,6 +73,9 @@ pub struct Limits {
     pub max_transfer: u32,
     /// OPTIMAL TRANSFER LENGTH.
     pub optimal_transfer: u32,
+    /// OPTIMAL TRANSFER LENGTH GRANULARITY: transfers in multiples of this many blocks, from
+    /// a multiple of it, suit the storage best (an RBD image's object size).
+    pub optimal_granularity: u16,
     /// MAXIMUM COMPARE AND WRITE LENGTH (at most 255).
     pub max_compare_and_write: u8,
     /// MAXIMUM UNMAP LBA COUNT.
@@ -90,6 +93,7 @@ impl Default for Limits {
         Limits {
             max_transfer: 8192,
             optimal_transfer: 256,
+            optimal_granularity: 1,
             max_compare_and_write: 255,
             max_unmap_blocks: 1 << 20,
             max_unmap_descriptors: 256,

@@ -129,7 +129,7 @@ fn block_limits(lu: &LogicalUnit) -> Vec<u8> {
     let mut b = vec![0u8; 0x3c];
     b[0] = 0x01; // WSNZ: WRITE SAME with zero blocks is refused.
     b[1] = l.max_compare_and_write;
-    b[2..4].copy_from_slice(&1u16.to_be_bytes()); // OPTIMAL TRANSFER LENGTH GRANULARITY.
+    b[2..4].copy_from_slice(&l.optimal_granularity.max(1).to_be_bytes());
     b[4..8].copy_from_slice(&l.max_transfer.to_be_bytes());
     b[8..12].copy_from_slice(&l.optimal_transfer.to_be_bytes());
     b[12..16].copy_from_slice(&l.max_transfer.to_be_bytes()); // MAXIMUM PREFETCH LENGTH.

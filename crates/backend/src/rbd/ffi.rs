@@ -1,0 +1,190 @@
+//! The part of librados' and librbd's C API (Ceph 16.2, `librados.h` and `librbd.h` of Debian's
+//! librados-dev and librbd-dev) that the RBD backend calls, declared by hand from those headers:
+//! thirty-odd functions need no bindgen (and no libclang) at build time. Every signature below
+//! was checked against the header it names; the handle types are the headers' `void *`.
+
+#![allow(non_camel_case_types)]
+
+use std::os::raw::{c_char, c_int, c_void};
+
+/// `rados_t`: a cluster handle.
+pub type rados_t = *mut c_void;
+/// `rados_ioctx_t`: a pool (and namespace) I/O context.
+pub type rados_ioctx_t = *mut c_void;
+/// `rbd_image_t`: an open image.
+pub type rbd_image_t = *mut c_void;
+/// `rbd_completion_t`: an asynchronous operation's completion.
+pub type rbd_completion_t = *mut c_void;
+/// `rbd_callback_t`: called on a librbd thread when an operation completes.
+pub type rbd_callback_t = Option<unsafe extern "C" fn(cb: rbd_completion_t, arg: *mut c_void)>;
+/// `rbd_update_callback_t`: called on a librbd thread when the image's header changes.
+pub type rbd_update_callback_t = Option<unsafe extern "C" fn(arg: *mut c_void)>;
+/// The `rbd_diff_iterate2` callback: (offset, length, exists, arg).
+pub type rbd_diff_callback_t =
+    Option<unsafe extern "C" fn(off: u64, len: usize, exists: c_int, arg: *mut c_void) -> c_int>;
+
+/// `librbd_progress_fn_t`: (offset, total, arg); librbd calls it without checking for NULL.
+pub type librbd_progress_fn_t =
+    Option<unsafe extern "C" fn(offset: u64, total: u64, arg: *mut c_void) -> c_int>;
+
+/// `RBD_MAX_BLOCK_NAME_SIZE` and `RBD_MAX_IMAGE_NAME_SIZE` of librbd.h.
+pub const RBD_MAX_BLOCK_NAME_SIZE: usize = 24;
+/// See [`RBD_MAX_BLOCK_NAME_SIZE`].
+pub const RBD_MAX_IMAGE_NAME_SIZE: usize = 96;
+
+/// `rbd_image_info_t`.
+#[repr(C)]
+pub struct rbd_image_info_t {
+    pub size: u64,
+    pub obj_size: u64,
+    pub num_objs: u64,
+    pub order: c_int,
+    pub block_name_prefix: [c_char; RBD_MAX_BLOCK_NAME_SIZE],
+    pub parent_pool: i64,
+    pub parent_name: [c_char; RBD_MAX_IMAGE_NAME_SIZE],
+}
+
+/// `LIBRADOS_OP_FLAG_FADVISE_FUA`: librbd writes this I/O through its cache.
+pub const LIBRADOS_OP_FLAG_FADVISE_FUA: c_int = 0x80;
+
+/// Feature bits of `rbd/features.h`.
+pub const RBD_FEATURE_EXCLUSIVE_LOCK: u64 = 1 << 2;
+/// See [`RBD_FEATURE_EXCLUSIVE_LOCK`].
+pub const RBD_FEATURE_OBJECT_MAP: u64 = 1 << 3;
+/// See [`RBD_FEATURE_EXCLUSIVE_LOCK`].
+pub const RBD_FEATURE_FAST_DIFF: u64 = 1 << 4;
+
+#[link(name = "rados")]
+unsafe extern "C" {
+    pub fn rados_create(cluster: *mut rados_t, id: *const c_char) -> c_int;
+    pub fn rados_conf_read_file(cluster: rados_t, path: *const c_char) -> c_int;
+    pub fn rados_conf_set(cluster: rados_t, option: *const c_char, value: *const c_char) -> c_int;
+    pub fn rados_connect(cluster: rados_t) -> c_int;
+    pub fn rados_shutdown(cluster: rados_t);
+    pub fn rados_get_instance_id(cluster: rados_t) -> u64;
+    pub fn rados_ioctx_create(
+        cluster: rados_t,
+        pool_name: *const c_char,
+        ioctx: *mut rados_ioctx_t,
+    ) -> c_int;
+    pub fn rados_ioctx_destroy(io: rados_ioctx_t);
+    pub fn rados_ioctx_set_namespace(io: rados_ioctx_t, nspace: *const c_char);
+}
+
+#[link(name = "rbd")]
+unsafe extern "C" {
+    pub fn rbd_version(major: *mut c_int, minor: *mut c_int, extra: *mut c_int);
+    pub fn rbd_create(
+        io: rados_ioctx_t,
+        name: *const c_char,
+        size: u64,
+        order: *mut c_int,
+    ) -> c_int;
+    pub fn rbd_open(
+        io: rados_ioctx_t,
+        name: *const c_char,
+        image: *mut rbd_image_t,
+        snap_name: *const c_char,
+    ) -> c_int;
+    pub fn rbd_open_read_only(
+        io: rados_ioctx_t,
+        name: *const c_char,
+        image: *mut rbd_image_t,
+        snap_name: *const c_char,
+    ) -> c_int;
+    pub fn rbd_close(image: rbd_image_t) -> c_int;
+    pub fn rbd_resize2(
+        image: rbd_image_t,
+        size: u64,
+        allow_shrink: bool,
+        cb: librbd_progress_fn_t,
+        cbdata: *mut c_void,
+    ) -> c_int;
+    pub fn rbd_stat(image: rbd_image_t, info: *mut rbd_image_info_t, infosize: usize) -> c_int;
+    pub fn rbd_get_size(image: rbd_image_t, size: *mut u64) -> c_int;
+    pub fn rbd_get_features(image: rbd_image_t, features: *mut u64) -> c_int;
+    pub fn rbd_update_watch(
+        image: rbd_image_t,
+        handle: *mut u64,
+        watch_cb: rbd_update_callback_t,
+        arg: *mut c_void,
+    ) -> c_int;
+    pub fn rbd_update_unwatch(image: rbd_image_t, handle: u64) -> c_int;
+    pub fn rbd_diff_iterate2(
+        image: rbd_image_t,
+        fromsnapname: *const c_char,
+        ofs: u64,
+        len: u64,
+        include_parent: u8,
+        whole_object: u8,
+        cb: rbd_diff_callback_t,
+        arg: *mut c_void,
+    ) -> c_int;
+    pub fn rbd_read2(
+        image: rbd_image_t,
+        ofs: u64,
+        len: usize,
+        buf: *mut c_char,
+        op_flags: c_int,
+    ) -> isize;
+    pub fn rbd_write2(
+        image: rbd_image_t,
+        ofs: u64,
+        len: usize,
+        buf: *const c_char,
+        op_flags: c_int,
+    ) -> isize;
+
+    pub fn rbd_aio_create_completion(
+        cb_arg: *mut c_void,
+        complete_cb: rbd_callback_t,
+        c: *mut rbd_completion_t,
+    ) -> c_int;
+    pub fn rbd_aio_get_return_value(c: rbd_completion_t) -> isize;
+    pub fn rbd_aio_release(c: rbd_completion_t);
+    pub fn rbd_aio_read2(
+        image: rbd_image_t,
+        off: u64,
+        len: usize,
+        buf: *mut c_char,
+        c: rbd_completion_t,
+        op_flags: c_int,
+    ) -> c_int;
+    pub fn rbd_aio_write2(
+        image: rbd_image_t,
+        off: u64,
+        len: usize,
+        buf: *const c_char,
+        c: rbd_completion_t,
+        op_flags: c_int,
+    ) -> c_int;
+    pub fn rbd_aio_discard(image: rbd_image_t, off: u64, len: u64, c: rbd_completion_t) -> c_int;
+    pub fn rbd_aio_writesame(
+        image: rbd_image_t,
+        off: u64,
+        len: usize,
+        buf: *const c_char,
+        data_len: usize,
+        c: rbd_completion_t,
+        op_flags: c_int,
+    ) -> c_int;
+    pub fn rbd_aio_write_zeroes(
+        image: rbd_image_t,
+        off: u64,
+        len: usize,
+        c: rbd_completion_t,
+        zero_flags: c_int,
+        op_flags: c_int,
+    ) -> c_int;
+    pub fn rbd_aio_compare_and_write(
+        image: rbd_image_t,
+        off: u64,
+        len: usize,
+        cmp_buf: *const c_char,
+        buf: *const c_char,
+        c: rbd_completion_t,
+        mismatch_off: *mut u64,
+        op_flags: c_int,
+    ) -> isize;
+    pub fn rbd_aio_flush(image: rbd_image_t, c: rbd_completion_t) -> c_int;
+}
