@@ -388,10 +388,37 @@ fn luns(registry: &Registry, target: Option<&str>) -> Result<Value, String> {
                 "write_cache": c.write_cache,
                 "read_only": c.read_only,
                 "faults": lun.faults.armed(),
+                "rbd": rbd_json(&lun),
             }));
         }
     }
     Ok(Value::Array(out))
+}
+
+/// An RBD unit's image and librbd's figures for it; null for other storage.
+fn rbd_json(lun: &crate::target::Lun) -> Value {
+    match &lun.storage {
+        #[cfg(feature = "rbd")]
+        crate::target::Storage::Rbd(image) => {
+            let s = image.stats();
+            let spec = image.spec();
+            json!({
+                "pool": spec.pool,
+                "namespace": spec.namespace,
+                "image": spec.image,
+                "object_size": image.object_size(),
+                "in_flight": s.in_flight.load(Relaxed),
+                "completed": s.completed.load(Relaxed),
+                "latency_ns_total": s.latency_ns.load(Relaxed),
+                "unavailable": s.unavailable.load(Relaxed),
+                "errors": s.errors.load(Relaxed),
+            })
+        }
+        _ => {
+            let _ = lun;
+            Value::Null
+        }
+    }
 }
 
 /// Every session: iSCSI sessions with their connections, then SRP I_T nexuses with their
@@ -622,6 +649,7 @@ pub fn metrics_text(registry: &Registry) -> String {
             t.core_acquisitions()
         );
     }
+    rbd_metrics(&mut m, registry);
     let rows = stats(registry);
     for (name, help) in counters {
         let _ = writeln!(m, "# HELP targetd_lun_{name}_total {help}");
@@ -637,6 +665,53 @@ pub fn metrics_text(registry: &Registry) -> String {
         }
     }
     m
+}
+
+/// librbd's figures per RBD unit: in flight now, completed, their summed latency, and those
+/// that failed because the cluster did not answer in time or otherwise.
+fn rbd_metrics(m: &mut String, registry: &Registry) {
+    use std::fmt::Write as _;
+    let mut rows = Vec::new();
+    for t in registry.targets() {
+        for lun in t.lun_list() {
+            let v = rbd_json(&lun);
+            if !v.is_null() {
+                rows.push((t.name.clone(), lun.config.lun, v));
+            }
+        }
+    }
+    if rows.is_empty() {
+        return;
+    }
+    for (name, kind, help, field) in [
+        ("targetd_rbd_in_flight", "gauge", "operations librbd has not completed", "in_flight"),
+        ("targetd_rbd_operations_total", "counter", "operations librbd completed", "completed"),
+        (
+            "targetd_rbd_latency_ns_total",
+            "counter",
+            "sum of librbd operation latencies",
+            "latency_ns_total",
+        ),
+        (
+            "targetd_rbd_unavailable_total",
+            "counter",
+            "operations failed retryably: the cluster did not answer within ceph_timeout",
+            "unavailable",
+        ),
+        ("targetd_rbd_errors_total", "counter", "operations failed otherwise", "errors"),
+    ] {
+        let _ = writeln!(m, "# HELP {name} {help}");
+        let _ = writeln!(m, "# TYPE {name} {kind}");
+        for (target, lun, v) in &rows {
+            let _ = writeln!(
+                m,
+                "{name}{{target=\"{target}\",lun=\"{lun}\",pool=\"{}\",image=\"{}\"}} {}",
+                v["pool"].as_str().unwrap_or_default(),
+                v["image"].as_str().unwrap_or_default(),
+                v[field]
+            );
+        }
+    }
 }
 
 /// Serves `GET /metrics` (any path, in fact) on the metrics listener.

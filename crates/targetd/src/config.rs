@@ -266,7 +266,8 @@ impl std::fmt::Debug for Chap {
 pub struct Lun {
     /// LUN number, 0..=16383.
     pub lun: u16,
-    /// "file", "memory" or "null".
+    /// "file", "memory", "null" or "rbd" (a Ceph RBD image; targetd built with the feature
+    /// `rbd`).
     pub backend: String,
     /// Backing file or block device (file backend).
     #[serde(default)]
@@ -304,7 +305,65 @@ pub struct Lun {
     #[serde(default)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub optimal_transfer_length: Option<Size>,
+    /// rbd: the pool holding the image.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    /// rbd: the RADOS namespace within the pool; none when absent.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// rbd: the image's name; created at `size` when it does not exist (an existing image is
+    /// never resized to `size`).
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+    /// rbd: the cluster's ceph.conf; librados' default search (CEPH_CONF,
+    /// /etc/ceph/ceph.conf) when absent.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ceph_conf: Option<PathBuf>,
+    /// rbd: the cephx id, without "client." ("admin" when absent).
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client: Option<String>,
+    /// rbd: the keyring with the client's key; the ceph.conf's keyring when absent.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keyring: Option<PathBuf>,
+    /// rbd: seconds a monitor or OSD may take to answer. A command whose I/O the cluster does
+    /// not answer in time ends with NOT READY, LOGICAL UNIT IS IN PROCESS OF BECOMING READY,
+    /// which initiators retry; targetd's start and `lun add` give up on an absent cluster
+    /// after this long. Keep it below the initiator's command timeout (Linux: 30 s).
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ceph_timeout: Option<u64>,
 }
+
+/// The keys of a `[[targets.luns]]` table.
+pub const LUN_KEYS: &[&str] = &[
+    "lun",
+    "backend",
+    "path",
+    "size",
+    "block_size",
+    "thin",
+    "write_cache",
+    "read_only",
+    "direct",
+    "max_transfer_length",
+    "optimal_transfer_length",
+    "pool",
+    "namespace",
+    "image",
+    "ceph_conf",
+    "client",
+    "keyring",
+    "ceph_timeout",
+];
+
+/// How long a Ceph cluster may take to answer when `ceph_timeout` is not set, seconds.
+pub const DEFAULT_CEPH_TIMEOUT: u64 = 20;
 
 /// OPTIMAL TRANSFER LENGTH when the config sets none, bytes.
 pub const DEFAULT_OPTIMAL_TRANSFER: u64 = 1 << 20;
@@ -642,7 +701,84 @@ impl Config {
                         );
                     }
                 }
+                let rbd_keys = [
+                    ("pool", lun.pool.is_some()),
+                    ("namespace", lun.namespace.is_some()),
+                    ("image", lun.image.is_some()),
+                    ("ceph_conf", lun.ceph_conf.is_some()),
+                    ("client", lun.client.is_some()),
+                    ("keyring", lun.keyring.is_some()),
+                    ("ceph_timeout", lun.ceph_timeout.is_some()),
+                ];
+                if lun.backend != "rbd" {
+                    if let Some((k, _)) = rbd_keys.iter().find(|(_, set)| *set) {
+                        return fail(
+                            &key(k),
+                            format!("only the rbd backend has {k} (this LUN is {})", lun.backend),
+                        );
+                    }
+                }
                 match lun.backend.as_str() {
+                    "rbd" => {
+                        if !cfg!(feature = "rbd") {
+                            return fail(
+                                &key("backend"),
+                                "\"rbd\": this targetd was built without the feature rbd \
+                                 (cargo build --release --features rbd; needs librbd-dev)"
+                                    .into(),
+                            );
+                        }
+                        if lun.path.is_some() {
+                            return fail(&key("path"), "the rbd backend has no path: it names pool and image".into());
+                        }
+                        if lun.direct {
+                            return fail(&key("direct"), "the rbd backend has no page cache to bypass".into());
+                        }
+                        for (k, v) in [
+                            ("pool", &lun.pool),
+                            ("image", &lun.image),
+                            ("namespace", &lun.namespace),
+                            ("client", &lun.client),
+                        ] {
+                            match v {
+                                None if k == "pool" || k == "image" => {
+                                    return fail(&key(k), format!("the rbd backend needs {k}"));
+                                }
+                                Some(v) if v.is_empty() || v.contains(['/', '@', '\0']) || v.trim() != v => {
+                                    return fail(
+                                        &key(k),
+                                        format!("{v:?}: must be a non-empty name without '/', '@' or spaces at either end"),
+                                    );
+                                }
+                                _ => {}
+                            }
+                        }
+                        if let Some(c) = &lun.client {
+                            if c.starts_with("client.") {
+                                return fail(
+                                    &key("client"),
+                                    format!("{c:?}: give the cephx id without \"client.\""),
+                                );
+                            }
+                        }
+                        if let Some(t) = lun.ceph_timeout {
+                            if !(1..=3600).contains(&t) {
+                                return fail(&key("ceph_timeout"), format!("{t}: must be 1 to 3600 seconds"));
+                            }
+                        }
+                        let spec = format!(
+                            "rbd:{}/{}/{}",
+                            lun.pool.as_deref().unwrap_or_default(),
+                            lun.namespace.as_deref().unwrap_or_default(),
+                            lun.image.as_deref().unwrap_or_default()
+                        );
+                        if !paths.insert(PathBuf::from(&spec)) {
+                            return fail(
+                                &key("image"),
+                                format!("{} backs another LUN already", &spec[4..]),
+                            );
+                        }
+                    }
                     "file" => {
                         let Some(path) = &lun.path else {
                             return fail(&key("path"), "the file backend needs a path".into());
@@ -671,7 +807,9 @@ impl Config {
                     other => {
                         return fail(
                             &key("backend"),
-                            format!("{other:?}: expected \"file\", \"memory\" or \"null\""),
+                            format!(
+                                "{other:?}: expected \"file\", \"memory\", \"null\" or \"rbd\""
+                            ),
                         )
                     }
                 }

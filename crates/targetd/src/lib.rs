@@ -5,13 +5,16 @@
 //! - [`registry`]: the targets, sessions and connections every part shares, the login policy
 //!   and reloads; [`server`]: listeners, reactors and drain; [`reactor`]: one thread per core
 //!   with its own io_uring engine and buffer arena.
-//! - [`target`]: a target's SCSI device (crates/scsi-core) and logical units (crates/backend).
+//! - [`target`]: a target's SCSI device (crates/scsi-core) and logical units (crates/backend);
+//!   `rbd` (feature `rbd`): units on Ceph RBD images.
 //! - [`iscsi`]: login, discovery, sessions and the full feature phase over TCP.
 //! - [`admin`]: the `targetctl` socket and the Prometheus endpoint.
 
 pub mod admin;
 pub mod config;
 pub mod iscsi;
+#[cfg(feature = "rbd")]
+pub mod rbd;
 pub mod reactor;
 pub mod registry;
 pub mod server;

@@ -155,6 +155,15 @@ impl Io {
                 AnyBackend::SharedMemory(Immediate::new(m.clone(), lun.block_size, lun.blocks))
             }
             Storage::Null => AnyBackend::Null(NullBackend::null(lun.block_size, lun.blocks)),
+            #[cfg(feature = "rbd")]
+            Storage::Rbd(image) => AnyBackend::Rbd(
+                backend::rbd::RbdBackend::new(
+                    image.clone(),
+                    lun.block_size,
+                    self.engine.event_fd(),
+                )
+                .map_err(|e| e.to_string())?,
+            ),
         };
         Ok(Faulty::new(backend, lun.faults.clone()))
     }

@@ -326,7 +326,7 @@ impl Registry {
                 // A changed state_dir takes effect at the next start, for every target alike.
                 let t = Target::new(nt, old.server.state_dir.as_deref())
                     .map_err(|(k, r)| format!("target {} {k}: {r}", nt.name))?;
-                targets.push(Arc::new(t));
+                targets.push(t);
                 changes.push(format!("target {} added", nt.name));
                 continue;
             };

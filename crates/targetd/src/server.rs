@@ -52,9 +52,13 @@ impl Server {
                     .iter()
                     .position(|l| format!("lun {}", l.lun) == k)
                     .unwrap_or(0);
-                fail(format!("targets[{i}].luns[{l}]"), r)
+                // A reason about one key of the LUN starts with it ("pool: ...").
+                match r.split_once(": ").filter(|(f, _)| crate::config::LUN_KEYS.contains(f)) {
+                    Some((f, reason)) => fail(format!("targets[{i}].luns[{l}].{f}"), reason.into()),
+                    None => fail(format!("targets[{i}].luns[{l}]"), r),
+                }
             })?;
-            targets.push(Arc::new(target));
+            targets.push(target);
         }
         let mut listeners = Vec::new();
         let mut portals = Vec::new();

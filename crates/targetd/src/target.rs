@@ -281,6 +281,9 @@ pub enum Storage {
     Memory(Arc<Mutex<scsi_core::MemoryBackend>>),
     /// Reads zeros, discards writes.
     Null,
+    /// A Ceph RBD image, one handle for all reactors.
+    #[cfg(feature = "rbd")]
+    Rbd(Arc<backend::rbd::Image>),
 }
 
 /// A logical unit: its config, its storage and its counters. Replaced as a whole when it
@@ -334,6 +337,23 @@ impl Lun {
                 let m = scsi_core::MemoryBackend::new(bs, blocks);
                 (Storage::Memory(Arc::new(Mutex::new(m))), blocks)
             }
+            #[cfg(feature = "rbd")]
+            "rbd" => {
+                let image = crate::rbd::open(config)?;
+                let bytes = image
+                    .size()
+                    .map_err(|e| format!("{}: {e}", e.key()))?;
+                if let Some(size) = size.filter(|&s| s != bytes) {
+                    tracing::info!(
+                        image = %image.spec(),
+                        configured = size,
+                        actual = bytes,
+                        "the image exists at another size than configured: served at its own \
+                         size (targetctl lun resize changes it)"
+                    );
+                }
+                (Storage::Rbd(image), bytes / u64::from(bs))
+            }
             _ => (Storage::Null, size.unwrap_or(0) / u64::from(bs)),
         };
         Ok(Lun {
@@ -351,14 +371,19 @@ impl Lun {
     /// LUN and the backing path, so it is stable across restarts and unique per unit.
     pub fn logical_unit(&self, target: &str) -> LogicalUnit {
         let c = &self.config;
-        let key = format!(
-            "{target}/{}/{}",
-            c.lun,
-            c.path
-                .as_ref()
-                .map(|p| p.display().to_string())
-                .unwrap_or_default()
-        );
+        let key = match &self.storage {
+            // The image alone: every gateway exporting it names the unit alike.
+            #[cfg(feature = "rbd")]
+            Storage::Rbd(image) => format!("rbd:{}", image.spec()),
+            _ => format!(
+                "{target}/{}/{}",
+                c.lun,
+                c.path
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default()
+            ),
+        };
         LogicalUnit {
             identity: Identity::new(
                 "TARGETD",
@@ -375,10 +400,15 @@ impl Lun {
             },
             limits: {
                 let (max_transfer, optimal_transfer) = c.transfer_lengths();
-                Limits {
+                let limits = Limits {
                     max_transfer,
                     optimal_transfer,
                     ..Limits::default()
+                };
+                match &self.storage {
+                    #[cfg(feature = "rbd")]
+                    Storage::Rbd(image) => crate::rbd::limits(image, self.block_size, limits),
+                    _ => limits,
                 }
             },
         }
@@ -403,6 +433,12 @@ pub struct Target {
     /// Whether the last holder of `core` left something waiting for a retirement: a
     /// connection that queues one then takes the lock to apply the queue.
     awaiting: AtomicBool,
+    /// Itself, for storage that calls back (an RBD image resized by another client).
+    #[cfg_attr(not(feature = "rbd"), allow(dead_code))]
+    this: std::sync::Weak<Target>,
+    /// Held while a unit's size changes, so a resize here and one seen through the image's
+    /// watch do not interleave.
+    resizing: Mutex<()>,
 }
 
 impl std::fmt::Debug for Target {
@@ -417,7 +453,7 @@ impl Target {
     pub fn new(
         config: &config::Target,
         state_dir: Option<&Path>,
-    ) -> Result<Target, (String, String)> {
+    ) -> Result<Arc<Target>, (String, String)> {
         let port = TargetPort::iscsi(&config.name, PORTAL_GROUP);
         let mut device = Device::new(&config.name, vec![port]);
         device.set_delegation(true);
@@ -430,7 +466,7 @@ impl Target {
             })?;
             device.set_reservation_store(Box::new(store));
         }
-        let target = Target {
+        let target = Arc::new_cyclic(|this| Target {
             id: next_id(),
             name: config.name.clone(),
             config: RwLock::new(config.clone()),
@@ -439,7 +475,9 @@ impl Target {
             acquisitions: AtomicU64::new(0),
             retired: Retirements::new(RETIREMENTS),
             awaiting: AtomicBool::new(false),
-        };
+            this: this.clone(),
+            resizing: Mutex::new(()),
+        });
         for lun in &config.luns {
             target
                 .add_lun(lun, Arc::default())
@@ -529,6 +567,10 @@ impl Target {
     /// Opens and adds a logical unit.
     pub fn add_lun(&self, config: &config::Lun, stats: Arc<LunStats>) -> Result<(), String> {
         let lun = Lun::open(config, stats)?;
+        #[cfg(feature = "rbd")]
+        if let Storage::Rbd(image) = &lun.storage {
+            crate::rbd::watch_capacity(image, self.this.clone(), config.lun)?;
+        }
         let unit = lun.logical_unit(&self.name);
         self.core()
             .device
@@ -559,6 +601,7 @@ impl Target {
     /// Changes a unit's size (a file grows or shrinks); initiators get CAPACITY DATA HAS
     /// CHANGED.
     pub fn resize_lun(&self, index: u16, bytes: u64) -> Result<(), String> {
+        let _resizing = self.resizing.lock().unwrap_or_else(PoisonError::into_inner);
         let old = self.lun(index).ok_or(format!("no LUN {index}"))?;
         let bs = u64::from(old.block_size);
         if bytes == 0 || bytes % bs != 0 {
@@ -602,6 +645,13 @@ impl Target {
                 Storage::Memory(Arc::new(Mutex::new(fresh)))
             }
             Storage::Null => Storage::Null,
+            #[cfg(feature = "rbd")]
+            Storage::Rbd(image) => {
+                image
+                    .resize(bytes, true)
+                    .map_err(|e| e.to_string())?;
+                Storage::Rbd(image.clone())
+            }
         };
         let lun = Lun {
             id: next_id(),
@@ -620,6 +670,48 @@ impl Target {
             .device
             .resize_lu(index, blocks)
             .map_err(|e| e.to_string())
+    }
+
+    /// The storage of unit `index` says its size is now `bytes` (an RBD image resized by
+    /// another client): the unit takes that size, and initiators get CAPACITY DATA HAS
+    /// CHANGED. Nothing happens when the unit has that size already.
+    #[cfg(feature = "rbd")]
+    pub fn capacity_changed(&self, index: u16, bytes: u64) {
+        let _resizing = self.resizing.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(old) = self.lun(index) else { return };
+        let blocks = bytes / u64::from(old.block_size);
+        if blocks == old.blocks {
+            return;
+        }
+        tracing::info!(
+            target = %self.name,
+            lun = index,
+            from = old.blocks,
+            to = blocks,
+            "the unit's storage was resized elsewhere"
+        );
+        let mut config = old.config.clone();
+        config.size = Some(config::Size(blocks * u64::from(old.block_size)));
+        let storage = match &old.storage {
+            Storage::Rbd(image) => Storage::Rbd(image.clone()),
+            _ => return,
+        };
+        let lun = Lun {
+            id: next_id(),
+            config,
+            block_size: old.block_size,
+            blocks,
+            storage,
+            stats: old.stats.clone(),
+            faults: old.faults.clone(),
+        };
+        self.luns
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(index, Arc::new(lun));
+        if let Err(e) = self.core().device.resize_lu(index, blocks) {
+            tracing::warn!(target = %self.name, lun = index, "cannot resize: {e}");
+        }
     }
 
     /// Whether `initiator` connecting from `addr` may log in.

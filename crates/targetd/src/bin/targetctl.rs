@@ -87,6 +87,12 @@ enum TraceAction {
     Stop,
 }
 
+/// A path as the caller means it: relative paths resolve against targetctl's working
+/// directory, not the daemon's.
+fn absolute(p: PathBuf) -> anyhow::Result<PathBuf> {
+    Ok(std::path::absolute(&p)?)
+}
+
 /// A duration like 10s, 500ms, 2m or 1h.
 fn parse_duration(s: &str) -> anyhow::Result<Duration> {
     let (n, unit) = s.split_at(s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len()));
@@ -114,7 +120,7 @@ enum LunAction {
         target: String,
         /// The LUN.
         lun: u16,
-        /// file, memory or null.
+        /// file, memory, null or rbd.
         #[arg(long, default_value = "file")]
         backend: String,
         /// The backing file (file backend).
@@ -142,6 +148,27 @@ enum LunAction {
         /// command.
         #[arg(long)]
         optimal_transfer_length: Option<String>,
+        /// rbd: the pool.
+        #[arg(long)]
+        pool: Option<String>,
+        /// rbd: the RADOS namespace in the pool.
+        #[arg(long)]
+        namespace: Option<String>,
+        /// rbd: the image (created at --size when missing).
+        #[arg(long)]
+        image: Option<String>,
+        /// rbd: the cluster's ceph.conf (default: librados' search).
+        #[arg(long)]
+        ceph_conf: Option<PathBuf>,
+        /// rbd: the cephx id, without "client." (default admin).
+        #[arg(long)]
+        client: Option<String>,
+        /// rbd: the keyring with the client's key.
+        #[arg(long)]
+        keyring: Option<PathBuf>,
+        /// rbd: seconds the cluster may take to answer (default 20).
+        #[arg(long)]
+        ceph_timeout: Option<u64>,
     },
     /// Removes a logical unit; its commands are aborted.
     Remove {
@@ -305,6 +332,13 @@ fn run(args: Args) -> Result<()> {
                 read_only,
                 max_transfer_length,
                 optimal_transfer_length,
+                pool,
+                namespace,
+                image,
+                ceph_conf,
+                client,
+                keyring,
+                ceph_timeout,
             } => {
                 let size_of = |s: Option<String>| {
                     s.map(|s| config::parse_size(&s).map(config::Size))
@@ -325,6 +359,13 @@ fn run(args: Args) -> Result<()> {
                         direct: false,
                         max_transfer_length: size_of(max_transfer_length)?,
                         optimal_transfer_length: size_of(optimal_transfer_length)?,
+                        pool,
+                        namespace,
+                        image,
+                        ceph_conf: ceph_conf.map(absolute).transpose()?,
+                        client,
+                        keyring: keyring.map(absolute).transpose()?,
+                        ceph_timeout,
                     },
                 }
             }
