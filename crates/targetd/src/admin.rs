@@ -684,8 +684,18 @@ fn rbd_metrics(m: &mut String, registry: &Registry) {
         return;
     }
     for (name, kind, help, field) in [
-        ("targetd_rbd_in_flight", "gauge", "operations librbd has not completed", "in_flight"),
-        ("targetd_rbd_operations_total", "counter", "operations librbd completed", "completed"),
+        (
+            "targetd_rbd_in_flight",
+            "gauge",
+            "operations librbd has not completed",
+            "in_flight",
+        ),
+        (
+            "targetd_rbd_operations_total",
+            "counter",
+            "operations librbd completed",
+            "completed",
+        ),
         (
             "targetd_rbd_latency_ns_total",
             "counter",
@@ -698,7 +708,12 @@ fn rbd_metrics(m: &mut String, registry: &Registry) {
             "operations failed retryably: the cluster did not answer within ceph_timeout",
             "unavailable",
         ),
-        ("targetd_rbd_errors_total", "counter", "operations failed otherwise", "errors"),
+        (
+            "targetd_rbd_errors_total",
+            "counter",
+            "operations failed otherwise",
+            "errors",
+        ),
     ] {
         let _ = writeln!(m, "# HELP {name} {help}");
         let _ = writeln!(m, "# TYPE {name} {kind}");

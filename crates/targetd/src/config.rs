@@ -729,10 +729,16 @@ impl Config {
                             );
                         }
                         if lun.path.is_some() {
-                            return fail(&key("path"), "the rbd backend has no path: it names pool and image".into());
+                            return fail(
+                                &key("path"),
+                                "the rbd backend has no path: it names pool and image".into(),
+                            );
                         }
                         if lun.direct {
-                            return fail(&key("direct"), "the rbd backend has no page cache to bypass".into());
+                            return fail(
+                                &key("direct"),
+                                "the rbd backend has no page cache to bypass".into(),
+                            );
                         }
                         for (k, v) in [
                             ("pool", &lun.pool),
@@ -744,7 +750,11 @@ impl Config {
                                 None if k == "pool" || k == "image" => {
                                     return fail(&key(k), format!("the rbd backend needs {k}"));
                                 }
-                                Some(v) if v.is_empty() || v.contains(['/', '@', '\0']) || v.trim() != v => {
+                                Some(v)
+                                    if v.is_empty()
+                                        || v.contains(['/', '@', '\0'])
+                                        || v.trim() != v =>
+                                {
                                     return fail(
                                         &key(k),
                                         format!("{v:?}: must be a non-empty name without '/', '@' or spaces at either end"),
@@ -763,7 +773,10 @@ impl Config {
                         }
                         if let Some(t) = lun.ceph_timeout {
                             if !(1..=3600).contains(&t) {
-                                return fail(&key("ceph_timeout"), format!("{t}: must be 1 to 3600 seconds"));
+                                return fail(
+                                    &key("ceph_timeout"),
+                                    format!("{t}: must be 1 to 3600 seconds"),
+                                );
                             }
                         }
                         let spec = format!(

@@ -53,7 +53,10 @@ impl Server {
                     .position(|l| format!("lun {}", l.lun) == k)
                     .unwrap_or(0);
                 // A reason about one key of the LUN starts with it ("pool: ...").
-                match r.split_once(": ").filter(|(f, _)| crate::config::LUN_KEYS.contains(f)) {
+                match r
+                    .split_once(": ")
+                    .filter(|(f, _)| crate::config::LUN_KEYS.contains(f))
+                {
                     Some((f, reason)) => fail(format!("targets[{i}].luns[{l}].{f}"), reason.into()),
                     None => fail(format!("targets[{i}].luns[{l}]"), r),
                 }

@@ -340,9 +340,7 @@ impl Lun {
             #[cfg(feature = "rbd")]
             "rbd" => {
                 let image = crate::rbd::open(config)?;
-                let bytes = image
-                    .size()
-                    .map_err(|e| format!("{}: {e}", e.key()))?;
+                let bytes = image.size().map_err(|e| format!("{}: {e}", e.key()))?;
                 if let Some(size) = size.filter(|&s| s != bytes) {
                     tracing::info!(
                         image = %image.spec(),
@@ -647,9 +645,7 @@ impl Target {
             Storage::Null => Storage::Null,
             #[cfg(feature = "rbd")]
             Storage::Rbd(image) => {
-                image
-                    .resize(bytes, true)
-                    .map_err(|e| e.to_string())?;
+                image.resize(bytes, true).map_err(|e| e.to_string())?;
                 Storage::Rbd(image.clone())
             }
         };
