@@ -245,18 +245,28 @@ impl Server {
     }
 }
 
-/// Makes every file-backed unit's writes durable before exit.
+/// Makes every file-backed unit's writes durable before exit, and every RBD unit's writes
+/// still in librbd's cache.
 fn flush(registry: &Registry) {
     for t in registry.targets() {
         for lun in t.lun_list() {
-            if let crate::target::Storage::File(fc) = &lun.storage {
-                let r = std::fs::OpenOptions::new()
-                    .read(true)
-                    .open(&fc.path)
-                    .and_then(|f| f.sync_data());
-                if let Err(e) = r {
-                    tracing::error!(path = %fc.path.display(), "flush: {e}");
+            match &lun.storage {
+                crate::target::Storage::File(fc) => {
+                    let r = std::fs::OpenOptions::new()
+                        .read(true)
+                        .open(&fc.path)
+                        .and_then(|f| f.sync_data());
+                    if let Err(e) = r {
+                        tracing::error!(path = %fc.path.display(), "flush: {e}");
+                    }
                 }
+                #[cfg(feature = "rbd")]
+                crate::target::Storage::Rbd(image) => {
+                    if let Err(e) = image.flush() {
+                        tracing::error!("flush: {e}");
+                    }
+                }
+                _ => {}
             }
         }
     }

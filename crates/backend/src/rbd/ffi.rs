@@ -187,4 +187,5 @@ unsafe extern "C" {
         op_flags: c_int,
     ) -> isize;
     pub fn rbd_aio_flush(image: rbd_image_t, c: rbd_completion_t) -> c_int;
+    pub fn rbd_flush(image: rbd_image_t) -> c_int;
 }

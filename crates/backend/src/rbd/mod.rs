@@ -251,6 +251,13 @@ impl Cluster {
         if let Some(k) = &config.keyring {
             options.push(("keyring", k.display().to_string()));
         }
+        // librbd hands each request to, and each reply back through, librados' io_context
+        // threads (2 by default). On a machine of two cores, where the reactors already keep
+        // both busy, one such thread means fewer switches: measured 16% more 4 KiB reads at
+        // queue depth 32 through targetd (docs/ceph.md). Ceph's default elsewhere.
+        if std::thread::available_parallelism().map_or(1, |n| n.get()) <= 2 {
+            options.push(("librados_thread_count", "1".into()));
+        }
         for (option, value) in options {
             let (o, v) = (cstring(option), cstring(&value));
             // Safety: live, unconnected handle; both strings outlive the call.
@@ -550,6 +557,20 @@ impl Image {
             return Err(RbdError::Image {
                 spec: self.spec.to_string(),
                 what: "resize",
+                reason: errno_text(ret.into()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Writes what librbd's cache holds to the OSDs and waits for them.
+    pub fn flush(&self) -> Result<(), RbdError> {
+        // Safety: open image; blocks until the flush completes (or the op timeout).
+        let ret = unsafe { ffi::rbd_flush(self.image) };
+        if ret < 0 {
+            return Err(RbdError::Image {
+                spec: self.spec.to_string(),
+                what: "flush",
                 reason: errno_text(ret.into()),
             });
         }
