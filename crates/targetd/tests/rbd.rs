@@ -16,6 +16,9 @@
 //! (`scripts/ceph-dev-cluster.sh start DIR` writes them to DIR/env; `.ci/run` starts one).
 //! Without them these tests print why and pass; under `CI` they fail.
 #![cfg(feature = "rbd")]
+// The tests take turns with a std mutex held for each test's whole life, across its runtime's
+// awaits: a turn is between tests, not between tasks.
+#![allow(clippy::await_holding_lock)]
 
 mod common;
 

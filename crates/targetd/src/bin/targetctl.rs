@@ -26,6 +26,8 @@ struct Args {
     command: Command,
 }
 
+// Parsed once per run: the size of the largest variant (lun add's options) costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Version, uptime, portals, engine and counts.
@@ -112,6 +114,7 @@ fn parse_duration(s: &str) -> anyhow::Result<Duration> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum LunAction {
     /// Adds a logical unit to a target.
