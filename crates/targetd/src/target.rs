@@ -567,7 +567,15 @@ impl Target {
         let lun = Lun::open(config, stats)?;
         #[cfg(feature = "rbd")]
         if let Storage::Rbd(image) = &lun.storage {
-            crate::rbd::watch_capacity(image, self.this.clone(), config.lun)?;
+            match crate::rbd::watch_capacity(image, self.this.clone(), config.lun) {
+                Ok(()) => {}
+                // An image opened read-only has no watch on its header: its size is the one
+                // it had when opened.
+                Err(e) if image.read_only() => {
+                    tracing::warn!(image = %image.spec(), "resizes made elsewhere go unseen: {e}")
+                }
+                Err(e) => return Err(e),
+            }
         }
         let unit = lun.logical_unit(&self.name);
         self.core()
@@ -608,8 +616,6 @@ impl Target {
             ));
         }
         let blocks = bytes / bs;
-        let mut config = old.config.clone();
-        config.size = Some(config::Size(bytes));
         let storage = match &old.storage {
             Storage::File(fc) => {
                 let file = std::fs::OpenOptions::new()
@@ -649,6 +655,15 @@ impl Target {
                 Storage::Rbd(image.clone())
             }
         };
+        self.replace_resized(&old, storage, blocks)
+    }
+
+    /// Puts a unit of `blocks` blocks on `storage` in `old`'s place (counters and faults
+    /// kept), and tells the device: initiators get CAPACITY DATA HAS CHANGED.
+    fn replace_resized(&self, old: &Lun, storage: Storage, blocks: u64) -> Result<(), String> {
+        let index = old.config.lun;
+        let mut config = old.config.clone();
+        config.size = Some(config::Size(blocks * u64::from(old.block_size)));
         let lun = Lun {
             id: next_id(),
             config,
@@ -686,26 +701,11 @@ impl Target {
             to = blocks,
             "the unit's storage was resized elsewhere"
         );
-        let mut config = old.config.clone();
-        config.size = Some(config::Size(blocks * u64::from(old.block_size)));
         let storage = match &old.storage {
             Storage::Rbd(image) => Storage::Rbd(image.clone()),
             _ => return,
         };
-        let lun = Lun {
-            id: next_id(),
-            config,
-            block_size: old.block_size,
-            blocks,
-            storage,
-            stats: old.stats.clone(),
-            faults: old.faults.clone(),
-        };
-        self.luns
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(index, Arc::new(lun));
-        if let Err(e) = self.core().device.resize_lu(index, blocks) {
+        if let Err(e) = self.replace_resized(&old, storage, blocks) {
             tracing::warn!(target = %self.name, lun = index, "cannot resize: {e}");
         }
     }

@@ -11,6 +11,7 @@
 //!   acknowledged is lost and every buffer comes back.
 //! - Bad cluster settings and an absent cluster are refused at start, naming the key, in
 //!   bounded time.
+//! - SRP (the software fabric) reaches an RBD LUN as iSCSI does.
 //!
 //! The cluster is the one `CEPH_CONF`, `CEPH_KEYRING`, `CEPH_CLIENT` and `CEPH_POOL` name
 //! (`scripts/ceph-dev-cluster.sh start DIR` writes them to DIR/env; `.ci/run` starts one).
@@ -298,6 +299,38 @@ async fn a_resize_made_with_the_rbd_cli_reaches_the_initiator() {
         .unwrap();
     assert_eq!(s.read((48 << 20) / 512 - 8, 8, 512).await.unwrap(), tail);
     drop(s);
+    d.stop();
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
+
+#[test]
+fn srp_reaches_an_rbd_lun_too() {
+    use initiator_bench::srp::{run_channels, LinkModel, SrpOptions};
+    use initiator_bench::workload::{Rw, Workload};
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("srp");
+    let (switch, d) = common::srp_daemon_with(&ceph.target(&image, "16MiB", ""));
+    let o = SrpOptions {
+        registration: srp::initiator::Registration::Pool,
+        regions: 1,
+        link: LinkModel::Free,
+    };
+    // Random writes and reads, then every block written read back and checked.
+    let w = Workload {
+        rw: Rw::Randrw,
+        bs: 32 << 10,
+        qd: 16,
+        ios: Some(1024),
+        size: Some(16 << 20),
+        verify: true,
+        ..Workload::default()
+    };
+    let (mut verbs, ch) = common::srp_channel(&switch, 0, &w, &o);
+    let mut channels = [ch];
+    let r = run_channels(&mut verbs, &mut channels, 0, &w, &o).unwrap();
+    assert_eq!((r.errors, r.verify_errors), (0, 0));
+    assert!(r.ios >= 1024, "{} I/Os", r.ios);
     d.stop();
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }

@@ -157,8 +157,13 @@ pub const SRP_SERVICE: &str = "srp0";
 
 /// targetd with one memory target, also serving SRP on a new switch.
 pub fn srp_daemon() -> (Arc<srp::switch::Switch>, Daemon) {
+    srp_daemon_with(&memory_target(TARGET, ""))
+}
+
+/// targetd with `targets` (`[[targets]]` tables), also serving SRP on a new switch.
+pub fn srp_daemon_with(targets: &str) -> (Arc<srp::switch::Switch>, Daemon) {
     let switch = srp::switch::Switch::new();
-    let d = Daemon::start_with(&config("", &memory_target(TARGET, "")), |server| {
+    let d = Daemon::start_with(&config("", targets), |server| {
         server
             .serve_srp_fabric(&switch, SRP_TARGET_NODE, SRP_SERVICE)
             .expect("listening");
