@@ -335,6 +335,81 @@ fn srp_reaches_an_rbd_lun_too() {
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rbd_luns_are_added_live_and_refusals_name_the_key() {
+    use targetd::admin::{handle, AdminRequest};
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let first = unique("live0");
+    let d = Daemon::start(&config("", &ceph.target(&first, "16MiB", "")));
+    let lun = |text: &str| -> targetd::config::Lun {
+        let table = ceph.target("x", "8MiB", text);
+        let luns = table.split("[[targets.luns]]\n").nth(1).unwrap().to_string();
+        toml::from_str(&luns).unwrap()
+    };
+    let add = |mut l: targetd::config::Lun, image: &str| {
+        l.lun = 1;
+        l.image = Some(image.into());
+        handle(
+            &d.registry,
+            AdminRequest::LunAdd {
+                target: TARGET.into(),
+                lun: l,
+            },
+        )
+    };
+    // A missing pool and a missing image without size: refused, naming the key.
+    let mut bad = lun("");
+    bad.pool = Some("no-such-pool".into());
+    let e = add(bad, "y").unwrap_err();
+    assert!(e.starts_with("pool: ") && e.contains("no-such-pool"), "{e}");
+    let mut unsized_ = lun("");
+    unsized_.size = None;
+    let e = add(unsized_, &unique("nosize")).unwrap_err();
+    assert!(e.starts_with("size: ") && e.contains("does not exist"), "{e}");
+    // The same image as LUN 0: refused.
+    let e = add(lun(""), &first).unwrap_err();
+    assert!(e.contains("backs another LUN"), "{e}");
+    // A new image, created at its size and served at once; luns shows it.
+    let second = unique("live1");
+    add(lun(""), &second).unwrap();
+    let url = initiator_bench::IscsiUrl::parse(&format!("iscsi://{}/{TARGET}/1", d.addr)).unwrap();
+    let s = Session::connect(&url, opts()).await.unwrap();
+    assert_eq!(s.capacity().await.unwrap().0, (8 << 20) / 512);
+    let data = pattern(64 << 10, 4);
+    s.write(0, data.clone(), 512).await.unwrap();
+    assert_eq!(s.read(0, 128, 512).await.unwrap(), data);
+    let luns = handle(&d.registry, AdminRequest::Luns { target: None }).unwrap();
+    let row = luns
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["lun"] == 1)
+        .unwrap()
+        .clone();
+    assert_eq!(row["rbd"]["image"], second.as_str());
+    assert_eq!(row["rbd"]["pool"], ceph.pool.as_str());
+    assert!(row["rbd"]["completed"].as_u64().unwrap() >= 2, "{row}");
+    // lun resize resizes the image.
+    handle(
+        &d.registry,
+        AdminRequest::LunResize {
+            target: TARGET.into(),
+            lun: 1,
+            size: "12MiB".into(),
+        },
+    )
+    .unwrap();
+    let info = ceph.rbd(&["info", "--format", "json", &format!("{}/{second}", ceph.pool)]);
+    let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["size"], 12 << 20);
+    drop(s);
+    d.stop();
+    for image in [first, second] {
+        ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    }
+}
+
 /// Sends SIGCONT to a stopped process when dropped, so a failed test leaves no frozen OSD.
 struct Stopped(u32);
 
