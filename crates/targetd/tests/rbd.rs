@@ -344,7 +344,11 @@ async fn rbd_luns_are_added_live_and_refusals_name_the_key() {
     let d = Daemon::start(&config("", &ceph.target(&first, "16MiB", "")));
     let lun = |text: &str| -> targetd::config::Lun {
         let table = ceph.target("x", "8MiB", text);
-        let luns = table.split("[[targets.luns]]\n").nth(1).unwrap().to_string();
+        let luns = table
+            .split("[[targets.luns]]\n")
+            .nth(1)
+            .unwrap()
+            .to_string();
         toml::from_str(&luns).unwrap()
     };
     let add = |mut l: targetd::config::Lun, image: &str| {
@@ -366,7 +370,10 @@ async fn rbd_luns_are_added_live_and_refusals_name_the_key() {
     let mut unsized_ = lun("");
     unsized_.size = None;
     let e = add(unsized_, &unique("nosize")).unwrap_err();
-    assert!(e.starts_with("size: ") && e.contains("does not exist"), "{e}");
+    assert!(
+        e.starts_with("size: ") && e.contains("does not exist"),
+        "{e}"
+    );
     // The same image as LUN 0: refused.
     let e = add(lun(""), &first).unwrap_err();
     assert!(e.contains("backs another LUN"), "{e}");
@@ -376,6 +383,27 @@ async fn rbd_luns_are_added_live_and_refusals_name_the_key() {
     let url = initiator_bench::IscsiUrl::parse(&format!("iscsi://{}/{TARGET}/1", d.addr)).unwrap();
     let s = Session::connect(&url, opts()).await.unwrap();
     assert_eq!(s.capacity().await.unwrap().0, (8 << 20) / 512);
+    // Block Limits: the object (4 MiB, 8192 blocks) as the granularities, one sector of
+    // COMPARE AND WRITE (librbd's, atomic at the OSD).
+    let mut inquiry = [0u8; 16];
+    inquiry[..5].copy_from_slice(&[0x12, 0x01, 0xb0, 0x00, 0xff]);
+    let page = s
+        .execute_good(Command::read(s.lun(), inquiry, 255))
+        .await
+        .unwrap()
+        .data;
+    assert_eq!(page[1], 0xb0);
+    assert_eq!(page[5], 1, "MAXIMUM COMPARE AND WRITE LENGTH");
+    assert_eq!(
+        u16::from_be_bytes([page[6], page[7]]),
+        8192,
+        "OPTIMAL TRANSFER LENGTH GRANULARITY"
+    );
+    assert_eq!(
+        u32::from_be_bytes(page[28..32].try_into().unwrap()),
+        8192,
+        "OPTIMAL UNMAP GRANULARITY"
+    );
     let data = pattern(64 << 10, 4);
     s.write(0, data.clone(), 512).await.unwrap();
     assert_eq!(s.read(0, 128, 512).await.unwrap(), data);
@@ -400,7 +428,12 @@ async fn rbd_luns_are_added_live_and_refusals_name_the_key() {
         },
     )
     .unwrap();
-    let info = ceph.rbd(&["info", "--format", "json", &format!("{}/{second}", ceph.pool)]);
+    let info = ceph.rbd(&[
+        "info",
+        "--format",
+        "json",
+        &format!("{}/{second}", ceph.pool),
+    ]);
     let info: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
     assert_eq!(info["size"], 12 << 20);
     drop(s);
