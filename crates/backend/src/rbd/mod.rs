@@ -1043,8 +1043,8 @@ impl RbdBackend {
         &self.cells[index as usize / CHUNK][index as usize % CHUNK]
     }
 
-    /// Starts `op` through librbd's asynchronous API; false when librbd refused it at once
-    /// (the error is then queued as a completion).
+    /// Starts slot `index`'s operation through librbd's asynchronous API; the negative errno
+    /// when librbd refused it at once (the caller queues it as the completion).
     fn start_aio(&mut self, index: u32) -> Result<(), i64> {
         let bs = u64::from(self.block_size);
         let cell: *const SlotCell = self.cell(index);
@@ -1237,8 +1237,8 @@ impl RbdBackend {
             // Safety: one live pollfd; a bounded timeout.
             unsafe { libc::poll(&mut pfd, 1, 10) };
             let mut n = 0u64;
-            // Safety: reads 8 bytes into a live u64 from a non-blocking eventfd... the
-            // reactor's eventfd is non-blocking (EFD_NONBLOCK), a dup shares the flag.
+            // Safety: reads 8 bytes into a live u64. The engine's eventfd is non-blocking
+            // (EFD_NONBLOCK), and the dup here shares that flag, so this never blocks.
             unsafe { libc::read(pfd.fd, (&mut n as *mut u64).cast(), 8) };
         }
     }
