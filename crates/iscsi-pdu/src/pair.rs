@@ -182,8 +182,8 @@ impl LoginPolicy for Policy<'_> {
         Ok((a.tsih, a.window.0, a.window.1))
     }
 
-    fn entropy(&mut self) -> [u8; ENTROPY_LEN] {
-        [7; ENTROPY_LEN]
+    fn entropy(&mut self) -> Result<[u8; ENTROPY_LEN], LoginStatus> {
+        Ok([7; ENTROPY_LEN])
     }
 }
 

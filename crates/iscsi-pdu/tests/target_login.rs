@@ -24,6 +24,8 @@ struct Policy {
     chap: Option<ChapCredentials>,
     mutual: Option<ChapCredentials>,
     deny: bool,
+    /// The OS has no random bytes to give.
+    no_entropy: bool,
     refusals: Vec<String>,
     sessions: u16,
 }
@@ -71,8 +73,11 @@ impl LoginPolicy for Policy {
         Ok((self.sessions, login.cmd_sn, login.cmd_sn + 31))
     }
 
-    fn entropy(&mut self) -> [u8; ENTROPY_LEN] {
-        [9; ENTROPY_LEN]
+    fn entropy(&mut self) -> Result<[u8; ENTROPY_LEN], LoginStatus> {
+        if self.no_entropy {
+            return Err(LoginStatus::TARGET_ERROR);
+        }
+        Ok([9; ENTROPY_LEN])
     }
 }
 
@@ -204,6 +209,23 @@ fn unknown_targets_and_denied_initiators_are_refused() {
     p.deny = true;
     let e = login(&mut p, initiator(Some(TARGET), None, None), 0).unwrap_err();
     assert_eq!(e.status, LoginStatus::AUTHORIZATION_FAILURE);
+    assert_eq!(p.sessions, 0);
+}
+
+#[test]
+fn without_random_bytes_a_login_fails_closed() {
+    let mut p = Policy {
+        chap: Some(creds("host", "initiator-secret")),
+        no_entropy: true,
+        ..Policy::default()
+    };
+    let e = login(
+        &mut p,
+        initiator(Some(TARGET), Some(creds("host", "initiator-secret")), None),
+        0,
+    )
+    .unwrap_err();
+    assert_eq!(e.status, LoginStatus::TARGET_ERROR);
     assert_eq!(p.sessions, 0);
 }
 

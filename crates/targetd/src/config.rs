@@ -340,6 +340,36 @@ pub struct Lun {
     pub ceph_timeout: Option<u64>,
 }
 
+/// What holds a LUN's blocks, as the OS or the cluster names it, so that one file or image
+/// backs at most one LUN however its path is written (relative or absolute, through `..`,
+/// `.` or a symbolic link).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Backing {
+    /// An existing file or device: its device and inode.
+    Inode(u64, u64),
+    /// A file still to be created: its directory made canonical, and its name.
+    NewFile(PathBuf),
+    /// An RBD image: `rbd:pool/namespace/image`.
+    Rbd(String),
+}
+
+impl Backing {
+    fn of_file(path: &Path) -> Backing {
+        use std::os::unix::fs::MetadataExt;
+        if let Ok(m) = std::fs::metadata(path) {
+            return Backing::Inode(m.dev(), m.ino());
+        }
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        match (std::fs::canonicalize(dir), path.file_name()) {
+            (Ok(dir), Some(name)) => Backing::NewFile(dir.join(name)),
+            _ => Backing::NewFile(path.to_path_buf()),
+        }
+    }
+}
+
 /// The keys of a `[[targets.luns]]` table.
 pub const LUN_KEYS: &[&str] = &[
     "lun",
@@ -785,7 +815,7 @@ impl Config {
                             lun.namespace.as_deref().unwrap_or_default(),
                             lun.image.as_deref().unwrap_or_default()
                         );
-                        if !paths.insert(PathBuf::from(&spec)) {
+                        if !paths.insert(Backing::Rbd(spec.clone())) {
                             return fail(
                                 &key("image"),
                                 format!("{} backs another LUN already", &spec[4..]),
@@ -796,7 +826,7 @@ impl Config {
                         let Some(path) = &lun.path else {
                             return fail(&key("path"), "the file backend needs a path".into());
                         };
-                        if !paths.insert(path.clone()) {
+                        if !paths.insert(Backing::of_file(path)) {
                             return fail(
                                 &key("path"),
                                 format!("{} backs another LUN already", path.display()),
@@ -878,9 +908,10 @@ impl Config {
     }
 }
 
-/// Checks a CHAP pair: each secret 12 to 16 bytes (RFC 7143 section 12.1.3 asks for at least
-/// 96 bits; Windows and VMware initiators cap it at 16 bytes), mutual CHAP only with CHAP and
-/// with a different secret. `prefix` and the names make the keys of the messages.
+/// Checks a CHAP pair: each secret at least 12 bytes (RFC 7143 section 12.1.3 asks for at
+/// least 96 bits); a longer one than 16 bytes is allowed, as the RFC allows, with a warning
+/// (Windows and VMware initiators cap theirs at 16); mutual CHAP only with CHAP and with a
+/// different secret. `prefix` and the names make the keys of the messages.
 fn check_chap(
     prefix: &str,
     one_way: (&str, &Option<Chap>),
@@ -892,11 +923,22 @@ fn check_chap(
             if c.username.is_empty() {
                 return Err((key(&format!("{k}.username")), "must not be empty".into()));
             }
-            if !(12..=16).contains(&c.secret.len()) {
+            if c.secret.len() < 12 {
                 return Err((
                     key(&format!("{k}.secret")),
-                    format!("{} bytes: must be 12 to 16", c.secret.len()),
+                    format!(
+                        "{} bytes: must be at least 12 (RFC 7143 section 12.1.3)",
+                        c.secret.len()
+                    ),
                 ));
+            }
+            if c.secret.len() > 16 {
+                tracing::warn!(
+                    key = %key(&format!("{k}.secret")),
+                    bytes = c.secret.len(),
+                    "a CHAP secret longer than 16 bytes: RFC 7143 allows it, but Windows and \
+                     VMware initiators cannot be given one"
+                );
             }
         }
     }
@@ -1100,6 +1142,53 @@ size = "1GiB"
             let e = refused(&text);
             assert!(e.contains(want), "expected {want:?} in: {e}");
         }
+    }
+
+    #[test]
+    fn one_file_backs_one_lun_however_its_path_is_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display().to_string();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        std::fs::write(dir.path().join("disk.img"), vec![0u8; 4096]).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("disk.img"), dir.path().join("link.img"))
+            .unwrap();
+        let two = |a: &str, b: &str| {
+            format!(
+                "{GOOD}\n[[targets.luns]]\nlun = 1\nbackend = \"file\"\npath = \"{b}\"\nsize = \"1GiB\"\n"
+            )
+            .replace("data/disk1.img", a)
+        };
+        for (a, b) in [
+            (format!("{d}/disk.img"), format!("{d}/sub/../disk.img")),
+            (format!("{d}/disk.img"), format!("{d}/./disk.img")),
+            (format!("{d}/disk.img"), format!("{d}/link.img")),
+            // Files that do not exist yet, named two ways.
+            (format!("{d}/new.img"), format!("{d}/sub/../new.img")),
+        ] {
+            let e = refused(&two(&a, &b));
+            assert!(
+                e.contains("targets[0].luns[1].path") && e.contains("backs another LUN"),
+                "{a} and {b}: {e}"
+            );
+        }
+        parse(&two(&format!("{d}/disk.img"), &format!("{d}/other.img"))).expect("two files");
+    }
+
+    #[test]
+    fn chap_secrets_longer_than_16_bytes_are_allowed() {
+        let text = GOOD.replace(
+            "[[targets.luns]]",
+            "chap = { username = \"u\", secret = \"a-secret-of-thirty-two-bytes-ok!\" }\n[[targets.luns]]",
+        );
+        parse(&text).expect("RFC 7143 allows longer secrets");
+        let e = refused(&GOOD.replace(
+            "[[targets.luns]]",
+            "chap = { username = \"u\", secret = \"elevenbytes\" }\n[[targets.luns]]",
+        ));
+        assert!(
+            e.contains("targets[0].chap.secret") && e.contains("at least 12"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -4,7 +4,6 @@
 //! admin interface depend on it (there is no import cycle back).
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -402,27 +401,16 @@ pub struct Peer {
     pub control: Arc<Control>,
 }
 
-/// Fresh random bytes for CHAP identifiers and challenges.
-fn entropy() -> [u8; ENTROPY_LEN] {
+/// Fresh random bytes for CHAP identifiers and challenges, from the OS's CSPRNG
+/// (getrandom(2)). Without them the login fails with TARGET ERROR: a challenge anyone could
+/// predict would let a recorded answer be replayed.
+fn entropy() -> Result<[u8; ENTROPY_LEN], LoginStatus> {
     let mut e = [0u8; ENTROPY_LEN];
-    if std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut e))
-        .is_err()
-    {
-        // No urandom: mix the clock and the address of a stack value.
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default();
-        let mut x = t ^ (&e as *const _ as usize as u128);
-        for b in e.iter_mut() {
-            x = x
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            *b = (x >> 64) as u8;
-        }
-    }
-    e
+    getrandom::fill(&mut e).map_err(|err| {
+        tracing::error!("no random bytes from the OS for a login's CHAP challenge: {err}");
+        LoginStatus::TARGET_ERROR
+    })?;
+    Ok(e)
 }
 
 impl Registry {
@@ -570,7 +558,7 @@ impl LoginPolicy for Admission<'_> {
         Ok((tsih, exp, max))
     }
 
-    fn entropy(&mut self) -> [u8; ENTROPY_LEN] {
+    fn entropy(&mut self) -> Result<[u8; ENTROPY_LEN], LoginStatus> {
         entropy()
     }
 }

@@ -33,8 +33,9 @@ pub trait LoginPolicy {
         &mut self,
         login: &Completed,
     ) -> Result<(u16, SerialNumber, SerialNumber), LoginStatus>;
-    /// Fresh random bytes for CHAP identifiers and challenges.
-    fn entropy(&mut self) -> [u8; ENTROPY_LEN];
+    /// Fresh random bytes for CHAP identifiers and challenges, from a CSPRNG; without them
+    /// the login fails (fail closed: a predictable challenge lets a recorded answer replay).
+    fn entropy(&mut self) -> Result<[u8; ENTROPY_LEN], LoginStatus>;
 }
 
 /// A login that has reached full feature phase.
@@ -251,7 +252,7 @@ impl Login {
             Role::Target,
             settings,
             req.tsih == 0,
-            policy.entropy(),
+            policy.entropy()?,
         ))
     }
 }
