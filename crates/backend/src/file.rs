@@ -81,6 +81,11 @@ pub enum OpenError {
     /// Neither a regular file nor a block device.
     #[error("{0}: not a regular file or block device")]
     Kind(PathBuf),
+    /// The directory the file would be created in does not exist: directories are the
+    /// administrator's to make (a typo in a path must not become a tree of directories made as
+    /// root).
+    #[error("{0}: no such directory to create the file in (create it first)")]
+    NoDirectory(PathBuf),
     /// The OS refused.
     #[error("{path}: {source}")]
     Io {
@@ -89,6 +94,19 @@ pub enum OpenError {
         /// What the OS said.
         source: io::Error,
     },
+}
+
+impl OpenError {
+    /// The configuration key the error is about.
+    pub fn key(&self) -> &'static str {
+        match self {
+            OpenError::BlockSize(_) => "block_size",
+            OpenError::NoSize(_) | OpenError::Size { .. } | OpenError::SizeMismatch { .. } => {
+                "size"
+            }
+            _ => "path",
+        }
+    }
 }
 
 /// An open file backend: its descriptors and geometry. Shared by the reactor and the helper
@@ -131,7 +149,9 @@ impl FileHandle {
                 return Err(OpenError::NoSize(path.clone()));
             }
             if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).map_err(io_err)?;
+                if !dir.is_dir() {
+                    return Err(OpenError::NoDirectory(dir.to_path_buf()));
+                }
             }
         }
         let open = |direct: bool| {

@@ -47,7 +47,7 @@ struct Rig {
 
 fn rig(choice: EngineChoice, blocks: u64, direct: bool) -> Rig {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let path = dir.path().join("sub/disk.img");
+    let path = dir.path().join("disk.img");
     let engine = engine(choice);
     let arena = arena();
     engine.register_arena(&arena).unwrap();
@@ -491,6 +491,7 @@ fn errnos_map_to_the_sense_a_disk_gives() {
 fn open_creates_grows_and_refuses() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let p = dir.path().join("a/b/thin.img");
+    std::fs::create_dir_all(dir.path().join("a/b")).unwrap();
     let f = FileHandle::open(&FileConfig::new(&p, Some(1 << 30))).unwrap();
     assert_eq!(f.blocks(), (1 << 30) / 512);
     let meta = std::fs::metadata(&p).unwrap();
@@ -521,6 +522,12 @@ fn open_creates_grows_and_refuses() {
     assert!(matches!(e, OpenError::Kind(_)), "{e}");
     let e = FileHandle::open(&FileConfig::new("/proc/nope/x", Some(4096))).unwrap_err();
     assert!(e.to_string().starts_with("/proc/nope"), "{e}");
+    // No directory is made: a missing one is an error naming it, and nothing is created.
+    let typo = dir.path().join("no-such-dir").join("disk.img");
+    let e = FileHandle::open(&FileConfig::new(&typo, Some(1 << 20))).unwrap_err();
+    assert!(matches!(e, OpenError::NoDirectory(_)), "{e}");
+    assert_eq!(e.key(), "path");
+    assert!(!dir.path().join("no-such-dir").exists());
 }
 
 #[test]

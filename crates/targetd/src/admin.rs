@@ -61,6 +61,9 @@ pub enum AdminRequest {
         lun: u16,
         /// The new size ("2GiB", bytes).
         size: String,
+        /// Allow a smaller size: the blocks past it are cut off.
+        #[serde(default)]
+        force: bool,
     },
     /// Arms a fault on a logical unit (its operations fail as a failing disk's would), or
     /// clears them all when `fault` is absent. Answers with the faults armed after.
@@ -266,6 +269,28 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
             registry.sessions.close(&s);
             Ok(json!(format!("session {tsih} closed")))
         }
+        AdminRequest::LunResize {
+            ref target,
+            lun,
+            ref size,
+            force: false,
+        } => {
+            // No silent shrink: the blocks past the new end would be gone.
+            let bytes = config::parse_size(size)?;
+            if let Some(unit) = registry.target(target).and_then(|t| t.lun(lun)) {
+                let now = unit.blocks * u64::from(unit.block_size);
+                if bytes < now {
+                    let cut = (now - bytes).div_ceil(u64::from(unit.block_size));
+                    return Err(format!(
+                        "{target} LUN {lun} is {now} bytes: resizing to {bytes} would cut off \
+                         its last {cut} blocks; add --force to shrink it"
+                    ));
+                }
+            }
+            let mut config = registry.config().clone();
+            edit(&mut config, req)?;
+            registry.apply(config).map(|c| json!(c))
+        }
         change => {
             let mut config = registry.config().clone();
             edit(&mut config, change)?;
@@ -303,6 +328,7 @@ fn edit(config: &mut Config, change: AdminRequest) -> Result<(), String> {
             target: t,
             lun,
             size,
+            ..
         } => {
             let i = target(config, &t)?;
             let bytes = config::parse_size(&size)?;

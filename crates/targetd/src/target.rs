@@ -326,7 +326,7 @@ impl Lun {
                 fc.direct = config.direct;
                 fc.write_through = !config.write_cache;
                 fc.read_only = config.read_only;
-                let handle = FileHandle::open(&fc).map_err(|e| e.to_string())?;
+                let handle = FileHandle::open(&fc).map_err(|e| format!("{}: {e}", e.key()))?;
                 let blocks = handle.blocks();
                 // The file now exists at its size: reactors open it as it is.
                 fc.size = None;

@@ -623,6 +623,7 @@ async fn admin_changes_apply_live() {
             target: TARGET.into(),
             lun: 0,
             size: "128MiB".into(),
+            force: false,
         },
     );
     assert!(r.is_ok(), "{r:?}");
@@ -633,6 +634,21 @@ async fn admin_changes_apply_live() {
     let sense = initiator_bench::Sense::parse(&ua.sense.unwrap()).unwrap();
     assert_eq!((sense.key, sense.asc, sense.ascq), (6, 0x2a, 0x09));
     assert_eq!(s.capacity().await.unwrap().0, (128 << 20) / 512);
+    // No silent shrink: a smaller size is refused, saying how much would go, unless forced.
+    let shrink = |force| AdminRequest::LunResize {
+        target: TARGET.into(),
+        lun: 0,
+        size: "96MiB".into(),
+        force,
+    };
+    let e = handle(&d.registry, shrink(false)).unwrap_err();
+    assert!(e.contains("65536 blocks") && e.contains("--force"), "{e}");
+    assert_eq!(s.capacity().await.unwrap().0, (128 << 20) / 512);
+    handle(&d.registry, shrink(true)).unwrap();
+    let _ = s
+        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await;
+    assert_eq!(s.capacity().await.unwrap().0, (96 << 20) / 512);
     // Add a LUN, see it, remove it.
     let lun: targetd::config::Lun = toml::from_str(
         "lun = 3\nbackend = \"file\"\npath = \"@DIR@/three.img\"\nsize = \"8MiB\""

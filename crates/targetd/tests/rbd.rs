@@ -425,6 +425,7 @@ async fn rbd_luns_are_added_live_and_refusals_name_the_key() {
             target: TARGET.into(),
             lun: 1,
             size: "12MiB".into(),
+            force: false,
         },
     )
     .unwrap();

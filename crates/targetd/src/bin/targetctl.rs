@@ -188,6 +188,9 @@ enum LunAction {
         lun: u16,
         /// The new size, e.g. 2GiB.
         size: String,
+        /// Allow a smaller size (the blocks past it are cut off).
+        #[arg(long)]
+        force: bool,
     },
     /// Makes a logical unit fail as a failing disk would, to rehearse or test what initiators
     /// see (MEDIUM ERROR for eio, DATA PROTECT / SPACE ALLOCATION FAILED for enospc); a failed
@@ -373,9 +376,17 @@ fn run(args: Args) -> Result<()> {
                 }
             }
             LunAction::Remove { target, lun } => AdminRequest::LunRemove { target, lun },
-            LunAction::Resize { target, lun, size } => {
-                AdminRequest::LunResize { target, lun, size }
-            }
+            LunAction::Resize {
+                target,
+                lun,
+                size,
+                force,
+            } => AdminRequest::LunResize {
+                target,
+                lun,
+                size,
+                force,
+            },
             LunAction::Fault {
                 target,
                 lun,
