@@ -71,6 +71,84 @@ unsafe extern "C" {
     pub fn rados_ioctx_set_namespace(io: rados_ioctx_t, nspace: *const c_char);
 }
 
+/// `rados_write_op_t`.
+pub type rados_write_op_t = *mut c_void;
+/// `rados_watchcb2_t`: (arg, notify_id, handle, notifier_id, data, data_len).
+pub type rados_watchcb2_t = Option<
+    unsafe extern "C" fn(
+        arg: *mut c_void,
+        notify_id: u64,
+        handle: u64,
+        notifier_id: u64,
+        data: *mut c_void,
+        data_len: usize,
+    ),
+>;
+/// `rados_watcherrcb_t`: (arg, cookie, err).
+pub type rados_watcherrcb_t =
+    Option<unsafe extern "C" fn(pre: *mut c_void, cookie: u64, err: c_int)>;
+/// `LIBRADOS_CREATE_EXCLUSIVE`.
+pub const LIBRADOS_CREATE_EXCLUSIVE: c_int = 1;
+
+#[link(name = "rados")]
+unsafe extern "C" {
+    pub fn rados_get_last_version(io: rados_ioctx_t) -> u64;
+    pub fn rados_read(
+        io: rados_ioctx_t,
+        oid: *const c_char,
+        buf: *mut c_char,
+        len: usize,
+        off: u64,
+    ) -> c_int;
+    pub fn rados_remove(io: rados_ioctx_t, oid: *const c_char) -> c_int;
+    pub fn rados_create_write_op() -> rados_write_op_t;
+    pub fn rados_release_write_op(write_op: rados_write_op_t);
+    pub fn rados_write_op_assert_version(write_op: rados_write_op_t, ver: u64);
+    pub fn rados_write_op_create(
+        write_op: rados_write_op_t,
+        exclusive: c_int,
+        category: *const c_char,
+    );
+    pub fn rados_write_op_write_full(write_op: rados_write_op_t, buffer: *const c_char, len: usize);
+    pub fn rados_write_op_operate(
+        write_op: rados_write_op_t,
+        io: rados_ioctx_t,
+        oid: *const c_char,
+        mtime: *mut libc::time_t,
+        flags: c_int,
+    ) -> c_int;
+    pub fn rados_watch3(
+        io: rados_ioctx_t,
+        o: *const c_char,
+        cookie: *mut u64,
+        watchcb: rados_watchcb2_t,
+        watcherrcb: rados_watcherrcb_t,
+        timeout: u32,
+        arg: *mut c_void,
+    ) -> c_int;
+    pub fn rados_watch_check(io: rados_ioctx_t, cookie: u64) -> c_int;
+    pub fn rados_unwatch2(io: rados_ioctx_t, cookie: u64) -> c_int;
+    pub fn rados_watch_flush(cluster: rados_t) -> c_int;
+    pub fn rados_notify2(
+        io: rados_ioctx_t,
+        o: *const c_char,
+        buf: *const c_char,
+        buf_len: c_int,
+        timeout_ms: u64,
+        reply_buffer: *mut *mut c_char,
+        reply_buffer_len: *mut usize,
+    ) -> c_int;
+    pub fn rados_notify_ack(
+        io: rados_ioctx_t,
+        o: *const c_char,
+        notify_id: u64,
+        cookie: u64,
+        buf: *const c_char,
+        buf_len: c_int,
+    ) -> c_int;
+    pub fn rados_buffer_free(buf: *mut c_char);
+}
+
 #[link(name = "rbd")]
 unsafe extern "C" {
     pub fn rbd_version(major: *mut c_int, minor: *mut c_int, extra: *mut c_int);

@@ -24,8 +24,12 @@
 //! `rbd_aio_compare_and_write`, which the OSD applies atomically, so it holds across gateways.
 //! The rare composite commands (VERIFY, ORWRITE, GET LBA STATUS and a COMPARE AND WRITE that
 //! spans two objects) run on the image's helper thread with librbd's synchronous calls.
+//!
+//! [`rados`] keeps small objects that several gateways share, changed by versioned
+//! compare-and-swap and published by watch/notify.
 
 mod ffi;
+pub mod rados;
 
 use std::cell::UnsafeCell;
 use std::collections::{HashMap, VecDeque};
