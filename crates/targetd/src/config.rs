@@ -512,7 +512,7 @@ impl Config {
     }
 
     /// Reads, parses and validates `path`; relative paths in it are taken from the directory
-    /// the daemon runs in, as the repo's config.toml expects.
+    /// the file is in (the repo's config.toml, run from the repository, names `data/`).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_path_buf(),
@@ -521,12 +521,16 @@ impl Config {
         Config::parse(path, &text)
     }
 
-    /// Parses and validates `text`, naming `path` in errors.
+    /// Parses and validates `text`, naming `path` in errors; relative paths in it are made
+    /// relative to `path`'s directory.
     pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
-        let config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        let mut config: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_path_buf(),
             message: e.to_string().trim_end().to_string(),
         })?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            config.resolve_paths(dir);
+        }
         config
             .validate()
             .map_err(|(key, reason)| ConfigError::Invalid {
@@ -535,6 +539,58 @@ impl Config {
                 reason,
             })?;
         Ok(config)
+    }
+
+    /// Makes every relative path in the config relative to `dir` (the config file's): the
+    /// admin socket, the state directory, file LUNs' paths, RBD LUNs' ceph.conf and keyring.
+    /// A config means the same file wherever the daemon is started from.
+    pub fn resolve_paths(&mut self, dir: &Path) {
+        let fix = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = dir.join(&*p);
+            }
+        };
+        fix(&mut self.server.admin_socket);
+        if let Some(p) = self.server.state_dir.as_mut() {
+            fix(p);
+        }
+        for lun in self.targets.iter_mut().flat_map(|t| t.luns.iter_mut()) {
+            for p in [&mut lun.path, &mut lun.ceph_conf, &mut lun.keyring]
+                .into_iter()
+                .flatten()
+            {
+                fix(p);
+            }
+        }
+    }
+
+    /// What is allowed but worth a warning, as (key, reason): CHAP secrets longer than 16 bytes,
+    /// which RFC 7143 allows but Windows and VMware initiators cannot be given. The daemon logs
+    /// these at start and at every reload or live change.
+    pub fn warnings(&self) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let mut chap = |key: String, c: &Option<Chap>| {
+            if let Some(c) = c.as_ref().filter(|c| c.secret.len() > 16) {
+                out.push((
+                    format!("{key}.secret"),
+                    format!(
+                        "{} bytes: RFC 7143 allows it, but Windows and VMware initiators take at \
+                         most 16",
+                        c.secret.len()
+                    ),
+                ));
+            }
+        };
+        chap("iscsi.discovery_chap".into(), &self.iscsi.discovery_chap);
+        chap(
+            "iscsi.discovery_mutual_chap".into(),
+            &self.iscsi.discovery_mutual_chap,
+        );
+        for (t, target) in self.targets.iter().enumerate() {
+            chap(format!("targets[{t}].chap"), &target.chap);
+            chap(format!("targets[{t}].mutual_chap"), &target.mutual_chap);
+        }
+        out
     }
 
     /// The login negotiation settings `[iscsi]` describes.
@@ -909,9 +965,9 @@ impl Config {
 }
 
 /// Checks a CHAP pair: each secret at least 12 bytes (RFC 7143 section 12.1.3 asks for at
-/// least 96 bits); a longer one than 16 bytes is allowed, as the RFC allows, with a warning
-/// (Windows and VMware initiators cap theirs at 16); mutual CHAP only with CHAP and with a
-/// different secret. `prefix` and the names make the keys of the messages.
+/// least 96 bits; a longer one than 16 bytes is allowed, as the RFC allows, and
+/// [`Config::warnings`] mentions it); mutual CHAP only with CHAP and with a different secret.
+/// `prefix` and the names make the keys of the messages.
 fn check_chap(
     prefix: &str,
     one_way: (&str, &Option<Chap>),
@@ -931,14 +987,6 @@ fn check_chap(
                         c.secret.len()
                     ),
                 ));
-            }
-            if c.secret.len() > 16 {
-                tracing::warn!(
-                    key = %key(&format!("{k}.secret")),
-                    bytes = c.secret.len(),
-                    "a CHAP secret longer than 16 bytes: RFC 7143 allows it, but Windows and \
-                     VMware initiators cannot be given one"
-                );
             }
         }
     }
@@ -1175,12 +1223,42 @@ size = "1GiB"
     }
 
     #[test]
+    fn relative_paths_are_the_config_files_not_the_daemons() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = GOOD.replace(
+            "admin_socket = \"targetd.sock\"",
+            "state_dir = \"state\"\nadmin_socket = \"run/t.sock\"",
+        );
+        let path = dir.path().join("config.toml");
+        std::fs::write(&path, &text).unwrap();
+        let c = Config::load(&path).unwrap();
+        assert_eq!(
+            c.targets[0].luns[0].path.as_deref(),
+            Some(dir.path().join("data/disk1.img").as_path())
+        );
+        assert_eq!(c.server.admin_socket, dir.path().join("run/t.sock"));
+        assert_eq!(c.server.state_dir, Some(dir.path().join("state")));
+        // Absolute paths stay as they are.
+        let abs = GOOD.replace("data/disk1.img", "/srv/disk.img");
+        std::fs::write(&path, &abs).unwrap();
+        let c = Config::load(&path).unwrap();
+        assert_eq!(
+            c.targets[0].luns[0].path.as_deref(),
+            Some(Path::new("/srv/disk.img"))
+        );
+    }
+
+    #[test]
     fn chap_secrets_longer_than_16_bytes_are_allowed() {
         let text = GOOD.replace(
             "[[targets.luns]]",
             "chap = { username = \"u\", secret = \"a-secret-of-thirty-two-bytes-ok!\" }\n[[targets.luns]]",
         );
-        parse(&text).expect("RFC 7143 allows longer secrets");
+        let c = parse(&text).expect("RFC 7143 allows longer secrets");
+        let w = c.warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert_eq!(w[0].0, "targets[0].chap.secret");
+        assert!(parse(GOOD).unwrap().warnings().is_empty());
         let e = refused(&GOOD.replace(
             "[[targets.luns]]",
             "chap = { username = \"u\", secret = \"elevenbytes\" }\n[[targets.luns]]",

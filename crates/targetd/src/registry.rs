@@ -273,6 +273,9 @@ impl Registry {
     /// access rules and negotiation settings for new logins. Returns what changed.
     pub fn apply(&self, new: Config) -> Result<Vec<String>, String> {
         new.validate().map_err(|(k, r)| format!("{k}: {r}"))?;
+        for (key, reason) in new.warnings() {
+            tracing::warn!(key = %key, "{reason}");
+        }
         let old = self.config().clone();
         let mut changes = Vec::new();
         for key in [

@@ -90,7 +90,8 @@ enum TraceAction {
 }
 
 /// A path as the caller means it: relative paths resolve against targetctl's working
-/// directory, not the daemon's.
+/// directory, not the daemon's (`lun add --path`, `--ceph-conf`, `--keyring`; `trace start
+/// --out` likewise).
 fn absolute(p: PathBuf) -> anyhow::Result<PathBuf> {
     Ok(std::path::absolute(&p)?)
 }
@@ -356,7 +357,7 @@ fn run(args: Args) -> Result<()> {
                     lun: config::Lun {
                         lun,
                         backend,
-                        path,
+                        path: path.map(absolute).transpose()?,
                         size: size_of(size)?,
                         block_size,
                         thin: !thick,

@@ -1,6 +1,7 @@
 //! `targetd CONFIG`: serves the config's targets over iSCSI/TCP until SIGTERM or SIGINT
-//! (drain, exit 0); SIGHUP reloads the config.
+//! (drain, exit 0); SIGHUP reloads the config. `targetd --check CONFIG` only checks it.
 
+use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -15,6 +16,20 @@ use tracing_subscriber::EnvFilter;
 struct Args {
     /// The config file (TOML; see config.toml in the repository).
     config: PathBuf,
+    /// Check the config (syntax and every value) and exit: 0 when it is good, 1 with the key
+    /// and the reason when it is not. Nothing is opened or bound.
+    #[arg(long)]
+    check: bool,
+    /// Log lines as text (colours only when stderr is a terminal) or as JSON objects, one a
+    /// line, for log collectors.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 fn main() -> ExitCode {
@@ -26,14 +41,32 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if args.check {
+        for (key, reason) in config.warnings() {
+            println!(
+                "targetd: {}: warning: {key}: {reason}",
+                args.config.display()
+            );
+        }
+        println!("targetd: {}: good", args.config.display());
+        return ExitCode::SUCCESS;
+    }
     let filter = std::env::var("RUST_LOG")
         .ok()
         .or_else(|| config.server.log.clone())
         .unwrap_or_else(|| "info".into());
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new("info")))
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = EnvFilter::try_new(&filter).unwrap_or_else(|_| EnvFilter::new("info"));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        // Escape codes only for a person at a terminal, never into a journal or a file.
+        LogFormat::Text => logs.with_ansi(std::io::stderr().is_terminal()).init(),
+        LogFormat::Json => logs.json().init(),
+    }
+    for (key, reason) in config.warnings() {
+        tracing::warn!(key = %key, "{reason}");
+    }
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
