@@ -22,6 +22,14 @@ pub enum Error {
     /// Socket I/O failed.
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
+    /// The portal could not be reached.
+    #[error("cannot connect to {portal}: {source}")]
+    Connect {
+        /// `host:port`.
+        portal: String,
+        /// What the OS said.
+        source: std::io::Error,
+    },
     /// The target refused the login.
     #[error("login refused: status {status:?}{}", if .message.is_empty() { String::new() } else { format!(" ({})", .message) })]
     LoginRefused {
@@ -46,7 +54,7 @@ pub enum Error {
     #[error("task management function failed: {0:?}")]
     TaskManagement(TmfResponse),
     /// The command completed with a status other than GOOD.
-    #[error("SCSI status {status:?}, sense {sense:?}")]
+    #[error("SCSI status {status:?}{}", .sense.map(|s| format!(": {s}")).unwrap_or_default())]
     Scsi {
         /// The status.
         status: ScsiStatus,

@@ -58,6 +58,9 @@ enum Cmd {
         /// beside the target's.
         #[arg(long)]
         trace: Option<PathBuf>,
+        /// Failed I/Os tolerated before the run counts as failed (exit status 1).
+        #[arg(long, default_value_t = 0)]
+        max_errors: u64,
     },
     /// Run one workload per value of a parameter; write a table and a plot.
     Sweep {
@@ -617,6 +620,7 @@ fn main() -> anyhow::Result<()> {
                 srp,
                 workload,
                 json,
+                max_errors,
                 ..
             } => {
                 if urls.len() != 1 {
@@ -638,6 +642,9 @@ fn main() -> anyhow::Result<()> {
                 }
                 if report.verify_errors > 0 {
                     bail!("{} blocks failed verification", report.verify_errors);
+                }
+                if report.errors > max_errors {
+                    bail!("{} I/Os failed (--max-errors {max_errors})", report.errors);
                 }
                 Ok(())
             }
@@ -677,6 +684,7 @@ fn main() -> anyhow::Result<()> {
                 login,
                 json,
                 trace,
+                max_errors,
                 ..
             } => {
                 let urls = urls
@@ -696,6 +704,12 @@ fn main() -> anyhow::Result<()> {
                 }
                 if report.verify_errors > 0 {
                     bail!("{} blocks failed verification", report.verify_errors);
+                }
+                if report.errors > max_errors {
+                    bail!(
+                        "{} I/Os failed (--max-errors {max_errors}); the log names each",
+                        report.errors
+                    );
                 }
                 Ok(())
             }

@@ -39,6 +39,106 @@ impl Sense {
     }
 }
 
+/// SENSE KEY names (SPC-5 table 52).
+const SENSE_KEYS: [&str; 16] = [
+    "NO SENSE",
+    "RECOVERED ERROR",
+    "NOT READY",
+    "MEDIUM ERROR",
+    "HARDWARE ERROR",
+    "ILLEGAL REQUEST",
+    "UNIT ATTENTION",
+    "DATA PROTECT",
+    "BLANK CHECK",
+    "VENDOR SPECIFIC",
+    "COPY ABORTED",
+    "ABORTED COMMAND",
+    "RESERVED",
+    "VOLUME OVERFLOW",
+    "MISCOMPARE",
+    "COMPLETED",
+];
+
+/// Names of the additional sense codes a target commonly returns (SPC-5 annex F).
+const ASC_NAMES: &[((u8, u8), &str)] = &[
+    ((0x00, 0x00), "NO ADDITIONAL SENSE INFORMATION"),
+    ((0x04, 0x01), "LOGICAL UNIT IS IN PROCESS OF BECOMING READY"),
+    (
+        (0x04, 0x02),
+        "LOGICAL UNIT NOT READY, INITIALIZING COMMAND REQUIRED",
+    ),
+    (
+        (0x04, 0x0a),
+        "LOGICAL UNIT NOT ACCESSIBLE, ASYMMETRIC ACCESS STATE TRANSITION",
+    ),
+    (
+        (0x04, 0x0b),
+        "LOGICAL UNIT NOT ACCESSIBLE, TARGET PORT IN STANDBY STATE",
+    ),
+    ((0x0c, 0x00), "WRITE ERROR"),
+    ((0x0e, 0x03), "INVALID FIELD IN COMMAND INFORMATION UNIT"),
+    ((0x11, 0x00), "UNRECOVERED READ ERROR"),
+    ((0x1a, 0x00), "PARAMETER LIST LENGTH ERROR"),
+    ((0x1d, 0x00), "MISCOMPARE DURING VERIFY OPERATION"),
+    ((0x20, 0x00), "INVALID COMMAND OPERATION CODE"),
+    ((0x21, 0x00), "LOGICAL BLOCK ADDRESS OUT OF RANGE"),
+    ((0x24, 0x00), "INVALID FIELD IN CDB"),
+    ((0x25, 0x00), "LOGICAL UNIT NOT SUPPORTED"),
+    ((0x26, 0x00), "INVALID FIELD IN PARAMETER LIST"),
+    ((0x26, 0x04), "INVALID RELEASE OF PERSISTENT RESERVATION"),
+    ((0x27, 0x00), "WRITE PROTECTED"),
+    ((0x27, 0x07), "SPACE ALLOCATION FAILED WRITE PROTECT"),
+    (
+        (0x29, 0x00),
+        "POWER ON, RESET, OR BUS DEVICE RESET OCCURRED",
+    ),
+    ((0x29, 0x03), "BUS DEVICE RESET FUNCTION OCCURRED"),
+    ((0x29, 0x07), "I_T NEXUS LOSS OCCURRED"),
+    ((0x2a, 0x01), "MODE PARAMETERS CHANGED"),
+    ((0x2a, 0x03), "RESERVATIONS PREEMPTED"),
+    ((0x2a, 0x04), "RESERVATIONS RELEASED"),
+    ((0x2a, 0x05), "REGISTRATIONS PREEMPTED"),
+    ((0x2a, 0x06), "ASYMMETRIC ACCESS STATE CHANGED"),
+    ((0x2a, 0x09), "CAPACITY DATA HAS CHANGED"),
+    ((0x2c, 0x00), "COMMAND SEQUENCE ERROR"),
+    ((0x2f, 0x00), "COMMANDS CLEARED BY ANOTHER INITIATOR"),
+    ((0x3a, 0x00), "MEDIUM NOT PRESENT"),
+    ((0x3f, 0x0e), "REPORTED LUNS DATA HAS CHANGED"),
+    ((0x44, 0x00), "INTERNAL TARGET FAILURE"),
+    ((0x47, 0x00), "SCSI PARITY ERROR"),
+    ((0x49, 0x00), "INVALID MESSAGE ERROR"),
+    ((0x4b, 0x00), "DATA PHASE ERROR"),
+    ((0x4e, 0x00), "OVERLAPPED COMMANDS ATTEMPTED"),
+    ((0x53, 0x02), "MEDIUM REMOVAL PREVENTED"),
+    ((0x55, 0x04), "INSUFFICIENT REGISTRATION RESOURCES"),
+];
+
+impl Sense {
+    /// The sense key's name.
+    pub fn key_name(&self) -> &'static str {
+        SENSE_KEYS[usize::from(self.key & 0x0f)]
+    }
+
+    /// The additional sense code's name, when it is one a target commonly returns.
+    pub fn asc_name(&self) -> Option<&'static str> {
+        ASC_NAMES
+            .iter()
+            .find(|(code, _)| *code == (self.asc, self.ascq))
+            .map(|(_, n)| *n)
+    }
+}
+
+/// As a person reads it: `ILLEGAL REQUEST / LOGICAL UNIT NOT SUPPORTED (25h/00h)`.
+impl std::fmt::Display for Sense {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (asc, ascq) = (self.asc, self.ascq);
+        match self.asc_name() {
+            Some(n) => write!(f, "{} / {n} ({asc:02X}h/{ascq:02X}h)", self.key_name()),
+            None => write!(f, "{} / ASC {asc:02X}h, ASCQ {ascq:02X}h", self.key_name()),
+        }
+    }
+}
+
 /// What a command returned.
 #[derive(Debug, Clone)]
 pub struct Response {

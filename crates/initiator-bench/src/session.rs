@@ -207,7 +207,12 @@ impl Session {
         Ok(session)
     }
 
-    /// The URL's LUN.
+    /// The URL it logs in with (target, portal, LUN).
+    pub fn url(&self) -> &IscsiUrl {
+        &self.url
+    }
+
+    /// The URL's LUN, in the PDU's encoding.
     pub fn lun(&self) -> Lun {
         Lun::from_index(self.url.lun)
     }
@@ -545,7 +550,14 @@ async fn login_connection(
 ) -> Result<(TcpStream, Established, Deframer)> {
     let mut stream = tokio::time::timeout(opts.timeout, TcpStream::connect(portal))
         .await
-        .map_err(|_| Error::Timeout)??;
+        .map_err(|_| Error::Connect {
+            portal: portal.to_string(),
+            source: std::io::ErrorKind::TimedOut.into(),
+        })?
+        .map_err(|source| Error::Connect {
+            portal: portal.to_string(),
+            source,
+        })?;
     let mut deframer = Deframer::new();
     let outcome = LoginExchange {
         stream: &mut stream,

@@ -618,7 +618,7 @@ async fn worker(
             }
             Err(e) => {
                 sh.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!("I/O at LBA {lba} failed: {e}");
+                tracing::warn!("I/O at LBA {lba} on {} failed: {e}", session.url().portal);
                 if matches!(e, Error::ConnectionLost(_)) {
                     // The next command logs in again; pause so a dead target is not hammered.
                     tokio::time::sleep(Duration::from_millis(100)).await;

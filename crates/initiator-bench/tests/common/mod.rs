@@ -46,6 +46,9 @@ pub struct Config {
     pub drop_after: Option<usize>,
     /// Never answer READs (for task management tests).
     pub hold_reads: bool,
+    /// Answer every READ with CHECK CONDITION, MEDIUM ERROR / UNRECOVERED READ ERROR, as a
+    /// failing disk would.
+    pub fail_reads: bool,
 }
 
 impl Default for Config {
@@ -75,6 +78,7 @@ impl Default for Config {
             ping: false,
             drop_after: None,
             hold_reads: false,
+            fail_reads: false,
         }
     }
 }
@@ -455,6 +459,21 @@ impl Conn {
             0x28 | 0x88 => {
                 if self.config.hold_reads {
                     return Ok(());
+                }
+                if self.config.fail_reads {
+                    let sense = [
+                        0x70, 0, 0x03, 0, 0, 0, 0, 10, 0, 0, 0, 0, 0x11, 0, 0, 0, 0, 0,
+                    ];
+                    let r = ScsiResponse {
+                        status: ScsiStatus::CHECK_CONDITION,
+                        initiator_task_tag: c.initiator_task_tag,
+                        stat_sn: self.next_stat_sn(),
+                        exp_cmd_sn: self.exp_cmd_sn,
+                        max_cmd_sn: self.max_cmd_sn(),
+                        data: ScsiResponse::sense_segment(&sense),
+                        ..Default::default()
+                    };
+                    return self.send(Pdu::ScsiResponse(r)).await;
                 }
                 let start = (lba * bs) as usize;
                 let data =
