@@ -354,6 +354,32 @@ fn trace_report(
         .ok_or_else(|| anyhow::anyhow!("--window {window:?} is not START:LENGTH in ms"))?;
     let t = read_trace(target)?;
     let i = initiator.map(read_trace).transpose()?;
+    // Each file says which side wrote it: swapped or doubled files would make a report of
+    // nothing, or of the wrong thing.
+    if t.side != cmdtrace::Side::Target {
+        bail!(
+            "{} was written by an initiator (run --trace): the target's trace (targetctl trace \
+             stop) comes first",
+            target.display()
+        );
+    }
+    if let (Some(path), Some(file)) = (initiator, &i) {
+        if file.side != cmdtrace::Side::Initiator {
+            bail!(
+                "{} was written by a target: the second trace is the initiator's (run --trace)",
+                path.display()
+            );
+        }
+    }
+    for (path, file) in std::iter::once((target, &t)).chain(initiator.zip(i.as_ref())) {
+        if file.dropped > 0 {
+            eprintln!(
+                "warning: {} lost {} records to a full ring: the report covers what was kept",
+                path.display(),
+                file.dropped
+            );
+        }
+    }
     let r = initiator_bench::trace::report(&t, i.as_ref(), estimate);
     let i = match (i, r.clock) {
         (Some(mut i), Some((c, true))) => {

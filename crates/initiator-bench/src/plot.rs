@@ -75,9 +75,19 @@ fn draw<DB: DrawingBackend>(
     series: &[Series],
 ) -> Result<(), String> {
     let err = |step: &str, e: &dyn std::fmt::Display| format!("plot {step}: {e}");
+    // No finite point, no axes to scale: plotters would search an empty or endless range for
+    // tick marks forever.
+    let finite = |p: &&(f64, f64)| p.0.is_finite() && p.1.is_finite();
+    if !series.iter().any(|s| s.points.iter().any(|p| finite(&p))) {
+        return Err("nothing to plot (no data points)".into());
+    }
     root.fill(&WHITE).map_err(|e| err("fill", &e))?;
-    let xs = series.iter().flat_map(|s| s.points.iter().map(|p| p.0));
-    let ys = series.iter().flat_map(|s| s.points.iter().map(|p| p.1));
+    let xs = series
+        .iter()
+        .flat_map(|s| s.points.iter().filter(finite).map(|p| p.0));
+    let ys = series
+        .iter()
+        .flat_map(|s| s.points.iter().filter(finite).map(|p| p.1));
     let (x0, x1) = xs.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
     let y1 = ys.fold(0.0f64, f64::max).max(1e-9) * 1.1;
     let (x0, x1) = if x0 >= x1 {

@@ -6,14 +6,26 @@ mod common;
 
 use common::{Config, ScriptedTarget};
 
-/// Runs the command on a blocking thread, so the scripted target's tasks keep running.
+/// Runs the command on a blocking thread, so the scripted target's tasks keep running; a
+/// command that has not ended after a minute is killed and fails the test (it once spun).
 async fn bench(args: Vec<String>) -> std::process::Output {
     tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_initiator-bench"))
-            .args(args)
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_initiator-bench"))
+            .args(&args)
             .env("RUST_LOG", "warn")
-            .output()
-            .unwrap()
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("initiator-bench {args:?} did not end within a minute");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        child.wait_with_output().unwrap()
     })
     .await
     .unwrap()
@@ -79,6 +91,58 @@ async fn an_unreachable_portal_is_named() {
     assert!(
         stderr.contains(&format!("cannot connect to 127.0.0.1:{port}")),
         "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_report_refuses_files_of_the_wrong_side() {
+    use cmdtrace::{Side, TraceFile};
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, side: Side| {
+        let path = dir.path().join(name);
+        let file = TraceFile {
+            side,
+            offset_ns: 0,
+            dropped: 0,
+            records: Vec::new(),
+        };
+        file.write_to(&mut std::fs::File::create(&path).unwrap())
+            .unwrap();
+        path.display().to_string()
+    };
+    let (t, i) = (
+        write("t.trace", Side::Target),
+        write("i.trace", Side::Initiator),
+    );
+    let out = dir.path().join("out").display().to_string();
+    let report = |a: &str, b: &str| {
+        bench(
+            ["trace", "report", a, b, "--out", &out]
+                .iter()
+                .map(|s| s.to_string())
+                .collect(),
+        )
+    };
+    let swapped = report(&i, &t).await;
+    let stderr = String::from_utf8_lossy(&swapped.stderr);
+    assert!(!swapped.status.success());
+    assert!(stderr.contains("written by an initiator"), "{stderr}");
+    let twice = report(&t, &t).await;
+    assert!(!twice.status.success());
+    assert!(
+        String::from_utf8_lossy(&twice.stderr).contains("written by a target"),
+        "{}",
+        String::from_utf8_lossy(&twice.stderr)
+    );
+    // The right order: a report of nothing, which ends (its plot once spun forever on no
+    // data).
+    let right = report(&t, &i).await;
+    let stderr = String::from_utf8_lossy(&right.stderr);
+    assert!(right.status.success(), "{stderr}");
+    assert!(
+        String::from_utf8_lossy(&right.stdout).contains("no command arrived"),
+        "{}",
+        String::from_utf8_lossy(&right.stdout)
     );
 }
 
