@@ -191,27 +191,70 @@ fn handle_with(
     }
 }
 
+impl AdminRequest {
+    /// Whether it changes anything (and so is logged with who asked).
+    pub fn is_change(&self) -> bool {
+        !matches!(
+            self,
+            AdminRequest::Status
+                | AdminRequest::Targets
+                | AdminRequest::Luns { .. }
+                | AdminRequest::Sessions
+                | AdminRequest::Stats
+                | AdminRequest::ConfigDump
+        )
+    }
+}
+
 async fn client(
     stream: UnixStream,
     registry: &Registry,
     tracer: &Arc<Tracer>,
 ) -> std::io::Result<()> {
+    // Who asks: every change is logged with the peer's uid (and pid), from the socket's
+    // credentials, not from anything the client says.
+    let (uid, pid) = stream
+        .peer_cred()
+        .map(|c| (Some(c.uid()), c.pid()))
+        .unwrap_or((None, None));
     let (rd, mut wr) = stream.into_split();
     let mut lines = BufReader::new(rd).lines();
     while let Some(line) = lines.next_line().await? {
         let response = match serde_json::from_str::<AdminRequest>(&line) {
-            Ok(req) => match handle_with(registry, tracer, req) {
-                Ok(result) => AdminResponse {
-                    ok: true,
-                    result,
-                    error: None,
-                },
-                Err(e) => AdminResponse {
-                    ok: false,
-                    result: Value::Null,
-                    error: Some(e),
-                },
-            },
+            Ok(req) => {
+                // The request's Debug form shows no CHAP secret (config::Chap redacts it).
+                let what = req.is_change().then(|| format!("{req:?}"));
+                let result = handle_with(registry, tracer, req);
+                if let Some(what) = what {
+                    match &result {
+                        Ok(changes) => tracing::info!(
+                            uid,
+                            pid,
+                            request = %what,
+                            changes = %changes,
+                            "admin change"
+                        ),
+                        Err(e) => tracing::warn!(
+                            uid,
+                            pid,
+                            request = %what,
+                            "admin change refused: {e}"
+                        ),
+                    }
+                }
+                match result {
+                    Ok(result) => AdminResponse {
+                        ok: true,
+                        result,
+                        error: None,
+                    },
+                    Err(e) => AdminResponse {
+                        ok: false,
+                        result: Value::Null,
+                        error: Some(e),
+                    },
+                }
+            }
             Err(e) => AdminResponse {
                 ok: false,
                 result: Value::Null,

@@ -116,10 +116,11 @@ fn main() -> ExitCode {
                         let result = Config::load(&reload.config_path)
                             .map_err(|e| e.to_string())
                             .and_then(|c| reload.apply(c));
+                        // Who asked: whoever sent the signal; the kernel does not say here.
                         match result {
-                            Ok(changes) if changes.is_empty() => tracing::info!("reload: no change"),
-                            Ok(changes) => for c in changes { tracing::info!("reload: {c}") },
-                            Err(e) => tracing::error!("reload refused, the running config stays: {e}"),
+                            Ok(changes) if changes.is_empty() => tracing::info!(by = "SIGHUP", "reload: no change"),
+                            Ok(changes) => for c in changes { tracing::info!(by = "SIGHUP", "reload: {c}") },
+                            Err(e) => tracing::error!(by = "SIGHUP", "reload refused, the running config stays: {e}"),
                         }
                     }
                 }
