@@ -93,6 +93,13 @@ pub enum AdminRequest {
     },
     /// The running config, as TOML.
     ConfigDump,
+    /// Writes the running config (secrets included) to `to`, or to the file the daemon was
+    /// started with: a temporary file in the same directory, synced, renamed over, mode 0600.
+    ConfigSave {
+        /// An absolute path; the daemon's config file when absent.
+        #[serde(default)]
+        to: Option<PathBuf>,
+    },
     /// Reads the config file again and applies it (as SIGHUP does).
     Reload,
     /// Starts tracing every command's stages into `out` (the daemon writes it at the stop).
@@ -330,16 +337,79 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
                     ));
                 }
             }
-            let mut config = registry.config().clone();
-            edit(&mut config, req)?;
-            registry.apply(config).map(|c| json!(c))
+            change(registry, req)
         }
-        change => {
-            let mut config = registry.config().clone();
-            edit(&mut config, change)?;
-            registry.apply(config).map(|c| json!(c))
+        AdminRequest::ConfigSave { to } => {
+            let path = match to {
+                Some(p) if !p.is_absolute() => {
+                    return Err(format!("{}: the path must be absolute", p.display()))
+                }
+                Some(p) => p,
+                None => registry.config_path.clone(),
+            };
+            save(registry, &path).map(|()| json!(format!("saved to {}", path.display())))
         }
+        other => change(registry, other),
     }
+}
+
+/// Applies a change to the running config; with `server.save_on_change`, saves it after.
+fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
+    let mut config = registry.config().clone();
+    edit(&mut config, req)?;
+    let changes = registry.apply(config)?;
+    if registry.config().server.save_on_change {
+        save(registry, &registry.config_path)
+            .map_err(|e| format!("applied ({}), but not saved: {e}", changes.join("; ")))?;
+    }
+    Ok(json!(changes))
+}
+
+/// Writes the running config to `path` atomically: a temporary file beside it (mode 0600: it
+/// holds CHAP secrets), synced, renamed over `path`, and the directory synced, so a crash
+/// leaves the old file or the new one, never a torn one.
+pub fn save(registry: &Registry, path: &Path) -> Result<(), String> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt;
+    let text = toml::to_string(&*registry.config()).map_err(|e| e.to_string())?;
+    let text = format!(
+        "# Saved by targetd from its running configuration (targetctl config save).\n{text}"
+    );
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or(format!("{}: not a file name", path.display()))?;
+    let tmp = dir.join(format!(
+        ".{}.saving-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let io = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| io("create", &tmp, e))?;
+    let written = f
+        .write_all(text.as_bytes())
+        .and_then(|()| f.sync_all())
+        .map_err(|e| io("write", &tmp, e));
+    drop(f);
+    if let Err(e) =
+        written.and_then(|()| std::fs::rename(&tmp, path).map_err(|e| io("rename over", path, e)))
+    {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+    Ok(())
 }
 
 /// Makes a change to a copy of the config.

@@ -116,6 +116,12 @@ pub struct Server {
     #[serde(default)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub state_dir: Option<PathBuf>,
+    /// Save the running config to the file targetd was started with after every successful
+    /// live change (as `targetctl config save` does), so changes made with targetctl outlive
+    /// a restart.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub save_on_change: bool,
 }
 
 fn default_admin_socket() -> PathBuf {

@@ -1077,3 +1077,80 @@ fn the_admin_socket_is_the_owners_and_targetctl_says_so() {
         "{err}"
     );
 }
+
+/// Live changes that last: `config save` writes the running config, secrets included, over
+/// the file targetd started with (atomically, mode 0600), and a restart from it has the
+/// change; with `server.save_on_change`, every change is saved by itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_changes_are_saved_to_the_config_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let chap = "chap = { username = \"u\", secret = \"0123456789abcdef\" }";
+    let d = Daemon::start(&config("", &memory_target(TARGET, chap)));
+    let file = d.dir.path().join("config.toml");
+    let lun: targetd::config::Lun =
+        toml::from_str("lun = 3\nbackend = \"memory\"\nsize = \"8MiB\"").unwrap();
+    handle(
+        &d.registry,
+        AdminRequest::LunAdd {
+            target: TARGET.into(),
+            lun,
+        },
+    )
+    .unwrap();
+    // Not saved yet: the file still has one LUN.
+    let before = targetd::Config::load(&file).unwrap();
+    assert_eq!(before.targets[0].luns.len(), 1);
+    let e = handle(
+        &d.registry,
+        AdminRequest::ConfigSave {
+            to: Some("relative.toml".into()),
+        },
+    )
+    .unwrap_err();
+    assert!(e.contains("absolute"), "{e}");
+    handle(&d.registry, AdminRequest::ConfigSave { to: None }).unwrap();
+    let after = targetd::Config::load(&file).unwrap();
+    assert_eq!(
+        after,
+        *d.registry.config(),
+        "the file holds the running config"
+    );
+    assert_eq!(after.targets[0].luns.len(), 2);
+    assert_eq!(
+        after.targets[0].chap.as_ref().unwrap().secret,
+        "0123456789abcdef",
+        "the real secret, not <redacted>"
+    );
+    let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    let leftovers: Vec<_> = std::fs::read_dir(d.dir.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".saving-"))
+        .collect();
+    assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
+    d.stop();
+
+    // save_on_change: a change is in the file at once.
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")).replace(
+        "nop_interval = 0",
+        "nop_interval = 0\nsave_on_change = true",
+    ));
+    let file = d.dir.path().join("config.toml");
+    handle(
+        &d.registry,
+        AdminRequest::LunResize {
+            target: TARGET.into(),
+            lun: 0,
+            size: "128MiB".into(),
+            force: false,
+        },
+    )
+    .unwrap();
+    let saved = targetd::Config::load(&file).unwrap();
+    assert_eq!(
+        saved.targets[0].luns[0].size,
+        Some(targetd::config::Size(128 << 20))
+    );
+    assert!(saved.server.save_on_change);
+}

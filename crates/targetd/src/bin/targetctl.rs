@@ -260,6 +260,13 @@ enum ConfigAction {
     Dump,
     /// Reads the config file again and applies it (as SIGHUP does).
     Reload,
+    /// Writes the running config, secrets included, to the file targetd was started with (or
+    /// to --to FILE): atomically, mode 0600.
+    Save {
+        /// Another file to write.
+        #[arg(long)]
+        to: Option<PathBuf>,
+    },
 }
 
 struct Client {
@@ -435,6 +442,11 @@ fn run(args: Args) -> Result<()> {
         Command::Config {
             action: ConfigAction::Reload,
         } => AdminRequest::Reload,
+        Command::Config {
+            action: ConfigAction::Save { to },
+        } => AdminRequest::ConfigSave {
+            to: to.map(absolute).transpose()?,
+        },
         Command::Trace {
             action: TraceAction::Start { out, duration },
         } => AdminRequest::TraceStart {
