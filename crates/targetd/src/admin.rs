@@ -100,8 +100,13 @@ pub enum AdminRequest {
         #[serde(default)]
         to: Option<PathBuf>,
     },
-    /// Reads the config file again and applies it (as SIGHUP does).
-    Reload,
+    /// Reads the config file again and applies it (as SIGHUP does); refused when it would
+    /// drop targets or LUNs made live since the last save, unless `force`.
+    Reload {
+        /// Drop them.
+        #[serde(default)]
+        force: bool,
+    },
     /// Starts tracing every command's stages into `out` (the daemon writes it at the stop).
     TraceStart {
         /// The trace file, an absolute path (the daemon's working directory is not the
@@ -284,13 +289,14 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
         AdminRequest::Sessions => Ok(sessions_json(registry)),
         AdminRequest::Stats => Ok(stats(registry)),
         AdminRequest::ConfigDump => {
-            let text = toml::to_string(&registry.config().redacted()).map_err(|e| e.to_string())?;
-            Ok(Value::String(text))
+            let config = registry.config().redacted();
+            let text = toml::to_string(&config).map_err(|e| e.to_string())?;
+            Ok(Value::String(format!(
+                "{}{text}",
+                waiting_for_restart(&registry.started_server, &config.server)
+            )))
         }
-        AdminRequest::Reload => {
-            let new = Config::load(&registry.config_path).map_err(|e| e.to_string())?;
-            registry.apply(new).map(|c| json!(c))
-        }
+        AdminRequest::Reload { force } => registry.reload(force).map(|c| json!(c)),
         AdminRequest::LunFault { target, lun, fault } => {
             let t = registry
                 .target(&target)
@@ -353,11 +359,66 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
     }
 }
 
+/// Comment lines naming the `[server]` values a reload changed that take effect only at the
+/// next start (what runs is `started`); empty when there are none.
+fn waiting_for_restart(started: &config::Server, now: &config::Server) -> String {
+    let show = |v: &dyn std::fmt::Debug| format!("{v:?}");
+    let pairs = [
+        ("portals", show(&started.portals), show(&now.portals)),
+        (
+            "rdma_portals",
+            show(&started.rdma_portals),
+            show(&now.rdma_portals),
+        ),
+        ("reactors", show(&started.reactors), show(&now.reactors)),
+        ("engine", show(&started.engine), show(&now.engine)),
+        (
+            "admin_socket",
+            show(&started.admin_socket),
+            show(&now.admin_socket),
+        ),
+        (
+            "metrics_listen",
+            show(&started.metrics_listen),
+            show(&now.metrics_listen),
+        ),
+        ("state_dir", show(&started.state_dir), show(&now.state_dir)),
+    ];
+    pairs
+        .iter()
+        .filter(|(_, then, now)| then != now)
+        .map(|(key, then, now)| {
+            format!("# waiting for a restart: server.{key} = {now} (running with {then})\n")
+        })
+        .collect()
+}
+
 /// Applies a change to the running config; with `server.save_on_change`, saves it after.
+/// Targets and LUNs it makes are remembered as unsaved until a save or reload.
 fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
+    let made = match &req {
+        AdminRequest::LunAdd { target, lun } => Some(format!("{target} LUN {}", lun.lun)),
+        AdminRequest::TargetAdd { target } => Some(format!("target {}", target.name)),
+        _ => None,
+    };
+    let gone = match &req {
+        AdminRequest::LunRemove { target, lun } => Some(format!("{target} LUN {lun}")),
+        AdminRequest::TargetRemove { name } => Some(format!("target {name}")),
+        _ => None,
+    };
     let mut config = registry.config().clone();
     edit(&mut config, req)?;
     let changes = registry.apply(config)?;
+    {
+        let mut unsaved = crate::registry::lock(&registry.unsaved);
+        if let Some(what) = made {
+            unsaved.insert(what);
+        }
+        if let Some(what) = gone {
+            let lun_prefix = what.strip_prefix("target ").map(|n| format!("{n} LUN "));
+            unsaved.retain(|u| *u != what && lun_prefix.as_ref().is_none_or(|p| !u.starts_with(p)));
+        }
+    }
     if registry.config().server.save_on_change {
         save(registry, &registry.config_path)
             .map_err(|e| format!("applied ({}), but not saved: {e}", changes.join("; ")))?;
@@ -408,6 +469,10 @@ pub fn save(registry: &Registry, path: &Path) -> Result<(), String> {
     }
     if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
+    }
+    // The daemon's own file now holds everything that runs.
+    if path == registry.config_path {
+        crate::registry::lock(&registry.unsaved).clear();
     }
     Ok(())
 }

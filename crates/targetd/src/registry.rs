@@ -30,6 +30,12 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// connections, shared by every reactor, the listeners and the admin interface. It answers a
 /// login's questions ([`Registry::admission`]) and applies reloads ([`Registry::apply`]).
 pub struct Registry {
+    /// What targetctl made live since the config file last matched the running config (a
+    /// load, a save, a reload): "target IQN" and "IQN LUN N". A reload would lose these.
+    pub unsaved: Mutex<std::collections::BTreeSet<String>>,
+    /// `[server]` as the daemon started with it: what listens and runs now, whatever a reload
+    /// changed in the file.
+    pub started_server: crate::config::Server,
     config: RwLock<Config>,
     /// The file the config came from (SIGHUP reads it again).
     pub config_path: PathBuf,
@@ -100,6 +106,27 @@ pub struct ArenaGauge {
     pub waiting: AtomicU64,
 }
 
+/// Whether `config` has the target ("target IQN") or LUN ("IQN LUN N") `what` names.
+fn holds(config: &Config, what: &str) -> bool {
+    let target = |name: &str| {
+        config
+            .targets
+            .iter()
+            .find(|t| t.name.eq_ignore_ascii_case(name))
+    };
+    if let Some(name) = what.strip_prefix("target ") {
+        return target(name).is_some();
+    }
+    match what.rsplit_once(" LUN ") {
+        Some((name, lun)) => target(name).is_some_and(|t| {
+            t.luns
+                .iter()
+                .any(|l| lun.parse::<u16>().is_ok_and(|n| l.lun == n))
+        }),
+        None => true,
+    }
+}
+
 impl Registry {
     /// A registry of `targets` (already opened) under `config`, serving on `portals`.
     pub fn new(
@@ -111,6 +138,8 @@ impl Registry {
         let sessions = Sessions::default();
         sessions.set_limit(config.server.max_sessions);
         Registry {
+            unsaved: Mutex::default(),
+            started_server: config.server.clone(),
             config: RwLock::new(config),
             config_path,
             targets: RwLock::new(targets),
@@ -271,6 +300,29 @@ impl Registry {
 
     /// Applies a changed config while running: targets and LUNs added, removed or changed,
     /// access rules and negotiation settings for new logins. Returns what changed.
+    /// Reads the config file again and applies it. Refused, listing them, when it would
+    /// remove targets or LUNs made live with targetctl since the file last held the running
+    /// config, unless `force`.
+    pub fn reload(&self, force: bool) -> Result<Vec<String>, String> {
+        let new = Config::load(&self.config_path).map_err(|e| e.to_string())?;
+        let lost: Vec<String> = lock(&self.unsaved)
+            .iter()
+            .filter(|what| !holds(&new, what))
+            .cloned()
+            .collect();
+        if !lost.is_empty() && !force {
+            return Err(format!(
+                "the file would remove what targetctl made live since the last save: {}; save \
+                 it first (targetctl config save) or reload with --force",
+                lost.join(", ")
+            ));
+        }
+        let changes = self.apply(new)?;
+        lock(&self.unsaved).clear();
+        Ok(changes)
+    }
+
+    /// Applies `new` as the running config (validated first); returns what changed.
     pub fn apply(&self, new: Config) -> Result<Vec<String>, String> {
         new.validate().map_err(|(k, r)| format!("{k}: {r}"))?;
         for (key, reason) in new.warnings() {

@@ -1154,3 +1154,73 @@ async fn live_changes_are_saved_to_the_config_file() {
     );
     assert!(saved.server.save_on_change);
 }
+
+/// A reload never silently drops what was made live: LUNs and targets added with targetctl
+/// and not saved make it refuse, naming them, unless forced; saved, they stay. A portal added
+/// by a reload is shown in `config dump` as waiting for a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_what_was_made_live_unless_forced() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let add = |n: u16| {
+        let lun: targetd::config::Lun =
+            toml::from_str(&format!("lun = {n}\nbackend = \"memory\"\nsize = \"8MiB\"")).unwrap();
+        handle(
+            &d.registry,
+            AdminRequest::LunAdd {
+                target: TARGET.into(),
+                lun,
+            },
+        )
+        .unwrap();
+    };
+    add(3);
+    let e = handle(&d.registry, AdminRequest::Reload { force: false }).unwrap_err();
+    assert!(
+        e.contains(&format!("{TARGET} LUN 3"))
+            && e.contains("config save")
+            && e.contains("--force"),
+        "{e}"
+    );
+    assert!(
+        d.registry.targets()[0].lun(3).is_some(),
+        "nothing was dropped"
+    );
+    // Forced: the file wins.
+    handle(&d.registry, AdminRequest::Reload { force: true }).unwrap();
+    assert!(d.registry.targets()[0].lun(3).is_none());
+    // Saved: a reload keeps it, as the file now has it.
+    add(4);
+    handle(&d.registry, AdminRequest::ConfigSave { to: None }).unwrap();
+    handle(&d.registry, AdminRequest::Reload { force: false }).unwrap();
+    assert!(d.registry.targets()[0].lun(4).is_some());
+    // Added and removed again: nothing to lose.
+    add(5);
+    handle(
+        &d.registry,
+        AdminRequest::LunRemove {
+            target: TARGET.into(),
+            lun: 5,
+        },
+    )
+    .unwrap();
+    handle(&d.registry, AdminRequest::Reload { force: false }).unwrap();
+
+    // A portal added in the file: applied at the next start, and dump says so.
+    let file = d.dir.path().join("config.toml");
+    let text = std::fs::read_to_string(&file).unwrap();
+    let text = text.replacen("portals = [", "portals = [\"127.0.0.1:1\", ", 1);
+    std::fs::write(&file, text).unwrap();
+    let changes = handle(&d.registry, AdminRequest::Reload { force: false }).unwrap();
+    assert!(
+        changes
+            .to_string()
+            .contains("server.portals: takes effect at the next start"),
+        "{changes}"
+    );
+    let dump = handle(&d.registry, AdminRequest::ConfigDump).unwrap();
+    let dump = dump.as_str().unwrap();
+    assert!(
+        dump.starts_with("# waiting for a restart: server.portals = [\"127.0.0.1:1\""),
+        "{dump}"
+    );
+}

@@ -258,8 +258,13 @@ enum SessionAction {
 enum ConfigAction {
     /// Prints the running config as TOML.
     Dump,
-    /// Reads the config file again and applies it (as SIGHUP does).
-    Reload,
+    /// Reads the config file again and applies it (as SIGHUP does). Refused when the file
+    /// would drop targets or LUNs made with targetctl since the last save, unless --force.
+    Reload {
+        /// Drop them.
+        #[arg(long)]
+        force: bool,
+    },
     /// Writes the running config, secrets included, to the file targetd was started with (or
     /// to --to FILE): atomically, mode 0600.
     Save {
@@ -440,8 +445,8 @@ fn run(args: Args) -> Result<()> {
             action: ConfigAction::Dump,
         } => AdminRequest::ConfigDump,
         Command::Config {
-            action: ConfigAction::Reload,
-        } => AdminRequest::Reload,
+            action: ConfigAction::Reload { force },
+        } => AdminRequest::Reload { force },
         Command::Config {
             action: ConfigAction::Save { to },
         } => AdminRequest::ConfigSave {

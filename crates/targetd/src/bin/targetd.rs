@@ -113,9 +113,8 @@ fn main() -> ExitCode {
                     _ = term.recv() => return,
                     _ = int.recv() => return,
                     _ = hup.recv() => {
-                        let result = Config::load(&reload.config_path)
-                            .map_err(|e| e.to_string())
-                            .and_then(|c| reload.apply(c));
+                        // Never forced: what targetctl made and nobody saved stays.
+                        let result = reload.reload(false);
                         // Who asked: whoever sent the signal; the kernel does not say here.
                         match result {
                             Ok(changes) if changes.is_empty() => tracing::info!(by = "SIGHUP", "reload: no change"),
