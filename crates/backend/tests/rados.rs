@@ -7,7 +7,6 @@
 //! say so and pass; under `CI` they fail instead.
 #![cfg(feature = "rbd")]
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
@@ -15,40 +14,13 @@ use std::time::Duration;
 use backend::rbd::rados::{CasError, Pool};
 use backend::rbd::{Cluster, ClusterConfig};
 
+mod common;
+
 fn pool() -> Option<(ClusterConfig, String)> {
-    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    match (var("CEPH_CONF"), var("CEPH_POOL")) {
-        (Some(conf), Some(pool)) => Some((
-            ClusterConfig {
-                ceph_conf: Some(conf.into()),
-                client: var("CEPH_CLIENT").unwrap_or_else(|| "admin".into()),
-                keyring: var("CEPH_KEYRING").map(PathBuf::from),
-                timeout: Duration::from_secs(10),
-                cache: false,
-            },
-            pool,
-        )),
-        _ if std::env::var_os("CI").is_some() => {
-            panic!("CI needs a Ceph cluster: .ci/run starts one (scripts/ceph-dev-cluster.sh)")
-        }
-        _ => {
-            eprintln!(
-                "skipping: no Ceph cluster (start one with scripts/ceph-dev-cluster.sh start DIR \
-                 and source DIR/env)"
-            );
-            None
-        }
-    }
+    common::ceph()
 }
 
-fn unique(prefix: &str) -> String {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    format!(
-        "{prefix}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
-}
+use common::unique;
 
 /// A separate connection, as another gateway has.
 fn gateway(config: &ClusterConfig, pool: &str) -> Arc<Pool> {

@@ -6,8 +6,7 @@
 //! say so and pass; under `CI` they fail instead.
 #![cfg(feature = "rbd")]
 
-use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,44 +14,17 @@ use backend::rbd::{Cluster, ClusterConfig, Image, ImageSpec, RbdBackend, RbdErro
 use backend::{Arena, ArenaConfig, Buffer, Engine, EngineChoice, EngineConfig};
 use scsi_core::{Backend, BackendError, Op, Output};
 
+mod common;
+
+use common::unique;
+
 struct Env {
     config: ClusterConfig,
     pool: String,
 }
 
 fn env() -> Option<Env> {
-    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    match (var("CEPH_CONF"), var("CEPH_POOL")) {
-        (Some(conf), Some(pool)) => Some(Env {
-            config: ClusterConfig {
-                ceph_conf: Some(conf.into()),
-                client: var("CEPH_CLIENT").unwrap_or_else(|| "admin".into()),
-                keyring: var("CEPH_KEYRING").map(PathBuf::from),
-                timeout: Duration::from_secs(10),
-                cache: false,
-            },
-            pool,
-        }),
-        _ if std::env::var_os("CI").is_some() => {
-            panic!("CI needs a Ceph cluster: .ci/run starts one (scripts/ceph-dev-cluster.sh)")
-        }
-        _ => {
-            eprintln!(
-                "skipping: no Ceph cluster (start one with scripts/ceph-dev-cluster.sh start DIR \
-                 and source DIR/env)"
-            );
-            None
-        }
-    }
-}
-
-fn unique(prefix: &str) -> String {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    format!(
-        "{prefix}-{}-{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
+    common::ceph().map(|(config, pool)| Env { config, pool })
 }
 
 struct Rig {

@@ -1,10 +1,12 @@
-//! What the tests share: which engines this machine can run.
+//! What the tests share: which engines this machine can run, and the Ceph cluster the RBD
+//! tests use.
 
 use backend::{Engine, EngineChoice, EngineConfig};
 
 /// The engines to test: io_uring when the kernel lets us set one up, and the thread pool.
 /// Without io_uring the io_uring half is skipped with the reason, unless `CI` is set, where it
 /// fails: CI machines must exercise both.
+#[allow(dead_code)]
 pub fn engines() -> Vec<EngineChoice> {
     let probe = Engine::new(EngineConfig {
         engine: EngineChoice::Uring,
@@ -20,4 +22,47 @@ pub fn engines() -> Vec<EngineChoice> {
             vec![EngineChoice::Threads]
         }
     }
+}
+
+/// The cluster `CEPH_CONF`, `CEPH_KEYRING`, `CEPH_CLIENT` and `CEPH_POOL` name
+/// (`scripts/ceph-dev-cluster.sh start DIR` writes them to DIR/env), with its pool; None,
+/// saying why, when none is configured, and under `CI` a failure instead.
+#[cfg(feature = "rbd")]
+#[allow(dead_code)]
+pub fn ceph() -> Option<(backend::rbd::ClusterConfig, String)> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    match (var("CEPH_CONF"), var("CEPH_POOL")) {
+        (Some(conf), Some(pool)) => Some((
+            backend::rbd::ClusterConfig {
+                ceph_conf: Some(conf.into()),
+                client: var("CEPH_CLIENT").unwrap_or_else(|| "admin".into()),
+                keyring: var("CEPH_KEYRING").map(std::path::PathBuf::from),
+                timeout: std::time::Duration::from_secs(10),
+                cache: false,
+            },
+            pool,
+        )),
+        _ if std::env::var_os("CI").is_some() => {
+            panic!("CI needs a Ceph cluster: .ci/run starts one (scripts/ceph-dev-cluster.sh)")
+        }
+        _ => {
+            eprintln!(
+                "skipping: no Ceph cluster (start one with scripts/ceph-dev-cluster.sh start DIR \
+                 and source DIR/env)"
+            );
+            None
+        }
+    }
+}
+
+/// A name no other test run uses.
+#[allow(dead_code)]
+pub fn unique(prefix: &str) -> String {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }

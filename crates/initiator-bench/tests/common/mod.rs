@@ -461,19 +461,8 @@ impl Conn {
                     return Ok(());
                 }
                 if self.config.fail_reads {
-                    let sense = [
-                        0x70, 0, 0x03, 0, 0, 0, 0, 10, 0, 0, 0, 0, 0x11, 0, 0, 0, 0, 0,
-                    ];
-                    let r = ScsiResponse {
-                        status: ScsiStatus::CHECK_CONDITION,
-                        initiator_task_tag: c.initiator_task_tag,
-                        stat_sn: self.next_stat_sn(),
-                        exp_cmd_sn: self.exp_cmd_sn,
-                        max_cmd_sn: self.max_cmd_sn(),
-                        data: ScsiResponse::sense_segment(&sense),
-                        ..Default::default()
-                    };
-                    return self.send(Pdu::ScsiResponse(r)).await;
+                    // MEDIUM ERROR / UNRECOVERED READ ERROR.
+                    return self.check_condition(c.initiator_task_tag, 0x03, 0x11).await;
                 }
                 let start = (lba * bs) as usize;
                 let data =
@@ -514,22 +503,24 @@ impl Conn {
                 self.status(c.initiator_task_tag, ScsiStatus::GOOD, Residual::None)
                     .await
             }
-            _ => {
-                let sense = [
-                    0x70, 0, 0x05, 0, 0, 0, 0, 10, 0, 0, 0, 0, 0x20, 0, 0, 0, 0, 0,
-                ];
-                let r = ScsiResponse {
-                    status: ScsiStatus::CHECK_CONDITION,
-                    initiator_task_tag: c.initiator_task_tag,
-                    stat_sn: self.next_stat_sn(),
-                    exp_cmd_sn: self.exp_cmd_sn,
-                    max_cmd_sn: self.max_cmd_sn(),
-                    data: ScsiResponse::sense_segment(&sense),
-                    ..Default::default()
-                };
-                self.send(Pdu::ScsiResponse(r)).await
-            }
+            // ILLEGAL REQUEST / INVALID COMMAND OPERATION CODE.
+            _ => self.check_condition(c.initiator_task_tag, 0x05, 0x20).await,
         }
+    }
+
+    /// CHECK CONDITION with fixed-format sense: `key`, ASC `asc`, ASCQ 0.
+    async fn check_condition(&mut self, itt: u32, key: u8, asc: u8) -> R {
+        let sense = [0x70, 0, key, 0, 0, 0, 0, 10, 0, 0, 0, 0, asc, 0, 0, 0, 0, 0];
+        let r = ScsiResponse {
+            status: ScsiStatus::CHECK_CONDITION,
+            initiator_task_tag: itt,
+            stat_sn: self.next_stat_sn(),
+            exp_cmd_sn: self.exp_cmd_sn,
+            max_cmd_sn: self.max_cmd_sn(),
+            data: ScsiResponse::sense_segment(&sense),
+            ..Default::default()
+        };
+        self.send(Pdu::ScsiResponse(r)).await
     }
 
     async fn read_reply(&mut self, c: &ScsiCommand, data: Bytes, misbehave: Misbehave) -> R {
