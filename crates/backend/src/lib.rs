@@ -1,6 +1,6 @@
 //! Storage backends for scsi-core, on io_uring with a registered buffer arena.
 //!
-//! The zero-copy path of ../../DESIGN.md: each reactor owns one [`Arena`] (a mapping cut into
+//! The zero-copy path (docs/architecture.md, "The path of a read"): each reactor owns one [`Arena`] (a mapping cut into
 //! slots) and one [`Engine`] (an io_uring with that arena registered as a fixed buffer and the
 //! backing files as fixed files). A read lands in a slot that the transport then sends; a write
 //! is received into a slot and written from it. Where io_uring cannot be set up, or the config

@@ -1,4 +1,4 @@
-//! The daemon's configuration (schema in ../../DESIGN.md): parsed with serde, then checked as a
+//! The daemon's configuration (every key commented in the repository's config.toml): parsed with serde, then checked as a
 //! whole, so a bad file is refused at start with the key and the reason.
 //!
 //! Unknown keys are refused (`deny_unknown_fields`); TOML syntax and type errors carry the

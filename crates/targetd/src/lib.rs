@@ -1,7 +1,7 @@
 //! targetd, the iSCSI target daemon: `cargo run --release --bin targetd -- config.toml`.
 //!
-//! - [`config`]: the schema of ../../DESIGN.md, checked so a bad file is refused at start with
-//!   the key and the reason.
+//! - [`config`]: the config file's schema (config.toml in the repository shows every key),
+//!   checked so a bad file is refused at start with the key and the reason.
 //! - [`registry`]: the targets, sessions and connections every part shares, the login policy
 //!   and reloads; [`server`]: listeners, reactors and drain; [`reactor`]: one thread per core
 //!   with its own io_uring engine and buffer arena.

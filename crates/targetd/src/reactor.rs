@@ -1,5 +1,5 @@
 //! A reactor: one thread running a current-thread tokio runtime with its own io_uring engine and
-//! buffer arena (../../DESIGN.md, "Threads"). Connections handed to it stay on it for life, so
+//! buffer arena (docs/architecture.md, "Threads"). Connections handed to it stay on it for life, so
 //! the I/O path takes no locks except the SCSI core's.
 
 use std::cell::{Cell, RefCell};
