@@ -398,22 +398,7 @@ impl Image {
             what,
             reason: errno_text(ret),
         };
-        let mut ioctx: ffi::rados_ioctx_t = std::ptr::null_mut();
-        let pool = cstring(&spec.pool);
-        // Safety: connected handle; `pool` outlives the call; writes the new ioctx.
-        let ret = unsafe { ffi::rados_ioctx_create(cluster.rados, pool.as_ptr(), &mut ioctx) };
-        if ret < 0 {
-            return Err(RbdError::Pool {
-                pool: spec.pool.clone(),
-                reason: errno_text(ret.into()),
-            });
-        }
-        let ioctx = IoCtx(ioctx);
-        if !spec.namespace.is_empty() {
-            let ns = cstring(&spec.namespace);
-            // Safety: live ioctx; librados copies the name.
-            unsafe { ffi::rados_ioctx_set_namespace(ioctx.0, ns.as_ptr()) };
-        }
+        let ioctx = IoCtx::open(&cluster, &spec.pool, &spec.namespace)?;
         let name = cstring(&spec.image);
         let open = |handle: &mut ffi::rbd_image_t| {
             // Safety: live ioctx; `name` outlives the call; a null snapshot is the head.
@@ -731,15 +716,10 @@ impl Image {
                     .map_err(fail(lba, false))?;
                 let first = if same {
                     have.chunks(bs as usize).enumerate().find_map(|(i, c)| {
-                        c.iter()
-                            .zip(&buf[o..o + bs as usize])
-                            .position(|(a, b)| a != b)
-                            .map(|p| i * bs as usize + p)
+                        first_difference(c, &buf[o..o + bs as usize]).map(|p| i * bs as usize + p)
                     })
                 } else {
-                    have.iter()
-                        .zip(&buf[o..o + len as usize])
-                        .position(|(a, b)| a != b)
+                    first_difference(&have, &buf[o..o + len as usize])
                 };
                 match first {
                     Some(i) => Err(BackendError::Miscompare { offset: i as u64 }),
@@ -763,7 +743,7 @@ impl Image {
                 let mut have = vec![0u8; len];
                 self.read_sync(lba * bs, &mut have)
                     .map_err(fail(lba, false))?;
-                if let Some(i) = have.iter().zip(&buf[..len]).position(|(a, b)| a != b) {
+                if let Some(i) = first_difference(&have, &buf[..len]) {
                     return Err(BackendError::Miscompare { offset: i as u64 });
                 }
                 self.write_sync(lba * bs, &buf[len..2 * len], fua_flag(fua))
@@ -816,6 +796,27 @@ impl Drop for Image {
 struct IoCtx(ffi::rados_ioctx_t);
 
 impl IoCtx {
+    /// An I/O context on `pool`, in RADOS namespace `namespace` (empty for none).
+    fn open(cluster: &Cluster, pool: &str, namespace: &str) -> Result<IoCtx, RbdError> {
+        let mut ioctx: ffi::rados_ioctx_t = std::ptr::null_mut();
+        let name = cstring(pool);
+        // Safety: connected handle; `name` outlives the call; writes the new ioctx.
+        let ret = unsafe { ffi::rados_ioctx_create(cluster.rados, name.as_ptr(), &mut ioctx) };
+        if ret < 0 {
+            return Err(RbdError::Pool {
+                pool: pool.into(),
+                reason: errno_text(ret.into()),
+            });
+        }
+        let ioctx = IoCtx(ioctx);
+        if !namespace.is_empty() {
+            let ns = cstring(namespace);
+            // Safety: live ioctx; librados copies the name.
+            unsafe { ffi::rados_ioctx_set_namespace(ioctx.0, ns.as_ptr()) };
+        }
+        Ok(ioctx)
+    }
+
     fn take(mut self) -> ffi::rados_ioctx_t {
         std::mem::replace(&mut self.0, std::ptr::null_mut())
     }
@@ -835,6 +836,11 @@ unsafe extern "C" fn on_update(arg: *mut c_void) {
     // removed.
     let f = unsafe { &*(arg as *const WatchFn) };
     f();
+}
+
+/// The offset of the first byte where `a` and `b` differ.
+fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+    a.iter().zip(b).position(|(x, y)| x != y)
 }
 
 fn fua_flag(fua: bool) -> c_int {

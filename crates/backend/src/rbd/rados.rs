@@ -16,7 +16,7 @@ use std::os::raw::{c_char, c_int};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use super::{cstring, errno_text, ffi, Cluster, RbdError};
+use super::{cstring, errno_text, ffi, Cluster, IoCtx, RbdError};
 
 /// A pool (and RADOS namespace) of small shared objects, on a cluster connection.
 pub struct Pool {
@@ -174,21 +174,7 @@ unsafe extern "C" fn on_watch_error(arg: *mut c_void, _cookie: u64, err: c_int) 
 impl Pool {
     /// The pool `pool` (in RADOS namespace `namespace`, empty for none) on `cluster`.
     pub fn open(cluster: Arc<Cluster>, pool: &str, namespace: &str) -> Result<Arc<Pool>, RbdError> {
-        let mut ioctx: ffi::rados_ioctx_t = std::ptr::null_mut();
-        let name = cstring(pool);
-        // Safety: connected handle; `name` outlives the call; writes the new ioctx.
-        let ret = unsafe { ffi::rados_ioctx_create(cluster.rados, name.as_ptr(), &mut ioctx) };
-        if ret < 0 {
-            return Err(RbdError::Pool {
-                pool: pool.into(),
-                reason: errno_text(ret.into()),
-            });
-        }
-        if !namespace.is_empty() {
-            let ns = cstring(namespace);
-            // Safety: live ioctx; librados copies the name.
-            unsafe { ffi::rados_ioctx_set_namespace(ioctx, ns.as_ptr()) };
-        }
+        let ioctx = IoCtx::open(&cluster, pool, namespace)?.take();
         Ok(Arc::new(Pool {
             cluster,
             ioctx,
