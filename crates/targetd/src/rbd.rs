@@ -33,8 +33,9 @@ pub fn image_spec(c: &config::Lun) -> ImageSpec {
 }
 
 /// Connects (or reuses the connection) and opens the image, creating it at `size` when it
-/// does not exist. Errors start with the config key they are about ("pool: ...").
-pub fn open(c: &config::Lun) -> Result<Arc<Image>, String> {
+/// does not exist; returns it and its size in bytes. Errors start with the config key they
+/// are about ("pool: ...").
+pub fn open(c: &config::Lun) -> Result<(Arc<Image>, u64), String> {
     let named = |e: backend::rbd::RbdError| format!("{}: {e}", e.key());
     let cluster = Cluster::shared(&cluster_config(c)).map_err(named)?;
     let spec = image_spec(c);
@@ -53,7 +54,7 @@ pub fn open(c: &config::Lun) -> Result<Arc<Image>, String> {
     if bytes == 0 {
         return Err(format!("image: {spec} is empty"));
     }
-    Ok(image)
+    Ok((image, bytes))
 }
 
 /// The Block Limits of a unit on `image`: transfers aligned to its objects suit it best, as

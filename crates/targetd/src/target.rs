@@ -339,8 +339,7 @@ impl Lun {
             }
             #[cfg(feature = "rbd")]
             "rbd" => {
-                let image = crate::rbd::open(config)?;
-                let bytes = image.size().map_err(|e| format!("{}: {e}", e.key()))?;
+                let (image, bytes) = crate::rbd::open(config)?;
                 if let Some(size) = size.filter(|&s| s != bytes) {
                     tracing::info!(
                         image = %image.spec(),
