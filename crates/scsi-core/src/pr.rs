@@ -2,7 +2,7 @@
 //! the six reservation types with their access rules, PERSISTENT RESERVE IN and OUT, and
 //! persistence through a power loss (APTPL) by a [`PrStore`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use crate::nexus::{ItNexus, TransportId};
 use crate::sense::{Asc, FieldPointer, Sense, SenseKey};
@@ -652,9 +652,44 @@ impl PrStore for MemoryStore {
     }
 }
 
-/// A [`PrStore`] in a directory, one file per unit. Saves are atomic: write a temporary file,
-/// fsync it, rename it over the old one, fsync the directory. A crash leaves the old state or
-/// the new one, never a torn file.
+/// Replaces the file at `path` with `bytes` so that a crash leaves the old contents or the
+/// new ones, never a torn file: a temporary file beside it (created with `mode`, less the
+/// umask), fsync, rename over `path`, fsync of the directory.
+pub fn replace_file(path: &Path, bytes: &[u8], mode: u32) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file name"))?;
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let written = (|| {
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(mode)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// A [`PrStore`] in a directory, one file per unit. Saves are atomic ([`replace_file`]): a
+/// crash leaves the old state or the new one, never a torn file.
 #[derive(Debug)]
 pub struct FileStore {
     dir: PathBuf,
@@ -683,21 +718,14 @@ impl PrStore for FileStore {
     }
 
     fn save(&mut self, unit: &str, state: Option<&[u8]>) -> std::io::Result<()> {
-        use std::io::Write;
         let path = self.path(unit);
         match state {
             None => match std::fs::remove_file(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-                _ => {}
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+                _ => std::fs::File::open(&self.dir)?.sync_all(),
             },
-            Some(bytes) => {
-                let tmp = path.with_extension("pr.tmp");
-                let mut f = std::fs::File::create(&tmp)?;
-                f.write_all(bytes)?;
-                f.sync_all()?;
-                std::fs::rename(&tmp, &path)?;
-            }
+            // 0o666 less the umask, as File::create makes it.
+            Some(bytes) => replace_file(&path, bytes, 0o666),
         }
-        std::fs::File::open(&self.dir)?.sync_all()
     }
 }

@@ -362,31 +362,9 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
 /// Comment lines naming the `[server]` values a reload changed that take effect only at the
 /// next start (what runs is `started`); empty when there are none.
 fn waiting_for_restart(started: &config::Server, now: &config::Server) -> String {
-    let show = |v: &dyn std::fmt::Debug| format!("{v:?}");
-    let pairs = [
-        ("portals", show(&started.portals), show(&now.portals)),
-        (
-            "rdma_portals",
-            show(&started.rdma_portals),
-            show(&now.rdma_portals),
-        ),
-        ("reactors", show(&started.reactors), show(&now.reactors)),
-        ("engine", show(&started.engine), show(&now.engine)),
-        (
-            "admin_socket",
-            show(&started.admin_socket),
-            show(&now.admin_socket),
-        ),
-        (
-            "metrics_listen",
-            show(&started.metrics_listen),
-            show(&now.metrics_listen),
-        ),
-        ("state_dir", show(&started.state_dir), show(&now.state_dir)),
-    ];
-    pairs
-        .iter()
-        .filter(|(_, then, now)| then != now)
+    started
+        .restart_only_differences(now)
+        .into_iter()
         .map(|(key, then, now)| {
             format!("# waiting for a restart: server.{key} = {now} (running with {then})\n")
         })
@@ -430,46 +408,12 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
 /// holds CHAP secrets), synced, renamed over `path`, and the directory synced, so a crash
 /// leaves the old file or the new one, never a torn one.
 pub fn save(registry: &Registry, path: &Path) -> Result<(), String> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt;
     let text = toml::to_string(&*registry.config()).map_err(|e| e.to_string())?;
     let text = format!(
         "# Saved by targetd from its running configuration (targetctl config save).\n{text}"
     );
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let name = path
-        .file_name()
-        .ok_or(format!("{}: not a file name", path.display()))?;
-    let tmp = dir.join(format!(
-        ".{}.saving-{}",
-        name.to_string_lossy(),
-        std::process::id()
-    ));
-    let io = |what: &str, p: &Path, e: std::io::Error| format!("{what} {}: {e}", p.display());
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(|e| io("create", &tmp, e))?;
-    let written = f
-        .write_all(text.as_bytes())
-        .and_then(|()| f.sync_all())
-        .map_err(|e| io("write", &tmp, e));
-    drop(f);
-    if let Err(e) =
-        written.and_then(|()| std::fs::rename(&tmp, path).map_err(|e| io("rename over", path, e)))
-    {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(e);
-    }
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
+    scsi_core::pr::replace_file(path, text.as_bytes(), 0o600)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     // The daemon's own file now holds everything that runs.
     if path == registry.config_path {
         crate::registry::lock(&registry.unsaved).clear();

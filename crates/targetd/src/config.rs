@@ -376,6 +376,38 @@ impl Backing {
     }
 }
 
+impl Server {
+    /// The keys that take effect only at the next start and differ between `self` and
+    /// `other`: (key, value here, value there), values as the config's Debug shows them.
+    pub fn restart_only_differences(&self, other: &Server) -> Vec<(&'static str, String, String)> {
+        let show = |v: &dyn std::fmt::Debug| format!("{v:?}");
+        [
+            ("portals", show(&self.portals), show(&other.portals)),
+            (
+                "rdma_portals",
+                show(&self.rdma_portals),
+                show(&other.rdma_portals),
+            ),
+            ("reactors", show(&self.reactors), show(&other.reactors)),
+            ("engine", show(&self.engine), show(&other.engine)),
+            (
+                "admin_socket",
+                show(&self.admin_socket),
+                show(&other.admin_socket),
+            ),
+            (
+                "metrics_listen",
+                show(&self.metrics_listen),
+                show(&other.metrics_listen),
+            ),
+            ("state_dir", show(&self.state_dir), show(&other.state_dir)),
+        ]
+        .into_iter()
+        .filter(|(_, a, b)| a != b)
+        .collect()
+    }
+}
+
 /// The keys of a `[[targets.luns]]` table.
 pub const LUN_KEYS: &[&str] = &[
     "lun",

@@ -298,8 +298,6 @@ impl Registry {
         out
     }
 
-    /// Applies a changed config while running: targets and LUNs added, removed or changed,
-    /// access rules and negotiation settings for new logins. Returns what changed.
     /// Reads the config file again and applies it. Refused, listing them, when it would
     /// remove targets or LUNs made live with targetctl since the file last held the running
     /// config, unless `force`.
@@ -322,7 +320,9 @@ impl Registry {
         Ok(changes)
     }
 
-    /// Applies `new` as the running config (validated first); returns what changed.
+    /// Applies a changed config while running (validated first): targets and LUNs added,
+    /// removed or changed, access rules and negotiation settings for new logins. Returns what
+    /// changed.
     pub fn apply(&self, new: Config) -> Result<Vec<String>, String> {
         new.validate().map_err(|(k, r)| format!("{k}: {r}"))?;
         for (key, reason) in new.warnings() {
@@ -330,29 +330,8 @@ impl Registry {
         }
         let old = self.config().clone();
         let mut changes = Vec::new();
-        for key in [
-            ("server.portals", old.server.portals != new.server.portals),
-            (
-                "server.reactors",
-                old.server.reactors != new.server.reactors,
-            ),
-            ("server.engine", old.server.engine != new.server.engine),
-            (
-                "server.admin_socket",
-                old.server.admin_socket != new.server.admin_socket,
-            ),
-            (
-                "server.metrics_listen",
-                old.server.metrics_listen != new.server.metrics_listen,
-            ),
-            (
-                "server.state_dir",
-                old.server.state_dir != new.server.state_dir,
-            ),
-        ] {
-            if key.1 {
-                changes.push(format!("{}: takes effect at the next start", key.0));
-            }
+        for (key, _, _) in old.server.restart_only_differences(&new.server) {
+            changes.push(format!("server.{key}: takes effect at the next start"));
         }
         self.sessions.set_limit(new.server.max_sessions);
         let mut targets = self.targets();

@@ -1126,7 +1126,7 @@ async fn live_changes_are_saved_to_the_config_file() {
     let leftovers: Vec<_> = std::fs::read_dir(d.dir.path())
         .unwrap()
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().contains(".saving-"))
+        .filter(|e| e.file_name().to_string_lossy().contains(".tmp-"))
         .collect();
     assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
     d.stop();
