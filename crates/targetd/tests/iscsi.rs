@@ -650,18 +650,10 @@ async fn admin_changes_apply_live() {
         .await;
     assert_eq!(s.capacity().await.unwrap().0, (96 << 20) / 512);
     // Add a LUN, see it, remove it.
-    let lun: targetd::config::Lun = toml::from_str(
-        "lun = 3\nbackend = \"file\"\npath = \"@DIR@/three.img\"\nsize = \"8MiB\""
-            .replace("@DIR@", &d.dir.path().display().to_string())
-            .as_str(),
-    )
-    .unwrap();
-    handle(
-        &d.registry,
-        AdminRequest::LunAdd {
-            target: TARGET.into(),
-            lun,
-        },
+    add_lun(
+        &d,
+        &"lun = 3\nbackend = \"file\"\npath = \"@DIR@/three.img\"\nsize = \"8MiB\""
+            .replace("@DIR@", &d.dir.path().display().to_string()),
     )
     .unwrap();
     assert!(d.dir.path().join("three.img").exists());
@@ -1087,16 +1079,7 @@ async fn live_changes_are_saved_to_the_config_file() {
     let chap = "chap = { username = \"u\", secret = \"0123456789abcdef\" }";
     let d = Daemon::start(&config("", &memory_target(TARGET, chap)));
     let file = d.dir.path().join("config.toml");
-    let lun: targetd::config::Lun =
-        toml::from_str("lun = 3\nbackend = \"memory\"\nsize = \"8MiB\"").unwrap();
-    handle(
-        &d.registry,
-        AdminRequest::LunAdd {
-            target: TARGET.into(),
-            lun,
-        },
-    )
-    .unwrap();
+    add_lun(&d, "lun = 3\nbackend = \"memory\"\nsize = \"8MiB\"").unwrap();
     // Not saved yet: the file still has one LUN.
     let before = targetd::Config::load(&file).unwrap();
     assert_eq!(before.targets[0].luns.len(), 1);
@@ -1162,14 +1145,9 @@ async fn live_changes_are_saved_to_the_config_file() {
 async fn a_reload_keeps_what_was_made_live_unless_forced() {
     let d = Daemon::start(&config("", &memory_target(TARGET, "")));
     let add = |n: u16| {
-        let lun: targetd::config::Lun =
-            toml::from_str(&format!("lun = {n}\nbackend = \"memory\"\nsize = \"8MiB\"")).unwrap();
-        handle(
-            &d.registry,
-            AdminRequest::LunAdd {
-                target: TARGET.into(),
-                lun,
-            },
+        add_lun(
+            &d,
+            &format!("lun = {n}\nbackend = \"memory\"\nsize = \"8MiB\""),
         )
         .unwrap();
     };
@@ -1223,4 +1201,17 @@ async fn a_reload_keeps_what_was_made_live_unless_forced() {
         dump.starts_with("# waiting for a restart: server.portals = [\"127.0.0.1:1\""),
         "{dump}"
     );
+}
+
+/// `targetctl lun add` of the LUN `table` describes (a `[[targets.luns]]` table's keys) to the
+/// test target.
+fn add_lun(d: &Daemon, table: &str) -> Result<serde_json::Value, String> {
+    let lun: targetd::config::Lun = toml::from_str(table).unwrap();
+    handle(
+        &d.registry,
+        AdminRequest::LunAdd {
+            target: TARGET.into(),
+            lun,
+        },
+    )
 }
