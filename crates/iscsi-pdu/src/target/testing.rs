@@ -285,6 +285,10 @@ pub struct RigConnection {
     /// Commands the target answered, by ITT (SCSI Response or Data-In with status), to check
     /// that each is answered once.
     pub answered: Vec<u32>,
+    /// Commands received and not yet answered, by ITT: more than one when the initiator's
+    /// stream gave two commands one tag (a bit flipped where no digest catches it), and then
+    /// each of them may be answered.
+    unanswered: std::collections::HashMap<u32, u32>,
 }
 
 impl RigConnection {
@@ -320,6 +324,13 @@ impl RigConnection {
             _ => None,
         };
         if let Some(itt) = answered {
+            let waiting = self.unanswered.get(&itt).copied().unwrap_or(0);
+            if waiting > 1 {
+                // One of several commands that arrived under this tag.
+                self.unanswered.insert(itt, waiting - 1);
+                return;
+            }
+            self.unanswered.remove(&itt);
             assert!(
                 !self.answered.contains(&itt),
                 "command {itt:#x} answered twice"
@@ -550,6 +561,7 @@ impl Rig {
             from_target,
             last_stat_sn: None,
             answered: Vec::new(),
+            unanswered: Default::default(),
         });
         admitted.index
     }
@@ -825,6 +837,7 @@ impl Rig {
             {
                 // A new command may reuse the tag of an answered one.
                 c.reuse_tag(cmd.initiator_task_tag);
+                *c.unanswered.entry(cmd.initiator_task_tag).or_default() += 1;
             }
             let now = self.now;
             let plan = match next {
