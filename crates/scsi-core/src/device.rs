@@ -14,13 +14,28 @@ use std::collections::VecDeque;
 use crate::backend::{BackendError, Op, Output};
 use crate::lu::{LogicalUnit, TargetPort};
 use crate::nexus::{ItNexus, TransportId};
-use crate::pr::{PrState, PrStore};
+use crate::pr::{PrError, PrStore, ReservationEffects, ReservationRequest, Reservations};
 use crate::sense::{Asc, Sense, SenseKey};
 use crate::spc::opcodes::{self, Access, CommandInfo};
 use crate::task::{
     Action, Command, DataIn, Delegation, NexusId, Residual, Status, TaskAttribute, TaskId,
     TmfFunction, TmfResponse,
 };
+
+/// A change to a unit's shared reservations, for their keeper
+/// ([`Device::share_reservations`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReservationChange {
+    /// The command that asked, to end with [`Device::reservation_done`]; none for a change
+    /// the device server makes itself (nexus loss, LOGICAL UNIT RESET), which ends nothing.
+    pub task: Option<TaskId>,
+    /// The unit's LUN index.
+    pub lun: u16,
+    /// The I_T nexus it is made for.
+    pub nexus: ItNexus,
+    /// The change.
+    pub request: ReservationRequest,
+}
 
 /// Why a task ended without GOOD status: each becomes the status (and sense) of the response.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,7 +135,12 @@ pub(crate) enum Parameters {
 pub(crate) enum Step {
     Done(Reply),
     Ops(OpList, Finish),
-    DataOut { len: u32, then: AfterData },
+    DataOut {
+        len: u32,
+        then: AfterData,
+    },
+    /// A change to shared reservations went to their keeper.
+    Reserving,
 }
 
 /// What happens once data-out has arrived.
@@ -139,6 +159,9 @@ enum Phase {
     Backend,
     /// Handed to the transport to finish ([`Action::Delegated`]) until it is retired.
     Delegated,
+    /// A change to shared reservations, with their keeper until
+    /// [`Device::reservation_done`].
+    Reserving,
 }
 
 #[derive(Debug)]
@@ -194,9 +217,11 @@ pub(crate) struct Lu {
     pub(crate) stopped: bool,
     /// I_T nexuses that prevent medium removal.
     pub(crate) prevent: Vec<ItNexus>,
-    /// SPC-2 reservation holder.
-    pub(crate) reserved_by: Option<ItNexus>,
-    pub(crate) pr: PrState,
+    /// Persistent and SPC-2 reservations.
+    pub(crate) reservations: Reservations,
+    /// The reservations are kept elsewhere ([`Device::share_reservations`]): the version of
+    /// the shared state applied last.
+    pub(crate) shared: Option<u64>,
     /// Tasks in the task set (not ended).
     live: u32,
     /// Live ORDERED and HEAD OF QUEUE tasks.
@@ -230,6 +255,8 @@ pub struct Device {
     seq: u64,
     tmfs: Vec<PendingTmf>,
     pub(crate) store: Option<Box<dyn PrStore>>,
+    /// Changes to shared reservations for their keeper ([`Device::poll_reservation_change`]).
+    changes: VecDeque<ReservationChange>,
     /// Plain reads and writes are delegated to the transport ([`Device::set_delegation`]).
     delegate: bool,
     /// Reused by `retry_lock_waiters` (the waiters it goes through, the ranges of those that
@@ -332,6 +359,7 @@ impl Device {
             seq: 0,
             tmfs: Vec::new(),
             store: None,
+            changes: VecDeque::new(),
             delegate: false,
             scratch: (Vec::new(), Vec::new()),
         }
@@ -370,14 +398,164 @@ impl Device {
         }
     }
 
+    /// Keeps the reservations of unit `lun` elsewhere, shared with other device servers that
+    /// serve the same unit (gateways of one target): commands that would change them
+    /// (PERSISTENT RESERVE OUT, RESERVE, RELEASE; nexus loss and LOGICAL UNIT RESET for the
+    /// SPC-2 reservation) wait while their [`ReservationChange`] goes to the keeper
+    /// ([`Device::poll_reservation_change`]), which decides it on the shared state with
+    /// [`Reservations::apply`], has every server apply the outcome
+    /// ([`Device::apply_reservations`]) and then ends the command
+    /// ([`Device::reservation_done`]). Access checks use the state applied last, so a
+    /// reservation is enforced here once the keeper has applied it here. APTPL is accepted:
+    /// the keeper's state outlives a restart.
+    pub fn share_reservations(&mut self, lun: u16) -> Result<(), DeviceError> {
+        let lu = self.lu_mut(lun).ok_or(DeviceError::Lun(lun))?;
+        lu.shared.get_or_insert(0);
+        Ok(())
+    }
+
+    /// The next change to shared reservations for their keeper.
+    pub fn poll_reservation_change(&mut self) -> Option<ReservationChange> {
+        self.changes.pop_front()
+    }
+
+    /// Whether a change to shared reservations waits for the keeper: a cheap look for a
+    /// caller that polls after every call.
+    pub fn has_reservation_changes(&self) -> bool {
+        !self.changes.is_empty()
+    }
+
+    /// The reservations of unit `lun` as this device server enforces them, and (for shared
+    /// ones) the version applied last.
+    pub fn reservations(&self, lun: u16) -> Option<(&Reservations, Option<u64>)> {
+        self.lu(lun).map(|lu| (&lu.reservations, lu.shared))
+    }
+
+    /// The keeper of unit `lun`'s shared reservations says they are `state` at `version`,
+    /// after a change with `effects`: the state replaces this server's, and its unit
+    /// attentions and aborts reach this server's nexuses of those names. A version not newer
+    /// than the one applied last changes nothing (a change heard twice, or late); returns
+    /// whether it was applied.
+    pub fn apply_reservations(
+        &mut self,
+        lun: u16,
+        version: u64,
+        state: Reservations,
+        effects: &ReservationEffects,
+    ) -> bool {
+        let Some(lu) = self.lu_mut(lun) else {
+            return false;
+        };
+        match lu.shared {
+            Some(v) if v < version => lu.shared = Some(version),
+            _ => return false,
+        }
+        lu.reservations = state;
+        self.reservation_effects(lun, effects, None);
+        true
+    }
+
+    /// The keeper has decided the change of reservation task `task` (and, when it succeeded,
+    /// applied it here): the command ends with GOOD, RESERVATION CONFLICT or the sense.
+    pub fn reservation_done(
+        &mut self,
+        task: TaskId,
+        result: Result<(), PrError>,
+    ) -> Result<(), DeviceError> {
+        let t = self.task_mut(task)?;
+        if t.phase != Phase::Reserving {
+            return Err(DeviceError::WrongPhase);
+        }
+        t.phase = Phase::Enabled;
+        if t.aborted {
+            let tag = t.tag;
+            self.end(task, Some(Action::Aborted { task, tag }));
+            return Ok(());
+        }
+        let result = match result {
+            Ok(()) => Ok(Reply::Good),
+            Err(PrError::Conflict) => Err(TaskError::ReservationConflict),
+            Err(PrError::Sense(s)) => Err(TaskError::Sense(s)),
+        };
+        self.complete(task, result);
+        Ok(())
+    }
+
+    /// Unit attentions and aborts of a change to the reservations of `lun`.
+    pub(crate) fn reservation_effects(
+        &mut self,
+        lun: u16,
+        fx: &ReservationEffects,
+        except: Option<TaskId>,
+    ) {
+        for (name, asc) in &fx.unit_attentions {
+            self.unit_attention_for(lun, *asc, name);
+        }
+        if !fx.abort.is_empty() {
+            self.abort_nexus_tasks(lun, &fx.abort, except);
+        }
+    }
+
+    /// A command asks to change the reservations: its keeper decides when they are shared,
+    /// this server at once otherwise (saving APTPL state to the store).
+    pub(crate) fn change_reservations(
+        &mut self,
+        id: TaskId,
+        request: ReservationRequest,
+    ) -> Result<Step, TaskError> {
+        let t = self.task(id).map_err(|_| Sense::invalid_opcode())?;
+        let (lun, nexus) = (t.lun, t.nexus);
+        let me = self.nexus_name(nexus)?;
+        let lu = self.lu_mut(lun).ok_or(Sense::invalid_opcode())?;
+        if lu.shared.is_some() {
+            self.changes.push_back(ReservationChange {
+                task: Some(id),
+                lun,
+                nexus: me,
+                request,
+            });
+            return Ok(Step::Reserving);
+        }
+        let before = lu.reservations.persistent.clone();
+        let fx = match lu.reservations.apply(&me, &request) {
+            Ok(fx) => fx,
+            Err(PrError::Conflict) => return Err(TaskError::ReservationConflict),
+            Err(PrError::Sense(s)) => return Err(s.into()),
+        };
+        let after = &lu.reservations.persistent;
+        if fx.save && (before.aptpl || after.aptpl) {
+            let state = after.aptpl.then(|| after.encode());
+            let serial = lu.unit.identity.serial.clone();
+            if let Some(store) = self.store.as_mut() {
+                if store.save(&serial, state.as_deref()).is_err() {
+                    if let Some(lu) = self.lu_mut(lun) {
+                        lu.reservations.persistent = before;
+                    }
+                    return Err(Sense::new(
+                        SenseKey::IllegalRequest,
+                        Asc::INSUFFICIENT_REGISTRATION_RESOURCES,
+                    )
+                    .into());
+                }
+            }
+        }
+        self.reservation_effects(lun, &fx, Some(id));
+        Ok(Step::Done(Reply::Good))
+    }
+
+    /// Whether APTPL may be set on unit `lun`: a store keeps the state, or its keeper does.
+    pub(crate) fn ptpl_capable(&self, lun: u16) -> bool {
+        self.store.is_some() || self.lu(lun).is_some_and(|lu| lu.shared.is_some())
+    }
+
     fn load_reservations(&mut self, index: u16) {
         let (Some(store), Some(Some(lu))) = (&self.store, self.lus.get_mut(usize::from(index)))
         else {
             return;
         };
         if let Some(bytes) = store.load(&lu.unit.identity.serial) {
-            if let Some(pr) = PrState::decode(&bytes) {
-                lu.pr = pr;
+            if let Some(pr) = crate::pr::PrState::decode(&bytes) {
+                lu.reservations.persistent = pr;
             }
         }
     }
@@ -431,8 +609,8 @@ impl Device {
             unit,
             stopped: false,
             prevent: Vec::new(),
-            reserved_by: None,
-            pr: PrState::default(),
+            reservations: Reservations::default(),
+            shared: None,
             live: 0,
             blockers: 0,
             dormant: 0,
@@ -534,9 +712,19 @@ impl Device {
     /// What an I_T nexus loss or reset drops: its SPC-2 reservations and its medium removal
     /// prevention (persistent reservations stay).
     fn release_nexus_holds(&mut self, name: &ItNexus) {
-        for lu in self.lus.iter_mut().flatten() {
-            if lu.reserved_by.as_ref() == Some(name) {
-                lu.reserved_by = None;
+        for (i, lu) in self.lus.iter_mut().enumerate() {
+            let Some(lu) = lu else { continue };
+            if lu.reservations.spc2.as_ref() == Some(name) {
+                if lu.shared.is_some() {
+                    self.changes.push_back(ReservationChange {
+                        task: None,
+                        lun: i as u16,
+                        nexus: name.clone(),
+                        request: ReservationRequest::NexusLost,
+                    });
+                } else {
+                    lu.reservations.spc2 = None;
+                }
             }
             lu.prevent.retain(|n| n != name);
         }
@@ -768,14 +956,14 @@ impl Device {
         // Borrowed, not cloned: this runs for every command.
         let name = &self.nexus(nexus).map_err(|_| Sense::invalid_opcode())?.name;
         let lu = self.lu(lun).expect("tasks live on existing units");
-        if let Some(holder) = &lu.reserved_by {
+        if let Some(holder) = &lu.reservations.spc2 {
             let allowed = info.access == Access::Unrestricted && !matches!(cdb[0], 0x5e | 0x5f)
                 || matches!(cdb[0], 0x17 | 0x57);
             if holder != name && !allowed {
                 return Err(TaskError::ReservationConflict);
             }
         }
-        if !lu.pr.allows(name, info.access) {
+        if !lu.reservations.persistent.allows(name, info.access) {
             return Err(TaskError::ReservationConflict);
         }
         if lu.stopped && (is_media_access(cdb[0]) || cdb[0] == 0x00) {
@@ -806,6 +994,11 @@ impl Device {
                     t.finish = finish;
                 }
                 self.issue_next(id);
+            }
+            Ok(Step::Reserving) => {
+                if let Ok(t) = self.task_mut(id) {
+                    t.phase = Phase::Reserving;
+                }
             }
             Ok(Step::DataOut { len, then }) => {
                 let Ok(t) = self.task_mut(id) else { return };
@@ -1307,7 +1500,7 @@ impl Device {
                 if first {
                     self.actions.push_back(Action::Aborted { task: id, tag });
                 }
-            } else if phase == Phase::Backend {
+            } else if matches!(phase, Phase::Backend | Phase::Reserving) {
                 in_flight.push(id);
             } else {
                 self.end(id, Some(Action::Aborted { task: id, tag }));
@@ -1429,7 +1622,18 @@ impl Device {
     /// and every nexus gets a unit attention (persistent reservations stay).
     fn reset_lu(&mut self, lun: u16) {
         if let Some(lu) = self.lu_mut(lun) {
-            lu.reserved_by = None;
+            if lu.shared.is_none() {
+                lu.reservations.spc2 = None;
+            } else if let Some(holder) = lu.reservations.spc2.clone() {
+                self.changes.push_back(ReservationChange {
+                    task: None,
+                    lun,
+                    nexus: holder,
+                    request: ReservationRequest::Reset,
+                });
+            }
+        }
+        if let Some(lu) = self.lu_mut(lun) {
             lu.prevent.clear();
             lu.stopped = false;
             lu.d_sense = false;
@@ -1464,14 +1668,23 @@ impl Device {
     }
 
     /// PREEMPT AND ABORT: aborts the tasks on `lun` of the nexuses named, except `except`.
-    pub(crate) fn abort_nexus_tasks(&mut self, lun: u16, names: &[ItNexus], except: TaskId) {
+    pub(crate) fn abort_nexus_tasks(
+        &mut self,
+        lun: u16,
+        names: &[ItNexus],
+        except: Option<TaskId>,
+    ) {
         let ids: Vec<NexusId> = self
             .nexus_ids()
             .into_iter()
             .filter(|&n| self.nexus(n).is_ok_and(|x| names.contains(&x.name)))
             .collect();
-        let doomed = self.select_tasks(|t| t.lun == lun && ids.contains(&t.nexus));
-        let doomed: Vec<TaskId> = doomed.into_iter().filter(|&t| t != except).collect();
+        // Not `except` (the PREEMPT AND ABORT itself), nor a change to shared reservations
+        // under way at their keeper: its outcome is decided there.
+        let doomed = self.select_tasks(|t| {
+            t.lun == lun && ids.contains(&t.nexus) && t.phase != Phase::Reserving
+        });
+        let doomed: Vec<TaskId> = doomed.into_iter().filter(|&t| Some(t) != except).collect();
         self.abort_tasks(&doomed, None);
     }
 }

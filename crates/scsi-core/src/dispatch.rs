@@ -7,7 +7,7 @@ use crate::backend::Op;
 use crate::cdb::{check_control, BlockIo};
 use crate::device::{AfterData, Device, Finish, OpList, Parameters, Reply, Step, TaskError};
 use crate::lu::Geometry;
-use crate::pr::PrError;
+use crate::pr::ReservationRequest;
 use crate::sbc::{block, capacity, unmap};
 use crate::sense::{Asc, FieldPointer, Sense, SenseKey};
 use crate::spc::{copy, inquiry, log, mode, opcodes, report_luns, tpg};
@@ -136,23 +136,8 @@ impl Device {
                 let plen = if ten { be16(cdb, 7) } else { u32::from(cdb[4]) };
                 self.parameter_list(id, plen, Parameters::ModeSelect { ten })
             }
-            0x16 | 0x56 => {
-                let me = self.nexus_name(nexus)?;
-                let lu = self.lu_mut(lun).ok_or_else(internal)?;
-                if lu.pr.has_registrations() {
-                    return Err(TaskError::ReservationConflict);
-                }
-                lu.reserved_by = Some(me);
-                Ok(Step::Done(Reply::Good))
-            }
-            0x17 | 0x57 => {
-                let me = self.nexus_name(nexus)?;
-                let lu = self.lu_mut(lun).ok_or_else(internal)?;
-                if lu.reserved_by.as_ref() == Some(&me) {
-                    lu.reserved_by = None;
-                }
-                Ok(Step::Done(Reply::Good))
-            }
+            0x16 | 0x56 => self.change_reservations(id, ReservationRequest::Reserve),
+            0x17 | 0x57 => self.change_reservations(id, ReservationRequest::Release),
             0x1a | 0x5a => {
                 let ten = cdb[0] == 0x5a;
                 let m = self.mode_parameters(lun);
@@ -283,8 +268,12 @@ impl Device {
             }
             0x5e => {
                 let alloc = be16(cdb, 7) as usize;
-                let store = self.store.is_some();
-                data(lu.pr.read(cdb[1] & 0x1f, alloc, store))
+                let capable = self.ptpl_capable(lun);
+                data(
+                    lu.reservations
+                        .persistent
+                        .read(cdb[1] & 0x1f, alloc, capable),
+                )
             }
             0x5f => {
                 let plen = be32(cdb, 5);
@@ -598,7 +587,7 @@ impl Device {
                 Ok(Step::Ops(OpList::Many(ops), Finish::Good))
             }
             Parameters::PersistentReserveOut { action, scope_type } => {
-                self.persistent_reserve_out(id, lun, nexus, action, scope_type, data)
+                self.persistent_reserve_out(id, lun, action, scope_type, data)
             }
         }
     }
@@ -607,14 +596,12 @@ impl Device {
         &mut self,
         id: TaskId,
         lun: u16,
-        nexus: crate::task::NexusId,
         action: u8,
         scope_type: u8,
         data: &[u8],
     ) -> Result<Step, TaskError> {
-        let me = self.nexus_name(nexus)?;
         let aptpl_at = if action == 7 { 17 } else { 20 };
-        if self.store.is_none() && data.get(aptpl_at).is_some_and(|b| b & 0x01 != 0) {
+        if !self.ptpl_capable(lun) && data.get(aptpl_at).is_some_and(|b| b & 0x01 != 0) {
             return Err(
                 Sense::invalid_field_in_parameter_list(FieldPointer::parameter_bit(
                     aptpl_at as u16,
@@ -623,36 +610,14 @@ impl Device {
                 .into(),
             );
         }
-        let lu = self.lu_mut(lun).ok_or_else(internal)?;
-        let before = lu.pr.clone();
-        let fx = match lu.pr.out(&me, action, scope_type, data) {
-            Ok(fx) => fx,
-            Err(PrError::Conflict) => return Err(TaskError::ReservationConflict),
-            Err(PrError::Sense(s)) => return Err(s.into()),
-        };
-        if fx.save && (before.aptpl || lu.pr.aptpl) {
-            let state = lu.pr.aptpl.then(|| lu.pr.encode());
-            let serial = lu.unit.identity.serial.clone();
-            if let Some(store) = self.store.as_mut() {
-                if store.save(&serial, state.as_deref()).is_err() {
-                    if let Some(lu) = self.lu_mut(lun) {
-                        lu.pr = before;
-                    }
-                    return Err(Sense::new(
-                        SenseKey::IllegalRequest,
-                        Asc::INSUFFICIENT_REGISTRATION_RESOURCES,
-                    )
-                    .into());
-                }
-            }
-        }
-        for (name, asc) in &fx.unit_attentions {
-            self.unit_attention_for(lun, *asc, name);
-        }
-        if !fx.abort.is_empty() {
-            self.abort_nexus_tasks(lun, &fx.abort, id);
-        }
-        Ok(Step::Done(Reply::Good))
+        self.change_reservations(
+            id,
+            ReservationRequest::PersistentReserveOut {
+                action,
+                scope_type,
+                parameters: data.to_vec(),
+            },
+        )
     }
 
     /// The mode parameters of a unit as they stand.

@@ -1,6 +1,11 @@
 //! Persistent reservations (SPC-4 sections 5.13, 6.15 and 6.16): registrations by I_T nexus,
 //! the six reservation types with their access rules, PERSISTENT RESERVE IN and OUT, and
 //! persistence through a power loss (APTPL) by a [`PrStore`].
+//!
+//! Every change to a unit's reservations, persistent or SPC-2, is one pure step,
+//! [`Reservations::apply`] of a [`ReservationRequest`] from an I_T nexus: the device server
+//! takes it on its own state, and gateways that serve one unit together take it on the state
+//! they share (read, apply, compare-and-swap, publish), so both decide with the same code.
 
 use std::path::{Path, PathBuf};
 
@@ -73,19 +78,24 @@ pub struct PrState {
     pub aptpl: bool,
 }
 
-/// What a PERSISTENT RESERVE OUT did beyond the state: unit attentions to establish, nexuses
-/// whose tasks to abort (PREEMPT AND ABORT), and whether the state must be saved.
-#[derive(Debug, Default)]
-pub(crate) struct Effects {
+/// What a change to the reservations did beyond the state: unit attentions to establish,
+/// nexuses whose tasks to abort (PREEMPT AND ABORT), and whether the state must be saved.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReservationEffects {
+    /// A unit attention for every I_T nexus of this name.
     pub unit_attentions: Vec<(ItNexus, Asc)>,
+    /// The tasks of these I_T nexuses are aborted.
     pub abort: Vec<ItNexus>,
+    /// The persistent state changed (an APTPL store must write it).
     pub save: bool,
 }
 
-/// A PERSISTENT RESERVE OUT failure.
+/// Why a change to the reservations was refused: the command's status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum PrError {
+pub enum PrError {
+    /// RESERVATION CONFLICT.
     Conflict,
+    /// CHECK CONDITION with this sense.
     Sense(Sense),
 }
 
@@ -215,14 +225,14 @@ impl PrState {
 
     /// PERSISTENT RESERVE OUT from `me` with `action`, SCOPE and TYPE byte `scope_type`, and
     /// parameter list `p` (whose length the CDB gave).
-    pub(crate) fn out(
+    pub fn out(
         &mut self,
         me: &ItNexus,
         action: u8,
         scope_type: u8,
         p: &[u8],
-    ) -> Result<Effects, PrError> {
-        let mut fx = Effects::default();
+    ) -> Result<ReservationEffects, PrError> {
+        let mut fx = ReservationEffects::default();
         if action == 7 {
             return self.register_and_move(me, scope_type, p, fx);
         }
@@ -376,13 +386,13 @@ impl PrState {
     }
 
     /// Unit attentions to every registrant other than `me`.
-    fn notify_others(&self, me: &ItNexus, asc: Asc, fx: &mut Effects) {
+    fn notify_others(&self, me: &ItNexus, asc: Asc, fx: &mut ReservationEffects) {
         for r in self.registrations.iter().filter(|r| !r.covers(me)) {
             fx.unit_attentions.push((r.nexus.clone(), asc));
         }
     }
 
-    fn unregister(&mut self, me: &ItNexus, fx: &mut Effects) {
+    fn unregister(&mut self, me: &ItNexus, fx: &mut ReservationEffects) {
         let was_holder = self.is_holder(me);
         self.registrations.retain(|r| !r.covers(me));
         if let Some(r) = self.reservation.clone() {
@@ -410,7 +420,7 @@ impl PrState {
         sa_key: u64,
         ty: u8,
         abort: bool,
-        fx: &mut Effects,
+        fx: &mut ReservationEffects,
     ) -> Result<(), PrError> {
         let res = self.reservation.clone();
         let removed: Vec<Registration> = match &res {
@@ -490,8 +500,8 @@ impl PrState {
         me: &ItNexus,
         scope_type: u8,
         p: &[u8],
-        mut fx: Effects,
-    ) -> Result<Effects, PrError> {
+        mut fx: ReservationEffects,
+    ) -> Result<ReservationEffects, PrError> {
         if p.len() < 24 {
             return Err(Sense::parameter_list_length_error().into());
         }
@@ -562,15 +572,7 @@ impl PrState {
             self.generation,
             u8::from(self.aptpl)
         );
-        let nexus = |n: &ItNexus| {
-            format!(
-                "{} {} {} {}",
-                n.initiator.protocol,
-                n.relative_port,
-                n.initiator.name,
-                n.initiator.port.as_deref().unwrap_or("-")
-            )
-        };
+        let nexus = encode_nexus;
         for r in &self.registrations {
             s += &format!(
                 "register {:016x} {} {}\n",
@@ -589,19 +591,7 @@ impl PrState {
     pub fn decode(bytes: &[u8]) -> Option<PrState> {
         let text = std::str::from_utf8(bytes).ok()?;
         let mut st = PrState::default();
-        let nexus = |w: &[&str]| -> Option<ItNexus> {
-            Some(ItNexus {
-                initiator: TransportId {
-                    protocol: w.first()?.parse().ok()?,
-                    name: w.get(2)?.to_string(),
-                    port: match *w.get(3)? {
-                        "-" => None,
-                        p => Some(p.to_string()),
-                    },
-                },
-                relative_port: w.get(1)?.parse().ok()?,
-            })
-        };
+        let nexus = decode_nexus;
         for line in text.lines() {
             let w: Vec<&str> = line.split_whitespace().collect();
             match w.first().copied() {
@@ -624,6 +614,174 @@ impl PrState {
         }
         Some(st)
     }
+}
+
+/// A change to a unit's reservations asked by one I_T nexus.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReservationRequest {
+    /// PERSISTENT RESERVE OUT with its service action, SCOPE and TYPE byte and parameter list.
+    PersistentReserveOut {
+        /// SERVICE ACTION.
+        action: u8,
+        /// SCOPE (high nibble) and TYPE.
+        scope_type: u8,
+        /// The parameter list, as long as the CDB said.
+        parameters: Vec<u8>,
+    },
+    /// RESERVE(6) or RESERVE(10): the SPC-2 reservation of the whole unit.
+    Reserve,
+    /// RELEASE(6) or RELEASE(10).
+    Release,
+    /// The nexus is gone (I_T nexus loss or reset): its SPC-2 reservation goes with it.
+    NexusLost,
+    /// LOGICAL UNIT RESET: the SPC-2 reservation goes, whoever holds it.
+    Reset,
+}
+
+/// Everything that reserves a logical unit: its persistent reservations and its SPC-2
+/// reservation. Gateways that serve one unit together share exactly this.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reservations {
+    /// Registrations and the persistent reservation.
+    pub persistent: PrState,
+    /// The SPC-2 (RESERVE/RELEASE) reservation's holder.
+    pub spc2: Option<ItNexus>,
+}
+
+impl Reservations {
+    /// Applies `request` from `nexus`: the new state is `self`, the effects are returned. On
+    /// an error nothing changed.
+    pub fn apply(
+        &mut self,
+        nexus: &ItNexus,
+        request: &ReservationRequest,
+    ) -> Result<ReservationEffects, PrError> {
+        let held_by_other = self.spc2.as_ref().is_some_and(|h| h != nexus);
+        match request {
+            ReservationRequest::PersistentReserveOut {
+                action,
+                scope_type,
+                parameters,
+            } => {
+                if held_by_other {
+                    return Err(PrError::Conflict);
+                }
+                let mut next = self.persistent.clone();
+                let fx = next.out(nexus, *action, *scope_type, parameters)?;
+                self.persistent = next;
+                Ok(fx)
+            }
+            ReservationRequest::Reserve => {
+                if held_by_other || self.persistent.has_registrations() {
+                    return Err(PrError::Conflict);
+                }
+                self.spc2 = Some(nexus.clone());
+                Ok(ReservationEffects::default())
+            }
+            ReservationRequest::Release | ReservationRequest::NexusLost => {
+                if self.spc2.as_ref() == Some(nexus) {
+                    self.spc2 = None;
+                }
+                Ok(ReservationEffects::default())
+            }
+            ReservationRequest::Reset => {
+                self.spc2 = None;
+                Ok(ReservationEffects::default())
+            }
+        }
+    }
+
+    /// The state as text ([`PrState::encode`], and a line for the SPC-2 holder).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = self.persistent.encode();
+        if let Some(n) = &self.spc2 {
+            b.extend_from_slice(format!("spc2 {}\n", encode_nexus(n)).as_bytes());
+        }
+        b
+    }
+
+    /// Parses what [`Reservations::encode`] wrote; `None` if it is damaged.
+    pub fn decode(bytes: &[u8]) -> Option<Reservations> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut persistent = String::new();
+        let mut spc2 = None;
+        for line in text.lines() {
+            match line.strip_prefix("spc2 ") {
+                Some(rest) => {
+                    let w: Vec<&str> = rest.split_whitespace().collect();
+                    spc2 = Some(decode_nexus(&w)?);
+                }
+                None => {
+                    persistent.push_str(line);
+                    persistent.push('\n');
+                }
+            }
+        }
+        Some(Reservations {
+            persistent: PrState::decode(persistent.as_bytes())?,
+            spc2,
+        })
+    }
+}
+
+impl ReservationEffects {
+    /// The effects as text, one line each (for a gateway to tell the others).
+    pub fn encode(&self) -> Vec<u8> {
+        let mut s = String::new();
+        for (n, asc) in &self.unit_attentions {
+            s += &format!("ua {:02x} {:02x} {}\n", asc.0, asc.1, encode_nexus(n));
+        }
+        for n in &self.abort {
+            s += &format!("abort {}\n", encode_nexus(n));
+        }
+        s.into_bytes()
+    }
+
+    /// Parses what [`ReservationEffects::encode`] wrote; `None` if it is damaged.
+    pub fn decode(bytes: &[u8]) -> Option<ReservationEffects> {
+        let text = std::str::from_utf8(bytes).ok()?;
+        let mut fx = ReservationEffects::default();
+        for line in text.lines() {
+            let w: Vec<&str> = line.split_whitespace().collect();
+            match w.first().copied() {
+                Some("ua") => {
+                    let asc = u8::from_str_radix(w.get(1)?, 16).ok()?;
+                    let ascq = u8::from_str_radix(w.get(2)?, 16).ok()?;
+                    fx.unit_attentions
+                        .push((decode_nexus(w.get(3..)?)?, Asc(asc, ascq)));
+                }
+                Some("abort") => fx.abort.push(decode_nexus(w.get(1..)?)?),
+                None => {}
+                Some(_) => return None,
+            }
+        }
+        Some(fx)
+    }
+}
+
+/// An I_T nexus as four words: protocol, relative port, initiator name, port ("-" for none).
+fn encode_nexus(n: &ItNexus) -> String {
+    format!(
+        "{} {} {} {}",
+        n.initiator.protocol,
+        n.relative_port,
+        n.initiator.name,
+        n.initiator.port.as_deref().unwrap_or("-")
+    )
+}
+
+fn decode_nexus(w: &[&str]) -> Option<ItNexus> {
+    Some(ItNexus {
+        initiator: TransportId {
+            protocol: w.first()?.parse().ok()?,
+            name: w.get(2)?.to_string(),
+            port: match *w.get(3)? {
+                "-" => None,
+                p => Some(p.to_string()),
+            },
+        },
+        relative_port: w.get(1)?.parse().ok()?,
+    })
 }
 
 /// Where reservations with APTPL set are kept across restarts, by logical unit serial number.

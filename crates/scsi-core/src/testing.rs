@@ -116,9 +116,15 @@ impl Harness {
     /// Opens a nexus for an iSCSI initiator port named `name` with ISID `isid`, through
     /// relative target port 1, and clears its power-on unit attentions.
     pub fn login(&mut self, name: &str, isid: u8) -> NexusId {
-        let n = self
-            .device
-            .open_nexus(TransportId::iscsi(name, [0x80, 0, 0, 0, 0, isid]), 1);
+        self.login_through(name, isid, 1)
+    }
+
+    /// As [`Harness::login`], through relative target port `relative_port`.
+    pub fn login_through(&mut self, name: &str, isid: u8, relative_port: u16) -> NexusId {
+        let n = self.device.open_nexus(
+            TransportId::iscsi(name, [0x80, 0, 0, 0, 0, isid]),
+            relative_port,
+        );
         for lun in self.device.luns() {
             while !self.command(n, lun, &[0; 6], &[], 0).is_good() {}
         }

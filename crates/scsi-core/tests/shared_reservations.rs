@@ -1,0 +1,372 @@
+//! Reservations shared by two device servers (two gateways of one target serving one unit):
+//! every change goes to one keeper, which decides it on the one shared state with
+//! `Reservations::apply` and has both servers apply the outcome before the command ends, as
+//! targetd's RADOS keeper does. What one gateway grants, the other enforces on the very next
+//! command.
+
+mod common;
+
+use common::*;
+use scsi_core::pr::{ReservationRequest, Reservations};
+use scsi_core::testing::{Harness, Outcome};
+use scsi_core::{Asc, Device, NexusId, Status, TaskAttribute};
+
+/// The shared state and its version, as one RADOS object would hold them.
+#[derive(Default)]
+struct Keeper {
+    state: Reservations,
+    version: u64,
+    /// Changes decided, for the test to look at.
+    decided: Vec<ReservationRequest>,
+}
+
+impl Keeper {
+    /// Takes every pending change from every gateway, decides it, applies the outcome on all
+    /// of them and ends the commands that asked, until nothing is pending.
+    fn settle(&mut self, gateways: &mut [&mut Harness]) {
+        loop {
+            let mut any = false;
+            for i in 0..gateways.len() {
+                while let Some(c) = gateways[i].device.poll_reservation_change() {
+                    any = true;
+                    let mut next = self.state.clone();
+                    let result = next.apply(&c.nexus, &c.request);
+                    if let Ok(fx) = &result {
+                        if next != self.state {
+                            self.version += 1;
+                            self.state = next;
+                        }
+                        for g in gateways.iter_mut() {
+                            g.device.apply_reservations(
+                                c.lun,
+                                self.version,
+                                self.state.clone(),
+                                fx,
+                            );
+                        }
+                    }
+                    self.decided.push(c.request.clone());
+                    if let Some(task) = c.task {
+                        gateways[i]
+                            .device
+                            .reservation_done(task, result.map(|_| ()))
+                            .expect("a task waiting for its keeper");
+                    }
+                }
+                gateways[i].run();
+            }
+            if !any {
+                return;
+            }
+        }
+    }
+}
+
+fn gateway() -> Harness {
+    let mut h = Harness::new(Device::new("iqn.2026-11.io.example:t", ports()));
+    h.add_lu(0, unit(true, b"lu0"));
+    h.device.share_reservations(0).expect("LUN 0 exists");
+    h
+}
+
+/// Runs one command on gateway `at` of `gws` to its end, the keeper deciding what it asks.
+fn command(
+    k: &mut Keeper,
+    gws: &mut [&mut Harness],
+    at: usize,
+    n: NexusId,
+    cdb: &[u8],
+    data_out: &[u8],
+    data_in: u32,
+) -> Outcome {
+    let tag = gws[at].submit(n, 0, cdb, TaskAttribute::Simple, data_out, data_in);
+    gws[at].run();
+    k.settle(gws);
+    gws[at].outcomes.remove(&tag).expect("the command finished")
+}
+
+fn prout_cdb(sa: u8, ty: u8, len: usize) -> Vec<u8> {
+    let mut c = vec![0u8; 10];
+    c[0] = 0x5f;
+    c[1] = sa;
+    c[2] = ty;
+    c[5..9].copy_from_slice(&(len as u32).to_be_bytes());
+    c
+}
+
+fn params(key: u64, sa_key: u64, flags: u8) -> Vec<u8> {
+    let mut p = vec![0u8; 24];
+    p[..8].copy_from_slice(&key.to_be_bytes());
+    p[8..16].copy_from_slice(&sa_key.to_be_bytes());
+    p[20] = flags;
+    p
+}
+
+const READ_KEYS: [u8; 10] = [0x5e, 0, 0, 0, 0, 0, 0, 4, 0, 0];
+const READ_RESERVATION: [u8; 10] = [0x5e, 1, 0, 0, 0, 0, 0, 4, 0, 0];
+
+#[test]
+fn a_reservation_taken_through_one_gateway_is_enforced_by_the_other_at_once() {
+    let (mut a, mut b) = (gateway(), gateway());
+    let mut k = Keeper::default();
+    let na = a.login_through("iqn.x:one", 1, 1);
+    let nb = b.login_through("iqn.x:two", 2, 2);
+    let mut gws = [&mut a, &mut b];
+    let p = params(0, 0xa, 0);
+    good(&command(
+        &mut k,
+        &mut gws,
+        0,
+        na,
+        &prout_cdb(0, 0, 24),
+        &p,
+        0,
+    ));
+    let p = params(0, 0xb, 0);
+    good(&command(
+        &mut k,
+        &mut gws,
+        1,
+        nb,
+        &prout_cdb(0, 0, 24),
+        &p,
+        0,
+    ));
+    // WRITE EXCLUSIVE through gateway A.
+    let p = params(0xa, 0, 0);
+    good(&command(
+        &mut k,
+        &mut gws,
+        0,
+        na,
+        &prout_cdb(1, 1, 24),
+        &p,
+        0,
+    ));
+    // Gateway B: the next write conflicts, reads run.
+    let w = command(
+        &mut k,
+        &mut gws,
+        1,
+        nb,
+        &cdb10(0x2a, 0, 0, 1),
+        &pattern(1, 0),
+        512,
+    );
+    assert_eq!(w.status, Some(Status::ReservationConflict));
+    good(&command(
+        &mut k,
+        &mut gws,
+        1,
+        nb,
+        &cdb10(0x28, 0, 0, 1),
+        &[],
+        512,
+    ));
+    // Both gateways report the same keys, generation and holder.
+    let keys_a = command(&mut k, &mut gws, 0, na, &READ_KEYS, &[], 1024);
+    let keys_b = command(&mut k, &mut gws, 1, nb, &READ_KEYS, &[], 1024);
+    assert_eq!(keys_a.data, keys_b.data);
+    assert_eq!(
+        &keys_a.data[..8],
+        &[0, 0, 0, 2, 0, 0, 0, 16],
+        "generation 2, two keys"
+    );
+    let res_a = command(&mut k, &mut gws, 0, na, &READ_RESERVATION, &[], 1024);
+    let res_b = command(&mut k, &mut gws, 1, nb, &READ_RESERVATION, &[], 1024);
+    assert_eq!(res_a.data, res_b.data);
+    assert_eq!(&res_b.data[8..16], &0xau64.to_be_bytes());
+    assert_eq!(res_b.data[21], 1, "WRITE EXCLUSIVE");
+    // The holder's registration was made through port 1: READ FULL STATUS on B names it.
+    let full = command(
+        &mut k,
+        &mut gws,
+        1,
+        nb,
+        &[0x5e, 3, 0, 0, 0, 0, 0, 4, 0, 0],
+        &[],
+        1024,
+    );
+    good(&full);
+    assert_eq!(&full.data[8..16], &0xau64.to_be_bytes());
+    assert_eq!(u16::from_be_bytes([full.data[26], full.data[27]]), 1);
+    // A reservation conflict decided by the keeper: B cannot reserve over A's.
+    let p = params(0xb, 0, 0);
+    let r = command(&mut k, &mut gws, 1, nb, &prout_cdb(1, 3, 24), &p, 0);
+    assert_eq!(r.status, Some(Status::ReservationConflict));
+    // APTPL is accepted: the keeper's state outlives restarts.
+    let p = params(0xa, 0xa, 1);
+    good(&command(
+        &mut k,
+        &mut gws,
+        0,
+        na,
+        &prout_cdb(0, 0, 24),
+        &p,
+        0,
+    ));
+    assert!(k.state.persistent.aptpl);
+}
+
+#[test]
+fn preempt_and_abort_on_one_gateway_aborts_and_warns_on_the_other() {
+    let (mut a, mut b) = (gateway(), gateway());
+    let mut k = Keeper::default();
+    let na = a.login_through("iqn.x:one", 1, 1);
+    let nb = b.login_through("iqn.x:two", 2, 2);
+    {
+        let mut gws = [&mut a, &mut b];
+        good(&command(
+            &mut k,
+            &mut gws,
+            0,
+            na,
+            &prout_cdb(0, 0, 24),
+            &params(0, 0xa, 0),
+            0,
+        ));
+        good(&command(
+            &mut k,
+            &mut gws,
+            1,
+            nb,
+            &prout_cdb(0, 0, 24),
+            &params(0, 0xb, 0),
+            0,
+        ));
+        good(&command(
+            &mut k,
+            &mut gws,
+            0,
+            na,
+            &prout_cdb(1, 3, 24),
+            &params(0xa, 0, 0),
+            0,
+        ));
+    }
+    // A read of A's sits in gateway A's backend.
+    a.hold_backend = true;
+    let held = a.submit(
+        na,
+        0,
+        &cdb10(0x28, 0, 0, 1),
+        TaskAttribute::Simple,
+        &[],
+        512,
+    );
+    a.run();
+    assert_eq!(a.held.len(), 1);
+    // B preempts A's reservation and aborts its tasks.
+    let tag = b.submit(
+        nb,
+        0,
+        &prout_cdb(5, 3, 24),
+        TaskAttribute::Simple,
+        &params(0xb, 0xa, 0),
+        0,
+    );
+    b.run();
+    k.settle(&mut [&mut a, &mut b]);
+    good(&b.outcomes.remove(&tag).expect("ended"));
+    a.release();
+    a.run();
+    assert_eq!(
+        a.outcomes.remove(&held).expect("ended").status,
+        None,
+        "aborted on gateway A"
+    );
+    // A hears REGISTRATIONS PREEMPTED, then its access is B's to grant.
+    let mut gws = [&mut a, &mut b];
+    let o = command(&mut k, &mut gws, 0, na, &[0; 6], &[], 0);
+    let asc = Asc::REGISTRATIONS_PREEMPTED;
+    assert_eq!(o.sense_code(), Some((6, asc.0, asc.1)));
+    let r = command(&mut k, &mut gws, 0, na, &cdb10(0x28, 0, 0, 1), &[], 512);
+    assert_eq!(r.status, Some(Status::ReservationConflict));
+}
+
+#[test]
+fn an_spc2_reservation_holds_on_every_gateway_until_its_nexus_is_lost() {
+    let (mut a, mut b) = (gateway(), gateway());
+    let mut k = Keeper::default();
+    let na = a.login_through("iqn.x:one", 1, 1);
+    let nb = b.login_through("iqn.x:two", 2, 2);
+    {
+        let mut gws = [&mut a, &mut b];
+        good(&command(
+            &mut k,
+            &mut gws,
+            0,
+            na,
+            &[0x16, 0, 0, 0, 0, 0],
+            &[],
+            0,
+        ));
+        let r = command(&mut k, &mut gws, 1, nb, &cdb10(0x28, 0, 0, 1), &[], 512);
+        assert_eq!(r.status, Some(Status::ReservationConflict));
+        // RESERVE from B while A holds: the keeper refuses it too.
+        let r = command(&mut k, &mut gws, 1, nb, &[0x16, 0, 0, 0, 0, 0], &[], 0);
+        assert_eq!(r.status, Some(Status::ReservationConflict));
+    }
+    // A's session ends: its reservation goes on every gateway.
+    a.device.close_nexus(na).expect("live");
+    let mut gws = [&mut a, &mut b];
+    k.settle(&mut gws);
+    assert_eq!(k.decided.last(), Some(&ReservationRequest::NexusLost));
+    assert_eq!(k.state.spc2, None);
+    good(&command(
+        &mut k,
+        &mut gws,
+        1,
+        nb,
+        &cdb10(0x28, 0, 0, 1),
+        &[],
+        512,
+    ));
+}
+
+#[test]
+fn shared_state_and_effects_survive_their_encoding() {
+    let (mut a, mut b) = (gateway(), gateway());
+    let mut k = Keeper::default();
+    let na = a.login_through("iqn.x:one", 1, 1);
+    let nb = b.login_through("iqn.x:two", 2, 2);
+    let mut gws = [&mut a, &mut b];
+    good(&command(
+        &mut k,
+        &mut gws,
+        0,
+        na,
+        &prout_cdb(0, 0, 24),
+        &params(0, 0xa, 0),
+        0,
+    ));
+    good(&command(
+        &mut k,
+        &mut gws,
+        1,
+        nb,
+        &prout_cdb(0, 0, 24),
+        &params(0, 0xb, 0),
+        0,
+    ));
+    // RESERVE with registrations present conflicts (SPC-4 5.13.3), decided by the keeper.
+    let r = command(&mut k, &mut gws, 1, nb, &[0x16, 0, 0, 0, 0, 0], &[], 0);
+    assert_eq!(r.status, Some(Status::ReservationConflict));
+    let bytes = k.state.encode();
+    assert_eq!(Reservations::decode(&bytes), Some(k.state.clone()));
+    let mut next = k.state.clone();
+    let fx = next
+        .apply(
+            &k.state.persistent.registrations[0].nexus.clone(),
+            &ReservationRequest::PersistentReserveOut {
+                action: 3,
+                scope_type: 0,
+                parameters: params(0xa, 0, 0),
+            },
+        )
+        .expect("CLEAR by a registrant");
+    assert!(!fx.unit_attentions.is_empty());
+    let decoded = scsi_core::pr::ReservationEffects::decode(&fx.encode()).expect("parses");
+    assert_eq!(decoded.unit_attentions, fx.unit_attentions);
+    assert_eq!(Reservations::decode(b"spc2 1 2\n"), None, "damaged");
+}
