@@ -27,8 +27,11 @@ use crate::task::{
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReservationChange {
     /// The command that asked, to end with [`Device::reservation_done`]; none for a change
-    /// the device server makes itself (nexus loss, LOGICAL UNIT RESET), which ends nothing.
+    /// the device server makes itself (nexus loss, LOGICAL UNIT RESET).
     pub task: Option<TaskId>,
+    /// The task management function (its reference) that waits for the change, a LOGICAL
+    /// UNIT RESET: tell [`Device::task_management_change_done`] once it is carried out.
+    pub tmf: Option<u64>,
     /// The unit's LUN index.
     pub lun: u16,
     /// The I_T nexus it is made for.
@@ -241,6 +244,8 @@ struct PendingTmf {
     reference: u64,
     response: TmfResponse,
     waiting: Vec<TaskId>,
+    /// Changes to shared reservations (a reset) it waits for the keeper to carry out.
+    keeper: usize,
 }
 
 /// A SCSI target device: its logical units, the I_T nexuses that reach it and their tasks.
@@ -451,6 +456,13 @@ impl Device {
             _ => return false,
         }
         lu.reservations = state;
+        if effects.reset {
+            // Another server's LOGICAL UNIT RESET: this server's tasks on the unit go, and
+            // its nexuses hear of it.
+            let ids = self.select_tasks(|t| t.lun == lun && t.phase != Phase::Reserving);
+            self.abort_tasks(&ids, None);
+            self.reset_lu_state(lun);
+        }
         self.reservation_effects(lun, effects, None);
         true
     }
@@ -479,6 +491,15 @@ impl Device {
         };
         self.complete(task, result);
         Ok(())
+    }
+
+    /// The keeper has carried out (or given up on) a change a task management function
+    /// (`reference`) waits for: it is answered once nothing else holds it.
+    pub fn task_management_change_done(&mut self, reference: u64) {
+        if let Some(t) = self.tmfs.iter_mut().find(|t| t.reference == reference) {
+            t.keeper = t.keeper.saturating_sub(1);
+        }
+        self.finish_tmfs();
     }
 
     /// Unit attentions and aborts of a change to the reservations of `lun`.
@@ -510,6 +531,7 @@ impl Device {
         if lu.shared.is_some() {
             self.changes.push_back(ReservationChange {
                 task: Some(id),
+                tmf: None,
                 lun,
                 nexus: me,
                 request,
@@ -718,6 +740,7 @@ impl Device {
                 if lu.shared.is_some() {
                     self.changes.push_back(ReservationChange {
                         task: None,
+                        tmf: None,
                         lun: i as u16,
                         nexus: name.clone(),
                         request: ReservationRequest::NexusLost,
@@ -1398,18 +1421,23 @@ impl Device {
             for tmf in &mut self.tmfs {
                 tmf.waiting.retain(|&w| w != id);
             }
-            let mut i = 0;
-            while i < self.tmfs.len() {
-                if self.tmfs[i].waiting.is_empty() {
-                    let tmf = self.tmfs.remove(i);
-                    self.actions.push_back(Action::TaskManagementDone {
-                        nexus: tmf.nexus,
-                        reference: tmf.reference,
-                        response: tmf.response,
-                    });
-                } else {
-                    i += 1;
-                }
+            self.finish_tmfs();
+        }
+    }
+
+    /// Answers the task management functions that wait for nothing any more.
+    fn finish_tmfs(&mut self) {
+        let mut i = 0;
+        while i < self.tmfs.len() {
+            if self.tmfs[i].waiting.is_empty() && self.tmfs[i].keeper == 0 {
+                let tmf = self.tmfs.remove(i);
+                self.actions.push_back(Action::TaskManagementDone {
+                    nexus: tmf.nexus,
+                    reference: tmf.reference,
+                    response: tmf.response,
+                });
+            } else {
+                i += 1;
             }
         }
     }
@@ -1548,7 +1576,7 @@ impl Device {
             (TmfFunction::LogicalUnitReset, Some(l)) => {
                 let ids = self.select_tasks(|t| t.lun == l);
                 let w = self.abort_tasks(&ids, None);
-                self.reset_lu(l);
+                self.reset_lu(l, &name, reference);
                 w
             }
             (TmfFunction::ItNexusReset, _) => {
@@ -1566,7 +1594,7 @@ impl Device {
                 let ids = self.select_tasks(|_| true);
                 let w = self.abort_tasks(&ids, None);
                 for l in self.luns() {
-                    self.reset_lu(l);
+                    self.reset_lu(l, &name, reference);
                 }
                 w
             }
@@ -1600,7 +1628,14 @@ impl Device {
             }
             (_, None) => Vec::new(),
         };
-        if waiting.is_empty() {
+        // A reset of a unit whose reservations are shared is answered once every server of
+        // the unit has reset it too.
+        let keeper = self
+            .changes
+            .iter()
+            .filter(|c| c.tmf == Some(reference))
+            .count();
+        if waiting.is_empty() && keeper == 0 {
             self.actions.push_back(Action::TaskManagementDone {
                 nexus,
                 reference,
@@ -1612,6 +1647,7 @@ impl Device {
                 reference,
                 response,
                 waiting,
+                keeper,
             });
         }
         Ok(())
@@ -1620,19 +1656,28 @@ impl Device {
     /// LOGICAL UNIT RESET's effects on the unit's state (SAM-5 section 6.3.3): the SPC-2
     /// reservation and medium removal prevention go, mode parameters return to their defaults,
     /// and every nexus gets a unit attention (persistent reservations stay).
-    fn reset_lu(&mut self, lun: u16) {
+    /// With shared reservations the reset goes to the keeper too, which has every other
+    /// device server serving the unit reset it as well (its SPC-2 reservation is shared
+    /// state; its tasks and unit attentions are each server's).
+    fn reset_lu(&mut self, lun: u16, by: &ItNexus, tmf: u64) {
         if let Some(lu) = self.lu_mut(lun) {
             if lu.shared.is_none() {
                 lu.reservations.spc2 = None;
-            } else if let Some(holder) = lu.reservations.spc2.clone() {
+            } else {
                 self.changes.push_back(ReservationChange {
                     task: None,
+                    tmf: Some(tmf),
                     lun,
-                    nexus: holder,
+                    nexus: by.clone(),
                     request: ReservationRequest::Reset,
                 });
             }
         }
+        self.reset_lu_state(lun);
+    }
+
+    /// What a LOGICAL UNIT RESET resets of a unit here, beside its reservations.
+    fn reset_lu_state(&mut self, lun: u16) {
         if let Some(lu) = self.lu_mut(lun) {
             lu.prevent.clear();
             lu.stopped = false;

@@ -88,6 +88,9 @@ pub struct ReservationEffects {
     pub abort: Vec<ItNexus>,
     /// The persistent state changed (an APTPL store must write it).
     pub save: bool,
+    /// A LOGICAL UNIT RESET: every other server of the unit resets it too (aborts its tasks,
+    /// tells its nexuses), even when the reservations did not change.
+    pub reset: bool,
 }
 
 /// Why a change to the reservations was refused: the command's status.
@@ -686,7 +689,10 @@ impl Reservations {
             }
             ReservationRequest::Reset => {
                 self.spc2 = None;
-                Ok(ReservationEffects::default())
+                Ok(ReservationEffects {
+                    reset: true,
+                    ..ReservationEffects::default()
+                })
             }
         }
     }
@@ -734,6 +740,9 @@ impl ReservationEffects {
         for n in &self.abort {
             s += &format!("abort {}\n", encode_nexus(n));
         }
+        if self.reset {
+            s += "reset\n";
+        }
         s.into_bytes()
     }
 
@@ -751,6 +760,7 @@ impl ReservationEffects {
                         .push((decode_nexus(w.get(3..)?)?, Asc(asc, ascq)));
                 }
                 Some("abort") => fx.abort.push(decode_nexus(w.get(1..)?)?),
+                Some("reset") => fx.reset = true,
                 None => {}
                 Some(_) => return None,
             }

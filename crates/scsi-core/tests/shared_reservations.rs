@@ -32,16 +32,20 @@ impl Keeper {
                     let mut next = self.state.clone();
                     let result = next.apply(&c.nexus, &c.request);
                     if let Ok(fx) = &result {
-                        if next != self.state {
+                        // A reset is published even when it changes no shared state.
+                        if next != self.state || fx.reset {
                             self.version += 1;
                             self.state = next;
                         }
-                        for g in gateways.iter_mut() {
+                        for (j, g) in gateways.iter_mut().enumerate() {
+                            // The gateway that made a reset has carried it out already.
+                            let mut fx = fx.clone();
+                            fx.reset &= j != i;
                             g.device.apply_reservations(
                                 c.lun,
                                 self.version,
                                 self.state.clone(),
-                                fx,
+                                &fx,
                             );
                         }
                     }
@@ -51,6 +55,9 @@ impl Keeper {
                             .device
                             .reservation_done(task, result.map(|_| ()))
                             .expect("a task waiting for its keeper");
+                    }
+                    if let Some(reference) = c.tmf {
+                        gateways[i].device.task_management_change_done(reference);
                     }
                 }
                 gateways[i].run();
@@ -369,4 +376,65 @@ fn shared_state_and_effects_survive_their_encoding() {
     let decoded = scsi_core::pr::ReservationEffects::decode(&fx.encode()).expect("parses");
     assert_eq!(decoded.unit_attentions, fx.unit_attentions);
     assert_eq!(Reservations::decode(b"spc2 1 2\n"), None, "damaged");
+}
+
+#[test]
+fn a_logical_unit_reset_on_one_gateway_resets_the_unit_on_the_other() {
+    let (mut a, mut b) = (gateway(), gateway());
+    let mut k = Keeper::default();
+    let na = a.login_through("iqn.x:one", 1, 1);
+    let nb = b.login_through("iqn.x:two", 2, 2);
+    {
+        let mut gws = [&mut a, &mut b];
+        good(&command(
+            &mut k,
+            &mut gws,
+            1,
+            nb,
+            &[0x16, 0, 0, 0, 0, 0],
+            &[],
+            0,
+        ));
+    }
+    // A read of B's sits in gateway B's backend when A resets the unit.
+    b.hold_backend = true;
+    let held = b.submit(
+        nb,
+        0,
+        &cdb10(0x28, 0, 0, 1),
+        TaskAttribute::Simple,
+        &[],
+        512,
+    );
+    b.run();
+    a.task_management(na, 0, scsi_core::TmfFunction::LogicalUnitReset, 77);
+    assert!(
+        !a.tmf.contains_key(&77),
+        "answered before the other gateway reset the unit"
+    );
+    k.settle(&mut [&mut a, &mut b]);
+    assert_eq!(a.tmf.get(&77), Some(&scsi_core::TmfResponse::Complete));
+    b.release();
+    b.run();
+    let aborted = b.outcomes.remove(&held).expect("ended");
+    assert_eq!(aborted.status, None, "aborted on B");
+    b.hold_backend = false;
+    // B's SPC-2 reservation is gone and B hears of the reset.
+    assert_eq!(k.state.spc2, None);
+    let mut gws = [&mut a, &mut b];
+    let o = command(&mut k, &mut gws, 1, nb, &[0; 6], &[], 0);
+    let asc = Asc::BUS_DEVICE_RESET_OCCURRED;
+    assert_eq!(o.sense_code(), Some((6, asc.0, asc.1)));
+    // A hears of its own reset too, once, as on a lone target.
+    let o = command(&mut k, &mut gws, 0, na, &[0; 6], &[], 0);
+    assert_eq!(o.sense_code(), Some((6, asc.0, asc.1)));
+    good(&command(
+        &mut k,
+        &mut gws,
+        0,
+        na,
+        &cdb10(0x28, 0, 0, 1),
+        &[],
+        512,
+    ));
 }

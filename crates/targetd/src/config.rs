@@ -56,6 +56,58 @@ pub struct Config {
     /// The targets exported.
     #[serde(default)]
     pub targets: Vec<Target>,
+    /// This gateway's place among several that export the same targets and RBD images
+    /// (feature `rbd`): reservations kept in RADOS, one target port group per gateway.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<Cluster>,
+}
+
+/// `[cluster]`: several targetd gateways export the same targets and RBD images as one.
+/// Every gateway's file lists the same targets and LUNs; each has its own `gateway` and
+/// `port_group`. The RBD units' reservations (persistent and SPC-2) are one RADOS object per
+/// image in `pool`, changed by compare-and-swap; a change is acknowledged to the initiator
+/// once every gateway watching it has applied it.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Cluster {
+    /// The cluster's name: the prefix of its objects in `pool`.
+    pub name: String,
+    /// This gateway's name, unique in the cluster.
+    pub gateway: String,
+    /// This gateway's target portal group tag, which is also its relative target port
+    /// identifier: unique among the cluster's gateways, 1 to 65535.
+    pub port_group: u16,
+    /// The pool of the shared objects.
+    pub pool: String,
+    /// Their RADOS namespace.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub namespace: Option<String>,
+    /// The cluster's ceph.conf; librados' default search when absent.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ceph_conf: Option<PathBuf>,
+    /// The cephx id, without "client." ("admin" when absent).
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub client: Option<String>,
+    /// The keyring with the client's key; the ceph.conf's keyring when absent.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keyring: Option<PathBuf>,
+    /// Seconds a monitor or OSD may take to answer.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ceph_timeout: Option<u64>,
+    /// Seconds every other gateway gets to apply a change to the reservations before the
+    /// command that made it ends without them (and the silent gateways are logged).
+    #[serde(default = "default_notify_timeout")]
+    pub notify_timeout: u64,
+}
+
+fn default_notify_timeout() -> u64 {
+    5
 }
 
 /// `[server]`.
@@ -589,6 +641,11 @@ impl Config {
             }
         };
         fix(&mut self.server.admin_socket);
+        if let Some(c) = self.cluster.as_mut() {
+            for p in [&mut c.ceph_conf, &mut c.keyring].into_iter().flatten() {
+                fix(p);
+            }
+        }
         if let Some(p) = self.server.state_dir.as_mut() {
             fix(p);
         }
@@ -952,6 +1009,68 @@ impl Config {
                 }
             }
         }
+        self.validate_cluster()
+    }
+
+    fn validate_cluster(&self) -> Result<(), (String, String)> {
+        let Some(c) = &self.cluster else {
+            return Ok(());
+        };
+        let fail = |key: &str, reason: String| Err((format!("cluster.{key}"), reason));
+        if !cfg!(feature = "rbd") {
+            return Err((
+                "cluster".into(),
+                "this targetd was built without the feature rbd, which keeps a cluster's \
+                 state in RADOS (cargo build --release --features rbd; needs librbd-dev)"
+                    .into(),
+            ));
+        }
+        for (k, v) in [
+            ("name", Some(&c.name)),
+            ("gateway", Some(&c.gateway)),
+            ("pool", Some(&c.pool)),
+            ("namespace", c.namespace.as_ref()),
+            ("client", c.client.as_ref()),
+        ] {
+            if let Some(v) = v {
+                if v.is_empty() || v.contains(['/', '@', '\0']) || v.trim() != v {
+                    return fail(
+                        k,
+                        format!("{v:?}: must be a non-empty name without '/', '@' or spaces at either end"),
+                    );
+                }
+            }
+        }
+        if let Some(id) = &c.client {
+            if id.starts_with("client.") {
+                return fail(
+                    "client",
+                    format!("{id:?}: give the cephx id without \"client.\""),
+                );
+            }
+        }
+        if c.port_group == 0 {
+            return fail("port_group", "0: must be 1 to 65535".into());
+        }
+        if !self.server.rdma_portals.is_empty() {
+            return Err((
+                "server.rdma_portals".into(),
+                "SRP ports in a cluster of gateways are not supported yet: their relative \
+                 port identifiers are not unique across gateways"
+                    .into(),
+            ));
+        }
+        if let Some(t) = c.ceph_timeout {
+            if !(1..=3600).contains(&t) {
+                return fail("ceph_timeout", format!("{t}: must be 1 to 3600 seconds"));
+            }
+        }
+        if !(1..=300).contains(&c.notify_timeout) {
+            return fail(
+                "notify_timeout",
+                format!("{}: must be 1 to 300 seconds", c.notify_timeout),
+            );
+        }
         Ok(())
     }
 
@@ -1168,6 +1287,31 @@ size = "1GiB"
 
     /// A config that names RDMA portals is refused, with the reason, unless this build can
     /// serve them (the feature `rdma` and a device).
+    #[test]
+    fn a_cluster_is_checked_key_by_key() {
+        let cluster = "\n[cluster]\nname = \"gws\"\ngateway = \"a\"\nport_group = 2\npool = \"rbd\"\n";
+        let text = format!("{GOOD}{cluster}");
+        if !cfg!(feature = "rbd") {
+            let e = refused(&text);
+            assert!(e.contains("cluster") && e.contains("feature rbd"), "{e}");
+            return;
+        }
+        let c = parse(&text).expect("a good cluster");
+        let cl = c.cluster.expect("parsed");
+        assert_eq!((cl.port_group, cl.notify_timeout), (2, 5));
+        for (from, to, key) in [
+            ("port_group = 2", "port_group = 0", "cluster.port_group"),
+            ("gateway = \"a\"", "gateway = \"a/b\"", "cluster.gateway"),
+            ("pool = \"rbd\"", "pool = \"rbd\"\nclient = \"client.x\"", "cluster.client"),
+            ("pool = \"rbd\"", "pool = \"rbd\"\nnotify_timeout = 0", "cluster.notify_timeout"),
+            ("pool = \"rbd\"", "pool = \"rbd\"\nceph_timeout = 0", "cluster.ceph_timeout"),
+            ("pool = \"rbd\"\n", "", "pool"),
+        ] {
+            let e = refused(&text.replace(from, to));
+            assert!(e.contains(key), "{to}: {e}");
+        }
+    }
+
     #[test]
     fn rdma_portals_are_refused_with_the_reason() {
         let text = GOOD.replace(

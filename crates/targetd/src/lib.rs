@@ -6,11 +6,14 @@
 //!   and reloads; [`server`]: listeners, reactors and drain; [`reactor`]: one thread per core
 //!   with its own io_uring engine and buffer arena.
 //! - [`target`]: a target's SCSI device (crates/scsi-core) and logical units (crates/backend);
-//!   `rbd` (feature `rbd`): units on Ceph RBD images.
+//!   `rbd` (feature `rbd`): units on Ceph RBD images; `cluster` (feature `rbd`): several
+//!   gateways as one target, their units' reservations kept in RADOS.
 //! - [`iscsi`]: login, discovery, sessions and the full feature phase over TCP.
 //! - [`admin`]: the `targetctl` socket and the Prometheus endpoint.
 
 pub mod admin;
+#[cfg(feature = "rbd")]
+pub mod cluster;
 pub mod config;
 pub mod iscsi;
 #[cfg(feature = "rbd")]

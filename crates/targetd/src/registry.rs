@@ -18,7 +18,7 @@ use iscsi_pdu::{Isid, LoginStatus, SerialNumber};
 
 use crate::config::{self, Config};
 use crate::iscsi::session::{ConnectionInfo, Control, Request, Session, Sessions};
-use crate::target::{Target, PORTAL_GROUP};
+use crate::target::{Target, TargetEnv};
 
 /// Locks `m`, also after a thread panicked holding it (the daemon's state stays usable: every
 /// critical section leaves it consistent).
@@ -30,6 +30,9 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// connections, shared by every reactor, the listeners and the admin interface. It answers a
 /// login's questions ([`Registry::admission`]) and applies reloads ([`Registry::apply`]).
 pub struct Registry {
+    /// What every target shares, fixed at start: a target a reload adds gets it too (a
+    /// changed `server.state_dir` or `[cluster]` waits for a restart).
+    pub target_env: TargetEnv,
     /// What targetctl made live since the config file last matched the running config (a
     /// load, a save, a reload): "target IQN" and "IQN LUN N". A reload would lose these.
     pub unsaved: Mutex<std::collections::BTreeSet<String>>,
@@ -134,10 +137,12 @@ impl Registry {
         config_path: PathBuf,
         targets: Vec<Arc<Target>>,
         portals: Vec<SocketAddr>,
+        target_env: TargetEnv,
     ) -> Registry {
         let sessions = Sessions::default();
         sessions.set_limit(config.server.max_sessions);
         Registry {
+            target_env,
             unsaved: Mutex::default(),
             started_server: config.server.clone(),
             config: RwLock::new(config),
@@ -292,7 +297,7 @@ impl Registry {
                     p.ip()
                 };
                 let addr = SocketAddr::new(ip, p.port());
-                out.push("TargetAddress", format!("{addr},{PORTAL_GROUP}"));
+                out.push("TargetAddress", format!("{addr},{}", t.port_group));
             }
         }
         out
@@ -333,6 +338,10 @@ impl Registry {
         for (key, _, _) in old.server.restart_only_differences(&new.server) {
             changes.push(format!("server.{key}: takes effect at the next start"));
         }
+        if old.cluster != new.cluster {
+            // The keeper, the port group and every unit's shared reservations come with it.
+            changes.push("cluster: takes effect at the next start".into());
+        }
         self.sessions.set_limit(new.server.max_sessions);
         let mut targets = self.targets();
         // Removed targets: their sessions end.
@@ -356,8 +365,7 @@ impl Registry {
                 .iter()
                 .find(|t| t.name.eq_ignore_ascii_case(&nt.name))
             else {
-                // A changed state_dir takes effect at the next start, for every target alike.
-                let t = Target::new(nt, old.server.state_dir.as_deref())
+                let t = Target::new(nt, &self.target_env)
                     .map_err(|(k, r)| format!("target {} {k}: {r}", nt.name))?;
                 targets.push(t);
                 changes.push(format!("target {} added", nt.name));
@@ -504,7 +512,7 @@ impl LoginPolicy for Admission<'_> {
             return Err(LoginStatus::SESSION_DOES_NOT_EXIST);
         }
         let mut settings = registry.settings();
-        settings.declarations.target_portal_group_tag = Some(PORTAL_GROUP);
+        settings.declarations.target_portal_group_tag = Some(target.port_group);
         let c = target
             .config
             .read()

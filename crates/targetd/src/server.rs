@@ -15,7 +15,7 @@ use crate::iscsi::connection::LOGOUT_GRACE;
 use crate::iscsi::session::Request;
 use crate::reactor;
 use crate::registry::{lock, Registry};
-use crate::target::Target;
+use crate::target::{Target, TargetEnv};
 
 /// Why the daemon could not start: the config key at fault and the reason.
 #[derive(Debug, thiserror::Error)]
@@ -41,9 +41,10 @@ impl Server {
     /// Opens every logical unit, binds every portal and the admin socket, starts the reactors.
     pub fn start(config: Config, config_path: PathBuf) -> Result<Server, StartError> {
         let fail = |key: String, reason: String| StartError { key, reason };
+        let env = TargetEnv::start(&config).map_err(|(k, r)| fail(k, r))?;
         let mut targets = Vec::new();
         for (i, t) in config.targets.iter().enumerate() {
-            let target = Target::new(t, config.server.state_dir.as_deref()).map_err(|(k, r)| {
+            let target = Target::new(t, &env).map_err(|(k, r)| {
                 if k.starts_with("server.") {
                     return fail(k, r);
                 }
@@ -99,7 +100,7 @@ impl Server {
         };
         #[cfg(feature = "rdma")]
         let rdma_portals = config.server.rdma_portals.clone();
-        let registry = Arc::new(Registry::new(config, config_path, targets, portals));
+        let registry = Arc::new(Registry::new(config, config_path, targets, portals, env));
         let settings = reactor::Settings {
             engine,
             arena: ArenaConfig::default(),

@@ -19,7 +19,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::{Deref, DerefMut};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
@@ -35,8 +35,53 @@ use crate::config;
 /// reactor's default arena). 65536 blocks of 512 bytes, as libiscsi's tests move at once.
 pub const MAX_IO: u32 = 32 << 20;
 
-/// The target portal group tag of every portal (one group, implicit ALUA active/optimized).
+/// The target portal group tag of every portal of a gateway on its own (one group, implicit
+/// ALUA active/optimized); in a cluster each gateway has its own (`cluster.port_group`).
 pub const PORTAL_GROUP: u16 = 1;
+
+/// What every target of the daemon shares, fixed when it starts.
+#[derive(Debug, Clone)]
+pub struct TargetEnv {
+    /// Where reservations made with APTPL are kept (`server.state_dir`).
+    pub state_dir: Option<PathBuf>,
+    /// This daemon's target portal group tag, also its portals' relative target port
+    /// identifier.
+    pub port_group: u16,
+    /// The cluster of gateways this one belongs to, which keeps the RBD units' reservations.
+    #[cfg(feature = "rbd")]
+    pub keeper: Option<Arc<crate::cluster::Keeper>>,
+}
+
+impl TargetEnv {
+    /// The environment of a daemon started with `config` (joining its `[cluster]`). Errors
+    /// name the key.
+    pub fn start(config: &config::Config) -> Result<TargetEnv, (String, String)> {
+        #[cfg(feature = "rbd")]
+        let keeper = match &config.cluster {
+            Some(c) => Some(crate::cluster::Keeper::start(c)?),
+            None => None,
+        };
+        Ok(TargetEnv {
+            state_dir: config.server.state_dir.clone(),
+            port_group: config
+                .cluster
+                .as_ref()
+                .map_or(PORTAL_GROUP, |c| c.port_group),
+            #[cfg(feature = "rbd")]
+            keeper,
+        })
+    }
+
+    /// A lone gateway's environment with APTPL state in `state_dir`.
+    pub fn alone(state_dir: Option<PathBuf>) -> TargetEnv {
+        TargetEnv {
+            state_dir,
+            port_group: PORTAL_GROUP,
+            #[cfg(feature = "rbd")]
+            keeper: None,
+        }
+    }
+}
 
 /// What the core sends to a task's connection: the connection machine's [`CoreEvent`](iscsi_pdu::target::CoreEvent).
 pub use iscsi_pdu::target::CoreEvent as Routed;
@@ -160,8 +205,22 @@ impl DerefMut for CoreGuard<'_> {
     }
 }
 
+impl CoreGuard<'_> {
+    /// Routes what the core has to say to the connections (sent once the lock is let go).
+    pub fn route_pending(&mut self) {
+        let core = self.core.as_mut().expect("held until dropped");
+        core.drain(&mut self.out);
+    }
+}
+
 impl Drop for CoreGuard<'_> {
     fn drop(&mut self) {
+        if self.device.has_reservation_changes() {
+            self.target.hand_over_reservation_changes(
+                self.core.as_mut().expect("held until dropped"),
+                &mut self.out,
+            );
+        }
         loop {
             let waiting = self.device.awaits_retirement();
             // Sequentially consistent with a connection's push and its load of the flag (see
@@ -304,6 +363,9 @@ pub struct Lun {
     pub stats: Arc<LunStats>,
     /// Faults armed by `targetctl lun fault` (kept across a resize).
     pub faults: Arc<Faults>,
+    /// The shared reservations this gateway follows (an RBD unit in a cluster).
+    #[cfg(feature = "rbd")]
+    pub shared: Option<Arc<crate::cluster::SharedUnit>>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -361,6 +423,8 @@ impl Lun {
             storage,
             stats,
             faults: Arc::default(),
+            #[cfg(feature = "rbd")]
+            shared: None,
         })
     }
 
@@ -433,6 +497,11 @@ pub struct Target {
     /// Itself, for storage that calls back (an RBD image resized by another client).
     #[cfg_attr(not(feature = "rbd"), allow(dead_code))]
     this: std::sync::Weak<Target>,
+    /// The target portal group tag of this gateway's portals.
+    pub port_group: u16,
+    /// The keeper of shared reservations, in a cluster.
+    #[cfg(feature = "rbd")]
+    keeper: Option<Arc<crate::cluster::Keeper>>,
     /// Held while a unit's size changes, so a resize here and one seen through the image's
     /// watch do not interleave.
     resizing: Mutex<()>,
@@ -446,15 +515,13 @@ impl std::fmt::Debug for Target {
 
 impl Target {
     /// A target with the logical units of `config`, opened now; reservations made with APTPL
-    /// are kept in `state_dir` (`server.state_dir`), and those saved there are loaded.
-    pub fn new(
-        config: &config::Target,
-        state_dir: Option<&Path>,
-    ) -> Result<Arc<Target>, (String, String)> {
-        let port = TargetPort::iscsi(&config.name, PORTAL_GROUP);
+    /// are kept in `env.state_dir` (`server.state_dir`), and those saved there are loaded; in
+    /// a cluster, RBD units' reservations are the cluster's.
+    pub fn new(config: &config::Target, env: &TargetEnv) -> Result<Arc<Target>, (String, String)> {
+        let port = TargetPort::iscsi(&config.name, env.port_group);
         let mut device = Device::new(&config.name, vec![port]);
         device.set_delegation(true);
-        if let Some(dir) = state_dir {
+        if let Some(dir) = env.state_dir.as_deref() {
             let store = FileStore::new(dir).map_err(|e| {
                 (
                     "server.state_dir".to_string(),
@@ -474,6 +541,9 @@ impl Target {
             awaiting: AtomicBool::new(false),
             this: this.clone(),
             resizing: Mutex::new(()),
+            port_group: env.port_group,
+            #[cfg(feature = "rbd")]
+            keeper: env.keeper.clone(),
         });
         for lun in &config.luns {
             target
@@ -563,7 +633,8 @@ impl Target {
 
     /// Opens and adds a logical unit.
     pub fn add_lun(&self, config: &config::Lun, stats: Arc<LunStats>) -> Result<(), String> {
-        let lun = Lun::open(config, stats)?;
+        #[allow(unused_mut)]
+        let mut lun = Lun::open(config, stats)?;
         #[cfg(feature = "rbd")]
         if let Storage::Rbd(image) = &lun.storage {
             match crate::rbd::watch_capacity(image, self.this.clone(), config.lun) {
@@ -577,6 +648,41 @@ impl Target {
             }
         }
         let unit = lun.logical_unit(&self.name);
+        #[cfg(feature = "rbd")]
+        if let (Some(keeper), Storage::Rbd(image)) = (&self.keeper, &lun.storage) {
+            // The unit enters the device with the shared state it has now, then follows it;
+            // what changed between the read and the watch is read once more.
+            let oid = keeper.object(image.spec());
+            let (state, version) = keeper.load(&oid)?;
+            {
+                let mut core = self.core();
+                core.device
+                    .add_lu(config.lun, unit)
+                    .map_err(|e| e.to_string())?;
+                core.device
+                    .share_reservations(config.lun)
+                    .map_err(|e| e.to_string())?;
+                core.device
+                    .apply_reservations(config.lun, version, state, &Default::default());
+            }
+            let followed = keeper
+                .follow(self.this.clone(), config.lun, &oid)
+                .and_then(|f| keeper.load(&oid).map(|now| (f, now)));
+            let (followed, (state, version)) = match followed {
+                Ok(f) => f,
+                Err(e) => {
+                    let _ = self.remove_lun(config.lun);
+                    return Err(format!("cluster: {e}"));
+                }
+            };
+            self.apply_shared_reservations(config.lun, version, state, &Default::default());
+            lun.shared = Some(Arc::new(followed));
+            self.luns
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .insert(config.lun, Arc::new(lun));
+            return Ok(());
+        }
         self.core()
             .device
             .add_lu(config.lun, unit)
@@ -671,6 +777,8 @@ impl Target {
             storage,
             stats: old.stats.clone(),
             faults: old.faults.clone(),
+            #[cfg(feature = "rbd")]
+            shared: old.shared.clone(),
         };
         self.luns
             .write()
@@ -707,6 +815,63 @@ impl Target {
         if let Err(e) = self.replace_resized(&old, storage, blocks) {
             tracing::warn!(target = %self.name, lun = index, "cannot resize: {e}");
         }
+    }
+
+    /// Hands the changes to shared reservations the core made to their keeper; without one (no
+    /// cluster: cannot happen) their commands end with NOT READY.
+    fn hand_over_reservation_changes(&self, core: &mut Core, out: &mut Outbox) {
+        while let Some(change) = core.device.poll_reservation_change() {
+            #[cfg(feature = "rbd")]
+            if let Some(keeper) = &self.keeper {
+                keeper.submit(self.this.clone(), change);
+                continue;
+            }
+            if let Some(reference) = change.tmf {
+                core.device.task_management_change_done(reference);
+                core.drain(out);
+            }
+            if let Some(task) = change.task {
+                let e = scsi_core::Sense::from(scsi_core::BackendError::Unavailable);
+                if let Err(e) = core
+                    .device
+                    .reservation_done(task, Err(scsi_core::pr::PrError::Sense(e)))
+                {
+                    tracing::error!("ending a reservation command: {e}");
+                }
+                core.drain(out);
+            }
+        }
+    }
+
+    /// The keeper of unit `lun`'s shared reservations says they are `state` at `version`.
+    pub fn apply_shared_reservations(
+        &self,
+        lun: u16,
+        version: u64,
+        state: scsi_core::pr::Reservations,
+        effects: &scsi_core::pr::ReservationEffects,
+    ) {
+        let mut core = self.core();
+        if core.device.apply_reservations(lun, version, state, effects) {
+            core.route_pending();
+        }
+    }
+
+    /// The keeper has decided the change of reservation task `task`.
+    pub fn reservation_done(&self, task: TaskId, result: Result<(), scsi_core::pr::PrError>) {
+        let mut core = self.core();
+        if let Err(e) = core.device.reservation_done(task, result) {
+            // The task's connection is gone and aborted it: nothing waits for the answer.
+            tracing::debug!("a reservation change's command: {e}");
+        }
+        core.route_pending();
+    }
+
+    /// The keeper has carried out the change task management function `reference` waits for.
+    pub fn task_management_change_done(&self, reference: u64) {
+        let mut core = self.core();
+        core.device.task_management_change_done(reference);
+        core.route_pending();
     }
 
     /// Whether `initiator` connecting from `addr` may log in.

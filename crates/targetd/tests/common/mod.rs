@@ -11,6 +11,8 @@ use std::time::Duration;
 use initiator_bench::{IscsiUrl, LoginOptions, Session};
 use targetd::{Config, Registry, Server};
 
+#[cfg(feature = "rbd")]
+pub mod ceph;
 pub mod raw;
 
 pub const TARGET: &str = "iqn.2026-11.io.example:test";

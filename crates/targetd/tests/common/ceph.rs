@@ -1,0 +1,108 @@
+//! The Ceph cluster the RBD tests use: the one `CEPH_CONF`, `CEPH_KEYRING`, `CEPH_CLIENT` and
+//! `CEPH_POOL` name (`scripts/ceph-dev-cluster.sh start DIR` writes them to DIR/env; `.ci/run`
+//! starts one). Without them the tests print why and pass; under `CI` they fail.
+
+use std::path::PathBuf;
+use std::process::Command as Process;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use super::TARGET;
+
+pub struct Ceph {
+    pub conf: PathBuf,
+    pub keyring: Option<String>,
+    pub client: String,
+    pub pool: String,
+}
+
+/// The cluster, or None (with the reason printed) when none is configured outside CI.
+pub fn ceph() -> Option<Ceph> {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    match (var("CEPH_CONF"), var("CEPH_POOL")) {
+        (Some(conf), Some(pool)) => Some(Ceph {
+            conf: conf.into(),
+            keyring: var("CEPH_KEYRING"),
+            client: var("CEPH_CLIENT").unwrap_or_else(|| "admin".into()),
+            pool,
+        }),
+        _ if std::env::var_os("CI").is_some() => {
+            panic!("CI needs a Ceph cluster: .ci/run starts one (scripts/ceph-dev-cluster.sh)")
+        }
+        _ => {
+            eprintln!(
+                "skipping: no Ceph cluster (scripts/ceph-dev-cluster.sh start DIR, then source \
+                 DIR/env)"
+            );
+            None
+        }
+    }
+}
+
+/// The tests take turns: one of them stops the cluster's OSD.
+pub fn turn() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+impl Ceph {
+    /// A `[[targets]]` table with LUN 0 on `image` (created at `size`), and `extra` keys.
+    pub fn target(&self, image: &str, size: &str, extra: &str) -> String {
+        let keyring = self
+            .keyring
+            .as_ref()
+            .map(|k| format!("keyring = \"{k}\"\n"))
+            .unwrap_or_default();
+        format!(
+            "[[targets]]\nname = \"{TARGET}\"\n\n[[targets.luns]]\nlun = 0\nbackend = \"rbd\"\n\
+             pool = \"{}\"\nimage = \"{image}\"\nsize = \"{size}\"\nceph_conf = \"{}\"\n\
+             client = \"{}\"\n{keyring}{extra}\n",
+            self.pool,
+            self.conf.display(),
+            self.client
+        )
+    }
+
+    /// Runs the `rbd` CLI as the test's client.
+    pub fn rbd(&self, args: &[&str]) -> std::process::Output {
+        let mut c = Process::new("rbd");
+        c.arg("-c").arg(&self.conf).args(["--id", &self.client]);
+        if let Some(k) = &self.keyring {
+            c.args(["--keyring", k]);
+        }
+        c.args(args).output().expect("rbd CLI (ceph-common)")
+    }
+
+    /// QEMU's URI of `image` for its rbd driver.
+    pub fn qemu_rbd(&self, image: &str) -> String {
+        let mut s = format!(
+            "rbd:{}/{image}:conf={}:id={}",
+            self.pool,
+            self.conf.display(),
+            self.client
+        );
+        if let Some(k) = &self.keyring {
+            s.push_str(&format!(":keyring={k}"));
+        }
+        s
+    }
+
+    /// The pid of OSD `id` of a cluster from scripts/ceph-dev-cluster.sh.
+    pub fn osd_pid(&self, id: u32) -> Option<u32> {
+        let run = self
+            .conf
+            .parent()?
+            .join("run")
+            .join(format!("osd.{id}.pid"));
+        std::fs::read_to_string(run).ok()?.trim().parse().ok()
+    }
+}
