@@ -17,6 +17,7 @@ use crate::nexus::{ItNexus, TransportId};
 use crate::pr::{PrError, PrStore, ReservationEffects, ReservationRequest, Reservations};
 use crate::sense::{Asc, Sense, SenseKey};
 use crate::spc::opcodes::{self, Access, CommandInfo};
+use crate::spc::tpg::PortGroup;
 use crate::task::{
     Action, Command, DataIn, Delegation, NexusId, Residual, Status, TaskAttribute, TaskId,
     TmfFunction, TmfResponse,
@@ -225,6 +226,9 @@ pub(crate) struct Lu {
     /// The reservations are kept elsewhere ([`Device::share_reservations`]): the version of
     /// the shared state applied last.
     pub(crate) shared: Option<u64>,
+    /// Target port groups and their access states, when the target sets them
+    /// ([`Device::set_port_groups`]); the device's own ports, active/optimized, otherwise.
+    pub(crate) port_groups: Option<Vec<PortGroup>>,
     /// Tasks in the task set (not ended).
     live: u32,
     /// Live ORDERED and HEAD OF QUEUE tasks.
@@ -565,6 +569,44 @@ impl Device {
         Ok(Step::Done(Reply::Good))
     }
 
+    /// Sets the target port groups of unit `lun` and their asymmetric access states (implicit
+    /// ALUA decided by the target, e.g. by its cluster of gateways). When a group's state
+    /// changes, every nexus gets ASYMMETRIC ACCESS STATE CHANGED for the unit. Commands that
+    /// arrive through a port whose group is not active are refused with NOT READY, but those
+    /// that ask about the path (INQUIRY, REPORT LUNS, REPORT TARGET PORT GROUPS, REQUEST
+    /// SENSE). Returns whether a state changed.
+    pub fn set_port_groups(
+        &mut self,
+        lun: u16,
+        groups: Vec<PortGroup>,
+    ) -> Result<bool, DeviceError> {
+        let ports = self.ports.clone();
+        let lu = self.lu_mut(lun).ok_or(DeviceError::Lun(lun))?;
+        let before = match &lu.port_groups {
+            Some(g) => g.clone(),
+            None => crate::spc::tpg::groups_of(&ports),
+        };
+        let state_of = |gs: &[PortGroup], id: u16| gs.iter().find(|g| g.id == id).map(|g| g.state);
+        let changed = groups
+            .iter()
+            .any(|g| state_of(&before, g.id) != Some(g.state))
+            || before.iter().any(|g| state_of(&groups, g.id).is_none());
+        lu.port_groups = Some(groups);
+        if changed {
+            self.unit_attention_all(lun, Asc::ASYMMETRIC_ACCESS_STATE_CHANGED, None);
+        }
+        Ok(changed)
+    }
+
+    /// The target port groups of unit `lun` as REPORT TARGET PORT GROUPS reports them.
+    pub fn port_groups(&self, lun: u16) -> Option<Vec<PortGroup>> {
+        let lu = self.lu(lun)?;
+        Some(match &lu.port_groups {
+            Some(g) => g.clone(),
+            None => crate::spc::tpg::groups_of(&self.ports),
+        })
+    }
+
     /// Whether APTPL may be set on unit `lun`: a store keeps the state, or its keeper does.
     pub(crate) fn ptpl_capable(&self, lun: u16) -> bool {
         self.store.is_some() || self.lu(lun).is_some_and(|lu| lu.shared.is_some())
@@ -633,6 +675,7 @@ impl Device {
             prevent: Vec::new(),
             reservations: Reservations::default(),
             shared: None,
+            port_groups: None,
             live: 0,
             blockers: 0,
             dormant: 0,
@@ -979,6 +1022,19 @@ impl Device {
         // Borrowed, not cloned: this runs for every command.
         let name = &self.nexus(nexus).map_err(|_| Sense::invalid_opcode())?.name;
         let lu = self.lu(lun).expect("tasks live on existing units");
+        if let Some(groups) = &lu.port_groups {
+            let asks_about_the_path =
+                matches!(cdb[0], 0x03 | 0x12 | 0xa0) || (cdb[0] == 0xa3 && cdb[1] & 0x1f == 0x0a);
+            let state = groups
+                .iter()
+                .find(|g| g.ports.contains(&name.relative_port))
+                .map(|g| g.state);
+            if let Some(state) = state.filter(|s| !s.is_active()) {
+                if !asks_about_the_path {
+                    return Err(Sense::new(SenseKey::NotReady, state.not_ready()).into());
+                }
+            }
+        }
         if let Some(holder) = &lu.reservations.spc2 {
             let allowed = info.access == Access::Unrestricted && !matches!(cdb[0], 0x5e | 0x5f)
                 || matches!(cdb[0], 0x17 | 0x57);

@@ -397,7 +397,11 @@ impl Device {
             0xa3 => {
                 let alloc = be32(cdb, 6) as usize;
                 let mut d = match cdb[1] & 0x1f {
-                    0x0a => tpg::report_target_port_groups(&self.ports, cdb[1] & 0x20 != 0),
+                    0x0a => {
+                        let set = lu.port_groups.is_some();
+                        let groups = self.port_groups(lun).ok_or_else(internal)?;
+                        tpg::report_target_port_groups(&groups, cdb[1] & 0x20 != 0, set)
+                    }
                     0x0c => return data(opcodes::report_supported_operation_codes(cdb)),
                     _ => return data(opcodes::report_supported_tmfs(cdb)),
                 };

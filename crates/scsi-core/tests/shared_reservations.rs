@@ -438,3 +438,57 @@ fn a_logical_unit_reset_on_one_gateway_resets_the_unit_on_the_other() {
         512,
     ));
 }
+
+#[test]
+fn access_states_announce_their_changes_and_refuse_media_access_when_not_active() {
+    use scsi_core::spc::tpg::{AccessState, PortGroup};
+    let mut a = gateway();
+    let n1 = a.login_through("iqn.x:one", 1, 1);
+    let n2 = a.login_through("iqn.x:two", 2, 2);
+    let group = |id: u16, state| PortGroup {
+        id,
+        state,
+        preferred: state == AccessState::ActiveOptimized,
+        ports: vec![id],
+    };
+    let groups = vec![
+        group(1, AccessState::ActiveOptimized),
+        group(2, AccessState::ActiveNonOptimized),
+    ];
+    assert!(a.device.set_port_groups(0, groups.clone()).expect("LUN 0"));
+    let changed = Asc::ASYMMETRIC_ACCESS_STATE_CHANGED;
+    for n in [n1, n2] {
+        let o = a.command(n, 0, &[0; 6], &[], 0);
+        assert_eq!(o.sense_code(), Some((6, changed.0, changed.1)));
+        good(&a.command(n, 0, &cdb10(0x28, 0, 0, 1), &[], 512));
+    }
+    assert!(
+        !a.device.set_port_groups(0, groups).expect("LUN 0"),
+        "no change"
+    );
+    // Group 2 becomes unavailable: media access through port 2 is NOT READY, the path
+    // questions are answered.
+    let groups = vec![
+        group(1, AccessState::ActiveOptimized),
+        group(2, AccessState::Unavailable),
+    ];
+    assert!(a.device.set_port_groups(0, groups).expect("LUN 0"));
+    let _ = a.command(n2, 0, &[0x12, 0, 0, 0, 36, 0], &[], 36);
+    let o = a.command(n2, 0, &[0; 6], &[], 0);
+    assert_eq!(o.sense_code(), Some((6, changed.0, changed.1)));
+    let r = a.command(n2, 0, &cdb10(0x28, 0, 0, 1), &[], 512);
+    let unavailable = Asc::TARGET_PORT_IN_UNAVAILABLE_STATE;
+    assert_eq!(r.sense_code(), Some((2, unavailable.0, unavailable.1)));
+    good(&a.command(n2, 0, &[0x12, 0, 0, 0, 36, 0], &[], 36));
+    let mut rtpg = [0u8; 12];
+    rtpg[0] = 0xa3;
+    rtpg[1] = 0x0a;
+    rtpg[9] = 255;
+    let d = a.command(n2, 0, &rtpg, &[], 255);
+    good(&d);
+    assert_eq!(&d.data[4..8], &[0x80, 0xcb, 0, 1]);
+    assert_eq!(&d.data[16..20], &[0x03, 0xcb, 0, 2]);
+    let o = a.command(n1, 0, &[0; 6], &[], 0);
+    assert_eq!(o.sense_code(), Some((6, changed.0, changed.1)));
+    good(&a.command(n1, 0, &cdb10(0x28, 0, 0, 1), &[], 512));
+}

@@ -1289,7 +1289,8 @@ size = "1GiB"
     /// serve them (the feature `rdma` and a device).
     #[test]
     fn a_cluster_is_checked_key_by_key() {
-        let cluster = "\n[cluster]\nname = \"gws\"\ngateway = \"a\"\nport_group = 2\npool = \"rbd\"\n";
+        let cluster =
+            "\n[cluster]\nname = \"gws\"\ngateway = \"a\"\nport_group = 2\npool = \"rbd\"\n";
         let text = format!("{GOOD}{cluster}");
         if !cfg!(feature = "rbd") {
             let e = refused(&text);
@@ -1302,9 +1303,21 @@ size = "1GiB"
         for (from, to, key) in [
             ("port_group = 2", "port_group = 0", "cluster.port_group"),
             ("gateway = \"a\"", "gateway = \"a/b\"", "cluster.gateway"),
-            ("pool = \"rbd\"", "pool = \"rbd\"\nclient = \"client.x\"", "cluster.client"),
-            ("pool = \"rbd\"", "pool = \"rbd\"\nnotify_timeout = 0", "cluster.notify_timeout"),
-            ("pool = \"rbd\"", "pool = \"rbd\"\nceph_timeout = 0", "cluster.ceph_timeout"),
+            (
+                "pool = \"rbd\"",
+                "pool = \"rbd\"\nclient = \"client.x\"",
+                "cluster.client",
+            ),
+            (
+                "pool = \"rbd\"",
+                "pool = \"rbd\"\nnotify_timeout = 0",
+                "cluster.notify_timeout",
+            ),
+            (
+                "pool = \"rbd\"",
+                "pool = \"rbd\"\nceph_timeout = 0",
+                "cluster.ceph_timeout",
+            ),
             ("pool = \"rbd\"\n", "", "pool"),
         ] {
             let e = refused(&text.replace(from, to));
