@@ -24,6 +24,15 @@
 //! APTPL is natural: the object outlives every gateway. Without APTPL the state is cleared when
 //! a gateway opens the unit and no gateway watches the object (all of them restarted), as a
 //! power loss clears a lone target's.
+//!
+//! Which gateways are alive comes from RADOS too: each gateway lists itself (name, port group,
+//! portals) in the object `<cluster>.gateways` and watches it; a notify on it is answered by
+//! every live gateway with its name, and one that does not answer within
+//! [`MEMBERSHIP_TIMEOUT`] is down. Every gateway asks every [`MEMBERSHIP_INTERVAL`] and
+//! derives the same implicit ALUA states for every unit: the live gateway with the lowest port
+//! group is active/optimized, the other live ones active/non-optimized, the rest unavailable.
+//! A change reaches initiators as ASYMMETRIC ACCESS STATE CHANGED; SendTargets on any gateway
+//! lists every gateway's portals with their port groups.
 
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
@@ -32,6 +41,7 @@ use std::time::Duration;
 use backend::rbd::rados::{CasError, Notification, Pool, Watch};
 use backend::rbd::{Cluster, ClusterConfig, ImageSpec};
 use scsi_core::pr::{PrError, ReservationEffects, Reservations};
+use scsi_core::spc::tpg::{AccessState, PortGroup};
 use scsi_core::{BackendError, ReservationChange, Sense};
 
 use crate::config;
@@ -43,6 +53,91 @@ const MAX_STATE: usize = 1 << 20;
 /// How often a change is decided again after losing a compare-and-swap race before the
 /// command ends with NOT READY (the initiator retries it).
 const MAX_RACES: usize = 64;
+
+/// How often a gateway asks who is alive.
+pub const MEMBERSHIP_INTERVAL: Duration = Duration::from_secs(2);
+
+/// How long a gateway has to answer "who is alive" before it counts as down.
+pub const MEMBERSHIP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One gateway as the cluster's gateways object lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// `cluster.gateway`.
+    pub gateway: String,
+    /// `cluster.port_group`.
+    pub port_group: u16,
+    /// Its iSCSI portals.
+    pub portals: Vec<std::net::SocketAddr>,
+}
+
+impl Member {
+    fn line(&self) -> String {
+        let portals: Vec<String> = self.portals.iter().map(|p| p.to_string()).collect();
+        format!(
+            "gateway {} {} {}\n",
+            self.gateway,
+            self.port_group,
+            portals.join(",")
+        )
+    }
+
+    fn parse(line: &str) -> Option<Member> {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if w.first() != Some(&"gateway") {
+            return None;
+        }
+        Some(Member {
+            gateway: w.get(1)?.to_string(),
+            port_group: w.get(2)?.parse().ok()?,
+            portals: match w.get(3) {
+                Some(p) => p.split(',').filter_map(|a| a.parse().ok()).collect(),
+                None => Vec::new(),
+            },
+        })
+    }
+}
+
+/// The gateways the cluster lists and which of them answered last.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Membership {
+    /// Every gateway that ever joined, by port group.
+    pub members: Vec<Member>,
+    /// The names of those that answered.
+    pub live: Vec<String>,
+}
+
+impl Membership {
+    /// The ALUA port groups of every shared unit: the live gateway with the lowest port group
+    /// is active/optimized, the other live ones active/non-optimized, the rest unavailable.
+    /// The same on every gateway that sees the same membership.
+    pub fn port_groups(&self) -> Vec<PortGroup> {
+        let optimized = self
+            .members
+            .iter()
+            .filter(|m| self.live.contains(&m.gateway))
+            .map(|m| m.port_group)
+            .min();
+        self.members
+            .iter()
+            .map(|m| {
+                let state = if !self.live.contains(&m.gateway) {
+                    AccessState::Unavailable
+                } else if Some(m.port_group) == optimized {
+                    AccessState::ActiveOptimized
+                } else {
+                    AccessState::ActiveNonOptimized
+                };
+                PortGroup {
+                    id: m.port_group,
+                    state,
+                    preferred: state == AccessState::ActiveOptimized,
+                    ports: vec![m.port_group],
+                }
+            })
+            .collect()
+    }
+}
 
 /// A change to decide, from a target's device server.
 struct Job {
@@ -56,6 +151,14 @@ pub struct Keeper {
     config: config::Cluster,
     pool: Arc<Pool>,
     jobs: Mutex<mpsc::Sender<Job>>,
+    /// The membership as last seen.
+    membership: Mutex<Membership>,
+    /// The shared units, to tell of ALUA changes.
+    units: Mutex<Vec<(Weak<Target>, u16)>>,
+    /// This gateway's watch on the gateways object, once it has joined.
+    joined: Mutex<Option<Watch>>,
+    /// Wakes the membership thread early (a gateway joined).
+    wake: (Mutex<bool>, std::sync::Condvar),
 }
 
 impl std::fmt::Debug for Keeper {
@@ -95,6 +198,10 @@ impl Keeper {
             config: c.clone(),
             pool,
             jobs: Mutex::new(tx),
+            membership: Mutex::default(),
+            units: Mutex::default(),
+            joined: Mutex::new(None),
+            wake: (Mutex::new(false), std::sync::Condvar::new()),
         });
         let weak = Arc::downgrade(&keeper);
         std::thread::Builder::new()
@@ -114,6 +221,186 @@ impl Keeper {
             "joined the cluster of gateways"
         );
         Ok(keeper)
+    }
+
+    fn gateways_object(&self) -> String {
+        format!("{}.gateways", self.config.name)
+    }
+
+    /// Lists this gateway (with its iSCSI `portals`) in the cluster, answers "who is alive"
+    /// from now on, and starts asking it every [`MEMBERSHIP_INTERVAL`].
+    pub fn join(
+        self: &Arc<Self>,
+        portals: &[std::net::SocketAddr],
+    ) -> Result<(), (String, String)> {
+        let fail = |e: String| ("cluster".to_string(), e);
+        let oid = self.gateways_object();
+        let me = Member {
+            gateway: self.config.gateway.clone(),
+            port_group: self.config.port_group,
+            portals: portals.to_vec(),
+        };
+        for attempt in 0..=MAX_RACES {
+            if attempt == MAX_RACES {
+                return Err(fail(format!(
+                    "{oid} kept changing while this gateway joined"
+                )));
+            }
+            let read = self
+                .pool
+                .read(&oid, MAX_STATE)
+                .map_err(|e| fail(rados_text(e)))?;
+            let (text, version) = match &read {
+                Some(v) => (
+                    String::from_utf8_lossy(&v.data).into_owned(),
+                    Some(v.version),
+                ),
+                None => (String::new(), None),
+            };
+            let mut members: Vec<Member> = text.lines().filter_map(Member::parse).collect();
+            if let Some(other) = members
+                .iter()
+                .find(|m| m.port_group == me.port_group && m.gateway != me.gateway)
+            {
+                return Err((
+                    "cluster.port_group".into(),
+                    format!(
+                        "{} is gateway {:?}'s already: each gateway needs its own",
+                        me.port_group, other.gateway
+                    ),
+                ));
+            }
+            members.retain(|m| m.gateway != me.gateway);
+            members.push(me.clone());
+            members.sort_by_key(|m| m.port_group);
+            let text: String = members.iter().map(Member::line).collect();
+            match self.pool.replace(&oid, version, text.as_bytes()) {
+                Ok(_) => break,
+                Err(CasError::Conflict) => continue,
+                Err(CasError::Rados(e)) => return Err(fail(rados_text(e))),
+            }
+        }
+        let pool = self.pool.clone();
+        let name = oid.clone();
+        let gateway = self.config.gateway.clone();
+        let weak = Arc::downgrade(self);
+        let on_notify = move |n: Notification| {
+            if n.payload == b"joined" {
+                if let Some(k) = weak.upgrade() {
+                    k.wake();
+                }
+            }
+            let _ = pool.ack(&name, &n, gateway.as_bytes());
+        };
+        let name = oid.clone();
+        let on_error = move |e: i32| {
+            tracing::error!(object = %name, "lost the watch on the cluster's gateways: {}", rados_text(e));
+        };
+        let timeout = Duration::from_secs(
+            self.config
+                .ceph_timeout
+                .unwrap_or(config::DEFAULT_CEPH_TIMEOUT),
+        );
+        let watch = self
+            .pool
+            .watch(&oid, timeout, on_notify, on_error)
+            .map_err(|e| fail(rados_text(e)))?;
+        *self.joined.lock().unwrap_or_else(PoisonError::into_inner) = Some(watch);
+        // The others look again now rather than at their next round.
+        let _ = self.pool.notify(&oid, b"joined", MEMBERSHIP_TIMEOUT);
+        self.refresh();
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("membership".into())
+            .spawn(move || loop {
+                let Some(k) = weak.upgrade() else { return };
+                k.sleep(MEMBERSHIP_INTERVAL);
+                k.refresh();
+            })
+            .map_err(|e| fail(format!("a thread: {e}")))?;
+        Ok(())
+    }
+
+    fn wake(&self) {
+        *self.wake.0.lock().unwrap_or_else(PoisonError::into_inner) = true;
+        self.wake.1.notify_all();
+    }
+
+    fn sleep(&self, d: Duration) {
+        let woken = self.wake.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let (mut woken, _) = self
+            .wake
+            .1
+            .wait_timeout_while(woken, d, |w| !*w)
+            .unwrap_or_else(PoisonError::into_inner);
+        *woken = false;
+    }
+
+    /// Asks who is alive and, when the answer changed, gives every shared unit its new ALUA
+    /// states.
+    pub fn refresh(&self) {
+        let oid = self.gateways_object();
+        let members = match self.pool.read(&oid, MAX_STATE) {
+            Ok(Some(v)) => String::from_utf8_lossy(&v.data)
+                .lines()
+                .filter_map(Member::parse)
+                .collect(),
+            Ok(None) => Vec::new(),
+            Err(e) => {
+                tracing::warn!(object = %oid, "reading the cluster's gateways: {}", rados_text(e));
+                return;
+            }
+        };
+        let live = match self.pool.notify(&oid, b"who", MEMBERSHIP_TIMEOUT) {
+            Ok(o) => {
+                let mut live: Vec<String> = o
+                    .acked
+                    .iter()
+                    .map(|(_, _, reply)| String::from_utf8_lossy(reply).into_owned())
+                    .collect();
+                live.sort();
+                live.dedup();
+                live
+            }
+            Err(e) => {
+                tracing::warn!(object = %oid, "asking who is alive: {}", rados_text(e));
+                return;
+            }
+        };
+        let now = Membership { members, live };
+        let mut seen = self
+            .membership
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if *seen == now {
+            return;
+        }
+        tracing::info!(
+            live = ?now.live,
+            gateways = now.members.len(),
+            "the cluster's gateways changed"
+        );
+        *seen = now.clone();
+        drop(seen);
+        let groups = now.port_groups();
+        let units = self
+            .units
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        for (target, lun) in units {
+            if let Some(t) = target.upgrade() {
+                t.set_port_groups(lun, groups.clone());
+            }
+        }
+    }
+
+    /// The membership as last seen.
+    pub fn membership(&self) -> Membership {
+        self.membership
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// This gateway's `[cluster]`.
@@ -180,7 +467,9 @@ impl Keeper {
     pub fn follow(&self, target: Weak<Target>, lun: u16, oid: &str) -> Result<SharedUnit, String> {
         let pool = self.pool.clone();
         let name = oid.to_string();
+        let unit = target.clone();
         let on_notify = move |n: Notification| {
+            let target = &unit;
             if let Some((version, state, effects)) = decode_change(&n.payload) {
                 if let Some(t) = target.upgrade() {
                     t.apply_shared_reservations(lun, version, state, &effects);
@@ -208,6 +497,14 @@ impl Keeper {
             .pool
             .watch(oid, timeout, on_notify, on_error)
             .map_err(rados_text)?;
+        let mut units = self.units.lock().unwrap_or_else(PoisonError::into_inner);
+        units.retain(|(t, l)| t.strong_count() > 0 && !(t.ptr_eq(&target) && *l == lun));
+        units.push((target.clone(), lun));
+        drop(units);
+        let membership = self.membership();
+        if let (false, Some(t)) = (membership.members.is_empty(), target.upgrade()) {
+            t.set_port_groups(lun, membership.port_groups());
+        }
         Ok(SharedUnit {
             oid: oid.to_string(),
             _watch: watch,

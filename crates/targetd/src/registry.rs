@@ -283,13 +283,21 @@ impl Registry {
             "" => session_target.is_some_and(|s| s.eq_ignore_ascii_case(name)),
             v => v.eq_ignore_ascii_case(name),
         };
-        let portals = lock(&self.portals).clone();
+        // This gateway's portals, then (in a cluster) every other gateway's with its group.
+        let mut portals: Vec<(SocketAddr, u16)> = Vec::new();
         for t in self.targets() {
             if !wanted(&t.name) || !t.admits(initiator, peer) {
                 continue;
             }
+            if portals.is_empty() {
+                portals = lock(&self.portals)
+                    .iter()
+                    .map(|&p| (p, t.port_group))
+                    .chain(self.other_gateways_portals())
+                    .collect();
+            }
             out.push("TargetName", t.name.clone());
-            for p in &portals {
+            for &(p, group) in &portals {
                 // A wildcard listener is reported by the address this connection reached.
                 let ip = if p.ip().is_unspecified() {
                     local.ip()
@@ -297,10 +305,25 @@ impl Registry {
                     p.ip()
                 };
                 let addr = SocketAddr::new(ip, p.port());
-                out.push("TargetAddress", format!("{addr},{}", t.port_group));
+                out.push("TargetAddress", format!("{addr},{group}"));
             }
         }
         out
+    }
+
+    /// The portals of the cluster's other live gateways, with their port groups (none alone).
+    fn other_gateways_portals(&self) -> Vec<(SocketAddr, u16)> {
+        #[cfg(feature = "rbd")]
+        if let Some(k) = &self.target_env.keeper {
+            let m = k.membership();
+            return m
+                .members
+                .iter()
+                .filter(|g| g.gateway != k.config().gateway && m.live.contains(&g.gateway))
+                .flat_map(|g| g.portals.iter().map(move |&p| (p, g.port_group)))
+                .collect();
+        }
+        Vec::new()
     }
 
     /// Reads the config file again and applies it. Refused, listing them, when it would

@@ -100,6 +100,10 @@ impl Server {
         };
         #[cfg(feature = "rdma")]
         let rdma_portals = config.server.rdma_portals.clone();
+        #[cfg(feature = "rbd")]
+        if let Some(keeper) = &env.keeper {
+            keeper.join(&portals).map_err(|(k, r)| fail(k, r))?;
+        }
         let registry = Arc::new(Registry::new(config, config_path, targets, portals, env));
         let settings = reactor::Settings {
             engine,

@@ -867,6 +867,15 @@ impl Target {
         core.route_pending();
     }
 
+    /// Unit `lun`'s target port groups and their access states are now `groups` (the
+    /// cluster's gateways changed): initiators hear ASYMMETRIC ACCESS STATE CHANGED.
+    pub fn set_port_groups(&self, lun: u16, groups: Vec<scsi_core::spc::tpg::PortGroup>) {
+        let mut core = self.core();
+        if let Ok(true) = core.device.set_port_groups(lun, groups) {
+            tracing::info!(target = %self.name, lun, "asymmetric access states changed");
+        }
+    }
+
     /// The keeper has carried out the change task management function `reference` waits for.
     pub fn task_management_change_done(&self, reference: u64) {
         let mut core = self.core();

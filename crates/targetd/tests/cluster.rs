@@ -380,3 +380,123 @@ fn libiscsi_reservation_tests_across_gateways() {
     b.stop();
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }
+
+/// REPORT TARGET PORT GROUPS: (group, state code, preferred) of each descriptor.
+async fn port_groups(s: &Session) -> Vec<(u16, u8, bool)> {
+    let mut c = [0u8; 16];
+    c[0] = 0xa3;
+    c[1] = 0x0a;
+    c[6..10].copy_from_slice(&1024u32.to_be_bytes());
+    let d = s
+        .execute_good(Command::read(s.lun(), c, 1024))
+        .await
+        .expect("REPORT TARGET PORT GROUPS")
+        .data;
+    let mut out = Vec::new();
+    let mut at = 4;
+    while at + 8 <= d.len() {
+        let count = d[at + 7] as usize;
+        out.push((
+            u16::from_be_bytes([d[at + 2], d[at + 3]]),
+            d[at] & 0x0f,
+            d[at] & 0x80 != 0,
+        ));
+        at += 8 + 4 * count;
+    }
+    out
+}
+
+/// Waits up to `secs` for `s` to report `want`, clearing unit attentions on the way.
+async fn await_groups(s: &Session, want: &[(u16, u8, bool)], secs: u64) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while std::time::Instant::now() < deadline {
+        while tur_sense(s).await.is_some_and(|k| k.0 == 6) {}
+        if port_groups(s).await == want {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("alua");
+    let name = unique("gws");
+    let a = gateway(&ceph, &name, 1, &image);
+    let b = gateway(&ceph, &name, 2, &image);
+    let one = a.session(as_initiator("one")).await;
+    let two = b.session(as_initiator("two")).await;
+    // A (the lowest group) is active/optimized and preferred, B active/non-optimized: the
+    // same answer from both gateways.
+    let both = [(1, 0x0, true), (2, 0x1, false)];
+    assert!(
+        await_groups(&one, &both, 10).await,
+        "{:?}",
+        port_groups(&one).await
+    );
+    assert!(
+        await_groups(&two, &both, 10).await,
+        "{:?}",
+        port_groups(&two).await
+    );
+    // SendTargets on either gateway lists both gateways' portals with their groups.
+    for d in [&a, &b] {
+        let found = initiator_bench::discover(&d.url(TARGET, 0), &opts())
+            .await
+            .expect("discovery");
+        let mut addresses = found[0].addresses.clone();
+        addresses.sort();
+        let mut want = [format!("{},1", a.addr), format!("{},2", b.addr)];
+        want.sort();
+        assert_eq!(addresses, want, "SendTargets through {}", d.addr);
+    }
+    // A stops: B takes over as active/optimized, A's group is unavailable, and B's
+    // initiator hears of it.
+    drop(one);
+    let stopped = std::time::Instant::now();
+    a.stop();
+    let after = [(1, 0x3, false), (2, 0x0, true)];
+    let mut heard = false;
+    let deadline = stopped + std::time::Duration::from_secs(15);
+    while std::time::Instant::now() < deadline {
+        if tur_sense(&two).await == Some((6, 0x2a, 0x06)) {
+            heard = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    println!(
+        "gateway B became active/optimized {:.1} s after A stopped",
+        stopped.elapsed().as_secs_f64()
+    );
+    assert!(heard, "no ASYMMETRIC ACCESS STATE CHANGED on B");
+    assert!(
+        await_groups(&two, &after, 5).await,
+        "{:?}",
+        port_groups(&two).await
+    );
+    let w = two
+        .execute(Command::write(two.lun(), cdb::write(3, 1), pattern(512, 3)))
+        .await
+        .expect("a response");
+    assert_eq!(
+        w.status,
+        ScsiStatus::GOOD,
+        "{:?}",
+        w.sense.as_deref().and_then(initiator_bench::Sense::parse)
+    );
+    // A comes back: it is optimized again, B non-optimized.
+    let a = gateway(&ceph, &name, 1, &image);
+    assert!(
+        await_groups(&two, &both, 10).await,
+        "{:?}",
+        port_groups(&two).await
+    );
+    drop(two);
+    a.stop();
+    b.stop();
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}

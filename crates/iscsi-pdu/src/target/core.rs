@@ -63,14 +63,16 @@ impl<R: Route> TargetCore<R> {
     }
 
     /// Opens the I_T nexus of a new session whose first expected CmdSN is `cmd_sn`, admitting
-    /// `window` commands ahead.
+    /// `window` commands ahead, through the target port `relative_port` (the target portal
+    /// group the session logged in to).
     pub fn open_session(
         &mut self,
         initiator: TransportId,
+        relative_port: u16,
         cmd_sn: SerialNumber,
         window: u32,
     ) -> NexusId {
-        let nexus = self.device.open_nexus(initiator, 1);
+        let nexus = self.device.open_nexus(initiator, relative_port);
         let i = nexus.index();
         if self.orders.len() <= i {
             self.orders.resize_with(i + 1, || None);
@@ -337,6 +339,7 @@ mod tests {
         let mut c = core();
         let nexus = c.open_session(
             TransportId::iscsi("iqn.2026-11.io.example:i", [0x80, 0, 0, 0, 0, 1]),
+            1,
             SerialNumber(10),
             8,
         );
@@ -373,7 +376,7 @@ mod tests {
     fn a_closed_connections_queued_commands_never_reach_the_device() {
         let mut c = core();
         let id = TransportId::iscsi("iqn.2026-11.io.example:i", [0x80, 0, 0, 0, 0, 1]);
-        let nexus = c.open_session(id, SerialNumber(1), 8);
+        let nexus = c.open_session(id, 1, SerialNumber(1), 8);
         let mut out = Queues::default();
         assert!(c.deliver(nexus, tur(7, 3), false, &2, &mut out));
         c.cancel_queued(nexus, 2);

@@ -489,7 +489,7 @@ impl Rig {
             let Created { tsih, reinstated } =
                 t.sessions.create(key, max, login.cid, index as u64, |_| {
                     let id = TransportId::iscsi(&login.initiator, login.isid.0);
-                    core.open_session(id, login.cmd_sn, self.options.window)
+                    core.open_session(id, 1, login.cmd_sn, self.options.window)
                 })?;
             (tsih, reinstated)
         } else {

@@ -169,7 +169,9 @@ impl Sessions {
         let mut table = lock(&self.table);
         let made = table.create(key, max, first.cid, first, |tsih| {
             let id = scsi_core::TransportId::iscsi(initiator, isid.0);
-            let nexus = target.core().open_session(id, cmd_sn, window);
+            // The session's target port is its portal group's (TargetPort::iscsi).
+            let port = target.port_group.max(1);
+            let nexus = target.core().open_session(id, port, cmd_sn, window);
             Arc::new(Session {
                 tsih,
                 isid,
