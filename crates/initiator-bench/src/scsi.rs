@@ -75,6 +75,10 @@ const ASC_NAMES: &[((u8, u8), &str)] = &[
         (0x04, 0x0b),
         "LOGICAL UNIT NOT ACCESSIBLE, TARGET PORT IN STANDBY STATE",
     ),
+    (
+        (0x04, 0x0c),
+        "LOGICAL UNIT NOT ACCESSIBLE, TARGET PORT IN UNAVAILABLE STATE",
+    ),
     ((0x0c, 0x00), "WRITE ERROR"),
     ((0x0e, 0x03), "INVALID FIELD IN COMMAND INFORMATION UNIT"),
     ((0x11, 0x00), "UNRECOVERED READ ERROR"),

@@ -69,16 +69,27 @@ pub struct Member {
     pub port_group: u16,
     /// Its iSCSI portals.
     pub portals: Vec<std::net::SocketAddr>,
+    /// Its RADOS client instance id (how notify outcomes name it).
+    pub instance: u64,
+    /// The addresses of its RADOS clients (the cluster session and the images'): what
+    /// fencing blocklists.
+    pub addresses: Vec<String>,
 }
 
 impl Member {
     fn line(&self) -> String {
         let portals: Vec<String> = self.portals.iter().map(|p| p.to_string()).collect();
+        let portals = if portals.is_empty() {
+            "-".to_string()
+        } else {
+            portals.join(",")
+        };
         format!(
-            "gateway {} {} {}\n",
+            "gateway {} {} {portals} {} {}\n",
             self.gateway,
             self.port_group,
-            portals.join(",")
+            self.instance,
+            self.addresses.join(",")
         )
     }
 
@@ -90,10 +101,13 @@ impl Member {
         Some(Member {
             gateway: w.get(1)?.to_string(),
             port_group: w.get(2)?.parse().ok()?,
-            portals: match w.get(3) {
-                Some(p) => p.split(',').filter_map(|a| a.parse().ok()).collect(),
-                None => Vec::new(),
-            },
+            portals: w
+                .get(3)?
+                .split(',')
+                .filter_map(|a| a.parse().ok())
+                .collect(),
+            instance: w.get(4)?.parse().ok()?,
+            addresses: w.get(5)?.split(',').map(str::to_string).collect(),
         })
     }
 }
@@ -159,6 +173,11 @@ pub struct Keeper {
     joined: Mutex<Option<Watch>>,
     /// Wakes the membership thread early (a gateway joined).
     wake: (Mutex<bool>, std::sync::Condvar),
+    /// This gateway lost its cluster session (its watch ended: blocklisted, or cut off for
+    /// longer than its timeout): it serves its shared units no more.
+    fenced: std::sync::atomic::AtomicBool,
+    /// This gateway's line in the gateways object, once it has joined.
+    me: Mutex<Option<Member>>,
 }
 
 impl std::fmt::Debug for Keeper {
@@ -202,6 +221,8 @@ impl Keeper {
             units: Mutex::default(),
             joined: Mutex::new(None),
             wake: (Mutex::new(false), std::sync::Condvar::new()),
+            fenced: std::sync::atomic::AtomicBool::new(false),
+            me: Mutex::new(None),
         });
         let weak = Arc::downgrade(&keeper);
         std::thread::Builder::new()
@@ -239,13 +260,197 @@ impl Keeper {
             gateway: self.config.gateway.clone(),
             port_group: self.config.port_group,
             portals: portals.to_vec(),
+            instance: self.pool.cluster().instance_id(),
+            addresses: self.addresses().map_err(|e| fail(e.to_string()))?,
         };
-        for attempt in 0..=MAX_RACES {
-            if attempt == MAX_RACES {
-                return Err(fail(format!(
-                    "{oid} kept changing while this gateway joined"
-                )));
+        self.publish(&me)?;
+        *self.me.lock().unwrap_or_else(PoisonError::into_inner) = Some(me);
+        let pool = self.pool.clone();
+        let name = oid.clone();
+        let gateway = self.config.gateway.clone();
+        let weak = Arc::downgrade(self);
+        let on_notify = move |n: Notification| {
+            if n.payload == b"joined" {
+                if let Some(k) = weak.upgrade() {
+                    k.wake();
+                }
             }
+            let _ = pool.ack(&name, &n, gateway.as_bytes());
+        };
+        let weak = Arc::downgrade(self);
+        let on_error = move |e: i32| {
+            if let Some(k) = weak.upgrade() {
+                k.lost_session(e);
+            }
+        };
+        let timeout = Duration::from_secs(
+            self.config
+                .ceph_timeout
+                .unwrap_or(config::DEFAULT_CEPH_TIMEOUT),
+        );
+        let watch = self
+            .pool
+            .watch(&oid, timeout, on_notify, on_error)
+            .map_err(|e| fail(rados_text(e)))?;
+        *self.joined.lock().unwrap_or_else(PoisonError::into_inner) = Some(watch);
+        // The others look again now rather than at their next round.
+        let _ = self.pool.notify(&oid, b"joined", MEMBERSHIP_TIMEOUT);
+        self.refresh();
+        let weak = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("membership".into())
+            .spawn(move || loop {
+                let Some(k) = weak.upgrade() else { return };
+                k.sleep(MEMBERSHIP_INTERVAL);
+                k.refresh();
+            })
+            .map_err(|e| fail(format!("a thread: {e}")))?;
+        Ok(())
+    }
+
+    /// This gateway's watch ended with `errno`: it was blocklisted by another gateway that
+    /// could not reach it, or the OSDs lost it for longer than its timeout. Either way the
+    /// others may have changed the reservations without it: its shared units turn unavailable
+    /// (initiators move to another path) and it serves them no more until it is restarted,
+    /// which reconnects and reloads the state.
+    fn lost_session(&self, errno: i32) {
+        if self.fenced.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        tracing::error!(
+            gateway = %self.config.gateway,
+            "lost the cluster session ({}): this gateway is fenced and serves no shared unit \
+             until it is restarted",
+            rados_text(errno)
+        );
+        let mut m = self.membership();
+        m.live.retain(|g| *g != self.config.gateway);
+        if !m.members.iter().any(|g| g.gateway == self.config.gateway) {
+            m.members.push(Member {
+                gateway: self.config.gateway.clone(),
+                port_group: self.config.port_group,
+                portals: Vec::new(),
+                instance: 0,
+                addresses: Vec::new(),
+            });
+        }
+        self.apply_groups(&m.port_groups());
+    }
+
+    /// Whether this gateway has been fenced.
+    pub fn is_fenced(&self) -> bool {
+        self.fenced.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Fences the gateways whose RADOS clients are `silent` (they did not acknowledge a
+    /// change): blocklisted, they can change nothing any more, and their own watches end,
+    /// which stops them serving. Returns the names fenced.
+    fn fence(&self, silent: &[(u64, u64)]) -> Vec<String> {
+        let members = self.read_members().unwrap_or_default();
+        let cluster = self.pool.cluster();
+        let mut fenced = Vec::new();
+        for m in members.iter().filter(|m| {
+            m.gateway != self.config.gateway && silent.iter().any(|(gid, _)| *gid == m.instance)
+        }) {
+            let refused: Vec<String> = m
+                .addresses
+                .iter()
+                .filter_map(|a| {
+                    cluster
+                        .blocklist(a, Duration::from_secs(3600))
+                        .err()
+                        .map(|e| format!("{a}: {e}"))
+                })
+                .collect();
+            if refused.is_empty() {
+                tracing::error!(
+                    gateway = %m.gateway,
+                    addresses = ?m.addresses,
+                    "fenced a gateway that did not apply a change to the reservations"
+                );
+                self.break_locks_of(m);
+                fenced.push(m.gateway.clone());
+            } else {
+                tracing::error!(gateway = %m.gateway, ?refused, "cannot fence");
+            }
+        }
+        fenced
+    }
+
+    /// Breaks the exclusive locks a fenced gateway held on the shared units' images, so this
+    /// gateway's next write takes them at once rather than after librbd gives up waiting for
+    /// the old owner (30 s).
+    fn break_locks_of(&self, m: &Member) {
+        let theirs = |o: &String| m.addresses.contains(o);
+        let units = self
+            .units
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        for (target, lun) in units {
+            let Some(unit) = target.upgrade().and_then(|t| t.lun(lun)) else {
+                continue;
+            };
+            let crate::target::Storage::Rbd(image) = &unit.storage else {
+                continue;
+            };
+            let owners = match image.lock_owners() {
+                Ok(o) => o,
+                Err(e) => {
+                    tracing::warn!(image = %image.spec(), "{e}");
+                    continue;
+                }
+            };
+            for o in owners.iter().filter(|o| theirs(o)) {
+                match image.break_lock(o) {
+                    Ok(()) => {
+                        tracing::info!(image = %image.spec(), owner = %o, "broke a fenced gateway's lock")
+                    }
+                    Err(e) => tracing::warn!(image = %image.spec(), owner = %o, "{e}"),
+                }
+            }
+            if !owners.is_empty() && !owners.iter().any(theirs) {
+                tracing::debug!(image = %image.spec(), ?owners, fenced = ?m.addresses, "the lock is not the fenced gateway's");
+            }
+        }
+    }
+
+    fn read_members(&self) -> Result<Vec<Member>, i32> {
+        Ok(match self.pool.read(&self.gateways_object(), MAX_STATE)? {
+            Some(v) => String::from_utf8_lossy(&v.data)
+                .lines()
+                .filter_map(Member::parse)
+                .collect(),
+            None => Vec::new(),
+        })
+    }
+
+    /// Gives every shared unit `groups` (this gateway's own group unavailable once fenced).
+    fn apply_groups(&self, groups: &[PortGroup]) {
+        let mut groups = groups.to_vec();
+        if self.is_fenced() {
+            for g in groups.iter_mut().filter(|g| g.id == self.config.port_group) {
+                g.state = AccessState::Unavailable;
+                g.preferred = false;
+            }
+        }
+        let units = self
+            .units
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        for (target, lun) in units {
+            if let Some(t) = target.upgrade() {
+                t.set_port_groups(lun, groups.clone());
+            }
+        }
+    }
+
+    /// Writes (or rewrites) this gateway's line in the gateways object.
+    fn publish(&self, me: &Member) -> Result<(), (String, String)> {
+        let fail = |e: String| ("cluster".to_string(), e);
+        let oid = self.gateways_object();
+        for _ in 0..MAX_RACES {
             let read = self
                 .pool
                 .read(&oid, MAX_STATE)
@@ -275,50 +480,46 @@ impl Keeper {
             members.sort_by_key(|m| m.port_group);
             let text: String = members.iter().map(Member::line).collect();
             match self.pool.replace(&oid, version, text.as_bytes()) {
-                Ok(_) => break,
+                Ok(_) => return Ok(()),
                 Err(CasError::Conflict) => continue,
                 Err(CasError::Rados(e)) => return Err(fail(rados_text(e))),
             }
         }
-        let pool = self.pool.clone();
-        let name = oid.clone();
-        let gateway = self.config.gateway.clone();
-        let weak = Arc::downgrade(self);
-        let on_notify = move |n: Notification| {
-            if n.payload == b"joined" {
-                if let Some(k) = weak.upgrade() {
-                    k.wake();
-                }
+        Err(fail(format!(
+            "{oid} kept changing while this gateway joined"
+        )))
+    }
+
+    /// The addresses of every RADOS client of this process: the cluster session's and the
+    /// images' (each configuration of a connection is a client of its own).
+    fn addresses(&self) -> Result<Vec<String>, backend::rbd::RbdError> {
+        let mut all = vec![self.pool.cluster().address()?];
+        for c in Cluster::open() {
+            let a = c.address()?;
+            if !all.contains(&a) {
+                all.push(a);
             }
-            let _ = pool.ack(&name, &n, gateway.as_bytes());
+        }
+        Ok(all)
+    }
+
+    /// Lists this gateway's clients again when a unit opened a new one.
+    fn republish(&self) {
+        let Ok(addresses) = self.addresses() else {
+            return;
         };
-        let name = oid.clone();
-        let on_error = move |e: i32| {
-            tracing::error!(object = %name, "lost the watch on the cluster's gateways: {}", rados_text(e));
+        let me = {
+            let mut guard = self.me.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(me) = guard.as_mut() else { return };
+            if me.addresses == addresses {
+                return;
+            }
+            me.addresses = addresses;
+            me.clone()
         };
-        let timeout = Duration::from_secs(
-            self.config
-                .ceph_timeout
-                .unwrap_or(config::DEFAULT_CEPH_TIMEOUT),
-        );
-        let watch = self
-            .pool
-            .watch(&oid, timeout, on_notify, on_error)
-            .map_err(|e| fail(rados_text(e)))?;
-        *self.joined.lock().unwrap_or_else(PoisonError::into_inner) = Some(watch);
-        // The others look again now rather than at their next round.
-        let _ = self.pool.notify(&oid, b"joined", MEMBERSHIP_TIMEOUT);
-        self.refresh();
-        let weak = Arc::downgrade(self);
-        std::thread::Builder::new()
-            .name("membership".into())
-            .spawn(move || loop {
-                let Some(k) = weak.upgrade() else { return };
-                k.sleep(MEMBERSHIP_INTERVAL);
-                k.refresh();
-            })
-            .map_err(|e| fail(format!("a thread: {e}")))?;
-        Ok(())
+        if let Err((_, e)) = self.publish(&me) {
+            tracing::warn!("listing this gateway's RADOS clients: {e}");
+        }
     }
 
     fn wake(&self) {
@@ -339,13 +540,12 @@ impl Keeper {
     /// Asks who is alive and, when the answer changed, gives every shared unit its new ALUA
     /// states.
     pub fn refresh(&self) {
+        if self.is_fenced() {
+            return;
+        }
         let oid = self.gateways_object();
-        let members = match self.pool.read(&oid, MAX_STATE) {
-            Ok(Some(v)) => String::from_utf8_lossy(&v.data)
-                .lines()
-                .filter_map(Member::parse)
-                .collect(),
-            Ok(None) => Vec::new(),
+        let members = match self.read_members() {
+            Ok(m) => m,
             Err(e) => {
                 tracing::warn!(object = %oid, "reading the cluster's gateways: {}", rados_text(e));
                 return;
@@ -382,17 +582,7 @@ impl Keeper {
         );
         *seen = now.clone();
         drop(seen);
-        let groups = now.port_groups();
-        let units = self
-            .units
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        for (target, lun) in units {
-            if let Some(t) = target.upgrade() {
-                t.set_port_groups(lun, groups.clone());
-            }
-        }
+        self.apply_groups(&now.port_groups());
     }
 
     /// The membership as last seen.
@@ -464,7 +654,12 @@ impl Keeper {
 
     /// Follows `oid` for unit `lun` of `target`: every change another gateway makes is applied
     /// to this gateway's device server before it is acknowledged.
-    pub fn follow(&self, target: Weak<Target>, lun: u16, oid: &str) -> Result<SharedUnit, String> {
+    pub fn follow(
+        self: &Arc<Self>,
+        target: Weak<Target>,
+        lun: u16,
+        oid: &str,
+    ) -> Result<SharedUnit, String> {
         let pool = self.pool.clone();
         let name = oid.to_string();
         let unit = target.clone();
@@ -479,14 +674,11 @@ impl Keeper {
                 tracing::warn!(object = %name, "acknowledging a change: {}", rados_text(e));
             }
         };
-        let name = oid.to_string();
+        let weak = Arc::downgrade(self);
         let on_error = move |e: i32| {
-            tracing::error!(
-                object = %name,
-                "lost the watch on the shared reservations: {}; changes other gateways make \
-                 are no longer seen here",
-                rados_text(e)
-            );
+            if let Some(k) = weak.upgrade() {
+                k.lost_session(e);
+            }
         };
         let timeout = Duration::from_secs(
             self.config
@@ -497,13 +689,20 @@ impl Keeper {
             .pool
             .watch(oid, timeout, on_notify, on_error)
             .map_err(rados_text)?;
+        self.republish();
         let mut units = self.units.lock().unwrap_or_else(PoisonError::into_inner);
         units.retain(|(t, l)| t.strong_count() > 0 && !(t.ptr_eq(&target) && *l == lun));
         units.push((target.clone(), lun));
         drop(units);
         let membership = self.membership();
         if let (false, Some(t)) = (membership.members.is_empty(), target.upgrade()) {
-            t.set_port_groups(lun, membership.port_groups());
+            let mut groups = membership.port_groups();
+            if self.is_fenced() {
+                for g in groups.iter_mut().filter(|g| g.id == self.config.port_group) {
+                    g.state = AccessState::Unavailable;
+                }
+            }
+            t.set_port_groups(lun, groups);
         }
         Ok(SharedUnit {
             oid: oid.to_string(),
@@ -594,11 +793,17 @@ impl Keeper {
             let timeout = Duration::from_secs(self.config.notify_timeout);
             match self.pool.notify(oid, &payload, timeout) {
                 Ok(o) if o.timed_out.is_empty() => {}
-                Ok(o) => tracing::warn!(
-                    object = oid,
-                    silent = ?o.timed_out.iter().map(|(gid, _)| format!("client.{gid}")).collect::<Vec<_>>(),
-                    "gateways did not apply a change to the reservations in time"
-                ),
+                Ok(o) => {
+                    // The command ends only once those that did not apply the change can
+                    // enforce nothing any more.
+                    let fenced = self.fence(&o.timed_out);
+                    tracing::warn!(
+                        object = oid,
+                        silent = ?o.timed_out.iter().map(|(gid, _)| format!("client.{gid}")).collect::<Vec<_>>(),
+                        ?fenced,
+                        "gateways did not apply a change to the reservations in time"
+                    );
+                }
                 Err(e) => tracing::warn!(
                     object = oid,
                     "telling the other gateways of a change: {}",

@@ -500,3 +500,169 @@ async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
     b.stop();
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }
+
+/// A gateway as a process of its own (its own RADOS client, which fencing blocklists).
+struct Process_ {
+    child: std::process::Child,
+    addr: std::net::SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Process_ {
+    fn start(ceph: &Ceph, name: &str, port_group: u16, image: &str) -> Process_ {
+        let dir = tempfile::tempdir().unwrap();
+        let keyring = ceph
+            .keyring
+            .as_ref()
+            .map(|k| format!("keyring = \"{k}\"\n"))
+            .unwrap_or_default();
+        let text = format!(
+            "[server]\nportals = [\"127.0.0.1:0\"]\nadmin_socket = \"{}\"\nreactors = 1\n\
+             nop_interval = 0\n\n{}\n[cluster]\nname = \"{name}\"\ngateway = \"gw{port_group}\"\n\
+             port_group = {port_group}\npool = \"{}\"\nceph_conf = \"{}\"\nclient = \"{}\"\n\
+             {keyring}",
+            dir.path().join("admin.sock").display(),
+            ceph.target(image, "64MiB", ""),
+            ceph.pool,
+            ceph.conf.display(),
+            ceph.client
+        );
+        let path = dir.path().join("config.toml");
+        std::fs::write(&path, text).unwrap();
+        let mut child = Process::new(env!("CARGO_BIN_EXE_targetd"))
+            .arg(&path)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("targetd");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
+        let addr = loop {
+            let line = lines
+                .next()
+                .expect("targetd ended before it listened")
+                .unwrap();
+            if let Some(a) = line.strip_prefix("targetd: listening on ") {
+                break a.trim().parse().unwrap();
+            }
+        };
+        // Keep draining its output so it never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        Process_ {
+            child,
+            addr,
+            _dir: dir,
+        }
+    }
+
+    async fn session(&self, who: &str) -> Session {
+        let url =
+            initiator_bench::IscsiUrl::parse(&format!("iscsi://{}/{TARGET}/0", self.addr)).unwrap();
+        Session::connect(&url, as_initiator(who))
+            .await
+            .expect("login")
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Process::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig}");
+    }
+}
+
+impl Drop for Process_ {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_gateway_is_fenced_before_a_change_completes_and_serves_no_more() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("fence");
+    let name = unique("gws");
+    let a = Process_::start(&ceph, &name, 1, &image);
+    let b = Process_::start(&ceph, &name, 2, &image);
+    let one = a.session("one").await;
+    let two = b.session("two").await;
+    let both = [(1, 0x0, true), (2, 0x1, false)];
+    assert!(
+        await_groups(&one, &both, 20).await,
+        "{:?}",
+        port_groups(&one).await
+    );
+    assert!(
+        await_groups(&two, &both, 20).await,
+        "{:?}",
+        port_groups(&two).await
+    );
+    assert_eq!(write_status(&one, 1).await, ScsiStatus::GOOD);
+
+    // A stops answering (alive, but silent: what a partition looks like to B).
+    a.signal("-STOP");
+    let asked = std::time::Instant::now();
+    assert_eq!(prout(&two, 0, 0, 0, 0xb).await, ScsiStatus::GOOD);
+    println!(
+        "a registration through B with A silent took {:.1} s (A was fenced first)",
+        asked.elapsed().as_secs_f64()
+    );
+    // B serves on as the optimized path.
+    let after = [(1, 0x3, false), (2, 0x0, true)];
+    assert!(
+        await_groups(&two, &after, 20).await,
+        "{:?}",
+        port_groups(&two).await
+    );
+    // The image's exclusive lock was A's: B's first write takes it over.
+    let mut wrote = false;
+    for _ in 0..12 {
+        let cmd = Command::write(two.lun(), cdb::write(2, 1), pattern(512, 2));
+        match two.execute(cmd).await {
+            Ok(r) if r.status == ScsiStatus::GOOD => {
+                wrote = true;
+                break;
+            }
+            other => println!("a write through B: {other:?}"),
+        }
+    }
+    println!(
+        "B wrote {:.1} s after A went silent",
+        asked.elapsed().as_secs_f64()
+    );
+    assert!(wrote, "B could not write");
+    // A wakes up fenced: it completes no media access any more.
+    a.signal("-CONT");
+    let mut refused = None;
+    for _ in 0..100 {
+        let r = one
+            .execute(Command::read(one.lun(), cdb::read(0, 1), 512))
+            .await;
+        match r {
+            Ok(r) if r.status == ScsiStatus::GOOD => {}
+            Ok(r) => {
+                let sense = r.sense.as_deref().and_then(initiator_bench::Sense::parse);
+                if sense.as_ref().is_some_and(|s| s.key == 2) {
+                    refused = sense;
+                    break;
+                }
+            }
+            Err(_) => {
+                refused = None;
+                break;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let refused = refused.expect("the fenced gateway kept completing reads");
+    println!("the fenced gateway answers {refused}");
+    assert_eq!(keys(&two).await.1, vec![0xb]);
+    drop((one, two));
+    drop(a);
+    drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}

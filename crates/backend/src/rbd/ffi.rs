@@ -62,6 +62,12 @@ unsafe extern "C" {
     pub fn rados_connect(cluster: rados_t) -> c_int;
     pub fn rados_shutdown(cluster: rados_t);
     pub fn rados_get_instance_id(cluster: rados_t) -> u64;
+    pub fn rados_getaddrs(cluster: rados_t, addrs: *mut *mut c_char) -> c_int;
+    pub fn rados_blocklist_add(
+        cluster: rados_t,
+        client_address: *mut c_char,
+        expire_seconds: u32,
+    ) -> c_int;
     pub fn rados_ioctx_create(
         cluster: rados_t,
         pool_name: *const c_char,
@@ -151,6 +157,15 @@ unsafe extern "C" {
 
 #[link(name = "rbd")]
 unsafe extern "C" {
+    pub fn rbd_lock_get_owners(
+        image: rbd_image_t,
+        lock_mode: *mut c_int,
+        lock_owners: *mut *mut c_char,
+        max_lock_owners: *mut usize,
+    ) -> c_int;
+    pub fn rbd_lock_get_owners_cleanup(lock_owners: *mut *mut c_char, lock_owner_count: usize);
+    pub fn rbd_lock_break(image: rbd_image_t, lock_mode: c_int, lock_owner: *const c_char)
+        -> c_int;
     pub fn rbd_version(major: *mut c_int, minor: *mut c_int, extra: *mut c_int);
     pub fn rbd_create(
         io: rados_ioctx_t,

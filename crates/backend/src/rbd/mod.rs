@@ -139,6 +139,14 @@ pub enum RbdError {
         /// pool/namespace/image.
         spec: String,
     },
+    /// A request to the cluster itself failed.
+    #[error("{op}: {}", errno_text((*.errno).into()))]
+    Cluster {
+        /// The librados call.
+        op: &'static str,
+        /// Its negative errno.
+        errno: i32,
+    },
     /// Opening, creating or asking the image failed.
     #[error("image {spec}: {what}: {reason}")]
     Image {
@@ -162,6 +170,7 @@ impl RbdError {
             RbdError::Pool { .. } => "pool",
             RbdError::NoImage { .. } => "size",
             RbdError::Image { .. } => "image",
+            RbdError::Cluster { .. } => "ceph_conf",
         }
     }
 }
@@ -204,6 +213,17 @@ fn clusters() -> &'static Mutex<HashMap<ClusterConfig, Weak<Cluster>>> {
 }
 
 impl Cluster {
+    /// Every connection [`Cluster::shared`] keeps open in this process: what fencing this
+    /// process must blocklist.
+    pub fn open() -> Vec<Arc<Cluster>> {
+        clusters()
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect()
+    }
+
     /// Connects, waiting at most `config.timeout` for the monitors.
     pub fn connect(config: &ClusterConfig) -> Result<Cluster, RbdError> {
         let mut rados: ffi::rados_t = std::ptr::null_mut();
@@ -314,6 +334,56 @@ impl Cluster {
     pub fn instance_id(&self) -> u64 {
         // Safety: connected handle.
         unsafe { ffi::rados_get_instance_id(self.rados) }
+    }
+
+    /// This client's addresses as the OSDs know it, in the form `ceph osd blocklist add`
+    /// takes (`v2:127.0.0.1:0/1234`): what another client names to fence this one.
+    pub fn address(&self) -> Result<String, RbdError> {
+        let mut out: *mut std::os::raw::c_char = std::ptr::null_mut();
+        // Safety: connected handle; librados allocates the string with malloc, freed below.
+        let ret = unsafe { ffi::rados_getaddrs(self.rados, &mut out) };
+        if ret < 0 || out.is_null() {
+            return Err(RbdError::Cluster {
+                op: "rados_getaddrs",
+                errno: if ret < 0 { ret } else { -libc::EIO },
+            });
+        }
+        // Safety: a NUL-terminated string librados returned; copied before the free.
+        let text = unsafe { std::ffi::CStr::from_ptr(out) }
+            .to_string_lossy()
+            .into_owned();
+        // Safety: allocated by librados with malloc (its documentation: free it), freed once.
+        unsafe { libc::free(out.cast()) };
+        // "[v2:127.0.0.1:0/1234,v1:127.0.0.1:0/1234]": the first address is enough.
+        Ok(text
+            .trim_matches(|c| c == '[' || c == ']')
+            .split(',')
+            .next()
+            .unwrap_or_default()
+            .to_string())
+    }
+
+    /// Fences the client at `address` (another gateway's [`Cluster::address`]): the OSDs
+    /// refuse its operations, its watches end, for `expire` (0: the cluster's default).
+    pub fn blocklist(&self, address: &str, expire: Duration) -> Result<(), RbdError> {
+        let a = cstring(address);
+        let mut bytes = a.into_bytes_with_nul();
+        // Safety: connected handle; `bytes` is a NUL-terminated string that outlives the call
+        // (librados takes a mutable pointer but does not keep it).
+        let ret = unsafe {
+            ffi::rados_blocklist_add(
+                self.rados,
+                bytes.as_mut_ptr().cast(),
+                expire.as_secs().min(u64::from(u32::MAX)) as u32,
+            )
+        };
+        if ret < 0 {
+            return Err(RbdError::Cluster {
+                op: "rados_blocklist_add",
+                errno: ret,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -524,6 +594,58 @@ impl Image {
             });
         }
         Ok(size)
+    }
+
+    /// The owners of the image's exclusive lock, as librbd names them.
+    pub fn lock_owners(&self) -> Result<Vec<String>, RbdError> {
+        let mut owners: [*mut std::os::raw::c_char; 8] = [std::ptr::null_mut(); 8];
+        let mut count = owners.len();
+        let mut mode = 0;
+        // Safety: open image; `owners` has room for `count` pointers, which librbd fills with
+        // strings it allocates; freed below with rbd_lock_get_owners_cleanup.
+        let ret = unsafe {
+            ffi::rbd_lock_get_owners(self.image, &mut mode, owners.as_mut_ptr(), &mut count)
+        };
+        if ret == -libc::ENOENT {
+            return Ok(Vec::new());
+        }
+        if ret < 0 {
+            return Err(RbdError::Image {
+                spec: self.spec.to_string(),
+                what: "lock owners",
+                reason: errno_text(ret.into()),
+            });
+        }
+        let list = owners[..count.min(owners.len())]
+            .iter()
+            .filter(|p| !p.is_null())
+            // Safety: NUL-terminated strings librbd returned, read before the cleanup.
+            .map(|&p| {
+                unsafe { std::ffi::CStr::from_ptr(p) }
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        // Safety: the `count` strings librbd allocated above, freed once.
+        unsafe { ffi::rbd_lock_get_owners_cleanup(owners.as_mut_ptr(), count.min(8)) };
+        Ok(list)
+    }
+
+    /// Breaks the exclusive lock `owner` holds (an owner [`Image::lock_owners`] named, which
+    /// has been fenced): the next write here takes the lock at once instead of waiting for
+    /// the owner to answer a request it never will.
+    pub fn break_lock(&self, owner: &str) -> Result<(), RbdError> {
+        let o = cstring(owner);
+        // Safety: open image; `o` outlives the call.
+        let ret = unsafe { ffi::rbd_lock_break(self.image, 0, o.as_ptr()) };
+        if ret < 0 && ret != -libc::ENOENT {
+            return Err(RbdError::Image {
+                spec: self.spec.to_string(),
+                what: "break lock",
+                reason: errno_text(ret.into()),
+            });
+        }
+        Ok(())
     }
 
     /// Resizes the image (shrinking only when `allow_shrink`).
