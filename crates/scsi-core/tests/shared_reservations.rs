@@ -109,6 +109,23 @@ fn params(key: u64, sa_key: u64, flags: u8) -> Vec<u8> {
     p
 }
 
+/// PERSISTENT RESERVE OUT with `action`, TYPE `ty` and the basic parameter list, through
+/// gateway `at`.
+#[allow(clippy::too_many_arguments)]
+fn prout(
+    k: &mut Keeper,
+    gws: &mut [&mut Harness],
+    at: usize,
+    n: NexusId,
+    action: u8,
+    ty: u8,
+    key: u64,
+    sa_key: u64,
+) -> Outcome {
+    let p = params(key, sa_key, 0);
+    command(k, gws, at, n, &prout_cdb(action, ty, 24), &p, 0)
+}
+
 const READ_KEYS: [u8; 10] = [0x5e, 0, 0, 0, 0, 0, 0, 4, 0, 0];
 const READ_RESERVATION: [u8; 10] = [0x5e, 1, 0, 0, 0, 0, 0, 4, 0, 0];
 
@@ -119,37 +136,10 @@ fn a_reservation_taken_through_one_gateway_is_enforced_by_the_other_at_once() {
     let na = a.login_through("iqn.x:one", 1, 1);
     let nb = b.login_through("iqn.x:two", 2, 2);
     let mut gws = [&mut a, &mut b];
-    let p = params(0, 0xa, 0);
-    good(&command(
-        &mut k,
-        &mut gws,
-        0,
-        na,
-        &prout_cdb(0, 0, 24),
-        &p,
-        0,
-    ));
-    let p = params(0, 0xb, 0);
-    good(&command(
-        &mut k,
-        &mut gws,
-        1,
-        nb,
-        &prout_cdb(0, 0, 24),
-        &p,
-        0,
-    ));
+    good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
+    good(&prout(&mut k, &mut gws, 1, nb, 0, 0, 0, 0xb));
     // WRITE EXCLUSIVE through gateway A.
-    let p = params(0xa, 0, 0);
-    good(&command(
-        &mut k,
-        &mut gws,
-        0,
-        na,
-        &prout_cdb(1, 1, 24),
-        &p,
-        0,
-    ));
+    good(&prout(&mut k, &mut gws, 0, na, 1, 1, 0xa, 0));
     // Gateway B: the next write conflicts, reads run.
     let w = command(
         &mut k,
@@ -198,8 +188,7 @@ fn a_reservation_taken_through_one_gateway_is_enforced_by_the_other_at_once() {
     assert_eq!(&full.data[8..16], &0xau64.to_be_bytes());
     assert_eq!(u16::from_be_bytes([full.data[26], full.data[27]]), 1);
     // A reservation conflict decided by the keeper: B cannot reserve over A's.
-    let p = params(0xb, 0, 0);
-    let r = command(&mut k, &mut gws, 1, nb, &prout_cdb(1, 3, 24), &p, 0);
+    let r = prout(&mut k, &mut gws, 1, nb, 1, 3, 0xb, 0);
     assert_eq!(r.status, Some(Status::ReservationConflict));
     // APTPL is accepted: the keeper's state outlives restarts.
     let p = params(0xa, 0xa, 1);
@@ -223,33 +212,9 @@ fn preempt_and_abort_on_one_gateway_aborts_and_warns_on_the_other() {
     let nb = b.login_through("iqn.x:two", 2, 2);
     {
         let mut gws = [&mut a, &mut b];
-        good(&command(
-            &mut k,
-            &mut gws,
-            0,
-            na,
-            &prout_cdb(0, 0, 24),
-            &params(0, 0xa, 0),
-            0,
-        ));
-        good(&command(
-            &mut k,
-            &mut gws,
-            1,
-            nb,
-            &prout_cdb(0, 0, 24),
-            &params(0, 0xb, 0),
-            0,
-        ));
-        good(&command(
-            &mut k,
-            &mut gws,
-            0,
-            na,
-            &prout_cdb(1, 3, 24),
-            &params(0xa, 0, 0),
-            0,
-        ));
+        good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
+        good(&prout(&mut k, &mut gws, 1, nb, 0, 0, 0, 0xb));
+        good(&prout(&mut k, &mut gws, 0, na, 1, 3, 0xa, 0));
     }
     // A read of A's sits in gateway A's backend.
     a.hold_backend = true;
@@ -338,24 +303,8 @@ fn shared_state_and_effects_survive_their_encoding() {
     let na = a.login_through("iqn.x:one", 1, 1);
     let nb = b.login_through("iqn.x:two", 2, 2);
     let mut gws = [&mut a, &mut b];
-    good(&command(
-        &mut k,
-        &mut gws,
-        0,
-        na,
-        &prout_cdb(0, 0, 24),
-        &params(0, 0xa, 0),
-        0,
-    ));
-    good(&command(
-        &mut k,
-        &mut gws,
-        1,
-        nb,
-        &prout_cdb(0, 0, 24),
-        &params(0, 0xb, 0),
-        0,
-    ));
+    good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
+    good(&prout(&mut k, &mut gws, 1, nb, 0, 0, 0, 0xb));
     // RESERVE with registrations present conflicts (SPC-4 5.13.3), decided by the keeper.
     let r = command(&mut k, &mut gws, 1, nb, &[0x16, 0, 0, 0, 0, 0], &[], 0);
     assert_eq!(r.status, Some(Status::ReservationConflict));

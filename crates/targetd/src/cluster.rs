@@ -277,20 +277,8 @@ impl Keeper {
             }
             let _ = pool.ack(&name, &n, gateway.as_bytes());
         };
-        let weak = Arc::downgrade(self);
-        let on_error = move |e: i32| {
-            if let Some(k) = weak.upgrade() {
-                k.lost_session(e);
-            }
-        };
-        let timeout = Duration::from_secs(
-            self.config
-                .ceph_timeout
-                .unwrap_or(config::DEFAULT_CEPH_TIMEOUT),
-        );
         let watch = self
-            .pool
-            .watch(&oid, timeout, on_notify, on_error)
+            .watch(&oid, on_notify)
             .map_err(|e| fail(rados_text(e)))?;
         *self.joined.lock().unwrap_or_else(PoisonError::into_inner) = Some(watch);
         // The others look again now rather than at their next round.
@@ -522,6 +510,27 @@ impl Keeper {
         }
     }
 
+    /// Watches `oid` for this gateway: `on_notify` gets its notifications; losing the watch
+    /// (blocklisted, or cut off for longer than `ceph_timeout`) fences this gateway.
+    fn watch(
+        self: &Arc<Self>,
+        oid: &str,
+        on_notify: impl Fn(Notification) + Send + Sync + 'static,
+    ) -> Result<Watch, i32> {
+        let weak = Arc::downgrade(self);
+        let on_error = move |e: i32| {
+            if let Some(k) = weak.upgrade() {
+                k.lost_session(e);
+            }
+        };
+        let timeout = Duration::from_secs(
+            self.config
+                .ceph_timeout
+                .unwrap_or(config::DEFAULT_CEPH_TIMEOUT),
+        );
+        self.pool.watch(oid, timeout, on_notify, on_error)
+    }
+
     fn wake(&self) {
         *self.wake.0.lock().unwrap_or_else(PoisonError::into_inner) = true;
         self.wake.1.notify_all();
@@ -674,21 +683,7 @@ impl Keeper {
                 tracing::warn!(object = %name, "acknowledging a change: {}", rados_text(e));
             }
         };
-        let weak = Arc::downgrade(self);
-        let on_error = move |e: i32| {
-            if let Some(k) = weak.upgrade() {
-                k.lost_session(e);
-            }
-        };
-        let timeout = Duration::from_secs(
-            self.config
-                .ceph_timeout
-                .unwrap_or(config::DEFAULT_CEPH_TIMEOUT),
-        );
-        let watch = self
-            .pool
-            .watch(oid, timeout, on_notify, on_error)
-            .map_err(rados_text)?;
+        let watch = self.watch(oid, on_notify).map_err(rados_text)?;
         self.republish();
         let mut units = self.units.lock().unwrap_or_else(PoisonError::into_inner);
         units.retain(|(t, l)| t.strong_count() > 0 && !(t.ptr_eq(&target) && *l == lun));
