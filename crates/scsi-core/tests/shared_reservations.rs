@@ -69,6 +69,15 @@ impl Keeper {
     }
 }
 
+/// Gateways A and B with their keeper, an initiator logged in to each (A through relative
+/// port 1, B through 2).
+fn two_gateways() -> (Harness, Harness, Keeper, NexusId, NexusId) {
+    let (mut a, mut b) = (gateway(), gateway());
+    let na = a.login_through("iqn.x:one", 1, 1);
+    let nb = b.login_through("iqn.x:two", 2, 2);
+    (a, b, Keeper::default(), na, nb)
+}
+
 fn gateway() -> Harness {
     let mut h = Harness::new(Device::new("iqn.2026-11.io.example:t", ports()));
     h.add_lu(0, unit(true, b"lu0"));
@@ -126,15 +135,13 @@ fn prout(
     command(k, gws, at, n, &prout_cdb(action, ty, 24), &p, 0)
 }
 
+const RESERVE6: [u8; 6] = [0x16, 0, 0, 0, 0, 0];
 const READ_KEYS: [u8; 10] = [0x5e, 0, 0, 0, 0, 0, 0, 4, 0, 0];
 const READ_RESERVATION: [u8; 10] = [0x5e, 1, 0, 0, 0, 0, 0, 4, 0, 0];
 
 #[test]
 fn a_reservation_taken_through_one_gateway_is_enforced_by_the_other_at_once() {
-    let (mut a, mut b) = (gateway(), gateway());
-    let mut k = Keeper::default();
-    let na = a.login_through("iqn.x:one", 1, 1);
-    let nb = b.login_through("iqn.x:two", 2, 2);
+    let (mut a, mut b, mut k, na, nb) = two_gateways();
     let mut gws = [&mut a, &mut b];
     good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
     good(&prout(&mut k, &mut gws, 1, nb, 0, 0, 0, 0xb));
@@ -206,10 +213,7 @@ fn a_reservation_taken_through_one_gateway_is_enforced_by_the_other_at_once() {
 
 #[test]
 fn preempt_and_abort_on_one_gateway_aborts_and_warns_on_the_other() {
-    let (mut a, mut b) = (gateway(), gateway());
-    let mut k = Keeper::default();
-    let na = a.login_through("iqn.x:one", 1, 1);
-    let nb = b.login_through("iqn.x:two", 2, 2);
+    let (mut a, mut b, mut k, na, nb) = two_gateways();
     {
         let mut gws = [&mut a, &mut b];
         good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
@@ -258,25 +262,14 @@ fn preempt_and_abort_on_one_gateway_aborts_and_warns_on_the_other() {
 
 #[test]
 fn an_spc2_reservation_holds_on_every_gateway_until_its_nexus_is_lost() {
-    let (mut a, mut b) = (gateway(), gateway());
-    let mut k = Keeper::default();
-    let na = a.login_through("iqn.x:one", 1, 1);
-    let nb = b.login_through("iqn.x:two", 2, 2);
+    let (mut a, mut b, mut k, na, nb) = two_gateways();
     {
         let mut gws = [&mut a, &mut b];
-        good(&command(
-            &mut k,
-            &mut gws,
-            0,
-            na,
-            &[0x16, 0, 0, 0, 0, 0],
-            &[],
-            0,
-        ));
+        good(&command(&mut k, &mut gws, 0, na, &RESERVE6, &[], 0));
         let r = command(&mut k, &mut gws, 1, nb, &cdb10(0x28, 0, 0, 1), &[], 512);
         assert_eq!(r.status, Some(Status::ReservationConflict));
         // RESERVE from B while A holds: the keeper refuses it too.
-        let r = command(&mut k, &mut gws, 1, nb, &[0x16, 0, 0, 0, 0, 0], &[], 0);
+        let r = command(&mut k, &mut gws, 1, nb, &RESERVE6, &[], 0);
         assert_eq!(r.status, Some(Status::ReservationConflict));
     }
     // A's session ends: its reservation goes on every gateway.
@@ -298,15 +291,12 @@ fn an_spc2_reservation_holds_on_every_gateway_until_its_nexus_is_lost() {
 
 #[test]
 fn shared_state_and_effects_survive_their_encoding() {
-    let (mut a, mut b) = (gateway(), gateway());
-    let mut k = Keeper::default();
-    let na = a.login_through("iqn.x:one", 1, 1);
-    let nb = b.login_through("iqn.x:two", 2, 2);
+    let (mut a, mut b, mut k, na, nb) = two_gateways();
     let mut gws = [&mut a, &mut b];
     good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
     good(&prout(&mut k, &mut gws, 1, nb, 0, 0, 0, 0xb));
     // RESERVE with registrations present conflicts (SPC-4 5.13.3), decided by the keeper.
-    let r = command(&mut k, &mut gws, 1, nb, &[0x16, 0, 0, 0, 0, 0], &[], 0);
+    let r = command(&mut k, &mut gws, 1, nb, &RESERVE6, &[], 0);
     assert_eq!(r.status, Some(Status::ReservationConflict));
     let bytes = k.state.encode();
     assert_eq!(Reservations::decode(&bytes), Some(k.state.clone()));
@@ -329,21 +319,10 @@ fn shared_state_and_effects_survive_their_encoding() {
 
 #[test]
 fn a_logical_unit_reset_on_one_gateway_resets_the_unit_on_the_other() {
-    let (mut a, mut b) = (gateway(), gateway());
-    let mut k = Keeper::default();
-    let na = a.login_through("iqn.x:one", 1, 1);
-    let nb = b.login_through("iqn.x:two", 2, 2);
+    let (mut a, mut b, mut k, na, nb) = two_gateways();
     {
         let mut gws = [&mut a, &mut b];
-        good(&command(
-            &mut k,
-            &mut gws,
-            1,
-            nb,
-            &[0x16, 0, 0, 0, 0, 0],
-            &[],
-            0,
-        ));
+        good(&command(&mut k, &mut gws, 1, nb, &RESERVE6, &[], 0));
     }
     // A read of B's sits in gateway B's backend when A resets the unit.
     b.hold_backend = true;

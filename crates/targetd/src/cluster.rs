@@ -322,7 +322,7 @@ impl Keeper {
                 addresses: Vec::new(),
             });
         }
-        self.apply_groups(&m.port_groups());
+        self.apply_groups(&self.groups_of(&m));
     }
 
     /// Whether this gateway has been fenced.
@@ -370,11 +370,7 @@ impl Keeper {
     /// the old owner (30 s).
     fn break_locks_of(&self, m: &Member) {
         let theirs = |o: &String| m.addresses.contains(o);
-        let units = self
-            .units
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
+        let units = self.shared_units();
         for (target, lun) in units {
             let Some(unit) = target.upgrade().and_then(|t| t.lun(lun)) else {
                 continue;
@@ -413,23 +409,12 @@ impl Keeper {
         })
     }
 
-    /// Gives every shared unit `groups` (this gateway's own group unavailable once fenced).
+    /// Gives every shared unit `groups`.
     fn apply_groups(&self, groups: &[PortGroup]) {
-        let mut groups = groups.to_vec();
-        if self.is_fenced() {
-            for g in groups.iter_mut().filter(|g| g.id == self.config.port_group) {
-                g.state = AccessState::Unavailable;
-                g.preferred = false;
-            }
-        }
-        let units = self
-            .units
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
+        let units = self.shared_units();
         for (target, lun) in units {
             if let Some(t) = target.upgrade() {
-                t.set_port_groups(lun, groups.clone());
+                t.set_port_groups(lun, groups.to_vec());
             }
         }
     }
@@ -531,6 +516,26 @@ impl Keeper {
         self.pool.watch(oid, timeout, on_notify, on_error)
     }
 
+    /// The shared units, as (target, LUN).
+    fn shared_units(&self) -> Vec<(Weak<Target>, u16)> {
+        self.units
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// The port groups of `m`, this gateway's own unavailable once fenced.
+    fn groups_of(&self, m: &Membership) -> Vec<PortGroup> {
+        let mut groups = m.port_groups();
+        if self.is_fenced() {
+            for g in groups.iter_mut().filter(|g| g.id == self.config.port_group) {
+                g.state = AccessState::Unavailable;
+                g.preferred = false;
+            }
+        }
+        groups
+    }
+
     fn wake(&self) {
         *self.wake.0.lock().unwrap_or_else(PoisonError::into_inner) = true;
         self.wake.1.notify_all();
@@ -591,7 +596,7 @@ impl Keeper {
         );
         *seen = now.clone();
         drop(seen);
-        self.apply_groups(&now.port_groups());
+        self.apply_groups(&self.groups_of(&now));
     }
 
     /// The membership as last seen.
@@ -691,13 +696,7 @@ impl Keeper {
         drop(units);
         let membership = self.membership();
         if let (false, Some(t)) = (membership.members.is_empty(), target.upgrade()) {
-            let mut groups = membership.port_groups();
-            if self.is_fenced() {
-                for g in groups.iter_mut().filter(|g| g.id == self.config.port_group) {
-                    g.state = AccessState::Unavailable;
-                }
-            }
-            t.set_port_groups(lun, groups);
+            t.set_port_groups(lun, self.groups_of(&membership));
         }
         Ok(SharedUnit {
             oid: oid.to_string(),
