@@ -617,6 +617,51 @@ impl Keeper {
         format!("{}.reservations.{image}", self.config.name)
     }
 
+    /// Checks that this gateway exports `image` as the other gateways do: as LUN `lun` of
+    /// `target` with `block_size`-byte blocks. The first gateway to export it records that
+    /// in `<cluster>.unit.<image>`; one that differs is refused, naming both, while any
+    /// gateway serves the image (when none does, the new definition replaces the old).
+    /// Errors start with the config key they are about.
+    pub fn check_unit(
+        &self,
+        image: &ImageSpec,
+        target: &str,
+        lun: u16,
+        block_size: u32,
+    ) -> Result<(), String> {
+        let oid = format!("{}.unit.{image}", self.config.name);
+        let mine = format!("target {target}\nlun {lun}\nblock_size {block_size}\n");
+        let describe = |text: &str| text.trim().replace('\n', ", ");
+        for _ in 0..MAX_RACES {
+            let read = self
+                .pool
+                .read(&oid, MAX_STATE)
+                .map_err(|e| format!("image: {}", rados_text(e)))?;
+            let version = match &read {
+                Some(v) if v.data == mine.as_bytes() => return Ok(()),
+                Some(v) => {
+                    let theirs = String::from_utf8_lossy(&v.data).into_owned();
+                    if !self.nobody_watches(&self.object(image))? {
+                        return Err(format!(
+                            "image: the cluster's gateways export {image} as {}; this one \
+                             as {}: every gateway needs the same definition",
+                            describe(&theirs),
+                            describe(&mine)
+                        ));
+                    }
+                    Some(v.version)
+                }
+                None => None,
+            };
+            match self.pool.replace(&oid, version, mine.as_bytes()) {
+                Ok(_) => return Ok(()),
+                Err(CasError::Conflict) => continue,
+                Err(CasError::Rados(e)) => return Err(format!("image: {}", rados_text(e))),
+            }
+        }
+        Err(format!("image: {oid} kept changing while it was read"))
+    }
+
     /// The shared state of `oid` and its version, created empty when absent. When no gateway
     /// watches it (all restarted) and APTPL is off, it is cleared first.
     pub fn load(&self, oid: &str) -> Result<(Reservations, u64), String> {

@@ -652,6 +652,7 @@ impl Target {
         if let (Some(keeper), Storage::Rbd(image)) = (&self.keeper, &lun.storage) {
             // The unit enters the device with the shared state it has now, then follows it;
             // what changed between the read and the watch is read once more.
+            keeper.check_unit(image.spec(), &self.name, config.lun, config.block_size)?;
             let oid = keeper.object(image.spec());
             let (state, version) = keeper.load(&oid)?;
             {

@@ -31,6 +31,11 @@ use iscsi_pdu::ScsiStatus;
 
 /// Gateway `port_group` of cluster `name` exporting `image`.
 fn gateway(ceph: &Ceph, name: &str, port_group: u16, image: &str) -> Daemon {
+    Daemon::start(&gateway_config(ceph, name, port_group, image))
+}
+
+/// The config of gateway `port_group` of cluster `name` exporting `image` as LUN 0.
+fn gateway_config(ceph: &Ceph, name: &str, port_group: u16, image: &str) -> String {
     let keyring = ceph
         .keyring
         .as_ref()
@@ -43,8 +48,7 @@ fn gateway(ceph: &Ceph, name: &str, port_group: u16, image: &str) -> Daemon {
         ceph.conf.display(),
         ceph.client
     );
-    let text = config("", &ceph.target(image, "64MiB", "")) + &cluster;
-    Daemon::start(&text)
+    config("", &ceph.target(image, "64MiB", "")) + &cluster
 }
 
 fn as_initiator(name: &str) -> LoginOptions {
@@ -664,5 +668,34 @@ async fn a_silent_gateway_is_fenced_before_a_change_completes_and_serves_no_more
     drop((one, two));
     drop(a);
     drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
+
+#[test]
+fn a_gateway_that_exports_an_image_otherwise_is_refused_naming_both() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("defs");
+    let name = unique("gws");
+    let a = gateway(&ceph, &name, 1, &image);
+    // B exports the image as LUN 1: refused while A serves it.
+    let text = gateway_config(&ceph, &name, 2, &image).replace("lun = 0", "lun = 1");
+    let (key, reason) = common::refused(&text);
+    assert_eq!(key, "targets[0].luns[0].image", "{reason}");
+    assert!(
+        reason.contains("lun 0") && reason.contains("lun 1"),
+        "{reason}"
+    );
+    // The same port group as A's: refused, naming A.
+    let (key, reason) = common::refused(
+        &gateway_config(&ceph, &name, 1, &image)
+            .replace("gateway = \"gw1\"", "gateway = \"other\""),
+    );
+    assert_eq!(key, "cluster.port_group", "{reason}");
+    assert!(reason.contains("gw1"), "{reason}");
+    // Once no gateway serves it, a new definition replaces the old.
+    a.stop();
+    let b = Daemon::start(&text);
+    b.stop();
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }

@@ -462,18 +462,7 @@ async fn an_osd_that_stops_answering_fails_commands_retryably_and_io_resumes() {
 
 /// Server::start on `targets`; the error's key and reason.
 fn refused(targets: &str) -> (String, String) {
-    let dir = tempfile::tempdir().unwrap();
-    let text = config("", targets).replace(
-        "@SOCKET@",
-        &dir.path().join("admin.sock").display().to_string(),
-    );
-    let path = dir.path().join("config.toml");
-    std::fs::write(&path, &text).unwrap();
-    let config = Config::parse(&path, &text).unwrap();
-    match Server::start(config, path) {
-        Ok(_) => panic!("started with {targets}"),
-        Err(e) => (e.key, e.reason),
-    }
+    common::refused(&config("", targets))
 }
 
 #[test]

@@ -118,6 +118,22 @@ impl Drop for Daemon {
     }
 }
 
+/// The key and reason `Server::start` refuses the config `text` with (`@SOCKET@` replaced).
+pub fn refused(text: &str) -> (String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let text = text.replace(
+        "@SOCKET@",
+        &dir.path().join("admin.sock").display().to_string(),
+    );
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, &text).unwrap();
+    let config = Config::parse(&path, &text).unwrap();
+    match Server::start(config, path) {
+        Ok(_) => panic!("started with {text}"),
+        Err(e) => (e.key, e.reason),
+    }
+}
+
 pub fn opts() -> LoginOptions {
     LoginOptions {
         timeout: Duration::from_secs(10),
