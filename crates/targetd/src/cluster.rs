@@ -178,6 +178,8 @@ pub struct Keeper {
     fenced: std::sync::atomic::AtomicBool,
     /// This gateway's line in the gateways object, once it has joined.
     me: Mutex<Option<Member>>,
+    /// The RADOS instances of the gateways this one has fenced (each once).
+    fenced_instances: Mutex<Vec<u64>>,
 }
 
 impl std::fmt::Debug for Keeper {
@@ -223,6 +225,7 @@ impl Keeper {
             wake: (Mutex::new(false), std::sync::Condvar::new()),
             fenced: std::sync::atomic::AtomicBool::new(false),
             me: Mutex::new(None),
+            fenced_instances: Mutex::default(),
         });
         let weak = Arc::downgrade(&keeper);
         std::thread::Builder::new()
@@ -331,15 +334,25 @@ impl Keeper {
     }
 
     /// Fences the gateways whose RADOS clients are `silent` (they did not acknowledge a
-    /// change): blocklisted, they can change nothing any more, and their own watches end,
-    /// which stops them serving. Returns the names fenced.
+    /// change, or a membership question): blocklisted, they can change nothing any more, and
+    /// their own watches end, which stops them serving. Returns the names fenced now.
     fn fence(&self, silent: &[(u64, u64)]) -> Vec<String> {
         let members = self.read_members().unwrap_or_default();
         let cluster = self.pool.cluster();
         let mut fenced = Vec::new();
-        for m in members.iter().filter(|m| {
-            m.gateway != self.config.gateway && silent.iter().any(|(gid, _)| *gid == m.instance)
-        }) {
+        let mut done = self
+            .fenced_instances
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let silent: Vec<&Member> = members
+            .iter()
+            .filter(|m| {
+                m.gateway != self.config.gateway
+                    && silent.iter().any(|(gid, _)| *gid == m.instance)
+                    && !done.contains(&m.instance)
+            })
+            .collect();
+        for m in silent {
             let refused: Vec<String> = m
                 .addresses
                 .iter()
@@ -354,9 +367,10 @@ impl Keeper {
                 tracing::error!(
                     gateway = %m.gateway,
                     addresses = ?m.addresses,
-                    "fenced a gateway that did not apply a change to the reservations"
+                    "fenced a gateway that did not answer"
                 );
                 self.break_locks_of(m);
+                done.push(m.instance);
                 fenced.push(m.gateway.clone());
             } else {
                 tracing::error!(gateway = %m.gateway, ?refused, "cannot fence");
@@ -574,6 +588,16 @@ impl Keeper {
                     .collect();
                 live.sort();
                 live.dedup();
+                // A gateway whose watch is there but which does not answer is alive to
+                // the OSDs and silent to us (stopped, cut off, killed with its watch not yet
+                // timed out): it could still write with what it last knew. Fenced now, its
+                // image locks broken, the others take over its initiators' I/O at once.
+                if !o.timed_out.is_empty() {
+                    let fenced = self.fence(&o.timed_out);
+                    if !fenced.is_empty() {
+                        tracing::warn!(?fenced, "gateways did not answer who is alive");
+                    }
+                }
                 live
             }
             Err(e) => {

@@ -699,3 +699,85 @@ fn a_gateway_that_exports_an_image_otherwise_is_refused_naming_both() {
     b.stop();
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_gateways_initiator_continues_on_the_other_and_loses_no_acknowledged_write() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("failover");
+    let name = unique("gws");
+    let a = Process_::start(&ceph, &name, 1, &image);
+    let b = Process_::start(&ceph, &name, 2, &image);
+    // One initiator, a session (path) through each gateway.
+    let via_a = a.session("multipath").await;
+    let via_b = b.session("multipath").await;
+    let both = [(1, 0x0, true), (2, 0x1, false)];
+    assert!(
+        await_groups(&via_a, &both, 20).await,
+        "{:?}",
+        port_groups(&via_a).await
+    );
+    assert!(
+        await_groups(&via_b, &both, 20).await,
+        "{:?}",
+        port_groups(&via_b).await
+    );
+    // Verified writes through the optimized path, A, which is killed after the 20th.
+    let mut acknowledged = Vec::new();
+    let mut path = &via_a;
+    let mut killed_at = None;
+    let mut resumed_after = None;
+    let mut lba = 0u64;
+    while lba < 40 {
+        let data = pattern(4096, lba as usize + 100);
+        let cmd = Command::write(path.lun(), cdb::write(lba * 8, 8), data.clone());
+        match path.execute(cmd).await {
+            Ok(r) if r.status == ScsiStatus::GOOD => {
+                acknowledged.push((lba, data));
+                if let (Some(at), None) = (killed_at, resumed_after) {
+                    resumed_after = Some(std::time::Instant::now() - at);
+                }
+                if lba == 20 && killed_at.is_none() {
+                    a.signal("-KILL");
+                    killed_at = Some(std::time::Instant::now());
+                }
+                lba += 1;
+            }
+            // The path failed (connection lost, timed out, or NOT READY): the multipath
+            // layer's move, to the other path, retrying the same write.
+            other => {
+                if std::ptr::eq(path, &via_a) {
+                    path = &via_b;
+                } else if let Some(at) = killed_at {
+                    assert!(
+                        at.elapsed().as_secs() < 60,
+                        "B did not take over: {other:?}"
+                    );
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+    let resumed = resumed_after.expect("writes resumed after the kill");
+    println!(
+        "writes resumed through gateway B {:.1} s after gateway A was killed",
+        resumed.as_secs_f64()
+    );
+    // Every acknowledged write reads back through B.
+    for (lba, data) in &acknowledged {
+        let back = via_b.read(lba * 8, 8, 512).await.expect("read through B");
+        assert_eq!(&back, data, "block {lba} lost");
+    }
+    // B is the optimized path now.
+    let after = [(1, 0x3, false), (2, 0x0, true)];
+    assert!(
+        await_groups(&via_b, &after, 20).await,
+        "{:?}",
+        port_groups(&via_b).await
+    );
+    drop(via_a);
+    drop(via_b);
+    drop(a);
+    drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
