@@ -33,7 +33,6 @@ use common::{config, opts, pattern, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
 use initiator_bench::Session;
 use iscsi_pdu::ScsiStatus;
-use targetd::{Config, Server};
 
 async fn sense_of(s: &Session, cmd: Command) -> (ScsiStatus, Option<(u8, u8, u8)>) {
     let r = s.execute(cmd).await.expect("a response");
