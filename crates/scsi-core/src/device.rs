@@ -607,6 +607,18 @@ impl Device {
         })
     }
 
+    /// Whether the I_T nexus `nexus` holds an SPC-2 reservation of a unit whose reservations
+    /// are shared: its loss must reach the other servers of the unit.
+    pub fn holds_shared_reservation(&self, nexus: NexusId) -> bool {
+        let Ok(n) = self.nexus(nexus) else {
+            return false;
+        };
+        self.lus
+            .iter()
+            .flatten()
+            .any(|lu| lu.shared.is_some() && lu.reservations.spc2.as_ref() == Some(&n.name))
+    }
+
     /// Whether APTPL may be set on unit `lun`: a store keeps the state, or its keeper does.
     pub(crate) fn ptpl_capable(&self, lun: u16) -> bool {
         self.store.is_some() || self.lu(lun).is_some_and(|lu| lu.shared.is_some())
@@ -767,7 +779,7 @@ impl Device {
         let name = self.nexus(id)?.name.clone();
         let doomed = self.select_tasks(|t| t.nexus == id);
         self.abort_tasks(&doomed, None);
-        self.release_nexus_holds(&name);
+        self.release_nexus_holds(&name, None);
         let slot = &mut self.nexuses[id.index as usize];
         slot.value = None;
         slot.generation = slot.generation.wrapping_add(1);
@@ -776,14 +788,14 @@ impl Device {
 
     /// What an I_T nexus loss or reset drops: its SPC-2 reservations and its medium removal
     /// prevention (persistent reservations stay).
-    fn release_nexus_holds(&mut self, name: &ItNexus) {
+    fn release_nexus_holds(&mut self, name: &ItNexus, tmf: Option<u64>) {
         for (i, lu) in self.lus.iter_mut().enumerate() {
             let Some(lu) = lu else { continue };
             if lu.reservations.spc2.as_ref() == Some(name) {
                 if lu.shared.is_some() {
                     self.changes.push_back(ReservationChange {
                         task: None,
-                        tmf: None,
+                        tmf,
                         lun: i as u16,
                         nexus: name.clone(),
                         request: ReservationRequest::NexusLost,
@@ -1638,7 +1650,7 @@ impl Device {
             (TmfFunction::ItNexusReset, _) => {
                 let ids = self.select_tasks(|t| t.nexus == nexus);
                 let w = self.abort_tasks(&ids, None);
-                self.release_nexus_holds(&name);
+                self.release_nexus_holds(&name, Some(reference));
                 for l in self.luns() {
                     if let Some(n) = self.nexus_mut(nexus) {
                         push_ua(n, l, Asc::I_T_NEXUS_LOSS);

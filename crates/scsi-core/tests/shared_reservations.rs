@@ -420,3 +420,25 @@ fn access_states_announce_their_changes_and_refuse_media_access_when_not_active(
     assert_eq!(o.sense_code(), Some((6, changed.0, changed.1)));
     good(&a.command(n1, 0, &cdb10(0x28, 0, 0, 1), &[], 512));
 }
+
+#[test]
+fn an_it_nexus_reset_is_answered_once_its_shared_spc2_reservation_is_gone_everywhere() {
+    let (mut a, mut b, mut k, na, nb) = two_gateways();
+    {
+        let mut gws = [&mut a, &mut b];
+        good(&command(&mut k, &mut gws, 0, na, &RESERVE6, &[], 0));
+    }
+    assert!(a.device.holds_shared_reservation(na));
+    assert!(!b.device.holds_shared_reservation(nb));
+    // What a logout of A's session does before it is answered.
+    a.task_management(na, 0, scsi_core::TmfFunction::ItNexusReset, 5);
+    assert!(
+        !a.tmf.contains_key(&5),
+        "answered before the release was shared"
+    );
+    k.settle(&mut [&mut a, &mut b]);
+    assert_eq!(a.tmf.get(&5), Some(&scsi_core::TmfResponse::Complete));
+    assert_eq!(k.state.spc2, None);
+    let mut gws = [&mut a, &mut b];
+    good(&command(&mut k, &mut gws, 1, nb, &RESERVE6, &[], 0));
+}

@@ -633,6 +633,25 @@ impl Target {
 
     /// Opens and adds a logical unit.
     pub fn add_lun(&self, config: &config::Lun, stats: Arc<LunStats>) -> Result<(), String> {
+        #[cfg(feature = "rbd")]
+        let shared_config;
+        #[cfg(feature = "rbd")]
+        let config = if self.keeper.is_some() && config.backend == "rbd" && config.write_cache {
+            // A write acknowledged through one gateway must read back through every other:
+            // librbd's cache would keep it on this gateway until a flush.
+            tracing::info!(
+                target = %self.name,
+                lun = config.lun,
+                "served by a cluster of gateways: without librbd's write cache (write-through)"
+            );
+            shared_config = config::Lun {
+                write_cache: false,
+                ..config.clone()
+            };
+            &shared_config
+        } else {
+            config
+        };
         #[allow(unused_mut)]
         let mut lun = Lun::open(config, stats)?;
         #[cfg(feature = "rbd")]

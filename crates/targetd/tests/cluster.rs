@@ -9,8 +9,7 @@
 //!   and both gateways agree on the state.
 //! - Restarts: without APTPL the state is gone once every gateway restarted; with APTPL it
 //!   stays.
-//! - libiscsi's reservation and multipath tests with the two initiators on different gateways
-//!   (all but Reserve6.Logout, see below).
+//! - libiscsi's reservation and multipath tests with the two initiators on different gateways.
 //!
 //! The cluster is the one the RBD tests use (tests/common/ceph.rs).
 #![cfg(feature = "rbd")]
@@ -341,16 +340,9 @@ fn libiscsi_reservation_tests_across_gateways() {
         "SCSI.ProutReserve",
         "SCSI.ProutClear",
         "SCSI.ProutPreempt",
-        // Reserve6.Logout is not here: its second initiator reserves through gateway B the
-        // moment gateway A answered the first one's logout, and A releases the SPC-2
-        // reservation of a closed session in RADOS a few milliseconds after that answer (the
-        // logout does not wait for it yet), so it fails about every other run.
-        "SCSI.Reserve6.Simple",
-        "SCSI.Reserve6.2Initiators",
-        "SCSI.Reserve6.ITNexusLoss",
-        "SCSI.Reserve6.TargetColdReset",
-        "SCSI.Reserve6.TargetWarmReset",
-        "SCSI.Reserve6.LUNReset",
+        // Reserve6.Logout reserves through gateway B the moment gateway A answered the
+        // first initiator's logout: A answers once B knows the reservation is gone.
+        "SCSI.Reserve6",
         "SCSI.MultipathIO",
     ] {
         let run = Process::new("iscsi-test-cu")

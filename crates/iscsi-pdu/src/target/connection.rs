@@ -147,8 +147,12 @@ pub trait Nexus {
     /// Drops this connection's commands still waiting for their CmdSN turn (it has closed);
     /// their numbers stay taken.
     fn cancel_queued(&mut self);
-    /// Closes the session's other connections (a logout of the session).
-    fn close_session(&mut self);
+    /// Closes the session's other connections (a logout of the session). `Some(reference)`:
+    /// the session's I_T nexus first gives up what it holds beyond this target (an SPC-2
+    /// reservation shared with other gateways) through a task management function, and the
+    /// logout is answered once [`Action::TaskManagementDone`] names that reference, so that
+    /// what the initiator does next through another gateway finds it released.
+    fn close_session(&mut self) -> Option<u64>;
     /// Closes every other session of the target and this session's other connections (TARGET
     /// COLD RESET, RFC 7143 section 11.5.1).
     fn reset_target(&mut self);
@@ -382,6 +386,8 @@ enum Tmf {
     Initiator,
     /// The initiator's TARGET COLD RESET: the response, then every connection closes.
     ColdReset,
+    /// A logout of the session waiting for its nexus to let go: then the Logout Response.
+    Logout,
 }
 
 /// A payload being read into a task's buffer.
@@ -1506,6 +1512,11 @@ impl<B: TaskBuffer> Connection<B> {
         if kind == Tmf::Internal {
             return;
         }
+        if kind == Tmf::Logout {
+            self.closing = Some(Close::AfterFlush);
+            self.logout_reply(itt, LogoutResponseCode::ClosedSuccessfully, nexus);
+            return;
+        }
         let (code, info) = match response {
             TmfResponse::Complete => (IscsiTmfResponse::FunctionComplete, [0; 3]),
             TmfResponse::Succeeded(info) => (
@@ -1555,7 +1566,11 @@ impl<B: TaskBuffer> Connection<B> {
                 LogoutResponseCode::ClosedSuccessfully
             }
             LogoutReason::CloseSession => {
-                nexus.close_session();
+                if let Some(reference) = nexus.close_session() {
+                    self.tmfs
+                        .push((reference, l.initiator_task_tag, Tmf::Logout));
+                    return;
+                }
                 self.closing = Some(Close::AfterFlush);
                 LogoutResponseCode::ClosedSuccessfully
             }
@@ -1572,10 +1587,14 @@ impl<B: TaskBuffer> Connection<B> {
             }
             _ => LogoutResponseCode::RecoveryNotSupported,
         };
+        self.logout_reply(l.initiator_task_tag, code, nexus);
+    }
+
+    fn logout_reply(&mut self, itt: u32, code: LogoutResponseCode, nexus: &mut impl Nexus) {
         let (exp, max) = nexus.window();
         let r = LogoutResponse {
             response: code,
-            initiator_task_tag: l.initiator_task_tag,
+            initiator_task_tag: itt,
             stat_sn: self.next_stat_sn(),
             exp_cmd_sn: exp,
             max_cmd_sn: max,

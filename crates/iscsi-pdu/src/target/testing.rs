@@ -231,9 +231,10 @@ impl Nexus for Via<'_> {
         self.target.core.cancel_queued(self.nexus, me);
     }
 
-    fn close_session(&mut self) {
+    fn close_session(&mut self) -> Option<u64> {
         let others = self.target.others(self.tsih, self.me);
         self.target.close_requests.extend(others);
+        None
     }
 
     fn reset_target(&mut self) {

@@ -267,16 +267,24 @@ impl Nexus for Step<'_> {
         self.core(|session, core, _, _| core.cancel_queued(session.nexus, me));
     }
 
-    fn close_session(&mut self) {
+    fn close_session(&mut self) -> Option<u64> {
         self.release();
-        let Some(session) = self.scope.session() else {
-            return;
-        };
+        let session = self.scope.session()?;
         for c in self.link.registry.sessions.connections(session) {
             if c.id != self.link.id {
                 c.control.request(Request::Close);
             }
         }
+        // An SPC-2 reservation kept with other gateways goes before the logout is answered
+        // (an I_T NEXUS RESET, which the keeper carries to every gateway).
+        self.core(|session, core, route, out| {
+            if !core.device.holds_shared_reservation(session.nexus) {
+                return None;
+            }
+            core.task_management(session.nexus, 0, TmfFunction::ItNexusReset, route, out)
+                .ok()
+        })
+        .flatten()
     }
 
     fn reset_target(&mut self) {
