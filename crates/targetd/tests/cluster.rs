@@ -10,6 +10,10 @@
 //! - Restarts: without APTPL the state is gone once every gateway restarted; with APTPL it
 //!   stays.
 //! - libiscsi's reservation and multipath tests with the two initiators on different gateways.
+//! - ALUA: both gateways report the same port groups, SendTargets lists both, failover when
+//!   one stops or is killed (no acknowledged write lost), fencing of a silent gateway.
+//! - COMPARE AND WRITE from both gateways on one block: one winner each round.
+//! - A gateway that exports an image otherwise than the others is refused, naming both.
 //!
 //! The cluster is the one the RBD tests use (tests/common/ceph.rs).
 #![cfg(feature = "rbd")]
@@ -771,5 +775,62 @@ async fn a_killed_gateways_initiator_continues_on_the_other_and_loses_no_acknowl
     drop(via_b);
     drop(a);
     drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
+
+/// COMPARE AND WRITE of one block at `lba`: `expect` compared, `new` written.
+fn compare_and_write(s: &Session, lba: u64, expect: &[u8], new: &[u8]) -> Command {
+    let mut c = [0u8; 16];
+    c[0] = 0x89;
+    c[2..10].copy_from_slice(&lba.to_be_bytes());
+    c[13] = 1;
+    let mut data = expect.to_vec();
+    data.extend_from_slice(new);
+    Command::write(s.lun(), c, Bytes::from(data))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_and_write_from_two_gateways_on_one_block_has_one_winner_each_round() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("caw");
+    let name = unique("gws");
+    let a = gateway(&ceph, &name, 1, &image);
+    let b = gateway(&ceph, &name, 2, &image);
+    let one = a.session(as_initiator("one")).await;
+    let two = b.session(as_initiator("two")).await;
+    while tur_sense(&one).await.is_some() {}
+    while tur_sense(&two).await.is_some() {}
+    let block = |round: u8, who: u8| vec![round.wrapping_mul(2).wrapping_add(who); 512];
+    let mut current = vec![0u8; 512];
+    for round in 1..=50u8 {
+        // Both expect the current block and race to replace it with their own.
+        let (ra, rb) = tokio::join!(
+            one.execute(compare_and_write(&one, 7, &current, &block(round, 0))),
+            two.execute(compare_and_write(&two, 7, &current, &block(round, 1))),
+        );
+        let (ra, rb) = (ra.expect("a response"), rb.expect("a response"));
+        let won = [ra.status == ScsiStatus::GOOD, rb.status == ScsiStatus::GOOD];
+        assert_eq!(
+            won.iter().filter(|w| **w).count(),
+            1,
+            "round {round}: {:?} / {:?}",
+            ra.status,
+            rb.status
+        );
+        // The loser miscompared; the block is the winner's.
+        let loser = if won[0] { &rb } else { &ra };
+        let sense = loser
+            .sense
+            .as_deref()
+            .and_then(initiator_bench::Sense::parse);
+        assert_eq!(sense.map(|s| (s.key, s.asc)), Some((0x0e, 0x1d)));
+        current = block(round, u8::from(won[1]));
+        let back = two.read(7, 1, 512).await.expect("read");
+        assert_eq!(&back[..], &current[..], "round {round}");
+    }
+    drop((one, two));
+    a.stop();
+    b.stop();
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }
