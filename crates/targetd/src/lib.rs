@@ -9,13 +9,15 @@
 //!   `rbd` (feature `rbd`): units on Ceph RBD images; `cluster` (feature `rbd`): several
 //!   gateways as one target, their units' reservations kept in RADOS.
 //! - [`iscsi`]: login, discovery, sessions and the full feature phase over TCP.
-//! - [`admin`]: the `targetctl` socket and the Prometheus endpoint.
+//! - [`admin`]: the `targetctl` socket and the Prometheus endpoint; [`notify`]: readiness for
+//!   systemd (`Type=notify`).
 
 pub mod admin;
 #[cfg(feature = "rbd")]
 pub mod cluster;
 pub mod config;
 pub mod iscsi;
+pub mod notify;
 #[cfg(feature = "rbd")]
 pub mod rbd;
 pub mod reactor;

@@ -354,6 +354,9 @@ pub fn spawn(
     }
 }
 
+/// ENOMEM: what io_uring's buffer registration fails with past RLIMIT_MEMLOCK.
+const ENOMEM: i32 = 12;
+
 fn build_io(index: usize, settings: &Settings) -> std::io::Result<Io> {
     let engine = Engine::new(EngineConfig {
         engine: settings.engine,
@@ -361,7 +364,27 @@ fn build_io(index: usize, settings: &Settings) -> std::io::Result<Io> {
         ..EngineConfig::default()
     })?;
     let arena = Arena::new(settings.arena).map_err(std::io::Error::other)?;
-    engine.register_arena(&arena)?;
+    if let Err(e) = engine.register_arena(&arena) {
+        let short = e.raw_os_error() == Some(ENOMEM);
+        let why = if short {
+            format!(
+                "registering the {} MiB buffer arena with io_uring: {e}: RLIMIT_MEMLOCK is \
+                 too low (raise it: systemd LimitMEMLOCK=, ulimit -l; as root it does not apply)",
+                arena.len() >> 20
+            )
+        } else {
+            format!("registering the buffer arena with io_uring: {e}")
+        };
+        if settings.engine != EngineChoice::Auto {
+            return Err(std::io::Error::new(e.kind(), why));
+        }
+        // engine = "auto": io_uring still runs, with plain reads and writes into the arena
+        // instead of READ_FIXED/WRITE_FIXED. Every reactor meets the same limit: said once.
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!("{why}; serving without registered buffers");
+        }
+    }
     Ok(Io {
         index,
         engine,

@@ -174,3 +174,136 @@ fn admin_changes_are_logged_with_who_asked() {
         logs[1]
     );
 }
+
+/// The next datagram on `socket`, within 20 s.
+fn next_notification(socket: &std::os::unix::net::UnixDatagram) -> String {
+    let mut buf = [0u8; 512];
+    let n = socket.recv(&mut buf).expect("a notification within 20 s");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[test]
+fn the_service_manager_hears_ready_reloading_and_stopping() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = config(dir.path(), "0123456789ab");
+    let sock = dir.path().join("notify.sock");
+    let manager = std::os::unix::net::UnixDatagram::bind(&sock).unwrap();
+    manager
+        .set_read_timeout(Some(std::time::Duration::from_secs(20)))
+        .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_targetd"))
+        .arg(&path)
+        .env("NOTIFY_SOCKET", &sock)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert_eq!(next_notification(&manager), "READY=1");
+    // It listens by the time it says so.
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let listening = stdout
+        .lines()
+        .map_while(Result::ok)
+        .find(|l| l.starts_with("targetd: listening on"));
+    assert!(listening.is_some());
+    let kill = |sig: &str| {
+        assert!(Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success())
+    };
+    kill("-HUP");
+    let reloading = next_notification(&manager);
+    assert!(
+        reloading.starts_with("RELOADING=1\nMONOTONIC_USEC="),
+        "{reloading:?}"
+    );
+    assert_eq!(next_notification(&manager), "READY=1");
+    kill("-TERM");
+    assert_eq!(next_notification(&manager), "STOPPING=1");
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn the_unit_file_runs_what_targetd_offers() {
+    let unit = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packaging/targetd.service"),
+    )
+    .unwrap();
+    for line in [
+        "Type=notify",
+        "ExecStartPre=/usr/local/bin/targetd --check /etc/targetd/config.toml",
+        "ExecStart=/usr/local/bin/targetd /etc/targetd/config.toml",
+        "ExecReload=/bin/kill -HUP $MAINPID",
+        "LimitMEMLOCK=infinity",
+    ] {
+        assert!(unit.lines().any(|l| l == line), "the unit lacks {line}");
+    }
+    // The repository's config passes the unit's check.
+    let out = Command::new(env!("CARGO_BIN_EXE_targetd"))
+        .arg("--check")
+        .arg(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config.toml"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn engine_auto_serves_without_registered_buffers_when_locked_memory_is_short() {
+    // An unprivileged user with 64 KiB of locked memory: io_uring refuses the arena.
+    let root = std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout == b"0\n");
+    let setpriv = std::process::Command::new("setpriv")
+        .arg("--version")
+        .output()
+        .is_ok();
+    if !root || !setpriv {
+        let why = "needs root and setpriv (util-linux) to run targetd as nobody";
+        assert!(std::env::var_os("CI").is_none(), "{why}");
+        eprintln!("skipping: {why}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let d = dir.path().display();
+    let text = format!(
+        "[server]\nportals = [\"127.0.0.1:{port}\"]\nadmin_socket = \"{d}/admin.sock\"\n\
+         reactors = 1\n\n[[targets]]\nname = \"iqn.2026-11.io.example:cli\"\n\n\
+         [[targets.luns]]\nlun = 0\nbackend = \"memory\"\nsize = \"1MiB\"\n"
+    );
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, text).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut child = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--"])
+        .args(["sh", "-c", "ulimit -l 64 && exec \"$0\" \"$1\""])
+        .arg(env!("CARGO_BIN_EXE_targetd"))
+        .arg(&path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = BufReader::new(child.stdout.take().unwrap());
+    let listening = stdout
+        .lines()
+        .map_while(Result::ok)
+        .find(|l| l.starts_with("targetd: listening on"));
+    let _ = child.kill();
+    let _ = child.wait();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(listening.is_some(), "targetd did not start: {stderr}");
+    assert!(
+        stderr.contains("RLIMIT_MEMLOCK") && stderr.contains("without registered buffers"),
+        "{stderr}"
+    );
+}

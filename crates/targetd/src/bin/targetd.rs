@@ -106,15 +106,18 @@ fn main() -> ExitCode {
             eprintln!("targetd: cannot install signal handlers");
             return ExitCode::FAILURE;
         };
+        targetd::notify::notify("READY=1");
         let reload = registry.clone();
         let stop = async move {
             loop {
                 tokio::select! {
-                    _ = term.recv() => return,
-                    _ = int.recv() => return,
+                    _ = term.recv() => break,
+                    _ = int.recv() => break,
                     _ = hup.recv() => {
+                        targetd::notify::reloading();
                         // Never forced: what targetctl made and nobody saved stays.
                         let result = reload.reload(false);
+                        targetd::notify::notify("READY=1");
                         // Who asked: whoever sent the signal; the kernel does not say here.
                         match result {
                             Ok(changes) if changes.is_empty() => tracing::info!(by = "SIGHUP", "reload: no change"),
@@ -124,6 +127,7 @@ fn main() -> ExitCode {
                     }
                 }
             }
+            targetd::notify::notify("STOPPING=1");
         };
         server.run(stop).await;
         ExitCode::SUCCESS
