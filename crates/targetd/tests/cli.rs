@@ -125,6 +125,9 @@ fn admin_changes_are_logged_with_who_asked() {
             .unwrap()
     };
     assert!(ctl(&["luns"]).status.success(), "a read: not logged");
+    // An empty list says what there is none of.
+    let sessions = ctl(&["sessions"]);
+    assert_eq!(String::from_utf8_lossy(&sessions.stdout), "no sessions\n");
     let grown = ctl(&["lun", "resize", "iqn.2026-11.io.example:cli", "0", "2MiB"]);
     assert!(
         grown.status.success(),

@@ -499,6 +499,10 @@ fn print_human(request: &AdminRequest, v: &Value) {
             }
         }
         (_, Value::String(s)) => println!("{s}"),
+        // An empty list says what there is none of (a change that changed nothing says so).
+        (AdminRequest::Sessions, Value::Array(v)) if v.is_empty() => println!("no sessions"),
+        (AdminRequest::Targets, Value::Array(v)) if v.is_empty() => println!("no targets"),
+        (AdminRequest::Luns { .. }, Value::Array(v)) if v.is_empty() => println!("no LUNs"),
         (_, Value::Array(changes)) if changes.iter().all(Value::is_string) => {
             if changes.is_empty() {
                 println!("no change");
