@@ -146,15 +146,7 @@ async fn tur_sense(s: &Session) -> Option<(u8, u8, u8)> {
 async fn a_reservation_through_one_gateway_binds_the_other() {
     let Some(ceph) = ceph() else { return };
     let _turn = turn();
-    let image = unique("pr");
-    let name = unique("gws");
-    let a = gateway(&ceph, &name, 1, &image);
-    let b = gateway(&ceph, &name, 2, &image);
-    let one = a.session(as_initiator("one")).await;
-    let two = b.session(as_initiator("two")).await;
-    // Power-on unit attentions out of the way.
-    while tur_sense(&one).await.is_some() {}
-    while tur_sense(&two).await.is_some() {}
+    let (image, a, b, one, two) = two_gateways(&ceph, "pr").await;
 
     assert_eq!(prout(&one, 0, 0, 0, 0xa).await, ScsiStatus::GOOD);
     assert_eq!(prout(&two, 0, 0, 0, 0xb).await, ScsiStatus::GOOD);
@@ -419,6 +411,46 @@ async fn await_groups(s: &Session, want: &[(u16, u8, bool)], secs: u64) -> bool 
     false
 }
 
+/// Gateways 1 and 2 of a fresh cluster in this process on a fresh image, with a session of
+/// initiator "one" through A and of "two" through B, their power-on unit attentions cleared.
+async fn two_gateways(ceph: &Ceph, prefix: &str) -> (String, Daemon, Daemon, Session, Session) {
+    let image = unique(prefix);
+    let name = unique("gws");
+    let a = gateway(ceph, &name, 1, &image);
+    let b = gateway(ceph, &name, 2, &image);
+    let one = a.session(as_initiator("one")).await;
+    let two = b.session(as_initiator("two")).await;
+    while tur_sense(&one).await.is_some() {}
+    while tur_sense(&two).await.is_some() {}
+    (image, a, b, one, two)
+}
+
+/// Asserts that `s` reports `want` within `secs`.
+async fn expect_groups(s: &Session, want: &[(u16, u8, bool)], secs: u64) {
+    if !await_groups(s, want, secs).await {
+        panic!("port groups {:?}, not {want:?}", port_groups(s).await);
+    }
+}
+
+/// Gateways 1 and 2 of a fresh cluster as processes on a fresh image, with a session through
+/// each (initiators `who`), once both report A optimized and B not.
+async fn two_processes(
+    ceph: &Ceph,
+    prefix: &str,
+    who: [&str; 2],
+) -> (String, Process_, Process_, Session, Session) {
+    let image = unique(prefix);
+    let name = unique("gws");
+    let a = Process_::start(ceph, &name, 1, &image);
+    let b = Process_::start(ceph, &name, 2, &image);
+    let via_a = a.session(who[0]).await;
+    let via_b = b.session(who[1]).await;
+    let both = [(1, 0x0, true), (2, 0x1, false)];
+    expect_groups(&via_a, &both, 20).await;
+    expect_groups(&via_b, &both, 20).await;
+    (image, a, b, via_a, via_b)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
     let Some(ceph) = ceph() else { return };
@@ -432,16 +464,8 @@ async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
     // A (the lowest group) is active/optimized and preferred, B active/non-optimized: the
     // same answer from both gateways.
     let both = [(1, 0x0, true), (2, 0x1, false)];
-    assert!(
-        await_groups(&one, &both, 10).await,
-        "{:?}",
-        port_groups(&one).await
-    );
-    assert!(
-        await_groups(&two, &both, 10).await,
-        "{:?}",
-        port_groups(&two).await
-    );
+    expect_groups(&one, &both, 10).await;
+    expect_groups(&two, &both, 10).await;
     // SendTargets on either gateway lists both gateways' portals with their groups.
     for d in [&a, &b] {
         let found = initiator_bench::discover(&d.url(TARGET, 0), &opts())
@@ -473,11 +497,7 @@ async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
         stopped.elapsed().as_secs_f64()
     );
     assert!(heard, "no ASYMMETRIC ACCESS STATE CHANGED on B");
-    assert!(
-        await_groups(&two, &after, 5).await,
-        "{:?}",
-        port_groups(&two).await
-    );
+    expect_groups(&two, &after, 5).await;
     let w = two
         .execute(Command::write(two.lun(), cdb::write(3, 1), pattern(512, 3)))
         .await
@@ -490,11 +510,7 @@ async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
     );
     // A comes back: it is optimized again, B non-optimized.
     let a = gateway(&ceph, &name, 1, &image);
-    assert!(
-        await_groups(&two, &both, 10).await,
-        "{:?}",
-        port_groups(&two).await
-    );
+    expect_groups(&two, &both, 10).await;
     drop(two);
     a.stop();
     b.stop();
@@ -584,23 +600,7 @@ impl Drop for Process_ {
 async fn a_silent_gateway_is_fenced_before_a_change_completes_and_serves_no_more() {
     let Some(ceph) = ceph() else { return };
     let _turn = turn();
-    let image = unique("fence");
-    let name = unique("gws");
-    let a = Process_::start(&ceph, &name, 1, &image);
-    let b = Process_::start(&ceph, &name, 2, &image);
-    let one = a.session("one").await;
-    let two = b.session("two").await;
-    let both = [(1, 0x0, true), (2, 0x1, false)];
-    assert!(
-        await_groups(&one, &both, 20).await,
-        "{:?}",
-        port_groups(&one).await
-    );
-    assert!(
-        await_groups(&two, &both, 20).await,
-        "{:?}",
-        port_groups(&two).await
-    );
+    let (image, a, b, one, two) = two_processes(&ceph, "fence", ["one", "two"]).await;
     assert_eq!(write_status(&one, 1).await, ScsiStatus::GOOD);
 
     // A stops answering (alive, but silent: what a partition looks like to B).
@@ -613,11 +613,7 @@ async fn a_silent_gateway_is_fenced_before_a_change_completes_and_serves_no_more
     );
     // B serves on as the optimized path.
     let after = [(1, 0x3, false), (2, 0x0, true)];
-    assert!(
-        await_groups(&two, &after, 20).await,
-        "{:?}",
-        port_groups(&two).await
-    );
+    expect_groups(&two, &after, 20).await;
     // The image's exclusive lock was A's: B's first write takes it over.
     let mut wrote = false;
     for _ in 0..12 {
@@ -700,24 +696,9 @@ fn a_gateway_that_exports_an_image_otherwise_is_refused_naming_both() {
 async fn a_killed_gateways_initiator_continues_on_the_other_and_loses_no_acknowledged_write() {
     let Some(ceph) = ceph() else { return };
     let _turn = turn();
-    let image = unique("failover");
-    let name = unique("gws");
-    let a = Process_::start(&ceph, &name, 1, &image);
-    let b = Process_::start(&ceph, &name, 2, &image);
     // One initiator, a session (path) through each gateway.
-    let via_a = a.session("multipath").await;
-    let via_b = b.session("multipath").await;
-    let both = [(1, 0x0, true), (2, 0x1, false)];
-    assert!(
-        await_groups(&via_a, &both, 20).await,
-        "{:?}",
-        port_groups(&via_a).await
-    );
-    assert!(
-        await_groups(&via_b, &both, 20).await,
-        "{:?}",
-        port_groups(&via_b).await
-    );
+    let (image, a, b, via_a, via_b) =
+        two_processes(&ceph, "failover", ["multipath", "multipath"]).await;
     // Verified writes through the optimized path, A, which is killed after the 20th.
     let mut acknowledged = Vec::new();
     let mut path = &via_a;
@@ -766,11 +747,7 @@ async fn a_killed_gateways_initiator_continues_on_the_other_and_loses_no_acknowl
     }
     // B is the optimized path now.
     let after = [(1, 0x3, false), (2, 0x0, true)];
-    assert!(
-        await_groups(&via_b, &after, 20).await,
-        "{:?}",
-        port_groups(&via_b).await
-    );
+    expect_groups(&via_b, &after, 20).await;
     drop(via_a);
     drop(via_b);
     drop(a);
@@ -793,14 +770,7 @@ fn compare_and_write(s: &Session, lba: u64, expect: &[u8], new: &[u8]) -> Comman
 async fn compare_and_write_from_two_gateways_on_one_block_has_one_winner_each_round() {
     let Some(ceph) = ceph() else { return };
     let _turn = turn();
-    let image = unique("caw");
-    let name = unique("gws");
-    let a = gateway(&ceph, &name, 1, &image);
-    let b = gateway(&ceph, &name, 2, &image);
-    let one = a.session(as_initiator("one")).await;
-    let two = b.session(as_initiator("two")).await;
-    while tur_sense(&one).await.is_some() {}
-    while tur_sense(&two).await.is_some() {}
+    let (image, a, b, one, two) = two_gateways(&ceph, "caw").await;
     let block = |round: u8, who: u8| vec![round.wrapping_mul(2).wrapping_add(who); 512];
     let mut current = vec![0u8; 512];
     for round in 1..=50u8 {
