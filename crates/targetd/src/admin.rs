@@ -798,6 +798,8 @@ pub fn metrics_text(registry: &Registry) -> String {
         );
     }
     rbd_metrics(&mut m, registry);
+    #[cfg(feature = "rbd")]
+    cluster_metrics(&mut m, registry);
     let rows = stats(registry);
     for (name, help) in counters {
         let _ = writeln!(m, "# HELP targetd_lun_{name}_total {help}");
@@ -813,6 +815,67 @@ pub fn metrics_text(registry: &Registry) -> String {
         }
     }
     m
+}
+
+/// This gateway's view of its cluster (`[cluster]`): who is alive, whether it is fenced, and
+/// what its keeper did.
+#[cfg(feature = "rbd")]
+fn cluster_metrics(m: &mut String, registry: &Registry) {
+    use std::fmt::Write as _;
+    use std::sync::atomic::Ordering::Relaxed;
+    let Some(k) = &registry.target_env.keeper else {
+        return;
+    };
+    let membership = k.membership();
+    let c = &k.counters;
+    for (name, kind, help, value) in [
+        (
+            "targetd_cluster_gateways",
+            "gauge",
+            "gateways the cluster lists",
+            membership.members.len() as u64,
+        ),
+        (
+            "targetd_cluster_gateways_live",
+            "gauge",
+            "gateways that answered the last membership question",
+            membership.live.len() as u64,
+        ),
+        (
+            "targetd_cluster_fenced",
+            "gauge",
+            "1 when this gateway lost its cluster session and serves no shared unit",
+            u64::from(k.is_fenced()),
+        ),
+        (
+            "targetd_cluster_reservation_changes_total",
+            "counter",
+            "changes to shared reservations this gateway decided",
+            c.changes.load(Relaxed),
+        ),
+        (
+            "targetd_cluster_reservation_races_total",
+            "counter",
+            "compare-and-swap races lost to another gateway (decided again)",
+            c.races.load(Relaxed),
+        ),
+        (
+            "targetd_cluster_unacknowledged_changes_total",
+            "counter",
+            "changes some gateway did not acknowledge within notify_timeout",
+            c.unacknowledged.load(Relaxed),
+        ),
+        (
+            "targetd_cluster_fenced_gateways_total",
+            "counter",
+            "gateways this one fenced (blocklisted) for not answering",
+            c.fenced.load(Relaxed),
+        ),
+    ] {
+        let _ = writeln!(m, "# HELP {name} {help}");
+        let _ = writeln!(m, "# TYPE {name} {kind}");
+        let _ = writeln!(m, "{name}{{gateway=\"{}\"}} {value}", k.config().gateway);
+    }
 }
 
 /// librbd's figures per RBD unit: in flight now, completed, their summed latency, and those

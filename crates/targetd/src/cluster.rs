@@ -34,6 +34,7 @@
 //! A change reaches initiators as ASYMMETRIC ACCESS STATE CHANGED; SendTargets on any gateway
 //! lists every gateway's portals with their port groups.
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
@@ -180,6 +181,21 @@ pub struct Keeper {
     me: Mutex<Option<Member>>,
     /// The RADOS instances of the gateways this one has fenced (each once).
     fenced_instances: Mutex<Vec<u64>>,
+    /// What the keeper did, for the metrics.
+    pub counters: Counters,
+}
+
+/// What a gateway's keeper did since it started (`targetd_cluster_*` metrics).
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Changes to reservations decided here (written, refused, or changing nothing).
+    pub changes: std::sync::atomic::AtomicU64,
+    /// Compare-and-swap races lost (decided again).
+    pub races: std::sync::atomic::AtomicU64,
+    /// Gateways fenced by this one.
+    pub fenced: std::sync::atomic::AtomicU64,
+    /// Changes some gateway did not acknowledge in time.
+    pub unacknowledged: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Keeper {
@@ -226,6 +242,7 @@ impl Keeper {
             fenced: std::sync::atomic::AtomicBool::new(false),
             me: Mutex::new(None),
             fenced_instances: Mutex::default(),
+            counters: Counters::default(),
         });
         let weak = Arc::downgrade(&keeper);
         std::thread::Builder::new()
@@ -370,6 +387,7 @@ impl Keeper {
                     "fenced a gateway that did not answer"
                 );
                 self.break_locks_of(m);
+                self.counters.fenced.fetch_add(1, Relaxed);
                 done.push(m.instance);
                 fenced.push(m.gateway.clone());
             } else {
@@ -816,6 +834,7 @@ impl Keeper {
     }
 
     fn change(&self, target: &Target, oid: &str, c: &ReservationChange) -> Result<(), PrError> {
+        self.counters.changes.fetch_add(1, Relaxed);
         for _ in 0..MAX_RACES {
             let read = self.pool.read(oid, MAX_STATE).map_err(|e| {
                 tracing::warn!(object = oid, "reading the reservations: {}", rados_text(e));
@@ -840,7 +859,10 @@ impl Keeper {
             }
             let version = match self.pool.replace(oid, version, &next.encode()) {
                 Ok(v) => v,
-                Err(CasError::Conflict) => continue,
+                Err(CasError::Conflict) => {
+                    self.counters.races.fetch_add(1, Relaxed);
+                    continue;
+                }
                 Err(CasError::Rados(e)) => {
                     tracing::warn!(object = oid, "writing the reservations: {}", rados_text(e));
                     return Err(unavailable());
@@ -857,6 +879,7 @@ impl Keeper {
             match self.pool.notify(oid, &payload, timeout) {
                 Ok(o) if o.timed_out.is_empty() => {}
                 Ok(o) => {
+                    self.counters.unacknowledged.fetch_add(1, Relaxed);
                     // The command ends only once those that did not apply the change can
                     // enforce nothing any more.
                     let fenced = self.fence(&o.timed_out);

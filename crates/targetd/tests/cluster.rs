@@ -178,6 +178,14 @@ async fn a_reservation_through_one_gateway_binds_the_other() {
     assert_eq!(tur_sense(&one).await, Some((6, 0x2a, 0x05)));
     assert_eq!(read_status(&one).await, ScsiStatus::RESERVATION_CONFLICT);
     assert_eq!(keys(&one).await.1, vec![0xb]);
+    let decided = |d: &Daemon, gw: &str| {
+        let m = targetd::admin::metrics_text(&d.registry);
+        let key = format!("targetd_cluster_reservation_changes_total{{gateway=\"{gw}\"}} ");
+        m.lines()
+            .find_map(|l| l.strip_prefix(&key).and_then(|v| v.parse::<u64>().ok()))
+            .unwrap_or_else(|| panic!("no {key} in\n{m}"))
+    };
+    assert_eq!((decided(&a, "gw1"), decided(&b, "gw2")), (2, 3));
     // B lets go: everyone may write.
     assert_eq!(prout(&two, 2, 3, 0xb, 0).await, ScsiStatus::GOOD);
     assert_eq!(prout(&two, 0, 0, 0xb, 0).await, ScsiStatus::GOOD);
@@ -466,6 +474,15 @@ async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
     let both = [(1, 0x0, true), (2, 0x1, false)];
     expect_groups(&one, &both, 10).await;
     expect_groups(&two, &both, 10).await;
+    // The metrics say who is alive, and what the keeper did.
+    let metrics = targetd::admin::metrics_text(&b.registry);
+    for line in [
+        "targetd_cluster_gateways{gateway=\"gw2\"} 2",
+        "targetd_cluster_gateways_live{gateway=\"gw2\"} 2",
+        "targetd_cluster_fenced{gateway=\"gw2\"} 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+    }
     // SendTargets on either gateway lists both gateways' portals with their groups.
     for d in [&a, &b] {
         let found = initiator_bench::discover(&d.url(TARGET, 0), &opts())
