@@ -310,3 +310,31 @@ fn engine_auto_serves_without_registered_buffers_when_locked_memory_is_short() {
         "{stderr}"
     );
 }
+
+#[test]
+fn targetctl_names_itself_and_writes_its_completions_and_man_page_without_a_daemon() {
+    let ctl = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_targetctl"))
+            .args(["--socket", "/nonexistent/targetd.sock"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert!(ctl(&["--version"]).starts_with("targetctl "));
+    let bash = ctl(&["completions", "bash"]);
+    assert!(
+        bash.contains("_targetctl()") && bash.contains("resize"),
+        "{bash}"
+    );
+    let zsh = ctl(&["completions", "zsh"]);
+    assert!(zsh.starts_with("#compdef targetctl"), "{zsh}");
+    let man = ctl(&["man"]);
+    assert!(man.contains(".TH targetctl"), "{man}");
+    assert!(man.contains("Administers a running targetd"), "{man}");
+}

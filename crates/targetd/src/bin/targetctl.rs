@@ -14,7 +14,7 @@ use targetd::config;
 
 /// Administers a running targetd.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(name = "targetctl", version)]
 struct Args {
     /// The daemon's admin socket (server.admin_socket in its config).
     #[arg(long, short, default_value = "targetd.sock")]
@@ -41,6 +41,14 @@ enum Command {
     },
     /// Sessions: initiator, address, negotiated keys.
     Sessions,
+    /// Prints a completion script for `shell` (e.g. `targetctl completions bash >
+    /// /etc/bash_completion.d/targetctl`); needs no daemon.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Prints targetctl's man page (roff: `targetctl man > targetctl.1`); needs no daemon.
+    Man,
     /// Per-LU IOPS, throughput and latency over an interval.
     Stats {
         /// Seconds to sample over; 0 prints the totals since start.
@@ -331,12 +339,28 @@ fn main() -> ExitCode {
 }
 
 fn run(args: Args) -> Result<()> {
+    // Generated from the definitions above, so they cannot drift from what is parsed.
+    match args.command {
+        Command::Completions { shell } => {
+            let mut cmd = <Args as clap::CommandFactory>::command();
+            clap_complete::generate(shell, &mut cmd, "targetctl", &mut std::io::stdout());
+            return Ok(());
+        }
+        Command::Man => {
+            let cmd = <Args as clap::CommandFactory>::command();
+            clap_mangen::Man::new(cmd).render(&mut std::io::stdout())?;
+            return Ok(());
+        }
+        _ => {}
+    }
     let mut c = Client::connect(&args.socket)?;
     let request = match args.command {
         Command::Status => AdminRequest::Status,
         Command::Targets => AdminRequest::Targets,
         Command::Luns { target } => AdminRequest::Luns { target },
         Command::Sessions => AdminRequest::Sessions,
+        // Answered above, without a daemon.
+        Command::Completions { .. } | Command::Man => return Ok(()),
         Command::Stats { interval } => return stats(&mut c, interval, args.json),
         Command::Lun { action } => match action {
             LunAction::Add {
