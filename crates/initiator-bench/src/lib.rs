@@ -15,6 +15,7 @@
 
 pub mod error;
 pub mod login;
+pub mod multipath;
 pub mod scsi;
 pub mod session;
 pub mod trace;

@@ -61,6 +61,11 @@ enum Cmd {
         /// Failed I/Os tolerated before the run counts as failed (exit status 1).
         #[arg(long, default_value_t = 0)]
         max_errors: u64,
+        /// The URLs are paths to one logical unit (gateways of one target): a session per
+        /// path, I/O on the path ALUA calls active/optimized, a command that fails on its path
+        /// sent again on another; the report counts failovers and the longest wait.
+        #[arg(long)]
+        multipath: bool,
     },
     /// Run one workload per value of a parameter; write a table and a plot.
     Sweep {
@@ -711,6 +716,7 @@ fn main() -> anyhow::Result<()> {
                 json,
                 trace,
                 max_errors,
+                multipath,
                 ..
             } => {
                 let urls = urls
@@ -719,7 +725,11 @@ fn main() -> anyhow::Result<()> {
                     .collect::<Result<Vec<_>, _>>()?;
                 let mut w = workload.workload()?;
                 w.trace = trace.is_some();
-                let report = run_with_progress(&urls, &login.options()?, &w).await?;
+                let report = if multipath {
+                    run_multipath_with_progress(&urls, &login.options()?, &w).await?
+                } else {
+                    run_with_progress(&urls, &login.options()?, &w).await?
+                };
                 if let Some(path) = &trace {
                     write_trace(path, &report.trace, report.trace_dropped)?;
                 }
@@ -827,6 +837,25 @@ async fn run_with_progress(
     login: &LoginOptions,
     w: &Workload,
 ) -> anyhow::Result<Report> {
+    with_progress(|progress| run_many(urls, login, w, progress)).await
+}
+
+/// Runs a workload on one LU through every URL as a path, with the progress line.
+async fn run_multipath_with_progress(
+    urls: &[IscsiUrl],
+    login: &LoginOptions,
+    w: &Workload,
+) -> anyhow::Result<Report> {
+    with_progress(|progress| initiator_bench::workload::run_multipath(urls, login, w, progress))
+        .await
+}
+
+/// Runs `run`, with a live progress line when stderr is a terminal.
+async fn with_progress<F, Fut>(run: F) -> anyhow::Result<Report>
+where
+    F: FnOnce(Arc<Progress>) -> Fut,
+    Fut: std::future::Future<Output = initiator_bench::Result<Report>>,
+{
     let progress = Arc::new(Progress::default());
     let ticker = std::io::stderr().is_terminal().then(|| {
         let p = progress.clone();
@@ -850,7 +879,7 @@ async fn run_with_progress(
             }
         })
     });
-    let report = run_many(urls, login, w, progress).await;
+    let report = run(progress).await;
     if let Some(t) = ticker {
         t.abort();
         eprintln!();
@@ -968,6 +997,13 @@ fn print_report(r: &Report) {
         println!(
             "  {} commands sent again after BUSY or TASK SET FULL",
             r.resent
+        );
+    }
+    if r.failovers > 0 {
+        println!(
+            "  {} failovers to another path, the longest wait {:.1} s",
+            r.failovers,
+            r.longest_failover_seconds.unwrap_or_default()
         );
     }
     if w.verify {

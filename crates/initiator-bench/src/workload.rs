@@ -19,6 +19,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::login::LoginOptions;
+use crate::multipath::Multipath;
 use crate::session::Session;
 use crate::url::IscsiUrl;
 
@@ -228,6 +229,10 @@ pub struct Report {
     /// Trace records that found a session's trace full.
     #[serde(skip)]
     pub trace_dropped: u64,
+    /// Times I/O moved to another path after a failure (multipath runs).
+    pub failovers: u64,
+    /// The longest time I/O waited from a path's failure to a success on another path.
+    pub longest_failover_seconds: Option<f64>,
 }
 
 impl Report {
@@ -358,7 +363,72 @@ pub async fn run_many(
             Session::connect(&urls[i % urls.len()], opts.clone()).await?,
         ));
     }
-    let (lu_blocks, block_size) = sessions[0].capacity().await?;
+    let ios = sessions.iter().cloned().map(Io::One).collect();
+    run_on(sessions, ios, None, w, progress).await
+}
+
+/// Runs `w` on one logical unit through every URL as a path ([`Multipath`]): a session per
+/// path, the I/O on the path ALUA prefers, failed commands sent again on another path. The
+/// report counts the failovers and the longest time I/O waited for one.
+pub async fn run_multipath(
+    urls: &[IscsiUrl],
+    opts: &LoginOptions,
+    w: &Workload,
+    progress: Arc<Progress>,
+) -> Result<Report> {
+    let m = Arc::new(Multipath::connect(urls, opts).await?);
+    let sessions = m.sessions().cloned().collect();
+    run_on(sessions, vec![Io::Paths(m.clone())], Some(m), w, progress).await
+}
+
+/// Where a worker sends its I/O: one session, or one logical unit through several paths.
+#[derive(Debug, Clone)]
+enum Io {
+    One(Arc<Session>),
+    Paths(Arc<Multipath>),
+}
+
+impl Io {
+    /// The session commands go to now.
+    fn session(&self) -> &Arc<Session> {
+        match self {
+            Io::One(s) => s,
+            Io::Paths(m) => m.session(),
+        }
+    }
+
+    async fn read_split(&self, lba: u64, blocks: u32, bs: u32, max: u32) -> Result<Bytes> {
+        match self {
+            Io::One(s) => s.read_split(lba, blocks, bs, max).await,
+            Io::Paths(m) => m.read_split(lba, blocks, bs, max).await,
+        }
+    }
+
+    async fn write_split(&self, lba: u64, data: Bytes, bs: u32, max: u32) -> Result<()> {
+        match self {
+            Io::One(s) => s.write_split(lba, data, bs, max).await,
+            Io::Paths(m) => m.write_split(lba, data, bs, max).await,
+        }
+    }
+
+    async fn read(&self, lba: u64, blocks: u32, bs: u32) -> Result<Bytes> {
+        match self {
+            Io::One(s) => s.read(lba, blocks, bs).await,
+            Io::Paths(m) => m.read(lba, blocks, bs).await,
+        }
+    }
+}
+
+/// Runs `w` with `w.qd` workers per entry of `ends`; `sessions` are every session involved
+/// (for tracing, resends and logout).
+async fn run_on(
+    sessions: Vec<Arc<Session>>,
+    ends: Vec<Io>,
+    multipath: Option<Arc<Multipath>>,
+    w: &Workload,
+    progress: Arc<Progress>,
+) -> Result<Report> {
+    let (lu_blocks, block_size) = ends[0].session().capacity().await?;
     if w.bs == 0 || w.bs % block_size != 0 {
         return Err(Error::Command(format!(
             "--bs {} is not a multiple of the LU's {block_size}-byte blocks",
@@ -381,7 +451,7 @@ pub async fn run_many(
             )))
         }
         Split::Linux => {
-            let limits = sessions[0].block_limits().await?;
+            let limits = ends[0].session().block_limits().await?;
             u64::from(limits.linux_max_blocks(block_size))
         }
     }
@@ -403,8 +473,8 @@ pub async fn run_many(
         stop: AtomicBool::new(false),
         issued: AtomicU64::new(0),
         // Each session streams its own sequence, from its own part of the range.
-        cursors: (0..sessions.len() as u64)
-            .map(|i| AtomicU64::new(i * slots / sessions.len() as u64))
+        cursors: (0..ends.len() as u64)
+            .map(|i| AtomicU64::new(i * slots / ends.len() as u64))
             .collect(),
         errors: AtomicU64::new(0),
         verified: AtomicU64::new(0),
@@ -424,7 +494,7 @@ pub async fn run_many(
     let cpu0 = cpu_seconds();
     let t0 = Instant::now();
     let mut workers = Vec::new();
-    for (si, s) in sessions.iter().enumerate() {
+    for (si, s) in ends.iter().enumerate() {
         for q in 0..w.qd.max(1) {
             let seed =
                 w.seed ^ ((si as u64) << 32 | q as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -443,7 +513,7 @@ pub async fn run_many(
         });
     }
     let mut hist = Histogram::<u64>::new(3).expect("3 significant digits");
-    let mut per_session = vec![0u64; sessions.len()];
+    let mut per_session = vec![0u64; ends.len()];
     let mut ios = 0u64;
     for (si, h) in workers {
         let (n, wh) = h
@@ -469,7 +539,7 @@ pub async fn run_many(
         trace.sort_by_key(|r| r.at_ns);
     }
     if w.verify && w.rw.read_percent(w.rwmix) < 100 {
-        verify_pass(&shared, &sessions[0]).await?;
+        verify_pass(&shared, &ends[0]).await?;
     }
     for s in &sessions {
         let _ = s.logout().await;
@@ -490,6 +560,10 @@ pub async fn run_many(
         resent: sessions.iter().map(|s| s.resent()).sum(),
         trace,
         trace_dropped,
+        failovers: multipath.as_ref().map_or(0, |m| m.failovers()),
+        longest_failover_seconds: multipath
+            .and_then(|m| m.longest_failover())
+            .map(|d| d.as_secs_f64()),
     })
 }
 
@@ -567,7 +641,7 @@ impl Shared {
 async fn worker(
     sh: Arc<Shared>,
     si: usize,
-    session: Arc<Session>,
+    session: Io,
     mut rng: XorShift,
 ) -> (u64, Histogram<u64>) {
     let mut hist = Histogram::<u64>::new(3).expect("3 significant digits");
@@ -618,7 +692,8 @@ async fn worker(
             }
             Err(e) => {
                 sh.errors.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!("I/O at LBA {lba} on {} failed: {e}", session.url().portal);
+                let portal = &session.session().url().portal;
+                tracing::warn!("I/O at LBA {lba} on {portal} failed: {e}");
                 if matches!(e, Error::ConnectionLost(_)) {
                     // The next command logs in again; pause so a dead target is not hammered.
                     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -630,7 +705,7 @@ async fn worker(
 }
 
 /// Reads back every block the run wrote and checks it.
-async fn verify_pass(sh: &Shared, session: &Session) -> Result<()> {
+async fn verify_pass(sh: &Shared, session: &Io) -> Result<()> {
     let Some(w) = &sh.written else { return Ok(()) };
     for slot in 0..sh.slots {
         let lba = sh.start + slot * sh.io_blocks;

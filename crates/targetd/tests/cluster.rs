@@ -821,3 +821,58 @@ async fn compare_and_write_from_two_gateways_on_one_block_has_one_winner_each_ro
     b.stop();
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initiator_bench_multipath_rides_through_a_killed_gateway_with_verified_writes() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let (image, a, b, via_a, via_b) =
+        two_processes(&ceph, "multipath", ["probe-a", "probe-b"]).await;
+    drop((via_a, via_b));
+    let url = |p: &Process_| {
+        initiator_bench::IscsiUrl::parse(&format!("iscsi://{}/{TARGET}/0", p.addr)).unwrap()
+    };
+    let urls = [url(&a), url(&b)];
+    // Random writes and reads for 12 s, 4 in flight, every block read back at the end.
+    let w = initiator_bench::workload::Workload {
+        rw: initiator_bench::workload::Rw::Randrw,
+        bs: 4096,
+        qd: 4,
+        time: std::time::Duration::from_secs(12),
+        size: Some(8 << 20),
+        verify: true,
+        ..Default::default()
+    };
+    let run = tokio::spawn(async move {
+        initiator_bench::workload::run_multipath(
+            &urls,
+            &as_initiator("multipath"),
+            &w,
+            Default::default(),
+        )
+        .await
+    });
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    a.signal("-KILL");
+    let report = run.await.expect("the run").expect("a report");
+    // A read goes through B at once; a write waits until B holds the image's lock (A fenced,
+    // its lock broken): the longest I/O is the failover as the application sees it.
+    println!(
+        "multipath run: {} I/Os, {} failed, {} failovers, first success on B after {:.1} s, \
+         longest I/O {:.1} s, {} blocks verified, {} wrong",
+        report.ios,
+        report.errors,
+        report.failovers,
+        report.longest_failover_seconds.unwrap_or_default(),
+        report.latency_us.max / 1e6,
+        report.verified_blocks,
+        report.verify_errors
+    );
+    assert_eq!(report.errors, 0, "every I/O succeeded on some path");
+    assert_eq!(report.verify_errors, 0, "an acknowledged write was lost");
+    assert!(report.verified_blocks > 0);
+    assert!(report.failovers >= 1, "it never left gateway A");
+    drop(a);
+    drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}

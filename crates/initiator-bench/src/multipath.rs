@@ -1,0 +1,293 @@
+//! One logical unit through several target ports, as dm-multipath or MPIO use a target with
+//! implicit ALUA: a session per path; I/O goes to the path whose target port group REPORT
+//! TARGET PORT GROUPS calls active/optimized (else an active/non-optimized one); a command that
+//! fails because of its path (the connection lost, a timeout, NOT READY because the port is
+//! not accessible or the unit is becoming ready) is sent again on the path chosen next, until
+//! it succeeds or every path kept failing for [`Multipath::give_up_after`].
+//!
+//! The paths must lead to one logical unit: [`Multipath::connect`] checks that every path's
+//! Device Identification (VPD 83h) names the same NAA identifier, and learns each path's
+//! target port group from the same page.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use crate::error::{Error, Result};
+use crate::login::LoginOptions;
+use crate::scsi::{cdb, Command};
+use crate::session::Session;
+use crate::url::IscsiUrl;
+
+/// Asymmetric access states as REPORT TARGET PORT GROUPS codes them.
+const ACTIVE_OPTIMIZED: u8 = 0x0;
+const ACTIVE_NON_OPTIMIZED: u8 = 0x1;
+
+/// One path: its session and the target port group of its port.
+#[derive(Debug)]
+struct Path {
+    session: Arc<Session>,
+    group: u16,
+}
+
+/// A logical unit through several paths.
+#[derive(Debug)]
+pub struct Multipath {
+    paths: Vec<Path>,
+    current: AtomicUsize,
+    /// A command is choosing the next path.
+    choosing: std::sync::atomic::AtomicBool,
+    /// Times I/O moved to another path after a failure.
+    failovers: AtomicU64,
+    /// When the path in use started failing, until a command succeeds again.
+    failing_since: Mutex<Option<Instant>>,
+    /// The longest time from a path's first failure to the next success on any path.
+    longest: Mutex<Duration>,
+    /// How long every path may keep failing before a command gives up.
+    pub give_up_after: Duration,
+}
+
+impl Multipath {
+    /// Logs in through every URL (each a path to one LU) and picks the optimized path.
+    pub async fn connect(urls: &[IscsiUrl], opts: &LoginOptions) -> Result<Multipath> {
+        if urls.is_empty() {
+            return Err(Error::Command("multipath needs at least one URL".into()));
+        }
+        let mut paths = Vec::new();
+        let mut naa: Option<Vec<u8>> = None;
+        for url in urls {
+            let session = Arc::new(Session::connect(url, opts.clone()).await?);
+            let (id, group) = identify(&session).await?;
+            match &naa {
+                None => naa = Some(id),
+                Some(first) if *first != id => {
+                    return Err(Error::Command(format!(
+                        "{} leads to another logical unit than {}",
+                        url.portal, urls[0].portal
+                    )))
+                }
+                Some(_) => {}
+            }
+            paths.push(Path { session, group });
+        }
+        let m = Multipath {
+            paths,
+            current: AtomicUsize::new(0),
+            choosing: std::sync::atomic::AtomicBool::new(false),
+            failovers: AtomicU64::new(0),
+            failing_since: Mutex::new(None),
+            longest: Mutex::new(Duration::ZERO),
+            give_up_after: Duration::from_secs(60),
+        };
+        m.choose(None).await;
+        Ok(m)
+    }
+
+    /// The session of the path in use.
+    pub fn session(&self) -> &Arc<Session> {
+        &self.paths[self.current.load(Ordering::Relaxed)].session
+    }
+
+    /// Every path's session.
+    pub fn sessions(&self) -> impl Iterator<Item = &Arc<Session>> {
+        self.paths.iter().map(|p| &p.session)
+    }
+
+    /// Times I/O moved to another path after a failure.
+    pub fn failovers(&self) -> u64 {
+        self.failovers.load(Ordering::Relaxed)
+    }
+
+    /// The longest time from a path's first failure to the next success, if any path failed.
+    pub fn longest_failover(&self) -> Option<Duration> {
+        let d = *self.longest.lock().unwrap_or_else(PoisonError::into_inner);
+        (!d.is_zero()).then_some(d)
+    }
+
+    /// Chooses the path to use: asks REPORT TARGET PORT GROUPS through every path but
+    /// `failed` (the others first) and takes a path that answered and whose group is
+    /// active/optimized, else active/non-optimized, else any that answered, else the one after
+    /// `failed`. Returns its index.
+    async fn choose(&self, failed: Option<usize>) -> usize {
+        let n = self.paths.len();
+        let start = failed.map_or(0, |f| f + 1);
+        let order: Vec<usize> = (0..n)
+            .map(|i| (start + i) % n)
+            .filter(|&i| Some(i) != failed)
+            .collect();
+        let mut states: Option<Vec<(u16, u8)>> = None;
+        let mut answered = Vec::new();
+        for &i in &order {
+            if let Ok(s) = port_groups(&self.paths[i].session).await {
+                states.get_or_insert(s);
+                answered.push(i);
+            }
+        }
+        let state_of = |i: usize| {
+            states.as_ref().and_then(|states| {
+                states
+                    .iter()
+                    .find(|(g, _)| *g == self.paths[i].group)
+                    .map(|(_, s)| *s)
+            })
+        };
+        let chosen = [ACTIVE_OPTIMIZED, ACTIVE_NON_OPTIMIZED]
+            .iter()
+            .find_map(|want| {
+                answered
+                    .iter()
+                    .copied()
+                    .find(|&i| state_of(i) == Some(*want))
+            })
+            .or_else(|| answered.first().copied())
+            .or_else(|| order.first().copied())
+            .unwrap_or(0);
+        self.current.store(chosen, Ordering::Relaxed);
+        chosen
+    }
+
+    /// Runs `op` on the path in use, moving to another path while the failures are the
+    /// path's.
+    async fn on_a_path<T, F, Fut>(&self, op: F) -> Result<T>
+    where
+        F: Fn(Arc<Session>) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let first_failure = Instant::now();
+        loop {
+            let i = self.current.load(Ordering::Relaxed);
+            match op(self.paths[i].session.clone()).await {
+                Ok(v) => {
+                    let since = self
+                        .failing_since
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .take();
+                    if let Some(since) = since {
+                        let mut longest =
+                            self.longest.lock().unwrap_or_else(PoisonError::into_inner);
+                        *longest = (*longest).max(since.elapsed());
+                    }
+                    return Ok(v);
+                }
+                Err(e) if is_path_failure(&e) => {
+                    self.failing_since
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .get_or_insert_with(Instant::now);
+                    if first_failure.elapsed() > self.give_up_after {
+                        return Err(e);
+                    }
+                    tracing::warn!(path = %self.paths[i].session.url().portal, "path failed: {e}");
+                    // Commands in flight on the path fail together: one of them chooses the
+                    // next path, the others retry on it.
+                    if self.current.load(Ordering::Relaxed) == i
+                        && !self.choosing.swap(true, Ordering::AcqRel)
+                    {
+                        let next = self.choose(Some(i)).await;
+                        self.choosing.store(false, Ordering::Release);
+                        if next != i {
+                            self.failovers.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// READ of `blocks` blocks at `lba`, split as [`Session::read_split`] does.
+    pub async fn read_split(
+        &self,
+        lba: u64,
+        blocks: u32,
+        block_size: u32,
+        max_blocks: u32,
+    ) -> Result<Bytes> {
+        self.on_a_path(|s| async move { s.read_split(lba, blocks, block_size, max_blocks).await })
+            .await
+    }
+
+    /// WRITE of `data` at `lba`, split as [`Session::write_split`] does.
+    pub async fn write_split(
+        &self,
+        lba: u64,
+        data: Bytes,
+        block_size: u32,
+        max_blocks: u32,
+    ) -> Result<()> {
+        self.on_a_path(|s| {
+            let data = data.clone();
+            async move { s.write_split(lba, data, block_size, max_blocks).await }
+        })
+        .await
+    }
+
+    /// READ of `blocks` blocks at `lba`.
+    pub async fn read(&self, lba: u64, blocks: u32, block_size: u32) -> Result<Bytes> {
+        self.on_a_path(|s| async move { s.read(lba, blocks, block_size).await })
+            .await
+    }
+}
+
+/// Whether `e` is the path's fault (another path may succeed), not the command's.
+fn is_path_failure(e: &Error) -> bool {
+    const NOT_READY: u8 = 0x02;
+    match e {
+        Error::ConnectionLost(_) | Error::Timeout | Error::Connect { .. } | Error::Io(_) => true,
+        // LOGICAL UNIT NOT ACCESSIBLE (04/0A, 0B, 0C) or BECOMING READY (04/01).
+        Error::Scsi { sense: Some(s), .. } => {
+            s.key == NOT_READY && s.asc == 0x04 && matches!(s.ascq, 0x01 | 0x0a | 0x0b | 0x0c)
+        }
+        _ => false,
+    }
+}
+
+/// The LU's NAA identifier and the port group of the path's target port, from VPD 83h.
+async fn identify(s: &Session) -> Result<(Vec<u8>, u16)> {
+    let r = s
+        .execute_good(Command::read(s.lun(), cdb::inquiry_vpd(0x83, 512), 512))
+        .await?;
+    let d = &r.data;
+    let (mut naa, mut group) = (None, None);
+    let mut at = 4;
+    while at + 4 <= d.len() {
+        let len = d[at + 3] as usize;
+        let Some(body) = d.get(at + 4..at + 4 + len) else {
+            break;
+        };
+        let association = (d[at + 1] >> 4) & 0x3;
+        match (d[at + 1] & 0x0f, association) {
+            (0x03, 0) => naa = Some(body.to_vec()),
+            (0x05, 1) if body.len() >= 4 => group = Some(u16::from_be_bytes([body[2], body[3]])),
+            _ => {}
+        }
+        at += 4 + len;
+    }
+    match (naa, group) {
+        (Some(n), Some(g)) => Ok((n, g)),
+        (None, _) => Err(Error::Command("no NAA designator in VPD 83h".into())),
+        // A target without port groups: one group.
+        (Some(n), None) => Ok((n, 0)),
+    }
+}
+
+/// REPORT TARGET PORT GROUPS: (group, asymmetric access state) of each descriptor.
+async fn port_groups(s: &Session) -> Result<Vec<(u16, u8)>> {
+    let mut c = [0u8; 16];
+    c[0] = 0xa3;
+    c[1] = 0x0a;
+    c[6..10].copy_from_slice(&4096u32.to_be_bytes());
+    let d = s.execute_good(Command::read(s.lun(), c, 4096)).await?.data;
+    let mut out = Vec::new();
+    let mut at = 4;
+    while at + 8 <= d.len() {
+        let count = d[at + 7] as usize;
+        out.push((u16::from_be_bytes([d[at + 2], d[at + 3]]), d[at] & 0x0f));
+        at += 8 + 4 * count;
+    }
+    Ok(out)
+}
