@@ -81,6 +81,32 @@ pub enum AdminRequest {
         /// The target, as in the config file.
         target: config::Target,
     },
+    /// Changes a target's access rules for new logins: what is given replaces what is set.
+    TargetSet {
+        /// Its name.
+        name: String,
+        /// Initiator names allowed (empty: any).
+        #[serde(default)]
+        initiators: Option<Vec<String>>,
+        /// Source networks allowed, CIDR (empty: any).
+        #[serde(default)]
+        networks: Option<Vec<String>>,
+        /// SRP initiator port identifiers allowed (empty: any).
+        #[serde(default)]
+        srp_initiators: Option<Vec<String>>,
+        /// CHAP the initiator must pass from now on.
+        #[serde(default)]
+        chap: Option<config::Chap>,
+        /// Mutual CHAP from now on.
+        #[serde(default)]
+        mutual_chap: Option<config::Chap>,
+        /// No CHAP any more (nor mutual CHAP).
+        #[serde(default)]
+        no_chap: bool,
+        /// No mutual CHAP any more.
+        #[serde(default)]
+        no_mutual_chap: bool,
+    },
     /// Removes a target; its sessions end.
     TargetRemove {
         /// Its name.
@@ -470,6 +496,34 @@ fn edit(config: &mut Config, change: AdminRequest) -> Result<(), String> {
         AdminRequest::TargetRemove { name } => {
             let i = target(config, &name)?;
             config.targets.remove(i);
+        }
+        AdminRequest::TargetSet {
+            name,
+            initiators,
+            networks,
+            srp_initiators,
+            chap,
+            mutual_chap,
+            no_chap,
+            no_mutual_chap,
+        } => {
+            let i = target(config, &name)?;
+            let t = &mut config.targets[i];
+            if let Some(v) = initiators {
+                t.initiators = v;
+            }
+            if let Some(v) = networks {
+                t.networks = v;
+            }
+            if let Some(v) = srp_initiators {
+                t.srp_initiators = v;
+            }
+            if chap.is_some() || no_chap {
+                t.chap = chap;
+            }
+            if mutual_chap.is_some() || no_chap || no_mutual_chap {
+                t.mutual_chap = mutual_chap;
+            }
         }
         other => return Err(format!("{other:?} is not a change")),
     }

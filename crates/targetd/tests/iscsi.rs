@@ -1215,3 +1215,115 @@ fn add_lun(d: &Daemon, table: &str) -> Result<serde_json::Value, String> {
         },
     )
 }
+
+/// `targetctl target set`: a target's initiator list and CHAP change for the next login,
+/// the secret read from stdin (never from argv), and `--no-chap` / `--any-initiator` undo it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn target_set_changes_who_may_log_in_with_secrets_from_stdin() {
+    use std::io::Write;
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let ctl = |args: &[&str], stdin: Option<&str>| {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
+            .arg("--socket")
+            .arg(d.socket())
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut input = child.stdin.take().unwrap();
+        if let Some(s) = stdin {
+            input.write_all(s.as_bytes()).unwrap();
+        }
+        drop(input);
+        let out = child.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let named = |name: &str| LoginOptions {
+        initiator_name: name.into(),
+        ..opts()
+    };
+    let refused = |err: Error, status: LoginStatus| {
+        assert!(
+            matches!(err, Error::LoginRefused { status: s, .. } if s == status),
+            "{err}"
+        )
+    };
+    // Only initiator "allowed".
+    let changed = ctl(
+        &[
+            "target",
+            "set",
+            TARGET,
+            "--initiator",
+            "iqn.2026-11.io.example:allowed",
+        ],
+        None,
+    );
+    assert!(changed.contains("access rules changed"), "{changed}");
+    let err = Session::connect(&d.url(TARGET, 0), named("iqn.2026-11.io.example:other"))
+        .await
+        .unwrap_err();
+    refused(err, LoginStatus::AUTHORIZATION_FAILURE);
+    let s = Session::connect(&d.url(TARGET, 0), named("iqn.2026-11.io.example:allowed"))
+        .await
+        .expect("the allowed initiator");
+    drop(s);
+    // CHAP, the secret on stdin: a login without it is refused, one with it goes in.
+    ctl(
+        &[
+            "target",
+            "set",
+            TARGET,
+            "--any-initiator",
+            "--chap-user",
+            "alice",
+            "--chap-secret-file",
+            "-",
+        ],
+        Some("0123456789abcdef\n"),
+    );
+    let err = Session::connect(&d.url(TARGET, 0), opts())
+        .await
+        .unwrap_err();
+    refused(err, LoginStatus::AUTHENTICATION_FAILURE);
+    let mut o = opts();
+    o.settings.auth.methods = vec![AuthMethod::Chap];
+    o.chap = Some(ChapCredentials::new("alice", b"0123456789abcdef", 1).unwrap());
+    Session::connect(&d.url(TARGET, 0), o)
+        .await
+        .expect("CHAP with the secret from stdin");
+    // The running config has it; config dump does not show it.
+    let dump = ctl(&["config", "dump"], None);
+    assert!(
+        dump.contains("alice") && !dump.contains("0123456789abcdef"),
+        "{dump}"
+    );
+    // A secret CHAP cannot use is refused by the daemon, naming the key; nothing changes.
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
+        .arg("--socket")
+        .arg(d.socket())
+        .args(["target", "set", TARGET, "--chap-user", "bob"])
+        .args(["--chap-secret-file", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"short\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("chap.secret"), "{err}");
+    assert!(ctl(&["config", "dump"], None).contains("alice"));
+    // Back to open.
+    ctl(&["target", "set", TARGET, "--no-chap"], None);
+    Session::connect(&d.url(TARGET, 0), opts())
+        .await
+        .expect("open again");
+}

@@ -246,11 +246,67 @@ enum TargetAction {
         #[arg(long = "srp-initiator")]
         srp_initiators: Vec<String>,
     },
+    /// Changes a target's access rules for new logins (sessions logged in stay). Secrets are
+    /// read from a file or from stdin (`-`), never from the command line, where any user
+    /// could read them in the process list.
+    Set {
+        /// Its iSCSI name.
+        name: String,
+        /// Initiator names allowed, replacing the list.
+        #[arg(long = "initiator")]
+        initiators: Vec<String>,
+        /// Any initiator name may log in.
+        #[arg(long, conflicts_with = "initiators")]
+        any_initiator: bool,
+        /// Source networks allowed (CIDR), replacing the list.
+        #[arg(long = "network")]
+        networks: Vec<String>,
+        /// Logins from any address.
+        #[arg(long, conflicts_with = "networks")]
+        any_network: bool,
+        /// SRP initiator port identifiers allowed, replacing the list.
+        #[arg(long = "srp-initiator")]
+        srp_initiators: Vec<String>,
+        /// CHAP: the user name initiators log in with (with --chap-secret-file).
+        #[arg(long, requires = "chap_secret_file")]
+        chap_user: Option<String>,
+        /// CHAP: a file holding the secret (its first line), or `-` for stdin.
+        #[arg(long, requires = "chap_user")]
+        chap_secret_file: Option<PathBuf>,
+        /// No CHAP any more (and no mutual CHAP).
+        #[arg(long, conflicts_with_all = ["chap_user", "mutual_user"])]
+        no_chap: bool,
+        /// Mutual CHAP: the name the target answers with (with --mutual-secret-file).
+        #[arg(long, requires = "mutual_secret_file")]
+        mutual_user: Option<String>,
+        /// Mutual CHAP: a file holding the target's secret, or `-` for stdin.
+        #[arg(long, requires = "mutual_user")]
+        mutual_secret_file: Option<PathBuf>,
+        /// No mutual CHAP any more.
+        #[arg(long, conflicts_with = "mutual_user")]
+        no_mutual_chap: bool,
+    },
     /// Removes a target; its sessions end.
     Remove {
         /// Its name.
         name: String,
     },
+}
+
+/// A secret from `path`'s first line, or from stdin's for `-`: never from argv.
+fn read_secret(path: &std::path::Path) -> Result<String> {
+    let text = if path.as_os_str() == "-" {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line)?;
+        line
+    } else {
+        std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?
+    };
+    let secret = text.lines().next().unwrap_or_default().to_string();
+    if secret.is_empty() {
+        anyhow::bail!("{}: no secret on its first line", path.display());
+    }
+    Ok(secret)
 }
 
 #[derive(Subcommand)]
@@ -460,6 +516,41 @@ fn run(args: Args) -> Result<()> {
                     luns: Vec::new(),
                 },
             },
+            TargetAction::Set {
+                name,
+                initiators,
+                any_initiator,
+                networks,
+                any_network,
+                srp_initiators,
+                chap_user,
+                chap_secret_file,
+                no_chap,
+                mutual_user,
+                mutual_secret_file,
+                no_mutual_chap,
+            } => {
+                let list = |v: Vec<String>, any: bool| (any || !v.is_empty()).then_some(v);
+                let chap = |user: Option<String>, file: Option<PathBuf>| -> Result<_> {
+                    Ok(match (user, file) {
+                        (Some(username), Some(f)) => Some(config::Chap {
+                            username,
+                            secret: read_secret(&f)?,
+                        }),
+                        _ => None,
+                    })
+                };
+                AdminRequest::TargetSet {
+                    name,
+                    initiators: list(initiators, any_initiator),
+                    networks: list(networks, any_network),
+                    srp_initiators: (!srp_initiators.is_empty()).then_some(srp_initiators),
+                    chap: chap(chap_user, chap_secret_file)?,
+                    mutual_chap: chap(mutual_user, mutual_secret_file)?,
+                    no_chap,
+                    no_mutual_chap,
+                }
+            }
             TargetAction::Remove { name } => AdminRequest::TargetRemove { name },
         },
         Command::Session {
