@@ -117,7 +117,7 @@ impl Multipath {
             .map(|i| (start + i) % n)
             .filter(|&i| Some(i) != failed)
             .collect();
-        let mut states: Option<Vec<(u16, u8)>> = None;
+        let mut states: Option<Vec<(u16, u8, bool)>> = None;
         let mut answered = Vec::new();
         for &i in &order {
             if let Ok(s) = port_groups(&self.paths[i].session).await {
@@ -129,8 +129,8 @@ impl Multipath {
             states.as_ref().and_then(|states| {
                 states
                     .iter()
-                    .find(|(g, _)| *g == self.paths[i].group)
-                    .map(|(_, s)| *s)
+                    .find(|(g, _, _)| *g == self.paths[i].group)
+                    .map(|(_, s, _)| *s)
             })
         };
         let chosen = [ACTIVE_OPTIMIZED, ACTIVE_NON_OPTIMIZED]
@@ -155,7 +155,7 @@ impl Multipath {
         F: Fn(Arc<Session>) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        let first_failure = Instant::now();
+        let started = Instant::now();
         loop {
             let i = self.current.load(Ordering::Relaxed);
             match op(self.paths[i].session.clone()).await {
@@ -177,7 +177,7 @@ impl Multipath {
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner)
                         .get_or_insert_with(Instant::now);
-                    if first_failure.elapsed() > self.give_up_after {
+                    if started.elapsed() > self.give_up_after {
                         return Err(e);
                     }
                     tracing::warn!(path = %self.paths[i].session.url().portal, "path failed: {e}");
@@ -275,8 +275,9 @@ async fn identify(s: &Session) -> Result<(Vec<u8>, u16)> {
     }
 }
 
-/// REPORT TARGET PORT GROUPS: (group, asymmetric access state) of each descriptor.
-async fn port_groups(s: &Session) -> Result<Vec<(u16, u8)>> {
+/// REPORT TARGET PORT GROUPS through `s`: (group, asymmetric access state, PREF) of each
+/// descriptor.
+pub async fn port_groups(s: &Session) -> Result<Vec<(u16, u8, bool)>> {
     let mut c = [0u8; 16];
     c[0] = 0xa3;
     c[1] = 0x0a;
@@ -286,7 +287,11 @@ async fn port_groups(s: &Session) -> Result<Vec<(u16, u8)>> {
     let mut at = 4;
     while at + 8 <= d.len() {
         let count = d[at + 7] as usize;
-        out.push((u16::from_be_bytes([d[at + 2], d[at + 3]]), d[at] & 0x0f));
+        out.push((
+            u16::from_be_bytes([d[at + 2], d[at + 3]]),
+            d[at] & 0x0f,
+            d[at] & 0x80 != 0,
+        ));
         at += 8 + 4 * count;
     }
     Ok(out)

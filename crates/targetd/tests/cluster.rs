@@ -383,27 +383,9 @@ fn libiscsi_reservation_tests_across_gateways() {
 
 /// REPORT TARGET PORT GROUPS: (group, state code, preferred) of each descriptor.
 async fn port_groups(s: &Session) -> Vec<(u16, u8, bool)> {
-    let mut c = [0u8; 16];
-    c[0] = 0xa3;
-    c[1] = 0x0a;
-    c[6..10].copy_from_slice(&1024u32.to_be_bytes());
-    let d = s
-        .execute_good(Command::read(s.lun(), c, 1024))
+    initiator_bench::multipath::port_groups(s)
         .await
         .expect("REPORT TARGET PORT GROUPS")
-        .data;
-    let mut out = Vec::new();
-    let mut at = 4;
-    while at + 8 <= d.len() {
-        let count = d[at + 7] as usize;
-        out.push((
-            u16::from_be_bytes([d[at + 2], d[at + 3]]),
-            d[at] & 0x0f,
-            d[at] & 0x80 != 0,
-        ));
-        at += 8 + 4 * count;
-    }
-    out
 }
 
 /// Waits up to `secs` for `s` to report `want`, clearing unit attentions on the way.
