@@ -117,8 +117,10 @@ osd crush chooseleaf type = 0
 mon allow pool size one = true
 mon allow pool delete = true
 mon warn on pool no redundancy = false
-mon data avail warn = 2
-mon data avail crit = 1
+# The monitor refuses to start, silently, when its disk has no more than "crit" percent free:
+# a big shared disk at 99% still has gigabytes, and the monitor's store needs a few MB.
+mon data avail warn = 1
+mon data avail crit = 0
 paxos propose interval = 0.1
 osd objectstore = memstore
 memstore device bytes = 4294967296
@@ -149,7 +151,12 @@ EOF
   monmaptool --create --addv a "[v2:127.0.0.1:$port]" --fsid "$fsid" "$dir/monmap" >/dev/null
   ceph-mon -c "$conf" --mkfs -i a --monmap "$dir/monmap" --keyring "$dir/mon.keyring" \
     >"$dir/log/mon.a.mkfs" 2>&1 || { cat "$dir/log/mon.a.mkfs" >&2; die "ceph-mon --mkfs failed"; }
-  ceph-mon -c "$conf" -i a >"$dir/log/mon.a.out" 2>&1 || die "ceph-mon did not start: $(cat "$dir/log/mon.a.out")"
+  ceph-mon -c "$conf" -i a >"$dir/log/mon.a.out" 2>&1 || {
+    cat "$dir/log/mon.a.out" >&2
+    tail -n 20 "$dir/log/mon.a.log" >&2 2>/dev/null || true
+    df -h "$dir" >&2
+    die "ceph-mon did not start (its output, the end of its log and the free space of $dir are above)"
+  }
   for i in $(seq 0 $((osds - 1))); do
     uuid=$(python3 -c 'import uuid; print(uuid.uuid4())')
     key=$(ceph-authtool --gen-print-key)
