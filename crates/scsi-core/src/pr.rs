@@ -731,6 +731,37 @@ impl Reservations {
 }
 
 impl ReservationEffects {
+    /// What the nexuses of a server that missed the changes from `before` to `after` should
+    /// hear (a gateway cut off from its peers while they changed the shared state): a
+    /// registration gone is REGISTRATIONS PREEMPTED; a persistent reservation gone or
+    /// changed is RESERVATIONS RELEASED or RESERVATIONS PREEMPTED to the registrants that
+    /// remain. The exact effects of each change were told to the servers that were there;
+    /// this one learns the net outcome, which is what its initiators must re-read.
+    pub fn missed(before: &Reservations, after: &Reservations) -> ReservationEffects {
+        let mut fx = ReservationEffects::default();
+        let (old, new) = (&before.persistent, &after.persistent);
+        let registered = |st: &PrState, n: &ItNexus| st.registrations.iter().any(|r| r.nexus == *n);
+        for r in &old.registrations {
+            if !registered(new, &r.nexus) {
+                fx.unit_attentions
+                    .push((r.nexus.clone(), Asc::REGISTRATIONS_PREEMPTED));
+            }
+        }
+        if old.reservation.is_some() && old.reservation != new.reservation {
+            let asc = if new.reservation.is_none() {
+                Asc::RESERVATIONS_RELEASED
+            } else {
+                Asc::RESERVATIONS_PREEMPTED
+            };
+            for r in &old.registrations {
+                if registered(new, &r.nexus) {
+                    fx.unit_attentions.push((r.nexus.clone(), asc));
+                }
+            }
+        }
+        fx
+    }
+
     /// The effects as text, one line each (for a gateway to tell the others).
     pub fn encode(&self) -> Vec<u8> {
         let mut s = String::new();

@@ -442,3 +442,56 @@ fn an_it_nexus_reset_is_answered_once_its_shared_spc2_reservation_is_gone_everyw
     let mut gws = [&mut a, &mut b];
     good(&command(&mut k, &mut gws, 1, nb, &RESERVE6, &[], 0));
 }
+
+#[test]
+fn a_gateway_that_missed_changes_hears_their_outcome_when_it_comes_back() {
+    let (mut a, mut b, mut k, na, nb) = two_gateways();
+    {
+        let mut gws = [&mut a, &mut b];
+        good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
+        good(&prout(&mut k, &mut gws, 1, nb, 0, 0, 0, 0xb));
+        // A holds WRITE EXCLUSIVE - REGISTRANTS ONLY.
+        good(&prout(&mut k, &mut gws, 0, na, 1, 5, 0xa, 0));
+    }
+    let (before, _) = a.device.reservations(0).expect("LUN 0");
+    let before = before.clone();
+    // Gateway A is cut off (fenced): B preempts A's registration and reservation alone.
+    good(&prout(&mut k, &mut [&mut b], 0, nb, 4, 5, 0xb, 0xa));
+    assert_eq!(
+        a.device.reservations(0).expect("LUN 0").0,
+        &before,
+        "A heard nothing"
+    );
+    // A comes back: it loads the shared state and tells its nexuses what they missed.
+    let fx = scsi_core::pr::ReservationEffects::missed(&before, &k.state);
+    assert!(a
+        .device
+        .apply_reservations(0, k.version, k.state.clone(), &fx));
+    let mut gws = [&mut a, &mut b];
+    let o = command(&mut k, &mut gws, 0, na, &[0; 6], &[], 0);
+    let asc = Asc::REGISTRATIONS_PREEMPTED;
+    assert_eq!(o.sense_code(), Some((6, asc.0, asc.1)));
+    // And enforces B's reservation: A is no registrant any more.
+    let w = command(
+        &mut k,
+        &mut gws,
+        0,
+        na,
+        &cdb10(0x2a, 0, 0, 1),
+        &pattern(1, 0),
+        512,
+    );
+    assert_eq!(w.status, Some(Status::ReservationConflict));
+    // B's own nexus was there for the change: it hears nothing more.
+    let fx_b = scsi_core::pr::ReservationEffects::missed(&k.state, &k.state);
+    assert_eq!(fx_b, Default::default());
+    // A registrant that stays hears that the reservation it knew went.
+    let mut released = before.clone();
+    released.persistent.reservation = None;
+    let fx = scsi_core::pr::ReservationEffects::missed(&before, &released);
+    assert_eq!(fx.unit_attentions.len(), 2);
+    assert!(fx
+        .unit_attentions
+        .iter()
+        .all(|(_, asc)| *asc == Asc::RESERVATIONS_RELEASED));
+}

@@ -898,7 +898,7 @@ fn cluster_metrics(m: &mut String, registry: &Registry) {
         (
             "targetd_cluster_fenced",
             "gauge",
-            "1 when this gateway lost its cluster session and serves no shared unit",
+            "1 while this gateway has lost its cluster session and serves no shared unit",
             u64::from(k.is_fenced()),
         ),
         (
@@ -924,6 +924,18 @@ fn cluster_metrics(m: &mut String, registry: &Registry) {
             "counter",
             "gateways this one fenced (blocklisted) for not answering",
             c.fenced.load(Relaxed),
+        ),
+        (
+            "targetd_cluster_lost_sessions_total",
+            "counter",
+            "times this gateway lost its own cluster session (was fenced)",
+            c.lost_sessions.load(Relaxed),
+        ),
+        (
+            "targetd_cluster_rejoins_total",
+            "counter",
+            "times this gateway rejoined the cluster after losing its session",
+            c.rejoins.load(Relaxed),
         ),
     ] {
         let _ = writeln!(m, "# HELP {name} {help}");

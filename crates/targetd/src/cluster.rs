@@ -61,6 +61,9 @@ pub const MEMBERSHIP_INTERVAL: Duration = Duration::from_secs(2);
 /// How long a gateway has to answer "who is alive" before it counts as down.
 pub const MEMBERSHIP_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The longest a fenced gateway waits between two tries to rejoin.
+pub const REJOIN_MAX_DELAY: Duration = Duration::from_secs(30);
+
 /// One gateway as the cluster's gateways object lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
@@ -164,7 +167,12 @@ struct Job {
 /// thread that decides changes to reservations.
 pub struct Keeper {
     config: config::Cluster,
-    pool: Arc<Pool>,
+    /// The shared objects' pool, on this gateway's connection to the cluster (a new one
+    /// after each rejoin).
+    pool: std::sync::RwLock<Arc<Pool>>,
+    /// Counts this gateway's connections to the cluster: a watch of an earlier one that ends
+    /// late says nothing about the current one.
+    generation: std::sync::atomic::AtomicU64,
     jobs: Mutex<mpsc::Sender<Job>>,
     /// The membership as last seen.
     membership: Mutex<Membership>,
@@ -175,8 +183,10 @@ pub struct Keeper {
     /// Wakes the membership thread early (a gateway joined).
     wake: (Mutex<bool>, std::sync::Condvar),
     /// This gateway lost its cluster session (its watch ended: blocklisted, or cut off for
-    /// longer than its timeout): it serves its shared units no more.
+    /// longer than its timeout): it serves its shared units no more until it has rejoined.
     fenced: std::sync::atomic::AtomicBool,
+    /// Rejoins tried since the last fence (the delay between them grows).
+    rejoin_attempts: std::sync::atomic::AtomicU32,
     /// This gateway's line in the gateways object, once it has joined.
     me: Mutex<Option<Member>>,
     /// The RADOS instances of the gateways this one has fenced (each once).
@@ -194,6 +204,10 @@ pub struct Counters {
     pub races: std::sync::atomic::AtomicU64,
     /// Gateways fenced by this one.
     pub fenced: std::sync::atomic::AtomicU64,
+    /// Times this gateway lost its own cluster session (it was fenced).
+    pub lost_sessions: std::sync::atomic::AtomicU64,
+    /// Times it rejoined after that.
+    pub rejoins: std::sync::atomic::AtomicU64,
     /// Changes some gateway did not acknowledge in time.
     pub unacknowledged: std::sync::atomic::AtomicU64,
 }
@@ -219,27 +233,19 @@ impl Keeper {
     /// Connects to the cluster `c` names and starts the reservations thread. Errors name the
     /// `[cluster]` key they are about.
     pub fn start(c: &config::Cluster) -> Result<Arc<Keeper>, (String, String)> {
-        let named = |e: backend::rbd::RbdError| (format!("cluster.{}", e.key()), e.to_string());
-        let cluster = Cluster::shared(&ClusterConfig {
-            ceph_conf: c.ceph_conf.clone(),
-            client: c.client.clone().unwrap_or_else(|| "admin".into()),
-            keyring: c.keyring.clone(),
-            timeout: Duration::from_secs(c.ceph_timeout.unwrap_or(config::DEFAULT_CEPH_TIMEOUT)),
-            cache: false,
-        })
-        .map_err(named)?;
-        let pool = Pool::open(cluster, &c.pool, c.namespace.as_deref().unwrap_or_default())
-            .map_err(named)?;
+        let pool = Keeper::connect(c)?;
         let (tx, rx) = mpsc::channel::<Job>();
         let keeper = Arc::new(Keeper {
             config: c.clone(),
-            pool,
+            pool: std::sync::RwLock::new(pool),
+            generation: std::sync::atomic::AtomicU64::new(0),
             jobs: Mutex::new(tx),
             membership: Mutex::default(),
             units: Mutex::default(),
             joined: Mutex::new(None),
             wake: (Mutex::new(false), std::sync::Condvar::new()),
             fenced: std::sync::atomic::AtomicBool::new(false),
+            rejoin_attempts: std::sync::atomic::AtomicU32::new(0),
             me: Mutex::new(None),
             fenced_instances: Mutex::default(),
             counters: Counters::default(),
@@ -264,71 +270,127 @@ impl Keeper {
         Ok(keeper)
     }
 
+    /// A new connection to the cluster `c` names, and its pool of shared objects.
+    fn connect(c: &config::Cluster) -> Result<Arc<Pool>, (String, String)> {
+        let named = |e: backend::rbd::RbdError| (format!("cluster.{}", e.key()), e.to_string());
+        let cluster = Cluster::shared(&ClusterConfig {
+            ceph_conf: c.ceph_conf.clone(),
+            client: c.client.clone().unwrap_or_else(|| "admin".into()),
+            keyring: c.keyring.clone(),
+            timeout: Duration::from_secs(c.ceph_timeout.unwrap_or(config::DEFAULT_CEPH_TIMEOUT)),
+            cache: false,
+        })
+        .map_err(named)?;
+        Pool::open(cluster, &c.pool, c.namespace.as_deref().unwrap_or_default()).map_err(named)
+    }
+
+    /// The pool of shared objects on the current connection.
+    fn pool(&self) -> Arc<Pool> {
+        self.pool
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     fn gateways_object(&self) -> String {
         format!("{}.gateways", self.config.name)
     }
 
     /// Lists this gateway (with its iSCSI `portals`) in the cluster, answers "who is alive"
-    /// from now on, and starts asking it every [`MEMBERSHIP_INTERVAL`].
+    /// from now on, and starts asking it every [`MEMBERSHIP_INTERVAL`] (and, once fenced,
+    /// rejoining).
     pub fn join(
         self: &Arc<Self>,
         portals: &[std::net::SocketAddr],
     ) -> Result<(), (String, String)> {
         let fail = |e: String| ("cluster".to_string(), e);
-        let oid = self.gateways_object();
-        let me = Member {
+        *self.me.lock().unwrap_or_else(PoisonError::into_inner) = Some(Member {
             gateway: self.config.gateway.clone(),
             port_group: self.config.port_group,
             portals: portals.to_vec(),
-            instance: self.pool.cluster().instance_id(),
-            addresses: self.addresses().map_err(|e| fail(e.to_string()))?,
-        };
-        self.publish(&me)?;
-        *self.me.lock().unwrap_or_else(PoisonError::into_inner) = Some(me);
-        let pool = self.pool.clone();
-        let name = oid.clone();
-        let gateway = self.config.gateway.clone();
-        let weak = Arc::downgrade(self);
-        let on_notify = move |n: Notification| {
-            if n.payload == b"joined" {
-                if let Some(k) = weak.upgrade() {
-                    k.wake();
-                }
-            }
-            let _ = pool.ack(&name, &n, gateway.as_bytes());
-        };
-        let watch = self
-            .watch(&oid, on_notify)
-            .map_err(|e| fail(rados_text(e)))?;
-        *self.joined.lock().unwrap_or_else(PoisonError::into_inner) = Some(watch);
-        // The others look again now rather than at their next round.
-        let _ = self.pool.notify(&oid, b"joined", MEMBERSHIP_TIMEOUT);
+            instance: 0,
+            addresses: Vec::new(),
+        });
+        self.enter()?;
         self.refresh();
         let weak = Arc::downgrade(self);
         std::thread::Builder::new()
             .name("membership".into())
             .spawn(move || loop {
                 let Some(k) = weak.upgrade() else { return };
-                k.sleep(MEMBERSHIP_INTERVAL);
-                k.refresh();
+                if k.is_fenced() {
+                    k.sleep(k.rejoin_delay());
+                    k.rejoin();
+                } else {
+                    k.sleep(MEMBERSHIP_INTERVAL);
+                    k.refresh();
+                }
             })
             .map_err(|e| fail(format!("a thread: {e}")))?;
         Ok(())
     }
 
-    /// This gateway's watch ended with `errno`: it was blocklisted by another gateway that
-    /// could not reach it, or the OSDs lost it for longer than its timeout. Either way the
-    /// others may have changed the reservations without it: its shared units turn unavailable
-    /// (initiators move to another path) and it serves them no more until it is restarted,
-    /// which reconnects and reloads the state.
-    fn lost_session(&self, errno: i32) {
+    /// Writes this gateway's line (with the current connection's instance and addresses)
+    /// in the gateways object and watches it: from now on this gateway answers "who is
+    /// alive", and the others hear at once that it joined.
+    fn enter(self: &Arc<Self>) -> Result<(), (String, String)> {
+        let fail = |e: String| ("cluster".to_string(), e);
+        let oid = self.gateways_object();
+        let pool = self.pool();
+        let me = {
+            let mut guard = self.me.lock().unwrap_or_else(PoisonError::into_inner);
+            let me = guard.as_mut().ok_or_else(|| fail("not joined".into()))?;
+            me.instance = pool.cluster().instance_id();
+            me.addresses = self.addresses().map_err(|e| fail(e.to_string()))?;
+            me.clone()
+        };
+        self.publish(&me)?;
+        let name = oid.clone();
+        let gateway = self.config.gateway.clone();
+        let weak = Arc::downgrade(self);
+        let answering = pool.clone();
+        let on_notify = move |n: Notification| {
+            if n.payload == b"joined" {
+                if let Some(k) = weak.upgrade() {
+                    k.wake();
+                }
+            }
+            let _ = answering.ack(&name, &n, gateway.as_bytes());
+        };
+        let watch = self
+            .watch(&oid, on_notify)
+            .map_err(|e| fail(rados_text(e)))?;
+        let old = self
+            .joined
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .replace(watch);
+        drop(old);
+        // The others look again now rather than at their next round.
+        let _ = pool.notify(&oid, b"joined", MEMBERSHIP_TIMEOUT);
+        Ok(())
+    }
+
+    /// This gateway's watch (of connection `generation`) ended with `errno`: it was
+    /// blocklisted by another gateway that could not reach it, or the OSDs lost it for longer
+    /// than its timeout. Either way the others may have changed the reservations without it:
+    /// its shared units turn unavailable (initiators move to another path) and it serves them
+    /// no more until it has rejoined ([`Keeper::rejoin`]) on a new connection with the state
+    /// reloaded.
+    fn lost_session(&self, generation: u64, errno: i32) {
+        if generation != self.generation.load(std::sync::atomic::Ordering::SeqCst) {
+            // A watch of a connection given up already.
+            return;
+        }
         if self.fenced.swap(true, std::sync::atomic::Ordering::SeqCst) {
             return;
         }
+        self.counters.lost_sessions.fetch_add(1, Relaxed);
+        self.rejoin_attempts.store(0, Relaxed);
         tracing::error!(
             gateway = %self.config.gateway,
             "lost the cluster session ({}): this gateway is fenced and serves no shared unit \
-             until it is restarted",
+             until it has rejoined",
             rados_text(errno)
         );
         let mut m = self.membership();
@@ -345,6 +407,66 @@ impl Keeper {
         self.apply_groups(&self.groups_of(&m));
     }
 
+    /// How long a fenced gateway waits before it tries to rejoin: [`MEMBERSHIP_INTERVAL`]
+    /// first (the gateway that fenced it has broken its locks by then), doubling after each
+    /// failed try up to [`REJOIN_MAX_DELAY`].
+    fn rejoin_delay(&self) -> Duration {
+        let tries = self.rejoin_attempts.load(Relaxed).min(8);
+        (MEMBERSHIP_INTERVAL * 2u32.pow(tries)).min(REJOIN_MAX_DELAY)
+    }
+
+    /// A fenced gateway comes back: a new connection (a new RADOS client, which the
+    /// blocklist of the old one does not cover), every shared unit's image opened again on
+    /// it and its reservations reloaded (the nexuses here hear what they missed), this
+    /// gateway listed again. Only then does it count as live and serve its units. On an
+    /// error it stays fenced and tries again later.
+    fn rejoin(self: &Arc<Self>) {
+        if !self.is_fenced() {
+            return;
+        }
+        self.rejoin_attempts.fetch_add(1, Relaxed);
+        let failed = |what: &str, e: &str| {
+            tracing::warn!(
+                gateway = %self.config.gateway,
+                retry_in = ?self.rejoin_delay(),
+                "rejoining the cluster: {what}: {e}"
+            );
+        };
+        // The old connections are the blocklisted clients: every image and object is opened
+        // anew on a new one.
+        Cluster::forget_shared();
+        let pool = match Keeper::connect(&self.config) {
+            Ok(p) => p,
+            Err((_, e)) => return failed("connecting", &e),
+        };
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        *self.pool.write().unwrap_or_else(PoisonError::into_inner) = pool;
+        for (target, lun) in self.shared_units() {
+            let Some(t) = target.upgrade() else { continue };
+            if let Err(e) = t.reopen_shared_lun(lun) {
+                return failed(&format!("target {} LUN {lun}", t.name), &e);
+            }
+        }
+        if let Err((_, e)) = self.enter() {
+            return failed("listing this gateway", &e);
+        }
+        self.fenced
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        self.counters.rejoins.fetch_add(1, Relaxed);
+        tracing::info!(
+            gateway = %self.config.gateway,
+            instance = self.pool().cluster().instance_id(),
+            "rejoined the cluster: serving the shared units again"
+        );
+        // Whatever was seen before the fence is stale: the states are given anew.
+        *self
+            .membership
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Membership::default();
+        self.refresh();
+    }
+
     /// Whether this gateway has been fenced.
     pub fn is_fenced(&self) -> bool {
         self.fenced.load(std::sync::atomic::Ordering::SeqCst)
@@ -355,7 +477,8 @@ impl Keeper {
     /// their own watches end, which stops them serving. Returns the names fenced now.
     fn fence(&self, silent: &[(u64, u64)]) -> Vec<String> {
         let members = self.read_members().unwrap_or_default();
-        let cluster = self.pool.cluster();
+        let pool = self.pool();
+        let cluster = pool.cluster();
         let mut fenced = Vec::new();
         let mut done = self
             .fenced_instances
@@ -432,13 +555,15 @@ impl Keeper {
     }
 
     fn read_members(&self) -> Result<Vec<Member>, i32> {
-        Ok(match self.pool.read(&self.gateways_object(), MAX_STATE)? {
-            Some(v) => String::from_utf8_lossy(&v.data)
-                .lines()
-                .filter_map(Member::parse)
-                .collect(),
-            None => Vec::new(),
-        })
+        Ok(
+            match self.pool().read(&self.gateways_object(), MAX_STATE)? {
+                Some(v) => String::from_utf8_lossy(&v.data)
+                    .lines()
+                    .filter_map(Member::parse)
+                    .collect(),
+                None => Vec::new(),
+            },
+        )
     }
 
     /// Gives every shared unit `groups`.
@@ -457,7 +582,7 @@ impl Keeper {
         let oid = self.gateways_object();
         for _ in 0..MAX_RACES {
             let read = self
-                .pool
+                .pool()
                 .read(&oid, MAX_STATE)
                 .map_err(|e| fail(rados_text(e)))?;
             let (text, version) = match &read {
@@ -484,7 +609,7 @@ impl Keeper {
             members.push(me.clone());
             members.sort_by_key(|m| m.port_group);
             let text: String = members.iter().map(Member::line).collect();
-            match self.pool.replace(&oid, version, text.as_bytes()) {
+            match self.pool().replace(&oid, version, text.as_bytes()) {
                 Ok(_) => return Ok(()),
                 Err(CasError::Conflict) => continue,
                 Err(CasError::Rados(e)) => return Err(fail(rados_text(e))),
@@ -498,7 +623,7 @@ impl Keeper {
     /// The addresses of every RADOS client of this process: the cluster session's and the
     /// images' (each configuration of a connection is a client of its own).
     fn addresses(&self) -> Result<Vec<String>, backend::rbd::RbdError> {
-        let mut all = vec![self.pool.cluster().address()?];
+        let mut all = vec![self.pool().cluster().address()?];
         for c in Cluster::open() {
             let a = c.address()?;
             if !all.contains(&a) {
@@ -535,9 +660,10 @@ impl Keeper {
         on_notify: impl Fn(Notification) + Send + Sync + 'static,
     ) -> Result<Watch, i32> {
         let weak = Arc::downgrade(self);
+        let generation = self.generation.load(std::sync::atomic::Ordering::SeqCst);
         let on_error = move |e: i32| {
             if let Some(k) = weak.upgrade() {
-                k.lost_session(e);
+                k.lost_session(generation, e);
             }
         };
         let timeout = Duration::from_secs(
@@ -545,7 +671,7 @@ impl Keeper {
                 .ceph_timeout
                 .unwrap_or(config::DEFAULT_CEPH_TIMEOUT),
         );
-        self.pool.watch(oid, timeout, on_notify, on_error)
+        self.pool().watch(oid, timeout, on_notify, on_error)
     }
 
     /// The shared units, as (target, LUN).
@@ -597,7 +723,7 @@ impl Keeper {
                 return;
             }
         };
-        let live = match self.pool.notify(&oid, b"who", MEMBERSHIP_TIMEOUT) {
+        let live = match self.pool().notify(&oid, b"who", MEMBERSHIP_TIMEOUT) {
             Ok(o) => {
                 let mut live: Vec<String> = o
                     .acked
@@ -676,7 +802,7 @@ impl Keeper {
         let describe = |text: &str| text.trim().replace('\n', ", ");
         for _ in 0..MAX_RACES {
             let read = self
-                .pool
+                .pool()
                 .read(&oid, MAX_STATE)
                 .map_err(|e| format!("image: {}", rados_text(e)))?;
             let version = match &read {
@@ -695,7 +821,7 @@ impl Keeper {
                 }
                 None => None,
             };
-            match self.pool.replace(&oid, version, mine.as_bytes()) {
+            match self.pool().replace(&oid, version, mine.as_bytes()) {
                 Ok(_) => return Ok(()),
                 Err(CasError::Conflict) => continue,
                 Err(CasError::Rados(e)) => return Err(format!("image: {}", rados_text(e))),
@@ -708,10 +834,10 @@ impl Keeper {
     /// watches it (all restarted) and APTPL is off, it is cleared first.
     pub fn load(&self, oid: &str) -> Result<(Reservations, u64), String> {
         for _ in 0..MAX_RACES {
-            let read = self.pool.read(oid, MAX_STATE).map_err(rados_text)?;
+            let read = self.pool().read(oid, MAX_STATE).map_err(rados_text)?;
             let Some(v) = read else {
                 match self
-                    .pool
+                    .pool()
                     .replace(oid, None, &Reservations::default().encode())
                 {
                     Ok(_) | Err(CasError::Conflict) => continue,
@@ -725,7 +851,7 @@ impl Keeper {
                 && self.nobody_watches(oid)?
             {
                 match self
-                    .pool
+                    .pool()
                     .replace(oid, Some(v.version), &Reservations::default().encode())
                 {
                     Ok(version) => {
@@ -747,7 +873,7 @@ impl Keeper {
     /// Whether no gateway watches `oid`: a notify nobody receives.
     fn nobody_watches(&self, oid: &str) -> Result<bool, String> {
         let o = self
-            .pool
+            .pool()
             .notify(oid, &[], Duration::from_secs(1))
             .map_err(rados_text)?;
         Ok(o.acked.is_empty() && o.timed_out.is_empty())
@@ -761,7 +887,7 @@ impl Keeper {
         lun: u16,
         oid: &str,
     ) -> Result<SharedUnit, String> {
-        let pool = self.pool.clone();
+        let pool = self.pool().clone();
         let name = oid.to_string();
         let unit = target.clone();
         let on_notify = move |n: Notification| {
@@ -836,7 +962,7 @@ impl Keeper {
     fn change(&self, target: &Target, oid: &str, c: &ReservationChange) -> Result<(), PrError> {
         self.counters.changes.fetch_add(1, Relaxed);
         for _ in 0..MAX_RACES {
-            let read = self.pool.read(oid, MAX_STATE).map_err(|e| {
+            let read = self.pool().read(oid, MAX_STATE).map_err(|e| {
                 tracing::warn!(object = oid, "reading the reservations: {}", rados_text(e));
                 unavailable()
             })?;
@@ -857,7 +983,7 @@ impl Keeper {
             if next == state && !effects.reset {
                 return Ok(());
             }
-            let version = match self.pool.replace(oid, version, &next.encode()) {
+            let version = match self.pool().replace(oid, version, &next.encode()) {
                 Ok(v) => v,
                 Err(CasError::Conflict) => {
                     self.counters.races.fetch_add(1, Relaxed);
@@ -876,7 +1002,7 @@ impl Keeper {
             };
             target.apply_shared_reservations(c.lun, version, next, &here);
             let timeout = Duration::from_secs(self.config.notify_timeout);
-            match self.pool.notify(oid, &payload, timeout) {
+            match self.pool().notify(oid, &payload, timeout) {
                 Ok(o) if o.timed_out.is_empty() => {}
                 Ok(o) => {
                     self.counters.unacknowledged.fetch_add(1, Relaxed);

@@ -837,6 +837,55 @@ impl Target {
         }
     }
 
+    /// Opens shared unit `index` again on the process's current connection to the cluster
+    /// and reloads its reservations: this gateway was fenced (its old connection is
+    /// blocklisted and does nothing more) and rejoins. Counters, faults and the unit's
+    /// identity stay; a size changed meanwhile reaches initiators as CAPACITY DATA HAS
+    /// CHANGED, and what the reservations went through as the unit attentions of
+    /// [`ReservationEffects::missed`](scsi_core::pr::ReservationEffects::missed).
+    #[cfg(feature = "rbd")]
+    pub fn reopen_shared_lun(&self, index: u16) -> Result<(), String> {
+        let _resizing = self.resizing.lock().unwrap_or_else(PoisonError::into_inner);
+        let old = self.lun(index).ok_or(format!("no LUN {index}"))?;
+        let (Some(keeper), Some(shared)) = (&self.keeper, &old.shared) else {
+            return Err("not a shared unit".into());
+        };
+        let mut lun = Lun::open(&old.config, old.stats.clone())?;
+        lun.faults = old.faults.clone();
+        if let Storage::Rbd(image) = &lun.storage {
+            if !image.read_only() {
+                crate::rbd::watch_capacity(image, self.this.clone(), index)?;
+            }
+        }
+        let followed = keeper.follow(self.this.clone(), index, &shared.oid)?;
+        let (state, version) = keeper.load(&shared.oid)?;
+        lun.shared = Some(Arc::new(followed));
+        let blocks = lun.blocks;
+        self.luns
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(index, Arc::new(lun));
+        let mut core = self.core();
+        if blocks != old.blocks {
+            core.device
+                .resize_lu(index, blocks)
+                .map_err(|e| e.to_string())?;
+        }
+        let before = core
+            .device
+            .reservations(index)
+            .map(|(r, _)| r.clone())
+            .unwrap_or_default();
+        let missed = scsi_core::pr::ReservationEffects::missed(&before, &state);
+        if core
+            .device
+            .apply_reservations(index, version, state, &missed)
+        {
+            core.route_pending();
+        }
+        Ok(())
+    }
+
     /// Hands the changes to shared reservations the core made to their keeper; without one (no
     /// cluster: cannot happen) their commands end with NOT READY.
     fn hand_over_reservation_changes(&self, core: &mut Core, out: &mut Outbox) {

@@ -519,6 +519,8 @@ async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
 /// A gateway as a process of its own (its own RADOS client, which fencing blocklists).
 struct Process_ {
     child: std::process::Child,
+    /// `cluster.name`.
+    cluster: String,
     addr: std::net::SocketAddr,
     _dir: tempfile::TempDir,
 }
@@ -565,6 +567,7 @@ impl Process_ {
         std::thread::spawn(move || for _ in lines {});
         Process_ {
             child,
+            cluster: name.to_string(),
             addr,
             _dir: dir,
         }
@@ -596,7 +599,7 @@ impl Drop for Process_ {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_silent_gateway_is_fenced_before_a_change_completes_and_serves_no_more() {
+async fn a_silent_gateway_is_fenced_before_a_change_completes_serves_no_more_then_rejoins() {
     let Some(ceph) = ceph() else { return };
     let _turn = turn();
     let (image, a, b, one, two) = two_processes(&ceph, "fence", ["one", "two"]).await;
@@ -656,6 +659,121 @@ async fn a_silent_gateway_is_fenced_before_a_change_completes_and_serves_no_more
     let refused = refused.expect("the fenced gateway kept completing reads");
     println!("the fenced gateway answers {refused}");
     assert_eq!(keys(&two).await.1, vec![0xb]);
+
+    // A rejoins by itself on a new RADOS client: it reloads the reservations it missed and
+    // serves again, the optimized path once more, with what B wrote.
+    let both = [(1, 0x0, true), (2, 0x1, false)];
+    expect_groups(&one, &both, 60).await;
+    expect_groups(&two, &both, 20).await;
+    println!(
+        "A serves again {:.1} s after it went silent",
+        asked.elapsed().as_secs_f64()
+    );
+    assert_eq!(keys(&one).await.1, vec![0xb], "A reloaded B's registration");
+    let mut read = None;
+    for _ in 0..20 {
+        let r = one
+            .execute(Command::read(one.lun(), cdb::read(2, 1), 512))
+            .await
+            .expect("a read through A");
+        if r.status == ScsiStatus::GOOD {
+            read = Some(r.data);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        read.expect("A completes reads again").as_ref(),
+        pattern(512, 2).as_ref(),
+        "A reads what B wrote while A was fenced"
+    );
+    // A's writes reach B too (the image's lock moves back to A, then to B).
+    let mut wrote = false;
+    for _ in 0..20 {
+        let cmd = Command::write(one.lun(), cdb::write(3, 1), pattern(512, 3));
+        if let Ok(r) = one.execute(cmd).await {
+            if r.status == ScsiStatus::GOOD {
+                wrote = true;
+                break;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert!(wrote, "A completes writes again");
+    let r = two
+        .execute(Command::read(two.lun(), cdb::read(3, 1), 512))
+        .await
+        .expect("a read through B");
+    assert_eq!(r.data.as_ref(), pattern(512, 3).as_ref());
+    drop((one, two));
+    drop(a);
+    drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
+
+/// The RADOS client addresses gateway `gateway` of `cluster` lists for itself.
+fn addresses_of(ceph: &Ceph, cluster: &str, gateway: &str) -> Vec<String> {
+    let object = format!("{cluster}.gateways");
+    let out = ceph.tool("rados", &["-p", &ceph.pool, "get", &object, "-"]);
+    assert!(out.status.success(), "rados get {object}: {out:?}");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let line = text
+        .lines()
+        .find(|l| l.split_whitespace().nth(1) == Some(gateway))
+        .unwrap_or_else(|| panic!("{gateway} not in {object}: {text}"));
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    fields[5].split(',').map(str::to_string).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocklisted_gateway_stops_serving_and_rejoins_with_what_it_missed() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let (image, a, b, one, two) = two_processes(&ceph, "blocklist", ["one", "two"]).await;
+    assert_eq!(write_status(&one, 1).await, ScsiStatus::GOOD);
+    // The operator (or another tool) fences A: `ceph osd blocklist add` of its clients.
+    let old = addresses_of(&ceph, &a.cluster, "gw1");
+    for address in &old {
+        let out = ceph.tool("ceph", &["osd", "blocklist", "add", address, "600"]);
+        assert!(out.status.success(), "blocklist {address}: {out:?}");
+    }
+    let fenced = std::time::Instant::now();
+    // A's watch ends: A turns its own group unavailable and completes no media access.
+    let unavailable = [(1, 0x3, false), (2, 0x0, true)];
+    assert!(
+        await_groups(&one, &unavailable, 30).await,
+        "A did not report itself unavailable"
+    );
+    // While A is out, B registers and reserves (WRITE EXCLUSIVE).
+    assert_eq!(prout(&two, 0, 0, 0, 0xb).await, ScsiStatus::GOOD);
+    assert_eq!(prout(&two, 1, 1, 0xb, 0).await, ScsiStatus::GOOD);
+    // A rejoins on a new client, serves again and enforces what it missed.
+    let both = [(1, 0x0, true), (2, 0x1, false)];
+    expect_groups(&one, &both, 60).await;
+    println!(
+        "A serves again {:.1} s after the blocklist",
+        fenced.elapsed().as_secs_f64()
+    );
+    let new = addresses_of(&ceph, &a.cluster, "gw1");
+    assert!(
+        new.iter().all(|n| !old.contains(n)),
+        "A lists new clients: {old:?} then {new:?}"
+    );
+    assert_eq!(keys(&one).await.1, vec![0xb]);
+    let mut status = ScsiStatus::GOOD;
+    for _ in 0..20 {
+        status = write_status(&one, 2).await;
+        if status == ScsiStatus::RESERVATION_CONFLICT {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        status,
+        ScsiStatus::RESERVATION_CONFLICT,
+        "A enforces B's reservation"
+    );
+    assert_eq!(read_status(&one).await, ScsiStatus::GOOD);
     drop((one, two));
     drop(a);
     drop(b);

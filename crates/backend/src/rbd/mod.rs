@@ -324,6 +324,17 @@ impl Cluster {
         Ok(c)
     }
 
+    /// Forgets the process's shared connections: the next [`Cluster::shared`] connects anew.
+    /// For a process whose clients were blocklisted (fenced by another gateway): the OSDs
+    /// refuse a blocklisted client's operations for good, and a new connection is a new
+    /// client. The connections in use stay with their holders until they let go.
+    pub fn forget_shared() {
+        clusters()
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+    }
+
     /// How it was configured.
     pub fn config(&self) -> &ClusterConfig {
         &self.config

@@ -74,7 +74,12 @@ impl Ceph {
 
     /// Runs the `rbd` CLI as the test's client.
     pub fn rbd(&self, args: &[&str]) -> std::process::Output {
-        let mut c = Process::new("rbd");
+        self.tool("rbd", args)
+    }
+
+    /// Runs a Ceph CLI (`rbd`, `rados`, `ceph`) as the test's client.
+    pub fn tool(&self, tool: &str, args: &[&str]) -> std::process::Output {
+        let mut c = Process::new(tool);
         c.arg("-c").arg(&self.conf).args(["--id", &self.client]);
         if let Some(k) = &self.keyring {
             c.args(["--keyring", k]);
