@@ -145,6 +145,8 @@ pub(crate) enum Step {
     },
     /// A change to shared reservations went to their keeper.
     Reserving,
+    /// A PREEMPT AND ABORT completes once these tasks it aborted have ended.
+    Draining(Vec<TaskId>),
 }
 
 /// What happens once data-out has arrived.
@@ -166,6 +168,9 @@ enum Phase {
     /// A change to shared reservations, with their keeper until
     /// [`Device::reservation_done`].
     Reserving,
+    /// A PREEMPT AND ABORT that has changed the reservations and waits for the tasks it
+    /// aborted to end (their I/O may still reach the medium) before it completes.
+    Draining,
 }
 
 #[derive(Debug)]
@@ -266,6 +271,8 @@ pub struct Device {
     pub(crate) store: Option<Box<dyn PrStore>>,
     /// Changes to shared reservations for their keeper ([`Device::poll_reservation_change`]).
     changes: VecDeque<ReservationChange>,
+    /// PREEMPT AND ABORT commands and the aborted tasks each waits for.
+    drains: Vec<(TaskId, Vec<TaskId>)>,
     /// Plain reads and writes are delegated to the transport ([`Device::set_delegation`]).
     delegate: bool,
     /// Reused by `retry_lock_waiters` (the waiters it goes through, the ranges of those that
@@ -369,6 +376,7 @@ impl Device {
             tmfs: Vec::new(),
             store: None,
             changes: VecDeque::new(),
+            drains: Vec::new(),
             delegate: false,
             scratch: (Vec::new(), Vec::new()),
         }
@@ -488,6 +496,18 @@ impl Device {
             self.end(task, Some(Action::Aborted { task, tag }));
             return Ok(());
         }
+        // PREEMPT AND ABORT: the keeper applied the change here first, aborting this
+        // server's tasks of the preempted nexuses; it completes once they have ended (the
+        // other servers acknowledged only once theirs had).
+        let preempt_and_abort = t.cdb[0] == 0x5f && t.cdb[1] & 0x1f == 5;
+        if preempt_and_abort && result.is_ok() {
+            let lun = t.lun;
+            let waiting = self.aborted_in_flight(lun, task);
+            if !waiting.is_empty() {
+                self.drain(task, waiting);
+                return Ok(());
+            }
+        }
         let result = match result {
             Ok(()) => Ok(Reply::Good),
             Err(PrError::Conflict) => Err(TaskError::ReservationConflict),
@@ -566,7 +586,56 @@ impl Device {
             }
         }
         self.reservation_effects(lun, &fx, Some(id));
+        if !fx.abort.is_empty() {
+            let waiting = self.aborted_in_flight(lun, id);
+            if !waiting.is_empty() {
+                return Ok(Step::Draining(waiting));
+            }
+        }
         Ok(Step::Done(Reply::Good))
+    }
+
+    /// The tasks on `lun` that were aborted but have not ended (their I/O is under way),
+    /// but `except`.
+    fn aborted_in_flight(&self, lun: u16, except: TaskId) -> Vec<TaskId> {
+        let mut ids = self.select_tasks(|t| t.lun == lun && t.aborted);
+        ids.retain(|&t| t != except);
+        ids
+    }
+
+    /// How many tasks on `lun` were aborted and have not ended yet. A server that applies
+    /// another's PREEMPT AND ABORT ([`Device::apply_reservations`]) acknowledges it once
+    /// this is 0, so that no write of a preempted nexus reaches the medium after the
+    /// preempting command completed.
+    pub fn aborted_tasks_in_flight(&self, lun: u16) -> usize {
+        self.select_tasks(|t| t.lun == lun && t.aborted).len()
+    }
+
+    /// Task `id` (a PREEMPT AND ABORT) completes once `waiting` have ended.
+    fn drain(&mut self, id: TaskId, waiting: Vec<TaskId>) {
+        if let Ok(t) = self.task_mut(id) {
+            t.phase = Phase::Draining;
+            self.drains.push((id, waiting));
+        }
+    }
+
+    /// Completes the PREEMPT AND ABORT commands whose aborted tasks have all ended, now that
+    /// `ended` has.
+    fn finish_drains(&mut self, ended: TaskId) {
+        for (_, waiting) in &mut self.drains {
+            waiting.retain(|&w| w != ended);
+        }
+        while let Some(i) = self.drains.iter().position(|(_, w)| w.is_empty()) {
+            let (id, _) = self.drains.swap_remove(i);
+            let Ok(t) = self.task_mut(id) else { continue };
+            t.phase = Phase::Enabled;
+            if t.aborted {
+                let tag = t.tag;
+                self.end(id, Some(Action::Aborted { task: id, tag }));
+            } else {
+                self.complete(id, Ok(Reply::Good));
+            }
+        }
     }
 
     /// Sets the target port groups of unit `lun` and their asymmetric access states (implicit
@@ -1091,6 +1160,7 @@ impl Device {
                     t.phase = Phase::Reserving;
                 }
             }
+            Ok(Step::Draining(waiting)) => self.drain(id, waiting),
             Ok(Step::DataOut { len, then }) => {
                 let Ok(t) = self.task_mut(id) else { return };
                 if t.wanted.is_none() {
@@ -1491,6 +1561,9 @@ impl Device {
             }
             self.finish_tmfs();
         }
+        if !self.drains.is_empty() {
+            self.finish_drains(id);
+        }
     }
 
     /// Answers the task management functions that wait for nothing any more.
@@ -1596,7 +1669,7 @@ impl Device {
                 if first {
                     self.actions.push_back(Action::Aborted { task: id, tag });
                 }
-            } else if matches!(phase, Phase::Backend | Phase::Reserving) {
+            } else if matches!(phase, Phase::Backend | Phase::Reserving | Phase::Draining) {
                 in_flight.push(id);
             } else {
                 self.end(id, Some(Action::Aborted { task: id, tag }));

@@ -17,12 +17,16 @@ fn prout(h: &mut Harness, n: NexusId, sa: u8, ty: u8, key: u64, sa_key: u64, fla
 }
 
 fn prout_raw(h: &mut Harness, n: NexusId, sa: u8, ty: u8, p: &[u8]) -> Outcome {
+    h.command(n, 0, &prout_cdb(sa, ty, p.len()), p, 0)
+}
+
+fn prout_cdb(sa: u8, ty: u8, len: usize) -> [u8; 10] {
     let mut c = [0u8; 10];
     c[0] = 0x5f;
     c[1] = sa;
     c[2] = ty;
-    c[5..9].copy_from_slice(&(p.len() as u32).to_be_bytes());
-    h.command(n, 0, &c, p, 0)
+    c[5..9].copy_from_slice(&(len as u32).to_be_bytes());
+    c
 }
 
 fn prin(h: &mut Harness, n: NexusId, sa: u8) -> Vec<u8> {
@@ -174,8 +178,24 @@ fn preempt_clear_and_preempt_and_abort() {
         h.run();
         assert_eq!(h.held.len(), 1, "{:?}", h.outcomes.get(&tag));
         h.hold_backend = false;
-        good(&prout(&mut h, b, 5, 1, 0xb, 0xc, 0));
+        // It completes only once the aborted read has ended: its I/O could still be under
+        // way, and a preempted write must not reach the medium after PREEMPT AND ABORT.
+        let mut p = vec![0u8; 24];
+        p[..8].copy_from_slice(&0xbu64.to_be_bytes());
+        p[8..16].copy_from_slice(&0xcu64.to_be_bytes());
+        let preempt = h.submit(b, 0, &prout_cdb(5, 1, 24), TaskAttribute::Simple, &p, 0);
+        h.run();
+        assert!(
+            !h.outcomes.contains_key(&preempt),
+            "PREEMPT AND ABORT ended before the task it aborted"
+        );
         while h.release() {}
+        h.run();
+        good(
+            &h.outcomes
+                .remove(&preempt)
+                .expect("PREEMPT AND ABORT ended"),
+        );
         assert_eq!(h.outcomes.remove(&tag).unwrap().status, None, "aborted");
         check(&h.command(c, 0, &[0; 6], &[], 0), 6, 0x2a, 0x05);
         // READ FULL STATUS: only B, holding.

@@ -244,6 +244,8 @@ fn preempt_and_abort_on_one_gateway_aborts_and_warns_on_the_other() {
     b.run();
     k.settle(&mut [&mut a, &mut b]);
     good(&b.outcomes.remove(&tag).expect("ended"));
+    // What gateway A's keeper waits for before it acknowledges the change.
+    assert_eq!(a.device.aborted_tasks_in_flight(0), 1);
     a.release();
     a.run();
     assert_eq!(
@@ -251,6 +253,7 @@ fn preempt_and_abort_on_one_gateway_aborts_and_warns_on_the_other() {
         None,
         "aborted on gateway A"
     );
+    assert_eq!(a.device.aborted_tasks_in_flight(0), 0);
     // A hears REGISTRATIONS PREEMPTED, then its access is B's to grant.
     let mut gws = [&mut a, &mut b];
     let o = command(&mut k, &mut gws, 0, na, &[0; 6], &[], 0);
@@ -494,4 +497,47 @@ fn a_gateway_that_missed_changes_hears_their_outcome_when_it_comes_back() {
         .unit_attentions
         .iter()
         .all(|(_, asc)| *asc == Asc::RESERVATIONS_RELEASED));
+}
+
+#[test]
+fn preempt_and_abort_through_the_preempted_nexus_gateway_waits_for_its_aborted_tasks() {
+    let (mut a, mut b, mut k, na, _nb) = two_gateways();
+    let nc = a.login_through("iqn.x:three", 3, 1);
+    {
+        let mut gws = [&mut a, &mut b];
+        good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
+        good(&prout(&mut k, &mut gws, 0, nc, 0, 0, 0, 0xc));
+        good(&prout(&mut k, &mut gws, 0, na, 1, 3, 0xa, 0));
+    }
+    // A read of A's initiator sits in gateway A's backend.
+    a.hold_backend = true;
+    let held = a.submit(
+        na,
+        0,
+        &cdb10(0x28, 0, 0, 1),
+        TaskAttribute::Simple,
+        &[],
+        512,
+    );
+    a.run();
+    a.hold_backend = false;
+    // The third initiator, on the same gateway, preempts A and aborts its tasks.
+    let tag = a.submit(
+        nc,
+        0,
+        &prout_cdb(5, 3, 24),
+        TaskAttribute::Simple,
+        &params(0xc, 0xa, 0),
+        0,
+    );
+    a.run();
+    k.settle(&mut [&mut a, &mut b]);
+    assert!(
+        !a.outcomes.contains_key(&tag),
+        "PREEMPT AND ABORT ended while the read it aborted was under way"
+    );
+    while a.release() {}
+    a.run();
+    good(&a.outcomes.remove(&tag).expect("PREEMPT AND ABORT ended"));
+    assert_eq!(a.outcomes.remove(&held).expect("ended").status, None);
 }

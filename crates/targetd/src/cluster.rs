@@ -887,18 +887,49 @@ impl Keeper {
         lun: u16,
         oid: &str,
     ) -> Result<SharedUnit, String> {
-        let pool = self.pool().clone();
+        let pool = self.pool();
         let name = oid.to_string();
         let unit = target.clone();
+        let patience = Duration::from_secs(self.config.notify_timeout);
         let on_notify = move |n: Notification| {
-            let target = &unit;
+            let ack = {
+                let (pool, name) = (pool.clone(), name.clone());
+                move |n: Notification| {
+                    if let Err(e) = pool.ack(&name, &n, &[]) {
+                        tracing::warn!(object = %name, "acknowledging a change: {}", rados_text(e));
+                    }
+                }
+            };
+            let mut aborted = false;
             if let Some((version, state, effects)) = decode_change(&n.payload) {
-                if let Some(t) = target.upgrade() {
+                if let Some(t) = unit.upgrade() {
                     t.apply_shared_reservations(lun, version, state, &effects);
+                    aborted = !effects.abort.is_empty();
                 }
             }
-            if let Err(e) = pool.ack(&name, &n, &[]) {
-                tracing::warn!(object = %name, "acknowledging a change: {}", rados_text(e));
+            if !aborted {
+                return ack(n);
+            }
+            // PREEMPT AND ABORT: acknowledged once the tasks it aborted here have ended, so
+            // that no write of a preempted initiator reaches the image after the command
+            // completed. Not on librados' thread, which must go on delivering notifies. A
+            // task that outlasts the notifier's patience gets this gateway fenced.
+            let unit = unit.clone();
+            let waited = std::thread::Builder::new()
+                .name("preempt-drain".into())
+                .spawn(move || {
+                    let deadline = std::time::Instant::now() + patience;
+                    while unit
+                        .upgrade()
+                        .is_some_and(|t| t.aborted_tasks_in_flight(lun) > 0)
+                        && std::time::Instant::now() < deadline
+                    {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    ack(n);
+                });
+            if let Err(e) = waited {
+                tracing::warn!("a thread to wait for aborted tasks: {e}");
             }
         };
         let watch = self.watch(oid, on_notify).map_err(rados_text)?;

@@ -926,6 +926,13 @@ impl Target {
         }
     }
 
+    /// How many tasks on unit `lun` were aborted and have not ended yet (their I/O is under
+    /// way).
+    #[cfg(feature = "rbd")]
+    pub fn aborted_tasks_in_flight(&self, lun: u16) -> usize {
+        self.core().device.aborted_tasks_in_flight(lun)
+    }
+
     /// The keeper has decided the change of reservation task `task`.
     pub fn reservation_done(&self, task: TaskId, result: Result<(), scsi_core::pr::PrError>) {
         let mut core = self.core();
