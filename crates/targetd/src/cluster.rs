@@ -125,17 +125,49 @@ pub struct Membership {
     pub live: Vec<String>,
 }
 
+/// How a unit wants its paths: which gateway is optimized, and what the others are.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PathPolicy<'a> {
+    /// `preferred_gateway`: optimized while it is live.
+    pub preferred: Option<&'a str>,
+    /// `standby`: the other live gateways are standby, not active/non-optimized.
+    pub standby: bool,
+}
+
+impl<'a> PathPolicy<'a> {
+    /// The policy a unit's config sets.
+    pub fn of(lun: &'a config::Lun) -> PathPolicy<'a> {
+        PathPolicy {
+            preferred: lun.preferred_gateway.as_deref(),
+            standby: lun.standby,
+        }
+    }
+}
+
 impl Membership {
-    /// The ALUA port groups of every shared unit: the live gateway with the lowest port group
-    /// is active/optimized, the other live ones active/non-optimized, the rest unavailable.
-    /// The same on every gateway that sees the same membership.
-    pub fn port_groups(&self) -> Vec<PortGroup> {
+    /// The ALUA port groups of a shared unit with `policy`: its preferred gateway, when live,
+    /// is active/optimized, or else the live gateway with the lowest port group; the other
+    /// live ones are active/non-optimized (standby with `policy.standby`); the rest
+    /// unavailable. The same on every gateway that sees the same membership.
+    pub fn port_groups(&self, policy: PathPolicy<'_>) -> Vec<PortGroup> {
+        let live = |m: &&Member| self.live.contains(&m.gateway);
         let optimized = self
             .members
             .iter()
-            .filter(|m| self.live.contains(&m.gateway))
-            .map(|m| m.port_group)
-            .min();
+            .filter(live)
+            .find(|m| Some(m.gateway.as_str()) == policy.preferred)
+            .or_else(|| {
+                self.members
+                    .iter()
+                    .filter(live)
+                    .min_by_key(|m| m.port_group)
+            })
+            .map(|m| m.port_group);
+        let others = if policy.standby {
+            AccessState::Standby
+        } else {
+            AccessState::ActiveNonOptimized
+        };
         self.members
             .iter()
             .map(|m| {
@@ -144,7 +176,7 @@ impl Membership {
                 } else if Some(m.port_group) == optimized {
                     AccessState::ActiveOptimized
                 } else {
-                    AccessState::ActiveNonOptimized
+                    others
                 };
                 PortGroup {
                     id: m.port_group,
@@ -404,7 +436,7 @@ impl Keeper {
                 addresses: Vec::new(),
             });
         }
-        self.apply_groups(&self.groups_of(&m));
+        self.apply_groups(&m);
     }
 
     /// How long a fenced gateway waits before it tries to rejoin: [`MEMBERSHIP_INTERVAL`]
@@ -566,14 +598,20 @@ impl Keeper {
         )
     }
 
-    /// Gives every shared unit `groups`.
-    fn apply_groups(&self, groups: &[PortGroup]) {
+    /// Gives every shared unit its port groups under membership `m`.
+    fn apply_groups(&self, m: &Membership) {
         let units = self.shared_units();
         for (target, lun) in units {
             if let Some(t) = target.upgrade() {
-                t.set_port_groups(lun, groups.to_vec());
+                self.give_groups(&t, lun, m);
             }
         }
+    }
+
+    /// Gives unit `lun` of `t` its port groups under membership `m`.
+    fn give_groups(&self, t: &Target, lun: u16, m: &Membership) {
+        let Some(unit) = t.lun(lun) else { return };
+        t.set_port_groups(lun, self.groups_of(m, PathPolicy::of(&unit.config)));
     }
 
     /// Writes (or rewrites) this gateway's line in the gateways object.
@@ -682,9 +720,10 @@ impl Keeper {
             .clone()
     }
 
-    /// The port groups of `m`, this gateway's own unavailable once fenced.
-    fn groups_of(&self, m: &Membership) -> Vec<PortGroup> {
-        let mut groups = m.port_groups();
+    /// The port groups of a unit with `policy` under `m`, this gateway's own unavailable
+    /// once fenced.
+    fn groups_of(&self, m: &Membership, policy: PathPolicy<'_>) -> Vec<PortGroup> {
+        let mut groups = m.port_groups(policy);
         if self.is_fenced() {
             for g in groups.iter_mut().filter(|g| g.id == self.config.port_group) {
                 g.state = AccessState::Unavailable;
@@ -764,7 +803,7 @@ impl Keeper {
         );
         *seen = now.clone();
         drop(seen);
-        self.apply_groups(&self.groups_of(&now));
+        self.apply_groups(&now);
     }
 
     /// The membership as last seen.
@@ -785,8 +824,9 @@ impl Keeper {
         format!("{}.reservations.{image}", self.config.name)
     }
 
-    /// Checks that this gateway exports `image` as the other gateways do: as LUN `lun` of
-    /// `target` with `block_size`-byte blocks. The first gateway to export it records that
+    /// Checks that this gateway exports `image` as the other gateways do: as the same LUN of
+    /// `target`, with the same block size and the same path policy (`preferred_gateway`,
+    /// `standby`). The first gateway to export it records that
     /// in `<cluster>.unit.<image>`; one that differs is refused, naming both, while any
     /// gateway serves the image (when none does, the new definition replaces the old).
     /// Errors start with the config key they are about.
@@ -794,11 +834,20 @@ impl Keeper {
         &self,
         image: &ImageSpec,
         target: &str,
-        lun: u16,
-        block_size: u32,
+        unit: &config::Lun,
     ) -> Result<(), String> {
         let oid = format!("{}.unit.{image}", self.config.name);
-        let mine = format!("target {target}\nlun {lun}\nblock_size {block_size}\n");
+        let mut mine = format!(
+            "target {target}\nlun {}\nblock_size {}\n",
+            unit.lun, unit.block_size
+        );
+        // The paths' states are computed by every gateway alike: from the same policy.
+        if let Some(g) = &unit.preferred_gateway {
+            mine += &format!("preferred_gateway {g}\n");
+        }
+        if unit.standby {
+            mine += "standby true\n";
+        }
         let describe = |text: &str| text.trim().replace('\n', ", ");
         for _ in 0..MAX_RACES {
             let read = self
@@ -879,14 +928,15 @@ impl Keeper {
         Ok(o.acked.is_empty() && o.timed_out.is_empty())
     }
 
-    /// Follows `oid` for unit `lun` of `target`: every change another gateway makes is applied
+    /// Follows `oid` for `unit` of `target`: every change another gateway makes is applied
     /// to this gateway's device server before it is acknowledged.
     pub fn follow(
         self: &Arc<Self>,
         target: Weak<Target>,
-        lun: u16,
+        unit: &config::Lun,
         oid: &str,
     ) -> Result<SharedUnit, String> {
+        let (lun, policy) = (unit.lun, PathPolicy::of(unit));
         let pool = self.pool();
         let name = oid.to_string();
         let unit = target.clone();
@@ -940,7 +990,7 @@ impl Keeper {
         drop(units);
         let membership = self.membership();
         if let (false, Some(t)) = (membership.members.is_empty(), target.upgrade()) {
-            t.set_port_groups(lun, self.groups_of(&membership));
+            t.set_port_groups(lun, self.groups_of(&membership, policy));
         }
         Ok(SharedUnit {
             oid: oid.to_string(),

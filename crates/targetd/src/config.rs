@@ -396,6 +396,18 @@ pub struct Lun {
     #[serde(default)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ceph_timeout: Option<u64>,
+    /// rbd in a `[cluster]`: the gateway (its `cluster.gateway`) that is active/optimized for
+    /// this unit while it is live, so that units can be spread over the gateways; the live
+    /// gateway with the lowest port group when absent or down.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preferred_gateway: Option<String>,
+    /// rbd in a `[cluster]`: the live gateways other than the optimized one are standby for
+    /// this unit (no media access through them until the optimized one goes) instead of
+    /// active/non-optimized.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub standby: bool,
 }
 
 /// What holds a LUN's blocks, as the OS or the cluster names it, so that one file or image
@@ -480,6 +492,8 @@ pub const LUN_KEYS: &[&str] = &[
     "client",
     "keyring",
     "ceph_timeout",
+    "preferred_gateway",
+    "standby",
 ];
 
 /// How long a Ceph cluster may take to answer when `ceph_timeout` is not set, seconds.
@@ -890,6 +904,8 @@ impl Config {
                     ("client", lun.client.is_some()),
                     ("keyring", lun.keyring.is_some()),
                     ("ceph_timeout", lun.ceph_timeout.is_some()),
+                    ("preferred_gateway", lun.preferred_gateway.is_some()),
+                    ("standby", lun.standby),
                 ];
                 if lun.backend != "rbd" {
                     if let Some((k, _)) = rbd_keys.iter().find(|(_, set)| *set) {
@@ -957,6 +973,27 @@ impl Config {
                                 return fail(
                                     &key("ceph_timeout"),
                                     format!("{t}: must be 1 to 3600 seconds"),
+                                );
+                            }
+                        }
+                        for (k, set) in [
+                            ("preferred_gateway", lun.preferred_gateway.is_some()),
+                            ("standby", lun.standby),
+                        ] {
+                            if set && self.cluster.is_none() {
+                                return fail(
+                                    &key(k),
+                                    "only a unit that a [cluster] of gateways shares has ALUA \
+                                     states to choose"
+                                        .into(),
+                                );
+                            }
+                        }
+                        if let Some(g) = &lun.preferred_gateway {
+                            if g.is_empty() || g.contains(char::is_whitespace) {
+                                return fail(
+                                    &key("preferred_gateway"),
+                                    format!("{g:?}: must be a gateway's name (cluster.gateway)"),
                                 );
                             }
                         }
@@ -1323,6 +1360,37 @@ size = "1GiB"
             let e = refused(&text.replace(from, to));
             assert!(e.contains(key), "{to}: {e}");
         }
+    }
+
+    #[test]
+    fn path_policies_belong_to_units_a_cluster_shares() {
+        let e = refused(&GOOD.replace("size = \"1GiB\"", "size = \"1GiB\"\nstandby = true"));
+        assert!(
+            e.contains("targets[0].luns[0].standby") && e.contains("only the rbd backend"),
+            "{e}"
+        );
+        if !cfg!(feature = "rbd") {
+            return;
+        }
+        let rbd = GOOD.replace(
+            "backend = \"file\"\npath = \"data/disk1.img\"",
+            "backend = \"rbd\"\npool = \"rbd\"\nimage = \"disk1\"\npreferred_gateway = \"b\"",
+        );
+        let e = refused(&rbd);
+        assert!(
+            e.contains("targets[0].luns[0].preferred_gateway") && e.contains("[cluster]"),
+            "{e}"
+        );
+        let cluster =
+            "\n[cluster]\nname = \"gws\"\ngateway = \"a\"\nport_group = 1\npool = \"rbd\"\n";
+        let lun = parse(&format!("{rbd}{cluster}"))
+            .expect("in a cluster")
+            .targets[0]
+            .luns[0]
+            .clone();
+        assert_eq!(lun.preferred_gateway.as_deref(), Some("b"));
+        let e = refused(&format!("{rbd}{cluster}").replace("\"b\"", "\"b c\""));
+        assert!(e.contains("preferred_gateway"), "{e}");
     }
 
     #[test]

@@ -671,7 +671,7 @@ impl Target {
         if let (Some(keeper), Storage::Rbd(image)) = (&self.keeper, &lun.storage) {
             // The unit enters the device with the shared state it has now, then follows it;
             // what changed between the read and the watch is read once more.
-            keeper.check_unit(image.spec(), &self.name, config.lun, config.block_size)?;
+            keeper.check_unit(image.spec(), &self.name, config)?;
             let oid = keeper.object(image.spec());
             let (state, version) = keeper.load(&oid)?;
             {
@@ -686,7 +686,7 @@ impl Target {
                     .apply_reservations(config.lun, version, state, &Default::default());
             }
             let followed = keeper
-                .follow(self.this.clone(), config.lun, &oid)
+                .follow(self.this.clone(), config, &oid)
                 .and_then(|f| keeper.load(&oid).map(|now| (f, now)));
             let (followed, (state, version)) = match followed {
                 Ok(f) => f,
@@ -857,7 +857,7 @@ impl Target {
                 crate::rbd::watch_capacity(image, self.this.clone(), index)?;
             }
         }
-        let followed = keeper.follow(self.this.clone(), index, &shared.oid)?;
+        let followed = keeper.follow(self.this.clone(), &old.config, &shared.oid)?;
         let (state, version) = keeper.load(&shared.oid)?;
         lun.shared = Some(Arc::new(followed));
         let blocks = lun.blocks;

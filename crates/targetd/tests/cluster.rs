@@ -54,6 +54,21 @@ fn gateway_config(ceph: &Ceph, name: &str, port_group: u16, image: &str) -> Stri
     config("", &ceph.target(image, "64MiB", "")) + &cluster
 }
 
+/// The same with `extra` keys in the LUN's table.
+fn gateway_config_with(
+    ceph: &Ceph,
+    name: &str,
+    port_group: u16,
+    image: &str,
+    extra: &str,
+) -> String {
+    gateway_config(ceph, name, port_group, image).replacen(
+        &format!("image = \"{image}\"\n"),
+        &format!("image = \"{image}\"\n{extra}"),
+        1,
+    )
+}
+
 fn as_initiator(name: &str) -> LoginOptions {
     LoginOptions {
         initiator_name: format!("iqn.2026-11.io.example:{name}"),
@@ -777,6 +792,47 @@ async fn a_blocklisted_gateway_stops_serving_and_rejoins_with_what_it_missed() {
     drop((one, two));
     drop(a);
     drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_units_preferred_gateway_is_optimized_and_the_others_standby() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("policy");
+    let name = unique("gws");
+    let policy = "preferred_gateway = \"gw2\"\nstandby = true\n";
+    let a = Daemon::start(&gateway_config_with(&ceph, &name, 1, &image, policy));
+    let b = Daemon::start(&gateway_config_with(&ceph, &name, 2, &image, policy));
+    let one = a.session(as_initiator("one")).await;
+    let two = b.session(as_initiator("two")).await;
+    // B, preferred, is optimized though A's group is lower; A is standby.
+    let states = [(1, 0x2, false), (2, 0x0, true)];
+    expect_groups(&one, &states, 10).await;
+    expect_groups(&two, &states, 10).await;
+    // A standby path refuses media access: NOT READY, TARGET PORT IN STANDBY STATE.
+    let r = one
+        .execute(Command::read(one.lun(), cdb::read(0, 1), 512))
+        .await
+        .expect("a response");
+    let sense = r.sense.as_deref().and_then(initiator_bench::Sense::parse);
+    assert_eq!(
+        sense.map(|s| (s.key, s.asc, s.ascq)),
+        Some((2, 0x04, 0x0b)),
+        "{sense:?}"
+    );
+    assert_eq!(write_status(&two, 1).await, ScsiStatus::GOOD);
+    // A gateway with another policy for the image is refused, naming both.
+    let (key, reason) = common::refused(&gateway_config(&ceph, &name, 3, &image));
+    assert_eq!(key, "targets[0].luns[0].image", "{reason}");
+    assert!(reason.contains("preferred_gateway gw2"), "{reason}");
+    // B stops: A, the only live gateway, becomes optimized and serves.
+    drop(two);
+    b.stop();
+    expect_groups(&one, &[(1, 0x0, true), (2, 0x3, false)], 15).await;
+    assert_eq!(read_status(&one).await, ScsiStatus::GOOD);
+    drop(one);
+    a.stop();
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }
 

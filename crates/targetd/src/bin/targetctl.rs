@@ -181,6 +181,13 @@ enum LunAction {
         /// rbd: seconds the cluster may take to answer (default 20).
         #[arg(long)]
         ceph_timeout: Option<u64>,
+        /// rbd in a cluster: the gateway that is active/optimized for this unit while live.
+        #[arg(long)]
+        preferred_gateway: Option<String>,
+        /// rbd in a cluster: the other live gateways are standby for this unit, not
+        /// active/non-optimized.
+        #[arg(long)]
+        standby: bool,
     },
     /// Removes a logical unit; its commands are aborted.
     Remove {
@@ -438,6 +445,8 @@ fn run(args: Args) -> Result<()> {
                 client,
                 keyring,
                 ceph_timeout,
+                preferred_gateway,
+                standby,
             } => {
                 let size_of = |s: Option<String>| {
                     s.map(|s| config::parse_size(&s).map(config::Size))
@@ -465,6 +474,8 @@ fn run(args: Args) -> Result<()> {
                         client,
                         keyring: keyring.map(absolute).transpose()?,
                         ceph_timeout,
+                        preferred_gateway,
+                        standby,
                     },
                 }
             }
