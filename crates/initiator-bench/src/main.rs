@@ -450,6 +450,10 @@ struct SrpArgs {
     /// costs on a virtual clock; free: nothing).
     #[arg(long, value_enum, default_value = "paper004")]
     link: LinkModel,
+    /// SRP: send every write's data by RDMA READ, even when the target grants immediate data
+    /// (by default a write that fits in the IU carries its data in the SRP_CMD).
+    #[arg(long)]
+    no_immediate_data: bool,
 }
 
 impl SrpArgs {
@@ -458,6 +462,7 @@ impl SrpArgs {
             registration: self.registration,
             regions: usize::from(self.regions),
             link: self.link,
+            immediate_data: !self.no_immediate_data,
         }
     }
 }
@@ -905,6 +910,7 @@ fn paper004(out: &std::path::Path, ios: u64) -> anyhow::Result<()> {
                 registration,
                 regions: n,
                 link: LinkModel::Paper004,
+                immediate_data: true,
             };
             let mut w = Workload {
                 rw: Rw::Read,

@@ -52,6 +52,8 @@ pub struct SrpOptions {
     pub regions: usize,
     /// What the fabric charges.
     pub link: LinkModel,
+    /// Send writes that fit in the IU as immediate data (SRP-2), when the target grants it.
+    pub immediate_data: bool,
 }
 
 fn registration_name<S: serde::Serializer>(
@@ -259,11 +261,15 @@ pub fn run_fabric(w: &Workload, o: &SrpOptions) -> Result<SrpReport, String> {
     rig.place_len = ARENA_SLOT.max(2 * w.bs as usize + o.regions * DESCRIPTOR_LEN);
     let mut chs = Vec::new();
     for s in 0..w.sessions.max(1) {
+        let mut req = Rig::login_request(initiator_port(s), MultiChannelAction::SingleChannel);
+        if o.immediate_data {
+            // As Linux's ib_srp asks by default: 8 KiB of immediate data.
+            req.immediate_data = true;
+            req.imm_data_offset = IMM_DATA_OFFSET;
+            req.req_it_iu_len = req.req_it_iu_len.max(u32::from(IMM_DATA_OFFSET) + 8192);
+        }
         let (ch, _) = rig
-            .login(&Rig::login_request(
-                initiator_port(s),
-                MultiChannelAction::SingleChannel,
-            ))
+            .login(&req)
             .map_err(|rej| format!("login refused: {:?}", rej.reason))?;
         chs.push(ch);
     }
@@ -449,16 +455,22 @@ impl SrpUrl {
     }
 }
 
-/// The login request of session `s` to `target_port_id`, asking for IUs of `it_iu_len` bytes.
+/// Where this initiator puts immediate data in an SRP_CMD, as Linux's ib_srp does: after the
+/// 48-byte SRP_CMD, 16 bytes of additional CDB and the 4-byte immediate descriptor.
+pub const IMM_DATA_OFFSET: u16 = 68;
+
+/// The login request of session `s` to `target_port_id`, asking for IUs of `it_iu_len` bytes
+/// and for immediate data at [`IMM_DATA_OFFSET`], as Linux's ib_srp does.
 pub fn login_request(s: usize, target_port_id: [u8; 16], it_iu_len: u32) -> SrpLoginReq {
     SrpLoginReq {
         tag: s as u64,
         req_it_iu_len: it_iu_len,
+        immediate_data: true,
+        imm_data_offset: IMM_DATA_OFFSET,
         req_buf_fmt: BufferFormats::BOTH,
         multi_channel: MultiChannelAction::SingleChannel,
         initiator_port_id: initiator_port(s),
         target_port_id,
-        ..SrpLoginReq::default()
     }
 }
 
@@ -479,6 +491,11 @@ where
     V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
 {
     let mut plan = Plan::new(w)?;
+    if o.immediate_data {
+        for ch in channels.iter_mut() {
+            ch.use_immediate_data(IMM_DATA_OFFSET);
+        }
+    }
     let lun_field = u64::from(lun) << 48;
     let mut tag = 0u64;
     // Each nexus's first command hears of the power on: a TEST UNIT READY takes it.

@@ -28,6 +28,7 @@ fn mixed_io_verifies_with_every_registration_strategy() {
             registration,
             regions: 32,
             link: LinkModel::Paper004,
+            immediate_data: true,
         };
         let r = run_fabric(&workload(Rw::Randrw, 128 * 1024, 16, 2, 400), &o).unwrap();
         assert_eq!(r.ios, 400, "{registration:?}");
@@ -58,6 +59,7 @@ fn the_pool_moves_discrete_regions_near_contiguous_speed() {
             registration,
             regions,
             link: LinkModel::Paper004,
+            immediate_data: true,
         };
         run_fabric(&workload(Rw::Read, 128 * 1024, 1, 1, 64), &o)
             .unwrap()
@@ -74,6 +76,7 @@ fn large_sequential_writes_and_a_free_link() {
         registration: Registration::Pool,
         regions: 4,
         link: LinkModel::Free,
+        immediate_data: true,
     };
     let r = run_fabric(&workload(Rw::Write, 1 << 20, 4, 1, 16), &o).unwrap();
     assert_eq!((r.ios, r.errors, r.verify_errors), (16, 0, 0));
@@ -91,6 +94,7 @@ fn bad_workloads_are_refused_with_the_reason() {
         registration: Registration::Pool,
         regions: 1,
         link: LinkModel::Free,
+        immediate_data: true,
     };
     let e = run_fabric(&workload(Rw::Read, 1000, 1, 1, 1), &o).unwrap_err();
     assert!(e.contains("--bs"), "{e}");

@@ -648,6 +648,8 @@ impl<B: Registered> RdmaVerbs<B> {
         if unsafe { (*request.id).verbs } != self.context {
             return Err(RdmaError::OtherDevice);
         }
+        let (request_responder, request_depth) =
+            (request.responder_resources, request.initiator_depth);
         let id = request.take();
         let qp = match self.adopt(id).and_then(|()| self.create_qp(id, depth)) {
             Ok(qp) => qp,
@@ -664,6 +666,11 @@ impl<B: Registered> RdmaVerbs<B> {
             self.post_recv(qp, 0, b);
         }
         let mut param = self.conn_param(private);
+        // No more than the request offered, nor than the device can (conn_param's): Linux's
+        // ib_srp offers 4 responder resources and an initiator depth of 0, and a real HCA may
+        // refuse an accept beyond what was offered.
+        param.initiator_depth = param.initiator_depth.min(request_responder);
+        param.responder_resources = param.responder_resources.min(request_depth);
         // Safety: the id has its queue pair; `param` points at `private`, alive for the call.
         if unsafe { rdma_accept(id, &mut param) } != 0 {
             let e = os("rdma_accept");
@@ -1334,6 +1341,9 @@ struct CmEvent {
     kind: rdma_cm_event_type::Type,
     id: *mut rdma_cm_id,
     private: Vec<u8>,
+    /// The peer's conn_param: RDMA READs it can answer at once, and those it issues.
+    responder_resources: u8,
+    initiator_depth: u8,
 }
 
 /// The next event of `channel` (`None`: none yet on a non-blocking channel, or it failed).
@@ -1360,6 +1370,8 @@ fn next_event(channel: *mut rdma_event_channel) -> Option<CmEvent> {
             kind: (*event).event,
             id: (*event).id,
             private,
+            responder_resources: conn.responder_resources,
+            initiator_depth: conn.initiator_depth,
         };
         rdma_ack_cm_event(event);
         Some(copied)
@@ -1434,9 +1446,14 @@ impl Listener {
     /// The next connect request, if one has come (its private data is an SRP_LOGIN_REQ).
     pub fn accept(&mut self) -> Option<ConnectRequest> {
         loop {
-            let CmEvent { kind, id, private } = next_event(self.channel)?;
-            if kind == rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
-                return Some(ConnectRequest { id, private });
+            let e = next_event(self.channel)?;
+            if e.kind == rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
+                return Some(ConnectRequest {
+                    id: e.id,
+                    private: e.private,
+                    responder_resources: e.responder_resources,
+                    initiator_depth: e.initiator_depth,
+                });
             }
         }
     }
@@ -1463,6 +1480,12 @@ pub struct ConnectRequest {
     id: *mut rdma_cm_id,
     /// The initiator's private data: its SRP_LOGIN_REQ.
     pub private: Vec<u8>,
+    /// RDMA READs the initiator answers at once (its responder resources): the most the
+    /// target may have outstanding toward it.
+    pub responder_resources: u8,
+    /// RDMA READs the initiator issues (its initiator depth): the most the target must
+    /// answer at once.
+    pub initiator_depth: u8,
 }
 
 impl ConnectRequest {

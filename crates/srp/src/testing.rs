@@ -238,6 +238,9 @@ pub struct InitiatorSide {
     /// Task management functions sent, by tag: the function, its task tag and its LUN (what
     /// the answer ends on the initiator's side).
     tmfs: HashMap<u64, (TaskManagementFunction, u64, u64)>,
+    /// Where a write's data goes in its SRP_CMD, when the login asked for immediate data and
+    /// the target granted it; and the largest IU it may send.
+    immediate: Option<(usize, usize)>,
 }
 
 /// One channel of the rig.
@@ -299,6 +302,10 @@ impl Buffers<Port<'_>, Vec<u8>> for RigBuffers {
         Some(buffer)
     }
 
+    fn immediate(&mut self, len: usize) -> Option<Vec<u8>> {
+        Some(vec![0; len])
+    }
+
     fn payload(&mut self, _: &mut Port<'_>, bytes: Vec<u8>) -> Option<Vec<u8>> {
         Some(bytes)
     }
@@ -313,6 +320,9 @@ impl Buffers<Port<'_>, Vec<u8>> for RigBuffers {
         }
     }
 }
+
+/// The key of a command whose data went in its SRP_CMD (keys of placed buffers start at 1).
+const IMMEDIATE: u64 = 0;
 
 /// Where a rig's command keeps its buffer: the strategy's memory, its key there, whether
 /// data-in comes back into it, and its LUN.
@@ -510,6 +520,8 @@ impl Rig {
                 credit_requests: 0,
                 commands: HashMap::new(),
                 tmfs: HashMap::new(),
+                immediate: (req.immediate_data && rsp.immediate_data)
+                    .then_some((usize::from(req.imm_data_offset), rsp.max_it_iu_len as usize)),
             },
             key,
             nexus,
@@ -538,6 +550,37 @@ impl Rig {
             return Err(SendError::NoCredit);
         }
         let len = cmd.data_out.as_ref().map_or(cmd.data_in as usize, Vec::len);
+        if let (Some(data), Some((offset, max))) = (&cmd.data_out, side.initiator.immediate) {
+            let c = SrpCmd {
+                sol_not: 0,
+                tag: cmd.tag,
+                lun: cmd.lun,
+                task_attribute: cmd.attribute,
+                cdb: &cmd.cdb,
+                data_out: DataBufferDescriptor::Immediate {
+                    len: data.len() as u32,
+                },
+                data_in: DataBufferDescriptor::None,
+            };
+            if cmd.regions <= 1 && !cmd.partial && c.encoded_len() <= offset && offset + len <= max
+            {
+                // The data goes in the SRP_CMD: no buffer of the initiator's memory.
+                let mut b = Vec::new();
+                c.encode_with_immediate(offset, data, &mut b);
+                let placed = Placed {
+                    registration: self.registration,
+                    key: IMMEDIATE,
+                    read: false,
+                    lun: cmd.lun,
+                };
+                if let Some(old) = self.channels[ch].initiator.commands.insert(cmd.tag, placed) {
+                    self.free(ch, old);
+                }
+                self.channels[ch].initiator.credit -= 1;
+                self.send_raw(ch, &b);
+                return Ok(());
+            }
+        }
         let registration = self.registration;
         let memory = match self.memories.entry((ch, registration)) {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
@@ -595,6 +638,9 @@ impl Rig {
 
     /// A command's buffer place is free again (and its per-command registrations undone).
     fn free(&mut self, ch: usize, placed: Placed) {
+        if placed.key == IMMEDIATE {
+            return;
+        }
         if let Some(m) = self.memories.get_mut(&(ch, placed.registration)) {
             m.release(&mut self.fabric.port(INITIATOR), placed.key);
         }

@@ -220,8 +220,11 @@ pub trait IuBuffers {
 }
 
 /// The length of the IU buffers of a software fabric's verbs: more than any IU a target
-/// sends, and the largest an initiator may send to targetd's ports.
-pub const IU_BUFFER_LEN: usize = 8192;
+/// sends, and the largest an initiator may send to targetd's ports. 8276 as Linux's ib_srpt:
+/// an SRP_CMD (48), 16 bytes of additional CDB, an indirect descriptor's header (20), and
+/// 8 KiB of immediate data or of descriptors. Linux's ib_srp asks for 8260 by default (8 KiB
+/// of immediate data at offset 68) and does not retry with less.
+pub const IU_BUFFER_LEN: usize = 8276;
 
 /// A buffer of a target port: an IU buffer of the verbs' own, or a task's data in memory
 /// registered for the port (a slot run of a reactor's arena).

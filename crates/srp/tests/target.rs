@@ -716,3 +716,76 @@ fn traced_commands_show_their_stages() {
     write_read(&mut rig, ch, 50, 8, &pattern(4096, 4), 1, false);
     assert!(rig.channels[ch].channel.trace_points().poll().is_none());
 }
+
+/// Linux's ib_srp's default login asks for immediate data: a write's data comes in the
+/// SRP_CMD at the granted offset, with no RDMA READ, and reads back as written.
+#[test]
+fn immediate_data_carries_a_write_in_the_srp_cmd() {
+    let mut rig = rig();
+    let linux = srp::iu::SrpLoginReq {
+        req_it_iu_len: 8260,
+        immediate_data: true,
+        imm_data_offset: 68,
+        ..Rig::login_request(INI_A, MultiChannelAction::SingleChannel)
+    };
+    let (ch, rsp) = rig.login(&linux).expect("accepted");
+    assert!(rsp.immediate_data, "granted");
+    assert_eq!(rsp.max_it_iu_len, 8260);
+    clear_unit_attention(&mut rig, ch);
+    let data = pattern(8192, 5);
+    let immediate = |tag: u64, lba: u32, data: &[u8]| {
+        let mut iu = Vec::new();
+        SrpCmd {
+            tag,
+            cdb: &write10(lba, (data.len() / 512) as u16),
+            data_out: srp::iu::DataBufferDescriptor::Immediate {
+                len: data.len() as u32,
+            },
+            ..SrpCmd::default()
+        }
+        .encode_with_immediate(68, data, &mut iu);
+        iu
+    };
+    let iu = immediate(1, 16, &data);
+    assert_eq!(iu.len(), 8260, "the largest Linux sends");
+    rig.channels[ch].initiator.credit -= 1;
+    rig.send_raw(ch, &iu);
+    rig.run();
+    let r = rig.take_response(ch, 1).expect("answered");
+    assert_eq!(r.status, 0, "{:?}", r.sense_code());
+    assert_eq!(r.data_out_residual, Residual::None);
+    rig.send(
+        ch,
+        &Cmd {
+            tag: 2,
+            cdb: read10(16, 16),
+            data_in: 8192,
+            regions: 1,
+            ..Cmd::default()
+        },
+    )
+    .expect("credit");
+    rig.run();
+    assert_eq!(rig.take_response(ch, 2).expect("answered").data, data);
+    // Immediate data that would run past the IU: CHECK CONDITION, INVALID FIELD IN COMMAND
+    // INFORMATION UNIT, and the channel goes on.
+    let mut short = immediate(3, 0, &data[..1024]);
+    short.truncate(68 + 512);
+    rig.channels[ch].initiator.credit -= 1;
+    rig.send_raw(ch, &short);
+    rig.run();
+    assert_eq!(
+        rig.response(ch, 3).and_then(|r| r.sense_code()),
+        Some((5, 0x0e, 0x03))
+    );
+    assert_eq!(rig.channels[ch].initiator.credit, 128);
+    // A channel that was not granted immediate data is logged out for using it.
+    let b = login(&mut rig, INI_B);
+    rig.channels[b].initiator.credit -= 1;
+    rig.send_raw(b, &immediate(4, 0, &data[..512]));
+    rig.run();
+    assert_eq!(
+        rig.channels[b].initiator.logged_out,
+        Some(TargetLogoutReason::UnsupportedDataOutFormat)
+    );
+}

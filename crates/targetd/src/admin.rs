@@ -750,6 +750,13 @@ pub fn metrics_text(registry: &Registry) -> String {
     );
     let _ = writeln!(m, "# TYPE targetd_srp_logins_rejected_total counter");
     let _ = writeln!(m, "targetd_srp_logins_rejected_total {refused}");
+    let immediate = registry.srp_immediate_writes.load(Relaxed);
+    let _ = writeln!(
+        m,
+        "# HELP targetd_srp_immediate_writes_total SRP writes whose data came in the SRP_CMD"
+    );
+    let _ = writeln!(m, "# TYPE targetd_srp_immediate_writes_total counter");
+    let _ = writeln!(m, "targetd_srp_immediate_writes_total {immediate}");
     let _ = writeln!(m, "# TYPE targetd_connections gauge");
     let _ = writeln!(m, "targetd_connections {}", registry.connection_count());
     let refused = registry.connections_refused.load(Relaxed);

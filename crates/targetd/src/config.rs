@@ -174,6 +174,29 @@ pub struct Server {
     #[serde(default)]
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub save_on_change: bool,
+    /// SRP ports (RDMA portals and the software fabric): the largest IU an initiator may
+    /// send, bytes, from 80 to 8276 (the default, Linux's ib_srpt's: ib_srp's default login
+    /// with 8 KiB of immediate data asks for 8260).
+    #[serde(default = "default_srp_max_iu_len")]
+    pub srp_max_iu_len: u32,
+    /// SRP ports: requests an initiator may have outstanding on a channel (its credit), 1 to
+    /// 1024; the receives each channel keeps posted.
+    #[serde(default = "default_srp_request_limit")]
+    pub srp_request_limit: u32,
+    /// SRP ports: grant immediate data (SRP-2) to initiators that ask, so that a write that
+    /// fits in the IU needs no RDMA READ.
+    #[serde(default = "default_true")]
+    pub srp_immediate_data: bool,
+}
+
+fn default_srp_max_iu_len() -> u32 {
+    srp::verbs::IU_BUFFER_LEN as u32
+}
+fn default_srp_request_limit() -> u32 {
+    srp::target::PortSettings::default().request_limit
+}
+fn default_true() -> bool {
+    true
 }
 
 fn default_admin_socket() -> PathBuf {
@@ -453,6 +476,21 @@ impl Server {
                 show(&other.rdma_portals),
             ),
             ("reactors", show(&self.reactors), show(&other.reactors)),
+            (
+                "srp_max_iu_len",
+                show(&self.srp_max_iu_len),
+                show(&other.srp_max_iu_len),
+            ),
+            (
+                "srp_request_limit",
+                show(&self.srp_request_limit),
+                show(&other.srp_request_limit),
+            ),
+            (
+                "srp_immediate_data",
+                show(&self.srp_immediate_data),
+                show(&other.srp_immediate_data),
+            ),
             ("engine", show(&self.engine), show(&other.engine)),
             (
                 "admin_socket",
@@ -752,6 +790,23 @@ impl Config {
             if let Some(why) = rdma_unavailable() {
                 return fail("server.rdma_portals", why);
             }
+        }
+        let (least, most) = (srp::target::MIN_IT_IU_LEN, srp::verbs::IU_BUFFER_LEN as u32);
+        if !(least..=most).contains(&s.srp_max_iu_len) {
+            return fail(
+                "server.srp_max_iu_len",
+                format!(
+                    "{}: must be {least} to {most} bytes (an SRP_CMD with a descriptor each way, \
+                     to the size of the receive buffers)",
+                    s.srp_max_iu_len
+                ),
+            );
+        }
+        if !(1..=1024).contains(&s.srp_request_limit) {
+            return fail(
+                "server.srp_request_limit",
+                format!("{}: must be 1 to 1024 requests", s.srp_request_limit),
+            );
         }
         if let Some(m) = &s.metrics_listen {
             if m.parse::<SocketAddr>().is_err() {
@@ -1359,6 +1414,34 @@ size = "1GiB"
         ] {
             let e = refused(&text.replace(from, to));
             assert!(e.contains(key), "{to}: {e}");
+        }
+    }
+
+    #[test]
+    fn srp_port_settings_default_to_linux_and_are_checked() {
+        let c = parse(GOOD).expect("good");
+        assert_eq!(c.server.srp_max_iu_len, 8276, "ib_srp's default login fits");
+        assert_eq!(c.server.srp_request_limit, 128);
+        assert!(c.server.srp_immediate_data);
+        let with = |line: &str| {
+            GOOD.replace(
+                "admin_socket = \"targetd.sock\"",
+                &format!("admin_socket = \"targetd.sock\"\n{line}"),
+            )
+        };
+        let c = parse(&with("srp_max_iu_len = 4096\nsrp_immediate_data = false")).expect("good");
+        assert_eq!(
+            (c.server.srp_max_iu_len, c.server.srp_immediate_data),
+            (4096, false)
+        );
+        for (line, key) in [
+            ("srp_max_iu_len = 8277", "server.srp_max_iu_len"),
+            ("srp_max_iu_len = 64", "server.srp_max_iu_len"),
+            ("srp_request_limit = 0", "server.srp_request_limit"),
+            ("srp_request_limit = 4096", "server.srp_request_limit"),
+        ] {
+            let e = refused(&with(line));
+            assert!(e.contains(key), "{line}: {e}");
         }
     }
 

@@ -74,6 +74,8 @@ pub struct Registry {
     pub(crate) srp_channels: Mutex<std::collections::BTreeMap<u64, SrpChannelInfo>>,
     /// SRP logins refused (SRP_LOGIN_REJ).
     pub srp_logins_rejected: AtomicU64,
+    /// SRP writes whose data came as immediate data in the SRP_CMD (no RDMA READ).
+    pub srp_immediate_writes: AtomicU64,
 }
 
 /// An SRP channel as the admin interface sees it.
@@ -164,6 +166,7 @@ impl Registry {
             auth: Mutex::default(),
             srp_channels: Mutex::default(),
             srp_logins_rejected: AtomicU64::new(0),
+            srp_immediate_writes: AtomicU64::new(0),
         }
     }
 

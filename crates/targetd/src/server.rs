@@ -128,8 +128,10 @@ impl Server {
                 .map_err(|_| fail(key.clone(), format!("{p:?} is not an address:port")))?;
             // Portals spread over the reactors; each port's channels stay on its reactor.
             let reactor = &reactors[i % reactors.len()];
+            let settings = crate::srp::port_settings(&registry.config().server);
             crate::srp::start_port(reactor, registry.clone(), move |io| {
-                crate::srp::rdma::RdmaPort::open(addr, &io.arena).map_err(|e| e.to_string())
+                crate::srp::rdma::RdmaPort::open(addr, &io.arena, &settings)
+                    .map_err(|e| e.to_string())
             })
             .map_err(|r| fail(key, format!("{p}: {r}")))?;
         }

@@ -108,6 +108,8 @@ pub trait Fabric {
 /// parameter data from the port's share of the reactor's arena.
 struct Slots<'a> {
     share: &'a Share,
+    /// Counts the buffers given for immediate data.
+    immediate: &'a std::sync::atomic::AtomicU64,
 }
 
 impl<V, I> Buffers<V, Buffer> for Slots<'_>
@@ -135,6 +137,12 @@ where
             PortBuffer::Data(b) => Some(b),
             PortBuffer::Iu(_) => None,
         }
+    }
+
+    fn immediate(&mut self, len: usize) -> Option<Buffer> {
+        let b = self.share.try_alloc(len).ok().flatten()?;
+        self.immediate.fetch_add(1, Ordering::Relaxed);
+        Some(b)
     }
 
     fn payload(&mut self, verbs: &mut V, bytes: Vec<u8>) -> Option<SrpBuffer<I>> {
@@ -373,6 +381,8 @@ struct Port<F: Fabric> {
     io: Rc<Io>,
     registry: Arc<Registry>,
     portal: String,
+    /// What the port offers at login (`server.srp_*`, read when it started).
+    settings: PortSettings,
     table: ChannelTable<u64>,
     channels: BTreeMap<u64, Chan<Qp<F>>>,
     /// The channel of each backend operation in flight, by its task.
@@ -386,6 +396,16 @@ struct Port<F: Fabric> {
     /// once warm.
     ids: Vec<u64>,
     events: Vec<Event<Buffer>>,
+}
+
+/// What an SRP port offers at login, as `server` configures it.
+pub fn port_settings(server: &crate::config::Server) -> PortSettings {
+    PortSettings {
+        max_it_iu_len: server.srp_max_iu_len.min(IU_LEN as u32),
+        request_limit: server.srp_request_limit,
+        immediate_data: server.srp_immediate_data,
+        ..PortSettings::default()
+    }
 }
 
 /// Starts an SRP port on `reactor`: `open` makes its fabric there (the reactor's arena and
@@ -425,7 +445,9 @@ pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
     // Half the arena, as an iSCSI connection's share: the rest stays for the other
     // connections of the reactor.
     let share = Share::new(&io.arena, io.arena.len() / 2);
+    let settings = port_settings(&registry.config().server);
     let mut port = Port {
+        settings,
         portal: fabric.portal(),
         fabric,
         io,
@@ -555,10 +577,7 @@ impl<F: Fabric> Port<F> {
 
     /// Accepts `req`, or refuses it with the reason.
     fn login(&mut self, request: F::Request, req: &SrpLoginReq) {
-        let mut settings = PortSettings {
-            max_it_iu_len: IU_LEN as u32,
-            ..PortSettings::default()
-        };
+        let mut settings = self.settings.clone();
         let reject = |reason| SrpLoginRej {
             reason,
             tag: req.tag,
@@ -723,7 +742,10 @@ impl<F: Fabric> Port<F> {
         };
         let mut progress = false;
         let mut broken = None;
-        let mut slots = Slots { share: &self.share };
+        let mut slots = Slots {
+            share: &self.share,
+            immediate: &self.registry.srp_immediate_writes,
+        };
         let verbs = self.fabric.verbs();
         let (machine, driver, mut via) = c.parts();
         let qp = driver.qp();

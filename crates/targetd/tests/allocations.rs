@@ -177,6 +177,7 @@ fn srp_round_trips() -> u64 {
         registration: Registration::Pool,
         regions: 1,
         link: LinkModel::Free,
+        immediate_data: true,
     };
     let (mut verbs, ch) = common::srp_channel(&switch, 0, &w, &o);
     let mut channels = [ch];

@@ -216,6 +216,7 @@ fn srp_reaches_an_rbd_lun_too() {
         registration: srp::initiator::Registration::Pool,
         regions: 1,
         link: LinkModel::Free,
+        immediate_data: true,
     };
     // Random writes and reads, then every block written read back and checked.
     let w = Workload {

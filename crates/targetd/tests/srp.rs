@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -571,6 +572,7 @@ fn initiator_bench_runs_verified_workloads_against_targetd() {
             registration,
             regions: 16,
             link: LinkModel::Free,
+            immediate_data: true,
         };
         let req = login_request(s, targetd::srp::port_id(TARGET), 8192);
         let Reply::Accepted { qp, private } = connect(&switch, &req) else {
@@ -590,6 +592,83 @@ fn initiator_bench_runs_verified_workloads_against_targetd() {
         channels[0].logout(&mut verbs).expect("logged out");
     }
     eventually("the channels end", || d.registry.srp_channels().is_empty());
+    d.stop();
+}
+
+/// Linux's ib_srp's default login (8260-byte IUs, immediate data at offset 68) is accepted
+/// with immediate data granted; verified small writes then carry their data in the SRP_CMD,
+/// mixed with reads and with writes too large for the IU, which go by RDMA READ.
+#[test]
+fn linux_default_login_and_immediate_data_through_the_daemon() {
+    use initiator_bench::srp::{
+        login_request, place_len, run_channels, LinkModel, SrpOptions, IMM_DATA_OFFSET,
+    };
+    use initiator_bench::workload::{Rw, Workload};
+    use srp::initiator::channel::InitiatorChannel;
+    use srp::initiator::Registration;
+
+    let (switch, d) = daemon();
+    let req = login_request(0, targetd::srp::port_id(TARGET), 8260);
+    assert!(
+        req.immediate_data && req.imm_data_offset == 68,
+        "as ib_srp asks"
+    );
+    let Reply::Accepted { qp, private } = connect(&switch, &req) else {
+        panic!("ib_srp's default login refused");
+    };
+    let Ok(Iu::LoginRsp(rsp)) = Iu::decode(&private) else {
+        panic!("not an SRP_LOGIN_RSP");
+    };
+    assert!(rsp.immediate_data, "IMMEDIATE DATA SUPPORTED");
+    assert_eq!(rsp.max_it_iu_len, 8260);
+    let mut verbs: Endpoint<Vec<u8>> = switch.endpoint(INITIATOR_NODE);
+    let o = SrpOptions {
+        registration: Registration::Pool,
+        regions: 1,
+        link: LinkModel::Free,
+        immediate_data: true,
+    };
+    let mut total = 0;
+    for bs in [4096, 8192, 16384] {
+        let w = Workload {
+            rw: Rw::Randrw,
+            bs,
+            qd: 8,
+            sessions: 1,
+            ios: Some(400),
+            size: Some(4 << 20),
+            verify: true,
+            ..Workload::default()
+        };
+        let mut ch =
+            InitiatorChannel::new(&mut verbs, qp, &rsp, o.registration, 8, place_len(&w, &o))
+                .expect("the channel's memory");
+        assert!(ch.use_immediate_data(IMM_DATA_OFFSET));
+        assert_eq!(ch.immediate_data_limit(), 8192);
+        let before = d.registry.srp_immediate_writes.load(Relaxed);
+        let mut channels = [ch];
+        let r = run_channels(&mut verbs, &mut channels, 0, &w, &o).expect("the run");
+        assert_eq!((r.ios, r.errors, r.verify_errors), (400, 0, 0), "{bs}");
+        assert!(r.verified_blocks > 0);
+        let immediate = d.registry.srp_immediate_writes.load(Relaxed) - before;
+        if bs <= 8192 {
+            assert!(
+                immediate > 100,
+                "{bs}-byte writes as immediate data: {immediate}"
+            );
+        } else {
+            assert_eq!(immediate, 0, "{bs}-byte writes do not fit in the IU");
+        }
+        total += immediate;
+        // The next size runs on the same queue pair, its memory made anew.
+        let [ch] = channels;
+        drop(ch);
+    }
+    let metrics = targetd::admin::metrics_text(&d.registry);
+    assert!(
+        metrics.contains(&format!("targetd_srp_immediate_writes_total {total}")),
+        "{metrics}"
+    );
     d.stop();
 }
 

@@ -258,6 +258,7 @@ async fn srp_commands_are_traced_too() {
         registration: srp::initiator::Registration::Pool,
         regions: 1,
         link: LinkModel::Free,
+        immediate_data: true,
     };
     let r = tokio::task::spawn_blocking(move || {
         let (mut verbs, ch) = common::srp_channel(&switch, 3, &w, &o);

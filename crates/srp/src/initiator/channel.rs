@@ -82,14 +82,30 @@ pub enum SendError {
     Buffer(#[from] ExposeError),
 }
 
+/// Where a command in flight keeps its data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Held {
+    /// A place of the channel's memory; data-in comes back into it when `read`.
+    Memory {
+        /// A read's.
+        read: bool,
+    },
+    /// Nowhere: a write whose data went in its SRP_CMD.
+    Immediate,
+}
+
 /// An initiator's SRP channel. See the module's documentation.
 #[derive(Debug)]
 pub struct InitiatorChannel<V: Verbs + PeerMemory> {
     qp: V::Qp,
     memory: DataMemory<V::Memory>,
     credit: i64,
-    /// Commands in flight with a data buffer, by tag: whether data-in comes back into it.
-    buffers: HashMap<u64, bool>,
+    /// Commands in flight, by tag: where their data is.
+    buffers: HashMap<u64, Held>,
+    /// Whether the SRP_LOGIN_RSP granted immediate data.
+    immediate_granted: bool,
+    /// Where immediate data starts in an SRP_CMD, once it is used.
+    imm_data_offset: Option<usize>,
     max_it_iu_len: usize,
     logged_out: Option<TargetLogoutReason>,
     scratch: Vec<u8>,
@@ -120,6 +136,8 @@ where
             memory,
             credit: i64::from(rsp.req_lim_delta),
             buffers: HashMap::new(),
+            immediate_granted: rsp.immediate_data,
+            imm_data_offset: None,
             max_it_iu_len: rsp.max_it_iu_len as usize,
             logged_out: None,
             scratch: Vec::new(),
@@ -138,7 +156,23 @@ where
 
     /// Commands sent and not answered.
     pub fn in_flight(&self) -> usize {
-        self.memory.in_flight()
+        self.buffers.len()
+    }
+
+    /// Sends the data of writes that fit in the IU as immediate data at `offset`, the
+    /// IMMEDIATE DATA OFFSET the login asked for, if the SRP_LOGIN_RSP granted it
+    /// (IMMEDIATE DATA SUPPORTED). Returns whether it will.
+    pub fn use_immediate_data(&mut self, offset: u16) -> bool {
+        if self.immediate_granted {
+            self.imm_data_offset = Some(usize::from(offset));
+        }
+        self.immediate_granted
+    }
+
+    /// Whether writes of up to this many bytes go as immediate data.
+    pub fn immediate_data_limit(&self) -> usize {
+        self.imm_data_offset
+            .map_or(0, |o| self.max_it_iu_len.saturating_sub(o))
     }
 
     /// Why the target logged the channel out, if it did.
@@ -163,6 +197,17 @@ where
         }
         if self.credit <= 0 {
             return Err(SendError::NoCredit);
+        }
+        if let (Some(data), Some(offset)) = (cmd.data_out, self.imm_data_offset) {
+            // The descriptors must end before the data starts (a long CDB may not fit).
+            let header = 48 + cmd.cdb.len().saturating_sub(16).next_multiple_of(4) + 4;
+            if cmd.regions <= 1
+                && !cmd.partial
+                && data.len() <= self.immediate_data_limit()
+                && header <= offset
+            {
+                return self.send_immediate(verbs, cmd, data, offset);
+            }
         }
         let len = cmd.data_out.map_or(cmd.data_in as usize, <[u8]>::len);
         let exposed =
@@ -196,8 +241,35 @@ where
                 })));
         }
         self.credit -= 1;
-        self.buffers
-            .insert(cmd.tag, cmd.data_out.is_none() && len > 0);
+        let read = cmd.data_out.is_none() && len > 0;
+        self.buffers.insert(cmd.tag, Held::Memory { read });
+        Ok(())
+    }
+
+    /// Sends a write with its data in the SRP_CMD.
+    fn send_immediate(
+        &mut self,
+        verbs: &mut V,
+        cmd: &Command<'_>,
+        data: &[u8],
+        offset: usize,
+    ) -> Result<(), SendError> {
+        let iu = SrpCmd {
+            sol_not: 0,
+            tag: cmd.tag,
+            lun: cmd.lun,
+            task_attribute: cmd.attribute,
+            cdb: cmd.cdb,
+            data_out: DataBufferDescriptor::Immediate {
+                len: data.len() as u32,
+            },
+            data_in: DataBufferDescriptor::None,
+        };
+        self.scratch.clear();
+        iu.encode_with_immediate(offset, data, &mut self.scratch);
+        self.post(verbs)?;
+        self.credit -= 1;
+        self.buffers.insert(cmd.tag, Held::Immediate);
         Ok(())
     }
 
@@ -233,7 +305,7 @@ where
                 Ok(Iu::Rsp(r)) => {
                     self.credit += i64::from(r.req_lim_delta);
                     let mut data = Vec::new();
-                    if let Some(read) = self.buffers.remove(&r.tag) {
+                    if let Some(Held::Memory { read }) = self.buffers.remove(&r.tag) {
                         if read {
                             self.memory.read_data(verbs, r.tag, &mut data);
                             let residual = match r.data_in_residual {

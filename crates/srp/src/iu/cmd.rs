@@ -243,6 +243,30 @@ impl<'a> SrpCmd<'a> {
         FIXED + add_cdb + self.data_out.encoded_len() + self.data_in.encoded_len()
     }
 
+    /// The immediate data of this command in `iu` (the whole IU it was decoded from), which
+    /// starts at `offset`, the IMMEDIATE DATA OFFSET of the login: `None` when its data-out
+    /// is not immediate, or when the data would overlap the descriptors or run past the IU.
+    pub fn immediate_data<'b>(&self, iu: &'b [u8], offset: usize) -> Option<&'b [u8]> {
+        let DataBufferDescriptor::Immediate { len } = self.data_out else {
+            return None;
+        };
+        if offset < self.encoded_len() {
+            return None;
+        }
+        iu.get(offset..offset.checked_add(len as usize)?)
+    }
+
+    /// Appends the IU, and `data` as immediate data at `offset` (the login's IMMEDIATE DATA
+    /// OFFSET; the bytes between the descriptors and it are zeros). The data-out descriptor
+    /// must be [`DataBufferDescriptor::Immediate`] of `data`'s length, and `offset` at least
+    /// [`SrpCmd::encoded_len`].
+    pub fn encode_with_immediate(&self, offset: usize, data: &[u8], out: &mut Vec<u8>) {
+        let start = out.len();
+        self.encode(out);
+        out.resize(start + offset.max(out.len() - start), 0);
+        out.extend_from_slice(data);
+    }
+
     /// Appends the IU. A CDB shorter than 16 bytes is padded with zeros; one longer goes on in
     /// ADDITIONAL CDB, padded to a multiple of 4 bytes (at most 252).
     pub fn encode(&self, out: &mut Vec<u8>) {
@@ -344,6 +368,34 @@ fn descriptor<'a>(
 mod tests {
     use super::*;
     use crate::iu::Iu;
+
+    /// A WRITE(10) of one 512-byte block with its data in the IU, as Linux's ib_srp sends it
+    /// (IMMEDIATE DATA OFFSET 68: the SRP_CMD, room for 16 bytes of additional CDB, the
+    /// 4-byte immediate descriptor).
+    #[test]
+    fn immediate_data_lies_at_the_logins_offset() {
+        let data: Vec<u8> = (0..512u32).map(|i| i as u8).collect();
+        let cmd = SrpCmd {
+            tag: 9,
+            cdb: &[0x2a, 0, 0, 0, 0, 1, 0, 0, 1, 0],
+            data_out: DataBufferDescriptor::Immediate { len: 512 },
+            ..SrpCmd::default()
+        };
+        let mut b = Vec::new();
+        cmd.encode_with_immediate(68, &data, &mut b);
+        assert_eq!(b.len(), 68 + 512);
+        assert_eq!(b[5] >> 4, 3, "DATA-OUT FORMAT: immediate");
+        assert_eq!(&b[48..52], &512u32.to_be_bytes());
+        let Ok(Iu::Cmd(c)) = Iu::decode(&b) else {
+            panic!("an SRP_CMD")
+        };
+        assert_eq!(c.data_out, DataBufferDescriptor::Immediate { len: 512 });
+        assert_eq!(c.immediate_data(&b, 68), Some(&data[..]));
+        // Inside the descriptors, or running past the IU: none.
+        assert_eq!(c.immediate_data(&b, 50), None);
+        assert_eq!(c.immediate_data(&b[..300], 68), None);
+        assert_eq!(c.immediate_data(&b, usize::MAX), None);
+    }
 
     /// A READ(10) of 8 blocks at LBA 0x1234 into one region, byte by byte as an initiator
     /// builds it.

@@ -60,6 +60,8 @@ pub struct ChannelParams {
     /// The most memory descriptors one command's table may hold, fetched or not: a table is
     /// read into memory only when it is within this bound.
     pub max_descriptors: u32,
+    /// Where immediate data starts in an SRP_CMD, when the login granted it (SRP-2).
+    pub imm_data_offset: Option<u16>,
 }
 
 /// The SCSI core as one channel reaches it. Calls report what follows for this channel's
@@ -458,8 +460,16 @@ impl<B: TaskBuffer> Channel<B> {
     }
 
     /// An IU arrived on the channel. The shell may post its receive buffer again once this
-    /// returns: nothing of it is kept.
-    pub fn handle_iu(&mut self, now: Instant, iu: &[u8], core: &mut impl Core) {
+    /// returns: nothing of it is kept. `allocate` gives a task buffer of a length now, if
+    /// there is room without waiting: a write's immediate data is copied into it (without
+    /// room, the command ends with BUSY, and the initiator sends it again).
+    pub fn handle_iu(
+        &mut self,
+        now: Instant,
+        iu: &[u8],
+        core: &mut impl Core,
+        allocate: &mut impl FnMut(usize) -> Option<B>,
+    ) {
         self.now = Some(now);
         if self.closing.is_some() {
             return;
@@ -469,7 +479,7 @@ impl<B: TaskBuffer> Channel<B> {
             return;
         }
         match Iu::decode(iu) {
-            Ok(Iu::Cmd(c)) => self.command(now, &c, core),
+            Ok(Iu::Cmd(c)) => self.command(now, &c, iu, core, allocate),
             Ok(Iu::TskMgmt(t)) => self.task_management(&t, core),
             Ok(Iu::ILogout(_)) => {
                 self.closing = Some(Close::InitiatorLogout);
@@ -791,7 +801,14 @@ impl<B: TaskBuffer> Channel<B> {
         self.recycle(t.data_in);
     }
 
-    fn command(&mut self, now: Instant, c: &SrpCmd<'_>, core: &mut impl Core) {
+    fn command(
+        &mut self,
+        now: Instant,
+        c: &SrpCmd<'_>,
+        iu: &[u8],
+        core: &mut impl Core,
+        allocate: &mut impl FnMut(usize) -> Option<B>,
+    ) {
         if !self.take_credit(c.tag, c.sol_not) {
             return;
         }
@@ -809,8 +826,8 @@ impl<B: TaskBuffer> Channel<B> {
                 DataBufferDescriptor::Indirect { .. } => {
                     self.params.formats.contains(BufferFormats::INDIRECT)
                 }
-                // Immediate data is not offered at login.
-                DataBufferDescriptor::Immediate { .. } => false,
+                // Only when the login granted it.
+                DataBufferDescriptor::Immediate { .. } => self.params.imm_data_offset.is_some(),
             };
             if !allowed {
                 self.release_credit();
@@ -854,6 +871,33 @@ impl<B: TaskBuffer> Channel<B> {
                 DataBufferDescriptor::None | DataBufferDescriptor::Immediate { .. } => {}
             }
         }
+        // Immediate data: the whole data-out is here, copied into a task buffer now (the
+        // receive buffer goes back when this returns).
+        let mut buffer = None;
+        let mut received = 0;
+        if let DataBufferDescriptor::Immediate { len } = c.data_out {
+            let offset = usize::from(self.params.imm_data_offset.unwrap_or(0));
+            match c.immediate_data(iu, offset) {
+                None => valid = false,
+                Some(data) if valid => match allocate(data.len()) {
+                    Some(mut b) => {
+                        b.set_len(data.len());
+                        b.copy_from_slice(data);
+                        buffer = Some(b);
+                        received = len;
+                    }
+                    None => {
+                        // No room without waiting, and the IU cannot wait: BUSY, which the
+                        // initiator retries.
+                        self.recycle_task(task);
+                        self.release_credit();
+                        self.queue_rsp(Rsp::status(c.tag, c.sol_not, Status::Busy));
+                        return;
+                    }
+                },
+                Some(_) => {}
+            }
+        }
         let data_out_len = c.data_out.expected_len();
         let data_in_len = c.data_in.expected_len();
         if !valid {
@@ -881,8 +925,8 @@ impl<B: TaskBuffer> Channel<B> {
             lun: c.lun,
             data_out_len,
             data_in_len,
-            buffer: None,
-            received: 0,
+            buffer,
+            received,
             transport: task,
         };
         if let Err(TagError::InUse(tag)) = self.tasks.insert(c.tag, new, now) {

@@ -19,6 +19,9 @@ pub trait Buffers<V: Verbs, B> {
     fn iu(&mut self, verbs: &mut V, iu: &[u8]) -> Option<V::Buffer>;
     /// A task's data buffer, to RDMA from or into.
     fn data(&mut self, buffer: B) -> V::Buffer;
+    /// A task buffer of `len` bytes now, for a write's immediate data, if there is room
+    /// without waiting.
+    fn immediate(&mut self, len: usize) -> Option<B>;
     /// A task's data buffer back from its RDMA READ (`None`: not a task's).
     fn task(&mut self, buffer: V::Buffer) -> Option<B>;
     /// Parameter data the core built, in memory the verbs may RDMA WRITE from.
@@ -94,7 +97,9 @@ impl<Q: Copy> Driver<Q> {
         let ok = wc.result.is_ok();
         match wc.op {
             WorkOp::Recv if ok => {
-                machine.handle_iu(now, &wc.buffer[..wc.len], core);
+                machine.handle_iu(now, &wc.buffer[..wc.len], core, &mut |len| {
+                    buffers.immediate(len)
+                });
                 verbs.post_recv(self.qp, 0, wc.buffer);
             }
             WorkOp::RdmaRead => match self.reads.remove(&wc.wr_id) {

@@ -21,6 +21,9 @@ pub const MAX_TI_IU_LEN: u32 = 36 + 4 + MAX_SENSE_LEN as u32;
 /// for each direction.
 pub const MIN_IT_IU_LEN: u32 = 48 + 2 * DESCRIPTOR_LEN as u32;
 
+/// The smallest IMMEDIATE DATA OFFSET granted: an SRP_CMD and its immediate descriptor.
+pub const MIN_IMM_DATA_OFFSET: u32 = 48 + 4;
+
 /// A target port identifier for a target named `name`, the same on every host and across
 /// restarts: two FNV-1a hashes of the name, as ID_EXT and IOC_GUID. targetd names its targets'
 /// SRP ports so; an initiator that knows the name (say, from a URL) derives the identifier.
@@ -42,9 +45,13 @@ pub struct PortSettings {
     /// The target port's identifier (on InfiniBand, the I/O controller's GUID and an ID
     /// extension): a login naming another is rejected.
     pub target_port_id: [u8; 16],
-    /// The largest IU an initiator may send: each receive buffer's size. 8 KiB holds an
-    /// SRP_CMD with 500 descriptors in the IU.
+    /// The largest IU an initiator may send: each receive buffer's size. The default,
+    /// [`IU_BUFFER_LEN`](crate::verbs::IU_BUFFER_LEN), takes Linux's ib_srp's default login
+    /// (8 KiB of immediate data) and an SRP_CMD with 500 descriptors in the IU.
     pub max_it_iu_len: u32,
+    /// Grant immediate data (SRP-2) to an initiator that asks: a write whose data fits in
+    /// the IU carries it in the SRP_CMD, with no RDMA READ round trip.
+    pub immediate_data: bool,
     /// Requests an initiator may have outstanding on a channel: the receives posted for it.
     pub request_limit: u32,
     /// Descriptor formats accepted.
@@ -60,7 +67,8 @@ impl Default for PortSettings {
     fn default() -> Self {
         PortSettings {
             target_port_id: [0; 16],
-            max_it_iu_len: 8192,
+            max_it_iu_len: crate::verbs::IU_BUFFER_LEN as u32,
+            immediate_data: true,
             request_limit: 128,
             formats: BufferFormats::BOTH,
             max_descriptors: 4096,
@@ -89,7 +97,16 @@ impl PortSettings {
         if !self.formats.contains(req.req_buf_fmt) {
             return Err(reject(LoginRejectReason::UnsupportedDescriptorFormat));
         }
+        // Immediate data starts after the SRP_CMD and its immediate descriptor at least, and
+        // within the IU; an offset that cannot be is not granted (the login stands).
+        let offset = u32::from(req.imm_data_offset);
+        let imm_data_offset = (self.immediate_data
+            && req.immediate_data
+            && offset >= MIN_IMM_DATA_OFFSET
+            && offset < req.req_it_iu_len)
+            .then_some(req.imm_data_offset);
         Ok(ChannelParams {
+            imm_data_offset,
             max_it_iu_len: req.req_it_iu_len,
             max_ti_iu_len: MAX_TI_IU_LEN,
             request_limit: self.request_limit,
@@ -112,7 +129,7 @@ impl PortSettings {
             max_ti_iu_len: params.max_ti_iu_len,
             sup_buf_fmt: self.formats,
             multi_channel: result,
-            immediate_data: false,
+            immediate_data: params.imm_data_offset.is_some(),
         }
     }
 }
@@ -289,7 +306,7 @@ mod tests {
         assert_eq!(reason(direct), Ok(()));
         assert_eq!(
             reason(SrpLoginReq {
-                req_it_iu_len: 8193,
+                req_it_iu_len: 8277,
                 ..direct
             }),
             Err(LoginRejectReason::ItIuLengthTooLarge)
@@ -313,6 +330,51 @@ mod tests {
         assert_eq!(rsp.req_lim_delta, 128);
         assert_eq!(rsp.max_it_iu_len, 580);
         assert_eq!(rsp.max_ti_iu_len, MAX_TI_IU_LEN);
+        assert!(!rsp.immediate_data, "not asked for");
+    }
+
+    /// Linux's ib_srp by default: 8 KiB of immediate data at offset 68, an IU of 8260 bytes.
+    #[test]
+    fn linux_default_login_gets_immediate_data() {
+        let s = PortSettings {
+            target_port_id: [7; 16],
+            ..PortSettings::default()
+        };
+        let linux = SrpLoginReq {
+            req_it_iu_len: 8260,
+            immediate_data: true,
+            imm_data_offset: 68,
+            ..req()
+        };
+        let params = s.evaluate(&linux).expect("accepted");
+        assert_eq!(params.imm_data_offset, Some(68));
+        assert_eq!(params.max_it_iu_len, 8260);
+        let rsp = s.response(&linux, &params, MultiChannelResult::NoExistingChannels);
+        assert!(rsp.immediate_data);
+        // ib_srpt's largest default request is accepted too.
+        let largest = SrpLoginReq {
+            req_it_iu_len: 8276,
+            ..linux
+        };
+        assert!(s.evaluate(&largest).is_ok());
+        // An offset inside the SRP_CMD, or past the IU, is not granted; the login stands.
+        for offset in [0, 51, 8260] {
+            let odd = SrpLoginReq {
+                imm_data_offset: offset,
+                ..linux
+            };
+            assert_eq!(s.evaluate(&odd).expect("accepted").imm_data_offset, None);
+        }
+        // A port that offers none grants none.
+        let off = PortSettings {
+            immediate_data: false,
+            ..s.clone()
+        };
+        let params = off.evaluate(&linux).expect("accepted");
+        assert!(
+            !off.response(&linux, &params, MultiChannelResult::NoExistingChannels)
+                .immediate_data
+        );
     }
 
     #[test]

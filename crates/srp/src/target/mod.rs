@@ -9,4 +9,5 @@ pub use channel::{Channel, ChannelParams, Close, Core, Event, Payload, SrpTask, 
 pub use driver::{Broken, Buffers, Driver};
 pub use login::{
     port_id_for, Admission, ChannelTable, ItNexusKey, Left, PortSettings, MAX_TI_IU_LEN,
+    MIN_IMM_DATA_OFFSET, MIN_IT_IU_LEN,
 };

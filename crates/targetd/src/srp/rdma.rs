@@ -44,8 +44,11 @@ impl std::fmt::Debug for RdmaPort {
 impl RdmaPort {
     /// Opens the device that serves `addr` (the first one), registers `arena` with it, and
     /// listens. Call on the reactor whose arena it is (the watchers are its runtime's).
-    pub fn open(addr: SocketAddr, arena: &backend::Arena) -> Result<RdmaPort, RdmaError> {
-        let settings = PortSettings::default();
+    pub fn open(
+        addr: SocketAddr,
+        arena: &backend::Arena,
+        settings: &PortSettings,
+    ) -> Result<RdmaPort, RdmaError> {
         let per_channel = 2 * (settings.request_limit + SPARE_RECEIVES) + 8;
         let mut verbs = RdmaVerbs::open(None, CHANNELS * per_channel, IU_LEN)?;
         verbs.register_arena(arena)?;
