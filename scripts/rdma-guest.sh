@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# Runs programs in a small Linux guest that has an RDMA device: soft-RoCE (rdma_rxe) over the
+# guest's virtio network interface, under QEMU without KVM (TCG). For targetd's tests of SRP
+# over real verbs on machines that have no RDMA hardware.
+#
+#   scripts/rdma-guest.sh run DIR SCRIPT [EXE...]
+#
+# DIR caches what it fetches and builds (Debian's kernel and busybox-static packages, fetched
+# with `apt-get download`, and the initramfs). The guest boots Debian's kernel with an
+# initramfs of busybox, the kernel modules rdma_rxe needs, the host's `rdma` tool and rxe
+# verbs provider, and each EXE with the shared libraries it links (as the host has them). It
+# loads the modules, gives eth0 the address 10.0.2.15, creates rxe0 on it, then runs SCRIPT (a
+# shell script, copied to /script; the EXEs are in /bin) in /tmp with RDMA_ADDR=10.0.2.15,
+# and powers off. Everything the guest prints comes out on stdout; the exit status is
+# SCRIPT's (2 when the guest did not say, 3 when it did not finish in RDMA_GUEST_TIMEOUT
+# seconds, 300 by default).
+#
+# Needs qemu-system-x86_64 (Debian's qemu-system-x86), apt-get with Debian's archive
+# reachable, rdma (iproute2), the rxe provider of libibverbs (ibverbs-providers) and cpio or
+# busybox. A missing one is named, with exit status 4.
+set -euo pipefail
+
+die() { echo "rdma-guest: $*" >&2; exit "${2:-1}"; }
+
+[ $# -ge 3 ] && [ "$1" = run ] || die "usage: $0 run DIR SCRIPT [EXE...]"
+dir=$2
+script=$3
+shift 3
+
+for tool in qemu-system-x86_64 apt-get apt-cache dpkg-deb ldd gzip; do
+  command -v "$tool" >/dev/null || die "$tool is missing" 4
+done
+rdma_tool=$(command -v rdma || true)
+[ -n "$rdma_tool" ] || die "rdma is missing (Debian package iproute2)" 4
+provider=$(find /usr/lib /usr/lib64 -name 'librxe-rdmav*.so' 2>/dev/null | head -1)
+[ -n "$provider" ] && [ -f /etc/libibverbs.d/rxe.driver ] ||
+  die "the rxe verbs provider is missing (Debian package ibverbs-providers)" 4
+
+mkdir -p "$dir/debs"
+dir=$(cd "$dir" && pwd)
+
+# Debian's current kernel and busybox, fetched once.
+if [ ! -f "$dir/kernel.ok" ]; then
+  kernel_of() {
+    apt-cache depends linux-image-amd64 2>/dev/null |
+      awk '/Depends: linux-image-[0-9]/ { print $2; exit }'
+  }
+  kernel_pkg=$(kernel_of)
+  if [ -z "$kernel_pkg" ] && [ "$(id -u)" = 0 ]; then
+    # No package lists yet (a fresh machine whose packages were all installed).
+    apt-get update -qq >/dev/null 2>&1 || true
+    kernel_pkg=$(kernel_of)
+  fi
+  [ -n "$kernel_pkg" ] || die "apt-cache names no kernel for linux-image-amd64 (apt-get update?)" 4
+  rm -rf "$dir/debs"/* "$dir/k" "$dir/bb"
+  (cd "$dir/debs" && apt-get download -q "$kernel_pkg" busybox-static >/dev/null 2>&1) ||
+    die "apt-get download $kernel_pkg busybox-static failed" 4
+  mkdir -p "$dir/k" "$dir/bb"
+  dpkg-deb -x "$dir"/debs/linux-image-*.deb "$dir/k"
+  dpkg-deb -x "$dir"/debs/busybox-static_*.deb "$dir/bb"
+  touch "$dir/kernel.ok"
+fi
+kver=$(ls "$dir/k/lib/modules" | head -1)
+kmods=$dir/k/lib/modules/$kver
+vmlinuz=$dir/k/boot/vmlinuz-$kver
+[ -f "$vmlinuz" ] || die "no kernel in $dir/k/boot"
+
+# Modules in load order: each after those its .modinfo depends on.
+modules=$(python3 - "$kmods" <<'EOF'
+import os, re, sys
+base = sys.argv[1]
+index = {}
+for root, _, files in os.walk(base):
+    for f in files:
+        for ext in (".ko", ".ko.xz", ".ko.zst"):
+            if f.endswith(ext):
+                index[f[: -len(ext)].replace("-", "_")] = os.path.join(root, f)
+def deps(m):
+    data = open(index[m], "rb").read()
+    found = re.search(rb"depends=([^\x00]*)\x00", data)
+    return [d.replace("-", "_") for d in found.group(1).decode().split(",") if d] if found else []
+order = []
+def visit(m):
+    if m in order:
+        return
+    if m not in index:
+        sys.exit(f"no module {m}")
+    for d in deps(m):
+        visit(d)
+    order.append(m)
+# rxe computes its ICRC with the crypto API's crc32.
+for m in ["crc32_generic", "virtio_pci", "virtio_net", "rdma_rxe", "ib_uverbs", "rdma_ucm"]:
+    visit(m)
+for m in order:
+    print(index[m])
+EOF
+)
+
+root=$dir/root
+rm -rf "$root"
+mkdir -p "$root"/{bin,etc/libibverbs.d,proc,sys,dev,tmp,lib/modules}
+cp "$dir/bb/bin/busybox" "$root/bin/busybox"
+for a in sh mount insmod ip poweroff cat echo ls sleep dmesg; do ln -sf busybox "$root/bin/$a"; done
+: >"$root/modules.order"
+for m in $modules; do
+  case $m in
+    *.ko) cp "$m" "$root/lib/modules/" ;;
+    *) die "compressed module $m: not supported" ;;
+  esac
+  basename "$m" >>"$root/modules.order"
+done
+# A program and the shared libraries it links, at the host's paths.
+with_libs() {
+  local from=$1 to=$2
+  mkdir -p "$root$(dirname "$to")"
+  cp -L "$from" "$root$to"
+  ldd "$from" 2>/dev/null | grep -o '/[^ )]*' | while read -r lib; do
+    [ -e "$root$lib" ] && continue
+    mkdir -p "$root$(dirname "$lib")"
+    cp -L "$lib" "$root$lib"
+  done
+}
+for e in "$@"; do
+  [ -x "$e" ] || die "$e is not an executable"
+  with_libs "$e" "/bin/$(basename "$e")"
+done
+with_libs "$rdma_tool" /bin/rdma
+with_libs "$provider" "$provider"
+cp /etc/libibverbs.d/rxe.driver "$root/etc/libibverbs.d/"
+cp "$script" "$root/script"
+cat >"$root/init" <<'EOF'
+#!/bin/sh
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+mount -t tmpfs tmp /tmp
+for m in $(cat /modules.order); do
+  insmod "/lib/modules/$m" || echo "rdma-guest: insmod $m failed"
+done
+ip link set lo up
+ip link set eth0 up
+ip addr add 10.0.2.15/24 dev eth0
+if rdma link add rxe0 type rxe netdev eth0; then
+  rdma link
+  cd /tmp
+  RDMA_ADDR=10.0.2.15 sh /script
+  echo "GUEST-EXIT $?"
+else
+  dmesg | tail -n 20
+  echo "rdma-guest: no rxe device"
+  echo "GUEST-EXIT 5"
+fi
+poweroff -f
+EOF
+chmod +x "$root/init"
+if command -v cpio >/dev/null; then
+  (cd "$root" && find . | cpio -o -H newc 2>/dev/null | gzip -1 >"$dir/initrd.gz")
+else
+  (cd "$root" && find . | "$root/bin/busybox" cpio -o -H newc 2>/dev/null | gzip -1 >"$dir/initrd.gz")
+fi
+
+log=$dir/console.log
+set +e
+timeout "${RDMA_GUEST_TIMEOUT:-300}" qemu-system-x86_64 -accel tcg,thread=multi -smp 2 -m 2048 \
+  -nographic -no-reboot -kernel "$vmlinuz" -initrd "$dir/initrd.gz" \
+  -append "console=ttyS0 quiet loglevel=3 panic=-1" \
+  -netdev user,id=n0 -device virtio-net-pci,netdev=n0 </dev/null >"$log" 2>&1
+qemu=$?
+set -e
+# The console, without the firmware's screen codes.
+tr -d '\r' <"$log" | sed -e 's/\x1b\[[0-9;?]*[a-zA-Z]//g'
+[ "$qemu" -ne 124 ] || exit 3
+status=$(tr -d '\r' <"$log" | sed -n 's/^GUEST-EXIT \([0-9]*\).*/\1/p' | tail -1)
+exit "${status:-2}"
