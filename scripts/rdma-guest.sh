@@ -10,7 +10,8 @@
 # initramfs of busybox, the kernel modules rdma_rxe needs, the host's `rdma` tool and rxe
 # verbs provider, and each EXE with the shared libraries it links (as the host has them). It
 # loads the modules, gives eth0 the address 10.0.2.15, creates rxe0 on it, then runs SCRIPT (a
-# shell script, copied to /script; the EXEs are in /bin) in /tmp with RDMA_ADDR=10.0.2.15,
+# shell script, copied to /script; the EXEs are in /bin, with busybox's tools; the modules of
+# Linux's SRP initiator, ib_srp, and of SCSI disks are loaded) in /tmp with RDMA_ADDR=10.0.2.15,
 # and powers off. Everything the guest prints comes out on stdout; the exit status is
 # SCRIPT's (2 when the guest did not say, 3 when it did not finish in RDMA_GUEST_TIMEOUT
 # seconds, 300 by default).
@@ -89,7 +90,9 @@ def visit(m):
         visit(d)
     order.append(m)
 # rxe computes its ICRC with the crypto API's crc32.
-for m in ["crc32_generic", "virtio_pci", "virtio_net", "rdma_rxe", "ib_uverbs", "rdma_ucm"]:
+# Linux's own SRP initiator (ib_srp) and SCSI disks (sd_mod), as peers.
+for m in ["crc32_generic", "virtio_pci", "virtio_net", "rdma_rxe", "ib_uverbs", "rdma_ucm",
+          "ib_srp", "sd_mod"]:
     visit(m)
 for m in order:
     print(index[m])
@@ -100,7 +103,9 @@ root=$dir/root
 rm -rf "$root"
 mkdir -p "$root"/{bin,etc/libibverbs.d,proc,sys,dev,tmp,lib/modules}
 cp "$dir/bb/bin/busybox" "$root/bin/busybox"
-for a in sh mount insmod ip poweroff cat echo ls sleep dmesg; do ln -sf busybox "$root/bin/$a"; done
+for a in sh mount insmod ip poweroff cat echo ls sleep dmesg dd cmp wget grep head seq sync kill; do
+  ln -sf busybox "$root/bin/$a"
+done
 : >"$root/modules.order"
 for m in $modules; do
   case $m in

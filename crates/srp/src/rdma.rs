@@ -667,10 +667,13 @@ impl<B: Registered> RdmaVerbs<B> {
         }
         let mut param = self.conn_param(private);
         // No more than the request offered, nor than the device can (conn_param's): Linux's
-        // ib_srp offers 4 responder resources and an initiator depth of 0, and a real HCA may
-        // refuse an accept beyond what was offered.
-        param.initiator_depth = param.initiator_depth.min(request_responder);
-        param.responder_resources = param.responder_resources.min(request_depth);
+        // ib_srp offers 4 responder resources and an initiator depth of 0, which the event
+        // gives as this side's initiator depth 4 and responder resources 0; a real HCA may
+        // refuse an accept beyond what was offered. (Read the other way round, the target's
+        // initiator depth was 0 and its RDMA READs of data-out never went out: seen with
+        // ib_srp in the soft-RoCE guest.)
+        param.initiator_depth = param.initiator_depth.min(request_depth);
+        param.responder_resources = param.responder_resources.min(request_responder);
         // Safety: the id has its queue pair; `param` points at `private`, alive for the call.
         if unsafe { rdma_accept(id, &mut param) } != 0 {
             let e = os("rdma_accept");
@@ -1480,11 +1483,11 @@ pub struct ConnectRequest {
     id: *mut rdma_cm_id,
     /// The initiator's private data: its SRP_LOGIN_REQ.
     pub private: Vec<u8>,
-    /// RDMA READs the initiator answers at once (its responder resources): the most the
-    /// target may have outstanding toward it.
+    /// RDMA READs this side may have to answer at once: the initiator's initiator depth (the
+    /// connection manager gives the request's values from the accepting side's view).
     pub responder_resources: u8,
-    /// RDMA READs the initiator issues (its initiator depth): the most the target must
-    /// answer at once.
+    /// RDMA READs this side may have outstanding toward the initiator: its responder
+    /// resources.
     pub initiator_depth: u8,
 }
 

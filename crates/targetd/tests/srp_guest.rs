@@ -53,14 +53,17 @@ fn srp_over_soft_roce_in_a_linux_guest() {
     let me = std::env::current_exe().expect("this test's path");
     let script = dir.with_extension("sh");
     std::fs::create_dir_all(&dir).expect("the guest's directory");
-    std::fs::write(
-        &script,
-        format!(
-            "{GUEST}=1 /bin/{} --exact guest_side --nocapture --test-threads 1\n",
-            me.file_name().unwrap().to_string_lossy()
-        ),
+    let id = targetd::srp::port_id(TARGET);
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let guest_script = format!(
+        "{GUEST}=1 /bin/{me_name} --exact guest_side --nocapture --test-threads 1 || exit 1\n\
+         {LINUX_INITIATOR}",
+        me_name = me.file_name().unwrap().to_string_lossy(),
     )
-    .expect("the guest's script");
+    .replace("@TARGET@", TARGET)
+    .replace("@ID_EXT@", &hex(&id[..8]))
+    .replace("@IOC_GUID@", &hex(&id[8..]));
+    std::fs::write(&script, guest_script).expect("the guest's script");
     let started = Instant::now();
     let out = Command::new("bash")
         .arg(repo.join("scripts/rdma-guest.sh"))
@@ -68,6 +71,7 @@ fn srp_over_soft_roce_in_a_linux_guest() {
         .arg(&dir)
         .arg(&script)
         .arg(&me)
+        .arg(env!("CARGO_BIN_EXE_targetd"))
         .output()
         .expect("bash");
     let console = String::from_utf8_lossy(&out.stdout);
@@ -85,11 +89,71 @@ fn srp_over_soft_roce_in_a_linux_guest() {
         console.contains("guest side: all done"),
         "the guest side did not finish:\n{console}"
     );
+    for line in [
+        "ib_srp: logged in",
+        "ib_srp: 8 MiB written in 4 KiB writes and read back",
+        "ib_srp: 8 MiB written in 1 MiB writes and read back",
+    ] {
+        assert!(console.contains(line), "{line:?} missing:\n{console}");
+    }
+    let immediate: u64 = console
+        .lines()
+        .find_map(|l| l.strip_prefix("targetd_srp_immediate_writes_total "))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("the daemon's immediate-data counter");
+    assert!(
+        immediate >= 2048,
+        "ib_srp's 4 KiB writes come as immediate data: {immediate}"
+    );
     println!(
         "booted, served and checked in {:.1} s",
         started.elapsed().as_secs_f64()
     );
 }
+
+/// The guest's second part: targetd (the daemon itself) on rxe0, and Linux's ib_srp with its
+/// default settings logging in to it over rdma_cm; the disk it makes is written with 4 KiB
+/// direct writes (immediate data), read back, written in 1 MiB and read back again.
+const LINUX_INITIATOR: &str = r#"
+cat > /tmp/targetd.toml <<CONFIG
+[server]
+portals = ["127.0.0.1:3260"]
+admin_socket = "/tmp/targetd.sock"
+reactors = 1
+rdma_portals = ["$RDMA_ADDR:5556"]
+metrics_listen = "127.0.0.1:9100"
+
+[[targets]]
+name = "@TARGET@"
+
+[[targets.luns]]
+lun = 0
+backend = "memory"
+size = "64MiB"
+CONFIG
+/bin/targetd /tmp/targetd.toml > /tmp/targetd.log 2>&1 &
+daemon=$!
+for i in $(seq 1 100); do wget -qO /dev/null http://127.0.0.1:9100/metrics && break; sleep 0.1; done
+echo "id_ext=@ID_EXT@,ioc_guid=@IOC_GUID@,dest=$RDMA_ADDR:5556" > /sys/class/infiniband_srp/srp-rxe0-1/add_target || { cat /tmp/targetd.log; dmesg | tail -20; exit 1; }
+disk=
+for i in $(seq 1 200); do
+  for b in /sys/block/sd*; do [ -e "$b" ] && disk=/dev/${b##*/}; done
+  [ -n "$disk" ] && [ -e "$disk" ] && break
+  sleep 0.1
+done
+[ -n "$disk" ] || { echo "ib_srp made no disk"; dmesg | tail -30; cat /tmp/targetd.log; exit 1; }
+echo "ib_srp: logged in, $disk"
+dd if=/dev/urandom of=/tmp/a bs=1048576 count=8 2>/dev/null
+dd if=/tmp/a of=$disk bs=4096 oflag=direct 2>/dev/null || { echo "ib_srp: writes failed"; dmesg | tail -20; exit 1; }
+dd if=$disk of=/tmp/b bs=65536 count=128 iflag=direct 2>/dev/null
+cmp /tmp/a /tmp/b && echo "ib_srp: 8 MiB written in 4 KiB writes and read back" || exit 1
+dd if=/dev/urandom of=/tmp/a bs=1048576 count=8 2>/dev/null
+dd if=/tmp/a of=$disk bs=1048576 oflag=direct 2>/dev/null || exit 1
+dd if=$disk of=/tmp/b bs=1048576 count=8 iflag=direct 2>/dev/null
+cmp /tmp/a /tmp/b && echo "ib_srp: 8 MiB written in 1 MiB writes and read back" || exit 1
+wget -qO- http://127.0.0.1:9100/metrics | grep -E "^targetd_srp_(immediate_writes_total|channels) "
+kill $daemon
+"#;
 
 /// Logs in over rdma_cm as ib_srp does by default, as initiator port `s`.
 fn log_in(
