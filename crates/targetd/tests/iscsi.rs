@@ -352,12 +352,16 @@ async fn a_write_ending_inside_a_block_is_refused_and_writes_nothing() {
 async fn text_with_unknown_keys_or_bad_values_gets_answers() {
     let d = Daemon::start(&config("", &memory_target(TARGET, "")));
     let mut raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 0x15], 0).await.unwrap();
-    let cases: [(&str, &str); 5] = [
-        ("SendTargetsPlease=All", "SendTargetsPlease=NotUnderstood"),
-        ("SendTargets=Alle", "SendTargets=Reject"),
-        ("SendTargets=A", "SendTargets=Reject"),
-        ("sENDtARGETS=aLL", "sENDtARGETS=NotUnderstood"),
-        ("SendTargets=All", "TargetName=iqn.2026-11.io.example:test"),
+    // Unknown keys and SendTargets values it cannot have: Reject (as LIO), then an answer.
+    let cases: [(&str, Option<&str>); 5] = [
+        ("SendTargetsPlease=All", None),
+        ("SendTargets=Alle", None),
+        ("SendTargets=A", None),
+        ("sENDtARGETS=aLL", None),
+        (
+            "SendTargets=All",
+            Some("TargetName=iqn.2026-11.io.example:test"),
+        ),
     ];
     for (n, (request, answer)) in cases.into_iter().enumerate() {
         let itt = 0x100 + n as u32;
@@ -371,13 +375,20 @@ async fn text_with_unknown_keys_or_bad_values_gets_answers() {
         }))
         .await;
         raw.cmd_sn = raw.cmd_sn.next();
-        match raw.next().await {
-            Some(Pdu::TextResponse(t)) => {
+        match (raw.next().await, answer) {
+            (Some(Pdu::TextResponse(t)), Some(answer)) => {
                 assert_eq!(t.initiator_task_tag, itt);
                 let text = String::from_utf8_lossy(&t.data);
                 assert!(text.starts_with(answer), "{request}: {text}");
             }
-            other => panic!("{request}: {other:?}"),
+            (Some(Pdu::Reject(r)), None) => {
+                assert_eq!(
+                    r.reason,
+                    iscsi_pdu::RejectReason::ProtocolError,
+                    "{request}"
+                );
+            }
+            (other, _) => panic!("{request}: {other:?}"),
         }
     }
     assert!(raw.ping(0x200).await, "the connection goes on");

@@ -65,18 +65,27 @@ impl TextExchange {
             }
         };
         let params = TextParams::parse(&all).map_err(|_| RejectReason::ProtocolError)?;
+        // A request this target cannot answer as asked (an unknown key, a SendTargets value
+        // that is neither All, an iSCSI name nor empty) gets a Reject (protocol error), as
+        // LIO answers: the RFC's key=NotUnderstood and SendTargets=Reject answers make
+        // initiators such as libiscsi take the reply for a broken one and reconnect.
         let mut out = match params.get("SendTargets") {
             // All, an iSCSI name, or nothing (this session's target): RFC 7143 section 13.x.
             Some(v) if v == "All" || v.is_empty() || valid_iscsi_name(v) => send_targets(v),
-            Some(_) => {
-                let mut refused = TextParams::new();
-                refused.push("SendTargets", "Reject");
-                refused
+            Some(v) => {
+                tracing::debug!(value = %v, "SendTargets with a value it cannot have: Reject");
+                return Err(RejectReason::ProtocolError);
             }
             None => TextParams::new(),
         };
         match negotiator.receive(Stage::FullFeaturePhase, &params) {
-            Ok(answers) => out.extend(answers),
+            Ok(answers) => {
+                if let Some((key, _)) = answers.iter().find(|(_, v)| *v == "NotUnderstood") {
+                    tracing::debug!(%key, "a text key this target does not know: Reject");
+                    return Err(RejectReason::ProtocolError);
+                }
+                out.extend(answers)
+            }
             Err(e) => {
                 tracing::debug!("text negotiation: {e}");
                 return Err(RejectReason::ProtocolError);
