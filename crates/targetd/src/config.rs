@@ -503,6 +503,7 @@ impl Server {
                 show(&other.metrics_listen),
             ),
             ("state_dir", show(&self.state_dir), show(&other.state_dir)),
+            ("log", show(&self.log), show(&other.log)),
         ]
         .into_iter()
         .filter(|(_, a, b)| a != b)
@@ -1415,6 +1416,94 @@ size = "1GiB"
             let e = refused(&text.replace(from, to));
             assert!(e.contains(key), "{to}: {e}");
         }
+    }
+
+    /// docs/config.md names every key targetd reads, and nothing else; its examples parse.
+    #[test]
+    fn the_config_reference_names_every_key() {
+        use std::collections::{BTreeMap, BTreeSet};
+        let doc = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/config.md"),
+        )
+        .expect("docs/config.md");
+        // The keys its tables document, by section.
+        let mut documented: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+        let mut section = "";
+        for line in doc.lines() {
+            if let Some(h) = line.strip_prefix("## ") {
+                section = h.trim_matches('`');
+            } else if line.starts_with("A CHAP table") {
+                section = "chap";
+            } else if let Some(rest) = line.strip_prefix("| `") {
+                let key = rest.split('`').next().unwrap_or_default().to_string();
+                documented.entry(section).or_default().insert(key);
+            }
+        }
+        // The keys its examples set, by section, as targetd reads them back.
+        let mut seen: BTreeMap<&str, BTreeSet<String>> = BTreeMap::new();
+        let keys = |v: &toml::Value| -> Vec<String> {
+            v.as_table()
+                .map(|t| t.keys().cloned().collect())
+                .unwrap_or_default()
+        };
+        let mut examples = 0;
+        for block in doc.split("```toml\n").skip(1) {
+            let text = block.split("```").next().unwrap_or_default();
+            let needs_rbd = text.contains("[cluster]") || text.contains("backend = \"rbd\"");
+            if needs_rbd && !cfg!(feature = "rbd") {
+                continue;
+            }
+            let config = parse(text).unwrap_or_else(|e| panic!("an example: {e}\n{text}"));
+            examples += 1;
+            let v = toml::Value::try_from(&config).expect("serializes");
+            let mut add = |section, names: Vec<String>| {
+                seen.entry(section).or_default().extend(names);
+            };
+            add("[server]", keys(&v["server"]));
+            add("[iscsi]", keys(&v["iscsi"]));
+            for chap in ["discovery_chap", "discovery_mutual_chap"] {
+                if let Some(c) = v["iscsi"].get(chap) {
+                    add("chap", keys(c));
+                }
+            }
+            for t in v
+                .get("targets")
+                .and_then(|t| t.as_array())
+                .into_iter()
+                .flatten()
+            {
+                add("[[targets]]", keys(t));
+                for l in t
+                    .get("luns")
+                    .and_then(|l| l.as_array())
+                    .into_iter()
+                    .flatten()
+                {
+                    add("[[targets.luns]]", keys(l));
+                }
+            }
+            if let Some(c) = v.get("cluster") {
+                add("[cluster]", keys(c));
+            }
+        }
+        assert!(examples >= 3, "the examples were found");
+        for (section, names) in &seen {
+            let doc = documented.get(section).cloned().unwrap_or_default();
+            if *section == "[[targets.luns]]" && !cfg!(feature = "rbd") {
+                // The RBD example is not parsed without the feature: its keys are checked
+                // against LUN_KEYS below.
+                assert!(names.is_subset(&doc), "{section}: {names:?} not in {doc:?}");
+            } else {
+                assert_eq!(
+                    &doc, names,
+                    "{section}: the reference's keys, then those its examples set"
+                );
+            }
+        }
+        let luns: BTreeSet<String> = LUN_KEYS.iter().map(|k| k.to_string()).collect();
+        assert_eq!(documented.get("[[targets.luns]]"), Some(&luns));
+        let sections = if cfg!(feature = "rbd") { 6 } else { 5 };
+        assert_eq!(seen.len(), sections, "every section was checked: {seen:?}");
     }
 
     #[test]
