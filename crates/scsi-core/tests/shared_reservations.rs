@@ -135,6 +135,25 @@ fn prout(
     command(k, gws, at, n, &prout_cdb(action, ty, 24), &p, 0)
 }
 
+/// A READ of one block by `n` that stays in `g`'s backend until released; its tag.
+fn held_read(g: &mut Harness, n: NexusId) -> u64 {
+    g.hold_backend = true;
+    let tag = g.submit(n, 0, &cdb10(0x28, 0, 0, 1), TaskAttribute::Simple, &[], 512);
+    g.run();
+    g.hold_backend = false;
+    assert_eq!(g.held.len(), 1, "the read waits in the backend");
+    tag
+}
+
+/// PERSISTENT RESERVE OUT PREEMPT AND ABORT (EXCLUSIVE ACCESS) of `victim` by `n` with `key`,
+/// submitted on `g`; its tag.
+fn preempt_and_abort(g: &mut Harness, n: NexusId, key: u64, victim: u64) -> u64 {
+    let p = params(key, victim, 0);
+    let tag = g.submit(n, 0, &prout_cdb(5, 3, 24), TaskAttribute::Simple, &p, 0);
+    g.run();
+    tag
+}
+
 const RESERVE6: [u8; 6] = [0x16, 0, 0, 0, 0, 0];
 const READ_KEYS: [u8; 10] = [0x5e, 0, 0, 0, 0, 0, 0, 4, 0, 0];
 const READ_RESERVATION: [u8; 10] = [0x5e, 1, 0, 0, 0, 0, 0, 4, 0, 0];
@@ -221,27 +240,9 @@ fn preempt_and_abort_on_one_gateway_aborts_and_warns_on_the_other() {
         good(&prout(&mut k, &mut gws, 0, na, 1, 3, 0xa, 0));
     }
     // A read of A's sits in gateway A's backend.
-    a.hold_backend = true;
-    let held = a.submit(
-        na,
-        0,
-        &cdb10(0x28, 0, 0, 1),
-        TaskAttribute::Simple,
-        &[],
-        512,
-    );
-    a.run();
-    assert_eq!(a.held.len(), 1);
+    let held = held_read(&mut a, na);
     // B preempts A's reservation and aborts its tasks.
-    let tag = b.submit(
-        nb,
-        0,
-        &prout_cdb(5, 3, 24),
-        TaskAttribute::Simple,
-        &params(0xb, 0xa, 0),
-        0,
-    );
-    b.run();
+    let tag = preempt_and_abort(&mut b, nb, 0xb, 0xa);
     k.settle(&mut [&mut a, &mut b]);
     good(&b.outcomes.remove(&tag).expect("ended"));
     // What gateway A's keeper waits for before it acknowledges the change.
@@ -510,27 +511,9 @@ fn preempt_and_abort_through_the_preempted_nexus_gateway_waits_for_its_aborted_t
         good(&prout(&mut k, &mut gws, 0, na, 1, 3, 0xa, 0));
     }
     // A read of A's initiator sits in gateway A's backend.
-    a.hold_backend = true;
-    let held = a.submit(
-        na,
-        0,
-        &cdb10(0x28, 0, 0, 1),
-        TaskAttribute::Simple,
-        &[],
-        512,
-    );
-    a.run();
-    a.hold_backend = false;
+    let held = held_read(&mut a, na);
     // The third initiator, on the same gateway, preempts A and aborts its tasks.
-    let tag = a.submit(
-        nc,
-        0,
-        &prout_cdb(5, 3, 24),
-        TaskAttribute::Simple,
-        &params(0xc, 0xa, 0),
-        0,
-    );
-    a.run();
+    let tag = preempt_and_abort(&mut a, nc, 0xc, 0xa);
     k.settle(&mut [&mut a, &mut b]);
     assert!(
         !a.outcomes.contains_key(&tag),

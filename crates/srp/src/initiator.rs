@@ -365,6 +365,31 @@ impl<M> DataMemory<M> {
     }
 }
 
+/// Encodes into `out` the SRP_CMD of a write whose `data` goes in the IU as immediate data at
+/// `offset` (the login's IMMEDIATE DATA OFFSET), if it can: the descriptors end before
+/// `offset` and the IU is at most `max_it_iu_len` bytes. Returns whether it did (else the
+/// data goes by RDMA READ from the initiator's memory).
+pub fn encode_immediate_write(
+    cmd: &crate::iu::SrpCmd<'_>,
+    data: &[u8],
+    offset: usize,
+    max_it_iu_len: usize,
+    out: &mut Vec<u8>,
+) -> bool {
+    let iu = crate::iu::SrpCmd {
+        data_out: DataBufferDescriptor::Immediate {
+            len: data.len() as u32,
+        },
+        data_in: DataBufferDescriptor::None,
+        ..*cmd
+    };
+    if iu.encoded_len() > offset || offset.saturating_add(data.len()) > max_it_iu_len {
+        return false;
+    }
+    iu.encode_with_immediate(offset, data, out);
+    true
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

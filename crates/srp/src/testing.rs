@@ -550,23 +550,21 @@ impl Rig {
             return Err(SendError::NoCredit);
         }
         let len = cmd.data_out.as_ref().map_or(cmd.data_in as usize, Vec::len);
+        let base = SrpCmd {
+            sol_not: 0,
+            tag: cmd.tag,
+            lun: cmd.lun,
+            task_attribute: cmd.attribute,
+            cdb: &cmd.cdb,
+            ..SrpCmd::default()
+        };
         if let (Some(data), Some((offset, max))) = (&cmd.data_out, side.initiator.immediate) {
-            let c = SrpCmd {
-                sol_not: 0,
-                tag: cmd.tag,
-                lun: cmd.lun,
-                task_attribute: cmd.attribute,
-                cdb: &cmd.cdb,
-                data_out: DataBufferDescriptor::Immediate {
-                    len: data.len() as u32,
-                },
-                data_in: DataBufferDescriptor::None,
-            };
-            if cmd.regions <= 1 && !cmd.partial && c.encoded_len() <= offset && offset + len <= max
+            let mut b = Vec::new();
+            if cmd.regions <= 1
+                && !cmd.partial
+                && crate::initiator::encode_immediate_write(&base, data, offset, max, &mut b)
             {
                 // The data goes in the SRP_CMD: no buffer of the initiator's memory.
-                let mut b = Vec::new();
-                c.encode_with_immediate(offset, data, &mut b);
                 let placed = Placed {
                     registration: self.registration,
                     key: IMMEDIATE,
@@ -611,13 +609,9 @@ impl Rig {
             (DataBufferDescriptor::None, descriptor)
         };
         let c = SrpCmd {
-            sol_not: 0,
-            tag: cmd.tag,
-            lun: cmd.lun,
-            task_attribute: cmd.attribute,
-            cdb: &cmd.cdb,
             data_out,
             data_in,
+            ..base
         };
         let mut b = Vec::new();
         c.encode(&mut b);

@@ -198,15 +198,31 @@ where
         if self.credit <= 0 {
             return Err(SendError::NoCredit);
         }
+        let base = SrpCmd {
+            sol_not: 0,
+            tag: cmd.tag,
+            lun: cmd.lun,
+            task_attribute: cmd.attribute,
+            cdb: cmd.cdb,
+            ..SrpCmd::default()
+        };
         if let (Some(data), Some(offset)) = (cmd.data_out, self.imm_data_offset) {
-            // The descriptors must end before the data starts (a long CDB may not fit).
-            let header = 48 + cmd.cdb.len().saturating_sub(16).next_multiple_of(4) + 4;
+            self.scratch.clear();
             if cmd.regions <= 1
                 && !cmd.partial
-                && data.len() <= self.immediate_data_limit()
-                && header <= offset
+                && super::encode_immediate_write(
+                    &base,
+                    data,
+                    offset,
+                    self.max_it_iu_len,
+                    &mut self.scratch,
+                )
             {
-                return self.send_immediate(verbs, cmd, data, offset);
+                // The data goes in the SRP_CMD: no place of the memory's.
+                self.post(verbs)?;
+                self.credit -= 1;
+                self.buffers.insert(cmd.tag, Held::Immediate);
+                return Ok(());
             }
         }
         let len = cmd.data_out.map_or(cmd.data_in as usize, <[u8]>::len);
@@ -219,13 +235,9 @@ where
             None => (DataBufferDescriptor::None, descriptor),
         };
         let iu = SrpCmd {
-            sol_not: 0,
-            tag: cmd.tag,
-            lun: cmd.lun,
-            task_attribute: cmd.attribute,
-            cdb: cmd.cdb,
             data_out,
             data_in,
+            ..base
         };
         self.scratch.clear();
         iu.encode(&mut self.scratch);
@@ -243,33 +255,6 @@ where
         self.credit -= 1;
         let read = cmd.data_out.is_none() && len > 0;
         self.buffers.insert(cmd.tag, Held::Memory { read });
-        Ok(())
-    }
-
-    /// Sends a write with its data in the SRP_CMD.
-    fn send_immediate(
-        &mut self,
-        verbs: &mut V,
-        cmd: &Command<'_>,
-        data: &[u8],
-        offset: usize,
-    ) -> Result<(), SendError> {
-        let iu = SrpCmd {
-            sol_not: 0,
-            tag: cmd.tag,
-            lun: cmd.lun,
-            task_attribute: cmd.attribute,
-            cdb: cmd.cdb,
-            data_out: DataBufferDescriptor::Immediate {
-                len: data.len() as u32,
-            },
-            data_in: DataBufferDescriptor::None,
-        };
-        self.scratch.clear();
-        iu.encode_with_immediate(offset, data, &mut self.scratch);
-        self.post(verbs)?;
-        self.credit -= 1;
-        self.buffers.insert(cmd.tag, Held::Immediate);
         Ok(())
     }
 
