@@ -192,27 +192,10 @@ fn deliver(rx: Receiver<(Instant, Vec<u8>)>, to: &mut TcpStream) {
     let _ = to.shutdown(Shutdown::Write);
 }
 
-/// Parses a duration such as `16ms`, `1.5s`, `250us` or `0`.
+/// Parses a duration such as `16ms`, `1.5s`, `250us`, `1h30m` or `0` (a bare number is
+/// seconds): the grammar of targetd's config ([`units::parse_duration`]).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration (e.g. 16ms, 10s)"))?;
-    let secs = match unit {
-        "" | "s" => v,
-        "ms" => v / 1e3,
-        "us" => v / 1e6,
-        "m" | "min" => v * 60.0,
-        _ => return Err(format!("{s:?}: unknown unit {unit:?} (use us, ms, s or m)")),
-    };
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(format!("{s:?} is not a duration"));
-    }
-    Ok(Duration::from_secs_f64(secs))
+    units::parse_duration(s)
 }
 
 /// Parses a rate such as `1gbit`, `100mbit`, `10kbit` or plain bits per second.
@@ -254,7 +237,8 @@ mod tests {
         assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
         assert_eq!(parse_duration("250us"), Ok(Duration::from_micros(250)));
         assert!(parse_duration("fast").is_err());
-        assert!(parse_duration("3h").is_err());
+        assert_eq!(parse_duration("3h"), Ok(Duration::from_secs(3 * 3600)));
+        assert!(parse_duration("3 fortnights").is_err());
         assert_eq!(parse_rate("1gbit"), Ok(1_000_000_000));
         assert_eq!(parse_rate("100Mbit"), Ok(100_000_000));
         assert!(parse_rate("0").is_err());

@@ -88,24 +88,10 @@ pub struct Workload {
     pub trace: bool,
 }
 
-/// Parses sizes like `512`, `4k`, `1m`, `2g` (binary multiples).
+/// Parses a size: `512`, `4k` or `4KiB` (powers of 1024), `10GB` (powers of 1000), `1.5GiB`;
+/// the grammar of targetd's config and targetctl ([`units::parse_size`]).
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim().to_ascii_lowercase();
-    let t = t
-        .strip_suffix("ib")
-        .or_else(|| t.strip_suffix('b'))
-        .unwrap_or(&t);
-    let (num, mult) = match t.chars().last() {
-        Some('k') => (&t[..t.len() - 1], 1u64 << 10),
-        Some('m') => (&t[..t.len() - 1], 1 << 20),
-        Some('g') => (&t[..t.len() - 1], 1 << 30),
-        Some('t') => (&t[..t.len() - 1], 1 << 40),
-        _ => (t, 1),
-    };
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| format!("{s:?} is not a size (e.g. 4k, 1m)"))
+    units::parse_size(s)
 }
 
 /// How an I/O goes out as commands: whole, or cut into commands of a most some size that are

@@ -97,12 +97,15 @@ pub struct Cluster {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub keyring: Option<PathBuf>,
     /// Seconds a monitor or OSD may take to answer.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "units::serde::optional_seconds")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ceph_timeout: Option<u64>,
     /// Seconds every other gateway gets to apply a change to the reservations before the
     /// command that made it ends without them (and the silent gateways are logged).
-    #[serde(default = "default_notify_timeout")]
+    #[serde(
+        default = "default_notify_timeout",
+        deserialize_with = "units::serde::seconds"
+    )]
     pub notify_timeout: u64,
 }
 
@@ -137,22 +140,37 @@ pub struct Server {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub log: Option<String>,
     /// Seconds between target NOP-In pings on an idle connection; 0 = off.
-    #[serde(default = "default_nop_interval")]
+    #[serde(
+        default = "default_nop_interval",
+        deserialize_with = "units::serde::seconds"
+    )]
     pub nop_interval: u64,
     /// Seconds without an answer before the connection is dropped.
-    #[serde(default = "default_nop_timeout")]
+    #[serde(
+        default = "default_nop_timeout",
+        deserialize_with = "units::serde::seconds"
+    )]
     pub nop_timeout: u64,
     /// Seconds a connection may take to finish its login; it is closed after that.
-    #[serde(default = "default_login_timeout")]
+    #[serde(
+        default = "default_login_timeout",
+        deserialize_with = "units::serde::seconds"
+    )]
     pub login_timeout: u64,
     /// Seconds a connection may have data to send and no room in its socket (the initiator
     /// stopped reading) before it is dropped, giving back the buffers it holds.
-    #[serde(default = "default_send_timeout")]
+    #[serde(
+        default = "default_send_timeout",
+        deserialize_with = "units::serde::seconds"
+    )]
     pub send_timeout: u64,
     /// Seconds a connection may owe data-out (an R2T, unsolicited data, or the command an
     /// earlier CmdSN names) and send none before it is dropped, giving back the write buffers
     /// it holds.
-    #[serde(default = "default_data_out_timeout")]
+    #[serde(
+        default = "default_data_out_timeout",
+        deserialize_with = "units::serde::seconds"
+    )]
     pub data_out_timeout: u64,
     /// Connections the daemon keeps open at once, logged in or not; more are closed as soon
     /// as they are accepted.
@@ -416,7 +434,7 @@ pub struct Lun {
     /// not answer in time ends with NOT READY, LOGICAL UNIT IS IN PROCESS OF BECOMING READY,
     /// which initiators retry; targetd's start and `lun add` give up on an absent cluster
     /// after this long. Keep it below the initiator's command timeout (Linux: 30 s).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "units::serde::optional_seconds")]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ceph_timeout: Option<u64>,
     /// rbd in a `[cluster]`: the gateway (its `cluster.gateway`) that is active/optimized for
@@ -590,26 +608,7 @@ impl<'de> Deserialize<'de> for Size {
 
 /// Parses "1GiB", "512 MiB", "4096", "10GB".
 pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (digits, unit) = t.split_at(split);
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{text:?} is not a size (e.g. 1GiB, 512MiB, 4096)"))?;
-    let mult: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "KiB" | "K" => 1 << 10,
-        "MiB" | "M" => 1 << 20,
-        "GiB" | "G" => 1 << 30,
-        "TiB" | "T" => 1 << 40,
-        "KB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
-        "TB" => 1_000_000_000_000,
-        u => return Err(format!("unknown size unit {u:?} in {text:?}")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("{text:?} is too large"))
+    units::parse_size(text)
 }
 
 /// Why `server.rdma_portals` cannot be served by this build on this machine, if it cannot:
@@ -1504,6 +1503,44 @@ size = "1GiB"
         assert_eq!(documented.get("[[targets.luns]]"), Some(&luns));
         let sections = if cfg!(feature = "rbd") { 6 } else { 5 };
         assert_eq!(seen.len(), sections, "every section was checked: {seen:?}");
+    }
+
+    #[test]
+    fn sizes_and_durations_have_one_grammar() {
+        let with = |line: &str| {
+            GOOD.replace(
+                "admin_socket = \"targetd.sock\"",
+                &format!("admin_socket = \"targetd.sock\"\n{line}"),
+            )
+        };
+        let c = parse(&with(
+            "nop_interval = \"2m\"\nlogin_timeout = \"1m30s\"\nsend_timeout = 45",
+        ))
+        .expect("durations");
+        assert_eq!(
+            (
+                c.server.nop_interval,
+                c.server.login_timeout,
+                c.server.send_timeout
+            ),
+            (120, 90, 45)
+        );
+        let e = refused(&with("login_timeout = \"1.5s\""));
+        assert!(
+            e.contains("login_timeout") && e.contains("whole seconds"),
+            "{e}"
+        );
+        let e = refused(&with("nop_timeout = \"soon\""));
+        assert!(
+            e.contains("nop_timeout") && e.contains("not a duration"),
+            "{e}"
+        );
+        // 1G is 2^30 here as in targetctl and initiator-bench; 1GB is 10^9.
+        let c = parse(&GOOD.replace("size = \"1GiB\"", "size = \"1G\"")).expect("1G");
+        assert_eq!(c.targets[0].luns[0].size, Some(Size(1 << 30)));
+        let c = parse(&GOOD.replace("size = \"1GiB\"", "size = \"1.5g\"")).expect("1.5g");
+        assert_eq!(c.targets[0].luns[0].size, Some(Size(3 << 29)));
+        assert_eq!(parse_size("1GB"), Ok(1_000_000_000));
     }
 
     #[test]

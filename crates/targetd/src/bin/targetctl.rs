@@ -51,9 +51,10 @@ enum Command {
     Man,
     /// Per-LU IOPS, throughput and latency over an interval.
     Stats {
-        /// Seconds to sample over; 0 prints the totals since start.
-        #[arg(long, default_value_t = 1.0)]
-        interval: f64,
+        /// How long to sample over (1s, 500ms, 1m; a bare number is seconds); 0 prints the
+        /// totals since start.
+        #[arg(long, default_value = "1s", value_parser = units::parse_duration)]
+        interval: Duration,
     },
     /// Logical units: add, remove, resize.
     Lun {
@@ -104,23 +105,13 @@ fn absolute(p: PathBuf) -> anyhow::Result<PathBuf> {
     Ok(std::path::absolute(&p)?)
 }
 
-/// A duration like 10s, 500ms, 2m or 1h.
+/// A positive duration like 10s, 500ms, 2m or 1h30m (the config's grammar: units::parse_duration).
 fn parse_duration(s: &str) -> anyhow::Result<Duration> {
-    let (n, unit) = s.split_at(s.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(s.len()));
-    let n: f64 = n
-        .parse()
-        .map_err(|_| anyhow::anyhow!("{s:?} is not a duration (10s, 500ms, 2m)"))?;
-    let secs = match unit {
-        "ms" => n / 1e3,
-        "s" | "" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        _ => anyhow::bail!("{s:?} is not a duration (10s, 500ms, 2m)"),
-    };
-    if secs.is_nan() || secs <= 0.0 {
+    let d = units::parse_duration(s).map_err(anyhow::Error::msg)?;
+    if d.is_zero() {
         anyhow::bail!("{s:?} is not a positive duration");
     }
-    Ok(Duration::from_secs_f64(secs))
+    Ok(d)
 }
 
 #[allow(clippy::large_enum_variant)]
@@ -698,9 +689,9 @@ fn print_human(request: &AdminRequest, v: &Value) {
 }
 
 /// Samples the counters twice and prints rates.
-fn stats(c: &mut Client, interval: f64, json: bool) -> Result<()> {
+fn stats(c: &mut Client, interval: Duration, json: bool) -> Result<()> {
     let first = c.call(&AdminRequest::Stats)?;
-    if interval <= 0.0 {
+    if interval.is_zero() {
         if json {
             println!("{}", serde_json::to_string_pretty(&first)?);
         } else {
@@ -708,7 +699,8 @@ fn stats(c: &mut Client, interval: f64, json: bool) -> Result<()> {
         }
         return Ok(());
     }
-    std::thread::sleep(Duration::from_secs_f64(interval));
+    std::thread::sleep(interval);
+    let interval = interval.as_secs_f64();
     let second = c.call(&AdminRequest::Stats)?;
     let mut rows = Vec::new();
     for b in second.as_array().into_iter().flatten() {
