@@ -911,11 +911,11 @@ proptest! {
     }
 }
 
-/// Text requests with keys the target does not know or values it cannot take get a Text
-/// Response that answers each such key (NotUnderstood for an unknown key, key names being
-/// case-sensitive; Reject for a value outside the key's range), and the session goes on
-/// (RFC 7143 sections 6.2 and 13.x). They once got a Reject, and the initiator waited for a
-/// Text Response that never came.
+/// Text requests in full feature phase with keys the target does not know (key names being
+/// case-sensitive) or a SendTargets value it cannot take get a Reject (protocol error), as LIO
+/// answers: libiscsi's client took the RFC's key=NotUnderstood and SendTargets=Reject answers
+/// for a broken reply and reconnected. A known key's value outside its range is answered
+/// key=Reject in a Text Response. Either way the session goes on.
 #[test]
 fn text_with_unknown_keys_or_bad_values_is_answered_and_the_session_goes_on() {
     let (mut rig, mut i) = rig(Options::default());

@@ -112,6 +112,16 @@ pub enum AdminRequest {
         /// Its name.
         name: String,
     },
+    /// Listens on one more iSCSI portal, at once.
+    PortalAdd {
+        /// `host:port` (port 0: any free port).
+        address: String,
+    },
+    /// Stops listening on a portal (its connections stay); not the last one.
+    PortalRemove {
+        /// As it was added, or the address it listens on.
+        address: String,
+    },
     /// Ends a session.
     SessionKill {
         /// Its TSIH.
@@ -410,6 +420,13 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
         AdminRequest::TargetRemove { name } => Some(format!("target {name}")),
         _ => None,
     };
+    // A portal may be named by the address it bound (after port 0).
+    let req = match req {
+        AdminRequest::PortalRemove { address } => AdminRequest::PortalRemove {
+            address: registry.portal_text(&address).unwrap_or(address),
+        },
+        other => other,
+    };
     let mut config = registry.config().clone();
     edit(&mut config, req)?;
     let changes = registry.apply(config)?;
@@ -496,6 +513,28 @@ fn edit(config: &mut Config, change: AdminRequest) -> Result<(), String> {
         AdminRequest::TargetRemove { name } => {
             let i = target(config, &name)?;
             config.targets.remove(i);
+        }
+        AdminRequest::PortalAdd { address } => {
+            // Port 0 asks for one more portal on a free port, however often.
+            let any_port = address
+                .parse::<std::net::SocketAddr>()
+                .is_ok_and(|a| a.port() == 0);
+            if !any_port && config.server.portals.contains(&address) {
+                return Err(format!("{address} is a portal already"));
+            }
+            config.server.portals.push(address);
+        }
+        AdminRequest::PortalRemove { address } => {
+            let i = config
+                .server
+                .portals
+                .iter()
+                .position(|p| *p == address)
+                .ok_or(format!("{address} is no portal"))?;
+            if config.server.portals.len() == 1 {
+                return Err(format!("{address} is the only portal: add another first"));
+            }
+            config.server.portals.remove(i);
         }
         AdminRequest::TargetSet {
             name,

@@ -403,6 +403,20 @@ impl Keeper {
         Ok(())
     }
 
+    /// This gateway's iSCSI portals are now `portals` (a portal added or removed while
+    /// running): listed again, so SendTargets through the other gateways names them.
+    pub fn set_portals(&self, portals: &[std::net::SocketAddr]) {
+        let me = {
+            let mut guard = self.me.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(me) = guard.as_mut() else { return };
+            me.portals = portals.to_vec();
+            me.clone()
+        };
+        if let Err((_, e)) = self.publish(&me) {
+            tracing::warn!("listing this gateway's portals: {e}");
+        }
+    }
+
     /// This gateway's watch (of connection `generation`) ended with `errno`: it was
     /// blocklisted by another gateway that could not reach it, or the OSDs lost it for longer
     /// than its timeout. Either way the others may have changed the reservations without it:

@@ -487,7 +487,6 @@ impl Server {
     pub fn restart_only_differences(&self, other: &Server) -> Vec<(&'static str, String, String)> {
         let show = |v: &dyn std::fmt::Debug| format!("{v:?}");
         [
-            ("portals", show(&self.portals), show(&other.portals)),
             (
                 "rdma_portals",
                 show(&self.rdma_portals),

@@ -66,6 +66,9 @@ pub struct Registry {
     refusals: Mutex<(Option<Instant>, u64)>,
     /// The listeners' addresses.
     pub portals: Mutex<Vec<SocketAddr>>,
+    /// The iSCSI listeners as they run, once the server runs: what a reload or `targetctl
+    /// portal add/remove` changes.
+    listeners: Mutex<Option<Listeners>>,
     /// Authentication failures by source address, which slow its next logins.
     pub auth: Mutex<crate::iscsi::throttle::AuthThrottle>,
     /// Each reactor's buffer arena as it last reported it, in reactor order.
@@ -163,6 +166,7 @@ impl Registry {
             engine: Mutex::new(String::new()),
             refusals: Mutex::new((None, 0)),
             portals: Mutex::new(portals),
+            listeners: Mutex::new(None),
             auth: Mutex::default(),
             srp_channels: Mutex::default(),
             srp_logins_rejected: AtomicU64::new(0),
@@ -178,6 +182,106 @@ impl Registry {
     /// From now on logins are refused with SERVICE_UNAVAILABLE.
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::SeqCst);
+        // No more connections; and the reactors' handles go, so that they end.
+        if let Some(l) = lock(&self.listeners).take() {
+            for (_, _, task) in l.accepting {
+                task.abort();
+            }
+        }
+    }
+
+    /// Starts serving: the accept loops of the portals (`listening`: each one's config text
+    /// and listener) on the runtime this is called in, assigning connections to `reactors`.
+    /// From now on portals change while running.
+    pub fn listen(
+        self: &Arc<Self>,
+        reactors: Vec<crate::reactor::Handle>,
+        listening: Vec<(String, std::net::TcpListener)>,
+    ) {
+        let mut l = Listeners {
+            runtime: tokio::runtime::Handle::current(),
+            reactors,
+            registry: Arc::downgrade(self),
+            accepting: Vec::new(),
+        };
+        for (text, listener) in listening {
+            if let Err(e) = l.accept_on(text, listener) {
+                tracing::error!("listener: {e}");
+            }
+        }
+        *lock(&self.listeners) = Some(l);
+    }
+
+    /// The config text of the portal listening on `address` (as `targetctl portal remove`
+    /// may name it by the address it bound, say after port 0).
+    pub fn portal_text(&self, address: &str) -> Option<String> {
+        let l = lock(&self.listeners);
+        l.as_ref()?
+            .accepting
+            .iter()
+            .find(|(text, bound, _)| text == address || bound.to_string() == address)
+            .map(|(text, _, _)| text.clone())
+    }
+
+    /// Makes the listeners those `portals` names: listens on each one not listened on yet
+    /// (one more for each repetition: `host:0` twice is two portals), and stops listening on
+    /// those it no longer names (their connections stay). A portal of port 0 is written back
+    /// into `portals` as the address it bound, so that the config names what listens (and a
+    /// save keeps it). Returns what changed; an address that cannot be bound changes nothing.
+    fn change_portals(&self, portals: &mut [String]) -> Result<Vec<String>, String> {
+        let mut guard = lock(&self.listeners);
+        let Some(l) = guard.as_mut() else {
+            return Ok(vec!["server.portals: takes effect at the next start".into()]);
+        };
+        let count = |list: &[String], t: &str| list.iter().filter(|p| *p == t).count();
+        // Bind what is new first: a failure leaves everything as it was.
+        let mut bound = Vec::new();
+        let mut seen: Vec<String> = Vec::new();
+        for (i, text) in portals.iter().enumerate() {
+            seen.push(text.clone());
+            let have = l.accepting.iter().filter(|(t, _, _)| t == text).count();
+            if count(&seen, text) <= have {
+                continue;
+            }
+            let listener = std::net::TcpListener::bind(text.as_str())
+                .and_then(|s| s.set_nonblocking(true).map(|()| s))
+                .map_err(|e| format!("server.portals: {text}: {e}"))?;
+            bound.push((i, listener));
+        }
+        let mut changes = Vec::new();
+        for (i, listener) in bound {
+            let at = listener
+                .local_addr()
+                .map_err(|e| format!("server.portals: {}: {e}", portals[i]))?;
+            if portals[i]
+                .parse::<SocketAddr>()
+                .is_ok_and(|a| a.port() == 0)
+            {
+                portals[i] = at.to_string();
+            }
+            l.accept_on(portals[i].clone(), listener)?;
+            changes.push(format!("server.portals: listening on {at}"));
+        }
+        // Then stop what is no longer named, the latest first.
+        let mut k = l.accepting.len();
+        while k > 0 {
+            k -= 1;
+            let text = l.accepting[k].0.clone();
+            let have = l.accepting.iter().filter(|(t, _, _)| *t == text).count();
+            if have > count(portals, &text) {
+                let (_, at, task) = l.accepting.remove(k);
+                task.abort();
+                changes.push(format!("server.portals: no longer listening on {at}"));
+            }
+        }
+        let now: Vec<SocketAddr> = l.accepting.iter().map(|(_, at, _)| *at).collect();
+        drop(guard);
+        *lock(&self.portals) = now.clone();
+        #[cfg(feature = "rbd")]
+        if let Some(k) = &self.target_env.keeper {
+            k.set_portals(&now);
+        }
+        Ok(changes)
     }
 
     /// The running config.
@@ -354,13 +458,16 @@ impl Registry {
     /// Applies a changed config while running (validated first): targets and LUNs added,
     /// removed or changed, access rules and negotiation settings for new logins. Returns what
     /// changed.
-    pub fn apply(&self, new: Config) -> Result<Vec<String>, String> {
+    pub fn apply(&self, mut new: Config) -> Result<Vec<String>, String> {
         new.validate().map_err(|(k, r)| format!("{k}: {r}"))?;
         for (key, reason) in new.warnings() {
             tracing::warn!(key = %key, "{reason}");
         }
         let old = self.config().clone();
         let mut changes = Vec::new();
+        if old.server.portals != new.server.portals {
+            changes.extend(self.change_portals(&mut new.server.portals)?);
+        }
         for (key, _, _) in old.server.restart_only_differences(&new.server) {
             changes.push(format!("server.{key}: takes effect at the next start"));
         }
@@ -644,4 +751,39 @@ fn require_chap(
     settings.auth.methods = vec![AuthMethod::Chap];
     settings.auth.peer = creds(chap);
     settings.auth.local = mutual.and_then(creds);
+}
+
+/// The iSCSI listeners of a running server.
+struct Listeners {
+    runtime: tokio::runtime::Handle,
+    reactors: Vec<crate::reactor::Handle>,
+    registry: std::sync::Weak<Registry>,
+    /// Each portal's config text, the address it listens on, and its accept loop.
+    accepting: Vec<(String, SocketAddr, tokio::task::AbortHandle)>,
+}
+
+impl Listeners {
+    /// Runs the accept loop of `listener` (the portal `text`); returns its address.
+    fn accept_on(
+        &mut self,
+        text: String,
+        listener: std::net::TcpListener,
+    ) -> Result<SocketAddr, String> {
+        let at = listener
+            .local_addr()
+            .map_err(|e| format!("server.portals: {text}: {e}"))?;
+        let listener = {
+            let _runtime = self.runtime.enter();
+            tokio::net::TcpListener::from_std(listener)
+                .map_err(|e| format!("server.portals: {text}: {e}"))?
+        };
+        let registry = self.registry.upgrade().ok_or("the daemon is stopping")?;
+        let task = self.runtime.spawn(crate::server::accept(
+            listener,
+            self.reactors.clone(),
+            registry,
+        ));
+        self.accepting.push((text, at, task.abort_handle()));
+        Ok(at)
+    }
 }

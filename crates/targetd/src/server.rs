@@ -195,15 +195,8 @@ impl Server {
             threads,
         } = self;
         let mut tasks = tokio::task::JoinSet::new();
-        for l in listeners {
-            let reactors = reactors.clone();
-            match tokio::net::TcpListener::from_std(l) {
-                Ok(l) => {
-                    tasks.spawn(accept(l, reactors, registry.clone()));
-                }
-                Err(e) => tracing::error!("listener: {e}"),
-            }
-        }
+        let texts = registry.started_server.portals.clone();
+        registry.listen(reactors.clone(), texts.into_iter().zip(listeners).collect());
         let admin_path = admin.as_ref().map(|(_, p)| p.clone());
         if let Some((l, _)) = admin {
             match tokio::net::UnixListener::from_std(l) {
@@ -281,7 +274,7 @@ fn flush(registry: &Registry) {
 
 /// Accepts connections and hands each to the least loaded reactor; beyond
 /// `server.max_connections` open, closes them at once.
-async fn accept(
+pub(crate) async fn accept(
     listener: tokio::net::TcpListener,
     reactors: Vec<reactor::Handle>,
     registry: Arc<Registry>,

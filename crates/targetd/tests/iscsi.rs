@@ -1194,24 +1194,102 @@ async fn a_reload_keeps_what_was_made_live_unless_forced() {
     .unwrap();
     handle(&d.registry, AdminRequest::Reload { force: false }).unwrap();
 
-    // A portal added in the file: applied at the next start, and dump says so.
+    // A portal added in the file listens at once; a changed reactor count waits for the
+    // next start, and dump says so.
     let file = d.dir.path().join("config.toml");
     let text = std::fs::read_to_string(&file).unwrap();
-    let text = text.replacen("portals = [", "portals = [\"127.0.0.1:1\", ", 1);
+    let text = text
+        .replacen("portals = [", "portals = [\"127.0.0.1:0\", ", 1)
+        .replacen("reactors = 2", "reactors = 3", 1);
     std::fs::write(&file, text).unwrap();
     let changes = handle(&d.registry, AdminRequest::Reload { force: false }).unwrap();
+    let changes = changes.to_string();
     assert!(
-        changes
-            .to_string()
-            .contains("server.portals: takes effect at the next start"),
+        changes.contains("server.portals: listening on 127.0.0.1:")
+            && changes.contains("server.reactors: takes effect at the next start"),
         "{changes}"
     );
+    assert_eq!(d.registry.portals.lock().unwrap().len(), 2, "{changes}");
     let dump = handle(&d.registry, AdminRequest::ConfigDump).unwrap();
     let dump = dump.as_str().unwrap();
     assert!(
-        dump.starts_with("# waiting for a restart: server.portals = [\"127.0.0.1:1\""),
+        dump.starts_with("# waiting for a restart: server.reactors = 3 (running with 2)"),
         "{dump}"
     );
+    assert!(!dump.contains("server.portals ="), "{dump}");
+}
+
+/// `targetctl portal add/remove`: a portal listens at once (logins through it, SendTargets
+/// names it), stops at once (its sessions stay), and the last one cannot go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn portals_are_added_and_removed_while_running() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let ctl = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
+            .arg("--socket")
+            .arg(d.socket())
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = ctl(&["portal", "add", "127.0.0.1:0"]);
+    assert!(out.status.success(), "{out:?}");
+    let said = String::from_utf8_lossy(&out.stdout).into_owned();
+    let added: std::net::SocketAddr = said
+        .split("listening on ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("the new portal's address in {said:?}"));
+    // A login through it, and SendTargets through the first portal names both.
+    let url = |a: std::net::SocketAddr| {
+        initiator_bench::IscsiUrl::parse(&format!("iscsi://{a}/{TARGET}/0")).unwrap()
+    };
+    let s = Session::connect(&url(added), opts())
+        .await
+        .expect("a login on the new portal");
+    let found = initiator_bench::discover(&d.url(TARGET, 0), &opts())
+        .await
+        .expect("discovery");
+    assert!(
+        found[0]
+            .addresses
+            .iter()
+            .any(|a| a.starts_with(&added.to_string())),
+        "{:?}",
+        found[0].addresses
+    );
+    // Removed by the address it bound: no new connections, the session stays.
+    let out = ctl(&["portal", "remove", &added.to_string()]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains(&format!("no longer listening on {added}")),
+        "{out:?}"
+    );
+    assert!(
+        tokio::net::TcpStream::connect(added).await.is_err(),
+        "still listening"
+    );
+    let r = s
+        .execute(Command::read(s.lun(), cdb::read(0, 1), 512))
+        .await
+        .expect("the session on the removed portal goes on");
+    assert!(matches!(
+        r.status,
+        iscsi_pdu::ScsiStatus::GOOD | iscsi_pdu::ScsiStatus::CHECK_CONDITION
+    ));
+    // The last portal stays.
+    let first = d.addr.to_string();
+    let out = ctl(&["portal", "remove", &first]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("the only portal"),
+        "{out:?}"
+    );
+    // What runs is what the config says: saved, it keeps the first portal only.
+    let dump = ctl(&["config", "dump"]);
+    let dump = String::from_utf8_lossy(&dump.stdout);
+    assert!(!dump.contains("waiting for a restart"), "{dump}");
 }
 
 /// `targetctl lun add` of the LUN `table` describes (a `[[targets.luns]]` table's keys) to the

@@ -66,6 +66,11 @@ enum Command {
         #[command(subcommand)]
         action: TargetAction,
     },
+    /// iSCSI portals: add, remove, at once (`config save` keeps them).
+    Portal {
+        #[command(subcommand)]
+        action: PortalAction,
+    },
     /// Sessions: kill.
     Session {
         #[command(subcommand)]
@@ -225,6 +230,20 @@ enum LunAction {
         /// Disarm every fault of the unit instead.
         #[arg(long, conflicts_with_all = ["ops", "lba", "blocks", "count"])]
         clear: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum PortalAction {
+    /// Listens on one more address (`host:port`; port 0 picks a free one).
+    Add {
+        /// The address.
+        address: String,
+    },
+    /// Stops listening on a portal; its connections stay.
+    Remove {
+        /// As added, or the address it listens on.
+        address: String,
     },
 }
 
@@ -554,6 +573,10 @@ fn run(args: Args) -> Result<()> {
                 }
             }
             TargetAction::Remove { name } => AdminRequest::TargetRemove { name },
+        },
+        Command::Portal { action } => match action {
+            PortalAction::Add { address } => AdminRequest::PortalAdd { address },
+            PortalAction::Remove { address } => AdminRequest::PortalRemove { address },
         },
         Command::Session {
             action: SessionAction::Kill { tsih },
