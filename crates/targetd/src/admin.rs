@@ -776,6 +776,25 @@ fn stats(registry: &Registry) -> Value {
 pub fn metrics_text(registry: &Registry) -> String {
     use std::fmt::Write;
     let mut m = String::new();
+    let _ = writeln!(
+        m,
+        "# HELP targetd_build_info the running targetd: its version and features, always 1"
+    );
+    let _ = writeln!(m, "# TYPE targetd_build_info gauge");
+    let features: Vec<&str> = [
+        ("rbd", cfg!(feature = "rbd")),
+        ("rdma", cfg!(feature = "rdma")),
+    ]
+    .into_iter()
+    .filter_map(|(f, on)| on.then_some(f))
+    .collect();
+    let _ = writeln!(
+        m,
+        "targetd_build_info{{version=\"{}\",features=\"{}\"}} 1",
+        env!("CARGO_PKG_VERSION"),
+        features.join(",")
+    );
+    let _ = writeln!(m, "# HELP targetd_sessions normal iSCSI sessions logged in");
     let _ = writeln!(m, "# TYPE targetd_sessions gauge");
     let _ = writeln!(m, "targetd_sessions {}", registry.sessions.all().len());
     let srp = crate::registry::lock(&registry.srp_channels).len();
@@ -796,6 +815,10 @@ pub fn metrics_text(registry: &Registry) -> String {
     );
     let _ = writeln!(m, "# TYPE targetd_srp_immediate_writes_total counter");
     let _ = writeln!(m, "targetd_srp_immediate_writes_total {immediate}");
+    let _ = writeln!(
+        m,
+        "# HELP targetd_connections iSCSI connections open, logged in or not"
+    );
     let _ = writeln!(m, "# TYPE targetd_connections gauge");
     let _ = writeln!(m, "targetd_connections {}", registry.connection_count());
     let refused = registry.connections_refused.load(Relaxed);
@@ -1058,16 +1081,43 @@ pub async fn serve_metrics(listener: TcpListener, registry: Arc<Registry>) {
         let Ok((mut stream, _)) = listener.accept().await else {
             continue;
         };
-        let body = metrics_text(&registry);
+        let registry = registry.clone();
         tokio::spawn(async move {
             let mut req = [0u8; 1024];
-            let _ = tokio::time::timeout(
+            let n = tokio::time::timeout(
                 std::time::Duration::from_secs(2),
                 tokio::io::AsyncReadExt::read(&mut stream, &mut req),
             )
-            .await;
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .unwrap_or(0);
+            let line = std::str::from_utf8(&req[..n])
+                .unwrap_or_default()
+                .lines()
+                .next()
+                .unwrap_or_default();
+            let mut words = line.split_whitespace();
+            let (method, path) = (words.next(), words.next());
+            let (status, kind, body) = match (method, path) {
+                (Some("GET"), Some("/metrics")) => (
+                    "200 OK",
+                    "text/plain; version=0.0.4",
+                    metrics_text(&registry),
+                ),
+                (Some("GET"), _) => (
+                    "404 Not Found",
+                    "text/plain",
+                    "the metrics are at /metrics\n".to_string(),
+                ),
+                _ => (
+                    "405 Method Not Allowed",
+                    "text/plain",
+                    "GET /metrics\n".to_string(),
+                ),
+            };
             let head = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
                 body.len()
             );
             let _ = stream.write_all(head.as_bytes()).await;

@@ -145,6 +145,11 @@ impl Server {
         })
     }
 
+    /// The address the metrics endpoint listens on (`server.metrics_listen`), if any.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().and_then(|m| m.local_addr().ok())
+    }
+
     /// The addresses the portals listen on.
     pub fn portals(&self) -> Vec<SocketAddr> {
         lock(&self.registry.portals).clone()

@@ -1416,3 +1416,54 @@ async fn target_set_changes_who_may_log_in_with_secrets_from_stdin() {
         .await
         .expect("open again");
 }
+
+/// The metrics endpoint: `GET /metrics` gives every family with its HELP and TYPE, and
+/// `targetd_build_info`; another path is 404, another method 405.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_endpoint_answers_at_metrics_only_and_describes_every_family() {
+    use std::io::{Read, Write};
+    let text = config("", &memory_target(TARGET, "")).replace(
+        "reactors = 2",
+        "reactors = 2\nmetrics_listen = \"127.0.0.1:0\"",
+    );
+    let at = std::sync::Mutex::new(None);
+    let d = Daemon::start_with(&text, |s| *at.lock().unwrap() = s.metrics_addr());
+    let addr = at.lock().unwrap().expect("the metrics endpoint listens");
+    let get = |request: &str| {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.write_all(request.as_bytes()).unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    let ok = get("GET /metrics HTTP/1.1\r\nHost: targetd\r\n\r\n");
+    assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+    let body = ok.split("\r\n\r\n").nth(1).expect("a body");
+    assert!(
+        body.contains(&format!(
+            "targetd_build_info{{version=\"{}\",",
+            env!("CARGO_PKG_VERSION")
+        )),
+        "{body}"
+    );
+    let described = |prefix: &str| -> std::collections::BTreeSet<String> {
+        body.lines()
+            .filter_map(|l| l.strip_prefix(prefix))
+            .filter_map(|l| l.split_whitespace().next())
+            .map(str::to_string)
+            .collect()
+    };
+    let (helped, typed) = (described("# HELP "), described("# TYPE "));
+    assert_eq!(helped, typed, "every family has HELP and TYPE");
+    assert!(typed.len() > 20, "{typed:?}");
+    for sample in body
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let family = sample.split(['{', ' ']).next().unwrap_or_default();
+        assert!(typed.contains(family), "{sample}: no TYPE");
+    }
+    assert!(get("GET / HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404 "));
+    assert!(get("POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405 "));
+    d.stop();
+}
