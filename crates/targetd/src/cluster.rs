@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use backend::rbd::rados::{CasError, Notification, Pool, Watch};
-use backend::rbd::{Cluster, ClusterConfig, ImageSpec};
+use backend::rbd::{Cluster, ImageSpec};
 use scsi_core::pr::{PrError, ReservationEffects, Reservations};
 use scsi_core::spc::tpg::{AccessState, PortGroup};
 use scsi_core::{BackendError, ReservationChange, Sense};
@@ -305,14 +305,8 @@ impl Keeper {
     /// A new connection to the cluster `c` names, and its pool of shared objects.
     fn connect(c: &config::Cluster) -> Result<Arc<Pool>, (String, String)> {
         let named = |e: backend::rbd::RbdError| (format!("cluster.{}", e.key()), e.to_string());
-        let cluster = Cluster::shared(&ClusterConfig {
-            ceph_conf: c.ceph_conf.clone(),
-            client: c.client.clone().unwrap_or_else(|| "admin".into()),
-            keyring: c.keyring.clone(),
-            timeout: Duration::from_secs(c.ceph_timeout.unwrap_or(config::DEFAULT_CEPH_TIMEOUT)),
-            cache: false,
-        })
-        .map_err(named)?;
+        let reach = crate::rbd::reach(&c.ceph_conf, &c.client, &c.keyring, c.ceph_timeout, false);
+        let cluster = Cluster::shared(&reach).map_err(named)?;
         Pool::open(cluster, &c.pool, c.namespace.as_deref().unwrap_or_default()).map_err(named)
     }
 

@@ -14,12 +14,30 @@ use crate::target::Target;
 
 /// The cluster a LUN's config reaches.
 pub fn cluster_config(c: &config::Lun) -> ClusterConfig {
+    reach(
+        &c.ceph_conf,
+        &c.client,
+        &c.keyring,
+        c.ceph_timeout,
+        c.write_cache,
+    )
+}
+
+/// A cluster as its config keys name it (a LUN's or `[cluster]`'s `ceph_conf`, `client`,
+/// `keyring`, `ceph_timeout`), with librbd's write cache or without.
+pub fn reach(
+    ceph_conf: &Option<std::path::PathBuf>,
+    client: &Option<String>,
+    keyring: &Option<std::path::PathBuf>,
+    ceph_timeout: Option<u64>,
+    cache: bool,
+) -> ClusterConfig {
     ClusterConfig {
-        ceph_conf: c.ceph_conf.clone(),
-        client: c.client.clone().unwrap_or_else(|| "admin".into()),
-        keyring: c.keyring.clone(),
-        timeout: Duration::from_secs(c.ceph_timeout.unwrap_or(config::DEFAULT_CEPH_TIMEOUT)),
-        cache: c.write_cache,
+        ceph_conf: ceph_conf.clone(),
+        client: client.clone().unwrap_or_else(|| "admin".into()),
+        keyring: keyring.clone(),
+        timeout: Duration::from_secs(ceph_timeout.unwrap_or(config::DEFAULT_CEPH_TIMEOUT)),
+        cache,
     }
 }
 

@@ -236,11 +236,9 @@ impl Registry {
         let count = |list: &[String], t: &str| list.iter().filter(|p| *p == t).count();
         // Bind what is new first: a failure leaves everything as it was.
         let mut bound = Vec::new();
-        let mut seen: Vec<String> = Vec::new();
         for (i, text) in portals.iter().enumerate() {
-            seen.push(text.clone());
             let have = l.accepting.iter().filter(|(t, _, _)| t == text).count();
-            if count(&seen, text) <= have {
+            if count(&portals[..=i], text) <= have {
                 continue;
             }
             let listener = std::net::TcpListener::bind(text.as_str())
