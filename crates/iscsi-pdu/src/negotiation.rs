@@ -173,6 +173,10 @@ pub struct OperationalParams {
     pub error_recovery_level: u8,
     /// iSCSIProtocolLevel.
     pub iscsi_protocol_level: u8,
+    /// RDMAExtensions (RFC 7145 section 6.3): the session runs over iSER, its data moved by
+    /// RDMA. In a side's [`Settings`]: whether this connection can (an iSER connection); a
+    /// TCP connection answers No.
+    pub rdma_extensions: bool,
 }
 
 impl Default for OperationalParams {
@@ -191,6 +195,7 @@ impl Default for OperationalParams {
             data_sequence_in_order: true,
             error_recovery_level: 0,
             iscsi_protocol_level: 1,
+            rdma_extensions: false,
         }
     }
 }
@@ -218,6 +223,7 @@ impl OperationalParams {
             "ImmediateData" => self.immediate_data,
             "DataPDUInOrder" => self.data_pdu_in_order,
             "DataSequenceInOrder" => self.data_sequence_in_order,
+            "RDMAExtensions" => self.rdma_extensions,
             _ => return None,
         })
     }
@@ -247,6 +253,7 @@ impl OperationalParams {
             "ImmediateData" => self.immediate_data = v,
             "DataPDUInOrder" => self.data_pdu_in_order = v,
             "DataSequenceInOrder" => self.data_sequence_in_order = v,
+            "RDMAExtensions" => self.rdma_extensions = v,
             _ => {}
         }
     }
@@ -301,7 +308,8 @@ impl Settings {
     /// Checks every value against the RFC's range for its key.
     pub fn validate(&self) -> Result<(), SettingsError> {
         let err = |key, reason: String| Err(SettingsError { key, reason });
-        for def in KEYS {
+        // iSER's lengths follow MaxRecvDataSegmentLength's setting, checked below.
+        for def in KEYS.iter().filter(|d| !is_iser_key(d.name)) {
             if let Kind::Min(lo, hi) | Kind::Max(lo, hi) = def.kind {
                 let v = self.operational.number(def.name).unwrap_or(0);
                 if v < lo || v > hi {
@@ -680,6 +688,33 @@ static KEYS: &[KeyDef] = &[
         true,
         false,
     ),
+    // iSER's keys (RFC 7145 section 6). Under RDMAExtensions=Yes the two RecvDataSegmentLength
+    // keys stand for MaxRecvDataSegmentLength, one per direction.
+    key("RDMAExtensions", Kind::And, Usage::Lo, true, true, true),
+    key(
+        "TargetRecvDataSegmentLength",
+        Kind::Min(512, MAX_SEGMENT),
+        Usage::Io,
+        true,
+        true,
+        true,
+    ),
+    key(
+        "InitiatorRecvDataSegmentLength",
+        Kind::Min(512, MAX_SEGMENT),
+        Usage::Io,
+        true,
+        true,
+        true,
+    ),
+    key(
+        "MaxOutstandingUnexpectedPDUs",
+        Kind::Declarative,
+        Usage::Lo,
+        true,
+        true,
+        true,
+    ),
     // Markers were removed by RFC 7143; old initiators still offer them.
     key(
         "IFMarker",
@@ -727,6 +762,20 @@ fn default_list_value(key: &str) -> &'static str {
         _ => "None",
     }
 }
+
+/// iSER's keys besides RDMAExtensions: irrelevant unless RDMAExtensions=Yes.
+fn is_iser_key(key: &str) -> bool {
+    matches!(
+        key,
+        "TargetRecvDataSegmentLength"
+            | "InitiatorRecvDataSegmentLength"
+            | "MaxOutstandingUnexpectedPDUs"
+    )
+}
+
+/// The default of TargetRecvDataSegmentLength and InitiatorRecvDataSegmentLength (RFC 7145
+/// section 6.4).
+const ISER_RECV_DATA_SEGMENT_LENGTH: u64 = 8192;
 
 /// Keys whose values the CHAP state machines consume.
 fn is_chap_key(key: &str) -> bool {
@@ -809,6 +858,22 @@ impl Negotiator {
             || matches!(self.auth, Auth::ChapTarget(_) | Auth::ChapInitiator(_))
     }
 
+    /// Whether the connection runs iSER: what the leading login agreed on RDMAExtensions; for
+    /// a connection joining a session, what the transport is (the key is the session's).
+    fn rdma(&self) -> bool {
+        if self.leading {
+            self.session.operational.rdma_extensions
+        } else {
+            self.settings.operational.rdma_extensions
+        }
+    }
+
+    /// Whether the settings ask for iSER in a normal session: the iSER keys are offered.
+    fn wants_rdma(&self) -> bool {
+        self.settings.operational.rdma_extensions
+            && self.session.declared.session_type == SessionType::Normal
+    }
+
     /// Whether authentication is required by this side's settings.
     fn auth_required(&self) -> bool {
         !self.settings.local_list("AuthMethod").contains(&"None")
@@ -834,6 +899,17 @@ impl Negotiator {
                 return Ok(false);
             }
             return Err(NegotiationError::AuthenticationRequired);
+        }
+        // An iSER connection carries a normal session only with RDMAExtensions=Yes: its data
+        // can move no other way (RFC 7145 section 5.1).
+        if to == Stage::FullFeaturePhase
+            && self.role == Role::Target
+            && self.leading
+            && self.wants_rdma()
+            && !self.session.operational.rdma_extensions
+            && !self.is_waiting()
+        {
+            return Err(NegotiationError::MissingParameter("RDMAExtensions"));
         }
         Ok(!self.is_waiting())
     }
@@ -885,8 +961,9 @@ impl Negotiator {
         let mut out = TextParams::new();
         // SessionType first, since it decides which keys are relevant; FirstBurstLength last, so
         // it can be bounded by MaxBurstLength's outcome.
+        // RDMAExtensions first too: it decides what the RecvDataSegmentLength keys mean.
         let rank = |k: &str| match k {
-            "SessionType" => 0,
+            "SessionType" | "RDMAExtensions" => 0,
             "FirstBurstLength" => 2,
             _ => 1,
         };
@@ -977,7 +1054,8 @@ impl Negotiator {
         self.settled.push(def.name);
         let irrelevant = (def.usage == Usage::Lo && !self.leading && def.kind != Kind::Declarative)
             || (def.discovery_irrelevant
-                && self.session.declared.session_type == SessionType::Discovery);
+                && self.session.declared.session_type == SessionType::Discovery)
+            || (is_iser_key(def.name) && !self.rdma());
         if irrelevant {
             out.push(key, "Irrelevant");
             return Ok(());
@@ -1021,7 +1099,7 @@ impl Negotiator {
                 let Some(theirs) = parse_number(offered).filter(|n| (lo..=hi).contains(n)) else {
                     return reject();
                 };
-                let mut ours = self.settings.operational.number(def.name).unwrap_or(0);
+                let mut ours = self.local_number(def.name);
                 if def.name == "FirstBurstLength" {
                     ours = ours.min(u64::from(self.session.operational.max_burst_length));
                 }
@@ -1116,6 +1194,9 @@ impl Negotiator {
             Kind::And => {
                 ours.boolean(def.name).unwrap_or(false) || rfc.boolean(def.name) == Some(false)
             }
+            Kind::Min(..) if is_iser_key(def.name) => {
+                ISER_RECV_DATA_SEGMENT_LENGTH <= self.local_number(def.name)
+            }
             Kind::Min(..) => number(&rfc) <= number(ours),
             Kind::Max(..) => number(&rfc) >= number(ours),
             Kind::List => self
@@ -1133,6 +1214,15 @@ impl Negotiator {
             value: value.into(),
         };
         match key {
+            // Under iSER the RecvDataSegmentLength keys say it.
+            "MaxRecvDataSegmentLength" if self.rdma() => {}
+            "MaxOutstandingUnexpectedPDUs" => {
+                // 0 (no limit) or 2 and more (RFC 7145 section 6.5). Nothing here sends
+                // unexpected PDUs beyond a NOP-In ping and an Asynchronous Message.
+                parse_number(value)
+                    .filter(|&n| n == 0 || (2..=u64::from(u32::MAX)).contains(&n))
+                    .ok_or_else(invalid)?;
+            }
             "MaxRecvDataSegmentLength" => {
                 let n = parse_number(value)
                     .filter(|n| (512..=MAX_SEGMENT).contains(n))
@@ -1190,6 +1280,18 @@ impl Negotiator {
                     self.session.task_reporting = TaskReporting::parse(value).ok_or_else(invalid)?
                 }
                 "AuthMethod" => self.auth_agreed(value)?,
+                "TargetRecvDataSegmentLength" | "InitiatorRecvDataSegmentLength" => {
+                    let n = parse_number(value).ok_or_else(invalid)? as u32;
+                    let c = &mut self.connection;
+                    // What the target receives is what the initiator sends, and back.
+                    let receives =
+                        (key == "TargetRecvDataSegmentLength") == (self.role == Role::Target);
+                    if receives {
+                        c.max_recv_data_segment_length = n;
+                    } else {
+                        c.max_send_data_segment_length = n;
+                    }
+                }
                 _ => {}
             }
         }
@@ -1331,7 +1433,8 @@ impl Negotiator {
         // The operational stage: both sides declare what they receive, then propose. An
         // initiator proposes every negotiated key; a target only those whose RFC default would
         // break its settings (it answers the rest).
-        if undeclared(self, "MaxRecvDataSegmentLength") {
+        // Under iSER (a normal session) the RecvDataSegmentLength keys take its place.
+        if undeclared(self, "MaxRecvDataSegmentLength") && !self.wants_rdma() {
             self.connection.max_recv_data_segment_length = st.max_recv_data_segment_length;
             self.declare(
                 "MaxRecvDataSegmentLength",
@@ -1350,11 +1453,29 @@ impl Negotiator {
             if def.usage == Usage::Lo && !self.leading || def.discovery_irrelevant && !normal {
                 continue;
             }
-            if self.role == Role::Target && self.default_acceptable(def) {
+            let iser = def.name == "RDMAExtensions" || is_iser_key(def.name);
+            if iser && !self.wants_rdma() {
+                continue;
+            }
+            // A target on an iSER connection asks for RDMAExtensions=Yes if the initiator has
+            // not: the session cannot run without it.
+            let needed = iser && def.name == "RDMAExtensions";
+            if self.role == Role::Target && self.default_acceptable(def) && !needed {
                 continue;
             }
             let value = self.local_value(def);
             self.propose(def.name, value, out);
+        }
+    }
+
+    /// This side's value for a numeric key: the RecvDataSegmentLength keys of iSER are bounded
+    /// by what it receives (MaxRecvDataSegmentLength's setting), as is what it sends.
+    fn local_number(&self, key: &str) -> u64 {
+        match key {
+            "TargetRecvDataSegmentLength" | "InitiatorRecvDataSegmentLength" => {
+                u64::from(self.settings.max_recv_data_segment_length)
+            }
+            _ => self.settings.operational.number(key).unwrap_or(0),
         }
     }
 
@@ -1364,12 +1485,7 @@ impl Negotiator {
             Kind::Or | Kind::And => {
                 boolean(self.settings.operational.boolean(def.name).unwrap_or(false)).to_string()
             }
-            Kind::Min(..) | Kind::Max(..) => self
-                .settings
-                .operational
-                .number(def.name)
-                .unwrap_or(0)
-                .to_string(),
+            Kind::Min(..) | Kind::Max(..) => self.local_number(def.name).to_string(),
             _ => self.settings.local_list(def.name).join(","),
         }
     }

@@ -97,6 +97,15 @@ fn target_answers_every_key() {
         ("OFMarker", "No", Some("No")),
         ("IFMarkInt", "2048~8192", Some("Irrelevant")),
         ("OFMarkInt", "2048", Some("Irrelevant")),
+        // A TCP connection cannot run iSER: its keys are refused or irrelevant.
+        ("RDMAExtensions", "Yes", Some("No")),
+        ("TargetRecvDataSegmentLength", "65536", Some("Irrelevant")),
+        (
+            "InitiatorRecvDataSegmentLength",
+            "65536",
+            Some("Irrelevant"),
+        ),
+        ("MaxOutstandingUnexpectedPDUs", "0", Some("Irrelevant")),
         ("X-com.example.Foo", "1", Some("NotUnderstood")),
         ("X#Registered", "1", Some("NotUnderstood")),
         ("NoSuchKey", "1", Some("NotUnderstood")),
@@ -583,4 +592,93 @@ fn settings_validation_names_the_key() {
     assert_eq!(s.validate().unwrap_err().key, "InitiatorName");
     Settings::default().validate().unwrap();
     target_settings().validate().unwrap();
+}
+
+/// Settings of a side of an iSER connection: digests None only (RFC 7145 leaves them to the
+/// RDMA transport), RDMAExtensions offered.
+fn iser(mut s: Settings) -> Settings {
+    s.header_digest = vec![DigestAlgorithm::None];
+    s.data_digest = vec![DigestAlgorithm::None];
+    s.operational.rdma_extensions = true;
+    s
+}
+
+#[test]
+fn iser_login_agrees_on_rdma_and_the_two_segment_lengths() {
+    let (i, t) = login(iser(initiator_settings()), iser(target_settings()), true).unwrap();
+    assert!(i.session().operational.rdma_extensions);
+    assert!(t.session().operational.rdma_extensions);
+    // Both lengths are the minimum of the two sides (65536 and 262144); MaxRecvDataSegmentLength
+    // plays no part.
+    for c in [i.connection(), t.connection()] {
+        assert_eq!(c.max_recv_data_segment_length, 65_536);
+        assert_eq!(c.max_send_data_segment_length, 65_536);
+        assert!(!c.header_digest && !c.data_digest);
+    }
+    // A target whose segments are smaller bounds what the initiator sends it, not the other
+    // way: Linux's iSER initiator declares TargetRecvDataSegmentLength=8192 and
+    // InitiatorRecvDataSegmentLength=262144.
+    let mut t = Negotiator::new(
+        Role::Target,
+        iser(target_settings()),
+        true,
+        [0; ENTROPY_LEN],
+    );
+    let out = t
+        .receive(
+            OP,
+            &params(&[
+                ("SessionType", "Normal"),
+                ("InitiatorRecvDataSegmentLength", "262144"),
+                ("TargetRecvDataSegmentLength", "8192"),
+                ("RDMAExtensions", "Yes"),
+                ("MaxRecvDataSegmentLength", "1024"),
+            ]),
+        )
+        .unwrap();
+    assert_eq!(out.get("RDMAExtensions"), Some("Yes"));
+    assert_eq!(out.get("TargetRecvDataSegmentLength"), Some("8192"));
+    assert_eq!(out.get("InitiatorRecvDataSegmentLength"), Some("262144"));
+    assert_eq!(out.get("MaxRecvDataSegmentLength"), None);
+    assert_eq!(t.connection().max_recv_data_segment_length, 8192);
+    assert_eq!(t.connection().max_send_data_segment_length, 262_144);
+    assert!(t.may_transit(OP, FFP).unwrap());
+}
+
+#[test]
+fn iser_connection_refuses_a_normal_session_without_rdma() {
+    // An initiator that does not do iSER answers the target's RDMAExtensions=Yes with No.
+    let e = login(initiator_settings(), iser(target_settings()), false).unwrap_err();
+    assert_eq!(e, NegotiationError::MissingParameter("RDMAExtensions"));
+    assert_eq!(e.login_status(), LoginStatus::MISSING_PARAMETER);
+    // A discovery session needs no data movement: RDMAExtensions is irrelevant to it.
+    let mut t = Negotiator::new(
+        Role::Target,
+        iser(target_settings()),
+        true,
+        [0; ENTROPY_LEN],
+    );
+    let out = t
+        .receive(
+            OP,
+            &params(&[("SessionType", "Discovery"), ("RDMAExtensions", "Yes")]),
+        )
+        .unwrap();
+    assert_eq!(out.get("RDMAExtensions"), Some("Irrelevant"));
+    assert!(t.may_transit(OP, FFP).unwrap());
+    // MaxOutstandingUnexpectedPDUs is checked and needs no answer.
+    let mut t = Negotiator::new(
+        Role::Target,
+        iser(target_settings()),
+        true,
+        [0; ENTROPY_LEN],
+    );
+    let bad = params(&[
+        ("RDMAExtensions", "Yes"),
+        ("MaxOutstandingUnexpectedPDUs", "1"),
+    ]);
+    assert!(matches!(
+        t.receive(OP, &bad),
+        Err(NegotiationError::InvalidValue { .. })
+    ));
 }
