@@ -7,6 +7,7 @@ pub mod deframer;
 pub mod digest;
 pub mod error;
 pub mod initiator;
+pub mod iser;
 pub mod names;
 pub mod negotiation;
 pub mod pair;

@@ -524,6 +524,22 @@ impl<B: TaskBuffer> Connection<B> {
         self.max_send
     }
 
+    /// The MaxRecvDataSegmentLength this side declared (TargetRecvDataSegmentLength under
+    /// iSER): the longest data segment the initiator may send.
+    pub fn max_recv_data_segment_length(&self) -> u32 {
+        self.negotiator.connection().max_recv_data_segment_length
+    }
+
+    /// The session's operational parameters.
+    pub fn operational(&self) -> &OperationalParams {
+        &self.op
+    }
+
+    /// Whether a task with this Initiator Task Tag is in the table.
+    pub fn has_task(&self, itt: u32) -> bool {
+        self.tasks.contains(u64::from(itt))
+    }
+
     /// The next StatSN.
     pub fn stat_sn(&self) -> SerialNumber {
         self.stat_sn
@@ -786,6 +802,48 @@ impl<B: TaskBuffer> Connection<B> {
             Some(Receiving::DataOut(d, len)) => self.data_out(&d, len, Some(buffer), nexus),
             _ => {}
         }
+    }
+
+    /// For a transport that places solicited data-out itself (iSER reads an R2T's burst
+    /// with RDMA READ): the buffer of the task the Data-Out `d` (answering one of this
+    /// connection's R2Ts, `len` bytes) goes into, lent until
+    /// [`Connection::handle_placed_data_out`]. `None` when the R2T is void (its task ended),
+    /// the range is outside the task's data, or the buffer is lent already: one placement per
+    /// task at a time.
+    pub fn lend_data_out_buffer(&mut self, d: &DataOut, len: u32) -> Option<B> {
+        let itt = d.initiator_task_tag;
+        if self.r2ts.get(&d.target_transfer_tag).map(|r| r.0) != Some(itt) {
+            return None;
+        }
+        self.take_data_out_buffer(d, len).ok().flatten()
+    }
+
+    /// The data-out lent for with [`Connection::lend_data_out_buffer`] is in `buffer`
+    /// (`placed`), or could not be moved (the transport failed): the task then ends with
+    /// ABORTED COMMAND. A buffer whose R2T went void meanwhile (its task aborted) is dropped.
+    pub fn handle_placed_data_out(
+        &mut self,
+        now: Instant,
+        d: DataOut,
+        len: u32,
+        buffer: B,
+        placed: bool,
+        nexus: &mut impl Nexus,
+    ) {
+        self.now = now;
+        self.last_rx = now;
+        self.data_out_seen = now;
+        let itt = d.initiator_task_tag;
+        if self.r2ts.get(&d.target_transfer_tag).map(|r| r.0) != Some(itt) {
+            return;
+        }
+        if !placed {
+            self.r2ts.remove(&d.target_transfer_tag);
+            self.tasks.put_buffer(u64::from(itt), buffer);
+            self.fail_task(itt, Asc::DATA_PHASE_ERROR, nexus);
+            return;
+        }
+        self.data_out(&d, len, Some(buffer), nexus);
     }
 
     /// The payload of [`Plan::Receive`] failed its data digest. At ErrorRecoveryLevel 0 it
@@ -1158,19 +1216,35 @@ impl<B: TaskBuffer> Connection<B> {
         header: &Bhs,
         nexus: &mut impl Nexus,
     ) -> Option<B> {
+        match self.take_data_out_buffer(d, len) {
+            Ok(b) => b,
+            Err(()) => {
+                self.reject(RejectReason::ProtocolError, header, nexus);
+                None
+            }
+        }
+    }
+
+    /// The task's buffer for `len` bytes of data-out at `d`'s offset, taken out of the table;
+    /// `Err` when the range runs past the task's data-out, `Ok(None)` when there is no task
+    /// or no buffer to hold it.
+    fn take_data_out_buffer(&mut self, d: &DataOut, len: u32) -> Result<Option<B>, ()> {
         let tag = u64::from(d.initiator_task_tag);
-        let t = self.tasks.get(tag)?;
+        let Some(t) = self.tasks.get(tag) else {
+            return Ok(None);
+        };
         let end = u64::from(d.buffer_offset) + u64::from(len);
         if end > u64::from(t.data_out_len) {
-            self.reject(RejectReason::ProtocolError, header, nexus);
-            return None;
+            return Err(());
         }
-        let b = self.tasks.take_buffer(tag)?;
+        let Some(b) = self.tasks.take_buffer(tag) else {
+            return Ok(None);
+        };
         if end as usize > b.len() {
             self.tasks.put_buffer(tag, b);
-            return None;
+            return Ok(None);
         }
-        Some(b)
+        Ok(Some(b))
     }
 
     /// A Data-Out has arrived: its payload (if any) is in `buffer`, which goes back to the task.

@@ -595,6 +595,13 @@ impl Rig {
             .expect("a new session is made")
     }
 
+    /// Connection `i`'s view of the target (its session, the core, the routes to it), for a
+    /// transport that drives a machine of its own on `i`'s session (iSER's tests): the
+    /// rig's own machine `i` is then left alone.
+    pub fn nexus(&mut self, i: usize) -> impl Nexus + '_ {
+        via(&mut self.target, i, &self.conns[i])
+    }
+
     /// ExpCmdSN and MaxCmdSN of connection 0's session now.
     pub fn window(&self) -> (SerialNumber, SerialNumber) {
         self.target.window(self.conns[0].nexus)
