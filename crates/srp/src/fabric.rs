@@ -353,11 +353,13 @@ impl Fabric {
     /// One RDMA operation per descriptor of `remote` over the first `len` bytes of `buffer`,
     /// in order: WRITE copies the buffer out to the peer, READ copies the peer's bytes in. The
     /// first failure ends it and puts the queue pair in the error state.
+    #[allow(clippy::too_many_arguments)]
     fn rdma(
         &mut self,
         qp: QpId,
         wr_id: u64,
         mut buffer: Vec<u8>,
+        start: usize,
         len: usize,
         remote: &[MemoryDescriptor],
         write: bool,
@@ -367,19 +369,20 @@ impl Fabric {
         } else {
             WorkOp::RdmaRead
         };
-        let mut at = 0;
+        let end = start.saturating_add(len);
+        let mut at = start;
         for d in remote {
-            if at >= len {
+            if at >= end {
                 break;
             }
-            let n = (len - at).min(d.len as usize);
+            let n = (end - at).min(d.len as usize);
             let part = MemoryDescriptor {
                 len: n as u32,
                 ..*d
             };
             let checked = match self.remote(qp, &part, write) {
                 Ok(_) if at + n > buffer.len() => Err(VerbsError::LengthError {
-                    len,
+                    len: end,
                     posted: buffer.len(),
                 }),
                 other => other,
@@ -399,33 +402,35 @@ impl Fabric {
             self.elapsed += self.costs.per_transfer + ns(self.costs.per_byte_ns * n as f64);
             at += n;
         }
-        self.complete(qp, wr_id, op, buffer, at);
+        self.complete(qp, wr_id, op, buffer, at - start);
     }
 
-    /// RDMA WRITE of the first `len` bytes of `buffer` over the peer's regions `remote`, in
-    /// order (a read's data-in).
+    /// RDMA WRITE of `buffer[at..at + len]` over the peer's regions `remote`, in order (a
+    /// read's data-in).
     pub fn post_rdma_write(
         &mut self,
         qp: QpId,
         wr_id: u64,
         buffer: Vec<u8>,
+        at: usize,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
-        self.rdma(qp, wr_id, buffer, len, remote, true);
+        self.rdma(qp, wr_id, buffer, at, len, remote, true);
     }
 
-    /// RDMA READ of `len` bytes from the peer's regions `remote`, in order, into `buffer` (a
-    /// write's data-out).
+    /// RDMA READ of `len` bytes from the peer's regions `remote`, in order, into
+    /// `buffer[at..]` (a write's data-out).
     pub fn post_rdma_read(
         &mut self,
         qp: QpId,
         wr_id: u64,
         buffer: Vec<u8>,
+        at: usize,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
-        self.rdma(qp, wr_id, buffer, len, remote, false);
+        self.rdma(qp, wr_id, buffer, at, len, remote, false);
     }
 }
 
@@ -500,10 +505,12 @@ impl Verbs for Port<'_> {
         qp: QpId,
         wr_id: u64,
         buffer: Vec<u8>,
+        at: usize,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
-        self.fabric.post_rdma_write(qp, wr_id, buffer, len, remote);
+        self.fabric
+            .post_rdma_write(qp, wr_id, buffer, at, len, remote);
     }
 
     fn post_rdma_read(
@@ -511,10 +518,12 @@ impl Verbs for Port<'_> {
         qp: QpId,
         wr_id: u64,
         buffer: Vec<u8>,
+        at: usize,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
-        self.fabric.post_rdma_read(qp, wr_id, buffer, len, remote);
+        self.fabric
+            .post_rdma_read(qp, wr_id, buffer, at, len, remote);
     }
 
     fn poll(&mut self, qp: QpId) -> Option<Completion<Vec<u8>>> {
@@ -582,15 +591,15 @@ mod tests {
         let m = f.alloc(I, 8192);
         let r = f.register(m, 4096, 4096, Access::REMOTE);
         assert_eq!(f.elapsed, Duration::from_micros(8));
-        f.post_rdma_write(t, 1, vec![7; 100], 100, &[r.descriptor(10, 100)]);
+        f.post_rdma_write(t, 1, vec![7; 100], 0, 100, &[r.descriptor(10, 100)]);
         assert_eq!(done(&mut f, t).result, Ok(()));
         assert_eq!(&f.memory(m)[4106..4206], &[7; 100][..]);
-        f.post_rdma_read(t, 2, vec![0; 100], 100, &[r.descriptor(10, 100)]);
+        f.post_rdma_read(t, 2, vec![0; 100], 0, 100, &[r.descriptor(10, 100)]);
         let back = done(&mut f, t);
         assert_eq!((back.op, back.len), (WorkOp::RdmaRead, 100));
         assert_eq!(back.buffer, [7; 100]);
         // Beyond the region, though inside the memory.
-        f.post_rdma_write(t, 3, vec![1; 100], 100, &[r.descriptor(4090, 100)]);
+        f.post_rdma_write(t, 3, vec![1; 100], 0, 100, &[r.descriptor(4090, 100)]);
         assert!(matches!(
             done(&mut f, t).result,
             Err(VerbsError::RemoteAccess { .. })
@@ -607,7 +616,7 @@ mod tests {
                 remote_write: false,
             },
         );
-        f.post_rdma_write(t, 4, vec![1; 8], 8, &[ro.descriptor(0, 8)]);
+        f.post_rdma_write(t, 4, vec![1; 8], 0, 8, &[ro.descriptor(0, 8)]);
         assert_eq!(
             done(&mut f, t).result,
             Err(VerbsError::RemoteOperation(ro.rkey))
@@ -616,12 +625,12 @@ mod tests {
         let (t, _) = f.connect(T, I);
         let own = f.alloc(T, 64);
         let own = f.register(own, 0, 64, Access::REMOTE);
-        f.post_rdma_write(t, 5, vec![1; 8], 8, &[own.descriptor(0, 8)]);
+        f.post_rdma_write(t, 5, vec![1; 8], 0, 8, &[own.descriptor(0, 8)]);
         assert!(done(&mut f, t).result.is_err());
         // A deregistered key grants nothing.
         let (t, _) = f.connect(T, I);
         f.deregister(r.rkey);
-        f.post_rdma_read(t, 6, vec![0; 8], 8, &[r.descriptor(0, 8)]);
+        f.post_rdma_read(t, 6, vec![0; 8], 0, 8, &[r.descriptor(0, 8)]);
         assert!(done(&mut f, t).result.is_err());
         // The verbs of a node register only that node's memory.
         assert_eq!(
@@ -644,11 +653,11 @@ mod tests {
             })
             .collect();
         let data: Vec<u8> = (0..3 * 4096).map(|i| (i / 4096) as u8).collect();
-        f.post_rdma_write(t, 1, data.clone(), data.len(), &regions);
+        f.post_rdma_write(t, 1, data.clone(), 0, data.len(), &regions);
         assert_eq!(done(&mut f, t).len, 3 * 4096);
         assert_eq!(f.memory(m)[0], 2);
         assert_eq!(f.memory(m)[2 * 4096], 0);
-        f.post_rdma_read(t, 2, vec![0; 3 * 4096], 3 * 4096, &regions);
+        f.post_rdma_read(t, 2, vec![0; 3 * 4096], 0, 3 * 4096, &regions);
         assert_eq!(done(&mut f, t).buffer, data);
         assert_eq!(f.counters.transfers, 6);
         assert_eq!(f.counters.registrations, [0, 3]);

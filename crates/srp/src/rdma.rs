@@ -821,18 +821,21 @@ impl<B: Registered> RdmaVerbs<B> {
     }
 
     /// Posts one chain: a receive (`op` Recv), a send, or one RDMA READ/WRITE per remote
-    /// descriptor over the first `len` bytes of `buffer`. Only the last is signalled.
+    /// descriptor over `buffer[start..start + len]`. Only the last is signalled.
+    #[allow(clippy::too_many_arguments)]
     fn post(
         &mut self,
         qp: QpHandle,
         wr_id: u64,
         op: WorkOp,
         buffer: B,
+        start: usize,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
-        let addr = buffer.as_ptr() as u64;
-        let lkey = self.local_key(addr, buffer.len());
+        let base = buffer.as_ptr() as u64;
+        let lkey = self.local_key(base, buffer.len());
+        let addr = base + start.min(buffer.len()) as u64;
         let failed = |e: VerbsError, buffer: B| Completion {
             wr_id,
             op,
@@ -852,9 +855,9 @@ impl<B: Registered> RdmaVerbs<B> {
                 .push_back(failed(VerbsError::Registration, buffer));
             return;
         };
-        if len > buffer.len() {
+        if start.saturating_add(len) > buffer.len() {
             let e = VerbsError::LengthError {
-                len,
+                len: start.saturating_add(len),
                 posted: buffer.len(),
             };
             q.immediate.push_back(failed(e, buffer));
@@ -1113,11 +1116,11 @@ impl<B: Registered> Verbs for RdmaVerbs<B> {
 
     fn post_recv(&mut self, qp: QpHandle, wr_id: u64, buffer: B) {
         let len = buffer.len();
-        self.post(qp, wr_id, WorkOp::Recv, buffer, len, &[]);
+        self.post(qp, wr_id, WorkOp::Recv, buffer, 0, len, &[]);
     }
 
     fn post_send(&mut self, qp: QpHandle, wr_id: u64, buffer: B, len: usize) {
-        self.post(qp, wr_id, WorkOp::Send, buffer, len, &[]);
+        self.post(qp, wr_id, WorkOp::Send, buffer, 0, len, &[]);
     }
 
     fn post_rdma_write(
@@ -1125,10 +1128,11 @@ impl<B: Registered> Verbs for RdmaVerbs<B> {
         qp: QpHandle,
         wr_id: u64,
         buffer: B,
+        at: usize,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
-        self.post(qp, wr_id, WorkOp::RdmaWrite, buffer, len, remote);
+        self.post(qp, wr_id, WorkOp::RdmaWrite, buffer, at, len, remote);
     }
 
     fn post_rdma_read(
@@ -1136,10 +1140,11 @@ impl<B: Registered> Verbs for RdmaVerbs<B> {
         qp: QpHandle,
         wr_id: u64,
         buffer: B,
+        at: usize,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
-        self.post(qp, wr_id, WorkOp::RdmaRead, buffer, len, remote);
+        self.post(qp, wr_id, WorkOp::RdmaRead, buffer, at, len, remote);
     }
 
     fn poll(&mut self, qp: QpHandle) -> Option<Completion<B>> {

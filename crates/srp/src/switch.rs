@@ -188,7 +188,9 @@ pub struct Endpoint<B> {
     node: NodeId,
     /// Work requests posted and not completed, by the number the fabric knows them by: the
     /// caller's id and buffer.
-    posted: Vec<Option<(u64, B)>>,
+    /// Buffers the verbs hold, by the fabric's request id: the caller's id, the buffer, and
+    /// where in it a transfer starts.
+    posted: Vec<Option<(u64, B, usize)>>,
     free: Vec<usize>,
     /// Staging copies back from the fabric, for reuse: steady state allocates none.
     staging: Vec<Vec<u8>>,
@@ -270,8 +272,8 @@ impl<B: DerefMut<Target = [u8]>> Endpoint<B> {
     }
 
     /// Keeps a posted request's id and buffer until its completion; the fabric's number for it.
-    fn park(&mut self, wr_id: u64, buffer: B) -> u64 {
-        let entry = Some((wr_id, buffer));
+    fn park(&mut self, wr_id: u64, buffer: B, at: usize) -> u64 {
+        let entry = Some((wr_id, buffer, at));
         match self.free.pop() {
             Some(i) => {
                 self.posted[i] = entry;
@@ -372,13 +374,13 @@ impl<B: DerefMut<Target = [u8]>> Verbs for Endpoint<B> {
 
     fn post_recv(&mut self, qp: QpId, wr_id: u64, buffer: B) {
         let stage = self.stage(buffer.len(), None);
-        let id = self.park(wr_id, buffer);
+        let id = self.park(wr_id, buffer, 0);
         self.post(qp, |f| f.post_recv(qp, id, stage));
     }
 
     fn post_send(&mut self, qp: QpId, wr_id: u64, buffer: B, len: usize) {
         let stage = self.stage(len, Some(&buffer));
-        let id = self.park(wr_id, buffer);
+        let id = self.park(wr_id, buffer, 0);
         self.post(qp, |f| f.post_send(qp, id, stage, len));
     }
 
@@ -387,12 +389,13 @@ impl<B: DerefMut<Target = [u8]>> Verbs for Endpoint<B> {
         qp: QpId,
         wr_id: u64,
         buffer: B,
+        at: usize,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
-        let stage = self.stage(len, Some(&buffer));
-        let id = self.park(wr_id, buffer);
-        self.post(qp, |f| f.post_rdma_write(qp, id, stage, len, remote));
+        let stage = self.stage(len, buffer.get(at..));
+        let id = self.park(wr_id, buffer, at);
+        self.post(qp, |f| f.post_rdma_write(qp, id, stage, 0, len, remote));
     }
 
     fn post_rdma_read(
@@ -400,23 +403,25 @@ impl<B: DerefMut<Target = [u8]>> Verbs for Endpoint<B> {
         qp: QpId,
         wr_id: u64,
         buffer: B,
+        at: usize,
         len: usize,
         remote: &[MemoryDescriptor],
     ) {
-        let stage = self.stage(len.min(buffer.len()), None);
-        let id = self.park(wr_id, buffer);
-        self.post(qp, |f| f.post_rdma_read(qp, id, stage, len, remote));
+        let stage = self.stage(len.min(buffer.len().saturating_sub(at)), None);
+        let id = self.park(wr_id, buffer, at);
+        self.post(qp, |f| f.post_rdma_read(qp, id, stage, 0, len, remote));
     }
 
     fn poll(&mut self, qp: QpId) -> Option<Completion<B>> {
         let c = self.switch.lock().fabric.poll(qp)?;
         let i = c.wr_id as usize;
-        let (wr_id, mut buffer) = self.posted.get_mut(i)?.take()?;
+        let (wr_id, mut buffer, at) = self.posted.get_mut(i)?.take()?;
         self.free.push(i);
         let inbound = matches!(c.op, WorkOp::Recv | WorkOp::RdmaRead);
         if inbound && c.result.is_ok() {
-            let n = c.len.min(buffer.len()).min(c.buffer.len());
-            buffer[..n].copy_from_slice(&c.buffer[..n]);
+            let place = &mut buffer[at.min(c.buffer.len().max(at))..];
+            let n = c.len.min(place.len()).min(c.buffer.len());
+            place[..n].copy_from_slice(&c.buffer[..n]);
         }
         if self.staging.len() < KEPT_STAGING {
             self.staging.push(c.buffer);
@@ -533,17 +538,37 @@ mod tests {
         assert_eq!((received.op, received.len), (WorkOp::Recv, 7));
         assert_eq!(&received.buffer[..7], b"command");
         // RDMA READ from the initiator's memory lands in the target's own buffer.
-        target.post_rdma_read(qp, 3, local(&[0; 5]), 5, &[memory.1.descriptor(0, 5)]);
+        target.post_rdma_read(qp, 3, local(&[0; 5]), 0, 5, &[memory.1.descriptor(0, 5)]);
         let read = target.poll(qp).expect("completes at once");
         assert_eq!(
             (read.wr_id, read.op, &read.buffer[..]),
             (3, WorkOp::RdmaRead, &b"hello"[..])
         );
-        target.post_rdma_write(qp, 4, local(b"HELLO"), 5, &[memory.1.descriptor(8, 5)]);
+        target.post_rdma_write(qp, 4, local(b"HELLO"), 0, 5, &[memory.1.descriptor(8, 5)]);
         assert_eq!(target.poll(qp).map(|c| c.result), Some(Ok(())));
         assert_eq!(
             switch.with(|f| f.memory(memory.0)[8..13].to_vec()),
             b"HELLO"
+        );
+        // At an offset into the buffer, both ways: the rest of it is left alone.
+        target.post_rdma_read(qp, 6, local(&[9; 12]), 4, 5, &[memory.1.descriptor(0, 5)]);
+        let read = target.poll(qp).expect("completes at once");
+        assert_eq!(
+            (read.len, &read.buffer[..]),
+            (5, &b"\x09\x09\x09\x09hello\x09\x09\x09"[..])
+        );
+        target.post_rdma_write(
+            qp,
+            7,
+            local(b"..WORLD.."),
+            2,
+            5,
+            &[memory.1.descriptor(16, 5)],
+        );
+        assert_eq!(target.poll(qp).map(|c| c.result), Some(Ok(())));
+        assert_eq!(
+            switch.with(|f| f.memory(memory.0)[16..21].to_vec()),
+            b"WORLD"
         );
         target.post_send(qp, 5, local(b"response"), 8);
         let got = initiator.join().expect("the initiator's thread");

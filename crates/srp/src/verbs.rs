@@ -177,23 +177,26 @@ pub trait Verbs {
     fn post_recv(&mut self, qp: Self::Qp, wr_id: u64, buffer: Self::Buffer);
     /// Sends the first `len` bytes of `buffer` to the peer's next posted receive.
     fn post_send(&mut self, qp: Self::Qp, wr_id: u64, buffer: Self::Buffer, len: usize);
-    /// Writes the first `len` bytes of `buffer` into the peer's memory `remote`, in order (one
-    /// RDMA WRITE per descriptor; one completion for all).
+    /// Writes `buffer[at..at + len]` into the peer's memory `remote`, in order (one RDMA
+    /// WRITE per descriptor; one completion for all).
     fn post_rdma_write(
         &mut self,
         qp: Self::Qp,
         wr_id: u64,
         buffer: Self::Buffer,
+        at: usize,
         len: usize,
         remote: &[MemoryDescriptor],
     );
-    /// Reads `len` bytes of the peer's memory `remote`, in order, into `buffer` (one RDMA
-    /// READ per descriptor; one completion for all).
+    /// Reads `len` bytes of the peer's memory `remote`, in order, into `buffer[at..]` (one
+    /// RDMA READ per descriptor; one completion for all). `at` lets a transport that
+    /// solicits data in bursts (iSER) read each into its place in one task buffer.
     fn post_rdma_read(
         &mut self,
         qp: Self::Qp,
         wr_id: u64,
         buffer: Self::Buffer,
+        at: usize,
         len: usize,
         remote: &[MemoryDescriptor],
     );

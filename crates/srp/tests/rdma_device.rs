@@ -110,7 +110,7 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
         .expect("a descriptor");
     let mut data = v.slot().expect("a slot");
     data[..5].copy_from_slice(b"hello");
-    v.post_rdma_write(qp, 8, data, 5, &[d]);
+    v.post_rdma_write(qp, 8, data, 0, 5, &[d]);
     let w = wait(|| v.poll(qp));
     assert_eq!((w.op, w.result), (WorkOp::RdmaWrite, Ok(())));
     let mut back = v.slot().expect("a slot");
@@ -120,7 +120,7 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
         len: 4,
         ..d
     };
-    v.post_rdma_read(qp, 9, back, 4, &[at]);
+    v.post_rdma_read(qp, 9, back, 0, 4, &[at]);
     let rd = wait(|| v.poll(qp));
     assert_eq!((rd.op, rd.result), (WorkOp::RdmaRead, Ok(())));
     assert_eq!(&rd.buffer[..4], b"read");

@@ -161,7 +161,7 @@ impl<Q: Copy> Driver<Q> {
                             buffers.payload(verbs, v).ok_or(Broken::NoPayloadBuffer)?
                         }
                     };
-                    verbs.post_rdma_write(qp, 0, data, len as usize, &regions);
+                    verbs.post_rdma_write(qp, 0, data, 0, len as usize, &regions);
                     machine.recycle(regions);
                 }
                 Transmit::RdmaRead {
@@ -173,7 +173,7 @@ impl<Q: Copy> Driver<Q> {
                 } => {
                     self.reads.insert(transfer, Read::DataOut(tag));
                     let data = buffers.data(buffer);
-                    verbs.post_rdma_read(qp, transfer, data, len as usize, &regions);
+                    verbs.post_rdma_read(qp, transfer, data, 0, len as usize, &regions);
                     machine.recycle(regions);
                 }
                 Transmit::ReadTable {
@@ -185,7 +185,7 @@ impl<Q: Copy> Driver<Q> {
                     match buffers.table(verbs, len) {
                         Some(b) => {
                             self.reads.insert(transfer, Read::Table(tag));
-                            verbs.post_rdma_read(qp, transfer, b, len, &[table]);
+                            verbs.post_rdma_read(qp, transfer, b, 0, len, &[table]);
                         }
                         // No room for the table now: the command fails.
                         None => machine.handle_table(now, tag, transfer, None, core),
