@@ -17,6 +17,7 @@ pub mod admin;
 pub mod cluster;
 pub mod config;
 pub mod iscsi;
+pub mod iser;
 pub mod notify;
 #[cfg(feature = "rbd")]
 pub mod rbd;

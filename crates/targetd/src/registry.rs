@@ -622,6 +622,36 @@ impl Admission<'_> {
     pub fn take_session(&mut self) -> Option<Arc<Session>> {
         self.session.take()
     }
+
+    /// What it has learnt so far, to go on with in the login's next request
+    /// ([`Registry::admission_from`]).
+    pub fn into_state(self) -> AdmissionState {
+        AdmissionState {
+            target: self.target,
+            session: self.session,
+        }
+    }
+}
+
+/// What an [`Admission`] has learnt between two requests of one login (the target a normal
+/// login named, the session it made): for a shell that takes a login's requests one at a time
+/// as they arrive (iSER's), rather than in one loop as a TCP connection does.
+#[derive(Default)]
+pub struct AdmissionState {
+    target: Option<Arc<Target>>,
+    session: Option<Arc<Session>>,
+}
+
+impl Registry {
+    /// The admission of a login that has already had `state` from earlier requests.
+    pub fn admission_from<'a>(&'a self, peer: &'a Peer, state: AdmissionState) -> Admission<'a> {
+        Admission {
+            registry: self,
+            peer,
+            target: state.target,
+            session: state.session,
+        }
+    }
 }
 
 impl LoginPolicy for Admission<'_> {

@@ -164,14 +164,7 @@ impl Server {
         node: srp::fabric::NodeId,
         service: &str,
     ) -> Result<(), StartError> {
-        let reactor = self
-            .reactors
-            .iter()
-            .min_by_key(|r| r.connections.load(Ordering::Relaxed))
-            .ok_or_else(|| StartError {
-                key: "server.reactors".into(),
-                reason: "no reactor runs".into(),
-            })?;
+        let reactor = self.least_loaded()?;
         let (switch, name) = (switch.clone(), service.to_string());
         crate::srp::start_port(reactor, self.registry.clone(), move |_| {
             crate::srp::FabricPort::listen(&switch, node, &name).map_err(|e| e.to_string())
@@ -180,6 +173,39 @@ impl Server {
             key: format!("SRP fabric service {service:?}"),
             reason,
         })
+    }
+
+    /// Serves iSER on the software fabric `switch` as its node `node`, listening on
+    /// `service`: iSCSI over RDMA in the process, for an embedding's or a test's initiator on
+    /// the same switch. The portal runs on the least loaded reactor until the daemon stops.
+    pub fn serve_iser_fabric(
+        &self,
+        switch: &Arc<srp::switch::Switch>,
+        node: srp::fabric::NodeId,
+        service: &str,
+    ) -> Result<(), StartError> {
+        let reactor = self.least_loaded()?;
+        let (switch, name) = (switch.clone(), service.to_string());
+        let open = move |_: &crate::reactor::Io| {
+            crate::srp::FabricPort::listen(&switch, node, &name).map_err(|e| e.to_string())
+        };
+        crate::srp::start_on(reactor, self.registry.clone(), open, crate::iser::serve).map_err(
+            |reason| StartError {
+                key: format!("iSER fabric service {service:?}"),
+                reason,
+            },
+        )
+    }
+
+    /// The reactor serving the fewest connections.
+    fn least_loaded(&self) -> Result<&crate::reactor::Handle, StartError> {
+        self.reactors
+            .iter()
+            .min_by_key(|r| r.connections.load(Ordering::Relaxed))
+            .ok_or_else(|| StartError {
+                key: "server.reactors".into(),
+                reason: "no reactor runs".into(),
+            })
     }
 
     /// The registry every part shares (for embedding and tests).

@@ -416,13 +416,25 @@ pub fn start_port<F: Fabric + 'static>(
     registry: Arc<Registry>,
     open: impl FnOnce(&Io) -> Result<F, String> + Send + 'static,
 ) -> Result<(), String> {
+    start_on(reactor, registry, open, serve)
+}
+
+/// Starts a port on `reactor` whose fabric `open` makes there, served by `run` (SRP's
+/// [`serve`], or iSER's [`crate::iser::serve`]) until the daemon stops. Returns once the port
+/// listens, or with the reason `open` gave.
+pub fn start_on<F: Fabric + 'static, Fut: std::future::Future<Output = ()> + 'static>(
+    reactor: &crate::reactor::Handle,
+    registry: Arc<Registry>,
+    open: impl FnOnce(&Io) -> Result<F, String> + Send + 'static,
+    run: fn(F, Rc<Io>, Arc<Registry>) -> Fut,
+) -> Result<(), String> {
     let (tx, rx) = std::sync::mpsc::channel();
     let spawned = reactor.spawn(Box::new(move |io| {
         Box::pin(async move {
             match open(&io) {
                 Ok(port) => {
                     let _ = tx.send(Ok(()));
-                    serve(port, io, registry).await;
+                    run(port, io, registry).await;
                 }
                 Err(e) => {
                     let _ = tx.send(Err(e));

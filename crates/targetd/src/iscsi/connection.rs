@@ -85,7 +85,7 @@ pub async fn wait_for(control: &Control, at_least: Request) {
 }
 
 /// What a connection's link reaches.
-enum Scope {
+pub(crate) enum Scope {
     /// A normal session: its CmdSN order and its target's SCSI core.
     Session(Arc<Session>),
     /// A discovery session: a CmdSN window of its own and no SCSI core (the machine rejects
@@ -97,19 +97,19 @@ enum Scope {
 }
 
 impl Scope {
-    fn session(&self) -> Option<&Arc<Session>> {
+    pub(crate) fn session(&self) -> Option<&Arc<Session>> {
         match self {
             Scope::Session(session) => Some(session),
             Scope::Discovery { .. } => None,
         }
     }
 
-    fn target(&self) -> Option<&Arc<Target>> {
+    pub(crate) fn target(&self) -> Option<&Arc<Target>> {
         self.session().map(|s| &s.target)
     }
 
     /// ExpCmdSN and MaxCmdSN to advertise now.
-    fn window(&self) -> (SerialNumber, SerialNumber) {
+    pub(crate) fn window(&self) -> (SerialNumber, SerialNumber) {
         match self {
             Scope::Session(session) => session.window(),
             Scope::Discovery { order, .. } => order.borrow().window(),
@@ -119,16 +119,16 @@ impl Scope {
 
 /// This connection's end of its session: its route for the core's actions, and what the core
 /// has handed back (for it, not yet taken by the machine; for other connections, not yet sent).
-struct Link {
-    id: u64,
-    peer: SocketAddr,
-    portal: SocketAddr,
-    registry: Arc<Registry>,
-    route: Route,
-    out: Outbox,
+pub(crate) struct Link {
+    pub(crate) id: u64,
+    pub(crate) peer: SocketAddr,
+    pub(crate) portal: SocketAddr,
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) route: Route,
+    pub(crate) out: Outbox,
     /// The unit whose block size the machine asked for last: the backend operation that
     /// follows runs on it without a second lookup.
-    unit: Option<Arc<crate::target::Lun>>,
+    pub(crate) unit: Option<Arc<crate::target::Lun>>,
 }
 
 /// The session and the target as one step of the connection reaches them (a PDU read, a turn
@@ -136,14 +136,14 @@ struct Link {
 /// taken at most once per step, when the machine first needs the core, and released when the
 /// step ends; so a command's CmdSN ordering, submission and immediate data cost one
 /// acquisition, and a turn that finishes several tasks takes it once for all of them.
-struct Step<'a> {
-    link: &'a mut Link,
-    scope: &'a Scope,
+pub(crate) struct Step<'a> {
+    pub(crate) link: &'a mut Link,
+    pub(crate) scope: &'a Scope,
     core: Option<CoreGuard<'a>>,
 }
 
 impl<'a> Step<'a> {
-    fn new(link: &'a mut Link, scope: &'a Scope) -> Step<'a> {
+    pub(crate) fn new(link: &'a mut Link, scope: &'a Scope) -> Step<'a> {
         Step {
             link,
             scope,
@@ -153,7 +153,7 @@ impl<'a> Step<'a> {
 
     /// The SCSI core's call `f`, the lock taken if this step does not hold it yet, and what
     /// the core hands back drained into `local`.
-    fn core<R>(
+    pub(crate) fn core<R>(
         &mut self,
         f: impl FnOnce(&Session, &mut Core, &Route, &mut Outbox) -> R,
     ) -> Option<R> {
@@ -168,7 +168,7 @@ impl<'a> Step<'a> {
 
     /// Lets the core's lock go (before taking locks that are taken before it elsewhere: the
     /// session registry's), then sends what the core routed to other connections.
-    fn release(&mut self) {
+    pub(crate) fn release(&mut self) {
         self.core = None;
         self.link.out.send_remote();
     }

@@ -1,0 +1,1001 @@
+//! iSER portals (RFC 7145): iSCSI over an RDMA reliable connection, the I/O shell around
+//! iscsi-pdu's sans-IO login and [`IserConnection`] machines on one reactor.
+//!
+//! A portal takes connect requests on its fabric (rdma_cm's, or the software fabric's),
+//! accepts each with the iSER CM reply and the receives its command window needs, then runs
+//! the login (its PDUs in Sends, negotiated with `RDMAExtensions=Yes`) through the same
+//! [`Admission`](crate::registry::Admission) as a TCP connection, and full feature phase
+//! through the same session, SCSI core and routing ([`Step`]). What the machine asks is
+//! posted on the queue pair in order: Sends of control PDUs (encoded into IU buffers), RDMA
+//! WRITE of a read's data from the arena slots the backend filled, RDMA READ of a write's
+//! solicited data into the slots the backend then writes from. Nothing is registered per I/O.
+//!
+//! All connections of a portal run in one task on one reactor, as an SRP port's channels do:
+//! the verbs belong to it. The portal wakes on the fabric, backend completions, routed core
+//! events, its control, an arena grant, and a coarse tick while connections live (their
+//! timers, and the per-connection closes asked through the session registry).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::future::poll_fn;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use backend::{Buffer, Share};
+use bytes::BytesMut;
+use iscsi_pdu::iser::{
+    self, CmReply, DataOutRead, IserConnection, IserHeader, IserPlan, RemoteBuffer, Work,
+    ISER_HEADERS_LEN,
+};
+use iscsi_pdu::negotiation::{DigestAlgorithm, NegotiationError, SessionType, Settings};
+use iscsi_pdu::pdu::LoginStatus;
+use iscsi_pdu::target::{
+    self, Close, CommandOrder, Completed, Event, Login, LoginPolicy, Nexus, NoBuffer, Payload,
+    Step as LoginStep,
+};
+use iscsi_pdu::{Pdu, SerialNumber};
+use scsi_core::{BackendError, TaskId};
+use srp::iu::MemoryDescriptor;
+use srp::verbs::{IuBuffers, PortBuffer, Verbs, WorkOp};
+use tokio::sync::mpsc;
+
+use crate::iscsi::connection::{Link, Scope, Step};
+use crate::iscsi::session::{Control, Request};
+use crate::reactor::{Inbox, Io};
+use crate::registry::{AdmissionState, ConnectionSlot, Peer, Registry};
+use crate::srp::{Fabric, Qp, SrpBuffer, IU_LEN};
+use crate::target::{next_id, Outbox, Route, Routed, MAX_IO};
+
+/// The most data a Send to the target may carry (TargetRecvDataSegmentLength): what an IU
+/// buffer holds behind the iSER header and the BHS, rounded down to 512. Linux's initiator
+/// asks for 8192.
+pub const RECV_DATA_SEGMENT_LENGTH: u32 = ((IU_LEN - ISER_HEADERS_LEN) as u32) & !511;
+
+/// Receives posted beyond the command window: NOP-Outs, task management and a logout may come
+/// as immediate PDUs outside it.
+const SPARE_RECEIVES: u32 = 8;
+
+/// Work requests one connection has on its send queue at most; more wait in its queue.
+const SEND_DEPTH: usize = 1024;
+
+/// How often the portal looks at its connections' timers and controls when nothing else
+/// wakes it.
+const TICK: Duration = Duration::from_millis(100);
+
+/// How long a connection's login may take ([`Request::Close`] otherwise), as
+/// `server.login_timeout` bounds a TCP login.
+fn login_timeout(registry: &Registry) -> Duration {
+    Duration::from_secs(registry.config().server.login_timeout)
+}
+
+/// The login's questions answered by the daemon's [`Admission`](crate::registry::Admission),
+/// with what iSER changes in the settings offered: RDMAExtensions, no digests (the RDMA
+/// transport checks every byte), segments that fit the receive buffers, and InitialR2T=Yes
+/// (unsolicited data only as immediate data: the rest is read by RDMA READ, which costs the
+/// initiator nothing, rather than sent in Data-Out Sends).
+struct Admit<'a>(crate::registry::Admission<'a>);
+
+fn for_iser(mut s: Settings) -> Settings {
+    s.header_digest = vec![DigestAlgorithm::None];
+    s.data_digest = vec![DigestAlgorithm::None];
+    s.max_recv_data_segment_length = s.max_recv_data_segment_length.min(RECV_DATA_SEGMENT_LENGTH);
+    s.operational.rdma_extensions = true;
+    s.operational.initial_r2t = true;
+    s
+}
+
+impl LoginPolicy for Admit<'_> {
+    fn normal(
+        &mut self,
+        initiator: &str,
+        target: &str,
+        tsih: u16,
+    ) -> Result<Settings, LoginStatus> {
+        self.0.normal(initiator, target, tsih).map(for_iser)
+    }
+
+    fn discovery(&mut self, initiator: &str) -> Result<Settings, LoginStatus> {
+        self.0.discovery(initiator).map(for_iser)
+    }
+
+    fn refused(&mut self, initiator: &str, target: Option<&str>, error: &NegotiationError) {
+        self.0.refused(initiator, target, error)
+    }
+
+    fn window(&self, tsih: u16, cmd_sn: SerialNumber) -> (SerialNumber, SerialNumber) {
+        self.0.window(tsih, cmd_sn)
+    }
+
+    fn complete(
+        &mut self,
+        login: &Completed,
+    ) -> Result<(u16, SerialNumber, SerialNumber), LoginStatus> {
+        self.0.complete(login)
+    }
+
+    fn entropy(&mut self) -> Result<[u8; iscsi_pdu::chap::ENTROPY_LEN], LoginStatus> {
+        self.0.entropy()
+    }
+}
+
+/// A connection in its login phase.
+struct LoginPhase {
+    login: Login,
+    state: AdmissionState,
+    deadline: Instant,
+}
+
+/// A connection in full feature phase.
+struct Full {
+    machine: IserConnection<Buffer>,
+    link: Link,
+    scope: Scope,
+    rx: mpsc::UnboundedReceiver<Routed>,
+}
+
+enum Phase {
+    Login(Box<LoginPhase>),
+    Full(Box<Full>),
+}
+
+/// One connection of a portal.
+struct Conn<Q, I> {
+    qp: Q,
+    peer: Peer,
+    phase: Phase,
+    /// Work the machine asked for that waits for an IU buffer or room on the send queue.
+    pending: VecDeque<Work<Buffer>>,
+    /// A received message whose write waits for its data buffer.
+    held: Option<I>,
+    /// RDMA READs in flight, by work request id.
+    reads: HashMap<u64, DataOutRead>,
+    /// Sends, writes and reads posted and not yet completed.
+    in_flight: usize,
+    /// Everything queued is to be sent, then the connection closes (a logout, a refused
+    /// login).
+    flush_then_close: bool,
+    /// The queue pair is gone (or is being taken down): the connection's tasks end, then it
+    /// goes.
+    lost: bool,
+    /// Disconnected, and its session told.
+    torn_down: bool,
+    _slot: ConnectionSlot,
+}
+
+/// A buffer a connection waits for.
+#[derive(Debug, Clone, Copy)]
+struct Want {
+    conn: u64,
+    tag: u64,
+    len: usize,
+    /// A write's data buffer for the held message; else a backend operation's buffer.
+    data_out: bool,
+}
+
+/// A portal: its fabric and its connections.
+struct Portal<F: Fabric> {
+    fabric: F,
+    io: Rc<Io>,
+    registry: Arc<Registry>,
+    portal: String,
+    conns: BTreeMap<u64, Conn<Qp<F>, F::Iu>>,
+    /// The connection of each backend operation in flight, by its task.
+    owners: HashMap<TaskId, u64>,
+    inbox: Rc<Inbox>,
+    share: Share,
+    waits: VecDeque<Want>,
+    logging_out: bool,
+    /// Reused for encoding Sends.
+    scratch: BytesMut,
+    next_wr: u64,
+    ids: Vec<u64>,
+}
+
+/// The address a connection on a fabric without IP addressing is known by.
+const NO_ADDRESS: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
+
+/// Serves iSER on `fabric` until the daemon stops: the task a reactor runs for an iSER portal.
+pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
+    let id = next_id();
+    let control = Arc::new(Control::default());
+    registry.register(id, control.clone());
+    let share = Share::new(&io.arena, io.arena.len() / 2);
+    let portal = fabric
+        .portal()
+        .replacen("fabric:", "iser-fabric:", 1)
+        .replacen("rdma:", "iser:", 1);
+    let mut p = Portal {
+        portal,
+        fabric,
+        io,
+        registry: registry.clone(),
+        conns: BTreeMap::new(),
+        owners: HashMap::new(),
+        inbox: Rc::new(Inbox::default()),
+        share,
+        waits: VecDeque::new(),
+        logging_out: false,
+        scratch: BytesMut::with_capacity(IU_LEN),
+        next_wr: 1,
+        ids: Vec::with_capacity(64),
+    };
+    tracing::info!(portal = %p.portal, reactor = p.io.index, "iSER portal listening");
+    loop {
+        p.turn();
+        match control.get() {
+            Request::Run => {}
+            Request::Logout if !p.logging_out => {
+                p.logging_out = true;
+                p.log_out_all();
+                continue;
+            }
+            Request::Logout => {}
+            Request::Close => break,
+        }
+        if p.logging_out && p.conns.is_empty() {
+            break;
+        }
+        let inbox = p.inbox.clone();
+        let want = p.waits.front().copied();
+        let share = p.share.clone();
+        let ticking = !p.conns.is_empty();
+        let granted = tokio::select! {
+            _ = poll_fn(|cx| p.poll_wake(cx)) => None,
+            _ = inbox.notify.notified() => None,
+            _ = control.notify.notified() => None,
+            _ = tokio::time::sleep(TICK), if ticking => None,
+            r = async { share.alloc(want.map_or(0, |w| w.len)).await }, if want.is_some() => {
+                Some(r.ok())
+            }
+        };
+        if let (Some(buffer), Some(w)) = (granted, want) {
+            p.waits.pop_front();
+            p.granted(w, buffer);
+        }
+    }
+    p.close_all();
+    registry.unregister(id);
+    tracing::info!(portal = %p.portal, "iSER portal stopped");
+}
+
+impl<F: Fabric> Portal<F> {
+    fn poll_wake(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut any = self.fabric.poll_ready(cx).is_ready();
+        for c in self.conns.values_mut() {
+            if let Phase::Full(f) = &mut c.phase {
+                while let Poll::Ready(Some(ev)) = f.rx.poll_recv(cx) {
+                    f.link.out.local.push_back(ev);
+                    any = true;
+                }
+            }
+        }
+        if any {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+
+    /// Does everything there is to do until nothing moves.
+    fn turn(&mut self) {
+        loop {
+            let mut progress = self.accept_all();
+            progress |= self.backend_completions();
+            let mut ids = std::mem::take(&mut self.ids);
+            ids.clear();
+            ids.extend(self.conns.keys().copied());
+            for &id in &ids {
+                progress |= self.step(id);
+            }
+            self.ids = ids;
+            if !progress {
+                break;
+            }
+        }
+    }
+
+    /// Accepts the connect requests that have come: each gets its receives and the iSER CM
+    /// reply; the login decides the rest.
+    fn accept_all(&mut self) -> bool {
+        let mut any = false;
+        while let Some(request) = self.fabric.next_request() {
+            any = true;
+            if self.logging_out || self.registry.stopping() {
+                self.fabric.reject(request, &[]);
+                continue;
+            }
+            let Some(slot) = self.registry.open_connection() else {
+                tracing::info!(portal = %self.portal, "iSER connection refused: server.max_connections connections are open");
+                self.fabric.reject(request, &[]);
+                continue;
+            };
+            let count = self.registry.window() + SPARE_RECEIVES;
+            let receives: Option<Vec<_>> = (0..count)
+                .map(|_| self.fabric.verbs().iu_buffer().map(PortBuffer::Iu))
+                .collect();
+            let Some(receives) = receives else {
+                tracing::warn!(portal = %self.portal, "iSER connection refused: no IU buffers left for its receives");
+                self.fabric.reject(request, &[]);
+                continue;
+            };
+            let qp = match self
+                .fabric
+                .accept(request, receives, &CmReply::default().encode())
+            {
+                Ok(qp) => qp,
+                Err(e) => {
+                    tracing::warn!(portal = %self.portal, "iSER accept: {e}");
+                    continue;
+                }
+            };
+            let id = next_id();
+            let control = Arc::new(Control::default());
+            self.registry.register(id, control.clone());
+            let peer = Peer {
+                id,
+                addr: NO_ADDRESS,
+                local: NO_ADDRESS,
+                reactor: self.io.index,
+                control,
+            };
+            tracing::debug!(portal = %self.portal, id, "iSER connection accepted");
+            self.conns.insert(
+                id,
+                Conn {
+                    qp,
+                    peer,
+                    phase: Phase::Login(Box::new(LoginPhase {
+                        login: Login::new(),
+                        state: AdmissionState::default(),
+                        deadline: Instant::now() + login_timeout(&self.registry),
+                    })),
+                    pending: VecDeque::new(),
+                    held: None,
+                    reads: HashMap::new(),
+                    in_flight: 0,
+                    flush_then_close: false,
+                    lost: false,
+                    torn_down: false,
+                    _slot: slot,
+                },
+            );
+        }
+        any
+    }
+
+    /// Hands finished backend operations to their connections.
+    fn backend_completions(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            let Some(done) = self.inbox.done.borrow_mut().pop_front() else {
+                break;
+            };
+            any = true;
+            let owner = self.owners.remove(&done.task);
+            let Some(c) = owner.and_then(|id| self.conns.get_mut(&id)) else {
+                continue;
+            };
+            if let Phase::Full(f) = &mut c.phase {
+                let mut nexus = Step::new(&mut f.link, &f.scope);
+                f.machine.connection_mut().handle_backend_done(
+                    Instant::now(),
+                    done.task,
+                    done.buffer,
+                    done.result,
+                    &mut nexus,
+                );
+            }
+        }
+        any
+    }
+
+    /// One connection's completions, core events, timers, requests and work; its end once it
+    /// is over.
+    fn step(&mut self, id: u64) -> bool {
+        let now = Instant::now();
+        let mut progress = self.completions(id, now);
+        progress |= self.machine_step(id, now);
+        progress |= self.post_work(id);
+        progress | self.end_if_over(id)
+    }
+
+    /// Takes the queue pair's completions: received messages into the login or the machine,
+    /// finished sends and writes let go, finished reads handed back.
+    fn completions(&mut self, id: u64, now: Instant) -> bool {
+        let mut progress = false;
+        loop {
+            let (qp, held) = match self.conns.get(&id) {
+                Some(c) => (c.qp, c.held.is_some()),
+                None => return progress,
+            };
+            if held {
+                // A write waits for its data buffer: its message is the next to handle.
+                return progress;
+            }
+            let Some(wc) = self.fabric.verbs().poll(qp) else {
+                return progress;
+            };
+            progress = true;
+            let failed = wc.result.is_err();
+            let c = self.conns.get_mut(&id).expect("present");
+            if wc.op != WorkOp::Recv {
+                c.in_flight = c.in_flight.saturating_sub(1);
+            }
+            if failed && !c.lost {
+                tracing::debug!(portal = %self.portal, id, op = ?wc.op, "iSER work request failed: {:?}", wc.result);
+                c.lost = true;
+            }
+            let lost = c.lost;
+            match (wc.op, wc.buffer) {
+                (WorkOp::Recv, PortBuffer::Iu(b)) if !lost => self.message(id, b, wc.len, now),
+                (WorkOp::RdmaRead, buffer) => {
+                    // Handed back also when it failed: the task gets its buffer again and ends.
+                    let c = self.conns.get_mut(&id).expect("present");
+                    let read = c.reads.remove(&wc.wr_id);
+                    if let (Some(read), PortBuffer::Data(b), Phase::Full(f)) =
+                        (read, buffer, &mut c.phase)
+                    {
+                        let mut nexus = Step::new(&mut f.link, &f.scope);
+                        f.machine
+                            .handle_rdma_read(now, read, b, !failed, &mut nexus);
+                    }
+                }
+                (_, PortBuffer::Iu(b)) => self.fabric.verbs().recycle_iu(b),
+                (_, PortBuffer::Data(_)) => {}
+            }
+        }
+    }
+
+    /// A received message of `len` bytes in `b`.
+    fn message(&mut self, id: u64, b: F::Iu, len: usize, now: Instant) {
+        let len = len.min(b.len());
+        let login = matches!(self.conns.get(&id).map(|c| &c.phase), Some(Phase::Login(_)));
+        if login {
+            self.login_message(id, &b[..len], now);
+            self.repost(id, b);
+            return;
+        }
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        let Phase::Full(f) = &mut c.phase else {
+            return;
+        };
+        let mut nexus = Step::new(&mut f.link, &f.scope);
+        let plan = f.machine.handle_message(now, &b[..len], &mut nexus);
+        drop(nexus);
+        match plan {
+            Ok(plan) => self.follow(id, b, plan, now),
+            Err(e) => {
+                tracing::info!(portal = %self.portal, id, "iSER connection dropped: {e}");
+                c.lost = true;
+                self.fabric.verbs().recycle_iu(b);
+            }
+        }
+    }
+
+    /// Carries out a message's plan: its receive buffer is posted again once its data is
+    /// copied, or held while its write waits for a buffer.
+    fn follow(&mut self, id: u64, b: F::Iu, mut plan: IserPlan<Buffer>, now: Instant) {
+        loop {
+            let Some(c) = self.conns.get_mut(&id) else {
+                return;
+            };
+            let Phase::Full(f) = &mut c.phase else {
+                return;
+            };
+            match plan {
+                IserPlan::Next => break,
+                IserPlan::Copy {
+                    mut buffer,
+                    at,
+                    from,
+                    len,
+                } => {
+                    buffer[at..at + len].copy_from_slice(&b[from..from + len]);
+                    let mut nexus = Step::new(&mut f.link, &f.scope);
+                    f.machine.handle_payload(now, buffer, &mut nexus);
+                    break;
+                }
+                IserPlan::Allocate(len) => {
+                    let got = match self.share.try_alloc(len as usize) {
+                        Ok(Some(buffer)) => Ok(buffer),
+                        Err(_) => Err(NoBuffer::TooLarge),
+                        Ok(None) if f.machine.connection().may_wait_for_buffer() => {
+                            c.held = Some(b);
+                            let w = Want {
+                                conn: id,
+                                tag: 0,
+                                len: len as usize,
+                                data_out: true,
+                            };
+                            self.waits.push_back(w);
+                            return;
+                        }
+                        Ok(None) => {
+                            self.registry.task_set_full.fetch_add(1, Ordering::Relaxed);
+                            Err(NoBuffer::Busy)
+                        }
+                    };
+                    let mut nexus = Step::new(&mut f.link, &f.scope);
+                    plan = f.machine.handle_allocated(now, got, &mut nexus);
+                }
+            }
+        }
+        self.repost(id, b);
+    }
+
+    fn repost(&mut self, id: u64, b: F::Iu) {
+        let Some(c) = self.conns.get(&id) else {
+            self.fabric.verbs().recycle_iu(b);
+            return;
+        };
+        let qp = c.qp;
+        self.fabric.verbs().post_recv(qp, 0, PortBuffer::Iu(b));
+    }
+
+    /// A Login Request: the login machine answers; on success full feature phase starts.
+    fn login_message(&mut self, id: u64, msg: &[u8], now: Instant) {
+        let registry = self.registry.clone();
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        let Phase::Login(lp) = &mut c.phase else {
+            return;
+        };
+        let req = match iser::decode(msg, iscsi_pdu::LOGIN_MAX_RECV_DATA_SEGMENT_LENGTH) {
+            Ok(iser::Message::Control(_, iser::Received::Pdu(Pdu::LoginRequest(r)))) => r,
+            other => {
+                tracing::debug!(portal = %self.portal, id, "not a login request during login: {other:?}");
+                c.lost = true;
+                return;
+            }
+        };
+        let state = std::mem::take(&mut lp.state);
+        let mut policy = Admit(registry.admission_from(&c.peer, state));
+        let step = lp.login.handle_request(&req, &mut policy);
+        let (response, done) = match step {
+            LoginStep::Continue(r) => (r, None),
+            LoginStep::Done(r, done) => (r, Some(done)),
+            LoginStep::Refused(r) => {
+                tracing::info!(portal = %self.portal, status = ?r.status, "iSER login refused");
+                c.flush_then_close = true;
+                (r, None)
+            }
+        };
+        let session = done.as_ref().and_then(|_| policy.0.take_session());
+        lp.state = policy.0.into_state();
+        c.pending
+            .push_back(Work::Send(Pdu::LoginResponse(response)));
+        if let Some(done) = done {
+            self.full_feature(id, *done, session, now);
+        }
+    }
+
+    /// The login has ended: the connection's iSER machine starts on its session.
+    fn full_feature(
+        &mut self,
+        id: u64,
+        done: Completed,
+        session: Option<Arc<crate::iscsi::session::Session>>,
+        now: Instant,
+    ) {
+        let registry = self.registry.clone();
+        let c = self.conns.get_mut(&id).expect("present");
+        let Completed {
+            negotiator,
+            initiator,
+            stat_sn,
+            cmd_sn,
+            ..
+        } = done;
+        let (scope, cid, session_type, op) = match session {
+            Some(session) => {
+                let conns = registry.sessions.connections(&session);
+                let cid = conns.iter().find(|x| x.id == id).map_or(0, |x| x.cid);
+                let op = session.params.operational;
+                (Scope::Session(session), cid, SessionType::Normal, op)
+            }
+            None => {
+                let order = std::cell::RefCell::new(CommandOrder::new(cmd_sn, registry.window()));
+                let op = negotiator.session().operational;
+                let scope = Scope::Discovery { order, initiator };
+                (scope, 0, SessionType::Discovery, op)
+            }
+        };
+        let config = registry.config();
+        let s = &config.server;
+        let settings = target::Settings {
+            cid,
+            session_type,
+            max_io: MAX_IO,
+            nop_interval: Duration::from_secs(s.nop_interval),
+            nop_timeout: Duration::from_secs(s.nop_timeout),
+            data_out_timeout: Duration::from_secs(s.data_out_timeout),
+        };
+        let conn = target::Connection::new(now, settings, negotiator, op, stat_sn);
+        let (tx, rx) = mpsc::unbounded_channel();
+        tracing::info!(portal = %self.portal, id, ?session_type, "iSER connection in full feature phase");
+        c.phase = Phase::Full(Box::new(Full {
+            // RDMA READs at once per connection: what a queue pair answers by default.
+            machine: IserConnection::new(conn, 16),
+            link: Link {
+                id,
+                peer: c.peer.addr,
+                portal: c.peer.local,
+                registry: registry.clone(),
+                route: Route { conn: id, tx },
+                out: Outbox::new(id),
+                unit: None,
+            },
+            scope,
+            rx,
+        }));
+    }
+
+    /// Core events, timers and the machine's requests of one connection.
+    fn machine_step(&mut self, id: u64, now: Instant) -> bool {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return false;
+        };
+        let mut progress = false;
+        match &mut c.phase {
+            Phase::Login(lp) => {
+                if now >= lp.deadline && !c.lost {
+                    tracing::info!(portal = %self.portal, id, "iSER login not finished in server.login_timeout");
+                    c.lost = true;
+                    progress = true;
+                }
+                if c.peer.control.get() >= Request::Close {
+                    c.lost = true;
+                }
+                return progress;
+            }
+            Phase::Full(f) => {
+                let mut nexus = Step::new(&mut f.link, &f.scope);
+                let m = f.machine.connection_mut();
+                if !c.lost && m.poll_timeout().is_some_and(|t| t <= now) {
+                    m.handle_timeout(now, &mut nexus);
+                    progress = true;
+                }
+                match c.peer.control.get() {
+                    _ if c.lost => {}
+                    Request::Logout if nexus.scope.session().is_some() => m.ask_logout(&mut nexus),
+                    Request::Logout | Request::Close => c.lost = true,
+                    Request::Run => {}
+                }
+                let mut events = Vec::new();
+                while let Some(ev) = m.poll_event(now, &mut nexus) {
+                    events.push(ev);
+                }
+                match m.closing() {
+                    Some(Close::AfterFlush) => c.flush_then_close = true,
+                    Some(Close::NoPingAnswer | Close::DataOutTimeout) => c.lost = true,
+                    None => {}
+                }
+                drop(nexus);
+                for ev in events {
+                    progress = true;
+                    self.event(id, ev);
+                }
+            }
+        }
+        progress
+    }
+
+    /// Carries out what a connection's machine asked.
+    fn event(&mut self, id: u64, e: Event<Buffer>) {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return;
+        };
+        let Phase::Full(f) = &mut c.phase else {
+            return;
+        };
+        match e {
+            Event::Backend {
+                task,
+                lun,
+                op,
+                buffer,
+            } => {
+                let unit = f.link.unit.take().filter(|u| u.config.lun == lun);
+                match unit.or_else(|| f.scope.target()?.lun(lun)) {
+                    Some(unit) => {
+                        self.owners.insert(task, id);
+                        self.io.submit(&unit, op, buffer, &self.inbox, task);
+                    }
+                    None => {
+                        let mut nexus = Step::new(&mut f.link, &f.scope);
+                        let gone = Err(BackendError::Internal);
+                        f.machine.connection_mut().handle_backend_done(
+                            Instant::now(),
+                            task,
+                            buffer,
+                            gone,
+                            &mut nexus,
+                        );
+                    }
+                }
+            }
+            Event::BufferWanted { tag, len } => self.want(Want {
+                conn: id,
+                tag,
+                len,
+                data_out: false,
+            }),
+            Event::Completed(a) => {
+                if let Some(t) = f.scope.target() {
+                    t.account(&a);
+                }
+            }
+        }
+    }
+
+    /// A buffer now if the arena has room and nobody waits before, else in turn.
+    fn want(&mut self, w: Want) {
+        if self.waits.is_empty() {
+            match self.share.try_alloc(w.len) {
+                Ok(Some(b)) => return self.granted(w, Some(b)),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::error!("iSER buffer of {} bytes: {e}", w.len);
+                    return self.granted(w, None);
+                }
+            }
+        }
+        self.waits.push_back(w);
+    }
+
+    /// Gives a connection the buffer it waited for (`None`: none can ever be had).
+    fn granted(&mut self, w: Want, buffer: Option<Buffer>) {
+        let now = Instant::now();
+        let Some(c) = self.conns.get_mut(&w.conn) else {
+            return;
+        };
+        let Phase::Full(f) = &mut c.phase else {
+            return;
+        };
+        if w.data_out {
+            let Some(b) = c.held.take() else { return };
+            let got = buffer.ok_or(NoBuffer::TooLarge);
+            let mut nexus = Step::new(&mut f.link, &f.scope);
+            let plan = f.machine.handle_allocated(now, got, &mut nexus);
+            drop(nexus);
+            self.follow(w.conn, b, plan, now);
+            return;
+        }
+        let mut nexus = Step::new(&mut f.link, &f.scope);
+        f.machine
+            .connection_mut()
+            .handle_buffer(now, w.tag, buffer, &mut nexus);
+    }
+
+    /// Posts what a connection's machine asked, in order, as far as IU buffers and the send
+    /// queue allow.
+    fn post_work(&mut self, id: u64) -> bool {
+        let mut progress = false;
+        let Some(c) = self.conns.get_mut(&id) else {
+            return false;
+        };
+        if let Phase::Full(f) = &mut c.phase {
+            let mut nexus = Step::new(&mut f.link, &f.scope);
+            while let Some(w) = f.machine.poll_work(&mut nexus) {
+                c.pending.push_back(w);
+            }
+        }
+        let qp = c.qp;
+        while c.in_flight < SEND_DEPTH {
+            let Some(w) = c.pending.pop_front() else {
+                break;
+            };
+            if c.lost {
+                // Nothing more goes out; buffers go back.
+                continue;
+            }
+            let wr = self.next_wr;
+            self.next_wr += 1;
+            let verbs = self.fabric.verbs();
+            match w {
+                Work::Send(pdu) => {
+                    self.scratch.clear();
+                    iser::encode(&pdu, &IserHeader::default(), &mut self.scratch);
+                    let Some(mut b) = verbs.iu_buffer() else {
+                        c.pending.push_front(Work::Send(pdu));
+                        break;
+                    };
+                    let n = self.scratch.len();
+                    if n > b.len() {
+                        tracing::error!(portal = %self.portal, id, "a PDU of {n} bytes is longer than an IU buffer: dropped");
+                        verbs.recycle_iu(b);
+                        continue;
+                    }
+                    b[..n].copy_from_slice(&self.scratch);
+                    verbs.post_send(qp, wr, PortBuffer::Iu(b), n);
+                }
+                Work::HelloReply(r) => {
+                    let Some(mut b) = verbs.iu_buffer() else {
+                        c.pending.push_front(Work::HelloReply(r));
+                        break;
+                    };
+                    let bytes = r.encode();
+                    b[..bytes.len()].copy_from_slice(&bytes);
+                    verbs.post_send(qp, wr, PortBuffer::Iu(b), bytes.len());
+                }
+                Work::RdmaWrite {
+                    itt,
+                    payload,
+                    len,
+                    remote,
+                } => {
+                    let buffer: SrpBuffer<F::Iu> = match payload {
+                        Payload::Buffer(b) => PortBuffer::Data(b),
+                        Payload::Bytes(bytes) => {
+                            // Parameter data: into registered memory first.
+                            let n = bytes.len();
+                            let b = if n <= IU_LEN {
+                                verbs.iu_buffer().map(|mut b| {
+                                    b[..n].copy_from_slice(&bytes);
+                                    PortBuffer::Iu(b)
+                                })
+                            } else {
+                                self.share.try_alloc(n).ok().flatten().map(|mut b| {
+                                    b[..n].copy_from_slice(&bytes);
+                                    PortBuffer::Data(b)
+                                })
+                            };
+                            let Some(b) = b else {
+                                c.pending.push_front(Work::RdmaWrite {
+                                    itt,
+                                    payload: Payload::Bytes(bytes),
+                                    len,
+                                    remote,
+                                });
+                                break;
+                            };
+                            b
+                        }
+                    };
+                    verbs.post_rdma_write(
+                        qp,
+                        wr,
+                        buffer,
+                        0,
+                        len as usize,
+                        &[descriptor(remote, len)],
+                    );
+                }
+                Work::RdmaRead {
+                    read,
+                    buffer,
+                    at,
+                    len,
+                    remote,
+                } => {
+                    c.reads.insert(wr, read);
+                    let d = descriptor(remote, len as u32);
+                    verbs.post_rdma_read(qp, wr, PortBuffer::Data(buffer), at, len, &[d]);
+                }
+            }
+            c.in_flight += 1;
+            progress = true;
+        }
+        progress
+    }
+
+    /// Ends a connection once it is over: a flushed logout or refusal, a lost queue pair, a
+    /// timeout. It is disconnected and its session told at once (the last connection of a
+    /// session closes its I_T nexus, else its tasks are aborted); it goes once its tasks have
+    /// ended and the verbs have given back every buffer.
+    fn end_if_over(&mut self, id: u64) -> bool {
+        let Some(c) = self.conns.get_mut(&id) else {
+            return false;
+        };
+        let qp = c.qp;
+        let broken = self.fabric.verbs().is_error(qp);
+        let flushed = c.flush_then_close && c.pending.is_empty() && c.in_flight == 0;
+        if !(c.lost || broken || flushed) {
+            return false;
+        }
+        c.lost = true;
+        let mut progress = false;
+        if !c.torn_down {
+            c.torn_down = true;
+            progress = true;
+            if !broken {
+                self.fabric.verbs().disconnect(qp);
+            }
+            if let Phase::Full(f) = &mut c.phase {
+                teardown(f, id, &self.registry);
+            }
+            if let Some(b) = c.held.take() {
+                self.fabric.verbs().recycle_iu(b);
+            }
+        }
+        if let Phase::Full(f) = &c.phase {
+            if !f.machine.connection().is_idle() || !f.link.out.local.is_empty() {
+                return progress;
+            }
+        }
+        if c.in_flight > 0 {
+            // Flushed work requests come back through the completions.
+            return progress;
+        }
+        let Some(c) = self.conns.remove(&id) else {
+            return progress;
+        };
+        let verbs = self.fabric.verbs();
+        while let Some(wc) = verbs.poll(qp) {
+            if let PortBuffer::Iu(b) = wc.buffer {
+                verbs.recycle_iu(b);
+            }
+        }
+        self.fabric.release(qp);
+        self.registry.unregister(id);
+        drop(c);
+        tracing::debug!(portal = %self.portal, id, "iSER connection ended");
+        true
+    }
+
+    /// Asks every connection in full feature phase to log out (the daemon is stopping).
+    fn log_out_all(&mut self) {
+        for c in self.conns.values_mut() {
+            match &mut c.phase {
+                Phase::Full(f) if f.scope.session().is_some() => {
+                    let mut nexus = Step::new(&mut f.link, &f.scope);
+                    f.machine.connection_mut().ask_logout(&mut nexus);
+                }
+                _ => c.lost = true,
+            }
+        }
+    }
+
+    /// Disconnects what is left (the daemon's drain is over).
+    fn close_all(&mut self) {
+        let ids: Vec<u64> = self.conns.keys().copied().collect();
+        for id in ids {
+            if let Some(c) = self.conns.get_mut(&id) {
+                c.lost = true;
+            }
+            self.end_if_over(id);
+            if let Some(c) = self.conns.remove(&id) {
+                self.fabric.release(c.qp);
+                self.registry.unregister(id);
+            }
+        }
+    }
+}
+
+/// A connection is gone: no queued command of it reaches the core from now on, and its
+/// session hears of it (as a TCP connection's teardown).
+fn teardown(f: &mut Full, id: u64, registry: &Registry) {
+    let mut nexus = Step::new(&mut f.link, &f.scope);
+    nexus.cancel_queued();
+    while let Ok(ev) = f.rx.try_recv() {
+        nexus.link.out.local.push_back(ev);
+    }
+    let Some(session) = nexus.scope.session().cloned() else {
+        f.machine.connection_mut().close(true, &mut nexus);
+        return;
+    };
+    // The registry's lock is taken before the core's elsewhere (a session is made).
+    nexus.release();
+    let last = registry.sessions.leave(&session, id);
+    f.machine.connection_mut().close(last, &mut nexus);
+    if last {
+        nexus.core(|session, core, _, out| core.close_session(session.nexus, out));
+        tracing::info!(tsih = session.tsih, initiator = %session.initiator, "session ends");
+    }
+}
+
+/// The initiator's buffer as the verbs name it.
+fn descriptor(remote: RemoteBuffer, len: u32) -> MemoryDescriptor {
+    MemoryDescriptor {
+        va: remote.va,
+        key: remote.stag,
+        len,
+    }
+}
