@@ -132,6 +132,9 @@ pub struct Server {
     /// SRP over RDMA listen addresses (feature `rdma`).
     #[serde(default)]
     pub rdma_portals: Vec<String>,
+    /// iSER (iSCSI over RDMA) listen addresses (feature `rdma`).
+    #[serde(default)]
+    pub iser_portals: Vec<String>,
     /// The I/O engine: "auto", "uring" or "threads".
     #[serde(default = "default_engine")]
     pub engine: String,
@@ -492,6 +495,11 @@ impl Server {
                 show(&self.rdma_portals),
                 show(&other.rdma_portals),
             ),
+            (
+                "iser_portals",
+                show(&self.iser_portals),
+                show(&other.iser_portals),
+            ),
             ("reactors", show(&self.reactors), show(&other.reactors)),
             (
                 "srp_max_iu_len",
@@ -616,7 +624,7 @@ fn rdma_unavailable() -> Option<String> {
     #[cfg(not(feature = "rdma"))]
     {
         Some(
-            "SRP over RDMA needs targetd built with the feature rdma \
+            "RDMA (SRP and iSER) needs targetd built with the feature rdma \
              (cargo build --release --features rdma); this build has no RDMA support"
                 .into(),
         )
@@ -777,17 +785,22 @@ impl Config {
                 );
             }
         }
-        for (i, p) in s.rdma_portals.iter().enumerate() {
-            if p.parse::<SocketAddr>().is_err() {
-                return fail(
-                    &format!("server.rdma_portals[{i}]"),
-                    format!("{p:?} is not an address:port"),
-                );
+        for (key, list) in [
+            ("rdma_portals", &s.rdma_portals),
+            ("iser_portals", &s.iser_portals),
+        ] {
+            for (i, p) in list.iter().enumerate() {
+                if p.parse::<SocketAddr>().is_err() {
+                    return fail(
+                        &format!("server.{key}[{i}]"),
+                        format!("{p:?} is not an address:port"),
+                    );
+                }
             }
-        }
-        if !s.rdma_portals.is_empty() {
-            if let Some(why) = rdma_unavailable() {
-                return fail("server.rdma_portals", why);
+            if !list.is_empty() {
+                if let Some(why) = rdma_unavailable() {
+                    return fail(&format!("server.{key}"), why);
+                }
             }
         }
         let (least, most) = (srp::target::MIN_IT_IU_LEN, srp::verbs::IU_BUFFER_LEN as u32);

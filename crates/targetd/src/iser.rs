@@ -58,8 +58,25 @@ pub const RECV_DATA_SEGMENT_LENGTH: u32 = ((IU_LEN - ISER_HEADERS_LEN) as u32) &
 /// as immediate PDUs outside it.
 const SPARE_RECEIVES: u32 = 8;
 
-/// Work requests one connection has on its send queue at most; more wait in its queue.
-const SEND_DEPTH: usize = 1024;
+/// Work requests one connection has on its send queue at most (Sends, RDMA WRITEs and READs,
+/// one work request each); more wait in its queue.
+const SEND_DEPTH: usize = 512;
+
+/// Connections one RDMA portal serves at once: its IU buffers are sized for them.
+pub const CONNECTIONS: u32 = 16;
+
+/// IU buffers (for all connections) and each queue pair's depths of an RDMA portal whose
+/// sessions have a command window of `window`: a receive per command and spare, and sends
+/// in flight.
+#[cfg(feature = "rdma")]
+pub fn rdma_sizes(window: u32) -> (u32, srp::rdma::QueueDepth) {
+    let recv = window + SPARE_RECEIVES;
+    let depth = srp::rdma::QueueDepth {
+        send: SEND_DEPTH as u32,
+        recv,
+    };
+    (CONNECTIONS * (recv + 64), depth)
+}
 
 /// How often the portal looks at its connections' timers and controls when nothing else
 /// wakes it.

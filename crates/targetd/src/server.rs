@@ -100,6 +100,8 @@ impl Server {
         };
         #[cfg(feature = "rdma")]
         let rdma_portals = config.server.rdma_portals.clone();
+        #[cfg(feature = "rdma")]
+        let iser_portals = config.server.iser_portals.clone();
         #[cfg(feature = "rbd")]
         if let Some(keeper) = &env.keeper {
             keeper.join(&portals).map_err(|(k, r)| fail(k, r))?;
@@ -134,6 +136,21 @@ impl Server {
                     .map_err(|e| e.to_string())
             })
             .map_err(|r| fail(key, format!("{p}: {r}")))?;
+        }
+        #[cfg(feature = "rdma")]
+        for (i, p) in iser_portals.iter().enumerate() {
+            let key = format!("server.iser_portals[{i}]");
+            let addr: SocketAddr = p
+                .parse()
+                .map_err(|_| fail(key.clone(), format!("{p:?} is not an address:port")))?;
+            let reactor = &reactors[(i + rdma_portals.len()) % reactors.len()];
+            let (slots, depth) = crate::iser::rdma_sizes(registry.window());
+            let open = move |io: &crate::reactor::Io| {
+                crate::srp::rdma::RdmaPort::open_sized(addr, &io.arena, slots, depth)
+                    .map_err(|e| e.to_string())
+            };
+            crate::srp::start_on(reactor, registry.clone(), open, crate::iser::serve)
+                .map_err(|r| fail(key, format!("{p}: {r}")))?;
         }
         Ok(Server {
             registry,

@@ -57,7 +57,11 @@ pub fn decode_pdu(msg: &[u8], max_data: u32) -> Result<Received, IserError> {
     let data_at = ISER_HEADER_LEN + BHS_LEN + ahs_len;
     let data_end = data_at + len as usize;
     let padded = data_end + padding(len as usize).len();
-    if msg.len() < data_end || msg.len() > padded {
+    // libiscsi up to 1.19 (Debian 12's) announces immediate data in a write's header but
+    // sends none: it names its whole buffer for RDMA READ instead. A command whose message
+    // ends with its headers is taken as that: a command without immediate data.
+    let announced_only = msg.len() == data_at && header.opcode() == Some(Opcode::ScsiCommand);
+    if (msg.len() < data_end && !announced_only) || msg.len() > padded {
         return Err(IserError::Length {
             received: msg.len(),
             expected: data_end,
@@ -74,6 +78,12 @@ pub fn decode_pdu(msg: &[u8], max_data: u32) -> Result<Received, IserError> {
         }),
         e => IserError::Pdu(e),
     };
+    if announced_only {
+        let mut bare = header;
+        bare.0[5..8].fill(0);
+        let pdu = Pdu::from_header_and_data(&bare, ahs, Bytes::new()).map_err(malformed)?;
+        return Ok(Received::Pdu(pdu));
+    }
     if len > 0 && header.opcode().is_some_and(placed) {
         let mut bare = header;
         bare.0[5..8].fill(0);
@@ -213,6 +223,13 @@ mod tests {
             Err(IserError::Length { .. })
         ));
         assert!(matches!(decode(&m[..40], 8192), Err(IserError::Short(40))));
+        // Cut after its headers, as libiscsi 1.19 sends a write: no immediate data.
+        let Message::Control(_, Received::Pdu(Pdu::ScsiCommand(c))) =
+            decode(&m[..ISER_HEADER_LEN + BHS_LEN], 8192).unwrap()
+        else {
+            panic!("a command without immediate data");
+        };
+        assert!(c.data.is_empty() && c.write);
     }
 
     #[test]

@@ -161,3 +161,26 @@ fn a_hello_is_answered_and_a_bad_message_is_an_error() {
     let e = p.iser.handle_message(now, &reply.encode(), &mut nx);
     assert!(matches!(e, Err(IserError::Unexpected(_))));
 }
+
+#[test]
+fn a_write_announcing_immediate_data_it_does_not_send_is_read_whole() {
+    // libiscsi 1.19: DataSegmentLength says 4 KiB, the Send holds the headers only, and the
+    // write buffer names the data from its first byte.
+    let mut p = IserRig::new();
+    let data = pattern(16384, 9);
+    let b = p.register(100, data.clone());
+    let cmd = p.command(1, true, 0, 32, Bytes::copy_from_slice(&data[..4096]));
+    let mut m = bytes::BytesMut::new();
+    super::encode(
+        &cmd,
+        &IserHeader {
+            write: Some(b),
+            read: None,
+        },
+        &mut m,
+    );
+    m.truncate(super::ISER_HEADERS_LEN);
+    p.message(&m);
+    assert_eq!(p.status(1), Some(ScsiStatus::GOOD));
+    assert_eq!(p.rig.stored(0, 32), data);
+}

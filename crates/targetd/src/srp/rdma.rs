@@ -50,7 +50,23 @@ impl RdmaPort {
         settings: &PortSettings,
     ) -> Result<RdmaPort, RdmaError> {
         let per_channel = 2 * (settings.request_limit + SPARE_RECEIVES) + 8;
-        let mut verbs = RdmaVerbs::open(None, CHANNELS * per_channel, IU_LEN)?;
+        let depth = QueueDepth {
+            // A response per credit, and RDMA transfers of one request per descriptor.
+            send: 4096,
+            recv: settings.request_limit + SPARE_RECEIVES,
+        };
+        RdmaPort::open_sized(addr, arena, CHANNELS * per_channel, depth)
+    }
+
+    /// As [`RdmaPort::open`], with `slots` IU buffers for all its connections and `depth`
+    /// for each queue pair (an iSER portal sizes them by its command window).
+    pub fn open_sized(
+        addr: SocketAddr,
+        arena: &backend::Arena,
+        slots: u32,
+        depth: QueueDepth,
+    ) -> Result<RdmaPort, RdmaError> {
+        let mut verbs = RdmaVerbs::open(None, slots, IU_LEN)?;
         verbs.register_arena(arena)?;
         let listener = Listener::bind(addr, 64)?;
         let watch = |fd| {
@@ -66,11 +82,7 @@ impl RdmaPort {
             listener,
             verbs,
             addr,
-            depth: QueueDepth {
-                // A response per credit, and RDMA transfers of one request per descriptor.
-                send: 4096,
-                recv: settings.request_limit + SPARE_RECEIVES,
-            },
+            depth,
             ready: Vec::new(),
         })
     }
