@@ -11,7 +11,8 @@
 # verbs provider, and each EXE with the shared libraries it links (as the host has them). It
 # loads the modules, gives eth0 the address 10.0.2.15, creates rxe0 on it, then runs SCRIPT (a
 # shell script, copied to /script; the EXEs are in /bin, with busybox's tools; the modules of
-# Linux's SRP initiator, ib_srp, and of SCSI disks are loaded) in /tmp with RDMA_ADDR=10.0.2.15,
+# Linux's SRP and iSER initiators, ib_srp and ib_iser, and of SCSI disks are loaded) in /tmp
+# with RDMA_ADDR=10.0.2.15,
 # and powers off. Everything the guest prints comes out on stdout; the exit status is
 # SCRIPT's (2 when the guest did not say, 3 when it did not finish in RDMA_GUEST_TIMEOUT
 # seconds, 300 by default).
@@ -90,9 +91,9 @@ def visit(m):
         visit(d)
     order.append(m)
 # rxe computes its ICRC with the crypto API's crc32.
-# Linux's own SRP initiator (ib_srp) and SCSI disks (sd_mod), as peers.
+# Linux's own SRP and iSER initiators (ib_srp, ib_iser) and SCSI disks (sd_mod), as peers.
 for m in ["crc32_generic", "virtio_pci", "virtio_net", "rdma_rxe", "ib_uverbs", "rdma_ucm",
-          "ib_srp", "sd_mod"]:
+          "ib_srp", "ib_iser", "sd_mod"]:
     visit(m)
 for m in order:
     print(index[m])
@@ -103,7 +104,8 @@ root=$dir/root
 rm -rf "$root"
 mkdir -p "$root"/{bin,etc/libibverbs.d,proc,sys,dev,tmp,lib/modules}
 cp "$dir/bb/bin/busybox" "$root/bin/busybox"
-for a in sh mount insmod ip poweroff cat echo ls sleep dmesg dd cmp wget grep head seq sync kill; do
+for a in sh mount insmod ip poweroff cat echo ls sleep dmesg dd cmp wget grep head tail seq sync kill \
+  mkdir rm printf; do
   ln -sf busybox "$root/bin/$a"
 done
 : >"$root/modules.order"

@@ -82,6 +82,12 @@ pub fn rdma_sizes(window: u32) -> (u32, srp::rdma::QueueDepth) {
 /// wakes it.
 const TICK: Duration = Duration::from_millis(100);
 
+/// How long a connection whose logout (or refused login) has been answered waits for the
+/// initiator to disconnect before the target does. The initiator closes first, as over TCP;
+/// a target that disconnects at once races an initiator that is already letting the
+/// connection go (libiscsi 1.19 then takes the disconnection for its next connection's).
+const LINGER: Duration = Duration::from_secs(2);
+
 /// How long a connection's login may take ([`Request::Close`] otherwise), as
 /// `server.login_timeout` bounds a TCP login.
 fn login_timeout(registry: &Registry) -> Duration {
@@ -174,6 +180,8 @@ struct Conn<Q, I> {
     /// Everything queued is to be sent, then the connection closes (a logout, a refused
     /// login).
     flush_then_close: bool,
+    /// Flushed: the initiator closes the connection now, or the target does at this time.
+    linger_until: Option<Instant>,
     /// The queue pair is gone (or is being taken down): the connection's tasks end, then it
     /// goes.
     lost: bool,
@@ -375,6 +383,7 @@ impl<F: Fabric> Portal<F> {
                     reads: HashMap::new(),
                     in_flight: 0,
                     flush_then_close: false,
+                    linger_until: None,
                     lost: false,
                     torn_down: false,
                     _slot: slot,
@@ -914,7 +923,16 @@ impl<F: Fabric> Portal<F> {
         let qp = c.qp;
         let broken = self.fabric.verbs().is_error(qp);
         let flushed = c.flush_then_close && c.pending.is_empty() && c.in_flight == 0;
-        if !(c.lost || broken || flushed) {
+        let now = Instant::now();
+        let lingered = match (flushed, c.linger_until) {
+            (false, _) => false,
+            (true, None) => {
+                c.linger_until = Some(now + LINGER);
+                false
+            }
+            (true, Some(t)) => now >= t,
+        };
+        if !(c.lost || broken || lingered) {
             return false;
         }
         c.lost = true;
