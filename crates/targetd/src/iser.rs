@@ -215,6 +215,8 @@ struct Portal<F: Fabric> {
     logging_out: bool,
     /// Reused for encoding Sends.
     scratch: BytesMut,
+    /// Reused for a connection's events of one turn, so a turn allocates nothing once warm.
+    events: Vec<Event<Buffer>>,
     next_wr: u64,
     ids: Vec<u64>,
 }
@@ -245,6 +247,7 @@ pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
         waits: VecDeque::new(),
         logging_out: false,
         scratch: BytesMut::with_capacity(IU_LEN),
+        events: Vec::with_capacity(256),
         next_wr: 1,
         ids: Vec::with_capacity(64),
     };
@@ -694,7 +697,7 @@ impl<F: Fabric> Portal<F> {
                     Request::Logout | Request::Close => c.lost = true,
                     Request::Run => {}
                 }
-                let mut events = Vec::new();
+                let mut events = std::mem::take(&mut self.events);
                 while let Some(ev) = m.poll_event(now, &mut nexus) {
                     events.push(ev);
                 }
@@ -704,10 +707,11 @@ impl<F: Fabric> Portal<F> {
                     None => {}
                 }
                 drop(nexus);
-                for ev in events {
+                for ev in events.drain(..) {
                     progress = true;
                     self.event(id, ev);
                 }
+                self.events = events;
             }
         }
         progress

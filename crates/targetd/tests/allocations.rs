@@ -1,7 +1,7 @@
 //! The zero-copy data path allocates nothing per I/O in steady state: a counting allocator
 //! counts heap allocations made on the reactor threads while an initiator runs 4 KiB reads and
 //! writes, after a warm-up that lets every table and queue reach its working size; over iSCSI,
-//! then over SRP (the daemon's port on the software fabric).
+//! then over SRP and over iSER (the daemon's ports on the software fabric).
 
 mod common;
 
@@ -70,8 +70,51 @@ async fn reads_and_writes_allocate_nothing_on_the_reactors_in_steady_state() {
         during < 16,
         "{during} heap allocations on the reactors for 4096 SRP I/Os"
     );
+    let during = tokio::task::spawn_blocking(iser_round_trips).await.unwrap();
+    println!("reactor allocations during 4096 iSER I/Os in steady state: {during}");
+    assert!(
+        during < 16,
+        "{during} heap allocations on the reactors for 4096 iSER I/Os"
+    );
     #[cfg(feature = "rbd")]
     rbd_round_trips().await;
+}
+
+/// The same over iSER: the test's iSER initiator against the daemon's portal on the software
+/// fabric, one command at a time over 64 blocks: 4 KiB writes as immediate data, 4 KiB writes
+/// read by RDMA READ, and 4 KiB reads written by RDMA WRITE, in turn.
+fn iser_round_trips() -> u64 {
+    use common::iser::{daemon, settings, Initiator};
+
+    let (switch, d) = daemon();
+    let mut i = Initiator::connect(&switch);
+    i.login(settings(true)).expect("logged in");
+    let _ = i.command(&[0; 6], None, 0, 0);
+    let data = pattern(4096, 1);
+    let rw10 = |op: u8, lba: u32| {
+        let mut c = [0u8; 10];
+        c[0] = op;
+        c[2..6].copy_from_slice(&lba.to_be_bytes());
+        c[8] = 8;
+        c
+    };
+    let mut round = |n: u32| {
+        for k in 0..n {
+            let lba = (k % 64) * 8;
+            let (r, _) = match k % 3 {
+                0 => i.command(&rw10(0x2a, lba), Some(&data), 4096, 0),
+                1 => i.command(&rw10(0x2a, lba), Some(&data), 0, 0),
+                _ => i.command(&rw10(0x28, lba), None, 0, 4096),
+            };
+            assert_eq!(r.status, iscsi_pdu::ScsiStatus::GOOD);
+        }
+    };
+    round(4096);
+    let before = REACTOR_ALLOCATIONS.load(Ordering::Relaxed);
+    round(4096);
+    let during = REACTOR_ALLOCATIONS.load(Ordering::Relaxed) - before;
+    d.stop();
+    during
 }
 
 /// The same over iSCSI on an RBD LUN (feature `rbd`, the cluster `CEPH_CONF` and `CEPH_POOL`

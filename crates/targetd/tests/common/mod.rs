@@ -13,6 +13,7 @@ use targetd::{Config, Registry, Server};
 
 #[cfg(feature = "rbd")]
 pub mod ceph;
+pub mod iser;
 pub mod raw;
 
 pub const TARGET: &str = "iqn.2026-11.io.example:test";
