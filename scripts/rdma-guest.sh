@@ -10,7 +10,8 @@
 # initramfs of busybox, the kernel modules rdma_rxe needs, the host's `rdma` tool and rxe
 # verbs provider, and each EXE with the shared libraries it links (as the host has them). It
 # loads the modules, gives eth0 the address 10.0.2.15, creates rxe0 on it, then runs SCRIPT (a
-# shell script, copied to /script; the EXEs are in /bin, with busybox's tools; the modules of
+# shell script, copied to /script, run with the helpers of /guest.sh: fail, start_targetd,
+# find_disk, check_disk; the EXEs are in /bin, with busybox's tools; the modules of
 # Linux's SRP and iSER initiators, ib_srp and ib_iser, and of SCSI disks are loaded) in /tmp
 # with RDMA_ADDR=10.0.2.15,
 # and powers off. Everything the guest prints comes out on stdout; the exit status is
@@ -135,6 +136,47 @@ with_libs "$rdma_tool" /bin/rdma
 with_libs "$provider" "$provider"
 cp /etc/libibverbs.d/rxe.driver "$root/etc/libibverbs.d/"
 cp "$script" "$root/script"
+# Helpers SCRIPT may call (sourced before it runs).
+cat >"$root/guest.sh" <<'EOF'
+# fail WHAT: says so, shows the kernel's and the daemon's last words, and ends the script.
+fail() {
+  echo "$1"
+  dmesg | tail -n 30
+  [ -f /tmp/iscsid.log ] && cat /tmp/iscsid.log
+  [ -f /tmp/targetd.log ] && tail -n 30 /tmp/targetd.log
+  exit 1
+}
+# start_targetd CONFIG: runs /bin/targetd on CONFIG (logging to /tmp/targetd.log, its pid in
+# $daemon) and waits for its metrics endpoint, which CONFIG puts on 127.0.0.1:9100.
+start_targetd() {
+  /bin/targetd "$1" > /tmp/targetd.log 2>&1 &
+  daemon=$!
+  for i in $(seq 1 100); do wget -qO /dev/null http://127.0.0.1:9100/metrics && return 0; sleep 0.1; done
+  fail "targetd did not start"
+}
+# find_disk WHO: waits for the SCSI disk an initiator made and sets $disk.
+find_disk() {
+  disk=
+  for i in $(seq 1 200); do
+    for b in /sys/block/sd*; do [ -e "$b" ] && disk=/dev/${b##*/}; done
+    [ -n "$disk" ] && [ -e "$disk" ] && break
+    sleep 0.1
+  done
+  [ -n "$disk" ] || fail "$1 made no disk"
+  echo "$1: logged in, $disk"
+}
+# check_disk WHO: 8 MiB written to $disk in 4 KiB direct writes and read back, then in 1 MiB.
+check_disk() {
+  dd if=/dev/urandom of=/tmp/a bs=1048576 count=8 2>/dev/null
+  dd if=/tmp/a of=$disk bs=4096 oflag=direct 2>/dev/null || fail "$1: writes failed"
+  dd if=$disk of=/tmp/b bs=65536 count=128 iflag=direct 2>/dev/null
+  cmp /tmp/a /tmp/b && echo "$1: 8 MiB written in 4 KiB writes and read back" || fail "$1: data differ"
+  dd if=/dev/urandom of=/tmp/a bs=1048576 count=8 2>/dev/null
+  dd if=/tmp/a of=$disk bs=1048576 oflag=direct 2>/dev/null || fail "$1: writes failed"
+  dd if=$disk of=/tmp/b bs=1048576 count=8 iflag=direct 2>/dev/null
+  cmp /tmp/a /tmp/b && echo "$1: 8 MiB written in 1 MiB writes and read back" || fail "$1: data differ"
+}
+EOF
 cat >"$root/init" <<'EOF'
 #!/bin/sh
 mount -t proc proc /proc
@@ -150,7 +192,7 @@ ip addr add 10.0.2.15/24 dev eth0
 if rdma link add rxe0 type rxe netdev eth0; then
   rdma link
   cd /tmp
-  RDMA_ADDR=10.0.2.15 sh /script
+  RDMA_ADDR=10.0.2.15 sh -c '. /guest.sh; . /script'
   echo "GUEST-EXIT $?"
 else
   dmesg | tail -n 20

@@ -16,7 +16,6 @@
 //! timers, and the per-connection closes asked through the session registry).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::future::poll_fn;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -44,6 +43,7 @@ use tokio::sync::mpsc;
 
 use crate::iscsi::connection::{Link, Scope, Step};
 use crate::iscsi::session::{Control, Request};
+use crate::port::{Waits, Want};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{AdmissionState, ConnectionSlot, Peer, Registry};
 use crate::srp::{Fabric, Qp, SrpBuffer, IU_LEN};
@@ -190,16 +190,6 @@ struct Conn<Q, I> {
     _slot: ConnectionSlot,
 }
 
-/// A buffer a connection waits for.
-#[derive(Debug, Clone, Copy)]
-struct Want {
-    conn: u64,
-    tag: u64,
-    len: usize,
-    /// A write's data buffer for the held message; else a backend operation's buffer.
-    data_out: bool,
-}
-
 /// A portal: its fabric and its connections.
 struct Portal<F: Fabric> {
     fabric: F,
@@ -210,15 +200,15 @@ struct Portal<F: Fabric> {
     /// The connection of each backend operation in flight, by its task.
     owners: HashMap<TaskId, u64>,
     inbox: Rc<Inbox>,
-    share: Share,
-    waits: VecDeque<Want>,
+    /// The buffers connections wait for (a write's data buffer for its held message, or a
+    /// backend operation's), from the portal's share of the reactor's arena.
+    waits: Waits,
     logging_out: bool,
     /// Reused for encoding Sends.
     scratch: BytesMut,
     /// Reused for a connection's events of one turn, so a turn allocates nothing once warm.
     events: Vec<Event<Buffer>>,
     next_wr: u64,
-    ids: Vec<u64>,
 }
 
 /// The address a connection on a fabric without IP addressing is known by.
@@ -243,62 +233,41 @@ pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
         conns: BTreeMap::new(),
         owners: HashMap::new(),
         inbox: Rc::new(Inbox::default()),
-        share,
-        waits: VecDeque::new(),
+        waits: Waits::new(share),
         logging_out: false,
         scratch: BytesMut::with_capacity(IU_LEN),
         events: Vec::with_capacity(256),
         next_wr: 1,
-        ids: Vec::with_capacity(64),
     };
     tracing::info!(portal = %p.portal, reactor = p.io.index, "iSER portal listening");
-    loop {
-        p.turn();
-        match control.get() {
-            Request::Run => {}
-            Request::Logout if !p.logging_out => {
-                p.logging_out = true;
-                p.log_out_all();
-                continue;
-            }
-            Request::Logout => {}
-            Request::Close => break,
-        }
-        if p.logging_out && p.conns.is_empty() {
-            break;
-        }
-        let inbox = p.inbox.clone();
-        let want = p.waits.front().copied();
-        let share = p.share.clone();
-        let ticking = !p.conns.is_empty();
-        let granted = tokio::select! {
-            _ = poll_fn(|cx| p.poll_wake(cx)) => None,
-            _ = inbox.notify.notified() => None,
-            _ = control.notify.notified() => None,
-            _ = tokio::time::sleep(TICK), if ticking => None,
-            r = async { share.alloc(want.map_or(0, |w| w.len)).await }, if want.is_some() => {
-                Some(r.ok())
-            }
-        };
-        if let (Some(buffer), Some(w)) = (granted, want) {
-            p.waits.pop_front();
-            p.granted(w, buffer);
-        }
-    }
-    p.close_all();
+    crate::port::serve(&mut p, &control).await;
     registry.unregister(id);
     tracing::info!(portal = %p.portal, "iSER portal stopped");
 }
 
-impl<F: Fabric> Portal<F> {
+impl<F: Fabric> crate::port::Port for Portal<F> {
+    fn accept(&mut self) -> bool {
+        self.accept_all()
+    }
+
+    fn backend_completions(&mut self) -> bool {
+        Portal::backend_completions(self)
+    }
+
+    fn ids(&self, ids: &mut Vec<u64>) {
+        ids.extend(self.conns.keys().copied());
+    }
+
+    fn step(&mut self, id: u64) -> bool {
+        Portal::step(self, id)
+    }
+
+    /// Ready when the fabric has news or another connection routed events to one of these.
     fn poll_wake(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         let mut any = self.fabric.poll_ready(cx).is_ready();
         for c in self.conns.values_mut() {
             if let Phase::Full(f) = &mut c.phase {
-                while let Poll::Ready(Some(ev)) = f.rx.poll_recv(cx) {
-                    f.link.out.local.push_back(ev);
-                    any = true;
-                }
+                any |= crate::port::take_routed(&mut f.rx, &mut f.link.out, cx);
             }
         }
         if any {
@@ -308,24 +277,39 @@ impl<F: Fabric> Portal<F> {
         }
     }
 
-    /// Does everything there is to do until nothing moves.
-    fn turn(&mut self) {
-        loop {
-            let mut progress = self.accept_all();
-            progress |= self.backend_completions();
-            let mut ids = std::mem::take(&mut self.ids);
-            ids.clear();
-            ids.extend(self.conns.keys().copied());
-            for &id in &ids {
-                progress |= self.step(id);
-            }
-            self.ids = ids;
-            if !progress {
-                break;
-            }
-        }
+    fn inbox(&self) -> Rc<Inbox> {
+        self.inbox.clone()
     }
 
+    fn waits(&mut self) -> &mut Waits {
+        &mut self.waits
+    }
+
+    fn granted(&mut self, w: Want, buffer: Option<Buffer>) {
+        Portal::granted(self, w, buffer)
+    }
+
+    fn log_out_all(&mut self) {
+        self.logging_out = true;
+        Portal::log_out_all(self)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.conns.is_empty()
+    }
+
+    fn close_all(&mut self) {
+        Portal::close_all(self)
+    }
+
+    /// Connections keep timers (NOP-In pings, the data-out and login timeouts) and may be
+    /// asked to close through the session registry.
+    fn tick(&self) -> Option<Duration> {
+        Some(TICK)
+    }
+}
+
+impl<F: Fabric> Portal<F> {
     /// Accepts the connect requests that have come: each gets its receives and the iSER CM
     /// reply; the login decides the rest.
     fn accept_all(&mut self) -> bool {
@@ -531,7 +515,7 @@ impl<F: Fabric> Portal<F> {
                     break;
                 }
                 IserPlan::Allocate(len) => {
-                    let got = match self.share.try_alloc(len as usize) {
+                    let got = match self.waits.share().try_alloc(len as usize) {
                         Ok(Some(buffer)) => Ok(buffer),
                         Err(_) => Err(NoBuffer::TooLarge),
                         Ok(None) if f.machine.connection().may_wait_for_buffer() => {
@@ -542,7 +526,11 @@ impl<F: Fabric> Portal<F> {
                                 len: len as usize,
                                 data_out: true,
                             };
-                            self.waits.push_back(w);
+                            // It waits behind any earlier wait (a buffer it got now could
+                            // not be, or `Waits::want` would have had it).
+                            if let Some(b) = self.waits.want(w) {
+                                self.granted(w, b);
+                            }
                             return;
                         }
                         Ok(None) => {
@@ -767,17 +755,9 @@ impl<F: Fabric> Portal<F> {
 
     /// A buffer now if the arena has room and nobody waits before, else in turn.
     fn want(&mut self, w: Want) {
-        if self.waits.is_empty() {
-            match self.share.try_alloc(w.len) {
-                Ok(Some(b)) => return self.granted(w, Some(b)),
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::error!("iSER buffer of {} bytes: {e}", w.len);
-                    return self.granted(w, None);
-                }
-            }
+        if let Some(b) = self.waits.want(w) {
+            self.granted(w, b);
         }
-        self.waits.push_back(w);
     }
 
     /// Gives a connection the buffer it waited for (`None`: none can ever be had).
@@ -872,7 +852,7 @@ impl<F: Fabric> Portal<F> {
                                     PortBuffer::Iu(b)
                                 })
                             } else {
-                                self.share.try_alloc(n).ok().flatten().map(|mut b| {
+                                self.waits.share().try_alloc(n).ok().flatten().map(|mut b| {
                                     b[..n].copy_from_slice(&bytes);
                                     PortBuffer::Data(b)
                                 })

@@ -19,6 +19,7 @@ pub mod config;
 pub mod iscsi;
 pub mod iser;
 pub mod notify;
+pub mod port;
 #[cfg(feature = "rbd")]
 pub mod rbd;
 pub mod reactor;

@@ -181,15 +181,7 @@ impl Server {
         node: srp::fabric::NodeId,
         service: &str,
     ) -> Result<(), StartError> {
-        let reactor = self.least_loaded()?;
-        let (switch, name) = (switch.clone(), service.to_string());
-        crate::srp::start_port(reactor, self.registry.clone(), move |_| {
-            crate::srp::FabricPort::listen(&switch, node, &name).map_err(|e| e.to_string())
-        })
-        .map_err(|reason| StartError {
-            key: format!("SRP fabric service {service:?}"),
-            reason,
-        })
+        self.serve_fabric(switch, node, service, "SRP", crate::srp::serve)
     }
 
     /// Serves iSER on the software fabric `switch` as its node `node`, listening on
@@ -201,17 +193,29 @@ impl Server {
         node: srp::fabric::NodeId,
         service: &str,
     ) -> Result<(), StartError> {
+        self.serve_fabric(switch, node, service, "iSER", crate::iser::serve)
+    }
+
+    /// A port of `protocol` served by `run` on the software fabric.
+    fn serve_fabric<Fut: Future<Output = ()> + 'static>(
+        &self,
+        switch: &Arc<srp::switch::Switch>,
+        node: srp::fabric::NodeId,
+        service: &str,
+        protocol: &str,
+        run: fn(crate::srp::FabricPort, std::rc::Rc<crate::reactor::Io>, Arc<Registry>) -> Fut,
+    ) -> Result<(), StartError> {
         let reactor = self.least_loaded()?;
         let (switch, name) = (switch.clone(), service.to_string());
         let open = move |_: &crate::reactor::Io| {
             crate::srp::FabricPort::listen(&switch, node, &name).map_err(|e| e.to_string())
         };
-        crate::srp::start_on(reactor, self.registry.clone(), open, crate::iser::serve).map_err(
-            |reason| StartError {
-                key: format!("iSER fabric service {service:?}"),
+        crate::srp::start_on(reactor, self.registry.clone(), open, run).map_err(|reason| {
+            StartError {
+                key: format!("{protocol} fabric service {service:?}"),
                 reason,
-            },
-        )
+            }
+        })
     }
 
     /// The reactor serving the fewest connections.

@@ -14,8 +14,7 @@
 //! fabric endpoint) belong to it. IU buffers are small vectors per channel, made at login
 //! and reused; data buffers are arena slots.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::future::poll_fn;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::DerefMut;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -40,7 +39,8 @@ use tokio::sync::mpsc;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 
-use crate::iscsi::session::{Control, Request};
+use crate::iscsi::session::Control;
+use crate::port::{Waits, Want};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{lock, ConnectionSlot, Registry, SrpChannelInfo};
 use crate::target::{next_id, CoreGuard, Lun, Outbox, Route, Routed, Target};
@@ -322,17 +322,6 @@ impl Core for Via<'_> {
     }
 }
 
-/// A buffer a channel waits for.
-#[derive(Debug, Clone, Copy)]
-struct Want {
-    channel: u64,
-    tag: u64,
-    len: usize,
-    /// For data-out ([`Event::Allocate`]); else for a backend operation
-    /// ([`Event::BufferWanted`]).
-    data_out: bool,
-}
-
 /// One logged-in channel.
 struct Chan<Q> {
     driver: Driver<Q>,
@@ -388,13 +377,11 @@ struct Port<F: Fabric> {
     /// The channel of each backend operation in flight, by its task.
     owners: HashMap<TaskId, u64>,
     inbox: Rc<Inbox>,
-    share: Share,
-    waits: VecDeque<Want>,
+    /// The buffers channels wait for, from the port's share of the reactor's arena.
+    waits: Waits,
     /// Asked to log every channel out (the daemon is stopping).
     logging_out: bool,
-    /// Reused lists (of channels to step, of a channel's events), so a turn allocates nothing
-    /// once warm.
-    ids: Vec<u64>,
+    /// Reused list of a channel's events, so a turn allocates nothing once warm.
     events: Vec<Event<Buffer>>,
 }
 
@@ -468,66 +455,39 @@ pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
         channels: BTreeMap::new(),
         owners: HashMap::new(),
         inbox: Rc::new(Inbox::default()),
-        share,
-        waits: VecDeque::new(),
+        waits: Waits::new(share),
         logging_out: false,
-        ids: Vec::with_capacity(64),
         events: Vec::with_capacity(256),
     };
     tracing::info!(portal = %port.portal, reactor = port.io.index, "SRP port listening");
-    loop {
-        port.turn();
-        match control.get() {
-            Request::Run => {}
-            Request::Logout if !port.logging_out => {
-                port.logging_out = true;
-                port.log_out_all();
-                continue;
-            }
-            Request::Logout => {}
-            Request::Close => {
-                // Told at least why, before the queue pairs go.
-                if !port.logging_out {
-                    port.log_out_all();
-                    port.turn();
-                }
-                break;
-            }
-        }
-        if port.logging_out && port.channels.is_empty() {
-            break;
-        }
-        let inbox = port.inbox.clone();
-        let want = port.waits.front().copied();
-        let share = port.share.clone();
-        let granted = tokio::select! {
-            _ = poll_fn(|cx| port.poll_wake(cx)) => None,
-            _ = inbox.notify.notified() => None,
-            _ = control.notify.notified() => None,
-            r = async { share.alloc(want.map_or(0, |w| w.len)).await }, if want.is_some() => {
-                Some(r.ok())
-            }
-        };
-        if let (Some(buffer), Some(w)) = (granted, want) {
-            port.waits.pop_front();
-            port.granted(w, buffer);
-        }
-    }
-    port.close_all();
+    crate::port::serve(&mut port, &control).await;
     registry.unregister(id);
     tracing::info!(portal = %port.portal, "SRP port stopped");
 }
 
-impl<F: Fabric> Port<F> {
+impl<F: Fabric> crate::port::Port for Port<F> {
+    fn accept(&mut self) -> bool {
+        self.logins()
+    }
+
+    fn backend_completions(&mut self) -> bool {
+        Port::backend_completions(self)
+    }
+
+    fn ids(&self, ids: &mut Vec<u64>) {
+        ids.extend(self.channels.keys().copied());
+    }
+
+    fn step(&mut self, id: u64) -> bool {
+        Port::step(self, id)
+    }
+
     /// Ready when the fabric has news or another connection routed events to a channel
     /// (moved into the channel's outbox).
     fn poll_wake(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         let mut any = self.fabric.poll_ready(cx).is_ready();
         for c in self.channels.values_mut() {
-            while let Poll::Ready(Some(ev)) = c.rx.poll_recv(cx) {
-                c.out.local.push_back(ev);
-                any = true;
-            }
+            any |= crate::port::take_routed(&mut c.rx, &mut c.out, cx);
         }
         if any {
             Poll::Ready(())
@@ -536,24 +496,33 @@ impl<F: Fabric> Port<F> {
         }
     }
 
-    /// Does everything there is to do until nothing moves.
-    fn turn(&mut self) {
-        loop {
-            let mut progress = self.logins();
-            progress |= self.backend_completions();
-            let mut ids = std::mem::take(&mut self.ids);
-            ids.clear();
-            ids.extend(self.channels.keys().copied());
-            for &id in &ids {
-                progress |= self.step(id);
-            }
-            self.ids = ids;
-            if !progress {
-                break;
-            }
-        }
+    fn inbox(&self) -> Rc<Inbox> {
+        self.inbox.clone()
     }
 
+    fn waits(&mut self) -> &mut Waits {
+        &mut self.waits
+    }
+
+    fn granted(&mut self, w: Want, buffer: Option<Buffer>) {
+        Port::granted(self, w, buffer)
+    }
+
+    fn log_out_all(&mut self) {
+        self.logging_out = true;
+        Port::log_out_all(self)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.channels.is_empty()
+    }
+
+    fn close_all(&mut self) {
+        Port::close_all(self)
+    }
+}
+
+impl<F: Fabric> Port<F> {
     /// Decides the logins that have come.
     fn logins(&mut self) -> bool {
         let mut any = false;
@@ -755,7 +724,7 @@ impl<F: Fabric> Port<F> {
         let mut progress = false;
         let mut broken = None;
         let mut slots = Slots {
-            share: &self.share,
+            share: self.waits.share(),
             immediate: &self.registry.srp_immediate_writes,
         };
         let verbs = self.fabric.verbs();
@@ -819,13 +788,13 @@ impl<F: Fabric> Port<F> {
                 }
             }
             Event::BufferWanted { tag, len } => self.want(Want {
-                channel: id,
+                conn: id,
                 tag,
                 len,
                 data_out: false,
             }),
             Event::Allocate { tag, len } => self.want(Want {
-                channel: id,
+                conn: id,
                 tag,
                 len,
                 data_out: true,
@@ -836,22 +805,14 @@ impl<F: Fabric> Port<F> {
 
     /// A buffer now if the arena has room and nobody waits before, else in turn.
     fn want(&mut self, w: Want) {
-        if self.waits.is_empty() {
-            match self.share.try_alloc(w.len) {
-                Ok(Some(b)) => return self.granted(w, Some(b)),
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::error!("SRP buffer of {} bytes: {e}", w.len);
-                    return self.granted(w, None);
-                }
-            }
+        if let Some(b) = self.waits.want(w) {
+            self.granted(w, b);
         }
-        self.waits.push_back(w);
     }
 
     /// Gives a channel the buffer it waited for (`None`: none can ever be had).
     fn granted(&mut self, w: Want, buffer: Option<Buffer>) {
-        let Some(c) = self.channels.get_mut(&w.channel) else {
+        let Some(c) = self.channels.get_mut(&w.conn) else {
             return;
         };
         let now = Instant::now();

@@ -199,10 +199,7 @@ lun = 0
 backend = "memory"
 size = "128MiB"
 CONFIG
-/bin/targetd /tmp/targetd.toml > /tmp/targetd.log 2>&1 &
-daemon=$!
-for i in $(seq 1 100); do wget -qO /dev/null http://127.0.0.1:9100/metrics && break; sleep 0.1; done
-fail() { echo "$1"; dmesg | tail -n 30; cat /tmp/iscsid.log; tail -n 30 /tmp/targetd.log; exit 1; }
+start_targetd /tmp/targetd.toml
 # Linux's iSER initiator: discovery over TCP, the node bound to the iser interface.
 mkdir -p /etc/iscsi/nodes /etc/iscsi/send_targets /etc/iscsi/ifaces /run/lock/iscsi /var/lock /var/lib/iscsi
 echo "InitiatorName=iqn.2026-11.io.example:linux-iser" > /etc/iscsi/initiatorname.iscsi
@@ -214,22 +211,8 @@ printf 'node.startup = manual\nnode.session.timeo.replacement_timeout = 20\n' > 
 sleep 1
 /bin/iscsiadm -m discovery -t st -p $RDMA_ADDR:3260 -I iser || fail "linux iser: discovery failed"
 /bin/iscsiadm -m node -T @TARGET@ -p $RDMA_ADDR:3260 -I iser --login || fail "linux iser: login failed"
-disk=
-for i in $(seq 1 200); do
-  for b in /sys/block/sd*; do [ -e "$b" ] && disk=/dev/${b##*/}; done
-  [ -n "$disk" ] && [ -e "$disk" ] && break
-  sleep 0.1
-done
-[ -n "$disk" ] || fail "linux iser: no disk"
-echo "linux iser: logged in, $disk"
-dd if=/dev/urandom of=/tmp/a bs=1048576 count=8 2>/dev/null
-dd if=/tmp/a of=$disk bs=4096 oflag=direct 2>/dev/null || fail "linux iser: writes failed"
-dd if=$disk of=/tmp/b bs=65536 count=128 iflag=direct 2>/dev/null
-cmp /tmp/a /tmp/b && echo "linux iser: 8 MiB written in 4 KiB writes and read back" || fail "linux iser: data differ"
-dd if=/dev/urandom of=/tmp/a bs=1048576 count=8 2>/dev/null
-dd if=/tmp/a of=$disk bs=1048576 oflag=direct 2>/dev/null || fail "linux iser: writes failed"
-dd if=$disk of=/tmp/b bs=1048576 count=8 iflag=direct 2>/dev/null
-cmp /tmp/a /tmp/b && echo "linux iser: 8 MiB written in 1 MiB writes and read back" || fail "linux iser: data differ"
+find_disk "linux iser"
+check_disk "linux iser"
 /bin/iscsiadm -m node -T @TARGET@ -p $RDMA_ADDR:3260 -I iser --logout && echo "linux iser: logged out"
 url=iser://$RDMA_ADDR:3260/@TARGET@/0
 /bin/iscsi-inq $url > /tmp/inq 2>&1 || { cat /tmp/inq /tmp/targetd.log; exit 1; }

@@ -131,26 +131,10 @@ lun = 0
 backend = "memory"
 size = "64MiB"
 CONFIG
-/bin/targetd /tmp/targetd.toml > /tmp/targetd.log 2>&1 &
-daemon=$!
-for i in $(seq 1 100); do wget -qO /dev/null http://127.0.0.1:9100/metrics && break; sleep 0.1; done
-echo "id_ext=@ID_EXT@,ioc_guid=@IOC_GUID@,dest=$RDMA_ADDR:5556" > /sys/class/infiniband_srp/srp-rxe0-1/add_target || { cat /tmp/targetd.log; dmesg | tail -20; exit 1; }
-disk=
-for i in $(seq 1 200); do
-  for b in /sys/block/sd*; do [ -e "$b" ] && disk=/dev/${b##*/}; done
-  [ -n "$disk" ] && [ -e "$disk" ] && break
-  sleep 0.1
-done
-[ -n "$disk" ] || { echo "ib_srp made no disk"; dmesg | tail -30; cat /tmp/targetd.log; exit 1; }
-echo "ib_srp: logged in, $disk"
-dd if=/dev/urandom of=/tmp/a bs=1048576 count=8 2>/dev/null
-dd if=/tmp/a of=$disk bs=4096 oflag=direct 2>/dev/null || { echo "ib_srp: writes failed"; dmesg | tail -20; exit 1; }
-dd if=$disk of=/tmp/b bs=65536 count=128 iflag=direct 2>/dev/null
-cmp /tmp/a /tmp/b && echo "ib_srp: 8 MiB written in 4 KiB writes and read back" || exit 1
-dd if=/dev/urandom of=/tmp/a bs=1048576 count=8 2>/dev/null
-dd if=/tmp/a of=$disk bs=1048576 oflag=direct 2>/dev/null || exit 1
-dd if=$disk of=/tmp/b bs=1048576 count=8 iflag=direct 2>/dev/null
-cmp /tmp/a /tmp/b && echo "ib_srp: 8 MiB written in 1 MiB writes and read back" || exit 1
+start_targetd /tmp/targetd.toml
+echo "id_ext=@ID_EXT@,ioc_guid=@IOC_GUID@,dest=$RDMA_ADDR:5556" > /sys/class/infiniband_srp/srp-rxe0-1/add_target || fail "ib_srp: add_target refused"
+find_disk ib_srp
+check_disk ib_srp
 wget -qO- http://127.0.0.1:9100/metrics | grep -E "^targetd_srp_(immediate_writes_total|channels) "
 kill $daemon
 "#;

@@ -1,0 +1,182 @@
+//! What an RDMA port's task does whatever its protocol (SRP's ports, iSER's portals): all its
+//! connections in one task on one reactor, turned until nothing moves, woken by the fabric,
+//! backend completions, routed core events, its control or an arena grant; asked to log its
+//! connections out when the daemon stops, then closed.
+
+use std::collections::VecDeque;
+use std::future::poll_fn;
+use std::rc::Rc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use backend::{Buffer, Share};
+
+use crate::iscsi::session::{Control, Request};
+use crate::reactor::Inbox;
+use crate::target::{Outbox, Routed};
+
+/// A buffer a connection waits for.
+#[derive(Debug, Clone, Copy)]
+pub struct Want {
+    /// The connection (or channel).
+    pub conn: u64,
+    /// The task's tag.
+    pub tag: u64,
+    /// Bytes.
+    pub len: usize,
+    /// For a write's data-out; else for a backend operation.
+    pub data_out: bool,
+}
+
+/// Buffers the connections of a port wait for, in the order asked: a later one waits behind
+/// an earlier one, so a large request is not starved by small ones.
+#[derive(Debug)]
+pub struct Waits {
+    share: Share,
+    queue: VecDeque<Want>,
+}
+
+impl Waits {
+    /// The waits of a port whose buffers come from `share`.
+    pub fn new(share: Share) -> Waits {
+        Waits {
+            share,
+            queue: VecDeque::new(),
+        }
+    }
+
+    /// The share the buffers come from.
+    pub fn share(&self) -> &Share {
+        &self.share
+    }
+
+    /// A buffer for `w` now if the share has room and nothing waits before it (`Some`: to
+    /// grant at once, `None` inside when it can never be had), else `None`: it waits its turn.
+    pub fn want(&mut self, w: Want) -> Option<Option<Buffer>> {
+        if self.queue.is_empty() {
+            match self.share.try_alloc(w.len) {
+                Ok(Some(b)) => return Some(Some(b)),
+                Ok(None) => {}
+                Err(e) => {
+                    tracing::error!("a buffer of {} bytes: {e}", w.len);
+                    return Some(None);
+                }
+            }
+        }
+        self.queue.push_back(w);
+        None
+    }
+}
+
+/// A port's protocol side, driven by [`serve`].
+pub trait Port {
+    /// Takes the connect requests that have come; whether there were any.
+    fn accept(&mut self) -> bool;
+    /// Hands finished backend operations to their connections; whether there were any.
+    fn backend_completions(&mut self) -> bool;
+    /// The connections' ids, into `ids`.
+    fn ids(&self, ids: &mut Vec<u64>);
+    /// One connection's turn; whether anything moved.
+    fn step(&mut self, id: u64) -> bool;
+    /// Ready when the fabric has news or routed events reached a connection.
+    fn poll_wake(&mut self, cx: &mut Context<'_>) -> Poll<()>;
+    /// The completions of backend operations.
+    fn inbox(&self) -> Rc<Inbox>;
+    /// The buffers waited for.
+    fn waits(&mut self) -> &mut Waits;
+    /// Gives a connection the buffer it waited for (`None`: none can ever be had).
+    fn granted(&mut self, w: Want, buffer: Option<Buffer>);
+    /// Asks every connection to log out (the daemon is stopping); from now on no login is
+    /// taken.
+    fn log_out_all(&mut self);
+    /// Whether no connection is left.
+    fn is_empty(&self) -> bool;
+    /// Disconnects what is left.
+    fn close_all(&mut self);
+    /// How often to look at the connections' timers when nothing wakes the port; `None`:
+    /// they keep none.
+    fn tick(&self) -> Option<Duration> {
+        None
+    }
+}
+
+/// Moves the core events other connections routed to a connection into its outbox; whether
+/// there were any (the port has something to do).
+pub fn take_routed(
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<Routed>,
+    out: &mut Outbox,
+    cx: &mut Context<'_>,
+) -> bool {
+    let mut any = false;
+    while let Poll::Ready(Some(ev)) = rx.poll_recv(cx) {
+        out.local.push_back(ev);
+        any = true;
+    }
+    any
+}
+
+/// Does everything there is to do until nothing moves: connect requests, backend
+/// completions, every connection's turn. `ids` is reused so a turn allocates nothing.
+pub fn turn(p: &mut impl Port, ids: &mut Vec<u64>) {
+    loop {
+        let mut progress = p.accept();
+        progress |= p.backend_completions();
+        ids.clear();
+        p.ids(ids);
+        for &id in ids.iter() {
+            progress |= p.step(id);
+        }
+        if !progress {
+            break;
+        }
+    }
+}
+
+/// Serves `p` until the daemon stops: turns it whenever something may have changed, logs its
+/// connections out when `control` asks, and closes what is left when the drain is over (or
+/// once every connection has gone after the logout).
+pub async fn serve(p: &mut impl Port, control: &Control) {
+    let mut ids = Vec::with_capacity(64);
+    let mut logging_out = false;
+    loop {
+        turn(p, &mut ids);
+        match control.get() {
+            Request::Run => {}
+            Request::Logout if !logging_out => {
+                logging_out = true;
+                p.log_out_all();
+                continue;
+            }
+            Request::Logout => {}
+            Request::Close => {
+                // Told at least why, before the queue pairs go.
+                if !logging_out {
+                    p.log_out_all();
+                    turn(p, &mut ids);
+                }
+                break;
+            }
+        }
+        if logging_out && p.is_empty() {
+            break;
+        }
+        let inbox = p.inbox();
+        let want = p.waits().queue.front().copied();
+        let share = p.waits().share.clone();
+        let tick = p.tick().filter(|_| !p.is_empty());
+        let granted = tokio::select! {
+            _ = poll_fn(|cx| p.poll_wake(cx)) => None,
+            _ = inbox.notify.notified() => None,
+            _ = control.notify.notified() => None,
+            _ = tokio::time::sleep(tick.unwrap_or_default()), if tick.is_some() => None,
+            r = async { share.alloc(want.map_or(0, |w| w.len)).await }, if want.is_some() => {
+                Some(r.ok())
+            }
+        };
+        if let (Some(buffer), Some(w)) = (granted, want) {
+            p.waits().queue.pop_front();
+            p.granted(w, buffer);
+        }
+    }
+    p.close_all();
+}
