@@ -23,10 +23,9 @@
 mod common;
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Instant;
 
-use common::TARGET;
+use common::{guest, TARGET};
 
 /// Which of libiscsi's tests run in the guest, if any: what `TARGETD_ISER_TESTS` names.
 fn families() -> Option<String> {
@@ -35,50 +34,24 @@ fn families() -> Option<String> {
 
 #[test]
 fn iser_over_soft_roce_with_libiscsi_in_a_linux_guest() {
-    let ci = std::env::var_os("CI").is_some();
-    let skip = |why: &str| {
-        assert!(!ci, "CI is set, and {why}");
-        eprintln!("skipped: {why}");
-    };
-    if Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        return skip("qemu-system-x86_64 is missing (Debian package qemu-system-x86)");
-    }
-    let which = |tool: &str| {
-        Command::new("sh")
-            .arg("-c")
-            .arg(format!("command -v {tool}"))
-            .output()
-            .ok()
-            .filter(|o| o.status.success())
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-    };
     let tools: Option<Vec<String>> = ["iscsi-inq", "iscsi-readcapacity16", "iscsi-test-cu"]
         .iter()
-        .map(|t| which(t))
+        .map(|t| guest::which(t))
         .collect();
-    let Some(mut tools) = tools else {
-        return skip("libiscsi's tools are missing (Debian package libiscsi-bin)");
+    let Some(mut exes) = tools else {
+        return guest::skip("libiscsi's tools are missing (Debian package libiscsi-bin)");
     };
     let open_iscsi: Option<Vec<String>> = ["iscsid", "iscsiadm"]
         .iter()
-        .map(|t| {
-            which(t).or_else(|| {
-                Some(format!("/usr/sbin/{t}")).filter(|p| std::path::Path::new(p).exists())
-            })
-        })
+        .map(|t| guest::which(t))
         .collect();
     let Some(open_iscsi) = open_iscsi else {
-        return skip("open-iscsi's iscsid and iscsiadm are missing (Debian package open-iscsi)");
+        return guest::skip(
+            "open-iscsi's iscsid and iscsiadm are missing (Debian package open-iscsi)",
+        );
     };
-    tools.extend(open_iscsi);
-    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("rdma-guest");
-    let script = dir.with_file_name("iser-guest.sh");
-    std::fs::create_dir_all(&dir).expect("the guest's directory");
+    exes.extend(open_iscsi);
+    exes.insert(0, env!("CARGO_BIN_EXE_targetd").to_string());
     let text = GUEST_SCRIPT
         .replace("@TARGET@", TARGET)
         .replace("@TESTS@", families().as_deref().unwrap_or(""))
@@ -86,31 +59,23 @@ fn iser_over_soft_roce_with_libiscsi_in_a_linux_guest() {
             "@LOG@",
             &std::env::var("TARGETD_ISER_LOG").unwrap_or_else(|_| "info".into()),
         );
-    std::fs::write(&script, text).expect("the guest's script");
     let started = Instant::now();
-    let mut run = Command::new("bash");
-    run.arg(repo.join("scripts/rdma-guest.sh"))
-        .arg("run")
-        .arg(&dir)
-        .arg(&script)
-        .arg(env!("CARGO_BIN_EXE_targetd"))
-        .args(&tools)
-        .env(
-            "RDMA_GUEST_TIMEOUT",
-            std::env::var("RDMA_GUEST_TIMEOUT").unwrap_or_else(|_| "2400".into()),
-        );
-    let out = run.output().expect("bash");
-    let console = String::from_utf8_lossy(&out.stdout);
-    let errors = String::from_utf8_lossy(&out.stderr);
+    let timeout = std::env::var("RDMA_GUEST_TIMEOUT").unwrap_or_else(|_| "2400".into());
+    let Some(run) = guest::run(
+        "iser-guest.sh",
+        &text,
+        &exes,
+        &[("RDMA_GUEST_TIMEOUT", timeout)],
+    ) else {
+        return;
+    };
+    let (console, errors) = (&run.console, &run.errors);
     let report = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("iser-guest.txt");
     std::fs::write(&report, console.as_bytes()).expect("the report");
-    if out.status.code() == Some(4) {
-        return skip(errors.trim());
-    }
     assert!(
-        out.status.success(),
+        run.status.success(),
         "the guest failed ({:?}): {errors}\nsee {}",
-        out.status.code(),
+        run.status.code(),
         report.display()
     );
     for line in [
@@ -137,7 +102,7 @@ fn iser_over_soft_roce_with_libiscsi_in_a_linux_guest() {
         "the suite did not finish: see {}",
         report.display()
     );
-    let (passed, failed, skipped) = score(&console);
+    let (passed, failed, skipped) = score(console);
     println!("libiscsi over iSER ({tests}): passed {passed}, failed {failed}, skipped {skipped}");
     assert!(passed > 0, "nothing passed: see {}", report.display());
     assert_eq!(failed, 0, "see {}", report.display());

@@ -13,12 +13,10 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use common::{config, memory_target, Daemon, TARGET};
+use common::{config, guest, memory_target, Daemon, TARGET};
 use initiator_bench::srp::{
     login_request, place_len, run_channels, LinkModel, SrpOptions, IMM_DATA_OFFSET,
 };
@@ -36,23 +34,7 @@ fn srp_over_soft_roce_in_a_linux_guest() {
     if std::env::var_os(GUEST).is_some() {
         return; // The guest runs only its side.
     }
-    let ci = std::env::var_os("CI").is_some();
-    let skip = |why: &str| {
-        assert!(!ci, "CI is set, and {why}");
-        eprintln!("skipped: {why}");
-    };
-    if Command::new("qemu-system-x86_64")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        return skip("qemu-system-x86_64 is missing (Debian package qemu-system-x86)");
-    }
-    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("rdma-guest");
     let me = std::env::current_exe().expect("this test's path");
-    let script = dir.with_extension("sh");
-    std::fs::create_dir_all(&dir).expect("the guest's directory");
     let id = targetd::srp::port_id(TARGET);
     let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
     let guest_script = format!(
@@ -63,27 +45,20 @@ fn srp_over_soft_roce_in_a_linux_guest() {
     .replace("@TARGET@", TARGET)
     .replace("@ID_EXT@", &hex(&id[..8]))
     .replace("@IOC_GUID@", &hex(&id[8..]));
-    std::fs::write(&script, guest_script).expect("the guest's script");
     let started = Instant::now();
-    let out = Command::new("bash")
-        .arg(repo.join("scripts/rdma-guest.sh"))
-        .arg("run")
-        .arg(&dir)
-        .arg(&script)
-        .arg(&me)
-        .arg(env!("CARGO_BIN_EXE_targetd"))
-        .output()
-        .expect("bash");
-    let console = String::from_utf8_lossy(&out.stdout);
-    let errors = String::from_utf8_lossy(&out.stderr);
+    let exes = [
+        me.display().to_string(),
+        env!("CARGO_BIN_EXE_targetd").to_string(),
+    ];
+    let Some(run) = guest::run("srp-guest.sh", &guest_script, &exes, &[]) else {
+        return;
+    };
+    let (console, errors) = (&run.console, &run.errors);
     println!("{console}");
-    if out.status.code() == Some(4) {
-        return skip(errors.trim());
-    }
     assert!(
-        out.status.success(),
+        run.status.success(),
         "the guest failed ({:?}): {errors}\n{console}",
-        out.status.code()
+        run.status.code()
     );
     assert!(
         console.contains("guest side: all done"),

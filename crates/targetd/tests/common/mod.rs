@@ -13,6 +13,7 @@ use targetd::{Config, Registry, Server};
 
 #[cfg(feature = "rbd")]
 pub mod ceph;
+pub mod guest;
 pub mod iser;
 pub mod raw;
 

@@ -1,0 +1,71 @@
+//! The soft-RoCE guest of scripts/rdma-guest.sh for tests: checks what it needs, runs a script
+//! there with the given programs, and says why it skips (a failure under `CI`).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// What a guest run printed, and whether it ended well.
+pub struct Run {
+    /// Everything the guest printed (its console).
+    pub console: String,
+    /// What scripts/rdma-guest.sh said on its own behalf.
+    pub errors: String,
+    /// Its exit status.
+    pub status: std::process::ExitStatus,
+}
+
+/// Says why a guest test skips; under `CI`, fails instead.
+pub fn skip(why: &str) {
+    assert!(std::env::var_os("CI").is_none(), "CI is set, and {why}");
+    eprintln!("skipped: {why}");
+}
+
+/// Where a tool is on the PATH (or in /usr/sbin, which a non-root PATH may lack).
+pub fn which(tool: &str) -> Option<String> {
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .or_else(|| Some(format!("/usr/sbin/{tool}")).filter(|p| std::path::Path::new(p).exists()))
+}
+
+/// Runs `script` (written to `name` beside the guest's cache) in the guest with the programs
+/// `exes` and the environment `env`; `None` when the guest cannot run here (skipped, the
+/// reason said).
+pub fn run(name: &str, script: &str, exes: &[String], env: &[(&str, String)]) -> Option<Run> {
+    if Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        skip("qemu-system-x86_64 is missing (Debian package qemu-system-x86)");
+        return None;
+    }
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("rdma-guest");
+    std::fs::create_dir_all(&dir).expect("the guest's directory");
+    let path = dir.with_file_name(name);
+    std::fs::write(&path, script).expect("the guest's script");
+    let out = Command::new("bash")
+        .arg(repo.join("scripts/rdma-guest.sh"))
+        .arg("run")
+        .arg(&dir)
+        .arg(&path)
+        .args(exes)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .expect("bash");
+    let run = Run {
+        console: String::from_utf8_lossy(&out.stdout).into_owned(),
+        errors: String::from_utf8_lossy(&out.stderr).into_owned(),
+        status: out.status,
+    };
+    if run.status.code() == Some(4) {
+        skip(run.errors.trim());
+        return None;
+    }
+    Some(run)
+}
