@@ -1342,6 +1342,49 @@ impl SockAddr {
     fn as_mut_ptr(&mut self) -> *mut libc::sockaddr {
         (&mut self.0 as *mut libc::sockaddr_storage).cast()
     }
+
+    /// The address a C sockaddr names, if it is IPv4 or IPv6.
+    fn read(sa: &libc::sockaddr_storage) -> Option<SocketAddr> {
+        let p = (sa as *const libc::sockaddr_storage).cast::<u8>();
+        match i32::from(sa.ss_family) {
+            libc::AF_INET => {
+                // Safety: the family says a sockaddr_in starts the storage, which is large and
+                // aligned enough for it.
+                let sin = unsafe { ptr::read(p.cast::<libc::sockaddr_in>()) };
+                let ip = std::net::Ipv4Addr::from(sin.sin_addr.s_addr.to_ne_bytes());
+                Some(SocketAddr::from((ip, u16::from_be(sin.sin_port))))
+            }
+            libc::AF_INET6 => {
+                // Safety: as above, a sockaddr_in6.
+                let sin6 = unsafe { ptr::read(p.cast::<libc::sockaddr_in6>()) };
+                let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                Some(SocketAddr::V6(std::net::SocketAddrV6::new(
+                    ip,
+                    u16::from_be(sin6.sin6_port),
+                    sin6.sin6_flowinfo,
+                    sin6.sin6_scope_id,
+                )))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The peer's and this side's addresses of a connection id (its route's destination and
+/// source), as rdma_cm resolved them.
+fn route_addresses(id: *mut rdma_cm_id) -> (Option<SocketAddr>, Option<SocketAddr>) {
+    if id.is_null() {
+        return (None, None);
+    }
+    // Safety: a live id from an event; its route's addresses are plain sockaddr storage that
+    // rdma_cm filled in for a connect request (an all-zero one has no family: `None`).
+    unsafe {
+        let addr = &(*id).route.addr;
+        (
+            SockAddr::read(&addr.dst_addr_union.dst_storage),
+            SockAddr::read(&addr.src_addr_union.src_storage),
+        )
+    }
 }
 
 /// An rdma_cm event, copied out and acknowledged.
@@ -1456,11 +1499,14 @@ impl Listener {
         loop {
             let e = next_event(self.channel)?;
             if e.kind == rdma_cm_event_type::RDMA_CM_EVENT_CONNECT_REQUEST {
+                let (peer, local) = route_addresses(e.id);
                 return Some(ConnectRequest {
                     id: e.id,
                     private: e.private,
                     responder_resources: e.responder_resources,
                     initiator_depth: e.initiator_depth,
+                    peer,
+                    local,
                 });
             }
         }
@@ -1494,6 +1540,11 @@ pub struct ConnectRequest {
     /// RDMA READs this side may have outstanding toward the initiator: its responder
     /// resources.
     pub initiator_depth: u8,
+    /// The initiator's address (the IP address of its RDMA device's interface), when rdma_cm
+    /// knows it.
+    pub peer: Option<SocketAddr>,
+    /// The address the request came to.
+    pub local: Option<SocketAddr>,
 }
 
 impl ConnectRequest {

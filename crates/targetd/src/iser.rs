@@ -211,7 +211,8 @@ struct Portal<F: Fabric> {
     next_wr: u64,
 }
 
-/// The address a connection on a fabric without IP addressing is known by.
+/// The address a connection on a fabric without IP addressing is known by: a network ACL
+/// admits none such.
 const NO_ADDRESS: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
 
@@ -320,6 +321,10 @@ impl<F: Fabric> Portal<F> {
                 self.fabric.reject(request, &[]);
                 continue;
             }
+            let (addr, local) = self
+                .fabric
+                .addresses(&request)
+                .unwrap_or((NO_ADDRESS, NO_ADDRESS));
             let Some(slot) = self.registry.open_connection() else {
                 tracing::info!(portal = %self.portal, "iSER connection refused: server.max_connections connections are open");
                 self.fabric.reject(request, &[]);
@@ -349,8 +354,8 @@ impl<F: Fabric> Portal<F> {
             self.registry.register(id, control.clone());
             let peer = Peer {
                 id,
-                addr: NO_ADDRESS,
-                local: NO_ADDRESS,
+                addr,
+                local,
                 reactor: self.io.index,
                 control,
             };

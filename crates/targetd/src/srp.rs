@@ -15,6 +15,7 @@
 //! and reused; data buffers are arena slots.
 
 use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
 use std::ops::DerefMut;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -102,6 +103,13 @@ pub trait Fabric {
     }
     /// The portal, as the admin interface names it.
     fn portal(&self) -> String;
+    /// The initiator's address and the one it reached, when the fabric has IP addressing
+    /// (rdma_cm does; the software fabric does not): what network ACLs and the session list
+    /// see.
+    fn addresses(&self, request: &Self::Request) -> Option<(SocketAddr, SocketAddr)> {
+        let _ = request;
+        None
+    }
 }
 
 /// Where a port's channels get their buffers: IUs from the fabric's verbs, data and long

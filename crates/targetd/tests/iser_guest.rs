@@ -80,6 +80,7 @@ fn iser_over_soft_roce_with_libiscsi_in_a_linux_guest() {
     );
     for line in [
         "linux iser: logged in",
+        "linux iser: its address known",
         "linux iser: 8 MiB written in 4 KiB writes and read back",
         "linux iser: 8 MiB written in 1 MiB writes and read back",
         "linux iser: logged out",
@@ -177,6 +178,7 @@ sleep 1
 /bin/iscsiadm -m discovery -t st -p $RDMA_ADDR:3260 -I iser || fail "linux iser: discovery failed"
 /bin/iscsiadm -m node -T @TARGET@ -p $RDMA_ADDR:3260 -I iser --login || fail "linux iser: login failed"
 find_disk "linux iser"
+grep -q "initiator=iqn.2026-11.io.example:linux-iser.* peer=$RDMA_ADDR:" /tmp/targetd.log && echo "linux iser: its address known"
 check_disk "linux iser"
 /bin/iscsiadm -m node -T @TARGET@ -p $RDMA_ADDR:3260 -I iser --logout && echo "linux iser: logged out"
 url=iser://$RDMA_ADDR:3260/@TARGET@/0

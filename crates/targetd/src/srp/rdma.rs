@@ -148,4 +148,8 @@ impl Fabric for RdmaPort {
     fn portal(&self) -> String {
         format!("rdma:{}", self.addr)
     }
+
+    fn addresses(&self, request: &ConnectRequest) -> Option<(SocketAddr, SocketAddr)> {
+        Some((request.peer?, request.local.unwrap_or(self.addr)))
+    }
 }
