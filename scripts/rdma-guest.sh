@@ -12,8 +12,9 @@
 # loads the modules, gives eth0 the address 10.0.2.15, creates rxe0 on it, then runs SCRIPT (a
 # shell script, copied to /script, run with the helpers of /guest.sh: fail, start_targetd,
 # find_disk, check_disk; the EXEs are in /bin, with busybox's tools; the modules of
-# Linux's SRP and iSER initiators, ib_srp and ib_iser, and of SCSI disks are loaded) in /tmp
-# with RDMA_ADDR=10.0.2.15,
+# Linux's SRP and iSER initiators, ib_srp and ib_iser, of SCSI disks and of LIO's file
+# backstore are loaded; Linux's SRP target, ib_srpt, is in /lib/modules/extra for a script to
+# insmod with its parameters) in /tmp with RDMA_ADDR=10.0.2.15,
 # and powers off. Everything the guest prints comes out on stdout; the exit status is
 # SCRIPT's (2 when the guest did not say, 3 when it did not finish in RDMA_GUEST_TIMEOUT
 # seconds, 300 by default).
@@ -94,10 +95,18 @@ def visit(m):
 # rxe computes its ICRC with the crypto API's crc32.
 # Linux's own SRP and iSER initiators (ib_srp, ib_iser) and SCSI disks (sd_mod), as peers.
 for m in ["crc32_generic", "virtio_pci", "virtio_net", "rdma_rxe", "ib_uverbs", "rdma_ucm",
-          "ib_srp", "ib_iser", "sd_mod"]:
+          "ib_srp", "ib_iser", "sd_mod", "target_core_file"]:
     visit(m)
+# Linux's SRP target, loaded by a script that wants it (with its parameters): what it
+# needs is loaded.
+extra = ["ib_srpt"]
+for m in extra:
+    for d in deps(m):
+        visit(d)
 for m in order:
     print(index[m])
+for m in extra:
+    print("extra:" + index[m])
 EOF
 )
 
@@ -106,16 +115,17 @@ rm -rf "$root"
 mkdir -p "$root"/{bin,etc/libibverbs.d,proc,sys,dev,tmp,lib/modules}
 cp "$dir/bb/bin/busybox" "$root/bin/busybox"
 for a in sh mount insmod ip poweroff cat echo ls sleep dmesg dd cmp wget grep head tail seq sync kill \
-  mkdir rm printf; do
+  mkdir rm printf find ln; do
   ln -sf busybox "$root/bin/$a"
 done
 : >"$root/modules.order"
+mkdir -p "$root/lib/modules/extra"
 for m in $modules; do
   case $m in
-    *.ko) cp "$m" "$root/lib/modules/" ;;
+    extra:*.ko) cp "${m#extra:}" "$root/lib/modules/extra/" ;;
+    *.ko) cp "$m" "$root/lib/modules/"; basename "$m" >>"$root/modules.order" ;;
     *) die "compressed module $m: not supported" ;;
   esac
-  basename "$m" >>"$root/modules.order"
 done
 # A program and the shared libraries it links, at the host's paths.
 with_libs() {

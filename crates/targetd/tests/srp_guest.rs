@@ -29,6 +29,13 @@ use srp::rdma::{QpHandle, QueueDepth, RdmaVerbs};
 /// Set in the guest: the test binary runs its guest side there.
 const GUEST: &str = "TARGETD_SRP_GUEST";
 
+/// Set in the guest for the side that logs in to Linux's SRP target (ib_srpt).
+const SRPT: &str = "TARGETD_SRPT_GUEST";
+
+/// ib_srpt's service GUID in the guest (its module parameter `srpt_service_guid`): an SRP
+/// target port identifier of it twice.
+const SRPT_SERVICE_GUID: u64 = 0x0002_c903_0000_0001;
+
 #[test]
 fn srp_over_soft_roce_in_a_linux_guest() {
     if std::env::var_os(GUEST).is_some() {
@@ -39,9 +46,11 @@ fn srp_over_soft_roce_in_a_linux_guest() {
     let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
     let guest_script = format!(
         "{GUEST}=1 /bin/{me_name} --exact guest_side --nocapture --test-threads 1 || exit 1\n\
-         {LINUX_INITIATOR}",
+         {LINUX_INITIATOR}\n{LINUX_TARGET}",
         me_name = me.file_name().unwrap().to_string_lossy(),
     )
+    .replace("@ME@", &me.file_name().unwrap().to_string_lossy())
+    .replace("@SRPT_GUID@", &format!("{SRPT_SERVICE_GUID:#018x}"))
     .replace("@TARGET@", TARGET)
     .replace("@ID_EXT@", &hex(&id[..8]))
     .replace("@IOC_GUID@", &hex(&id[8..]));
@@ -65,6 +74,8 @@ fn srp_over_soft_roce_in_a_linux_guest() {
         "the guest side did not finish:\n{console}"
     );
     for line in [
+        "ib_srpt: crates/srp's initiator logged in",
+        "ib_srpt: all done",
         "ib_srp: logged in",
         "ib_srp: 8 MiB written in 4 KiB writes and read back",
         "ib_srp: 8 MiB written in 1 MiB writes and read back",
@@ -113,6 +124,103 @@ check_disk ib_srp
 wget -qO- http://127.0.0.1:9100/metrics | grep -E "^targetd_srp_(immediate_writes_total|channels) "
 kill $daemon
 "#;
+
+/// The guest's third part: Linux's SRP target (ib_srpt on LIO, a file backstore, configured
+/// through configfs, its rdma_cm port 5557) as a known-good peer for crates/srp's initiator.
+const LINUX_TARGET: &str = r#"
+insmod /lib/modules/extra/ib_srpt.ko srpt_service_guid=@SRPT_GUID@ || fail "ib_srpt: insmod"
+mount -t configfs none /sys/kernel/config
+T=/sys/kernel/config/target
+mkdir -p $T/core/fileio_0/disk0
+echo "fd_dev_name=/tmp/srpt.img,fd_dev_size=67108864" > $T/core/fileio_0/disk0/control
+echo 1 > $T/core/fileio_0/disk0/enable || fail "ib_srpt: the backstore"
+mkdir -p $T/srpt
+echo 5557 > $T/srpt/discovery_auth/rdma_cm_port || fail "ib_srpt: rdma_cm_port"
+port=$(cat /sys/class/infiniband/rxe0/node_guid)
+tpg=$T/srpt/$port/$port
+mkdir -p $tpg || fail "ib_srpt: no port $port"
+mkdir $tpg/lun/lun_0
+ln -s $T/core/fileio_0/disk0 $tpg/lun/lun_0/disk0 || fail "ib_srpt: the LUN"
+# ib_srpt has no demo mode: the initiator gets an ACL, with the LUN mapped. Over rdma_cm it
+# names an initiator by its IP address (its port identifier over IB CM).
+mkdir -p $tpg/acls/$RDMA_ADDR/lun_0
+ln -s $tpg/lun/lun_0 $tpg/acls/$RDMA_ADDR/lun_0/lun_0 || fail "ib_srpt: the ACL"
+echo 1 > $tpg/enable || fail "ib_srpt: enable"
+TARGETD_SRPT_GUEST=1 /bin/@ME@ --exact srpt_side --nocapture --test-threads 1 || fail "ib_srpt: crates/srp's initiator failed"
+"#;
+
+/// In the guest: crates/srp's initiator (initiator-bench's SRP runner) against Linux's SRP
+/// target, ib_srpt: the login as ib_srp's, verified random reads and writes of 4 KiB (as
+/// immediate data) and of 64 KiB in 16 regions, a logout.
+#[test]
+fn srpt_side() {
+    if std::env::var_os(SRPT).is_none() {
+        return; // Only in the guest, with ib_srpt set up.
+    }
+    let addr: std::net::IpAddr = std::env::var("RDMA_ADDR")
+        .expect("RDMA_ADDR")
+        .parse()
+        .expect("an address");
+    let portal = SocketAddr::new(addr, 5557);
+    let mut port_id = [0u8; 16];
+    port_id[..8].copy_from_slice(&SRPT_SERVICE_GUID.to_be_bytes());
+    port_id[8..].copy_from_slice(&SRPT_SERVICE_GUID.to_be_bytes());
+    let mut verbs = RdmaVerbs::open(None, 4096, srp::verbs::IU_BUFFER_LEN).expect("rxe0 opens");
+    let mut o = SrpOptions {
+        registration: Registration::Pool,
+        regions: 1,
+        link: LinkModel::Free,
+        immediate_data: true,
+    };
+    for (bs, regions, ios) in [(4096, 1, 400), (65536, 16, 200)] {
+        let req = login_request(0, port_id, 8260);
+        let mut private = Vec::new();
+        req.encode_rdma_cm(&mut private);
+        let depth = QueueDepth {
+            send: 1024,
+            recv: 256,
+        };
+        let (qp, reply) = verbs
+            .connect(portal, depth, &private)
+            .expect("ib_srpt takes the login");
+        let Ok(Iu::LoginRsp(rsp)) = Iu::decode(&reply) else {
+            panic!("not an SRP_LOGIN_RSP: {reply:02x?}");
+        };
+        println!(
+            "ib_srpt: crates/srp's initiator logged in (limit {}, IU {} bytes, immediate data {})",
+            rsp.req_lim_delta, rsp.max_it_iu_len, rsp.immediate_data
+        );
+        o.regions = regions;
+        let w = Workload {
+            rw: Rw::Randrw,
+            bs,
+            qd: 8,
+            sessions: 1,
+            ios: Some(ios),
+            size: Some(16 << 20),
+            verify: true,
+            ..Workload::default()
+        };
+        let mut ch =
+            InitiatorChannel::new(&mut verbs, qp, &rsp, o.registration, 8, place_len(&w, &o))
+                .expect("the channel's memory");
+        o.immediate_data = ch.use_immediate_data(IMM_DATA_OFFSET);
+        let mut channels = [ch];
+        let r = run_channels(&mut verbs, &mut channels, 0, &w, &o).expect("the run");
+        assert_eq!(
+            (r.ios, r.errors, r.verify_errors),
+            (ios, 0, 0),
+            "{bs} x {regions}"
+        );
+        println!(
+            "ib_srpt: {ios} verified random I/Os of {bs} bytes in {regions} region(s), \
+             {} blocks read back as written, immediate data {}",
+            r.verified_blocks, o.immediate_data
+        );
+        channels[0].logout(&mut verbs).expect("logout sent");
+    }
+    println!("ib_srpt: all done");
+}
 
 /// Logs in over rdma_cm as ib_srp does by default, as initiator port `s`.
 fn log_in(
