@@ -288,7 +288,11 @@ impl<B: DerefMut<Target = [u8]>> Endpoint<B> {
 
     /// A staging copy of `len` bytes, filled from `from` when given.
     fn stage(&mut self, len: usize, from: Option<&[u8]>) -> Vec<u8> {
-        let mut s = self.staging.pop().unwrap_or_default();
+        // New copies hold an IU at least, so a copy made for a short send is not grown later.
+        let mut s = self
+            .staging
+            .pop()
+            .unwrap_or_else(|| Vec::with_capacity(len.max(IU_BUFFER_LEN)));
         s.clear();
         match from {
             Some(bytes) => s.extend_from_slice(&bytes[..len.min(bytes.len())]),
