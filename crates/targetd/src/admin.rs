@@ -815,6 +815,30 @@ pub fn metrics_text(registry: &Registry) -> String {
     );
     let _ = writeln!(m, "# TYPE targetd_srp_immediate_writes_total counter");
     let _ = writeln!(m, "targetd_srp_immediate_writes_total {immediate}");
+    for (name, help, kind, value) in [
+        (
+            "targetd_iser_connections",
+            "iSER connections open on the iSER portals, logged in or not",
+            "gauge",
+            &registry.iser_connections,
+        ),
+        (
+            "targetd_iser_rdma_reads_total",
+            "RDMA READs of solicited write data the iSER portals issued",
+            "counter",
+            &registry.iser_rdma_reads,
+        ),
+        (
+            "targetd_iser_rdma_writes_total",
+            "RDMA WRITEs of read data the iSER portals issued",
+            "counter",
+            &registry.iser_rdma_writes,
+        ),
+    ] {
+        let _ = writeln!(m, "# HELP {name} {help}");
+        let _ = writeln!(m, "# TYPE {name} {kind}");
+        let _ = writeln!(m, "{name} {}", value.load(Relaxed));
+    }
     let _ = writeln!(
         m,
         "# HELP targetd_connections iSCSI connections open, logged in or not"

@@ -360,6 +360,9 @@ impl<F: Fabric> Portal<F> {
                 control,
             };
             tracing::debug!(portal = %self.portal, id, "iSER connection accepted");
+            self.registry
+                .iser_connections
+                .fetch_add(1, Ordering::Relaxed);
             self.conns.insert(
                 id,
                 Conn {
@@ -882,6 +885,9 @@ impl<F: Fabric> Portal<F> {
                         len as usize,
                         &[descriptor(remote, len)],
                     );
+                    self.registry
+                        .iser_rdma_writes
+                        .fetch_add(1, Ordering::Relaxed);
                 }
                 Work::RdmaRead {
                     read,
@@ -893,6 +899,9 @@ impl<F: Fabric> Portal<F> {
                     c.reads.insert(wr, read);
                     let d = descriptor(remote, len as u32);
                     verbs.post_rdma_read(qp, wr, PortBuffer::Data(buffer), at, len, &[d]);
+                    self.registry
+                        .iser_rdma_reads
+                        .fetch_add(1, Ordering::Relaxed);
                 }
             }
             c.in_flight += 1;
@@ -959,6 +968,9 @@ impl<F: Fabric> Portal<F> {
         }
         self.fabric.release(qp);
         self.registry.unregister(id);
+        self.registry
+            .iser_connections
+            .fetch_sub(1, Ordering::Relaxed);
         drop(c);
         tracing::debug!(portal = %self.portal, id, "iSER connection ended");
         true
@@ -988,6 +1000,9 @@ impl<F: Fabric> Portal<F> {
             if let Some(c) = self.conns.remove(&id) {
                 self.fabric.release(c.qp);
                 self.registry.unregister(id);
+                self.registry
+                    .iser_connections
+                    .fetch_sub(1, Ordering::Relaxed);
             }
         }
     }

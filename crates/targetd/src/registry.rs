@@ -79,6 +79,12 @@ pub struct Registry {
     pub srp_logins_rejected: AtomicU64,
     /// SRP writes whose data came as immediate data in the SRP_CMD (no RDMA READ).
     pub srp_immediate_writes: AtomicU64,
+    /// iSER connections open on the iSER portals, logged in or not.
+    pub iser_connections: AtomicU64,
+    /// RDMA READs an iSER portal issued (one per burst of solicited data-out).
+    pub iser_rdma_reads: AtomicU64,
+    /// RDMA WRITEs an iSER portal issued (one per command's data-in).
+    pub iser_rdma_writes: AtomicU64,
 }
 
 /// An SRP channel as the admin interface sees it.
@@ -171,6 +177,9 @@ impl Registry {
             srp_channels: Mutex::default(),
             srp_logins_rejected: AtomicU64::new(0),
             srp_immediate_writes: AtomicU64::new(0),
+            iser_connections: AtomicU64::new(0),
+            iser_rdma_reads: AtomicU64::new(0),
+            iser_rdma_writes: AtomicU64::new(0),
         }
     }
 

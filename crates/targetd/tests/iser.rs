@@ -8,6 +8,7 @@
 
 mod common;
 
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use common::iser::{daemon, settings, Initiator, WAIT};
@@ -55,6 +56,12 @@ fn reads_and_writes_move_by_rdma() {
     let (r, back) = i.command(&rw10(0x28, 2048, blocks), None, 0, data.len());
     assert_eq!((r.status, r.exp_data_sn), (ScsiStatus::GOOD, 0));
     assert!(back == data);
+    // The 1 MiB of solicited data came in four RDMA READs of MaxBurstLength (256 KiB), the
+    // read back in one RDMA WRITE.
+    let m = &d.registry;
+    assert_eq!(m.iser_rdma_reads.load(Relaxed), 4);
+    assert_eq!(m.iser_rdma_writes.load(Relaxed), 1);
+    assert_eq!(m.iser_connections.load(Relaxed), 1);
     // Parameter data (INQUIRY) goes by RDMA WRITE too.
     let (r, inq) = i.command(&[0x12, 0, 0, 0, 96, 0], None, 0, 96);
     assert_eq!(r.status, ScsiStatus::GOOD);
@@ -84,7 +91,7 @@ fn reads_and_writes_move_by_rdma() {
     // The initiator lets the connection go; the target's side ends.
     i.verbs.disconnect(i.qp);
     let deadline = Instant::now() + WAIT;
-    while !d.registry.sessions.all().is_empty() {
+    while !d.registry.sessions.all().is_empty() || d.registry.iser_connections.load(Relaxed) > 0 {
         assert!(Instant::now() < deadline, "the session ends");
         std::thread::sleep(Duration::from_millis(5));
     }
