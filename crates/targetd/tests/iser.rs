@@ -11,7 +11,7 @@ mod common;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
-use common::iser::{daemon, settings, Initiator, WAIT};
+use common::iser::{daemon, daemon_with, settings, Initiator, WAIT};
 use iscsi_pdu::initiator::LoginError;
 use iscsi_pdu::iser::IserHeader;
 use iscsi_pdu::pdu::LoginStatus;
@@ -141,4 +141,80 @@ fn the_daemon_asks_a_live_session_to_log_out_when_it_stops() {
     i.send(&logout, IserHeader::default());
     assert!(matches!(i.recv(), Some(Pdu::LogoutResponse(_))));
     stopping.join().expect("the daemon stops");
+}
+
+#[test]
+fn hostile_messages_end_their_connection_and_no_other() {
+    let (switch, d) = daemon();
+    let mut good = Initiator::connect(&switch);
+    good.login(settings(true)).expect("logged in");
+    let _ = good.command(&[0; 6], None, 0, 0);
+    // A PDU with an opcode no initiator sends is answered with a Reject; the connection goes on.
+    let mut bad = Initiator::connect(&switch);
+    bad.isid = 2;
+    bad.login(settings(true)).expect("logged in");
+    let mut m = bytes::BytesMut::new();
+    iscsi_pdu::iser::encode(
+        &Pdu::NopOut(iscsi_pdu::NopOut {
+            initiator_task_tag: 1,
+            target_transfer_tag: iscsi_pdu::RESERVED_TAG,
+            cmd_sn: SerialNumber(bad.cmd_sn),
+            ..iscsi_pdu::NopOut::default()
+        }),
+        &IserHeader::default(),
+        &mut m,
+    );
+    m[iscsi_pdu::iser::ISER_HEADER_LEN] = 0x1e;
+    let n = m.len();
+    bad.verbs.post_send(bad.qp, 1, m.to_vec(), n);
+    assert!(matches!(bad.recv(), Some(Pdu::Reject(_))), "a Reject");
+    let (r, _) = bad.command(&[0; 6], None, 0, 0);
+    assert_eq!(
+        r.status,
+        ScsiStatus::CHECK_CONDITION,
+        "the new session's unit attention"
+    );
+    // A message shorter than its header says: the framing cannot be trusted, and the target
+    // lets the connection go.
+    bad.verbs.post_send(bad.qp, 2, vec![0x10; 40], 40);
+    assert!(bad.recv().is_none(), "disconnected");
+    // An unknown iSER opcode on a third connection: the same.
+    let mut third = Initiator::connect(&switch);
+    third.verbs.post_send(third.qp, 1, vec![0x70; 80], 80);
+    assert!(third.recv().is_none(), "disconnected");
+    // The first connection has seen nothing of it.
+    let data = vec![0x42; 8192];
+    let (r, _) = good.command(&[0x2a, 0, 0, 0, 0, 0, 0, 0, 16, 0], Some(&data), 8192, 0);
+    assert_eq!(r.status, ScsiStatus::GOOD);
+    let (r, back) = good.command(&[0x28, 0, 0, 0, 0, 0, 0, 0, 16, 0], None, 0, 8192);
+    assert_eq!(r.status, ScsiStatus::GOOD);
+    assert!(back == data);
+    d.stop();
+}
+
+#[test]
+fn an_idle_connection_is_pinged_and_dropped_when_it_does_not_answer() {
+    let (switch, d) =
+        daemon_with(|t| t.replace("nop_interval = 0", "nop_interval = 1\nnop_timeout = 1"));
+    let mut i = Initiator::connect(&switch);
+    i.login(settings(true)).expect("logged in");
+    // A NOP-In ping after a second of silence; answered, the connection stays.
+    let Some(Pdu::NopIn(ping)) = i.recv() else {
+        panic!("no ping");
+    };
+    assert_eq!(ping.initiator_task_tag, iscsi_pdu::RESERVED_TAG);
+    let answer = Pdu::NopOut(iscsi_pdu::NopOut {
+        immediate: true,
+        initiator_task_tag: iscsi_pdu::RESERVED_TAG,
+        target_transfer_tag: ping.target_transfer_tag,
+        cmd_sn: SerialNumber(i.cmd_sn),
+        ..iscsi_pdu::NopOut::default()
+    });
+    i.send(&answer, IserHeader::default());
+    let (r, _) = i.command(&[0; 6], None, 0, 0);
+    assert_eq!(r.status, ScsiStatus::CHECK_CONDITION, "still served");
+    // The next ping goes unanswered: the connection is dropped.
+    assert!(matches!(i.recv(), Some(Pdu::NopIn(_))));
+    assert!(i.recv().is_none(), "dropped after the NOP timeout");
+    d.stop();
 }

@@ -29,12 +29,17 @@ pub const WAIT: Duration = Duration::from_secs(10);
 
 /// The daemon serving iSER on a new switch: a target with a 64 MiB file LUN 0.
 pub fn daemon() -> (Arc<Switch>, Daemon) {
+    daemon_with(|text| text)
+}
+
+/// As [`daemon`], its config text changed by `edit` first.
+pub fn daemon_with(edit: impl FnOnce(String) -> String) -> (Arc<Switch>, Daemon) {
     let switch = Switch::new();
     let targets = format!(
         "[[targets]]\nname = \"{TARGET}\"\n\
          [[targets.luns]]\nlun = 0\nbackend = \"file\"\npath = \"@DIR@/lun0.img\"\nsize = \"64MiB\"\n"
     );
-    let d = Daemon::start_with(&config("", &targets), |server| {
+    let d = Daemon::start_with(&edit(config("", &targets)), |server| {
         server
             .serve_iser_fabric(&switch, TARGET_NODE, SERVICE)
             .expect("the service is free");
@@ -73,6 +78,9 @@ pub struct Initiator {
     pub memory: MemoryId,
     pub region: MemoryRegion,
     pub cmd_sn: u32,
+    /// The last byte of the ISID its login uses: initiators that log in at once differ here,
+    /// or the second login reinstates the first's session.
+    pub isid: u8,
     pub itt: u32,
 }
 
@@ -116,6 +124,7 @@ impl Initiator {
             memory,
             region,
             cmd_sn: 1,
+            isid: 1,
             itt: 0,
         }
     }
@@ -158,7 +167,7 @@ impl Initiator {
     }
 
     pub fn login(&mut self, settings: Settings) -> Result<Established, LoginError> {
-        let isid = Isid([0x80, 0, 0, 0, 0x1e, 1]);
+        let isid = Isid([0x80, 0, 0, 0, 0x1e, self.isid]);
         let mut login = Login::new(settings, isid, 0, 1, SerialNumber(1), [3; ENTROPY_LEN]);
         loop {
             while let Some(pdu) = login.poll_transmit() {
