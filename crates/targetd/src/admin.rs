@@ -678,6 +678,7 @@ pub fn sessions_json(registry: &Registry) -> Value {
                 .map(|c| {
                     json!({
                         "cid": c.cid,
+                        "transport": if c.iser { "iser" } else { "tcp" },
                         "peer": c.peer.to_string(),
                         "portal": c.local.to_string(),
                         "reactor": c.reactor,

@@ -358,6 +358,7 @@ impl<F: Fabric> Portal<F> {
                 local,
                 reactor: self.io.index,
                 control,
+                iser: true,
             };
             tracing::debug!(portal = %self.portal, id, "iSER connection accepted");
             self.registry

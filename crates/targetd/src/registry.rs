@@ -581,6 +581,8 @@ pub struct Peer {
     pub reactor: usize,
     /// Its control.
     pub control: Arc<Control>,
+    /// It runs over RDMA (an iSER portal), not TCP.
+    pub iser: bool,
 }
 
 /// Fresh random bytes for CHAP identifiers and challenges, from the OS's CSPRNG
@@ -740,6 +742,7 @@ impl LoginPolicy for Admission<'_> {
             local: peer.local,
             reactor: peer.reactor,
             digests: (c.header_digest, c.data_digest),
+            iser: peer.iser,
             segment_lengths: (
                 c.max_recv_data_segment_length,
                 c.max_send_data_segment_length,

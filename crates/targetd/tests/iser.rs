@@ -41,6 +41,13 @@ fn reads_and_writes_move_by_rdma() {
         "iSER asks for InitialR2T=Yes"
     );
     assert_eq!(done.connection.max_send_data_segment_length, 8192);
+    // The session list says the connection runs over iSER.
+    let sessions = targetd::admin::handle(&d.registry, targetd::admin::AdminRequest::Sessions)
+        .expect("the session list");
+    assert_eq!(
+        sessions[0]["connections"][0]["transport"], "iser",
+        "{sessions}"
+    );
     // The new session's unit attention.
     let (r, _) = i.command(&[0; 6], None, 0, 0);
     assert_eq!(r.status, ScsiStatus::CHECK_CONDITION);

@@ -681,8 +681,9 @@ fn print_human(request: &AdminRequest, v: &Value) {
                 );
                 for c in s["connections"].as_array().into_iter().flatten() {
                     println!(
-                        "  cid {} from {} on reactor {}: HeaderDigest={} DataDigest={} MaxRecvDataSegmentLength={}/{}",
-                        c["cid"], c["peer"].as_str().unwrap_or_default(), c["reactor"],
+                        "  cid {} from {} over {} on reactor {}: HeaderDigest={} DataDigest={} MaxRecvDataSegmentLength={}/{}",
+                        c["cid"], c["peer"].as_str().unwrap_or_default(),
+                        c["transport"].as_str().unwrap_or("tcp"), c["reactor"],
                         c["header_digest"].as_str().unwrap_or_default(),
                         c["data_digest"].as_str().unwrap_or_default(),
                         c["max_recv_data_segment_length"], c["initiator_max_recv_data_segment_length"]

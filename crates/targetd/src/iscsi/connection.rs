@@ -55,6 +55,7 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
         local,
         reactor: io.index,
         control: control.clone(),
+        iser: false,
     };
     let (rd, wr) = stream.into_split();
     let mut reader = Reader::new(rd);

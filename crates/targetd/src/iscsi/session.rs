@@ -68,6 +68,8 @@ pub struct ConnectionInfo {
     pub reactor: usize,
     /// HeaderDigest / DataDigest in force.
     pub digests: (bool, bool),
+    /// It runs over iSER (RDMA), not TCP.
+    pub iser: bool,
     /// MaxRecvDataSegmentLength of the target and of the initiator.
     pub segment_lengths: (u32, u32),
     /// Its control.
