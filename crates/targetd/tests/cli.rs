@@ -124,7 +124,27 @@ fn admin_changes_are_logged_with_who_asked() {
             .output()
             .unwrap()
     };
-    assert!(ctl(&["luns"]).status.success(), "a read: not logged");
+    let luns = ctl(&["luns"]);
+    assert!(luns.status.success(), "a read: not logged");
+    // Aligned tables with headers: each column starts where its header does.
+    let luns = String::from_utf8_lossy(&luns.stdout).into_owned();
+    let lines: Vec<&str> = luns.lines().collect();
+    assert_eq!(lines.len(), 2, "{luns}");
+    assert!(lines[0].starts_with("TARGET"), "{luns}");
+    let at = lines[0].find("BACKEND").expect("a BACKEND column");
+    assert_eq!(&lines[1][at..at + 4], "file", "{luns}");
+    let at = lines[0].find("SIZE").expect("a SIZE column");
+    assert!(lines[1][at..].starts_with("1 MiB"), "{luns}");
+    let targets = ctl(&["targets"]);
+    let targets = String::from_utf8_lossy(&targets.stdout).into_owned();
+    let lines: Vec<&str> = targets.lines().collect();
+    assert_eq!(lines.len(), 2, "{targets}");
+    let at = lines[0].find("SESSIONS").expect("a SESSIONS column");
+    assert!(lines[1][at..].starts_with('0'), "{targets}");
+    assert!(
+        lines[1].starts_with("iqn.2026-11.io.example:cli"),
+        "{targets}"
+    );
     // An empty list says what there is none of.
     let sessions = ctl(&["sessions"]);
     assert_eq!(String::from_utf8_lossy(&sessions.stdout), "no sessions\n");

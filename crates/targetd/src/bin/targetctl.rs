@@ -651,6 +651,77 @@ fn print_human(request: &AdminRequest, v: &Value) {
                 println!("{}", c.as_str().unwrap_or_default());
             }
         }
+        (AdminRequest::Targets, Value::Array(targets)) => {
+            let rows = targets.iter().map(|t| {
+                let luns: Vec<String> = t["luns"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|l| l.to_string())
+                    .collect();
+                vec![
+                    text(&t["name"]),
+                    luns.join(","),
+                    t["sessions"].to_string(),
+                    t["core_lock_acquisitions"].to_string(),
+                    text(&t["srp_port_id"]),
+                ]
+            });
+            let headers = ["TARGET", "LUNS", "SESSIONS", "CORE LOCKS", "SRP PORT ID"];
+            print!("{}", table(&headers, rows));
+        }
+        (AdminRequest::Luns { .. }, Value::Array(luns)) => {
+            let rows = luns.iter().map(|l| {
+                let backing = match (&l["rbd"], l["path"].as_str()) {
+                    (Value::Object(r), _) => format!(
+                        "rbd:{}/{}",
+                        r.get("pool").map(text).unwrap_or_default(),
+                        r.get("image").map(text).unwrap_or_default()
+                    ),
+                    (_, Some(path)) => path.to_string(),
+                    _ => "-".to_string(),
+                };
+                let mut flags = Vec::new();
+                if l["thin"] == true {
+                    flags.push("thin");
+                }
+                if l["read_only"] == true {
+                    flags.push("read-only");
+                }
+                if l["write_cache"] == true {
+                    flags.push("write-cache");
+                }
+                if l["faults"].as_array().is_some_and(|f| !f.is_empty()) {
+                    flags.push("FAULTS ARMED");
+                }
+                vec![
+                    text(&l["target"]),
+                    l["lun"].to_string(),
+                    text(&l["backend"]),
+                    l["size"].as_u64().map(human_bytes).unwrap_or_default(),
+                    l["block_size"].to_string(),
+                    backing,
+                    flags.join(","),
+                ]
+            });
+            let headers = [
+                "TARGET", "LUN", "BACKEND", "SIZE", "BLOCK", "BACKING", "FLAGS",
+            ];
+            print!("{}", table(&headers, rows));
+            // An RBD unit's image and librbd's figures, under the table.
+            for l in luns {
+                if let Value::Object(r) = &l["rbd"] {
+                    let k: Vec<String> =
+                        r.iter().map(|(k, v)| format!("{k}={}", text(v))).collect();
+                    println!(
+                        "{} lun {} rbd: {}",
+                        text(&l["target"]),
+                        l["lun"],
+                        k.join(" ")
+                    );
+                }
+            }
+        }
         (AdminRequest::Sessions, Value::Array(sessions)) => {
             for s in sessions {
                 if s["transport"] == "srp" {
@@ -710,6 +781,61 @@ fn print_human(request: &AdminRequest, v: &Value) {
         }
         (_, other) => println!("{other}"),
     }
+}
+
+/// A JSON string's text (other values as JSON).
+fn text(v: &Value) -> String {
+    v.as_str().map_or_else(|| v.to_string(), str::to_string)
+}
+
+/// A size in bytes as the config writes sizes: whole KiB, MiB, GiB or TiB when exact, else
+/// with one decimal, or bytes.
+fn human_bytes(n: u64) -> String {
+    const UNITS: [(&str, u64); 4] = [
+        ("TiB", 1 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+    ];
+    for (unit, size) in UNITS {
+        if n >= size {
+            return if n % size == 0 {
+                format!("{} {unit}", n / size)
+            } else {
+                format!("{:.1} {unit}", n as f64 / size as f64)
+            };
+        }
+    }
+    format!("{n} B")
+}
+
+/// Rows under a header line, each column as wide as its widest cell, two spaces apart (the
+/// last column unpadded).
+fn table(headers: &[&str], rows: impl IntoIterator<Item = Vec<String>>) -> String {
+    let rows: Vec<Vec<String>> = rows.into_iter().collect();
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for r in &rows {
+        for (w, cell) in widths.iter_mut().zip(r) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let last = cells.len().saturating_sub(1);
+        let mut out = String::new();
+        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
+            if i == last {
+                out.push_str(cell);
+            } else {
+                out.push_str(&format!("{cell:<w$}  "));
+            }
+        }
+        out.trim_end().to_string() + "\n"
+    };
+    let mut out = line(headers.to_vec());
+    for r in &rows {
+        out += &line(r.iter().map(String::as_str).collect());
+    }
+    out
 }
 
 /// Samples the counters twice and prints rates.
