@@ -1082,3 +1082,42 @@ fn a_login_with_a_live_cid_replaces_that_connection() {
         );
     }
 }
+
+#[test]
+fn whole_pdus_with_their_data_inline_lose_none_of_it() {
+    // A write of 16 KiB: 8 KiB of immediate data inline in the command, the rest in a Data-Out
+    // that answers the R2T, also inline; both handed in whole (Connection::handle_pdu).
+    let (mut rig, mut i) = rig(Options::default());
+    let data = pattern(16384, 7);
+    let cmd = i.command(&cdb10(0x2a, 100, 32), 0, 16384, data.slice(..8192));
+    let itt = cmd.initiator_task_tag;
+    rig.send_whole(0, Pdu::ScsiCommand(cmd));
+    let r = rig.responses();
+    let [Pdu::ReadyToTransfer(r2t)] = &r[..] else {
+        panic!("an R2T for the rest: {r:?}");
+    };
+    assert_eq!(
+        (r2t.buffer_offset, r2t.desired_data_transfer_length),
+        (8192, 8192)
+    );
+    let out = DataOut {
+        final_bit: true,
+        initiator_task_tag: itt,
+        target_transfer_tag: r2t.target_transfer_tag,
+        data_sn: 0,
+        buffer_offset: 8192,
+        data: data.slice(8192..),
+        ..DataOut::default()
+    };
+    rig.send_whole(0, Pdu::DataOut(out));
+    let r = rig.responses();
+    assert!(
+        matches!(&r[..], [Pdu::ScsiResponse(s)] if s.status == ScsiStatus::GOOD),
+        "{r:?}"
+    );
+    assert_eq!(rig.stored(100, 32), data);
+    // Inline data on a command that may not carry it is refused, as from the wire.
+    let read = i.command(&cdb10(0x28, 0, 1), 512, 0, Bytes::from_static(b"junk"));
+    rig.send_whole(0, Pdu::ScsiCommand(read));
+    assert!(matches!(&rig.responses()[..], [Pdu::Reject(_)]));
+}

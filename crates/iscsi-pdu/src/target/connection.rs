@@ -635,8 +635,11 @@ impl<B: TaskBuffer> Connection<B> {
         }
     }
 
-    /// A whole PDU (a SCSI Command or Data-Out without data, or any other PDU with its data
-    /// segment).
+    /// A whole PDU: any PDU with its data segment. A SCSI Command's immediate data and a
+    /// Data-Out's data inline are taken as payloads that followed their headers would be (a
+    /// write first asks for its buffer, [`Plan::Allocate`]) and copied into the task's
+    /// buffer: a deframer in whole-PDU mode loses nothing, though
+    /// [`Connection::handle_header`] places the data without the copy.
     pub fn handle_pdu(&mut self, now: Instant, pdu: Pdu, nexus: &mut impl Nexus) -> Plan<B> {
         self.now = now;
         self.last_rx = now;
@@ -650,7 +653,38 @@ impl<B: TaskBuffer> Connection<B> {
             return Plan::Next;
         }
         match pdu {
+            Pdu::ScsiCommand(cmd) if !cmd.data.is_empty() => {
+                // A whole command with its immediate data inline (a deframer in whole-PDU
+                // mode): the checks of a header whose payload follows; the data is then
+                // copied into the task's buffer when it is allocated, never dropped.
+                let len = cmd.data.len() as u32;
+                if let Some(reason) = self.immediate_refusal(&cmd, len) {
+                    self.reject_pdu(reason, &Pdu::ScsiCommand(cmd), nexus);
+                    return Plan::Next;
+                }
+                return match self.scsi_command(now, cmd, len, nexus) {
+                    // Nothing of it is on the wire to skip.
+                    Plan::Discard => Plan::Next,
+                    plan => plan,
+                };
+            }
             Pdu::ScsiCommand(cmd) => return self.scsi_command(now, cmd, 0, nexus),
+            Pdu::DataOut(d) if !d.data.is_empty() => {
+                // Its data inline: copied into the task's buffer as a placed payload would be.
+                let len = d.data.len() as u32;
+                match self.take_data_out_buffer(&d, len) {
+                    Ok(Some(mut buffer)) => {
+                        let at = d.buffer_offset as usize;
+                        buffer[at..at + len as usize].copy_from_slice(&d.data);
+                        self.data_out(&d, len, Some(buffer), nexus);
+                    }
+                    // No task (or its buffer is out): skipped, as a header's payload would be.
+                    Ok(None) => {}
+                    Err(()) => {
+                        self.reject_pdu(RejectReason::ProtocolError, &Pdu::DataOut(d), nexus)
+                    }
+                }
+            }
             Pdu::DataOut(d) => self.data_out(&d, 0, None, nexus),
             Pdu::NopOut(n) => self.nop_out(n, nexus),
             Pdu::TaskManagementRequest(t) => self.task_management(t, nexus),
@@ -757,7 +791,15 @@ impl<B: TaskBuffer> Connection<B> {
             // What the initiator owes for this write starts now.
             self.data_out_seen = now;
         }
+        // A whole command's immediate data came inline (`handle_pdu`): copied, not read.
+        let inline = !cmd.data.is_empty();
         match buffer {
+            Ok(mut buffer) if len > 0 && inline => {
+                let n = len as usize;
+                buffer[..n].copy_from_slice(&cmd.data[..n]);
+                self.command(now, cmd, Ok(Some(buffer)), len, nexus);
+                Plan::Next
+            }
             Ok(buffer) if len > 0 => {
                 self.receiving = Some(Receiving::Command(cmd, len));
                 Plan::Receive {
@@ -772,7 +814,7 @@ impl<B: TaskBuffer> Connection<B> {
             }
             Err(why) => {
                 self.command(now, cmd, Err(why), len, nexus);
-                if len > 0 {
+                if len > 0 && !inline {
                     Plan::Discard
                 } else {
                     Plan::Next

@@ -595,6 +595,23 @@ impl Rig {
             .expect("a new session is made")
     }
 
+    /// Hands connection `i`'s machine a whole PDU, data segment inline, as a deframer in
+    /// whole-PDU mode would ([`Connection::handle_pdu`]), follows its plan, then runs as after
+    /// any input.
+    pub fn send_whole(&mut self, i: usize, pdu: Pdu) {
+        let now = self.now;
+        let plan = {
+            let (t, c) = (&mut self.target, &mut self.conns[i]);
+            c.conn.handle_pdu(now, pdu, &mut via(t, i, c))
+        };
+        assert!(
+            !matches!(plan, Plan::Receive { .. } | Plan::Discard),
+            "a whole PDU leaves nothing on the wire"
+        );
+        self.follow(i, plan);
+        self.run();
+    }
+
     /// Connection `i`'s view of the target (its session, the core, the routes to it), for a
     /// transport that drives a machine of its own on `i`'s session (iSER's tests): the
     /// rig's own machine `i` is then left alone.
