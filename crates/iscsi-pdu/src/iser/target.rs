@@ -32,6 +32,7 @@ use crate::{DataOut, Pdu, ReadyToTransfer, RejectReason, ScsiCommand, ScsiRespon
 /// What the connection asks of the RDMA shell, in order: post them on the queue pair in the
 /// order given.
 #[derive(Debug)]
+#[must_use = "work is what the queue pair must carry out, in order"]
 pub enum Work<B> {
     /// Send this PDU (behind an iSER header without buffers; [`super::encode`]).
     Send(Pdu),
@@ -81,6 +82,7 @@ impl DataOutRead {
 
 /// What to do with the message just handed in.
 #[derive(Debug)]
+#[must_use = "a plan says what the message's data needs; its receive buffer waits on it"]
 pub enum IserPlan<B> {
     /// Nothing more: its receive buffer may be posted again.
     Next,

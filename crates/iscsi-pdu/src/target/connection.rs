@@ -179,6 +179,7 @@ impl<B: Deref<Target = [u8]>> Payload<B> {
 
 /// One unit of output, in StatSN order.
 #[derive(Debug)]
+#[must_use = "a transmit is output the initiator waits for"]
 pub enum Transmit<B> {
     /// A PDU with its data segment inline.
     Pdu(Pdu),
@@ -271,6 +272,7 @@ impl<B: Deref<Target = [u8]>> Transmit<B> {
 
 /// What the connection asks of its caller, besides sending.
 #[derive(Debug)]
+#[must_use = "an event is work the connection waits for (a backend operation, a buffer)"]
 pub enum Event<B> {
     /// Run `op` on LUN index `lun` with `buffer`; report the outcome with
     /// [`Connection::handle_backend_done`].
@@ -298,6 +300,7 @@ pub enum Event<B> {
 
 /// What to do with the payload of the PDU just handed in.
 #[derive(Debug)]
+#[must_use = "a plan says where the payload goes; ignored, the stream is misread"]
 pub enum Plan<B> {
     /// There is none (or it came inline): read the next header.
     Next,

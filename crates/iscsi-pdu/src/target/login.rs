@@ -61,6 +61,7 @@ pub struct Completed {
 
 /// What answering a Login Request ends in.
 #[derive(Debug)]
+#[must_use = "a login step holds the Login Response to send"]
 pub enum Step {
     /// Send the response; the login goes on.
     Continue(LoginResponse),

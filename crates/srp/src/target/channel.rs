@@ -183,6 +183,7 @@ pub enum Transmit<B> {
 
 /// Something for the shell to do.
 #[derive(Debug)]
+#[must_use = "an event is work the channel waits for (a backend operation, a buffer)"]
 pub enum Event<B> {
     /// Run `op` on LUN index `lun` with `buffer`, then [`Channel::handle_backend_done`].
     Backend {
