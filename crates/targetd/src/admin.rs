@@ -816,6 +816,24 @@ pub fn metrics_text(registry: &Registry) -> String {
     );
     let _ = writeln!(m, "# TYPE targetd_srp_immediate_writes_total counter");
     let _ = writeln!(m, "targetd_srp_immediate_writes_total {immediate}");
+    let _ = writeln!(
+        m,
+        "# HELP targetd_logins_total logins answered, by transport and Login Response status"
+    );
+    let _ = writeln!(m, "# TYPE targetd_logins_total counter");
+    for (t, transport) in ["tcp", "iser"].iter().enumerate() {
+        for (i, status) in iscsi_pdu::pdu::LoginStatus::ALL.iter().enumerate() {
+            let n = registry.logins[t][i].load(Relaxed);
+            // Success always; a refusal once one happened.
+            if n > 0 || i == 0 {
+                let name = status.name();
+                let _ = writeln!(
+                    m,
+                    "targetd_logins_total{{transport=\"{transport}\",status=\"{name}\"}} {n}"
+                );
+            }
+        }
+    }
     for (name, help, kind, value) in [
         (
             "targetd_iser_connections",

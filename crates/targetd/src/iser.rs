@@ -586,8 +586,12 @@ impl<F: Fabric> Portal<F> {
         let step = lp.login.handle_request(&req, &mut policy);
         let (response, done) = match step {
             LoginStep::Continue(r) => (r, None),
-            LoginStep::Done(r, done) => (r, Some(done)),
+            LoginStep::Done(r, done) => {
+                registry.count_login(true, r.status);
+                (r, Some(done))
+            }
             LoginStep::Refused(r) => {
+                registry.count_login(true, r.status);
                 tracing::info!(portal = %self.portal, status = ?r.status, "iSER login refused");
                 c.flush_then_close = true;
                 (r, None)

@@ -81,6 +81,9 @@ pub struct Registry {
     pub srp_immediate_writes: AtomicU64,
     /// iSER connections open on the iSER portals, logged in or not.
     pub iser_connections: AtomicU64,
+    /// Logins answered, by transport (TCP, iSER) and Login Response status
+    /// (`LoginStatus::index`).
+    pub logins: [[AtomicU64; 19]; 2],
     /// RDMA READs an iSER portal issued (one per burst of solicited data-out).
     pub iser_rdma_reads: AtomicU64,
     /// RDMA WRITEs an iSER portal issued (one per command's data-in).
@@ -178,6 +181,7 @@ impl Registry {
             srp_logins_rejected: AtomicU64::new(0),
             srp_immediate_writes: AtomicU64::new(0),
             iser_connections: AtomicU64::new(0),
+            logins: Default::default(),
             iser_rdma_reads: AtomicU64::new(0),
             iser_rdma_writes: AtomicU64::new(0),
         }
@@ -299,6 +303,11 @@ impl Registry {
     /// What the target offers in login negotiation.
     pub fn settings(&self) -> Settings {
         self.config().settings()
+    }
+
+    /// Counts a login's last answer: its Login Response status, over iSER or TCP.
+    pub fn count_login(&self, iser: bool, status: iscsi_pdu::pdu::LoginStatus) {
+        self.logins[usize::from(iser)][status.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The CmdSN window of new sessions.

@@ -124,6 +124,16 @@ async fn chap_one_way_and_mutual() {
         .is_err());
     // The two refusals were counted against this address.
     let metrics = targetd::admin::metrics_text(&d.registry);
+    // And every login by the target's last answer: the two sessions, and the two refused
+    // (no CHAP offered, the wrong secret). The initiator that gave up on the target's mutual
+    // CHAP answer left before the target's final answer.
+    for line in [
+        "targetd_logins_total{transport=\"tcp\",status=\"success\"} 2\n",
+        "targetd_logins_total{transport=\"tcp\",status=\"authentication_failure\"} 2\n",
+        "targetd_logins_total{transport=\"iser\",status=\"success\"} 0\n",
+    ] {
+        assert!(metrics.contains(line), "{line} in {metrics}");
+    }
     assert!(
         metrics.contains("targetd_auth_failures_total 2\n"),
         "{metrics}"

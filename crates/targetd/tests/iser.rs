@@ -124,6 +124,10 @@ fn a_normal_session_without_rdma_extensions_is_refused() {
     s.declarations.session_type = iscsi_pdu::negotiation::SessionType::Discovery;
     s.declarations.target_name = None;
     i.login(s).expect("a discovery session");
+    // Both logins counted by their answers, under iSER.
+    let counted = |status: LoginStatus| d.registry.logins[1][status.index()].load(Relaxed);
+    assert_eq!(counted(LoginStatus::MISSING_PARAMETER), 1);
+    assert_eq!(counted(LoginStatus::SUCCESS), 1);
     d.stop();
 }
 

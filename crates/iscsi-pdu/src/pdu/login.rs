@@ -205,6 +205,64 @@ impl LoginStatus {
     pub fn detail(self) -> u8 {
         self.0 as u8
     }
+
+    /// Every status RFC 7143 section 11.13.5 names, success first.
+    pub const ALL: [LoginStatus; 19] = [
+        LoginStatus::SUCCESS,
+        LoginStatus::TARGET_MOVED_TEMPORARILY,
+        LoginStatus::TARGET_MOVED_PERMANENTLY,
+        LoginStatus::INITIATOR_ERROR,
+        LoginStatus::AUTHENTICATION_FAILURE,
+        LoginStatus::AUTHORIZATION_FAILURE,
+        LoginStatus::NOT_FOUND,
+        LoginStatus::TARGET_REMOVED,
+        LoginStatus::UNSUPPORTED_VERSION,
+        LoginStatus::TOO_MANY_CONNECTIONS,
+        LoginStatus::MISSING_PARAMETER,
+        LoginStatus::CANT_INCLUDE_IN_SESSION,
+        LoginStatus::SESSION_TYPE_NOT_SUPPORTED,
+        LoginStatus::SESSION_DOES_NOT_EXIST,
+        LoginStatus::INVALID_DURING_LOGIN,
+        LoginStatus::TARGET_ERROR,
+        LoginStatus::SERVICE_UNAVAILABLE,
+        LoginStatus::OUT_OF_RESOURCES,
+        LoginStatus(0xffff),
+    ];
+
+    /// Its name in lower snake case ("authentication_failure"), for logs and metric labels;
+    /// "other" for a status the RFC does not name.
+    pub fn name(self) -> &'static str {
+        match self {
+            LoginStatus::SUCCESS => "success",
+            LoginStatus::TARGET_MOVED_TEMPORARILY => "target_moved_temporarily",
+            LoginStatus::TARGET_MOVED_PERMANENTLY => "target_moved_permanently",
+            LoginStatus::INITIATOR_ERROR => "initiator_error",
+            LoginStatus::AUTHENTICATION_FAILURE => "authentication_failure",
+            LoginStatus::AUTHORIZATION_FAILURE => "authorization_failure",
+            LoginStatus::NOT_FOUND => "not_found",
+            LoginStatus::TARGET_REMOVED => "target_removed",
+            LoginStatus::UNSUPPORTED_VERSION => "unsupported_version",
+            LoginStatus::TOO_MANY_CONNECTIONS => "too_many_connections",
+            LoginStatus::MISSING_PARAMETER => "missing_parameter",
+            LoginStatus::CANT_INCLUDE_IN_SESSION => "cant_include_in_session",
+            LoginStatus::SESSION_TYPE_NOT_SUPPORTED => "session_type_not_supported",
+            LoginStatus::SESSION_DOES_NOT_EXIST => "session_does_not_exist",
+            LoginStatus::INVALID_DURING_LOGIN => "invalid_during_login",
+            LoginStatus::TARGET_ERROR => "target_error",
+            LoginStatus::SERVICE_UNAVAILABLE => "service_unavailable",
+            LoginStatus::OUT_OF_RESOURCES => "out_of_resources",
+            _ => "other",
+        }
+    }
+
+    /// Its place in [`LoginStatus::ALL`] (the last, "other", for a status the RFC does not
+    /// name).
+    pub fn index(self) -> usize {
+        LoginStatus::ALL[..18]
+            .iter()
+            .position(|&s| s == self)
+            .unwrap_or(18)
+    }
 }
 
 impl core::fmt::Debug for LoginStatus {

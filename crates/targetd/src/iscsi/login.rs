@@ -69,8 +69,12 @@ pub async fn run(
         };
         let (response, done) = match login.handle_request(&req, &mut policy) {
             Step::Continue(r) => (r, None),
-            Step::Done(r, done) => (r, Some(done)),
+            Step::Done(r, done) => {
+                registry.count_login(false, r.status);
+                (r, Some(done))
+            }
             Step::Refused(r) => {
+                registry.count_login(false, r.status);
                 if r.status == LoginStatus::AUTHENTICATION_FAILURE {
                     lock(&registry.auth).failed(peer.addr.ip(), Instant::now());
                     tracing::info!(peer = %peer.addr, "login refused: authentication failure");
