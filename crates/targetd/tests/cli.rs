@@ -145,6 +145,25 @@ fn admin_changes_are_logged_with_who_asked() {
         lines[1].starts_with("iqn.2026-11.io.example:cli"),
         "{targets}"
     );
+    // The tree: the target, its portal, who may log in, its LUN and backing; no secret.
+    let tree = ctl(&["tree"]);
+    let tree = String::from_utf8_lossy(&tree.stdout).into_owned();
+    let disk = dir.path().join("disk.img");
+    for line in [
+        "iqn.2026-11.io.example:cli\n".to_string(),
+        "├── access: any initiator\n".to_string(),
+        "├── CHAP: user u\n".to_string(),
+        format!(
+            "    └── 0: file {}, 1 MiB, 512-byte blocks\n",
+            disk.display()
+        ),
+    ] {
+        assert!(tree.contains(&line), "{line:?} in {tree}");
+    }
+    assert!(
+        tree.contains("(iSCSI)") && !tree.contains("twelve-bytes"),
+        "{tree}"
+    );
     // An empty list says what there is none of.
     let sessions = ctl(&["sessions"]);
     assert_eq!(String::from_utf8_lossy(&sessions.stdout), "no sessions\n");

@@ -41,6 +41,9 @@ enum Command {
     },
     /// Sessions: initiator, address, negotiated keys.
     Sessions,
+    /// Each target as a tree: its portals, who may log in (ACLs, CHAP), its LUNs and their
+    /// backing, as the running config has them.
+    Tree,
     /// Prints a completion script for `shell` (e.g. `targetctl completions bash >
     /// /etc/bash_completion.d/targetctl`); needs no daemon.
     Completions {
@@ -435,6 +438,7 @@ fn run(args: Args) -> Result<()> {
         // Answered above, without a daemon.
         Command::Completions { .. } | Command::Man => return Ok(()),
         Command::Stats { interval } => return stats(&mut c, interval, args.json),
+        Command::Tree => return tree(&mut c, args.json),
         Command::Lun { action } => match action {
             LunAction::Add {
                 target,
@@ -836,6 +840,150 @@ fn table(headers: &[&str], rows: impl IntoIterator<Item = Vec<String>>) -> Strin
         out += &line(r.iter().map(String::as_str).collect());
     }
     out
+}
+
+/// The tree of every target, from the running config (`config dump`), the daemon's portals
+/// (`status`) and its units (`luns`: their sizes as they run).
+fn tree(c: &mut Client, json: bool) -> Result<()> {
+    let status = c.call(&AdminRequest::Status)?;
+    let dump = c.call(&AdminRequest::ConfigDump)?;
+    let luns = c.call(&AdminRequest::Luns { target: None })?;
+    let config: toml::Table = toml::from_str(dump.as_str().unwrap_or_default())?;
+    let server = config.get("server").and_then(|v| v.as_table());
+    let list = |key: &str| -> Vec<String> {
+        server
+            .and_then(|s| s.get(key))
+            .and_then(|v| v.as_array())
+            .into_iter()
+            .flatten()
+            .filter_map(|v| v.as_str().map(str::to_string))
+            .collect()
+    };
+    let mut portals: Vec<String> = status["portals"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| format!("{} (iSCSI)", text(p)))
+        .collect();
+    portals.extend(
+        list("iser_portals")
+            .into_iter()
+            .map(|p| format!("{p} (iSER)")),
+    );
+    portals.extend(
+        list("rdma_portals")
+            .into_iter()
+            .map(|p| format!("{p} (SRP)")),
+    );
+    let targets = config.get("targets").and_then(|v| v.as_array());
+    let mut out = Vec::new();
+    for t in targets.into_iter().flatten() {
+        let name = t.get("name").and_then(|v| v.as_str()).unwrap_or_default();
+        let strings = |key: &str| -> Vec<String> {
+            t.get(key)
+                .and_then(|v| v.as_array())
+                .into_iter()
+                .flatten()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        };
+        let (initiators, networks, srp) = (
+            strings("initiators"),
+            strings("networks"),
+            strings("srp_initiators"),
+        );
+        let user = |key: &str| {
+            t.get(key)
+                .and_then(|c| c.get("username"))
+                .and_then(|u| u.as_str())
+                .map(str::to_string)
+        };
+        let units: Vec<Value> = luns
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|l| l["target"] == name)
+            .cloned()
+            .collect();
+        out.push(serde_json::json!({
+            "target": name,
+            "portals": portals,
+            "initiators": initiators,
+            "networks": networks,
+            "srp_initiators": srp,
+            "chap_user": user("chap"),
+            "mutual_chap_user": user("mutual_chap"),
+            "luns": units,
+        }));
+    }
+    if json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    if out.is_empty() {
+        println!("no targets");
+    }
+    for t in &out {
+        println!("{}", text(&t["target"]));
+        let strs =
+            |v: &Value| -> Vec<String> { v.as_array().into_iter().flatten().map(text).collect() };
+        let portals = strs(&t["portals"]);
+        println!(
+            "├── portals: {}",
+            if portals.is_empty() {
+                "none".into()
+            } else {
+                portals.join(", ")
+            }
+        );
+        let (initiators, networks) = (strs(&t["initiators"]), strs(&t["networks"]));
+        let access = match (initiators.is_empty(), networks.is_empty()) {
+            (true, true) => "any initiator".to_string(),
+            (false, true) => format!("initiators {}", initiators.join(", ")),
+            (true, false) => format!("networks {}", networks.join(", ")),
+            (false, false) => format!(
+                "initiators {}; networks {}",
+                initiators.join(", "),
+                networks.join(", ")
+            ),
+        };
+        println!("├── access: {access}");
+        let srp = strs(&t["srp_initiators"]);
+        if !srp.is_empty() {
+            println!("├── SRP initiator ports: {}", srp.join(", "));
+        }
+        let chap = match (t["chap_user"].as_str(), t["mutual_chap_user"].as_str()) {
+            (None, _) => "none".to_string(),
+            (Some(u), None) => format!("user {u}"),
+            (Some(u), Some(m)) => format!("user {u}, mutual as {m}"),
+        };
+        println!("├── CHAP: {chap}");
+        let luns = t["luns"].as_array().cloned().unwrap_or_default();
+        println!("└── LUNs{}", if luns.is_empty() { ": none" } else { "" });
+        for (i, l) in luns.iter().enumerate() {
+            let branch = if i + 1 == luns.len() {
+                "└──"
+            } else {
+                "├──"
+            };
+            let backing = match (&l["rbd"], l["path"].as_str()) {
+                (Value::Object(r), _) => format!(
+                    "rbd {}/{}",
+                    r.get("pool").map(text).unwrap_or_default(),
+                    r.get("image").map(text).unwrap_or_default()
+                ),
+                (_, Some(path)) => format!("{} {path}", text(&l["backend"])),
+                _ => text(&l["backend"]),
+            };
+            println!(
+                "    {branch} {}: {backing}, {}, {}-byte blocks",
+                l["lun"],
+                l["size"].as_u64().map(human_bytes).unwrap_or_default(),
+                l["block_size"]
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Samples the counters twice and prints rates.
