@@ -943,8 +943,6 @@ pub fn metrics_text(registry: &Registry) -> String {
         ("other_commands", "other commands"),
         ("read_bytes", "bytes read"),
         ("write_bytes", "bytes written"),
-        ("read_latency_ns", "sum of read latencies"),
-        ("write_latency_ns", "sum of write latencies"),
         ("errors", "commands ended with CHECK CONDITION"),
     ];
     let _ = writeln!(
@@ -966,6 +964,7 @@ pub fn metrics_text(registry: &Registry) -> String {
     rbd_metrics(&mut m, registry);
     #[cfg(feature = "rbd")]
     cluster_metrics(&mut m, registry);
+    latency_histograms(&mut m, registry);
     let rows = stats(registry);
     for (name, help) in counters {
         let _ = writeln!(m, "# HELP targetd_lun_{name}_total {help}");
@@ -1056,6 +1055,47 @@ fn cluster_metrics(m: &mut String, registry: &Registry) {
     }
 }
 
+/// Each unit's read and write latencies (from a command's arrival to its status) as
+/// Prometheus histograms in seconds: buckets from 50 us to 5 s, so quantiles (a p99) can be
+/// computed from them.
+fn latency_histograms(m: &mut String, registry: &Registry) {
+    use crate::target::{LATENCY_BOUNDS_US, LATENCY_BUCKETS};
+    use std::fmt::Write as _;
+    for read in [true, false] {
+        let dir = if read { "read" } else { "write" };
+        let name = format!("targetd_lun_{dir}_latency_seconds");
+        let _ = writeln!(
+            m,
+            "# HELP {name} {dir} commands by latency, from arrival to status"
+        );
+        let _ = writeln!(m, "# TYPE {name} histogram");
+        for t in registry.targets() {
+            for lun in t.lun_list() {
+                let s = &lun.stats;
+                let (buckets, sum) = if read {
+                    (&s.read_latency_buckets, &s.read_latency_ns)
+                } else {
+                    (&s.write_latency_buckets, &s.write_latency_ns)
+                };
+                let labels = format!("target=\"{}\",lun=\"{}\"", t.name, lun.config.lun);
+                let mut count = 0;
+                for (i, bucket) in buckets.iter().enumerate() {
+                    count += bucket.load(Relaxed);
+                    let le = match LATENCY_BOUNDS_US.get(i) {
+                        Some(&us) => format!("{}", us as f64 / 1e6),
+                        None => "+Inf".to_string(),
+                    };
+                    let _ = writeln!(m, "{name}_bucket{{{labels},le=\"{le}\"}} {count}");
+                }
+                debug_assert_eq!(buckets.len(), LATENCY_BUCKETS);
+                let seconds = sum.load(Relaxed) as f64 / 1e9;
+                let _ = writeln!(m, "{name}_sum{{{labels}}} {seconds}");
+                let _ = writeln!(m, "{name}_count{{{labels}}} {count}");
+            }
+        }
+    }
+}
+
 /// librbd's figures per RBD unit: in flight now, completed, their summed latency, and those
 /// that failed because the cluster did not answer in time or otherwise.
 fn rbd_metrics(m: &mut String, registry: &Registry) {
@@ -1086,9 +1126,9 @@ fn rbd_metrics(m: &mut String, registry: &Registry) {
             "completed",
         ),
         (
-            "targetd_rbd_latency_ns_total",
+            "targetd_rbd_latency_seconds_total",
             "counter",
-            "sum of librbd operation latencies",
+            "sum of librbd operation latencies, seconds",
             "latency_ns_total",
         ),
         (
@@ -1112,7 +1152,13 @@ fn rbd_metrics(m: &mut String, registry: &Registry) {
                 "{name}{{target=\"{target}\",lun=\"{lun}\",pool=\"{}\",image=\"{}\"}} {}",
                 v["pool"].as_str().unwrap_or_default(),
                 v["image"].as_str().unwrap_or_default(),
-                v[field]
+                // Prometheus counts time in seconds; librbd's figure is nanoseconds.
+                match field {
+                    "latency_ns_total" => {
+                        (v[field].as_u64().unwrap_or(0) as f64 / 1e9).to_string()
+                    }
+                    _ => v[field].to_string(),
+                }
             );
         }
     }

@@ -329,6 +329,30 @@ pub struct LunStats {
     pub write_latency_ns: AtomicU64,
     /// Commands that ended with CHECK CONDITION.
     pub errors: AtomicU64,
+    /// Reads by latency: how many fell in each of [`LATENCY_BOUNDS_US`] (not cumulative; the
+    /// last bucket past every bound).
+    pub read_latency_buckets: [AtomicU64; LATENCY_BUCKETS],
+    /// Writes by latency, as `read_latency_buckets`.
+    pub write_latency_buckets: [AtomicU64; LATENCY_BUCKETS],
+}
+
+/// The upper bounds of the latency histograms' buckets, microseconds: 50 us to 5 s, so a p99
+/// of a fast unit and of a stalled one both show.
+pub const LATENCY_BOUNDS_US: [u64; 16] = [
+    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
+    1_000_000, 2_500_000, 5_000_000,
+];
+
+/// Buckets of a latency histogram: one per bound and one past them.
+pub const LATENCY_BUCKETS: usize = LATENCY_BOUNDS_US.len() + 1;
+
+/// The bucket a latency of `ns` falls in.
+pub fn latency_bucket(ns: u64) -> usize {
+    let us = ns / 1000;
+    LATENCY_BOUNDS_US
+        .iter()
+        .position(|&b| us < b || (us == b && ns % 1000 == 0))
+        .unwrap_or(LATENCY_BOUNDS_US.len())
 }
 
 /// The storage behind a logical unit.
@@ -581,10 +605,12 @@ impl Target {
             s.read_commands.fetch_add(1, Ordering::Relaxed);
             s.read_bytes.fetch_add(a.read_bytes, Ordering::Relaxed);
             s.read_latency_ns.fetch_add(ns, Ordering::Relaxed);
+            s.read_latency_buckets[latency_bucket(ns)].fetch_add(1, Ordering::Relaxed);
         } else if a.write_bytes > 0 {
             s.write_commands.fetch_add(1, Ordering::Relaxed);
             s.write_bytes.fetch_add(a.write_bytes, Ordering::Relaxed);
             s.write_latency_ns.fetch_add(ns, Ordering::Relaxed);
+            s.write_latency_buckets[latency_bucket(ns)].fetch_add(1, Ordering::Relaxed);
         } else {
             s.other_commands.fetch_add(1, Ordering::Relaxed);
         }
@@ -1032,5 +1058,21 @@ mod tests {
             .map(TaskId::to_bits)
             .collect();
         assert_eq!(rest, [1, 2, 3, 9]);
+    }
+}
+
+#[cfg(test)]
+mod latency_tests {
+    use super::{latency_bucket, LATENCY_BOUNDS_US};
+
+    #[test]
+    fn a_latency_falls_in_the_first_bucket_whose_bound_holds_it() {
+        assert_eq!(latency_bucket(0), 0);
+        assert_eq!(latency_bucket(50_000), 0, "50 us is within le=0.00005");
+        assert_eq!(latency_bucket(50_001), 1);
+        assert_eq!(latency_bucket(999_999), 4);
+        assert_eq!(latency_bucket(1_000_000), 4, "1 ms is within le=0.001");
+        assert_eq!(latency_bucket(5_000_000_000), 15);
+        assert_eq!(latency_bucket(60_000_000_000), LATENCY_BOUNDS_US.len());
     }
 }

@@ -1439,6 +1439,14 @@ async fn the_metrics_endpoint_answers_at_metrics_only_and_describes_every_family
     let at = std::sync::Mutex::new(None);
     let d = Daemon::start_with(&text, |s| *at.lock().unwrap() = s.metrics_addr());
     let addr = at.lock().unwrap().expect("the metrics endpoint listens");
+    // Some reads and writes for the latency histograms.
+    let s = d.session(opts()).await;
+    let _ = s.capacity().await;
+    for lba in 0..8 {
+        s.write(lba * 8, pattern(4096, 1), 512).await.unwrap();
+        s.read(lba * 8, 8, 512).await.unwrap();
+    }
+    s.logout().await.unwrap();
     let get = |request: &str| {
         let mut s = std::net::TcpStream::connect(addr).unwrap();
         s.write_all(request.as_bytes()).unwrap();
@@ -1466,13 +1474,44 @@ async fn the_metrics_endpoint_answers_at_metrics_only_and_describes_every_family
     let (helped, typed) = (described("# HELP "), described("# TYPE "));
     assert_eq!(helped, typed, "every family has HELP and TYPE");
     assert!(typed.len() > 20, "{typed:?}");
+    let histograms: std::collections::BTreeSet<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" histogram"))
+        .collect();
     for sample in body
         .lines()
         .filter(|l| !l.is_empty() && !l.starts_with('#'))
     {
-        let family = sample.split(['{', ' ']).next().unwrap_or_default();
+        let name = sample.split(['{', ' ']).next().unwrap_or_default();
+        // A histogram's samples are its family's name with _bucket, _sum or _count.
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s).filter(|f| histograms.contains(f)))
+            .unwrap_or(name);
         assert!(typed.contains(family), "{sample}: no TYPE");
     }
+    // Latency in seconds, as histograms: cumulative buckets up to +Inf, which is the count of
+    // the unit's reads (8 here, the capacity's READ CAPACITY is not a read).
+    let value = |l: &str| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap();
+    let lun0 = format!("target=\"{TARGET}\",lun=\"0\"");
+    let buckets: Vec<f64> = body
+        .lines()
+        .filter(|l| l.starts_with("targetd_lun_read_latency_seconds_bucket{") && l.contains(&lun0))
+        .map(value)
+        .collect();
+    assert_eq!(buckets.len(), 17, "{body}");
+    assert!(
+        buckets.windows(2).all(|w| w[0] <= w[1]),
+        "cumulative: {buckets:?}"
+    );
+    assert_eq!(buckets[16], 8.0);
+    let count = body
+        .lines()
+        .find(|l| l.starts_with("targetd_lun_read_latency_seconds_count{") && l.contains(&lun0))
+        .map(value);
+    assert_eq!(count, Some(8.0));
+    assert!(!body.contains("latency_ns"), "seconds, not nanoseconds");
     assert!(get("GET / HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404 "));
     assert!(get("POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405 "));
     d.stop();
