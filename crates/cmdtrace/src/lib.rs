@@ -318,6 +318,8 @@ pub struct Ring {
     records: Vec<Record>,
     capacity: usize,
     dropped: u64,
+    /// The first drop has been reported ([`ring_filled`]).
+    told: bool,
 }
 
 impl Ring {
@@ -327,6 +329,7 @@ impl Ring {
             records: Vec::with_capacity(capacity),
             capacity,
             dropped: 0,
+            told: false,
         }
     }
 
@@ -379,6 +382,19 @@ pub fn disarm() {
 #[inline]
 pub fn enabled() -> bool {
     ENABLED.load(Ordering::Relaxed)
+}
+
+/// Whether this thread's ring has just begun to drop records: true once per ring, the first
+/// time it is asked after its first drop, so the recorder can say so loudly while the trace
+/// still runs.
+pub fn ring_filled() -> bool {
+    RING.with(|ring| match ring.borrow_mut().as_mut() {
+        Some(r) if r.dropped > 0 && !r.told => {
+            r.told = true;
+            true
+        }
+        _ => false,
+    })
 }
 
 /// This thread's ring, taken (recording on this thread stops).

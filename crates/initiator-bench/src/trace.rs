@@ -670,6 +670,14 @@ pub fn text(r: &Report) -> String {
         "{} commands ({} ended) of {} sessions over {:.3} s; {} records dropped",
         r.commands, r.ended, r.sessions, r.seconds, r.dropped
     );
+    if r.dropped > 0 {
+        let _ = writeln!(
+            s,
+            "WARNING: the target's trace rings filled and {} records were lost: the commands \
+             after that point are missing or cut short (targetctl trace start --records N)",
+            r.dropped
+        );
+    }
     spans_table(&mut s, &r.spans);
     in_flight_table(&mut s, &r.in_flight);
     if let Some((c, applied)) = r.clock {

@@ -151,6 +151,10 @@ pub enum AdminRequest {
         /// Stop by itself after this many seconds.
         #[serde(default)]
         duration_seconds: Option<f64>,
+        /// Records each reactor keeps (default `trace::RECORDS_PER_REACTOR`); once its ring
+        /// is full a reactor drops the rest, and says so.
+        #[serde(default)]
+        records_per_reactor: Option<usize>,
     },
     /// Stops the trace and writes its file.
     TraceStop,
@@ -218,6 +222,7 @@ fn handle_with(
         AdminRequest::TraceStart {
             out,
             duration_seconds,
+            records_per_reactor,
         } => {
             if !out.is_absolute() {
                 return Err(format!(
@@ -232,7 +237,15 @@ fn handle_with(
                 Some(s) => Some(Duration::from_secs_f64(s)),
                 None => None,
             };
-            tracer.start(out, duration)
+            let max = crate::trace::MAX_RECORDS_PER_REACTOR;
+            let records = match records_per_reactor {
+                Some(n) if !(1024..=max).contains(&n) => {
+                    return Err(format!("{n} records per reactor is outside 1024..={max}"));
+                }
+                Some(n) => n,
+                None => crate::trace::RECORDS_PER_REACTOR,
+            };
+            tracer.start(out, duration, records)
         }
         AdminRequest::TraceStop => tracer.stop(),
         other => handle(registry, other),

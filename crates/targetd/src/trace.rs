@@ -24,7 +24,9 @@ pub fn record_points(points: &mut cmdtrace::Points, session: u64, io: &crate::re
     if !on {
         return;
     }
+    let mut any = false;
     while let Some(p) = points.poll() {
+        any = true;
         cmdtrace::record(cmdtrace::Record {
             at_ns: io.clock.ns(p.at),
             session,
@@ -35,10 +37,21 @@ pub fn record_points(points: &mut cmdtrace::Points, session: u64, io: &crate::re
             arg: p.arg,
         });
     }
+    if any && cmdtrace::ring_filled() {
+        tracing::warn!(
+            reactor = io.index,
+            "trace ring full: this reactor's records are being dropped from now on \
+             (targetctl trace stop; a larger ring: trace start --records)"
+        );
+    }
 }
 
-/// Records each reactor keeps (32 bytes each: 32 MiB per reactor).
+/// Records each reactor keeps unless `trace start` says otherwise (32 bytes each: 32 MiB per
+/// reactor).
 pub const RECORDS_PER_REACTOR: usize = 1 << 20;
+
+/// The most records per reactor a trace may ask for (2 GiB per reactor).
+pub const MAX_RECORDS_PER_REACTOR: usize = 1 << 26;
 
 /// How long a reactor may take to arm or hand over its ring.
 const REACTOR_ANSWER: Duration = Duration::from_secs(5);
@@ -98,6 +111,7 @@ impl Tracer {
         self: &Arc<Self>,
         out: PathBuf,
         duration: Option<Duration>,
+        records: usize,
     ) -> Result<Value, String> {
         let mut run = lock(&self.run);
         if let Some(r) = run.as_ref() {
@@ -108,7 +122,7 @@ impl Tracer {
         }
         // Refuse a file that cannot be written now, not when the trace ends.
         std::fs::File::create(&out).map_err(|e| format!("{}: {e}", out.display()))?;
-        self.on_reactors(|| cmdtrace::arm(RECORDS_PER_REACTOR))?;
+        self.on_reactors(move || cmdtrace::arm(records))?;
         let id = {
             let mut n = lock(&self.next_id);
             *n += 1;
@@ -128,7 +142,7 @@ impl Tracer {
         }
         Ok(json!({
             "out": out.display().to_string(),
-            "records_per_reactor": RECORDS_PER_REACTOR,
+            "records_per_reactor": records,
             "duration_seconds": duration.map(|d| d.as_secs_f64()),
         }))
     }
@@ -169,6 +183,15 @@ impl Tracer {
         };
         write().map_err(|e| format!("{}: {e}", r.out.display()))?;
         tracing::info!(out = %r.out.display(), records = file.records.len(), dropped, "trace written");
+        if dropped > 0 {
+            let kept = file.records.len() as f64;
+            let share = 100.0 * dropped as f64 / (kept + dropped as f64);
+            tracing::warn!(
+                dropped,
+                "{share:.0}% of the trace's records were dropped: its rings filled \
+                 (trace start --records gives each reactor more)"
+            );
+        }
         Ok(json!({
             "out": r.out.display().to_string(),
             "records": file.records.len(),

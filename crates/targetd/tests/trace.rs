@@ -282,3 +282,42 @@ async fn srp_commands_are_traced_too() {
         .all(|c| c.at(Stage::BackendSubmit).is_some() || c.len == 0));
     d.stop();
 }
+
+/// A trace whose rings fill keeps the start of the run, counts the rest as dropped, and says
+/// so in its answer; the ring's size is the caller's, within bounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_ring_fills_and_the_loss_is_counted() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let out = d.dir.path().join("small.trace");
+    let refused = admin(
+        &d,
+        json!({"command": "trace-start", "out": out, "records_per_reactor": 10}),
+    );
+    assert!(
+        refused.is_err_and(|e| e.contains("outside 1024")),
+        "too small a ring is refused"
+    );
+    let started = admin(
+        &d,
+        json!({"command": "trace-start", "out": out, "records_per_reactor": 1024}),
+    )
+    .expect("started");
+    assert_eq!(started["records_per_reactor"], 1024);
+    let s = d.session(opts()).await;
+    // Each read leaves several records; 600 of them cannot fit 1024 per reactor.
+    for i in 0..600 {
+        s.read(i % 64 * 8, 8, 512).await.expect("read");
+    }
+    let stopped = admin(&d, json!({"command": "trace-stop"})).expect("stopped");
+    let (records, dropped) = (
+        stopped["records"].as_u64().unwrap(),
+        stopped["dropped"].as_u64().unwrap(),
+    );
+    assert!(records <= 2 * 1024, "{stopped}");
+    assert!(dropped > 0, "{stopped}");
+    let t = read_trace(&out);
+    assert_eq!(t.dropped, dropped, "the file counts the loss too");
+    s.logout().await.expect("logout");
+    d.stop();
+}

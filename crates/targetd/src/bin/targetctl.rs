@@ -101,6 +101,10 @@ enum TraceAction {
         /// Stop by itself after this long (10s, 500ms, 2m).
         #[arg(long)]
         duration: Option<String>,
+        /// Records each reactor keeps (32 bytes each; default 1048576): a reactor whose ring
+        /// fills drops the rest, and the daemon warns.
+        #[arg(long)]
+        records: Option<usize>,
     },
     /// Stops the trace and writes its file.
     Stop,
@@ -597,7 +601,12 @@ fn run(args: Args) -> Result<()> {
             to: to.map(absolute).transpose()?,
         },
         Command::Trace {
-            action: TraceAction::Start { out, duration },
+            action:
+                TraceAction::Start {
+                    out,
+                    duration,
+                    records,
+                },
         } => AdminRequest::TraceStart {
             // The daemon's working directory is not this one's.
             out: std::env::current_dir()?.join(out),
@@ -606,6 +615,7 @@ fn run(args: Args) -> Result<()> {
                 .map(parse_duration)
                 .transpose()?
                 .map(|d| d.as_secs_f64()),
+            records_per_reactor: records,
         },
         Command::Trace {
             action: TraceAction::Stop,
@@ -776,6 +786,20 @@ fn print_human(request: &AdminRequest, v: &Value) {
                     let k: Vec<String> = o.iter().map(|(k, v)| format!("{k}={v}")).collect();
                     println!("{}", k.join(" "));
                 }
+            }
+        }
+        (AdminRequest::TraceStop, Value::Object(o)) => {
+            for (k, v) in o {
+                println!("{k}: {v}");
+            }
+            let dropped = o.get("dropped").and_then(Value::as_u64).unwrap_or(0);
+            if dropped > 0 {
+                let kept = o.get("records").and_then(Value::as_u64).unwrap_or(0);
+                let share = 100 * dropped / (kept + dropped).max(1);
+                println!(
+                    "WARNING: {dropped} records ({share}%) were dropped: the rings filled; \
+                     trace start --records N keeps more per reactor"
+                );
             }
         }
         (_, Value::Object(o)) => {
