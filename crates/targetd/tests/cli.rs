@@ -175,6 +175,36 @@ fn admin_changes_are_logged_with_who_asked() {
     );
     let refused = ctl(&["lun", "resize", "iqn.2026-11.io.example:cli", "0", "1MiB"]);
     assert!(!refused.status.success());
+    // With --json a change is a list of what changed, an error an object naming it.
+    let changed = ctl(&[
+        "--json",
+        "lun",
+        "resize",
+        "iqn.2026-11.io.example:cli",
+        "0",
+        "4MiB",
+    ]);
+    let changed: serde_json::Value = serde_json::from_slice(&changed.stdout).unwrap();
+    assert!(
+        changed.as_array().is_some_and(|c| !c.is_empty()),
+        "{changed}"
+    );
+    let error = ctl(&[
+        "--json",
+        "lun",
+        "resize",
+        "iqn.2026-11.io.example:cli",
+        "0",
+        "1MiB",
+    ]);
+    assert!(!error.status.success());
+    let error: serde_json::Value = serde_json::from_slice(&error.stdout).unwrap();
+    assert!(
+        error["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("--force")),
+        "{error}"
+    );
     let _ = child.kill();
     let _ = child.wait();
     let logs: Vec<serde_json::Value> = BufReader::new(child.stderr.take().unwrap())
@@ -187,7 +217,8 @@ fn admin_changes_are_logged_with_who_asked() {
                 .is_some_and(|m| m.starts_with("admin change"))
         })
         .collect();
-    assert_eq!(logs.len(), 2, "{logs:#?}");
+    // Two changes and two refusals, --json or not.
+    assert_eq!(logs.len(), 4, "{logs:#?}");
     for v in &logs {
         assert_eq!(v["fields"]["uid"], uid, "{v}");
         assert!(

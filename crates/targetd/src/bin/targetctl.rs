@@ -409,8 +409,15 @@ impl Client {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    let json = args.json;
     match run(args) {
         Ok(()) => ExitCode::SUCCESS,
+        // With --json an error is data too, on stdout where the answers go.
+        Err(e) if json => {
+            let error = serde_json::json!({ "error": format!("{e:#}") });
+            println!("{error}");
+            ExitCode::FAILURE
+        }
         Err(e) => {
             eprintln!("targetctl: {e:#}");
             ExitCode::FAILURE
