@@ -173,19 +173,8 @@ fn srpt_side() {
         immediate_data: true,
     };
     for (bs, regions, ios) in [(4096, 1, 400), (65536, 16, 200)] {
-        let req = login_request(0, port_id, 8260);
-        let mut private = Vec::new();
-        req.encode_rdma_cm(&mut private);
-        let depth = QueueDepth {
-            send: 1024,
-            recv: 256,
-        };
-        let (qp, reply) = verbs
-            .connect(portal, depth, &private)
-            .expect("ib_srpt takes the login");
-        let Ok(Iu::LoginRsp(rsp)) = Iu::decode(&reply) else {
-            panic!("not an SRP_LOGIN_RSP: {reply:02x?}");
-        };
+        let single = MultiChannelAction::SingleChannel;
+        let (qp, rsp) = log_in_to(&mut verbs, portal, 0, single, port_id);
         println!(
             "ib_srpt: crates/srp's initiator logged in (limit {}, IU {} bytes, immediate data {})",
             rsp.req_lim_delta, rsp.max_it_iu_len, rsp.immediate_data
@@ -222,14 +211,27 @@ fn srpt_side() {
     println!("ib_srpt: all done");
 }
 
-/// Logs in over rdma_cm as ib_srp does by default, as initiator port `s`.
+/// Logs in to targetd's SRP port over rdma_cm as ib_srp does by default, as initiator port
+/// `s`.
 fn log_in(
     verbs: &mut RdmaVerbs,
     portal: SocketAddr,
     s: usize,
     action: MultiChannelAction,
 ) -> (QpHandle, SrpLoginRsp) {
-    let mut req = login_request(s, targetd::srp::port_id(TARGET), 8260);
+    log_in_to(verbs, portal, s, action, targetd::srp::port_id(TARGET))
+}
+
+/// Logs in over rdma_cm as ib_srp does by default, as initiator port `s`, to the SRP target
+/// port `port_id`.
+fn log_in_to(
+    verbs: &mut RdmaVerbs,
+    portal: SocketAddr,
+    s: usize,
+    action: MultiChannelAction,
+    port_id: [u8; 16],
+) -> (QpHandle, SrpLoginRsp) {
+    let mut req = login_request(s, port_id, 8260);
     req.multi_channel = action;
     let mut private = Vec::new();
     req.encode_rdma_cm(&mut private);
