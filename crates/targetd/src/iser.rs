@@ -29,11 +29,10 @@ use iscsi_pdu::iser::{
     self, CmReply, DataOutRead, IserConnection, IserHeader, IserPlan, RemoteBuffer, Work,
     ISER_HEADERS_LEN,
 };
-use iscsi_pdu::negotiation::{DigestAlgorithm, NegotiationError, SessionType, Settings};
+use iscsi_pdu::negotiation::{DigestAlgorithm, NegotiationError, Settings};
 use iscsi_pdu::pdu::LoginStatus;
 use iscsi_pdu::target::{
-    self, Close, CommandOrder, Completed, Event, Login, LoginPolicy, Nexus, NoBuffer, Payload,
-    Step as LoginStep,
+    Close, Completed, Event, Login, LoginPolicy, Nexus, NoBuffer, Payload, Step as LoginStep,
 };
 use iscsi_pdu::{Pdu, SerialNumber};
 use scsi_core::{BackendError, TaskId};
@@ -42,12 +41,13 @@ use srp::verbs::{IuBuffers, PortBuffer, Verbs, WorkOp};
 use tokio::sync::mpsc;
 
 use crate::iscsi::connection::{Link, Scope, Step};
+use crate::iscsi::login::Outcome;
 use crate::iscsi::session::{Control, Request};
 use crate::port::{Waits, Want};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{AdmissionState, ConnectionSlot, Peer, Registry};
 use crate::srp::{Fabric, Qp, SrpBuffer, IU_LEN};
-use crate::target::{next_id, Outbox, Route, Routed, MAX_IO};
+use crate::target::{next_id, Routed};
 
 /// The most data a Send to the target may carry (TargetRecvDataSegmentLength): what an IU
 /// buffer holds behind the iSER header and the BHS, rounded down to 512. Linux's initiator
@@ -606,7 +606,8 @@ impl<F: Fabric> Portal<F> {
         }
     }
 
-    /// The login has ended: the connection's iSER machine starts on its session.
+    /// The login has ended: the connection's iSER machine starts on its session, as a TCP
+    /// connection's does.
     fn full_feature(
         &mut self,
         id: u64,
@@ -614,56 +615,16 @@ impl<F: Fabric> Portal<F> {
         session: Option<Arc<crate::iscsi::session::Session>>,
         now: Instant,
     ) {
-        let registry = self.registry.clone();
         let c = self.conns.get_mut(&id).expect("present");
-        let Completed {
-            negotiator,
-            initiator,
-            stat_sn,
-            cmd_sn,
-            ..
-        } = done;
-        let (scope, cid, session_type, op) = match session {
-            Some(session) => {
-                let conns = registry.sessions.connections(&session);
-                let cid = conns.iter().find(|x| x.id == id).map_or(0, |x| x.cid);
-                let op = session.params.operational;
-                (Scope::Session(session), cid, SessionType::Normal, op)
-            }
-            None => {
-                let order = std::cell::RefCell::new(CommandOrder::new(cmd_sn, registry.window()));
-                let op = negotiator.session().operational;
-                let scope = Scope::Discovery { order, initiator };
-                (scope, 0, SessionType::Discovery, op)
-            }
-        };
-        let config = registry.config();
-        let s = &config.server;
-        let settings = target::Settings {
-            cid,
-            session_type,
-            max_io: MAX_IO,
-            nop_interval: Duration::from_secs(s.nop_interval),
-            nop_timeout: Duration::from_secs(s.nop_timeout),
-            data_out_timeout: Duration::from_secs(s.data_out_timeout),
-        };
-        let conn = target::Connection::new(now, settings, negotiator, op, stat_sn);
-        let (tx, rx) = mpsc::unbounded_channel();
-        tracing::info!(portal = %self.portal, id, ?session_type, "iSER connection in full feature phase");
+        let outcome = Outcome::of(done, session);
+        let e = crate::iscsi::connection::enter(outcome, &self.registry, &c.peer, now);
+        tracing::info!(portal = %self.portal, id, discovery = e.scope.session().is_none(), "iSER connection in full feature phase");
         c.phase = Phase::Full(Box::new(Full {
             // RDMA READs at once per connection: what a queue pair answers by default.
-            machine: IserConnection::new(conn, 16),
-            link: Link {
-                id,
-                peer: c.peer.addr,
-                portal: c.peer.local,
-                registry: registry.clone(),
-                route: Route { conn: id, tx },
-                out: Outbox::new(id),
-                unit: None,
-            },
-            scope,
-            rx,
+            machine: IserConnection::new(e.machine, 16),
+            link: e.link,
+            scope: e.scope,
+            rx: e.rx,
         }));
     }
 

@@ -180,16 +180,7 @@ fn srpt_side() {
             rsp.req_lim_delta, rsp.max_it_iu_len, rsp.immediate_data
         );
         o.regions = regions;
-        let w = Workload {
-            rw: Rw::Randrw,
-            bs,
-            qd: 8,
-            sessions: 1,
-            ios: Some(ios),
-            size: Some(16 << 20),
-            verify: true,
-            ..Workload::default()
-        };
+        let w = verified(bs, ios);
         let mut ch =
             InitiatorChannel::new(&mut verbs, qp, &rsp, o.registration, 8, place_len(&w, &o))
                 .expect("the channel's memory");
@@ -248,6 +239,20 @@ fn log_in_to(
     (qp, rsp)
 }
 
+/// `ios` verified random reads and writes of `bs` bytes over 16 MiB, 8 at a time.
+fn verified(bs: u32, ios: u64) -> Workload {
+    Workload {
+        rw: Rw::Randrw,
+        bs,
+        qd: 8,
+        sessions: 1,
+        ios: Some(ios),
+        size: Some(16 << 20),
+        verify: true,
+        ..Workload::default()
+    }
+}
+
 fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while !f() {
@@ -286,21 +291,11 @@ fn guest_side() {
         link: LinkModel::Free,
         immediate_data: true,
     };
-    let workload = |bs: u32, ios: u64| Workload {
-        rw: Rw::Randrw,
-        bs,
-        qd: 8,
-        sessions: 1,
-        ios: Some(ios),
-        size: Some(16 << 20),
-        verify: true,
-        ..Workload::default()
-    };
     // 4 KiB (immediate data), 64 KiB, and 128 KiB in 32 regions (an indirect table).
     let mut first = Some((qp, rsp));
     for (bs, regions, ios) in [(4096, 1, 400), (65536, 1, 200), (131072, 32, 100)] {
         o.regions = regions;
-        let w = workload(bs, ios);
+        let w = verified(bs, ios);
         let (qp, rsp) = first
             .take()
             .unwrap_or_else(|| log_in(&mut verbs, portal, 0, MultiChannelAction::SingleChannel));
@@ -345,7 +340,7 @@ fn guest_side() {
         2,
         "two channels of one nexus"
     );
-    let w = workload(4096, 100);
+    let w = verified(4096, 100);
     for (qp, rsp) in [(qp1, rsp1), (qp2, rsp2)] {
         let ch = InitiatorChannel::new(&mut verbs, qp, &rsp, o.registration, 8, place_len(&w, &o))
             .expect("the channel's memory");

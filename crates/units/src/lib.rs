@@ -14,6 +14,27 @@
 
 use std::time::Duration;
 
+/// A size in bytes as people write it and [`parse_size`] reads it back: whole KiB, MiB, GiB
+/// or TiB when exact (`64 MiB`), else with one decimal (`1.5 GiB`, rounded), or bytes.
+pub fn format_size(n: u64) -> String {
+    const UNITS: [(&str, u64); 4] = [
+        ("TiB", 1 << 40),
+        ("GiB", 1 << 30),
+        ("MiB", 1 << 20),
+        ("KiB", 1 << 10),
+    ];
+    for (unit, size) in UNITS {
+        if n >= size {
+            return if n % size == 0 {
+                format!("{} {unit}", n / size)
+            } else {
+                format!("{:.1} {unit}", n as f64 / size as f64)
+            };
+        }
+    }
+    format!("{n} B")
+}
+
 /// Parses a size in bytes; the error says what was wrong, with an example.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
@@ -165,6 +186,15 @@ pub mod serde {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn exact_sizes_are_written_as_they_read_back() {
+        for n in [0, 512, 4096, 64 << 20, 1 << 30, 3 << 40] {
+            assert_eq!(super::parse_size(&super::format_size(n)), Ok(n), "{n}");
+        }
+        assert_eq!(super::format_size(1536 << 20), "1.5 GiB");
+        assert_eq!(super::format_size(1000), "1000 B");
+    }
+
     use super::*;
 
     #[test]

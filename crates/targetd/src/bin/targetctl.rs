@@ -719,7 +719,10 @@ fn print_human(request: &AdminRequest, v: &Value) {
                     text(&l["target"]),
                     l["lun"].to_string(),
                     text(&l["backend"]),
-                    l["size"].as_u64().map(human_bytes).unwrap_or_default(),
+                    l["size"]
+                        .as_u64()
+                        .map(units::format_size)
+                        .unwrap_or_default(),
                     l["block_size"].to_string(),
                     backing,
                     flags.join(","),
@@ -821,27 +824,6 @@ fn print_human(request: &AdminRequest, v: &Value) {
 /// A JSON string's text (other values as JSON).
 fn text(v: &Value) -> String {
     v.as_str().map_or_else(|| v.to_string(), str::to_string)
-}
-
-/// A size in bytes as the config writes sizes: whole KiB, MiB, GiB or TiB when exact, else
-/// with one decimal, or bytes.
-fn human_bytes(n: u64) -> String {
-    const UNITS: [(&str, u64); 4] = [
-        ("TiB", 1 << 40),
-        ("GiB", 1 << 30),
-        ("MiB", 1 << 20),
-        ("KiB", 1 << 10),
-    ];
-    for (unit, size) in UNITS {
-        if n >= size {
-            return if n % size == 0 {
-                format!("{} {unit}", n / size)
-            } else {
-                format!("{:.1} {unit}", n as f64 / size as f64)
-            };
-        }
-    }
-    format!("{n} B")
 }
 
 /// Rows under a header line, each column as wide as its widest cell, two spaces apart (the
@@ -1009,7 +991,10 @@ fn tree(c: &mut Client, json: bool) -> Result<()> {
             println!(
                 "    {branch} {}: {backing}, {}, {}-byte blocks",
                 l["lun"],
-                l["size"].as_u64().map(human_bytes).unwrap_or_default(),
+                l["size"]
+                    .as_u64()
+                    .map(units::format_size)
+                    .unwrap_or_default(),
                 l["block_size"]
             );
         }

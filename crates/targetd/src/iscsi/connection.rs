@@ -365,15 +365,25 @@ impl Conn {
     }
 }
 
-/// Full feature phase: a normal or a discovery session on this connection until it closes.
-async fn full_feature(
-    mut reader: Reader,
-    mut writer: Writer,
+/// A connection entering full feature phase: its machine, its link to the session (and the
+/// core's events routed to it), what it reaches, and the parameters its login negotiated.
+pub(crate) struct Entered<B> {
+    pub(crate) machine: target::Connection<B>,
+    pub(crate) link: Link,
+    pub(crate) scope: Scope,
+    pub(crate) rx: mpsc::UnboundedReceiver<Routed>,
+    pub(crate) params: iscsi_pdu::negotiation::ConnectionParams,
+}
+
+/// Starts the machine of a connection (`peer`) whose login ended with `outcome`, on its
+/// session or as a discovery session, with the server's timers: the same for a TCP
+/// connection and an iSER one.
+pub(crate) fn enter<B: scsi_core::transport::TaskBuffer>(
     outcome: Outcome,
-    io: Rc<Io>,
     registry: &Arc<Registry>,
     peer: &Peer,
-) {
+    now: Instant,
+) -> Entered<B> {
     let (scope, negotiator, stat_sn) = match outcome {
         Outcome::Normal {
             session,
@@ -390,22 +400,7 @@ async fn full_feature(
             (Scope::Discovery { order, initiator }, negotiator, stat_sn)
         }
     };
-    let c = *negotiator.connection();
-    let digests = iscsi_pdu::Digests {
-        header: c.header_digest,
-        data: c.data_digest,
-    };
-    reader.set_digests(digests);
-    reader.set_max_recv(c.max_recv_data_segment_length);
-    writer.digests = digests;
-    writer.max_send = c.max_send_data_segment_length;
-    let (tx, rx) = mpsc::unbounded_channel();
-    let inbox = Rc::new(Inbox::default());
-    let (nop_interval, nop_timeout, data_out_timeout) = {
-        let c = registry.config();
-        let s = &c.server;
-        (s.nop_interval, s.nop_timeout, s.data_out_timeout)
-    };
+    let params = *negotiator.connection();
     let (cid, session_type, op) = match &scope {
         Scope::Session(session) => {
             let conns = registry.sessions.connections(session);
@@ -417,26 +412,66 @@ async fn full_feature(
             (0, SessionType::Discovery, op)
         }
     };
-    let settings = Settings {
-        cid,
-        session_type,
-        max_io: MAX_IO,
-        nop_interval: Duration::from_secs(nop_interval),
-        nop_timeout: Duration::from_secs(nop_timeout),
-        data_out_timeout: Duration::from_secs(data_out_timeout),
+    let settings = {
+        let c = registry.config();
+        let s = &c.server;
+        Settings {
+            cid,
+            session_type,
+            max_io: MAX_IO,
+            nop_interval: Duration::from_secs(s.nop_interval),
+            nop_timeout: Duration::from_secs(s.nop_timeout),
+            data_out_timeout: Duration::from_secs(s.data_out_timeout),
+        }
     };
-    let machine = target::Connection::new(Instant::now(), settings, negotiator, op, stat_sn);
+    let machine = target::Connection::new(now, settings, negotiator, op, stat_sn);
+    let (tx, rx) = mpsc::unbounded_channel();
+    let link = Link {
+        id: peer.id,
+        peer: peer.addr,
+        portal: peer.local,
+        registry: registry.clone(),
+        route: Route { conn: peer.id, tx },
+        out: Outbox::new(peer.id),
+        unit: None,
+    };
+    Entered {
+        machine,
+        link,
+        scope,
+        rx,
+        params,
+    }
+}
+
+/// Full feature phase: a normal or a discovery session on this connection until it closes.
+async fn full_feature(
+    mut reader: Reader,
+    mut writer: Writer,
+    outcome: Outcome,
+    io: Rc<Io>,
+    registry: &Arc<Registry>,
+    peer: &Peer,
+) {
+    let Entered {
+        machine,
+        link,
+        scope,
+        rx,
+        params: c,
+    } = enter(outcome, registry, peer, Instant::now());
+    let digests = iscsi_pdu::Digests {
+        header: c.header_digest,
+        data: c.data_digest,
+    };
+    reader.set_digests(digests);
+    reader.set_max_recv(c.max_recv_data_segment_length);
+    writer.digests = digests;
+    writer.max_send = c.max_send_data_segment_length;
+    let inbox = Rc::new(Inbox::default());
     let conn = Rc::new(RefCell::new(Conn {
         machine,
-        link: Link {
-            id: peer.id,
-            peer: peer.addr,
-            portal: peer.local,
-            registry: registry.clone(),
-            route: Route { conn: peer.id, tx },
-            out: Outbox::new(peer.id),
-            unit: None,
-        },
+        link,
         scope,
         share: Share::new(&io.arena, io.arena.len() / CONNECTION_SHARE),
         io,

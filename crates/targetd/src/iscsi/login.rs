@@ -38,6 +38,33 @@ pub enum Outcome {
     },
 }
 
+impl Outcome {
+    /// The outcome of a login that has reached full feature phase: a normal session when the
+    /// login made or joined `session`, else a discovery session.
+    pub fn of(done: Completed, session: Option<Arc<Session>>) -> Outcome {
+        let Completed {
+            negotiator,
+            initiator,
+            stat_sn,
+            cmd_sn,
+            ..
+        } = done;
+        match session {
+            Some(session) => Outcome::Normal {
+                session,
+                negotiator,
+                stat_sn,
+            },
+            None => Outcome::Discovery {
+                negotiator,
+                initiator,
+                stat_sn,
+                exp_cmd_sn: cmd_sn,
+            },
+        }
+    }
+}
+
 /// Runs the login phase to its end: `Some` when the connection enters full feature phase,
 /// `None` when the login failed (the refusal has been sent).
 pub async fn run(
@@ -87,25 +114,6 @@ pub async fn run(
             return None;
         }
         let Some(done) = done else { continue };
-        let Completed {
-            negotiator,
-            initiator,
-            stat_sn,
-            cmd_sn,
-            ..
-        } = *done;
-        return Some(match policy.take_session() {
-            Some(session) => Outcome::Normal {
-                session,
-                negotiator,
-                stat_sn,
-            },
-            None => Outcome::Discovery {
-                negotiator,
-                initiator,
-                stat_sn,
-                exp_cmd_sn: cmd_sn,
-            },
-        });
+        return Some(Outcome::of(*done, policy.take_session()));
     }
 }
