@@ -229,6 +229,7 @@ fn combine(
         series.push(Series {
             label: label.to_string(),
             points: points.into_iter().map(|(x, y)| (x, y / divide)).collect(),
+            upper: Vec::new(),
         });
     }
     let mut xs: Vec<f64> = series
@@ -241,6 +242,7 @@ fn combine(
         series.push(Series {
             label: format!("ideal ({slope} x)"),
             points: xs.iter().map(|&x| (x, slope * x)).collect(),
+            upper: Vec::new(),
         });
     }
     let mut md = format!("| {x_label} |");
@@ -307,8 +309,10 @@ enum TraceCmd {
         /// The initiator's (`initiator-bench run --trace` wrote it): merged on one timeline.
         initiator_trace: Option<PathBuf>,
         /// The window of timeline.png: START:LENGTH in milliseconds from the first record.
-        #[arg(long, default_value = "0:100")]
-        window: String,
+        /// Default: ten times the median command's time at the target, from the middle of
+        /// the trace.
+        #[arg(long)]
+        window: Option<String>,
         /// Move the initiator's times by the clock offset its NOP round trips give (traces
         /// from two hosts); without it, by its file's offset (0: one host).
         #[arg(long)]
@@ -349,14 +353,18 @@ fn read_trace(path: &std::path::Path) -> anyhow::Result<cmdtrace::TraceFile> {
 fn trace_report(
     target: &std::path::Path,
     initiator: Option<&std::path::Path>,
-    (window, estimate): (&str, bool),
+    (window, estimate): (Option<&str>, bool),
     out: &std::path::Path,
 ) -> anyhow::Result<()> {
-    let (from, len) = window
-        .split_once(':')
-        .and_then(|(a, b)| Some((a.parse::<f64>().ok()?, b.parse::<f64>().ok()?)))
-        .filter(|&(a, b)| a >= 0.0 && b > 0.0)
-        .ok_or_else(|| anyhow::anyhow!("--window {window:?} is not START:LENGTH in ms"))?;
+    let window = window
+        .map(|window| {
+            window
+                .split_once(':')
+                .and_then(|(a, b)| Some((a.parse::<f64>().ok()?, b.parse::<f64>().ok()?)))
+                .filter(|&(a, b)| a >= 0.0 && b > 0.0 && a.is_finite() && b.is_finite())
+                .ok_or_else(|| anyhow::anyhow!("--window {window:?} is not START:LENGTH in ms"))
+        })
+        .transpose()?;
     let t = read_trace(target)?;
     let i = initiator.map(read_trace).transpose()?;
     // Each file says which side wrote it: swapped or doubled files would make a report of
@@ -420,6 +428,8 @@ fn trace_report(
             path.display()
         );
     }
+    let (from, len) =
+        window.unwrap_or_else(|| initiator_bench::trace::default_window(&t, i.as_ref()));
     let tracks = initiator_bench::trace::timeline(&t, i.as_ref(), from, len);
     let title = format!("commands from {from} ms to {} ms", from + len);
     match initiator_bench::plot::timeline(&out.join("timeline.png"), &title, &tracks) {
@@ -697,7 +707,7 @@ fn main() -> anyhow::Result<()> {
             } => trace_report(
                 &target_trace,
                 initiator_trace.as_deref(),
-                (&window, estimate_offset),
+                (window.as_deref(), estimate_offset),
                 &out,
             ),
             Cmd::Combine {
@@ -948,6 +958,7 @@ fn paper004(out: &std::path::Path, ios: u64) -> anyhow::Result<()> {
         series.push(Series {
             label: registration.name().to_string(),
             points,
+            upper: Vec::new(),
         });
     }
     std::fs::write(out.join("paper004.md"), &md)?;
@@ -1134,6 +1145,7 @@ async fn sweep(
                 )
             })
             .collect(),
+        upper: Vec::new(),
     }];
     let w = args.workload()?;
     // The fixed parameters; the swept one is the x axis.

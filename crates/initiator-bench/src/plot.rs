@@ -16,6 +16,9 @@ pub struct Series {
     pub label: String,
     /// Points (x, y).
     pub points: Vec<(f64, f64)>,
+    /// A thin line in the same colour above the points, when the line is a mean and this its
+    /// maximum (commands in flight per bucket of time); empty for none.
+    pub upper: Vec<(f64, f64)>,
 }
 
 const FONTS: &[&str] = &[
@@ -87,7 +90,7 @@ fn draw<DB: DrawingBackend>(
         .flat_map(|s| s.points.iter().filter(finite).map(|p| p.0));
     let ys = series
         .iter()
-        .flat_map(|s| s.points.iter().filter(finite).map(|p| p.1));
+        .flat_map(|s| s.points.iter().chain(&s.upper).filter(finite).map(|p| p.1));
     let (x0, x1) = xs.fold((f64::MAX, f64::MIN), |(a, b), x| (a.min(x), b.max(x)));
     let y1 = ys.fold(0.0f64, f64::max).max(1e-9) * 1.1;
     let (x0, x1) = if x0 >= x1 {
@@ -145,8 +148,18 @@ where
         .map_err(|e| format!("plot: {e}"))?
         .label(s.label.clone())
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-        c.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))
+        if !s.upper.is_empty() {
+            c.draw_series(LineSeries::new(
+                s.upper.iter().copied(),
+                color.mix(0.6).stroke_width(1),
+            ))
             .map_err(|e| format!("plot: {e}"))?;
+        }
+        // A sweep's few points are marked; a series over time is a line only.
+        if s.points.len() <= 64 {
+            c.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))
+                .map_err(|e| format!("plot: {e}"))?;
+        }
     }
     Ok(())
 }
@@ -279,6 +292,7 @@ mod tests {
         let series = [Series {
             label: "IOPS".into(),
             points: vec![(1.0, 10.0), (2.0, 20.0), (128.0, 900.0)],
+            upper: Vec::new(),
         }];
         match plot(&dir.join("p"), "title", "x", "y", &series) {
             Ok(files) => {

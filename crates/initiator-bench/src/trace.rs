@@ -211,36 +211,72 @@ fn in_flight(intervals: &[(u64, u64)], t0: u64, t1: u64) -> InFlight {
     }
 }
 
-/// How many of `intervals` are open at `samples` evenly spaced times of `[t0, t1]`: (ms from
-/// `t0`, count), for a plot of commands in flight over time.
-pub fn in_flight_over_time(
+/// Commands in flight in one bucket of time: the time-weighted mean and the most at once.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bucket {
+    /// The bucket's start, ms from the start of the trace.
+    pub at_ms: f64,
+    /// Time-weighted mean over the bucket.
+    pub mean: f64,
+    /// The most open at any instant of the bucket.
+    pub max: usize,
+}
+
+/// How many of `intervals` (`[start, end)`, ns) are open over `[t0, t1]`, cut into `buckets`
+/// equal buckets: each bucket's mean and maximum. Sampling at instants instead would show a
+/// pattern that depends on where the samples fall (bursts shorter than the sample spacing are
+/// missed); the mean and max of a bucket hold every instant of it.
+pub fn in_flight_buckets(
     intervals: &[(u64, u64)],
     t0: u64,
     t1: u64,
-    samples: usize,
-) -> Vec<(f64, f64)> {
-    let mut starts: Vec<u64> = intervals.iter().map(|i| i.0).collect();
-    let mut ends: Vec<u64> = intervals.iter().map(|i| i.1.max(i.0)).collect();
-    starts.sort_unstable();
-    ends.sort_unstable();
+    buckets: usize,
+) -> Vec<Bucket> {
+    let mut edges: Vec<(u64, i64)> = Vec::with_capacity(intervals.len() * 2);
+    for &(a, b) in intervals {
+        // Ends sort before starts at one instant: a command that ends as another begins
+        // does not count as two at once.
+        edges.push((a, 1));
+        edges.push((b.max(a), -1));
+    }
+    edges.sort_unstable();
     let span = t1.saturating_sub(t0).max(1);
-    let n = samples.max(2) as u64;
+    let n = buckets.max(1) as u64;
+    let (mut open, mut next) = (0i64, 0usize);
     (0..n)
         .map(|k| {
-            let t = t0 + span * k / (n - 1);
-            // Begun by t, not yet ended at t.
-            let open = starts.partition_point(|&s| s <= t) - ends.partition_point(|&e| e <= t);
-            ((t - t0) as f64 / 1e6, open as f64)
+            let (b0, b1) = (t0 + span * k / n, t0 + span * (k + 1) / n);
+            // What began (or ended) by the bucket's first instant is (or is not) open at it.
+            while next < edges.len() && edges[next].0 <= b0 {
+                open += edges[next].1;
+                next += 1;
+            }
+            let (mut area, mut max, mut cursor) = (0f64, open, b0);
+            while next < edges.len() && edges[next].0 < b1 {
+                let (t, d) = edges[next];
+                area += open as f64 * t.saturating_sub(cursor) as f64;
+                cursor = t.max(cursor);
+                open += d;
+                max = max.max(open);
+                next += 1;
+            }
+            area += open as f64 * b1.saturating_sub(cursor) as f64;
+            Bucket {
+                at_ms: (b0 - t0) as f64 / 1e6,
+                mean: area / (b1 - b0).max(1) as f64,
+                max: max.max(0) as usize,
+            }
         })
         .collect()
 }
 
 /// The series of commands in flight over time at each layer of the traces (the initiator's
-/// when given, the target's, its SCSI core's and its backend's).
+/// when given, the target's, its SCSI core's and its backend's), in `buckets` buckets: the
+/// mean per bucket as the line, the most at once as its upper line.
 pub fn in_flight_series(
     target: &TraceFile,
     initiator: Option<&TraceFile>,
-    samples: usize,
+    buckets: usize,
 ) -> Vec<crate::plot::Series> {
     let tlives = commands(&target.records);
     let mut layers: Vec<(String, Vec<(u64, u64)>)> = Vec::new();
@@ -277,9 +313,13 @@ pub fn in_flight_series(
     }
     layers
         .into_iter()
-        .map(|(label, intervals)| crate::plot::Series {
-            label,
-            points: in_flight_over_time(&intervals, t0, t1, samples),
+        .map(|(label, intervals)| {
+            let buckets = in_flight_buckets(&intervals, t0, t1, buckets);
+            crate::plot::Series {
+                label,
+                points: buckets.iter().map(|b| (b.at_ms, b.mean)).collect(),
+                upper: buckets.iter().map(|b| (b.at_ms, b.max as f64)).collect(),
+            }
         })
         .collect()
 }
@@ -788,6 +828,40 @@ pub fn perfetto(target: &TraceFile, initiator: Option<&TraceFile>) -> Value {
     json!({ "traceEvents": events, "displayTimeUnit": "ns" })
 }
 
+/// The timeline window to draw when none is asked for, (start, length) in ms from the first
+/// record: ten times the median command's time at the target (arrival to response), so a
+/// few commands' lives are wide enough to read, from the middle of the trace, where the
+/// load is steady (not its ramp up or drain).
+pub fn default_window(target: &TraceFile, initiator: Option<&TraceFile>) -> (f64, f64) {
+    let mut at_target: Vec<u64> = commands(&target.records)
+        .iter()
+        .filter_map(|c| {
+            Some(
+                c.at(Stage::Responded)?
+                    .saturating_sub(c.at(Stage::Received)?),
+            )
+        })
+        .collect();
+    let len_ms = if at_target.is_empty() {
+        1.0
+    } else {
+        let mid = at_target.len() / 2;
+        let p50 = *at_target.select_nth_unstable(mid).1;
+        // At least 10 us, so a window is never empty of time.
+        (p50 as f64 * 10.0 / 1e6).max(0.01)
+    };
+    let t0 = first_record(target, initiator);
+    let t1 = target.records.iter().map(|r| r.at_ns).max().unwrap_or(t0);
+    let span_ms = t1.saturating_sub(t0) as f64 / 1e6;
+    let from_ms = ((span_ms - len_ms) / 2.0).max(0.0);
+    (round3(from_ms), round3(len_ms))
+}
+
+/// `x` to three decimals.
+fn round3(x: f64) -> f64 {
+    (x * 1e3).round() / 1e3
+}
+
 /// The timeline of a window of the trace, `from_ms` milliseconds after its first record for
 /// `len_ms`: a track per layer (the initiator's first when given), each command's slice on it.
 pub fn timeline(
@@ -832,7 +906,10 @@ fn slices(
     t0: u64,
     offset_ns: i64,
 ) {
-    let us = |ns: u64| ((ns as i64 + offset_ns).max(0) as u64).saturating_sub(t0) as f64 / 1e3;
+    // Microseconds with three decimals, which is every nanosecond and no binary noise
+    // (1234.567, not 1234.5670000000002): the file is read by people and diffed.
+    let ns = |at: u64| ((at as i64 + offset_ns).max(0) as u64).saturating_sub(t0);
+    let us = |ns: u64| round3(ns as f64 / 1e3);
     events.push(json!({
         "name": "process_name", "ph": "M", "pid": pid, "args": {"name": process}
     }));
@@ -852,8 +929,8 @@ fn slices(
                 "ph": "X",
                 "pid": pid,
                 "tid": tid,
-                "ts": us(a),
-                "dur": us(b) - us(a),
+                "ts": us(ns(a)),
+                "dur": us(ns(b).saturating_sub(ns(a))),
                 "args": {
                     "session": format!("{:016x}", c.session),
                     "cmd_sn": c.cmd_sn,
@@ -945,6 +1022,39 @@ mod tests {
             .count();
         assert_eq!(slices, 4, "one per layer");
     }
+
+    #[test]
+    fn trace_json_times_are_whole_nanoseconds() {
+        // Arrival at 1 ns past 1.234567 ms: binary noise would print 1234.5670000000002.
+        let mut records = life(1, 1234, 10);
+        for r in &mut records {
+            r.at_ns += 567;
+        }
+        records.insert(0, rec(9, Stage::Received, 0));
+        let text = serde_json::to_string(&perfetto(&file(records), None)).unwrap();
+        assert!(text.contains("\"ts\":1234.567"), "{text}");
+        for number in text.split([',', ':', '{', '}', '[', ']']) {
+            if let Some((_, decimals)) = number.split_once('.') {
+                if number.parse::<f64>().is_ok() {
+                    assert!(decimals.len() <= 3, "{number} in {text}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_default_window_is_ten_median_commands_from_the_middle() {
+        // 101 commands 1 ms apart, each 40 us at the target (4 us to the backend, 10 in it,
+        // ...): the trace spans 100.044 ms; the median command takes 14 us.
+        let records: Vec<Record> = (0..101)
+            .flat_map(|i| life(i, u64::from(i) * 1000, 10))
+            .collect();
+        let (from, len) = default_window(&file(records), None);
+        assert_eq!(len, 0.14);
+        assert!((from - (100.014 - 0.14) / 2.0).abs() < 0.002, "{from}");
+        // No command: a millisecond from the start.
+        assert_eq!(default_window(&file(Vec::new()), None), (0.0, 1.0));
+    }
 }
 
 #[cfg(test)]
@@ -952,11 +1062,21 @@ mod clock_tests {
     use super::*;
 
     #[test]
-    fn commands_in_flight_are_counted_over_time() {
-        let series = in_flight_over_time(&[(0, 10), (5, 20), (30, 40)], 0, 40, 5);
-        let counts: Vec<f64> = series.iter().map(|p| p.1).collect();
-        // At 0, 10, 20, 30 and 40 ns: one, one (the first ended at 10), none, one, none.
-        assert_eq!(counts, [1.0, 1.0, 0.0, 1.0, 0.0]);
+    fn commands_in_flight_are_binned_by_mean_and_max() {
+        let b = in_flight_buckets(&[(0, 10), (5, 20), (30, 40), (12, 12)], 0, 40, 4);
+        let means: Vec<f64> = b.iter().map(|b| b.mean).collect();
+        let maxes: Vec<usize> = b.iter().map(|b| b.max).collect();
+        // [0,10): one, two from 5 (15 ns of 10); [10,20): one (the first ended at 10, the
+        // empty one never counts); [20,30): none; [30,40): one.
+        assert_eq!(means, [1.5, 1.0, 0.0, 1.0]);
+        assert_eq!(maxes, [2, 1, 0, 1]);
+        // A burst shorter than a bucket still shows in its max.
+        let b = in_flight_buckets(&[(1, 2), (1, 2), (1, 2)], 0, 100, 1);
+        assert_eq!(b[0].max, 3);
+        assert!((b[0].mean - 0.03).abs() < 1e-12);
+        // What began before the window is open at its start.
+        let b = in_flight_buckets(&[(0, 100)], 50, 100, 1);
+        assert_eq!((b[0].mean, b[0].max), (1.0, 1));
     }
 
     #[test]

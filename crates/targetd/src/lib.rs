@@ -9,8 +9,8 @@
 //!   `rbd` (feature `rbd`): units on Ceph RBD images; `cluster` (feature `rbd`): several
 //!   gateways as one target, their units' reservations kept in RADOS.
 //! - [`iscsi`]: login, discovery, sessions and the full feature phase over TCP.
-//! - [`admin`]: the `targetctl` socket and the Prometheus endpoint; [`notify`]: readiness for
-//!   systemd (`Type=notify`).
+//! - [`admin`]: the `targetctl` socket; [`metrics`]: the Prometheus endpoint; [`notify`]:
+//!   readiness for systemd (`Type=notify`).
 
 pub mod admin;
 #[cfg(feature = "rbd")]
@@ -18,6 +18,7 @@ pub mod cluster;
 pub mod config;
 pub mod iscsi;
 pub mod iser;
+pub mod metrics;
 pub mod notify;
 pub mod port;
 #[cfg(feature = "rbd")]

@@ -262,7 +262,7 @@ impl Server {
         if let Some(m) = metrics {
             match tokio::net::TcpListener::from_std(m) {
                 Ok(l) => {
-                    tasks.spawn(crate::admin::serve_metrics(l, registry.clone()));
+                    tasks.spawn(crate::metrics::serve(l, registry.clone()));
                 }
                 Err(e) => tracing::error!("metrics listener: {e}"),
             }

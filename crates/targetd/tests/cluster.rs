@@ -194,7 +194,7 @@ async fn a_reservation_through_one_gateway_binds_the_other() {
     assert_eq!(read_status(&one).await, ScsiStatus::RESERVATION_CONFLICT);
     assert_eq!(keys(&one).await.1, vec![0xb]);
     let decided = |d: &Daemon, gw: &str| {
-        let m = targetd::admin::metrics_text(&d.registry);
+        let m = targetd::metrics::text(&d.registry);
         let key = format!("targetd_cluster_reservation_changes_total{{gateway=\"{gw}\"}} ");
         m.lines()
             .find_map(|l| l.strip_prefix(&key).and_then(|v| v.parse::<u64>().ok()))
@@ -472,7 +472,7 @@ async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
     expect_groups(&one, &both, 10).await;
     expect_groups(&two, &both, 10).await;
     // The metrics say who is alive, and what the keeper did.
-    let metrics = targetd::admin::metrics_text(&b.registry);
+    let metrics = targetd::metrics::text(&b.registry);
     for line in [
         "targetd_cluster_gateways{gateway=\"gw2\"} 2",
         "targetd_cluster_gateways_live{gateway=\"gw2\"} 2",

@@ -161,7 +161,7 @@ async fn an_initiator_that_stops_reading_is_dropped_after_the_send_timeout() {
 /// `counter` and all it held is back: 32 MiB reads need whole halves of the arena.
 async fn dropped_and_counted(d: &Daemon, by: &Session, data: &Bytes, counter: &str) {
     only_the_bystander_left(d).await;
-    let metrics = targetd::admin::metrics_text(&d.registry);
+    let metrics = targetd::metrics::text(&d.registry);
     assert!(metrics.contains(&format!("{counter} 1\n")), "{metrics}");
     for _ in 0..2 {
         let _: Bytes = by.read(0, 65536, 512).await.unwrap();
@@ -210,7 +210,7 @@ async fn an_initiator_that_never_sends_write_data_holds_a_bounded_share() {
         free >= 31 << 20,
         "the hostile connection holds more than its share: {arena:?}"
     );
-    let metrics = targetd::admin::metrics_text(&d.registry);
+    let metrics = targetd::metrics::text(&d.registry);
     let counted: u32 = metrics
         .lines()
         .find_map(|l| l.strip_prefix("targetd_task_set_full_total "))

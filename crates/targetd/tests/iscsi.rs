@@ -123,7 +123,7 @@ async fn chap_one_way_and_mutual() {
         .await
         .is_err());
     // The two refusals were counted against this address.
-    let metrics = targetd::admin::metrics_text(&d.registry);
+    let metrics = targetd::metrics::text(&d.registry);
     // And every login by the target's last answer: the two sessions, and the two refused
     // (no CHAP offered, the wrong secret). The initiator that gave up on the target's mutual
     // CHAP answer left before the target's final answer.
@@ -688,7 +688,7 @@ async fn admin_changes_apply_live() {
     let back = targetd::Config::parse(std::path::Path::new("dump"), text).unwrap();
     assert_eq!(back.targets[0].luns.len(), 2);
     // The metrics endpoint's text counts what was done.
-    let metrics = targetd::admin::metrics_text(&d.registry);
+    let metrics = targetd::metrics::text(&d.registry);
     assert!(metrics.contains("targetd_sessions 2"), "{metrics}");
     let writes = format!("targetd_lun_write_commands_total{{target=\"{TARGET}\",lun=\"3\"}} 1");
     assert!(metrics.contains(&writes), "{metrics}");
@@ -1009,7 +1009,7 @@ async fn connection_and_session_limits_and_the_login_timeout() {
     for s in &mut silent {
         assert!(closed_by_target(s, Duration::from_secs(10)).await);
     }
-    let metrics = targetd::admin::metrics_text(&d.registry);
+    let metrics = targetd::metrics::text(&d.registry);
     let count = metrics
         .lines()
         .find_map(|l| l.strip_prefix("targetd_connections_refused_total "))
@@ -1454,7 +1454,7 @@ async fn the_metrics_endpoint_answers_at_metrics_only_and_describes_every_family
         s.read_to_string(&mut answer).unwrap();
         answer
     };
-    let ok = get("GET /metrics HTTP/1.1\r\nHost: targetd\r\n\r\n");
+    let ok = get("GET /metrics HTTP/1.1\r\nHost: targetd\r\nConnection: close\r\n\r\n");
     assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
     let body = ok.split("\r\n\r\n").nth(1).expect("a body");
     assert!(
@@ -1512,7 +1512,16 @@ async fn the_metrics_endpoint_answers_at_metrics_only_and_describes_every_family
         .map(value);
     assert_eq!(count, Some(8.0));
     assert!(!body.contains("latency_ns"), "seconds, not nanoseconds");
-    assert!(get("GET / HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404 "));
-    assert!(get("POST /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405 "));
+    let close = "Host: targetd\r\nConnection: close\r\n\r\n";
+    assert!(get(&format!("GET / HTTP/1.1\r\n{close}")).starts_with("HTTP/1.1 404 "));
+    let post = get(&format!("POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n{close}"));
+    assert!(post.starts_with("HTTP/1.1 405 "), "{post}");
+    assert!(post.to_ascii_lowercase().contains("allow: get, head"), "{post}");
+    // A scraper keeps its connection: two requests on one, each answered whole.
+    let twice = get(&format!(
+        "GET /metrics HTTP/1.1\r\nHost: targetd\r\n\r\nHEAD /metrics HTTP/1.1\r\n{close}"
+    ));
+    assert_eq!(twice.matches("HTTP/1.1 200 OK").count(), 2, "{twice}");
+    assert_eq!(twice.matches("targetd_build_info{").count(), 1, "HEAD has no body");
     d.stop();
 }

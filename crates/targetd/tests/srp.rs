@@ -409,7 +409,7 @@ fn reads_and_writes_over_srp_reach_file_and_memory_units_that_iscsi_shares() {
     assert_eq!(channels.len(), 1);
     let c = channels.values().next().expect("one");
     assert_eq!((c.target.as_str(), c.initiator_port_id), (TARGET, PORT_A));
-    let metrics = targetd::admin::metrics_text(&d.registry);
+    let metrics = targetd::metrics::text(&d.registry);
     assert!(metrics.contains("targetd_srp_channels 1"), "{metrics}");
     let sessions = targetd::admin::sessions_json(&d.registry);
     assert!(
@@ -664,7 +664,7 @@ fn linux_default_login_and_immediate_data_through_the_daemon() {
         let [ch] = channels;
         drop(ch);
     }
-    let metrics = targetd::admin::metrics_text(&d.registry);
+    let metrics = targetd::metrics::text(&d.registry);
     assert!(
         metrics.contains(&format!("targetd_srp_immediate_writes_total {total}")),
         "{metrics}"

@@ -1,0 +1,607 @@
+//! The Prometheus endpoint (`server.metrics_listen`): `GET /metrics` in the text exposition
+//! format 0.0.4, encoded by `prometheus-client` and served over HTTP/1.1 by `hyper`.
+//!
+//! The figures live where the I/O path counts them (relaxed atomics in the registry, the
+//! units and the arenas), so nothing is copied per command: a scrape reads them through one
+//! [`Collector`] and the crate writes the text (names, `_total` on counters, label escaping,
+//! `HELP`/`TYPE` on every family, histogram buckets).
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use hyper::{header, Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{
+    DescriptorEncoder, EncodeCounterValue, EncodeGaugeValue, MetricEncoder,
+};
+use prometheus_client::metrics::MetricType;
+use tokio::net::TcpListener;
+
+use crate::registry::Registry;
+
+/// The text exposition of every figure, as a scrape gets it.
+pub fn text(registry: &Arc<Registry>) -> String {
+    let mut exposition = prometheus_client::registry::Registry::default();
+    exposition.register_collector(Box::new(Figures(registry.clone())));
+    let mut out = String::new();
+    // Writing into a String cannot fail, and our collector returns no error of its own.
+    let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &exposition);
+    out
+}
+
+/// The registry as a [`Collector`]: reads every figure at each scrape.
+struct Figures(Arc<Registry>);
+
+impl std::fmt::Debug for Figures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Figures")
+    }
+}
+
+/// Label pairs, as the encoder takes them.
+type Labels = Vec<(&'static str, String)>;
+
+/// One family's descriptor, then its samples.
+struct Family<'b> {
+    metric: MetricEncoder<'b>,
+}
+
+/// Starts a family: `name` as it is exposed (a counter's ends in `_total`, which the
+/// encoder adds back).
+fn family<'b>(
+    encoder: &'b mut DescriptorEncoder<'_>,
+    name: &'b str,
+    help: &str,
+    kind: MetricType,
+) -> Result<Family<'b>, std::fmt::Error> {
+    let name = match kind {
+        MetricType::Counter => name.strip_suffix("_total").unwrap_or(name),
+        _ => name,
+    };
+    Ok(Family {
+        metric: encoder.encode_descriptor(name, help, None, kind)?,
+    })
+}
+
+impl Family<'_> {
+    fn counter(&mut self, labels: &Labels, v: impl EncodeCounterValue) -> std::fmt::Result {
+        if labels.is_empty() {
+            return self.metric.encode_counter::<Labels, _, f64>(&v, None);
+        }
+        self.metric
+            .encode_family(labels)?
+            .encode_counter::<Labels, _, f64>(&v, None)
+    }
+
+    fn gauge(&mut self, labels: &Labels, v: impl EncodeGaugeValue) -> std::fmt::Result {
+        if labels.is_empty() {
+            return self.metric.encode_gauge(&v);
+        }
+        self.metric.encode_family(labels)?.encode_gauge(&v)
+    }
+}
+
+/// A family of one sample without labels.
+fn single(
+    e: &mut DescriptorEncoder<'_>,
+    (name, help, kind): (&str, &str, MetricType),
+    value: u64,
+) -> std::fmt::Result {
+    let mut f = family(e, name, help, kind)?;
+    match kind {
+        MetricType::Counter => f.counter(&Vec::new(), value),
+        _ => f.gauge(&Vec::new(), value),
+    }
+}
+
+impl Collector for Figures {
+    fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
+        let registry = &*self.0;
+        build_info(&mut e)?;
+        connections(&mut e, registry)?;
+        arenas(&mut e, registry)?;
+        units(&mut e, registry)?;
+        rbd(&mut e, registry)?;
+        #[cfg(feature = "rbd")]
+        cluster(&mut e, registry)?;
+        Ok(())
+    }
+}
+
+/// `targetd_build_info`: the version and features, always 1.
+fn build_info(e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    let features: Vec<&str> = [
+        ("rbd", cfg!(feature = "rbd")),
+        ("rdma", cfg!(feature = "rdma")),
+    ]
+    .into_iter()
+    .filter_map(|(f, on)| on.then_some(f))
+    .collect();
+    let labels: Labels = vec![
+        ("version", env!("CARGO_PKG_VERSION").to_string()),
+        ("features", features.join(",")),
+    ];
+    let mut f = family(
+        e,
+        "targetd_build_info",
+        "the running targetd: its version and features, always 1",
+        MetricType::Gauge,
+    )?;
+    f.gauge(&labels, 1u64)
+}
+
+/// Sessions, channels, connections and logins, by transport.
+fn connections(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    let auth = {
+        let auth = crate::registry::lock(&registry.auth);
+        (auth.failures, auth.sources())
+    };
+    let srp = crate::registry::lock(&registry.srp_channels).len();
+    for (descriptor, value) in [
+        (
+            ("targetd_sessions", "normal iSCSI sessions logged in", Gauge),
+            registry.sessions.all().len() as u64,
+        ),
+        (
+            ("targetd_srp_channels", "SRP channels logged in", Gauge),
+            srp as u64,
+        ),
+        (
+            (
+                "targetd_srp_logins_rejected_total",
+                "answered SRP_LOGIN_REJ",
+                Counter,
+            ),
+            registry.srp_logins_rejected.load(Relaxed),
+        ),
+        (
+            (
+                "targetd_srp_immediate_writes_total",
+                "SRP writes whose data came in the SRP_CMD",
+                Counter,
+            ),
+            registry.srp_immediate_writes.load(Relaxed),
+        ),
+        (
+            (
+                "targetd_iser_connections",
+                "iSER connections open on the iSER portals, logged in or not",
+                Gauge,
+            ),
+            registry.iser_connections.load(Relaxed),
+        ),
+        (
+            (
+                "targetd_iser_rdma_reads_total",
+                "RDMA READs of solicited write data the iSER portals issued",
+                Counter,
+            ),
+            registry.iser_rdma_reads.load(Relaxed),
+        ),
+        (
+            (
+                "targetd_iser_rdma_writes_total",
+                "RDMA WRITEs of read data the iSER portals issued",
+                Counter,
+            ),
+            registry.iser_rdma_writes.load(Relaxed),
+        ),
+        (
+            (
+                "targetd_connections",
+                "iSCSI connections open, logged in or not",
+                Gauge,
+            ),
+            registry.connection_count() as u64,
+        ),
+        (
+            (
+                "targetd_connections_refused_total",
+                "closed at once: server.max_connections were open",
+                Counter,
+            ),
+            registry.connections_refused.load(Relaxed),
+        ),
+        (
+            (
+                "targetd_send_timeouts_total",
+                "dropped: nothing could be sent for server.send_timeout",
+                Counter,
+            ),
+            registry.send_timeouts.load(Relaxed),
+        ),
+        (
+            (
+                "targetd_data_out_timeouts_total",
+                "dropped: data-out owed and none sent for server.data_out_timeout",
+                Counter,
+            ),
+            registry.data_out_timeouts.load(Relaxed),
+        ),
+        (
+            (
+                "targetd_task_set_full_total",
+                "writes answered TASK SET FULL: their connection's share of the arena held \
+                 buffers waiting for data-out",
+                Counter,
+            ),
+            registry.task_set_full.load(Relaxed),
+        ),
+        (
+            (
+                "targetd_auth_failures_total",
+                "logins refused for an authentication failure",
+                Counter,
+            ),
+            auth.0,
+        ),
+        (
+            (
+                "targetd_auth_throttled_sources",
+                "addresses whose logins are slowed by recent failures",
+                Gauge,
+            ),
+            auth.1 as u64,
+        ),
+    ] {
+        single(e, descriptor, value)?;
+    }
+    let mut f = family(
+        e,
+        "targetd_logins_total",
+        "logins answered, by transport and Login Response status",
+        Counter,
+    )?;
+    for (t, transport) in ["tcp", "iser"].iter().enumerate() {
+        for (i, status) in iscsi_pdu::pdu::LoginStatus::ALL.iter().enumerate() {
+            let n = registry.logins[t][i].load(Relaxed);
+            // Success always; a refusal once one happened.
+            if n > 0 || i == 0 {
+                let labels = vec![
+                    ("transport", transport.to_string()),
+                    ("status", status.name().to_string()),
+                ];
+                f.counter(&labels, n)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Each reactor's buffer arena.
+fn arenas(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
+    type Field = fn(&crate::registry::ArenaGauge) -> &std::sync::atomic::AtomicU64;
+    let arenas = crate::registry::lock(&registry.arenas).clone();
+    let fields: [(&str, &str, Field); 3] = [
+        (
+            "targetd_arena_bytes",
+            "size of a reactor's buffer arena",
+            |g| &g.bytes,
+        ),
+        (
+            "targetd_arena_free_bytes",
+            "free in a reactor's buffer arena",
+            |g| &g.free,
+        ),
+        (
+            "targetd_arena_waiting",
+            "allocations waiting for arena slots",
+            |g| &g.waiting,
+        ),
+    ];
+    for (name, help, field) in fields {
+        let mut f = family(e, name, help, MetricType::Gauge)?;
+        for (reactor, g) in arenas.iter().enumerate() {
+            f.gauge(
+                &vec![("reactor", reactor.to_string())],
+                field(g).load(Relaxed),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Per target and unit: the core lock, commands, bytes, errors and latency histograms.
+fn units(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
+    type Field = fn(&crate::target::LunStats) -> &std::sync::atomic::AtomicU64;
+    let targets = registry.targets();
+    let mut f = family(
+        e,
+        "targetd_target_core_lock_acquisitions_total",
+        "times a target's SCSI core lock was taken",
+        MetricType::Counter,
+    )?;
+    for t in &targets {
+        f.counter(&vec![("target", t.name.clone())], t.core_acquisitions())?;
+    }
+    let units: Vec<(Labels, Arc<crate::target::Lun>)> = targets
+        .iter()
+        .flat_map(|t| {
+            t.lun_list().into_iter().map(|lun| {
+                let labels = vec![
+                    ("target", t.name.clone()),
+                    ("lun", lun.config.lun.to_string()),
+                ];
+                (labels, lun)
+            })
+        })
+        .collect();
+    let counters: [(&str, &str, Field); 6] = [
+        (
+            "targetd_lun_read_commands_total",
+            "commands that read blocks",
+            |s| &s.read_commands,
+        ),
+        (
+            "targetd_lun_write_commands_total",
+            "commands that wrote blocks",
+            |s| &s.write_commands,
+        ),
+        ("targetd_lun_other_commands_total", "other commands", |s| {
+            &s.other_commands
+        }),
+        ("targetd_lun_read_bytes_total", "bytes read", |s| {
+            &s.read_bytes
+        }),
+        ("targetd_lun_write_bytes_total", "bytes written", |s| {
+            &s.write_bytes
+        }),
+        (
+            "targetd_lun_errors_total",
+            "commands ended with CHECK CONDITION",
+            |s| &s.errors,
+        ),
+    ];
+    for (name, help, field) in counters {
+        let mut f = family(e, name, help, MetricType::Counter)?;
+        for (labels, lun) in &units {
+            f.counter(labels, field(&lun.stats).load(Relaxed))?;
+        }
+    }
+    latency_histograms(e, &units)
+}
+
+/// Each unit's read and write latencies (from a command's arrival to its status) as
+/// histograms in seconds: buckets from 50 us to 5 s, so quantiles (a p99) can be computed.
+fn latency_histograms(
+    e: &mut DescriptorEncoder<'_>,
+    units: &[(Labels, Arc<crate::target::Lun>)],
+) -> std::fmt::Result {
+    use crate::target::LATENCY_BOUNDS_US;
+    for read in [true, false] {
+        let dir = if read { "read" } else { "write" };
+        let name = format!("targetd_lun_{dir}_latency_seconds");
+        let help = format!("{dir} commands by latency, from arrival to status");
+        let mut f = family(e, &name, &help, MetricType::Histogram)?;
+        for (labels, lun) in units {
+            let s = &lun.stats;
+            let (buckets, sum) = if read {
+                (&s.read_latency_buckets, &s.read_latency_ns)
+            } else {
+                (&s.write_latency_buckets, &s.write_latency_ns)
+            };
+            // Each bucket's own count (the encoder sums them); the last is above every bound.
+            let counts: Vec<(f64, u64)> = buckets
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    let le = LATENCY_BOUNDS_US
+                        .get(i)
+                        .map_or(f64::INFINITY, |&us| us as f64 / 1e6);
+                    (le, b.load(Relaxed))
+                })
+                .collect();
+            let count = counts.iter().map(|c| c.1).sum();
+            let seconds = sum.load(Relaxed) as f64 / 1e9;
+            f.metric
+                .encode_family(labels)?
+                .encode_histogram::<Labels>(seconds, count, &counts, None)?;
+        }
+    }
+    Ok(())
+}
+
+/// librbd's figures per RBD unit: in flight now, completed, their summed latency, and those
+/// that failed because the cluster did not answer in time or otherwise.
+fn rbd(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
+    #[cfg(feature = "rbd")]
+    {
+        use MetricType::{Counter, Gauge};
+        type Field = fn(&backend::rbd::ImageStats) -> f64;
+        let mut rows = Vec::new();
+        for t in registry.targets() {
+            for lun in t.lun_list() {
+                if let crate::target::Storage::Rbd(image) = &lun.storage {
+                    let spec = image.spec();
+                    let labels = vec![
+                        ("target", t.name.clone()),
+                        ("lun", lun.config.lun.to_string()),
+                        ("pool", spec.pool.clone()),
+                        ("image", spec.image.clone()),
+                    ];
+                    rows.push((labels, image.clone()));
+                }
+            }
+        }
+        let families: [(&str, MetricType, &str, Field); 5] = [
+            (
+                "targetd_rbd_in_flight",
+                Gauge,
+                "operations librbd has not completed",
+                |s| s.in_flight.load(Relaxed) as f64,
+            ),
+            (
+                "targetd_rbd_operations_total",
+                Counter,
+                "operations librbd completed",
+                |s| s.completed.load(Relaxed) as f64,
+            ),
+            (
+                "targetd_rbd_latency_seconds_total",
+                Counter,
+                "sum of librbd operation latencies, seconds",
+                |s| s.latency_ns.load(Relaxed) as f64 / 1e9,
+            ),
+            (
+                "targetd_rbd_unavailable_total",
+                Counter,
+                "operations failed retryably: the cluster did not answer within ceph_timeout",
+                |s| s.unavailable.load(Relaxed) as f64,
+            ),
+            (
+                "targetd_rbd_errors_total",
+                Counter,
+                "operations failed otherwise",
+                |s| s.errors.load(Relaxed) as f64,
+            ),
+        ];
+        if rows.is_empty() {
+            return Ok(());
+        }
+        for (name, kind, help, field) in families {
+            let mut f = family(e, name, help, kind)?;
+            for (labels, image) in &rows {
+                let v = field(image.stats());
+                match kind {
+                    Counter => f.counter(labels, v)?,
+                    _ => f.gauge(labels, v)?,
+                }
+            }
+        }
+    }
+    let _ = (e, registry);
+    Ok(())
+}
+
+/// This gateway's view of its cluster (`[cluster]`): who is alive, whether it is fenced, and
+/// what its keeper did.
+#[cfg(feature = "rbd")]
+fn cluster(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    let Some(k) = &registry.target_env.keeper else {
+        return Ok(());
+    };
+    let membership = k.membership();
+    let c = &k.counters;
+    let labels = vec![("gateway", k.config().gateway.clone())];
+    for (name, kind, help, value) in [
+        (
+            "targetd_cluster_gateways",
+            Gauge,
+            "gateways the cluster lists",
+            membership.members.len() as u64,
+        ),
+        (
+            "targetd_cluster_gateways_live",
+            Gauge,
+            "gateways that answered the last membership question",
+            membership.live.len() as u64,
+        ),
+        (
+            "targetd_cluster_fenced",
+            Gauge,
+            "1 while this gateway has lost its cluster session and serves no shared unit",
+            u64::from(k.is_fenced()),
+        ),
+        (
+            "targetd_cluster_reservation_changes_total",
+            Counter,
+            "changes to shared reservations this gateway decided",
+            c.changes.load(Relaxed),
+        ),
+        (
+            "targetd_cluster_reservation_races_total",
+            Counter,
+            "compare-and-swap races lost to another gateway (decided again)",
+            c.races.load(Relaxed),
+        ),
+        (
+            "targetd_cluster_unacknowledged_changes_total",
+            Counter,
+            "changes some gateway did not acknowledge within notify_timeout",
+            c.unacknowledged.load(Relaxed),
+        ),
+        (
+            "targetd_cluster_fenced_gateways_total",
+            Counter,
+            "gateways this one fenced (blocklisted) for not answering",
+            c.fenced.load(Relaxed),
+        ),
+        (
+            "targetd_cluster_lost_sessions_total",
+            Counter,
+            "times this gateway lost its own cluster session (was fenced)",
+            c.lost_sessions.load(Relaxed),
+        ),
+        (
+            "targetd_cluster_rejoins_total",
+            Counter,
+            "times this gateway rejoined the cluster after losing its session",
+            c.rejoins.load(Relaxed),
+        ),
+    ] {
+        let mut f = family(e, name, help, kind)?;
+        match kind {
+            Counter => f.counter(&labels, value)?,
+            _ => f.gauge(&labels, value)?,
+        }
+    }
+    Ok(())
+}
+
+/// How long a client has to send a request's headers; an idle kept-alive connection is
+/// closed after as long.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves the metrics on `listener`: `GET` (or `HEAD`) `/metrics`; 404 for another path, 405
+/// for another method. Each connection is its own task, so a slow client holds no other.
+pub async fn serve(listener: TcpListener, registry: Arc<Registry>) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let registry = registry.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request: Request<_>| {
+                let response = answer(&registry, request.method(), request.uri().path());
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+/// The response to one request.
+fn answer(registry: &Arc<Registry>, method: &Method, path: &str) -> Response<Full<Bytes>> {
+    let (status, body) = match (method, path) {
+        (&Method::GET | &Method::HEAD, "/metrics") => (StatusCode::OK, text(registry)),
+        (&Method::GET | &Method::HEAD, _) => (
+            StatusCode::NOT_FOUND,
+            "the metrics are at /metrics\n".to_string(),
+        ),
+        _ => (StatusCode::METHOD_NOT_ALLOWED, "GET /metrics\n".to_string()),
+    };
+    let kind = if status == StatusCode::OK {
+        "text/plain; version=0.0.4; charset=utf-8"
+    } else {
+        "text/plain; charset=utf-8"
+    };
+    let mut response = Response::new(Full::new(Bytes::from(body)));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, header::HeaderValue::from_static(kind));
+    if status == StatusCode::METHOD_NOT_ALLOWED {
+        headers.insert(header::ALLOW, header::HeaderValue::from_static("GET, HEAD"));
+    }
+    response
+}
