@@ -222,12 +222,12 @@ pub trait IuBuffers {
     }
 }
 
-/// The length of the IU buffers of a software fabric's verbs: more than any IU a target
-/// sends, and the largest an initiator may send to targetd's ports. 8276 as Linux's ib_srpt:
-/// an SRP_CMD (48), 16 bytes of additional CDB, an indirect descriptor's header (20), and
-/// 8 KiB of immediate data or of descriptors. Linux's ib_srp asks for 8260 by default (8 KiB
-/// of immediate data at offset 68) and does not retry with less.
-pub const IU_BUFFER_LEN: usize = 8276;
+/// The length of the IU buffers of a software fabric's verbs and of targetd's RDMA ports:
+/// more than any IU a target sends, the largest SRP IU a port may be configured to take
+/// (8276 by default, [`DEFAULT_MAX_IT_IU_LEN`](crate::target::DEFAULT_MAX_IT_IU_LEN)), and
+/// every iSER message within 8 KiB of data: the iSER header and BHS (76), the most AHS a
+/// PDU may carry (1020: the largest CDB's comes to 252) and 8 KiB of immediate data.
+pub const IU_BUFFER_LEN: usize = 76 + 1020 + 8192;
 
 /// A buffer of a target port: an IU buffer of the verbs' own, or a task's data in memory
 /// registered for the port (a slot run of a reactor's arena).

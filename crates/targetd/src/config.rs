@@ -196,8 +196,8 @@ pub struct Server {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub save_on_change: bool,
     /// SRP ports (RDMA portals and the software fabric): the largest IU an initiator may
-    /// send, bytes, from 80 to 8276 (the default, Linux's ib_srpt's: ib_srp's default login
-    /// with 8 KiB of immediate data asks for 8260).
+    /// send, bytes, from 80 to 9288 (the ports' receive buffers); 8276 by default, as Linux's
+    /// ib_srpt: ib_srp's default login with 8 KiB of immediate data asks for 8260.
     #[serde(default = "default_srp_max_iu_len")]
     pub srp_max_iu_len: u32,
     /// SRP ports: requests an initiator may have outstanding on a channel (its credit), 1 to
@@ -211,7 +211,7 @@ pub struct Server {
 }
 
 fn default_srp_max_iu_len() -> u32 {
-    srp::verbs::IU_BUFFER_LEN as u32
+    srp::target::DEFAULT_MAX_IT_IU_LEN
 }
 fn default_srp_request_limit() -> u32 {
     srp::target::PortSettings::default().request_limit
@@ -1573,7 +1573,7 @@ size = "1GiB"
             (4096, false)
         );
         for (line, key) in [
-            ("srp_max_iu_len = 8277", "server.srp_max_iu_len"),
+            ("srp_max_iu_len = 9289", "server.srp_max_iu_len"),
             ("srp_max_iu_len = 64", "server.srp_max_iu_len"),
             ("srp_request_limit = 0", "server.srp_request_limit"),
             ("srp_request_limit = 4096", "server.srp_request_limit"),

@@ -50,9 +50,13 @@ use crate::srp::{Fabric, Qp, SrpBuffer, IU_LEN};
 use crate::target::{next_id, Routed};
 
 /// The most data a Send to the target may carry (TargetRecvDataSegmentLength): what an IU
-/// buffer holds behind the iSER header and the BHS, rounded down to 512. Linux's initiator
-/// asks for 8192.
-pub const RECV_DATA_SEGMENT_LENGTH: u32 = ((IU_LEN - ISER_HEADERS_LEN) as u32) & !511;
+/// buffer holds behind the iSER header, the BHS and the most AHS a PDU may have, rounded
+/// down to 512 (8192; Linux's initiator asks for 8192). So no message within the limit,
+/// whatever its CDB's length, is longer than the receive it lands in.
+pub const RECV_DATA_SEGMENT_LENGTH: u32 =
+    ((IU_LEN - ISER_HEADERS_LEN - iscsi_pdu::iser::MAX_AHS_LEN) as u32) & !511;
+const _: () = assert!(iscsi_pdu::iser::receive_len(RECV_DATA_SEGMENT_LENGTH) <= IU_LEN);
+const _: () = assert!(RECV_DATA_SEGMENT_LENGTH == 8192);
 
 /// Receives posted beyond the command window: NOP-Outs, task management and a logout may come
 /// as immediate PDUs outside it.

@@ -1514,14 +1514,23 @@ async fn the_metrics_endpoint_answers_at_metrics_only_and_describes_every_family
     assert!(!body.contains("latency_ns"), "seconds, not nanoseconds");
     let close = "Host: targetd\r\nConnection: close\r\n\r\n";
     assert!(get(&format!("GET / HTTP/1.1\r\n{close}")).starts_with("HTTP/1.1 404 "));
-    let post = get(&format!("POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n{close}"));
+    let post = get(&format!(
+        "POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n{close}"
+    ));
     assert!(post.starts_with("HTTP/1.1 405 "), "{post}");
-    assert!(post.to_ascii_lowercase().contains("allow: get, head"), "{post}");
+    assert!(
+        post.to_ascii_lowercase().contains("allow: get, head"),
+        "{post}"
+    );
     // A scraper keeps its connection: two requests on one, each answered whole.
     let twice = get(&format!(
         "GET /metrics HTTP/1.1\r\nHost: targetd\r\n\r\nHEAD /metrics HTTP/1.1\r\n{close}"
     ));
     assert_eq!(twice.matches("HTTP/1.1 200 OK").count(), 2, "{twice}");
-    assert_eq!(twice.matches("targetd_build_info{").count(), 1, "HEAD has no body");
+    assert_eq!(
+        twice.matches("targetd_build_info{").count(),
+        1,
+        "HEAD has no body"
+    );
     d.stop();
 }

@@ -8,6 +8,7 @@
 
 mod common;
 
+use bytes::Bytes;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
@@ -84,6 +85,14 @@ fn reads_and_writes_move_by_rdma() {
     assert_eq!(r.status, ScsiStatus::GOOD);
     let (_, back) = i.command(&rw10(0x28, 0, 8), None, 0, 4096);
     assert!(back == small);
+    // The most immediate data behind the largest CDB (260 bytes: an extended-CDB AHS of 252)
+    // fits the target's receive buffer; the core sees a WRITE(10) and the bytes beyond it.
+    let full = pattern(8192, 0x44);
+    let extended = Some(Bytes::from(vec![0u8; 244]));
+    let (r, _) = i.command_extended(&rw10(0x2a, 64, 16), extended, Some(&full), 8192, 0);
+    assert_eq!(r.status, ScsiStatus::GOOD, "{r:?}");
+    let (_, back) = i.command(&rw10(0x28, 64, 16), None, 0, 8192);
+    assert!(back == full);
     // Logout: the response, then the target lets the queue pair go.
     let logout = Pdu::LogoutRequest(LogoutRequest {
         immediate: true,

@@ -135,10 +135,15 @@ pub fn encode(pdu: &Pdu, iser: &IserHeader, dst: &mut BytesMut) {
     dst.put_slice(data);
 }
 
-/// The bytes of a message carrying a PDU with `data_len` bytes of data (and no AHS): what a
-/// receive buffer must hold.
+/// The bytes of a message carrying a PDU with `data_len` bytes of data and no AHS.
 pub const fn message_len(data_len: u32) -> usize {
     ISER_HEADER_LEN + BHS_LEN + data_len as usize
+}
+
+/// What a receive buffer must hold to take any message whose data segment is at most
+/// `data_len`: the headers, the most AHS a PDU may have, and the data.
+pub const fn receive_len(data_len: u32) -> usize {
+    message_len(data_len) + super::MAX_AHS_LEN
 }
 
 impl IserError {

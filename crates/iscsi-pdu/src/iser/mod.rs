@@ -21,13 +21,19 @@ pub mod testing;
 
 pub use cm::{CmReply, CmRequest, CM_HEADER_LEN};
 pub use header::{Hello, HelloReply, IserHeader, RemoteBuffer, ISER_HEADER_LEN, ISER_VERSION};
-pub use message::{decode, encode, message_len, Message, Received};
+pub use message::{decode, encode, message_len, receive_len, Message, Received};
 pub use target::{DataOutRead, IserConnection, IserPlan, Work};
 
 use crate::DecodeError;
 
 /// Bytes of the iSER header and a BHS: what a Send carries before any AHS and data.
 pub const ISER_HEADERS_LEN: usize = ISER_HEADER_LEN + crate::BHS_LEN;
+
+/// The most AHS a PDU may carry (TotalAHSLength is one byte of 4-byte words). The data
+/// segment limits (TargetRecvDataSegmentLength) do not count it, so a receive buffer that
+/// holds [`ISER_HEADERS_LEN`], this and the data segment takes every message within them:
+/// an initiator may put the largest CDB (an extended-CDB AHS) before the most immediate data.
+pub const MAX_AHS_LEN: usize = 255 * 4;
 
 /// Why a received message cannot be taken. All but [`IserError::Pdu`] with a malformed PDU
 /// close the connection: the message's framing cannot be trusted.

@@ -39,15 +39,21 @@ pub fn port_id_for(name: &str) -> [u8; 16] {
     id
 }
 
+/// The largest IU a port takes unless configured otherwise: 8276 as Linux's ib_srpt, an
+/// SRP_CMD (48), 16 bytes of additional CDB, an indirect descriptor's header (20), and 8 KiB
+/// of immediate data or of descriptors. Linux's ib_srp asks for 8260 by default (8 KiB of
+/// immediate data at offset 68) and does not retry with less.
+pub const DEFAULT_MAX_IT_IU_LEN: u32 = 8276;
+
 /// What a target port offers at login.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PortSettings {
     /// The target port's identifier (on InfiniBand, the I/O controller's GUID and an ID
     /// extension): a login naming another is rejected.
     pub target_port_id: [u8; 16],
-    /// The largest IU an initiator may send: each receive buffer's size. The default,
-    /// [`IU_BUFFER_LEN`](crate::verbs::IU_BUFFER_LEN), takes Linux's ib_srp's default login
-    /// (8 KiB of immediate data) and an SRP_CMD with 500 descriptors in the IU.
+    /// The largest IU an initiator may send, at most the receive buffers' size. The
+    /// default, [`DEFAULT_MAX_IT_IU_LEN`], takes Linux's ib_srp's default login (8 KiB of
+    /// immediate data) and an SRP_CMD with 500 descriptors in the IU.
     pub max_it_iu_len: u32,
     /// Grant immediate data (SRP-2) to an initiator that asks: a write whose data fits in
     /// the IU carries it in the SRP_CMD, with no RDMA READ round trip.
@@ -67,7 +73,7 @@ impl Default for PortSettings {
     fn default() -> Self {
         PortSettings {
             target_port_id: [0; 16],
-            max_it_iu_len: crate::verbs::IU_BUFFER_LEN as u32,
+            max_it_iu_len: DEFAULT_MAX_IT_IU_LEN,
             immediate_data: true,
             request_limit: 128,
             formats: BufferFormats::BOTH,

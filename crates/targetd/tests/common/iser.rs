@@ -192,6 +192,18 @@ impl Initiator {
         imm: usize,
         data_in: usize,
     ) -> (ScsiResponse, Vec<u8>) {
+        self.command_extended(cdb, None, data_out, imm, data_in)
+    }
+
+    /// [`Self::command`] with the CDB's bytes beyond 16 in an extended-CDB AHS.
+    pub fn command_extended(
+        &mut self,
+        cdb: &[u8],
+        extended_cdb: Option<Bytes>,
+        data_out: Option<&[u8]>,
+        imm: usize,
+        data_in: usize,
+    ) -> (ScsiResponse, Vec<u8>) {
         self.itt += 1;
         let itt = self.itt;
         let mut c = [0u8; 16];
@@ -227,6 +239,7 @@ impl Initiator {
             expected_data_transfer_length: data_out.map_or(data_in, <[u8]>::len) as u32,
             cmd_sn: SerialNumber(sn),
             cdb: c,
+            extended_cdb,
             data: immediate,
             ..ScsiCommand::default()
         });
