@@ -542,8 +542,10 @@ impl Registry {
                         let bytes = nl.size.map_or(0, |s| s.0);
                         t.resize_lun(nl.lun, bytes)?;
                         changes.push(format!(
-                            "{} LUN {} resized to {bytes} bytes",
-                            nt.name, nl.lun
+                            "{} LUN {} resized to {} ({bytes} bytes)",
+                            nt.name,
+                            nl.lun,
+                            units::format_size(bytes)
                         ));
                     }
                     Some(_) => {
