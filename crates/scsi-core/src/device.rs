@@ -208,8 +208,13 @@ struct Slot<T> {
 #[derive(Debug)]
 pub(crate) struct Nexus {
     pub(crate) name: ItNexus,
+    /// Its handle.
+    pub(crate) id: NexusId,
     /// Pending unit attentions by LUN index, oldest first.
     pub(crate) unit_attentions: Vec<(u16, Asc)>,
+    /// Its transport reports asynchronous events ([`Device::report_unit_attentions`]): each
+    /// unit attention established from now on is also an [`Action::UnitAttention`].
+    pub(crate) announce: bool,
 }
 
 /// A logical unit's state in the device server.
@@ -311,6 +316,17 @@ pub enum DeviceError {
 
 /// The largest LUN index (flat space addressing).
 pub const MAX_LUN: u16 = 0x3fff;
+
+/// The 8-byte LUN field of LUN index `index`: peripheral device addressing below 256, flat
+/// space addressing above (the inverse of [`lun_index`]).
+pub fn lun_number(index: u16) -> u64 {
+    let field = if index < 256 {
+        index
+    } else {
+        0x4000 | (index & MAX_LUN)
+    };
+    u64::from(field) << 48
+}
 
 /// The LUN index of an 8-byte LUN field in peripheral or flat space addressing.
 pub fn lun_index(lun: u64) -> Option<u16> {
@@ -767,9 +783,10 @@ impl Device {
         self.load_reservations(index);
         let luns = self.luns();
         for n in self.nexuses.iter_mut().filter_map(|s| s.value.as_mut()) {
-            n.unit_attentions.push((index, Asc::POWER_ON_RESET));
+            self.actions.extend(push_ua(n, index, Asc::POWER_ON_RESET));
             for &l in luns.iter().filter(|&&l| l != index) {
-                push_ua(n, l, Asc::REPORTED_LUNS_DATA_HAS_CHANGED);
+                self.actions
+                    .extend(push_ua(n, l, Asc::REPORTED_LUNS_DATA_HAS_CHANGED));
             }
         }
         Ok(())
@@ -796,7 +813,8 @@ impl Device {
         for n in self.nexuses.iter_mut().filter_map(|s| s.value.as_mut()) {
             n.unit_attentions.retain(|&(l, _)| l != index);
             for &l in &luns {
-                push_ua(n, l, Asc::REPORTED_LUNS_DATA_HAS_CHANGED);
+                self.actions
+                    .extend(push_ua(n, l, Asc::REPORTED_LUNS_DATA_HAS_CHANGED));
             }
         }
         Ok(())
@@ -813,11 +831,16 @@ impl Device {
     /// Opens an I_T nexus for `initiator` through the target port `relative_port`; it starts
     /// with a POWER ON, RESET unit attention on every unit.
     pub fn open_nexus(&mut self, initiator: TransportId, relative_port: u16) -> NexusId {
-        let nexus = Nexus {
+        let mut nexus = Nexus {
             name: ItNexus {
                 initiator,
                 relative_port,
             },
+            id: NexusId {
+                index: 0,
+                generation: 0,
+            },
+            announce: false,
             unit_attentions: self
                 .luns()
                 .into_iter()
@@ -835,11 +858,26 @@ impl Device {
             }
         };
         let slot = &mut self.nexuses[index];
-        slot.value = Some(nexus);
-        NexusId {
+        nexus.id = NexusId {
             index: index as u32,
             generation: slot.generation,
-        }
+        };
+        let id = nexus.id;
+        slot.value = Some(nexus);
+        id
+    }
+
+    /// Whether the transport of nexus `id` reports asynchronous events (SRP's SRP_AER_REQ):
+    /// from now on each unit attention established for it (a capacity change, a unit added
+    /// or removed, reservations preempted, commands cleared by another initiator) is also an
+    /// [`Action::UnitAttention`] naming it, so the initiator hears of it without sending a
+    /// command. The unit attention stays pending and is reported on the next command as
+    /// well: an initiator may ignore the event (Linux's ib_srp logs it and does nothing).
+    pub fn report_unit_attentions(&mut self, id: NexusId, on: bool) -> Result<(), DeviceError> {
+        self.nexus_mut(id)
+            .ok_or(DeviceError::UnknownNexus)?
+            .announce = on;
+        Ok(())
     }
 
     /// Closes an I_T nexus (I_T nexus loss): its tasks are aborted, its SPC-2 reservations
@@ -910,7 +948,7 @@ impl Device {
         for (i, s) in self.nexuses.iter_mut().enumerate() {
             let me = except.is_some_and(|e| e.index as usize == i && e.generation == s.generation);
             if let (false, Some(n)) = (me, s.value.as_mut()) {
-                push_ua(n, lun, asc);
+                self.actions.extend(push_ua(n, lun, asc));
             }
         }
     }
@@ -919,7 +957,7 @@ impl Device {
     pub(crate) fn unit_attention_for(&mut self, lun: u16, asc: Asc, name: &ItNexus) {
         for n in self.nexuses.iter_mut().filter_map(|s| s.value.as_mut()) {
             if &n.name == name {
-                push_ua(n, lun, asc);
+                self.actions.extend(push_ua(n, lun, asc));
             }
         }
     }
@@ -1660,9 +1698,10 @@ impl Device {
             let Ok(t) = self.task(id) else { continue };
             let (nexus, lun, tag, phase) = (t.nexus, t.lun, t.tag, t.phase);
             if by.is_some_and(|b| b != nexus) {
-                if let Some(n) = self.nexus_mut(nexus) {
-                    push_ua(n, lun, Asc::COMMANDS_CLEARED_BY_ANOTHER_INITIATOR);
-                }
+                let announced = self
+                    .nexus_mut(nexus)
+                    .and_then(|n| push_ua(n, lun, Asc::COMMANDS_CLEARED_BY_ANOTHER_INITIATOR));
+                self.actions.extend(announced);
             }
             if phase == Phase::Delegated {
                 in_flight.push(id);
@@ -1725,9 +1764,10 @@ impl Device {
                 let w = self.abort_tasks(&ids, None);
                 self.release_nexus_holds(&name, Some(reference));
                 for l in self.luns() {
-                    if let Some(n) = self.nexus_mut(nexus) {
-                        push_ua(n, l, Asc::I_T_NEXUS_LOSS);
-                    }
+                    let announced = self
+                        .nexus_mut(nexus)
+                        .and_then(|n| push_ua(n, l, Asc::I_T_NEXUS_LOSS));
+                    self.actions.extend(announced);
                 }
                 w
             }
@@ -1912,10 +1952,19 @@ fn residual_without_data(t: &Task, good: bool) -> Residual {
 }
 
 /// Queues a unit attention unless the same one is already pending.
-pub(crate) fn push_ua(n: &mut Nexus, lun: u16, asc: Asc) {
-    if !n.unit_attentions.contains(&(lun, asc)) {
-        n.unit_attentions.push((lun, asc));
+/// Establishes a unit attention on `lun` for the nexus `n`; the announcement its transport
+/// asked for ([`Device::report_unit_attentions`]), if any, to queue.
+#[must_use]
+pub(crate) fn push_ua(n: &mut Nexus, lun: u16, asc: Asc) -> Option<Action> {
+    if n.unit_attentions.contains(&(lun, asc)) {
+        return None;
     }
+    n.unit_attentions.push((lun, asc));
+    n.announce.then(|| Action::UnitAttention {
+        nexus: n.id,
+        lun: lun_number(lun),
+        sense: Sense::unit_attention(asc).fixed(),
+    })
 }
 
 /// Commands that touch the medium, refused while the unit is stopped.

@@ -30,7 +30,9 @@ pub mod transport;
 
 pub use backend::{Backend, BackendError, MemoryBackend, Op, Output};
 pub use cdb::BlockIo;
-pub use device::{lun_index, Device, DeviceError, ReservationChange, TaskError, MAX_LUN};
+pub use device::{
+    lun_index, lun_number, Device, DeviceError, ReservationChange, TaskError, MAX_LUN,
+};
 pub use lu::{Geometry, Identity, Limits, LogicalUnit, TargetPort};
 pub use nexus::{ItNexus, TransportId};
 pub use sense::{Asc, FieldIn, FieldPointer, Sense, SenseBytes, SenseKey};

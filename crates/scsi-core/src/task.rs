@@ -218,6 +218,17 @@ pub enum Action {
         /// Its tag.
         tag: u64,
     },
+    /// A unit attention was established for a nexus whose transport reports asynchronous
+    /// events ([`Device::report_unit_attentions`](crate::Device::report_unit_attentions)):
+    /// tell its initiator (SRP_AER_REQ). It stays pending for the next command too.
+    UnitAttention {
+        /// The nexus.
+        nexus: NexusId,
+        /// The 8-byte LUN.
+        lun: u64,
+        /// Its sense data (fixed format, UNIT ATTENTION).
+        sense: SenseBytes,
+    },
     /// A task management function has finished.
     TaskManagementDone {
         /// The nexus that asked.

@@ -76,6 +76,8 @@ pub struct Harness {
     pub outcomes: HashMap<u64, Outcome>,
     /// Finished task management functions by reference.
     pub tmf: HashMap<u64, TmfResponse>,
+    /// Unit attentions announced (nexuses that report them), in order.
+    pub announced: Vec<(NexusId, u64, crate::SenseBytes)>,
     next_tag: u64,
 }
 
@@ -98,6 +100,7 @@ impl Harness {
             aborted: Vec::new(),
             outcomes: HashMap::new(),
             tmf: HashMap::new(),
+            announced: Vec::new(),
             next_tag: 1,
         }
     }
@@ -374,6 +377,9 @@ impl Harness {
                     ..
                 } => {
                     self.tmf.insert(reference, response);
+                }
+                Action::UnitAttention { nexus, lun, sense } => {
+                    self.announced.push((nexus, lun, sense));
                 }
             }
         }

@@ -17,6 +17,7 @@
 //! | `Complete` | [`Request::Complete`]: send the data-in, then the status with sense |
 //! | `Aborted` | [`Request::Complete`] for a task the transport failed, else [`Request::Ended`] |
 //! | `TaskManagementDone` | [`Request::TaskManagementDone`] |
+//! | `UnitAttention` | [`Request::UnitAttention`]: tell the initiator (SRP_AER_REQ) |
 //!
 //! Buffers are the transport's type `B` ([`TaskBuffer`]): a registered arena slot run in the
 //! daemon, a `Vec<u8>` in tests. The table never allocates one: it says how many bytes it
@@ -277,6 +278,17 @@ pub enum Request<T, B> {
         reference: u64,
         /// The outcome.
         response: TmfResponse,
+    },
+    /// A unit attention for the nexus, to report as an asynchronous event (SRP_AER_REQ):
+    /// only a nexus whose transport asked for them gets one
+    /// ([`Device::report_unit_attentions`](crate::Device::report_unit_attentions)).
+    UnitAttention {
+        /// The nexus.
+        nexus: NexusId,
+        /// The 8-byte LUN.
+        lun: u64,
+        /// Fixed-format sense data.
+        sense: SenseBytes,
     },
 }
 
@@ -698,6 +710,9 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
                 reference,
                 response,
             }),
+            Action::UnitAttention { nexus, lun, sense } => {
+                Some(Request::UnitAttention { nexus, lun, sense })
+            }
         }
     }
 

@@ -464,6 +464,44 @@ fn lun_changes_raise_unit_attentions() {
     }
 }
 
+/// A nexus whose transport reports asynchronous events (SRP_AER_REQ) gets each unit
+/// attention established for it as an action too; it stays pending for its next command.
+#[test]
+fn unit_attentions_are_announced_to_the_nexuses_that_ask() {
+    let mut h = harness();
+    let a = h.login("iqn.x:a", 1);
+    let b = h.login("iqn.x:b", 1);
+    h.device.report_unit_attentions(a, true).unwrap();
+    h.device.resize_lu(0, BLOCKS * 2).unwrap();
+    h.run();
+    assert_eq!(h.announced.len(), 1, "only the nexus that asked");
+    let (nexus, lun, sense) = &h.announced[0];
+    assert_eq!((*nexus, *lun), (a, 0));
+    let s = sense.as_slice();
+    assert_eq!((s[0], s[2], s[12], s[13]), (0x70, 6, 0x2a, 0x09));
+    check(&h.command(a, 0, &[0; 6], &[], 0), 6, 0x2a, 0x09);
+    // The other nexus hears of it the usual way.
+    check(&h.command(b, 0, &[0; 6], &[], 0), 6, 0x2a, 0x09);
+    // A unit added: its power-on and the inventory change, each announced once.
+    h.add_lu(5, unit(true, b"lu5"));
+    h.run();
+    let codes: Vec<(u64, u8, u8)> = h.announced[1..]
+        .iter()
+        .map(|(_, lun, s)| (*lun, s.as_slice()[12], s.as_slice()[13]))
+        .collect();
+    assert!(codes.contains(&(5 << 48, 0x29, 0)), "{codes:?}");
+    assert!(codes.contains(&(0, 0x3f, 0x0e)), "{codes:?}");
+    // Asked no more: nothing announced.
+    let before = h.announced.len();
+    h.device.report_unit_attentions(a, false).unwrap();
+    h.device.resize_lu(0, BLOCKS).unwrap();
+    h.run();
+    assert_eq!(h.announced.len(), before);
+    for i in [0u16, 1, 255, 256, 0x3fff] {
+        assert_eq!(scsi_core::lun_index(scsi_core::lun_number(i)), Some(i));
+    }
+}
+
 /// An EXTENDED COPY (LID1) parameter list: identification target descriptors naming units by
 /// NAA, then block-to-block segments (source index, destination index, blocks, LBAs).
 fn xcopy_list(list_id: u8, units: &[[u8; 8]], segments: &[(u16, u16, u16, u64, u64)]) -> Vec<u8> {

@@ -158,7 +158,7 @@ impl Port {
                         .backend_done(task, Err(BackendError::Internal))
                         .unwrap();
                 }
-                Request::TaskManagementDone { .. } => {}
+                Request::TaskManagementDone { .. } | Request::UnitAttention { .. } => {}
             }
         }
     }

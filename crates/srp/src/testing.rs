@@ -17,9 +17,9 @@ use crate::fabric::{Access, Costs, Fabric, MemoryId, NodeId, Port, QpId};
 pub use crate::initiator::Registration;
 use crate::initiator::{DataMemory, ExposeError};
 use crate::iu::{
-    BufferFormats, DataBufferDescriptor, Iu, MultiChannelAction, SrpCmd, SrpCredRsp, SrpILogout,
-    SrpLoginRej, SrpLoginReq, SrpLoginRsp, SrpTskMgmt, TargetLogoutReason, TaskAttribute,
-    TaskManagementFunction,
+    BufferFormats, DataBufferDescriptor, Iu, MultiChannelAction, SrpAerRsp, SrpCmd, SrpCredRsp,
+    SrpILogout, SrpLoginRej, SrpLoginReq, SrpLoginRsp, SrpTskMgmt, TargetLogoutReason,
+    TaskAttribute, TaskManagementFunction,
 };
 use crate::target::channel::SPARE_RECEIVES;
 use crate::target::{
@@ -40,6 +40,8 @@ struct Router {
     device: Device,
     routes: Vec<Option<usize>>,
     tmfs: Vec<(u64, usize)>,
+    /// The channel each nexus's unit attentions are reported on (its newest).
+    announcements: Vec<(NexusId, usize)>,
     next_reference: u64,
     queues: Vec<VecDeque<Action>>,
 }
@@ -73,6 +75,11 @@ impl Router {
                     let at = self.tmfs.iter().position(|(r, _)| r == reference);
                     at.map(|i| self.tmfs.swap_remove(i).1)
                 }
+                Action::UnitAttention { nexus, .. } => self
+                    .announcements
+                    .iter()
+                    .find(|(n, _)| n == nexus)
+                    .map(|&(_, ch)| ch),
                 _ => None,
             };
             if let Some(ch) = route {
@@ -232,6 +239,8 @@ pub struct InitiatorSide {
     pub logged_out: Option<TargetLogoutReason>,
     /// SRP_CRED_REQs received.
     pub credit_requests: u32,
+    /// SRP_AER_REQs received (each answered with SRP_AER_RSP): the LUN and the sense data.
+    pub events: Vec<(u64, Vec<u8>)>,
     /// Each command with a data buffer, by tag: where the buffer is, and whether it is a
     /// read's (gathered into the response).
     commands: HashMap<u64, Placed>,
@@ -429,6 +438,7 @@ impl Rig {
                 device,
                 routes: Vec::new(),
                 tmfs: Vec::new(),
+                announcements: Vec::new(),
                 next_reference: 0,
                 queues: Vec::new(),
             },
@@ -495,6 +505,10 @@ impl Rig {
         };
         let ch = self.channels.len();
         self.table.attach(key, nexus, ch);
+        // Unit attentions go to the nexus's newest channel.
+        let _ = self.router.device.report_unit_attentions(nexus, true);
+        self.router.announcements.retain(|(n, _)| *n != nexus);
+        self.router.announcements.push((nexus, ch));
         let (qp, iqp) = self.fabric.connect(TARGET, INITIATOR);
         let mut target = self.fabric.port(TARGET);
         for _ in 0..params.request_limit + SPARE_RECEIVES {
@@ -518,6 +532,7 @@ impl Rig {
                 responses: HashMap::new(),
                 logged_out: None,
                 credit_requests: 0,
+                events: Vec::new(),
                 commands: HashMap::new(),
                 tmfs: HashMap::new(),
                 immediate: (req.immediate_data && rsp.immediate_data)
@@ -801,6 +816,17 @@ impl Rig {
         self.table.len()
     }
 
+    /// Changes the capacity of LUN index `lun` to `blocks`, as an administrator would: every
+    /// nexus gets a unit attention, reported at once by SRP_AER_REQ.
+    pub fn resize(&mut self, lun: u16, blocks: u64) {
+        self.router
+            .device
+            .resize_lu(lun, blocks)
+            .expect("the unit exists");
+        self.router.drain();
+        self.run();
+    }
+
     /// Tasks the device holds.
     pub fn device_tasks(&self) -> usize {
         self.router.device.task_count()
@@ -952,6 +978,14 @@ impl Rig {
                     side.credit_requests += 1;
                     let mut b = Vec::new();
                     SrpCredRsp { tag: r.tag }.encode(&mut b);
+                    let len = b.len();
+                    self.fabric.port(INITIATOR).post_send(side.qp, 0, b, len);
+                }
+                Ok(Iu::AerReq(r)) => {
+                    side.credit += i64::from(r.req_lim_delta);
+                    side.events.push((r.lun, r.sense.to_vec()));
+                    let mut b = Vec::new();
+                    SrpAerRsp { tag: r.tag }.encode(&mut b);
                     let len = b.len();
                     self.fabric.port(INITIATOR).post_send(side.qp, 0, b, len);
                 }

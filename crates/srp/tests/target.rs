@@ -789,3 +789,63 @@ fn immediate_data_carries_a_write_in_the_srp_cmd() {
         Some(TargetLogoutReason::UnsupportedDataOutFormat)
     );
 }
+
+/// A unit attention reaches the initiator at once as SRP_AER_REQ (SRP-2 6.12), without
+/// waiting for a command, on every nexus, and stays for the next command too; answered with
+/// SRP_AER_RSP, the next one goes.
+#[test]
+fn a_capacity_change_is_reported_at_once_by_srp_aer_req() {
+    let mut rig = rig();
+    let a = login(&mut rig, INI_A);
+    let b = login(&mut rig, INI_B);
+    let tur = |tag, lun| Cmd {
+        tag,
+        lun,
+        cdb: vec![0; 6],
+        ..Cmd::default()
+    };
+    // LUN 1's power-on unit attention, heard on each nexus first.
+    for ch in [a, b] {
+        rig.send(ch, &tur(5, 1 << 48)).expect("credit");
+        rig.run();
+        assert_eq!(
+            rig.response(ch, 5).and_then(|r| r.sense_code()),
+            Some((6, 0x29, 0))
+        );
+    }
+    assert!(rig.channels[a].initiator.events.is_empty());
+    let credit = rig.channels[a].initiator.credit;
+    rig.resize(1, 2048);
+    // LUN 1 (peripheral addressing), fixed sense: UNIT ATTENTION, CAPACITY DATA HAS CHANGED.
+    for ch in [a, b] {
+        let events = &rig.channels[ch].initiator.events;
+        assert_eq!(events.len(), 1, "channel {ch}: {events:?}");
+        let (lun, sense) = &events[0];
+        assert_eq!(*lun, 1 << 48);
+        assert_eq!(
+            (sense[0], sense[2] & 0xf, sense[12], sense[13]),
+            (0x70, 6, 0x2a, 0x09)
+        );
+    }
+    assert_eq!(
+        rig.channels[a].initiator.credit, credit,
+        "no credit rides on it"
+    );
+    // Still pending: the next command to the unit reports it too (an initiator may ignore
+    // the event, as Linux's ib_srp does); one to another unit does not.
+    rig.send(a, &tur(7, 0)).expect("credit");
+    rig.send(a, &tur(8, 1 << 48)).expect("credit");
+    rig.run();
+    assert_eq!(rig.response(a, 7).map(|r| r.status), Some(0));
+    assert_eq!(
+        rig.response(a, 8).and_then(|r| r.sense_code()),
+        Some((6, 0x2a, 0x09))
+    );
+    // Established again (the first was reported on A), reported again, one event each time
+    // once the last was answered; B's is still pending, so B hears nothing new.
+    rig.resize(1, 4096);
+    assert_eq!(rig.channels[a].initiator.events.len(), 2);
+    assert_eq!(rig.channels[b].initiator.events.len(), 1);
+    // Commands go on as before.
+    write_read(&mut rig, a, 100, 0, &pattern(4096, 9), 1, false);
+}

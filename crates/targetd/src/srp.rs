@@ -679,6 +679,12 @@ impl<F: Fabric> Port<F> {
             target = %target.name,
             "SRP channel logged in"
         );
+        let route = Route { conn: id, tx };
+        // The nexus's unit attentions are reported at once (SRP_AER_REQ) on its newest
+        // channel.
+        if let Err(e) = target.core().announce_to(nexus, Some(route.clone())) {
+            tracing::warn!(portal = %self.portal, "SRP asynchronous events: {e}");
+        }
         self.channels.insert(
             id,
             Chan {
@@ -688,7 +694,7 @@ impl<F: Fabric> Port<F> {
                 target,
                 nexus,
                 machine: Channel::new(nexus, params),
-                route: Route { conn: id, tx },
+                route,
                 rx,
                 out: Outbox::new(id),
                 unit: None,
@@ -868,9 +874,20 @@ impl<F: Fabric> Port<F> {
         }
         self.fabric.release(qp);
         lock(&self.registry.srp_channels).remove(&id);
-        if let Left::Ended(nexus) = self.table.leave(c.key, &id) {
-            let mut out = Outbox::detached();
-            c.target.core().close_session(nexus, &mut out);
+        match self.table.leave(c.key, &id) {
+            Left::Ended(nexus) => {
+                let mut out = Outbox::detached();
+                c.target.core().close_session(nexus, &mut out);
+            }
+            Left::Stays => {
+                // The nexus's asynchronous events go on another of its channels.
+                let next = self.table.channels(&c.key).first().copied();
+                let route = next
+                    .and_then(|n| self.channels.get(&n))
+                    .map(|n| n.route.clone());
+                let _ = c.target.core().announce_to(c.nexus, route);
+            }
+            Left::Unknown => {}
         }
         tracing::info!(portal = %self.portal, target = %c.target.name, "SRP channel ended");
         true

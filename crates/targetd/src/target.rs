@@ -221,6 +221,10 @@ impl Drop for CoreGuard<'_> {
                 &mut self.out,
             );
         }
+        // What a direct call into the device left (a unit resized, added or removed by an
+        // administrator: the unit attentions some nexuses have reported at once) goes to its
+        // connections; a connection's own calls drained into its outbox already.
+        self.route_pending();
         loop {
             let waiting = self.device.awaits_retirement();
             // Sequentially consistent with a connection's push and its load of the flag (see

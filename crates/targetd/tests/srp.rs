@@ -15,8 +15,8 @@ use scsi_core::Residual;
 use srp::fabric::{Access, MemoryId, MemoryRegion, NodeId, QpId};
 use srp::iu::{
     BufferFormats, DataBufferDescriptor, Descriptors, Iu, LoginRejectReason, MultiChannelAction,
-    SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRej, SrpLoginReq, SrpLoginRsp, TargetLogoutReason,
-    TaskAttribute,
+    SrpAerRsp, SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRej, SrpLoginReq, SrpLoginRsp,
+    TargetLogoutReason, TaskAttribute,
 };
 use srp::switch::{Endpoint, Reply, Switch};
 use srp::verbs::{Verbs, WorkOp};
@@ -280,6 +280,15 @@ impl Initiator {
                         self.credit += i64::from(r.req_lim_delta);
                         let mut b = Vec::new();
                         SrpCredRsp { tag: r.tag }.encode(&mut b);
+                        let n = b.len();
+                        self.verbs.post_send(self.qp, 2, b, n);
+                    }
+                    // A unit attention reported at once (a LOGICAL UNIT RESET's, say):
+                    // answered, and heard on the next command as well.
+                    Ok(Iu::AerReq(r)) => {
+                        self.credit += i64::from(r.req_lim_delta);
+                        let mut b = Vec::new();
+                        SrpAerRsp { tag: r.tag }.encode(&mut b);
                         let n = b.len();
                         self.verbs.post_send(self.qp, 2, b, n);
                     }
@@ -668,6 +677,49 @@ fn linux_default_login_and_immediate_data_through_the_daemon() {
     assert!(
         metrics.contains(&format!("targetd_srp_immediate_writes_total {total}")),
         "{metrics}"
+    );
+    d.stop();
+}
+
+/// Through the daemon: `lun resize` reaches a logged-in SRP initiator at once, as an
+/// SRP_AER_REQ with CAPACITY DATA HAS CHANGED, before it sends any command.
+#[test]
+fn a_resize_reaches_the_srp_initiator_as_an_asynchronous_event() {
+    use initiator_bench::srp::login_request;
+    use srp::initiator::channel::InitiatorChannel;
+    use srp::initiator::Registration;
+
+    let (switch, d) = daemon();
+    let req = login_request(0, targetd::srp::port_id(TARGET), 8260);
+    let Reply::Accepted { qp, private } = connect(&switch, &req) else {
+        panic!("refused");
+    };
+    let Ok(Iu::LoginRsp(rsp)) = Iu::decode(&private) else {
+        panic!("not an SRP_LOGIN_RSP");
+    };
+    let mut verbs: Endpoint<Vec<u8>> = switch.endpoint(INITIATOR_NODE);
+    let mut ch = InitiatorChannel::new(&mut verbs, qp, &rsp, Registration::Pool, 2, 4096)
+        .expect("the channel's memory");
+    let resize = targetd::admin::AdminRequest::LunResize {
+        target: TARGET.into(),
+        lun: 1,
+        size: "32MiB".into(),
+        force: false,
+    };
+    targetd::admin::handle(&d.registry, resize).expect("resized");
+    let mut events = Vec::new();
+    eventually("the SRP_AER_REQ", || {
+        assert!(ch.poll(&mut verbs).is_none(), "no command was sent");
+        events.extend(ch.take_events());
+        !events.is_empty()
+    });
+    assert_eq!(events.len(), 1, "{events:?}");
+    let e = &events[0];
+    assert_eq!(e.lun, 1 << 48);
+    assert_eq!(
+        (e.sense[0], e.sense[2] & 0xf, e.sense[12], e.sense[13]),
+        (0x70, 6, 0x2a, 0x09),
+        "UNIT ATTENTION, CAPACITY DATA HAS CHANGED"
     );
     d.stop();
 }

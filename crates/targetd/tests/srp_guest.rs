@@ -58,6 +58,7 @@ fn srp_over_soft_roce_in_a_linux_guest() {
     let exes = [
         me.display().to_string(),
         env!("CARGO_BIN_EXE_targetd").to_string(),
+        env!("CARGO_BIN_EXE_targetctl").to_string(),
     ];
     let Some(run) = guest::run("srp-guest.sh", &guest_script, &exes, &[]) else {
         return;
@@ -79,6 +80,8 @@ fn srp_over_soft_roce_in_a_linux_guest() {
         "ib_srp: logged in",
         "ib_srp: 8 MiB written in 4 KiB writes and read back",
         "ib_srp: 8 MiB written in 1 MiB writes and read back",
+        "ib_srp: the resize came as an SRP_AER_REQ",
+        "ib_srp: the disk is 128 MiB now",
     ] {
         assert!(console.contains(line), "{line:?} missing:\n{console}");
     }
@@ -99,7 +102,9 @@ fn srp_over_soft_roce_in_a_linux_guest() {
 
 /// The guest's second part: targetd (the daemon itself) on rxe0, and Linux's ib_srp with its
 /// default settings logging in to it over rdma_cm; the disk it makes is written with 4 KiB
-/// direct writes (immediate data), read back, written in 1 MiB and read back again.
+/// direct writes (immediate data), read back, written in 1 MiB and read back again; then
+/// the unit is resized with targetctl: ib_srp hears of it at once by SRP_AER_REQ (which it
+/// logs and answers), and the disk takes the new size.
 const LINUX_INITIATOR: &str = r#"
 cat > /tmp/targetd.toml <<CONFIG
 [server]
@@ -121,6 +126,12 @@ start_targetd /tmp/targetd.toml
 echo "id_ext=@ID_EXT@,ioc_guid=@IOC_GUID@,dest=$RDMA_ADDR:5556" > /sys/class/infiniband_srp/srp-rxe0-1/add_target || fail "ib_srp: add_target refused"
 find_disk ib_srp
 check_disk ib_srp
+/bin/targetctl -s /tmp/targetd.sock lun resize @TARGET@ 0 128MiB > /dev/null || fail "targetctl: resize"
+for i in $(seq 1 50); do dmesg | grep -q "ignoring AER for LUN 0" && break; sleep 0.1; done
+dmesg | grep -q "ignoring AER for LUN 0" && echo "ib_srp: the resize came as an SRP_AER_REQ" || fail "ib_srp: no AER"
+echo 1 > /sys/block/${disk##*/}/device/rescan
+dd if=$disk of=/dev/null bs=4096 count=1 iflag=direct 2>/dev/null || fail "ib_srp: a read after the resize failed"
+[ "$(cat /sys/block/${disk##*/}/size)" = 262144 ] && echo "ib_srp: the disk is 128 MiB now" || fail "ib_srp: the disk is $(cat /sys/block/${disk##*/}/size) sectors"
 wget -qO- http://127.0.0.1:9100/metrics | grep -E "^targetd_srp_(immediate_writes_total|channels) "
 kill $daemon
 "#;

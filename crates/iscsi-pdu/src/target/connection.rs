@@ -1448,6 +1448,9 @@ impl<B: TaskBuffer> Connection<B> {
                 response,
                 ..
             } => self.tmf_done(reference, response, nexus),
+            // iSCSI sessions do not ask for asynchronous unit attentions (TargetCore's
+            // announce_to): they hear of them on their next command.
+            Request::UnitAttention { .. } => {}
         }
     }
 

@@ -44,6 +44,9 @@ pub struct TargetCore<R> {
     pub device: Device,
     routes: Vec<Option<R>>,
     tmfs: Vec<(u64, R)>,
+    /// Where each nexus that reports asynchronous events has them sent (SRP: one of its
+    /// channels).
+    announcements: Vec<(NexusId, R)>,
     next_reference: u64,
     /// Each session's CmdSN window and the commands waiting for their turn, by its I_T
     /// nexus's index.
@@ -57,6 +60,7 @@ impl<R: Route> TargetCore<R> {
             device,
             routes: Vec::new(),
             tmfs: Vec::new(),
+            announcements: Vec::new(),
             next_reference: 0,
             orders: Vec::new(),
         }
@@ -81,11 +85,23 @@ impl<R: Route> TargetCore<R> {
         nexus
     }
 
+    /// Has the unit attentions of `nexus` reported to `route` as they are established
+    /// ([`Action::UnitAttention`], which SRP sends as SRP_AER_REQ), or no longer (`None`).
+    pub fn announce_to(&mut self, nexus: NexusId, route: Option<R>) -> Result<(), DeviceError> {
+        self.device.report_unit_attentions(nexus, route.is_some())?;
+        self.announcements.retain(|(n, _)| *n != nexus);
+        if let Some(route) = route {
+            self.announcements.push((nexus, route));
+        }
+        Ok(())
+    }
+
     /// Closes a session's nexus (its tasks are aborted) and forgets its order.
     pub fn close_session(&mut self, nexus: NexusId, out: &mut impl Sink<R>) {
         if self.order(nexus).is_some() {
             self.orders[nexus.index()] = None;
         }
+        self.announcements.retain(|(n, _)| *n != nexus);
         if let Err(e) = self.device.close_nexus(nexus) {
             tracing::error!("closing a nexus: {e}");
         }
@@ -279,6 +295,14 @@ impl<R: Route> TargetCore<R> {
                 Action::TaskManagementDone { reference, .. } => {
                     let at = self.tmfs.iter().position(|(r, _)| r == reference);
                     at.map(|i| self.tmfs.swap_remove(i).1)
+                }
+                Action::UnitAttention { nexus, .. } => {
+                    // Only nexuses that asked get these; one whose channel just went has
+                    // its unit attention reported on its next command instead.
+                    if let Some((_, route)) = self.announcements.iter().find(|(n, _)| n == nexus) {
+                        out.push(route, CoreEvent::Action(action));
+                    }
+                    continue;
                 }
                 _ => None,
             };

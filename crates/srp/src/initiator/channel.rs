@@ -11,8 +11,8 @@ use scsi_core::Residual;
 
 use super::{DataMemory, ExposeError, Registration};
 use crate::iu::{
-    DataBufferDescriptor, Iu, SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRsp, TargetLogoutReason,
-    TaskAttribute,
+    DataBufferDescriptor, Iu, SrpAerRsp, SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRsp,
+    TargetLogoutReason, TaskAttribute,
 };
 use crate::verbs::{IuBuffers, PeerMemory, Verbs, VerbsError, WorkOp};
 
@@ -108,7 +108,19 @@ pub struct InitiatorChannel<V: Verbs + PeerMemory> {
     imm_data_offset: Option<usize>,
     max_it_iu_len: usize,
     logged_out: Option<TargetLogoutReason>,
+    /// Asynchronous events the target reported (SRP_AER_REQ), not yet taken.
+    events: Vec<AsyncEvent>,
     scratch: Vec<u8>,
+}
+
+/// An asynchronous event a target reported (SRP_AER_REQ): a logical unit's sense data, a
+/// unit attention such as CAPACITY DATA HAS CHANGED.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AsyncEvent {
+    /// The 8-byte LUN.
+    pub lun: u64,
+    /// The sense data.
+    pub sense: Vec<u8>,
 }
 
 impl<V> InitiatorChannel<V>
@@ -140,6 +152,7 @@ where
             imm_data_offset: None,
             max_it_iu_len: rsp.max_it_iu_len as usize,
             logged_out: None,
+            events: Vec::new(),
             scratch: Vec::new(),
         })
     }
@@ -270,6 +283,11 @@ where
         Ok(())
     }
 
+    /// The asynchronous events reported since the last call (each answered already).
+    pub fn take_events(&mut self) -> Vec<AsyncEvent> {
+        std::mem::take(&mut self.events)
+    }
+
     /// Logs the channel out (SRP_I_LOGOUT); the target then disconnects it.
     pub fn logout(&mut self, verbs: &mut V) -> Result<(), SendError> {
         self.scratch.clear();
@@ -317,12 +335,22 @@ where
                     let _ = self.post(verbs);
                     None
                 }
+                Ok(Iu::AerReq(r)) => {
+                    self.credit += i64::from(r.req_lim_delta);
+                    self.events.push(AsyncEvent {
+                        lun: r.lun,
+                        sense: r.sense.to_vec(),
+                    });
+                    self.scratch.clear();
+                    SrpAerRsp { tag: r.tag }.encode(&mut self.scratch);
+                    let _ = self.post(verbs);
+                    None
+                }
                 Ok(Iu::TLogout(t)) => {
                     self.logged_out = Some(t.reason);
                     None
                 }
-                // Anything else from a target is ignored: an AER this initiator does not
-                // answer, or a malformed IU.
+                // Anything else from a target is ignored (a malformed IU).
                 _ => None,
             };
             verbs.post_recv(self.qp, 0, wc.buffer);

@@ -38,8 +38,8 @@ use scsi_core::{
 
 use crate::iu::{
     BufferFormats, DataBufferDescriptor, Descriptors, Iu, IuError, IuType, MemoryDescriptor,
-    ResponseCode, SrpCmd, SrpCredReq, SrpRsp, SrpTLogout, SrpTskMgmt, TargetLogoutReason,
-    DATA_IN_FORMAT, DATA_OUT_FORMAT, DESCRIPTOR_LEN,
+    ResponseCode, SrpAerReq, SrpCmd, SrpCredReq, SrpRsp, SrpTLogout, SrpTskMgmt,
+    TargetLogoutReason, DATA_IN_FORMAT, DATA_OUT_FORMAT, DESCRIPTOR_LEN,
 };
 
 /// Receives the shell posts beyond the request limit: for SRP_CRED_RSP and SRP_AER_RSP, which
@@ -232,6 +232,13 @@ enum Out<B> {
     Rsp(Rsp),
     /// An SRP_CRED_REQ carrying whatever credit is owed then.
     CredReq,
+    /// An SRP_AER_REQ reporting a unit attention of a logical unit.
+    AerReq {
+        /// The 8-byte LUN.
+        lun: u64,
+        /// The sense data.
+        sense: SenseBytes,
+    },
     /// An SRP_T_LOGOUT.
     TLogout(TargetLogoutReason),
     /// A transfer.
@@ -291,6 +298,11 @@ pub struct Channel<B> {
     credit_requests: Vec<u64>,
     /// An SRP_CRED_REQ is queued.
     credit_queued: bool,
+    /// Unit attentions waiting to go as SRP_AER_REQ, oldest first (at most
+    /// [`PENDING_EVENTS`]: the unit attentions stay pending in the core anyway).
+    events_pending: VecDeque<(u64, SenseBytes)>,
+    /// The SRP_AER_REQ queued or sent and not yet answered (its tag once sent).
+    event_out: Option<Option<u64>>,
     next_target_tag: u64,
     next_transfer: u64,
     closing: Option<Close>,
@@ -305,6 +317,10 @@ pub struct Channel<B> {
 
 /// How many descriptor lists a channel keeps for reuse.
 const KEPT_LISTS: usize = 512;
+
+/// Unit attentions a channel keeps waiting to report by SRP_AER_REQ; beyond, the oldest is
+/// dropped (the initiator still hears of it: CHECK CONDITION on its next command).
+pub const PENDING_EVENTS: usize = 16;
 
 /// The next number of a counter of target-assigned identifiers (tags, transfers).
 fn take_next(counter: &mut u64) -> u64 {
@@ -328,6 +344,8 @@ impl<B: TaskBuffer> Channel<B> {
             queued_responses: 0,
             credit_requests: Vec::new(),
             credit_queued: false,
+            events_pending: VecDeque::new(),
+            event_out: None,
             next_target_tag: 1,
             next_transfer: 1,
             closing: None,
@@ -398,6 +416,7 @@ impl<B: TaskBuffer> Channel<B> {
                 Out::CredReq => {
                     self.credit_queued = false;
                     if self.owed == 0 {
+                        self.next_event();
                         continue;
                     }
                     let tag = self.target_tag();
@@ -406,6 +425,24 @@ impl<B: TaskBuffer> Channel<B> {
                         sol_not: 1,
                         req_lim_delta: std::mem::take(&mut self.owed),
                         tag,
+                    }
+                    .encode(buf);
+                    return Some(Transmit::Send {
+                        len: buf.len(),
+                        solicited: true,
+                    });
+                }
+                Out::AerReq { lun, sense } => {
+                    let tag = self.target_tag();
+                    self.event_out = Some(Some(tag));
+                    // No credit rides on it: an initiator that takes the event lightly
+                    // (Linux's ib_srp logs it) must not lose credit with it.
+                    SrpAerReq {
+                        sol_not: 1,
+                        req_lim_delta: 0,
+                        tag,
+                        lun,
+                        sense: sense.as_slice(),
                     }
                     .encode(buf);
                     return Some(Transmit::Send {
@@ -489,10 +526,14 @@ impl<B: TaskBuffer> Channel<B> {
             Ok(Iu::CredRsp(r)) => match self.credit_requests.iter().position(|t| *t == r.tag) {
                 Some(i) => {
                     self.credit_requests.swap_remove(i);
+                    self.next_event();
                 }
                 None => self.log_out(TargetLogoutReason::UnexpectedResponse, core),
             },
-            // This target sends no SRP_AER_REQ.
+            Ok(Iu::AerRsp(r)) if self.event_out == Some(Some(r.tag)) => {
+                self.event_out = None;
+                self.next_event();
+            }
             Ok(Iu::AerRsp(_)) => self.log_out(TargetLogoutReason::UnexpectedResponse, core),
             Ok(_) => self.log_out(TargetLogoutReason::InvalidIuType, core),
             Err(e) => self.malformed(iu, e, core),
@@ -1059,6 +1100,7 @@ impl<B: TaskBuffer> Channel<B> {
         if self.owed > 0
             && !answering
             && !self.credit_queued
+            && self.event_out.is_none()
             && self.tasks.is_empty()
             && !self.closed
         {
@@ -1112,6 +1154,37 @@ impl<B: TaskBuffer> Channel<B> {
                 response,
                 ..
             } => self.tmf_done(reference, response),
+            Request::UnitAttention { lun, sense, .. } => self.unit_attention(lun, sense),
+        }
+    }
+
+    /// A unit attention to report by SRP_AER_REQ (SRP-2 6.12), one at a time.
+    fn unit_attention(&mut self, lun: u64, sense: SenseBytes) {
+        if self.closing.is_some() || self.closed {
+            return;
+        }
+        if self.events_pending.len() == PENDING_EVENTS {
+            self.events_pending.pop_front();
+        }
+        self.events_pending.push_back((lun, sense));
+        self.next_event();
+    }
+
+    /// Queues the next SRP_AER_REQ when no request of the target's is outstanding: the
+    /// initiator keeps one receive spare for them (Linux's ib_srp: SRP_RSP_SQ_SIZE), so a
+    /// second at once could find none.
+    fn next_event(&mut self) {
+        if self.event_out.is_some()
+            || self.credit_queued
+            || !self.credit_requests.is_empty()
+            || self.closing.is_some()
+            || self.closed
+        {
+            return;
+        }
+        if let Some((lun, sense)) = self.events_pending.pop_front() {
+            self.event_out = Some(None);
+            self.out.push_back(Out::AerReq { lun, sense });
         }
     }
 
