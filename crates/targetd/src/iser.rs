@@ -479,6 +479,13 @@ impl<F: Fabric> Portal<F> {
     /// A received message of `len` bytes in `b`.
     fn message(&mut self, id: u64, b: F::Iu, len: usize, now: Instant) {
         let len = len.min(b.len());
+        tracing::trace!(
+            portal = %self.portal,
+            id,
+            len,
+            head = ?&b[..len.min(iscsi_pdu::iser::ISER_HEADERS_LEN)],
+            "iSER message received"
+        );
         let login = matches!(self.conns.get(&id).map(|c| &c.phase), Some(Phase::Login(_)));
         if login {
             self.login_message(id, &b[..len], now);
@@ -802,6 +809,7 @@ impl<F: Fabric> Portal<F> {
                         continue;
                     }
                     b[..n].copy_from_slice(&self.scratch);
+                    tracing::trace!(portal = %self.portal, id, len = n, pdu = ?pdu.opcode(), "iSER send");
                     verbs.post_send(qp, wr, PortBuffer::Iu(b), n);
                 }
                 Work::HelloReply(r) => {

@@ -27,7 +27,9 @@ use super::header::{Hello, HelloReply, IserHeader, RemoteBuffer};
 use super::message::{decode, Message, Received};
 use super::IserError;
 use crate::target::{Connection, Nexus, NoBuffer, Payload, Plan, Transmit};
-use crate::{DataOut, Pdu, ReadyToTransfer, RejectReason, ScsiCommand, ScsiResponse, RESERVED_TAG};
+use crate::{
+    DataOut, Pdu, ReadyToTransfer, RejectReason, Residual, ScsiCommand, ScsiResponse, RESERVED_TAG,
+};
 
 /// What the connection asks of the RDMA shell, in order: post them on the queue pair in the
 /// order given.
@@ -127,6 +129,30 @@ pub struct IserConnection<B> {
     payload_from: usize,
     /// The RDMA READs this side issues at once at most (ORD), for a Hello's reply.
     ord: u16,
+}
+
+/// The most zeros written after parameter data that falls short of the expected length.
+pub const MAX_ZERO_FILL: u32 = 64 * 1024;
+
+/// Parameter data shorter than the initiator's buffer (an INQUIRY answer of 96 bytes for an
+/// allocation length of 255) is written with zeros after it, up to the expected length
+/// (at most [`MAX_ZERO_FILL`]): over iSER no Data-In PDU counts the bytes, and an initiator
+/// that takes its whole buffer as the answer instead of subtracting the residual the SCSI
+/// Response carries (libiscsi up to 1.20 does) then reads zeros, not whatever its buffer
+/// held. The residual still says how much was data. Medium data is left as it is: it fills
+/// what the command asked for.
+fn zero_filled<B>(payload: Payload<B>, len: u32, residual: Option<Residual>) -> (Payload<B>, u32) {
+    match (payload, residual) {
+        (Payload::Bytes(b), Some(Residual::Underflow(short))) if short > 0 => {
+            let data = &b[..(len as usize).min(b.len())];
+            let total = data.len() + short.min(MAX_ZERO_FILL) as usize;
+            let mut filled = bytes::BytesMut::with_capacity(total);
+            filled.extend_from_slice(data);
+            filled.resize(total, 0);
+            (Payload::Bytes(filled.freeze()), total as u32)
+        }
+        (payload, _) => (payload, len),
+    }
 }
 
 impl<B: TaskBuffer> IserConnection<B> {
@@ -351,6 +377,7 @@ impl<B: TaskBuffer> IserConnection<B> {
                 status,
                 ..
             } => {
+                let (payload, len) = zero_filled(payload, len, status.map(|s| s.residual));
                 // A command with data-in has a read buffer: `command` made sure of it.
                 match self.remote.get(&itt).and_then(|r| r.read) {
                     Some(remote) => self.work.push_back(Work::RdmaWrite {

@@ -5,7 +5,8 @@ use bytes::Bytes;
 use super::testing::IserRig;
 use super::{Hello, HelloReply, IserError, IserHeader};
 use crate::{
-    Lun, Pdu, RejectReason, ScsiStatus, SerialNumber, TaskManagementFunction, TaskManagementRequest,
+    Lun, Pdu, RejectReason, Residual, ScsiCommand, ScsiStatus, SerialNumber,
+    TaskManagementFunction, TaskManagementRequest,
 };
 
 fn pattern(len: usize, seed: u8) -> Vec<u8> {
@@ -183,4 +184,46 @@ fn a_write_announcing_immediate_data_it_does_not_send_is_read_whole() {
     p.message(&m);
     assert_eq!(p.status(1), Some(ScsiStatus::GOOD));
     assert_eq!(p.rig.stored(0, 32), data);
+}
+
+#[test]
+fn parameter_data_short_of_the_buffer_is_followed_by_zeros() {
+    let mut p = IserRig::new();
+    // INQUIRY for 255 bytes into a buffer that holds something else.
+    let b = p.register(400, vec![0xee; 300]);
+    let mut cdb = [0u8; 16];
+    cdb[..6].copy_from_slice(&[0x12, 0, 0, 0, 255, 0]);
+    let sn = p.cmd_sn;
+    p.cmd_sn += 1;
+    let inquiry = Pdu::ScsiCommand(ScsiCommand {
+        final_bit: true,
+        read: true,
+        lun: Lun::ZERO,
+        initiator_task_tag: 9,
+        expected_data_transfer_length: 255,
+        cmd_sn: SerialNumber(sn),
+        cdb,
+        ..ScsiCommand::default()
+    });
+    p.send(
+        &inquiry,
+        IserHeader {
+            write: None,
+            read: Some(b),
+        },
+    );
+    let Some(Pdu::ScsiResponse(r)) = p.sent.last() else {
+        panic!("a SCSI Response");
+    };
+    let Residual::Underflow(short) = r.residual else {
+        panic!("the answer is shorter than 255: {:?}", r.residual);
+    };
+    let data = 255 - short as usize;
+    let m = &p.memory[&400];
+    assert_eq!(usize::from(m[4]) + 5, data, "the answer's own length");
+    assert!(m[data..255].iter().all(|&x| x == 0), "zeros after it");
+    assert!(
+        m[255..].iter().all(|&x| x == 0xee),
+        "nothing past the buffer"
+    );
 }
