@@ -1,6 +1,9 @@
 //! A reactor: one thread running a current-thread tokio runtime with its own io_uring engine and
-//! buffer arena (docs/architecture.md, "Threads"). Connections handed to it stay on it for life, so
-//! the I/O path takes no locks except the SCSI core's.
+//! buffer arena (docs/architecture.md, "Threads"). Connections handed to it stay on it for life.
+//! Per command, the I/O path takes its target's SCSI core lock once (a plain READ or WRITE),
+//! reads the target's unit table twice under its `RwLock` (to find the unit, and to count the
+//! command on it) and adds to relaxed atomic counters (the unit's, the arena gauge); it takes
+//! no other lock, and the arena, the engine and the connections are the reactor's alone.
 
 use std::cell::{Cell, RefCell};
 use std::collections::hash_map::Entry;
