@@ -5,7 +5,7 @@
 //! accepts each with the iSER CM reply and the receives its command window needs, then runs
 //! the login (its PDUs in Sends, negotiated with `RDMAExtensions=Yes`) through the same
 //! [`Admission`](crate::registry::Admission) as a TCP connection, and full feature phase
-//! through the same session, SCSI core and routing ([`Step`]). What the machine asks is
+//! through the same session, SCSI core and routing (`iscsi::connection::Step`). What the machine asks is
 //! posted on the queue pair in order: Sends of control PDUs (encoded into IU buffers), RDMA
 //! WRITE of a read's data from the arena slots the backend filled, RDMA READ of a write's
 //! solicited data into the slots the backend then writes from. Nothing is registered per I/O.

@@ -1,5 +1,5 @@
 //! The iSER datamover on a bench: the target rig's SCSI core and session
-//! ([`Rig`](crate::target::testing::Rig)), an [`IserConnection`] on it, and an initiator whose
+//! ([`Rig`]), an [`IserConnection`] on it, and an initiator whose
 //! registered memory is a map of STags to buffers. RDMA READs and WRITEs are copies into and
 //! out of it, done at once or held by the caller, on a virtual clock; a key or range the
 //! initiator never registered is a remote access error that closes the connection, as on a
