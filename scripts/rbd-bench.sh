@@ -23,7 +23,7 @@ conf=$dir/ceph.conf
 for tool in qemu-img tgtd tgtadm rbd; do
   command -v $tool >/dev/null || { echo "$tool is missing" >&2; exit 1; }
 done
-[ -x target/release/targetd ] || { echo "build first: cargo build --release -p targetd --features rbd" >&2; exit 1; }
+[ -x target/release/targetd ] || { echo "build first: cargo build --release -p storage-target-targetd --features rbd" >&2; exit 1; }
 
 work=$(mktemp -d /tmp/rbd-bench.XXXXXX)
 image="bench-$$"

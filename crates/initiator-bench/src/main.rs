@@ -294,7 +294,7 @@ fn run_srp_device(
 ) -> Result<initiator_bench::srp::SrpReport, String> {
     Err(
         "SRP on an RDMA device needs initiator-bench built with the feature rdma \
-         (cargo build --release -p initiator-bench --features rdma)"
+         (cargo build --release -p storage-target-initiator-bench --features rdma)"
             .into(),
     )
 }
