@@ -5,7 +5,7 @@
 //! line and column; every other check names the key as a path, e.g.
 //! `targets[0].luns[1].size: 1000 is not a multiple of block_size 512`.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
@@ -208,6 +208,47 @@ pub struct Server {
     /// fits in the IU needs no RDMA READ.
     #[serde(default = "default_true")]
     pub srp_immediate_data: bool,
+    /// One RDMA portal's own SRP terms, by its address as `rdma_portals` names it
+    /// (`[server.srp_ports."192.0.2.10:5555"]`); a key not given there is the server's
+    /// `srp_*` key.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub srp_ports: BTreeMap<String, SrpPortTerms>,
+}
+
+/// An SRP port's own terms (`server.srp_ports`): each absent key is the server's.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SrpPortTerms {
+    /// The largest IU an initiator may send (`srp_max_iu_len`): with immediate data, the
+    /// largest write that comes in the SRP_CMD is this less its offset (68 for Linux).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_iu_len: Option<u32>,
+    /// Requests outstanding per channel (`srp_request_limit`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_limit: Option<u32>,
+    /// Grant immediate data (`srp_immediate_data`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub immediate_data: Option<bool>,
+}
+
+impl Server {
+    /// The SRP terms of the RDMA portal at `address` (its `srp_ports` table over the
+    /// server's keys), or the server's for a port without one (the software fabric's).
+    pub fn srp_terms(&self, address: Option<SocketAddr>) -> (u32, u32, bool) {
+        let own = address.and_then(|a| {
+            self.srp_ports
+                .iter()
+                .find(|(k, _)| k.parse::<SocketAddr>().ok() == Some(a))
+                .map(|(_, t)| t)
+        });
+        let own = own.cloned().unwrap_or_default();
+        (
+            own.max_iu_len.unwrap_or(self.srp_max_iu_len),
+            own.request_limit.unwrap_or(self.srp_request_limit),
+            own.immediate_data.unwrap_or(self.srp_immediate_data),
+        )
+    }
 }
 
 fn default_srp_max_iu_len() -> u32 {
@@ -516,6 +557,7 @@ impl Server {
                 show(&self.srp_immediate_data),
                 show(&other.srp_immediate_data),
             ),
+            ("srp_ports", show(&self.srp_ports), show(&other.srp_ports)),
             ("engine", show(&self.engine), show(&other.engine)),
             (
                 "admin_socket",
@@ -797,28 +839,59 @@ impl Config {
                     );
                 }
             }
+        }
+        let terms = std::iter::once((
+            "server.srp_".to_string(),
+            Some(s.srp_max_iu_len),
+            Some(s.srp_request_limit),
+        ))
+        .chain(s.srp_ports.iter().map(|(address, t)| {
+            (
+                format!("server.srp_ports.\"{address}\"."),
+                t.max_iu_len,
+                t.request_limit,
+            )
+        }));
+        for (prefix, max_iu_len, request_limit) in terms {
+            let (least, most) = (srp::target::MIN_IT_IU_LEN, srp::verbs::IU_BUFFER_LEN as u32);
+            if let Some(n) = max_iu_len.filter(|n| !(least..=most).contains(n)) {
+                return fail(
+                    &format!("{prefix}max_iu_len"),
+                    format!(
+                        "{n}: must be {least} to {most} bytes (an SRP_CMD with a descriptor each \
+                         way, to the size of the receive buffers)"
+                    ),
+                );
+            }
+            if let Some(n) = request_limit.filter(|n| !(1..=1024).contains(n)) {
+                return fail(
+                    &format!("{prefix}request_limit"),
+                    format!("{n}: must be 1 to 1024 requests"),
+                );
+            }
+        }
+        for address in s.srp_ports.keys() {
+            let named = address.parse::<SocketAddr>().ok().is_some_and(|a| {
+                s.rdma_portals
+                    .iter()
+                    .any(|p| p.parse::<SocketAddr>().ok() == Some(a))
+            });
+            if !named {
+                return fail(
+                    &format!("server.srp_ports.\"{address}\""),
+                    "no address of server.rdma_portals is this one".into(),
+                );
+            }
+        }
+        for (key, list) in [
+            ("rdma_portals", &s.rdma_portals),
+            ("iser_portals", &s.iser_portals),
+        ] {
             if !list.is_empty() {
                 if let Some(why) = rdma_unavailable() {
                     return fail(&format!("server.{key}"), why);
                 }
             }
-        }
-        let (least, most) = (srp::target::MIN_IT_IU_LEN, srp::verbs::IU_BUFFER_LEN as u32);
-        if !(least..=most).contains(&s.srp_max_iu_len) {
-            return fail(
-                "server.srp_max_iu_len",
-                format!(
-                    "{}: must be {least} to {most} bytes (an SRP_CMD with a descriptor each way, \
-                     to the size of the receive buffers)",
-                    s.srp_max_iu_len
-                ),
-            );
-        }
-        if !(1..=1024).contains(&s.srp_request_limit) {
-            return fail(
-                "server.srp_request_limit",
-                format!("{}: must be 1 to 1024 requests", s.srp_request_limit),
-            );
         }
         if let Some(m) = &s.metrics_listen {
             if m.parse::<SocketAddr>().is_err() {
@@ -1445,6 +1518,8 @@ size = "1GiB"
                 section = h.trim_matches('`');
             } else if line.starts_with("A CHAP table") {
                 section = "chap";
+            } else if line.starts_with("An SRP port's table") {
+                section = "srp_ports";
             } else if let Some(rest) = line.strip_prefix("| `") {
                 let key = rest.split('`').next().unwrap_or_default().to_string();
                 documented.entry(section).or_default().insert(key);
@@ -1458,10 +1533,15 @@ size = "1GiB"
                 .unwrap_or_default()
         };
         let mut examples = 0;
+        let mut srp_ports_seen = false;
         for block in doc.split("```toml\n").skip(1) {
             let text = block.split("```").next().unwrap_or_default();
             let needs_rbd = text.contains("[cluster]") || text.contains("backend = \"rbd\"");
             if needs_rbd && !cfg!(feature = "rbd") {
+                continue;
+            }
+            // RDMA portals are refused where this build or host has no RDMA.
+            if text.contains("rdma_portals = [\"") && rdma_unavailable().is_some() {
                 continue;
             }
             let config = parse(text).unwrap_or_else(|e| panic!("an example: {e}\n{text}"));
@@ -1471,6 +1551,12 @@ size = "1GiB"
                 seen.entry(section).or_default().extend(names);
             };
             add("[server]", keys(&v["server"]));
+            if let Some(ports) = v["server"].get("srp_ports").and_then(|p| p.as_table()) {
+                srp_ports_seen = true;
+                for port in ports.values() {
+                    add("srp_ports", keys(port));
+                }
+            }
             add("[iscsi]", keys(&v["iscsi"]));
             for chap in ["discovery_chap", "discovery_mutual_chap"] {
                 if let Some(c) = v["iscsi"].get(chap) {
@@ -1498,6 +1584,13 @@ size = "1GiB"
             }
         }
         assert!(examples >= 3, "the examples were found");
+        if !srp_ports_seen {
+            // Its example was not parsed here: the key is checked where RDMA is.
+            documented
+                .get_mut("[server]")
+                .expect("the server's keys")
+                .remove("srp_ports");
+        }
         for (section, names) in &seen {
             let doc = documented.get(section).cloned().unwrap_or_default();
             if *section == "[[targets.luns]]" && !cfg!(feature = "rbd") {
@@ -1513,7 +1606,7 @@ size = "1GiB"
         }
         let luns: BTreeSet<String> = LUN_KEYS.iter().map(|k| k.to_string()).collect();
         assert_eq!(documented.get("[[targets.luns]]"), Some(&luns));
-        let sections = if cfg!(feature = "rbd") { 6 } else { 5 };
+        let sections = if cfg!(feature = "rbd") { 6 } else { 5 } + usize::from(srp_ports_seen);
         assert_eq!(seen.len(), sections, "every section was checked: {seen:?}");
     }
 
@@ -1581,6 +1674,68 @@ size = "1GiB"
             let e = refused(&with(line));
             assert!(e.contains(key), "{line}: {e}");
         }
+    }
+
+    #[test]
+    fn each_rdma_portal_may_have_its_own_srp_terms() {
+        let with = |table: &str| {
+            GOOD.replace(
+                "admin_socket = \"targetd.sock\"",
+                "admin_socket = \"targetd.sock\"\nrdma_portals = [\"10.0.0.1:5555\"]",
+            )
+            .replacen("[[targets]]", &format!("{table}\n\n[[targets]]"), 1)
+        };
+        let port = "[server.srp_ports.\"10.0.0.1:5555\"]";
+        for (table, key, why) in [
+            (
+                "[server.srp_ports.\"10.0.0.9:5555\"]\nrequest_limit = 8".to_string(),
+                "server.srp_ports.\"10.0.0.9:5555\"",
+                "rdma_portals",
+            ),
+            (
+                format!("{port}\nmax_iu_len = 10000"),
+                "server.srp_ports.\"10.0.0.1:5555\".max_iu_len",
+                "9288",
+            ),
+            (
+                format!("{port}\nrequest_limit = 0"),
+                "server.srp_ports.\"10.0.0.1:5555\".request_limit",
+                "1 to 1024",
+            ),
+            (
+                format!("{port}\nimmediate = true"),
+                "immediate",
+                "unknown field",
+            ),
+        ] {
+            let e = refused(&with(&table));
+            assert!(e.contains(key) && e.contains(why), "{table}: {e}");
+        }
+        // A port's own terms over the server's; another port, or the software fabric (no
+        // address), has the server's.
+        let mut c = parse(GOOD).expect("good");
+        c.server.srp_request_limit = 100;
+        let terms = SrpPortTerms {
+            max_iu_len: Some(4196),
+            request_limit: None,
+            immediate_data: Some(false),
+        };
+        c.server.srp_ports.insert("10.0.0.1:5555".into(), terms);
+        let at = |a: &str| Some(a.parse::<SocketAddr>().unwrap());
+        assert_eq!(c.server.srp_terms(at("10.0.0.1:5555")), (4196, 100, false));
+        assert_eq!(c.server.srp_terms(at("10.0.0.2:5555")), (8276, 100, true));
+        assert_eq!(c.server.srp_terms(None), (8276, 100, true));
+        let s = crate::srp::port_settings(&c.server, at("10.0.0.1:5555"));
+        assert_eq!(
+            (s.max_it_iu_len, s.request_limit, s.immediate_data),
+            (4196, 100, false)
+        );
+        // The dump keeps them, and reads back the same.
+        let text = toml::to_string(&c).expect("dump");
+        assert!(
+            text.contains("[server.srp_ports.\"10.0.0.1:5555\"]"),
+            "{text}"
+        );
     }
 
     #[test]

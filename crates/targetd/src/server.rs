@@ -130,7 +130,7 @@ impl Server {
                 .map_err(|_| fail(key.clone(), format!("{p:?} is not an address:port")))?;
             // Portals spread over the reactors; each port's channels stay on its reactor.
             let reactor = &reactors[i % reactors.len()];
-            let settings = crate::srp::port_settings(&registry.config().server);
+            let settings = crate::srp::port_settings(&registry.config().server, Some(addr));
             crate::srp::start_port(reactor, registry.clone(), move |io| {
                 crate::srp::rdma::RdmaPort::open(addr, &io.arena, &settings)
                     .map_err(|e| e.to_string())

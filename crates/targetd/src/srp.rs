@@ -103,6 +103,11 @@ pub trait Fabric {
     }
     /// The portal, as the admin interface names it.
     fn portal(&self) -> String;
+    /// The IP address and port it listens on, when the fabric has IP addressing (rdma_cm):
+    /// what names its own terms in the config (`server.srp_ports`).
+    fn address(&self) -> Option<SocketAddr> {
+        None
+    }
     /// The initiator's address and the one it reached, when the fabric has IP addressing
     /// (rdma_cm does; the software fabric does not): what network ACLs and the session list
     /// see.
@@ -393,12 +398,15 @@ struct Port<F: Fabric> {
     events: Vec<Event<Buffer>>,
 }
 
-/// What an SRP port offers at login, as `server` configures it.
-pub fn port_settings(server: &crate::config::Server) -> PortSettings {
+/// What the SRP port at `address` offers at login, as `server` configures it: its own
+/// `srp_ports` terms over the server's `srp_*` keys (the server's alone for a port without
+/// an address, the software fabric's).
+pub fn port_settings(server: &crate::config::Server, address: Option<SocketAddr>) -> PortSettings {
+    let (max_iu_len, request_limit, immediate_data) = server.srp_terms(address);
     PortSettings {
-        max_it_iu_len: server.srp_max_iu_len.min(IU_LEN as u32),
-        request_limit: server.srp_request_limit,
-        immediate_data: server.srp_immediate_data,
+        max_it_iu_len: max_iu_len.min(IU_LEN as u32),
+        request_limit,
+        immediate_data,
         ..PortSettings::default()
     }
 }
@@ -452,7 +460,7 @@ pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
     // Half the arena, as an iSCSI connection's share: the rest stays for the other
     // connections of the reactor.
     let share = Share::new(&io.arena, io.arena.len() / 2);
-    let settings = port_settings(&registry.config().server);
+    let settings = port_settings(&registry.config().server, fabric.address());
     let mut port = Port {
         settings,
         portal: fabric.portal(),

@@ -149,6 +149,10 @@ impl Fabric for RdmaPort {
         format!("rdma:{}", self.addr)
     }
 
+    fn address(&self) -> Option<SocketAddr> {
+        Some(self.addr)
+    }
+
     fn addresses(&self, request: &ConnectRequest) -> Option<(SocketAddr, SocketAddr)> {
         Some((request.peer?, request.local.unwrap_or(self.addr)))
     }
