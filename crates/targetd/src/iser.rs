@@ -177,6 +177,10 @@ struct Conn<Q, I> {
     pending: VecDeque<Work<Buffer>>,
     /// A received message whose write waits for its data buffer.
     held: Option<I>,
+    /// Messages received behind the held one, in order (each with its length): handled once
+    /// it has its buffer. The queue pair's other completions go on meanwhile: an RDMA READ
+    /// that ends is what lets an earlier write finish and give its buffer back.
+    deferred: VecDeque<(I, usize)>,
     /// RDMA READs in flight, by work request id.
     reads: HashMap<u64, DataOutRead>,
     /// Sends, writes and reads posted and not yet completed.
@@ -380,6 +384,7 @@ impl<F: Fabric> Portal<F> {
                     })),
                     pending: VecDeque::new(),
                     held: None,
+                    deferred: VecDeque::new(),
                     reads: HashMap::new(),
                     in_flight: 0,
                     flush_then_close: false,
@@ -429,19 +434,16 @@ impl<F: Fabric> Portal<F> {
         progress | self.end_if_over(id)
     }
 
-    /// Takes the queue pair's completions: received messages into the login or the machine,
-    /// finished sends and writes let go, finished reads handed back.
+    /// Takes the queue pair's completions: received messages into the login or the machine
+    /// (in order: behind a write that waits for its data buffer, they wait too), finished
+    /// sends and writes let go, finished reads handed back.
     fn completions(&mut self, id: u64, now: Instant) -> bool {
         let mut progress = false;
         loop {
-            let (qp, held) = match self.conns.get(&id) {
-                Some(c) => (c.qp, c.held.is_some()),
+            let qp = match self.conns.get(&id) {
+                Some(c) => c.qp,
                 None => return progress,
             };
-            if held {
-                // A write waits for its data buffer: its message is the next to handle.
-                return progress;
-            }
             let Some(wc) = self.fabric.verbs().poll(qp) else {
                 return progress;
             };
@@ -456,7 +458,12 @@ impl<F: Fabric> Portal<F> {
                 c.lost = true;
             }
             let lost = c.lost;
+            let waiting = c.held.is_some() || !c.deferred.is_empty();
             match (wc.op, wc.buffer) {
+                (WorkOp::Recv, PortBuffer::Iu(b)) if !lost && waiting => {
+                    let c = self.conns.get_mut(&id).expect("present");
+                    c.deferred.push_back((b, wc.len));
+                }
                 (WorkOp::Recv, PortBuffer::Iu(b)) if !lost => self.message(id, b, wc.len, now),
                 (WorkOp::RdmaRead, buffer) => {
                     // Handed back also when it failed: the task gets its buffer again and ends.
@@ -738,6 +745,22 @@ impl<F: Fabric> Portal<F> {
         }
     }
 
+    /// Handles the messages that came behind a held one, in order, until one is held again.
+    fn resume(&mut self, id: u64, now: Instant) {
+        loop {
+            let Some(c) = self.conns.get_mut(&id) else {
+                return;
+            };
+            if c.held.is_some() || c.lost {
+                return;
+            }
+            let Some((b, len)) = c.deferred.pop_front() else {
+                return;
+            };
+            self.message(id, b, len, now);
+        }
+    }
+
     /// A buffer now if the arena has room and nobody waits before, else in turn.
     fn want(&mut self, w: Want) {
         if let Some(b) = self.waits.want(w) {
@@ -761,6 +784,7 @@ impl<F: Fabric> Portal<F> {
             let plan = f.machine.handle_allocated(now, got, &mut nexus);
             drop(nexus);
             self.follow(w.conn, b, plan, now);
+            self.resume(w.conn, now);
             return;
         }
         let mut nexus = Step::new(&mut f.link, &f.scope);
@@ -923,6 +947,9 @@ impl<F: Fabric> Portal<F> {
                 teardown(f, id, &self.registry);
             }
             if let Some(b) = c.held.take() {
+                self.fabric.verbs().recycle_iu(b);
+            }
+            for (b, _) in c.deferred.drain(..) {
                 self.fabric.verbs().recycle_iu(b);
             }
         }

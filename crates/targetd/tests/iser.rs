@@ -238,3 +238,78 @@ fn an_idle_connection_is_pinged_and_dropped_when_it_does_not_answer() {
     assert!(i.recv().is_none(), "dropped after the NOP timeout");
     d.stop();
 }
+
+/// More writes at once than the portal's share of the arena holds (15 of 4 MiB, half of a
+/// 64 MiB arena): the later ones wait for buffers the earlier give back, which they do as
+/// their RDMA READs end. (A write waiting for its buffer once stopped its queue pair's
+/// completions, those READs' among them: a deadlock that libiscsi's Write10.Async found.)
+#[test]
+fn writes_beyond_the_arena_wait_for_buffers_earlier_writes_give_back() {
+    use iscsi_pdu::iser::RemoteBuffer;
+    use iscsi_pdu::{Lun, ScsiCommand};
+
+    let (switch, d) = daemon();
+    let mut i = Initiator::connect(&switch);
+    i.login(settings(true)).expect("logged in");
+    let (r, _) = i.command(&[0; 6], None, 0, 0);
+    assert_eq!(
+        r.status,
+        ScsiStatus::CHECK_CONDITION,
+        "the new session's attention"
+    );
+    let data = pattern(4 << 20, 0x21);
+    switch.with(|f| f.memory_mut(i.memory)[..data.len()].copy_from_slice(&data));
+    let writes = 15u32;
+    let send = |i: &mut Initiator, k: u32| {
+        i.itt += 1;
+        let mut cdb = [0u8; 16];
+        cdb[..10].copy_from_slice(&rw10(0x2a, k * 8192, 8192));
+        let cmd = Pdu::ScsiCommand(ScsiCommand {
+            final_bit: true,
+            write: true,
+            lun: Lun::ZERO,
+            initiator_task_tag: i.itt,
+            expected_data_transfer_length: 4 << 20,
+            cmd_sn: SerialNumber(i.cmd_sn),
+            cdb,
+            ..ScsiCommand::default()
+        });
+        i.cmd_sn += 1;
+        let write = Some(RemoteBuffer {
+            stag: i.region.rkey,
+            va: i.region.addr,
+        });
+        i.send(&cmd, IserHeader { write, read: None });
+        i.itt
+    };
+    let mut pending: std::collections::HashMap<u32, u32> =
+        (0..writes).map(|k| (send(&mut i, k), k)).collect();
+    // Every write is answered: GOOD, or TASK SET FULL when the connection's share of the
+    // arena is all waiting for data-out (then sent again, as an initiator does).
+    let mut busy = 0;
+    while !pending.is_empty() {
+        let Some(Pdu::ScsiResponse(r)) = i.recv() else {
+            panic!("a SCSI Response for each write");
+        };
+        let k = pending.remove(&r.initiator_task_tag).expect("a write's");
+        match r.status {
+            ScsiStatus::GOOD => {}
+            ScsiStatus::TASK_SET_FULL => {
+                busy += 1;
+                let itt = send(&mut i, k);
+                pending.insert(itt, k);
+            }
+            _ => panic!("{r:?}"),
+        }
+    }
+    println!("{busy} writes answered TASK SET FULL and sent again");
+    let file = std::fs::read(d.dir.path().join("lun0.img")).unwrap();
+    for k in [0, writes as usize - 1] {
+        let at = k * 8192 * 512;
+        assert!(
+            file[at..at + data.len()] == data[..],
+            "write {k} on the medium"
+        );
+    }
+    d.stop();
+}
