@@ -62,6 +62,14 @@ const _: () = assert!(RECV_DATA_SEGMENT_LENGTH == 8192);
 /// as immediate PDUs outside it.
 const SPARE_RECEIVES: u32 = 8;
 
+/// The largest command window (MaxCmdSN - ExpCmdSN + 1) a session over iSER gets
+/// (`iscsi.cmdsn_window` when that is smaller). Each command's response is a Send that needs a
+/// receive the initiator posted, and initiators post a fixed number: Linux's ib_iser and
+/// libiscsi 512, libiscsi reposting them in batches of 128 (so 384 may be all that is
+/// posted); a Send that finds none fails the connection (receiver not ready). Linux's iSER
+/// sessions queue 128 commands by default (`node.session.cmds_max`), LIO grants 64.
+pub const ISER_CMDSN_WINDOW: u32 = 128;
+
 /// Work requests one connection has on its send queue at most (Sends, RDMA WRITEs and READs,
 /// one work request each); more wait in its queue.
 const SEND_DEPTH: usize = 512;
@@ -338,7 +346,7 @@ impl<F: Fabric> Portal<F> {
                 self.fabric.reject(request, &[]);
                 continue;
             };
-            let count = self.registry.window() + SPARE_RECEIVES;
+            let count = self.registry.window_for(true) + SPARE_RECEIVES;
             let receives: Option<Vec<_>> = (0..count)
                 .map(|_| self.fabric.verbs().iu_buffer().map(PortBuffer::Iu))
                 .collect();

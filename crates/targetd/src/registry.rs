@@ -315,6 +315,18 @@ impl Registry {
         self.config().iscsi.cmdsn_window
     }
 
+    /// The command window of a session over iSER (`iser`) or TCP: over iSER at most
+    /// [`ISER_CMDSN_WINDOW`](crate::iser::ISER_CMDSN_WINDOW), so that the initiator has a
+    /// receive posted for every response.
+    pub fn window_for(&self, iser: bool) -> u32 {
+        let window = self.window();
+        if iser {
+            window.min(crate::iser::ISER_CMDSN_WINDOW)
+        } else {
+            window
+        }
+    }
+
     /// Whether the daemon is shutting down.
     pub fn stopping(&self) -> bool {
         self.stopping.load(Ordering::SeqCst)
@@ -730,7 +742,10 @@ impl LoginPolicy for Admission<'_> {
             .flatten()
         {
             Some(s) => s.window(),
-            None => (cmd_sn, cmd_sn + (self.registry.window() - 1)),
+            None => (
+                cmd_sn,
+                cmd_sn + (self.registry.window_for(self.peer.iser) - 1),
+            ),
         }
     }
 
@@ -743,7 +758,7 @@ impl LoginPolicy for Admission<'_> {
         let Some(target) = self.target.clone() else {
             // Discovery sessions are never joined; any non-zero TSIH outside the normal range.
             let tsih = 0x8000 | (peer.id & 0x7fff) as u16;
-            return Ok((tsih, cmd, cmd + (registry.window() - 1)));
+            return Ok((tsih, cmd, cmd + (registry.window_for(peer.iser) - 1)));
         };
         let c = *login.negotiator.connection();
         let info = ConnectionInfo {
@@ -763,7 +778,7 @@ impl LoginPolicy for Admission<'_> {
         let (initiator, s) = (&login.initiator, &registry.sessions);
         let session = if login.tsih == 0 {
             let params = login.negotiator.session().clone();
-            let window = registry.window();
+            let window = registry.window_for(peer.iser);
             s.create(login.isid, initiator, target, params, window, cmd, info)
         } else {
             s.join(login.tsih, login.isid, initiator, &target.name, info)

@@ -144,7 +144,7 @@ impl Server {
                 .parse()
                 .map_err(|_| fail(key.clone(), format!("{p:?} is not an address:port")))?;
             let reactor = &reactors[(i + rdma_portals.len()) % reactors.len()];
-            let (slots, depth) = crate::iser::rdma_sizes(registry.window());
+            let (slots, depth) = crate::iser::rdma_sizes(registry.window_for(true));
             let open = move |io: &crate::reactor::Io| {
                 crate::srp::rdma::RdmaPort::open_sized(addr, &io.arena, slots, depth)
                     .map_err(|e| e.to_string())

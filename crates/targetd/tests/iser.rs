@@ -42,6 +42,11 @@ fn reads_and_writes_move_by_rdma() {
         "iSER asks for InitialR2T=Yes"
     );
     assert_eq!(done.connection.max_send_data_segment_length, 8192);
+    // A window the initiator's receives cover (iscsi.cmdsn_window is 2048 over TCP).
+    assert_eq!(
+        done.max_cmd_sn.0.wrapping_sub(done.exp_cmd_sn.0) + 1,
+        targetd::iser::ISER_CMDSN_WINDOW
+    );
     // The session list says the connection runs over iSER.
     let sessions = targetd::admin::handle(&d.registry, targetd::admin::AdminRequest::Sessions)
         .expect("the session list");

@@ -396,7 +396,8 @@ pub(crate) fn enter<B: scsi_core::transport::TaskBuffer>(
             stat_sn,
             exp_cmd_sn,
         } => {
-            let order = RefCell::new(CommandOrder::new(exp_cmd_sn, registry.window()));
+            let window = registry.window_for(peer.iser);
+            let order = RefCell::new(CommandOrder::new(exp_cmd_sn, window));
             (Scope::Discovery { order, initiator }, negotiator, stat_sn)
         }
     };
