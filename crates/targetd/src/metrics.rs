@@ -49,6 +49,7 @@ type Labels = Vec<(&'static str, String)>;
 /// One family's descriptor, then its samples.
 struct Family<'b> {
     metric: MetricEncoder<'b>,
+    kind: MetricType,
 }
 
 /// Starts a family: `name` as it is exposed (a counter's ends in `_total`, which the
@@ -65,38 +66,41 @@ fn family<'b>(
     };
     Ok(Family {
         metric: encoder.encode_descriptor(name, help, None, kind)?,
+        kind,
     })
 }
 
 impl Family<'_> {
-    fn counter(&mut self, labels: &Labels, v: impl EncodeCounterValue) -> std::fmt::Result {
-        if labels.is_empty() {
-            return self.metric.encode_counter::<Labels, _, f64>(&v, None);
+    /// One sample with `labels` (none: the family's only sample), as the family's kind is
+    /// encoded: a counter or a gauge.
+    fn sample<V: EncodeCounterValue + EncodeGaugeValue>(
+        &mut self,
+        labels: &Labels,
+        v: V,
+    ) -> std::fmt::Result {
+        let counter = matches!(self.kind, MetricType::Counter);
+        match (labels.is_empty(), counter) {
+            (true, true) => self.metric.encode_counter::<Labels, _, f64>(&v, None),
+            (true, false) => self.metric.encode_gauge(&v),
+            (false, true) => self
+                .metric
+                .encode_family(labels)?
+                .encode_counter::<Labels, _, f64>(&v, None),
+            (false, false) => self.metric.encode_family(labels)?.encode_gauge(&v),
         }
-        self.metric
-            .encode_family(labels)?
-            .encode_counter::<Labels, _, f64>(&v, None)
-    }
-
-    fn gauge(&mut self, labels: &Labels, v: impl EncodeGaugeValue) -> std::fmt::Result {
-        if labels.is_empty() {
-            return self.metric.encode_gauge(&v);
-        }
-        self.metric.encode_family(labels)?.encode_gauge(&v)
     }
 }
 
-/// A family of one sample without labels.
-fn single(
+/// Families of one sample each, all with `labels`: (name, kind, help, value).
+fn singles<const N: usize>(
     e: &mut DescriptorEncoder<'_>,
-    (name, help, kind): (&str, &str, MetricType),
-    value: u64,
+    labels: &Labels,
+    table: [(&str, MetricType, &str, u64); N],
 ) -> std::fmt::Result {
-    let mut f = family(e, name, help, kind)?;
-    match kind {
-        MetricType::Counter => f.counter(&Vec::new(), value),
-        _ => f.gauge(&Vec::new(), value),
+    for (name, kind, help, value) in table {
+        family(e, name, help, kind)?.sample(labels, value)?;
     }
+    Ok(())
 }
 
 impl Collector for Figures {
@@ -132,7 +136,7 @@ fn build_info(e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         "the running targetd: its version and features, always 1",
         MetricType::Gauge,
     )?;
-    f.gauge(&labels, 1u64)
+    f.sample(&labels, 1u64)
 }
 
 /// Sessions, channels, connections and logins, by transport.
@@ -143,115 +147,97 @@ fn connections(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::
         (auth.failures, auth.sources())
     };
     let srp = crate::registry::lock(&registry.srp_channels).len();
-    for (descriptor, value) in [
-        (
-            ("targetd_sessions", "normal iSCSI sessions logged in", Gauge),
-            registry.sessions.all().len() as u64,
-        ),
-        (
-            ("targetd_srp_channels", "SRP channels logged in", Gauge),
-            srp as u64,
-        ),
-        (
+    singles(
+        e,
+        &Vec::new(),
+        [
+            (
+                "targetd_sessions",
+                Gauge,
+                "normal iSCSI sessions logged in",
+                registry.sessions.all().len() as u64,
+            ),
+            (
+                "targetd_srp_channels",
+                Gauge,
+                "SRP channels logged in",
+                srp as u64,
+            ),
             (
                 "targetd_srp_logins_rejected_total",
-                "answered SRP_LOGIN_REJ",
                 Counter,
+                "answered SRP_LOGIN_REJ",
+                registry.srp_logins_rejected.load(Relaxed),
             ),
-            registry.srp_logins_rejected.load(Relaxed),
-        ),
-        (
             (
                 "targetd_srp_immediate_writes_total",
-                "SRP writes whose data came in the SRP_CMD",
                 Counter,
+                "SRP writes whose data came in the SRP_CMD",
+                registry.srp_immediate_writes.load(Relaxed),
             ),
-            registry.srp_immediate_writes.load(Relaxed),
-        ),
-        (
             (
                 "targetd_iser_connections",
-                "iSER connections open on the iSER portals, logged in or not",
                 Gauge,
+                "iSER connections open on the iSER portals, logged in or not",
+                registry.iser_connections.load(Relaxed),
             ),
-            registry.iser_connections.load(Relaxed),
-        ),
-        (
             (
                 "targetd_iser_rdma_reads_total",
-                "RDMA READs of solicited write data the iSER portals issued",
                 Counter,
+                "RDMA READs of solicited write data the iSER portals issued",
+                registry.iser_rdma_reads.load(Relaxed),
             ),
-            registry.iser_rdma_reads.load(Relaxed),
-        ),
-        (
             (
                 "targetd_iser_rdma_writes_total",
-                "RDMA WRITEs of read data the iSER portals issued",
                 Counter,
+                "RDMA WRITEs of read data the iSER portals issued",
+                registry.iser_rdma_writes.load(Relaxed),
             ),
-            registry.iser_rdma_writes.load(Relaxed),
-        ),
-        (
             (
                 "targetd_connections",
-                "iSCSI connections open, logged in or not",
                 Gauge,
+                "iSCSI connections open, logged in or not",
+                registry.connection_count() as u64,
             ),
-            registry.connection_count() as u64,
-        ),
-        (
             (
                 "targetd_connections_refused_total",
-                "closed at once: server.max_connections were open",
                 Counter,
+                "closed at once: server.max_connections were open",
+                registry.connections_refused.load(Relaxed),
             ),
-            registry.connections_refused.load(Relaxed),
-        ),
-        (
             (
                 "targetd_send_timeouts_total",
-                "dropped: nothing could be sent for server.send_timeout",
                 Counter,
+                "dropped: nothing could be sent for server.send_timeout",
+                registry.send_timeouts.load(Relaxed),
             ),
-            registry.send_timeouts.load(Relaxed),
-        ),
-        (
             (
                 "targetd_data_out_timeouts_total",
-                "dropped: data-out owed and none sent for server.data_out_timeout",
                 Counter,
+                "dropped: data-out owed and none sent for server.data_out_timeout",
+                registry.data_out_timeouts.load(Relaxed),
             ),
-            registry.data_out_timeouts.load(Relaxed),
-        ),
-        (
             (
                 "targetd_task_set_full_total",
+                Counter,
                 "writes answered TASK SET FULL: their connection's share of the arena held \
                  buffers waiting for data-out",
-                Counter,
+                registry.task_set_full.load(Relaxed),
             ),
-            registry.task_set_full.load(Relaxed),
-        ),
-        (
             (
                 "targetd_auth_failures_total",
-                "logins refused for an authentication failure",
                 Counter,
+                "logins refused for an authentication failure",
+                auth.0,
             ),
-            auth.0,
-        ),
-        (
             (
                 "targetd_auth_throttled_sources",
-                "addresses whose logins are slowed by recent failures",
                 Gauge,
+                "addresses whose logins are slowed by recent failures",
+                auth.1 as u64,
             ),
-            auth.1 as u64,
-        ),
-    ] {
-        single(e, descriptor, value)?;
-    }
+        ],
+    )?;
     let mut f = family(
         e,
         "targetd_logins_total",
@@ -267,7 +253,7 @@ fn connections(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::
                     ("transport", transport.to_string()),
                     ("status", status.name().to_string()),
                 ];
-                f.counter(&labels, n)?;
+                f.sample(&labels, n)?;
             }
         }
     }
@@ -298,7 +284,7 @@ fn arenas(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Resul
     for (name, help, field) in fields {
         let mut f = family(e, name, help, MetricType::Gauge)?;
         for (reactor, g) in arenas.iter().enumerate() {
-            f.gauge(
+            f.sample(
                 &vec![("reactor", reactor.to_string())],
                 field(g).load(Relaxed),
             )?;
@@ -318,7 +304,7 @@ fn units(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result
         MetricType::Counter,
     )?;
     for t in &targets {
-        f.counter(&vec![("target", t.name.clone())], t.core_acquisitions())?;
+        f.sample(&vec![("target", t.name.clone())], t.core_acquisitions())?;
     }
     let units: Vec<(Labels, Arc<crate::target::Lun>)> = targets
         .iter()
@@ -361,7 +347,7 @@ fn units(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result
     for (name, help, field) in counters {
         let mut f = family(e, name, help, MetricType::Counter)?;
         for (labels, lun) in &units {
-            f.counter(labels, field(&lun.stats).load(Relaxed))?;
+            f.sample(labels, field(&lun.stats).load(Relaxed))?;
         }
     }
     latency_histograms(e, &units)
@@ -468,10 +454,7 @@ fn rbd(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
             let mut f = family(e, name, help, kind)?;
             for (labels, image) in &rows {
                 let v = field(image.stats());
-                match kind {
-                    Counter => f.counter(labels, v)?,
-                    _ => f.gauge(labels, v)?,
-                }
+                f.sample(labels, v)?;
             }
         }
     }
@@ -490,69 +473,66 @@ fn cluster(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Resu
     let membership = k.membership();
     let c = &k.counters;
     let labels = vec![("gateway", k.config().gateway.clone())];
-    for (name, kind, help, value) in [
-        (
-            "targetd_cluster_gateways",
-            Gauge,
-            "gateways the cluster lists",
-            membership.members.len() as u64,
-        ),
-        (
-            "targetd_cluster_gateways_live",
-            Gauge,
-            "gateways that answered the last membership question",
-            membership.live.len() as u64,
-        ),
-        (
-            "targetd_cluster_fenced",
-            Gauge,
-            "1 while this gateway has lost its cluster session and serves no shared unit",
-            u64::from(k.is_fenced()),
-        ),
-        (
-            "targetd_cluster_reservation_changes_total",
-            Counter,
-            "changes to shared reservations this gateway decided",
-            c.changes.load(Relaxed),
-        ),
-        (
-            "targetd_cluster_reservation_races_total",
-            Counter,
-            "compare-and-swap races lost to another gateway (decided again)",
-            c.races.load(Relaxed),
-        ),
-        (
-            "targetd_cluster_unacknowledged_changes_total",
-            Counter,
-            "changes some gateway did not acknowledge within notify_timeout",
-            c.unacknowledged.load(Relaxed),
-        ),
-        (
-            "targetd_cluster_fenced_gateways_total",
-            Counter,
-            "gateways this one fenced (blocklisted) for not answering",
-            c.fenced.load(Relaxed),
-        ),
-        (
-            "targetd_cluster_lost_sessions_total",
-            Counter,
-            "times this gateway lost its own cluster session (was fenced)",
-            c.lost_sessions.load(Relaxed),
-        ),
-        (
-            "targetd_cluster_rejoins_total",
-            Counter,
-            "times this gateway rejoined the cluster after losing its session",
-            c.rejoins.load(Relaxed),
-        ),
-    ] {
-        let mut f = family(e, name, help, kind)?;
-        match kind {
-            Counter => f.counter(&labels, value)?,
-            _ => f.gauge(&labels, value)?,
-        }
-    }
-    Ok(())
+    singles(
+        e,
+        &labels,
+        [
+            (
+                "targetd_cluster_gateways",
+                Gauge,
+                "gateways the cluster lists",
+                membership.members.len() as u64,
+            ),
+            (
+                "targetd_cluster_gateways_live",
+                Gauge,
+                "gateways that answered the last membership question",
+                membership.live.len() as u64,
+            ),
+            (
+                "targetd_cluster_fenced",
+                Gauge,
+                "1 while this gateway has lost its cluster session and serves no shared unit",
+                u64::from(k.is_fenced()),
+            ),
+            (
+                "targetd_cluster_reservation_changes_total",
+                Counter,
+                "changes to shared reservations this gateway decided",
+                c.changes.load(Relaxed),
+            ),
+            (
+                "targetd_cluster_reservation_races_total",
+                Counter,
+                "compare-and-swap races lost to another gateway (decided again)",
+                c.races.load(Relaxed),
+            ),
+            (
+                "targetd_cluster_unacknowledged_changes_total",
+                Counter,
+                "changes some gateway did not acknowledge within notify_timeout",
+                c.unacknowledged.load(Relaxed),
+            ),
+            (
+                "targetd_cluster_fenced_gateways_total",
+                Counter,
+                "gateways this one fenced (blocklisted) for not answering",
+                c.fenced.load(Relaxed),
+            ),
+            (
+                "targetd_cluster_lost_sessions_total",
+                Counter,
+                "times this gateway lost its own cluster session (was fenced)",
+                c.lost_sessions.load(Relaxed),
+            ),
+            (
+                "targetd_cluster_rejoins_total",
+                Counter,
+                "times this gateway rejoined the cluster after losing its session",
+                c.rejoins.load(Relaxed),
+            ),
+        ],
+    )
 }
 
 /// How long a client has to send a request's headers; an idle kept-alive connection is
