@@ -206,8 +206,9 @@ impl DerefMut for CoreGuard<'_> {
 }
 
 impl CoreGuard<'_> {
-    /// Routes what the core has to say to the connections (sent once the lock is let go).
-    pub fn route_pending(&mut self) {
+    /// Routes what the core has to say to the connections (sent once the lock is let go):
+    /// done as the guard drops, so whatever a call into the device leaves reaches them.
+    fn route_pending(&mut self) {
         let core = self.core.as_mut().expect("held until dropped");
         core.drain(&mut self.out);
     }
@@ -907,12 +908,9 @@ impl Target {
             .map(|(r, _)| r.clone())
             .unwrap_or_default();
         let missed = scsi_core::pr::ReservationEffects::missed(&before, &state);
-        if core
-            .device
-            .apply_reservations(index, version, state, &missed)
-        {
-            core.route_pending();
-        }
+        // What they change is routed when the lock is let go.
+        core.device
+            .apply_reservations(index, version, state, &missed);
         Ok(())
     }
 
@@ -950,10 +948,10 @@ impl Target {
         state: scsi_core::pr::Reservations,
         effects: &scsi_core::pr::ReservationEffects,
     ) {
-        let mut core = self.core();
-        if core.device.apply_reservations(lun, version, state, effects) {
-            core.route_pending();
-        }
+        // What they change is routed when the lock is let go.
+        self.core()
+            .device
+            .apply_reservations(lun, version, state, effects);
     }
 
     /// How many tasks on unit `lun` were aborted and have not ended yet (their I/O is under
@@ -970,7 +968,6 @@ impl Target {
             // The task's connection is gone and aborted it: nothing waits for the answer.
             tracing::debug!("a reservation change's command: {e}");
         }
-        core.route_pending();
     }
 
     /// Unit `lun`'s target port groups and their access states are now `groups` (the
@@ -984,9 +981,7 @@ impl Target {
 
     /// The keeper has carried out the change task management function `reference` waits for.
     pub fn task_management_change_done(&self, reference: u64) {
-        let mut core = self.core();
-        core.device.task_management_change_done(reference);
-        core.route_pending();
+        self.core().device.task_management_change_done(reference);
     }
 
     /// Whether `initiator` connecting from `addr` may log in.
