@@ -346,11 +346,11 @@ fn guest_side() {
     let (qp1, rsp1) = log_in(&mut verbs, portal, 1, MultiChannelAction::SingleChannel);
     let (qp2, rsp2) = log_in(&mut verbs, portal, 1, MultiChannelAction::MultiChannel);
     assert_eq!(rsp2.multi_channel, MultiChannelResult::Maintained);
-    assert_eq!(
-        d.registry.srp_channels().len(),
-        2,
-        "two channels of one nexus"
-    );
+    // The initiator holds the login response as soon as the target accepts; the target
+    // lists the channel just after, so the count is awaited, not read once.
+    eventually("two channels of one nexus", || {
+        d.registry.srp_channels().len() == 2
+    });
     let w = verified(4096, 100);
     for (qp, rsp) in [(qp1, rsp1), (qp2, rsp2)] {
         let ch = InitiatorChannel::new(&mut verbs, qp, &rsp, o.registration, 8, place_len(&w, &o))
