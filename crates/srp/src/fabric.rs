@@ -72,6 +72,11 @@ struct Region {
     access: Access,
 }
 
+/// Entries each queue pair's receive and completion queues hold before they grow, as a real
+/// device's queues are sized when they are made: a peer that polls late makes the other side
+/// post into room that is already there, not allocate on its thread.
+const QUEUE_DEPTH: usize = 1024;
+
 #[derive(Debug)]
 struct Qp {
     node: NodeId,
@@ -189,8 +194,8 @@ impl Fabric {
                 node,
                 peer: Some(peer),
                 error: false,
-                receives: VecDeque::new(),
-                completions: VecDeque::new(),
+                receives: VecDeque::with_capacity(QUEUE_DEPTH),
+                completions: VecDeque::with_capacity(QUEUE_DEPTH),
             });
         }
         (QpId(ia), QpId(ib))

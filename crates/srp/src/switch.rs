@@ -128,6 +128,8 @@ impl Switch {
             posted: Vec::new(),
             free: Vec::new(),
             staging: Vec::new(),
+            receives: 0,
+            receives_high: 0,
         }
     }
 
@@ -194,10 +196,53 @@ pub struct Endpoint<B> {
     free: Vec<usize>,
     /// Staging copies back from the fabric, for reuse: steady state allocates none.
     staging: Vec<Vec<u8>>,
+    /// Receives posted and not completed.
+    receives: usize,
+    /// The most receives ever posted at once: the endpoint has provisioned for that many.
+    receives_high: usize,
 }
 
-/// Staging copies an endpoint keeps for reuse.
+/// Staging copies an endpoint keeps for reuse, at least.
 const KEPT_STAGING: usize = 1024;
+
+/// Copies made ahead for each receive beyond the most ever posted: each receive stands for a
+/// request, whose answer may take an RDMA transfer (a staging copy), an IU and the send's
+/// staging copy while the receive itself is posted again. Made when the receives are posted
+/// (at login), so how busy the steady state gets never makes one.
+const STAGING_PER_RECEIVE: usize = 3;
+
+/// The staging pool, for buffers of any kind.
+impl<B> Endpoint<B> {
+    /// Staging copies this endpoint keeps for reuse.
+    fn kept(&self) -> usize {
+        KEPT_STAGING.max(self.receives_high * (STAGING_PER_RECEIVE + 1))
+    }
+
+    /// Keeps `copy` for reuse, if the endpoint keeps that many.
+    fn keep(&mut self, copy: Vec<u8>) {
+        if self.staging.len() < self.kept() {
+            self.staging.push(copy);
+        }
+    }
+
+    /// One more receive is posted: beyond the most ever posted, the copies its request will
+    /// need are made now, and the tables that hold work requests grow for them.
+    fn count_receive(&mut self) {
+        self.receives += 1;
+        if self.receives <= self.receives_high {
+            return;
+        }
+        self.receives_high = self.receives;
+        let per = STAGING_PER_RECEIVE + 1;
+        self.posted.reserve(per);
+        self.free.reserve(per);
+        self.staging
+            .reserve(self.kept() - self.staging.len().min(self.kept()));
+        for _ in 0..STAGING_PER_RECEIVE {
+            self.staging.push(Vec::with_capacity(IU_BUFFER_LEN));
+        }
+    }
+}
 
 impl<B: DerefMut<Target = [u8]>> Endpoint<B> {
     /// The switch.
@@ -328,9 +373,7 @@ impl<B> IuBuffers for Endpoint<B> {
     }
 
     fn recycle_iu(&mut self, iu: Vec<u8>) {
-        if self.staging.len() < KEPT_STAGING {
-            self.staging.push(iu);
-        }
+        self.keep(iu);
     }
 }
 
@@ -377,6 +420,7 @@ impl<B: DerefMut<Target = [u8]>> Verbs for Endpoint<B> {
     type Buffer = B;
 
     fn post_recv(&mut self, qp: QpId, wr_id: u64, buffer: B) {
+        self.count_receive();
         let stage = self.stage(buffer.len(), None);
         let id = self.park(wr_id, buffer, 0);
         self.post(qp, |f| f.post_recv(qp, id, stage));
@@ -421,15 +465,16 @@ impl<B: DerefMut<Target = [u8]>> Verbs for Endpoint<B> {
         let i = c.wr_id as usize;
         let (wr_id, mut buffer, at) = self.posted.get_mut(i)?.take()?;
         self.free.push(i);
+        if c.op == WorkOp::Recv {
+            self.receives = self.receives.saturating_sub(1);
+        }
         let inbound = matches!(c.op, WorkOp::Recv | WorkOp::RdmaRead);
         if inbound && c.result.is_ok() {
             let place = &mut buffer[at.min(c.buffer.len().max(at))..];
             let n = c.len.min(place.len()).min(c.buffer.len());
             place[..n].copy_from_slice(&c.buffer[..n]);
         }
-        if self.staging.len() < KEPT_STAGING {
-            self.staging.push(c.buffer);
-        }
+        self.keep(c.buffer);
         Some(Completion {
             wr_id,
             op: c.op,

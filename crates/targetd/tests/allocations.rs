@@ -1,7 +1,11 @@
 //! The zero-copy data path allocates nothing per I/O in steady state: a counting allocator
 //! counts heap allocations made on the reactor threads while an initiator runs 4 KiB reads and
 //! writes, after a warm-up that lets every table and queue reach its working size; over iSCSI,
-//! then over SRP and over iSER (the daemon's ports on the software fabric).
+//! then over SRP and over iSER (the daemon's ports on the software fabric). Over SRP and iSER
+//! the count must be 0: the fabric's queues are sized when a queue pair is made and each
+//! endpoint provisions its staging copies when receives are posted, so nothing on the reactor
+//! depends on how far the initiator's thread lags. Over TCP a few are tolerated for tokio's own
+//! bookkeeping (0 in every run measured).
 
 mod common;
 
@@ -66,14 +70,14 @@ async fn reads_and_writes_allocate_nothing_on_the_reactors_in_steady_state() {
     d.stop();
     let during = tokio::task::spawn_blocking(srp_round_trips).await.unwrap();
     println!("reactor allocations during 4096 SRP I/Os in steady state: {during}");
-    assert!(
-        during < 16,
+    assert_eq!(
+        during, 0,
         "{during} heap allocations on the reactors for 4096 SRP I/Os"
     );
     let during = tokio::task::spawn_blocking(iser_round_trips).await.unwrap();
     println!("reactor allocations during 4096 iSER I/Os in steady state: {during}");
-    assert!(
-        during < 16,
+    assert_eq!(
+        during, 0,
         "{during} heap allocations on the reactors for 4096 iSER I/Os"
     );
     #[cfg(feature = "rbd")]
