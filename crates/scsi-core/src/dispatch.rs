@@ -468,6 +468,12 @@ impl Device {
         if anchor {
             return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(1, 4)).into());
         }
+        if unmap && !g.thin {
+            // A fully provisioned unit declares LBPWS and LBPWS10 zero (VPD B2h): asked to
+            // unmap, it refuses rather than quietly write, as libiscsi's UnmapVPD tests and
+            // LIO take it.
+            return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(1, 3)).into());
+        }
         if blocks == 0 {
             // WSNZ is set in the Block Limits page.
             return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb(field)).into());
@@ -480,7 +486,7 @@ impl Device {
             lba,
             blocks: blocks.into(),
             zeros: ndob,
-            unmap: unmap && g.thin,
+            unmap,
             fua: false,
         };
         if ndob {

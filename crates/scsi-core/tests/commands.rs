@@ -393,6 +393,20 @@ fn write_same_unmap_and_lba_status() {
         check(&h.command(n, 0, &c, &list, 0), 5, 0x21, 0);
         // The thick unit has no UNMAP and reports everything mapped.
         check(&h.command(n, 1, &c, &list, 0), 5, 0x20, 0);
+        // Nor WRITE SAME with UNMAP (its LBPWS bits are zero): refused, nothing written;
+        // without UNMAP it writes.
+        good(&h.command(n, 1, &cdb10(0x2a, 0, 0, 1), &pattern(1, 3), 512));
+        for ws in [
+            cdb10(0x41, 0x08, 0, 1).to_vec(),
+            cdb16(0x93, 0x08, 0, 1).to_vec(),
+        ] {
+            check(&h.command(n, 1, &ws, &[0; 512], 512), 5, 0x24, 0);
+        }
+        assert_eq!(
+            h.command(n, 1, &cdb10(0x28, 0, 0, 1), &[], 512).data,
+            pattern(1, 3)
+        );
+        good(&h.command(n, 1, &cdb10(0x41, 0, 0, 1), &[0; 512], 512));
         let mut gls = cdb16(0x9e, 0x12, 0, 0);
         gls[10..14].copy_from_slice(&24u32.to_be_bytes());
         let o = h.command(n, 1, &gls, &[], 24);
