@@ -6,6 +6,7 @@
 
 pub mod connection;
 pub mod core;
+pub mod local;
 pub mod login;
 pub mod order;
 pub mod session;
@@ -17,6 +18,7 @@ pub use connection::{
     Close, Connection, CoreEvent, Event, IscsiTask, Nexus, NoBuffer, OrderedCommand, Payload, Plan,
     Settings, Transmit, LOGOUT_GRACE,
 };
+pub use local::{Admitted, LocalLogin, LocalNexus, LocalTarget};
 pub use login::{Completed, Login, LoginPolicy, Step};
 pub use order::CommandOrder;
 pub use session::{Created, Left, SessionEntry, SessionError, SessionKey, SessionTable};

@@ -20,16 +20,15 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 use scsi_core::{
     Backend, BackendError, Device, Geometry, Identity, Limits, LogicalUnit, MemoryBackend, NexusId,
-    Op, Output, TargetPort, TaskId, TmfFunction, TransportId,
+    Op, TargetPort, TaskId,
 };
 
 use super::connection::Settings;
-use super::connection::{
-    Close, Connection, CoreEvent, Event, Nexus, NoBuffer, OrderedCommand, Plan,
-};
-use super::core::{Sink, TargetCore};
+use super::connection::{Close, Connection, Event, Nexus, NoBuffer, Plan};
+use super::local::LocalNexus;
+pub use super::local::LocalTarget;
 use super::login::Completed;
-use super::session::{Created, Left, SessionError, SessionKey, SessionTable};
+use super::session::SessionError;
 use crate::chap::ENTROPY_LEN;
 use crate::negotiation::{self, Negotiator, OperationalParams, Role, SessionType};
 use crate::text::TextParams;
@@ -96,156 +95,6 @@ impl Default for Options {
             blocks: 1 << 16,
             delegate: true,
         }
-    }
-}
-
-/// Every connection's core events, by connection index.
-#[derive(Debug, Default)]
-struct Queues(Vec<VecDeque<CoreEvent>>);
-
-impl Sink<u64> for Queues {
-    fn push(&mut self, route: &u64, event: CoreEvent) {
-        if let Some(q) = self.0.get_mut(*route as usize) {
-            q.push_back(event);
-        }
-    }
-}
-
-/// The target behind the rig's connections: its SCSI core and its sessions.
-#[derive(Debug)]
-pub struct LocalTarget {
-    /// The device, each session's CmdSN order and the routes of tasks (to connection indexes).
-    pub core: TargetCore<u64>,
-    /// The sessions: each with its I_T nexus, its connections by index.
-    pub sessions: SessionTable<NexusId, u64>,
-    queues: Queues,
-    /// Connections that something asked to close (a logout naming them, a logout of their
-    /// session, TARGET COLD RESET), by index; the rig closes them.
-    pub close_requests: Vec<usize>,
-}
-
-impl LocalTarget {
-    /// ExpCmdSN and MaxCmdSN of the session `nexus`. A session that has ended has no window;
-    /// its connections send nothing more, so any will do.
-    fn window(&self, nexus: NexusId) -> (SerialNumber, SerialNumber) {
-        let none = (SerialNumber(0), SerialNumber(0));
-        self.core.window(nexus).unwrap_or(none)
-    }
-
-    /// The session `tsih`'s connections other than `me`.
-    fn others(&self, tsih: u16, me: usize) -> Vec<usize> {
-        self.sessions.entry(tsih).map_or(Vec::new(), |s| {
-            s.connections
-                .iter()
-                .map(|&(_, c)| c as usize)
-                .filter(|&c| c != me)
-                .collect()
-        })
-    }
-}
-
-/// The session and the core as connection `me` reaches them: the rig's [`Nexus`].
-struct Via<'a> {
-    target: &'a mut LocalTarget,
-    me: usize,
-    tsih: u16,
-    nexus: NexusId,
-}
-
-impl Nexus for Via<'_> {
-    fn poll_core(&mut self) -> Option<CoreEvent> {
-        self.target.queues.0[self.me].pop_front()
-    }
-
-    fn window(&self) -> (SerialNumber, SerialNumber) {
-        self.target.window(self.nexus)
-    }
-
-    fn deliver(&mut self, cmd: OrderedCommand, immediate: bool) -> bool {
-        let t = &mut *self.target;
-        let route = self.me as u64;
-        t.core
-            .deliver(self.nexus, cmd, immediate, &route, &mut t.queues)
-    }
-
-    fn take_cmd_sn(&mut self, cmd_sn: SerialNumber) -> bool {
-        let t = &mut *self.target;
-        t.core.take_cmd_sn(self.nexus, cmd_sn, &mut t.queues)
-    }
-
-    fn data_out(&mut self, task: TaskId, data: &[u8]) {
-        let t = &mut *self.target;
-        t.core.data_out(task, data, &mut t.queues);
-    }
-
-    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
-        let t = &mut *self.target;
-        t.core.backend_done(task, result, &mut t.queues);
-    }
-
-    fn retire(&mut self, task: TaskId) {
-        // A retirement the core refuses is the connection's mistake: every test and the fuzz
-        // targets check it here.
-        let t = &mut *self.target;
-        t.core
-            .retire(task, &mut t.queues)
-            .expect("a delegated task is retired once");
-    }
-
-    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
-        let t = &mut *self.target;
-        let route = self.me as u64;
-        t.core
-            .task_management(self.nexus, lun, function, &route, &mut t.queues)
-            .ok()
-    }
-
-    fn block_size(&mut self, lun: u16) -> Option<u32> {
-        let unit = self.target.core.device.logical_unit(lun);
-        unit.map(|u| u.geometry.block_size)
-    }
-
-    fn send_targets(&mut self, _value: &str) -> TextParams {
-        let mut t = TextParams::new();
-        t.push("TargetName", TARGET);
-        t.push("TargetAddress", "192.0.2.1:3260,1");
-        t
-    }
-
-    fn close_connection(&mut self, cid: u16) -> bool {
-        let found = self.target.sessions.entry(self.tsih).and_then(|s| {
-            let at = s.connections.iter().find(|&&(c, _)| c == cid);
-            at.map(|&(_, i)| i as usize)
-        });
-        match found {
-            Some(i) if i != self.me => {
-                self.target.close_requests.push(i);
-                true
-            }
-            _ => false,
-        }
-    }
-
-    fn cancel_queued(&mut self) {
-        let me = self.me as u64;
-        self.target.core.cancel_queued(self.nexus, me);
-    }
-
-    fn close_session(&mut self) -> Option<u64> {
-        let others = self.target.others(self.tsih, self.me);
-        self.target.close_requests.extend(others);
-        None
-    }
-
-    fn reset_target(&mut self) {
-        let t = &mut *self.target;
-        let all: Vec<usize> = t
-            .sessions
-            .iter()
-            .flat_map(|s| s.connections.iter().map(|&(_, c)| c as usize))
-            .filter(|&c| c != self.me)
-            .collect();
-        t.close_requests.extend(all);
     }
 }
 
@@ -455,11 +304,10 @@ impl Rig {
         };
         device.add_lu(0, unit).expect("LUN 0 is free");
         Rig {
-            target: LocalTarget {
-                core: TargetCore::new(device),
-                sessions: SessionTable::new(),
-                queues: Queues::default(),
-                close_requests: Vec::new(),
+            target: {
+                let mut t = LocalTarget::new(device, options.window);
+                t.advertise(TARGET, "192.0.2.1:3260,1");
+                t
             },
             conns: Vec::new(),
             backend: MemoryBackend::new(options.block_size, options.blocks),
@@ -478,52 +326,22 @@ impl Rig {
     /// joining session `login.tsih`, replacing one with the same CID.
     pub fn admit(&mut self, login: &Completed) -> Result<Admitted, SessionError> {
         let index = self.conns.len();
-        let t = &mut self.target;
-        let (tsih, replaced) = if login.tsih == 0 {
-            let key = SessionKey {
-                isid: login.isid,
-                initiator: login.initiator.clone(),
-                target: login.target.clone().unwrap_or_default(),
-            };
-            let max = login.negotiator.session().operational.max_connections;
-            let core = &mut t.core;
-            let Created { tsih, reinstated } =
-                t.sessions.create(key, max, login.cid, index as u64, |_| {
-                    let id = TransportId::iscsi(&login.initiator, login.isid.0);
-                    core.open_session(id, 1, login.cmd_sn, self.options.window)
-                })?;
-            (tsih, reinstated)
-        } else {
-            let target = login.target.as_deref().unwrap_or_default();
-            let (tsih, isid, who) = (login.tsih, login.isid, &login.initiator);
-            let replaced = t
-                .sessions
-                .join(tsih, isid, who, target, login.cid, index as u64)?;
-            (tsih, replaced.into_iter().collect())
-        };
-        let nexus = self.target.sessions.get(tsih).expect("admitted").value;
-        let window = self.target.core.window(nexus).expect("a live session");
-        for old in replaced {
+        let a = self.target.admit(login, index as u64)?;
+        for old in a.replaced {
             self.shut(old as usize, "reinstated by a new login");
         }
         Ok(Admitted {
             index,
-            tsih,
-            nexus,
-            window,
+            tsih: a.tsih,
+            nexus: a.nexus,
+            window: a.window,
         })
     }
 
     /// ExpCmdSN and MaxCmdSN for a Login Response: session `tsih`'s window, or a new session's
     /// from `cmd_sn`.
     pub fn login_window(&self, tsih: u16, cmd_sn: SerialNumber) -> (SerialNumber, SerialNumber) {
-        let session = (tsih != 0)
-            .then(|| self.target.sessions.get(tsih))
-            .flatten();
-        match session.and_then(|s| self.target.core.window(s.value)) {
-            Some(w) => w,
-            None => (cmd_sn, cmd_sn + (self.options.window.max(1) - 1)),
-        }
+        self.target.login_window(tsih, cmd_sn)
     }
 
     /// The connection of an admitted login enters full feature phase; returns its index.
@@ -546,7 +364,6 @@ impl Rig {
             cid: login.cid,
             ..self.options.settings
         };
-        self.target.queues.0.push(VecDeque::new());
         self.conns.push(RigConnection {
             conn: Connection::new(self.now, settings, n, op, login.stat_sn),
             cid: login.cid,
@@ -735,14 +552,7 @@ impl Rig {
         self.run();
         let (t, c) = (&mut self.target, &mut self.conns[i]);
         c.torn_down = true;
-        let last = match t.sessions.leave(c.tsih, |&x| x == i as u64) {
-            Left::Ended(_) => true,
-            Left::Stays | Left::Unknown => false,
-        };
-        c.conn.close(last, &mut via(t, i, c));
-        if last {
-            t.core.close_session(c.nexus, &mut t.queues);
-        }
+        t.leave(i as u64, c.tsih, c.nexus, &mut c.conn);
         let held = std::mem::take(&mut self.held);
         let (mine, others): (VecDeque<Held>, _) = held.into_iter().partition(|h| h.0 == i);
         self.held = others;
@@ -937,6 +747,17 @@ impl Rig {
     /// Runs every connection's requests and the core's events until none has anything left,
     /// closes the connections something asked to close, then puts the output on the wires.
     pub fn run(&mut self) {
+        self.run_until_still();
+        // A retirement the core refuses is the connection's mistake: every test and the fuzz
+        // targets check it here.
+        assert_eq!(
+            self.target.misretired(),
+            0,
+            "a delegated task is retired once"
+        );
+    }
+
+    fn run_until_still(&mut self) {
         loop {
             let mut moved = false;
             for i in 0..self.conns.len() {
@@ -945,7 +766,7 @@ impl Rig {
                 }
             }
             let asked = std::mem::take(&mut self.target.close_requests);
-            for i in asked {
+            for i in asked.into_iter().map(|route| route as usize) {
                 // Its output so far goes out first (a logout's response on another
                 // connection is queued before the close).
                 self.flush(i);
@@ -1042,11 +863,6 @@ impl Rig {
 }
 
 /// Connection `i`'s view of the target ([`Nexus`]).
-fn via<'a>(target: &'a mut LocalTarget, i: usize, c: &RigConnection) -> Via<'a> {
-    Via {
-        target,
-        me: i,
-        tsih: c.tsih,
-        nexus: c.nexus,
-    }
+fn via<'a>(target: &'a mut LocalTarget, i: usize, c: &RigConnection) -> LocalNexus<'a> {
+    target.nexus(i as u64, c.tsih, c.nexus)
 }
