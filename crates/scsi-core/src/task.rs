@@ -150,6 +150,7 @@ pub enum DataIn {
 /// What the transport is to do next.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
+#[must_use = "an action is what the transport must do for the task; ignored, the task hangs"]
 pub enum Action {
     /// Gather `len` bytes of data-out into the task's buffer, then call
     /// [`Device::data_out`](crate::Device::data_out).

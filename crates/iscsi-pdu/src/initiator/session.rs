@@ -119,6 +119,7 @@ pub enum StartError {
 
 /// What the machine reports.
 #[derive(Debug)]
+#[must_use = "an event is a task's end or the session's news, which the caller is waiting for"]
 pub enum Event {
     /// A task ended.
     Done {

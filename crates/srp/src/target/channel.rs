@@ -133,6 +133,7 @@ impl<B: std::ops::Deref<Target = [u8]>> Payload<B> {
 /// What to post on the queue pair, in this order (RC queue pairs keep it: an SRP_RSP sent
 /// after an RDMA WRITE reaches the initiator after the data).
 #[derive(Debug)]
+#[must_use = "a transmit is what the queue pair must post; the initiator waits for it"]
 pub enum Transmit<B> {
     /// Send the IU written into the buffer given to [`Channel::poll_transmit`].
     Send {
