@@ -10,6 +10,7 @@ pub mod initiator;
 pub mod iser;
 pub mod names;
 pub mod negotiation;
+#[cfg(feature = "testing")]
 pub mod pair;
 pub mod pdu;
 pub mod serial;

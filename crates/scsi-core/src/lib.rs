@@ -25,6 +25,7 @@ pub mod sbc;
 pub mod sense;
 pub mod spc;
 pub mod task;
+#[cfg(feature = "testing")]
 pub mod testing;
 pub mod transport;
 

@@ -19,6 +19,7 @@ pub mod iu;
 pub mod rdma;
 pub mod switch;
 pub mod target;
+#[cfg(feature = "testing")]
 pub mod testing;
 pub mod verbs;
 

@@ -17,6 +17,7 @@ pub mod cm;
 pub mod header;
 pub mod message;
 pub mod target;
+#[cfg(feature = "testing")]
 pub mod testing;
 
 pub use cm::{CmReply, CmRequest, CM_HEADER_LEN};

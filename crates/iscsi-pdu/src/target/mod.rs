@@ -10,6 +10,7 @@ pub mod local;
 pub mod login;
 pub mod order;
 pub mod session;
+#[cfg(feature = "testing")]
 pub mod testing;
 pub mod text;
 
