@@ -15,10 +15,10 @@ use bytes::{Bytes, BytesMut};
 
 use crate::chap::ENTROPY_LEN;
 use crate::initiator::{self, Command, Failure, Reply, StartError};
-use crate::negotiation::{self, NegotiationError, SessionType, Settings};
-use crate::target::testing::{Admitted, Options, Rig, INITIATOR, TARGET};
-use crate::target::{self, Completed, LoginPolicy, SessionError, Step};
-use crate::{Deframer, Digests, Isid, LoginStatus, Pdu, SerialNumber};
+use crate::negotiation::{self, SessionType, Settings};
+use crate::target::testing::{Options, Rig, INITIATOR, TARGET};
+use crate::target::{self, LocalLogin, Step};
+use crate::{Deframer, Digests, Isid, Pdu, SerialNumber};
 
 /// What a link does to the bytes it carries once the login is over.
 #[derive(Debug, Clone, Default)]
@@ -142,51 +142,6 @@ impl Default for PairOptions {
     }
 }
 
-/// The target's answers to the login: one target, anyone may log in; sessions are made and
-/// joined in the rig's session table, as targetd's registry does.
-struct Policy<'a> {
-    rig: &'a mut Rig,
-    settings: Settings,
-    admitted: Option<Admitted>,
-}
-
-impl LoginPolicy for Policy<'_> {
-    fn normal(&mut self, _: &str, target: &str, tsih: u16) -> Result<Settings, LoginStatus> {
-        if !target.eq_ignore_ascii_case(TARGET) {
-            return Err(LoginStatus::NOT_FOUND);
-        }
-        if tsih != 0 && self.rig.target.sessions.get(tsih).is_none() {
-            return Err(LoginStatus::SESSION_DOES_NOT_EXIST);
-        }
-        let mut s = self.settings.clone();
-        s.declarations.target_portal_group_tag = Some(1);
-        Ok(s)
-    }
-
-    fn discovery(&mut self, _: &str) -> Result<Settings, LoginStatus> {
-        Ok(self.settings.clone())
-    }
-
-    fn refused(&mut self, _: &str, _: Option<&str>, _: &NegotiationError) {}
-
-    fn window(&self, tsih: u16, cmd_sn: SerialNumber) -> (SerialNumber, SerialNumber) {
-        self.rig.login_window(tsih, cmd_sn)
-    }
-
-    fn complete(
-        &mut self,
-        login: &Completed,
-    ) -> Result<(u16, SerialNumber, SerialNumber), LoginStatus> {
-        let a = self.rig.admit(login).map_err(SessionError::status)?;
-        self.admitted = Some(a);
-        Ok((a.tsih, a.window.0, a.window.1))
-    }
-
-    fn entropy(&mut self) -> Result<[u8; ENTROPY_LEN], LoginStatus> {
-        Ok([7; ENTROPY_LEN])
-    }
-}
-
 /// Runs a login through both sides' machines, without faults: the initiator's `login` against
 /// the target's [`target::Login`] answering for `rig`. Returns what the initiator established
 /// and the rig's index of the new connection; panics if either side fails.
@@ -196,11 +151,11 @@ fn log_in(
     mut login: initiator::Login,
 ) -> (initiator::Established, usize) {
     let mut target_login = target::Login::new();
-    let mut policy = Policy {
-        rig,
-        settings: target_settings.clone(),
-        admitted: None,
-    };
+    // The target's answers: one target, anyone may log in; sessions are made and joined in
+    // the rig's session table, as targetd's registry does.
+    let route = rig.conns.len() as u64;
+    let fixed = || [7; ENTROPY_LEN];
+    let mut policy = LocalLogin::new(&mut rig.target, target_settings.clone(), route, Some(fixed));
     let mut from_target = Deframer::new();
     let mut to_target = Deframer::new();
     let mut completed = None;
@@ -225,8 +180,8 @@ fn log_in(
         match login.handle_response(r) {
             Ok(Some(e)) => {
                 let done = completed.expect("the target completed too");
-                let admitted = policy.admitted.expect("admitted");
-                return (e, policy.rig.attach(admitted, *done));
+                let admitted = policy.admitted.take().expect("admitted");
+                return (e, rig.attach_admitted(admitted, *done));
             }
             Ok(None) => {}
             Err(e) => panic!("the initiator's login failed: {e}"),

@@ -338,6 +338,21 @@ impl Rig {
         })
     }
 
+    /// Attaches a login that [`super::LocalLogin`] admitted, closing the connections it
+    /// replaced first; returns the new connection's index.
+    pub fn attach_admitted(&mut self, a: super::Admitted, login: Completed) -> usize {
+        for old in &a.replaced {
+            self.shut(*old as usize, "reinstated by a new login");
+        }
+        let admitted = Admitted {
+            index: a.route as usize,
+            tsih: a.tsih,
+            nexus: a.nexus,
+            window: a.window,
+        };
+        self.attach(admitted, login)
+    }
+
     /// ExpCmdSN and MaxCmdSN for a Login Response: session `tsih`'s window, or a new session's
     /// from `cmd_sn`.
     pub fn login_window(&self, tsih: u16, cmd_sn: SerialNumber) -> (SerialNumber, SerialNumber) {
