@@ -21,6 +21,7 @@ mod dispatch;
 pub mod lu;
 pub mod nexus;
 pub mod pr;
+mod router;
 pub mod sbc;
 pub mod sense;
 pub mod spc;

@@ -39,6 +39,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
+pub use crate::router::{CoreEvent, Router, Sink};
+
 use crate::backend::{BackendError, Op};
 use crate::sense::{Asc, Sense, SenseBytes, SenseKey};
 use crate::task::{Action, DataIn, Delegation, NexusId, Residual, Status, TaskId, TmfResponse};

@@ -8,6 +8,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use scsi_core::transport::{CoreEvent, Sink};
 use scsi_core::{
     Action, BackendError, Command, Device, DeviceError, Geometry, Identity, Limits, LogicalUnit,
     MemoryBackend, NexusId, Op, Output, Residual, TargetPort, TaskId, TmfFunction, TransportId,
@@ -34,16 +35,34 @@ pub const INITIATOR: NodeId = NodeId(1);
 /// The rig's target port identifier.
 pub const TARGET_PORT: [u8; 16] = *b"srp-target-port0";
 
-/// The device and the route of every task and task management function to its channel.
+/// Each channel's actions, by channel index: scsi-core's router addresses them here.
+#[derive(Debug, Default)]
+struct Queues(Vec<VecDeque<Action>>);
+
+impl Queues {
+    fn queue(&mut self, ch: usize) -> &mut VecDeque<Action> {
+        if self.0.len() <= ch {
+            self.0.resize_with(ch + 1, VecDeque::new);
+        }
+        &mut self.0[ch]
+    }
+}
+
+impl Sink<usize> for Queues {
+    fn push(&mut self, ch: &usize, event: CoreEvent) {
+        // SRP keeps no table of tags the core must confirm: only actions matter here.
+        if let CoreEvent::Action(a) = event {
+            self.queue(*ch).push_back(a);
+        }
+    }
+}
+
+/// The device, routing every task, task management function and announcement to its
+/// channel (scsi-core's [`scsi_core::transport::Router`]), and the channels' queues.
 #[derive(Debug)]
 struct Router {
-    device: Device,
-    routes: Vec<Option<usize>>,
-    tmfs: Vec<(u64, usize)>,
-    /// The channel each nexus's unit attentions are reported on (its newest).
-    announcements: Vec<(NexusId, usize)>,
-    next_reference: u64,
-    queues: Vec<VecDeque<Action>>,
+    core: scsi_core::transport::Router<usize>,
+    queues: Queues,
 }
 
 impl Router {
@@ -57,35 +76,15 @@ impl Router {
     }
 
     fn queue(&mut self, ch: usize) -> &mut VecDeque<Action> {
-        if self.queues.len() <= ch {
-            self.queues.resize_with(ch + 1, VecDeque::new);
-        }
-        &mut self.queues[ch]
+        self.queues.queue(ch)
     }
 
     fn drain(&mut self) {
-        while let Some(a) = self.device.poll() {
-            let route = match &a {
-                Action::DataOut { task, .. }
-                | Action::Backend { task, .. }
-                | Action::Delegated { task, .. }
-                | Action::Complete { task, .. }
-                | Action::Aborted { task, .. } => self.routes.get(task.index()).copied().flatten(),
-                Action::TaskManagementDone { reference, .. } => {
-                    let at = self.tmfs.iter().position(|(r, _)| r == reference);
-                    at.map(|i| self.tmfs.swap_remove(i).1)
-                }
-                Action::UnitAttention { nexus, .. } => self
-                    .announcements
-                    .iter()
-                    .find(|(n, _)| n == nexus)
-                    .map(|&(_, ch)| ch),
-                _ => None,
-            };
-            if let Some(ch) = route {
-                self.queue(ch).push_back(a);
-            }
-        }
+        self.core.drain(&mut self.queues);
+    }
+
+    fn close_nexus(&mut self, nexus: NexusId) {
+        let _ = self.core.close_nexus(nexus, &mut self.queues);
     }
 }
 
@@ -102,51 +101,35 @@ impl Core for Via<'_> {
     }
 
     fn submit(&mut self, cmd: Command<'_>) -> Result<TaskId, DeviceError> {
-        let task = self.router.device.submit(cmd)?;
-        let i = task.index();
-        if self.router.routes.len() <= i {
-            self.router.routes.resize(i + 1, None);
-        }
-        self.router.routes[i] = Some(self.ch);
-        self.router.drain();
-        Ok(task)
+        let r = &mut *self.router;
+        r.core.submit(cmd, &self.ch, &mut r.queues)
     }
 
     fn data_out(&mut self, task: TaskId, data: &[u8]) {
-        let _ = self.router.device.data_out(task, data);
-        self.router.drain();
+        let r = &mut *self.router;
+        let _ = r.core.data_out(task, data, &mut r.queues);
     }
 
     fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
-        let _ = self.router.device.backend_done(task, result);
-        self.router.drain();
+        let r = &mut *self.router;
+        let _ = r.core.backend_done(task, result, &mut r.queues);
     }
 
     fn retire(&mut self, task: TaskId) {
-        let _ = self.router.device.retire(task);
-        self.router.drain();
+        let r = &mut *self.router;
+        let _ = r.core.retire(task, &mut r.queues);
     }
 
     fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
-        self.router.next_reference += 1;
-        let reference = self.router.next_reference;
-        let nexus = self.nexus;
-        self.router.tmfs.push((reference, self.ch));
-        if self
-            .router
-            .device
-            .task_management(nexus, lun, function, reference)
-            .is_err()
-        {
-            self.router.tmfs.pop();
-            return None;
-        }
-        self.router.drain();
-        Some(reference)
+        let r = &mut *self.router;
+        r.core
+            .task_management(self.nexus, lun, function, &self.ch, &mut r.queues)
+            .ok()
     }
 
     fn block_size(&mut self, lun: u16) -> Option<u32> {
         self.router
+            .core
             .device
             .logical_unit(lun)
             .map(|u| u.geometry.block_size)
@@ -435,12 +418,8 @@ impl Rig {
             },
             channels: Vec::new(),
             router: Router {
-                device,
-                routes: Vec::new(),
-                tmfs: Vec::new(),
-                announcements: Vec::new(),
-                next_reference: 0,
-                queues: Vec::new(),
+                core: scsi_core::transport::Router::new(device),
+                queues: Queues::default(),
             },
             table: ChannelTable::new(PortSettings::default().channels_per_nexus),
             backends,
@@ -498,17 +477,14 @@ impl Rig {
                     c.channel
                         .terminate(TargetLogoutReason::MultiChannelAction, true, &mut via);
                 }
-                let _ = self.router.device.close_nexus(nexus);
-                self.router.drain();
+                self.router.close_nexus(nexus);
                 self.open_nexus(&req)
             }
         };
         let ch = self.channels.len();
         self.table.attach(key, nexus, ch);
         // Unit attentions go to the nexus's newest channel.
-        let _ = self.router.device.report_unit_attentions(nexus, true);
-        self.router.announcements.retain(|(n, _)| *n != nexus);
-        self.router.announcements.push((nexus, ch));
+        let _ = self.router.core.announce_to(nexus, Some(ch));
         let (qp, iqp) = self.fabric.connect(TARGET, INITIATOR);
         let mut target = self.fabric.port(TARGET);
         for _ in 0..params.request_limit + SPARE_RECEIVES {
@@ -550,6 +526,7 @@ impl Rig {
 
     fn open_nexus(&mut self, req: &SrpLoginReq) -> NexusId {
         self.router
+            .core
             .device
             .open_nexus(TransportId::srp(req.initiator_port_id), 1)
     }
@@ -820,6 +797,7 @@ impl Rig {
     /// nexus gets a unit attention, reported at once by SRP_AER_REQ.
     pub fn resize(&mut self, lun: u16, blocks: u64) {
         self.router
+            .core
             .device
             .resize_lu(lun, blocks)
             .expect("the unit exists");
@@ -829,7 +807,7 @@ impl Rig {
 
     /// Tasks the device holds.
     pub fn device_tasks(&self) -> usize {
-        self.router.device.task_count()
+        self.router.core.device.task_count()
     }
 
     /// Runs everything until nothing moves.
@@ -911,8 +889,7 @@ impl Rig {
                     verbs.disconnect(qp);
                 }
                 if let Left::Ended(nexus) = self.table.leave(c.key, &ch) {
-                    let _ = via.router.device.close_nexus(nexus);
-                    via.router.drain();
+                    via.router.close_nexus(nexus);
                 }
             }
         }

@@ -40,9 +40,9 @@ use srp::iu::MemoryDescriptor;
 use srp::verbs::{IuBuffers, PortBuffer, Verbs, WorkOp};
 use tokio::sync::mpsc;
 
+use crate::control::{Control, Request};
 use crate::iscsi::connection::{Link, Scope, Step};
 use crate::iscsi::login::Outcome;
-use crate::iscsi::session::{Control, Request};
 use crate::port::{Waits, Want};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{AdmissionState, ConnectionSlot, Peer, Registry};

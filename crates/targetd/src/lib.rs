@@ -16,6 +16,7 @@ pub mod admin;
 #[cfg(feature = "rbd")]
 pub mod cluster;
 pub mod config;
+pub mod control;
 pub mod iscsi;
 pub mod iser;
 pub mod metrics;

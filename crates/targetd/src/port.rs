@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use backend::{Buffer, Share};
 
-use crate::iscsi::session::{Control, Request};
+use crate::control::{Control, Request};
 use crate::reactor::Inbox;
 use crate::target::{Outbox, Routed};
 

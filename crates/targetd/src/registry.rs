@@ -17,7 +17,8 @@ use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{Isid, LoginStatus, SerialNumber};
 
 use crate::config::{self, Config};
-use crate::iscsi::session::{ConnectionInfo, Control, Request, Session, Sessions};
+use crate::control::{Control, Request};
+use crate::iscsi::session::{ConnectionInfo, Session, Sessions};
 use crate::target::{Target, TargetEnv};
 
 /// Locks `m`, also after a thread panicked holding it (the daemon's state stays usable: every

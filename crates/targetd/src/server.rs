@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use backend::{ArenaConfig, EngineChoice};
 
 use crate::config::Config;
+use crate::control::Request;
 use crate::iscsi::connection::LOGOUT_GRACE;
-use crate::iscsi::session::Request;
 use crate::reactor;
 use crate::registry::{lock, Registry};
 use crate::target::{Target, TargetEnv};

@@ -40,7 +40,7 @@ use tokio::sync::mpsc;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 
-use crate::iscsi::session::Control;
+use crate::control::Control;
 use crate::port::{Waits, Want};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{lock, ConnectionSlot, Registry, SrpChannelInfo};

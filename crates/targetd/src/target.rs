@@ -163,6 +163,10 @@ impl Sink<Route> for Outbox {
             self.remote.push((route.clone(), event));
         }
     }
+
+    fn unrouted(&mut self, action: scsi_core::Action) {
+        tracing::warn!(?action, "an action for a task without a connection");
+    }
 }
 
 /// How many ended delegated tasks a target queues for retirement before a connection takes the

@@ -82,19 +82,9 @@ pub struct OrderedCommand {
     pub data_out_len: u32,
 }
 
-/// What the SCSI core hands back to the connection that owns a task.
-#[derive(Debug)]
-pub enum CoreEvent {
-    /// The command with this tag entered the core as `task`.
-    Submitted {
-        /// The Initiator Task Tag, widened.
-        tag: u64,
-        /// The core's handle.
-        task: TaskId,
-    },
-    /// Something for the connection to do.
-    Action(Action),
-}
+/// What the SCSI core hands back to the connection that owns a task (scsi-core's, shared by
+/// every transport).
+pub use scsi_core::transport::CoreEvent;
 
 impl OrderedCommand {
     /// The command as the SCSI core takes it, for the I_T nexus `nexus`.

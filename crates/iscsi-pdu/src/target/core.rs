@@ -1,18 +1,21 @@
-//! A target's SCSI core as its iSCSI connections share it: the device, the CmdSN order of each
-//! session (RFC 7143 section 4.2.2.1, which holds across all of a session's connections) and
-//! the route of every task back to the connection that carries it out.
+//! A target's SCSI core as its iSCSI connections share it: scsi-core's [`Router`] (the device
+//! and the route of every task back to the connection that carries it out) and the CmdSN
+//! order of each session (RFC 7143 section 4.2.2.1, which holds across all of a session's
+//! connections).
 //!
 //! A session with several connections (MC/S) hands the device commands that arrived on any of
-//! them, in CmdSN order; what the device then asks for (data-out, backend operations, the end
-//! of a task, the answer to a task management function) must reach the connection the task
-//! came on. [`TargetCore`] does both, without locks or I/O: the caller passes a [`Sink`] that
-//! takes `(route, event)` values, and decides how they travel (targetd queues the caller's own
-//! and sends the rest over channels to other reactors once it has let the core's lock go; the
-//! test rig queues them per connection).
+//! them, in CmdSN order; what the device then asks for must reach the connection the task
+//! came on. [`TargetCore`] orders, the router routes, without locks or I/O: the caller passes
+//! a [`Sink`] that takes `(route, event)` values, and decides how they travel.
 
-use scsi_core::{Action, Command, Device, DeviceError, NexusId, TaskId, TmfFunction, TransportId};
+use std::ops::{Deref, DerefMut};
 
-use super::connection::{CoreEvent, OrderedCommand};
+use scsi_core::transport::Router;
+use scsi_core::{Device, NexusId, TransportId};
+
+pub use scsi_core::transport::{CoreEvent, Sink};
+
+use super::connection::OrderedCommand;
 use super::order::CommandOrder;
 use crate::SerialNumber;
 
@@ -28,40 +31,38 @@ impl Route for u64 {
     }
 }
 
-/// Takes the core's events, each addressed to the route of its task.
-pub trait Sink<R> {
-    /// `event` is for the connection `route`.
-    fn push(&mut self, route: &R, event: CoreEvent);
-}
-
 /// A session's CmdSN order: its commands wait with the route of the connection they came on.
 type SessionOrder<R> = CommandOrder<(OrderedCommand, R)>;
 
-/// The SCSI device of a target, the routes of its tasks and the CmdSN order of its sessions.
+/// The SCSI device of a target, the routes of its tasks ([`Router`], which this derefs to for
+/// everything but CmdSN order) and the CmdSN order of its sessions.
 #[derive(Debug)]
 pub struct TargetCore<R> {
-    /// The device.
-    pub device: Device,
-    routes: Vec<Option<R>>,
-    tmfs: Vec<(u64, R)>,
-    /// Where each nexus that reports asynchronous events has them sent (SRP: one of its
-    /// channels).
-    announcements: Vec<(NexusId, R)>,
-    next_reference: u64,
+    router: Router<R>,
     /// Each session's CmdSN window and the commands waiting for their turn, by its I_T
     /// nexus's index.
     orders: Vec<Option<(NexusId, SessionOrder<R>)>>,
+}
+
+impl<R> Deref for TargetCore<R> {
+    type Target = Router<R>;
+
+    fn deref(&self) -> &Router<R> {
+        &self.router
+    }
+}
+
+impl<R> DerefMut for TargetCore<R> {
+    fn deref_mut(&mut self) -> &mut Router<R> {
+        &mut self.router
+    }
 }
 
 impl<R: Route> TargetCore<R> {
     /// The core of `device`, with no session yet.
     pub fn new(device: Device) -> TargetCore<R> {
         TargetCore {
-            device,
-            routes: Vec::new(),
-            tmfs: Vec::new(),
-            announcements: Vec::new(),
-            next_reference: 0,
+            router: Router::new(device),
             orders: Vec::new(),
         }
     }
@@ -76,7 +77,7 @@ impl<R: Route> TargetCore<R> {
         cmd_sn: SerialNumber,
         window: u32,
     ) -> NexusId {
-        let nexus = self.device.open_nexus(initiator, relative_port);
+        let nexus = self.router.device.open_nexus(initiator, relative_port);
         let i = nexus.index();
         if self.orders.len() <= i {
             self.orders.resize_with(i + 1, || None);
@@ -85,27 +86,14 @@ impl<R: Route> TargetCore<R> {
         nexus
     }
 
-    /// Has the unit attentions of `nexus` reported to `route` as they are established
-    /// ([`Action::UnitAttention`], which SRP sends as SRP_AER_REQ), or no longer (`None`).
-    pub fn announce_to(&mut self, nexus: NexusId, route: Option<R>) -> Result<(), DeviceError> {
-        self.device.report_unit_attentions(nexus, route.is_some())?;
-        self.announcements.retain(|(n, _)| *n != nexus);
-        if let Some(route) = route {
-            self.announcements.push((nexus, route));
-        }
-        Ok(())
-    }
-
     /// Closes a session's nexus (its tasks are aborted) and forgets its order.
     pub fn close_session(&mut self, nexus: NexusId, out: &mut impl Sink<R>) {
         if self.order(nexus).is_some() {
             self.orders[nexus.index()] = None;
         }
-        self.announcements.retain(|(n, _)| *n != nexus);
-        if let Err(e) = self.device.close_nexus(nexus) {
+        if let Err(e) = self.router.close_nexus(nexus, out) {
             tracing::error!("closing a nexus: {e}");
         }
-        self.drain(out);
     }
 
     /// ExpCmdSN and MaxCmdSN of the session `nexus`.
@@ -198,118 +186,29 @@ impl<R: Route> TargetCore<R> {
         route: &R,
         out: &mut impl Sink<R>,
     ) {
-        if let Err(e) = self.submit(cmd.command(nexus), route, out) {
+        if let Err(e) = self.router.submit(cmd.command(nexus), route, out) {
             tracing::error!("the SCSI core refused a command: {e}");
         }
     }
 
-    /// Submits `cmd` for the connection `route`; what follows goes to `out`.
-    pub fn submit(
-        &mut self,
-        cmd: Command<'_>,
-        route: &R,
-        out: &mut impl Sink<R>,
-    ) -> Result<TaskId, DeviceError> {
-        let task = self.device.submit(cmd)?;
-        let i = task.index();
-        if self.routes.len() <= i {
-            self.routes.resize(i + 1, None);
-        }
-        self.routes[i] = Some(route.clone());
-        out.push(route, CoreEvent::Submitted { tag: cmd.tag, task });
-        self.drain(out);
-        Ok(task)
-    }
-
-    /// Starts a task management function; its answer comes back as
-    /// [`Action::TaskManagementDone`] with the returned reference.
-    pub fn task_management(
-        &mut self,
-        nexus: NexusId,
-        lun: u64,
-        function: TmfFunction,
-        route: &R,
-        out: &mut impl Sink<R>,
-    ) -> Result<u64, DeviceError> {
-        self.next_reference += 1;
-        let reference = self.next_reference;
-        self.tmfs.push((reference, route.clone()));
-        if let Err(e) = self.device.task_management(nexus, lun, function, reference) {
-            self.tmfs.pop();
-            return Err(e);
-        }
-        self.drain(out);
-        Ok(reference)
-    }
-
-    /// All the data-out the device asked of `task` has arrived.
-    pub fn data_out(&mut self, task: TaskId, data: &[u8], out: &mut impl Sink<R>) {
-        if let Err(e) = self.device.data_out(task, data) {
+    /// All the data-out the device asked of `task` has arrived ([`Router::data_out`]; a
+    /// refusal is logged).
+    pub fn data_out(&mut self, task: scsi_core::TaskId, data: &[u8], out: &mut impl Sink<R>) {
+        if let Err(e) = self.router.data_out(task, data, out) {
             tracing::warn!("data-out refused by the core: {e}");
         }
-        self.drain(out);
     }
 
-    /// A backend operation of `task` has ended.
+    /// A backend operation of `task` has ended ([`Router::backend_done`]; a refusal is
+    /// logged).
     pub fn backend_done(
         &mut self,
-        task: TaskId,
+        task: scsi_core::TaskId,
         result: Result<scsi_core::Output, scsi_core::BackendError>,
         out: &mut impl Sink<R>,
     ) {
-        if let Err(e) = self.device.backend_done(task, result) {
+        if let Err(e) = self.router.backend_done(task, result, out) {
             tracing::warn!("a backend completion refused by the core: {e}");
-        }
-        self.drain(out);
-    }
-
-    /// A delegated task has ended at its connection ([`Device::retire`]). An error is a
-    /// connection retiring a task twice, or one that was never delegated.
-    pub fn retire(&mut self, task: TaskId, out: &mut impl Sink<R>) -> Result<(), DeviceError> {
-        self.device.retire(task)?;
-        if let Some(r) = self.routes.get_mut(task.index()) {
-            *r = None;
-        }
-        self.drain(out);
-        Ok(())
-    }
-
-    /// Hands every pending action to `out`, addressed to the connection of its task.
-    pub fn drain(&mut self, out: &mut impl Sink<R>) {
-        while let Some(action) = self.device.poll() {
-            let routed = match &action {
-                Action::DataOut { task, .. }
-                | Action::Backend { task, .. }
-                | Action::Delegated { task, .. } => {
-                    match self.routes.get(task.index()).and_then(Option::as_ref) {
-                        Some(route) => {
-                            out.push(route, CoreEvent::Action(action));
-                            continue;
-                        }
-                        None => None,
-                    }
-                }
-                Action::Complete { task, .. } | Action::Aborted { task, .. } => {
-                    self.routes.get_mut(task.index()).and_then(Option::take)
-                }
-                Action::TaskManagementDone { reference, .. } => {
-                    let at = self.tmfs.iter().position(|(r, _)| r == reference);
-                    at.map(|i| self.tmfs.swap_remove(i).1)
-                }
-                Action::UnitAttention { nexus, .. } => {
-                    // Only nexuses that asked get these; one whose channel just went has
-                    // its unit attention reported on its next command instead.
-                    if let Some((_, route)) = self.announcements.iter().find(|(n, _)| n == nexus) {
-                        out.push(route, CoreEvent::Action(action));
-                    }
-                    continue;
-                }
-                _ => None,
-            };
-            match routed {
-                Some(route) => out.push(&route, CoreEvent::Action(action)),
-                None => tracing::warn!(?action, "an action for a task without a connection"),
-            }
         }
     }
 }
@@ -317,7 +216,7 @@ impl<R: Route> TargetCore<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use scsi_core::{Geometry, Identity, Limits, LogicalUnit, TargetPort, TaskAttribute};
+    use scsi_core::{Action, Geometry, Identity, Limits, LogicalUnit, TargetPort, TaskAttribute};
 
     #[derive(Default)]
     struct Queues(Vec<(u64, CoreEvent)>);

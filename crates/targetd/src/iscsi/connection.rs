@@ -29,8 +29,9 @@ use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use super::login::{self, Outcome};
-use super::session::{Control, Request, Session};
+use super::session::Session;
 use super::wire::{Incoming, ReadError, Reader, SendStalled, Writer};
+use crate::control::{Control, Request};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{Peer, Registry};
 use crate::target::{next_id, Core, CoreGuard, Outbox, Route, Routed, Target, MAX_IO};

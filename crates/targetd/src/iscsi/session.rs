@@ -4,54 +4,17 @@
 //! connections wherever they run, is kept under its target's core lock ([`Core::deliver`]).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use iscsi_pdu::negotiation::SessionParams;
 use iscsi_pdu::target::{Left, OrderedCommand, SessionError, SessionKey, SessionTable};
 use iscsi_pdu::{Isid, SerialNumber};
 use scsi_core::NexusId;
-use tokio::sync::Notify;
 
+use crate::control::{Control, Request};
 use crate::registry::lock;
 use crate::target::{Core, Outbox, Route, Target};
-
-/// What a connection is asked to do from outside.
-#[derive(Debug, Default)]
-pub struct Control {
-    state: AtomicU8,
-    /// Signalled when `state` changes.
-    pub notify: Notify,
-}
-
-/// Requests a [`Control`] carries, strongest last.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-#[repr(u8)]
-pub enum Request {
-    /// Carry on.
-    Run = 0,
-    /// Ask the initiator to log out (Asynchronous Message), the daemon is stopping.
-    Logout = 1,
-    /// Close now.
-    Close = 2,
-}
-
-impl Control {
-    /// Raises the request to `r` (never lowers it).
-    pub fn request(&self, r: Request) {
-        self.state.fetch_max(r as u8, Ordering::SeqCst);
-        self.notify.notify_one();
-    }
-
-    /// The request in force.
-    pub fn get(&self) -> Request {
-        match self.state.load(Ordering::SeqCst) {
-            0 => Request::Run,
-            1 => Request::Logout,
-            _ => Request::Close,
-        }
-    }
-}
 
 /// A connection as its session and the admin interface see it.
 #[derive(Debug, Clone)]

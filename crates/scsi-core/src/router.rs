@@ -1,0 +1,209 @@
+//! The device as the connections of a target share it: every task's and every task
+//! management function's route back to the connection (iSCSI) or channel (SRP) that carries
+//! it out, and where each nexus that asked for them has its unit attentions announced.
+//!
+//! A nexus may have several connections (iSCSI MC/S, SRP MULTI CHANNEL), and what the device
+//! asks for later (data-out, a backend operation, the end of a task, the answer to a task
+//! management function) must reach the one the command came on. [`Router`] keeps those
+//! routes, without locks or I/O: each call takes a [`Sink`] of `(route, event)` values, and the
+//! caller decides how they travel (targetd queues its own connection's and sends the rest to
+//! other reactors once it has let the core's lock go; the test rigs queue them per connection).
+//! What is one transport's own stays in that transport: iSCSI's CmdSN order wraps a router
+//! (`iscsi_pdu::target::TargetCore`); SRP needs none.
+
+use crate::device::{Device, DeviceError};
+use crate::task::{Action, Command, TaskId, TmfFunction};
+use crate::{BackendError, NexusId, Output};
+
+/// What the device hands back to the connection that owns a task.
+#[derive(Debug)]
+#[must_use = "a core event is the connection's work: its task waits for it"]
+pub enum CoreEvent {
+    /// The command with this tag entered the device as `task`.
+    Submitted {
+        /// The transport's tag, widened (iSCSI's Initiator Task Tag, SRP's tag).
+        tag: u64,
+        /// The device's handle.
+        task: TaskId,
+    },
+    /// Something for the connection to do.
+    Action(Action),
+}
+
+/// Takes the router's events, each addressed to the route of its task.
+pub trait Sink<R> {
+    /// `event` is for the connection `route`.
+    fn push(&mut self, route: &R, event: CoreEvent);
+
+    /// `action` is for a task with no route: its connection went before the device answered.
+    /// Nothing can carry it out; the default drops it (targetd logs it).
+    fn unrouted(&mut self, action: Action) {
+        let _ = action;
+    }
+}
+
+/// A target's device and the routes of its tasks, task management functions and unit
+/// attention announcements.
+#[derive(Debug)]
+pub struct Router<R> {
+    /// The device.
+    pub device: Device,
+    routes: Vec<Option<R>>,
+    tmfs: Vec<(u64, R)>,
+    /// Where each nexus that reports asynchronous events has them sent.
+    announcements: Vec<(NexusId, R)>,
+    next_reference: u64,
+}
+
+impl<R: Clone> Router<R> {
+    /// The router of `device`, with no task yet.
+    pub fn new(device: Device) -> Router<R> {
+        Router {
+            device,
+            routes: Vec::new(),
+            tmfs: Vec::new(),
+            announcements: Vec::new(),
+            next_reference: 0,
+        }
+    }
+
+    /// Has the unit attentions of `nexus` reported to `route` as they are established
+    /// ([`Action::UnitAttention`], which SRP sends as SRP_AER_REQ), or no longer (`None`).
+    pub fn announce_to(&mut self, nexus: NexusId, route: Option<R>) -> Result<(), DeviceError> {
+        self.device.report_unit_attentions(nexus, route.is_some())?;
+        self.announcements.retain(|(n, _)| *n != nexus);
+        if let Some(route) = route {
+            self.announcements.push((nexus, route));
+        }
+        Ok(())
+    }
+
+    /// Closes `nexus` (its tasks are aborted, each abort routed to its connection) and
+    /// forgets where it announced.
+    pub fn close_nexus(
+        &mut self,
+        nexus: NexusId,
+        out: &mut impl Sink<R>,
+    ) -> Result<(), DeviceError> {
+        self.announcements.retain(|(n, _)| *n != nexus);
+        let closed = self.device.close_nexus(nexus);
+        self.drain(out);
+        closed
+    }
+
+    /// Submits `cmd` for the connection `route`; what follows goes to `out`, starting with
+    /// [`CoreEvent::Submitted`].
+    pub fn submit(
+        &mut self,
+        cmd: Command<'_>,
+        route: &R,
+        out: &mut impl Sink<R>,
+    ) -> Result<TaskId, DeviceError> {
+        let task = self.device.submit(cmd)?;
+        let i = task.index();
+        if self.routes.len() <= i {
+            self.routes.resize(i + 1, None);
+        }
+        self.routes[i] = Some(route.clone());
+        out.push(route, CoreEvent::Submitted { tag: cmd.tag, task });
+        self.drain(out);
+        Ok(task)
+    }
+
+    /// Starts a task management function of `nexus` for the connection `route`; its answer
+    /// comes back there as [`Action::TaskManagementDone`] with the returned reference.
+    pub fn task_management(
+        &mut self,
+        nexus: NexusId,
+        lun: u64,
+        function: TmfFunction,
+        route: &R,
+        out: &mut impl Sink<R>,
+    ) -> Result<u64, DeviceError> {
+        self.next_reference += 1;
+        let reference = self.next_reference;
+        self.tmfs.push((reference, route.clone()));
+        if let Err(e) = self.device.task_management(nexus, lun, function, reference) {
+            self.tmfs.pop();
+            return Err(e);
+        }
+        self.drain(out);
+        Ok(reference)
+    }
+
+    /// All the data-out the device asked of `task` has arrived. What follows is routed even
+    /// when the device refuses it.
+    pub fn data_out(
+        &mut self,
+        task: TaskId,
+        data: &[u8],
+        out: &mut impl Sink<R>,
+    ) -> Result<(), DeviceError> {
+        let taken = self.device.data_out(task, data);
+        self.drain(out);
+        taken
+    }
+
+    /// A backend operation of `task` has ended. What follows is routed even when the device
+    /// refuses it.
+    pub fn backend_done(
+        &mut self,
+        task: TaskId,
+        result: Result<Output, BackendError>,
+        out: &mut impl Sink<R>,
+    ) -> Result<(), DeviceError> {
+        let taken = self.device.backend_done(task, result);
+        self.drain(out);
+        taken
+    }
+
+    /// A delegated task has ended at its connection ([`Device::retire`]). An error is a
+    /// connection retiring a task twice, or one that was never delegated.
+    pub fn retire(&mut self, task: TaskId, out: &mut impl Sink<R>) -> Result<(), DeviceError> {
+        self.device.retire(task)?;
+        if let Some(r) = self.routes.get_mut(task.index()) {
+            *r = None;
+        }
+        self.drain(out);
+        Ok(())
+    }
+
+    /// Hands every pending action of the device to `out`, addressed to the connection of its
+    /// task (a task's route is forgotten when it completes or is aborted).
+    pub fn drain(&mut self, out: &mut impl Sink<R>) {
+        while let Some(action) = self.device.poll() {
+            let routed = match &action {
+                Action::DataOut { task, .. }
+                | Action::Backend { task, .. }
+                | Action::Delegated { task, .. } => {
+                    match self.routes.get(task.index()).and_then(Option::as_ref) {
+                        Some(route) => {
+                            out.push(route, CoreEvent::Action(action));
+                            continue;
+                        }
+                        None => None,
+                    }
+                }
+                Action::Complete { task, .. } | Action::Aborted { task, .. } => {
+                    self.routes.get_mut(task.index()).and_then(Option::take)
+                }
+                Action::TaskManagementDone { reference, .. } => {
+                    let at = self.tmfs.iter().position(|(r, _)| r == reference);
+                    at.map(|i| self.tmfs.swap_remove(i).1)
+                }
+                Action::UnitAttention { nexus, .. } => {
+                    // Only nexuses that asked get these; one whose connection just went has
+                    // its unit attention reported on its next command instead.
+                    if let Some((_, route)) = self.announcements.iter().find(|(n, _)| n == nexus) {
+                        out.push(route, CoreEvent::Action(action));
+                    }
+                    continue;
+                }
+            };
+            match routed {
+                Some(route) => out.push(&route, CoreEvent::Action(action)),
+                None => out.unrouted(action),
+            }
+        }
+    }
+}
