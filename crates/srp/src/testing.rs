@@ -5,13 +5,12 @@
 //! hardware. The initiator's side is small: it builds SRP_CMDs over its registered memory,
 //! counts credits and records responses.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use scsi_core::transport::{CoreEvent, Sink};
 use scsi_core::{
-    Action, BackendError, Command, Device, DeviceError, Geometry, Identity, Limits, LogicalUnit,
-    MemoryBackend, NexusId, Op, Output, Residual, TargetPort, TaskId, TmfFunction, TransportId,
+    BackendError, Device, Geometry, Identity, Limits, LogicalUnit, MemoryBackend, NexusId, Op,
+    Output, Residual, TargetPort, TaskId, TransportId,
 };
 
 use crate::fabric::{Access, Costs, Fabric, MemoryId, NodeId, Port, QpId};
@@ -24,7 +23,8 @@ use crate::iu::{
 };
 use crate::target::channel::SPARE_RECEIVES;
 use crate::target::{
-    Admission, Buffers, Channel, ChannelTable, Core, Driver, Event, ItNexusKey, Left, PortSettings,
+    Admission, Channel, ChannelTable, Driver, Event, ItNexusKey, Left, LocalChannel, LocalCore,
+    PortSettings, VecBuffers,
 };
 use crate::verbs::{Completion, Verbs, WorkOp};
 
@@ -34,107 +34,6 @@ pub const TARGET: NodeId = NodeId(0);
 pub const INITIATOR: NodeId = NodeId(1);
 /// The rig's target port identifier.
 pub const TARGET_PORT: [u8; 16] = *b"srp-target-port0";
-
-/// Each channel's actions, by channel index: scsi-core's router addresses them here.
-#[derive(Debug, Default)]
-struct Queues(Vec<VecDeque<Action>>);
-
-impl Queues {
-    fn queue(&mut self, ch: usize) -> &mut VecDeque<Action> {
-        if self.0.len() <= ch {
-            self.0.resize_with(ch + 1, VecDeque::new);
-        }
-        &mut self.0[ch]
-    }
-}
-
-impl Sink<usize> for Queues {
-    fn push(&mut self, ch: &usize, event: CoreEvent) {
-        // SRP keeps no table of tags the core must confirm: only actions matter here.
-        if let CoreEvent::Action(a) = event {
-            self.queue(*ch).push_back(a);
-        }
-    }
-}
-
-/// The device, routing every task, task management function and announcement to its
-/// channel (scsi-core's [`scsi_core::transport::Router`]), and the channels' queues.
-#[derive(Debug)]
-struct Router {
-    core: scsi_core::transport::Router<usize>,
-    queues: Queues,
-}
-
-impl Router {
-    /// The router as channel `ch` of `nexus` reaches it.
-    fn via(&mut self, ch: usize, nexus: NexusId) -> Via<'_> {
-        Via {
-            router: self,
-            ch,
-            nexus,
-        }
-    }
-
-    fn queue(&mut self, ch: usize) -> &mut VecDeque<Action> {
-        self.queues.queue(ch)
-    }
-
-    fn drain(&mut self) {
-        self.core.drain(&mut self.queues);
-    }
-
-    fn close_nexus(&mut self, nexus: NexusId) {
-        let _ = self.core.close_nexus(nexus, &mut self.queues);
-    }
-}
-
-/// The router as channel `ch` of nexus `nexus` reaches it.
-struct Via<'a> {
-    router: &'a mut Router,
-    ch: usize,
-    nexus: NexusId,
-}
-
-impl Core for Via<'_> {
-    fn poll_core(&mut self) -> Option<Action> {
-        self.router.queue(self.ch).pop_front()
-    }
-
-    fn submit(&mut self, cmd: Command<'_>) -> Result<TaskId, DeviceError> {
-        let r = &mut *self.router;
-        r.core.submit(cmd, &self.ch, &mut r.queues)
-    }
-
-    fn data_out(&mut self, task: TaskId, data: &[u8]) {
-        let r = &mut *self.router;
-        let _ = r.core.data_out(task, data, &mut r.queues);
-    }
-
-    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
-        let r = &mut *self.router;
-        let _ = r.core.backend_done(task, result, &mut r.queues);
-    }
-
-    fn retire(&mut self, task: TaskId) {
-        let r = &mut *self.router;
-        let _ = r.core.retire(task, &mut r.queues);
-    }
-
-    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
-        let r = &mut *self.router;
-        r.core
-            .task_management(self.nexus, lun, function, &self.ch, &mut r.queues)
-            .ok()
-    }
-
-    fn block_size(&mut self, lun: u16) -> Option<u32> {
-        self.router
-            .core
-            .device
-            .logical_unit(lun)
-            .map(|u| u.geometry.block_size)
-    }
-}
 
 /// Runs a backend operation on unit `lun`'s memory (a unit that is gone fails it).
 fn execute(
@@ -247,7 +146,7 @@ pub struct RigChannel {
     /// The target's queue pair, driven as targetd drives its channels.
     driver: Driver<QpId>,
     /// Buffers back from their completions, for reuse.
-    buffers: RigBuffers,
+    buffers: VecBuffers,
     /// The channel has left the table (its queue pair disconnected).
     pub gone: bool,
 }
@@ -259,7 +158,7 @@ impl RigChannel {
         &mut self,
         now: Instant,
         wc: Completion<Vec<u8>>,
-        via: &mut Via<'_>,
+        via: &mut LocalChannel<'_>,
         verbs: &mut Port<'_>,
     ) {
         let done = self
@@ -267,48 +166,6 @@ impl RigChannel {
             .complete(now, wc, &mut self.channel, via, verbs, &mut self.buffers);
         if done.is_err() {
             verbs.disconnect(self.driver.qp());
-        }
-    }
-}
-
-/// The rig's target buffers: plain vectors (the fabric copies what it moves), reused.
-#[derive(Debug, Default)]
-struct RigBuffers(Vec<Vec<u8>>);
-
-/// Vectors the rig keeps for reuse per channel.
-const KEPT_BUFFERS: usize = 256;
-
-impl Buffers<Port<'_>, Vec<u8>> for RigBuffers {
-    fn iu(&mut self, _: &mut Port<'_>, iu: &[u8]) -> Option<Vec<u8>> {
-        let mut b = self.0.pop().unwrap_or_default();
-        b.clear();
-        b.extend_from_slice(iu);
-        Some(b)
-    }
-
-    fn data(&mut self, buffer: Vec<u8>) -> Vec<u8> {
-        buffer
-    }
-
-    fn task(&mut self, buffer: Vec<u8>) -> Option<Vec<u8>> {
-        Some(buffer)
-    }
-
-    fn immediate(&mut self, len: usize) -> Option<Vec<u8>> {
-        Some(vec![0; len])
-    }
-
-    fn payload(&mut self, _: &mut Port<'_>, bytes: Vec<u8>) -> Option<Vec<u8>> {
-        Some(bytes)
-    }
-
-    fn table(&mut self, _: &mut Port<'_>, len: usize) -> Option<Vec<u8>> {
-        Some(vec![0; len])
-    }
-
-    fn recycle(&mut self, _: &mut Port<'_>, buffer: Vec<u8>) {
-        if self.0.len() < KEPT_BUFFERS {
-            self.0.push(buffer);
         }
     }
 }
@@ -353,7 +210,7 @@ pub struct Rig {
     pub settings: PortSettings,
     /// The channels, by index (gone ones stay).
     pub channels: Vec<RigChannel>,
-    router: Router,
+    core: LocalCore,
     table: ChannelTable<usize>,
     backends: HashMap<u16, MemoryBackend>,
     /// Hold backend operations instead of running them (released by [`Rig::release`]).
@@ -417,10 +274,7 @@ impl Rig {
                 ..PortSettings::default()
             },
             channels: Vec::new(),
-            router: Router {
-                core: scsi_core::transport::Router::new(device),
-                queues: Queues::default(),
-            },
+            core: LocalCore::new(device),
             table: ChannelTable::new(PortSettings::default().channels_per_nexus),
             backends,
             hold_backend: false,
@@ -473,18 +327,18 @@ impl Rig {
             Admission::Replace { nexus, channels } => {
                 for ch in channels {
                     let c = &mut self.channels[ch];
-                    let mut via = self.router.via(ch, c.nexus);
+                    let mut via = self.core.channel(ch, c.nexus);
                     c.channel
                         .terminate(TargetLogoutReason::MultiChannelAction, true, &mut via);
                 }
-                self.router.close_nexus(nexus);
+                let _ = self.core.close_nexus(nexus);
                 self.open_nexus(&req)
             }
         };
         let ch = self.channels.len();
         self.table.attach(key, nexus, ch);
         // Unit attentions go to the nexus's newest channel.
-        let _ = self.router.core.announce_to(nexus, Some(ch));
+        let _ = self.core.announce_to(nexus, Some(ch));
         let (qp, iqp) = self.fabric.connect(TARGET, INITIATOR);
         let mut target = self.fabric.port(TARGET);
         for _ in 0..params.request_limit + SPARE_RECEIVES {
@@ -517,7 +371,7 @@ impl Rig {
             key,
             nexus,
             driver: Driver::new(qp),
-            buffers: RigBuffers::default(),
+            buffers: VecBuffers::default(),
             gone: false,
         });
         self.run();
@@ -525,9 +379,8 @@ impl Rig {
     }
 
     fn open_nexus(&mut self, req: &SrpLoginReq) -> NexusId {
-        self.router
-            .core
-            .device
+        self.core
+            .device_mut()
             .open_nexus(TransportId::srp(req.initiator_port_id), 1)
     }
 
@@ -676,7 +529,7 @@ impl Rig {
         for (ch, task, lun, op, mut buffer) in std::mem::take(&mut self.held) {
             let r = execute(&mut self.backends, lun, &op, &mut buffer);
             let c = &mut self.channels[ch];
-            let mut via = self.router.via(ch, c.nexus);
+            let mut via = self.core.channel(ch, c.nexus);
             c.channel
                 .handle_backend_done(self.now, task, buffer, r, &mut via);
         }
@@ -687,7 +540,7 @@ impl Rig {
     pub fn release_reads(&mut self) {
         for (ch, wc) in std::mem::take(&mut self.held_reads) {
             let c = &mut self.channels[ch];
-            let mut via = self.router.via(ch, c.nexus);
+            let mut via = self.core.channel(ch, c.nexus);
             c.complete(self.now, wc, &mut via, &mut self.fabric.port(TARGET));
         }
         self.run();
@@ -796,18 +649,17 @@ impl Rig {
     /// Changes the capacity of LUN index `lun` to `blocks`, as an administrator would: every
     /// nexus gets a unit attention, reported at once by SRP_AER_REQ.
     pub fn resize(&mut self, lun: u16, blocks: u64) {
-        self.router
-            .core
-            .device
+        self.core
+            .device_mut()
             .resize_lu(lun, blocks)
             .expect("the unit exists");
-        self.router.drain();
+        self.core.drain();
         self.run();
     }
 
     /// Tasks the device holds.
     pub fn device_tasks(&self) -> usize {
-        self.router.core.device.task_count()
+        self.core.device().task_count()
     }
 
     /// Runs everything until nothing moves.
@@ -828,7 +680,7 @@ impl Rig {
         let mut progress = false;
         let now = self.now;
         let c = &mut self.channels[ch];
-        let mut via = self.router.via(ch, c.nexus);
+        let mut via = self.core.channel(ch, c.nexus);
         let mut verbs = self.fabric.port(TARGET);
         let qp = c.driver.qp();
         while let Some(wc) = verbs.poll(qp) {
@@ -839,7 +691,7 @@ impl Rig {
             }
             c.complete(now, wc, &mut via, &mut verbs);
         }
-        if !via.router.queue(ch).is_empty() {
+        if via.core().has_work(ch) {
             progress = true;
             c.channel.handle_core(now, &mut via);
         }
@@ -889,7 +741,7 @@ impl Rig {
                     verbs.disconnect(qp);
                 }
                 if let Left::Ended(nexus) = self.table.leave(c.key, &ch) {
-                    via.router.close_nexus(nexus);
+                    let _ = via.core().close_nexus(nexus);
                 }
             }
         }
