@@ -185,7 +185,7 @@ impl Link {
                 Phase::Full {
                     conn, tsih, nexus, ..
                 } => {
-                    let nexus = &mut target.nexus(route, *tsih, *nexus);
+                    let nexus = &mut target.connection(route, *tsih, *nexus);
                     let mut plan = conn.handle_pdu(now, pdu, nexus);
                     // A command's immediate data needs a buffer: always granted here.
                     while let Plan::Allocate(len) = plan {
@@ -207,9 +207,9 @@ impl Link {
         } = &mut self.phase
         {
             if conn.poll_timeout().is_some_and(|at| at <= now) {
-                conn.handle_timeout(now, &mut target.nexus(route, *tsih, *nexus));
+                conn.handle_timeout(now, &mut target.connection(route, *tsih, *nexus));
             }
-            run(conn, &mut target.nexus(route, *tsih, *nexus), storage);
+            run(conn, &mut target.connection(route, *tsih, *nexus), storage);
             let (exp_cmd_sn, max_cmd_sn) = target.window(*nexus);
             let max_segment = conn.max_send_data_segment_length();
             while let Some(t) = conn.poll_transmit() {
@@ -250,7 +250,7 @@ impl Phase {
         } = self
         {
             target.leave(route, *tsih, *nexus, conn);
-            run(conn, &mut target.nexus(route, *tsih, *nexus), storage);
+            run(conn, &mut target.connection(route, *tsih, *nexus), storage);
             target.forget(route);
         }
         *self = Phase::Closed;
@@ -261,7 +261,7 @@ impl Phase {
 /// completes at once) and buffers for data the initiator will send.
 fn run(
     conn: &mut Connection<Vec<u8>>,
-    nexus: &mut impl iscsi_pdu::target::Nexus,
+    nexus: &mut impl iscsi_pdu::target::Core,
     storage: &mut MemoryBackend,
 ) {
     let now = Instant::now();

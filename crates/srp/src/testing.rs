@@ -23,7 +23,7 @@ use crate::iu::{
 };
 use crate::target::channel::SPARE_RECEIVES;
 use crate::target::{
-    Admission, Channel, ChannelTable, Driver, Event, ItNexusKey, Left, LocalChannel, LocalCore,
+    Admission, Channel, ChannelCore, ChannelTable, Driver, Event, ItNexusKey, Left, LocalCore,
     PortSettings, VecBuffers,
 };
 use crate::verbs::{Completion, Verbs, WorkOp};
@@ -158,7 +158,7 @@ impl RigChannel {
         &mut self,
         now: Instant,
         wc: Completion<Vec<u8>>,
-        via: &mut LocalChannel<'_>,
+        via: &mut ChannelCore<'_>,
         verbs: &mut Port<'_>,
     ) {
         let done = self

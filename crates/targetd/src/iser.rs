@@ -32,7 +32,7 @@ use iscsi_pdu::iser::{
 use iscsi_pdu::negotiation::{DigestAlgorithm, NegotiationError, Settings};
 use iscsi_pdu::pdu::LoginStatus;
 use iscsi_pdu::target::{
-    Close, Completed, Event, Login, LoginPolicy, Nexus, NoBuffer, Payload, Step as LoginStep,
+    Close, Completed, Core, Event, Login, LoginPolicy, NoBuffer, Payload, Step as LoginStep,
 };
 use iscsi_pdu::{Pdu, SerialNumber};
 use scsi_core::{BackendError, TaskId};

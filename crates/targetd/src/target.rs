@@ -105,7 +105,7 @@ impl iscsi_pdu::target::Route for Route {
 /// iscsi-pdu's sans-IO core, its events carried over the connections' channels.
 pub type Core = TargetCore<Route>;
 
-/// Retires a delegated task ([`TargetCore::retire`]); a refusal is a connection's bug, logged.
+/// Retires a delegated task ([`Router::retire`](scsi_core::transport::Router::retire)); a refusal is a connection's bug, logged.
 pub fn retire(core: &mut Core, task: TaskId, out: &mut Outbox) {
     if let Err(e) = core.retire(task, out) {
         tracing::error!("retiring a task: {e}");

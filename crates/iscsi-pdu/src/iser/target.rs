@@ -26,7 +26,7 @@ use scsi_core::transport::TaskBuffer;
 use super::header::{Hello, HelloReply, IserHeader, RemoteBuffer};
 use super::message::{decode, Message, Received};
 use super::IserError;
-use crate::target::{Connection, Nexus, NoBuffer, Payload, Plan, Transmit};
+use crate::target::{Connection, Core, NoBuffer, Payload, Plan, Transmit};
 use crate::{
     DataOut, Pdu, ReadyToTransfer, RejectReason, Residual, ScsiCommand, ScsiResponse, RESERVED_TAG,
 };
@@ -192,7 +192,7 @@ impl<B: TaskBuffer> IserConnection<B> {
         &mut self,
         now: Instant,
         msg: &[u8],
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) -> Result<IserPlan<B>, IserError> {
         let max = self.conn.max_recv_data_segment_length();
         let (iser, received) = match decode(msg, max) {
@@ -244,14 +244,14 @@ impl<B: TaskBuffer> IserConnection<B> {
         &mut self,
         now: Instant,
         buffer: Result<B, NoBuffer>,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) -> IserPlan<B> {
         let plan = self.conn.handle_allocated(now, buffer, nexus);
         self.plan(plan)
     }
 
     /// The payload of an [`IserPlan::Copy`] is in `buffer`.
-    pub fn handle_payload(&mut self, now: Instant, buffer: B, nexus: &mut impl Nexus) {
+    pub fn handle_payload(&mut self, now: Instant, buffer: B, nexus: &mut impl Core) {
         self.conn.handle_payload(now, buffer, nexus);
     }
 
@@ -263,7 +263,7 @@ impl<B: TaskBuffer> IserConnection<B> {
         read: DataOutRead,
         buffer: B,
         placed: bool,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) {
         let itt = read.itt();
         self.reading.retain(|&t| t != itt);
@@ -272,7 +272,7 @@ impl<B: TaskBuffer> IserConnection<B> {
     }
 
     /// The next work request, in the order they must be posted.
-    pub fn poll_work(&mut self, nexus: &mut impl Nexus) -> Option<Work<B>> {
+    pub fn poll_work(&mut self, nexus: &mut impl Core) -> Option<Work<B>> {
         loop {
             if let Some(w) = self.work.pop_front() {
                 return Some(w);
@@ -360,7 +360,7 @@ impl<B: TaskBuffer> IserConnection<B> {
     }
 
     /// Turns one of the machine's transmits into work.
-    fn transmit(&mut self, t: Transmit<B>, nexus: &mut impl Nexus) {
+    fn transmit(&mut self, t: Transmit<B>, nexus: &mut impl Core) {
         match t {
             Transmit::Pdu(Pdu::ReadyToTransfer(r2t)) => self.solicit(r2t),
             Transmit::Pdu(Pdu::ScsiResponse(mut r)) => {

@@ -166,7 +166,7 @@ impl IserRig {
         }
         let now = self.now;
         let plan = {
-            let mut nx = self.rig.nexus(0);
+            let mut nx = self.rig.core(0);
             self.iser.handle_message(now, m, &mut nx)
         };
         let mut plan = match plan {
@@ -177,7 +177,7 @@ impl IserRig {
             }
         };
         loop {
-            let mut nx = self.rig.nexus(0);
+            let mut nx = self.rig.core(0);
             plan = match plan {
                 IserPlan::Next => break,
                 IserPlan::Allocate(len) => {
@@ -206,7 +206,7 @@ impl IserRig {
             let mut moved = false;
             loop {
                 let ev = {
-                    let mut nx = self.rig.nexus(0);
+                    let mut nx = self.rig.core(0);
                     self.iser.connection_mut().poll_event(now, &mut nx)
                 };
                 let Some(ev) = ev else { break };
@@ -217,13 +217,13 @@ impl IserRig {
                     } => {
                         self.rig.backend.submit(0, op, buffer);
                         while let Some((_, r, b)) = self.rig.backend.poll_completion() {
-                            let mut nx = self.rig.nexus(0);
+                            let mut nx = self.rig.core(0);
                             let c = self.iser.connection_mut();
                             c.handle_backend_done(now, task, b, r, &mut nx);
                         }
                     }
                     Event::BufferWanted { tag, len } => {
-                        let mut nx = self.rig.nexus(0);
+                        let mut nx = self.rig.core(0);
                         let c = self.iser.connection_mut();
                         c.handle_buffer(now, tag, Some(vec![0; len]), &mut nx);
                     }
@@ -232,7 +232,7 @@ impl IserRig {
             }
             loop {
                 let w = {
-                    let mut nx = self.rig.nexus(0);
+                    let mut nx = self.rig.core(0);
                     self.iser.poll_work(&mut nx)
                 };
                 let Some(w) = w else { break };
@@ -311,7 +311,7 @@ impl IserRig {
                     false
                 }
             };
-            let mut nx = self.rig.nexus(0);
+            let mut nx = self.rig.core(0);
             self.iser
                 .handle_rdma_read(self.now, read, buffer, placed, &mut nx);
         }

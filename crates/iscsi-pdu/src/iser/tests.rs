@@ -147,7 +147,7 @@ fn a_hello_is_answered_and_a_bad_message_is_an_error() {
     p.message(&hello.encode());
     assert_eq!(p.posted, "S");
     let now = p.now;
-    let mut nx = p.rig.nexus(0);
+    let mut nx = p.rig.core(0);
     let e = p.iser.handle_message(now, &[0x10; 30], &mut nx);
     assert!(
         matches!(e, Err(IserError::Short(30)) | Err(IserError::Length { .. })),

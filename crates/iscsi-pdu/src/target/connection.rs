@@ -20,7 +20,7 @@
 //!    [`Connection::handle_payload_error`] on a data digest mismatch);
 //! 4. [`Plan::Discard`]: the payload is skipped; [`Plan::Next`]: read the next header.
 //!
-//! What the SCSI core decides comes back through [`Nexus::poll_core`] (or
+//! What the SCSI core decides comes back through [`Core::poll_core`] (or
 //! [`Connection::handle_core`]); backend completions through
 //! [`Connection::handle_backend_done`]; buffers for backend operations through
 //! [`Connection::handle_buffer`]; time through [`Connection::handle_timeout`].
@@ -30,7 +30,7 @@
 //! [`Connection::poll_transmit`] (the output, in StatSN order), then
 //! [`Connection::poll_timeout`] and [`Connection::closing`].
 //!
-//! The session and the SCSI core behind it are reached through the [`Nexus`] trait: the daemon
+//! The session and the SCSI core behind it are reached through the [`Core`] trait: the daemon
 //! implements it over its shared state, a test over one in-process device.
 
 use std::collections::{HashMap, VecDeque};
@@ -102,9 +102,9 @@ impl OrderedCommand {
 }
 
 /// The session and the SCSI core as one connection reaches them. Calls into the core report what
-/// follows for this connection as [`CoreEvent`]s, which [`Nexus::poll_core`] hands back (to
+/// follows for this connection as [`CoreEvent`]s, which [`Core::poll_core`] hands back (to
 /// [`Connection::poll_event`]) once the call has returned.
-pub trait Nexus {
+pub trait Core {
     /// The next event the SCSI core reported for this connection.
     fn poll_core(&mut self) -> Option<CoreEvent>;
     /// ExpCmdSN and MaxCmdSN to advertise now.
@@ -559,8 +559,8 @@ impl<B: TaskBuffer> Connection<B> {
     }
 
     /// The next request for the caller, handling what the core reported on the way (its
-    /// events are taken from [`Nexus::poll_core`] whenever no request is left).
-    pub fn poll_event(&mut self, now: Instant, nexus: &mut impl Nexus) -> Option<Event<B>> {
+    /// events are taken from [`Core::poll_core`] whenever no request is left).
+    pub fn poll_event(&mut self, now: Instant, nexus: &mut impl Core) -> Option<Event<B>> {
         self.now = now;
         loop {
             if let Some(ev) = self.events.pop_front() {
@@ -589,7 +589,7 @@ impl<B: TaskBuffer> Connection<B> {
     /// Time has passed: give up on an initiator that owes data-out and has sent none for the
     /// data-out timeout; ping one silent for the NOP interval, give up on one that does not
     /// answer a ping within the NOP timeout.
-    pub fn handle_timeout(&mut self, now: Instant, nexus: &mut impl Nexus) {
+    pub fn handle_timeout(&mut self, now: Instant, nexus: &mut impl Core) {
         self.now = now;
         let since = now.saturating_duration_since(self.data_out_seen);
         if self.checks_data_out() && since >= self.settings.data_out_timeout {
@@ -633,7 +633,7 @@ impl<B: TaskBuffer> Connection<B> {
     /// write first asks for its buffer, [`Plan::Allocate`]) and copied into the task's
     /// buffer: a deframer in whole-PDU mode loses nothing, though
     /// [`Connection::handle_header`] places the data without the copy.
-    pub fn handle_pdu(&mut self, now: Instant, pdu: Pdu, nexus: &mut impl Nexus) -> Plan<B> {
+    pub fn handle_pdu(&mut self, now: Instant, pdu: Pdu, nexus: &mut impl Core) -> Plan<B> {
         self.now = now;
         self.last_rx = now;
         if self.discovery()
@@ -716,7 +716,7 @@ impl<B: TaskBuffer> Connection<B> {
         pdu: Pdu,
         header: &Bhs,
         len: u32,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) -> Plan<B> {
         self.now = now;
         self.last_rx = now;
@@ -760,7 +760,7 @@ impl<B: TaskBuffer> Connection<B> {
         now: Instant,
         reason: RejectReason,
         header: &Bhs,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) {
         self.now = now;
         self.last_rx = now;
@@ -774,7 +774,7 @@ impl<B: TaskBuffer> Connection<B> {
         &mut self,
         now: Instant,
         buffer: Result<B, NoBuffer>,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) -> Plan<B> {
         self.now = now;
         let Some(Receiving::Buffer(cmd, len)) = self.receiving.take() else {
@@ -827,7 +827,7 @@ impl<B: TaskBuffer> Connection<B> {
     }
 
     /// The payload of [`Plan::Receive`] is in `buffer`, padding and digest checked.
-    pub fn handle_payload(&mut self, now: Instant, buffer: B, nexus: &mut impl Nexus) {
+    pub fn handle_payload(&mut self, now: Instant, buffer: B, nexus: &mut impl Core) {
         self.now = now;
         self.data_out_seen = now;
         match self.receiving.take() {
@@ -863,7 +863,7 @@ impl<B: TaskBuffer> Connection<B> {
         len: u32,
         buffer: B,
         placed: bool,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) {
         self.now = now;
         self.last_rx = now;
@@ -889,7 +889,7 @@ impl<B: TaskBuffer> Connection<B> {
         buffer: B,
         reason: RejectReason,
         header: &Bhs,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) {
         self.reject(reason, header, nexus);
         if let Some(Receiving::DataOut(d, _)) = self.receiving.take() {
@@ -900,7 +900,7 @@ impl<B: TaskBuffer> Connection<B> {
     }
 
     /// What the SCSI core decided for one of this connection's tasks.
-    pub fn handle_core(&mut self, now: Instant, event: CoreEvent, nexus: &mut impl Nexus) {
+    pub fn handle_core(&mut self, now: Instant, event: CoreEvent, nexus: &mut impl Core) {
         self.now = now;
         match event {
             CoreEvent::Submitted { tag, task } => {
@@ -919,7 +919,7 @@ impl<B: TaskBuffer> Connection<B> {
         task: TaskId,
         buffer: B,
         result: Result<Output, BackendError>,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) {
         self.now = now;
         if self.trace.is_on() {
@@ -937,7 +937,7 @@ impl<B: TaskBuffer> Connection<B> {
         &mut self,
         r: Returned<IscsiTask, B>,
         result: Result<Output, BackendError>,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) {
         match r {
             Returned::Core(task) => nexus.backend_done(task, result),
@@ -954,7 +954,7 @@ impl<B: TaskBuffer> Connection<B> {
         now: Instant,
         tag: u64,
         buffer: Option<B>,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) {
         self.now = now;
         match buffer {
@@ -986,7 +986,7 @@ impl<B: TaskBuffer> Connection<B> {
 
     /// The daemon is stopping: ask the initiator to log out (Asynchronous Message, event 1),
     /// once.
-    pub fn ask_logout(&mut self, nexus: &mut impl Nexus) {
+    pub fn ask_logout(&mut self, nexus: &mut impl Core) {
         if self.logout_asked {
             return;
         }
@@ -1016,7 +1016,7 @@ impl<B: TaskBuffer> Connection<B> {
     ///
     /// Hand in the core events already reported first: a command the core has taken must be
     /// known to be in it.
-    pub fn close(&mut self, session_ends: bool, nexus: &mut impl Nexus) {
+    pub fn close(&mut self, session_ends: bool, nexus: &mut impl Core) {
         self.receiving = None;
         nexus.cancel_queued();
         let queued: Vec<u64> = self.tasks.not_in_core().collect();
@@ -1091,7 +1091,7 @@ impl<B: TaskBuffer> Connection<B> {
         self.transmits.push_back(Transmit::Pdu(pdu));
     }
 
-    fn reject(&mut self, reason: RejectReason, header: &Bhs, nexus: &mut impl Nexus) {
+    fn reject(&mut self, reason: RejectReason, header: &Bhs, nexus: &mut impl Core) {
         tracing::debug!(?reason, ?header, "Reject");
         let mut r = Reject::of(reason, header);
         r.stat_sn = self.next_stat_sn();
@@ -1099,7 +1099,7 @@ impl<B: TaskBuffer> Connection<B> {
         self.transmit(Pdu::Reject(r));
     }
 
-    fn reject_pdu(&mut self, reason: RejectReason, pdu: &Pdu, nexus: &mut impl Nexus) {
+    fn reject_pdu(&mut self, reason: RejectReason, pdu: &Pdu, nexus: &mut impl Core) {
         let header = pdu.bhs();
         self.reject(reason, &header, nexus);
     }
@@ -1109,7 +1109,7 @@ impl<B: TaskBuffer> Connection<B> {
         &mut self,
         immediate: bool,
         cmd_sn: SerialNumber,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) -> bool {
         immediate || nexus.take_cmd_sn(cmd_sn)
     }
@@ -1140,7 +1140,7 @@ impl<B: TaskBuffer> Connection<B> {
         now: Instant,
         cmd: ScsiCommand,
         len: u32,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) -> Plan<B> {
         let edtl = cmd.expected_data_transfer_length;
         self.trace(Stage::Received, cmd.initiator_task_tag, cmd.cmd_sn.0, edtl);
@@ -1164,7 +1164,7 @@ impl<B: TaskBuffer> Connection<B> {
         cmd: ScsiCommand,
         buffer: Result<Option<B>, NoBuffer>,
         immediate: u32,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) {
         let busy = matches!(buffer, Err(NoBuffer::Busy));
         let buffer = buffer.ok().flatten();
@@ -1249,7 +1249,7 @@ impl<B: TaskBuffer> Connection<B> {
         d: &DataOut,
         len: u32,
         header: &Bhs,
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) -> Option<B> {
         match self.take_data_out_buffer(d, len) {
             Ok(b) => b,
@@ -1283,7 +1283,7 @@ impl<B: TaskBuffer> Connection<B> {
     }
 
     /// A Data-Out has arrived: its payload (if any) is in `buffer`, which goes back to the task.
-    fn data_out(&mut self, d: &DataOut, len: u32, buffer: Option<B>, nexus: &mut impl Nexus) {
+    fn data_out(&mut self, d: &DataOut, len: u32, buffer: Option<B>, nexus: &mut impl Core) {
         let itt = d.initiator_task_tag;
         let tag = u64::from(itt);
         if !self.tasks.contains(tag) {
@@ -1334,7 +1334,7 @@ impl<B: TaskBuffer> Connection<B> {
     }
 
     /// Fails a task: the core aborts it and it ends with ABORTED COMMAND and `asc`.
-    fn fail_task(&mut self, itt: u32, asc: Asc, nexus: &mut impl Nexus) {
+    fn fail_task(&mut self, itt: u32, asc: Asc, nexus: &mut impl Core) {
         let Some((_, lun)) = self.tasks.fail(u64::from(itt), asc) else {
             return;
         };
@@ -1345,7 +1345,7 @@ impl<B: TaskBuffer> Connection<B> {
 
     /// Sends R2Ts for what the core wants beyond the unsolicited data, up to
     /// MaxOutstandingR2T at a time, each at most MaxBurstLength.
-    fn solicit(&mut self, itt: u32, nexus: &mut impl Nexus) {
+    fn solicit(&mut self, itt: u32, nexus: &mut impl Core) {
         let (exp, max) = nexus.window();
         let stat_sn = self.stat_sn;
         let Some(t) = self.tasks.get_mut(u64::from(itt)) else {
@@ -1381,7 +1381,7 @@ impl<B: TaskBuffer> Connection<B> {
 
     /// Hands the data-out to the core once all it asked for is in, or runs a delegated
     /// write's operation.
-    fn deliver_data(&mut self, itt: u32, nexus: &mut impl Nexus) {
+    fn deliver_data(&mut self, itt: u32, nexus: &mut impl Core) {
         let ready = self.tasks.data_complete(u64::from(itt));
         if ready.is_some() {
             self.trace.push(self.now, Stage::DataOutDone, itt, 0, 0);
@@ -1394,14 +1394,14 @@ impl<B: TaskBuffer> Connection<B> {
     }
 
     /// Carries out what the task layer makes of the core's action.
-    fn action(&mut self, now: Instant, a: Action, nexus: &mut impl Nexus) {
+    fn action(&mut self, now: Instant, a: Action, nexus: &mut impl Core) {
         if let Some(request) = self.tasks.action(a, now, |lun| nexus.block_size(lun)) {
             self.request(request, nexus);
         }
     }
 
     /// Carries out what the task layer asks.
-    fn request(&mut self, request: Request<IscsiTask, B>, nexus: &mut impl Nexus) {
+    fn request(&mut self, request: Request<IscsiTask, B>, nexus: &mut impl Core) {
         match request {
             Request::DataOut { tag, .. } => {
                 self.solicit(tag as u32, nexus);
@@ -1448,7 +1448,7 @@ impl<B: TaskBuffer> Connection<B> {
     /// no sense), or a SCSI Response.
     /// A delegated task is retired once its response is queued, so that what the retirement
     /// lets go (a task management function's response) goes out after it.
-    fn finish(&mut self, c: Completion<IscsiTask, B>, nexus: &mut impl Nexus) {
+    fn finish(&mut self, c: Completion<IscsiTask, B>, nexus: &mut impl Core) {
         let retire = c.retire;
         self.respond(c, nexus);
         if let Some(task) = retire {
@@ -1457,7 +1457,7 @@ impl<B: TaskBuffer> Connection<B> {
     }
 
     /// Queues a finished task's Data-In and status.
-    fn respond(&mut self, c: Completion<IscsiTask, B>, nexus: &mut impl Nexus) {
+    fn respond(&mut self, c: Completion<IscsiTask, B>, nexus: &mut impl Core) {
         let itt = c.tag as u32;
         self.ended(itt, &c.transport);
         let data_in = c.accounting.read_bytes.min(u64::from(u32::MAX)) as u32;
@@ -1514,12 +1514,7 @@ impl<B: TaskBuffer> Connection<B> {
     }
 
     /// A task has ended without a response; a delegated one is retired.
-    fn ended_silently(
-        &mut self,
-        tag: u64,
-        entry: &TaskEntry<IscsiTask, B>,
-        nexus: &mut impl Nexus,
-    ) {
+    fn ended_silently(&mut self, tag: u64, entry: &TaskEntry<IscsiTask, B>, nexus: &mut impl Core) {
         self.ended(tag as u32, &entry.transport);
         if let Some(task) = entry.retire() {
             nexus.retire(task);
@@ -1533,7 +1528,7 @@ impl<B: TaskBuffer> Connection<B> {
         }
     }
 
-    fn nop_out(&mut self, n: NopOut, nexus: &mut impl Nexus) {
+    fn nop_out(&mut self, n: NopOut, nexus: &mut impl Core) {
         if n.initiator_task_tag == RESERVED_TAG {
             // An answer to our ping (or a NOP-Out that wants none).
             if self
@@ -1567,7 +1562,7 @@ impl<B: TaskBuffer> Connection<B> {
         self.transmit(Pdu::NopIn(r));
     }
 
-    fn task_management(&mut self, t: TaskManagementRequest, nexus: &mut impl Nexus) {
+    fn task_management(&mut self, t: TaskManagementRequest, nexus: &mut impl Core) {
         if !self.take_cmd_sn(t.immediate, t.cmd_sn, nexus) {
             return;
         }
@@ -1616,7 +1611,7 @@ impl<B: TaskBuffer> Connection<B> {
         }
     }
 
-    fn tmf_done(&mut self, reference: u64, response: TmfResponse, nexus: &mut impl Nexus) {
+    fn tmf_done(&mut self, reference: u64, response: TmfResponse, nexus: &mut impl Core) {
         let Some(i) = self.tmfs.iter().position(|(r, _, _)| *r == reference) else {
             return;
         };
@@ -1653,7 +1648,7 @@ impl<B: TaskBuffer> Connection<B> {
         itt: u32,
         response: IscsiTmfResponse,
         info: [u8; 3],
-        nexus: &mut impl Nexus,
+        nexus: &mut impl Core,
     ) {
         let (exp, max) = nexus.window();
         let r = TaskManagementResponse {
@@ -1667,7 +1662,7 @@ impl<B: TaskBuffer> Connection<B> {
         self.transmit(Pdu::TaskManagementResponse(r));
     }
 
-    fn logout(&mut self, l: LogoutRequest, nexus: &mut impl Nexus) {
+    fn logout(&mut self, l: LogoutRequest, nexus: &mut impl Core) {
         if !self.take_cmd_sn(l.immediate, l.cmd_sn, nexus) {
             return;
         }
@@ -1702,7 +1697,7 @@ impl<B: TaskBuffer> Connection<B> {
         self.logout_reply(l.initiator_task_tag, code, nexus);
     }
 
-    fn logout_reply(&mut self, itt: u32, code: LogoutResponseCode, nexus: &mut impl Nexus) {
+    fn logout_reply(&mut self, itt: u32, code: LogoutResponseCode, nexus: &mut impl Core) {
         let (exp, max) = nexus.window();
         let r = LogoutResponse {
             response: code,

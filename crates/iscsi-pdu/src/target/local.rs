@@ -4,11 +4,11 @@
 //! std sockets and the test rig does on a virtual clock.
 //!
 //! What is left to the embedder is only I/O: reading bytes into a [`crate::Deframer`], handing
-//! PDUs to each connection's [`Connection`] with the [`Nexus`] that [`LocalTarget::nexus`]
+//! PDUs to each connection's [`Connection`] with the [`Core`] that [`LocalTarget::connection`]
 //! gives, carrying out its [`super::Event`]s (a backend operation, a buffer), writing its
 //! [`super::Transmit`]s, and closing the connections listed in
 //! [`LocalTarget::close_requests`]. A daemon that runs connections on several threads shares its
-//! core behind a lock instead and writes its own [`Nexus`] (targetd does).
+//! core behind a lock instead and writes its own [`Core`] (targetd does).
 //!
 //! Connections are named by a route, a `u64` the embedder chooses (an index or a token),
 //! unique among live connections.
@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, VecDeque};
 use scsi_core::transport::TaskBuffer;
 use scsi_core::{BackendError, Device, NexusId, Output, TaskId, TmfFunction, TransportId};
 
-use super::connection::{Connection, CoreEvent, Nexus, OrderedCommand};
+use super::connection::{Connection, Core, CoreEvent, OrderedCommand};
 use super::core::{Sink, TargetCore};
 use super::login::{Completed, LoginPolicy};
 use super::session::{Created, Left, SessionError, SessionKey, SessionTable};
@@ -58,7 +58,7 @@ pub struct Admitted {
 }
 
 /// One target's SCSI core and sessions, reached by every connection through
-/// [`LocalTarget::nexus`].
+/// [`LocalTarget::connection`].
 #[derive(Debug)]
 pub struct LocalTarget {
     /// The device, each session's CmdSN order and the routes of tasks.
@@ -158,10 +158,10 @@ impl LocalTarget {
         })
     }
 
-    /// Connection `route`'s view of its session and the core: the [`Nexus`] its machine is
+    /// Connection `route`'s view of its session and the core: the [`Core`] its machine is
     /// handed with every input.
-    pub fn nexus(&mut self, route: u64, tsih: u16, nexus: NexusId) -> LocalNexus<'_> {
-        LocalNexus {
+    pub fn connection(&mut self, route: u64, tsih: u16, nexus: NexusId) -> ConnectionCore<'_> {
+        ConnectionCore {
             target: self,
             route,
             tsih,
@@ -183,7 +183,7 @@ impl LocalTarget {
             Left::Ended(_) => true,
             Left::Stays | Left::Unknown => false,
         };
-        conn.close(last, &mut self.nexus(route, tsih, nexus));
+        conn.close(last, &mut self.connection(route, tsih, nexus));
         if last {
             self.core.close_session(nexus, &mut self.queues);
         }
@@ -211,16 +211,16 @@ impl LocalTarget {
     }
 }
 
-/// The session and the core as one connection reaches them ([`LocalTarget::nexus`]).
+/// The session and the core as one connection reaches them ([`LocalTarget::connection`]).
 #[derive(Debug)]
-pub struct LocalNexus<'a> {
+pub struct ConnectionCore<'a> {
     target: &'a mut LocalTarget,
     route: u64,
     tsih: u16,
     nexus: NexusId,
 }
 
-impl Nexus for LocalNexus<'_> {
+impl Core for ConnectionCore<'_> {
     fn poll_core(&mut self) -> Option<CoreEvent> {
         self.target.queues.0.get_mut(&self.route)?.pop_front()
     }

@@ -16,10 +16,10 @@ pub mod text;
 
 pub use self::core::{Route, Sink, TargetCore};
 pub use connection::{
-    Close, Connection, CoreEvent, Event, IscsiTask, Nexus, NoBuffer, OrderedCommand, Payload, Plan,
+    Close, Connection, Core, CoreEvent, Event, IscsiTask, NoBuffer, OrderedCommand, Payload, Plan,
     Settings, Transmit, LOGOUT_GRACE,
 };
-pub use local::{Admitted, LocalLogin, LocalNexus, LocalTarget};
+pub use local::{Admitted, ConnectionCore, LocalLogin, LocalTarget};
 pub use login::{Completed, Login, LoginPolicy, Step};
 pub use order::CommandOrder;
 pub use session::{Created, Left, SessionEntry, SessionError, SessionKey, SessionTable};

@@ -1,6 +1,6 @@
 //! Target connections on a bench: one in-process SCSI device with a memory-backed unit shared
-//! by every connection through the target's core ([`TargetCore`]: CmdSN order per session,
-//! routes of tasks to their connections), the portal group's sessions ([`SessionTable`]), a
+//! by every connection through the target's core ([`TargetCore`](super::TargetCore): CmdSN order per session,
+//! routes of tasks to their connections), the portal group's sessions ([`SessionTable`](super::SessionTable)), a
 //! virtual clock, and a wire per connection that carries bytes in whatever pieces the caller
 //! cuts them into. Tests, the fuzz targets and the benches drive the connection machines through
 //! it exactly as a daemon would (header first, payloads placed by the machine's plans), but
@@ -24,8 +24,8 @@ use scsi_core::{
 };
 
 use super::connection::Settings;
-use super::connection::{Close, Connection, Event, Nexus, NoBuffer, Plan};
-use super::local::LocalNexus;
+use super::connection::{Close, Connection, Core, Event, NoBuffer, Plan};
+use super::local::ConnectionCore;
 pub use super::local::LocalTarget;
 use super::login::Completed;
 use super::session::SessionError;
@@ -447,7 +447,7 @@ impl Rig {
     /// Connection `i`'s view of the target (its session, the core, the routes to it), for a
     /// transport that drives a machine of its own on `i`'s session (iSER's tests): the
     /// rig's own machine `i` is then left alone.
-    pub fn nexus(&mut self, i: usize) -> impl Nexus + '_ {
+    pub fn core(&mut self, i: usize) -> impl Core + '_ {
         via(&mut self.target, i, &self.conns[i])
     }
 
@@ -877,7 +877,7 @@ impl Rig {
     }
 }
 
-/// Connection `i`'s view of the target ([`Nexus`]).
-fn via<'a>(target: &'a mut LocalTarget, i: usize, c: &RigConnection) -> LocalNexus<'a> {
-    target.nexus(i as u64, c.tsih, c.nexus)
+/// Connection `i`'s view of the target ([`Core`]).
+fn via<'a>(target: &'a mut LocalTarget, i: usize, c: &RigConnection) -> ConnectionCore<'a> {
+    target.connection(i as u64, c.tsih, c.nexus)
 }

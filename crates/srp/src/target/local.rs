@@ -77,8 +77,8 @@ impl LocalCore {
     }
 
     /// Channel `ch` of `nexus`'s view of the core: the [`Core`] its machine is handed.
-    pub fn channel(&mut self, ch: usize, nexus: NexusId) -> LocalChannel<'_> {
-        LocalChannel {
+    pub fn channel(&mut self, ch: usize, nexus: NexusId) -> ChannelCore<'_> {
+        ChannelCore {
             core: self,
             ch,
             nexus,
@@ -106,20 +106,20 @@ impl LocalCore {
 
 /// The core as one channel reaches it ([`LocalCore::channel`]).
 #[derive(Debug)]
-pub struct LocalChannel<'a> {
+pub struct ChannelCore<'a> {
     core: &'a mut LocalCore,
     ch: usize,
     nexus: NexusId,
 }
 
-impl LocalChannel<'_> {
+impl ChannelCore<'_> {
     /// The core behind the view.
     pub fn core(&mut self) -> &mut LocalCore {
         self.core
     }
 }
 
-impl Core for LocalChannel<'_> {
+impl Core for ChannelCore<'_> {
     fn poll_core(&mut self) -> Option<Action> {
         self.core.queues.queue(self.ch).pop_front()
     }

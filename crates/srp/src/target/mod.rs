@@ -8,7 +8,7 @@ pub mod login;
 
 pub use channel::{Channel, ChannelParams, Close, Core, Event, Payload, SrpTask, Transmit};
 pub use driver::{Broken, Buffers, Driver};
-pub use local::{LocalChannel, LocalCore, VecBuffers};
+pub use local::{ChannelCore, LocalCore, VecBuffers};
 pub use login::{
     port_id_for, Admission, ChannelTable, ItNexusKey, Left, PortSettings, DEFAULT_MAX_IT_IU_LEN,
     MAX_TI_IU_LEN, MIN_IMM_DATA_OFFSET, MIN_IT_IU_LEN,

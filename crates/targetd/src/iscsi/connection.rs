@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use backend::{Buffer, Share};
 use iscsi_pdu::negotiation::SessionType;
 use iscsi_pdu::target::{
-    self, Close, CommandOrder, Event, Nexus, NoBuffer, OrderedCommand, Plan, Settings, Transmit,
+    self, Close, CommandOrder, Event, NoBuffer, OrderedCommand, Plan, Settings, Transmit,
 };
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::SerialNumber;
@@ -35,6 +35,7 @@ use crate::control::{Control, Request};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{Peer, Registry};
 use crate::target::{next_id, Core, CoreGuard, Outbox, Route, Routed, Target, MAX_IO};
+use iscsi_pdu::target::Core as _;
 
 /// How long a closing connection waits for its tasks' backend operations.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -134,7 +135,7 @@ pub(crate) struct Link {
 }
 
 /// The session and the target as one step of the connection reaches them (a PDU read, a turn
-/// of the worker): the daemon's side of the machine's [`Nexus`]. The target's core lock is
+/// of the worker): the daemon's side of the machine's [`Core`](iscsi_pdu::target::Core). The target's core lock is
 /// taken at most once per step, when the machine first needs the core, and released when the
 /// step ends; so a command's CmdSN ordering, submission and immediate data cost one
 /// acquisition, and a turn that finishes several tasks takes it once for all of them.
@@ -182,7 +183,7 @@ impl Drop for Step<'_> {
     }
 }
 
-impl Nexus for Step<'_> {
+impl iscsi_pdu::target::Core for Step<'_> {
     fn poll_core(&mut self) -> Option<Routed> {
         self.link.out.local.pop_front()
     }
