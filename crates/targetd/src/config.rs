@@ -811,6 +811,14 @@ impl Config {
     /// Every check beyond types: `Err((key, reason))`. Changes made at run time (targetctl,
     /// SIGHUP) go through it too.
     pub fn validate(&self) -> Result<(), (String, String)> {
+        self.validate_server()?;
+        self.validate_iscsi()?;
+        self.validate_targets()?;
+        self.validate_cluster()
+    }
+
+    /// `[server]`: addresses, per-portal SRP terms, engine, timeouts, limits.
+    fn validate_server(&self) -> Result<(), (String, String)> {
         let fail = |key: &str, reason: String| Err((key.to_string(), reason));
         let s = &self.server;
         if s.portals.is_empty() {
@@ -939,7 +947,13 @@ impl Config {
                 ),
             );
         }
-        self.validate_iscsi()?;
+        Ok(())
+    }
+
+    /// `[[targets]]`: names, ACLs, CHAP, and each target's LUNs; a backing file or image
+    /// backs one LUN of all targets at most.
+    fn validate_targets(&self) -> Result<(), (String, String)> {
+        let fail = |key: &str, reason: String| Err((key.to_string(), reason));
         let mut names = HashSet::new();
         let mut paths = HashSet::new();
         for (t, target) in self.targets.iter().enumerate() {
@@ -981,212 +995,231 @@ impl Config {
             )?;
             let mut luns = HashSet::new();
             for (l, lun) in target.luns.iter().enumerate() {
-                let key = |k: &str| format!("targets[{t}].luns[{l}].{k}");
-                if lun.lun > scsi_core::MAX_LUN {
-                    return fail(
-                        &key("lun"),
-                        format!("{} exceeds {}", lun.lun, scsi_core::MAX_LUN),
-                    );
-                }
-                if !luns.insert(lun.lun) {
-                    return fail(
-                        &key("lun"),
-                        format!("LUN {} is defined twice in this target", lun.lun),
-                    );
-                }
-                if lun.block_size != 512 && lun.block_size != 4096 {
-                    return fail(
-                        &key("block_size"),
-                        format!("{}: must be 512 or 4096", lun.block_size),
-                    );
-                }
-                let bs = u64::from(lun.block_size);
-                let max_io = u64::from(crate::target::MAX_IO);
-                if let Some(Size(max)) = lun.max_transfer_length {
-                    if max == 0 || max % bs != 0 || max > max_io {
-                        return fail(
-                            &key("max_transfer_length"),
-                            format!(
-                                "{max} is not a non-zero multiple of block_size {bs} of at most \
-                                 {max_io} (the largest transfer of one command)"
-                            ),
-                        );
-                    }
-                }
-                if let Some(Size(optimal)) = lun.optimal_transfer_length {
-                    let max = u64::from(lun.transfer_lengths().0) * bs;
-                    if optimal == 0 || optimal % bs != 0 || optimal > max {
-                        return fail(
-                            &key("optimal_transfer_length"),
-                            format!(
-                                "{optimal} is not a non-zero multiple of block_size {bs} of at \
-                                 most the maximum transfer length {max}"
-                            ),
-                        );
-                    }
-                }
-                if let Some(Size(size)) = lun.size {
-                    if size == 0 || size % u64::from(lun.block_size) != 0 {
-                        return fail(
-                            &key("size"),
-                            format!(
-                                "{size} is not a non-zero multiple of block_size {}",
-                                lun.block_size
-                            ),
-                        );
-                    }
-                }
-                let rbd_keys = [
-                    ("pool", lun.pool.is_some()),
-                    ("namespace", lun.namespace.is_some()),
-                    ("image", lun.image.is_some()),
-                    ("ceph_conf", lun.ceph_conf.is_some()),
-                    ("client", lun.client.is_some()),
-                    ("keyring", lun.keyring.is_some()),
-                    ("ceph_timeout", lun.ceph_timeout.is_some()),
-                    ("preferred_gateway", lun.preferred_gateway.is_some()),
-                    ("standby", lun.standby),
-                ];
-                if lun.backend != "rbd" {
-                    if let Some((k, _)) = rbd_keys.iter().find(|(_, set)| *set) {
-                        return fail(
-                            &key(k),
-                            format!("only the rbd backend has {k} (this LUN is {})", lun.backend),
-                        );
-                    }
-                }
-                match lun.backend.as_str() {
-                    "rbd" => {
-                        if !cfg!(feature = "rbd") {
-                            return fail(
-                                &key("backend"),
-                                "\"rbd\": this targetd was built without the feature rbd \
-                                 (cargo build --release --features rbd; needs librbd-dev)"
-                                    .into(),
-                            );
-                        }
-                        if lun.path.is_some() {
-                            return fail(
-                                &key("path"),
-                                "the rbd backend has no path: it names pool and image".into(),
-                            );
-                        }
-                        if lun.direct {
-                            return fail(
-                                &key("direct"),
-                                "the rbd backend has no page cache to bypass".into(),
-                            );
-                        }
-                        for (k, v) in [
-                            ("pool", &lun.pool),
-                            ("image", &lun.image),
-                            ("namespace", &lun.namespace),
-                            ("client", &lun.client),
-                        ] {
-                            match v {
-                                None if k == "pool" || k == "image" => {
-                                    return fail(&key(k), format!("the rbd backend needs {k}"));
-                                }
-                                Some(v)
-                                    if v.is_empty()
-                                        || v.contains(['/', '@', '\0'])
-                                        || v.trim() != v =>
-                                {
-                                    return fail(
-                                        &key(k),
-                                        format!("{v:?}: must be a non-empty name without '/', '@' or spaces at either end"),
-                                    );
-                                }
-                                _ => {}
-                            }
-                        }
-                        if let Some(c) = &lun.client {
-                            if c.starts_with("client.") {
-                                return fail(
-                                    &key("client"),
-                                    format!("{c:?}: give the cephx id without \"client.\""),
-                                );
-                            }
-                        }
-                        if let Some(t) = lun.ceph_timeout {
-                            if !(1..=3600).contains(&t) {
-                                return fail(
-                                    &key("ceph_timeout"),
-                                    format!("{t}: must be 1 to 3600 seconds"),
-                                );
-                            }
-                        }
-                        for (k, set) in [
-                            ("preferred_gateway", lun.preferred_gateway.is_some()),
-                            ("standby", lun.standby),
-                        ] {
-                            if set && self.cluster.is_none() {
-                                return fail(
-                                    &key(k),
-                                    "only a unit that a [cluster] of gateways shares has ALUA \
-                                     states to choose"
-                                        .into(),
-                                );
-                            }
-                        }
-                        if let Some(g) = &lun.preferred_gateway {
-                            if g.is_empty() || g.contains(char::is_whitespace) {
-                                return fail(
-                                    &key("preferred_gateway"),
-                                    format!("{g:?}: must be a gateway's name (cluster.gateway)"),
-                                );
-                            }
-                        }
-                        let spec = format!(
-                            "rbd:{}/{}/{}",
-                            lun.pool.as_deref().unwrap_or_default(),
-                            lun.namespace.as_deref().unwrap_or_default(),
-                            lun.image.as_deref().unwrap_or_default()
-                        );
-                        if !paths.insert(Backing::Rbd(spec.clone())) {
-                            return fail(
-                                &key("image"),
-                                format!("{} backs another LUN already", &spec[4..]),
-                            );
-                        }
-                    }
-                    "file" => {
-                        let Some(path) = &lun.path else {
-                            return fail(&key("path"), "the file backend needs a path".into());
-                        };
-                        if !paths.insert(Backing::of_file(path)) {
-                            return fail(
-                                &key("path"),
-                                format!("{} backs another LUN already", path.display()),
-                            );
-                        }
-                    }
-                    "memory" | "null" => {
-                        if lun.size.is_none() {
-                            return fail(
-                                &key("size"),
-                                format!("the {} backend needs a size", lun.backend),
-                            );
-                        }
-                        if lun.path.is_some() {
-                            return fail(
-                                &key("path"),
-                                format!("the {} backend has no path", lun.backend),
-                            );
-                        }
-                    }
-                    other => {
-                        return fail(
-                            &key("backend"),
-                            format!(
-                                "{other:?}: expected \"file\", \"memory\", \"null\" or \"rbd\""
-                            ),
-                        )
-                    }
-                }
+                self.validate_lun(t, l, lun, &mut luns, &mut paths)?;
             }
         }
-        self.validate_cluster()
+        Ok(())
+    }
+
+    /// `targets[t].luns[l]`: number, geometry, transfer lengths, and its backend's keys.
+    fn validate_lun(
+        &self,
+        t: usize,
+        l: usize,
+        lun: &Lun,
+        luns: &mut HashSet<u16>,
+        paths: &mut HashSet<Backing>,
+    ) -> Result<(), (String, String)> {
+        let fail = |key: &str, reason: String| Err((key.to_string(), reason));
+        let key = |k: &str| format!("targets[{t}].luns[{l}].{k}");
+        if lun.lun > scsi_core::MAX_LUN {
+            return fail(
+                &key("lun"),
+                format!("{} exceeds {}", lun.lun, scsi_core::MAX_LUN),
+            );
+        }
+        if !luns.insert(lun.lun) {
+            return fail(
+                &key("lun"),
+                format!("LUN {} is defined twice in this target", lun.lun),
+            );
+        }
+        if lun.block_size != 512 && lun.block_size != 4096 {
+            return fail(
+                &key("block_size"),
+                format!("{}: must be 512 or 4096", lun.block_size),
+            );
+        }
+        let bs = u64::from(lun.block_size);
+        let max_io = u64::from(crate::target::MAX_IO);
+        if let Some(Size(max)) = lun.max_transfer_length {
+            if max == 0 || max % bs != 0 || max > max_io {
+                return fail(
+                    &key("max_transfer_length"),
+                    format!(
+                        "{max} is not a non-zero multiple of block_size {bs} of at most \
+                         {max_io} (the largest transfer of one command)"
+                    ),
+                );
+            }
+        }
+        if let Some(Size(optimal)) = lun.optimal_transfer_length {
+            let max = u64::from(lun.transfer_lengths().0) * bs;
+            if optimal == 0 || optimal % bs != 0 || optimal > max {
+                return fail(
+                    &key("optimal_transfer_length"),
+                    format!(
+                        "{optimal} is not a non-zero multiple of block_size {bs} of at \
+                         most the maximum transfer length {max}"
+                    ),
+                );
+            }
+        }
+        if let Some(Size(size)) = lun.size {
+            if size == 0 || size % u64::from(lun.block_size) != 0 {
+                return fail(
+                    &key("size"),
+                    format!(
+                        "{size} is not a non-zero multiple of block_size {}",
+                        lun.block_size
+                    ),
+                );
+            }
+        }
+        let rbd_keys = [
+            ("pool", lun.pool.is_some()),
+            ("namespace", lun.namespace.is_some()),
+            ("image", lun.image.is_some()),
+            ("ceph_conf", lun.ceph_conf.is_some()),
+            ("client", lun.client.is_some()),
+            ("keyring", lun.keyring.is_some()),
+            ("ceph_timeout", lun.ceph_timeout.is_some()),
+            ("preferred_gateway", lun.preferred_gateway.is_some()),
+            ("standby", lun.standby),
+        ];
+        if lun.backend != "rbd" {
+            if let Some((k, _)) = rbd_keys.iter().find(|(_, set)| *set) {
+                return fail(
+                    &key(k),
+                    format!("only the rbd backend has {k} (this LUN is {})", lun.backend),
+                );
+            }
+        }
+        match lun.backend.as_str() {
+            "rbd" => self.validate_rbd(&key, lun, paths)?,
+            "file" => {
+                let Some(path) = &lun.path else {
+                    return fail(&key("path"), "the file backend needs a path".into());
+                };
+                if !paths.insert(Backing::of_file(path)) {
+                    return fail(
+                        &key("path"),
+                        format!("{} backs another LUN already", path.display()),
+                    );
+                }
+            }
+            "memory" | "null" => {
+                if lun.size.is_none() {
+                    return fail(
+                        &key("size"),
+                        format!("the {} backend needs a size", lun.backend),
+                    );
+                }
+                if lun.path.is_some() {
+                    return fail(
+                        &key("path"),
+                        format!("the {} backend has no path", lun.backend),
+                    );
+                }
+            }
+            other => {
+                return fail(
+                    &key("backend"),
+                    format!("{other:?}: expected \"file\", \"memory\", \"null\" or \"rbd\""),
+                )
+            }
+        }
+        Ok(())
+    }
+
+    /// An rbd LUN's keys (`key` names them): pool, image and the other names, the cephx
+    /// client, timeouts, its ALUA choices (which need a cluster), one LUN per image.
+    fn validate_rbd(
+        &self,
+        key: &dyn Fn(&str) -> String,
+        lun: &Lun,
+        paths: &mut HashSet<Backing>,
+    ) -> Result<(), (String, String)> {
+        let fail = |key: &str, reason: String| Err((key.to_string(), reason));
+        if !cfg!(feature = "rbd") {
+            return fail(
+                &key("backend"),
+                "\"rbd\": this targetd was built without the feature rbd \
+                 (cargo build --release --features rbd; needs librbd-dev)"
+                    .into(),
+            );
+        }
+        if lun.path.is_some() {
+            return fail(
+                &key("path"),
+                "the rbd backend has no path: it names pool and image".into(),
+            );
+        }
+        if lun.direct {
+            return fail(
+                &key("direct"),
+                "the rbd backend has no page cache to bypass".into(),
+            );
+        }
+        for (k, v) in [
+            ("pool", &lun.pool),
+            ("image", &lun.image),
+            ("namespace", &lun.namespace),
+            ("client", &lun.client),
+        ] {
+            match v {
+                None if k == "pool" || k == "image" => {
+                    return fail(&key(k), format!("the rbd backend needs {k}"));
+                }
+                Some(v) if v.is_empty() || v.contains(['/', '@', '\0']) || v.trim() != v => {
+                    return fail(
+                        &key(k),
+                        format!("{v:?}: must be a non-empty name without '/', '@' or spaces at either end"),
+                    );
+                }
+                _ => {}
+            }
+        }
+        if let Some(c) = &lun.client {
+            if c.starts_with("client.") {
+                return fail(
+                    &key("client"),
+                    format!("{c:?}: give the cephx id without \"client.\""),
+                );
+            }
+        }
+        if let Some(t) = lun.ceph_timeout {
+            if !(1..=3600).contains(&t) {
+                return fail(
+                    &key("ceph_timeout"),
+                    format!("{t}: must be 1 to 3600 seconds"),
+                );
+            }
+        }
+        for (k, set) in [
+            ("preferred_gateway", lun.preferred_gateway.is_some()),
+            ("standby", lun.standby),
+        ] {
+            if set && self.cluster.is_none() {
+                return fail(
+                    &key(k),
+                    "only a unit that a [cluster] of gateways shares has ALUA \
+                     states to choose"
+                        .into(),
+                );
+            }
+        }
+        if let Some(g) = &lun.preferred_gateway {
+            if g.is_empty() || g.contains(char::is_whitespace) {
+                return fail(
+                    &key("preferred_gateway"),
+                    format!("{g:?}: must be a gateway's name (cluster.gateway)"),
+                );
+            }
+        }
+        let spec = format!(
+            "rbd:{}/{}/{}",
+            lun.pool.as_deref().unwrap_or_default(),
+            lun.namespace.as_deref().unwrap_or_default(),
+            lun.image.as_deref().unwrap_or_default()
+        );
+        if !paths.insert(Backing::Rbd(spec.clone())) {
+            return fail(
+                &key("image"),
+                format!("{} backs another LUN already", &spec[4..]),
+            );
+        }
+        Ok(())
     }
 
     fn validate_cluster(&self) -> Result<(), (String, String)> {
