@@ -232,10 +232,21 @@ pub struct SrpPortTerms {
     pub immediate_data: Option<bool>,
 }
 
+/// What an SRP port offers at login, resolved from its `srp_ports` table and the server's keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SrpTerms {
+    /// The largest SRP_CMD it accepts, in bytes.
+    pub max_iu_len: u32,
+    /// Requests outstanding per channel.
+    pub request_limit: u32,
+    /// Whether it grants immediate data.
+    pub immediate_data: bool,
+}
+
 impl Server {
     /// The SRP terms of the RDMA portal at `address` (its `srp_ports` table over the
     /// server's keys), or the server's for a port without one (the software fabric's).
-    pub fn srp_terms(&self, address: Option<SocketAddr>) -> (u32, u32, bool) {
+    pub fn srp_terms(&self, address: Option<SocketAddr>) -> SrpTerms {
         let own = address.and_then(|a| {
             self.srp_ports
                 .iter()
@@ -243,11 +254,11 @@ impl Server {
                 .map(|(_, t)| t)
         });
         let own = own.cloned().unwrap_or_default();
-        (
-            own.max_iu_len.unwrap_or(self.srp_max_iu_len),
-            own.request_limit.unwrap_or(self.srp_request_limit),
-            own.immediate_data.unwrap_or(self.srp_immediate_data),
-        )
+        SrpTerms {
+            max_iu_len: own.max_iu_len.unwrap_or(self.srp_max_iu_len),
+            request_limit: own.request_limit.unwrap_or(self.srp_request_limit),
+            immediate_data: own.immediate_data.unwrap_or(self.srp_immediate_data),
+        }
     }
 }
 
@@ -1755,9 +1766,30 @@ size = "1GiB"
         };
         c.server.srp_ports.insert("10.0.0.1:5555".into(), terms);
         let at = |a: &str| Some(a.parse::<SocketAddr>().unwrap());
-        assert_eq!(c.server.srp_terms(at("10.0.0.1:5555")), (4196, 100, false));
-        assert_eq!(c.server.srp_terms(at("10.0.0.2:5555")), (8276, 100, true));
-        assert_eq!(c.server.srp_terms(None), (8276, 100, true));
+        assert_eq!(
+            c.server.srp_terms(at("10.0.0.1:5555")),
+            SrpTerms {
+                max_iu_len: 4196,
+                request_limit: 100,
+                immediate_data: false
+            }
+        );
+        assert_eq!(
+            c.server.srp_terms(at("10.0.0.2:5555")),
+            SrpTerms {
+                max_iu_len: 8276,
+                request_limit: 100,
+                immediate_data: true
+            }
+        );
+        assert_eq!(
+            c.server.srp_terms(None),
+            SrpTerms {
+                max_iu_len: 8276,
+                request_limit: 100,
+                immediate_data: true
+            }
+        );
         let s = crate::srp::port_settings(&c.server, at("10.0.0.1:5555"));
         assert_eq!(
             (s.max_it_iu_len, s.request_limit, s.immediate_data),

@@ -402,11 +402,11 @@ struct Port<F: Fabric> {
 /// `srp_ports` terms over the server's `srp_*` keys (the server's alone for a port without
 /// an address, the software fabric's).
 pub fn port_settings(server: &crate::config::Server, address: Option<SocketAddr>) -> PortSettings {
-    let (max_iu_len, request_limit, immediate_data) = server.srp_terms(address);
+    let terms = server.srp_terms(address);
     PortSettings {
-        max_it_iu_len: max_iu_len.min(IU_LEN as u32),
-        request_limit,
-        immediate_data,
+        max_it_iu_len: terms.max_iu_len.min(IU_LEN as u32),
+        request_limit: terms.request_limit,
+        immediate_data: terms.immediate_data,
         ..PortSettings::default()
     }
 }
