@@ -10,6 +10,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
+use scsi_core::backend::{write_same_by_writes, BlockStore};
 use scsi_core::{BackendError, Op, Output};
 
 /// Alignment O_DIRECT I/O must keep (buffer address, file offset, length); anything else goes
@@ -308,17 +309,6 @@ impl FileHandle {
         self.file.as_raw_fd()
     }
 
-    fn bytes(&self, lba: u64, blocks: u64) -> Result<(u64, usize), BackendError> {
-        match lba.checked_add(blocks) {
-            Some(end) if end <= self.blocks => {
-                let bs = u64::from(self.block_size);
-                let len = usize::try_from(blocks * bs).map_err(|_| BackendError::Internal)?;
-                Ok((lba * bs, len))
-            }
-            _ => Err(BackendError::Internal),
-        }
-    }
-
     fn read_into(&self, buf: &mut [u8], at: u64) -> Result<(), BackendError> {
         let bs = u64::from(self.block_size);
         let mut done = 0;
@@ -362,155 +352,14 @@ impl FileHandle {
         fallocate(&self.file, mode, at, len).map_err(|e| error_for(e, true, at))
     }
 
-    /// Runs `op` on `buf` now, blocking.
+    /// Runs `op` on `buf` now, blocking ([`scsi_core::backend::execute`] over this file).
     pub fn execute(&self, op: &Op, buf: &mut [u8]) -> Result<Output, BackendError> {
-        let bs = self.block_size as usize;
-        if (buf.len() as u64) < op.buffer_len(self.block_size) {
-            return Err(BackendError::Internal);
-        }
-        match *op {
-            Op::Read {
-                lba,
-                blocks,
-                offset,
-                ..
-            } => {
-                let (at, n) = self.bytes(lba, blocks.into())?;
-                let o = offset as usize;
-                self.read_into(&mut buf[o..o + n], at)?;
-            }
-            Op::Write {
-                lba,
-                blocks,
-                offset,
-                fua,
-            } => {
-                let (at, n) = self.bytes(lba, blocks.into())?;
-                let o = offset as usize;
-                self.write_from(&buf[o..o + n], at, fua)?;
-            }
-            Op::Flush { .. } => self.flush()?,
-            Op::Unmap { lba, blocks } => {
-                let (at, n) = self.bytes(lba, blocks)?;
-                self.punch_hole(at, n as u64)?;
-            }
-            Op::WriteSame {
-                lba,
-                blocks,
-                zeros,
-                unmap,
-                fua,
-            } => {
-                let (at, n) = self.bytes(lba, blocks)?;
-                let zero_block = zeros || buf[..bs].iter().all(|&b| b == 0);
-                if zero_block && unmap {
-                    self.punch_hole(at, n as u64)?;
-                } else {
-                    self.write_same(at, n, if zeros { None } else { Some(&buf[..bs]) }, fua)?;
-                }
-            }
-            Op::Compare {
-                lba,
-                blocks,
-                offset,
-                same,
-            } => {
-                let (at, n) = self.bytes(lba, blocks.into())?;
-                let o = offset as usize;
-                let expected = &buf[o..o + if same { bs } else { n }];
-                self.compare(at, n, expected)?;
-            }
-            Op::CompareAndWrite { lba, blocks, fua } => {
-                let (at, n) = self.bytes(lba, blocks.into())?;
-                self.compare(at, n, &buf[..n])?;
-                self.write_from(&buf[n..2 * n], at, fua)?;
-            }
-            Op::OrWrite { lba, blocks, fua } => {
-                let (at, n) = self.bytes(lba, blocks.into())?;
-                let mut scratch = vec![0u8; n.min(SCRATCH)];
-                let mut done = 0;
-                while done < n {
-                    let k = scratch.len().min(n - done);
-                    let pos = at + done as u64;
-                    self.read_into(&mut scratch[..k], pos)?;
-                    scratch[..k]
-                        .iter_mut()
-                        .zip(&buf[done..done + k])
-                        .for_each(|(d, s)| *d |= s);
-                    self.write_from(&scratch[..k], pos, fua)?;
-                    done += k;
-                }
-            }
-            Op::LbaStatus { lba } => return self.lba_status(lba),
-            Op::Prefetch { lba, blocks } => {
-                let (at, n) = self.bytes(lba, blocks)?;
-                // Safety: posix_fadvise only reads its integer arguments; the fd is open.
-                unsafe {
-                    libc::posix_fadvise(
-                        self.file.as_raw_fd(),
-                        at as i64,
-                        n as i64,
-                        libc::POSIX_FADV_WILLNEED,
-                    );
-                }
-            }
-            _ => return Err(BackendError::Unsupported),
-        }
-        Ok(Output::Done)
+        scsi_core::backend::execute(&mut &*self, op, buf)
     }
 
     /// fdatasync; a no-op cost when opened write-through.
     pub fn flush(&self) -> Result<(), BackendError> {
         self.file.sync_data().map_err(|e| error_for(e, true, 0))
-    }
-
-    /// Writes one block (or zeros) over `n` bytes at `at`, a scratch buffer at a time.
-    fn write_same(
-        &self,
-        at: u64,
-        n: usize,
-        block: Option<&[u8]>,
-        fua: bool,
-    ) -> Result<(), BackendError> {
-        let bs = self.block_size as usize;
-        if block.is_none() && !fua {
-            // Zeros that stay allocated (anchored), without moving them through memory.
-            let mode = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
-            if fallocate(&self.file, mode, at, n as u64).is_ok() {
-                return Ok(());
-            }
-        }
-        let mut scratch = vec![0u8; n.min(SCRATCH)];
-        if let Some(block) = block {
-            scratch
-                .chunks_mut(bs)
-                .for_each(|c| c.copy_from_slice(block));
-        }
-        let mut done = 0;
-        while done < n {
-            let k = scratch.len().min(n - done);
-            self.write_from(&scratch[..k], at + done as u64, fua)?;
-            done += k;
-        }
-        Ok(())
-    }
-
-    /// Compares `n` bytes at `at` with `expected`, repeated when it is one block.
-    fn compare(&self, at: u64, n: usize, expected: &[u8]) -> Result<(), BackendError> {
-        let mut scratch = vec![0u8; n.min(SCRATCH)];
-        let mut done = 0;
-        while done < n {
-            let k = scratch.len().min(n - done);
-            self.read_into(&mut scratch[..k], at + done as u64)?;
-            for (i, &b) in scratch[..k].iter().enumerate() {
-                let j = done + i;
-                if b != expected[j % expected.len()] {
-                    return Err(BackendError::Miscompare { offset: j as u64 });
-                }
-            }
-            done += k;
-        }
-        Ok(())
     }
 
     /// Mapped or deallocated from `lba`, and for how many blocks, from SEEK_DATA/SEEK_HOLE.
@@ -543,7 +392,69 @@ impl FileHandle {
     }
 }
 
-const SCRATCH: usize = 1 << 20;
+/// A file read and written with syscalls, for the operations io_uring does not carry and for
+/// the thread-pool engine. For `&FileHandle`: the handle is shared by the threads that run
+/// operations on it.
+impl BlockStore for &FileHandle {
+    fn block_size(&self) -> u32 {
+        FileHandle::block_size(self)
+    }
+
+    fn blocks(&self) -> u64 {
+        FileHandle::blocks(self)
+    }
+
+    fn read(&mut self, at: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        self.read_into(out, at)
+    }
+
+    fn write(&mut self, at: u64, data: &[u8], fua: bool) -> Result<(), BackendError> {
+        self.write_from(data, at, fua)
+    }
+
+    fn deallocate(&mut self, at: u64, len: u64) -> Result<(), BackendError> {
+        self.punch_hole(at, len)
+    }
+
+    fn flush(&mut self) -> Result<(), BackendError> {
+        FileHandle::flush(self)
+    }
+
+    fn lba_status(&mut self, lba: u64) -> Result<Output, BackendError> {
+        FileHandle::lba_status(self, lba)
+    }
+
+    fn prefetch(&mut self, at: u64, len: u64) {
+        // Safety: posix_fadvise only reads its integer arguments; the fd is open.
+        unsafe {
+            libc::posix_fadvise(
+                self.file.as_raw_fd(),
+                at as i64,
+                len as i64,
+                libc::POSIX_FADV_WILLNEED,
+            );
+        }
+    }
+
+    /// Zeros without FUA are a fallocate that keeps them allocated (anchored), without
+    /// moving them through memory, when the file system can; else the block is written over
+    /// the range.
+    fn write_same(
+        &mut self,
+        at: u64,
+        len: usize,
+        block: Option<&[u8]>,
+        fua: bool,
+    ) -> Result<(), BackendError> {
+        if block.is_none() && !fua {
+            let mode = libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE;
+            if fallocate(&self.file, mode, at, len as u64).is_ok() {
+                return Ok(());
+            }
+        }
+        write_same_by_writes(self, at, len, block, fua)
+    }
+}
 
 /// The errno of a failed operation as the sense a disk would give: see the crate README.
 pub fn errno_to_error(errno: i32, writing: bool, lba: u64) -> BackendError {

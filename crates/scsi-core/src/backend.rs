@@ -236,6 +236,206 @@ pub trait Backend {
     fn poll_completion(&mut self) -> Option<(u64, Result<Output, BackendError>, Self::Buffer)>;
 }
 
+/// Bytes a [`BlockStore`]'s default methods move at a time.
+const SCRATCH: usize = 1 << 20;
+
+/// The byte-level primitives of a store that runs operations at once (memory, a file read and
+/// written with syscalls). [`execute`] builds every [`Op`] from them, so each store writes only
+/// what is its own; the defaults compose the rest from `read` and `write`, a scratch buffer
+/// at a time. Byte ranges given to the methods are within the unit ([`execute`] checks).
+pub trait BlockStore {
+    /// Bytes per block.
+    fn block_size(&self) -> u32;
+    /// Blocks in the unit.
+    fn blocks(&self) -> u64;
+    /// Reads `out.len()` bytes at byte `at`.
+    fn read(&mut self, at: u64, out: &mut [u8]) -> Result<(), BackendError>;
+    /// Writes `data` at byte `at`, on stable storage before it returns when `fua`.
+    fn write(&mut self, at: u64, data: &[u8], fua: bool) -> Result<(), BackendError>;
+    /// Deallocates `len` bytes at `at`: they read back as zeros.
+    fn deallocate(&mut self, at: u64, len: u64) -> Result<(), BackendError>;
+    /// Makes everything written so far stable.
+    fn flush(&mut self) -> Result<(), BackendError>;
+    /// Whether the blocks from `lba` are mapped or deallocated, and for how many.
+    fn lba_status(&mut self, lba: u64) -> Result<Output, BackendError>;
+
+    /// Reads `len` bytes at `at` ahead of need (a hint); by default nothing.
+    fn prefetch(&mut self, at: u64, len: u64) {
+        let _ = (at, len);
+    }
+
+    /// Writes `block` (zeros when `None`) over each block of the `len` bytes at `at`.
+    fn write_same(
+        &mut self,
+        at: u64,
+        len: usize,
+        block: Option<&[u8]>,
+        fua: bool,
+    ) -> Result<(), BackendError> {
+        write_same_by_writes(self, at, len, block, fua)
+    }
+
+    /// ORs `data` into the bytes at `at` (ORWRITE).
+    fn or_write(&mut self, at: u64, data: &[u8], fua: bool) -> Result<(), BackendError> {
+        let mut scratch = vec![0u8; data.len().min(SCRATCH)];
+        let mut done = 0;
+        while done < data.len() {
+            let k = scratch.len().min(data.len() - done);
+            let pos = at + done as u64;
+            self.read(pos, &mut scratch[..k])?;
+            let theirs = &data[done..done + k];
+            scratch[..k]
+                .iter_mut()
+                .zip(theirs)
+                .for_each(|(d, s)| *d |= s);
+            self.write(pos, &scratch[..k], fua)?;
+            done += k;
+        }
+        Ok(())
+    }
+
+    /// Compares the `len` bytes at `at` with `expected`, repeated when it is shorter (one
+    /// block, for VERIFY with BYTCHK 11b); a difference is a miscompare at its offset.
+    fn compare(&mut self, at: u64, len: usize, expected: &[u8]) -> Result<(), BackendError> {
+        let mut scratch = vec![0u8; len.min(SCRATCH)];
+        let mut done = 0;
+        while done < len {
+            let k = scratch.len().min(len - done);
+            self.read(at + done as u64, &mut scratch[..k])?;
+            for (i, &b) in scratch[..k].iter().enumerate() {
+                let j = done + i;
+                if b != expected[j % expected.len()] {
+                    return Err(BackendError::Miscompare { offset: j as u64 });
+                }
+            }
+            done += k;
+        }
+        Ok(())
+    }
+}
+
+/// [`BlockStore::write_same`] by plain writes: `block` (zeros when `None`) repeated in a
+/// scratch buffer, written over the range a buffer at a time. For a store whose own way (a
+/// zeroing call) does not apply.
+pub fn write_same_by_writes<S: BlockStore + ?Sized>(
+    store: &mut S,
+    at: u64,
+    len: usize,
+    block: Option<&[u8]>,
+    fua: bool,
+) -> Result<(), BackendError> {
+    let bs = store.block_size() as usize;
+    let mut scratch = vec![0u8; len.min(SCRATCH)];
+    if let Some(block) = block {
+        scratch
+            .chunks_mut(bs)
+            .for_each(|c| c.copy_from_slice(block));
+    }
+    let mut done = 0;
+    while done < len {
+        let k = scratch.len().min(len - done);
+        store.write(at + done as u64, &scratch[..k], fua)?;
+        done += k;
+    }
+    Ok(())
+}
+
+/// Runs `op` on `buf` now, on `store`: the one reading of every [`Op`] that stores which
+/// complete at once share (scsi-core's [`MemoryBackend`], the backend crate's files read and
+/// written with syscalls).
+pub fn execute(
+    store: &mut impl BlockStore,
+    op: &Op,
+    buf: &mut [u8],
+) -> Result<Output, BackendError> {
+    let block_size = store.block_size();
+    let bs = block_size as usize;
+    if (buf.len() as u64) < op.buffer_len(block_size) {
+        return Err(BackendError::Internal);
+    }
+    let blocks_in_unit = store.blocks();
+    // The bytes `[at, at + len)` of `blocks` blocks from `lba`, if they are in the unit.
+    let bytes = |lba: u64, blocks: u64| match lba.checked_add(blocks) {
+        Some(end) if end <= blocks_in_unit => Ok((
+            lba * u64::from(block_size),
+            (blocks * u64::from(block_size)) as usize,
+        )),
+        _ => Err(BackendError::Internal),
+    };
+    match *op {
+        Op::Read {
+            lba,
+            blocks,
+            offset,
+            ..
+        } => {
+            let (at, n) = bytes(lba, blocks.into())?;
+            let o = offset as usize;
+            store.read(at, &mut buf[o..o + n])?;
+        }
+        Op::Write {
+            lba,
+            blocks,
+            offset,
+            fua,
+        } => {
+            let (at, n) = bytes(lba, blocks.into())?;
+            let o = offset as usize;
+            store.write(at, &buf[o..o + n], fua)?;
+        }
+        Op::Flush { .. } => store.flush()?,
+        Op::Prefetch { lba, blocks } => {
+            let (at, n) = bytes(lba, blocks)?;
+            store.prefetch(at, n as u64);
+        }
+        Op::Unmap { lba, blocks } => {
+            let (at, n) = bytes(lba, blocks)?;
+            store.deallocate(at, n as u64)?;
+        }
+        Op::WriteSame {
+            lba,
+            blocks,
+            zeros,
+            unmap,
+            fua,
+        } => {
+            let (at, n) = bytes(lba, blocks)?;
+            let zero_block = zeros || buf[..bs].iter().all(|&b| b == 0);
+            if zero_block && unmap {
+                store.deallocate(at, n as u64)?;
+            } else {
+                store.write_same(at, n, (!zeros).then(|| &buf[..bs]), fua)?;
+            }
+        }
+        Op::Compare {
+            lba,
+            blocks,
+            offset,
+            same,
+        } => {
+            let (at, n) = bytes(lba, blocks.into())?;
+            let o = offset as usize;
+            store.compare(at, n, &buf[o..o + if same { bs } else { n }])?;
+        }
+        Op::CompareAndWrite { lba, blocks, fua } => {
+            let (at, n) = bytes(lba, blocks.into())?;
+            store.compare(at, n, &buf[..n])?;
+            store.write(at, &buf[n..2 * n], fua)?;
+        }
+        Op::OrWrite { lba, blocks, fua } => {
+            let (at, n) = bytes(lba, blocks.into())?;
+            store.or_write(at, &buf[..n], fua)?;
+        }
+        Op::LbaStatus { lba } => {
+            if lba >= blocks_in_unit {
+                return Err(BackendError::Internal);
+            }
+            return store.lba_status(lba);
+        }
+    }
+    Ok(Output::Done)
+}
+
 /// Chunk size of [`MemoryBackend`]: the unit of allocation and deallocation.
 pub const MEMORY_CHUNK: usize = 64 * 1024;
 
@@ -266,16 +466,6 @@ impl MemoryBackend {
     /// Bytes currently allocated.
     pub fn allocated(&self) -> usize {
         self.chunks.iter().flatten().count() * MEMORY_CHUNK
-    }
-
-    fn byte_range(&self, lba: u64, blocks: u64) -> Result<(u64, u64), BackendError> {
-        match lba.checked_add(blocks) {
-            Some(end) if end <= self.blocks => {
-                let bs = u64::from(self.block_size);
-                Ok((lba * bs, end * bs))
-            }
-            _ => Err(BackendError::Internal),
-        }
     }
 
     /// Copies bytes `[at, at + out.len())` of the unit into `out`.
@@ -309,9 +499,35 @@ impl MemoryBackend {
         }
     }
 
-    /// Zeros bytes `[start, end)`, freeing whole chunks.
-    fn deallocate(&mut self, start: u64, end: u64) {
-        let mut at = start;
+    /// Runs `op` on `buf` now ([`execute`]).
+    pub fn execute(&mut self, op: &Op, buf: &mut [u8]) -> Result<Output, BackendError> {
+        execute(self, op, buf)
+    }
+}
+
+/// Memory: chunks allocated on first write and freed by deallocation.
+impl BlockStore for MemoryBackend {
+    fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    fn blocks(&self) -> u64 {
+        self.blocks
+    }
+
+    fn read(&mut self, at: u64, out: &mut [u8]) -> Result<(), BackendError> {
+        self.read_bytes(at, out);
+        Ok(())
+    }
+
+    fn write(&mut self, at: u64, data: &[u8], _fua: bool) -> Result<(), BackendError> {
+        self.update(at, data, |d, s| d.copy_from_slice(s));
+        Ok(())
+    }
+
+    /// Zeros the bytes, freeing whole chunks.
+    fn deallocate(&mut self, at: u64, len: u64) -> Result<(), BackendError> {
+        let (mut at, end) = (at, at + len);
         while at < end {
             let chunk = (at / MEMORY_CHUNK as u64) as usize;
             let within = (at % MEMORY_CHUNK as u64) as usize;
@@ -323,137 +539,35 @@ impl MemoryBackend {
             }
             at += n as u64;
         }
-    }
-
-    fn compare(&self, at: u64, expected: &[u8]) -> Result<(), BackendError> {
-        let mut block = vec![0u8; expected.len().min(MEMORY_CHUNK)];
-        let mut done = 0;
-        while done < expected.len() {
-            let n = block.len().min(expected.len() - done);
-            self.read_bytes(at + done as u64, &mut block[..n]);
-            if let Some(i) = block[..n]
-                .iter()
-                .zip(&expected[done..done + n])
-                .position(|(a, b)| a != b)
-            {
-                return Err(BackendError::Miscompare {
-                    offset: (done + i) as u64,
-                });
-            }
-            done += n;
-        }
         Ok(())
     }
 
-    /// Runs `op` on `buf` now.
-    pub fn execute(&mut self, op: &Op, buf: &mut [u8]) -> Result<Output, BackendError> {
-        let bs = self.block_size as usize;
-        if (buf.len() as u64) < op.buffer_len(self.block_size) {
-            return Err(BackendError::Internal);
-        }
-        match *op {
-            Op::Read {
-                lba,
-                blocks,
-                offset,
-                ..
-            } => {
-                let (start, end) = self.byte_range(lba, blocks.into())?;
-                let o = offset as usize;
-                self.read_bytes(start, &mut buf[o..o + (end - start) as usize]);
-            }
-            Op::Write {
-                lba,
-                blocks,
-                offset,
-                ..
-            } => {
-                let (start, end) = self.byte_range(lba, blocks.into())?;
-                let o = offset as usize;
-                self.update(start, &buf[o..o + (end - start) as usize], |d, s| {
-                    d.copy_from_slice(s)
-                });
-            }
-            Op::Flush { .. } | Op::Prefetch { .. } => {}
-            Op::Unmap { lba, blocks } => {
-                let (start, end) = self.byte_range(lba, blocks)?;
-                self.deallocate(start, end);
-            }
-            Op::WriteSame {
-                lba,
-                blocks,
-                zeros,
-                unmap,
-                ..
-            } => {
-                let (start, end) = self.byte_range(lba, blocks)?;
-                let block = if zeros { None } else { Some(&buf[..bs]) };
-                if block.is_none_or(|b| b.iter().all(|&x| x == 0)) && unmap {
-                    self.deallocate(start, end);
-                } else {
-                    let zero = vec![0u8; bs];
-                    let block = block.unwrap_or(&zero).to_vec();
-                    let mut at = start;
-                    while at < end {
-                        self.update(at, &block, |d, s| d.copy_from_slice(s));
-                        at += bs as u64;
-                    }
-                }
-            }
-            Op::Compare {
-                lba,
-                blocks,
-                offset,
-                same,
-            } => {
-                let (start, end) = self.byte_range(lba, blocks.into())?;
-                let o = offset as usize;
-                if same {
-                    let mut at = start;
-                    while at < end {
-                        self.compare(at, &buf[o..o + bs]).map_err(|e| match e {
-                            BackendError::Miscompare { offset } => BackendError::Miscompare {
-                                offset: at - start + offset,
-                            },
-                            e => e,
-                        })?;
-                        at += bs as u64;
-                    }
-                } else {
-                    self.compare(start, &buf[o..o + (end - start) as usize])?;
-                }
-            }
-            Op::CompareAndWrite { lba, blocks, .. } => {
-                let (start, end) = self.byte_range(lba, blocks.into())?;
-                let n = (end - start) as usize;
-                self.compare(start, &buf[..n])?;
-                self.update(start, &buf[n..2 * n], |d, s| d.copy_from_slice(s));
-            }
-            Op::OrWrite { lba, blocks, .. } => {
-                let (start, end) = self.byte_range(lba, blocks.into())?;
-                self.update(start, &buf[..(end - start) as usize], |d, s| {
-                    d.iter_mut().zip(s).for_each(|(d, s)| *d |= s)
-                });
-            }
-            Op::LbaStatus { lba } => {
-                if lba >= self.blocks {
-                    return Err(BackendError::Internal);
-                }
-                let per_chunk = (MEMORY_CHUNK / bs) as u64;
-                let first = (lba / per_chunk) as usize;
-                let mapped = self.chunks[first].is_some();
-                let same = self.chunks[first..]
-                    .iter()
-                    .take_while(|c| c.is_some() == mapped)
-                    .count() as u64;
-                let end = ((first as u64 + same) * per_chunk).min(self.blocks);
-                return Ok(Output::LbaStatus {
-                    mapped,
-                    blocks: end - lba,
-                });
-            }
-        }
-        Ok(Output::Done)
+    fn flush(&mut self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    /// Chunks allocated or not, from the one holding `lba`.
+    fn lba_status(&mut self, lba: u64) -> Result<Output, BackendError> {
+        let per_chunk = (MEMORY_CHUNK / self.block_size as usize) as u64;
+        let first = (lba / per_chunk) as usize;
+        let mapped = self.chunks[first].is_some();
+        let same = self.chunks[first..]
+            .iter()
+            .take_while(|c| c.is_some() == mapped)
+            .count() as u64;
+        let end = ((first as u64 + same) * per_chunk).min(self.blocks);
+        Ok(Output::LbaStatus {
+            mapped,
+            blocks: end - lba,
+        })
+    }
+
+    /// In place, chunk by chunk, without a scratch copy.
+    fn or_write(&mut self, at: u64, data: &[u8], _fua: bool) -> Result<(), BackendError> {
+        self.update(at, data, |d, s| {
+            d.iter_mut().zip(s).for_each(|(d, s)| *d |= s)
+        });
+        Ok(())
     }
 }
 
