@@ -325,32 +325,30 @@ impl Rig {
     /// session of the same initiator port (whose connections close now), or a connection
     /// joining session `login.tsih`, replacing one with the same CID.
     pub fn admit(&mut self, login: &Completed) -> Result<Admitted, SessionError> {
-        let index = self.conns.len();
-        let a = self.target.admit(login, index as u64)?;
-        for old in a.replaced {
-            self.shut(old as usize, "reinstated by a new login");
-        }
-        Ok(Admitted {
-            index,
-            tsih: a.tsih,
-            nexus: a.nexus,
-            window: a.window,
-        })
+        let route = self.conns.len() as u64;
+        let a = self.target.admit(login, route)?;
+        Ok(self.take_admitted(a))
     }
 
     /// Attaches a login that [`super::LocalLogin`] admitted, closing the connections it
     /// replaced first; returns the new connection's index.
     pub fn attach_admitted(&mut self, a: super::Admitted, login: Completed) -> usize {
-        for old in &a.replaced {
-            self.shut(*old as usize, "reinstated by a new login");
+        let admitted = self.take_admitted(a);
+        self.attach(admitted, login)
+    }
+
+    /// What the target admitted, as the rig keeps it: the connections the login replaced are
+    /// closed now.
+    fn take_admitted(&mut self, a: super::Admitted) -> Admitted {
+        for old in a.replaced {
+            self.shut(old as usize, "reinstated by a new login");
         }
-        let admitted = Admitted {
+        Admitted {
             index: a.route as usize,
             tsih: a.tsih,
             nexus: a.nexus,
             window: a.window,
-        };
-        self.attach(admitted, login)
+        }
     }
 
     /// ExpCmdSN and MaxCmdSN for a Login Response: session `tsih`'s window, or a new session's
