@@ -64,7 +64,7 @@ enum Command {
         #[command(subcommand)]
         action: LunAction,
     },
-    /// Targets: add, remove.
+    /// Targets: add, set (access rules, CHAP), remove.
     Target {
         #[command(subcommand)]
         action: TargetAction,
