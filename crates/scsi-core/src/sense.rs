@@ -115,6 +115,8 @@ impl Asc {
     pub const INTERNAL_TARGET_FAILURE: Asc = Asc(0x44, 0x00);
     /// 53/02 MEDIUM REMOVAL PREVENTED.
     pub const MEDIUM_REMOVAL_PREVENTED: Asc = Asc(0x53, 0x02);
+    /// 55/03 INSUFFICIENT RESOURCES (a transport can never have the buffer a command needs).
+    pub const INSUFFICIENT_RESOURCES: Asc = Asc(0x55, 0x03);
     /// 55/04 INSUFFICIENT REGISTRATION RESOURCES.
     pub const INSUFFICIENT_REGISTRATION_RESOURCES: Asc = Asc(0x55, 0x04);
     /// 4B/00 DATA PHASE ERROR (a transport could not move a command's data).

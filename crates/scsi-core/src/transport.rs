@@ -31,6 +31,12 @@
 //! backend operation returned ([`TaskTable::backend_returned`]), one to retire
 //! ([`Completion::retire`], [`TaskEntry::retire`]).
 //!
+//! How a transport machine carries out the requests is the same for every transport except
+//! where its protocol differs: [`Carrier`] holds the shared part (an [`Event`] for the shell
+//! for each backend operation and wanted buffer, data delivery, finish then retire, fail then
+//! abort), and the machine supplies its own (fetching data-out, answering a finished task,
+//! task management). [`TaskCore`] is what of the core that needs.
+//!
 //! A delegated task ([`Action::Delegated`], a plain READ or WRITE) is carried to its end by
 //! the table: data-out, then the backend operation, then the completion the core planned,
 //! with no call into the core between its submission and its retirement. That is how a
@@ -40,6 +46,9 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 pub use crate::router::{CoreEvent, Router, Sink};
+pub use carry::{Carrier, Event, TaskCore};
+
+mod carry;
 
 use crate::backend::{BackendError, Op};
 use crate::sense::{Asc, Sense, SenseBytes, SenseKey};

@@ -224,10 +224,7 @@ impl Target {
                             .handle_backend_done(now, task, buffer, result, core);
                     }
                     Event::BufferWanted { tag, len } => {
-                        c.channel.handle_buffer(now, tag, vec![0; len], core)
-                    }
-                    Event::Allocate { tag, len } => {
-                        c.channel.handle_allocated(now, tag, vec![0; len], core)
+                        c.channel.handle_buffer(now, tag, Some(vec![0; len]), core)
                     }
                     Event::Completed(_) => {}
                 }

@@ -220,6 +220,9 @@ pub struct Rig {
     /// handing them in, as a slow fabric would (released by [`Rig::release_reads`]).
     pub hold_reads: bool,
     held_reads: Vec<(usize, Completion<Vec<u8>>)>,
+    /// The most bytes the target's allocator can ever give one wanted buffer: a larger
+    /// [`Event::BufferWanted`] is answered with none, as an arena too small for it is.
+    pub max_buffer: Option<usize>,
     now: Instant,
     /// Commands the target finished (its accounting events).
     pub completed: u64,
@@ -281,6 +284,7 @@ impl Rig {
             held: Vec::new(),
             hold_reads: false,
             held_reads: Vec::new(),
+            max_buffer: None,
             now: Instant::now(),
             completed: 0,
             registration: Registration::PerCommand,
@@ -720,10 +724,9 @@ impl Rig {
                         .handle_backend_done(now, task, buffer, r, &mut via);
                 }
                 Event::BufferWanted { tag, len } => {
-                    c.channel.handle_buffer(now, tag, vec![0; len], &mut via)
-                }
-                Event::Allocate { tag, len } => {
-                    c.channel.handle_allocated(now, tag, vec![0; len], &mut via)
+                    let fits = len <= self.max_buffer.unwrap_or(usize::MAX);
+                    let buffer = fits.then(|| vec![0; len]);
+                    c.channel.handle_buffer(now, tag, buffer, &mut via)
                 }
                 Event::Completed(_) => self.completed += 1,
             }

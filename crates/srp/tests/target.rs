@@ -849,3 +849,30 @@ fn a_capacity_change_is_reported_at_once_by_srp_aer_req() {
     // Commands go on as before.
     write_read(&mut rig, a, 100, 0, &pattern(4096, 9), 1, false);
 }
+
+#[test]
+fn a_data_out_buffer_that_can_never_be_had_ends_its_command_not_the_channel() {
+    let mut rig = rig();
+    rig.max_buffer = Some(16 * 1024);
+    let ch = login(&mut rig, INI_A);
+    // A 64 KiB write, its data-out by RDMA READ: no buffer for it, ever.
+    rig.send(
+        ch,
+        &Cmd {
+            tag: 1,
+            cdb: write10(0, 128),
+            data_out: Some(pattern(64 * 1024, 1)),
+            ..Cmd::default()
+        },
+    )
+    .expect("credit");
+    rig.run();
+    assert_eq!(
+        rig.response(ch, 1).and_then(|r| r.sense_code()),
+        Some((0xb, 0x55, 0x03)),
+        "ABORTED COMMAND, INSUFFICIENT RESOURCES"
+    );
+    assert_eq!(rig.device_tasks(), 0, "the core let it go");
+    // The channel goes on: a write that fits lands and reads back.
+    write_read(&mut rig, ch, 10, 0, &pattern(8 * 1024, 2), 1, false);
+}

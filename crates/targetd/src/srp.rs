@@ -33,6 +33,7 @@ use srp::switch::{ConnectRequest, Endpoint, Switch, SwitchError};
 use srp::target::channel::SPARE_RECEIVES;
 use srp::target::{
     Admission, Buffers, Channel, ChannelTable, Core, Driver, Event, ItNexusKey, Left, PortSettings,
+    TaskCore,
 };
 use srp::verbs::{IuBuffers, PortBuffer, Verbs};
 use tokio::sync::mpsc;
@@ -301,7 +302,9 @@ impl Core for Via<'_> {
     fn submit(&mut self, cmd: Command<'_>) -> Result<TaskId, DeviceError> {
         self.core(|core, route, out| core.submit(cmd, route, out))
     }
+}
 
+impl TaskCore for Via<'_> {
     fn data_out(&mut self, task: TaskId, data: &[u8]) {
         self.core(|core, _, out| core.data_out(task, data, out));
     }
@@ -809,17 +812,13 @@ impl<F: Fabric> Port<F> {
                     }
                 }
             }
+            // A buffer for a backend operation or for a command's data-out: the channel
+            // knows which.
             Event::BufferWanted { tag, len } => self.want(Want {
                 conn: id,
                 tag,
                 len,
                 data_out: false,
-            }),
-            Event::Allocate { tag, len } => self.want(Want {
-                conn: id,
-                tag,
-                len,
-                data_out: true,
             }),
             Event::Completed(a) => c.target.account(&a),
         }
@@ -839,11 +838,7 @@ impl<F: Fabric> Port<F> {
         };
         let now = Instant::now();
         let (machine, mut via) = c.via();
-        match (buffer, w.data_out) {
-            (Some(b), true) => machine.handle_allocated(now, w.tag, b, &mut via),
-            (Some(b), false) => machine.handle_buffer(now, w.tag, b, &mut via),
-            (None, _) => machine.handle_buffer_refused(now, w.tag, &mut via),
-        }
+        machine.handle_buffer(now, w.tag, buffer, &mut via);
     }
 
     /// Ends a channel that is over once its tasks have: it leaves the table, its nexus

@@ -40,13 +40,12 @@ use std::time::{Duration, Instant};
 use cmdtrace::{Points, Stage};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use scsi_core::transport::{
-    Accounting, Completion, DataReady, NewTask, Request, Returned, TaskBuffer, TaskEntry, TaskTable,
-};
+use scsi_core::transport::{Carrier, Completion, NewTask, TaskBuffer, TaskEntry, TaskTable};
+pub use scsi_core::transport::{Event, TaskCore};
 use scsi_core::{
-    Action, Asc, BackendError, Command, DataIn as CoreDataIn, NexusId, Op, Output,
-    Residual as CoreResidual, SenseKey, Status as CoreStatus, TaskAttribute as CoreAttribute,
-    TaskId, TmfFunction, TmfResponse,
+    Asc, BackendError, Command, DataIn as CoreDataIn, NexusId, Output, Residual as CoreResidual,
+    SenseKey, Status as CoreStatus, TaskAttribute as CoreAttribute, TaskId, TmfFunction,
+    TmfResponse,
 };
 
 use super::text::TextExchange;
@@ -101,10 +100,11 @@ impl OrderedCommand {
     }
 }
 
-/// The session and the SCSI core as one connection reaches them. Calls into the core report what
+/// The session and the SCSI core as one connection reaches them: the calls every transport
+/// makes for its tasks ([`TaskCore`]) and iSCSI's own. Calls into the core report what
 /// follows for this connection as [`CoreEvent`]s, which [`Core::poll_core`] hands back (to
 /// [`Connection::poll_event`]) once the call has returned.
-pub trait Core {
+pub trait Core: TaskCore {
     /// The next event the SCSI core reported for this connection.
     fn poll_core(&mut self) -> Option<CoreEvent>;
     /// ExpCmdSN and MaxCmdSN to advertise now.
@@ -114,21 +114,6 @@ pub trait Core {
     fn deliver(&mut self, cmd: OrderedCommand, immediate: bool) -> bool;
     /// Takes `cmd_sn` for a request handled on arrival; false when outside the window.
     fn take_cmd_sn(&mut self, cmd_sn: SerialNumber) -> bool;
-    /// All the data-out the core asked of `task` is in `data`.
-    fn data_out(&mut self, task: TaskId, data: &[u8]);
-    /// A backend operation of `task` has ended (or could not run).
-    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>);
-    /// A delegated task (a plain READ or WRITE the connection finished without the core,
-    /// [`Action::Delegated`]) has ended: [`Device::retire`](scsi_core::Device::retire). Its
-    /// response is already queued. A daemon that shares the core between threads may queue
-    /// this without taking the core's lock, as long as the queue is applied before anything
-    /// that waits for it ([`Device::awaits_retirement`](scsi_core::Device::awaits_retirement)).
-    fn retire(&mut self, task: TaskId);
-    /// Starts a task management function for the session's I_T nexus; its answer comes back as
-    /// [`Action::TaskManagementDone`] with the returned reference. `None`: the core refused it.
-    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64>;
-    /// The block size of LUN index `lun`, `None` when it is gone.
-    fn block_size(&mut self, lun: u16) -> Option<u32>;
     /// The answer to `SendTargets=value` for this initiator on this portal.
     fn send_targets(&mut self, value: &str) -> TextParams;
     /// Closes the session's connection `cid` (a logout naming another connection); false when
@@ -258,34 +243,6 @@ impl<B: Deref<Target = [u8]>> Transmit<B> {
             }
         }
     }
-}
-
-/// What the connection asks of its caller, besides sending.
-#[derive(Debug)]
-#[must_use = "an event is work the connection waits for (a backend operation, a buffer)"]
-pub enum Event<B> {
-    /// Run `op` on LUN index `lun` with `buffer`; report the outcome with
-    /// [`Connection::handle_backend_done`].
-    Backend {
-        /// The core's handle.
-        task: TaskId,
-        /// LUN index.
-        lun: u16,
-        /// The operation.
-        op: Op,
-        /// Its buffer.
-        buffer: B,
-    },
-    /// A backend operation waits for a buffer of `len` bytes: answer with
-    /// [`Connection::handle_buffer`], in the order asked, when the allocator has room.
-    BufferWanted {
-        /// The task's tag.
-        tag: u64,
-        /// Bytes needed.
-        len: usize,
-    },
-    /// A task has ended: what it moved, for the counters.
-    Completed(Accounting),
 }
 
 /// What to do with the payload of the PDU just handed in.
@@ -505,6 +462,11 @@ impl<B: TaskBuffer> Connection<B> {
     #[inline]
     fn trace(&mut self, stage: Stage, itt: u32, cmd_sn: u32, arg: u32) {
         self.trace.push(self.now, stage, itt, cmd_sn, arg);
+    }
+
+    /// The connection as it carries out its task table's requests (scsi-core's [`Carrier`]).
+    fn carry(&mut self) -> Carry<'_, B> {
+        Carry(self)
     }
 
     /// Its CID.
@@ -875,7 +837,8 @@ impl<B: TaskBuffer> Connection<B> {
         if !placed {
             self.r2ts.remove(&d.target_transfer_tag);
             self.tasks.put_buffer(u64::from(itt), buffer);
-            self.fail_task(itt, Asc::DATA_PHASE_ERROR, nexus);
+            self.carry()
+                .fail(u64::from(itt), Asc::DATA_PHASE_ERROR, nexus);
             return;
         }
         self.data_out(&d, len, Some(buffer), nexus);
@@ -895,7 +858,7 @@ impl<B: TaskBuffer> Connection<B> {
         if let Some(Receiving::DataOut(d, _)) = self.receiving.take() {
             let itt = d.initiator_task_tag;
             self.tasks.put_buffer(u64::from(itt), buffer);
-            self.fail_task(itt, Asc(0x47, 0x05), nexus);
+            self.carry().fail(u64::from(itt), Asc(0x47, 0x05), nexus);
         }
     }
 
@@ -907,7 +870,7 @@ impl<B: TaskBuffer> Connection<B> {
                 self.tasks.submitted(tag, task);
                 self.trace(Stage::Dispatched, tag as u32, 0, 0);
             }
-            CoreEvent::Action(a) => self.action(now, a, nexus),
+            CoreEvent::Action(a) => self.carry().action(a, now, nexus),
         }
     }
 
@@ -922,29 +885,7 @@ impl<B: TaskBuffer> Connection<B> {
         nexus: &mut impl Core,
     ) {
         self.now = now;
-        if self.trace.is_on() {
-            if let Some(tag) = self.tasks.tag_of(task) {
-                self.trace(Stage::BackendDone, tag as u32, 0, 0);
-            }
-        }
-        let ok = result.as_ref().map(drop).map_err(|e| *e);
-        let returned = self.tasks.backend_returned(task, buffer, ok, now);
-        self.returned(returned, result, nexus);
-    }
-
-    /// Carries out what the task layer makes of a backend operation's end.
-    fn returned(
-        &mut self,
-        r: Returned<IscsiTask, B>,
-        result: Result<Output, BackendError>,
-        nexus: &mut impl Core,
-    ) {
-        match r {
-            Returned::Core(task) => nexus.backend_done(task, result),
-            Returned::Complete(c) => self.finish(c, nexus),
-            Returned::Ended { tag, entry } => self.ended_silently(tag, &entry, nexus),
-            Returned::Gone => {}
-        }
+        self.carry().backend_done(task, buffer, result, now, nexus);
     }
 
     /// The buffer of an [`Event::BufferWanted`], or `None` when the allocator cannot ever give
@@ -957,31 +898,7 @@ impl<B: TaskBuffer> Connection<B> {
         nexus: &mut impl Core,
     ) {
         self.now = now;
-        match buffer {
-            Some(buffer) => {
-                if let Some(Request::Backend {
-                    task,
-                    lun,
-                    op,
-                    buffer,
-                    ..
-                }) = self.tasks.grant_buffer(tag, buffer)
-                {
-                    self.trace(Stage::BackendSubmit, tag as u32, 0, buffer.len() as u32);
-                    self.events.push_back(Event::Backend {
-                        task,
-                        lun,
-                        op,
-                        buffer,
-                    });
-                }
-            }
-            None => {
-                if let Some(r) = self.tasks.buffer_refused(tag, now) {
-                    self.returned(r, Err(BackendError::Internal), nexus);
-                }
-            }
-        }
+        self.carry().grant_buffer(tag, buffer, now, nexus);
     }
 
     /// The daemon is stopping: ask the initiator to log out (Asynchronous Message, event 1),
@@ -1220,7 +1137,7 @@ impl<B: TaskBuffer> Connection<B> {
                     self.tasks.refuse(tag, key, asc, now)
                 };
                 if let Some(c) = refused {
-                    self.finish(c, nexus);
+                    self.carry().finish(c, nexus);
                 }
             } else {
                 self.tasks.remove(u64::from(itt));
@@ -1296,7 +1213,8 @@ impl<B: TaskBuffer> Connection<B> {
             // At ErrorRecoveryLevel 0 a lost or repeated Data-Out cannot be asked for again.
             let header = Pdu::DataOut(d.clone()).bhs();
             self.reject(RejectReason::ProtocolError, &header, nexus);
-            self.fail_task(itt, Asc::DATA_PHASE_ERROR, nexus);
+            self.carry()
+                .fail(u64::from(itt), Asc::DATA_PHASE_ERROR, nexus);
             return;
         }
         self.tasks.data_received(tag, len);
@@ -1306,7 +1224,7 @@ impl<B: TaskBuffer> Connection<B> {
             }
             self.solicit(itt, nexus);
         }
-        self.deliver_data(itt, nexus);
+        self.carry().deliver_data(u64::from(itt), nexus);
     }
 
     /// Whether a Data-Out carries the DataSN its sequence expects (RFC 7143 section 11.7.5):
@@ -1331,16 +1249,6 @@ impl<B: TaskBuffer> Connection<B> {
             self.r2ts.remove(&d.target_transfer_tag);
         }
         ok
-    }
-
-    /// Fails a task: the core aborts it and it ends with ABORTED COMMAND and `asc`.
-    fn fail_task(&mut self, itt: u32, asc: Asc, nexus: &mut impl Core) {
-        let Some((_, lun)) = self.tasks.fail(u64::from(itt), asc) else {
-            return;
-        };
-        if let Some(r) = nexus.task_management(lun, TmfFunction::AbortTask(u64::from(itt))) {
-            self.tmfs.push((r, RESERVED_TAG, Tmf::Internal));
-        }
     }
 
     /// Sends R2Ts for what the core wants beyond the unsolicited data, up to
@@ -1379,90 +1287,10 @@ impl<B: TaskBuffer> Connection<B> {
         }
     }
 
-    /// Hands the data-out to the core once all it asked for is in, or runs a delegated
-    /// write's operation.
-    fn deliver_data(&mut self, itt: u32, nexus: &mut impl Core) {
-        let ready = self.tasks.data_complete(u64::from(itt));
-        if ready.is_some() {
-            self.trace.push(self.now, Stage::DataOutDone, itt, 0, 0);
-        }
-        match ready {
-            Some(DataReady::Core { task, data }) => nexus.data_out(task, data),
-            Some(DataReady::Run(r)) => self.request(r, nexus),
-            None => {}
-        }
-    }
-
-    /// Carries out what the task layer makes of the core's action.
-    fn action(&mut self, now: Instant, a: Action, nexus: &mut impl Core) {
-        if let Some(request) = self.tasks.action(a, now, |lun| nexus.block_size(lun)) {
-            self.request(request, nexus);
-        }
-    }
-
-    /// Carries out what the task layer asks.
-    fn request(&mut self, request: Request<IscsiTask, B>, nexus: &mut impl Core) {
-        match request {
-            Request::DataOut { tag, .. } => {
-                self.solicit(tag as u32, nexus);
-                self.deliver_data(tag as u32, nexus);
-            }
-            Request::Backend {
-                task,
-                lun,
-                op,
-                buffer,
-                ..
-            } => {
-                if self.trace.is_on() {
-                    if let Some(tag) = self.tasks.tag_of(task) {
-                        self.trace(Stage::BackendSubmit, tag as u32, 0, buffer.len() as u32);
-                    }
-                }
-                self.events.push_back(Event::Backend {
-                    task,
-                    lun,
-                    op,
-                    buffer,
-                })
-            }
-            Request::BufferWanted { tag, len } => {
-                self.trace(Stage::BufferWait, tag as u32, 0, len as u32);
-                self.events.push_back(Event::BufferWanted { tag, len })
-            }
-            Request::Complete(c) => self.finish(c, nexus),
-            Request::Ended { tag, entry } => self.ended_silently(tag, &entry, nexus),
-            Request::UnitGone { task, .. } => nexus.backend_done(task, Err(BackendError::Internal)),
-            Request::TaskManagementDone {
-                reference,
-                response,
-                ..
-            } => self.tmf_done(reference, response, nexus),
-            // iSCSI sessions do not ask for asynchronous unit attentions (TargetCore's
-            // announce_to): they hear of them on their next command.
-            Request::UnitAttention { .. } => {}
-        }
-    }
-
-    /// The task has ended: Data-In (with the status collapsed into the last PDU when there is
-    /// no sense), or a SCSI Response.
-    /// A delegated task is retired once its response is queued, so that what the retirement
-    /// lets go (a task management function's response) goes out after it.
-    fn finish(&mut self, c: Completion<IscsiTask, B>, nexus: &mut impl Core) {
-        let retire = c.retire;
-        self.respond(c, nexus);
-        if let Some(task) = retire {
-            nexus.retire(task);
-        }
-    }
-
     /// Queues a finished task's Data-In and status.
     fn respond(&mut self, c: Completion<IscsiTask, B>, nexus: &mut impl Core) {
         let itt = c.tag as u32;
         self.ended(itt, &c.transport);
-        let data_in = c.accounting.read_bytes.min(u64::from(u32::MAX)) as u32;
-        self.trace(Stage::Responded, itt, 0, data_in);
-        self.events.push_back(Event::Completed(c.accounting));
         let status = ScsiStatus(c.status as u8);
         let residual = residual(c.residual);
         let payload = match c.data_in {
@@ -1511,14 +1339,6 @@ impl<B: TaskBuffer> Connection<B> {
             ..ScsiResponse::default()
         };
         self.transmit(Pdu::ScsiResponse(r));
-    }
-
-    /// A task has ended without a response; a delegated one is retired.
-    fn ended_silently(&mut self, tag: u64, entry: &TaskEntry<IscsiTask, B>, nexus: &mut impl Core) {
-        self.ended(tag as u32, &entry.transport);
-        if let Some(task) = entry.retire() {
-            nexus.retire(task);
-        }
     }
 
     /// A task has ended: its R2Ts are void.
@@ -1710,4 +1530,56 @@ impl<B: TaskBuffer> Connection<B> {
         };
         self.transmit(Pdu::LogoutResponse(r));
     }
+}
+
+/// A connection carrying out its task table's requests: the part every transport shares is
+/// scsi-core's ([`Carrier`]'s provided methods), this is iSCSI's. A private view, so that the
+/// hooks are not the connection's API.
+struct Carry<'a, B>(&'a mut Connection<B>);
+
+impl<B: TaskBuffer, C: Core> Carrier<B, C> for Carry<'_, B> {
+    type Task = IscsiTask;
+
+    fn tasks(&mut self) -> &mut TaskTable<IscsiTask, B> {
+        &mut self.0.tasks
+    }
+
+    fn event(&mut self, event: Event<B>) {
+        self.0.events.push_back(event);
+    }
+
+    fn tracing(&self) -> bool {
+        self.0.trace.is_on()
+    }
+
+    fn trace(&mut self, stage: Stage, tag: u64, arg: u32) {
+        self.0.trace(stage, tag as u32, 0, arg);
+    }
+
+    /// R2Ts for what has not come unsolicited.
+    fn fetch_data_out(&mut self, tag: u64, _len: u32, _received: u32, core: &mut C) {
+        self.0.solicit(tag as u32, core);
+    }
+
+    /// Data-In (with the status collapsed into the last PDU when there is no sense), or a
+    /// SCSI Response.
+    fn respond(&mut self, completion: Completion<IscsiTask, B>, core: &mut C) {
+        self.0.respond(completion, core);
+    }
+
+    /// Its R2Ts are void.
+    fn forget(&mut self, tag: u64, entry: &mut TaskEntry<IscsiTask, B>) {
+        self.0.ended(tag as u32, &entry.transport);
+    }
+
+    fn tmf_done(&mut self, reference: u64, response: TmfResponse, core: &mut C) {
+        self.0.tmf_done(reference, response, core);
+    }
+
+    fn aborting(&mut self, reference: u64) {
+        self.0.tmfs.push((reference, RESERVED_TAG, Tmf::Internal));
+    }
+
+    // iSCSI sessions do not ask for asynchronous unit attentions (TargetCore's announce_to):
+    // they hear of them on their next command, so the default ignores them.
 }

@@ -18,7 +18,7 @@ use std::collections::{BTreeMap, VecDeque};
 use scsi_core::transport::TaskBuffer;
 use scsi_core::{BackendError, Device, NexusId, Output, TaskId, TmfFunction, TransportId};
 
-use super::connection::{Connection, Core, CoreEvent, OrderedCommand};
+use super::connection::{Connection, Core, CoreEvent, OrderedCommand, TaskCore};
 use super::core::{Sink, TargetCore};
 use super::login::{Completed, LoginPolicy};
 use super::session::{Created, Left, SessionError, SessionKey, SessionTable};
@@ -240,35 +240,6 @@ impl Core for ConnectionCore<'_> {
         t.core.take_cmd_sn(self.nexus, cmd_sn, &mut t.queues)
     }
 
-    fn data_out(&mut self, task: TaskId, data: &[u8]) {
-        let t = &mut *self.target;
-        t.core.data_out(task, data, &mut t.queues);
-    }
-
-    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
-        let t = &mut *self.target;
-        t.core.backend_done(task, result, &mut t.queues);
-    }
-
-    fn retire(&mut self, task: TaskId) {
-        let t = &mut *self.target;
-        if t.core.retire(task, &mut t.queues).is_err() {
-            t.misretired += 1;
-        }
-    }
-
-    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
-        let t = &mut *self.target;
-        t.core
-            .task_management(self.nexus, lun, function, &self.route, &mut t.queues)
-            .ok()
-    }
-
-    fn block_size(&mut self, lun: u16) -> Option<u32> {
-        let unit = self.target.core.device.logical_unit(lun);
-        unit.map(|u| u.geometry.block_size)
-    }
-
     fn send_targets(&mut self, value: &str) -> TextParams {
         // All (discovery), the session's own target (empty), or one target by name.
         let mut t = TextParams::new();
@@ -312,6 +283,37 @@ impl Core for ConnectionCore<'_> {
         let all = t.sessions.iter().flat_map(|s| s.connections.iter());
         let others: Vec<u64> = all.map(|&(_, r)| r).filter(|&r| r != me).collect();
         t.close_requests.extend(others);
+    }
+}
+
+impl TaskCore for ConnectionCore<'_> {
+    fn data_out(&mut self, task: TaskId, data: &[u8]) {
+        let t = &mut *self.target;
+        t.core.data_out(task, data, &mut t.queues);
+    }
+
+    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
+        let t = &mut *self.target;
+        t.core.backend_done(task, result, &mut t.queues);
+    }
+
+    fn retire(&mut self, task: TaskId) {
+        let t = &mut *self.target;
+        if t.core.retire(task, &mut t.queues).is_err() {
+            t.misretired += 1;
+        }
+    }
+
+    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
+        let t = &mut *self.target;
+        t.core
+            .task_management(self.nexus, lun, function, &self.route, &mut t.queues)
+            .ok()
+    }
+
+    fn block_size(&mut self, lun: u16) -> Option<u32> {
+        let unit = self.target.core.device.logical_unit(lun);
+        unit.map(|u| u.geometry.block_size)
     }
 }
 

@@ -17,7 +17,7 @@ pub mod text;
 pub use self::core::{Route, Sink, TargetCore};
 pub use connection::{
     Close, Connection, Core, CoreEvent, Event, IscsiTask, NoBuffer, OrderedCommand, Payload, Plan,
-    Settings, Transmit, LOGOUT_GRACE,
+    Settings, TaskCore, Transmit, LOGOUT_GRACE,
 };
 pub use local::{Admitted, ConnectionCore, LocalLogin, LocalTarget};
 pub use login::{Completed, Login, LoginPolicy, Step};

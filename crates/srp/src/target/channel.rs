@@ -28,11 +28,11 @@ use std::time::Instant;
 
 use cmdtrace::{Points, Stage};
 use scsi_core::transport::{
-    Accounting, Completion, DataReady, NewTask, Request, Returned, TagError, TaskBuffer, TaskEntry,
-    TaskTable,
+    Carrier, Completion, NewTask, TagError, TaskBuffer, TaskEntry, TaskTable,
 };
+pub use scsi_core::transport::{Event, TaskCore};
 use scsi_core::{
-    Action, Asc, BackendError, Command, DataIn, DeviceError, NexusId, Op, Output, Residual, Sense,
+    Action, Asc, BackendError, Command, DataIn, DeviceError, NexusId, Output, Residual, Sense,
     SenseBytes, SenseKey, Status, TaskId, TmfFunction, TmfResponse,
 };
 
@@ -64,24 +64,14 @@ pub struct ChannelParams {
     pub imm_data_offset: Option<u16>,
 }
 
-/// The SCSI core as one channel reaches it. Calls report what follows for this channel's
-/// tasks as actions, which [`Core::poll_core`] hands back once the call has returned.
-pub trait Core {
+/// The SCSI core as one channel reaches it: the calls every transport makes for its tasks
+/// ([`TaskCore`]) and SRP's own. Calls report what follows for this channel's tasks as
+/// actions, which [`Core::poll_core`] hands back once the call has returned.
+pub trait Core: TaskCore {
     /// The next action the core reported for this channel.
     fn poll_core(&mut self) -> Option<Action>;
     /// Submits a command of this channel's I_T nexus.
     fn submit(&mut self, cmd: Command<'_>) -> Result<TaskId, DeviceError>;
-    /// All the data-out the core asked of `task` is in `data`.
-    fn data_out(&mut self, task: TaskId, data: &[u8]);
-    /// A backend operation of `task` has ended.
-    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>);
-    /// A delegated task has ended here ([`scsi_core::Device::retire`]).
-    fn retire(&mut self, task: TaskId);
-    /// Starts a task management function for the channel's I_T nexus; its answer comes back
-    /// as [`Action::TaskManagementDone`] with the returned reference. `None`: refused.
-    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64>;
-    /// The block size of LUN index `lun`, `None` when it is gone.
-    fn block_size(&mut self, lun: u16) -> Option<u32>;
 }
 
 /// The transport's state of one command: the initiator's memory descriptors.
@@ -180,41 +170,6 @@ pub enum Transmit<B> {
         /// Where the table is.
         table: MemoryDescriptor,
     },
-}
-
-/// Something for the shell to do.
-#[derive(Debug)]
-#[must_use = "an event is work the channel waits for (a backend operation, a buffer)"]
-pub enum Event<B> {
-    /// Run `op` on LUN index `lun` with `buffer`, then [`Channel::handle_backend_done`].
-    Backend {
-        /// The core's handle.
-        task: TaskId,
-        /// LUN index.
-        lun: u16,
-        /// The operation.
-        op: Op,
-        /// Its buffer.
-        buffer: B,
-    },
-    /// A backend operation waits for a buffer of `len` bytes: [`Channel::handle_buffer`]
-    /// when the allocator has room.
-    BufferWanted {
-        /// The command's tag.
-        tag: u64,
-        /// Bytes.
-        len: usize,
-    },
-    /// A buffer of `len` bytes for a command's data-out: [`Channel::handle_allocated`] when
-    /// the allocator has room (the channel's backpressure).
-    Allocate {
-        /// The command's tag.
-        tag: u64,
-        /// Bytes.
-        len: usize,
-    },
-    /// A command has ended: its accounting for the per-LU counters.
-    Completed(Accounting),
 }
 
 /// Why the channel ends.
@@ -488,6 +443,11 @@ impl<B: TaskBuffer> Channel<B> {
         }
     }
 
+    /// The channel as it carries out its task table's requests (scsi-core's [`Carrier`]).
+    fn carry(&mut self) -> Carry<'_, B> {
+        Carry(self)
+    }
+
     /// Gives back a descriptor list a transfer carried.
     pub fn recycle(&mut self, mut regions: Vec<MemoryDescriptor>) {
         // A list that never held anything (its task's was taken for a transfer) is no use
@@ -542,15 +502,29 @@ impl<B: TaskBuffer> Channel<B> {
         self.pump(now, core);
     }
 
-    /// A buffer of the length [`Event::Allocate`] asked for: the data-out is read into it.
-    pub fn handle_allocated(
+    /// The buffer task `tag` waited for ([`Event::BufferWanted`]), or `None` when the
+    /// allocator can never give it. For a command's data-out the data is read into it by RDMA
+    /// READ (with none, the command ends with ABORTED COMMAND, INSUFFICIENT RESOURCES); for a
+    /// backend operation the operation runs (with none, it fails as if the backend had).
+    pub fn handle_buffer(
         &mut self,
         now: Instant,
         tag: u64,
-        mut buffer: B,
+        buffer: Option<B>,
         core: &mut impl Core,
     ) {
         self.now = Some(now);
+        let parked = self.tasks.get(tag).is_some_and(|t| t.is_parked());
+        match buffer {
+            Some(buffer) if !parked => self.read_data_out(tag, buffer),
+            None if !parked => self.carry().fail(tag, Asc::INSUFFICIENT_RESOURCES, core),
+            buffer => self.carry().grant_buffer(tag, buffer, now, core),
+        }
+        self.pump(now, core);
+    }
+
+    /// Reads a command's data-out into `buffer` by RDMA READ.
+    fn read_data_out(&mut self, tag: u64, mut buffer: B) {
         let Some(t) = self.tasks.get_mut(tag) else {
             return; // Ended meanwhile (aborted): the buffer goes back.
         };
@@ -571,7 +545,6 @@ impl<B: TaskBuffer> Channel<B> {
             len,
             regions,
         }));
-        self.pump(now, core);
     }
 
     /// The RDMA READ `transfer` of a command's data-out has ended: `buffer` holds it, or the
@@ -596,11 +569,10 @@ impl<B: TaskBuffer> Channel<B> {
         let len = t.wanted.unwrap_or(0);
         self.tasks.put_buffer(tag, buffer);
         if !ok {
-            self.fail(tag, core);
+            self.carry().fail(tag, Asc::DATA_PHASE_ERROR, core);
         } else {
-            self.trace(Stage::DataOutDone, tag, len);
             self.tasks.data_received(tag, len);
-            self.deliver_data(tag, core);
+            self.carry().deliver_data(tag, core);
         }
         self.pump(now, core);
     }
@@ -664,40 +636,7 @@ impl<B: TaskBuffer> Channel<B> {
         core: &mut impl Core,
     ) {
         self.now = Some(now);
-        if self.trace.is_on() {
-            if let Some(tag) = self.tasks.tag_of(task) {
-                self.trace(Stage::BackendDone, tag, 0);
-            }
-        }
-        let simple = result.as_ref().map(|_| ()).map_err(|e| *e);
-        match self.tasks.backend_returned(task, buffer, simple, now) {
-            Returned::Core(task) => core.backend_done(task, result),
-            Returned::Complete(c) => self.finish(c, core),
-            Returned::Ended { entry, .. } => self.ended(entry, core),
-            Returned::Gone => {}
-        }
-        self.pump(now, core);
-    }
-
-    /// A buffer for an operation that waited ([`Event::BufferWanted`]).
-    pub fn handle_buffer(&mut self, now: Instant, tag: u64, buffer: B, core: &mut impl Core) {
-        self.now = Some(now);
-        if let Some(r) = self.tasks.grant_buffer(tag, buffer) {
-            self.request(r, core);
-        }
-        self.pump(now, core);
-    }
-
-    /// No buffer can ever be had for the operation that waits ([`Event::BufferWanted`]
-    /// larger than the whole allocator).
-    pub fn handle_buffer_refused(&mut self, now: Instant, tag: u64, core: &mut impl Core) {
-        self.now = Some(now);
-        match self.tasks.buffer_refused(tag, now) {
-            Some(Returned::Core(task)) => core.backend_done(task, Err(BackendError::Internal)),
-            Some(Returned::Complete(c)) => self.finish(c, core),
-            Some(Returned::Ended { entry, .. }) => self.ended(entry, core),
-            _ => {}
-        }
+        self.carry().backend_done(task, buffer, result, now, core);
         self.pump(now, core);
     }
 
@@ -1093,9 +1032,7 @@ impl<B: TaskBuffer> Channel<B> {
     /// when no response is due to carry it.
     fn pump(&mut self, now: Instant, core: &mut impl Core) {
         while let Some(a) = core.poll_core() {
-            if let Some(r) = self.tasks.action(a, now, |lun| core.block_size(lun)) {
-                self.request(r, core);
-            }
+            self.carry().action(a, now, core);
         }
         let answering = self.queued_responses > 0 || self.tmfs.iter().any(|t| t.request.is_some());
         if self.owed > 0
@@ -1107,55 +1044,6 @@ impl<B: TaskBuffer> Channel<B> {
         {
             self.credit_queued = true;
             self.out.push_back(Out::CredReq);
-        }
-    }
-
-    /// Carries out what the task layer asks.
-    fn request(&mut self, r: Request<SrpTask, B>, core: &mut impl Core) {
-        match r {
-            Request::DataOut { tag, len, received } => {
-                if received >= len {
-                    self.deliver_data(tag, core);
-                } else {
-                    self.trace(Stage::BufferWait, tag, len);
-                    self.events.push_back(Event::Allocate {
-                        tag,
-                        len: len as usize,
-                    });
-                }
-            }
-            Request::Backend {
-                task,
-                lun,
-                op,
-                buffer,
-                ..
-            } => {
-                if self.trace.is_on() {
-                    if let Some(tag) = self.tasks.tag_of(task) {
-                        self.trace(Stage::BackendSubmit, tag, buffer.len() as u32);
-                    }
-                }
-                self.events.push_back(Event::Backend {
-                    task,
-                    lun,
-                    op,
-                    buffer,
-                })
-            }
-            Request::BufferWanted { tag, len } => {
-                self.trace(Stage::BufferWait, tag, len as u32);
-                self.events.push_back(Event::BufferWanted { tag, len })
-            }
-            Request::Complete(c) => self.finish(c, core),
-            Request::Ended { entry, .. } => self.ended(entry, core),
-            Request::UnitGone { task, .. } => core.backend_done(task, Err(BackendError::Internal)),
-            Request::TaskManagementDone {
-                reference,
-                response,
-                ..
-            } => self.tmf_done(reference, response),
-            Request::UnitAttention { lun, sense, .. } => self.unit_attention(lun, sense),
         }
     }
 
@@ -1189,46 +1077,7 @@ impl<B: TaskBuffer> Channel<B> {
         }
     }
 
-    /// Hands in the data-out once all of it is there.
-    fn deliver_data(&mut self, tag: u64, core: &mut impl Core) {
-        let r = match self.tasks.data_complete(tag) {
-            Some(DataReady::Core { task, data }) => {
-                core.data_out(task, data);
-                return;
-            }
-            Some(DataReady::Run(r)) => r,
-            None => return,
-        };
-        self.request(r, core);
-    }
-
-    /// The transfer of a command's data failed: the core aborts it, and it ends with CHECK
-    /// CONDITION, ABORTED COMMAND, DATA PHASE ERROR.
-    fn fail(&mut self, tag: u64, core: &mut impl Core) {
-        if let Some((_, lun)) = self.tasks.fail(tag, Asc::DATA_PHASE_ERROR) {
-            if let Some(reference) = core.task_management(lun, TmfFunction::AbortTask(tag)) {
-                self.tmfs.push(PendingTmf {
-                    reference,
-                    request: None,
-                });
-            }
-        }
-    }
-
-    /// A task has ended: data-in by RDMA WRITE, then its SRP_RSP; a delegated one is retired
-    /// once they are queued.
-    fn finish(&mut self, c: Completion<SrpTask, B>, core: &mut impl Core) {
-        let retire = c.retire;
-        self.respond(c);
-        if let Some(task) = retire {
-            core.retire(task);
-        }
-    }
-
     fn respond(&mut self, mut c: Completion<SrpTask, B>) {
-        let data_in_bytes = c.accounting.read_bytes.min(u64::from(u32::MAX)) as u32;
-        self.trace(Stage::Responded, c.tag, data_in_bytes);
-        self.events.push_back(Event::Completed(c.accounting));
         self.release_credit();
         let data_in = std::mem::take(&mut c.transport.data_in);
         let data_out = std::mem::take(&mut c.transport.data_out);
@@ -1267,15 +1116,70 @@ impl<B: TaskBuffer> Channel<B> {
             ..Rsp::status(c.tag, c.transport.sol_not, c.status)
         });
     }
+}
 
-    /// A task ended with nothing to send (aborted): its credit is owed, a delegated one is
-    /// retired.
-    fn ended(&mut self, mut entry: TaskEntry<SrpTask, B>, core: &mut impl Core) {
-        self.release_credit();
-        let t = std::mem::take(&mut entry.transport);
-        self.recycle_task(t);
-        if let Some(task) = entry.retire() {
-            core.retire(task);
+/// A channel carrying out its task table's requests: the part every transport shares is
+/// scsi-core's ([`Carrier`]'s provided methods), this is SRP's. A private view, so that the
+/// hooks are not the channel's API.
+struct Carry<'a, B>(&'a mut Channel<B>);
+
+impl<B: TaskBuffer, C: Core> Carrier<B, C> for Carry<'_, B> {
+    type Task = SrpTask;
+
+    fn tasks(&mut self) -> &mut TaskTable<SrpTask, B> {
+        &mut self.0.tasks
+    }
+
+    fn event(&mut self, event: Event<B>) {
+        self.0.events.push_back(event);
+    }
+
+    fn tracing(&self) -> bool {
+        self.0.trace.is_on()
+    }
+
+    fn trace(&mut self, stage: Stage, tag: u64, arg: u32) {
+        self.0.trace(stage, tag, arg);
+    }
+
+    /// The target moves data-out itself: a buffer for it, then RDMA READ
+    /// ([`Channel::handle_buffer`]).
+    fn fetch_data_out(&mut self, tag: u64, len: u32, received: u32, _core: &mut C) {
+        if received < len {
+            self.0.trace(Stage::BufferWait, tag, len);
+            self.0.events.push_back(Event::BufferWanted {
+                tag,
+                len: len as usize,
+            });
         }
+    }
+
+    /// Data-in by RDMA WRITE, then the SRP_RSP.
+    fn respond(&mut self, completion: Completion<SrpTask, B>, _core: &mut C) {
+        self.0.respond(completion);
+    }
+
+    /// Its credit is owed (given back with the next response or an SRP_CRED_REQ), its
+    /// descriptor lists kept for the next command.
+    fn forget(&mut self, _tag: u64, entry: &mut TaskEntry<SrpTask, B>) {
+        self.0.release_credit();
+        let t = std::mem::take(&mut entry.transport);
+        self.0.recycle_task(t);
+    }
+
+    fn tmf_done(&mut self, reference: u64, response: TmfResponse, _core: &mut C) {
+        self.0.tmf_done(reference, response);
+    }
+
+    fn aborting(&mut self, reference: u64) {
+        self.0.tmfs.push(PendingTmf {
+            reference,
+            request: None,
+        });
+    }
+
+    /// Reported by SRP_AER_REQ.
+    fn unit_attention(&mut self, lun: u64, sense: SenseBytes) {
+        self.0.unit_attention(lun, sense);
     }
 }

@@ -18,7 +18,7 @@ use scsi_core::{
     Action, BackendError, Command, Device, DeviceError, NexusId, Output, TaskId, TmfFunction,
 };
 
-use super::channel::Core;
+use super::channel::{Core, TaskCore};
 use super::driver::Buffers;
 use crate::verbs::Verbs;
 
@@ -128,7 +128,9 @@ impl Core for ChannelCore<'_> {
         let c = &mut *self.core;
         c.router.submit(cmd, &self.ch, &mut c.queues)
     }
+}
 
+impl TaskCore for ChannelCore<'_> {
     fn data_out(&mut self, task: TaskId, data: &[u8]) {
         // A refusal is a task that ended meanwhile (aborted): nothing is owed for it.
         let c = &mut *self.core;

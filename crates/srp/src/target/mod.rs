@@ -6,7 +6,9 @@ pub mod driver;
 pub mod local;
 pub mod login;
 
-pub use channel::{Channel, ChannelParams, Close, Core, Event, Payload, SrpTask, Transmit};
+pub use channel::{
+    Channel, ChannelParams, Close, Core, Event, Payload, SrpTask, TaskCore, Transmit,
+};
 pub use driver::{Broken, Buffers, Driver};
 pub use local::{ChannelCore, LocalCore, VecBuffers};
 pub use login::{

@@ -208,39 +208,6 @@ impl iscsi_pdu::target::Core for Step<'_> {
             .unwrap_or(false)
     }
 
-    fn data_out(&mut self, task: TaskId, data: &[u8]) {
-        self.core(|_, core, _, out| core.data_out(task, data, out));
-    }
-
-    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
-        self.core(|_, core, _, out| core.backend_done(task, result, out));
-    }
-
-    fn retire(&mut self, task: TaskId) {
-        match (&mut self.core, self.scope.session()) {
-            (Some(core), _) => crate::target::retire(core, task, &mut self.link.out),
-            // No lock taken for it: queued for the next holder (see `Target::retire`).
-            (None, Some(session)) => session.target.retire(task),
-            (None, None) => {}
-        }
-    }
-
-    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
-        self.core(|session, core, route, out| {
-            core.task_management(session.nexus, lun, function, route, out)
-                .map_err(|e| tracing::error!("task management refused by the core: {e}"))
-                .ok()
-        })
-        .flatten()
-    }
-
-    fn block_size(&mut self, lun: u16) -> Option<u32> {
-        let unit = self.scope.target()?.lun(lun)?;
-        let bs = unit.block_size;
-        self.link.unit = Some(unit);
-        Some(bs)
-    }
-
     fn send_targets(&mut self, value: &str) -> TextParams {
         self.release();
         let (initiator, own) = match self.scope {
@@ -301,6 +268,41 @@ impl iscsi_pdu::target::Core for Step<'_> {
             }
         }
         self.close_session();
+    }
+}
+
+impl iscsi_pdu::target::TaskCore for Step<'_> {
+    fn data_out(&mut self, task: TaskId, data: &[u8]) {
+        self.core(|_, core, _, out| core.data_out(task, data, out));
+    }
+
+    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
+        self.core(|_, core, _, out| core.backend_done(task, result, out));
+    }
+
+    fn retire(&mut self, task: TaskId) {
+        match (&mut self.core, self.scope.session()) {
+            (Some(core), _) => crate::target::retire(core, task, &mut self.link.out),
+            // No lock taken for it: queued for the next holder (see `Target::retire`).
+            (None, Some(session)) => session.target.retire(task),
+            (None, None) => {}
+        }
+    }
+
+    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
+        self.core(|session, core, route, out| {
+            core.task_management(session.nexus, lun, function, route, out)
+                .map_err(|e| tracing::error!("task management refused by the core: {e}"))
+                .ok()
+        })
+        .flatten()
+    }
+
+    fn block_size(&mut self, lun: u16) -> Option<u32> {
+        let unit = self.scope.target()?.lun(lun)?;
+        let bs = unit.block_size;
+        self.link.unit = Some(unit);
+        Some(bs)
     }
 }
 
