@@ -5,7 +5,7 @@
 //! accepts each with the iSER CM reply and the receives its command window needs, then runs
 //! the login (its PDUs in Sends, negotiated with `RDMAExtensions=Yes`) through the same
 //! [`Admission`](crate::registry::Admission) as a TCP connection, and full feature phase
-//! through the same session, SCSI core and routing (`iscsi::connection::Step`). What the machine asks is
+//! through the same session, SCSI core and routing (`iscsi::connection::SessionStep`). What the machine asks is
 //! posted on the queue pair in order: Sends of control PDUs (encoded into IU buffers), RDMA
 //! WRITE of a read's data from the arena slots the backend filled, RDMA READ of a write's
 //! solicited data into the slots the backend then writes from. Nothing is registered per I/O.
@@ -41,7 +41,7 @@ use srp::verbs::{IuBuffers, PortBuffer, Verbs, WorkOp};
 use tokio::sync::mpsc;
 
 use crate::control::{Control, Request};
-use crate::iscsi::connection::{Link, Scope, Step};
+use crate::iscsi::connection::{Link, Scope, SessionStep};
 use crate::iscsi::login::Outcome;
 use crate::port::{Waits, Want};
 use crate::reactor::{Inbox, Io};
@@ -419,7 +419,7 @@ impl<F: Fabric> Portal<F> {
                 continue;
             };
             if let Phase::Full(f) = &mut c.phase {
-                let mut nexus = Step::new(&mut f.link, &f.scope);
+                let mut nexus = SessionStep::new(&mut f.link, &f.scope);
                 f.machine.connection_mut().handle_backend_done(
                     Instant::now(),
                     done.task,
@@ -480,7 +480,7 @@ impl<F: Fabric> Portal<F> {
                     if let (Some(read), PortBuffer::Data(b), Phase::Full(f)) =
                         (read, buffer, &mut c.phase)
                     {
-                        let mut nexus = Step::new(&mut f.link, &f.scope);
+                        let mut nexus = SessionStep::new(&mut f.link, &f.scope);
                         f.machine
                             .handle_rdma_read(now, read, b, !failed, &mut nexus);
                     }
@@ -513,7 +513,7 @@ impl<F: Fabric> Portal<F> {
         let Phase::Full(f) = &mut c.phase else {
             return;
         };
-        let mut nexus = Step::new(&mut f.link, &f.scope);
+        let mut nexus = SessionStep::new(&mut f.link, &f.scope);
         let plan = f.machine.handle_message(now, &b[..len], &mut nexus);
         drop(nexus);
         match plan {
@@ -545,7 +545,7 @@ impl<F: Fabric> Portal<F> {
                     len,
                 } => {
                     buffer[at..at + len].copy_from_slice(&b[from..from + len]);
-                    let mut nexus = Step::new(&mut f.link, &f.scope);
+                    let mut nexus = SessionStep::new(&mut f.link, &f.scope);
                     f.machine.handle_payload(now, buffer, &mut nexus);
                     break;
                 }
@@ -573,7 +573,7 @@ impl<F: Fabric> Portal<F> {
                             Err(NoBuffer::Busy)
                         }
                     };
-                    let mut nexus = Step::new(&mut f.link, &f.scope);
+                    let mut nexus = SessionStep::new(&mut f.link, &f.scope);
                     plan = f.machine.handle_allocated(now, got, &mut nexus);
                 }
             }
@@ -673,7 +673,7 @@ impl<F: Fabric> Portal<F> {
                 return progress;
             }
             Phase::Full(f) => {
-                let mut nexus = Step::new(&mut f.link, &f.scope);
+                let mut nexus = SessionStep::new(&mut f.link, &f.scope);
                 let m = f.machine.connection_mut();
                 if !c.lost && m.poll_timeout().is_some_and(|t| t <= now) {
                     m.handle_timeout(now, &mut nexus);
@@ -727,7 +727,7 @@ impl<F: Fabric> Portal<F> {
                         self.io.submit(&unit, op, buffer, &self.inbox, task);
                     }
                     None => {
-                        let mut nexus = Step::new(&mut f.link, &f.scope);
+                        let mut nexus = SessionStep::new(&mut f.link, &f.scope);
                         let gone = Err(BackendError::Internal);
                         f.machine.connection_mut().handle_backend_done(
                             Instant::now(),
@@ -788,14 +788,14 @@ impl<F: Fabric> Portal<F> {
         if w.data_out {
             let Some(b) = c.held.take() else { return };
             let got = buffer.ok_or(NoBuffer::TooLarge);
-            let mut nexus = Step::new(&mut f.link, &f.scope);
+            let mut nexus = SessionStep::new(&mut f.link, &f.scope);
             let plan = f.machine.handle_allocated(now, got, &mut nexus);
             drop(nexus);
             self.follow(w.conn, b, plan, now);
             self.resume(w.conn, now);
             return;
         }
-        let mut nexus = Step::new(&mut f.link, &f.scope);
+        let mut nexus = SessionStep::new(&mut f.link, &f.scope);
         f.machine
             .connection_mut()
             .handle_buffer(now, w.tag, buffer, &mut nexus);
@@ -809,7 +809,7 @@ impl<F: Fabric> Portal<F> {
             return false;
         };
         if let Phase::Full(f) = &mut c.phase {
-            let mut nexus = Step::new(&mut f.link, &f.scope);
+            let mut nexus = SessionStep::new(&mut f.link, &f.scope);
             while let Some(w) = f.machine.poll_work(&mut nexus) {
                 c.pending.push_back(w);
             }
@@ -994,7 +994,7 @@ impl<F: Fabric> Portal<F> {
         for c in self.conns.values_mut() {
             match &mut c.phase {
                 Phase::Full(f) if f.scope.session().is_some() => {
-                    let mut nexus = Step::new(&mut f.link, &f.scope);
+                    let mut nexus = SessionStep::new(&mut f.link, &f.scope);
                     f.machine.connection_mut().ask_logout(&mut nexus);
                 }
                 _ => c.lost = true,
@@ -1024,10 +1024,10 @@ impl<F: Fabric> Portal<F> {
 /// A connection is gone: no queued command of it reaches the core from now on, and its
 /// session hears of it (as a TCP connection's teardown).
 fn teardown(f: &mut Full, id: u64, registry: &Registry) {
-    let mut nexus = Step::new(&mut f.link, &f.scope);
+    let mut nexus = SessionStep::new(&mut f.link, &f.scope);
     nexus.cancel_queued();
     while let Ok(ev) = f.rx.try_recv() {
-        nexus.link.out.local.push_back(ev);
+        nexus.core.out.local.push_back(ev);
     }
     let Some(session) = nexus.scope.session().cloned() else {
         f.machine.connection_mut().close(true, &mut nexus);
@@ -1038,7 +1038,7 @@ fn teardown(f: &mut Full, id: u64, registry: &Registry) {
     let last = registry.sessions.leave(&session, id);
     f.machine.connection_mut().close(last, &mut nexus);
     if last {
-        nexus.core(|session, core, _, out| core.close_session(session.nexus, out));
+        nexus.session_core(|session, core, _, out| core.close_session(session.nexus, out));
         tracing::info!(tsih = session.tsih, initiator = %session.initiator, "session ends");
     }
 }

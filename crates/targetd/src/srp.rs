@@ -6,7 +6,7 @@
 //! receives go into the channel machine, which the port answers by posting sends and RDMA
 //! transfers, running backend operations on the reactor's engine ([`Io::submit`], as iSCSI
 //! connections do) and handing the target's SCSI core what the machine asks through
-//! `Via`, the same core and routing iSCSI sessions use. Data moves between the reactor's
+//! `CoreStep`, the same core, lock and routing iSCSI sessions use. Data moves between the reactor's
 //! arena slots and the initiator's memory: RDMA WRITE from the slot a READ filled, RDMA READ
 //! into the slot a WRITE then writes from. Nothing is registered per I/O.
 //!
@@ -23,17 +23,15 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
 
+use crate::target::CoreStep;
 use backend::{Buffer, Share};
-use scsi_core::{
-    Action, BackendError, Command, DeviceError, NexusId, Output, TaskId, TmfFunction, TransportId,
-};
+use scsi_core::{Action, BackendError, Command, DeviceError, NexusId, TaskId, TransportId};
 use srp::fabric::NodeId;
 use srp::iu::{IuError, LoginRejectReason, SrpLoginRej, SrpLoginReq, TargetLogoutReason};
 use srp::switch::{ConnectRequest, Endpoint, Switch, SwitchError};
 use srp::target::channel::SPARE_RECEIVES;
 use srp::target::{
     Admission, Buffers, Channel, ChannelTable, Core, Driver, Event, ItNexusKey, Left, PortSettings,
-    TaskCore,
 };
 use srp::verbs::{IuBuffers, PortBuffer, Verbs};
 use tokio::sync::mpsc;
@@ -45,7 +43,7 @@ use crate::control::Control;
 use crate::port::{Waits, Want};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{lock, ConnectionSlot, Registry, SrpChannelInfo};
-use crate::target::{next_id, CoreGuard, Lun, Outbox, Route, Routed, Target};
+use crate::target::{next_id, Lun, Outbox, Route, Routed, Target};
 
 /// The relative target port identifier of every target's SRP port (its iSCSI port is 1).
 pub const RELATIVE_PORT: u16 = 2;
@@ -258,37 +256,8 @@ impl Fabric for FabricPort {
     }
 }
 
-/// The target's SCSI core as one channel reaches it during one step: the lock taken when the
-/// machine first needs the core and let go when the step ends (then what the core routed to
-/// other connections is sent), as an iSCSI connection's step does.
-struct Via<'a> {
-    target: &'a Target,
-    nexus: NexusId,
-    route: &'a Route,
-    out: &'a mut Outbox,
-    core: Option<CoreGuard<'a>>,
-    /// The unit whose block size the machine asked for last (its backend operation follows).
-    unit: &'a mut Option<Arc<Lun>>,
-}
-
-impl<'a> Via<'a> {
-    fn core<R>(&mut self, f: impl FnOnce(&mut crate::target::Core, &Route, &mut Outbox) -> R) -> R {
-        let target: &'a Target = self.target;
-        let core = self.core.get_or_insert_with(|| target.core());
-        let r = f(core, self.route, self.out);
-        core.drain(self.out);
-        r
-    }
-}
-
-impl Drop for Via<'_> {
-    fn drop(&mut self) {
-        self.core = None;
-        self.out.send_remote();
-    }
-}
-
-impl Core for Via<'_> {
+/// The core as a channel reaches it: the step every transport takes, with SRP's own calls.
+impl Core for CoreStep<'_> {
     fn poll_core(&mut self) -> Option<Action> {
         loop {
             match self.out.local.pop_front()? {
@@ -300,41 +269,8 @@ impl Core for Via<'_> {
     }
 
     fn submit(&mut self, cmd: Command<'_>) -> Result<TaskId, DeviceError> {
-        self.core(|core, route, out| core.submit(cmd, route, out))
-    }
-}
-
-impl TaskCore for Via<'_> {
-    fn data_out(&mut self, task: TaskId, data: &[u8]) {
-        self.core(|core, _, out| core.data_out(task, data, out));
-    }
-
-    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
-        self.core(|core, _, out| core.backend_done(task, result, out));
-    }
-
-    fn retire(&mut self, task: TaskId) {
-        match &mut self.core {
-            Some(core) => crate::target::retire(core, task, self.out),
-            // No lock taken for it: queued for the next holder (see `Target::retire`).
-            None => self.target.retire(task),
-        }
-    }
-
-    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
-        let nexus = self.nexus;
-        self.core(|core, route, out| {
-            core.task_management(nexus, lun, function, route, out)
-                .map_err(|e| tracing::error!("task management refused by the core: {e}"))
-                .ok()
-        })
-    }
-
-    fn block_size(&mut self, lun: u16) -> Option<u32> {
-        let unit = self.target.lun(lun)?;
-        let bs = unit.block_size;
-        *self.unit = Some(unit);
-        Some(bs)
+        self.core(|core, _, route, out| core.submit(cmd, route, out))
+            .unwrap_or(Err(DeviceError::UnknownNexus))
     }
 }
 
@@ -358,24 +294,22 @@ struct Chan<Q> {
 
 impl<Q> Chan<Q> {
     /// The core as this channel reaches it for one step.
-    fn via(&mut self) -> (&mut Channel<Buffer>, Via<'_>) {
-        let (machine, _, via) = self.parts();
-        (machine, via)
+    fn step(&mut self) -> (&mut Channel<Buffer>, CoreStep<'_>) {
+        let (machine, _, step) = self.parts();
+        (machine, step)
     }
 
     /// The machine, the driver of its queue pair, and the core as the channel reaches it.
-    fn parts(&mut self) -> (&mut Channel<Buffer>, &mut Driver<Q>, Via<'_>) {
+    fn parts(&mut self) -> (&mut Channel<Buffer>, &mut Driver<Q>, CoreStep<'_>) {
         (
             &mut self.machine,
             &mut self.driver,
-            Via {
-                target: &self.target,
-                nexus: self.nexus,
-                route: &self.route,
-                out: &mut self.out,
-                core: None,
-                unit: &mut self.unit,
-            },
+            CoreStep::new(
+                Some((&self.target, self.nexus)),
+                &self.route,
+                &mut self.out,
+                &mut self.unit,
+            ),
         )
     }
 }
@@ -632,8 +566,8 @@ impl<F: Fabric> Port<F> {
             Admission::Replace { nexus, channels } => {
                 for id in channels {
                     if let Some(c) = self.channels.get_mut(&id) {
-                        let (machine, mut via) = c.via();
-                        machine.terminate(TargetLogoutReason::MultiChannelAction, true, &mut via);
+                        let (machine, mut step) = c.step();
+                        machine.terminate(TargetLogoutReason::MultiChannelAction, true, &mut step);
                     }
                 }
                 let mut out = Outbox::detached();
@@ -727,13 +661,13 @@ impl<F: Fabric> Port<F> {
             let Some(c) = owner.and_then(|id| self.channels.get_mut(&id)) else {
                 continue;
             };
-            let (machine, mut via) = c.via();
+            let (machine, mut step) = c.step();
             machine.handle_backend_done(
                 Instant::now(),
                 done.task,
                 done.buffer,
                 done.result,
-                &mut via,
+                &mut step,
             );
         }
         any
@@ -753,23 +687,23 @@ impl<F: Fabric> Port<F> {
             immediate: &self.registry.srp_immediate_writes,
         };
         let verbs = self.fabric.verbs();
-        let (machine, driver, mut via) = c.parts();
+        let (machine, driver, mut step) = c.parts();
         let qp = driver.qp();
         while let Some(wc) = verbs.poll(qp) {
             progress = true;
-            if let Err(e) = driver.complete(now, wc, machine, &mut via, verbs, &mut slots) {
+            if let Err(e) = driver.complete(now, wc, machine, &mut step, verbs, &mut slots) {
                 broken = Some(e);
             }
         }
-        if !via.out.local.is_empty() {
+        if !step.out.local.is_empty() {
             progress = true;
-            machine.handle_core(now, &mut via);
+            machine.handle_core(now, &mut step);
         }
-        match driver.transmit(now, machine, &mut via, verbs, &mut slots) {
+        match driver.transmit(now, machine, &mut step, verbs, &mut slots) {
             Ok(any) => progress |= any,
             Err(e) => broken = Some(e),
         }
-        drop(via);
+        drop(step);
         if let Some(why) = broken {
             tracing::warn!(portal = %self.portal, "SRP channel disconnected: {why}");
             verbs.disconnect(qp);
@@ -806,9 +740,9 @@ impl<F: Fabric> Port<F> {
                         self.io.submit(&unit, op, buffer, &self.inbox, task);
                     }
                     None => {
-                        let (machine, mut via) = c.via();
+                        let (machine, mut step) = c.step();
                         let gone = Err(BackendError::Internal);
-                        machine.handle_backend_done(Instant::now(), task, buffer, gone, &mut via);
+                        machine.handle_backend_done(Instant::now(), task, buffer, gone, &mut step);
                     }
                 }
             }
@@ -837,8 +771,8 @@ impl<F: Fabric> Port<F> {
             return;
         };
         let now = Instant::now();
-        let (machine, mut via) = c.via();
-        machine.handle_buffer(now, w.tag, buffer, &mut via);
+        let (machine, mut step) = c.step();
+        machine.handle_buffer(now, w.tag, buffer, &mut step);
     }
 
     /// Ends a channel that is over once its tasks have: it leaves the table, its nexus
@@ -856,8 +790,8 @@ impl<F: Fabric> Port<F> {
             // Its commands still in the core are aborted (the nexus may go on with other
             // channels; if not, it closes once this channel is idle and has left).
             c.lost = true;
-            let (machine, mut via) = c.via();
-            machine.close(false, &mut via);
+            let (machine, mut step) = c.step();
+            machine.close(false, &mut step);
         }
         if !c.machine.is_idle() {
             return false;
@@ -899,8 +833,8 @@ impl<F: Fabric> Port<F> {
     /// Logs channel `id` out (the daemon is stopping).
     fn log_out(&mut self, id: u64) {
         if let Some(c) = self.channels.get_mut(&id) {
-            let (machine, mut via) = c.via();
-            machine.terminate(TargetLogoutReason::NoReason, false, &mut via);
+            let (machine, mut step) = c.step();
+            machine.terminate(TargetLogoutReason::NoReason, false, &mut step);
         }
     }
 

@@ -26,7 +26,11 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use backend::{Faults, FileConfig, FileHandle};
 use iscsi_pdu::target::{Sink, TargetCore};
 use scsi_core::pr::FileStore;
-use scsi_core::{Device, Geometry, Identity, Limits, LogicalUnit, TargetPort, TaskId};
+use scsi_core::transport::TaskCore;
+use scsi_core::{
+    BackendError, Device, Geometry, Identity, Limits, LogicalUnit, NexusId, Output, TargetPort,
+    TaskId, TmfFunction,
+};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config;
@@ -166,6 +170,105 @@ impl Sink<Route> for Outbox {
 
     fn unrouted(&mut self, action: scsi_core::Action) {
         tracing::warn!(?action, "an action for a task without a connection");
+    }
+}
+
+/// A target's SCSI core as one step of a connection or channel reaches it (a PDU or IU read,
+/// a turn of its worker): the transport machines' [`TaskCore`]. The core's lock is taken at most
+/// once per step, when the machine first needs the core, and let go when the step ends; then
+/// what the core routed to other connections is sent. So a command's ordering, submission and
+/// immediate data cost one acquisition, and a turn that finishes several tasks takes it once
+/// for all of them. iSCSI's connections (with their session around it) and SRP's channels
+/// both step through it.
+pub(crate) struct CoreStep<'a> {
+    /// The target and the I_T nexus, `None` for a discovery session (no core).
+    target: Option<(&'a Target, NexusId)>,
+    route: &'a Route,
+    /// Where the core's answers go: this connection's, and others' until the step ends.
+    pub(crate) out: &'a mut Outbox,
+    /// The unit whose block size the machine asked for last: the backend operation that
+    /// follows runs on it without a second lookup.
+    pub(crate) unit: &'a mut Option<Arc<Lun>>,
+    guard: Option<CoreGuard<'a>>,
+}
+
+impl<'a> CoreStep<'a> {
+    /// A step of the connection with `route` on `target`'s core for `nexus`.
+    pub(crate) fn new(
+        target: Option<(&'a Target, NexusId)>,
+        route: &'a Route,
+        out: &'a mut Outbox,
+        unit: &'a mut Option<Arc<Lun>>,
+    ) -> CoreStep<'a> {
+        CoreStep {
+            target,
+            route,
+            out,
+            unit,
+            guard: None,
+        }
+    }
+
+    /// The core's call `f` for the nexus, the lock taken if this step does not hold it yet,
+    /// and what the core hands back drained into the outbox; `None` without a core.
+    pub(crate) fn core<R>(
+        &mut self,
+        f: impl FnOnce(&mut Core, NexusId, &Route, &mut Outbox) -> R,
+    ) -> Option<R> {
+        let (target, nexus) = self.target?;
+        let core = self.guard.get_or_insert_with(|| target.core());
+        let r = f(core, nexus, self.route, self.out);
+        core.drain(self.out);
+        Some(r)
+    }
+
+    /// Lets the core's lock go (before taking locks that are taken before it elsewhere: the
+    /// session registry's), then sends what the core routed to other connections.
+    pub(crate) fn release(&mut self) {
+        self.guard = None;
+        self.out.send_remote();
+    }
+}
+
+impl Drop for CoreStep<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl TaskCore for CoreStep<'_> {
+    fn data_out(&mut self, task: TaskId, data: &[u8]) {
+        self.core(|core, _, _, out| core.data_out(task, data, out));
+    }
+
+    fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
+        self.core(|core, _, _, out| core.backend_done(task, result, out));
+    }
+
+    fn retire(&mut self, task: TaskId) {
+        match (&mut self.guard, self.target) {
+            (Some(core), _) => retire(core, task, self.out),
+            // No lock taken for it: queued for the next holder (see `Target::retire`).
+            (None, Some((target, _))) => target.retire(task),
+            (None, None) => {}
+        }
+    }
+
+    fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
+        self.core(|core, nexus, route, out| {
+            core.task_management(nexus, lun, function, route, out)
+                .map_err(|e| tracing::error!("task management refused by the core: {e}"))
+                .ok()
+        })
+        .flatten()
+    }
+
+    fn block_size(&mut self, lun: u16) -> Option<u32> {
+        let (target, _) = self.target?;
+        let unit = target.lun(lun)?;
+        let block_size = unit.block_size;
+        *self.unit = Some(unit);
+        Some(block_size)
     }
 }
 

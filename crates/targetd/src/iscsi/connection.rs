@@ -34,7 +34,7 @@ use super::wire::{Incoming, ReadError, Reader, SendStalled, Writer};
 use crate::control::{Control, Request};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{Peer, Registry};
-use crate::target::{next_id, Core, CoreGuard, Outbox, Route, Routed, Target, MAX_IO};
+use crate::target::{next_id, Core, CoreStep, Outbox, Route, Routed, Target, MAX_IO};
 use iscsi_pdu::target::Core as _;
 
 /// How long a closing connection waits for its tasks' backend operations.
@@ -135,57 +135,63 @@ pub(crate) struct Link {
 }
 
 /// The session and the target as one step of the connection reaches them (a PDU read, a turn
-/// of the worker): the daemon's side of the machine's [`Core`](iscsi_pdu::target::Core). The target's core lock is
-/// taken at most once per step, when the machine first needs the core, and released when the
-/// step ends; so a command's CmdSN ordering, submission and immediate data cost one
-/// acquisition, and a turn that finishes several tasks takes it once for all of them.
-pub(crate) struct Step<'a> {
-    pub(crate) link: &'a mut Link,
+/// of the worker): the daemon's side of the machine's [`Core`](iscsi_pdu::target::Core). The
+/// target's core is the [`CoreStep`] SRP's channels take too (its lock at most once per step);
+/// around it, what iSCSI adds: the session's CmdSN order and its other connections, and
+/// discovery.
+pub(crate) struct SessionStep<'a> {
+    /// The target's core for this step.
+    pub(crate) core: CoreStep<'a>,
     pub(crate) scope: &'a Scope,
-    core: Option<CoreGuard<'a>>,
+    /// The connection's id.
+    pub(crate) id: u64,
+    peer: SocketAddr,
+    portal: SocketAddr,
+    pub(crate) registry: &'a Registry,
 }
 
-impl<'a> Step<'a> {
-    pub(crate) fn new(link: &'a mut Link, scope: &'a Scope) -> Step<'a> {
-        Step {
-            link,
+impl<'a> SessionStep<'a> {
+    pub(crate) fn new(link: &'a mut Link, scope: &'a Scope) -> SessionStep<'a> {
+        let Link {
+            id,
+            peer,
+            portal,
+            registry,
+            route,
+            out,
+            unit,
+        } = link;
+        let target = scope.session().map(|s| (&*s.target, s.nexus));
+        SessionStep {
+            core: CoreStep::new(target, route, out, unit),
             scope,
-            core: None,
+            id: *id,
+            peer: *peer,
+            portal: *portal,
+            registry,
         }
     }
 
-    /// The SCSI core's call `f`, the lock taken if this step does not hold it yet, and what
-    /// the core hands back drained into `local`.
-    pub(crate) fn core<R>(
+    /// The SCSI core's call `f` for the session (see [`CoreStep::core`]).
+    pub(crate) fn session_core<R>(
         &mut self,
         f: impl FnOnce(&Session, &mut Core, &Route, &mut Outbox) -> R,
     ) -> Option<R> {
         let scope: &'a Scope = self.scope;
         let session = scope.session()?;
-        let core = self.core.get_or_insert_with(|| session.target.core());
-        let link = &mut *self.link;
-        let r = f(session, core, &link.route, &mut link.out);
-        core.drain(&mut link.out);
-        Some(r)
+        self.core
+            .core(|core, _, route, out| f(session, core, route, out))
     }
 
-    /// Lets the core's lock go (before taking locks that are taken before it elsewhere: the
-    /// session registry's), then sends what the core routed to other connections.
+    /// Lets the core's lock go (see [`CoreStep::release`]).
     pub(crate) fn release(&mut self) {
-        self.core = None;
-        self.link.out.send_remote();
+        self.core.release();
     }
 }
 
-impl Drop for Step<'_> {
-    fn drop(&mut self) {
-        self.release();
-    }
-}
-
-impl iscsi_pdu::target::Core for Step<'_> {
+impl iscsi_pdu::target::Core for SessionStep<'_> {
     fn poll_core(&mut self) -> Option<Routed> {
-        self.link.out.local.pop_front()
+        self.core.out.local.pop_front()
     }
 
     fn window(&self) -> (SerialNumber, SerialNumber) {
@@ -193,8 +199,10 @@ impl iscsi_pdu::target::Core for Step<'_> {
     }
 
     fn deliver(&mut self, cmd: OrderedCommand, immediate: bool) -> bool {
-        self.core(|session, core, route, out| session.deliver(core, cmd, immediate, route, out))
-            .unwrap_or(false)
+        self.session_core(|session, core, route, out| {
+            session.deliver(core, cmd, immediate, route, out)
+        })
+        .unwrap_or(false)
     }
 
     fn take_cmd_sn(&mut self, cmd_sn: SerialNumber) -> bool {
@@ -204,7 +212,7 @@ impl iscsi_pdu::target::Core for Step<'_> {
             while order.next_ready().is_some() {}
             return taken;
         }
-        self.core(|session, core, _, out| session.take_cmd_sn(core, cmd_sn, out))
+        self.session_core(|session, core, _, out| session.take_cmd_sn(core, cmd_sn, out))
             .unwrap_or(false)
     }
 
@@ -214,9 +222,8 @@ impl iscsi_pdu::target::Core for Step<'_> {
             Scope::Session(session) => (&session.initiator, Some(session.target.name.as_str())),
             Scope::Discovery { initiator, .. } => (initiator, None),
         };
-        let link = &self.link;
-        link.registry
-            .send_targets(initiator, link.peer.ip(), link.portal, value, own)
+        self.registry
+            .send_targets(initiator, self.peer.ip(), self.portal, value, own)
     }
 
     fn close_connection(&mut self, cid: u16) -> bool {
@@ -224,7 +231,7 @@ impl iscsi_pdu::target::Core for Step<'_> {
         let Some(session) = self.scope.session() else {
             return false;
         };
-        let conns = self.link.registry.sessions.connections(session);
+        let conns = self.registry.sessions.connections(session);
         let Some(c) = conns.iter().find(|c| c.cid == cid) else {
             return false;
         };
@@ -233,21 +240,21 @@ impl iscsi_pdu::target::Core for Step<'_> {
     }
 
     fn cancel_queued(&mut self) {
-        let me = self.link.id;
-        self.core(|session, core, _, _| core.cancel_queued(session.nexus, me));
+        let me = self.id;
+        self.session_core(|session, core, _, _| core.cancel_queued(session.nexus, me));
     }
 
     fn close_session(&mut self) -> Option<u64> {
         self.release();
         let session = self.scope.session()?;
-        for c in self.link.registry.sessions.connections(session) {
-            if c.id != self.link.id {
+        for c in self.registry.sessions.connections(session) {
+            if c.id != self.id {
                 c.control.request(Request::Close);
             }
         }
         // An SPC-2 reservation kept with other gateways goes before the logout is answered
         // (an I_T NEXUS RESET, which the keeper carries to every gateway).
-        self.core(|session, core, route, out| {
+        self.session_core(|session, core, route, out| {
             if !core.device.holds_shared_reservation(session.nexus) {
                 return None;
             }
@@ -262,47 +269,34 @@ impl iscsi_pdu::target::Core for Step<'_> {
         let Some(session) = self.scope.session() else {
             return;
         };
-        for s in self.link.registry.sessions.all() {
+        for s in self.registry.sessions.all() {
             if Arc::ptr_eq(&s.target, &session.target) && !Arc::ptr_eq(&s, session) {
-                self.link.registry.sessions.close(&s);
+                self.registry.sessions.close(&s);
             }
         }
         self.close_session();
     }
 }
 
-impl iscsi_pdu::target::TaskCore for Step<'_> {
+impl iscsi_pdu::target::TaskCore for SessionStep<'_> {
     fn data_out(&mut self, task: TaskId, data: &[u8]) {
-        self.core(|_, core, _, out| core.data_out(task, data, out));
+        self.core.data_out(task, data);
     }
 
     fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
-        self.core(|_, core, _, out| core.backend_done(task, result, out));
+        self.core.backend_done(task, result);
     }
 
     fn retire(&mut self, task: TaskId) {
-        match (&mut self.core, self.scope.session()) {
-            (Some(core), _) => crate::target::retire(core, task, &mut self.link.out),
-            // No lock taken for it: queued for the next holder (see `Target::retire`).
-            (None, Some(session)) => session.target.retire(task),
-            (None, None) => {}
-        }
+        self.core.retire(task);
     }
 
     fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
-        self.core(|session, core, route, out| {
-            core.task_management(session.nexus, lun, function, route, out)
-                .map_err(|e| tracing::error!("task management refused by the core: {e}"))
-                .ok()
-        })
-        .flatten()
+        self.core.task_management(lun, function)
     }
 
     fn block_size(&mut self, lun: u16) -> Option<u32> {
-        let unit = self.scope.target()?.lun(lun)?;
-        let bs = unit.block_size;
-        self.link.unit = Some(unit);
-        Some(bs)
+        self.core.block_size(lun)
     }
 }
 
@@ -335,12 +329,12 @@ struct Conn {
 /// command is answered TASK SET FULL, and the initiator sends it again later.
 pub const CONNECTION_SHARE: usize = 2;
 
-/// One step of a connection: the machine and its [`Step`] nexus, with the reactor's engine
+/// One step of a connection: the machine and its [`SessionStep`] nexus, with the reactor's engine
 /// and arena. Made from a borrowed [`Conn`] and dropped before any await, so the core's lock
 /// is never held across one.
 struct Turn<'a> {
     machine: &'a mut target::Connection<Buffer>,
-    nexus: Step<'a>,
+    nexus: SessionStep<'a>,
     io: &'a Rc<Io>,
     inbox: &'a Rc<Inbox>,
     buffer_wait: &'a mut VecDeque<(u64, usize)>,
@@ -360,7 +354,7 @@ impl Conn {
         } = self;
         Turn {
             machine,
-            nexus: Step::new(link, scope),
+            nexus: SessionStep::new(link, scope),
             io,
             inbox,
             buffer_wait,
@@ -518,7 +512,7 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
         // once the channel is drained every task not in the core never will be.
         t.nexus.cancel_queued();
         while let Ok(ev) = rx.try_recv() {
-            t.nexus.link.out.local.push_back(ev);
+            t.nexus.core.out.local.push_back(ev);
         }
         t.pump(Instant::now());
         let Some(session) = t.nexus.scope.session() else {
@@ -527,16 +521,11 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
         };
         // The registry's lock is taken before the core's elsewhere (a session is made).
         t.nexus.release();
-        let last = t
-            .nexus
-            .link
-            .registry
-            .sessions
-            .leave(session, t.nexus.link.id);
+        let last = t.nexus.registry.sessions.leave(session, t.nexus.id);
         t.machine.close(last, &mut t.nexus);
         if last {
             t.nexus
-                .core(|session, core, _, out| core.close_session(session.nexus, out));
+                .session_core(|session, core, _, out| core.close_session(session.nexus, out));
             tracing::info!(tsih = session.tsih, initiator = %session.initiator, "session ends");
         }
     }
@@ -553,7 +542,7 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
             t.absorb();
             t.pump(Instant::now());
             while t.machine.poll_transmit().is_some() {}
-            if t.machine.is_idle() && t.nexus.link.out.local.is_empty() {
+            if t.machine.is_idle() && t.nexus.core.out.local.is_empty() {
                 return;
             }
             drop(t);
@@ -749,7 +738,7 @@ async fn work_loop(
             let mut c = conn.borrow_mut();
             let mut t = c.turn();
             while let Ok(ev) = rx.try_recv() {
-                t.nexus.link.out.local.push_back(ev);
+                t.nexus.core.out.local.push_back(ev);
             }
             t.absorb();
             t.pump(Instant::now());
@@ -769,7 +758,7 @@ async fn work_loop(
                     ))
                 }
                 Some(Close::DataOutTimeout) => {
-                    let registry = &t.nexus.link.registry;
+                    let registry = &t.nexus.registry;
                     registry
                         .data_out_timeouts
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -897,7 +886,7 @@ impl Turn<'_> {
 
     /// Runs a backend operation on the reactor's engine.
     fn run_backend(&mut self, task: TaskId, lun: u16, op: Op, buffer: Buffer) {
-        let unit = self.nexus.link.unit.take().filter(|u| u.config.lun == lun);
+        let unit = self.nexus.core.unit.take().filter(|u| u.config.lun == lun);
         match unit.or_else(|| self.nexus.scope.target()?.lun(lun)) {
             Some(unit) => self.io.submit(&unit, op, buffer, self.inbox, task),
             None => {
