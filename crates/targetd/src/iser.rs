@@ -720,8 +720,8 @@ impl<F: Fabric> Portal<F> {
                 op,
                 buffer,
             } => {
-                let unit = f.link.unit.take().filter(|u| u.config.lun == lun);
-                match unit.or_else(|| f.scope.target()?.lun(lun)) {
+                let target = f.scope.target().map(|t| &**t);
+                match crate::target::unit_for(&mut f.link.unit, target, lun) {
                     Some(unit) => {
                         self.owners.insert(task, id);
                         self.io.submit(&unit, op, buffer, &self.inbox, task);

@@ -732,20 +732,17 @@ impl<F: Fabric> Port<F> {
                 lun,
                 op,
                 buffer,
-            } => {
-                let unit = c.unit.take().filter(|u| u.config.lun == lun);
-                match unit.or_else(|| c.target.lun(lun)) {
-                    Some(unit) => {
-                        self.owners.insert(task, id);
-                        self.io.submit(&unit, op, buffer, &self.inbox, task);
-                    }
-                    None => {
-                        let (machine, mut step) = c.step();
-                        let gone = Err(BackendError::Internal);
-                        machine.handle_backend_done(Instant::now(), task, buffer, gone, &mut step);
-                    }
+            } => match crate::target::unit_for(&mut c.unit, Some(&c.target), lun) {
+                Some(unit) => {
+                    self.owners.insert(task, id);
+                    self.io.submit(&unit, op, buffer, &self.inbox, task);
                 }
-            }
+                None => {
+                    let (machine, mut step) = c.step();
+                    let gone = Err(BackendError::Internal);
+                    machine.handle_backend_done(Instant::now(), task, buffer, gone, &mut step);
+                }
+            },
             // A buffer for a backend operation or for a command's data-out: the channel
             // knows which.
             Event::BufferWanted { tag, len } => self.want(Want {

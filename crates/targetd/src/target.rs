@@ -272,6 +272,18 @@ impl TaskCore for CoreStep<'_> {
     }
 }
 
+/// The unit a backend operation for LUN index `lun` runs on: the one the machine's block-size
+/// question just found (`cached`, taken: no second lookup), else `target`'s; `None` when it is
+/// gone (removed while the task ran), which the machine hears as a backend error.
+pub(crate) fn unit_for(
+    cached: &mut Option<Arc<Lun>>,
+    target: Option<&Target>,
+    lun: u16,
+) -> Option<Arc<Lun>> {
+    let unit = cached.take().filter(|u| u.config.lun == lun);
+    unit.or_else(|| target?.lun(lun))
+}
+
 /// How many ended delegated tasks a target queues for retirement before a connection takes the
 /// lock to retire its own (each holder of the lock empties the queue).
 const RETIREMENTS: usize = 4096;

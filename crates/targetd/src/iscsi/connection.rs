@@ -886,8 +886,8 @@ impl Turn<'_> {
 
     /// Runs a backend operation on the reactor's engine.
     fn run_backend(&mut self, task: TaskId, lun: u16, op: Op, buffer: Buffer) {
-        let unit = self.nexus.core.unit.take().filter(|u| u.config.lun == lun);
-        match unit.or_else(|| self.nexus.scope.target()?.lun(lun)) {
+        let target = self.nexus.scope.target().map(|t| &**t);
+        match crate::target::unit_for(self.nexus.core.unit, target, lun) {
             Some(unit) => self.io.submit(&unit, op, buffer, self.inbox, task),
             None => {
                 let gone = Err(BackendError::Internal);
