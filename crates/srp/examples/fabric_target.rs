@@ -6,7 +6,8 @@
 //! cargo run -p storage-target-srp --example fabric_target
 //! ```
 //!
-//! The protocol is in the machines: [`PortSettings`] and [`ChannelTable`] answer the login,
+//! The protocol is in the machines: [`Logins`] answers the login (with [`LocalPolicy`]: one
+//! target port, nexuses in the [`LocalCore`]),
 //! [`Channel`] runs each logged-in channel (SRP_CMD into the SCSI core, RDMA READ of data-out,
 //! RDMA WRITE of data-in, SRP_RSP, credits), [`Driver`] turns its transmits into work requests
 //! and its completions back into inputs, and [`LocalCore`] holds the device. What is here is
@@ -19,19 +20,18 @@ use std::time::Instant;
 
 use scsi_core::{
     Device, Geometry, Identity, Limits, LogicalUnit, MemoryBackend, NexusId, TargetPort,
-    TransportId,
 };
 use srp::fabric::{NodeId, QpId};
 use srp::initiator::channel::{Command, InitiatorChannel};
 use srp::initiator::Registration;
 use srp::iu::{
-    BufferFormats, Iu, MultiChannelAction, SrpLoginRej, SrpLoginReq, SrpLoginRsp, TaskAttribute,
+    BufferFormats, Iu, MultiChannelAction, SrpLoginReq, TargetLogoutReason, TaskAttribute,
 };
 use srp::switch::{Endpoint, Reply, Switch};
 use srp::target::channel::SPARE_RECEIVES;
 use srp::target::{
-    Admission, Channel, ChannelParams, ChannelTable, Driver, Event, ItNexusKey, Left, LocalCore,
-    PortSettings, VecBuffers,
+    Channel, Driver, Event, ItNexusKey, Left, LocalCore, LocalPolicy, Logins, PortSettings,
+    VecBuffers,
 };
 use srp::verbs::Verbs;
 
@@ -66,15 +66,11 @@ struct TargetChannel {
     gone: bool,
 }
 
-/// An accepted login: the channel's terms, the SRP_LOGIN_RSP, its nexus.
-type Admitted = (ChannelParams, SrpLoginRsp, ItNexusKey, NexusId);
-
 /// The target: its port's login settings, the nexuses and their channels, the device and the
 /// memory unit's storage.
 pub struct Target {
     verbs: Endpoint<Vec<u8>>,
-    settings: PortSettings,
-    table: ChannelTable<usize>,
+    logins: Logins<usize>,
     core: LocalCore,
     storage: MemoryBackend,
     channels: Vec<TargetChannel>,
@@ -105,8 +101,7 @@ impl Target {
         verbs.listen(SERVICE).expect("the service is free");
         Target {
             verbs,
-            table: ChannelTable::new(settings.channels_per_nexus),
-            settings,
+            logins: Logins::new(settings),
             core: LocalCore::new(device),
             storage: MemoryBackend::new(BLOCK_SIZE, BLOCKS),
             channels: Vec::new(),
@@ -124,55 +119,43 @@ impl Target {
                 continue;
             };
             let mut private = Vec::new();
-            match self.login(&req) {
-                Ok((params, rsp, key, nexus)) => {
-                    rsp.encode(&mut private);
+            let channels = &mut self.channels;
+            let mut policy = LocalPolicy {
+                core: &mut self.core,
+                target_port_id: TARGET_PORT,
+                // A SINGLE CHANNEL login logs out the channels of its nexus.
+                terminate: |ch: usize, core: &mut LocalCore| {
+                    if let Some(c) = channels.get_mut(ch) {
+                        let reason = TargetLogoutReason::MultiChannelAction;
+                        c.channel
+                            .terminate(reason, true, &mut core.channel(ch, c.nexus));
+                    }
+                },
+            };
+            match self.logins.login(&req, &mut policy) {
+                Ok(accepted) => {
+                    accepted.response.encode(&mut private);
+                    let params = accepted.params;
                     let receives = (0..params.request_limit + SPARE_RECEIVES)
                         .map(|_| vec![0; params.max_it_iu_len as usize]);
                     let qp = self.verbs.accept(request, receives, &private);
+                    let ch = self.channels.len();
+                    self.logins.connected(&accepted, ch);
                     self.channels.push(TargetChannel {
-                        channel: Channel::new(nexus, params),
+                        channel: Channel::new(accepted.nexus, params),
                         driver: Driver::new(qp),
                         buffers: VecBuffers::default(),
-                        key,
-                        nexus,
+                        key: accepted.key,
+                        nexus: accepted.nexus,
                         gone: false,
                     });
                 }
-                Err(rej) => {
-                    rej.encode(&mut private);
+                Err(refusal) => {
+                    refusal.reject.encode(&mut private);
                     self.verbs.reject(request, &private);
                 }
             }
         }
-    }
-
-    /// The port's decision on `req`: the channel's terms, the response, its nexus (the channel
-    /// is attached to it as the next one); or the rejection.
-    fn login(&mut self, req: &SrpLoginReq) -> Result<Admitted, SrpLoginRej> {
-        let params = self.settings.evaluate(req)?;
-        let key = ItNexusKey::of(req);
-        let admission = self
-            .table
-            .admit(key, req.multi_channel)
-            .map_err(|reason| SrpLoginRej {
-                reason,
-                tag: req.tag,
-                sup_buf_fmt: self.settings.formats,
-            })?;
-        let result = admission.result();
-        let nexus = match admission {
-            Admission::Join(nexus) => nexus,
-            Admission::New => {
-                let initiator = TransportId::srp(req.initiator_port_id);
-                self.core.device_mut().open_nexus(initiator, 1)
-            }
-            Admission::Replace { .. } => unreachable!("one channel per nexus in this example"),
-        };
-        let ch = self.channels.len();
-        self.table.attach(key, nexus, ch);
-        let rsp = self.settings.response(req, &params, result);
-        Ok((params, rsp, key, nexus))
     }
 
     /// Moves every channel on as far as it goes now: completions in, the core's requests
@@ -238,7 +221,7 @@ impl Target {
                 c.gone = true;
                 moved = true;
                 verbs.disconnect(qp);
-                if let Left::Ended(nexus) = self.table.leave(c.key, &ch) {
+                if let Left::Ended(nexus) = self.logins.leave(c.key, &ch) {
                     let _ = core.core().close_nexus(nexus);
                 }
             }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use scsi_core::{
     BackendError, Device, Geometry, Identity, Limits, LogicalUnit, MemoryBackend, NexusId, Op,
-    Output, Residual, TargetPort, TaskId, TransportId,
+    Output, Residual, TargetPort, TaskId,
 };
 
 use crate::fabric::{Access, Costs, Fabric, MemoryId, NodeId, Port, QpId};
@@ -23,7 +23,7 @@ use crate::iu::{
 };
 use crate::target::channel::SPARE_RECEIVES;
 use crate::target::{
-    Admission, Channel, ChannelCore, ChannelTable, Driver, Event, ItNexusKey, Left, LocalCore,
+    Channel, ChannelCore, Driver, Event, ItNexusKey, Left, LocalCore, LocalPolicy, Logins,
     PortSettings, VecBuffers,
 };
 use crate::verbs::{Completion, Verbs, WorkOp};
@@ -206,12 +206,11 @@ pub enum SendError {
 pub struct Rig {
     /// The fabric.
     pub fabric: Fabric,
-    /// The port's login settings.
-    pub settings: PortSettings,
+    /// The port's logins (its settings and its channels by I_T nexus).
+    pub logins: Logins<usize>,
     /// The channels, by index (gone ones stay).
     pub channels: Vec<RigChannel>,
     core: LocalCore,
-    table: ChannelTable<usize>,
     backends: HashMap<u16, MemoryBackend>,
     /// Hold backend operations instead of running them (released by [`Rig::release`]).
     pub hold_backend: bool,
@@ -272,13 +271,12 @@ impl Rig {
         fabric.register(arena, 0, 1 << 20, Access::default());
         Rig {
             fabric,
-            settings: PortSettings {
+            logins: Logins::new(PortSettings {
                 target_port_id: TARGET_PORT,
                 ..PortSettings::default()
-            },
+            }),
             channels: Vec::new(),
             core: LocalCore::new(device),
-            table: ChannelTable::new(PortSettings::default().channels_per_nexus),
             backends,
             hold_backend: false,
             held: Vec::new(),
@@ -316,31 +314,22 @@ impl Rig {
         let Ok(Iu::LoginReq(req)) = Iu::decode(&b) else {
             panic!("a login request decodes");
         };
-        let params = self.settings.evaluate(&req)?;
-        let key = ItNexusKey::of(&req);
-        let reject = |reason| SrpLoginRej {
-            reason,
-            tag: req.tag,
-            sup_buf_fmt: self.settings.formats,
-        };
-        let admission = self.table.admit(key, req.multi_channel).map_err(reject)?;
-        let result = admission.result();
-        let nexus = match admission {
-            Admission::Join(nexus) => nexus,
-            Admission::New => self.open_nexus(&req),
-            Admission::Replace { nexus, channels } => {
-                for ch in channels {
-                    let c = &mut self.channels[ch];
-                    let mut via = self.core.channel(ch, c.nexus);
+        let channels = &mut self.channels;
+        let mut policy = LocalPolicy {
+            core: &mut self.core,
+            target_port_id: TARGET_PORT,
+            terminate: |ch: usize, core: &mut LocalCore| {
+                if let Some(c) = channels.get_mut(ch) {
+                    let reason = TargetLogoutReason::MultiChannelAction;
                     c.channel
-                        .terminate(TargetLogoutReason::MultiChannelAction, true, &mut via);
+                        .terminate(reason, true, &mut core.channel(ch, c.nexus));
                 }
-                let _ = self.core.close_nexus(nexus);
-                self.open_nexus(&req)
-            }
+            },
         };
+        let accepted = self.logins.login(&req, &mut policy).map_err(|r| r.reject)?;
+        let (params, key, nexus) = (accepted.params, accepted.key, accepted.nexus);
         let ch = self.channels.len();
-        self.table.attach(key, nexus, ch);
+        self.logins.connected(&accepted, ch);
         // Unit attentions go to the nexus's newest channel.
         let _ = self.core.announce_to(nexus, Some(ch));
         let (qp, iqp) = self.fabric.connect(TARGET, INITIATOR);
@@ -352,9 +341,8 @@ impl Rig {
         for _ in 0..params.request_limit + 4 {
             initiator.post_recv(iqp, 0, vec![0; params.max_ti_iu_len as usize]);
         }
-        let rsp = self.settings.response(&req, &params, result);
         let mut b = Vec::new();
-        rsp.encode(&mut b);
+        accepted.response.encode(&mut b);
         let Ok(Iu::LoginRsp(rsp)) = Iu::decode(&b) else {
             panic!("a login response decodes");
         };
@@ -380,12 +368,6 @@ impl Rig {
         });
         self.run();
         Ok((ch, rsp))
-    }
-
-    fn open_nexus(&mut self, req: &SrpLoginReq) -> NexusId {
-        self.core
-            .device_mut()
-            .open_nexus(TransportId::srp(req.initiator_port_id), 1)
     }
 
     /// Sends a command on channel `ch` (taking a credit); its data buffer is `regions`
@@ -647,7 +629,7 @@ impl Rig {
 
     /// The I_T nexuses with a channel.
     pub fn nexuses(&self) -> usize {
-        self.table.len()
+        self.logins.nexuses()
     }
 
     /// Changes the capacity of LUN index `lun` to `blocks`, as an administrator would: every
@@ -743,7 +725,7 @@ impl Rig {
                 if !lost {
                     verbs.disconnect(qp);
                 }
-                if let Left::Ended(nexus) = self.table.leave(c.key, &ch) {
+                if let Left::Ended(nexus) = self.logins.leave(c.key, &ch) {
                     let _ = via.core().close_nexus(nexus);
                 }
             }

@@ -31,7 +31,8 @@ use srp::iu::{IuError, LoginRejectReason, SrpLoginRej, SrpLoginReq, TargetLogout
 use srp::switch::{ConnectRequest, Endpoint, Switch, SwitchError};
 use srp::target::channel::SPARE_RECEIVES;
 use srp::target::{
-    Admission, Buffers, Channel, ChannelTable, Core, Driver, Event, ItNexusKey, Left, PortSettings,
+    Accepted, Buffers, Channel, Core, Driver, Event, ItNexusKey, Left, LoginPolicy, Logins,
+    PortSettings,
 };
 use srp::verbs::{IuBuffers, PortBuffer, Verbs};
 use tokio::sync::mpsc;
@@ -320,9 +321,9 @@ struct Port<F: Fabric> {
     io: Rc<Io>,
     registry: Arc<Registry>,
     portal: String,
-    /// What the port offers at login (`server.srp_*`, read when it started).
-    settings: PortSettings,
-    table: ChannelTable<u64>,
+    /// Its logins: what it offers (`server.srp_*`, read when it started) and its channels by
+    /// I_T nexus.
+    logins: Logins<u64>,
     channels: BTreeMap<u64, Chan<Qp<F>>>,
     /// The channel of each backend operation in flight, by its task.
     owners: HashMap<TaskId, u64>,
@@ -399,12 +400,11 @@ pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
     let share = Share::new(&io.arena, io.arena.len() / 2);
     let settings = port_settings(&registry.config().server, fabric.address());
     let mut port = Port {
-        settings,
+        logins: Logins::new(settings),
         portal: fabric.portal(),
         fabric,
         io,
         registry: registry.clone(),
-        table: ChannelTable::new(PortSettings::default().channels_per_nexus),
         channels: BTreeMap::new(),
         owners: HashMap::new(),
         inbox: Rc::new(Inbox::default()),
@@ -475,6 +475,58 @@ impl<F: Fabric> crate::port::Port for Port<F> {
     }
 }
 
+/// What an SRP login asks of targetd beyond SRP's terms: the target its target port
+/// identifier names (while the daemon is not stopping), whether the target admits the
+/// initiator port, a connection slot (`server.max_connections`), the target's core for its
+/// I_T nexus, and the port's channels for those a SINGLE CHANNEL login replaces.
+struct PortPolicy<'a, Q> {
+    registry: &'a Registry,
+    stopping: bool,
+    channels: &'a mut BTreeMap<u64, Chan<Q>>,
+}
+
+impl<Q> LoginPolicy<u64> for PortPolicy<'_, Q> {
+    type Target = (Arc<Target>, ConnectionSlot);
+
+    fn target(
+        &mut self,
+        req: &SrpLoginReq,
+    ) -> Result<Self::Target, (LoginRejectReason, &'static str)> {
+        let unable = |why| (LoginRejectReason::UnableToEstablishChannel, why);
+        if self.stopping {
+            return Err(unable("the daemon is stopping"));
+        }
+        let target = self
+            .registry
+            .targets()
+            .into_iter()
+            .find(|t| port_id(&t.name) == req.target_port_id)
+            .ok_or(unable("no target has that target port identifier"))?;
+        admits(&target, &req.initiator_port_id).map_err(unable)?;
+        let slot = self.registry.open_connection().ok_or((
+            LoginRejectReason::InsufficientResources,
+            "server.max_connections connections are open",
+        ))?;
+        Ok((target, slot))
+    }
+
+    fn open_nexus(&mut self, (target, _): &Self::Target, req: &SrpLoginReq) -> NexusId {
+        open_nexus(target, req)
+    }
+
+    fn close_nexus(&mut self, (target, _): &Self::Target, nexus: NexusId) {
+        let mut out = Outbox::detached();
+        target.core().close_session(nexus, &mut out);
+    }
+
+    fn terminate(&mut self, channel: u64) {
+        if let Some(c) = self.channels.get_mut(&channel) {
+            let (machine, mut step) = c.step();
+            machine.terminate(TargetLogoutReason::MultiChannelAction, true, &mut step);
+        }
+    }
+}
+
 impl<F: Fabric> Port<F> {
     /// Decides the logins that have come.
     fn logins(&mut self) -> bool {
@@ -511,99 +563,44 @@ impl<F: Fabric> Port<F> {
 
     /// Accepts `req`, or refuses it with the reason.
     fn login(&mut self, request: F::Request, req: &SrpLoginReq) {
-        let mut settings = self.settings.clone();
-        let reject = |reason| SrpLoginRej {
-            reason,
-            tag: req.tag,
-            sup_buf_fmt: settings.formats,
+        let mut policy = PortPolicy {
+            registry: &self.registry,
+            stopping: self.logging_out,
+            channels: &mut self.channels,
         };
-        if self.logging_out {
-            let r = reject(LoginRejectReason::UnableToEstablishChannel);
-            self.refuse(request, &r, "the daemon is stopping");
-            return;
-        }
-        let target = self
-            .registry
-            .targets()
-            .into_iter()
-            .find(|t| port_id(&t.name) == req.target_port_id);
-        let Some(target) = target else {
-            let r = reject(LoginRejectReason::UnableToEstablishChannel);
-            self.refuse(request, &r, "no target has that target port identifier");
-            return;
+        let accepted = match self.logins.login(req, &mut policy) {
+            Ok(accepted) => accepted,
+            Err(refusal) => return self.refuse(request, &refusal.reject, refusal.why),
         };
-        if let Err(why) = admits(&target, &req.initiator_port_id) {
-            let r = reject(LoginRejectReason::UnableToEstablishChannel);
-            self.refuse(request, &r, why);
-            return;
-        }
-        settings.target_port_id = req.target_port_id;
-        let params = match settings.evaluate(req) {
-            Ok(p) => p,
-            Err(r) => {
-                self.refuse(request, &r, "its terms are not the port's");
-                return;
-            }
-        };
-        let Some(slot) = self.registry.open_connection() else {
-            let r = reject(LoginRejectReason::InsufficientResources);
-            self.refuse(request, &r, "server.max_connections connections are open");
-            return;
-        };
-        let key = ItNexusKey::of(req);
-        let admission = match self.table.admit(key, req.multi_channel) {
-            Ok(a) => a,
-            Err(reason) => {
-                let r = reject(reason);
-                self.refuse(request, &r, "the I_T nexus has all its channels");
-                return;
-            }
-        };
-        let result = admission.result();
-        let nexus = match admission {
-            Admission::Join(nexus) => nexus,
-            Admission::New => open_nexus(&target, req),
-            Admission::Replace { nexus, channels } => {
-                for id in channels {
-                    if let Some(c) = self.channels.get_mut(&id) {
-                        let (machine, mut step) = c.step();
-                        machine.terminate(TargetLogoutReason::MultiChannelAction, true, &mut step);
-                    }
-                }
-                let mut out = Outbox::detached();
-                target.core().close_session(nexus, &mut out);
-                drop(out);
-                open_nexus(&target, req)
-            }
-        };
+        let params = accepted.params;
         let receives: Option<Vec<_>> = (0..params.request_limit + SPARE_RECEIVES)
             .map(|_| self.fabric.verbs().iu_buffer().map(PortBuffer::Iu))
             .collect();
         let Some(receives) = receives else {
-            if self.table.channels(&key).is_empty() {
-                let mut out = Outbox::detached();
-                target.core().close_session(nexus, &mut out);
-            }
-            let r = reject(LoginRejectReason::InsufficientResources);
+            self.logins.failed(accepted, &mut policy);
+            let full = LoginRejectReason::InsufficientResources;
+            let r = self.logins.settings().reject(req, full);
             self.refuse(request, &r, "no IU buffers left for its receives");
             return;
         };
-        let rsp = settings.response(req, &params, result);
         let mut b = Vec::new();
-        rsp.encode(&mut b);
+        accepted.response.encode(&mut b);
         let qp = match self.fabric.accept(request, receives, &b) {
             Ok(qp) => qp,
             Err(e) => {
                 tracing::warn!(portal = %self.portal, "SRP accept: {e}");
-                if self.table.channels(&key).is_empty() {
-                    let mut out = Outbox::detached();
-                    target.core().close_session(nexus, &mut out);
-                }
+                self.logins.failed(accepted, &mut policy);
                 return;
             }
         };
         let id = next_id();
-        self.table.attach(key, nexus, id);
+        self.logins.connected(&accepted, id);
+        let Accepted {
+            target: (target, slot),
+            key,
+            nexus,
+            ..
+        } = accepted;
         let (tx, rx) = mpsc::unbounded_channel();
         lock(&self.registry.srp_channels).insert(
             id,
@@ -808,14 +805,14 @@ impl<F: Fabric> Port<F> {
         }
         self.fabric.release(qp);
         lock(&self.registry.srp_channels).remove(&id);
-        match self.table.leave(c.key, &id) {
+        match self.logins.leave(c.key, &id) {
             Left::Ended(nexus) => {
                 let mut out = Outbox::detached();
                 c.target.core().close_session(nexus, &mut out);
             }
             Left::Stays => {
                 // The nexus's asynchronous events go on another of its channels.
-                let next = self.table.channels(&c.key).first().copied();
+                let next = self.logins.channels(&c.key).first().copied();
                 let route = next
                     .and_then(|n| self.channels.get(&n))
                     .map(|n| n.route.clone());
@@ -848,7 +845,7 @@ impl<F: Fabric> Port<F> {
             self.fabric.verbs().disconnect(c.driver.qp());
             self.fabric.release(c.driver.qp());
             lock(&self.registry.srp_channels).remove(&id);
-            if let Left::Ended(nexus) = self.table.leave(c.key, &id) {
+            if let Left::Ended(nexus) = self.logins.leave(c.key, &id) {
                 let mut out = Outbox::detached();
                 c.target.core().close_session(nexus, &mut out);
             }

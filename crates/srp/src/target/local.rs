@@ -9,6 +9,9 @@
 //! that runs channels on several threads shares its router behind a lock and writes its own
 //! [`Core`] and [`Buffers`] (targetd does, over registered arena slots).
 //!
+//! [`LocalPolicy`] is the [`LoginPolicy`] of such a target: one target port that anyone may
+//! log in to, nexuses in the device.
+//!
 //! Channels are named by an index the embedder chooses, unique among live channels.
 
 use std::collections::VecDeque;
@@ -20,6 +23,8 @@ use scsi_core::{
 
 use super::channel::{Core, TaskCore};
 use super::driver::Buffers;
+use super::login::LoginPolicy;
+use crate::iu::{LoginRejectReason, SrpLoginReq};
 use crate::verbs::Verbs;
 
 /// Each channel's actions, by channel index.
@@ -101,6 +106,46 @@ impl LocalCore {
     /// the channel that had the task.
     pub fn close_nexus(&mut self, nexus: NexusId) -> Result<(), DeviceError> {
         self.router.close_nexus(nexus, &mut self.queues)
+    }
+}
+
+/// The [`LoginPolicy`] of a target on a [`LocalCore`]: one target port, which anyone may log in
+/// to; each new I_T nexus opened in the device (relative port 1), a replaced one closed.
+/// `terminate` logs out a channel that a SINGLE CHANNEL login replaces: the embedder's, as it
+/// holds the channels (`Channel::terminate` with MULTI-CHANNEL ACTION).
+#[derive(Debug)]
+pub struct LocalPolicy<'a, F> {
+    /// The core.
+    pub core: &'a mut LocalCore,
+    /// The target port's identifier: a login naming another is refused.
+    pub target_port_id: [u8; 16],
+    /// Logs out channel `ch` on the core.
+    pub terminate: F,
+}
+
+impl<F: FnMut(usize, &mut LocalCore)> LoginPolicy<usize> for LocalPolicy<'_, F> {
+    type Target = ();
+
+    fn target(&mut self, req: &SrpLoginReq) -> Result<(), (LoginRejectReason, &'static str)> {
+        if req.target_port_id != self.target_port_id {
+            let why = "no target has that target port identifier";
+            return Err((LoginRejectReason::UnableToEstablishChannel, why));
+        }
+        Ok(())
+    }
+
+    fn open_nexus(&mut self, _: &(), req: &SrpLoginReq) -> NexusId {
+        let initiator = scsi_core::TransportId::srp(req.initiator_port_id);
+        self.core.device_mut().open_nexus(initiator, 1)
+    }
+
+    fn close_nexus(&mut self, _: &(), nexus: NexusId) {
+        // Stale only if closed already.
+        let _ = self.core.close_nexus(nexus);
+    }
+
+    fn terminate(&mut self, ch: usize) {
+        (self.terminate)(ch, self.core);
     }
 }
 

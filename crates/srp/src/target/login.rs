@@ -1,6 +1,11 @@
 //! The login of an RDMA channel (SRP-2 section 5.5): whether a target port accepts an
 //! SRP_LOGIN_REQ and on what terms, and the channels of each I_T nexus, which a new login
 //! joins (MULTI CHANNEL) or replaces (SINGLE CHANNEL).
+//!
+//! [`Logins`] decides a port's logins as iSCSI's `Login` does, with what is not SRP's left to
+//! a [`LoginPolicy`]: which target a target port identifier names and who may reach it, the
+//! SCSI core's I_T nexuses, and the channels a login replaces. The shell connects an accepted
+//! channel ([`Accepted`]) with its verbs, then tells the machine whether it came up.
 
 use std::collections::HashMap;
 
@@ -86,14 +91,25 @@ impl Default for PortSettings {
 impl PortSettings {
     /// The channel's terms if the port accepts `req`, else the rejection.
     pub fn evaluate(&self, req: &SrpLoginReq) -> Result<ChannelParams, SrpLoginRej> {
-        let reject = |reason| SrpLoginRej {
+        if req.target_port_id != self.target_port_id {
+            return Err(self.reject(req, LoginRejectReason::UnableToEstablishChannel));
+        }
+        self.terms(req)
+    }
+
+    /// The SRP_LOGIN_REJ of `req` for `reason`.
+    pub fn reject(&self, req: &SrpLoginReq, reason: LoginRejectReason) -> SrpLoginRej {
+        SrpLoginRej {
             reason,
             tag: req.tag,
             sup_buf_fmt: self.formats,
-        };
-        if req.target_port_id != self.target_port_id {
-            return Err(reject(LoginRejectReason::UnableToEstablishChannel));
         }
+    }
+
+    /// The channel's terms for `req`, whatever target port it names (a port serving several
+    /// targets has checked that with its [`LoginPolicy`]), else the rejection.
+    pub fn terms(&self, req: &SrpLoginReq) -> Result<ChannelParams, SrpLoginRej> {
+        let reject = |reason| self.reject(req, reason);
         if req.req_it_iu_len > self.max_it_iu_len {
             return Err(reject(LoginRejectReason::ItIuLengthTooLarge));
         }
@@ -278,6 +294,149 @@ impl<C: Clone + PartialEq> ChannelTable<C> {
     }
 }
 
+/// A login refused: the SRP_LOGIN_REJ to send, and why, for the port's log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The rejection.
+    pub reject: SrpLoginRej,
+    /// Why, in words.
+    pub why: &'static str,
+}
+
+/// What a target port decides of a login beyond SRP's terms. `C` names a channel.
+pub trait LoginPolicy<C> {
+    /// What an accepted channel serves (a daemon: its target, and the connection slot it
+    /// holds).
+    type Target;
+
+    /// The target that `req`'s TARGET PORT IDENTIFIER names, if `req`'s initiator port may
+    /// log in to it now; else the reason to refuse (UNABLE TO ESTABLISH CHANNEL for an
+    /// unknown target or a port not let in, INSUFFICIENT RESOURCES when full) and why.
+    fn target(
+        &mut self,
+        req: &SrpLoginReq,
+    ) -> Result<Self::Target, (LoginRejectReason, &'static str)>;
+    /// Opens the SCSI core's I_T nexus for the first channel of `req`'s nexus.
+    fn open_nexus(&mut self, target: &Self::Target, req: &SrpLoginReq) -> NexusId;
+    /// Closes an I_T nexus that has no channel left (replaced, or its first channel never
+    /// came up).
+    fn close_nexus(&mut self, target: &Self::Target, nexus: NexusId);
+    /// Logs out a channel that a SINGLE CHANNEL login replaces (SRP_T_LOGOUT, MULTI-CHANNEL
+    /// ACTION); its nexus is closed after its channels.
+    fn terminate(&mut self, channel: C);
+}
+
+/// A login the port accepted, to connect: answer with [`Accepted::response`], then tell the
+/// port whether the channel came up ([`Logins::connected`], [`Logins::failed`]).
+#[derive(Debug)]
+#[must_use = "an accepted login holds its nexus until connected or failed"]
+pub struct Accepted<T> {
+    /// What the channel serves.
+    pub target: T,
+    /// Its I_T nexus as SRP names it.
+    pub key: ItNexusKey,
+    /// The core's nexus.
+    pub nexus: NexusId,
+    /// The channel's terms.
+    pub params: ChannelParams,
+    /// The SRP_LOGIN_RSP.
+    pub response: SrpLoginRsp,
+}
+
+/// A target port's logins: its terms and its channels by I_T nexus.
+#[derive(Debug)]
+pub struct Logins<C> {
+    settings: PortSettings,
+    table: ChannelTable<C>,
+}
+
+impl<C: Clone + PartialEq> Logins<C> {
+    /// A port offering `settings`, with no channel yet.
+    pub fn new(settings: PortSettings) -> Logins<C> {
+        let table = ChannelTable::new(settings.channels_per_nexus);
+        Logins { settings, table }
+    }
+
+    /// What the port offers.
+    pub fn settings(&self) -> &PortSettings {
+        &self.settings
+    }
+
+    /// Decides `req`: the policy's target and its access, the port's terms, then the
+    /// channels of its I_T nexus (a MULTI CHANNEL login joins them, a SINGLE CHANNEL one
+    /// replaces them, logging them out).
+    pub fn login<P: LoginPolicy<C>>(
+        &mut self,
+        req: &SrpLoginReq,
+        policy: &mut P,
+    ) -> Result<Accepted<P::Target>, Refusal> {
+        let refuse = |reason, why| Refusal {
+            reject: self.settings.reject(req, reason),
+            why,
+        };
+        let target = policy
+            .target(req)
+            .map_err(|(reason, why)| refuse(reason, why))?;
+        let params = self.settings.terms(req).map_err(|reject| Refusal {
+            reject,
+            why: "its terms are not the port's",
+        })?;
+        let key = ItNexusKey::of(req);
+        let admission = self
+            .table
+            .admit(key, req.multi_channel)
+            .map_err(|reason| refuse(reason, "the I_T nexus has all its channels"))?;
+        let result = admission.result();
+        let nexus = match admission {
+            Admission::Join(nexus) => nexus,
+            Admission::New => policy.open_nexus(&target, req),
+            Admission::Replace { nexus, channels } => {
+                for channel in channels {
+                    policy.terminate(channel);
+                }
+                policy.close_nexus(&target, nexus);
+                policy.open_nexus(&target, req)
+            }
+        };
+        let response = self.settings.response(req, &params, result);
+        Ok(Accepted {
+            target,
+            key,
+            nexus,
+            params,
+            response,
+        })
+    }
+
+    /// The accepted login's channel is connected: it joins its nexus as `channel`.
+    pub fn connected<T>(&mut self, accepted: &Accepted<T>, channel: C) {
+        self.table.attach(accepted.key, accepted.nexus, channel);
+    }
+
+    /// The accepted login's channel did not come up (no receive buffers, the connection
+    /// failed): a nexus it was to be the first channel of is closed.
+    pub fn failed<P: LoginPolicy<C>>(&mut self, accepted: Accepted<P::Target>, policy: &mut P) {
+        if self.table.channels(&accepted.key).is_empty() {
+            policy.close_nexus(&accepted.target, accepted.nexus);
+        }
+    }
+
+    /// A channel has ended.
+    pub fn leave(&mut self, key: ItNexusKey, channel: &C) -> Left {
+        self.table.leave(key, channel)
+    }
+
+    /// The channels of `key`.
+    pub fn channels(&self, key: &ItNexusKey) -> &[C] {
+        self.table.channels(key)
+    }
+
+    /// I_T nexuses with a channel.
+    pub fn nexuses(&self) -> usize {
+        self.table.len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -415,5 +574,98 @@ mod tests {
         t.attach(key, nexus, 3);
         assert_eq!(t.leave(key, &3), Left::Ended(nexus));
         assert!(t.is_empty());
+    }
+
+    /// A policy that records what the machine asked of it, its nexuses in a device.
+    struct Recorder {
+        device: scsi_core::Device,
+        opened: Vec<NexusId>,
+        closed: Vec<NexusId>,
+        terminated: Vec<u32>,
+        refuse: Option<(LoginRejectReason, &'static str)>,
+    }
+
+    impl LoginPolicy<u32> for Recorder {
+        type Target = ();
+
+        fn target(&mut self, _: &SrpLoginReq) -> Result<(), (LoginRejectReason, &'static str)> {
+            self.refuse.map_or(Ok(()), Err)
+        }
+
+        fn open_nexus(&mut self, _: &(), _: &SrpLoginReq) -> NexusId {
+            let initiator = scsi_core::TransportId::srp([self.opened.len() as u8; 16]);
+            let nexus = self.device.open_nexus(initiator, 1);
+            self.opened.push(nexus);
+            nexus
+        }
+
+        fn close_nexus(&mut self, _: &(), nexus: NexusId) {
+            self.closed.push(nexus);
+        }
+
+        fn terminate(&mut self, channel: u32) {
+            self.terminated.push(channel);
+        }
+    }
+
+    #[test]
+    fn logins_join_replace_and_let_go_of_a_nexus_whose_first_channel_failed() {
+        let mut logins = Logins::new(PortSettings::default());
+        let port = scsi_core::TargetPort::srp("iqn.2026-11.io.example:t", [7; 16], 1);
+        let mut policy = Recorder {
+            device: scsi_core::Device::new("iqn.2026-11.io.example:t", vec![port]),
+            opened: Vec::new(),
+            closed: Vec::new(),
+            terminated: Vec::new(),
+            refuse: None,
+        };
+        let multi = SrpLoginReq {
+            multi_channel: MultiChannelAction::MultiChannel,
+            ..req()
+        };
+        // The first channel opens the nexus; a MULTI CHANNEL login joins it.
+        let first = logins.login(&multi, &mut policy).expect("accepted");
+        assert_eq!(
+            first.response.multi_channel,
+            MultiChannelResult::NoExistingChannels
+        );
+        logins.connected(&first, 10);
+        let second = logins.login(&multi, &mut policy).expect("accepted");
+        assert_eq!(
+            second.response.multi_channel,
+            MultiChannelResult::Maintained
+        );
+        assert_eq!(second.nexus, first.nexus);
+        // The second never comes up: the nexus stays for the first.
+        logins.failed(second, &mut policy);
+        assert!(policy.closed.is_empty());
+        // SINGLE CHANNEL replaces them: the first logged out, its nexus closed, a new one.
+        let single = logins.login(&req(), &mut policy).expect("accepted");
+        assert_eq!(
+            single.response.multi_channel,
+            MultiChannelResult::Terminated
+        );
+        assert_eq!(policy.terminated, [10]);
+        assert_eq!(policy.closed, [first.nexus]);
+        assert_ne!(single.nexus, first.nexus);
+        // It fails too: the nexus it opened goes, as nothing else holds it.
+        let nexus = single.nexus;
+        logins.failed(single, &mut policy);
+        assert_eq!(policy.closed, [first.nexus, nexus]);
+        assert_eq!(logins.nexuses(), 0);
+        // The policy refuses, and the terms are checked after: both with the request's tag.
+        policy.refuse = Some((LoginRejectReason::InsufficientResources, "full"));
+        let r = logins.login(&req(), &mut policy).expect_err("refused");
+        assert_eq!(
+            (r.reject.reason, r.reject.tag, r.why),
+            (LoginRejectReason::InsufficientResources, 1, "full")
+        );
+        policy.refuse = None;
+        let big = SrpLoginReq {
+            req_it_iu_len: 1 << 20,
+            ..req()
+        };
+        let r = logins.login(&big, &mut policy).expect_err("refused");
+        assert_eq!(r.reject.reason, LoginRejectReason::ItIuLengthTooLarge);
     }
 }
