@@ -122,7 +122,7 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
                 }
             }
             Step::Nop => {
-                if let Ok(itt) = p.start_with(|s| s.start_nop()) {
+                if let Ok(itt) = p.start_with(|s, now| s.start_nop(now)) {
                     started.push(itt);
                 }
             }
@@ -130,7 +130,7 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
                 if let Some(&last) = started.last() {
                     let f = TaskManagementFunction::AbortTask;
                     if let Ok(itt) =
-                        p.start_with(|s| s.start_task_management(f, Lun::ZERO, Some(last)))
+                        p.start_with(|s, now| s.start_task_management(now, f, Lun::ZERO, Some(last)))
                     {
                         started.push(itt);
                     }

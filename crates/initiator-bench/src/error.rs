@@ -92,6 +92,7 @@ impl From<Failure> for Error {
             Failure::Rejected(reason) => Error::Rejected(reason),
             Failure::Aborted => Error::Aborted,
             Failure::ConnectionLost(why) => Error::ConnectionLost(why),
+            Failure::TimedOut => Error::Timeout,
         }
     }
 }

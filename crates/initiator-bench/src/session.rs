@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use iscsi_pdu::initiator::{self as machine, Reply, StartError};
@@ -127,7 +128,6 @@ pub struct PendingCommand {
     /// The Initiator Task Tag.
     pub itt: u32,
     rx: Option<oneshot::Receiver<Result<Reply>>>,
-    timeout: std::time::Duration,
     inner: Arc<Inner>,
 }
 
@@ -145,12 +145,12 @@ impl PendingCommand {
     /// Waits for the command to complete.
     pub async fn wait(mut self) -> Result<Response> {
         let rx = self.rx.take().expect("waited once");
-        match tokio::time::timeout(self.timeout, rx).await {
-            Err(_) => Err(Error::Timeout),
-            Ok(Err(_)) => Err(Error::ConnectionLost("session closed".into())),
-            Ok(Ok(Err(e))) => Err(e),
-            Ok(Ok(Ok(Reply::Scsi(r)))) => Ok(Response::from(r)),
-            Ok(Ok(Ok(other))) => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
+        // The machine ends it at its deadline (`Timers::task`, the session's timeout).
+        match rx.await {
+            Err(_) => Err(Error::ConnectionLost("session closed".into())),
+            Ok(Err(e)) => Err(e),
+            Ok(Ok(Reply::Scsi(r))) => Ok(Response::from(r)),
+            Ok(Ok(other)) => Err(Error::Protocol(format!("unexpected reply {other:?}"))),
         }
     }
 }
@@ -300,7 +300,7 @@ impl Session {
             .await?;
             conns.push((s, d, o));
         }
-        let inner = start_inner(&lead, conns)?;
+        let inner = start_inner(&lead, conns, self.opts.timeout)?;
         *self.inner.lock().expect("session lock") = Some(inner.clone());
         Ok(inner)
     }
@@ -312,7 +312,6 @@ impl Session {
         Ok(PendingCommand {
             itt,
             rx: Some(rx),
-            timeout: self.opts.timeout,
             inner,
         })
     }
@@ -477,7 +476,7 @@ impl Session {
         let inner = self.live().await?;
         let mut itt = 0;
         let rx = inner.start(|m| {
-            let r = m.start_nop();
+            let r = m.start_nop(Instant::now());
             if let Ok(i) = r {
                 itt = i;
             }
@@ -489,7 +488,7 @@ impl Session {
                 .state()
                 .trace(cmdtrace::Stage::NopSent, itt, cmdtrace::now_ns(), 0);
         }
-        let reply = wait(rx, self.opts.timeout).await?;
+        let reply = wait(rx).await?;
         if inner.tracing.load(Ordering::Relaxed) {
             inner
                 .state()
@@ -510,8 +509,9 @@ impl Session {
     ) -> Result<TmfResponse> {
         let inner = self.live().await?;
         let lun = self.lun();
-        let rx = inner.start(|m| m.start_task_management(function, lun, referenced))?;
-        match wait(rx, self.opts.timeout).await? {
+        let rx =
+            inner.start(|m| m.start_task_management(Instant::now(), function, lun, referenced))?;
+        match wait(rx).await? {
             Reply::Tmf(r) => Ok(r),
             other => Err(Error::Protocol(format!("TMF answered with {other:?}"))),
         }
@@ -522,19 +522,19 @@ impl Session {
         let Some(inner) = self.current() else {
             return Ok(());
         };
-        let rx = inner.start(|m| m.start_logout())?;
-        let r = wait(rx, self.opts.timeout).await;
+        let rx = inner.start(|m| m.start_logout(Instant::now()))?;
+        let r = wait(rx).await;
         inner.shutdown("logged out");
         *self.inner.lock().expect("session lock") = None;
         r.map(|_| ())
     }
 }
 
-async fn wait(rx: oneshot::Receiver<Result<Reply>>, timeout: std::time::Duration) -> Result<Reply> {
-    match tokio::time::timeout(timeout, rx).await {
-        Err(_) => Err(Error::Timeout),
-        Ok(Err(_)) => Err(Error::ConnectionLost("session closed".into())),
-        Ok(Ok(r)) => r,
+/// The outcome of a request; the machine ends it at its deadline (`Timers::task`).
+async fn wait(rx: oneshot::Receiver<Result<Reply>>) -> Result<Reply> {
+    match rx.await {
+        Err(_) => Err(Error::ConnectionLost("session closed".into())),
+        Ok(r) => r,
     }
 }
 
@@ -637,7 +637,7 @@ impl Inner {
                 st.trace(Stage::StatusReceived, itt, now, 0);
             }
         }
-        let r = st.machine.handle_pdu(idx, pdu);
+        let r = st.machine.handle_pdu(Instant::now(), idx, pdu);
         self.flush(&mut st);
         r
     }
@@ -670,7 +670,7 @@ impl Inner {
             {
                 let mut st = self.state();
                 let cmd_sn = st.machine.next_cmd_sn().0;
-                match st.machine.start_command(&cmd) {
+                match st.machine.start_command(Instant::now(), &cmd) {
                     Ok(itt) => {
                         if traced {
                             use cmdtrace::Stage;
@@ -805,13 +805,17 @@ pub async fn discover(url: &IscsiUrl, opts: &LoginOptions) -> Result<Vec<Discove
     )
     .await?;
     let session = Session::unconnected(url, opts.clone(), Isid::default());
-    let inner = start_inner(&outcome, vec![(stream, deframer, outcome.clone())])?;
+    let inner = start_inner(
+        &outcome,
+        vec![(stream, deframer, outcome.clone())],
+        opts.timeout,
+    )?;
     *session.inner.lock().expect("session lock") = Some(inner.clone());
     let mut request = TextParams::new();
     request.push("SendTargets", "All");
     let data = request.encode();
-    let rx = inner.start(|m| m.start_text(data))?;
-    let text = match wait(rx, opts.timeout).await? {
+    let rx = inner.start(|m| m.start_text(Instant::now(), data))?;
+    let text = match wait(rx).await? {
         Reply::Text(t) => t,
         other => {
             return Err(Error::Protocol(format!(
@@ -841,6 +845,7 @@ pub async fn discover(url: &IscsiUrl, opts: &LoginOptions) -> Result<Vec<Discove
 fn start_inner(
     lead: &Established,
     streams: Vec<(TcpStream, Deframer, Established)>,
+    timeout: Duration,
 ) -> Result<Arc<Inner>> {
     let mut machine = machine::Session::new(
         lead.session.clone(),
@@ -848,6 +853,10 @@ fn start_inner(
         lead.exp_cmd_sn,
         lead.max_cmd_sn,
     );
+    machine.set_timers(machine::Timers {
+        task: Some(timeout),
+        ..machine::Timers::default()
+    });
     let mut writers = Vec::new();
     let mut halves = Vec::new();
     for (stream, mut deframer, outcome) in streams {
@@ -877,5 +886,25 @@ fn start_inner(
         tokio::spawn(writer(w, rx));
         tokio::spawn(reader(inner.clone(), idx, r, deframer));
     }
+    tokio::spawn(timers(inner.clone(), timeout));
     Ok(inner)
+}
+
+/// Runs the machine's timers on the runtime's clock until the login ends: tasks past their
+/// deadline end with [`Error::Timeout`]. With nothing due, nothing can fall due sooner than
+/// `timeout` from now (a task started now), so the task sleeps that long at most.
+async fn timers(inner: Arc<Inner>, timeout: Duration) {
+    let mut closed = inner.closed.subscribe();
+    loop {
+        let due = inner.state().machine.poll_timeout();
+        let wake = due.map_or_else(
+            || tokio::time::Instant::now() + timeout,
+            tokio::time::Instant::from_std,
+        );
+        tokio::select! {
+            _ = tokio::time::sleep_until(wake) => {}
+            _ = closed.wait_for(|c| *c) => return,
+        }
+        inner.with(|m| m.handle_timeout(Instant::now()));
+    }
 }

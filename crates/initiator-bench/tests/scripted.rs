@@ -313,3 +313,21 @@ async fn dropping_a_session_closes_its_connection_even_when_the_target_is_silent
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+#[tokio::test]
+async fn a_command_the_target_never_answers_times_out_and_the_session_goes_on() {
+    let t = ScriptedTarget::start(Config::default()).await;
+    let o = LoginOptions {
+        timeout: Duration::from_millis(300),
+        ..opts()
+    };
+    let s = session(&t, o).await;
+    s.capacity().await.unwrap();
+    let mut rezero = [0u8; 16];
+    rezero[0] = 0x01;
+    let r = s.execute(Command::new(iscsi_pdu::Lun::ZERO, rezero)).await;
+    assert!(matches!(r, Err(Error::Timeout)), "{r:?}");
+    // The machine timed it out on its own clock and forgot it: the session goes on.
+    s.capacity().await.unwrap();
+    s.logout().await.unwrap();
+}

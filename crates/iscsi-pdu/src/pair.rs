@@ -348,19 +348,25 @@ impl Pair {
 
     /// Starts a SCSI command.
     pub fn start(&mut self, cmd: &Command) -> Result<u32, StartError> {
-        let r = self.initiator.start_command(cmd);
+        let r = self.initiator.start_command(self.rig.now, cmd);
         self.pump();
         r
     }
 
-    /// Starts a request with `f` on the initiator's session (NOP, TMF, text, logout).
+    /// Starts a request with `f` on the initiator's session at the virtual time now (NOP,
+    /// TMF, text, logout).
     pub fn start_with(
         &mut self,
-        f: impl FnOnce(&mut initiator::Session) -> Result<u32, StartError>,
+        f: impl FnOnce(&mut initiator::Session, Instant) -> Result<u32, StartError>,
     ) -> Result<u32, StartError> {
-        let r = f(&mut self.initiator);
+        let r = f(&mut self.initiator, self.rig.now);
         self.pump();
         r
+    }
+
+    /// Sets the initiator's timers (a task's timeout, pings of a quiet connection).
+    pub fn set_timers(&mut self, timers: initiator::Timers) {
+        self.initiator.set_timers(timers);
     }
 
     /// Runs until task `itt` ends or `limit` of virtual time has passed without it.
@@ -381,7 +387,16 @@ impl Pair {
         loop {
             let mut moved = false;
             let now = self.rig.now;
+            if self.initiator.poll_timeout().is_some_and(|at| at <= now) {
+                self.initiator.handle_timeout(now);
+                moved = true;
+            }
             for ci in 0..self.links.len() {
+                if !self.initiator.connection_alive(ci) && self.links[ci].closed.is_none() {
+                    // The initiator gave the connection up (its ping went unanswered).
+                    self.links[ci].closed = Some("given up by the initiator".into());
+                    self.tear_down(ci);
+                }
                 moved |= self.pump_link(ci, now);
             }
             while let Some(ev) = self.initiator.poll_event() {
@@ -442,7 +457,7 @@ impl Pair {
         loop {
             match self.links[ci].deframer.next_pdu() {
                 Ok(Some(pdu)) => {
-                    if let Err(e) = self.initiator.handle_pdu(ci, pdu) {
+                    if let Err(e) = self.initiator.handle_pdu(self.rig.now, ci, pdu) {
                         return self.initiator_lost(ci, e.0);
                     }
                 }
@@ -485,7 +500,8 @@ impl Pair {
                 .links
                 .iter()
                 .flat_map(|l| [l.to_target.next_due(), l.to_initiator.next_due()]);
-            let next = wires.chain([self.rig.poll_timeout()]).flatten().min();
+            let timers = [self.rig.poll_timeout(), self.initiator.poll_timeout()];
+            let next = wires.chain(timers).flatten().min();
             match next {
                 Some(at) if at <= end => {
                     let step = at.saturating_duration_since(self.rig.now);

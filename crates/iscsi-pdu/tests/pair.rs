@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use iscsi_pdu::initiator::{Command, Failure, Reply, ScsiReply};
+use iscsi_pdu::initiator::{Command, Failure, Reply, ScsiReply, Timers};
 use iscsi_pdu::pair::{Faults, Pair, PairOptions};
 use iscsi_pdu::target::Close;
 use iscsi_pdu::{Lun, ScsiStatus, TaskManagementFunction, TmfResponse};
@@ -243,6 +243,67 @@ fn an_answered_ping_keeps_an_idle_connection() {
 }
 
 #[test]
+fn a_command_left_unanswered_times_out_on_the_initiators_clock_and_its_late_answer_is_ignored() {
+    let mut p = pair(PairOptions::default());
+    p.set_timers(Timers {
+        task: Some(Duration::from_secs(3)),
+        ..Timers::default()
+    });
+    // Every answer takes 5 s to come back.
+    let late = Faults {
+        delay: Duration::from_secs(5),
+        ..Faults::default()
+    };
+    p.set_faults(Faults::default(), late);
+    let start = p.now();
+    let itt = p.start(&read(0, 8)).expect("window open");
+    assert!(matches!(p.wait(itt, MINUTE), Some(Err(Failure::TimedOut))));
+    assert_eq!(
+        p.now() - start,
+        Duration::from_secs(3),
+        "at its deadline, not later"
+    );
+    // The answer arrives after all: nobody waits for it, and the session goes on.
+    p.run_until(|_| false, Duration::from_secs(5));
+    assert!(p.wait(itt, Duration::ZERO).is_none(), "no second end");
+    assert!(p.initiator_closed().is_none());
+    p.set_faults(Faults::default(), Faults::default());
+    good(p.execute(&read(0, 1)));
+}
+
+#[test]
+fn the_initiator_pings_a_quiet_connection_and_gives_it_up_when_no_answer_comes() {
+    let mut p = pair(PairOptions::default());
+    p.set_timers(Timers {
+        nop_interval: Some(Duration::from_secs(2)),
+        nop_timeout: Duration::from_secs(3),
+        ..Timers::default()
+    });
+    // Answered pings keep the connection, and surface as no task's end.
+    let stayed = !p.run_until(|p| p.initiator_closed().is_some(), MINUTE);
+    assert!(stayed, "pinged every 2 s and answered, for a minute");
+    good(p.execute(&read(0, 1)));
+    // Nothing from the target reaches the initiator any more.
+    p.set_faults(
+        Faults::default(),
+        Faults {
+            lose_after: Some(0),
+            ..Faults::default()
+        },
+    );
+    let start = p.now();
+    let itt = p.start(&read(0, 1)).expect("window open");
+    let closed = p.run_until(|p| p.initiator_closed().is_some(), MINUTE);
+    assert!(closed, "the initiator gave the connection up");
+    // A ping after 2 s of silence, given up 3 s later.
+    assert_eq!(p.now() - start, Duration::from_secs(5));
+    assert!(matches!(
+        p.wait(itt, Duration::ZERO),
+        Some(Err(Failure::ConnectionLost(_)))
+    ));
+}
+
+#[test]
 fn the_window_holds_commands_back_until_the_target_opens_it() {
     let mut o = PairOptions::default();
     o.target.window = 4;
@@ -275,8 +336,8 @@ fn abort_task_ends_the_task_on_both_sides() {
     p.rig.hold_backend = true;
     let itt = p.start(&read(0, 8)).expect("window");
     let tmf = p
-        .start_with(|s| {
-            s.start_task_management(TaskManagementFunction::AbortTask, Lun::ZERO, Some(itt))
+        .start_with(|s, now| {
+            s.start_task_management(now, TaskManagementFunction::AbortTask, Lun::ZERO, Some(itt))
         })
         .expect("immediate");
     p.rig.hold_backend = false;
@@ -300,7 +361,7 @@ fn abort_task_ends_the_task_on_both_sides() {
 fn send_targets_in_full_feature_phase() {
     let mut p = pair(PairOptions::default());
     let itt = p
-        .start_with(|s| s.start_text(Bytes::from_static(b"SendTargets=All\0")))
+        .start_with(|s, now| s.start_text(now, Bytes::from_static(b"SendTargets=All\0")))
         .expect("immediate");
     match p.wait(itt, MINUTE) {
         Some(Ok(Reply::Text(t))) => assert!(
@@ -315,7 +376,9 @@ fn send_targets_in_full_feature_phase() {
 #[test]
 fn logout_ends_the_session_cleanly() {
     let mut p = pair(PairOptions::default());
-    let itt = p.start_with(|s| s.start_logout()).expect("immediate");
+    let itt = p
+        .start_with(|s, now| s.start_logout(now))
+        .expect("immediate");
     match p.wait(itt, MINUTE) {
         Some(Ok(Reply::Logout)) => {}
         other => panic!("{other:?}"),

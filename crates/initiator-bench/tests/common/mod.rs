@@ -503,6 +503,8 @@ impl Conn {
                 self.status(c.initiator_task_tag, ScsiStatus::GOOD, Residual::None)
                     .await
             }
+            // REZERO UNIT (obsolete): never answered, for the initiator's timeout.
+            0x01 => Ok(()),
             // ILLEGAL REQUEST / INVALID COMMAND OPERATION CODE.
             _ => self.check_condition(c.initiator_task_tag, 0x05, 0x20).await,
         }

@@ -8,5 +8,5 @@ mod session;
 
 pub use login::{Established, Login, LoginError};
 pub use session::{
-    Command, ConnectionError, Event, Failure, Reply, ScsiReply, Session, StartError,
+    Command, ConnectionError, Event, Failure, Reply, ScsiReply, Session, StartError, Timers,
 };

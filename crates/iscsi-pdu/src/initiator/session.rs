@@ -6,10 +6,13 @@
 //! Inputs are calls (`start_*`, [`Session::handle_pdu`], [`Session::connection_lost`]); outputs
 //! are polled: [`Session::poll_transmit`] per connection (PDUs in the order they must be sent;
 //! the shell encodes them with the connection's digests) and [`Session::poll_event`] (a task's
-//! outcome, the window opening). It owns no socket, clock or thread; an I/O shell keeps the
-//! timers (a command's timeout is [`Session::forget`]).
+//! outcome, the window opening). It owns no socket, clock or thread: time comes in as `now`
+//! with each call, and its [`Timers`] (a task's timeout, NOP-Out pings on a quiet connection)
+//! run on that clock: the shell sleeps until [`Session::poll_timeout`] and then calls
+//! [`Session::handle_timeout`], so they are tested on a virtual clock like the target's.
 
 use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 
@@ -21,6 +24,19 @@ use crate::{
     ScsiStatus, SerialNumber, TaskAttribute, TaskManagementFunction, TaskManagementRequest,
     TextRequest, TextResponse, TmfResponse, RESERVED_TAG,
 };
+
+/// A NOP-Out that asks for a NOP-In back.
+fn nop_out(itt: u32, cmd_sn: SerialNumber, exp_stat_sn: SerialNumber) -> Pdu {
+    Pdu::NopOut(NopOut {
+        immediate: true,
+        initiator_task_tag: itt,
+        target_transfer_tag: RESERVED_TAG,
+        cmd_sn,
+        exp_stat_sn,
+        data: Bytes::new(),
+        ..Default::default()
+    })
+}
 
 /// A SCSI command as the initiator sends it.
 #[derive(Debug, Clone)]
@@ -106,6 +122,22 @@ pub enum Failure {
     Aborted,
     /// The task's connection or the session ended.
     ConnectionLost(String),
+    /// It did not end within [`Timers::task`]; a late answer is ignored.
+    TimedOut,
+}
+
+/// The session's timers, on the caller's clock; each is off unless set.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Timers {
+    /// A task (command, NOP-Out, task management, logout, text) not ended this long after it
+    /// started ends with [`Failure::TimedOut`].
+    pub task: Option<Duration>,
+    /// A connection from which nothing has come for this long is pinged with a NOP-Out
+    /// (RFC 7143 section 11.18), which the machine answers itself.
+    pub nop_interval: Option<Duration>,
+    /// A ping unanswered this long ends its connection ([`Session::connection_lost`]'s
+    /// outcome for its tasks); with `nop_interval`.
+    pub nop_timeout: Duration,
 }
 
 /// Why a request could not start.
@@ -150,6 +182,9 @@ enum TaskKind {
         retries: u8,
     },
     Nop,
+    /// The machine's own ping of a quiet connection ([`Timers::nop_interval`]): its answer
+    /// is no event.
+    Ping,
     Tmf {
         function: TaskManagementFunction,
         referenced: u32,
@@ -165,6 +200,8 @@ struct Task {
     kind: TaskKind,
     /// The connection the task is allegiant to.
     conn: usize,
+    /// When it times out ([`Timers::task`]).
+    deadline: Option<Instant>,
 }
 
 #[derive(Debug)]
@@ -174,6 +211,10 @@ struct Connection {
     exp_stat_sn: SerialNumber,
     alive: bool,
     out: VecDeque<Pdu>,
+    /// When a PDU last came on it (`None`: not since it was added; the first timer sets it).
+    last_rx: Option<Instant>,
+    /// The machine's ping on it, unanswered: its ITT and when it is given up.
+    ping: Option<(u32, Instant)>,
 }
 
 /// Why the target's PDU closes the connection it came on.
@@ -194,6 +235,10 @@ pub struct Session {
     conns: Vec<Connection>,
     next_conn: usize,
     events: VecDeque<Event>,
+    timers: Timers,
+    /// Tasks' deadlines in the order they were set (monotonic, as every task gets the same
+    /// timeout); an entry whose task ended or whose ITT was reused is skipped.
+    deadlines: VecDeque<(Instant, u32)>,
 }
 
 impl Session {
@@ -217,6 +262,61 @@ impl Session {
             conns: Vec::new(),
             next_conn: 0,
             events: VecDeque::new(),
+            timers: Timers::default(),
+            deadlines: VecDeque::new(),
+        }
+    }
+
+    /// Sets the timers; tasks started from now on get the task timeout.
+    pub fn set_timers(&mut self, timers: Timers) {
+        self.timers = timers;
+    }
+
+    /// When [`Session::handle_timeout`] is next due: a task's deadline, a quiet connection's
+    /// ping, or a ping given up.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let task = self.deadlines.front().map(|&(at, _)| at);
+        let pings = self
+            .conns
+            .iter()
+            .filter(|c| c.alive)
+            .filter_map(|c| match c.ping {
+                Some((_, give_up)) => Some(give_up),
+                None => Some(c.last_rx? + self.timers.nop_interval?),
+            });
+        task.into_iter().chain(pings).min()
+    }
+
+    /// Time has come to `now`: tasks past their deadline end with [`Failure::TimedOut`]; a
+    /// connection quiet for [`Timers::nop_interval`] is pinged, and one whose ping went
+    /// unanswered for [`Timers::nop_timeout`] is lost (the caller closes it).
+    pub fn handle_timeout(&mut self, now: Instant) {
+        while let Some(&(at, itt)) = self.deadlines.front() {
+            if at > now {
+                break;
+            }
+            self.deadlines.pop_front();
+            if self.tasks.get(&itt).is_some_and(|t| t.deadline == Some(at)) {
+                self.complete(itt, Err(Failure::TimedOut));
+            }
+        }
+        for ci in 0..self.conns.len() {
+            let c = &mut self.conns[ci];
+            if !c.alive {
+                continue;
+            }
+            let quiet_since = *c.last_rx.get_or_insert(now);
+            match (c.ping, self.timers.nop_interval) {
+                (Some((_, give_up)), _) if give_up <= now => {
+                    self.connection_lost(ci, "NOP-Out ping unanswered");
+                }
+                (None, Some(interval)) if quiet_since + interval <= now => {
+                    let give_up = now + self.timers.nop_timeout;
+                    let itt = self.start_on(ci, now, TaskKind::Ping, nop_out);
+                    self.conns[ci].ping = Some((itt, give_up));
+                }
+                _ => {}
+            }
         }
     }
 
@@ -231,6 +331,8 @@ impl Session {
             exp_stat_sn,
             alive: true,
             out: VecDeque::new(),
+            last_rx: None,
+            ping: None,
         });
         self.conns.len() - 1
     }
@@ -258,6 +360,11 @@ impl Session {
     /// The window the target grants now: (ExpCmdSN, MaxCmdSN).
     pub fn window(&self) -> (SerialNumber, SerialNumber) {
         (self.exp_cmd_sn, self.max_cmd_sn)
+    }
+
+    /// Whether connection `conn` is alive (not lost, closed or given up by a ping).
+    pub fn connection_alive(&self, conn: usize) -> bool {
+        self.conns.get(conn).is_some_and(|c| c.alive)
     }
 
     /// Whether any connection is alive.
@@ -307,7 +414,7 @@ impl Session {
 
     /// Starts a SCSI command: takes a CmdSN inside the window and queues the command with its
     /// immediate data and the unsolicited Data-Out, in CmdSN order, on one connection.
-    pub fn start_command(&mut self, cmd: &Command) -> Result<u32, StartError> {
+    pub fn start_command(&mut self, now: Instant, cmd: &Command) -> Result<u32, StartError> {
         if !self.cmd_sn.le(self.max_cmd_sn) {
             return Err(StartError::WindowClosed);
         }
@@ -332,8 +439,26 @@ impl Session {
             cmd_sn,
             retries: 0,
         };
-        self.tasks.insert(itt, Task { kind, conn: ci });
+        self.insert(now, itt, kind, ci);
         Ok(itt)
+    }
+
+    /// Enters a started task, with its deadline.
+    fn insert(&mut self, now: Instant, itt: u32, kind: TaskKind, conn: usize) {
+        // The machine's own ping has its own deadline (`Timers::nop_timeout`).
+        let timed = !matches!(kind, TaskKind::Ping);
+        let deadline = self.timers.task.filter(|_| timed).map(|t| now + t);
+        if let Some(at) = deadline {
+            self.deadlines.push_back((at, itt));
+        }
+        self.tasks.insert(
+            itt,
+            Task {
+                kind,
+                conn,
+                deadline,
+            },
+        );
     }
 
     /// The SCSI Command PDU with its immediate data, and the unsolicited Data-Out PDUs.
@@ -387,31 +512,33 @@ impl Session {
     /// CmdSN and ExpStatSN.
     fn start_immediate(
         &mut self,
+        now: Instant,
         kind: TaskKind,
         build: impl FnOnce(u32, SerialNumber, SerialNumber) -> Pdu,
     ) -> Result<u32, StartError> {
         let ci = self.pick_conn()?;
+        Ok(self.start_on(ci, now, kind, build))
+    }
+
+    /// Starts an immediate request on connection `ci`.
+    fn start_on(
+        &mut self,
+        ci: usize,
+        now: Instant,
+        kind: TaskKind,
+        build: impl FnOnce(u32, SerialNumber, SerialNumber) -> Pdu,
+    ) -> u32 {
         let itt = self.next_itt();
         let conn = &mut self.conns[ci];
         conn.out
             .push_back(build(itt, self.cmd_sn, conn.exp_stat_sn));
-        self.tasks.insert(itt, Task { kind, conn: ci });
-        Ok(itt)
+        self.insert(now, itt, kind, ci);
+        itt
     }
 
     /// A NOP-Out ping, answered by a NOP-In ([`Reply::Nop`]).
-    pub fn start_nop(&mut self) -> Result<u32, StartError> {
-        self.start_immediate(TaskKind::Nop, |itt, cmd_sn, exp| {
-            Pdu::NopOut(NopOut {
-                immediate: true,
-                initiator_task_tag: itt,
-                target_transfer_tag: RESERVED_TAG,
-                cmd_sn,
-                exp_stat_sn: exp,
-                data: Bytes::new(),
-                ..Default::default()
-            })
-        })
+    pub fn start_nop(&mut self, now: Instant) -> Result<u32, StartError> {
+        self.start_immediate(now, TaskKind::Nop, nop_out)
     }
 
     /// A task management function on `lun`; `referenced` is the ITT of the task for ABORT TASK
@@ -419,6 +546,7 @@ impl Session {
     /// [`Failure::Aborted`].
     pub fn start_task_management(
         &mut self,
+        now: Instant,
         function: TaskManagementFunction,
         lun: Lun,
         referenced: Option<u32>,
@@ -428,7 +556,7 @@ impl Session {
             function,
             referenced,
         };
-        self.start_immediate(kind, |itt, cmd_sn, exp| {
+        self.start_immediate(now, kind, |itt, cmd_sn, exp| {
             Pdu::TaskManagementRequest(TaskManagementRequest {
                 immediate: true,
                 function,
@@ -444,8 +572,8 @@ impl Session {
     }
 
     /// A logout closing the session (from connection CID 0's point of view).
-    pub fn start_logout(&mut self) -> Result<u32, StartError> {
-        self.start_immediate(TaskKind::Logout, |itt, cmd_sn, exp| {
+    pub fn start_logout(&mut self, now: Instant) -> Result<u32, StartError> {
+        self.start_immediate(now, TaskKind::Logout, |itt, cmd_sn, exp| {
             Pdu::LogoutRequest(LogoutRequest {
                 immediate: true,
                 reason: LogoutReason::CloseSession,
@@ -459,11 +587,11 @@ impl Session {
 
     /// A text request with `data` (key=value pairs); the whole response comes back as
     /// [`Reply::Text`], continuations asked for as they come.
-    pub fn start_text(&mut self, data: Bytes) -> Result<u32, StartError> {
+    pub fn start_text(&mut self, now: Instant, data: Bytes) -> Result<u32, StartError> {
         let kind = TaskKind::Text {
             text: TextReassembler::default(),
         };
-        self.start_immediate(kind, |itt, cmd_sn, exp| {
+        self.start_immediate(now, kind, |itt, cmd_sn, exp| {
             Pdu::TextRequest(TextRequest {
                 immediate: true,
                 final_bit: true,
@@ -481,11 +609,33 @@ impl Session {
     /// Forgets a task the caller abandoned (timed out): a late response for it is ignored.
     pub fn forget(&mut self, itt: u32) {
         self.tasks.remove(&itt);
+        self.prune_deadlines();
     }
 
     fn complete(&mut self, itt: u32, result: Result<Reply, Failure>) {
-        if self.tasks.remove(&itt).is_some() {
-            self.events.push_back(Event::Done { itt, result });
+        let Some(task) = self.tasks.remove(&itt) else {
+            return;
+        };
+        self.prune_deadlines();
+        if let TaskKind::Ping = task.kind {
+            // Answered, or given up with its connection: nobody waits for it.
+            if let Some(c) = self.conns.get_mut(task.conn) {
+                c.ping = None;
+            }
+            return;
+        }
+        self.events.push_back(Event::Done { itt, result });
+    }
+
+    /// Drops the deadlines at the front whose tasks have ended, so that the queue holds about
+    /// the tasks in flight (they mostly end in the order they started) and needs no memory
+    /// beyond that in steady state.
+    fn prune_deadlines(&mut self) {
+        while let Some(&(at, itt)) = self.deadlines.front() {
+            if self.tasks.get(&itt).is_some_and(|t| t.deadline == Some(at)) {
+                break;
+            }
+            self.deadlines.pop_front();
         }
     }
 
@@ -554,9 +704,15 @@ impl Session {
 
     /// A PDU from the target on connection `conn`. An error closes that connection (call
     /// [`Session::connection_lost`] once it is closed); a logout response is one.
-    pub fn handle_pdu(&mut self, conn: usize, pdu: Pdu) -> Result<(), ConnectionError> {
-        if !self.conns.get(conn).is_some_and(|c| c.alive) {
-            return Err(ConnectionError("connection closed".into()));
+    pub fn handle_pdu(
+        &mut self,
+        now: Instant,
+        conn: usize,
+        pdu: Pdu,
+    ) -> Result<(), ConnectionError> {
+        match self.conns.get_mut(conn) {
+            Some(c) if c.alive => c.last_rx = Some(now),
+            _ => return Err(ConnectionError("connection closed".into())),
         }
         match pdu {
             Pdu::DataIn(d) => {
@@ -671,6 +827,7 @@ impl Session {
                             ..
                         },
                     conn,
+                    ..
                 }) = self.tasks.get_mut(&itt)
                 else {
                     return;
