@@ -1,7 +1,7 @@
 //! SRP target ports: the I/O shell around srp's sans-IO channel machines, on a reactor.
 //!
 //! A port listens for connect requests (rdma_cm's, or a software fabric's), decides each
-//! login (srp's [`PortSettings`] and [`ChannelTable`], the target named by the request's
+//! login (srp's [`Logins`] with this port's policy: the target named by the request's
 //! target port identifier, the target's access rules), and runs every channel it accepts:
 //! receives go into the channel machine, which the port answers by posting sends and RDMA
 //! transfers, running backend operations on the reactor's engine ([`Io::submit`], as iSCSI

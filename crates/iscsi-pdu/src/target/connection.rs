@@ -125,7 +125,7 @@ pub trait Core: TaskCore {
     /// Closes the session's other connections (a logout of the session). `Some(reference)`:
     /// the session's I_T nexus first gives up what it holds beyond this target (an SPC-2
     /// reservation shared with other gateways) through a task management function, and the
-    /// logout is answered once [`Action::TaskManagementDone`] names that reference, so that
+    /// logout is answered once [`Action::TaskManagementDone`](scsi_core::Action::TaskManagementDone) names that reference, so that
     /// what the initiator does next through another gateway finds it released.
     fn close_session(&mut self) -> Option<u64>;
     /// Closes every other session of the target and this session's other connections (TARGET
