@@ -24,14 +24,12 @@ use scsi_core::{
 use srp::fabric::{NodeId, QpId};
 use srp::initiator::channel::{Command, InitiatorChannel};
 use srp::initiator::Registration;
-use srp::iu::{
-    BufferFormats, Iu, MultiChannelAction, SrpLoginReq, TargetLogoutReason, TaskAttribute,
-};
+use srp::iu::{BufferFormats, Iu, MultiChannelAction, SrpLoginReq, TaskAttribute};
 use srp::switch::{Endpoint, Reply, Switch};
 use srp::target::channel::SPARE_RECEIVES;
 use srp::target::{
-    Channel, Driver, Event, ItNexusKey, Left, LocalCore, LocalPolicy, Logins, PortSettings,
-    VecBuffers,
+    Channel, Driver, Event, ItNexusKey, Left, LocalChannel, LocalCore, LocalPolicy, Logins,
+    PortSettings, VecBuffers,
 };
 use srp::verbs::Verbs;
 
@@ -64,6 +62,14 @@ struct TargetChannel {
     key: ItNexusKey,
     nexus: NexusId,
     gone: bool,
+}
+
+impl LocalChannel for TargetChannel {
+    type Buffer = Vec<u8>;
+
+    fn machine(&mut self) -> &mut Channel<Vec<u8>> {
+        &mut self.channel
+    }
 }
 
 /// The target: its port's login settings, the nexuses and their channels, the device and the
@@ -119,18 +125,10 @@ impl Target {
                 continue;
             };
             let mut private = Vec::new();
-            let channels = &mut self.channels;
             let mut policy = LocalPolicy {
                 core: &mut self.core,
                 target_port_id: TARGET_PORT,
-                // A SINGLE CHANNEL login logs out the channels of its nexus.
-                terminate: |ch: usize, core: &mut LocalCore| {
-                    if let Some(c) = channels.get_mut(ch) {
-                        let reason = TargetLogoutReason::MultiChannelAction;
-                        c.channel
-                            .terminate(reason, true, &mut core.channel(ch, c.nexus));
-                    }
-                },
+                channels: &mut self.channels,
             };
             match self.logins.login(&req, &mut policy) {
                 Ok(accepted) => {

@@ -23,8 +23,8 @@ use crate::iu::{
 };
 use crate::target::channel::SPARE_RECEIVES;
 use crate::target::{
-    Channel, ChannelCore, Driver, Event, ItNexusKey, Left, LocalCore, LocalPolicy, Logins,
-    PortSettings, VecBuffers,
+    Channel, ChannelCore, Driver, Event, ItNexusKey, Left, LocalChannel, LocalCore, LocalPolicy,
+    Logins, PortSettings, VecBuffers,
 };
 use crate::verbs::{Completion, Verbs, WorkOp};
 
@@ -149,6 +149,14 @@ pub struct RigChannel {
     buffers: VecBuffers,
     /// The channel has left the table (its queue pair disconnected).
     pub gone: bool,
+}
+
+impl LocalChannel for RigChannel {
+    type Buffer = Vec<u8>;
+
+    fn machine(&mut self) -> &mut Channel<Vec<u8>> {
+        &mut self.channel
+    }
 }
 
 impl RigChannel {
@@ -314,17 +322,10 @@ impl Rig {
         let Ok(Iu::LoginReq(req)) = Iu::decode(&b) else {
             panic!("a login request decodes");
         };
-        let channels = &mut self.channels;
         let mut policy = LocalPolicy {
             core: &mut self.core,
             target_port_id: TARGET_PORT,
-            terminate: |ch: usize, core: &mut LocalCore| {
-                if let Some(c) = channels.get_mut(ch) {
-                    let reason = TargetLogoutReason::MultiChannelAction;
-                    c.channel
-                        .terminate(reason, true, &mut core.channel(ch, c.nexus));
-                }
-            },
+            channels: &mut self.channels,
         };
         let accepted = self.logins.login(&req, &mut policy).map_err(|r| r.reject)?;
         let (params, key, nexus) = (accepted.params, accepted.key, accepted.nexus);

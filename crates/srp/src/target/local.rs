@@ -3,7 +3,7 @@
 //! software fabric and the test rig does deterministically.
 //!
 //! [`LocalCore`] is scsi-core's [`Router`] with a queue per channel: each channel's
-//! [`Channel`](super::Channel) is handed the [`Core`] that [`LocalCore::channel`] gives, and
+//! [`Channel`] is handed the [`Core`] that [`LocalCore::channel`] gives, and
 //! what the device asks for lands in that channel's queue. [`VecBuffers`] is the
 //! [`Buffers`] of a shell whose verbs carry plain vectors (the software fabric's). A daemon
 //! that runs channels on several threads shares its router behind a lock and writes its own
@@ -16,7 +16,7 @@
 
 use std::collections::VecDeque;
 
-use scsi_core::transport::{CoreEvent, Router, Sink};
+use scsi_core::transport::{CoreEvent, Router, Sink, TaskBuffer};
 use scsi_core::{
     Action, BackendError, Command, Device, DeviceError, NexusId, Output, TaskId, TmfFunction,
 };
@@ -24,7 +24,8 @@ use scsi_core::{
 use super::channel::{Core, TaskCore};
 use super::driver::Buffers;
 use super::login::LoginPolicy;
-use crate::iu::{LoginRejectReason, SrpLoginReq};
+use super::Channel;
+use crate::iu::{LoginRejectReason, SrpLoginReq, TargetLogoutReason};
 use crate::verbs::Verbs;
 
 /// Each channel's actions, by channel index.
@@ -102,6 +103,13 @@ impl LocalCore {
         self.router.announce_to(nexus, ch)
     }
 
+    /// Logs channel `ch` out because a SINGLE CHANNEL login replaces it (SRP_T_LOGOUT,
+    /// MULTI-CHANNEL ACTION): what a [`LocalPolicy`]'s `terminate` does.
+    pub fn log_out_replaced<B: TaskBuffer>(&mut self, ch: usize, channel: &mut Channel<B>) {
+        let mut core = self.channel(ch, channel.nexus());
+        channel.terminate(TargetLogoutReason::MultiChannelAction, true, &mut core);
+    }
+
     /// Closes `nexus` (its last channel has gone): its tasks are aborted, each abort routed to
     /// the channel that had the task.
     pub fn close_nexus(&mut self, nexus: NexusId) -> Result<(), DeviceError> {
@@ -109,21 +117,30 @@ impl LocalCore {
     }
 }
 
+/// A channel among an embedder's, as [`LocalPolicy`] finds it: its machine.
+pub trait LocalChannel {
+    /// The machine's buffers.
+    type Buffer: TaskBuffer;
+    /// The channel's machine.
+    fn machine(&mut self) -> &mut Channel<Self::Buffer>;
+}
+
 /// The [`LoginPolicy`] of a target on a [`LocalCore`]: one target port, which anyone may log in
-/// to; each new I_T nexus opened in the device (relative port 1), a replaced one closed.
-/// `terminate` logs out a channel that a SINGLE CHANNEL login replaces: the embedder's, as it
-/// holds the channels (`Channel::terminate` with MULTI-CHANNEL ACTION).
+/// to; each new I_T nexus opened in the device (relative port 1), a replaced one closed, and
+/// the channels a SINGLE CHANNEL login replaces logged out
+/// ([`LocalCore::log_out_replaced`]). `channels` are the embedder's, indexed by the channel
+/// numbers the machine is told ([`super::Logins::connected`]).
 #[derive(Debug)]
-pub struct LocalPolicy<'a, F> {
+pub struct LocalPolicy<'a, C> {
     /// The core.
     pub core: &'a mut LocalCore,
     /// The target port's identifier: a login naming another is refused.
     pub target_port_id: [u8; 16],
-    /// Logs out channel `ch` on the core.
-    pub terminate: F,
+    /// The channels, by number.
+    pub channels: &'a mut [C],
 }
 
-impl<F: FnMut(usize, &mut LocalCore)> LoginPolicy<usize> for LocalPolicy<'_, F> {
+impl<C: LocalChannel> LoginPolicy<usize> for LocalPolicy<'_, C> {
     type Target = ();
 
     fn target(&mut self, req: &SrpLoginReq) -> Result<(), (LoginRejectReason, &'static str)> {
@@ -145,7 +162,9 @@ impl<F: FnMut(usize, &mut LocalCore)> LoginPolicy<usize> for LocalPolicy<'_, F> 
     }
 
     fn terminate(&mut self, ch: usize) {
-        (self.terminate)(ch, self.core);
+        if let Some(c) = self.channels.get_mut(ch) {
+            self.core.log_out_replaced(ch, c.machine());
+        }
     }
 }
 
