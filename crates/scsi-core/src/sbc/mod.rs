@@ -2,5 +2,6 @@
 
 pub mod block;
 pub mod capacity;
+pub(crate) mod commands;
 pub mod lba_status;
 pub mod unmap;

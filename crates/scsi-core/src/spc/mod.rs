@@ -1,5 +1,6 @@
 //! SPC-4 primary commands: one module per command group.
 
+pub(crate) mod commands;
 pub mod copy;
 pub mod inquiry;
 pub mod log;
