@@ -390,10 +390,54 @@ impl Engine {
     }
 }
 
+/// A descriptor (a duplicate of it, owned) watched by the current tokio runtime for
+/// readability: the engine's completion signal, or any other event channel a reactor waits on
+/// (an RDMA device's completion and connection channels, an rdma_cm listener).
+#[cfg(feature = "tokio")]
+#[derive(Debug)]
+pub struct Readiness(tokio::io::unix::AsyncFd<OwnedFd>);
+
+#[cfg(feature = "tokio")]
+impl Readiness {
+    /// Watches `fd` in the current tokio runtime; the watch holds a duplicate, so it
+    /// outlives nothing it names.
+    pub fn new(fd: std::os::fd::BorrowedFd<'_>) -> io::Result<Readiness> {
+        let owned = fd.try_clone_to_owned()?;
+        // Safety: the OwnedFd is moved into the AsyncFd, stays open and names the same
+        // descriptor until the AsyncFd is dropped.
+        let fd = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE)
+        }
+        .map_err(|e| e.into_parts().1)?;
+        Ok(Readiness(fd))
+    }
+
+    /// Waits until the descriptor is readable, and clears that (the caller takes every event
+    /// there is).
+    pub async fn readable(&self) -> io::Result<()> {
+        let mut guard = self.0.readable().await?;
+        guard.clear_ready();
+        Ok(())
+    }
+
+    /// Whether it was readable since the last call that said so (its readiness is then
+    /// cleared: the caller takes every event there is); registers `cx` for the next.
+    pub fn poll_readable(&self, cx: &mut std::task::Context<'_>) -> io::Result<bool> {
+        match self.0.poll_read_ready(cx) {
+            std::task::Poll::Ready(Ok(mut guard)) => {
+                guard.clear_ready();
+                Ok(true)
+            }
+            std::task::Poll::Ready(Err(e)) => Err(e),
+            std::task::Poll::Pending => Ok(false),
+        }
+    }
+}
+
 /// The engine's completion signal as a tokio readiness source (one per reactor runtime).
 #[cfg(feature = "tokio")]
 pub struct Completions {
-    fd: tokio::io::unix::AsyncFd<OwnedFd>,
+    fd: Readiness,
     engine: Engine,
 }
 
@@ -401,8 +445,7 @@ pub struct Completions {
 impl Completions {
     /// Waits until a completion was signalled and resets the signal; then poll the backends.
     pub async fn ready(&self) -> io::Result<()> {
-        let mut guard = self.fd.readable().await?;
-        guard.clear_ready();
+        self.fd.readable().await?;
         self.engine.clear_event();
         Ok(())
     }
@@ -412,19 +455,11 @@ impl Completions {
 impl Engine {
     /// Registers the completion eventfd with the current tokio runtime.
     pub fn completions(&self) -> io::Result<Completions> {
-        // Safety: dup of the engine's eventfd gives a new descriptor nobody else owns.
-        let fd = unsafe { libc::dup(self.event_fd()) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // Safety: fd is fresh and owned only here.
-        let owned = unsafe { OwnedFd::from_raw_fd(fd) };
-        // Safety: the OwnedFd is moved into the AsyncFd, stays open and names the same
-        // descriptor until the AsyncFd is dropped.
-        let fd =
-            unsafe { tokio::io::unix::AsyncFd::register(owned) }.map_err(|e| e.into_parts().1)?;
+        // Safety: the engine holds its eventfd open while it lives, which the borrow does not
+        // outlive (Readiness keeps a duplicate).
+        let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(self.event_fd()) };
         Ok(Completions {
-            fd,
+            fd: Readiness::new(fd)?,
             engine: self.clone(),
         })
     }

@@ -25,6 +25,8 @@ mod pool;
 pub mod rbd;
 
 pub use arena::{Alloc, Arena, ArenaConfig, ArenaError, Buffer, HugePages, Share, ShareAlloc};
+#[cfg(feature = "tokio")]
+pub use engine::Readiness;
 pub use engine::{Engine, EngineChoice, EngineConfig, EngineKind, FileBackend, UringSupport};
 pub use fault::{Fault, FaultError, FaultOps, Faults, Faulty};
 pub use file::{FileConfig, FileHandle, OpenError};

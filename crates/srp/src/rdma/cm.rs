@@ -169,50 +169,6 @@ impl<B: Registered> RdmaVerbs<B> {
     }
 }
 
-/// A descriptor of the verbs or a listener (a copy of it, owned), watched by the current
-/// tokio runtime: readable when its channel has events.
-#[derive(Debug)]
-pub struct Watch(tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>);
-
-impl Watch {
-    /// Watches `fd` (a channel's descriptor of these verbs or a listener) in the current tokio
-    /// runtime; the watch holds a duplicate, so it outlives nothing it names.
-    pub fn new(fd: RawFd) -> io::Result<Watch> {
-        use std::os::fd::FromRawFd;
-        // Safety: dup of a descriptor the caller's verbs or listener hold open gives a new
-        // one nobody else owns.
-        let dup = unsafe { libc::dup(fd) };
-        if dup < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // Safety: `dup` is fresh and owned only here.
-        let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(dup) };
-        // Safety: the OwnedFd moves into the AsyncFd, stays open and names the same
-        // descriptor until the AsyncFd is dropped.
-        let fd = unsafe {
-            tokio::io::unix::AsyncFd::register_with_interest(owned, tokio::io::Interest::READABLE)
-        }
-        .map_err(|e| e.into_parts().1)?;
-        Ok(Watch(fd))
-    }
-
-    /// Whether it was readable since the last call that said so (its readiness is then
-    /// cleared: the caller takes every event there is); registers `cx` for the next.
-    pub fn poll_readable(&self, cx: &mut std::task::Context<'_>) -> bool {
-        match self.0.poll_read_ready(cx) {
-            std::task::Poll::Ready(Ok(mut guard)) => {
-                guard.clear_ready();
-                true
-            }
-            std::task::Poll::Ready(Err(e)) => {
-                tracing::error!("watching an RDMA channel: {e}");
-                false
-            }
-            std::task::Poll::Pending => false,
-        }
-    }
-}
-
 /// A connection's change of state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Connection {
@@ -401,10 +357,12 @@ impl Listener {
         Ok(listener)
     }
 
-    /// The descriptor to watch: readable when [`Listener::accept`] may have a request.
-    pub fn fd(&self) -> RawFd {
-        // Safety: the channel is valid while `self` is.
-        unsafe { (*self.channel).fd }
+    /// The descriptor to watch: readable when [`Listener::accept`] may have a request. A
+    /// shell watches it in its own event loop (targetd: tokio's `AsyncFd` over a duplicate).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        // Safety: the channel is valid, and its descriptor open, while `self` is, which the
+        // borrow does not outlive.
+        unsafe { BorrowedFd::borrow_raw((*self.channel).fd) }
     }
 
     /// The next connect request, if one has come (its private data is an SRP_LOGIN_REQ).

@@ -141,9 +141,10 @@ impl<B: Registered> RdmaVerbs<B> {
 
     /// rdma_cm's descriptor for this device's connections: readable when
     /// [`RdmaVerbs::poll_connection`] has something.
-    pub fn connection_fd(&self) -> RawFd {
-        // Safety: the channel is valid while `self` is.
-        unsafe { (*self.cm).fd }
+    pub fn connection_fd(&self) -> BorrowedFd<'_> {
+        // Safety: the channel is valid, and its descriptor open, while `self` is, which the
+        // borrow does not outlive.
+        unsafe { BorrowedFd::borrow_raw((*self.cm).fd) }
     }
 
     /// The next change of a connection's state. A disconnected queue pair is in the error
@@ -194,9 +195,10 @@ impl<B: Registered> RdmaVerbs<B> {
 
     /// The completion channel's descriptor: readable when a queue pair has completions
     /// (then [`RdmaVerbs::ack_events`] and poll each queue pair).
-    pub fn completion_fd(&self) -> RawFd {
-        // Safety: the channel is valid while `self` is.
-        unsafe { (*self.comp).fd }
+    pub fn completion_fd(&self) -> BorrowedFd<'_> {
+        // Safety: the channel is valid, and its descriptor open, while `self` is, which the
+        // borrow does not outlive.
+        unsafe { BorrowedFd::borrow_raw((*self.comp).fd) }
     }
 
     /// Takes the completion channel's events, acknowledges them and asks for the next: the

@@ -32,7 +32,7 @@ use std::ffi::CStr;
 use std::io;
 use std::net::SocketAddr;
 use std::ops::{Deref, DerefMut};
-use std::os::fd::RawFd;
+use std::os::fd::{BorrowedFd, RawFd};
 use std::ptr;
 use std::rc::Rc;
 
@@ -50,7 +50,7 @@ mod memory;
 mod qp;
 
 use cm::next_event;
-pub use cm::{ConnectRequest, Connection, Listener, Watch};
+pub use cm::{ConnectRequest, Connection, Listener};
 use qp::destroy_qp;
 
 /// Why the device could not be used.

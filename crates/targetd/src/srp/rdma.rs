@@ -8,9 +8,10 @@ use std::net::SocketAddr;
 use std::task::{Context, Poll};
 
 use srp::iu::{IuError, SrpLoginReq};
-use srp::rdma::{
-    ConnectRequest, Listener, QpHandle, QueueDepth, RdmaError, RdmaVerbs, Slot, Watch,
-};
+use std::os::fd::BorrowedFd;
+
+use backend::Readiness as Watch;
+use srp::rdma::{ConnectRequest, Listener, QpHandle, QueueDepth, RdmaError, RdmaVerbs, Slot};
 use srp::target::channel::SPARE_RECEIVES;
 use srp::target::PortSettings;
 
@@ -69,7 +70,7 @@ impl RdmaPort {
         let mut verbs = RdmaVerbs::open(None, slots, IU_LEN)?;
         verbs.register_arena(arena)?;
         let listener = Listener::bind(addr, 64)?;
-        let watch = |fd| {
+        let watch = |fd: BorrowedFd<'_>| {
             Watch::new(fd).map_err(|source| RdmaError::Os {
                 call: "epoll (AsyncFd)",
                 source,
@@ -99,9 +100,9 @@ impl Fabric for RdmaPort {
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         // Each is polled, so that each has the waker.
-        let requests = self.listening.poll_readable(cx);
-        let connections = self.connections.poll_readable(cx);
-        let completions = self.completions.poll_readable(cx);
+        let requests = readable(&self.listening, cx);
+        let connections = readable(&self.connections, cx);
+        let completions = readable(&self.completions, cx);
         if completions {
             // Acknowledged and armed again; the port polls every queue pair anyway.
             self.ready.clear();
@@ -156,4 +157,13 @@ impl Fabric for RdmaPort {
     fn addresses(&self, request: &ConnectRequest) -> Option<(SocketAddr, SocketAddr)> {
         Some((request.peer?, request.local.unwrap_or(self.addr)))
     }
+}
+
+/// Whether `watch` was readable since it last said so; a failing watch is logged and reads as
+/// not ready.
+fn readable(watch: &Watch, cx: &mut Context<'_>) -> bool {
+    watch.poll_readable(cx).unwrap_or_else(|e| {
+        tracing::error!("watching an RDMA channel: {e}");
+        false
+    })
 }
