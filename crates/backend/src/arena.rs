@@ -702,6 +702,29 @@ impl Drop for ShareAlloc<'_> {
     }
 }
 
+// Safety: an arena's mapping of `size` bytes from `base` stays mapped, at the same address,
+// while any clone lives (the clones share one reference-counted mapping, unmapped when the
+// last goes); `same` compares that shared mapping.
+#[cfg(feature = "rdma")]
+unsafe impl srp::rdma::RegisteredMemory for Arena {
+    fn base(&self) -> *mut u8 {
+        Arena::base(self)
+    }
+
+    fn size(&self) -> usize {
+        Arena::len(self)
+    }
+
+    fn same(&self, other: &Arena) -> bool {
+        Arena::same(self, other)
+    }
+}
+
+// Safety: a buffer's bytes are a fixed run of slots of its arena's mapping, which the buffer
+// keeps alive (the arena is reference counted) and hands to no one else while it lives.
+#[cfg(feature = "rdma")]
+unsafe impl srp::rdma::Registered for Buffer {}
+
 #[cfg(test)]
 mod tests {
     use super::*;

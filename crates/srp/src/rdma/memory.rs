@@ -7,17 +7,20 @@ impl<B: Registered> RdmaVerbs<B> {
     /// Registers `arena` for local access, once: its buffers may then be posted (a target's
     /// data moves from and into them with no registration per I/O). The verbs keep the arena
     /// mapped while the region exists.
-    pub fn register_arena(&mut self, arena: &backend::Arena) -> Result<(), RdmaError> {
-        if self.arenas.iter().any(|(a, _)| a.same(arena)) {
+    pub fn register_arena<M: RegisteredMemory>(&mut self, arena: &M) -> Result<(), RdmaError> {
+        let registered =
+            |a: &dyn std::any::Any| a.downcast_ref::<M>().is_some_and(|a| a.same(arena));
+        if self.arenas.iter().any(|(a, _)| registered(a.as_ref())) {
             return Ok(());
         }
-        // Safety: the range is the arena's whole mapping, which the clone kept below keeps
-        // mapped until the region is deregistered (in `drop`, before the domain goes).
+        // Safety: the range is the memory's whole mapping, which the clone kept below keeps
+        // mapped (RegisteredMemory's contract) until the region is deregistered (in `drop`,
+        // before the domain goes).
         let mr = unsafe {
             ibv_reg_mr(
                 self.pd,
                 arena.base().cast(),
-                arena.len(),
+                arena.size(),
                 access_flags(Access::default()),
             )
         };
@@ -27,8 +30,8 @@ impl<B: Registered> RdmaVerbs<B> {
         // Safety: a registered region's key.
         let lkey = unsafe { (*mr).lkey };
         let start = arena.base() as u64;
-        self.local.push((start, start + arena.len() as u64, lkey));
-        self.arenas.push((arena.clone(), mr));
+        self.local.push((start, start + arena.size() as u64, lkey));
+        self.arenas.push((Box::new(arena.clone()), mr));
         Ok(())
     }
 

@@ -4,8 +4,9 @@
 //! [`RdmaVerbs`] owns everything it creates on one device and tears it down in order (queue
 //! pairs, completion queues, connection ids, memory regions, memory, the completion channel,
 //! the protection domain): a protection domain; one memory region over a pool of fixed-size
-//! [`Slot`]s registered once at start (IU buffers), and any [`backend::Arena`] registered once
-//! with [`RdmaVerbs::register_arena`] (a reactor's, where a target's data moves); memory
+//! [`Slot`]s registered once at start (IU buffers), and any [`RegisteredMemory`] (a
+//! reactor's buffer arena, where a target's data moves) registered once with
+//! [`RdmaVerbs::register_arena`]; memory
 //! the peer may reach ([`PeerMemory::alloc`], [`PeerMemory::register`]); one completion queue per queue
 //! pair, all on one completion channel whose descriptor a reactor watches
 //! ([`RdmaVerbs::completion_fd`], then [`RdmaVerbs::ack_events`]). Queue pairs are RC,
@@ -231,9 +232,24 @@ unsafe impl Registered for Slot {}
 // Safety: a vector's heap bytes move or go only through its own methods (its owner's).
 unsafe impl Registered for Vec<u8> {}
 
-// Safety: a buffer's bytes are a fixed run of slots of its arena's mapping, which the buffer
-// keeps alive (the arena is reference counted) and hands to no one else while it lives.
-unsafe impl Registered for backend::Buffer {}
+/// Memory registered with the device once and for all, whose [`Registered`] buffers are
+/// then posted without a registration each (a reactor's buffer arena: storage-target-backend
+/// implements it for its `Arena`, and `Registered` for its `Buffer`, with its feature `rdma`).
+/// The verbs keep a clone while the memory region exists.
+///
+/// # Safety
+///
+/// Implementors guarantee that `size` bytes from `base` stay mapped, readable and writable,
+/// at the same address, as long as any clone lives, and that `same` is true only of clones
+/// of one memory.
+pub unsafe trait RegisteredMemory: Clone + 'static {
+    /// Its first byte.
+    fn base(&self) -> *mut u8;
+    /// Its size in bytes.
+    fn size(&self) -> usize;
+    /// Whether `other` is this same memory (a clone of it).
+    fn same(&self, other: &Self) -> bool;
+}
 
 // Safety: either variant is, and a value never changes variant behind `&`.
 unsafe impl<I: Registered, D: Registered> Registered for PortBuffer<I, D> {}
@@ -292,8 +308,9 @@ pub struct RdmaVerbs<B = Slot> {
     pool: Option<Rc<Pool>>,
     memory: Vec<Allocation>,
     regions: Vec<(u32, *mut ibv_mr)>,
-    /// Arenas registered for local access, each with its region; kept alive by the clone.
-    arenas: Vec<(backend::Arena, *mut ibv_mr)>,
+    /// Memory registered for local access once ([`RegisteredMemory`]), each with its region;
+    /// kept alive by the clone.
+    arenas: Vec<(Box<dyn std::any::Any>, *mut ibv_mr)>,
     /// Where local buffers may lie: (first address, end, local key) of the pool and arenas.
     local: Vec<(u64, u64, u32)>,
     qps: Vec<Option<Qp<B>>>,
