@@ -1,7 +1,8 @@
-//! The deterministic pair under Arbitrary settings, link faults and sequences of commands, task
-//! management, NOPs, backend holds and clock advances. Checked: no panic in either machine (the
-//! rig checks the target's stream on the way); every task the initiator started ends, or the
-//! connection closed (unless a bit flipped without digests to catch it); once closed, no task
+//! The deterministic pair under Arbitrary settings, link faults, initiator timers and sequences
+//! of commands, task management, NOPs, backend holds and clock advances. Checked: no panic in
+//! either machine (the rig checks the target's stream on the way); every task the initiator
+//! started ends, or the connection closed (unless a bit flipped without digests to catch it
+//! and the initiator has no task timeout to end it); once closed, no task
 //! is left on the target; and when the links only cut
 //! and delay (no loss, no flipped bit), every read returns what the last write to its blocks
 //! wrote.
@@ -12,7 +13,7 @@ use std::time::Duration;
 
 use arbitrary::Arbitrary;
 use bytes::Bytes;
-use iscsi_pdu::initiator::{Command, Reply};
+use iscsi_pdu::initiator::{Command, Reply, Timers};
 use iscsi_pdu::negotiation::DigestAlgorithm;
 use iscsi_pdu::pair::{Faults, Pair, PairOptions};
 use iscsi_pdu::{Lun, ScsiStatus, TaskManagementFunction};
@@ -31,6 +32,10 @@ struct Setup {
     delay_us: u16,
     lose_after: Option<u16>,
     flip: Option<u16>,
+    /// The initiator's timers in milliseconds of the virtual clock (0: off).
+    task_timeout_ms: u16,
+    nop_interval_ms: u16,
+    nop_timeout_ms: u16,
 }
 
 #[derive(Arbitrary, Debug)]
@@ -72,6 +77,12 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
         }
     }
     let mut p = Pair::new(o);
+    let ms = |v: u16| (v > 0).then(|| Duration::from_millis(u64::from(v)));
+    p.set_timers(Timers {
+        task: ms(setup.task_timeout_ms),
+        nop_interval: ms(setup.nop_interval_ms),
+        nop_timeout: Duration::from_millis(u64::from(setup.nop_timeout_ms.max(1))),
+    });
     let clean = setup.lose_after.is_none() && setup.flip.is_none();
     let faults = Faults {
         cut: setup.cut,
@@ -129,8 +140,8 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
             Step::AbortLast => {
                 if let Some(&last) = started.last() {
                     let f = TaskManagementFunction::AbortTask;
-                    if let Ok(itt) =
-                        p.start_with(|s, now| s.start_task_management(now, f, Lun::ZERO, Some(last)))
+                    if let Ok(itt) = p
+                        .start_with(|s, now| s.start_task_management(now, f, Lun::ZERO, Some(last)))
                     {
                         started.push(itt);
                     }
@@ -159,8 +170,8 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
     );
     // Without digests a flipped bit can go unnoticed (a CmdSN off by one is a command the
     // target waits for forever, as RFC 7143 says); an initiator's timeout is what ends such a
-    // task, and the pair has none. With digests every flip is caught.
-    let detectable = setup.flip.is_none() || setup.digests;
+    // task. With digests every flip is caught.
+    let detectable = setup.flip.is_none() || setup.digests || setup.task_timeout_ms > 0;
     assert!(
         ended || !detectable,
         "a task never ended on a live connection"
