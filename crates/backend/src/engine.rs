@@ -758,10 +758,9 @@ fn ring_entry(u: &Uring, lu: &Lu, req: &mut Request, bs: u32) -> Option<io_uring
         Op::WriteSame {
             lba,
             blocks,
-            zeros,
             unmap: true,
             ..
-        } if u.support.fallocate && (zeros || req.buf[..bs as usize].iter().all(|&b| b == 0)) => {
+        } if u.support.fallocate && req.op.writes_zero_block(&req.buf, bs as usize) => {
             Some(punch(lba, blocks))
         }
         _ => None,

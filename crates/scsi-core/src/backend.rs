@@ -109,6 +109,19 @@ pub enum Op {
 }
 
 impl Op {
+    /// Whether this is a WRITE SAME of a block of zeros: without data (NDOB), or with a first
+    /// `block_size` bytes of `buf` that are all zero. Such a write may deallocate (with
+    /// `unmap`) or write zeros the cheap way (a hole, librbd's write_zeroes).
+    pub fn writes_zero_block(&self, buf: &[u8], block_size: usize) -> bool {
+        match self {
+            Op::WriteSame { zeros: true, .. } => true,
+            Op::WriteSame { .. } => buf
+                .get(..block_size)
+                .is_some_and(|b| b.iter().all(|&x| x == 0)),
+            _ => false,
+        }
+    }
+
     /// The bytes of buffer this operation needs, for `block_size`-byte blocks.
     pub fn buffer_len(&self, block_size: u32) -> u64 {
         let bs = u64::from(block_size);
@@ -400,8 +413,7 @@ pub fn execute(
             fua,
         } => {
             let (at, n) = bytes(lba, blocks)?;
-            let zero_block = zeros || buf[..bs].iter().all(|&b| b == 0);
-            if zero_block && unmap {
+            if unmap && op.writes_zero_block(buf, bs) {
                 store.deallocate(at, n as u64)?;
             } else {
                 store.write_same(at, n, (!zeros).then(|| &buf[..bs]), fua)?;

@@ -1192,6 +1192,7 @@ impl RbdBackend {
         let bs = u64::from(self.block_size);
         let cell: *const SlotCell = self.cell(index);
         let p = self.pending[index as usize].as_mut().expect("slot in use");
+        let zero_block = p.op.writes_zero_block(&p.buffer, bs as usize);
         let base = p.buffer.as_mut_ptr();
         let mut c: ffi::rbd_completion_t = std::ptr::null_mut();
         // Safety: the callback's argument is a SlotCell at a fixed address that outlives the
@@ -1245,14 +1246,11 @@ impl RbdBackend {
                 Op::WriteSame {
                     lba,
                     blocks,
-                    zeros,
                     unmap,
                     fua,
+                    ..
                 } => {
-                    let zero = zeros
-                        || std::slice::from_raw_parts(base, bs as usize)
-                            .iter()
-                            .all(|&b| b == 0);
+                    let zero = zero_block;
                     if zero && unmap {
                         ffi::rbd_aio_discard(img, lba * bs, blocks * bs, c).into()
                     } else if zero {

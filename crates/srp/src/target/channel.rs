@@ -235,6 +235,15 @@ struct PendingTmf {
     request: Option<(u64, u8)>,
 }
 
+/// The channel's SRP_AER_REQ, one at a time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AerOut {
+    /// Queued, not yet encoded.
+    Queued,
+    /// Sent with this tag, waiting for its SRP_AER_RSP.
+    Sent(u64),
+}
+
 /// One RDMA channel.
 #[derive(Debug)]
 pub struct Channel<B> {
@@ -257,8 +266,8 @@ pub struct Channel<B> {
     /// Unit attentions waiting to go as SRP_AER_REQ, oldest first (at most
     /// [`PENDING_EVENTS`]: the unit attentions stay pending in the core anyway).
     events_pending: VecDeque<(u64, SenseBytes)>,
-    /// The SRP_AER_REQ queued or sent and not yet answered (its tag once sent).
-    event_out: Option<Option<u64>>,
+    /// The SRP_AER_REQ queued or sent and not yet answered.
+    event_out: Option<AerOut>,
     next_target_tag: u64,
     next_transfer: u64,
     closing: Option<Close>,
@@ -390,7 +399,7 @@ impl<B: TaskBuffer> Channel<B> {
                 }
                 Out::AerReq { lun, sense } => {
                     let tag = self.target_tag();
-                    self.event_out = Some(Some(tag));
+                    self.event_out = Some(AerOut::Sent(tag));
                     // No credit rides on it: an initiator that takes the event lightly
                     // (Linux's ib_srp logs it) must not lose credit with it.
                     SrpAerReq {
@@ -491,7 +500,7 @@ impl<B: TaskBuffer> Channel<B> {
                 }
                 None => self.log_out(TargetLogoutReason::UnexpectedResponse, core),
             },
-            Ok(Iu::AerRsp(r)) if self.event_out == Some(Some(r.tag)) => {
+            Ok(Iu::AerRsp(r)) if self.event_out == Some(AerOut::Sent(r.tag)) => {
                 self.event_out = None;
                 self.next_event();
             }
@@ -1072,7 +1081,7 @@ impl<B: TaskBuffer> Channel<B> {
             return;
         }
         if let Some((lun, sense)) = self.events_pending.pop_front() {
-            self.event_out = Some(None);
+            self.event_out = Some(AerOut::Queued);
             self.out.push_back(Out::AerReq { lun, sense });
         }
     }
