@@ -474,7 +474,8 @@ pub fn login_request(s: usize, target_port_id: [u8; 16], it_iu_len: u32) -> SrpL
     }
 }
 
-/// How long a run waits for any answer before it gives up on the target.
+/// How long a command waits for its answer before the run gives up on the target (the
+/// channel's timeout).
 const STALL: Duration = Duration::from_secs(30);
 
 /// Runs `w` on LUN `lun` through `channels` (logged in over `verbs`), on this machine's
@@ -491,10 +492,12 @@ where
     V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
 {
     let mut plan = Plan::new(w)?;
-    if o.immediate_data {
-        for ch in channels.iter_mut() {
+    for ch in channels.iter_mut() {
+        if o.immediate_data {
             ch.use_immediate_data(IMM_DATA_OFFSET);
         }
+        // A command unanswered this long ends its channel (the channel's own timer).
+        ch.set_timeout(Some(STALL));
     }
     let lun_field = u64::from(lun) << 48;
     let mut tag = 0u64;
@@ -512,7 +515,7 @@ where
                 partial: false,
                 attribute: TaskAttribute::Simple,
             };
-            ch.send(verbs, &tur)
+            ch.send(Instant::now(), verbs, &tur)
                 .map_err(|e| format!("TEST UNIT READY: {e}"))?;
             let a = wait_answer(verbs, ch)?;
             if a.status == 0 {
@@ -528,7 +531,6 @@ where
     plan.start();
     let mut open = true;
     let mut read_back = false;
-    let mut last_answer = Instant::now();
     let mut cdb = [0u8; 16];
     loop {
         for (i, ch) in channels.iter_mut().enumerate() {
@@ -557,7 +559,7 @@ where
                     partial: false,
                     attribute: TaskAttribute::Simple,
                 };
-                ch.send(verbs, &cmd)
+                ch.send(Instant::now(), verbs, &cmd)
                     .map_err(|e| format!("a command was refused: {e}"))?;
                 in_flight[i].insert(tag, (io, Instant::now()));
             }
@@ -575,6 +577,13 @@ where
                     tally.done(&mut plan, &io, a.status, &a.data, start.elapsed());
                 }
             }
+            let lost = ch.handle_timeout(Instant::now(), verbs);
+            if !lost.is_empty() {
+                return Err(format!(
+                    "no answer from the target for {STALL:?}: {} commands in flight",
+                    lost.len()
+                ));
+            }
             if ch.is_gone(verbs) {
                 return Err(format!(
                     "the channel ended ({:?}) with {} commands in flight",
@@ -591,11 +600,7 @@ where
             }
             break;
         }
-        if moved {
-            last_answer = Instant::now();
-        } else if last_answer.elapsed() > STALL {
-            return Err(format!("no answer from the target for {STALL:?}"));
-        } else {
+        if !moved {
             std::thread::yield_now();
         }
     }
@@ -627,16 +632,15 @@ fn wait_answer<V>(verbs: &mut V, ch: &mut InitiatorChannel<V>) -> Result<Answer,
 where
     V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
 {
-    let deadline = Instant::now() + STALL;
     loop {
         if let Some(a) = ch.poll(verbs) {
             return Ok(a);
         }
+        if !ch.handle_timeout(Instant::now(), verbs).is_empty() {
+            return Err(format!("no answer from the target for {STALL:?}"));
+        }
         if ch.is_gone(verbs) {
             return Err(format!("the channel ended ({:?})", ch.logged_out()));
-        }
-        if Instant::now() > deadline {
-            return Err(format!("no answer from the target for {STALL:?}"));
         }
         std::thread::yield_now();
     }

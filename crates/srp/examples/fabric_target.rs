@@ -263,7 +263,7 @@ pub fn demo() -> Result<usize, String> {
     // One command at a time, run until its answer comes.
     let mut run = |channel: &mut InitiatorChannel<_>, cmd: Command<'_>| {
         channel
-            .send(&mut verbs, &cmd)
+            .send(Instant::now(), &mut verbs, &cmd)
             .map_err(|e| format!("send: {e:?}"))?;
         loop {
             if let Some(answer) = channel.poll(&mut verbs) {

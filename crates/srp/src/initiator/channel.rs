@@ -4,8 +4,15 @@
 //! its SRP_LOGIN_RSP on, the channel counts credits, sends SRP_CMDs whose data buffers lie in
 //! its [`DataMemory`], answers the target's SRP_CRED_REQs, notes an SRP_T_LOGOUT, and hands
 //! back each SRP_RSP with the data-in that reached its memory.
+//!
+//! Time comes in with each command ([`InitiatorChannel::send`]); with a timeout set
+//! ([`InitiatorChannel::set_timeout`]), a command unanswered by its deadline ends the channel:
+//! the caller sleeps until [`InitiatorChannel::poll_timeout`] and calls
+//! [`InitiatorChannel::handle_timeout`], which disconnects the queue pair (so the target can
+//! no longer reach the memory the commands lent it) and gives every command in flight back.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
 
 use scsi_core::Residual;
 
@@ -100,8 +107,13 @@ pub struct InitiatorChannel<V: Verbs + PeerMemory> {
     qp: V::Qp,
     memory: DataMemory<V::Memory>,
     credit: i64,
-    /// Commands in flight, by tag: where their data is.
-    buffers: HashMap<u64, Held>,
+    /// Commands in flight, by tag: where their data is, and when they time out.
+    buffers: HashMap<u64, (Held, Option<Instant>)>,
+    /// A command's timeout ([`InitiatorChannel::set_timeout`]).
+    timeout: Option<Duration>,
+    /// Deadlines in the order they were set (monotonic); an entry whose command was answered
+    /// is skipped.
+    deadlines: VecDeque<(Instant, u64)>,
     /// Whether the SRP_LOGIN_RSP granted immediate data.
     immediate_granted: bool,
     /// Where immediate data starts in an SRP_CMD, once it is used.
@@ -148,6 +160,8 @@ where
             memory,
             credit: i64::from(rsp.req_lim_delta),
             buffers: HashMap::new(),
+            timeout: None,
+            deadlines: VecDeque::new(),
             immediate_granted: rsp.immediate_data,
             imm_data_offset: None,
             max_it_iu_len: rsp.max_it_iu_len as usize,
@@ -203,8 +217,64 @@ where
         self.memory.max_len(regions)
     }
 
-    /// Sends `cmd`, taking a credit.
-    pub fn send(&mut self, verbs: &mut V, cmd: &Command<'_>) -> Result<(), SendError> {
+    /// Gives commands sent from now on `timeout` to be answered (`None`: forever).
+    pub fn set_timeout(&mut self, timeout: Option<Duration>) {
+        self.timeout = timeout;
+    }
+
+    /// When [`InitiatorChannel::handle_timeout`] is next due: the oldest command's deadline.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.deadlines.front().map(|&(at, _)| at)
+    }
+
+    /// Time has come to `now`: if a command is past its deadline, the channel ends. Its queue
+    /// pair is disconnected, so that the target can no longer read or write the memory the
+    /// commands lent it, then that memory is released and the tags of every command in flight
+    /// are returned (none are answered after). Empty when nothing was due.
+    pub fn handle_timeout(&mut self, now: Instant, verbs: &mut V) -> Vec<u64> {
+        self.prune_deadlines();
+        if self.deadlines.front().is_none_or(|&(at, _)| at > now) {
+            return Vec::new();
+        }
+        verbs.disconnect(self.qp);
+        self.deadlines.clear();
+        let mut tags: Vec<u64> = self.buffers.keys().copied().collect();
+        tags.sort_unstable();
+        for &tag in &tags {
+            if let Some((Held::Memory { .. }, _)) = self.buffers.remove(&tag) {
+                self.memory.release(verbs, tag);
+            }
+        }
+        self.buffers.clear();
+        tags
+    }
+
+    /// Drops the deadlines at the front whose commands were answered.
+    fn prune_deadlines(&mut self) {
+        while let Some(&(at, tag)) = self.deadlines.front() {
+            if self.buffers.get(&tag).is_some_and(|&(_, d)| d == Some(at)) {
+                break;
+            }
+            self.deadlines.pop_front();
+        }
+    }
+
+    /// Enters a command sent at `now`, with its deadline.
+    fn enter(&mut self, now: Instant, tag: u64, held: Held) {
+        let deadline = self.timeout.map(|t| now + t);
+        if let Some(at) = deadline {
+            self.deadlines.push_back((at, tag));
+        }
+        self.buffers.insert(tag, (held, deadline));
+    }
+
+    /// Sends `cmd` at `now`, taking a credit.
+    pub fn send(
+        &mut self,
+        now: Instant,
+        verbs: &mut V,
+        cmd: &Command<'_>,
+    ) -> Result<(), SendError> {
         if self.is_gone(verbs) {
             return Err(SendError::Gone);
         }
@@ -234,7 +304,7 @@ where
                 // The data goes in the SRP_CMD: no place of the memory's.
                 self.post(verbs)?;
                 self.credit -= 1;
-                self.buffers.insert(cmd.tag, Held::Immediate);
+                self.enter(now, cmd.tag, Held::Immediate);
                 return Ok(());
             }
         }
@@ -267,7 +337,7 @@ where
         }
         self.credit -= 1;
         let read = cmd.data_out.is_none() && len > 0;
-        self.buffers.insert(cmd.tag, Held::Memory { read });
+        self.enter(now, cmd.tag, Held::Memory { read });
         Ok(())
     }
 
@@ -308,7 +378,9 @@ where
                 Ok(Iu::Rsp(r)) => {
                     self.credit += i64::from(r.req_lim_delta);
                     let mut data = Vec::new();
-                    if let Some(Held::Memory { read }) = self.buffers.remove(&r.tag) {
+                    let held = self.buffers.remove(&r.tag).map(|(held, _)| held);
+                    self.prune_deadlines();
+                    if let Some(Held::Memory { read }) = held {
                         if read {
                             self.memory.read_data(verbs, r.tag, &mut data);
                             let residual = match r.data_in_residual {
