@@ -21,7 +21,7 @@ use iscsi_pdu::{
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
-use tokio::sync::{mpsc, oneshot, watch, Notify};
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 
 use crate::error::{Error, Result};
 use crate::login::{random_isid, Established, LoginExchange, LoginOptions};
@@ -33,6 +33,8 @@ use crate::url::IscsiUrl;
 struct State {
     machine: machine::Session,
     replies: HashMap<u32, oneshot::Sender<Result<Reply>>>,
+    /// The MaxCmdSN up to which the window's permits were given out.
+    window_granted: SerialNumber,
     /// Each command's stages, while tracing (`initiator-bench run --trace`).
     trace: Option<Tracing>,
 }
@@ -82,7 +84,11 @@ struct Inner {
     state: Mutex<State>,
     /// Whether `state.trace` is on: checked without the lock before reading the clock.
     tracing: AtomicBool,
-    window: Notify,
+    /// Room in the CmdSN window, a permit per CmdSN: a command takes one (and keeps it: its
+    /// CmdSN is used) before it starts. The semaphore is fair, so commands waiting for the
+    /// window start in the order they came, and one that has just finished does not pass
+    /// them (a latency tool's p99 must not be one command starved by the others).
+    window: Semaphore,
     writers: Vec<mpsc::UnboundedSender<Bytes>>,
     dead: AtomicBool,
     /// Set when the login is shut down, to wake readers blocked on a silent target.
@@ -610,7 +616,13 @@ impl Inner {
             }
         }
         if opened {
-            self.window.notify_waiters();
+            // Permits for each CmdSN the window has grown by.
+            let (_, max) = st.machine.window();
+            if max.gt(st.window_granted) {
+                self.window
+                    .add_permits(max.0.wrapping_sub(st.window_granted.0) as usize);
+                st.window_granted = max;
+            }
         }
     }
 
@@ -661,40 +673,48 @@ impl Inner {
         let submitted = if traced { cmdtrace::now_ns() } else { 0 };
         let mut waited = None;
         loop {
-            let notified = self.window.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+            let permit = match self.window.try_acquire() {
+                Ok(permit) => permit,
+                Err(_) => {
+                    if traced && waited.is_none() {
+                        waited = Some(cmdtrace::now_ns());
+                    }
+                    // Closed when the login ends.
+                    self.window
+                        .acquire()
+                        .await
+                        .map_err(|_| Error::ConnectionLost("session lost".into()))?
+                }
+            };
             if self.dead.load(Ordering::Acquire) {
                 return Err(Error::ConnectionLost("session lost".into()));
             }
-            {
-                let mut st = self.state();
-                let cmd_sn = st.machine.next_cmd_sn().0;
-                match st.machine.start_command(Instant::now(), &cmd) {
-                    Ok(itt) => {
-                        if traced {
-                            use cmdtrace::Stage;
-                            let len = cmd.data_in_len.max(cmd.data_out.len() as u32);
-                            st.trace_sn(Stage::Submitted, itt, cmd_sn, submitted, len);
-                            if let Some(w) = waited {
-                                st.trace(Stage::WindowWait, itt, w, 0);
-                            }
-                            st.trace(Stage::Sent, itt, cmdtrace::now_ns(), 0);
+            let mut st = self.state();
+            let cmd_sn = st.machine.next_cmd_sn().0;
+            match st.machine.start_command(Instant::now(), &cmd) {
+                Ok(itt) => {
+                    // Its CmdSN is taken: the permit stays used until the window grows.
+                    permit.forget();
+                    if traced {
+                        use cmdtrace::Stage;
+                        let len = cmd.data_in_len.max(cmd.data_out.len() as u32);
+                        st.trace_sn(Stage::Submitted, itt, cmd_sn, submitted, len);
+                        if let Some(w) = waited {
+                            st.trace(Stage::WindowWait, itt, w, 0);
                         }
-                        let (tx, rx) = oneshot::channel();
-                        st.replies.insert(itt, tx);
-                        self.flush(&mut st);
-                        return Ok((itt, rx));
+                        st.trace(Stage::Sent, itt, cmdtrace::now_ns(), 0);
                     }
-                    Err(StartError::WindowClosed) => {
-                        if traced && waited.is_none() {
-                            waited = Some(cmdtrace::now_ns());
-                        }
-                    }
-                    Err(e) => return Err(start_error(e)),
+                    let (tx, rx) = oneshot::channel();
+                    st.replies.insert(itt, tx);
+                    self.flush(&mut st);
+                    return Ok((itt, rx));
                 }
+                // The permits count the window, so this is a window that shrank (a target
+                // that moved MaxCmdSN back, which the machine ignores): the permit was one too
+                // many; wait for the next.
+                Err(StartError::WindowClosed) => permit.forget(),
+                Err(e) => return Err(start_error(e)),
             }
-            notified.await;
         }
     }
 
@@ -703,7 +723,8 @@ impl Inner {
         self.dead.store(true, Ordering::Release);
         self.closed.send_replace(true);
         self.with(|m| m.shutdown(why));
-        self.window.notify_waiters();
+        // Every command waiting for the window finds the login dead.
+        self.window.close();
     }
 
     /// A connection ended: its tasks fail; the login dies with its last connection.
@@ -870,14 +891,22 @@ fn start_inner(
         writers.push(tx);
         halves.push((r, w, rx, deframer));
     }
+    // A permit per CmdSN the login's window grants: ExpCmdSN to MaxCmdSN.
+    let (exp, max) = (lead.exp_cmd_sn, lead.max_cmd_sn);
+    let room = if exp.le(max) {
+        max.0.wrapping_sub(exp.0) as usize + 1
+    } else {
+        0
+    };
     let inner = Arc::new(Inner {
         state: Mutex::new(State {
             machine,
             replies: HashMap::new(),
+            window_granted: lead.max_cmd_sn,
             trace: None,
         }),
         tracing: AtomicBool::new(false),
-        window: Notify::new(),
+        window: Semaphore::new(room),
         writers,
         dead: AtomicBool::new(false),
         closed: watch::channel(false).0,
