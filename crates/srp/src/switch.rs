@@ -338,9 +338,14 @@ impl<B: DerefMut<Target = [u8]>> Endpoint<B> {
             .staging
             .pop()
             .unwrap_or_else(|| Vec::with_capacity(len.max(IU_BUFFER_LEN)));
-        s.clear();
         match from {
-            Some(bytes) => s.extend_from_slice(&bytes[..len.min(bytes.len())]),
+            Some(bytes) => {
+                s.clear();
+                s.extend_from_slice(&bytes[..len.min(bytes.len())]);
+            }
+            // A copy that receives (a receive, an RDMA READ) is written before it is read, and
+            // only the bytes written leave it: what an earlier use left is not zeroed again.
+            None if s.len() >= len => s.truncate(len),
             None => s.resize(len, 0),
         }
         s
@@ -365,7 +370,7 @@ impl<B> IuBuffers for Endpoint<B> {
         Some(self.staging.pop().map_or_else(
             || vec![0; IU_BUFFER_LEN],
             |mut v| {
-                v.clear();
+                // The IU is encoded over what an earlier use of this host's copy left.
                 v.resize(IU_BUFFER_LEN, 0);
                 v
             },
