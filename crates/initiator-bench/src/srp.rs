@@ -1,13 +1,15 @@
-//! Workloads over SRP: `initiator-bench run --transport srp fabric`.
+//! Workloads over SRP: `initiator-bench run --transport srp fabric|URL`.
 //!
-//! The initiator is the SRP rig's ([`srp::testing::Rig`]): its commands' buffers lie in an
+//! The initiator is the crate's [`InitiatorChannel`]: its commands' buffers lie in an
 //! [`srp::initiator::DataMemory`], registered per command, through a cache or as one pool
-//! (paper 004's three ways), cut into `regions` discrete regions each; the target is the real
-//! SRP channel on scsi-core, in the same process, with a memory logical unit, over the software
-//! fabric. The fabric charges its costs to a virtual clock (with `--link paper004`, the
-//! paper's measured costs of registration and of the wire), so throughput and latency are
-//! reported on that clock, deterministic whatever this machine is doing; the wall-clock and
-//! CPU time this process spent are reported beside them, as the software's own cost.
+//! (paper 004's three ways), cut into `regions` discrete regions each. Over an RDMA device
+//! (`run_rdma`, feature `rdma`) the target is whatever the URL names. On the software fabric
+//! ([`run_fabric`]) it is a [`LoopbackTarget`] (the real SRP channel on scsi-core, with a
+//! memory logical unit) in the same process and thread: the fabric charges its costs to a
+//! virtual clock (with `--link paper004`, the paper's measured costs of registration and of
+//! the wire), so throughput and latency are reported on that clock, deterministic whatever
+//! this machine is doing; the wall-clock and CPU time this process spent are reported beside
+//! them, as the software's own cost.
 //!
 //! The fabric serialises everything it charges (one link, no overlap), so on its clock queue
 //! depth adds no parallelism: it shows what a command costs, as the paper's figures do.
@@ -18,10 +20,13 @@ use hdrhistogram::Histogram;
 use serde::Serialize;
 use std::collections::HashMap;
 
+use srp::fabric::{Counters, NodeId, PAPER_004_COSTS};
 use srp::initiator::channel::{Answer, Command, InitiatorChannel};
 use srp::initiator::Registration;
 use srp::iu::{BufferFormats, MultiChannelAction, SrpLoginReq, TaskAttribute, DESCRIPTOR_LEN};
-use srp::testing::{BlockIo, Rig, ARENA_SLOT, PAPER_004_COSTS};
+use srp::loopback::{LoopbackTarget, MemoryUnit};
+use srp::switch::{Endpoint, Switch};
+use srp::target::PortSettings;
 use srp::verbs::{IuBuffers, PeerMemory, Verbs};
 
 use crate::workload::{cpu_seconds, fill_pattern, Latency, Split, Workload, XorShift};
@@ -97,6 +102,19 @@ pub struct SrpReport {
     pub verify_errors: u64,
 }
 
+/// One block I/O of a run: a READ, or a WRITE of `data`.
+#[derive(Debug, Clone)]
+struct BlockIo {
+    /// First block.
+    lba: u64,
+    /// Blocks.
+    blocks: u32,
+    /// The data of a WRITE; none for a READ.
+    data: Option<Vec<u8>>,
+    /// A read whose data is to be checked against the pattern.
+    checked: bool,
+}
+
 /// The I/Os of a workload over one logical unit: which block each goes to, what it
 /// writes, which reads can be checked (their slot was written before they were sent), and,
 /// after the run, the read-back of every slot written. Both runners draw from it.
@@ -159,7 +177,7 @@ impl<'w> Plan<'w> {
         self.deadline = Instant::now() + self.w.time;
     }
 
-    /// The next I/O of the run; its cookie says whether a read is to be checked.
+    /// The next I/O of the run.
     fn next(&mut self) -> Option<BlockIo> {
         let done = match self.w.ios {
             Some(n) => self.issued >= n,
@@ -182,7 +200,7 @@ impl<'w> Plan<'w> {
             lba,
             blocks: self.per_io as u32,
             data,
-            cookie: u64::from(read && self.w.verify && self.written[slot as usize]),
+            checked: read && self.w.verify && self.written[slot as usize],
         })
     }
 
@@ -194,7 +212,7 @@ impl<'w> Plan<'w> {
             lba: self.first + at as u64 * self.per_io,
             blocks: self.per_io as u32,
             data: None,
-            cookie: 1,
+            checked: true,
         })
     }
 }
@@ -234,7 +252,7 @@ impl Tally {
             self.errors += 1;
         } else if io.data.is_some() {
             plan.written[((io.lba - plan.first) / plan.per_io) as usize] = true;
-        } else if io.cookie == 1 {
+        } else if io.checked {
             self.check(plan, io, status, data);
         }
     }
@@ -251,102 +269,57 @@ impl Tally {
     }
 }
 
-/// Runs `w` over SRP on the software fabric against an in-process target with one memory
-/// logical unit of `w.offset + w.size` bytes (64 MiB of range by default).
+/// The target's node on the software fabric.
+const FABRIC_TARGET: NodeId = NodeId(0);
+/// The initiator's.
+const FABRIC_INITIATOR: NodeId = NodeId(1);
+/// The in-process target's port identifier.
+const FABRIC_TARGET_PORT: [u8; 16] = *b"srp-target-port0";
+
+/// Runs `w` over SRP on the software fabric against an in-process [`LoopbackTarget`] with one
+/// memory logical unit of `w.offset + w.size` bytes (64 MiB of range by default), stepped in
+/// this thread between the initiator's turns. Rates and latencies are on the fabric's clock
+/// (none on a free link); the registrations of both sides are the fabric's counts.
 pub fn run_fabric(w: &Workload, o: &SrpOptions) -> Result<SrpReport, String> {
-    let plan = std::cell::RefCell::new(Plan::new(w)?);
-    let mut rig = Rig::new(&[(0, BLOCK_SIZE, plan.borrow().blocks())]);
-    rig.registration = o.registration;
-    // A place holds the command's regions apart (twice its bytes) and its table.
-    rig.place_len = ARENA_SLOT.max(2 * w.bs as usize + o.regions * DESCRIPTOR_LEN);
-    let mut chs = Vec::new();
+    let blocks = Plan::new(w)?.blocks();
+    let switch = Switch::new();
+    let settings = PortSettings {
+        target_port_id: FABRIC_TARGET_PORT,
+        ..PortSettings::default()
+    };
+    let unit = MemoryUnit {
+        lun: 0,
+        block_size: BLOCK_SIZE,
+        blocks,
+    };
+    let mut target = LoopbackTarget::new(&switch, FABRIC_TARGET, "srp", settings, &[unit])
+        .map_err(|e| e.to_string())?;
+    let mut verbs: Endpoint<Vec<u8>> = switch.endpoint(FABRIC_INITIATOR);
+    let place = place_len(w, o);
+    let mut channels = Vec::new();
     for s in 0..w.sessions.max(1) {
-        let mut req = Rig::login_request(initiator_port(s), MultiChannelAction::SingleChannel);
+        let mut req = login_request(s, FABRIC_TARGET_PORT, 48 + 20 + 32 * 16);
         if o.immediate_data {
             // As Linux's ib_srp asks by default: 8 KiB of immediate data.
-            req.immediate_data = true;
-            req.imm_data_offset = IMM_DATA_OFFSET;
             req.req_it_iu_len = req.req_it_iu_len.max(u32::from(IMM_DATA_OFFSET) + 8192);
+        } else {
+            req.immediate_data = false;
         }
-        let (ch, _) = rig
-            .login(&req)
-            .map_err(|rej| format!("login refused: {:?}", rej.reason))?;
-        chs.push(ch);
+        let places = w.qd.max(1);
+        let (ch, _) = target
+            .login(&mut verbs, &req, o.registration, places, place)
+            .map_err(|e| e.to_string())?;
+        channels.push(ch);
     }
-    // Each nexus's first command hears of the power on: a TEST UNIT READY takes it.
-    for &ch in &chs {
-        rig.send(
-            ch,
-            &srp::testing::Cmd {
-                tag: 1,
-                cdb: vec![0; 6],
-                ..Default::default()
-            },
-        )
-        .map_err(|e| format!("TEST UNIT READY: {e:?}"))?;
-    }
-    rig.run();
     if o.link == LinkModel::Paper004 {
-        rig.fabric.costs = PAPER_004_COSTS;
+        switch.with(|f| f.costs = PAPER_004_COSTS);
     }
-    let tally = std::cell::RefCell::new(Tally::new());
-    let before = rig.fabric.counters;
-    let clock = rig.fabric.elapsed;
-    let cpu0 = cpu_seconds();
-    let t0 = Instant::now();
-    plan.borrow_mut().start();
-    let run = rig.closed_loop(
-        &chs,
-        w.qd.max(1),
-        BLOCK_SIZE,
-        o.regions,
-        |_| plan.borrow_mut().next(),
-        |_, io, r, latency| {
-            let mut p = plan.borrow_mut();
-            tally
-                .borrow_mut()
-                .done(&mut p, &io, r.status, &r.data, latency)
-        },
-    );
-    let elapsed = t0.elapsed().as_secs_f64();
-    let cpu = cpu_seconds() - cpu0;
-    let fabric = (rig.fabric.elapsed - clock).as_secs_f64();
-    let after = rig.fabric.counters;
-    run.map_err(|e| format!("a command was refused: {e:?}"))?;
-    // After a run that wrote, read back every block written.
-    if w.verify {
-        let back = rig.closed_loop(
-            &chs,
-            w.qd.max(1),
-            BLOCK_SIZE,
-            o.regions,
-            |_| plan.borrow_mut().next_back(),
-            |_, io, r, _| {
-                tally
-                    .borrow_mut()
-                    .check(&plan.borrow(), &io, r.status, &r.data)
-            },
-        );
-        back.map_err(|e| format!("a read-back command was refused: {e:?}"))?;
-    }
-    let registrations = Registrations {
-        initiator: (after.registrations[1] - before.registrations[1]) as f64,
-        target: after.registrations[0] - before.registrations[0],
+    let mut pace = InProcess {
+        target: &mut target,
+        switch: &switch,
+        at_start: (Duration::ZERO, Counters::default()),
     };
-    let clock = if fabric > 0.0 {
-        Clock::Fabric(fabric)
-    } else {
-        Clock::Free
-    };
-    Ok(report(
-        w,
-        o,
-        tally.into_inner(),
-        clock,
-        registrations,
-        elapsed,
-        cpu,
-    ))
+    run(&mut verbs, &mut channels, 0, w, o, &mut pace)
 }
 
 /// The initiator port identifier of session `s`.
@@ -491,6 +464,111 @@ pub fn run_channels<V>(
 where
     V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
 {
+    let mut pace = WallClock(Instant::now());
+    run(verbs, channels, lun, w, o, &mut pace)
+}
+
+/// What a run's loop does besides its channels: the clock its latencies are on, the turn of
+/// a target in the same thread, and what it can count of the run.
+trait Pace {
+    /// The clock latencies are measured on.
+    fn now(&mut self) -> Duration;
+    /// A turn of the loop ended; `moved`: an answer came. An error when nothing can come.
+    fn turn(&mut self, moved: bool) -> Result<(), String>;
+    /// The measured part of the run starts.
+    fn start(&mut self);
+    /// The measured part ended after `elapsed` seconds on this machine: the clock its rates
+    /// are on, and the registrations made during it (`ios` commands of `o`).
+    fn end(&mut self, elapsed: f64, ios: u64, o: &SrpOptions) -> (Clock, Registrations);
+}
+
+/// A target elsewhere (a device, another thread): this machine's clock; an idle turn yields.
+struct WallClock(Instant);
+
+impl Pace for WallClock {
+    fn now(&mut self) -> Duration {
+        self.0.elapsed()
+    }
+
+    fn turn(&mut self, moved: bool) -> Result<(), String> {
+        if !moved {
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+
+    fn start(&mut self) {}
+
+    fn end(&mut self, elapsed: f64, ios: u64, o: &SrpOptions) -> (Clock, Registrations) {
+        // The initiator's registrations: as many per command as its strategy makes (the
+        // target's cannot be seen from here).
+        let per_command = match o.registration {
+            Registration::PerCommand => o.regions as f64,
+            _ => 0.0,
+        };
+        let registrations = Registrations {
+            initiator: per_command * ios as f64,
+            target: 0,
+        };
+        (Clock::Wall(elapsed), registrations)
+    }
+}
+
+/// A [`LoopbackTarget`] in this thread: each turn steps it; the fabric's clock and counters.
+struct InProcess<'a> {
+    target: &'a mut LoopbackTarget,
+    switch: &'a std::sync::Arc<Switch>,
+    /// The fabric's clock and counters when the measured part started.
+    at_start: (Duration, Counters),
+}
+
+impl Pace for InProcess<'_> {
+    fn now(&mut self) -> Duration {
+        self.switch.with(|f| f.elapsed)
+    }
+
+    fn turn(&mut self, moved: bool) -> Result<(), String> {
+        if self.target.step(Instant::now()) || moved {
+            Ok(())
+        } else {
+            Err("the in-process target has nothing left to do, yet commands wait".into())
+        }
+    }
+
+    fn start(&mut self) {
+        self.at_start = self.switch.with(|f| (f.elapsed, f.counters));
+    }
+
+    fn end(&mut self, _elapsed: f64, _ios: u64, _o: &SrpOptions) -> (Clock, Registrations) {
+        let (clock, before) = self.at_start;
+        let (now, after) = self.switch.with(|f| (f.elapsed, f.counters));
+        let fabric = (now - clock).as_secs_f64();
+        let registrations = Registrations {
+            initiator: (after.registrations[1] - before.registrations[1]) as f64,
+            target: after.registrations[0] - before.registrations[0],
+        };
+        let clock = if fabric > 0.0 {
+            Clock::Fabric(fabric)
+        } else {
+            Clock::Free
+        };
+        (clock, registrations)
+    }
+}
+
+/// The loop of [`run_channels`] and [`run_fabric`]; after a run that wrote (with `--verify`),
+/// every slot written is read back and checked, outside the measured part.
+fn run<V>(
+    verbs: &mut V,
+    channels: &mut [InitiatorChannel<V>],
+    lun: u16,
+    w: &Workload,
+    o: &SrpOptions,
+    pace: &mut dyn Pace,
+) -> Result<SrpReport, String>
+where
+    V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
+{
     let mut plan = Plan::new(w)?;
     for ch in channels.iter_mut() {
         if o.immediate_data {
@@ -517,18 +595,20 @@ where
             };
             ch.send(Instant::now(), verbs, &tur)
                 .map_err(|e| format!("TEST UNIT READY: {e}"))?;
-            let a = wait_answer(verbs, ch)?;
+            let a = wait_answer(verbs, ch, pace)?;
             if a.status == 0 {
                 break;
             }
         }
     }
     let mut tally = Tally::new();
-    let mut in_flight: Vec<HashMap<u64, (BlockIo, Instant)>> =
+    let mut in_flight: Vec<HashMap<u64, (BlockIo, Duration)>> =
         channels.iter().map(|_| HashMap::new()).collect();
     let cpu0 = cpu_seconds();
     let t0 = Instant::now();
     plan.start();
+    pace.start();
+    let mut measured = None;
     let mut open = true;
     let mut read_back = false;
     let mut cdb = [0u8; 16];
@@ -559,9 +639,11 @@ where
                     partial: false,
                     attribute: TaskAttribute::Simple,
                 };
+                // The command's time starts before the initiator registers its buffer.
+                let start = pace.now();
                 ch.send(Instant::now(), verbs, &cmd)
                     .map_err(|e| format!("a command was refused: {e}"))?;
-                in_flight[i].insert(tag, (io, Instant::now()));
+                in_flight[i].insert(tag, (io, start));
             }
         }
         let mut moved = false;
@@ -574,7 +656,8 @@ where
                 if read_back {
                     tally.check(&plan, &io, a.status, &a.data);
                 } else {
-                    tally.done(&mut plan, &io, a.status, &a.data, start.elapsed());
+                    let latency = pace.now().saturating_sub(start);
+                    tally.done(&mut plan, &io, a.status, &a.data, latency);
                 }
             }
             let lost = ch.handle_timeout(Instant::now(), verbs);
@@ -593,6 +676,12 @@ where
             }
         }
         if in_flight.iter().all(HashMap::is_empty) && !open {
+            if measured.is_none() {
+                let elapsed = t0.elapsed().as_secs_f64();
+                let cpu = cpu_seconds() - cpu0;
+                let (clock, registrations) = pace.end(elapsed, tally.ios, o);
+                measured = Some((elapsed, cpu, clock, registrations));
+            }
             if w.verify && !read_back {
                 read_back = true;
                 open = true;
@@ -600,35 +689,18 @@ where
             }
             break;
         }
-        if !moved {
-            std::thread::yield_now();
-        }
+        pace.turn(moved)?;
     }
-    let elapsed = t0.elapsed().as_secs_f64();
-    let cpu = cpu_seconds() - cpu0;
-    // The initiator's registrations: as many per command as its strategy makes (the target's
-    // cannot be seen from here).
-    let per_command = match o.registration {
-        Registration::PerCommand => o.regions as f64,
-        _ => 0.0,
-    };
-    let registrations = Registrations {
-        initiator: per_command * tally.ios as f64,
-        target: 0,
-    };
-    Ok(report(
-        w,
-        o,
-        tally,
-        Clock::Wall(elapsed),
-        registrations,
-        elapsed,
-        cpu,
-    ))
+    let (elapsed, cpu, clock, registrations) = measured.expect("the measured part ended");
+    Ok(report(w, o, tally, clock, registrations, elapsed, cpu))
 }
 
 /// Waits for the next answer on `ch`.
-fn wait_answer<V>(verbs: &mut V, ch: &mut InitiatorChannel<V>) -> Result<Answer, String>
+fn wait_answer<V>(
+    verbs: &mut V,
+    ch: &mut InitiatorChannel<V>,
+    pace: &mut dyn Pace,
+) -> Result<Answer, String>
 where
     V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
 {
@@ -642,7 +714,7 @@ where
         if ch.is_gone(verbs) {
             return Err(format!("the channel ended ({:?})", ch.logged_out()));
         }
-        std::thread::yield_now();
+        pace.turn(false)?;
     }
 }
 

@@ -15,6 +15,7 @@
 pub mod fabric;
 pub mod initiator;
 pub mod iu;
+pub mod loopback;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod switch;

@@ -13,7 +13,8 @@ use scsi_core::{
     Output, Residual, TargetPort, TaskId,
 };
 
-use crate::fabric::{Access, Costs, Fabric, MemoryId, NodeId, Port, QpId};
+pub use crate::fabric::PAPER_004_COSTS;
+use crate::fabric::{Access, Fabric, MemoryId, NodeId, Port, QpId};
 pub use crate::initiator::Registration;
 use crate::initiator::{DataMemory, ExposeError};
 use crate::iu::{
@@ -819,19 +820,6 @@ impl Rig {
         progress
     }
 }
-
-/// The fabric's costs set from paper 004's measurements (InfiniBand 4x, a 600 MB/s link): 32
-/// registrations of 4 KiB took 260 us and one registration of a 128 KiB scatter list 22 us, so
-/// a registration costs 7.68 us plus 0.109 ns per byte; each RDMA operation or send costs
-/// its InfiniBand headers on the wire (LRH, BTH, RETH, ICRC, VCRC: 42 bytes, 70 ns); each
-/// byte 1.667 ns.
-pub const PAPER_004_COSTS: Costs = Costs {
-    per_registration: Duration::from_nanos(7_677),
-    per_registered_byte_ns: 0.10927,
-    per_transfer: Duration::from_nanos(70),
-    per_byte_ns: 1.6667,
-    per_send: Duration::from_nanos(70),
-};
 
 /// One row of paper 004's experiment on the fabric.
 #[derive(Debug, Clone, Copy, PartialEq)]
