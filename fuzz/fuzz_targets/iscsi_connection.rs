@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use arbitrary::Arbitrary;
 use bytes::{Bytes, BytesMut};
-use iscsi_pdu::target::testing::{Options, Rig};
+use iscsi_pdu::target_node::testing::{Options, Rig};
 use iscsi_pdu::*;
 use libfuzzer_sys::fuzz_target;
 

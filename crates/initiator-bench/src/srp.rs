@@ -26,7 +26,7 @@ use srp::initiator::Registration;
 use srp::iu::{BufferFormats, MultiChannelAction, SrpLoginReq, TaskAttribute, DESCRIPTOR_LEN};
 use srp::loopback::{LoopbackTarget, MemoryUnit};
 use srp::switch::{Endpoint, Switch};
-use srp::target::PortSettings;
+use srp::target_port::PortSettings;
 use srp::verbs::{IuBuffers, PeerMemory, Verbs};
 
 use crate::workload::{cpu_seconds, fill_pattern, Latency, Split, Workload, XorShift};
@@ -382,7 +382,7 @@ fn report(
 
 /// An SRP target on an RDMA device as a URL names it: `srp://ADDR:PORT/TARGET/LUN`, where
 /// TARGET is its target port identifier in 32 hex digits, or a targetd target's name (whose
-/// identifier is derived from it, [`srp::target::port_id_for`]).
+/// identifier is derived from it, [`srp::target_port::port_id_for`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SrpUrl {
     /// The target's rdma_cm address.
@@ -418,7 +418,7 @@ impl SrpUrl {
             }
             id
         } else {
-            srp::target::port_id_for(target)
+            srp::target_port::port_id_for(target)
         };
         Ok(SrpUrl {
             addr,
@@ -845,7 +845,7 @@ mod tests {
             SrpUrl::parse("srp://[::1]:5555/iqn.2026-11.io.example:disk1/0").expect("parses");
         assert_eq!(
             named.target_port_id,
-            srp::target::port_id_for("iqn.2026-11.io.example:disk1")
+            srp::target_port::port_id_for("iqn.2026-11.io.example:disk1")
         );
         for bad in [
             "iscsi://h/t/0",

@@ -19,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
 use iscsi_pdu::negotiation::Settings as Negotiation;
-use iscsi_pdu::target::{Connection, Event, LocalLogin, LocalTarget, Login, Plan, Settings, Step};
+use iscsi_pdu::target_node::{
+    Connection, Event, LocalLogin, LocalTarget, Login, Plan, Settings, Step,
+};
 use iscsi_pdu::{Deframer, Digests, Pdu};
 use scsi_core::{
     Backend, Device, Geometry, Identity, Limits, LogicalUnit, MemoryBackend, NexusId, TargetPort,
@@ -261,7 +263,7 @@ impl Phase {
 /// completes at once) and buffers for data the initiator will send.
 fn run(
     conn: &mut Connection<Vec<u8>>,
-    nexus: &mut impl iscsi_pdu::target::Core,
+    nexus: &mut impl iscsi_pdu::target_node::Core,
     storage: &mut MemoryBackend,
 ) {
     let now = Instant::now();

@@ -14,7 +14,7 @@ pub mod negotiation;
 pub mod pair;
 pub mod pdu;
 pub mod serial;
-pub mod target;
+pub mod target_node;
 pub mod text;
 pub mod types;
 

@@ -1,5 +1,5 @@
 //! The deterministic pair: the initiator's machines ([`initiator::Login`],
-//! [`initiator::Session`]) and the target's ([`target::Login`], then the connections on a
+//! [`initiator::Session`]) and the target's ([`target_node::Login`], then the connections on a
 //! [`Rig`] with scsi-core's memory backend) in one process, on one virtual clock, each
 //! connection joined by two links that cut the byte stream anywhere, delay it, lose everything
 //! after a point or flip a bit. A session may have several connections ([`Pair::connect`]).
@@ -16,8 +16,8 @@ use bytes::{Bytes, BytesMut};
 use crate::chap::ENTROPY_LEN;
 use crate::initiator::{self, Command, Failure, Reply, StartError};
 use crate::negotiation::{self, SessionType, Settings};
-use crate::target::testing::{Options, Rig, INITIATOR, TARGET};
-use crate::target::{self, LocalLogin, Step};
+use crate::target_node::testing::{Options, Rig, INITIATOR, TARGET};
+use crate::target_node::{self, LocalLogin, Step};
 use crate::{Deframer, Digests, Isid, Pdu, SerialNumber};
 
 /// What a link does to the bytes it carries once the login is over.
@@ -143,14 +143,14 @@ impl Default for PairOptions {
 }
 
 /// Runs a login through both sides' machines, without faults: the initiator's `login` against
-/// the target's [`target::Login`] answering for `rig`. Returns what the initiator established
+/// the target's [`target_node::Login`] answering for `rig`. Returns what the initiator established
 /// and the rig's index of the new connection; panics if either side fails.
 fn log_in(
     rig: &mut Rig,
     target_settings: &Settings,
     mut login: initiator::Login,
 ) -> (initiator::Established, usize) {
-    let mut target_login = target::Login::new();
+    let mut target_login = target_node::Login::new();
     // The target's answers: one target, anyone may log in; sessions are made and joined in
     // the rig's session table, as targetd's registry does.
     let route = rig.conns.len() as u64;

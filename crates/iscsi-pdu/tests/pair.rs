@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use iscsi_pdu::initiator::{Command, Failure, Reply, ScsiReply, Timers};
 use iscsi_pdu::pair::{Faults, Pair, PairOptions};
-use iscsi_pdu::target::Close;
+use iscsi_pdu::target_node::Close;
 use iscsi_pdu::{Lun, ScsiStatus, TaskManagementFunction, TmfResponse};
 use proptest::prelude::*;
 

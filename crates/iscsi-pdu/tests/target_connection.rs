@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use iscsi_pdu::target::testing::{Options, Rig};
-use iscsi_pdu::target::{Close, SessionError};
+use iscsi_pdu::target_node::testing::{Options, Rig};
+use iscsi_pdu::target_node::{Close, SessionError};
 use iscsi_pdu::*;
 use proptest::prelude::*;
 
@@ -577,7 +577,7 @@ fn an_initiator_that_owes_data_out_is_dropped_after_the_data_out_timeout() {
     assert_eq!(rig.conn().closing(), Some(Close::DataOutTimeout));
     // The same, answered in time: the write ends GOOD and nothing is owed any more.
     let (mut rig, mut i) = self::rig(Options {
-        settings: iscsi_pdu::target::Settings {
+        settings: iscsi_pdu::target_node::Settings {
             nop_interval: Duration::ZERO,
             data_out_timeout: Duration::from_secs(10),
             ..Options::default().settings

@@ -7,7 +7,7 @@ use iscsi_pdu::chap::{ChapCredentials, ENTROPY_LEN};
 use iscsi_pdu::negotiation::{
     AuthMethod, AuthSettings, NegotiationError, Negotiator, Role, SessionType, Settings,
 };
-use iscsi_pdu::target::{Completed, Login, LoginPolicy, Step};
+use iscsi_pdu::target_node::{Completed, Login, LoginPolicy, Step};
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{Isid, LoginRequest, LoginResponse, LoginStatus, SerialNumber, Stage};
 

@@ -9,7 +9,7 @@
 //! caller decides how they travel (targetd queues its own connection's and sends the rest to
 //! other reactors once it has let the core's lock go; the test rigs queue them per connection).
 //! What is one transport's own stays in that transport: iSCSI's CmdSN order wraps a router
-//! (`iscsi_pdu::target::TargetCore`); SRP needs none.
+//! (`iscsi_pdu::target_node::TargetCore`); SRP needs none.
 
 use crate::device::{Device, DeviceError};
 use crate::task::{Action, Command, TaskId, TmfFunction};

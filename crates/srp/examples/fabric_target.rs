@@ -15,7 +15,7 @@
 //! On real hardware the same machines run over `srp::rdma`'s verbs (feature `rdma`), with
 //! rdma_cm carrying the login as the switch does here.
 //!
-//! [`Logins`]: srp::target::Logins
+//! [`Logins`]: srp::target_port::Logins
 
 use std::time::Instant;
 
@@ -25,7 +25,7 @@ use srp::initiator::Registration;
 use srp::iu::{BufferFormats, MultiChannelAction, SrpLoginReq, TaskAttribute};
 use srp::loopback::{LoopbackTarget, MemoryUnit};
 use srp::switch::{Endpoint, Switch};
-use srp::target::PortSettings;
+use srp::target_port::PortSettings;
 
 /// The target's host on the fabric.
 const TARGET: NodeId = NodeId(0);

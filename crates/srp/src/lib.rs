@@ -1,6 +1,6 @@
 //! The SCSI RDMA Protocol (T10 SRP-2) for the storage target: information-unit codecs
 //! ([`iu`]), the target's RDMA channel as a sans-IO state machine on scsi-core's task layer
-//! ([`target`]), and the verbs it runs on ([`fabric`]: a software fabric in the same process,
+//! ([`target_port`]), and the verbs it runs on ([`fabric`]: a software fabric in the same process,
 //! shared between threads through a [`switch`]; real devices through rdma-sys with the feature
 //! `rdma`).
 //!
@@ -19,7 +19,7 @@ pub mod loopback;
 #[cfg(feature = "rdma")]
 pub mod rdma;
 pub mod switch;
-pub mod target;
+pub mod target_port;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod verbs;

@@ -28,8 +28,8 @@ use crate::initiator::channel::InitiatorChannel;
 use crate::initiator::Registration;
 use crate::iu::{Iu, LoginRejectReason, SrpLoginReq, SrpLoginRsp};
 use crate::switch::{Endpoint, Reply, Switch, SwitchError};
-use crate::target::channel::SPARE_RECEIVES;
-use crate::target::{
+use crate::target_port::channel::SPARE_RECEIVES;
+use crate::target_port::{
     Channel, Driver, Event, ItNexusKey, Left, LocalChannel, LocalCore, LocalPolicy, Logins,
     PortSettings, VecBuffers,
 };

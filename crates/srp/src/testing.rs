@@ -22,8 +22,8 @@ use crate::iu::{
     SrpILogout, SrpLoginRej, SrpLoginReq, SrpLoginRsp, SrpTskMgmt, TargetLogoutReason,
     TaskAttribute, TaskManagementFunction,
 };
-use crate::target::channel::SPARE_RECEIVES;
-use crate::target::{
+use crate::target_port::channel::SPARE_RECEIVES;
+use crate::target_port::{
     Channel, ChannelCore, Driver, Event, ItNexusKey, Left, LocalChannel, LocalCore, LocalPolicy,
     Logins, PortSettings, VecBuffers,
 };

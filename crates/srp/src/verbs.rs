@@ -224,7 +224,7 @@ pub trait IuBuffers {
 
 /// The length of the IU buffers of a software fabric's verbs and of targetd's RDMA ports:
 /// more than any IU a target sends, the largest SRP IU a port may be configured to take
-/// (8276 by default, [`DEFAULT_MAX_IT_IU_LEN`](crate::target::DEFAULT_MAX_IT_IU_LEN)), and
+/// (8276 by default, [`DEFAULT_MAX_IT_IU_LEN`](crate::target_port::DEFAULT_MAX_IT_IU_LEN)), and
 /// every iSER message within 8 KiB of data: the iSER header and BHS (76), the most AHS a
 /// PDU may carry (1020: the largest CDB's comes to 252) and 8 KiB of immediate data.
 pub const IU_BUFFER_LEN: usize = 76 + 1020 + 8192;

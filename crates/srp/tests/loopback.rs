@@ -8,7 +8,7 @@ use srp::initiator::Registration;
 use srp::iu::{BufferFormats, LoginRejectReason, MultiChannelAction, SrpLoginReq, TaskAttribute};
 use srp::loopback::{LoginError, LoopbackError, LoopbackTarget, MemoryUnit};
 use srp::switch::{Endpoint, Switch, SwitchError};
-use srp::target::PortSettings;
+use srp::target_port::PortSettings;
 
 const PORT: [u8; 16] = *b"loopback-target0";
 

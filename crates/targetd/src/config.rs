@@ -263,10 +263,10 @@ impl Server {
 }
 
 fn default_srp_max_iu_len() -> u32 {
-    srp::target::DEFAULT_MAX_IT_IU_LEN
+    srp::target_port::DEFAULT_MAX_IT_IU_LEN
 }
 fn default_srp_request_limit() -> u32 {
-    srp::target::PortSettings::default().request_limit
+    srp::target_port::PortSettings::default().request_limit
 }
 fn default_true() -> bool {
     true
@@ -872,7 +872,10 @@ impl Config {
             )
         }));
         for (prefix, max_iu_len, request_limit) in terms {
-            let (least, most) = (srp::target::MIN_IT_IU_LEN, srp::verbs::IU_BUFFER_LEN as u32);
+            let (least, most) = (
+                srp::target_port::MIN_IT_IU_LEN,
+                srp::verbs::IU_BUFFER_LEN as u32,
+            );
             if let Some(n) = max_iu_len.filter(|n| !(least..=most).contains(n)) {
                 return fail(
                     &format!("{prefix}max_iu_len"),
@@ -948,13 +951,13 @@ impl Config {
         if s.max_connections == 0 {
             return fail("server.max_connections", "must be at least 1".into());
         }
-        if !(1..=iscsi_pdu::target::session::MAX_SESSIONS).contains(&s.max_sessions) {
+        if !(1..=iscsi_pdu::target_node::session::MAX_SESSIONS).contains(&s.max_sessions) {
             return fail(
                 "server.max_sessions",
                 format!(
                     "{}: must be 1 to {} (one per TSIH)",
                     s.max_sessions,
-                    iscsi_pdu::target::session::MAX_SESSIONS
+                    iscsi_pdu::target_node::session::MAX_SESSIONS
                 ),
             );
         }

@@ -31,7 +31,7 @@ use iscsi_pdu::iser::{
 };
 use iscsi_pdu::negotiation::{DigestAlgorithm, NegotiationError, Settings};
 use iscsi_pdu::pdu::LoginStatus;
-use iscsi_pdu::target::{
+use iscsi_pdu::target_node::{
     Close, Completed, Core, Event, Login, LoginPolicy, NoBuffer, Payload, Step as LoginStep,
 };
 use iscsi_pdu::{Pdu, SerialNumber};

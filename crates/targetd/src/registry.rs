@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use iscsi_pdu::chap::{ChapCredentials, ENTROPY_LEN};
 use iscsi_pdu::negotiation::{AuthMethod, NegotiationError, Settings};
-use iscsi_pdu::target::{Completed, LoginPolicy, SessionError};
+use iscsi_pdu::target_node::{Completed, LoginPolicy, SessionError};
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{Isid, LoginStatus, SerialNumber};
 

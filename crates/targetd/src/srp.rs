@@ -29,8 +29,8 @@ use scsi_core::{Action, BackendError, Command, DeviceError, NexusId, TaskId, Tra
 use srp::fabric::NodeId;
 use srp::iu::{IuError, LoginRejectReason, SrpLoginRej, SrpLoginReq, TargetLogoutReason};
 use srp::switch::{ConnectRequest, Endpoint, Switch, SwitchError};
-use srp::target::channel::SPARE_RECEIVES;
-use srp::target::{
+use srp::target_port::channel::SPARE_RECEIVES;
+use srp::target_port::{
     Accepted, Buffers, Channel, Core, Driver, Event, ItNexusKey, Left, LoginPolicy, Logins,
     PortSettings,
 };
@@ -50,9 +50,9 @@ use crate::target::{next_id, Lun, Outbox, Route, Routed, Target};
 pub const RELATIVE_PORT: u16 = 2;
 
 /// The SRP target port identifier of the target `name`: what an initiator names in its
-/// SRP_LOGIN_REQ to reach it ([`srp::target::port_id_for`]); `targetctl targets` shows it.
+/// SRP_LOGIN_REQ to reach it ([`srp::target_port::port_id_for`]); `targetctl targets` shows it.
 pub fn port_id(name: &str) -> [u8; 16] {
-    srp::target::port_id_for(name)
+    srp::target_port::port_id_for(name)
 }
 
 /// The hexadecimal form of a port identifier, as `targetctl` shows it and a target's

@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
 use backend::{Faults, FileConfig, FileHandle};
-use iscsi_pdu::target::{Sink, TargetCore};
+use iscsi_pdu::target_node::{Sink, TargetCore};
 use scsi_core::pr::FileStore;
 use scsi_core::transport::TaskCore;
 use scsi_core::{
@@ -87,8 +87,8 @@ impl TargetEnv {
     }
 }
 
-/// What the core sends to a task's connection: the connection machine's [`CoreEvent`](iscsi_pdu::target::CoreEvent).
-pub use iscsi_pdu::target::CoreEvent as Routed;
+/// What the core sends to a task's connection: the connection machine's [`CoreEvent`](iscsi_pdu::target_node::CoreEvent).
+pub use iscsi_pdu::target_node::CoreEvent as Routed;
 
 /// Where a task's actions go.
 #[derive(Debug, Clone)]
@@ -99,7 +99,7 @@ pub struct Route {
     pub tx: UnboundedSender<Routed>,
 }
 
-impl iscsi_pdu::target::Route for Route {
+impl iscsi_pdu::target_node::Route for Route {
     fn connection(&self) -> u64 {
         self.conn
     }

@@ -6,7 +6,7 @@
 //! - [`cm`]: the private data of the RDMA/CM connection request and reply.
 //! - [`message`]: control-type PDUs in Sends.
 //! - [`target`]: the target's connection in full feature phase, iSER's datamover on the
-//!   iSCSI target [`Connection`](crate::target::Connection): R2Ts become RDMA READs, Data-In
+//!   iSCSI target [`Connection`](crate::target_node::Connection): R2Ts become RDMA READs, Data-In
 //!   becomes RDMA WRITEs, the rest goes in Sends.
 //!
 //! The login is the iSCSI login, its PDUs in Sends ([`message`]), with

@@ -26,7 +26,7 @@ use scsi_core::transport::TaskBuffer;
 use super::header::{Hello, HelloReply, IserHeader, RemoteBuffer};
 use super::message::{decode, Message, Received};
 use super::IserError;
-use crate::target::{Connection, Core, NoBuffer, Payload, Plan, Transmit};
+use crate::target_node::{Connection, Core, NoBuffer, Payload, Plan, Transmit};
 use crate::{
     DataOut, Pdu, ReadyToTransfer, RejectReason, Residual, ScsiCommand, ScsiResponse, RESERVED_TAG,
 };

@@ -16,8 +16,8 @@ use crate::chap::ENTROPY_LEN;
 use crate::negotiation::{
     DigestAlgorithm, Negotiator, OperationalParams, Role, SessionType, Settings,
 };
-use crate::target::testing::{Options, Rig, INITIATOR, TARGET};
-use crate::target::{Connection, Event, NoBuffer};
+use crate::target_node::testing::{Options, Rig, INITIATOR, TARGET};
+use crate::target_node::{Connection, Event, NoBuffer};
 use crate::text::TextParams;
 use crate::{Lun, Pdu, ScsiCommand, ScsiStatus, SerialNumber, Stage};
 

@@ -1,5 +1,5 @@
 //! One iSCSI connection in full feature phase: the I/O shell around iscsi-pdu's sans-IO
-//! [`Connection`](iscsi_pdu::target::Connection), which makes every protocol decision (CmdSN
+//! [`Connection`](iscsi_pdu::target_node::Connection), which makes every protocol decision (CmdSN
 //! order, R2Ts, Data-In, NOP, text, logout, task management, Reject). This file moves bytes
 //! between the socket and the machine, allocates arena buffers, submits backend operations to
 //! the reactor's engine, routes the SCSI core's actions, keeps the machine's timer and counts.
@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use backend::{Buffer, Share};
 use iscsi_pdu::negotiation::SessionType;
-use iscsi_pdu::target::{
+use iscsi_pdu::target_node::{
     self, Close, CommandOrder, Event, NoBuffer, OrderedCommand, Plan, Settings, Transmit,
 };
 use iscsi_pdu::text::TextParams;
@@ -35,12 +35,12 @@ use crate::control::{Control, Request};
 use crate::reactor::{Inbox, Io};
 use crate::registry::{Peer, Registry};
 use crate::target::{next_id, Core, CoreStep, Outbox, Route, Routed, Target, MAX_IO};
-use iscsi_pdu::target::Core as _;
+use iscsi_pdu::target_node::Core as _;
 
 /// How long a closing connection waits for its tasks' backend operations.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Seconds the Asynchronous Message gives the initiator to log out.
-pub use iscsi_pdu::target::LOGOUT_GRACE;
+pub use iscsi_pdu::target_node::LOGOUT_GRACE;
 
 /// Serves a new TCP connection: login, then a discovery or normal session.
 pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
@@ -135,7 +135,7 @@ pub(crate) struct Link {
 }
 
 /// The session and the target as one step of the connection reaches them (a PDU read, a turn
-/// of the worker): the daemon's side of the machine's [`Core`](iscsi_pdu::target::Core). The
+/// of the worker): the daemon's side of the machine's [`Core`](iscsi_pdu::target_node::Core). The
 /// target's core is the [`CoreStep`] SRP's channels take too (its lock at most once per step);
 /// around it, what iSCSI adds: the session's CmdSN order and its other connections, and
 /// discovery.
@@ -189,7 +189,7 @@ impl<'a> SessionStep<'a> {
     }
 }
 
-impl iscsi_pdu::target::Core for SessionStep<'_> {
+impl iscsi_pdu::target_node::Core for SessionStep<'_> {
     fn poll_core(&mut self) -> Option<Routed> {
         self.core.out.local.pop_front()
     }
@@ -278,7 +278,7 @@ impl iscsi_pdu::target::Core for SessionStep<'_> {
     }
 }
 
-impl iscsi_pdu::target::TaskCore for SessionStep<'_> {
+impl iscsi_pdu::target_node::TaskCore for SessionStep<'_> {
     fn data_out(&mut self, task: TaskId, data: &[u8]) {
         self.core.data_out(task, data);
     }
@@ -303,7 +303,7 @@ impl iscsi_pdu::target::TaskCore for SessionStep<'_> {
 /// The state the reader and the worker share: the machine, its link to the session, and the
 /// reactor's arena and engine.
 struct Conn {
-    machine: target::Connection<Buffer>,
+    machine: target_node::Connection<Buffer>,
     link: Link,
     scope: Scope,
     io: Rc<Io>,
@@ -318,12 +318,12 @@ struct Conn {
 /// The part of its reactor's arena one connection's buffers may hold: half. Without a bound,
 /// an initiator that stops reading Data-In (its READs' buffers go back only once sent), or
 /// one that sends WRITEs and never their data, would hold every slot and stall every other
-/// connection on the reactor. Half still fits the largest command (`target::MAX_IO`), and a
+/// connection on the reactor. Half still fits the largest command (`target_node::MAX_IO`), and a
 /// command larger than the share is served when the connection holds nothing else.
 ///
 /// Backend operations wait for their buffers in the worker. A write's data buffer is taken
 /// by the reader, which waits for it only when nothing the connection holds waits for
-/// data-out ([`target::Connection::may_wait_for_buffer`]); otherwise the data that would
+/// data-out ([`target_node::Connection::may_wait_for_buffer`]); otherwise the data that would
 /// free the space may be behind the command in the stream, and waiting would stop the
 /// connection (and every other connection waiting for the same arena) for good. Then the
 /// command is answered TASK SET FULL, and the initiator sends it again later.
@@ -333,7 +333,7 @@ pub const CONNECTION_SHARE: usize = 2;
 /// and arena. Made from a borrowed [`Conn`] and dropped before any await, so the core's lock
 /// is never held across one.
 struct Turn<'a> {
-    machine: &'a mut target::Connection<Buffer>,
+    machine: &'a mut target_node::Connection<Buffer>,
     nexus: SessionStep<'a>,
     io: &'a Rc<Io>,
     inbox: &'a Rc<Inbox>,
@@ -366,7 +366,7 @@ impl Conn {
 /// A connection entering full feature phase: its machine, its link to the session (and the
 /// core's events routed to it), what it reaches, and the parameters its login negotiated.
 pub(crate) struct Entered<B> {
-    pub(crate) machine: target::Connection<B>,
+    pub(crate) machine: target_node::Connection<B>,
     pub(crate) link: Link,
     pub(crate) scope: Scope,
     pub(crate) rx: mpsc::UnboundedReceiver<Routed>,
@@ -423,7 +423,7 @@ pub(crate) fn enter<B: scsi_core::transport::TaskBuffer>(
             data_out_timeout: Duration::from_secs(s.data_out_timeout),
         }
     };
-    let machine = target::Connection::new(now, settings, negotiator, op, stat_sn);
+    let machine = target_node::Connection::new(now, settings, negotiator, op, stat_sn);
     let (tx, rx) = mpsc::unbounded_channel();
     let link = Link {
         id: peer.id,

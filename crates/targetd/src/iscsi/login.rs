@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use iscsi_pdu::negotiation::Negotiator;
 use iscsi_pdu::pdu::LoginStatus;
-use iscsi_pdu::target::{Completed, Login, Step};
+use iscsi_pdu::target_node::{Completed, Login, Step};
 use iscsi_pdu::{Pdu, SerialNumber};
 
 use super::session::Session;

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use iscsi_pdu::negotiation::SessionParams;
-use iscsi_pdu::target::{Left, OrderedCommand, SessionError, SessionKey, SessionTable};
+use iscsi_pdu::target_node::{Left, OrderedCommand, SessionError, SessionKey, SessionTable};
 use iscsi_pdu::{Isid, SerialNumber};
 use scsi_core::NexusId;
 

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use backend::Buffer;
 use bytes::{BufMut, BytesMut};
-use iscsi_pdu::target::Transmit;
+use iscsi_pdu::target_node::Transmit;
 use iscsi_pdu::{
     data_digest, padding, Bhs, DecodeError, Deframer, Digests, Opcode, Pdu, Received, RejectReason,
     SerialNumber,

@@ -12,8 +12,8 @@ use std::os::fd::BorrowedFd;
 
 use backend::Readiness as Watch;
 use srp::rdma::{ConnectRequest, Listener, QpHandle, QueueDepth, RdmaError, RdmaVerbs, Slot};
-use srp::target::channel::SPARE_RECEIVES;
-use srp::target::PortSettings;
+use srp::target_port::channel::SPARE_RECEIVES;
+use srp::target_port::PortSettings;
 
 use super::{Fabric, SrpBuffer, IU_LEN};
 
