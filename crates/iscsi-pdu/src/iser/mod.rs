@@ -5,6 +5,8 @@
 //! - [`header`]: the iSER header, Hello and HelloReply.
 //! - [`cm`]: the private data of the RDMA/CM connection request and reply.
 //! - [`message`]: control-type PDUs in Sends.
+//! - [`initiator`]: the initiator's datamover around an initiator session: its PDUs in Sends,
+//!   each SCSI Command naming the buffers the target moves the data with.
 //! - [`target`]: the target's connection in full feature phase, iSER's datamover on the
 //!   iSCSI target [`Connection`](crate::target_node::Connection): R2Ts become RDMA READs, Data-In
 //!   becomes RDMA WRITEs, the rest goes in Sends.
@@ -15,6 +17,7 @@
 
 pub mod cm;
 pub mod header;
+pub mod initiator;
 pub mod message;
 pub mod target;
 #[cfg(feature = "testing")]
@@ -22,6 +25,7 @@ pub mod testing;
 
 pub use cm::{CmReply, CmRequest, CM_HEADER_LEN};
 pub use header::{Hello, HelloReply, IserHeader, RemoteBuffer, ISER_HEADER_LEN, ISER_VERSION};
+pub use initiator::{IserInitiator, IserInitiatorError};
 pub use message::{decode, encode, message_len, receive_len, Message, Received};
 pub use target::{DataOutRead, IserConnection, IserPlan, Work};
 

@@ -227,3 +227,117 @@ fn parameter_data_short_of_the_buffer_is_followed_by_zeros() {
         "nothing past the buffer"
     );
 }
+
+/// An [`IserInitiator`](super::IserInitiator) on a session as the rig's target negotiated it
+/// (ImmediateData=Yes, InitialR2T=Yes, bursts of 64 KiB), its next CmdSN the rig's.
+fn initiator(p: &IserRig) -> super::IserInitiator {
+    use crate::initiator::Session;
+    use crate::negotiation::{ConnectionParams, OperationalParams, SessionParams};
+    let params = SessionParams {
+        operational: OperationalParams {
+            initial_r2t: true,
+            immediate_data: true,
+            max_burst_length: 65_536,
+            first_burst_length: 65_536,
+            rdma_extensions: true,
+            ..OperationalParams::default()
+        },
+        ..SessionParams::default()
+    };
+    let sn = SerialNumber(p.cmd_sn);
+    let mut session = Session::new(params, 1, sn, SerialNumber(p.cmd_sn + 64));
+    let conn = session.add_connection(ConnectionParams::default(), SerialNumber(0));
+    super::IserInitiator::new(session, conn, 262_144)
+}
+
+/// Sends what the initiator has to the rig's target, and hands back what the target sent.
+fn exchange(p: &mut IserRig, i: &mut super::IserInitiator) {
+    let now = p.now;
+    loop {
+        let mut m = bytes::BytesMut::new();
+        if !i.poll_transmit(&mut m) {
+            break;
+        }
+        p.message(&m);
+    }
+    for pdu in std::mem::take(&mut p.sent) {
+        let mut m = bytes::BytesMut::new();
+        super::encode(&pdu, &IserHeader::default(), &mut m);
+        i.handle_message(now, &m).expect("the target's message");
+    }
+}
+
+/// The status a task ended with, and its reply's data and residual.
+fn done(i: &mut super::IserInitiator, itt: u32) -> (ScsiStatus, Bytes, Residual) {
+    use crate::initiator::{Event, Reply};
+    while let Some(e) = i.poll_event() {
+        if let Event::Done {
+            itt: t,
+            result: Ok(Reply::Scsi(r)),
+        } = e
+        {
+            if t == itt {
+                return (r.status, r.data, r.residual);
+            }
+        }
+    }
+    panic!("task {itt} did not end");
+}
+
+#[test]
+fn the_initiators_datamover_names_its_buffers_past_the_immediate_data() {
+    use crate::initiator::Command;
+    let mut p = IserRig::new();
+    let mut i = initiator(&p);
+    let now = p.now;
+    // 8 KiB go as immediate data; the target reads the rest from the write buffer, whose base
+    // offset the datamover moves to the first solicited byte.
+    let data = pattern(8192 + 2 * 65_536, 7);
+    let write_buf = p.register(10, data.clone());
+    let mut cdb = [0u8; 16];
+    cdb[0] = 0x2a;
+    cdb[2..6].copy_from_slice(&32u32.to_be_bytes());
+    cdb[7..9].copy_from_slice(&((data.len() / 512) as u16).to_be_bytes());
+    let cmd = Command::write(Lun::ZERO, cdb, Bytes::from(data.clone()));
+    let w = i
+        .start_command(now, &cmd, Some(write_buf), None)
+        .expect("the window is open");
+    exchange(&mut p, &mut i);
+    assert_eq!(done(&mut i, w).0, ScsiStatus::GOOD);
+    assert_eq!(p.posted, "RRS", "two bursts read, then the status");
+    assert_eq!(p.rig.stored(32, (data.len() / 512) as u32), data);
+    // A read's data is written into the buffer it names; the reply carries none.
+    let read_buf = p.register(11, vec![0; data.len()]);
+    cdb[0] = 0x28;
+    let cmd = Command::read(Lun::ZERO, cdb, data.len() as u32);
+    let r = i
+        .start_command(now, &cmd, None, Some(read_buf))
+        .expect("the window is open");
+    exchange(&mut p, &mut i);
+    let (status, reply_data, residual) = done(&mut i, r);
+    assert_eq!(
+        (status, reply_data.len(), residual),
+        (ScsiStatus::GOOD, 0, Residual::None)
+    );
+    assert_eq!(p.memory[&11], data);
+    // A write that fits in its immediate data names no write buffer at all.
+    let small = pattern(4096, 9);
+    cdb[0] = 0x2a;
+    cdb[7..9].copy_from_slice(&8u16.to_be_bytes());
+    let cmd = Command::write(Lun::ZERO, cdb, Bytes::from(small.clone()));
+    p.posted.clear();
+    let s = i
+        // (a buffer no one registered: naming it would close the connection)
+        .start_command(
+            now,
+            &cmd,
+            Some(super::RemoteBuffer { stag: 12, va: 0 }),
+            None,
+        )
+        .expect("the window is open");
+    exchange(&mut p, &mut i);
+    assert_eq!(done(&mut i, s).0, ScsiStatus::GOOD);
+    assert_eq!(p.posted, "S", "no RDMA READ");
+    assert_eq!(p.rig.stored(32, 8), small);
+    assert_eq!(p.closed, None);
+}
