@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use initiator_bench::login::LoginOptions;
 use initiator_bench::proxy::parse_duration;
-use initiator_bench::srp::{LinkModel, SrpOptions};
+use initiator_bench::srp::{LinkModel, RdmaOptions};
 use initiator_bench::workload::{parse_size, Rw, Split, Workload};
 use iscsi_pdu::chap::ChapCredentials;
 use iscsi_pdu::negotiation::DigestAlgorithm;
@@ -229,8 +229,8 @@ pub(crate) struct SrpArgs {
 }
 
 impl SrpArgs {
-    pub(crate) fn options(&self) -> SrpOptions {
-        SrpOptions {
+    pub(crate) fn options(&self) -> RdmaOptions {
+        RdmaOptions {
             registration: self.registration,
             regions: usize::from(self.regions),
             link: self.link,

@@ -10,7 +10,7 @@ use anyhow::{bail, Context};
 use initiator_bench::login::LoginOptions;
 use initiator_bench::plot::{plot, Series};
 use initiator_bench::proxy::{parse_duration, parse_rate, Link, Proxy};
-use initiator_bench::srp::{LinkModel, SrpOptions};
+use initiator_bench::srp::{LinkModel, RdmaOptions};
 use initiator_bench::workload::{parse_size, run_many, Progress, Report, Rw, Workload};
 use initiator_bench::IscsiUrl;
 use srp::initiator::Registration;
@@ -117,8 +117,8 @@ pub(crate) fn combine(
 pub(crate) fn run_srp_device(
     url: &initiator_bench::srp::SrpUrl,
     w: &initiator_bench::workload::Workload,
-    o: &SrpOptions,
-) -> Result<initiator_bench::srp::SrpReport, String> {
+    o: &RdmaOptions,
+) -> Result<initiator_bench::srp::RdmaReport, String> {
     initiator_bench::srp::run_rdma(url, w, o)
 }
 
@@ -126,8 +126,8 @@ pub(crate) fn run_srp_device(
 pub(crate) fn run_srp_device(
     _: &initiator_bench::srp::SrpUrl,
     _: &initiator_bench::workload::Workload,
-    _: &SrpOptions,
-) -> Result<initiator_bench::srp::SrpReport, String> {
+    _: &RdmaOptions,
+) -> Result<initiator_bench::srp::RdmaReport, String> {
     Err(
         "SRP on an RDMA device needs initiator-bench built with the feature rdma \
          (cargo build --release -p storage-target-initiator-bench --features rdma)"
@@ -321,7 +321,7 @@ pub(crate) fn paper004(out: &std::path::Path, ios: u64) -> anyhow::Result<()> {
     for registration in Registration::ALL {
         let mut points = Vec::new();
         for &n in &regions {
-            let options = SrpOptions {
+            let options = RdmaOptions {
                 registration,
                 regions: n,
                 link: LinkModel::Paper004,

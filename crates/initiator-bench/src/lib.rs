@@ -28,5 +28,6 @@ pub use session::{discover, DiscoveredTarget, PendingCommand, Session};
 pub use url::IscsiUrl;
 pub mod plot;
 pub mod proxy;
+pub mod rdma;
 pub mod srp;
 pub mod workload;

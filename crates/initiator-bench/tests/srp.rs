@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use initiator_bench::srp::{run_fabric, LinkModel, SrpOptions};
+use initiator_bench::srp::{run_fabric, LinkModel, RdmaOptions};
 use initiator_bench::workload::{Rw, Split, Workload};
 use srp::initiator::Registration;
 
@@ -24,7 +24,7 @@ fn workload(rw: Rw, bs: u32, qd: usize, sessions: usize, ios: u64) -> Workload {
 #[test]
 fn mixed_io_verifies_with_every_registration_strategy() {
     for registration in Registration::ALL {
-        let o = SrpOptions {
+        let o = RdmaOptions {
             registration,
             regions: 32,
             link: LinkModel::Paper004,
@@ -55,7 +55,7 @@ fn mixed_io_verifies_with_every_registration_strategy() {
 #[test]
 fn the_pool_moves_discrete_regions_near_contiguous_speed() {
     let run = |registration, regions| {
-        let o = SrpOptions {
+        let o = RdmaOptions {
             registration,
             regions,
             link: LinkModel::Paper004,
@@ -72,7 +72,7 @@ fn the_pool_moves_discrete_regions_near_contiguous_speed() {
 
 #[test]
 fn large_sequential_writes_and_a_free_link() {
-    let o = SrpOptions {
+    let o = RdmaOptions {
         registration: Registration::Pool,
         regions: 4,
         link: LinkModel::Free,
@@ -90,7 +90,7 @@ fn large_sequential_writes_and_a_free_link() {
 
 #[test]
 fn bad_workloads_are_refused_with_the_reason() {
-    let o = SrpOptions {
+    let o = RdmaOptions {
         registration: Registration::Pool,
         regions: 1,
         link: LinkModel::Free,

@@ -207,7 +207,7 @@ async fn steady_state(s: &initiator_bench::Session) -> u64 {
 /// flight overlap: a write that waits for another's range is another path); the reactor
 /// allocations of a second run of 4096 I/Os on the same channel.
 fn srp_round_trips() -> u64 {
-    use initiator_bench::srp::{run_channels, LinkModel, SrpOptions};
+    use initiator_bench::srp::{run_channels, LinkModel, RdmaOptions};
     use initiator_bench::workload::{Rw, Workload};
     use srp::initiator::Registration;
 
@@ -220,7 +220,7 @@ fn srp_round_trips() -> u64 {
         size: Some(64 * 4096),
         ..Workload::default()
     };
-    let o = SrpOptions {
+    let o = RdmaOptions {
         registration: Registration::Pool,
         regions: 1,
         link: LinkModel::Free,

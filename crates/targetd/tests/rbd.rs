@@ -206,13 +206,13 @@ async fn a_resize_made_with_the_rbd_cli_reaches_the_initiator() {
 
 #[test]
 fn srp_reaches_an_rbd_lun_too() {
-    use initiator_bench::srp::{run_channels, LinkModel, SrpOptions};
+    use initiator_bench::srp::{run_channels, LinkModel, RdmaOptions};
     use initiator_bench::workload::{Rw, Workload};
     let Some(ceph) = ceph() else { return };
     let _turn = turn();
     let image = unique("srp");
     let (switch, d) = common::srp_daemon_with(&ceph.target(&image, "16MiB", ""));
-    let o = SrpOptions {
+    let o = RdmaOptions {
         registration: srp::initiator::Registration::Pool,
         regions: 1,
         link: LinkModel::Free,

@@ -560,7 +560,7 @@ fn a_stopping_daemon_logs_srp_channels_out() {
 /// registering.
 #[test]
 fn initiator_bench_runs_verified_workloads_against_targetd() {
-    use initiator_bench::srp::{login_request, place_len, run_channels, LinkModel, SrpOptions};
+    use initiator_bench::srp::{login_request, place_len, run_channels, LinkModel, RdmaOptions};
     use initiator_bench::workload::{Rw, Workload};
     use srp::initiator::channel::InitiatorChannel;
     use srp::initiator::Registration;
@@ -577,7 +577,7 @@ fn initiator_bench_runs_verified_workloads_against_targetd() {
             verify: true,
             ..Workload::default()
         };
-        let o = SrpOptions {
+        let o = RdmaOptions {
             registration,
             regions: 16,
             link: LinkModel::Free,
@@ -610,7 +610,7 @@ fn initiator_bench_runs_verified_workloads_against_targetd() {
 #[test]
 fn linux_default_login_and_immediate_data_through_the_daemon() {
     use initiator_bench::srp::{
-        login_request, place_len, run_channels, LinkModel, SrpOptions, IMM_DATA_OFFSET,
+        login_request, place_len, run_channels, LinkModel, RdmaOptions, IMM_DATA_OFFSET,
     };
     use initiator_bench::workload::{Rw, Workload};
     use srp::initiator::channel::InitiatorChannel;
@@ -631,7 +631,7 @@ fn linux_default_login_and_immediate_data_through_the_daemon() {
     assert!(rsp.immediate_data, "IMMEDIATE DATA SUPPORTED");
     assert_eq!(rsp.max_it_iu_len, 8260);
     let mut verbs: Endpoint<Vec<u8>> = switch.endpoint(INITIATOR_NODE);
-    let o = SrpOptions {
+    let o = RdmaOptions {
         registration: Registration::Pool,
         regions: 1,
         link: LinkModel::Free,

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use common::{config, guest, memory_target, Daemon, TARGET};
 use initiator_bench::srp::{
-    login_request, place_len, run_channels, LinkModel, SrpOptions, IMM_DATA_OFFSET,
+    login_request, place_len, run_channels, LinkModel, RdmaOptions, IMM_DATA_OFFSET,
 };
 use initiator_bench::workload::{Rw, Workload};
 use srp::initiator::channel::InitiatorChannel;
@@ -177,7 +177,7 @@ fn srpt_side() {
     port_id[..8].copy_from_slice(&SRPT_SERVICE_GUID.to_be_bytes());
     port_id[8..].copy_from_slice(&SRPT_SERVICE_GUID.to_be_bytes());
     let mut verbs = RdmaVerbs::open(None, 4096, srp::verbs::IU_BUFFER_LEN).expect("rxe0 opens");
-    let mut o = SrpOptions {
+    let mut o = RdmaOptions {
         registration: Registration::Pool,
         regions: 1,
         link: LinkModel::Free,
@@ -296,7 +296,7 @@ fn guest_side() {
     assert_eq!(rsp.max_it_iu_len, 8260);
     println!("guest side: logged in as ib_srp does, immediate data granted");
 
-    let mut o = SrpOptions {
+    let mut o = RdmaOptions {
         registration: Registration::Pool,
         regions: 1,
         link: LinkModel::Free,

@@ -253,7 +253,7 @@ async fn the_report_names_where_concurrency_stops() {
 /// response, keyed by the initiator port.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn srp_commands_are_traced_too() {
-    use initiator_bench::srp::{login_request, run_channels, LinkModel, SrpOptions};
+    use initiator_bench::srp::{login_request, run_channels, LinkModel, RdmaOptions};
     use initiator_bench::workload::{Rw, Workload};
     let _turn = ONE_AT_A_TIME.lock().await;
     let (switch, d) = common::srp_daemon();
@@ -267,7 +267,7 @@ async fn srp_commands_are_traced_too() {
         size: Some(1 << 20),
         ..Workload::default()
     };
-    let o = SrpOptions {
+    let o = RdmaOptions {
         registration: srp::initiator::Registration::Pool,
         regions: 1,
         link: LinkModel::Free,

@@ -197,7 +197,7 @@ pub fn srp_channel(
     switch: &Arc<srp::switch::Switch>,
     s: usize,
     w: &initiator_bench::workload::Workload,
-    o: &initiator_bench::srp::SrpOptions,
+    o: &initiator_bench::srp::RdmaOptions,
 ) -> (
     srp::switch::Endpoint<Vec<u8>>,
     srp::initiator::channel::InitiatorChannel<srp::switch::Endpoint<Vec<u8>>>,
