@@ -35,7 +35,8 @@ pub(crate) enum Cmd {
         /// iscsi://[user%secret@]host[:port]/IQN/LUN; several spread the sessions over them.
         /// With `--transport srp`: `fabric`, an in-process SRP target over the software fabric,
         /// or srp://ADDR:PORT/TARGET/LUN on an RDMA device (feature rdma), TARGET a targetd
-        /// target's name or a target port identifier in 32 hex digits.
+        /// target's name or a target port identifier in 32 hex digits. With `--transport iser`:
+        /// iser://ADDR[:PORT]/IQN/LUN on an RDMA device (feature rdma).
         #[arg(required = true)]
         urls: Vec<String>,
         /// The transport.
@@ -207,23 +208,26 @@ pub(crate) enum Transport {
     Iscsi,
     /// SRP over RDMA verbs (the software fabric: url `fabric`; a device: srp://...).
     Srp,
+    /// iSCSI Extensions for RDMA on an RDMA device (iser://...).
+    Iser,
 }
 
 #[derive(Args, Clone)]
 pub(crate) struct SrpArgs {
-    /// SRP: how the initiator registers its buffers (per-command, cache, pool).
+    /// SRP and iSER: how the initiator registers its buffers (per-command, cache, pool).
     #[arg(long, default_value = "pool")]
     pub(crate) registration: Registration,
     /// SRP: regions each command's buffer is cut into (1 = contiguous; more = an indirect
-    /// descriptor table).
+    /// descriptor table). iSER names one buffer: 1.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=512))]
     pub(crate) regions: u16,
     /// SRP: what the software fabric charges (paper004: the paper's link and registration
     /// costs on a virtual clock; free: nothing).
     #[arg(long, value_enum, default_value = "paper004")]
     pub(crate) link: LinkModel,
-    /// SRP: send every write's data by RDMA READ, even when the target grants immediate data
-    /// (by default a write that fits in the IU carries its data in the SRP_CMD).
+    /// SRP and iSER: send every write's data by RDMA READ, even when the target grants
+    /// immediate data (by default a write that fits in the IU carries its data in the SRP_CMD;
+    /// over iSER the first 8 KiB go in the SCSI Command, ImmediateData=Yes).
     #[arg(long)]
     pub(crate) no_immediate_data: bool,
 }

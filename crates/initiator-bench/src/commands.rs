@@ -135,6 +135,48 @@ pub(crate) fn run_srp_device(
     )
 }
 
+/// Runs a workload against an iSER target on this machine's RDMA device.
+#[cfg(feature = "rdma")]
+pub(crate) fn run_iser_device(
+    url: &initiator_bench::iser::IserUrl,
+    w: &initiator_bench::workload::Workload,
+    o: &RdmaOptions,
+) -> Result<initiator_bench::rdma::RdmaReport, String> {
+    initiator_bench::iser::run_rdma(url, w, o)
+}
+
+#[cfg(not(feature = "rdma"))]
+pub(crate) fn run_iser_device(
+    _: &initiator_bench::iser::IserUrl,
+    _: &initiator_bench::workload::Workload,
+    _: &RdmaOptions,
+) -> Result<initiator_bench::rdma::RdmaReport, String> {
+    Err("iSER needs initiator-bench built with the feature rdma \
+         (cargo build --release -p storage-target-initiator-bench --features rdma)"
+        .into())
+}
+
+/// Prints an RDMA run's report (JSON with `json`) and fails on verification errors or on
+/// more failed I/Os than `max_errors`.
+pub(crate) fn rdma_outcome(
+    report: &initiator_bench::rdma::RdmaReport,
+    json: bool,
+    max_errors: u64,
+) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
+    } else {
+        initiator_bench::rdma::print(report);
+    }
+    if report.verify_errors > 0 {
+        anyhow::bail!("{} blocks failed verification", report.verify_errors);
+    }
+    if report.errors > max_errors {
+        anyhow::bail!("{} I/Os failed (--max-errors {max_errors})", report.errors);
+    }
+    Ok(())
+}
+
 /// Writes an initiator's trace file.
 pub(crate) fn write_trace(
     path: &std::path::Path,

@@ -26,6 +26,7 @@ pub use login::LoginOptions;
 pub use scsi::{Command, Response, Sense};
 pub use session::{discover, DiscoveredTarget, PendingCommand, Session};
 pub use url::IscsiUrl;
+pub mod iser;
 pub mod plot;
 pub mod proxy;
 pub mod rdma;

@@ -55,18 +55,26 @@ fn main() -> anyhow::Result<()> {
                     run_srp_device(&url, &w, &srp.options())
                 }
                 .map_err(|e| anyhow::anyhow!(e))?;
-                if json {
-                    println!("{}", serde_json::to_string(&report)?);
-                } else {
-                    initiator_bench::srp::print(&report);
+                rdma_outcome(&report, json, max_errors)
+            }
+            Cmd::Run {
+                urls,
+                transport: Transport::Iser,
+                srp,
+                workload,
+                json,
+                max_errors,
+                ..
+            } => {
+                if urls.len() != 1 {
+                    bail!("--transport iser runs against one target: iser://...");
                 }
-                if report.verify_errors > 0 {
-                    bail!("{} blocks failed verification", report.verify_errors);
-                }
-                if report.errors > max_errors {
-                    bail!("{} I/Os failed (--max-errors {max_errors})", report.errors);
-                }
-                Ok(())
+                let w = workload.workload()?;
+                let url = initiator_bench::iser::IserUrl::parse(&urls[0])
+                    .map_err(|e| anyhow::anyhow!(e))?;
+                let report =
+                    run_iser_device(&url, &w, &srp.options()).map_err(|e| anyhow::anyhow!(e))?;
+                rdma_outcome(&report, json, max_errors)
             }
             Cmd::Paper004 { out, ios } => paper004(&out, ios),
             Cmd::Trace {

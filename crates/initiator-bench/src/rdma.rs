@@ -319,6 +319,12 @@ fn report(
 /// channel's timeout).
 pub(crate) const STALL: Duration = Duration::from_secs(30);
 
+/// Bytes of each buffer place of an initiator's data memory for `w`: its regions apart
+/// (twice its bytes) and its descriptor table.
+pub fn place_len(w: &Workload, o: &RdmaOptions) -> usize {
+    2 * w.bs as usize + o.regions * srp::iu::DESCRIPTOR_LEN + 4096
+}
+
 /// One command of a run as a channel sends it.
 #[derive(Debug, Clone, Copy)]
 pub struct Request<'a> {

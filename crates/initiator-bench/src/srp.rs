@@ -20,13 +20,13 @@ use serde::Serialize;
 
 use srp::fabric::{Counters, NodeId, PAPER_004_COSTS};
 use srp::initiator::channel::{Command, InitiatorChannel};
-use srp::iu::{BufferFormats, MultiChannelAction, SrpLoginReq, TaskAttribute, DESCRIPTOR_LEN};
+use srp::iu::{BufferFormats, MultiChannelAction, SrpLoginReq, TaskAttribute};
 use srp::loopback::{LoopbackTarget, MemoryUnit};
 use srp::switch::{Endpoint, Switch};
 use srp::target_port::PortSettings;
 use srp::verbs::{IuBuffers, PeerMemory, Verbs};
 
-pub use crate::rdma::{print, RdmaOptions, RdmaReport, BLOCK_SIZE, DEFAULT_SIZE};
+pub use crate::rdma::{place_len, print, RdmaOptions, RdmaReport, BLOCK_SIZE, DEFAULT_SIZE};
 use crate::rdma::{
     run, Answered, BlockChannel, Clock, Pace, Registrations, Request, WallClock, STALL,
 };
@@ -317,12 +317,6 @@ pub fn run_rdma(url: &SrpUrl, w: &Workload, o: &RdmaOptions) -> Result<RdmaRepor
         channels.push(ch);
     }
     run_channels(&mut verbs, &mut channels, url.lun, w, o)
-}
-
-/// Bytes of each buffer place of an initiator's data memory for `w`: its regions apart
-/// (twice its bytes) and its descriptor table.
-pub fn place_len(w: &Workload, o: &RdmaOptions) -> usize {
-    2 * w.bs as usize + o.regions * DESCRIPTOR_LEN + 4096
 }
 
 #[cfg(test)]
