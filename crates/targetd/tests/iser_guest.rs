@@ -5,7 +5,9 @@
 //! over iSER, verified writes and reads through the disk it makes, logout), then libiscsi's
 //! tools over their own iSER transport (`iser://` URLs; Debian's libiscsi links libibverbs
 //! and librdmacm): `iscsi-inq` and `iscsi-readcapacity16`. (Debian's `iscsi-ls` takes only
-//! `iscsi://` URLs; tests/iser.rs logs in a discovery session over iSER.)
+//! `iscsi://` URLs; tests/iser.rs logs in a discovery session over iSER.) Then this test binary
+//! again, as initiator-bench's iSER initiator (`run --transport iser`): verified random reads
+//! and writes of 4 KiB (immediate data), 64 KiB and 1 MiB, under each way of registering.
 //!
 //! libiscsi's conformance suite runs over iSER only when `TARGETD_ISER_TESTS` names the tests
 //! (`ALL`, a family or a suite), a process per suite, and then must have no failed test and no
@@ -28,6 +30,9 @@ use std::time::Instant;
 
 use common::{guest, TARGET};
 
+/// Set in the guest: the test binary runs initiator-bench's iSER initiator there.
+const GUEST: &str = "TARGETD_ISER_GUEST";
+
 /// Which of libiscsi's tests run in the guest, if any: what `TARGETD_ISER_TESTS` names.
 fn families() -> Option<String> {
     std::env::var("TARGETD_ISER_TESTS").ok()
@@ -35,6 +40,10 @@ fn families() -> Option<String> {
 
 #[test]
 fn iser_over_soft_roce_with_libiscsi_in_a_linux_guest() {
+    if std::env::var_os(GUEST).is_some() {
+        return; // The guest runs only its side.
+    }
+    let me = std::env::current_exe().expect("this test's path");
     let tools: Option<Vec<String>> = ["iscsi-inq", "iscsi-readcapacity16", "iscsi-test-cu"]
         .iter()
         .map(|t| guest::which(t))
@@ -53,7 +62,9 @@ fn iser_over_soft_roce_with_libiscsi_in_a_linux_guest() {
     };
     exes.extend(open_iscsi);
     exes.insert(0, env!("CARGO_BIN_EXE_targetd").to_string());
+    exes.push(me.display().to_string());
     let text = GUEST_SCRIPT
+        .replace("@ME@", &me.file_name().unwrap().to_string_lossy())
         .replace("@TARGET@", TARGET)
         .replace("@TESTS@", families().as_deref().unwrap_or(""))
         .replace(
@@ -87,6 +98,9 @@ fn iser_over_soft_roce_with_libiscsi_in_a_linux_guest() {
         "linux iser: logged out",
         "iser: iscsi-inq answered",
         "iser: iscsi-readcapacity16 answered",
+        "initiator-bench iser: 4096-byte I/Os verified",
+        "initiator-bench iser: 65536-byte I/Os verified",
+        "initiator-bench iser: 1048576-byte I/Os verified",
     ] {
         assert!(
             console.contains(line),
@@ -206,6 +220,8 @@ grep -q "Peripheral" /tmp/inq && echo "iser: iscsi-inq answered"
 /bin/iscsi-readcapacity16 $url > /tmp/cap 2>&1 || { cat /tmp/cap /tmp/targetd.log; exit 1; }
 cat /tmp/cap
 grep -q "Total size:134217728" /tmp/cap && echo "iser: iscsi-readcapacity16 answered"
+# initiator-bench's iSER initiator: this test binary's guest side.
+TARGETD_ISER_GUEST=1 /bin/@ME@ --exact initiator_bench_over_iser_in_the_guest --nocapture --test-threads 1 || fail "initiator-bench iser: the run failed"
 if [ -n "@TESTS@" ]; then
   # A process per suite, so that a crash of the initiator ends one suite, not the run.
   if [ "@TESTS@" = ALL ]; then
@@ -224,6 +240,76 @@ sleep 1
 tail -n ${LOG_LINES:-40} /tmp/targetd.log
 dmesg | tail -n 20
 "#;
+
+/// In the guest (`TARGETD_ISER_GUEST`): initiator-bench's iSER runner against the targetd the
+/// script started, over rxe0: verified random reads and writes, every block written read back.
+#[test]
+fn initiator_bench_over_iser_in_the_guest() {
+    use initiator_bench::iser::{run_channels, IserChannel, RECEIVES};
+    use initiator_bench::rdma::{place_len, RdmaOptions};
+    use initiator_bench::srp::LinkModel;
+    use initiator_bench::workload::{Rw, Workload};
+    use iscsi_pdu::iser::CmRequest;
+    use srp::initiator::Registration;
+    use srp::rdma::{QueueDepth, RdmaVerbs};
+    if std::env::var_os(GUEST).is_none() {
+        return; // Only in the guest.
+    }
+    let addr: std::net::IpAddr = std::env::var("RDMA_ADDR")
+        .expect("RDMA_ADDR")
+        .parse()
+        .expect("an address");
+    let portal = std::net::SocketAddr::new(addr, 3260);
+    // As initiator-bench's `run --transport iser` does (its run_rdma, behind its own feature
+    // rdma): a connection with the iSER CM request, the login, the run, the logout.
+    let mut verbs: RdmaVerbs =
+        RdmaVerbs::open(None, 1024, srp::verbs::IU_BUFFER_LEN).expect("rxe0 opens");
+    let private = CmRequest {
+        zbva_not_supported: true,
+        send_with_invalidate_not_supported: true,
+    }
+    .encode();
+    for (bs, ios, registration) in [
+        (4096, 400, Registration::Pool),
+        (65536, 200, Registration::Cache),
+        (1 << 20, 40, Registration::PerCommand),
+    ] {
+        let w = Workload {
+            rw: Rw::Randrw,
+            bs,
+            qd: 8,
+            ios: Some(ios),
+            size: Some(16 << 20),
+            verify: true,
+            ..Workload::default()
+        };
+        let o = RdmaOptions {
+            registration,
+            regions: 1,
+            link: LinkModel::Free,
+            immediate_data: true,
+        };
+        let depth = QueueDepth {
+            send: 1024,
+            recv: RECEIVES as u32 + 16,
+        };
+        let (qp, _) = verbs.connect(portal, depth, &private).expect("connected");
+        let ch = IserChannel::login(&mut verbs, qp, TARGET, 1, &o, 8, place_len(&w, &o))
+            .expect("logged in");
+        let mut channels = [ch];
+        let r = run_channels(&mut verbs, &mut channels, 0, &w, &o).expect("the run");
+        channels[0].logout(&mut verbs).expect("logged out");
+        assert_eq!((r.ios, r.errors, r.verify_errors), (ios, 0, 0), "{bs}");
+        assert!(r.verified_blocks > 0, "reads were checked");
+        println!(
+            "initiator-bench iser: {bs}-byte I/Os verified ({ios} random, {} blocks read back, \
+             {:.0} IOPS, registration {})",
+            r.verified_blocks,
+            r.iops,
+            registration.name()
+        );
+    }
+}
 
 #[test]
 fn the_score_reads_cunit_verdicts() {
