@@ -3,7 +3,10 @@
 //! buffers their data needs, with immediate data, beyond the registered memory), raw and
 //! mutated messages, Hellos, ABORT TASK, and RDMA READs held, done or failed in any order.
 //! Nothing panics; a read of memory the initiator never registered closes the connection as
-//! a queue pair would; and once every read is done, none is left in flight or waiting.
+//! a queue pair would; and once every read is done, none is left in flight or waiting. The
+//! initiator's datamover (`IserInitiator`) takes the raw bytes and every PDU the target sent as
+//! messages from a target, with commands of its own in flight: nothing panics, and no task
+//! ends that it did not start.
 #![no_main]
 
 use arbitrary::Arbitrary;
@@ -50,11 +53,52 @@ enum Step {
     CompleteReads(u8),
 }
 
+/// An initiator's datamover with a write, a read and a command without data in flight.
+fn initiator(now: std::time::Instant) -> iser::IserInitiator {
+    use iscsi_pdu::initiator::{Command, Session};
+    use iscsi_pdu::negotiation::{ConnectionParams, OperationalParams, SessionParams};
+    let params = SessionParams {
+        operational: OperationalParams {
+            immediate_data: true,
+            rdma_extensions: true,
+            ..OperationalParams::default()
+        },
+        ..SessionParams::default()
+    };
+    let mut session = Session::new(params, 1, SerialNumber(1), SerialNumber(64));
+    let conn = session.add_connection(ConnectionParams::default(), SerialNumber(0));
+    let mut i = iser::IserInitiator::new(session, conn, 8192);
+    let buffer = RemoteBuffer { stag: 7, va: 4096 };
+    let write = Command::write(Lun::ZERO, [0x2a; 16], Bytes::from(vec![1u8; 20_000]));
+    let read = Command::read(Lun::ZERO, [0x28; 16], 4096);
+    let _ = i.start_command(now, &write, Some(buffer), None);
+    let _ = i.start_command(now, &read, None, Some(buffer));
+    let _ = i.start_command(now, &Command::new(Lun::ZERO, [0; 16]), None, None);
+    let mut m = BytesMut::new();
+    while i.poll_transmit(&mut m) {}
+    i
+}
+
+/// Hands `msg` to the initiator as a target's message; what ends must be one of its tasks.
+fn to_initiator(i: &mut iser::IserInitiator, now: std::time::Instant, msg: &[u8]) {
+    let _ = i.handle_message(now, msg);
+    while let Some(e) = i.poll_event() {
+        if let iscsi_pdu::initiator::Event::Done { itt, .. } = e {
+            assert!((1..=3).contains(&itt), "task {itt} was never started");
+        }
+    }
+    let mut m = BytesMut::new();
+    while i.poll_transmit(&mut m) {}
+}
+
 fuzz_target!(|input: (Vec<u8>, Vec<Step>)| {
     let (bytes, steps) = input;
     // The decoders alone.
     let _ = iser::decode(&bytes, 8192);
     let _ = CmRequest::decode(&bytes);
+    let now = std::time::Instant::now();
+    let mut initiator = initiator(now);
+    to_initiator(&mut initiator, now, &bytes);
     let mut r = IserRig::new();
     for step in steps.into_iter().take(64) {
         match step {
@@ -152,4 +196,10 @@ fuzz_target!(|input: (Vec<u8>, Vec<Step>)| {
     r.run();
     assert_eq!(r.iser.reads_in_flight(), 0);
     assert!(r.reads.is_empty());
+    // What the target sent, as the initiator's datamover takes it.
+    for pdu in r.sent.iter().take(64) {
+        let mut m = BytesMut::new();
+        iser::encode(pdu, &IserHeader::default(), &mut m);
+        to_initiator(&mut initiator, now, &m);
+    }
 });
