@@ -21,7 +21,11 @@ use iscsi_pdu::{Isid, Lun, Pdu, Residual, SerialNumber};
 use srp::initiator::{DataMemory, Exposed};
 use srp::verbs::{IuBuffers, PeerMemory, Verbs, WorkOp};
 
-use crate::rdma::{run, Answered, BlockChannel, RdmaOptions, RdmaReport, Request, WallClock};
+pub use crate::rdma::run_channels;
+#[cfg(feature = "rdma")]
+use crate::rdma::RdmaReport;
+use crate::rdma::{Answered, BlockChannel, RdmaOptions, Request};
+#[cfg(feature = "rdma")]
 use crate::workload::Workload;
 
 /// The default iSCSI port, which iSER portals use too.
@@ -461,23 +465,6 @@ where
         }
         Ok(())
     }
-}
-
-/// Runs `w` on LUN `lun` through `channels` (logged in over `verbs`), on this machine's
-/// clock: the runner for real devices, and for a target on a software fabric shared between
-/// threads.
-pub fn run_channels<V>(
-    verbs: &mut V,
-    channels: &mut [IserChannel<V>],
-    lun: u16,
-    w: &Workload,
-    o: &RdmaOptions,
-) -> Result<RdmaReport, String>
-where
-    V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
-{
-    let mut pace = WallClock(Instant::now());
-    run(verbs, channels, lun, w, o, &mut pace)
 }
 
 /// Runs `w` against the iSER target `url` on this machine's RDMA device (feature `rdma`):

@@ -417,6 +417,20 @@ impl Pace for WallClock {
     }
 }
 
+/// Runs `w` on LUN `lun` through `channels` (logged in over `verbs`), on this machine's
+/// clock: the runner for real devices, and for a target on a software fabric shared between
+/// threads. Each channel keeps `w.qd` commands in flight while the target has room.
+pub fn run_channels<V, C: BlockChannel<V>>(
+    verbs: &mut V,
+    channels: &mut [C],
+    lun: u16,
+    w: &Workload,
+    o: &RdmaOptions,
+) -> Result<RdmaReport, String> {
+    let mut pace = WallClock(Instant::now());
+    run(verbs, channels, lun, w, o, &mut pace)
+}
+
 /// The runners' loop: each channel keeps `w.qd` commands in flight while the target has room;
 /// after a run that wrote (with `--verify`), every slot written is read back and checked,
 /// outside the measured part.

@@ -26,10 +26,10 @@ use srp::switch::{Endpoint, Switch};
 use srp::target_port::PortSettings;
 use srp::verbs::{IuBuffers, PeerMemory, Verbs};
 
-pub use crate::rdma::{place_len, print, RdmaOptions, RdmaReport, BLOCK_SIZE, DEFAULT_SIZE};
-use crate::rdma::{
-    run, Answered, BlockChannel, Clock, Pace, Registrations, Request, WallClock, STALL,
+pub use crate::rdma::{
+    place_len, print, run_channels, RdmaOptions, RdmaReport, BLOCK_SIZE, DEFAULT_SIZE,
 };
+use crate::rdma::{run, Answered, BlockChannel, Clock, Pace, Registrations, Request, STALL};
 use crate::workload::Workload;
 
 /// What the fabric charges.
@@ -168,23 +168,6 @@ pub fn login_request(s: usize, target_port_id: [u8; 16], it_iu_len: u32) -> SrpL
         initiator_port_id: initiator_port(s),
         target_port_id,
     }
-}
-
-/// Runs `w` on LUN `lun` through `channels` (logged in over `verbs`), on this machine's
-/// clock: the runner for real devices, and for a target on a software fabric shared between
-/// threads. Each channel keeps `w.qd` commands in flight while its credit lasts.
-pub fn run_channels<V>(
-    verbs: &mut V,
-    channels: &mut [InitiatorChannel<V>],
-    lun: u16,
-    w: &Workload,
-    o: &RdmaOptions,
-) -> Result<RdmaReport, String>
-where
-    V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
-{
-    let mut pace = WallClock(Instant::now());
-    run(verbs, channels, lun, w, o, &mut pace)
 }
 
 /// A [`LoopbackTarget`] in this thread: each turn steps it; the fabric's clock and counters.

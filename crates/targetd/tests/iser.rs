@@ -325,14 +325,13 @@ fn writes_beyond_the_arena_wait_for_buffers_earlier_writes_give_back() {
 /// written read back, for each way of registering; then a logout.
 #[test]
 fn initiator_bench_runs_verified_iser_workloads_against_targetd() {
-    use common::iser::{INITIATOR_NODE, SERVICE};
+    use common::iser::INITIATOR_NODE;
     use initiator_bench::iser::{run_channels, IserChannel};
     use initiator_bench::rdma::{place_len, RdmaOptions};
     use initiator_bench::srp::LinkModel;
     use initiator_bench::workload::{Rw, Workload};
-    use iscsi_pdu::iser::{CmReply, CmRequest};
     use srp::initiator::Registration;
-    use srp::switch::{Endpoint, Reply};
+    use srp::switch::Endpoint;
 
     let (switch, d) = daemon();
     for (s, (registration, bs)) in [
@@ -359,26 +358,7 @@ fn initiator_bench_runs_verified_iser_workloads_against_targetd() {
             link: LinkModel::Free,
             immediate_data: true,
         };
-        let private = CmRequest {
-            zbva_not_supported: true,
-            send_with_invalidate_not_supported: true,
-        }
-        .encode();
-        let id = switch
-            .connect(INITIATOR_NODE, SERVICE, &private)
-            .expect("the daemon listens");
-        let deadline = Instant::now() + WAIT;
-        let reply = loop {
-            if let Some(r) = switch.reply(id) {
-                break r;
-            }
-            assert!(Instant::now() < deadline, "no answer to the connect");
-            std::thread::sleep(Duration::from_millis(1));
-        };
-        let Reply::Accepted { qp, private } = reply else {
-            panic!("refused: {reply:?}");
-        };
-        assert_eq!(CmReply::decode(&private), CmReply::default());
+        let qp = common::iser::connect_queue_pair(&switch);
         let mut verbs: Endpoint<Vec<u8>> = switch.endpoint(INITIATOR_NODE);
         let ch = IserChannel::login(
             &mut verbs,

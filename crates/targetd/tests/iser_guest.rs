@@ -255,10 +255,7 @@ fn initiator_bench_over_iser_in_the_guest() {
     if std::env::var_os(GUEST).is_none() {
         return; // Only in the guest.
     }
-    let addr: std::net::IpAddr = std::env::var("RDMA_ADDR")
-        .expect("RDMA_ADDR")
-        .parse()
-        .expect("an address");
+    let addr = guest::rdma_addr();
     let portal = std::net::SocketAddr::new(addr, 3260);
     // As initiator-bench's `run --transport iser` does (its run_rdma, behind its own feature
     // rdma): a connection with the iSER CM request, the login, the run, the logout.

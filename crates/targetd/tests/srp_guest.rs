@@ -168,10 +168,7 @@ fn srpt_side() {
     if std::env::var_os(SRPT).is_none() {
         return; // Only in the guest, with ib_srpt set up.
     }
-    let addr: std::net::IpAddr = std::env::var("RDMA_ADDR")
-        .expect("RDMA_ADDR")
-        .parse()
-        .expect("an address");
+    let addr = guest::rdma_addr();
     let portal = SocketAddr::new(addr, 5557);
     let mut port_id = [0u8; 16];
     port_id[..8].copy_from_slice(&SRPT_SERVICE_GUID.to_be_bytes());
@@ -278,10 +275,7 @@ fn guest_side() {
     if std::env::var_os(GUEST).is_none() {
         return; // Only in the guest.
     }
-    let addr: std::net::IpAddr = std::env::var("RDMA_ADDR")
-        .expect("RDMA_ADDR")
-        .parse()
-        .expect("an address");
+    let addr = guest::rdma_addr();
     let portal = SocketAddr::new(addr, 5555);
     let text = config("", &memory_target(TARGET, "")).replace(
         "reactors = 2",

@@ -20,6 +20,14 @@ pub fn skip(why: &str) {
     eprintln!("skipped: {why}");
 }
 
+/// In the guest: the address of its rxe device (`RDMA_ADDR`, which scripts/rdma-guest.sh sets).
+pub fn rdma_addr() -> std::net::IpAddr {
+    std::env::var("RDMA_ADDR")
+        .expect("RDMA_ADDR")
+        .parse()
+        .expect("an address")
+}
+
 /// Where a tool is on the PATH (or in /usr/sbin, which a non-root PATH may lack).
 pub fn which(tool: &str) -> Option<String> {
     Command::new("sh")

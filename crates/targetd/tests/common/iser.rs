@@ -84,31 +84,38 @@ pub struct Initiator {
     pub itt: u32,
 }
 
+/// Connects a queue pair to the daemon's iSER service with the iSER CM request, as Linux's
+/// initiator does; the daemon accepts it with the default CM reply.
+pub fn connect_queue_pair(switch: &Arc<Switch>) -> QpId {
+    let private = CmRequest {
+        zbva_not_supported: true,
+        send_with_invalidate_not_supported: true,
+    }
+    .encode();
+    let id = switch
+        .connect(INITIATOR_NODE, SERVICE, &private)
+        .expect("the daemon listens");
+    let deadline = Instant::now() + WAIT;
+    let reply = loop {
+        if let Some(r) = switch.reply(id) {
+            break r;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no answer to the connect request"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    let Reply::Accepted { qp, private } = reply else {
+        panic!("refused: {reply:?}");
+    };
+    assert_eq!(CmReply::decode(&private), CmReply::default());
+    qp
+}
+
 impl Initiator {
     pub fn connect(switch: &Arc<Switch>) -> Initiator {
-        let private = CmRequest {
-            zbva_not_supported: true,
-            send_with_invalidate_not_supported: true,
-        }
-        .encode();
-        let id = switch
-            .connect(INITIATOR_NODE, SERVICE, &private)
-            .expect("the daemon listens");
-        let deadline = Instant::now() + WAIT;
-        let reply = loop {
-            if let Some(r) = switch.reply(id) {
-                break r;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no answer to the connect request"
-            );
-            std::thread::sleep(Duration::from_millis(1));
-        };
-        let Reply::Accepted { qp, private } = reply else {
-            panic!("refused: {reply:?}");
-        };
-        assert_eq!(CmReply::decode(&private), CmReply::default());
+        let qp = connect_queue_pair(switch);
         let mut verbs: Endpoint<Vec<u8>> = switch.endpoint(INITIATOR_NODE);
         for _ in 0..16 {
             verbs.post_recv(qp, 0, vec![0; IU_BUFFER_LEN]);
