@@ -2,7 +2,8 @@
 //! ([`iu`]), the target's RDMA channel as a sans-IO state machine on scsi-core's task layer
 //! ([`target_port`]), and the verbs it runs on ([`fabric`]: a software fabric in the same process,
 //! shared between threads through a [`switch`]; real devices through rdma-sys with the feature
-//! `rdma`).
+//! `rdma`), an initiator's channel ([`initiator`]), and a whole target with memory units on the
+//! switch, run in the caller's thread ([`loopback`]).
 //!
 //! An SRP initiator sends commands as SRP_CMD IUs that name its data buffers by memory
 //! descriptors (virtual address, remote key, length); the target moves the data itself, with
