@@ -167,7 +167,7 @@ pub enum Event {
 #[derive(Debug)]
 enum TaskKind {
     Scsi {
-        /// Where Data-In lands; `read_len` bytes.
+        /// Where Data-In lands: `read_len` bytes from the first Data-In on, empty before.
         read: BytesMut,
         read_len: u32,
         received: u32,
@@ -423,13 +423,10 @@ impl Session {
         let cmd_sn = self.cmd_sn;
         self.cmd_sn = cmd_sn.next();
         self.queue_command(ci, cmd, itt, cmd_sn);
-        let read = if cmd.data_in_len > 0 {
-            BytesMut::zeroed(cmd.data_in_len as usize)
-        } else {
-            BytesMut::new()
-        };
         let kind = TaskKind::Scsi {
-            read,
+            // Made at the first Data-In: a command whose data the target places itself
+            // (iSER's RDMA WRITE) never has one.
+            read: BytesMut::new(),
             read_len: cmd.data_in_len,
             received: 0,
             next_data_sn: 0,
@@ -870,6 +867,9 @@ impl Session {
                         d.buffer_offset
                     ))
                 } else {
+                    if read.len() < *read_len as usize {
+                        read.resize(*read_len as usize, 0);
+                    }
                     read[d.buffer_offset as usize..end as usize].copy_from_slice(&d.data);
                     *received += d.data.len() as u32;
                     *next_data_sn += 1;
