@@ -58,28 +58,6 @@ fn paths(c: &mut Criterion) {
     });
 }
 
-/// An initiator's datamover on a session as the rig's target negotiated it.
-fn initiator(p: &IserRig) -> iscsi_pdu::iser::IserInitiator {
-    use iscsi_pdu::initiator::Session;
-    use iscsi_pdu::negotiation::{ConnectionParams, OperationalParams, SessionParams};
-    use iscsi_pdu::SerialNumber;
-    let params = SessionParams {
-        operational: OperationalParams {
-            initial_r2t: true,
-            immediate_data: true,
-            max_burst_length: 65_536,
-            first_burst_length: 65_536,
-            rdma_extensions: true,
-            ..OperationalParams::default()
-        },
-        ..SessionParams::default()
-    };
-    let sn = SerialNumber(p.cmd_sn);
-    let mut session = Session::new(params, 1, sn, SerialNumber(p.cmd_sn + 64));
-    let conn = session.add_connection(ConnectionParams::default(), SerialNumber(0));
-    iscsi_pdu::iser::IserInitiator::new(session, conn, 262_144)
-}
-
 fn initiator_paths(c: &mut Criterion) {
     use bytes::BytesMut;
     use iscsi_pdu::initiator::{Command, Event};
@@ -89,7 +67,7 @@ fn initiator_paths(c: &mut Criterion) {
     let data = Bytes::from(vec![0x5a; 4096]);
     for (name, write) in [("READ", false), ("WRITE, immediate data", true)] {
         let mut p = IserRig::new();
-        let mut i = initiator(&p);
+        let mut i = p.initiator();
         let buffer = p.register(3, vec![0; 4096]);
         cdb[0] = if write { 0x2a } else { 0x28 };
         let cmd = if write {

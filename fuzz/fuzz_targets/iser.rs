@@ -53,21 +53,10 @@ enum Step {
     CompleteReads(u8),
 }
 
-/// An initiator's datamover with a write, a read and a command without data in flight.
-fn initiator(now: std::time::Instant) -> iser::IserInitiator {
-    use iscsi_pdu::initiator::{Command, Session};
-    use iscsi_pdu::negotiation::{ConnectionParams, OperationalParams, SessionParams};
-    let params = SessionParams {
-        operational: OperationalParams {
-            immediate_data: true,
-            rdma_extensions: true,
-            ..OperationalParams::default()
-        },
-        ..SessionParams::default()
-    };
-    let mut session = Session::new(params, 1, SerialNumber(1), SerialNumber(64));
-    let conn = session.add_connection(ConnectionParams::default(), SerialNumber(0));
-    let mut i = iser::IserInitiator::new(session, conn, 8192);
+/// The rig's initiator datamover with a write, a read and a command without data in flight.
+fn initiator(r: &IserRig, now: std::time::Instant) -> iser::IserInitiator {
+    use iscsi_pdu::initiator::Command;
+    let mut i = r.initiator();
     let buffer = RemoteBuffer { stag: 7, va: 4096 };
     let write = Command::write(Lun::ZERO, [0x2a; 16], Bytes::from(vec![1u8; 20_000]));
     let read = Command::read(Lun::ZERO, [0x28; 16], 4096);
@@ -96,10 +85,10 @@ fuzz_target!(|input: (Vec<u8>, Vec<Step>)| {
     // The decoders alone.
     let _ = iser::decode(&bytes, 8192);
     let _ = CmRequest::decode(&bytes);
-    let now = std::time::Instant::now();
-    let mut initiator = initiator(now);
-    to_initiator(&mut initiator, now, &bytes);
     let mut r = IserRig::new();
+    let now = r.now;
+    let mut initiator = initiator(&r, now);
+    to_initiator(&mut initiator, now, &bytes);
     for step in steps.into_iter().take(64) {
         match step {
             Step::Write {

@@ -146,6 +146,22 @@ impl IserRig {
         p
     }
 
+    /// An initiator's datamover ([`IserInitiator`](super::IserInitiator)) on a session as this
+    /// rig's target negotiates it ([`settings`]: ImmediateData=Yes, InitialR2T=Yes, bursts of
+    /// 64 KiB), its next CmdSN the rig's, receiving data segments of up to 256 KiB.
+    pub fn initiator(&self) -> super::IserInitiator {
+        use crate::initiator::Session;
+        use crate::negotiation::{ConnectionParams, SessionParams};
+        let params = SessionParams {
+            operational: settings().operational,
+            ..SessionParams::default()
+        };
+        let sn = SerialNumber(self.cmd_sn);
+        let mut session = Session::new(params, 1, sn, SerialNumber(self.cmd_sn + 64));
+        let conn = session.add_connection(ConnectionParams::default(), SerialNumber(0));
+        super::IserInitiator::new(session, conn, 262_144)
+    }
+
     /// Registers `data` as initiator memory named `stag` at [`BASE`].
     pub fn register(&mut self, stag: u32, data: Vec<u8>) -> RemoteBuffer {
         self.memory.insert(stag, data);

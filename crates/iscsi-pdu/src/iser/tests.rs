@@ -228,28 +228,6 @@ fn parameter_data_short_of_the_buffer_is_followed_by_zeros() {
     );
 }
 
-/// An [`IserInitiator`](super::IserInitiator) on a session as the rig's target negotiated it
-/// (ImmediateData=Yes, InitialR2T=Yes, bursts of 64 KiB), its next CmdSN the rig's.
-fn initiator(p: &IserRig) -> super::IserInitiator {
-    use crate::initiator::Session;
-    use crate::negotiation::{ConnectionParams, OperationalParams, SessionParams};
-    let params = SessionParams {
-        operational: OperationalParams {
-            initial_r2t: true,
-            immediate_data: true,
-            max_burst_length: 65_536,
-            first_burst_length: 65_536,
-            rdma_extensions: true,
-            ..OperationalParams::default()
-        },
-        ..SessionParams::default()
-    };
-    let sn = SerialNumber(p.cmd_sn);
-    let mut session = Session::new(params, 1, sn, SerialNumber(p.cmd_sn + 64));
-    let conn = session.add_connection(ConnectionParams::default(), SerialNumber(0));
-    super::IserInitiator::new(session, conn, 262_144)
-}
-
 /// Sends what the initiator has to the rig's target, and hands back what the target sent.
 fn exchange(p: &mut IserRig, i: &mut super::IserInitiator) {
     let now = p.now;
@@ -288,7 +266,7 @@ fn done(i: &mut super::IserInitiator, itt: u32) -> (ScsiStatus, Bytes, Residual)
 fn the_initiators_datamover_names_its_buffers_past_the_immediate_data() {
     use crate::initiator::Command;
     let mut p = IserRig::new();
-    let mut i = initiator(&p);
+    let mut i = p.initiator();
     let now = p.now;
     // 8 KiB go as immediate data; the target reads the rest from the write buffer, whose base
     // offset the datamover moves to the first solicited byte.
