@@ -110,10 +110,10 @@ struct Plan<'w> {
 }
 
 impl<'w> Plan<'w> {
-    /// The plan of `w`, or why `w` cannot run over SRP.
+    /// The plan of `w`, or why `w` cannot run over RDMA (SRP or iSER).
     fn new(w: &'w Workload) -> Result<Plan<'w>, String> {
         if !matches!(w.split, Split::None) {
-            return Err("--split applies to iSCSI only; SRP sends each I/O as one command".into());
+            return Err("--split applies to iSCSI over TCP only; over RDMA (SRP, iSER) each I/O is one command".into());
         }
         let bs = u64::from(BLOCK_SIZE);
         if w.bs == 0 || u64::from(w.bs) % bs != 0 {
