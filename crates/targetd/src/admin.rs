@@ -51,6 +51,9 @@ pub enum AdminRequest {
         target: String,
         /// The LUN.
         lun: u16,
+        /// Also while initiators are logged in to its target (they lose it).
+        #[serde(default)]
+        force: bool,
     },
     /// Resizes a logical unit (initiators see CAPACITY DATA HAS CHANGED).
     LunResize {
@@ -106,10 +109,13 @@ pub enum AdminRequest {
         #[serde(default)]
         no_mutual_chap: bool,
     },
-    /// Removes a target; its sessions end.
+    /// Removes a target.
     TargetRemove {
         /// Its name.
         name: String,
+        /// Also while initiators are logged in to it: their sessions end.
+        #[serde(default)]
+        force: bool,
     },
     /// Listens on one more iSCSI portal, at once.
     PortalAdd {
@@ -373,26 +379,6 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
             registry.sessions.close(&s);
             Ok(json!(format!("session {tsih} closed")))
         }
-        AdminRequest::LunResize {
-            ref target,
-            lun,
-            ref size,
-            force: false,
-        } => {
-            // No silent shrink: the blocks past the new end would be gone.
-            let bytes = config::parse_size(size)?;
-            if let Some(unit) = registry.target(target).and_then(|t| t.lun(lun)) {
-                let now = unit.blocks * u64::from(unit.block_size);
-                if bytes < now {
-                    let cut = (now - bytes).div_ceil(u64::from(unit.block_size));
-                    return Err(format!(
-                        "{target} LUN {lun} is {now} bytes: resizing to {bytes} would cut off \
-                         its last {cut} blocks; add --force to shrink it"
-                    ));
-                }
-            }
-            change(registry, req)
-        }
         AdminRequest::ConfigSave { to } => {
             let path = match to {
                 Some(p) if !p.is_absolute() => {
@@ -428,10 +414,17 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
         _ => None,
     };
     let gone = match &req {
-        AdminRequest::LunRemove { target, lun } => Some(format!("{target} LUN {lun}")),
-        AdminRequest::TargetRemove { name } => Some(format!("target {name}")),
+        AdminRequest::LunRemove { target, lun, .. } => Some(format!("{target} LUN {lun}")),
+        AdminRequest::TargetRemove { name, .. } => Some(format!("target {name}")),
         _ => None,
     };
+    // What the administrator allowed to be destroyed or broken.
+    let force = matches!(
+        req,
+        AdminRequest::LunResize { force: true, .. }
+            | AdminRequest::LunRemove { force: true, .. }
+            | AdminRequest::TargetRemove { force: true, .. }
+    );
     // A portal may be named by the address it bound (after port 0).
     let req = match req {
         AdminRequest::PortalRemove { address } => AdminRequest::PortalRemove {
@@ -441,7 +434,7 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
     };
     let mut config = registry.config().clone();
     edit(&mut config, req)?;
-    let changes = registry.apply(config)?;
+    let changes = registry.apply(config, force)?;
     {
         let mut unsaved = crate::registry::lock(&registry.unsaved);
         if let Some(what) = made {
@@ -493,7 +486,7 @@ fn edit(config: &mut Config, change: AdminRequest) -> Result<(), String> {
             }
             config.targets[i].luns.push(lun);
         }
-        AdminRequest::LunRemove { target: t, lun } => {
+        AdminRequest::LunRemove { target: t, lun, .. } => {
             let i = target(config, &t)?;
             let before = config.targets[i].luns.len();
             config.targets[i].luns.retain(|l| l.lun != lun);
@@ -522,7 +515,7 @@ fn edit(config: &mut Config, change: AdminRequest) -> Result<(), String> {
             }
             config.targets.push(t);
         }
-        AdminRequest::TargetRemove { name } => {
+        AdminRequest::TargetRemove { name, .. } => {
             let i = target(config, &name)?;
             config.targets.remove(i);
         }

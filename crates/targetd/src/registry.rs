@@ -479,16 +479,99 @@ impl Registry {
                 lost.join(", ")
             ));
         }
-        let changes = self.apply(new)?;
+        let changes = self.apply(new, force)?;
         lock(&self.unsaved).clear();
         Ok(changes)
     }
 
+    /// The sessions (iSCSI) and channels (SRP) logged in to `target` now.
+    pub fn nexus_count(&self, target: &Target) -> usize {
+        let iscsi = self
+            .sessions
+            .all()
+            .iter()
+            .filter(|s| std::ptr::eq(Arc::as_ptr(&s.target), target))
+            .count();
+        let srp = lock(&self.srp_channels)
+            .values()
+            .filter(|c| c.target.eq_ignore_ascii_case(&target.name))
+            .count();
+        iscsi + srp
+    }
+
+    /// What applying `new` would destroy or break that only `force` allows: a unit made
+    /// smaller than it is now (its last blocks cut off its file or image), a target removed
+    /// while initiators are logged in to it, a unit removed while initiators use it. Empty
+    /// when `new` harms nothing.
+    fn needs_force(&self, new: &Config) -> Vec<String> {
+        let mut refusals = Vec::new();
+        for t in self.targets() {
+            let sessions = self.nexus_count(&t);
+            let Some(nt) = new
+                .targets
+                .iter()
+                .find(|n| n.name.eq_ignore_ascii_case(&t.name))
+            else {
+                if sessions > 0 {
+                    refusals.push(format!(
+                        "removing target {} would end {}",
+                        t.name,
+                        plural(sessions, "session")
+                    ));
+                }
+                continue;
+            };
+            let ot = t
+                .config
+                .read()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            for unit in t.lun_list() {
+                let lun = unit.config.lun;
+                let Some(nl) = nt.luns.iter().find(|l| l.lun == lun) else {
+                    if sessions > 0 {
+                        refusals.push(format!(
+                            "removing {} LUN {lun} would take it from {} using it",
+                            t.name,
+                            plural(sessions, "session")
+                        ));
+                    }
+                    continue;
+                };
+                if ot.luns.iter().any(|ol| ol == nl) {
+                    // Unchanged: left as it is (an image grown elsewhere keeps its size).
+                    continue;
+                }
+                let now = unit.blocks * u64::from(unit.block_size);
+                if let Some(size) = nl.size.map(|s| s.0).filter(|&s| s < now) {
+                    let cut = (now - size).div_ceil(u64::from(unit.block_size));
+                    refusals.push(format!(
+                        "{} LUN {lun} is {} ({now} bytes): making it {} ({size} bytes) would \
+                         cut off its last {}",
+                        t.name,
+                        units::format_size(now),
+                        units::format_size(size),
+                        plural(cut as usize, "block")
+                    ));
+                }
+            }
+        }
+        refusals
+    }
+
     /// Applies a changed config while running (validated first): targets and LUNs added,
     /// removed or changed, access rules and negotiation settings for new logins. Returns what
-    /// changed.
-    pub fn apply(&self, mut new: Config) -> Result<Vec<String>, String> {
+    /// changed. Without `force` it refuses, changing nothing, what [`Registry::needs_force`]
+    /// lists: a unit shrunk (whatever the old config said: its size now, grown live or by
+    /// another gateway, counts), a busy target or unit removed.
+    pub fn apply(&self, mut new: Config, force: bool) -> Result<Vec<String>, String> {
         new.validate().map_err(|(k, r)| format!("{k}: {r}"))?;
+        if !force {
+            let refusals = self.needs_force(&new);
+            if !refusals.is_empty() {
+                return Err(format!("{}; add --force to do it", refusals.join("; ")));
+            }
+        }
         for (key, reason) in new.warnings() {
             tracing::warn!(key = %key, "{reason}");
         }
@@ -513,12 +596,16 @@ impl Registry {
                 .iter()
                 .any(|n| n.name.eq_ignore_ascii_case(&t.name));
             if !keep {
+                let ended = self.nexus_count(t);
                 for s in self.sessions.all() {
                     if Arc::ptr_eq(&s.target, t) {
                         self.sessions.close(&s);
                     }
                 }
-                changes.push(format!("target {} removed", t.name));
+                changes.push(match ended {
+                    0 => format!("target {} removed", t.name),
+                    n => format!("target {} removed, ending {}", t.name, plural(n, "session")),
+                });
             }
             keep
         });
@@ -541,7 +628,15 @@ impl Registry {
             for ol in &ot.luns {
                 if !nt.luns.iter().any(|l| l.lun == ol.lun) {
                     t.remove_lun(ol.lun)?;
-                    changes.push(format!("{} LUN {} removed", nt.name, ol.lun));
+                    changes.push(match self.nexus_count(t) {
+                        0 => format!("{} LUN {} removed", nt.name, ol.lun),
+                        n => format!(
+                            "{} LUN {} removed from {} using it",
+                            nt.name,
+                            ol.lun,
+                            plural(n, "session")
+                        ),
+                    });
                 }
             }
             for nl in &nt.luns {
@@ -551,21 +646,27 @@ impl Registry {
                         changes.push(format!("{} LUN {} added", nt.name, nl.lun));
                     }
                     Some(ol) if ol == nl => {}
-                    Some(ol) if only_size_differs(ol, nl) => {
-                        let bytes = nl.size.map_or(0, |s| s.0);
-                        t.resize_lun(nl.lun, bytes)?;
-                        changes.push(format!(
-                            "{} LUN {} resized to {} ({bytes} bytes)",
-                            nt.name,
-                            nl.lun,
-                            units::format_size(bytes)
-                        ));
-                    }
-                    Some(_) => {
-                        let stats = t.lun(nl.lun).map(|l| l.stats.clone()).unwrap_or_default();
-                        t.remove_lun(nl.lun)?;
-                        t.add_lun(nl, stats)?;
-                        changes.push(format!("{} LUN {} replaced", nt.name, nl.lun));
+                    Some(ol) => {
+                        // A size given and not the unit's: resized in place first (a file
+                        // opened again refuses a size below its own). No size keeps the one
+                        // the storage has.
+                        let now = t.lun(nl.lun).map(|l| l.blocks * u64::from(l.block_size));
+                        if let Some(bytes) = nl.size.map(|s| s.0).filter(|&b| Some(b) != now) {
+                            t.resize_lun(nl.lun, bytes)?;
+                            changes.push(format!(
+                                "{} LUN {} resized to {} ({bytes} bytes)",
+                                nt.name,
+                                nl.lun,
+                                units::format_size(bytes)
+                            ));
+                        }
+                        if !only_size_differs(ol, nl) {
+                            let stats =
+                                t.lun(nl.lun).map(|l| l.stats.clone()).unwrap_or_default();
+                            t.remove_lun(nl.lun)?;
+                            t.add_lun(nl, stats)?;
+                            changes.push(format!("{} LUN {} replaced", nt.name, nl.lun));
+                        }
                     }
                 }
             }
@@ -584,6 +685,15 @@ impl Registry {
         *self.targets.write().unwrap_or_else(PoisonError::into_inner) = targets;
         *self.config.write().unwrap_or_else(PoisonError::into_inner) = new;
         Ok(changes)
+    }
+}
+
+/// "1 session", "3 sessions".
+fn plural(n: usize, what: &str) -> String {
+    if n == 1 {
+        format!("1 {what}")
+    } else {
+        format!("{n} {what}s")
     }
 }
 

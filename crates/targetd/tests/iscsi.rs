@@ -702,6 +702,7 @@ async fn admin_changes_apply_live() {
         AdminRequest::LunRemove {
             target: TARGET.into(),
             lun: 9,
+            force: false,
         },
     )
     .unwrap_err();
@@ -1199,6 +1200,7 @@ async fn a_reload_keeps_what_was_made_live_unless_forced() {
         AdminRequest::LunRemove {
             target: TARGET.into(),
             lun: 5,
+            force: false,
         },
     )
     .unwrap();
@@ -1227,6 +1229,141 @@ async fn a_reload_keeps_what_was_made_live_unless_forced() {
         "{dump}"
     );
     assert!(!dump.contains("server.portals ="), "{dump}");
+}
+
+/// A reload never shrinks a unit without --force: a file LUN grown live with targetctl keeps
+/// its size and the data written past the file's old end when the config file still gives the
+/// old size (SIGHUP and `config reload` alike), and the refusal names the unit and what would
+/// be cut. A file that gives no size keeps the unit's size; a larger one grows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_never_shrinks_a_unit_grown_live_unless_forced() {
+    let d = Daemon::start(&config(
+        "",
+        &format!(
+            "[[targets]]\nname = \"{TARGET}\"\n[[targets.luns]]\nlun = 0\nbackend = \"file\"\n\
+             path = \"@DIR@/zero.img\"\nsize = \"8MiB\"\n"
+        ),
+    ));
+    let image = d.dir.path().join("zero.img");
+    let file = d.dir.path().join("config.toml");
+    let grow = |size: &str, force| AdminRequest::LunResize {
+        target: TARGET.into(),
+        lun: 0,
+        size: size.into(),
+        force,
+    };
+    handle(&d.registry, grow("24MiB", false)).unwrap();
+    let s = d.session(opts()).await;
+    let _ = s
+        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await;
+    let data = pattern(1 << 20, 40);
+    let past_old_end = (16u64 << 20) / 512;
+    s.write(past_old_end, data.clone(), 512).await.unwrap();
+    s.execute(Command::new(s.lun(), cdb::synchronize_cache()))
+        .await
+        .unwrap();
+    let blocks = || d.registry.targets()[0].lun(0).unwrap().blocks;
+
+    // The file still says 8 MiB: refused, nothing cut.
+    let e = handle(&d.registry, AdminRequest::Reload { force: false }).unwrap_err();
+    assert!(
+        e.contains(&format!("{TARGET} LUN 0 is 24 MiB"))
+            && e.contains("8 MiB")
+            && e.contains("32768 blocks")
+            && e.contains("--force"),
+        "{e}"
+    );
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 24 << 20);
+    assert_eq!(blocks(), (24 << 20) / 512);
+    // The same through SIGHUP's path (no force).
+    assert!(d.registry.reload(false).is_err());
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 24 << 20);
+    assert!(s.read(past_old_end, 2048, 512).await.unwrap() == data);
+
+    // No size in the file: the unit keeps the size it has.
+    let text = std::fs::read_to_string(&file).unwrap();
+    std::fs::write(&file, text.replace("size = \"8MiB\"\n", "")).unwrap();
+    handle(&d.registry, AdminRequest::Reload { force: false }).unwrap();
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 24 << 20);
+    assert_eq!(blocks(), (24 << 20) / 512);
+    // A larger size grows it.
+    let text = std::fs::read_to_string(&file).unwrap();
+    let text = text.replace("zero.img\"\n", "zero.img\"\nsize = \"32MiB\"\n");
+    std::fs::write(&file, &text).unwrap();
+    let changes = handle(&d.registry, AdminRequest::Reload { force: false }).unwrap();
+    assert!(changes.to_string().contains("resized to 32 MiB"), "{changes}");
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 32 << 20);
+    assert!(s.read(past_old_end, 2048, 512).await.unwrap() == data);
+
+    // A smaller size with another key changed as well: refused too.
+    std::fs::write(
+        &file,
+        text.replace("32MiB", "8MiB")
+            .replace("zero.img\"\n", "zero.img\"\nread_only = true\n"),
+    )
+    .unwrap();
+    let e = handle(&d.registry, AdminRequest::Reload { force: false }).unwrap_err();
+    assert!(e.contains("cut off"), "{e}");
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 32 << 20);
+    // Forced: the file wins, the unit is cut to it and made read-only.
+    let changes = handle(&d.registry, AdminRequest::Reload { force: true }).unwrap();
+    let changes = changes.to_string();
+    assert!(
+        changes.contains("resized to 8 MiB") && changes.contains("replaced"),
+        "{changes}"
+    );
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), 8 << 20);
+    assert_eq!(blocks(), (8 << 20) / 512);
+    assert!(d.registry.targets()[0].lun(0).unwrap().config.read_only);
+}
+
+/// A busy target or unit is not removed without --force, and the answer says how many
+/// sessions it ends or affects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn busy_targets_and_units_are_removed_only_when_forced() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    add_lun(&d, "lun = 1\nbackend = \"memory\"\nsize = \"8MiB\"").unwrap();
+    let s = d.session(opts()).await;
+    let remove_lun = |force| AdminRequest::LunRemove {
+        target: TARGET.into(),
+        lun: 1,
+        force,
+    };
+    let remove_target = |force| AdminRequest::TargetRemove {
+        name: TARGET.into(),
+        force,
+    };
+    let e = handle(&d.registry, remove_lun(false)).unwrap_err();
+    assert!(
+        e.contains(&format!("removing {TARGET} LUN 1 would take it from 1 session"))
+            && e.contains("--force"),
+        "{e}"
+    );
+    assert!(d.registry.targets()[0].lun(1).is_some());
+    let e = handle(&d.registry, remove_target(false)).unwrap_err();
+    assert!(
+        e.contains(&format!("removing target {TARGET} would end 1 session")),
+        "{e}"
+    );
+    s.nop().await.unwrap();
+    let said = handle(&d.registry, remove_lun(true)).unwrap().to_string();
+    assert!(said.contains("removed from 1 session using it"), "{said}");
+    assert!(d.registry.targets()[0].lun(1).is_none());
+    let said = handle(&d.registry, remove_target(true)).unwrap().to_string();
+    assert!(said.contains("removed, ending 1 session"), "{said}");
+    assert!(d.registry.targets().is_empty());
+    assert!(s.nop().await.is_err(), "the session ended");
+
+    // Idle: no force needed.
+    handle(
+        &d.registry,
+        AdminRequest::TargetAdd {
+            target: toml::from_str(&format!("name = \"{TARGET}\"")).unwrap(),
+        },
+    )
+    .unwrap();
+    handle(&d.registry, remove_target(false)).unwrap();
 }
 
 /// `targetctl portal add/remove`: a portal listens at once (logins through it, SendTargets

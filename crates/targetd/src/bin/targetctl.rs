@@ -192,12 +192,16 @@ enum LunAction {
         #[arg(long)]
         standby: bool,
     },
-    /// Removes a logical unit; its commands are aborted.
+    /// Removes a logical unit; its commands are aborted. Refused while initiators are logged
+    /// in to its target, unless --force.
     Remove {
         /// The target.
         target: String,
         /// The LUN.
         lun: u16,
+        /// Remove it even while initiators are logged in (they lose it).
+        #[arg(long)]
+        force: bool,
     },
     /// Resizes a logical unit; initiators get CAPACITY DATA HAS CHANGED.
     Resize {
@@ -310,10 +314,13 @@ enum TargetAction {
         #[arg(long, conflicts_with = "mutual_user")]
         no_mutual_chap: bool,
     },
-    /// Removes a target; its sessions end.
+    /// Removes a target. Refused while initiators are logged in to it, unless --force.
     Remove {
         /// Its name.
         name: String,
+        /// Remove it even while initiators are logged in: their sessions end.
+        #[arg(long)]
+        force: bool,
     },
 }
 
@@ -504,7 +511,9 @@ fn run(args: Args) -> Result<()> {
                     },
                 }
             }
-            LunAction::Remove { target, lun } => AdminRequest::LunRemove { target, lun },
+            LunAction::Remove { target, lun, force } => {
+                AdminRequest::LunRemove { target, lun, force }
+            }
             LunAction::Resize {
                 target,
                 lun,
@@ -587,7 +596,7 @@ fn run(args: Args) -> Result<()> {
                     no_mutual_chap,
                 }
             }
-            TargetAction::Remove { name } => AdminRequest::TargetRemove { name },
+            TargetAction::Remove { name, force } => AdminRequest::TargetRemove { name, force },
         },
         Command::Portal { action } => match action {
             PortalAction::Add { address } => AdminRequest::PortalAdd { address },
