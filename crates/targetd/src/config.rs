@@ -506,6 +506,24 @@ pub struct Lun {
     pub standby: bool,
 }
 
+/// This host's memory and swap in bytes (MemTotal and SwapTotal of /proc/meminfo); none where
+/// they cannot be read.
+fn host_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|rest| {
+                rest.trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+    };
+    Some(kib("MemTotal:")?.saturating_add(kib("SwapTotal:").unwrap_or(0)) * 1024)
+}
+
 /// What holds a LUN's blocks, as the OS or the cluster names it, so that one file or image
 /// backs at most one LUN however its path is written (relative or absolute, through `..`,
 /// `.` or a symbolic link).
@@ -1010,6 +1028,44 @@ impl Config {
             let mut luns = HashSet::new();
             for (l, lun) in target.luns.iter().enumerate() {
                 self.validate_lun(t, l, lun, &mut luns, &mut paths)?;
+            }
+        }
+        self.validate_memory_units(host_memory())
+    }
+
+    /// Memory units hold every block written in the daemon's RAM: together they must fit in
+    /// what the host has (`host` bytes of memory and swap; unknown: not checked), or writes
+    /// would end with the daemon killed for lack of memory, losing every unit's data.
+    fn validate_memory_units(&self, host: Option<u64>) -> Result<(), (String, String)> {
+        let Some(host) = host else { return Ok(()) };
+        let mut total = 0u64;
+        for (t, target) in self.targets.iter().enumerate() {
+            for (l, lun) in target.luns.iter().enumerate() {
+                let (true, Some(Size(size))) = (lun.backend == "memory", lun.size) else {
+                    continue;
+                };
+                total = total.saturating_add(size);
+                if total > host {
+                    let others = total - size;
+                    return Err((
+                        format!("targets[{t}].luns[{l}].size"),
+                        format!(
+                            "a memory LUN of {} {}is more than this host's {} of memory and \
+                             swap: its blocks live in targetd's memory, and writing them would \
+                             get the daemon killed (use the file backend for a disk this large)",
+                            units::format_size(size),
+                            if others > 0 {
+                                format!(
+                                    "beside {} of other memory LUNs ",
+                                    units::format_size(others)
+                                )
+                            } else {
+                                String::new()
+                            },
+                            units::format_size(host)
+                        ),
+                    ));
+                }
             }
         }
         Ok(())
@@ -1897,6 +1953,35 @@ size = "1GiB"
             let e = refused(&text);
             assert!(e.contains(want), "expected {want:?} in: {e}");
         }
+    }
+
+    /// Memory units that together outgrow the host's memory and swap are refused, naming the
+    /// unit that crosses the line and how much the others hold.
+    #[test]
+    fn memory_units_must_fit_in_the_host() {
+        let memory = |lun: u16, size: &str| {
+            format!("[[targets.luns]]\nlun = {lun}\nbackend = \"memory\"\nsize = \"{size}\"\n")
+        };
+        let text = format!("{GOOD}{}", memory(1, "1024TiB"));
+        let e = refused(&text);
+        assert!(
+            e.contains("targets[0].luns[1].size")
+                && e.contains("1024 TiB")
+                && e.contains("memory and swap"),
+            "{e}"
+        );
+        let c = parse(&format!("{GOOD}{}{}", memory(1, "6GiB"), memory(2, "6GiB"))).unwrap();
+        assert!(c.validate_memory_units(Some(16 << 30)).is_ok());
+        let (key, reason) = c.validate_memory_units(Some(8 << 30)).unwrap_err();
+        assert_eq!(key, "targets[0].luns[2].size");
+        assert!(
+            reason.contains("6 GiB beside 6 GiB of other memory LUNs") && reason.contains("8 GiB"),
+            "{reason}"
+        );
+        assert!(
+            c.validate_memory_units(None).is_ok(),
+            "unknown: not checked"
+        );
     }
 
     #[test]

@@ -661,8 +661,7 @@ impl Registry {
                             ));
                         }
                         if !only_size_differs(ol, nl) {
-                            let stats =
-                                t.lun(nl.lun).map(|l| l.stats.clone()).unwrap_or_default();
+                            let stats = t.lun(nl.lun).map(|l| l.stats.clone()).unwrap_or_default();
                             t.remove_lun(nl.lun)?;
                             t.add_lun(nl, stats)?;
                             changes.push(format!("{} LUN {} replaced", nt.name, nl.lun));

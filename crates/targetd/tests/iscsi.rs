@@ -1292,7 +1292,10 @@ async fn a_reload_never_shrinks_a_unit_grown_live_unless_forced() {
     let text = text.replace("zero.img\"\n", "zero.img\"\nsize = \"32MiB\"\n");
     std::fs::write(&file, &text).unwrap();
     let changes = handle(&d.registry, AdminRequest::Reload { force: false }).unwrap();
-    assert!(changes.to_string().contains("resized to 32 MiB"), "{changes}");
+    assert!(
+        changes.to_string().contains("resized to 32 MiB"),
+        "{changes}"
+    );
     assert_eq!(std::fs::metadata(&image).unwrap().len(), 32 << 20);
     assert!(s.read(past_old_end, 2048, 512).await.unwrap() == data);
 
@@ -1336,8 +1339,9 @@ async fn busy_targets_and_units_are_removed_only_when_forced() {
     };
     let e = handle(&d.registry, remove_lun(false)).unwrap_err();
     assert!(
-        e.contains(&format!("removing {TARGET} LUN 1 would take it from 1 session"))
-            && e.contains("--force"),
+        e.contains(&format!(
+            "removing {TARGET} LUN 1 would take it from 1 session"
+        )) && e.contains("--force"),
         "{e}"
     );
     assert!(d.registry.targets()[0].lun(1).is_some());
@@ -1350,7 +1354,9 @@ async fn busy_targets_and_units_are_removed_only_when_forced() {
     let said = handle(&d.registry, remove_lun(true)).unwrap().to_string();
     assert!(said.contains("removed from 1 session using it"), "{said}");
     assert!(d.registry.targets()[0].lun(1).is_none());
-    let said = handle(&d.registry, remove_target(true)).unwrap().to_string();
+    let said = handle(&d.registry, remove_target(true))
+        .unwrap()
+        .to_string();
     assert!(said.contains("removed, ending 1 session"), "{said}");
     assert!(d.registry.targets().is_empty());
     assert!(s.nop().await.is_err(), "the session ended");
