@@ -17,7 +17,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::config::{self, Config};
-use crate::registry::Registry;
+use crate::registry::{lock, Registry};
 use crate::trace::Tracer;
 
 /// A request to the daemon.
@@ -387,7 +387,13 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
                 Some(p) => p,
                 None => registry.config_path.clone(),
             };
-            save(registry, &path).map(|()| json!(format!("saved to {}", path.display())))
+            let notes = save(registry, &path)?;
+            let mut said = format!("saved to {}", path.display());
+            for note in notes {
+                said.push_str("; ");
+                said.push_str(&note);
+            }
+            Ok(json!(said))
         }
         other => change(registry, other),
     }
@@ -445,28 +451,78 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
             unsaved.retain(|u| *u != what && lun_prefix.as_ref().is_none_or(|p| !u.starts_with(p)));
         }
     }
+    let mut changes = changes;
     if registry.config().server.save_on_change {
-        save(registry, &registry.config_path)
+        let notes = save(registry, &registry.config_path)
             .map_err(|e| format!("applied ({}), but not saved: {e}", changes.join("; ")))?;
+        changes.extend(notes);
     }
     Ok(json!(changes))
 }
 
-/// Writes the running config to `path` atomically: a temporary file beside it (mode 0600: it
-/// holds CHAP secrets), synced, renamed over `path`, and the directory synced, so a crash
-/// leaves the old file or the new one, never a torn one.
-pub fn save(registry: &Registry, path: &Path) -> Result<(), String> {
-    let text = toml::to_string(&*registry.config()).map_err(|e| e.to_string())?;
-    let text = format!(
-        "# Saved by targetd from its running configuration (targetctl config save).\n{text}"
-    );
-    scsi_core::pr::replace_file(path, text.as_bytes(), 0o600)
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+/// Writes the running config to `path`, and returns what the administrator should know.
+///
+/// An existing file keeps its comments, layout and unchanged values
+/// ([`crate::config_file::merge`]), and its previous contents go to `PATH.bak` first. A save
+/// over the daemon's own file that finds it changed since targetd last read or wrote it says
+/// so (the edits are in the backup) and logs a warning. Both files are written atomically: a
+/// temporary file beside them (mode 0600: they hold CHAP secrets), synced, renamed, and the
+/// directory synced, so a crash leaves the old file or the new one, never a torn one.
+pub fn save(registry: &Registry, path: &Path) -> Result<Vec<String>, String> {
+    let config = registry.config().clone();
+    let shown = |e: std::io::Error| format!("{}: {e}", path.display());
+    let old = match std::fs::read_to_string(path) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(shown(e)),
+    };
+    let mut notes = Vec::new();
+    let whole = || -> Result<String, String> {
+        let text = toml::to_string(&config).map_err(|e| e.to_string())?;
+        Ok(format!(
+            "# Saved by targetd from its running configuration (targetctl config save).\n{text}"
+        ))
+    };
+    let text = match &old {
+        None => whole()?,
+        Some(old) => match crate::config_file::merge(old, path.parent(), &config) {
+            Ok(text) => text,
+            Err(e) => {
+                notes.push(format!("{}: {e}; written whole", path.display()));
+                whole()?
+            }
+        },
+    };
+    if let Some(old) = &old {
+        let backup = backup_path(path);
+        scsi_core::pr::replace_file(&backup, old.as_bytes(), 0o600)
+            .map_err(|e| format!("{}: {e}", backup.display()))?;
+        let own = path == registry.config_path;
+        if own && crate::registry::file_fingerprint(path) != *lock(&registry.config_seen) {
+            let note = format!(
+                "{} had changed on disk since targetd last read or wrote it: those edits are \
+                 overwritten by the running config and kept in {}",
+                path.display(),
+                backup.display()
+            );
+            tracing::warn!("{note}");
+            notes.push(note);
+        }
+    }
+    scsi_core::pr::replace_file(path, text.as_bytes(), 0o600).map_err(shown)?;
     // The daemon's own file now holds everything that runs.
     if path == registry.config_path {
-        crate::registry::lock(&registry.unsaved).clear();
+        lock(&registry.unsaved).clear();
+        *lock(&registry.config_seen) = crate::registry::file_fingerprint(path);
     }
-    Ok(())
+    Ok(notes)
+}
+
+/// Where a save keeps the file it replaces: `PATH.bak`.
+pub fn backup_path(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(".bak");
+    PathBuf::from(name)
 }
 
 /// Makes a change to a copy of the config.

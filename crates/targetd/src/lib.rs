@@ -1,7 +1,8 @@
 //! targetd, the iSCSI target daemon: `cargo run --release --bin targetd -- config.toml`.
 //!
 //! - [`config`]: the config file's schema (config.toml in the repository shows every key),
-//!   checked so a bad file is refused at start with the key and the reason.
+//!   checked so a bad file is refused at start with the key and the reason;
+//!   [`config_file`]: `config save` over the administrator's file, comments and layout kept.
 //! - [`registry`]: the targets, sessions and connections every part shares, the login policy
 //!   and reloads; [`server`]: listeners, reactors and drain; [`reactor`]: one thread per core
 //!   with its own io_uring engine and buffer arena.
@@ -16,6 +17,7 @@ pub mod admin;
 #[cfg(feature = "rbd")]
 pub mod cluster;
 pub mod config;
+pub mod config_file;
 pub mod control;
 pub mod iscsi;
 pub mod iser;

@@ -43,6 +43,9 @@ pub struct Registry {
     config: RwLock<Config>,
     /// The file the config came from (SIGHUP reads it again).
     pub config_path: PathBuf,
+    /// The file's contents as targetd last read or wrote them ([`file_fingerprint`]), so that
+    /// a save can tell the administrator that it overwrites edits made since.
+    pub config_seen: Mutex<Option<u64>>,
     targets: RwLock<Vec<Arc<Target>>>,
     /// Normal sessions.
     pub sessions: Sessions,
@@ -124,6 +127,16 @@ pub struct ArenaGauge {
     pub waiting: AtomicU64,
 }
 
+/// A hash of the file at `path` as it is now (none when it cannot be read): what changed on
+/// disk is told apart from what targetd last read or wrote.
+pub fn file_fingerprint(path: &std::path::Path) -> Option<u64> {
+    use std::hash::{Hash, Hasher};
+    let bytes = std::fs::read(path).ok()?;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    bytes.hash(&mut h);
+    Some(h.finish())
+}
+
 /// Whether `config` has the target ("target IQN") or LUN ("IQN LUN N") `what` names.
 fn holds(config: &Config, what: &str) -> bool {
     let target = |name: &str| {
@@ -161,6 +174,7 @@ impl Registry {
             unsaved: Mutex::default(),
             started_server: config.server.clone(),
             config: RwLock::new(config),
+            config_seen: Mutex::new(file_fingerprint(&config_path)),
             config_path,
             targets: RwLock::new(targets),
             sessions,
@@ -466,6 +480,7 @@ impl Registry {
     /// remove targets or LUNs made live with targetctl since the file last held the running
     /// config, unless `force`.
     pub fn reload(&self, force: bool) -> Result<Vec<String>, String> {
+        let seen = file_fingerprint(&self.config_path);
         let new = Config::load(&self.config_path).map_err(|e| e.to_string())?;
         let lost: Vec<String> = lock(&self.unsaved)
             .iter()
@@ -481,6 +496,7 @@ impl Registry {
         }
         let changes = self.apply(new, force)?;
         lock(&self.unsaved).clear();
+        *lock(&self.config_seen) = seen;
         Ok(changes)
     }
 

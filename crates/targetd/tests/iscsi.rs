@@ -1093,13 +1093,18 @@ fn the_admin_socket_is_the_owners_and_targetctl_says_so() {
 }
 
 /// Live changes that last: `config save` writes the running config, secrets included, over
-/// the file targetd started with (atomically, mode 0600), and a restart from it has the
-/// change; with `server.save_on_change`, every change is saved by itself.
+/// the file targetd started with (atomically, mode 0600), keeping its comments and the
+/// previous file as `config.toml.bak`, and says so when the file was edited on disk since;
+/// a restart from it has the change; with `server.save_on_change`, every change is saved by
+/// itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_changes_are_saved_to_the_config_file() {
     use std::os::unix::fs::PermissionsExt;
     let chap = "chap = { username = \"u\", secret = \"0123456789abcdef\" }";
-    let d = Daemon::start(&config("", &memory_target(TARGET, chap)));
+    let d = Daemon::start(&format!(
+        "# The administrator's comment.\n{}",
+        config("", &memory_target(TARGET, chap))
+    ));
     let file = d.dir.path().join("config.toml");
     add_lun(&d, "lun = 3\nbackend = \"memory\"\nsize = \"8MiB\"").unwrap();
     // Not saved yet: the file still has one LUN.
@@ -1125,6 +1130,27 @@ async fn live_changes_are_saved_to_the_config_file() {
         after.targets[0].chap.as_ref().unwrap().secret,
         "0123456789abcdef",
         "the real secret, not <redacted>"
+    );
+    let text = std::fs::read_to_string(&file).unwrap();
+    assert!(
+        text.starts_with("# The administrator's comment.\n"),
+        "{text}"
+    );
+    let backup = d.dir.path().join("config.toml.bak");
+    assert_eq!(targetd::Config::load(&backup).unwrap(), before);
+    // Edited on disk, then saved over: the answer says so, and the edit is in the backup.
+    std::fs::write(&file, format!("{text}\n# edited by hand\n")).unwrap();
+    let said = handle(&d.registry, AdminRequest::ConfigSave { to: None }).unwrap();
+    let said = said.as_str().unwrap();
+    assert!(said.contains("changed on disk"), "{said}");
+    assert!(std::fs::read_to_string(&backup)
+        .unwrap()
+        .contains("# edited by hand"));
+    // Saved again with nothing edited: nothing to warn of.
+    let said = handle(&d.registry, AdminRequest::ConfigSave { to: None }).unwrap();
+    assert!(
+        !said.as_str().unwrap().contains("changed on disk"),
+        "{said}"
     );
     let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600);

@@ -1,0 +1,316 @@
+//! Writing the running config over the administrator's file without losing what they wrote:
+//! comments, layout, the order of keys and tables, sizes written as `"1GiB"`, relative paths,
+//! keys left at their defaults. Only what differs between the file and the running config
+//! changes, in place.
+//!
+//! Three documents are compared: the file as written (`raw`), the file as targetd reads it
+//! and would write it (`read`: parsed into a [`Config`] and serialized again, so defaults are
+//! filled in and every value is in the serializer's form) and the running config serialized
+//! (`running`). A value is kept as written where `read` and `running` agree, replaced (keeping
+//! its comments) where they differ, added where the file lacks a key the running config needs
+//! and removed where the running config has no such key. Targets are matched by name and LUNs
+//! by number, not by position, so a removed target takes its own comments with it.
+
+use std::path::Path;
+
+use toml_edit::{ArrayOfTables, DocumentMut, Item, Table, Value};
+
+use crate::config::Config;
+
+/// Why a file could not be merged; the caller then writes the running config whole.
+#[derive(Debug, thiserror::Error)]
+pub enum MergeError {
+    /// The file on disk is not TOML (or not a config).
+    #[error("the file is not a config targetd reads: {0}")]
+    Unreadable(String),
+    /// The running config did not serialize (cannot happen for a config that validated).
+    #[error("the running config does not serialize: {0}")]
+    Serialize(String),
+}
+
+/// `old` (the file's text, in `dir`) with the running config's values: see the module's docs.
+pub fn merge(old: &str, dir: Option<&Path>, running: &Config) -> Result<String, MergeError> {
+    let mut raw: DocumentMut = old
+        .parse()
+        .map_err(|e: toml_edit::TomlError| MergeError::Unreadable(e.to_string()))?;
+    let mut typed: Config =
+        toml::from_str(old).map_err(|e| MergeError::Unreadable(e.to_string()))?;
+    if let Some(dir) = dir.filter(|d| !d.as_os_str().is_empty()) {
+        typed.resolve_paths(dir);
+    }
+    let read = serialized(&typed)?;
+    let running = serialized(running)?;
+    merge_table(raw.as_table_mut(), read.as_table(), running.as_table());
+    Ok(raw.to_string())
+}
+
+fn serialized(config: &Config) -> Result<DocumentMut, MergeError> {
+    toml::to_string(config)
+        .map_err(|e| MergeError::Serialize(e.to_string()))?
+        .parse()
+        .map_err(|e: toml_edit::TomlError| MergeError::Serialize(e.to_string()))
+}
+
+/// Makes `raw` hold `running`'s keys, keeping what `read` (raw as read) says is unchanged.
+fn merge_table(raw: &mut Table, read: &Table, running: &Table) {
+    let gone: Vec<String> = raw
+        .iter()
+        .map(|(k, _)| k.to_string())
+        .filter(|k| !running.contains_key(k))
+        .collect();
+    for k in gone {
+        raw.remove(&k);
+    }
+    for (key, new) in running.iter() {
+        let before = read.get(key);
+        match raw.get_mut(key) {
+            Some(item) => merge_item(item, before, new),
+            // Not in the file: added unless it is what reading the file gave anyway (a default).
+            None if before.is_some_and(|b| same(b, new)) => {}
+            None => {
+                raw.insert(key, new.clone());
+            }
+        }
+    }
+}
+
+fn merge_item(raw: &mut Item, read: Option<&Item>, running: &Item) {
+    if read.is_some_and(|r| same(r, running)) {
+        return;
+    }
+    match (raw, running) {
+        (Item::Table(raw), Item::Table(new)) => {
+            let empty = Table::new();
+            let read = read.and_then(Item::as_table).unwrap_or(&empty);
+            merge_table(raw, read, new);
+        }
+        (Item::Value(Value::InlineTable(raw)), Item::Table(new)) => {
+            // Written inline (`chap = { ... }`): stays inline, its decor kept.
+            let mut inline = new.clone().into_inline_table();
+            inline.fmt();
+            *inline.decor_mut() = raw.decor().clone();
+            *raw = inline;
+        }
+        (Item::ArrayOfTables(raw), Item::ArrayOfTables(new)) => {
+            let empty = ArrayOfTables::new();
+            let read = read.and_then(Item::as_array_of_tables).unwrap_or(&empty);
+            merge_array(raw, read, new);
+        }
+        (Item::Value(raw), Item::Value(new)) => {
+            let decor = raw.decor().clone();
+            *raw = match (raw.as_str().map(units::parse_size), new.as_integer()) {
+                // A size written with its unit ("1GiB") is written with one again.
+                (Some(Ok(_)), Some(bytes)) => Value::from(size_text(bytes as u64)),
+                _ => new.clone(),
+            };
+            *raw.decor_mut() = decor;
+        }
+        (raw, new) => *raw = new.clone(),
+    }
+}
+
+/// `bytes` as the config's size keys read it: "2GiB" when a whole number of KiB, MiB, GiB
+/// or TiB, else bytes ("1536B").
+fn size_text(bytes: u64) -> String {
+    let text = units::format_size(bytes);
+    match units::parse_size(&text) {
+        Ok(back) if back == bytes => text.replace(' ', ""),
+        _ => format!("{bytes}B"),
+    }
+}
+
+/// `[[targets]]`, `[[targets.luns]]`: each running table takes the file's table with the same
+/// identity (`name`, `lun`), merged, or comes new; tables no longer running go with their
+/// comments.
+fn merge_array(raw: &mut ArrayOfTables, read: &ArrayOfTables, running: &ArrayOfTables) {
+    let mut merged = ArrayOfTables::new();
+    let mut taken = vec![false; raw.len()];
+    for new in running.iter() {
+        let at = read.iter().enumerate().position(|(i, r)| {
+            !taken[i] && identity(r) == identity(new) && identity(new).is_some()
+        });
+        match (
+            at,
+            at.and_then(|i| raw.get(i)),
+            at.and_then(|i| read.get(i)),
+        ) {
+            (Some(i), Some(raw_table), Some(read_table)) => {
+                taken[i] = true;
+                let mut table = raw_table.clone();
+                merge_table(&mut table, read_table, new);
+                merged.push(table);
+            }
+            _ => merged.push(new.clone()),
+        }
+    }
+    *raw = merged;
+}
+
+/// What names a table of an array: a target's `name`, a LUN's `lun`.
+fn identity(t: &Table) -> Option<String> {
+    ["name", "lun"]
+        .iter()
+        .find_map(|k| t.get(k).and_then(Item::as_value))
+        .map(|v| v.to_string().trim().to_ascii_lowercase())
+}
+
+/// Whether two items say the same, whatever their layout.
+fn same(a: &Item, b: &Item) -> bool {
+    canonical(a) == canonical(b)
+}
+
+fn canonical(item: &Item) -> String {
+    let mut item = item.clone();
+    strip(&mut item);
+    let mut doc = DocumentMut::new();
+    doc.insert("x", item);
+    doc.to_string()
+}
+
+/// Drops comments and whitespace so that only content is compared.
+fn strip(item: &mut Item) {
+    match item {
+        Item::Table(t) => {
+            t.decor_mut().clear();
+            t.set_implicit(false);
+            for (mut k, v) in t.iter_mut() {
+                k.leaf_decor_mut().clear();
+                strip(v);
+            }
+        }
+        Item::ArrayOfTables(a) => {
+            for t in a.iter_mut() {
+                let mut table = Item::Table(std::mem::take(t));
+                strip(&mut table);
+                if let Item::Table(table) = table {
+                    *t = table;
+                }
+            }
+        }
+        Item::Value(v) => {
+            let text = v.to_string();
+            let mut fresh: Value = text.trim().parse().unwrap_or_else(|_| v.clone());
+            fresh.decor_mut().clear();
+            if let Value::InlineTable(t) = &mut fresh {
+                t.fmt();
+            }
+            if let Value::Array(a) = &mut fresh {
+                a.fmt();
+            }
+            *v = fresh;
+        }
+        Item::None => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = r#"# The lab's targets. Keep this comment.
+
+[server]
+# Where initiators connect.
+portals = ["127.0.0.1:3260"]   # loopback only
+admin_socket = "targetd.sock"
+
+# The first disk.
+[[targets]]
+name = "iqn.2026-11.io.example:disk1"
+
+[[targets.luns]]
+lun = 0
+backend = "file"
+path = "data/disk1.img"   # relative to this file
+size = "1GiB"
+
+# The second disk, to be removed.
+[[targets]]
+name = "iqn.2026-11.io.example:disk2"
+
+[[targets.luns]]
+lun = 0
+backend = "memory"
+size = "64MiB"
+"#;
+
+    fn running(text: &str) -> Config {
+        Config::parse(Path::new("/etc/targetd/config.toml"), text).unwrap()
+    }
+
+    #[test]
+    fn an_unchanged_config_is_written_back_as_it_was() {
+        let c = running(FILE);
+        let out = merge(FILE, Some(Path::new("/etc/targetd")), &c).unwrap();
+        assert_eq!(out, FILE);
+    }
+
+    #[test]
+    fn the_repo_config_is_saved_unchanged_with_every_comment() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config.toml");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let c = Config::parse(&path, &text).unwrap();
+        assert_eq!(merge(&text, path.parent(), &c).unwrap(), text);
+    }
+
+    #[test]
+    fn changes_land_in_place_and_comments_stay() {
+        let mut c = running(FILE);
+        c.targets[0].luns[0].size = Some(crate::config::Size(2 << 30));
+        c.targets.remove(1);
+        let mut lun1 = c.targets[0].luns[0].clone();
+        lun1.lun = 1;
+        lun1.backend = "null".into();
+        lun1.path = None;
+        c.targets[0].luns.push(lun1);
+        c.server.portals.push("127.0.0.2:3260".into());
+        let out = merge(FILE, Some(Path::new("/etc/targetd")), &c).unwrap();
+        for kept in [
+            "# The lab's targets. Keep this comment.",
+            "# Where initiators connect.",
+            "# loopback only",
+            "# The first disk.",
+            "path = \"data/disk1.img\"   # relative to this file",
+        ] {
+            assert!(out.contains(kept), "{kept:?} lost:\n{out}");
+        }
+        assert!(
+            out.contains("size = \"2GiB\""),
+            "written as it was, with a unit:\n{out}"
+        );
+        assert!(
+            !out.contains("disk2") && !out.contains("to be removed"),
+            "{out}"
+        );
+        assert!(out.contains("127.0.0.2:3260"), "{out}");
+        let back = Config::parse(Path::new("/etc/targetd/config.toml"), &out).unwrap();
+        assert_eq!(back, c, "the file reads back as the running config:\n{out}");
+    }
+
+    #[test]
+    fn an_inline_table_stays_inline_and_defaults_are_not_spelled_out() {
+        let file = FILE.replace(
+            "name = \"iqn.2026-11.io.example:disk1\"\n",
+            "name = \"iqn.2026-11.io.example:disk1\"\nchap = { username = \"u\", secret = \"0123456789ab\" }\n",
+        );
+        let mut c = running(&file);
+        c.targets[0].chap.as_mut().unwrap().secret = "ba9876543210".into();
+        let out = merge(&file, Some(Path::new("/etc/targetd")), &c).unwrap();
+        assert!(
+            out.contains("chap = { username = \"u\", secret = \"ba9876543210\" }"),
+            "{out}"
+        );
+        assert!(
+            !out.contains("write_cache"),
+            "a default is not added:\n{out}"
+        );
+    }
+
+    #[test]
+    fn a_file_that_is_not_toml_is_not_merged() {
+        assert!(matches!(
+            merge("[server", None, &running(FILE)),
+            Err(MergeError::Unreadable(_))
+        ));
+    }
+}
