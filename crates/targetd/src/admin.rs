@@ -78,6 +78,13 @@ pub enum AdminRequest {
         #[serde(default)]
         fault: Option<backend::Fault>,
     },
+    /// The cluster of gateways: members, liveness, each shared unit's ALUA states.
+    Cluster,
+    /// Takes a gateway that is gone for good out of the cluster.
+    ClusterForget {
+        /// Its `cluster.gateway`.
+        gateway: String,
+    },
     /// Adds a target.
     TargetAdd {
         /// The target, as in the config file.
@@ -268,6 +275,7 @@ impl AdminRequest {
                 | AdminRequest::Sessions
                 | AdminRequest::Stats
                 | AdminRequest::ConfigDump
+                | AdminRequest::Cluster
         )
     }
 }
@@ -341,6 +349,8 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
         AdminRequest::Targets => Ok(targets(registry)),
         AdminRequest::Luns { target } => luns(registry, target.as_deref()),
         AdminRequest::Sessions => Ok(sessions_json(registry)),
+        AdminRequest::Cluster => cluster(registry, None),
+        AdminRequest::ClusterForget { gateway } => cluster(registry, Some(&gateway)),
         AdminRequest::Stats => Ok(stats(registry)),
         AdminRequest::ConfigDump => {
             let config = registry.config().redacted();
@@ -695,6 +705,24 @@ fn luns(registry: &Registry, target: Option<&str>) -> Result<Value, String> {
         }
     }
     Ok(Value::Array(out))
+}
+
+/// The cluster view, or `forget` a gateway; refused where this targetd is not in a cluster.
+fn cluster(registry: &Registry, forget: Option<&str>) -> Result<Value, String> {
+    #[cfg(feature = "rbd")]
+    if let Some(keeper) = &registry.target_env.keeper {
+        return match forget {
+            Some(gateway) => keeper.forget(gateway).map(|said| json!(said)),
+            None => Ok(keeper.view()),
+        };
+    }
+    let _ = (registry, forget);
+    Err(if cfg!(feature = "rbd") {
+        "this targetd is not in a cluster (no [cluster] in its config)".into()
+    } else {
+        "this targetd is not in a cluster (built without the feature rbd, which clusters need)"
+            .into()
+    })
 }
 
 /// An RBD unit's image and librbd's figures for it; null for other storage.

@@ -78,6 +78,8 @@ pub struct Member {
     /// The addresses of its RADOS clients (the cluster session and the images'): what
     /// fencing blocklists.
     pub addresses: Vec<String>,
+    /// It stopped as planned (SIGTERM) and said so: down, but never fenced for it.
+    pub left: bool,
 }
 
 impl Member {
@@ -88,12 +90,17 @@ impl Member {
         } else {
             portals.join(",")
         };
+        let addresses = if self.addresses.is_empty() {
+            "-".to_string()
+        } else {
+            self.addresses.join(",")
+        };
         format!(
-            "gateway {} {} {portals} {} {}\n",
+            "gateway {} {} {portals} {} {addresses}{}\n",
             self.gateway,
             self.port_group,
             self.instance,
-            self.addresses.join(",")
+            if self.left { " left" } else { "" }
         )
     }
 
@@ -111,7 +118,13 @@ impl Member {
                 .filter_map(|a| a.parse().ok())
                 .collect(),
             instance: w.get(4)?.parse().ok()?,
-            addresses: w.get(5)?.split(',').map(str::to_string).collect(),
+            addresses: w
+                .get(5)?
+                .split(',')
+                .filter(|a| *a != "-")
+                .map(str::to_string)
+                .collect(),
+            left: w.get(6) == Some(&"left"),
         })
     }
 }
@@ -223,6 +236,9 @@ pub struct Keeper {
     me: Mutex<Option<Member>>,
     /// The RADOS instances of the gateways this one has fenced (each once).
     fenced_instances: Mutex<Vec<u64>>,
+    /// This gateway is stopping and has left (or is leaving) the cluster: it neither asks who
+    /// is alive nor rejoins any more.
+    leaving: std::sync::atomic::AtomicBool,
     /// What the keeper did, for the metrics.
     pub counters: Counters,
 }
@@ -280,6 +296,7 @@ impl Keeper {
             rejoin_attempts: std::sync::atomic::AtomicU32::new(0),
             me: Mutex::new(None),
             fenced_instances: Mutex::default(),
+            leaving: std::sync::atomic::AtomicBool::new(false),
             counters: Counters::default(),
         });
         let weak = Arc::downgrade(&keeper);
@@ -336,6 +353,7 @@ impl Keeper {
             portals: portals.to_vec(),
             instance: 0,
             addresses: Vec::new(),
+            left: false,
         });
         self.enter()?;
         self.refresh();
@@ -344,6 +362,9 @@ impl Keeper {
             .name("membership".into())
             .spawn(move || loop {
                 let Some(k) = weak.upgrade() else { return };
+                if k.leaving.load(std::sync::atomic::Ordering::SeqCst) {
+                    return;
+                }
                 if k.is_fenced() {
                     k.sleep(k.rejoin_delay());
                     k.rejoin();
@@ -376,7 +397,7 @@ impl Keeper {
         let weak = Arc::downgrade(self);
         let answering = pool.clone();
         let on_notify = move |n: Notification| {
-            if n.payload == b"joined" {
+            if n.payload == b"joined" || n.payload == b"left" {
                 if let Some(k) = weak.upgrade() {
                     k.wake();
                 }
@@ -442,6 +463,7 @@ impl Keeper {
                 portals: Vec::new(),
                 instance: 0,
                 addresses: Vec::new(),
+                left: false,
             });
         }
         self.apply_groups(&m);
@@ -528,6 +550,7 @@ impl Keeper {
             .iter()
             .filter(|m| {
                 m.gateway != self.config.gateway
+                    && !m.left
                     && silent.iter().any(|(gid, _)| *gid == m.instance)
                     && !done.contains(&m.instance)
             })
@@ -624,6 +647,32 @@ impl Keeper {
 
     /// Writes (or rewrites) this gateway's line in the gateways object.
     fn publish(&self, me: &Member) -> Result<(), (String, String)> {
+        self.edit_members(|members| {
+            if let Some(other) = members
+                .iter()
+                .find(|m| m.port_group == me.port_group && m.gateway != me.gateway)
+            {
+                return Err((
+                    "cluster.port_group".into(),
+                    format!(
+                        "{} is gateway {:?}'s already: each gateway needs its own",
+                        me.port_group, other.gateway
+                    ),
+                ));
+            }
+            members.retain(|m| m.gateway != me.gateway);
+            members.push(me.clone());
+            Ok(())
+        })
+    }
+
+    /// Changes the gateways object by `edit` (which may refuse, changing nothing): read, edit,
+    /// and written back only if nobody wrote it meanwhile (compare-and-swap), again after a
+    /// lost race.
+    fn edit_members(
+        &self,
+        edit: impl Fn(&mut Vec<Member>) -> Result<(), (String, String)>,
+    ) -> Result<(), (String, String)> {
         let fail = |e: String| ("cluster".to_string(), e);
         let oid = self.gateways_object();
         for _ in 0..MAX_RACES {
@@ -639,20 +688,7 @@ impl Keeper {
                 None => (String::new(), None),
             };
             let mut members: Vec<Member> = text.lines().filter_map(Member::parse).collect();
-            if let Some(other) = members
-                .iter()
-                .find(|m| m.port_group == me.port_group && m.gateway != me.gateway)
-            {
-                return Err((
-                    "cluster.port_group".into(),
-                    format!(
-                        "{} is gateway {:?}'s already: each gateway needs its own",
-                        me.port_group, other.gateway
-                    ),
-                ));
-            }
-            members.retain(|m| m.gateway != me.gateway);
-            members.push(me.clone());
+            edit(&mut members)?;
             members.sort_by_key(|m| m.port_group);
             let text: String = members.iter().map(Member::line).collect();
             match self.pool().replace(&oid, version, text.as_bytes()) {
@@ -661,9 +697,73 @@ impl Keeper {
                 Err(CasError::Rados(e)) => return Err(fail(rados_text(e))),
             }
         }
-        Err(fail(format!(
-            "{oid} kept changing while this gateway joined"
-        )))
+        Err(fail(format!("{oid} kept changing")))
+    }
+
+    /// A planned stop (SIGTERM, `systemctl stop`), once this gateway's initiators have logged
+    /// out and its writes are flushed: it marks its line in the gateways object as left,
+    /// stops answering "who is alive" and tells the others, who log that it left and give its
+    /// port group the unavailable state at once, without fencing it (no blocklist entry, no
+    /// lock broken, nothing counted as fenced). Its line stays, so its port group is still
+    /// reported (unavailable) until it starts again or `targetctl cluster forget` takes it
+    /// out. A gateway that cannot reach the cluster to leave is fenced by the others as a
+    /// failed one would be.
+    pub fn leave(&self) {
+        self.leaving
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let gateway = self.config.gateway.clone();
+        if let Err((_, e)) = self.edit_members(|members| {
+            for m in members.iter_mut().filter(|m| m.gateway == gateway) {
+                m.left = true;
+            }
+            Ok(())
+        }) {
+            tracing::warn!(%gateway, "leaving the cluster: {e}; the other gateways will fence this one");
+            return;
+        }
+        // No more answers to "who is alive": the others see it gone, not silent.
+        drop(
+            self.joined
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+        );
+        let _ = self
+            .pool()
+            .notify(&self.gateways_object(), b"left", MEMBERSHIP_TIMEOUT);
+        tracing::info!(%gateway, "left the cluster of gateways");
+    }
+
+    /// Takes gateway `name`, gone for good, out of the gateways object, so its port group is
+    /// no longer reported (unavailable) for every unit. Refused for this gateway and for a
+    /// gateway that is alive.
+    pub fn forget(&self, name: &str) -> Result<String, String> {
+        if name == self.config.gateway {
+            return Err(format!("{name} is this gateway: stop it to make it leave"));
+        }
+        self.refresh();
+        if self.membership().live.iter().any(|g| g == name) {
+            return Err(format!(
+                "gateway {name} is alive (it answers who is alive): stop it, and it leaves by itself"
+            ));
+        }
+        let known = std::sync::atomic::AtomicBool::new(false);
+        self.edit_members(|members| {
+            let before = members.len();
+            members.retain(|m| m.gateway != name);
+            known.store(members.len() != before, Relaxed);
+            Ok(())
+        })
+        .map_err(|(_, e)| e)?;
+        if !known.load(Relaxed) {
+            return Err(format!("no gateway {name} in the cluster"));
+        }
+        let _ = self
+            .pool()
+            .notify(&self.gateways_object(), b"left", MEMBERSHIP_TIMEOUT);
+        self.refresh();
+        tracing::warn!(gateway = %name, "forgot a gateway that is gone");
+        Ok(format!("gateway {name} forgotten"))
     }
 
     /// The addresses of every RADOS client of this process: the cluster session's and the
@@ -759,7 +859,7 @@ impl Keeper {
     /// Asks who is alive and, when the answer changed, gives every shared unit its new ALUA
     /// states.
     pub fn refresh(&self) {
-        if self.is_fenced() {
+        if self.is_fenced() || self.leaving.load(std::sync::atomic::Ordering::SeqCst) {
             return;
         }
         let oid = self.gateways_object();
@@ -804,6 +904,19 @@ impl Keeper {
         if *seen == now {
             return;
         }
+        for m in &now.members {
+            let was = seen.members.iter().find(|o| o.gateway == m.gateway);
+            if m.left && !was.is_some_and(|o| o.left) {
+                tracing::info!(gateway = %m.gateway, "a gateway left the cluster (a planned stop)");
+            }
+        }
+        for gone in seen
+            .members
+            .iter()
+            .filter(|m| !now.members.iter().any(|n| n.gateway == m.gateway))
+        {
+            tracing::info!(gateway = %gone.gateway, "a gateway was forgotten by the cluster");
+        }
         tracing::info!(
             live = ?now.live,
             gateways = now.members.len(),
@@ -812,6 +925,73 @@ impl Keeper {
         *seen = now.clone();
         drop(seen);
         self.apply_groups(&now);
+    }
+
+    /// What `targetctl cluster` shows: this gateway, every member with its port group,
+    /// portals and liveness, and each shared unit's access state per port group with its
+    /// reservation holder.
+    pub fn view(&self) -> serde_json::Value {
+        use serde_json::json;
+        let m = self.membership();
+        let members: Vec<serde_json::Value> = m
+            .members
+            .iter()
+            .map(|g| {
+                json!({
+                    "gateway": g.gateway,
+                    "port_group": g.port_group,
+                    "portals": g.portals.iter().map(|p| p.to_string()).collect::<Vec<_>>(),
+                    "live": m.live.contains(&g.gateway),
+                    "left": g.left,
+                    "this": g.gateway == self.config.gateway,
+                })
+            })
+            .collect();
+        let gateway_of = |group: u16| {
+            m.members
+                .iter()
+                .find(|g| g.port_group == group)
+                .map(|g| g.gateway.clone())
+        };
+        let mut units = Vec::new();
+        for (target, lun) in self.shared_units() {
+            let Some(t) = target.upgrade() else { continue };
+            let Some(unit) = t.lun(lun) else { continue };
+            let groups: Vec<serde_json::Value> = t
+                .port_groups(lun)
+                .unwrap_or_default()
+                .iter()
+                .map(|g| {
+                    json!({
+                        "port_group": g.id,
+                        "gateway": gateway_of(g.id),
+                        "state": g.state.name(),
+                    })
+                })
+                .collect();
+            let image = match &unit.storage {
+                crate::target::Storage::Rbd(image) => image.spec().to_string(),
+                _ => String::new(),
+            };
+            let holder = t.reservation_holder(lun);
+            units.push(json!({
+                "target": t.name,
+                "lun": lun,
+                "image": image,
+                "groups": groups,
+                "reservation_holder": holder.as_ref().map(|h| h.0.clone()),
+                "reservation_type": holder.and_then(|h| h.1),
+            }));
+        }
+        json!({
+            "cluster": self.config.name,
+            "gateway": self.config.gateway,
+            "port_group": self.config.port_group,
+            "fenced": self.is_fenced(),
+            "members": members,
+            "units": units,
+            "fenced_by_this_gateway": self.counters.fenced.load(Relaxed),
+        })
     }
 
     /// The membership as last seen.

@@ -532,7 +532,43 @@ fn cluster(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Resu
                 c.rejoins.load(Relaxed),
             ),
         ],
-    )
+    )?;
+    // Each shared unit's access state through each port group, as its REPORT TARGET PORT
+    // GROUPS says: 1 for the state it is in, 0 for the others, so an alert can watch a unit
+    // with no active/optimized path.
+    let mut f = family(
+        e,
+        "targetd_cluster_unit_access_state",
+        "1 for the ALUA state a shared unit has through a port group (gateway), 0 for the others",
+        Gauge,
+    )?;
+    let view = k.view();
+    for u in view["units"].as_array().into_iter().flatten() {
+        for g in u["groups"].as_array().into_iter().flatten() {
+            for state in [
+                "active/optimized",
+                "active/non-optimized",
+                "standby",
+                "unavailable",
+            ] {
+                let labels = vec![
+                    (
+                        "target",
+                        u["target"].as_str().unwrap_or_default().to_string(),
+                    ),
+                    ("lun", u["lun"].to_string()),
+                    ("port_group", g["port_group"].to_string()),
+                    (
+                        "gateway",
+                        g["gateway"].as_str().unwrap_or_default().to_string(),
+                    ),
+                    ("state", state.to_string()),
+                ];
+                f.sample(&labels, u64::from(g["state"] == state))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// How long a client has to send a request's headers; an idle kept-alive connection is

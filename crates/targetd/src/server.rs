@@ -290,6 +290,11 @@ impl Server {
         })
         .await;
         flush(&registry);
+        // A planned stop: the other gateways hear it left rather than fence it as failed.
+        #[cfg(feature = "rbd")]
+        if let Some(keeper) = &registry.target_env.keeper {
+            keeper.leave();
+        }
         if let Some(p) = admin_path {
             let _ = std::fs::remove_file(p);
         }

@@ -518,6 +518,15 @@ pub struct Lun {
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// "port group 1 active/optimized, port group 2 standby": for the log line of a change.
+pub fn port_group_states(groups: &[scsi_core::spc::tpg::PortGroup]) -> String {
+    groups
+        .iter()
+        .map(|g| format!("port group {} {}", g.id, g.state.name()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// A fresh id for a target, LUN or connection.
 pub fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
@@ -1092,10 +1101,28 @@ impl Target {
     /// Unit `lun`'s target port groups and their access states are now `groups` (the
     /// cluster's gateways changed): initiators hear ASYMMETRIC ACCESS STATE CHANGED.
     pub fn set_port_groups(&self, lun: u16, groups: Vec<scsi_core::spc::tpg::PortGroup>) {
+        let states = port_group_states(&groups);
         let mut core = self.core();
         if let Ok(true) = core.device.set_port_groups(lun, groups) {
-            tracing::info!(target = %self.name, lun, "asymmetric access states changed");
+            drop(core);
+            tracing::info!(target = %self.name, lun, %states, "asymmetric access states changed");
         }
+    }
+
+    /// Unit `lun`'s target port groups and their access states now.
+    pub fn port_groups(&self, lun: u16) -> Option<Vec<scsi_core::spc::tpg::PortGroup>> {
+        self.core().device.port_groups(lun)
+    }
+
+    /// The I_T nexus holding unit `lun`'s persistent reservation (its initiator port's
+    /// name) and the reservation's TYPE, or the SPC-2 reservation's holder with no type.
+    pub fn reservation_holder(&self, lun: u16) -> Option<(String, Option<u8>)> {
+        let core = self.core();
+        let (r, _) = core.device.reservations(lun)?;
+        if let Some(held) = &r.persistent.reservation {
+            return Some((held.holder.initiator.name.clone(), Some(held.kind)));
+        }
+        r.spc2.as_ref().map(|n| (n.initiator.name.clone(), None))
     }
 
     /// The keeper has carried out the change task management function `reference` waits for.

@@ -31,6 +31,7 @@ use common::{config, opts, pattern, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
 use initiator_bench::{LoginOptions, Session};
 use iscsi_pdu::ScsiStatus;
+use targetd::admin::{handle, AdminRequest};
 
 /// Gateway `port_group` of cluster `name` exporting `image`.
 fn gateway(ceph: &Ceph, name: &str, port_group: u16, image: &str) -> Daemon {
@@ -522,9 +523,58 @@ async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
         "{:?}",
         w.sense.as_deref().and_then(initiator_bench::Sense::parse)
     );
+    // A planned stop is no failure: A left, and B fenced nobody.
+    let metrics = targetd::metrics::text(&b.registry);
+    for line in [
+        "targetd_cluster_fenced_gateways_total{gateway=\"gw2\"} 0",
+        "targetd_cluster_unit_access_state{target=\"iqn.2026-11.io.example:test\",lun=\"0\",port_group=\"1\",gateway=\"gw1\",state=\"unavailable\"} 1",
+        "targetd_cluster_unit_access_state{target=\"iqn.2026-11.io.example:test\",lun=\"0\",port_group=\"2\",gateway=\"gw2\",state=\"active/optimized\"} 1",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+    }
+    let view = handle(&b.registry, AdminRequest::Cluster).unwrap();
+    let gw1 = &view["members"][0];
+    assert_eq!(
+        (
+            gw1["gateway"].as_str(),
+            gw1["live"].as_bool(),
+            gw1["left"].as_bool()
+        ),
+        (Some("gw1"), Some(false), Some(true)),
+        "{view}"
+    );
+    assert_eq!(
+        view["units"][0]["groups"][1]["state"], "active/optimized",
+        "{view}"
+    );
+    // Forgotten, its group is no longer reported; B, alive, cannot be forgotten.
+    let e = handle(
+        &b.registry,
+        AdminRequest::ClusterForget {
+            gateway: "gw2".into(),
+        },
+    )
+    .unwrap_err();
+    assert!(e.contains("this gateway"), "{e}");
+    handle(
+        &b.registry,
+        AdminRequest::ClusterForget {
+            gateway: "gw1".into(),
+        },
+    )
+    .unwrap();
+    expect_groups(&two, &[(2, 0x0, true)], 5).await;
     // A comes back: it is optimized again, B non-optimized.
     let a = gateway(&ceph, &name, 1, &image);
     expect_groups(&two, &both, 10).await;
+    let e = handle(
+        &b.registry,
+        AdminRequest::ClusterForget {
+            gateway: "gw1".into(),
+        },
+    )
+    .unwrap_err();
+    assert!(e.contains("alive"), "{e}");
     drop(two);
     a.stop();
     b.stop();

@@ -24,6 +24,18 @@ pub enum AccessState {
 }
 
 impl AccessState {
+    /// Its name as SPC-4 writes it ("active/optimized", "standby"), for logs and admin tools.
+    pub fn name(self) -> &'static str {
+        match self {
+            AccessState::ActiveOptimized => "active/optimized",
+            AccessState::ActiveNonOptimized => "active/non-optimized",
+            AccessState::Standby => "standby",
+            AccessState::Unavailable => "unavailable",
+            AccessState::Offline => "offline",
+            AccessState::Transitioning => "transitioning",
+        }
+    }
+
     /// The four-bit code.
     pub fn code(self) -> u8 {
         match self {

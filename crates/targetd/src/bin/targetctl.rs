@@ -84,10 +84,28 @@ enum Command {
         #[command(subcommand)]
         action: ConfigAction,
     },
+    /// The cluster of gateways (`[cluster]`): its members, which are alive, each shared
+    /// unit's ALUA state per port group and its reservation holder; `cluster forget GATEWAY`
+    /// takes a gateway that is gone for good out of it.
+    Cluster {
+        #[command(subcommand)]
+        action: Option<ClusterAction>,
+    },
     /// Cross-layer command tracing: start, stop.
     Trace {
         #[command(subcommand)]
         action: TraceAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum ClusterAction {
+    /// Takes a gateway that is gone for good (not alive) out of the cluster, so its port
+    /// group is no longer reported, unavailable, for every unit. A gateway stopped by SIGTERM
+    /// leaves by itself.
+    Forget {
+        /// Its `cluster.gateway`.
+        gateway: String,
     },
 }
 
@@ -453,6 +471,10 @@ fn run(args: Args) -> Result<()> {
         Command::Targets => AdminRequest::Targets,
         Command::Luns { target } => AdminRequest::Luns { target },
         Command::Sessions => AdminRequest::Sessions,
+        Command::Cluster { action: None } => AdminRequest::Cluster,
+        Command::Cluster {
+            action: Some(ClusterAction::Forget { gateway }),
+        } => AdminRequest::ClusterForget { gateway },
         // Answered above, without a daemon.
         Command::Completions { .. } | Command::Man => return Ok(()),
         Command::Stats { interval } => return stats(&mut c, interval, args.json),
@@ -669,6 +691,77 @@ fn print_human(request: &AdminRequest, v: &Value) {
             }
         }
         (_, Value::String(s)) => println!("{s}"),
+        (AdminRequest::Cluster, Value::Object(c)) => {
+            println!(
+                "cluster {}, this gateway {} (port group {}){}",
+                text(&c["cluster"]),
+                text(&c["gateway"]),
+                c["port_group"],
+                if c["fenced"] == true {
+                    ": FENCED, serving no shared unit until it rejoins"
+                } else {
+                    ""
+                }
+            );
+            let rows = c["members"].as_array().into_iter().flatten().map(|m| {
+                let portals: Vec<String> = m["portals"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(text)
+                    .collect();
+                vec![
+                    text(&m["gateway"]),
+                    m["port_group"].to_string(),
+                    match (m["live"] == true, m["left"] == true) {
+                        (true, _) => "live",
+                        (false, true) => "left (stopped)",
+                        (false, false) => "down",
+                    }
+                    .to_string(),
+                    portals.join(","),
+                ]
+            });
+            print!(
+                "{}",
+                table(&["GATEWAY", "PORT GROUP", "STATE", "PORTALS"], rows)
+            );
+            let rows = c["units"].as_array().into_iter().flatten().map(|u| {
+                let groups: Vec<String> = u["groups"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|g| {
+                        format!(
+                            "{} ({}): {}",
+                            g["port_group"],
+                            g["gateway"].as_str().unwrap_or("?"),
+                            text(&g["state"])
+                        )
+                    })
+                    .collect();
+                vec![
+                    text(&u["target"]),
+                    u["lun"].to_string(),
+                    text(&u["image"]),
+                    groups.join("; "),
+                    u["reservation_holder"].as_str().unwrap_or("-").to_string(),
+                ]
+            });
+            print!(
+                "{}",
+                table(
+                    &[
+                        "TARGET",
+                        "LUN",
+                        "IMAGE",
+                        "ALUA STATES",
+                        "RESERVATION HOLDER"
+                    ],
+                    rows
+                )
+            );
+        }
         // An empty list says what there is none of (a change that changed nothing says so).
         (AdminRequest::Sessions, Value::Array(v)) if v.is_empty() => println!("no sessions"),
         (AdminRequest::Targets, Value::Array(v)) if v.is_empty() => println!("no targets"),
