@@ -167,7 +167,10 @@ pub enum Event {
 #[derive(Debug)]
 enum TaskKind {
     Scsi {
-        /// Where Data-In lands: `read_len` bytes from the first Data-In on, empty before.
+        /// Where Data-In lands: room for `read_len` bytes (made at the start over TCP, at
+        /// the first Data-In where the target places the data itself, as iSER does), filled
+        /// up to the end of the data placed so far. Data in order is appended, never zeroed
+        /// first; only a gap is filled with zeros.
         read: BytesMut,
         read_len: u32,
         received: u32,
@@ -239,6 +242,10 @@ pub struct Session {
     /// Tasks' deadlines in the order they were set (monotonic, as every task gets the same
     /// timeout); an entry whose task ended or whose ITT was reused is skipped.
     deadlines: VecDeque<(Instant, u32)>,
+    /// Whether Data-In brings read data in its PDUs (TCP), so each read gets room for its
+    /// data when it starts (not zeroed). False where the target places the data itself
+    /// (iSER's RDMA WRITE): no read then has a buffer here.
+    data_in_carries_data: bool,
 }
 
 impl Session {
@@ -264,7 +271,14 @@ impl Session {
             events: VecDeque::new(),
             timers: Timers::default(),
             deadlines: VecDeque::new(),
+            data_in_carries_data: true,
         }
+    }
+
+    /// Says that the target places read data itself (iSER's RDMA WRITE into the buffer a
+    /// command names) rather than in Data-In PDUs: reads then get no reassembly buffer.
+    pub fn set_data_in_placed_by_target(&mut self) {
+        self.data_in_carries_data = false;
     }
 
     /// Sets the timers; tasks started from now on get the task timeout.
@@ -424,9 +438,15 @@ impl Session {
         self.cmd_sn = cmd_sn.next();
         self.queue_command(ci, cmd, itt, cmd_sn);
         let kind = TaskKind::Scsi {
-            // Made at the first Data-In: a command whose data the target places itself
-            // (iSER's RDMA WRITE) never has one.
-            read: BytesMut::new(),
+            // Room, not zeroed, where Data-In carries the data: a buffer made when the read
+            // starts keeps initiator-bench's allocations steady (made at the first Data-In,
+            // they cost it more system time). None where the target places the data itself
+            // (iSER's RDMA WRITE).
+            read: if self.data_in_carries_data {
+                BytesMut::with_capacity(cmd.data_in_len as usize)
+            } else {
+                BytesMut::new()
+            },
             read_len: cmd.data_in_len,
             received: 0,
             next_data_sn: 0,
@@ -867,10 +887,19 @@ impl Session {
                         d.buffer_offset
                     ))
                 } else {
-                    if read.len() < *read_len as usize {
-                        read.resize(*read_len as usize, 0);
+                    let (at, end) = (d.buffer_offset as usize, end as usize);
+                    if read.capacity() == 0 {
+                        // Checked against read_len above: one allocation, not zeroed.
+                        read.reserve(*read_len as usize);
                     }
-                    read[d.buffer_offset as usize..end as usize].copy_from_slice(&d.data);
+                    if at == read.len() {
+                        read.extend_from_slice(&d.data);
+                    } else {
+                        if read.len() < end {
+                            read.resize(end, 0);
+                        }
+                        read[at..end].copy_from_slice(&d.data);
+                    }
                     *received += d.data.len() as u32;
                     *next_data_sn += 1;
                     None
@@ -922,7 +951,8 @@ impl Session {
         }
         .min(*received);
         let mut data = std::mem::take(read);
-        data.truncate(len as usize);
+        // Whatever a gap at the end left unplaced reads as zeros, as it always did.
+        data.resize(len as usize, 0);
         let reply = ScsiReply {
             status,
             sense,

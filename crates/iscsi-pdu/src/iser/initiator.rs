@@ -51,7 +51,9 @@ impl IserInitiator {
     /// The datamover around `session`, whose connection `conn` was logged in with
     /// RDMAExtensions=Yes and receives data segments of at most `max_recv_data` bytes (the
     /// negotiated InitiatorRecvDataSegmentLength).
-    pub fn new(session: Session, conn: usize, max_recv_data: u32) -> IserInitiator {
+    pub fn new(mut session: Session, conn: usize, max_recv_data: u32) -> IserInitiator {
+        // Reads land in the caller's buffers by RDMA WRITE: the session keeps none.
+        session.set_data_in_placed_by_target();
         IserInitiator {
             session,
             conn,
