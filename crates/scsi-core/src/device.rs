@@ -1142,14 +1142,12 @@ impl Device {
         let name = &self.nexus(nexus).map_err(|_| Sense::invalid_opcode())?.name;
         let lu = self.lu(lun).expect("tasks live on existing units");
         if let Some(groups) = &lu.port_groups {
-            let asks_about_the_path =
-                matches!(cdb[0], 0x03 | 0x12 | 0xa0) || (cdb[0] == 0xa3 && cdb[1] & 0x1f == 0x0a);
             let state = groups
                 .iter()
                 .find(|g| g.ports.contains(&name.relative_port))
                 .map(|g| g.state);
             if let Some(state) = state.filter(|s| !s.is_active()) {
-                if !asks_about_the_path {
+                if !crate::spc::tpg::processed_in(state, cdb) {
                     return Err(Sense::new(SenseKey::NotReady, state.not_ready()).into());
                 }
             }

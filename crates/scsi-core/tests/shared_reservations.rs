@@ -418,8 +418,8 @@ fn access_states_announce_their_changes_and_refuse_media_access_when_not_active(
     rtpg[9] = 255;
     let d = a.command(n2, 0, &rtpg, &[], 255);
     good(&d);
-    assert_eq!(&d.data[4..8], &[0x80, 0xcb, 0, 1]);
-    assert_eq!(&d.data[16..20], &[0x03, 0xcb, 0, 2]);
+    assert_eq!(&d.data[4..8], &[0x80, 0xcf, 0, 1]);
+    assert_eq!(&d.data[16..20], &[0x03, 0xcf, 0, 2]);
     let o = a.command(n1, 0, &[0; 6], &[], 0);
     assert_eq!(o.sense_code(), Some((6, changed.0, changed.1)));
     good(&a.command(n1, 0, &cdb10(0x28, 0, 0, 1), &[], 512));

@@ -871,6 +871,17 @@ async fn a_units_preferred_gateway_is_optimized_and_the_others_standby() {
         Some((2, 0x04, 0x0b)),
         "{sense:?}"
     );
+    // What an initiator's scan asks is answered there (SPC-4's standby list, and READ
+    // CAPACITY as Linux's target answers it): the disk's size, its mode pages.
+    let (blocks, block_size) = one.capacity().await.expect("READ CAPACITY through standby");
+    assert_eq!((blocks, block_size), ((64 << 20) / 512, 512));
+    let mut mode_sense = [0u8; 16];
+    mode_sense[..6].copy_from_slice(&[0x1a, 0, 0x3f, 0, 255, 0]);
+    let r = one
+        .execute(Command::read(one.lun(), mode_sense, 255))
+        .await
+        .expect("a response");
+    assert_eq!(r.status, ScsiStatus::GOOD, "MODE SENSE through standby");
     assert_eq!(write_status(&two, 1).await, ScsiStatus::GOOD);
     // A gateway with another policy for the image is refused, naming both.
     let (key, reason) = common::refused(&gateway_config(&ceph, &name, 3, &image));
