@@ -72,13 +72,7 @@ pub fn run_fabric(w: &Workload, o: &RdmaOptions) -> Result<RdmaReport, String> {
     let place = place_len(w, o);
     let mut channels = Vec::new();
     for s in 0..w.sessions.max(1) {
-        let mut req = login_request(s, FABRIC_TARGET_PORT, 48 + 20 + 32 * 16);
-        if o.immediate_data {
-            // As Linux's ib_srp asks by default: 8 KiB of immediate data.
-            req.req_it_iu_len = req.req_it_iu_len.max(u32::from(IMM_DATA_OFFSET) + 8192);
-        } else {
-            req.immediate_data = false;
-        }
+        let req = login_request_for(s, FABRIC_TARGET_PORT, o);
         let places = w.qd.max(1);
         let (ch, _) = target
             .login(&mut verbs, &req, o.registration, places, place)
@@ -154,6 +148,24 @@ impl SrpUrl {
 /// Where this initiator puts immediate data in an SRP_CMD, as Linux's ib_srp does: after the
 /// 48-byte SRP_CMD, 16 bytes of additional CDB and the 4-byte immediate descriptor.
 pub const IMM_DATA_OFFSET: u16 = 68;
+
+/// The IUs this initiator asks to send without immediate data: an SRP_CMD with 16 bytes of
+/// additional CDB and an indirect table of 32 descriptors.
+const IT_IU_LEN: u32 = 48 + 20 + 32 * 16;
+
+/// The login request of session `s` to `target_port_id` for options `o`: IUs as large as
+/// Linux's ib_srp asks by default (8 KiB of immediate data after [`IMM_DATA_OFFSET`], 8260
+/// bytes, which every target port taking Linux's default login takes: targetd's default
+/// limit is 8276), or [`IT_IU_LEN`] and no immediate data with `--no-immediate-data`.
+pub fn login_request_for(s: usize, target_port_id: [u8; 16], o: &RdmaOptions) -> SrpLoginReq {
+    let mut req = login_request(s, target_port_id, IT_IU_LEN);
+    if o.immediate_data {
+        req.req_it_iu_len = u32::from(IMM_DATA_OFFSET) + 8192;
+    } else {
+        req.immediate_data = false;
+    }
+    req
+}
 
 /// The login request of session `s` to `target_port_id`, asking for IUs of `it_iu_len` bytes
 /// and for immediate data at [`IMM_DATA_OFFSET`], as Linux's ib_srp does.
@@ -281,8 +293,9 @@ pub fn run_rdma(url: &SrpUrl, w: &Workload, o: &RdmaOptions) -> Result<RdmaRepor
     let mut channels = Vec::new();
     for s in 0..sessions {
         let mut private = Vec::new();
-        login_request(s, url.target_port_id, srp::verbs::IU_BUFFER_LEN as u32)
-            .encode_rdma_cm(&mut private);
+        // Not the largest IU the buffers could hold: a port refuses a login asking more than
+        // it takes (targetd's default port took 8276 bytes, and refused 9288).
+        login_request_for(s, url.target_port_id, o).encode_rdma_cm(&mut private);
         let depth = QueueDepth {
             send: 4096,
             recv: 256,
@@ -305,6 +318,29 @@ pub fn run_rdma(url: &SrpUrl, w: &Workload, o: &RdmaOptions) -> Result<RdmaRepor
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The login asks for no larger IUs than a target port at its defaults takes: Linux's
+    /// ib_srp's default login, within targetd's default limit.
+    #[test]
+    fn the_login_asks_what_a_default_port_takes() {
+        let o = RdmaOptions {
+            registration: srp::initiator::Registration::Pool,
+            regions: 1,
+            link: LinkModel::Free,
+            immediate_data: true,
+        };
+        let req = login_request_for(0, [0; 16], &o);
+        assert!(req.immediate_data);
+        assert_eq!(req.req_it_iu_len, 8260);
+        assert!(req.req_it_iu_len <= srp::target_port::DEFAULT_MAX_IT_IU_LEN);
+        let without = RdmaOptions {
+            immediate_data: false,
+            ..o
+        };
+        let req = login_request_for(0, [0; 16], &without);
+        assert!(!req.immediate_data);
+        assert_eq!(req.req_it_iu_len, IT_IU_LEN);
+    }
 
     #[test]
     fn srp_urls_name_the_target_by_identifier_or_by_name() {
