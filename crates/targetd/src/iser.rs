@@ -617,8 +617,7 @@ impl<F: Fabric> Portal<F> {
                 (r, Some(done))
             }
             LoginStep::Refused(r) => {
-                registry.count_login(true, r.status);
-                tracing::info!(portal = %self.portal, status = ?r.status, "iSER login refused");
+                registry.login_refused(&c.peer, &lp.login, &req, r.status);
                 c.flush_then_close = true;
                 (r, None)
             }

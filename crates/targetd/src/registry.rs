@@ -747,6 +747,44 @@ fn entropy() -> Result<[u8; ENTROPY_LEN], LoginStatus> {
 }
 
 impl Registry {
+    /// A login was refused with `status` after request `req`: counted, and an authentication
+    /// failure slows the source's next logins and is logged with what names it, the target,
+    /// the initiator and the CHAP user the initiator gave (never the secret), so an
+    /// administrator can tell a mistyped secret from a stranger.
+    pub fn login_refused(
+        &self,
+        peer: &Peer,
+        login: &iscsi_pdu::target_node::login::Login,
+        req: &iscsi_pdu::LoginRequest,
+        status: LoginStatus,
+    ) {
+        self.count_login(peer.iser, status);
+        let transport = if peer.iser { "iSER" } else { "TCP" };
+        if status != LoginStatus::AUTHENTICATION_FAILURE {
+            tracing::info!(
+                peer = %peer.addr,
+                transport,
+                target = login.target().unwrap_or("(discovery)"),
+                initiator = login.initiator(),
+                status = status.name(),
+                "login refused"
+            );
+            return;
+        }
+        lock(&self.auth).failed(peer.addr.ip(), Instant::now());
+        let chap_user = TextParams::parse(&req.data)
+            .ok()
+            .and_then(|p| p.get("CHAP_N").map(str::to_string));
+        tracing::warn!(
+            peer = %peer.addr,
+            transport,
+            target = login.target().unwrap_or("(discovery)"),
+            initiator = login.initiator(),
+            chap_user = chap_user.as_deref().unwrap_or("(none given)"),
+            "login refused: authentication failure (CHAP)"
+        );
+    }
+
     /// The registry as one connection's login sees it: its [`LoginPolicy`].
     pub fn admission<'a>(&'a self, peer: &'a Peer) -> Admission<'a> {
         Admission {

@@ -408,3 +408,68 @@ fn targetctl_names_itself_and_writes_its_completions_and_man_page_without_a_daem
     assert!(man.contains(".TH targetctl"), "{man}");
     assert!(man.contains("Administers a running targetd"), "{man}");
 }
+
+/// A failed CHAP login is logged naming the target, the initiator and the CHAP user it gave
+/// (never a secret), so an administrator can tell a mistyped secret from a stranger.
+#[test]
+fn a_failed_chap_login_names_the_target_the_initiator_and_the_user() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = config(dir.path(), "twelve-bytes");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let port = text
+        .split("127.0.0.1:")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .unwrap()
+        .to_string();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_targetd"))
+        .args(["--log-format", "json"])
+        .arg(&path)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in out.by_ref() {
+        if line.unwrap().contains("admin socket") {
+            break;
+        }
+    }
+    let url = initiator_bench::IscsiUrl::parse(&format!(
+        "iscsi://127.0.0.1:{port}/iqn.2026-11.io.example:cli/0"
+    ))
+    .unwrap();
+    let mut o = initiator_bench::LoginOptions {
+        timeout: std::time::Duration::from_secs(10),
+        ..Default::default()
+    };
+    o.initiator_name = "iqn.2026-11.io.example:mallory-host".into();
+    o.settings.auth.methods = vec![iscsi_pdu::negotiation::AuthMethod::Chap];
+    o.chap = Some(iscsi_pdu::chap::ChapCredentials::new("mallory", b"not-the-secret", 1).unwrap());
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let refused = rt.block_on(initiator_bench::Session::connect(&url, o));
+    assert!(refused.is_err());
+    let _ = child.kill();
+    let _ = child.wait();
+    let logs: Vec<serde_json::Value> = BufReader::new(child.stderr.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str(&l).ok())
+        .filter(|v: &serde_json::Value| {
+            v["fields"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("authentication failure"))
+        })
+        .collect();
+    assert_eq!(logs.len(), 1, "{logs:#?}");
+    let f = &logs[0]["fields"];
+    assert_eq!(f["target"], "iqn.2026-11.io.example:cli", "{f}");
+    assert_eq!(f["initiator"], "iqn.2026-11.io.example:mallory-host", "{f}");
+    assert_eq!(f["chap_user"], "mallory", "{f}");
+    assert_eq!(f["transport"], "TCP", "{f}");
+    assert!(!logs[0].to_string().contains("not-the-secret"));
+}

@@ -90,6 +90,16 @@ impl Login {
         Login::default()
     }
 
+    /// The InitiatorName the login gave (empty before its first request).
+    pub fn initiator(&self) -> &str {
+        &self.initiator
+    }
+
+    /// The TargetName a normal login asked for (none before it, and for discovery).
+    pub fn target(&self) -> Option<&str> {
+        self.target.as_deref()
+    }
+
     /// Answers one Login Request.
     pub fn handle_request(&mut self, req: &LoginRequest, policy: &mut impl LoginPolicy) -> Step {
         match self.step(req, policy) {

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use iscsi_pdu::negotiation::Negotiator;
-use iscsi_pdu::pdu::LoginStatus;
 use iscsi_pdu::target_node::{Completed, Login, Step};
 use iscsi_pdu::{Pdu, SerialNumber};
 
@@ -101,11 +100,7 @@ pub async fn run(
                 (r, Some(done))
             }
             Step::Refused(r) => {
-                registry.count_login(false, r.status);
-                if r.status == LoginStatus::AUTHENTICATION_FAILURE {
-                    lock(&registry.auth).failed(peer.addr.ip(), Instant::now());
-                    tracing::info!(peer = %peer.addr, "login refused: authentication failure");
-                }
+                registry.login_refused(peer, &login, &req, r.status);
                 let _ = writer.send_pdu(Pdu::LoginResponse(r)).await;
                 return None;
             }
