@@ -10,7 +10,7 @@
 //! - [`FileBackend`]: a regular file or block device, thin through hole punching.
 //! - [`MemoryBackend`]: a thin RAM disk.
 //! - [`NullBackend`]: reads zeros, discards writes.
-//! - [`rbd::RbdBackend`] (feature `rbd`): a Ceph RBD image on librbd's asynchronous API.
+//! - `rbd::RbdBackend` (feature `rbd`): a Ceph RBD image on librbd's asynchronous API.
 //!
 //! [`AnyBackend`] is whichever of the three a logical unit's config names; [`Faulty`] wraps any
 //! backend to fail chosen operations as a failing disk would.

@@ -151,7 +151,7 @@ pub const IMM_DATA_OFFSET: u16 = 68;
 
 /// The IUs this initiator asks to send without immediate data: an SRP_CMD with 16 bytes of
 /// additional CDB and an indirect table of 32 descriptors.
-const IT_IU_LEN: u32 = 48 + 20 + 32 * 16;
+pub const IT_IU_LEN: u32 = 48 + 20 + 32 * 16;
 
 /// The login request of session `s` to `target_port_id` for options `o`: IUs as large as
 /// Linux's ib_srp asks by default (8 KiB of immediate data after [`IMM_DATA_OFFSET`], 8260

@@ -577,7 +577,7 @@ impl Registry {
 
     /// Applies a changed config while running (validated first): targets and LUNs added,
     /// removed or changed, access rules and negotiation settings for new logins. Returns what
-    /// changed. Without `force` it refuses, changing nothing, what [`Registry::needs_force`]
+    /// changed. Without `force` it refuses, changing nothing, what `needs_force`
     /// lists: a unit shrunk (whatever the old config said: its size now, grown live or by
     /// another gateway, counts), a busy target or unit removed.
     pub fn apply(&self, mut new: Config, force: bool) -> Result<Vec<String>, String> {
