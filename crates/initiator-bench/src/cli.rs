@@ -55,7 +55,8 @@ pub(crate) enum Cmd {
         /// beside the target's.
         #[arg(long)]
         trace: Option<PathBuf>,
-        /// Failed I/Os tolerated before the run counts as failed (exit status 1).
+        /// Failed I/Os tolerated: one more stops the run, which then counts as failed (exit
+        /// status 1). A --multipath run is not stopped, only judged.
         #[arg(long, default_value_t = 0)]
         max_errors: u64,
         /// The URLs are paths to one logical unit (gateways of one target): a session per
@@ -295,6 +296,14 @@ pub(crate) struct WorkloadArgs {
 
 impl WorkloadArgs {
     pub(crate) fn workload(&self) -> anyhow::Result<Workload> {
+        // Every LU's blocks are 512 bytes or a multiple: a size that is not one cannot be an
+        // I/O of whole blocks (1gb is 10^9 bytes), so it is refused here, not by the target.
+        if self.bs == 0 || self.bs % 512 != 0 {
+            anyhow::bail!(
+                "--bs {}: not a whole number of 512-byte blocks (4k, 64KiB, 1MiB are)",
+                self.bs
+            );
+        }
         Ok(Workload {
             rw: self.rw,
             bs: u32::try_from(self.bs).context("--bs is too large")?,
@@ -309,6 +318,7 @@ impl WorkloadArgs {
             seed: self.seed,
             split: self.split,
             trace: false,
+            max_errors: None,
         })
     }
 }

@@ -457,6 +457,9 @@ pub(crate) fn print_report(r: &Report) {
             r.fairness()
         );
     }
+    for (what, n) in &r.failures {
+        println!("  {n} I/Os failed with: {what}");
+    }
     if r.resent > 0 {
         println!(
             "  {} commands sent again after BUSY or TASK SET FULL",

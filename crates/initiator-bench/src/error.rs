@@ -72,6 +72,22 @@ pub enum Error {
     Timeout,
 }
 
+impl Error {
+    /// Whether the session's connection is gone with it, so the next command logs in again:
+    /// the connection was lost or refused, the login failed, or the target broke the protocol.
+    pub fn ends_the_connection(&self) -> bool {
+        matches!(
+            self,
+            Error::Io(_)
+                | Error::Connect { .. }
+                | Error::LoginRefused { .. }
+                | Error::Negotiation(_)
+                | Error::Protocol(_)
+                | Error::ConnectionLost(_)
+        )
+    }
+}
+
 impl From<LoginError> for Error {
     fn from(e: LoginError) -> Error {
         match e {

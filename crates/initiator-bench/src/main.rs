@@ -13,7 +13,10 @@ use cli::*;
 use commands::*;
 
 fn main() -> anyhow::Result<()> {
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
+        // Colour only on a terminal: escapes in a file or a pipe are noise.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
@@ -122,6 +125,11 @@ fn main() -> anyhow::Result<()> {
                     .collect::<Result<Vec<_>, _>>()?;
                 let mut w = workload.workload()?;
                 w.trace = trace.is_some();
+                if !multipath {
+                    // A multipath run rides through failures by design; the count still ends
+                    // it in error below.
+                    w.max_errors = Some(max_errors);
+                }
                 let report = if multipath {
                     run_multipath_with_progress(&urls, &login.options()?, &w).await?
                 } else {
@@ -140,7 +148,8 @@ fn main() -> anyhow::Result<()> {
                 }
                 if report.errors > max_errors {
                     bail!(
-                        "{} I/Os failed (--max-errors {max_errors}); the log names each",
+                        "{} I/Os failed (--max-errors {max_errors}); the report counts them by \
+                         kind",
                         report.errors
                     );
                 }

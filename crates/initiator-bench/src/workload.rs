@@ -86,6 +86,9 @@ pub struct Workload {
     /// Record each command's stages (submitted, waiting for the CmdSN window, sent, first
     /// data, status, completed) into [`Report::trace`].
     pub trace: bool,
+    /// Stop the run once more I/Os than this have failed (none: run on whatever fails).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_errors: Option<u64>,
 }
 
 /// Parses a size: `512`, `4k` or `4KiB` (powers of 1024), `10GB` (powers of 1000), `1.5GiB`;
@@ -144,6 +147,7 @@ impl Default for Workload {
             seed: 1,
             split: Split::None,
             trace: false,
+            max_errors: None,
         }
     }
 }
@@ -197,6 +201,10 @@ pub struct Report {
     pub ios: u64,
     /// Failed I/Os.
     pub errors: u64,
+    /// Failed I/Os by what they failed with (the error's text: the sense for a CHECK
+    /// CONDITION), most frequent first. The first [`LOGGED_FAILURES`] are also logged one by
+    /// one.
+    pub failures: Vec<(String, u64)>,
     /// Wall-clock run time.
     pub elapsed_seconds: f64,
     /// Blocks whose content was checked, and how many were wrong.
@@ -463,6 +471,7 @@ async fn run_on(
             .map(|i| AtomicU64::new(i * slots / ends.len() as u64))
             .collect(),
         errors: AtomicU64::new(0),
+        failures: Mutex::default(),
         verified: AtomicU64::new(0),
         verify_errors: AtomicU64::new(0),
         written: w.verify.then(|| Written::new(slots * io_blocks)),
@@ -538,6 +547,7 @@ async fn run_on(
         cpu_seconds: cpu,
         ios,
         errors: shared.errors.load(Ordering::Relaxed),
+        failures: shared.failures(),
         elapsed_seconds: elapsed,
         verified_blocks: shared.verified.load(Ordering::Relaxed),
         verify_errors: shared.verify_errors.load(Ordering::Relaxed),
@@ -569,13 +579,63 @@ struct Shared {
     /// The next sequential slot of each session.
     cursors: Vec<AtomicU64>,
     errors: AtomicU64,
+    /// Failed I/Os by the error's text.
+    failures: Mutex<std::collections::BTreeMap<String, u64>>,
     verified: AtomicU64,
     verify_errors: AtomicU64,
     written: Option<Written>,
     progress: Arc<Progress>,
 }
 
+/// How many failed I/Os are logged one by one; the rest are counted by kind in
+/// [`Report::failures`] (a removed LUN fails every I/O: a line each flooded the log).
+pub const LOGGED_FAILURES: u64 = 10;
+
+/// The pause before the first retry of a path whose connection or login failed; it doubles
+/// with each further failure, up to [`MAX_BACKOFF`], and starts again after a success.
+pub const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+
+/// The longest pause between logins to a target that keeps failing them.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
 impl Shared {
+    /// Counts a failed I/O at `lba`: logged while few have failed, counted by kind always, and
+    /// the run stopped once more than `max_errors` have.
+    fn failed(&self, lba: u64, portal: &str, e: &Error) {
+        let n = self.errors.fetch_add(1, Ordering::Relaxed) + 1;
+        let what = e.to_string();
+        if n <= LOGGED_FAILURES {
+            tracing::warn!("I/O at LBA {lba} on {portal} failed: {what}");
+        }
+        if n == LOGGED_FAILURES + 1 {
+            tracing::warn!(
+                "more I/Os failed: counted by kind in the report, not logged one by one"
+            );
+        }
+        *self
+            .failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(what)
+            .or_default() += 1;
+        if self.w.max_errors.is_some_and(|max| n > max) {
+            self.stop.store(true, Ordering::Release);
+        }
+    }
+
+    /// The failures by kind, most frequent first.
+    fn failures(&self) -> Vec<(String, u64)> {
+        let mut all: Vec<(String, u64)> = self
+            .failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|(k, &v)| (k.clone(), v))
+            .collect();
+        all.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        all
+    }
+
     /// Claims the next I/O, or `None` when the run is over.
     fn claim(&self) -> Option<()> {
         if self.stop.load(Ordering::Acquire) {
@@ -634,6 +694,7 @@ async fn worker(
     let mut done = 0u64;
     let read_percent = u64::from(sh.w.rw.read_percent(sh.w.rwmix));
     let read_only = read_percent == 100;
+    let mut backoff = FIRST_BACKOFF;
     while sh.claim().is_some() {
         let slot = if sh.w.rw.random() {
             rng.next() % sh.slots
@@ -668,6 +729,7 @@ async fn worker(
         };
         match result {
             Ok(()) => {
+                backoff = FIRST_BACKOFF;
                 let ns = t.elapsed().as_nanos().min(u128::from(u64::MAX)) as u64;
                 let _ = hist.record(ns.max(1));
                 done += 1;
@@ -677,12 +739,12 @@ async fn worker(
                     .fetch_add(u64::from(sh.w.bs), Ordering::Relaxed);
             }
             Err(e) => {
-                sh.errors.fetch_add(1, Ordering::Relaxed);
-                let portal = &session.session().url().portal;
-                tracing::warn!("I/O at LBA {lba} on {portal} failed: {e}");
-                if matches!(e, Error::ConnectionLost(_)) {
-                    // The next command logs in again; pause so a dead target is not hammered.
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                sh.failed(lba, &session.session().url().portal, &e);
+                if e.ends_the_connection() {
+                    // The next command logs in again: wait longer after each failure in a row,
+                    // so a target that is gone is not hammered with logins.
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
             }
         }

@@ -1,5 +1,6 @@
 //! The `initiator-bench` command as a script uses it: a run whose I/Os failed exits non-zero
-//! (unless `--max-errors` tolerates them) and its log names each failure's sense by name; a
+//! (unless `--max-errors` tolerates them), its log names the first failures' sense by name and its
+//! report counts them all by kind, without colour escapes off a terminal; a
 //! portal that cannot be reached is named in the error.
 
 mod common;
@@ -59,6 +60,27 @@ async fn failed_ios_fail_the_run_and_their_sense_is_named() {
     assert!(
         stderr.contains(&t.addr.to_string()),
         "the portal is named: {stderr}"
+    );
+    // Off a terminal the log has no colour escapes; the report counts the failures by kind.
+    assert!(
+        !stderr.contains('\x1b'),
+        "colour escapes in a pipe: {stderr:?}"
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("I/Os failed with: SCSI status") && stdout.contains("MEDIUM ERROR"),
+        "{stdout}"
+    );
+    // An I/O size that is not whole blocks is refused before anything is sent.
+    let mut args = run_args(&t.url(), &[]);
+    let at = args.iter().position(|a| a == "4k").unwrap();
+    args[at] = "1000".into();
+    let out = bench(args).await;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--bs 1000: not a whole number of 512-byte blocks"),
+        "{stderr}"
     );
     // Tolerated failures leave the exit status alone.
     let out = bench(run_args(&t.url(), &["--max-errors", "1000"])).await;

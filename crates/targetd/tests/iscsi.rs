@@ -795,6 +795,53 @@ async fn deep_queues_of_large_writes_complete() {
     assert!(r.resent > 0, "no write was turned away");
 }
 
+/// A run whose I/Os all fail stops once more than `max_errors` have (it ran on for its whole
+/// time), and counts the failures by what they failed with rather than logging each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_run_stops_at_max_errors_and_counts_failures_by_kind() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    handle(
+        &d.registry,
+        AdminRequest::LunFault {
+            target: TARGET.into(),
+            lun: 0,
+            fault: Some(backend::Fault {
+                ops: backend::FaultOps::Read,
+                error: backend::FaultError::Eio,
+                lba: 0,
+                blocks: 0,
+                count: None,
+            }),
+        },
+    )
+    .unwrap();
+    let w = Workload {
+        rw: Rw::Randread,
+        bs: 4096,
+        qd: 4,
+        time: Duration::from_secs(60),
+        max_errors: Some(20),
+        ..Workload::default()
+    };
+    let started = std::time::Instant::now();
+    let r = tokio::time::timeout(
+        Duration::from_secs(30),
+        run(&d.url(TARGET, 0), &opts(), &w, Arc::default()),
+    )
+    .await
+    .expect("the run stops at max_errors, not after its 60 s")
+    .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(30));
+    assert!(
+        (21..=24).contains(&r.errors),
+        "{} errors: 21, and at most the 3 others in flight",
+        r.errors
+    );
+    assert_eq!(r.failures.len(), 1, "{:?}", r.failures);
+    assert_eq!(r.failures[0].1, r.errors);
+    assert!(r.failures[0].0.contains("MEDIUM ERROR"), "{:?}", r.failures);
+}
+
 /// The default CmdSN window is never an initiator's cap: 2048 commands (open-iscsi's deepest
 /// session queue) may be outstanding, and 2048 reads started at once all run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
