@@ -523,18 +523,21 @@ impl Registry {
         let mut refusals = Vec::new();
         for t in self.targets() {
             let sessions = self.nexus_count(&t);
+            // "removing ... would end 2 sessions": only while initiators are logged in.
+            let busy = |refusals: &mut Vec<String>, what: String| {
+                if sessions > 0 {
+                    refusals.push(format!("{what} {}", plural(sessions, "session")));
+                }
+            };
             let Some(nt) = new
                 .targets
                 .iter()
                 .find(|n| n.name.eq_ignore_ascii_case(&t.name))
             else {
-                if sessions > 0 {
-                    refusals.push(format!(
-                        "removing target {} would end {}",
-                        t.name,
-                        plural(sessions, "session")
-                    ));
-                }
+                busy(
+                    &mut refusals,
+                    format!("removing target {} would end", t.name),
+                );
                 continue;
             };
             let ot = t
@@ -545,13 +548,10 @@ impl Registry {
             for unit in t.lun_list() {
                 let lun = unit.config.lun;
                 let Some(nl) = nt.luns.iter().find(|l| l.lun == lun) else {
-                    if sessions > 0 {
-                        refusals.push(format!(
-                            "removing {} LUN {lun} would take it from {} using it",
-                            t.name,
-                            plural(sessions, "session")
-                        ));
-                    }
+                    busy(
+                        &mut refusals,
+                        format!("removing {} LUN {lun} would take it from", t.name),
+                    );
                     continue;
                 };
                 if ot.luns.iter().any(|ol| ol == nl) {

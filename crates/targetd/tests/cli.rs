@@ -205,18 +205,7 @@ fn admin_changes_are_logged_with_who_asked() {
             .is_some_and(|e| e.contains("--force")),
         "{error}"
     );
-    let _ = child.kill();
-    let _ = child.wait();
-    let logs: Vec<serde_json::Value> = BufReader::new(child.stderr.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-        .filter_map(|l| serde_json::from_str(&l).ok())
-        .filter(|v: &serde_json::Value| {
-            v["fields"]["message"]
-                .as_str()
-                .is_some_and(|m| m.starts_with("admin change"))
-        })
-        .collect();
+    let logs = json_logs(&mut child, |m| m.starts_with("admin change"));
     // Two changes and two refusals, --json or not.
     assert_eq!(logs.len(), 4, "{logs:#?}");
     for v in &logs {
@@ -246,6 +235,22 @@ fn admin_changes_are_logged_with_who_asked() {
         "{}",
         logs[1]
     );
+}
+
+/// Stops `child` (started with `--log-format json` and stderr piped) and returns its log
+/// lines whose message `wanted` picks.
+fn json_logs(
+    child: &mut std::process::Child,
+    wanted: impl Fn(&str) -> bool,
+) -> Vec<serde_json::Value> {
+    let _ = child.kill();
+    let _ = child.wait();
+    BufReader::new(child.stderr.take().unwrap())
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str(&l).ok())
+        .filter(|v: &serde_json::Value| v["fields"]["message"].as_str().is_some_and(&wanted))
+        .collect()
 }
 
 /// The next datagram on `socket`, within 20 s.
@@ -453,18 +458,7 @@ fn a_failed_chap_login_names_the_target_the_initiator_and_the_user() {
         .unwrap();
     let refused = rt.block_on(initiator_bench::Session::connect(&url, o));
     assert!(refused.is_err());
-    let _ = child.kill();
-    let _ = child.wait();
-    let logs: Vec<serde_json::Value> = BufReader::new(child.stderr.take().unwrap())
-        .lines()
-        .map_while(Result::ok)
-        .filter_map(|l| serde_json::from_str(&l).ok())
-        .filter(|v: &serde_json::Value| {
-            v["fields"]["message"]
-                .as_str()
-                .is_some_and(|m| m.contains("authentication failure"))
-        })
-        .collect();
+    let logs = json_logs(&mut child, |m| m.contains("authentication failure"));
     assert_eq!(logs.len(), 1, "{logs:#?}");
     let f = &logs[0]["fields"];
     assert_eq!(f["target"], "iqn.2026-11.io.example:cli", "{f}");
