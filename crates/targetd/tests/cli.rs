@@ -101,21 +101,7 @@ fn admin_changes_are_logged_with_who_asked() {
     let dir = tempfile::tempdir().unwrap();
     let path = config(dir.path(), "twelve-bytes");
     let uid = std::fs::metadata(dir.path()).unwrap().uid();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_targetd"))
-        .args(["--log-format", "json"])
-        .arg(&path)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Listening once it says so on stdout.
-    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
-    for line in out.by_ref() {
-        if line.unwrap().contains("admin socket") {
-            break;
-        }
-    }
+    let mut child = start_json(&path);
     let ctl = |args: &[&str]| {
         Command::new(env!("CARGO_BIN_EXE_targetctl"))
             .arg("--socket")
@@ -235,6 +221,27 @@ fn admin_changes_are_logged_with_who_asked() {
         "{}",
         logs[1]
     );
+}
+
+/// targetd on `path`, logging JSON at info to a pipe, once it listens (it says so on stdout).
+fn start_json(path: &std::path::Path) -> std::process::Child {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_targetd"))
+        .args(["--log-format", "json"])
+        .arg(path)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in out.by_ref() {
+        if line.unwrap().contains("admin socket") {
+            break;
+        }
+    }
+    // Keep reading, so its later lines never meet a closed pipe.
+    std::thread::spawn(move || out.for_each(drop));
+    child
 }
 
 /// Stops `child` (started with `--log-format json` and stderr piped) and returns its log
@@ -427,20 +434,7 @@ fn a_failed_chap_login_names_the_target_the_initiator_and_the_user() {
         .and_then(|r| r.split('"').next())
         .unwrap()
         .to_string();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_targetd"))
-        .args(["--log-format", "json"])
-        .arg(&path)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
-    for line in out.by_ref() {
-        if line.unwrap().contains("admin socket") {
-            break;
-        }
-    }
+    let mut child = start_json(&path);
     let url = initiator_bench::IscsiUrl::parse(&format!(
         "iscsi://127.0.0.1:{port}/iqn.2026-11.io.example:cli/0"
     ))
