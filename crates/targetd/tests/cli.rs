@@ -320,11 +320,29 @@ fn the_unit_file_runs_what_targetd_offers() {
         "Type=notify",
         "ExecStartPre=/usr/local/bin/targetd --check /etc/targetd/config.toml",
         "ExecStart=/usr/local/bin/targetd /etc/targetd/config.toml",
-        "ExecReload=/bin/kill -HUP $MAINPID",
+        "ExecReload=/usr/local/bin/targetctl --socket /run/targetd/targetd.sock config reload",
+        "RuntimeDirectory=targetd",
+        "StateDirectory=targetd",
         "LimitMEMLOCK=infinity",
     ] {
         assert!(unit.lines().any(|l| l == line), "the unit lacks {line}");
     }
+    // The packaging config puts the socket and the disks where the unit makes room for them,
+    // and the socket where targetctl looks by default.
+    let packaged = targetd::Config::load(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packaging/config.toml"),
+    )
+    .unwrap();
+    assert_eq!(
+        packaged.server.admin_socket,
+        std::path::Path::new("/run/targetd/targetd.sock")
+    );
+    assert_eq!(
+        packaged.server.state_dir.as_deref(),
+        Some(std::path::Path::new("/var/lib/targetd/state"))
+    );
+    let path = packaged.targets[0].luns[0].path.as_deref().unwrap();
+    assert!(path.starts_with("/var/lib/targetd/"), "{}", path.display());
     // The repository's config passes the unit's check.
     let out = Command::new(env!("CARGO_BIN_EXE_targetd"))
         .arg("--check")

@@ -12,13 +12,19 @@ use serde_json::Value;
 use targetd::admin::{AdminRequest, AdminResponse};
 use targetd::config;
 
+/// Where the packaged unit (packaging/targetd.service, packaging/config.toml) puts the admin
+/// socket.
+const PACKAGED_SOCKET: &str = "/run/targetd/targetd.sock";
+
 /// Administers a running targetd.
 #[derive(Parser)]
 #[command(name = "targetctl", version)]
 struct Args {
-    /// The daemon's admin socket (server.admin_socket in its config).
-    #[arg(long, short, default_value = "targetd.sock")]
-    socket: PathBuf,
+    /// The daemon's admin socket (server.admin_socket in its config). By default
+    /// $TARGETD_SOCKET, else ./targetd.sock where it exists (the repository's config puts it
+    /// beside config.toml), else /run/targetd/targetd.sock (the packaged unit's).
+    #[arg(long, short, env = "TARGETD_SOCKET")]
+    socket: Option<PathBuf>,
     /// Print the daemon's JSON answer instead of a table.
     #[arg(long)]
     json: bool,
@@ -465,7 +471,15 @@ fn run(args: Args) -> Result<()> {
         }
         _ => {}
     }
-    let mut c = Client::connect(&args.socket)?;
+    let socket = args.socket.clone().unwrap_or_else(|| {
+        let here = PathBuf::from("targetd.sock");
+        if here.exists() {
+            here
+        } else {
+            PathBuf::from(PACKAGED_SOCKET)
+        }
+    });
+    let mut c = Client::connect(&socket)?;
     let request = match args.command {
         Command::Status => AdminRequest::Status,
         Command::Targets => AdminRequest::Targets,
