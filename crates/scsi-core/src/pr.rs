@@ -895,10 +895,23 @@ pub struct FileStore {
 }
 
 impl FileStore {
-    /// A store in `dir`, created if missing.
+    /// A store in `dir`, created (mode 0700) if missing, but only it: its parent must exist,
+    /// so a mistyped path makes no tree of directories anywhere.
     pub fn new(dir: impl Into<PathBuf>) -> std::io::Result<FileStore> {
+        use std::os::unix::fs::DirBuilderExt;
         let dir = dir.into();
-        std::fs::create_dir_all(&dir)?;
+        if !dir.is_dir() {
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&dir)
+                .map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => std::io::Error::new(
+                        e.kind(),
+                        "its parent directory does not exist (only the last component is made)",
+                    ),
+                    _ => e,
+                })?;
+        }
         Ok(FileStore { dir })
     }
 

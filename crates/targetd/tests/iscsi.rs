@@ -723,7 +723,7 @@ fn a_busy_port_is_refused_naming_the_key() {
 }
 
 #[test]
-fn a_state_dir_that_cannot_be_made_is_refused_naming_the_key() {
+fn a_state_dir_that_cannot_be_made_is_refused_naming_the_key_and_no_tree_is_made() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("a-file");
     std::fs::write(&file, b"not a directory").unwrap();
@@ -737,6 +737,22 @@ fn a_state_dir_that_cannot_be_made_is_refused_naming_the_key() {
     let e = targetd::Server::start(c, "t.toml".into()).err().unwrap();
     assert_eq!(e.key, "server.state_dir");
     assert!(e.reason.contains("a-file/state"), "{e}");
+    // A directory whose parent is missing is not made, nor is its parent: no silent tree.
+    let missing = dir.path().join("missing");
+    let text = config("", &memory_target(TARGET, ""))
+        .replace("@SOCKET@", &dir.path().join("s2").display().to_string())
+        .replace(
+            "nop_interval = 0",
+            &format!(
+                "nop_interval = 0\nstate_dir = \"{}/state\"",
+                missing.display()
+            ),
+        );
+    let c = targetd::Config::parse(std::path::Path::new("t.toml"), &text).unwrap();
+    let e = targetd::Server::start(c, "t.toml".into()).err().unwrap();
+    assert_eq!(e.key, "server.state_dir");
+    assert!(e.reason.contains("parent directory does not exist"), "{e}");
+    assert!(!missing.exists());
 }
 
 /// Eight concurrent 16 MiB reads need twice a reactor's 64 MiB arena: the later ones wait for
