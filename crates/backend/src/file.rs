@@ -68,7 +68,10 @@ pub enum OpenError {
         block_size: u32,
     },
     /// The configured size is larger than a block device, or smaller than an existing file.
-    #[error("{path}: size {size} does not fit: the {what} is {actual} bytes")]
+    #[error(
+        "{path}: size {size} does not fit: the {what} is {actual} bytes (leave the size out \
+         to serve it at its own size; a file is never cut to a smaller size when opened)"
+    )]
     SizeMismatch {
         /// The path.
         path: PathBuf,
