@@ -462,9 +462,9 @@ pub struct LunStats {
 
 /// The upper bounds of the latency histograms' buckets, microseconds: 50 us to 5 s, so a p99
 /// of a fast unit and of a stalled one both show.
-pub const LATENCY_BOUNDS_US: [u64; 16] = [
-    50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
-    1_000_000, 2_500_000, 5_000_000,
+pub const LATENCY_BOUNDS_US: [u64; 19] = [
+    5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000,
+    500_000, 1_000_000, 2_500_000, 5_000_000,
 ];
 
 /// Buckets of a latency histogram: one per bound and one past them.
@@ -1213,11 +1213,17 @@ mod latency_tests {
     #[test]
     fn a_latency_falls_in_the_first_bucket_whose_bound_holds_it() {
         assert_eq!(latency_bucket(0), 0);
-        assert_eq!(latency_bucket(50_000), 0, "50 us is within le=0.00005");
-        assert_eq!(latency_bucket(50_001), 1);
-        assert_eq!(latency_bucket(999_999), 4);
-        assert_eq!(latency_bucket(1_000_000), 4, "1 ms is within le=0.001");
-        assert_eq!(latency_bucket(5_000_000_000), 15);
+        assert_eq!(latency_bucket(5_000), 0, "5 us is within le=0.000005");
+        assert_eq!(
+            latency_bucket(8_000),
+            1,
+            "a fast read has buckets below 50 us"
+        );
+        assert_eq!(latency_bucket(50_000), 3, "50 us is within le=0.00005");
+        assert_eq!(latency_bucket(50_001), 4);
+        assert_eq!(latency_bucket(999_999), 7);
+        assert_eq!(latency_bucket(1_000_000), 7, "1 ms is within le=0.001");
+        assert_eq!(latency_bucket(5_000_000_000), 18);
         assert_eq!(latency_bucket(60_000_000_000), LATENCY_BOUNDS_US.len());
     }
 }
