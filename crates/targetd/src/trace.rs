@@ -69,6 +69,9 @@ pub struct Tracer {
     reactors: Vec<Handle>,
     run: Mutex<Option<Run>>,
     next_id: Mutex<u64>,
+    /// What the last trace that stopped at its duration wrote, for the `trace stop` that
+    /// comes after it (once).
+    ended: Mutex<Option<Value>>,
 }
 
 impl Tracer {
@@ -78,6 +81,7 @@ impl Tracer {
             reactors,
             run: Mutex::new(None),
             next_id: Mutex::new(0),
+            ended: Mutex::new(None),
         })
     }
 
@@ -132,12 +136,19 @@ impl Tracer {
             id,
             out: out.clone(),
         });
+        *lock(&self.ended) = None;
         tracing::info!(out = %out.display(), "trace started");
         if let Some(d) = duration {
             let tracer = self.clone();
             tokio::spawn(async move {
                 tokio::time::sleep(d).await;
-                let _ = tokio::task::spawn_blocking(move || tracer.stop_run(Some(id))).await;
+                let _ = tokio::task::spawn_blocking(move || {
+                    if let Ok(mut written) = tracer.stop_run(Some(id)) {
+                        written["stopped"] = json!("at its duration");
+                        *lock(&tracer.ended) = Some(written);
+                    }
+                })
+                .await;
             });
         }
         Ok(json!({
@@ -149,6 +160,13 @@ impl Tracer {
 
     /// Stops the running trace and writes its file.
     pub fn stop(&self) -> Result<Value, String> {
+        // A trace that already stopped at its duration: what it wrote, not an error.
+        if lock(&self.run).is_none() {
+            if let Some(written) = lock(&self.ended).take() {
+                return Ok(written);
+            }
+        }
+        *lock(&self.ended) = None;
         self.stop_run(None)
     }
 

@@ -134,9 +134,13 @@ async fn a_trace_with_a_duration_stops_by_itself() {
     let s = d.session(opts()).await;
     s.read(0, 8, 512).await.expect("read");
     tokio::time::sleep(Duration::from_millis(1500)).await;
+    // It stopped by itself: the stop that follows says what it wrote, once.
+    let said = admin(&d, json!({"command": "trace-stop"})).expect("what the trace wrote");
+    assert_eq!(said["stopped"], "at its duration", "{said}");
+    assert!(said["records"].as_u64().is_some_and(|n| n > 0), "{said}");
     assert!(
         admin(&d, json!({"command": "trace-stop"})).is_err_and(|e| e.contains("no trace")),
-        "it stopped by itself"
+        "nothing runs"
     );
     let t = read_trace(&out);
     assert!(t.records.iter().any(|r| r.stage == Stage::Responded));
