@@ -62,11 +62,20 @@ pub fn plot(
         ));
     }
     let svg = stem.with_extension("svg");
-    let area = SVGBackend::new(&svg, (900, 560)).into_drawing_area();
-    draw(area, title, x_label, y_label, series).map_err(|e| format!("{}: {e}", svg.display()))?;
     let png = stem.with_extension("png");
-    let area = BitMapBackend::new(&png, (900, 560)).into_drawing_area();
-    draw(area, title, x_label, y_label, series).map_err(|e| format!("{}: {e}", png.display()))?;
+    let drawn = (|| {
+        let area = SVGBackend::new(&svg, (900, 560)).into_drawing_area();
+        draw(area, title, x_label, y_label, series)
+            .map_err(|e| format!("{}: {e}", svg.display()))?;
+        let area = BitMapBackend::new(&png, (900, 560)).into_drawing_area();
+        draw(area, title, x_label, y_label, series).map_err(|e| format!("{}: {e}", png.display()))
+    })();
+    if let Err(e) = drawn {
+        // No plot: no empty or half-drawn file left behind to be taken for one.
+        let _ = std::fs::remove_file(&svg);
+        let _ = std::fs::remove_file(&png);
+        return Err(e);
+    }
     Ok(vec![svg, png])
 }
 

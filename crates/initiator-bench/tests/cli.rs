@@ -166,6 +166,19 @@ async fn trace_report_refuses_files_of_the_wrong_side() {
         "{}",
         String::from_utf8_lossy(&right.stdout)
     );
+    // A plot it could not draw leaves no file behind.
+    for name in ["in-flight.svg", "in-flight.png"] {
+        let file = dir.path().join("out").join(name);
+        let drawn = stderr
+            .lines()
+            .any(|l| l.contains("wrote") && l.contains("in-flight"))
+            || String::from_utf8_lossy(&right.stdout).contains("in-flight.png");
+        assert!(
+            drawn || !file.exists(),
+            "{} left after: {stderr}",
+            file.display()
+        );
+    }
 }
 
 #[test]
