@@ -331,9 +331,19 @@ pub fn spawn(
                         return;
                     }
                 };
-                let engine = match io.engine.fallback_reason() {
-                    Some(why) => format!("{:?} ({why})", io.engine.kind()),
-                    None => format!("{:?}", io.engine.kind()),
+                // What runs, in words: io_uring with or without the registered arena (the
+                // MEMLOCK fallback), or the thread pool and why.
+                let engine = match (io.engine.kind(), io.engine.fallback_reason()) {
+                    (_, Some(why)) => format!("threads ({why})"),
+                    (backend::EngineKind::Uring, None) if io.engine.fixed_buffers() => {
+                        "io_uring, registered buffers".to_string()
+                    }
+                    (backend::EngineKind::Uring, None) => {
+                        "io_uring without registered buffers (locked memory short, or no \
+                         fixed buffers in this kernel: the log says which)"
+                            .to_string()
+                    }
+                    (backend::EngineKind::Threads, None) => "threads".to_string(),
                 };
                 let _ = ready_tx.send(Ok(engine));
                 run(io, rx, registry, count, gauge).await;

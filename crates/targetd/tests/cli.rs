@@ -110,6 +110,14 @@ fn admin_changes_are_logged_with_who_asked() {
             .output()
             .unwrap()
     };
+    // --json after the subcommand too; the engine in words.
+    let status = ctl(&["status", "--json"]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let engine = status["engine"].as_str().unwrap_or_default();
+    assert!(
+        engine.starts_with("io_uring") || engine.starts_with("threads"),
+        "{status}"
+    );
     let luns = ctl(&["luns"]);
     assert!(luns.status.success(), "a read: not logged");
     // Aligned tables with headers: each column starts where its header does.

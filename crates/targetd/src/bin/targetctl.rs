@@ -23,10 +23,10 @@ struct Args {
     /// The daemon's admin socket (server.admin_socket in its config). By default
     /// $TARGETD_SOCKET, else ./targetd.sock where it exists (the repository's config puts it
     /// beside config.toml), else /run/targetd/targetd.sock (the packaged unit's).
-    #[arg(long, short, env = "TARGETD_SOCKET")]
+    #[arg(long, short, env = "TARGETD_SOCKET", global = true)]
     socket: Option<PathBuf>,
-    /// Print the daemon's JSON answer instead of a table.
-    #[arg(long)]
+    /// Print the daemon's JSON answer instead of a table (before or after the subcommand).
+    #[arg(long, global = true)]
     json: bool,
     #[command(subcommand)]
     command: Command,
