@@ -506,6 +506,33 @@ pub struct Lun {
     pub standby: bool,
 }
 
+impl Config {
+    /// `key` as an administrator names what it is about: a key of `targets[t]` or
+    /// `targets[t].luns[l]` names the target and the LUN (`iqn.x:disk1 LUN 5: path`), as
+    /// `targetctl` took them, rather than their places in the file's lists. Other keys are
+    /// given as they are.
+    pub fn describe_key(&self, key: &str) -> String {
+        let index = |s: &str, prefix: &str| -> Option<(usize, String)> {
+            let rest = s.strip_prefix(prefix)?;
+            let (n, rest) = rest.split_once(']')?;
+            Some((n.parse().ok()?, rest.trim_start_matches('.').to_string()))
+        };
+        let Some((t, rest)) = index(key, "targets[") else {
+            return key.to_string();
+        };
+        let Some(target) = self.targets.get(t) else {
+            return key.to_string();
+        };
+        match index(&rest, "luns[") {
+            Some((l, what)) => match target.luns.get(l) {
+                Some(lun) => format!("{} LUN {}: {what}", target.name, lun.lun),
+                None => key.to_string(),
+            },
+            None => format!("target {}: {rest}", target.name),
+        }
+    }
+}
+
 /// This host's memory and swap in bytes (MemTotal and SwapTotal of /proc/meminfo); none where
 /// they cannot be read.
 fn host_memory() -> Option<u64> {
@@ -1982,6 +2009,23 @@ size = "1GiB"
             c.validate_memory_units(None).is_ok(),
             "unknown: not checked"
         );
+    }
+
+    #[test]
+    fn keys_are_described_by_target_and_lun() {
+        let text =
+            format!("{GOOD}[[targets.luns]]\nlun = 5\nbackend = \"memory\"\nsize = \"1MiB\"\n");
+        let c = parse(&text).unwrap();
+        assert_eq!(
+            c.describe_key("targets[0].luns[1].size"),
+            "iqn.2026-11.io.example:disk1 LUN 5: size"
+        );
+        assert_eq!(
+            c.describe_key("targets[0].chap.secret"),
+            "target iqn.2026-11.io.example:disk1: chap.secret"
+        );
+        assert_eq!(c.describe_key("server.portals[0]"), "server.portals[0]");
+        assert_eq!(c.describe_key("targets[9].name"), "targets[9].name");
     }
 
     #[test]

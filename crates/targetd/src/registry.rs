@@ -581,7 +581,8 @@ impl Registry {
     /// lists: a unit shrunk (whatever the old config said: its size now, grown live or by
     /// another gateway, counts), a busy target or unit removed.
     pub fn apply(&self, mut new: Config, force: bool) -> Result<Vec<String>, String> {
-        new.validate().map_err(|(k, r)| format!("{k}: {r}"))?;
+        new.validate()
+            .map_err(|(k, r)| format!("{}: {r}", new.describe_key(&k)))?;
         if !force {
             let refusals = self.needs_force(&new);
             if !refusals.is_empty() {

@@ -1732,12 +1732,12 @@ async fn the_metrics_endpoint_answers_at_metrics_only_and_describes_every_family
         .filter(|l| l.starts_with("targetd_lun_read_latency_seconds_bucket{") && l.contains(&lun0))
         .map(value)
         .collect();
-    assert_eq!(buckets.len(), 17, "{body}");
+    assert_eq!(buckets.len(), 20, "{body}");
     assert!(
         buckets.windows(2).all(|w| w[0] <= w[1]),
         "cumulative: {buckets:?}"
     );
-    assert_eq!(buckets[16], 8.0);
+    assert_eq!(buckets[19], 8.0);
     let count = body
         .lines()
         .find(|l| l.starts_with("targetd_lun_read_latency_seconds_count{") && l.contains(&lun0))
