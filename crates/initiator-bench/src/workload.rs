@@ -225,7 +225,9 @@ pub struct Report {
     pub trace_dropped: u64,
     /// Times I/O moved to another path after a failure (multipath runs).
     pub failovers: u64,
-    /// The longest time I/O waited from a path's failure to a success on another path.
+    /// The longest time from a path's failure to the first success on another path. Not the
+    /// stall the application saw: a write sent on the new path may wait much longer for it to
+    /// take the unit over (`latency_us.max`, which the text report prints beside it).
     pub longest_failover_seconds: Option<f64>,
 }
 
