@@ -131,33 +131,12 @@ impl FileHandle {
     /// Opens (creating sparse when missing) the file `config` names.
     pub fn open(config: &FileConfig) -> Result<FileHandle, OpenError> {
         let bs = config.block_size;
-        if bs != 512 && bs != 4096 {
-            return Err(OpenError::BlockSize(bs));
-        }
-        if let Some(size) = config.size {
-            if size == 0 || size % u64::from(bs) != 0 {
-                return Err(OpenError::Size {
-                    size,
-                    block_size: bs,
-                });
-            }
-        }
         let path = &config.path;
         let io_err = |source| OpenError::Io {
             path: path.clone(),
             source,
         };
-        let exists = path.exists();
-        if !exists {
-            if config.size.is_none() {
-                return Err(OpenError::NoSize(path.clone()));
-            }
-            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                if !dir.is_dir() {
-                    return Err(OpenError::NoDirectory(dir.to_path_buf()));
-                }
-            }
-        }
+        let exists = preflight(config)?;
         let open = |direct: bool| {
             let mut o = OpenOptions::new();
             o.read(true).write(!config.read_only);
@@ -190,32 +169,13 @@ impl FileHandle {
             (size / u64::from(bs), true)
         } else if kind.is_file() {
             let actual = meta.len();
-            let size = match config.size {
-                Some(size) if size < actual => {
-                    return Err(OpenError::SizeMismatch {
-                        path: path.clone(),
-                        size,
-                        what: "file",
-                        actual,
-                    })
+            let size = file_size(config, actual)?;
+            if size > actual {
+                if exists {
+                    tracing::info!(path = %path.display(), from = actual, to = size, "growing backing file");
                 }
-                Some(size) => {
-                    if size > actual {
-                        if exists {
-                            tracing::info!(path = %path.display(), from = actual, to = size, "growing backing file");
-                        }
-                        file.set_len(size).map_err(io_err)?;
-                    }
-                    size
-                }
-                None if actual == 0 || actual % u64::from(bs) != 0 => {
-                    return Err(OpenError::Size {
-                        size: actual,
-                        block_size: bs,
-                    })
-                }
-                None => actual,
-            };
+                file.set_len(size).map_err(io_err)?;
+            }
             (size / u64::from(bs), false)
         } else {
             return Err(OpenError::Kind(path.clone()));
@@ -234,6 +194,43 @@ impl FileHandle {
             block_device,
             write_through: config.write_through,
         })
+    }
+
+    /// What [`open`](Self::open) would refuse, found without opening the file (so a check of
+    /// a config neither creates, grows nor locks anything): the block size and size, a missing
+    /// file without a size or without its directory, something neither a file nor a block
+    /// device, a file larger than its configured size, and whether this process may read the
+    /// file and, unless it is read-only, write it (or create it in its directory). A block
+    /// device's size is known only once it is open, so it is not compared here.
+    pub fn check(config: &FileConfig) -> Result<(), OpenError> {
+        let path = &config.path;
+        let io_err = |source| OpenError::Io {
+            path: path.clone(),
+            source,
+        };
+        if !preflight(config)? {
+            let dir = match path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                Some(dir) => dir,
+                None => Path::new("."),
+            };
+            return may_create_in(dir).map_err(|source| OpenError::Io {
+                path: dir.to_path_buf(),
+                source,
+            });
+        }
+        let meta = std::fs::metadata(path).map_err(io_err)?;
+        let kind = meta.file_type();
+        if kind.is_file() {
+            file_size(config, meta.len())?;
+        } else if !kind.is_block_device() {
+            return Err(OpenError::Kind(path.clone()));
+        }
+        let mode = if config.read_only {
+            libc::R_OK
+        } else {
+            libc::R_OK | libc::W_OK
+        };
+        may_access(path, mode).map_err(io_err)
     }
 
     /// Wraps an already open descriptor of `blocks` blocks, e.g. a character device such as
@@ -456,6 +453,78 @@ impl BlockStore for &FileHandle {
             }
         }
         write_same_by_writes(self, at, len, block, fua)
+    }
+}
+
+/// The checks [`FileHandle::open`] and [`FileHandle::check`] share that need no descriptor;
+/// whether the path exists.
+fn preflight(config: &FileConfig) -> Result<bool, OpenError> {
+    let bs = config.block_size;
+    if bs != 512 && bs != 4096 {
+        return Err(OpenError::BlockSize(bs));
+    }
+    if let Some(size) = config.size {
+        if size == 0 || size % u64::from(bs) != 0 {
+            return Err(OpenError::Size {
+                size,
+                block_size: bs,
+            });
+        }
+    }
+    let path = &config.path;
+    let exists = path.exists();
+    if !exists {
+        if config.size.is_none() {
+            return Err(OpenError::NoSize(path.clone()));
+        }
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            if !dir.is_dir() {
+                return Err(OpenError::NoDirectory(dir.to_path_buf()));
+            }
+        }
+    }
+    Ok(exists)
+}
+
+/// The size a regular file of `actual` bytes is served at: the configured size (the file
+/// grows to it, never shrinks), or its own when none is configured.
+fn file_size(config: &FileConfig, actual: u64) -> Result<u64, OpenError> {
+    let bs = u64::from(config.block_size);
+    match config.size {
+        Some(size) if size < actual => Err(OpenError::SizeMismatch {
+            path: config.path.clone(),
+            size,
+            what: "file",
+            actual,
+        }),
+        Some(size) => Ok(size),
+        None if actual == 0 || actual % bs != 0 => Err(OpenError::Size {
+            size: actual,
+            block_size: config.block_size,
+        }),
+        None => Ok(actual),
+    }
+}
+
+/// Whether this process may create files in the directory `dir` (write and search
+/// permission, as open(2) checks them for its effective user), without creating one.
+pub fn may_create_in(dir: &Path) -> io::Result<()> {
+    may_access(dir, libc::W_OK | libc::X_OK)
+}
+
+/// Whether this process, as the effective user open(2) checks, may use `path` as `mode`
+/// (`R_OK`, `W_OK`, `X_OK` bits) says.
+fn may_access(path: &Path, mode: libc::c_int) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // Safety: `c` is a NUL-terminated string that lives across the call, and faccessat only
+    // reads it.
+    let r = unsafe { libc::faccessat(libc::AT_FDCWD, c.as_ptr(), mode, libc::AT_EACCESS) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
     }
 }
 

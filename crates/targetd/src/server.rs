@@ -27,6 +27,33 @@ pub struct StartError {
     pub reason: String,
 }
 
+/// The error about `targets[t].luns[l]`: a reason about one of the LUN's keys starts with it
+/// ("pool: ..."), and the error names that key.
+fn lun_error(t: usize, l: usize, reason: String) -> StartError {
+    match reason
+        .split_once(": ")
+        .filter(|(f, _)| crate::config::LUN_KEYS.contains(f))
+    {
+        Some((f, why)) => StartError {
+            key: format!("targets[{t}].luns[{l}].{f}"),
+            reason: why.into(),
+        },
+        None => StartError {
+            key: format!("targets[{t}].luns[{l}]"),
+            reason,
+        },
+    }
+}
+
+/// What a check of a config before a start found (`targetd --check`).
+#[derive(Debug, Default)]
+pub struct Check {
+    /// What the start would refuse.
+    pub errors: Vec<StartError>,
+    /// What it would not refuse but the administrator should know.
+    pub warnings: Vec<StartError>,
+}
+
 /// A started daemon: listening, reactors running.
 pub struct Server {
     registry: Arc<Registry>,
@@ -38,6 +65,82 @@ pub struct Server {
 }
 
 impl Server {
+    /// What [`start`](Self::start) would refuse of `config` that can be found without opening
+    /// a unit for I/O, binding a portal or reaching a Ceph cluster: every file LUN's file (or
+    /// the directory it would be created in) and whether this process may read and write it,
+    /// the state directory and the admin socket's directory. It finds every such problem,
+    /// not only the first; nothing is created or changed.
+    pub fn check(config: &Config) -> Check {
+        let mut check = Check::default();
+        let fail = |key: &str, reason: String| StartError {
+            key: key.into(),
+            reason,
+        };
+        for (t, target) in config.targets.iter().enumerate() {
+            for (l, lun) in target.luns.iter().enumerate() {
+                if let Err(reason) = crate::target::check_storage(lun) {
+                    check.errors.push(lun_error(t, l, reason));
+                }
+            }
+        }
+        let mut directory = |key: &str, dir: &std::path::Path, what: &str| {
+            let dir = if dir.as_os_str().is_empty() {
+                std::path::Path::new(".")
+            } else {
+                dir
+            };
+            if !dir.is_dir() {
+                check.errors.push(fail(
+                    key,
+                    format!(
+                        "{}: no such directory {what} (create it first)",
+                        dir.display()
+                    ),
+                ));
+            } else if let Err(e) = backend::file::may_create_in(dir) {
+                check
+                    .errors
+                    .push(fail(key, format!("{}: {e} {what}", dir.display())));
+            }
+        };
+        if let Some(state) = &config.server.state_dir {
+            // Made at start as itself, never its parents.
+            if state.exists() {
+                directory("server.state_dir", state, "to keep reservations in");
+            } else if let Some(parent) = state.parent() {
+                directory(
+                    "server.state_dir",
+                    parent,
+                    &format!("to make {} in", state.display()),
+                );
+            }
+        }
+        let socket = &config.server.admin_socket;
+        if !socket.as_os_str().is_empty() {
+            if let Some(parent) = socket.parent() {
+                directory("server.admin_socket", parent, "to make the admin socket in");
+            }
+            if let Ok(meta) = std::fs::symlink_metadata(socket) {
+                use std::os::unix::fs::FileTypeExt;
+                if !meta.file_type().is_socket() {
+                    check.errors.push(fail(
+                        "server.admin_socket",
+                        format!("{} exists and is not a socket", socket.display()),
+                    ));
+                } else if std::os::unix::net::UnixStream::connect(socket).is_ok() {
+                    check.warnings.push(fail(
+                        "server.admin_socket",
+                        format!(
+                            "{} is in use by a running targetd: a second one would not start",
+                            socket.display()
+                        ),
+                    ));
+                }
+            }
+        }
+        check
+    }
+
     /// Opens every logical unit, binds every portal and the admin socket, starts the reactors.
     pub fn start(config: Config, config_path: PathBuf) -> Result<Server, StartError> {
         let fail = |key: String, reason: String| StartError { key, reason };
@@ -53,14 +156,7 @@ impl Server {
                     .iter()
                     .position(|l| format!("lun {}", l.lun) == k)
                     .unwrap_or(0);
-                // A reason about one key of the LUN starts with it ("pool: ...").
-                match r
-                    .split_once(": ")
-                    .filter(|(f, _)| crate::config::LUN_KEYS.contains(f))
-                {
-                    Some((f, reason)) => fail(format!("targets[{i}].luns[{l}].{f}"), reason.into()),
-                    None => fail(format!("targets[{i}].luns[{l}]"), r),
-                }
+                lun_error(i, l, r)
             })?;
             targets.push(target);
         }

@@ -532,6 +532,40 @@ pub fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
 
+/// How the file backend opens the file of a `backend = "file"` unit.
+fn file_config(config: &config::Lun) -> Result<FileConfig, String> {
+    let path: PathBuf = config.path.clone().ok_or("the file backend needs a path")?;
+    let mut fc = FileConfig::new(path, config.size.map(|s| s.0));
+    fc.block_size = config.block_size;
+    fc.direct = config.direct;
+    fc.write_through = !config.write_cache;
+    fc.read_only = config.read_only;
+    Ok(fc)
+}
+
+/// What opening the unit `config` describes would refuse, found without opening it for I/O
+/// (`targetd --check`): for a file, what [`FileHandle::check`] finds; for an RBD image, a
+/// ceph.conf or keyring this process cannot read. The reason starts with the key at fault
+/// ("path: ..."), as [`Lun::open`]'s do.
+pub fn check_storage(config: &config::Lun) -> Result<(), String> {
+    match config.backend.as_str() {
+        "file" => FileHandle::check(&file_config(config)?).map_err(|e| format!("{}: {e}", e.key())),
+        "rbd" => {
+            for (key, path) in [
+                ("ceph_conf", &config.ceph_conf),
+                ("keyring", &config.keyring),
+            ] {
+                if let Some(path) = path {
+                    std::fs::File::open(path)
+                        .map_err(|e| format!("{key}: {}: {e}", path.display()))?;
+                }
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
 impl Lun {
     /// Opens (creating a missing file) the storage `config` describes.
     pub fn open(config: &config::Lun, stats: Arc<LunStats>) -> Result<Lun, String> {
@@ -539,12 +573,7 @@ impl Lun {
         let size = config.size.map(|s| s.0);
         let (storage, blocks) = match config.backend.as_str() {
             "file" => {
-                let path: PathBuf = config.path.clone().ok_or("the file backend needs a path")?;
-                let mut fc = FileConfig::new(path, size);
-                fc.block_size = bs;
-                fc.direct = config.direct;
-                fc.write_through = !config.write_cache;
-                fc.read_only = config.read_only;
+                let mut fc = file_config(config)?;
                 let handle = FileHandle::open(&fc).map_err(|e| format!("{}: {e}", e.key()))?;
                 let blocks = handle.blocks();
                 // The file now exists at its size: reactors open it as it is.

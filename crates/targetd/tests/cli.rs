@@ -41,7 +41,7 @@ fn check_validates_and_opens_nothing() {
     assert!(out.status.success(), "{stdout}");
     assert!(stdout.contains("good"), "{stdout}");
     assert!(
-        stdout.contains("warning: targets[0].chap.secret"),
+        stdout.contains("warning: target iqn.2026-11.io.example:cli: chap.secret"),
         "a secret over 16 bytes is allowed, with a warning: {stdout}"
     );
     assert!(
@@ -59,6 +59,122 @@ fn check_validates_and_opens_nothing() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("targets[0].chap.secret"), "{stderr}");
+}
+
+/// `--check` finds what the start would refuse on this host, without opening a unit for I/O:
+/// a LUN file in a directory that does not exist, a missing file with no size, a file larger
+/// than its size, a file the service's user may not open, a state directory and an admin
+/// socket with nowhere to be made. Every problem is listed, not only the first, and the
+/// start refuses the same config.
+#[test]
+fn check_finds_what_the_start_would_refuse() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(d.join("large.img"), vec![0u8; 2 << 20]).unwrap();
+    std::fs::write(d.join("private.img"), vec![0u8; 1 << 20]).unwrap();
+    std::fs::set_permissions(
+        d.join("private.img"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    let lun = |n: u32, path: &str, size: &str| {
+        format!("[[targets.luns]]\nlun = {n}\nbackend = \"file\"\npath = \"{path}\"\n{size}\n")
+    };
+    let text = format!(
+        "[server]\nportals = [\"127.0.0.1:{}\"]\nadmin_socket = \"no-run/targetd.sock\"\n\
+         state_dir = \"no-lib/state\"\n\n[[targets]]\nname = \"iqn.2026-11.io.example:check\"\n{}{}{}{}",
+        free_port(),
+        lun(0, "no-images/disk.img", "size = \"1MiB\""),
+        lun(1, "new.img", ""),
+        lun(2, "large.img", "size = \"1MiB\""),
+        lun(5, "private.img", ""),
+    );
+    let path = d.join("config.toml");
+    std::fs::write(&path, text).unwrap();
+    // The service's user: root may open anything, so as root the check runs as nobody.
+    let as_service = |program: &str| {
+        let mut c = if running_as_root() {
+            let mut c = Command::new("setpriv");
+            c.args(["--reuid=65534", "--regid=65534", "--clear-groups", program]);
+            c
+        } else {
+            std::fs::set_permissions(
+                d.join("private.img"),
+                std::fs::Permissions::from_mode(0o000),
+            )
+            .unwrap();
+            Command::new(program)
+        };
+        c.current_dir(d);
+        c
+    };
+    let out = as_service(env!("CARGO_BIN_EXE_targetd"))
+        .arg("--check")
+        .arg(&path)
+        .output()
+        .expect("setpriv (util-linux) runs the check as another user");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let t = "iqn.2026-11.io.example:check";
+    let problems = [
+        format!(
+            "{t} LUN 0: path: {}/no-images: no such directory",
+            d.display()
+        ),
+        format!(
+            "{t} LUN 1: size: {}/new.img: does not exist and no size",
+            d.display()
+        ),
+        format!(
+            "{t} LUN 2: size: {}/large.img: size 1048576 does not fit",
+            d.display()
+        ),
+        format!(
+            "{t} LUN 5: path: {}/private.img: Permission denied",
+            d.display()
+        ),
+        format!(
+            "server.state_dir: {}/no-lib: no such directory",
+            d.display()
+        ),
+        format!(
+            "server.admin_socket: {}/no-run: no such directory",
+            d.display()
+        ),
+    ];
+    for expected in &problems {
+        assert!(stderr.contains(expected), "{expected:?} not in:\n{stderr}");
+    }
+    assert!(!d.join("new.img").exists(), "--check created a file");
+    assert_eq!(
+        std::fs::metadata(d.join("large.img")).unwrap().len(),
+        2 << 20
+    );
+
+    // The start refuses it too, at the first problem it meets.
+    let out = as_service(env!("CARGO_BIN_EXE_targetd"))
+        .arg(&path)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let keys = [
+        "server.state_dir",
+        "server.admin_socket",
+        "LUN 0: path",
+        "LUN 1: size",
+    ];
+    assert!(keys.iter().any(|k| stderr.contains(k)), "{stderr}");
+}
+
+/// Whether this test runs as root (whose opens the permission bits do not stop), from the
+/// owner of a file it makes.
+fn running_as_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let f = tempfile::NamedTempFile::new().unwrap();
+    f.as_file().metadata().unwrap().uid() == 0
 }
 
 /// Starts targetd with `args`, stderr piped, and returns its first log line (the warning about
@@ -86,13 +202,16 @@ fn logs_are_plain_text_off_a_terminal_or_json_when_asked() {
     let text = first_log_line(&[]);
     assert!(!text.contains('\u{1b}'), "escape codes in {text:?}");
     assert!(
-        text.contains("WARN") && text.contains("targets[0].chap.secret"),
+        text.contains("WARN") && text.contains("target iqn.2026-11.io.example:cli: chap.secret"),
         "{text}"
     );
     let json = first_log_line(&["--log-format", "json"]);
     let v: serde_json::Value = serde_json::from_str(&json).expect(&json);
     assert_eq!(v["level"], "WARN", "{json}");
-    assert_eq!(v["fields"]["key"], "targets[0].chap.secret", "{json}");
+    assert_eq!(
+        v["fields"]["key"], "target iqn.2026-11.io.example:cli: chap.secret",
+        "{json}"
+    );
 }
 
 #[test]

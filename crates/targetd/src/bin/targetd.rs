@@ -16,8 +16,12 @@ use tracing_subscriber::EnvFilter;
 struct Args {
     /// The config file (TOML; see config.toml in the repository).
     config: PathBuf,
-    /// Check the config (syntax and every value) and exit: 0 when it is good, 1 with the key
-    /// and the reason when it is not. Nothing is opened or bound.
+    /// Check the config and exit: 0 when it is good, 1 with the key and the reason of every
+    /// problem when it is not. Beside the syntax and every value, it checks what the start
+    /// needs of this host without opening a unit for I/O or binding a port: that each file
+    /// LUN's file exists (or has a size and a directory to be created in) and that this user
+    /// may read and write it, the state directory and the admin socket's directory. Run it as
+    /// the user the service runs as. Portals and Ceph clusters are not tried.
     #[arg(long)]
     check: bool,
     /// Log lines as text (colours only when stderr is a terminal) or as JSON objects, one a
@@ -42,14 +46,28 @@ fn main() -> ExitCode {
         }
     };
     if args.check {
-        for (key, reason) in config.warnings() {
-            println!(
-                "targetd: {}: warning: {key}: {reason}",
-                args.config.display()
+        let file = args.config.display();
+        let check = Server::check(&config);
+        let warnings = config
+            .warnings()
+            .into_iter()
+            .chain(check.warnings.into_iter().map(|w| (w.key, w.reason)));
+        for (key, reason) in warnings {
+            let key = config.describe_key(&key);
+            println!("targetd: {file}: warning: {key}: {reason}");
+        }
+        if check.errors.is_empty() {
+            println!("targetd: {file}: good");
+            return ExitCode::SUCCESS;
+        }
+        for e in &check.errors {
+            eprintln!(
+                "targetd: {file}: {}: {}",
+                config.describe_key(&e.key),
+                e.reason
             );
         }
-        println!("targetd: {}: good", args.config.display());
-        return ExitCode::SUCCESS;
+        return ExitCode::FAILURE;
     }
     let filter = std::env::var("RUST_LOG")
         .ok()
@@ -65,7 +83,7 @@ fn main() -> ExitCode {
         LogFormat::Json => logs.json().init(),
     }
     for (key, reason) in config.warnings() {
-        tracing::warn!(key = %key, "{reason}");
+        tracing::warn!(key = %config.describe_key(&key), "{reason}");
     }
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
