@@ -97,10 +97,12 @@ fn main() -> ExitCode {
     };
     rt.block_on(async move {
         let targets: Vec<String> = config.targets.iter().map(|t| t.name.clone()).collect();
+        let named = config.clone();
         let server = match Server::start(config, args.config.clone()) {
             Ok(s) => s,
             Err(e) => {
-                eprintln!("targetd: {}: {e}", args.config.display());
+                let key = named.describe_key(&e.key);
+                eprintln!("targetd: {}: {key}: {}", args.config.display(), e.reason);
                 return ExitCode::FAILURE;
             }
         };
