@@ -170,6 +170,18 @@ pub(crate) enum Cmd {
         #[command(subcommand)]
         action: TraceCmd,
     },
+    /// Print a completion script for this shell (e.g. `initiator-bench completions bash >
+    /// /etc/bash_completion.d/initiator-bench`).
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
+    /// Write the man pages into DIR: initiator-bench.1 and one page per subcommand
+    /// (initiator-bench-run.1).
+    Man {
+        /// An existing directory.
+        dir: PathBuf,
+    },
     /// List the targets a portal offers (SendTargets=All).
     Discover {
         /// iscsi://host[:port]

@@ -199,3 +199,37 @@ fn sense_reads_as_names() {
     };
     assert_eq!(odd.to_string(), "NOT READY / ASC 7Fh, ASCQ 12h");
 }
+
+/// `man DIR` writes a page per subcommand, and every page a page names exists;
+/// `completions SHELL` prints a script.
+#[test]
+fn man_pages_and_completions_are_complete() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_initiator-bench"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    run(&["man", dir.to_str().unwrap()]);
+    let mut pages = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let page = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        pages += 1;
+        for word in page.split_whitespace() {
+            if let Some(name) = word.strip_suffix("(1)") {
+                let file = format!("{}.1", name.replace("\\-", "-"));
+                assert!(dir.join(&file).exists(), "{file} is named but missing");
+            }
+        }
+    }
+    assert!(pages >= 10, "{pages} pages");
+    let script = run(&["completions", "bash"]);
+    assert!(
+        script.contains("complete -F _initiator__bench") && script.contains("initiator-bench"),
+        "{script}"
+    );
+}

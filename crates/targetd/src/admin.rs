@@ -265,6 +265,29 @@ fn handle_with(
 }
 
 impl AdminRequest {
+    /// The request as the audit log shows it: its JSON, as targetctl sent it, with every CHAP
+    /// secret replaced by [`REDACTED`](crate::config::REDACTED).
+    pub fn audit_text(&self) -> String {
+        fn redact(v: &mut Value) {
+            match v {
+                Value::Object(o) => {
+                    for (k, v) in o.iter_mut() {
+                        if k == "secret" {
+                            *v = Value::String(crate::config::REDACTED.into());
+                        } else {
+                            redact(v);
+                        }
+                    }
+                }
+                Value::Array(a) => a.iter_mut().for_each(redact),
+                _ => {}
+            }
+        }
+        let mut v = serde_json::to_value(self).unwrap_or(Value::Null);
+        redact(&mut v);
+        v.to_string()
+    }
+
     /// Whether it changes anything (and so is logged with who asked).
     pub fn is_change(&self) -> bool {
         !matches!(
@@ -296,8 +319,7 @@ async fn client(
     while let Some(line) = lines.next_line().await? {
         let response = match serde_json::from_str::<AdminRequest>(&line) {
             Ok(req) => {
-                // The request's Debug form shows no CHAP secret (config::Chap redacts it).
-                let what = req.is_change().then(|| format!("{req:?}"));
+                let what = req.is_change().then(|| req.audit_text());
                 let result = handle_with(registry, tracer, req);
                 if let Some(what) = what {
                     match &result {
@@ -650,6 +672,9 @@ fn status(registry: &Registry) -> Value {
         "targets": registry.targets().len(),
         "sessions": registry.sessions.all().len(),
         "connections": registry.connection_count(),
+        "iser_portals": c.server.iser_portals,
+        "srp_portals": c.server.rdma_portals,
+        "cluster_gateway": c.cluster.as_ref().map(|k| k.gateway.clone()),
         "config": registry.config_path.display().to_string(),
         "admin_socket": c.server.admin_socket.display().to_string(),
     })

@@ -1017,20 +1017,20 @@ impl Config {
         let mut paths = HashSet::new();
         for (t, target) in self.targets.iter().enumerate() {
             let key = |k: &str| format!("targets[{t}].{k}");
-            if !iscsi_pdu::names::valid_iscsi_name(&target.name) {
+            if let Err(why) = iscsi_pdu::names::check_iscsi_name(&target.name) {
                 return fail(
                     &key("name"),
-                    format!("{:?} is not an iSCSI name (iqn.YYYY-MM.domain[:id], eui.<16 hex>, naa.<16|32 hex>)", target.name),
+                    format!("{:?} is not an iSCSI name: {why}", target.name),
                 );
             }
             if !names.insert(target.name.to_ascii_lowercase()) {
                 return fail(&key("name"), format!("{:?} is defined twice", target.name));
             }
             for (i, ini) in target.initiators.iter().enumerate() {
-                if !iscsi_pdu::names::valid_iscsi_name(ini) {
+                if let Err(why) = iscsi_pdu::names::check_iscsi_name(ini) {
                     return fail(
                         &key(&format!("initiators[{i}]")),
-                        format!("{ini:?} is not an iSCSI name"),
+                        format!("{ini:?} is not an iSCSI name: {why}"),
                     );
                 }
             }

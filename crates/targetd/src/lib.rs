@@ -11,7 +11,8 @@
 //!   gateways as one target, their units' reservations kept in RADOS.
 //! - [`iscsi`]: login, discovery, sessions and the full feature phase over TCP.
 //! - [`admin`]: the `targetctl` socket; [`metrics`]: the Prometheus endpoint; [`notify`]:
-//!   readiness for systemd (`Type=notify`).
+//!   readiness for systemd (`Type=notify`); [`manual`]: man pages and completions of the
+//!   programs.
 
 pub mod admin;
 #[cfg(feature = "rbd")]
@@ -21,6 +22,7 @@ pub mod config_file;
 pub mod control;
 pub mod iscsi;
 pub mod iser;
+pub mod manual;
 pub mod metrics;
 pub mod notify;
 pub mod port;

@@ -177,6 +177,55 @@ fn running_as_root() -> bool {
     f.as_file().metadata().unwrap().uid() == 0
 }
 
+/// targetd and targetctl have their man pages and completions (initiator-bench's are tested
+/// in its crate), and every page a page names exists
+/// (`targetctl man DIR` writes one per subcommand, which targetctl.1 refers to).
+#[test]
+fn man_pages_and_completions_are_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |program: &str, args: &[&str]| {
+        let out = Command::new(program).args(args).output().unwrap();
+        assert!(out.status.success(), "{program} {args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let d = dir.path().to_str().unwrap();
+    run(env!("CARGO_BIN_EXE_targetctl"), &["man", d]);
+    let targetd = run(env!("CARGO_BIN_EXE_targetd"), &["--man"]);
+    assert!(targetd.contains(".TH targetd 1"), "{targetd}");
+    std::fs::write(dir.path().join("targetd.1"), targetd).unwrap();
+    let mut pages = 0;
+    for entry in std::fs::read_dir(dir.path()).unwrap() {
+        let page = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+        pages += 1;
+        // References look like `targetctl\-lun(1)`.
+        for word in page.split_whitespace() {
+            if let Some(name) = word.strip_suffix("(1)") {
+                let file = format!("{}.1", name.replace("\\-", "-"));
+                assert!(
+                    dir.path().join(&file).exists(),
+                    "{file} is named but missing"
+                );
+            }
+        }
+    }
+    assert!(pages > 30, "{pages} pages");
+    for (program, function) in [
+        (env!("CARGO_BIN_EXE_targetd"), "_targetd()"),
+        (env!("CARGO_BIN_EXE_targetctl"), "_targetctl()"),
+    ] {
+        let args: &[&str] = if program.ends_with("targetd") {
+            &["--completions", "bash"]
+        } else {
+            &["completions", "bash"]
+        };
+        let script = run(program, args);
+        assert!(script.contains(function), "{program}: {script}");
+    }
+    // `lun add --backend <TAB>` offers the backends, not file names.
+    let script = run(env!("CARGO_BIN_EXE_targetctl"), &["completions", "bash"]);
+    assert!(script.contains("file memory null rbd"), "{script}");
+}
+
 /// Starts targetd with `args`, stderr piped, and returns its first log line (the warning about
 /// the long CHAP secret, logged at start).
 fn first_log_line(args: &[&str]) -> String {
@@ -318,19 +367,39 @@ fn admin_changes_are_logged_with_who_asked() {
             .is_some_and(|e| e.contains("--force")),
         "{error}"
     );
+    // A new CHAP secret is logged as a change, never shown.
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "a-new-secret-of-22-bytes\n").unwrap();
+    let chap = ctl(&[
+        "target",
+        "set",
+        "iqn.2026-11.io.example:cli",
+        "--chap-user",
+        "u2",
+        "--chap-secret-file",
+        secret.to_str().unwrap(),
+    ]);
+    assert!(
+        chap.status.success(),
+        "{}",
+        String::from_utf8_lossy(&chap.stderr)
+    );
     let logs = json_logs(&mut child, |m| m.starts_with("admin change"));
-    // Two changes and two refusals, --json or not.
-    assert_eq!(logs.len(), 4, "{logs:#?}");
+    // Two resizes and two refusals, --json or not, and the CHAP change.
+    assert_eq!(logs.len(), 5, "{logs:#?}");
     for v in &logs {
         assert_eq!(v["fields"]["uid"], uid, "{v}");
+        // The request as JSON (what targetctl sent), not Rust's Debug text.
+        let request: serde_json::Value =
+            serde_json::from_str(v["fields"]["request"].as_str().unwrap()).expect("JSON");
         assert!(
-            v["fields"]["request"]
-                .as_str()
-                .unwrap()
-                .contains("LunResize"),
+            ["lun-resize", "target-set"].contains(&request["command"].as_str().unwrap()),
             "{v}"
         );
     }
+    let chap_log = logs[4].to_string();
+    assert!(!chap_log.contains("a-new-secret"), "{chap_log}");
+    assert!(chap_log.contains("<redacted>"), "{chap_log}");
     assert!(
         logs[0]["fields"]["changes"]
             .as_str()
@@ -561,7 +630,9 @@ fn targetctl_names_itself_and_writes_its_completions_and_man_page_without_a_daem
     );
     let zsh = ctl(&["completions", "zsh"]);
     assert!(zsh.starts_with("#compdef targetctl"), "{zsh}");
-    let man = ctl(&["man"]);
+    let dir = tempfile::tempdir().unwrap();
+    ctl(&["man", dir.path().to_str().unwrap()]);
+    let man = std::fs::read_to_string(dir.path().join("targetctl.1")).unwrap();
     assert!(man.contains(".TH targetctl"), "{man}");
     assert!(man.contains("Administers a running targetd"), "{man}");
 }

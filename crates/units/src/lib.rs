@@ -35,6 +35,34 @@ pub fn format_size(n: u64) -> String {
     format!("{n} B")
 }
 
+/// A duration as [`parse_duration`] reads it back, in the largest whole units: `1d2h3m4s`,
+/// `45s`, `0s`; below a second `250ms`, `80us` or `12ns`. Whole seconds drop the rest.
+pub fn format_duration(d: Duration) -> String {
+    let s = d.as_secs();
+    if s == 0 {
+        let n = d.subsec_nanos();
+        return match n {
+            0 => "0s".into(),
+            n if n % 1_000_000 == 0 || n >= 10_000_000 => format!("{}ms", n / 1_000_000),
+            n if n % 1_000 == 0 || n >= 10_000 => format!("{}us", n / 1_000),
+            n => format!("{n}ns"),
+        };
+    }
+    let mut out = String::new();
+    let parts = [
+        (s / 86400, "d"),
+        (s % 86400 / 3600, "h"),
+        (s % 3600 / 60, "m"),
+        (s % 60, "s"),
+    ];
+    for (n, unit) in parts {
+        if n > 0 {
+            out += &format!("{n}{unit}");
+        }
+    }
+    out
+}
+
 /// Parses a size in bytes; the error says what was wrong, with an example.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let t = text.trim();
@@ -186,6 +214,22 @@ pub mod serde {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn durations_format_as_they_parse() {
+        for (d, text) in [
+            (Duration::ZERO, "0s"),
+            (Duration::from_secs(45), "45s"),
+            (Duration::from_secs(3600), "1h"),
+            (Duration::from_secs(93784), "1d2h3m4s"),
+            (Duration::from_millis(250), "250ms"),
+            (Duration::from_micros(80), "80us"),
+            (Duration::from_nanos(12), "12ns"),
+        ] {
+            assert_eq!(format_duration(d), text);
+            assert_eq!(parse_duration(text), Ok(d), "{text}");
+        }
+    }
+
     #[test]
     fn exact_sizes_are_written_as_they_read_back() {
         for n in [0, 512, 4096, 64 << 20, 1 << 30, 3 << 40] {

@@ -56,8 +56,12 @@ enum Command {
         /// bash, zsh, fish, elvish or powershell.
         shell: clap_complete::Shell,
     },
-    /// Prints targetctl's man page (roff: `targetctl man > targetctl.1`); needs no daemon.
-    Man,
+    /// Writes targetctl's man pages into DIR: targetctl.1 and one page per subcommand
+    /// (targetctl-lun-add.1), e.g. `targetctl man /usr/local/share/man/man1`; needs no daemon.
+    Man {
+        /// An existing directory.
+        dir: PathBuf,
+    },
     /// Per-LU IOPS, throughput and latency over an interval.
     Stats {
         /// How long to sample over (1s, 500ms, 1m; a bare number is seconds); 0 prints the
@@ -159,8 +163,8 @@ enum LunAction {
         target: String,
         /// The LUN.
         lun: u16,
-        /// file, memory, null or rbd.
-        #[arg(long, default_value = "file")]
+        /// What stores the unit's blocks.
+        #[arg(long, default_value = "file", value_parser = ["file", "memory", "null", "rbd"])]
         backend: String,
         /// The backing file (file backend).
         #[arg(long)]
@@ -460,13 +464,14 @@ fn run(args: Args) -> Result<()> {
     // Generated from the definitions above, so they cannot drift from what is parsed.
     match args.command {
         Command::Completions { shell } => {
-            let mut cmd = <Args as clap::CommandFactory>::command();
-            clap_complete::generate(shell, &mut cmd, "targetctl", &mut std::io::stdout());
+            let cmd = <Args as clap::CommandFactory>::command();
+            targetd::manual::print_completions(cmd, shell);
             return Ok(());
         }
-        Command::Man => {
+        Command::Man { dir } => {
             let cmd = <Args as clap::CommandFactory>::command();
-            clap_mangen::Man::new(cmd).render(&mut std::io::stdout())?;
+            let pages = targetd::manual::write_man_pages(cmd, &dir)?;
+            println!("{} man pages in {}", pages.len(), dir.display());
             return Ok(());
         }
         _ => {}
@@ -490,7 +495,7 @@ fn run(args: Args) -> Result<()> {
             action: Some(ClusterAction::Forget { gateway }),
         } => AdminRequest::ClusterForget { gateway },
         // Answered above, without a daemon.
-        Command::Completions { .. } | Command::Man => return Ok(()),
+        Command::Completions { .. } | Command::Man { .. } => return Ok(()),
         Command::Stats { interval } => return stats(&mut c, interval, args.json),
         Command::Tree => return tree(&mut c, args.json),
         Command::Lun { action } => match action {
@@ -788,6 +793,43 @@ fn print_human(request: &AdminRequest, v: &Value) {
                 println!("{}", c.as_str().unwrap_or_default());
             }
         }
+        (AdminRequest::Status, Value::Object(o)) => {
+            let list = |k: &str| {
+                let items: Vec<String> = o
+                    .get(k)
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .map(text)
+                    .collect();
+                (!items.is_empty()).then(|| items.join(", "))
+            };
+            let field = |k: &str| o.get(k).filter(|v| !v.is_null()).map(text);
+            let uptime = o
+                .get("uptime_seconds")
+                .and_then(Value::as_u64)
+                .map(|s| units::format_duration(Duration::from_secs(s)));
+            let rows = [
+                ("version", field("version")),
+                ("uptime", uptime),
+                ("engine", field("engine")),
+                ("iSCSI portals", list("portals")),
+                ("iSER portals", list("iser_portals")),
+                ("SRP portals", list("srp_portals")),
+                ("cluster gateway", field("cluster_gateway")),
+                ("targets", field("targets")),
+                ("sessions", field("sessions")),
+                ("connections", field("connections")),
+                ("config", field("config")),
+                ("admin socket", field("admin_socket")),
+            ];
+            let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+            for (k, v) in rows {
+                if let Some(v) = v {
+                    println!("{k:<width$}  {v}");
+                }
+            }
+        }
         (AdminRequest::Targets, Value::Array(targets)) => {
             let rows = targets.iter().map(|t| {
                 let luns: Vec<String> = t["luns"]
@@ -800,11 +842,11 @@ fn print_human(request: &AdminRequest, v: &Value) {
                     text(&t["name"]),
                     luns.join(","),
                     t["sessions"].to_string(),
-                    t["core_lock_acquisitions"].to_string(),
                     text(&t["srp_port_id"]),
                 ]
             });
-            let headers = ["TARGET", "LUNS", "SESSIONS", "CORE LOCKS", "SRP PORT ID"];
+            // The core lock's acquisitions are in --json and the metrics, for developers.
+            let headers = ["TARGET", "LUNS", "SESSIONS", "SRP PORT ID"];
             print!("{}", table(&headers, rows));
         }
         (AdminRequest::Luns { .. }, Value::Array(luns)) => {
@@ -1124,9 +1166,41 @@ fn stats(c: &mut Client, interval: Duration, json: bool) -> Result<()> {
     if interval.is_zero() {
         if json {
             println!("{}", serde_json::to_string_pretty(&first)?);
-        } else {
-            print_human(&AdminRequest::Stats, &first);
+            return Ok(());
         }
+        // Totals since the start, each with its unit.
+        let rows = first.as_array().into_iter().flatten().map(|l| {
+            let n = |k: &str| l[k].as_u64().unwrap_or(0);
+            let mean = |ns: &str, count: &str| match n(count) {
+                0 => "-".to_string(),
+                c => units::format_duration(Duration::from_nanos(n(ns) / c)),
+            };
+            vec![
+                text(&l["target"]),
+                n("lun").to_string(),
+                n("read_commands").to_string(),
+                units::format_size(n("read_bytes")),
+                mean("read_latency_ns", "read_commands"),
+                n("write_commands").to_string(),
+                units::format_size(n("write_bytes")),
+                mean("write_latency_ns", "write_commands"),
+                n("other_commands").to_string(),
+                n("errors").to_string(),
+            ]
+        });
+        let headers = [
+            "TARGET",
+            "LUN",
+            "READS",
+            "READ",
+            "MEAN READ",
+            "WRITES",
+            "WRITTEN",
+            "MEAN WRITE",
+            "OTHER",
+            "ERRORS",
+        ];
+        print!("{}", table(&headers, rows));
         return Ok(());
     }
     std::thread::sleep(interval);

@@ -12,10 +12,11 @@ use tracing_subscriber::EnvFilter;
 
 /// The iSCSI target daemon.
 #[derive(Parser)]
-#[command(version, about)]
+#[command(name = "targetd", version, about)]
 struct Args {
     /// The config file (TOML; see config.toml in the repository).
-    config: PathBuf,
+    #[arg(required_unless_present_any = ["man", "completions"])]
+    config: Option<PathBuf>,
     /// Check the config and exit: 0 when it is good, 1 with the key and the reason of every
     /// problem when it is not. Beside the syntax and every value, it checks what the start
     /// needs of this host without opening a unit for I/O or binding a port: that each file
@@ -28,6 +29,19 @@ struct Args {
     /// line, for log collectors.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Print targetd's man page (roff: `targetd --man > targetd.1`) and exit.
+    #[arg(long, exclusive = true)]
+    man: bool,
+    /// Print a completion script for this shell (bash, zsh, fish, elvish, powershell) and exit.
+    #[arg(long, exclusive = true, value_name = "SHELL")]
+    completions: Option<clap_complete::Shell>,
+}
+
+/// What a run (not `--man` or `--completions`) was asked.
+struct Run {
+    config: PathBuf,
+    check: bool,
+    log_format: LogFormat,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -37,7 +51,29 @@ enum LogFormat {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if args.man {
+        let cmd = <Args as clap::CommandFactory>::command();
+        return match targetd::manual::print_man_page(cmd) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("targetd: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if let Some(shell) = args.completions {
+        targetd::manual::print_completions(<Args as clap::CommandFactory>::command(), shell);
+        return ExitCode::SUCCESS;
+    }
+    let Some(path) = args.config.take() else {
+        return ExitCode::FAILURE;
+    };
+    let args = Run {
+        config: path,
+        check: args.check,
+        log_format: args.log_format,
+    };
     let config = match Config::load(&args.config) {
         Ok(c) => c,
         Err(e) => {
