@@ -67,6 +67,33 @@ pub struct Fault {
     pub count: Option<u64>,
 }
 
+/// "read fail with eio from LBA 100 (8 blocks), until cleared": what targetctl and the log say.
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ops = match self.ops {
+            FaultOps::Read => "read",
+            FaultOps::Write => "write",
+            FaultOps::Flush => "flush",
+            FaultOps::All => "all",
+        };
+        let error = match self.error {
+            FaultError::Eio => "eio",
+            FaultError::Enospc => "enospc",
+        };
+        write!(f, "{ops} fail with {error} from LBA {} ", self.lba)?;
+        match self.blocks {
+            0 => write!(f, "(0 blocks: all)")?,
+            1 => write!(f, "(1 block)")?,
+            n => write!(f, "({n} blocks)")?,
+        }
+        match self.count {
+            Some(1) => write!(f, ", 1 more time"),
+            Some(n) => write!(f, ", {n} more times"),
+            None => write!(f, ", until cleared"),
+        }
+    }
+}
+
 impl Fault {
     /// The error for `op`, if this fault applies to it.
     fn applies(&self, op: &Op) -> Option<BackendError> {

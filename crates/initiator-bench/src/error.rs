@@ -21,17 +21,17 @@ pub enum Error {
     },
     /// Socket I/O failed.
     #[error("I/O: {0}")]
-    Io(#[from] std::io::Error),
+    Io(std::io::Error),
     /// The portal could not be reached.
-    #[error("cannot connect to {portal}: {source}")]
+    #[error("cannot connect to {portal}: {error}")]
     Connect {
         /// `host:port`.
         portal: String,
-        /// What the OS said.
-        source: std::io::Error,
+        /// What the OS said (in the text, so not also a source).
+        error: std::io::Error,
     },
     /// The target refused the login.
-    #[error("login refused: status {status:?}{}", if .message.is_empty() { String::new() } else { format!(" ({})", .message) })]
+    #[error("the target refused the login{}: status {:#06x}", if .message.is_empty() { String::new() } else { format!(": {}", .message) }, .status.0)]
     LoginRefused {
         /// Status-Class and Status-Detail.
         status: LoginStatus,
@@ -39,8 +39,10 @@ pub enum Error {
         message: &'static str,
     },
     /// Negotiation or authentication failed.
+    /// (Its text includes the negotiation's error, so that is not also a source: a chain
+    /// printed whole would say it twice.)
     #[error("negotiation: {0}")]
-    Negotiation(#[from] NegotiationError),
+    Negotiation(NegotiationError),
     /// The target broke the protocol; the connection is closed.
     #[error("protocol violation by the target: {0}")]
     Protocol(String),
@@ -85,6 +87,18 @@ impl Error {
                 | Error::Protocol(_)
                 | Error::ConnectionLost(_)
         )
+    }
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Error {
+        Error::Io(e)
+    }
+}
+
+impl From<NegotiationError> for Error {
+    fn from(e: NegotiationError) -> Error {
+        Error::Negotiation(e)
     }
 }
 

@@ -558,11 +558,11 @@ async fn login_connection(
         .await
         .map_err(|_| Error::Connect {
             portal: portal.to_string(),
-            source: std::io::ErrorKind::TimedOut.into(),
+            error: std::io::ErrorKind::TimedOut.into(),
         })?
-        .map_err(|source| Error::Connect {
+        .map_err(|error| Error::Connect {
             portal: portal.to_string(),
-            source,
+            error,
         })?;
     let mut deframer = Deframer::new();
     let outcome = LoginExchange {

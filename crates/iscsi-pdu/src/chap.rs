@@ -54,6 +54,19 @@ pub enum ChapError {
     /// CHAP_R does not match.
     #[error("CHAP response does not match")]
     WrongResponse,
+    /// Mutual CHAP, seen by the initiator: the target answered with another CHAP_N than the
+    /// name it must prove.
+    #[error("the target proved itself as {given:?}, not as {expected:?} (mutual CHAP)")]
+    TargetWrongName {
+        /// The CHAP_N it sent.
+        given: String,
+        /// The name it must prove.
+        expected: String,
+    },
+    /// Mutual CHAP, seen by the initiator: the target's CHAP_R does not match the secret it
+    /// must prove (the initiator's and the target's configurations disagree).
+    #[error("the target's CHAP response does not match the secret it must prove (mutual CHAP)")]
+    TargetWrongResponse,
     /// The initiator asked the target to authenticate itself, but no target secret is configured.
     #[error("mutual CHAP requested but not configured")]
     MutualNotConfigured,
@@ -370,7 +383,15 @@ impl ChapInitiator {
             }
             InitiatorState::AwaitTargetResponse => {
                 let expected = self.target.as_ref().ok_or(ChapError::MutualNotConfigured)?;
-                verify(p, expected, self.identifier, &self.challenge)?;
+                // Said as the target's failure: the initiator's own login succeeded.
+                verify(p, expected, self.identifier, &self.challenge).map_err(|e| match e {
+                    ChapError::WrongName(given) => ChapError::TargetWrongName {
+                        given,
+                        expected: expected.name.clone(),
+                    },
+                    ChapError::WrongResponse => ChapError::TargetWrongResponse,
+                    e => e,
+                })?;
                 self.state = InitiatorState::Done;
                 Ok(())
             }
@@ -479,7 +500,10 @@ mod tests {
             [4; ENTROPY_LEN],
         )
         .unwrap();
-        assert_eq!(exchange(&mut t, &mut i), Err(ChapError::WrongResponse));
+        assert_eq!(
+            exchange(&mut t, &mut i),
+            Err(ChapError::TargetWrongResponse)
+        );
 
         // Mutual required but not done.
         let mut t = ChapTarget::new(

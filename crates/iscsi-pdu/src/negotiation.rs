@@ -463,11 +463,19 @@ pub enum NegotiationError {
     #[error("{0} missing")]
     MissingParameter(&'static str),
     /// Authentication failed or was skipped where it is required.
+    /// (Its text includes the CHAP error's, so it is not also given as a source: a chain
+    /// printed whole would say it twice.)
     #[error("authentication failed: {0}")]
-    Authentication(#[from] ChapError),
+    Authentication(ChapError),
     /// No AuthMethod in common, or the login skipped the security stage this side requires.
     #[error("authentication required")]
     AuthenticationRequired,
+}
+
+impl From<ChapError> for NegotiationError {
+    fn from(e: ChapError) -> NegotiationError {
+        NegotiationError::Authentication(e)
+    }
 }
 
 impl NegotiationError {

@@ -390,7 +390,7 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
             let unit = t.lun(lun).ok_or(format!("{target} has no LUN {lun}"))?;
             match fault {
                 Some(f) => {
-                    tracing::warn!(target = %target, lun, "fault armed: {f:?}");
+                    tracing::warn!(target = %target, lun, "fault armed: {f}");
                     unit.faults.arm(f);
                 }
                 None => {

@@ -107,6 +107,7 @@ impl Collector for Figures {
     fn encode(&self, mut e: DescriptorEncoder) -> std::fmt::Result {
         let registry = &*self.0;
         build_info(&mut e)?;
+        process(&mut e)?;
         connections(&mut e, registry)?;
         arenas(&mut e, registry)?;
         units(&mut e, registry)?;
@@ -137,6 +138,142 @@ fn build_info(e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         MetricType::Gauge,
     )?;
     f.sample(&labels, 1u64)
+}
+
+/// The `process_*` metrics every Prometheus client library exports (CPU time, memory, file
+/// descriptors, threads, start time), from /proc/self, so dashboards made for them work
+/// unchanged. What /proc does not give is left out rather than guessed.
+fn process(e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    use MetricType::{Counter, Gauge};
+    let p = ProcessFigures::read();
+    let none = Vec::new();
+    if let Some(cpu) = p.cpu_seconds {
+        family(
+            e,
+            "process_cpu_seconds_total",
+            "user and system CPU time spent, seconds",
+            Counter,
+        )?
+        .sample(&none, cpu)?;
+    }
+    let gauges = [
+        (
+            "process_resident_memory_bytes",
+            "resident memory size, bytes",
+            p.resident_bytes,
+        ),
+        (
+            "process_virtual_memory_bytes",
+            "virtual memory size, bytes",
+            p.virtual_bytes,
+        ),
+        ("process_open_fds", "open file descriptors", p.open_fds),
+        (
+            "process_max_fds",
+            "the limit of open file descriptors",
+            p.max_fds,
+        ),
+        ("process_threads", "threads", p.threads),
+    ];
+    for (name, help, value) in gauges {
+        if let Some(v) = value {
+            family(e, name, help, Gauge)?.sample(&none, v)?;
+        }
+    }
+    if let Some(start) = p.start_time_seconds {
+        family(
+            e,
+            "process_start_time_seconds",
+            "start time since the Unix epoch, seconds",
+            Gauge,
+        )?
+        .sample(&none, start)?;
+    }
+    Ok(())
+}
+
+/// What /proc/self says of this process; `None` for what it could not be read from.
+#[derive(Debug, Default, PartialEq)]
+struct ProcessFigures {
+    cpu_seconds: Option<f64>,
+    resident_bytes: Option<u64>,
+    virtual_bytes: Option<u64>,
+    open_fds: Option<u64>,
+    max_fds: Option<u64>,
+    threads: Option<u64>,
+    start_time_seconds: Option<u64>,
+}
+
+/// Clock ticks per second in /proc's times: USER_HZ, 100 on every architecture Linux runs
+/// targetd on (the kernel converts to it whatever its own HZ is).
+const USER_HZ: f64 = 100.0;
+
+impl ProcessFigures {
+    fn read() -> ProcessFigures {
+        let read = |p: &str| std::fs::read_to_string(p).ok();
+        let mut f = ProcessFigures::parse(
+            read("/proc/self/stat").as_deref(),
+            read("/proc/self/status").as_deref(),
+            read("/proc/self/limits").as_deref(),
+            read("/proc/stat").as_deref(),
+        );
+        f.open_fds = std::fs::read_dir("/proc/self/fd")
+            .ok()
+            .map(|d| d.count() as u64);
+        f
+    }
+
+    /// From the texts of /proc/self/stat, /proc/self/status, /proc/self/limits and /proc/stat.
+    fn parse(
+        stat: Option<&str>,
+        status: Option<&str>,
+        limits: Option<&str>,
+        system: Option<&str>,
+    ) -> ProcessFigures {
+        // The fields after the command name, which is in parentheses and may hold spaces:
+        // state is field 3, utime 14, stime 15, starttime 22 (proc(5)).
+        let fields: Vec<&str> = stat
+            .and_then(|s| s.rsplit_once(')'))
+            .map(|(_, rest)| rest.split_whitespace().collect())
+            .unwrap_or_default();
+        let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+        let cpu_seconds = field(14)
+            .zip(field(15))
+            .map(|(u, s)| (u + s) as f64 / USER_HZ);
+        let kib = |name: &str| {
+            status?
+                .lines()
+                .find_map(|l| l.strip_prefix(name))?
+                .split_whitespace()
+                .next()?
+                .parse::<u64>()
+                .ok()
+        };
+        let boot = system.and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("btime "))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        });
+        let max_fds = limits.and_then(|l| {
+            l.lines()
+                .find(|l| l.starts_with("Max open files"))?
+                .split_whitespace()
+                .nth(3)?
+                .parse::<u64>()
+                .ok()
+        });
+        ProcessFigures {
+            cpu_seconds,
+            resident_bytes: kib("VmRSS:").map(|k| k * 1024),
+            virtual_bytes: kib("VmSize:").map(|k| k * 1024),
+            open_fds: None,
+            max_fds,
+            threads: kib("Threads:"),
+            start_time_seconds: boot
+                .zip(field(22))
+                .map(|(b, ticks)| b + (ticks as f64 / USER_HZ) as u64),
+        }
+    }
 }
 
 /// Sessions, channels, connections and logins, by transport.
@@ -400,7 +537,13 @@ fn rbd(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
     #[cfg(feature = "rbd")]
     {
         use MetricType::{Counter, Gauge};
-        type Field = fn(&backend::rbd::ImageStats) -> f64;
+        // Counts as integers (a counter of operations is never 12.0); seconds as decimals.
+        enum Number {
+            Count(u64),
+            Seconds(f64),
+        }
+        use Number::{Count, Seconds};
+        type Field = fn(&backend::rbd::ImageStats) -> Number;
         let mut rows = Vec::new();
         for t in registry.targets() {
             for lun in t.lun_list() {
@@ -421,31 +564,31 @@ fn rbd(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
                 "targetd_rbd_in_flight",
                 Gauge,
                 "operations librbd has not completed",
-                |s| s.in_flight.load(Relaxed) as f64,
+                |s| Count(s.in_flight.load(Relaxed)),
             ),
             (
                 "targetd_rbd_operations_total",
                 Counter,
                 "operations librbd completed",
-                |s| s.completed.load(Relaxed) as f64,
+                |s| Count(s.completed.load(Relaxed)),
             ),
             (
                 "targetd_rbd_latency_seconds_total",
                 Counter,
                 "sum of librbd operation latencies, seconds",
-                |s| s.latency_ns.load(Relaxed) as f64 / 1e9,
+                |s| Seconds(s.latency_ns.load(Relaxed) as f64 / 1e9),
             ),
             (
                 "targetd_rbd_unavailable_total",
                 Counter,
                 "operations failed retryably: the cluster did not answer within ceph_timeout",
-                |s| s.unavailable.load(Relaxed) as f64,
+                |s| Count(s.unavailable.load(Relaxed)),
             ),
             (
                 "targetd_rbd_errors_total",
                 Counter,
                 "operations failed otherwise",
-                |s| s.errors.load(Relaxed) as f64,
+                |s| Count(s.errors.load(Relaxed)),
             ),
         ];
         if rows.is_empty() {
@@ -454,8 +597,10 @@ fn rbd(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
         for (name, kind, help, field) in families {
             let mut f = family(e, name, help, kind)?;
             for (labels, image) in &rows {
-                let v = field(image.stats());
-                f.sample(labels, v)?;
+                match field(image.stats()) {
+                    Count(n) => f.sample(labels, n)?,
+                    Seconds(s) => f.sample(labels, s)?,
+                }
             }
         }
     }
@@ -621,4 +766,41 @@ fn answer(registry: &Arc<Registry>, method: &Method, path: &str) -> Response<Ful
         headers.insert(header::ALLOW, header::HeaderValue::from_static("GET, HEAD"));
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn process_figures_come_from_proc() {
+        let stat = "4242 (target d) S 1 4242 4242 0 -1 4194560 900 0 0 0 250 50 0 0 20 0 3 0 \
+                    123400 1000000 512 18446744073709551615";
+        let status = "Name:\ttargetd\nVmSize:\t  204800 kB\nVmRSS:\t   10240 kB\nThreads:\t3\n";
+        let limits = "Limit                     Soft Limit           Hard Limit           Units\n\
+                      Max open files            1024                 524288               files\n";
+        let system = "cpu  1 2 3\nbtime 1790000000\nprocesses 10\n";
+        let f = ProcessFigures::parse(Some(stat), Some(status), Some(limits), Some(system));
+        assert_eq!(
+            f,
+            ProcessFigures {
+                cpu_seconds: Some(3.0),
+                resident_bytes: Some(10 << 20),
+                virtual_bytes: Some(200 << 20),
+                open_fds: None,
+                max_fds: Some(1024),
+                threads: Some(3),
+                start_time_seconds: Some(1_790_000_000 + 1234),
+            }
+        );
+        assert_eq!(
+            ProcessFigures::parse(None, None, None, None),
+            ProcessFigures::default()
+        );
+        // This process's own, read for real.
+        let me = ProcessFigures::read();
+        assert!(me.open_fds.is_some_and(|n| n >= 3), "{me:?}");
+        assert!(me.threads.is_some_and(|n| n >= 1), "{me:?}");
+        assert!(me.start_time_seconds.is_some(), "{me:?}");
+    }
 }

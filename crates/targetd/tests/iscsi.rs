@@ -117,11 +117,18 @@ async fn chap_one_way_and_mutual() {
         .await
         .unwrap();
     s.logout().await.unwrap();
-    // Mutual with the wrong expectation of the target's secret: the initiator refuses.
+    // Mutual with the wrong expectation of the target's secret: the initiator refuses, and
+    // says once that it was the target's answer that failed.
     o.mutual_chap = creds("target", "not-the-secret");
-    assert!(Session::connect(&d.url(TARGET, 0), o.clone())
+    let err = Session::connect(&d.url(TARGET, 0), o.clone())
         .await
-        .is_err());
+        .unwrap_err();
+    let said = format!("{:?}", anyhow::Error::from(err));
+    assert!(
+        said.contains("the target's CHAP response does not match"),
+        "{said}"
+    );
+    assert_eq!(said.matches("does not match").count(), 1, "{said}");
     // The two refusals were counted against this address.
     let metrics = targetd::metrics::text(&d.registry);
     // And every login by the target's last answer: the two sessions, and the two refused
@@ -1753,6 +1760,27 @@ async fn the_metrics_endpoint_answers_at_metrics_only_and_describes_every_family
         .map(value);
     assert_eq!(count, Some(8.0));
     assert!(!body.contains("latency_ns"), "seconds, not nanoseconds");
+    // Counts are integers: only seconds (and histogram buckets' bounds) have a fraction.
+    for sample in body.lines().filter(|l| !l.starts_with('#')) {
+        let name = sample.split(['{', ' ']).next().unwrap_or_default();
+        if name.ends_with("_total") && !name.contains("seconds") {
+            let v = sample.rsplit(' ').next().unwrap_or_default();
+            assert!(v.parse::<u64>().is_ok(), "{sample}: a count as a float");
+        }
+    }
+    // The process_* metrics every client library exports.
+    for name in [
+        "process_cpu_seconds_total ",
+        "process_resident_memory_bytes ",
+        "process_open_fds ",
+        "process_max_fds ",
+        "process_start_time_seconds ",
+    ] {
+        assert!(
+            body.lines().any(|l| l.starts_with(name)),
+            "no {name}in {body}"
+        );
+    }
     let close = "Host: targetd\r\nConnection: close\r\n\r\n";
     assert!(get(&format!("GET / HTTP/1.1\r\n{close}")).starts_with("HTTP/1.1 404 "));
     let post = get(&format!(

@@ -37,7 +37,8 @@ pub struct Established {
     pub max_cmd_sn: SerialNumber,
 }
 
-/// Why a login failed.
+/// Why a login failed. Each variant's text includes what it wraps, which is therefore not
+/// also a source (a chain printed whole would repeat it).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LoginError {
     /// The target refused it with this status.
@@ -45,10 +46,16 @@ pub enum LoginError {
     Refused(LoginStatus),
     /// Negotiation or authentication failed.
     #[error("negotiation: {0}")]
-    Negotiation(#[from] NegotiationError),
+    Negotiation(NegotiationError),
     /// The target broke the login's rules.
     #[error("protocol violation by the target during login: {0}")]
     Protocol(String),
+}
+
+impl From<NegotiationError> for LoginError {
+    fn from(e: NegotiationError) -> LoginError {
+        LoginError::Negotiation(e)
+    }
 }
 
 /// Where the exchange of one request's text stands.

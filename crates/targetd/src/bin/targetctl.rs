@@ -695,18 +695,10 @@ fn print_human(request: &AdminRequest, v: &Value) {
                 println!("no faults armed");
             }
             for f in faults {
-                println!(
-                    "armed: {} fail with {} from LBA {} ({} blocks{}), {}",
-                    f["ops"].as_str().unwrap_or_default(),
-                    f["error"].as_str().unwrap_or_default(),
-                    f["lba"],
-                    f["blocks"],
-                    if f["blocks"] == 0 { ": all" } else { "" },
-                    match f["count"].as_u64() {
-                        Some(n) => format!("{n} more times"),
-                        None => "until cleared".into(),
-                    }
-                );
+                match serde_json::from_value::<backend::Fault>(f.clone()) {
+                    Ok(f) => println!("armed: {f}"),
+                    Err(_) => println!("armed: {f}"),
+                }
             }
         }
         (_, Value::String(s)) => println!("{s}"),
