@@ -475,6 +475,12 @@ pub(crate) fn print_report(r: &Report) {
             r.longest_failover_seconds.unwrap_or_default(),
             r.latency_us.max / 1e6
         );
+        if r.failovers_at_logout_request > 0 {
+            println!(
+                "  {} of them when a target asked to log out (a gateway stopping)",
+                r.failovers_at_logout_request
+            );
+        }
     }
     if w.verify {
         println!(

@@ -72,6 +72,10 @@ pub enum Error {
     /// The command took longer than allowed.
     #[error("timed out")]
     Timeout,
+    /// The target asked this login to log out (AsyncEvent 1): the command did not start on
+    /// it; another path or the next login takes it.
+    #[error("the target asked to log out")]
+    LogoutRequested,
 }
 
 impl Error {
@@ -86,6 +90,7 @@ impl Error {
                 | Error::Negotiation(_)
                 | Error::Protocol(_)
                 | Error::ConnectionLost(_)
+                | Error::LogoutRequested
         )
     }
 }

@@ -3,7 +3,10 @@
 //! TARGET PORT GROUPS calls active/optimized (else an active/non-optimized one); a command that
 //! fails because of its path (the connection lost, a timeout, NOT READY because the port is
 //! not accessible or the unit is becoming ready) is sent again on the path chosen next, until
-//! it succeeds or every path kept failing for [`Multipath::give_up_after`].
+//! it succeeds or every path kept failing for [`Multipath::give_up_after`]. A path whose
+//! target asks its initiators to log out (AsyncEvent 1, a gateway that is stopping) is left at
+//! once: new commands go to another path while the ones in flight end on it, as dm-multipath
+//! does, rather than when the gateway closes the connection seconds later.
 //!
 //! The paths must lead to one logical unit: [`Multipath::connect`] checks that every path's
 //! Device Identification (VPD 83h) names the same NAA identifier, and learns each path's
@@ -41,6 +44,8 @@ pub struct Multipath {
     choosing: std::sync::atomic::AtomicBool,
     /// Times I/O moved to another path after a failure.
     failovers: AtomicU64,
+    /// Of those, the moves because the path's target asked to log out (a planned stop).
+    planned: AtomicU64,
     /// When the path in use started failing, until a command succeeds again.
     failing_since: Mutex<Option<Instant>>,
     /// The longest time from a path's first failure to the next success on any path.
@@ -77,6 +82,7 @@ impl Multipath {
             current: AtomicUsize::new(0),
             choosing: std::sync::atomic::AtomicBool::new(false),
             failovers: AtomicU64::new(0),
+            planned: AtomicU64::new(0),
             failing_since: Mutex::new(None),
             longest: Mutex::new(Duration::ZERO),
             give_up_after: Duration::from_secs(60),
@@ -100,6 +106,12 @@ impl Multipath {
         self.failovers.load(Ordering::Relaxed)
     }
 
+    /// Of [`failovers`](Self::failovers), those because the path's target asked its
+    /// initiators to log out (AsyncEvent 1: a gateway stopping), before it closed anything.
+    pub fn failovers_at_logout_request(&self) -> u64 {
+        self.planned.load(Ordering::Relaxed)
+    }
+
     /// The longest time from a path's first failure to the next success, if any path failed.
     pub fn longest_failover(&self) -> Option<Duration> {
         let d = *self.longest.lock().unwrap_or_else(PoisonError::into_inner);
@@ -120,6 +132,10 @@ impl Multipath {
         let mut states: Option<Vec<(u16, u8, bool)>> = None;
         let mut answered = Vec::new();
         for &i in &order {
+            // A path whose target asked to log out is going away: not a candidate.
+            if self.paths[i].session.logout_requested() {
+                continue;
+            }
             if let Ok(s) = port_groups(&self.paths[i].session).await {
                 states.get_or_insert(s);
                 answered.push(i);
@@ -158,7 +174,14 @@ impl Multipath {
         let started = Instant::now();
         loop {
             let i = self.current.load(Ordering::Relaxed);
-            match op(self.paths[i].session.clone()).await {
+            // The target of the path in use asked to log out: move now, as a multipath
+            // initiator does, rather than when its connection closes.
+            let result = if self.paths[i].session.logout_requested() {
+                Err(Error::LogoutRequested)
+            } else {
+                op(self.paths[i].session.clone()).await
+            };
+            match result {
                 Ok(v) => {
                     let since = self
                         .failing_since
@@ -190,9 +213,15 @@ impl Multipath {
                         self.choosing.store(false, Ordering::Release);
                         if next != i {
                             self.failovers.fetch_add(1, Ordering::Relaxed);
+                            if matches!(e, Error::LogoutRequested) {
+                                self.planned.fetch_add(1, Ordering::Relaxed);
+                            }
                         }
                     }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    // A planned move needs no pause: the path left still works.
+                    if !matches!(e, Error::LogoutRequested) {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
                 }
                 Err(e) => return Err(e),
             }
@@ -237,7 +266,11 @@ impl Multipath {
 fn is_path_failure(e: &Error) -> bool {
     const NOT_READY: u8 = 0x02;
     match e {
-        Error::ConnectionLost(_) | Error::Timeout | Error::Connect { .. } | Error::Io(_) => true,
+        Error::ConnectionLost(_)
+        | Error::Timeout
+        | Error::Connect { .. }
+        | Error::Io(_)
+        | Error::LogoutRequested => true,
         // LOGICAL UNIT NOT ACCESSIBLE (04/0A, 0B, 0C) or BECOMING READY (04/01).
         Error::Scsi { sense: Some(s), .. } => {
             s.key == NOT_READY && s.asc == 0x04 && matches!(s.ascq, 0x01 | 0x0a | 0x0b | 0x0c)

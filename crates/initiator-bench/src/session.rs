@@ -93,6 +93,14 @@ struct Inner {
     dead: AtomicBool,
     /// Set when the login is shut down, to wake readers blocked on a silent target.
     closed: watch::Sender<bool>,
+    /// The target asked to log out every connection (AsyncEvent 1): no command starts on this
+    /// login any more; the machine logs out once the commands in flight end.
+    logout_requested: AtomicBool,
+    /// The machine's next timeout may have moved earlier (a logout the target wants within
+    /// its Parameter3): the timer task looks again.
+    rearm: tokio::sync::Notify,
+    /// `host:port`, for the log.
+    portal: String,
 }
 
 /// Session statistics since login.
@@ -213,6 +221,14 @@ impl Session {
         Ok(session)
     }
 
+    /// Whether the target asked this login to log out (AsyncEvent 1, as a gateway that is
+    /// going down does): its commands in flight still end, new ones wait for the next login.
+    pub fn logout_requested(&self) -> bool {
+        self.current().is_some_and(|i| {
+            i.logout_requested.load(Ordering::Acquire) && !i.dead.load(Ordering::Acquire)
+        })
+    }
+
     /// The URL it logs in with (target, portal, LUN).
     pub fn url(&self) -> &IscsiUrl {
         &self.url
@@ -256,7 +272,16 @@ impl Session {
     /// last one was lost.
     async fn live(&self) -> Result<Arc<Inner>> {
         if let Some(i) = self.current().filter(|i| !i.dead.load(Ordering::Acquire)) {
-            return Ok(i);
+            if !i.logout_requested.load(Ordering::Acquire) {
+                return Ok(i);
+            }
+            // The target asked to log out: wait for the machine's Logout to end this login
+            // (its commands in flight end first), then log in again, as open-iscsi does.
+            let mut closed = i.closed.subscribe();
+            let ended = tokio::time::timeout(self.opts.timeout, closed.wait_for(|c| *c)).await;
+            if ended.is_err() {
+                i.shutdown("the requested logout did not end in time");
+            }
         }
         let _guard = self.relogin.lock().await;
         if let Some(i) = self.current().filter(|i| !i.dead.load(Ordering::Acquire)) {
@@ -306,7 +331,7 @@ impl Session {
             .await?;
             conns.push((s, d, o));
         }
-        let inner = start_inner(&lead, conns, self.opts.timeout)?;
+        let inner = start_inner(&self.url.portal, &lead, conns, self.opts.timeout)?;
         *self.inner.lock().expect("session lock") = Some(inner.clone());
         Ok(inner)
     }
@@ -613,6 +638,17 @@ impl Inner {
                     }
                 }
                 machine::Event::WindowOpened => opened = true,
+                machine::Event::LogoutRequested { conn, within } => {
+                    tracing::info!(
+                        portal = %self.portal,
+                        conn,
+                        "the target asks to log out within {within:?}: no new command on it"
+                    );
+                    if st.machine.logout_requested() {
+                        self.logout_requested.store(true, Ordering::Release);
+                    }
+                    self.rearm.notify_one();
+                }
             }
         }
         if opened {
@@ -742,6 +778,7 @@ fn start_error(e: StartError) -> Error {
     match e {
         StartError::NoConnection => Error::ConnectionLost("no live connection".into()),
         StartError::WindowClosed => Error::ConnectionLost("the command window is closed".into()),
+        StartError::LogoutRequested => Error::LogoutRequested,
     }
 }
 
@@ -827,6 +864,7 @@ pub async fn discover(url: &IscsiUrl, opts: &LoginOptions) -> Result<Vec<Discove
     .await?;
     let session = Session::unconnected(url, opts.clone(), Isid::default());
     let inner = start_inner(
+        &url.portal,
         &outcome,
         vec![(stream, deframer, outcome.clone())],
         opts.timeout,
@@ -864,6 +902,7 @@ pub async fn discover(url: &IscsiUrl, opts: &LoginOptions) -> Result<Vec<Discove
 /// Builds a login's machine and starts the reader and writer of each connection; the session
 /// parameters and the CmdSN window come from the leading connection's login.
 fn start_inner(
+    portal: &str,
     lead: &Established,
     streams: Vec<(TcpStream, Deframer, Established)>,
     timeout: Duration,
@@ -910,6 +949,9 @@ fn start_inner(
         writers,
         dead: AtomicBool::new(false),
         closed: watch::channel(false).0,
+        logout_requested: AtomicBool::new(false),
+        rearm: tokio::sync::Notify::new(),
+        portal: portal.to_string(),
     });
     for (idx, (r, w, rx, deframer)) in halves.into_iter().enumerate() {
         tokio::spawn(writer(w, rx));
@@ -932,6 +974,7 @@ async fn timers(inner: Arc<Inner>, timeout: Duration) {
         );
         tokio::select! {
             _ = tokio::time::sleep_until(wake) => {}
+            _ = inner.rearm.notified() => {}
             _ = closed.wait_for(|c| *c) => return,
         }
         inner.with(|m| m.handle_timeout(Instant::now()));

@@ -225,6 +225,8 @@ pub struct Report {
     pub trace_dropped: u64,
     /// Times I/O moved to another path after a failure (multipath runs).
     pub failovers: u64,
+    /// Of those, the moves because the path's target asked to log out (a gateway stopping).
+    pub failovers_at_logout_request: u64,
     /// The longest time from a path's failure to the first success on another path. Not the
     /// stall the application saw: a write sent on the new path may wait much longer for it to
     /// take the unit over (`latency_us.max`, which the text report prints beside it).
@@ -559,6 +561,9 @@ async fn run_on(
         trace,
         trace_dropped,
         failovers: multipath.as_ref().map_or(0, |m| m.failovers()),
+        failovers_at_logout_request: multipath
+            .as_ref()
+            .map_or(0, |m| m.failovers_at_logout_request()),
         longest_failover_seconds: multipath
             .and_then(|m| m.longest_failover())
             .map(|d| d.as_secs_f64()),

@@ -1803,3 +1803,39 @@ async fn the_metrics_endpoint_answers_at_metrics_only_and_describes_every_family
     );
     d.stop();
 }
+
+/// A gateway that stops asks its initiators to log out (AsyncEvent 1) and serves them a few
+/// seconds more: initiator-bench's multipath moves its I/O to the other path at that request,
+/// as dm-multipath does, rather than when the gateway closes the connection; no I/O fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn multipath_leaves_a_stopping_gateway_at_its_logout_request() {
+    // Two daemons with the same target and memory unit: the same device identifier, so two
+    // paths to "one" unit for the path logic (reads only: their data is not shared).
+    let a = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let b = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let urls = [a.url(TARGET, 0), b.url(TARGET, 0)];
+    let w = Workload {
+        rw: Rw::Randread,
+        bs: 4096,
+        qd: 4,
+        time: Duration::from_secs(4),
+        size: Some(1 << 20),
+        ..Default::default()
+    };
+    let run = tokio::spawn(async move {
+        initiator_bench::workload::run_multipath(&urls, &opts(), &w, Default::default()).await
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let sessions_on_a = a.registry.sessions.all().len();
+    assert_eq!(sessions_on_a, 1, "the run is on path A");
+    tokio::task::spawn_blocking(move || a.stop()).await.unwrap();
+    let report = run.await.unwrap().expect("a report");
+    assert_eq!(report.errors, 0, "{:?}", report.failures);
+    assert_eq!(report.failovers, 1, "{report:?}");
+    assert_eq!(
+        report.failovers_at_logout_request, 1,
+        "it left A only when A closed: {report:?}"
+    );
+    assert!(report.ios > 0);
+    drop(b);
+}

@@ -147,6 +147,10 @@ pub enum StartError {
     WindowClosed,
     /// No connection of the session is alive.
     NoConnection,
+    /// The target asked (AsyncEvent 1) to log out every live connection: no new command
+    /// starts on them; the machine logs out once their commands end (or when the target's
+    /// Parameter3 runs out), and a new login may then take the work.
+    LogoutRequested,
 }
 
 /// What the machine reports.
@@ -162,6 +166,16 @@ pub enum Event {
     },
     /// ExpCmdSN or MaxCmdSN moved: commands refused with [`StartError::WindowClosed`] may go.
     WindowOpened,
+    /// The target asked to log out connection `conn` (AsyncEvent 1), as a gateway going down
+    /// does: a multipath initiator moves its I/O to another path now rather than when the
+    /// connection closes. No new command starts on it; the machine sends the Logout itself
+    /// once the connection's commands end, or `within` (the target's Parameter3) from now.
+    LogoutRequested {
+        /// The connection.
+        conn: usize,
+        /// How long the target waits for the Logout.
+        within: Duration,
+    },
 }
 
 #[derive(Debug)]
@@ -218,6 +232,10 @@ struct Connection {
     last_rx: Option<Instant>,
     /// The machine's ping on it, unanswered: its ITT and when it is given up.
     ping: Option<(u32, Instant)>,
+    /// The target asked to log it out: by when the Logout must be sent.
+    logout_by: Option<Instant>,
+    /// The machine's Logout for it is sent.
+    logging_out: bool,
 }
 
 /// Why the target's PDU closes the connection it came on.
@@ -298,7 +316,12 @@ impl Session {
                 Some((_, give_up)) => Some(give_up),
                 None => Some(c.last_rx? + self.timers.nop_interval?),
             });
-        task.into_iter().chain(pings).min()
+        let logouts = self
+            .conns
+            .iter()
+            .filter(|c| c.alive && !c.logging_out)
+            .filter_map(|c| c.logout_by);
+        task.into_iter().chain(pings).chain(logouts).min()
     }
 
     /// Time has come to `now`: tasks past their deadline end with [`Failure::TimedOut`]; a
@@ -332,6 +355,7 @@ impl Session {
                 _ => {}
             }
         }
+        self.logout_when_drained(now);
     }
 
     /// Adds a logged-in connection; returns its index (for `handle_pdu` and `poll_transmit`).
@@ -347,6 +371,8 @@ impl Session {
             out: VecDeque::new(),
             last_rx: None,
             ping: None,
+            logout_by: None,
+            logging_out: false,
         });
         self.conns.len() - 1
     }
@@ -401,14 +427,68 @@ impl Session {
         self.events.pop_front()
     }
 
-    fn pick_conn(&mut self) -> Result<usize, StartError> {
+    /// The live connection to start on, in turn; for a SCSI command (`command`) not one the
+    /// target asked to log out.
+    fn pick_conn(&mut self, command: bool) -> Result<usize, StartError> {
         let n = self.conns.len();
         let start = self.next_conn;
         self.next_conn = self.next_conn.wrapping_add(1);
-        (0..n)
+        let usable = |c: &Connection| c.alive && !(command && c.logout_by.is_some());
+        match (0..n)
             .map(|k| (start + k) % n)
-            .find(|&i| self.conns[i].alive)
-            .ok_or(StartError::NoConnection)
+            .find(|&i| usable(&self.conns[i]))
+        {
+            Some(i) => Ok(i),
+            None if self.conns.iter().any(|c| c.alive) => Err(StartError::LogoutRequested),
+            None => Err(StartError::NoConnection),
+        }
+    }
+
+    /// Whether the target asked to log out every live connection (no command can start).
+    pub fn logout_requested(&self) -> bool {
+        let mut live = self.conns.iter().filter(|c| c.alive).peekable();
+        live.peek().is_some() && live.all(|c| c.logout_by.is_some())
+    }
+
+    /// Sends the Logout of each connection the target asked to log out whose commands have
+    /// ended, or whose time (the target's Parameter3) is up: closing the session when no
+    /// other connection stays, else closing that connection.
+    fn logout_when_drained(&mut self, now: Instant) {
+        for ci in 0..self.conns.len() {
+            let c = &self.conns[ci];
+            let Some(by) = c.logout_by.filter(|_| c.alive && !c.logging_out) else {
+                continue;
+            };
+            let busy = self
+                .tasks
+                .values()
+                .any(|t| t.conn == ci && !matches!(t.kind, TaskKind::Ping | TaskKind::Logout));
+            if busy && by > now {
+                continue;
+            }
+            let others = self
+                .conns
+                .iter()
+                .enumerate()
+                .any(|(i, c)| i != ci && c.alive && c.logout_by.is_none());
+            let reason = if others {
+                LogoutReason::CloseConnection
+            } else {
+                LogoutReason::CloseSession
+            };
+            self.conns[ci].logging_out = true;
+            self.start_on(ci, now, TaskKind::Logout, |itt, cmd_sn, exp| {
+                Pdu::LogoutRequest(LogoutRequest {
+                    immediate: true,
+                    reason,
+                    initiator_task_tag: itt,
+                    // Connections are numbered by their CID from 0, as added.
+                    cid: ci as u16,
+                    cmd_sn,
+                    exp_stat_sn: exp,
+                })
+            });
+        }
     }
 
     fn next_itt(&mut self) -> u32 {
@@ -432,7 +512,7 @@ impl Session {
         if !self.cmd_sn.le(self.max_cmd_sn) {
             return Err(StartError::WindowClosed);
         }
-        let ci = self.pick_conn()?;
+        let ci = self.pick_conn(true)?;
         let itt = self.next_itt();
         let cmd_sn = self.cmd_sn;
         self.cmd_sn = cmd_sn.next();
@@ -533,7 +613,7 @@ impl Session {
         kind: TaskKind,
         build: impl FnOnce(u32, SerialNumber, SerialNumber) -> Pdu,
     ) -> Result<u32, StartError> {
-        let ci = self.pick_conn()?;
+        let ci = self.pick_conn(false)?;
         Ok(self.start_on(ci, now, kind, build))
     }
 
@@ -803,6 +883,16 @@ impl Session {
                     self.rejected(h.opcode(), h.initiator_task_tag(), r.reason);
                 }
             }
+            Pdu::AsyncMessage(a) if a.event == AsyncEvent::LogoutRequested => {
+                self.update_window(a.exp_cmd_sn, a.max_cmd_sn);
+                let within = Duration::from_secs(u64::from(a.parameter3));
+                let c = &mut self.conns[conn];
+                if c.logout_by.is_none() {
+                    c.logout_by = Some(now + within);
+                    self.events
+                        .push_back(Event::LogoutRequested { conn, within });
+                }
+            }
             Pdu::AsyncMessage(a) => {
                 self.update_window(a.exp_cmd_sn, a.max_cmd_sn);
                 if matches!(
@@ -822,6 +912,8 @@ impl Session {
                 )))
             }
         }
+        // A task that ended may have been the last one holding back a requested logout.
+        self.logout_when_drained(now);
         Ok(())
     }
 
