@@ -203,7 +203,12 @@ impl Multipath {
                     if started.elapsed() > self.give_up_after {
                         return Err(e);
                     }
-                    tracing::warn!(path = %self.paths[i].session.url().portal, "path failed: {e}");
+                    let portal = &self.paths[i].session.url().portal;
+                    if matches!(e, Error::LogoutRequested) {
+                        tracing::info!(path = %portal, "leaving the path: {e}");
+                    } else {
+                        tracing::warn!(path = %portal, "path failed: {e}");
+                    }
                     // Commands in flight on the path fail together: one of them chooses the
                     // next path, the others retry on it.
                     if self.current.load(Ordering::Relaxed) == i
