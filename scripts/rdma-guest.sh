@@ -12,8 +12,8 @@
 # loads the modules, gives eth0 the address 10.0.2.15, creates rxe0 on it, then runs SCRIPT (a
 # shell script, copied to /script, run with the helpers of /guest.sh: fail, start_targetd,
 # find_disk, check_disk; the EXEs are in /bin, with busybox's tools; the modules of
-# Linux's SRP and iSER initiators, ib_srp and ib_iser, of SCSI disks and of LIO's file
-# backstore are loaded; Linux's SRP target, ib_srpt, is in /lib/modules/extra for a script to
+# Linux's SRP, iSER and iSCSI/TCP initiators (ib_srp, ib_iser, iscsi_tcp), of SCSI disks with
+# ALUA (scsi_dh_alua), of dm-multipath and of LIO's file backstore are loaded; Linux's SRP target, ib_srpt, is in /lib/modules/extra for a script to
 # insmod with its parameters) in /tmp with RDMA_ADDR=10.0.2.15,
 # and powers off. Everything the guest prints comes out on stdout; the exit status is
 # SCRIPT's (2 when the guest did not say, 3 when it did not finish in RDMA_GUEST_TIMEOUT
@@ -92,10 +92,13 @@ def visit(m):
     for d in deps(m):
         visit(d)
     order.append(m)
-# rxe computes its ICRC with the crypto API's crc32.
-# Linux's own SRP and iSER initiators (ib_srp, ib_iser) and SCSI disks (sd_mod), as peers.
-for m in ["crc32_generic", "virtio_pci", "virtio_net", "rdma_rxe", "ib_uverbs", "rdma_ucm",
-          "ib_srp", "ib_iser", "sd_mod", "target_core_file"]:
+# rxe computes its ICRC with the crypto API's crc32; iscsi_tcp its digests with crc32c.
+# Linux's own SRP and iSER initiators (ib_srp, ib_iser) and SCSI disks (sd_mod), as peers;
+# its iSCSI/TCP initiator with ALUA and dm-multipath (iscsi_tcp, scsi_dh_alua, dm_multipath,
+# dm_round_robin), as a multipath host runs them.
+for m in ["crc32_generic", "crc32c_generic", "virtio_pci", "virtio_net", "rdma_rxe", "ib_uverbs", "rdma_ucm",
+          "ib_srp", "ib_iser", "sd_mod", "target_core_file", "scsi_dh_alua", "iscsi_tcp",
+          "dm_multipath", "dm_round_robin"]:
     visit(m)
 # Linux's SRP target, loaded by a script that wants it (with its parameters): what it
 # needs is loaded.
@@ -115,7 +118,7 @@ rm -rf "$root"
 mkdir -p "$root"/{bin,etc/libibverbs.d,proc,sys,dev,tmp,lib/modules}
 cp "$dir/bb/bin/busybox" "$root/bin/busybox"
 for a in sh mount insmod ip poweroff cat echo ls sleep dmesg dd cmp wget grep head tail seq sync kill \
-  mkdir rm printf find ln; do
+  mkdir rm printf find ln cut awk timeout tr basename; do
   ln -sf busybox "$root/bin/$a"
 done
 : >"$root/modules.order"

@@ -14,6 +14,9 @@
 //!   one stops or is killed (no acknowledged write lost), fencing of a silent gateway.
 //! - COMPARE AND WRITE from both gateways on one block: one winner each round.
 //! - A gateway that exports an image otherwise than the others is refused, naming both.
+//! - Linux's own initiator (iscsi_tcp, scsi_dh_alua, dm-multipath) in a QEMU guest, through a
+//!   standby gateway: the disk has its size on both paths, and writes go on when the
+//!   optimized gateway is killed.
 //!
 //! The cluster is the one the RBD tests use (tests/common/ceph.rs).
 #![cfg(feature = "rbd")]
@@ -592,6 +595,17 @@ struct Process_ {
 
 impl Process_ {
     fn start(ceph: &Ceph, name: &str, port_group: u16, image: &str) -> Process_ {
+        Process_::start_with(ceph, name, port_group, image, "")
+    }
+
+    /// A gateway whose LUN has the keys `lun_keys` too (`standby = true`).
+    fn start_with(
+        ceph: &Ceph,
+        name: &str,
+        port_group: u16,
+        image: &str,
+        lun_keys: &str,
+    ) -> Process_ {
         let dir = tempfile::tempdir().unwrap();
         let keyring = ceph
             .keyring
@@ -604,7 +618,7 @@ impl Process_ {
              port_group = {port_group}\npool = \"{}\"\nceph_conf = \"{}\"\nclient = \"{}\"\n\
              {keyring}",
             dir.path().join("admin.sock").display(),
-            ceph.target(image, "64MiB", ""),
+            ceph.target(image, "64MiB", lun_keys),
             ceph.pool,
             ceph.conf.display(),
             ceph.client
@@ -1093,3 +1107,161 @@ async fn initiator_bench_multipath_rides_through_a_killed_gateway_with_verified_
     drop(b);
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }
+
+/// Linux as a multipath host (iscsi_tcp, scsi_dh_alua, dm-multipath with the alua hardware
+/// handler and queue_if_no_path), in the guest of scripts/rdma-guest.sh, logged in to both
+/// gateways of a unit with `standby = true`: through the standby gateway the disk has its
+/// size (a standby port processes READ CAPACITY: Linux once sized it 0 blocks there, and its
+/// failover then failed every write), and 16 MiB of direct writes through the multipath
+/// device go on while the optimized gateway is killed, and read back. The longest write is
+/// printed: the stall as the application saw it. Needs a Ceph cluster, what the guest needs
+/// and open-iscsi and dmsetup; says which is missing and skips (fails under `CI`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn linux_multipath_fails_over_to_a_standby_gateway() {
+    let Some(ceph) = ceph() else { return };
+    let tools: Option<Vec<String>> = ["iscsid", "iscsiadm", "dmsetup"]
+        .iter()
+        .map(|t| common::guest::which(t))
+        .collect();
+    let Some(tools) = tools else {
+        return common::guest::skip(
+            "open-iscsi's iscsid and iscsiadm or dmsetup are missing (Debian packages \
+             open-iscsi, dmsetup)",
+        );
+    };
+    let _turn = turn();
+    let image = unique("linux-mp");
+    let name = unique("gws");
+    let a = Process_::start_with(&ceph, &name, 1, &image, "standby = true");
+    let b = Process_::start_with(&ceph, &name, 2, &image, "standby = true");
+    // A (the lowest group) is active/optimized, B standby, as both report.
+    let via_b = b.session("probe").await;
+    expect_groups(&via_b, &[(1, 0x0, true), (2, 0x2, false)], 20).await;
+    via_b.logout().await.ok();
+    drop(via_b);
+    // The guest asks the host to kill A by connecting here (10.0.2.2 is the host's
+    // 127.0.0.1 to it).
+    let killer = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let kill_port = killer.local_addr().unwrap().port();
+    let pid = a.child.id();
+    std::thread::spawn(move || {
+        if let Ok((mut c, _)) = killer.accept() {
+            let _ = Process::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            let _ = std::io::Write::write_all(&mut c, b"HTTP/1.0 200 OK\r\n\r\nkilled\n");
+        }
+    });
+    let script = LINUX_MULTIPATH
+        .replace("@TARGET@", TARGET)
+        .replace("@PORT_A@", &a.addr.port().to_string())
+        .replace("@PORT_B@", &b.addr.port().to_string())
+        .replace("@KILL@", &kill_port.to_string());
+    let timeout = std::env::var("RDMA_GUEST_TIMEOUT").unwrap_or_else(|_| "900".into());
+    let run = tokio::task::spawn_blocking(move || {
+        common::guest::run(
+            "linux-multipath.sh",
+            &script,
+            &tools,
+            &[("RDMA_GUEST_TIMEOUT", timeout)],
+        )
+    })
+    .await
+    .unwrap();
+    let Some(run) = run else { return };
+    let report = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("linux-multipath.txt");
+    std::fs::write(&report, run.console.as_bytes()).unwrap();
+    assert!(
+        run.status.success(),
+        "the guest failed ({:?}): {}\nsee {}",
+        run.status.code(),
+        run.errors,
+        report.display()
+    );
+    for line in [
+        "linux multipath: both paths have 131072 sectors",
+        "linux multipath: the path through B is standby",
+        "linux multipath: 16 MiB written across the failover and read back",
+    ] {
+        assert!(
+            run.console.contains(line),
+            "{line:?} missing: see {}",
+            report.display()
+        );
+    }
+    if let Some(l) = run
+        .console
+        .lines()
+        .find(|l| l.contains("the longest write took"))
+    {
+        println!("{l}");
+    }
+    drop(a);
+    drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
+
+/// In the guest: open-iscsi logs in to gateway A, then B (so A's disk is sda); dm-multipath
+/// puts them in two path groups with the alua handler; 256 direct 64 KiB writes go through
+/// it, the host kills A after the 64th, and everything is read back.
+const LINUX_MULTIPATH: &str = r#"
+mkdir -p /etc/iscsi/nodes /etc/iscsi/send_targets /etc/iscsi/ifaces /run/lock/iscsi /var/lock /var/lib/iscsi
+echo "InitiatorName=iqn.2026-11.io.example:linux-multipath" > /etc/iscsi/initiatorname.iscsi
+echo "root:x:0:0:root:/root:/bin/sh" > /etc/passwd
+echo "root:x:0:" > /etc/group
+# What dm-multipath hosts set: a lost path is given up after 5 s, not open-iscsi's 120.
+printf 'node.startup = manual\nnode.session.timeo.replacement_timeout = 5\n' > /etc/iscsi/iscsid.conf
+/bin/iscsid -f > /tmp/iscsid.log 2>&1 &
+sleep 1
+disks() { ls -d /sys/block/sd* 2>/dev/null | wc -l; }
+login() {
+  /bin/iscsiadm -m node -o new -T @TARGET@ -p 10.0.2.2:$1 > /dev/null || fail "linux multipath: node $1"
+  /bin/iscsiadm -m node -T @TARGET@ -p 10.0.2.2:$1 --login || fail "linux multipath: login to $1 failed"
+  for i in $(seq 1 200); do [ "$(disks)" -ge $2 ] && return 0; sleep 0.1; done
+  fail "linux multipath: no disk after the login to $1"
+}
+login @PORT_A@ 1
+login @PORT_B@ 2
+sleep 1
+a=$(cat /sys/block/sda/size); b=$(cat /sys/block/sdb/size)
+echo "linux multipath: sda (A) $a sectors, $(cat /sys/block/sda/device/access_state 2>/dev/null); sdb (B) $b sectors, $(cat /sys/block/sdb/device/access_state 2>/dev/null)"
+echo "linux multipath: handlers $(cat /sys/block/sda/device/dh_state) $(cat /sys/block/sdb/device/dh_state)"
+[ "$a" = 131072 ] && [ "$b" = 131072 ] && echo "linux multipath: both paths have 131072 sectors"
+[ "$(cat /sys/block/sdb/device/access_state)" = standby ] && echo "linux multipath: the path through B is standby"
+ma=$(cat /sys/block/sda/dev); mb=$(cat /sys/block/sdb/dev)
+/bin/dmsetup create mp --table "0 $a multipath 1 queue_if_no_path 1 alua 2 1 round-robin 0 1 1 $ma 1000 round-robin 0 1 1 $mb 1000" || fail "linux multipath: dmsetup create"
+/bin/dmsetup mknodes
+/bin/dmsetup table mp
+dd if=/dev/urandom of=/tmp/data bs=65536 count=256 2>/dev/null
+# A write queued with no usable path would wait for ever (queue_if_no_path), out of reach of
+# signals: a watchdog turns queueing off after 60 s, so that it fails instead.
+watchdog() {
+  sleep 60
+  echo "linux multipath: a write waited 60 s: $(/bin/dmsetup status mp); sdb $(cat /sys/block/sdb/size) sectors"
+  /bin/dmsetup message mp 0 fail_if_no_path
+}
+longest=0
+i=0
+while [ $i -lt 256 ]; do
+  t0=$(cut -d' ' -f1 /proc/uptime)
+  watchdog & dog=$!
+  dd if=/tmp/data of=/dev/mapper/mp bs=65536 skip=$i seek=$i count=1 oflag=direct 2>/dev/null || fail "linux multipath: write $i failed"
+  kill $dog 2>/dev/null
+  t1=$(cut -d' ' -f1 /proc/uptime)
+  took=$(echo "$t0 $t1" | awk '{ printf "%.2f", $2 - $1 }')
+  longest=$(echo "$longest $took" | awk '{ print ($2 > $1) ? $2 : $1 }')
+  if [ $i -eq 64 ]; then
+    wget -qO- http://10.0.2.2:@KILL@/ || fail "linux multipath: the host did not kill A"
+    echo "linux multipath: A killed after write $i"
+  fi
+  i=$((i + 1))
+done
+echo "linux multipath: the longest write took $longest s"
+/bin/dmsetup status mp
+echo "linux multipath: sdb now $(cat /sys/block/sdb/device/access_state)"
+watchdog & dog=$!
+dd if=/dev/mapper/mp of=/tmp/back bs=65536 count=256 iflag=direct 2>/dev/null || fail "linux multipath: the read back failed"
+kill $dog 2>/dev/null
+cmp /tmp/data /tmp/back && echo "linux multipath: 16 MiB written across the failover and read back" || fail "linux multipath: data differ"
+/bin/dmsetup remove mp
+"#;
