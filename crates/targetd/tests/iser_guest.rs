@@ -2,9 +2,11 @@
 //! Debian's kernel, soft-RoCE on its virtio interface) runs targetd with `iser_portals` on
 //! the rxe device beside a TCP portal on the same address, then Linux's own iSER initiator
 //! (open-iscsi's iscsid and iscsiadm with the kernel's ib_iser: discovery over TCP, login
-//! over iSER, verified writes and reads through the disk it makes, logout), then libiscsi's
+//! over iSER, verified writes and reads through the disk it makes, logout), with libiscsi's
 //! tools over their own iSER transport (`iser://` URLs; Debian's libiscsi links libibverbs
-//! and librdmacm): `iscsi-inq` and `iscsi-readcapacity16`. (Debian's `iscsi-ls` takes only
+//! and librdmacm) before it (`iscsi-inq`) and after it (`iscsi-inq`, `iscsi-readcapacity16`
+//! and a test of `iscsi-test-cu`): a libiscsi client once could not connect after Linux's
+//! initiator had been used (not seen since; both orders are checked). (Debian's `iscsi-ls` takes only
 //! `iscsi://` URLs; tests/iser.rs logs in a discovery session over iSER.) Then this test binary
 //! again, as initiator-bench's iSER initiator (`run --transport iser`): verified random reads
 //! and writes of 4 KiB (immediate data), 64 KiB and 1 MiB, under each way of registering.
@@ -95,9 +97,11 @@ fn iser_over_soft_roce_with_libiscsi_in_a_linux_guest() {
         "linux iser: its address known",
         "linux iser: 8 MiB written in 4 KiB writes and read back",
         "linux iser: 8 MiB written in 1 MiB writes and read back",
+        "iser: iscsi-inq answered before Linux's initiator",
         "linux iser: logged out",
         "iser: iscsi-inq answered",
         "iser: iscsi-readcapacity16 answered",
+        "iser: iscsi-test-cu SCSI.Inquiry.Standard passed after Linux's initiator",
         "initiator-bench iser: 4096-byte I/Os verified",
         "initiator-bench iser: 65536-byte I/Os verified",
         "initiator-bench iser: 1048576-byte I/Os verified",
@@ -198,6 +202,11 @@ backend = "memory"
 size = "128MiB"
 CONFIG
 start_targetd /tmp/targetd.toml
+url=iser://$RDMA_ADDR:3260/@TARGET@/0
+# libiscsi's iSER client before Linux's iSER initiator, and again after it (below): every
+# order works.
+/bin/iscsi-inq $url > /tmp/inq 2>&1 || { cat /tmp/inq /tmp/targetd.log; exit 1; }
+grep -q "Peripheral" /tmp/inq && echo "iser: iscsi-inq answered before Linux's initiator"
 # Linux's iSER initiator: discovery over TCP, the node bound to the iser interface.
 mkdir -p /etc/iscsi/nodes /etc/iscsi/send_targets /etc/iscsi/ifaces /run/lock/iscsi /var/lock /var/lib/iscsi
 echo "InitiatorName=iqn.2026-11.io.example:linux-iser" > /etc/iscsi/initiatorname.iscsi
@@ -212,14 +221,17 @@ sleep 1
 find_disk "linux iser"
 grep -q "initiator=iqn.2026-11.io.example:linux-iser.* peer=$RDMA_ADDR:" /tmp/targetd.log && echo "linux iser: its address known"
 check_disk "linux iser"
+sync
 /bin/iscsiadm -m node -T @TARGET@ -p $RDMA_ADDR:3260 -I iser --logout && echo "linux iser: logged out"
-url=iser://$RDMA_ADDR:3260/@TARGET@/0
 /bin/iscsi-inq $url > /tmp/inq 2>&1 || { cat /tmp/inq /tmp/targetd.log; exit 1; }
 cat /tmp/inq
 grep -q "Peripheral" /tmp/inq && echo "iser: iscsi-inq answered"
 /bin/iscsi-readcapacity16 $url > /tmp/cap 2>&1 || { cat /tmp/cap /tmp/targetd.log; exit 1; }
 cat /tmp/cap
 grep -q "Total size:134217728" /tmp/cap && echo "iser: iscsi-readcapacity16 answered"
+# A test of libiscsi's suite (two iSER connections of one process, one after the other).
+/bin/iscsi-test-cu -d --test=SCSI.Inquiry.Standard $url > /tmp/cu 2>&1 || { cat /tmp/cu; tail -n 40 /tmp/targetd.log; exit 1; }
+grep -q "Tests completed with return value: 0" /tmp/cu && echo "iser: iscsi-test-cu SCSI.Inquiry.Standard passed after Linux's initiator"
 # initiator-bench's iSER initiator: this test binary's guest side.
 TARGETD_ISER_GUEST=1 /bin/@ME@ --exact initiator_bench_over_iser_in_the_guest --nocapture --test-threads 1 || fail "initiator-bench iser: the run failed"
 if [ -n "@TESTS@" ]; then
