@@ -82,6 +82,7 @@ fn srp_over_soft_roce_in_a_linux_guest() {
         "ib_srp: 8 MiB written in 1 MiB writes and read back",
         "ib_srp: the resize came as an SRP_AER_REQ",
         "ib_srp: the disk is 128 MiB now",
+        "guest side: initiator-bench's own SRP login accepted by a default port",
     ] {
         assert!(console.contains(line), "{line:?} missing:\n{console}");
     }
@@ -334,6 +335,36 @@ fn guest_side() {
         });
     }
     println!("guest side: logouts end their channels");
+
+    // initiator-bench's own login (`run --transport srp srp://...` sends what
+    // login_request_for makes): accepted by the port at its defaults, and a run through it.
+    o.regions = 1;
+    let w = verified(65536, 100);
+    let req = initiator_bench::srp::login_request_for(2, targetd::srp::port_id(TARGET), &o);
+    let mut private = Vec::new();
+    req.encode_rdma_cm(&mut private);
+    let depth = QueueDepth {
+        send: 1024,
+        recv: 256,
+    };
+    let (qp, reply) = verbs
+        .connect(portal, depth, &private)
+        .expect("initiator-bench's SRP login accepted");
+    let Ok(Iu::LoginRsp(rsp)) = Iu::decode(&reply) else {
+        panic!("not an SRP_LOGIN_RSP: {reply:02x?}");
+    };
+    let ch = InitiatorChannel::new(&mut verbs, qp, &rsp, o.registration, 8, place_len(&w, &o))
+        .expect("the channel's memory");
+    let mut channels = [ch];
+    let r = run_channels(&mut verbs, &mut channels, 0, &w, &o).expect("the run");
+    assert_eq!((r.ios, r.errors, r.verify_errors), (100, 0, 0));
+    channels[0].logout(&mut verbs).expect("logout sent");
+    eventually("the channel ends after its logout", || {
+        d.registry.srp_channels().is_empty()
+    });
+    println!(
+        "guest side: initiator-bench's own SRP login accepted by a default port, 100 verified I/Os"
+    );
 
     // A second channel of the same I_T nexus (MULTI CHANNEL), then both lost: the verbs of
     // the initiator go away without a logout.
