@@ -23,7 +23,7 @@ use initiator_bench::srp::{
 use initiator_bench::workload::{Rw, Workload};
 use srp::initiator::channel::InitiatorChannel;
 use srp::initiator::Registration;
-use srp::iu::{Iu, MultiChannelAction, MultiChannelResult, SrpLoginRsp};
+use srp::iu::{Iu, MultiChannelAction, MultiChannelResult, SrpLoginReq, SrpLoginRsp};
 use srp::rdma::{QpHandle, QueueDepth, RdmaVerbs};
 
 /// Set in the guest: the test binary runs its guest side there.
@@ -233,6 +233,15 @@ fn log_in_to(
 ) -> (QpHandle, SrpLoginRsp) {
     let mut req = login_request(s, port_id, 8260);
     req.multi_channel = action;
+    log_in_with(verbs, portal, &req)
+}
+
+/// Sends the login request `req` over rdma_cm; the queue pair and the target's answer.
+fn log_in_with(
+    verbs: &mut RdmaVerbs,
+    portal: SocketAddr,
+    req: &SrpLoginReq,
+) -> (QpHandle, SrpLoginRsp) {
     let mut private = Vec::new();
     req.encode_rdma_cm(&mut private);
     let depth = QueueDepth {
@@ -341,18 +350,7 @@ fn guest_side() {
     o.regions = 1;
     let w = verified(65536, 100);
     let req = initiator_bench::srp::login_request_for(2, targetd::srp::port_id(TARGET), &o);
-    let mut private = Vec::new();
-    req.encode_rdma_cm(&mut private);
-    let depth = QueueDepth {
-        send: 1024,
-        recv: 256,
-    };
-    let (qp, reply) = verbs
-        .connect(portal, depth, &private)
-        .expect("initiator-bench's SRP login accepted");
-    let Ok(Iu::LoginRsp(rsp)) = Iu::decode(&reply) else {
-        panic!("not an SRP_LOGIN_RSP: {reply:02x?}");
-    };
+    let (qp, rsp) = log_in_with(&mut verbs, portal, &req);
     let ch = InitiatorChannel::new(&mut verbs, qp, &rsp, o.registration, 8, place_len(&w, &o))
         .expect("the channel's memory");
     let mut channels = [ch];
