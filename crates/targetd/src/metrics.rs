@@ -174,20 +174,16 @@ fn process(e: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
             p.max_fds,
         ),
         ("process_threads", "threads", p.threads),
+        (
+            "process_start_time_seconds",
+            "start time since the Unix epoch, seconds",
+            p.start_time_seconds,
+        ),
     ];
     for (name, help, value) in gauges {
         if let Some(v) = value {
             family(e, name, help, Gauge)?.sample(&none, v)?;
         }
-    }
-    if let Some(start) = p.start_time_seconds {
-        family(
-            e,
-            "process_start_time_seconds",
-            "start time since the Unix epoch, seconds",
-            Gauge,
-        )?
-        .sample(&none, start)?;
     }
     Ok(())
 }
