@@ -15,7 +15,7 @@ use std::rc::Rc;
 use std::sync::Arc;
 
 use io_uring::{opcode, types, IoUring, Probe};
-use scsi_core::{Backend, BackendError, Op, Output};
+use scsi_core::{Backend, BackendError, Op, Output, WriteSamePlan};
 use slab::Slab;
 
 use crate::arena::{Arena, Buffer};
@@ -755,12 +755,11 @@ fn ring_entry(u: &Uring, lu: &Lu, req: &mut Request, bs: u32) -> Option<io_uring
                 .build()
         })),
         Op::Unmap { lba, blocks } if u.support.fallocate => Some(punch(lba, blocks)),
-        Op::WriteSame {
-            lba,
-            blocks,
-            unmap: true,
-            ..
-        } if u.support.fallocate && req.op.writes_zero_block(&req.buf, bs as usize) => {
+        Op::WriteSame { lba, blocks, .. }
+            if u.support.fallocate
+                && req.op.write_same_plan(&req.buf, bs as usize)
+                    == Some(WriteSamePlan::Deallocate) =>
+        {
             Some(punch(lba, blocks))
         }
         _ => None,

@@ -108,11 +108,37 @@ pub enum Op {
     },
 }
 
+/// How a WRITE SAME is carried out: decided once ([`Op::write_same_plan`]) for every
+/// backend, which then does each step its own way (a file: fallocate; RBD: librbd's discard,
+/// write_zeroes and writesame; memory: writes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteSamePlan {
+    /// UNMAP bit set and the block is zeros: deallocate the range (it reads back as zeros).
+    Deallocate,
+    /// The block is zeros (NDOB, or data of zeros): write zeros the store's cheapest way.
+    Zeroes,
+    /// Write the block over each block of the range.
+    Block,
+}
+
 impl Op {
+    /// The plan of this WRITE SAME whose data block (unless NDOB) is the first `block_size`
+    /// bytes of `buf`; `None` for any other operation. A block of zeros is written as zeros
+    /// (not copied block by block) whether it came as NDOB or as data.
+    pub fn write_same_plan(&self, buf: &[u8], block_size: usize) -> Option<WriteSamePlan> {
+        let Op::WriteSame { unmap, .. } = *self else {
+            return None;
+        };
+        Some(match (self.writes_zero_block(buf, block_size), unmap) {
+            (true, true) => WriteSamePlan::Deallocate,
+            (true, false) => WriteSamePlan::Zeroes,
+            (false, _) => WriteSamePlan::Block,
+        })
+    }
+
     /// Whether this is a WRITE SAME of a block of zeros: without data (NDOB), or with a first
-    /// `block_size` bytes of `buf` that are all zero. Such a write may deallocate (with
-    /// `unmap`) or write zeros the cheap way (a hole, librbd's write_zeroes).
-    pub fn writes_zero_block(&self, buf: &[u8], block_size: usize) -> bool {
+    /// `block_size` bytes of `buf` that are all zero.
+    fn writes_zero_block(&self, buf: &[u8], block_size: usize) -> bool {
         match self {
             Op::WriteSame { zeros: true, .. } => true,
             Op::WriteSame { .. } => buf
@@ -406,17 +432,13 @@ pub fn execute(
             store.deallocate(at, n as u64)?;
         }
         Op::WriteSame {
-            lba,
-            blocks,
-            zeros,
-            unmap,
-            fua,
+            lba, blocks, fua, ..
         } => {
             let (at, n) = bytes(lba, blocks)?;
-            if unmap && op.writes_zero_block(buf, bs) {
-                store.deallocate(at, n as u64)?;
-            } else {
-                store.write_same(at, n, (!zeros).then(|| &buf[..bs]), fua)?;
+            match op.write_same_plan(buf, bs) {
+                Some(WriteSamePlan::Deallocate) => store.deallocate(at, n as u64)?,
+                Some(WriteSamePlan::Zeroes) => store.write_same(at, n, None, fua)?,
+                _ => store.write_same(at, n, Some(&buf[..bs]), fua)?,
             }
         }
         Op::Compare {
@@ -599,6 +621,33 @@ impl Backend for MemoryBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One plan for every backend: zeros (NDOB or data) with UNMAP deallocate, zeros without
+    /// it are written as zeros, anything else block by block.
+    #[test]
+    fn write_same_plans() {
+        let same = |zeros: bool, unmap: bool| Op::WriteSame {
+            lba: 0,
+            blocks: 8,
+            zeros,
+            unmap,
+            fua: false,
+        };
+        let (zero, data) = ([0u8; 512], [1u8; 512]);
+        use WriteSamePlan::*;
+        for (op, buf, plan) in [
+            (same(true, true), &[][..], Deallocate),
+            (same(false, true), &zero[..], Deallocate),
+            (same(false, true), &data[..], Block),
+            (same(true, false), &[][..], Zeroes),
+            (same(false, false), &zero[..], Zeroes),
+            (same(false, false), &data[..], Block),
+        ] {
+            assert_eq!(op.write_same_plan(buf, 512), Some(plan), "{op:?}");
+        }
+        let flush = Op::Flush { lba: 0, blocks: 0 };
+        assert_eq!(flush.write_same_plan(&[], 512), None);
+    }
 
     #[test]
     fn memory_backend_reads_what_was_written_and_unmaps() {

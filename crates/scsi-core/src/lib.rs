@@ -30,7 +30,7 @@ pub mod task;
 pub mod testing;
 pub mod transport;
 
-pub use backend::{Backend, BackendError, BlockStore, MemoryBackend, Op, Output};
+pub use backend::{Backend, BackendError, BlockStore, MemoryBackend, Op, Output, WriteSamePlan};
 pub use cdb::BlockIo;
 pub use device::{
     lun_index, lun_number, Device, DeviceError, ReservationChange, TaskError, MAX_LUN,

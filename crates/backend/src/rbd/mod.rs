@@ -42,7 +42,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
-use scsi_core::{Backend, BackendError, Op, Output};
+use scsi_core::{Backend, BackendError, Op, Output, WriteSamePlan};
 
 use crate::arena::Buffer;
 
@@ -1192,7 +1192,7 @@ impl RbdBackend {
         let bs = u64::from(self.block_size);
         let cell: *const SlotCell = self.cell(index);
         let p = self.pending[index as usize].as_mut().expect("slot in use");
-        let zero_block = p.op.writes_zero_block(&p.buffer, bs as usize);
+        let plan = p.op.write_same_plan(&p.buffer, bs as usize);
         let base = p.buffer.as_mut_ptr();
         let mut c: ffi::rbd_completion_t = std::ptr::null_mut();
         // Safety: the callback's argument is a SlotCell at a fixed address that outlives the
@@ -1244,16 +1244,11 @@ impl RbdBackend {
                     ffi::rbd_aio_discard(img, lba * bs, blocks * bs, c).into()
                 }
                 Op::WriteSame {
-                    lba,
-                    blocks,
-                    unmap,
-                    fua,
-                    ..
+                    lba, blocks, fua, ..
                 } => {
-                    let zero = zero_block;
-                    if zero && unmap {
+                    if plan == Some(WriteSamePlan::Deallocate) {
                         ffi::rbd_aio_discard(img, lba * bs, blocks * bs, c).into()
-                    } else if zero {
+                    } else if plan == Some(WriteSamePlan::Zeroes) {
                         ffi::rbd_aio_write_zeroes(
                             img,
                             lba * bs,
