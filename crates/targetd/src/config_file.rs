@@ -40,7 +40,13 @@ pub fn merge(old: &str, dir: Option<&Path>, running: &Config) -> Result<String, 
     }
     let read = serialized(&typed)?;
     let running = serialized(running)?;
-    merge_table(raw.as_table_mut(), read.as_table(), running.as_table());
+    let new = NewTables { dir };
+    merge_table(
+        raw.as_table_mut(),
+        read.as_table(),
+        running.as_table(),
+        &new,
+    );
     Ok(raw.to_string())
 }
 
@@ -52,7 +58,7 @@ fn serialized(config: &Config) -> Result<DocumentMut, MergeError> {
 }
 
 /// Makes `raw` hold `running`'s keys, keeping what `read` (raw as read) says is unchanged.
-fn merge_table(raw: &mut Table, read: &Table, running: &Table) {
+fn merge_table(raw: &mut Table, read: &Table, running: &Table, new_tables: &NewTables) {
     let gone: Vec<String> = raw
         .iter()
         .map(|(k, _)| k.to_string())
@@ -64,7 +70,7 @@ fn merge_table(raw: &mut Table, read: &Table, running: &Table) {
     for (key, new) in running.iter() {
         let before = read.get(key);
         match raw.get_mut(key) {
-            Some(item) => merge_item(item, before, new),
+            Some(item) => merge_item(item, before, new, new_tables),
             // Not in the file: added unless it is what reading the file gave anyway (a default).
             None if before.is_some_and(|b| same(b, new)) => {}
             None => {
@@ -74,7 +80,7 @@ fn merge_table(raw: &mut Table, read: &Table, running: &Table) {
     }
 }
 
-fn merge_item(raw: &mut Item, read: Option<&Item>, running: &Item) {
+fn merge_item(raw: &mut Item, read: Option<&Item>, running: &Item, new_tables: &NewTables) {
     if read.is_some_and(|r| same(r, running)) {
         return;
     }
@@ -82,7 +88,7 @@ fn merge_item(raw: &mut Item, read: Option<&Item>, running: &Item) {
         (Item::Table(raw), Item::Table(new)) => {
             let empty = Table::new();
             let read = read.and_then(Item::as_table).unwrap_or(&empty);
-            merge_table(raw, read, new);
+            merge_table(raw, read, new, new_tables);
         }
         (Item::Value(Value::InlineTable(raw)), Item::Table(new)) => {
             // Written inline (`chap = { ... }`): stays inline, its decor kept.
@@ -94,7 +100,7 @@ fn merge_item(raw: &mut Item, read: Option<&Item>, running: &Item) {
         (Item::ArrayOfTables(raw), Item::ArrayOfTables(new)) => {
             let empty = ArrayOfTables::new();
             let read = read.and_then(Item::as_array_of_tables).unwrap_or(&empty);
-            merge_array(raw, read, new);
+            merge_array(raw, read, new, new_tables);
         }
         (Item::Value(raw), Item::Value(new)) => {
             let decor = raw.decor().clone();
@@ -122,7 +128,12 @@ fn size_text(bytes: u64) -> String {
 /// `[[targets]]`, `[[targets.luns]]`: each running table takes the file's table with the same
 /// identity (`name`, `lun`), merged, or comes new; tables no longer running go with their
 /// comments.
-fn merge_array(raw: &mut ArrayOfTables, read: &ArrayOfTables, running: &ArrayOfTables) {
+fn merge_array(
+    raw: &mut ArrayOfTables,
+    read: &ArrayOfTables,
+    running: &ArrayOfTables,
+    new_tables: &NewTables,
+) {
     let mut merged = ArrayOfTables::new();
     let mut taken = vec![false; raw.len()];
     for new in running.iter() {
@@ -137,13 +148,87 @@ fn merge_array(raw: &mut ArrayOfTables, read: &ArrayOfTables, running: &ArrayOfT
             (Some(i), Some(raw_table), Some(read_table)) => {
                 taken[i] = true;
                 let mut table = raw_table.clone();
-                merge_table(&mut table, read_table, new);
+                merge_table(&mut table, read_table, new, new_tables);
                 merged.push(table);
             }
-            _ => merged.push(new.clone()),
+            _ => merged.push(new_tables.written(new)),
         }
     }
     *raw = merged;
+}
+
+/// How a target or LUN that is not in the file yet is written into it: as an administrator
+/// would write it, not as the running config serializes it.
+struct NewTables<'a> {
+    /// The file's directory: paths under it are written relative to it, as the file reads
+    /// them.
+    dir: Option<&'a Path>,
+}
+
+/// A LUN's keys that are sizes, written with a unit.
+const SIZE_KEYS: [&str; 3] = ["size", "max_transfer_length", "optimal_transfer_length"];
+/// Its keys that are paths.
+const PATH_KEYS: [&str; 3] = ["path", "ceph_conf", "keyring"];
+
+impl NewTables<'_> {
+    /// `table` (a `[[targets]]` or `[[targets.luns]]` entry) without the keys that say what
+    /// leaving them out says (the defaults), its sizes with units ("128MiB") and its paths
+    /// under the file's directory relative to it; its LUNs likewise.
+    fn written(&self, table: &Table) -> Table {
+        let mut t = table.clone();
+        if let Some(luns) = t.get_mut("luns").and_then(Item::as_array_of_tables_mut) {
+            for lun in luns.iter_mut() {
+                *lun = self.written(lun);
+            }
+        }
+        for key in SIZE_KEYS {
+            if let Some(bytes) = t.get(key).and_then(Item::as_integer) {
+                t.insert(key, toml_edit::value(size_text(bytes as u64)));
+            }
+        }
+        for key in PATH_KEYS {
+            let relative = t
+                .get(key)
+                .and_then(Item::as_str)
+                .zip(self.dir)
+                .and_then(|(p, dir)| Path::new(p).strip_prefix(dir).ok())
+                .map(|p| p.display().to_string());
+            if let Some(relative) = relative.filter(|r| !r.is_empty()) {
+                t.insert(key, toml_edit::value(relative));
+            }
+        }
+        if t.contains_key("lun") {
+            drop_defaults::<crate::config::Lun>(&mut t);
+        } else {
+            drop_defaults::<crate::config::Target>(&mut t);
+        }
+        t.decor_mut().clear();
+        // Placed after the table before it in the array (or its parent): a position taken
+        // from the running config's own text would sort it among the file's tables by
+        // another document's numbering, and could put a LUN under the next target's header.
+        t.set_position(None);
+        t
+    }
+}
+
+/// Removes each key of `table` whose absence reads as the same `T`: what a default says.
+fn drop_defaults<T: serde::de::DeserializeOwned + PartialEq>(table: &mut Table) {
+    let read = |t: &Table| {
+        let mut doc = DocumentMut::new();
+        for (k, v) in t.iter() {
+            doc.insert(k, v.clone());
+        }
+        toml::from_str::<T>(&doc.to_string()).ok()
+    };
+    let Some(whole) = read(table) else { return };
+    let keys: Vec<String> = table.iter().map(|(k, _)| k.to_string()).collect();
+    for key in keys {
+        let mut without = table.clone();
+        without.remove(&key);
+        if read(&without).as_ref() == Some(&whole) {
+            *table = without;
+        }
+    }
 }
 
 /// What names a table of an array: a target's `name`, a LUN's `lun`.
@@ -283,6 +368,34 @@ size = "64MiB"
             "{out}"
         );
         assert!(out.contains("127.0.0.2:3260"), "{out}");
+        let back = Config::parse(Path::new("/etc/targetd/config.toml"), &out).unwrap();
+        assert_eq!(back, c, "the file reads back as the running config:\n{out}");
+    }
+
+    /// A LUN or target added live is written with the keys an administrator would write:
+    /// no defaults, sizes with units, paths under the file's directory relative to it.
+    #[test]
+    fn a_new_lun_or_target_is_written_as_a_person_would() {
+        let mut c = running(FILE);
+        let mut lun1 = c.targets[0].luns[0].clone();
+        lun1.lun = 1;
+        lun1.path = Some("/etc/targetd/data/disk3.img".into());
+        lun1.size = Some(crate::config::Size(128 << 20));
+        c.targets[0].luns.push(lun1);
+        let mut t = c.targets[1].clone();
+        t.name = "iqn.2026-11.io.example:disk4".into();
+        t.luns[0].max_transfer_length = Some(crate::config::Size(8 << 20));
+        c.targets.push(t);
+        let out = merge(FILE, Some(Path::new("/etc/targetd")), &c).unwrap();
+        let lun1 = "[[targets.luns]]\nlun = 1\nbackend = \"file\"\npath = \"data/disk3.img\"\n\
+                    size = \"128MiB\"\n";
+        assert!(out.contains(lun1), "{out}");
+        let disk4 = "[[targets]]\nname = \"iqn.2026-11.io.example:disk4\"\n\n[[targets.luns]]\n\
+                     lun = 0\nbackend = \"memory\"\nsize = \"64MiB\"\nmax_transfer_length = \"8MiB\"\n";
+        assert!(out.contains(disk4), "{out}");
+        for default in ["block_size", "thin", "write_cache", "read_only", "direct"] {
+            assert!(!out.contains(default), "{default} spelled out:\n{out}");
+        }
         let back = Config::parse(Path::new("/etc/targetd/config.toml"), &out).unwrap();
         assert_eq!(back, c, "the file reads back as the running config:\n{out}");
     }
