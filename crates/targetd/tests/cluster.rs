@@ -29,7 +29,7 @@ mod common;
 use std::process::Command as Process;
 
 use bytes::Bytes;
-use common::ceph::{ceph, turn, unique, Ceph};
+use common::ceph::{ceph, turn, unique, Ceph, CephExt};
 use common::{config, opts, pattern, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
 use initiator_bench::{LoginOptions, Session};
@@ -43,11 +43,7 @@ fn gateway(ceph: &Ceph, name: &str, port_group: u16, image: &str) -> Daemon {
 
 /// The config of gateway `port_group` of cluster `name` exporting `image` as LUN 0.
 fn gateway_config(ceph: &Ceph, name: &str, port_group: u16, image: &str) -> String {
-    let keyring = ceph
-        .keyring
-        .as_ref()
-        .map(|k| format!("keyring = \"{k}\"\n"))
-        .unwrap_or_default();
+    let keyring = ceph.keyring_key();
     let cluster = format!(
         "[cluster]\nname = \"{name}\"\ngateway = \"gw{port_group}\"\nport_group = {port_group}\n\
          pool = \"{}\"\nceph_conf = \"{}\"\nclient = \"{}\"\n{keyring}",
@@ -607,11 +603,7 @@ impl Process_ {
         lun_keys: &str,
     ) -> Process_ {
         let dir = tempfile::tempdir().unwrap();
-        let keyring = ceph
-            .keyring
-            .as_ref()
-            .map(|k| format!("keyring = \"{k}\"\n"))
-            .unwrap_or_default();
+        let keyring = ceph.keyring_key();
         let text = format!(
             "[server]\nportals = [\"127.0.0.1:0\"]\nadmin_socket = \"{}\"\nreactors = 1\n\
              nop_interval = 0\n\n{}\n[cluster]\nname = \"{name}\"\ngateway = \"gw{port_group}\"\n\

@@ -28,7 +28,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::ceph::{ceph, turn, unique, Ceph};
+use common::ceph::{ceph, turn, unique, Ceph, CephExt};
 use common::{config, opts, pattern, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
 use initiator_bench::Session;
@@ -495,7 +495,7 @@ fn cluster_trouble_at_start_is_refused_naming_the_key() {
     )
     .unwrap();
     let mut wrong = Ceph {
-        keyring: Some(keyring.display().to_string()),
+        keyring: Some(keyring.clone()),
         conf: ceph.conf.clone(),
         client: ceph.client.clone(),
         pool: ceph.pool.clone(),

@@ -30,6 +30,7 @@
 
 mod ffi;
 pub mod rados;
+pub mod testing;
 
 use std::cell::UnsafeCell;
 use std::collections::{HashMap, VecDeque};

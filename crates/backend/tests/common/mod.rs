@@ -24,35 +24,13 @@ pub fn engines() -> Vec<EngineChoice> {
     }
 }
 
-/// The cluster `CEPH_CONF`, `CEPH_KEYRING`, `CEPH_CLIENT` and `CEPH_POOL` name
-/// (`scripts/ceph-dev-cluster.sh start DIR` writes them to DIR/env), with its pool; None,
-/// saying why, when none is configured, and under `CI` a failure instead.
+/// The cluster the environment names (`backend::rbd::testing`), with its pool; None, saying
+/// why, when none is configured, and under `CI` a failure instead.
 #[cfg(feature = "rbd")]
 #[allow(dead_code)]
 pub fn ceph() -> Option<(backend::rbd::ClusterConfig, String)> {
-    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    match (var("CEPH_CONF"), var("CEPH_POOL")) {
-        (Some(conf), Some(pool)) => Some((
-            backend::rbd::ClusterConfig {
-                ceph_conf: Some(conf.into()),
-                client: var("CEPH_CLIENT").unwrap_or_else(|| "admin".into()),
-                keyring: var("CEPH_KEYRING").map(std::path::PathBuf::from),
-                timeout: std::time::Duration::from_secs(10),
-                cache: false,
-            },
-            pool,
-        )),
-        _ if std::env::var_os("CI").is_some() => {
-            panic!("CI needs a Ceph cluster: .ci/run starts one (scripts/ceph-dev-cluster.sh)")
-        }
-        _ => {
-            eprintln!(
-                "skipping: no Ceph cluster (start one with scripts/ceph-dev-cluster.sh start DIR \
-                 and source DIR/env)"
-            );
-            None
-        }
-    }
+    let c = backend::rbd::testing::TestCluster::from_env()?;
+    Some((c.config(std::time::Duration::from_secs(10)), c.pool))
 }
 
 /// A name no other test run uses.

@@ -2,41 +2,17 @@
 //! `CEPH_POOL` name (`scripts/ceph-dev-cluster.sh start DIR` writes them to DIR/env; `.ci/run`
 //! starts one). Without them the tests print why and pass; under `CI` they fail.
 
-use std::path::PathBuf;
 use std::process::Command as Process;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use super::TARGET;
 
-pub struct Ceph {
-    pub conf: PathBuf,
-    pub keyring: Option<String>,
-    pub client: String,
-    pub pool: String,
-}
+pub use backend::rbd::testing::TestCluster as Ceph;
 
 /// The cluster, or None (with the reason printed) when none is configured outside CI.
 pub fn ceph() -> Option<Ceph> {
-    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
-    match (var("CEPH_CONF"), var("CEPH_POOL")) {
-        (Some(conf), Some(pool)) => Some(Ceph {
-            conf: conf.into(),
-            keyring: var("CEPH_KEYRING"),
-            client: var("CEPH_CLIENT").unwrap_or_else(|| "admin".into()),
-            pool,
-        }),
-        _ if std::env::var_os("CI").is_some() => {
-            panic!("CI needs a Ceph cluster: .ci/run starts one (scripts/ceph-dev-cluster.sh)")
-        }
-        _ => {
-            eprintln!(
-                "skipping: no Ceph cluster (scripts/ceph-dev-cluster.sh start DIR, then source \
-                 DIR/env)"
-            );
-            None
-        }
-    }
+    Ceph::from_env()
 }
 
 /// The tests take turns: one of them stops the cluster's OSD.
@@ -54,14 +30,32 @@ pub fn unique(prefix: &str) -> String {
     )
 }
 
-impl Ceph {
+/// What targetd's tests do with the cluster.
+pub trait CephExt {
     /// A `[[targets]]` table with LUN 0 on `image` (created at `size`), and `extra` keys.
-    pub fn target(&self, image: &str, size: &str, extra: &str) -> String {
-        let keyring = self
-            .keyring
+    fn target(&self, image: &str, size: &str, extra: &str) -> String;
+    /// Runs the `rbd` CLI as the test's client.
+    fn rbd(&self, args: &[&str]) -> std::process::Output;
+    /// Runs a Ceph CLI (`rbd`, `rados`, `ceph`) as the test's client.
+    fn tool(&self, tool: &str, args: &[&str]) -> std::process::Output;
+    /// QEMU's URI of `image` for its rbd driver.
+    fn qemu_rbd(&self, image: &str) -> String;
+    /// The pid of OSD `id` of a cluster from scripts/ceph-dev-cluster.sh.
+    fn osd_pid(&self, id: u32) -> Option<u32>;
+    /// `keyring = "..."` and a newline, when there is a keyring.
+    fn keyring_key(&self) -> String;
+}
+
+impl CephExt for Ceph {
+    fn keyring_key(&self) -> String {
+        self.keyring
             .as_ref()
-            .map(|k| format!("keyring = \"{k}\"\n"))
-            .unwrap_or_default();
+            .map(|k| format!("keyring = \"{}\"\n", k.display()))
+            .unwrap_or_default()
+    }
+
+    fn target(&self, image: &str, size: &str, extra: &str) -> String {
+        let keyring = self.keyring_key();
         format!(
             "[[targets]]\nname = \"{TARGET}\"\n\n[[targets.luns]]\nlun = 0\nbackend = \"rbd\"\n\
              pool = \"{}\"\nimage = \"{image}\"\nsize = \"{size}\"\nceph_conf = \"{}\"\n\
@@ -72,23 +66,20 @@ impl Ceph {
         )
     }
 
-    /// Runs the `rbd` CLI as the test's client.
-    pub fn rbd(&self, args: &[&str]) -> std::process::Output {
+    fn rbd(&self, args: &[&str]) -> std::process::Output {
         self.tool("rbd", args)
     }
 
-    /// Runs a Ceph CLI (`rbd`, `rados`, `ceph`) as the test's client.
-    pub fn tool(&self, tool: &str, args: &[&str]) -> std::process::Output {
+    fn tool(&self, tool: &str, args: &[&str]) -> std::process::Output {
         let mut c = Process::new(tool);
         c.arg("-c").arg(&self.conf).args(["--id", &self.client]);
         if let Some(k) = &self.keyring {
-            c.args(["--keyring", k]);
+            c.arg("--keyring").arg(k);
         }
         c.args(args).output().expect("rbd CLI (ceph-common)")
     }
 
-    /// QEMU's URI of `image` for its rbd driver.
-    pub fn qemu_rbd(&self, image: &str) -> String {
+    fn qemu_rbd(&self, image: &str) -> String {
         let mut s = format!(
             "rbd:{}/{image}:conf={}:id={}",
             self.pool,
@@ -96,13 +87,12 @@ impl Ceph {
             self.client
         );
         if let Some(k) = &self.keyring {
-            s.push_str(&format!(":keyring={k}"));
+            s.push_str(&format!(":keyring={}", k.display()));
         }
         s
     }
 
-    /// The pid of OSD `id` of a cluster from scripts/ceph-dev-cluster.sh.
-    pub fn osd_pid(&self, id: u32) -> Option<u32> {
+    fn osd_pid(&self, id: u32) -> Option<u32> {
         let run = self
             .conf
             .parent()?
