@@ -469,6 +469,7 @@ impl Device {
     /// attentions and aborts reach this server's nexuses of those names. A version not newer
     /// than the one applied last changes nothing (a change heard twice, or late); returns
     /// whether it was applied.
+    #[must_use = "a state not applied (not newer than the last) is news the caller may log"]
     pub fn apply_reservations(
         &mut self,
         lun: u16,

@@ -41,12 +41,13 @@ impl Keeper {
                             // The gateway that made a reset has carried it out already.
                             let mut fx = fx.clone();
                             fx.reset &= j != i;
-                            g.device.apply_reservations(
+                            // Every server hears each new version once: it applies.
+                            assert!(g.device.apply_reservations(
                                 c.lun,
                                 self.version,
                                 self.state.clone(),
                                 &fx,
-                            );
+                            ));
                         }
                     }
                     self.decided.push(c.request.clone());
@@ -469,6 +470,10 @@ fn a_gateway_that_missed_changes_hears_their_outcome_when_it_comes_back() {
     // A comes back: it loads the shared state and tells its nexuses what they missed.
     let fx = scsi_core::pr::ReservationEffects::missed(&before, &k.state);
     assert!(a
+        .device
+        .apply_reservations(0, k.version, k.state.clone(), &fx));
+    // The same version heard again (a late notify) changes nothing, and says so.
+    assert!(!a
         .device
         .apply_reservations(0, k.version, k.state.clone(), &fx));
     let mut gws = [&mut a, &mut b];

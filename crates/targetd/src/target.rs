@@ -870,8 +870,10 @@ impl Target {
                 core.device
                     .share_reservations(config.lun)
                     .map_err(|e| e.to_string())?;
-                core.device
-                    .apply_reservations(config.lun, version, state, &Default::default());
+                // A unit just shared has applied no version: the state loaded always lands.
+                let _fresh =
+                    core.device
+                        .apply_reservations(config.lun, version, state, &Default::default());
             }
             let followed = keeper
                 .follow(self.this.clone(), config, &oid)
@@ -1066,8 +1068,12 @@ impl Target {
             .unwrap_or_default();
         let missed = scsi_core::pr::ReservationEffects::missed(&before, &state);
         // What they change is routed when the lock is let go.
-        core.device
-            .apply_reservations(index, version, state, &missed);
+        if !core
+            .device
+            .apply_reservations(index, version, state, &missed)
+        {
+            tracing::debug!(target = %self.name, lun = index, version, "the reservations were current already");
+        }
         Ok(())
     }
 
@@ -1106,9 +1112,14 @@ impl Target {
         effects: &scsi_core::pr::ReservationEffects,
     ) {
         // What they change is routed when the lock is let go.
-        self.core()
+        let applied = self
+            .core()
             .device
             .apply_reservations(lun, version, state, effects);
+        if !applied {
+            // A notify heard twice, or after a newer state was read: nothing to do.
+            tracing::debug!(target = %self.name, lun, version, "a reservation change heard late or twice");
+        }
     }
 
     /// How many tasks on unit `lun` were aborted and have not ended yet (their I/O is under
