@@ -211,21 +211,26 @@ impl Multipath {
                     }
                     // Commands in flight on the path fail together: one of them chooses the
                     // next path, the others retry on it.
-                    if self.current.load(Ordering::Relaxed) == i
-                        && !self.choosing.swap(true, Ordering::AcqRel)
-                    {
+                    let planned = matches!(e, Error::LogoutRequested);
+                    let chose = self.current.load(Ordering::Relaxed) == i
+                        && !self.choosing.swap(true, Ordering::AcqRel);
+                    if chose {
                         let next = self.choose(Some(i)).await;
                         self.choosing.store(false, Ordering::Release);
                         if next != i {
                             self.failovers.fetch_add(1, Ordering::Relaxed);
-                            if matches!(e, Error::LogoutRequested) {
+                            if planned {
                                 self.planned.fetch_add(1, Ordering::Relaxed);
                             }
                         }
                     }
-                    // A planned move needs no pause: the path left still works.
-                    if !matches!(e, Error::LogoutRequested) {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    // The one that chose a path after a planned move goes on at once (the
+                    // path it left still works); every other retry waits a little, also so
+                    // that commands waiting for the choice do not spin (a planned failure
+                    // comes without an await) and starve the command that makes it.
+                    if !(chose && planned) {
+                        let pause = if planned { 5 } else { 50 };
+                        tokio::time::sleep(Duration::from_millis(pause)).await;
                     }
                 }
                 Err(e) => return Err(e),
