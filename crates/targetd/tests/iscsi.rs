@@ -1832,9 +1832,17 @@ async fn multipath_leaves_a_stopping_gateway_at_its_logout_request() {
     let run = tokio::spawn(async move {
         initiator_bench::workload::run_multipath(&urls, &opts(), &w, Default::default()).await
     });
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let sessions_on_a = a.registry.sessions.all().len();
+    // The run logs in to both paths, then runs on A.
+    let mut sessions_on_a = 0;
+    for _ in 0..100 {
+        sessions_on_a = a.registry.sessions.all().len();
+        if sessions_on_a == 1 && b.registry.sessions.all().len() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(sessions_on_a, 1, "the run is on path A");
+    tokio::time::sleep(Duration::from_millis(500)).await;
     tokio::task::spawn_blocking(move || a.stop()).await.unwrap();
     let report = run.await.unwrap().expect("a report");
     assert_eq!(report.errors, 0, "{:?}", report.failures);
