@@ -191,14 +191,14 @@ pub fn bind(path: &Path) -> Result<Option<(std::os::unix::net::UnixListener, Pat
     if path.as_os_str().is_empty() {
         return Ok(None);
     }
-    if let Ok(meta) = std::fs::symlink_metadata(path) {
-        if !meta.file_type().is_socket() {
-            return Err(format!("{} exists and is not a socket", path.display()));
-        }
-        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+    match existing_socket(path)? {
+        Some(true) => {
             return Err(format!("{} is in use by a running targetd", path.display()));
         }
-        std::fs::remove_file(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Some(false) => {
+            std::fs::remove_file(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+        None => {}
     }
     let l = std::os::unix::net::UnixListener::bind(path)
         .map_err(|e| format!("{}: {e}", path.display()))?;
@@ -207,6 +207,19 @@ pub fn bind(path: &Path) -> Result<Option<(std::os::unix::net::UnixListener, Pat
     l.set_nonblocking(true)
         .map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(Some((l, path.to_path_buf())))
+}
+
+/// What is at the admin socket's `path` already: nothing (`None`), a socket a running
+/// targetd answers on (`Some(true)`), a socket nobody answers on, left by a daemon that ended
+/// (`Some(false)`); anything else is refused.
+pub fn existing_socket(path: &Path) -> Result<Option<bool>, String> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(None);
+    };
+    if !meta.file_type().is_socket() {
+        return Err(format!("{} exists and is not a socket", path.display()));
+    }
+    Ok(Some(std::os::unix::net::UnixStream::connect(path).is_ok()))
 }
 
 /// Serves admin clients.

@@ -120,22 +120,16 @@ impl Server {
             if let Some(parent) = socket.parent() {
                 directory("server.admin_socket", parent, "to make the admin socket in");
             }
-            if let Ok(meta) = std::fs::symlink_metadata(socket) {
-                use std::os::unix::fs::FileTypeExt;
-                if !meta.file_type().is_socket() {
-                    check.errors.push(fail(
-                        "server.admin_socket",
-                        format!("{} exists and is not a socket", socket.display()),
-                    ));
-                } else if std::os::unix::net::UnixStream::connect(socket).is_ok() {
-                    check.warnings.push(fail(
-                        "server.admin_socket",
-                        format!(
-                            "{} is in use by a running targetd: a second one would not start",
-                            socket.display()
-                        ),
-                    ));
-                }
+            match crate::admin::existing_socket(socket) {
+                Err(reason) => check.errors.push(fail("server.admin_socket", reason)),
+                Ok(Some(true)) => check.warnings.push(fail(
+                    "server.admin_socket",
+                    format!(
+                        "{} is in use by a running targetd: a second one would not start",
+                        socket.display()
+                    ),
+                )),
+                Ok(_) => {}
             }
         }
         check

@@ -169,6 +169,30 @@ fn check_finds_what_the_start_would_refuse() {
     assert!(keys.iter().any(|k| stderr.contains(k)), "{stderr}");
 }
 
+/// An admin socket path taken by something that is not a socket is refused by the check and
+/// by the start alike, and never removed.
+#[test]
+fn an_admin_socket_path_that_is_a_file_is_refused_and_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = config(dir.path(), "twelve-bytes");
+    std::fs::write(dir.path().join("admin.sock"), "not a socket").unwrap();
+    for args in [&["--check"][..], &[][..]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_targetd"))
+            .args(args)
+            .arg(&path)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("server.admin_socket") && stderr.contains("exists and is not a socket"),
+            "{args:?}: {stderr}"
+        );
+    }
+    let kept = std::fs::read_to_string(dir.path().join("admin.sock")).unwrap();
+    assert_eq!(kept, "not a socket");
+}
+
 /// Whether this test runs as root (whose opens the permission bits do not stop), from the
 /// owner of a file it makes.
 fn running_as_root() -> bool {
