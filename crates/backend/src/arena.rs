@@ -706,7 +706,7 @@ impl Drop for ShareAlloc<'_> {
 // while any clone lives (the clones share one reference-counted mapping, unmapped when the
 // last goes); `same` compares that shared mapping.
 #[cfg(feature = "rdma")]
-unsafe impl srp::rdma::RegisteredMemory for Arena {
+unsafe impl rdma::ibverbs::RegisteredMemory for Arena {
     fn base(&self) -> *mut u8 {
         Arena::base(self)
     }
@@ -723,7 +723,7 @@ unsafe impl srp::rdma::RegisteredMemory for Arena {
 // Safety: a buffer's bytes are a fixed run of slots of its arena's mapping, which the buffer
 // keeps alive (the arena is reference counted) and hands to no one else while it lives.
 #[cfg(feature = "rdma")]
-unsafe impl srp::rdma::Registered for Buffer {}
+unsafe impl rdma::ibverbs::Registered for Buffer {}
 
 #[cfg(test)]
 mod tests {

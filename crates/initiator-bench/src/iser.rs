@@ -18,8 +18,8 @@ use iscsi_pdu::initiator::{Command, Event, Login, Reply, Session, Timers};
 use iscsi_pdu::iser::{self, IserHeader, IserInitiator, Message, Received, RemoteBuffer};
 use iscsi_pdu::negotiation::{Declarations, DigestAlgorithm, OperationalParams, Settings};
 use iscsi_pdu::{Isid, Lun, Pdu, Residual, SerialNumber};
+use rdma::verbs::{MessageBuffers, PeerMemory, Verbs, WorkOp};
 use srp::initiator::{DataMemory, Exposed};
-use srp::verbs::{IuBuffers, PeerMemory, Verbs, WorkOp};
 
 pub use crate::rdma::run_channels;
 #[cfg(feature = "rdma")]
@@ -144,7 +144,7 @@ pub struct IserChannel<V: Verbs + PeerMemory> {
 
 impl<V> IserChannel<V>
 where
-    V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
+    V: Verbs + PeerMemory + MessageBuffers<Message = <V as Verbs>::Buffer>,
 {
     /// Logs in to `target` over queue pair `qp` (connected with the iSER CM request), the
     /// session's ISID qualified by `session`; its data memory `places` places of `place_len`
@@ -159,7 +159,7 @@ where
         place_len: usize,
     ) -> Result<IserChannel<V>, String> {
         for _ in 0..RECEIVES {
-            let b = verbs.iu_buffer().ok_or("no IU buffer for a receive")?;
+            let b = verbs.message_buffer().ok_or("no IU buffer for a receive")?;
             verbs.post_recv(qp, 0, b);
         }
         let [hi, lo] = session.to_be_bytes();
@@ -186,7 +186,7 @@ where
                     continue;
                 };
                 if wc.op != WorkOp::Recv {
-                    verbs.recycle_iu(wc.buffer);
+                    verbs.recycle_message(wc.buffer);
                     continue;
                 }
                 if wc.result.is_err() {
@@ -255,12 +255,12 @@ where
                 if wc.result.is_err() {
                     self.failed.get_or_insert("a send failed".into());
                 }
-                verbs.recycle_iu(wc.buffer);
+                verbs.recycle_message(wc.buffer);
                 continue;
             }
             if wc.result.is_err() {
                 self.failed.get_or_insert("the connection ended".into());
-                verbs.recycle_iu(wc.buffer);
+                verbs.recycle_message(wc.buffer);
                 continue;
             }
             if let Err(e) = self.datamover.handle_message(now, &wc.buffer[..wc.len]) {
@@ -332,7 +332,7 @@ where
                         return Ok(());
                     }
                 } else {
-                    verbs.recycle_iu(wc.buffer);
+                    verbs.recycle_message(wc.buffer);
                 }
             }
             while let Some(e) = self.datamover.poll_event() {
@@ -359,9 +359,9 @@ where
 /// Posts `msg` in an IU buffer of the verbs.
 fn post<V>(verbs: &mut V, qp: V::Qp, msg: &[u8]) -> Result<(), String>
 where
-    V: Verbs + IuBuffers<Iu = <V as Verbs>::Buffer>,
+    V: Verbs + MessageBuffers<Message = <V as Verbs>::Buffer>,
 {
-    let mut b = verbs.iu_buffer().ok_or("no IU buffer for a send")?;
+    let mut b = verbs.message_buffer().ok_or("no IU buffer for a send")?;
     if msg.len() > b.len() {
         return Err(format!(
             "a message of {} bytes does not fit an IU buffer",
@@ -377,7 +377,7 @@ where
 /// negotiated, the session's task timeout.
 impl<V> BlockChannel<V> for IserChannel<V>
 where
-    V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
+    V: Verbs + PeerMemory + MessageBuffers<Message = <V as Verbs>::Buffer>,
 {
     const TRANSPORT: &'static str = "iSER";
 
@@ -472,12 +472,12 @@ where
 #[cfg(feature = "rdma")]
 pub fn run_rdma(url: &IserUrl, w: &Workload, o: &RdmaOptions) -> Result<RdmaReport, String> {
     use iscsi_pdu::iser::{CmReply, CmRequest};
-    use srp::rdma::{QueueDepth, RdmaVerbs};
+    use rdma::ibverbs::{QueueDepth, RdmaVerbs};
     let sessions = w.sessions.max(1);
     let places = w.qd.clamp(1, 128);
     let slots = (sessions * (RECEIVES + 2 * places + 64)) as u32;
     let mut verbs: RdmaVerbs =
-        RdmaVerbs::open(None, slots, srp::verbs::IU_BUFFER_LEN).map_err(|e| e.to_string())?;
+        RdmaVerbs::open(None, slots, rdma::verbs::MESSAGE_BUFFER_LEN).map_err(|e| e.to_string())?;
     let private = CmRequest {
         zbva_not_supported: true,
         send_with_invalidate_not_supported: true,

@@ -18,13 +18,13 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use srp::fabric::{Counters, NodeId, PAPER_004_COSTS};
+use rdma::fabric::{Counters, NodeId, PAPER_004_COSTS};
+use rdma::switch::{Endpoint, Switch};
+use rdma::verbs::{MessageBuffers, PeerMemory, Verbs};
 use srp::initiator::channel::{Command, InitiatorChannel};
 use srp::iu::{BufferFormats, MultiChannelAction, SrpLoginReq, TaskAttribute};
 use srp::loopback::{LoopbackTarget, MemoryUnit};
-use srp::switch::{Endpoint, Switch};
 use srp::target_port::PortSettings;
-use srp::verbs::{IuBuffers, PeerMemory, Verbs};
 
 pub use crate::rdma::{
     place_len, print, run_channels, RdmaOptions, RdmaReport, BLOCK_SIZE, DEFAULT_SIZE,
@@ -228,7 +228,7 @@ impl Pace for InProcess<'_> {
 /// when the login granted it, the channel's own command timeout.
 impl<V> BlockChannel<V> for InitiatorChannel<V>
 where
-    V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
+    V: Verbs + PeerMemory + MessageBuffers<Message = <V as Verbs>::Buffer>,
 {
     const TRANSPORT: &'static str = "SRP";
 
@@ -284,11 +284,11 @@ where
 /// Runs `w` against the SRP target `url` on this machine's RDMA device (feature `rdma`).
 #[cfg(feature = "rdma")]
 pub fn run_rdma(url: &SrpUrl, w: &Workload, o: &RdmaOptions) -> Result<RdmaReport, String> {
-    use srp::rdma::{QueueDepth, RdmaVerbs};
+    use rdma::ibverbs::{QueueDepth, RdmaVerbs};
     let sessions = w.sessions.max(1);
     let slots = (sessions * (w.qd.max(1) + 2 * 140)) as u32;
     let mut verbs: RdmaVerbs =
-        RdmaVerbs::open(None, slots, srp::verbs::IU_BUFFER_LEN).map_err(|e| e.to_string())?;
+        RdmaVerbs::open(None, slots, rdma::verbs::MESSAGE_BUFFER_LEN).map_err(|e| e.to_string())?;
     let place = place_len(w, o);
     let mut channels = Vec::new();
     for s in 0..sessions {

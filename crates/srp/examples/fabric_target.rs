@@ -12,19 +12,19 @@
 //! [`LoopbackTarget::step`] is only the shell around them: the switch's connection manager
 //! and queue pairs, the memory unit, and the order of the steps (read `src/loopback.rs` to
 //! write one over other verbs). The initiator is an [`InitiatorChannel`] on the same switch.
-//! On real hardware the same machines run over `srp::rdma`'s verbs (feature `rdma`), with
+//! On real hardware the same machines run over `rdma::ibverbs`'s verbs (feature `rdma`), with
 //! rdma_cm carrying the login as the switch does here.
 //!
 //! [`Logins`]: srp::target_port::Logins
 
 use std::time::Instant;
 
-use srp::fabric::NodeId;
+use rdma::fabric::NodeId;
+use rdma::switch::{Endpoint, Switch};
 use srp::initiator::channel::{Command, InitiatorChannel};
 use srp::initiator::Registration;
 use srp::iu::{BufferFormats, MultiChannelAction, SrpLoginReq, TaskAttribute};
 use srp::loopback::{LoopbackTarget, MemoryUnit};
-use srp::switch::{Endpoint, Switch};
 use srp::target_port::PortSettings;
 
 /// The target's host on the fabric.

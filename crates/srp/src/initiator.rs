@@ -24,7 +24,7 @@ use std::collections::HashMap;
 pub mod channel;
 
 use crate::iu::{DataBufferDescriptor, Descriptors, MemoryDescriptor, DESCRIPTOR_LEN};
-use crate::verbs::{Access, MemoryRegion, PeerMemory, VerbsError};
+use rdma::verbs::{Access, MemoryRegion, PeerMemory, VerbsError};
 
 /// How an initiator registers the memory its commands' descriptors name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -305,19 +305,19 @@ impl<M> DataMemory<M> {
         let region =
             |verbs: &mut V, memory: &M| verbs.register(memory, offset, len, Access::REMOTE);
         Ok(match (self.registration, self.pool) {
-            (Registration::Pool, Some(pool)) => pool.descriptor(offset as u32, len as u32),
+            (Registration::Pool, Some(pool)) => pool.remote(offset as u32, len as u32).into(),
             (Registration::Cache, _) => match self.cache.get(&(offset, len)) {
-                Some(r) => r.descriptor(0, len as u32),
+                Some(r) => r.remote(0, len as u32).into(),
                 None => {
                     let r = region(verbs, &self.memory)?;
                     self.cache.insert((offset, len), r);
-                    r.descriptor(0, len as u32)
+                    r.remote(0, len as u32).into()
                 }
             },
             _ => {
                 let r = region(verbs, &self.memory)?;
                 own.push(r);
-                r.descriptor(0, len as u32)
+                r.remote(0, len as u32).into()
             }
         })
     }
@@ -393,7 +393,7 @@ pub fn encode_immediate_write(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fabric::{Fabric, NodeId};
+    use rdma::fabric::{Fabric, NodeId};
 
     const I: NodeId = NodeId(1);
 

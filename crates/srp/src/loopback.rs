@@ -9,8 +9,8 @@
 //! switch and its completions back into inputs. [`LoopbackTarget::step`] is the whole shell,
 //! the order in which a target over real verbs moves them too.
 //!
-//! The switch's fabric charges its [`Costs`](crate::fabric::Costs) to a virtual clock
-//! ([`Switch::with`]; [`PAPER_004_COSTS`](crate::fabric::PAPER_004_COSTS) for paper 004's
+//! The switch's fabric charges its [`Costs`](rdma::fabric::Costs) to a virtual clock
+//! ([`Switch::with`]; [`PAPER_004_COSTS`](rdma::fabric::PAPER_004_COSTS) for paper 004's
 //! InfiniBand link), so a run that steps the target in its own thread measures on a clock
 //! that does not depend on this machine's load.
 
@@ -23,17 +23,17 @@ use scsi_core::{
     TargetPort,
 };
 
-use crate::fabric::{NodeId, QpId};
 use crate::initiator::channel::InitiatorChannel;
 use crate::initiator::Registration;
 use crate::iu::{Iu, LoginRejectReason, SrpLoginReq, SrpLoginRsp};
-use crate::switch::{Endpoint, Reply, Switch, SwitchError};
 use crate::target_port::channel::SPARE_RECEIVES;
 use crate::target_port::{
     Channel, Driver, Event, ItNexusKey, Left, LocalChannel, LocalCore, LocalPolicy, Logins,
     PortSettings, VecBuffers,
 };
-use crate::verbs::{Verbs, VerbsError};
+use rdma::fabric::{NodeId, QpId};
+use rdma::switch::{Endpoint, Reply, Switch, SwitchError};
+use rdma::verbs::{Verbs, VerbsError};
 
 /// An initiator's channel on the switch, as [`LoopbackTarget::login`] makes it.
 pub type LoopbackInitiator = InitiatorChannel<Endpoint<Vec<u8>>>;

@@ -13,8 +13,6 @@ use scsi_core::{
     Output, Residual, TargetPort, TaskId,
 };
 
-pub use crate::fabric::PAPER_004_COSTS;
-use crate::fabric::{Access, Fabric, MemoryId, NodeId, Port, QpId};
 pub use crate::initiator::Registration;
 use crate::initiator::{DataMemory, ExposeError};
 use crate::iu::{
@@ -27,7 +25,9 @@ use crate::target_port::{
     Channel, ChannelCore, Driver, Event, ItNexusKey, Left, LocalChannel, LocalCore, LocalPolicy,
     Logins, PortSettings, VecBuffers,
 };
-use crate::verbs::{Completion, Verbs, WorkOp};
+pub use rdma::fabric::PAPER_004_COSTS;
+use rdma::fabric::{Access, Fabric, MemoryId, NodeId, Port, QpId};
+use rdma::verbs::{Completion, Verbs, WorkOp};
 
 /// The target's node.
 pub const TARGET: NodeId = NodeId(0);

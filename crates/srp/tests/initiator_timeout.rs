@@ -4,14 +4,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use srp::fabric::NodeId;
+use rdma::fabric::NodeId;
+use rdma::switch::{Endpoint, Reply, Switch};
 use srp::initiator::channel::{Command, InitiatorChannel};
 use srp::initiator::Registration;
 use srp::iu::{
     BufferFormats, Iu, MultiChannelAction, MultiChannelResult, SrpLoginReq, SrpLoginRsp,
     TaskAttribute,
 };
-use srp::switch::{Endpoint, Reply, Switch};
 
 const TARGET: NodeId = NodeId(1);
 const INITIATOR: NodeId = NodeId(2);

@@ -2,12 +2,12 @@
 
 use std::time::Instant;
 
-use srp::fabric::NodeId;
+use rdma::fabric::NodeId;
+use rdma::switch::{Endpoint, Switch, SwitchError};
 use srp::initiator::channel::{Answer, Command, InitiatorChannel};
 use srp::initiator::Registration;
 use srp::iu::{BufferFormats, LoginRejectReason, MultiChannelAction, SrpLoginReq, TaskAttribute};
 use srp::loopback::{LoginError, LoopbackError, LoopbackTarget, MemoryUnit};
-use srp::switch::{Endpoint, Switch, SwitchError};
 use srp::target_port::PortSettings;
 
 const PORT: [u8; 16] = *b"loopback-target0";

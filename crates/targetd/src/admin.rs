@@ -17,7 +17,8 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
 
 use crate::config::{self, Config};
-use crate::registry::{lock, Registry};
+use crate::lock;
+use crate::registry::Registry;
 use crate::trace::Tracer;
 
 /// A request to the daemon.
@@ -487,7 +488,7 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
     edit(&mut config, req)?;
     let changes = registry.apply(config, force)?;
     {
-        let mut unsaved = crate::registry::lock(&registry.unsaved);
+        let mut unsaved = crate::lock(&registry.unsaved);
         if let Some(what) = made {
             unsaved.insert(what);
         }

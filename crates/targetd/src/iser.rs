@@ -35,27 +35,26 @@ use iscsi_pdu::target_node::{
     Close, Completed, Core, Event, Login, LoginPolicy, NoBuffer, Payload, Step as LoginStep,
 };
 use iscsi_pdu::{Pdu, SerialNumber};
+use rdma::verbs::{MessageBuffers, PortBuffer, RemoteRegion, Verbs, WorkOp};
 use scsi_core::{BackendError, TaskId};
-use srp::iu::MemoryDescriptor;
-use srp::verbs::{IuBuffers, PortBuffer, Verbs, WorkOp};
 use tokio::sync::mpsc;
 
+use crate::carrier::{self, Carried, Carrier, Want};
 use crate::control::{Control, Request};
+use crate::fabric::{Fabric, FabricBuffer, Qp, MESSAGE_LEN};
 use crate::iscsi::connection::{Link, Scope, SessionStep};
 use crate::iscsi::login::Outcome;
-use crate::port::{Waits, Want};
-use crate::reactor::{Inbox, Io};
+use crate::reactor::Io;
 use crate::registry::{AdmissionState, ConnectionSlot, Peer, Registry};
-use crate::srp::{Fabric, Qp, SrpBuffer, IU_LEN};
-use crate::target::{next_id, Routed};
+use crate::target::{next_id, Lun, Routed, Target};
 
 /// The most data a Send to the target may carry (TargetRecvDataSegmentLength): what an IU
 /// buffer holds behind the iSER header, the BHS and the most AHS a PDU may have, rounded
 /// down to 512 (8192; Linux's initiator asks for 8192). So no message within the limit,
 /// whatever its CDB's length, is longer than the receive it lands in.
 pub const RECV_DATA_SEGMENT_LENGTH: u32 =
-    ((IU_LEN - ISER_HEADERS_LEN - iscsi_pdu::iser::MAX_AHS_LEN) as u32) & !511;
-const _: () = assert!(iscsi_pdu::iser::receive_len(RECV_DATA_SEGMENT_LENGTH) <= IU_LEN);
+    ((MESSAGE_LEN - ISER_HEADERS_LEN - iscsi_pdu::iser::MAX_AHS_LEN) as u32) & !511;
+const _: () = assert!(iscsi_pdu::iser::receive_len(RECV_DATA_SEGMENT_LENGTH) <= MESSAGE_LEN);
 const _: () = assert!(RECV_DATA_SEGMENT_LENGTH == 8192);
 
 /// Receives posted beyond the command window: NOP-Outs, task management and a logout may come
@@ -70,6 +69,12 @@ const SPARE_RECEIVES: u32 = 8;
 /// sessions queue 128 commands by default (`node.session.cmds_max`), LIO grants 64.
 pub const ISER_CMDSN_WINDOW: u32 = 128;
 
+/// The command window of an iSER session: `iscsi.cmdsn_window`, at most
+/// [`ISER_CMDSN_WINDOW`].
+pub fn window(registry: &Registry) -> u32 {
+    registry.window().min(ISER_CMDSN_WINDOW)
+}
+
 /// Work requests one connection has on its send queue at most (Sends, RDMA WRITEs and READs,
 /// one work request each); more wait in its queue.
 const SEND_DEPTH: usize = 512;
@@ -81,9 +86,9 @@ pub const CONNECTIONS: u32 = 16;
 /// sessions have a command window of `window`: a receive per command and spare, and sends
 /// in flight.
 #[cfg(feature = "rdma")]
-pub fn rdma_sizes(window: u32) -> (u32, srp::rdma::QueueDepth) {
+pub fn rdma_sizes(window: u32) -> (u32, rdma::ibverbs::QueueDepth) {
     let recv = window + SPARE_RECEIVES;
-    let depth = srp::rdma::QueueDepth {
+    let depth = rdma::ibverbs::QueueDepth {
         send: SEND_DEPTH as u32,
         recv,
     };
@@ -176,6 +181,48 @@ enum Phase {
     Full(Box<Full>),
 }
 
+/// What the carrier hands a connection: only one in full feature phase has tasks.
+impl<Q, I> Carried for Conn<Q, I> {
+    fn target(&self) -> Option<&Target> {
+        match &self.phase {
+            Phase::Full(f) => f.scope.target().map(|t| &**t),
+            Phase::Login(_) => None,
+        }
+    }
+
+    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
+        let Phase::Full(f) = &mut self.phase else {
+            return None;
+        };
+        let target = f.scope.target().map(|t| &**t);
+        crate::target::unit_for(&mut f.link.unit, target, lun)
+    }
+
+    fn backend_done(
+        &mut self,
+        now: Instant,
+        task: TaskId,
+        buffer: Buffer,
+        result: Result<scsi_core::Output, BackendError>,
+    ) {
+        if let Phase::Full(f) = &mut self.phase {
+            let mut nexus = SessionStep::new(&mut f.link, &f.scope);
+            f.machine
+                .connection_mut()
+                .handle_backend_done(now, task, buffer, result, &mut nexus);
+        }
+    }
+
+    fn buffer(&mut self, now: Instant, tag: u64, buffer: Option<Buffer>) {
+        if let Phase::Full(f) = &mut self.phase {
+            let mut nexus = SessionStep::new(&mut f.link, &f.scope);
+            f.machine
+                .connection_mut()
+                .handle_buffer(now, tag, buffer, &mut nexus);
+        }
+    }
+}
+
 /// One connection of a portal.
 struct Conn<Q, I> {
     qp: Q,
@@ -209,16 +256,13 @@ struct Conn<Q, I> {
 /// A portal: its fabric and its connections.
 struct Portal<F: Fabric> {
     fabric: F,
-    io: Rc<Io>,
     registry: Arc<Registry>,
     portal: String,
-    conns: BTreeMap<u64, Conn<Qp<F>, F::Iu>>,
-    /// The connection of each backend operation in flight, by its task.
-    owners: HashMap<TaskId, u64>,
-    inbox: Rc<Inbox>,
-    /// The buffers connections wait for (a write's data buffer for its held message, or a
-    /// backend operation's), from the portal's share of the reactor's arena.
-    waits: Waits,
+    conns: BTreeMap<u64, Conn<Qp<F>, F::Message>>,
+    /// Carries out its connections' events on the reactor; the buffers they wait for (a
+    /// write's data buffer for its held message, or a backend operation's) come from the
+    /// portal's share of the reactor's arena.
+    carrier: Carrier,
     logging_out: bool,
     /// Reused for encoding Sends.
     scratch: BytesMut,
@@ -245,18 +289,15 @@ pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
     let mut p = Portal {
         portal,
         fabric,
-        io,
+        carrier: Carrier::shared(io, share),
         registry: registry.clone(),
         conns: BTreeMap::new(),
-        owners: HashMap::new(),
-        inbox: Rc::new(Inbox::default()),
-        waits: Waits::new(share),
         logging_out: false,
-        scratch: BytesMut::with_capacity(IU_LEN),
+        scratch: BytesMut::with_capacity(MESSAGE_LEN),
         events: Vec::with_capacity(256),
         next_wr: 1,
     };
-    tracing::info!(portal = %p.portal, reactor = p.io.index, "iSER portal listening");
+    tracing::info!(portal = %p.portal, reactor = p.carrier.io().index, "iSER portal listening");
     crate::port::serve(&mut p, &control).await;
     registry.unregister(id);
     tracing::info!(portal = %p.portal, "iSER portal stopped");
@@ -294,12 +335,8 @@ impl<F: Fabric> crate::port::Port for Portal<F> {
         }
     }
 
-    fn inbox(&self) -> Rc<Inbox> {
-        self.inbox.clone()
-    }
-
-    fn waits(&mut self) -> &mut Waits {
-        &mut self.waits
+    fn carrier(&mut self) -> &mut Carrier {
+        &mut self.carrier
     }
 
     fn granted(&mut self, w: Want, buffer: Option<Buffer>) {
@@ -346,9 +383,14 @@ impl<F: Fabric> Portal<F> {
                 self.fabric.reject(request, &[]);
                 continue;
             };
-            let count = self.registry.window_for(true) + SPARE_RECEIVES;
+            let count = window(&self.registry) + SPARE_RECEIVES;
             let receives: Option<Vec<_>> = (0..count)
-                .map(|_| self.fabric.verbs().iu_buffer().map(PortBuffer::Iu))
+                .map(|_| {
+                    self.fabric
+                        .verbs()
+                        .message_buffer()
+                        .map(PortBuffer::Message)
+                })
                 .collect();
             let Some(receives) = receives else {
                 tracing::warn!(portal = %self.portal, "iSER connection refused: no IU buffers left for its receives");
@@ -372,12 +414,14 @@ impl<F: Fabric> Portal<F> {
                 id,
                 addr,
                 local,
-                reactor: self.io.index,
+                reactor: self.carrier.io().index,
                 control,
                 iser: true,
+                max_window: ISER_CMDSN_WINDOW,
             };
             tracing::debug!(portal = %self.portal, id, "iSER connection accepted");
             self.registry
+                .counters
                 .iser_connections
                 .fetch_add(1, Ordering::Relaxed);
             self.conns.insert(
@@ -408,28 +452,13 @@ impl<F: Fabric> Portal<F> {
 
     /// Hands finished backend operations to their connections.
     fn backend_completions(&mut self) -> bool {
-        let mut any = false;
-        loop {
-            let Some(done) = self.inbox.done.borrow_mut().pop_front() else {
-                break;
-            };
-            any = true;
-            let owner = self.owners.remove(&done.task);
-            let Some(c) = owner.and_then(|id| self.conns.get_mut(&id)) else {
-                continue;
-            };
-            if let Phase::Full(f) = &mut c.phase {
-                let mut nexus = SessionStep::new(&mut f.link, &f.scope);
-                f.machine.connection_mut().handle_backend_done(
-                    Instant::now(),
-                    done.task,
-                    done.buffer,
-                    done.result,
-                    &mut nexus,
-                );
+        let now = Instant::now();
+        let conns = &mut self.conns;
+        self.carrier.completions(|id, done| {
+            if let Some(c) = conns.get_mut(&id) {
+                carrier::deliver(c, now, done);
             }
-        }
-        any
+        })
     }
 
     /// One connection's completions, core events, timers, requests and work; its end once it
@@ -468,11 +497,11 @@ impl<F: Fabric> Portal<F> {
             let lost = c.lost;
             let waiting = c.held.is_some() || !c.deferred.is_empty();
             match (wc.op, wc.buffer) {
-                (WorkOp::Recv, PortBuffer::Iu(b)) if !lost && waiting => {
+                (WorkOp::Recv, PortBuffer::Message(b)) if !lost && waiting => {
                     let c = self.conns.get_mut(&id).expect("present");
                     c.deferred.push_back((b, wc.len));
                 }
-                (WorkOp::Recv, PortBuffer::Iu(b)) if !lost => self.message(id, b, wc.len, now),
+                (WorkOp::Recv, PortBuffer::Message(b)) if !lost => self.message(id, b, wc.len, now),
                 (WorkOp::RdmaRead, buffer) => {
                     // Handed back also when it failed: the task gets its buffer again and ends.
                     let c = self.conns.get_mut(&id).expect("present");
@@ -485,14 +514,14 @@ impl<F: Fabric> Portal<F> {
                             .handle_rdma_read(now, read, b, !failed, &mut nexus);
                     }
                 }
-                (_, PortBuffer::Iu(b)) => self.fabric.verbs().recycle_iu(b),
+                (_, PortBuffer::Message(b)) => self.fabric.verbs().recycle_message(b),
                 (_, PortBuffer::Data(_)) => {}
             }
         }
     }
 
     /// A received message of `len` bytes in `b`.
-    fn message(&mut self, id: u64, b: F::Iu, len: usize, now: Instant) {
+    fn message(&mut self, id: u64, b: F::Message, len: usize, now: Instant) {
         let len = len.min(b.len());
         tracing::trace!(
             portal = %self.portal,
@@ -521,14 +550,14 @@ impl<F: Fabric> Portal<F> {
             Err(e) => {
                 tracing::info!(portal = %self.portal, id, "iSER connection dropped: {e}");
                 c.lost = true;
-                self.fabric.verbs().recycle_iu(b);
+                self.fabric.verbs().recycle_message(b);
             }
         }
     }
 
     /// Carries out a message's plan: its receive buffer is posted again once its data is
     /// copied, or held while its write waits for a buffer.
-    fn follow(&mut self, id: u64, b: F::Iu, mut plan: IserPlan<Buffer>, now: Instant) {
+    fn follow(&mut self, id: u64, b: F::Message, mut plan: IserPlan<Buffer>, now: Instant) {
         loop {
             let Some(c) = self.conns.get_mut(&id) else {
                 return;
@@ -550,7 +579,7 @@ impl<F: Fabric> Portal<F> {
                     break;
                 }
                 IserPlan::Allocate(len) => {
-                    let got = match self.waits.share().try_alloc(len as usize) {
+                    let got = match self.carrier.waits.share().try_alloc(len as usize) {
                         Ok(Some(buffer)) => Ok(buffer),
                         Err(_) => Err(NoBuffer::TooLarge),
                         Ok(None) if f.machine.connection().may_wait_for_buffer() => {
@@ -563,13 +592,16 @@ impl<F: Fabric> Portal<F> {
                             };
                             // It waits behind any earlier wait (a buffer it got now could
                             // not be, or `Waits::want` would have had it).
-                            if let Some(b) = self.waits.want(w) {
+                            if let Some(b) = self.carrier.waits.want(w) {
                                 self.granted(w, b);
                             }
                             return;
                         }
                         Ok(None) => {
-                            self.registry.task_set_full.fetch_add(1, Ordering::Relaxed);
+                            self.registry
+                                .counters
+                                .task_set_full
+                                .fetch_add(1, Ordering::Relaxed);
                             Err(NoBuffer::Busy)
                         }
                     };
@@ -581,13 +613,13 @@ impl<F: Fabric> Portal<F> {
         self.repost(id, b);
     }
 
-    fn repost(&mut self, id: u64, b: F::Iu) {
+    fn repost(&mut self, id: u64, b: F::Message) {
         let Some(c) = self.conns.get(&id) else {
-            self.fabric.verbs().recycle_iu(b);
+            self.fabric.verbs().recycle_message(b);
             return;
         };
         let qp = c.qp;
-        self.fabric.verbs().post_recv(qp, 0, PortBuffer::Iu(b));
+        self.fabric.verbs().post_recv(qp, 0, PortBuffer::Message(b));
     }
 
     /// A Login Request: the login machine answers; on success full feature phase starts.
@@ -706,49 +738,8 @@ impl<F: Fabric> Portal<F> {
 
     /// Carries out what a connection's machine asked.
     fn event(&mut self, id: u64, e: Event<Buffer>) {
-        let Some(c) = self.conns.get_mut(&id) else {
-            return;
-        };
-        let Phase::Full(f) = &mut c.phase else {
-            return;
-        };
-        match e {
-            Event::Backend {
-                task,
-                lun,
-                op,
-                buffer,
-            } => {
-                let target = f.scope.target().map(|t| &**t);
-                match crate::target::unit_for(&mut f.link.unit, target, lun) {
-                    Some(unit) => {
-                        self.owners.insert(task, id);
-                        self.io.submit(&unit, op, buffer, &self.inbox, task);
-                    }
-                    None => {
-                        let mut nexus = SessionStep::new(&mut f.link, &f.scope);
-                        let gone = Err(BackendError::Internal);
-                        f.machine.connection_mut().handle_backend_done(
-                            Instant::now(),
-                            task,
-                            buffer,
-                            gone,
-                            &mut nexus,
-                        );
-                    }
-                }
-            }
-            Event::BufferWanted { tag, len } => self.want(Want {
-                conn: id,
-                tag,
-                len,
-                data_out: false,
-            }),
-            Event::Completed(a) => {
-                if let Some(t) = f.scope.target() {
-                    t.account(&a);
-                }
-            }
+        if let Some(c) = self.conns.get_mut(&id) {
+            self.carrier.carry(id, c, e);
         }
     }
 
@@ -765,13 +756,6 @@ impl<F: Fabric> Portal<F> {
                 return;
             };
             self.message(id, b, len, now);
-        }
-    }
-
-    /// A buffer now if the arena has room and nobody waits before, else in turn.
-    fn want(&mut self, w: Want) {
-        if let Some(b) = self.waits.want(w) {
-            self.granted(w, b);
         }
     }
 
@@ -794,10 +778,7 @@ impl<F: Fabric> Portal<F> {
             self.resume(w.conn, now);
             return;
         }
-        let mut nexus = SessionStep::new(&mut f.link, &f.scope);
-        f.machine
-            .connection_mut()
-            .handle_buffer(now, w.tag, buffer, &mut nexus);
+        c.buffer(now, w.tag, buffer);
     }
 
     /// Posts what a connection's machine asked, in order, as far as IU buffers and the send
@@ -829,28 +810,28 @@ impl<F: Fabric> Portal<F> {
                 Work::Send(pdu) => {
                     self.scratch.clear();
                     iser::encode(&pdu, &IserHeader::default(), &mut self.scratch);
-                    let Some(mut b) = verbs.iu_buffer() else {
+                    let Some(mut b) = verbs.message_buffer() else {
                         c.pending.push_front(Work::Send(pdu));
                         break;
                     };
                     let n = self.scratch.len();
                     if n > b.len() {
                         tracing::error!(portal = %self.portal, id, "a PDU of {n} bytes is longer than an IU buffer: dropped");
-                        verbs.recycle_iu(b);
+                        verbs.recycle_message(b);
                         continue;
                     }
                     b[..n].copy_from_slice(&self.scratch);
                     tracing::trace!(portal = %self.portal, id, len = n, pdu = ?pdu.opcode(), "iSER send");
-                    verbs.post_send(qp, wr, PortBuffer::Iu(b), n);
+                    verbs.post_send(qp, wr, PortBuffer::Message(b), n);
                 }
                 Work::HelloReply(r) => {
-                    let Some(mut b) = verbs.iu_buffer() else {
+                    let Some(mut b) = verbs.message_buffer() else {
                         c.pending.push_front(Work::HelloReply(r));
                         break;
                     };
                     let bytes = r.encode();
                     b[..bytes.len()].copy_from_slice(&bytes);
-                    verbs.post_send(qp, wr, PortBuffer::Iu(b), bytes.len());
+                    verbs.post_send(qp, wr, PortBuffer::Message(b), bytes.len());
                 }
                 Work::RdmaWrite {
                     itt,
@@ -858,21 +839,23 @@ impl<F: Fabric> Portal<F> {
                     len,
                     remote,
                 } => {
-                    let buffer: SrpBuffer<F::Iu> = match payload {
+                    let buffer: FabricBuffer<F::Message> = match payload {
                         Payload::Buffer(b) => PortBuffer::Data(b),
                         Payload::Bytes(bytes) => {
                             // Parameter data: into registered memory first.
                             let n = bytes.len();
-                            let b = if n <= IU_LEN {
-                                verbs.iu_buffer().map(|mut b| {
+                            let b = if n <= MESSAGE_LEN {
+                                verbs.message_buffer().map(|mut b| {
                                     b[..n].copy_from_slice(&bytes);
-                                    PortBuffer::Iu(b)
+                                    PortBuffer::Message(b)
                                 })
                             } else {
-                                self.waits.share().try_alloc(n).ok().flatten().map(|mut b| {
-                                    b[..n].copy_from_slice(&bytes);
-                                    PortBuffer::Data(b)
-                                })
+                                self.carrier.waits.share().try_alloc(n).ok().flatten().map(
+                                    |mut b| {
+                                        b[..n].copy_from_slice(&bytes);
+                                        PortBuffer::Data(b)
+                                    },
+                                )
                             };
                             let Some(b) = b else {
                                 c.pending.push_front(Work::RdmaWrite {
@@ -886,15 +869,9 @@ impl<F: Fabric> Portal<F> {
                             b
                         }
                     };
-                    verbs.post_rdma_write(
-                        qp,
-                        wr,
-                        buffer,
-                        0,
-                        len as usize,
-                        &[descriptor(remote, len)],
-                    );
+                    verbs.post_rdma_write(qp, wr, buffer, 0, len as usize, &[region(remote, len)]);
                     self.registry
+                        .counters
                         .iser_rdma_writes
                         .fetch_add(1, Ordering::Relaxed);
                 }
@@ -906,9 +883,10 @@ impl<F: Fabric> Portal<F> {
                     remote,
                 } => {
                     c.reads.insert(wr, read);
-                    let d = descriptor(remote, len as u32);
+                    let d = region(remote, len as u32);
                     verbs.post_rdma_read(qp, wr, PortBuffer::Data(buffer), at, len, &[d]);
                     self.registry
+                        .counters
                         .iser_rdma_reads
                         .fetch_add(1, Ordering::Relaxed);
                 }
@@ -954,10 +932,10 @@ impl<F: Fabric> Portal<F> {
                 teardown(f, id, &self.registry);
             }
             if let Some(b) = c.held.take() {
-                self.fabric.verbs().recycle_iu(b);
+                self.fabric.verbs().recycle_message(b);
             }
             for (b, _) in c.deferred.drain(..) {
-                self.fabric.verbs().recycle_iu(b);
+                self.fabric.verbs().recycle_message(b);
             }
         }
         if let Phase::Full(f) = &c.phase {
@@ -974,13 +952,14 @@ impl<F: Fabric> Portal<F> {
         };
         let verbs = self.fabric.verbs();
         while let Some(wc) = verbs.poll(qp) {
-            if let PortBuffer::Iu(b) = wc.buffer {
-                verbs.recycle_iu(b);
+            if let PortBuffer::Message(b) = wc.buffer {
+                verbs.recycle_message(b);
             }
         }
         self.fabric.release(qp);
         self.registry.unregister(id);
         self.registry
+            .counters
             .iser_connections
             .fetch_sub(1, Ordering::Relaxed);
         drop(c);
@@ -1013,6 +992,7 @@ impl<F: Fabric> Portal<F> {
                 self.fabric.release(c.qp);
                 self.registry.unregister(id);
                 self.registry
+                    .counters
                     .iser_connections
                     .fetch_sub(1, Ordering::Relaxed);
             }
@@ -1042,11 +1022,11 @@ fn teardown(f: &mut Full, id: u64, registry: &Registry) {
     }
 }
 
-/// The initiator's buffer as the verbs name it.
-fn descriptor(remote: RemoteBuffer, len: u32) -> MemoryDescriptor {
-    MemoryDescriptor {
-        va: remote.va,
-        key: remote.stag,
+/// `len` bytes of the initiator's buffer (its STag and address) as the verbs name them.
+fn region(remote: RemoteBuffer, len: u32) -> RemoteRegion {
+    RemoteRegion {
+        addr: remote.va,
+        rkey: remote.stag,
         len,
     }
 }

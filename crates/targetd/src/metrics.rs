@@ -276,10 +276,10 @@ impl ProcessFigures {
 fn connections(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
     use MetricType::{Counter, Gauge};
     let auth = {
-        let auth = crate::registry::lock(&registry.auth);
+        let auth = crate::lock(&registry.auth);
         (auth.failures, auth.sources())
     };
-    let srp = crate::registry::lock(&registry.srp_channels).len();
+    let srp = crate::lock(&registry.srp_channels).len();
     singles(
         e,
         &Vec::new(),
@@ -300,31 +300,31 @@ fn connections(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::
                 "targetd_srp_logins_rejected_total",
                 Counter,
                 "answered SRP_LOGIN_REJ",
-                registry.srp_logins_rejected.load(Relaxed),
+                registry.counters.srp_logins_rejected.load(Relaxed),
             ),
             (
                 "targetd_srp_immediate_writes_total",
                 Counter,
                 "SRP writes whose data came in the SRP_CMD",
-                registry.srp_immediate_writes.load(Relaxed),
+                registry.counters.srp_immediate_writes.load(Relaxed),
             ),
             (
                 "targetd_iser_connections",
                 Gauge,
                 "iSER connections open on the iSER portals, logged in or not",
-                registry.iser_connections.load(Relaxed),
+                registry.counters.iser_connections.load(Relaxed),
             ),
             (
                 "targetd_iser_rdma_reads_total",
                 Counter,
                 "RDMA READs of solicited write data the iSER portals issued",
-                registry.iser_rdma_reads.load(Relaxed),
+                registry.counters.iser_rdma_reads.load(Relaxed),
             ),
             (
                 "targetd_iser_rdma_writes_total",
                 Counter,
                 "RDMA WRITEs of read data the iSER portals issued",
-                registry.iser_rdma_writes.load(Relaxed),
+                registry.counters.iser_rdma_writes.load(Relaxed),
             ),
             (
                 "targetd_connections",
@@ -336,26 +336,26 @@ fn connections(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::
                 "targetd_connections_refused_total",
                 Counter,
                 "closed at once: server.max_connections were open",
-                registry.connections_refused.load(Relaxed),
+                registry.counters.connections_refused.load(Relaxed),
             ),
             (
                 "targetd_send_timeouts_total",
                 Counter,
                 "dropped: nothing could be sent for server.send_timeout",
-                registry.send_timeouts.load(Relaxed),
+                registry.counters.send_timeouts.load(Relaxed),
             ),
             (
                 "targetd_data_out_timeouts_total",
                 Counter,
                 "dropped: data-out owed and none sent for server.data_out_timeout",
-                registry.data_out_timeouts.load(Relaxed),
+                registry.counters.data_out_timeouts.load(Relaxed),
             ),
             (
                 "targetd_task_set_full_total",
                 Counter,
                 "writes answered TASK SET FULL: their connection's share of the arena held \
                  buffers waiting for data-out",
-                registry.task_set_full.load(Relaxed),
+                registry.counters.task_set_full.load(Relaxed),
             ),
             (
                 "targetd_auth_failures_total",
@@ -379,7 +379,7 @@ fn connections(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::
     )?;
     for (t, transport) in ["tcp", "iser"].iter().enumerate() {
         for (i, status) in iscsi_pdu::pdu::LoginStatus::ALL.iter().enumerate() {
-            let n = registry.logins[t][i].load(Relaxed);
+            let n = registry.counters.logins[t][i].load(Relaxed);
             // Success always; a refusal once one happened.
             if n > 0 || i == 0 {
                 let labels = vec![
@@ -396,7 +396,7 @@ fn connections(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::
 /// Each reactor's buffer arena.
 fn arenas(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
     type Field = fn(&crate::registry::ArenaGauge) -> &std::sync::atomic::AtomicU64;
-    let arenas = crate::registry::lock(&registry.arenas).clone();
+    let arenas = crate::lock(&registry.counters.arenas).clone();
     let fields: [(&str, &str, Field); 3] = [
         (
             "targetd_arena_bytes",

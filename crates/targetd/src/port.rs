@@ -3,70 +3,20 @@
 //! backend completions, routed core events, its control or an arena grant; asked to log its
 //! connections out when the daemon stops, then closed.
 
-use std::collections::VecDeque;
 use std::future::poll_fn;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use backend::{Buffer, Share};
+use backend::Buffer;
 
+use crate::carrier::{Carrier, Want};
 use crate::control::{Control, Request};
-use crate::reactor::Inbox;
+use crate::fabric::Fabric;
+use crate::reactor::Io;
+use crate::registry::Registry;
 use crate::target::{Outbox, Routed};
-
-/// A buffer a connection waits for.
-#[derive(Debug, Clone, Copy)]
-pub struct Want {
-    /// The connection (or channel).
-    pub conn: u64,
-    /// The task's tag.
-    pub tag: u64,
-    /// Bytes.
-    pub len: usize,
-    /// For a write's data-out; else for a backend operation.
-    pub data_out: bool,
-}
-
-/// Buffers the connections of a port wait for, in the order asked: a later one waits behind
-/// an earlier one, so a large request is not starved by small ones.
-#[derive(Debug)]
-pub struct Waits {
-    share: Share,
-    queue: VecDeque<Want>,
-}
-
-impl Waits {
-    /// The waits of a port whose buffers come from `share`.
-    pub fn new(share: Share) -> Waits {
-        Waits {
-            share,
-            queue: VecDeque::new(),
-        }
-    }
-
-    /// The share the buffers come from.
-    pub fn share(&self) -> &Share {
-        &self.share
-    }
-
-    /// A buffer for `w` now if the share has room and nothing waits before it (`Some`: to
-    /// grant at once, `None` inside when it can never be had), else `None`: it waits its turn.
-    pub fn want(&mut self, w: Want) -> Option<Option<Buffer>> {
-        if self.queue.is_empty() {
-            match self.share.try_alloc(w.len) {
-                Ok(Some(b)) => return Some(Some(b)),
-                Ok(None) => {}
-                Err(e) => {
-                    tracing::error!("a buffer of {} bytes: {e}", w.len);
-                    return Some(None);
-                }
-            }
-        }
-        self.queue.push_back(w);
-        None
-    }
-}
 
 /// A port's protocol side, driven by [`serve`].
 pub trait Port {
@@ -80,10 +30,9 @@ pub trait Port {
     fn step(&mut self, id: u64) -> bool;
     /// Ready when the fabric has news or routed events reached a connection.
     fn poll_wake(&mut self, cx: &mut Context<'_>) -> Poll<()>;
-    /// The completions of backend operations.
-    fn inbox(&self) -> Rc<Inbox>;
-    /// The buffers waited for.
-    fn waits(&mut self) -> &mut Waits;
+    /// What carries out its connections' events: its inbox of backend completions, and the
+    /// buffers waited for.
+    fn carrier(&mut self) -> &mut Carrier;
     /// Gives a connection the buffer it waited for (`None`: none can ever be had).
     fn granted(&mut self, w: Want, buffer: Option<Buffer>);
     /// Asks every connection to log out (the daemon is stopping); from now on no login is
@@ -98,6 +47,36 @@ pub trait Port {
     fn tick(&self) -> Option<Duration> {
         None
     }
+}
+
+/// Starts a port on `reactor` whose fabric `open` makes there, served by `run` (SRP's
+/// [`crate::srp::serve`], or iSER's [`crate::iser::serve`]) until the daemon stops. Returns once the port
+/// listens, or with the reason `open` gave.
+pub fn start_on<F: Fabric + 'static, Fut: std::future::Future<Output = ()> + 'static>(
+    reactor: &crate::reactor::Handle,
+    registry: Arc<Registry>,
+    open: impl FnOnce(&Io) -> Result<F, String> + Send + 'static,
+    run: fn(F, Rc<Io>, Arc<Registry>) -> Fut,
+) -> Result<(), String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let spawned = reactor.spawn(Box::new(move |io| {
+        Box::pin(async move {
+            match open(&io) {
+                Ok(port) => {
+                    let _ = tx.send(Ok(()));
+                    run(port, io, registry).await;
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                }
+            }
+        })
+    }));
+    if !spawned {
+        return Err(format!("reactor {} is gone", reactor.index));
+    }
+    rx.recv()
+        .map_err(|_| format!("reactor {} ended", reactor.index))?
 }
 
 /// Moves the core events other connections routed to a connection into its outbox; whether
@@ -160,9 +139,9 @@ pub async fn serve(p: &mut impl Port, control: &Control) {
         if logging_out && p.is_empty() {
             break;
         }
-        let inbox = p.inbox();
-        let want = p.waits().queue.front().copied();
-        let share = p.waits().share.clone();
+        let inbox = p.carrier().inbox().clone();
+        let want = p.carrier().waits.front();
+        let share = p.carrier().waits.share().clone();
         let tick = p.tick().filter(|_| !p.is_empty());
         let granted = tokio::select! {
             _ = poll_fn(|cx| p.poll_wake(cx)) => None,
@@ -174,7 +153,7 @@ pub async fn serve(p: &mut impl Port, control: &Control) {
             }
         };
         if let (Some(buffer), Some(w)) = (granted, want) {
-            p.waits().queue.pop_front();
+            p.carrier().waits.pop();
             p.granted(w, buffer);
         }
     }

@@ -3,14 +3,13 @@
 //! turns a resize made elsewhere (the `rbd` CLI, another gateway) into CAPACITY DATA HAS
 //! CHANGED.
 
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use backend::rbd::{Cluster, ClusterConfig, Image, ImageSpec, NATIVE_COMPARE_AND_WRITE};
 use scsi_core::Limits;
 
 use crate::config;
-use crate::target::Target;
 
 /// The cluster a LUN's config reaches.
 pub fn cluster_config(c: &config::Lun) -> ClusterConfig {
@@ -86,22 +85,25 @@ pub fn limits(image: &Image, block_size: u32, mut limits: Limits) -> Limits {
     limits
 }
 
-/// Watches `image` for resizes made by anyone, and hands the new size to unit `lun` of
-/// `target`.
-pub fn watch_capacity(image: &Arc<Image>, target: Weak<Target>, lun: u16) -> Result<(), String> {
+/// Watches `image` for resizes made by anyone, and hands each new size in bytes to
+/// `resized` (the unit's target), on a thread of its own.
+pub fn watch_capacity(
+    image: &Arc<Image>,
+    resized: impl Fn(u64) + Clone + Send + Sync + 'static,
+) -> Result<(), String> {
     let weak = Arc::downgrade(image);
     image
         .watch(move || {
             // On a librbd thread, which must not wait on librbd: read the size elsewhere.
-            let (image, target) = (weak.clone(), target.clone());
+            let (image, resized) = (weak.clone(), resized.clone());
             let _ = std::thread::Builder::new()
                 .name("rbd-resize".into())
                 .spawn(move || {
-                    let (Some(image), Some(target)) = (image.upgrade(), target.upgrade()) else {
+                    let Some(image) = image.upgrade() else {
                         return;
                     };
                     match image.size() {
-                        Ok(bytes) => target.capacity_changed(lun, bytes),
+                        Ok(bytes) => resized(bytes),
                         Err(e) => tracing::warn!("after an update of the image: {e}"),
                     }
                 });

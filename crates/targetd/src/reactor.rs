@@ -21,10 +21,9 @@ use backend::{
     Immediate, NullBackend,
 };
 use scsi_core::{Backend, BackendError, Op, Output, TaskId};
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Notify};
 
-use crate::registry::{ArenaGauge, ConnectionSlot, Registry};
+use crate::registry::counters::ArenaGauge;
 use crate::target::{Lun, Storage};
 
 /// A backend operation's result, on its way back to the connection that asked.
@@ -221,32 +220,17 @@ impl Io {
     }
 }
 
-/// A connection handed to a reactor.
-pub struct NewConnection {
-    /// The socket.
-    pub stream: std::net::TcpStream,
-    /// Its place among the daemon's connections, given back when it ends.
-    pub slot: ConnectionSlot,
-}
-
-/// Work that runs on a reactor for its life, given the reactor's I/O state: an SRP target
-/// port, whose queue pairs' buffers are that reactor's.
+/// Work that runs on a reactor for its life, given the reactor's I/O state: an iSCSI
+/// connection, or an RDMA port whose queue pairs' buffers are that reactor's. The reactor
+/// knows no transport: the server hands it each connection as such a task.
 pub type Task = Box<dyn FnOnce(Rc<Io>) -> Pin<Box<dyn Future<Output = ()>>> + Send>;
-
-/// What a reactor is handed.
-enum Assignment {
-    /// An iSCSI connection.
-    Connection(NewConnection),
-    /// A task to run on it.
-    Task(Task),
-}
 
 /// The listener's handle on a reactor.
 #[derive(Clone)]
 pub struct Handle {
     /// Its index.
     pub index: usize,
-    tx: mpsc::UnboundedSender<Assignment>,
+    tx: mpsc::UnboundedSender<Task>,
     /// Connections it serves now.
     pub connections: Arc<AtomicUsize>,
     /// Its I/O engine, as the log and `targetctl status` say it.
@@ -263,16 +247,9 @@ impl std::fmt::Debug for Handle {
 }
 
 impl Handle {
-    /// Hands it a connection.
-    pub fn assign(&self, stream: std::net::TcpStream, slot: ConnectionSlot) -> bool {
-        self.tx
-            .send(Assignment::Connection(NewConnection { stream, slot }))
-            .is_ok()
-    }
-
     /// Runs `task` on it, counted among its connections while it runs.
     pub fn spawn(&self, task: Task) -> bool {
-        self.tx.send(Assignment::Task(task)).is_ok()
+        self.tx.send(task).is_ok()
     }
 }
 
@@ -293,18 +270,16 @@ pub fn on_reactor_thread(hook: fn()) {
     let _ = THREAD_HOOK.set(hook);
 }
 
-/// Starts reactor `index` on its own thread. Returns once its engine and arena exist, or
-/// with the reason they could not be made.
+/// Starts reactor `index` on its own thread, reporting its arena to `gauge` every second.
+/// Returns once its engine and arena exist, or with the reason they could not be made.
 pub fn spawn(
     index: usize,
     settings: Settings,
-    registry: Arc<Registry>,
+    gauge: Arc<ArenaGauge>,
 ) -> std::io::Result<(Handle, std::thread::JoinHandle<()>)> {
     let (tx, rx) = mpsc::unbounded_channel();
     let connections = Arc::new(AtomicUsize::new(0));
     let count = connections.clone();
-    let gauge = Arc::new(ArenaGauge::default());
-    crate::registry::lock(&registry.arenas).push(gauge.clone());
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let thread = std::thread::Builder::new()
         .name(format!("reactor-{index}"))
@@ -346,7 +321,7 @@ pub fn spawn(
                     (backend::EngineKind::Threads, None) => "threads".to_string(),
                 };
                 let _ = ready_tx.send(Ok(engine));
-                run(io, rx, registry, count, gauge).await;
+                run(io, rx, count, gauge).await;
             });
         })?;
     match ready_rx.recv() {
@@ -412,8 +387,7 @@ fn build_io(index: usize, settings: &Settings) -> std::io::Result<Io> {
 
 async fn run(
     io: Rc<Io>,
-    mut rx: mpsc::UnboundedReceiver<Assignment>,
-    registry: Arc<Registry>,
+    mut rx: mpsc::UnboundedReceiver<Task>,
     count: Arc<AtomicUsize>,
     gauge: Arc<ArenaGauge>,
 ) {
@@ -448,29 +422,14 @@ async fn run(
         }
     };
     tokio::task::spawn_local(pump);
-    while let Some(assignment) = rx.recv().await {
+    while let Some(task) = rx.recv().await {
         let io = io.clone();
-        let registry = registry.clone();
         let count = count.clone();
         count.fetch_add(1, Ordering::Relaxed);
-        match assignment {
-            Assignment::Connection(NewConnection { stream, slot }) => {
-                tokio::task::spawn_local(async move {
-                    match TcpStream::from_std(stream) {
-                        Ok(s) => crate::iscsi::connection::serve(s, io, registry).await,
-                        Err(e) => tracing::warn!("cannot adopt a connection: {e}"),
-                    }
-                    count.fetch_sub(1, Ordering::Relaxed);
-                    drop(slot);
-                });
-            }
-            Assignment::Task(task) => {
-                tokio::task::spawn_local(async move {
-                    task(io).await;
-                    count.fetch_sub(1, Ordering::Relaxed);
-                });
-            }
-        }
+        tokio::task::spawn_local(async move {
+            task(io).await;
+            count.fetch_sub(1, Ordering::Relaxed);
+        });
     }
     // The listener is gone: let the connections finish (the server bounds how long).
     while count.load(Ordering::Relaxed) > 0 {

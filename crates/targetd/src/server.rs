@@ -13,8 +13,9 @@ use backend::{ArenaConfig, EngineChoice};
 use crate::config::Config;
 use crate::control::Request;
 use crate::iscsi::connection::LOGOUT_GRACE;
+use crate::lock;
 use crate::reactor;
-use crate::registry::{lock, Registry};
+use crate::registry::{Registry, StartAccepting};
 use crate::target::{Target, TargetEnv};
 
 /// Why the daemon could not start: the config key at fault and the reason.
@@ -204,7 +205,9 @@ impl Server {
         let mut reactors = Vec::new();
         let mut threads = Vec::new();
         for i in 0..count {
-            let (h, t) = reactor::spawn(i, settings.clone(), registry.clone())
+            let gauge = Arc::new(crate::registry::counters::ArenaGauge::default());
+            lock(&registry.counters.arenas).push(gauge.clone());
+            let (h, t) = reactor::spawn(i, settings.clone(), gauge)
                 .map_err(|e| fail("server.engine".into(), format!("reactor {i}: {e}")))?;
             if i == 0 {
                 *lock(&registry.engine) = h.engine.clone();
@@ -222,8 +225,7 @@ impl Server {
             let reactor = &reactors[i % reactors.len()];
             let settings = crate::srp::port_settings(&registry.config().server, Some(addr));
             crate::srp::start_port(reactor, registry.clone(), move |io| {
-                crate::srp::rdma::RdmaPort::open(addr, &io.arena, &settings)
-                    .map_err(|e| e.to_string())
+                crate::srp::rdma_port(addr, &io.arena, &settings).map_err(|e| e.to_string())
             })
             .map_err(|r| fail(key, format!("{p}: {r}")))?;
         }
@@ -234,12 +236,12 @@ impl Server {
                 .parse()
                 .map_err(|_| fail(key.clone(), format!("{p:?} is not an address:port")))?;
             let reactor = &reactors[(i + rdma_portals.len()) % reactors.len()];
-            let (slots, depth) = crate::iser::rdma_sizes(registry.window_for(true));
+            let (slots, depth) = crate::iser::rdma_sizes(crate::iser::window(&registry));
             let open = move |io: &crate::reactor::Io| {
-                crate::srp::rdma::RdmaPort::open_sized(addr, &io.arena, slots, depth)
+                crate::fabric::device::RdmaPort::open(addr, &io.arena, slots, depth)
                     .map_err(|e| e.to_string())
             };
-            crate::srp::start_on(reactor, registry.clone(), open, crate::iser::serve)
+            crate::port::start_on(reactor, registry.clone(), open, crate::iser::serve)
                 .map_err(|r| fail(key, format!("{p}: {r}")))?;
         }
         Ok(Server {
@@ -267,8 +269,8 @@ impl Server {
     /// port runs on the least loaded reactor, from now until the daemon stops.
     pub fn serve_srp_fabric(
         &self,
-        switch: &Arc<srp::switch::Switch>,
-        node: srp::fabric::NodeId,
+        switch: &Arc<rdma::switch::Switch>,
+        node: rdma::fabric::NodeId,
         service: &str,
     ) -> Result<(), StartError> {
         self.serve_fabric(switch, node, service, "SRP", crate::srp::serve)
@@ -279,8 +281,8 @@ impl Server {
     /// the same switch. The portal runs on the least loaded reactor until the daemon stops.
     pub fn serve_iser_fabric(
         &self,
-        switch: &Arc<srp::switch::Switch>,
-        node: srp::fabric::NodeId,
+        switch: &Arc<rdma::switch::Switch>,
+        node: rdma::fabric::NodeId,
         service: &str,
     ) -> Result<(), StartError> {
         self.serve_fabric(switch, node, service, "iSER", crate::iser::serve)
@@ -289,18 +291,18 @@ impl Server {
     /// A port of `protocol` served by `run` on the software fabric.
     fn serve_fabric<Fut: Future<Output = ()> + 'static>(
         &self,
-        switch: &Arc<srp::switch::Switch>,
-        node: srp::fabric::NodeId,
+        switch: &Arc<rdma::switch::Switch>,
+        node: rdma::fabric::NodeId,
         service: &str,
         protocol: &str,
-        run: fn(crate::srp::FabricPort, std::rc::Rc<crate::reactor::Io>, Arc<Registry>) -> Fut,
+        run: fn(crate::fabric::FabricPort, std::rc::Rc<crate::reactor::Io>, Arc<Registry>) -> Fut,
     ) -> Result<(), StartError> {
         let reactor = self.least_loaded()?;
         let (switch, name) = (switch.clone(), service.to_string());
         let open = move |_: &crate::reactor::Io| {
-            crate::srp::FabricPort::listen(&switch, node, &name).map_err(|e| e.to_string())
+            crate::fabric::FabricPort::listen(&switch, node, &name).map_err(|e| e.to_string())
         };
-        crate::srp::start_on(reactor, self.registry.clone(), open, run).map_err(|reason| {
+        crate::port::start_on(reactor, self.registry.clone(), open, run).map_err(|reason| {
             StartError {
                 key: format!("{protocol} fabric service {service:?}"),
                 reason,
@@ -338,7 +340,10 @@ impl Server {
         } = self;
         let mut tasks = tokio::task::JoinSet::new();
         let texts = registry.started_server.portals.clone();
-        registry.listen(reactors.clone(), texts.into_iter().zip(listeners).collect());
+        registry.listen(
+            start_accepting(&registry, reactors.clone()),
+            texts.into_iter().zip(listeners).collect(),
+        );
         let admin_path = admin.as_ref().map(|(_, p)| p.clone());
         if let Some((l, _)) = admin {
             match tokio::net::UnixListener::from_std(l) {
@@ -419,9 +424,26 @@ fn flush(registry: &Registry) {
     }
 }
 
+/// How the registry starts a portal's accept loop on the runtime this is called in (now, and
+/// for the portals a reload or `targetctl portal add` adds), handing connections to
+/// `reactors`.
+fn start_accepting(registry: &Arc<Registry>, reactors: Vec<reactor::Handle>) -> StartAccepting {
+    let runtime = tokio::runtime::Handle::current();
+    let registry = Arc::downgrade(registry);
+    Box::new(move |listener| {
+        let listener = {
+            let _runtime = runtime.enter();
+            tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?
+        };
+        let registry = registry.upgrade().ok_or("the daemon is stopping")?;
+        let task = runtime.spawn(accept(listener, reactors.clone(), registry));
+        Ok(task.abort_handle())
+    })
+}
+
 /// Accepts connections and hands each to the least loaded reactor; beyond
 /// `server.max_connections` open, closes them at once.
-pub(crate) async fn accept(
+async fn accept(
     listener: tokio::net::TcpListener,
     reactors: Vec<reactor::Handle>,
     registry: Arc<Registry>,
@@ -446,14 +468,27 @@ pub(crate) async fn accept(
         else {
             return;
         };
-        match stream.into_std() {
-            Ok(s) => {
-                tracing::debug!(%peer, reactor = r.index, "connection");
-                if !r.assign(s, slot) {
-                    tracing::error!("reactor {} is gone", r.index);
-                }
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("accept: {e}");
+                continue;
             }
-            Err(e) => tracing::warn!("accept: {e}"),
+        };
+        tracing::debug!(%peer, reactor = r.index, "connection");
+        let registry = registry.clone();
+        let connection: reactor::Task = Box::new(move |io| {
+            Box::pin(async move {
+                match tokio::net::TcpStream::from_std(stream) {
+                    Ok(s) => crate::iscsi::connection::serve(s, io, registry).await,
+                    Err(e) => tracing::warn!("cannot adopt a connection: {e}"),
+                }
+                // Its place among the daemon's connections, given back when it ends.
+                drop(slot);
+            })
+        });
+        if !r.spawn(connection) {
+            tracing::error!("reactor {} is gone", r.index);
         }
     }
 }

@@ -14,7 +14,7 @@
 //! fabric endpoint) belong to it. IU buffers are small vectors per channel, made at login
 //! and reused; data buffers are arena slots.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::ops::DerefMut;
 use std::rc::Rc;
@@ -24,26 +24,23 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use crate::target::CoreStep;
+use ::rdma::verbs::{MessageBuffers, PortBuffer, Verbs};
 use backend::{Buffer, Share};
 use scsi_core::{Action, BackendError, Command, DeviceError, NexusId, TaskId, TransportId};
-use srp::fabric::NodeId;
 use srp::iu::{IuError, LoginRejectReason, SrpLoginRej, SrpLoginReq, TargetLogoutReason};
-use srp::switch::{ConnectRequest, Endpoint, Switch, SwitchError};
 use srp::target_port::channel::SPARE_RECEIVES;
 use srp::target_port::{
     Accepted, Buffers, Channel, Core, Driver, Event, ItNexusKey, Left, LoginPolicy, Logins,
     PortSettings,
 };
-use srp::verbs::{IuBuffers, PortBuffer, Verbs};
 use tokio::sync::mpsc;
 
-#[cfg(feature = "rdma")]
-pub mod rdma;
-
+use crate::carrier::{self, Carried, Carrier, Want};
 use crate::control::Control;
-use crate::port::{Waits, Want};
-use crate::reactor::{Inbox, Io};
-use crate::registry::{lock, ConnectionSlot, Registry, SrpChannelInfo};
+use crate::fabric::{Fabric, FabricBuffer, Qp, MESSAGE_LEN};
+use crate::lock;
+use crate::reactor::Io;
+use crate::registry::{ConnectionSlot, Registry, SrpChannelInfo};
 use crate::target::{next_id, Lun, Outbox, Route, Routed, Target};
 
 /// The relative target port identifier of every target's SRP port (its iSCSI port is 1).
@@ -61,60 +58,44 @@ pub fn hex(id: &[u8; 16]) -> String {
     id.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// A queue pair of a fabric.
-pub type Qp<F> = <<F as Fabric>::Verbs as Verbs>::Qp;
+/// The SRP_LOGIN_REQ a connect request carries as its private data: in the layout Linux's
+/// ib_srp and ib_srpt use over rdma_cm (`rdma_cm`), or as a whole IU (the software switch).
+fn login_request(private: &[u8], rdma_cm: bool) -> Result<SrpLoginReq, IuError> {
+    if rdma_cm {
+        return SrpLoginReq::decode_rdma_cm(private);
+    }
+    match srp::Iu::decode(private)? {
+        srp::Iu::LoginReq(r) => Ok(r),
+        other => Err(IuError::InvalidField {
+            iu: other.iu_type(),
+            tag: 0,
+            field: "IU TYPE",
+            reason: "a connect request carries an SRP_LOGIN_REQ",
+        }),
+    }
+}
 
-/// A buffer a port gives its verbs: one of the fabric's IU buffers, or a task's data in a
-/// slot run of the reactor's arena.
-pub type SrpBuffer<I> = PortBuffer<I, Buffer>;
+/// Channels one SRP port on a device serves at once: its message slots are sized for them
+/// (each channel holds a receive per credit, and as many sends in flight at most).
+#[cfg(feature = "rdma")]
+pub const CHANNELS: u32 = 16;
 
-/// What a port runs on: queue-pair verbs over [`SrpBuffer`]s, and connection management as
-/// rdma_cm does it (connect requests carrying an SRP_LOGIN_REQ, answered with an
-/// SRP_LOGIN_RSP or SRP_LOGIN_REJ as private data).
-pub trait Fabric {
-    /// An IU buffer: registered memory of the fabric's own, [`IU_LEN`] bytes.
-    type Iu: DerefMut<Target = [u8]>;
-    /// Its queue-pair verbs, which hand out its IU buffers.
-    type Verbs: Verbs<Buffer = SrpBuffer<Self::Iu>> + IuBuffers<Iu = Self::Iu>;
-    /// A connect request.
-    type Request;
-    /// The verbs.
-    fn verbs(&mut self) -> &mut Self::Verbs;
-    /// Ready when something may have changed: a completion, a connect request, a
-    /// disconnection.
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()>;
-    /// The next connect request.
-    fn next_request(&mut self) -> Option<Self::Request>;
-    /// The login request it carries.
-    fn login(&self, request: &Self::Request) -> Result<SrpLoginReq, IuError>;
-    /// Accepts it: a queue pair with `receives` posted, answered with `private`.
-    fn accept(
-        &mut self,
-        request: Self::Request,
-        receives: Vec<SrpBuffer<Self::Iu>>,
-        private: &[u8],
-    ) -> Result<Qp<Self>, String>;
-    /// Refuses it with `private`.
-    fn reject(&mut self, request: Self::Request, private: &[u8]);
-    /// A channel's queue pair is done with (disconnected, its completions taken): its
-    /// resources go.
-    fn release(&mut self, qp: Qp<Self>) {
-        let _ = qp;
-    }
-    /// The portal, as the admin interface names it.
-    fn portal(&self) -> String;
-    /// The IP address and port it listens on, when the fabric has IP addressing (rdma_cm):
-    /// what names its own terms in the config (`server.srp_ports`).
-    fn address(&self) -> Option<SocketAddr> {
-        None
-    }
-    /// The initiator's address and the one it reached, when the fabric has IP addressing
-    /// (rdma_cm does; the software fabric does not): what network ACLs and the session list
-    /// see.
-    fn addresses(&self, request: &Self::Request) -> Option<(SocketAddr, SocketAddr)> {
-        let _ = request;
-        None
-    }
+/// Opens the RDMA device that serves `addr` for an SRP port offering `settings`, with
+/// message slots and queue depths for [`CHANNELS`] channels at its request limit. Call on the
+/// reactor whose arena it is (the watchers are its runtime's).
+#[cfg(feature = "rdma")]
+pub fn rdma_port(
+    addr: SocketAddr,
+    arena: &backend::Arena,
+    settings: &PortSettings,
+) -> Result<crate::fabric::device::RdmaPort, ::rdma::ibverbs::RdmaError> {
+    let per_channel = 2 * (settings.request_limit + SPARE_RECEIVES) + 8;
+    let depth = ::rdma::ibverbs::QueueDepth {
+        // A response per credit, and RDMA transfers of one request per descriptor.
+        send: 4096,
+        recv: settings.request_limit + SPARE_RECEIVES,
+    };
+    crate::fabric::device::RdmaPort::open(addr, arena, CHANNELS * per_channel, depth)
 }
 
 /// Where a port's channels get their buffers: IUs from the fabric's verbs, data and long
@@ -127,28 +108,28 @@ struct Slots<'a> {
 
 impl<V, I> Buffers<V, Buffer> for Slots<'_>
 where
-    V: Verbs<Buffer = SrpBuffer<I>> + IuBuffers<Iu = I>,
+    V: Verbs<Buffer = FabricBuffer<I>> + MessageBuffers<Message = I>,
     I: DerefMut<Target = [u8]>,
 {
-    fn iu(&mut self, verbs: &mut V, iu: &[u8]) -> Option<SrpBuffer<I>> {
-        let mut b = verbs.iu_buffer()?;
+    fn iu(&mut self, verbs: &mut V, iu: &[u8]) -> Option<FabricBuffer<I>> {
+        let mut b = verbs.message_buffer()?;
         let n = iu.len();
         if n > b.len() {
-            verbs.recycle_iu(b);
+            verbs.recycle_message(b);
             return None;
         }
         b[..n].copy_from_slice(iu);
-        Some(PortBuffer::Iu(b))
+        Some(PortBuffer::Message(b))
     }
 
-    fn data(&mut self, buffer: Buffer) -> SrpBuffer<I> {
+    fn data(&mut self, buffer: Buffer) -> FabricBuffer<I> {
         PortBuffer::Data(buffer)
     }
 
-    fn task(&mut self, buffer: SrpBuffer<I>) -> Option<Buffer> {
+    fn task(&mut self, buffer: FabricBuffer<I>) -> Option<Buffer> {
         match buffer {
             PortBuffer::Data(b) => Some(b),
-            PortBuffer::Iu(_) => None,
+            PortBuffer::Message(_) => None,
         }
     }
 
@@ -158,8 +139,8 @@ where
         Some(b)
     }
 
-    fn payload(&mut self, verbs: &mut V, bytes: Vec<u8>) -> Option<SrpBuffer<I>> {
-        if bytes.len() <= IU_LEN {
+    fn payload(&mut self, verbs: &mut V, bytes: Vec<u8>) -> Option<FabricBuffer<I>> {
+        if bytes.len() <= MESSAGE_LEN {
             return self.iu(verbs, &bytes);
         }
         let mut b = self.share.try_alloc(bytes.len()).ok()??;
@@ -167,93 +148,14 @@ where
         Some(PortBuffer::Data(b))
     }
 
-    fn table(&mut self, _: &mut V, len: usize) -> Option<SrpBuffer<I>> {
+    fn table(&mut self, _: &mut V, len: usize) -> Option<FabricBuffer<I>> {
         Some(PortBuffer::Data(self.share.try_alloc(len).ok()??))
     }
 
-    fn recycle(&mut self, verbs: &mut V, buffer: SrpBuffer<I>) {
-        if let PortBuffer::Iu(b) = buffer {
-            verbs.recycle_iu(b);
+    fn recycle(&mut self, verbs: &mut V, buffer: FabricBuffer<I>) {
+        if let PortBuffer::Message(b) = buffer {
+            verbs.recycle_message(b);
         }
-    }
-}
-
-/// The length of every IU buffer: the largest IU an initiator may send (srp's
-/// [`PortSettings`] default), which is also more than any IU the target sends.
-pub const IU_LEN: usize = srp::verbs::IU_BUFFER_LEN;
-
-/// A port on the software fabric: a [`Switch`] endpoint listening on a service name.
-#[derive(Debug)]
-pub struct FabricPort {
-    endpoint: Endpoint<SrpBuffer<Vec<u8>>>,
-    service: String,
-}
-
-impl FabricPort {
-    /// The port of node `node` of `switch`, listening on `service`.
-    pub fn listen(
-        switch: &Arc<Switch>,
-        node: NodeId,
-        service: &str,
-    ) -> Result<FabricPort, SwitchError> {
-        switch.listen(node, service)?;
-        Ok(FabricPort {
-            endpoint: switch.endpoint(node),
-            service: service.to_string(),
-        })
-    }
-}
-
-impl Drop for FabricPort {
-    fn drop(&mut self) {
-        self.endpoint.switch().unlisten(&self.service);
-    }
-}
-
-impl Fabric for FabricPort {
-    type Iu = Vec<u8>;
-    type Verbs = Endpoint<SrpBuffer<Vec<u8>>>;
-    type Request = ConnectRequest;
-
-    fn verbs(&mut self) -> &mut Self::Verbs {
-        &mut self.endpoint
-    }
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<()> {
-        self.endpoint.poll_ready(cx)
-    }
-
-    fn next_request(&mut self) -> Option<ConnectRequest> {
-        self.endpoint.next_request(&self.service)
-    }
-
-    fn login(&self, request: &ConnectRequest) -> Result<SrpLoginReq, IuError> {
-        match srp::Iu::decode(&request.private)? {
-            srp::Iu::LoginReq(r) => Ok(r),
-            other => Err(IuError::InvalidField {
-                iu: other.iu_type(),
-                tag: 0,
-                field: "IU TYPE",
-                reason: "a connect request carries an SRP_LOGIN_REQ",
-            }),
-        }
-    }
-
-    fn accept(
-        &mut self,
-        request: ConnectRequest,
-        receives: Vec<SrpBuffer<Vec<u8>>>,
-        private: &[u8],
-    ) -> Result<Qp<Self>, String> {
-        Ok(self.endpoint.accept(request, receives, private))
-    }
-
-    fn reject(&mut self, request: ConnectRequest, private: &[u8]) {
-        self.endpoint.reject(request, private);
-    }
-
-    fn portal(&self) -> String {
-        format!("fabric:{}", self.service)
     }
 }
 
@@ -315,21 +217,44 @@ impl<Q> Chan<Q> {
     }
 }
 
+impl<Q> Carried for Chan<Q> {
+    fn target(&self) -> Option<&Target> {
+        Some(&self.target)
+    }
+
+    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
+        crate::target::unit_for(&mut self.unit, Some(&self.target), lun)
+    }
+
+    fn backend_done(
+        &mut self,
+        now: Instant,
+        task: TaskId,
+        buffer: Buffer,
+        result: Result<scsi_core::Output, BackendError>,
+    ) {
+        let (machine, mut step) = self.step();
+        machine.handle_backend_done(now, task, buffer, result, &mut step);
+    }
+
+    fn buffer(&mut self, now: Instant, tag: u64, buffer: Option<Buffer>) {
+        let (machine, mut step) = self.step();
+        machine.handle_buffer(now, tag, buffer, &mut step);
+    }
+}
+
 /// A port: its fabric, its channels and what they wait for.
 struct Port<F: Fabric> {
     fabric: F,
-    io: Rc<Io>,
     registry: Arc<Registry>,
     portal: String,
     /// Its logins: what it offers (`server.srp_*`, read when it started) and its channels by
     /// I_T nexus.
     logins: Logins<u64>,
     channels: BTreeMap<u64, Chan<Qp<F>>>,
-    /// The channel of each backend operation in flight, by its task.
-    owners: HashMap<TaskId, u64>,
-    inbox: Rc<Inbox>,
-    /// The buffers channels wait for, from the port's share of the reactor's arena.
-    waits: Waits,
+    /// Carries out its channels' events on the reactor; the buffers they wait for come
+    /// from the port's share of the reactor's arena.
+    carrier: Carrier,
     /// Asked to log every channel out (the daemon is stopping).
     logging_out: bool,
     /// Reused list of a channel's events, so a turn allocates nothing once warm.
@@ -342,7 +267,7 @@ struct Port<F: Fabric> {
 pub fn port_settings(server: &crate::config::Server, address: Option<SocketAddr>) -> PortSettings {
     let terms = server.srp_terms(address);
     PortSettings {
-        max_it_iu_len: terms.max_iu_len.min(IU_LEN as u32),
+        max_it_iu_len: terms.max_iu_len.min(MESSAGE_LEN as u32),
         request_limit: terms.request_limit,
         immediate_data: terms.immediate_data,
         ..PortSettings::default()
@@ -357,37 +282,7 @@ pub fn start_port<F: Fabric + 'static>(
     registry: Arc<Registry>,
     open: impl FnOnce(&Io) -> Result<F, String> + Send + 'static,
 ) -> Result<(), String> {
-    start_on(reactor, registry, open, serve)
-}
-
-/// Starts a port on `reactor` whose fabric `open` makes there, served by `run` (SRP's
-/// [`serve`], or iSER's [`crate::iser::serve`]) until the daemon stops. Returns once the port
-/// listens, or with the reason `open` gave.
-pub fn start_on<F: Fabric + 'static, Fut: std::future::Future<Output = ()> + 'static>(
-    reactor: &crate::reactor::Handle,
-    registry: Arc<Registry>,
-    open: impl FnOnce(&Io) -> Result<F, String> + Send + 'static,
-    run: fn(F, Rc<Io>, Arc<Registry>) -> Fut,
-) -> Result<(), String> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let spawned = reactor.spawn(Box::new(move |io| {
-        Box::pin(async move {
-            match open(&io) {
-                Ok(port) => {
-                    let _ = tx.send(Ok(()));
-                    run(port, io, registry).await;
-                }
-                Err(e) => {
-                    let _ = tx.send(Err(e));
-                }
-            }
-        })
-    }));
-    if !spawned {
-        return Err(format!("reactor {} is gone", reactor.index));
-    }
-    rx.recv()
-        .map_err(|_| format!("reactor {} ended", reactor.index))?
+    crate::port::start_on(reactor, registry, open, serve)
 }
 
 /// Serves SRP on `fabric` until the daemon stops: the task a reactor runs for an SRP portal.
@@ -403,16 +298,13 @@ pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
         logins: Logins::new(settings),
         portal: fabric.portal(),
         fabric,
-        io,
+        carrier: Carrier::shared(io, share),
         registry: registry.clone(),
         channels: BTreeMap::new(),
-        owners: HashMap::new(),
-        inbox: Rc::new(Inbox::default()),
-        waits: Waits::new(share),
         logging_out: false,
         events: Vec::with_capacity(256),
     };
-    tracing::info!(portal = %port.portal, reactor = port.io.index, "SRP port listening");
+    tracing::info!(portal = %port.portal, reactor = port.carrier.io().index, "SRP port listening");
     crate::port::serve(&mut port, &control).await;
     registry.unregister(id);
     tracing::info!(portal = %port.portal, "SRP port stopped");
@@ -449,16 +341,14 @@ impl<F: Fabric> crate::port::Port for Port<F> {
         }
     }
 
-    fn inbox(&self) -> Rc<Inbox> {
-        self.inbox.clone()
-    }
-
-    fn waits(&mut self) -> &mut Waits {
-        &mut self.waits
+    fn carrier(&mut self) -> &mut Carrier {
+        &mut self.carrier
     }
 
     fn granted(&mut self, w: Want, buffer: Option<Buffer>) {
-        Port::granted(self, w, buffer)
+        if let Some(c) = self.channels.get_mut(&w.conn) {
+            c.buffer(Instant::now(), w.tag, buffer);
+        }
     }
 
     fn log_out_all(&mut self) {
@@ -533,7 +423,7 @@ impl<F: Fabric> Port<F> {
         let mut any = false;
         while let Some(request) = self.fabric.next_request() {
             any = true;
-            let req = match self.fabric.login(&request) {
+            let req = match login_request(self.fabric.private(&request), F::RDMA_CM) {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::debug!(error = %e, "SRP connect request without a login request");
@@ -553,6 +443,7 @@ impl<F: Fabric> Port<F> {
 
     fn refuse(&mut self, request: F::Request, rej: &SrpLoginRej, why: &str) {
         self.registry
+            .counters
             .srp_logins_rejected
             .fetch_add(1, Ordering::Relaxed);
         tracing::info!(portal = %self.portal, reason = ?rej.reason, "SRP login refused: {why}");
@@ -574,7 +465,12 @@ impl<F: Fabric> Port<F> {
         };
         let params = accepted.params;
         let receives: Option<Vec<_>> = (0..params.request_limit + SPARE_RECEIVES)
-            .map(|_| self.fabric.verbs().iu_buffer().map(PortBuffer::Iu))
+            .map(|_| {
+                self.fabric
+                    .verbs()
+                    .message_buffer()
+                    .map(PortBuffer::Message)
+            })
             .collect();
         let Some(receives) = receives else {
             self.logins.failed(accepted, &mut policy);
@@ -609,7 +505,7 @@ impl<F: Fabric> Port<F> {
                 initiator_port_id: req.initiator_port_id,
                 target_port_id: req.target_port_id,
                 portal: self.portal.clone(),
-                reactor: self.io.index,
+                reactor: self.carrier.io().index,
                 request_limit: params.request_limit,
                 iu_lengths: (params.max_it_iu_len, params.max_ti_iu_len),
                 nexus,
@@ -648,26 +544,13 @@ impl<F: Fabric> Port<F> {
 
     /// Hands finished backend operations to their channels.
     fn backend_completions(&mut self) -> bool {
-        let mut any = false;
-        loop {
-            let Some(done) = self.inbox.done.borrow_mut().pop_front() else {
-                break;
-            };
-            any = true;
-            let owner = self.owners.remove(&done.task);
-            let Some(c) = owner.and_then(|id| self.channels.get_mut(&id)) else {
-                continue;
-            };
-            let (machine, mut step) = c.step();
-            machine.handle_backend_done(
-                Instant::now(),
-                done.task,
-                done.buffer,
-                done.result,
-                &mut step,
-            );
-        }
-        any
+        let now = Instant::now();
+        let channels = &mut self.channels;
+        self.carrier.completions(|id, done| {
+            if let Some(c) = channels.get_mut(&id) {
+                carrier::deliver(c, now, done);
+            }
+        })
     }
 
     /// One channel's completions, core actions, transmissions and events; its end once it is
@@ -680,8 +563,8 @@ impl<F: Fabric> Port<F> {
         let mut progress = false;
         let mut broken = None;
         let mut slots = Slots {
-            share: self.waits.share(),
-            immediate: &self.registry.srp_immediate_writes,
+            share: self.carrier.waits.share(),
+            immediate: &self.registry.counters.srp_immediate_writes,
         };
         let verbs = self.fabric.verbs();
         let (machine, driver, mut step) = c.parts();
@@ -710,7 +593,7 @@ impl<F: Fabric> Port<F> {
             progress = true;
             events.push(e);
         }
-        crate::trace::record_points(c.machine.trace_points(), c.trace_session, &self.io);
+        crate::trace::record_points(c.machine.trace_points(), c.trace_session, self.carrier.io());
         for e in events.drain(..) {
             self.event(id, e);
         }
@@ -720,53 +603,9 @@ impl<F: Fabric> Port<F> {
 
     /// Carries out what a channel asked.
     fn event(&mut self, id: u64, e: Event<Buffer>) {
-        let Some(c) = self.channels.get_mut(&id) else {
-            return;
-        };
-        match e {
-            Event::Backend {
-                task,
-                lun,
-                op,
-                buffer,
-            } => match crate::target::unit_for(&mut c.unit, Some(&c.target), lun) {
-                Some(unit) => {
-                    self.owners.insert(task, id);
-                    self.io.submit(&unit, op, buffer, &self.inbox, task);
-                }
-                None => {
-                    let (machine, mut step) = c.step();
-                    let gone = Err(BackendError::Internal);
-                    machine.handle_backend_done(Instant::now(), task, buffer, gone, &mut step);
-                }
-            },
-            // A buffer for a backend operation or for a command's data-out: the channel
-            // knows which.
-            Event::BufferWanted { tag, len } => self.want(Want {
-                conn: id,
-                tag,
-                len,
-                data_out: false,
-            }),
-            Event::Completed(a) => c.target.account(&a),
+        if let Some(c) = self.channels.get_mut(&id) {
+            self.carrier.carry(id, c, e);
         }
-    }
-
-    /// A buffer now if the arena has room and nobody waits before, else in turn.
-    fn want(&mut self, w: Want) {
-        if let Some(b) = self.waits.want(w) {
-            self.granted(w, b);
-        }
-    }
-
-    /// Gives a channel the buffer it waited for (`None`: none can ever be had).
-    fn granted(&mut self, w: Want, buffer: Option<Buffer>) {
-        let Some(c) = self.channels.get_mut(&w.conn) else {
-            return;
-        };
-        let now = Instant::now();
-        let (machine, mut step) = c.step();
-        machine.handle_buffer(now, w.tag, buffer, &mut step);
     }
 
     /// Ends a channel that is over once its tasks have: it leaves the table, its nexus
@@ -799,8 +638,8 @@ impl<F: Fabric> Port<F> {
         }
         // What the disconnection flushed comes back before the queue pair goes.
         while let Some(wc) = verbs.poll(qp) {
-            if let PortBuffer::Iu(b) = wc.buffer {
-                verbs.recycle_iu(b);
+            if let PortBuffer::Message(b) = wc.buffer {
+                verbs.recycle_message(b);
             }
         }
         self.fabric.release(qp);
@@ -887,4 +726,55 @@ fn admits(target: &Target, initiator: &[u8; 16]) -> Result<(), &'static str> {
         return Err("the target admits only the iSCSI initiators it names");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ports_own_terms_reach_its_login_settings() {
+        let text = "[server]\nportals = [\"127.0.0.1:3260\"]\nsrp_request_limit = 100\n";
+        let mut c = crate::config::Config::parse(std::path::Path::new("config.toml"), text)
+            .expect("a good config");
+        // As the config of a port at that address (which a build without RDMA refuses to
+        // name among its portals) sets them.
+        let terms = crate::config::SrpPortTerms {
+            max_iu_len: Some(4196),
+            request_limit: None,
+            immediate_data: Some(false),
+        };
+        c.server.srp_ports.insert("10.0.0.1:5555".into(), terms);
+        let at = |a: &str| Some(a.parse::<SocketAddr>().expect("an address"));
+        let s = port_settings(&c.server, at("10.0.0.1:5555"));
+        assert_eq!(
+            (s.max_it_iu_len, s.request_limit, s.immediate_data),
+            (4196, 100, false)
+        );
+        // Another port, and the software fabric (no address), have the server's terms.
+        for other in [at("10.0.0.2:5555"), None] {
+            let s = port_settings(&c.server, other);
+            assert_eq!(
+                (s.max_it_iu_len, s.request_limit, s.immediate_data),
+                (8276, 100, true)
+            );
+        }
+    }
+
+    #[test]
+    fn a_login_request_is_read_in_the_fabrics_form() {
+        let req = SrpLoginReq {
+            tag: 7,
+            ..SrpLoginReq::default()
+        };
+        let mut whole = Vec::new();
+        req.encode(&mut whole);
+        assert_eq!(login_request(&whole, false).map(|r| r.tag), Ok(7));
+        let mut cm = Vec::new();
+        req.encode_rdma_cm(&mut cm);
+        assert_eq!(login_request(&cm, true).map(|r| r.tag), Ok(7));
+        // Anything else is refused, not taken for a login.
+        assert!(login_request(&whole[..10], false).is_err());
+        assert!(login_request(&cm[..10], true).is_err());
+    }
 }

@@ -35,10 +35,6 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config;
 
-/// The largest data transfer of one command, in bytes: a run of arena slots (half of a
-/// reactor's default arena). 65536 blocks of 512 bytes, as libiscsi's tests move at once.
-pub const MAX_IO: u32 = 32 << 20;
-
 /// The target portal group tag of every portal of a gateway on its own (one group, implicit
 /// ALUA active/optimized); in a cluster each gateway has its own (`cluster.port_group`).
 pub const PORTAL_GROUP: u16 = 1;
@@ -844,7 +840,7 @@ impl Target {
         let mut lun = Lun::open(config, stats)?;
         #[cfg(feature = "rbd")]
         if let Storage::Rbd(image) = &lun.storage {
-            match crate::rbd::watch_capacity(image, self.this.clone(), config.lun) {
+            match crate::rbd::watch_capacity(image, self.capacity_of(config.lun)) {
                 Ok(()) => {}
                 // An image opened read-only has no watch on its header: its size is the one
                 // it had when opened.
@@ -1000,6 +996,18 @@ impl Target {
             .map_err(|e| e.to_string())
     }
 
+    /// What an image's resize watch calls with the new size of unit `lun`: this target's
+    /// [`Target::capacity_changed`], while the target lives.
+    #[cfg(feature = "rbd")]
+    fn capacity_of(&self, lun: u16) -> impl Fn(u64) + Clone + Send + Sync + 'static {
+        let target = self.this.clone();
+        move |bytes| {
+            if let Some(t) = target.upgrade() {
+                t.capacity_changed(lun, bytes);
+            }
+        }
+    }
+
     /// The storage of unit `index` says its size is now `bytes` (an RBD image resized by
     /// another client): the unit takes that size, and initiators get CAPACITY DATA HAS
     /// CHANGED. Nothing happens when the unit has that size already.
@@ -1044,7 +1052,7 @@ impl Target {
         lun.faults = old.faults.clone();
         if let Storage::Rbd(image) = &lun.storage {
             if !image.read_only() {
-                crate::rbd::watch_capacity(image, self.this.clone(), index)?;
+                crate::rbd::watch_capacity(image, self.capacity_of(index))?;
             }
         }
         let followed = keeper.follow(self.this.clone(), &old.config, &shared.oid)?;

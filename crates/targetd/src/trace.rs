@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+use crate::lock;
 use crate::reactor::Handle;
-use crate::registry::lock;
 
 /// Moves a machine's trace points into this reactor's ring as records of `session`, and
 /// turns the machine's points on or off with the daemon's tracing: what every connection's

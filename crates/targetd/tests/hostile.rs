@@ -133,7 +133,7 @@ async fn an_initiator_that_stops_reading_data_in_holds_a_bounded_share() {
     let (by, data) = bystander(&d).await;
     let _stalled = stall(&d).await;
     // Wait until it holds what it can (the arena reports every second).
-    let arena = d.registry.arenas.lock().unwrap()[0].clone();
+    let arena = d.registry.counters.arenas.lock().unwrap()[0].clone();
     let started = std::time::Instant::now();
     while arena.free.load(Relaxed) > (33 << 20) {
         assert!(started.elapsed() < Duration::from_secs(20), "{arena:?}");
@@ -195,7 +195,7 @@ async fn an_initiator_that_never_sends_write_data_holds_a_bounded_share() {
             _ => {}
         }
     }
-    let arena = d.registry.arenas.lock().unwrap()[0].clone();
+    let arena = d.registry.counters.arenas.lock().unwrap()[0].clone();
     let by_data = pattern(1 << 20, 12);
     for _ in 0..8 {
         promptly(by.write(2048, by_data.clone(), 512), "write").await;

@@ -1,5 +1,5 @@
 //! targetd's iSER portal end to end over the software fabric: the daemon serves iSER on a
-//! [`Switch`](srp::switch::Switch) (its portal on a reactor, data in the reactor's arena, file
+//! [`Switch`](rdma::switch::Switch) (its portal on a reactor, data in the reactor's arena, file
 //! units through its engine) and a small initiator (tests/common/iser.rs) on the test's thread
 //! connects with the iSER CM header, logs in with iscsi-pdu's initiator login asking for
 //! RDMAExtensions, and reads and writes with its buffers named in iSER headers: the target
@@ -17,7 +17,7 @@ use iscsi_pdu::initiator::LoginError;
 use iscsi_pdu::iser::IserHeader;
 use iscsi_pdu::pdu::LoginStatus;
 use iscsi_pdu::{AsyncEvent, LogoutReason, LogoutRequest, Pdu, ScsiStatus, SerialNumber};
-use srp::verbs::Verbs;
+use rdma::verbs::Verbs;
 
 fn rw10(op: u8, lba: u32, blocks: u16) -> [u8; 10] {
     let mut c = [0u8; 10];
@@ -72,9 +72,9 @@ fn reads_and_writes_move_by_rdma() {
     // The 1 MiB of solicited data came in four RDMA READs of MaxBurstLength (256 KiB), the
     // read back in one RDMA WRITE.
     let m = &d.registry;
-    assert_eq!(m.iser_rdma_reads.load(Relaxed), 4);
-    assert_eq!(m.iser_rdma_writes.load(Relaxed), 1);
-    assert_eq!(m.iser_connections.load(Relaxed), 1);
+    assert_eq!(m.counters.iser_rdma_reads.load(Relaxed), 4);
+    assert_eq!(m.counters.iser_rdma_writes.load(Relaxed), 1);
+    assert_eq!(m.counters.iser_connections.load(Relaxed), 1);
     // Parameter data (INQUIRY) goes by RDMA WRITE too.
     let (r, inq) = i.command(&[0x12, 0, 0, 0, 96, 0], None, 0, 96);
     assert_eq!(r.status, ScsiStatus::GOOD);
@@ -112,7 +112,9 @@ fn reads_and_writes_move_by_rdma() {
     // The initiator lets the connection go; the target's side ends.
     i.verbs.disconnect(i.qp);
     let deadline = Instant::now() + WAIT;
-    while !d.registry.sessions.all().is_empty() || d.registry.iser_connections.load(Relaxed) > 0 {
+    while !d.registry.sessions.all().is_empty()
+        || d.registry.counters.iser_connections.load(Relaxed) > 0
+    {
         assert!(Instant::now() < deadline, "the session ends");
         std::thread::sleep(Duration::from_millis(5));
     }
@@ -139,7 +141,7 @@ fn a_normal_session_without_rdma_extensions_is_refused() {
     s.declarations.target_name = None;
     i.login(s).expect("a discovery session");
     // Both logins counted by their answers, under iSER.
-    let counted = |status: LoginStatus| d.registry.logins[1][status.index()].load(Relaxed);
+    let counted = |status: LoginStatus| d.registry.counters.logins[1][status.index()].load(Relaxed);
     assert_eq!(counted(LoginStatus::MISSING_PARAMETER), 1);
     assert_eq!(counted(LoginStatus::SUCCESS), 1);
     d.stop();
@@ -330,8 +332,8 @@ fn initiator_bench_runs_verified_iser_workloads_against_targetd() {
     use initiator_bench::rdma::{place_len, RdmaOptions};
     use initiator_bench::srp::LinkModel;
     use initiator_bench::workload::{Rw, Workload};
+    use rdma::switch::Endpoint;
     use srp::initiator::Registration;
-    use srp::switch::Endpoint;
 
     let (switch, d) = daemon();
     for (s, (registration, bs)) in [

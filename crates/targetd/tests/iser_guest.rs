@@ -262,8 +262,8 @@ fn initiator_bench_over_iser_in_the_guest() {
     use initiator_bench::srp::LinkModel;
     use initiator_bench::workload::{Rw, Workload};
     use iscsi_pdu::iser::CmRequest;
+    use rdma::ibverbs::{QueueDepth, RdmaVerbs};
     use srp::initiator::Registration;
-    use srp::rdma::{QueueDepth, RdmaVerbs};
     if std::env::var_os(GUEST).is_none() {
         return; // Only in the guest.
     }
@@ -272,7 +272,7 @@ fn initiator_bench_over_iser_in_the_guest() {
     // As initiator-bench's `run --transport iser` does (its run_rdma, behind its own feature
     // rdma): a connection with the iSER CM request, the login, the run, the logout.
     let mut verbs: RdmaVerbs =
-        RdmaVerbs::open(None, 1024, srp::verbs::IU_BUFFER_LEN).expect("rxe0 opens");
+        RdmaVerbs::open(None, 1024, rdma::verbs::MESSAGE_BUFFER_LEN).expect("rxe0 opens");
     let private = CmRequest {
         zbva_not_supported: true,
         send_with_invalidate_not_supported: true,

@@ -449,7 +449,7 @@ async fn an_osd_that_stops_answering_fails_commands_retryably_and_io_resumes() {
     drop(s);
     // Every buffer came back to its arena.
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    for g in d.registry.arenas.lock().unwrap().iter() {
+    for g in d.registry.counters.arenas.lock().unwrap().iter() {
         assert_eq!(
             g.free.load(Ordering::Relaxed),
             g.bytes.load(Ordering::Relaxed),

@@ -11,15 +11,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{config, Daemon, TARGET};
+use rdma::fabric::{Access, MemoryId, MemoryRegion, NodeId, QpId};
+use rdma::switch::{Endpoint, Reply, Switch};
+use rdma::verbs::{Verbs, WorkOp};
 use scsi_core::Residual;
-use srp::fabric::{Access, MemoryId, MemoryRegion, NodeId, QpId};
 use srp::iu::{
-    BufferFormats, DataBufferDescriptor, Descriptors, Iu, LoginRejectReason, MultiChannelAction,
-    SrpAerRsp, SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRej, SrpLoginReq, SrpLoginRsp,
-    TargetLogoutReason, TaskAttribute,
+    BufferFormats, DataBufferDescriptor, Descriptors, Iu, LoginRejectReason, MemoryDescriptor,
+    MultiChannelAction, SrpAerRsp, SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRej, SrpLoginReq,
+    SrpLoginRsp, TargetLogoutReason, TaskAttribute,
 };
-use srp::switch::{Endpoint, Reply, Switch};
-use srp::verbs::{Verbs, WorkOp};
 
 const TARGET_NODE: NodeId = NodeId(0);
 const INITIATOR_NODE: NodeId = NodeId(1);
@@ -169,9 +169,7 @@ impl Initiator {
             .collect();
         let mut table = Vec::new();
         for &(offset, n) in &places {
-            self.region
-                .descriptor(offset as u32, n as u32)
-                .encode(&mut table);
+            MemoryDescriptor::from(self.region.remote(offset as u32, n as u32)).encode(&mut table);
         }
         (places, table)
     }
@@ -202,7 +200,7 @@ impl Initiator {
         let table_at = MEMORY - 64 * 1024;
         let descriptor = match (len, regions) {
             (0, _) => DataBufferDescriptor::None,
-            (_, 1) => DataBufferDescriptor::Direct(self.region.descriptor(0, len as u32)),
+            (_, 1) => DataBufferDescriptor::Direct(self.region.remote(0, len as u32).into()),
             _ => {
                 self.switch.with(|f| {
                     f.memory_mut(self.memory)[table_at..table_at + table.len()]
@@ -214,7 +212,10 @@ impl Initiator {
                     &table[..]
                 };
                 DataBufferDescriptor::Indirect {
-                    table: self.region.descriptor(table_at as u32, table.len() as u32),
+                    table: self
+                        .region
+                        .remote(table_at as u32, table.len() as u32)
+                        .into(),
                     total_len: len as u32,
                     partial: Descriptors::new(in_iu).expect("16-byte descriptors"),
                 }
@@ -489,6 +490,7 @@ fn logins_are_refused_with_the_standards_reasons() {
     assert!(matches!(reply, Reply::Rejected(_)));
     assert_eq!(
         d.registry
+            .counters
             .srp_logins_rejected
             .load(std::sync::atomic::Ordering::Relaxed),
         4
@@ -514,7 +516,7 @@ fn a_second_single_channel_login_replaces_the_first_and_a_lost_channel_ends() {
     // The initiator vanishes (its queue pair disconnected) with writes and reads in flight:
     // the channel ends all the same.
     for k in 0..16u32 {
-        let place = second.region.descriptor(k * 256 * 1024, 256 * 1024);
+        let place = second.region.remote(k * 256 * 1024, 256 * 1024).into();
         let (cdb, data_out, data_in) = if k % 2 == 0 {
             let d = DataBufferDescriptor::Direct(place);
             (rw10(0x2a, k * 512, 512), d, DataBufferDescriptor::None)
@@ -654,12 +656,12 @@ fn linux_default_login_and_immediate_data_through_the_daemon() {
                 .expect("the channel's memory");
         assert!(ch.use_immediate_data(IMM_DATA_OFFSET));
         assert_eq!(ch.immediate_data_limit(), 8192);
-        let before = d.registry.srp_immediate_writes.load(Relaxed);
+        let before = d.registry.counters.srp_immediate_writes.load(Relaxed);
         let mut channels = [ch];
         let r = run_channels(&mut verbs, &mut channels, 0, &w, &o).expect("the run");
         assert_eq!((r.ios, r.errors, r.verify_errors), (400, 0, 0), "{bs}");
         assert!(r.verified_blocks > 0);
-        let immediate = d.registry.srp_immediate_writes.load(Relaxed) - before;
+        let immediate = d.registry.counters.srp_immediate_writes.load(Relaxed) - before;
         if bs <= 8192 {
             assert!(
                 immediate > 100,

@@ -21,10 +21,10 @@ use initiator_bench::srp::{
     login_request, place_len, run_channels, LinkModel, RdmaOptions, IMM_DATA_OFFSET,
 };
 use initiator_bench::workload::{Rw, Workload};
+use rdma::ibverbs::{QpHandle, QueueDepth, RdmaVerbs};
 use srp::initiator::channel::InitiatorChannel;
 use srp::initiator::Registration;
 use srp::iu::{Iu, MultiChannelAction, MultiChannelResult, SrpLoginReq, SrpLoginRsp};
-use srp::rdma::{QpHandle, QueueDepth, RdmaVerbs};
 
 /// Set in the guest: the test binary runs its guest side there.
 const GUEST: &str = "TARGETD_SRP_GUEST";
@@ -174,7 +174,8 @@ fn srpt_side() {
     let mut port_id = [0u8; 16];
     port_id[..8].copy_from_slice(&SRPT_SERVICE_GUID.to_be_bytes());
     port_id[8..].copy_from_slice(&SRPT_SERVICE_GUID.to_be_bytes());
-    let mut verbs = RdmaVerbs::open(None, 4096, srp::verbs::IU_BUFFER_LEN).expect("rxe0 opens");
+    let mut verbs =
+        RdmaVerbs::open(None, 4096, rdma::verbs::MESSAGE_BUFFER_LEN).expect("rxe0 opens");
     let mut o = RdmaOptions {
         registration: Registration::Pool,
         regions: 1,
@@ -292,7 +293,8 @@ fn guest_side() {
         &format!("reactors = 2\nrdma_portals = [\"{portal}\"]"),
     );
     let d = Daemon::start(&text);
-    let mut verbs = RdmaVerbs::open(None, 4096, srp::verbs::IU_BUFFER_LEN).expect("rxe0 opens");
+    let mut verbs =
+        RdmaVerbs::open(None, 4096, rdma::verbs::MESSAGE_BUFFER_LEN).expect("rxe0 opens");
 
     // ib_srp's default login: accepted, with immediate data.
     let (qp, rsp) = log_in(&mut verbs, portal, 0, MultiChannelAction::SingleChannel);
@@ -318,7 +320,7 @@ fn guest_side() {
             InitiatorChannel::new(&mut verbs, qp, &rsp, o.registration, 8, place_len(&w, &o))
                 .expect("the channel's memory");
         assert!(ch.use_immediate_data(IMM_DATA_OFFSET));
-        let before = d.registry.srp_immediate_writes.load(Relaxed);
+        let before = d.registry.counters.srp_immediate_writes.load(Relaxed);
         let mut channels = [ch];
         let r = run_channels(&mut verbs, &mut channels, 0, &w, &o).expect("the run");
         assert_eq!(
@@ -327,7 +329,7 @@ fn guest_side() {
             "{bs} x {regions}"
         );
         assert!(r.verified_blocks > 0, "reads were checked");
-        let immediate = d.registry.srp_immediate_writes.load(Relaxed) - before;
+        let immediate = d.registry.counters.srp_immediate_writes.load(Relaxed) - before;
         assert_eq!(
             immediate > 0,
             bs <= 8192,

@@ -1,7 +1,7 @@
 //! targetd serving SRP on a real RDMA device (feature `rdma`): `server.rdma_portals` on an
 //! address of the device, an initiator on the same device logs in over rdma_cm, writes and
 //! reads back a block. It needs RDMA hardware or a soft device (rxe, siw) and
-//! `SRP_TEST_RDMA_ADDR`, an IP address of it; without them it prints why and skips, also
+//! `RDMA_TEST_ADDR`, an IP address of it; without them it prints why and skips, also
 //! under `CI` (no CI machine has such a device: it is hardware, not a tool to install). The
 //! same port code runs in `tests/srp.rs` over the software fabric, on every machine.
 #![cfg(feature = "rdma")]
@@ -12,11 +12,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use common::{config, memory_target, Daemon, TARGET};
+use rdma::ibverbs::{devices, QueueDepth, RdmaVerbs};
+use rdma::verbs::{Access, PeerMemory, Verbs, WorkOp};
 use srp::iu::{
     BufferFormats, DataBufferDescriptor, Iu, MultiChannelAction, SrpCmd, SrpLoginReq, TaskAttribute,
 };
-use srp::rdma::{devices, QueueDepth, RdmaVerbs};
-use srp::verbs::{Access, PeerMemory, Verbs, WorkOp};
 
 fn wait<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -32,12 +32,12 @@ fn wait<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
 #[test]
 fn an_initiator_on_an_rdma_device_writes_and_reads_through_targetd() {
     let names = devices().expect("the device list can be read");
-    let addr = std::env::var("SRP_TEST_RDMA_ADDR")
+    let addr = std::env::var("RDMA_TEST_ADDR")
         .ok()
         .and_then(|a| a.parse::<IpAddr>().ok());
     let Some(addr) = addr.filter(|_| !names.is_empty()) else {
         eprintln!(
-            "skipped: needs an RDMA device (found {names:?}) and SRP_TEST_RDMA_ADDR, an IP \
+            "skipped: needs an RDMA device (found {names:?}) and RDMA_TEST_ADDR, an IP \
              address of it; this is hardware (or rxe/siw in the kernel), not a tool to install"
         );
         return;
@@ -79,7 +79,7 @@ fn an_initiator_on_an_rdma_device_writes_and_reads_through_targetd() {
         .register(&m, 0, 1 << 20, Access::REMOTE)
         .expect("registered");
     let run = |v: &mut RdmaVerbs, tag: u64, cdb: &[u8], write: bool, at: u32| {
-        let d = DataBufferDescriptor::Direct(region.descriptor(at, 4096));
+        let d = DataBufferDescriptor::Direct(region.remote(at, 4096).into());
         let (out, inn) = if write {
             (d, DataBufferDescriptor::None)
         } else {

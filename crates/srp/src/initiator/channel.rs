@@ -21,7 +21,7 @@ use crate::iu::{
     DataBufferDescriptor, Iu, SrpAerRsp, SrpCmd, SrpCredRsp, SrpILogout, SrpLoginRsp,
     TargetLogoutReason, TaskAttribute,
 };
-use crate::verbs::{IuBuffers, PeerMemory, Verbs, VerbsError, WorkOp};
+use rdma::verbs::{MessageBuffers, PeerMemory, Verbs, VerbsError, WorkOp};
 
 /// Receives posted beyond the credit: for the target's own requests (SRP_CRED_REQ,
 /// SRP_T_LOGOUT, SRP_AER_REQ), which take none.
@@ -137,7 +137,7 @@ pub struct AsyncEvent {
 
 impl<V> InitiatorChannel<V>
 where
-    V: Verbs + PeerMemory + IuBuffers<Iu = <V as Verbs>::Buffer>,
+    V: Verbs + PeerMemory + MessageBuffers<Message = <V as Verbs>::Buffer>,
 {
     /// The channel of queue pair `qp`, logged in with `rsp`: its receives posted, its data
     /// memory of `places` places of `place_len` bytes made and registered as `registration`
@@ -151,7 +151,7 @@ where
         place_len: usize,
     ) -> Result<InitiatorChannel<V>, VerbsError> {
         for _ in 0..rsp.req_lim_delta + SPARE_RECEIVES {
-            let b = verbs.iu_buffer().ok_or(VerbsError::Registration)?;
+            let b = verbs.message_buffer().ok_or(VerbsError::Registration)?;
             verbs.post_recv(qp, 0, b);
         }
         let memory = DataMemory::new(verbs, registration, places, place_len)?;
@@ -343,7 +343,7 @@ where
 
     /// Sends what `scratch` holds.
     fn post(&mut self, verbs: &mut V) -> Result<(), SendError> {
-        let mut b = verbs.iu_buffer().ok_or(SendError::NoIuBuffer)?;
+        let mut b = verbs.message_buffer().ok_or(SendError::NoIuBuffer)?;
         let len = self.scratch.len();
         if len > b.len() {
             return Err(SendError::NoIuBuffer);
@@ -371,7 +371,7 @@ where
         while let Some(wc) = verbs.poll(self.qp) {
             if wc.op != WorkOp::Recv || wc.result.is_err() {
                 // A send's buffer goes back; a flushed receive with the channel.
-                verbs.recycle_iu(wc.buffer);
+                verbs.recycle_message(wc.buffer);
                 continue;
             }
             let answer = match Iu::decode(&wc.buffer[..wc.len]) {

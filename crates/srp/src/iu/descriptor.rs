@@ -20,6 +20,28 @@ pub struct MemoryDescriptor {
     pub len: u32,
 }
 
+/// The region a descriptor names, as the verbs take it.
+impl From<MemoryDescriptor> for rdma::verbs::RemoteRegion {
+    fn from(d: MemoryDescriptor) -> Self {
+        rdma::verbs::RemoteRegion {
+            addr: d.va,
+            rkey: d.key,
+            len: d.len,
+        }
+    }
+}
+
+/// The descriptor naming a region (an initiator's, for its SRP_CMD).
+impl From<rdma::verbs::RemoteRegion> for MemoryDescriptor {
+    fn from(r: rdma::verbs::RemoteRegion) -> Self {
+        MemoryDescriptor {
+            va: r.addr,
+            key: r.rkey,
+            len: r.len,
+        }
+    }
+}
+
 impl MemoryDescriptor {
     /// Decodes 16 bytes (the caller checked the length).
     pub(crate) fn decode(b: &[u8]) -> MemoryDescriptor {

@@ -27,6 +27,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use cmdtrace::{Points, Stage};
+use rdma::verbs::RemoteRegion;
 use scsi_core::transport::{
     Carrier, Completion, NewTask, TagError, TaskBuffer, TaskEntry, TaskTable,
 };
@@ -80,9 +81,9 @@ pub struct SrpTask {
     /// SCSOLNT/UCSOLNT of the command, for its response.
     sol_not: u8,
     /// Where data-out comes from.
-    data_out: Vec<MemoryDescriptor>,
+    data_out: Vec<RemoteRegion>,
     /// Where data-in goes.
-    data_in: Vec<MemoryDescriptor>,
+    data_in: Vec<RemoteRegion>,
     /// A command waiting for its descriptor table (its CDB and attribute, until submitted).
     waiting: Option<Waiting>,
     /// The RDMA READ (data-out or descriptor table) in flight for it: a completion that
@@ -143,7 +144,7 @@ pub enum Transmit<B> {
         /// Bytes to write.
         len: u32,
         /// The initiator's regions, in order; together at least `len` bytes.
-        regions: Vec<MemoryDescriptor>,
+        regions: Vec<RemoteRegion>,
     },
     /// RDMA READ `len` bytes from `regions` (filling the buffer in order from offset 0) into
     /// `buffer`, then [`Channel::handle_data_out`]. The shell gives `regions` back with
@@ -158,7 +159,7 @@ pub enum Transmit<B> {
         /// Bytes to read.
         len: u32,
         /// The initiator's regions; together at least `len` bytes.
-        regions: Vec<MemoryDescriptor>,
+        regions: Vec<RemoteRegion>,
     },
     /// RDMA READ a command's descriptor table (`table.len` bytes, checked against
     /// [`ChannelParams::max_descriptors`]), then [`Channel::handle_table`].
@@ -168,7 +169,7 @@ pub enum Transmit<B> {
         /// Names this transfer to [`Channel::handle_table`].
         transfer: u64,
         /// Where the table is.
-        table: MemoryDescriptor,
+        table: RemoteRegion,
     },
 }
 
@@ -277,7 +278,7 @@ pub struct Channel<B> {
     /// Each command's stages, while tracing ([`Channel::trace_points`]).
     trace: Points,
     /// Descriptor lists to reuse, so steady state allocates none.
-    lists: Vec<Vec<MemoryDescriptor>>,
+    lists: Vec<Vec<RemoteRegion>>,
 }
 
 /// How many descriptor lists a channel keeps for reuse.
@@ -458,7 +459,7 @@ impl<B: TaskBuffer> Channel<B> {
     }
 
     /// Gives back a descriptor list a transfer carried.
-    pub fn recycle(&mut self, mut regions: Vec<MemoryDescriptor>) {
+    pub fn recycle(&mut self, mut regions: Vec<RemoteRegion>) {
         // A list that never held anything (its task's was taken for a transfer) is no use
         // again: keeping it would hand out an empty list that allocates when filled.
         if regions.capacity() > 0 && self.lists.len() < KEPT_LISTS {
@@ -617,7 +618,7 @@ impl<B: TaskBuffer> Channel<B> {
                     (t.data_out_len, &mut t.transport.data_out)
                 };
                 into.clear();
-                into.extend(list.iter());
+                into.extend(list.iter().map(RemoteRegion::from));
                 Some(list.total_len() >= u64::from(expected))
             }
             None => None,
@@ -783,7 +784,7 @@ impl<B: TaskBuffer> Channel<B> {
         });
     }
 
-    fn list(&mut self) -> Vec<MemoryDescriptor> {
+    fn list(&mut self) -> Vec<RemoteRegion> {
         self.lists.pop().unwrap_or_default()
     }
 
@@ -840,7 +841,7 @@ impl<B: TaskBuffer> Channel<B> {
             (&c.data_in, &mut task.data_in, true),
         ] {
             match d {
-                DataBufferDescriptor::Direct(m) => into.push(*m),
+                DataBufferDescriptor::Direct(m) => into.push((*m).into()),
                 DataBufferDescriptor::Indirect {
                     table,
                     total_len,
@@ -850,7 +851,7 @@ impl<B: TaskBuffer> Channel<B> {
                     if count > self.params.max_descriptors as usize {
                         valid = false;
                     } else if d.is_complete() {
-                        into.extend(partial.iter());
+                        into.extend(partial.iter().map(RemoteRegion::from));
                         valid &= partial.total_len() >= u64::from(*total_len);
                     } else if fetch.is_some() {
                         // Two partial tables in one command: not supported.
@@ -934,7 +935,7 @@ impl<B: TaskBuffer> Channel<B> {
             self.out.push_back(Out::Transfer(Transmit::ReadTable {
                 tag: c.tag,
                 transfer,
-                table,
+                table: table.into(),
             }));
             return;
         }

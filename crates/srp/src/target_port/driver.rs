@@ -11,7 +11,7 @@ use std::time::Instant;
 use scsi_core::transport::TaskBuffer;
 
 use super::channel::{Channel, Core, Payload, Transmit};
-use crate::verbs::{Completion, Verbs, WorkOp};
+use rdma::verbs::{Completion, Verbs, WorkOp};
 
 /// How a shell's buffers become its verbs' and back.
 pub trait Buffers<V: Verbs, B> {

@@ -26,7 +26,7 @@ use super::driver::Buffers;
 use super::login::LoginPolicy;
 use super::Channel;
 use crate::iu::{LoginRejectReason, SrpLoginReq, TargetLogoutReason};
-use crate::verbs::Verbs;
+use rdma::verbs::Verbs;
 
 /// Each channel's actions, by channel index.
 #[derive(Debug, Default)]

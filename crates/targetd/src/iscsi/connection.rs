@@ -10,7 +10,6 @@
 //! state across an await.
 
 use std::cell::RefCell;
-use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -19,22 +18,23 @@ use std::time::{Duration, Instant};
 use backend::{Buffer, Share};
 use iscsi_pdu::negotiation::SessionType;
 use iscsi_pdu::target_node::{
-    self, Close, CommandOrder, Event, NoBuffer, OrderedCommand, Plan, Settings, Transmit,
+    self, Close, CommandOrder, NoBuffer, OrderedCommand, Plan, Settings, Transmit,
 };
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::SerialNumber;
-use scsi_core::transport::Accounting;
-use scsi_core::{BackendError, Op, Output, TaskId, TmfFunction};
+use scsi_core::{BackendError, Output, TaskId, TmfFunction};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use super::login::{self, Outcome};
 use super::session::Session;
 use super::wire::{Incoming, ReadError, Reader, SendStalled, Writer};
+use crate::carrier::{self, Carried, Carrier};
+use crate::config::MAX_IO;
 use crate::control::{Control, Request};
-use crate::reactor::{Inbox, Io};
+use crate::reactor::Io;
 use crate::registry::{Peer, Registry};
-use crate::target::{next_id, Core, CoreStep, Outbox, Route, Routed, Target, MAX_IO};
+use crate::target::{next_id, Core, CoreStep, Outbox, Route, Routed, Target};
 use iscsi_pdu::target_node::Core as _;
 
 /// How long a closing connection waits for its tasks' backend operations.
@@ -58,6 +58,7 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
         reactor: io.index,
         control: control.clone(),
         iser: false,
+        max_window: u32::MAX,
     };
     let (rd, wr) = stream.into_split();
     let mut reader = Reader::new(rd);
@@ -306,13 +307,11 @@ struct Conn {
     machine: target_node::Connection<Buffer>,
     link: Link,
     scope: Scope,
-    io: Rc<Io>,
-    inbox: Rc<Inbox>,
-    /// Backend operations waiting for arena slots, in arrival order: (tag, bytes). The head's
-    /// allocation is a future of the worker; the arena wakes it.
-    buffer_wait: VecDeque<(u64, usize)>,
-    /// What this connection may hold of the reactor's arena ([`CONNECTION_SHARE`]).
-    share: Share,
+    /// Carries out the machine's events on the reactor. Its buffers come from what this
+    /// connection may hold of the reactor's arena ([`CONNECTION_SHARE`]); backend operations
+    /// wait for them in arrival order, the head's allocation a future of the worker, which
+    /// the arena wakes.
+    carrier: Carrier,
 }
 
 /// The part of its reactor's arena one connection's buffers may hold: half. Without a bound,
@@ -335,10 +334,7 @@ pub const CONNECTION_SHARE: usize = 2;
 struct Turn<'a> {
     machine: &'a mut target_node::Connection<Buffer>,
     nexus: SessionStep<'a>,
-    io: &'a Rc<Io>,
-    inbox: &'a Rc<Inbox>,
-    buffer_wait: &'a mut VecDeque<(u64, usize)>,
-    share: &'a Share,
+    carrier: &'a mut Carrier,
 }
 
 impl Conn {
@@ -347,19 +343,45 @@ impl Conn {
             machine,
             link,
             scope,
-            io,
-            inbox,
-            buffer_wait,
-            share,
+            carrier,
         } = self;
         Turn {
             machine,
             nexus: SessionStep::new(link, scope),
-            io,
-            inbox,
-            buffer_wait,
-            share,
+            carrier,
         }
+    }
+}
+
+/// The machine and its nexus for one step, as the carrier reaches them.
+struct Machine<'t, 'a> {
+    machine: &'t mut target_node::Connection<Buffer>,
+    nexus: &'t mut SessionStep<'a>,
+}
+
+impl Carried for Machine<'_, '_> {
+    fn target(&self) -> Option<&Target> {
+        self.nexus.scope.target().map(|t| &**t)
+    }
+
+    fn unit(&mut self, lun: u16) -> Option<Arc<crate::target::Lun>> {
+        let target = self.nexus.scope.target().map(|t| &**t);
+        crate::target::unit_for(self.nexus.core.unit, target, lun)
+    }
+
+    fn backend_done(
+        &mut self,
+        now: Instant,
+        task: TaskId,
+        buffer: Buffer,
+        result: Result<scsi_core::Output, BackendError>,
+    ) {
+        self.machine
+            .handle_backend_done(now, task, buffer, result, self.nexus);
+    }
+
+    fn buffer(&mut self, now: Instant, tag: u64, buffer: Option<Buffer>) {
+        self.machine.handle_buffer(now, tag, buffer, self.nexus);
     }
 }
 
@@ -394,7 +416,7 @@ pub(crate) fn enter<B: scsi_core::transport::TaskBuffer>(
             stat_sn,
             exp_cmd_sn,
         } => {
-            let window = registry.window_for(peer.iser);
+            let window = registry.window_for(peer);
             let order = RefCell::new(CommandOrder::new(exp_cmd_sn, window));
             (Scope::Discovery { order, initiator }, negotiator, stat_sn)
         }
@@ -467,15 +489,12 @@ async fn full_feature(
     reader.set_max_recv(c.max_recv_data_segment_length);
     writer.digests = digests;
     writer.max_send = c.max_send_data_segment_length;
-    let inbox = Rc::new(Inbox::default());
+    let share = Share::new(&io.arena, io.arena.len() / CONNECTION_SHARE);
     let conn = Rc::new(RefCell::new(Conn {
         machine,
         link,
         scope,
-        share: Share::new(&io.arena, io.arena.len() / CONNECTION_SHARE),
-        io,
-        inbox,
-        buffer_wait: VecDeque::with_capacity(64),
+        carrier: Carrier::single(io, share),
     }));
     let mut rx = rx;
     tokio::select! {
@@ -487,7 +506,7 @@ async fn full_feature(
         r = work_loop(&conn, &mut rx, &mut writer, &peer.control) => {
             match r {
                 Err(e) if SendStalled::is(&e) => {
-                    registry.send_timeouts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    registry.counters.send_timeouts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     tracing::info!(peer = %peer.addr, "connection dropped: {e}");
                 }
                 Err(e) => tracing::debug!(peer = %peer.addr, "connection ends: {e}"),
@@ -532,7 +551,7 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
     let deadline = tokio::time::Instant::now() + DRAIN_TIMEOUT;
     let (inbox, share) = {
         let c = conn.borrow();
-        (c.inbox.clone(), c.share.clone())
+        (c.carrier.inbox().clone(), c.carrier.waits.share().clone())
     };
     let mut waiting = None;
     loop {
@@ -565,7 +584,7 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
 async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), ReadError> {
     let (inbox, share) = {
         let c = conn.borrow();
-        (c.inbox.clone(), c.share.clone())
+        (c.carrier.inbox().clone(), c.carrier.waits.share().clone())
     };
     loop {
         let incoming = reader.next().await;
@@ -644,6 +663,7 @@ async fn write_buffer(
         if !c.machine.may_wait_for_buffer() {
             let registry = &c.link.registry;
             registry
+                .counters
                 .task_set_full
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             return Err(NoBuffer::Busy);
@@ -701,7 +721,7 @@ async fn work_loop(
 ) -> std::io::Result<()> {
     let (inbox, share) = {
         let c = conn.borrow();
-        (c.inbox.clone(), c.share.clone())
+        (c.carrier.inbox().clone(), c.carrier.waits.share().clone())
     };
     let discovery = conn.borrow().scope.session().is_none();
     let mut batch: Vec<Transmit<Buffer>> = Vec::with_capacity(256);
@@ -760,6 +780,7 @@ async fn work_loop(
                 Some(Close::DataOutTimeout) => {
                     let registry = &t.nexus.registry;
                     registry
+                        .counters
                         .data_out_timeouts
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     return Err(std::io::Error::new(
@@ -800,7 +821,7 @@ fn sent(c: &Conn, batch: &[Transmit<Buffer>]) {
     let key = cmdtrace::Record::session_of(session.isid.0, session.tsih);
     // The machine's points go through the reactor's clock: so do these, or a point read from
     // another clock could sort before the points it follows.
-    let at_ns = c.io.clock.ns(Instant::now());
+    let at_ns = c.carrier.io().clock.ns(Instant::now());
     let record = |stage, itt, arg| {
         cmdtrace::record(cmdtrace::Record {
             at_ns,
@@ -808,7 +829,7 @@ fn sent(c: &Conn, batch: &[Transmit<Buffer>]) {
             itt,
             cmd_sn: 0,
             stage,
-            lane: c.io.index as u8,
+            lane: c.carrier.io().index as u8,
             arg,
         })
     };
@@ -834,8 +855,8 @@ impl Conn {
     /// Starts waiting for the oldest queued buffer, unless a wait is on already.
     fn wait_for_buffer<'a>(&self, share: &'a Share, waiting: &mut Waiting<'a>) {
         if waiting.is_none() {
-            if let Some(&(tag, len)) = self.buffer_wait.front() {
-                *waiting = Some((tag, share.alloc(len)));
+            if let Some(w) = self.carrier.waits.front() {
+                *waiting = Some((w.tag, share.alloc(w.len)));
             }
         }
     }
@@ -845,30 +866,23 @@ impl Turn<'_> {
     /// Moves backend completions into the machine (and through it the core).
     fn absorb(&mut self) {
         let now = Instant::now();
-        loop {
-            let Some(done) = self.inbox.done.borrow_mut().pop_front() else {
-                break;
-            };
-            let (task, buffer, result) = (done.task, done.buffer, done.result);
-            self.machine
-                .handle_backend_done(now, task, buffer, result, &mut self.nexus);
-        }
+        let mut m = Machine {
+            machine: self.machine,
+            nexus: &mut self.nexus,
+        };
+        self.carrier
+            .completions(|_, done| carrier::deliver(&mut m, now, done));
     }
 
     /// Hands the core's events to the machine and carries out what it asks, until neither
     /// has anything left.
     fn pump(&mut self, now: Instant) {
         while let Some(ev) = self.machine.poll_event(now, &mut self.nexus) {
-            match ev {
-                Event::Backend {
-                    task,
-                    lun,
-                    op,
-                    buffer,
-                } => self.run_backend(task, lun, op, buffer),
-                Event::BufferWanted { tag, len } => self.want_buffer(tag, len),
-                Event::Completed(a) => self.account(&a),
-            }
+            let mut m = Machine {
+                machine: self.machine,
+                nexus: &mut self.nexus,
+            };
+            self.carrier.carry(0, &mut m, ev);
         }
         self.trace();
     }
@@ -881,56 +895,18 @@ impl Turn<'_> {
             return;
         };
         let key = cmdtrace::Record::session_of(session.isid.0, session.tsih);
-        crate::trace::record_points(self.machine.trace_points(), key, self.io);
+        crate::trace::record_points(self.machine.trace_points(), key, self.carrier.io());
     }
 
-    /// Runs a backend operation on the reactor's engine.
-    fn run_backend(&mut self, task: TaskId, lun: u16, op: Op, buffer: Buffer) {
-        let target = self.nexus.scope.target().map(|t| &**t);
-        match crate::target::unit_for(self.nexus.core.unit, target, lun) {
-            Some(unit) => self.io.submit(&unit, op, buffer, self.inbox, task),
-            None => {
-                let gone = Err(BackendError::Internal);
-                self.machine.handle_backend_done(
-                    Instant::now(),
-                    task,
-                    buffer,
-                    gone,
-                    &mut self.nexus,
-                );
-            }
-        }
-    }
-
-    /// A backend operation needs `len` bytes of arena: now if the arena has them and no
-    /// earlier request waits, else in arrival order when buffers come back.
-    fn want_buffer(&mut self, tag: u64, len: usize) {
-        if self.buffer_wait.is_empty() {
-            match self.share.try_alloc(len) {
-                Ok(Some(b)) => return self.granted(tag, Ok(b)),
-                Ok(None) => {}
-                Err(e) => return self.granted(tag, Err(e)),
-            }
-        }
-        self.buffer_wait.push_back((tag, len));
-    }
-
-    /// The arena has granted (or refused) a buffer.
+    /// The arena has granted (or refused) the buffer the first waiting request asked for.
     fn granted(&mut self, tag: u64, r: Result<Buffer, backend::ArenaError>) {
-        if self.buffer_wait.front().is_some_and(|&(t, _)| t == tag) {
-            self.buffer_wait.pop_front();
+        if self.carrier.waits.front().is_some_and(|w| w.tag == tag) {
+            self.carrier.waits.pop();
         }
         let buffer = r
             .map_err(|e| tracing::error!("buffer for task {tag:#x}: {e}"))
             .ok();
         self.machine
             .handle_buffer(Instant::now(), tag, buffer, &mut self.nexus);
-    }
-
-    /// Adds a finished task to its unit's counters.
-    fn account(&self, a: &Accounting) {
-        if let Some(target) = self.nexus.scope.target() {
-            target.account(a);
-        }
     }
 }

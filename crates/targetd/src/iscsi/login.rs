@@ -11,7 +11,8 @@ use iscsi_pdu::{Pdu, SerialNumber};
 
 use super::session::Session;
 use super::wire::{Incoming, Reader, Writer};
-use crate::registry::{lock, Peer, Registry};
+use crate::lock;
+use crate::registry::{Peer, Registry};
 
 /// A finished login.
 pub enum Outcome {

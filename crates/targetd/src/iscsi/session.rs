@@ -13,7 +13,7 @@ use iscsi_pdu::{Isid, SerialNumber};
 use scsi_core::NexusId;
 
 use crate::control::{Control, Request};
-use crate::registry::lock;
+use crate::lock;
 use crate::target::{Core, Outbox, Route, Target};
 
 /// A connection as its session and the admin interface see it.

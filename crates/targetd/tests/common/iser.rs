@@ -12,9 +12,9 @@ use iscsi_pdu::initiator::{Established, Login, LoginError};
 use iscsi_pdu::iser::{self, CmReply, CmRequest, IserHeader, RemoteBuffer};
 use iscsi_pdu::negotiation::{Declarations, DigestAlgorithm, OperationalParams, Settings};
 use iscsi_pdu::{Isid, Lun, Pdu, ScsiCommand, ScsiResponse, SerialNumber};
-use srp::fabric::{Access, MemoryId, MemoryRegion, NodeId, QpId};
-use srp::switch::{Endpoint, Reply, Switch};
-use srp::verbs::{Verbs, WorkOp, IU_BUFFER_LEN};
+use rdma::fabric::{Access, MemoryId, MemoryRegion, NodeId, QpId};
+use rdma::switch::{Endpoint, Reply, Switch};
+use rdma::verbs::{Verbs, WorkOp, MESSAGE_BUFFER_LEN};
 
 use super::{config, Daemon, TARGET};
 
@@ -118,7 +118,7 @@ impl Initiator {
         let qp = connect_queue_pair(switch);
         let mut verbs: Endpoint<Vec<u8>> = switch.endpoint(INITIATOR_NODE);
         for _ in 0..16 {
-            verbs.post_recv(qp, 0, vec![0; IU_BUFFER_LEN]);
+            verbs.post_recv(qp, 0, vec![0; MESSAGE_BUFFER_LEN]);
         }
         let (memory, region) = switch.with(|f| {
             let m = f.alloc(INITIATOR_NODE, MEMORY);

@@ -169,20 +169,20 @@ pub fn tool(name: &str) -> bool {
 }
 
 /// The switch node and service targetd's SRP port has in tests.
-pub const SRP_TARGET_NODE: srp::fabric::NodeId = srp::fabric::NodeId(0);
+pub const SRP_TARGET_NODE: rdma::fabric::NodeId = rdma::fabric::NodeId(0);
 /// The switch node of tests' SRP initiators.
-pub const SRP_INITIATOR_NODE: srp::fabric::NodeId = srp::fabric::NodeId(1);
+pub const SRP_INITIATOR_NODE: rdma::fabric::NodeId = rdma::fabric::NodeId(1);
 /// The SRP service name.
 pub const SRP_SERVICE: &str = "srp0";
 
 /// targetd with one memory target, also serving SRP on a new switch.
-pub fn srp_daemon() -> (Arc<srp::switch::Switch>, Daemon) {
+pub fn srp_daemon() -> (Arc<rdma::switch::Switch>, Daemon) {
     srp_daemon_with(&memory_target(TARGET, ""))
 }
 
 /// targetd with `targets` (`[[targets]]` tables), also serving SRP on a new switch.
-pub fn srp_daemon_with(targets: &str) -> (Arc<srp::switch::Switch>, Daemon) {
-    let switch = srp::switch::Switch::new();
+pub fn srp_daemon_with(targets: &str) -> (Arc<rdma::switch::Switch>, Daemon) {
+    let switch = rdma::switch::Switch::new();
     let d = Daemon::start_with(&config("", targets), |server| {
         server
             .serve_srp_fabric(&switch, SRP_TARGET_NODE, SRP_SERVICE)
@@ -194,15 +194,15 @@ pub fn srp_daemon_with(targets: &str) -> (Arc<srp::switch::Switch>, Daemon) {
 /// An SRP channel of session `s` to the test target over `switch`, logged in, its data memory
 /// made as initiator-bench's runner wants it for `w` and `o`.
 pub fn srp_channel(
-    switch: &Arc<srp::switch::Switch>,
+    switch: &Arc<rdma::switch::Switch>,
     s: usize,
     w: &initiator_bench::workload::Workload,
     o: &initiator_bench::srp::RdmaOptions,
 ) -> (
-    srp::switch::Endpoint<Vec<u8>>,
-    srp::initiator::channel::InitiatorChannel<srp::switch::Endpoint<Vec<u8>>>,
+    rdma::switch::Endpoint<Vec<u8>>,
+    srp::initiator::channel::InitiatorChannel<rdma::switch::Endpoint<Vec<u8>>>,
 ) {
-    use srp::switch::Reply;
+    use rdma::switch::Reply;
     let mut private = Vec::new();
     initiator_bench::srp::login_request(s, targetd::srp::port_id(TARGET), 8192)
         .encode(&mut private);

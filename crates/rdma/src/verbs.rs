@@ -1,5 +1,6 @@
-//! The verbs an SRP shell runs on: memory regions, reliable-connected queue pairs, sends,
-//! receives, RDMA READ and WRITE, and their completions. Two implementations: the software
+//! The verbs an RDMA transport's shell runs on (SRP, iSER, and NVMe/RDMA to come): memory
+//! regions, reliable-connected queue pairs, sends, receives, RDMA READ and WRITE, and their
+//! completions. Two implementations: the software
 //! [`fabric`](crate::fabric) in the process (everywhere; what tests, fuzzing and the paper's
 //! experiment drive) and, with the feature `rdma`, real devices through libibverbs and
 //! librdmacm (the module `rdma`).
@@ -10,7 +11,8 @@
 //! when it fails (a full queue, a queue pair in the error state, a bad remote key): the shell
 //! has exactly one place, its completion loop, where buffers come back and failures are seen.
 //!
-//! Memory that the *peer* reaches (an initiator's data buffers, named in SRP_CMD descriptors)
+//! Memory that the *peer* reaches (an initiator's data buffers, which its commands name as
+//! [`RemoteRegion`]s: SRP's memory descriptors, iSER's STag and address, NVMe's keyed SGLs)
 //! is different: it stays where it is while registered, and the program touches it only between
 //! the commands that expose it. It is allocated by the verbs ([`PeerMemory::alloc`]) and lives as
 //! long as they do, so a registration never outlives its memory.
@@ -18,8 +20,6 @@
 use std::fmt::Debug;
 use std::hash::Hash;
 use std::ops::DerefMut;
-
-use crate::iu::MemoryDescriptor;
 
 /// What a memory region lets the peer do (local access is always granted).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -52,14 +52,28 @@ pub struct MemoryRegion {
 }
 
 impl MemoryRegion {
-    /// A descriptor of `len` bytes at `offset` into the region, for the peer.
-    pub fn descriptor(&self, offset: u32, len: u32) -> MemoryDescriptor {
-        MemoryDescriptor {
-            va: self.addr + u64::from(offset),
-            key: self.rkey,
+    /// `len` bytes at `offset` into the region, as the peer names them.
+    pub fn remote(&self, offset: u32, len: u32) -> RemoteRegion {
+        RemoteRegion {
+            addr: self.addr + u64::from(offset),
+            rkey: self.rkey,
             len,
         }
     }
+}
+
+/// Bytes of the peer's registered memory, as a command names them for an RDMA READ or WRITE:
+/// what every RDMA transport's data descriptors come down to (SRP's memory descriptor,
+/// iSER's STag with a virtual address, an NVMe keyed SGL data block). Each transport decodes
+/// its own wire form and hands the verbs these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RemoteRegion {
+    /// The first byte's virtual address in the peer's region.
+    pub addr: u64,
+    /// The region's remote key (R_Key, iSER's STag, NVMe's key).
+    pub rkey: u32,
+    /// Bytes.
+    pub len: u32,
 }
 
 /// Why a work request failed. After any of these but [`VerbsError::QueueFull`] the queue pair
@@ -164,8 +178,8 @@ pub trait PeerMemory {
     fn deregister(&mut self, region: MemoryRegion);
 }
 
-/// The queue-pair verbs of one side of a fabric: what an SRP target or initiator shell needs
-/// to move IUs and data, and no more. See the module's documentation for who owns what.
+/// The queue-pair verbs of one side of a fabric: what a target or initiator shell of an RDMA
+/// transport needs to move its messages and data, and no more. See the module's documentation for who owns what.
 pub trait Verbs {
     /// A connected queue pair.
     type Qp: Copy + Eq + Hash + Debug;
@@ -186,7 +200,7 @@ pub trait Verbs {
         buffer: Self::Buffer,
         at: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
     );
     /// Reads `len` bytes of the peer's memory `remote`, in order, into `buffer[at..]` (one
     /// RDMA READ per descriptor; one completion for all). `at` lets a transport that
@@ -198,7 +212,7 @@ pub trait Verbs {
         buffer: Self::Buffer,
         at: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
     );
     /// The next finished work request of `qp`.
     fn poll(&mut self, qp: Self::Qp) -> Option<Completion<Self::Buffer>>;
@@ -209,32 +223,34 @@ pub trait Verbs {
     fn disconnect(&mut self, qp: Self::Qp);
 }
 
-/// Verbs that hand out IU buffers (for sends and receives) of their own registered memory:
-/// a real device's slot pool, or plain vectors on a software fabric.
-pub trait IuBuffers {
-    /// An IU buffer.
-    type Iu: DerefMut<Target = [u8]>;
-    /// A free IU buffer of [`IU_BUFFER_LEN`] bytes or more; `None` when none is left.
-    fn iu_buffer(&mut self) -> Option<Self::Iu>;
-    /// An IU buffer back from its work request, for reuse.
-    fn recycle_iu(&mut self, iu: Self::Iu) {
-        drop(iu);
+/// Verbs that hand out message buffers (for sends and receives: SRP's IUs, iSER's messages,
+/// NVMe/RDMA's capsules) of their own registered memory: a real device's slot pool, or plain
+/// vectors on a software fabric.
+pub trait MessageBuffers {
+    /// A message buffer.
+    type Message: DerefMut<Target = [u8]>;
+    /// A free message buffer of [`MESSAGE_BUFFER_LEN`] bytes or more; `None` when none is
+    /// left.
+    fn message_buffer(&mut self) -> Option<Self::Message>;
+    /// A message buffer back from its work request, for reuse.
+    fn recycle_message(&mut self, message: Self::Message) {
+        drop(message);
     }
 }
 
-/// The length of the IU buffers of a software fabric's verbs and of targetd's RDMA ports:
-/// more than any IU a target sends, the largest SRP IU a port may be configured to take
-/// (8276 by default, [`DEFAULT_MAX_IT_IU_LEN`](crate::target_port::DEFAULT_MAX_IT_IU_LEN)), and
-/// every iSER message within 8 KiB of data: the iSER header and BHS (76), the most AHS a
-/// PDU may carry (1020: the largest CDB's comes to 252) and 8 KiB of immediate data.
-pub const IU_BUFFER_LEN: usize = 76 + 1020 + 8192;
+/// The length of the message buffers of a software fabric's verbs and of targetd's RDMA
+/// ports: more than any message a target sends, the largest SRP IU a port may be configured
+/// to take (8276 by default: SRP's `DEFAULT_MAX_IT_IU_LEN`), and every iSER message within
+/// 8 KiB of data: the iSER header and BHS (76), the most AHS a PDU may carry (1020: the
+/// largest CDB's comes to 252) and 8 KiB of immediate data.
+pub const MESSAGE_BUFFER_LEN: usize = 76 + 1020 + 8192;
 
-/// A buffer of a target port: an IU buffer of the verbs' own, or a task's data in memory
+/// A buffer of a target port: a message buffer of the verbs' own, or a task's data in memory
 /// registered for the port (a slot run of a reactor's arena).
 #[derive(Debug)]
 pub enum PortBuffer<I, D> {
-    /// An IU: a receive, a send, small parameter data.
-    Iu(I),
+    /// A message: a receive, a send, small parameter data.
+    Message(I),
     /// A task's data.
     Data(D),
 }
@@ -244,7 +260,7 @@ impl<I: DerefMut<Target = [u8]>, D: DerefMut<Target = [u8]>> std::ops::Deref for
 
     fn deref(&self) -> &[u8] {
         match self {
-            PortBuffer::Iu(b) => b,
+            PortBuffer::Message(b) => b,
             PortBuffer::Data(b) => b,
         }
     }
@@ -253,7 +269,7 @@ impl<I: DerefMut<Target = [u8]>, D: DerefMut<Target = [u8]>> std::ops::Deref for
 impl<I: DerefMut<Target = [u8]>, D: DerefMut<Target = [u8]>> DerefMut for PortBuffer<I, D> {
     fn deref_mut(&mut self) -> &mut [u8] {
         match self {
-            PortBuffer::Iu(b) => b,
+            PortBuffer::Message(b) => b,
             PortBuffer::Data(b) => b,
         }
     }

@@ -17,9 +17,9 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use crate::iu::MemoryDescriptor;
+use crate::verbs::RemoteRegion;
 pub use crate::verbs::{Access, MemoryRegion, VerbsError};
-use crate::verbs::{Completion, IuBuffers, PeerMemory, Verbs, WorkOp, IU_BUFFER_LEN};
+use crate::verbs::{Completion, MessageBuffers, PeerMemory, Verbs, WorkOp, MESSAGE_BUFFER_LEN};
 
 /// A side of the fabric (a host): remote access is checked against the region's node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -338,16 +338,16 @@ impl Fabric {
     fn remote(
         &self,
         qp: QpId,
-        d: &MemoryDescriptor,
+        d: &RemoteRegion,
         write: bool,
     ) -> Result<(usize, usize), VerbsError> {
         let peer = self.ready(qp)?;
         let bad = VerbsError::RemoteAccess {
-            key: d.key,
-            va: d.va,
+            key: d.rkey,
+            va: d.addr,
             len: d.len,
         };
-        let r = self.regions.get(&d.key).ok_or(bad)?;
+        let r = self.regions.get(&d.rkey).ok_or(bad)?;
         if r.node != self.qps[peer].node {
             return Err(bad);
         }
@@ -357,10 +357,10 @@ impl Fabric {
             r.access.remote_read
         };
         if !allowed {
-            return Err(VerbsError::RemoteOperation(d.key));
+            return Err(VerbsError::RemoteOperation(d.rkey));
         }
         let base = Self::address(r.memory, r.offset);
-        let start = d.va.checked_sub(base).ok_or(bad)?;
+        let start = d.addr.checked_sub(base).ok_or(bad)?;
         let end = start.checked_add(u64::from(d.len)).ok_or(bad)?;
         if end > r.len as u64 {
             return Err(bad);
@@ -379,7 +379,7 @@ impl Fabric {
         mut buffer: Vec<u8>,
         start: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
         write: bool,
     ) {
         let op = if write {
@@ -394,7 +394,7 @@ impl Fabric {
                 break;
             }
             let n = (end - at).min(d.len as usize);
-            let part = MemoryDescriptor {
+            let part = RemoteRegion {
                 len: n as u32,
                 ..*d
             };
@@ -432,7 +432,7 @@ impl Fabric {
         buffer: Vec<u8>,
         at: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
     ) {
         self.rdma(qp, wr_id, buffer, at, len, remote, true);
     }
@@ -446,7 +446,7 @@ impl Fabric {
         buffer: Vec<u8>,
         at: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
     ) {
         self.rdma(qp, wr_id, buffer, at, len, remote, false);
     }
@@ -498,11 +498,11 @@ impl PeerMemory for Port<'_> {
     }
 }
 
-impl IuBuffers for Port<'_> {
-    type Iu = Vec<u8>;
+impl MessageBuffers for Port<'_> {
+    type Message = Vec<u8>;
 
-    fn iu_buffer(&mut self) -> Option<Vec<u8>> {
-        Some(vec![0; IU_BUFFER_LEN])
+    fn message_buffer(&mut self) -> Option<Vec<u8>> {
+        Some(vec![0; MESSAGE_BUFFER_LEN])
     }
 }
 
@@ -525,7 +525,7 @@ impl Verbs for Port<'_> {
         buffer: Vec<u8>,
         at: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
     ) {
         self.fabric
             .post_rdma_write(qp, wr_id, buffer, at, len, remote);
@@ -538,7 +538,7 @@ impl Verbs for Port<'_> {
         buffer: Vec<u8>,
         at: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
     ) {
         self.fabric
             .post_rdma_read(qp, wr_id, buffer, at, len, remote);
@@ -609,15 +609,15 @@ mod tests {
         let m = f.alloc(I, 8192);
         let r = f.register(m, 4096, 4096, Access::REMOTE);
         assert_eq!(f.elapsed, Duration::from_micros(8));
-        f.post_rdma_write(t, 1, vec![7; 100], 0, 100, &[r.descriptor(10, 100)]);
+        f.post_rdma_write(t, 1, vec![7; 100], 0, 100, &[r.remote(10, 100)]);
         assert_eq!(done(&mut f, t).result, Ok(()));
         assert_eq!(&f.memory(m)[4106..4206], &[7; 100][..]);
-        f.post_rdma_read(t, 2, vec![0; 100], 0, 100, &[r.descriptor(10, 100)]);
+        f.post_rdma_read(t, 2, vec![0; 100], 0, 100, &[r.remote(10, 100)]);
         let back = done(&mut f, t);
         assert_eq!((back.op, back.len), (WorkOp::RdmaRead, 100));
         assert_eq!(back.buffer, [7; 100]);
         // Beyond the region, though inside the memory.
-        f.post_rdma_write(t, 3, vec![1; 100], 0, 100, &[r.descriptor(4090, 100)]);
+        f.post_rdma_write(t, 3, vec![1; 100], 0, 100, &[r.remote(4090, 100)]);
         assert!(matches!(
             done(&mut f, t).result,
             Err(VerbsError::RemoteAccess { .. })
@@ -634,7 +634,7 @@ mod tests {
                 remote_write: false,
             },
         );
-        f.post_rdma_write(t, 4, vec![1; 8], 0, 8, &[ro.descriptor(0, 8)]);
+        f.post_rdma_write(t, 4, vec![1; 8], 0, 8, &[ro.remote(0, 8)]);
         assert_eq!(
             done(&mut f, t).result,
             Err(VerbsError::RemoteOperation(ro.rkey))
@@ -643,12 +643,12 @@ mod tests {
         let (t, _) = f.connect(T, I);
         let own = f.alloc(T, 64);
         let own = f.register(own, 0, 64, Access::REMOTE);
-        f.post_rdma_write(t, 5, vec![1; 8], 0, 8, &[own.descriptor(0, 8)]);
+        f.post_rdma_write(t, 5, vec![1; 8], 0, 8, &[own.remote(0, 8)]);
         assert!(done(&mut f, t).result.is_err());
         // A deregistered key grants nothing.
         let (t, _) = f.connect(T, I);
         f.deregister(r.rkey);
-        f.post_rdma_read(t, 6, vec![0; 8], 0, 8, &[r.descriptor(0, 8)]);
+        f.post_rdma_read(t, 6, vec![0; 8], 0, 8, &[r.remote(0, 8)]);
         assert!(done(&mut f, t).result.is_err());
         // The verbs of a node register only that node's memory.
         assert_eq!(
@@ -667,7 +667,7 @@ mod tests {
             .rev()
             .map(|k| {
                 f.register(m, k * 4096, 4096, Access::REMOTE)
-                    .descriptor(0, 4096)
+                    .remote(0, 4096)
             })
             .collect();
         let data: Vec<u8> = (0..3 * 4096).map(|i| (i / 4096) as u8).collect();

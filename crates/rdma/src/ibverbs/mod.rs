@@ -1,17 +1,18 @@
-//! Real RDMA devices through libibverbs and librdmacm (`rdma-sys`), behind the feature `rdma`:
-//! the one module of the crate with `unsafe` code.
+//! Real RDMA devices through libibverbs and librdmacm (`rdma-sys`), behind the feature
+//! `ibverbs`: the one module of the crate with `unsafe` code.
 //!
 //! [`RdmaVerbs`] owns everything it creates on one device and tears it down in order (queue
 //! pairs, completion queues, connection ids, memory regions, memory, the completion channel,
 //! the protection domain): a protection domain; one memory region over a pool of fixed-size
-//! [`Slot`]s registered once at start (IU buffers), and any [`RegisteredMemory`] (a
+//! [`Slot`]s registered once at start (message buffers), and any [`RegisteredMemory`] (a
 //! reactor's buffer arena, where a target's data moves) registered once with
 //! [`RdmaVerbs::register_arena`]; memory
 //! the peer may reach ([`PeerMemory::alloc`], [`PeerMemory::register`]); one completion queue per queue
 //! pair, all on one completion channel whose descriptor a reactor watches
 //! ([`RdmaVerbs::completion_fd`], then [`RdmaVerbs::ack_events`]). Queue pairs are RC,
 //! set up through rdma_cm: [`Listener`] on the target (its connect requests accepted or
-//! rejected with SRP's login response or rejection as private data), [`RdmaVerbs::connect`]
+//! rejected with the transport's private data: SRP's login response or rejection, iSER's
+//! and NVMe/RDMA's connection parameters), [`RdmaVerbs::connect`]
 //! on an initiator.
 //!
 //! Why this is sound: a buffer ([`Registered`]: a slot, an arena buffer) given to a work
@@ -38,11 +39,10 @@ use std::ptr;
 use std::rc::Rc;
 
 use rdma_sys::*;
-use scsi_core::transport::TaskBuffer;
 
-use crate::iu::MemoryDescriptor;
 use crate::verbs::{
-    Access, Completion, IuBuffers, MemoryRegion, PeerMemory, PortBuffer, Verbs, VerbsError, WorkOp,
+    Access, Completion, MemoryRegion, MessageBuffers, PeerMemory, PortBuffer, RemoteRegion, Verbs,
+    VerbsError, WorkOp,
 };
 
 mod cm;
@@ -196,12 +196,14 @@ impl DerefMut for Slot {
     }
 }
 
-impl TaskBuffer for Slot {
-    fn capacity(&self) -> usize {
+impl Slot {
+    /// Bytes the slot can hold.
+    pub fn capacity(&self) -> usize {
         self.pool.slot_len
     }
 
-    fn set_len(&mut self, len: usize) {
+    /// Sets its usable length, at most [`Slot::capacity`].
+    pub fn set_len(&mut self, len: usize) {
         self.len = len.min(self.pool.slot_len);
     }
 }

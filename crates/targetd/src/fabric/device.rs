@@ -1,33 +1,27 @@
-//! An SRP port on a real RDMA device (feature `rdma`): srp's rdma-sys binding as a
-//! [`Fabric`]. The reactor's arena is registered with the device once, when the port starts;
-//! IU buffers are the binding's pool of slots, registered once too. The reactor watches three
+//! An RDMA port on a real device (feature `rdma`): storage-target-rdma's rdma-sys binding as
+//! a [`Fabric`], for SRP's ports and iSER's portals alike. The reactor's arena is registered
+//! with the device once, when the port starts; message buffers are the binding's pool of
+//! slots, registered once too. The reactor watches three
 //! descriptors: the listener's rdma_cm channel (connect requests), the device's rdma_cm
 //! channel (connections established and lost) and its completion channel.
 
 use std::net::SocketAddr;
 use std::task::{Context, Poll};
 
-use srp::iu::{IuError, SrpLoginReq};
 use std::os::fd::BorrowedFd;
 
 use backend::Readiness as Watch;
-use srp::rdma::{ConnectRequest, Listener, QpHandle, QueueDepth, RdmaError, RdmaVerbs, Slot};
-use srp::target_port::channel::SPARE_RECEIVES;
-use srp::target_port::PortSettings;
+use rdma::ibverbs::{ConnectRequest, Listener, QpHandle, QueueDepth, RdmaError, RdmaVerbs, Slot};
 
-use super::{Fabric, SrpBuffer, IU_LEN};
+use super::{Fabric, FabricBuffer, MESSAGE_LEN};
 
-/// Channels one RDMA port serves at once: its IU slots are sized for them (each channel
-/// holds a receive per credit, and as many sends in flight at most).
-pub const CHANNELS: u32 = 16;
-
-/// An SRP port on an RDMA device.
+/// An RDMA port on a device.
 pub struct RdmaPort {
     listening: Watch,
     connections: Watch,
     completions: Watch,
     listener: Listener,
-    verbs: RdmaVerbs<SrpBuffer<Slot>>,
+    verbs: RdmaVerbs<FabricBuffer<Slot>>,
     addr: SocketAddr,
     depth: QueueDepth,
     ready: Vec<QpHandle>,
@@ -44,30 +38,16 @@ impl std::fmt::Debug for RdmaPort {
 
 impl RdmaPort {
     /// Opens the device that serves `addr` (the first one), registers `arena` with it, and
-    /// listens. Call on the reactor whose arena it is (the watchers are its runtime's).
+    /// listens, with `slots` message buffers for all its connections and `depth` for each
+    /// queue pair (SRP sizes them by its request limit, iSER by its command window). Call on
+    /// the reactor whose arena it is (the watchers are its runtime's).
     pub fn open(
-        addr: SocketAddr,
-        arena: &backend::Arena,
-        settings: &PortSettings,
-    ) -> Result<RdmaPort, RdmaError> {
-        let per_channel = 2 * (settings.request_limit + SPARE_RECEIVES) + 8;
-        let depth = QueueDepth {
-            // A response per credit, and RDMA transfers of one request per descriptor.
-            send: 4096,
-            recv: settings.request_limit + SPARE_RECEIVES,
-        };
-        RdmaPort::open_sized(addr, arena, CHANNELS * per_channel, depth)
-    }
-
-    /// As [`RdmaPort::open`], with `slots` IU buffers for all its connections and `depth`
-    /// for each queue pair (an iSER portal sizes them by its command window).
-    pub fn open_sized(
         addr: SocketAddr,
         arena: &backend::Arena,
         slots: u32,
         depth: QueueDepth,
     ) -> Result<RdmaPort, RdmaError> {
-        let mut verbs = RdmaVerbs::open(None, slots, IU_LEN)?;
+        let mut verbs = RdmaVerbs::open(None, slots, MESSAGE_LEN)?;
         verbs.register_arena(arena)?;
         let listener = Listener::bind(addr, 64)?;
         let watch = |fd: BorrowedFd<'_>| {
@@ -90,8 +70,9 @@ impl RdmaPort {
 }
 
 impl Fabric for RdmaPort {
-    type Iu = Slot;
-    type Verbs = RdmaVerbs<SrpBuffer<Slot>>;
+    const RDMA_CM: bool = true;
+    type Message = Slot;
+    type Verbs = RdmaVerbs<FabricBuffer<Slot>>;
     type Request = ConnectRequest;
 
     fn verbs(&mut self) -> &mut Self::Verbs {
@@ -123,14 +104,14 @@ impl Fabric for RdmaPort {
         self.listener.accept()
     }
 
-    fn login(&self, request: &ConnectRequest) -> Result<SrpLoginReq, IuError> {
-        SrpLoginReq::decode_rdma_cm(&request.private)
+    fn private<'r>(&self, request: &'r ConnectRequest) -> &'r [u8] {
+        &request.private
     }
 
     fn accept(
         &mut self,
         request: ConnectRequest,
-        receives: Vec<SrpBuffer<Slot>>,
+        receives: Vec<FabricBuffer<Slot>>,
         private: &[u8],
     ) -> Result<QpHandle, String> {
         self.verbs

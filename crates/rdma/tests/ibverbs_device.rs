@@ -1,15 +1,15 @@
-//! The rdma-sys binding against this machine's RDMA devices (feature `rdma`). Without a device,
+//! The rdma-sys binding against this machine's RDMA devices (feature `ibverbs`). Without a device,
 //! the binding must say so clearly (what targetd reports when a config names rdma portals);
-//! with one, memory registers and, given an address of the device in `SRP_TEST_RDMA_ADDR`,
+//! with one, memory registers and, given an address of the device in `RDMA_TEST_ADDR`,
 //! two queue pairs connect over rdma_cm and move data with send, RDMA WRITE and RDMA READ.
 //! No CI machine has an RDMA device (it is hardware, not a tool to install), so there the
 //! device part prints why it is skipped, also under `CI`.
-#![cfg(feature = "rdma")]
+#![cfg(feature = "ibverbs")]
 
 use std::net::SocketAddr;
 
-use srp::rdma::{devices, Connection, Listener, QueueDepth, RdmaError, RdmaVerbs};
-use srp::verbs::{Access, PeerMemory, Verbs, WorkOp};
+use rdma::ibverbs::{devices, Connection, Listener, QueueDepth, RdmaError, RdmaVerbs};
+use rdma::verbs::{Access, PeerMemory, RemoteRegion, Verbs, WorkOp};
 
 #[test]
 fn without_a_device_the_binding_says_so() {
@@ -18,7 +18,7 @@ fn without_a_device_the_binding_says_so() {
         eprintln!("RDMA devices present ({names:?}): the no-device case is not this machine's");
         return;
     }
-    match RdmaVerbs::<srp::rdma::Slot>::open(None, 4, 4096) {
+    match RdmaVerbs::<rdma::ibverbs::Slot>::open(None, 4, 4096) {
         Err(e @ RdmaError::NoDevice(_)) => assert_eq!(e.to_string(), "no RDMA device found"),
         other => panic!("opened without a device: {other:?}"),
     }
@@ -60,11 +60,11 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
     assert_eq!(r.len, 1 << 20);
     v.deregister(r);
     drop(v);
-    let Some(addr) = std::env::var("SRP_TEST_RDMA_ADDR")
+    let Some(addr) = std::env::var("RDMA_TEST_ADDR")
         .ok()
         .and_then(|a| a.parse::<std::net::IpAddr>().ok())
     else {
-        eprintln!("loopback skipped: set SRP_TEST_RDMA_ADDR to an IP address of {names:?}");
+        eprintln!("loopback skipped: set RDMA_TEST_ADDR to an IP address of {names:?}");
         return;
     };
     let port = 5555 + (std::process::id() % 1000) as u16;
@@ -81,9 +81,7 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
         v.write(&m, 4096, b"read");
         let r = v.register(&m, 0, 8192, Access::REMOTE).expect("registered");
         let mut iu = v.slot().expect("a slot");
-        let mut d = Vec::new();
-        r.descriptor(0, 8192).encode(&mut d);
-        iu[..16].copy_from_slice(&d);
+        iu[..16].copy_from_slice(&encode(r.remote(0, 8192)));
         v.post_recv(qp, 2, v.slot().expect("a slot"));
         v.post_send(qp, 1, iu, 16);
         let done = wait(|| v.poll(qp).filter(|c| c.op == WorkOp::Recv));
@@ -105,9 +103,7 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
     });
     let got = wait(|| v.poll(qp).filter(|c| c.op == WorkOp::Recv));
     assert_eq!((got.wr_id, got.len, got.result), (0, 16, Ok(())));
-    let d = srp::iu::Descriptors::new(&got.buffer[..16])
-        .and_then(|l| l.iter().next())
-        .expect("a descriptor");
+    let d = decode(&got.buffer[..16]);
     let mut data = v.slot().expect("a slot");
     data[..5].copy_from_slice(b"hello");
     v.post_rdma_write(qp, 8, data, 0, 5, &[d]);
@@ -115,8 +111,8 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
     assert_eq!((w.op, w.result), (WorkOp::RdmaWrite, Ok(())));
     let mut back = v.slot().expect("a slot");
     back[..4].fill(0);
-    let at = srp::iu::MemoryDescriptor {
-        va: d.va + 4096,
+    let at = RemoteRegion {
+        addr: d.addr + 4096,
         len: 4,
         ..d
     };
@@ -128,4 +124,21 @@ fn a_device_registers_memory_and_moves_data_over_rdma_cm() {
     ack[..5].copy_from_slice(b"done!");
     v.post_send(qp, 10, ack, 5);
     initiator.join().expect("the initiator's side");
+}
+
+/// The region as the test's initiator sends it: address, key and length, big-endian.
+fn encode(r: RemoteRegion) -> [u8; 16] {
+    let mut b = [0; 16];
+    b[..8].copy_from_slice(&r.addr.to_be_bytes());
+    b[8..12].copy_from_slice(&r.rkey.to_be_bytes());
+    b[12..].copy_from_slice(&r.len.to_be_bytes());
+    b
+}
+
+fn decode(b: &[u8]) -> RemoteRegion {
+    RemoteRegion {
+        addr: u64::from_be_bytes(b[..8].try_into().expect("8 bytes")),
+        rkey: u32::from_be_bytes(b[8..12].try_into().expect("4 bytes")),
+        len: u32::from_be_bytes(b[12..16].try_into().expect("4 bytes")),
+    }
 }

@@ -6,8 +6,8 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
 use iscsi_pdu::chap::{ChapCredentials, ENTROPY_LEN};
@@ -16,16 +16,17 @@ use iscsi_pdu::target_node::{Completed, LoginPolicy, SessionError};
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{Isid, LoginStatus, SerialNumber};
 
+pub mod channels;
+pub mod counters;
+
+pub use channels::SrpChannelInfo;
+pub use counters::{ArenaGauge, ConnectionSlot, Counters};
+
 use crate::config::{self, Config};
 use crate::control::{Control, Request};
 use crate::iscsi::session::{ConnectionInfo, Session, Sessions};
+use crate::lock;
 use crate::target::{Target, TargetEnv};
-
-/// Locks `m`, also after a thread panicked holding it (the daemon's state stays usable: every
-/// critical section leaves it consistent).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// The daemon's registry: the running config, the targets, the sessions and the live
 /// connections, shared by every reactor, the listeners and the admin interface. It answers a
@@ -55,16 +56,8 @@ pub struct Registry {
     controls: Mutex<HashMap<u64, Arc<Control>>>,
     /// Connections accepted and not yet closed (`server.max_connections`).
     open: Arc<AtomicUsize>,
-    /// Connections closed at once because the daemon had `server.max_connections` open.
-    pub connections_refused: AtomicU64,
-    /// Connections dropped because nothing could be sent for `server.send_timeout`.
-    pub send_timeouts: AtomicU64,
-    /// Write commands answered TASK SET FULL: their connection's share of the arena was full
-    /// with buffers waiting for data-out.
-    pub task_set_full: AtomicU64,
-    /// Connections dropped because they owed data-out and sent none for
-    /// `server.data_out_timeout`.
-    pub data_out_timeouts: AtomicU64,
+    /// What the connections, ports and reactors counted.
+    pub counters: Counters,
     /// The I/O engine the reactors run, as they reported it.
     pub engine: Mutex<String>,
     refusals: Mutex<(Option<Instant>, u64)>,
@@ -75,56 +68,8 @@ pub struct Registry {
     listeners: Mutex<Option<Listeners>>,
     /// Authentication failures by source address, which slow its next logins.
     pub auth: Mutex<crate::iscsi::throttle::AuthThrottle>,
-    /// Each reactor's buffer arena as it last reported it, in reactor order.
-    pub arenas: Mutex<Vec<Arc<ArenaGauge>>>,
     /// SRP channels logged in, by their daemon-wide id.
     pub(crate) srp_channels: Mutex<std::collections::BTreeMap<u64, SrpChannelInfo>>,
-    /// SRP logins refused (SRP_LOGIN_REJ).
-    pub srp_logins_rejected: AtomicU64,
-    /// SRP writes whose data came as immediate data in the SRP_CMD (no RDMA READ).
-    pub srp_immediate_writes: AtomicU64,
-    /// iSER connections open on the iSER portals, logged in or not.
-    pub iser_connections: AtomicU64,
-    /// Logins answered, by transport (TCP, iSER) and Login Response status
-    /// (`LoginStatus::index`).
-    pub logins: [[AtomicU64; 19]; 2],
-    /// RDMA READs an iSER portal issued (one per burst of solicited data-out).
-    pub iser_rdma_reads: AtomicU64,
-    /// RDMA WRITEs an iSER portal issued (one per command's data-in).
-    pub iser_rdma_writes: AtomicU64,
-}
-
-/// An SRP channel as the admin interface sees it.
-#[derive(Debug, Clone)]
-pub struct SrpChannelInfo {
-    /// The target.
-    pub target: String,
-    /// The initiator port identifier.
-    pub initiator_port_id: [u8; 16],
-    /// The target port identifier.
-    pub target_port_id: [u8; 16],
-    /// The RDMA portal (an address, or a software fabric's service).
-    pub portal: String,
-    /// The reactor serving it.
-    pub reactor: usize,
-    /// Requests it may have outstanding.
-    pub request_limit: u32,
-    /// The largest IU the initiator may send, and the largest the target sends.
-    pub iu_lengths: (u32, u32),
-    /// Its I_T nexus in the target's core.
-    pub nexus: scsi_core::NexusId,
-}
-
-/// A reactor's buffer arena, reported every second for the metrics: how much of it is free,
-/// and how many allocations wait for room.
-#[derive(Debug, Default)]
-pub struct ArenaGauge {
-    /// Its size in bytes.
-    pub bytes: AtomicU64,
-    /// Bytes in free slots.
-    pub free: AtomicU64,
-    /// Allocations queued for slots.
-    pub waiting: AtomicU64,
 }
 
 /// A hash of the file at `path` as it is now (none when it cannot be read): what changed on
@@ -179,11 +124,7 @@ impl Registry {
             targets: RwLock::new(targets),
             sessions,
             open: Arc::default(),
-            connections_refused: AtomicU64::new(0),
-            send_timeouts: AtomicU64::new(0),
-            task_set_full: AtomicU64::new(0),
-            data_out_timeouts: AtomicU64::new(0),
-            arenas: Mutex::new(Vec::new()),
+            counters: Counters::default(),
             started: Instant::now(),
             stopping: AtomicBool::new(false),
             controls: Mutex::new(HashMap::new()),
@@ -193,12 +134,6 @@ impl Registry {
             listeners: Mutex::new(None),
             auth: Mutex::default(),
             srp_channels: Mutex::default(),
-            srp_logins_rejected: AtomicU64::new(0),
-            srp_immediate_writes: AtomicU64::new(0),
-            iser_connections: AtomicU64::new(0),
-            logins: Default::default(),
-            iser_rdma_reads: AtomicU64::new(0),
-            iser_rdma_writes: AtomicU64::new(0),
         }
     }
 
@@ -219,17 +154,10 @@ impl Registry {
     }
 
     /// Starts serving: the accept loops of the portals (`listening`: each one's config text
-    /// and listener) on the runtime this is called in, assigning connections to `reactors`.
-    /// From now on portals change while running.
-    pub fn listen(
-        self: &Arc<Self>,
-        reactors: Vec<crate::reactor::Handle>,
-        listening: Vec<(String, std::net::TcpListener)>,
-    ) {
+    /// and listener), each started by `start`. From now on portals change while running.
+    pub fn listen(&self, start: StartAccepting, listening: Vec<(String, std::net::TcpListener)>) {
         let mut l = Listeners {
-            runtime: tokio::runtime::Handle::current(),
-            reactors,
-            registry: Arc::downgrade(self),
+            start,
             accepting: Vec::new(),
         };
         for (text, listener) in listening {
@@ -322,7 +250,7 @@ impl Registry {
 
     /// Counts a login's last answer: its Login Response status, over iSER or TCP.
     pub fn count_login(&self, iser: bool, status: iscsi_pdu::pdu::LoginStatus) {
-        self.logins[usize::from(iser)][status.index()].fetch_add(1, Ordering::Relaxed);
+        self.counters.logins[usize::from(iser)][status.index()].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The CmdSN window of new sessions.
@@ -330,16 +258,10 @@ impl Registry {
         self.config().iscsi.cmdsn_window
     }
 
-    /// The command window of a session over iSER (`iser`) or TCP: over iSER at most
-    /// [`ISER_CMDSN_WINDOW`](crate::iser::ISER_CMDSN_WINDOW), so that the initiator has a
-    /// receive posted for every response.
-    pub fn window_for(&self, iser: bool) -> u32 {
-        let window = self.window();
-        if iser {
-            window.min(crate::iser::ISER_CMDSN_WINDOW)
-        } else {
-            window
-        }
+    /// The command window of a session on `peer`'s connection: `iscsi.cmdsn_window`, at
+    /// most what its transport can carry ([`Peer::max_window`]).
+    pub fn window_for(&self, peer: &Peer) -> u32 {
+        self.window().min(peer.max_window)
     }
 
     /// Whether the daemon is shutting down.
@@ -377,17 +299,13 @@ impl Registry {
     /// as the connection ends.
     pub fn open_connection(&self) -> Option<ConnectionSlot> {
         let max = self.config().server.max_connections;
-        let taken = self
-            .open
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .is_ok();
-        if !taken {
-            self.connections_refused.fetch_add(1, Ordering::Relaxed);
-            return None;
+        let slot = ConnectionSlot::take(&self.open, max);
+        if slot.is_none() {
+            self.counters
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
         }
-        Some(ConnectionSlot(self.open.clone()))
+        slot
     }
 
     /// Connections alive now.
@@ -733,6 +651,9 @@ pub struct Peer {
     pub control: Arc<Control>,
     /// It runs over RDMA (an iSER portal), not TCP.
     pub iser: bool,
+    /// The largest command window its transport can carry (over iSER, what the initiator's
+    /// posted receives allow); `u32::MAX` when only `iscsi.cmdsn_window` bounds it.
+    pub max_window: u32,
 }
 
 /// Fresh random bytes for CHAP identifiers and challenges, from the OS's CSPRNG
@@ -794,16 +715,6 @@ impl Registry {
             target: None,
             session: None,
         }
-    }
-}
-
-/// One connection's place among `server.max_connections`, given back on drop.
-#[derive(Debug)]
-pub struct ConnectionSlot(Arc<AtomicUsize>);
-
-impl Drop for ConnectionSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -907,10 +818,7 @@ impl LoginPolicy for Admission<'_> {
             .flatten()
         {
             Some(s) => s.window(),
-            None => (
-                cmd_sn,
-                cmd_sn + (self.registry.window_for(self.peer.iser) - 1),
-            ),
+            None => (cmd_sn, cmd_sn + (self.registry.window_for(self.peer) - 1)),
         }
     }
 
@@ -923,7 +831,7 @@ impl LoginPolicy for Admission<'_> {
         let Some(target) = self.target.clone() else {
             // Discovery sessions are never joined; any non-zero TSIH outside the normal range.
             let tsih = 0x8000 | (peer.id & 0x7fff) as u16;
-            return Ok((tsih, cmd, cmd + (registry.window_for(peer.iser) - 1)));
+            return Ok((tsih, cmd, cmd + (registry.window_for(peer) - 1)));
         };
         let c = *login.negotiator.connection();
         let info = ConnectionInfo {
@@ -943,7 +851,7 @@ impl LoginPolicy for Admission<'_> {
         let (initiator, s) = (&login.initiator, &registry.sessions);
         let session = if login.tsih == 0 {
             let params = login.negotiator.session().clone();
-            let window = registry.window_for(peer.iser);
+            let window = registry.window_for(peer);
             s.create(login.isid, initiator, target, params, window, cmd, info)
         } else {
             s.join(login.tsih, login.isid, initiator, &target.name, info)
@@ -984,11 +892,15 @@ fn require_chap(
     settings.auth.local = mutual.and_then(creds);
 }
 
+/// Starts the accept loop of a portal's listener on the daemon's runtime, handing its
+/// connections to the reactors: the server's ([`crate::server`]), given to the registry when it
+/// starts serving so that a reload or `targetctl portal add` starts one the same way.
+pub type StartAccepting =
+    Box<dyn Fn(std::net::TcpListener) -> Result<tokio::task::AbortHandle, String> + Send>;
+
 /// The iSCSI listeners of a running server.
 struct Listeners {
-    runtime: tokio::runtime::Handle,
-    reactors: Vec<crate::reactor::Handle>,
-    registry: std::sync::Weak<Registry>,
+    start: StartAccepting,
     /// Each portal's config text, the address it listens on, and its accept loop.
     accepting: Vec<(String, SocketAddr, tokio::task::AbortHandle)>,
 }
@@ -1003,18 +915,8 @@ impl Listeners {
         let at = listener
             .local_addr()
             .map_err(|e| format!("server.portals: {text}: {e}"))?;
-        let listener = {
-            let _runtime = self.runtime.enter();
-            tokio::net::TcpListener::from_std(listener)
-                .map_err(|e| format!("server.portals: {text}: {e}"))?
-        };
-        let registry = self.registry.upgrade().ok_or("the daemon is stopping")?;
-        let task = self.runtime.spawn(crate::server::accept(
-            listener,
-            self.reactors.clone(),
-            registry,
-        ));
-        self.accepting.push((text, at, task.abort_handle()));
+        let task = (self.start)(listener).map_err(|e| format!("server.portals: {text}: {e}"))?;
+        self.accepting.push((text, at, task));
         Ok(at)
     }
 }

@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll, Waker};
 
 use crate::fabric::{Access, Fabric, MemoryId, MemoryRegion, NodeId, QpId, VerbsError};
-use crate::iu::MemoryDescriptor;
-use crate::verbs::{Completion, IuBuffers, PeerMemory, Verbs, WorkOp, IU_BUFFER_LEN};
+use crate::verbs::RemoteRegion;
+use crate::verbs::{Completion, MessageBuffers, PeerMemory, Verbs, WorkOp, MESSAGE_BUFFER_LEN};
 
 /// Why a connection could not be asked for or set up.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -239,7 +239,7 @@ impl<B> Endpoint<B> {
         self.staging
             .reserve(self.kept() - self.staging.len().min(self.kept()));
         for _ in 0..STAGING_PER_RECEIVE {
-            self.staging.push(Vec::with_capacity(IU_BUFFER_LEN));
+            self.staging.push(Vec::with_capacity(MESSAGE_BUFFER_LEN));
         }
     }
 }
@@ -337,7 +337,7 @@ impl<B: DerefMut<Target = [u8]>> Endpoint<B> {
         let mut s = self
             .staging
             .pop()
-            .unwrap_or_else(|| Vec::with_capacity(len.max(IU_BUFFER_LEN)));
+            .unwrap_or_else(|| Vec::with_capacity(len.max(MESSAGE_BUFFER_LEN)));
         match from {
             Some(bytes) => {
                 s.clear();
@@ -363,21 +363,21 @@ impl<B: DerefMut<Target = [u8]>> Endpoint<B> {
 }
 
 /// IU buffers are vectors, reused from the endpoint's staging copies.
-impl<B> IuBuffers for Endpoint<B> {
-    type Iu = Vec<u8>;
+impl<B> MessageBuffers for Endpoint<B> {
+    type Message = Vec<u8>;
 
-    fn iu_buffer(&mut self) -> Option<Vec<u8>> {
+    fn message_buffer(&mut self) -> Option<Vec<u8>> {
         Some(self.staging.pop().map_or_else(
-            || vec![0; IU_BUFFER_LEN],
+            || vec![0; MESSAGE_BUFFER_LEN],
             |mut v| {
                 // The IU is encoded over what an earlier use of this host's copy left.
-                v.resize(IU_BUFFER_LEN, 0);
+                v.resize(MESSAGE_BUFFER_LEN, 0);
                 v
             },
         ))
     }
 
-    fn recycle_iu(&mut self, iu: Vec<u8>) {
+    fn recycle_message(&mut self, iu: Vec<u8>) {
         self.keep(iu);
     }
 }
@@ -444,7 +444,7 @@ impl<B: DerefMut<Target = [u8]>> Verbs for Endpoint<B> {
         buffer: B,
         at: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
     ) {
         let stage = self.stage(len, buffer.get(at..));
         let id = self.park(wr_id, buffer, at);
@@ -458,7 +458,7 @@ impl<B: DerefMut<Target = [u8]>> Verbs for Endpoint<B> {
         buffer: B,
         at: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
     ) {
         let stage = self.stage(len.min(buffer.len().saturating_sub(at)), None);
         let id = self.park(wr_id, buffer, at);
@@ -592,33 +592,26 @@ mod tests {
         assert_eq!((received.op, received.len), (WorkOp::Recv, 7));
         assert_eq!(&received.buffer[..7], b"command");
         // RDMA READ from the initiator's memory lands in the target's own buffer.
-        target.post_rdma_read(qp, 3, local(&[0; 5]), 0, 5, &[memory.1.descriptor(0, 5)]);
+        target.post_rdma_read(qp, 3, local(&[0; 5]), 0, 5, &[memory.1.remote(0, 5)]);
         let read = target.poll(qp).expect("completes at once");
         assert_eq!(
             (read.wr_id, read.op, &read.buffer[..]),
             (3, WorkOp::RdmaRead, &b"hello"[..])
         );
-        target.post_rdma_write(qp, 4, local(b"HELLO"), 0, 5, &[memory.1.descriptor(8, 5)]);
+        target.post_rdma_write(qp, 4, local(b"HELLO"), 0, 5, &[memory.1.remote(8, 5)]);
         assert_eq!(target.poll(qp).map(|c| c.result), Some(Ok(())));
         assert_eq!(
             switch.with(|f| f.memory(memory.0)[8..13].to_vec()),
             b"HELLO"
         );
         // At an offset into the buffer, both ways: the rest of it is left alone.
-        target.post_rdma_read(qp, 6, local(&[9; 12]), 4, 5, &[memory.1.descriptor(0, 5)]);
+        target.post_rdma_read(qp, 6, local(&[9; 12]), 4, 5, &[memory.1.remote(0, 5)]);
         let read = target.poll(qp).expect("completes at once");
         assert_eq!(
             (read.len, &read.buffer[..]),
             (5, &b"\x09\x09\x09\x09hello\x09\x09\x09"[..])
         );
-        target.post_rdma_write(
-            qp,
-            7,
-            local(b"..WORLD.."),
-            2,
-            5,
-            &[memory.1.descriptor(16, 5)],
-        );
+        target.post_rdma_write(qp, 7, local(b"..WORLD.."), 2, 5, &[memory.1.remote(16, 5)]);
         assert_eq!(target.poll(qp).map(|c| c.result), Some(Ok(())));
         assert_eq!(
             switch.with(|f| f.memory(memory.0)[16..21].to_vec()),

@@ -93,7 +93,7 @@ impl<B: Registered> RdmaVerbs<B> {
         buffer: B,
         start: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
     ) {
         let base = buffer.as_ptr() as u64;
         let lkey = self.local_key(base, buffer.len());
@@ -149,8 +149,8 @@ impl<B: Registered> RdmaVerbs<B> {
                 wr.opcode = opcode;
                 wr.wr = wr_t {
                     rdma: rdma_t {
-                        remote_addr: d.va,
-                        rkey: d.key,
+                        remote_addr: d.addr,
+                        rkey: d.rkey,
                     },
                 };
                 self.wrs.push(wr);
@@ -308,7 +308,7 @@ impl<B: Registered> Verbs for RdmaVerbs<B> {
         buffer: B,
         at: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
     ) {
         self.post(qp, wr_id, WorkOp::RdmaWrite, buffer, at, len, remote);
     }
@@ -320,7 +320,7 @@ impl<B: Registered> Verbs for RdmaVerbs<B> {
         buffer: B,
         at: usize,
         len: usize,
-        remote: &[MemoryDescriptor],
+        remote: &[RemoteRegion],
     ) {
         self.post(qp, wr_id, WorkOp::RdmaRead, buffer, at, len, remote);
     }

@@ -45,10 +45,10 @@ impl<B: Registered> RdmaVerbs<B> {
     }
 }
 
-impl<B: Registered> IuBuffers for RdmaVerbs<B> {
-    type Iu = Slot;
+impl<B: Registered> MessageBuffers for RdmaVerbs<B> {
+    type Message = Slot;
 
-    fn iu_buffer(&mut self) -> Option<Slot> {
+    fn message_buffer(&mut self) -> Option<Slot> {
         self.slot()
     }
 }
