@@ -28,8 +28,7 @@ pub trait Carried {
     /// The target whose units its commands reach (none: a discovery session).
     fn target(&self) -> Option<&Target>;
     /// The unit a backend operation for LUN index `lun` runs on
-    /// ([`unit_for`](crate::target::unit_for) with the connection's cache); `None` when it
-    /// is gone.
+    /// (the target's `unit_for` with the connection's cache); `None` when it is gone.
     fn unit(&mut self, lun: u16) -> Option<Arc<Lun>>;
     /// Hands the machine the result of its backend operation for `task`.
     fn backend_done(

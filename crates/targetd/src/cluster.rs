@@ -2,24 +2,27 @@
 //! unit live in one RADOS object per image, so a reservation taken through one gateway binds
 //! the initiators of every gateway.
 //!
-//! The device server of each gateway shares the unit's reservations
-//! ([`scsi_core::Device::share_reservations`]): a PERSISTENT RESERVE OUT, RESERVE or RELEASE
-//! waits while the [`Keeper`] decides it on this gateway's reservations thread:
+//! What a gateway decides is storage-target-cluster's sans-IO machine
+//! ([`cluster::Gateway`]): membership and liveness from notify outcomes, the ALUA states that
+//! follow, each change to shared reservations decided by compare-and-swap over
+//! [`Reservations::apply`] and told to every gateway, whom to fence, and when to rejoin. This
+//! module is its shell on RADOS: two threads carry out its requests, one per lane
+//! ([`cluster::Lane`]: the changes, one after the other; "who is alive", fencing and
+//! rejoining), since a notify waits up to its timeout; librados' callbacks hand it the
+//! notifications and lost watches; and its events reach the targets (states applied, port
+//! groups, commands ended).
 //!
-//! 1. read the object and its version;
-//! 2. apply the request with [`Reservations::apply`] (the same code a lone device server
-//!    runs), which may refuse it (RESERVATION CONFLICT, sense) without writing anything;
-//! 3. write the new state only if the object is still at the version read (compare-and-swap;
-//!    of two gateways racing, one wins, the other reads again and decides again);
-//! 4. apply it on this gateway, then notify every gateway watching the object: each applies
-//!    the new state, establishes the unit attentions and aborts the tasks of the nexuses it
-//!    carries, and acknowledges; the notify returns when all have, or after
-//!    `cluster.notify_timeout` (the silent gateways are logged by their RADOS client id);
-//! 5. end the command.
-//!
-//! So the command that changed the reservations ends only after every live gateway enforces
-//! the change. A state is applied only when its version is newer than the one a gateway
-//! holds, so a change heard twice (its own notify) or late changes nothing.
+//! A PERSISTENT RESERVE OUT, RESERVE or RELEASE on a shared unit waits while the machine
+//! decides it: read the object and its version; apply the request (which may refuse it:
+//! RESERVATION CONFLICT, sense); write the new state only if the object is still at the
+//! version read (of two gateways racing, one wins, the other reads again and decides again);
+//! apply it here, then notify every gateway watching the object: each applies the new state,
+//! establishes the unit attentions and aborts the tasks of the nexuses it carries, and
+//! acknowledges; those that do not within `cluster.notify_timeout` are fenced (blocklisted,
+//! their image locks broken) before the command ends. So the command that changed the
+//! reservations ends only after every live gateway enforces the change or can write nothing.
+//! A state is applied only when its version is newer than the one a gateway holds, so a
+//! change heard twice (its own notify) or late changes nothing.
 //!
 //! APTPL is natural: the object outlives every gateway. Without APTPL the state is cleared when
 //! a gateway opens the unit and no gateway watches the object (all of them restarted), as a
@@ -28,32 +31,32 @@
 //! Which gateways are alive comes from RADOS too: each gateway lists itself (name, port group,
 //! portals) in the object `<cluster>.gateways` and watches it; a notify on it is answered by
 //! every live gateway with its name, and one that does not answer within
-//! [`MEMBERSHIP_TIMEOUT`] is down. Every gateway asks every [`MEMBERSHIP_INTERVAL`] and
-//! derives the same implicit ALUA states for every unit: the live gateway with the lowest port
-//! group is active/optimized, the other live ones active/non-optimized, the rest unavailable.
-//! A change reaches initiators as ASYMMETRIC ACCESS STATE CHANGED; SendTargets on any gateway
-//! lists every gateway's portals with their port groups.
+//! [`MEMBERSHIP_TIMEOUT`] is down (and fenced). Every gateway asks every
+//! [`MEMBERSHIP_INTERVAL`] and derives the same implicit ALUA states for every unit: the live
+//! gateway with the lowest port group (or the unit's preferred one) is active/optimized, the
+//! other live ones active/non-optimized (or standby), the rest unavailable. A change reaches
+//! initiators as ASYMMETRIC ACCESS STATE CHANGED; SendTargets on any gateway lists every
+//! gateway's portals with their port groups.
 
-use std::sync::atomic::Ordering::Relaxed;
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex, PoisonError, Weak};
-use std::time::Duration;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::{Duration, Instant};
 
 use backend::rbd::rados::{CasError, Notification, Pool, Watch};
 use backend::rbd::{Cluster, ImageSpec};
-use scsi_core::pr::{PrError, ReservationEffects, Reservations};
-use scsi_core::spc::tpg::{AccessState, PortGroup};
-use scsi_core::{BackendError, ReservationChange, Sense};
+use cluster::gateway::{ChangeId, Counters, Event, Outcome, Request, Settings, UnitId, MAX_OBJECT};
+use cluster::{store, Gateway, Lane, Watched};
+use scsi_core::pr::Reservations;
+use scsi_core::{ReservationChange, TaskId};
 
 use crate::config;
 use crate::target::Target;
 
-/// The largest reservation state read back: registrations of thousands of initiators.
-const MAX_STATE: usize = 1 << 20;
+pub use cluster::{Membership, PathPolicy};
 
-/// How often a change is decided again after losing a compare-and-swap race before the
-/// command ends with NOT READY (the initiator retries it).
-const MAX_RACES: usize = 64;
+/// How many tries a compare-and-swap edit of an object makes before it gives up.
+const MAX_RACES: usize = cluster::gateway::MAX_RACES;
 
 /// How often a gateway asks who is alive.
 pub const MEMBERSHIP_INTERVAL: Duration = Duration::from_secs(2);
@@ -65,199 +68,65 @@ pub const MEMBERSHIP_TIMEOUT: Duration = Duration::from_secs(2);
 pub const REJOIN_MAX_DELAY: Duration = Duration::from_secs(30);
 
 /// One gateway as the cluster's gateways object lists it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Member {
-    /// `cluster.gateway`.
-    pub gateway: String,
-    /// `cluster.port_group`.
-    pub port_group: u16,
-    /// Its iSCSI portals.
-    pub portals: Vec<std::net::SocketAddr>,
-    /// Its RADOS client instance id (how notify outcomes name it).
-    pub instance: u64,
-    /// The addresses of its RADOS clients (the cluster session and the images'): what
-    /// fencing blocklists.
-    pub addresses: Vec<String>,
-    /// It stopped as planned (SIGTERM) and said so: down, but never fenced for it.
-    pub left: bool,
-}
+pub type Member = cluster::Member;
 
-impl Member {
-    fn line(&self) -> String {
-        let portals: Vec<String> = self.portals.iter().map(|p| p.to_string()).collect();
-        let portals = if portals.is_empty() {
-            "-".to_string()
-        } else {
-            portals.join(",")
-        };
-        let addresses = if self.addresses.is_empty() {
-            "-".to_string()
-        } else {
-            self.addresses.join(",")
-        };
-        format!(
-            "gateway {} {} {portals} {} {addresses}{}\n",
-            self.gateway,
-            self.port_group,
-            self.instance,
-            if self.left { " left" } else { "" }
-        )
-    }
-
-    fn parse(line: &str) -> Option<Member> {
-        let w: Vec<&str> = line.split_whitespace().collect();
-        if w.first() != Some(&"gateway") {
-            return None;
-        }
-        Some(Member {
-            gateway: w.get(1)?.to_string(),
-            port_group: w.get(2)?.parse().ok()?,
-            portals: w
-                .get(3)?
-                .split(',')
-                .filter_map(|a| a.parse().ok())
-                .collect(),
-            instance: w.get(4)?.parse().ok()?,
-            addresses: w
-                .get(5)?
-                .split(',')
-                .filter(|a| *a != "-")
-                .map(str::to_string)
-                .collect(),
-            left: w.get(6) == Some(&"left"),
-        })
+/// The path policy a unit's config sets.
+pub fn policy_of(lun: &config::Lun) -> PathPolicy {
+    PathPolicy {
+        preferred: lun.preferred_gateway.clone(),
+        standby: lun.standby,
     }
 }
 
-/// The gateways the cluster lists and which of them answered last.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Membership {
-    /// Every gateway that ever joined, by port group.
-    pub members: Vec<Member>,
-    /// The names of those that answered.
-    pub live: Vec<String>,
+/// What the machine and its lanes share, under one lock.
+struct State {
+    machine: Gateway,
+    /// Each lane's requests, in order: its thread takes the head.
+    lanes: [VecDeque<Request>; 2],
+    /// Acknowledgements to send (by whoever pumps next).
+    acks: Vec<(u64, Vec<u8>)>,
 }
 
-/// How a unit wants its paths: which gateway is optimized, and what the others are.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PathPolicy<'a> {
-    /// `preferred_gateway`: optimized while it is live.
-    pub preferred: Option<&'a str>,
-    /// `standby`: the other live gateways are standby, not active/non-optimized.
-    pub standby: bool,
-}
+/// A notification heard and not yet acknowledged: its object, itself, and the pool it came
+/// through (an older connection's, after a rejoin).
+type Heard = (String, Notification, Arc<Pool>);
 
-impl<'a> PathPolicy<'a> {
-    /// The policy a unit's config sets.
-    pub fn of(lun: &'a config::Lun) -> PathPolicy<'a> {
-        PathPolicy {
-            preferred: lun.preferred_gateway.as_deref(),
-            standby: lun.standby,
-        }
-    }
-}
-
-impl Membership {
-    /// The ALUA port groups of a shared unit with `policy`: its preferred gateway, when live,
-    /// is active/optimized, or else the live gateway with the lowest port group; the other
-    /// live ones are active/non-optimized (standby with `policy.standby`); the rest
-    /// unavailable. The same on every gateway that sees the same membership.
-    pub fn port_groups(&self, policy: PathPolicy<'_>) -> Vec<PortGroup> {
-        let live = |m: &&Member| self.live.contains(&m.gateway);
-        let optimized = self
-            .members
-            .iter()
-            .filter(live)
-            .find(|m| Some(m.gateway.as_str()) == policy.preferred)
-            .or_else(|| {
-                self.members
-                    .iter()
-                    .filter(live)
-                    .min_by_key(|m| m.port_group)
-            })
-            .map(|m| m.port_group);
-        let others = if policy.standby {
-            AccessState::Standby
-        } else {
-            AccessState::ActiveNonOptimized
-        };
-        self.members
-            .iter()
-            .map(|m| {
-                let state = if !self.live.contains(&m.gateway) {
-                    AccessState::Unavailable
-                } else if Some(m.port_group) == optimized {
-                    AccessState::ActiveOptimized
-                } else {
-                    others
-                };
-                PortGroup {
-                    id: m.port_group,
-                    state,
-                    preferred: state == AccessState::ActiveOptimized,
-                    ports: vec![m.port_group],
-                }
-            })
-            .collect()
-    }
-}
-
-/// A change to decide, from a target's device server.
-struct Job {
+/// A change the machine decides: the command or task management function that waits.
+struct Waiting {
     target: Weak<Target>,
-    change: ReservationChange,
+    task: Option<TaskId>,
+    tmf: Option<u64>,
 }
 
-/// This gateway's membership in a cluster of gateways: the pool of shared objects and the
-/// thread that decides changes to reservations.
+/// This gateway's membership in a cluster of gateways: the machine, the pool of shared
+/// objects, and the threads that carry out the machine's requests.
 pub struct Keeper {
     config: config::Cluster,
+    settings: Settings,
     /// The shared objects' pool, on this gateway's connection to the cluster (a new one
     /// after each rejoin).
     pool: std::sync::RwLock<Arc<Pool>>,
-    /// Counts this gateway's connections to the cluster: a watch of an earlier one that ends
-    /// late says nothing about the current one.
-    generation: std::sync::atomic::AtomicU64,
-    jobs: Mutex<mpsc::Sender<Job>>,
-    /// The membership as last seen.
-    membership: Mutex<Membership>,
-    /// The shared units, to tell of ALUA changes.
-    units: Mutex<Vec<(Weak<Target>, u16)>>,
+    state: Mutex<State>,
+    /// Wakes the lane threads: a request queued, an event to hand out, time to look.
+    wake: Condvar,
+    /// Someone hands out the machine's events now; `pump_again`: look once more after.
+    pumping: AtomicBool,
+    pump_again: AtomicBool,
+    /// The shared units, by the machine's unit id: (target, LUN).
+    units: Mutex<HashMap<UnitId, (Weak<Target>, u16)>>,
+    next_id: AtomicU64,
+    /// Changes the machine decides.
+    changes: Mutex<HashMap<ChangeId, Waiting>>,
+    /// Notifications heard and not yet acknowledged, by token: (object, notification, the
+    /// pool it came through).
+    notifications: Mutex<HashMap<u64, Heard>>,
     /// This gateway's watch on the gateways object, once it has joined.
     joined: Mutex<Option<Watch>>,
-    /// Wakes the membership thread early (a gateway joined).
-    wake: (Mutex<bool>, std::sync::Condvar),
-    /// This gateway lost its cluster session (its watch ended: blocklisted, or cut off for
-    /// longer than its timeout): it serves its shared units no more until it has rejoined.
-    fenced: std::sync::atomic::AtomicBool,
-    /// Rejoins tried since the last fence (the delay between them grows).
-    rejoin_attempts: std::sync::atomic::AtomicU32,
     /// This gateway's line in the gateways object, once it has joined.
     me: Mutex<Option<Member>>,
-    /// The RADOS instances of the gateways this one has fenced (each once).
-    fenced_instances: Mutex<Vec<u64>>,
-    /// This gateway is stopping and has left (or is leaving) the cluster: it neither asks who
-    /// is alive nor rejoins any more.
-    leaving: std::sync::atomic::AtomicBool,
-    /// What the keeper did, for the metrics.
-    pub counters: Counters,
-}
-
-/// What a gateway's keeper did since it started (`targetd_cluster_*` metrics).
-#[derive(Debug, Default)]
-pub struct Counters {
-    /// Changes to reservations decided here (written, refused, or changing nothing).
-    pub changes: std::sync::atomic::AtomicU64,
-    /// Compare-and-swap races lost (decided again).
-    pub races: std::sync::atomic::AtomicU64,
-    /// Gateways fenced by this one.
-    pub fenced: std::sync::atomic::AtomicU64,
-    /// Times this gateway lost its own cluster session (it was fenced).
-    pub lost_sessions: std::sync::atomic::AtomicU64,
-    /// Times it rejoined after that.
-    pub rejoins: std::sync::atomic::AtomicU64,
-    /// Changes some gateway did not acknowledge in time.
-    pub unacknowledged: std::sync::atomic::AtomicU64,
+    /// The daemon stops: the lane threads end.
+    stopping: AtomicBool,
+    this: Weak<Keeper>,
 }
 
 impl std::fmt::Debug for Keeper {
@@ -274,41 +143,66 @@ impl std::fmt::Debug for Keeper {
 pub struct SharedUnit {
     /// The object the reservations are in.
     pub oid: String,
+    keeper: Weak<Keeper>,
+    id: UnitId,
     _watch: Watch,
 }
 
+impl Drop for SharedUnit {
+    fn drop(&mut self) {
+        if let Some(k) = self.keeper.upgrade() {
+            k.state().machine.remove_unit(self.id);
+            crate::lock(&k.units).remove(&self.id);
+        }
+    }
+}
+
 impl Keeper {
-    /// Connects to the cluster `c` names and starts the reservations thread. Errors name the
+    /// Connects to the cluster `c` names and starts the lanes' threads. Errors name the
     /// `[cluster]` key they are about.
     pub fn start(c: &config::Cluster) -> Result<Arc<Keeper>, (String, String)> {
         let pool = Keeper::connect(c)?;
-        let (tx, rx) = mpsc::channel::<Job>();
-        let keeper = Arc::new(Keeper {
+        let mut settings = Settings::new(
+            &c.name,
+            &c.gateway,
+            c.port_group,
+            Duration::from_secs(c.notify_timeout),
+        );
+        settings.membership_interval = MEMBERSHIP_INTERVAL;
+        settings.membership_timeout = MEMBERSHIP_TIMEOUT;
+        settings.rejoin_max_delay = REJOIN_MAX_DELAY;
+        let keeper = Arc::new_cyclic(|this| Keeper {
+            this: this.clone(),
             config: c.clone(),
+            state: Mutex::new(State {
+                machine: Gateway::new(settings.clone()),
+                lanes: [VecDeque::new(), VecDeque::new()],
+                acks: Vec::new(),
+            }),
+            settings,
             pool: std::sync::RwLock::new(pool),
-            generation: std::sync::atomic::AtomicU64::new(0),
-            jobs: Mutex::new(tx),
-            membership: Mutex::default(),
+            wake: Condvar::new(),
+            pumping: AtomicBool::new(false),
+            pump_again: AtomicBool::new(false),
             units: Mutex::default(),
+            next_id: AtomicU64::new(1),
+            changes: Mutex::default(),
+            notifications: Mutex::default(),
             joined: Mutex::new(None),
-            wake: (Mutex::new(false), std::sync::Condvar::new()),
-            fenced: std::sync::atomic::AtomicBool::new(false),
-            rejoin_attempts: std::sync::atomic::AtomicU32::new(0),
             me: Mutex::new(None),
-            fenced_instances: Mutex::default(),
-            leaving: std::sync::atomic::AtomicBool::new(false),
-            counters: Counters::default(),
+            stopping: AtomicBool::new(false),
         });
-        let weak = Arc::downgrade(&keeper);
-        std::thread::Builder::new()
-            .name("reservations".into())
-            .spawn(move || {
-                while let Ok(job) = rx.recv() {
-                    let Some(keeper) = weak.upgrade() else { return };
-                    keeper.decide(job);
-                }
-            })
-            .map_err(|e| ("cluster".to_string(), format!("a thread: {e}")))?;
+        for lane in [Lane::Changes, Lane::Membership] {
+            let weak = Arc::downgrade(&keeper);
+            let name = match lane {
+                Lane::Changes => "reservations",
+                Lane::Membership => "membership",
+            };
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || Keeper::lane(weak, lane))
+                .map_err(|e| ("cluster".to_string(), format!("a thread: {e}")))?;
+        }
         tracing::info!(
             cluster = %c.name,
             gateway = %c.gateway,
@@ -336,7 +230,234 @@ impl Keeper {
     }
 
     fn gateways_object(&self) -> String {
-        format!("{}.gateways", self.config.name)
+        self.settings.gateways_object()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    // ---- The shell around the machine ----
+
+    /// Moves the machine's requests to their lanes (acknowledgements to be sent) and wakes
+    /// the lanes.
+    fn route(&self, s: &mut State) {
+        while let Some(r) = s.machine.poll_request() {
+            match r {
+                Request::Ack { token, reply } => s.acks.push((token, reply)),
+                Request::Read { lane, .. }
+                | Request::Replace { lane, .. }
+                | Request::Notify { lane, .. }
+                | Request::Fence { lane, .. } => s.lanes[lane_index(lane)].push_back(r),
+                Request::Reconnect { .. } => s.lanes[lane_index(Lane::Membership)].push_back(r),
+            }
+        }
+        self.wake.notify_all();
+    }
+
+    /// Gives the machine an input (`f`), then routes its requests and hands out its events.
+    /// Not from under a target's core lock: events call into the targets.
+    fn input(&self, f: impl FnOnce(&mut Gateway, Instant)) {
+        {
+            let mut s = self.state();
+            f(&mut s.machine, Instant::now());
+            self.route(&mut s);
+        }
+        self.pump();
+    }
+
+    /// Sends the acknowledgements due and hands out the machine's events, in order, one
+    /// caller at a time (a caller that finds another at it asks it to look once more).
+    fn pump(&self) {
+        loop {
+            if self.pumping.swap(true, Ordering::AcqRel) {
+                self.pump_again.store(true, Ordering::Release);
+                return;
+            }
+            loop {
+                let (event, acks) = {
+                    let mut s = self.state();
+                    (s.machine.poll_event(), std::mem::take(&mut s.acks))
+                };
+                for (token, reply) in acks {
+                    self.ack(token, &reply);
+                }
+                match event {
+                    Some(e) => self.event(e),
+                    None => break,
+                }
+            }
+            self.pumping.store(false, Ordering::Release);
+            if !self.pump_again.swap(false, Ordering::AcqRel) {
+                return;
+            }
+        }
+    }
+
+    /// A lane's thread: carries out its requests one at a time, and looks at the machine's
+    /// timers and events whenever it wakes.
+    fn lane(weak: Weak<Keeper>, lane: Lane) {
+        loop {
+            let Some(k) = weak.upgrade() else { return };
+            if k.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            let request = k.next(lane);
+            match request.map(|r| k.carry(r)) {
+                Some(Some(outcome)) => k.input(|m, now| m.handle_outcome(now, lane, outcome)),
+                _ => k.pump(),
+            }
+            // Not held while asleep: a keeper dropped (the daemon stops) ends the thread.
+            drop(k);
+        }
+    }
+
+    /// The next request of `lane`, after the machine's timers that are due; `None` when there
+    /// is none (after waiting for one at most until the next timer), or when events wait to
+    /// be handed out.
+    fn next(&self, lane: Lane) -> Option<Request> {
+        let mut s = self.state();
+        let now = Instant::now();
+        if s.machine.poll_timeout().is_some_and(|t| t <= now) {
+            s.machine.handle_timeout(now);
+            self.route(&mut s);
+        }
+        if let Some(r) = s.lanes[lane_index(lane)].pop_front() {
+            return Some(r);
+        }
+        if s.machine.has_events() || !s.acks.is_empty() {
+            return None;
+        }
+        let wait = s
+            .machine
+            .poll_timeout()
+            .map_or(MEMBERSHIP_INTERVAL, |t| t.saturating_duration_since(now))
+            .clamp(Duration::from_millis(1), MEMBERSHIP_INTERVAL);
+        let (mut s, _) = self
+            .wake
+            .wait_timeout(s, wait)
+            .unwrap_or_else(PoisonError::into_inner);
+        s.lanes[lane_index(lane)].pop_front()
+    }
+
+    /// Carries out one request on RADOS; its outcome, for all but an acknowledgement.
+    fn carry(self: &Arc<Self>, r: Request) -> Option<Outcome> {
+        let pool = self.pool();
+        Some(match r {
+            Request::Read { oid, .. } => Outcome::Read(pool.read(&oid, MAX_OBJECT).map(|v| {
+                v.map(|v| store::Versioned {
+                    data: v.data,
+                    version: v.version,
+                })
+            })),
+            Request::Replace {
+                oid,
+                expected,
+                data,
+                ..
+            } => Outcome::Replaced(pool.replace(&oid, expected, &data).map_err(|e| match e {
+                CasError::Conflict => store::CasError::Conflict,
+                CasError::Rados(e) => store::CasError::Failed(e),
+            })),
+            Request::Notify {
+                oid,
+                payload,
+                timeout,
+                ..
+            } => Outcome::Notified(pool.notify(&oid, &payload, timeout).map(|o| {
+                store::NotifyOutcome {
+                    acked: o.acked,
+                    timed_out: o.timed_out,
+                }
+            })),
+            Request::Fence { member, .. } => Outcome::Fenced(self.fence(&member)),
+            Request::Reconnect { .. } => Outcome::Reconnected(self.reconnect()),
+            Request::Ack { token, reply } => {
+                self.ack(token, &reply);
+                return None;
+            }
+        })
+    }
+
+    /// Acknowledges notification `token`.
+    fn ack(&self, token: u64, reply: &[u8]) {
+        let Some((oid, n, pool)) = crate::lock(&self.notifications).remove(&token) else {
+            return;
+        };
+        if let Err(e) = pool.ack(&oid, &n, reply) {
+            tracing::warn!(object = %oid, "acknowledging a notification: {}", rados_text(e));
+        }
+    }
+
+    /// Carries out one of the machine's events.
+    fn event(&self, e: Event) {
+        match e {
+            Event::PortGroups { unit, groups } => {
+                if let Some((t, lun)) = self.unit(unit) {
+                    t.set_port_groups(lun, groups);
+                }
+            }
+            Event::Apply {
+                unit,
+                version,
+                state,
+                effects,
+            } => {
+                if let Some((t, lun)) = self.unit(unit) {
+                    t.apply_shared_reservations(lun, version, state, &effects);
+                }
+            }
+            Event::Decided { change, result } => {
+                let Some(w) = crate::lock(&self.changes).remove(&change) else {
+                    return;
+                };
+                if let Some(t) = w.target.upgrade() {
+                    if let Some(task) = w.task {
+                        t.reservation_done(task, result);
+                    }
+                    if let Some(reference) = w.tmf {
+                        t.task_management_change_done(reference);
+                    }
+                }
+            }
+            Event::AwaitAborts { unit, token } => self.await_aborts(unit, token),
+            Event::Fenced | Event::Rejoined | Event::MembershipChanged(_) => {}
+        }
+    }
+
+    /// The target and LUN of unit `id`, while both live.
+    fn unit(&self, id: UnitId) -> Option<(Arc<Target>, u16)> {
+        let (t, lun) = crate::lock(&self.units).get(&id).cloned()?;
+        Some((t.upgrade()?, lun))
+    }
+
+    /// PREEMPT AND ABORT: tells the machine once the tasks it aborted on `unit` here have
+    /// ended, so that no write of a preempted initiator reaches the image after the command
+    /// completed. Not on librados' thread, which must go on delivering notifies; the machine
+    /// acknowledges anyway after `notify_timeout` (and the notifier then fences this gateway).
+    fn await_aborts(&self, unit: UnitId, token: u64) {
+        let Some((t, lun)) = self.unit(unit) else {
+            return self.input(|m, now| m.handle_aborts_ended(now, token));
+        };
+        let Some(keeper) = self.this() else { return };
+        let patience = Duration::from_secs(self.config.notify_timeout);
+        let waited = std::thread::Builder::new()
+            .name("preempt-drain".into())
+            .spawn(move || {
+                let deadline = Instant::now() + patience;
+                while t.aborted_tasks_in_flight(lun) > 0 && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                keeper.input(|m, now| m.handle_aborts_ended(now, token));
+            });
+        if let Err(e) = waited {
+            tracing::warn!("a thread to wait for aborted tasks: {e}");
+        }
+    }
+
+    /// This keeper, shared (from `&self`).
+    fn this(&self) -> Option<Arc<Keeper>> {
+        self.this.upgrade()
     }
 
     /// Lists this gateway (with its iSCSI `portals`) in the cluster, answers "who is alive"
@@ -346,8 +467,7 @@ impl Keeper {
         self: &Arc<Self>,
         portals: &[std::net::SocketAddr],
     ) -> Result<(), (String, String)> {
-        let fail = |e: String| ("cluster".to_string(), e);
-        *self.me.lock().unwrap_or_else(PoisonError::into_inner) = Some(Member {
+        *crate::lock(&self.me) = Some(Member {
             gateway: self.config.gateway.clone(),
             port_group: self.config.port_group,
             portals: portals.to_vec(),
@@ -356,24 +476,21 @@ impl Keeper {
             left: false,
         });
         self.enter()?;
-        self.refresh();
-        let weak = Arc::downgrade(self);
-        std::thread::Builder::new()
-            .name("membership".into())
-            .spawn(move || loop {
-                let Some(k) = weak.upgrade() else { return };
-                if k.leaving.load(std::sync::atomic::Ordering::SeqCst) {
-                    return;
-                }
-                if k.is_fenced() {
-                    k.sleep(k.rejoin_delay());
-                    k.rejoin();
-                } else {
-                    k.sleep(MEMBERSHIP_INTERVAL);
-                    k.refresh();
-                }
-            })
-            .map_err(|e| fail(format!("a thread: {e}")))?;
+        let me = crate::lock(&self.me).clone();
+        if let Some(me) = me {
+            self.input(|m, now| m.joined(now, me));
+        }
+        // The first answer to "who is alive" sets every unit's port groups before the
+        // portals take logins.
+        let deadline = Instant::now() + MEMBERSHIP_TIMEOUT * 2 + Duration::from_secs(1);
+        while Instant::now() < deadline {
+            let s = self.state();
+            if !s.machine.membership().members.is_empty() || s.machine.is_fenced() {
+                break;
+            }
+            drop(s);
+            std::thread::sleep(Duration::from_millis(5));
+        }
         Ok(())
     }
 
@@ -392,20 +509,8 @@ impl Keeper {
             me.clone()
         };
         self.publish(&me)?;
-        let name = oid.clone();
-        let gateway = self.config.gateway.clone();
-        let weak = Arc::downgrade(self);
-        let answering = pool.clone();
-        let on_notify = move |n: Notification| {
-            if n.payload == b"joined" || n.payload == b"left" {
-                if let Some(k) = weak.upgrade() {
-                    k.wake();
-                }
-            }
-            let _ = answering.ack(&name, &n, gateway.as_bytes());
-        };
         let watch = self
-            .watch(&oid, on_notify)
+            .watch(&oid, Watched::Gateways)
             .map_err(|e| fail(rados_text(e)))?;
         let old = self
             .joined
@@ -415,6 +520,7 @@ impl Keeper {
         drop(old);
         // The others look again now rather than at their next round.
         let _ = pool.notify(&oid, b"joined", MEMBERSHIP_TIMEOUT);
+        self.state().machine.relisted(me.clone());
         Ok(())
     }
 
@@ -430,157 +536,60 @@ impl Keeper {
         if let Err((_, e)) = self.publish(&me) {
             tracing::warn!("listing this gateway's portals: {e}");
         }
+        self.state().machine.relisted(me.clone());
     }
 
-    /// This gateway's watch (of connection `generation`) ended with `errno`: it was
-    /// blocklisted by another gateway that could not reach it, or the OSDs lost it for longer
-    /// than its timeout. Either way the others may have changed the reservations without it:
-    /// its shared units turn unavailable (initiators move to another path) and it serves them
-    /// no more until it has rejoined ([`Keeper::rejoin`]) on a new connection with the state
-    /// reloaded.
-    fn lost_session(&self, generation: u64, errno: i32) {
-        if generation != self.generation.load(std::sync::atomic::Ordering::SeqCst) {
-            // A watch of a connection given up already.
-            return;
+    /// Fences gateway `m` (it did not acknowledge a change, or a membership question):
+    /// blocklisted, it can change nothing any more, and its own watches end, which stops it
+    /// serving; then its image locks are broken.
+    fn fence(&self, m: &Member) -> Result<(), String> {
+        let pool = self.pool();
+        let cluster = pool.cluster();
+        let refused: Vec<String> = m
+            .addresses
+            .iter()
+            .filter_map(|a| {
+                cluster
+                    .blocklist(a, Duration::from_secs(3600))
+                    .err()
+                    .map(|e| format!("{a}: {e}"))
+            })
+            .collect();
+        if !refused.is_empty() {
+            return Err(refused.join("; "));
         }
-        if self.fenced.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            return;
-        }
-        self.counters.lost_sessions.fetch_add(1, Relaxed);
-        self.rejoin_attempts.store(0, Relaxed);
-        tracing::error!(
-            gateway = %self.config.gateway,
-            "lost the cluster session ({}): this gateway is fenced and serves no shared unit \
-             until it has rejoined",
-            rados_text(errno)
-        );
-        let mut m = self.membership();
-        m.live.retain(|g| *g != self.config.gateway);
-        if !m.members.iter().any(|g| g.gateway == self.config.gateway) {
-            m.members.push(Member {
-                gateway: self.config.gateway.clone(),
-                port_group: self.config.port_group,
-                portals: Vec::new(),
-                instance: 0,
-                addresses: Vec::new(),
-                left: false,
-            });
-        }
-        self.apply_groups(&m);
-    }
-
-    /// How long a fenced gateway waits before it tries to rejoin: [`MEMBERSHIP_INTERVAL`]
-    /// first (the gateway that fenced it has broken its locks by then), doubling after each
-    /// failed try up to [`REJOIN_MAX_DELAY`].
-    fn rejoin_delay(&self) -> Duration {
-        let tries = self.rejoin_attempts.load(Relaxed).min(8);
-        (MEMBERSHIP_INTERVAL * 2u32.pow(tries)).min(REJOIN_MAX_DELAY)
+        self.break_locks_of(m);
+        Ok(())
     }
 
     /// A fenced gateway comes back: a new connection (a new RADOS client, which the
     /// blocklist of the old one does not cover), every shared unit's image opened again on
     /// it and its reservations reloaded (the nexuses here hear what they missed), this
-    /// gateway listed again. Only then does it count as live and serve its units. On an
-    /// error it stays fenced and tries again later.
-    fn rejoin(self: &Arc<Self>) {
-        if !self.is_fenced() {
-            return;
-        }
-        self.rejoin_attempts.fetch_add(1, Relaxed);
-        let failed = |what: &str, e: &str| {
-            tracing::warn!(
-                gateway = %self.config.gateway,
-                retry_in = ?self.rejoin_delay(),
-                "rejoining the cluster: {what}: {e}"
-            );
-        };
+    /// gateway listed again. Only then does it count as live and serve its units.
+    fn reconnect(self: &Arc<Self>) -> Result<(), String> {
         // The old connections are the blocklisted clients: every image and object is opened
         // anew on a new one.
         Cluster::forget_shared();
-        let pool = match Keeper::connect(&self.config) {
-            Ok(p) => p,
-            Err((_, e)) => return failed("connecting", &e),
-        };
-        self.generation
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let pool = Keeper::connect(&self.config).map_err(|(_, e)| format!("connecting: {e}"))?;
         *self.pool.write().unwrap_or_else(PoisonError::into_inner) = pool;
         for (target, lun) in self.shared_units() {
             let Some(t) = target.upgrade() else { continue };
-            if let Err(e) = t.reopen_shared_lun(lun) {
-                return failed(&format!("target {} LUN {lun}", t.name), &e);
-            }
+            t.reopen_shared_lun(lun)
+                .map_err(|e| format!("target {} LUN {lun}: {e}", t.name))?;
         }
-        if let Err((_, e)) = self.enter() {
-            return failed("listing this gateway", &e);
-        }
-        self.fenced
-            .store(false, std::sync::atomic::Ordering::SeqCst);
-        self.counters.rejoins.fetch_add(1, Relaxed);
+        self.enter()
+            .map_err(|(_, e)| format!("listing this gateway: {e}"))?;
         tracing::info!(
             gateway = %self.config.gateway,
             instance = self.pool().cluster().instance_id(),
-            "rejoined the cluster: serving the shared units again"
+            "reconnected to the cluster"
         );
-        // Whatever was seen before the fence is stale: the states are given anew.
-        *self
-            .membership
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Membership::default();
-        self.refresh();
+        Ok(())
     }
 
     /// Whether this gateway has been fenced.
     pub fn is_fenced(&self) -> bool {
-        self.fenced.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// Fences the gateways whose RADOS clients are `silent` (they did not acknowledge a
-    /// change, or a membership question): blocklisted, they can change nothing any more, and
-    /// their own watches end, which stops them serving. Returns the names fenced now.
-    fn fence(&self, silent: &[(u64, u64)]) -> Vec<String> {
-        let members = self.read_members().unwrap_or_default();
-        let pool = self.pool();
-        let cluster = pool.cluster();
-        let mut fenced = Vec::new();
-        let mut done = self
-            .fenced_instances
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let silent: Vec<&Member> = members
-            .iter()
-            .filter(|m| {
-                m.gateway != self.config.gateway
-                    && !m.left
-                    && silent.iter().any(|(gid, _)| *gid == m.instance)
-                    && !done.contains(&m.instance)
-            })
-            .collect();
-        for m in silent {
-            let refused: Vec<String> = m
-                .addresses
-                .iter()
-                .filter_map(|a| {
-                    cluster
-                        .blocklist(a, Duration::from_secs(3600))
-                        .err()
-                        .map(|e| format!("{a}: {e}"))
-                })
-                .collect();
-            if refused.is_empty() {
-                tracing::error!(
-                    gateway = %m.gateway,
-                    addresses = ?m.addresses,
-                    "fenced a gateway that did not answer"
-                );
-                self.break_locks_of(m);
-                self.counters.fenced.fetch_add(1, Relaxed);
-                done.push(m.instance);
-                fenced.push(m.gateway.clone());
-            } else {
-                tracing::error!(gateway = %m.gateway, ?refused, "cannot fence");
-            }
-        }
-        fenced
+        self.state().machine.is_fenced()
     }
 
     /// Breaks the exclusive locks a fenced gateway held on the shared units' images, so this
@@ -617,34 +626,6 @@ impl Keeper {
         }
     }
 
-    fn read_members(&self) -> Result<Vec<Member>, i32> {
-        Ok(
-            match self.pool().read(&self.gateways_object(), MAX_STATE)? {
-                Some(v) => String::from_utf8_lossy(&v.data)
-                    .lines()
-                    .filter_map(Member::parse)
-                    .collect(),
-                None => Vec::new(),
-            },
-        )
-    }
-
-    /// Gives every shared unit its port groups under membership `m`.
-    fn apply_groups(&self, m: &Membership) {
-        let units = self.shared_units();
-        for (target, lun) in units {
-            if let Some(t) = target.upgrade() {
-                self.give_groups(&t, lun, m);
-            }
-        }
-    }
-
-    /// Gives unit `lun` of `t` its port groups under membership `m`.
-    fn give_groups(&self, t: &Target, lun: u16, m: &Membership) {
-        let Some(unit) = t.lun(lun) else { return };
-        t.set_port_groups(lun, self.groups_of(m, PathPolicy::of(&unit.config)));
-    }
-
     /// Writes (or rewrites) this gateway's line in the gateways object.
     fn publish(&self, me: &Member) -> Result<(), (String, String)> {
         self.edit_members(|members| {
@@ -678,7 +659,7 @@ impl Keeper {
         for _ in 0..MAX_RACES {
             let read = self
                 .pool()
-                .read(&oid, MAX_STATE)
+                .read(&oid, MAX_OBJECT)
                 .map_err(|e| fail(rados_text(e)))?;
             let (text, version) = match &read {
                 Some(v) => (
@@ -689,9 +670,8 @@ impl Keeper {
             };
             let mut members: Vec<Member> = text.lines().filter_map(Member::parse).collect();
             edit(&mut members)?;
-            members.sort_by_key(|m| m.port_group);
-            let text: String = members.iter().map(Member::line).collect();
-            match self.pool().replace(&oid, version, text.as_bytes()) {
+            let data = Member::encode_all(&mut members);
+            match self.pool().replace(&oid, version, &data) {
                 Ok(_) => return Ok(()),
                 Err(CasError::Conflict) => continue,
                 Err(CasError::Rados(e)) => return Err(fail(rados_text(e))),
@@ -709,8 +689,7 @@ impl Keeper {
     /// out. A gateway that cannot reach the cluster to leave is fenced by the others as a
     /// failed one would be.
     pub fn leave(&self) {
-        self.leaving
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.state().machine.leave();
         let gateway = self.config.gateway.clone();
         if let Err((_, e)) = self.edit_members(|members| {
             for m in members.iter_mut().filter(|m| m.gateway == gateway) {
@@ -741,7 +720,7 @@ impl Keeper {
         if name == self.config.gateway {
             return Err(format!("{name} is this gateway: stop it to make it leave"));
         }
-        self.refresh();
+        // Who answered the last round (at most `MEMBERSHIP_INTERVAL` ago).
         if self.membership().live.iter().any(|g| g == name) {
             return Err(format!(
                 "gateway {name} is alive (it answers who is alive): stop it, and it leaves by itself"
@@ -751,17 +730,17 @@ impl Keeper {
         self.edit_members(|members| {
             let before = members.len();
             members.retain(|m| m.gateway != name);
-            known.store(members.len() != before, Relaxed);
+            known.store(members.len() != before, Ordering::Relaxed);
             Ok(())
         })
         .map_err(|(_, e)| e)?;
-        if !known.load(Relaxed) {
+        if !known.load(Ordering::Relaxed) {
             return Err(format!("no gateway {name} in the cluster"));
         }
+        // Everyone (this gateway too) looks again now.
         let _ = self
             .pool()
             .notify(&self.gateways_object(), b"left", MEMBERSHIP_TIMEOUT);
-        self.refresh();
         tracing::warn!(gateway = %name, "forgot a gateway that is gone");
         Ok(format!("gateway {name} forgotten"))
     }
@@ -785,7 +764,7 @@ impl Keeper {
             return;
         };
         let me = {
-            let mut guard = self.me.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut guard = crate::lock(&self.me);
             let Some(me) = guard.as_mut() else { return };
             if me.addresses == addresses {
                 return;
@@ -796,135 +775,43 @@ impl Keeper {
         if let Err((_, e)) = self.publish(&me) {
             tracing::warn!("listing this gateway's RADOS clients: {e}");
         }
+        self.state().machine.relisted(me);
     }
 
-    /// Watches `oid` for this gateway: `on_notify` gets its notifications; losing the watch
-    /// (blocklisted, or cut off for longer than `ceph_timeout`) fences this gateway.
-    fn watch(
-        self: &Arc<Self>,
-        oid: &str,
-        on_notify: impl Fn(Notification) + Send + Sync + 'static,
-    ) -> Result<Watch, i32> {
-        let weak = Arc::downgrade(self);
-        let generation = self.generation.load(std::sync::atomic::Ordering::SeqCst);
-        let on_error = move |e: i32| {
-            if let Some(k) = weak.upgrade() {
-                k.lost_session(generation, e);
-            }
+    /// Watches `oid` for this gateway: its notifications go to the machine as `watched`;
+    /// losing the watch (blocklisted, or cut off for longer than `ceph_timeout`) fences this
+    /// gateway.
+    fn watch(self: &Arc<Self>, oid: &str, watched: Watched) -> Result<Watch, i32> {
+        let pool = self.pool();
+        let generation = self.state().machine.generation();
+        let (on_notify, on_error) = {
+            let (weak, name, pool) = (Arc::downgrade(self), oid.to_string(), pool.clone());
+            let on_notify = move |n: Notification| {
+                let Some(k) = weak.upgrade() else { return };
+                let token = k.next_id.fetch_add(1, Ordering::Relaxed);
+                let payload = n.payload.clone();
+                crate::lock(&k.notifications).insert(token, (name.clone(), n, pool.clone()));
+                k.input(|m, now| m.handle_notification(now, watched, token, &payload));
+            };
+            let weak = Arc::downgrade(self);
+            let on_error = move |e: i32| {
+                if let Some(k) = weak.upgrade() {
+                    k.input(|m, now| m.handle_watch_lost(now, generation, e));
+                }
+            };
+            (on_notify, on_error)
         };
         let timeout = Duration::from_secs(
             self.config
                 .ceph_timeout
                 .unwrap_or(config::DEFAULT_CEPH_TIMEOUT),
         );
-        self.pool().watch(oid, timeout, on_notify, on_error)
+        pool.watch(oid, timeout, on_notify, on_error)
     }
 
     /// The shared units, as (target, LUN).
     fn shared_units(&self) -> Vec<(Weak<Target>, u16)> {
-        self.units
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-    }
-
-    /// The port groups of a unit with `policy` under `m`, this gateway's own unavailable
-    /// once fenced.
-    fn groups_of(&self, m: &Membership, policy: PathPolicy<'_>) -> Vec<PortGroup> {
-        let mut groups = m.port_groups(policy);
-        if self.is_fenced() {
-            for g in groups.iter_mut().filter(|g| g.id == self.config.port_group) {
-                g.state = AccessState::Unavailable;
-                g.preferred = false;
-            }
-        }
-        groups
-    }
-
-    fn wake(&self) {
-        *self.wake.0.lock().unwrap_or_else(PoisonError::into_inner) = true;
-        self.wake.1.notify_all();
-    }
-
-    fn sleep(&self, d: Duration) {
-        let woken = self.wake.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let (mut woken, _) = self
-            .wake
-            .1
-            .wait_timeout_while(woken, d, |w| !*w)
-            .unwrap_or_else(PoisonError::into_inner);
-        *woken = false;
-    }
-
-    /// Asks who is alive and, when the answer changed, gives every shared unit its new ALUA
-    /// states.
-    pub fn refresh(&self) {
-        if self.is_fenced() || self.leaving.load(std::sync::atomic::Ordering::SeqCst) {
-            return;
-        }
-        let oid = self.gateways_object();
-        let members = match self.read_members() {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!(object = %oid, "reading the cluster's gateways: {}", rados_text(e));
-                return;
-            }
-        };
-        let live = match self.pool().notify(&oid, b"who", MEMBERSHIP_TIMEOUT) {
-            Ok(o) => {
-                let mut live: Vec<String> = o
-                    .acked
-                    .iter()
-                    .map(|(_, _, reply)| String::from_utf8_lossy(reply).into_owned())
-                    .collect();
-                live.sort();
-                live.dedup();
-                // A gateway whose watch is there but which does not answer is alive to
-                // the OSDs and silent to us (stopped, cut off, killed with its watch not yet
-                // timed out): it could still write with what it last knew. Fenced now, its
-                // image locks broken, the others take over its initiators' I/O at once.
-                if !o.timed_out.is_empty() {
-                    let fenced = self.fence(&o.timed_out);
-                    if !fenced.is_empty() {
-                        tracing::warn!(?fenced, "gateways did not answer who is alive");
-                    }
-                }
-                live
-            }
-            Err(e) => {
-                tracing::warn!(object = %oid, "asking who is alive: {}", rados_text(e));
-                return;
-            }
-        };
-        let now = Membership { members, live };
-        let mut seen = self
-            .membership
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if *seen == now {
-            return;
-        }
-        for m in &now.members {
-            let was = seen.members.iter().find(|o| o.gateway == m.gateway);
-            if m.left && !was.is_some_and(|o| o.left) {
-                tracing::info!(gateway = %m.gateway, "a gateway left the cluster (a planned stop)");
-            }
-        }
-        for gone in seen
-            .members
-            .iter()
-            .filter(|m| !now.members.iter().any(|n| n.gateway == m.gateway))
-        {
-            tracing::info!(gateway = %gone.gateway, "a gateway was forgotten by the cluster");
-        }
-        tracing::info!(
-            live = ?now.live,
-            gateways = now.members.len(),
-            "the cluster's gateways changed"
-        );
-        *seen = now.clone();
-        drop(seen);
-        self.apply_groups(&now);
+        crate::lock(&self.units).values().cloned().collect()
     }
 
     /// What `targetctl cluster` shows: this gateway, every member with its port group,
@@ -983,6 +870,7 @@ impl Keeper {
                 "reservation_type": holder.and_then(|h| h.1),
             }));
         }
+        units.sort_by_key(|u| (u["target"].to_string(), u["lun"].as_u64()));
         json!({
             "cluster": self.config.name,
             "gateway": self.config.gateway,
@@ -990,16 +878,18 @@ impl Keeper {
             "fenced": self.is_fenced(),
             "members": members,
             "units": units,
-            "fenced_by_this_gateway": self.counters.fenced.load(Relaxed),
+            "fenced_by_this_gateway": self.counters().fenced,
         })
     }
 
     /// The membership as last seen.
     pub fn membership(&self) -> Membership {
-        self.membership
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.state().machine.membership().clone()
+    }
+
+    /// What the machine did (`targetd_cluster_*` metrics).
+    pub fn counters(&self) -> Counters {
+        self.state().machine.counters()
     }
 
     /// This gateway's `[cluster]`.
@@ -1009,7 +899,7 @@ impl Keeper {
 
     /// The object holding the reservations of units on `image`.
     pub fn object(&self, image: &ImageSpec) -> String {
-        format!("{}.reservations.{image}", self.config.name)
+        self.settings.reservations_object(&image.to_string())
     }
 
     /// Checks that this gateway exports `image` as the other gateways do: as the same LUN of
@@ -1040,7 +930,7 @@ impl Keeper {
         for _ in 0..MAX_RACES {
             let read = self
                 .pool()
-                .read(&oid, MAX_STATE)
+                .read(&oid, MAX_OBJECT)
                 .map_err(|e| format!("image: {}", rados_text(e)))?;
             let version = match &read {
                 Some(v) if v.data == mine.as_bytes() => return Ok(()),
@@ -1071,7 +961,7 @@ impl Keeper {
     /// watches it (all restarted) and APTPL is off, it is cleared first.
     pub fn load(&self, oid: &str) -> Result<(Reservations, u64), String> {
         for _ in 0..MAX_RACES {
-            let read = self.pool().read(oid, MAX_STATE).map_err(rados_text)?;
+            let read = self.pool().read(oid, MAX_OBJECT).map_err(rados_text)?;
             let Some(v) = read else {
                 match self
                     .pool()
@@ -1124,227 +1014,62 @@ impl Keeper {
         unit: &config::Lun,
         oid: &str,
     ) -> Result<SharedUnit, String> {
-        let (lun, policy) = (unit.lun, PathPolicy::of(unit));
-        let pool = self.pool();
-        let name = oid.to_string();
-        let unit = target.clone();
-        let patience = Duration::from_secs(self.config.notify_timeout);
-        let on_notify = move |n: Notification| {
-            let ack = {
-                let (pool, name) = (pool.clone(), name.clone());
-                move |n: Notification| {
-                    if let Err(e) = pool.ack(&name, &n, &[]) {
-                        tracing::warn!(object = %name, "acknowledging a change: {}", rados_text(e));
-                    }
-                }
-            };
-            let mut aborted = false;
-            if let Some((version, state, effects)) = decode_change(&n.payload) {
-                if let Some(t) = unit.upgrade() {
-                    t.apply_shared_reservations(lun, version, state, &effects);
-                    aborted = !effects.abort.is_empty();
-                }
-            }
-            if !aborted {
-                return ack(n);
-            }
-            // PREEMPT AND ABORT: acknowledged once the tasks it aborted here have ended, so
-            // that no write of a preempted initiator reaches the image after the command
-            // completed. Not on librados' thread, which must go on delivering notifies. A
-            // task that outlasts the notifier's patience gets this gateway fenced.
-            let unit = unit.clone();
-            let waited = std::thread::Builder::new()
-                .name("preempt-drain".into())
-                .spawn(move || {
-                    let deadline = std::time::Instant::now() + patience;
-                    while unit
-                        .upgrade()
-                        .is_some_and(|t| t.aborted_tasks_in_flight(lun) > 0)
-                        && std::time::Instant::now() < deadline
-                    {
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    ack(n);
-                });
-            if let Err(e) = waited {
-                tracing::warn!("a thread to wait for aborted tasks: {e}");
-            }
-        };
-        let watch = self.watch(oid, on_notify).map_err(rados_text)?;
+        let (lun, policy) = (unit.lun, policy_of(unit));
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let watch = self.watch(oid, Watched::Unit(id)).map_err(rados_text)?;
         self.republish();
-        let mut units = self.units.lock().unwrap_or_else(PoisonError::into_inner);
-        units.retain(|(t, l)| t.strong_count() > 0 && !(t.ptr_eq(&target) && *l == lun));
-        units.push((target.clone(), lun));
-        drop(units);
-        let membership = self.membership();
-        if let (false, Some(t)) = (membership.members.is_empty(), target.upgrade()) {
-            t.set_port_groups(lun, self.groups_of(&membership, policy));
+        {
+            let mut units = crate::lock(&self.units);
+            units.retain(|_, (t, l)| t.strong_count() > 0 && !(t.ptr_eq(&target) && *l == lun));
+            units.insert(id, (target, lun));
         }
+        self.input(|m, _| m.add_unit(id, oid.to_string(), policy));
         Ok(SharedUnit {
             oid: oid.to_string(),
+            keeper: Arc::downgrade(self),
+            id,
             _watch: watch,
         })
     }
 
-    /// Queues a change for the reservations thread.
+    /// Queues a change for the machine. Called under the target's core lock: it hands out
+    /// nothing here (the changes lane does).
     pub fn submit(&self, target: Weak<Target>, change: ReservationChange) {
-        let job = Job { target, change };
-        if let Err(mpsc::SendError(job)) = self
-            .jobs
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .send(job)
-        {
-            // The thread has ended (the daemon stops): what waits ends unanswered by it.
-            if let Some(t) = job.target.upgrade() {
-                if let Some(task) = job.change.task {
-                    t.reservation_done(task, Err(unavailable()));
-                }
-                if let Some(reference) = job.change.tmf {
-                    t.task_management_change_done(reference);
-                }
-            }
-        }
-    }
-
-    /// Decides one change and ends its command.
-    fn decide(&self, job: Job) {
-        let Some(target) = job.target.upgrade() else {
-            return;
-        };
-        let c = &job.change;
-        let oid = target
-            .lun(c.lun)
-            .and_then(|l| l.shared.as_ref().map(|s| s.oid.clone()));
-        let result = match oid {
-            Some(oid) => self.change(&target, &oid, c),
-            None => Err(unavailable()),
-        };
-        if let Some(task) = c.task {
-            target.reservation_done(task, result);
-        }
-        if let Some(reference) = c.tmf {
-            target.task_management_change_done(reference);
-        }
-    }
-
-    fn change(&self, target: &Target, oid: &str, c: &ReservationChange) -> Result<(), PrError> {
-        self.counters.changes.fetch_add(1, Relaxed);
-        for _ in 0..MAX_RACES {
-            let read = self.pool().read(oid, MAX_STATE).map_err(|e| {
-                tracing::warn!(object = oid, "reading the reservations: {}", rados_text(e));
-                unavailable()
-            })?;
-            let (state, version) = match read {
-                Some(v) => match Reservations::decode(&v.data) {
-                    Some(s) => (s, Some(v.version)),
-                    None => {
-                        tracing::error!(object = oid, "the shared reservations are damaged");
-                        return Err(unavailable());
-                    }
-                },
-                None => (Reservations::default(), None),
-            };
-            let mut next = state.clone();
-            let effects = next.apply(&c.nexus, &c.request)?;
-            // A reset changes nothing shared when no SPC-2 reservation is held, but the other
-            // gateways must reset too: it is written (a new version) all the same.
-            if next == state && !effects.reset {
-                return Ok(());
-            }
-            let version = match self.pool().replace(oid, version, &next.encode()) {
-                Ok(v) => v,
-                Err(CasError::Conflict) => {
-                    self.counters.races.fetch_add(1, Relaxed);
-                    continue;
-                }
-                Err(CasError::Rados(e)) => {
-                    tracing::warn!(object = oid, "writing the reservations: {}", rados_text(e));
-                    return Err(unavailable());
-                }
-            };
-            let payload = encode_change(version, &next, &effects);
-            // This gateway made the change: a reset has been carried out here already.
-            let here = ReservationEffects {
-                reset: false,
-                ..effects
-            };
-            target.apply_shared_reservations(c.lun, version, next, &here);
-            let timeout = Duration::from_secs(self.config.notify_timeout);
-            match self.pool().notify(oid, &payload, timeout) {
-                Ok(o) if o.timed_out.is_empty() => {}
-                Ok(o) => {
-                    self.counters.unacknowledged.fetch_add(1, Relaxed);
-                    // The command ends only once those that did not apply the change can
-                    // enforce nothing any more.
-                    let fenced = self.fence(&o.timed_out);
-                    tracing::warn!(
-                        object = oid,
-                        silent = ?o.timed_out.iter().map(|(gid, _)| format!("client.{gid}")).collect::<Vec<_>>(),
-                        ?fenced,
-                        "gateways did not apply a change to the reservations in time"
-                    );
-                }
-                Err(e) => tracing::warn!(
-                    object = oid,
-                    "telling the other gateways of a change: {}",
-                    rados_text(e)
-                ),
-            }
-            return Ok(());
-        }
-        tracing::warn!(
-            object = oid,
-            "lost {MAX_RACES} races to change the reservations"
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let unit = crate::lock(&self.units)
+            .iter()
+            .find(|(_, (t, l))| t.ptr_eq(&target) && *l == change.lun)
+            .map(|(id, _)| *id)
+            .unwrap_or(UnitId::MAX);
+        crate::lock(&self.changes).insert(
+            id,
+            Waiting {
+                target,
+                task: change.task,
+                tmf: change.tmf,
+            },
         );
-        Err(unavailable())
+        let mut s = self.state();
+        s.machine
+            .submit(Instant::now(), id, unit, change.nexus, change.request);
+        self.route(&mut s);
     }
 }
 
-/// NOT READY, LOGICAL UNIT IS IN PROCESS OF BECOMING READY: the cluster did not answer, the
-/// initiator retries.
-fn unavailable() -> PrError {
-    PrError::Sense(Sense::from(BackendError::Unavailable))
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        self.stopping.store(true, Ordering::Release);
+        self.wake.notify_all();
+    }
+}
+
+fn lane_index(lane: Lane) -> usize {
+    match lane {
+        Lane::Changes => 0,
+        Lane::Membership => 1,
+    }
 }
 
 fn rados_text(e: i32) -> String {
     std::io::Error::from_raw_os_error(-e).to_string()
-}
-
-/// A change as gateways tell each other: le64 version, le32 length and the state, then the
-/// effects.
-fn encode_change(version: u64, state: &Reservations, effects: &ReservationEffects) -> Vec<u8> {
-    let s = state.encode();
-    let mut b = Vec::with_capacity(12 + s.len());
-    b.extend_from_slice(&version.to_le_bytes());
-    b.extend_from_slice(&(s.len() as u32).to_le_bytes());
-    b.extend_from_slice(&s);
-    b.extend_from_slice(&effects.encode());
-    b
-}
-
-fn decode_change(b: &[u8]) -> Option<(u64, Reservations, ReservationEffects)> {
-    let version = u64::from_le_bytes(b.get(..8)?.try_into().ok()?);
-    let len = u32::from_le_bytes(b.get(8..12)?.try_into().ok()?) as usize;
-    let state = Reservations::decode(b.get(12..12usize.checked_add(len)?)?)?;
-    let effects = ReservationEffects::decode(&b[12 + len..])?;
-    Some((version, state, effects))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_change_survives_its_encoding_and_damage_is_refused() {
-        let state = Reservations::default();
-        let effects = ReservationEffects::default();
-        let b = encode_change(7, &state, &effects);
-        assert_eq!(decode_change(&b), Some((7, state, effects)));
-        assert_eq!(decode_change(&b[..10]), None);
-        let mut long = b.clone();
-        long[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert_eq!(decode_change(&long), None);
-        assert_eq!(decode_change(&[]), None);
-    }
 }

@@ -613,7 +613,7 @@ fn cluster(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Resu
         return Ok(());
     };
     let membership = k.membership();
-    let c = &k.counters;
+    let c = k.counters();
     let labels = vec![("gateway", k.config().gateway.clone())];
     singles(
         e,
@@ -641,37 +641,37 @@ fn cluster(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Resu
                 "targetd_cluster_reservation_changes_total",
                 Counter,
                 "changes to shared reservations this gateway decided",
-                c.changes.load(Relaxed),
+                c.changes,
             ),
             (
                 "targetd_cluster_reservation_races_total",
                 Counter,
                 "compare-and-swap races lost to another gateway (decided again)",
-                c.races.load(Relaxed),
+                c.races,
             ),
             (
                 "targetd_cluster_unacknowledged_changes_total",
                 Counter,
                 "changes some gateway did not acknowledge within notify_timeout",
-                c.unacknowledged.load(Relaxed),
+                c.unacknowledged,
             ),
             (
                 "targetd_cluster_fenced_gateways_total",
                 Counter,
                 "gateways this one fenced (blocklisted) for not answering",
-                c.fenced.load(Relaxed),
+                c.fenced,
             ),
             (
                 "targetd_cluster_lost_sessions_total",
                 Counter,
                 "times this gateway lost its own cluster session (was fenced)",
-                c.lost_sessions.load(Relaxed),
+                c.lost_sessions,
             ),
             (
                 "targetd_cluster_rejoins_total",
                 Counter,
                 "times this gateway rejoined the cluster after losing its session",
-                c.rejoins.load(Relaxed),
+                c.rejoins,
             ),
         ],
     )?;

@@ -1,0 +1,217 @@
+//! The gateways of a cluster as its gateways object lists them, which of them are alive, and
+//! the ALUA port groups that follow for a unit.
+
+use scsi_core::spc::tpg::{AccessState, PortGroup};
+
+/// One gateway as the cluster's gateways object lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// `cluster.gateway`.
+    pub gateway: String,
+    /// `cluster.port_group`.
+    pub port_group: u16,
+    /// Its iSCSI portals.
+    pub portals: Vec<std::net::SocketAddr>,
+    /// Its object-store client instance id (how notify outcomes name it).
+    pub instance: u64,
+    /// The addresses of its object-store clients (the cluster session's and the images'):
+    /// what fencing blocklists.
+    pub addresses: Vec<String>,
+    /// It stopped as planned (SIGTERM) and said so: down, but never fenced for it.
+    pub left: bool,
+}
+
+impl Member {
+    /// Its line in the gateways object.
+    pub fn line(&self) -> String {
+        let portals: Vec<String> = self.portals.iter().map(|p| p.to_string()).collect();
+        let portals = if portals.is_empty() {
+            "-".to_string()
+        } else {
+            portals.join(",")
+        };
+        let addresses = if self.addresses.is_empty() {
+            "-".to_string()
+        } else {
+            self.addresses.join(",")
+        };
+        format!(
+            "gateway {} {} {portals} {} {addresses}{}\n",
+            self.gateway,
+            self.port_group,
+            self.instance,
+            if self.left { " left" } else { "" }
+        )
+    }
+
+    /// A line of the gateways object; `None` when it is not one.
+    pub fn parse(line: &str) -> Option<Member> {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if w.first() != Some(&"gateway") {
+            return None;
+        }
+        Some(Member {
+            gateway: w.get(1)?.to_string(),
+            port_group: w.get(2)?.parse().ok()?,
+            portals: w
+                .get(3)?
+                .split(',')
+                .filter_map(|a| a.parse().ok())
+                .collect(),
+            instance: w.get(4)?.parse().ok()?,
+            addresses: w
+                .get(5)?
+                .split(',')
+                .filter(|a| *a != "-")
+                .map(str::to_string)
+                .collect(),
+            left: w.get(6) == Some(&"left"),
+        })
+    }
+
+    /// Every member the gateways object's bytes list (lines that do not parse are skipped).
+    pub fn parse_all(bytes: &[u8]) -> Vec<Member> {
+        String::from_utf8_lossy(bytes)
+            .lines()
+            .filter_map(Member::parse)
+            .collect()
+    }
+
+    /// The gateways object's bytes for `members`, in port group order.
+    pub fn encode_all(members: &mut [Member]) -> Vec<u8> {
+        members.sort_by_key(|m| m.port_group);
+        members
+            .iter()
+            .map(Member::line)
+            .collect::<String>()
+            .into_bytes()
+    }
+}
+
+/// The gateways the cluster lists and which of them answered last.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Membership {
+    /// Every gateway that ever joined, by port group.
+    pub members: Vec<Member>,
+    /// The names of those that answered.
+    pub live: Vec<String>,
+}
+
+/// How a unit wants its paths: which gateway is optimized, and what the others are.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PathPolicy {
+    /// `preferred_gateway`: optimized while it is live.
+    pub preferred: Option<String>,
+    /// `standby`: the other live gateways are standby, not active/non-optimized.
+    pub standby: bool,
+}
+
+impl Membership {
+    /// The ALUA port groups of a shared unit with `policy`: its preferred gateway, when live,
+    /// is active/optimized, or else the live gateway with the lowest port group; the other
+    /// live ones are active/non-optimized (standby with `policy.standby`); the rest
+    /// unavailable. The same on every gateway that sees the same membership.
+    pub fn port_groups(&self, policy: &PathPolicy) -> Vec<PortGroup> {
+        let live = |m: &&Member| self.live.contains(&m.gateway);
+        let optimized = self
+            .members
+            .iter()
+            .filter(live)
+            .find(|m| Some(m.gateway.as_str()) == policy.preferred.as_deref())
+            .or_else(|| {
+                self.members
+                    .iter()
+                    .filter(live)
+                    .min_by_key(|m| m.port_group)
+            })
+            .map(|m| m.port_group);
+        let others = if policy.standby {
+            AccessState::Standby
+        } else {
+            AccessState::ActiveNonOptimized
+        };
+        self.members
+            .iter()
+            .map(|m| {
+                let state = if !self.live.contains(&m.gateway) {
+                    AccessState::Unavailable
+                } else if Some(m.port_group) == optimized {
+                    AccessState::ActiveOptimized
+                } else {
+                    others
+                };
+                PortGroup {
+                    id: m.port_group,
+                    state,
+                    preferred: state == AccessState::ActiveOptimized,
+                    ports: vec![m.port_group],
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_line_reads_back_and_junk_is_skipped() {
+        let m = Member {
+            gateway: "a".into(),
+            port_group: 3,
+            portals: vec!["127.0.0.1:3260".parse().unwrap()],
+            instance: 42,
+            addresses: vec!["127.0.0.1:0/1".into(), "127.0.0.1:0/2".into()],
+            left: true,
+        };
+        assert_eq!(Member::parse(&m.line()), Some(m.clone()));
+        let bare = Member {
+            portals: vec![],
+            addresses: vec![],
+            left: false,
+            ..m.clone()
+        };
+        assert_eq!(Member::parse(&bare.line()), Some(bare.clone()));
+        let text = format!("junk\n{}gateway x\n", m.line());
+        assert_eq!(Member::parse_all(text.as_bytes()), vec![m]);
+    }
+
+    #[test]
+    fn the_preferred_live_gateway_is_optimized_else_the_lowest_group() {
+        let member = |g: &str, pg| Member {
+            gateway: g.into(),
+            port_group: pg,
+            portals: vec![],
+            instance: 0,
+            addresses: vec![],
+            left: false,
+        };
+        let m = Membership {
+            members: vec![member("a", 1), member("b", 2), member("c", 3)],
+            live: vec!["b".into(), "c".into()],
+        };
+        let states = |p: &PathPolicy| -> Vec<AccessState> {
+            m.port_groups(p).iter().map(|g| g.state).collect()
+        };
+        use AccessState::*;
+        assert_eq!(
+            states(&PathPolicy::default()),
+            [Unavailable, ActiveOptimized, ActiveNonOptimized]
+        );
+        let c = PathPolicy {
+            preferred: Some("c".into()),
+            standby: true,
+        };
+        assert_eq!(states(&c), [Unavailable, Standby, ActiveOptimized]);
+        // A preferred gateway that is down: the lowest live one.
+        let a = PathPolicy {
+            preferred: Some("a".into()),
+            standby: false,
+        };
+        assert_eq!(
+            states(&a),
+            [Unavailable, ActiveOptimized, ActiveNonOptimized]
+        );
+    }
+}

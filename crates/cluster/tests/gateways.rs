@@ -1,0 +1,304 @@
+//! Gateways of one cluster on a virtual clock over an in-memory store (the test kit's `Sim`,
+//! which asserts at every decided change that each gateway watching the unit has applied it or
+//! is fenced): races, a silent gateway fenced before a change completes and never writing
+//! after, rejoining with what it missed, ALUA states from who answers, rejoin backoff, and
+//! PREEMPT AND ABORT waiting for the other gateways' aborted tasks.
+
+use std::time::Duration;
+
+use cluster::gateway::unavailable;
+use cluster::testing::{change_id, nexus, preempt_and_abort, register, reserve, Sim};
+use scsi_core::pr::PrError;
+use scsi_core::spc::tpg::AccessState;
+
+fn states(sim: &Sim, i: usize, unit: u64) -> Vec<(u16, AccessState)> {
+    sim.nodes[i].groups[&unit]
+        .iter()
+        .map(|g| (g.id, g.state))
+        .collect()
+}
+
+fn holder_key(sim: &Sim, i: usize, unit: u64) -> Option<u64> {
+    let (_, state) = sim.nodes[i].applied.get(&unit)?;
+    let p = &state.persistent;
+    let holder = &p.reservation.as_ref()?.holder;
+    p.registrations
+        .iter()
+        .find(|r| r.nexus == *holder)
+        .map(|r| r.key)
+}
+
+/// Two gateways; host 1 through gw0 registered key 1 and holds the reservation, host 2
+/// through gw1 registered key 2.
+fn reserved_through_gw0() -> Sim {
+    let mut sim = Sim::new(2, 1);
+    for (i, host, key) in [(0, 1, 0x1), (1, 2, 0x2)] {
+        sim.submit(
+            i,
+            change_id(0, u64::from(host)),
+            0,
+            nexus(i, host),
+            register(key),
+        );
+        sim.run();
+    }
+    sim.submit(0, change_id(0, 10), 0, nexus(0, 1), reserve(0x1));
+    sim.run();
+    sim
+}
+
+#[test]
+fn a_change_through_one_gateway_is_applied_on_every_other_before_it_ends() {
+    let mut sim = Sim::new(3, 1);
+    // Membership settled: the lowest port group optimized, the others non-optimized.
+    use AccessState::*;
+    for i in 0..3 {
+        assert_eq!(
+            states(&sim, i, 0),
+            [
+                (1, ActiveOptimized),
+                (2, ActiveNonOptimized),
+                (3, ActiveNonOptimized)
+            ]
+        );
+    }
+    sim.submit(1, change_id(0, 1), 0, nexus(1, 1), register(0xa));
+    sim.run();
+    sim.submit(1, change_id(0, 2), 0, nexus(1, 1), reserve(0xa));
+    sim.run();
+    assert_eq!(
+        sim.nodes[1].decided,
+        [(change_id(0, 1), Ok(())), (change_id(0, 2), Ok(()))]
+    );
+    for i in 0..3 {
+        assert_eq!(holder_key(&sim, i, 0), Some(0xa), "gw{i}");
+    }
+    assert_eq!(sim.nodes[1].machine.counters().changes, 2);
+}
+
+#[test]
+fn racing_gateways_agree_on_one_holder() {
+    let mut sim = Sim::new(2, 1);
+    sim.submit(0, change_id(0, 1), 0, nexus(0, 1), register(1));
+    sim.submit(1, change_id(0, 2), 0, nexus(1, 2), register(2));
+    sim.run();
+    // Both read the same version, one write won, the other decided again.
+    let races: u64 = sim.nodes.iter().map(|n| n.machine.counters().races).sum();
+    assert!(races >= 1, "no race was lost");
+    assert_eq!(sim.nodes[0].decided, [(change_id(0, 1), Ok(()))]);
+    assert_eq!(sim.nodes[1].decided, [(change_id(0, 2), Ok(()))]);
+    sim.submit(0, change_id(0, 3), 0, nexus(0, 1), reserve(1));
+    sim.submit(1, change_id(0, 4), 0, nexus(1, 2), reserve(2));
+    sim.run();
+    let results = [
+        sim.nodes[0].decided.last().unwrap().1,
+        sim.nodes[1].decided.last().unwrap().1,
+    ];
+    assert!(
+        results == [Ok(()), Err(PrError::Conflict)] || results == [Err(PrError::Conflict), Ok(())],
+        "{results:?}"
+    );
+    let holder = holder_key(&sim, 0, 0);
+    assert!(holder == Some(1) || holder == Some(2));
+    assert_eq!(holder_key(&sim, 1, 0), holder);
+}
+
+#[test]
+fn a_silent_gateway_is_fenced_before_a_change_completes_never_writes_then_rejoins() {
+    // Rounds of "who is alive" far apart: the change itself must fence the silent gateway.
+    let mut sim = Sim::with(3, 1, |s| s.membership_interval = Duration::from_secs(60));
+    sim.silence(2);
+    let silent = sim.nodes[2].instance;
+    sim.submit(0, change_id(0, 1), 0, nexus(0, 1), register(7));
+    sim.run();
+    // gw2 does not answer: the command waits.
+    assert!(sim.nodes[0].decided.is_empty());
+    sim.advance(Duration::from_secs(4));
+    assert!(
+        sim.nodes[0].decided.is_empty(),
+        "decided before the notify timed out"
+    );
+    sim.advance(Duration::from_secs(2));
+    assert_eq!(sim.nodes[0].decided, [(change_id(0, 1), Ok(()))]);
+    assert!(
+        sim.blocklist.contains(&silent),
+        "decided without fencing the silent gateway"
+    );
+    assert!(sim.nodes[0].machine.counters().unacknowledged >= 1);
+    assert!(sim.nodes[0].machine.counters().fenced + sim.nodes[1].machine.counters().fenced >= 1);
+
+    // gw2 wakes: its watches are gone, it is fenced, its own paths unavailable, and what it
+    // tries to write fails.
+    let writes = sim.writes.len();
+    sim.wake(2);
+    assert!(sim.nodes[2].machine.is_fenced());
+    assert_eq!(sim.nodes[2].fenced_events, 1);
+    let own = sim.nodes[2].groups[&0]
+        .iter()
+        .find(|g| g.id == 3)
+        .map(|g| g.state);
+    assert_eq!(own, Some(AccessState::Unavailable));
+    sim.submit(2, change_id(0, 2), 0, nexus(2, 2), register(9));
+    sim.run();
+    assert_eq!(
+        sim.nodes[2].decided,
+        [(change_id(0, 2), Err(unavailable()))]
+    );
+    assert!(
+        sim.writes[writes..].iter().all(|w| w.1 != silent),
+        "a fenced client wrote"
+    );
+
+    // After the rejoin delay it comes back on a new client, with the state it missed.
+    let delay = sim.nodes[2].machine.rejoin_delay();
+    assert_eq!(
+        delay,
+        Duration::from_secs(30),
+        "a round's wait, at most rejoin_max_delay"
+    );
+    sim.advance(delay + Duration::from_secs(1));
+    assert!(!sim.nodes[2].machine.is_fenced());
+    assert_eq!(sim.nodes[2].rejoined_events, 1);
+    assert_ne!(sim.nodes[2].instance, silent);
+    assert_eq!(holder_key(&sim, 2, 0), None);
+    let (v2, _) = sim.nodes[2].applied[&0].clone();
+    let (v0, _) = sim.nodes[0].applied[&0].clone();
+    assert_eq!(v2, v0, "the rejoined gateway did not reload the state");
+    sim.advance(Duration::from_secs(61));
+    use AccessState::*;
+    assert_eq!(
+        states(&sim, 0, 0),
+        [
+            (1, ActiveOptimized),
+            (2, ActiveNonOptimized),
+            (3, ActiveNonOptimized)
+        ]
+    );
+    // And it serves changes again, which reach everyone.
+    sim.submit(2, change_id(0, 3), 0, nexus(2, 2), register(9));
+    sim.run();
+    assert_eq!(
+        sim.nodes[2].decided.last(),
+        Some(&(change_id(0, 3), Ok(())))
+    );
+}
+
+#[test]
+fn who_answers_decides_the_alua_states_and_the_silent_are_fenced() {
+    let mut sim = Sim::new(3, 2);
+    sim.silence(0);
+    let silent = sim.nodes[0].instance;
+    sim.advance(Duration::from_secs(5));
+    use AccessState::*;
+    for i in 1..3 {
+        for u in 0..2 {
+            assert_eq!(
+                states(&sim, i, u),
+                [
+                    (1, Unavailable),
+                    (2, ActiveOptimized),
+                    (3, ActiveNonOptimized)
+                ],
+                "gw{i} unit {u}"
+            );
+        }
+    }
+    assert!(sim.blocklist.contains(&silent));
+    // Each silent gateway is fenced once, not at every round.
+    let fenced: u64 = sim.nodes.iter().map(|n| n.machine.counters().fenced).sum();
+    sim.advance(Duration::from_secs(10));
+    let again: u64 = sim.nodes.iter().map(|n| n.machine.counters().fenced).sum();
+    assert_eq!(fenced, again);
+}
+
+#[test]
+fn a_fenced_gateway_tries_to_rejoin_less_and_less_often_until_it_can() {
+    let mut sim = Sim::new(2, 1);
+    sim.silence(1);
+    sim.advance(Duration::from_secs(5));
+    sim.refuse_reconnect = true;
+    sim.wake(1);
+    assert!(sim.nodes[1].machine.is_fenced());
+    // Tries at 2 s, then 4, 8, 16, 30, 30 s apart.
+    let mut delays = Vec::new();
+    for _ in 0..6 {
+        delays.push(sim.nodes[1].machine.rejoin_delay().as_secs());
+        let d = sim.nodes[1].machine.rejoin_delay();
+        sim.advance(d);
+    }
+    assert_eq!(delays, [2, 4, 8, 16, 30, 30]);
+    assert!(sim.nodes[1].machine.is_fenced());
+    sim.refuse_reconnect = false;
+    sim.advance(Duration::from_secs(31));
+    assert!(!sim.nodes[1].machine.is_fenced());
+    assert_eq!(sim.nodes[1].machine.counters().rejoins, 1);
+}
+
+#[test]
+fn preempt_and_abort_ends_only_once_the_other_gateways_aborted_tasks_have() {
+    // Host 1 through gw0 holds the reservation; host 2 through gw1 preempts it with abort.
+    let mut sim = reserved_through_gw0();
+    assert_eq!(holder_key(&sim, 1, 0), Some(0x1));
+    // Host 1's writes are still running on gw0 when the preempt comes.
+    sim.nodes[0].aborted_in_flight.insert(0, 3);
+    sim.submit(
+        1,
+        change_id(0, 11),
+        0,
+        nexus(1, 2),
+        preempt_and_abort(0x2, 0x1),
+    );
+    sim.run();
+    assert_eq!(holder_key(&sim, 0, 0), Some(0x2), "gw0 applies at once");
+    assert!(
+        sim.nodes[1]
+            .decided
+            .iter()
+            .all(|(c, _)| *c != change_id(0, 11)),
+        "the preempt ended while gw0 still ran the aborted tasks"
+    );
+    sim.advance(Duration::from_secs(1));
+    assert!(sim.nodes[1]
+        .decided
+        .iter()
+        .all(|(c, _)| *c != change_id(0, 11)));
+    sim.end_aborted_tasks(0, 0);
+    assert_eq!(
+        sim.nodes[1].decided.last(),
+        Some(&(change_id(0, 11), Ok(())))
+    );
+    assert!(sim.blocklist.is_empty(), "nobody needed fencing");
+}
+
+#[test]
+fn aborted_tasks_that_outlast_the_notify_timeout_get_their_gateway_fenced() {
+    let mut sim = reserved_through_gw0();
+    sim.nodes[0].aborted_in_flight.insert(0, 1);
+    let stuck = sim.nodes[0].instance;
+    sim.submit(
+        1,
+        change_id(0, 11),
+        0,
+        nexus(1, 2),
+        preempt_and_abort(0x2, 0x1),
+    );
+    sim.run();
+    sim.advance(Duration::from_secs(6));
+    assert_eq!(
+        sim.nodes[1].decided.last(),
+        Some(&(change_id(0, 11), Ok(())))
+    );
+    assert!(sim.blocklist.contains(&stuck));
+    assert!(sim.nodes[0].machine.is_fenced());
+}
+
+#[test]
+fn a_change_for_a_unit_not_shared_here_is_not_ready() {
+    let mut sim = Sim::new(1, 1);
+    sim.submit(0, change_id(5, 1), 5, nexus(0, 1), register(1));
+    sim.run();
+    assert_eq!(
+        sim.nodes[0].decided,
+        [(change_id(5, 1), Err(unavailable()))]
+    );
+}

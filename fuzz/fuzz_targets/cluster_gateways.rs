@@ -1,0 +1,162 @@
+//! Gateways of one cluster on a virtual clock (the cluster crate's test kit), fed Arbitrary
+//! sequences of reservation changes through any gateway, gateways going silent and waking,
+//! aborted tasks that end late or never, the cluster refusing rejoins, and time passing. The
+//! kit asserts at every decided change that each gateway watching the unit has applied it or
+//! is fenced; here, besides, every change is decided in the end, and a gateway that is not
+//! fenced and runs agrees with every other on each unit's state once all is quiet.
+#![no_main]
+
+use std::time::Duration;
+
+use arbitrary::Arbitrary;
+use cluster::testing::{change_id, nexus, preempt_and_abort, register, reserve, Sim};
+use libfuzzer_sys::fuzz_target;
+use scsi_core::pr::ReservationRequest;
+
+#[derive(Arbitrary, Debug)]
+enum Step {
+    Register {
+        gw: u8,
+        host: u8,
+        unit: u8,
+        key: u8,
+    },
+    Reserve {
+        gw: u8,
+        host: u8,
+        unit: u8,
+        key: u8,
+    },
+    Preempt {
+        gw: u8,
+        host: u8,
+        unit: u8,
+        key: u8,
+        victim: u8,
+    },
+    Release {
+        gw: u8,
+        host: u8,
+        unit: u8,
+    },
+    Reset {
+        gw: u8,
+        unit: u8,
+    },
+    Silence(u8),
+    Wake(u8),
+    /// Tasks of a unit on a gateway that a PREEMPT AND ABORT will wait for.
+    Busy {
+        gw: u8,
+        unit: u8,
+        tasks: u8,
+    },
+    EndTasks {
+        gw: u8,
+        unit: u8,
+    },
+    RefuseRejoins(bool),
+    Advance(u16),
+}
+
+const GATEWAYS: usize = 3;
+const UNITS: u64 = 2;
+
+fuzz_target!(|steps: Vec<Step>| {
+    let mut sim = Sim::new(GATEWAYS, UNITS);
+    let mut submitted = vec![Vec::new(); GATEWAYS];
+    let mut n = 0u64;
+    let gw = |g: u8| usize::from(g) % GATEWAYS;
+    let unit = |u: u8| u64::from(u) % UNITS;
+    for step in steps.into_iter().take(64) {
+        let mut submit = |sim: &mut Sim, g: usize, u: u64, host: u8, r: ReservationRequest| {
+            n += 1;
+            let c = change_id(u, n);
+            submitted[g].push(c);
+            sim.submit(g, c, u, nexus(g, host % 4), r);
+        };
+        match step {
+            Step::Register {
+                gw: g,
+                host,
+                unit: u,
+                key,
+            } => submit(&mut sim, gw(g), unit(u), host, register(u64::from(key))),
+            Step::Reserve {
+                gw: g,
+                host,
+                unit: u,
+                key,
+            } => submit(&mut sim, gw(g), unit(u), host, reserve(u64::from(key))),
+            Step::Preempt {
+                gw: g,
+                host,
+                unit: u,
+                key,
+                victim,
+            } => submit(
+                &mut sim,
+                gw(g),
+                unit(u),
+                host,
+                preempt_and_abort(u64::from(key), u64::from(victim)),
+            ),
+            Step::Release {
+                gw: g,
+                host,
+                unit: u,
+            } => submit(&mut sim, gw(g), unit(u), host, ReservationRequest::Release),
+            Step::Reset { gw: g, unit: u } => {
+                submit(&mut sim, gw(g), unit(u), 0, ReservationRequest::Reset)
+            }
+            Step::Silence(g) => sim.silence(gw(g)),
+            Step::Wake(g) => sim.wake(gw(g)),
+            Step::Busy {
+                gw: g,
+                unit: u,
+                tasks,
+            } => {
+                sim.nodes[gw(g)]
+                    .aborted_in_flight
+                    .insert(unit(u), usize::from(tasks % 4));
+            }
+            Step::EndTasks { gw: g, unit: u } => sim.end_aborted_tasks(gw(g), unit(u)),
+            Step::RefuseRejoins(r) => sim.refuse_reconnect = r,
+            Step::Advance(ms) => sim.advance(Duration::from_millis(u64::from(ms) * 10)),
+        }
+        sim.run();
+    }
+    // Quiet: everyone runs, tasks end, rejoins succeed, time passes.
+    sim.refuse_reconnect = false;
+    for g in 0..GATEWAYS {
+        sim.wake(g);
+        for u in 0..UNITS {
+            sim.end_aborted_tasks(g, u);
+        }
+    }
+    sim.advance(Duration::from_secs(70));
+    for (g, changes) in submitted.iter().enumerate() {
+        for c in changes {
+            assert!(
+                sim.nodes[g].decided.iter().any(|(d, _)| d == c),
+                "change {c:#x} on gw{g} never decided"
+            );
+        }
+    }
+    for u in 0..UNITS {
+        let states: Vec<_> = sim
+            .nodes
+            .iter()
+            .map(|n| n.applied.get(&u).map(|(v, s)| (*v, s.clone())))
+            .collect();
+        let newest = states.iter().flatten().map(|(v, _)| *v).max();
+        for (g, s) in states.iter().enumerate() {
+            if let (Some(newest), Some((v, _))) = (newest, s) {
+                assert_eq!(
+                    *v, newest,
+                    "gw{g} holds an old state of unit {u} after all is quiet"
+                );
+            }
+        }
+    }
+});
