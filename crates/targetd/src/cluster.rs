@@ -51,7 +51,6 @@ use scsi_core::pr::Reservations;
 use scsi_core::{ReservationChange, TaskId};
 
 use crate::config;
-use crate::target::Target;
 
 pub use cluster::{Membership, PathPolicy};
 
@@ -78,6 +77,42 @@ pub fn policy_of(lun: &config::Lun) -> PathPolicy {
     }
 }
 
+/// What the keeper needs of a target whose units it shares. The daemon's targets implement
+/// it; the keeper reaches them through this alone (it knows nothing else of a target).
+pub trait SharedTarget: Send + Sync {
+    /// The target's name.
+    fn name(&self) -> &str;
+    /// The RBD image of unit `lun`, if it has one.
+    fn image(&self, lun: u16) -> Option<Arc<backend::rbd::Image>>;
+    /// Unit `lun`'s shared reservations are `state` at `version`, with `effects` to carry out
+    /// here.
+    fn apply_shared_reservations(
+        &self,
+        lun: u16,
+        version: u64,
+        state: Reservations,
+        effects: &scsi_core::pr::ReservationEffects,
+    );
+    /// Unit `lun`'s port groups are now `groups`.
+    fn set_port_groups(&self, lun: u16, groups: Vec<scsi_core::spc::tpg::PortGroup>);
+    /// Unit `lun`'s port groups now.
+    fn port_groups(&self, lun: u16) -> Option<Vec<scsi_core::spc::tpg::PortGroup>>;
+    /// Who holds unit `lun`'s reservation (initiator port name, persistent TYPE).
+    fn reservation_holder(&self, lun: u16) -> Option<(String, Option<u8>)>;
+    /// The change of reservation task `task` is decided.
+    fn reservation_done(&self, task: TaskId, result: Result<(), scsi_core::pr::PrError>);
+    /// The change task management function `reference` waits for is carried out.
+    fn task_management_change_done(&self, reference: u64);
+    /// How many aborted tasks of unit `lun` still run.
+    fn aborted_tasks_in_flight(&self, lun: u16) -> usize;
+    /// Opens unit `lun` again on the process's current connection to the cluster, its
+    /// shared state reloaded (after a rejoin).
+    fn reopen_shared_lun(&self, lun: u16) -> Result<(), String>;
+}
+
+/// A shared unit: its target and LUN.
+type SharedLun = (Weak<dyn SharedTarget>, u16);
+
 /// What the machine and its lanes share, under one lock.
 struct State {
     machine: Gateway,
@@ -93,7 +128,7 @@ type Heard = (String, Notification, Arc<Pool>);
 
 /// A change the machine decides: the command or task management function that waits.
 struct Waiting {
-    target: Weak<Target>,
+    target: Weak<dyn SharedTarget>,
     task: Option<TaskId>,
     tmf: Option<u64>,
 }
@@ -113,7 +148,7 @@ pub struct Keeper {
     pumping: AtomicBool,
     pump_again: AtomicBool,
     /// The shared units, by the machine's unit id: (target, LUN).
-    units: Mutex<HashMap<UnitId, (Weak<Target>, u16)>>,
+    units: Mutex<HashMap<UnitId, SharedLun>>,
     next_id: AtomicU64,
     /// Changes the machine decides.
     changes: Mutex<HashMap<ChangeId, Waiting>>,
@@ -426,7 +461,7 @@ impl Keeper {
     }
 
     /// The target and LUN of unit `id`, while both live.
-    fn unit(&self, id: UnitId) -> Option<(Arc<Target>, u16)> {
+    fn unit(&self, id: UnitId) -> Option<(Arc<dyn SharedTarget>, u16)> {
         let (t, lun) = crate::lock(&self.units).get(&id).cloned()?;
         Some((t.upgrade()?, lun))
     }
@@ -575,7 +610,7 @@ impl Keeper {
         for (target, lun) in self.shared_units() {
             let Some(t) = target.upgrade() else { continue };
             t.reopen_shared_lun(lun)
-                .map_err(|e| format!("target {} LUN {lun}: {e}", t.name))?;
+                .map_err(|e| format!("target {} LUN {lun}: {e}", t.name()))?;
         }
         self.enter()
             .map_err(|(_, e)| format!("listing this gateway: {e}"))?;
@@ -599,10 +634,7 @@ impl Keeper {
         let theirs = |o: &String| m.addresses.contains(o);
         let units = self.shared_units();
         for (target, lun) in units {
-            let Some(unit) = target.upgrade().and_then(|t| t.lun(lun)) else {
-                continue;
-            };
-            let crate::target::Storage::Rbd(image) = &unit.storage else {
+            let Some(image) = target.upgrade().and_then(|t| t.image(lun)) else {
                 continue;
             };
             let owners = match image.lock_owners() {
@@ -810,7 +842,7 @@ impl Keeper {
     }
 
     /// The shared units, as (target, LUN).
-    fn shared_units(&self) -> Vec<(Weak<Target>, u16)> {
+    fn shared_units(&self) -> Vec<SharedLun> {
         crate::lock(&self.units).values().cloned().collect()
     }
 
@@ -843,10 +875,10 @@ impl Keeper {
         let mut units = Vec::new();
         for (target, lun) in self.shared_units() {
             let Some(t) = target.upgrade() else { continue };
-            let Some(unit) = t.lun(lun) else { continue };
-            let groups: Vec<serde_json::Value> = t
-                .port_groups(lun)
-                .unwrap_or_default()
+            let Some(groups) = t.port_groups(lun) else {
+                continue;
+            };
+            let groups: Vec<serde_json::Value> = groups
                 .iter()
                 .map(|g| {
                     json!({
@@ -856,13 +888,13 @@ impl Keeper {
                     })
                 })
                 .collect();
-            let image = match &unit.storage {
-                crate::target::Storage::Rbd(image) => image.spec().to_string(),
-                _ => String::new(),
-            };
+            let image = t
+                .image(lun)
+                .map(|i| i.spec().to_string())
+                .unwrap_or_default();
             let holder = t.reservation_holder(lun);
             units.push(json!({
-                "target": t.name,
+                "target": t.name(),
                 "lun": lun,
                 "image": image,
                 "groups": groups,
@@ -1010,7 +1042,7 @@ impl Keeper {
     /// to this gateway's device server before it is acknowledged.
     pub fn follow(
         self: &Arc<Self>,
-        target: Weak<Target>,
+        target: Weak<dyn SharedTarget>,
         unit: &config::Lun,
         oid: &str,
     ) -> Result<SharedUnit, String> {
@@ -1034,7 +1066,7 @@ impl Keeper {
 
     /// Queues a change for the machine. Called under the target's core lock: it hands out
     /// nothing here (the changes lane does).
-    pub fn submit(&self, target: Weak<Target>, change: ReservationChange) {
+    pub fn submit(&self, target: Weak<dyn SharedTarget>, change: ReservationChange) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let unit = crate::lock(&self.units)
             .iter()

@@ -1194,6 +1194,59 @@ impl Target {
     }
 }
 
+/// The keeper of a cluster reaches a target's shared units through this.
+#[cfg(feature = "rbd")]
+impl crate::cluster::SharedTarget for Target {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn image(&self, lun: u16) -> Option<Arc<backend::rbd::Image>> {
+        match &self.lun(lun)?.storage {
+            Storage::Rbd(image) => Some(image.clone()),
+            _ => None,
+        }
+    }
+
+    fn apply_shared_reservations(
+        &self,
+        lun: u16,
+        version: u64,
+        state: scsi_core::pr::Reservations,
+        effects: &scsi_core::pr::ReservationEffects,
+    ) {
+        Target::apply_shared_reservations(self, lun, version, state, effects)
+    }
+
+    fn set_port_groups(&self, lun: u16, groups: Vec<scsi_core::spc::tpg::PortGroup>) {
+        Target::set_port_groups(self, lun, groups)
+    }
+
+    fn port_groups(&self, lun: u16) -> Option<Vec<scsi_core::spc::tpg::PortGroup>> {
+        Target::port_groups(self, lun)
+    }
+
+    fn reservation_holder(&self, lun: u16) -> Option<(String, Option<u8>)> {
+        Target::reservation_holder(self, lun)
+    }
+
+    fn reservation_done(&self, task: TaskId, result: Result<(), scsi_core::pr::PrError>) {
+        Target::reservation_done(self, task, result)
+    }
+
+    fn task_management_change_done(&self, reference: u64) {
+        Target::task_management_change_done(self, reference)
+    }
+
+    fn aborted_tasks_in_flight(&self, lun: u16) -> usize {
+        Target::aborted_tasks_in_flight(self, lun)
+    }
+
+    fn reopen_shared_lun(&self, lun: u16) -> Result<(), String> {
+        Target::reopen_shared_lun(self, lun)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
