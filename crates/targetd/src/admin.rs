@@ -739,7 +739,7 @@ fn luns(registry: &Registry, target: Option<&str>) -> Result<Value, String> {
                 "write_cache": c.write_cache,
                 "read_only": c.read_only,
                 "faults": lun.faults.armed(),
-                "rbd": rbd_json(&lun),
+                "rbd": lun.storage.details(),
             }));
         }
     }
@@ -762,32 +762,6 @@ fn cluster(registry: &Registry, forget: Option<&str>) -> Result<Value, String> {
         "this targetd is not in a cluster (built without the feature rbd, which clusters need)"
             .into()
     })
-}
-
-/// An RBD unit's image and librbd's figures for it; null for other storage.
-fn rbd_json(lun: &crate::target::Lun) -> Value {
-    match &lun.storage {
-        #[cfg(feature = "rbd")]
-        crate::target::Storage::Rbd(image) => {
-            let s = image.stats();
-            let spec = image.spec();
-            json!({
-                "pool": spec.pool,
-                "namespace": spec.namespace,
-                "image": spec.image,
-                "object_size": image.object_size(),
-                "in_flight": s.in_flight.load(Relaxed),
-                "completed": s.completed.load(Relaxed),
-                "latency_ns_total": s.latency_ns.load(Relaxed),
-                "unavailable": s.unavailable.load(Relaxed),
-                "errors": s.errors.load(Relaxed),
-            })
-        }
-        _ => {
-            let _ = lun;
-            Value::Null
-        }
-    }
 }
 
 /// Every session: iSCSI sessions with their connections, then SRP I_T nexuses with their

@@ -38,6 +38,7 @@ pub mod reactor;
 pub mod registry;
 pub mod server;
 pub mod srp;
+pub mod store;
 pub mod target;
 pub mod trace;
 

@@ -543,7 +543,7 @@ fn rbd(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
         let mut rows = Vec::new();
         for t in registry.targets() {
             for lun in t.lun_list() {
-                if let crate::target::Storage::Rbd(image) = &lun.storage {
+                if let Some(image) = crate::rbd::image_of(&*lun.storage) {
                     let spec = image.spec();
                     let labels = vec![
                         ("target", t.name.clone()),

@@ -10,6 +10,7 @@ use backend::rbd::{Cluster, ClusterConfig, Image, ImageSpec, NATIVE_COMPARE_AND_
 use scsi_core::Limits;
 
 use crate::config;
+use crate::store::unit::UnitStore;
 
 /// The cluster a LUN's config reaches.
 pub fn cluster_config(c: &config::Lun) -> ClusterConfig {
@@ -109,4 +110,100 @@ pub fn watch_capacity(
                 });
         })
         .map_err(|e| format!("{}: {e}", e.key()))
+}
+
+/// A unit on an RBD image: one handle for all reactors.
+#[derive(Debug)]
+pub struct RbdStore(pub Arc<Image>);
+
+impl RbdStore {
+    /// Opens the image `config` names (creating it at its `size` when missing); with its size
+    /// in blocks. An image that exists at another size is served at its own.
+    pub fn open(config: &config::Lun) -> Result<(Arc<dyn UnitStore>, u64), String> {
+        let (image, bytes) = open(config)?;
+        if let Some(size) = config.size.map(|s| s.0).filter(|&s| s != bytes) {
+            tracing::info!(
+                image = %image.spec(),
+                configured = size,
+                actual = bytes,
+                "the image exists at another size than configured: served at its own \
+                 size (targetctl lun resize changes it)"
+            );
+        }
+        Ok((
+            Arc::new(RbdStore(image)),
+            bytes / u64::from(config.block_size),
+        ))
+    }
+}
+
+/// The image a store is, when it is an RBD one.
+pub fn image_of(store: &dyn UnitStore) -> Option<&Arc<Image>> {
+    store.as_any().downcast_ref::<RbdStore>().map(|s| &s.0)
+}
+
+impl UnitStore for RbdStore {
+    fn backend(
+        &self,
+        engine: &backend::Engine,
+        block_size: u32,
+        _: u64,
+    ) -> Result<backend::AnyBackend, String> {
+        backend::rbd::RbdBackend::new(self.0.clone(), block_size, engine.event_fd())
+            .map(backend::AnyBackend::Rbd)
+            .map_err(|e| e.to_string())
+    }
+
+    /// The image alone: every gateway exporting it names the unit alike.
+    fn identity_key(&self) -> Option<String> {
+        Some(format!("rbd:{}", self.0.spec()))
+    }
+
+    fn limits(&self, block_size: u32, l: Limits) -> Limits {
+        limits(&self.0, block_size, l)
+    }
+
+    fn resize(&self, _: u32, _: u64, bytes: u64) -> Result<Arc<dyn UnitStore>, String> {
+        self.0.resize(bytes, true).map_err(|e| e.to_string())?;
+        Ok(Arc::new(RbdStore(self.0.clone())))
+    }
+
+    fn flush(&self) -> Result<(), String> {
+        self.0.flush().map_err(|e| e.to_string())
+    }
+
+    fn watch_size(&self, resized: Arc<dyn Fn(u64) + Send + Sync>) -> Result<(), String> {
+        match watch_capacity(&self.0, move |bytes| resized(bytes)) {
+            Ok(()) => Ok(()),
+            // An image opened read-only has no watch on its header: its size is the one it
+            // had when opened.
+            Err(e) if self.0.read_only() => {
+                tracing::warn!(image = %self.0.spec(), "resizes made elsewhere go unseen: {e}");
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The image and librbd's figures for it.
+    fn details(&self) -> serde_json::Value {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (image, s) = (&self.0, self.0.stats());
+        let spec = image.spec();
+        serde_json::json!({
+            "pool": spec.pool,
+            "namespace": spec.namespace,
+            "image": spec.image,
+            "object_size": image.object_size(),
+            "in_flight": s.in_flight.load(Relaxed),
+            "completed": s.completed.load(Relaxed),
+            "latency_ns_total": s.latency_ns.load(Relaxed),
+            "unavailable": s.unavailable.load(Relaxed),
+            "errors": s.errors.load(Relaxed),
+        })
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
 }

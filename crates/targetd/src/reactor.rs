@@ -16,15 +16,12 @@ use std::sync::Arc;
 use std::sync::Weak;
 use std::time::Duration;
 
-use backend::{
-    AnyBackend, Arena, ArenaConfig, Buffer, Engine, EngineChoice, EngineConfig, Faulty, FileHandle,
-    Immediate, NullBackend,
-};
+use backend::{AnyBackend, Arena, ArenaConfig, Buffer, Engine, EngineChoice, EngineConfig, Faulty};
 use scsi_core::{Backend, BackendError, Op, Output, TaskId};
 use tokio::sync::{mpsc, Notify};
 
 use crate::registry::counters::ArenaGauge;
-use crate::target::{Lun, Storage};
+use crate::target::Lun;
 
 /// A backend operation's result, on its way back to the connection that asked.
 #[derive(Debug)]
@@ -148,25 +145,9 @@ impl Io {
     }
 
     fn open(&self, lun: &Lun) -> Result<Faulty<AnyBackend>, String> {
-        let backend = match &lun.storage {
-            Storage::File(fc) => {
-                let handle = FileHandle::open(fc).map_err(|e| e.to_string())?;
-                AnyBackend::File(self.engine.open(handle))
-            }
-            Storage::Memory(m) => {
-                AnyBackend::SharedMemory(Immediate::new(m.clone(), lun.block_size, lun.blocks))
-            }
-            Storage::Null => AnyBackend::Null(NullBackend::null(lun.block_size, lun.blocks)),
-            #[cfg(feature = "rbd")]
-            Storage::Rbd(image) => AnyBackend::Rbd(
-                backend::rbd::RbdBackend::new(
-                    image.clone(),
-                    lun.block_size,
-                    self.engine.event_fd(),
-                )
-                .map_err(|e| e.to_string())?,
-            ),
-        };
+        let backend = lun
+            .storage
+            .backend(&self.engine, lun.block_size, lun.blocks)?;
         Ok(Faulty::new(backend, lun.faults.clone()))
     }
 

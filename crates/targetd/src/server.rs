@@ -79,7 +79,7 @@ impl Server {
         };
         for (t, target) in config.targets.iter().enumerate() {
             for (l, lun) in target.luns.iter().enumerate() {
-                if let Err(reason) = crate::target::check_storage(lun) {
+                if let Err(reason) = crate::store::check(lun) {
                     check.errors.push(lun_error(t, l, reason));
                 }
             }
@@ -402,23 +402,8 @@ impl Server {
 fn flush(registry: &Registry) {
     for t in registry.targets() {
         for lun in t.lun_list() {
-            match &lun.storage {
-                crate::target::Storage::File(fc) => {
-                    let r = std::fs::OpenOptions::new()
-                        .read(true)
-                        .open(&fc.path)
-                        .and_then(|f| f.sync_data());
-                    if let Err(e) = r {
-                        tracing::error!(path = %fc.path.display(), "flush: {e}");
-                    }
-                }
-                #[cfg(feature = "rbd")]
-                crate::target::Storage::Rbd(image) => {
-                    if let Err(e) = image.flush() {
-                        tracing::error!("flush: {e}");
-                    }
-                }
-                _ => {}
+            if let Err(e) = lun.storage.flush() {
+                tracing::error!(target = %t.name, lun = lun.config.lun, "flush: {e}");
             }
         }
     }

@@ -23,7 +23,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
-use backend::{Faults, FileConfig, FileHandle};
+use backend::Faults;
 use iscsi_pdu::target_node::{Sink, TargetCore};
 use scsi_core::pr::FileStore;
 use scsi_core::transport::TaskCore;
@@ -34,6 +34,7 @@ use scsi_core::{
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config;
+use crate::store::UnitStore;
 
 /// The target portal group tag of every portal of a gateway on its own (one group, implicit
 /// ALUA active/optimized); in a cluster each gateway has its own (`cluster.port_group`).
@@ -475,20 +476,6 @@ pub fn latency_bucket(ns: u64) -> usize {
         .unwrap_or(LATENCY_BOUNDS_US.len())
 }
 
-/// The storage behind a logical unit.
-#[derive(Debug)]
-pub enum Storage {
-    /// A file or block device, opened by each reactor on its own engine.
-    File(FileConfig),
-    /// A RAM disk, one for all reactors.
-    Memory(Arc<Mutex<scsi_core::MemoryBackend>>),
-    /// Reads zeros, discards writes.
-    Null,
-    /// A Ceph RBD image, one handle for all reactors.
-    #[cfg(feature = "rbd")]
-    Rbd(Arc<backend::rbd::Image>),
-}
-
 /// A logical unit: its config, its storage and its counters. Replaced as a whole when it
 /// changes (resize), so a reactor that opened the old one opens the new one afresh.
 #[derive(Debug)]
@@ -502,7 +489,7 @@ pub struct Lun {
     /// Capacity in blocks.
     pub blocks: u64,
     /// Where its blocks are.
-    pub storage: Storage,
+    pub storage: Arc<dyn UnitStore>,
     /// Counters (kept across a resize).
     pub stats: Arc<LunStats>,
     /// Faults armed by `targetctl lun fault` (kept across a resize).
@@ -528,75 +515,11 @@ pub fn next_id() -> u64 {
     NEXT_ID.fetch_add(1, Ordering::Relaxed)
 }
 
-/// How the file backend opens the file of a `backend = "file"` unit.
-fn file_config(config: &config::Lun) -> Result<FileConfig, String> {
-    let path: PathBuf = config.path.clone().ok_or("the file backend needs a path")?;
-    let mut fc = FileConfig::new(path, config.size.map(|s| s.0));
-    fc.block_size = config.block_size;
-    fc.direct = config.direct;
-    fc.write_through = !config.write_cache;
-    fc.read_only = config.read_only;
-    Ok(fc)
-}
-
-/// What opening the unit `config` describes would refuse, found without opening it for I/O
-/// (`targetd --check`): for a file, what [`FileHandle::check`] finds; for an RBD image, a
-/// ceph.conf or keyring this process cannot read. The reason starts with the key at fault
-/// ("path: ..."), as [`Lun::open`]'s do.
-pub fn check_storage(config: &config::Lun) -> Result<(), String> {
-    match config.backend.as_str() {
-        "file" => FileHandle::check(&file_config(config)?).map_err(|e| format!("{}: {e}", e.key())),
-        "rbd" => {
-            for (key, path) in [
-                ("ceph_conf", &config.ceph_conf),
-                ("keyring", &config.keyring),
-            ] {
-                if let Some(path) = path {
-                    std::fs::File::open(path)
-                        .map_err(|e| format!("{key}: {}: {e}", path.display()))?;
-                }
-            }
-            Ok(())
-        }
-        _ => Ok(()),
-    }
-}
-
 impl Lun {
     /// Opens (creating a missing file) the storage `config` describes.
     pub fn open(config: &config::Lun, stats: Arc<LunStats>) -> Result<Lun, String> {
         let bs = config.block_size;
-        let size = config.size.map(|s| s.0);
-        let (storage, blocks) = match config.backend.as_str() {
-            "file" => {
-                let mut fc = file_config(config)?;
-                let handle = FileHandle::open(&fc).map_err(|e| format!("{}: {e}", e.key()))?;
-                let blocks = handle.blocks();
-                // The file now exists at its size: reactors open it as it is.
-                fc.size = None;
-                (Storage::File(fc), blocks)
-            }
-            "memory" => {
-                let blocks = size.unwrap_or(0) / u64::from(bs);
-                let m = scsi_core::MemoryBackend::new(bs, blocks);
-                (Storage::Memory(Arc::new(Mutex::new(m))), blocks)
-            }
-            #[cfg(feature = "rbd")]
-            "rbd" => {
-                let (image, bytes) = crate::rbd::open(config)?;
-                if let Some(size) = size.filter(|&s| s != bytes) {
-                    tracing::info!(
-                        image = %image.spec(),
-                        configured = size,
-                        actual = bytes,
-                        "the image exists at another size than configured: served at its own \
-                         size (targetctl lun resize changes it)"
-                    );
-                }
-                (Storage::Rbd(image), bytes / u64::from(bs))
-            }
-            _ => (Storage::Null, size.unwrap_or(0) / u64::from(bs)),
-        };
+        let (storage, blocks) = crate::store::open(config)?;
         Ok(Lun {
             id: next_id(),
             config: config.clone(),
@@ -614,19 +537,16 @@ impl Lun {
     /// LUN and the backing path, so it is stable across restarts and unique per unit.
     pub fn logical_unit(&self, target: &str) -> LogicalUnit {
         let c = &self.config;
-        let key = match &self.storage {
-            // The image alone: every gateway exporting it names the unit alike.
-            #[cfg(feature = "rbd")]
-            Storage::Rbd(image) => format!("rbd:{}", image.spec()),
-            _ => format!(
+        let key = self.storage.identity_key().unwrap_or_else(|| {
+            format!(
                 "{target}/{}/{}",
                 c.lun,
                 c.path
                     .as_ref()
                     .map(|p| p.display().to_string())
                     .unwrap_or_default()
-            ),
-        };
+            )
+        });
         LogicalUnit {
             identity: Identity::new(
                 "TARGETD",
@@ -648,11 +568,7 @@ impl Lun {
                     optimal_transfer,
                     ..Limits::default()
                 };
-                match &self.storage {
-                    #[cfg(feature = "rbd")]
-                    Storage::Rbd(image) => crate::rbd::limits(image, self.block_size, limits),
-                    _ => limits,
-                }
+                self.storage.limits(self.block_size, limits)
             },
         }
     }
@@ -838,21 +754,10 @@ impl Target {
         };
         #[allow(unused_mut)]
         let mut lun = Lun::open(config, stats)?;
-        #[cfg(feature = "rbd")]
-        if let Storage::Rbd(image) = &lun.storage {
-            match crate::rbd::watch_capacity(image, self.capacity_of(config.lun)) {
-                Ok(()) => {}
-                // An image opened read-only has no watch on its header: its size is the one
-                // it had when opened.
-                Err(e) if image.read_only() => {
-                    tracing::warn!(image = %image.spec(), "resizes made elsewhere go unseen: {e}")
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        lun.storage.watch_size(self.capacity_of(config.lun))?;
         let unit = lun.logical_unit(&self.name);
         #[cfg(feature = "rbd")]
-        if let (Some(keeper), Storage::Rbd(image)) = (&self.keeper, &lun.storage) {
+        if let (Some(keeper), Some(image)) = (&self.keeper, crate::rbd::image_of(&*lun.storage)) {
             // The unit enters the device with the shared state it has now, then follows it;
             // what changed between the read and the watch is read once more.
             keeper.check_unit(image.spec(), &self.name, config)?;
@@ -927,51 +832,18 @@ impl Target {
             ));
         }
         let blocks = bytes / bs;
-        let storage = match &old.storage {
-            Storage::File(fc) => {
-                let file = std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(&fc.path)
-                    .map_err(|e| format!("{}: {e}", fc.path.display()))?;
-                file.set_len(bytes)
-                    .map_err(|e| format!("{}: {e}", fc.path.display()))?;
-                Storage::File(fc.clone())
-            }
-            Storage::Memory(m) => {
-                let mut fresh = scsi_core::MemoryBackend::new(old.block_size, blocks);
-                let mut buf = vec![0u8; 1 << 20];
-                let guard = m.lock().unwrap_or_else(PoisonError::into_inner);
-                let keep = blocks.min(old.blocks) * bs;
-                let mut at = 0;
-                while at < keep {
-                    let n = (keep - at).min(buf.len() as u64) as usize;
-                    guard.read_bytes(at, &mut buf[..n]);
-                    let op = scsi_core::Op::Write {
-                        lba: at / bs,
-                        blocks: (n as u64 / bs) as u32,
-                        offset: 0,
-                        fua: false,
-                    };
-                    fresh
-                        .execute(&op, &mut buf[..n])
-                        .map_err(|e| e.to_string())?;
-                    at += n as u64;
-                }
-                Storage::Memory(Arc::new(Mutex::new(fresh)))
-            }
-            Storage::Null => Storage::Null,
-            #[cfg(feature = "rbd")]
-            Storage::Rbd(image) => {
-                image.resize(bytes, true).map_err(|e| e.to_string())?;
-                Storage::Rbd(image.clone())
-            }
-        };
+        let storage = old.storage.resize(old.block_size, old.blocks, bytes)?;
         self.replace_resized(&old, storage, blocks)
     }
 
     /// Puts a unit of `blocks` blocks on `storage` in `old`'s place (counters and faults
     /// kept), and tells the device: initiators get CAPACITY DATA HAS CHANGED.
-    fn replace_resized(&self, old: &Lun, storage: Storage, blocks: u64) -> Result<(), String> {
+    fn replace_resized(
+        &self,
+        old: &Lun,
+        storage: Arc<dyn UnitStore>,
+        blocks: u64,
+    ) -> Result<(), String> {
         let index = old.config.lun;
         let mut config = old.config.clone();
         config.size = Some(config::Size(blocks * u64::from(old.block_size)));
@@ -998,20 +870,18 @@ impl Target {
 
     /// What an image's resize watch calls with the new size of unit `lun`: this target's
     /// [`Target::capacity_changed`], while the target lives.
-    #[cfg(feature = "rbd")]
-    fn capacity_of(&self, lun: u16) -> impl Fn(u64) + Clone + Send + Sync + 'static {
+    fn capacity_of(&self, lun: u16) -> Arc<dyn Fn(u64) + Send + Sync> {
         let target = self.this.clone();
-        move |bytes| {
+        Arc::new(move |bytes| {
             if let Some(t) = target.upgrade() {
                 t.capacity_changed(lun, bytes);
             }
-        }
+        })
     }
 
     /// The storage of unit `index` says its size is now `bytes` (an RBD image resized by
     /// another client): the unit takes that size, and initiators get CAPACITY DATA HAS
     /// CHANGED. Nothing happens when the unit has that size already.
-    #[cfg(feature = "rbd")]
     pub fn capacity_changed(&self, index: u16, bytes: u64) {
         let _resizing = self.resizing.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(old) = self.lun(index) else { return };
@@ -1026,11 +896,8 @@ impl Target {
             to = blocks,
             "the unit's storage was resized elsewhere"
         );
-        let storage = match &old.storage {
-            Storage::Rbd(image) => Storage::Rbd(image.clone()),
-            _ => return,
-        };
-        if let Err(e) = self.replace_resized(&old, storage, blocks) {
+        // The same store, which someone else resized.
+        if let Err(e) = self.replace_resized(&old, old.storage.clone(), blocks) {
             tracing::warn!(target = %self.name, lun = index, "cannot resize: {e}");
         }
     }
@@ -1050,11 +917,7 @@ impl Target {
         };
         let mut lun = Lun::open(&old.config, old.stats.clone())?;
         lun.faults = old.faults.clone();
-        if let Storage::Rbd(image) = &lun.storage {
-            if !image.read_only() {
-                crate::rbd::watch_capacity(image, self.capacity_of(index))?;
-            }
-        }
+        lun.storage.watch_size(self.capacity_of(index))?;
         let followed = keeper.follow(self.this.clone(), &old.config, &shared.oid)?;
         let (state, version) = keeper.load(&shared.oid)?;
         lun.shared = Some(Arc::new(followed));
@@ -1202,10 +1065,7 @@ impl crate::cluster::SharedTarget for Target {
     }
 
     fn image(&self, lun: u16) -> Option<Arc<backend::rbd::Image>> {
-        match &self.lun(lun)?.storage {
-            Storage::Rbd(image) => Some(image.clone()),
-            _ => None,
-        }
+        crate::rbd::image_of(&*self.lun(lun)?.storage).cloned()
     }
 
     fn apply_shared_reservations(

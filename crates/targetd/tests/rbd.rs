@@ -422,12 +422,9 @@ async fn an_osd_that_stops_answering_fails_commands_retryably_and_io_resumes() {
     );
     let unavailable: u64 = {
         let t = &d.registry.targets()[0];
-        match &t.lun(0).unwrap().storage {
-            targetd::target::Storage::Rbd(image) => {
-                image.stats().unavailable.load(Ordering::Relaxed)
-            }
-            _ => unreachable!(),
-        }
+        let lun = t.lun(0).unwrap();
+        let image = targetd::rbd::image_of(&*lun.storage).expect("an RBD unit");
+        image.stats().unavailable.load(Ordering::Relaxed)
     };
     assert!(unavailable >= 4, "{unavailable} counted");
 

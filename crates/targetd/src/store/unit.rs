@@ -1,0 +1,152 @@
+//! The trait a unit's store implements, and the stores that need no outside library: a file
+//! or block device, a RAM disk, a null device.
+
+use std::any::Any;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use backend::{AnyBackend, Engine, FileConfig, FileHandle, Immediate, NullBackend};
+use scsi_core::{Limits, MemoryBackend};
+
+/// Where a unit's blocks are.
+pub trait UnitStore: std::fmt::Debug + Send + Sync + 'static {
+    /// The backend a reactor runs the unit's operations on (its `engine`; the unit's
+    /// geometry).
+    fn backend(&self, engine: &Engine, block_size: u32, blocks: u64) -> Result<AnyBackend, String>;
+    /// What names the unit in its identity, when the store names it better than the target,
+    /// LUN and path do (an RBD image: the same name on every gateway exporting it).
+    fn identity_key(&self) -> Option<String> {
+        None
+    }
+    /// The Block Limits the store suits, from `limits` (the config's).
+    fn limits(&self, block_size: u32, limits: Limits) -> Limits {
+        let _ = block_size;
+        limits
+    }
+    /// The same unit's store at `bytes` (grown or shrunk; the caller checked the size is a
+    /// whole number of `block_size` blocks, and a shrink was asked for with force).
+    fn resize(
+        &self,
+        block_size: u32,
+        blocks: u64,
+        bytes: u64,
+    ) -> Result<Arc<dyn UnitStore>, String>;
+    /// Makes every acknowledged write durable (at stop).
+    fn flush(&self) -> Result<(), String> {
+        Ok(())
+    }
+    /// Calls `resized` with the new size in bytes whenever someone else resizes the store
+    /// (an RBD image resized with `rbd` or through another gateway). `Ok` without a watch for
+    /// stores no one else reaches.
+    fn watch_size(&self, resized: Arc<dyn Fn(u64) + Send + Sync>) -> Result<(), String> {
+        let _ = resized;
+        Ok(())
+    }
+    /// What `targetctl luns --json` shows of the store beyond the config (an RBD image's
+    /// librbd figures); null when nothing.
+    fn details(&self) -> serde_json::Value {
+        serde_json::Value::Null
+    }
+    /// The store as `Any`, for what only one kind has (an RBD image, shared through a
+    /// cluster).
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// A file or block device, opened by each reactor on its own engine.
+#[derive(Debug)]
+pub struct FileStore(pub FileConfig);
+
+impl UnitStore for FileStore {
+    fn backend(&self, engine: &Engine, _: u32, _: u64) -> Result<AnyBackend, String> {
+        let handle = FileHandle::open(&self.0).map_err(|e| e.to_string())?;
+        Ok(AnyBackend::File(engine.open(handle)))
+    }
+
+    fn resize(&self, _: u32, _: u64, bytes: u64) -> Result<Arc<dyn UnitStore>, String> {
+        let path = &self.0.path;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        file.set_len(bytes)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(Arc::new(FileStore(self.0.clone())))
+    }
+
+    fn flush(&self) -> Result<(), String> {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .open(&self.0.path)
+            .and_then(|f| f.sync_data())
+            .map_err(|e| format!("{}: {e}", self.0.path.display()))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// A RAM disk, one for all reactors.
+#[derive(Debug)]
+pub struct MemoryStore(pub Arc<Mutex<MemoryBackend>>);
+
+impl UnitStore for MemoryStore {
+    fn backend(&self, _: &Engine, block_size: u32, blocks: u64) -> Result<AnyBackend, String> {
+        Ok(AnyBackend::SharedMemory(Immediate::new(
+            self.0.clone(),
+            block_size,
+            blocks,
+        )))
+    }
+
+    /// A new RAM disk with the old one's blocks, as many as fit.
+    fn resize(
+        &self,
+        block_size: u32,
+        blocks: u64,
+        bytes: u64,
+    ) -> Result<Arc<dyn UnitStore>, String> {
+        let bs = u64::from(block_size);
+        let mut fresh = MemoryBackend::new(block_size, bytes / bs);
+        let mut buf = vec![0u8; 1 << 20];
+        let guard = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        let keep = (bytes / bs).min(blocks) * bs;
+        let mut at = 0;
+        while at < keep {
+            let n = (keep - at).min(buf.len() as u64) as usize;
+            guard.read_bytes(at, &mut buf[..n]);
+            let op = scsi_core::Op::Write {
+                lba: at / bs,
+                blocks: (n as u64 / bs) as u32,
+                offset: 0,
+                fua: false,
+            };
+            fresh
+                .execute(&op, &mut buf[..n])
+                .map_err(|e| e.to_string())?;
+            at += n as u64;
+        }
+        Ok(Arc::new(MemoryStore(Arc::new(Mutex::new(fresh)))))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
+
+/// Reads zeros, discards writes.
+#[derive(Debug)]
+pub struct NullStore;
+
+impl UnitStore for NullStore {
+    fn backend(&self, _: &Engine, block_size: u32, blocks: u64) -> Result<AnyBackend, String> {
+        Ok(AnyBackend::Null(NullBackend::null(block_size, blocks)))
+    }
+
+    fn resize(&self, _: u32, _: u64, _: u64) -> Result<Arc<dyn UnitStore>, String> {
+        Ok(Arc::new(NullStore))
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+}
