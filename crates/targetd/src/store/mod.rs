@@ -1,5 +1,5 @@
 //! What a logical unit (and, with NVMe, a namespace) is stored on: one trait,
-//! [`UnitStore`], with a file, memory and null implementation ([`unit`]) and (feature `rbd`)
+//! [`UnitStore`], with a file, memory and null implementation ([`unit`](mod@unit)) and (feature `rbd`)
 //! an RBD one (`crate::rbd::RbdStore`). The stores are registered by their config name here,
 //! in [`open`] and [`check`], the one place that names the RBD store; everything else (the
 //! target, the reactors, the admin interface, the drain) asks the trait.
