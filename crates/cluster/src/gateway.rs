@@ -426,7 +426,7 @@ impl Gateway {
     /// tells the outcome.
     pub fn submit(
         &mut self,
-        now: Instant,
+        _now: Instant,
         change: ChangeId,
         unit: UnitId,
         nexus: ItNexus,
@@ -438,7 +438,7 @@ impl Gateway {
             nexus,
             request,
         });
-        self.drive_changes(now);
+        self.drive_changes();
     }
 
     /// The next request for the store.
@@ -615,8 +615,7 @@ impl Gateway {
 
     // ---- Changes ----
 
-    fn drive_changes(&mut self, now: Instant) {
-        let _ = now;
+    fn drive_changes(&mut self) {
         while self.change.is_none() {
             let Some(job) = self.jobs.front() else {
                 return;
@@ -642,12 +641,12 @@ impl Gateway {
     }
 
     /// The head job ends with `result`; the next one starts.
-    fn finish_change(&mut self, now: Instant, result: Result<(), PrError>) {
+    fn finish_change(&mut self, result: Result<(), PrError>) {
         self.change = None;
         if let Some(job) = self.jobs.pop_front() {
             self.decided(job.change, result);
         }
-        self.drive_changes(now);
+        self.drive_changes();
     }
 
     fn change_outcome(&mut self, now: Instant, outcome: Outcome) {
@@ -655,7 +654,7 @@ impl Gateway {
             return;
         };
         let Some(oid) = self.units.get(&job.unit).map(|u| u.oid.clone()) else {
-            return self.finish_change(now, Err(unavailable()));
+            return self.finish_change(Err(unavailable()));
         };
         match (step, outcome) {
             (ChangeStep::Reading { races }, Outcome::Read(read)) => {
@@ -664,24 +663,24 @@ impl Gateway {
                         Some(s) => (s, Some(v.version)),
                         None => {
                             tracing::error!(object = %oid, "the shared reservations are damaged");
-                            return self.finish_change(now, Err(unavailable()));
+                            return self.finish_change(Err(unavailable()));
                         }
                     },
                     Ok(None) => (Reservations::default(), None),
                     Err(e) => {
                         tracing::warn!(object = %oid, "reading the reservations: {}", errno_text(e));
-                        return self.finish_change(now, Err(unavailable()));
+                        return self.finish_change(Err(unavailable()));
                     }
                 };
                 let mut next = state.clone();
                 let effects = match next.apply(&job.nexus, &job.request) {
                     Ok(fx) => fx,
-                    Err(e) => return self.finish_change(now, Err(e)),
+                    Err(e) => return self.finish_change(Err(e)),
                 };
                 // A reset changes nothing shared when no SPC-2 reservation is held, but the
                 // other gateways must reset too: it is written (a new version) all the same.
                 if next == state && !effects.reset {
-                    return self.finish_change(now, Ok(()));
+                    return self.finish_change(Ok(()));
                 }
                 let data = next.encode();
                 self.change = Some(ChangeStep::Writing {
@@ -731,7 +730,7 @@ impl Gateway {
                             object = %oid,
                             "lost {MAX_RACES} races to change the reservations"
                         );
-                        return self.finish_change(now, Err(unavailable()));
+                        return self.finish_change(Err(unavailable()));
                     }
                     self.change = Some(ChangeStep::Reading { races: races + 1 });
                     self.requests.push_back(Request::Read {
@@ -741,11 +740,11 @@ impl Gateway {
                 }
                 Err(CasError::Failed(e)) => {
                     tracing::warn!(object = %oid, "writing the reservations: {}", errno_text(e));
-                    self.finish_change(now, Err(unavailable()))
+                    self.finish_change(Err(unavailable()))
                 }
             },
             (ChangeStep::Notifying, Outcome::Notified(n)) => match n {
-                Ok(o) if o.timed_out.is_empty() => self.finish_change(now, Ok(())),
+                Ok(o) if o.timed_out.is_empty() => self.finish_change(Ok(())),
                 Ok(o) => {
                     self.counters.unacknowledged += 1;
                     tracing::warn!(
@@ -770,7 +769,7 @@ impl Gateway {
                         "telling the other gateways of a change: {}",
                         errno_text(e)
                     );
-                    self.finish_change(now, Ok(()))
+                    self.finish_change(Ok(()))
                 }
             },
             (ChangeStep::ReadingMembers { silent }, Outcome::Read(read)) => {
@@ -800,7 +799,7 @@ impl Gateway {
                     ?outcome,
                     "an outcome the change lane did not ask for"
                 );
-                self.finish_change(now, Err(unavailable()));
+                self.finish_change(Err(unavailable()));
             }
         }
     }
@@ -826,11 +825,11 @@ impl Gateway {
     fn fence_next(&mut self, now: Instant, lane: Lane, queue: VecDeque<Member>) {
         let Some(member) = queue.front().cloned() else {
             return match lane {
-                Lane::Changes => self.finish_change(now, Ok(())),
+                Lane::Changes => self.finish_change(Ok(())),
                 Lane::Membership => {
                     let step = std::mem::replace(&mut self.membership_step, MembershipStep::Idle);
                     if let MembershipStep::Fencing { members, live, .. } = step {
-                        self.seen(now, Membership { members, live });
+                        self.seen(Membership { members, live });
                     }
                     self.round_over(now)
                 }
@@ -1003,7 +1002,7 @@ impl Gateway {
         queue: VecDeque<Member>,
     ) {
         if queue.is_empty() {
-            self.seen(now, Membership { members, live });
+            self.seen(Membership { members, live });
             return self.round_over(now);
         }
         self.membership_step = MembershipStep::Fencing {
@@ -1015,7 +1014,7 @@ impl Gateway {
     }
 
     /// The membership is `now_seen`: when it changed, every unit gets its port groups.
-    fn seen(&mut self, _now: Instant, now_seen: Membership) {
+    fn seen(&mut self, now_seen: Membership) {
         if self.fenced || now_seen == self.membership {
             return;
         }

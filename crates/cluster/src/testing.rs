@@ -24,7 +24,6 @@ pub const EBLOCKLISTED: i32 = -108;
 struct Notify {
     from: usize,
     lane: Lane,
-    oid: String,
     /// The watchers still to answer: (node, instance).
     waiting: Vec<(usize, u64)>,
     acked: Vec<(u64, u64, Vec<u8>)>,
@@ -373,7 +372,6 @@ impl Sim {
                 self.notifies.push(Notify {
                     from: i,
                     lane,
-                    oid: oid.clone(),
                     waiting: waiting.clone(),
                     acked: Vec::new(),
                     deadline: now + timeout,
@@ -538,7 +536,6 @@ impl Sim {
             if self.nodes[n.from].silent {
                 continue;
             }
-            let _ = &n.oid;
             self.nodes[n.from]
                 .machine
                 .handle_outcome(now, n.lane, Outcome::Notified(Ok(outcome)));
