@@ -8,7 +8,7 @@
 //! paths unavailable and rejoins with a growing delay. The machine takes outcomes,
 //! notifications and `now`, and hands out requests for the object store and events for the
 //! targets; it owns no thread, socket or clock. targetd's shell carries the requests out on
-//! RADOS (crates/targetd/src/cluster.rs); the test kit (`testing`, feature `testing`) on an
+//! RADOS (crates/targetd/src/cluster/keeper.rs); the test kit (`testing`, feature `testing`) on an
 //! in-memory store with gateways on a virtual clock that can go silent, be killed, race and
 //! lose notifies.
 #![forbid(unsafe_code)]

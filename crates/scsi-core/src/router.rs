@@ -11,9 +11,13 @@
 //! What is one transport's own stays in that transport: iSCSI's CmdSN order wraps a router
 //! (`iscsi_pdu::target_node::TargetCore`); SRP needs none.
 
-use crate::device::{Device, DeviceError};
+use crate::device::{Device, DeviceError, ReservationChange};
+use crate::lu::{LogicalUnit, TargetPort};
+use crate::nexus::TransportId;
+use crate::pr::{PrError, ReservationEffects, Reservations};
+use crate::spc::tpg::PortGroup;
 use crate::task::{Action, Command, TaskId, TmfFunction};
-use crate::{BackendError, NexusId, Output};
+use crate::{BackendError, NexusId, Output, Sense};
 
 /// What the device hands back to the connection that owns a task.
 #[derive(Debug)]
@@ -40,14 +44,28 @@ pub trait Sink<R> {
     fn unrouted(&mut self, action: Action) {
         let _ = action;
     }
+
+    /// `change` to a unit's shared reservations ([`Device::share_reservations`]) is for their
+    /// keeper, which decides it and then calls [`Router::apply_reservations`] on every
+    /// device server of the unit and [`Router::reservation_done`] (or
+    /// [`Router::task_management_change_done`]) on this one. A sink that reaches no keeper
+    /// hands it back (`Some`, the default), and the router refuses it
+    /// ([`Router::refuse_reservation_change`]).
+    fn reservation_change(&mut self, change: ReservationChange) -> Option<ReservationChange> {
+        Some(change)
+    }
 }
 
 /// A target's device and the routes of its tasks, task management functions and unit
 /// attention announcements.
+///
+/// The router owns the device: every call that can change it (a command, data-out, a backend
+/// completion, an administrator's unit or port group change, a keeper's decision) is a router
+/// method that hands what follows to a [`Sink`], so nothing the device raises is left for a
+/// later caller to find. [`Router::device`] is the device to look at.
 #[derive(Debug)]
 pub struct Router<R> {
-    /// The device.
-    pub device: Device,
+    device: Device,
     routes: Vec<Option<R>>,
     tmfs: Vec<(u64, R)>,
     /// Where each nexus that reports asynchronous events has them sent.
@@ -65,6 +83,110 @@ impl<R: Clone> Router<R> {
             announcements: Vec::new(),
             next_reference: 0,
         }
+    }
+
+    /// The device, to look at (its units, reservations, port groups, tasks).
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Adds a target port (a transport's first login through it); false when the device has
+    /// it already. See [`Device::add_port`].
+    pub fn add_port(&mut self, port: TargetPort) -> bool {
+        self.device.add_port(port)
+    }
+
+    /// Opens the I_T nexus of `initiator` through the target port `relative_port`.
+    pub fn open_nexus(&mut self, initiator: TransportId, relative_port: u16) -> NexusId {
+        self.device.open_nexus(initiator, relative_port)
+    }
+
+    /// Adds logical unit `index` (an administrator's `lun add`); the nexuses hear REPORTED
+    /// LUNS DATA HAS CHANGED.
+    pub fn add_unit(
+        &mut self,
+        index: u16,
+        unit: LogicalUnit,
+        out: &mut impl Sink<R>,
+    ) -> Result<(), DeviceError> {
+        let added = self.device.add_lu(index, unit);
+        self.drain(out);
+        added
+    }
+
+    /// Removes logical unit `index`; its tasks are aborted, each abort routed to its
+    /// connection.
+    pub fn remove_unit(&mut self, index: u16, out: &mut impl Sink<R>) -> Result<(), DeviceError> {
+        let removed = self.device.remove_lu(index);
+        self.drain(out);
+        removed
+    }
+
+    /// Unit `index` now has `blocks` blocks; the nexuses hear CAPACITY DATA HAS CHANGED.
+    pub fn resize_unit(
+        &mut self,
+        index: u16,
+        blocks: u64,
+        out: &mut impl Sink<R>,
+    ) -> Result<(), DeviceError> {
+        let resized = self.device.resize_lu(index, blocks);
+        self.drain(out);
+        resized
+    }
+
+    /// Unit `lun`'s target port groups are now `groups`; returns whether an access state
+    /// changed (the nexuses then hear ASYMMETRIC ACCESS STATE CHANGED).
+    pub fn set_port_groups(
+        &mut self,
+        lun: u16,
+        groups: Vec<PortGroup>,
+        out: &mut impl Sink<R>,
+    ) -> Result<bool, DeviceError> {
+        let changed = self.device.set_port_groups(lun, groups);
+        self.drain(out);
+        changed
+    }
+
+    /// Keeps unit `lun`'s reservations with a keeper ([`Device::share_reservations`]): its
+    /// changes reach the sink's [`Sink::reservation_change`].
+    pub fn share_reservations(&mut self, lun: u16) -> Result<(), DeviceError> {
+        self.device.share_reservations(lun)
+    }
+
+    /// The keeper says unit `lun`'s shared reservations are `state` at `version`
+    /// ([`Device::apply_reservations`]); the unit attentions and aborts that follow are
+    /// routed. Returns whether it was applied (false: not newer than the last).
+    pub fn apply_reservations(
+        &mut self,
+        lun: u16,
+        version: u64,
+        state: Reservations,
+        effects: &ReservationEffects,
+        out: &mut impl Sink<R>,
+    ) -> bool {
+        let applied = self.device.apply_reservations(lun, version, state, effects);
+        self.drain(out);
+        applied
+    }
+
+    /// The keeper has decided the change of reservation task `task`
+    /// ([`Device::reservation_done`]); the task's end is routed.
+    pub fn reservation_done(
+        &mut self,
+        task: TaskId,
+        result: Result<(), PrError>,
+        out: &mut impl Sink<R>,
+    ) -> Result<(), DeviceError> {
+        let done = self.device.reservation_done(task, result);
+        self.drain(out);
+        done
+    }
+
+    /// The keeper has carried out (or given up on) the change task management function
+    /// `reference` waits for ([`Device::task_management_change_done`]).
+    pub fn task_management_change_done(&mut self, reference: u64, out: &mut impl Sink<R>) {
+        self.device.task_management_change_done(reference);
+        self.drain(out);
     }
 
     /// Has the unit attentions of `nexus` reported to `route` as they are established
@@ -169,9 +291,16 @@ impl<R: Clone> Router<R> {
     }
 
     /// Hands every pending action of the device to `out`, addressed to the connection of its
-    /// task (a task's route is forgotten when it completes or is aborted).
+    /// task (a task's route is forgotten when it completes or is aborted), and every change to
+    /// shared reservations to the sink's keeper.
     pub fn drain(&mut self, out: &mut impl Sink<R>) {
-        while let Some(action) = self.device.poll() {
+        loop {
+            if self.device.has_reservation_changes() {
+                self.hand_over_reservation_changes(out);
+            }
+            let Some(action) = self.device.poll() else {
+                break;
+            };
             let routed = match &action {
                 Action::DataOut { task, .. }
                 | Action::Backend { task, .. }
@@ -204,6 +333,37 @@ impl<R: Clone> Router<R> {
                 Some(route) => out.push(&route, CoreEvent::Action(action)),
                 None => out.unrouted(action),
             }
+        }
+    }
+
+    /// Hands the device's changes to shared reservations to the sink's keeper; one the sink
+    /// hands back (no keeper) is refused.
+    fn hand_over_reservation_changes(&mut self, out: &mut impl Sink<R>) {
+        while let Some(change) = self.device.poll_reservation_change() {
+            if let Some(change) = out.reservation_change(change) {
+                self.refuse(change);
+            }
+        }
+    }
+
+    /// Refuses `change` to shared reservations, which no keeper can decide: its command ends
+    /// with NOT READY (LOGICAL UNIT IS IN PROCESS OF BECOMING READY, which initiators retry),
+    /// and a task management function that waits for it goes on without it.
+    pub fn refuse_reservation_change(&mut self, change: ReservationChange, out: &mut impl Sink<R>) {
+        self.refuse(change);
+        self.drain(out);
+    }
+
+    fn refuse(&mut self, change: ReservationChange) {
+        if let Some(reference) = change.tmf {
+            self.device.task_management_change_done(reference);
+        }
+        if let Some(task) = change.task {
+            let unavailable = Sense::from(BackendError::Unavailable);
+            // An error is a task aborted meanwhile: its end is routed already.
+            let _ = self
+                .device
+                .reservation_done(task, Err(PrError::Sense(unavailable)));
         }
     }
 }

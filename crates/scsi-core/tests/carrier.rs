@@ -67,7 +67,7 @@ impl TaskCore for Core<'_> {
     }
 
     fn block_size(&mut self, lun: u16) -> Option<u32> {
-        let unit = self.router.device.logical_unit(lun)?;
+        let unit = self.router.device().logical_unit(lun)?;
         Some(unit.geometry.block_size)
     }
 }

@@ -637,11 +637,7 @@ impl Rig {
     /// Changes the capacity of LUN index `lun` to `blocks`, as an administrator would: every
     /// nexus gets a unit attention, reported at once by SRP_AER_REQ.
     pub fn resize(&mut self, lun: u16, blocks: u64) {
-        self.core
-            .device_mut()
-            .resize_lu(lun, blocks)
-            .expect("the unit exists");
-        self.core.drain();
+        self.core.resize_unit(lun, blocks).expect("the unit exists");
         self.run();
     }
 

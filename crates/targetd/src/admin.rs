@@ -748,14 +748,12 @@ fn luns(registry: &Registry, target: Option<&str>) -> Result<Value, String> {
 
 /// The cluster view, or `forget` a gateway; refused where this targetd is not in a cluster.
 fn cluster(registry: &Registry, forget: Option<&str>) -> Result<Value, String> {
-    #[cfg(feature = "rbd")]
-    if let Some(keeper) = &registry.target_env.keeper {
+    if let Some(cluster) = &registry.target_env.cluster {
         return match forget {
-            Some(gateway) => keeper.forget(gateway).map(|said| json!(said)),
-            None => Ok(keeper.view()),
+            Some(gateway) => cluster.forget(gateway).map(|said| json!(said)),
+            None => Ok(cluster.view()),
         };
     }
-    let _ = (registry, forget);
     Err(if cfg!(feature = "rbd") {
         "this targetd is not in a cluster (no [cluster] in its config)".into()
     } else {

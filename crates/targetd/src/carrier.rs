@@ -16,17 +16,19 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use backend::{Buffer, Share};
-use scsi_core::transport::Event;
+use scsi_core::transport::{Accounting, Event};
 use scsi_core::{BackendError, Output, TaskId};
 
 use crate::reactor::{Done, Inbox, Io};
-use crate::target::{Lun, Target};
+use crate::target::Lun;
 
 /// A connection or channel as the carrier reaches it: its machine's task-layer inputs (each
-/// taken with whatever core step the machine needs) and the target its units belong to.
+/// taken with whatever core step the machine needs), its units, and where a finished command
+/// is counted. Nothing here is SCSI's: a transport with a controller of its own implements it
+/// as well.
 pub trait Carried {
-    /// The target whose units its commands reach (none: a discovery session).
-    fn target(&self) -> Option<&Target>;
+    /// Counts a finished command on its unit (nothing for a discovery session).
+    fn account(&self, done: &Accounting);
     /// The unit a backend operation for LUN index `lun` runs on
     /// (the target's `unit_for` with the connection's cache); `None` when it is gone.
     fn unit(&mut self, lun: u16) -> Option<Arc<Lun>>;
@@ -190,11 +192,7 @@ impl Carrier {
                     conn.buffer(Instant::now(), tag, buffer);
                 }
             }
-            Event::Completed(a) => {
-                if let Some(target) = conn.target() {
-                    target.account(&a);
-                }
-            }
+            Event::Completed(a) => conn.account(&a),
         }
     }
 

@@ -46,7 +46,7 @@ use crate::iscsi::connection::{Link, Scope, SessionStep};
 use crate::iscsi::login::Outcome;
 use crate::reactor::Io;
 use crate::registry::{AdmissionState, ConnectionSlot, Peer, Registry};
-use crate::target::{next_id, Lun, Routed, Target};
+use crate::target::{next_id, Lun, Routed};
 
 /// The most data a Send to the target may carry (TargetRecvDataSegmentLength): what an IU
 /// buffer holds behind the iSER header, the BHS and the most AHS a PDU may have, rounded
@@ -183,10 +183,11 @@ enum Phase {
 
 /// What the carrier hands a connection: only one in full feature phase has tasks.
 impl<Q, I> Carried for Conn<Q, I> {
-    fn target(&self) -> Option<&Target> {
-        match &self.phase {
-            Phase::Full(f) => f.scope.target().map(|t| &**t),
-            Phase::Login(_) => None,
+    fn account(&self, done: &scsi_core::transport::Accounting) {
+        if let Phase::Full(f) = &self.phase {
+            if let Some(target) = f.scope.target() {
+                target.account(done);
+            }
         }
     }
 

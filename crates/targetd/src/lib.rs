@@ -20,7 +20,6 @@
 
 pub mod admin;
 pub mod carrier;
-#[cfg(feature = "rbd")]
 pub mod cluster;
 pub mod config;
 pub mod config_file;

@@ -23,6 +23,7 @@ use prometheus_client::metrics::MetricType;
 use tokio::net::TcpListener;
 
 use crate::registry::Registry;
+use crate::store::StoreFigures;
 
 /// The text exposition of every figure, as a scrape gets it.
 pub fn text(registry: &Arc<Registry>) -> String {
@@ -112,7 +113,6 @@ impl Collector for Figures {
         arenas(&mut e, registry)?;
         units(&mut e, registry)?;
         rbd(&mut e, registry)?;
-        #[cfg(feature = "rbd")]
         cluster(&mut e, registry)?;
         Ok(())
     }
@@ -527,94 +527,88 @@ fn latency_histograms(
     Ok(())
 }
 
-/// librbd's figures per RBD unit: in flight now, completed, their summed latency, and those
-/// that failed because the cluster did not answer in time or otherwise.
+/// The figures of each unit whose store runs its operations through a library of its own
+/// (an RBD unit: librbd's): in flight now, completed, their summed latency, and those that
+/// failed because the cluster did not answer in time or otherwise.
 fn rbd(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
-    #[cfg(feature = "rbd")]
-    {
-        use MetricType::{Counter, Gauge};
-        // Counts as integers (a counter of operations is never 12.0); seconds as decimals.
-        enum Number {
-            Count(u64),
-            Seconds(f64),
-        }
-        use Number::{Count, Seconds};
-        type Field = fn(&backend::rbd::ImageStats) -> Number;
-        let mut rows = Vec::new();
-        for t in registry.targets() {
-            for lun in t.lun_list() {
-                if let Some(image) = crate::rbd::image_of(&*lun.storage) {
-                    let spec = image.spec();
-                    let labels = vec![
-                        ("target", t.name.clone()),
-                        ("lun", lun.config.lun.to_string()),
-                        ("pool", spec.pool.clone()),
-                        ("image", spec.image.clone()),
-                    ];
-                    rows.push((labels, image.clone()));
-                }
-            }
-        }
-        let families: [(&str, MetricType, &str, Field); 5] = [
-            (
-                "targetd_rbd_in_flight",
-                Gauge,
-                "operations librbd has not completed",
-                |s| Count(s.in_flight.load(Relaxed)),
-            ),
-            (
-                "targetd_rbd_operations_total",
-                Counter,
-                "operations librbd completed",
-                |s| Count(s.completed.load(Relaxed)),
-            ),
-            (
-                "targetd_rbd_latency_seconds_total",
-                Counter,
-                "sum of librbd operation latencies, seconds",
-                |s| Seconds(s.latency_ns.load(Relaxed) as f64 / 1e9),
-            ),
-            (
-                "targetd_rbd_unavailable_total",
-                Counter,
-                "operations failed retryably: the cluster did not answer within ceph_timeout",
-                |s| Count(s.unavailable.load(Relaxed)),
-            ),
-            (
-                "targetd_rbd_errors_total",
-                Counter,
-                "operations failed otherwise",
-                |s| Count(s.errors.load(Relaxed)),
-            ),
-        ];
-        if rows.is_empty() {
-            return Ok(());
-        }
-        for (name, kind, help, field) in families {
-            let mut f = family(e, name, help, kind)?;
-            for (labels, image) in &rows {
-                match field(image.stats()) {
-                    Count(n) => f.sample(labels, n)?,
-                    Seconds(s) => f.sample(labels, s)?,
-                }
+    use MetricType::{Counter, Gauge};
+    // Counts as integers (a counter of operations is never 12.0); seconds as decimals.
+    enum Number {
+        Count(u64),
+        Seconds(f64),
+    }
+    use Number::{Count, Seconds};
+    type Field = fn(&StoreFigures) -> Number;
+    let mut rows = Vec::new();
+    for t in registry.targets() {
+        for lun in t.lun_list() {
+            if let Some(figures) = lun.storage.figures() {
+                let mut labels = vec![
+                    ("target", t.name.clone()),
+                    ("lun", lun.config.lun.to_string()),
+                ];
+                labels.extend(figures.labels.iter().cloned());
+                rows.push((labels, figures));
             }
         }
     }
-    let _ = (e, registry);
+    let families: [(&str, MetricType, &str, Field); 5] = [
+        (
+            "targetd_rbd_in_flight",
+            Gauge,
+            "operations librbd has not completed",
+            |s| Count(s.in_flight),
+        ),
+        (
+            "targetd_rbd_operations_total",
+            Counter,
+            "operations librbd completed",
+            |s| Count(s.completed),
+        ),
+        (
+            "targetd_rbd_latency_seconds_total",
+            Counter,
+            "sum of librbd operation latencies, seconds",
+            |s| Seconds(s.latency_ns as f64 / 1e9),
+        ),
+        (
+            "targetd_rbd_unavailable_total",
+            Counter,
+            "operations failed retryably: the cluster did not answer within ceph_timeout",
+            |s| Count(s.unavailable),
+        ),
+        (
+            "targetd_rbd_errors_total",
+            Counter,
+            "operations failed otherwise",
+            |s| Count(s.errors),
+        ),
+    ];
+    if rows.is_empty() {
+        return Ok(());
+    }
+    for (name, kind, help, field) in families {
+        let mut f = family(e, name, help, kind)?;
+        for (labels, figures) in &rows {
+            match field(figures) {
+                Count(n) => f.sample(labels, n)?,
+                Seconds(s) => f.sample(labels, s)?,
+            }
+        }
+    }
     Ok(())
 }
 
 /// This gateway's view of its cluster (`[cluster]`): who is alive, whether it is fenced, and
 /// what its keeper did.
-#[cfg(feature = "rbd")]
 fn cluster(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
     use MetricType::{Counter, Gauge};
-    let Some(k) = &registry.target_env.keeper else {
+    let Some(k) = &registry.target_env.cluster else {
         return Ok(());
     };
     let membership = k.membership();
     let c = k.counters();
-    let labels = vec![("gateway", k.config().gateway.clone())];
+    let labels = vec![("gateway", k.gateway().to_string())];
     singles(
         e,
         &labels,

@@ -10,7 +10,7 @@ use backend::rbd::{Cluster, ClusterConfig, Image, ImageSpec, NATIVE_COMPARE_AND_
 use scsi_core::Limits;
 
 use crate::config;
-use crate::store::unit::UnitStore;
+use crate::store::unit::{StoreFigures, UnitStore};
 
 /// The cluster a LUN's config reaches.
 pub fn cluster_config(c: &config::Lun) -> ClusterConfig {
@@ -200,6 +200,19 @@ impl UnitStore for RbdStore {
             "latency_ns_total": s.latency_ns.load(Relaxed),
             "unavailable": s.unavailable.load(Relaxed),
             "errors": s.errors.load(Relaxed),
+        })
+    }
+
+    fn figures(&self) -> Option<StoreFigures> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (spec, s) = (self.0.spec(), self.0.stats());
+        Some(StoreFigures {
+            labels: vec![("pool", spec.pool.clone()), ("image", spec.image.clone())],
+            in_flight: s.in_flight.load(Relaxed),
+            completed: s.completed.load(Relaxed),
+            latency_ns: s.latency_ns.load(Relaxed),
+            unavailable: s.unavailable.load(Relaxed),
+            errors: s.errors.load(Relaxed),
         })
     }
 

@@ -193,9 +193,8 @@ impl Server {
         let rdma_portals = config.server.rdma_portals.clone();
         #[cfg(feature = "rdma")]
         let iser_portals = config.server.iser_portals.clone();
-        #[cfg(feature = "rbd")]
-        if let Some(keeper) = &env.keeper {
-            keeper.join(&portals).map_err(|(k, r)| fail(k, r))?;
+        if let Some(cluster) = &env.cluster {
+            cluster.join(&portals).map_err(|(k, r)| fail(k, r))?;
         }
         let registry = Arc::new(Registry::new(config, config_path, targets, portals, env));
         let settings = reactor::Settings {
@@ -386,9 +385,8 @@ impl Server {
         .await;
         flush(&registry);
         // A planned stop: the other gateways hear it left rather than fence it as failed.
-        #[cfg(feature = "rbd")]
-        if let Some(keeper) = &registry.target_env.keeper {
-            keeper.leave();
+        if let Some(cluster) = &registry.target_env.cluster {
+            cluster.leave();
         }
         if let Some(p) = admin_path {
             let _ = std::fs::remove_file(p);

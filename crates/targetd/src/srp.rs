@@ -172,7 +172,7 @@ impl Core for CoreStep<'_> {
     }
 
     fn submit(&mut self, cmd: Command<'_>) -> Result<TaskId, DeviceError> {
-        self.core(|core, _, route, out| core.submit(cmd, route, out))
+        self.core(|core, _, route, out| core.router().submit(cmd, route, out))
             .unwrap_or(Err(DeviceError::UnknownNexus))
     }
 }
@@ -218,8 +218,8 @@ impl<Q> Chan<Q> {
 }
 
 impl<Q> Carried for Chan<Q> {
-    fn target(&self) -> Option<&Target> {
-        Some(&self.target)
+    fn account(&self, done: &scsi_core::transport::Accounting) {
+        self.target.account(done);
     }
 
     fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
@@ -405,8 +405,7 @@ impl<Q> LoginPolicy<u64> for PortPolicy<'_, Q> {
     }
 
     fn close_nexus(&mut self, (target, _): &Self::Target, nexus: NexusId) {
-        let mut out = Outbox::detached();
-        target.core().close_session(nexus, &mut out);
+        target.with_core(|core, out| core.close_session(nexus, out));
     }
 
     fn terminate(&mut self, channel: u64) {
@@ -520,7 +519,9 @@ impl<F: Fabric> Port<F> {
         let route = Route { conn: id, tx };
         // The nexus's unit attentions are reported at once (SRP_AER_REQ) on its newest
         // channel.
-        if let Err(e) = target.core().announce_to(nexus, Some(route.clone())) {
+        let announced =
+            target.with_core(|core, _| core.router().announce_to(nexus, Some(route.clone())));
+        if let Err(e) = announced {
             tracing::warn!(portal = %self.portal, "SRP asynchronous events: {e}");
         }
         self.channels.insert(
@@ -646,8 +647,8 @@ impl<F: Fabric> Port<F> {
         lock(&self.registry.srp_channels).remove(&id);
         match self.logins.leave(c.key, &id) {
             Left::Ended(nexus) => {
-                let mut out = Outbox::detached();
-                c.target.core().close_session(nexus, &mut out);
+                c.target
+                    .with_core(|core, out| core.close_session(nexus, out));
             }
             Left::Stays => {
                 // The nexus's asynchronous events go on another of its channels.
@@ -655,7 +656,9 @@ impl<F: Fabric> Port<F> {
                 let route = next
                     .and_then(|n| self.channels.get(&n))
                     .map(|n| n.route.clone());
-                let _ = c.target.core().announce_to(c.nexus, route);
+                let _ = c
+                    .target
+                    .with_core(|core, _| core.router().announce_to(c.nexus, route));
             }
             Left::Unknown => {}
         }
@@ -685,8 +688,8 @@ impl<F: Fabric> Port<F> {
             self.fabric.release(c.driver.qp());
             lock(&self.registry.srp_channels).remove(&id);
             if let Left::Ended(nexus) = self.logins.leave(c.key, &id) {
-                let mut out = Outbox::detached();
-                c.target.core().close_session(nexus, &mut out);
+                c.target
+                    .with_core(|core, out| core.close_session(nexus, out));
             }
         }
     }
@@ -695,11 +698,12 @@ impl<F: Fabric> Port<F> {
 /// Opens the I_T nexus of `req`'s initiator port on the target's SRP port (added to its
 /// device at the first SRP login).
 fn open_nexus(target: &Target, req: &SrpLoginReq) -> NexusId {
-    let mut core = target.core();
     let port = scsi_core::TargetPort::srp(&target.name, req.target_port_id, RELATIVE_PORT);
-    core.device.add_port(port);
-    core.device
-        .open_nexus(TransportId::srp(req.initiator_port_id), RELATIVE_PORT)
+    target.with_core(|core, _| {
+        let router = core.router();
+        router.add_port(port);
+        router.open_nexus(TransportId::srp(req.initiator_port_id), RELATIVE_PORT)
+    })
 }
 
 /// Whether the target admits an SRP initiator port: a target with CHAP admits none (SRP has

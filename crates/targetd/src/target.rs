@@ -18,7 +18,6 @@
 //! and sees it takes the lock to apply the queue.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::ops::{Deref, DerefMut};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
@@ -33,6 +32,7 @@ use scsi_core::{
 };
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::cluster::{Cluster, Following, SharedTarget};
 use crate::config;
 use crate::store::UnitStore;
 
@@ -48,28 +48,23 @@ pub struct TargetEnv {
     /// This daemon's target portal group tag, also its portals' relative target port
     /// identifier.
     pub port_group: u16,
-    /// The cluster of gateways this one belongs to, which keeps the RBD units' reservations.
-    #[cfg(feature = "rbd")]
-    pub keeper: Option<Arc<crate::cluster::Keeper>>,
+    /// The cluster of gateways this one belongs to, which keeps the shared units'
+    /// reservations.
+    pub cluster: Option<Arc<dyn Cluster>>,
 }
 
 impl TargetEnv {
     /// The environment of a daemon started with `config` (joining its `[cluster]`). Errors
     /// name the key.
     pub fn start(config: &config::Config) -> Result<TargetEnv, (String, String)> {
-        #[cfg(feature = "rbd")]
-        let keeper = match &config.cluster {
-            Some(c) => Some(crate::cluster::Keeper::start(c)?),
-            None => None,
-        };
+        let cluster = crate::cluster::start(config)?;
         Ok(TargetEnv {
             state_dir: config.server.state_dir.clone(),
             port_group: config
                 .cluster
                 .as_ref()
                 .map_or(PORTAL_GROUP, |c| c.port_group),
-            #[cfg(feature = "rbd")]
-            keeper,
+            cluster,
         })
     }
 
@@ -78,8 +73,7 @@ impl TargetEnv {
         TargetEnv {
             state_dir,
             port_group: PORTAL_GROUP,
-            #[cfg(feature = "rbd")]
-            keeper: None,
+            cluster: None,
         }
     }
 }
@@ -108,7 +102,7 @@ pub type Core = TargetCore<Route>;
 
 /// Retires a delegated task ([`Router::retire`](scsi_core::transport::Router::retire)); a refusal is a connection's bug, logged.
 pub fn retire(core: &mut Core, task: TaskId, out: &mut Outbox) {
-    if let Err(e) = core.retire(task, out) {
+    if let Err(e) = core.router().retire(task, out) {
         tracing::error!("retiring a task: {e}");
     }
 }
@@ -125,6 +119,8 @@ pub struct Outbox {
     pub local: VecDeque<Routed>,
     /// Other connections' events.
     pub remote: Vec<(Route, Routed)>,
+    /// Changes to shared reservations, for the target's keeper once the lock is let go.
+    pub changes: Vec<scsi_core::ReservationChange>,
 }
 
 impl Outbox {
@@ -135,6 +131,7 @@ impl Outbox {
             me: 0,
             local: VecDeque::new(),
             remote: Vec::new(),
+            changes: Vec::new(),
         }
     }
 
@@ -144,6 +141,7 @@ impl Outbox {
             me,
             local: VecDeque::with_capacity(256),
             remote: Vec::new(),
+            changes: Vec::new(),
         }
     }
 
@@ -168,6 +166,15 @@ impl Sink<Route> for Outbox {
     fn unrouted(&mut self, action: scsi_core::Action) {
         tracing::warn!(?action, "an action for a task without a connection");
     }
+
+    fn reservation_change(
+        &mut self,
+        change: scsi_core::ReservationChange,
+    ) -> Option<scsi_core::ReservationChange> {
+        // Handed to the keeper once the lock is let go (`Target::unlock_core`).
+        self.changes.push(change);
+        None
+    }
 }
 
 /// A target's SCSI core as one step of a connection or channel reaches it (a PDU or IU read,
@@ -186,7 +193,8 @@ pub(crate) struct CoreStep<'a> {
     /// The unit whose block size the machine asked for last: the backend operation that
     /// follows runs on it without a second lookup.
     pub(crate) unit: &'a mut Option<Arc<Lun>>,
-    guard: Option<CoreGuard<'a>>,
+    /// The core's lock, once this step has taken it.
+    guard: Option<MutexGuard<'a, Core>>,
 }
 
 impl<'a> CoreStep<'a> {
@@ -213,20 +221,26 @@ impl<'a> CoreStep<'a> {
         f: impl FnOnce(&mut Core, NexusId, &Route, &mut Outbox) -> R,
     ) -> Option<R> {
         let (target, nexus) = self.target?;
-        let core = self.guard.get_or_insert_with(|| target.core());
-        let r = f(core, nexus, self.route, self.out);
-        core.drain(self.out);
-        Some(r)
+        let core = match &mut self.guard {
+            Some(core) => core,
+            None => self.guard.insert(target.lock_core(self.out)),
+        };
+        Some(f(core, nexus, self.route, self.out))
     }
 
-    /// Lets the core's lock go (before taking locks that are taken before it elsewhere: the
-    /// session registry's), then sends what the core routed to other connections.
+    /// Lets the core's lock go ([`Target::unlock_core`]: what the core routed to other
+    /// connections is sent, and its reservation changes reach the keeper); done before taking
+    /// locks that are taken before it elsewhere (the session registry's), and when the step
+    /// ends.
     pub(crate) fn release(&mut self) {
-        self.guard = None;
-        self.out.send_remote();
+        match (self.guard.take(), self.target) {
+            (Some(core), Some((target, _))) => target.unlock_core(core, self.out),
+            _ => self.out.send_remote(),
+        }
     }
 }
 
+/// A step ends when it is dropped: the lock it took is let go as every holder lets it go.
 impl Drop for CoreStep<'_> {
     fn drop(&mut self) {
         self.release();
@@ -235,11 +249,19 @@ impl Drop for CoreStep<'_> {
 
 impl TaskCore for CoreStep<'_> {
     fn data_out(&mut self, task: TaskId, data: &[u8]) {
-        self.core(|core, _, _, out| core.data_out(task, data, out));
+        self.core(|core, _, _, out| {
+            if let Err(e) = core.router().data_out(task, data, out) {
+                tracing::warn!("data-out refused by the core: {e}");
+            }
+        });
     }
 
     fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
-        self.core(|core, _, _, out| core.backend_done(task, result, out));
+        self.core(|core, _, _, out| {
+            if let Err(e) = core.router().backend_done(task, result, out) {
+                tracing::warn!("a backend completion refused by the core: {e}");
+            }
+        });
     }
 
     fn retire(&mut self, task: TaskId) {
@@ -253,7 +275,8 @@ impl TaskCore for CoreStep<'_> {
 
     fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
         self.core(|core, nexus, route, out| {
-            core.task_management(nexus, lun, function, route, out)
+            core.router()
+                .task_management(nexus, lun, function, route, out)
                 .map_err(|e| tracing::error!("task management refused by the core: {e}"))
                 .ok()
         })
@@ -284,77 +307,6 @@ pub(crate) fn unit_for(
 /// How many ended delegated tasks a target queues for retirement before a connection takes the
 /// lock to retire its own (each holder of the lock empties the queue).
 const RETIREMENTS: usize = 4096;
-
-/// The SCSI core of a target, locked. Taking it retires the queued delegated tasks; letting it
-/// go records whether anything waits for a retirement, and retires what was queued meanwhile
-/// while something does. What those retirements cause is sent over the connections' channels
-/// once the lock is released.
-pub struct CoreGuard<'a> {
-    target: &'a Target,
-    core: Option<MutexGuard<'a, Core>>,
-    out: Outbox,
-}
-
-impl CoreGuard<'_> {
-    fn retire_queued(&mut self) -> bool {
-        let core = self.core.as_mut().expect("held until dropped");
-        let mut any = false;
-        while let Some(task) = self.target.retired.pop() {
-            retire(core, task, &mut self.out);
-            any = true;
-        }
-        any
-    }
-}
-
-impl Deref for CoreGuard<'_> {
-    type Target = Core;
-
-    fn deref(&self) -> &Core {
-        self.core.as_ref().expect("held until dropped")
-    }
-}
-
-impl DerefMut for CoreGuard<'_> {
-    fn deref_mut(&mut self) -> &mut Core {
-        self.core.as_mut().expect("held until dropped")
-    }
-}
-
-impl CoreGuard<'_> {
-    /// Routes what the core has to say to the connections (sent once the lock is let go):
-    /// done as the guard drops, so whatever a call into the device leaves reaches them.
-    fn route_pending(&mut self) {
-        let core = self.core.as_mut().expect("held until dropped");
-        core.drain(&mut self.out);
-    }
-}
-
-impl Drop for CoreGuard<'_> {
-    fn drop(&mut self) {
-        if self.device.has_reservation_changes() {
-            self.target.hand_over_reservation_changes(
-                self.core.as_mut().expect("held until dropped"),
-                &mut self.out,
-            );
-        }
-        // What a direct call into the device left (a unit resized, added or removed by an
-        // administrator: the unit attentions some nexuses have reported at once) goes to its
-        // connections; a connection's own calls drained into its outbox already.
-        self.route_pending();
-        loop {
-            let waiting = self.device.awaits_retirement();
-            // Sequentially consistent with a connection's push and its load of the flag (see
-            // `Target::retire`): a retirement queued after the look below sees the flag.
-            self.target.awaiting.store(waiting, Ordering::SeqCst);
-            if !waiting || !self.retire_queued() {
-                break;
-            }
-        }
-        self.core = None;
-        self.out.send_remote();
-    }
-}
 
 /// A bounded lock-free queue of task handles (Vyukov's bounded queue, in safe atomics): any
 /// connection pushes; only the holder of the core's lock pops, so pops never race each other.
@@ -494,9 +446,8 @@ pub struct Lun {
     pub stats: Arc<LunStats>,
     /// Faults armed by `targetctl lun fault` (kept across a resize).
     pub faults: Arc<Faults>,
-    /// The shared reservations this gateway follows (an RBD unit in a cluster).
-    #[cfg(feature = "rbd")]
-    pub shared: Option<Arc<crate::cluster::SharedUnit>>,
+    /// The shared state this gateway follows (a unit on shared storage in a cluster).
+    pub shared: Option<Following>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -528,7 +479,6 @@ impl Lun {
             storage,
             stats,
             faults: Arc::default(),
-            #[cfg(feature = "rbd")]
             shared: None,
         })
     }
@@ -592,14 +542,13 @@ pub struct Target {
     /// Whether the last holder of `core` left something waiting for a retirement: a
     /// connection that queues one then takes the lock to apply the queue.
     awaiting: AtomicBool,
-    /// Itself, for storage that calls back (an RBD image resized by another client).
-    #[cfg_attr(not(feature = "rbd"), allow(dead_code))]
+    /// Itself, for storage that calls back (an RBD image resized by another client) and for
+    /// the cluster.
     this: std::sync::Weak<Target>,
     /// The target portal group tag of this gateway's portals.
     pub port_group: u16,
-    /// The keeper of shared reservations, in a cluster.
-    #[cfg(feature = "rbd")]
-    keeper: Option<Arc<crate::cluster::Keeper>>,
+    /// The cluster of gateways that shares its units, if any.
+    cluster: Option<Arc<dyn Cluster>>,
     /// Held while a unit's size changes, so a resize here and one seen through the image's
     /// watch do not interleave.
     resizing: Mutex<()>,
@@ -640,8 +589,7 @@ impl Target {
             this: this.clone(),
             resizing: Mutex::new(()),
             port_group: env.port_group,
-            #[cfg(feature = "rbd")]
-            keeper: env.keeper.clone(),
+            cluster: env.cluster.clone(),
         });
         for lun in &config.luns {
             target
@@ -651,18 +599,56 @@ impl Target {
         Ok(target)
     }
 
-    /// The SCSI core, locked, with the queued retirements applied.
-    pub fn core(&self) -> CoreGuard<'_> {
-        let guard = self.core.lock().unwrap_or_else(PoisonError::into_inner);
+    /// Runs `f` on the SCSI core under its lock, as a caller that is no connection (an
+    /// administrator's change, a keeper's decision, a login): what the core routes goes to
+    /// the connections once the lock is let go ([`Target::unlock_core`]).
+    pub fn with_core<T>(&self, f: impl FnOnce(&mut Core, &mut Outbox) -> T) -> T {
+        let mut out = Outbox::detached();
+        let mut core = self.lock_core(&mut out);
+        let r = f(&mut core, &mut out);
+        self.unlock_core(core, &mut out);
+        r
+    }
+
+    /// Takes the core's lock and retires the queued delegated tasks, what that causes going
+    /// to `out`. Every holder lets it go with [`Target::unlock_core`]; the guard's own drop
+    /// only unlocks.
+    pub(crate) fn lock_core(&self, out: &mut Outbox) -> MutexGuard<'_, Core> {
+        let mut core = self.core.lock().unwrap_or_else(PoisonError::into_inner);
         // Counted under the lock: the counter's cache line moves with the lock's anyway.
         self.acquisitions.fetch_add(1, Ordering::Relaxed);
-        let mut g = CoreGuard {
-            target: self,
-            core: Some(guard),
-            out: Outbox::detached(),
-        };
-        g.retire_queued();
-        g
+        self.retire_queued(&mut core, out);
+        core
+    }
+
+    /// Lets the core's lock go: records whether anything waits for a retirement (retiring
+    /// what was queued meanwhile while something does), unlocks, then sends what the core
+    /// routed to other connections and hands the reservation changes in `out` to the keeper.
+    pub(crate) fn unlock_core(&self, mut core: MutexGuard<'_, Core>, out: &mut Outbox) {
+        loop {
+            let waiting = core.device().awaits_retirement();
+            // Sequentially consistent with a connection's push and its load of the flag (see
+            // `Target::retire`): a retirement queued after the look below sees the flag.
+            self.awaiting.store(waiting, Ordering::SeqCst);
+            if !waiting || !self.retire_queued(&mut core, out) {
+                break;
+            }
+        }
+        drop(core);
+        out.send_remote();
+        if !out.changes.is_empty() {
+            self.hand_over_reservation_changes(std::mem::take(&mut out.changes));
+        }
+    }
+
+    /// Retires the queued delegated tasks; whether there were any.
+    fn retire_queued(&self, core: &mut Core, out: &mut Outbox) -> bool {
+        let mut any = false;
+        while let Some(task) = self.retired.pop() {
+            retire(core, task, out);
+            any = true;
+        }
+        any
     }
 
     /// Adds a finished task to its unit's counters.
@@ -695,15 +681,14 @@ impl Target {
     pub fn retire(&self, task: TaskId) {
         if !self.retired.push(task) {
             // Full: retire it now (the acquisition empties the queue as well).
-            let mut core = self.core();
-            let CoreGuard { core: c, out, .. } = &mut core;
-            retire(c.as_mut().expect("held"), task, out);
+            self.with_core(|core, out| retire(core, task, out));
             return;
         }
         // Sequentially consistent with the holder's store of `awaiting` and its look at the
         // queue after it: either it sees this task queued, or this sees its flag.
         if self.awaiting.load(Ordering::SeqCst) {
-            drop(self.core());
+            // Taking the lock retires the queue.
+            self.with_core(|_, _| ());
         }
     }
 
@@ -731,73 +716,50 @@ impl Target {
             .collect()
     }
 
-    /// Opens and adds a logical unit.
+    /// Opens and adds a logical unit; in a cluster, one on shared storage enters the device
+    /// with the shared reservations it has now, then follows them.
     pub fn add_lun(&self, config: &config::Lun, stats: Arc<LunStats>) -> Result<(), String> {
-        #[cfg(feature = "rbd")]
-        let shared_config;
-        #[cfg(feature = "rbd")]
-        let config = if self.keeper.is_some() && config.backend == "rbd" && config.write_cache {
-            // A write acknowledged through one gateway must read back through every other:
-            // librbd's cache would keep it on this gateway until a flush.
-            tracing::info!(
-                target = %self.name,
-                lun = config.lun,
-                "served by a cluster of gateways: without librbd's write cache (write-through)"
-            );
-            shared_config = config::Lun {
-                write_cache: false,
-                ..config.clone()
-            };
-            &shared_config
-        } else {
-            config
+        let config = match &self.cluster {
+            Some(cluster) => cluster.unit_config(&self.name, config),
+            None => std::borrow::Cow::Borrowed(config),
         };
-        #[allow(unused_mut)]
-        let mut lun = Lun::open(config, stats)?;
+        let mut lun = Lun::open(&config, stats)?;
         lun.storage.watch_size(self.capacity_of(config.lun))?;
         let unit = lun.logical_unit(&self.name);
-        #[cfg(feature = "rbd")]
-        if let (Some(keeper), Some(image)) = (&self.keeper, crate::rbd::image_of(&*lun.storage)) {
-            // The unit enters the device with the shared state it has now, then follows it;
-            // what changed between the read and the watch is read once more.
-            keeper.check_unit(image.spec(), &self.name, config)?;
-            let oid = keeper.object(image.spec());
-            let (state, version) = keeper.load(&oid)?;
-            {
-                let mut core = self.core();
-                core.device
-                    .add_lu(config.lun, unit)
-                    .map_err(|e| e.to_string())?;
-                core.device
-                    .share_reservations(config.lun)
-                    .map_err(|e| e.to_string())?;
-                // A unit just shared has applied no version: the state loaded always lands.
-                let _fresh =
-                    core.device
-                        .apply_reservations(config.lun, version, state, &Default::default());
-            }
-            let followed = keeper
-                .follow(self.this.clone(), config, &oid)
-                .and_then(|f| keeper.load(&oid).map(|now| (f, now)));
-            let (followed, (state, version)) = match followed {
-                Ok(f) => f,
-                Err(e) => {
-                    let _ = self.remove_lun(config.lun);
-                    return Err(format!("cluster: {e}"));
-                }
+        let mut adopted = None;
+        if let Some(cluster) = &self.cluster {
+            let mut adopt = |version, state| {
+                let unit = adopted.insert(unit.clone());
+                self.with_core(|core, out| {
+                    let router = core.router();
+                    router.add_unit(config.lun, unit.clone(), out)?;
+                    router.share_reservations(config.lun)?;
+                    // A unit just shared has applied no version: the state read always lands.
+                    let _fresh = router.apply_reservations(
+                        config.lun,
+                        version,
+                        state,
+                        &Default::default(),
+                        out,
+                    );
+                    Ok(())
+                })
+                .map_err(|e: scsi_core::DeviceError| e.to_string())
             };
-            self.apply_shared_reservations(config.lun, version, state, &Default::default());
-            lun.shared = Some(Arc::new(followed));
-            self.luns
-                .write()
-                .unwrap_or_else(PoisonError::into_inner)
-                .insert(config.lun, Arc::new(lun));
-            return Ok(());
+            match cluster.share(self.this.clone(), &config, &*lun.storage, &mut adopt) {
+                Ok(following) => lun.shared = following,
+                Err(e) => {
+                    if adopted.is_some() {
+                        let _ = self.remove_lun(config.lun);
+                    }
+                    return Err(e);
+                }
+            }
         }
-        self.core()
-            .device
-            .add_lu(config.lun, unit)
-            .map_err(|e| e.to_string())?;
+        if adopted.is_none() {
+            self.with_core(|core, out| core.router().add_unit(config.lun, unit, out))
+                .map_err(|e| e.to_string())?;
+        }
         self.luns
             .write()
             .unwrap_or_else(PoisonError::into_inner)
@@ -807,12 +769,8 @@ impl Target {
 
     /// Removes a logical unit; its tasks are aborted.
     pub fn remove_lun(&self, index: u16) -> Result<(), String> {
-        let mut core = self.core();
-        core.device.remove_lu(index).map_err(|e| e.to_string())?;
-        let mut out = Outbox::detached();
-        core.drain(&mut out);
-        drop(core);
-        out.send_remote();
+        self.with_core(|core, out| core.router().remove_unit(index, out))
+            .map_err(|e| e.to_string())?;
         self.luns
             .write()
             .unwrap_or_else(PoisonError::into_inner)
@@ -855,16 +813,13 @@ impl Target {
             storage,
             stats: old.stats.clone(),
             faults: old.faults.clone(),
-            #[cfg(feature = "rbd")]
             shared: old.shared.clone(),
         };
         self.luns
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(index, Arc::new(lun));
-        self.core()
-            .device
-            .resize_lu(index, blocks)
+        self.with_core(|core, out| core.router().resize_unit(index, blocks, out))
             .map_err(|e| e.to_string())
     }
 
@@ -908,70 +863,60 @@ impl Target {
     /// identity stay; a size changed meanwhile reaches initiators as CAPACITY DATA HAS
     /// CHANGED, and what the reservations went through as the unit attentions of
     /// [`ReservationEffects::missed`](scsi_core::pr::ReservationEffects::missed).
-    #[cfg(feature = "rbd")]
     pub fn reopen_shared_lun(&self, index: u16) -> Result<(), String> {
         let _resizing = self.resizing.lock().unwrap_or_else(PoisonError::into_inner);
         let old = self.lun(index).ok_or(format!("no LUN {index}"))?;
-        let (Some(keeper), Some(shared)) = (&self.keeper, &old.shared) else {
+        let (Some(cluster), Some(_)) = (&self.cluster, &old.shared) else {
             return Err("not a shared unit".into());
         };
         let mut lun = Lun::open(&old.config, old.stats.clone())?;
         lun.faults = old.faults.clone();
         lun.storage.watch_size(self.capacity_of(index))?;
-        let followed = keeper.follow(self.this.clone(), &old.config, &shared.oid)?;
-        let (state, version) = keeper.load(&shared.oid)?;
-        lun.shared = Some(Arc::new(followed));
         let blocks = lun.blocks;
+        let mut adopt = |version, state| {
+            let applied = self.with_core(|core, out| {
+                let router = core.router();
+                if blocks != old.blocks {
+                    router.resize_unit(index, blocks, out)?;
+                }
+                let before = router
+                    .device()
+                    .reservations(index)
+                    .map(|(r, _)| r.clone())
+                    .unwrap_or_default();
+                let missed = scsi_core::pr::ReservationEffects::missed(&before, &state);
+                Ok(router.apply_reservations(index, version, state, &missed, out))
+            });
+            if !applied.map_err(|e: scsi_core::DeviceError| e.to_string())? {
+                tracing::debug!(target = %self.name, lun = index, version, "the reservations were current already");
+            }
+            Ok(())
+        };
+        lun.shared = cluster.share(self.this.clone(), &old.config, &*lun.storage, &mut adopt)?;
+        if lun.shared.is_none() {
+            return Err("its storage is no longer shared".into());
+        }
         self.luns
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(index, Arc::new(lun));
-        let mut core = self.core();
-        if blocks != old.blocks {
-            core.device
-                .resize_lu(index, blocks)
-                .map_err(|e| e.to_string())?;
-        }
-        let before = core
-            .device
-            .reservations(index)
-            .map(|(r, _)| r.clone())
-            .unwrap_or_default();
-        let missed = scsi_core::pr::ReservationEffects::missed(&before, &state);
-        // What they change is routed when the lock is let go.
-        if !core
-            .device
-            .apply_reservations(index, version, state, &missed)
-        {
-            tracing::debug!(target = %self.name, lun = index, version, "the reservations were current already");
-        }
         Ok(())
     }
 
-    /// Hands the changes to shared reservations the core made to their keeper; without one (no
-    /// cluster: cannot happen) their commands end with NOT READY.
-    fn hand_over_reservation_changes(&self, core: &mut Core, out: &mut Outbox) {
-        while let Some(change) = core.device.poll_reservation_change() {
-            #[cfg(feature = "rbd")]
-            if let Some(keeper) = &self.keeper {
-                keeper.submit(self.this.clone(), change);
-                continue;
+    /// Hands the changes to shared reservations the core made to their keeper; without one
+    /// (no cluster: cannot happen, only a cluster shares a unit) the core refuses them.
+    fn hand_over_reservation_changes(&self, changes: Vec<scsi_core::ReservationChange>) {
+        if let Some(cluster) = &self.cluster {
+            for change in changes {
+                cluster.submit(self.this.clone(), change);
             }
-            if let Some(reference) = change.tmf {
-                core.device.task_management_change_done(reference);
-                core.drain(out);
-            }
-            if let Some(task) = change.task {
-                let e = scsi_core::Sense::from(scsi_core::BackendError::Unavailable);
-                if let Err(e) = core
-                    .device
-                    .reservation_done(task, Err(scsi_core::pr::PrError::Sense(e)))
-                {
-                    tracing::error!("ending a reservation command: {e}");
-                }
-                core.drain(out);
-            }
+            return;
         }
+        self.with_core(|core, out| {
+            for change in changes {
+                core.router().refuse_reservation_change(change, out);
+            }
+        });
     }
 
     /// The keeper of unit `lun`'s shared reservations says they are `state` at `version`.
@@ -982,11 +927,10 @@ impl Target {
         state: scsi_core::pr::Reservations,
         effects: &scsi_core::pr::ReservationEffects,
     ) {
-        // What they change is routed when the lock is let go.
-        let applied = self
-            .core()
-            .device
-            .apply_reservations(lun, version, state, effects);
+        let applied = self.with_core(|core, out| {
+            core.router()
+                .apply_reservations(lun, version, state, effects, out)
+        });
         if !applied {
             // A notify heard twice, or after a newer state was read: nothing to do.
             tracing::debug!(target = %self.name, lun, version, "a reservation change heard late or twice");
@@ -995,15 +939,14 @@ impl Target {
 
     /// How many tasks on unit `lun` were aborted and have not ended yet (their I/O is under
     /// way).
-    #[cfg(feature = "rbd")]
     pub fn aborted_tasks_in_flight(&self, lun: u16) -> usize {
-        self.core().device.aborted_tasks_in_flight(lun)
+        self.with_core(|core, _| core.device().aborted_tasks_in_flight(lun))
     }
 
     /// The keeper has decided the change of reservation task `task`.
     pub fn reservation_done(&self, task: TaskId, result: Result<(), scsi_core::pr::PrError>) {
-        let mut core = self.core();
-        if let Err(e) = core.device.reservation_done(task, result) {
+        let done = self.with_core(|core, out| core.router().reservation_done(task, result, out));
+        if let Err(e) = done {
             // The task's connection is gone and aborted it: nothing waits for the answer.
             tracing::debug!("a reservation change's command: {e}");
         }
@@ -1013,32 +956,32 @@ impl Target {
     /// cluster's gateways changed): initiators hear ASYMMETRIC ACCESS STATE CHANGED.
     pub fn set_port_groups(&self, lun: u16, groups: Vec<scsi_core::spc::tpg::PortGroup>) {
         let states = port_group_states(&groups);
-        let mut core = self.core();
-        if let Ok(true) = core.device.set_port_groups(lun, groups) {
-            drop(core);
+        let changed = self.with_core(|core, out| core.router().set_port_groups(lun, groups, out));
+        if let Ok(true) = changed {
             tracing::info!(target = %self.name, lun, %states, "asymmetric access states changed");
         }
     }
 
     /// Unit `lun`'s target port groups and their access states now.
     pub fn port_groups(&self, lun: u16) -> Option<Vec<scsi_core::spc::tpg::PortGroup>> {
-        self.core().device.port_groups(lun)
+        self.with_core(|core, _| core.device().port_groups(lun))
     }
 
     /// The I_T nexus holding unit `lun`'s persistent reservation (its initiator port's
     /// name) and the reservation's TYPE, or the SPC-2 reservation's holder with no type.
     pub fn reservation_holder(&self, lun: u16) -> Option<(String, Option<u8>)> {
-        let core = self.core();
-        let (r, _) = core.device.reservations(lun)?;
-        if let Some(held) = &r.persistent.reservation {
-            return Some((held.holder.initiator.name.clone(), Some(held.kind)));
-        }
-        r.spc2.as_ref().map(|n| (n.initiator.name.clone(), None))
+        self.with_core(|core, _| {
+            let (r, _) = core.device().reservations(lun)?;
+            if let Some(held) = &r.persistent.reservation {
+                return Some((held.holder.initiator.name.clone(), Some(held.kind)));
+            }
+            r.spc2.as_ref().map(|n| (n.initiator.name.clone(), None))
+        })
     }
 
     /// The keeper has carried out the change task management function `reference` waits for.
     pub fn task_management_change_done(&self, reference: u64) {
-        self.core().device.task_management_change_done(reference);
+        self.with_core(|core, out| core.router().task_management_change_done(reference, out));
     }
 
     /// Whether `initiator` connecting from `addr` may log in.
@@ -1057,15 +1000,14 @@ impl Target {
     }
 }
 
-/// The keeper of a cluster reaches a target's shared units through this.
-#[cfg(feature = "rbd")]
-impl crate::cluster::SharedTarget for Target {
+/// The cluster reaches a target's shared units through this.
+impl SharedTarget for Target {
     fn name(&self) -> &str {
         &self.name
     }
 
-    fn image(&self, lun: u16) -> Option<Arc<backend::rbd::Image>> {
-        crate::rbd::image_of(&*self.lun(lun)?.storage).cloned()
+    fn storage(&self, lun: u16) -> Option<Arc<dyn UnitStore>> {
+        Some(self.lun(lun)?.storage.clone())
     }
 
     fn apply_shared_reservations(

@@ -8,8 +8,6 @@
 //! came on. [`TargetCore`] orders, the router routes, without locks or I/O: the caller passes
 //! a [`Sink`] that takes `(route, event)` values, and decides how they travel.
 
-use std::ops::{Deref, DerefMut};
-
 use scsi_core::transport::Router;
 use scsi_core::{Device, NexusId, TransportId};
 
@@ -34,28 +32,14 @@ impl Route for u64 {
 /// A session's CmdSN order: its commands wait with the route of the connection they came on.
 type SessionOrder<R> = CommandOrder<(OrderedCommand, R)>;
 
-/// The SCSI device of a target, the routes of its tasks ([`Router`], which this derefs to for
-/// everything but CmdSN order) and the CmdSN order of its sessions.
+/// The SCSI device of a target, the routes of its tasks ([`Router`]: everything but CmdSN
+/// order goes through [`TargetCore::router`]) and the CmdSN order of its sessions.
 #[derive(Debug)]
 pub struct TargetCore<R> {
     router: Router<R>,
     /// Each session's CmdSN window and the commands waiting for their turn, by its I_T
     /// nexus's index.
     orders: Vec<Option<(NexusId, SessionOrder<R>)>>,
-}
-
-impl<R> Deref for TargetCore<R> {
-    type Target = Router<R>;
-
-    fn deref(&self) -> &Router<R> {
-        &self.router
-    }
-}
-
-impl<R> DerefMut for TargetCore<R> {
-    fn deref_mut(&mut self) -> &mut Router<R> {
-        &mut self.router
-    }
 }
 
 impl<R: Route> TargetCore<R> {
@@ -65,6 +49,17 @@ impl<R: Route> TargetCore<R> {
             router: Router::new(device),
             orders: Vec::new(),
         }
+    }
+
+    /// The router: every call on the device but a command's submission, which CmdSN order
+    /// makes (see [`TargetCore::deliver`]).
+    pub fn router(&mut self) -> &mut Router<R> {
+        &mut self.router
+    }
+
+    /// The device, to look at.
+    pub fn device(&self) -> &Device {
+        self.router.device()
     }
 
     /// Opens the I_T nexus of a new session whose first expected CmdSN is `cmd_sn`, admitting
@@ -77,7 +72,7 @@ impl<R: Route> TargetCore<R> {
         cmd_sn: SerialNumber,
         window: u32,
     ) -> NexusId {
-        let nexus = self.router.device.open_nexus(initiator, relative_port);
+        let nexus = self.router.open_nexus(initiator, relative_port);
         let i = nexus.index();
         if self.orders.len() <= i {
             self.orders.resize_with(i + 1, || None);
@@ -188,27 +183,6 @@ impl<R: Route> TargetCore<R> {
     ) {
         if let Err(e) = self.router.submit(cmd.command(nexus), route, out) {
             tracing::error!("the SCSI core refused a command: {e}");
-        }
-    }
-
-    /// All the data-out the device asked of `task` has arrived ([`Router::data_out`]; a
-    /// refusal is logged).
-    pub fn data_out(&mut self, task: scsi_core::TaskId, data: &[u8], out: &mut impl Sink<R>) {
-        if let Err(e) = self.router.data_out(task, data, out) {
-            tracing::warn!("data-out refused by the core: {e}");
-        }
-    }
-
-    /// A backend operation of `task` has ended ([`Router::backend_done`]; a refusal is
-    /// logged).
-    pub fn backend_done(
-        &mut self,
-        task: scsi_core::TaskId,
-        result: Result<scsi_core::Output, scsi_core::BackendError>,
-        out: &mut impl Sink<R>,
-    ) {
-        if let Err(e) = self.router.backend_done(task, result, out) {
-            tracing::warn!("a backend completion refused by the core: {e}");
         }
     }
 }

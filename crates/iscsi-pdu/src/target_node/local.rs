@@ -289,17 +289,21 @@ impl Core for ConnectionCore<'_> {
 impl TaskCore for ConnectionCore<'_> {
     fn data_out(&mut self, task: TaskId, data: &[u8]) {
         let t = &mut *self.target;
-        t.core.data_out(task, data, &mut t.queues);
+        if let Err(e) = t.core.router().data_out(task, data, &mut t.queues) {
+            tracing::warn!("data-out refused by the core: {e}");
+        }
     }
 
     fn backend_done(&mut self, task: TaskId, result: Result<Output, BackendError>) {
         let t = &mut *self.target;
-        t.core.backend_done(task, result, &mut t.queues);
+        if let Err(e) = t.core.router().backend_done(task, result, &mut t.queues) {
+            tracing::warn!("a backend completion refused by the core: {e}");
+        }
     }
 
     fn retire(&mut self, task: TaskId) {
         let t = &mut *self.target;
-        if t.core.retire(task, &mut t.queues).is_err() {
+        if t.core.router().retire(task, &mut t.queues).is_err() {
             t.misretired += 1;
         }
     }
@@ -307,12 +311,13 @@ impl TaskCore for ConnectionCore<'_> {
     fn task_management(&mut self, lun: u64, function: TmfFunction) -> Option<u64> {
         let t = &mut *self.target;
         t.core
+            .router()
             .task_management(self.nexus, lun, function, &self.route, &mut t.queues)
             .ok()
     }
 
     fn block_size(&mut self, lun: u16) -> Option<u32> {
-        let unit = self.target.core.device.logical_unit(lun);
+        let unit = self.target.core.device().logical_unit(lun);
         unit.map(|u| u.geometry.block_size)
     }
 }

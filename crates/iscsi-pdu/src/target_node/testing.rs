@@ -852,7 +852,7 @@ impl Rig {
         let bs = self
             .target
             .core
-            .device
+            .device()
             .logical_unit(0)
             .map_or(512, |u| u.geometry.block_size);
         let buf = vec![0; (blocks * bs) as usize];

@@ -66,15 +66,15 @@ impl LocalCore {
         }
     }
 
-    /// The device.
+    /// The device, to look at.
     pub fn device(&self) -> &Device {
-        &self.router.device
+        self.router.device()
     }
 
-    /// The device, to change (a unit added, resized); call [`LocalCore::drain`] after, so
-    /// what the change raised (unit attentions) reaches the channels.
-    pub fn device_mut(&mut self) -> &mut Device {
-        &mut self.router.device
+    /// Unit `lun` now has `blocks` blocks (an administrator's resize): the nexuses' unit
+    /// attentions go to the channels that announce them.
+    pub fn resize_unit(&mut self, lun: u16, blocks: u64) -> Result<(), DeviceError> {
+        self.router.resize_unit(lun, blocks, &mut self.queues)
     }
 
     /// Routes what the device has pending to the channels.
@@ -153,7 +153,7 @@ impl<C: LocalChannel> LoginPolicy<usize> for LocalPolicy<'_, C> {
 
     fn open_nexus(&mut self, _: &(), req: &SrpLoginReq) -> NexusId {
         let initiator = scsi_core::TransportId::srp(req.initiator_port_id);
-        self.core.device_mut().open_nexus(initiator, 1)
+        self.core.router.open_nexus(initiator, 1)
     }
 
     fn close_nexus(&mut self, _: &(), nexus: NexusId) {
@@ -221,7 +221,7 @@ impl TaskCore for ChannelCore<'_> {
     }
 
     fn block_size(&mut self, lun: u16) -> Option<u32> {
-        let unit = self.core.router.device.logical_unit(lun);
+        let unit = self.core.router.device().logical_unit(lun);
         unit.map(|u| u.geometry.block_size)
     }
 }

@@ -256,10 +256,11 @@ impl iscsi_pdu::target_node::Core for SessionStep<'_> {
         // An SPC-2 reservation kept with other gateways goes before the logout is answered
         // (an I_T NEXUS RESET, which the keeper carries to every gateway).
         self.session_core(|session, core, route, out| {
-            if !core.device.holds_shared_reservation(session.nexus) {
+            if !core.device().holds_shared_reservation(session.nexus) {
                 return None;
             }
-            core.task_management(session.nexus, 0, TmfFunction::ItNexusReset, route, out)
+            core.router()
+                .task_management(session.nexus, 0, TmfFunction::ItNexusReset, route, out)
                 .ok()
         })
         .flatten()
@@ -360,8 +361,10 @@ struct Machine<'t, 'a> {
 }
 
 impl Carried for Machine<'_, '_> {
-    fn target(&self) -> Option<&Target> {
-        self.nexus.scope.target().map(|t| &**t)
+    fn account(&self, done: &scsi_core::transport::Accounting) {
+        if let Some(target) = self.nexus.scope.target() {
+            target.account(done);
+        }
     }
 
     fn unit(&mut self, lun: u16) -> Option<Arc<crate::target::Lun>> {

@@ -136,7 +136,7 @@ impl Sessions {
             let id = scsi_core::TransportId::iscsi(initiator, isid.0);
             // The session's target port is its portal group's (TargetPort::iscsi).
             let port = target.port_group.max(1);
-            let nexus = target.core().open_session(id, port, cmd_sn, window);
+            let nexus = target.with_core(|core, _| core.open_session(id, port, cmd_sn, window));
             Arc::new(Session {
                 tsih,
                 isid,

@@ -231,9 +231,8 @@ impl Registry {
         let now: Vec<SocketAddr> = l.accepting.iter().map(|(_, at, _)| *at).collect();
         drop(guard);
         *lock(&self.portals) = now.clone();
-        #[cfg(feature = "rbd")]
-        if let Some(k) = &self.target_env.keeper {
-            k.set_portals(&now);
+        if let Some(c) = &self.target_env.cluster {
+            c.set_portals(&now);
         }
         Ok(changes)
     }
@@ -381,13 +380,12 @@ impl Registry {
 
     /// The portals of the cluster's other live gateways, with their port groups (none alone).
     fn other_gateways_portals(&self) -> Vec<(SocketAddr, u16)> {
-        #[cfg(feature = "rbd")]
-        if let Some(k) = &self.target_env.keeper {
-            let m = k.membership();
+        if let Some(c) = &self.target_env.cluster {
+            let m = c.membership();
             return m
                 .members
                 .iter()
-                .filter(|g| g.gateway != k.config().gateway && m.live.contains(&g.gateway))
+                .filter(|g| g.gateway != c.gateway() && m.live.contains(&g.gateway))
                 .flat_map(|g| g.portals.iter().map(move |&p| (p, g.port_group)))
                 .collect();
         }

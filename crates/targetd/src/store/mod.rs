@@ -14,7 +14,7 @@ use crate::config;
 
 pub mod unit;
 
-pub use unit::{FileStore, MemoryStore, NullStore, UnitStore};
+pub use unit::{FileStore, MemoryStore, NullStore, StoreFigures, UnitStore};
 
 /// Opens (creating a missing file) the store `config` describes; with its size in blocks.
 pub fn open(config: &config::Lun) -> Result<(Arc<dyn UnitStore>, u64), String> {

@@ -46,9 +46,32 @@ pub trait UnitStore: std::fmt::Debug + Send + Sync + 'static {
     fn details(&self) -> serde_json::Value {
         serde_json::Value::Null
     }
+    /// The figures of a store that runs its operations through a library of its own (RBD:
+    /// librbd), for the metrics endpoint; `None` for the others, whose operations the
+    /// unit's own counters describe.
+    fn figures(&self) -> Option<StoreFigures> {
+        None
+    }
     /// The store as `Any`, for what only one kind has (an RBD image, shared through a
     /// cluster).
     fn as_any(&self) -> &dyn Any;
+}
+
+/// What a store's own library did (`targetd_rbd_*` metrics).
+#[derive(Debug, Clone, Default)]
+pub struct StoreFigures {
+    /// Labels naming the store, beyond its target and LUN (RBD: pool and image).
+    pub labels: Vec<(&'static str, String)>,
+    /// Operations handed to the library and not yet completed.
+    pub in_flight: u64,
+    /// Operations completed.
+    pub completed: u64,
+    /// Sum of their latencies, nanoseconds.
+    pub latency_ns: u64,
+    /// Operations that failed retryably (the cluster did not answer in time).
+    pub unavailable: u64,
+    /// Operations that failed otherwise.
+    pub errors: u64,
 }
 
 /// A file or block device, opened by each reactor on its own engine.

@@ -50,9 +50,9 @@ use cluster::{store, Gateway, Lane, Watched};
 use scsi_core::pr::Reservations;
 use scsi_core::{ReservationChange, TaskId};
 
+use super::{policy_of, Following, Member, Membership, SharedTarget};
 use crate::config;
-
-pub use cluster::{Membership, PathPolicy};
+use crate::store::UnitStore;
 
 /// How many tries a compare-and-swap edit of an object makes before it gives up.
 const MAX_RACES: usize = cluster::gateway::MAX_RACES;
@@ -65,50 +65,6 @@ pub const MEMBERSHIP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The longest a fenced gateway waits between two tries to rejoin.
 pub const REJOIN_MAX_DELAY: Duration = Duration::from_secs(30);
-
-/// One gateway as the cluster's gateways object lists it.
-pub type Member = cluster::Member;
-
-/// The path policy a unit's config sets.
-pub fn policy_of(lun: &config::Lun) -> PathPolicy {
-    PathPolicy {
-        preferred: lun.preferred_gateway.clone(),
-        standby: lun.standby,
-    }
-}
-
-/// What the keeper needs of a target whose units it shares. The daemon's targets implement
-/// it; the keeper reaches them through this alone (it knows nothing else of a target).
-pub trait SharedTarget: Send + Sync {
-    /// The target's name.
-    fn name(&self) -> &str;
-    /// The RBD image of unit `lun`, if it has one.
-    fn image(&self, lun: u16) -> Option<Arc<backend::rbd::Image>>;
-    /// Unit `lun`'s shared reservations are `state` at `version`, with `effects` to carry out
-    /// here.
-    fn apply_shared_reservations(
-        &self,
-        lun: u16,
-        version: u64,
-        state: Reservations,
-        effects: &scsi_core::pr::ReservationEffects,
-    );
-    /// Unit `lun`'s port groups are now `groups`.
-    fn set_port_groups(&self, lun: u16, groups: Vec<scsi_core::spc::tpg::PortGroup>);
-    /// Unit `lun`'s port groups now.
-    fn port_groups(&self, lun: u16) -> Option<Vec<scsi_core::spc::tpg::PortGroup>>;
-    /// Who holds unit `lun`'s reservation (initiator port name, persistent TYPE).
-    fn reservation_holder(&self, lun: u16) -> Option<(String, Option<u8>)>;
-    /// The change of reservation task `task` is decided.
-    fn reservation_done(&self, task: TaskId, result: Result<(), scsi_core::pr::PrError>);
-    /// The change task management function `reference` waits for is carried out.
-    fn task_management_change_done(&self, reference: u64);
-    /// How many aborted tasks of unit `lun` still run.
-    fn aborted_tasks_in_flight(&self, lun: u16) -> usize;
-    /// Opens unit `lun` again on the process's current connection to the cluster, its
-    /// shared state reloaded (after a rejoin).
-    fn reopen_shared_lun(&self, lun: u16) -> Result<(), String>;
-}
 
 /// A shared unit: its target and LUN.
 type SharedLun = (Weak<dyn SharedTarget>, u16);
@@ -634,7 +590,8 @@ impl Keeper {
         let theirs = |o: &String| m.addresses.contains(o);
         let units = self.shared_units();
         for (target, lun) in units {
-            let Some(image) = target.upgrade().and_then(|t| t.image(lun)) else {
+            let image = target.upgrade().and_then(|t| t.storage(lun));
+            let Some(image) = image.as_deref().and_then(crate::rbd::image_of) else {
                 continue;
             };
             let owners = match image.lock_owners() {
@@ -889,7 +846,9 @@ impl Keeper {
                 })
                 .collect();
             let image = t
-                .image(lun)
+                .storage(lun)
+                .as_deref()
+                .and_then(crate::rbd::image_of)
                 .map(|i| i.spec().to_string())
                 .unwrap_or_default();
             let holder = t.reservation_holder(lun);
@@ -1040,7 +999,7 @@ impl Keeper {
 
     /// Follows `oid` for `unit` of `target`: every change another gateway makes is applied
     /// to this gateway's device server before it is acknowledged.
-    pub fn follow(
+    fn follow(
         self: &Arc<Self>,
         target: Weak<dyn SharedTarget>,
         unit: &config::Lun,
@@ -1064,9 +1023,8 @@ impl Keeper {
         })
     }
 
-    /// Queues a change for the machine. Called under the target's core lock: it hands out
-    /// nothing here (the changes lane does).
-    pub fn submit(&self, target: Weak<dyn SharedTarget>, change: ReservationChange) {
+    /// Queues a change for the machine; it hands out nothing here (the changes lane does).
+    fn queue_change(&self, target: Weak<dyn SharedTarget>, change: ReservationChange) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let unit = crate::lock(&self.units)
             .iter()
@@ -1085,6 +1043,106 @@ impl Keeper {
         s.machine
             .submit(Instant::now(), id, unit, change.nexus, change.request);
         self.route(&mut s);
+    }
+}
+
+impl super::Cluster for Keeper {
+    fn gateway(&self) -> &str {
+        &self.config.gateway
+    }
+
+    fn join(&self, portals: &[std::net::SocketAddr]) -> Result<(), (String, String)> {
+        let me = self
+            .this
+            .upgrade()
+            .ok_or(("cluster".to_string(), "stopping".to_string()))?;
+        Keeper::join(&me, portals)
+    }
+
+    fn leave(&self) {
+        Keeper::leave(self);
+    }
+
+    fn set_portals(&self, portals: &[std::net::SocketAddr]) {
+        Keeper::set_portals(self, portals);
+    }
+
+    fn membership(&self) -> Membership {
+        Keeper::membership(self)
+    }
+
+    fn counters(&self) -> Counters {
+        Keeper::counters(self)
+    }
+
+    fn is_fenced(&self) -> bool {
+        Keeper::is_fenced(self)
+    }
+
+    fn view(&self) -> serde_json::Value {
+        Keeper::view(self)
+    }
+
+    fn forget(&self, name: &str) -> Result<String, String> {
+        Keeper::forget(self, name)
+    }
+
+    fn unit_config<'a>(
+        &self,
+        target: &str,
+        config: &'a config::Lun,
+    ) -> std::borrow::Cow<'a, config::Lun> {
+        if config.backend != "rbd" || !config.write_cache {
+            return std::borrow::Cow::Borrowed(config);
+        }
+        // A write acknowledged through one gateway must read back through every other:
+        // librbd's cache would keep it on this gateway until a flush.
+        tracing::info!(
+            target,
+            lun = config.lun,
+            "served by a cluster of gateways: without librbd's write cache (write-through)"
+        );
+        std::borrow::Cow::Owned(config::Lun {
+            write_cache: false,
+            ..config.clone()
+        })
+    }
+
+    fn share(
+        &self,
+        target: Weak<dyn SharedTarget>,
+        config: &config::Lun,
+        storage: &dyn UnitStore,
+        adopt: &mut dyn FnMut(u64, Reservations) -> Result<(), String>,
+    ) -> Result<Option<Following>, String> {
+        let Some(image) = crate::rbd::image_of(storage) else {
+            return Ok(None);
+        };
+        let me = self.this.upgrade().ok_or("the cluster's keeper stops")?;
+        let name = target
+            .upgrade()
+            .ok_or("the target is gone")?
+            .name()
+            .to_string();
+        self.check_unit(image.spec(), &name, config)?;
+        let oid = self.object(image.spec());
+        let (first, version) = self.load(&oid)?;
+        adopt(version, first.clone())?;
+        let followed = me
+            .follow(target.clone(), config, &oid)
+            .and_then(|f| self.load(&oid).map(|now| (f, now)))
+            .map_err(|e| format!("cluster: {e}"))?;
+        let (followed, (state, now)) = followed;
+        if let (true, Some(t)) = (now > version, target.upgrade()) {
+            // Changed between the read and the watch: the nexuses here hear what they missed.
+            let missed = scsi_core::pr::ReservationEffects::missed(&first, &state);
+            t.apply_shared_reservations(config.lun, now, state, &missed);
+        }
+        Ok(Some(Arc::new(followed)))
+    }
+
+    fn submit(&self, target: Weak<dyn SharedTarget>, change: ReservationChange) {
+        self.queue_change(target, change);
     }
 }
 
