@@ -41,6 +41,9 @@ pub struct Node {
     watches: Vec<(String, Watched, u64)>,
     /// Silent: it receives and answers nothing, and its timers do not run.
     pub silent: bool,
+    /// How long its acknowledgements take to reach the store: a gateway that is busy (its
+    /// threads and its network loaded) but alive.
+    pub ack_delay: Duration,
     /// The state each unit applied: (version, state).
     pub applied: BTreeMap<UnitId, (u64, Reservations)>,
     /// Each unit's port groups as last given.
@@ -81,6 +84,8 @@ pub struct Sim {
     tokens: BTreeMap<u64, (u64, usize)>,
     next_notify: u64,
     notify_ids: Vec<u64>,
+    /// Acknowledgements on their way: when they arrive, the token, the reply.
+    delayed_acks: Vec<(Instant, u64, Vec<u8>)>,
 }
 
 /// The name of gateway `i`.
@@ -115,6 +120,7 @@ impl Sim {
             tokens: BTreeMap::new(),
             next_notify: 1,
             notify_ids: Vec::new(),
+            delayed_acks: Vec::new(),
         };
         for i in 0..n {
             let mut settings = Settings::new(
@@ -130,6 +136,7 @@ impl Sim {
                 instance,
                 watches: Vec::new(),
                 silent: false,
+                ack_delay: Duration::ZERO,
                 applied: BTreeMap::new(),
                 groups: BTreeMap::new(),
                 decided: Vec::new(),
@@ -259,6 +266,13 @@ impl Sim {
         while self.now < end {
             self.now = (self.now + Duration::from_millis(100)).min(end);
             let now = self.now;
+            let (due, later) = std::mem::take(&mut self.delayed_acks)
+                .into_iter()
+                .partition(|(at, _, _)| *at <= now);
+            self.delayed_acks = later;
+            for (_, token, reply) in due {
+                self.deliver_ack(token, reply);
+            }
             self.complete_notifies(true);
             for n in self.nodes.iter_mut().filter(|n| !n.silent) {
                 if n.machine.poll_timeout().is_some_and(|t| t <= now) {
@@ -395,16 +409,11 @@ impl Sim {
                 }
             }
             Request::Ack { token, reply } => {
-                let Some((id, j)) = self.tokens.remove(&token) else {
-                    return;
-                };
-                let Some(k) = self.notify_ids.iter().position(|x| *x == id) else {
-                    return;
-                };
-                let n = &mut self.notifies[k];
-                if let Some(w) = n.waiting.iter().position(|(node, _)| *node == j) {
-                    let (_, inst) = n.waiting.remove(w);
-                    n.acked.push((inst, j as u64, reply));
+                let delay = self.nodes[i].ack_delay;
+                if delay > Duration::ZERO {
+                    self.delayed_acks.push((now + delay, token, reply));
+                } else {
+                    self.deliver_ack(token, reply);
                 }
             }
             Request::Fence { lane, member } => {
@@ -511,6 +520,21 @@ impl Sim {
 
     /// Ends the notifies every watcher answered (and, with `deadlines`, those past their
     /// deadline, naming the silent).
+    /// The store has the acknowledgement `token` (counted if its notify still waits).
+    fn deliver_ack(&mut self, token: u64, reply: Vec<u8>) {
+        let Some((id, j)) = self.tokens.remove(&token) else {
+            return;
+        };
+        let Some(k) = self.notify_ids.iter().position(|x| *x == id) else {
+            return;
+        };
+        let n = &mut self.notifies[k];
+        if let Some(w) = n.waiting.iter().position(|(node, _)| *node == j) {
+            let (_, inst) = n.waiting.remove(w);
+            n.acked.push((inst, j as u64, reply));
+        }
+    }
+
     fn complete_notifies(&mut self, deadlines: bool) -> bool {
         let now = self.now;
         let mut progress = false;

@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use iscsi_pdu::negotiation::{DigestAlgorithm, Settings};
 use serde::{Deserialize, Serialize};
@@ -107,10 +108,36 @@ pub struct Cluster {
         deserialize_with = "units::serde::seconds"
     )]
     pub notify_timeout: u64,
+    /// How often each gateway asks which gateways are alive.
+    #[serde(
+        default = "default_membership_interval",
+        deserialize_with = "units::serde::duration",
+        serialize_with = "units::serde::write_duration"
+    )]
+    pub membership_interval: Duration,
+    /// How long a gateway has to answer "who is alive" before the others fence it.
+    #[serde(
+        default = "default_membership_timeout",
+        deserialize_with = "units::serde::duration",
+        serialize_with = "units::serde::write_duration"
+    )]
+    pub membership_timeout: Duration,
 }
 
 fn default_notify_timeout() -> u64 {
     5
+}
+
+/// Every half second: with [`default_membership_timeout`], a gateway that dies is fenced
+/// within 1.5 s of its death.
+fn default_membership_interval() -> Duration {
+    Duration::from_millis(500)
+}
+
+/// A second: a gateway that is busy but alive answers in milliseconds (its answer is sent
+/// from librados' own thread), so only one that is gone or cut off misses it.
+fn default_membership_timeout() -> Duration {
+    Duration::from_secs(1)
 }
 
 /// `[server]`.
@@ -1381,6 +1408,18 @@ impl Config {
                 format!("{}: must be 1 to 300 seconds", c.notify_timeout),
             );
         }
+        let (least, most) = (Duration::from_millis(100), Duration::from_secs(60));
+        for (key, d) in [
+            ("membership_interval", c.membership_interval),
+            ("membership_timeout", c.membership_timeout),
+        ] {
+            if d < least || d > most {
+                return fail(
+                    key,
+                    format!("{}: must be 100ms to 60s", units::format_duration(d)),
+                );
+            }
+        }
         Ok(())
     }
 
@@ -1610,6 +1649,21 @@ size = "1GiB"
         let c = parse(&text).expect("a good cluster");
         let cl = c.cluster.expect("parsed");
         assert_eq!((cl.port_group, cl.notify_timeout), (2, 5));
+        assert_eq!(
+            (cl.membership_interval, cl.membership_timeout),
+            (Duration::from_millis(500), Duration::from_secs(1))
+        );
+        let tuned = parse(&text.replace(
+            "pool = \"rbd\"",
+            "pool = \"rbd\"\nmembership_interval = \"250ms\"\nmembership_timeout = 2",
+        ))
+        .expect("tuned")
+        .cluster
+        .expect("parsed");
+        assert_eq!(
+            (tuned.membership_interval, tuned.membership_timeout),
+            (Duration::from_millis(250), Duration::from_secs(2))
+        );
         for (from, to, key) in [
             ("port_group = 2", "port_group = 0", "cluster.port_group"),
             ("gateway = \"a\"", "gateway = \"a/b\"", "cluster.gateway"),
@@ -1627,6 +1681,21 @@ size = "1GiB"
                 "pool = \"rbd\"",
                 "pool = \"rbd\"\nceph_timeout = 0",
                 "cluster.ceph_timeout",
+            ),
+            (
+                "pool = \"rbd\"",
+                "pool = \"rbd\"\nmembership_interval = \"10ms\"",
+                "cluster.membership_interval",
+            ),
+            (
+                "pool = \"rbd\"",
+                "pool = \"rbd\"\nmembership_timeout = \"2m\"",
+                "cluster.membership_timeout",
+            ),
+            (
+                "pool = \"rbd\"",
+                "pool = \"rbd\"\nmembership_timeout = \"soon\"",
+                "membership_timeout",
             ),
             ("pool = \"rbd\"\n", "", "pool"),
         ] {

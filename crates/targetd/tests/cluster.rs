@@ -652,6 +652,22 @@ impl Process_ {
             .expect("login")
     }
 
+    /// What asks the gateway whose admin socket is `path` for its cluster view
+    /// (`targetctl cluster`).
+    fn viewer(path: std::path::PathBuf) -> impl Fn() -> serde_json::Value {
+        move || {
+            use std::io::{BufRead, Write};
+            let mut s = std::os::unix::net::UnixStream::connect(&path).expect("the admin socket");
+            let mut line = serde_json::to_vec(&AdminRequest::Cluster).unwrap();
+            line.push(b'\n');
+            s.write_all(&line).unwrap();
+            let mut answer = String::new();
+            std::io::BufReader::new(&s).read_line(&mut answer).unwrap();
+            let a: serde_json::Value = serde_json::from_str(&answer).expect("json");
+            a["result"].clone()
+        }
+    }
+
     fn signal(&self, sig: &str) {
         let ok = Process::new("kill")
             .args([sig, &self.child.id().to_string()])
@@ -1136,15 +1152,46 @@ async fn linux_multipath_fails_over_to_a_standby_gateway() {
     let killer = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let kill_port = killer.local_addr().unwrap().port();
     let pid = a.child.id();
+    let (killed_tx, killed_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         if let Ok((mut c, _)) = killer.accept() {
             let _ = Process::new("kill")
                 .args(["-KILL", &pid.to_string()])
                 .status();
+            let _ = killed_tx.send(std::time::Instant::now());
             let _ = std::io::Write::write_all(&mut c, b"HTTP/1.0 200 OK\r\n\r\nkilled\n");
         }
     });
+    // The target's share of the failover: from the kill until B has fenced A (blocklisted,
+    // its image lock broken) and counts it gone, as B's cluster view says.
+    let b_socket = b._dir.path().join("admin.sock");
+    let watcher = std::thread::spawn(move || {
+        let killed = killed_rx
+            .recv_timeout(std::time::Duration::from_secs(900))
+            .ok()?;
+        let viewer = Process_::viewer(b_socket);
+        loop {
+            let view = viewer();
+            let gone = view["members"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|g| g["gateway"] == "gw1" && g["live"] == false);
+            if gone {
+                return Some(killed.elapsed());
+            }
+            if killed.elapsed() > std::time::Duration::from_secs(60) {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    });
+    // What the hosts' replacement_timeout is (5 s, as docs/ha.md has multipath hosts set it;
+    // TARGETD_TEST_REPLACEMENT_TIMEOUT to try another).
+    let replacement =
+        std::env::var("TARGETD_TEST_REPLACEMENT_TIMEOUT").unwrap_or_else(|_| "5".into());
     let script = LINUX_MULTIPATH
+        .replace("@REPLACEMENT@", &replacement)
         .replace("@TARGET@", TARGET)
         .replace("@PORT_A@", &a.addr.port().to_string())
         .replace("@PORT_B@", &b.addr.port().to_string())
@@ -1186,7 +1233,14 @@ async fn linux_multipath_fails_over_to_a_standby_gateway() {
         .lines()
         .find(|l| l.contains("the longest write took"))
     {
-        println!("{l}");
+        println!("{l} (replacement_timeout {replacement} s)");
+    }
+    match watcher.join().unwrap() {
+        Some(d) => println!(
+            "linux multipath: B had fenced A and counted it gone {:.2} s after the kill",
+            d.as_secs_f64()
+        ),
+        None => println!("linux multipath: B did not count A gone within 60 s of the kill"),
     }
     drop(a);
     drop(b);
@@ -1201,8 +1255,8 @@ mkdir -p /etc/iscsi/nodes /etc/iscsi/send_targets /etc/iscsi/ifaces /run/lock/is
 echo "InitiatorName=iqn.2026-11.io.example:linux-multipath" > /etc/iscsi/initiatorname.iscsi
 echo "root:x:0:0:root:/root:/bin/sh" > /etc/passwd
 echo "root:x:0:" > /etc/group
-# What dm-multipath hosts set: a lost path is given up after 5 s, not open-iscsi's 120.
-printf 'node.startup = manual\nnode.session.timeo.replacement_timeout = 5\n' > /etc/iscsi/iscsid.conf
+# What dm-multipath hosts set: a lost path is given up after a few seconds, not open-iscsi's 120.
+printf 'node.startup = manual\nnode.session.timeo.replacement_timeout = @REPLACEMENT@\n' > /etc/iscsi/iscsid.conf
 /bin/iscsid -f > /tmp/iscsid.log 2>&1 &
 sleep 1
 disks() { ls -d /sys/block/sd* 2>/dev/null | wc -l; }

@@ -210,6 +210,23 @@ pub mod serde {
             Raw::Text(t) => super::parse_size(&t).map_err(D::Error::custom),
         }
     }
+
+    /// A duration that may be shorter than a second: a number of seconds, or a duration
+    /// (`"500ms"`, `"1.5s"`).
+    pub fn duration<'de, D: Deserializer<'de>>(d: D) -> Result<std::time::Duration, D::Error> {
+        match Raw::deserialize(d)? {
+            Raw::Number(n) => Ok(std::time::Duration::from_secs(n)),
+            Raw::Text(t) => super::parse_duration(&t).map_err(D::Error::custom),
+        }
+    }
+
+    /// Writes a duration as [`duration`] reads it (`"500ms"`).
+    pub fn write_duration<S: serde::Serializer>(
+        d: &std::time::Duration,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&super::format_duration(*d))
+    }
 }
 
 #[cfg(test)]

@@ -31,8 +31,8 @@
 //! Which gateways are alive comes from RADOS too: each gateway lists itself (name, port group,
 //! portals) in the object `<cluster>.gateways` and watches it; a notify on it is answered by
 //! every live gateway with its name, and one that does not answer within
-//! [`MEMBERSHIP_TIMEOUT`] is down (and fenced). Every gateway asks every
-//! [`MEMBERSHIP_INTERVAL`] and derives the same implicit ALUA states for every unit: the live
+//! `cluster.membership_timeout` (1 s) is down (and fenced). Every gateway asks every
+//! `cluster.membership_interval` (0.5 s) and derives the same implicit ALUA states for every unit: the live
 //! gateway with the lowest port group (or the unit's preferred one) is active/optimized, the
 //! other live ones active/non-optimized (or standby), the rest unavailable. A change reaches
 //! initiators as ASYMMETRIC ACCESS STATE CHANGED; SendTargets on any gateway lists every
@@ -56,12 +56,6 @@ use crate::store::UnitStore;
 
 /// How many tries a compare-and-swap edit of an object makes before it gives up.
 const MAX_RACES: usize = cluster::gateway::MAX_RACES;
-
-/// How often a gateway asks who is alive.
-pub const MEMBERSHIP_INTERVAL: Duration = Duration::from_secs(2);
-
-/// How long a gateway has to answer "who is alive" before it counts as down.
-pub const MEMBERSHIP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The longest a fenced gateway waits between two tries to rejoin.
 pub const REJOIN_MAX_DELAY: Duration = Duration::from_secs(30);
@@ -159,8 +153,8 @@ impl Keeper {
             c.port_group,
             Duration::from_secs(c.notify_timeout),
         );
-        settings.membership_interval = MEMBERSHIP_INTERVAL;
-        settings.membership_timeout = MEMBERSHIP_TIMEOUT;
+        settings.membership_interval = c.membership_interval;
+        settings.membership_timeout = c.membership_timeout;
         settings.rejoin_max_delay = REJOIN_MAX_DELAY;
         let keeper = Arc::new_cyclic(|this| Keeper {
             this: this.clone(),
@@ -322,8 +316,10 @@ impl Keeper {
         let wait = s
             .machine
             .poll_timeout()
-            .map_or(MEMBERSHIP_INTERVAL, |t| t.saturating_duration_since(now))
-            .clamp(Duration::from_millis(1), MEMBERSHIP_INTERVAL);
+            .map_or(self.settings.membership_interval, |t| {
+                t.saturating_duration_since(now)
+            })
+            .clamp(Duration::from_millis(1), self.settings.membership_interval);
         let (mut s, _) = self
             .wake
             .wait_timeout(s, wait)
@@ -452,7 +448,7 @@ impl Keeper {
     }
 
     /// Lists this gateway (with its iSCSI `portals`) in the cluster, answers "who is alive"
-    /// from now on, and starts asking it every [`MEMBERSHIP_INTERVAL`] (and, once fenced,
+    /// from now on, and starts asking it every `cluster.membership_interval` (and, once fenced,
     /// rejoining).
     pub fn join(
         self: &Arc<Self>,
@@ -473,7 +469,8 @@ impl Keeper {
         }
         // The first answer to "who is alive" sets every unit's port groups before the
         // portals take logins.
-        let deadline = Instant::now() + MEMBERSHIP_TIMEOUT * 2 + Duration::from_secs(1);
+        let deadline =
+            Instant::now() + self.settings.membership_timeout * 2 + Duration::from_secs(1);
         while Instant::now() < deadline {
             let s = self.state();
             if !s.machine.membership().members.is_empty() || s.machine.is_fenced() {
@@ -510,7 +507,7 @@ impl Keeper {
             .replace(watch);
         drop(old);
         // The others look again now rather than at their next round.
-        let _ = pool.notify(&oid, b"joined", MEMBERSHIP_TIMEOUT);
+        let _ = pool.notify(&oid, b"joined", self.settings.membership_timeout);
         self.state().machine.relisted(me.clone());
         Ok(())
     }
@@ -696,9 +693,11 @@ impl Keeper {
                 .unwrap_or_else(PoisonError::into_inner)
                 .take(),
         );
-        let _ = self
-            .pool()
-            .notify(&self.gateways_object(), b"left", MEMBERSHIP_TIMEOUT);
+        let _ = self.pool().notify(
+            &self.gateways_object(),
+            b"left",
+            self.settings.membership_timeout,
+        );
         tracing::info!(%gateway, "left the cluster of gateways");
     }
 
@@ -709,7 +708,7 @@ impl Keeper {
         if name == self.config.gateway {
             return Err(format!("{name} is this gateway: stop it to make it leave"));
         }
-        // Who answered the last round (at most `MEMBERSHIP_INTERVAL` ago).
+        // Who answered the last round (at most `membership_interval` ago).
         if self.membership().live.iter().any(|g| g == name) {
             return Err(format!(
                 "gateway {name} is alive (it answers who is alive): stop it, and it leaves by itself"
@@ -727,9 +726,11 @@ impl Keeper {
             return Err(format!("no gateway {name} in the cluster"));
         }
         // Everyone (this gateway too) looks again now.
-        let _ = self
-            .pool()
-            .notify(&self.gateways_object(), b"left", MEMBERSHIP_TIMEOUT);
+        let _ = self.pool().notify(
+            &self.gateways_object(),
+            b"left",
+            self.settings.membership_timeout,
+        );
         tracing::warn!(gateway = %name, "forgot a gateway that is gone");
         Ok(format!("gateway {name} forgotten"))
     }
