@@ -601,7 +601,8 @@ impl Target {
 
     /// Runs `f` on the SCSI core under its lock, as a caller that is no connection (an
     /// administrator's change, a keeper's decision, a login): what the core routes goes to
-    /// the connections once the lock is let go ([`Target::unlock_core`]).
+    /// the connections, and its reservation changes to the cluster, once the lock is let go
+    /// (as every holder lets it go: see `Target::unlock_core`).
     pub fn with_core<T>(&self, f: impl FnOnce(&mut Core, &mut Outbox) -> T) -> T {
         let mut out = Outbox::detached();
         let mut core = self.lock_core(&mut out);
