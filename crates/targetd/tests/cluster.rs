@@ -831,6 +831,9 @@ async fn a_blocklisted_gateway_stops_serving_and_rejoins_with_what_it_missed() {
         await_groups(&one, &unavailable, 30).await,
         "A did not report itself unavailable"
     );
+    // B sees A unavailable too (within a round: 0.5 s), and its initiator has had the unit
+    // attention of that change.
+    expect_groups(&two, &unavailable, 30).await;
     // While A is out, B registers and reserves (WRITE EXCLUSIVE).
     assert_eq!(prout(&two, 0, 0, 0, 0xb).await, ScsiStatus::GOOD);
     assert_eq!(prout(&two, 1, 1, 0xb, 0).await, ScsiStatus::GOOD);
