@@ -2,8 +2,9 @@
 //! sequences of reservation changes through any gateway, gateways going silent and waking,
 //! aborted tasks that end late or never, the cluster refusing rejoins, and time passing. The
 //! kit asserts at every decided change that each gateway watching the unit has applied it or
-//! is fenced; here, besides, every change is decided in the end, and a gateway that is not
-//! fenced and runs agrees with every other on each unit's state once all is quiet.
+//! is fenced; here, besides, every change is decided in the end, a gateway that is not fenced
+//! and runs agrees with every other on each unit's state once all is quiet, and a gateway
+//! that was only slow (its answers arriving within the membership timeout) is never fenced.
 #![no_main]
 
 use std::time::Duration;
@@ -57,6 +58,11 @@ enum Step {
     },
     RefuseRejoins(bool),
     Advance(u16),
+    /// A gateway's answers take `tenths` tenths of a second to arrive (busy, or a slow link).
+    Slow {
+        gw: u8,
+        tenths: u8,
+    },
 }
 
 const GATEWAYS: usize = 3;
@@ -68,6 +74,11 @@ fuzz_target!(|steps: Vec<Step>| {
     let mut n = 0u64;
     let gw = |g: u8| usize::from(g) % GATEWAYS;
     let unit = |u: u8| u64::from(u) % UNITS;
+    let timeout = sim.nodes[0].machine.settings().membership_timeout;
+    // Gateways that may be fenced: silenced, answering late, or holding aborted tasks a
+    // PREEMPT AND ABORT waits for.
+    let mut may_be_fenced = [false; GATEWAYS];
+    let instances: Vec<u64> = sim.nodes.iter().map(|n| n.instance).collect();
     for step in steps.into_iter().take(64) {
         let mut submit = |sim: &mut Sim, g: usize, u: u64, host: u8, r: ReservationRequest| {
             n += 1;
@@ -109,13 +120,17 @@ fuzz_target!(|steps: Vec<Step>| {
             Step::Reset { gw: g, unit: u } => {
                 submit(&mut sim, gw(g), unit(u), 0, ReservationRequest::Reset)
             }
-            Step::Silence(g) => sim.silence(gw(g)),
+            Step::Silence(g) => {
+                may_be_fenced[gw(g)] = true;
+                sim.silence(gw(g))
+            }
             Step::Wake(g) => sim.wake(gw(g)),
             Step::Busy {
                 gw: g,
                 unit: u,
                 tasks,
             } => {
+                may_be_fenced[gw(g)] |= tasks % 4 > 0;
                 sim.nodes[gw(g)]
                     .aborted_in_flight
                     .insert(unit(u), usize::from(tasks % 4));
@@ -123,11 +138,26 @@ fuzz_target!(|steps: Vec<Step>| {
             Step::EndTasks { gw: g, unit: u } => sim.end_aborted_tasks(gw(g), unit(u)),
             Step::RefuseRejoins(r) => sim.refuse_reconnect = r,
             Step::Advance(ms) => sim.advance(Duration::from_millis(u64::from(ms) * 10)),
+            Step::Slow { gw: g, tenths } => {
+                let delay = Duration::from_millis(u64::from(tenths % 20) * 100);
+                // At the timeout's edge counts as late: the clock moves in 100 ms steps.
+                may_be_fenced[gw(g)] |= delay + Duration::from_millis(100) >= timeout;
+                sim.nodes[gw(g)].ack_delay = delay;
+            }
         }
         sim.run();
     }
-    // Quiet: everyone runs, tasks end, rejoins succeed, time passes.
+    for g in 0..GATEWAYS {
+        assert!(
+            may_be_fenced[g] || !sim.blocklist.contains(&instances[g]),
+            "gw{g} was fenced though it was never silent, late or holding aborted tasks"
+        );
+    }
+    // Quiet: everyone runs, answers at once, tasks end, rejoins succeed, time passes.
     sim.refuse_reconnect = false;
+    for n in sim.nodes.iter_mut() {
+        n.ack_delay = Duration::ZERO;
+    }
     for g in 0..GATEWAYS {
         sim.wake(g);
         for u in 0..UNITS {
