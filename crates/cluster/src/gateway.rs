@@ -406,6 +406,15 @@ impl Gateway {
         self.me = Some(me);
     }
 
+    /// This gateway's ports changed (it serves SRP now, [`Gateway::relisted`] first): every
+    /// unit gets its port groups again, with the new port in this gateway's group, when the
+    /// membership is known.
+    pub fn refresh_port_groups(&mut self) {
+        if !self.membership.members.is_empty() {
+            self.give_groups();
+        }
+    }
+
     /// This gateway is stopping: no more rounds, no rejoin.
     pub fn leave(&mut self) {
         self.leaving = true;
@@ -591,6 +600,7 @@ impl Gateway {
                 instance: 0,
                 addresses: Vec::new(),
                 left: false,
+                srp: self.me.as_ref().is_some_and(|me| me.srp),
             });
         }
         self.membership = m;
@@ -1067,6 +1077,17 @@ impl Gateway {
     /// The port groups of a unit with `policy`, this gateway's own unavailable once fenced.
     pub fn groups_of(&self, policy: &PathPolicy) -> Vec<PortGroup> {
         let mut groups = self.membership.port_groups(policy);
+        // This gateway's own ports as it serves them now, whatever the object said when it
+        // was read last: a port missing from every group would have no access state here.
+        if let Some(me) = &self.me {
+            for g in groups.iter_mut().filter(|g| g.id == me.port_group) {
+                for p in me.relative_ports() {
+                    if !g.ports.contains(&p) {
+                        g.ports.push(p);
+                    }
+                }
+            }
+        }
         if self.fenced {
             for g in groups
                 .iter_mut()

@@ -3,6 +3,18 @@
 
 use scsi_core::spc::tpg::{AccessState, PortGroup};
 
+/// What a gateway's SRP port adds to its port group to make its relative target port
+/// identifier: `SRP_PORT_OFFSET + port_group`. Its iSCSI (and iSER) port is `port_group`
+/// itself, so every port of every gateway has an identifier of its own, and a gateway that
+/// serves SRP takes port groups 1 to 32767.
+pub const SRP_PORT_OFFSET: u16 = 0x8000;
+
+/// The relative target port identifier of the SRP port of the gateway with `port_group`;
+/// `None` above 32767.
+pub fn srp_relative_port(port_group: u16) -> Option<u16> {
+    (port_group > 0 && port_group < SRP_PORT_OFFSET).then(|| SRP_PORT_OFFSET + port_group)
+}
+
 /// One gateway as the cluster's gateways object lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
@@ -19,6 +31,8 @@ pub struct Member {
     pub addresses: Vec<String>,
     /// It stopped as planned (SIGTERM) and said so: down, but never fenced for it.
     pub left: bool,
+    /// It serves SRP ports: its port group has the port [`srp_relative_port`] names too.
+    pub srp: bool,
 }
 
 impl Member {
@@ -36,12 +50,23 @@ impl Member {
             self.addresses.join(",")
         };
         format!(
-            "gateway {} {} {portals} {} {addresses}{}\n",
+            "gateway {} {} {portals} {} {addresses}{}{}\n",
             self.gateway,
             self.port_group,
             self.instance,
-            if self.left { " left" } else { "" }
+            if self.left { " left" } else { "" },
+            if self.srp { " srp" } else { "" }
         )
+    }
+
+    /// The relative target port identifiers of its ports: its iSCSI port, and its SRP port
+    /// when it serves one.
+    pub fn relative_ports(&self) -> Vec<u16> {
+        let srp = self
+            .srp
+            .then(|| srp_relative_port(self.port_group))
+            .flatten();
+        std::iter::once(self.port_group).chain(srp).collect()
     }
 
     /// A line of the gateways object; `None` when it is not one.
@@ -65,7 +90,10 @@ impl Member {
                 .filter(|a| *a != "-")
                 .map(str::to_string)
                 .collect(),
-            left: w.get(6) == Some(&"left"),
+            // Flags after the addresses, in any order (a gateway that knows none of them
+            // reads the first as `left` only when it is).
+            left: w.iter().skip(6).any(|f| *f == "left"),
+            srp: w.iter().skip(6).any(|f| *f == "srp"),
         })
     }
 
@@ -144,7 +172,7 @@ impl Membership {
                     id: m.port_group,
                     state,
                     preferred: state == AccessState::ActiveOptimized,
-                    ports: vec![m.port_group],
+                    ports: m.relative_ports(),
                 }
             })
             .collect()
@@ -164,17 +192,53 @@ mod tests {
             instance: 42,
             addresses: vec!["127.0.0.1:0/1".into(), "127.0.0.1:0/2".into()],
             left: true,
+            srp: true,
         };
         assert_eq!(Member::parse(&m.line()), Some(m.clone()));
         let bare = Member {
             portals: vec![],
             addresses: vec![],
             left: false,
+            srp: false,
             ..m.clone()
         };
         assert_eq!(Member::parse(&bare.line()), Some(bare.clone()));
         let text = format!("junk\n{}gateway x\n", m.line());
         assert_eq!(Member::parse_all(text.as_bytes()), vec![m]);
+    }
+
+    #[test]
+    fn a_gateway_serving_srp_has_its_srp_port_in_its_group_and_old_lines_read() {
+        let m = |g: &str, pg, srp| Member {
+            gateway: g.into(),
+            port_group: pg,
+            portals: vec![],
+            instance: 7,
+            addresses: vec!["c".into()],
+            left: false,
+            srp,
+        };
+        let a = m("a", 1, true);
+        assert!(a.line().ends_with(" srp\n"), "{}", a.line());
+        assert_eq!(Member::parse(&a.line()), Some(a.clone()));
+        // A line written before SRP ports could join, and one with both flags.
+        let old = Member::parse("gateway b 2 - 8 c left").unwrap();
+        assert!(old.left && !old.srp);
+        let both = Member::parse("gateway b 2 - 8 c left srp").unwrap();
+        assert!(both.left && both.srp);
+        let ms = Membership {
+            members: vec![a, m("b", 2, false)],
+            live: vec!["a".into(), "b".into()],
+        };
+        let ports: Vec<Vec<u16>> = ms
+            .port_groups(&PathPolicy::default())
+            .into_iter()
+            .map(|g| g.ports)
+            .collect();
+        assert_eq!(ports, [vec![1, 0x8001], vec![2]]);
+        assert_eq!(srp_relative_port(0x7fff), Some(0xffff));
+        assert_eq!(srp_relative_port(0x8000), None);
+        assert_eq!(srp_relative_port(0), None);
     }
 
     #[test]
@@ -186,6 +250,7 @@ mod tests {
             instance: 0,
             addresses: vec![],
             left: false,
+            srp: false,
         };
         let m = Membership {
             members: vec![member("a", 1), member("b", 2), member("c", 3)],

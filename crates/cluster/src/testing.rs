@@ -187,6 +187,7 @@ impl Sim {
             instance,
             addresses: vec![format!("client.{instance}")],
             left: false,
+            srp: false,
         }
     }
 

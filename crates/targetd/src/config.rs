@@ -1389,13 +1389,17 @@ impl Config {
         if c.port_group == 0 {
             return fail("port_group", "0: must be 1 to 65535".into());
         }
-        if !self.server.rdma_portals.is_empty() {
-            return Err((
-                "server.rdma_portals".into(),
-                "SRP ports in a cluster of gateways are not supported yet: their relative \
-                 port identifiers are not unique across gateways"
-                    .into(),
-            ));
+        if !self.server.rdma_portals.is_empty()
+            && cluster::member::srp_relative_port(c.port_group).is_none()
+        {
+            return fail(
+                "port_group",
+                format!(
+                    "{}: with server.rdma_portals, must be 1 to 32767 (the SRP port's relative \
+                     port identifier is 32768 + port_group)",
+                    c.port_group
+                ),
+            );
         }
         if let Some(t) = c.ceph_timeout {
             if !(1..=3600).contains(&t) {
@@ -1647,7 +1651,7 @@ size = "1GiB"
             return;
         }
         let c = parse(&text).expect("a good cluster");
-        let cl = c.cluster.expect("parsed");
+        let cl = c.cluster.clone().expect("parsed");
         assert_eq!((cl.port_group, cl.notify_timeout), (2, 5));
         assert_eq!(
             (cl.membership_interval, cl.membership_timeout),
@@ -1702,6 +1706,17 @@ size = "1GiB"
             let e = refused(&text.replace(from, to));
             assert!(e.contains(key), "{to}: {e}");
         }
+        // SRP ports join a cluster: their relative port is 32768 + port_group. (The cluster's
+        // checks alone: the RDMA portals' own need a device this machine may not have.)
+        let mut srp = c.clone();
+        srp.server.rdma_portals = vec!["127.0.0.1:5555".into()];
+        srp.validate_cluster().expect("SRP ports in a cluster");
+        srp.cluster.as_mut().expect("parsed").port_group = 40000;
+        let (key, reason) = srp
+            .validate_cluster()
+            .expect_err("no room for the SRP port");
+        assert_eq!(key, "cluster.port_group");
+        assert!(reason.contains("32767"), "{reason}");
     }
 
     /// docs/config.md names every key targetd reads, and nothing else; its examples parse.

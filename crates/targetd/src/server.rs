@@ -195,6 +195,9 @@ impl Server {
         let iser_portals = config.server.iser_portals.clone();
         if let Some(cluster) = &env.cluster {
             cluster.join(&portals).map_err(|(k, r)| fail(k, r))?;
+            if !config.server.rdma_portals.is_empty() {
+                cluster.serve_srp();
+            }
         }
         let registry = Arc::new(Registry::new(config, config_path, targets, portals, env));
         let settings = reactor::Settings {
@@ -272,7 +275,12 @@ impl Server {
         node: rdma::fabric::NodeId,
         service: &str,
     ) -> Result<(), StartError> {
-        self.serve_fabric(switch, node, service, "SRP", crate::srp::serve)
+        self.serve_fabric(switch, node, service, "SRP", crate::srp::serve)?;
+        if let Some(cluster) = &self.registry.target_env.cluster {
+            // Its port group now has this gateway's SRP port too.
+            cluster.serve_srp();
+        }
+        Ok(())
     }
 
     /// Serves iSER on the software fabric `switch` as its node `node`, listening on

@@ -43,7 +43,8 @@ use crate::reactor::Io;
 use crate::registry::{ConnectionSlot, Registry, SrpChannelInfo};
 use crate::target::{next_id, Lun, Outbox, Route, Routed, Target};
 
-/// The relative target port identifier of every target's SRP port (its iSCSI port is 1).
+/// The relative target port identifier (and port group) of a lone gateway's SRP port (its
+/// iSCSI port is 1); in a cluster, see [`Target::srp_port`].
 pub const RELATIVE_PORT: u16 = 2;
 
 /// The SRP target port identifier of the target `name`: what an initiator names in its
@@ -393,6 +394,9 @@ impl<Q> LoginPolicy<u64> for PortPolicy<'_, Q> {
             .find(|t| port_id(&t.name) == req.target_port_id)
             .ok_or(unable("no target has that target port identifier"))?;
         admits(&target, &req.initiator_port_id).map_err(unable)?;
+        target.srp_port().ok_or(unable(
+            "this gateway's port group leaves no SRP relative port identifier (above 32767)",
+        ))?;
         let slot = self.registry.open_connection().ok_or((
             LoginRejectReason::InsufficientResources,
             "server.max_connections connections are open",
@@ -695,14 +699,17 @@ impl<F: Fabric> Port<F> {
     }
 }
 
-/// Opens the I_T nexus of `req`'s initiator port on the target's SRP port (added to its
-/// device at the first SRP login).
+/// Opens the I_T nexus of `req`'s initiator port on the target's SRP port
+/// ([`Target::srp_port`], added to its device at the first SRP login).
 fn open_nexus(target: &Target, req: &SrpLoginReq) -> NexusId {
-    let port = scsi_core::TargetPort::srp(&target.name, req.target_port_id, RELATIVE_PORT);
+    // A target without one was refused by the policy's target check.
+    let (relative, group) = target.srp_port().unwrap_or((RELATIVE_PORT, RELATIVE_PORT));
+    let mut port = scsi_core::TargetPort::srp(&target.name, req.target_port_id, relative);
+    port.port_group = group;
     target.with_core(|core, _| {
         let router = core.router();
         router.add_port(port);
-        router.open_nexus(TransportId::srp(req.initiator_port_id), RELATIVE_PORT)
+        router.open_nexus(TransportId::srp(req.initiator_port_id), relative)
     })
 }
 

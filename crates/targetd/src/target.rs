@@ -985,6 +985,20 @@ impl Target {
         self.with_core(|core, out| core.router().task_management_change_done(reference, out));
     }
 
+    /// The relative target port identifier and the target port group of this target's SRP
+    /// port: alone, port 2 in a group of its own (its iSCSI port is 1); in a cluster, this
+    /// gateway's SRP port ([`crate::cluster::srp_relative_port`]) in this gateway's group,
+    /// so that the cluster's access states hold for SRP as for iSCSI. `None` in a cluster
+    /// whose port group leaves no room for one (above 32767; the config refuses it).
+    pub fn srp_port(&self) -> Option<(u16, u16)> {
+        match &self.cluster {
+            None => Some((crate::srp::RELATIVE_PORT, crate::srp::RELATIVE_PORT)),
+            Some(_) => {
+                crate::cluster::srp_relative_port(self.port_group).map(|p| (p, self.port_group))
+            }
+        }
+    }
+
     /// Whether `initiator` connecting from `addr` may log in.
     pub fn admits(&self, initiator: &str, addr: std::net::IpAddr) -> bool {
         let c = self.config.read().unwrap_or_else(PoisonError::into_inner);

@@ -1314,3 +1314,140 @@ kill $dog 2>/dev/null
 cmp /tmp/data /tmp/back && echo "linux multipath: 16 MiB written across the failover and read back" || fail "linux multipath: data differ"
 /bin/dmsetup remove mp
 "#;
+
+/// The relative target port identifier and the target port group an INQUIRY VPD page 83h
+/// names (designator types 4 and 5).
+fn port_designators(page: &[u8]) -> (Option<u16>, Option<u16>) {
+    let (mut relative, mut group) = (None, None);
+    let end = (4 + usize::from(u16::from_be_bytes([page[2], page[3]]))).min(page.len());
+    let mut at = 4;
+    while at + 4 <= end {
+        let len = usize::from(page[at + 3]);
+        let data = &page[(at + 4).min(end)..(at + 4 + len).min(end)];
+        if data.len() >= 4 {
+            let value = Some(u16::from_be_bytes([data[2], data[3]]));
+            match page[at + 1] & 0x0f {
+                4 => relative = value,
+                5 => group = value,
+                _ => {}
+            }
+        }
+        at += 4 + len;
+    }
+    (relative, group)
+}
+
+/// REPORT TARGET PORT GROUPS' data: (group, access state, its ports' relative identifiers).
+fn groups_and_ports(data: &[u8]) -> Vec<(u16, u8, Vec<u16>)> {
+    let end =
+        (4 + u32::from_be_bytes([data[0], data[1], data[2], data[3]]) as usize).min(data.len());
+    let mut out = Vec::new();
+    let mut at = 4;
+    while at + 8 <= end {
+        let ports = usize::from(data[at + 7]);
+        let state = data[at] & 0x0f;
+        let id = u16::from_be_bytes([data[at + 2], data[at + 3]]);
+        let list = (0..ports)
+            .filter_map(|i| {
+                let p = at + 8 + 4 * i;
+                (p + 4 <= end).then(|| u16::from_be_bytes([data[p + 2], data[p + 3]]))
+            })
+            .collect();
+        out.push((id, state, list));
+        at += 8 + 4 * ports;
+    }
+    out
+}
+
+/// SRP ports in a cluster (here on the software fabric, served by two gateways in this
+/// process): each gateway's SRP port has a relative port identifier of its own (32768 + its
+/// port group) in its own port group, so the cluster's access states hold for SRP paths as
+/// for iSCSI ones: with `standby = true`, reads go through A's SRP port and B's answers NOT
+/// READY (target port in standby state), and REPORT TARGET PORT GROUPS through either lists
+/// both gateways' ports in their groups. (A lone target's SRP port was relative port 2 on
+/// every gateway: gateway 2's iSCSI port, in gateway 2's group.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn srp_ports_of_a_cluster_have_their_own_relative_ports_and_access_states() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("srp");
+    let name = unique("gws");
+    let switch = rdma::switch::Switch::new();
+    let fabric = |node, service: &'static str| {
+        let switch = switch.clone();
+        move |server: &targetd::server::Server| {
+            server
+                .serve_srp_fabric(&switch, rdma::fabric::NodeId(node), service)
+                .expect("the service is free")
+        }
+    };
+    let standby = "standby = true\n";
+    let a = Daemon::start_with(
+        &gateway_config_with(&ceph, &name, 1, &image, standby),
+        fabric(0, "srp-a"),
+    );
+    let b = Daemon::start_with(
+        &gateway_config_with(&ceph, &name, 2, &image, standby),
+        fabric(1, "srp-b"),
+    );
+    let sw = switch.clone();
+    tokio::task::spawn_blocking(move || {
+        use common::srp_client::SrpClient;
+        let mut via_a = SrpClient::login(
+            &sw,
+            rdma::fabric::NodeId(2),
+            "srp-a",
+            TARGET,
+            *b"srp-cluster-in-A",
+        );
+        let mut via_b = SrpClient::login(
+            &sw,
+            rdma::fabric::NodeId(3),
+            "srp-b",
+            TARGET,
+            *b"srp-cluster-in-B",
+        );
+        let vpd83 = [0x12, 0x01, 0x83, 0x00, 0xff, 0x00];
+        let page_a = via_a.past_attentions(0, &vpd83, None, 255);
+        let page_b = via_b.past_attentions(0, &vpd83, None, 255);
+        assert_eq!(port_designators(&page_a.data), (Some(0x8001), Some(1)));
+        assert_eq!(port_designators(&page_b.data), (Some(0x8002), Some(2)));
+        // Both gateways list both SRP ports once each has read the other's line.
+        let rtpg = [0xa3, 0x0a, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0];
+        let want = vec![(1, 0x0, vec![1, 0x8001]), (2, 0x2, vec![2, 0x8002])];
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        for via in [&mut via_a, &mut via_b] {
+            loop {
+                let r = via.past_attentions(0, &rtpg, None, 256);
+                if r.status == 0 && groups_and_ports(&r.data) == want {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "port groups {:?}, not {want:?}",
+                    groups_and_ports(&r.data)
+                );
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        }
+        // A's SRP port is active/optimized: a write and a read go through.
+        let block = pattern(512, 7);
+        let write = [0x2a, 0, 0, 0, 0, 5, 0, 0, 1, 0];
+        assert_eq!(via_a.past_attentions(0, &write, Some(&block), 0).status, 0);
+        let read = [0x28, 0, 0, 0, 0, 5, 0, 0, 1, 0];
+        let r = via_a.past_attentions(0, &read, None, 512);
+        assert_eq!((r.status, r.data), (0, block.to_vec()));
+        // B's is standby: NOT READY, LOGICAL UNIT NOT ACCESSIBLE, TARGET PORT IN STANDBY.
+        let r = via_b.past_attentions(0, &read, None, 512);
+        assert_eq!(r.status, 2, "a read through the standby gateway's SRP port");
+        assert_eq!(
+            (r.sense_key(), r.sense.get(12), r.sense.get(13)),
+            (Some(2), Some(&4), Some(&0x0b))
+        );
+    })
+    .await
+    .unwrap();
+    drop(a);
+    drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}

@@ -461,6 +461,7 @@ impl Keeper {
             instance: 0,
             addresses: Vec::new(),
             left: false,
+            srp: false,
         });
         self.enter()?;
         let me = crate::lock(&self.me).clone();
@@ -1066,6 +1067,25 @@ impl super::Cluster for Keeper {
 
     fn set_portals(&self, portals: &[std::net::SocketAddr]) {
         Keeper::set_portals(self, portals);
+    }
+
+    fn serve_srp(&self) {
+        let me = {
+            let mut guard = crate::lock(&self.me);
+            let Some(me) = guard.as_mut() else { return };
+            if me.srp {
+                return;
+            }
+            me.srp = true;
+            me.clone()
+        };
+        // This gateway's own groups list the port at once; the others when they read the
+        // gateways object next (within a round).
+        self.state().machine.relisted(me.clone());
+        if let Err((_, e)) = self.publish(&me) {
+            tracing::warn!("listing this gateway's SRP port: {e}");
+        }
+        self.input(|m, _| m.refresh_port_groups());
     }
 
     fn membership(&self) -> Membership {

@@ -17,6 +17,7 @@ use crate::config;
 use crate::store::UnitStore;
 
 pub use cluster::gateway::Counters;
+pub use cluster::member::srp_relative_port;
 pub use cluster::{Membership, PathPolicy};
 
 #[cfg(feature = "rbd")]
@@ -50,6 +51,10 @@ pub trait Cluster: Send + Sync + std::fmt::Debug {
 
     /// This gateway's iSCSI portals are now `portals`.
     fn set_portals(&self, portals: &[SocketAddr]);
+
+    /// This gateway serves SRP ports from now on: its port group has its SRP port
+    /// ([`srp_relative_port`]) too, here at once and on the other gateways within a round.
+    fn serve_srp(&self);
 
     /// The gateways listed and which of them answered last.
     fn membership(&self) -> Membership;

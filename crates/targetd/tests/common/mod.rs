@@ -16,6 +16,7 @@ pub mod ceph;
 pub mod guest;
 pub mod iser;
 pub mod raw;
+pub mod srp_client;
 
 pub const TARGET: &str = "iqn.2026-11.io.example:test";
 
