@@ -41,11 +41,7 @@ use crate::fabric::{Fabric, FabricBuffer, Qp, MESSAGE_LEN};
 use crate::lock;
 use crate::reactor::Io;
 use crate::registry::{ConnectionSlot, Registry, SrpChannelInfo};
-use crate::target::{next_id, Lun, Outbox, Route, Routed, Target};
-
-/// The relative target port identifier (and port group) of a lone gateway's SRP port (its
-/// iSCSI port is 1); in a cluster, see [`Target::srp_port`].
-pub const RELATIVE_PORT: u16 = 2;
+use crate::target::{next_id, Lun, Outbox, Route, Routed, Target, SRP_RELATIVE_PORT};
 
 /// The SRP target port identifier of the target `name`: what an initiator names in its
 /// SRP_LOGIN_REQ to reach it ([`srp::target_port::port_id_for`]); `targetctl targets` shows it.
@@ -703,7 +699,8 @@ impl<F: Fabric> Port<F> {
 /// ([`Target::srp_port`], added to its device at the first SRP login).
 fn open_nexus(target: &Target, req: &SrpLoginReq) -> NexusId {
     // A target without one was refused by the policy's target check.
-    let (relative, group) = target.srp_port().unwrap_or((RELATIVE_PORT, RELATIVE_PORT));
+    let lone = (SRP_RELATIVE_PORT, SRP_RELATIVE_PORT);
+    let (relative, group) = target.srp_port().unwrap_or(lone);
     let mut port = scsi_core::TargetPort::srp(&target.name, req.target_port_id, relative);
     port.port_group = group;
     target.with_core(|core, _| {

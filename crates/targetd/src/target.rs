@@ -40,6 +40,10 @@ use crate::store::UnitStore;
 /// ALUA active/optimized); in a cluster each gateway has its own (`cluster.port_group`).
 pub const PORTAL_GROUP: u16 = 1;
 
+/// The relative target port identifier (and port group) of a lone gateway's SRP ports (its
+/// iSCSI port is [`PORTAL_GROUP`]); in a cluster, see [`Target::srp_port`].
+pub const SRP_RELATIVE_PORT: u16 = 2;
+
 /// What every target of the daemon shares, fixed when it starts.
 #[derive(Debug, Clone)]
 pub struct TargetEnv {
@@ -992,7 +996,7 @@ impl Target {
     /// whose port group leaves no room for one (above 32767; the config refuses it).
     pub fn srp_port(&self) -> Option<(u16, u16)> {
         match &self.cluster {
-            None => Some((crate::srp::RELATIVE_PORT, crate::srp::RELATIVE_PORT)),
+            None => Some((SRP_RELATIVE_PORT, SRP_RELATIVE_PORT)),
             Some(_) => {
                 crate::cluster::srp_relative_port(self.port_group).map(|p| (p, self.port_group))
             }
