@@ -10,10 +10,12 @@
 //! targets; it owns no thread, socket or clock. targetd's shell carries the requests out on
 //! RADOS (crates/targetd/src/cluster/keeper.rs); the test kit (`testing`, feature `testing`) on an
 //! in-memory store with gateways on a virtual clock that can go silent, be killed, race and
-//! lose notifies.
+//! lose notifies. Whole targets are compared across gateways by [`definition`]: the last
+//! one edited is recorded, the others warn where they differ.
 #![forbid(unsafe_code)]
 
 pub mod change;
+pub mod definition;
 pub mod gateway;
 pub mod member;
 pub mod store;

@@ -669,6 +669,22 @@ fn cluster(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Resu
             ),
         ],
     )?;
+    let view = k.view();
+    // Each shared target whose definition here differs from the cluster's record.
+    let mut f = family(
+        e,
+        "targetd_cluster_target_definition_differs",
+        "1 while this gateway exports a shared target otherwise than the cluster's record of it \
+         (access rules, CHAP, units; targetctl cluster names the keys)",
+        Gauge,
+    )?;
+    for t in view["targets"].as_array().into_iter().flatten() {
+        let labels = vec![(
+            "target",
+            t["target"].as_str().unwrap_or_default().to_string(),
+        )];
+        f.sample(&labels, u64::from(t["definition"] == "differs"))?;
+    }
     // Each shared unit's access state through each port group, as its REPORT TARGET PORT
     // GROUPS says: 1 for the state it is in, 0 for the others, so an alert can watch a unit
     // with no active/optimized path.
@@ -678,7 +694,6 @@ fn cluster(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Resu
         "1 for the ALUA state a shared unit has through a port group (gateway), 0 for the others",
         Gauge,
     )?;
-    let view = k.view();
     for u in view["units"].as_array().into_iter().flatten() {
         for g in u["groups"].as_array().into_iter().flatten() {
             for state in [

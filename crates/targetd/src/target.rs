@@ -487,19 +487,27 @@ impl Lun {
         })
     }
 
-    /// How the SCSI core describes this unit. The identity derives from the target name, the
-    /// LUN and the backing path, so it is stable across restarts and unique per unit.
-    pub fn logical_unit(&self, target: &str) -> LogicalUnit {
+    /// How the SCSI core describes this unit. The identity derives from the storage when
+    /// it is shared (an RBD image: every gateway names it alike), or else from the target
+    /// name, the LUN and the backing path, so it is stable across restarts and unique per
+    /// unit; and, for a gateway of a cluster (`gateway`), from the gateway's name too: one
+    /// gateway's own file or memory is another disk than another gateway's under the same
+    /// target and LUN, and an initiator's multipath must not take them for one.
+    pub fn logical_unit(&self, target: &str, gateway: Option<&str>) -> LogicalUnit {
         let c = &self.config;
         let key = self.storage.identity_key().unwrap_or_else(|| {
-            format!(
+            let own = format!(
                 "{target}/{}/{}",
                 c.lun,
                 c.path
                     .as_ref()
                     .map(|p| p.display().to_string())
                     .unwrap_or_default()
-            )
+            );
+            match gateway {
+                Some(g) => format!("{own}@{g}"),
+                None => own,
+            }
         });
         LogicalUnit {
             identity: Identity::new(
@@ -721,6 +729,60 @@ impl Target {
             .collect()
     }
 
+    /// The target as this gateway exports it, for the cluster's comparison of whole targets
+    /// ([`cluster::definition`]): its access rules, its CHAP (the user and a digest of the
+    /// secret, never the secret), and each unit (an RBD image with its block size and
+    /// whether it is read-only, or this gateway's own storage).
+    pub fn definition(&self) -> cluster::definition::Definition {
+        let mut d = cluster::definition::Definition::new();
+        let listed = |items: Vec<String>| {
+            let mut items = items;
+            items.sort_unstable();
+            items.dedup();
+            if items.is_empty() {
+                "any".to_string()
+            } else {
+                items.join(" ")
+            }
+        };
+        {
+            let c = self.config.read().unwrap_or_else(PoisonError::into_inner);
+            d.insert("initiators".into(), listed(c.initiators.clone()));
+            d.insert("networks".into(), listed(c.networks.clone()));
+            d.insert(
+                "srp_initiators".into(),
+                listed(c.srp_initiators.iter().map(|i| i.to_lowercase()).collect()),
+            );
+            let chap = |chap: &Option<config::Chap>| match chap {
+                None => "none".to_string(),
+                Some(c) => format!(
+                    "user {} secret-digest {}",
+                    c.username,
+                    secret_digest(&self.name, &c.username, &c.secret)
+                ),
+            };
+            d.insert("chap".into(), chap(&c.chap));
+            d.insert("mutual_chap".into(), chap(&c.mutual_chap));
+        }
+        let gateway = self.cluster.as_ref().map(|c| c.gateway()).unwrap_or("");
+        for lun in self.lun_list() {
+            let c = &lun.config;
+            // Shared storage names itself alike on every gateway (an RBD image: "rbd:<spec>").
+            let value = match lun.storage.identity_key() {
+                Some(storage) => format!(
+                    "{storage} block_size {} read_only {}",
+                    lun.block_size, c.read_only
+                ),
+                None => format!(
+                    "{} storage of gateway {gateway} alone (another disk through each gateway)",
+                    c.backend
+                ),
+            };
+            d.insert(format!("lun.{}", c.lun), value);
+        }
+        d
+    }
+
     /// Opens and adds a logical unit; in a cluster, one on shared storage enters the device
     /// with the shared reservations it has now, then follows them.
     pub fn add_lun(&self, config: &config::Lun, stats: Arc<LunStats>) -> Result<(), String> {
@@ -730,7 +792,7 @@ impl Target {
         };
         let mut lun = Lun::open(&config, stats)?;
         lun.storage.watch_size(self.capacity_of(config.lun))?;
-        let unit = lun.logical_unit(&self.name);
+        let unit = lun.logical_unit(&self.name, self.cluster.as_ref().map(|c| c.gateway()));
         let mut adopted = None;
         if let Some(cluster) = &self.cluster {
             let mut adopt = |version, state| {
@@ -1020,9 +1082,26 @@ impl Target {
 }
 
 /// The cluster reaches a target's shared units through this.
+/// A digest of a CHAP secret for comparing it across gateways: MD5 over the target, the user
+/// and the secret. It tells no more of the secret than one CHAP exchange on the wire (an MD5
+/// over the secret and a challenge) already does.
+fn secret_digest(target: &str, user: &str, secret: &str) -> String {
+    use md5::{Digest as _, Md5};
+    let mut h = Md5::new();
+    for part in [target, user, secret] {
+        h.update(part.as_bytes());
+        h.update([0]);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
 impl SharedTarget for Target {
     fn name(&self) -> &str {
         &self.name
+    }
+
+    fn definition(&self) -> cluster::definition::Definition {
+        Target::definition(self)
     }
 
     fn storage(&self, lun: u16) -> Option<Arc<dyn UnitStore>> {
@@ -1110,6 +1189,27 @@ mod tests {
             next[t] += 1;
         }
         assert!(q.pop().is_none());
+    }
+
+    /// A gateway's own storage (memory, a file) under a target that several gateways of a
+    /// cluster export is another disk on each: its identity names the gateway, so an
+    /// initiator's multipath never takes the two for one disk. A lone target's is as before.
+    #[test]
+    fn a_gateways_own_storage_has_an_identity_of_its_own() {
+        let text =
+            "[server]\nportals = [\"127.0.0.1:0\"]\n[[targets]]\nname = \"iqn.2026-11.test:t\"\n\
+                    [[targets.luns]]\nlun = 1\nbackend = \"memory\"\nsize = \"1MiB\"\n";
+        let config =
+            config::Config::parse(std::path::Path::new("/tmp/x.toml"), text).expect("a config");
+        let lun = Lun::open(&config.targets[0].luns[0], Arc::default()).expect("a memory unit");
+        let naa = |gateway| lun.logical_unit("iqn.2026-11.test:t", gateway).identity.naa;
+        assert_ne!(naa(Some("gw1")), naa(Some("gw2")));
+        assert_eq!(naa(Some("gw1")), naa(Some("gw1")), "stable");
+        assert_eq!(
+            naa(None),
+            scsi_core::lu::Identity::new("TARGETD", "", "", b"iqn.2026-11.test:t/1/").naa,
+            "a lone target's identity is unchanged"
+        );
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //! - ALUA: both gateways report the same port groups, SendTargets lists both, failover when
 //!   one stops or is killed (no acknowledged write lost), fencing of a silent gateway.
 //! - COMPARE AND WRITE from both gateways on one block: one winner each round.
-//! - A gateway that exports an image otherwise than the others is refused, naming both.
+//! - A gateway that exports an image otherwise than the others is refused, naming both; one
+//!   whose whole target differs (access rules, CHAP) warns, and the last edited is recorded.
 //! - Linux's own initiator (iscsi_tcp, scsi_dh_alua, dm-multipath) in a QEMU guest, through a
 //!   standby gateway: the disk has its size on both paths, and writes go on when the
 //!   optimized gateway is killed.
@@ -1449,5 +1450,100 @@ async fn srp_ports_of_a_cluster_have_their_own_relative_ports_and_access_states(
     .unwrap();
     drop(a);
     drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
+
+/// The first entry of `d`'s `targetctl cluster` targets once `done` holds for it, within
+/// `secs`.
+fn await_target_view(
+    d: &Daemon,
+    secs: u64,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        let view = handle(&d.registry, AdminRequest::Cluster).unwrap();
+        let t = view["targets"][0].clone();
+        if done(&t) {
+            return t;
+        }
+        assert!(std::time::Instant::now() < deadline, "{view}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
+/// Whole targets compared across gateways (issue: ACLs, CHAP, target settings): B starts with
+/// other access rules than A's and warns, naming the key and A, without replacing A's record
+/// (a stale config brought back is not the newest); given the same rules it is quiet again;
+/// an edit through B's admin socket (CHAP) makes B's the cluster's record, and A then warns,
+/// naming B, with the secret never shown.
+#[test]
+fn gateways_compare_whole_targets_and_the_last_edited_is_recorded() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("whole");
+    let name = unique("gws");
+    let a = gateway(&ceph, &name, 1, &image);
+    let other_rules = gateway_config(&ceph, &name, 2, &image).replacen(
+        &format!("name = \"{TARGET}\"\n"),
+        &format!("name = \"{TARGET}\"\ninitiators = [\"iqn.2026-11.io.example:only\"]\n"),
+        1,
+    );
+    let b = Daemon::start(&other_rules);
+    let at_b = await_target_view(&b, 10, |t| t["definition"] == "differs");
+    assert_eq!(at_b["recorded_by"], "gw1", "{at_b}");
+    let differences = at_b["differences"].to_string();
+    assert!(
+        differences.contains("initiators: here iqn.2026-11.io.example:only, recorded any"),
+        "{at_b}"
+    );
+    let at_a = await_target_view(&a, 10, |t| t["definition"] == "same");
+    assert_eq!(at_a["recorded_by"], "gw1", "{at_a}");
+    let metrics = targetd::metrics::text(&b.registry);
+    let line = format!("targetd_cluster_target_definition_differs{{target=\"{TARGET}\"}} 1");
+    assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+
+    // B given A's rules: the same again.
+    let set = |d: &Daemon, initiators: Option<Vec<String>>, chap: Option<targetd::config::Chap>| {
+        handle(
+            &d.registry,
+            AdminRequest::TargetSet {
+                name: TARGET.into(),
+                initiators,
+                networks: None,
+                srp_initiators: None,
+                chap,
+                mutual_chap: None,
+                no_chap: false,
+                no_mutual_chap: false,
+            },
+        )
+        .unwrap();
+    };
+    set(&b, Some(vec![]), None);
+    await_target_view(&b, 15, |t| t["definition"] == "same");
+
+    // CHAP set through B: B's definition is recorded, and A warns of it.
+    let secret = "a-secret-of-16ch";
+    set(
+        &b,
+        None,
+        Some(targetd::config::Chap {
+            username: "user1".into(),
+            secret: secret.into(),
+        }),
+    );
+    let at_b = await_target_view(&b, 15, |t| t["recorded_by"] == "gw2");
+    assert_eq!(at_b["definition"], "same", "{at_b}");
+    let at_a = await_target_view(&a, 25, |t| t["definition"] == "differs");
+    assert_eq!(at_a["recorded_by"], "gw2", "{at_a}");
+    let differences = at_a["differences"].to_string();
+    assert!(
+        differences.contains("chap: here none, recorded user user1 secret-digest "),
+        "{at_a}"
+    );
+    assert!(!differences.contains(secret), "{at_a}");
+    b.stop();
+    a.stop();
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }

@@ -772,6 +772,32 @@ fn print_human(request: &AdminRequest, v: &Value) {
                     rows
                 )
             );
+            // Whole targets compared with the cluster's record: the keys that differ.
+            let rows = c["targets"].as_array().into_iter().flatten().map(|t| {
+                let differences: Vec<String> = t["differences"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(text)
+                    .collect();
+                vec![
+                    text(&t["target"]),
+                    text(&t["definition"]),
+                    t["recorded_by"].as_str().unwrap_or("-").to_string(),
+                    if differences.is_empty() {
+                        "-".to_string()
+                    } else {
+                        differences.join("; ")
+                    },
+                ]
+            });
+            print!(
+                "{}",
+                table(
+                    &["TARGET", "DEFINITION", "RECORDED BY", "DIFFERENCES"],
+                    rows
+                )
+            );
         }
         // An empty list says what there is none of (a change that changed nothing says so).
         (AdminRequest::Sessions, Value::Array(v)) if v.is_empty() => println!("no sessions"),

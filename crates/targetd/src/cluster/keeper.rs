@@ -45,6 +45,7 @@ use std::time::{Duration, Instant};
 
 use backend::rbd::rados::{CasError, Notification, Pool, Watch};
 use backend::rbd::{Cluster, ImageSpec};
+use cluster::definition::{Comparison, Decision, Record, MAX_RECORD};
 use cluster::gateway::{ChangeId, Counters, Event, Outcome, Request, Settings, UnitId, MAX_OBJECT};
 use cluster::{store, Gateway, Lane, Watched};
 use scsi_core::pr::Reservations;
@@ -62,6 +63,18 @@ pub const REJOIN_MAX_DELAY: Duration = Duration::from_secs(30);
 
 /// A shared unit: its target and LUN.
 type SharedLun = (Weak<dyn SharedTarget>, u16);
+
+/// How often each gateway compares its shared targets' definitions with the cluster's
+/// records (and records its own after an edit).
+pub const DEFINITION_INTERVAL: Duration = Duration::from_secs(10);
+
+/// One shared target's comparison with the cluster's record, and its last outcome for
+/// `targetctl cluster`.
+#[derive(Default)]
+struct TargetComparison {
+    comparison: Comparison,
+    last: Option<Decision>,
+}
 
 /// What the machine and its lanes share, under one lock.
 struct State {
@@ -109,6 +122,12 @@ pub struct Keeper {
     joined: Mutex<Option<Watch>>,
     /// This gateway's line in the gateways object, once it has joined.
     me: Mutex<Option<Member>>,
+    /// Each shared target's comparison with the cluster's record of it, by target name
+    /// ([`Keeper::compare_targets`]).
+    targets: Mutex<HashMap<String, TargetComparison>>,
+    /// Compare the targets at the next look rather than at the next interval (a unit was
+    /// shared, a record write lost a race).
+    compare_soon: AtomicBool,
     /// The daemon stops: the lane threads end.
     stopping: AtomicBool,
     this: Weak<Keeper>,
@@ -175,6 +194,8 @@ impl Keeper {
             notifications: Mutex::default(),
             joined: Mutex::new(None),
             me: Mutex::new(None),
+            targets: Mutex::default(),
+            compare_soon: AtomicBool::new(true),
             stopping: AtomicBool::new(false),
         });
         for lane in [Lane::Changes, Lane::Membership] {
@@ -188,6 +209,11 @@ impl Keeper {
                 .spawn(move || Keeper::lane(weak, lane))
                 .map_err(|e| ("cluster".to_string(), format!("a thread: {e}")))?;
         }
+        let weak = Arc::downgrade(&keeper);
+        std::thread::Builder::new()
+            .name("definitions".into())
+            .spawn(move || Keeper::compare_targets_every(weak))
+            .map_err(|e| ("cluster".to_string(), format!("a thread: {e}")))?;
         tracing::info!(
             cluster = %c.name,
             gateway = %c.gateway,
@@ -800,6 +826,128 @@ impl Keeper {
         pool.watch(oid, timeout, on_notify, on_error)
     }
 
+    /// The object holding the cluster's record of target `name`'s definition.
+    fn target_object(&self, name: &str) -> String {
+        format!("{}.target.{name}", self.config.name)
+    }
+
+    /// The definitions thread: compares the shared targets every [`DEFINITION_INTERVAL`],
+    /// or soon after a unit was shared.
+    fn compare_targets_every(weak: Weak<Keeper>) {
+        let mut last = Instant::now();
+        loop {
+            std::thread::sleep(Duration::from_millis(100));
+            let Some(k) = weak.upgrade() else { return };
+            if k.stopping.load(Ordering::Acquire) {
+                return;
+            }
+            if k.compare_soon.swap(false, Ordering::AcqRel) || last.elapsed() >= DEFINITION_INTERVAL
+            {
+                last = Instant::now();
+                if !k.compare_targets() {
+                    k.compare_soon.store(true, Ordering::Release);
+                }
+            }
+        }
+    }
+
+    /// Compares each shared target as this gateway exports it with the cluster's record of
+    /// it (`<cluster>.target.<name>`), records this gateway's after an edit here (or where
+    /// there is none, or its writer is gone), and warns where they differ
+    /// ([`cluster::definition`]). Not before this gateway has joined and heard who is alive
+    /// (whose record stands depends on it), nor while fenced (it writes nothing then):
+    /// returns whether it compared.
+    fn compare_targets(&self) -> bool {
+        let joined = crate::lock(&self.joined).is_some();
+        if !joined || self.is_fenced() || self.membership().live.is_empty() {
+            return false;
+        }
+        let mut shared: Vec<Arc<dyn SharedTarget>> = Vec::new();
+        for (target, _) in self.shared_units() {
+            if let Some(t) = target.upgrade() {
+                if !shared.iter().any(|s| s.name() == t.name()) {
+                    shared.push(t);
+                }
+            }
+        }
+        let live = self.membership().live;
+        let me = self.config.gateway.clone();
+        crate::lock(&self.targets).retain(|name, _| shared.iter().any(|t| t.name() == name));
+        for t in shared {
+            let name = t.name().to_string();
+            let mine = t.definition();
+            let oid = self.target_object(&name);
+            let read = match self.pool().read(&oid, MAX_RECORD) {
+                Ok(read) => read,
+                Err(e) => {
+                    tracing::warn!(target = %name, "reading the cluster's record of the target: {}", rados_text(e));
+                    continue;
+                }
+            };
+            let record = read.as_ref().and_then(|v| Record::decode(&v.data));
+            let mut targets = crate::lock(&self.targets);
+            let entry = targets.entry(name.clone()).or_default();
+            let decision = entry
+                .comparison
+                .decide(&me, &mine, record.as_ref(), |g| live.iter().any(|l| l == g));
+            if let Decision::Record {
+                replaced_from,
+                replaced,
+            } = &decision
+            {
+                let bytes = Record {
+                    written_by: me.clone(),
+                    definition: mine.clone(),
+                }
+                .encode();
+                match self
+                    .pool()
+                    .replace(&oid, read.as_ref().map(|v| v.version), &bytes)
+                {
+                    Ok(_) => {
+                        entry.comparison.recorded(&mine);
+                        match replaced_from {
+                            Some(from) if !replaced.is_empty() => tracing::warn!(
+                                target = %name,
+                                replaced = %from,
+                                differences = %join(replaced),
+                                "this gateway's definition of the target is now the cluster's;                                  gateways that still export it otherwise warn until given the same"
+                            ),
+                            _ => {
+                                tracing::info!(target = %name, "this gateway's definition of the target is the cluster's")
+                            }
+                        }
+                    }
+                    Err(CasError::Conflict) => {
+                        self.compare_soon.store(true, Ordering::Release);
+                        continue;
+                    }
+                    Err(CasError::Rados(e)) => {
+                        tracing::warn!(target = %name, "recording the target's definition: {}", rados_text(e));
+                        continue;
+                    }
+                }
+            } else if entry.comparison.is_news(&decision) {
+                match &decision {
+                    Decision::Differs {
+                        written_by,
+                        differences,
+                    } => tracing::warn!(
+                        target = %name,
+                        recorded_by = %written_by,
+                        differences = %join(differences),
+                        "this gateway exports the target otherwise than the cluster's other                          gateways: initiators may be refused, or asked other credentials,                          through one path and not another"
+                    ),
+                    _ => {
+                        tracing::info!(target = %name, "this gateway exports the target as the cluster's other gateways do again")
+                    }
+                }
+            }
+            entry.last = Some(decision);
+        }
+        true
+    }
+
     /// The shared units, as (target, LUN).
     fn shared_units(&self) -> Vec<SharedLun> {
         crate::lock(&self.units).values().cloned().collect()
@@ -864,6 +1012,30 @@ impl Keeper {
             }));
         }
         units.sort_by_key(|u| (u["target"].to_string(), u["lun"].as_u64()));
+        let mut targets: Vec<serde_json::Value> = crate::lock(&self.targets)
+            .iter()
+            .filter_map(|(name, t)| {
+                let (definition, recorded_by, differences) = match t.last.as_ref()? {
+                    Decision::Same => ("same", None, Vec::new()),
+                    Decision::Record { .. } => ("same", Some(&self.config.gateway), Vec::new()),
+                    Decision::Differs {
+                        written_by,
+                        differences,
+                    } => (
+                        "differs",
+                        Some(written_by),
+                        differences.iter().map(ToString::to_string).collect(),
+                    ),
+                };
+                Some(json!({
+                    "target": name,
+                    "definition": definition,
+                    "recorded_by": recorded_by,
+                    "differences": differences,
+                }))
+            })
+            .collect();
+        targets.sort_by_key(|t| t["target"].to_string());
         json!({
             "cluster": self.config.name,
             "gateway": self.config.gateway,
@@ -871,6 +1043,7 @@ impl Keeper {
             "fenced": self.is_fenced(),
             "members": members,
             "units": units,
+            "targets": targets,
             "fenced_by_this_gateway": self.counters().fenced,
         })
     }
@@ -1154,6 +1327,8 @@ impl super::Cluster for Keeper {
             .and_then(|f| self.load(&oid).map(|now| (f, now)))
             .map_err(|e| format!("cluster: {e}"))?;
         let (followed, (state, now)) = followed;
+        // The target is shared now: compare it with the cluster's record without waiting.
+        self.compare_soon.store(true, Ordering::Release);
         if let (true, Some(t)) = (now > version, target.upgrade()) {
             // Changed between the read and the watch: the nexuses here hear what they missed.
             let missed = scsi_core::pr::ReservationEffects::missed(&first, &state);
@@ -1179,6 +1354,15 @@ fn lane_index(lane: Lane) -> usize {
         Lane::Changes => 0,
         Lane::Membership => 1,
     }
+}
+
+/// Differences as one log field.
+fn join(differences: &[cluster::definition::Difference]) -> String {
+    differences
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 fn rados_text(e: i32) -> String {

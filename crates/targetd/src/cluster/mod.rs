@@ -125,6 +125,8 @@ pub fn start(config: &config::Config) -> Result<Option<Arc<dyn Cluster>>, (Strin
 pub trait SharedTarget: Send + Sync {
     /// The target's name.
     fn name(&self) -> &str;
+    /// The target as this gateway exports it now, to compare with the other gateways'.
+    fn definition(&self) -> cluster::definition::Definition;
     /// The storage of unit `lun`.
     fn storage(&self, lun: u16) -> Option<Arc<dyn UnitStore>>;
     /// Unit `lun`'s shared reservations are `state` at `version`, with `effects` to carry out
