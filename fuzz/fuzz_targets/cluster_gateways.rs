@@ -5,6 +5,8 @@
 //! is fenced; here, besides, every change is decided in the end, a gateway that is not fenced
 //! and runs agrees with every other on each unit's state once all is quiet, and a gateway
 //! that was only slow (its answers arriving within the membership timeout) is never fenced.
+//! Initiators' SET TARGET PORT GROUPS come through any gateway too, and once all is quiet
+//! every gateway gives each unit the same port groups.
 #![no_main]
 
 use std::time::Duration;
@@ -13,6 +15,7 @@ use arbitrary::Arbitrary;
 use cluster::testing::{change_id, nexus, preempt_and_abort, register, reserve, Sim};
 use libfuzzer_sys::fuzz_target;
 use scsi_core::pr::ReservationRequest;
+use scsi_core::spc::tpg::{AccessState, TargetPortGroupRequest};
 
 #[derive(Arbitrary, Debug)]
 enum Step {
@@ -62,6 +65,14 @@ enum Step {
     Slow {
         gw: u8,
         tenths: u8,
+    },
+    /// SET TARGET PORT GROUPS through a gateway: `group` (0 to 4: some are nobody's) asked
+    /// active/optimized, and another group asked `other`'s state when set.
+    Prefer {
+        gw: u8,
+        unit: u8,
+        group: u8,
+        other: Option<(u8, u8)>,
     },
 }
 
@@ -138,6 +149,33 @@ fuzz_target!(|steps: Vec<Step>| {
             Step::EndTasks { gw: g, unit: u } => sim.end_aborted_tasks(gw(g), unit(u)),
             Step::RefuseRejoins(r) => sim.refuse_reconnect = r,
             Step::Advance(ms) => sim.advance(Duration::from_millis(u64::from(ms) * 10)),
+            Step::Prefer {
+                gw: g,
+                unit: u,
+                group,
+                other,
+            } => {
+                n += 1;
+                let c = change_id(unit(u), n);
+                submitted[gw(g)].push(c);
+                let mut requests = vec![TargetPortGroupRequest {
+                    group: u16::from(group % 5),
+                    state: AccessState::ActiveOptimized,
+                    offset: 4,
+                }];
+                if let Some((group, state)) = other {
+                    requests.push(TargetPortGroupRequest {
+                        group: u16::from(group % 5),
+                        state: [
+                            AccessState::ActiveNonOptimized,
+                            AccessState::Standby,
+                            AccessState::Unavailable,
+                        ][usize::from(state % 3)],
+                        offset: 8,
+                    });
+                }
+                sim.submit_port_groups(gw(g), c, unit(u), &requests);
+            }
             Step::Slow { gw: g, tenths } => {
                 let delay = Duration::from_millis(u64::from(tenths % 20) * 100);
                 // At the timeout's edge counts as late: the clock moves in 100 ms steps.
@@ -170,6 +208,16 @@ fuzz_target!(|steps: Vec<Step>| {
             assert!(
                 sim.nodes[g].decided.iter().any(|(d, _)| d == c),
                 "change {c:#x} on gw{g} never decided"
+            );
+        }
+    }
+    // Every gateway gives each unit the same port groups (an initiator's choice included).
+    for u in 0..UNITS {
+        let groups: Vec<_> = sim.nodes.iter().map(|n| n.groups.get(&u)).collect();
+        for (g, gr) in groups.iter().enumerate() {
+            assert_eq!(
+                *gr, groups[0],
+                "gw{g}'s port groups of unit {u} after all is quiet"
             );
         }
     }

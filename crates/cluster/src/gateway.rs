@@ -29,10 +29,10 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use scsi_core::pr::{PrError, ReservationEffects, ReservationRequest, Reservations};
-use scsi_core::spc::tpg::{AccessState, PortGroup};
+use scsi_core::spc::tpg::{self, AccessState, PortGroup, TargetPortGroupRequest};
 use scsi_core::{BackendError, ItNexus, Sense};
 
-use crate::member::{Member, Membership, PathPolicy};
+use crate::member::{Member, Membership, PathPolicy, Preference};
 use crate::store::{errno_text, CasError, NotifyOutcome, Versioned};
 
 /// The largest reservation state or gateways object read back: registrations of thousands of
@@ -263,8 +263,20 @@ pub struct Counters {
 struct Job {
     change: ChangeId,
     unit: UnitId,
-    nexus: ItNexus,
-    request: ReservationRequest,
+    what: JobKind,
+}
+
+/// What a change changes.
+#[derive(Debug, Clone)]
+enum JobKind {
+    /// The unit's reservations, as `nexus` asks.
+    Reservations {
+        nexus: ItNexus,
+        request: ReservationRequest,
+    },
+    /// The gateway that is active/optimized for the unit (SET TARGET PORT GROUPS): a
+    /// [`Preference`] in the gateways object.
+    Prefer { gateway: String, instance: u64 },
 }
 
 /// Where the change at the head of the queue is.
@@ -284,6 +296,15 @@ enum ChangeStep {
     ReadingMembers { silent: Vec<(u64, u64)> },
     /// Fencing them, one after the other.
     Fencing { queue: VecDeque<Member> },
+    /// SET TARGET PORT GROUPS: reading the gateways object (after `races` lost races).
+    ReadingGateways { races: usize },
+    /// Writing `preference` into it over the version read.
+    Preferring {
+        races: usize,
+        preference: Preference,
+    },
+    /// Telling the other gateways to read it again.
+    TellingGateways,
 }
 
 /// Where the membership lane is.
@@ -294,11 +315,13 @@ enum MembershipStep {
     /// Reading the gateways object.
     Reading,
     /// Asking who is alive.
-    Asking { members: Vec<Member> },
-    /// Fencing the gateways that did not answer, then taking `live` as the answer.
-    Fencing {
+    Asking {
         members: Vec<Member>,
-        live: Vec<String>,
+        preferences: Vec<Preference>,
+    },
+    /// Fencing the gateways that did not answer, then taking `seen` as the answer.
+    Fencing {
+        seen: Membership,
         queue: VecDeque<Member>,
     },
     /// Connecting anew after this gateway was fenced.
@@ -426,7 +449,7 @@ impl Gateway {
     pub fn add_unit(&mut self, unit: UnitId, oid: String, policy: PathPolicy) {
         self.units.insert(unit, Unit { oid, policy });
         if !self.membership.members.is_empty() {
-            let groups = self.groups_of(&self.units[&unit].policy);
+            let groups = self.unit_groups(&self.units[&unit]);
             self.events.push_back(Event::PortGroups { unit, groups });
         }
     }
@@ -449,10 +472,83 @@ impl Gateway {
         self.jobs.push_back(Job {
             change,
             unit,
-            nexus,
-            request,
+            what: JobKind::Reservations { nexus, request },
         });
         self.drive_changes();
+    }
+
+    /// SET TARGET PORT GROUPS `requests` on unit `unit`; [`Event::Decided`] with `change`
+    /// tells the outcome. A group asked to be active/optimized names a live gateway, which
+    /// becomes the unit's preferred one on every gateway (a [`Preference`] in the gateways
+    /// object: here at once, on the others when they read it, told at once) while it runs;
+    /// every other descriptor must ask the state its group then has. Otherwise ILLEGAL
+    /// REQUEST, INVALID FIELD IN PARAMETER LIST, and nothing changes.
+    pub fn submit_port_groups(
+        &mut self,
+        _now: Instant,
+        change: ChangeId,
+        unit: UnitId,
+        requests: &[TargetPortGroupRequest],
+    ) {
+        let Some(u) = self.units.get(&unit) else {
+            return self.decided(change, Err(unavailable()));
+        };
+        let optimized = match tpg::optimized_request(requests) {
+            Ok(o) => o,
+            Err(sense) => return self.decided(change, Err(PrError::Sense(sense))),
+        };
+        let policy = self.membership.policy_for(&u.oid, &u.policy);
+        let now_groups = self.groups_of(&policy);
+        let chosen = optimized.and_then(|group| {
+            self.membership
+                .members
+                .iter()
+                .find(|m| m.port_group == group && self.membership.live.contains(&m.gateway))
+                .cloned()
+        });
+        let after = match &chosen {
+            Some(m) => self.groups_of(&PathPolicy {
+                preferred: Some(m.gateway.clone()),
+                standby: policy.standby,
+            }),
+            None => now_groups.clone(),
+        };
+        // A group asked active/optimized that is no live gateway's: an unknown group, or one
+        // that cannot be (unavailable, fenced): the check names it.
+        let check = match (optimized, &chosen) {
+            (Some(group), None) => requests
+                .iter()
+                .find(|r| r.group == group && r.state == AccessState::ActiveOptimized)
+                .map(|r| {
+                    Sense::invalid_field_in_parameter_list(scsi_core::FieldPointer::parameter(
+                        r.offset + 2,
+                    ))
+                })
+                .map_or(Ok(()), Err),
+            _ => tpg::check_set_target_port_groups(requests, &after),
+        };
+        if let Err(sense) = check.and(if self.fenced {
+            Err(Sense::from(BackendError::Unavailable))
+        } else {
+            Ok(())
+        }) {
+            return self.decided(change, Err(PrError::Sense(sense)));
+        }
+        match chosen {
+            // Already so: nothing to write.
+            Some(m) if after != now_groups || policy.preferred.as_deref() != Some(&m.gateway) => {
+                self.jobs.push_back(Job {
+                    change,
+                    unit,
+                    what: JobKind::Prefer {
+                        gateway: m.gateway,
+                        instance: m.instance,
+                    },
+                });
+                self.drive_changes();
+            }
+            _ => self.decided(change, Ok(())),
+        }
     }
 
     /// The next request for the store.
@@ -528,7 +624,7 @@ impl Gateway {
     ) {
         match watched {
             Watched::Gateways => {
-                if payload == b"joined" || payload == b"left" {
+                if payload == b"joined" || payload == b"left" || payload == b"preferred" {
                     // Look again now rather than at the next round.
                     if self.me.is_some() && !self.fenced && !self.leaving {
                         self.next_round = Some(now);
@@ -642,8 +738,16 @@ impl Gateway {
                 self.decided(change, Err(unavailable()));
                 continue;
             };
-            let oid = unit.oid.clone();
-            self.change = Some(ChangeStep::Reading { races: 0 });
+            let (step, oid) = match job.what {
+                JobKind::Reservations { .. } => {
+                    (ChangeStep::Reading { races: 0 }, unit.oid.clone())
+                }
+                JobKind::Prefer { .. } => (
+                    ChangeStep::ReadingGateways { races: 0 },
+                    self.settings.gateways_object(),
+                ),
+            };
+            self.change = Some(step);
             self.requests.push_back(Request::Read {
                 lane: Lane::Changes,
                 oid,
@@ -687,8 +791,11 @@ impl Gateway {
                         return self.finish_change(Err(unavailable()));
                     }
                 };
+                let JobKind::Reservations { nexus, request } = &job.what else {
+                    return self.finish_change(Err(unavailable()));
+                };
                 let mut next = state.clone();
-                let effects = match next.apply(&job.nexus, &job.request) {
+                let effects = match next.apply(nexus, request) {
                     Ok(fx) => fx,
                     Err(e) => return self.finish_change(Err(e)),
                 };
@@ -808,6 +915,68 @@ impl Gateway {
                 queue.pop_front();
                 self.fence_next(now, Lane::Changes, queue);
             }
+            (ChangeStep::ReadingGateways { races }, Outcome::Read(read)) => {
+                let JobKind::Prefer { gateway, instance } = job.what else {
+                    return self.finish_change(Err(unavailable()));
+                };
+                let (bytes, version) = match read {
+                    Ok(Some(v)) => (v.data, Some(v.version)),
+                    Ok(None) => (Vec::new(), None),
+                    Err(e) => {
+                        tracing::warn!("reading the cluster's gateways: {}", errno_text(e));
+                        return self.finish_change(Err(unavailable()));
+                    }
+                };
+                let preference = Preference {
+                    oid,
+                    gateway,
+                    instance,
+                };
+                let data = Preference::replace_in(&bytes, &preference);
+                self.change = Some(ChangeStep::Preferring { races, preference });
+                self.requests.push_back(Request::Replace {
+                    lane: Lane::Changes,
+                    oid: self.settings.gateways_object(),
+                    expected: version,
+                    data,
+                });
+            }
+            (ChangeStep::Preferring { races, preference }, Outcome::Replaced(r)) => match r {
+                Ok(_) => {
+                    tracing::info!(
+                        object = %preference.oid,
+                        gateway = %preference.gateway,
+                        "an initiator chose the active/optimized gateway (SET TARGET PORT GROUPS)"
+                    );
+                    let mut m = self.membership.clone();
+                    m.preferences.retain(|p| p.oid != preference.oid);
+                    m.preferences.push(preference);
+                    self.membership = m;
+                    self.give_groups();
+                    self.change = Some(ChangeStep::TellingGateways);
+                    self.requests.push_back(Request::Notify {
+                        lane: Lane::Changes,
+                        oid: self.settings.gateways_object(),
+                        payload: b"preferred".to_vec(),
+                        timeout: self.settings.membership_timeout,
+                    });
+                }
+                Err(CasError::Conflict) if races + 1 < MAX_RACES => {
+                    self.counters.races += 1;
+                    self.change = Some(ChangeStep::ReadingGateways { races: races + 1 });
+                    self.requests.push_back(Request::Read {
+                        lane: Lane::Changes,
+                        oid: self.settings.gateways_object(),
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("writing the chosen gateway: {e:?}");
+                    self.finish_change(Err(unavailable()))
+                }
+            },
+            // The others read the object at once, or at their next round: the command ends
+            // either way (a silent gateway is the membership lane's to fence).
+            (ChangeStep::TellingGateways, Outcome::Notified(_)) => self.finish_change(Ok(())),
             (step, outcome) => {
                 tracing::error!(
                     ?step,
@@ -843,8 +1012,8 @@ impl Gateway {
                 Lane::Changes => self.finish_change(Ok(())),
                 Lane::Membership => {
                     let step = std::mem::replace(&mut self.membership_step, MembershipStep::Idle);
-                    if let MembershipStep::Fencing { members, live, .. } = step {
-                        self.seen(Membership { members, live });
+                    if let MembershipStep::Fencing { seen, .. } = step {
+                        self.seen(seen);
                     }
                     self.round_over(now)
                 }
@@ -918,9 +1087,9 @@ impl Gateway {
         let step = std::mem::replace(&mut self.membership_step, MembershipStep::Idle);
         match (step, outcome) {
             (MembershipStep::Reading, Outcome::Read(read)) => {
-                let members = match read {
-                    Ok(Some(v)) => Member::parse_all(&v.data),
-                    Ok(None) => Vec::new(),
+                let (members, preferences) = match read {
+                    Ok(Some(v)) => (Member::parse_all(&v.data), Preference::parse_all(&v.data)),
+                    Ok(None) => (Vec::new(), Vec::new()),
                     Err(e) => {
                         tracing::warn!("reading the cluster's gateways: {}", errno_text(e));
                         return self.round_over(now);
@@ -929,7 +1098,10 @@ impl Gateway {
                 if self.fenced || self.leaving {
                     return self.round_over(now);
                 }
-                self.membership_step = MembershipStep::Asking { members };
+                self.membership_step = MembershipStep::Asking {
+                    members,
+                    preferences,
+                };
                 self.requests.push_back(Request::Notify {
                     lane: Lane::Membership,
                     oid: self.settings.gateways_object(),
@@ -937,7 +1109,13 @@ impl Gateway {
                     timeout: self.settings.membership_timeout,
                 });
             }
-            (MembershipStep::Asking { members }, Outcome::Notified(n)) => {
+            (
+                MembershipStep::Asking {
+                    members,
+                    preferences,
+                },
+                Outcome::Notified(n),
+            ) => {
                 let o = match n {
                     Ok(o) => o,
                     Err(e) => {
@@ -957,20 +1135,18 @@ impl Gateway {
                 // out): it could still write with what it last knew. Fenced now, its image
                 // locks broken, the others take over its initiators' I/O at once.
                 let queue = self.to_fence(&members, &o.timed_out);
-                self.fence_then_settle(now, members, live, queue);
-            }
-            (
-                MembershipStep::Fencing {
+                let seen = Membership {
                     members,
                     live,
-                    queue,
-                },
-                Outcome::Fenced(r),
-            ) => {
+                    preferences,
+                };
+                self.fence_then_settle(now, seen, queue);
+            }
+            (MembershipStep::Fencing { seen, queue }, Outcome::Fenced(r)) => {
                 self.fenced_one(&queue, r);
                 let mut queue = queue;
                 queue.pop_front();
-                self.fence_then_settle(now, members, live, queue);
+                self.fence_then_settle(now, seen, queue);
             }
             (MembershipStep::Reconnecting, Outcome::Reconnected(r)) => match r {
                 Ok(()) => {
@@ -1009,20 +1185,13 @@ impl Gateway {
 
     /// Fences the gateways of `queue` one after the other, then takes `members` and `live`
     /// as the round's answer and ends the round.
-    fn fence_then_settle(
-        &mut self,
-        now: Instant,
-        members: Vec<Member>,
-        live: Vec<String>,
-        queue: VecDeque<Member>,
-    ) {
+    fn fence_then_settle(&mut self, now: Instant, seen: Membership, queue: VecDeque<Member>) {
         if queue.is_empty() {
-            self.seen(Membership { members, live });
+            self.seen(seen);
             return self.round_over(now);
         }
         self.membership_step = MembershipStep::Fencing {
-            members,
-            live,
+            seen,
             queue: VecDeque::new(),
         };
         self.fence_next(now, Lane::Membership, queue);
@@ -1067,11 +1236,17 @@ impl Gateway {
         let all: Vec<(UnitId, Vec<PortGroup>)> = self
             .units
             .iter()
-            .map(|(id, u)| (*id, self.groups_of(&u.policy)))
+            .map(|(id, u)| (*id, self.unit_groups(u)))
             .collect();
         for (unit, groups) in all {
             self.events.push_back(Event::PortGroups { unit, groups });
         }
+    }
+
+    /// The port groups of `unit`: with the gateway an initiator chose, while it runs, or its
+    /// configured policy ([`Membership::policy_for`]).
+    fn unit_groups(&self, unit: &Unit) -> Vec<PortGroup> {
+        self.groups_of(&self.membership.policy_for(&unit.oid, &unit.policy))
     }
 
     /// The port groups of a unit with `policy`, this gateway's own unavailable once fenced.

@@ -23,4 +23,4 @@ pub mod store;
 pub mod testing;
 
 pub use gateway::{Event, Gateway, Lane, Outcome, Request, Settings, Watched};
-pub use member::{Member, Membership, PathPolicy};
+pub use member::{Member, Membership, PathPolicy, Preference};

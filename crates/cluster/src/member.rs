@@ -105,6 +105,19 @@ impl Member {
             .collect()
     }
 
+    /// The gateways object `bytes` rewritten with `members` (in port group order), the
+    /// preferences of gateways still listed kept after them: how a gateway lists itself,
+    /// leaves or forgets another without losing an initiator's choice.
+    pub fn rewrite_all(bytes: &[u8], members: &mut [Member]) -> Vec<u8> {
+        let mut data = Member::encode_all(members);
+        for p in Preference::parse_all(bytes) {
+            if members.iter().any(|m| m.gateway == p.gateway) {
+                data.extend_from_slice(p.line().as_bytes());
+            }
+        }
+        data
+    }
+
     /// The gateways object's bytes for `members`, in port group order.
     pub fn encode_all(members: &mut [Member]) -> Vec<u8> {
         members.sort_by_key(|m| m.port_group);
@@ -116,6 +129,61 @@ impl Member {
     }
 }
 
+/// An initiator's choice of the gateway that is active/optimized for the units on one object
+/// (SET TARGET PORT GROUPS, explicit ALUA), as a `prefer` line of the gateways object. It
+/// holds while that gateway runs as the instance it names: once the gateway is down or has
+/// restarted, the units' configured policy (`preferred_gateway`) applies again, so a choice
+/// made in a failure does not outlive the gateway it chose.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Preference {
+    /// The units' shared object (their reservations object): the same name on every gateway.
+    pub oid: String,
+    /// The gateway chosen.
+    pub gateway: String,
+    /// Its object-store client instance when it was chosen.
+    pub instance: u64,
+}
+
+impl Preference {
+    /// Its line in the gateways object.
+    pub fn line(&self) -> String {
+        format!("prefer {} {} {}\n", self.oid, self.gateway, self.instance)
+    }
+
+    /// A line of the gateways object; `None` when it is not a preference.
+    pub fn parse(line: &str) -> Option<Preference> {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        match w.as_slice() {
+            ["prefer", oid, gateway, instance] => Some(Preference {
+                oid: oid.to_string(),
+                gateway: gateway.to_string(),
+                instance: instance.parse().ok()?,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Every preference the gateways object's bytes hold.
+    pub fn parse_all(bytes: &[u8]) -> Vec<Preference> {
+        String::from_utf8_lossy(bytes)
+            .lines()
+            .filter_map(Preference::parse)
+            .collect()
+    }
+
+    /// The gateways object `bytes` with `preference` replacing any other for its object (the
+    /// members' lines and the other preferences kept as they are).
+    pub fn replace_in(bytes: &[u8], preference: &Preference) -> Vec<u8> {
+        let mut text: String = String::from_utf8_lossy(bytes)
+            .lines()
+            .filter(|l| Preference::parse(l).is_none_or(|p| p.oid != preference.oid))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        text.push_str(&preference.line());
+        text.into_bytes()
+    }
+}
+
 /// The gateways the cluster lists and which of them answered last.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Membership {
@@ -123,6 +191,8 @@ pub struct Membership {
     pub members: Vec<Member>,
     /// The names of those that answered.
     pub live: Vec<String>,
+    /// The initiators' choices of optimized gateways (SET TARGET PORT GROUPS).
+    pub preferences: Vec<Preference>,
 }
 
 /// How a unit wants its paths: which gateway is optimized, and what the others are.
@@ -135,6 +205,27 @@ pub struct PathPolicy {
 }
 
 impl Membership {
+    /// The policy of the units on object `oid` whose configured policy is `policy`: the
+    /// gateway an initiator chose (a [`Preference`]) while it runs as the instance chosen,
+    /// else `policy`.
+    pub fn policy_for(&self, oid: &str, policy: &PathPolicy) -> PathPolicy {
+        let chosen = self.preferences.iter().find(|p| {
+            p.oid == oid
+                && self.live.contains(&p.gateway)
+                && self
+                    .members
+                    .iter()
+                    .any(|m| m.gateway == p.gateway && m.instance == p.instance)
+        });
+        match chosen {
+            Some(p) => PathPolicy {
+                preferred: Some(p.gateway.clone()),
+                standby: policy.standby,
+            },
+            None => policy.clone(),
+        }
+    }
+
     /// The ALUA port groups of a shared unit with `policy`: its preferred gateway, when live,
     /// is active/optimized, or else the live gateway with the lowest port group; the other
     /// live ones are active/non-optimized (standby with `policy.standby`); the rest
@@ -229,6 +320,7 @@ mod tests {
         let ms = Membership {
             members: vec![a, m("b", 2, false)],
             live: vec!["a".into(), "b".into()],
+            preferences: vec![],
         };
         let ports: Vec<Vec<u16>> = ms
             .port_groups(&PathPolicy::default())
@@ -255,6 +347,7 @@ mod tests {
         let m = Membership {
             members: vec![member("a", 1), member("b", 2), member("c", 3)],
             live: vec!["b".into(), "c".into()],
+            preferences: vec![],
         };
         let states = |p: &PathPolicy| -> Vec<AccessState> {
             m.port_groups(p).iter().map(|g| g.state).collect()
@@ -278,5 +371,67 @@ mod tests {
             states(&a),
             [Unavailable, ActiveOptimized, ActiveNonOptimized]
         );
+    }
+
+    /// An initiator's choice holds while the chosen gateway runs as the instance chosen; the
+    /// line replaces an older choice for the same object and keeps every other line.
+    #[test]
+    fn a_preference_holds_while_its_gateway_runs_as_chosen() {
+        let member = |g: &str, pg, instance| Member {
+            gateway: g.into(),
+            port_group: pg,
+            portals: vec![],
+            instance,
+            addresses: vec![],
+            left: false,
+            srp: false,
+        };
+        let p = Preference {
+            oid: "gws.reservations.rbd/vm1".into(),
+            gateway: "b".into(),
+            instance: 8,
+        };
+        assert_eq!(Preference::parse(&p.line()), Some(p.clone()));
+        assert_eq!(Member::parse(&p.line()), None);
+        let mut m = Membership {
+            members: vec![member("a", 1, 7), member("b", 2, 8)],
+            live: vec!["a".into(), "b".into()],
+            preferences: vec![p.clone()],
+        };
+        let configured = PathPolicy {
+            preferred: Some("a".into()),
+            standby: true,
+        };
+        let chosen = m.policy_for(&p.oid, &configured);
+        assert_eq!(chosen.preferred.as_deref(), Some("b"));
+        assert!(chosen.standby);
+        assert_eq!(
+            m.policy_for("gws.reservations.rbd/vm2", &configured),
+            configured
+        );
+        // b restarted (another instance): the configured policy again.
+        m.members[1].instance = 9;
+        assert_eq!(m.policy_for(&p.oid, &configured), configured);
+        // b down: the same.
+        m.members[1].instance = 8;
+        m.live.pop();
+        assert_eq!(m.policy_for(&p.oid, &configured), configured);
+
+        let object = format!(
+            "{}{}prefer gws.reservations.rbd/vm2 a 7\n{}",
+            member("a", 1, 7).line(),
+            member("b", 2, 8).line(),
+            p.line()
+        );
+        let again = Preference {
+            gateway: "a".into(),
+            instance: 7,
+            ..p.clone()
+        };
+        let edited = Preference::replace_in(object.as_bytes(), &again);
+        assert_eq!(Member::parse_all(&edited).len(), 2);
+        let prefs = Preference::parse_all(&edited);
+        assert_eq!(prefs.len(), 2, "{}", String::from_utf8_lossy(&edited));
+        assert!(prefs.contains(&again));
     }
 }

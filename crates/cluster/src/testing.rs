@@ -195,14 +195,15 @@ impl Sim {
     fn enter(&mut self, i: usize) {
         let me = self.member(i);
         let oid = format!("{CLUSTER}.gateways");
-        let mut members = self
+        let old = self
             .objects
             .get(&oid)
-            .map(|v| Member::parse_all(&v.data))
+            .map(|v| v.data.clone())
             .unwrap_or_default();
+        let mut members = Member::parse_all(&old);
         members.retain(|m| m.gateway != me.gateway);
         members.push(me);
-        let data = Member::encode_all(&mut members);
+        let data = Member::rewrite_all(&old, &mut members);
         let version = self.bump();
         self.objects
             .insert(oid.clone(), Versioned { data, version });
@@ -231,6 +232,21 @@ impl Sim {
         self.nodes[i]
             .machine
             .submit(now, change, unit, nexus, request);
+    }
+
+    /// Asks gateway `i` to decide SET TARGET PORT GROUPS `requests` on `unit`, as change
+    /// `change`.
+    pub fn submit_port_groups(
+        &mut self,
+        i: usize,
+        change: ChangeId,
+        unit: UnitId,
+        requests: &[scsi_core::spc::tpg::TargetPortGroupRequest],
+    ) {
+        let now = self.now;
+        self.nodes[i]
+            .machine
+            .submit_port_groups(now, change, unit, requests);
     }
 
     /// Moves everything that can move without the clock: requests, events, notifies whose

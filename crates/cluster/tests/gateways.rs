@@ -9,7 +9,8 @@ use std::time::Duration;
 use cluster::gateway::unavailable;
 use cluster::testing::{change_id, nexus, preempt_and_abort, register, reserve, Sim};
 use scsi_core::pr::PrError;
-use scsi_core::spc::tpg::AccessState;
+use scsi_core::spc::tpg::{AccessState, TargetPortGroupRequest};
+use scsi_core::Asc;
 
 fn states(sim: &Sim, i: usize, unit: u64) -> Vec<(u16, AccessState)> {
     sim.nodes[i].groups[&unit]
@@ -361,4 +362,84 @@ fn a_busy_gateway_answering_within_the_timeout_is_never_fenced() {
     let late = sim.nodes[2].instance;
     sim.advance(Duration::from_secs(3));
     assert!(sim.blocklist.contains(&late));
+}
+
+/// SET TARGET PORT GROUPS `(state, group)` descriptors, as a device server parses them.
+fn stpg(ds: &[(AccessState, u16)]) -> Vec<TargetPortGroupRequest> {
+    ds.iter()
+        .enumerate()
+        .map(|(i, &(state, group))| TargetPortGroupRequest {
+            group,
+            state,
+            offset: 4 + 4 * i as u16,
+        })
+        .collect()
+}
+
+/// Explicit ALUA: an initiator asks a gateway for its group to be active/optimized; every
+/// gateway gives the unit the new states (the asking one before the command ends, the others
+/// at once by notify), other units keep theirs, a request that cannot be met changes nothing,
+/// and the choice ends when the chosen gateway goes down: the configured policy applies again,
+/// also after it rejoined.
+#[test]
+fn an_initiators_choice_of_the_optimized_gateway_reaches_every_gateway_while_it_runs() {
+    use AccessState::*;
+    let mut sim = Sim::new(2, 2);
+    let before = [(1, ActiveOptimized), (2, ActiveNonOptimized)];
+    let chosen = [(1, ActiveNonOptimized), (2, ActiveOptimized)];
+    assert_eq!(states(&sim, 0, 0), before);
+
+    // Asking what cannot be: an unknown group; two optimized; another state than follows.
+    for (n, bad) in [
+        stpg(&[(ActiveOptimized, 9)]),
+        stpg(&[(ActiveOptimized, 1), (ActiveOptimized, 2)]),
+        stpg(&[(ActiveOptimized, 2), (Standby, 1)]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        sim.submit_port_groups(1, change_id(0, n as u64), 0, &bad);
+        sim.run();
+        let (_, result) = *sim.nodes[1].decided.last().unwrap();
+        let Err(PrError::Sense(sense)) = result else {
+            panic!("{result:?}");
+        };
+        assert_eq!(sense.asc, Asc::INVALID_FIELD_IN_PARAMETER_LIST);
+    }
+    assert_eq!(states(&sim, 1, 0), before, "nothing changed");
+
+    // Through gw1, for its own group (as Linux's scsi_dh_alua asks).
+    sim.submit_port_groups(1, change_id(0, 10), 0, &stpg(&[(ActiveOptimized, 2)]));
+    sim.run();
+    assert_eq!(
+        sim.nodes[1].decided.last().unwrap(),
+        &(change_id(0, 10), Ok(()))
+    );
+    for i in 0..2 {
+        assert_eq!(states(&sim, i, 0), chosen, "gw{i}");
+        assert_eq!(
+            states(&sim, i, 1),
+            before,
+            "gw{i}: another unit keeps its states"
+        );
+    }
+    // It holds over rounds.
+    sim.advance(Duration::from_secs(5));
+    assert_eq!(states(&sim, 0, 0), chosen);
+    // Asked again: nothing to write.
+    let writes = sim.writes.len();
+    sim.submit_port_groups(0, change_id(0, 11), 0, &stpg(&[(ActiveOptimized, 2)]));
+    sim.run();
+    assert_eq!(sim.writes.len(), writes);
+
+    // gw1 goes down: gw0 is optimized; gw1 back (another instance): the configured policy.
+    sim.silence(1);
+    sim.advance(Duration::from_secs(5));
+    assert_eq!(states(&sim, 0, 0), [(1, ActiveOptimized), (2, Unavailable)]);
+    sim.wake(1);
+    sim.advance(Duration::from_secs(10));
+    assert!(!sim.nodes[1].machine.is_fenced());
+    for i in 0..2 {
+        assert_eq!(states(&sim, i, 0), before, "gw{i}");
+    }
 }

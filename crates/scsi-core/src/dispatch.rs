@@ -249,6 +249,7 @@ impl Device {
             Parameters::PersistentReserveOut { action, scope_type } => {
                 self.persistent_reserve_out(id, lun, action, scope_type, data)
             }
+            Parameters::SetTargetPortGroups => self.set_target_port_groups(id, lun, data),
         }
     }
 

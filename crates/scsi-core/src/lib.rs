@@ -33,7 +33,8 @@ pub mod transport;
 pub use backend::{Backend, BackendError, BlockStore, MemoryBackend, Op, Output, WriteSamePlan};
 pub use cdb::BlockIo;
 pub use device::{
-    lun_index, lun_number, Device, DeviceError, ReservationChange, TaskError, MAX_LUN,
+    lun_index, lun_number, Device, DeviceError, PortGroupsChange, ReservationChange, TaskError,
+    MAX_LUN,
 };
 pub use lu::{Geometry, Identity, Limits, LogicalUnit, TargetPort};
 pub use nexus::{ItNexus, TransportId};

@@ -11,7 +11,7 @@
 //! What is one transport's own stays in that transport: iSCSI's CmdSN order wraps a router
 //! (`iscsi_pdu::target_node::TargetCore`); SRP needs none.
 
-use crate::device::{Device, DeviceError, ReservationChange};
+use crate::device::{Device, DeviceError, PortGroupsChange, ReservationChange};
 use crate::lu::{LogicalUnit, TargetPort};
 use crate::nexus::TransportId;
 use crate::pr::{PrError, ReservationEffects, Reservations};
@@ -52,6 +52,15 @@ pub trait Sink<R> {
     /// hands it back (`Some`, the default), and the router refuses it
     /// ([`Router::refuse_reservation_change`]).
     fn reservation_change(&mut self, change: ReservationChange) -> Option<ReservationChange> {
+        Some(change)
+    }
+
+    /// SET TARGET PORT GROUPS on a unit whose port groups a keeper decides
+    /// ([`Router::share_port_groups`]) is for that keeper, which calls
+    /// [`Router::set_port_groups`] on every device server of the unit and
+    /// [`Router::port_groups_change_done`] on this one. A sink that reaches no keeper hands it
+    /// back (`Some`, the default), and the command ends with NOT READY.
+    fn port_groups_change(&mut self, change: PortGroupsChange) -> Option<PortGroupsChange> {
         Some(change)
     }
 }
@@ -151,6 +160,26 @@ impl<R: Clone> Router<R> {
     /// changes reach the sink's [`Sink::reservation_change`].
     pub fn share_reservations(&mut self, lun: u16) -> Result<(), DeviceError> {
         self.device.share_reservations(lun)
+    }
+
+    /// Has a keeper decide unit `lun`'s port groups ([`Device::share_port_groups`]): SET
+    /// TARGET PORT GROUPS reaches the sink's [`Sink::port_groups_change`].
+    pub fn share_port_groups(&mut self, lun: u16) -> Result<(), DeviceError> {
+        self.device.share_port_groups(lun)
+    }
+
+    /// The keeper decided SET TARGET PORT GROUPS task `task`
+    /// ([`Device::port_groups_change_done`]); its end is routed. An error is a task aborted
+    /// meanwhile (its end is routed already) or one that never asked.
+    pub fn port_groups_change_done(
+        &mut self,
+        task: TaskId,
+        result: Result<(), Sense>,
+        out: &mut impl Sink<R>,
+    ) -> Result<(), DeviceError> {
+        let r = self.device.port_groups_change_done(task, result);
+        self.drain(out);
+        r
     }
 
     /// The keeper says unit `lun`'s shared reservations are `state` at `version`
@@ -297,6 +326,18 @@ impl<R: Clone> Router<R> {
         loop {
             if self.device.has_reservation_changes() {
                 self.hand_over_reservation_changes(out);
+            }
+            if self.device.has_port_groups_changes() {
+                while let Some(change) = self.device.poll_port_groups_change() {
+                    if let Some(refused) = out.port_groups_change(change) {
+                        // No keeper: NOT READY, which the initiator retries (an error is a
+                        // task aborted meanwhile, whose end is routed already).
+                        let unavailable = Sense::from(BackendError::Unavailable);
+                        let _ = self
+                            .device
+                            .port_groups_change_done(refused.task, Err(unavailable));
+                    }
+                }
             }
             let Some(action) = self.device.poll() else {
                 break;

@@ -10,8 +10,8 @@ use scsi_core::pr::{PrError, Reservations};
 use scsi_core::spc::tpg::{AccessState, PortGroup};
 use scsi_core::transport::{CoreEvent, Router, Sink};
 use scsi_core::{
-    Action, Command, Device, NexusId, ReservationChange, SenseKey, Status, TaskAttribute, TaskId,
-    TransportId,
+    Action, Command, Device, NexusId, PortGroupsChange, ReservationChange, Sense, SenseKey, Status,
+    TaskAttribute, TaskId, TransportId,
 };
 
 /// Events by connection, and the changes handed to a keeper (when `keeper` is set).
@@ -20,6 +20,7 @@ struct Out {
     events: Vec<(u32, CoreEvent)>,
     keeper: bool,
     changes: Vec<ReservationChange>,
+    port_groups: Vec<PortGroupsChange>,
 }
 
 impl Sink<u32> for Out {
@@ -32,6 +33,14 @@ impl Sink<u32> for Out {
             return Some(change);
         }
         self.changes.push(change);
+        None
+    }
+
+    fn port_groups_change(&mut self, change: PortGroupsChange) -> Option<PortGroupsChange> {
+        if !self.keeper {
+            return Some(change);
+        }
+        self.port_groups.push(change);
         None
     }
 }
@@ -223,4 +232,145 @@ fn an_administrators_changes_reach_the_connection_that_announces_unit_attentions
         out.events.is_empty(),
         "only the announcing connection hears"
     );
+}
+
+/// SET TARGET PORT GROUPS asking group `group` for `state` on LUN 0, its parameter list
+/// handed over.
+fn set_target_port_groups(
+    router: &mut Router<u32>,
+    nexus: NexusId,
+    state: u8,
+    group: u16,
+    out: &mut Out,
+) -> TaskId {
+    let mut cdb = vec![0u8; 12];
+    cdb[0] = 0xa4;
+    cdb[1] = 0x0a;
+    cdb[9] = 8;
+    let cmd = Command {
+        nexus,
+        lun: 0,
+        cdb: &cdb,
+        attribute: TaskAttribute::Simple,
+        tag: 11,
+        data_in_len: 0,
+        data_out_len: 8,
+    };
+    let task = router.submit(cmd, &1, out).unwrap();
+    let asked = out.actions(1);
+    assert!(
+        matches!(asked[..], [Action::DataOut { len: 8, .. }]),
+        "{asked:?}"
+    );
+    let [hi, lo] = group.to_be_bytes();
+    router
+        .data_out(task, &[0, 0, 0, 0, state, 0, hi, lo], out)
+        .unwrap();
+    task
+}
+
+/// The status and sense key a command ended with.
+fn ended(out: &mut Out) -> (Status, Option<u8>) {
+    let ended = out.actions(1);
+    let [Action::Complete { status, sense, .. }] = &ended[..] else {
+        panic!("{ended:?}");
+    };
+    let key = sense.as_ref().map(|s| {
+        let b = s.as_slice();
+        (if b[0] & 0x7e == 0x72 { b[1] } else { b[2] }) & 0x0f
+    });
+    (*status, key)
+}
+
+/// Explicit ALUA: on a unit whose port groups a keeper decides, SET TARGET PORT GROUPS waits
+/// for the keeper, which gives the new groups and ends it; without a keeper it ends NOT
+/// READY. On a unit with the device's own groups it asks what is (GOOD) or what cannot be
+/// (ILLEGAL REQUEST).
+#[test]
+fn set_target_port_groups_goes_to_the_keeper_of_shared_port_groups() {
+    let (mut router, nexus) = shared();
+    let mut out = Out {
+        keeper: true,
+        ..Out::default()
+    };
+    // The device's own groups: group 1 is active/optimized, and can be nothing else.
+    set_target_port_groups(&mut router, nexus, 0, 1, &mut out);
+    assert_eq!(ended(&mut out), (Status::Good, None));
+    set_target_port_groups(&mut router, nexus, 2, 1, &mut out);
+    assert_eq!(
+        ended(&mut out),
+        (Status::CheckCondition, Some(SenseKey::IllegalRequest as u8))
+    );
+    assert!(out.port_groups.is_empty());
+
+    router.share_port_groups(0).unwrap();
+    let task = set_target_port_groups(&mut router, nexus, 0, 2, &mut out);
+    assert_eq!(out.port_groups.len(), 1, "handed to the keeper by the call");
+    let change = out.port_groups.remove(0);
+    assert_eq!((change.task, change.lun), (task, 0));
+    assert_eq!(
+        (change.requests[0].group, change.requests[0].state),
+        (2, AccessState::ActiveOptimized)
+    );
+    assert!(
+        out.actions(1).is_empty(),
+        "the command waits for the keeper"
+    );
+    let groups = vec![
+        PortGroup {
+            id: 1,
+            state: AccessState::Standby,
+            preferred: false,
+            ports: vec![1],
+        },
+        PortGroup {
+            id: 2,
+            state: AccessState::ActiveOptimized,
+            preferred: true,
+            ports: vec![2],
+        },
+    ];
+    assert!(router.set_port_groups(0, groups, &mut out).unwrap());
+    router
+        .port_groups_change_done(task, Ok(()), &mut out)
+        .unwrap();
+    assert_eq!(ended(&mut out), (Status::Good, None));
+    // The nexus hears of the new states (ASYMMETRIC ACCESS STATE CHANGED) at its next command.
+    let tur = Command {
+        nexus,
+        lun: 0,
+        cdb: &[0; 6],
+        attribute: TaskAttribute::Simple,
+        tag: 12,
+        data_in_len: 0,
+        data_out_len: 0,
+    };
+    router.submit(tur, &1, &mut out).unwrap();
+    assert_eq!(
+        ended(&mut out),
+        (Status::CheckCondition, Some(SenseKey::UnitAttention as u8))
+    );
+    // A keeper's refusal is the command's sense.
+    let task = set_target_port_groups(&mut router, nexus, 0, 9, &mut out);
+    out.port_groups.clear();
+    let invalid = Sense::new(
+        SenseKey::IllegalRequest,
+        scsi_core::Asc::INVALID_FIELD_IN_PARAMETER_LIST,
+    );
+    router
+        .port_groups_change_done(task, Err(invalid), &mut out)
+        .unwrap();
+    assert_eq!(
+        ended(&mut out),
+        (Status::CheckCondition, Some(SenseKey::IllegalRequest as u8))
+    );
+
+    // No keeper: NOT READY, which the initiator retries.
+    out.keeper = false;
+    set_target_port_groups(&mut router, nexus, 0, 2, &mut out);
+    assert_eq!(
+        ended(&mut out),
+        (Status::CheckCondition, Some(SenseKey::NotReady as u8))
+    );
+    assert!(!router.device().has_port_groups_changes());
 }

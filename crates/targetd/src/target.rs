@@ -125,6 +125,8 @@ pub struct Outbox {
     pub remote: Vec<(Route, Routed)>,
     /// Changes to shared reservations, for the target's keeper once the lock is let go.
     pub changes: Vec<scsi_core::ReservationChange>,
+    /// SET TARGET PORT GROUPS on shared units, for the same keeper.
+    pub port_groups: Vec<scsi_core::PortGroupsChange>,
 }
 
 impl Outbox {
@@ -136,6 +138,7 @@ impl Outbox {
             local: VecDeque::new(),
             remote: Vec::new(),
             changes: Vec::new(),
+            port_groups: Vec::new(),
         }
     }
 
@@ -146,6 +149,7 @@ impl Outbox {
             local: VecDeque::with_capacity(256),
             remote: Vec::new(),
             changes: Vec::new(),
+            port_groups: Vec::new(),
         }
     }
 
@@ -177,6 +181,14 @@ impl Sink<Route> for Outbox {
     ) -> Option<scsi_core::ReservationChange> {
         // Handed to the keeper once the lock is let go (`Target::unlock_core`).
         self.changes.push(change);
+        None
+    }
+
+    fn port_groups_change(
+        &mut self,
+        change: scsi_core::PortGroupsChange,
+    ) -> Option<scsi_core::PortGroupsChange> {
+        self.port_groups.push(change);
         None
     }
 }
@@ -652,6 +664,9 @@ impl Target {
         if !out.changes.is_empty() {
             self.hand_over_reservation_changes(std::mem::take(&mut out.changes));
         }
+        if !out.port_groups.is_empty() {
+            self.hand_over_port_groups_changes(std::mem::take(&mut out.port_groups));
+        }
     }
 
     /// Retires the queued delegated tasks; whether there were any.
@@ -801,6 +816,9 @@ impl Target {
                     let router = core.router();
                     router.add_unit(config.lun, unit.clone(), out)?;
                     router.share_reservations(config.lun)?;
+                    // The cluster decides its port groups, and initiators may choose (SET
+                    // TARGET PORT GROUPS).
+                    router.share_port_groups(config.lun)?;
                     // A unit just shared has applied no version: the state read always lands.
                     let _fresh = router.apply_reservations(
                         config.lun,
@@ -986,6 +1004,31 @@ impl Target {
         });
     }
 
+    /// Hands SET TARGET PORT GROUPS on shared units to the cluster, which decides which
+    /// gateway is optimized; without one (cannot happen: only a cluster shares port groups)
+    /// the command ends NOT READY.
+    fn hand_over_port_groups_changes(&self, changes: Vec<scsi_core::PortGroupsChange>) {
+        for change in changes {
+            match &self.cluster {
+                Some(cluster) => cluster.submit_port_groups(self.this.clone(), change),
+                None => self.port_groups_change_done(
+                    change.task,
+                    Err(scsi_core::BackendError::Unavailable.into()),
+                ),
+            }
+        }
+    }
+
+    /// The cluster decided SET TARGET PORT GROUPS task `task` (and gave the unit its new
+    /// groups when it succeeded).
+    pub fn port_groups_change_done(&self, task: TaskId, result: Result<(), scsi_core::Sense>) {
+        let done =
+            self.with_core(|core, out| core.router().port_groups_change_done(task, result, out));
+        if let Err(e) = done {
+            tracing::debug!("a SET TARGET PORT GROUPS command: {e}");
+        }
+    }
+
     /// The keeper of unit `lun`'s shared reservations says they are `state` at `version`.
     pub fn apply_shared_reservations(
         &self,
@@ -1136,6 +1179,10 @@ impl SharedTarget for Target {
 
     fn task_management_change_done(&self, reference: u64) {
         Target::task_management_change_done(self, reference)
+    }
+
+    fn port_groups_change_done(&self, task: TaskId, result: Result<(), scsi_core::Sense>) {
+        Target::port_groups_change_done(self, task, result)
     }
 
     fn aborted_tasks_in_flight(&self, lun: u16) -> usize {

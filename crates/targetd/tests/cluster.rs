@@ -1547,3 +1547,81 @@ fn gateways_compare_whole_targets_and_the_last_edited_is_recorded() {
     a.stop();
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }
+
+/// SET TARGET PORT GROUPS asking `(state, group)` for each descriptor: the response's status
+/// and sense key.
+async fn set_target_port_groups(s: &Session, ds: &[(u8, u16)]) -> (ScsiStatus, Option<u8>) {
+    let mut list = vec![0u8; 4];
+    for &(state, group) in ds {
+        list.extend_from_slice(&[state, 0]);
+        list.extend_from_slice(&group.to_be_bytes());
+    }
+    let mut c = [0u8; 16];
+    c[0] = 0xa4;
+    c[1] = 0x0a;
+    c[6..10].copy_from_slice(&(list.len() as u32).to_be_bytes());
+    loop {
+        let r = s
+            .execute(Command::write(s.lun(), c, Bytes::from(list.clone())))
+            .await
+            .expect("a response");
+        let key = r
+            .sense
+            .as_deref()
+            .and_then(initiator_bench::Sense::parse)
+            .map(|x| x.key);
+        // A unit attention (the states changed) first: the command again.
+        if key != Some(6) {
+            return (r.status, key);
+        }
+    }
+}
+
+/// Explicit ALUA across gateways (SET TARGET PORT GROUPS), the gateways as processes (each
+/// its own RADOS client): INQUIRY says implicit and explicit; an initiator asking B for its
+/// group to be active/optimized gets it on both gateways; a group that is nobody's is refused;
+/// the choice ends with B (killed, then started again), when A's precedence is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_initiators_set_target_port_groups_moves_the_optimized_gateway_everywhere() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let (image, a, b, one, two) = two_processes(&ceph, "stpg", ["one", "two"]).await;
+    let before = [(1, 0x0, true), (2, 0x1, false)];
+    let inquiry = two
+        .execute_good(Command::read(two.lun(), cdb::inquiry(96), 96))
+        .await
+        .expect("INQUIRY");
+    assert_eq!(
+        inquiry.data[5] & 0x30,
+        0x30,
+        "TPGS 11b: implicit and explicit"
+    );
+
+    // A group that is no gateway's: ILLEGAL REQUEST, nothing changes.
+    assert_eq!(
+        set_target_port_groups(&two, &[(0, 9)]).await,
+        (ScsiStatus::CHECK_CONDITION, Some(5))
+    );
+    // B's own group, through B (as Linux's scsi_dh_alua asks).
+    assert_eq!(
+        set_target_port_groups(&two, &[(0, 2)]).await,
+        (ScsiStatus::GOOD, None)
+    );
+    let chosen = [(1, 0x1, false), (2, 0x0, true)];
+    expect_groups(&two, &chosen, 1).await;
+    expect_groups(&one, &chosen, 3).await;
+    // `targetctl cluster` through A names the choice.
+    let view = Process_::viewer(a._dir.path().join("admin.sock"))();
+    assert_eq!(view["units"][0]["chosen_by_initiator"], "gw2", "{view}");
+
+    // B killed: A is optimized; B started again: its choice went with it.
+    drop(two);
+    drop(b);
+    expect_groups(&one, &[(1, 0x0, true), (2, 0x3, false)], 10).await;
+    let b = Process_::start(&ceph, &a.cluster, 2, &image);
+    expect_groups(&one, &before, 20).await;
+    let two = b.session("two").await;
+    expect_groups(&two, &before, 20).await;
+    drop((one, two, a, b));
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}

@@ -1,5 +1,8 @@
 //! ALUA: each unit's target port groups and their access states, whose change every
-//! nexus hears as ASYMMETRIC ACCESS STATE CHANGED.
+//! nexus hears as ASYMMETRIC ACCESS STATE CHANGED; SET TARGET PORT GROUPS, decided here for
+//! a lone target's groups or by a keeper for shared ones.
+
+use crate::spc::tpg;
 
 use super::*;
 
@@ -40,5 +43,66 @@ impl Device {
             Some(g) => g.clone(),
             None => crate::spc::tpg::groups_of(&self.ports),
         })
+    }
+
+    /// Unit `lun`'s port groups are decided by a keeper (a cluster of gateways): SET TARGET
+    /// PORT GROUPS goes to it as a [`PortGroupsChange`] ([`Device::poll_port_groups_change`])
+    /// and ends when it says ([`Device::port_groups_change_done`]).
+    pub fn share_port_groups(&mut self, lun: u16) -> Result<(), DeviceError> {
+        self.lu_mut(lun)
+            .ok_or(DeviceError::Lun(lun))?
+            .port_groups_shared = true;
+        Ok(())
+    }
+
+    /// The next SET TARGET PORT GROUPS for the port groups' keeper.
+    pub fn poll_port_groups_change(&mut self) -> Option<PortGroupsChange> {
+        self.port_groups_changes.pop_front()
+    }
+
+    /// Whether a SET TARGET PORT GROUPS waits for the keeper.
+    pub fn has_port_groups_changes(&self) -> bool {
+        !self.port_groups_changes.is_empty()
+    }
+
+    /// The keeper decided SET TARGET PORT GROUPS task `task` (and, when it succeeded, gave
+    /// this server the new groups): GOOD, or the sense.
+    pub fn port_groups_change_done(
+        &mut self,
+        task: TaskId,
+        result: Result<(), Sense>,
+    ) -> Result<(), DeviceError> {
+        self.reservation_done(task, result.map_err(PrError::Sense))
+    }
+
+    /// SET TARGET PORT GROUPS with parameter list `data`: to the keeper for shared groups;
+    /// for the device's own (every group active/optimized, nothing else to give), GOOD when
+    /// each descriptor asks what its group is.
+    pub(crate) fn set_target_port_groups(
+        &mut self,
+        id: TaskId,
+        lun: u16,
+        data: &[u8],
+    ) -> Result<Step, TaskError> {
+        let requests = tpg::parse_set_target_port_groups(data)?;
+        let shared = self
+            .lu(lun)
+            .ok_or(Sense::invalid_opcode())?
+            .port_groups_shared;
+        if requests.is_empty() {
+            return Ok(Step::Done(Reply::Good));
+        }
+        if shared {
+            tpg::optimized_request(&requests)?;
+            self.port_groups_changes.push_back(PortGroupsChange {
+                task: id,
+                lun,
+                requests,
+            });
+            return Ok(Step::Reserving);
+        }
+        let groups = self.port_groups(lun).ok_or(Sense::invalid_opcode())?;
+        tpg::check_set_target_port_groups(&requests, &groups)?;
+        Ok(Step::Done(Reply::Good))
     }
 }

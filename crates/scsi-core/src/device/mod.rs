@@ -29,6 +29,21 @@ mod reservations;
 mod tasks;
 mod tmf;
 
+/// SET TARGET PORT GROUPS on a unit whose port groups a keeper decides
+/// ([`Device::share_port_groups`]): the states asked, for the keeper, which decides them (a
+/// cluster of gateways: the group asked active/optimized becomes the unit's preferred one),
+/// gives every device server of the unit its new groups ([`Device::set_port_groups`]) and
+/// ends the command ([`Device::port_groups_change_done`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PortGroupsChange {
+    /// The command.
+    pub task: TaskId,
+    /// The unit's LUN index.
+    pub lun: u16,
+    /// The set target port group descriptors.
+    pub requests: Vec<crate::spc::tpg::TargetPortGroupRequest>,
+}
+
 /// A change to a unit's shared reservations, for their keeper
 /// ([`Device::share_reservations`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,6 +153,7 @@ pub(crate) enum Parameters {
     Unmap,
     PersistentReserveOut { action: u8, scope_type: u8 },
     ExtendedCopy,
+    SetTargetPortGroups,
 }
 
 /// What a dispatched command does next.
@@ -149,7 +165,7 @@ pub(crate) enum Step {
         len: u32,
         then: AfterData,
     },
-    /// A change to shared reservations went to their keeper.
+    /// A change to shared reservations (or port groups) went to their keeper.
     Reserving,
     /// A PREEMPT AND ABORT completes once these tasks it aborted have ended.
     Draining(Vec<TaskId>),
@@ -172,7 +188,8 @@ enum Phase {
     /// Handed to the transport to finish ([`Action::Delegated`]) until it is retired.
     Delegated,
     /// A change to shared reservations, with their keeper until
-    /// [`Device::reservation_done`].
+    /// [`Device::reservation_done`] (or SET TARGET PORT GROUPS until
+    /// [`Device::port_groups_change_done`]).
     Reserving,
     /// A PREEMPT AND ABORT that has changed the reservations and waits for the tasks it
     /// aborted to end (their I/O may still reach the medium) before it completes.
@@ -245,6 +262,9 @@ pub(crate) struct Lu {
     /// Target port groups and their access states, when the target sets them
     /// ([`Device::set_port_groups`]); the device's own ports, active/optimized, otherwise.
     pub(crate) port_groups: Option<Vec<PortGroup>>,
+    /// A keeper decides the port groups' states ([`Device::share_port_groups`]): SET TARGET
+    /// PORT GROUPS goes to it.
+    pub(crate) port_groups_shared: bool,
     /// Tasks in the task set (not ended).
     live: u32,
     /// Live ORDERED and HEAD OF QUEUE tasks.
@@ -282,6 +302,9 @@ pub struct Device {
     pub(crate) store: Option<Box<dyn PrStore>>,
     /// Changes to shared reservations for their keeper ([`Device::poll_reservation_change`]).
     changes: VecDeque<ReservationChange>,
+    /// SET TARGET PORT GROUPS for the port groups' keeper
+    /// ([`Device::poll_port_groups_change`]).
+    port_groups_changes: VecDeque<PortGroupsChange>,
     /// PREEMPT AND ABORT commands and the aborted tasks each waits for.
     drains: Vec<(TaskId, Vec<TaskId>)>,
     /// Plain reads and writes are delegated to the transport ([`Device::set_delegation`]).
@@ -398,6 +421,7 @@ impl Device {
             tmfs: Vec::new(),
             store: None,
             changes: VecDeque::new(),
+            port_groups_changes: VecDeque::new(),
             drains: Vec::new(),
             delegate: false,
             scratch: (Vec::new(), Vec::new()),
@@ -480,6 +504,7 @@ impl Device {
             reservations: Reservations::default(),
             shared: None,
             port_groups: None,
+            port_groups_shared: false,
             live: 0,
             blockers: 0,
             dormant: 0,

@@ -4,7 +4,7 @@
 use crate::device::{Device, Parameters, Reply, Step, TaskError};
 use crate::dispatch::{be16, be32, data, internal, Cdb};
 use crate::pr::ReservationRequest;
-use crate::sense::{Asc, Sense, SenseKey};
+use crate::sense::{Asc, FieldPointer, Sense, SenseKey};
 use crate::spc::{copy, inquiry, log, mode, opcodes, report_luns, tpg};
 
 /// TEST UNIT READY: what admitted it (NOT READY, unit attentions) is the answer.
@@ -144,6 +144,16 @@ pub(crate) fn report_target_port_groups(d: &mut Device, c: &Cdb<'_>) -> Result<S
     let mut bytes = tpg::report_target_port_groups(&groups, c.cdb[1] & 0x20 != 0, set);
     bytes.truncate(alloc);
     data(Ok(bytes))
+}
+
+/// SET TARGET PORT GROUPS: the parameter list ([`Device::set_target_port_groups`]), at most
+/// a descriptor per group of a large cluster.
+pub(crate) fn set_target_port_groups(d: &mut Device, c: &Cdb<'_>) -> Result<Step, TaskError> {
+    let len = be32(c.cdb, 6);
+    if len > tpg::MAX_SET_TARGET_PORT_GROUPS {
+        return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb(6)).into());
+    }
+    d.parameter_list(c.id, len, Parameters::SetTargetPortGroups)
 }
 
 /// REPORT SUPPORTED OPERATION CODES, from the command table.

@@ -41,7 +41,9 @@ fn standard(lu: &LogicalUnit) -> Vec<u8> {
     b[2] = 0x06; // SPC-4.
     b[3] = 0x10 | 0x02; // HISUP, response data format 2.
     b[4] = (b.len() - 5) as u8;
-    b[5] = 0x10 | 0x08; // TPGS 01b: implicit asymmetric logical unit access; 3PC.
+    // TPGS 11b: implicit and explicit asymmetric logical unit access (SET TARGET PORT
+    // GROUPS); 3PC.
+    b[5] = 0x30 | 0x08;
     b[7] = 0x02; // CMDQUE.
     b[8..16].copy_from_slice(&lu.identity.vendor);
     b[16..32].copy_from_slice(&lu.identity.product);
@@ -194,7 +196,7 @@ mod tests {
     fn standard_data() {
         let d = inquiry(&lu(false), &port(), &cdb(false, 0, 255)).unwrap();
         assert_eq!(d.len(), 96);
-        assert_eq!(&d[..8], &[0x00, 0x00, 0x06, 0x12, 91, 0x18, 0x00, 0x02]);
+        assert_eq!(&d[..8], &[0x00, 0x00, 0x06, 0x12, 91, 0x38, 0x00, 0x02]);
         assert_eq!(&d[8..16], b"STGT    ");
         assert_eq!(
             &d[58..66],

@@ -1,10 +1,12 @@
 //! Asymmetric logical unit access (SPC-4 section 5.16): target port groups, each in an
-//! asymmetric access state, and REPORT TARGET PORT GROUPS (section 6.37). Implicit ALUA only:
-//! the target decides the states (a lone target: one group, active/optimized; gateways of one
-//! target: one group each, the states their cluster decides).
+//! asymmetric access state, REPORT TARGET PORT GROUPS (section 6.37) and SET TARGET PORT
+//! GROUPS (section 6.40). Implicit and explicit ALUA: the target decides the states (a lone
+//! target: one group, active/optimized; gateways of one target: one group each, the states
+//! their cluster decides), and an initiator may ask for a group to be active/optimized (the
+//! cluster then prefers that gateway for the unit; a lone target has nothing else to give).
 
 use crate::lu::TargetPort;
-use crate::sense::Asc;
+use crate::sense::{Asc, FieldPointer, Sense};
 
 /// ASYMMETRIC ACCESS STATE of a target port group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,6 +65,97 @@ impl AccessState {
             AccessState::Transitioning => Asc::ASYMMETRIC_ACCESS_STATE_TRANSITION,
             _ => Asc::TARGET_PORT_IN_UNAVAILABLE_STATE,
         }
+    }
+}
+
+/// The state a code of SET TARGET PORT GROUPS asks for: active/optimized,
+/// active/non-optimized, standby or unavailable (offline and transitioning cannot be asked).
+fn settable(code: u8) -> Option<AccessState> {
+    match code {
+        0x0 => Some(AccessState::ActiveOptimized),
+        0x1 => Some(AccessState::ActiveNonOptimized),
+        0x2 => Some(AccessState::Standby),
+        0x3 => Some(AccessState::Unavailable),
+        _ => None,
+    }
+}
+
+/// One set target port group descriptor of SET TARGET PORT GROUPS: a group and the state
+/// asked for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TargetPortGroupRequest {
+    /// TARGET PORT GROUP.
+    pub group: u16,
+    /// ASYMMETRIC ACCESS STATE asked.
+    pub state: AccessState,
+    /// Where the descriptor starts in the parameter list, for the sense's field pointer.
+    pub offset: u16,
+}
+
+/// The longest SET TARGET PORT GROUPS parameter list taken: the header and a descriptor for
+/// each of 1024 groups (a target has one group per gateway).
+pub const MAX_SET_TARGET_PORT_GROUPS: u32 = 4 + 4 * 1024;
+
+/// The descriptors of a SET TARGET PORT GROUPS parameter list: a four-byte header, then four
+/// bytes per group (state in byte 0 bits 3-0, the group in bytes 2-3). A length that is not
+/// the header and whole descriptors is a PARAMETER LIST LENGTH ERROR; a state that cannot be
+/// asked, INVALID FIELD IN PARAMETER LIST pointing at it.
+pub fn parse_set_target_port_groups(data: &[u8]) -> Result<Vec<TargetPortGroupRequest>, Sense> {
+    if data.len() < 4 || (data.len() - 4) % 4 != 0 {
+        return Err(Sense::parameter_list_length_error());
+    }
+    data[4..]
+        .chunks_exact(4)
+        .enumerate()
+        .map(|(i, d)| {
+            let offset = (4 + 4 * i) as u16;
+            let state = settable(d[0] & 0x0f).ok_or_else(|| {
+                Sense::invalid_field_in_parameter_list(FieldPointer::parameter_bit(offset, 3))
+            })?;
+            Ok(TargetPortGroupRequest {
+                group: u16::from_be_bytes([d[2], d[3]]),
+                state,
+                offset,
+            })
+        })
+        .collect()
+}
+
+/// Checks SET TARGET PORT GROUPS `requests` against the groups they would leave (`after`):
+/// every group named exists and is asked the state it then has; otherwise INVALID FIELD IN
+/// PARAMETER LIST pointing at the first descriptor that is not (an unknown group, or a
+/// combination of states the target cannot establish).
+pub fn check_set_target_port_groups(
+    requests: &[TargetPortGroupRequest],
+    after: &[PortGroup],
+) -> Result<(), Sense> {
+    for r in requests {
+        let Some(g) = after.iter().find(|g| g.id == r.group) else {
+            return Err(Sense::invalid_field_in_parameter_list(
+                FieldPointer::parameter(r.offset + 2),
+            ));
+        };
+        if g.state != r.state {
+            return Err(Sense::invalid_field_in_parameter_list(
+                FieldPointer::parameter_bit(r.offset, 3),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The one group `requests` ask to be active/optimized, if any; two or more is an invalid
+/// combination (INVALID FIELD IN PARAMETER LIST at the second).
+pub fn optimized_request(requests: &[TargetPortGroupRequest]) -> Result<Option<u16>, Sense> {
+    let mut asked = requests
+        .iter()
+        .filter(|r| r.state == AccessState::ActiveOptimized);
+    let first = asked.next().map(|r| r.group);
+    match asked.find(|r| Some(r.group) != first) {
+        Some(second) => Err(Sense::invalid_field_in_parameter_list(
+            FieldPointer::parameter_bit(second.offset, 3),
+        )),
+        None => Ok(first),
     }
 }
 
@@ -188,6 +281,54 @@ mod tests {
         );
         let e = report_target_port_groups(&groups_of(&[port(1)]), true, false);
         assert_eq!(&e[..8], &[0, 0, 0, 16, 0x10, 0, 0, 0]);
+    }
+
+    /// SET TARGET PORT GROUPS: the parameter list's shape, the states that can be asked, and
+    /// what a lone target (every group active/optimized) accepts.
+    #[test]
+    fn set_target_port_groups_parameters_are_checked() {
+        let port = |relative_port, port_group| TargetPort {
+            relative_port,
+            port_group,
+            name: String::new(),
+            target_name: String::new(),
+        };
+        let groups = groups_of(&[port(1, 1), port(2, 2)]);
+        let list = |ds: &[(u8, u16)]| {
+            let mut d = vec![0u8; 4];
+            for &(state, group) in ds {
+                d.extend_from_slice(&[state, 0]);
+                d.extend_from_slice(&group.to_be_bytes());
+            }
+            d
+        };
+        let asc = |s: Sense| (s.key, s.asc);
+        let parsed = parse_set_target_port_groups(&list(&[(0, 1), (0x80, 2)])).unwrap();
+        assert_eq!(
+            parsed[1].state,
+            AccessState::ActiveOptimized,
+            "PREF-like high bits ignored"
+        );
+        assert_eq!(parsed[1].offset, 8);
+        assert_eq!(check_set_target_port_groups(&parsed, &groups), Ok(()));
+        assert!(parse_set_target_port_groups(&[]).is_err());
+        assert_eq!(
+            asc(parse_set_target_port_groups(&[0; 6]).unwrap_err()),
+            asc(Sense::parameter_list_length_error())
+        );
+        // Offline and transitioning cannot be asked.
+        let e = parse_set_target_port_groups(&list(&[(0xe, 1)])).unwrap_err();
+        assert_eq!(e.asc, Asc::INVALID_FIELD_IN_PARAMETER_LIST);
+        // An unknown group, and a state the lone target cannot give.
+        let unknown = parse_set_target_port_groups(&list(&[(0, 9)])).unwrap();
+        assert!(check_set_target_port_groups(&unknown, &groups).is_err());
+        let standby = parse_set_target_port_groups(&list(&[(2, 1)])).unwrap();
+        assert!(check_set_target_port_groups(&standby, &groups).is_err());
+        // One group optimized at most.
+        let two = parse_set_target_port_groups(&list(&[(0, 1), (0, 2)])).unwrap();
+        assert!(optimized_request(&two).is_err());
+        assert_eq!(optimized_request(&parsed[..1]), Ok(Some(1)));
+        assert_eq!(optimized_request(&standby), Ok(None));
     }
 
     /// What a standby and an unavailable path answer: SPC-4's lists and READ CAPACITY

@@ -751,11 +751,15 @@ fn print_human(request: &AdminRequest, v: &Value) {
                         )
                     })
                     .collect();
+                let mut groups = groups.join("; ");
+                if let Some(g) = u["chosen_by_initiator"].as_str() {
+                    groups += &format!(" ({g} chosen by an initiator)");
+                }
                 vec![
                     text(&u["target"]),
                     u["lun"].to_string(),
                     text(&u["image"]),
-                    groups.join("; "),
+                    groups,
                     u["reservation_holder"].as_str().unwrap_or("-").to_string(),
                 ]
             });

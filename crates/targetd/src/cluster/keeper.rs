@@ -49,7 +49,7 @@ use cluster::definition::{Comparison, Decision, Record, MAX_RECORD};
 use cluster::gateway::{ChangeId, Counters, Event, Outcome, Request, Settings, UnitId, MAX_OBJECT};
 use cluster::{store, Gateway, Lane, Watched};
 use scsi_core::pr::Reservations;
-use scsi_core::{ReservationChange, TaskId};
+use scsi_core::{PortGroupsChange, ReservationChange, TaskId};
 
 use super::{policy_of, Following, Member, Membership, SharedTarget};
 use crate::config;
@@ -94,6 +94,8 @@ struct Waiting {
     target: Weak<dyn SharedTarget>,
     task: Option<TaskId>,
     tmf: Option<u64>,
+    /// A SET TARGET PORT GROUPS, not a change to reservations.
+    port_groups: bool,
 }
 
 /// This gateway's membership in a cluster of gateways: the machine, the pool of shared
@@ -425,8 +427,18 @@ impl Keeper {
                     return;
                 };
                 if let Some(t) = w.target.upgrade() {
-                    if let Some(task) = w.task {
-                        t.reservation_done(task, result);
+                    match w.task {
+                        Some(task) if w.port_groups => t.port_groups_change_done(
+                            task,
+                            result.map_err(|e| match e {
+                                scsi_core::pr::PrError::Sense(s) => s,
+                                scsi_core::pr::PrError::Conflict => {
+                                    scsi_core::BackendError::Unavailable.into()
+                                }
+                            }),
+                        ),
+                        Some(task) => t.reservation_done(task, result),
+                        None => {}
                     }
                     if let Some(reference) = w.tmf {
                         t.task_management_change_done(reference);
@@ -683,7 +695,7 @@ impl Keeper {
             };
             let mut members: Vec<Member> = text.lines().filter_map(Member::parse).collect();
             edit(&mut members)?;
-            let data = Member::encode_all(&mut members);
+            let data = Member::rewrite_all(text.as_bytes(), &mut members);
             match self.pool().replace(&oid, version, &data) {
                 Ok(_) => return Ok(()),
                 Err(CasError::Conflict) => continue,
@@ -999,14 +1011,21 @@ impl Keeper {
                 .storage(lun)
                 .as_deref()
                 .and_then(crate::rbd::image_of)
-                .map(|i| i.spec().to_string())
-                .unwrap_or_default();
+                .cloned();
+            // An initiator's choice of the optimized gateway (SET TARGET PORT GROUPS), while
+            // it holds.
+            let chosen = image.as_ref().and_then(|i| {
+                m.policy_for(&self.object(i.spec()), &Default::default())
+                    .preferred
+            });
+            let image = image.map(|i| i.spec().to_string()).unwrap_or_default();
             let holder = t.reservation_holder(lun);
             units.push(json!({
                 "target": t.name(),
                 "lun": lun,
                 "image": image,
                 "groups": groups,
+                "chosen_by_initiator": chosen,
                 "reservation_holder": holder.as_ref().map(|h| h.0.clone()),
                 "reservation_type": holder.and_then(|h| h.1),
             }));
@@ -1201,23 +1220,46 @@ impl Keeper {
     /// Queues a change for the machine; it hands out nothing here (the changes lane does).
     fn queue_change(&self, target: Weak<dyn SharedTarget>, change: ReservationChange) {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let unit = crate::lock(&self.units)
-            .iter()
-            .find(|(_, (t, l))| t.ptr_eq(&target) && *l == change.lun)
-            .map(|(id, _)| *id)
-            .unwrap_or(UnitId::MAX);
+        let unit = self.unit_id(&target, change.lun);
         crate::lock(&self.changes).insert(
             id,
             Waiting {
                 target,
                 task: change.task,
                 tmf: change.tmf,
+                port_groups: false,
             },
         );
         let mut s = self.state();
         s.machine
             .submit(Instant::now(), id, unit, change.nexus, change.request);
         self.route(&mut s);
+    }
+
+    /// The machine's unit id of `target`'s unit `lun` ([`UnitId::MAX`], which the machine
+    /// knows not, when it is not shared here).
+    fn unit_id(&self, target: &Weak<dyn SharedTarget>, lun: u16) -> UnitId {
+        crate::lock(&self.units)
+            .iter()
+            .find(|(_, (t, l))| t.ptr_eq(target) && *l == lun)
+            .map(|(id, _)| *id)
+            .unwrap_or(UnitId::MAX)
+    }
+
+    fn queue_port_groups(&self, target: Weak<dyn SharedTarget>, change: PortGroupsChange) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let unit = self.unit_id(&target, change.lun);
+        crate::lock(&self.changes).insert(
+            id,
+            Waiting {
+                target,
+                task: Some(change.task),
+                tmf: None,
+                port_groups: true,
+            },
+        );
+        // Often decided at once (asked what is, or what cannot be): handed out now.
+        self.input(|m, now| m.submit_port_groups(now, id, unit, &change.requests));
     }
 }
 
@@ -1339,6 +1381,10 @@ impl super::Cluster for Keeper {
 
     fn submit(&self, target: Weak<dyn SharedTarget>, change: ReservationChange) {
         self.queue_change(target, change);
+    }
+
+    fn submit_port_groups(&self, target: Weak<dyn SharedTarget>, change: PortGroupsChange) {
+        self.queue_port_groups(target, change);
     }
 }
 

@@ -11,7 +11,7 @@ use std::sync::{Arc, Weak};
 
 use scsi_core::pr::{PrError, ReservationEffects, Reservations};
 use scsi_core::spc::tpg::PortGroup;
-use scsi_core::{ReservationChange, TaskId};
+use scsi_core::{PortGroupsChange, ReservationChange, Sense, TaskId};
 
 use crate::config;
 use crate::store::UnitStore;
@@ -95,6 +95,12 @@ pub trait Cluster: Send + Sync + std::fmt::Debug {
     /// `target` through [`SharedTarget::reservation_done`] (or
     /// [`SharedTarget::task_management_change_done`]).
     fn submit(&self, target: Weak<dyn SharedTarget>, change: ReservationChange);
+
+    /// SET TARGET PORT GROUPS on a shared unit of `target`, for the cluster to decide (the
+    /// group asked active/optimized becomes the unit's preferred gateway on every gateway
+    /// while it runs); its end reaches `target` through
+    /// [`SharedTarget::port_groups_change_done`].
+    fn submit_port_groups(&self, target: Weak<dyn SharedTarget>, change: PortGroupsChange);
 }
 
 /// Joins the cluster `config` names (`[cluster]`), if any. The one place a kind of cluster
@@ -148,6 +154,8 @@ pub trait SharedTarget: Send + Sync {
     fn reservation_done(&self, task: TaskId, result: Result<(), PrError>);
     /// The change task management function `reference` waits for is carried out.
     fn task_management_change_done(&self, reference: u64);
+    /// SET TARGET PORT GROUPS task `task` is decided.
+    fn port_groups_change_done(&self, task: TaskId, result: Result<(), Sense>);
     /// How many aborted tasks of unit `lun` still run.
     fn aborted_tasks_in_flight(&self, lun: u16) -> usize;
     /// Opens unit `lun` again on the process's current connection to the cluster, its
