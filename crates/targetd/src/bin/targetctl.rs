@@ -715,12 +715,7 @@ fn print_human(request: &AdminRequest, v: &Value) {
                 }
             );
             let rows = c["members"].as_array().into_iter().flatten().map(|m| {
-                let portals: Vec<String> = m["portals"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(text)
-                    .collect();
+                let portals = texts(&m["portals"]);
                 vec![
                     text(&m["gateway"]),
                     m["port_group"].to_string(),
@@ -778,12 +773,7 @@ fn print_human(request: &AdminRequest, v: &Value) {
             );
             // Whole targets compared with the cluster's record: the keys that differ.
             let rows = c["targets"].as_array().into_iter().flatten().map(|t| {
-                let differences: Vec<String> = t["differences"]
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(text)
-                    .collect();
+                let differences = texts(&t["differences"]);
                 vec![
                     text(&t["target"]),
                     text(&t["definition"]),
@@ -1004,6 +994,11 @@ fn print_human(request: &AdminRequest, v: &Value) {
 /// A JSON string's text (other values as JSON).
 fn text(v: &Value) -> String {
     v.as_str().map_or_else(|| v.to_string(), str::to_string)
+}
+
+/// Each item of an array as [`text`]; none for anything else.
+fn texts(v: &Value) -> Vec<String> {
+    v.as_array().into_iter().flatten().map(text).collect()
 }
 
 /// Rows under a header line, each column as wide as its widest cell, two spaces apart (the

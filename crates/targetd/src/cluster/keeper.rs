@@ -923,7 +923,8 @@ impl Keeper {
                                 target = %name,
                                 replaced = %from,
                                 differences = %join(replaced),
-                                "this gateway's definition of the target is now the cluster's;                                  gateways that still export it otherwise warn until given the same"
+                                "this gateway's definition of the target is now the cluster's; gateways that \
+                                 still export it otherwise warn until given the same"
                             ),
                             _ => {
                                 tracing::info!(target = %name, "this gateway's definition of the target is the cluster's")
@@ -948,7 +949,9 @@ impl Keeper {
                         target = %name,
                         recorded_by = %written_by,
                         differences = %join(differences),
-                        "this gateway exports the target otherwise than the cluster's other                          gateways: initiators may be refused, or asked other credentials,                          through one path and not another"
+                        "this gateway exports the target otherwise than the cluster's other gateways: \
+                         initiators may be refused, or asked other credentials, through one path \
+                         and not another"
                     ),
                     _ => {
                         tracing::info!(target = %name, "this gateway exports the target as the cluster's other gateways do again")
