@@ -1,0 +1,26 @@
+//! NVMe over Fabrics, sans-IO: the pieces a target (and a host) of NVMe/TCP is built from,
+//! taking bytes and handing back bytes, owning no socket, thread or clock.
+//!
+//! - [`sqe`] and [`cqe`]: the 64-byte submission queue entry and the 16-byte completion queue
+//!   entry every NVMe transport carries, with the opcodes of the admin, fabrics and NVM
+//!   command sets ([`opcode`]) and the status a command completes with ([`status`]).
+//! - [`tcp`]: the NVMe/TCP transport (NVM Express TCP Transport Specification 1.0): the PDUs
+//!   ([`tcp::pdu`]), CRC32C header and data digests, and a streaming deframer
+//!   ([`tcp::Deframer`]) that checks each header against the negotiated limits before it
+//!   buffers any data, and names a fatal error with the Fatal Error Status the specification
+//!   gives (the C2HTermReq a controller sends).
+//!
+//! The names are the specification's: SQE, CQE, CID, NSID, SGL, ICReq, CapsuleCmd, H2CData,
+//! R2T, HPDA/CPDA, MAXH2CDATA, FES.
+#![forbid(unsafe_code)]
+#![doc = include_str!("../README.md")]
+
+pub mod cqe;
+pub mod opcode;
+pub mod sqe;
+pub mod status;
+pub mod tcp;
+
+pub use cqe::Cqe;
+pub use sqe::{Sgl, Sqe};
+pub use status::Status;
