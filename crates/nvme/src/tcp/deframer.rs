@@ -97,7 +97,10 @@ impl std::fmt::Display for DeframeError {
 impl std::error::Error for DeframeError {}
 
 impl DeframeError {
-    fn new(fes: FatalError, fei: u32, received: &[u8]) -> DeframeError {
+    /// An error with `fes` and `fei` in the PDU whose header (or what of it was received)
+    /// is `received`: also for what only the connection can judge (the PDU sequence, a
+    /// data PDU nobody asked for).
+    pub fn from_parts(fes: FatalError, fei: u32, received: &[u8]) -> DeframeError {
         DeframeError {
             fes,
             fei,
@@ -199,7 +202,7 @@ impl Deframer {
         if f.header_digest {
             let sent = &self.buf[f.hlen..f.hlen + DIGEST_LEN];
             if crc_fast::crc32_iscsi(header).to_le_bytes() != sent {
-                let e = DeframeError::new(FatalError::HeaderDigest, 0, header);
+                let e = DeframeError::from_parts(FatalError::HeaderDigest, 0, header);
                 return Err(self.failed.insert(e).clone());
             }
         }
@@ -222,7 +225,13 @@ impl Deframer {
     /// Checks the common header at the start of `b` (and DATAL of a data PDU, once in):
     /// where the PDU's parts are, or the fatal error.
     fn check(&self, b: &[u8]) -> Result<Frame, DeframeError> {
-        let fail = |fes, fei| Err(DeframeError::new(fes, fei, &b[..b.len().min(MAX_HLEN)]));
+        let fail = |fes, fei| {
+            Err(DeframeError::from_parts(
+                fes,
+                fei,
+                &b[..b.len().min(MAX_HLEN)],
+            ))
+        };
         let invalid = |fei| fail(FatalError::InvalidHeaderField, fei);
         let Some(t) = PduType::from_code(b[0]) else {
             return invalid(0);

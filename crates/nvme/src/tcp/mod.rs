@@ -10,9 +10,11 @@
 
 pub mod deframer;
 pub mod pdu;
+pub mod queue;
 
 pub use deframer::{DeframeError, Deframer, Limits, Pdu, Side};
 pub use pdu::{
     data_digest, encode, DataHeader, Digests, EncodedHeader, FatalError, Framing, Header, IcReq,
     IcResp, PduType, R2t, TermReq,
 };
+pub use queue::{ControllerQueue, Negotiated, QueueError, QueueEvent, QueueSettings, Transmit};
