@@ -4,6 +4,9 @@
 //! - [`sqe`] and [`cqe`]: the 64-byte submission queue entry and the 16-byte completion queue
 //!   entry every NVMe transport carries, with the opcodes of the admin, fabrics and NVM
 //!   command sets ([`opcode`]) and the status a command completes with ([`status`]).
+//! - [`fabrics`]: Connect and its data, and the properties (CAP, VS, CC, CSTS) with what
+//!   enabling, resetting and shutting down a controller do; [`identify`]: the Identify
+//!   data structures of a controller and a namespace, and the namespace lists.
 //! - [`tcp`]: the NVMe/TCP transport (NVM Express TCP Transport Specification 1.0): the PDUs
 //!   ([`tcp::pdu`]), CRC32C header and data digests, and a streaming deframer
 //!   ([`tcp::Deframer`]) that checks each header against the negotiated limits before it
@@ -16,6 +19,8 @@
 #![doc = include_str!("../README.md")]
 
 pub mod cqe;
+pub mod fabrics;
+pub mod identify;
 pub mod opcode;
 pub mod sqe;
 pub mod status;
