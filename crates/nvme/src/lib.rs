@@ -7,6 +7,9 @@
 //! - [`fabrics`]: Connect and its data, and the properties (CAP, VS, CC, CSTS) with what
 //!   enabling, resetting and shutting down a controller do; [`identify`]: the Identify
 //!   data structures of a controller and a namespace, and the namespace lists.
+//! - [`nvm`]: the NVM command set's I/O commands decoded into the block operations every
+//!   backend of this project runs (scsi-core's `Op`), with what a controller must refuse
+//!   before any data moves.
 //! - [`tcp`]: the NVMe/TCP transport (NVM Express TCP Transport Specification 1.0): the PDUs
 //!   ([`tcp::pdu`]), CRC32C header and data digests, and a streaming deframer
 //!   ([`tcp::Deframer`]) that checks each header against the negotiated limits before it
@@ -21,6 +24,7 @@
 pub mod cqe;
 pub mod fabrics;
 pub mod identify;
+pub mod nvm;
 pub mod opcode;
 pub mod sqe;
 pub mod status;
