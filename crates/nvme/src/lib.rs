@@ -10,6 +10,9 @@
 //! - [`nvm`]: the NVM command set's I/O commands decoded into the block operations every
 //!   backend of this project runs (scsi-core's `Op`), with what a controller must refuse
 //!   before any data moves.
+//! - [`controller`]: an NVM subsystem and its controllers as a machine: Connect across
+//!   queues, the admin commands ([`log_page`] builds the log pages), keep alive on `now`,
+//!   and the I/O commands handed to the shell as block operations.
 //! - [`tcp`]: the NVMe/TCP transport (NVM Express TCP Transport Specification 1.0): the PDUs
 //!   ([`tcp::pdu`]), CRC32C header and data digests, and a streaming deframer
 //!   ([`tcp::Deframer`]) that checks each header against the negotiated limits before it
@@ -21,9 +24,11 @@
 #![forbid(unsafe_code)]
 #![doc = include_str!("../README.md")]
 
+pub mod controller;
 pub mod cqe;
 pub mod fabrics;
 pub mod identify;
+pub mod log_page;
 pub mod nvm;
 pub mod opcode;
 pub mod sqe;

@@ -1,0 +1,1065 @@
+//! An NVM subsystem and its controllers, as a machine independent of the transport: Connect
+//! on an admin queue makes a controller (the dynamic controller model), Connect on an I/O
+//! queue joins it; each command on a connected queue is answered with a completion, data
+//! and a completion, an I/O command for the shell to carry out on a namespace's storage
+//! (decoded by [`crate::nvm`]), or nothing yet (an Asynchronous Event Request, held). Keep
+//! alive is enforced on `now`: a controller whose host has not sent Keep Alive within its
+//! KATO fails, and the shell closes its connections.
+//!
+//! What is here: Connect (subsystem and host NQN checks, queue IDs and sizes, KATO), Property
+//! Get and Set (enable, reset, shutdown), Identify (CNS 00h, 01h, 02h, 03h), Get Log Page
+//! (error, SMART, firmware slot, changed namespaces, commands supported and effects, ANA),
+//! Set and Get Features (number of queues, asynchronous event configuration, keep alive timer,
+//! volatile write cache, host identifier), Keep Alive, Asynchronous Event Request (held),
+//! Abort (answers that it did not abort), Disconnect; and the NVM commands [`crate::nvm`]
+//! decodes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use crate::cqe::Cqe;
+use crate::fabrics::{
+    CcChange, Connect, ConnectData, InvalidParameter, Properties, PropertyAccess,
+    CATTR_SQ_FLOW_CONTROL_DISABLE, CNTLID_DYNAMIC,
+};
+use crate::identify::{self, cns, ControllerIdentity, NamespaceIdentity};
+use crate::log_page::{self, lid, AnaGroup, LogRequest};
+use crate::nvm::{self, IoCommand, NamespaceGeometry};
+use crate::opcode::{AdminOpcode, FabricsType, NvmOpcode};
+use crate::sqe::Sqe;
+use crate::status::Status;
+
+/// NVMe 1.4: the version the controller reports (ANA, reservations over fabrics).
+pub const VERSION: u32 = 0x0001_0400;
+
+/// What a subsystem is, as its administrator configures it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubsystemConfig {
+    /// SUBNQN.
+    pub nqn: String,
+    /// The serial number (SN), up to 20 characters.
+    pub serial: String,
+    /// The model (MN), up to 40 characters.
+    pub model: String,
+    /// The firmware revision (FR), up to 8 characters.
+    pub firmware: String,
+    /// Host NQNs allowed; empty: any host.
+    pub hosts: Vec<String>,
+    /// I/O queues a controller may have.
+    pub max_io_queues: u16,
+    /// Entries a queue may have (MQES + 1).
+    pub max_queue_entries: u16,
+    /// In-capsule data an I/O command may carry (IOCCSZ less the SQE).
+    pub max_in_capsule_data: u32,
+    /// MDTS: the largest transfer, 2^MDTS 4 KiB pages.
+    pub mdts: u8,
+}
+
+/// A namespace of the subsystem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Namespace {
+    /// NSID.
+    pub nsid: u32,
+    /// Block size, size, write protection.
+    pub geometry: NamespaceGeometry,
+    /// NGUID, stable across restarts.
+    pub nguid: [u8; 16],
+    /// UUID, stable across restarts.
+    pub uuid: [u8; 16],
+    /// Thin provisioned: deallocated blocks read as zeros.
+    pub thin: bool,
+    /// A volatile write cache (Flush makes writes durable).
+    pub write_cache: bool,
+}
+
+/// A connected queue: the controller it belongs to, its ID and size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Queue {
+    /// CNTLID.
+    pub cntlid: u16,
+    /// QID: 0 the admin queue.
+    pub qid: u16,
+    /// Entries (SQSIZE + 1).
+    pub size: u32,
+    /// The host disabled SQ flow control: a read may end with C2HData's SUCCESS flag.
+    pub sq_flow_control_disabled: bool,
+}
+
+/// How a command is answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    /// With this completion.
+    Complete(Cqe),
+    /// With `data` to the host, then the completion.
+    Data {
+        /// The data.
+        data: Bytes,
+        /// The completion.
+        cqe: Cqe,
+    },
+    /// With an I/O command on namespace `nsid`, for the shell's storage; the completion
+    /// follows its end.
+    Io {
+        /// The namespace.
+        nsid: u32,
+        /// What to do.
+        command: IoCommand,
+    },
+    /// Not yet: an Asynchronous Event Request, answered when an event happens.
+    Held,
+}
+
+/// The features a host sets (Set Features) and reads back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Features {
+    /// Asynchronous Event Configuration.
+    aec: u32,
+    /// Volatile Write Cache enabled.
+    vwc: bool,
+    /// I/O queues granted (Number of Queues), once asked.
+    io_queues: Option<u16>,
+}
+
+/// One controller of the subsystem.
+#[derive(Debug)]
+struct Controller {
+    hostnqn: String,
+    hostid: [u8; 16],
+    properties: Properties,
+    features: Features,
+    /// The keep alive timeout, and when the host last showed it is alive.
+    kato: Option<Duration>,
+    alive_at: Instant,
+    /// I/O queues connected.
+    io_queues: BTreeSet<u16>,
+    /// Asynchronous Event Requests held: their CIDs.
+    aers: Vec<u16>,
+    /// Keep alive expired: it takes no more commands.
+    failed: bool,
+}
+
+/// Asynchronous Event Requests a controller holds at most (AERL + 1).
+pub const MAX_AERS: usize = 4;
+/// Keep alive granularity: 100 ms (KAS 1).
+pub const KEEP_ALIVE_GRANULARITY: Duration = Duration::from_millis(100);
+
+/// An NVM subsystem and its controllers.
+#[derive(Debug)]
+pub struct Subsystem {
+    config: SubsystemConfig,
+    namespaces: BTreeMap<u32, Namespace>,
+    controllers: BTreeMap<u16, Controller>,
+    next_cntlid: u16,
+}
+
+impl Subsystem {
+    /// A subsystem with no namespace and no controller.
+    pub fn new(config: SubsystemConfig) -> Subsystem {
+        Subsystem {
+            config,
+            namespaces: BTreeMap::new(),
+            controllers: BTreeMap::new(),
+            next_cntlid: 1,
+        }
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &SubsystemConfig {
+        &self.config
+    }
+
+    /// Adds (or replaces) a namespace.
+    pub fn add_namespace(&mut self, ns: Namespace) {
+        self.namespaces.insert(ns.nsid, ns);
+    }
+
+    /// Removes a namespace.
+    pub fn remove_namespace(&mut self, nsid: u32) -> Option<Namespace> {
+        self.namespaces.remove(&nsid)
+    }
+
+    /// Namespace `nsid`.
+    pub fn namespace(&self, nsid: u32) -> Option<&Namespace> {
+        self.namespaces.get(&nsid)
+    }
+
+    /// The controllers, by CNTLID: the host NQN of each.
+    pub fn controllers(&self) -> impl Iterator<Item = (u16, &str)> {
+        self.controllers
+            .iter()
+            .map(|(id, c)| (*id, c.hostnqn.as_str()))
+    }
+
+    /// The most data one transfer may have (MDTS).
+    pub fn max_transfer(&self) -> u32 {
+        4096u32.saturating_mul(1 << self.config.mdts.min(20))
+    }
+
+    /// Connect on a connection that has no queue yet, with Connect's `data`: the queue, and
+    /// the completion to send (DW0 the CNTLID); or the completion that refuses it.
+    pub fn connect(&mut self, now: Instant, sqe: &Sqe, data: &[u8]) -> Result<(Queue, Cqe), Cqe> {
+        let cid = sqe.cid();
+        let refuse = |status: Status, dw0: u32| Cqe {
+            dw0,
+            ..Cqe::new(cid, status)
+        };
+        let invalid = |p: InvalidParameter| {
+            let (s, dw0) = p.completion();
+            refuse(s, dw0)
+        };
+        if sqe.opcode() != AdminOpcode::Fabrics.code()
+            || sqe.fctype() != FabricsType::Connect.code()
+        {
+            return Err(refuse(Status::COMMAND_SEQUENCE_ERROR, 0));
+        }
+        let c = Connect::from_sqe(sqe);
+        if c.recfmt != 0 {
+            return Err(refuse(Status::CONNECT_INCOMPATIBLE_FORMAT, 0));
+        }
+        let d = ConnectData::parse(data).map_err(invalid)?;
+        let in_command = |offset| InvalidParameter {
+            in_data: false,
+            offset,
+        };
+        let in_data = |offset| InvalidParameter {
+            in_data: true,
+            offset,
+        };
+        if d.subnqn != self.config.nqn {
+            return Err(invalid(in_data(256)));
+        }
+        if !self.config.hosts.is_empty() && !self.config.hosts.contains(&d.hostnqn) {
+            return Err(refuse(Status::CONNECT_INVALID_HOST, 0));
+        }
+        let size = u32::from(c.sqsize) + 1;
+        let max = u32::from(self.config.max_queue_entries.max(32));
+        let min = if c.qid == 0 { 32 } else { 2 };
+        if size < min || size > max {
+            return Err(invalid(in_command(44)));
+        }
+        let queue = |cntlid| Queue {
+            cntlid,
+            qid: c.qid,
+            size,
+            sq_flow_control_disabled: c.cattr & CATTR_SQ_FLOW_CONTROL_DISABLE != 0,
+        };
+        if c.qid == 0 {
+            if d.cntlid != CNTLID_DYNAMIC {
+                return Err(invalid(in_data(16)));
+            }
+            let Some(cntlid) = self.free_cntlid() else {
+                return Err(refuse(Status::CONNECT_CONTROLLER_BUSY, 0));
+            };
+            self.controllers.insert(
+                cntlid,
+                Controller {
+                    hostnqn: d.hostnqn,
+                    hostid: d.hostid,
+                    properties: Properties::new(self.config.max_queue_entries, VERSION, 30),
+                    features: Features {
+                        aec: 0,
+                        vwc: true,
+                        io_queues: None,
+                    },
+                    kato: (c.kato > 0).then(|| Duration::from_millis(u64::from(c.kato))),
+                    alive_at: now,
+                    io_queues: BTreeSet::new(),
+                    aers: Vec::new(),
+                    failed: false,
+                },
+            );
+            let q = queue(cntlid);
+            return Ok((
+                q,
+                Cqe {
+                    dw0: u32::from(cntlid),
+                    ..Cqe::new(cid, Status::SUCCESS)
+                },
+            ));
+        }
+        let max_io = self.config.max_io_queues;
+        let Some(ctrl) = self.controllers.get_mut(&d.cntlid) else {
+            return Err(invalid(in_data(16)));
+        };
+        if ctrl.hostnqn != d.hostnqn || ctrl.failed {
+            return Err(invalid(in_data(16)));
+        }
+        if !ctrl.properties.is_ready() {
+            return Err(refuse(Status::COMMAND_SEQUENCE_ERROR, 0));
+        }
+        let granted = ctrl.features.io_queues.unwrap_or(max_io);
+        if c.qid > granted || !ctrl.io_queues.insert(c.qid) {
+            return Err(invalid(in_command(42)));
+        }
+        Ok((
+            queue(d.cntlid),
+            Cqe {
+                dw0: u32::from(d.cntlid),
+                ..Cqe::new(cid, Status::SUCCESS)
+            },
+        ))
+    }
+
+    fn free_cntlid(&mut self) -> Option<u16> {
+        // 1 to FFEFh: the values above are reserved.
+        for _ in 0..0xffef {
+            let id = self.next_cntlid;
+            self.next_cntlid = if id >= 0xffef { 1 } else { id + 1 };
+            if !self.controllers.contains_key(&id) {
+                return Some(id);
+            }
+        }
+        None
+    }
+
+    /// The connection of `queue` ended: an I/O queue leaves its controller; the admin queue
+    /// takes the controller with it.
+    pub fn disconnect(&mut self, queue: &Queue) {
+        if queue.qid == 0 {
+            self.controllers.remove(&queue.cntlid);
+        } else if let Some(c) = self.controllers.get_mut(&queue.cntlid) {
+            c.io_queues.remove(&queue.qid);
+        }
+    }
+
+    /// When [`Subsystem::handle_timeout`] is due: the earliest keep alive deadline.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.controllers
+            .values()
+            .filter(|c| !c.failed)
+            .filter_map(|c| c.kato.map(|k| c.alive_at + k + KEEP_ALIVE_GRANULARITY))
+            .min()
+    }
+
+    /// Time passed: the controllers whose keep alive timer expired fail (CSTS.CFS); their
+    /// CNTLIDs, whose connections the shell closes.
+    pub fn handle_timeout(&mut self, now: Instant) -> Vec<u16> {
+        let mut expired = Vec::new();
+        for (id, c) in self.controllers.iter_mut() {
+            let late = c
+                .kato
+                .is_some_and(|k| now >= c.alive_at + k + KEEP_ALIVE_GRANULARITY);
+            if late && !c.failed {
+                c.failed = true;
+                c.properties.csts |= crate::fabrics::CSTS_CFS;
+                expired.push(*id);
+            }
+        }
+        expired
+    }
+
+    /// A command (not Connect) on `queue`, with its in-capsule `data`.
+    pub fn command(&mut self, now: Instant, queue: &Queue, sqe: &Sqe, data: &[u8]) -> Answer {
+        let cid = sqe.cid();
+        let done = |status| Answer::Complete(Cqe::new(cid, status));
+        let Some(ctrl) = self.controllers.get(&queue.cntlid) else {
+            return done(Status::COMMAND_SEQUENCE_ERROR);
+        };
+        if ctrl.failed {
+            return done(Status::KEEP_ALIVE_EXPIRED);
+        }
+        if sqe.opcode() == AdminOpcode::Fabrics.code() {
+            return self.fabrics(queue, sqe);
+        }
+        if !ctrl.properties.is_ready() {
+            return done(Status::COMMAND_SEQUENCE_ERROR);
+        }
+        if queue.qid != 0 {
+            return self.io(sqe);
+        }
+        match AdminOpcode::from_code(sqe.opcode()) {
+            Some(AdminOpcode::Identify) => self.identify(queue, sqe),
+            Some(AdminOpcode::GetLogPage) => self.get_log_page(sqe),
+            Some(AdminOpcode::SetFeatures) => self.set_features(now, queue, sqe),
+            Some(AdminOpcode::GetFeatures) => self.get_features(queue, sqe),
+            Some(AdminOpcode::KeepAlive) => {
+                if let Some(c) = self.controllers.get_mut(&queue.cntlid) {
+                    c.alive_at = now;
+                }
+                done(Status::SUCCESS)
+            }
+            Some(AdminOpcode::AsyncEventRequest) => {
+                let Some(c) = self.controllers.get_mut(&queue.cntlid) else {
+                    return done(Status::COMMAND_SEQUENCE_ERROR);
+                };
+                if c.aers.len() >= MAX_AERS {
+                    return done(Status::AER_LIMIT_EXCEEDED);
+                }
+                c.aers.push(cid);
+                Answer::Held
+            }
+            // Abort: DW0 bit 0 set says the command was not aborted, which the specification
+            // allows; the host waits for it or resets.
+            Some(AdminOpcode::Abort) => Answer::Complete(Cqe {
+                dw0: 1,
+                ..Cqe::new(cid, Status::SUCCESS)
+            }),
+            _ => {
+                let _ = data;
+                done(Status::INVALID_OPCODE)
+            }
+        }
+    }
+
+    /// Asynchronous Event Requests held by controller `cntlid`, taken out: the shell answers
+    /// them when an event happens, or ends them when the controller goes.
+    pub fn take_async_event_requests(&mut self, cntlid: u16) -> Vec<u16> {
+        self.controllers
+            .get_mut(&cntlid)
+            .map(|c| std::mem::take(&mut c.aers))
+            .unwrap_or_default()
+    }
+
+    fn fabrics(&mut self, queue: &Queue, sqe: &Sqe) -> Answer {
+        let cid = sqe.cid();
+        let done = |status| Answer::Complete(Cqe::new(cid, status));
+        match FabricsType::from_code(sqe.fctype()) {
+            Some(FabricsType::PropertyGet) if queue.qid == 0 => {
+                let Some(c) = self.controllers.get(&queue.cntlid) else {
+                    return done(Status::COMMAND_SEQUENCE_ERROR);
+                };
+                match c.properties.get(&PropertyAccess::from_sqe(sqe)) {
+                    Ok(v) => Answer::Complete(Cqe {
+                        dw0: v as u32,
+                        dw1: (v >> 32) as u32,
+                        ..Cqe::new(cid, Status::SUCCESS)
+                    }),
+                    Err(s) => done(s),
+                }
+            }
+            Some(FabricsType::PropertySet) if queue.qid == 0 => {
+                let Some(c) = self.controllers.get_mut(&queue.cntlid) else {
+                    return done(Status::COMMAND_SEQUENCE_ERROR);
+                };
+                match c.properties.set(&PropertyAccess::from_sqe(sqe)) {
+                    Ok(CcChange::Reset) => {
+                        // A controller reset: its I/O queues are gone (their connections are
+                        // the shell's to close), its held requests with them.
+                        c.io_queues.clear();
+                        c.aers.clear();
+                        c.features.io_queues = None;
+                        done(Status::SUCCESS)
+                    }
+                    Ok(_) => done(Status::SUCCESS),
+                    Err(s) => done(s),
+                }
+            }
+            // Disconnect on an I/O queue: the shell closes it after the completion.
+            Some(FabricsType::Disconnect) if queue.qid != 0 => done(Status::SUCCESS),
+            Some(FabricsType::Connect) => done(Status::COMMAND_SEQUENCE_ERROR),
+            _ => done(Status::INVALID_OPCODE),
+        }
+    }
+
+    fn io(&self, sqe: &Sqe) -> Answer {
+        let nsid = sqe.nsid();
+        // Flush to every namespace (NSID FFFFFFFFh), as VWC says it may.
+        if sqe.opcode() == NvmOpcode::Flush.code() && nsid == u32::MAX {
+            let first = self.namespaces.keys().next().copied();
+            return match first {
+                Some(nsid) => Answer::Io {
+                    nsid,
+                    command: IoCommand::Op {
+                        op: scsi_core::Op::Flush { lba: 0, blocks: 0 },
+                        transfer: nvm::Transfer::None,
+                    },
+                },
+                None => Answer::Complete(Cqe::new(sqe.cid(), Status::SUCCESS)),
+            };
+        }
+        let geometry = self.namespaces.get(&nsid).map(|n| n.geometry);
+        match nvm::decode(sqe, geometry.as_ref(), self.max_transfer()) {
+            Ok(IoCommand::Nothing) => Answer::Complete(Cqe::new(sqe.cid(), Status::SUCCESS)),
+            Ok(command) => Answer::Io { nsid, command },
+            Err(s) => Answer::Complete(Cqe::new(sqe.cid(), s)),
+        }
+    }
+
+    /// Sends `data` as the command's answer, when its SGL asks for exactly what the host
+    /// reads (the data cut or padded to the SGL's length, as drives do).
+    fn reply(sqe: &Sqe, data: &[u8]) -> Answer {
+        let cid = sqe.cid();
+        let len = match sqe.sgl().kind() {
+            crate::sqe::SglKind::Transport { length } => length as usize,
+            _ => return Answer::Complete(Cqe::new(cid, Status::SGL_DESCRIPTOR_TYPE_INVALID)),
+        };
+        let mut out = vec![0u8; len];
+        let n = data.len().min(len);
+        out[..n].copy_from_slice(&data[..n]);
+        Answer::Data {
+            data: Bytes::from(out),
+            cqe: Cqe::new(cid, Status::SUCCESS),
+        }
+    }
+
+    fn identity(&self, cntlid: u16) -> ControllerIdentity {
+        ControllerIdentity {
+            serial: self.config.serial.clone(),
+            model: self.config.model.clone(),
+            firmware: self.config.firmware.clone(),
+            cntlid,
+            version: VERSION,
+            controller_type: 1,
+            mdts: self.config.mdts,
+            multipath: true,
+            namespaces: self
+                .namespaces
+                .keys()
+                .next_back()
+                .copied()
+                .unwrap_or(0)
+                .max(1024),
+            max_commands: self.config.max_queue_entries,
+            aerl: (MAX_AERS - 1) as u8,
+            elpe: 0,
+            kas: 1,
+            volatile_write_cache: self.namespaces.values().any(|n| n.write_cache),
+            oncs: identify::ONCS_COMPARE
+                | identify::ONCS_DATASET_MANAGEMENT
+                | identify::ONCS_WRITE_ZEROES
+                | identify::ONCS_VERIFY,
+            compare_and_write: false,
+            acwu: 0,
+            oaes: identify::OAES_NAMESPACE_ATTRIBUTE | identify::OAES_ANA_CHANGE,
+            anatt: 10,
+            // ANACAP: optimized, non-optimized and inaccessible reported; ANAGRPID does not
+            // change while a namespace is attached.
+            anacap: 0x0b | 1 << 7,
+            anagrpmax: 1,
+            nanagrpid: 1,
+            subnqn: self.config.nqn.clone(),
+            ioccsz: (64 + self.config.max_in_capsule_data) / 16,
+            iorcsz: 1,
+            msdbd: 1,
+        }
+    }
+
+    fn identify(&self, queue: &Queue, sqe: &Sqe) -> Answer {
+        let cid = sqe.cid();
+        let nsid = sqe.nsid();
+        let ns = self.namespaces.get(&nsid);
+        let data = match sqe.cdw(10) as u8 {
+            cns::CONTROLLER => identify::controller(&self.identity(queue.cntlid)),
+            cns::NAMESPACE => match ns {
+                Some(n) => identify::namespace(&NamespaceIdentity {
+                    blocks: n.geometry.blocks,
+                    used: n.geometry.blocks,
+                    block_size: n.geometry.block_size,
+                    thin: n.thin,
+                    shared: true,
+                    rescap: 0,
+                    anagrpid: 1,
+                    write_protected: n.geometry.read_only,
+                    nguid: n.nguid,
+                    nacwu: 0,
+                }),
+                // An NSID that is valid but not active: zeros; FFFFFFFFh or 0: invalid.
+                None if nsid != 0 && nsid != u32::MAX => Box::new([0; identify::IDENTIFY_LEN]),
+                None => return Answer::Complete(Cqe::new(cid, Status::INVALID_NAMESPACE)),
+            },
+            cns::ACTIVE_NAMESPACES => {
+                if nsid >= 0xffff_fffe {
+                    return Answer::Complete(Cqe::new(cid, Status::INVALID_NAMESPACE));
+                }
+                identify::active_namespaces(self.namespaces.keys().copied(), nsid)
+            }
+            cns::NAMESPACE_DESCRIPTORS => match ns {
+                Some(n) => identify::namespace_descriptors(&n.nguid, &n.uuid),
+                None => return Answer::Complete(Cqe::new(cid, Status::INVALID_NAMESPACE)),
+            },
+            _ => return Answer::Complete(Cqe::new(cid, Status::INVALID_FIELD)),
+        };
+        Subsystem::reply(sqe, &data[..])
+    }
+
+    fn get_log_page(&self, sqe: &Sqe) -> Answer {
+        let cid = sqe.cid();
+        let r = LogRequest::from_sqe(sqe);
+        let page: Vec<u8> = match r.lid {
+            lid::ERROR => vec![0; 64],
+            lid::SMART => log_page::smart(0, 0, 0, 0).to_vec(),
+            lid::FIRMWARE_SLOT => log_page::firmware_slot(&self.config.firmware).to_vec(),
+            lid::CHANGED_NAMESPACES => log_page::changed_namespaces(&[]).to_vec(),
+            lid::COMMANDS_EFFECTS => {
+                let admin = [
+                    AdminOpcode::GetLogPage,
+                    AdminOpcode::Identify,
+                    AdminOpcode::Abort,
+                    AdminOpcode::SetFeatures,
+                    AdminOpcode::GetFeatures,
+                    AdminOpcode::AsyncEventRequest,
+                    AdminOpcode::KeepAlive,
+                ]
+                .map(AdminOpcode::code);
+                let io = [
+                    (NvmOpcode::Flush, false),
+                    (NvmOpcode::Write, true),
+                    (NvmOpcode::Read, false),
+                    (NvmOpcode::Compare, false),
+                    (NvmOpcode::WriteZeroes, true),
+                    (NvmOpcode::DatasetManagement, true),
+                    (NvmOpcode::Verify, false),
+                ]
+                .map(|(o, c)| (o.code(), c));
+                log_page::commands_effects(&admin, &io).to_vec()
+            }
+            lid::ANA => {
+                let group = AnaGroup {
+                    id: 1,
+                    state: 0x01,
+                    change_count: 0,
+                    nsids: self.namespaces.keys().copied().collect(),
+                };
+                log_page::ana(0, &[group], r.lsp & 1 != 0)
+            }
+            _ => return Answer::Complete(Cqe::new(cid, Status::INVALID_LOG_PAGE)),
+        };
+        match r.cut(&page) {
+            Some(data) => Subsystem::reply(sqe, &data),
+            None => Answer::Complete(Cqe::new(cid, Status::INVALID_FIELD)),
+        }
+    }
+
+    fn set_features(&mut self, now: Instant, queue: &Queue, sqe: &Sqe) -> Answer {
+        let cid = sqe.cid();
+        let done = |status, dw0| {
+            Answer::Complete(Cqe {
+                dw0,
+                ..Cqe::new(cid, status)
+            })
+        };
+        if sqe.cdw(10) & 1 << 31 != 0 {
+            return done(Status::FEATURE_NOT_SAVEABLE, 0);
+        }
+        let max_io = self.config.max_io_queues;
+        let Some(c) = self.controllers.get_mut(&queue.cntlid) else {
+            return done(Status::COMMAND_SEQUENCE_ERROR, 0);
+        };
+        let value = sqe.cdw(11);
+        match sqe.cdw(10) as u8 {
+            feature::NUMBER_OF_QUEUES => {
+                let (sq, cq) = (value & 0xffff, value >> 16);
+                if sq == 0xffff || cq == 0xffff {
+                    return done(Status::INVALID_FIELD, 0);
+                }
+                if c.features.io_queues.is_some() {
+                    // Only once after a reset.
+                    return done(Status::COMMAND_SEQUENCE_ERROR, 0);
+                }
+                let granted = ((sq.min(cq) + 1) as u16).min(max_io);
+                c.features.io_queues = Some(granted);
+                let g = u32::from(granted - 1);
+                done(Status::SUCCESS, g | g << 16)
+            }
+            feature::ASYNC_EVENT_CONFIGURATION => {
+                c.features.aec = value;
+                done(Status::SUCCESS, 0)
+            }
+            feature::KEEP_ALIVE_TIMER => {
+                c.kato = (value > 0).then(|| Duration::from_millis(u64::from(value)));
+                c.alive_at = now;
+                done(Status::SUCCESS, 0)
+            }
+            feature::VOLATILE_WRITE_CACHE => {
+                c.features.vwc = value & 1 != 0;
+                done(Status::SUCCESS, 0)
+            }
+            // The host identifier comes with Connect on a fabric.
+            feature::HOST_IDENTIFIER => done(Status::COMMAND_SEQUENCE_ERROR, 0),
+            _ => done(Status::INVALID_FIELD, 0),
+        }
+    }
+
+    fn get_features(&self, queue: &Queue, sqe: &Sqe) -> Answer {
+        let cid = sqe.cid();
+        let done = |status, dw0| {
+            Answer::Complete(Cqe {
+                dw0,
+                ..Cqe::new(cid, status)
+            })
+        };
+        let Some(c) = self.controllers.get(&queue.cntlid) else {
+            return done(Status::COMMAND_SEQUENCE_ERROR, 0);
+        };
+        // SEL: current (000b), default (001b), saved (010b): the same here; supported
+        // capabilities (011b): changeable, not saveable.
+        let sel = (sqe.cdw(10) >> 8) & 7;
+        let fid = sqe.cdw(10) as u8;
+        let known = matches!(
+            fid,
+            feature::NUMBER_OF_QUEUES
+                | feature::ASYNC_EVENT_CONFIGURATION
+                | feature::KEEP_ALIVE_TIMER
+                | feature::VOLATILE_WRITE_CACHE
+                | feature::HOST_IDENTIFIER
+        );
+        if !known || sel > 3 {
+            return done(Status::INVALID_FIELD, 0);
+        }
+        if sel == 3 {
+            return done(Status::SUCCESS, 1 << 2);
+        }
+        match fid {
+            feature::NUMBER_OF_QUEUES => {
+                let g = u32::from(
+                    c.features
+                        .io_queues
+                        .unwrap_or(self.config.max_io_queues)
+                        .max(1)
+                        - 1,
+                );
+                done(Status::SUCCESS, g | g << 16)
+            }
+            feature::ASYNC_EVENT_CONFIGURATION => done(Status::SUCCESS, c.features.aec),
+            feature::KEEP_ALIVE_TIMER => done(
+                Status::SUCCESS,
+                c.kato
+                    .map_or(0, |k| k.as_millis().min(u128::from(u32::MAX)) as u32),
+            ),
+            feature::VOLATILE_WRITE_CACHE => done(Status::SUCCESS, u32::from(c.features.vwc)),
+            // 128-bit host identifier (EXHID) only.
+            _ => {
+                if sqe.cdw(11) & 1 == 0 {
+                    return done(Status::INVALID_FIELD, 0);
+                }
+                Subsystem::reply(sqe, &c.hostid)
+            }
+        }
+    }
+}
+
+/// Feature identifiers.
+pub mod feature {
+    /// Volatile Write Cache.
+    pub const VOLATILE_WRITE_CACHE: u8 = 0x06;
+    /// Number of Queues.
+    pub const NUMBER_OF_QUEUES: u8 = 0x07;
+    /// Asynchronous Event Configuration.
+    pub const ASYNC_EVENT_CONFIGURATION: u8 = 0x0b;
+    /// Keep Alive Timer.
+    pub const KEEP_ALIVE_TIMER: u8 = 0x0f;
+    /// Host Identifier.
+    pub const HOST_IDENTIFIER: u8 = 0x81;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fabrics::{property, ConnectData, CC_EN};
+    use crate::sqe::Sgl;
+
+    const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:0d3f-host";
+    const NQN: &str = "nqn.2026-11.io.example:sub";
+
+    fn subsystem(hosts: Vec<String>) -> Subsystem {
+        let mut s = Subsystem::new(SubsystemConfig {
+            nqn: NQN.into(),
+            serial: "0123456789".into(),
+            model: "targetd".into(),
+            firmware: "0.1.0".into(),
+            hosts,
+            max_io_queues: 4,
+            max_queue_entries: 128,
+            max_in_capsule_data: 8192,
+            mdts: 5,
+        });
+        s.add_namespace(Namespace {
+            nsid: 1,
+            geometry: NamespaceGeometry {
+                block_size: 512,
+                blocks: 2048,
+                read_only: false,
+            },
+            nguid: [1; 16],
+            uuid: [2; 16],
+            thin: true,
+            write_cache: true,
+        });
+        s
+    }
+
+    fn connect_sqe(qid: u16, sqsize: u16, kato: u32) -> Sqe {
+        let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 1);
+        sqe.set_fctype(FabricsType::Connect.code());
+        Connect {
+            recfmt: 0,
+            qid,
+            sqsize,
+            cattr: 0,
+            kato,
+        }
+        .to_sqe(&mut sqe);
+        sqe
+    }
+
+    fn connect_data(cntlid: u16, host: &str, sub: &str) -> Vec<u8> {
+        ConnectData {
+            hostid: [7; 16],
+            cntlid,
+            subnqn: sub.into(),
+            hostnqn: host.into(),
+        }
+        .to_bytes()
+        .to_vec()
+    }
+
+    fn cmd(opcode: u8, cid: u16) -> Sqe {
+        let mut s = Sqe::new(opcode, cid);
+        s.set_sgl(Sgl::transport(4096));
+        s
+    }
+
+    fn complete(a: Answer) -> Cqe {
+        match a {
+            Answer::Complete(c) => c,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// What Linux's host does after connecting the admin queue: read CAP, enable the
+    /// controller, identify it and its namespaces, ask for I/O queues, connect one.
+    fn enabled(s: &mut Subsystem, now: Instant) -> Queue {
+        let (admin, cqe) = s
+            .connect(
+                now,
+                &connect_sqe(0, 31, 5000),
+                &connect_data(CNTLID_DYNAMIC, HOST, NQN),
+            )
+            .expect("the admin queue");
+        assert_eq!(cqe.dw0, u32::from(admin.cntlid));
+        let mut set = Sqe::new(0x7f, 2);
+        set.set_fctype(FabricsType::PropertySet.code());
+        PropertyAccess {
+            eight_bytes: false,
+            offset: property::CC,
+            value: u64::from(CC_EN | 6 << 16 | 4 << 20),
+        }
+        .to_sqe(&mut set);
+        assert!(complete(s.command(now, &admin, &set, &[]))
+            .status
+            .is_success());
+        admin
+    }
+
+    #[test]
+    fn connect_enable_identify_and_an_io_queue() {
+        let now = Instant::now();
+        let mut s = subsystem(vec![]);
+        // Before enabling, only fabrics commands.
+        let (admin, _) = s
+            .connect(
+                now,
+                &connect_sqe(0, 31, 0),
+                &connect_data(CNTLID_DYNAMIC, HOST, NQN),
+            )
+            .unwrap();
+        let mut idc = cmd(AdminOpcode::Identify.code(), 3);
+        idc.set_cdw(10, u32::from(cns::CONTROLLER));
+        assert_eq!(
+            complete(s.command(now, &admin, &idc, &[])).status,
+            Status::COMMAND_SEQUENCE_ERROR
+        );
+        let admin = enabled(&mut s, now);
+        let Answer::Data { data, cqe } = s.command(now, &admin, &idc, &[]) else {
+            panic!("identify");
+        };
+        assert!(cqe.status.is_success());
+        assert_eq!(u16::from_le_bytes([data[78], data[79]]), admin.cntlid);
+        assert_eq!(&data[768..768 + NQN.len()], NQN.as_bytes());
+        let mut idn = cmd(AdminOpcode::Identify.code(), 4);
+        idn.set_cdw(10, u32::from(cns::NAMESPACE));
+        idn.set_nsid(1);
+        let Answer::Data { data, .. } = s.command(now, &admin, &idn, &[]) else {
+            panic!("identify namespace");
+        };
+        assert_eq!(u64::from_le_bytes(data[..8].try_into().unwrap()), 2048);
+        idn.set_nsid(0);
+        assert_eq!(
+            complete(s.command(now, &admin, &idn, &[])).status,
+            Status::INVALID_NAMESPACE
+        );
+        // Two I/O queues asked, two granted; queue 3 is refused, queue 1 connects.
+        let mut nq = cmd(AdminOpcode::SetFeatures.code(), 5);
+        nq.set_cdw(10, u32::from(feature::NUMBER_OF_QUEUES));
+        nq.set_cdw(11, 1 | 1 << 16);
+        assert_eq!(complete(s.command(now, &admin, &nq, &[])).dw0, 1 | 1 << 16);
+        let e = s
+            .connect(
+                now,
+                &connect_sqe(3, 127, 0),
+                &connect_data(admin.cntlid, HOST, NQN),
+            )
+            .unwrap_err();
+        assert_eq!((e.status, e.dw0), (Status::CONNECT_INVALID_PARAMETERS, 42));
+        let (io, _) = s
+            .connect(
+                now,
+                &connect_sqe(1, 127, 0),
+                &connect_data(admin.cntlid, HOST, NQN),
+            )
+            .unwrap();
+        assert_eq!((io.qid, io.size), (1, 128));
+        // The same queue twice; another host's claim on the controller.
+        assert!(s
+            .connect(
+                now,
+                &connect_sqe(1, 127, 0),
+                &connect_data(admin.cntlid, HOST, NQN)
+            )
+            .is_err());
+        assert!(s
+            .connect(
+                now,
+                &connect_sqe(2, 127, 0),
+                &connect_data(admin.cntlid, "nqn.2026-11.other:h", NQN)
+            )
+            .is_err());
+        // A read through it becomes an I/O command.
+        let mut read = Sqe::new(NvmOpcode::Read.code(), 9);
+        read.set_nsid(1);
+        read.set_cdw(12, 7);
+        read.set_sgl(Sgl::transport(4096));
+        assert!(matches!(
+            s.command(now, &io, &read, &[]),
+            Answer::Io {
+                nsid: 1,
+                command: IoCommand::Op { .. }
+            }
+        ));
+        // The admin queue goes: the controller with it.
+        s.disconnect(&admin);
+        assert_eq!(
+            complete(s.command(now, &io, &read, &[])).status,
+            Status::COMMAND_SEQUENCE_ERROR
+        );
+    }
+
+    #[test]
+    fn connect_refusals() {
+        let now = Instant::now();
+        let mut s = subsystem(vec![HOST.into()]);
+        let e = s
+            .connect(
+                now,
+                &connect_sqe(0, 31, 0),
+                &connect_data(CNTLID_DYNAMIC, "nqn.2026-11.x:y", NQN),
+            )
+            .unwrap_err();
+        assert_eq!(e.status, Status::CONNECT_INVALID_HOST);
+        let e = s
+            .connect(
+                now,
+                &connect_sqe(0, 31, 0),
+                &connect_data(CNTLID_DYNAMIC, HOST, "nqn.2026-11.x:other"),
+            )
+            .unwrap_err();
+        assert_eq!(
+            (e.status, e.dw0),
+            (Status::CONNECT_INVALID_PARAMETERS, 0x1_0100)
+        );
+        // An admin queue of 8 entries (at least 32); an I/O queue before the controller is
+        // enabled.
+        assert!(s
+            .connect(
+                now,
+                &connect_sqe(0, 7, 0),
+                &connect_data(CNTLID_DYNAMIC, HOST, NQN)
+            )
+            .is_err());
+        let (admin, _) = s
+            .connect(
+                now,
+                &connect_sqe(0, 31, 0),
+                &connect_data(CNTLID_DYNAMIC, HOST, NQN),
+            )
+            .unwrap();
+        let e = s
+            .connect(
+                now,
+                &connect_sqe(1, 31, 0),
+                &connect_data(admin.cntlid, HOST, NQN),
+            )
+            .unwrap_err();
+        assert_eq!(e.status, Status::COMMAND_SEQUENCE_ERROR);
+    }
+
+    /// KATO enforced on `now`: Keep Alive within it keeps the controller; silence past it
+    /// fails it, and it takes no more commands.
+    #[test]
+    fn keep_alive_is_enforced() {
+        let t0 = Instant::now();
+        let mut s = subsystem(vec![]);
+        let admin = enabled(&mut s, t0);
+        let kato = Duration::from_millis(5000);
+        assert_eq!(s.poll_timeout(), Some(t0 + kato + KEEP_ALIVE_GRANULARITY));
+        let ka = Sqe::new(AdminOpcode::KeepAlive.code(), 8);
+        let t1 = t0 + Duration::from_secs(4);
+        assert!(s.handle_timeout(t1).is_empty());
+        assert!(complete(s.command(t1, &admin, &ka, &[]))
+            .status
+            .is_success());
+        assert!(s.handle_timeout(t0 + Duration::from_secs(6)).is_empty());
+        let late = t1 + kato + KEEP_ALIVE_GRANULARITY;
+        assert_eq!(s.handle_timeout(late), vec![admin.cntlid]);
+        assert_eq!(
+            complete(s.command(late, &admin, &ka, &[])).status,
+            Status::KEEP_ALIVE_EXPIRED
+        );
+        assert_eq!(s.poll_timeout(), None);
+    }
+
+    #[test]
+    fn features_logs_and_events() {
+        let now = Instant::now();
+        let mut s = subsystem(vec![]);
+        let admin = enabled(&mut s, now);
+        let mut get = Sqe::new(AdminOpcode::GetFeatures.code(), 1);
+        get.set_cdw(10, u32::from(feature::KEEP_ALIVE_TIMER));
+        assert_eq!(complete(s.command(now, &admin, &get, &[])).dw0, 5000);
+        get.set_cdw(10, 0x42);
+        assert_eq!(
+            complete(s.command(now, &admin, &get, &[])).status,
+            Status::INVALID_FIELD
+        );
+        let mut set = Sqe::new(AdminOpcode::SetFeatures.code(), 2);
+        set.set_cdw(10, u32::from(feature::ASYNC_EVENT_CONFIGURATION) | 1 << 31);
+        assert_eq!(
+            complete(s.command(now, &admin, &set, &[])).status,
+            Status::FEATURE_NOT_SAVEABLE
+        );
+        // The ANA log: one group, optimized, namespace 1.
+        let mut log = cmd(AdminOpcode::GetLogPage.code(), 3);
+        log.set_cdw(10, u32::from(lid::ANA) | (56 / 4 - 1) << 16);
+        log.set_sgl(Sgl::transport(56));
+        let Answer::Data { data, .. } = s.command(now, &admin, &log, &[]) else {
+            panic!("the ANA log");
+        };
+        assert_eq!((data[8], data[32], data[48]), (1, 1, 1));
+        log.set_cdw(10, 0x33);
+        assert_eq!(
+            complete(s.command(now, &admin, &log, &[])).status,
+            Status::INVALID_LOG_PAGE
+        );
+        // Asynchronous Event Requests are held, up to the limit.
+        for cid in 10..10 + MAX_AERS as u16 {
+            let aer = Sqe::new(AdminOpcode::AsyncEventRequest.code(), cid);
+            assert_eq!(s.command(now, &admin, &aer, &[]), Answer::Held);
+        }
+        let aer = Sqe::new(AdminOpcode::AsyncEventRequest.code(), 99);
+        assert_eq!(
+            complete(s.command(now, &admin, &aer, &[])).status,
+            Status::AER_LIMIT_EXCEEDED
+        );
+        assert_eq!(
+            s.take_async_event_requests(admin.cntlid),
+            vec![10, 11, 12, 13]
+        );
+        let unknown = Sqe::new(0x55, 5);
+        assert_eq!(
+            complete(s.command(now, &admin, &unknown, &[])).status,
+            Status::INVALID_OPCODE
+        );
+    }
+}

@@ -1,0 +1,221 @@
+//! Log pages (Get Log Page): what a controller reports of itself, each built whole and then
+//! cut to the offset and length asked.
+
+/// Log page identifiers.
+pub mod lid {
+    /// Error Information.
+    pub const ERROR: u8 = 0x01;
+    /// SMART / Health Information.
+    pub const SMART: u8 = 0x02;
+    /// Firmware Slot Information.
+    pub const FIRMWARE_SLOT: u8 = 0x03;
+    /// Changed Namespace List.
+    pub const CHANGED_NAMESPACES: u8 = 0x04;
+    /// Commands Supported and Effects.
+    pub const COMMANDS_EFFECTS: u8 = 0x05;
+    /// Asymmetric Namespace Access.
+    pub const ANA: u8 = 0x0c;
+    /// Reservation Notification.
+    pub const RESERVATION_NOTIFICATION: u8 = 0x80;
+    /// Discovery (discovery controllers).
+    pub const DISCOVERY: u8 = 0x70;
+}
+
+/// What Get Log Page asks: the page, where in it, how much.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogRequest {
+    /// LID.
+    pub lid: u8,
+    /// LSP: log specific field (the ANA page's RGO bit).
+    pub lsp: u8,
+    /// RAE: retain the asynchronous event (do not clear it).
+    pub retain: bool,
+    /// Bytes asked (NUMD + 1 dwords).
+    pub len: u32,
+    /// Byte offset (LPO).
+    pub offset: u64,
+}
+
+impl LogRequest {
+    /// From a Get Log Page SQE.
+    pub fn from_sqe(sqe: &crate::sqe::Sqe) -> LogRequest {
+        let c10 = sqe.cdw(10);
+        let numd = (c10 >> 16) | (sqe.cdw(11) & 0xffff) << 16;
+        LogRequest {
+            lid: c10 as u8,
+            lsp: ((c10 >> 8) & 0x7f) as u8,
+            retain: c10 & 1 << 15 != 0,
+            len: numd.saturating_add(1).saturating_mul(4),
+            offset: sqe.qword(12),
+        }
+    }
+
+    /// `page` cut to this request: from the offset, `len` bytes, zeros past the page's end
+    /// (the log page's own length is the host's to know). `None` when the offset is past
+    /// the page.
+    pub fn cut(&self, page: &[u8]) -> Option<Vec<u8>> {
+        let start = usize::try_from(self.offset).ok()?;
+        if start > page.len() {
+            return None;
+        }
+        let mut out = vec![0u8; self.len as usize];
+        let n = (page.len() - start).min(out.len());
+        out[..n].copy_from_slice(&page[start..start + n]);
+        Some(out)
+    }
+}
+
+/// The SMART / Health Information page (512 bytes) of a controller in good health: a
+/// temperature, all spare available, nothing used up, `data_units_read` and
+/// `data_units_written` (in thousands of 512-byte units), the commands it completed.
+pub fn smart(
+    data_units_read: u128,
+    data_units_written: u128,
+    reads: u128,
+    writes: u128,
+) -> [u8; 512] {
+    let mut b = [0u8; 512];
+    // Composite temperature 310 K.
+    b[1..3].copy_from_slice(&310u16.to_le_bytes());
+    // Available spare 100 %, threshold 10 %.
+    b[3] = 100;
+    b[4] = 10;
+    b[32..48].copy_from_slice(&data_units_read.to_le_bytes());
+    b[48..64].copy_from_slice(&data_units_written.to_le_bytes());
+    b[64..80].copy_from_slice(&reads.to_le_bytes());
+    b[80..96].copy_from_slice(&writes.to_le_bytes());
+    b
+}
+
+/// The Firmware Slot Information page: slot 1 active, holding `firmware`.
+pub fn firmware_slot(firmware: &str) -> [u8; 512] {
+    let mut b = [0u8; 512];
+    b[0] = 1;
+    let f = &mut b[8..16];
+    f.fill(b' ');
+    for (o, c) in f.iter_mut().zip(firmware.bytes()) {
+        *o = c;
+    }
+    b
+}
+
+/// The Changed Namespace List: the namespaces whose attributes changed since the host last
+/// read it (at most 1024; more sets the first entry to FFFFFFFFh).
+pub fn changed_namespaces(nsids: &[u32]) -> Box<[u8; 4096]> {
+    let mut b = Box::new([0u8; 4096]);
+    if nsids.len() > 1024 {
+        b[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        return b;
+    }
+    for (i, n) in nsids.iter().enumerate() {
+        b[4 * i..4 * i + 4].copy_from_slice(&n.to_le_bytes());
+    }
+    b
+}
+
+/// The Commands Supported and Effects page: each admin and I/O opcode supported (CSUPP),
+/// those that change the logical blocks' content (LBCC), and those that change the
+/// namespace inventory or capabilities (NCC, NIC).
+pub fn commands_effects(admin: &[u8], io: &[(u8, bool)]) -> Box<[u8; 4096]> {
+    let mut b = Box::new([0u8; 4096]);
+    for &op in admin {
+        let at = 4 * usize::from(op);
+        b[at..at + 4].copy_from_slice(&1u32.to_le_bytes());
+    }
+    for &(op, changes_content) in io {
+        let at = 1024 + 4 * usize::from(op);
+        let e = 1u32 | u32::from(changes_content) << 1;
+        b[at..at + 4].copy_from_slice(&e.to_le_bytes());
+    }
+    b
+}
+
+/// An ANA group as the ANA log page describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnaGroup {
+    /// ANAGRPID.
+    pub id: u32,
+    /// ANAS: 01h optimized, 02h non-optimized, 03h inaccessible, 04h persistent loss, 0Fh
+    /// change.
+    pub state: u8,
+    /// Its change count.
+    pub change_count: u64,
+    /// The active namespaces in it (left out when the host asks for groups only).
+    pub nsids: Vec<u32>,
+}
+
+/// The Asymmetric Namespace Access page: a header with the change count and the number of
+/// groups, then each group; with `groups_only` (LSP's RGO) no namespace lists.
+pub fn ana(change_count: u64, groups: &[AnaGroup], groups_only: bool) -> Vec<u8> {
+    let mut b = Vec::with_capacity(16 + groups.len() * 32);
+    b.extend_from_slice(&change_count.to_le_bytes());
+    b.extend_from_slice(&(groups.len() as u16).to_le_bytes());
+    b.extend_from_slice(&[0; 6]);
+    for g in groups {
+        let nsids: &[u32] = if groups_only { &[] } else { &g.nsids };
+        b.extend_from_slice(&g.id.to_le_bytes());
+        b.extend_from_slice(&(nsids.len() as u32).to_le_bytes());
+        b.extend_from_slice(&g.change_count.to_le_bytes());
+        b.push(g.state);
+        b.extend_from_slice(&[0; 15]);
+        for n in nsids {
+            b.extend_from_slice(&n.to_le_bytes());
+        }
+    }
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sqe::Sqe;
+
+    #[test]
+    fn a_request_is_cut_from_the_page() {
+        let mut s = Sqe::new(0x02, 1);
+        // LID 0Ch, RGO, 4 dwords at byte 8.
+        s.set_cdw(10, 0x0c | 1 << 8 | 3 << 16);
+        s.set_qword(12, 8);
+        let r = LogRequest::from_sqe(&s);
+        assert_eq!((r.lid, r.lsp, r.len, r.offset), (0x0c, 1, 16, 8));
+        let page: Vec<u8> = (0..20).collect();
+        assert_eq!(
+            r.cut(&page),
+            Some(vec![
+                8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 0, 0, 0, 0
+            ])
+        );
+        let far = LogRequest { offset: 21, ..r };
+        assert_eq!(far.cut(&page), None);
+    }
+
+    #[test]
+    fn the_ana_page() {
+        let g = AnaGroup {
+            id: 1,
+            state: 1,
+            change_count: 5,
+            nsids: vec![1, 2],
+        };
+        let b = ana(7, std::slice::from_ref(&g), false);
+        assert_eq!(b.len(), 16 + 32 + 8);
+        assert_eq!(&b[..10], &[7, 0, 0, 0, 0, 0, 0, 0, 1, 0]);
+        assert_eq!(&b[16..24], &[1, 0, 0, 0, 2, 0, 0, 0]);
+        assert_eq!(b[32], 1);
+        assert_eq!(&b[48..56], &[1, 0, 0, 0, 2, 0, 0, 0]);
+        assert_eq!(ana(7, &[g], true).len(), 48);
+    }
+
+    #[test]
+    fn effects_and_changes() {
+        let e = commands_effects(&[0x06], &[(0x01, true), (0x02, false)]);
+        assert_eq!(&e[24..28], &[1, 0, 0, 0]);
+        assert_eq!(&e[1028..1032], &[3, 0, 0, 0]);
+        assert_eq!(&e[1032..1036], &[1, 0, 0, 0]);
+        let c = changed_namespaces(&[3]);
+        assert_eq!(&c[..8], &[3, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(&changed_namespaces(&[1; 1025])[..4], &[0xff; 4]);
+        assert_eq!(&firmware_slot("0.1")[8..16], b"0.1     ");
+        assert_eq!(smart(1, 2, 3, 4)[3], 100);
+    }
+}
