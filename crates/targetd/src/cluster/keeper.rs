@@ -1222,10 +1222,8 @@ impl Keeper {
 
     /// Queues a change for the machine; it hands out nothing here (the changes lane does).
     fn queue_change(&self, target: Weak<dyn SharedTarget>, change: ReservationChange) {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let unit = self.unit_id(&target, change.lun);
-        crate::lock(&self.changes).insert(
-            id,
+        let (id, unit) = self.waiting(
+            change.lun,
             Waiting {
                 target,
                 task: change.task,
@@ -1239,6 +1237,15 @@ impl Keeper {
         self.route(&mut s);
     }
 
+    /// Records `waiting` (a change to unit `lun` of its target) under a new change id: the
+    /// id, and the machine's id of the unit.
+    fn waiting(&self, lun: u16, waiting: Waiting) -> (ChangeId, UnitId) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let unit = self.unit_id(&waiting.target, lun);
+        crate::lock(&self.changes).insert(id, waiting);
+        (id, unit)
+    }
+
     /// The machine's unit id of `target`'s unit `lun` ([`UnitId::MAX`], which the machine
     /// knows not, when it is not shared here).
     fn unit_id(&self, target: &Weak<dyn SharedTarget>, lun: u16) -> UnitId {
@@ -1250,10 +1257,8 @@ impl Keeper {
     }
 
     fn queue_port_groups(&self, target: Weak<dyn SharedTarget>, change: PortGroupsChange) {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let unit = self.unit_id(&target, change.lun);
-        crate::lock(&self.changes).insert(
-            id,
+        let (id, unit) = self.waiting(
+            change.lun,
             Waiting {
                 target,
                 task: Some(change.task),
