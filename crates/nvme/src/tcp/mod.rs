@@ -9,10 +9,12 @@
 //! whose Fatal Error Status names it.
 
 pub mod deframer;
+pub mod host;
 pub mod pdu;
 pub mod queue;
 
 pub use deframer::{DeframeError, Deframer, Limits, Pdu, Side};
+pub use host::{HostEvent, HostQueue, HostSettings};
 pub use pdu::{
     data_digest, encode, DataHeader, Digests, EncodedHeader, FatalError, Framing, Header, IcReq,
     IcResp, PduType, R2t, TermReq,

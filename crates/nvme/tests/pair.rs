@@ -1,0 +1,517 @@
+//! A host and a controller of NVMe/TCP, machine against machine, with no socket: the host's
+//! queues (`HostQueue`) against the controller's (`ControllerQueue`) and a subsystem
+//! (`Subsystem`) whose one namespace lives in memory, stepped by a small shell in this test
+//! on a virtual clock. The host connects an admin queue and an I/O queue as Linux's does,
+//! writes through R2Ts and in-capsule data, reads it back, zeroes and deallocates; with and
+//! without digests; a corrupted data digest ends its command with Transient Transport Error;
+//! a host that stops sending Keep Alive loses its controller.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use nvme::controller::{Answer, Namespace, Queue, Subsystem, SubsystemConfig};
+use nvme::fabrics::{
+    property, Connect, ConnectData, PropertyAccess, CATTR_SQ_FLOW_CONTROL_DISABLE, CC_EN,
+    CNTLID_DYNAMIC,
+};
+use nvme::nvm::{self, IoCommand, NamespaceGeometry, Transfer};
+use nvme::opcode::{AdminOpcode, FabricsType, NvmOpcode};
+use nvme::sqe::{Sgl, Sqe};
+use nvme::tcp::pdu::{Digests, R2t};
+use nvme::tcp::{
+    ControllerQueue, HostEvent, HostQueue, HostSettings, QueueEvent, QueueSettings, Transmit,
+};
+use nvme::{Cqe, Status};
+use scsi_core::Op;
+
+const NQN: &str = "nqn.2026-11.io.example:pair";
+const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:pair-host";
+const BLOCK: u32 = 512;
+const BLOCKS: u64 = 4096;
+
+/// The controller's side of one connection, as a shell would keep it.
+struct Served {
+    queue: ControllerQueue,
+    bound: Option<Queue>,
+    /// Write commands waiting for their data: (command, buffer, bytes still to come).
+    writes: HashMap<u16, (Sqe, Vec<u8>, u32)>,
+}
+
+/// A host connection and the controller's end of it.
+struct Link {
+    host: HostQueue,
+    served: Served,
+    /// What the host got back: completions, and read data by CID.
+    done: HashMap<u16, Cqe>,
+    read: HashMap<u16, Vec<u8>>,
+    /// Write data the host hands over when asked, by CID.
+    outgoing: HashMap<u16, Bytes>,
+    /// Flip a bit of the next data the host sends.
+    corrupt_next: bool,
+    /// The controller's terms, once ICResp came.
+    terms: Option<nvme::tcp::IcResp>,
+}
+
+struct Rig {
+    now: Instant,
+    subsystem: Subsystem,
+    medium: Vec<u8>,
+}
+
+fn deliver(t: Transmit, corrupt: &mut bool) -> Vec<u8> {
+    let mut v = t.header.as_bytes().to_vec();
+    let at = v.len();
+    v.extend_from_slice(&t.data);
+    if let Some(d) = t.digest {
+        v.extend_from_slice(&d);
+    }
+    if *corrupt && !t.data.is_empty() {
+        v[at] ^= 1;
+        *corrupt = false;
+    }
+    v
+}
+
+impl Rig {
+    fn new() -> Rig {
+        let mut subsystem = Subsystem::new(SubsystemConfig {
+            nqn: NQN.into(),
+            serial: "pair".into(),
+            model: "targetd".into(),
+            firmware: "0.1.0".into(),
+            hosts: vec![HOST.into()],
+            max_io_queues: 2,
+            max_queue_entries: 128,
+            max_in_capsule_data: 8192,
+            mdts: 5,
+        });
+        subsystem.add_namespace(Namespace {
+            nsid: 1,
+            geometry: NamespaceGeometry {
+                block_size: BLOCK,
+                blocks: BLOCKS,
+                read_only: false,
+            },
+            nguid: [1; 16],
+            uuid: [2; 16],
+            thin: true,
+            write_cache: true,
+        });
+        Rig {
+            now: Instant::now(),
+            subsystem,
+            medium: vec![0xee; (u64::from(BLOCK) * BLOCKS) as usize],
+        }
+    }
+
+    fn link(&mut self, digests: Digests) -> Link {
+        let mut l = Link {
+            host: HostQueue::new(HostSettings {
+                digests,
+                ..HostSettings::default()
+            }),
+            served: Served {
+                queue: ControllerQueue::new(QueueSettings::default()),
+                bound: None,
+                writes: HashMap::new(),
+            },
+            done: HashMap::new(),
+            read: HashMap::new(),
+            outgoing: HashMap::new(),
+            corrupt_next: false,
+            terms: None,
+        };
+        self.run(&mut l);
+        assert!(matches!(l.terms, Some(r) if r.digests == digests));
+        l
+    }
+
+    /// Moves bytes both ways and answers what comes up, until nothing moves.
+    fn run(&mut self, l: &mut Link) {
+        loop {
+            let mut moved = false;
+            while let Some(t) = l.host.poll_transmit() {
+                moved = true;
+                let bytes = deliver(t, &mut l.corrupt_next);
+                l.served.queue.receive(&bytes);
+            }
+            while let Some(e) = l.served.queue.poll_event() {
+                moved = true;
+                self.serve(&mut l.served, e);
+            }
+            while let Some(t) = l.served.queue.poll_transmit() {
+                moved = true;
+                l.host.receive(&deliver(t, &mut false));
+            }
+            while let Some(e) = l.host.poll_event() {
+                moved = true;
+                match e {
+                    HostEvent::Initialized(r) => l.terms = Some(r),
+                    HostEvent::Response(c) => {
+                        l.done.insert(c.cid, c);
+                    }
+                    HostEvent::Data {
+                        cid,
+                        offset,
+                        data,
+                        success,
+                        ..
+                    } => {
+                        let buf = l.read.entry(cid).or_default();
+                        buf.resize(offset as usize, 0);
+                        buf.extend_from_slice(&data);
+                        if success {
+                            l.done.insert(cid, Cqe::new(cid, Status::SUCCESS));
+                        }
+                    }
+                    HostEvent::R2T(r2t) => {
+                        let data = l.outgoing[&r2t.cccid].clone();
+                        let piece = data.slice(r2t.r2to as usize..(r2t.r2to + r2t.r2tl) as usize);
+                        l.host.send_data(&r2t, piece).unwrap();
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+            if !moved {
+                return;
+            }
+        }
+    }
+
+    /// The controller's shell: a command or data from the connection.
+    fn serve(&mut self, s: &mut Served, e: QueueEvent) {
+        match e {
+            QueueEvent::Initialized(_) => {}
+            QueueEvent::Command {
+                sqe,
+                data,
+                data_digest_ok,
+            } => {
+                if !data_digest_ok {
+                    let cqe = Cqe::new(sqe.cid(), Status::TRANSIENT_TRANSPORT_ERROR);
+                    return s.queue.complete(cqe).unwrap();
+                }
+                let Some(bound) = s.bound else {
+                    match self.subsystem.connect(self.now, &sqe, &data) {
+                        Ok((q, cqe)) => {
+                            s.bound = Some(q);
+                            s.queue.complete(cqe).unwrap();
+                        }
+                        Err(cqe) => s.queue.complete(cqe).unwrap(),
+                    }
+                    return;
+                };
+                match self.subsystem.command(self.now, &bound, &sqe, &data) {
+                    Answer::Complete(c) => s.queue.complete(c).unwrap(),
+                    Answer::Data { data, cqe } => {
+                        s.queue.send_data(cqe.cid, 0, data, true, false).unwrap();
+                        s.queue.complete(cqe).unwrap();
+                    }
+                    Answer::Held => {}
+                    Answer::Io { nsid: _, command } => self.io(s, &bound, sqe, command, data),
+                }
+            }
+            QueueEvent::Data {
+                cid, offset, data, ..
+            } => {
+                let (sqe, mut buf, left) = s.writes.remove(&cid).expect("a write waits");
+                buf[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+                let left = left - data.len() as u32;
+                if left > 0 {
+                    s.writes.insert(cid, (sqe, buf, left));
+                    return;
+                }
+                let bound = s.bound.unwrap();
+                let command = nvm::decode(&sqe, Some(&self.geometry()), 1 << 20).unwrap();
+                self.io(s, &bound, sqe, command, Bytes::from(buf));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn geometry(&self) -> NamespaceGeometry {
+        self.subsystem.namespace(1).unwrap().geometry
+    }
+
+    /// Carries out an I/O command on the medium, asking for its data first when it is not
+    /// here.
+    fn io(&mut self, s: &mut Served, bound: &Queue, sqe: Sqe, command: IoCommand, data: Bytes) {
+        let cid = sqe.cid();
+        let bs = u64::from(BLOCK);
+        match command {
+            IoCommand::Op { op, transfer } => {
+                if let Transfer::FromHost {
+                    len,
+                    in_capsule: false,
+                } = transfer
+                {
+                    if data.is_empty() {
+                        s.queue.request_data(cid, 0, len).unwrap();
+                        s.writes.insert(cid, (sqe, vec![0; len as usize], len));
+                        return;
+                    }
+                }
+                match op {
+                    Op::Write { lba, blocks, .. } => {
+                        let at = (lba * bs) as usize;
+                        self.medium[at..at + (u64::from(blocks) * bs) as usize]
+                            .copy_from_slice(&data);
+                    }
+                    Op::Read { lba, blocks, .. } => {
+                        let at = (lba * bs) as usize;
+                        let out = self.medium[at..at + (u64::from(blocks) * bs) as usize].to_vec();
+                        if matches!(transfer, Transfer::ToHost { .. }) {
+                            // A host that disabled SQ flow control gets SUCCESS and no
+                            // completion.
+                            let quiet = bound.sq_flow_control_disabled;
+                            s.queue
+                                .send_data(cid, 0, Bytes::from(out), true, quiet)
+                                .unwrap();
+                            if quiet {
+                                return;
+                            }
+                        }
+                    }
+                    Op::WriteSame {
+                        lba, blocks, zeros, ..
+                    } => {
+                        assert!(zeros);
+                        let at = (lba * bs) as usize;
+                        self.medium[at..at + (blocks * bs) as usize].fill(0);
+                    }
+                    Op::Flush { .. } => {}
+                    other => panic!("{other:?}"),
+                }
+                s.queue.complete(Cqe::new(cid, Status::SUCCESS)).unwrap();
+            }
+            IoCommand::Deallocate { .. } => {
+                for op in nvm::dsm_ranges(&data, &self.geometry()).unwrap() {
+                    let Op::Unmap { lba, blocks } = op else {
+                        panic!()
+                    };
+                    let at = (lba * bs) as usize;
+                    self.medium[at..at + (blocks * bs) as usize].fill(0);
+                }
+                s.queue.complete(Cqe::new(cid, Status::SUCCESS)).unwrap();
+            }
+            IoCommand::Nothing => s.queue.complete(Cqe::new(cid, Status::SUCCESS)).unwrap(),
+        }
+    }
+}
+
+fn connect(l: &mut Link, rig: &mut Rig, qid: u16, cntlid: u16, cattr: u8) -> Cqe {
+    let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 100 + qid);
+    sqe.set_fctype(FabricsType::Connect.code());
+    sqe.set_sgl(Sgl::in_capsule(0, 1024));
+    Connect {
+        recfmt: 0,
+        qid,
+        sqsize: 31,
+        cattr,
+        kato: if qid == 0 { 5000 } else { 0 },
+    }
+    .to_sqe(&mut sqe);
+    let data = ConnectData {
+        hostid: [5; 16],
+        cntlid,
+        subnqn: NQN.into(),
+        hostnqn: HOST.into(),
+    }
+    .to_bytes();
+    l.host
+        .send_command(&sqe, Bytes::copy_from_slice(&data[..]))
+        .unwrap();
+    rig.run(l);
+    l.done.remove(&(100 + qid)).expect("Connect's completion")
+}
+
+fn admin(l: &mut Link, rig: &mut Rig, sqe: Sqe) -> Cqe {
+    let cid = sqe.cid();
+    l.host.send_command(&sqe, Bytes::new()).unwrap();
+    rig.run(l);
+    l.done.remove(&cid).expect("a completion")
+}
+
+/// Connects the admin queue, enables the controller and asks for two I/O queues.
+fn admin_link(rig: &mut Rig) -> (Link, u16) {
+    let mut a = rig.link(Digests::default());
+    let c = connect(&mut a, rig, 0, CNTLID_DYNAMIC, 0);
+    assert!(c.status.is_success(), "{c:?}");
+    let cntlid = c.dw0 as u16;
+    let mut set = Sqe::new(AdminOpcode::Fabrics.code(), 1);
+    set.set_fctype(FabricsType::PropertySet.code());
+    PropertyAccess {
+        eight_bytes: false,
+        offset: property::CC,
+        value: u64::from(CC_EN | 6 << 16 | 4 << 20),
+    }
+    .to_sqe(&mut set);
+    assert!(admin(&mut a, rig, set).status.is_success());
+    let mut get = Sqe::new(AdminOpcode::Fabrics.code(), 2);
+    get.set_fctype(FabricsType::PropertyGet.code());
+    PropertyAccess {
+        eight_bytes: false,
+        offset: property::CSTS,
+        value: 0,
+    }
+    .to_sqe(&mut get);
+    assert_eq!(admin(&mut a, rig, get).dw0 & 1, 1, "CSTS.RDY");
+    let mut identify = Sqe::new(AdminOpcode::Identify.code(), 3);
+    identify.set_cdw(10, 1);
+    identify.set_sgl(Sgl::transport(4096));
+    assert!(admin(&mut a, rig, identify).status.is_success());
+    let id = a.read.remove(&3).expect("Identify Controller data");
+    assert_eq!(&id[768..768 + NQN.len()], NQN.as_bytes());
+    let mut queues = Sqe::new(AdminOpcode::SetFeatures.code(), 4);
+    queues.set_cdw(10, 0x07);
+    queues.set_cdw(11, 1 | 1 << 16);
+    assert_eq!(admin(&mut a, rig, queues).dw0, 1 | 1 << 16);
+    (a, cntlid)
+}
+
+fn io_cmd(op: NvmOpcode, cid: u16, slba: u64, blocks: u32, sgl: Sgl) -> Sqe {
+    let mut s = Sqe::new(op.code(), cid);
+    s.set_nsid(1);
+    s.set_qword(10, slba);
+    s.set_cdw(12, blocks - 1);
+    s.set_sgl(sgl);
+    s
+}
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect::<Vec<u8>>(),
+    )
+}
+
+#[test]
+fn a_host_writes_reads_zeroes_and_deallocates_through_the_controller() {
+    for (digests, cattr) in [
+        (Digests::default(), 0),
+        (
+            Digests {
+                header: true,
+                data: true,
+            },
+            CATTR_SQ_FLOW_CONTROL_DISABLE,
+        ),
+    ] {
+        let mut rig = Rig::new();
+        let (_admin, cntlid) = admin_link(&mut rig);
+        let mut io = rig.link(digests);
+        assert!(connect(&mut io, &mut rig, 1, cntlid, cattr)
+            .status
+            .is_success());
+
+        // 16 KiB through R2Ts (more than one H2CData of a small MAXH2CDATA is the host's
+        // choice; here one R2T, one or more PDUs), then 1 KiB in the capsule.
+        let big = pattern(16384, 1);
+        io.outgoing.insert(10, big.clone());
+        let w = io_cmd(NvmOpcode::Write, 10, 64, 32, Sgl::transport(16384));
+        io.host.send_command(&w, Bytes::new()).unwrap();
+        let small = pattern(1024, 2);
+        let w2 = io_cmd(NvmOpcode::Write, 11, 8, 2, Sgl::in_capsule(0, 1024));
+        io.host.send_command(&w2, small.clone()).unwrap();
+        rig.run(&mut io);
+        assert!(io.done.remove(&10).unwrap().status.is_success());
+        assert!(io.done.remove(&11).unwrap().status.is_success());
+
+        // Read both back.
+        for (cid, slba, blocks, want) in [(12u16, 64u64, 32u32, &big), (13, 8, 2, &small)] {
+            let r = io_cmd(
+                NvmOpcode::Read,
+                cid,
+                slba,
+                blocks,
+                Sgl::transport(blocks * BLOCK),
+            );
+            io.host.send_command(&r, Bytes::new()).unwrap();
+            rig.run(&mut io);
+            assert!(io.done.remove(&cid).unwrap().status.is_success());
+            assert_eq!(&io.read.remove(&cid).unwrap()[..], &want[..]);
+        }
+
+        // Write Zeroes over the small write, Dataset Management over the big one.
+        let wz = io_cmd(NvmOpcode::WriteZeroes, 14, 8, 2, Sgl::transport(0));
+        io.host.send_command(&wz, Bytes::new()).unwrap();
+        let mut dsm = io_cmd(
+            NvmOpcode::DatasetManagement,
+            15,
+            0,
+            1,
+            Sgl::in_capsule(0, 16),
+        );
+        dsm.set_cdw(10, 0);
+        dsm.set_cdw(11, 1 << 2);
+        let mut range = vec![0u8; 16];
+        range[4..8].copy_from_slice(&32u32.to_le_bytes());
+        range[8..16].copy_from_slice(&64u64.to_le_bytes());
+        io.host.send_command(&dsm, Bytes::from(range)).unwrap();
+        rig.run(&mut io);
+        assert!(io.done.remove(&14).unwrap().status.is_success());
+        assert!(io.done.remove(&15).unwrap().status.is_success());
+        let r = io_cmd(NvmOpcode::Read, 16, 8, 2, Sgl::transport(1024));
+        io.host.send_command(&r, Bytes::new()).unwrap();
+        let r2 = io_cmd(NvmOpcode::Read, 17, 64, 32, Sgl::transport(16384));
+        io.host.send_command(&r2, Bytes::new()).unwrap();
+        rig.run(&mut io);
+        assert!(io.read.remove(&16).unwrap().iter().all(|&b| b == 0));
+        assert!(io.read.remove(&17).unwrap().iter().all(|&b| b == 0));
+
+        // Past the end: LBA Out of Range, nothing moved.
+        let bad = io_cmd(NvmOpcode::Read, 18, BLOCKS - 1, 2, Sgl::transport(1024));
+        io.host.send_command(&bad, Bytes::new()).unwrap();
+        rig.run(&mut io);
+        assert_eq!(
+            io.done.remove(&18).unwrap().status,
+            Status::LBA_OUT_OF_RANGE
+        );
+        assert!(!io.read.contains_key(&18));
+
+        if digests.data {
+            // A corrupted in-capsule write: Transient Transport Error, the medium unchanged.
+            io.corrupt_next = true;
+            let w = io_cmd(NvmOpcode::Write, 19, 8, 2, Sgl::in_capsule(0, 1024));
+            io.host.send_command(&w, pattern(1024, 9)).unwrap();
+            rig.run(&mut io);
+            assert_eq!(
+                io.done.remove(&19).unwrap().status,
+                Status::TRANSIENT_TRANSPORT_ERROR
+            );
+            assert!(rig.medium[8 * 512..10 * 512].iter().all(|&b| b == 0));
+        }
+        assert!(!io.host.is_over() && !io.served.queue.is_over());
+    }
+}
+
+#[test]
+fn a_silent_host_loses_its_controller() {
+    let mut rig = Rig::new();
+    let (mut a, cntlid) = admin_link(&mut rig);
+    let deadline = rig.subsystem.poll_timeout().expect("KATO 5 s");
+    rig.now = deadline - Duration::from_millis(1);
+    assert!(rig.subsystem.handle_timeout(rig.now).is_empty());
+    let ka = Sqe::new(AdminOpcode::KeepAlive.code(), 20);
+    assert!(admin(&mut a, &mut rig, ka).status.is_success());
+    let deadline = rig.subsystem.poll_timeout().unwrap();
+    rig.now = deadline;
+    assert_eq!(rig.subsystem.handle_timeout(rig.now), vec![cntlid]);
+    let ka = Sqe::new(AdminOpcode::KeepAlive.code(), 21);
+    assert_eq!(
+        admin(&mut a, &mut rig, ka).status,
+        Status::KEEP_ALIVE_EXPIRED
+    );
+    // An R2T nobody answers is the host's business; a connection without Connect is refused.
+    let _ = R2t {
+        cccid: 0,
+        ttag: 0,
+        r2to: 0,
+        r2tl: 0,
+    };
+    let mut other = rig.link(Digests::default());
+    let c = connect(&mut other, &mut rig, 1, cntlid, 0);
+    assert_eq!(c.status, Status::CONNECT_INVALID_PARAMETERS);
+}
