@@ -10,9 +10,10 @@
 //! Get and Set (enable, reset, shutdown), Identify (CNS 00h, 01h, 02h, 03h), Get Log Page
 //! (error, SMART, firmware slot, changed namespaces, commands supported and effects, ANA),
 //! Set and Get Features (number of queues, asynchronous event configuration, keep alive timer,
-//! volatile write cache, host identifier), Keep Alive, Asynchronous Event Request (held),
-//! Abort (answers that it did not abort), Disconnect; and the NVM commands [`crate::nvm`]
-//! decodes.
+//! volatile write cache, host identifier), Keep Alive, Asynchronous Event Requests (held,
+//! and answered with a Namespace Attribute Changed notice when a namespace is added, resized
+//! or removed: [`Subsystem::poll_async_events`]), Abort (answers that it did not abort),
+//! Disconnect; and the NVM commands [`crate::nvm`] decodes.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -136,12 +137,20 @@ struct Controller {
     io_queues: BTreeSet<u16>,
     /// Asynchronous Event Requests held: their CIDs.
     aers: Vec<u16>,
+    /// Notices to send (a completion's DW0 each), waiting for an Asynchronous Event Request.
+    notices: Vec<u32>,
+    /// Namespaces whose attributes changed since the host last read the Changed Namespace
+    /// List; a notice of the kind waits until it does (the specification masks it).
+    changed: BTreeSet<u32>,
+    namespace_notice_masked: bool,
     /// Keep alive expired: it takes no more commands.
     failed: bool,
 }
 
 /// Asynchronous Event Requests a controller holds at most (AERL + 1).
 pub const MAX_AERS: usize = 4;
+/// Asynchronous Event Configuration bit 8: Namespace Attribute Notices.
+pub const AEC_NAMESPACE_ATTRIBUTE: u32 = 1 << 8;
 /// Keep alive granularity: 100 ms (KAS 1).
 pub const KEEP_ALIVE_GRANULARITY: Duration = Duration::from_millis(100);
 
@@ -170,14 +179,54 @@ impl Subsystem {
         &self.config
     }
 
-    /// Adds (or replaces) a namespace.
+    /// Adds (or replaces: a resize) a namespace. Every controller hears of it: a Namespace
+    /// Attribute Changed notice (when its host enabled them) and the Changed Namespace List.
     pub fn add_namespace(&mut self, ns: Namespace) {
-        self.namespaces.insert(ns.nsid, ns);
+        let nsid = ns.nsid;
+        self.namespaces.insert(nsid, ns);
+        self.namespace_changed(nsid);
     }
 
-    /// Removes a namespace.
+    /// Removes a namespace; every controller hears of it as of an addition.
     pub fn remove_namespace(&mut self, nsid: u32) -> Option<Namespace> {
-        self.namespaces.remove(&nsid)
+        let ns = self.namespaces.remove(&nsid)?;
+        self.namespace_changed(nsid);
+        Some(ns)
+    }
+
+    /// Records that namespace `nsid` changed for every controller, and queues the notice for
+    /// those whose host asked for them (Asynchronous Event Configuration bit 8) and have not
+    /// been told since they last read the list.
+    fn namespace_changed(&mut self, nsid: u32) {
+        for c in self.controllers.values_mut().filter(|c| !c.failed) {
+            c.changed.insert(nsid);
+            if c.features.aec & AEC_NAMESPACE_ATTRIBUTE != 0 && !c.namespace_notice_masked {
+                c.namespace_notice_masked = true;
+                // Notice (type 2), Namespace Attribute Changed (info 0), log page 04h.
+                c.notices
+                    .push(0x2 | u32::from(crate::log_page::lid::CHANGED_NAMESPACES) << 16);
+            }
+        }
+    }
+
+    /// The asynchronous events ready to go: each an Asynchronous Event Request of controller
+    /// CNTLID answered with a notice, for the shell to send on that controller's admin queue.
+    pub fn poll_async_events(&mut self) -> Vec<(u16, Cqe)> {
+        let mut out = Vec::new();
+        for (id, c) in self.controllers.iter_mut() {
+            while !c.notices.is_empty() && !c.aers.is_empty() {
+                let dw0 = c.notices.remove(0);
+                let cid = c.aers.remove(0);
+                out.push((
+                    *id,
+                    Cqe {
+                        dw0,
+                        ..Cqe::new(cid, Status::SUCCESS)
+                    },
+                ));
+            }
+        }
+        out
     }
 
     /// Namespace `nsid`.
@@ -267,6 +316,9 @@ impl Subsystem {
                     alive_at: now,
                     io_queues: BTreeSet::new(),
                     aers: Vec::new(),
+                    notices: Vec::new(),
+                    changed: BTreeSet::new(),
+                    namespace_notice_masked: false,
                     failed: false,
                 },
             );
@@ -371,7 +423,7 @@ impl Subsystem {
         }
         match AdminOpcode::from_code(sqe.opcode()) {
             Some(AdminOpcode::Identify) => self.identify(queue, sqe),
-            Some(AdminOpcode::GetLogPage) => self.get_log_page(sqe),
+            Some(AdminOpcode::GetLogPage) => self.get_log_page(queue, sqe),
             Some(AdminOpcode::SetFeatures) => self.set_features(now, queue, sqe),
             Some(AdminOpcode::GetFeatures) => self.get_features(queue, sqe),
             Some(AdminOpcode::KeepAlive) => {
@@ -574,14 +626,25 @@ impl Subsystem {
         Subsystem::reply(sqe, &data[..])
     }
 
-    fn get_log_page(&self, sqe: &Sqe) -> Answer {
+    fn get_log_page(&mut self, queue: &Queue, sqe: &Sqe) -> Answer {
         let cid = sqe.cid();
         let r = LogRequest::from_sqe(sqe);
         let page: Vec<u8> = match r.lid {
             lid::ERROR => vec![0; 64],
             lid::SMART => log_page::smart(0, 0, 0, 0).to_vec(),
             lid::FIRMWARE_SLOT => log_page::firmware_slot(&self.config.firmware).to_vec(),
-            lid::CHANGED_NAMESPACES => log_page::changed_namespaces(&[]).to_vec(),
+            lid::CHANGED_NAMESPACES => {
+                let Some(c) = self.controllers.get_mut(&queue.cntlid) else {
+                    return Answer::Complete(Cqe::new(cid, Status::COMMAND_SEQUENCE_ERROR));
+                };
+                let list: Vec<u32> = c.changed.iter().copied().collect();
+                if !r.retain {
+                    // Read: the list starts again, and the next change is told again.
+                    c.changed.clear();
+                    c.namespace_notice_masked = false;
+                }
+                log_page::changed_namespaces(&list).to_vec()
+            }
             lid::COMMANDS_EFFECTS => {
                 let admin = [
                     AdminOpcode::GetLogPage,
@@ -1056,6 +1119,40 @@ mod tests {
             s.take_async_event_requests(admin.cntlid),
             vec![10, 11, 12, 13]
         );
+
+        // Namespace notices: enabled, one AER held; a namespace added is told once until the
+        // host reads the Changed Namespace List, which names it.
+        let mut aec = Sqe::new(AdminOpcode::SetFeatures.code(), 30);
+        aec.set_cdw(10, u32::from(feature::ASYNC_EVENT_CONFIGURATION));
+        aec.set_cdw(11, AEC_NAMESPACE_ATTRIBUTE);
+        assert!(complete(s.command(now, &admin, &aec, &[]))
+            .status
+            .is_success());
+        let aer = Sqe::new(AdminOpcode::AsyncEventRequest.code(), 31);
+        assert_eq!(s.command(now, &admin, &aer, &[]), Answer::Held);
+        let mut ns2 = s.namespace(1).unwrap().clone();
+        ns2.nsid = 2;
+        s.add_namespace(ns2.clone());
+        ns2.nsid = 3;
+        s.add_namespace(ns2);
+        let events = s.poll_async_events();
+        assert_eq!(events.len(), 1, "one notice until the list is read");
+        let (cntlid, cqe) = events[0];
+        assert_eq!((cntlid, cqe.cid, cqe.dw0), (admin.cntlid, 31, 0x04_0002));
+        let mut changed = cmd(AdminOpcode::GetLogPage.code(), 32);
+        changed.set_cdw(10, u32::from(lid::CHANGED_NAMESPACES) | 1023 << 16);
+        let Answer::Data { data, .. } = s.command(now, &admin, &changed, &[]) else {
+            panic!("the changed namespace list");
+        };
+        assert_eq!(&data[..12], &[2, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0]);
+        // Read: empty now, and the next change is told again.
+        let Answer::Data { data, .. } = s.command(now, &admin, &changed, &[]) else {
+            panic!("the changed namespace list");
+        };
+        assert!(data[..4].iter().all(|&b| b == 0));
+        assert_eq!(s.command(now, &admin, &aer, &[]), Answer::Held);
+        s.remove_namespace(3);
+        assert_eq!(s.poll_async_events().len(), 1);
         let unknown = Sqe::new(0x55, 5);
         assert_eq!(
             complete(s.command(now, &admin, &unknown, &[])).status,
