@@ -215,27 +215,19 @@ impl HostQueue {
         if self.state == State::Over {
             return;
         }
-        let error_data = Bytes::copy_from_slice(&pdu_header[..pdu_header.len().min(128)]);
-        self.send(&Header::H2CTermReq(TermReq { fes, fei }), error_data);
+        self.transmits.extend(Transmit::term_req(
+            &Header::H2CTermReq(TermReq { fes, fei }),
+            pdu_header,
+        ));
         self.state = State::Over;
         self.events.push_back(HostEvent::Failed { fes, fei });
     }
 
     fn send(&mut self, header: &Header, data: Bytes) -> bool {
-        let Ok(len) = u32::try_from(data.len()) else {
+        let Some(t) = Transmit::frame(header, data, &self.framing) else {
             return false;
         };
-        let Some(encoded) = encode(header, len, &self.framing) else {
-            return false;
-        };
-        let digest = encoded
-            .needs_data_digest()
-            .then(|| super::pdu::data_digest([&data[..]]));
-        self.transmits.push_back(Transmit {
-            header: encoded,
-            data,
-            digest,
-        });
+        self.transmits.push_back(t);
         true
     }
 

@@ -120,6 +120,27 @@ pub struct Transmit {
 }
 
 impl Transmit {
+    /// `header` with `data`, framed with `framing` (and the data's digest when data digests
+    /// are on); `None` when the header cannot be framed with that data.
+    pub fn frame(header: &Header, data: Bytes, framing: &Framing) -> Option<Transmit> {
+        let encoded = encode(header, u32::try_from(data.len()).ok()?, framing)?;
+        let digest = encoded
+            .needs_data_digest()
+            .then(|| super::pdu::data_digest([&data[..]]));
+        Some(Transmit {
+            header: encoded,
+            data,
+            digest,
+        })
+    }
+
+    /// A TermReq (`header`) carrying the PDU header in error, at most 128 bytes of it, framed
+    /// without digests (none apply to TermReqs).
+    pub fn term_req(header: &Header, pdu_header: &[u8]) -> Option<Transmit> {
+        let error_data = Bytes::copy_from_slice(&pdu_header[..pdu_header.len().min(128)]);
+        Transmit::frame(header, error_data, &Framing::default())
+    }
+
     /// Its length on the wire.
     pub fn len(&self) -> usize {
         self.header.as_bytes().len() + self.data.len() + self.digest.map_or(0, |d| d.len())
@@ -322,28 +343,20 @@ impl ControllerQueue {
         if self.state == State::Over {
             return;
         }
-        let error_data = Bytes::copy_from_slice(&pdu_header[..pdu_header.len().min(128)]);
-        self.send(&Header::C2HTermReq(TermReq { fes, fei }), error_data);
+        self.transmits.extend(Transmit::term_req(
+            &Header::C2HTermReq(TermReq { fes, fei }),
+            pdu_header,
+        ));
         self.state = State::Over;
         self.events.push_back(QueueEvent::Failed { fes, fei });
     }
 
     /// Frames `header` with `data` toward the host; false when it cannot be framed.
     fn send(&mut self, header: &Header, data: Bytes) -> bool {
-        let Ok(len) = u32::try_from(data.len()) else {
+        let Some(t) = Transmit::frame(header, data, &self.framing) else {
             return false;
         };
-        let Some(encoded) = encode(header, len, &self.framing) else {
-            return false;
-        };
-        let digest = encoded
-            .needs_data_digest()
-            .then(|| super::pdu::data_digest([&data[..]]));
-        self.transmits.push_back(Transmit {
-            header: encoded,
-            data,
-            digest,
-        });
+        self.transmits.push_back(t);
         true
     }
 
