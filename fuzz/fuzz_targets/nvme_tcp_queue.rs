@@ -52,7 +52,7 @@ enum Step {
 }
 
 fuzz_target!(|steps: Vec<Step>| {
-    let mut c = ControllerQueue::new(QueueSettings::default());
+    let mut c = ControllerQueue::<Bytes>::new(QueueSettings::default());
     let mut framing = Framing::default();
     let mut host = Deframer::new(Side::Host);
     // Ranges asked by R2T: (cid, next offset, end).

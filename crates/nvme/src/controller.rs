@@ -229,6 +229,26 @@ impl Subsystem {
         out
     }
 
+    /// The next asynchronous event of controller `cntlid` ready to go: one of its held
+    /// Asynchronous Event Requests answered with a notice, for its admin queue.
+    pub fn poll_async_event(&mut self, cntlid: u16) -> Option<Cqe> {
+        let c = self.controllers.get_mut(&cntlid)?;
+        if c.notices.is_empty() || c.aers.is_empty() {
+            return None;
+        }
+        let dw0 = c.notices.remove(0);
+        let cid = c.aers.remove(0);
+        Some(Cqe {
+            dw0,
+            ..Cqe::new(cid, Status::SUCCESS)
+        })
+    }
+
+    /// Whether controller `cntlid` is there and its keep alive has not expired.
+    pub fn is_live(&self, cntlid: u16) -> bool {
+        self.controllers.get(&cntlid).is_some_and(|c| !c.failed)
+    }
+
     /// Namespace `nsid`.
     pub fn namespace(&self, nsid: u32) -> Option<&Namespace> {
         self.namespaces.get(&nsid)

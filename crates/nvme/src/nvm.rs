@@ -162,8 +162,12 @@ pub fn decode(
         ),
         NvmOpcode::Verify => {
             // Reads the blocks and checks them (a backend's read fails on a medium error);
-            // no data reaches the host.
+            // no data reaches the host. The blocks pass through a buffer of the
+            // controller's, so the same transfer limit holds.
             range(u64::from(blocks))?;
+            if bytes > u64::from(max_transfer) {
+                return Err(Status::INVALID_FIELD);
+            }
             op_of(
                 Op::Read {
                     lba: slba,

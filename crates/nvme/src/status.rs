@@ -167,12 +167,46 @@ impl Status {
         dnr: true,
     };
 
+    /// Write Fault (the medium could not be written).
+    pub const WRITE_FAULT: Status = Status {
+        sct: StatusCodeType::Media,
+        sc: 0x80,
+        more: false,
+        dnr: false,
+    };
+    /// Unrecovered Read Error.
+    pub const UNRECOVERED_READ_ERROR: Status = Status {
+        sct: StatusCodeType::Media,
+        sc: 0x81,
+        more: false,
+        dnr: false,
+    };
+    /// Namespace is Write Protected.
+    pub const NAMESPACE_WRITE_PROTECTED: Status = Status::generic(0x20, true);
+
     /// Asymmetric Access Inaccessible.
     pub const ANA_INACCESSIBLE: Status = Status::path(0x02, false);
     /// Asymmetric Access Persistent Loss.
     pub const ANA_PERSISTENT_LOSS: Status = Status::path(0x01, false);
     /// Asymmetric Access Transition.
     pub const ANA_TRANSITION: Status = Status::path(0x03, false);
+
+    /// How a command whose block operation failed with `e` ends: a medium error as a disk
+    /// reports it, storage that does not answer (a Ceph cluster down) as Namespace Not Ready
+    /// without DNR, which hosts retry.
+    pub fn of_backend(e: scsi_core::BackendError) -> Status {
+        use scsi_core::BackendError as E;
+        match e {
+            E::Read { .. } => Status::UNRECOVERED_READ_ERROR,
+            E::Write { .. } => Status::WRITE_FAULT,
+            E::NoSpace => Status::CAPACITY_EXCEEDED,
+            E::Miscompare { .. } => Status::COMPARE_FAILURE,
+            E::Unsupported => Status::INVALID_OPCODE,
+            E::Unavailable => Status::NAMESPACE_NOT_READY,
+            E::WriteProtected => Status::NAMESPACE_WRITE_PROTECTED,
+            _ => Status::INTERNAL_ERROR,
+        }
+    }
 
     /// Whether the command succeeded.
     pub fn is_success(self) -> bool {

@@ -7,16 +7,23 @@
 //! command capsule size) and H2CData answering R2Ts, and the controller sends response
 //! capsules, C2HData and R2Ts. An error in a PDU header ends the connection with a TermReq
 //! whose Fatal Error Status names it.
+//!
+//! [`ControllerConnection`] is the controller's end with its commands carried out: the
+//! queue machine joined to the subsystem and to the block operations a shell runs.
 
+pub mod connection;
 pub mod deframer;
 pub mod host;
 pub mod pdu;
 pub mod queue;
 
+pub use connection::ControllerConnection;
 pub use deframer::{DeframeError, Deframer, Limits, Pdu, Side};
 pub use host::{HostEvent, HostQueue, HostSettings};
 pub use pdu::{
     data_digest, encode, DataHeader, Digests, EncodedHeader, FatalError, Framing, Header, IcReq,
     IcResp, PduType, R2t, TermReq,
 };
-pub use queue::{ControllerQueue, Negotiated, QueueError, QueueEvent, QueueSettings, Transmit};
+pub use queue::{
+    ControllerQueue, Negotiated, Payload, QueueError, QueueEvent, QueueSettings, Transmit,
+};

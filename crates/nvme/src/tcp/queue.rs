@@ -13,6 +13,7 @@
 //! ([`QueueEvent::Failed`]).
 
 use std::collections::VecDeque;
+use std::ops::Deref;
 
 use bytes::Bytes;
 
@@ -107,22 +108,68 @@ pub enum QueueEvent {
     },
 }
 
+/// The data of a PDU to send: bytes of its own, or the first `len` bytes of a buffer the
+/// shell lent (a read's data where the backend put it, sent without a copy and given back
+/// when the send is done).
+pub enum Payload<B> {
+    /// Bytes of its own (a log page, an error's header).
+    Bytes(Bytes),
+    /// The first `len` bytes of `buffer`.
+    Buffer {
+        /// The buffer.
+        buffer: B,
+        /// Bytes of it to send.
+        len: usize,
+    },
+}
+
+impl<B: Deref<Target = [u8]>> Deref for Payload<B> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            Payload::Bytes(b) => b,
+            Payload::Buffer { buffer, len } => &buffer[..*len],
+        }
+    }
+}
+
+impl<B> From<Bytes> for Payload<B> {
+    fn from(b: Bytes) -> Self {
+        Payload::Bytes(b)
+    }
+}
+
+impl<B> std::fmt::Debug for Payload<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Payload::Bytes(b) => write!(f, "Bytes({} bytes)", b.len()),
+            Payload::Buffer { len, .. } => write!(f, "Buffer({len} bytes)"),
+        }
+    }
+}
+
 /// Bytes to send, in order: a header (with its digest and padding), data, and the data's
 /// digest. Sent with one vectored write.
-#[derive(Debug, Clone)]
-pub struct Transmit {
+#[derive(Debug)]
+pub struct Transmit<B = Bytes> {
     /// The header bytes.
     pub header: EncodedHeader,
-    /// The data (a slice of the buffer it is in).
-    pub data: Bytes,
+    /// The data.
+    pub data: Payload<B>,
     /// The data digest, when data digests are on.
     pub digest: Option<[u8; 4]>,
 }
 
-impl Transmit {
+impl<B: Deref<Target = [u8]>> Transmit<B> {
     /// `header` with `data`, framed with `framing` (and the data's digest when data digests
     /// are on); `None` when the header cannot be framed with that data.
-    pub fn frame(header: &Header, data: Bytes, framing: &Framing) -> Option<Transmit> {
+    pub fn frame(
+        header: &Header,
+        data: impl Into<Payload<B>>,
+        framing: &Framing,
+    ) -> Option<Transmit<B>> {
+        let data = data.into();
         let encoded = encode(header, u32::try_from(data.len()).ok()?, framing)?;
         let digest = encoded
             .needs_data_digest()
@@ -136,7 +183,7 @@ impl Transmit {
 
     /// A TermReq (`header`) carrying the PDU header in error, at most 128 bytes of it, framed
     /// without digests (none apply to TermReqs).
-    pub fn term_req(header: &Header, pdu_header: &[u8]) -> Option<Transmit> {
+    pub fn term_req(header: &Header, pdu_header: &[u8]) -> Option<Transmit<B>> {
         let error_data = Bytes::copy_from_slice(&pdu_header[..pdu_header.len().min(128)]);
         Transmit::frame(header, error_data, &Framing::default())
     }
@@ -184,9 +231,10 @@ enum State {
     Over,
 }
 
-/// The controller's end of one NVMe/TCP connection.
+/// The controller's end of one NVMe/TCP connection; `B` the buffers a read's data is sent
+/// from.
 #[derive(Debug)]
-pub struct ControllerQueue {
+pub struct ControllerQueue<B = Bytes> {
     settings: QueueSettings,
     state: State,
     deframer: Deframer,
@@ -196,12 +244,12 @@ pub struct ControllerQueue {
     r2ts: Vec<Outstanding>,
     next_ttag: u16,
     events: VecDeque<QueueEvent>,
-    transmits: VecDeque<Transmit>,
+    transmits: VecDeque<Transmit<B>>,
 }
 
-impl ControllerQueue {
+impl<B: Deref<Target = [u8]>> ControllerQueue<B> {
     /// A connection just accepted, waiting for ICReq.
-    pub fn new(settings: QueueSettings) -> ControllerQueue {
+    pub fn new(settings: QueueSettings) -> ControllerQueue<B> {
         let settings = QueueSettings {
             cpda: settings.cpda.min(MAX_PDA),
             maxh2cdata: settings.maxh2cdata.max(MIN_MAXH2CDATA),
@@ -265,7 +313,7 @@ impl ControllerQueue {
     }
 
     /// The next bytes to send.
-    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+    pub fn poll_transmit(&mut self) -> Option<Transmit<B>> {
         self.transmits.pop_front()
     }
 
@@ -306,10 +354,11 @@ impl ControllerQueue {
         &mut self,
         cid: u16,
         offset: u32,
-        data: Bytes,
+        data: impl Into<Payload<B>>,
         last: bool,
         success: bool,
     ) -> Result<(), QueueError> {
+        let data = data.into();
         if self.state != State::Ready {
             return Err(QueueError::NotReady);
         }
@@ -352,7 +401,7 @@ impl ControllerQueue {
     }
 
     /// Frames `header` with `data` toward the host; false when it cannot be framed.
-    fn send(&mut self, header: &Header, data: Bytes) -> bool {
+    fn send(&mut self, header: &Header, data: impl Into<Payload<B>>) -> bool {
         let Some(t) = Transmit::frame(header, data, &self.framing) else {
             return false;
         };

@@ -1,0 +1,485 @@
+//! The controller's end of one NVMe/TCP connection with its commands carried out: the
+//! connection machine ([`ControllerQueue`]) joined to the subsystem ([`Subsystem`]) and to
+//! the events every transport of this project hands its shell (scsi-core's
+//! [`transport::Event`](scsi_core::transport::Event)): a buffer wanted, a block operation to
+//! run on a namespace's storage, a command finished. A shell that carries SCSI transports'
+//! events carries these the same way; what is NVMe's is here.
+//!
+//! A command's life: its capsule comes; Connect binds the connection to a queue of a
+//! controller; an admin command is answered by the subsystem at once; an I/O command asks
+//! for a buffer (its data, at most MDTS), then for a write the data in the capsule is copied
+//! in or asked for with an R2T, then its block operation runs, then a read's data goes out
+//! from the buffer itself (one C2HData, with SUCCESS and no response capsule when the host
+//! disabled SQ flow control) and the completion follows. The subsystem is borrowed only
+//! while commands arrive ([`ControllerConnection::handle`]): several connections (the queues
+//! of one controller, and other controllers) share it behind the shell's lock, and a block
+//! operation's end needs no lock.
+
+use std::collections::{HashMap, VecDeque};
+use std::ops::DerefMut;
+use std::time::Instant;
+
+use bytes::Bytes;
+use scsi_core::transport::{Accounting, Event};
+use scsi_core::{BackendError, Op, Output, TaskId};
+
+use super::queue::{ControllerQueue, Payload, QueueEvent, QueueSettings, Transmit};
+use crate::controller::{Answer, Queue, Subsystem};
+use crate::cqe::Cqe;
+use crate::nvm::{self, IoCommand, Transfer};
+use crate::sqe::Sqe;
+use crate::status::Status;
+
+/// What an I/O command does once its buffer (and data) are in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Work {
+    /// One block operation.
+    Op(Op),
+    /// Deallocations: the ranges are read from the data once it is in, then run in turn.
+    Deallocate { ops: Vec<Op>, next: usize },
+}
+
+/// Where an I/O command is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Waiting for its buffer.
+    Buffer,
+    /// Waiting for the data an R2T asked for.
+    Data,
+    /// Its block operation runs.
+    Backend,
+}
+
+/// An I/O command in flight.
+#[derive(Debug)]
+struct Command<B> {
+    nsid: u32,
+    /// The namespace's, when the command came (Dataset Management's ranges are checked
+    /// against it).
+    geometry: nvm::NamespaceGeometry,
+    task: TaskId,
+    arrived: Instant,
+    work: Work,
+    transfer: Transfer,
+    /// Bytes of buffer it needs.
+    len: usize,
+    phase: Phase,
+    buffer: Option<B>,
+    /// In-capsule data, copied into the buffer once it comes.
+    capsule: Bytes,
+    /// Data bytes in so far.
+    received: u32,
+    /// Some data came with a bad digest: the command ends with Transient Transport Error
+    /// once all of it is in.
+    damaged: bool,
+}
+
+/// The controller's end of one NVMe/TCP connection, with its commands carried out; `B` the
+/// shell's buffers (the reactor's arena).
+#[derive(Debug)]
+pub struct ControllerConnection<B> {
+    queue: ControllerQueue<B>,
+    /// The queue Connect bound it to.
+    bound: Option<Queue>,
+    /// The SQ head pointer each completion reports: one past the last command taken.
+    sqhd: u16,
+    commands: HashMap<u16, Command<B>>,
+    /// Tells a stale backend completion from the current command of a reused CID.
+    generation: u32,
+    events: VecDeque<Event<B>>,
+    /// Block operations running.
+    in_backend: usize,
+    /// The controller failed (keep alive expired): the connection closes.
+    dropped: bool,
+}
+
+impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
+    /// A connection just accepted, waiting for ICReq.
+    pub fn new(settings: QueueSettings) -> ControllerConnection<B> {
+        ControllerConnection {
+            queue: ControllerQueue::new(settings),
+            bound: None,
+            sqhd: 0,
+            commands: HashMap::with_capacity(256),
+            generation: 0,
+            events: VecDeque::with_capacity(64),
+            in_backend: 0,
+            dropped: false,
+        }
+    }
+
+    /// The queue the connection serves, once connected.
+    pub fn bound(&self) -> Option<Queue> {
+        self.bound
+    }
+
+    /// The connection machine (what ICReq settled).
+    pub fn queue(&self) -> &ControllerQueue<B> {
+        &self.queue
+    }
+
+    /// Whether the connection is over: close it once the transmits are sent.
+    pub fn is_over(&self) -> bool {
+        self.dropped || self.queue.is_over()
+    }
+
+    /// I/O commands in flight.
+    pub fn in_flight(&self) -> usize {
+        self.commands.len()
+    }
+
+    /// Block operations running, whose ends the shell still owes.
+    pub fn in_backend(&self) -> usize {
+        self.in_backend
+    }
+
+    /// How many more bytes the next PDU needs: what to read next.
+    pub fn needed(&self) -> usize {
+        self.queue.needed()
+    }
+
+    /// Bytes from the host; [`ControllerConnection::handle`] takes what they carry.
+    pub fn receive(&mut self, bytes: &[u8]) {
+        self.queue.receive(bytes);
+    }
+
+    /// Takes the commands and data received, answering what the subsystem answers, and
+    /// sends the asynchronous events waiting for this controller's admin queue.
+    pub fn handle(&mut self, now: Instant, subsystem: &mut Subsystem) {
+        while let Some(e) = self.queue.poll_event() {
+            match e {
+                QueueEvent::Command {
+                    sqe,
+                    data,
+                    data_digest_ok,
+                } => self.command(now, subsystem, sqe, data, data_digest_ok),
+                QueueEvent::Data {
+                    cid,
+                    offset,
+                    data,
+                    last,
+                    data_digest_ok,
+                } => self.data(now, cid, offset, &data, last, data_digest_ok),
+                QueueEvent::Initialized(_)
+                | QueueEvent::Terminated(_)
+                | QueueEvent::Failed { .. } => {}
+            }
+        }
+        if let Some(q) = self.bound.filter(|q| q.qid == 0) {
+            while let Some(cqe) = subsystem.poll_async_event(q.cntlid) {
+                self.complete(cqe);
+            }
+        }
+    }
+
+    /// Time passed: keep alive is checked; a connection of a controller that failed (or is
+    /// gone) is over.
+    pub fn handle_timeout(&mut self, now: Instant, subsystem: &mut Subsystem) {
+        subsystem.handle_timeout(now);
+        if let Some(q) = self.bound {
+            if !subsystem.is_live(q.cntlid) {
+                self.dropped = true;
+            }
+        }
+    }
+
+    /// The buffer command `tag` asked for ([`Event::BufferWanted`]); `None` when none can
+    /// ever be had.
+    pub fn handle_buffer(&mut self, now: Instant, tag: u64, buffer: Option<B>) {
+        let cid = tag as u16;
+        let Some(c) = self.commands.get_mut(&cid) else {
+            return;
+        };
+        if c.phase != Phase::Buffer {
+            return;
+        }
+        let Some(mut buffer) = buffer else {
+            return self.finish(now, cid, Status::INTERNAL_ERROR);
+        };
+        match c.transfer {
+            Transfer::FromHost {
+                len,
+                in_capsule: true,
+            } => {
+                let n = (len as usize).min(c.capsule.len()).min(buffer.len());
+                buffer[..n].copy_from_slice(&c.capsule[..n]);
+                c.capsule = Bytes::new();
+                c.buffer = Some(buffer);
+                self.run(now, cid);
+            }
+            Transfer::FromHost { len, .. } => {
+                c.buffer = Some(buffer);
+                c.phase = Phase::Data;
+                if self.queue.request_data(cid, 0, len).is_err() {
+                    self.finish(now, cid, Status::INTERNAL_ERROR);
+                }
+            }
+            Transfer::None | Transfer::ToHost { .. } => {
+                c.buffer = Some(buffer);
+                self.run(now, cid);
+            }
+        }
+    }
+
+    /// The end of the block operation of `task`, with its buffer.
+    pub fn handle_backend_done(
+        &mut self,
+        now: Instant,
+        task: TaskId,
+        buffer: B,
+        result: Result<Output, BackendError>,
+    ) {
+        let cid = task.to_bits() as u16;
+        let Some(c) = self
+            .commands
+            .get_mut(&cid)
+            .filter(|c| c.task == task && c.phase == Phase::Backend)
+        else {
+            return;
+        };
+        self.in_backend -= 1;
+        c.buffer = Some(buffer);
+        if let Err(e) = result {
+            return self.finish(now, cid, Status::of_backend(e));
+        }
+        if let Work::Deallocate { ops, next } = &mut c.work {
+            *next += 1;
+            if *next < ops.len() {
+                return self.run(now, cid);
+            }
+        }
+        if let Transfer::ToHost { len } = c.transfer {
+            let quiet = self.bound.is_some_and(|q| q.sq_flow_control_disabled);
+            let Some(buffer) = c.buffer.take() else {
+                return self.finish(now, cid, Status::INTERNAL_ERROR);
+            };
+            let data = Payload::Buffer {
+                buffer,
+                len: len as usize,
+            };
+            if self.queue.send_data(cid, 0, data, true, quiet).is_err() {
+                return self.finish(now, cid, Status::INTERNAL_ERROR);
+            }
+            if quiet {
+                return self.retire(now, cid, false);
+            }
+        }
+        self.finish(now, cid, Status::SUCCESS)
+    }
+
+    /// The next event for the shell.
+    pub fn poll_event(&mut self) -> Option<Event<B>> {
+        self.events.pop_front()
+    }
+
+    /// The next bytes to send.
+    pub fn poll_transmit(&mut self) -> Option<Transmit<B>> {
+        self.queue.poll_transmit()
+    }
+
+    /// The connection is gone: its queue leaves its controller (the admin queue takes the
+    /// controller with it), and the commands waiting for a buffer or data are dropped. Block
+    /// operations still running end in [`ControllerConnection::handle_backend_done`] as
+    /// usual; the shell waits for them ([`ControllerConnection::in_backend`]) before it
+    /// frees what they use.
+    pub fn close(&mut self, subsystem: &mut Subsystem) {
+        if let Some(q) = self.bound.take() {
+            subsystem.disconnect(&q);
+        }
+        self.commands.retain(|_, c| c.phase == Phase::Backend);
+        self.dropped = true;
+    }
+
+    /// A command capsule.
+    fn command(
+        &mut self,
+        now: Instant,
+        subsystem: &mut Subsystem,
+        sqe: Sqe,
+        data: Bytes,
+        data_digest_ok: bool,
+    ) {
+        let cid = sqe.cid();
+        if let Some(q) = self.bound {
+            self.sqhd = ((u32::from(self.sqhd) + 1) % q.size.max(1)) as u16;
+        }
+        if !data_digest_ok {
+            return self.complete(Cqe::new(cid, Status::TRANSIENT_TRANSPORT_ERROR));
+        }
+        let Some(bound) = self.bound else {
+            match subsystem.connect(now, &sqe, &data) {
+                Ok((q, cqe)) => {
+                    self.bound = Some(q);
+                    self.sqhd = 1 % q.size.max(1) as u16;
+                    self.complete(cqe);
+                }
+                Err(cqe) => self.complete(cqe),
+            }
+            return;
+        };
+        if self.commands.contains_key(&cid) {
+            return self.complete(Cqe::new(cid, Status::COMMAND_ID_CONFLICT));
+        }
+        match subsystem.command(now, &bound, &sqe, &data) {
+            Answer::Complete(cqe) => self.complete(cqe),
+            Answer::Data { data, cqe } => {
+                if self.queue.send_data(cid, 0, data, true, false).is_err() {
+                    return self.complete(Cqe::new(cid, Status::INTERNAL_ERROR));
+                }
+                self.complete(cqe);
+            }
+            Answer::Held => {}
+            Answer::Io { nsid, command } => {
+                let Some(ns) = subsystem.namespace(nsid) else {
+                    return self.complete(Cqe::new(cid, Status::INVALID_NAMESPACE));
+                };
+                let geometry = ns.geometry;
+                let bs = geometry.block_size;
+                let (work, transfer, len) = match command {
+                    IoCommand::Op { op, transfer } => {
+                        let len = op.buffer_len(bs) as usize;
+                        (Work::Op(op), transfer, len)
+                    }
+                    IoCommand::Deallocate { ranges, transfer } => (
+                        Work::Deallocate {
+                            ops: Vec::new(),
+                            next: 0,
+                        },
+                        transfer,
+                        usize::from(ranges) * 16,
+                    ),
+                    IoCommand::Nothing => {
+                        return self.complete(Cqe::new(cid, Status::SUCCESS));
+                    }
+                };
+                self.generation = self.generation.wrapping_add(1);
+                let task = TaskId::from_bits(u64::from(self.generation) << 32 | u64::from(cid));
+                self.commands.insert(
+                    cid,
+                    Command {
+                        nsid,
+                        geometry,
+                        task,
+                        arrived: now,
+                        work,
+                        transfer,
+                        len,
+                        phase: Phase::Buffer,
+                        buffer: None,
+                        capsule: data,
+                        received: 0,
+                        damaged: false,
+                    },
+                );
+                self.events.push_back(Event::BufferWanted {
+                    tag: u64::from(cid),
+                    len,
+                });
+            }
+        }
+    }
+
+    /// Data of a write, answering an R2T.
+    fn data(
+        &mut self,
+        now: Instant,
+        cid: u16,
+        offset: u32,
+        data: &[u8],
+        last: bool,
+        digest_ok: bool,
+    ) {
+        let Some(c) = self.commands.get_mut(&cid) else {
+            return;
+        };
+        if c.phase != Phase::Data {
+            return;
+        }
+        let at = offset as usize;
+        // The queue checked the range against the R2T, which asked for the command's data.
+        if let Some(dst) = c
+            .buffer
+            .as_mut()
+            .and_then(|b| b.get_mut(at..at + data.len()))
+        {
+            dst.copy_from_slice(data);
+        }
+        c.received = c.received.saturating_add(data.len() as u32);
+        c.damaged |= !digest_ok;
+        if last {
+            if c.damaged {
+                return self.finish(now, cid, Status::TRANSIENT_TRANSPORT_ERROR);
+            }
+            self.run(now, cid);
+        }
+    }
+
+    /// Runs command `cid`'s (next) block operation, its buffer and data in.
+    fn run(&mut self, now: Instant, cid: u16) {
+        let Some(c) = self.commands.get_mut(&cid) else {
+            return;
+        };
+        let op = match &mut c.work {
+            Work::Op(op) => *op,
+            Work::Deallocate { ops, next } => {
+                if *next == 0 && ops.is_empty() {
+                    let data = c.buffer.as_deref().map(|b| &b[..c.len.min(b.len())]);
+                    match nvm::dsm_ranges(data.unwrap_or_default(), &c.geometry) {
+                        Ok(found) => *ops = found,
+                        Err(s) => return self.finish(now, cid, s),
+                    }
+                    if ops.is_empty() {
+                        return self.finish(now, cid, Status::SUCCESS);
+                    }
+                }
+                ops[*next]
+            }
+        };
+        let Some(buffer) = c.buffer.take() else {
+            return self.finish(now, cid, Status::INTERNAL_ERROR);
+        };
+        c.phase = Phase::Backend;
+        self.in_backend += 1;
+        self.events.push_back(Event::Backend {
+            task: c.task,
+            lun: c.nsid as u16,
+            op,
+            buffer,
+        });
+    }
+
+    /// Ends I/O command `cid` with `status`.
+    fn finish(&mut self, now: Instant, cid: u16, status: Status) {
+        self.complete(Cqe::new(cid, status));
+        self.retire(now, cid, !status.is_success());
+    }
+
+    /// Forgets I/O command `cid` (its completion sent) and counts it.
+    fn retire(&mut self, now: Instant, cid: u16, error: bool) {
+        let Some(c) = self.commands.remove(&cid) else {
+            return;
+        };
+        let moved = |t| match (t, &c.work) {
+            (true, Work::Op(Op::Read { .. })) => c.len as u64,
+            (false, Work::Op(Op::Write { .. })) => c.len as u64,
+            _ => 0,
+        };
+        self.events.push_back(Event::Completed(Accounting {
+            lun: u64::from(c.nsid),
+            read_bytes: if error { 0 } else { moved(true) },
+            write_bytes: if error { 0 } else { moved(false) },
+            latency: now.saturating_duration_since(c.arrived),
+            error,
+        }));
+    }
+
+    /// Sends `cqe`, with this queue's SQ head pointer and ID.
+    fn complete(&mut self, cqe: Cqe) {
+        let cqe = Cqe {
+            sqhd: self.sqhd,
+            sqid: self.bound.map_or(0, |q| q.qid),
+            ..cqe
+        };
+        let _ = self.queue.complete(cqe);
+    }
+}
