@@ -8,6 +8,49 @@ use crate::status::Status;
 /// The NQN of discovery controllers.
 pub const DISCOVERY_NQN: &str = "nqn.2014-08.org.nvmexpress.discovery";
 
+/// Why a name is not an NQN.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NqnError {
+    /// Empty.
+    #[error("empty")]
+    Empty,
+    /// Longer than 223 bytes.
+    #[error("{0} bytes, more than 223")]
+    TooLong(usize),
+    /// Not `nqn.yyyy-mm.reverse.domain[:anything]` or the UUID form.
+    #[error("not nqn.yyyy-mm.<reverse domain>[:<name>] or nqn.2014-08.org.nvmexpress:uuid:<UUID>")]
+    Form,
+    /// A character a name may not have (a control character or a space).
+    #[error("has a space or a control character")]
+    Character,
+}
+
+/// Checks `name` is an NQN: `nqn.` then a year and month, a dot, a reverse domain name, and
+/// anything after a colon; at most 223 bytes of UTF-8, no spaces or control characters.
+pub fn check_nqn(name: &str) -> Result<(), NqnError> {
+    if name.is_empty() {
+        return Err(NqnError::Empty);
+    }
+    if name.len() > MAX_NQN_LEN {
+        return Err(NqnError::TooLong(name.len()));
+    }
+    if name.chars().any(|c| c.is_control() || c.is_whitespace()) {
+        return Err(NqnError::Character);
+    }
+    let b = name.as_bytes();
+    let date = b.len() > 12
+        && b.starts_with(b"nqn.")
+        && b[4..8].iter().all(u8::is_ascii_digit)
+        && b[8] == b'-'
+        && b[9..11].iter().all(u8::is_ascii_digit)
+        && b[11] == b'.';
+    let domain = name[12.min(name.len())..].split(':').next().unwrap_or("");
+    if !date || domain.is_empty() {
+        return Err(NqnError::Form);
+    }
+    Ok(())
+}
+
 /// The longest NQN (its field is 256 bytes, NUL terminated).
 pub const MAX_NQN_LEN: usize = 223;
 
@@ -298,6 +341,24 @@ impl Properties {
 mod tests {
     use super::*;
     use crate::opcode::FabricsType;
+
+    #[test]
+    fn nqns_are_checked() {
+        for good in [
+            "nqn.2014-08.org.nvmexpress.discovery",
+            "nqn.2026-11.io.example:disk1",
+            "nqn.2014-08.org.nvmexpress:uuid:8e7f0c4a-3b1e-4d2a-9c5f-1a2b3c4d5e6f",
+        ] {
+            assert_eq!(check_nqn(good), Ok(()), "{good}");
+        }
+        assert_eq!(check_nqn(""), Err(NqnError::Empty));
+        assert_eq!(check_nqn("iqn.2026-11.io.example:x"), Err(NqnError::Form));
+        assert_eq!(check_nqn("nqn.26-11.io.example"), Err(NqnError::Form));
+        assert_eq!(check_nqn("nqn.2026-11.:x"), Err(NqnError::Form));
+        assert_eq!(check_nqn("nqn.2026-11.io.x:a b"), Err(NqnError::Character));
+        let long = format!("nqn.2026-11.io.example:{}", "x".repeat(201));
+        assert_eq!(check_nqn(&long), Err(NqnError::TooLong(long.len())));
+    }
 
     #[test]
     fn connect_reads_back() {

@@ -108,6 +108,32 @@ impl Waits {
     }
 }
 
+/// The head of a connection's buffer queue: its tag and its place in the arena's FIFO. It
+/// lives across a shell's loop iterations so the place is kept.
+pub type Waiting<'a> = Option<(u64, backend::ShareAlloc<'a>)>;
+
+impl Waits {
+    /// Starts waiting for the oldest queued buffer, unless a wait is on already.
+    pub fn start_waiting<'a>(&self, share: &'a Share, waiting: &mut Waiting<'a>) {
+        if waiting.is_none() {
+            if let Some(w) = self.front() {
+                *waiting = Some((w.tag, share.alloc(w.len)));
+            }
+        }
+    }
+}
+
+/// Resolves when the arena grants the waiting buffer (never, when none waits).
+pub async fn granted(waiting: &mut Waiting<'_>) -> (u64, Result<Buffer, backend::ArenaError>) {
+    let Some((tag, alloc)) = waiting else {
+        return std::future::pending().await;
+    };
+    let b = alloc.await;
+    let tag = *tag;
+    *waiting = None;
+    (tag, b)
+}
+
 /// Carries out transport events on a reactor for one connection (an iSCSI connection's task)
 /// or for the connections of one port (an RDMA port's task), which then share the inbox of
 /// backend completions.

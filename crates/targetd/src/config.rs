@@ -57,6 +57,14 @@ pub struct Config {
     /// The targets exported.
     #[serde(default)]
     pub targets: Vec<Target>,
+    /// What NVMe/TCP controllers offer every host.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Nvme::is_default")]
+    pub nvme: Nvme,
+    /// The NVM subsystems exported over NVMe/TCP (`server.nvme_portals`).
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub subsystems: Vec<Subsystem>,
     /// This gateway's place among several that export the same targets and RBD images
     /// (feature `rbd`): reservations kept in RADOS, one target port group per gateway.
     #[serde(default)]
@@ -162,6 +170,11 @@ pub struct Server {
     /// iSER (iSCSI over RDMA) listen addresses (feature `rdma`).
     #[serde(default)]
     pub iser_portals: Vec<String>,
+    /// NVMe/TCP listen addresses, `host:port` (4420 is NVMe/TCP's port); the subsystems
+    /// of `[[subsystems]]` are reached through each.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub nvme_portals: Vec<String>,
     /// The I/O engine: "auto", "uring" or "threads".
     #[serde(default = "default_engine")]
     pub engine: String,
@@ -441,6 +454,122 @@ impl std::fmt::Debug for Chap {
     }
 }
 
+/// `[nvme]`: what the NVMe/TCP controllers offer every host.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Nvme {
+    /// Data an I/O command may carry in its capsule, bytes (the I/O queue command capsule
+    /// less its SQE; a multiple of 16, at most 131072): a write this size or smaller needs
+    /// no R2T. Linux's host sends writes up to it in the capsule.
+    pub in_capsule_data_size: u32,
+    /// Grant header digests (CRC32C) to a host that asks.
+    pub header_digest: bool,
+    /// Grant data digests (CRC32C) to a host that asks.
+    pub data_digest: bool,
+    /// I/O queues a controller may have, 1 to 128 (Linux's host asks one per CPU).
+    pub max_io_queues: u16,
+    /// Entries an I/O queue may have, 32 to 1024 (MQES + 1): commands a host may have
+    /// outstanding on one queue.
+    pub queue_entries: u16,
+    /// The most data one H2CData PDU may carry (MAXH2CDATA), bytes: 4096 to 1048576, a
+    /// multiple of 4.
+    pub max_h2c_data: u32,
+}
+
+impl Default for Nvme {
+    fn default() -> Self {
+        Nvme {
+            in_capsule_data_size: 8192,
+            header_digest: true,
+            data_digest: true,
+            max_io_queues: 8,
+            queue_entries: 128,
+            max_h2c_data: 128 * 1024,
+        }
+    }
+}
+
+impl Nvme {
+    fn is_default(&self) -> bool {
+        *self == Nvme::default()
+    }
+}
+
+/// `[[subsystems]]`: an NVM subsystem, its hosts and its namespaces.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Subsystem {
+    /// The subsystem's NQN (`nqn.yyyy-mm.reverse.domain:name`).
+    pub nqn: String,
+    /// The serial number its controllers report (up to 20 ASCII characters); by default
+    /// one derived from the NQN, the same at every start.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub serial: Option<String>,
+    /// The model its controllers report (up to 40 ASCII characters); "targetd" by default.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// Host NQNs allowed to connect; empty = any host.
+    #[serde(default)]
+    pub hosts: Vec<String>,
+    /// Namespaces.
+    #[serde(default)]
+    pub namespaces: Vec<Namespace>,
+}
+
+/// The largest NSID a namespace may have here.
+pub const MAX_NSID: u32 = 1024;
+
+/// `[[subsystems.namespaces]]`: `nsid` and where its blocks are, in the keys a LUN has
+/// (`backend`, `path`, `size`, `block_size`, `pool`, `image`, ...); `lun` is not one.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Namespace {
+    /// NSID, 1 to [`MAX_NSID`].
+    pub nsid: u32,
+    /// Its storage, as a LUN's (whose `lun` is the NSID's low bits, unused).
+    pub unit: Lun,
+}
+
+impl<'de> Deserialize<'de> for Namespace {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Namespace, D::Error> {
+        use serde::de::Error;
+        let mut table = toml::Table::deserialize(d)?;
+        if table.contains_key("lun") {
+            return Err(D::Error::custom(
+                "unknown field `lun`: a namespace is numbered by `nsid`",
+            ));
+        }
+        let nsid = table
+            .remove("nsid")
+            .ok_or_else(|| D::Error::missing_field("nsid"))?;
+        let nsid = nsid
+            .as_integer()
+            .and_then(|n| u32::try_from(n).ok())
+            .ok_or_else(|| D::Error::custom(format!("nsid: {nsid} is not a namespace ID")))?;
+        table.insert("lun".into(), toml::Value::Integer(i64::from(nsid & 0x3fff)));
+        let unit = Lun::deserialize(toml::Value::Table(table)).map_err(D::Error::custom)?;
+        Ok(Namespace { nsid, unit })
+    }
+}
+
+impl Serialize for Namespace {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{Error, SerializeMap};
+        let unit = toml::Value::try_from(&self.unit).map_err(S::Error::custom)?;
+        let toml::Value::Table(mut table) = unit else {
+            return Err(S::Error::custom("a unit is a table"));
+        };
+        table.remove("lun");
+        let mut map = s.serialize_map(Some(table.len() + 1))?;
+        map.serialize_entry("nsid", &self.nsid)?;
+        for (k, v) in &table {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+}
+
 /// `[[targets.luns]]`.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -623,6 +752,11 @@ impl Server {
                 "iser_portals",
                 show(&self.iser_portals),
                 show(&other.iser_portals),
+            ),
+            (
+                "nvme_portals",
+                show(&self.nvme_portals),
+                show(&other.nvme_portals),
             ),
             ("reactors", show(&self.reactors), show(&other.reactors)),
             (
@@ -836,7 +970,12 @@ impl Config {
         if let Some(p) = self.server.state_dir.as_mut() {
             fix(p);
         }
-        for lun in self.targets.iter_mut().flat_map(|t| t.luns.iter_mut()) {
+        let luns = self.targets.iter_mut().flat_map(|t| t.luns.iter_mut());
+        let namespaces = self
+            .subsystems
+            .iter_mut()
+            .flat_map(|s| s.namespaces.iter_mut().map(|n| &mut n.unit));
+        for lun in luns.chain(namespaces) {
             for p in [&mut lun.path, &mut lun.ceph_conf, &mut lun.keyring]
                 .into_iter()
                 .flatten()
@@ -900,6 +1039,7 @@ impl Config {
         self.validate_server()?;
         self.validate_iscsi()?;
         self.validate_targets()?;
+        self.validate_nvme()?;
         self.validate_cluster()
     }
 
@@ -924,6 +1064,7 @@ impl Config {
         for (key, list) in [
             ("rdma_portals", &s.rdma_portals),
             ("iser_portals", &s.iser_portals),
+            ("nvme_portals", &s.nvme_portals),
         ] {
             for (i, p) in list.iter().enumerate() {
                 if p.parse::<SocketAddr>().is_err() {
@@ -1087,7 +1228,119 @@ impl Config {
                 self.validate_lun(t, l, lun, &mut luns, &mut paths)?;
             }
         }
+        self.validate_subsystems(&mut paths)?;
         self.validate_memory_units(host_memory())
+    }
+
+    /// `[nvme]`: what the controllers offer.
+    fn validate_nvme(&self) -> Result<(), (String, String)> {
+        let n = &self.nvme;
+        let fail = |key: &str, reason: String| Err((format!("nvme.{key}"), reason));
+        if n.in_capsule_data_size % 16 != 0 || n.in_capsule_data_size > 131_072 {
+            return fail(
+                "in_capsule_data_size",
+                format!(
+                    "{}: must be a multiple of 16 bytes, at most 131072",
+                    n.in_capsule_data_size
+                ),
+            );
+        }
+        if !(1..=128).contains(&n.max_io_queues) {
+            return fail(
+                "max_io_queues",
+                format!("{}: must be 1 to 128", n.max_io_queues),
+            );
+        }
+        if !(32..=1024).contains(&n.queue_entries) {
+            return fail(
+                "queue_entries",
+                format!("{}: must be 32 to 1024", n.queue_entries),
+            );
+        }
+        if !(4096..=1 << 20).contains(&n.max_h2c_data) || n.max_h2c_data % 4 != 0 {
+            return fail(
+                "max_h2c_data",
+                format!(
+                    "{}: must be a multiple of 4 bytes from 4096 to 1048576",
+                    n.max_h2c_data
+                ),
+            );
+        }
+        Ok(())
+    }
+
+    /// `[[subsystems]]`: NQNs, hosts, identity strings, and each namespace (its NSID, and
+    /// its storage as a LUN's: `paths` holds what the LUNs use already).
+    fn validate_subsystems(&self, paths: &mut HashSet<Backing>) -> Result<(), (String, String)> {
+        let fail = |key: String, reason: String| Err((key, reason));
+        let mut nqns = HashSet::new();
+        for (i, sub) in self.subsystems.iter().enumerate() {
+            let key = |k: &str| format!("subsystems[{i}].{k}");
+            if let Err(why) = nvme::fabrics::check_nqn(&sub.nqn) {
+                return fail(key("nqn"), format!("{:?} is not an NQN: {why}", sub.nqn));
+            }
+            if sub.nqn == nvme::fabrics::DISCOVERY_NQN {
+                return fail(
+                    key("nqn"),
+                    "is the discovery controllers' NQN, which no NVM subsystem may have".into(),
+                );
+            }
+            if !nqns.insert(sub.nqn.as_str()) {
+                return fail(key("nqn"), format!("{:?} is defined twice", sub.nqn));
+            }
+            for (h, host) in sub.hosts.iter().enumerate() {
+                if let Err(why) = nvme::fabrics::check_nqn(host) {
+                    return fail(
+                        key(&format!("hosts[{h}]")),
+                        format!("{host:?} is not a host NQN: {why}"),
+                    );
+                }
+            }
+            for (k, value, most) in [("serial", &sub.serial, 20), ("model", &sub.model, 40)] {
+                if let Some(v) = value {
+                    if v.is_empty()
+                        || v.len() > most
+                        || !v.bytes().all(|b| (0x20..0x7f).contains(&b))
+                    {
+                        return fail(
+                            key(k),
+                            format!("{v:?}: must be 1 to {most} printable ASCII characters"),
+                        );
+                    }
+                }
+            }
+            let mut nsids = HashSet::new();
+            for (n, ns) in sub.namespaces.iter().enumerate() {
+                let nkey = |k: &str| format!("subsystems[{i}].namespaces[{n}].{k}");
+                if !(1..=MAX_NSID).contains(&ns.nsid) {
+                    return fail(
+                        nkey("nsid"),
+                        format!("{}: must be 1 to {MAX_NSID}", ns.nsid),
+                    );
+                }
+                if !nsids.insert(ns.nsid) {
+                    return fail(
+                        nkey("nsid"),
+                        format!("namespace {} is defined twice in this subsystem", ns.nsid),
+                    );
+                }
+                for (k, set) in [
+                    ("preferred_gateway", ns.unit.preferred_gateway.is_some()),
+                    ("standby", ns.unit.standby),
+                ] {
+                    if set {
+                        return fail(
+                            nkey(k),
+                            "a namespace is served by this gateway alone: ANA groups across \
+                             gateways are not there yet"
+                                .into(),
+                        );
+                    }
+                }
+                self.validate_unit(&nkey, &ns.unit, paths)?;
+            }
+        }
+        Ok(())
     }
 
     /// Memory units hold every block written in the daemon's RAM: together they must fit in
@@ -1096,8 +1349,21 @@ impl Config {
     fn validate_memory_units(&self, host: Option<u64>) -> Result<(), (String, String)> {
         let Some(host) = host else { return Ok(()) };
         let mut total = 0u64;
-        for (t, target) in self.targets.iter().enumerate() {
-            for (l, lun) in target.luns.iter().enumerate() {
+        let luns = self.targets.iter().enumerate().flat_map(|(t, target)| {
+            target
+                .luns
+                .iter()
+                .enumerate()
+                .map(move |(l, lun)| (format!("targets[{t}].luns[{l}].size"), lun))
+        });
+        let namespaces = self.subsystems.iter().enumerate().flat_map(|(i, sub)| {
+            sub.namespaces
+                .iter()
+                .enumerate()
+                .map(move |(n, ns)| (format!("subsystems[{i}].namespaces[{n}].size"), &ns.unit))
+        });
+        {
+            for (key, lun) in luns.chain(namespaces) {
                 let (true, Some(Size(size))) = (lun.backend == "memory", lun.size) else {
                     continue;
                 };
@@ -1105,7 +1371,7 @@ impl Config {
                 if total > host {
                     let others = total - size;
                     return Err((
-                        format!("targets[{t}].luns[{l}].size"),
+                        key,
                         format!(
                             "a memory LUN of {} {}is more than this host's {} of memory and \
                              swap: its blocks live in targetd's memory, and writing them would \
@@ -1151,6 +1417,18 @@ impl Config {
                 format!("LUN {} is defined twice in this target", lun.lun),
             );
         }
+        self.validate_unit(&key, lun, paths)
+    }
+
+    /// A unit's geometry, transfer lengths and backend keys (a LUN's or a namespace's; `key`
+    /// names them); the file or image backs no other unit.
+    fn validate_unit(
+        &self,
+        key: &dyn Fn(&str) -> String,
+        lun: &Lun,
+        paths: &mut HashSet<Backing>,
+    ) -> Result<(), (String, String)> {
+        let fail = |key: &str, reason: String| Err((key.to_string(), reason));
         if lun.block_size != 512 && lun.block_size != 4096 {
             return fail(
                 &key("block_size"),
@@ -1213,7 +1491,7 @@ impl Config {
             }
         }
         match lun.backend.as_str() {
-            "rbd" => self.validate_rbd(&key, lun, paths)?,
+            "rbd" => self.validate_rbd(key, lun, paths)?,
             "file" => {
                 let Some(path) = &lun.path else {
                     return fail(&key("path"), "the file backend needs a path".into());
@@ -1221,7 +1499,7 @@ impl Config {
                 if !paths.insert(Backing::of_file(path)) {
                     return fail(
                         &key("path"),
-                        format!("{} backs another LUN already", path.display()),
+                        format!("{} backs another LUN or namespace already", path.display()),
                     );
                 }
             }
@@ -1343,7 +1621,7 @@ impl Config {
         if !paths.insert(Backing::Rbd(spec.clone())) {
             return fail(
                 &key("image"),
-                format!("{} backs another LUN already", &spec[4..]),
+                format!("{} backs another LUN or namespace already", &spec[4..]),
             );
         }
         Ok(())
@@ -1623,6 +1901,98 @@ size = "1GiB"
             s.data_digest,
             [DigestAlgorithm::None, DigestAlgorithm::Crc32c]
         );
+    }
+
+    const SUBSYSTEM: &str = r#"
+[[subsystems]]
+nqn = "nqn.2026-11.io.example:ssd"
+hosts = ["nqn.2014-08.org.nvmexpress:uuid:0b2b1f8e-0000-4000-8000-000000000001"]
+
+[[subsystems.namespaces]]
+nsid = 1
+backend = "memory"
+size = "64MiB"
+
+[[subsystems.namespaces]]
+nsid = 2
+backend = "file"
+path = "data/ns2.img"
+size = "1GiB"
+block_size = 4096
+"#;
+
+    #[test]
+    fn subsystems_and_their_namespaces_are_checked_key_by_key() {
+        let text = format!("{GOOD}{SUBSYSTEM}");
+        let c = parse(&text).expect("a good subsystem");
+        let sub = &c.subsystems[0];
+        assert_eq!(sub.namespaces.len(), 2);
+        let ns = &sub.namespaces[1];
+        assert_eq!((ns.nsid, ns.unit.block_size), (2, 4096));
+        assert!(ns.unit.path.as_ref().unwrap().ends_with("data/ns2.img"));
+        assert_eq!(c.nvme, Nvme::default());
+        // Written back as it was read: nsid, not lun.
+        let written = toml::to_string(&c).unwrap();
+        assert!(
+            written.contains("nsid = 2") && !written.contains("lun = 2"),
+            "{written}"
+        );
+        assert_eq!(parse(&written).unwrap().subsystems, c.subsystems);
+        for (from, to, key) in [
+            (
+                "nqn = \"nqn.2026-11.io.example:ssd\"",
+                "nqn = \"iqn.2026-11.x:y\"",
+                "subsystems[0].nqn",
+            ),
+            (
+                "hosts = [\"nqn.2014",
+                "hosts = [\"host\", \"nqn.2014",
+                "subsystems[0].hosts[0]",
+            ),
+            ("nsid = 2", "nsid = 1", "subsystems[0].namespaces[1].nsid"),
+            ("nsid = 2", "nsid = 0", "subsystems[0].namespaces[1].nsid"),
+            (
+                "block_size = 4096",
+                "block_size = 1000",
+                "subsystems[0].namespaces[1].block_size",
+            ),
+            (
+                "size = \"64MiB\"",
+                "size = 1000",
+                "subsystems[0].namespaces[0].size",
+            ),
+            (
+                "path = \"data/ns2.img\"",
+                "path = \"data/disk1.img\"",
+                "subsystems[0].namespaces[1].path",
+            ),
+            (
+                "nsid = 1\n",
+                "nsid = 1\nstandby = true\n",
+                "subsystems[0].namespaces[0].standby",
+            ),
+            (
+                "hosts = [",
+                "serial = \"\"\nhosts = [",
+                "subsystems[0].serial",
+            ),
+        ] {
+            assert!(text.contains(from), "{from}");
+            let e = refused(&text.replacen(from, to, 1));
+            assert!(e.contains(key), "{key}: {e}");
+        }
+        // A namespace has no `lun`, and an unknown key is named.
+        let e = refused(&text.replace("nsid = 1\n", "nsid = 1\nlun = 3\n"));
+        assert!(e.contains("lun") && e.contains("nsid"), "{e}");
+        let e = refused(&text.replace("nsid = 1\n", "nsid = 1\ncolour = 3\n"));
+        assert!(e.contains("colour"), "{e}");
+        let e = refused(&format!("{text}\n[nvme]\nqueue_entries = 8\n"));
+        assert!(e.contains("nvme.queue_entries"), "{e}");
+        let e = refused(&text.replace(
+            "portals = [\"127.0.0.1:3260\"]",
+            "portals = [\"127.0.0.1:3260\"]\nnvme_portals = [\"nowhere\"]",
+        ));
+        assert!(e.contains("server.nvme_portals[0]"), "{e}");
     }
 
     #[test]

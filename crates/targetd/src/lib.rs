@@ -1,4 +1,4 @@
-//! targetd, the iSCSI target daemon: `cargo run --release --bin targetd -- config.toml`.
+//! targetd, the storage target daemon (iSCSI, iSER, SRP, NVMe/TCP): `cargo run --release --bin targetd -- config.toml`.
 //!
 //! - [`config`]: the config file's schema (config.toml in the repository shows every key),
 //!   checked so a bad file is refused at start with the key and the reason;
@@ -13,7 +13,8 @@
 //!   `rbd` (feature `rbd`): units on Ceph RBD images; `cluster` (feature `rbd`): several
 //!   gateways as one target, their units' reservations kept in RADOS.
 //! - [`iscsi`]: login, discovery, sessions and the full feature phase over TCP; [`iser`]: the
-//!   same over RDMA; [`srp`]: SRP target ports.
+//!   same over RDMA; [`srp`]: SRP target ports; [`nvme`]: NVM subsystems and their namespaces
+//!   over NVMe/TCP.
 //! - [`admin`]: the `targetctl` socket; [`metrics`]: the Prometheus endpoint; [`notify`]:
 //!   readiness for systemd (`Type=notify`); [`manual`]: man pages and completions of the
 //!   programs.
@@ -30,6 +31,7 @@ pub mod iser;
 pub mod manual;
 pub mod metrics;
 pub mod notify;
+pub mod nvme;
 pub mod port;
 #[cfg(feature = "rbd")]
 pub mod rbd;

@@ -31,16 +31,22 @@ pub struct StartError {
 /// The error about `targets[t].luns[l]`: a reason about one of the LUN's keys starts with it
 /// ("pool: ..."), and the error names that key.
 fn lun_error(t: usize, l: usize, reason: String) -> StartError {
+    unit_error(&format!("targets[{t}].luns[{l}]"), reason)
+}
+
+/// The error about the unit (LUN or namespace) at `key`, naming the unit's key the reason
+/// starts with.
+fn unit_error(key: &str, reason: String) -> StartError {
     match reason
         .split_once(": ")
         .filter(|(f, _)| crate::config::LUN_KEYS.contains(f))
     {
         Some((f, why)) => StartError {
-            key: format!("targets[{t}].luns[{l}].{f}"),
+            key: format!("{key}.{f}"),
             reason: why.into(),
         },
         None => StartError {
-            key: format!("targets[{t}].luns[{l}]"),
+            key: key.to_string(),
             reason,
         },
     }
@@ -59,6 +65,7 @@ pub struct Check {
 pub struct Server {
     registry: Arc<Registry>,
     listeners: Vec<std::net::TcpListener>,
+    nvme_listeners: Vec<std::net::TcpListener>,
     admin: Option<(std::os::unix::net::UnixListener, PathBuf)>,
     metrics: Option<std::net::TcpListener>,
     reactors: Vec<reactor::Handle>,
@@ -81,6 +88,14 @@ impl Server {
             for (l, lun) in target.luns.iter().enumerate() {
                 if let Err(reason) = crate::store::check(lun) {
                     check.errors.push(lun_error(t, l, reason));
+                }
+            }
+        }
+        for (i, sub) in config.subsystems.iter().enumerate() {
+            for (n, ns) in sub.namespaces.iter().enumerate() {
+                if let Err(reason) = crate::store::check(&ns.unit) {
+                    let key = format!("subsystems[{i}].namespaces[{n}]");
+                    check.errors.push(unit_error(&key, reason));
                 }
             }
         }
@@ -155,6 +170,27 @@ impl Server {
             })?;
             targets.push(target);
         }
+        let mut subsystems = Vec::new();
+        for (i, sub) in config.subsystems.iter().enumerate() {
+            let s = crate::nvme::NvmeSubsystem::new(sub, &config.nvme).map_err(|(nsid, r)| {
+                let n = sub
+                    .namespaces
+                    .iter()
+                    .position(|n| n.nsid == nsid)
+                    .unwrap_or(0);
+                unit_error(&format!("subsystems[{i}].namespaces[{n}]"), r)
+            })?;
+            subsystems.push(s);
+        }
+        let mut nvme_listeners = Vec::new();
+        for (i, p) in config.server.nvme_portals.iter().enumerate() {
+            let key = format!("server.nvme_portals[{i}]");
+            let l = std::net::TcpListener::bind(p)
+                .map_err(|e| fail(key.clone(), format!("{p}: {e}")))?;
+            l.set_nonblocking(true)
+                .map_err(|e| fail(key.clone(), e.to_string()))?;
+            nvme_listeners.push(l);
+        }
         let mut listeners = Vec::new();
         let mut portals = Vec::new();
         for (i, p) in config.server.portals.iter().enumerate() {
@@ -199,7 +235,14 @@ impl Server {
                 cluster.serve_srp();
             }
         }
-        let registry = Arc::new(Registry::new(config, config_path, targets, portals, env));
+        let registry = Arc::new(Registry::new(
+            config,
+            config_path,
+            targets,
+            subsystems,
+            portals,
+            env,
+        ));
         let settings = reactor::Settings {
             engine,
             arena: ArenaConfig::default(),
@@ -249,6 +292,7 @@ impl Server {
         Ok(Server {
             registry,
             listeners,
+            nvme_listeners,
             admin,
             metrics,
             reactors,
@@ -264,6 +308,14 @@ impl Server {
     /// The addresses the portals listen on.
     pub fn portals(&self) -> Vec<SocketAddr> {
         lock(&self.registry.portals).clone()
+    }
+
+    /// The addresses the NVMe/TCP portals listen on (`server.nvme_portals`).
+    pub fn nvme_portals(&self) -> Vec<SocketAddr> {
+        self.nvme_listeners
+            .iter()
+            .filter_map(|l| l.local_addr().ok())
+            .collect()
     }
 
     /// Serves SRP on the software fabric `switch` as its node `node`, listening on `service`:
@@ -340,6 +392,7 @@ impl Server {
         let Server {
             registry,
             listeners,
+            nvme_listeners,
             admin,
             metrics,
             reactors,
@@ -351,6 +404,18 @@ impl Server {
             start_accepting(&registry, reactors.clone()),
             texts.into_iter().zip(listeners).collect(),
         );
+        let mut nvme_accepting = Vec::new();
+        for l in nvme_listeners {
+            match tokio::net::TcpListener::from_std(l) {
+                Ok(l) => nvme_accepting.push(tokio::spawn(accept(
+                    l,
+                    reactors.clone(),
+                    registry.clone(),
+                    Protocol::NvmeTcp,
+                ))),
+                Err(e) => tracing::error!("NVMe/TCP listener: {e}"),
+            }
+        }
         let admin_path = admin.as_ref().map(|(_, p)| p.clone());
         if let Some((l, _)) = admin {
             match tokio::net::UnixListener::from_std(l) {
@@ -373,6 +438,9 @@ impl Server {
         tracing::info!("stopping: asking initiators to log out");
         registry.stop();
         tasks.abort_all();
+        for a in &nvme_accepting {
+            a.abort();
+        }
         registry.request_all(Request::Logout);
         let grace = Instant::now() + Duration::from_secs(u64::from(LOGOUT_GRACE) + 1);
         let sessions = |r: &Registry| r.sessions.all().len() + r.srp_channels().len();
@@ -413,6 +481,13 @@ fn flush(registry: &Registry) {
             }
         }
     }
+    for s in registry.subsystems() {
+        for (nsid, unit) in s.namespaces() {
+            if let Err(e) = unit.storage.flush() {
+                tracing::error!(subsystem = %s.nqn, nsid, "flush: {e}");
+            }
+        }
+    }
 }
 
 /// How the registry starts a portal's accept loop on the runtime this is called in (now, and
@@ -427,9 +502,23 @@ fn start_accepting(registry: &Arc<Registry>, reactors: Vec<reactor::Handle>) -> 
             tokio::net::TcpListener::from_std(listener).map_err(|e| e.to_string())?
         };
         let registry = registry.upgrade().ok_or("the daemon is stopping")?;
-        let task = runtime.spawn(accept(listener, reactors.clone(), registry));
+        let task = runtime.spawn(accept(
+            listener,
+            reactors.clone(),
+            registry,
+            Protocol::Iscsi,
+        ));
         Ok(task.abort_handle())
     })
+}
+
+/// What a TCP listener serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Protocol {
+    /// iSCSI (`server.portals`).
+    Iscsi,
+    /// NVMe/TCP (`server.nvme_portals`).
+    NvmeTcp,
 }
 
 /// Accepts connections and hands each to the least loaded reactor; beyond
@@ -438,6 +527,7 @@ async fn accept(
     listener: tokio::net::TcpListener,
     reactors: Vec<reactor::Handle>,
     registry: Arc<Registry>,
+    protocol: Protocol,
 ) {
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -471,7 +561,10 @@ async fn accept(
         let connection: reactor::Task = Box::new(move |io| {
             Box::pin(async move {
                 match tokio::net::TcpStream::from_std(stream) {
-                    Ok(s) => crate::iscsi::connection::serve(s, io, registry).await,
+                    Ok(s) if protocol == Protocol::Iscsi => {
+                        crate::iscsi::connection::serve(s, io, registry).await
+                    }
+                    Ok(s) => crate::nvme::tcp::serve(s, io, registry).await,
                     Err(e) => tracing::warn!("cannot adopt a connection: {e}"),
                 }
                 // Its place among the daemon's connections, given back when it ends.

@@ -425,6 +425,30 @@ pub struct LunStats {
     pub write_latency_buckets: [AtomicU64; LATENCY_BUCKETS],
 }
 
+impl LunStats {
+    /// Counts a finished command (a SCSI task's or an NVMe command's).
+    pub fn count(&self, a: &scsi_core::transport::Accounting) {
+        let s = self;
+        let ns = a.latency.as_nanos() as u64;
+        if a.error {
+            s.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        if a.read_bytes > 0 {
+            s.read_commands.fetch_add(1, Ordering::Relaxed);
+            s.read_bytes.fetch_add(a.read_bytes, Ordering::Relaxed);
+            s.read_latency_ns.fetch_add(ns, Ordering::Relaxed);
+            s.read_latency_buckets[latency_bucket(ns)].fetch_add(1, Ordering::Relaxed);
+        } else if a.write_bytes > 0 {
+            s.write_commands.fetch_add(1, Ordering::Relaxed);
+            s.write_bytes.fetch_add(a.write_bytes, Ordering::Relaxed);
+            s.write_latency_ns.fetch_add(ns, Ordering::Relaxed);
+            s.write_latency_buckets[latency_bucket(ns)].fetch_add(1, Ordering::Relaxed);
+        } else {
+            s.other_commands.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
 /// The upper bounds of the latency histograms' buckets, microseconds: 50 us to 5 s, so a p99
 /// of a fast unit and of a stalled one both show.
 pub const LATENCY_BOUNDS_US: [u64; 19] = [
@@ -684,24 +708,7 @@ impl Target {
         let Some(lun) = scsi_core::lun_index(a.lun).and_then(|i| self.lun(i)) else {
             return;
         };
-        let s = &lun.stats;
-        let ns = a.latency.as_nanos() as u64;
-        if a.error {
-            s.errors.fetch_add(1, Ordering::Relaxed);
-        }
-        if a.read_bytes > 0 {
-            s.read_commands.fetch_add(1, Ordering::Relaxed);
-            s.read_bytes.fetch_add(a.read_bytes, Ordering::Relaxed);
-            s.read_latency_ns.fetch_add(ns, Ordering::Relaxed);
-            s.read_latency_buckets[latency_bucket(ns)].fetch_add(1, Ordering::Relaxed);
-        } else if a.write_bytes > 0 {
-            s.write_commands.fetch_add(1, Ordering::Relaxed);
-            s.write_bytes.fetch_add(a.write_bytes, Ordering::Relaxed);
-            s.write_latency_ns.fetch_add(ns, Ordering::Relaxed);
-            s.write_latency_buckets[latency_bucket(ns)].fetch_add(1, Ordering::Relaxed);
-        } else {
-            s.other_commands.fetch_add(1, Ordering::Relaxed);
-        }
+        lun.stats.count(a);
     }
 
     /// A delegated task has ended at its connection, which does not hold the core's lock:

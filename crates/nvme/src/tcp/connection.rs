@@ -26,7 +26,9 @@ use scsi_core::{BackendError, Op, Output, TaskId};
 use super::queue::{ControllerQueue, Payload, QueueEvent, QueueSettings, Transmit};
 use crate::controller::{Answer, Queue, Subsystem};
 use crate::cqe::Cqe;
+use crate::fabrics::{ConnectData, InvalidParameter};
 use crate::nvm::{self, IoCommand, Transfer};
+use crate::opcode::AdminOpcode;
 use crate::sqe::Sqe;
 use crate::status::Status;
 
@@ -169,6 +171,52 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
             while let Some(cqe) = subsystem.poll_async_event(q.cntlid) {
                 self.complete(cqe);
             }
+        }
+    }
+
+    /// The subsystem NQN of the Connect waiting to be handled, while the connection has no
+    /// queue yet: the shell finds that subsystem and hands it to
+    /// [`ControllerConnection::handle`] (or refuses with
+    /// [`ControllerConnection::refuse_next`] when it has none of that name). `None` once
+    /// connected, or while no Connect waits.
+    pub fn connect_nqn(&self) -> Option<String> {
+        if self.bound.is_some() {
+            return None;
+        }
+        match self.queue.peek_event()? {
+            QueueEvent::Command { sqe, data, .. }
+                if sqe.opcode() == AdminOpcode::Fabrics.code() =>
+            {
+                ConnectData::parse(data).ok().map(|d| d.subnqn)
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether something the host sent waits to be handled.
+    pub fn has_pending(&self) -> bool {
+        self.queue.peek_event().is_some()
+    }
+
+    /// Takes what waits first without a subsystem (see [`ControllerConnection::connect_nqn`]):
+    /// a Connect ends with Connect Invalid Parameters naming SUBNQN (no subsystem has that
+    /// name), any other command with Command Sequence Error (nothing comes before Connect).
+    pub fn refuse_next(&mut self) {
+        if let Some(QueueEvent::Command { sqe, data, .. }) = self.queue.poll_event() {
+            let connect =
+                sqe.opcode() == AdminOpcode::Fabrics.code() && ConnectData::parse(&data).is_ok();
+            if !connect {
+                return self.complete(Cqe::new(sqe.cid(), Status::COMMAND_SEQUENCE_ERROR));
+            }
+            let (status, dw0) = InvalidParameter {
+                in_data: true,
+                offset: 256,
+            }
+            .completion();
+            self.complete(Cqe {
+                dw0,
+                ..Cqe::new(sqe.cid(), status)
+            });
         }
     }
 

@@ -312,6 +312,11 @@ impl<B: Deref<Target = [u8]>> ControllerQueue<B> {
         self.events.pop_front()
     }
 
+    /// The next event for the controller, left in place.
+    pub fn peek_event(&self) -> Option<&QueueEvent> {
+        self.events.front()
+    }
+
     /// The next bytes to send.
     pub fn poll_transmit(&mut self) -> Option<Transmit<B>> {
         self.transmits.pop_front()

@@ -29,7 +29,7 @@ use tokio::sync::mpsc;
 use super::login::{self, Outcome};
 use super::session::Session;
 use super::wire::{Incoming, ReadError, Reader, SendStalled, Writer};
-use crate::carrier::{self, Carried, Carrier};
+use crate::carrier::{self, granted, Carried, Carrier, Waiting};
 use crate::config::MAX_IO;
 use crate::control::{Control, Request};
 use crate::reactor::Io;
@@ -696,21 +696,6 @@ fn step(
     Ok((plan, t.machine.closing().is_some()))
 }
 
-/// The head of a connection's buffer queue: its tag and its place in the arena's FIFO. It
-/// lives across the worker's loop iterations so the place is kept.
-type Waiting<'a> = Option<(u64, backend::ShareAlloc<'a>)>;
-
-/// Resolves when the arena grants the waiting buffer (never, when none waits).
-async fn granted(waiting: &mut Waiting<'_>) -> (u64, Result<Buffer, backend::ArenaError>) {
-    let Some((tag, alloc)) = waiting else {
-        return std::future::pending().await;
-    };
-    let b = alloc.await;
-    let tag = *tag;
-    *waiting = None;
-    (tag, b)
-}
-
 /// Far enough ahead to mean "no timer".
 const NEVER: Duration = Duration::from_secs(86400 * 365);
 
@@ -857,11 +842,7 @@ fn sent(c: &Conn, batch: &[Transmit<Buffer>]) {
 impl Conn {
     /// Starts waiting for the oldest queued buffer, unless a wait is on already.
     fn wait_for_buffer<'a>(&self, share: &'a Share, waiting: &mut Waiting<'a>) {
-        if waiting.is_none() {
-            if let Some(w) = self.carrier.waits.front() {
-                *waiting = Some((w.tag, share.alloc(w.len)));
-            }
-        }
+        self.carrier.waits.start_waiting(share, waiting);
     }
 }
 

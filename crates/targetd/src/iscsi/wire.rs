@@ -334,7 +334,7 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
 
 /// Writes every slice, resuming after short writes; fails with [`SendStalled`] when the socket
 /// has had no room for `stall`.
-async fn write_all_vectored<W: AsyncWrite + Unpin>(
+pub async fn write_all_vectored<W: AsyncWrite + Unpin>(
     wr: &mut W,
     mut iov: &mut [IoSlice<'_>],
     stall: Duration,

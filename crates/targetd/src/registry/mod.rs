@@ -26,6 +26,7 @@ use crate::config::{self, Config};
 use crate::control::{Control, Request};
 use crate::iscsi::session::{ConnectionInfo, Session, Sessions};
 use crate::lock;
+use crate::nvme::NvmeSubsystem;
 use crate::target::{Target, TargetEnv};
 
 /// The daemon's registry: the running config, the targets, the sessions and the live
@@ -48,6 +49,8 @@ pub struct Registry {
     /// a save can tell the administrator that it overwrites edits made since.
     pub config_seen: Mutex<Option<u64>>,
     targets: RwLock<Vec<Arc<Target>>>,
+    /// The NVM subsystems exported.
+    subsystems: RwLock<Vec<Arc<NvmeSubsystem>>>,
     /// Normal sessions.
     pub sessions: Sessions,
     /// When the daemon started.
@@ -109,6 +112,7 @@ impl Registry {
         config: Config,
         config_path: PathBuf,
         targets: Vec<Arc<Target>>,
+        subsystems: Vec<Arc<NvmeSubsystem>>,
         portals: Vec<SocketAddr>,
         target_env: TargetEnv,
     ) -> Registry {
@@ -122,6 +126,7 @@ impl Registry {
             config_seen: Mutex::new(file_fingerprint(&config_path)),
             config_path,
             targets: RwLock::new(targets),
+            subsystems: RwLock::new(subsystems),
             sessions,
             open: Arc::default(),
             counters: Counters::default(),
@@ -135,6 +140,24 @@ impl Registry {
             auth: Mutex::default(),
             srp_channels: Mutex::default(),
         }
+    }
+
+    /// The NVM subsystem named `nqn`.
+    pub fn subsystem(&self, nqn: &str) -> Option<Arc<NvmeSubsystem>> {
+        self.subsystems
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .find(|s| s.nqn == nqn)
+            .cloned()
+    }
+
+    /// The NVM subsystems exported.
+    pub fn subsystems(&self) -> Vec<Arc<NvmeSubsystem>> {
+        self.subsystems
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// The SRP channels logged in now, by their daemon-wide id.

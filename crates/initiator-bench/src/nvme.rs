@@ -1,0 +1,685 @@
+//! An NVMe/TCP host: a controller reached over TCP, as Linux's `nvme connect -t tcp` makes
+//! one. The protocol is crates/nvme's host machine ([`HostQueue`]); this module is its I/O
+//! shell: a task per queue (the admin queue and one I/O queue) owns the socket, sends each
+//! command with a free CID, answers R2Ts with the write's data and hands back the completion
+//! and a read's data. The admin queue sends Keep Alive at half the keep alive timeout.
+//!
+//! Connecting does what a host must before I/O: ICReq, Connect on the admin queue (a dynamic
+//! controller), CC.EN and CSTS.RDY, Identify Controller (MDTS, the in-capsule data size),
+//! Number of Queues, Identify Namespace, then Connect on the I/O queue.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::IoSlice;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use nvme::fabrics::{
+    property, Connect, ConnectData, PropertyAccess, CC_EN, CNTLID_DYNAMIC, CSTS_RDY,
+};
+use nvme::identify::cns;
+use nvme::opcode::{AdminOpcode, FabricsType, NvmOpcode};
+use nvme::sqe::{Sgl, Sqe};
+use nvme::tcp::{Digests, HostEvent, HostQueue, HostSettings, Transmit};
+use nvme::{Cqe, Status};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+
+/// NVMe/TCP's port.
+pub const DEFAULT_PORT: u16 = 4420;
+
+/// Why an NVMe/TCP operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum NvmeError {
+    /// The URL is malformed.
+    #[error("bad NVMe/TCP URL {url:?}: {reason}")]
+    Url {
+        /// The URL.
+        url: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+    /// The connection could not be made, or broke; the queue is gone.
+    #[error("connection: {0}")]
+    Connection(String),
+    /// The controller ended a command with this status.
+    #[error("NVMe status {status} (command {opcode:#04x})")]
+    Status {
+        /// The command's opcode.
+        opcode: u8,
+        /// How it ended.
+        status: Status,
+    },
+    /// The controller answered what the host cannot use.
+    #[error("protocol: {0}")]
+    Protocol(String),
+}
+
+/// `nvme://HOST[:PORT]/SUBNQN/NSID`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NvmeUrl {
+    /// `host:port`.
+    pub portal: String,
+    /// The subsystem's NQN.
+    pub nqn: String,
+    /// The namespace.
+    pub nsid: u32,
+}
+
+impl NvmeUrl {
+    /// Parses `nvme://HOST[:PORT]/SUBNQN/NSID` (an IPv6 host in brackets).
+    pub fn parse(url: &str) -> Result<NvmeUrl, NvmeError> {
+        let bad = |reason| NvmeError::Url {
+            url: url.into(),
+            reason,
+        };
+        let rest = url
+            .strip_prefix("nvme://")
+            .ok_or_else(|| bad("does not start with nvme://"))?;
+        let (host, path) = rest.split_once('/').ok_or_else(|| bad("no /SUBNQN/NSID"))?;
+        let (nqn, nsid) = path
+            .rsplit_once('/')
+            .ok_or_else(|| bad("no /NSID after the NQN"))?;
+        let nsid: u32 = nsid.parse().map_err(|_| bad("the NSID is not a number"))?;
+        if nsid == 0 || nsid == u32::MAX {
+            return Err(bad("the NSID must be 1 to FFFFFFFEh"));
+        }
+        nvme::fabrics::check_nqn(nqn).map_err(|_| bad("the subsystem is not an NQN"))?;
+        if host.is_empty() {
+            return Err(bad("no host"));
+        }
+        let has_port = match host.rfind(']') {
+            Some(end) => host[end..].contains(':'),
+            None => host.contains(':'),
+        };
+        let portal = if has_port {
+            host.to_string()
+        } else {
+            format!("{host}:{DEFAULT_PORT}")
+        };
+        Ok(NvmeUrl {
+            portal,
+            nqn: nqn.into(),
+            nsid,
+        })
+    }
+}
+
+/// How the host connects.
+#[derive(Debug, Clone)]
+pub struct NvmeOptions {
+    /// The host's NQN.
+    pub hostnqn: String,
+    /// The host identifier (16 bytes).
+    pub hostid: [u8; 16],
+    /// Ask for header and data digests.
+    pub digests: Digests,
+    /// Entries of the I/O queue (commands outstanding: one less).
+    pub queue_entries: u16,
+    /// The keep alive timeout asked for in Connect.
+    pub kato: Duration,
+}
+
+impl Default for NvmeOptions {
+    fn default() -> Self {
+        NvmeOptions {
+            hostnqn: "nqn.2014-08.org.nvmexpress:uuid:8e1b3c9a-0000-4000-8000-696e69746961".into(),
+            hostid: *b"initiator-bench!",
+            digests: Digests::default(),
+            queue_entries: 128,
+            kato: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A command for a queue's task: the SQE (its CID set by the task), the data that goes with
+/// it (a write's), and where the completion goes.
+struct Request {
+    sqe: Sqe,
+    data: Bytes,
+    /// Bytes of data the command reads.
+    read_len: usize,
+    reply: oneshot::Sender<Result<(Cqe, Bytes), NvmeError>>,
+}
+
+/// A command in flight on a queue.
+struct InFlight {
+    data: Bytes,
+    /// Read data came damaged or out of order: the command fails when it ends.
+    damaged: bool,
+    read: BytesMut,
+    reply: oneshot::Sender<Result<(Cqe, Bytes), NvmeError>>,
+}
+
+impl InFlight {
+    /// Tells the command's sender it ended with `cqe`.
+    fn end(self, cqe: Cqe) {
+        let r = if self.damaged {
+            Err(NvmeError::Protocol(format!(
+                "command {}: read data came damaged (data digest) or out of order",
+                cqe.cid
+            )))
+        } else {
+            Ok((cqe, self.read.freeze()))
+        };
+        let _ = self.reply.send(r);
+    }
+}
+
+/// One queue: a task owning its connection, reached through a channel.
+#[derive(Debug, Clone)]
+struct QueueHandle {
+    tx: mpsc::UnboundedSender<Request>,
+    /// In-capsule data a command may carry on this queue.
+    in_capsule: u32,
+}
+
+impl QueueHandle {
+    /// Opens a connection to `portal` and exchanges ICReq and ICResp.
+    async fn open(portal: &str, digests: Digests, entries: u16) -> Result<QueueHandle, NvmeError> {
+        let stream = TcpStream::connect(portal)
+            .await
+            .map_err(|e| NvmeError::Connection(format!("{portal}: {e}")))?;
+        let _ = stream.set_nodelay(true);
+        let host = HostQueue::new(HostSettings {
+            digests,
+            ..HostSettings::default()
+        });
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (ready_tx, ready_rx) = oneshot::channel();
+        tokio::spawn(queue_task(stream, host, rx, entries.max(2) - 1, ready_tx));
+        ready_rx
+            .await
+            .map_err(|_| NvmeError::Connection("closed before ICResp".into()))??;
+        Ok(QueueHandle {
+            tx,
+            in_capsule: 8192,
+        })
+    }
+
+    /// Sends `sqe` with `data` (in the capsule when it fits, else on the controller's R2T);
+    /// the completion and the data read (`read_len` bytes asked).
+    async fn command(
+        &self,
+        mut sqe: Sqe,
+        data: Bytes,
+        read_len: usize,
+    ) -> Result<(Cqe, Bytes), NvmeError> {
+        if !data.is_empty() {
+            let len = data.len() as u32;
+            sqe.set_sgl(if len <= self.in_capsule {
+                Sgl::in_capsule(0, len)
+            } else {
+                Sgl::transport(len)
+            });
+        } else if read_len > 0 {
+            sqe.set_sgl(Sgl::transport(read_len as u32));
+        }
+        let opcode = sqe.opcode();
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Request {
+                sqe,
+                data,
+                read_len,
+                reply,
+            })
+            .map_err(|_| NvmeError::Connection("the queue is closed".into()))?;
+        let (cqe, bytes) = rx
+            .await
+            .map_err(|_| NvmeError::Connection("the queue closed".into()))??;
+        if !cqe.status.is_success() {
+            return Err(NvmeError::Status {
+                opcode,
+                status: cqe.status,
+            });
+        }
+        Ok((cqe, bytes))
+    }
+}
+
+/// Fails every command in flight and waiting with `e`.
+fn fail_all(flight: &mut HashMap<u16, InFlight>, waiting: &mut VecDeque<Request>, e: &NvmeError) {
+    for (_, f) in flight.drain() {
+        let _ = f.reply.send(Err(e.clone()));
+    }
+    for r in waiting.drain(..) {
+        let _ = r.reply.send(Err(e.clone()));
+    }
+}
+
+/// Writes every PDU the host machine queued.
+async fn flush(
+    wr: &mut tokio::net::tcp::OwnedWriteHalf,
+    host: &mut HostQueue,
+) -> std::io::Result<()> {
+    let mut batch: Vec<Transmit> = Vec::new();
+    while let Some(t) = host.poll_transmit() {
+        batch.push(t);
+    }
+    if batch.is_empty() {
+        return Ok(());
+    }
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(batch.len() * 3);
+    for t in &batch {
+        slices.push(IoSlice::new(t.header.as_bytes()));
+        if !t.data.is_empty() {
+            slices.push(IoSlice::new(&t.data));
+        }
+        if let Some(d) = &t.digest {
+            slices.push(IoSlice::new(d));
+        }
+    }
+    let mut iov = &mut slices[..];
+    while !iov.is_empty() {
+        let n = wr.write_vectored(iov).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        IoSlice::advance_slices(&mut iov, n);
+    }
+    Ok(())
+}
+
+/// Runs one queue: commands from `rx` go out with free CIDs (at most `depth` at once),
+/// completions and data come back to their senders.
+async fn queue_task(
+    stream: TcpStream,
+    mut host: HostQueue,
+    mut rx: mpsc::UnboundedReceiver<Request>,
+    depth: u16,
+    ready: oneshot::Sender<Result<(), NvmeError>>,
+) {
+    let (mut rd, mut wr) = stream.into_split();
+    let mut ready = Some(ready);
+    let mut free: Vec<u16> = (0..depth).rev().collect();
+    let mut flight: HashMap<u16, InFlight> = HashMap::new();
+    let mut waiting: VecDeque<Request> = VecDeque::new();
+    let mut buf = vec![0u8; 256 * 1024];
+    let mut open = true;
+    loop {
+        // Send what waits, as CIDs allow.
+        while host.terms().is_some() && !free.is_empty() {
+            let Some(mut r) = waiting.pop_front() else {
+                break;
+            };
+            let cid = free.pop().expect("checked");
+            r.sqe.set_cid(cid);
+            let in_capsule = matches!(r.sqe.sgl().kind(), nvme::sqe::SglKind::InCapsule { .. });
+            let capsule = if in_capsule {
+                r.data.clone()
+            } else {
+                Bytes::new()
+            };
+            if let Err(e) = host.send_command(&r.sqe, capsule) {
+                free.push(cid);
+                let _ = r.reply.send(Err(NvmeError::Connection(e.to_string())));
+                continue;
+            }
+            flight.insert(
+                cid,
+                InFlight {
+                    data: r.data,
+                    damaged: false,
+                    read: BytesMut::with_capacity(r.read_len),
+                    reply: r.reply,
+                },
+            );
+        }
+        if let Err(e) = flush(&mut wr, &mut host).await {
+            let e = NvmeError::Connection(e.to_string());
+            fail_all(&mut flight, &mut waiting, &e);
+            return;
+        }
+        if host.is_over() {
+            let e = NvmeError::Connection("the controller ended the connection".into());
+            fail_all(&mut flight, &mut waiting, &e);
+            if let Some(r) = ready.take() {
+                let _ = r.send(Err(e));
+            }
+            return;
+        }
+        if !open && flight.is_empty() && waiting.is_empty() {
+            return;
+        }
+        tokio::select! {
+            r = rx.recv(), if open => match r {
+                Some(r) => waiting.push_back(r),
+                None => open = false,
+            },
+            n = rd.read(&mut buf) => {
+                let n = match n {
+                    Ok(0) | Err(_) => {
+                        let e = NvmeError::Connection("the controller closed the connection".into());
+                        fail_all(&mut flight, &mut waiting, &e);
+                        if let Some(r) = ready.take() {
+                            let _ = r.send(Err(e));
+                        }
+                        return;
+                    }
+                    Ok(n) => n,
+                };
+                host.receive(&buf[..n]);
+                while let Some(ev) = host.poll_event() {
+                    match ev {
+                        HostEvent::Initialized(_) => {
+                            if let Some(r) = ready.take() {
+                                let _ = r.send(Ok(()));
+                            }
+                        }
+                        HostEvent::Response(cqe) => {
+                            if let Some(f) = flight.remove(&cqe.cid) {
+                                free.push(cqe.cid);
+                                f.end(cqe);
+                            }
+                        }
+                        HostEvent::Data { cid, offset, data, success, data_digest_ok, .. } => {
+                            let Some(f) = flight.get_mut(&cid) else { continue };
+                            if !data_digest_ok || offset as usize != f.read.len() {
+                                f.damaged = true;
+                            } else {
+                                f.read.extend_from_slice(&data);
+                            }
+                            if success {
+                                let f = flight.remove(&cid).expect("present");
+                                free.push(cid);
+                                f.end(Cqe::new(cid, Status::SUCCESS));
+                            }
+                        }
+                        HostEvent::R2T(r2t) => {
+                            let Some(f) = flight.get(&r2t.cccid) else { continue };
+                            let (at, len) = (r2t.r2to as usize, r2t.r2tl as usize);
+                            let piece = f.data.get(at..at + len).map(|_| f.data.slice(at..at + len));
+                            match piece {
+                                Some(p) => {
+                                    let _ = host.send_data(&r2t, p);
+                                }
+                                None => host.terminate(
+                                    nvme::tcp::FatalError::DataOutOfRange,
+                                    0,
+                                    &[],
+                                ),
+                            }
+                        }
+                        HostEvent::Terminated(t) => {
+                            let e = NvmeError::Protocol(format!("C2HTermReq: {:?}", t.fes));
+                            fail_all(&mut flight, &mut waiting, &e);
+                        }
+                        HostEvent::Failed { fes, .. } => {
+                            let e = NvmeError::Protocol(format!("the controller broke the protocol: {fes:?}"));
+                            fail_all(&mut flight, &mut waiting, &e);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What Identify Namespace says of a namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NamespaceInfo {
+    /// NSZE: its size in blocks.
+    pub blocks: u64,
+    /// The block size of its current format.
+    pub block_size: u32,
+}
+
+/// A controller of an NVM subsystem, connected: its admin queue and one I/O queue.
+#[derive(Debug)]
+pub struct NvmeController {
+    admin: QueueHandle,
+    io: QueueHandle,
+    /// The controller's ID.
+    pub cntlid: u16,
+    /// The namespace of the URL.
+    pub nsid: u32,
+    /// What it is.
+    pub namespace: NamespaceInfo,
+    /// The largest transfer of one command, bytes.
+    pub max_transfer: u32,
+    keep_alive: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for NvmeController {
+    fn drop(&mut self) {
+        self.keep_alive.abort();
+    }
+}
+
+/// `sqe` of a Connect to queue `qid` of `url`'s subsystem, and its data.
+fn connect_command(
+    url: &NvmeUrl,
+    o: &NvmeOptions,
+    qid: u16,
+    cntlid: u16,
+    sqsize: u16,
+) -> (Sqe, Bytes) {
+    let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 0);
+    sqe.set_fctype(FabricsType::Connect.code());
+    Connect {
+        recfmt: 0,
+        qid,
+        sqsize,
+        cattr: 0,
+        kato: if qid == 0 {
+            o.kato.as_millis().min(u128::from(u32::MAX)) as u32
+        } else {
+            0
+        },
+    }
+    .to_sqe(&mut sqe);
+    let data = ConnectData {
+        hostid: o.hostid,
+        cntlid,
+        subnqn: url.nqn.clone(),
+        hostnqn: o.hostnqn.clone(),
+    }
+    .to_bytes();
+    (sqe, Bytes::copy_from_slice(&data[..]))
+}
+
+fn property(offset: u32, value: Option<u32>) -> Sqe {
+    let fctype = if value.is_some() {
+        FabricsType::PropertySet
+    } else {
+        FabricsType::PropertyGet
+    };
+    let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 0);
+    sqe.set_fctype(fctype.code());
+    PropertyAccess {
+        eight_bytes: false,
+        offset,
+        value: u64::from(value.unwrap_or(0)),
+    }
+    .to_sqe(&mut sqe);
+    sqe
+}
+
+impl NvmeController {
+    /// Connects to the subsystem and namespace of `url` as a host does before I/O.
+    pub async fn connect(url: &NvmeUrl, o: &NvmeOptions) -> Result<NvmeController, NvmeError> {
+        let admin = QueueHandle::open(&url.portal, o.digests, 32).await?;
+        let (sqe, data) = connect_command(url, o, 0, CNTLID_DYNAMIC, 31);
+        let (cqe, _) = admin.command(sqe, data, 0).await?;
+        let cntlid = cqe.dw0 as u16;
+        admin
+            .command(
+                property(property::CC, Some(CC_EN | 6 << 16 | 4 << 20)),
+                Bytes::new(),
+                0,
+            )
+            .await?;
+        let mut ready = false;
+        for _ in 0..100 {
+            let (cqe, _) = admin
+                .command(property(property::CSTS, None), Bytes::new(), 0)
+                .await?;
+            if cqe.dw0 & CSTS_RDY != 0 {
+                ready = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if !ready {
+            return Err(NvmeError::Protocol("CSTS.RDY never set".into()));
+        }
+        let identify = |cns: u8, nsid: u32| {
+            let mut sqe = Sqe::new(AdminOpcode::Identify.code(), 0);
+            sqe.set_nsid(nsid);
+            sqe.set_cdw(10, u32::from(cns));
+            sqe
+        };
+        let (_, id) = admin
+            .command(identify(cns::CONTROLLER, 0), Bytes::new(), 4096)
+            .await?;
+        if id.len() < 4096 {
+            return Err(NvmeError::Protocol("short Identify Controller data".into()));
+        }
+        let mdts = id[77];
+        let max_transfer = if mdts == 0 {
+            1 << 20
+        } else {
+            4096u32.saturating_mul(1 << mdts.min(20))
+        };
+        let ioccsz = u32::from_le_bytes([id[1792], id[1793], id[1794], id[1795]]);
+        let mut queues = Sqe::new(AdminOpcode::SetFeatures.code(), 0);
+        queues.set_cdw(10, 0x07);
+        queues.set_cdw(11, 0);
+        admin.command(queues, Bytes::new(), 0).await?;
+        let (_, ns) = admin
+            .command(identify(cns::NAMESPACE, url.nsid), Bytes::new(), 4096)
+            .await?;
+        if ns.len() < 4096 {
+            return Err(NvmeError::Protocol("short Identify Namespace data".into()));
+        }
+        let blocks = u64::from_le_bytes(ns[0..8].try_into().expect("8 bytes"));
+        let format = usize::from(ns[26] & 0x0f);
+        let lbads = ns[128 + 4 * format + 2];
+        if blocks == 0 || !(9..=16).contains(&lbads) {
+            return Err(NvmeError::Protocol(format!(
+                "namespace {} is not active (NSZE {blocks}, LBADS {lbads})",
+                url.nsid
+            )));
+        }
+        let mut io = QueueHandle::open(&url.portal, o.digests, o.queue_entries).await?;
+        io.in_capsule = (ioccsz * 16).saturating_sub(64);
+        let sqsize = o.queue_entries.max(2) - 1;
+        let (sqe, data) = connect_command(url, o, 1, cntlid, sqsize);
+        let connect = QueueHandle {
+            in_capsule: 8192,
+            ..io.clone()
+        };
+        connect.command(sqe, data, 0).await?;
+        let ka = admin.clone();
+        let period = (o.kato / 2).max(Duration::from_millis(100));
+        let keep_alive = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(period).await;
+                let sqe = Sqe::new(AdminOpcode::KeepAlive.code(), 0);
+                if ka.command(sqe, Bytes::new(), 0).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(NvmeController {
+            admin,
+            io,
+            cntlid,
+            nsid: url.nsid,
+            namespace: NamespaceInfo {
+                blocks,
+                block_size: 1 << lbads,
+            },
+            max_transfer,
+            keep_alive,
+        })
+    }
+
+    fn io_command(&self, opcode: NvmOpcode, lba: u64, blocks: u32) -> Sqe {
+        let mut sqe = Sqe::new(opcode.code(), 0);
+        sqe.set_nsid(self.nsid);
+        sqe.set_qword(10, lba);
+        sqe.set_cdw(12, blocks.saturating_sub(1) & 0xffff);
+        sqe
+    }
+
+    /// Reads `blocks` blocks at `lba`.
+    pub async fn read(&self, lba: u64, blocks: u32) -> Result<Bytes, NvmeError> {
+        let len = blocks as usize * self.namespace.block_size as usize;
+        let sqe = self.io_command(NvmOpcode::Read, lba, blocks);
+        let (_, data) = self.io.command(sqe, Bytes::new(), len).await?;
+        if data.len() != len {
+            return Err(NvmeError::Protocol(format!(
+                "a read of {len} bytes brought {}",
+                data.len()
+            )));
+        }
+        Ok(data)
+    }
+
+    /// Writes `data` (whole blocks) at `lba`.
+    pub async fn write(&self, lba: u64, data: Bytes) -> Result<(), NvmeError> {
+        let blocks = (data.len() / self.namespace.block_size as usize) as u32;
+        let sqe = self.io_command(NvmOpcode::Write, lba, blocks);
+        self.io.command(sqe, data, 0).await.map(|_| ())
+    }
+
+    /// Flush.
+    pub async fn flush(&self) -> Result<(), NvmeError> {
+        let mut sqe = Sqe::new(NvmOpcode::Flush.code(), 0);
+        sqe.set_nsid(self.nsid);
+        self.io.command(sqe, Bytes::new(), 0).await.map(|_| ())
+    }
+
+    /// Write Zeroes over `blocks` blocks at `lba` (`deallocate`: DEAC, they may be
+    /// deallocated).
+    pub async fn write_zeroes(
+        &self,
+        lba: u64,
+        blocks: u32,
+        deallocate: bool,
+    ) -> Result<(), NvmeError> {
+        let mut sqe = self.io_command(NvmOpcode::WriteZeroes, lba, blocks);
+        if deallocate {
+            sqe.set_cdw(12, sqe.cdw(12) | 1 << 25);
+        }
+        self.io.command(sqe, Bytes::new(), 0).await.map(|_| ())
+    }
+
+    /// Dataset Management deallocating each (first block, blocks) of `ranges`.
+    pub async fn deallocate(&self, ranges: &[(u64, u32)]) -> Result<(), NvmeError> {
+        let mut data = BytesMut::zeroed(16 * ranges.len());
+        for (r, (lba, blocks)) in data.chunks_exact_mut(16).zip(ranges) {
+            r[4..8].copy_from_slice(&blocks.to_le_bytes());
+            r[8..16].copy_from_slice(&lba.to_le_bytes());
+        }
+        let mut sqe = Sqe::new(NvmOpcode::DatasetManagement.code(), 0);
+        sqe.set_nsid(self.nsid);
+        sqe.set_cdw(10, (ranges.len() as u32).saturating_sub(1));
+        sqe.set_cdw(11, 1 << 2);
+        self.io.command(sqe, data.freeze(), 0).await.map(|_| ())
+    }
+
+    /// An admin command as given (its CID is the queue's), with `data` to send or
+    /// `read_len` bytes to read: the completion and the data.
+    pub async fn admin(
+        &self,
+        sqe: Sqe,
+        data: Bytes,
+        read_len: usize,
+    ) -> Result<(Cqe, Bytes), NvmeError> {
+        self.admin.command(sqe, data, read_len).await
+    }
+
+    /// An I/O command as given, as [`NvmeController::admin`].
+    pub async fn io(
+        &self,
+        sqe: Sqe,
+        data: Bytes,
+        read_len: usize,
+    ) -> Result<(Cqe, Bytes), NvmeError> {
+        self.io.command(sqe, data, read_len).await
+    }
+}

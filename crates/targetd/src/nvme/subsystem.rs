@@ -1,0 +1,172 @@
+//! An NVM subsystem as the daemon runs it: its configuration, the subsystem machine of
+//! crates/nvme behind a lock (the queues of its controllers reach it from every reactor), and
+//! its namespaces as units (what a LUN is made of: a store, its geometry, its counters).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, RwLock};
+
+use md5::{Digest, Md5};
+use nvme::controller::{Namespace, Subsystem, SubsystemConfig};
+use nvme::nvm::NamespaceGeometry;
+
+use crate::config;
+use crate::lock;
+use crate::target::{next_id, Lun, LunStats};
+
+/// The largest transfer of one command: 2^MDTS pages of 4 KiB, 1 MiB (Linux's host splits
+/// larger requests).
+pub const MDTS: u8 = 8;
+
+/// An NVM subsystem the daemon exports.
+pub struct NvmeSubsystem {
+    /// Unique for the daemon's life.
+    pub id: u64,
+    /// SUBNQN.
+    pub nqn: String,
+    /// As configured (its `namespaces` list is not kept current; see
+    /// [`NvmeSubsystem::namespaces`]).
+    pub config: RwLock<config::Subsystem>,
+    machine: Mutex<Subsystem>,
+    namespaces: RwLock<BTreeMap<u32, Arc<Lun>>>,
+    /// Moves on when asynchronous events may wait for the controllers' admin queues (which
+    /// watch it: a change made while one was busy is seen at its next wait).
+    pub events: tokio::sync::watch::Sender<u64>,
+}
+
+impl std::fmt::Debug for NvmeSubsystem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvmeSubsystem")
+            .field("nqn", &self.nqn)
+            .finish()
+    }
+}
+
+/// 16 bytes naming `what` of the unit `key`, the same at every start: MD5 over both.
+fn derived(what: &str, key: &str) -> [u8; 16] {
+    let mut h = Md5::new();
+    h.update(what.as_bytes());
+    h.update([0]);
+    h.update(key.as_bytes());
+    h.finalize().into()
+}
+
+impl NvmeSubsystem {
+    /// Opens the namespaces of `config` (creating missing files); `Err((nsid, reason))` for
+    /// the first that cannot be.
+    pub fn new(
+        config: &config::Subsystem,
+        nvme: &config::Nvme,
+    ) -> Result<Arc<NvmeSubsystem>, (u32, String)> {
+        let serial = config.serial.clone().unwrap_or_else(|| {
+            let d = derived("serial", &config.nqn);
+            d.iter().take(10).map(|b| format!("{b:02x}")).collect()
+        });
+        let machine = Subsystem::new(SubsystemConfig {
+            nqn: config.nqn.clone(),
+            serial,
+            model: config.model.clone().unwrap_or_else(|| "targetd".into()),
+            firmware: env!("CARGO_PKG_VERSION").chars().take(8).collect(),
+            hosts: config.hosts.clone(),
+            max_io_queues: nvme.max_io_queues,
+            max_queue_entries: nvme.queue_entries,
+            max_in_capsule_data: nvme.in_capsule_data_size,
+            mdts: MDTS,
+        });
+        let s = Arc::new(NvmeSubsystem {
+            id: next_id(),
+            nqn: config.nqn.clone(),
+            config: RwLock::new(config.clone()),
+            machine: Mutex::new(machine),
+            namespaces: RwLock::default(),
+            events: tokio::sync::watch::Sender::new(0),
+        });
+        for ns in &config.namespaces {
+            s.add_namespace(ns).map_err(|e| (ns.nsid, e))?;
+        }
+        Ok(s)
+    }
+
+    /// `f` with the subsystem machine, under its lock.
+    pub fn with_machine<T>(&self, f: impl FnOnce(&mut Subsystem) -> T) -> T {
+        f(&mut lock(&self.machine))
+    }
+
+    /// Namespace `nsid`'s unit.
+    pub fn namespace(&self, nsid: u32) -> Option<Arc<Lun>> {
+        self.namespaces
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&nsid)
+            .cloned()
+    }
+
+    /// The namespaces, by NSID.
+    pub fn namespaces(&self) -> Vec<(u32, Arc<Lun>)> {
+        self.namespaces
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .map(|(n, l)| (*n, l.clone()))
+            .collect()
+    }
+
+    /// Opens namespace `ns` and attaches it: the controllers connected hear of it (a
+    /// Namespace Attribute Changed notice where their hosts asked for them).
+    pub fn add_namespace(&self, ns: &config::Namespace) -> Result<(), String> {
+        let unit = Lun::open(&ns.unit, Arc::new(LunStats::default()))?;
+        let key = unit.storage.identity_key().unwrap_or_else(|| {
+            let path = ns.unit.path.as_ref().map(|p| p.display().to_string());
+            format!("{}/{}/{}", self.nqn, ns.nsid, path.unwrap_or_default())
+        });
+        let mut uuid = derived("uuid", &key);
+        // A name-based UUID (RFC 4122 version 3: MD5).
+        uuid[6] = uuid[6] & 0x0f | 0x30;
+        uuid[8] = uuid[8] & 0x3f | 0x80;
+        let namespace = Namespace {
+            nsid: ns.nsid,
+            geometry: NamespaceGeometry {
+                block_size: unit.block_size,
+                blocks: unit.blocks,
+                read_only: ns.unit.read_only,
+            },
+            nguid: derived("nguid", &key),
+            uuid,
+            thin: ns.unit.thin && ns.unit.backend != "null",
+            write_cache: ns.unit.write_cache,
+        };
+        self.namespaces
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(ns.nsid, Arc::new(unit));
+        self.with_machine(|m| m.add_namespace(namespace));
+        self.events.send_modify(|n| *n += 1);
+        Ok(())
+    }
+
+    /// Detaches namespace `nsid`; its commands in flight end on the store they started on.
+    pub fn remove_namespace(&self, nsid: u32) -> Result<(), String> {
+        let gone = self
+            .namespaces
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&nsid);
+        if gone.is_none() {
+            return Err(format!("no namespace {nsid}"));
+        }
+        self.with_machine(|m| m.remove_namespace(nsid));
+        self.events.send_modify(|n| *n += 1);
+        Ok(())
+    }
+
+    /// Counts a finished command on its namespace.
+    pub fn account(&self, a: &scsi_core::transport::Accounting) {
+        if let Some(unit) = u32::try_from(a.lun).ok().and_then(|n| self.namespace(n)) {
+            unit.stats.count(a);
+        }
+    }
+
+    /// The controllers connected: CNTLID and host NQN.
+    pub fn controllers(&self) -> Vec<(u16, String)> {
+        self.with_machine(|m| m.controllers().map(|(id, h)| (id, h.to_string())).collect())
+    }
+}

@@ -1,0 +1,314 @@
+//! One NVMe/TCP connection on a reactor: the I/O shell around crates/nvme's
+//! [`ControllerConnection`], which makes every protocol decision (ICReq, Connect, the admin
+//! commands through the subsystem machine, R2Ts, digests, what each I/O command needs). This
+//! file moves bytes between the socket and the machine, finds the subsystem a Connect names,
+//! hands the machine's events to the carrier (buffers from the reactor's arena, block
+//! operations on the reactor's engine, counts on the namespace), keeps the keep alive timer
+//! and sends the machine's PDUs with vectored writes, a read's data straight from its buffer.
+//!
+//! One future serves the connection: it waits for bytes, a backend completion, a buffer, the
+//! keep alive deadline, an asynchronous event or the daemon's request to close, then lets
+//! the machine do all it can and writes what it queued.
+
+use std::io::IoSlice;
+use std::net::SocketAddr;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use backend::{Buffer, Share};
+use nvme::tcp::{ControllerConnection, QueueSettings, Transmit};
+use scsi_core::transport::Accounting;
+use scsi_core::{BackendError, Output, TaskId};
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpStream;
+
+use super::NvmeSubsystem;
+use crate::carrier::{self, granted, Carried, Carrier};
+use crate::control::{Control, Request};
+use crate::iscsi::connection::{wait_for, CONNECTION_SHARE};
+use crate::iscsi::wire::write_all_vectored;
+use crate::reactor::Io;
+use crate::registry::Registry;
+use crate::target::{next_id, Lun};
+
+/// How long a closing connection waits for its commands' block operations.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes read from the socket at once.
+const READ_CHUNK: usize = 256 * 1024;
+/// Slices one `writev` carries.
+const IOV_MAX: usize = 64;
+/// Far enough ahead to mean "no timer".
+const NEVER: Duration = Duration::from_secs(86400 * 365);
+
+/// What the connection offers every host, from `[nvme]`.
+pub fn settings(nvme: &crate::config::Nvme) -> QueueSettings {
+    QueueSettings {
+        digests: nvme::tcp::Digests {
+            header: nvme.header_digest,
+            data: nvme.data_digest,
+        },
+        cpda: 0,
+        maxh2cdata: nvme.max_h2c_data,
+        max_in_capsule_data: nvme.in_capsule_data_size.max(8192),
+        max_r2t: 1,
+    }
+}
+
+/// Serves a new NVMe/TCP connection until the host or the daemon ends it.
+pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
+    let Ok(peer) = stream.peer_addr() else {
+        return;
+    };
+    let _ = stream.set_nodelay(true);
+    let id = next_id();
+    let control = Arc::new(Control::default());
+    registry.register(id, control.clone());
+    let share = Share::new(&io.arena, io.arena.len() / CONNECTION_SHARE);
+    let mut conn = Conn {
+        machine: ControllerConnection::new(settings(&registry.config().nvme)),
+        carrier: Carrier::single(io, share),
+        subsystem: None,
+    };
+    match run(&mut conn, stream, &registry, &control, peer).await {
+        Ok(()) => tracing::debug!(%peer, "NVMe/TCP connection closed"),
+        Err(e) => tracing::info!(%peer, "NVMe/TCP connection ends: {e}"),
+    }
+    conn.close().await;
+    registry.unregister(id);
+}
+
+/// A connection's state.
+struct Conn {
+    machine: ControllerConnection<Buffer>,
+    carrier: Carrier,
+    /// The subsystem its Connect named.
+    subsystem: Option<Arc<NvmeSubsystem>>,
+}
+
+/// The machine and its subsystem as the carrier reaches them.
+struct Link<'a> {
+    machine: &'a mut ControllerConnection<Buffer>,
+    subsystem: Option<&'a NvmeSubsystem>,
+}
+
+impl Carried for Link<'_> {
+    fn account(&self, done: &Accounting) {
+        if let Some(s) = self.subsystem {
+            s.account(done);
+        }
+    }
+
+    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
+        self.subsystem?.namespace(u32::from(lun))
+    }
+
+    fn backend_done(
+        &mut self,
+        now: Instant,
+        task: TaskId,
+        buffer: Buffer,
+        result: Result<Output, BackendError>,
+    ) {
+        self.machine.handle_backend_done(now, task, buffer, result);
+    }
+
+    fn buffer(&mut self, now: Instant, tag: u64, buffer: Option<Buffer>) {
+        self.machine.handle_buffer(now, tag, buffer);
+    }
+}
+
+impl Conn {
+    /// Lets the machine do all it can now: find the subsystem a Connect names, take what
+    /// came, carry out the block operations that ended and the events it hands out.
+    fn pump(&mut self, registry: &Registry, peer: SocketAddr) {
+        let now = Instant::now();
+        while self.subsystem.is_none() && self.machine.has_pending() {
+            let Some(nqn) = self.machine.connect_nqn() else {
+                self.machine.refuse_next();
+                continue;
+            };
+            match registry.subsystem(&nqn) {
+                Some(s) => self.subsystem = Some(s),
+                None => {
+                    registry.refused(peer, "-", &nqn, "no NVM subsystem has this NQN");
+                    self.machine.refuse_next();
+                }
+            }
+        }
+        let Conn {
+            machine,
+            carrier,
+            subsystem,
+        } = self;
+        if let Some(s) = subsystem.as_deref() {
+            s.with_machine(|m| machine.handle(now, m));
+        }
+        let mut link = Link {
+            machine,
+            subsystem: subsystem.as_deref(),
+        };
+        carrier.completions(|_, done| carrier::deliver(&mut link, now, done));
+        while let Some(e) = link.machine.poll_event() {
+            carrier.carry(0, &mut link, e);
+        }
+    }
+
+    /// The connection is over: its queue leaves its controller, and the block operations
+    /// still running end (within [`DRAIN_TIMEOUT`]) before their buffers go.
+    async fn close(&mut self) {
+        if let Some(s) = &self.subsystem {
+            s.with_machine(|m| self.machine.close(m));
+        }
+        let deadline = tokio::time::Instant::now() + DRAIN_TIMEOUT;
+        let inbox = self.carrier.inbox().clone();
+        while self.machine.in_backend() > 0 {
+            let Conn {
+                machine,
+                carrier,
+                subsystem,
+            } = self;
+            let mut link = Link {
+                machine,
+                subsystem: subsystem.as_deref(),
+            };
+            let now = Instant::now();
+            carrier.completions(|_, done| carrier::deliver(&mut link, now, done));
+            while link.machine.poll_event().is_some() {}
+            while link.machine.poll_transmit().is_some() {}
+            if link.machine.in_backend() == 0 {
+                return;
+            }
+            tokio::select! {
+                _ = inbox.notify.notified() => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!(
+                        "a closed NVMe/TCP connection's commands did not finish in {DRAIN_TIMEOUT:?}"
+                    );
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Serves the connection until it ends; `Err` when the socket broke.
+async fn run(
+    conn: &mut Conn,
+    stream: TcpStream,
+    registry: &Registry,
+    control: &Control,
+    peer: SocketAddr,
+) -> std::io::Result<()> {
+    let (mut rd, mut wr) = stream.into_split();
+    let stall = Duration::from_secs(registry.config().server.send_timeout);
+    let inbox = conn.carrier.inbox().clone();
+    let share = conn.carrier.waits.share().clone();
+    let mut rbuf = vec![0u8; READ_CHUNK];
+    let mut batch: Vec<Transmit<Buffer>> = Vec::with_capacity(256);
+    let mut events: Option<tokio::sync::watch::Receiver<u64>> = None;
+    let timer = tokio::time::sleep(NEVER);
+    tokio::pin!(timer);
+    let mut waiting = None;
+    loop {
+        conn.pump(registry, peer);
+        while let Some(t) = conn.machine.poll_transmit() {
+            batch.push(t);
+        }
+        if !batch.is_empty() {
+            send(&mut wr, &batch, stall).await?;
+            batch.clear();
+        }
+        if conn.machine.is_over() {
+            return Ok(());
+        }
+        if control.get() >= Request::Logout {
+            // NVMe/TCP has no logout to ask for: the host reconnects (ctrl_loss_tmo).
+            return Ok(());
+        }
+        let admin = conn.machine.bound().is_some_and(|q| q.qid == 0);
+        if admin && events.is_none() {
+            if let Some(s) = &conn.subsystem {
+                events = Some(s.events.subscribe());
+            }
+        }
+        let due = conn
+            .subsystem
+            .as_ref()
+            .filter(|_| conn.machine.bound().is_some())
+            .and_then(|s| s.with_machine(|m| m.poll_timeout()));
+        if let Some(at) = due.map(tokio::time::Instant::from) {
+            if timer.is_elapsed() || at < timer.deadline() {
+                timer.as_mut().reset(at);
+            }
+        }
+        conn.carrier.waits.start_waiting(&share, &mut waiting);
+        tokio::select! {
+            biased;
+            _ = inbox.notify.notified() => {}
+            r = rd.read(&mut rbuf) => match r? {
+                0 => return Ok(()),
+                n => conn.machine.receive(&rbuf[..n]),
+            },
+            (tag, b) = granted(&mut waiting) => {
+                if conn.carrier.waits.front().is_some_and(|w| w.tag == tag) {
+                    conn.carrier.waits.pop();
+                }
+                let b = b.map_err(|e| tracing::error!("buffer for command {tag:#x}: {e}")).ok();
+                conn.machine.handle_buffer(Instant::now(), tag, b);
+            }
+            _ = &mut timer, if due.is_some() => {
+                if let Some(s) = &conn.subsystem {
+                    s.with_machine(|m| conn.machine.handle_timeout(Instant::now(), m));
+                }
+                if conn.machine.is_over() {
+                    tracing::info!(%peer, "NVMe/TCP keep alive expired: the controller fails");
+                }
+            }
+            r = async {
+                match events.as_mut() {
+                    Some(rx) => rx.changed().await,
+                    None => std::future::pending().await,
+                }
+            }, if events.is_some() => {
+                if r.is_err() {
+                    events = None;
+                }
+            }
+            _ = wait_for(control, Request::Logout) => {}
+        }
+    }
+}
+
+/// Sends `batch` in order with as few system calls as the slices allow: each PDU's header,
+/// its data (a read's straight from its buffer) and its data digest.
+async fn send(
+    wr: &mut tokio::net::tcp::OwnedWriteHalf,
+    batch: &[Transmit<Buffer>],
+    stall: Duration,
+) -> std::io::Result<()> {
+    let mut slices = batch.iter().flat_map(|t| {
+        [
+            Some(t.header.as_bytes()),
+            Some(&t.data[..]).filter(|d| !d.is_empty()),
+            t.digest.as_ref().map(|d| &d[..]),
+        ]
+        .into_iter()
+        .flatten()
+    });
+    loop {
+        let mut iov = [IoSlice::new(&[]); IOV_MAX];
+        let mut n = 0;
+        for s in slices.by_ref() {
+            iov[n] = IoSlice::new(s);
+            n += 1;
+            if n == IOV_MAX {
+                break;
+            }
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        write_all_vectored(wr, &mut iov[..n], stall).await?;
+    }
+}

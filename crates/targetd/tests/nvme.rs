@@ -1,0 +1,184 @@
+//! NVMe/TCP through targetd: a subsystem of `[[subsystems]]` reached over a real socket by
+//! initiator-bench's NVMe/TCP host (crates/nvme's host machine), as Linux's `nvme connect`
+//! reaches it: Connect, Identify, writes in the capsule and through R2Ts, reads back, Flush,
+//! Write Zeroes, Dataset Management; with digests; a Connect to an NQN nobody serves and one
+//! from a host the subsystem does not admit are refused; another controller is unharmed.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use common::{pattern, Daemon};
+use initiator_bench::nvme::{NvmeController, NvmeError, NvmeOptions, NvmeUrl};
+use nvme::tcp::Digests;
+use nvme::Status;
+
+const NQN: &str = "nqn.2026-11.io.example:ssd";
+const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:8e1b3c9a-0000-4000-8000-696e69746961";
+
+fn daemon(extra: &str) -> (Daemon, SocketAddr) {
+    let text = format!(
+        "[server]\nportals = [\"127.0.0.1:0\"]\nnvme_portals = [\"127.0.0.1:0\"]\n\
+         admin_socket = \"@SOCKET@\"\nreactors = 2\n\n\
+         [[subsystems]]\nnqn = \"{NQN}\"\nhosts = [\"{HOST}\"]\n{extra}\n\
+         [[subsystems.namespaces]]\nnsid = 1\nbackend = \"memory\"\nsize = \"64MiB\"\n\n\
+         [[subsystems.namespaces]]\nnsid = 2\nbackend = \"file\"\npath = \"@DIR@/ns2.img\"\n\
+         size = \"16MiB\"\nblock_size = 4096\n"
+    );
+    let addr = Mutex::new(None);
+    let d = Daemon::start_with(&text, |s| {
+        *addr.lock().unwrap() = s.nvme_portals().first().copied()
+    });
+    let addr = addr.into_inner().unwrap().expect("an NVMe/TCP portal");
+    (d, addr)
+}
+
+fn url(addr: SocketAddr, nqn: &str, nsid: u32) -> NvmeUrl {
+    NvmeUrl::parse(&format!("nvme://{addr}/{nqn}/{nsid}")).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_connects_writes_reads_zeroes_and_deallocates() {
+    let (d, addr) = daemon("");
+    for digests in [
+        Digests::default(),
+        Digests {
+            header: true,
+            data: true,
+        },
+    ] {
+        let o = NvmeOptions {
+            digests,
+            ..NvmeOptions::default()
+        };
+        let c = Arc::new(
+            NvmeController::connect(&url(addr, NQN, 1), &o)
+                .await
+                .expect("connect"),
+        );
+        assert_eq!(c.namespace.block_size, 512);
+        assert_eq!(c.namespace.blocks, 64 << 11);
+        // 4 KiB goes in the capsule; 128 KiB through an R2T; both read back.
+        let small = pattern(4096, 1);
+        let big = pattern(128 * 1024, 2);
+        c.write(8, small.clone()).await.expect("in-capsule write");
+        c.write(1024, big.clone()).await.expect("R2T write");
+        assert_eq!(c.read(8, 8).await.unwrap(), small);
+        assert_eq!(c.read(1024, 256).await.unwrap(), big);
+        c.flush().await.expect("flush");
+        // Write Zeroes over the first, Dataset Management over the second: zeros read back.
+        c.write_zeroes(8, 8, false).await.expect("write zeroes");
+        c.deallocate(&[(1024, 256)]).await.expect("deallocate");
+        assert!(c.read(8, 8).await.unwrap().iter().all(|&b| b == 0));
+        assert!(c.read(1024, 256).await.unwrap().iter().all(|&b| b == 0));
+        // Past the end: LBA Out of Range, and the controller goes on.
+        let e = c.read(c.namespace.blocks - 1, 2).await.unwrap_err();
+        assert!(
+            matches!(e, NvmeError::Status { status, .. } if status == Status::LBA_OUT_OF_RANGE),
+            "{e}"
+        );
+        // Many at once, more than one command's buffer each.
+        let mut writes = Vec::new();
+        for i in 0..64u64 {
+            let data = pattern(8192, i as usize);
+            writes.push((i, data));
+        }
+        let mut set = tokio::task::JoinSet::new();
+        for (i, data) in &writes {
+            let (c, i, data) = (c.clone(), *i, data.clone());
+            set.spawn(async move { c.write(4096 + i * 16, data).await });
+        }
+        while let Some(r) = set.join_next().await {
+            r.unwrap().expect("concurrent write");
+        }
+        for (i, data) in &writes {
+            assert_eq!(&c.read(4096 + i * 16, 16).await.unwrap(), data);
+        }
+    }
+    // The 4 KiB-block file namespace.
+    let c = NvmeController::connect(&url(addr, NQN, 2), &NvmeOptions::default())
+        .await
+        .unwrap();
+    assert_eq!((c.namespace.block_size, c.namespace.blocks), (4096, 4096));
+    let data = pattern(3 * 4096, 7);
+    c.write(5, data.clone()).await.unwrap();
+    assert_eq!(c.read(5, 3).await.unwrap(), data);
+    let stats = d
+        .registry
+        .subsystem(NQN)
+        .unwrap()
+        .namespace(2)
+        .unwrap()
+        .stats
+        .clone();
+    assert_eq!(
+        stats
+            .write_commands
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    drop(c);
+    d.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connects_the_subsystem_does_not_admit_are_refused() {
+    let (d, addr) = daemon("");
+    let ok = NvmeController::connect(&url(addr, NQN, 1), &NvmeOptions::default())
+        .await
+        .unwrap();
+    // No subsystem of that NQN: Connect Invalid Parameters.
+    let e = NvmeController::connect(
+        &url(addr, "nqn.2026-11.io.example:nobody", 1),
+        &NvmeOptions::default(),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(e, NvmeError::Status { status, .. } if status == Status::CONNECT_INVALID_PARAMETERS),
+        "{e}"
+    );
+    // A host not in `hosts`: Connect Invalid Host.
+    let stranger = NvmeOptions {
+        hostnqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-000000000bad".into(),
+        ..NvmeOptions::default()
+    };
+    let e = NvmeController::connect(&url(addr, NQN, 1), &stranger)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, NvmeError::Status { status, .. } if status == Status::CONNECT_INVALID_HOST),
+        "{e}"
+    );
+    // A namespace that is not there: the host finds it inactive.
+    let e = NvmeController::connect(&url(addr, NQN, 9), &NvmeOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, NvmeError::Protocol(_) | NvmeError::Status { .. }),
+        "{e}"
+    );
+    // Garbage on a connection: it is closed, and the good controller goes on.
+    {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(&[0xffu8; 300]).await.unwrap();
+        let mut buf = vec![0u8; 256];
+        // A C2HTermReq, then the close.
+        let mut got = 0;
+        loop {
+            match s.read(&mut buf[got..]).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got += n,
+            }
+        }
+        assert_eq!(buf[0], 0x03, "C2HTermReq");
+    }
+    let data = Bytes::from(vec![0x5a; 512]);
+    ok.write(0, data.clone()).await.unwrap();
+    assert_eq!(ok.read(0, 1).await.unwrap(), data);
+    drop(ok);
+    d.stop();
+}
