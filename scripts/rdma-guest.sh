@@ -13,7 +13,8 @@
 # shell script, copied to /script, run with the helpers of /guest.sh: fail, start_targetd,
 # find_disk, check_disk; the EXEs are in /bin, with busybox's tools; the modules of
 # Linux's SRP, iSER and iSCSI/TCP initiators (ib_srp, ib_iser, iscsi_tcp), of SCSI disks with
-# ALUA (scsi_dh_alua), of dm-multipath and of LIO's file backstore are loaded; Linux's SRP target, ib_srpt, is in /lib/modules/extra for a script to
+# ALUA (scsi_dh_alua), of dm-multipath, of LIO's file backstore, of the NVMe/TCP host
+# (nvme_tcp) and target (nvmet_tcp, configfs mounted) are loaded; Linux's SRP target, ib_srpt, is in /lib/modules/extra for a script to
 # insmod with its parameters) in /tmp with RDMA_ADDR=10.0.2.15,
 # and powers off. Everything the guest prints comes out on stdout; the exit status is
 # SCRIPT's (2 when the guest did not say, 3 when it did not finish in RDMA_GUEST_TIMEOUT
@@ -96,9 +97,11 @@ def visit(m):
 # Linux's own SRP and iSER initiators (ib_srp, ib_iser) and SCSI disks (sd_mod), as peers;
 # its iSCSI/TCP initiator with ALUA and dm-multipath (iscsi_tcp, scsi_dh_alua, dm_multipath,
 # dm_round_robin), as a multipath host runs them.
+# Linux's NVMe/TCP host (nvme_tcp, with native multipath in nvme_core) and its NVMe/TCP
+# target (nvmet_tcp), as a peer to compare with.
 for m in ["crc32_generic", "crc32c_generic", "virtio_pci", "virtio_net", "rdma_rxe", "ib_uverbs", "rdma_ucm",
           "ib_srp", "ib_iser", "sd_mod", "target_core_file", "scsi_dh_alua", "iscsi_tcp",
-          "dm_multipath", "dm_round_robin"]:
+          "dm_multipath", "dm_round_robin", "nvme_tcp", "nvmet_tcp"]:
     visit(m)
 # Linux's SRP target, loaded by a script that wants it (with its parameters): what it
 # needs is loaded.
@@ -118,7 +121,7 @@ rm -rf "$root"
 mkdir -p "$root"/{bin,etc/libibverbs.d,proc,sys,dev,tmp,lib/modules}
 cp "$dir/bb/bin/busybox" "$root/bin/busybox"
 for a in sh mount insmod ip poweroff cat echo ls sleep dmesg dd cmp wget grep head tail seq sync kill \
-  mkdir rm printf find ln cut awk timeout tr basename; do
+  mkdir rm printf find ln cut awk timeout tr basename od blkdiscard wc; do
   ln -sf busybox "$root/bin/$a"
 done
 : >"$root/modules.order"
@@ -199,6 +202,8 @@ mount -t tmpfs tmp /tmp
 for m in $(cat /modules.order); do
   insmod "/lib/modules/$m" || echo "rdma-guest: insmod $m failed"
 done
+# configfs (a module here) is there once the targets that need it are loaded.
+mount -t configfs none /sys/kernel/config 2>/dev/null
 ip link set lo up
 ip link set eth0 up
 ip addr add 10.0.2.15/24 dev eth0

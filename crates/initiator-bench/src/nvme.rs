@@ -648,9 +648,11 @@ impl NvmeController {
         self.io.command(sqe, Bytes::new(), 0).await.map(|_| ())
     }
 
-    /// Dataset Management deallocating each (first block, blocks) of `ranges`.
+    /// Dataset Management deallocating each (first block, blocks) of `ranges` (at most 256),
+    /// with room for 256 ranges in the data, as Linux's host sends it.
     pub async fn deallocate(&self, ranges: &[(u64, u32)]) -> Result<(), NvmeError> {
-        let mut data = BytesMut::zeroed(16 * ranges.len());
+        let ranges = &ranges[..ranges.len().min(256)];
+        let mut data = BytesMut::zeroed(4096);
         for (r, (lba, blocks)) in data.chunks_exact_mut(16).zip(ranges) {
             r[4..8].copy_from_slice(&blocks.to_le_bytes());
             r[8..16].copy_from_slice(&lba.to_le_bytes());

@@ -551,14 +551,19 @@ impl Subsystem {
 
     /// Sends `data` as the command's answer, when its SGL asks for exactly what the host
     /// reads (the data cut or padded to the SGL's length, as drives do).
-    fn reply(sqe: &Sqe, data: &[u8]) -> Answer {
+    /// Answers `sqe` with `data`, cut or padded with zeros to the length its SGL asks (at
+    /// most the largest transfer: nothing is allocated for a larger length).
+    fn reply(&self, sqe: &Sqe, data: &[u8]) -> Answer {
         let cid = sqe.cid();
         let len = match sqe.sgl().kind() {
-            crate::sqe::SglKind::Transport { length } => length as usize,
+            crate::sqe::SglKind::Transport { length } => length,
             _ => return Answer::Complete(Cqe::new(cid, Status::SGL_DESCRIPTOR_TYPE_INVALID)),
         };
-        let mut out = vec![0u8; len];
-        let n = data.len().min(len);
+        if len > self.max_transfer() {
+            return Answer::Complete(Cqe::new(cid, Status::DATA_SGL_LENGTH_INVALID));
+        }
+        let mut out = vec![0u8; len as usize];
+        let n = data.len().min(out.len());
         out[..n].copy_from_slice(&data[..n]);
         Answer::Data {
             data: Bytes::from(out),
@@ -643,7 +648,7 @@ impl Subsystem {
             },
             _ => return Answer::Complete(Cqe::new(cid, Status::INVALID_FIELD)),
         };
-        Subsystem::reply(sqe, &data[..])
+        self.reply(sqe, &data[..])
     }
 
     fn get_log_page(&mut self, queue: &Queue, sqe: &Sqe) -> Answer {
@@ -699,8 +704,8 @@ impl Subsystem {
             }
             _ => return Answer::Complete(Cqe::new(cid, Status::INVALID_LOG_PAGE)),
         };
-        match r.cut(&page) {
-            Some(data) => Subsystem::reply(sqe, &data),
+        match r.cut(&page, self.max_transfer()) {
+            Some(data) => self.reply(sqe, &data),
             None => Answer::Complete(Cqe::new(cid, Status::INVALID_FIELD)),
         }
     }
@@ -807,7 +812,7 @@ impl Subsystem {
                 if sqe.cdw(11) & 1 == 0 {
                     return done(Status::INVALID_FIELD, 0);
                 }
-                Subsystem::reply(sqe, &c.hostid)
+                self.reply(sqe, &c.hostid)
             }
         }
     }

@@ -172,6 +172,9 @@ pub fn controller(c: &ControllerIdentity) -> Box<[u8; IDENTIFY_LEN]> {
     // SGLS: SGLs supported (bit 0), keyed data blocks (bit 2), offsets (bit 20) and the
     // transport data block descriptor of fabrics.
     put32(&mut b[..], 536, 1 | 1 << 2 | 1 << 20);
+    // MNAN: as many namespaces as NN (Linux refuses a controller with ANA reporting whose
+    // MNAN is 0 or above NN).
+    put32(&mut b[..], 540, c.namespaces);
     let n = c.subnqn.len().min(255);
     b[768..768 + n].copy_from_slice(&c.subnqn.as_bytes()[..n]);
     put32(&mut b[..], 1792, c.ioccsz);

@@ -51,14 +51,18 @@ impl LogRequest {
     }
 
     /// `page` cut to this request: from the offset, `len` bytes, zeros past the page's end
-    /// (the log page's own length is the host's to know). `None` when the offset is past
-    /// the page.
-    pub fn cut(&self, page: &[u8]) -> Option<Vec<u8>> {
-        let start = usize::try_from(self.offset).ok()?;
-        if start > page.len() {
+    /// (the log page's own length is the host's to know; hosts read a page in pieces of a
+    /// size of their own, Linux's libnvme 4 KiB at a time, and may ask past its end). `None`
+    /// when the offset is not a whole number of dwords, or more than `max` bytes are asked:
+    /// nothing is allocated for a length the host chose before it is checked.
+    pub fn cut(&self, page: &[u8], max: u32) -> Option<Vec<u8>> {
+        if self.offset % 4 != 0 || self.len > max {
             return None;
         }
         let mut out = vec![0u8; self.len as usize];
+        let start = usize::try_from(self.offset)
+            .unwrap_or(usize::MAX)
+            .min(page.len());
         let n = (page.len() - start).min(out.len());
         out[..n].copy_from_slice(&page[start..start + n]);
         Some(out)
@@ -180,13 +184,19 @@ mod tests {
         assert_eq!((r.lid, r.lsp, r.len, r.offset), (0x0c, 1, 16, 8));
         let page: Vec<u8> = (0..20).collect();
         assert_eq!(
-            r.cut(&page),
+            r.cut(&page, 4096),
             Some(vec![
                 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 0, 0, 0, 0
             ])
         );
-        let far = LogRequest { offset: 21, ..r };
-        assert_eq!(far.cut(&page), None);
+        // Past the end: zeros (libnvme reads in 4 KiB pieces); not dword aligned: refused;
+        // a length beyond the largest transfer: refused before anything is allocated.
+        let far = LogRequest { offset: 24, ..r };
+        assert_eq!(far.cut(&page, 4096), Some(vec![0; 16]));
+        let odd = LogRequest { offset: 21, ..r };
+        assert_eq!(odd.cut(&page, 4096), None);
+        let huge = LogRequest { len: u32::MAX, ..r };
+        assert_eq!(huge.cut(&page, 1 << 20), None);
     }
 
     #[test]

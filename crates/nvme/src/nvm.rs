@@ -195,7 +195,16 @@ pub fn decode(
         }
         NvmOpcode::DatasetManagement => {
             let ranges = (sqe.cdw(10) & 0xff) as u16 + 1;
-            let t = transfer(sqe, u32::from(ranges) * 16, false)?;
+            // Linux's host sends room for all 256 ranges (4 KiB) whatever NR says: data up
+            // to that, beyond the ranges, is taken and not read.
+            let need = u32::from(ranges) * 16;
+            let len = sqe.sgl().length();
+            let len = if (need..=4096).contains(&len) {
+                len
+            } else {
+                need
+            };
+            let t = transfer(sqe, len, false)?;
             if sqe.cdw(11) & 1 << 2 == 0 {
                 // Only attributes (integral read, write hints): nothing to do.
                 return Ok(IoCommand::Nothing);

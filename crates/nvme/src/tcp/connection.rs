@@ -37,8 +37,12 @@ use crate::status::Status;
 enum Work {
     /// One block operation.
     Op(Op),
-    /// Deallocations: the ranges are read from the data once it is in, then run in turn.
-    Deallocate { ops: Vec<Op>, next: usize },
+    /// Deallocations: the `ranges` are read from the data once it is in, then run in turn.
+    Deallocate {
+        ranges: u16,
+        ops: Vec<Op>,
+        next: usize,
+    },
 }
 
 /// Where an I/O command is.
@@ -290,7 +294,7 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         if let Err(e) = result {
             return self.finish(now, cid, Status::of_backend(e));
         }
-        if let Work::Deallocate { ops, next } = &mut c.work {
+        if let Work::Deallocate { ops, next, .. } = &mut c.work {
             *next += 1;
             if *next < ops.len() {
                 return self.run(now, cid);
@@ -388,14 +392,18 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
                         let len = op.buffer_len(bs) as usize;
                         (Work::Op(op), transfer, len)
                     }
-                    IoCommand::Deallocate { ranges, transfer } => (
-                        Work::Deallocate {
+                    IoCommand::Deallocate { ranges, transfer } => {
+                        let len = match transfer {
+                            Transfer::FromHost { len, .. } => len as usize,
+                            _ => 0,
+                        };
+                        let work = Work::Deallocate {
+                            ranges,
                             ops: Vec::new(),
                             next: 0,
-                        },
-                        transfer,
-                        usize::from(ranges) * 16,
-                    ),
+                        };
+                        (work, transfer, len.max(usize::from(ranges) * 16))
+                    }
                     IoCommand::Nothing => {
                         return self.complete(Cqe::new(cid, Status::SUCCESS));
                     }
@@ -469,9 +477,10 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         };
         let op = match &mut c.work {
             Work::Op(op) => *op,
-            Work::Deallocate { ops, next } => {
+            Work::Deallocate { ranges, ops, next } => {
                 if *next == 0 && ops.is_empty() {
-                    let data = c.buffer.as_deref().map(|b| &b[..c.len.min(b.len())]);
+                    let len = (usize::from(*ranges) * 16).min(c.len);
+                    let data = c.buffer.as_deref().map(|b| &b[..len.min(b.len())]);
                     match nvm::dsm_ranges(data.unwrap_or_default(), &c.geometry) {
                         Ok(found) => *ops = found,
                         Err(s) => return self.finish(now, cid, s),

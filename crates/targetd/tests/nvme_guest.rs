@@ -1,0 +1,243 @@
+//! targetd's NVMe/TCP portal with Linux's own NVMe/TCP host: a Linux guest under QEMU
+//! (scripts/rdma-guest.sh: Debian's kernel with nvme_tcp, busybox, nvme-cli and fio copied in
+//! with their libraries) runs targetd on its loopback and connects to it with `nvme connect`
+//! and default host options, then with header and data digests: `nvme list`, `id-ctrl`,
+//! `id-ns`, `smart-log`, `ana-log`, `get-feature`; fio's verified random writes of 4 KiB and
+//! 128 KiB at queue depth 16; Flush, Write Zeroes and Dataset Management (and blkdiscard)
+//! with zeros read back; `nvme disconnect`. Then targetd is stopped with SIGTERM while the host
+//! is connected and started again: the host reconnects and what it wrote before is there.
+//!
+//! The same guest runs Linux's own NVMe/TCP target (nvmet_tcp) on a RAM-backed namespace
+//! with the same fio job, and the test prints both figures side by side: the CPU is emulated
+//! (TCG), so they compare the two targets with each other, not with hardware.
+//!
+//! Needs what scripts/rdma-guest.sh needs (qemu-system-x86_64, Debian's archive for the
+//! kernel, iproute2's `rdma`, the rxe provider), nvme-cli and fio; without them it says
+//! which is missing and skips, and fails under `CI`.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use common::guest;
+
+const NQN: &str = "nqn.2026-11.io.example:guest";
+const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:4c696e75-7800-4000-8000-6e766d652d67";
+
+const GUEST_SCRIPT: &str = r#"
+NQN=@NQN@
+HOST=@HOST@
+cat > /tmp/targetd.toml <<EOF
+[server]
+portals = ["127.0.0.1:3260"]
+nvme_portals = ["127.0.0.1:4420"]
+admin_socket = "/tmp/targetd.sock"
+metrics_listen = "127.0.0.1:9100"
+reactors = 1
+log = "info"
+
+[[subsystems]]
+nqn = "$NQN"
+hosts = ["$HOST"]
+
+[[subsystems.namespaces]]
+nsid = 1
+backend = "memory"
+size = "128MiB"
+
+[[subsystems.namespaces]]
+nsid = 2
+backend = "file"
+path = "/tmp/ns2.img"
+size = "32MiB"
+EOF
+start_targetd /tmp/targetd.toml
+
+# wait_ns NSID: waits for /dev/nvme*n$1 and sets $ns.
+wait_ns() {
+  ns=
+  for i in $(seq 1 200); do
+    for b in /sys/block/nvme*n$1; do [ -e "$b" ] && ns=/dev/${b##*/}; done
+    [ -n "$ns" ] && [ -e "$ns" ] && return 0
+    sleep 0.1
+  done
+  fail "no namespace $1 appeared"
+}
+
+# zeros FILE: whether FILE holds only zeros.
+zeros() {
+  [ -z "$(od -An -v -tx1 "$1" | tr -d ' 0\n')" ]
+}
+
+# fio_job NAME BS DEV: verified random writes at queue depth 16; prints the write IOPS.
+fio_job() {
+  fio --name="$1" --filename="$3" --rw=randwrite --bs="$2" --iodepth=16 --ioengine=libaio \
+    --direct=1 --size=16m --verify=crc32c --do_verify=1 --verify_fatal=1 --thread \
+    --output=/tmp/fio.txt > /dev/null 2>&1
+  status=$?
+  grep -q "err= 0" /tmp/fio.txt && [ "$status" = 0 ] || { cat /tmp/fio.txt; fail "$1: fio failed"; }
+  iops=$(grep -o "IOPS=[0-9.k]*" /tmp/fio.txt | head -1)
+  echo "$1: fio verified $2 random writes ($iops)"
+}
+
+for digests in none "--hdr-digest --data-digest"; do
+  opts=
+  [ "$digests" = none ] || opts=$digests
+  nvme connect -t tcp -a 127.0.0.1 -s 4420 -n "$NQN" --hostnqn="$HOST" $opts \
+    || fail "nvme connect ($digests) failed"
+  wait_ns 1
+  echo "nvme ($digests): connected, $ns"
+  ctrl=/dev/${ns#/dev/}; ctrl=${ctrl%n1}
+  nvme list | grep -q "${ns#/dev/}" && echo "nvme ($digests): listed"
+  nvme id-ctrl "$ctrl" | grep -q "subnqn *: $NQN" && echo "nvme ($digests): id-ctrl names the subsystem"
+  nvme id-ns "$ns" | grep -q "nsze *: 0x40000" && echo "nvme ($digests): id-ns says 128 MiB"
+  nvme smart-log "$ctrl" > /dev/null && echo "nvme ($digests): smart-log"
+  nvme ana-log "$ctrl" > /dev/null && echo "nvme ($digests): ana-log"
+  nvme get-feature "$ctrl" -f 7 > /dev/null && nvme get-feature "$ctrl" -f 0x0f > /dev/null \
+    && echo "nvme ($digests): get-feature 07h and 0Fh"
+  disk=$ns
+  check_disk "nvme ($digests)"
+  fio_job "targetd 4k ($digests)" 4k "$ns"
+  fio_job "targetd 128k ($digests)" 128k "$ns"
+  nvme flush "$ns" > /dev/null && echo "nvme ($digests): flush"
+  dd if=/dev/urandom of="$ns" bs=4096 count=4 oflag=direct 2>/dev/null
+  nvme write-zeroes "$ns" -s 0 -c 15 > /dev/null || fail "write-zeroes failed"
+  dd if="$ns" of=/tmp/z bs=4096 count=2 iflag=direct 2>/dev/null
+  zeros /tmp/z && echo "nvme ($digests): write-zeroes read back as zeros"
+  dd if=/dev/urandom of="$ns" bs=4096 count=4 seek=16 oflag=direct 2>/dev/null
+  nvme dsm "$ns" --ad -s 128 -b 16 > /dev/null || fail "dsm failed"
+  dd if="$ns" of=/tmp/z bs=4096 count=2 skip=16 iflag=direct 2>/dev/null
+  zeros /tmp/z && echo "nvme ($digests): dsm --ad read back as zeros"
+  dd if=/dev/urandom of="$ns" bs=4096 count=4 seek=32 oflag=direct 2>/dev/null
+  blkdiscard -o 131072 -l 16384 "$ns" || fail "blkdiscard failed"
+  dd if="$ns" of=/tmp/z bs=4096 count=4 skip=32 iflag=direct 2>/dev/null
+  zeros /tmp/z && echo "nvme ($digests): blkdiscard read back as zeros"
+  nvme disconnect -n "$NQN" | grep -q "disconnected 1" && echo "nvme ($digests): disconnected"
+  sleep 1
+done
+
+# A stop and a start while connected: the host reconnects, and the file namespace has what
+# was written before.
+nvme connect -t tcp -a 127.0.0.1 -s 4420 -n "$NQN" --hostnqn="$HOST" --reconnect-delay=1 \
+  || fail "nvme connect failed"
+wait_ns 2
+dd if=/dev/urandom of=/tmp/before bs=65536 count=16 2>/dev/null
+dd if=/tmp/before of="$ns" bs=65536 oflag=direct 2>/dev/null || fail "writes before the restart failed"
+kill -TERM $daemon
+for i in $(seq 1 100); do kill -0 $daemon 2>/dev/null || break; sleep 0.1; done
+kill -0 $daemon 2>/dev/null && fail "targetd did not stop on SIGTERM"
+echo "restart: targetd stopped"
+start_targetd /tmp/targetd.toml
+ok=
+for i in $(seq 1 60); do
+  if dd if="$ns" of=/tmp/after bs=65536 count=16 iflag=direct 2>/dev/null && cmp -s /tmp/before /tmp/after; then
+    ok=1; break
+  fi
+  sleep 1
+done
+[ -n "$ok" ] || fail "the host did not come back after the restart"
+echo "restart: the host reconnected and read back what it wrote before"
+nvme disconnect -n "$NQN" > /dev/null
+kill -TERM $daemon
+sleep 1
+
+# Linux's own target, nvmet_tcp, on a RAM-backed namespace: the same fio job.
+dd if=/dev/zero of=/tmp/nvmet.img bs=1048576 count=128 2>/dev/null
+cfg=/sys/kernel/config/nvmet
+mkdir $cfg/subsystems/nqn.2026-11.io.example:nvmet || fail "no nvmet in configfs"
+echo 1 > $cfg/subsystems/nqn.2026-11.io.example:nvmet/attr_allow_any_host
+mkdir $cfg/subsystems/nqn.2026-11.io.example:nvmet/namespaces/1
+echo -n /tmp/nvmet.img > $cfg/subsystems/nqn.2026-11.io.example:nvmet/namespaces/1/device_path
+# tmpfs has no O_DIRECT: the file is read and written through the page cache.
+echo 1 > $cfg/subsystems/nqn.2026-11.io.example:nvmet/namespaces/1/buffered_io
+echo 1 > $cfg/subsystems/nqn.2026-11.io.example:nvmet/namespaces/1/enable || fail "nvmet namespace"
+mkdir $cfg/ports/1
+echo 127.0.0.1 > $cfg/ports/1/addr_traddr
+echo tcp > $cfg/ports/1/addr_trtype
+echo 4421 > $cfg/ports/1/addr_trsvcid
+echo ipv4 > $cfg/ports/1/addr_adrfam
+ln -s $cfg/subsystems/nqn.2026-11.io.example:nvmet $cfg/ports/1/subsystems/
+nvme connect -t tcp -a 127.0.0.1 -s 4421 -n nqn.2026-11.io.example:nvmet --hostnqn="$HOST" \
+  || fail "nvme connect to nvmet failed"
+for i in $(seq 1 100); do
+  ns=; for b in /sys/block/nvme*n1; do [ -e "$b" ] && ns=/dev/${b##*/}; done
+  [ -n "$ns" ] && break; sleep 0.1
+done
+fio_job "nvmet 4k (none)" 4k "$ns"
+fio_job "nvmet 128k (none)" 128k "$ns"
+nvme disconnect -n nqn.2026-11.io.example:nvmet > /dev/null
+echo "nvme guest: done"
+"#;
+
+#[test]
+fn linux_nvme_tcp_host_in_a_guest() {
+    let tools: Option<Vec<String>> = ["nvme", "fio"].iter().map(|t| guest::which(t)).collect();
+    let Some(mut exes) = tools else {
+        return guest::skip("nvme-cli or fio is missing (Debian packages nvme-cli, fio)");
+    };
+    exes.insert(0, env!("CARGO_BIN_EXE_targetd").to_string());
+    let text = GUEST_SCRIPT.replace("@NQN@", NQN).replace("@HOST@", HOST);
+    let started = Instant::now();
+    let timeout = std::env::var("RDMA_GUEST_TIMEOUT").unwrap_or_else(|_| "1200".into());
+    let Some(run) = guest::run(
+        "nvme-guest.sh",
+        &text,
+        &exes,
+        &[("RDMA_GUEST_TIMEOUT", timeout)],
+    ) else {
+        return;
+    };
+    let console = &run.console;
+    let report = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nvme-guest.txt");
+    std::fs::write(&report, console.as_bytes()).expect("the report");
+    assert!(
+        run.status.success(),
+        "the guest failed ({:?}): {}\nsee {}",
+        run.status.code(),
+        run.errors,
+        report.display()
+    );
+    let mut expected = Vec::new();
+    for d in ["none", "--hdr-digest --data-digest"] {
+        for what in [
+            "connected",
+            "listed",
+            "id-ctrl names the subsystem",
+            "id-ns says 128 MiB",
+            "smart-log",
+            "ana-log",
+            "get-feature 07h and 0Fh",
+            "8 MiB written in 4 KiB writes and read back",
+            "8 MiB written in 1 MiB writes and read back",
+            "flush",
+            "write-zeroes read back as zeros",
+            "dsm --ad read back as zeros",
+            "blkdiscard read back as zeros",
+            "disconnected",
+        ] {
+            expected.push(format!("nvme ({d}): {what}"));
+        }
+        expected.push(format!("targetd 4k ({d}): fio verified 4k random writes"));
+        expected.push(format!(
+            "targetd 128k ({d}): fio verified 128k random writes"
+        ));
+    }
+    expected.push("restart: the host reconnected and read back what it wrote before".into());
+    expected.push("nvme guest: done".into());
+    for line in &expected {
+        assert!(
+            console.contains(line.as_str()),
+            "{line:?} missing: see {}",
+            report.display()
+        );
+    }
+    // The figures side by side (emulated CPU: a ratio between the two targets).
+    for line in console.lines().filter(|l| l.contains("fio verified")) {
+        println!("{line}");
+    }
+    println!(
+        "Linux's NVMe/TCP host served in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+}
