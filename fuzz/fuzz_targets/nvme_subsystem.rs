@@ -1,5 +1,6 @@
 //! An NVM subsystem fed arbitrary commands on arbitrary connections and time passing on a
-//! virtual clock: Connects (admin and I/O, any NQN, queue, size, KATO), any SQE with any
+//! virtual clock, with 0 to 3 I/O queues allowed, as an NVM or a discovery subsystem:
+//! Connects (admin and I/O, any NQN, queue, size, KATO), any SQE with any
 //! in-capsule data, disconnects, keep alive deadlines. It never panics; every command gets
 //! exactly one answer (a completion with its CID, data and a completion, an I/O command that
 //! stays within the namespace, or held: only Asynchronous Event Requests, at most four per
@@ -43,18 +44,26 @@ enum Step {
     Advance(u16),
 }
 
-fuzz_target!(|steps: Vec<Step>| {
-    let mut s = Subsystem::new(SubsystemConfig {
+fuzz_target!(|input: (u8, bool, Vec<Step>)| {
+    // The subsystem's own terms: 0 to 3 I/O queues; an NVM or a discovery subsystem.
+    let (io_queues, discovery, steps) = input;
+    let config = SubsystemConfig {
         nqn: NQN.into(),
         serial: "fuzz".into(),
         model: "targetd".into(),
         firmware: "0.1.0".into(),
         hosts: vec![HOST.into()],
-        max_io_queues: 2,
+        max_io_queues: u16::from(io_queues % 4),
         max_queue_entries: 64,
         max_in_capsule_data: 8192,
         mdts: 3,
-    });
+    };
+    let mut s = if discovery {
+        Subsystem::discovery(config)
+    } else {
+        Subsystem::new(config)
+    };
+    let nqn = s.config().nqn.clone();
     s.add_namespace(Namespace {
         nsid: 1,
         geometry: NamespaceGeometry {
@@ -98,7 +107,7 @@ fuzz_target!(|steps: Vec<Step>| {
                     subnqn: if other_subsystem {
                         "nqn.2026-11.x:y"
                     } else {
-                        NQN
+                        nqn.as_str()
                     }
                     .into(),
                     hostnqn: if other_host { "nqn.2026-11.x:h" } else { HOST }.into(),
@@ -107,7 +116,8 @@ fuzz_target!(|steps: Vec<Step>| {
                 match s.connect(now, &sqe, &data[..]) {
                     Ok((q, cqe)) => {
                         assert!(cqe.status.is_success() && cqe.cid == 9);
-                        assert!(!other_host && !other_subsystem);
+                        // A discovery subsystem admits any host.
+                        assert!((!other_host || discovery) && !other_subsystem);
                         conns[c] = Some(q);
                     }
                     Err(cqe) => assert!(!cqe.status.is_success() && cqe.cid == 9),

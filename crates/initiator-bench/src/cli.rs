@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use initiator_bench::login::LoginOptions;
+use initiator_bench::nvme::NvmeOptions;
 use initiator_bench::proxy::parse_duration;
 use initiator_bench::srp::{LinkModel, RdmaOptions};
 use initiator_bench::workload::{parse_size, Rw, Split, Workload};
@@ -36,7 +37,8 @@ pub(crate) enum Cmd {
         /// With `--transport srp`: `fabric`, an in-process SRP target over the software fabric,
         /// or srp://ADDR:PORT/TARGET/LUN on an RDMA device (feature rdma), TARGET a targetd
         /// target's name or a target port identifier in 32 hex digits. With `--transport iser`:
-        /// iser://ADDR[:PORT]/IQN/LUN on an RDMA device (feature rdma).
+        /// iser://ADDR[:PORT]/IQN/LUN on an RDMA device (feature rdma). With `--transport
+        /// nvme-tcp`: nvme://HOST[:PORT]/SUBNQN/NSID (port 4420 when absent).
         #[arg(required = true)]
         urls: Vec<String>,
         /// The transport.
@@ -182,9 +184,10 @@ pub(crate) enum Cmd {
         /// An existing directory.
         dir: PathBuf,
     },
-    /// List the targets a portal offers (SendTargets=All).
+    /// List the targets a portal offers (SendTargets=All), or the NVM subsystems an NVMe/TCP
+    /// discovery controller names for this host (its discovery log page).
     Discover {
-        /// iscsi://host[:port]
+        /// iscsi://host[:port], or nvme://host[:port] (port 8009 when absent).
         url: String,
         #[command(flatten)]
         login: LoginArgs,
@@ -223,6 +226,8 @@ pub(crate) enum Transport {
     Srp,
     /// iSCSI Extensions for RDMA on an RDMA device (iser://...).
     Iser,
+    /// NVMe over TCP (nvme://HOST[:PORT]/SUBNQN/NSID).
+    NvmeTcp,
 }
 
 #[derive(Args, Clone)]
@@ -376,6 +381,13 @@ pub(crate) struct LoginArgs {
     /// Timeout for the login and for each command.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub(crate) timeout: Duration,
+    /// NVMe/TCP: the host's NQN (digests are asked for when --header-digest or
+    /// --data-digest name CRC32C).
+    #[arg(
+        long,
+        default_value = "nqn.2014-08.org.nvmexpress:uuid:8e1b3c9a-0000-4000-8000-696e69746961"
+    )]
+    pub(crate) hostnqn: String,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -385,6 +397,22 @@ pub(crate) enum YesNo {
 }
 
 impl LoginArgs {
+    /// How an NVMe/TCP host connects, from the same flags.
+    pub(crate) fn nvme_options(&self, qd: usize) -> anyhow::Result<NvmeOptions> {
+        nvme::fabrics::check_nqn(&self.hostnqn)
+            .map_err(|e| anyhow::anyhow!("--hostnqn {:?}: {e}", self.hostnqn))?;
+        let crc = |names: &[String]| names.iter().any(|n| n.eq_ignore_ascii_case("crc32c"));
+        Ok(NvmeOptions {
+            hostnqn: self.hostnqn.clone(),
+            digests: nvme::tcp::Digests {
+                header: crc(&self.header_digest),
+                data: crc(&self.data_digest),
+            },
+            queue_entries: u16::try_from(qd.saturating_add(1).max(32)).unwrap_or(u16::MAX),
+            ..NvmeOptions::default()
+        })
+    }
+
     pub(crate) fn options(&self) -> anyhow::Result<LoginOptions> {
         let digests = |names: &[String], key: &str| -> anyhow::Result<Vec<DigestAlgorithm>> {
             names

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use initiator_bench::login::LoginOptions;
+use initiator_bench::nvme::NvmeUrl;
 use initiator_bench::plot::{plot, Series};
 use initiator_bench::proxy::{parse_duration, parse_rate, Link, Proxy};
 use initiator_bench::srp::{LinkModel, RdmaOptions};
@@ -656,20 +657,65 @@ pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
 /// A named figure of a report.
 type Metric = (&'static str, fn(&Report) -> f64);
 
+/// What `compare` runs against: an iSCSI LU or an NVMe/TCP namespace, told by the URL's
+/// scheme, so that the two transports compare on one backend.
+pub(crate) enum Endpoint {
+    /// iscsi://...
+    Iscsi(IscsiUrl),
+    /// nvme://...
+    Nvme(NvmeUrl),
+}
+
+impl Endpoint {
+    pub(crate) fn parse(url: &str) -> anyhow::Result<Endpoint> {
+        Ok(if url.starts_with("nvme://") {
+            Endpoint::Nvme(NvmeUrl::parse(url)?)
+        } else {
+            Endpoint::Iscsi(IscsiUrl::parse(url)?)
+        })
+    }
+
+    async fn run(&self, login: &LoginArgs, w: &Workload) -> anyhow::Result<Report> {
+        match self {
+            Endpoint::Iscsi(u) => {
+                run_with_progress(std::slice::from_ref(u), &login.options()?, w).await
+            }
+            Endpoint::Nvme(u) => {
+                let o = login.nvme_options(w.qd)?;
+                with_progress(|p| {
+                    initiator_bench::workload::run_nvme(std::slice::from_ref(u), &o, w, p)
+                })
+                .await
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Iscsi(u) => write!(f, "{u}"),
+            Endpoint::Nvme(u) => write!(f, "nvme://{}/{}/{}", u.portal, u.nqn, u.nsid),
+        }
+    }
+}
+
 pub(crate) async fn compare(
-    a: &IscsiUrl,
-    b: &IscsiUrl,
+    a: &Endpoint,
+    b: &Endpoint,
     rounds: usize,
     w: &Workload,
-    login: &LoginOptions,
+    login: &LoginArgs,
     json: bool,
 ) -> anyhow::Result<()> {
     let mut pairs = Vec::new();
     for round in 0..rounds.max(1) {
-        let ra = run_with_progress(std::slice::from_ref(a), login, w)
+        let ra = a
+            .run(login, w)
             .await
             .with_context(|| format!("round {round}, A"))?;
-        let rb = run_with_progress(std::slice::from_ref(b), login, w)
+        let rb = b
+            .run(login, w)
             .await
             .with_context(|| format!("round {round}, B"))?;
         pairs.push((ra, rb));

@@ -63,6 +63,9 @@ pub enum Error {
         /// Sense key, ASC and ASCQ, if sense data came.
         sense: Option<Sense>,
     },
+    /// An NVMe/TCP command or connection failed.
+    #[error("{0}")]
+    Nvme(#[from] crate::nvme::NvmeError),
     /// The command was aborted by a task management function.
     #[error("command aborted")]
     Aborted,
@@ -91,6 +94,9 @@ impl Error {
                 | Error::Protocol(_)
                 | Error::ConnectionLost(_)
                 | Error::LogoutRequested
+                | Error::Nvme(
+                    crate::nvme::NvmeError::Connection(_) | crate::nvme::NvmeError::Protocol(_)
+                )
         )
     }
 }

@@ -96,6 +96,43 @@ fn main() -> anyhow::Result<()> {
                     run_iser_device(&url, &w, &srp.options()).map_err(|e| anyhow::anyhow!(e))?;
                 rdma_outcome(&report, json, max_errors)
             }
+            Cmd::Run {
+                urls,
+                transport: Transport::NvmeTcp,
+                workload,
+                login,
+                json,
+                max_errors,
+                ..
+            } => {
+                let urls = urls
+                    .iter()
+                    .map(|u| initiator_bench::nvme::NvmeUrl::parse(u))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let mut w = workload.workload()?;
+                w.max_errors = Some(max_errors);
+                let o = login.nvme_options(w.qd)?;
+                let report = with_progress(|progress| {
+                    initiator_bench::workload::run_nvme(&urls, &o, &w, progress)
+                })
+                .await?;
+                if json {
+                    println!("{}", serde_json::to_string(&report)?);
+                } else {
+                    print_report(&report);
+                }
+                if report.verify_errors > 0 {
+                    bail!("{} blocks failed verification", report.verify_errors);
+                }
+                if report.errors > max_errors {
+                    bail!(
+                        "{} I/Os failed (--max-errors {max_errors}); the report counts them by \
+                         kind",
+                        report.errors
+                    );
+                }
+                Ok(())
+            }
             Cmd::Paper004 { out, ios } => paper004(&out, ios),
             Cmd::Trace {
                 action:
@@ -235,16 +272,43 @@ fn main() -> anyhow::Result<()> {
                 json,
             } => {
                 compare(
-                    &IscsiUrl::parse(&url_a)?,
-                    &IscsiUrl::parse(&url_b)?,
+                    &Endpoint::parse(&url_a)?,
+                    &Endpoint::parse(&url_b)?,
                     rounds,
                     &workload.workload()?,
-                    &login.options()?,
+                    &login,
                     json,
                 )
                 .await
             }
             Cmd::Completions { .. } | Cmd::Man { .. } => Ok(()),
+            Cmd::Discover { url, login } if url.starts_with("nvme://") => {
+                let host = url.trim_start_matches("nvme://").trim_end_matches('/');
+                let has_port = match host.rfind(']') {
+                    Some(end) => host[end..].contains(':'),
+                    None => host.contains(':'),
+                };
+                let portal = if has_port {
+                    host.to_string()
+                } else {
+                    format!("{host}:8009")
+                };
+                let found =
+                    initiator_bench::nvme::discover(&portal, &login.nvme_options(1)?).await?;
+                for d in found {
+                    let kind = match d.subtype {
+                        1 => "referral",
+                        2 => "nvme",
+                        3 => "discovery",
+                        _ => "unknown",
+                    };
+                    println!(
+                        "{kind} {} {}:{} portid {}",
+                        d.nqn, d.address, d.port, d.port_id
+                    );
+                }
+                Ok(())
+            }
             Cmd::Discover { url, login } => {
                 for t in discover(&IscsiUrl::parse(&url)?, &login.options()?).await? {
                     println!("{} {}", t.name, t.addresses.join(" "));

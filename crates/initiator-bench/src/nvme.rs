@@ -431,6 +431,8 @@ pub struct NamespaceInfo {
 pub struct NvmeController {
     admin: QueueHandle,
     io: QueueHandle,
+    /// `host:port` of the controller.
+    pub portal: String,
     /// The controller's ID.
     pub cntlid: u16,
     /// The namespace of the URL.
@@ -481,6 +483,10 @@ fn connect_command(
 }
 
 fn property(offset: u32, value: Option<u32>) -> Sqe {
+    property_sized(offset, value, false)
+}
+
+fn property_sized(offset: u32, value: Option<u32>, eight_bytes: bool) -> Sqe {
     let fctype = if value.is_some() {
         FabricsType::PropertySet
     } else {
@@ -489,7 +495,7 @@ fn property(offset: u32, value: Option<u32>) -> Sqe {
     let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 0);
     sqe.set_fctype(fctype.code());
     PropertyAccess {
-        eight_bytes: false,
+        eight_bytes,
         offset,
         value: u64::from(value.unwrap_or(0)),
     }
@@ -497,34 +503,105 @@ fn property(offset: u32, value: Option<u32>) -> Sqe {
     sqe
 }
 
+/// Opens the admin queue of a controller of `url`'s subsystem and enables it (Connect,
+/// CC.EN, CSTS.RDY): the queue, the CNTLID and CAP.MQES.
+async fn enable_admin_queue(
+    url: &NvmeUrl,
+    o: &NvmeOptions,
+) -> Result<(QueueHandle, u16, u16), NvmeError> {
+    let admin = QueueHandle::open(&url.portal, o.digests, 32).await?;
+    let (sqe, data) = connect_command(url, o, 0, CNTLID_DYNAMIC, 31);
+    let (cqe, _) = admin.command(sqe, data, 0).await?;
+    let cntlid = cqe.dw0 as u16;
+    let (cap, _) = admin
+        .command(property_sized(property::CAP, None, true), Bytes::new(), 0)
+        .await?;
+    let mqes = (cap.dw0 & 0xffff) as u16;
+    admin
+        .command(
+            property(property::CC, Some(CC_EN | 6 << 16 | 4 << 20)),
+            Bytes::new(),
+            0,
+        )
+        .await?;
+    for _ in 0..100 {
+        let (cqe, _) = admin
+            .command(property(property::CSTS, None), Bytes::new(), 0)
+            .await?;
+        if cqe.dw0 & CSTS_RDY != 0 {
+            return Ok((admin, cntlid, mqes));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Err(NvmeError::Protocol("CSTS.RDY never set".into()))
+}
+
+/// A subsystem a discovery controller names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Discovered {
+    /// SUBTYPE: 2 an NVM subsystem, 3 the discovery subsystem itself, 1 a referral.
+    pub subtype: u8,
+    /// SUBNQN.
+    pub nqn: String,
+    /// TRADDR.
+    pub address: String,
+    /// TRSVCID.
+    pub port: String,
+    /// PORTID.
+    pub port_id: u16,
+}
+
+/// Asks the discovery controller at `portal` (`host:port`; 8009 is discovery's port) for
+/// the subsystems this host may reach: the discovery log page, read whole.
+pub async fn discover(portal: &str, o: &NvmeOptions) -> Result<Vec<Discovered>, NvmeError> {
+    let url = NvmeUrl {
+        portal: portal.into(),
+        nqn: nvme::fabrics::DISCOVERY_NQN.into(),
+        nsid: 1,
+    };
+    let o = NvmeOptions {
+        kato: Duration::ZERO,
+        ..o.clone()
+    };
+    let (admin, _, _) = enable_admin_queue(&url, &o).await?;
+    let log = |len: usize| {
+        let mut sqe = Sqe::new(AdminOpcode::GetLogPage.code(), 0);
+        let numd = (len / 4 - 1) as u32;
+        sqe.set_cdw(
+            10,
+            u32::from(nvme::log_page::lid::DISCOVERY) | (numd & 0xffff) << 16,
+        );
+        sqe.set_cdw(11, numd >> 16);
+        sqe
+    };
+    let (_, head) = admin.command(log(1024), Bytes::new(), 1024).await?;
+    let records = u64::from_le_bytes(head[8..16].try_into().expect("8 bytes")).min(1024) as usize;
+    let len = 1024 * (records + 1);
+    let (_, page) = admin.command(log(len), Bytes::new(), len).await?;
+    let text = |b: &[u8]| {
+        String::from_utf8_lossy(b)
+            .trim_end_matches(['\0', ' '])
+            .to_string()
+    };
+    Ok(page
+        .chunks_exact(1024)
+        .skip(1)
+        .take(records)
+        .map(|r| Discovered {
+            subtype: r[2],
+            port_id: u16::from_le_bytes([r[4], r[5]]),
+            port: text(&r[32..64]),
+            nqn: text(&r[256..512]),
+            address: text(&r[512..768]),
+        })
+        .collect())
+}
+
 impl NvmeController {
     /// Connects to the subsystem and namespace of `url` as a host does before I/O.
     pub async fn connect(url: &NvmeUrl, o: &NvmeOptions) -> Result<NvmeController, NvmeError> {
-        let admin = QueueHandle::open(&url.portal, o.digests, 32).await?;
-        let (sqe, data) = connect_command(url, o, 0, CNTLID_DYNAMIC, 31);
-        let (cqe, _) = admin.command(sqe, data, 0).await?;
-        let cntlid = cqe.dw0 as u16;
-        admin
-            .command(
-                property(property::CC, Some(CC_EN | 6 << 16 | 4 << 20)),
-                Bytes::new(),
-                0,
-            )
-            .await?;
-        let mut ready = false;
-        for _ in 0..100 {
-            let (cqe, _) = admin
-                .command(property(property::CSTS, None), Bytes::new(), 0)
-                .await?;
-            if cqe.dw0 & CSTS_RDY != 0 {
-                ready = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        if !ready {
-            return Err(NvmeError::Protocol("CSTS.RDY never set".into()));
-        }
+        let (admin, cntlid, mqes) = enable_admin_queue(url, o).await?;
+        let entries = o.queue_entries.min(mqes.saturating_add(1)).max(2);
         let identify = |cns: u8, nsid: u32| {
             let mut sqe = Sqe::new(AdminOpcode::Identify.code(), 0);
             sqe.set_nsid(nsid);
@@ -563,9 +640,9 @@ impl NvmeController {
                 url.nsid
             )));
         }
-        let mut io = QueueHandle::open(&url.portal, o.digests, o.queue_entries).await?;
+        let mut io = QueueHandle::open(&url.portal, o.digests, entries).await?;
         io.in_capsule = (ioccsz * 16).saturating_sub(64);
-        let sqsize = o.queue_entries.max(2) - 1;
+        let sqsize = entries - 1;
         let (sqe, data) = connect_command(url, o, 1, cntlid, sqsize);
         let connect = QueueHandle {
             in_capsule: 8192,
@@ -586,6 +663,7 @@ impl NvmeController {
         Ok(NvmeController {
             admin,
             io,
+            portal: url.portal.clone(),
             cntlid,
             nsid: url.nsid,
             namespace: NamespaceInfo {

@@ -20,6 +20,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::login::LoginOptions;
 use crate::multipath::Multipath;
+use crate::nvme::{NvmeController, NvmeOptions, NvmeUrl};
 use crate::session::Session;
 use crate::url::IscsiUrl;
 
@@ -379,19 +380,71 @@ pub async fn run_multipath(
     run_on(sessions, vec![Io::Paths(m.clone())], Some(m), w, progress).await
 }
 
-/// Where a worker sends its I/O: one session, or one logical unit through several paths.
+/// Runs `w` against the NVMe/TCP namespaces of `urls`: `w.sessions` controllers (each its
+/// admin queue and one I/O queue), spread round-robin over the URLs.
+pub async fn run_nvme(
+    urls: &[NvmeUrl],
+    opts: &NvmeOptions,
+    w: &Workload,
+    progress: Arc<Progress>,
+) -> Result<Report> {
+    if urls.is_empty() {
+        return Err(Error::Command("no NVMe/TCP URL".into()));
+    }
+    let mut ends = Vec::new();
+    for i in 0..w.sessions.max(1) {
+        let c = NvmeController::connect(&urls[i % urls.len()], opts).await?;
+        ends.push(Io::Nvme(Arc::new(c)));
+    }
+    run_on(Vec::new(), ends, None, w, progress).await
+}
+
+/// Where a worker sends its I/O: one session, one logical unit through several paths, or an
+/// NVMe/TCP controller's namespace.
 #[derive(Debug, Clone)]
 enum Io {
     One(Arc<Session>),
     Paths(Arc<Multipath>),
+    Nvme(Arc<NvmeController>),
 }
 
 impl Io {
-    /// The session commands go to now.
-    fn session(&self) -> &Arc<Session> {
+    /// The session commands go to now (none for NVMe/TCP).
+    fn session(&self) -> Option<&Arc<Session>> {
         match self {
-            Io::One(s) => s,
-            Io::Paths(m) => m.session(),
+            Io::One(s) => Some(s),
+            Io::Paths(m) => Some(m.session()),
+            Io::Nvme(_) => None,
+        }
+    }
+
+    /// Where the commands go, for a failure's message.
+    fn portal(&self) -> String {
+        match self {
+            Io::Nvme(c) => c.portal.clone(),
+            other => other
+                .session()
+                .map(|s| s.url().portal.clone())
+                .unwrap_or_default(),
+        }
+    }
+
+    /// The unit's size in blocks and its block size.
+    async fn capacity(&self) -> Result<(u64, u32)> {
+        match self {
+            Io::Nvme(c) => Ok((c.namespace.blocks, c.namespace.block_size)),
+            other => other.session().expect("a session").capacity().await,
+        }
+    }
+
+    /// The most blocks Linux would put in one command to this unit.
+    async fn linux_max_blocks(&self, block_size: u32) -> Result<u32> {
+        match self {
+            Io::Nvme(c) => Ok(c.max_transfer / block_size),
+            other => {
+                let limits = other.session().expect("a session").block_limits().await?;
+                Ok(limits.linux_max_blocks(block_size))
+            }
         }
     }
 
@@ -399,6 +452,19 @@ impl Io {
         match self {
             Io::One(s) => s.read_split(lba, blocks, bs, max).await,
             Io::Paths(m) => m.read_split(lba, blocks, bs, max).await,
+            Io::Nvme(c) => {
+                if blocks <= max {
+                    return Ok(c.read(lba, blocks).await?);
+                }
+                let mut out = bytes::BytesMut::with_capacity((blocks * bs) as usize);
+                let mut at = 0;
+                while at < blocks {
+                    let n = max.min(blocks - at);
+                    out.extend_from_slice(&c.read(lba + u64::from(at), n).await?);
+                    at += n;
+                }
+                Ok(out.freeze())
+            }
         }
     }
 
@@ -406,6 +472,17 @@ impl Io {
         match self {
             Io::One(s) => s.write_split(lba, data, bs, max).await,
             Io::Paths(m) => m.write_split(lba, data, bs, max).await,
+            Io::Nvme(c) => {
+                let chunk = (max * bs) as usize;
+                let mut at = 0;
+                while at < data.len() {
+                    let end = (at + chunk).min(data.len());
+                    c.write(lba + (at / bs as usize) as u64, data.slice(at..end))
+                        .await?;
+                    at = end;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -413,6 +490,10 @@ impl Io {
         match self {
             Io::One(s) => s.read(lba, blocks, bs).await,
             Io::Paths(m) => m.read(lba, blocks, bs).await,
+            Io::Nvme(c) => {
+                let max = (c.max_transfer / bs).max(1);
+                self.read_split(lba, blocks, bs, max).await
+            }
         }
     }
 }
@@ -426,7 +507,7 @@ async fn run_on(
     w: &Workload,
     progress: Arc<Progress>,
 ) -> Result<Report> {
-    let (lu_blocks, block_size) = ends[0].session().capacity().await?;
+    let (lu_blocks, block_size) = ends[0].capacity().await?;
     if w.bs == 0 || w.bs % block_size != 0 {
         return Err(Error::Command(format!(
             "--bs {} is not a multiple of the LU's {block_size}-byte blocks",
@@ -448,10 +529,7 @@ async fn run_on(
                 "--split {b} is not a multiple of the LU's {block_size}-byte blocks"
             )))
         }
-        Split::Linux => {
-            let limits = ends[0].session().block_limits().await?;
-            u64::from(limits.linux_max_blocks(block_size))
-        }
+        Split::Linux => u64::from(ends[0].linux_max_blocks(block_size).await?),
     }
     .clamp(1, io_blocks.max(1));
     let slots = len / u64::from(w.bs);
@@ -746,7 +824,7 @@ async fn worker(
                     .fetch_add(u64::from(sh.w.bs), Ordering::Relaxed);
             }
             Err(e) => {
-                sh.failed(lba, &session.session().url().portal, &e);
+                sh.failed(lba, &session.portal(), &e);
                 if e.ends_the_connection() {
                     // The next command logs in again: wait longer after each failure in a row,
                     // so a target that is gone is not hammered with logins.

@@ -143,6 +143,8 @@ struct Controller {
     /// List; a notice of the kind waits until it does (the specification masks it).
     changed: BTreeSet<u32>,
     namespace_notice_masked: bool,
+    /// A Discovery Log Page Change notice went and the host has not read the log since.
+    discovery_notice_masked: bool,
     /// Keep alive expired: it takes no more commands.
     failed: bool,
 }
@@ -161,7 +163,29 @@ pub struct Subsystem {
     namespaces: BTreeMap<u32, Namespace>,
     controllers: BTreeMap<u16, Controller>,
     next_cntlid: u16,
+    /// A discovery subsystem's log: what it tells hosts (`None`: an NVM subsystem).
+    discovery: Option<Discovery>,
 }
+
+/// An entry of a discovery subsystem's log and the hosts that see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiscoveryRecord {
+    /// Where the subsystem is.
+    pub entry: log_page::DiscoveryEntry,
+    /// Host NQNs it admits; empty: every host.
+    pub hosts: Vec<String>,
+}
+
+/// A discovery subsystem's log.
+#[derive(Debug, Clone, Default)]
+struct Discovery {
+    /// GENCTR: moves on with every change.
+    genctr: u64,
+    records: Vec<DiscoveryRecord>,
+}
+
+/// Asynchronous Event Configuration bit 31: Discovery Log Page Change Notices.
+pub const AEC_DISCOVERY_LOG: u32 = 1 << 31;
 
 impl Subsystem {
     /// A subsystem with no namespace and no controller.
@@ -171,6 +195,48 @@ impl Subsystem {
             namespaces: BTreeMap::new(),
             controllers: BTreeMap::new(),
             next_cntlid: 1,
+            discovery: None,
+        }
+    }
+
+    /// A discovery subsystem (its NQN the well-known discovery NQN, any host admitted): its
+    /// controllers answer Identify and the discovery log page (LID 70h), which lists for
+    /// each host the subsystems it may reach ([`Subsystem::set_discovery_log`]).
+    pub fn discovery(config: SubsystemConfig) -> Subsystem {
+        Subsystem {
+            discovery: Some(Discovery::default()),
+            ..Subsystem::new(SubsystemConfig {
+                nqn: crate::fabrics::DISCOVERY_NQN.into(),
+                hosts: Vec::new(),
+                ..config
+            })
+        }
+    }
+
+    /// Whether this is a discovery subsystem.
+    pub fn is_discovery(&self) -> bool {
+        self.discovery.is_some()
+    }
+
+    /// What a discovery subsystem's log lists from now on. When it changed, GENCTR moves on
+    /// and every controller whose host asked for Discovery Log Page Change notices gets one
+    /// (until it reads the log again).
+    pub fn set_discovery_log(&mut self, records: Vec<DiscoveryRecord>) {
+        let Some(d) = &mut self.discovery else {
+            return;
+        };
+        if d.records == records {
+            return;
+        }
+        d.records = records;
+        d.genctr = d.genctr.wrapping_add(1);
+        for c in self.controllers.values_mut().filter(|c| !c.failed) {
+            if c.features.aec & AEC_DISCOVERY_LOG != 0 && !c.discovery_notice_masked {
+                c.discovery_notice_masked = true;
+                // Notice (type 2), Discovery Log Page Change (info F0h), log page 70h.
+                c.notices
+                    .push(0x2 | 0xf0 << 8 | u32::from(lid::DISCOVERY) << 16);
+            }
         }
     }
 
@@ -339,6 +405,7 @@ impl Subsystem {
                     notices: Vec::new(),
                     changed: BTreeSet::new(),
                     namespace_notice_masked: false,
+                    discovery_notice_masked: false,
                     failed: false,
                 },
             );
@@ -350,6 +417,10 @@ impl Subsystem {
                     ..Cqe::new(cid, Status::SUCCESS)
                 },
             ));
+        }
+        if self.discovery.is_some() {
+            // A discovery controller has its admin queue only.
+            return Err(invalid(in_command(42)));
         }
         let max_io = self.config.max_io_queues;
         let Some(ctrl) = self.controllers.get_mut(&d.cntlid) else {
@@ -572,13 +643,14 @@ impl Subsystem {
     }
 
     fn identity(&self, cntlid: u16) -> ControllerIdentity {
-        ControllerIdentity {
+        let discovery = self.discovery.is_some();
+        let id = ControllerIdentity {
             serial: self.config.serial.clone(),
             model: self.config.model.clone(),
             firmware: self.config.firmware.clone(),
             cntlid,
             version: VERSION,
-            controller_type: 1,
+            controller_type: if discovery { 2 } else { 1 },
             mdts: self.config.mdts,
             multipath: true,
             namespaces: self
@@ -610,6 +682,23 @@ impl Subsystem {
             ioccsz: (64 + self.config.max_in_capsule_data) / 16,
             iorcsz: 1,
             msdbd: 1,
+        };
+        if !discovery {
+            return id;
+        }
+        // A discovery controller: no namespaces, no I/O commands, no ANA; it tells of
+        // changes to its log.
+        ControllerIdentity {
+            multipath: false,
+            namespaces: 0,
+            volatile_write_cache: false,
+            oncs: 0,
+            oaes: AEC_DISCOVERY_LOG,
+            anatt: 0,
+            anacap: 0,
+            anagrpmax: 0,
+            nanagrpid: 0,
+            ..id
         }
     }
 
@@ -693,6 +782,26 @@ impl Subsystem {
                 .map(|(o, c)| (o.code(), c));
                 log_page::commands_effects(&admin, &io).to_vec()
             }
+            lid::DISCOVERY if self.discovery.is_some() => {
+                let Some(c) = self.controllers.get_mut(&queue.cntlid) else {
+                    return Answer::Complete(Cqe::new(cid, Status::COMMAND_SEQUENCE_ERROR));
+                };
+                if !r.retain {
+                    c.discovery_notice_masked = false;
+                }
+                let host = c.hostnqn.as_str();
+                let d = self.discovery.as_ref().expect("checked");
+                let seen: Vec<&log_page::DiscoveryEntry> = d
+                    .records
+                    .iter()
+                    .filter(|r| r.hosts.is_empty() || r.hosts.iter().any(|h| h == host))
+                    .map(|r| &r.entry)
+                    .collect();
+                log_page::discovery(d.genctr, &seen)
+            }
+            _ if self.discovery.is_some() => {
+                return Answer::Complete(Cqe::new(cid, Status::INVALID_LOG_PAGE))
+            }
             lid::ANA => {
                 let group = AnaGroup {
                     id: 1,
@@ -737,6 +846,10 @@ impl Subsystem {
                     return done(Status::COMMAND_SEQUENCE_ERROR, 0);
                 }
                 let granted = ((sq.min(cq) + 1) as u16).min(max_io);
+                if granted == 0 {
+                    // No I/O queue to grant (a discovery controller).
+                    return done(Status::INVALID_FIELD, 0);
+                }
                 c.features.io_queues = Some(granted);
                 let g = u32::from(granted - 1);
                 done(Status::SUCCESS, g | g << 16)

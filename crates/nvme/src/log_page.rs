@@ -169,6 +169,69 @@ pub fn ana(change_count: u64, groups: &[AnaGroup], groups_only: bool) -> Vec<u8>
     b
 }
 
+/// TRTYPE: TCP.
+pub const TRTYPE_TCP: u8 = 3;
+/// ADRFAM: IPv4.
+pub const ADRFAM_IPV4: u8 = 1;
+/// ADRFAM: IPv6.
+pub const ADRFAM_IPV6: u8 = 2;
+/// SUBTYPE: a referral to another discovery service.
+pub const SUBTYPE_REFERRAL: u8 = 1;
+/// SUBTYPE: an NVM subsystem.
+pub const SUBTYPE_NVM: u8 = 2;
+/// SUBTYPE: this discovery subsystem (reachable at the entry's address).
+pub const SUBTYPE_CURRENT_DISCOVERY: u8 = 3;
+/// Bytes of the discovery log page's header, and of each entry.
+pub const DISCOVERY_RECORD_LEN: usize = 1024;
+
+/// One entry of the discovery log page: where a subsystem (or a discovery service) is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiscoveryEntry {
+    /// TRTYPE.
+    pub trtype: u8,
+    /// ADRFAM.
+    pub adrfam: u8,
+    /// SUBTYPE.
+    pub subtype: u8,
+    /// PORTID: the port (each listening address its own).
+    pub portid: u16,
+    /// TRSVCID: the port number, as text.
+    pub trsvcid: String,
+    /// SUBNQN.
+    pub subnqn: String,
+    /// TRADDR: the address, as text.
+    pub traddr: String,
+}
+
+/// The discovery log page (LID 70h): GENCTR, the number of records, and each entry; CNTLID
+/// FFFFh (dynamic controllers), an admin queue of 32 entries, no secure channel required.
+pub fn discovery(genctr: u64, entries: &[&DiscoveryEntry]) -> Vec<u8> {
+    let mut b = vec![0u8; DISCOVERY_RECORD_LEN * (1 + entries.len())];
+    b[0..8].copy_from_slice(&genctr.to_le_bytes());
+    b[8..16].copy_from_slice(&(entries.len() as u64).to_le_bytes());
+    for (i, e) in entries.iter().enumerate() {
+        let r = &mut b[DISCOVERY_RECORD_LEN * (i + 1)..DISCOVERY_RECORD_LEN * (i + 2)];
+        r[0] = e.trtype;
+        r[1] = e.adrfam;
+        r[2] = e.subtype;
+        r[4..6].copy_from_slice(&e.portid.to_le_bytes());
+        r[6..8].copy_from_slice(&0xffffu16.to_le_bytes());
+        r[8..10].copy_from_slice(&32u16.to_le_bytes());
+        let text = |r: &mut [u8], at: usize, len: usize, t: &str| {
+            let n = t.len().min(len);
+            r[at..at + n].copy_from_slice(&t.as_bytes()[..n]);
+            // TRSVCID and TRADDR are space padded; SUBNQN is NUL terminated.
+            if at != 256 {
+                r[at + n..at + len].fill(b' ');
+            }
+        };
+        text(r, 32, 32, &e.trsvcid);
+        text(r, 256, 256, &e.subnqn);
+        text(r, 512, 256, &e.traddr);
+    }
+    b
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,6 +260,31 @@ mod tests {
         assert_eq!(odd.cut(&page, 4096), None);
         let huge = LogRequest { len: u32::MAX, ..r };
         assert_eq!(huge.cut(&page, 1 << 20), None);
+    }
+
+    #[test]
+    fn the_discovery_page() {
+        let e = DiscoveryEntry {
+            trtype: TRTYPE_TCP,
+            adrfam: ADRFAM_IPV4,
+            subtype: SUBTYPE_NVM,
+            portid: 2,
+            trsvcid: "4420".into(),
+            subnqn: "nqn.2026-11.io.example:a".into(),
+            traddr: "192.0.2.1".into(),
+        };
+        let p = discovery(7, &[&e, &e]);
+        assert_eq!(p.len(), 3 * 1024);
+        assert_eq!(u64::from_le_bytes(p[0..8].try_into().unwrap()), 7);
+        assert_eq!(u64::from_le_bytes(p[8..16].try_into().unwrap()), 2);
+        let r = &p[2048..3072];
+        assert_eq!(&r[..3], &[3, 1, 2]);
+        assert_eq!(&r[4..10], &[2, 0, 0xff, 0xff, 32, 0]);
+        assert_eq!(&r[32..36], b"4420");
+        assert_eq!(r[36], b' ');
+        assert_eq!(&r[256..280], b"nqn.2026-11.io.example:a");
+        assert_eq!(r[280], 0);
+        assert_eq!(&r[512..521], b"192.0.2.1");
     }
 
     #[test]

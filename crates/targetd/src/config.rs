@@ -175,6 +175,12 @@ pub struct Server {
     #[serde(default)]
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub nvme_portals: Vec<String>,
+    /// NVMe/TCP discovery controllers' listen addresses (8009 is discovery's port): hosts
+    /// ask there which subsystems they may reach (`nvme discover`). Every NVMe/TCP portal
+    /// answers discovery too.
+    #[serde(default)]
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub nvme_discovery_portals: Vec<String>,
     /// The I/O engine: "auto", "uring" or "threads".
     #[serde(default = "default_engine")]
     pub engine: String,
@@ -758,6 +764,11 @@ impl Server {
                 show(&self.nvme_portals),
                 show(&other.nvme_portals),
             ),
+            (
+                "nvme_discovery_portals",
+                show(&self.nvme_discovery_portals),
+                show(&other.nvme_discovery_portals),
+            ),
             ("reactors", show(&self.reactors), show(&other.reactors)),
             (
                 "srp_max_iu_len",
@@ -1065,6 +1076,7 @@ impl Config {
             ("rdma_portals", &s.rdma_portals),
             ("iser_portals", &s.iser_portals),
             ("nvme_portals", &s.nvme_portals),
+            ("nvme_discovery_portals", &s.nvme_discovery_portals),
         ] {
             for (i, p) in list.iter().enumerate() {
                 if p.parse::<SocketAddr>().is_err() {

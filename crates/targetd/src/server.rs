@@ -183,8 +183,21 @@ impl Server {
             subsystems.push(s);
         }
         let mut nvme_listeners = Vec::new();
-        for (i, p) in config.server.nvme_portals.iter().enumerate() {
-            let key = format!("server.nvme_portals[{i}]");
+        let nvme_portal_keys = config
+            .server
+            .nvme_portals
+            .iter()
+            .map(|p| ("nvme_portals", p));
+        let discovery_keys = config
+            .server
+            .nvme_discovery_portals
+            .iter()
+            .map(|p| ("nvme_discovery_portals", p));
+        let mut counts = std::collections::HashMap::new();
+        for (list, p) in nvme_portal_keys.chain(discovery_keys) {
+            let i = counts.entry(list).or_insert(0usize);
+            let key = format!("server.{list}[{i}]");
+            *i += 1;
             let l = std::net::TcpListener::bind(p)
                 .map_err(|e| fail(key.clone(), format!("{p}: {e}")))?;
             l.set_nonblocking(true)
@@ -235,6 +248,7 @@ impl Server {
                 cluster.serve_srp();
             }
         }
+        let nvme_count = config.server.nvme_portals.len();
         let registry = Arc::new(Registry::new(
             config,
             config_path,
@@ -243,6 +257,15 @@ impl Server {
             portals,
             env,
         ));
+        {
+            let bound: Vec<SocketAddr> = nvme_listeners
+                .iter()
+                .filter_map(|l| l.local_addr().ok())
+                .collect();
+            let (io, discovery) = bound.split_at(nvme_count.min(bound.len()));
+            *lock(&registry.nvme_portals) = (io.to_vec(), discovery.to_vec());
+            registry.update_discovery();
+        }
         let settings = reactor::Settings {
             engine,
             arena: ArenaConfig::default(),
@@ -312,10 +335,13 @@ impl Server {
 
     /// The addresses the NVMe/TCP portals listen on (`server.nvme_portals`).
     pub fn nvme_portals(&self) -> Vec<SocketAddr> {
-        self.nvme_listeners
-            .iter()
-            .filter_map(|l| l.local_addr().ok())
-            .collect()
+        lock(&self.registry.nvme_portals).0.clone()
+    }
+
+    /// The addresses the NVMe/TCP discovery portals listen on
+    /// (`server.nvme_discovery_portals`).
+    pub fn nvme_discovery_portals(&self) -> Vec<SocketAddr> {
+        lock(&self.registry.nvme_portals).1.clone()
     }
 
     /// Serves SRP on the software fabric `switch` as its node `node`, listening on `service`:

@@ -11,28 +11,30 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use common::{pattern, Daemon};
-use initiator_bench::nvme::{NvmeController, NvmeError, NvmeOptions, NvmeUrl};
+use initiator_bench::nvme::{discover, NvmeController, NvmeError, NvmeOptions, NvmeUrl};
 use nvme::tcp::Digests;
 use nvme::Status;
 
 const NQN: &str = "nqn.2026-11.io.example:ssd";
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:8e1b3c9a-0000-4000-8000-696e69746961";
 
-fn daemon(extra: &str) -> (Daemon, SocketAddr) {
+/// targetd with the subsystem NQN (admitting HOST; `extra` more of its keys), its NVMe/TCP
+/// portal and its discovery portal.
+fn daemon(extra: &str) -> (Daemon, SocketAddr, SocketAddr) {
     let text = format!(
         "[server]\nportals = [\"127.0.0.1:0\"]\nnvme_portals = [\"127.0.0.1:0\"]\n\
-         admin_socket = \"@SOCKET@\"\nreactors = 2\n\n\
+         nvme_discovery_portals = [\"127.0.0.1:0\"]\nadmin_socket = \"@SOCKET@\"\nreactors = 2\n\n\
          [[subsystems]]\nnqn = \"{NQN}\"\nhosts = [\"{HOST}\"]\n{extra}\n\
          [[subsystems.namespaces]]\nnsid = 1\nbackend = \"memory\"\nsize = \"64MiB\"\n\n\
          [[subsystems.namespaces]]\nnsid = 2\nbackend = \"file\"\npath = \"@DIR@/ns2.img\"\n\
          size = \"16MiB\"\nblock_size = 4096\n"
     );
-    let addr = Mutex::new(None);
+    let addrs = Mutex::new(None);
     let d = Daemon::start_with(&text, |s| {
-        *addr.lock().unwrap() = s.nvme_portals().first().copied()
+        *addrs.lock().unwrap() = Some((s.nvme_portals()[0], s.nvme_discovery_portals()[0]))
     });
-    let addr = addr.into_inner().unwrap().expect("an NVMe/TCP portal");
-    (d, addr)
+    let (addr, discovery) = addrs.into_inner().unwrap().expect("NVMe/TCP portals");
+    (d, addr, discovery)
 }
 
 fn url(addr: SocketAddr, nqn: &str, nsid: u32) -> NvmeUrl {
@@ -41,7 +43,7 @@ fn url(addr: SocketAddr, nqn: &str, nsid: u32) -> NvmeUrl {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_connects_writes_reads_zeroes_and_deallocates() {
-    let (d, addr) = daemon("");
+    let (d, addr, _) = daemon("");
     for digests in [
         Digests::default(),
         Digests {
@@ -125,7 +127,7 @@ async fn a_host_connects_writes_reads_zeroes_and_deallocates() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connects_the_subsystem_does_not_admit_are_refused() {
-    let (d, addr) = daemon("");
+    let (d, addr, _) = daemon("");
     let ok = NvmeController::connect(&url(addr, NQN, 1), &NvmeOptions::default())
         .await
         .unwrap();
@@ -180,5 +182,45 @@ async fn connects_the_subsystem_does_not_admit_are_refused() {
     ok.write(0, data.clone()).await.unwrap();
     assert_eq!(ok.read(0, 1).await.unwrap(), data);
     drop(ok);
+    d.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_discovery_controller_names_what_each_host_may_reach() {
+    let (d, addr, disc) = daemon("");
+    // At the discovery portal and at the I/O portal alike.
+    for at in [disc, addr] {
+        let found = discover(&at.to_string(), &NvmeOptions::default())
+            .await
+            .expect("discover");
+        let nvm: Vec<_> = found.iter().filter(|e| e.subtype == 2).collect();
+        assert_eq!(nvm.len(), 1, "{found:?}");
+        assert_eq!(nvm[0].nqn, NQN);
+        assert_eq!(
+            (nvm[0].address.as_str(), nvm[0].port.clone()),
+            ("127.0.0.1", addr.port().to_string())
+        );
+        let own: Vec<_> = found.iter().filter(|e| e.subtype == 3).collect();
+        assert_eq!(own.len(), 1, "{found:?}");
+        assert_eq!(own[0].port, disc.port().to_string());
+    }
+    // A host the subsystem does not admit is not told of it.
+    let stranger = NvmeOptions {
+        hostnqn: "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-000000000bad".into(),
+        ..NvmeOptions::default()
+    };
+    let found = discover(&disc.to_string(), &stranger).await.unwrap();
+    assert!(found.iter().all(|e| e.subtype != 2), "{found:?}");
+    // A discovery controller has no I/O queue.
+    let e = NvmeController::connect(
+        &url(disc, nvme::fabrics::DISCOVERY_NQN, 1),
+        &NvmeOptions::default(),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(e, NvmeError::Protocol(_) | NvmeError::Status { .. }),
+        "{e}"
+    );
     d.stop();
 }

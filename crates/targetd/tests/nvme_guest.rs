@@ -1,7 +1,8 @@
 //! targetd's NVMe/TCP portal with Linux's own NVMe/TCP host: a Linux guest under QEMU
 //! (scripts/rdma-guest.sh: Debian's kernel with nvme_tcp, busybox, nvme-cli and fio copied in
 //! with their libraries) runs targetd on its loopback and connects to it with `nvme connect`
-//! and default host options, then with header and data digests: `nvme list`, `id-ctrl`,
+//! and default host options, then with header and data digests (after `nvme discover` at the
+//! discovery portal and at the I/O portal): `nvme list`, `id-ctrl`,
 //! `id-ns`, `smart-log`, `ana-log`, `get-feature`; fio's verified random writes of 4 KiB and
 //! 128 KiB at queue depth 16; Flush, Write Zeroes and Dataset Management (and blkdiscard)
 //! with zeros read back; `nvme disconnect`. Then targetd is stopped with SIGTERM while the host
@@ -32,6 +33,7 @@ cat > /tmp/targetd.toml <<EOF
 [server]
 portals = ["127.0.0.1:3260"]
 nvme_portals = ["127.0.0.1:4420"]
+nvme_discovery_portals = ["127.0.0.1:8009"]
 admin_socket = "/tmp/targetd.sock"
 metrics_listen = "127.0.0.1:9100"
 reactors = 1
@@ -80,6 +82,16 @@ fio_job() {
   iops=$(grep -o "IOPS=[0-9.k]*" /tmp/fio.txt | head -1)
   echo "$1: fio verified $2 random writes ($iops)"
 }
+
+for port in 8009 4420; do
+  nvme discover -t tcp -a 127.0.0.1 -s $port --hostnqn="$HOST" > /tmp/disc.txt \
+    || { cat /tmp/disc.txt; fail "nvme discover ($port) failed"; }
+  grep -q "subnqn: *$NQN" /tmp/disc.txt && grep -q "trsvcid: *4420" /tmp/disc.txt \
+    && echo "nvme discover ($port): names the subsystem at 4420"
+done
+nvme discover -t tcp -a 127.0.0.1 -s 8009 \
+  --hostnqn=nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-000000000bad > /tmp/disc.txt
+grep -q "$NQN" /tmp/disc.txt || echo "nvme discover: a host the subsystem does not admit is not told of it"
 
 for digests in none "--hdr-digest --data-digest"; do
   opts=
@@ -223,6 +235,12 @@ fn linux_nvme_tcp_host_in_a_guest() {
             "targetd 128k ({d}): fio verified 128k random writes"
         ));
     }
+    for port in [8009, 4420] {
+        expected.push(format!(
+            "nvme discover ({port}): names the subsystem at 4420"
+        ));
+    }
+    expected.push("nvme discover: a host the subsystem does not admit is not told of it".into());
     expected.push("restart: the host reconnected and read back what it wrote before".into());
     expected.push("nvme guest: done".into());
     for line in &expected {

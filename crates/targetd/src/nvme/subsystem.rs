@@ -41,6 +41,10 @@ impl std::fmt::Debug for NvmeSubsystem {
     }
 }
 
+fn lock_read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// 16 bytes naming `what` of the unit `key`, the same at every start: MD5 over both.
 fn derived(what: &str, key: &str) -> [u8; 16] {
     let mut h = Md5::new();
@@ -84,6 +88,85 @@ impl NvmeSubsystem {
             s.add_namespace(ns).map_err(|e| (ns.nsid, e))?;
         }
         Ok(s)
+    }
+
+    /// The discovery subsystem: its controllers tell hosts which subsystems they may reach
+    /// and where ([`NvmeSubsystem::set_discovery_log`]).
+    pub fn discovery(nvme: &config::Nvme) -> Arc<NvmeSubsystem> {
+        let machine = Subsystem::discovery(SubsystemConfig {
+            nqn: nvme::fabrics::DISCOVERY_NQN.into(),
+            serial: "discovery".into(),
+            model: "targetd discovery".into(),
+            firmware: env!("CARGO_PKG_VERSION").chars().take(8).collect(),
+            hosts: Vec::new(),
+            max_io_queues: 0,
+            max_queue_entries: 32,
+            max_in_capsule_data: nvme.in_capsule_data_size,
+            mdts: MDTS,
+        });
+        Arc::new(NvmeSubsystem {
+            id: next_id(),
+            nqn: nvme::fabrics::DISCOVERY_NQN.into(),
+            config: RwLock::new(config::Subsystem {
+                nqn: nvme::fabrics::DISCOVERY_NQN.into(),
+                serial: None,
+                model: None,
+                hosts: Vec::new(),
+                namespaces: Vec::new(),
+            }),
+            machine: Mutex::new(machine),
+            namespaces: RwLock::default(),
+            events: tokio::sync::watch::Sender::new(0),
+        })
+    }
+
+    /// A discovery subsystem's log from now on: each of `subsystems` at each of `portals`
+    /// (the NVMe/TCP listeners' addresses, each a port of its own), for the hosts each
+    /// admits; and the discovery service itself at each of `discovery_portals`.
+    pub fn set_discovery_log(
+        &self,
+        subsystems: &[Arc<NvmeSubsystem>],
+        portals: &[std::net::SocketAddr],
+        discovery_portals: &[std::net::SocketAddr],
+    ) {
+        use nvme::controller::DiscoveryRecord;
+        use nvme::log_page::{self as lp, DiscoveryEntry};
+        let entry = |i: usize, at: &std::net::SocketAddr, subtype: u8, nqn: &str| DiscoveryEntry {
+            trtype: lp::TRTYPE_TCP,
+            adrfam: if at.is_ipv4() {
+                lp::ADRFAM_IPV4
+            } else {
+                lp::ADRFAM_IPV6
+            },
+            subtype,
+            portid: (i + 1) as u16,
+            trsvcid: at.port().to_string(),
+            subnqn: nqn.into(),
+            traddr: at.ip().to_string(),
+        };
+        let mut records = Vec::new();
+        for s in subsystems {
+            let hosts = lock_read(&s.config).hosts.clone();
+            for (i, at) in portals.iter().enumerate() {
+                records.push(DiscoveryRecord {
+                    entry: entry(i, at, lp::SUBTYPE_NVM, &s.nqn),
+                    hosts: hosts.clone(),
+                });
+            }
+        }
+        for (i, at) in discovery_portals.iter().enumerate() {
+            records.push(DiscoveryRecord {
+                entry: entry(
+                    portals.len() + i,
+                    at,
+                    lp::SUBTYPE_CURRENT_DISCOVERY,
+                    &self.nqn,
+                ),
+                hosts: Vec::new(),
+            });
+        }
+        self.with_machine(|m| m.set_discovery_log(records));
+        self.events.send_modify(|n| *n += 1);
     }
 
     /// `f` with the subsystem machine, under its lock.

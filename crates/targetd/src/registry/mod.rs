@@ -51,6 +51,10 @@ pub struct Registry {
     targets: RwLock<Vec<Arc<Target>>>,
     /// The NVM subsystems exported.
     subsystems: RwLock<Vec<Arc<NvmeSubsystem>>>,
+    /// The discovery subsystem of the NVMe/TCP portals.
+    pub nvme_discovery: Arc<NvmeSubsystem>,
+    /// The NVMe/TCP listeners' addresses, and the discovery listeners'.
+    pub nvme_portals: Mutex<(Vec<SocketAddr>, Vec<SocketAddr>)>,
     /// Normal sessions.
     pub sessions: Sessions,
     /// When the daemon started.
@@ -118,6 +122,7 @@ impl Registry {
     ) -> Registry {
         let sessions = Sessions::default();
         sessions.set_limit(config.server.max_sessions);
+        let nvme_discovery = NvmeSubsystem::discovery(&config.nvme);
         Registry {
             target_env,
             unsaved: Mutex::default(),
@@ -127,6 +132,8 @@ impl Registry {
             config_path,
             targets: RwLock::new(targets),
             subsystems: RwLock::new(subsystems),
+            nvme_discovery,
+            nvme_portals: Mutex::default(),
             sessions,
             open: Arc::default(),
             counters: Counters::default(),
@@ -142,14 +149,25 @@ impl Registry {
         }
     }
 
-    /// The NVM subsystem named `nqn`.
+    /// The NVM subsystem named `nqn` (or the discovery subsystem).
     pub fn subsystem(&self, nqn: &str) -> Option<Arc<NvmeSubsystem>> {
+        if nqn == self.nvme_discovery.nqn {
+            return Some(self.nvme_discovery.clone());
+        }
         self.subsystems
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .find(|s| s.nqn == nqn)
             .cloned()
+    }
+
+    /// Tells the discovery subsystem what there is now: every subsystem at every NVMe/TCP
+    /// portal (after a start, or a subsystem added or removed).
+    pub fn update_discovery(&self) {
+        let (portals, discovery) = lock(&self.nvme_portals).clone();
+        self.nvme_discovery
+            .set_discovery_log(&self.subsystems(), &portals, &discovery);
     }
 
     /// The NVM subsystems exported.
