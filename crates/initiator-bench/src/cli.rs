@@ -388,6 +388,10 @@ pub(crate) struct LoginArgs {
         default_value = "nqn.2014-08.org.nvmexpress:uuid:8e1b3c9a-0000-4000-8000-696e69746961"
     )]
     pub(crate) hostnqn: String,
+    /// NVMe/TCP: disable SQ flow control on the I/O queues (as Linux's --disable-sqflow):
+    /// a read that succeeds ends with its data, no response capsule.
+    #[arg(long)]
+    pub(crate) disable_sqflow: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -409,6 +413,7 @@ impl LoginArgs {
                 data: crc(&self.data_digest),
             },
             queue_entries: u16::try_from(qd.saturating_add(1).max(32)).unwrap_or(u16::MAX),
+            disable_sqflow: self.disable_sqflow,
             ..NvmeOptions::default()
         })
     }

@@ -119,6 +119,9 @@ pub struct NvmeOptions {
     pub queue_entries: u16,
     /// The keep alive timeout asked for in Connect.
     pub kato: Duration,
+    /// Disable SQ flow control on the I/O queue (Linux's `--disable-sqflow`): a read that
+    /// succeeds then ends with its data (C2HData with SUCCESS), no response capsule.
+    pub disable_sqflow: bool,
 }
 
 impl Default for NvmeOptions {
@@ -129,6 +132,7 @@ impl Default for NvmeOptions {
             digests: Digests::default(),
             queue_entries: 128,
             kato: Duration::from_secs(10),
+            disable_sqflow: false,
         }
     }
 }
@@ -464,7 +468,11 @@ fn connect_command(
         recfmt: 0,
         qid,
         sqsize,
-        cattr: 0,
+        cattr: if o.disable_sqflow && qid != 0 {
+            nvme::fabrics::CATTR_SQ_FLOW_CONTROL_DISABLE
+        } else {
+            0
+        },
         kato: if qid == 0 {
             o.kato.as_millis().min(u128::from(u32::MAX)) as u32
         } else {

@@ -80,8 +80,75 @@ async fn reads_and_writes_allocate_nothing_on_the_reactors_in_steady_state() {
         during, 0,
         "{during} heap allocations on the reactors for 4096 iSER I/Os"
     );
+    let [reads, writes, r2t_writes] = nvme_round_trips().await;
+    println!(
+        "reactor allocations in steady state during 4096 NVMe/TCP reads, 4096 writes in the \
+         capsule, 4096 writes through R2Ts: {reads}, {writes}, {r2t_writes}"
+    );
+    assert_eq!(
+        [reads, writes, r2t_writes],
+        [0; 3],
+        "heap allocations on the reactors for NVMe/TCP reads, writes, writes through R2Ts"
+    );
     #[cfg(feature = "rbd")]
     rbd_round_trips().await;
+}
+
+/// The same over NVMe/TCP: initiator-bench's host against a memory namespace, 16 commands in
+/// flight over 64 places; the reactor allocations of 4096 reads of 4 KiB, 4096 writes of
+/// 4 KiB (in the capsule) and 4096 writes of 16 KiB (through R2Ts), each after as many to
+/// warm up.
+async fn nvme_round_trips() -> [u64; 3] {
+    use initiator_bench::nvme::{NvmeController, NvmeOptions, NvmeUrl};
+    use std::sync::Arc;
+    let nqn = "nqn.2026-11.io.example:alloc";
+    let text = format!(
+        "[server]\nportals = [\"127.0.0.1:0\"]\nnvme_portals = [\"127.0.0.1:0\"]\n\
+         admin_socket = \"@SOCKET@\"\nreactors = 1\n\n[[subsystems]]\nnqn = \"{nqn}\"\n\
+         [[subsystems.namespaces]]\nnsid = 1\nbackend = \"memory\"\nsize = \"64MiB\"\n"
+    );
+    let addr = std::sync::Mutex::new(None);
+    let d = Daemon::start_with(&text, |s| *addr.lock().unwrap() = Some(s.nvme_portals()[0]));
+    let addr = addr.into_inner().unwrap().unwrap();
+    let url = NvmeUrl::parse(&format!("nvme://{addr}/{nqn}/1")).unwrap();
+    let c = Arc::new(
+        NvmeController::connect(&url, &NvmeOptions::default())
+            .await
+            .unwrap(),
+    );
+    let round = |n: u64, write: bool, len: usize| {
+        let (c, data) = (c.clone(), pattern(len, 3));
+        async move {
+            for batch in 0..n / 16 {
+                let mut set = tokio::task::JoinSet::new();
+                for i in 0..16u64 {
+                    let lba = ((batch * 16 + i) % 64) * 32;
+                    let (c, data) = (c.clone(), data.clone());
+                    set.spawn(async move {
+                        if write {
+                            c.write(lba, data).await.unwrap();
+                        } else {
+                            c.read(lba, 8).await.unwrap();
+                        }
+                    });
+                }
+                while set.join_next().await.is_some() {}
+            }
+        }
+    };
+    let mut counts = [0u64; 3];
+    for (i, (write, len)) in [(false, 4096), (true, 4096), (true, 16384)]
+        .into_iter()
+        .enumerate()
+    {
+        round(4096, write, len).await;
+        let before = REACTOR_ALLOCATIONS.load(Ordering::Relaxed);
+        round(4096, write, len).await;
+        counts[i] = REACTOR_ALLOCATIONS.load(Ordering::Relaxed) - before;
+    }
+    drop(c);
+    d.stop();
+    counts
 }
 
 /// The same over iSER: the test's iSER initiator against the daemon's portal on the software

@@ -209,7 +209,14 @@ impl Deframer {
         let decoded = Header::read(f.pdu_type, f.flags, header);
         let mut frame = self.buf.split_to(f.plen);
         frame.advance(f.data_at);
-        let mut data = frame.freeze();
+        // A PDU without data hands out no slice of the receive buffer: an empty slice would
+        // keep it shared while its command lives (an R2T's write waits for its data), and
+        // the next bytes received would then need a new buffer.
+        let mut data = if frame.is_empty() {
+            Bytes::new()
+        } else {
+            frame.freeze()
+        };
         let mut data_digest_ok = true;
         if f.data_digest {
             let sent = data.split_off(f.data_len);
