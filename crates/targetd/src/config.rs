@@ -2181,6 +2181,25 @@ block_size = 4096
             if let Some(c) = v.get("cluster") {
                 add("[cluster]", keys(c));
             }
+            if let Some(n) = v.get("nvme") {
+                add("[nvme]", keys(n));
+            }
+            for s in v
+                .get("subsystems")
+                .and_then(|s| s.as_array())
+                .into_iter()
+                .flatten()
+            {
+                add("[[subsystems]]", keys(s));
+                for n in s
+                    .get("namespaces")
+                    .and_then(|n| n.as_array())
+                    .into_iter()
+                    .flatten()
+                {
+                    add("[[subsystems.namespaces]]", keys(n));
+                }
+            }
         }
         assert!(examples >= 3, "the examples were found");
         if !srp_ports_seen {
@@ -2205,7 +2224,7 @@ block_size = 4096
         }
         let luns: BTreeSet<String> = LUN_KEYS.iter().map(|k| k.to_string()).collect();
         assert_eq!(documented.get("[[targets.luns]]"), Some(&luns));
-        let sections = if cfg!(feature = "rbd") { 6 } else { 5 } + usize::from(srp_ports_seen);
+        let sections = if cfg!(feature = "rbd") { 9 } else { 8 } + usize::from(srp_ports_seen);
         assert_eq!(seen.len(), sections, "every section was checked: {seen:?}");
     }
 

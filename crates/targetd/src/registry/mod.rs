@@ -561,6 +561,13 @@ impl Registry {
             // The keeper, the port group and every unit's shared reservations come with it.
             changes.push("cluster: takes effect at the next start".into());
         }
+        // Subsystems are not changed live yet: a reload says so rather than pretend.
+        if old.subsystems != new.subsystems {
+            changes.push("subsystems: takes effect at the next start".into());
+        }
+        if old.nvme != new.nvme {
+            changes.push("nvme: takes effect at the next start".into());
+        }
         self.sessions.set_limit(new.server.max_sessions);
         let mut targets = self.targets();
         // Removed targets: their sessions end.
