@@ -429,6 +429,26 @@ pub(crate) fn paper004(out: &std::path::Path, ios: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Prints a run's report (one JSON object with `json`) and says whether the run failed: a
+/// block that failed verification, or more failed I/Os than `max_errors`.
+pub(crate) fn run_outcome(report: &Report, json: bool, max_errors: u64) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
+    } else {
+        print_report(report);
+    }
+    if report.verify_errors > 0 {
+        bail!("{} blocks failed verification", report.verify_errors);
+    }
+    if report.errors > max_errors {
+        bail!(
+            "{} I/Os failed (--max-errors {max_errors}); the report counts them by kind",
+            report.errors
+        );
+    }
+    Ok(())
+}
+
 pub(crate) fn print_report(r: &Report) {
     let w = &r.workload;
     println!(

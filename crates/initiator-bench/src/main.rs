@@ -116,22 +116,7 @@ fn main() -> anyhow::Result<()> {
                     initiator_bench::workload::run_nvme(&urls, &o, &w, progress)
                 })
                 .await?;
-                if json {
-                    println!("{}", serde_json::to_string(&report)?);
-                } else {
-                    print_report(&report);
-                }
-                if report.verify_errors > 0 {
-                    bail!("{} blocks failed verification", report.verify_errors);
-                }
-                if report.errors > max_errors {
-                    bail!(
-                        "{} I/Os failed (--max-errors {max_errors}); the report counts them by \
-                         kind",
-                        report.errors
-                    );
-                }
-                Ok(())
+                run_outcome(&report, json, max_errors)
             }
             Cmd::Paper004 { out, ios } => paper004(&out, ios),
             Cmd::Trace {
@@ -192,22 +177,7 @@ fn main() -> anyhow::Result<()> {
                 if let Some(path) = &trace {
                     write_trace(path, &report.trace, report.trace_dropped)?;
                 }
-                if json {
-                    println!("{}", serde_json::to_string(&report)?);
-                } else {
-                    print_report(&report);
-                }
-                if report.verify_errors > 0 {
-                    bail!("{} blocks failed verification", report.verify_errors);
-                }
-                if report.errors > max_errors {
-                    bail!(
-                        "{} I/Os failed (--max-errors {max_errors}); the report counts them by \
-                         kind",
-                        report.errors
-                    );
-                }
-                Ok(())
+                run_outcome(&report, json, max_errors)
             }
             Cmd::Sweep {
                 url,
@@ -284,15 +254,7 @@ fn main() -> anyhow::Result<()> {
             Cmd::Completions { .. } | Cmd::Man { .. } => Ok(()),
             Cmd::Discover { url, login } if url.starts_with("nvme://") => {
                 let host = url.trim_start_matches("nvme://").trim_end_matches('/');
-                let has_port = match host.rfind(']') {
-                    Some(end) => host[end..].contains(':'),
-                    None => host.contains(':'),
-                };
-                let portal = if has_port {
-                    host.to_string()
-                } else {
-                    format!("{host}:8009")
-                };
+                let portal = initiator_bench::nvme::with_port(host, 8009);
                 let found =
                     initiator_bench::nvme::discover(&portal, &login.nvme_options(1)?).await?;
                 for d in found {

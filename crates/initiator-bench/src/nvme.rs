@@ -56,6 +56,20 @@ pub enum NvmeError {
     Protocol(String),
 }
 
+/// `host` (a name, an IPv4 address, or an IPv6 address in brackets) with `:port` added when it
+/// names none.
+pub fn with_port(host: &str, port: u16) -> String {
+    let has_port = match host.rfind(']') {
+        Some(end) => host[end..].contains(':'),
+        None => host.contains(':'),
+    };
+    if has_port {
+        host.to_string()
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 /// `nvme://HOST[:PORT]/SUBNQN/NSID`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NvmeUrl {
@@ -89,15 +103,7 @@ impl NvmeUrl {
         if host.is_empty() {
             return Err(bad("no host"));
         }
-        let has_port = match host.rfind(']') {
-            Some(end) => host[end..].contains(':'),
-            None => host.contains(':'),
-        };
-        let portal = if has_port {
-            host.to_string()
-        } else {
-            format!("{host}:{DEFAULT_PORT}")
-        };
+        let portal = with_port(host, DEFAULT_PORT);
         Ok(NvmeUrl {
             portal,
             nqn: nqn.into(),

@@ -2162,43 +2162,33 @@ block_size = 4096
                     add("chap", keys(c));
                 }
             }
-            for t in v
-                .get("targets")
-                .and_then(|t| t.as_array())
-                .into_iter()
-                .flatten()
-            {
-                add("[[targets]]", keys(t));
-                for l in t
-                    .get("luns")
-                    .and_then(|l| l.as_array())
-                    .into_iter()
-                    .flatten()
-                {
-                    add("[[targets.luns]]", keys(l));
+            // Each table of the array `name` in `v`, and each of the array `inner` in it.
+            let mut nested = |name: &str, inner: &str, outer_key, inner_key| {
+                let tables = |v: &toml::Value, k: &str| {
+                    v.get(k)
+                        .and_then(|t| t.as_array())
+                        .cloned()
+                        .unwrap_or_default()
+                };
+                for t in tables(&v, name) {
+                    add(outer_key, keys(&t));
+                    for l in tables(&t, inner) {
+                        add(inner_key, keys(&l));
+                    }
                 }
-            }
+            };
+            nested("targets", "luns", "[[targets]]", "[[targets.luns]]");
+            nested(
+                "subsystems",
+                "namespaces",
+                "[[subsystems]]",
+                "[[subsystems.namespaces]]",
+            );
             if let Some(c) = v.get("cluster") {
                 add("[cluster]", keys(c));
             }
             if let Some(n) = v.get("nvme") {
                 add("[nvme]", keys(n));
-            }
-            for s in v
-                .get("subsystems")
-                .and_then(|s| s.as_array())
-                .into_iter()
-                .flatten()
-            {
-                add("[[subsystems]]", keys(s));
-                for n in s
-                    .get("namespaces")
-                    .and_then(|n| n.as_array())
-                    .into_iter()
-                    .flatten()
-                {
-                    add("[[subsystems.namespaces]]", keys(n));
-                }
             }
         }
         assert!(examples >= 3, "the examples were found");
