@@ -269,7 +269,9 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         if c.phase != Phase::Buffer {
             return;
         }
-        let Some(mut buffer) = buffer else {
+        // None, or shorter than asked (a shell that answered another request of this CID):
+        // the command cannot run.
+        let Some(mut buffer) = buffer.filter(|b| b.len() >= c.len) else {
             return self.finish(now, cid, Status::INTERNAL_ERROR);
         };
         match c.transfer {
