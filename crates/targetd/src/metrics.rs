@@ -112,6 +112,7 @@ impl Collector for Figures {
         connections(&mut e, registry)?;
         arenas(&mut e, registry)?;
         units(&mut e, registry)?;
+        namespaces(&mut e, registry)?;
         rbd(&mut e, registry)?;
         cluster(&mut e, registry)?;
         Ok(())
@@ -428,7 +429,6 @@ fn arenas(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Resul
 
 /// Per target and unit: the core lock, commands, bytes, errors and latency histograms.
 fn units(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
-    type Field = fn(&crate::target::LunStats) -> &std::sync::atomic::AtomicU64;
     let targets = registry.targets();
     let mut f = family(
         e,
@@ -451,39 +451,78 @@ fn units(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result
             })
         })
         .collect();
-    let counters: [(&str, &str, Field); 6] = [
+    unit_families(e, "lun", "CHECK CONDITION", &units)
+}
+
+/// Per NVM subsystem, the controllers connected; per namespace, what a LUN has (the families
+/// `targetd_namespace_*`, labelled by subsystem NQN and NSID).
+fn namespaces(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result {
+    let subsystems = registry.subsystems();
+    let mut f = family(
+        e,
+        "targetd_nvme_controllers",
+        "NVMe controllers connected to a subsystem",
+        MetricType::Gauge,
+    )?;
+    for s in &subsystems {
+        f.sample(
+            &vec![("subsystem", s.nqn.clone())],
+            s.controllers().len() as u64,
+        )?;
+    }
+    let units: Vec<(Labels, Arc<crate::target::Lun>)> = subsystems
+        .iter()
+        .flat_map(|s| {
+            s.namespaces().into_iter().map(|(nsid, unit)| {
+                let labels = vec![("subsystem", s.nqn.clone()), ("nsid", nsid.to_string())];
+                (labels, unit)
+            })
+        })
+        .collect();
+    unit_families(e, "namespace", "an NVMe error status", &units)
+}
+
+/// The counters and latency histograms of units (`targetd_{kind}_*`): commands, bytes, the
+/// commands that ended in `error` (CHECK CONDITION, or an NVMe error status).
+fn unit_families(
+    e: &mut DescriptorEncoder<'_>,
+    kind: &str,
+    error: &str,
+    units: &[(Labels, Arc<crate::target::Lun>)],
+) -> std::fmt::Result {
+    type Field = fn(&crate::target::LunStats) -> &std::sync::atomic::AtomicU64;
+    let counters: [(&str, String, Field); 6] = [
         (
-            "targetd_lun_read_commands_total",
-            "commands that read blocks",
+            "read_commands_total",
+            "commands that read blocks".into(),
             |s| &s.read_commands,
         ),
         (
-            "targetd_lun_write_commands_total",
-            "commands that wrote blocks",
+            "write_commands_total",
+            "commands that wrote blocks".into(),
             |s| &s.write_commands,
         ),
-        ("targetd_lun_other_commands_total", "other commands", |s| {
+        ("other_commands_total", "other commands".into(), |s| {
             &s.other_commands
         }),
-        ("targetd_lun_read_bytes_total", "bytes read", |s| {
-            &s.read_bytes
-        }),
-        ("targetd_lun_write_bytes_total", "bytes written", |s| {
+        ("read_bytes_total", "bytes read".into(), |s| &s.read_bytes),
+        ("write_bytes_total", "bytes written".into(), |s| {
             &s.write_bytes
         }),
         (
-            "targetd_lun_errors_total",
-            "commands ended with CHECK CONDITION",
+            "errors_total",
+            format!("commands ended with {error}"),
             |s| &s.errors,
         ),
     ];
     for (name, help, field) in counters {
-        let mut f = family(e, name, help, MetricType::Counter)?;
-        for (labels, lun) in &units {
+        let name = format!("targetd_{kind}_{name}");
+        let mut f = family(e, &name, &help, MetricType::Counter)?;
+        for (labels, lun) in units {
             f.sample(labels, field(&lun.stats).load(Relaxed))?;
         }
     }
-    latency_histograms(e, &units)
+    latency_histograms(e, kind, units)
 }
 
 /// Each unit's read and write latencies (from a command's arrival to its status) as
@@ -491,12 +530,13 @@ fn units(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result
 /// well under 50 us) to 5 s, so quantiles (a p99) can be computed.
 fn latency_histograms(
     e: &mut DescriptorEncoder<'_>,
+    kind: &str,
     units: &[(Labels, Arc<crate::target::Lun>)],
 ) -> std::fmt::Result {
     use crate::target::LATENCY_BOUNDS_US;
     for read in [true, false] {
         let dir = if read { "read" } else { "write" };
-        let name = format!("targetd_lun_{dir}_latency_seconds");
+        let name = format!("targetd_{kind}_{dir}_latency_seconds");
         let help = format!("{dir} commands by latency, from arrival to status");
         let mut f = family(e, &name, &help, MetricType::Histogram)?;
         for (labels, lun) in units {

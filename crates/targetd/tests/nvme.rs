@@ -19,11 +19,11 @@ const NQN: &str = "nqn.2026-11.io.example:ssd";
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:8e1b3c9a-0000-4000-8000-696e69746961";
 
 /// targetd with the subsystem NQN (admitting HOST; `extra` more of its keys), its NVMe/TCP
-/// portal and its discovery portal.
-fn daemon(extra: &str) -> (Daemon, SocketAddr, SocketAddr) {
+/// portal, its discovery portal and its metrics endpoint.
+fn daemon(extra: &str) -> (Daemon, SocketAddr, SocketAddr, SocketAddr) {
     let text = format!(
         "[server]\nportals = [\"127.0.0.1:0\"]\nnvme_portals = [\"127.0.0.1:0\"]\n\
-         nvme_discovery_portals = [\"127.0.0.1:0\"]\nadmin_socket = \"@SOCKET@\"\nreactors = 2\n\n\
+         nvme_discovery_portals = [\"127.0.0.1:0\"]\nmetrics_listen = \"127.0.0.1:0\"\nadmin_socket = \"@SOCKET@\"\nreactors = 2\n\n\
          [[subsystems]]\nnqn = \"{NQN}\"\nhosts = [\"{HOST}\"]\n{extra}\n\
          [[subsystems.namespaces]]\nnsid = 1\nbackend = \"memory\"\nsize = \"64MiB\"\n\n\
          [[subsystems.namespaces]]\nnsid = 2\nbackend = \"file\"\npath = \"@DIR@/ns2.img\"\n\
@@ -31,10 +31,25 @@ fn daemon(extra: &str) -> (Daemon, SocketAddr, SocketAddr) {
     );
     let addrs = Mutex::new(None);
     let d = Daemon::start_with(&text, |s| {
-        *addrs.lock().unwrap() = Some((s.nvme_portals()[0], s.nvme_discovery_portals()[0]))
+        *addrs.lock().unwrap() = Some((
+            s.nvme_portals()[0],
+            s.nvme_discovery_portals()[0],
+            s.metrics_addr().expect("metrics"),
+        ))
     });
-    let (addr, discovery) = addrs.into_inner().unwrap().expect("NVMe/TCP portals");
-    (d, addr, discovery)
+    let (addr, discovery, metrics) = addrs.into_inner().unwrap().expect("NVMe/TCP portals");
+    (d, addr, discovery, metrics)
+}
+
+/// The metrics endpoint's text.
+fn metrics(at: SocketAddr) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(at).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
 }
 
 fn url(addr: SocketAddr, nqn: &str, nsid: u32) -> NvmeUrl {
@@ -43,7 +58,7 @@ fn url(addr: SocketAddr, nqn: &str, nsid: u32) -> NvmeUrl {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_connects_writes_reads_zeroes_and_deallocates() {
-    let (d, addr, _) = daemon("");
+    let (d, addr, _, metrics_at) = daemon("");
     for digests in [
         Digests::default(),
         Digests {
@@ -121,13 +136,25 @@ async fn a_host_connects_writes_reads_zeroes_and_deallocates() {
             .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
+    // The metrics say the same, per subsystem and namespace.
+    let text = metrics(metrics_at);
+    let ns2 = format!("{{subsystem=\"{NQN}\",nsid=\"2\"}}");
+    for line in [
+        format!("targetd_namespace_write_commands_total{ns2} 1"),
+        format!("targetd_namespace_read_commands_total{ns2} 1"),
+        format!("targetd_namespace_write_bytes_total{ns2} 12288"),
+        format!("targetd_namespace_read_latency_seconds_count{ns2} 1"),
+        format!("targetd_nvme_controllers{{subsystem=\"{NQN}\"}} 1"),
+    ] {
+        assert!(text.contains(&line), "{line} missing:\n{text}");
+    }
     drop(c);
     d.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connects_the_subsystem_does_not_admit_are_refused() {
-    let (d, addr, _) = daemon("");
+    let (d, addr, _, metrics_at) = daemon("");
     let ok = NvmeController::connect(&url(addr, NQN, 1), &NvmeOptions::default())
         .await
         .unwrap();
@@ -187,7 +214,7 @@ async fn connects_the_subsystem_does_not_admit_are_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_discovery_controller_names_what_each_host_may_reach() {
-    let (d, addr, disc) = daemon("");
+    let (d, addr, disc, _) = daemon("");
     // At the discovery portal and at the I/O portal alike.
     for at in [disc, addr] {
         let found = discover(&at.to_string(), &NvmeOptions::default())
