@@ -154,7 +154,7 @@ async fn a_host_connects_writes_reads_zeroes_and_deallocates() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connects_the_subsystem_does_not_admit_are_refused() {
-    let (d, addr, _, metrics_at) = daemon("");
+    let (d, addr, _, _) = daemon("");
     let ok = NvmeController::connect(&url(addr, NQN, 1), &NvmeOptions::default())
         .await
         .unwrap();
