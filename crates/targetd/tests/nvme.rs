@@ -251,3 +251,57 @@ async fn the_discovery_controller_names_what_each_host_may_reach() {
     );
     d.stop();
 }
+
+/// A namespace added to the config and reloaded appears to the hosts connected (the
+/// Changed Namespace List names it; it can be connected to and used); removed, it is refused
+/// while controllers are connected unless forced, and then gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn namespaces_come_and_go_on_a_reload() {
+    let (d, addr, _, _) = daemon("");
+    let c = NvmeController::connect(&url(addr, NQN, 1), &NvmeOptions::default())
+        .await
+        .unwrap();
+    let path = d.dir.path().join("config.toml");
+    let before = std::fs::read_to_string(&path).unwrap();
+    let added = format!(
+        "{before}\n[[subsystems.namespaces]]\nnsid = 3\nbackend = \"memory\"\nsize = \"8MiB\"\n"
+    );
+    std::fs::write(&path, &added).unwrap();
+    let changes = d.registry.reload(false).expect("reload");
+    assert!(
+        changes.iter().any(|c| c.contains("namespace 3 added")),
+        "{changes:?}"
+    );
+    // The host that was connected reads the Changed Namespace List: namespace 3.
+    let mut log = nvme::sqe::Sqe::new(nvme::opcode::AdminOpcode::GetLogPage.code(), 0);
+    log.set_cdw(10, 0x04 | 1023 << 16);
+    let (_, list) = c.admin(log, Bytes::new(), 4096).await.unwrap();
+    assert_eq!(&list[..8], &[3, 0, 0, 0, 0, 0, 0, 0]);
+    let c3 = NvmeController::connect(&url(addr, NQN, 3), &NvmeOptions::default())
+        .await
+        .expect("the new namespace");
+    assert_eq!(c3.namespace.blocks, 8 << 11);
+    let data = pattern(4096, 9);
+    c3.write(0, data.clone()).await.unwrap();
+    assert_eq!(c3.read(0, 8).await.unwrap(), data);
+    // Removed: refused while controllers are connected, unless forced.
+    std::fs::write(&path, &before).unwrap();
+    let e = d.registry.reload(false).unwrap_err();
+    assert!(e.contains("namespace 3") && e.contains("--force"), "{e}");
+    assert_eq!(c3.read(0, 8).await.unwrap(), data);
+    let changes = d.registry.reload(true).expect("forced");
+    assert!(
+        changes.iter().any(|c| c.contains("namespace 3 removed")),
+        "{changes:?}"
+    );
+    let e = c3.read(0, 8).await.unwrap_err();
+    assert!(
+        matches!(e, NvmeError::Status { status, .. } if status == Status::INVALID_NAMESPACE),
+        "{e}"
+    );
+    // The others are untouched.
+    c.write(0, data.clone()).await.unwrap();
+    assert_eq!(c.read(0, 8).await.unwrap(), data);
+    drop((c, c3));
+    d.stop();
+}

@@ -5,7 +5,10 @@
 //! discovery portal and at the I/O portal): `nvme list`, `id-ctrl`,
 //! `id-ns`, `smart-log`, `ana-log`, `get-feature`; fio's verified random writes of 4 KiB and
 //! 128 KiB at queue depth 16; Flush, Write Zeroes and Dataset Management (and blkdiscard)
-//! with zeros read back; `nvme disconnect`. Then targetd is stopped with SIGTERM while the host
+//! with zeros read back; `nvme disconnect`. A namespace added to the config and reloaded
+//! (SIGHUP) while the host is connected appears to it (the host rescans on the Namespace
+//! Attribute Changed notice), and removed (`targetctl config reload --force`) goes away.
+//! Then targetd is stopped with SIGTERM while the host
 //! is connected and started again: the host reconnects and what it wrote before is there.
 //!
 //! The same guest runs Linux's own NVMe/TCP target (nvmet_tcp) on a RAM-backed namespace
@@ -129,6 +132,35 @@ for digests in none "--hdr-digest --data-digest"; do
   sleep 1
 done
 
+# A namespace added while connected: the host hears of it (Namespace Attribute Changed) and
+# rescans; removed (forced: a controller is connected), it goes away.
+nvme connect -t tcp -a 127.0.0.1 -s 4420 -n "$NQN" --hostnqn="$HOST" || fail "nvme connect failed"
+wait_ns 1
+cp /tmp/targetd.toml /tmp/targetd.before
+cat >> /tmp/targetd.toml <<EOF
+
+[[subsystems.namespaces]]
+nsid = 3
+backend = "memory"
+size = "16MiB"
+EOF
+kill -HUP $daemon
+wait_ns 3
+echo "hot add: the host found namespace 3 ($ns)"
+dd if=/dev/urandom of=/tmp/a bs=4096 count=4 2>/dev/null
+dd if=/tmp/a of="$ns" bs=4096 oflag=direct 2>/dev/null && dd if="$ns" of=/tmp/b bs=4096 count=4 iflag=direct 2>/dev/null \
+  && cmp -s /tmp/a /tmp/b && echo "hot add: namespace 3 written and read back"
+cp /tmp/targetd.before /tmp/targetd.toml
+targetctl --socket /tmp/targetd.sock config reload --force > /dev/null || fail "reload --force failed"
+gone=
+for i in $(seq 1 100); do
+  [ -e /sys/block/${ns#/dev/} ] || { gone=1; break; }
+  sleep 0.1
+done
+[ -n "$gone" ] && echo "hot remove: namespace 3 went away"
+nvme disconnect -n "$NQN" > /dev/null
+sleep 1
+
 # A stop and a start while connected: the host reconnects, and the file namespace has what
 # was written before.
 nvme connect -t tcp -a 127.0.0.1 -s 4420 -n "$NQN" --hostnqn="$HOST" --reconnect-delay=1 \
@@ -189,6 +221,7 @@ fn linux_nvme_tcp_host_in_a_guest() {
         return guest::skip("nvme-cli or fio is missing (Debian packages nvme-cli, fio)");
     };
     exes.insert(0, env!("CARGO_BIN_EXE_targetd").to_string());
+    exes.insert(1, env!("CARGO_BIN_EXE_targetctl").to_string());
     let text = GUEST_SCRIPT.replace("@NQN@", NQN).replace("@HOST@", HOST);
     let started = Instant::now();
     let timeout = std::env::var("RDMA_GUEST_TIMEOUT").unwrap_or_else(|_| "1200".into());
@@ -241,6 +274,8 @@ fn linux_nvme_tcp_host_in_a_guest() {
         ));
     }
     expected.push("nvme discover: a host the subsystem does not admit is not told of it".into());
+    expected.push("hot add: namespace 3 written and read back".into());
+    expected.push("hot remove: namespace 3 went away".into());
     expected.push("restart: the host reconnected and read back what it wrote before".into());
     expected.push("nvme guest: done".into());
     for line in &expected {

@@ -196,6 +196,13 @@ impl NvmeSubsystem {
     /// Opens namespace `ns` and attaches it: the controllers connected hear of it (a
     /// Namespace Attribute Changed notice where their hosts asked for them).
     pub fn add_namespace(&self, ns: &config::Namespace) -> Result<(), String> {
+        let opened = self.open_namespace(ns)?;
+        self.attach_namespace(opened);
+        Ok(())
+    }
+
+    /// Opens the storage of namespace `ns` (creating a missing file), not yet attached.
+    pub fn open_namespace(&self, ns: &config::Namespace) -> Result<(Namespace, Arc<Lun>), String> {
         let unit = Lun::open(&ns.unit, Arc::new(LunStats::default()))?;
         let key = unit.storage.identity_key().unwrap_or_else(|| {
             let path = ns.unit.path.as_ref().map(|p| p.display().to_string());
@@ -217,13 +224,18 @@ impl NvmeSubsystem {
             thin: ns.unit.thin && ns.unit.backend != "null",
             write_cache: ns.unit.write_cache,
         };
+        Ok((namespace, Arc::new(unit)))
+    }
+
+    /// Attaches a namespace [`NvmeSubsystem::open_namespace`] opened; the controllers hear of
+    /// it.
+    pub fn attach_namespace(&self, (namespace, unit): (Namespace, Arc<Lun>)) {
         self.namespaces
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(ns.nsid, Arc::new(unit));
+            .insert(namespace.nsid, unit);
         self.with_machine(|m| m.add_namespace(namespace));
         self.events.send_modify(|n| *n += 1);
-        Ok(())
     }
 
     /// Detaches namespace `nsid`; its commands in flight end on the store they started on.

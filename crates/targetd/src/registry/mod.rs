@@ -532,6 +532,106 @@ impl Registry {
         refusals
     }
 
+    /// The namespaces of the subsystems that stay, made as `new` says: those added are
+    /// opened and attached, those removed detached (while controllers are connected, only
+    /// with `force`: their hosts lose them); hosts hear of both through Namespace Attribute
+    /// Changed notices. Everything else about subsystems (one added or removed, a namespace's
+    /// keys changed) takes effect at the next start, and `new` keeps what runs now for it, so
+    /// the running config says what runs. Nothing changes when a namespace cannot be opened.
+    fn change_namespaces(
+        &self,
+        old: &Config,
+        new: &mut Config,
+        force: bool,
+    ) -> Result<Vec<String>, String> {
+        let mut changes = Vec::new();
+        let mut adds = Vec::new();
+        let mut removes = Vec::new();
+        for sub in &mut new.subsystems {
+            let (Some(running), Some(was)) = (
+                self.subsystems().into_iter().find(|s| s.nqn == sub.nqn),
+                old.subsystems.iter().find(|s| s.nqn == sub.nqn),
+            ) else {
+                changes.push(format!(
+                    "subsystem {}: takes effect at the next start",
+                    sub.nqn
+                ));
+                continue;
+            };
+            let mut kept = Vec::new();
+            for ns in &sub.namespaces {
+                match was.namespaces.iter().find(|n| n.nsid == ns.nsid) {
+                    None => adds.push((running.clone(), ns.clone())),
+                    Some(before) if before != ns => {
+                        changes.push(format!(
+                            "subsystem {} namespace {}: takes effect at the next start",
+                            sub.nqn, ns.nsid
+                        ));
+                        kept.push(before.clone());
+                        continue;
+                    }
+                    Some(_) => {}
+                }
+                kept.push(ns.clone());
+            }
+            for ns in &was.namespaces {
+                if sub.namespaces.iter().all(|n| n.nsid != ns.nsid) {
+                    let connected = running.controllers().len();
+                    if connected > 0 && !force {
+                        return Err(format!(
+                            "subsystem {} namespace {}: {connected} controllers are connected and \
+                             would lose it; add --force to do it",
+                            sub.nqn, ns.nsid
+                        ));
+                    }
+                    removes.push((running.clone(), ns.nsid));
+                }
+            }
+            let mut rest = sub.clone();
+            rest.namespaces = Vec::new();
+            let mut was_rest = was.clone();
+            was_rest.namespaces = Vec::new();
+            if rest != was_rest {
+                changes.push(format!(
+                    "subsystem {}: takes effect at the next start",
+                    sub.nqn
+                ));
+                let namespaces = std::mem::take(&mut sub.namespaces);
+                *sub = was.clone();
+                sub.namespaces = namespaces;
+            }
+            sub.namespaces = kept;
+        }
+        for was in &old.subsystems {
+            if new.subsystems.iter().all(|s| s.nqn != was.nqn) {
+                changes.push(format!(
+                    "subsystem {}: takes effect at the next start",
+                    was.nqn
+                ));
+            }
+        }
+        // Open every new namespace before attaching any.
+        let mut opened = Vec::new();
+        for (s, ns) in adds {
+            let unit = s
+                .open_namespace(&ns)
+                .map_err(|e| format!("subsystem {} namespace {}: {e}", s.nqn, ns.nsid))?;
+            opened.push((s, unit));
+        }
+        for (s, unit) in opened {
+            changes.push(format!(
+                "subsystem {} namespace {} added",
+                s.nqn, unit.0.nsid
+            ));
+            s.attach_namespace(unit);
+        }
+        for (s, nsid) in removes {
+            s.remove_namespace(nsid)?;
+            changes.push(format!("subsystem {} namespace {nsid} removed", s.nqn));
+        }
+        Ok(changes)
+    }
+
     /// Applies a changed config while running (validated first): targets and LUNs added,
     /// removed or changed, access rules and negotiation settings for new logins. Returns what
     /// changed. Without `force` it refuses, changing nothing, what `needs_force`
@@ -561,10 +661,7 @@ impl Registry {
             // The keeper, the port group and every unit's shared reservations come with it.
             changes.push("cluster: takes effect at the next start".into());
         }
-        // Subsystems are not changed live yet: a reload says so rather than pretend.
-        if old.subsystems != new.subsystems {
-            changes.push("subsystems: takes effect at the next start".into());
-        }
+        changes.extend(self.change_namespaces(&old, &mut new, force)?);
         if old.nvme != new.nvme {
             changes.push("nvme: takes effect at the next start".into());
         }
