@@ -529,12 +529,27 @@ pub const MAX_NSID: u32 = 1024;
 
 /// `[[subsystems.namespaces]]`: `nsid` and where its blocks are, in the keys a LUN has
 /// (`backend`, `path`, `size`, `block_size`, `pool`, `image`, ...); `lun` is not one.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Namespace {
     /// NSID, 1 to [`MAX_NSID`].
     pub nsid: u32,
     /// Its storage, as a LUN's (whose `lun` is the NSID's low bits, unused).
     pub unit: Lun,
+}
+
+/// Two namespaces are the same when their NSIDs and storage keys are: the unit's `lun`, which
+/// no file sets, is not compared.
+impl PartialEq for Namespace {
+    fn eq(&self, other: &Namespace) -> bool {
+        self.nsid == other.nsid
+            && Lun {
+                lun: 0,
+                ..self.unit.clone()
+            } == Lun {
+                lun: 0,
+                ..other.unit.clone()
+            }
+    }
 }
 
 impl<'de> Deserialize<'de> for Namespace {

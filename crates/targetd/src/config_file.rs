@@ -125,8 +125,9 @@ fn size_text(bytes: u64) -> String {
     }
 }
 
-/// `[[targets]]`, `[[targets.luns]]`: each running table takes the file's table with the same
-/// identity (`name`, `lun`), merged, or comes new; tables no longer running go with their
+/// `[[targets]]`, `[[targets.luns]]`, `[[subsystems]]`, `[[subsystems.namespaces]]`: each
+/// running table takes the file's table with the same identity (`name`, `lun`, `nqn`,
+/// `nsid`), merged, or comes new; tables no longer running go with their
 /// comments.
 fn merge_array(
     raw: &mut ArrayOfTables,
@@ -176,9 +177,11 @@ impl NewTables<'_> {
     /// under the file's directory relative to it; its LUNs likewise.
     fn written(&self, table: &Table) -> Table {
         let mut t = table.clone();
-        if let Some(luns) = t.get_mut("luns").and_then(Item::as_array_of_tables_mut) {
-            for lun in luns.iter_mut() {
-                *lun = self.written(lun);
+        for units in ["luns", "namespaces"] {
+            if let Some(units) = t.get_mut(units).and_then(Item::as_array_of_tables_mut) {
+                for unit in units.iter_mut() {
+                    *unit = self.written(unit);
+                }
             }
         }
         for key in SIZE_KEYS {
@@ -199,6 +202,10 @@ impl NewTables<'_> {
         }
         if t.contains_key("lun") {
             drop_defaults::<crate::config::Lun>(&mut t);
+        } else if t.contains_key("nsid") {
+            drop_defaults::<crate::config::Namespace>(&mut t);
+        } else if t.contains_key("nqn") {
+            drop_defaults::<crate::config::Subsystem>(&mut t);
         } else {
             drop_defaults::<crate::config::Target>(&mut t);
         }
@@ -231,9 +238,10 @@ fn drop_defaults<T: serde::de::DeserializeOwned + PartialEq>(table: &mut Table) 
     }
 }
 
-/// What names a table of an array: a target's `name`, a LUN's `lun`.
+/// What names a table of an array: a target's `name`, a LUN's `lun`, a subsystem's `nqn`, a
+/// namespace's `nsid`.
 fn identity(t: &Table) -> Option<String> {
-    ["name", "lun"]
+    ["name", "lun", "nqn", "nsid"]
         .iter()
         .find_map(|k| t.get(k).and_then(Item::as_value))
         .map(|v| v.to_string().trim().to_ascii_lowercase())
@@ -291,6 +299,35 @@ fn strip(item: &mut Item) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn subsystems_and_namespaces_merge_as_targets_and_luns_do() {
+        let file = "[server]\nportals = [\"127.0.0.1:3260\"]\n\n\
+                    # The fast disks. Keep this comment.\n[[subsystems]]\n\
+                    nqn = \"nqn.2026-11.io.example:ssd\"\n\n\
+                    [[subsystems.namespaces]]\nnsid = 1\nbackend = \"memory\"\n\
+                    size = \"64MiB\"   # small\n";
+        let mut c: Config = toml::from_str(file).unwrap();
+        let mut ns = c.subsystems[0].namespaces[0].clone();
+        ns.nsid = 2;
+        ns.unit.size = Some(crate::config::Size(128 << 20));
+        c.subsystems[0].namespaces.push(ns);
+        let merged = merge(file, None, &c).unwrap();
+        assert!(
+            merged.contains("# The fast disks. Keep this comment."),
+            "{merged}"
+        );
+        assert!(merged.contains("size = \"64MiB\"   # small"), "{merged}");
+        assert!(
+            merged.contains(
+                "[[subsystems.namespaces]]\nnsid = 2\nbackend = \"memory\"\nsize = \"128MiB\"\n"
+            ),
+            "{merged}"
+        );
+        assert!(!merged.contains("lun ="), "{merged}");
+        let back: Config = toml::from_str(&merged).unwrap();
+        assert_eq!(back.subsystems, c.subsystems);
+    }
 
     const FILE: &str = r#"# The lab's targets. Keep this comment.
 
