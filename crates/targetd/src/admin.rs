@@ -37,6 +37,8 @@ pub enum AdminRequest {
     },
     /// Sessions with their connections and negotiated keys.
     Sessions,
+    /// NVM subsystems: their namespaces and the controllers connected.
+    Subsystems,
     /// Per-LU counters.
     Stats,
     /// Adds a logical unit.
@@ -385,6 +387,7 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
         AdminRequest::Targets => Ok(targets(registry)),
         AdminRequest::Luns { target } => luns(registry, target.as_deref()),
         AdminRequest::Sessions => Ok(sessions_json(registry)),
+        AdminRequest::Subsystems => Ok(subsystems(registry)),
         AdminRequest::Cluster => cluster(registry, None),
         AdminRequest::ClusterForget { gateway } => cluster(registry, Some(&gateway)),
         AdminRequest::Stats => Ok(stats(registry)),
@@ -687,11 +690,53 @@ fn status(registry: &Registry) -> Value {
         "sessions": registry.sessions.all().len(),
         "connections": registry.connection_count(),
         "iser_portals": c.server.iser_portals,
+        "nvme_portals": registry.nvme_portals.lock().map(|p| p.0.iter().map(|a| a.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
+        "nvme_discovery_portals": registry.nvme_portals.lock().map(|p| p.1.iter().map(|a| a.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
+        "subsystems": registry.subsystems().len(),
         "srp_portals": c.server.rdma_portals,
         "cluster_gateway": c.cluster.as_ref().map(|k| k.gateway.clone()),
         "config": registry.config_path.display().to_string(),
         "admin_socket": c.server.admin_socket.display().to_string(),
     })
+}
+
+/// Each NVM subsystem: NQN, hosts, namespaces (NSID, backend, path or image, size, block
+/// size) and the controllers connected (CNTLID, host NQN).
+fn subsystems(registry: &Registry) -> Value {
+    Value::Array(
+        registry
+            .subsystems()
+            .iter()
+            .map(|s| {
+                let hosts = s.config.read().map(|c| c.hosts.clone()).unwrap_or_default();
+                let namespaces: Vec<Value> = s
+                    .namespaces()
+                    .into_iter()
+                    .map(|(nsid, unit)| {
+                        json!({
+                            "nsid": nsid,
+                            "backend": unit.config.backend,
+                            "path": unit.config.path.as_ref().map(|p| p.display().to_string()),
+                            "image": unit.config.image,
+                            "bytes": unit.blocks * u64::from(unit.block_size),
+                            "block_size": unit.block_size,
+                        })
+                    })
+                    .collect();
+                let controllers: Vec<Value> = s
+                    .controllers()
+                    .into_iter()
+                    .map(|(id, host)| json!({ "cntlid": id, "host": host }))
+                    .collect();
+                json!({
+                    "nqn": s.nqn,
+                    "hosts": hosts,
+                    "namespaces": namespaces,
+                    "controllers": controllers,
+                })
+            })
+            .collect(),
+    )
 }
 
 fn targets(registry: &Registry) -> Value {

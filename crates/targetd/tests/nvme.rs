@@ -280,6 +280,31 @@ async fn namespaces_come_and_go_on_a_reload() {
     let c3 = NvmeController::connect(&url(addr, NQN, 3), &NvmeOptions::default())
         .await
         .expect("the new namespace");
+    // targetctl lists it, and the two controllers.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
+        .arg("--socket")
+        .arg(d.socket())
+        .arg("subsystems")
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{table}");
+    assert!(table.contains(NQN) && table.contains("8 MiB"), "{table}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
+        .arg("--socket")
+        .arg(d.socket())
+        .args(["--json", "subsystems"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(v[0]["controllers"].as_array().map(Vec::len), Some(2), "{v}");
+    let nsids: Vec<u64> = v[0]["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|n| n["nsid"].as_u64())
+        .collect();
+    assert_eq!(nsids, [1, 2, 3]);
     assert_eq!(c3.namespace.blocks, 8 << 11);
     let data = pattern(4096, 9);
     c3.write(0, data.clone()).await.unwrap();

@@ -45,6 +45,8 @@ enum Command {
         /// Only this target's.
         target: Option<String>,
     },
+    /// NVM subsystems (NVMe/TCP): namespaces and the controllers connected.
+    Subsystems,
     /// Sessions: initiator, address, negotiated keys.
     Sessions,
     /// Each target as a tree: its portals, who may log in (ACLs, CHAP), its LUNs and their
@@ -490,6 +492,7 @@ fn run(args: Args) -> Result<()> {
         Command::Targets => AdminRequest::Targets,
         Command::Luns { target } => AdminRequest::Luns { target },
         Command::Sessions => AdminRequest::Sessions,
+        Command::Subsystems => AdminRequest::Subsystems,
         Command::Cluster { action: None } => AdminRequest::Cluster,
         Command::Cluster {
             action: Some(ClusterAction::Forget { gateway }),
@@ -796,6 +799,55 @@ fn print_human(request: &AdminRequest, v: &Value) {
         // An empty list says what there is none of (a change that changed nothing says so).
         (AdminRequest::Sessions, Value::Array(v)) if v.is_empty() => println!("no sessions"),
         (AdminRequest::Targets, Value::Array(v)) if v.is_empty() => println!("no targets"),
+        (AdminRequest::Subsystems, Value::Array(v)) if v.is_empty() => println!("no subsystems"),
+        (AdminRequest::Subsystems, Value::Array(subsystems)) => {
+            let rows = subsystems.iter().flat_map(|s| {
+                let controllers = s["controllers"].as_array().map_or(0, Vec::len);
+                let hosts = s["hosts"].as_array().map_or(0, Vec::len);
+                let hosts = if hosts == 0 {
+                    "any".to_string()
+                } else {
+                    hosts.to_string()
+                };
+                let namespaces: Vec<Value> =
+                    s["namespaces"].as_array().cloned().unwrap_or_default();
+                let first = std::iter::once(vec![
+                    text(&s["nqn"]),
+                    hosts,
+                    controllers.to_string(),
+                    String::new(),
+                    String::new(),
+                    String::new(),
+                ]);
+                first.chain(namespaces.into_iter().map(|n| {
+                    let backing = n["path"]
+                        .as_str()
+                        .or(n["image"].as_str())
+                        .map_or_else(|| text(&n["backend"]), str::to_string);
+                    let size = n["bytes"]
+                        .as_u64()
+                        .map(units::format_size)
+                        .unwrap_or_default();
+                    vec![
+                        String::new(),
+                        String::new(),
+                        String::new(),
+                        n["nsid"].to_string(),
+                        backing,
+                        format!("{size} ({} B blocks)", n["block_size"]),
+                    ]
+                }))
+            });
+            let headers = [
+                "SUBSYSTEM",
+                "HOSTS",
+                "CONTROLLERS",
+                "NSID",
+                "STORAGE",
+                "SIZE",
+            ];
+            print!("{}", table(&headers, rows));
+        }
         (AdminRequest::Luns { .. }, Value::Array(v)) if v.is_empty() => println!("no LUNs"),
         (_, Value::Array(changes)) if changes.iter().all(Value::is_string) => {
             if changes.is_empty() {
@@ -828,8 +880,11 @@ fn print_human(request: &AdminRequest, v: &Value) {
                 ("iSCSI portals", list("portals")),
                 ("iSER portals", list("iser_portals")),
                 ("SRP portals", list("srp_portals")),
+                ("NVMe/TCP portals", list("nvme_portals")),
+                ("NVMe discovery", list("nvme_discovery_portals")),
                 ("cluster gateway", field("cluster_gateway")),
                 ("targets", field("targets")),
+                ("subsystems", field("subsystems")),
                 ("sessions", field("sessions")),
                 ("connections", field("connections")),
                 ("config", field("config")),
