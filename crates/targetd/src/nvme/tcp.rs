@@ -141,7 +141,13 @@ impl Conn {
             carrier,
             subsystem,
         } = self;
-        if let Some(s) = subsystem.as_deref() {
+        // The subsystem's lock only when something came, or on an admin queue (whose
+        // asynchronous events wait in the subsystem).
+        let admin = machine.bound().is_some_and(|q| q.qid == 0);
+        if let Some(s) = subsystem
+            .as_deref()
+            .filter(|_| admin || machine.has_pending())
+        {
             s.with_machine(|m| machine.handle(now, m));
         }
         let mut link = Link {
@@ -232,10 +238,13 @@ async fn run(
                 events = Some(s.events.subscribe());
             }
         }
+        // Keep alive is kept on the admin queue's connection: when it expires, the controller
+        // fails, and its I/O queues end with its next command (Keep Alive Timeout Expired)
+        // or when the host, which resets the whole controller, closes them.
         let due = conn
             .subsystem
             .as_ref()
-            .filter(|_| conn.machine.bound().is_some())
+            .filter(|_| admin)
             .and_then(|s| s.with_machine(|m| m.poll_timeout()));
         if let Some(at) = due.map(tokio::time::Instant::from) {
             if timer.is_elapsed() || at < timer.deadline() {
