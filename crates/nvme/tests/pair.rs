@@ -417,3 +417,48 @@ fn a_silent_host_loses_its_controller() {
     let c = connect(&mut other, &mut rig, 1, cntlid, 0);
     assert_eq!(c.status, Status::CONNECT_INVALID_PARAMETERS);
 }
+
+/// A connection closed while a command's block operations run starts no more of them: a
+/// Dataset Management of two ranges whose first deallocation is running ends with it, so the
+/// shell, which waits for what runs, is not left waiting.
+#[test]
+fn a_closed_connection_starts_no_more_operations() {
+    let mut rig = Rig::new();
+    let (_admin, cntlid) = admin_link(&mut rig);
+    let mut io = rig.link(Digests::default());
+    assert!(connect(&mut io, &mut rig, 1, cntlid, 0).status.is_success());
+    let mut dsm = io_cmd(
+        NvmOpcode::DatasetManagement,
+        30,
+        0,
+        1,
+        Sgl::in_capsule(0, 32),
+    );
+    dsm.set_cdw(10, 1);
+    dsm.set_cdw(11, 1 << 2);
+    let mut ranges = vec![0u8; 32];
+    for (i, r) in ranges.chunks_exact_mut(16).enumerate() {
+        r[4..8].copy_from_slice(&8u32.to_le_bytes());
+        r[8..16].copy_from_slice(&(i as u64 * 64).to_le_bytes());
+    }
+    io.host.send_command(&dsm, Bytes::from(ranges)).unwrap();
+    while let Some(t) = io.host.poll_transmit() {
+        io.conn.receive(&deliver(t, &mut false));
+    }
+    io.conn.handle(rig.now, &mut rig.subsystem);
+    let Some(Event::BufferWanted { tag, len }) = io.conn.poll_event() else {
+        panic!("a buffer wanted")
+    };
+    io.conn.handle_buffer(rig.now, tag, Some(vec![0; len]));
+    let Some(Event::Backend { task, buffer, .. }) = io.conn.poll_event() else {
+        panic!("the first deallocation")
+    };
+    assert_eq!(io.conn.in_backend(), 1);
+    io.conn.close(&mut rig.subsystem);
+    io.conn
+        .handle_backend_done(rig.now, task, buffer, Ok(scsi_core::Output::Done));
+    assert_eq!(io.conn.in_backend(), 0);
+    while let Some(e) = io.conn.poll_event() {
+        assert!(!matches!(e, Event::Backend { .. }), "{e:?}");
+    }
+}

@@ -322,7 +322,8 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         }
         if let Work::Deallocate { ops, next, .. } = &mut c.work {
             *next += 1;
-            if *next < ops.len() {
+            // A closed connection starts nothing more: its shell waits only for what runs.
+            if *next < ops.len() && !self.dropped {
                 return self.run(now, cid);
             }
         }
