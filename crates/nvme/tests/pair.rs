@@ -372,6 +372,19 @@ fn a_host_writes_reads_zeroes_and_deallocates_through_the_controller() {
         );
         assert!(!io.read.contains_key(&18));
 
+        // An in-capsule write whose capsule is shorter than its SGL says: Data SGL Length
+        // Invalid, and nothing written (the rest of the buffer is not the host's data).
+        let short = io_cmd(NvmOpcode::Write, 20, 8, 2, Sgl::in_capsule(0, 1024));
+        io.host.send_command(&short, pattern(512, 7)).unwrap();
+        rig.run(&mut io);
+        assert_eq!(
+            io.done.remove(&20).unwrap().status,
+            Status::DATA_SGL_LENGTH_INVALID
+        );
+        let mut now = vec![0xffu8; 1024];
+        rig.medium.read_bytes(8 * 512, &mut now);
+        assert!(now.iter().all(|&b| b == 0), "the blocks Write Zeroes left");
+
         if digests.data {
             // A corrupted in-capsule write: Transient Transport Error, the medium unchanged.
             io.corrupt_next = true;

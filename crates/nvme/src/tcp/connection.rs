@@ -435,6 +435,17 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
                         return self.complete(Cqe::new(cid, Status::SUCCESS));
                     }
                 };
+                // In-capsule data must be as long as its SGL says: a shorter capsule would
+                // leave the rest of the buffer, another command's bytes, to be written.
+                if let Transfer::FromHost {
+                    len: want,
+                    in_capsule: true,
+                } = transfer
+                {
+                    if data.len() != want as usize {
+                        return self.complete(Cqe::new(cid, Status::DATA_SGL_LENGTH_INVALID));
+                    }
+                }
                 self.generation = self.generation.wrapping_add(1);
                 let task = TaskId::from_bits(u64::from(self.generation) << 32 | u64::from(cid));
                 self.commands.insert(
