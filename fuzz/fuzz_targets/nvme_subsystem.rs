@@ -4,8 +4,12 @@
 //! in-capsule data, disconnects, keep alive deadlines. It never panics; every command gets
 //! exactly one answer (a completion with its CID, data and a completion, an I/O command that
 //! stays within the namespace, or held: only Asynchronous Event Requests, at most four per
-//! controller); a controller whose keep alive lapsed answers nothing but Keep Alive Timer
-//! Expired.
+//! controller, and Preempt and Abort; or, for a reservation command whose data is not in the
+//! capsule, a fetch of at most 4 KiB, then answered once the data is handed over); a
+//! controller whose keep alive lapsed answers nothing but Keep Alive Timer Expired. Two hosts
+//! (two Host Identifiers) share the namespace, so reservations made by one fence the other;
+//! connections say at any step that the commands a Preempt and Abort aborted have ended, and
+//! at the end every Preempt and Abort held is answered once every queue has said so.
 #![no_main]
 
 use std::time::{Duration, Instant};
@@ -33,6 +37,7 @@ enum Step {
         cntlid: Option<u8>,
         other_host: bool,
         other_subsystem: bool,
+        second_hostid: bool,
     },
     Command {
         conn: u8,
@@ -42,6 +47,25 @@ enum Step {
     },
     Disconnect(u8),
     Advance(u16),
+    /// A connection carries out what a Preempt and Abort asks of it and takes completions.
+    Abort(u8),
+}
+
+/// Every queue's connection says its aborted commands have ended; the completions of held
+/// commands that are ready, by queue.
+fn settle(s: &mut Subsystem, live: &[Queue], done: &mut Vec<(Queue, u16)>) {
+    for q in live {
+        while let Some((id, nsid)) = s.poll_abort(q) {
+            assert_eq!(nsid, 1);
+            s.aborted(q, id);
+        }
+    }
+    for q in live {
+        while let Some(c) = s.poll_completion(q) {
+            assert!(c.status.is_success());
+            done.push((*q, c.cid));
+        }
+    }
 }
 
 fuzz_target!(|input: (u8, bool, Vec<Step>)| {
@@ -79,6 +103,10 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
     let mut now = Instant::now();
     let mut conns: [Option<Queue>; 4] = [None; 4];
     let mut expired: Vec<u16> = Vec::new();
+    // Queues connected and not disconnected; Preempt and Abort commands held, and answered.
+    let mut live: Vec<Queue> = Vec::new();
+    let mut held: Vec<(Queue, u16)> = Vec::new();
+    let mut answered: Vec<(Queue, u16)> = Vec::new();
     for step in steps.into_iter().take(64) {
         match step {
             Step::Connect {
@@ -89,6 +117,7 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
                 cntlid,
                 other_host,
                 other_subsystem,
+                second_hostid,
             } => {
                 let c = usize::from(conn % 4);
                 let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 9);
@@ -102,7 +131,7 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
                 }
                 .to_sqe(&mut sqe);
                 let data = ConnectData {
-                    hostid: [3; 16],
+                    hostid: if second_hostid { [4; 16] } else { [3; 16] },
                     cntlid: cntlid.map_or(CNTLID_DYNAMIC, |c| u16::from(c % 4)),
                     subnqn: if other_subsystem {
                         "nqn.2026-11.x:y"
@@ -119,6 +148,7 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
                         // A discovery subsystem admits any host.
                         assert!((!other_host || discovery) && !other_subsystem);
                         conns[c] = Some(q);
+                        live.push(q);
                     }
                     Err(cqe) => assert!(!cqe.status.is_success() && cqe.cid == 9),
                 }
@@ -139,7 +169,15 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
                 }
                 let cid = sqe.cid();
                 let was_expired = expired.contains(&q.cntlid);
-                match s.command(now, &q, &sqe, &data) {
+                let mut answer = s.command(now, &q, &sqe, &data);
+                if let Answer::Fetch { len } = answer {
+                    assert!(nvme::reservation::is_reservation(sqe.opcode()) && q.qid != 0);
+                    assert!(len <= 4096);
+                    answer = s.fetched(&q, &sqe, &data);
+                    assert!(!matches!(answer, Answer::Fetch { .. } | Answer::Io { .. }));
+                }
+                match answer {
+                    Answer::Fetch { .. } => unreachable!("fetched above"),
                     Answer::Complete(c) => {
                         assert_eq!(c.cid, cid);
                         if was_expired {
@@ -166,6 +204,15 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
                             }
                         }
                     }
+                    Answer::Held if q.qid != 0 => {
+                        // Preempt and Abort, waiting for the preempted host's queues.
+                        assert_eq!(
+                            sqe.opcode(),
+                            nvme::opcode::NvmOpcode::ReservationAcquire.code()
+                        );
+                        assert_eq!(sqe.cdw(10) & 7, 2);
+                        held.push((q, cid));
+                    }
                     Answer::Held => {
                         assert_eq!(sqe.opcode(), AdminOpcode::AsyncEventRequest.code());
                         assert_eq!(q.qid, 0);
@@ -177,6 +224,15 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
             Step::Disconnect(conn) => {
                 if let Some(q) = conns[usize::from(conn % 4)].take() {
                     s.disconnect(&q);
+                    // The admin queue takes its controller's queues with it.
+                    let gone = |o: &Queue| o.cntlid == q.cntlid && (q.qid == 0 || o.qid == q.qid);
+                    live.retain(|o| !gone(o));
+                    held.retain(|(o, _)| !gone(o));
+                }
+            }
+            Step::Abort(conn) => {
+                if let Some(q) = conns[usize::from(conn % 4)] {
+                    settle(&mut s, &[q], &mut answered);
                 }
             }
             Step::Advance(ms) => {
@@ -186,5 +242,22 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
                 }
             }
         }
+    }
+    // Every queue says its aborted commands ended: every Preempt and Abort still held by a
+    // controller that is there is answered, once.
+    settle(&mut s, &live, &mut answered);
+    for (q, cid) in &held {
+        let there = s.controllers().any(|(id, _)| id == q.cntlid);
+        let n = answered.iter().filter(|(o, c)| o == q && c == cid).count();
+        assert!(
+            !there || n >= 1,
+            "Preempt and Abort {cid} on {q:?} never answered"
+        );
+    }
+    for (q, cid) in &answered {
+        assert!(
+            held.contains(&(*q, *cid)),
+            "an answer nobody waited for: {cid} on {q:?}"
+        );
     }
 });

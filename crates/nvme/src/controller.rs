@@ -13,9 +13,15 @@
 //! volatile write cache, host identifier), Keep Alive, Asynchronous Event Requests (held,
 //! and answered with a Namespace Attribute Changed notice when a namespace is added, resized
 //! or removed: [`Subsystem::poll_async_events`]), Abort (answers that it did not abort),
-//! Disconnect; and the NVM commands [`crate::nvm`] decodes.
+//! Disconnect; the NVM commands [`crate::nvm`] decodes, each checked against the
+//! namespace's reservation; and the reservation commands ([`crate::reservation`]) with their
+//! notices (the Reservation Notification log page and its asynchronous event), the
+//! Reservation Notification Mask and Reservation Persistence features, persistence through
+//! power loss in a [`PrStore`], and Preempt and Abort, which completes only once the
+//! preempted hosts' commands on the namespace have ended
+//! ([`Subsystem::poll_abort`], [`Subsystem::aborted`]).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -29,8 +35,12 @@ use crate::identify::{self, cns, ControllerIdentity, NamespaceIdentity};
 use crate::log_page::{self, lid, AnaGroup, LogRequest};
 use crate::nvm::{self, IoCommand, NamespaceGeometry};
 use crate::opcode::{AdminOpcode, FabricsType, NvmOpcode};
-use crate::sqe::Sqe;
+use crate::reservation::{self, ReservationCommand};
+use crate::sqe::{SglKind, Sqe};
 use crate::status::Status;
+use scsi_core::nexus::ItNexus;
+use scsi_core::pr::{PrState, PrStore};
+use scsi_core::spc::opcodes::Access;
 
 /// NVMe 1.4: the version the controller reports (ANA, reservations over fabrics).
 pub const VERSION: u32 = 0x0001_0400;
@@ -108,8 +118,16 @@ pub enum Answer {
         /// What to do.
         command: IoCommand,
     },
-    /// Not yet: an Asynchronous Event Request, answered when an event happens.
+    /// Not yet: an Asynchronous Event Request, answered when an event happens; a Preempt
+    /// and Abort, answered once the commands it aborts have ended
+    /// ([`Subsystem::poll_completion`]).
     Held,
+    /// The command's data (`len` bytes, not in the capsule) is needed first: the shell's
+    /// connection fetches it (R2T) and hands it to [`Subsystem::fetched`].
+    Fetch {
+        /// Bytes.
+        len: u32,
+    },
 }
 
 /// The features a host sets (Set Features) and reads back.
@@ -147,6 +165,62 @@ struct Controller {
     discovery_notice_masked: bool,
     /// Keep alive expired: it takes no more commands.
     failed: bool,
+    /// Its host, as reservations name it (by Host Identifier).
+    host: ItNexus,
+    /// Reservation notifications not yet read: count, type, NSID.
+    reservation_log: VecDeque<(u64, u8, u32)>,
+    /// The count of the last reservation notification (lost ones count too).
+    reservation_count: u64,
+    /// A Reservation Log Page Available notice went and the host has not read the log since.
+    reservation_notice_masked: bool,
+    /// Reservation Notification Mask, by NSID (bits 1 to 3: types not to report).
+    reservation_masks: BTreeMap<u32, u32>,
+    /// Completions of held I/O commands ready to go: queue ID and completion.
+    completions: Vec<(u16, Cqe)>,
+}
+
+/// Reservation notifications a controller keeps unread at most (its log's Number of Available
+/// Log Pages is a byte); older ones are lost, and the count says so.
+pub const MAX_RESERVATION_NOTICES: usize = 255;
+/// Reservation Notification Mask bits a host may set: registration preempted, reservation
+/// released, reservation preempted.
+const RESERVATION_MASK_BITS: u32 = 0b1110;
+
+/// A namespace attached, with its reservations.
+#[derive(Debug)]
+struct Attached {
+    ns: Namespace,
+    reservations: PrState,
+}
+
+/// A Preempt and Abort waiting for the preempted hosts' commands on its namespace to end.
+#[derive(Debug)]
+struct Drain {
+    id: u64,
+    nsid: u32,
+    /// The preempting command: its controller, queue and CID.
+    cntlid: u16,
+    qid: u16,
+    cid: u16,
+    /// Queues (CNTLID, QID) not yet told to abort.
+    waiting: BTreeSet<(u16, u16)>,
+    /// Queues told, whose commands have not all ended.
+    told: BTreeSet<(u16, u16)>,
+}
+
+/// Where reservations that persist through power loss are kept.
+struct Store(Box<dyn PrStore>);
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Store")
+    }
+}
+
+/// The key a namespace's reservations are kept under: its NGUID, which follows its storage.
+fn store_key(ns: &Namespace) -> String {
+    let hex: String = ns.nguid.iter().map(|b| format!("{b:02x}")).collect();
+    format!("nvme-{hex}")
 }
 
 /// Asynchronous Event Requests a controller holds at most (AERL + 1).
@@ -160,9 +234,14 @@ pub const KEEP_ALIVE_GRANULARITY: Duration = Duration::from_millis(100);
 #[derive(Debug)]
 pub struct Subsystem {
     config: SubsystemConfig,
-    namespaces: BTreeMap<u32, Namespace>,
+    namespaces: BTreeMap<u32, Attached>,
     controllers: BTreeMap<u16, Controller>,
     next_cntlid: u16,
+    store: Option<Store>,
+    drains: Vec<Drain>,
+    next_drain: u64,
+    /// Something happened that other connections must see (notices, aborts, completions).
+    wake: bool,
     /// A discovery subsystem's log: what it tells hosts (`None`: an NVM subsystem).
     discovery: Option<Discovery>,
 }
@@ -195,8 +274,30 @@ impl Subsystem {
             namespaces: BTreeMap::new(),
             controllers: BTreeMap::new(),
             next_cntlid: 1,
+            store: None,
+            drains: Vec::new(),
+            next_drain: 0,
+            wake: false,
             discovery: None,
         }
+    }
+
+    /// Keeps reservations that persist through power loss (PTPL) in `store`, and loads what
+    /// it holds for the namespaces attached from now on. Without a store, PTPL is refused.
+    pub fn set_reservation_store(&mut self, store: Box<dyn PrStore>) {
+        self.store = Some(Store(store));
+    }
+
+    /// Whether something happened since the last call that other connections of the
+    /// subsystem must see: asynchronous events, aborts to carry out, held completions ready.
+    /// The shell wakes them.
+    pub fn take_wakeup(&mut self) -> bool {
+        std::mem::take(&mut self.wake)
+    }
+
+    /// Namespace `nsid`'s reservations.
+    pub fn reservations(&self, nsid: u32) -> Option<&PrState> {
+        self.namespaces.get(&nsid).map(|a| &a.reservations)
     }
 
     /// A discovery subsystem (its NQN the well-known discovery NQN, any host admitted): its
@@ -247,23 +348,37 @@ impl Subsystem {
 
     /// Adds (or replaces: a resize) a namespace. Every controller hears of it: a Namespace
     /// Attribute Changed notice (when its host enabled them) and the Changed Namespace List.
+    ///
+    /// A namespace replaced keeps its reservations; one new takes those its store kept.
     pub fn add_namespace(&mut self, ns: Namespace) {
         let nsid = ns.nsid;
-        self.namespaces.insert(nsid, ns);
+        match self.namespaces.get_mut(&nsid) {
+            Some(a) => a.ns = ns,
+            None => {
+                let reservations = self
+                    .store
+                    .as_ref()
+                    .and_then(|s| s.0.load(&store_key(&ns)))
+                    .and_then(|b| PrState::decode(&b))
+                    .unwrap_or_default();
+                self.namespaces.insert(nsid, Attached { ns, reservations });
+            }
+        }
         self.namespace_changed(nsid);
     }
 
     /// Removes a namespace; every controller hears of it as of an addition.
     pub fn remove_namespace(&mut self, nsid: u32) -> Option<Namespace> {
-        let ns = self.namespaces.remove(&nsid)?;
+        let a = self.namespaces.remove(&nsid)?;
         self.namespace_changed(nsid);
-        Some(ns)
+        Some(a.ns)
     }
 
     /// Records that namespace `nsid` changed for every controller, and queues the notice for
     /// those whose host asked for them (Asynchronous Event Configuration bit 8) and have not
     /// been told since they last read the list.
     fn namespace_changed(&mut self, nsid: u32) {
+        self.wake = true;
         for c in self.controllers.values_mut().filter(|c| !c.failed) {
             c.changed.insert(nsid);
             if c.features.aec & AEC_NAMESPACE_ATTRIBUTE != 0 && !c.namespace_notice_masked {
@@ -317,7 +432,7 @@ impl Subsystem {
 
     /// Namespace `nsid`.
     pub fn namespace(&self, nsid: u32) -> Option<&Namespace> {
-        self.namespaces.get(&nsid)
+        self.namespaces.get(&nsid).map(|a| &a.ns)
     }
 
     /// The controllers, by CNTLID: the host NQN of each.
@@ -407,6 +522,12 @@ impl Subsystem {
                     namespace_notice_masked: false,
                     discovery_notice_masked: false,
                     failed: false,
+                    host: reservation::host(d.hostid),
+                    reservation_log: VecDeque::new(),
+                    reservation_count: 0,
+                    reservation_notice_masked: false,
+                    reservation_masks: BTreeMap::new(),
+                    completions: Vec::new(),
                 },
             );
             let q = queue(cntlid);
@@ -459,12 +580,72 @@ impl Subsystem {
 
     /// The connection of `queue` ended: an I/O queue leaves its controller; the admin queue
     /// takes the controller with it.
+    ///
+    /// A Preempt and Abort waiting for the queue's commands waits no more (what its
+    /// connection still runs is the shell's to wait for before it lets the connection go);
+    /// one the queue itself sent is forgotten, there being no one to answer.
     pub fn disconnect(&mut self, queue: &Queue) {
+        let gone =
+            |cntlid: u16, qid: u16| cntlid == queue.cntlid && (queue.qid == 0 || qid == queue.qid);
+        self.drains.retain(|d| !gone(d.cntlid, d.qid));
+        for d in &mut self.drains {
+            d.waiting.retain(|&(c, q)| !gone(c, q));
+            d.told.retain(|&(c, q)| !gone(c, q));
+        }
+        self.finish_drains();
         if queue.qid == 0 {
             self.controllers.remove(&queue.cntlid);
         } else if let Some(c) = self.controllers.get_mut(&queue.cntlid) {
             c.io_queues.remove(&queue.qid);
+            // Not for a queue of that ID connected later.
+            c.completions.retain(|(q, _)| *q != queue.qid);
         }
+    }
+
+    /// The next namespace whose commands connection `queue` must abort, as a Preempt and
+    /// Abort of its host's registration asks: the Preempt and Abort's ID and the NSID. The
+    /// connection ends its commands on the namespace that have not started (Command Aborted
+    /// due to Preempt and Abort), and calls [`Subsystem::aborted`] once those that have
+    /// started have ended.
+    pub fn poll_abort(&mut self, queue: &Queue) -> Option<(u64, u32)> {
+        let key = (queue.cntlid, queue.qid);
+        let d = self.drains.iter_mut().find(|d| d.waiting.contains(&key))?;
+        d.waiting.remove(&key);
+        d.told.insert(key);
+        Some((d.id, d.nsid))
+    }
+
+    /// Connection `queue`'s commands that Preempt and Abort `id` aborted have all ended.
+    pub fn aborted(&mut self, queue: &Queue, id: u64) {
+        let key = (queue.cntlid, queue.qid);
+        if let Some(d) = self.drains.iter_mut().find(|d| d.id == id) {
+            d.told.remove(&key);
+        }
+        self.finish_drains();
+    }
+
+    /// Completes the Preempt and Abort commands nothing holds any more.
+    fn finish_drains(&mut self) {
+        while let Some(i) = self
+            .drains
+            .iter()
+            .position(|d| d.waiting.is_empty() && d.told.is_empty())
+        {
+            let d = self.drains.swap_remove(i);
+            if let Some(c) = self.controllers.get_mut(&d.cntlid) {
+                c.completions
+                    .push((d.qid, Cqe::new(d.cid, Status::SUCCESS)));
+                self.wake = true;
+            }
+        }
+    }
+
+    /// The next completion of a held I/O command of connection `queue` (a Preempt and Abort
+    /// whose aborted commands have ended).
+    pub fn poll_completion(&mut self, queue: &Queue) -> Option<Cqe> {
+        let c = self.controllers.get_mut(&queue.cntlid)?;
+        let i = c.completions.iter().position(|(q, _)| *q == queue.qid)?;
+        Some(c.completions.remove(i).1)
     }
 
     /// When [`Subsystem::handle_timeout`] is due: the earliest keep alive deadline.
@@ -510,7 +691,10 @@ impl Subsystem {
             return done(Status::COMMAND_SEQUENCE_ERROR);
         }
         if queue.qid != 0 {
-            return self.io(sqe);
+            if reservation::is_reservation(sqe.opcode()) {
+                return self.reservation_command(queue, sqe, data);
+            }
+            return self.io(queue, sqe);
         }
         match AdminOpcode::from_code(sqe.opcode()) {
             Some(AdminOpcode::Identify) => self.identify(queue, sqe),
@@ -596,11 +780,166 @@ impl Subsystem {
         }
     }
 
-    fn io(&self, sqe: &Sqe) -> Answer {
+    /// A reservation command's data, fetched by the connection after [`Answer::Fetch`]: the
+    /// command is carried out with it.
+    pub fn fetched(&mut self, queue: &Queue, sqe: &Sqe, data: &[u8]) -> Answer {
+        let cid = sqe.cid();
+        if !self.is_live(queue.cntlid) {
+            return Answer::Complete(Cqe::new(cid, Status::COMMAND_SEQUENCE_ERROR));
+        }
+        match reservation::decode(sqe) {
+            Ok(cmd) => self.reserve(queue, sqe, &cmd, data),
+            Err(s) => Answer::Complete(Cqe::new(cid, s)),
+        }
+    }
+
+    /// Reservation Register, Acquire, Release or Report with its in-capsule `data`.
+    fn reservation_command(&mut self, queue: &Queue, sqe: &Sqe, data: &[u8]) -> Answer {
+        let cid = sqe.cid();
+        let done = |status| Answer::Complete(Cqe::new(cid, status));
+        let cmd = match reservation::decode(sqe) {
+            Ok(c) => c,
+            Err(s) => return done(s),
+        };
+        let Some(a) = self.namespaces.get(&sqe.nsid()) else {
+            return done(Status::INVALID_NAMESPACE);
+        };
+        if let ReservationCommand::Report { len, extended } = cmd {
+            if !extended {
+                // Hosts on a fabric have 128-bit Host Identifiers only.
+                return done(Status::HOST_ID_INCONSISTENT);
+            }
+            if len > self.max_transfer() {
+                return done(Status::INVALID_FIELD);
+            }
+            let controllers = &self.controllers;
+            let page = reservation::report(&a.reservations, true, a.reservations.aptpl, |n| {
+                controllers
+                    .iter()
+                    .find(|(_, c)| c.host == *n && !c.failed)
+                    .map(|(id, _)| *id)
+            });
+            return self.reply(sqe, &page);
+        }
+        let want = cmd.data_len() as u32;
+        match sqe.sgl().kind() {
+            SglKind::InCapsule { offset: 0, length } if length >= want => {
+                if data.len() < want as usize {
+                    return done(Status::DATA_SGL_LENGTH_INVALID);
+                }
+                self.reserve(queue, sqe, &cmd, data)
+            }
+            SglKind::InCapsule { offset: 0, .. } | SglKind::Transport { .. }
+                if sqe.sgl().length() < want =>
+            {
+                done(Status::DATA_SGL_LENGTH_INVALID)
+            }
+            SglKind::Transport { length } if length <= 4096 => Answer::Fetch { len: length },
+            SglKind::Transport { .. } => done(Status::DATA_SGL_LENGTH_INVALID),
+            SglKind::InCapsule { .. } => done(Status::SGL_OFFSET_INVALID),
+            _ => done(Status::SGL_DESCRIPTOR_TYPE_INVALID),
+        }
+    }
+
+    /// Carries out reservation command `cmd` with its data: the new state saved first when
+    /// it persists through power loss (a save that fails changes nothing), then the notices,
+    /// then, for a Preempt and Abort that preempted hosts with queues, the wait for their
+    /// commands.
+    fn reserve(
+        &mut self,
+        queue: &Queue,
+        sqe: &Sqe,
+        cmd: &ReservationCommand,
+        data: &[u8],
+    ) -> Answer {
+        let cid = sqe.cid();
+        let nsid = sqe.nsid();
+        let done = |status| Answer::Complete(Cqe::new(cid, status));
+        let Some(me) = self.controllers.get(&queue.cntlid).map(|c| c.host.clone()) else {
+            return done(Status::COMMAND_SEQUENCE_ERROR);
+        };
+        let capable = self.store.is_some();
+        let Some(a) = self.namespaces.get_mut(&nsid) else {
+            return done(Status::INVALID_NAMESPACE);
+        };
+        let mut next = a.reservations.clone();
+        let fx = match reservation::apply(&mut next, &me, cmd, data, capable) {
+            Ok(fx) => fx,
+            Err(s) => return done(s),
+        };
+        if fx.save && (a.reservations.aptpl || next.aptpl) {
+            if let Some(store) = self.store.as_mut() {
+                let state = next.aptpl.then(|| next.encode());
+                if store.0.save(&store_key(&a.ns), state.as_deref()).is_err() {
+                    return done(Status::INTERNAL_ERROR);
+                }
+            }
+        }
+        a.reservations = next;
+        for (host, kind) in reservation::notices(&fx) {
+            for c in self
+                .controllers
+                .values_mut()
+                .filter(|c| c.host == *host && !c.failed)
+            {
+                let mask = c.reservation_masks.get(&nsid).copied().unwrap_or(0);
+                if mask & 1 << kind != 0 {
+                    continue;
+                }
+                c.reservation_count = c.reservation_count.wrapping_add(1).max(1);
+                if c.reservation_log.len() >= MAX_RESERVATION_NOTICES {
+                    c.reservation_log.pop_front();
+                }
+                c.reservation_log
+                    .push_back((c.reservation_count, kind, nsid));
+                if !c.reservation_notice_masked {
+                    c.reservation_notice_masked = true;
+                    // I/O command specific status (type 6), Reservation Log Page Available
+                    // (info 0), log page 80h.
+                    c.notices
+                        .push(0x6 | u32::from(log_page::lid::RESERVATION_NOTIFICATION) << 16);
+                }
+                self.wake = true;
+            }
+        }
+        if !fx.abort.is_empty() {
+            let mut waiting = BTreeSet::new();
+            for (id, c) in &self.controllers {
+                if fx.abort.contains(&c.host) {
+                    waiting.extend(c.io_queues.iter().map(|q| (*id, *q)));
+                }
+            }
+            if !waiting.is_empty() {
+                self.next_drain += 1;
+                self.drains.push(Drain {
+                    id: self.next_drain,
+                    nsid,
+                    cntlid: queue.cntlid,
+                    qid: queue.qid,
+                    cid,
+                    waiting,
+                    told: BTreeSet::new(),
+                });
+                self.wake = true;
+                return Answer::Held;
+            }
+        }
+        done(Status::SUCCESS)
+    }
+
+    fn io(&self, queue: &Queue, sqe: &Sqe) -> Answer {
         let nsid = sqe.nsid();
         // Flush to every namespace (NSID FFFFFFFFh), as VWC says it may.
         if sqe.opcode() == NvmOpcode::Flush.code() && nsid == u32::MAX {
             let first = self.namespaces.keys().next().copied();
+            let host = self.controllers.get(&queue.cntlid).map(|c| &c.host);
+            let conflict = self.namespaces.values().any(|a| {
+                a.reservations.reservation.is_some()
+                    && !host.is_some_and(|h| a.reservations.allows(h, Access::Write))
+            });
+            if conflict {
+                return Answer::Complete(Cqe::new(sqe.cid(), Status::RESERVATION_CONFLICT));
+            }
             return match first {
                 Some(nsid) => Answer::Io {
                     nsid,
@@ -612,10 +951,19 @@ impl Subsystem {
                 None => Answer::Complete(Cqe::new(sqe.cid(), Status::SUCCESS)),
             };
         }
-        let geometry = self.namespaces.get(&nsid).map(|n| n.geometry);
+        let a = self.namespaces.get(&nsid);
+        let geometry = a.map(|a| a.ns.geometry);
         match nvm::decode(sqe, geometry.as_ref(), self.max_transfer()) {
             Ok(IoCommand::Nothing) => Answer::Complete(Cqe::new(sqe.cid(), Status::SUCCESS)),
-            Ok(command) => Answer::Io { nsid, command },
+            Ok(command) => {
+                if let Some(a) = a.filter(|a| a.reservations.reservation.is_some()) {
+                    let host = self.controllers.get(&queue.cntlid).map(|c| &c.host);
+                    if !host.is_some_and(|h| a.reservations.allows(h, access(sqe.opcode()))) {
+                        return Answer::Complete(Cqe::new(sqe.cid(), Status::RESERVATION_CONFLICT));
+                    }
+                }
+                Answer::Io { nsid, command }
+            }
             Err(s) => Answer::Complete(Cqe::new(sqe.cid(), s)),
         }
     }
@@ -664,11 +1012,12 @@ impl Subsystem {
             aerl: (MAX_AERS - 1) as u8,
             elpe: 0,
             kas: 1,
-            volatile_write_cache: self.namespaces.values().any(|n| n.write_cache),
+            volatile_write_cache: self.namespaces.values().any(|a| a.ns.write_cache),
             oncs: identify::ONCS_COMPARE
                 | identify::ONCS_DATASET_MANAGEMENT
                 | identify::ONCS_WRITE_ZEROES
-                | identify::ONCS_VERIFY,
+                | identify::ONCS_VERIFY
+                | identify::ONCS_RESERVATIONS,
             compare_and_write: false,
             acwu: 0,
             oaes: identify::OAES_NAMESPACE_ATTRIBUTE | identify::OAES_ANA_CHANGE,
@@ -705,7 +1054,12 @@ impl Subsystem {
     fn identify(&self, queue: &Queue, sqe: &Sqe) -> Answer {
         let cid = sqe.cid();
         let nsid = sqe.nsid();
-        let ns = self.namespaces.get(&nsid);
+        let ns = self.namespaces.get(&nsid).map(|a| &a.ns);
+        let rescap = if self.store.is_some() {
+            identify::RESCAP_ALL
+        } else {
+            identify::RESCAP_ALL & !identify::RESCAP_PTPL
+        };
         let data = match sqe.cdw(10) as u8 {
             cns::CONTROLLER => identify::controller(&self.identity(queue.cntlid)),
             cns::NAMESPACE => match ns {
@@ -715,7 +1069,7 @@ impl Subsystem {
                     block_size: n.geometry.block_size,
                     thin: n.thin,
                     shared: true,
-                    rescap: 0,
+                    rescap,
                     anagrpid: 1,
                     write_protected: n.geometry.read_only,
                     nguid: n.nguid,
@@ -778,6 +1132,10 @@ impl Subsystem {
                     (NvmOpcode::WriteZeroes, true),
                     (NvmOpcode::DatasetManagement, true),
                     (NvmOpcode::Verify, false),
+                    (NvmOpcode::ReservationRegister, false),
+                    (NvmOpcode::ReservationReport, false),
+                    (NvmOpcode::ReservationAcquire, false),
+                    (NvmOpcode::ReservationRelease, false),
                 ]
                 .map(|(o, c)| (o.code(), c));
                 log_page::commands_effects(&admin, &io).to_vec()
@@ -801,6 +1159,23 @@ impl Subsystem {
             }
             _ if self.discovery.is_some() => {
                 return Answer::Complete(Cqe::new(cid, Status::INVALID_LOG_PAGE))
+            }
+            lid::RESERVATION_NOTIFICATION => {
+                let Some(c) = self.controllers.get_mut(&queue.cntlid) else {
+                    return Answer::Complete(Cqe::new(cid, Status::COMMAND_SEQUENCE_ERROR));
+                };
+                // Each read takes the oldest notification (an empty page when none waits).
+                let page = match c.reservation_log.pop_front() {
+                    Some((count, kind, nsid)) => {
+                        let left = c.reservation_log.len().min(255) as u8;
+                        reservation::notification_page(count, kind, left, nsid)
+                    }
+                    None => reservation::notification_page(0, 0, 0, 0),
+                };
+                if !r.retain {
+                    c.reservation_notice_masked = false;
+                }
+                page.to_vec()
             }
             lid::ANA => {
                 let group = AnaGroup {
@@ -869,6 +1244,51 @@ impl Subsystem {
             }
             // The host identifier comes with Connect on a fabric.
             feature::HOST_IDENTIFIER => done(Status::COMMAND_SEQUENCE_ERROR, 0),
+            feature::RESERVATION_NOTIFICATION_MASK => {
+                if value & !RESERVATION_MASK_BITS != 0 {
+                    return done(Status::INVALID_FIELD, 0);
+                }
+                let nsid = sqe.nsid();
+                if nsid == u32::MAX {
+                    for n in self.namespaces.keys() {
+                        c.reservation_masks.insert(*n, value);
+                    }
+                } else if self.namespaces.contains_key(&nsid) {
+                    c.reservation_masks.insert(nsid, value);
+                } else {
+                    return done(Status::INVALID_NAMESPACE, 0);
+                }
+                done(Status::SUCCESS, value)
+            }
+            feature::RESERVATION_PERSISTENCE => {
+                let ptpl = value & 1 != 0;
+                let nsid = sqe.nsid();
+                let Some(store) = self.store.as_mut() else {
+                    return done(Status::INVALID_FIELD, 0);
+                };
+                let nsids: Vec<u32> = if nsid == u32::MAX {
+                    self.namespaces.keys().copied().collect()
+                } else if self.namespaces.contains_key(&nsid) {
+                    vec![nsid]
+                } else {
+                    return done(Status::INVALID_NAMESPACE, 0);
+                };
+                for n in nsids {
+                    let Some(a) = self.namespaces.get_mut(&n) else {
+                        continue;
+                    };
+                    let state = ptpl.then(|| {
+                        let mut s = a.reservations.clone();
+                        s.aptpl = true;
+                        s.encode()
+                    });
+                    if store.0.save(&store_key(&a.ns), state.as_deref()).is_err() {
+                        return done(Status::INTERNAL_ERROR, 0);
+                    }
+                    a.reservations.aptpl = ptpl;
+                }
+                done(Status::SUCCESS, 0)
+            }
             _ => done(Status::INVALID_FIELD, 0),
         }
     }
@@ -895,6 +1315,8 @@ impl Subsystem {
                 | feature::KEEP_ALIVE_TIMER
                 | feature::VOLATILE_WRITE_CACHE
                 | feature::HOST_IDENTIFIER
+                | feature::RESERVATION_NOTIFICATION_MASK
+                | feature::RESERVATION_PERSISTENCE
         );
         if !known || sel > 3 {
             return done(Status::INVALID_FIELD, 0);
@@ -920,6 +1342,17 @@ impl Subsystem {
                     .map_or(0, |k| k.as_millis().min(u128::from(u32::MAX)) as u32),
             ),
             feature::VOLATILE_WRITE_CACHE => done(Status::SUCCESS, u32::from(c.features.vwc)),
+            feature::RESERVATION_NOTIFICATION_MASK | feature::RESERVATION_PERSISTENCE => {
+                let Some(a) = self.namespaces.get(&sqe.nsid()) else {
+                    return done(Status::INVALID_NAMESPACE, 0);
+                };
+                let v = if fid == feature::RESERVATION_PERSISTENCE {
+                    u32::from(a.reservations.aptpl)
+                } else {
+                    c.reservation_masks.get(&sqe.nsid()).copied().unwrap_or(0)
+                };
+                done(Status::SUCCESS, v)
+            }
             // 128-bit host identifier (EXHID) only.
             _ => {
                 if sqe.cdw(11) & 1 == 0 {
@@ -943,6 +1376,20 @@ pub mod feature {
     pub const KEEP_ALIVE_TIMER: u8 = 0x0f;
     /// Host Identifier.
     pub const HOST_IDENTIFIER: u8 = 0x81;
+    /// Reservation Notification Mask (per namespace).
+    pub const RESERVATION_NOTIFICATION_MASK: u8 = 0x82;
+    /// Reservation Persistence: PTPL (per namespace).
+    pub const RESERVATION_PERSISTENCE: u8 = 0x83;
+}
+
+/// The access class of I/O command `opcode` under a reservation: the read command group
+/// (Read, Compare, Verify) or the write command group (Write, Write Zeroes, Dataset
+/// Management, Flush).
+fn access(opcode: u8) -> Access {
+    match NvmOpcode::from_code(opcode) {
+        Some(NvmOpcode::Read | NvmOpcode::Compare | NvmOpcode::Verify) => Access::Read,
+        _ => Access::Write,
+    }
 }
 
 #[cfg(test)]

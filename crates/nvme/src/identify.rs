@@ -213,6 +213,8 @@ pub struct NamespaceIdentity {
 
 /// RESCAP: every reservation type, and Ignore Existing Key; persist through power loss.
 pub const RESCAP_ALL: u8 = 0xff;
+/// RESCAP bit 0: persist through power loss.
+pub const RESCAP_PTPL: u8 = 0x01;
 
 /// The Identify Namespace data structure.
 pub fn namespace(n: &NamespaceIdentity) -> Box<[u8; IDENTIFY_LEN]> {

@@ -31,6 +31,7 @@ pub mod identify;
 pub mod log_page;
 pub mod nvm;
 pub mod opcode;
+pub mod reservation;
 pub mod sqe;
 pub mod status;
 pub mod tcp;

@@ -120,6 +120,9 @@ impl Status {
     pub const SGL_OFFSET_INVALID: Status = Status::generic(0x16, true);
     /// Keep Alive Timer Expired.
     pub const KEEP_ALIVE_EXPIRED: Status = Status::generic(0x19, false);
+    /// Host Identifier Inconsistent Format: a 64-bit Host Identifier asked of a host that has
+    /// a 128-bit one (as every NVMe over Fabrics host has).
+    pub const HOST_ID_INCONSISTENT: Status = Status::generic(0x18, true);
     /// Keep Alive Timeout Invalid.
     pub const KEEP_ALIVE_INVALID: Status = Status::generic(0x1a, true);
     /// Command Aborted due to Preempt and Abort.

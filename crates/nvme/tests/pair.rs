@@ -29,6 +29,7 @@ use scsi_core::MemoryBackend;
 
 const NQN: &str = "nqn.2026-11.io.example:pair";
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:pair-host";
+const OTHER_HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:pair-other";
 const BLOCK: u32 = 512;
 const BLOCKS: u64 = 4096;
 
@@ -47,6 +48,9 @@ struct Link {
     terms: Option<nvme::tcp::IcResp>,
     /// Commands the controller counted as ended (I/O commands), and how many with an error.
     ended: (usize, usize),
+    /// Block operations are held here instead of run, while `hold` is set.
+    hold: bool,
+    held: Vec<(scsi_core::TaskId, scsi_core::Op, Vec<u8>)>,
 }
 
 struct Rig {
@@ -76,7 +80,7 @@ impl Rig {
             serial: "pair".into(),
             model: "targetd".into(),
             firmware: "0.1.0".into(),
-            hosts: vec![HOST.into()],
+            hosts: vec![HOST.into(), OTHER_HOST.into()],
             max_io_queues: 2,
             max_queue_entries: 128,
             max_in_capsule_data: 8192,
@@ -123,6 +127,8 @@ impl Rig {
             corrupt_next: false,
             terms: None,
             ended: (0, 0),
+            hold: false,
+            held: Vec::new(),
         };
         self.run(&mut l);
         assert!(matches!(l.terms, Some(r) if r.digests == digests));
@@ -146,6 +152,9 @@ impl Rig {
                     Event::BufferWanted { tag, len } => {
                         l.conn.handle_buffer(self.now, tag, Some(vec![0; len]))
                     }
+                    Event::Backend {
+                        task, op, buffer, ..
+                    } if l.hold => l.held.push((task, op, buffer)),
                     Event::Backend {
                         task,
                         op,
@@ -202,6 +211,16 @@ impl Rig {
 }
 
 fn connect(l: &mut Link, rig: &mut Rig, qid: u16, cntlid: u16, cattr: u8) -> Cqe {
+    connect_as(l, rig, (qid, cntlid, cattr), [5; 16], HOST)
+}
+
+fn connect_as(
+    l: &mut Link,
+    rig: &mut Rig,
+    (qid, cntlid, cattr): (u16, u16, u8),
+    hostid: [u8; 16],
+    hostnqn: &str,
+) -> Cqe {
     let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 100 + qid);
     sqe.set_fctype(FabricsType::Connect.code());
     sqe.set_sgl(Sgl::in_capsule(0, 1024));
@@ -214,10 +233,10 @@ fn connect(l: &mut Link, rig: &mut Rig, qid: u16, cntlid: u16, cattr: u8) -> Cqe
     }
     .to_sqe(&mut sqe);
     let data = ConnectData {
-        hostid: [5; 16],
+        hostid,
         cntlid,
         subnqn: NQN.into(),
-        hostnqn: HOST.into(),
+        hostnqn: hostnqn.into(),
     }
     .to_bytes();
     l.host
@@ -236,8 +255,12 @@ fn admin(l: &mut Link, rig: &mut Rig, sqe: Sqe) -> Cqe {
 
 /// Connects the admin queue, enables the controller and asks for two I/O queues.
 fn admin_link(rig: &mut Rig) -> (Link, u16) {
+    admin_link_as(rig, [5; 16], HOST)
+}
+
+fn admin_link_as(rig: &mut Rig, hostid: [u8; 16], hostnqn: &str) -> (Link, u16) {
     let mut a = rig.link(Digests::default());
-    let c = connect(&mut a, rig, 0, CNTLID_DYNAMIC, 0);
+    let c = connect_as(&mut a, rig, (0, CNTLID_DYNAMIC, 0), hostid, hostnqn);
     assert!(c.status.is_success(), "{c:?}");
     let cntlid = c.dw0 as u16;
     let mut set = Sqe::new(AdminOpcode::Fabrics.code(), 1);
@@ -474,4 +497,178 @@ fn a_closed_connection_starts_no_more_operations() {
     while let Some(e) = io.conn.poll_event() {
         assert!(!matches!(e, Event::Backend { .. }), "{e:?}");
     }
+}
+
+/// A host's admin and I/O queue.
+fn host_links(rig: &mut Rig, hostid: [u8; 16], hostnqn: &str) -> (Link, Link) {
+    let (admin, cntlid) = admin_link_as(rig, hostid, hostnqn);
+    let mut io = rig.link(Digests::default());
+    let c = connect_as(&mut io, rig, (1, cntlid, 0), hostid, hostnqn);
+    assert!(c.status.is_success(), "{c:?}");
+    (admin, io)
+}
+
+/// A reservation command on namespace 1 with CDW10 `cdw10` and `data` (in the capsule, or
+/// fetched with an R2T when `r2t`).
+fn reservation(
+    l: &mut Link,
+    rig: &mut Rig,
+    op: NvmOpcode,
+    cid: u16,
+    cdw10: u32,
+    data: &[u8],
+    r2t: bool,
+) -> Option<Cqe> {
+    let mut s = Sqe::new(op.code(), cid);
+    s.set_nsid(1);
+    s.set_cdw(10, cdw10);
+    let len = data.len() as u32;
+    if r2t {
+        s.set_sgl(Sgl::transport(len));
+        l.outgoing.insert(cid, Bytes::copy_from_slice(data));
+        l.host.send_command(&s, Bytes::new()).unwrap();
+    } else {
+        s.set_sgl(Sgl::in_capsule(0, len));
+        l.host
+            .send_command(&s, Bytes::copy_from_slice(data))
+            .unwrap();
+    }
+    rig.run(l);
+    l.done.remove(&cid)
+}
+
+fn keys(a: u64, b: u64) -> Vec<u8> {
+    [a.to_le_bytes(), b.to_le_bytes()].concat()
+}
+
+/// Two hosts share namespace 1 under NVMe reservations: host A registers and takes Write
+/// Exclusive, host B's writes conflict while its reads pass; then B preempts A and aborts
+/// its commands while a write of A's runs: B's Preempt and Abort completes only after that
+/// write ended (aborted), A hears of it through its Reservation Notification log page, and
+/// A's next write conflicts.
+#[test]
+fn a_preempt_and_abort_waits_for_the_preempted_hosts_commands() {
+    let mut rig = Rig::new();
+    let (mut a_admin, mut a) = host_links(&mut rig, [5; 16], HOST);
+    let (_b_admin, mut b) = host_links(&mut rig, [6; 16], OTHER_HOST);
+    let register = NvmOpcode::ReservationRegister;
+    let acquire = NvmOpcode::ReservationAcquire;
+    let ok = |c: Option<Cqe>| assert!(c.expect("a completion").status.is_success());
+    ok(reservation(
+        &mut a,
+        &mut rig,
+        register,
+        40,
+        0,
+        &keys(0, 0xa),
+        false,
+    ));
+    // B's key comes through an R2T (a host whose in-capsule size is small sends it so).
+    ok(reservation(
+        &mut b,
+        &mut rig,
+        register,
+        41,
+        0,
+        &keys(0, 0xb),
+        true,
+    ));
+    ok(reservation(
+        &mut a,
+        &mut rig,
+        acquire,
+        42,
+        1 << 8,
+        &keys(0xa, 0),
+        false,
+    ));
+
+    // Write Exclusive: B may read, not write; A both.
+    let w = io_cmd(NvmOpcode::Write, 43, 0, 1, Sgl::in_capsule(0, 512));
+    b.host.send_command(&w, pattern(512, 3)).unwrap();
+    let r = io_cmd(NvmOpcode::Read, 44, 0, 1, Sgl::transport(512));
+    b.host.send_command(&r, Bytes::new()).unwrap();
+    rig.run(&mut b);
+    assert_eq!(
+        b.done.remove(&43).unwrap().status,
+        Status::RESERVATION_CONFLICT
+    );
+    assert!(b.done.remove(&44).unwrap().status.is_success());
+
+    // A waits for events; a write of A's is running when B preempts and aborts.
+    let aer = Sqe::new(AdminOpcode::AsyncEventRequest.code(), 45);
+    a_admin.host.send_command(&aer, Bytes::new()).unwrap();
+    rig.run(&mut a_admin);
+    a.hold = true;
+    let w = io_cmd(NvmOpcode::Write, 46, 16, 1, Sgl::in_capsule(0, 512));
+    a.host.send_command(&w, pattern(512, 4)).unwrap();
+    rig.run(&mut a);
+    assert_eq!(a.held.len(), 1);
+    let preempt = reservation(
+        &mut b,
+        &mut rig,
+        acquire,
+        47,
+        2 | 1 << 8,
+        &keys(0xb, 0xa),
+        false,
+    );
+    assert!(preempt.is_none(), "held while A's write runs: {preempt:?}");
+    rig.run(&mut a);
+    rig.run(&mut b);
+    assert!(b.done.is_empty(), "still held");
+    // A's write ends: aborted; then B's Preempt and Abort completes.
+    let (task, op, mut buffer) = a.held.pop().unwrap();
+    let result = rig.medium.execute(&op, &mut buffer);
+    a.conn.handle_backend_done(rig.now, task, buffer, result);
+    a.hold = false;
+    rig.run(&mut a);
+    assert_eq!(a.done.remove(&46).unwrap().status, Status::ABORTED_PREEMPT);
+    rig.run(&mut b);
+    assert!(b
+        .done
+        .remove(&47)
+        .expect("B's Preempt and Abort")
+        .status
+        .is_success());
+
+    // A hears of it: a Reservation Log Page Available notice, and the page names the type.
+    rig.run(&mut a_admin);
+    let notice = a_admin.done.remove(&45).expect("the notice");
+    assert_eq!(notice.dw0, 0x6 | 0x80 << 16);
+    let mut log = Sqe::new(AdminOpcode::GetLogPage.code(), 48);
+    log.set_cdw(10, 0x80 | 15 << 16);
+    log.set_sgl(Sgl::transport(64));
+    assert!(admin(&mut a_admin, &mut rig, log).status.is_success());
+    let page = a_admin.read.remove(&48).unwrap();
+    assert_eq!(
+        (page[8], page[9], page[12]),
+        (1, 0, 1),
+        "registration preempted, ns 1"
+    );
+
+    // A is no longer registered: its writes conflict; B holds Write Exclusive alone.
+    let w = io_cmd(NvmOpcode::Write, 49, 0, 1, Sgl::in_capsule(0, 512));
+    a.host.send_command(&w, pattern(512, 5)).unwrap();
+    rig.run(&mut a);
+    assert_eq!(
+        a.done.remove(&49).unwrap().status,
+        Status::RESERVATION_CONFLICT
+    );
+    let mut report = Sqe::new(NvmOpcode::ReservationReport.code(), 50);
+    report.set_nsid(1);
+    report.set_cdw(10, 127 / 4);
+    report.set_cdw(11, 1);
+    report.set_sgl(Sgl::transport(128));
+    b.host.send_command(&report, Bytes::new()).unwrap();
+    rig.run(&mut b);
+    assert!(b.done.remove(&50).unwrap().status.is_success());
+    let r = b.read.remove(&50).unwrap();
+    assert_eq!(
+        (r[4], r[5], r[66]),
+        (1, 1, 1),
+        "WE, one registrant, the holder"
+    );
+    assert_eq!(&r[72..80], &0xbu64.to_le_bytes());
+    assert_eq!(&r[80..96], &[6; 16]);
 }

@@ -9,6 +9,10 @@ pub mod protocol {
     pub const SRP: u8 = 0x4;
     /// iSCSI.
     pub const ISCSI: u8 = 0x5;
+    /// An NVMe host, named by its Host Identifier: no SCSI protocol identifier names one, so
+    /// it takes "no specific protocol". Its reservations are kept by the same engine; no
+    /// SCSI command ever carries such a TransportID.
+    pub const NVME_HOST: u8 = 0xf;
 }
 
 /// The name of an initiator port, as a TransportID carries it.
@@ -42,6 +46,16 @@ impl TransportId {
         TransportId {
             protocol: protocol::SRP,
             name: id.iter().map(|b| format!("{b:02x}")).collect(),
+            port: None,
+        }
+    }
+
+    /// The NVMe host with this 128-bit Host Identifier (every controller of one host shares
+    /// its registrations).
+    pub fn nvme_host(hostid: [u8; 16]) -> TransportId {
+        TransportId {
+            protocol: protocol::NVME_HOST,
+            name: hostid.iter().map(|b| format!("{b:02x}")).collect(),
             port: None,
         }
     }

@@ -108,6 +108,15 @@ impl From<Sense> for PrError {
     }
 }
 
+/// A change to the reservations by a registrant.
+#[derive(Debug, Clone, Copy)]
+enum Change {
+    Reserve,
+    Release,
+    Clear,
+    Preempt { key: u64, abort: bool },
+}
+
 fn param_error(byte: u16) -> PrError {
     PrError::Sense(Sense::invalid_field_in_parameter_list(
         FieldPointer::parameter(byte),
@@ -235,7 +244,7 @@ impl PrState {
         scope_type: u8,
         p: &[u8],
     ) -> Result<ReservationEffects, PrError> {
-        let mut fx = ReservationEffects::default();
+        let fx = ReservationEffects::default();
         if action == 7 {
             return self.register_and_move(me, scope_type, p, fx);
         }
@@ -265,18 +274,8 @@ impl PrState {
                     Some(_) if spec_i_pt => return Err(param_error(20)),
                     _ => {}
                 }
-                if sa_key == 0 {
-                    if mine.is_some() {
-                        self.unregister(me, &mut fx);
-                        self.generation = self.generation.wrapping_add(1);
-                    }
-                    // Unregistering (or registering nothing) still sets APTPL.
-                    self.aptpl = aptpl && self.has_registrations();
-                    fx.save = true;
-                    return Ok(fx);
-                }
                 let mut new = Vec::new();
-                if spec_i_pt {
+                if spec_i_pt && sa_key != 0 {
                     if p.len() < 28 {
                         return Err(Sense::parameter_list_length_error().into());
                     }
@@ -308,33 +307,10 @@ impl PrState {
                         return Err(param_error(24));
                     }
                 }
-                match self.registrations.iter_mut().find(|r| r.covers(me)) {
-                    Some(r) => r.key = sa_key,
-                    None => self.registrations.push(Registration {
-                        nexus: me.clone(),
-                        key: sa_key,
-                        all_target_ports: all_tg_pt,
-                    }),
-                }
-                for n in new.into_iter().filter(|n| n != me) {
-                    self.registrations.push(Registration {
-                        nexus: n,
-                        key: sa_key,
-                        all_target_ports: all_tg_pt,
-                    });
-                }
-                self.aptpl = aptpl;
-                self.generation = self.generation.wrapping_add(1);
-                fx.save = true;
-                Ok(fx)
+                Ok(self.set_key(me, mine.is_some(), sa_key, all_tg_pt, Some(aptpl), new))
             }
             1..=5 => {
-                let Some(mine) = mine else {
-                    return Err(PrError::Conflict);
-                };
-                if mine.key != key {
-                    return Err(PrError::Conflict);
-                }
+                self.check_key(me, key)?;
                 if spec_i_pt || all_tg_pt {
                     return Err(param_error(20));
                 }
@@ -343,49 +319,198 @@ impl PrState {
                 if needs_type && (scope != 0 || !valid_type(ty)) {
                     return Err(Sense::invalid_field_in_cdb(FieldPointer::cdb(2)).into());
                 }
-                match action {
-                    1 => match &self.reservation {
-                        None => {
-                            self.reservation = Some(Reservation {
-                                holder: me.clone(),
-                                kind: ty,
-                            });
-                        }
-                        Some(r) if self.is_holder(me) && r.kind == ty => {}
-                        Some(_) => return Err(PrError::Conflict),
+                let change = match action {
+                    1 => Change::Reserve,
+                    2 => Change::Release,
+                    3 => Change::Clear,
+                    _ => Change::Preempt {
+                        key: sa_key,
+                        abort: action == 5,
                     },
-                    2 => {
-                        let Some(r) = self.reservation.clone() else {
-                            return Ok(fx);
-                        };
-                        if !self.is_holder(me) {
-                            return Ok(fx);
-                        }
-                        if r.kind != ty {
-                            return Err(Sense::new(
-                                SenseKey::IllegalRequest,
-                                Asc::INVALID_RELEASE_OF_PERSISTENT_RESERVATION,
-                            )
-                            .into());
-                        }
-                        self.reservation = None;
-                        if !matches!(r.kind, kind::WRITE_EXCLUSIVE | kind::EXCLUSIVE_ACCESS) {
-                            self.notify_others(me, Asc::RESERVATIONS_RELEASED, &mut fx);
-                        }
-                    }
-                    3 => {
-                        self.notify_others(me, Asc::RESERVATIONS_PREEMPTED, &mut fx);
-                        self.registrations.clear();
-                        self.reservation = None;
-                        self.generation = self.generation.wrapping_add(1);
-                    }
-                    _ => self.preempt(me, sa_key, ty, action == 5, &mut fx)?,
-                }
-                fx.save = true;
-                Ok(fx)
+                };
+                self.change(me, change, ty)
             }
             _ => Err(Sense::invalid_field_in_cdb(FieldPointer::cdb_bit(1, 4)).into()),
         }
+    }
+
+    /// Registers `me` with `new_key`, or (`new_key` 0) unregisters it: PERSISTENT RESERVE
+    /// OUT's REGISTER (`key` its RESERVATION KEY, which must be the registration's, or 0 for
+    /// none) or REGISTER AND IGNORE EXISTING KEY (`key` `None`), and what NVMe's Reservation
+    /// Register does after its own checks. `aptpl` sets persistence through power loss
+    /// (`None`: unchanged).
+    pub fn register(
+        &mut self,
+        me: &ItNexus,
+        key: Option<u64>,
+        new_key: u64,
+        all_target_ports: bool,
+        aptpl: Option<bool>,
+    ) -> Result<ReservationEffects, PrError> {
+        let mine = self.registration(me).map(|r| r.key);
+        match (key, mine) {
+            (Some(k), None) if k != 0 => return Err(PrError::Conflict),
+            (Some(k), Some(r)) if r != k => return Err(PrError::Conflict),
+            _ => {}
+        }
+        Ok(self.set_key(
+            me,
+            mine.is_some(),
+            new_key,
+            all_target_ports,
+            aptpl,
+            Vec::new(),
+        ))
+    }
+
+    /// A registration's key set (`sa_key` 0: the registration goes), checks passed; `new`
+    /// are more nexuses registered with it (SPEC_I_PT).
+    fn set_key(
+        &mut self,
+        me: &ItNexus,
+        registered: bool,
+        sa_key: u64,
+        all_tg_pt: bool,
+        aptpl: Option<bool>,
+        new: Vec<ItNexus>,
+    ) -> ReservationEffects {
+        let mut fx = ReservationEffects {
+            save: true,
+            ..ReservationEffects::default()
+        };
+        if sa_key == 0 {
+            if registered {
+                self.unregister(me, &mut fx);
+                self.generation = self.generation.wrapping_add(1);
+            }
+            // Unregistering (or registering nothing) still sets APTPL.
+            if let Some(a) = aptpl {
+                self.aptpl = a && self.has_registrations();
+            }
+            return fx;
+        }
+        match self.registrations.iter_mut().find(|r| r.covers(me)) {
+            Some(r) => r.key = sa_key,
+            None => self.registrations.push(Registration {
+                nexus: me.clone(),
+                key: sa_key,
+                all_target_ports: all_tg_pt,
+            }),
+        }
+        for n in new.into_iter().filter(|n| n != me) {
+            self.registrations.push(Registration {
+                nexus: n,
+                key: sa_key,
+                all_target_ports: all_tg_pt,
+            });
+        }
+        if let Some(a) = aptpl {
+            self.aptpl = a;
+        }
+        self.generation = self.generation.wrapping_add(1);
+        fx
+    }
+
+    /// RESERVATION CONFLICT unless `me` is registered with `key`.
+    fn check_key(&self, me: &ItNexus, key: u64) -> Result<(), PrError> {
+        match self.registration(me) {
+            Some(r) if r.key == key => Ok(()),
+            _ => Err(PrError::Conflict),
+        }
+    }
+
+    /// Reserves with TYPE `ty` for `me`, registered with `key` (PERSISTENT RESERVE OUT's
+    /// RESERVE; NVMe's Reservation Acquire).
+    pub fn reserve(
+        &mut self,
+        me: &ItNexus,
+        key: u64,
+        ty: u8,
+    ) -> Result<ReservationEffects, PrError> {
+        self.check_key(me, key)?;
+        self.change(me, Change::Reserve, ty)
+    }
+
+    /// Releases the reservation of TYPE `ty` `me` holds (nothing when it holds none).
+    pub fn release(
+        &mut self,
+        me: &ItNexus,
+        key: u64,
+        ty: u8,
+    ) -> Result<ReservationEffects, PrError> {
+        self.check_key(me, key)?;
+        self.change(me, Change::Release, ty)
+    }
+
+    /// Clears every registration and the reservation.
+    pub fn clear(&mut self, me: &ItNexus, key: u64) -> Result<ReservationEffects, PrError> {
+        self.check_key(me, key)?;
+        self.change(me, Change::Clear, 0)
+    }
+
+    /// Preempts the registrations of `victim` (and the reservation, when its holder's) for
+    /// `me`, which then holds a reservation of TYPE `ty`; `abort`: the tasks of the
+    /// preempted nexuses are aborted (PREEMPT AND ABORT).
+    pub fn preempt(
+        &mut self,
+        me: &ItNexus,
+        key: u64,
+        victim: u64,
+        ty: u8,
+        abort: bool,
+    ) -> Result<ReservationEffects, PrError> {
+        self.check_key(me, key)?;
+        self.change(me, Change::Preempt { key: victim, abort }, ty)
+    }
+
+    /// A change by `me`, whose registration's key was checked.
+    fn change(
+        &mut self,
+        me: &ItNexus,
+        change: Change,
+        ty: u8,
+    ) -> Result<ReservationEffects, PrError> {
+        let mut fx = ReservationEffects::default();
+        match change {
+            Change::Reserve => match &self.reservation {
+                None => {
+                    self.reservation = Some(Reservation {
+                        holder: me.clone(),
+                        kind: ty,
+                    });
+                }
+                Some(r) if self.is_holder(me) && r.kind == ty => {}
+                Some(_) => return Err(PrError::Conflict),
+            },
+            Change::Release => {
+                let Some(r) = self.reservation.clone() else {
+                    return Ok(fx);
+                };
+                if !self.is_holder(me) {
+                    return Ok(fx);
+                }
+                if r.kind != ty {
+                    return Err(Sense::new(
+                        SenseKey::IllegalRequest,
+                        Asc::INVALID_RELEASE_OF_PERSISTENT_RESERVATION,
+                    )
+                    .into());
+                }
+                self.reservation = None;
+                if !matches!(r.kind, kind::WRITE_EXCLUSIVE | kind::EXCLUSIVE_ACCESS) {
+                    self.notify_others(me, Asc::RESERVATIONS_RELEASED, &mut fx);
+                }
+            }
+            Change::Clear => {
+                self.notify_others(me, Asc::RESERVATIONS_PREEMPTED, &mut fx);
+                self.registrations.clear();
+                self.reservation = None;
+                self.generation = self.generation.wrapping_add(1);
+            }
+            Change::Preempt { key, abort } => self.preempt_key(me, key, ty, abort, &mut fx)?,
+        }
+        fx.save = true;
+        Ok(fx)
     }
 
     /// Unit attentions to every registrant other than `me`.
@@ -417,7 +542,7 @@ impl PrState {
         }
     }
 
-    fn preempt(
+    fn preempt_key(
         &mut self,
         me: &ItNexus,
         sa_key: u64,

@@ -172,14 +172,23 @@ impl Server {
         }
         let mut subsystems = Vec::new();
         for (i, sub) in config.subsystems.iter().enumerate() {
-            let s = crate::nvme::NvmeSubsystem::new(sub, &config.nvme).map_err(|(nsid, r)| {
-                let n = sub
-                    .namespaces
-                    .iter()
-                    .position(|n| n.nsid == nsid)
-                    .unwrap_or(0);
-                unit_error(&format!("subsystems[{i}].namespaces[{n}]"), r)
-            })?;
+            let store = match &config.server.state_dir {
+                Some(dir) => Some(scsi_core::pr::FileStore::new(dir).map_err(|e| {
+                    fail("server.state_dir".into(), format!("{}: {e}", dir.display()))
+                })?),
+                None => None,
+            };
+            let store = store.map(|s| Box::new(s) as Box<dyn scsi_core::pr::PrStore>);
+            let s = crate::nvme::NvmeSubsystem::new(sub, &config.nvme, store).map_err(
+                |(nsid, r)| {
+                    let n = sub
+                        .namespaces
+                        .iter()
+                        .position(|n| n.nsid == nsid)
+                        .unwrap_or(0);
+                    unit_error(&format!("subsystems[{i}].namespaces[{n}]"), r)
+                },
+            )?;
             subsystems.push(s);
         }
         let mut nvme_listeners = Vec::new();

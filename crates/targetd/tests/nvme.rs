@@ -330,3 +330,134 @@ async fn namespaces_come_and_go_on_a_reload() {
     drop((c, c3));
     d.stop();
 }
+
+/// A reservation command on namespace 1 with CDW10 `cdw10`, the keys as its data (or
+/// `read_len` bytes to read, Report): the completion's data, or the status that ended it.
+async fn reservation(
+    c: &NvmeController,
+    op: nvme::opcode::NvmOpcode,
+    cdw10: u32,
+    keys: &[u64],
+    read_len: usize,
+) -> Result<Bytes, Status> {
+    let mut sqe = nvme::Sqe::new(op.code(), 0);
+    sqe.set_nsid(1);
+    sqe.set_cdw(10, cdw10);
+    if read_len > 0 {
+        // Extended data structure: the 128-bit Host Identifiers.
+        sqe.set_cdw(11, 1);
+    }
+    let data: Vec<u8> = keys.iter().flat_map(|k| k.to_le_bytes()).collect();
+    match c.io(sqe, Bytes::from(data), read_len).await {
+        Ok((_, bytes)) => Ok(bytes),
+        Err(NvmeError::Status { status, .. }) => Err(status),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// Two hosts under NVMe reservations through targetd: host A registers (with persist
+/// through power loss) and takes Write Exclusive; B's writes get Reservation Conflict and
+/// its reads pass; the reservation is there after targetd restarts (kept in
+/// `server.state_dir`); B preempts and aborts A, and then A's writes conflict; B releases
+/// and unregisters, and A writes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_fence_other_hosts_and_persist_through_a_restart() {
+    use nvme::opcode::NvmOpcode::{
+        ReservationAcquire as Acquire, ReservationRegister as Register,
+        ReservationRelease as Release, ReservationReport as Report,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "[server]\nportals = [\"127.0.0.1:0\"]\nnvme_portals = [\"127.0.0.1:0\"]\n\
+         admin_socket = \"@SOCKET@\"\nreactors = 2\nstate_dir = \"{0}/state\"\n\n\
+         [[subsystems]]\nnqn = \"{NQN}\"\n\n\
+         [[subsystems.namespaces]]\nnsid = 1\nbackend = \"file\"\npath = \"{0}/ns1.img\"\n\
+         size = \"16MiB\"\n",
+        dir.path().display()
+    );
+    let start = || {
+        let addr = Mutex::new(None);
+        let d = Daemon::start_with(&text, |s| *addr.lock().unwrap() = Some(s.nvme_portals()[0]));
+        let addr = addr.into_inner().unwrap().unwrap();
+        (d, addr)
+    };
+    let host = |name: &str, id: u8| NvmeOptions {
+        hostnqn: format!("nqn.2014-08.org.nvmexpress:uuid:{name}"),
+        hostid: [id; 16],
+        ..NvmeOptions::default()
+    };
+    let (ha, hb) = (host("host-a", 0xa), host("host-b", 0xb));
+    let (d, addr) = start();
+    let a = NvmeController::connect(&url(addr, NQN, 1), &ha)
+        .await
+        .unwrap();
+    let b = NvmeController::connect(&url(addr, NQN, 1), &hb)
+        .await
+        .unwrap();
+    // A registers key A with PTPL set (CPTPL 11b), B key B; A takes Write Exclusive.
+    reservation(&a, Register, 3 << 30, &[0, 0xa], 0)
+        .await
+        .unwrap();
+    reservation(&b, Register, 0, &[0, 0xb], 0).await.unwrap();
+    reservation(&a, Acquire, 1 << 8, &[0xa, 0], 0)
+        .await
+        .unwrap();
+    let conflict = |r: Result<(), NvmeError>| {
+        assert!(
+            matches!(r, Err(NvmeError::Status { status, .. }) if status == Status::RESERVATION_CONFLICT),
+            "{r:?}"
+        )
+    };
+    conflict(b.write(0, pattern(512, 1)).await);
+    b.read(0, 1)
+        .await
+        .expect("a registrant reads under Write Exclusive");
+    a.write(0, pattern(512, 2))
+        .await
+        .expect("the holder writes");
+    let r = reservation(&b, Report, 191 / 4, &[], 192).await.unwrap();
+    assert_eq!(
+        (r[4], r[5], r[9]),
+        (1, 2, 1),
+        "Write Exclusive, 2 registrants, PTPL"
+    );
+    drop((a, b));
+    d.stop();
+
+    // After a restart: still reserved.
+    let (d, addr) = start();
+    let a = NvmeController::connect(&url(addr, NQN, 1), &ha)
+        .await
+        .unwrap();
+    let b = NvmeController::connect(&url(addr, NQN, 1), &hb)
+        .await
+        .unwrap();
+    conflict(b.write(0, pattern(512, 3)).await);
+    a.write(0, pattern(512, 4))
+        .await
+        .expect("the holder still writes");
+    // B preempts A and aborts its commands: B holds Write Exclusive, A is not registered.
+    reservation(&b, Acquire, 2 | 1 << 8, &[0xb, 0xa], 0)
+        .await
+        .unwrap();
+    conflict(a.write(0, pattern(512, 5)).await);
+    b.write(0, pattern(512, 6))
+        .await
+        .expect("the new holder writes");
+    assert_eq!(
+        reservation(&a, Acquire, 1 << 8, &[0xa, 0], 0).await,
+        Err(Status::RESERVATION_CONFLICT),
+        "A's key is gone"
+    );
+    let r = reservation(&a, Report, 191 / 4, &[], 192).await.unwrap();
+    assert_eq!((r[4], r[5], r[66]), (1, 1, 1));
+    assert_eq!(&r[80..96], &[0xb; 16]);
+    // B releases and unregisters: A writes again.
+    reservation(&b, Release, 1 << 8, &[0xb], 0).await.unwrap();
+    reservation(&b, Register, 1, &[0xb, 0], 0).await.unwrap();
+    a.write(0, pattern(512, 7))
+        .await
+        .expect("no reservation left");
+    drop((a, b));
+    d.stop();
+}

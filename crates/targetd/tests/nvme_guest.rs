@@ -8,8 +8,10 @@
 //! with zeros read back; `nvme disconnect`. A namespace added to the config and reloaded
 //! (SIGHUP) while the host is connected appears to it (the host rescans on the Namespace
 //! Attribute Changed notice), and removed (`targetctl config reload --force`) goes away.
-//! Then targetd is stopped with SIGTERM while the host
-//! is connected and started again: the host reconnects and what it wrote before is there.
+//! Reservations through nvme-cli's resv-* commands: register, replace, unregister, acquire,
+//! preempt, release and clear, each checked in resv-report. Then targetd is stopped with
+//! SIGTERM while the host is connected (holding a reservation made with PTPL) and started
+//! again: the host reconnects, what it wrote before is there, and so is the reservation.
 //!
 //! The same guest runs Linux's own NVMe/TCP target (nvmet_tcp) on a RAM-backed namespace
 //! with the same fio job, and the test prints both figures side by side: the CPU is emulated
@@ -41,6 +43,7 @@ admin_socket = "/tmp/targetd.sock"
 metrics_listen = "127.0.0.1:9100"
 reactors = 1
 log = "info"
+state_dir = "/tmp/state"
 
 [[subsystems]]
 nqn = "$NQN"
@@ -68,6 +71,16 @@ wait_ns() {
     sleep 0.1
   done
   fail "no namespace $1 appeared"
+}
+
+# resv_report NS: the Reservation Status with 128-bit Host Identifiers (nvme-cli's --eds, or
+# CDW11 bit 0 where it has no such option).
+resv_report() {
+  if nvme resv-report --help 2>&1 | grep -q -- '--eds'; then
+    nvme resv-report "$1" --eds
+  else
+    nvme resv-report "$1" --cdw11=1
+  fi
 }
 
 # zeros FILE: whether FILE holds only zeros.
@@ -158,6 +171,29 @@ for i in $(seq 1 100); do
   sleep 0.1
 done
 [ -n "$gone" ] && echo "hot remove: namespace 3 went away"
+
+# Reservations through Linux's host: register, replace, unregister, acquire, preempt (the
+# holder changing the type), release, clear; the report after each step.
+wait_ns 1
+r() { resv_report "$ns" > /tmp/resv.txt || fail "resv-report failed"; grep -Eq "^ *$1 *: *$2\$" /tmp/resv.txt || { cat /tmp/resv.txt; fail "resv-report: $1 is not $2 ($3)"; }; }
+nvme resv-register "$ns" --nrkey=4 --rrega=0 > /dev/null || fail "resv-register failed"
+r regctl 1 register; r rtype 0 register
+nvme resv-register "$ns" --crkey=4 --nrkey=5 --rrega=2 > /dev/null || fail "resv-register replace failed"
+r rkey 5 replace
+nvme resv-register "$ns" --crkey=5 --rrega=1 > /dev/null || fail "resv-register unregister failed"
+r regctl 0 unregister
+nvme resv-register "$ns" --nrkey=4 --rrega=0 > /dev/null && nvme resv-acquire "$ns" --crkey=4 --rtype=1 --racqa=0 > /dev/null \
+  || fail "resv-acquire failed"
+r rtype 1 acquire; r rcsts 1 acquire
+dd if=/dev/urandom of="$ns" bs=4096 count=1 oflag=direct 2>/dev/null || fail "the holder could not write"
+nvme resv-acquire "$ns" --crkey=4 --rtype=2 --racqa=1 > /dev/null || fail "resv-acquire preempt failed"
+r rtype 2 preempt
+nvme resv-release "$ns" --crkey=4 --rtype=2 --rrela=0 > /dev/null || fail "resv-release failed"
+r rtype 0 release; r regctl 1 release
+nvme resv-acquire "$ns" --crkey=4 --rtype=1 --racqa=0 > /dev/null || fail "resv-acquire failed"
+nvme resv-release "$ns" --crkey=4 --rrela=1 > /dev/null || fail "resv-release clear failed"
+r regctl 0 clear; r rtype 0 clear
+echo "reservations: register, replace, unregister, acquire, preempt, release and clear as reported"
 nvme disconnect -n "$NQN" > /dev/null
 sleep 1
 
@@ -168,6 +204,9 @@ nvme connect -t tcp -a 127.0.0.1 -s 4420 -n "$NQN" --hostnqn="$HOST" --reconnect
 wait_ns 2
 dd if=/dev/urandom of=/tmp/before bs=65536 count=16 2>/dev/null
 dd if=/tmp/before of="$ns" bs=65536 oflag=direct 2>/dev/null || fail "writes before the restart failed"
+# A reservation that persists through power loss (CPTPL 11b): kept in server.state_dir.
+nvme resv-register "$ns" --nrkey=0x77 --rrega=0 --cptpl=3 > /dev/null \
+  && nvme resv-acquire "$ns" --crkey=0x77 --rtype=1 --racqa=0 > /dev/null || fail "PTPL reservation failed"
 kill -TERM $daemon
 for i in $(seq 1 100); do kill -0 $daemon 2>/dev/null || break; sleep 0.1; done
 kill -0 $daemon 2>/dev/null && fail "targetd did not stop on SIGTERM"
@@ -182,6 +221,9 @@ for i in $(seq 1 60); do
 done
 [ -n "$ok" ] || fail "the host did not come back after the restart"
 echo "restart: the host reconnected and read back what it wrote before"
+r rtype 1 "after the restart"; r ptpls 1 "after the restart"
+nvme resv-release "$ns" --crkey=0x77 --rrela=1 > /dev/null || fail "resv-release clear failed"
+echo "restart: the reservation made with PTPL was still there"
 nvme disconnect -n "$NQN" > /dev/null
 kill -TERM $daemon
 sleep 1
@@ -277,6 +319,11 @@ fn linux_nvme_tcp_host_in_a_guest() {
     expected.push("hot add: namespace 3 written and read back".into());
     expected.push("hot remove: namespace 3 went away".into());
     expected.push("restart: the host reconnected and read back what it wrote before".into());
+    expected.push(
+        "reservations: register, replace, unregister, acquire, preempt, release and clear as reported"
+            .into(),
+    );
+    expected.push("restart: the reservation made with PTPL was still there".into());
     expected.push("nvme guest: done".into());
     for line in &expected {
         assert!(

@@ -67,6 +67,8 @@ enum Work {
         ops: Vec<Op>,
         next: usize,
     },
+    /// A command the subsystem carries out once its data is in ([`Answer::Fetch`]).
+    Fetch(Box<Sqe>),
 }
 
 /// Where an I/O command is.
@@ -102,6 +104,9 @@ struct Command<B> {
     /// Some data came with a bad digest: the command ends with Transient Transport Error
     /// once all of it is in.
     damaged: bool,
+    /// A Preempt and Abort aborted it: it starts nothing more, and ends with Command Aborted
+    /// due to Preempt and Abort.
+    aborted: bool,
 }
 
 /// The controller's end of one NVMe/TCP connection, with its commands carried out; `B` the
@@ -121,6 +126,8 @@ pub struct ControllerConnection<B> {
     in_backend: usize,
     /// The controller failed (keep alive expired): the connection closes.
     dropped: bool,
+    /// Preempt and Abort commands (ID, NSID) whose aborted commands here still run.
+    draining: Vec<(u64, u32)>,
 }
 
 impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
@@ -135,6 +142,7 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
             events: VecDeque::with_capacity(64),
             in_backend: 0,
             dropped: false,
+            draining: Vec::new(),
         }
     }
 
@@ -189,16 +197,62 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
                     data,
                     last,
                     data_digest_ok,
-                } => self.data(now, cid, offset, &data, last, data_digest_ok),
+                } => self.data(now, subsystem, cid, offset, &data, last, data_digest_ok),
                 QueueEvent::Initialized(_)
                 | QueueEvent::Terminated(_)
                 | QueueEvent::Failed { .. } => {}
             }
         }
-        if let Some(q) = self.bound.filter(|q| q.qid == 0) {
+        let Some(q) = self.bound else {
+            return;
+        };
+        if q.qid == 0 {
             while let Some(cqe) = subsystem.poll_async_event(q.cntlid) {
                 self.complete(cqe);
             }
+            return;
+        }
+        while let Some(cqe) = subsystem.poll_completion(&q) {
+            self.complete(cqe);
+        }
+        while let Some((id, nsid)) = subsystem.poll_abort(&q) {
+            self.abort_namespace(now, nsid);
+            self.draining.push((id, nsid));
+        }
+        let commands = &self.commands;
+        self.draining.retain(|&(id, nsid)| {
+            let running = commands
+                .values()
+                .any(|c| c.nsid == nsid && c.aborted && c.phase == Phase::Backend);
+            if !running {
+                subsystem.aborted(&q, id);
+            }
+            running
+        });
+    }
+
+    /// Whether [`ControllerConnection::handle`] has something to tell the subsystem even when
+    /// nothing came: the commands a Preempt and Abort aborted here have ended.
+    pub fn wants_subsystem(&self) -> bool {
+        !self.draining.is_empty()
+    }
+
+    /// Aborts this connection's commands on namespace `nsid` for a Preempt and Abort: those
+    /// waiting for a buffer end now; those whose data an R2T asked for end once it is in
+    /// (the host sends what it was asked); those whose block operation runs end with it.
+    fn abort_namespace(&mut self, now: Instant, nsid: u32) {
+        let mut now_ended = Vec::new();
+        for (cid, c) in self.commands.iter_mut().filter(|(_, c)| c.nsid == nsid) {
+            if matches!(c.work, Work::Fetch(_)) {
+                continue;
+            }
+            c.aborted = true;
+            if c.phase == Phase::Buffer {
+                now_ended.push(*cid);
+            }
+        }
+        for cid in now_ended {
+            self.finish(now, cid, Status::ABORTED_PREEMPT);
         }
     }
 
@@ -317,6 +371,9 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         };
         self.in_backend -= 1;
         c.buffer = Some(buffer);
+        if c.aborted {
+            return self.finish(now, cid, Status::ABORTED_PREEMPT);
+        }
         if let Err(e) = result {
             return self.finish(now, cid, Status::of_backend(e));
         }
@@ -400,14 +457,42 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
             return self.complete(Cqe::new(cid, Status::COMMAND_ID_CONFLICT));
         }
         match subsystem.command(now, &bound, &sqe, &data) {
-            Answer::Complete(cqe) => self.complete(cqe),
-            Answer::Data { data, cqe } => {
-                if self.queue.send_data(cid, 0, data, true, false).is_err() {
-                    return self.complete(Cqe::new(cid, Status::INTERNAL_ERROR));
-                }
-                self.complete(cqe);
+            Answer::Fetch { len } => {
+                self.generation = self.generation.wrapping_add(1);
+                let task = TaskId::from_bits(u64::from(self.generation) << 32 | u64::from(cid));
+                self.commands.insert(
+                    cid,
+                    Command {
+                        nsid: sqe.nsid(),
+                        geometry: nvm::NamespaceGeometry {
+                            block_size: 512,
+                            blocks: 0,
+                            read_only: true,
+                        },
+                        task,
+                        arrived: now,
+                        work: Work::Fetch(Box::new(sqe)),
+                        transfer: Transfer::FromHost {
+                            len,
+                            in_capsule: false,
+                        },
+                        len: len as usize,
+                        phase: Phase::Buffer,
+                        buffer: None,
+                        capsule: Bytes::new(),
+                        received: 0,
+                        damaged: false,
+                        aborted: false,
+                    },
+                );
+                self.events.push_back(Event::BufferWanted {
+                    tag: u64::from(cid),
+                    len: len as usize,
+                });
             }
-            Answer::Held => {}
+            answer @ (Answer::Complete(_) | Answer::Data { .. } | Answer::Held) => {
+                self.answer(cid, answer)
+            }
             Answer::Io { nsid, command } => {
                 let Some(ns) = subsystem.namespace(nsid) else {
                     return self.complete(Cqe::new(cid, Status::INVALID_NAMESPACE));
@@ -463,6 +548,7 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
                         capsule: data,
                         received: 0,
                         damaged: false,
+                        aborted: false,
                     },
                 );
                 self.events.push_back(Event::BufferWanted {
@@ -473,10 +559,30 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         }
     }
 
+    /// Sends what the subsystem answered command `cid` with (not an I/O command).
+    fn answer(&mut self, cid: u16, answer: Answer) {
+        match answer {
+            Answer::Complete(cqe) => self.complete(cqe),
+            Answer::Data { data, cqe } => {
+                if self.queue.send_data(cid, 0, data, true, false).is_err() {
+                    return self.complete(Cqe::new(cid, Status::INTERNAL_ERROR));
+                }
+                self.complete(cqe);
+            }
+            Answer::Held => {}
+            // Neither comes for a command the subsystem carries out itself.
+            Answer::Fetch { .. } | Answer::Io { .. } => {
+                self.complete(Cqe::new(cid, Status::INTERNAL_ERROR))
+            }
+        }
+    }
+
     /// Data of a write, answering an R2T.
+    #[allow(clippy::too_many_arguments)]
     fn data(
         &mut self,
         now: Instant,
+        subsystem: &mut Subsystem,
         cid: u16,
         offset: u32,
         data: &[u8],
@@ -504,8 +610,30 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
             if c.damaged {
                 return self.finish(now, cid, Status::TRANSIENT_TRANSPORT_ERROR);
             }
+            if c.aborted {
+                return self.finish(now, cid, Status::ABORTED_PREEMPT);
+            }
+            if let Work::Fetch(_) = c.work {
+                return self.fetched(cid, subsystem);
+            }
             self.run(now, cid);
         }
+    }
+
+    /// Hands command `cid`'s data, now in, to the subsystem, which carries it out.
+    fn fetched(&mut self, cid: u16, subsystem: &mut Subsystem) {
+        let (Some(c), Some(q)) = (self.commands.remove(&cid), self.bound) else {
+            return;
+        };
+        let Work::Fetch(sqe) = &c.work else {
+            return;
+        };
+        let data = c
+            .buffer
+            .as_deref()
+            .map_or(&[][..], |b| &b[..c.len.min(b.len())]);
+        let answer = subsystem.fetched(&q, sqe, data);
+        self.answer(cid, answer);
     }
 
     /// Runs command `cid`'s (next) block operation, its buffer and data in.
@@ -515,6 +643,7 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         };
         let op = match &mut c.work {
             Work::Op(op) => *op,
+            Work::Fetch(_) => return self.finish(now, cid, Status::INTERNAL_ERROR),
             Work::Deallocate { ranges, ops, next } => {
                 if *next == 0 && ops.is_empty() {
                     let len = (usize::from(*ranges) * 16).min(c.len);

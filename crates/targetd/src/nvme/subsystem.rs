@@ -28,8 +28,9 @@ pub struct NvmeSubsystem {
     pub config: RwLock<config::Subsystem>,
     machine: Mutex<Subsystem>,
     namespaces: RwLock<BTreeMap<u32, Arc<Lun>>>,
-    /// Moves on when asynchronous events may wait for the controllers' admin queues (which
-    /// watch it: a change made while one was busy is seen at its next wait).
+    /// Moves on when something may wait in the machine for the controllers' connections
+    /// (asynchronous events for admin queues, a Preempt and Abort's aborts and completion for
+    /// I/O queues), which watch it: a change made while one was busy is seen at its next wait.
     pub events: tokio::sync::watch::Sender<u64>,
 }
 
@@ -56,16 +57,18 @@ fn derived(what: &str, key: &str) -> [u8; 16] {
 
 impl NvmeSubsystem {
     /// Opens the namespaces of `config` (creating missing files); `Err((nsid, reason))` for
-    /// the first that cannot be.
+    /// the first that cannot be. Reservations that persist through power loss are kept in
+    /// `store` (`server.state_dir`); without one, hosts cannot ask for that.
     pub fn new(
         config: &config::Subsystem,
         nvme: &config::Nvme,
+        store: Option<Box<dyn scsi_core::pr::PrStore>>,
     ) -> Result<Arc<NvmeSubsystem>, (u32, String)> {
         let serial = config.serial.clone().unwrap_or_else(|| {
             let d = derived("serial", &config.nqn);
             d.iter().take(10).map(|b| format!("{b:02x}")).collect()
         });
-        let machine = Subsystem::new(SubsystemConfig {
+        let mut machine = Subsystem::new(SubsystemConfig {
             nqn: config.nqn.clone(),
             serial,
             model: config.model.clone().unwrap_or_else(|| "targetd".into()),
@@ -76,6 +79,9 @@ impl NvmeSubsystem {
             max_in_capsule_data: nvme.in_capsule_data_size,
             mdts: MDTS,
         });
+        if let Some(store) = store {
+            machine.set_reservation_store(store);
+        }
         let s = Arc::new(NvmeSubsystem {
             id: next_id(),
             nqn: config.nqn.clone(),
@@ -169,9 +175,18 @@ impl NvmeSubsystem {
         self.events.send_modify(|n| *n += 1);
     }
 
-    /// `f` with the subsystem machine, under its lock.
+    /// `f` with the subsystem machine, under its lock. When the machine has something for
+    /// other connections (asynchronous events, aborts of a Preempt and Abort, a held
+    /// completion), they are woken ([`NvmeSubsystem::events`]).
     pub fn with_machine<T>(&self, f: impl FnOnce(&mut Subsystem) -> T) -> T {
-        f(&mut lock(&self.machine))
+        let mut m = lock(&self.machine);
+        let out = f(&mut m);
+        let wake = m.take_wakeup();
+        drop(m);
+        if wake {
+            self.events.send_modify(|n| *n += 1);
+        }
+        out
     }
 
     /// Namespace `nsid`'s unit.
@@ -235,7 +250,6 @@ impl NvmeSubsystem {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(namespace.nsid, unit);
         self.with_machine(|m| m.add_namespace(namespace));
-        self.events.send_modify(|n| *n += 1);
     }
 
     /// Detaches namespace `nsid`; its commands in flight end on the store they started on.
@@ -249,7 +263,6 @@ impl NvmeSubsystem {
             return Err(format!("no namespace {nsid}"));
         }
         self.with_machine(|m| m.remove_namespace(nsid));
-        self.events.send_modify(|n| *n += 1);
         Ok(())
     }
 

@@ -69,6 +69,7 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
         machine: ControllerConnection::new(settings(&registry.config().nvme)),
         carrier: Carrier::single(io, share),
         subsystem: None,
+        poked: false,
     };
     match run(&mut conn, stream, &registry, &control, peer).await {
         Ok(()) => tracing::debug!(%peer, "NVMe/TCP connection closed"),
@@ -84,6 +85,8 @@ struct Conn {
     carrier: Carrier,
     /// The subsystem its Connect named.
     subsystem: Option<Arc<NvmeSubsystem>>,
+    /// The subsystem said something may wait for this connection.
+    poked: bool,
 }
 
 /// The machine and its subsystem as the carrier reaches them.
@@ -140,13 +143,16 @@ impl Conn {
             machine,
             carrier,
             subsystem,
+            poked,
         } = self;
-        // The subsystem's lock only when something came, or on an admin queue (whose
-        // asynchronous events wait in the subsystem).
+        // The subsystem's lock only when something came, on an admin queue (whose
+        // asynchronous events wait in the subsystem), when the subsystem said something waits
+        // (a Preempt and Abort's), or when the machine has news for it.
         let admin = machine.bound().is_some_and(|q| q.qid == 0);
+        let wanted = admin || std::mem::take(poked) || machine.wants_subsystem();
         if let Some(s) = subsystem
             .as_deref()
-            .filter(|_| admin || machine.has_pending())
+            .filter(|_| wanted || machine.has_pending())
         {
             s.with_machine(|m| machine.handle(now, m));
         }
@@ -155,6 +161,13 @@ impl Conn {
             subsystem: subsystem.as_deref(),
         };
         carrier.completions(|_, done| carrier::deliver(&mut link, now, done));
+        if link.machine.wants_subsystem() {
+            // The last command a Preempt and Abort waits for may have just ended: say so now,
+            // not at the next wake.
+            if let Some(s) = link.subsystem {
+                s.with_machine(|m| link.machine.handle(now, m));
+            }
+        }
         while let Some(e) = link.machine.poll_event() {
             carrier.carry(0, &mut link, e);
         }
@@ -173,6 +186,7 @@ impl Conn {
                 machine,
                 carrier,
                 subsystem,
+                ..
             } = self;
             let mut link = Link {
                 machine,
@@ -233,7 +247,7 @@ async fn run(
             return Ok(());
         }
         let admin = conn.machine.bound().is_some_and(|q| q.qid == 0);
-        if admin && events.is_none() {
+        if conn.machine.bound().is_some() && events.is_none() {
             if let Some(s) = &conn.subsystem {
                 events = Some(s.events.subscribe());
             }
@@ -280,6 +294,7 @@ async fn run(
                     None => std::future::pending().await,
                 }
             }, if events.is_some() => {
+                conn.poked = true;
                 if r.is_err() {
                     events = None;
                 }
