@@ -70,6 +70,35 @@ pub enum AdminRequest {
         #[serde(default)]
         force: bool,
     },
+    /// Adds a namespace to a subsystem; its controllers hear of it.
+    NamespaceAdd {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The namespace, as in the config file.
+        namespace: config::Namespace,
+    },
+    /// Removes a namespace from a subsystem.
+    NamespaceRemove {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The NSID.
+        nsid: u32,
+        /// Also while controllers are connected (their hosts lose it).
+        #[serde(default)]
+        force: bool,
+    },
+    /// Resizes a namespace; its controllers hear of it.
+    NamespaceResize {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The NSID.
+        nsid: u32,
+        /// The new size ("2GiB", bytes).
+        size: String,
+        /// Allow a smaller size: the blocks past it are cut off.
+        #[serde(default)]
+        force: bool,
+    },
     /// Arms a fault on a logical unit (its operations fail as a failing disk's would), or
     /// clears them all when `fault` is absent. Answers with the faults armed after.
     LunFault {
@@ -466,11 +495,21 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
     let made = match &req {
         AdminRequest::LunAdd { target, lun } => Some(format!("{target} LUN {}", lun.lun)),
         AdminRequest::TargetAdd { target } => Some(format!("target {}", target.name)),
+        AdminRequest::NamespaceAdd {
+            subsystem,
+            namespace,
+        } => Some(format!(
+            "subsystem {subsystem} namespace {}",
+            namespace.nsid
+        )),
         _ => None,
     };
     let gone = match &req {
         AdminRequest::LunRemove { target, lun, .. } => Some(format!("{target} LUN {lun}")),
         AdminRequest::TargetRemove { name, .. } => Some(format!("target {name}")),
+        AdminRequest::NamespaceRemove {
+            subsystem, nsid, ..
+        } => Some(format!("subsystem {subsystem} namespace {nsid}")),
         _ => None,
     };
     // What the administrator allowed to be destroyed or broken.
@@ -479,6 +518,8 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
         AdminRequest::LunResize { force: true, .. }
             | AdminRequest::LunRemove { force: true, .. }
             | AdminRequest::TargetRemove { force: true, .. }
+            | AdminRequest::NamespaceRemove { force: true, .. }
+            | AdminRequest::NamespaceResize { force: true, .. }
     );
     // A portal may be named by the address it bound (after port 0).
     let req = match req {
@@ -583,7 +624,55 @@ fn edit(config: &mut Config, change: AdminRequest) -> Result<(), String> {
             .position(|t| t.name.eq_ignore_ascii_case(name))
             .ok_or(format!("no target {name}"))
     };
+    let subsystem = |config: &mut Config, nqn: &str| -> Result<usize, String> {
+        config
+            .subsystems
+            .iter()
+            .position(|s| s.nqn == nqn)
+            .ok_or(format!("no subsystem {nqn}"))
+    };
     match change {
+        AdminRequest::NamespaceAdd {
+            subsystem: nqn,
+            namespace,
+        } => {
+            let i = subsystem(config, &nqn)?;
+            if config.subsystems[i]
+                .namespaces
+                .iter()
+                .any(|n| n.nsid == namespace.nsid)
+            {
+                return Err(format!("{nqn} has a namespace {} already", namespace.nsid));
+            }
+            config.subsystems[i].namespaces.push(namespace);
+        }
+        AdminRequest::NamespaceRemove {
+            subsystem: nqn,
+            nsid,
+            ..
+        } => {
+            let i = subsystem(config, &nqn)?;
+            let before = config.subsystems[i].namespaces.len();
+            config.subsystems[i].namespaces.retain(|n| n.nsid != nsid);
+            if config.subsystems[i].namespaces.len() == before {
+                return Err(format!("{nqn} has no namespace {nsid}"));
+            }
+        }
+        AdminRequest::NamespaceResize {
+            subsystem: nqn,
+            nsid,
+            size,
+            ..
+        } => {
+            let i = subsystem(config, &nqn)?;
+            let bytes = config::parse_size(&size)?;
+            let n = config.subsystems[i]
+                .namespaces
+                .iter_mut()
+                .find(|n| n.nsid == nsid)
+                .ok_or(format!("{nqn} has no namespace {nsid}"))?;
+            n.unit.size = Some(config::Size(bytes));
+        }
         AdminRequest::LunAdd { target: t, lun } => {
             let i = target(config, &t)?;
             if config.targets[i].luns.iter().any(|l| l.lun == lun.lun) {

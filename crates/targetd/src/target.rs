@@ -490,6 +490,38 @@ pub struct Lun {
     pub shared: Option<Following>,
 }
 
+impl Lun {
+    /// Checks that `bytes` is a size this unit can take (a non-zero multiple of its block
+    /// size) and resizes its storage: the new storage and its blocks.
+    pub fn resize_storage(&self, bytes: u64) -> Result<(Arc<dyn UnitStore>, u64), String> {
+        let bs = u64::from(self.block_size);
+        if bytes == 0 || bytes % bs != 0 {
+            return Err(format!(
+                "{bytes} is not a non-zero multiple of the block size {bs}"
+            ));
+        }
+        let storage = self.storage.resize(self.block_size, self.blocks, bytes)?;
+        Ok((storage, bytes / bs))
+    }
+
+    /// This unit at its new size on `storage` (resized): a new identity for the reactors'
+    /// open backends, the counters and faults kept.
+    pub fn resized(&self, storage: Arc<dyn UnitStore>, blocks: u64) -> Lun {
+        let mut config = self.config.clone();
+        config.size = Some(config::Size(blocks * u64::from(self.block_size)));
+        Lun {
+            id: next_id(),
+            config,
+            block_size: self.block_size,
+            blocks,
+            storage,
+            stats: self.stats.clone(),
+            faults: self.faults.clone(),
+            shared: self.shared.clone(),
+        }
+    }
+}
+
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// "port group 1 active/optimized, port group 2 standby": for the log line of a change.
@@ -875,14 +907,7 @@ impl Target {
     pub fn resize_lun(&self, index: u16, bytes: u64) -> Result<(), String> {
         let _resizing = self.resizing.lock().unwrap_or_else(PoisonError::into_inner);
         let old = self.lun(index).ok_or(format!("no LUN {index}"))?;
-        let bs = u64::from(old.block_size);
-        if bytes == 0 || bytes % bs != 0 {
-            return Err(format!(
-                "{bytes} is not a non-zero multiple of the block size {bs}"
-            ));
-        }
-        let blocks = bytes / bs;
-        let storage = old.storage.resize(old.block_size, old.blocks, bytes)?;
+        let (storage, blocks) = old.resize_storage(bytes)?;
         self.replace_resized(&old, storage, blocks)
     }
 
@@ -895,18 +920,7 @@ impl Target {
         blocks: u64,
     ) -> Result<(), String> {
         let index = old.config.lun;
-        let mut config = old.config.clone();
-        config.size = Some(config::Size(blocks * u64::from(old.block_size)));
-        let lun = Lun {
-            id: next_id(),
-            config,
-            block_size: old.block_size,
-            blocks,
-            storage,
-            stats: old.stats.clone(),
-            faults: old.faults.clone(),
-            shared: old.shared.clone(),
-        };
+        let lun = old.resized(storage, blocks);
         self.luns
             .write()
             .unwrap_or_else(PoisonError::into_inner)

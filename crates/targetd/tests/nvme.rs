@@ -461,3 +461,107 @@ async fn reservations_fence_other_hosts_and_persist_through_a_restart() {
     drop((a, b));
     d.stop();
 }
+
+/// The Changed Namespace List, read through `c`'s admin queue.
+async fn changed_namespaces(c: &NvmeController) -> Result<(nvme::Cqe, Bytes), NvmeError> {
+    let mut log = nvme::sqe::Sqe::new(nvme::opcode::AdminOpcode::GetLogPage.code(), 0);
+    log.set_cdw(10, 0x04 | 1023 << 16);
+    c.admin(log, Bytes::new(), 4096).await
+}
+
+/// targetctl with the daemon's socket: stdout, or the failure's stderr.
+fn targetctl(d: &Daemon, args: &[&str]) -> Result<String, String> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
+        .arg("--socket")
+        .arg(d.socket())
+        .args(args)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    if out.status.success() {
+        Ok(text)
+    } else {
+        Err(format!("{text}{}", String::from_utf8_lossy(&out.stderr)))
+    }
+}
+
+/// `targetctl namespace add`, `resize` and `remove` while a host is connected: the host
+/// hears of each (the Changed Namespace List), Identify Namespace gives the new size, data
+/// written stays across a growth, a shrink and a removal need --force, and `config save`
+/// writes what runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targetctl_adds_resizes_and_removes_namespaces() {
+    let (d, addr, _, _) = daemon("");
+    let c = NvmeController::connect(&url(addr, NQN, 1), &NvmeOptions::default())
+        .await
+        .unwrap();
+    let file = d.dir.path().join("ns4.img");
+    let file = file.to_str().unwrap();
+    let out = targetctl(
+        &d,
+        &[
+            "namespace",
+            "add",
+            NQN,
+            "4",
+            "--path",
+            file,
+            "--size",
+            "8MiB",
+        ],
+    )
+    .expect("namespace add");
+    assert!(out.contains("namespace 4 added"), "{out}");
+    let (_, list) = changed_namespaces(&c).await.unwrap();
+    assert_eq!(&list[..8], &[4, 0, 0, 0, 0, 0, 0, 0]);
+    let c4 = NvmeController::connect(&url(addr, NQN, 4), &NvmeOptions::default())
+        .await
+        .expect("namespace 4");
+    assert_eq!(c4.namespace.blocks, 8 << 11);
+    let data = pattern(4096, 4);
+    c4.write(100, data.clone()).await.unwrap();
+
+    // Grown: the host hears of it, Identify Namespace says 16 MiB, the data stays.
+    let out = targetctl(&d, &["namespace", "resize", NQN, "4", "16MiB"]).expect("resize");
+    assert!(out.contains("namespace 4 resized to 16 MiB"), "{out}");
+    let (_, list) = changed_namespaces(&c4).await.unwrap();
+    assert_eq!(&list[..4], &[4, 0, 0, 0]);
+    let mut id = nvme::sqe::Sqe::new(nvme::opcode::AdminOpcode::Identify.code(), 0);
+    id.set_nsid(4);
+    let (_, ns) = c4.admin(id, Bytes::new(), 4096).await.unwrap();
+    assert_eq!(u64::from_le_bytes(ns[..8].try_into().unwrap()), 16 << 11);
+    c4.read((16 << 11) - 8, 8)
+        .await
+        .expect("a block past the old end");
+    assert_eq!(c4.read(100, 8).await.unwrap(), data);
+    assert_eq!(std::fs::metadata(file).unwrap().len(), 16 << 20);
+
+    // A shrink would cut blocks off: refused without --force.
+    let e = targetctl(&d, &["namespace", "resize", NQN, "4", "4MiB"]).unwrap_err();
+    assert!(e.contains("cut off") && e.contains("--force"), "{e}");
+    assert_eq!(std::fs::metadata(file).unwrap().len(), 16 << 20);
+
+    // Removing it while controllers are connected needs --force.
+    let e = targetctl(&d, &["namespace", "remove", NQN, "4"]).unwrap_err();
+    assert!(e.contains("--force"), "{e}");
+    targetctl(&d, &["config", "save"]).expect("save");
+    let saved = std::fs::read_to_string(d.dir.path().join("config.toml")).unwrap();
+    assert!(
+        saved.contains("nsid = 4") && saved.contains("ns4.img"),
+        "{saved}"
+    );
+    let out = targetctl(&d, &["namespace", "remove", NQN, "4", "--force"]).expect("forced");
+    assert!(out.contains("namespace 4 removed"), "{out}");
+    let e = c4.read(100, 8).await.unwrap_err();
+    assert!(
+        matches!(e, NvmeError::Status { status, .. } if status == Status::INVALID_NAMESPACE),
+        "{e}"
+    );
+    // Unknown subsystems and namespaces are named.
+    let e = targetctl(&d, &["namespace", "remove", "nqn.2026-11.x:none", "1"]).unwrap_err();
+    assert!(e.contains("no subsystem nqn.2026-11.x:none"), "{e}");
+    let e = targetctl(&d, &["namespace", "resize", NQN, "9", "1GiB"]).unwrap_err();
+    assert!(e.contains("has no namespace 9"), "{e}");
+    drop((c, c4));
+    d.stop();
+}

@@ -5,11 +5,14 @@
 //! discovery portal and at the I/O portal): `nvme list`, `id-ctrl`,
 //! `id-ns`, `smart-log`, `ana-log`, `get-feature`; fio's verified random writes of 4 KiB and
 //! 128 KiB at queue depth 16; Flush, Write Zeroes and Dataset Management (and blkdiscard)
-//! with zeros read back; `nvme disconnect`. A namespace added to the config and reloaded
-//! (SIGHUP) while the host is connected appears to it (the host rescans on the Namespace
-//! Attribute Changed notice), and removed (`targetctl config reload --force`) goes away.
+//! with zeros read back; `nvme disconnect`. A namespace added with `targetctl namespace add`
+//! while the host is connected appears to it (the host rescans on the Namespace Attribute
+//! Changed notice), grown with `targetctl namespace resize` shows its new size with its data
+//! kept, and removed (`targetctl namespace remove --force`) goes away.
 //! Reservations through nvme-cli's resv-* commands: register, replace, unregister, acquire,
-//! preempt, release and clear, each checked in resv-report. Then targetd is stopped with
+//! preempt, release and clear, each checked in resv-report; two hosts (two host NQNs and
+//! Host Identifiers) on one namespace, the second's writes refused with Reservation Conflict
+//! while the first holds Write Exclusive. Then targetd is stopped with
 //! SIGTERM while the host is connected (holding a reservation made with PTPL) and started
 //! again: the host reconnects, what it wrote before is there, and so is the reservation.
 //!
@@ -30,14 +33,17 @@ use common::guest;
 
 const NQN: &str = "nqn.2026-11.io.example:guest";
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:4c696e75-7800-4000-8000-6e766d652d67";
+const HOST2: &str = "nqn.2014-08.org.nvmexpress:uuid:4c696e75-7800-4000-8000-6e766d652d68";
 
 const GUEST_SCRIPT: &str = r#"
 NQN=@NQN@
 HOST=@HOST@
+HOST2=@HOST2@
+SHARED=nqn.2026-11.io.example:shared
 cat > /tmp/targetd.toml <<EOF
 [server]
 portals = ["127.0.0.1:3260"]
-nvme_portals = ["127.0.0.1:4420"]
+nvme_portals = ["127.0.0.1:4420", "127.0.0.2:4420"]
 nvme_discovery_portals = ["127.0.0.1:8009"]
 admin_socket = "/tmp/targetd.sock"
 metrics_listen = "127.0.0.1:9100"
@@ -59,6 +65,15 @@ nsid = 2
 backend = "file"
 path = "/tmp/ns2.img"
 size = "32MiB"
+
+[[subsystems]]
+nqn = "$SHARED"
+hosts = ["$HOST", "$HOST2"]
+
+[[subsystems.namespaces]]
+nsid = 1
+backend = "memory"
+size = "16MiB"
 EOF
 start_targetd /tmp/targetd.toml
 
@@ -149,22 +164,23 @@ done
 # rescans; removed (forced: a controller is connected), it goes away.
 nvme connect -t tcp -a 127.0.0.1 -s 4420 -n "$NQN" --hostnqn="$HOST" || fail "nvme connect failed"
 wait_ns 1
-cp /tmp/targetd.toml /tmp/targetd.before
-cat >> /tmp/targetd.toml <<EOF
-
-[[subsystems.namespaces]]
-nsid = 3
-backend = "memory"
-size = "16MiB"
-EOF
-kill -HUP $daemon
+tctl() { targetctl --socket /tmp/targetd.sock "$@"; }
+tctl namespace add "$NQN" 3 --backend memory --size 16MiB > /dev/null || fail "namespace add failed"
 wait_ns 3
 echo "hot add: the host found namespace 3 ($ns)"
 dd if=/dev/urandom of=/tmp/a bs=4096 count=4 2>/dev/null
 dd if=/tmp/a of="$ns" bs=4096 oflag=direct 2>/dev/null && dd if="$ns" of=/tmp/b bs=4096 count=4 iflag=direct 2>/dev/null \
   && cmp -s /tmp/a /tmp/b && echo "hot add: namespace 3 written and read back"
-cp /tmp/targetd.before /tmp/targetd.toml
-targetctl --socket /tmp/targetd.sock config reload --force > /dev/null || fail "reload --force failed"
+tctl namespace resize "$NQN" 3 32MiB > /dev/null || fail "namespace resize failed"
+grown=
+for i in $(seq 1 100); do
+  [ "$(cat /sys/block/${ns#/dev/}/size)" = 65536 ] && { grown=1; break; }
+  sleep 0.1
+done
+[ -n "$grown" ] && dd if="$ns" of=/tmp/b bs=4096 count=4 iflag=direct 2>/dev/null && cmp -s /tmp/a /tmp/b \
+  && echo "hot resize: the host sees 32 MiB and the data stayed"
+tctl namespace remove "$NQN" 3 > /dev/null 2>&1 && fail "namespace remove without --force while connected"
+tctl namespace remove "$NQN" 3 --force > /dev/null || fail "namespace remove --force failed"
 gone=
 for i in $(seq 1 100); do
   [ -e /sys/block/${ns#/dev/} ] || { gone=1; break; }
@@ -195,6 +211,45 @@ nvme resv-release "$ns" --crkey=4 --rrela=1 > /dev/null || fail "resv-release cl
 r regctl 0 clear; r rtype 0 clear
 echo "reservations: register, replace, unregister, acquire, preempt, release and clear as reported"
 nvme disconnect -n "$NQN" > /dev/null
+sleep 1
+
+# Two hosts (two host NQNs and Host Identifiers) on one namespace: while the first holds
+# Write Exclusive the second's writes are refused. Each host's commands go through its own
+# controller's character device (the subsystem has one namespace, as that needs). The
+# second host comes through the second portal: nvme-cli 2.3 takes a second connection to the
+# same address and subsystem for one it has ("already connected"), whatever the host NQN.
+nvme connect -t tcp -a 127.0.0.1 -s 4420 -n "$SHARED" --hostnqn="$HOST" \
+  --hostid=4c696e75-7800-4000-8000-000000000001 > /dev/null || fail "nvme connect (host 1) failed"
+nvme connect -t tcp -a 127.0.0.2 -s 4420 -n "$SHARED" --hostnqn="$HOST2" \
+  --hostid=4c696e75-7800-4000-8000-000000000002 > /dev/null || fail "nvme connect (host 2) failed"
+c1=; c2=
+for i in $(seq 1 100); do
+  for c in /sys/class/nvme/nvme*; do
+    [ "$(cat $c/subsysnqn 2>/dev/null)" = "$SHARED" ] || continue
+    case "$(cat $c/hostnqn)" in
+      "$HOST") c1=/dev/${c##*/} ;;
+      "$HOST2") c2=/dev/${c##*/} ;;
+    esac
+  done
+  [ -n "$c1" ] && [ -n "$c2" ] && [ -e "$c1" ] && [ -e "$c2" ] && break
+  sleep 0.1
+done
+[ -n "$c1" ] && [ -n "$c2" ] || fail "the two hosts' controllers did not appear"
+head -c 512 /dev/urandom > /tmp/blk
+w() {
+  nvme io-passthru "$1" --opcode=0x01 --namespace-id=1 --data-len=512 --write \
+    --input-file=/tmp/blk > /tmp/w.txt 2>&1
+}
+w "$c2" || { cat /tmp/w.txt; fail "host 2 could not write before any reservation"; }
+nvme resv-register "$c1" --namespace-id=1 --nrkey=0x11 --rrega=0 > /dev/null \
+  && nvme resv-acquire "$c1" --namespace-id=1 --crkey=0x11 --rtype=1 --racqa=0 > /dev/null \
+  || fail "host 1 could not reserve"
+if w "$c2"; then cat /tmp/w.txt; fail "host 2 wrote under host 1's Write Exclusive"; fi
+grep -qi "reservation" /tmp/w.txt && echo "two hosts: the second host's write got Reservation Conflict"
+w "$c1" || { cat /tmp/w.txt; fail "the holder could not write"; }
+nvme resv-release "$c1" --namespace-id=1 --crkey=0x11 --rrela=1 > /dev/null || fail "clear failed"
+w "$c2" && echo "two hosts: after the clear the second host writes again"
+nvme disconnect -n "$SHARED" > /dev/null
 sleep 1
 
 # A stop and a start while connected: the host reconnects, and the file namespace has what
@@ -264,7 +319,10 @@ fn linux_nvme_tcp_host_in_a_guest() {
     };
     exes.insert(0, env!("CARGO_BIN_EXE_targetd").to_string());
     exes.insert(1, env!("CARGO_BIN_EXE_targetctl").to_string());
-    let text = GUEST_SCRIPT.replace("@NQN@", NQN).replace("@HOST@", HOST);
+    let text = GUEST_SCRIPT
+        .replace("@NQN@", NQN)
+        .replace("@HOST2@", HOST2)
+        .replace("@HOST@", HOST);
     let started = Instant::now();
     let timeout = std::env::var("RDMA_GUEST_TIMEOUT").unwrap_or_else(|_| "1200".into());
     let Some(run) = guest::run(
@@ -317,6 +375,7 @@ fn linux_nvme_tcp_host_in_a_guest() {
     }
     expected.push("nvme discover: a host the subsystem does not admit is not told of it".into());
     expected.push("hot add: namespace 3 written and read back".into());
+    expected.push("hot resize: the host sees 32 MiB and the data stayed".into());
     expected.push("hot remove: namespace 3 went away".into());
     expected.push("restart: the host reconnected and read back what it wrote before".into());
     expected.push(
@@ -324,6 +383,8 @@ fn linux_nvme_tcp_host_in_a_guest() {
             .into(),
     );
     expected.push("restart: the reservation made with PTPL was still there".into());
+    expected.push("two hosts: the second host's write got Reservation Conflict".into());
+    expected.push("two hosts: after the clear the second host writes again".into());
     expected.push("nvme guest: done".into());
     for line in &expected {
         assert!(

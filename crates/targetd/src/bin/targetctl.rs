@@ -76,6 +76,11 @@ enum Command {
         #[command(subcommand)]
         action: LunAction,
     },
+    /// NVMe namespaces of a subsystem: add, remove, resize (`config save` keeps them).
+    Namespace {
+        #[command(subcommand)]
+        action: NamespaceAction,
+    },
     /// Targets: add, set (access rules, CHAP), remove.
     Target {
         #[command(subcommand)]
@@ -156,6 +161,138 @@ fn parse_duration(s: &str) -> anyhow::Result<Duration> {
     Ok(d)
 }
 
+/// What stores a unit's blocks and how it is offered: a LUN's (`lun add`) or a namespace's
+/// (`namespace add`) keys, as in the config file.
+#[derive(clap::Args)]
+struct UnitArgs {
+    /// What stores the unit's blocks.
+    #[arg(long, default_value = "file", value_parser = ["file", "memory", "null", "rbd"])]
+    backend: String,
+    /// The backing file (file backend).
+    #[arg(long)]
+    path: Option<PathBuf>,
+    /// Size, e.g. 1GiB (created sparse when the file is missing).
+    #[arg(long)]
+    size: Option<String>,
+    /// 512 or 4096.
+    #[arg(long, default_value_t = 512)]
+    block_size: u32,
+    /// Fully provisioned (no UNMAP).
+    #[arg(long)]
+    thick: bool,
+    /// Write-through (no volatile write cache).
+    #[arg(long)]
+    write_through: bool,
+    /// Read-only.
+    #[arg(long)]
+    read_only: bool,
+    /// MAXIMUM TRANSFER LENGTH of the Block Limits page, e.g. 8MiB (default 32 MiB).
+    #[arg(long)]
+    max_transfer_length: Option<String>,
+    /// OPTIMAL TRANSFER LENGTH, e.g. 1MiB (the default): Linux sends at most this per
+    /// command.
+    #[arg(long)]
+    optimal_transfer_length: Option<String>,
+    /// rbd: the pool.
+    #[arg(long)]
+    pool: Option<String>,
+    /// rbd: the RADOS namespace in the pool.
+    #[arg(long)]
+    namespace: Option<String>,
+    /// rbd: the image (created at --size when missing).
+    #[arg(long)]
+    image: Option<String>,
+    /// rbd: the cluster's ceph.conf (default: librados' search).
+    #[arg(long)]
+    ceph_conf: Option<PathBuf>,
+    /// rbd: the cephx id, without "client." (default admin).
+    #[arg(long)]
+    client: Option<String>,
+    /// rbd: the keyring with the client's key.
+    #[arg(long)]
+    keyring: Option<PathBuf>,
+    /// rbd: seconds the cluster may take to answer (default 20).
+    #[arg(long)]
+    ceph_timeout: Option<u64>,
+    /// rbd in a cluster: the gateway that is active/optimized for this unit while live.
+    #[arg(long)]
+    preferred_gateway: Option<String>,
+    /// rbd in a cluster: the other live gateways are standby for this unit, not
+    /// active/non-optimized.
+    #[arg(long)]
+    standby: bool,
+}
+
+impl UnitArgs {
+    /// The unit as the config has it (`lun` its LUN; 0 for a namespace).
+    fn into_lun(self, lun: u16) -> anyhow::Result<config::Lun> {
+        let size_of = |s: Option<String>| {
+            s.map(|s| config::parse_size(&s).map(config::Size))
+                .transpose()
+                .map_err(anyhow::Error::msg)
+        };
+        Ok(config::Lun {
+            lun,
+            backend: self.backend,
+            path: self.path.map(absolute).transpose()?,
+            size: size_of(self.size)?,
+            block_size: self.block_size,
+            thin: !self.thick,
+            write_cache: !self.write_through,
+            read_only: self.read_only,
+            direct: false,
+            max_transfer_length: size_of(self.max_transfer_length)?,
+            optimal_transfer_length: size_of(self.optimal_transfer_length)?,
+            pool: self.pool,
+            namespace: self.namespace,
+            image: self.image,
+            ceph_conf: self.ceph_conf.map(absolute).transpose()?,
+            client: self.client,
+            keyring: self.keyring.map(absolute).transpose()?,
+            ceph_timeout: self.ceph_timeout,
+            preferred_gateway: self.preferred_gateway,
+            standby: self.standby,
+        })
+    }
+}
+
+#[allow(clippy::large_enum_variant)]
+#[derive(Subcommand)]
+enum NamespaceAction {
+    /// Adds a namespace to an NVM subsystem; its connected controllers get a Namespace
+    /// Attribute Changed notice (Linux's host rescans and the block device appears).
+    Add {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The NSID (1 to 1024).
+        nsid: u32,
+        #[command(flatten)]
+        unit: UnitArgs,
+    },
+    /// Removes a namespace. Refused while controllers are connected, unless --force.
+    Remove {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The NSID.
+        nsid: u32,
+        /// Remove it even while controllers are connected (their hosts lose it).
+        #[arg(long)]
+        force: bool,
+    },
+    /// Resizes a namespace; its connected controllers hear of the new size.
+    Resize {
+        /// The subsystem's NQN.
+        subsystem: String,
+        /// The NSID.
+        nsid: u32,
+        /// The new size, e.g. 2GiB.
+        size: String,
+        /// Allow a smaller size (the blocks past it are cut off).
+        #[arg(long)]
+        force: bool,
+    },
+}
+
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum LunAction {
@@ -165,62 +302,8 @@ enum LunAction {
         target: String,
         /// The LUN.
         lun: u16,
-        /// What stores the unit's blocks.
-        #[arg(long, default_value = "file", value_parser = ["file", "memory", "null", "rbd"])]
-        backend: String,
-        /// The backing file (file backend).
-        #[arg(long)]
-        path: Option<PathBuf>,
-        /// Size, e.g. 1GiB (created sparse when the file is missing).
-        #[arg(long)]
-        size: Option<String>,
-        /// 512 or 4096.
-        #[arg(long, default_value_t = 512)]
-        block_size: u32,
-        /// Fully provisioned (no UNMAP).
-        #[arg(long)]
-        thick: bool,
-        /// Write-through (no volatile write cache).
-        #[arg(long)]
-        write_through: bool,
-        /// Read-only.
-        #[arg(long)]
-        read_only: bool,
-        /// MAXIMUM TRANSFER LENGTH of the Block Limits page, e.g. 8MiB (default 32 MiB).
-        #[arg(long)]
-        max_transfer_length: Option<String>,
-        /// OPTIMAL TRANSFER LENGTH, e.g. 1MiB (the default): Linux sends at most this per
-        /// command.
-        #[arg(long)]
-        optimal_transfer_length: Option<String>,
-        /// rbd: the pool.
-        #[arg(long)]
-        pool: Option<String>,
-        /// rbd: the RADOS namespace in the pool.
-        #[arg(long)]
-        namespace: Option<String>,
-        /// rbd: the image (created at --size when missing).
-        #[arg(long)]
-        image: Option<String>,
-        /// rbd: the cluster's ceph.conf (default: librados' search).
-        #[arg(long)]
-        ceph_conf: Option<PathBuf>,
-        /// rbd: the cephx id, without "client." (default admin).
-        #[arg(long)]
-        client: Option<String>,
-        /// rbd: the keyring with the client's key.
-        #[arg(long)]
-        keyring: Option<PathBuf>,
-        /// rbd: seconds the cluster may take to answer (default 20).
-        #[arg(long)]
-        ceph_timeout: Option<u64>,
-        /// rbd in a cluster: the gateway that is active/optimized for this unit while live.
-        #[arg(long)]
-        preferred_gateway: Option<String>,
-        /// rbd in a cluster: the other live gateways are standby for this unit, not
-        /// active/non-optimized.
-        #[arg(long)]
-        standby: bool,
+        #[command(flatten)]
+        unit: UnitArgs,
     },
     /// Removes a logical unit; its commands are aborted. Refused while initiators are logged
     /// in to its target, unless --force.
@@ -502,59 +585,10 @@ fn run(args: Args) -> Result<()> {
         Command::Stats { interval } => return stats(&mut c, interval, args.json),
         Command::Tree => return tree(&mut c, args.json),
         Command::Lun { action } => match action {
-            LunAction::Add {
+            LunAction::Add { target, lun, unit } => AdminRequest::LunAdd {
                 target,
-                lun,
-                backend,
-                path,
-                size,
-                block_size,
-                thick,
-                write_through,
-                read_only,
-                max_transfer_length,
-                optimal_transfer_length,
-                pool,
-                namespace,
-                image,
-                ceph_conf,
-                client,
-                keyring,
-                ceph_timeout,
-                preferred_gateway,
-                standby,
-            } => {
-                let size_of = |s: Option<String>| {
-                    s.map(|s| config::parse_size(&s).map(config::Size))
-                        .transpose()
-                        .map_err(anyhow::Error::msg)
-                };
-                AdminRequest::LunAdd {
-                    target,
-                    lun: config::Lun {
-                        lun,
-                        backend,
-                        path: path.map(absolute).transpose()?,
-                        size: size_of(size)?,
-                        block_size,
-                        thin: !thick,
-                        write_cache: !write_through,
-                        read_only,
-                        direct: false,
-                        max_transfer_length: size_of(max_transfer_length)?,
-                        optimal_transfer_length: size_of(optimal_transfer_length)?,
-                        pool,
-                        namespace,
-                        image,
-                        ceph_conf: ceph_conf.map(absolute).transpose()?,
-                        client,
-                        keyring: keyring.map(absolute).transpose()?,
-                        ceph_timeout,
-                        preferred_gateway,
-                        standby,
-                    },
-                }
-            }
+                lun: unit.into_lun(lun)?,
+            },
             LunAction::Remove { target, lun, force } => {
                 AdminRequest::LunRemove { target, lun, force }
             }
@@ -587,6 +621,39 @@ fn run(args: Args) -> Result<()> {
                 };
                 AdminRequest::LunFault { target, lun, fault }
             }
+        },
+        Command::Namespace { action } => match action {
+            NamespaceAction::Add {
+                subsystem,
+                nsid,
+                unit,
+            } => AdminRequest::NamespaceAdd {
+                subsystem,
+                namespace: config::Namespace {
+                    nsid,
+                    unit: unit.into_lun(0)?,
+                },
+            },
+            NamespaceAction::Remove {
+                subsystem,
+                nsid,
+                force,
+            } => AdminRequest::NamespaceRemove {
+                subsystem,
+                nsid,
+                force,
+            },
+            NamespaceAction::Resize {
+                subsystem,
+                nsid,
+                size,
+                force,
+            } => AdminRequest::NamespaceResize {
+                subsystem,
+                nsid,
+                size,
+                force,
+            },
         },
         Command::Target { action } => match action {
             TargetAction::Add {

@@ -266,6 +266,31 @@ impl NvmeSubsystem {
         Ok(())
     }
 
+    /// Resizes namespace `nsid`'s storage to `bytes` (a smaller size cuts off its last
+    /// blocks: the caller asks for `--force` first); its commands in flight end on the store
+    /// they started on, and the controllers hear of the new size (a Namespace Attribute
+    /// Changed notice; Linux's host rereads Identify Namespace). Reservations stay.
+    pub fn resize_namespace(&self, nsid: u32, bytes: u64) -> Result<(), String> {
+        let mut units = self
+            .namespaces
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let old = units
+            .get(&nsid)
+            .ok_or(format!("no namespace {nsid}"))?
+            .clone();
+        let (storage, blocks) = old.resize_storage(bytes)?;
+        units.insert(nsid, Arc::new(old.resized(storage, blocks)));
+        drop(units);
+        self.with_machine(|m| {
+            if let Some(mut ns) = m.namespace(nsid).cloned() {
+                ns.geometry.blocks = blocks;
+                m.add_namespace(ns);
+            }
+        });
+        Ok(())
+    }
+
     /// Counts a finished command on its namespace.
     pub fn account(&self, a: &scsi_core::transport::Accounting) {
         if let Some(unit) = u32::try_from(a.lun).ok().and_then(|n| self.namespace(n)) {

@@ -547,6 +547,7 @@ impl Registry {
         let mut changes = Vec::new();
         let mut adds = Vec::new();
         let mut removes = Vec::new();
+        let mut resizes = Vec::new();
         for sub in &mut new.subsystems {
             let (Some(running), Some(was)) = (
                 self.subsystems().into_iter().find(|s| s.nqn == sub.nqn),
@@ -562,6 +563,29 @@ impl Registry {
             for ns in &sub.namespaces {
                 match was.namespaces.iter().find(|n| n.nsid == ns.nsid) {
                     None => adds.push((running.clone(), ns.clone())),
+                    Some(before) if before != ns && only_size_differs(&before.unit, &ns.unit) => {
+                        // A size given and not the namespace's: resized live. No size keeps
+                        // the one the storage has.
+                        let unit = running.namespace(ns.nsid);
+                        let now = unit.as_ref().map(|u| u.blocks * u64::from(u.block_size));
+                        if let (Some(now), Some(bytes)) = (now, ns.unit.size.map(|s| s.0)) {
+                            if bytes < now && !force {
+                                let bs = unit.as_ref().map_or(512, |u| u64::from(u.block_size));
+                                return Err(format!(
+                                    "subsystem {} namespace {} is {} ({now} bytes): making it {} \
+                                     ({bytes} bytes) would cut off its last {}; add --force to do it",
+                                    sub.nqn,
+                                    ns.nsid,
+                                    units::format_size(now),
+                                    units::format_size(bytes),
+                                    plural((now - bytes).div_ceil(bs) as usize, "block")
+                                ));
+                            }
+                            if bytes != now {
+                                resizes.push((running.clone(), ns.nsid, bytes));
+                            }
+                        }
+                    }
                     Some(before) if before != ns => {
                         changes.push(format!(
                             "subsystem {} namespace {}: takes effect at the next start",
@@ -628,6 +652,15 @@ impl Registry {
         for (s, nsid) in removes {
             s.remove_namespace(nsid)?;
             changes.push(format!("subsystem {} namespace {nsid} removed", s.nqn));
+        }
+        for (s, nsid, bytes) in resizes {
+            s.resize_namespace(nsid, bytes)
+                .map_err(|e| format!("subsystem {} namespace {nsid}: {e}", s.nqn))?;
+            changes.push(format!(
+                "subsystem {} namespace {nsid} resized to {} ({bytes} bytes)",
+                s.nqn,
+                units::format_size(bytes)
+            ));
         }
         Ok(changes)
     }
