@@ -56,20 +56,6 @@ pub enum NvmeError {
     Protocol(String),
 }
 
-/// `host` (a name, an IPv4 address, or an IPv6 address in brackets) with `:port` added when it
-/// names none.
-pub fn with_port(host: &str, port: u16) -> String {
-    let has_port = match host.rfind(']') {
-        Some(end) => host[end..].contains(':'),
-        None => host.contains(':'),
-    };
-    if has_port {
-        host.to_string()
-    } else {
-        format!("{host}:{port}")
-    }
-}
-
 /// `nvme://HOST[:PORT]/SUBNQN/NSID`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NvmeUrl {
@@ -103,7 +89,7 @@ impl NvmeUrl {
         if host.is_empty() {
             return Err(bad("no host"));
         }
-        let portal = with_port(host, DEFAULT_PORT);
+        let portal = crate::url::portal(host, DEFAULT_PORT).map_err(bad)?;
         Ok(NvmeUrl {
             portal,
             nqn: nqn.into(),

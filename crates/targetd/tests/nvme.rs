@@ -387,13 +387,16 @@ async fn reservations_fence_other_hosts_and_persist_through_a_restart() {
         ..NvmeOptions::default()
     };
     let (ha, hb) = (host("host-a", 0xa), host("host-b", 0xb));
+    let both = |addr| {
+        let (ha, hb) = (ha.clone(), hb.clone());
+        async move {
+            let a = NvmeController::connect(&url(addr, NQN, 1), &ha).await;
+            let b = NvmeController::connect(&url(addr, NQN, 1), &hb).await;
+            (a.expect("host A"), b.expect("host B"))
+        }
+    };
     let (d, addr) = start();
-    let a = NvmeController::connect(&url(addr, NQN, 1), &ha)
-        .await
-        .unwrap();
-    let b = NvmeController::connect(&url(addr, NQN, 1), &hb)
-        .await
-        .unwrap();
+    let (a, b) = both(addr).await;
     // A registers key A with PTPL set (CPTPL 11b), B key B; A takes Write Exclusive.
     reservation(&a, Register, 3 << 30, &[0, 0xa], 0)
         .await
@@ -426,12 +429,7 @@ async fn reservations_fence_other_hosts_and_persist_through_a_restart() {
 
     // After a restart: still reserved.
     let (d, addr) = start();
-    let a = NvmeController::connect(&url(addr, NQN, 1), &ha)
-        .await
-        .unwrap();
-    let b = NvmeController::connect(&url(addr, NQN, 1), &hb)
-        .await
-        .unwrap();
+    let (a, b) = both(addr).await;
     conflict(b.write(0, pattern(512, 3)).await);
     a.write(0, pattern(512, 4))
         .await
