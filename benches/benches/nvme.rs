@@ -43,6 +43,7 @@ fn connected(digests: Digests) -> (Subsystem, Queue, ControllerQueue) {
         uuid: [2; 16],
         thin: false,
         write_cache: true,
+        compare_and_write: 8,
     });
     let data = |cntlid| {
         ConnectData {

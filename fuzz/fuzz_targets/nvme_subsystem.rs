@@ -99,6 +99,7 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
         uuid: [2; 16],
         thin: true,
         write_cache: true,
+        compare_and_write: 8,
     });
     let mut now = Instant::now();
     let mut conns: [Option<Queue>; 4] = [None; 4];

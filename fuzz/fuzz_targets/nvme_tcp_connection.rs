@@ -95,6 +95,7 @@ fuzz_target!(|steps: Vec<Step>| {
         uuid: [2; 16],
         thin: true,
         write_cache: true,
+        compare_and_write: 8,
     });
     let mut now = Instant::now();
     // A controller enabled through its admin queue elsewhere: the fuzzed connection may join

@@ -83,6 +83,9 @@ pub struct Namespace {
     pub thin: bool,
     /// A volatile write cache (Flush makes writes durable).
     pub write_cache: bool,
+    /// Blocks a fused Compare and Write may cover, carried out atomically by the storage
+    /// (NACWU); 0: the storage cannot, and fused commands are refused on this namespace.
+    pub compare_and_write: u16,
 }
 
 /// A connected queue: the controller it belongs to, its ID and size.
@@ -1018,8 +1021,16 @@ impl Subsystem {
                 | identify::ONCS_WRITE_ZEROES
                 | identify::ONCS_VERIFY
                 | identify::ONCS_RESERVATIONS,
-            compare_and_write: false,
-            acwu: 0,
+            // FUSES: fused Compare and Write, where a namespace's storage does it atomically
+            // (NACWU); ACWU the least of them, 0's based.
+            compare_and_write: self.namespaces.values().any(|a| a.ns.compare_and_write > 0),
+            acwu: self
+                .namespaces
+                .values()
+                .map(|a| a.ns.compare_and_write)
+                .filter(|&n| n > 0)
+                .min()
+                .map_or(0, |n| n - 1),
             oaes: identify::OAES_NAMESPACE_ATTRIBUTE | identify::OAES_ANA_CHANGE,
             anatt: 10,
             // ANACAP: optimized, non-optimized and inaccessible reported; ANAGRPID does not
@@ -1073,7 +1084,7 @@ impl Subsystem {
                     anagrpid: 1,
                     write_protected: n.geometry.read_only,
                     nguid: n.nguid,
-                    nacwu: 0,
+                    nacwu: n.compare_and_write.saturating_sub(1),
                 }),
                 // An NSID that is valid but not active: zeros; FFFFFFFFh or 0: invalid.
                 None if nsid != 0 && nsid != u32::MAX => Box::new([0; identify::IDENTIFY_LEN]),
@@ -1424,6 +1435,7 @@ mod tests {
             uuid: [2; 16],
             thin: true,
             write_cache: true,
+            compare_and_write: 8,
         });
         s
     }

@@ -97,6 +97,7 @@ impl Rig {
             uuid: [2; 16],
             thin: true,
             write_cache: true,
+            compare_and_write: 8,
         });
         let mut medium = MemoryBackend::new(BLOCK, BLOCKS);
         let mut fill = vec![0xee; (u64::from(BLOCK) * BLOCKS) as usize];
@@ -671,4 +672,104 @@ fn a_preempt_and_abort_waits_for_the_preempted_hosts_commands() {
     );
     assert_eq!(&r[72..80], &0xbu64.to_le_bytes());
     assert_eq!(&r[80..96], &[6; 16]);
+}
+
+/// Fused Compare and Write: the Write happens only when the Compare matches, as one
+/// operation on the storage; a miscompare leaves the blocks as they were (Compare Failure,
+/// and the Write aborted as a failed fused command); a first command without its second,
+/// a second without its first, and a pair longer than the namespace's atomic unit are
+/// refused, with nothing written.
+#[test]
+fn a_fused_compare_and_write_writes_only_on_a_match() {
+    use nvme::sqe::Fuse;
+    let mut rig = Rig::new();
+    let (_admin, cntlid) = admin_link(&mut rig);
+    let mut io = rig.link(Digests::default());
+    assert!(connect(&mut io, &mut rig, 1, cntlid, 0).status.is_success());
+    let read = |io: &mut Link, rig: &mut Rig, cid: u16| {
+        let r = io_cmd(NvmOpcode::Read, cid, 32, 2, Sgl::transport(1024));
+        io.host.send_command(&r, Bytes::new()).unwrap();
+        rig.run(io);
+        assert!(io.done.remove(&cid).unwrap().status.is_success());
+        io.read.remove(&cid).unwrap()
+    };
+    let old = read(&mut io, &mut rig, 60);
+    assert!(old.iter().all(|&b| b == 0xee));
+    let pair =
+        |io: &mut Link, rig: &mut Rig, cids: (u16, u16), expect: &[u8], new: Bytes, r2t: bool| {
+            let mut c = io_cmd(NvmOpcode::Compare, cids.0, 32, 2, Sgl::in_capsule(0, 1024));
+            c.set_fuse(Fuse::First);
+            let sgl = if r2t {
+                Sgl::transport(1024)
+            } else {
+                Sgl::in_capsule(0, 1024)
+            };
+            let mut w = io_cmd(NvmOpcode::Write, cids.1, 32, 2, sgl);
+            w.set_fuse(Fuse::Second);
+            io.host
+                .send_command(&c, Bytes::copy_from_slice(expect))
+                .unwrap();
+            if r2t {
+                io.outgoing.insert(cids.1, new);
+                io.host.send_command(&w, Bytes::new()).unwrap();
+            } else {
+                io.host.send_command(&w, new).unwrap();
+            }
+            rig.run(io);
+            (
+                io.done
+                    .remove(&cids.0)
+                    .expect("the Compare's completion")
+                    .status,
+                io.done
+                    .remove(&cids.1)
+                    .expect("the Write's completion")
+                    .status,
+            )
+        };
+    // A match: written (the Write's data through an R2T, then in the capsule).
+    let new = pattern(1024, 3);
+    let got = pair(&mut io, &mut rig, (61, 62), &old, new.clone(), true);
+    assert_eq!(got, (Status::SUCCESS, Status::SUCCESS));
+    assert_eq!(read(&mut io, &mut rig, 63), &new[..]);
+    // A miscompare: nothing written.
+    let got = pair(&mut io, &mut rig, (64, 65), &old, pattern(1024, 4), false);
+    assert_eq!(got, (Status::COMPARE_FAILURE, Status::ABORTED_FAILED_FUSED));
+    assert_eq!(read(&mut io, &mut rig, 66), &new[..]);
+    // A first command followed by an ordinary one: Missing Fused Command; the other runs.
+    let mut c = io_cmd(NvmOpcode::Compare, 67, 32, 2, Sgl::in_capsule(0, 1024));
+    c.set_fuse(Fuse::First);
+    io.host.send_command(&c, new.clone()).unwrap();
+    let r = io_cmd(NvmOpcode::Read, 68, 32, 2, Sgl::transport(1024));
+    io.host.send_command(&r, Bytes::new()).unwrap();
+    rig.run(&mut io);
+    assert_eq!(
+        io.done.remove(&67).unwrap().status,
+        Status::ABORTED_MISSING_FUSED
+    );
+    assert!(io.done.remove(&68).unwrap().status.is_success());
+    // A second command alone: Missing Fused Command, nothing written.
+    let mut w = io_cmd(NvmOpcode::Write, 69, 32, 2, Sgl::in_capsule(0, 1024));
+    w.set_fuse(Fuse::Second);
+    io.host.send_command(&w, pattern(1024, 5)).unwrap();
+    rig.run(&mut io);
+    assert_eq!(
+        io.done.remove(&69).unwrap().status,
+        Status::ABORTED_MISSING_FUSED
+    );
+    assert_eq!(read(&mut io, &mut rig, 70), &new[..]);
+    // More blocks than the namespace's atomic unit (8): refused.
+    let mut c = io_cmd(NvmOpcode::Compare, 71, 0, 16, Sgl::transport(8192));
+    c.set_fuse(Fuse::First);
+    let mut w = io_cmd(NvmOpcode::Write, 72, 0, 16, Sgl::transport(8192));
+    w.set_fuse(Fuse::Second);
+    io.host.send_command(&c, Bytes::new()).unwrap();
+    io.host.send_command(&w, Bytes::new()).unwrap();
+    rig.run(&mut io);
+    assert_eq!(io.done.remove(&71).unwrap().status, Status::INVALID_FIELD);
+    assert_eq!(
+        io.done.remove(&72).unwrap().status,
+        Status::ABORTED_FAILED_FUSED
+    );
+    assert!(!io.conn.is_over());
 }

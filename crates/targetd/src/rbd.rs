@@ -163,6 +163,12 @@ impl UnitStore for RbdStore {
         limits(&self.0, block_size, l)
     }
 
+    /// librbd's compare-and-write: one 512-byte sector (a 4096-byte block is more than it
+    /// takes at once).
+    fn atomic_compare_and_write(&self, block_size: u32) -> u16 {
+        u16::from(u64::from(block_size) <= NATIVE_COMPARE_AND_WRITE)
+    }
+
     fn resize(&self, _: u32, _: u64, bytes: u64) -> Result<Arc<dyn UnitStore>, String> {
         self.0.resize(bytes, true).map_err(|e| e.to_string())?;
         Ok(Arc::new(RbdStore(self.0.clone())))

@@ -563,3 +563,74 @@ async fn targetctl_adds_resizes_and_removes_namespaces() {
     drop((c, c4));
     d.stop();
 }
+
+/// Fused Compare and Write through targetd: on a memory namespace (whose storage compares
+/// and writes under one lock) the Write happens on a match only; Identify Controller says
+/// fused operations are supported; on a file namespace (no atomic compare-and-write in the
+/// storage) the pair is refused and nothing is written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fused_compare_and_write_is_atomic_where_the_storage_is() {
+    use nvme::opcode::{AdminOpcode, NvmOpcode};
+    use nvme::sqe::Fuse;
+    let (d, addr, _, _) = daemon("");
+    let pair = |nsid: u32, lba: u64, blocks: u32| {
+        let mk = |op: NvmOpcode, fuse| {
+            let mut s = nvme::Sqe::new(op.code(), 0);
+            s.set_nsid(nsid);
+            s.set_qword(10, lba);
+            s.set_cdw(12, blocks - 1);
+            s.set_fuse(fuse);
+            s
+        };
+        (
+            mk(NvmOpcode::Compare, Fuse::First),
+            mk(NvmOpcode::Write, Fuse::Second),
+        )
+    };
+    let status = |r: Result<(nvme::Cqe, Bytes), NvmeError>| match r {
+        Ok(_) => Status::SUCCESS,
+        Err(NvmeError::Status { status, .. }) => status,
+        Err(e) => panic!("{e}"),
+    };
+    let c = NvmeController::connect(&url(addr, NQN, 1), &NvmeOptions::default())
+        .await
+        .unwrap();
+    let id = nvme::Sqe::new(AdminOpcode::Identify.code(), 0);
+    let mut id = id;
+    id.set_cdw(10, 1);
+    let (_, ctrl) = c.admin(id, Bytes::new(), 4096).await.unwrap();
+    assert_eq!(ctrl[522] & 1, 1, "FUSES: Compare and Write");
+    let old = pattern(1024, 1);
+    c.write(40, old.clone()).await.unwrap();
+    let new = pattern(1024, 2);
+    let (cmp, wr) = pair(1, 40, 2);
+    let (a, b) = tokio::join!(c.io(cmp, old.clone(), 0), c.io(wr, new.clone(), 0));
+    assert_eq!((status(a), status(b)), (Status::SUCCESS, Status::SUCCESS));
+    assert_eq!(c.read(40, 2).await.unwrap(), new);
+    let (cmp, wr) = pair(1, 40, 2);
+    let (a, b) = tokio::join!(c.io(cmp, old.clone(), 0), c.io(wr, pattern(1024, 3), 0));
+    assert_eq!(
+        (status(a), status(b)),
+        (Status::COMPARE_FAILURE, Status::ABORTED_FAILED_FUSED)
+    );
+    assert_eq!(
+        c.read(40, 2).await.unwrap(),
+        new,
+        "a miscompare writes nothing"
+    );
+
+    // The file namespace cannot compare and write atomically: refused, nothing written.
+    let f = NvmeController::connect(&url(addr, NQN, 2), &NvmeOptions::default())
+        .await
+        .unwrap();
+    let before = f.read(0, 1).await.unwrap();
+    let (cmp, wr) = pair(2, 0, 1);
+    let (a, b) = tokio::join!(f.io(cmp, before.clone(), 0), f.io(wr, pattern(4096, 4), 0));
+    assert_eq!(
+        (status(a), status(b)),
+        (Status::INVALID_FIELD, Status::ABORTED_FAILED_FUSED)
+    );
+    assert_eq!(f.read(0, 1).await.unwrap(), before);
+    drop((c, f));
+    d.stop();
+}

@@ -30,7 +30,8 @@ use crate::cqe::Cqe;
 use crate::fabrics::{ConnectData, InvalidParameter};
 use crate::nvm::{self, IoCommand, Transfer};
 use crate::opcode::AdminOpcode;
-use crate::sqe::Sqe;
+use crate::opcode::NvmOpcode;
+use crate::sqe::{Fuse, Sqe};
 use crate::status::Status;
 
 /// Hashes a CID as itself: the host picks CIDs, and a table of at most a queue's entries
@@ -69,6 +70,8 @@ enum Work {
     },
     /// A command the subsystem carries out once its data is in ([`Answer::Fetch`]).
     Fetch(Box<Sqe>),
+    /// The first of a fused pair: its data goes into the second's operation.
+    Fused,
 }
 
 /// Where an I/O command is.
@@ -80,6 +83,9 @@ enum Phase {
     Data,
     /// Its block operation runs.
     Backend,
+    /// The first of a fused pair, its data in: it waits for the second's, and then rides
+    /// on the second's block operation (Compare and Write).
+    Fused,
 }
 
 /// An I/O command in flight.
@@ -107,6 +113,11 @@ struct Command<B> {
     /// A Preempt and Abort aborted it: it starts nothing more, and ends with Command Aborted
     /// due to Preempt and Abort.
     aborted: bool,
+    /// Where its data goes in its buffer (the Write of a fused Compare and Write: after the
+    /// Compare's blocks).
+    data_at: usize,
+    /// The other command of a fused pair, by CID.
+    partner: Option<u16>,
 }
 
 /// The controller's end of one NVMe/TCP connection, with its commands carried out; `B` the
@@ -128,6 +139,8 @@ pub struct ControllerConnection<B> {
     dropped: bool,
     /// Preempt and Abort commands (ID, NSID) whose aborted commands here still run.
     draining: Vec<(u64, u32)>,
+    /// The first command of a fused pair, waiting for the second (the next command).
+    fused_first: Option<(Sqe, Bytes)>,
 }
 
 impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
@@ -143,6 +156,7 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
             in_backend: 0,
             dropped: false,
             draining: Vec::new(),
+            fused_first: None,
         }
     }
 
@@ -333,8 +347,9 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
                 len,
                 in_capsule: true,
             } => {
-                let n = (len as usize).min(c.capsule.len()).min(buffer.len());
-                buffer[..n].copy_from_slice(&c.capsule[..n]);
+                let at = c.data_at.min(buffer.len());
+                let n = (len as usize).min(c.capsule.len()).min(buffer.len() - at);
+                buffer[at..at + n].copy_from_slice(&c.capsule[..n]);
                 c.capsule = Bytes::new();
                 c.buffer = Some(buffer);
                 self.run(now, cid);
@@ -373,6 +388,25 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         c.buffer = Some(buffer);
         if c.aborted {
             return self.finish(now, cid, Status::ABORTED_PREEMPT);
+        }
+        if let Some(first) = c.partner {
+            // A fused Compare and Write: the Compare ends with the comparison, the Write
+            // with the write, which a miscompare or an error kept from happening.
+            let (compare, write) = match result {
+                Ok(_) => (Status::SUCCESS, Status::SUCCESS),
+                Err(BackendError::Miscompare { .. }) => {
+                    (Status::COMPARE_FAILURE, Status::ABORTED_FAILED_FUSED)
+                }
+                Err(e) => (Status::of_backend(e), Status::ABORTED_FAILED_FUSED),
+            };
+            if let Some(f) = self.commands.get_mut(&first) {
+                f.partner = None;
+            }
+            self.finish(now, first, compare);
+            if let Some(c) = self.commands.get_mut(&cid) {
+                c.partner = None;
+            }
+            return self.finish(now, cid, write);
         }
         if let Err(e) = result {
             return self.finish(now, cid, Status::of_backend(e));
@@ -456,6 +490,27 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         if self.commands.contains_key(&cid) {
             return self.complete(Cqe::new(cid, Status::COMMAND_ID_CONFLICT));
         }
+        // A fused pair is two commands one after the other: the first waits for the second;
+        // anything else in between leaves it without its partner.
+        match sqe.fuse() {
+            Fuse::Normal => {}
+            Fuse::Reserved => return self.complete(Cqe::new(cid, Status::INVALID_FIELD)),
+            Fuse::First => {
+                self.missing_fused();
+                if bound.qid == 0 {
+                    return self.complete(Cqe::new(cid, Status::INVALID_FIELD));
+                }
+                self.fused_first = Some((sqe, data));
+                return;
+            }
+            Fuse::Second => {
+                let Some((first, first_data)) = self.fused_first.take() else {
+                    return self.complete(Cqe::new(cid, Status::ABORTED_MISSING_FUSED));
+                };
+                return self.fused(now, subsystem, &bound, (first, first_data), (sqe, data));
+            }
+        }
+        self.missing_fused();
         match subsystem.command(now, &bound, &sqe, &data) {
             Answer::Fetch { len } => {
                 self.generation = self.generation.wrapping_add(1);
@@ -483,6 +538,8 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
                         received: 0,
                         damaged: false,
                         aborted: false,
+                        data_at: 0,
+                        partner: None,
                     },
                 );
                 self.events.push_back(Event::BufferWanted {
@@ -549,6 +606,8 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
                         received: 0,
                         damaged: false,
                         aborted: false,
+                        data_at: 0,
+                        partner: None,
                     },
                 );
                 self.events.push_back(Event::BufferWanted {
@@ -595,7 +654,7 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         if c.phase != Phase::Data {
             return;
         }
-        let at = offset as usize;
+        let at = c.data_at + offset as usize;
         // The queue checked the range against the R2T, which asked for the command's data.
         if let Some(dst) = c
             .buffer
@@ -641,8 +700,47 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         let Some(c) = self.commands.get_mut(&cid) else {
             return;
         };
+        if let Some(p) = c.partner {
+            // A fused pair starts once both commands' data is in: the first's is copied in
+            // front of the second's, and the second's operation runs.
+            c.phase = Phase::Fused;
+            let first_second = if matches!(c.work, Work::Fused) {
+                (cid, p)
+            } else {
+                (p, cid)
+            };
+            let ready = |x: Option<&Command<B>>| x.is_some_and(|x| x.phase == Phase::Fused);
+            if !(ready(self.commands.get(&first_second.0))
+                && ready(self.commands.get(&first_second.1)))
+            {
+                return;
+            }
+            let (f, w) = first_second;
+            let Some(fb) = self.commands.get_mut(&f).and_then(|x| x.buffer.take()) else {
+                return self.finish(now, f, Status::INTERNAL_ERROR);
+            };
+            let Some(c) = self.commands.get_mut(&w) else {
+                return;
+            };
+            let n = c.data_at;
+            if let Some(wb) = c.buffer.as_mut() {
+                wb[..n].copy_from_slice(&fb[..n]);
+            }
+            drop(fb);
+            c.phase = Phase::Data;
+            return self.start(now, w);
+        }
+        self.start(now, cid);
+    }
+
+    /// Hands command `cid`'s (next) block operation to the shell.
+    fn start(&mut self, now: Instant, cid: u16) {
+        let Some(c) = self.commands.get_mut(&cid) else {
+            return;
+        };
         let op = match &mut c.work {
             Work::Op(op) => *op,
+            Work::Fused => return self.finish(now, cid, Status::INTERNAL_ERROR),
             Work::Fetch(_) => return self.finish(now, cid, Status::INTERNAL_ERROR),
             Work::Deallocate { ranges, ops, next } => {
                 if *next == 0 && ops.is_empty() {
@@ -672,10 +770,175 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         });
     }
 
-    /// Ends I/O command `cid` with `status`.
+    /// Ends I/O command `cid` with `status`; the other of a fused pair, which cannot run
+    /// without it, ends with Command Aborted due to Failed Fused Command.
     fn finish(&mut self, now: Instant, cid: u16, status: Status) {
+        let Some(c) = self.commands.get_mut(&cid) else {
+            // Ended already (the other of a fused pair both were ending).
+            return;
+        };
+        let partner = c.partner.take();
         self.complete(Cqe::new(cid, status));
         self.retire(now, cid, !status.is_success());
+        if let Some(p) = partner {
+            if let Some(c) = self.commands.get_mut(&p) {
+                c.partner = None;
+                if c.phase == Phase::Backend {
+                    // It runs (it cannot be recalled): it ends with its operation.
+                    c.aborted = true;
+                    return;
+                }
+            }
+            self.finish(now, p, Status::ABORTED_FAILED_FUSED);
+        }
+    }
+
+    /// A fused first command waiting for its second gets none: it ends with Command Aborted
+    /// due to Missing Fused Command.
+    fn missing_fused(&mut self) {
+        if let Some((first, _)) = self.fused_first.take() {
+            self.complete(Cqe::new(first.cid(), Status::ABORTED_MISSING_FUSED));
+        }
+    }
+
+    /// A fused pair, Compare then Write of the same blocks: carried out as one Compare and
+    /// Write on the storage (atomic there: the namespace says up to how many blocks), the
+    /// Write's buffer holding both commands' data. Any other pair, or one the namespace cannot
+    /// do, is refused: Invalid Field for the first, Command Aborted due to Failed Fused
+    /// Command for the second.
+    fn fused(
+        &mut self,
+        now: Instant,
+        subsystem: &mut Subsystem,
+        bound: &Queue,
+        (first, first_data): (Sqe, Bytes),
+        (second, data): (Sqe, Bytes),
+    ) {
+        let (fcid, cid) = (first.cid(), second.cid());
+        let refuse = |me: &mut Self, a: Status, b: Status| {
+            me.complete(Cqe::new(fcid, a));
+            me.complete(Cqe::new(cid, b));
+        };
+        if fcid == cid {
+            return refuse(
+                self,
+                Status::ABORTED_MISSING_FUSED,
+                Status::COMMAND_ID_CONFLICT,
+            );
+        }
+        let same = first.opcode() == NvmOpcode::Compare.code()
+            && second.opcode() == NvmOpcode::Write.code()
+            && first.nsid() == second.nsid()
+            && first.qword(10) == second.qword(10)
+            && first.cdw(12) & 0xffff == second.cdw(12) & 0xffff;
+        let unit = subsystem
+            .namespace(first.nsid())
+            .map_or(0, |n| n.compare_and_write);
+        let blocks = (first.cdw(12) & 0xffff) + 1;
+        if !same || blocks > u32::from(unit) {
+            return refuse(self, Status::INVALID_FIELD, Status::ABORTED_FAILED_FUSED);
+        }
+        // Each checked as the subsystem checks any command (namespace, range, reservation).
+        let a = subsystem.command(now, bound, &first, &first_data);
+        let b = subsystem.command(now, bound, &second, &data);
+        let (
+            Answer::Io {
+                nsid,
+                command:
+                    IoCommand::Op {
+                        op: Op::Compare { lba, .. },
+                        transfer: compare_transfer,
+                    },
+            },
+            Answer::Io {
+                command:
+                    IoCommand::Op {
+                        op: Op::Write { fua, .. },
+                        transfer,
+                    },
+                ..
+            },
+        ) = (&a, &b)
+        else {
+            let status = |x: &Answer| match x {
+                Answer::Complete(c) => c.status,
+                _ => Status::INVALID_FIELD,
+            };
+            let (sa, sb) = (status(&a), status(&b));
+            return match (a, b) {
+                (Answer::Complete(_), _) => refuse(self, sa, Status::ABORTED_FAILED_FUSED),
+                _ => refuse(self, Status::ABORTED_FAILED_FUSED, sb),
+            };
+        };
+        let Some(ns) = subsystem.namespace(*nsid) else {
+            return refuse(
+                self,
+                Status::INVALID_NAMESPACE,
+                Status::ABORTED_FAILED_FUSED,
+            );
+        };
+        let geometry = ns.geometry;
+        let n = (blocks * geometry.block_size) as usize;
+        // In-capsule data must be as long as its SGL says (as for any write).
+        for (t, capsule) in [(compare_transfer, &first_data), (transfer, &data)] {
+            if let Transfer::FromHost {
+                len: want,
+                in_capsule: true,
+            } = t
+            {
+                if capsule.len() != *want as usize {
+                    return refuse(
+                        self,
+                        Status::DATA_SGL_LENGTH_INVALID,
+                        Status::ABORTED_FAILED_FUSED,
+                    );
+                }
+            }
+        }
+        for (c, t, len, at, work, capsule, partner) in [
+            (fcid, *compare_transfer, n, 0, None, first_data, cid),
+            (
+                cid,
+                *transfer,
+                2 * n,
+                n,
+                Some(Op::CompareAndWrite {
+                    lba: *lba,
+                    blocks,
+                    fua: *fua,
+                }),
+                data,
+                fcid,
+            ),
+        ] {
+            self.generation = self.generation.wrapping_add(1);
+            let task = TaskId::from_bits(u64::from(self.generation) << 32 | u64::from(c));
+            self.commands.insert(
+                c,
+                Command {
+                    nsid: *nsid,
+                    geometry,
+                    task,
+                    arrived: now,
+                    // The first rides on the second's operation.
+                    work: work.map_or(Work::Fused, Work::Op),
+                    transfer: t,
+                    len,
+                    phase: Phase::Buffer,
+                    buffer: None,
+                    capsule,
+                    received: 0,
+                    damaged: false,
+                    aborted: false,
+                    data_at: at,
+                    partner: Some(partner),
+                },
+            );
+            self.events.push_back(Event::BufferWanted {
+                tag: u64::from(c),
+                len,
+            });
+        }
     }
 
     /// Forgets I/O command `cid` (its completion sent) and counts it.
@@ -686,6 +949,7 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         let moved = |t| match (t, &c.work) {
             (true, Work::Op(Op::Read { .. })) => c.len as u64,
             (false, Work::Op(Op::Write { .. })) => c.len as u64,
+            (false, Work::Op(Op::CompareAndWrite { .. })) => c.len as u64 / 2,
             _ => 0,
         };
         self.events.push_back(Event::Completed(Accounting {

@@ -238,6 +238,7 @@ impl NvmeSubsystem {
             uuid,
             thin: ns.unit.thin && ns.unit.backend != "null",
             write_cache: ns.unit.write_cache,
+            compare_and_write: unit.storage.atomic_compare_and_write(unit.block_size),
         };
         Ok((namespace, Arc::new(unit)))
     }

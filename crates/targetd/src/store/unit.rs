@@ -17,6 +17,14 @@ pub trait UnitStore: std::fmt::Debug + Send + Sync + 'static {
     fn identity_key(&self) -> Option<String> {
         None
     }
+    /// Blocks of `block_size` a Compare and Write may cover that the storage itself carries
+    /// out atomically, against every writer (NVMe's NACWU: a fused Compare and Write has no
+    /// device server's range locks around it); 0 when it cannot (a file: the comparison and
+    /// the write are two system calls).
+    fn atomic_compare_and_write(&self, block_size: u32) -> u16 {
+        let _ = block_size;
+        0
+    }
     /// The Block Limits the store suits, from `limits` (the config's).
     fn limits(&self, block_size: u32, limits: Limits) -> Limits {
         let _ = block_size;
@@ -112,7 +120,15 @@ impl UnitStore for FileStore {
 #[derive(Debug)]
 pub struct MemoryStore(pub Arc<Mutex<MemoryBackend>>);
 
+/// Blocks a RAM disk compares and writes under its one lock: any number; this many keeps the
+/// operation's buffer (twice the blocks) well inside one arena slot.
+const MEMORY_COMPARE_AND_WRITE: u16 = 64;
+
 impl UnitStore for MemoryStore {
+    fn atomic_compare_and_write(&self, _: u32) -> u16 {
+        MEMORY_COMPARE_AND_WRITE
+    }
+
     fn backend(&self, _: &Engine, block_size: u32, blocks: u64) -> Result<AnyBackend, String> {
         Ok(AnyBackend::SharedMemory(Immediate::new(
             self.0.clone(),
@@ -161,6 +177,10 @@ impl UnitStore for MemoryStore {
 pub struct NullStore;
 
 impl UnitStore for NullStore {
+    fn atomic_compare_and_write(&self, _: u32) -> u16 {
+        MEMORY_COMPARE_AND_WRITE
+    }
+
     fn backend(&self, _: &Engine, block_size: u32, blocks: u64) -> Result<AnyBackend, String> {
         Ok(AnyBackend::Null(NullBackend::null(block_size, blocks)))
     }
