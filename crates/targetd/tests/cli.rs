@@ -480,11 +480,17 @@ fn json_logs(
         .collect()
 }
 
-/// The next datagram on `socket`, within 20 s.
+/// The next datagram on `socket`, within 20 s (a signal that interrupts the wait, as one
+/// reaching this process while the test signals the daemon may, is waited through).
 fn next_notification(socket: &std::os::unix::net::UnixDatagram) -> String {
     let mut buf = [0u8; 512];
-    let n = socket.recv(&mut buf).expect("a notification within 20 s");
-    String::from_utf8_lossy(&buf[..n]).into_owned()
+    loop {
+        match socket.recv(&mut buf) {
+            Ok(n) => return String::from_utf8_lossy(&buf[..n]).into_owned(),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => panic!("a notification within 20 s: {e}"),
+        }
+    }
 }
 
 #[test]
