@@ -773,3 +773,74 @@ fn a_fused_compare_and_write_writes_only_on_a_match() {
     );
     assert!(!io.conn.is_over());
 }
+
+/// A preempted host whose connection closes while its write runs: the Preempt and Abort
+/// still waits for that write, and is answered once the connection, its operations ended,
+/// leaves the subsystem.
+#[test]
+fn a_preempt_and_abort_waits_for_a_closed_connections_write() {
+    let mut rig = Rig::new();
+    let (_a_admin, mut a) = host_links(&mut rig, [5; 16], HOST);
+    let (_b_admin, mut b) = host_links(&mut rig, [6; 16], OTHER_HOST);
+    let register = NvmOpcode::ReservationRegister;
+    let acquire = NvmOpcode::ReservationAcquire;
+    let ok = |c: Option<Cqe>| assert!(c.expect("a completion").status.is_success());
+    ok(reservation(
+        &mut a,
+        &mut rig,
+        register,
+        40,
+        0,
+        &keys(0, 0xa),
+        false,
+    ));
+    ok(reservation(
+        &mut b,
+        &mut rig,
+        register,
+        41,
+        0,
+        &keys(0, 0xb),
+        false,
+    ));
+    ok(reservation(
+        &mut a,
+        &mut rig,
+        acquire,
+        42,
+        1 << 8,
+        &keys(0xa, 0),
+        false,
+    ));
+    a.hold = true;
+    let w = io_cmd(NvmOpcode::Write, 43, 16, 1, Sgl::in_capsule(0, 512));
+    a.host.send_command(&w, pattern(512, 4)).unwrap();
+    rig.run(&mut a);
+    assert_eq!(a.held.len(), 1);
+    // A's connection goes while its write runs.
+    a.conn.close(&mut rig.subsystem);
+    let preempt = reservation(
+        &mut b,
+        &mut rig,
+        acquire,
+        44,
+        2 | 1 << 8,
+        &keys(0xb, 0xa),
+        false,
+    );
+    assert!(preempt.is_none(), "held while A's write runs: {preempt:?}");
+    let (task, op, mut buffer) = a.held.pop().unwrap();
+    let result = rig.medium.execute(&op, &mut buffer);
+    a.conn.handle_backend_done(rig.now, task, buffer, result);
+    rig.run(&mut b);
+    assert!(b.done.is_empty(), "the queue has not left yet");
+    // The shell, its operations ended, closes it again: the queue leaves, B is answered.
+    a.conn.close(&mut rig.subsystem);
+    rig.run(&mut b);
+    assert!(b
+        .done
+        .remove(&44)
+        .expect("B's Preempt and Abort")
+        .status
+        .is_success());
+}

@@ -447,16 +447,28 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         self.queue.poll_transmit()
     }
 
-    /// The connection is gone: its queue leaves its controller (the admin queue takes the
-    /// controller with it), and the commands waiting for a buffer or data are dropped. Block
-    /// operations still running end in [`ControllerConnection::handle_backend_done`] as
-    /// usual; the shell waits for them ([`ControllerConnection::in_backend`]) before it
-    /// frees what they use.
+    /// The connection is gone: the commands waiting for a buffer or data are dropped, and
+    /// its queue leaves its controller (the admin queue takes the controller with it) once no
+    /// block operation of it runs. Those still running end in
+    /// [`ControllerConnection::handle_backend_done`] as usual; the shell waits for them
+    /// ([`ControllerConnection::in_backend`]) before it frees what they use, and then calls
+    /// this again (or [`ControllerConnection::abandon`] when it waits no longer). So a
+    /// Preempt and Abort that waits for this queue's commands is answered only after its last
+    /// write has ended, even when the connection closed first.
     pub fn close(&mut self, subsystem: &mut Subsystem) {
+        self.commands.retain(|_, c| c.phase == Phase::Backend);
+        self.fused_first = None;
+        self.dropped = true;
+        if self.in_backend == 0 {
+            self.abandon(subsystem);
+        }
+    }
+
+    /// The queue leaves its controller now, whatever still runs (the shell gave up waiting).
+    pub fn abandon(&mut self, subsystem: &mut Subsystem) {
         if let Some(q) = self.bound.take() {
             subsystem.disconnect(&q);
         }
-        self.commands.retain(|_, c| c.phase == Phase::Backend);
         self.dropped = true;
     }
 

@@ -173,12 +173,20 @@ impl Conn {
         }
     }
 
-    /// The connection is over: its queue leaves its controller, and the block operations
-    /// still running end (within [`DRAIN_TIMEOUT`]) before their buffers go.
+    /// The connection is over: the block operations still running end (within
+    /// [`DRAIN_TIMEOUT`]) before their buffers go, and then its queue leaves its controller.
     async fn close(&mut self) {
         if let Some(s) = &self.subsystem {
             s.with_machine(|m| self.machine.close(m));
         }
+        self.drain().await;
+        if let Some(s) = &self.subsystem {
+            s.with_machine(|m| self.machine.abandon(m));
+        }
+    }
+
+    /// Waits (within [`DRAIN_TIMEOUT`]) for the block operations still running.
+    async fn drain(&mut self) {
         let deadline = tokio::time::Instant::now() + DRAIN_TIMEOUT;
         let inbox = self.carrier.inbox().clone();
         while self.machine.in_backend() > 0 {
