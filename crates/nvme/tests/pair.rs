@@ -542,6 +542,25 @@ fn keys(a: u64, b: u64) -> Vec<u8> {
     [a.to_le_bytes(), b.to_le_bytes()].concat()
 }
 
+/// Host A registers key A, host B key B (through an R2T when `r2t`), and A takes Write
+/// Exclusive on namespace 1.
+fn a_holds_write_exclusive(rig: &mut Rig, a: &mut Link, b: &mut Link, r2t: bool) {
+    let register = NvmOpcode::ReservationRegister;
+    let ok = |c: Option<Cqe>| assert!(c.expect("a completion").status.is_success());
+    ok(reservation(a, rig, register, 40, 0, &keys(0, 0xa), false));
+    ok(reservation(b, rig, register, 41, 0, &keys(0, 0xb), r2t));
+    let acquire = NvmOpcode::ReservationAcquire;
+    ok(reservation(
+        a,
+        rig,
+        acquire,
+        42,
+        1 << 8,
+        &keys(0xa, 0),
+        false,
+    ));
+}
+
 /// Two hosts share namespace 1 under NVMe reservations: host A registers and takes Write
 /// Exclusive, host B's writes conflict while its reads pass; then B preempts A and aborts
 /// its commands while a write of A's runs: B's Preempt and Abort completes only after that
@@ -552,37 +571,9 @@ fn a_preempt_and_abort_waits_for_the_preempted_hosts_commands() {
     let mut rig = Rig::new();
     let (mut a_admin, mut a) = host_links(&mut rig, [5; 16], HOST);
     let (_b_admin, mut b) = host_links(&mut rig, [6; 16], OTHER_HOST);
-    let register = NvmOpcode::ReservationRegister;
     let acquire = NvmOpcode::ReservationAcquire;
-    let ok = |c: Option<Cqe>| assert!(c.expect("a completion").status.is_success());
-    ok(reservation(
-        &mut a,
-        &mut rig,
-        register,
-        40,
-        0,
-        &keys(0, 0xa),
-        false,
-    ));
     // B's key comes through an R2T (a host whose in-capsule size is small sends it so).
-    ok(reservation(
-        &mut b,
-        &mut rig,
-        register,
-        41,
-        0,
-        &keys(0, 0xb),
-        true,
-    ));
-    ok(reservation(
-        &mut a,
-        &mut rig,
-        acquire,
-        42,
-        1 << 8,
-        &keys(0xa, 0),
-        false,
-    ));
+    a_holds_write_exclusive(&mut rig, &mut a, &mut b, true);
 
     // Write Exclusive: B may read, not write; A both.
     let w = io_cmd(NvmOpcode::Write, 43, 0, 1, Sgl::in_capsule(0, 512));
@@ -782,36 +773,8 @@ fn a_preempt_and_abort_waits_for_a_closed_connections_write() {
     let mut rig = Rig::new();
     let (_a_admin, mut a) = host_links(&mut rig, [5; 16], HOST);
     let (_b_admin, mut b) = host_links(&mut rig, [6; 16], OTHER_HOST);
-    let register = NvmOpcode::ReservationRegister;
     let acquire = NvmOpcode::ReservationAcquire;
-    let ok = |c: Option<Cqe>| assert!(c.expect("a completion").status.is_success());
-    ok(reservation(
-        &mut a,
-        &mut rig,
-        register,
-        40,
-        0,
-        &keys(0, 0xa),
-        false,
-    ));
-    ok(reservation(
-        &mut b,
-        &mut rig,
-        register,
-        41,
-        0,
-        &keys(0, 0xb),
-        false,
-    ));
-    ok(reservation(
-        &mut a,
-        &mut rig,
-        acquire,
-        42,
-        1 << 8,
-        &keys(0xa, 0),
-        false,
-    ));
+    a_holds_write_exclusive(&mut rig, &mut a, &mut b, false);
     a.hold = true;
     let w = io_cmd(NvmOpcode::Write, 43, 16, 1, Sgl::in_capsule(0, 512));
     a.host.send_command(&w, pattern(512, 4)).unwrap();

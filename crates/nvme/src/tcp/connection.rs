@@ -120,6 +120,38 @@ struct Command<B> {
     partner: Option<u16>,
 }
 
+impl<B> Command<B> {
+    /// A command arrived at `arrived`, waiting for its buffer ([`ControllerConnection::admit`]
+    /// gives it its task).
+    fn new(
+        arrived: Instant,
+        nsid: u32,
+        geometry: nvm::NamespaceGeometry,
+        work: Work,
+        transfer: Transfer,
+        len: usize,
+        capsule: Bytes,
+    ) -> Command<B> {
+        Command {
+            nsid,
+            geometry,
+            task: TaskId::from_bits(0),
+            arrived,
+            work,
+            transfer,
+            len,
+            phase: Phase::Buffer,
+            buffer: None,
+            capsule,
+            received: 0,
+            damaged: false,
+            aborted: false,
+            data_at: 0,
+            partner: None,
+        }
+    }
+}
+
 /// The controller's end of one NVMe/TCP connection, with its commands carried out; `B` the
 /// shell's buffers (the reactor's arena).
 #[derive(Debug)]
@@ -525,39 +557,26 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         self.missing_fused();
         match subsystem.command(now, &bound, &sqe, &data) {
             Answer::Fetch { len } => {
-                self.generation = self.generation.wrapping_add(1);
-                let task = TaskId::from_bits(u64::from(self.generation) << 32 | u64::from(cid));
-                self.commands.insert(
-                    cid,
-                    Command {
-                        nsid: sqe.nsid(),
-                        geometry: nvm::NamespaceGeometry {
-                            block_size: 512,
-                            blocks: 0,
-                            read_only: true,
-                        },
-                        task,
-                        arrived: now,
-                        work: Work::Fetch(Box::new(sqe)),
-                        transfer: Transfer::FromHost {
-                            len,
-                            in_capsule: false,
-                        },
-                        len: len as usize,
-                        phase: Phase::Buffer,
-                        buffer: None,
-                        capsule: Bytes::new(),
-                        received: 0,
-                        damaged: false,
-                        aborted: false,
-                        data_at: 0,
-                        partner: None,
-                    },
+                let geometry = nvm::NamespaceGeometry {
+                    block_size: 512,
+                    blocks: 0,
+                    read_only: true,
+                };
+                let transfer = Transfer::FromHost {
+                    len,
+                    in_capsule: false,
+                };
+                let work = Work::Fetch(Box::new(sqe));
+                let c = Command::new(
+                    now,
+                    sqe.nsid(),
+                    geometry,
+                    work,
+                    transfer,
+                    len as usize,
+                    Bytes::new(),
                 );
-                self.events.push_back(Event::BufferWanted {
-                    tag: u64::from(cid),
-                    len: len as usize,
-                });
+                self.admit(cid, c);
             }
             answer @ (Answer::Complete(_) | Answer::Data { .. } | Answer::Held) => {
                 self.answer(cid, answer)
@@ -600,34 +619,21 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
                         return self.complete(Cqe::new(cid, Status::DATA_SGL_LENGTH_INVALID));
                     }
                 }
-                self.generation = self.generation.wrapping_add(1);
-                let task = TaskId::from_bits(u64::from(self.generation) << 32 | u64::from(cid));
-                self.commands.insert(
-                    cid,
-                    Command {
-                        nsid,
-                        geometry,
-                        task,
-                        arrived: now,
-                        work,
-                        transfer,
-                        len,
-                        phase: Phase::Buffer,
-                        buffer: None,
-                        capsule: data,
-                        received: 0,
-                        damaged: false,
-                        aborted: false,
-                        data_at: 0,
-                        partner: None,
-                    },
-                );
-                self.events.push_back(Event::BufferWanted {
-                    tag: u64::from(cid),
-                    len,
-                });
+                let c = Command::new(now, nsid, geometry, work, transfer, len, data);
+                self.admit(cid, c);
             }
         }
+    }
+
+    /// Takes command `c` in as `cid`: it gets its task and asks for its buffer.
+    fn admit(&mut self, cid: u16, mut c: Command<B>) {
+        self.generation = self.generation.wrapping_add(1);
+        c.task = TaskId::from_bits(u64::from(self.generation) << 32 | u64::from(cid));
+        self.events.push_back(Event::BufferWanted {
+            tag: u64::from(cid),
+            len: c.len,
+        });
+        self.commands.insert(cid, c);
     }
 
     /// Sends what the subsystem answered command `cid` with (not an I/O command).
@@ -923,33 +929,14 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
                 fcid,
             ),
         ] {
-            self.generation = self.generation.wrapping_add(1);
-            let task = TaskId::from_bits(u64::from(self.generation) << 32 | u64::from(c));
-            self.commands.insert(
-                c,
-                Command {
-                    nsid: *nsid,
-                    geometry,
-                    task,
-                    arrived: now,
-                    // The first rides on the second's operation.
-                    work: work.map_or(Work::Fused, Work::Op),
-                    transfer: t,
-                    len,
-                    phase: Phase::Buffer,
-                    buffer: None,
-                    capsule,
-                    received: 0,
-                    damaged: false,
-                    aborted: false,
-                    data_at: at,
-                    partner: Some(partner),
-                },
-            );
-            self.events.push_back(Event::BufferWanted {
-                tag: u64::from(c),
-                len,
-            });
+            // The first rides on the second's operation.
+            let work = work.map_or(Work::Fused, Work::Op);
+            let command = Command {
+                data_at: at,
+                partner: Some(partner),
+                ..Command::new(now, *nsid, geometry, work, t, len, capsule)
+            };
+            self.admit(c, command);
         }
     }
 
