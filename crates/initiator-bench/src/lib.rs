@@ -17,6 +17,7 @@ pub mod error;
 pub mod login;
 pub mod multipath;
 pub mod nvme;
+pub mod portal;
 pub mod scsi;
 pub mod session;
 pub mod trace;

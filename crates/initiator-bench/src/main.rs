@@ -254,7 +254,7 @@ fn main() -> anyhow::Result<()> {
             Cmd::Completions { .. } | Cmd::Man { .. } => Ok(()),
             Cmd::Discover { url, login } if url.starts_with("nvme://") => {
                 let host = url.trim_start_matches("nvme://").trim_end_matches('/');
-                let portal = initiator_bench::url::portal(host, 8009).map_err(|reason| {
+                let portal = initiator_bench::portal::portal(host, 8009).map_err(|reason| {
                     initiator_bench::nvme::NvmeError::Url {
                         url: url.clone(),
                         reason,

@@ -89,7 +89,7 @@ impl NvmeUrl {
         if host.is_empty() {
             return Err(bad("no host"));
         }
-        let portal = crate::url::portal(host, DEFAULT_PORT).map_err(bad)?;
+        let portal = crate::portal::portal(host, DEFAULT_PORT).map_err(bad)?;
         Ok(NvmeUrl {
             portal,
             nqn: nqn.into(),
@@ -761,5 +761,18 @@ impl NvmeController {
         read_len: usize,
     ) -> Result<(Cqe, Bytes), NvmeError> {
         self.io.command(sqe, data, read_len).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_nvme_url_names_its_portal_and_its_port_is_checked() {
+        let u = NvmeUrl::parse("nvme://[::1]/nqn.2026-11.io.example:x/1").unwrap();
+        assert_eq!(u.portal, format!("[::1]:{DEFAULT_PORT}"));
+        let e = NvmeUrl::parse("nvme://host:99999/nqn.2026-11.io.example:x/1");
+        assert!(e.is_err(), "{e:?}");
     }
 }
