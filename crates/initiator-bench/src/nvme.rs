@@ -134,8 +134,6 @@ impl Default for NvmeOptions {
 struct Request {
     sqe: Sqe,
     data: Bytes,
-    /// Bytes of data the command reads.
-    read_len: usize,
     reply: oneshot::Sender<Result<(Cqe, Bytes), NvmeError>>,
 }
 
@@ -144,7 +142,8 @@ struct InFlight {
     data: Bytes,
     /// Read data came damaged or out of order: the command fails when it ends.
     damaged: bool,
-    read: BytesMut,
+    /// The data read so far.
+    read: ReadData,
     reply: oneshot::Sender<Result<(Cqe, Bytes), NvmeError>>,
 }
 
@@ -157,9 +156,53 @@ impl InFlight {
                 cqe.cid
             )))
         } else {
-            Ok((cqe, self.read.freeze()))
+            Ok((cqe, self.read.into_bytes()))
         };
         let _ = self.reply.send(r);
+    }
+}
+
+/// A read's data as it comes: one C2HData's bytes kept as they are (the usual case, no
+/// copy), or several joined.
+#[derive(Debug)]
+enum ReadData {
+    Empty,
+    One(Bytes),
+    Joined(BytesMut),
+}
+
+impl ReadData {
+    /// Bytes so far: the offset the next piece must have.
+    fn len(&self) -> usize {
+        match self {
+            ReadData::Empty => 0,
+            ReadData::One(b) => b.len(),
+            ReadData::Joined(b) => b.len(),
+        }
+    }
+
+    fn push(&mut self, data: Bytes) {
+        *self = match std::mem::replace(self, ReadData::Empty) {
+            ReadData::Empty => ReadData::One(data),
+            ReadData::One(first) => {
+                let mut joined = BytesMut::with_capacity(first.len() + data.len());
+                joined.extend_from_slice(&first);
+                joined.extend_from_slice(&data);
+                ReadData::Joined(joined)
+            }
+            ReadData::Joined(mut joined) => {
+                joined.extend_from_slice(&data);
+                ReadData::Joined(joined)
+            }
+        };
+    }
+
+    fn into_bytes(self) -> Bytes {
+        match self {
+            ReadData::Empty => Bytes::new(),
+            ReadData::One(b) => b,
+            ReadData::Joined(b) => b.freeze(),
+        }
     }
 }
 
@@ -215,12 +258,7 @@ impl QueueHandle {
         let opcode = sqe.opcode();
         let (reply, rx) = oneshot::channel();
         self.tx
-            .send(Request {
-                sqe,
-                data,
-                read_len,
-                reply,
-            })
+            .send(Request { sqe, data, reply })
             .map_err(|_| NvmeError::Connection("the queue is closed".into()))?;
         let (cqe, bytes) = rx
             .await
@@ -318,7 +356,7 @@ async fn queue_task(
                 InFlight {
                     data: r.data,
                     damaged: false,
-                    read: BytesMut::with_capacity(r.read_len),
+                    read: ReadData::Empty,
                     reply: r.reply,
                 },
             );
@@ -341,7 +379,14 @@ async fn queue_task(
         }
         tokio::select! {
             r = rx.recv(), if open => match r {
-                Some(r) => waiting.push_back(r),
+                Some(r) => {
+                    // Everything already asked goes out in the next write, not one write
+                    // per command (Linux's host batches the same way with MSG_MORE).
+                    waiting.push_back(r);
+                    while let Ok(r) = rx.try_recv() {
+                        waiting.push_back(r);
+                    }
+                }
                 None => open = false,
             },
             n = rd.read(&mut buf) => {
@@ -375,7 +420,7 @@ async fn queue_task(
                             if !data_digest_ok || offset as usize != f.read.len() {
                                 f.damaged = true;
                             } else {
-                                f.read.extend_from_slice(&data);
+                                f.read.push(data);
                             }
                             if success {
                                 let f = flight.remove(&cid).expect("present");
@@ -774,5 +819,25 @@ mod tests {
         assert_eq!(u.portal, format!("[::1]:{DEFAULT_PORT}"));
         let e = NvmeUrl::parse("nvme://host:99999/nqn.2026-11.io.example:x/1");
         assert!(e.is_err(), "{e:?}");
+    }
+
+    #[test]
+    fn read_data_keeps_one_piece_and_joins_several_in_order() {
+        let mut one = ReadData::Empty;
+        assert_eq!(one.len(), 0);
+        let piece = Bytes::from_static(b"abcd");
+        one.push(piece.clone());
+        let kept = one.into_bytes();
+        assert_eq!(
+            kept.as_ptr(),
+            piece.as_ptr(),
+            "one C2HData's bytes are not copied"
+        );
+        let mut several = ReadData::Empty;
+        for p in [&b"ab"[..], b"cd", b"ef"] {
+            several.push(Bytes::copy_from_slice(p));
+        }
+        assert_eq!(several.len(), 6);
+        assert_eq!(&several.into_bytes()[..], b"abcdef");
     }
 }
