@@ -425,12 +425,16 @@ impl Framing {
     }
 }
 
-/// A PDU's bytes before its data: header, header digest, padding. At most 255 bytes (PDO is
-/// one byte), on the stack.
+/// The most bytes before a PDU's data: the largest header with data (CapsuleCmd and its digest,
+/// 76 bytes) padded to a 72-byte alignment (PDA 17) is 144; ICReq and ICResp are 128.
+pub const MAX_ENCODED_HEADER: usize = 144;
+
+/// A PDU's bytes before its data: header, header digest, padding; on the stack, and small
+/// (a transmit is moved through queues once per PDU, so its size is paid on every I/O).
 #[derive(Clone, Copy)]
 pub struct EncodedHeader {
-    bytes: [u8; 256],
-    len: usize,
+    bytes: [u8; MAX_ENCODED_HEADER],
+    len: u8,
     data_digest: bool,
 }
 
@@ -445,7 +449,7 @@ impl std::fmt::Debug for EncodedHeader {
 impl EncodedHeader {
     /// The bytes to send before the data.
     pub fn as_bytes(&self) -> &[u8] {
-        &self.bytes[..self.len]
+        &self.bytes[..usize::from(self.len)]
     }
 
     /// Whether a data digest must follow the data ([`data_digest`]).
@@ -489,9 +493,11 @@ pub fn encode(header: &Header, data_len: u32, framing: &Framing) -> Option<Encod
         (0, (hlen + hd) as u64)
     };
     let plen = u32::try_from(plen).ok()?;
+    let len = if pdo > 0 { pdo } else { hlen + hd };
+    debug_assert!(len <= MAX_ENCODED_HEADER);
     let mut out = EncodedHeader {
-        bytes: [0; 256],
-        len: if pdo > 0 { pdo } else { hlen + hd },
+        bytes: [0; MAX_ENCODED_HEADER],
+        len: u8::try_from(len).ok()?,
         data_digest: dd,
     };
     let h = &mut out.bytes;
@@ -614,5 +620,25 @@ mod tests {
             encode(&resp, 1, &framing).is_none(),
             "a CapsuleResp has no data"
         );
+    }
+
+    /// The largest header (a CapsuleCmd with its digest) at every alignment a peer may ask
+    /// fits [`MAX_ENCODED_HEADER`], and its PDO is where the data starts.
+    #[test]
+    fn every_alignment_fits_the_encoded_header() {
+        let cmd = Header::CapsuleCmd(Sqe::new(0x01, 1));
+        for pda in 0..=u8::MAX {
+            for header in [false, true] {
+                let framing = Framing {
+                    digests: Digests { header, data: true },
+                    pda,
+                };
+                let e = encode(&cmd, 4096, &framing).unwrap();
+                let b = e.as_bytes();
+                assert!(b.len() <= MAX_ENCODED_HEADER);
+                assert_eq!(usize::from(b[3]), b.len(), "PDO at pda {pda}");
+                assert_eq!(b.len() % framing.alignment(), 0);
+            }
+        }
     }
 }

@@ -160,16 +160,25 @@ impl Conn {
             machine,
             subsystem: subsystem.as_deref(),
         };
-        carrier.completions(|_, done| carrier::deliver(&mut link, now, done));
-        if link.machine.wants_subsystem() {
-            // The last command a Preempt and Abort waits for may have just ended: say so now,
-            // not at the next wake.
-            if let Some(s) = link.subsystem {
-                s.with_machine(|m| link.machine.handle(now, m));
+        // Until nothing moves: an operation a backend ends at once (memory, null) is answered
+        // in this pass, its data in the same write as the rest of the burst.
+        loop {
+            let done = carrier.completions(|_, done| carrier::deliver(&mut link, now, done));
+            if done && link.machine.wants_subsystem() {
+                // The last command a Preempt and Abort waits for may have just ended: say so
+                // now, not at the next wake.
+                if let Some(s) = link.subsystem {
+                    s.with_machine(|m| link.machine.handle(now, m));
+                }
             }
-        }
-        while let Some(e) = link.machine.poll_event() {
-            carrier.carry(0, &mut link, e);
+            let mut carried = false;
+            while let Some(e) = link.machine.poll_event() {
+                carrier.carry(0, &mut link, e);
+                carried = true;
+            }
+            if !done && !carried {
+                break;
+            }
         }
     }
 
