@@ -27,6 +27,12 @@ use tokio::sync::{mpsc, oneshot};
 
 /// NVMe/TCP's port.
 pub const DEFAULT_PORT: u16 = 4420;
+/// Room reserved in the receive buffer before each read, at least (as the iSCSI reader).
+const READ_RESERVE: usize = 64 * 1024;
+/// The size of a receive buffer.
+const RECEIVE_BUFFER: usize = 1024 * 1024;
+/// Receive buffers a queue keeps for reuse.
+const SPARE_BUFFERS: usize = 8;
 
 /// Why an NVMe/TCP operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -206,6 +212,40 @@ impl ReadData {
     }
 }
 
+/// Receive buffers to reuse. Reads' data are handed out as slices of the buffer they came in
+/// (no copy), so a consumed buffer cannot be grown in place while any is alive: it is set
+/// aside and taken again once every slice of it has been dropped. Without this, every
+/// buffer is fresh memory from the allocator, and a 128 KiB read costs more in page faults
+/// than in copies.
+#[derive(Debug, Default)]
+struct SpareBuffers {
+    spares: VecDeque<BytesMut>,
+}
+
+impl SpareBuffers {
+    /// Makes room for at least `want` more bytes in `buf`.
+    fn make_room(&mut self, buf: &mut BytesMut, want: usize) {
+        if buf.capacity() - buf.len() >= want || buf.try_reclaim(want) {
+            return;
+        }
+        // A spare no slice shares any more gets all its room back; the part of a PDU
+        // already in moves over with it.
+        let need = buf.len() + want;
+        let reusable = self.spares.iter_mut().position(|b| b.try_reclaim(need));
+        let mut next = match reusable {
+            Some(i) => self.spares.remove(i).expect("found"),
+            None => BytesMut::with_capacity(need.max(RECEIVE_BUFFER)),
+        };
+        next.extend_from_slice(buf);
+        let mut old = std::mem::replace(buf, next);
+        old.clear();
+        if self.spares.len() == SPARE_BUFFERS {
+            self.spares.pop_front();
+        }
+        self.spares.push_back(old);
+    }
+}
+
 /// One queue: a task owning its connection, reached through a channel.
 #[derive(Debug, Clone)]
 struct QueueHandle {
@@ -330,8 +370,8 @@ async fn queue_task(
     let mut free: Vec<u16> = (0..depth).rev().collect();
     let mut flight: HashMap<u16, InFlight> = HashMap::new();
     let mut waiting: VecDeque<Request> = VecDeque::new();
-    let mut buf = vec![0u8; 256 * 1024];
     let mut open = true;
+    let mut spares = SpareBuffers::default();
     loop {
         // Send what waits, as CIDs allow.
         while host.terms().is_some() && !free.is_empty() {
@@ -389,19 +429,23 @@ async fn queue_task(
                 }
                 None => open = false,
             },
-            n = rd.read(&mut buf) => {
-                let n = match n {
-                    Ok(0) | Err(_) => {
-                        let e = NvmeError::Connection("the controller closed the connection".into());
-                        fail_all(&mut flight, &mut waiting, &e);
-                        if let Some(r) = ready.take() {
-                            let _ = r.send(Err(e));
-                        }
-                        return;
+            n = {
+                // Straight into the deframer's buffer (one copy: the kernel's), reserved
+                // for at least the next PDU; a read's data is handed out from it as it is.
+                let want = host.needed().max(READ_RESERVE);
+                let b = host.receive_buffer();
+                spares.make_room(b, want);
+                rd.read_buf(b)
+            } => {
+                if matches!(n, Ok(0) | Err(_)) {
+                    let e = NvmeError::Connection("the controller closed the connection".into());
+                    fail_all(&mut flight, &mut waiting, &e);
+                    if let Some(r) = ready.take() {
+                        let _ = r.send(Err(e));
                     }
-                    Ok(n) => n,
-                };
-                host.receive(&buf[..n]);
+                    return;
+                }
+                host.received();
                 while let Some(ev) = host.poll_event() {
                     match ev {
                         HostEvent::Initialized(_) => {
@@ -839,5 +883,30 @@ mod tests {
         }
         assert_eq!(several.len(), 6);
         assert_eq!(&several.into_bytes()[..], b"abcdef");
+    }
+
+    #[test]
+    fn receive_buffers_are_reused_once_their_slices_are_dropped() {
+        let mut spares = SpareBuffers::default();
+        let mut buf = BytesMut::new();
+        spares.make_room(&mut buf, 1000);
+        let first = buf.as_ptr();
+        // Filled up, all of it handed out but 3 bytes (part of the next PDU).
+        buf.resize(buf.capacity(), 7);
+        let held = buf.split_to(buf.len() - 3).freeze();
+        buf.copy_from_slice(&[1, 2, 3]);
+        // No room, and the slice still shares the buffer: another one, the part of a PDU
+        // already in moving with it.
+        spares.make_room(&mut buf, 1000);
+        assert_ne!(buf.as_ptr(), first);
+        assert_eq!(&buf[..], &[1, 2, 3]);
+        assert!(buf.capacity() >= 1003);
+        drop(held);
+        buf.resize(buf.capacity(), 7);
+        let _held = buf.split().freeze();
+        // The first one, its slices gone, is taken again.
+        spares.make_room(&mut buf, 1000);
+        assert_eq!(buf.as_ptr(), first, "the first buffer is reused");
+        assert!(buf.is_empty() && buf.capacity() >= 1000);
     }
 }

@@ -20,7 +20,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::ops::DerefMut;
 use std::time::Instant;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use scsi_core::transport::{Accounting, Event};
 use scsi_core::{BackendError, Op, Output, TaskId};
 
@@ -225,6 +225,18 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
     /// Bytes from the host; [`ControllerConnection::handle`] takes what they carry.
     pub fn receive(&mut self, bytes: &[u8]) {
         self.queue.receive(bytes);
+    }
+
+    /// The buffer received bytes go in, for a shell that reads straight into it (one copy
+    /// fewer than [`Self::receive`]); reserve [`Self::needed`] first and call
+    /// [`Self::received`] after.
+    pub fn receive_buffer(&mut self) -> &mut BytesMut {
+        self.queue.receive_buffer()
+    }
+
+    /// Takes the PDUs the bytes read into [`Self::receive_buffer`] complete.
+    pub fn received(&mut self) {
+        self.queue.received();
     }
 
     /// Takes the commands and data received, answering what the subsystem answers, and

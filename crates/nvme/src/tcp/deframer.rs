@@ -166,6 +166,14 @@ impl Deframer {
         self.buf.extend_from_slice(bytes);
     }
 
+    /// The receive buffer, for a shell that reads straight into it (`read_buf`) and then
+    /// takes the PDUs: one copy fewer than [`Deframer::feed`]. Reserve
+    /// [`Deframer::needed`] (checked against the limits before it is known) first, so a read
+    /// never grows it beyond the next PDU at the peer's word.
+    pub fn buffer_mut(&mut self) -> &mut BytesMut {
+        &mut self.buf
+    }
+
     /// Bytes buffered and not yet handed out.
     pub fn buffered(&self) -> usize {
         self.buf.len()

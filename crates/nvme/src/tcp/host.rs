@@ -5,7 +5,7 @@
 
 use std::collections::VecDeque;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 use super::deframer::{DeframeError, Deframer, Limits, Side};
 use super::pdu::{
@@ -139,6 +139,20 @@ impl HostQueue {
             return;
         }
         self.deframer.feed(bytes);
+        self.received();
+    }
+
+    /// The buffer received bytes go in, for a shell that reads straight into it; reserve
+    /// [`Self::needed`] first and call [`Self::received`] after.
+    pub fn receive_buffer(&mut self) -> &mut BytesMut {
+        self.deframer.buffer_mut()
+    }
+
+    /// Takes the PDUs the bytes read into [`Self::receive_buffer`] complete.
+    pub fn received(&mut self) {
+        if self.state == State::Over {
+            return;
+        }
         loop {
             match self.deframer.next_pdu() {
                 Ok(Some(p)) => {

@@ -15,7 +15,7 @@
 use std::collections::VecDeque;
 use std::ops::Deref;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 use super::deframer::{DeframeError, Deframer, Limits, Pdu, Side};
 use super::pdu::{
@@ -286,6 +286,20 @@ impl<B: Deref<Target = [u8]>> ControllerQueue<B> {
             return;
         }
         self.deframer.feed(bytes);
+        self.received();
+    }
+
+    /// The buffer received bytes go in, for a shell that reads straight into it; reserve
+    /// [`Self::needed`] first and call [`Self::received`] after.
+    pub fn receive_buffer(&mut self) -> &mut BytesMut {
+        self.deframer.buffer_mut()
+    }
+
+    /// Takes the PDUs the bytes read into [`Self::receive_buffer`] complete.
+    pub fn received(&mut self) {
+        if self.state == State::Over {
+            return;
+        }
         loop {
             match self.deframer.next_pdu() {
                 Ok(Some(pdu)) => {
