@@ -34,8 +34,8 @@ use crate::target::{next_id, Lun};
 
 /// How long a closing connection waits for its commands' block operations.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
-/// Bytes read from the socket at once.
-const READ_CHUNK: usize = 256 * 1024;
+/// Room made in the receive buffer before each read, at least.
+const READ_RESERVE: usize = 64 * 1024;
 /// Slices one `writev` carries.
 const IOV_MAX: usize = 64;
 /// Far enough ahead to mean "no timer".
@@ -241,7 +241,6 @@ async fn run(
     let stall = Duration::from_secs(registry.config().server.send_timeout);
     let inbox = conn.carrier.inbox().clone();
     let share = conn.carrier.waits.share().clone();
-    let mut rbuf = vec![0u8; READ_CHUNK];
     let mut batch: Vec<Transmit<Buffer>> = Vec::with_capacity(256);
     let mut events: Option<tokio::sync::watch::Receiver<u64>> = None;
     let timer = tokio::time::sleep(NEVER);
@@ -286,9 +285,16 @@ async fn run(
         tokio::select! {
             biased;
             _ = inbox.notify.notified() => {}
-            r = rd.read(&mut rbuf) => match r? {
+            r = {
+                // Straight into the deframer's buffer: a write's data is copied once more,
+                // into its arena buffer, and no other time.
+                let want = conn.machine.needed().max(READ_RESERVE);
+                let b = conn.machine.receive_buffer();
+                b.reserve(want);
+                rd.read_buf(b)
+            } => match r? {
                 0 => return Ok(()),
-                n => conn.machine.receive(&rbuf[..n]),
+                _ => conn.machine.received(),
             },
             (tag, b) = granted(&mut waiting) => {
                 if conn.carrier.waits.front().is_some_and(|w| w.tag == tag) {
