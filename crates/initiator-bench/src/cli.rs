@@ -117,9 +117,13 @@ pub(crate) enum Cmd {
         url_a: String,
         /// Second target URL (B).
         url_b: String,
-        /// Rounds of A then B.
+        /// Rounds of A and B, the order swapped every round.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// A target's process (`pidof targetd`): its CPU per I/O is measured around every
+        /// run, for targets on this machine.
+        #[arg(long)]
+        target_pid: Option<u32>,
         #[command(flatten)]
         workload: WorkloadArgs,
         #[command(flatten)]

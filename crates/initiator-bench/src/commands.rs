@@ -674,9 +674,6 @@ pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
     }
 }
 
-/// A named figure of a report.
-type Metric = (&'static str, fn(&Report) -> f64);
-
 /// What `compare` runs against: an iSCSI LU or an NVMe/TCP namespace, told by the URL's
 /// scheme, so that the two transports compare on one backend.
 pub(crate) enum Endpoint {
@@ -720,41 +717,94 @@ impl std::fmt::Display for Endpoint {
     }
 }
 
+/// One run of `compare`: the report, and the CPU the target process spent meanwhile.
+struct Run {
+    report: Report,
+    target_cpu: Option<f64>,
+}
+
+/// CPU seconds (user + system) process `pid` has spent, from /proc/PID/stat.
+fn process_cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("--target-pid {pid}"))?;
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .context("/proc/PID/stat without a command name")?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime, in USER_HZ (100 on Linux).
+    Ok((ticks(11) + ticks(12)) / 100.0)
+}
+
+/// Runs `w` on `end`, with the target's CPU meanwhile when its process is named.
+async fn measured(
+    end: &Endpoint,
+    login: &LoginArgs,
+    w: &Workload,
+    target_pid: Option<u32>,
+    round: usize,
+    name: &str,
+) -> anyhow::Result<Run> {
+    let before = target_pid.map(process_cpu_seconds).transpose()?;
+    let report = end
+        .run(login, w)
+        .await
+        .with_context(|| format!("round {round}, {name}"))?;
+    let after = target_pid.map(process_cpu_seconds).transpose()?;
+    Ok(Run {
+        report,
+        target_cpu: before.zip(after).map(|(x, y)| y - x),
+    })
+}
+
 pub(crate) async fn compare(
     a: &Endpoint,
     b: &Endpoint,
     rounds: usize,
+    target_pid: Option<u32>,
     w: &Workload,
     login: &LoginArgs,
     json: bool,
 ) -> anyhow::Result<()> {
     let mut pairs = Vec::new();
     for round in 0..rounds.max(1) {
-        let ra = a
-            .run(login, w)
-            .await
-            .with_context(|| format!("round {round}, A"))?;
-        let rb = b
-            .run(login, w)
-            .await
-            .with_context(|| format!("round {round}, B"))?;
+        // A then B, B then A: neither always runs on a machine the other just warmed.
+        let one = |end, name| measured(end, login, w, target_pid, round, name);
+        let (ra, rb) = if round % 2 == 0 {
+            let ra = one(a, "A").await?;
+            (ra, one(b, "B").await?)
+        } else {
+            let rb = one(b, "B").await?;
+            (one(a, "A").await?, rb)
+        };
         pairs.push((ra, rb));
     }
-    let metrics: [Metric; 5] = [
-        ("IOPS", |r| r.iops),
-        ("MB/s", |r| r.bytes_per_sec / 1e6),
-        ("p50 us", |r| r.latency_us.p50),
-        ("p99 us", |r| r.latency_us.p99),
-        ("CPU us/IO", |r| r.cpu_seconds * 1e6 / r.ios.max(1) as f64),
+    let per_io = |cpu: f64, r: &Report| cpu * 1e6 / r.ios.max(1) as f64;
+    let mut metrics: Vec<(&'static str, Box<dyn Fn(&Run) -> f64>)> = vec![
+        ("IOPS", Box::new(|r: &Run| r.report.iops)),
+        ("MB/s", Box::new(|r: &Run| r.report.bytes_per_sec / 1e6)),
+        ("p50 us", Box::new(|r: &Run| r.report.latency_us.p50)),
+        ("p99 us", Box::new(|r: &Run| r.report.latency_us.p99)),
+        (
+            "CPU us/IO",
+            Box::new(move |r: &Run| per_io(r.report.cpu_seconds, &r.report)),
+        ),
     ];
+    if target_pid.is_some() {
+        metrics.push((
+            "target CPU us/IO",
+            Box::new(move |r: &Run| per_io(r.target_cpu.unwrap_or(f64::NAN), &r.report)),
+        ));
+    }
     if json {
         let rows: Vec<serde_json::Value> = pairs
             .iter()
             .map(|(ra, rb)| {
                 let mut m = serde_json::Map::new();
-                for (name, f) in metrics {
+                for (name, f) in &metrics {
                     m.insert(
-                        name.into(),
+                        (*name).into(),
                         serde_json::json!({ "a": f(ra), "b": f(rb), "b_over_a": f(rb) / f(ra) }),
                     );
                 }
@@ -770,7 +820,7 @@ pub(crate) async fn compare(
     println!("A = {a}\nB = {b}");
     println!("| round | metric | A | B | B/A |\n| --- | --- | --- | --- | --- |");
     for (i, (ra, rb)) in pairs.iter().enumerate() {
-        for (name, f) in metrics {
+        for (name, f) in &metrics {
             println!(
                 "| {} | {name} | {:.1} | {:.1} | {:.3} |",
                 i + 1,
@@ -780,7 +830,7 @@ pub(crate) async fn compare(
             );
         }
     }
-    for (name, f) in metrics {
+    for (name, f) in &metrics {
         let ratios: Vec<f64> = pairs.iter().map(|(ra, rb)| f(rb) / f(ra)).collect();
         println!("median B/A {name}: {:.3}", median(ratios));
     }
