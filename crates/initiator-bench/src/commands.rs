@@ -717,6 +717,14 @@ impl std::fmt::Display for Endpoint {
     }
 }
 
+/// A named figure of a run.
+type Metric = (&'static str, fn(&Run) -> f64);
+
+/// `cpu` seconds over the run's I/Os, in microseconds.
+fn per_io(cpu: f64, r: &Report) -> f64 {
+    cpu * 1e6 / r.ios.max(1) as f64
+}
+
 /// One run of `compare`: the report, and the CPU the target process spent meanwhile.
 struct Run {
     report: Report,
@@ -780,22 +788,17 @@ pub(crate) async fn compare(
         };
         pairs.push((ra, rb));
     }
-    let per_io = |cpu: f64, r: &Report| cpu * 1e6 / r.ios.max(1) as f64;
-    let mut metrics: Vec<(&'static str, Box<dyn Fn(&Run) -> f64>)> = vec![
-        ("IOPS", Box::new(|r: &Run| r.report.iops)),
-        ("MB/s", Box::new(|r: &Run| r.report.bytes_per_sec / 1e6)),
-        ("p50 us", Box::new(|r: &Run| r.report.latency_us.p50)),
-        ("p99 us", Box::new(|r: &Run| r.report.latency_us.p99)),
-        (
-            "CPU us/IO",
-            Box::new(move |r: &Run| per_io(r.report.cpu_seconds, &r.report)),
-        ),
+    let mut metrics: Vec<Metric> = vec![
+        ("IOPS", |r| r.report.iops),
+        ("MB/s", |r| r.report.bytes_per_sec / 1e6),
+        ("p50 us", |r| r.report.latency_us.p50),
+        ("p99 us", |r| r.report.latency_us.p99),
+        ("CPU us/IO", |r| per_io(r.report.cpu_seconds, &r.report)),
     ];
     if target_pid.is_some() {
-        metrics.push((
-            "target CPU us/IO",
-            Box::new(move |r: &Run| per_io(r.target_cpu.unwrap_or(f64::NAN), &r.report)),
-        ));
+        metrics.push(("target CPU us/IO", |r| {
+            per_io(r.target_cpu.unwrap_or(f64::NAN), &r.report)
+        }));
     }
     if json {
         let rows: Vec<serde_json::Value> = pairs
