@@ -166,6 +166,18 @@ impl Record {
         hi ^ lo
     }
 
+    /// The session number of an NVMe-oF queue: the subsystem's NQN (hashed, FNV-1a, into
+    /// the top 32 bits), the controller ID and the queue ID, which both ends know once the
+    /// queue is connected. CIDs stand where ITTs do.
+    pub fn session_of_queue(subnqn: &str, cntlid: u16, qid: u16) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in subnqn.bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        (h >> 32 ^ h & 0xffff_ffff) << 32 | u64::from(cntlid) << 16 | u64::from(qid)
+    }
+
     /// Its 32 bytes (little-endian fields).
     pub fn encode(&self) -> [u8; Record::LEN] {
         let mut b = [0u8; Record::LEN];
@@ -496,6 +508,28 @@ impl TraceFile {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn an_nvme_queue_is_its_subsystem_controller_and_queue() {
+        let a = Record::session_of_queue("nqn.2026-11.io.example:a", 1, 1);
+        assert_eq!(a & 0xffff_ffff, 1 << 16 | 1);
+        assert_ne!(
+            a,
+            Record::session_of_queue("nqn.2026-11.io.example:a", 1, 0)
+        );
+        assert_ne!(
+            a,
+            Record::session_of_queue("nqn.2026-11.io.example:a", 2, 1)
+        );
+        assert_ne!(
+            a,
+            Record::session_of_queue("nqn.2026-11.io.example:b", 1, 1)
+        );
+        assert_eq!(
+            a,
+            Record::session_of_queue("nqn.2026-11.io.example:a", 1, 1)
+        );
+    }
+
     use super::*;
 
     fn r(stage: Stage, at_ns: u64) -> Record {

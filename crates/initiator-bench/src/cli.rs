@@ -53,7 +53,7 @@ pub(crate) enum Cmd {
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
-        /// Record every command's stages (iSCSI) into this trace file, for `trace report`
+        /// Record every command's stages (iSCSI, NVMe/TCP) into this trace file, for `trace report`
         /// beside the target's.
         #[arg(long)]
         trace: Option<PathBuf>,

@@ -102,6 +102,7 @@ fn main() -> anyhow::Result<()> {
                 workload,
                 login,
                 json,
+                trace,
                 max_errors,
                 ..
             } => {
@@ -111,11 +112,15 @@ fn main() -> anyhow::Result<()> {
                     .collect::<Result<Vec<_>, _>>()?;
                 let mut w = workload.workload()?;
                 w.max_errors = Some(max_errors);
+                w.trace = trace.is_some();
                 let o = login.nvme_options(w.qd)?;
                 let report = with_progress(|progress| {
                     initiator_bench::workload::run_nvme(&urls, &o, &w, progress)
                 })
                 .await?;
+                if let Some(path) = &trace {
+                    write_trace(path, &report.trace, report.trace_dropped)?;
+                }
                 run_outcome(&report, json, max_errors)
             }
             Cmd::Paper004 { out, ios } => paper004(&out, ios),

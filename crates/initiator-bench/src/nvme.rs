@@ -10,7 +10,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::io::IoSlice;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use cmdtrace::Stage;
 
 use bytes::{Bytes, BytesMut};
 use nvme::fabrics::{
@@ -141,6 +145,8 @@ struct Request {
     sqe: Sqe,
     data: Bytes,
     reply: oneshot::Sender<Result<(Cqe, Bytes), NvmeError>>,
+    /// A Keep Alive that dates the clocks (traced as a NOP is for iSCSI).
+    ping: bool,
 }
 
 /// A command in flight on a queue.
@@ -150,10 +156,33 @@ struct InFlight {
     damaged: bool,
     /// The data read so far.
     read: ReadData,
+    /// Traced as a clock-dating ping.
+    ping: bool,
+    /// Its first data came (traced).
+    first_data: bool,
     reply: oneshot::Sender<Result<(Cqe, Bytes), NvmeError>>,
 }
 
 impl InFlight {
+    /// [`InFlight::end`], with its status's arrival and its completion traced (a ping's
+    /// answer, for a ping).
+    fn end_traced(self, cqe: Cqe, trace: &QueueTrace) {
+        if !trace.is_on() {
+            return self.end(cqe);
+        }
+        let (cid, ping) = (cqe.cid, self.ping);
+        let stage = if ping {
+            Stage::NopAnswered
+        } else {
+            Stage::StatusReceived
+        };
+        trace.record(stage, cid, cmdtrace::now_ns(), 0);
+        self.end(cqe);
+        if !ping {
+            trace.record(Stage::Completed, cid, cmdtrace::now_ns(), 0);
+        }
+    }
+
     /// Tells the command's sender it ended with `cqe`.
     fn end(self, cqe: Cqe) {
         let r = if self.damaged {
@@ -252,6 +281,75 @@ struct QueueHandle {
     tx: mpsc::UnboundedSender<Request>,
     /// In-capsule data a command may carry on this queue.
     in_capsule: u32,
+    /// The queue's command trace, shared with its task.
+    trace: Arc<QueueTrace>,
+}
+
+/// A queue's command trace (`run --trace`): the stages of each command by CID, recorded by
+/// the queue's task while on.
+#[derive(Debug, Default)]
+struct QueueTrace {
+    on: AtomicBool,
+    state: Mutex<Option<Tracing>>,
+}
+
+/// A trace in progress.
+#[derive(Debug)]
+struct Tracing {
+    /// The queue's trace session (`cmdtrace::Record::session_of_queue`).
+    session: u64,
+    records: Vec<cmdtrace::Record>,
+    /// Records that found the trace full.
+    dropped: u64,
+}
+
+/// Records a queue keeps at most (32 bytes each).
+const TRACE_RECORDS: usize = 1 << 21;
+
+impl QueueTrace {
+    fn is_on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    fn start(&self, session: u64) {
+        *self.state.lock().expect("trace lock") = Some(Tracing {
+            session,
+            records: Vec::with_capacity(1 << 16),
+            dropped: 0,
+        });
+        self.on.store(true, Ordering::Relaxed);
+    }
+
+    fn take(&self) -> (Vec<cmdtrace::Record>, u64) {
+        self.on.store(false, Ordering::Relaxed);
+        self.state
+            .lock()
+            .expect("trace lock")
+            .take()
+            .map_or((Vec::new(), 0), |t| (t.records, t.dropped))
+    }
+
+    /// Notes that command `cid` reached `stage` at `at_ns`, while on.
+    fn record(&self, stage: Stage, cid: u16, at_ns: u64, arg: u32) {
+        if !self.is_on() {
+            return;
+        }
+        if let Some(t) = self.state.lock().expect("trace lock").as_mut() {
+            if t.records.len() < TRACE_RECORDS {
+                t.records.push(cmdtrace::Record {
+                    at_ns,
+                    session: t.session,
+                    itt: u32::from(cid),
+                    cmd_sn: 0,
+                    stage,
+                    lane: 0,
+                    arg,
+                });
+            } else {
+                t.dropped += 1;
+            }
+        }
+    }
 }
 
 impl QueueHandle {
@@ -267,13 +365,22 @@ impl QueueHandle {
         });
         let (tx, rx) = mpsc::unbounded_channel();
         let (ready_tx, ready_rx) = oneshot::channel();
-        tokio::spawn(queue_task(stream, host, rx, entries.max(2) - 1, ready_tx));
+        let trace = Arc::new(QueueTrace::default());
+        tokio::spawn(queue_task(
+            stream,
+            host,
+            rx,
+            entries.max(2) - 1,
+            ready_tx,
+            trace.clone(),
+        ));
         ready_rx
             .await
             .map_err(|_| NvmeError::Connection("closed before ICResp".into()))??;
         Ok(QueueHandle {
             tx,
             in_capsule: 8192,
+            trace,
         })
     }
 
@@ -297,8 +404,15 @@ impl QueueHandle {
         }
         let opcode = sqe.opcode();
         let (reply, rx) = oneshot::channel();
+        let traced = self.trace.is_on();
         self.tx
-            .send(Request { sqe, data, reply })
+            .send(Request {
+                sqe,
+                data,
+                reply,
+                // Keep Alive goes only to the admin queue.
+                ping: traced && opcode == AdminOpcode::KeepAlive.code(),
+            })
             .map_err(|_| NvmeError::Connection("the queue is closed".into()))?;
         let (cqe, bytes) = rx
             .await
@@ -364,6 +478,7 @@ async fn queue_task(
     mut rx: mpsc::UnboundedReceiver<Request>,
     depth: u16,
     ready: oneshot::Sender<Result<(), NvmeError>>,
+    trace: Arc<QueueTrace>,
 ) {
     let (mut rd, mut wr) = stream.into_split();
     let mut ready = Some(ready);
@@ -372,6 +487,8 @@ async fn queue_task(
     let mut waiting: VecDeque<Request> = VecDeque::new();
     let mut open = true;
     let mut spares = SpareBuffers::default();
+    // Commands written by the next flush, while tracing (and whether each is a ping).
+    let mut unsent: Vec<(u16, bool)> = Vec::new();
     loop {
         // Send what waits, as CIDs allow.
         while host.terms().is_some() && !free.is_empty() {
@@ -391,20 +508,46 @@ async fn queue_task(
                 let _ = r.reply.send(Err(NvmeError::Connection(e.to_string())));
                 continue;
             }
+            if trace.is_on() {
+                // Submitted once it has its CID: a command's records run from one
+                // submission of its CID to the next, and a request that waited for a free
+                // CID must not begin before the last command of that CID ended.
+                if !r.ping {
+                    let len = r.sqe.sgl().length();
+                    trace.record(Stage::Submitted, cid, cmdtrace::now_ns(), len);
+                }
+                unsent.push((cid, r.ping));
+            }
             flight.insert(
                 cid,
                 InFlight {
                     data: r.data,
                     damaged: false,
                     read: ReadData::Empty,
+                    ping: r.ping,
+                    first_data: false,
                     reply: r.reply,
                 },
             );
         }
+        // Sent when handed to the socket: on loopback the target may read it before the
+        // write returns.
+        let sending = if unsent.is_empty() {
+            0
+        } else {
+            cmdtrace::now_ns()
+        };
         if let Err(e) = flush(&mut wr, &mut host).await {
             let e = NvmeError::Connection(e.to_string());
             fail_all(&mut flight, &mut waiting, &e);
             return;
+        }
+        if !unsent.is_empty() {
+            let now = sending;
+            for (cid, ping) in unsent.drain(..) {
+                let stage = if ping { Stage::NopSent } else { Stage::Sent };
+                trace.record(stage, cid, now, 0);
+            }
         }
         if host.is_over() {
             let e = NvmeError::Connection("the controller ended the connection".into());
@@ -456,11 +599,15 @@ async fn queue_task(
                         HostEvent::Response(cqe) => {
                             if let Some(f) = flight.remove(&cqe.cid) {
                                 free.push(cqe.cid);
-                                f.end(cqe);
+                                f.end_traced(cqe, &trace);
                             }
                         }
                         HostEvent::Data { cid, offset, data, success, data_digest_ok, .. } => {
                             let Some(f) = flight.get_mut(&cid) else { continue };
+                            if !f.first_data && trace.is_on() {
+                                f.first_data = true;
+                                trace.record(Stage::FirstData, cid, cmdtrace::now_ns(), 0);
+                            }
                             if !data_digest_ok || offset as usize != f.read.len() {
                                 f.damaged = true;
                             } else {
@@ -469,7 +616,7 @@ async fn queue_task(
                             if success {
                                 let f = flight.remove(&cid).expect("present");
                                 free.push(cid);
-                                f.end(Cqe::new(cid, Status::SUCCESS));
+                                f.end_traced(Cqe::new(cid, Status::SUCCESS), &trace);
                             }
                         }
                         HostEvent::R2T(r2t) => {
@@ -526,6 +673,8 @@ pub struct NvmeController {
     pub namespace: NamespaceInfo,
     /// The largest transfer of one command, bytes.
     pub max_transfer: u32,
+    /// The subsystem's NQN.
+    nqn: String,
     keep_alive: tokio::task::JoinHandle<()>,
 }
 
@@ -760,6 +909,7 @@ impl NvmeController {
                 block_size: 1 << lbads,
             },
             max_transfer,
+            nqn: url.nqn.clone(),
             keep_alive,
         })
     }
@@ -770,6 +920,31 @@ impl NvmeController {
         sqe.set_qword(10, lba);
         sqe.set_cdw(12, blocks.saturating_sub(1) & 0xffff);
         sqe
+    }
+
+    /// Starts recording each command's stages on both queues (`run --trace`): submitted,
+    /// sent, first data, completion, handed back; Keep Alives sent with [`Self::ping`] date
+    /// the clocks, as NOPs do for iSCSI.
+    pub fn start_trace(&self) {
+        let session = |qid| cmdtrace::Record::session_of_queue(&self.nqn, self.cntlid, qid);
+        self.admin.trace.start(session(0));
+        self.io.trace.start(session(1));
+    }
+
+    /// Stops tracing and hands over both queues' records, and how many found the trace full.
+    pub fn take_trace(&self) -> (Vec<cmdtrace::Record>, u64) {
+        let (mut records, mut dropped) = self.admin.trace.take();
+        let (io, io_dropped) = self.io.trace.take();
+        records.extend(io);
+        dropped += io_dropped;
+        (records, dropped)
+    }
+
+    /// A Keep Alive on the admin queue, answered: a round trip (traced as a clock-dating
+    /// ping while tracing).
+    pub async fn ping(&self) -> Result<(), NvmeError> {
+        let sqe = Sqe::new(AdminOpcode::KeepAlive.code(), 0);
+        self.admin.command(sqe, Bytes::new(), 0).await.map(|_| ())
     }
 
     /// Reads `blocks` blocks at `lba`.

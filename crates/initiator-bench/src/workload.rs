@@ -85,7 +85,8 @@ pub struct Workload {
     /// How each I/O goes out as SCSI commands.
     pub split: Split,
     /// Record each command's stages (submitted, waiting for the CmdSN window, sent, first
-    /// data, status, completed) into [`Report::trace`].
+    /// data, status, completed) into [`Report::trace`]; iSCSI sessions and NVMe/TCP
+    /// controllers.
     pub trace: bool,
     /// Stop the run once more I/Os than this have failed (none: run on whatever fails).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -409,6 +410,14 @@ enum Io {
 }
 
 impl Io {
+    /// The NVMe/TCP controller, if that is where commands go.
+    fn nvme(&self) -> Option<&Arc<NvmeController>> {
+        match self {
+            Io::Nvme(c) => Some(c),
+            _ => None,
+        }
+    }
+
     /// The session commands go to now (none for NVMe/TCP).
     fn session(&self) -> Option<&Arc<Session>> {
         match self {
@@ -567,6 +576,13 @@ async fn run_on(
                 s.nop().await?;
             }
         }
+        for c in ends.iter().filter_map(Io::nvme) {
+            c.start_trace();
+            // Keep Alives are NVMe's NOPs.
+            for _ in 0..CLOCK_PINGS {
+                c.ping().await?;
+            }
+        }
     }
     let cpu0 = cpu_seconds();
     let t0 = Instant::now();
@@ -610,6 +626,14 @@ async fn run_on(
                 s.nop().await?;
             }
             let (mut records, dropped) = s.take_trace();
+            trace.append(&mut records);
+            trace_dropped += dropped;
+        }
+        for c in ends.iter().filter_map(Io::nvme) {
+            for _ in 0..CLOCK_PINGS {
+                c.ping().await?;
+            }
+            let (mut records, dropped) = c.take_trace();
             trace.append(&mut records);
             trace_dropped += dropped;
         }

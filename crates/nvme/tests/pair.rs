@@ -51,6 +51,8 @@ struct Link {
     /// Block operations are held here instead of run, while `hold` is set.
     hold: bool,
     held: Vec<(scsi_core::TaskId, scsi_core::Op, Vec<u8>)>,
+    /// What the shell would note of each PDU it wrote, while tracing.
+    sent: Vec<(cmdtrace::Stage, u16, u32)>,
 }
 
 struct Rig {
@@ -130,6 +132,7 @@ impl Rig {
             ended: (0, 0),
             hold: false,
             held: Vec::new(),
+            sent: Vec::new(),
         };
         self.run(&mut l);
         assert!(matches!(l.terms, Some(r) if r.digests == digests));
@@ -173,6 +176,9 @@ impl Rig {
             }
             while let Some(t) = l.conn.poll_transmit() {
                 moved = true;
+                if l.conn.trace_points().is_on() {
+                    l.sent.extend(t.sent_stages().into_iter().flatten());
+                }
                 l.host.receive(&deliver(t, &mut false));
             }
             while let Some(e) = l.host.poll_event() {
@@ -806,4 +812,68 @@ fn a_preempt_and_abort_waits_for_a_closed_connections_write() {
         .expect("B's Preempt and Abort")
         .status
         .is_success());
+}
+
+/// While tracing, each command's stages come out in order with its CID (a write through an
+/// R2T, a read), a Keep Alive on the admin queue is the clock-dating ping, and each PDU
+/// written names what it carried.
+#[test]
+fn traced_commands_report_their_stages() {
+    use cmdtrace::Stage::*;
+    let mut rig = Rig::new();
+    let (mut admin_q, cntlid) = admin_link(&mut rig);
+    let mut io = rig.link(Digests::default());
+    assert!(connect(&mut io, &mut rig, 1, cntlid, 0).status.is_success());
+    io.conn.trace_points().set(true);
+    admin_q.conn.trace_points().set(true);
+
+    io.outgoing.insert(30, pattern(16384, 3));
+    let w = io_cmd(NvmOpcode::Write, 30, 0, 32, Sgl::transport(16384));
+    io.host.send_command(&w, Bytes::new()).unwrap();
+    rig.run(&mut io);
+    let r = io_cmd(NvmOpcode::Read, 31, 0, 8, Sgl::transport(4096));
+    io.host.send_command(&r, Bytes::new()).unwrap();
+    rig.run(&mut io);
+    assert!(io.done.remove(&30).unwrap().status.is_success());
+    assert!(io.done.remove(&31).unwrap().status.is_success());
+    assert!(admin(
+        &mut admin_q,
+        &mut rig,
+        Sqe::new(AdminOpcode::KeepAlive.code(), 40)
+    )
+    .status
+    .is_success());
+
+    let mut points = Vec::new();
+    while let Some(p) = io.conn.trace_points().poll() {
+        assert_eq!(p.cmd_sn, 0, "NVMe has no CmdSN");
+        points.push((p.stage, p.itt, p.arg));
+    }
+    assert_eq!(
+        points,
+        [
+            (Received, 30, 16384),
+            (BufferWait, 30, 16384),
+            (R2tSent, 30, 16384),
+            (DataOutDone, 30, 0),
+            (BackendSubmit, 30, 16384),
+            (BackendDone, 30, 0),
+            (Responded, 30, 0),
+            (Received, 31, 4096),
+            (BufferWait, 31, 4096),
+            (BackendSubmit, 31, 4096),
+            (BackendDone, 31, 0),
+            (Responded, 31, 4096),
+        ]
+    );
+    assert_eq!(
+        io.sent,
+        [
+            (StatusSent, 30, 0),
+            (DataInSent, 31, 4096),
+            (StatusSent, 31, 0),
+        ]
+    );
+    let ping = admin_q.conn.trace_points().poll().expect("a point");
+    assert_eq!((ping.stage, ping.itt), (NopReceived, 40));
 }

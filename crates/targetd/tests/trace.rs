@@ -338,3 +338,109 @@ async fn a_small_ring_fills_and_the_loss_is_counted() {
     s.logout().await.expect("logout");
     d.stop();
 }
+
+/// NVMe/TCP commands are traced on both sides, keyed by subsystem, controller and queue, with
+/// the CID for the ITT: the report joins each of the host's commands to the target's, and
+/// Keep Alives on the admin queue date the clocks as NOPs do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nvme_commands_are_traced_on_both_sides() {
+    use initiator_bench::nvme::{NvmeOptions, NvmeUrl};
+    use initiator_bench::workload::{Rw, Workload};
+    let _turn = ONE_AT_A_TIME.lock().await;
+    const NQN: &str = "nqn.2026-11.io.example:traced";
+    let text = format!(
+        "[server]\nportals = [\"127.0.0.1:0\"]\nnvme_portals = [\"127.0.0.1:0\"]\n\
+         admin_socket = \"@SOCKET@\"\nreactors = 1\n\n\
+         [[subsystems]]\nnqn = \"{NQN}\"\n\n\
+         [[subsystems.namespaces]]\nnsid = 1\nbackend = \"memory\"\nsize = \"16MiB\"\n"
+    );
+    let portal = std::sync::Mutex::new(None);
+    let d = Daemon::start_with(&text, |s| {
+        *portal.lock().unwrap() = Some(s.nvme_portals()[0])
+    });
+    let portal = portal.into_inner().unwrap().expect("an NVMe/TCP portal");
+    let url = NvmeUrl::parse(&format!("nvme://{portal}/{NQN}/1")).expect("url");
+    let out = d.dir.path().join("nvme.trace");
+    admin(&d, json!({"command": "trace-start", "out": out})).expect("started");
+    let w = Workload {
+        rw: Rw::Randrw,
+        bs: 16384,
+        qd: 4,
+        ios: Some(300),
+        size: Some(1 << 20),
+        trace: true,
+        ..Workload::default()
+    };
+    let r = initiator_bench::workload::run_nvme(
+        std::slice::from_ref(&url),
+        &NvmeOptions::default(),
+        &w,
+        Default::default(),
+    )
+    .await
+    .expect("the run");
+    assert_eq!(r.errors, 0);
+    admin(&d, json!({"command": "trace-stop"})).expect("stopped");
+    let target = read_trace(&out);
+    // The I/O queue's session: this subsystem, the first controller, queue 1.
+    let session = Record::session_of_queue(NQN, 1, 1);
+    let lives: Vec<_> = initiator_bench::trace::commands(&target.records)
+        .into_iter()
+        .filter(|c| c.session == session && c.ended())
+        .collect();
+    assert!(
+        lives.len() >= 300,
+        "{} NVMe/TCP commands traced",
+        lives.len()
+    );
+    for c in &lives {
+        let stages: Vec<Stage> = c.stages.iter().map(|s| s.0).collect();
+        for s in [Stage::BufferWait, Stage::BackendSubmit, Stage::BackendDone] {
+            assert!(stages.contains(&s), "CID {}: {stages:?}", c.itt);
+        }
+        assert_eq!(
+            stages.last(),
+            Some(&Stage::StatusSent),
+            "CID {}: {stages:?}",
+            c.itt
+        );
+        if stages.contains(&Stage::R2tSent) {
+            assert!(
+                stages.contains(&Stage::DataOutDone),
+                "CID {}: {stages:?}",
+                c.itt
+            );
+        }
+    }
+    assert!(
+        lives.iter().any(|c| c.at(Stage::DataInSent).is_some()),
+        "reads sent data"
+    );
+    assert!(
+        lives.iter().any(|c| c.at(Stage::R2tSent).is_some()),
+        "16 KiB writes (more than in a capsule) take an R2T"
+    );
+    let initiator = TraceFile {
+        side: Side::Initiator,
+        offset_ns: 0,
+        dropped: 0,
+        records: r.trace.clone(),
+    };
+    assert!(initiator
+        .records
+        .iter()
+        .all(|r| r.session >> 16 == session >> 16));
+    let report = initiator_bench::trace::report(&target, Some(&initiator), false);
+    let (clock, _) = report.clock.expect("Keep Alives in both traces");
+    assert!(clock.samples >= 8, "{clock:?}");
+    let side = report.initiator.expect("the host's side");
+    assert!(side.commands >= 300, "{}", side.commands);
+    let joined = side
+        .spans
+        .iter()
+        .find(|(name, _)| *name == "sent to arrival at the target")
+        .and_then(|(_, p)| p.as_ref())
+        .expect("commands joined across the two sides");
+    assert!(joined.count >= 300, "{joined:?}");
+    d.stop();
+}

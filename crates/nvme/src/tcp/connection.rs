@@ -21,6 +21,7 @@ use std::ops::DerefMut;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
+use cmdtrace::{Points, Stage};
 use scsi_core::transport::{Accounting, Event};
 use scsi_core::{BackendError, Op, Output, TaskId};
 
@@ -173,6 +174,11 @@ pub struct ControllerConnection<B> {
     draining: Vec<(u64, u32)>,
     /// The first command of a fused pair, waiting for the second (the next command).
     fused_first: Option<(Sqe, Bytes)>,
+    /// Each command's stages, while tracing ([`ControllerConnection::trace_points`]); the
+    /// CID stands where iSCSI's ITT does.
+    trace: Points,
+    /// The `now` of the step in progress, for the trace points of a step.
+    now: Option<Instant>,
 }
 
 impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
@@ -189,6 +195,22 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
             dropped: false,
             draining: Vec::new(),
             fused_first: None,
+            trace: Points::default(),
+            now: None,
+        }
+    }
+
+    /// The commands' trace points (off until the shell turns them on): arrival, buffer wait,
+    /// R2T, data in, block operation submitted and ended, response queued; a Keep Alive on
+    /// the admin queue is the ping that dates the host's clock against ours.
+    pub fn trace_points(&mut self) -> &mut Points {
+        &mut self.trace
+    }
+
+    /// Notes that command `cid` reached `stage`, while tracing.
+    fn trace(&mut self, stage: Stage, cid: u16, arg: u32) {
+        if let Some(at) = self.now.filter(|_| self.trace.is_on()) {
+            self.trace.push(at, stage, u32::from(cid), 0, arg);
         }
     }
 
@@ -242,6 +264,7 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
     /// Takes the commands and data received, answering what the subsystem answers, and
     /// sends the asynchronous events waiting for this controller's admin queue.
     pub fn handle(&mut self, now: Instant, subsystem: &mut Subsystem) {
+        self.now = Some(now);
         while let Some(e) = self.queue.poll_event() {
             match e {
                 QueueEvent::Command {
@@ -363,6 +386,7 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
     /// Time passed: keep alive is checked; a connection of a controller that failed (or is
     /// gone) is over.
     pub fn handle_timeout(&mut self, now: Instant, subsystem: &mut Subsystem) {
+        self.now = Some(now);
         subsystem.handle_timeout(now);
         if let Some(q) = self.bound {
             if !subsystem.is_live(q.cntlid) {
@@ -374,6 +398,7 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
     /// The buffer command `tag` asked for ([`Event::BufferWanted`]); `None` when none can
     /// ever be had.
     pub fn handle_buffer(&mut self, now: Instant, tag: u64, buffer: Option<B>) {
+        self.now = Some(now);
         let cid = tag as u16;
         let Some(c) = self.commands.get_mut(&cid) else {
             return;
@@ -402,8 +427,9 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
                 c.buffer = Some(buffer);
                 c.phase = Phase::Data;
                 if self.queue.request_data(cid, 0, len).is_err() {
-                    self.finish(now, cid, Status::INTERNAL_ERROR);
+                    return self.finish(now, cid, Status::INTERNAL_ERROR);
                 }
+                self.trace(Stage::R2tSent, cid, len);
             }
             Transfer::None | Transfer::ToHost { .. } => {
                 c.buffer = Some(buffer);
@@ -420,12 +446,17 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         buffer: B,
         result: Result<Output, BackendError>,
     ) {
+        self.now = Some(now);
         let cid = task.to_bits() as u16;
-        let Some(c) = self
+        if !self
             .commands
-            .get_mut(&cid)
-            .filter(|c| c.task == task && c.phase == Phase::Backend)
-        else {
+            .get(&cid)
+            .is_some_and(|c| c.task == task && c.phase == Phase::Backend)
+        {
+            return;
+        }
+        self.trace(Stage::BackendDone, cid, 0);
+        let Some(c) = self.commands.get_mut(&cid) else {
             return;
         };
         self.in_backend -= 1;
@@ -475,6 +506,7 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
                 return self.finish(now, cid, Status::INTERNAL_ERROR);
             }
             if quiet {
+                self.trace(Stage::Responded, cid, len);
                 return self.retire(now, cid, false);
             }
         }
@@ -543,6 +575,12 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
             }
             return;
         };
+        let stage = if bound.qid == 0 && sqe.opcode() == AdminOpcode::KeepAlive.code() {
+            Stage::NopReceived
+        } else {
+            Stage::Received
+        };
+        self.trace(stage, cid, sqe.sgl().length());
         if self.commands.contains_key(&cid) {
             return self.complete(Cqe::new(cid, Status::COMMAND_ID_CONFLICT));
         }
@@ -645,7 +683,9 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
             tag: u64::from(cid),
             len: c.len,
         });
+        let len = c.len as u32;
         self.commands.insert(cid, c);
+        self.trace(Stage::BufferWait, cid, len);
     }
 
     /// Sends what the subsystem answered command `cid` with (not an I/O command).
@@ -696,6 +736,10 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         c.received = c.received.saturating_add(data.len() as u32);
         c.damaged |= !digest_ok;
         if last {
+            self.trace(Stage::DataOutDone, cid, 0);
+            let Some(c) = self.commands.get_mut(&cid) else {
+                return;
+            };
             if c.damaged {
                 return self.finish(now, cid, Status::TRANSIENT_TRANSPORT_ERROR);
             }
@@ -792,12 +836,14 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         };
         c.phase = Phase::Backend;
         self.in_backend += 1;
+        let len = buffer.len() as u32;
         self.events.push_back(Event::Backend {
             task: c.task,
             lun: c.nsid as u16,
             op,
             buffer,
         });
+        self.trace(Stage::BackendSubmit, cid, len);
     }
 
     /// Ends I/O command `cid` with `status`; the other of a fused pair, which cannot run
@@ -974,6 +1020,18 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
 
     /// Sends `cqe`, with this queue's SQ head pointer and ID.
     fn complete(&mut self, cqe: Cqe) {
+        if self.trace.is_on() {
+            // A read's data went out just before its completion.
+            let data = self
+                .commands
+                .get(&cqe.cid)
+                .filter(|_| cqe.status.is_success())
+                .map_or(0, |c| match c.transfer {
+                    Transfer::ToHost { len } => len,
+                    _ => 0,
+                });
+            self.trace(Stage::Responded, cqe.cid, data);
+        }
         let cqe = Cqe {
             sqhd: self.sqhd,
             sqid: self.bound.map_or(0, |q| q.qid),

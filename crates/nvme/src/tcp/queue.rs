@@ -16,11 +16,12 @@ use std::collections::VecDeque;
 use std::ops::Deref;
 
 use bytes::{Bytes, BytesMut};
+use cmdtrace::Stage;
 
 use super::deframer::{DeframeError, Deframer, Limits, Pdu, Side};
 use super::pdu::{
-    encode, DataHeader, Digests, EncodedHeader, FatalError, Framing, Header, IcResp, R2t, TermReq,
-    MAX_PDA, MIN_MAXH2CDATA, PFV_1_0,
+    encode, DataHeader, Digests, EncodedHeader, FatalError, Framing, Header, IcResp, PduType, R2t,
+    TermReq, MAX_PDA, MIN_MAXH2CDATA, PFV_1_0, SUCCESS,
 };
 use crate::cqe::Cqe;
 use crate::sqe::Sqe;
@@ -186,6 +187,31 @@ impl<B: Deref<Target = [u8]>> Transmit<B> {
     pub fn term_req(header: &Header, pdu_header: &[u8]) -> Option<Transmit<B>> {
         let error_data = Bytes::copy_from_slice(&pdu_header[..pdu_header.len().min(128)]);
         Transmit::frame(header, error_data, &Framing::default())
+    }
+
+    /// What the shell notes once it has written this PDU, while tracing (`cmdtrace`): a
+    /// C2HData's data sent (its CID and length) and, with SUCCESS, its command ended; a
+    /// CapsuleResp's command ended.
+    pub fn sent_stages(&self) -> [Option<(Stage, u16, u32)>; 2] {
+        let h = self.header.as_bytes();
+        let le16 = |at: usize| h.get(at..at + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+        match h.first().copied().and_then(PduType::from_code) {
+            Some(PduType::C2HData) => {
+                let Some(cid) = le16(8) else {
+                    return [None, None];
+                };
+                let ended = h[1] & SUCCESS != 0;
+                [
+                    Some((Stage::DataInSent, cid, self.data.len() as u32)),
+                    ended.then_some((Stage::StatusSent, cid, 0)),
+                ]
+            }
+            // The CQE follows the common header; its CID is at byte 12 of it.
+            Some(PduType::CapsuleResp) => {
+                [le16(8 + 12).map(|cid| (Stage::StatusSent, cid, 0)), None]
+            }
+            _ => [None, None],
+        }
     }
 
     /// Its length on the wire.

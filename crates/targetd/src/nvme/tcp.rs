@@ -182,6 +182,13 @@ impl Conn {
         }
     }
 
+    /// The trace session of its queue (`cmdtrace`), once connected: subsystem, controller
+    /// and queue, as the host names it too.
+    fn trace_session(&self) -> Option<u64> {
+        let (s, q) = (self.subsystem.as_ref()?, self.machine.bound()?);
+        Some(cmdtrace::Record::session_of_queue(&s.nqn, q.cntlid, q.qid))
+    }
+
     /// The connection is over: the block operations still running end (within
     /// [`DRAIN_TIMEOUT`]) before their buffers go, and then its queue leaves its controller.
     async fn close(&mut self) {
@@ -248,11 +255,21 @@ async fn run(
     let mut waiting = None;
     loop {
         conn.pump(registry, peer);
+        // Tracing on, or just turned off (its points then go off too).
+        let trace = (cmdtrace::enabled() || conn.machine.trace_points().is_on())
+            .then(|| conn.trace_session())
+            .flatten();
+        if let Some(key) = trace {
+            crate::trace::record_points(conn.machine.trace_points(), key, conn.carrier.io());
+        }
         while let Some(t) = conn.machine.poll_transmit() {
             batch.push(t);
         }
         if !batch.is_empty() {
             send(&mut wr, &batch, stall).await?;
+            if let Some(key) = trace.filter(|_| cmdtrace::enabled()) {
+                sent(key, conn.carrier.io(), &batch);
+            }
             batch.clear();
         }
         if conn.machine.is_over() {
@@ -324,6 +341,23 @@ async fn run(
             }
             _ = wait_for(control, Request::Logout) => {}
         }
+    }
+}
+
+/// Records the read data and the completions a batch written to the socket carried (while
+/// tracing), on the reactor's clock as the machine's points are.
+fn sent(session: u64, io: &Io, batch: &[Transmit<Buffer>]) {
+    let at_ns = io.clock.ns(Instant::now());
+    for (stage, cid, arg) in batch.iter().flat_map(|t| t.sent_stages()).flatten() {
+        cmdtrace::record(cmdtrace::Record {
+            at_ns,
+            session,
+            itt: u32::from(cid),
+            cmd_sn: 0,
+            stage,
+            lane: io.index as u8,
+            arg,
+        });
     }
 }
 
