@@ -70,6 +70,19 @@ pub enum AdminRequest {
         #[serde(default)]
         force: bool,
     },
+    /// Exports an NVM subsystem (with the namespaces it names); the discovery log lists it.
+    SubsystemAdd {
+        /// The subsystem, as in the config file.
+        subsystem: config::Subsystem,
+    },
+    /// Stops exporting an NVM subsystem: its connections close.
+    SubsystemRemove {
+        /// Its NQN.
+        nqn: String,
+        /// Also while controllers are connected (their hosts lose it).
+        #[serde(default)]
+        force: bool,
+    },
     /// Adds a namespace to a subsystem; its controllers hear of it.
     NamespaceAdd {
         /// The subsystem's NQN.
@@ -495,6 +508,7 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
     let made = match &req {
         AdminRequest::LunAdd { target, lun } => Some(format!("{target} LUN {}", lun.lun)),
         AdminRequest::TargetAdd { target } => Some(format!("target {}", target.name)),
+        AdminRequest::SubsystemAdd { subsystem } => Some(format!("subsystem {}", subsystem.nqn)),
         AdminRequest::NamespaceAdd {
             subsystem,
             namespace,
@@ -507,6 +521,7 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
     let gone = match &req {
         AdminRequest::LunRemove { target, lun, .. } => Some(format!("{target} LUN {lun}")),
         AdminRequest::TargetRemove { name, .. } => Some(format!("target {name}")),
+        AdminRequest::SubsystemRemove { nqn, .. } => Some(format!("subsystem {nqn}")),
         AdminRequest::NamespaceRemove {
             subsystem, nsid, ..
         } => Some(format!("subsystem {subsystem} namespace {nsid}")),
@@ -520,6 +535,7 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
             | AdminRequest::TargetRemove { force: true, .. }
             | AdminRequest::NamespaceRemove { force: true, .. }
             | AdminRequest::NamespaceResize { force: true, .. }
+            | AdminRequest::SubsystemRemove { force: true, .. }
     );
     // A portal may be named by the address it bound (after port 0).
     let req = match req {
@@ -537,8 +553,15 @@ fn change(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
             unsaved.insert(what);
         }
         if let Some(what) = gone {
-            let lun_prefix = what.strip_prefix("target ").map(|n| format!("{n} LUN "));
-            unsaved.retain(|u| *u != what && lun_prefix.as_ref().is_none_or(|p| !u.starts_with(p)));
+            // What was made inside it goes with it.
+            let inside = match what.strip_prefix("target ") {
+                Some(name) => Some(format!("{name} LUN ")),
+                None => what
+                    .strip_prefix("subsystem ")
+                    .filter(|nqn| !nqn.contains(" namespace "))
+                    .map(|nqn| format!("subsystem {nqn} namespace ")),
+            };
+            unsaved.retain(|u| *u != what && inside.as_ref().is_none_or(|p| !u.starts_with(p)));
         }
     }
     let mut changes = changes;
@@ -632,6 +655,16 @@ fn edit(config: &mut Config, change: AdminRequest) -> Result<(), String> {
             .ok_or(format!("no subsystem {nqn}"))
     };
     match change {
+        AdminRequest::SubsystemAdd { subsystem } => {
+            if config.subsystems.iter().any(|s| s.nqn == subsystem.nqn) {
+                return Err(format!("subsystem {} exists already", subsystem.nqn));
+            }
+            config.subsystems.push(subsystem);
+        }
+        AdminRequest::SubsystemRemove { nqn, .. } => {
+            let i = subsystem(config, &nqn)?;
+            config.subsystems.remove(i);
+        }
         AdminRequest::NamespaceAdd {
             subsystem: nqn,
             namespace,

@@ -634,3 +634,100 @@ async fn fused_compare_and_write_is_atomic_where_the_storage_is() {
     drop((c, f));
     d.stop();
 }
+
+/// `targetctl subsystem add` exports a subsystem at once (the discovery log lists it, its
+/// namespaces come with `namespace add`, a reload keeps it until saved); `subsystem remove`
+/// is refused while controllers are connected unless forced, and then closes them: the host
+/// loses the subsystem, discovery no longer names it, the other subsystem is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn targetctl_adds_and_removes_subsystems() {
+    const SECOND: &str = "nqn.2026-11.io.example:second";
+    let (d, addr, disc, _) = daemon("");
+    let first = NvmeController::connect(&url(addr, NQN, 1), &NvmeOptions::default())
+        .await
+        .unwrap();
+    let listed = |found: &[initiator_bench::nvme::Discovered]| {
+        found
+            .iter()
+            .filter(|e| e.subtype == 2)
+            .map(|e| e.nqn.clone())
+            .collect::<Vec<_>>()
+    };
+    let found = discover(&disc.to_string(), &NvmeOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(listed(&found), [NQN]);
+
+    let out = targetctl(&d, &["subsystem", "add", SECOND, "--host", HOST]).expect("add");
+    assert!(
+        out.contains(&format!("subsystem {SECOND} added (0 namespaces)")),
+        "{out}"
+    );
+    let e = targetctl(&d, &["subsystem", "add", SECOND]).unwrap_err();
+    assert!(e.contains("exists already"), "{e}");
+    let found = discover(&disc.to_string(), &NvmeOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(listed(&found), [NQN, SECOND]);
+    let out = targetctl(
+        &d,
+        &[
+            "namespace",
+            "add",
+            SECOND,
+            "1",
+            "--backend",
+            "memory",
+            "--size",
+            "8MiB",
+        ],
+    )
+    .expect("namespace add");
+    assert!(out.contains("namespace 1 added"), "{out}");
+    let second = NvmeController::connect(&url(addr, SECOND, 1), &NvmeOptions::default())
+        .await
+        .expect("the new subsystem");
+    let data = pattern(4096, 7);
+    second.write(8, data.clone()).await.unwrap();
+    assert_eq!(second.read(8, 8).await.unwrap(), data);
+
+    // Made live and not saved: a reload of the file (which lacks it) is refused.
+    let e = d.registry.reload(false).unwrap_err();
+    assert!(e.contains(&format!("subsystem {SECOND}")), "{e}");
+    // Connected: removing it needs --force.
+    let e = targetctl(&d, &["subsystem", "remove", SECOND]).unwrap_err();
+    assert!(e.contains("1 controller") && e.contains("--force"), "{e}");
+    assert_eq!(second.read(8, 8).await.unwrap(), data);
+    targetctl(&d, &["config", "save"]).expect("save");
+    let saved = std::fs::read_to_string(d.dir.path().join("config.toml")).unwrap();
+    assert!(saved.contains(SECOND), "{saved}");
+
+    let out = targetctl(&d, &["subsystem", "remove", SECOND, "--force"]).expect("forced");
+    assert!(
+        out.contains(&format!("subsystem {SECOND} removed")),
+        "{out}"
+    );
+    let e = second.read(8, 8).await.unwrap_err();
+    assert!(
+        matches!(e, NvmeError::Connection(_)),
+        "its connections closed: {e}"
+    );
+    let found = discover(&disc.to_string(), &NvmeOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(listed(&found), [NQN]);
+    let e = NvmeController::connect(&url(addr, SECOND, 1), &NvmeOptions::default())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, NvmeError::Status { .. } | NvmeError::Protocol(_)),
+        "{e}"
+    );
+    let e = targetctl(&d, &["subsystem", "remove", SECOND]).unwrap_err();
+    assert!(e.contains(&format!("no subsystem {SECOND}")), "{e}");
+    // The first subsystem and its host are untouched.
+    first.write(0, data.clone()).await.unwrap();
+    assert_eq!(first.read(0, 8).await.unwrap(), data);
+    drop((first, second));
+    d.stop();
+}

@@ -76,6 +76,11 @@ enum Command {
         #[command(subcommand)]
         action: LunAction,
     },
+    /// NVM subsystems: add, remove, at once (`config save` keeps them).
+    Subsystem {
+        #[command(subcommand)]
+        action: SubsystemAction,
+    },
     /// NVMe namespaces of a subsystem: add, remove, resize (`config save` keeps them).
     Namespace {
         #[command(subcommand)]
@@ -254,6 +259,34 @@ impl UnitArgs {
             standby: self.standby,
         })
     }
+}
+
+#[derive(Subcommand)]
+enum SubsystemAction {
+    /// Exports a new NVM subsystem, without namespaces (add them with `namespace add`); the
+    /// discovery log lists it at once.
+    Add {
+        /// Its NQN (nqn.yyyy-mm.reverse.domain:name).
+        nqn: String,
+        /// Host NQNs allowed to connect (repeat the option; none: any host).
+        #[arg(long = "host")]
+        hosts: Vec<String>,
+        /// The serial number its controllers report (default: derived from the NQN).
+        #[arg(long)]
+        serial: Option<String>,
+        /// The model its controllers report (default: targetd).
+        #[arg(long)]
+        model: Option<String>,
+    },
+    /// Stops exporting a subsystem: its connections close, its namespaces are flushed and
+    /// closed. Refused while controllers are connected, unless --force.
+    Remove {
+        /// Its NQN.
+        nqn: String,
+        /// Remove it even while controllers are connected (their hosts lose it).
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 #[allow(clippy::large_enum_variant)]
@@ -621,6 +654,23 @@ fn run(args: Args) -> Result<()> {
                 };
                 AdminRequest::LunFault { target, lun, fault }
             }
+        },
+        Command::Subsystem { action } => match action {
+            SubsystemAction::Add {
+                nqn,
+                hosts,
+                serial,
+                model,
+            } => AdminRequest::SubsystemAdd {
+                subsystem: config::Subsystem {
+                    nqn,
+                    serial,
+                    model,
+                    hosts,
+                    namespaces: Vec::new(),
+                },
+            },
+            SubsystemAction::Remove { nqn, force } => AdminRequest::SubsystemRemove { nqn, force },
         },
         Command::Namespace { action } => match action {
             NamespaceAction::Add {

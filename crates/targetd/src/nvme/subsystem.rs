@@ -28,6 +28,9 @@ pub struct NvmeSubsystem {
     pub config: RwLock<config::Subsystem>,
     machine: Mutex<Subsystem>,
     namespaces: RwLock<BTreeMap<u32, Arc<Lun>>>,
+    /// Removed from the daemon (`targetctl subsystem remove`, a reload): its connections
+    /// close at their next wake.
+    removed: std::sync::atomic::AtomicBool,
     /// Moves on when something may wait in the machine for the controllers' connections
     /// (asynchronous events for admin queues, a Preempt and Abort's aborts and completion for
     /// I/O queues), which watch it: a change made while one was busy is seen at its next wait.
@@ -88,6 +91,7 @@ impl NvmeSubsystem {
             config: RwLock::new(config.clone()),
             machine: Mutex::new(machine),
             namespaces: RwLock::default(),
+            removed: Default::default(),
             events: tokio::sync::watch::Sender::new(0),
         });
         for ns in &config.namespaces {
@@ -122,6 +126,7 @@ impl NvmeSubsystem {
             }),
             machine: Mutex::new(machine),
             namespaces: RwLock::default(),
+            removed: Default::default(),
             events: tokio::sync::watch::Sender::new(0),
         })
     }
@@ -297,6 +302,19 @@ impl NvmeSubsystem {
         if let Some(unit) = u32::try_from(a.lun).ok().and_then(|n| self.namespace(n)) {
             unit.stats.count(a);
         }
+    }
+
+    /// Takes it out of service: its connections close at their next wake (this wakes
+    /// them), and a Connect to it is refused from now on (the registry no longer lists it).
+    pub fn remove(&self) {
+        self.removed
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.events.send_modify(|n| *n += 1);
+    }
+
+    /// Whether it was removed ([`NvmeSubsystem::remove`]).
+    pub fn is_removed(&self) -> bool {
+        self.removed.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// The controllers connected: CNTLID and host NQN.

@@ -254,6 +254,10 @@ async fn run(
     tokio::pin!(timer);
     let mut waiting = None;
     loop {
+        if conn.subsystem.as_ref().is_some_and(|s| s.is_removed()) {
+            tracing::info!(%peer, "NVMe/TCP connection ends: its subsystem was removed");
+            return Ok(());
+        }
         conn.pump(registry, peer);
         // Tracing on, or just turned off (its points then go off too).
         let trace = (cmdtrace::enabled() || conn.machine.trace_points().is_on())

@@ -100,6 +100,20 @@ fn holds(config: &Config, what: &str) -> bool {
     if let Some(name) = what.strip_prefix("target ") {
         return target(name).is_some();
     }
+    if let Some(rest) = what.strip_prefix("subsystem ") {
+        let (nqn, nsid) = match rest.rsplit_once(" namespace ") {
+            Some((nqn, nsid)) => (nqn, Some(nsid)),
+            None => (rest, None),
+        };
+        let Some(sub) = config.subsystems.iter().find(|s| s.nqn == nqn) else {
+            return false;
+        };
+        return nsid.is_none_or(|n| {
+            sub.namespaces
+                .iter()
+                .any(|ns| n.parse::<u32>().is_ok_and(|n| ns.nsid == n))
+        });
+    }
     match what.rsplit_once(" LUN ") {
         Some((name, lun)) => target(name).is_some_and(|t| {
             t.luns
@@ -532,13 +546,17 @@ impl Registry {
         refusals
     }
 
-    /// The namespaces of the subsystems that stay, made as `new` says: those added are
-    /// opened and attached, those removed detached (while controllers are connected, only
-    /// with `force`: their hosts lose them); hosts hear of both through Namespace Attribute
-    /// Changed notices. Everything else about subsystems (one added or removed, a namespace's
-    /// keys changed) takes effect at the next start, and `new` keeps what runs now for it, so
-    /// the running config says what runs. Nothing changes when a namespace cannot be opened.
-    fn change_namespaces(
+    /// The subsystems and their namespaces made as `new` says. A subsystem added is opened
+    /// with its namespaces and exported (the discovery log lists it at once); one removed
+    /// leaves the discovery log, its connections close and its namespaces are flushed (while
+    /// controllers are connected, only with `force`: their hosts lose it). In the subsystems
+    /// that stay, namespaces added are opened and attached, those removed detached (while
+    /// controllers are connected, only with `force`), and hosts hear of both through
+    /// Namespace Attribute Changed notices. Everything else about a subsystem that stays (its
+    /// hosts, serial, model; a namespace's keys other than its size) takes effect at the next
+    /// start, and `new` keeps what runs now for it, so the running config says what runs.
+    /// Nothing changes when a subsystem or a namespace cannot be opened.
+    fn change_subsystems(
         &self,
         old: &Config,
         new: &mut Config,
@@ -548,15 +566,13 @@ impl Registry {
         let mut adds = Vec::new();
         let mut removes = Vec::new();
         let mut resizes = Vec::new();
+        let mut added = Vec::new();
         for sub in &mut new.subsystems {
             let (Some(running), Some(was)) = (
                 self.subsystems().into_iter().find(|s| s.nqn == sub.nqn),
                 old.subsystems.iter().find(|s| s.nqn == sub.nqn),
             ) else {
-                changes.push(format!(
-                    "subsystem {}: takes effect at the next start",
-                    sub.nqn
-                ));
+                added.push(sub.clone());
                 continue;
             };
             let mut kept = Vec::new();
@@ -626,15 +642,38 @@ impl Registry {
             }
             sub.namespaces = kept;
         }
+        let mut removed = Vec::new();
         for was in &old.subsystems {
             if new.subsystems.iter().all(|s| s.nqn != was.nqn) {
-                changes.push(format!(
-                    "subsystem {}: takes effect at the next start",
-                    was.nqn
-                ));
+                let Some(running) = self.subsystems().into_iter().find(|s| s.nqn == was.nqn) else {
+                    continue;
+                };
+                let connected = running.controllers().len();
+                if connected > 0 && !force {
+                    return Err(format!(
+                        "subsystem {}: {} connected would lose it; add --force to do it",
+                        was.nqn,
+                        plural(connected, "controller")
+                    ));
+                }
+                removed.push(running);
             }
         }
-        // Open every new namespace before attaching any.
+        // Open every new subsystem and namespace before exporting or attaching any.
+        let mut made = Vec::new();
+        for sub in &added {
+            let store = match &old.server.state_dir {
+                Some(dir) => Some(Box::new(
+                    scsi_core::pr::FileStore::new(dir)
+                        .map_err(|e| format!("server.state_dir: {}: {e}", dir.display()))?,
+                ) as Box<dyn scsi_core::pr::PrStore>),
+                None => None,
+            };
+            made.push(
+                NvmeSubsystem::new(sub, &old.nvme, store)
+                    .map_err(|(nsid, e)| format!("subsystem {} namespace {nsid}: {e}", sub.nqn))?,
+            );
+        }
         let mut opened = Vec::new();
         for (s, ns) in adds {
             let unit = s
@@ -662,6 +701,35 @@ impl Registry {
                 units::format_size(bytes)
             ));
         }
+        if made.is_empty() && removed.is_empty() {
+            return Ok(changes);
+        }
+        {
+            let mut list = self
+                .subsystems
+                .write()
+                .unwrap_or_else(PoisonError::into_inner);
+            list.retain(|s| removed.iter().all(|r| !Arc::ptr_eq(r, s)));
+            for s in &made {
+                changes.push(format!(
+                    "subsystem {} added ({})",
+                    s.nqn,
+                    plural(s.namespaces().len(), "namespace")
+                ));
+                list.push(s.clone());
+            }
+        }
+        for s in removed {
+            // Its connections see it gone at their next wake, which this is, and close.
+            s.remove();
+            for (nsid, unit) in s.namespaces() {
+                if let Err(e) = unit.storage.flush() {
+                    tracing::error!(subsystem = %s.nqn, nsid, "flush: {e}");
+                }
+            }
+            changes.push(format!("subsystem {} removed", s.nqn));
+        }
+        self.update_discovery();
         Ok(changes)
     }
 
@@ -694,7 +762,7 @@ impl Registry {
             // The keeper, the port group and every unit's shared reservations come with it.
             changes.push("cluster: takes effect at the next start".into());
         }
-        changes.extend(self.change_namespaces(&old, &mut new, force)?);
+        changes.extend(self.change_subsystems(&old, &mut new, force)?);
         if old.nvme != new.nvme {
             changes.push("nvme: takes effect at the next start".into());
         }
