@@ -510,6 +510,9 @@ async fn targetctl_adds_resizes_and_removes_namespaces() {
     )
     .expect("namespace add");
     assert!(out.contains("namespace 4 added"), "{out}");
+    // Not saved: a reload of the file, which lacks it, is refused.
+    let e = d.registry.reload(false).unwrap_err();
+    assert!(e.contains(&format!("subsystem {NQN} namespace 4")), "{e}");
     let (_, list) = changed_namespaces(&c).await.unwrap();
     assert_eq!(&list[..8], &[4, 0, 0, 0, 0, 0, 0, 0]);
     let c4 = NvmeController::connect(&url(addr, NQN, 4), &NvmeOptions::default())
