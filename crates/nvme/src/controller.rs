@@ -22,6 +22,7 @@
 //! ([`Subsystem::poll_abort`], [`Subsystem::aborted`]).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -166,6 +167,9 @@ struct Controller {
     namespace_notice_masked: bool,
     /// A Discovery Log Page Change notice went and the host has not read the log since.
     discovery_notice_masked: bool,
+    /// The address the host reached this controller at (its admin queue's connection): what
+    /// the discovery log says for a port listening on every address.
+    reached: Option<IpAddr>,
     /// Keep alive expired: it takes no more commands.
     failed: bool,
     /// Its host, as reservations name it (by Host Identifier).
@@ -428,6 +432,15 @@ impl Subsystem {
         })
     }
 
+    /// Tells controller `cntlid` the address its host reached it at (the local address of
+    /// its admin queue's connection): a discovery log entry for a port listening on every
+    /// address (0.0.0.0, ::) names this one instead, which the host can connect to.
+    pub fn set_reached_address(&mut self, cntlid: u16, address: IpAddr) {
+        if let Some(c) = self.controllers.get_mut(&cntlid) {
+            c.reached = Some(address);
+        }
+    }
+
     /// Whether controller `cntlid` is there and its keep alive has not expired.
     pub fn is_live(&self, cntlid: u16) -> bool {
         self.controllers.get(&cntlid).is_some_and(|c| !c.failed)
@@ -524,6 +537,7 @@ impl Subsystem {
                     changed: BTreeSet::new(),
                     namespace_notice_masked: false,
                     discovery_notice_masked: false,
+                    reached: None,
                     failed: false,
                     host: reservation::host(d.hostid),
                     reservation_log: VecDeque::new(),
@@ -1160,12 +1174,30 @@ impl Subsystem {
                 }
                 let host = c.hostnqn.as_str();
                 let d = self.discovery.as_ref().expect("checked");
-                let seen: Vec<&log_page::DiscoveryEntry> = d
+                // A wildcard listener is named by the address this host reached (the
+                // iSCSI SendTargets answer does the same).
+                let reached = |e: &log_page::DiscoveryEntry| {
+                    let wildcard = e.traddr.parse::<IpAddr>().is_ok_and(|a| a.is_unspecified());
+                    match c.reached.filter(|_| wildcard) {
+                        Some(a) => log_page::DiscoveryEntry {
+                            traddr: a.to_string(),
+                            adrfam: if a.is_ipv4() {
+                                log_page::ADRFAM_IPV4
+                            } else {
+                                log_page::ADRFAM_IPV6
+                            },
+                            ..e.clone()
+                        },
+                        None => e.clone(),
+                    }
+                };
+                let seen: Vec<log_page::DiscoveryEntry> = d
                     .records
                     .iter()
                     .filter(|r| r.hosts.is_empty() || r.hosts.iter().any(|h| h == host))
-                    .map(|r| &r.entry)
+                    .map(|r| reached(&r.entry))
                     .collect();
+                let seen: Vec<&log_page::DiscoveryEntry> = seen.iter().collect();
                 log_page::discovery(d.genctr, &seen)
             }
             _ if self.discovery.is_some() => {

@@ -734,3 +734,40 @@ async fn targetctl_adds_and_removes_subsystems() {
     drop((first, second));
     d.stop();
 }
+
+/// A portal listening on every address (0.0.0.0) is named in the discovery log by the
+/// address the host reached, which it can connect to, not by the wildcard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wildcard_portal_is_discovered_by_the_address_reached() {
+    let text = format!(
+        "[server]\nportals = [\"127.0.0.1:0\"]\nnvme_portals = [\"0.0.0.0:0\"]\n\
+         admin_socket = \"@SOCKET@\"\nreactors = 1\n\n\
+         [[subsystems]]\nnqn = \"{NQN}\"\n\n\
+         [[subsystems.namespaces]]\nnsid = 1\nbackend = \"memory\"\nsize = \"8MiB\"\n"
+    );
+    let portal = Mutex::new(None);
+    let d = Daemon::start_with(&text, |s| {
+        *portal.lock().unwrap() = Some(s.nvme_portals()[0])
+    });
+    let portal = portal.into_inner().unwrap().expect("an NVMe/TCP portal");
+    assert!(portal.ip().is_unspecified(), "{portal}");
+    let reached = SocketAddr::from(([127, 0, 0, 1], portal.port()));
+    let found = discover(&reached.to_string(), &NvmeOptions::default())
+        .await
+        .expect("discover");
+    let nvm: Vec<_> = found.iter().filter(|e| e.subtype == 2).collect();
+    assert_eq!(nvm.len(), 1, "{found:?}");
+    assert_eq!(
+        (nvm[0].address.as_str(), nvm[0].port.clone()),
+        ("127.0.0.1", portal.port().to_string())
+    );
+    // And the host connects where it was told.
+    let at: SocketAddr = format!("{}:{}", nvm[0].address, nvm[0].port)
+        .parse()
+        .unwrap();
+    let c = NvmeController::connect(&url(at, NQN, 1), &NvmeOptions::default())
+        .await
+        .expect("connect at the discovered address");
+    drop(c);
+    d.stop();
+}

@@ -179,6 +179,8 @@ pub struct ControllerConnection<B> {
     trace: Points,
     /// The `now` of the step in progress, for the trace points of a step.
     now: Option<Instant>,
+    /// The local address the host reached (the shell's socket), for the discovery log.
+    local_address: Option<std::net::IpAddr>,
 }
 
 impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
@@ -197,7 +199,14 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
             fused_first: None,
             trace: Points::default(),
             now: None,
+            local_address: None,
         }
+    }
+
+    /// The local address of the connection (the shell's socket): a discovery log entry for
+    /// a port that listens on every address names this one.
+    pub fn set_local_address(&mut self, address: std::net::IpAddr) {
+        self.local_address = Some(address);
     }
 
     /// The commands' trace points (off until the shell turns them on): arrival, buffer wait,
@@ -567,6 +576,9 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         let Some(bound) = self.bound else {
             match subsystem.connect(now, &sqe, &data) {
                 Ok((q, cqe)) => {
+                    if let Some(a) = self.local_address.filter(|_| q.qid == 0) {
+                        subsystem.set_reached_address(q.cntlid, a);
+                    }
                     self.bound = Some(q);
                     self.sqhd = 1 % q.size.max(1) as u16;
                     self.complete(cqe);

@@ -65,8 +65,12 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
     let control = Arc::new(Control::default());
     registry.register(id, control.clone());
     let share = Share::new(&io.arena, io.arena.len() / CONNECTION_SHARE);
+    let mut machine = ControllerConnection::new(settings(&registry.config().nvme));
+    if let Ok(local) = stream.local_addr() {
+        machine.set_local_address(local.ip());
+    }
     let mut conn = Conn {
-        machine: ControllerConnection::new(settings(&registry.config().nvme)),
+        machine,
         carrier: Carrier::single(io, share),
         subsystem: None,
         poked: false,
