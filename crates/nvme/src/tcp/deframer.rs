@@ -128,6 +128,34 @@ struct Frame {
     plen: usize,
 }
 
+/// The receiving end of a connection, the host's or the controller's: its deframer, and what
+/// it does with each whole PDU. Bytes become PDUs here, in one loop for both ends.
+pub(super) trait Receiving {
+    /// Its deframer.
+    fn deframer(&mut self) -> &mut Deframer;
+    /// Whether the connection is over (nothing more is taken).
+    fn over(&self) -> bool;
+    /// Takes one whole PDU; the fatal error that ends the connection.
+    fn take_pdu(&mut self, pdu: Pdu) -> Result<(), DeframeError>;
+    /// Ends the connection for `e` (a TermReq).
+    fn fail(&mut self, e: DeframeError);
+
+    /// Takes every whole PDU buffered, until one lacks bytes or the connection ends.
+    fn take_buffered(&mut self) {
+        while !self.over() {
+            match self.deframer().next_pdu() {
+                Ok(Some(pdu)) => {
+                    if let Err(e) = self.take_pdu(pdu) {
+                        return self.fail(e);
+                    }
+                }
+                Ok(None) => return,
+                Err(e) => return self.fail(e),
+            }
+        }
+    }
+}
+
 /// The deframer of one connection's receiving end.
 #[derive(Debug)]
 pub struct Deframer {

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 
 use bytes::{Bytes, BytesMut};
 
-use super::deframer::{DeframeError, Deframer, Limits, Side};
+use super::deframer::{DeframeError, Deframer, Limits, Pdu, Receiving, Side};
 use super::pdu::{
     encode, DataHeader, Digests, FatalError, Framing, Header, IcReq, IcResp, R2t, TermReq, MAX_PDA,
     MIN_MAXH2CDATA, PFV_1_0,
@@ -150,23 +150,7 @@ impl HostQueue {
 
     /// Takes the PDUs the bytes read into [`Self::receive_buffer`] complete.
     pub fn received(&mut self) {
-        if self.state == State::Over {
-            return;
-        }
-        loop {
-            match self.deframer.next_pdu() {
-                Ok(Some(p)) => {
-                    if let Err(e) = self.take(p.header, p.data, p.data_digest_ok) {
-                        return self.fail(e);
-                    }
-                    if self.state == State::Over {
-                        return;
-                    }
-                }
-                Ok(None) => return,
-                Err(e) => return self.fail(e),
-            }
-        }
+        self.take_buffered();
     }
 
     /// How many more bytes the next PDU needs.
@@ -320,5 +304,23 @@ impl HostQueue {
             }
             _ => fatal(FatalError::PduSequence, 0),
         }
+    }
+}
+
+impl Receiving for HostQueue {
+    fn deframer(&mut self) -> &mut Deframer {
+        &mut self.deframer
+    }
+
+    fn over(&self) -> bool {
+        self.state == State::Over
+    }
+
+    fn take_pdu(&mut self, pdu: Pdu) -> Result<(), DeframeError> {
+        self.take(pdu.header, pdu.data, pdu.data_digest_ok)
+    }
+
+    fn fail(&mut self, e: DeframeError) {
+        HostQueue::fail(self, e)
     }
 }

@@ -18,7 +18,7 @@ use std::ops::Deref;
 use bytes::{Bytes, BytesMut};
 use cmdtrace::Stage;
 
-use super::deframer::{DeframeError, Deframer, Limits, Pdu, Side};
+use super::deframer::{DeframeError, Deframer, Limits, Pdu, Receiving, Side};
 use super::pdu::{
     encode, DataHeader, Digests, EncodedHeader, FatalError, Framing, Header, IcResp, PduType, R2t,
     TermReq, MAX_PDA, MIN_MAXH2CDATA, PFV_1_0, SUCCESS,
@@ -323,23 +323,7 @@ impl<B: Deref<Target = [u8]>> ControllerQueue<B> {
 
     /// Takes the PDUs the bytes read into [`Self::receive_buffer`] complete.
     pub fn received(&mut self) {
-        if self.state == State::Over {
-            return;
-        }
-        loop {
-            match self.deframer.next_pdu() {
-                Ok(Some(pdu)) => {
-                    if let Err(e) = self.take(pdu) {
-                        return self.fail(e);
-                    }
-                    if self.state == State::Over {
-                        return;
-                    }
-                }
-                Ok(None) => return,
-                Err(e) => return self.fail(e),
-            }
-        }
+        self.take_buffered();
     }
 
     /// How many more bytes the next PDU needs: what to read next.
@@ -562,6 +546,24 @@ impl<B: Deref<Target = [u8]>> ControllerQueue<B> {
             // An ICReq again, or anything before it.
             _ => fatal(FatalError::PduSequence, 0, header_bytes()),
         }
+    }
+}
+
+impl<B: Deref<Target = [u8]>> Receiving for ControllerQueue<B> {
+    fn deframer(&mut self) -> &mut Deframer {
+        &mut self.deframer
+    }
+
+    fn over(&self) -> bool {
+        self.state == State::Over
+    }
+
+    fn take_pdu(&mut self, pdu: Pdu) -> Result<(), DeframeError> {
+        self.take(pdu)
+    }
+
+    fn fail(&mut self, e: DeframeError) {
+        ControllerQueue::fail(self, e)
     }
 }
 
