@@ -5,7 +5,8 @@
 //!   it survives the daemons, and QEMU's own rbd driver (librbd directly) and its iSCSI driver
 //!   (through targetd) read the same bytes.
 //! - A resize made with the `rbd` CLI reaches a logged-in initiator as CAPACITY DATA HAS
-//!   CHANGED, with the new capacity.
+//!   CHANGED, with the new capacity, and a connected NVMe/TCP host as a Namespace Attribute
+//!   Changed notice, with the new size.
 //! - An OSD that stops answering (SIGSTOP) fails writes with a retryable NOT READY within
 //!   `ceph_timeout`, the connection stays, I/O resumes when it answers again, nothing
 //!   acknowledged is lost and every buffer comes back.
@@ -511,4 +512,67 @@ fn cluster_trouble_at_start_is_refused_naming_the_key() {
         "{:?}",
         start.elapsed()
     );
+}
+
+/// A namespace on an RBD image follows a resize made with the `rbd` CLI as a LUN does: the
+/// controllers connected read the namespace in the Changed Namespace List, Identify
+/// Namespace gives the new size, and the new blocks are there to use.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resize_made_with_the_rbd_cli_reaches_the_nvme_host() {
+    use initiator_bench::nvme::{NvmeController, NvmeOptions, NvmeUrl};
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("nvme-resize");
+    const NQN: &str = "nqn.2026-11.io.example:rbd";
+    let text = format!(
+        "[server]\nportals = [\"127.0.0.1:0\"]\nnvme_portals = [\"127.0.0.1:0\"]\n\
+         admin_socket = \"@SOCKET@\"\nreactors = 1\n\n\
+         [[subsystems]]\nnqn = \"{NQN}\"\n\n\
+         [[subsystems.namespaces]]\nnsid = 1\nbackend = \"rbd\"\npool = \"{}\"\n\
+         image = \"{image}\"\nsize = \"16MiB\"\nceph_conf = \"{}\"\nclient = \"{}\"\n{}",
+        ceph.pool,
+        ceph.conf.display(),
+        ceph.client,
+        ceph.keyring_key()
+    );
+    let portal = std::sync::Mutex::new(None);
+    let d = Daemon::start_with(&text, |s| {
+        *portal.lock().unwrap() = Some(s.nvme_portals()[0])
+    });
+    let portal = portal.into_inner().unwrap().expect("an NVMe/TCP portal");
+    let url = NvmeUrl::parse(&format!("nvme://{portal}/{NQN}/1")).unwrap();
+    let c = NvmeController::connect(&url, &NvmeOptions::default())
+        .await
+        .expect("connect");
+    assert_eq!(c.namespace.blocks, (16 << 20) / 512);
+    let o = ceph.rbd(&["resize", "--size", "48M", &format!("{}/{image}", ceph.pool)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // The watch fires on a librbd thread; the notice follows within moments.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut log = nvme::sqe::Sqe::new(nvme::opcode::AdminOpcode::GetLogPage.code(), 0);
+        log.set_cdw(10, 0x04 | 1023 << 16);
+        let (_, list) = c.admin(log, bytes::Bytes::new(), 4096).await.unwrap();
+        if list[..4] == [1, 0, 0, 0] {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no Changed Namespace List after the resize"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut id = nvme::sqe::Sqe::new(nvme::opcode::AdminOpcode::Identify.code(), 0);
+    id.set_nsid(1);
+    let (_, ns) = c.admin(id, bytes::Bytes::new(), 4096).await.unwrap();
+    assert_eq!(
+        u64::from_le_bytes(ns[..8].try_into().unwrap()),
+        (48 << 20) / 512
+    );
+    let tail = pattern(4096, 5);
+    c.write((48 << 20) / 512 - 8, tail.clone()).await.unwrap();
+    assert_eq!(c.read((48 << 20) / 512 - 8, 8).await.unwrap(), tail);
+    drop(c);
+    d.stop();
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }

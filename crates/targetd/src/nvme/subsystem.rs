@@ -11,6 +11,7 @@ use nvme::nvm::NamespaceGeometry;
 
 use crate::config;
 use crate::lock;
+use crate::store::UnitStore;
 use crate::target::{next_id, Lun, LunStats};
 
 /// The largest transfer of one command: 2^MDTS pages of 4 KiB, 1 MiB (Linux's host splits
@@ -31,6 +32,11 @@ pub struct NvmeSubsystem {
     /// Removed from the daemon (`targetctl subsystem remove`, a reload): its connections
     /// close at their next wake.
     removed: std::sync::atomic::AtomicBool,
+    /// Itself, for storage that calls back (an RBD image resized by another client).
+    this: std::sync::Weak<NvmeSubsystem>,
+    /// Held while a namespace's size changes, so a resize here and one seen through the
+    /// image's watch do not interleave.
+    resizing: Mutex<()>,
     /// Moves on when something may wait in the machine for the controllers' connections
     /// (asynchronous events for admin queues, a Preempt and Abort's aborts and completion for
     /// I/O queues), which watch it: a change made while one was busy is seen at its next wait.
@@ -85,13 +91,15 @@ impl NvmeSubsystem {
         if let Some(store) = store {
             machine.set_reservation_store(store);
         }
-        let s = Arc::new(NvmeSubsystem {
+        let s = Arc::new_cyclic(|this| NvmeSubsystem {
             id: next_id(),
             nqn: config.nqn.clone(),
             config: RwLock::new(config.clone()),
             machine: Mutex::new(machine),
             namespaces: RwLock::default(),
             removed: Default::default(),
+            this: this.clone(),
+            resizing: Mutex::new(()),
             events: tokio::sync::watch::Sender::new(0),
         });
         for ns in &config.namespaces {
@@ -114,7 +122,7 @@ impl NvmeSubsystem {
             max_in_capsule_data: nvme.in_capsule_data_size,
             mdts: MDTS,
         });
-        Arc::new(NvmeSubsystem {
+        Arc::new_cyclic(|this| NvmeSubsystem {
             id: next_id(),
             nqn: nvme::fabrics::DISCOVERY_NQN.into(),
             config: RwLock::new(config::Subsystem {
@@ -127,6 +135,8 @@ impl NvmeSubsystem {
             machine: Mutex::new(machine),
             namespaces: RwLock::default(),
             removed: Default::default(),
+            this: this.clone(),
+            resizing: Mutex::new(()),
             events: tokio::sync::watch::Sender::new(0),
         })
     }
@@ -224,6 +234,13 @@ impl NvmeSubsystem {
     /// Opens the storage of namespace `ns` (creating a missing file), not yet attached.
     pub fn open_namespace(&self, ns: &config::Namespace) -> Result<(Namespace, Arc<Lun>), String> {
         let unit = Lun::open(&ns.unit, Arc::new(LunStats::default()))?;
+        // An RBD image resized by another client: the namespace takes its new size.
+        let (this, nsid) = (self.this.clone(), ns.nsid);
+        unit.storage.watch_size(Arc::new(move |bytes| {
+            if let Some(s) = this.upgrade() {
+                s.capacity_changed(nsid, bytes);
+            }
+        }))?;
         let key = unit.storage.identity_key().unwrap_or_else(|| {
             let path = ns.unit.path.as_ref().map(|p| p.display().to_string());
             format!("{}/{}/{}", self.nqn, ns.nsid, path.unwrap_or_default())
@@ -277,24 +294,56 @@ impl NvmeSubsystem {
     /// they started on, and the controllers hear of the new size (a Namespace Attribute
     /// Changed notice; Linux's host rereads Identify Namespace). Reservations stay.
     pub fn resize_namespace(&self, nsid: u32, bytes: u64) -> Result<(), String> {
-        let mut units = self
-            .namespaces
-            .write()
+        let _resizing = self
+            .resizing
+            .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let old = units
-            .get(&nsid)
-            .ok_or(format!("no namespace {nsid}"))?
-            .clone();
+        let old = self.namespace(nsid).ok_or(format!("no namespace {nsid}"))?;
         let (storage, blocks) = old.resize_storage(bytes)?;
-        units.insert(nsid, Arc::new(old.resized(storage, blocks)));
-        drop(units);
+        self.replace_resized(nsid, &old, storage, blocks);
+        Ok(())
+    }
+
+    /// The storage of namespace `nsid` says its size is now `bytes` (an RBD image resized by
+    /// another client, or through another gateway): the namespace takes that size and the
+    /// controllers hear of it. Nothing happens when it has that size already.
+    pub fn capacity_changed(&self, nsid: u32, bytes: u64) {
+        let _resizing = self
+            .resizing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let Some(old) = self.namespace(nsid) else {
+            return;
+        };
+        let blocks = bytes / u64::from(old.block_size);
+        if blocks == old.blocks {
+            return;
+        }
+        tracing::info!(
+            subsystem = %self.nqn,
+            nsid,
+            from = old.blocks,
+            to = blocks,
+            "the namespace's storage was resized elsewhere"
+        );
+        // The same store, which someone else resized.
+        self.replace_resized(nsid, &old, old.storage.clone(), blocks);
+    }
+
+    /// Puts a unit of `blocks` blocks on `storage` in `old`'s place as namespace `nsid`
+    /// (counters kept), and tells the controllers (a Namespace Attribute Changed notice;
+    /// Linux's host rereads Identify Namespace). Reservations stay.
+    fn replace_resized(&self, nsid: u32, old: &Lun, storage: Arc<dyn UnitStore>, blocks: u64) {
+        self.namespaces
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(nsid, Arc::new(old.resized(storage, blocks)));
         self.with_machine(|m| {
             if let Some(mut ns) = m.namespace(nsid).cloned() {
                 ns.geometry.blocks = blocks;
                 m.add_namespace(ns);
             }
         });
-        Ok(())
     }
 
     /// Counts a finished command on its namespace.
