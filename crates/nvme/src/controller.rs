@@ -458,6 +458,15 @@ impl Subsystem {
             .map(|(id, c)| (*id, c.hostnqn.as_str()))
     }
 
+    /// The I/O queues controller `cntlid` has connected (its admin queue, 0, always is),
+    /// in order; empty when there is no such controller.
+    pub fn io_queues(&self, cntlid: u16) -> Vec<u16> {
+        self.controllers
+            .get(&cntlid)
+            .map(|c| c.io_queues.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
     /// The most data one transfer may have (MDTS).
     pub fn max_transfer(&self) -> u32 {
         4096u32.saturating_mul(1 << self.config.mdts.min(20))

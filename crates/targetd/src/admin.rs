@@ -354,6 +354,7 @@ impl AdminRequest {
                 | AdminRequest::Targets
                 | AdminRequest::Luns { .. }
                 | AdminRequest::Sessions
+                | AdminRequest::Subsystems
                 | AdminRequest::Stats
                 | AdminRequest::ConfigDump
                 | AdminRequest::Cluster
@@ -815,6 +816,7 @@ fn status(registry: &Registry) -> Value {
         "nvme_portals": registry.nvme_portals.lock().map(|p| p.0.iter().map(|a| a.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
         "nvme_discovery_portals": registry.nvme_portals.lock().map(|p| p.1.iter().map(|a| a.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
         "subsystems": registry.subsystems().len(),
+        "nvme_controllers": registry.subsystems().iter().map(|s| s.controllers().len()).sum::<usize>(),
         "srp_portals": c.server.rdma_portals,
         "cluster_gateway": c.cluster.as_ref().map(|k| k.gateway.clone()),
         "config": registry.config_path.display().to_string(),
@@ -823,7 +825,7 @@ fn status(registry: &Registry) -> Value {
 }
 
 /// Each NVM subsystem: NQN, hosts, namespaces (NSID, backend, path or image, size, block
-/// size) and the controllers connected (CNTLID, host NQN).
+/// size) and the controllers connected (CNTLID, host NQN, the I/O queues it connected).
 fn subsystems(registry: &Registry) -> Value {
     Value::Array(
         registry
@@ -846,9 +848,11 @@ fn subsystems(registry: &Registry) -> Value {
                     })
                     .collect();
                 let controllers: Vec<Value> = s
-                    .controllers()
+                    .controllers_and_queues()
                     .into_iter()
-                    .map(|(id, host)| json!({ "cntlid": id, "host": host }))
+                    .map(|(id, host, io_queues)| {
+                        json!({ "cntlid": id, "host": host, "io_queues": io_queues })
+                    })
                     .collect();
                 json!({
                     "nqn": s.nqn,

@@ -693,6 +693,20 @@ async fn targetctl_adds_and_removes_subsystems() {
     let data = pattern(4096, 7);
     second.write(8, data.clone()).await.unwrap();
     assert_eq!(second.read(8, 8).await.unwrap(), data);
+    // The tree shows it with its controller, that controller's I/O queue and its namespace;
+    // status counts both subsystems' controllers.
+    let tree = targetctl(&d, &["tree"]).expect("tree");
+    let mine = &tree[tree.find(SECOND).expect("the subsystem in the tree")..];
+    for line in [
+        "├── access: hosts ".to_string(),
+        format!(": {HOST}, I/O queues 1\n"),
+        "    └── 1: memory, 8 MiB, 512-byte blocks\n".to_string(),
+    ] {
+        assert!(mine.contains(&line), "{line:?} in {tree}");
+    }
+    let status: serde_json::Value =
+        serde_json::from_str(&targetctl(&d, &["--json", "status"]).expect("status")).unwrap();
+    assert_eq!(status["nvme_controllers"], 2, "{status}");
 
     // Made live and not saved: a reload of the file (which lacks it) is refused.
     let e = d.registry.reload(false).unwrap_err();

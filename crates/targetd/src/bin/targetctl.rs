@@ -1002,6 +1002,7 @@ fn print_human(request: &AdminRequest, v: &Value) {
                 ("cluster gateway", field("cluster_gateway")),
                 ("targets", field("targets")),
                 ("subsystems", field("subsystems")),
+                ("NVMe controllers", field("nvme_controllers")),
                 ("sessions", field("sessions")),
                 ("connections", field("connections")),
                 ("config", field("config")),
@@ -1276,13 +1277,34 @@ fn tree(c: &mut Client, json: bool) -> Result<()> {
             "luns": units,
         }));
     }
+    // NVM subsystems follow the targets: their portals, who may connect, the controllers
+    // connected with their I/O queues, the namespaces.
+    let nvme_portals: Vec<String> = status["nvme_portals"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| format!("{} (NVMe/TCP)", text(p)))
+        .collect();
+    let subsystems = c.call(&AdminRequest::Subsystems)?;
+    for sub in subsystems.as_array().into_iter().flatten() {
+        out.push(serde_json::json!({
+            "subsystem": sub["nqn"],
+            "portals": nvme_portals,
+            "hosts": sub["hosts"],
+            "controllers": sub["controllers"],
+            "namespaces": sub["namespaces"],
+        }));
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
     if out.is_empty() {
-        println!("no targets");
+        println!("no targets or subsystems");
     }
+    let (targets, subsystems): (Vec<&Value>, Vec<&Value>) =
+        out.iter().partition(|t| t.get("target").is_some());
+    let out = targets;
     for t in &out {
         println!("{}", text(&t["target"]));
         let strs =
@@ -1346,7 +1368,80 @@ fn tree(c: &mut Client, json: bool) -> Result<()> {
             );
         }
     }
+    for s in subsystems {
+        print_subsystem(s);
+    }
     Ok(())
+}
+
+/// One NVM subsystem of `targetctl tree`.
+fn print_subsystem(s: &Value) {
+    let strs =
+        |v: &Value| -> Vec<String> { v.as_array().into_iter().flatten().map(text).collect() };
+    println!("{}", text(&s["subsystem"]));
+    let portals = strs(&s["portals"]);
+    println!(
+        "├── portals: {}",
+        if portals.is_empty() {
+            "none".into()
+        } else {
+            portals.join(", ")
+        }
+    );
+    let hosts = strs(&s["hosts"]);
+    if hosts.is_empty() {
+        println!("├── access: any host");
+    } else {
+        println!("├── access: hosts {}", hosts.join(", "));
+    }
+    let controllers = s["controllers"].as_array().cloned().unwrap_or_default();
+    println!(
+        "├── controllers{}",
+        if controllers.is_empty() { ": none" } else { "" }
+    );
+    for (i, c) in controllers.iter().enumerate() {
+        let branch = if i + 1 == controllers.len() {
+            "└──"
+        } else {
+            "├──"
+        };
+        let queues = strs(&c["io_queues"]);
+        println!(
+            "│   {branch} {}: {}, I/O queues {}",
+            c["cntlid"],
+            text(&c["host"]),
+            if queues.is_empty() {
+                "none".into()
+            } else {
+                queues.join(", ")
+            }
+        );
+    }
+    let namespaces = s["namespaces"].as_array().cloned().unwrap_or_default();
+    println!(
+        "└── namespaces{}",
+        if namespaces.is_empty() { ": none" } else { "" }
+    );
+    for (i, n) in namespaces.iter().enumerate() {
+        let branch = if i + 1 == namespaces.len() {
+            "└──"
+        } else {
+            "├──"
+        };
+        let backing = n["path"].as_str().or(n["image"].as_str()).map_or_else(
+            || text(&n["backend"]),
+            |b| format!("{} {b}", text(&n["backend"])),
+        );
+        println!(
+            "    {branch} {}: {backing}, {}, {}-byte blocks",
+            n["nsid"],
+            n["bytes"]
+                .as_u64()
+                .map(units::format_size)
+                .unwrap_or_default(),
+            n["block_size"]
+        );
+    }
 }
 
 /// Samples the counters twice and prints rates.

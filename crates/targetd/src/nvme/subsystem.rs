@@ -370,4 +370,13 @@ impl NvmeSubsystem {
     pub fn controllers(&self) -> Vec<(u16, String)> {
         self.with_machine(|m| m.controllers().map(|(id, h)| (id, h.to_string())).collect())
     }
+
+    /// The controllers connected, each with the I/O queues it has connected (QIDs).
+    pub fn controllers_and_queues(&self) -> Vec<(u16, String, Vec<u16>)> {
+        self.with_machine(|m| {
+            m.controllers()
+                .map(|(id, h)| (id, h.to_string(), m.io_queues(id)))
+                .collect()
+        })
+    }
 }
