@@ -44,6 +44,7 @@ fn connected(digests: Digests) -> (Subsystem, Queue, ControllerQueue) {
         thin: false,
         write_cache: true,
         compare_and_write: 8,
+        ana_group: 1,
     });
     let data = |cntlid| {
         ConnectData {

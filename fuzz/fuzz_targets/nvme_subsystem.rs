@@ -49,6 +49,11 @@ enum Step {
     Advance(u16),
     /// A connection carries out what a Preempt and Abort asks of it and takes completions.
     Abort(u8),
+    /// The shell sets an ANA group's state (a gateway of a cluster joined or left).
+    Ana {
+        group: u8,
+        state: u8,
+    },
 }
 
 /// Every queue's connection says its aborted commands have ended; the completions of held
@@ -100,6 +105,7 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
         thin: true,
         write_cache: true,
         compare_and_write: 8,
+        ana_group: 1,
     });
     let mut now = Instant::now();
     let mut conns: [Option<Queue>; 4] = [None; 4];
@@ -235,6 +241,19 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
                 if let Some(q) = conns[usize::from(conn % 4)] {
                     settle(&mut s, &[q], &mut answered);
                 }
+            }
+            Step::Ana { group, state } => {
+                use nvme::ana::AnaState;
+                let state = [
+                    AnaState::Optimized,
+                    AnaState::NonOptimized,
+                    AnaState::Inaccessible,
+                    AnaState::PersistentLoss,
+                    AnaState::Change,
+                ][usize::from(state % 5)];
+                let group = u32::from(group % 3) + 1;
+                s.set_ana_state(group, state);
+                assert_eq!(s.ana_state(group), state);
             }
             Step::Advance(ms) => {
                 now += Duration::from_millis(u64::from(ms) * 10);

@@ -96,6 +96,7 @@ fuzz_target!(|steps: Vec<Step>| {
         thin: true,
         write_cache: true,
         compare_and_write: 8,
+        ana_group: 1,
     });
     let mut now = Instant::now();
     // A controller enabled through its admin queue elsewhere: the fuzzed connection may join

@@ -27,13 +27,14 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 
+use crate::ana::{self, AnaGroups, AnaState};
 use crate::cqe::Cqe;
 use crate::fabrics::{
     CcChange, Connect, ConnectData, InvalidParameter, Properties, PropertyAccess,
     CATTR_SQ_FLOW_CONTROL_DISABLE, CNTLID_DYNAMIC,
 };
 use crate::identify::{self, cns, ControllerIdentity, NamespaceIdentity};
-use crate::log_page::{self, lid, AnaGroup, LogRequest};
+use crate::log_page::{self, lid, LogRequest};
 use crate::nvm::{self, IoCommand, NamespaceGeometry};
 use crate::opcode::{AdminOpcode, FabricsType, NvmOpcode};
 use crate::reservation::{self, ReservationCommand};
@@ -87,6 +88,9 @@ pub struct Namespace {
     /// Blocks a fused Compare and Write may cover, carried out atomically by the storage
     /// (NACWU); 0: the storage cannot, and fused commands are refused on this namespace.
     pub compare_and_write: u16,
+    /// Its ANA group (ANAGRPID, 1 to [`ana::MAX_GROUP_ID`]): namespaces whose paths are
+    /// alike on every gateway share one ([`ana::DEFAULT_GROUP`] alone).
+    pub ana_group: u32,
 }
 
 /// A connected queue: the controller it belongs to, its ID and size.
@@ -180,6 +184,8 @@ struct Controller {
     reservation_count: u64,
     /// A Reservation Log Page Available notice went and the host has not read the log since.
     reservation_notice_masked: bool,
+    /// An ANA Change notice went and the host has not read the ANA log since.
+    ana_notice_masked: bool,
     /// Reservation Notification Mask, by NSID (bits 1 to 3: types not to report).
     reservation_masks: BTreeMap<u32, u32>,
     /// Completions of held I/O commands ready to go: queue ID and completion.
@@ -234,6 +240,8 @@ fn store_key(ns: &Namespace) -> String {
 pub const MAX_AERS: usize = 4;
 /// Asynchronous Event Configuration bit 8: Namespace Attribute Notices.
 pub const AEC_NAMESPACE_ATTRIBUTE: u32 = 1 << 8;
+/// Asynchronous Event Configuration bit 11: Asymmetric Namespace Access Change Notices.
+pub const AEC_ANA_CHANGE: u32 = 1 << 11;
 /// Keep alive granularity: 100 ms (KAS 1).
 pub const KEEP_ALIVE_GRANULARITY: Duration = Duration::from_millis(100);
 
@@ -251,6 +259,8 @@ pub struct Subsystem {
     wake: bool,
     /// A discovery subsystem's log: what it tells hosts (`None`: an NVM subsystem).
     discovery: Option<Discovery>,
+    /// The ANA groups' states as these controllers report them.
+    ana: AnaGroups,
 }
 
 /// An entry of a discovery subsystem's log and the hosts that see it.
@@ -286,7 +296,34 @@ impl Subsystem {
             next_drain: 0,
             wake: false,
             discovery: None,
+            ana: AnaGroups::default(),
         }
+    }
+
+    /// Sets ANA group `group`'s state as these controllers report it (the shell derives it
+    /// from which gateways are alive and the namespaces' path policy). A change moves the
+    /// ANA log page's change count on and queues an ANA Change notice for each controller
+    /// whose host asked for them (Asynchronous Event Configuration bit 11) and has read the
+    /// log since the last one; I/O commands to the group's namespaces end with the status
+    /// the state names while it makes them unreachable.
+    pub fn set_ana_state(&mut self, group: u32, state: AnaState) {
+        if !self.ana.set(group, state) {
+            return;
+        }
+        self.wake = true;
+        for c in self.controllers.values_mut().filter(|c| !c.failed) {
+            if c.features.aec & AEC_ANA_CHANGE != 0 && !c.ana_notice_masked {
+                c.ana_notice_masked = true;
+                // Notice (type 2), Asymmetric Namespace Access Change (info 03h), log 0Ch.
+                c.notices
+                    .push(0x2 | 0x03 << 8 | u32::from(crate::log_page::lid::ANA) << 16);
+            }
+        }
+    }
+
+    /// ANA group `group`'s state as these controllers report it.
+    pub fn ana_state(&self, group: u32) -> AnaState {
+        self.ana.state(group)
     }
 
     /// Keeps reservations that persist through power loss (PTPL) in `store`, and loads what
@@ -552,6 +589,7 @@ impl Subsystem {
                     reservation_log: VecDeque::new(),
                     reservation_count: 0,
                     reservation_notice_masked: false,
+                    ana_notice_masked: false,
                     reservation_masks: BTreeMap::new(),
                     completions: Vec::new(),
                 },
@@ -717,6 +755,15 @@ impl Subsystem {
             return done(Status::COMMAND_SEQUENCE_ERROR);
         }
         if queue.qid != 0 {
+            // A namespace its ANA group makes unreachable through this controller: the
+            // host retries on another path.
+            if let Some(refusal) = self
+                .namespaces
+                .get(&sqe.nsid())
+                .and_then(|a| self.ana.state(a.ns.ana_group).refusal())
+            {
+                return done(refusal);
+            }
             if reservation::is_reservation(sqe.opcode()) {
                 return self.reservation_command(queue, sqe, data);
             }
@@ -1055,12 +1102,12 @@ impl Subsystem {
                 .min()
                 .map_or(0, |n| n - 1),
             oaes: identify::OAES_NAMESPACE_ATTRIBUTE | identify::OAES_ANA_CHANGE,
-            anatt: 10,
+            anatt: ana::TRANSITION_TIME,
             // ANACAP: optimized, non-optimized and inaccessible reported; ANAGRPID does not
             // change while a namespace is attached.
             anacap: 0x0b | 1 << 7,
-            anagrpmax: 1,
-            nanagrpid: 1,
+            anagrpmax: ana::MAX_GROUP_ID,
+            nanagrpid: ana::MAX_GROUPS,
             subnqn: self.config.nqn.clone(),
             ioccsz: (64 + self.config.max_in_capsule_data) / 16,
             iorcsz: 1,
@@ -1104,7 +1151,7 @@ impl Subsystem {
                     thin: n.thin,
                     shared: true,
                     rescap,
-                    anagrpid: 1,
+                    anagrpid: n.ana_group,
                     write_protected: n.geometry.read_only,
                     nguid: n.nguid,
                     nacwu: n.compare_and_write.saturating_sub(1),
@@ -1230,13 +1277,16 @@ impl Subsystem {
                 page.to_vec()
             }
             lid::ANA => {
-                let group = AnaGroup {
-                    id: 1,
-                    state: 0x01,
-                    change_count: 0,
-                    nsids: self.namespaces.keys().copied().collect(),
-                };
-                log_page::ana(0, &[group], r.lsp & 1 != 0)
+                if !r.retain {
+                    if let Some(c) = self.controllers.get_mut(&queue.cntlid) {
+                        c.ana_notice_masked = false;
+                    }
+                }
+                let attached = self
+                    .namespaces
+                    .values()
+                    .map(|a| (a.ns.nsid, a.ns.ana_group));
+                self.ana.log_page(attached, r.lsp & 1 != 0)
             }
             _ => return Answer::Complete(Cqe::new(cid, Status::INVALID_LOG_PAGE)),
         };
@@ -1477,6 +1527,7 @@ mod tests {
             thin: true,
             write_cache: true,
             compare_and_write: 8,
+            ana_group: 1,
         });
         s
     }

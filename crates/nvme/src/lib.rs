@@ -10,6 +10,8 @@
 //! - [`nvm`]: the NVM command set's I/O commands decoded into the block operations every
 //!   backend of this project runs (scsi-core's `Op`), with what a controller must refuse
 //!   before any data moves.
+//! - [`ana`]: Asymmetric Namespace Access: each namespace's group and each group's state
+//!   (optimized, non-optimized, inaccessible, persistent loss, change), and the log page.
 //! - [`controller`]: an NVM subsystem and its controllers as a machine: Connect across
 //!   queues, the admin commands ([`log_page`] builds the log pages), keep alive on `now`,
 //!   and the I/O commands handed to the shell as block operations.
@@ -24,6 +26,7 @@
 #![forbid(unsafe_code)]
 #![doc = include_str!("../README.md")]
 
+pub mod ana;
 pub mod controller;
 pub mod cqe;
 pub mod fabrics;

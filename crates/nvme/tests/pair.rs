@@ -100,6 +100,7 @@ impl Rig {
             thin: true,
             write_cache: true,
             compare_and_write: 8,
+            ana_group: 1,
         });
         let mut medium = MemoryBackend::new(BLOCK, BLOCKS);
         let mut fill = vec![0xee; (u64::from(BLOCK) * BLOCKS) as usize];
@@ -876,4 +877,95 @@ fn traced_commands_report_their_stages() {
     );
     let ping = admin_q.conn.trace_points().poll().expect("a point");
     assert_eq!((ping.stage, ping.itt), (NopReceived, 40));
+}
+
+/// ANA groups: a group made inaccessible (or changing) through these controllers refuses I/O
+/// to its namespaces with the ANA status (the host retries on another path) while another
+/// group's namespace is served; the host that asked for ANA Change notices gets one, masked
+/// until it reads the ANA log page, which gives each group's state, namespaces and change
+/// count; optimized again, I/O flows.
+#[test]
+fn ana_states_reach_the_host_and_refuse_io_where_a_group_is_unreachable() {
+    use nvme::ana::AnaState;
+    let mut rig = Rig::new();
+    let mut second = rig.subsystem.namespace(1).unwrap().clone();
+    second.nsid = 2;
+    second.ana_group = 2;
+    rig.subsystem.add_namespace(second);
+    let (mut admin_q, cntlid) = admin_link(&mut rig);
+    let mut aec = Sqe::new(AdminOpcode::SetFeatures.code(), 49);
+    aec.set_cdw(10, 0x0b);
+    aec.set_cdw(11, nvme::controller::AEC_ANA_CHANGE);
+    assert!(admin(&mut admin_q, &mut rig, aec).status.is_success());
+    let mut io = rig.link(Digests::default());
+    assert!(connect(&mut io, &mut rig, 1, cntlid, 0).status.is_success());
+    let read = |io: &mut Link, rig: &mut Rig, cid: u16, nsid: u32| {
+        let mut r = io_cmd(NvmOpcode::Read, cid, 0, 1, Sgl::transport(512));
+        r.set_nsid(nsid);
+        io.host.send_command(&r, Bytes::new()).unwrap();
+        rig.run(io);
+        io.read.remove(&cid);
+        io.done.remove(&cid).expect("a completion").status
+    };
+    let ana_log = |admin_q: &mut Link, rig: &mut Rig, cid: u16| {
+        let mut log = Sqe::new(AdminOpcode::GetLogPage.code(), cid);
+        log.set_cdw(10, 0x0c | (4096 / 4 - 1) << 16);
+        log.set_sgl(Sgl::transport(4096));
+        assert!(admin(admin_q, rig, log).status.is_success());
+        admin_q.read.remove(&cid).expect("the ANA log")
+    };
+
+    let aer = Sqe::new(AdminOpcode::AsyncEventRequest.code(), 50);
+    admin_q.host.send_command(&aer, Bytes::new()).unwrap();
+    rig.run(&mut admin_q);
+    rig.subsystem.set_ana_state(1, AnaState::Inaccessible);
+    rig.run(&mut admin_q);
+    let notice = admin_q.done.remove(&50).expect("an ANA Change notice");
+    assert_eq!(notice.dw0, 0x2 | 0x03 << 8 | 0x0c << 16);
+    assert_eq!(read(&mut io, &mut rig, 60, 1), Status::ANA_INACCESSIBLE);
+    assert!(
+        read(&mut io, &mut rig, 61, 2).is_success(),
+        "group 2 is served"
+    );
+
+    // The log: change count 1; group 1 inaccessible (changed at 1) with namespace 1, group 2
+    // optimized with namespace 2.
+    let page = ana_log(&mut admin_q, &mut rig, 51);
+    assert_eq!(u64::from_le_bytes(page[..8].try_into().unwrap()), 1);
+    assert_eq!(u16::from_le_bytes([page[8], page[9]]), 2);
+    let g1 = &page[16..52];
+    assert_eq!((g1[0], g1[4], g1[8], g1[16], g1[32]), (1, 1, 1, 0x03, 1));
+    let g2 = &page[52..88];
+    assert_eq!((g2[0], g2[4], g2[8], g2[16], g2[32]), (2, 1, 0, 0x01, 2));
+
+    // Read, the notice is unmasked: the next change sends another.
+    let aer = Sqe::new(AdminOpcode::AsyncEventRequest.code(), 52);
+    admin_q.host.send_command(&aer, Bytes::new()).unwrap();
+    rig.run(&mut admin_q);
+    rig.subsystem.set_ana_state(1, AnaState::Change);
+    rig.run(&mut admin_q);
+    assert!(admin_q.done.remove(&52).is_some(), "a second notice");
+    assert_eq!(read(&mut io, &mut rig, 62, 1), Status::ANA_TRANSITION);
+    // Not read since: a third change sends none.
+    let aer = Sqe::new(AdminOpcode::AsyncEventRequest.code(), 53);
+    admin_q.host.send_command(&aer, Bytes::new()).unwrap();
+    rig.run(&mut admin_q);
+    rig.subsystem.set_ana_state(1, AnaState::Optimized);
+    rig.run(&mut admin_q);
+    assert!(
+        admin_q.done.remove(&53).is_none(),
+        "masked until the log is read"
+    );
+    assert!(read(&mut io, &mut rig, 63, 1).is_success());
+    // Identify Namespace names each namespace's group.
+    let mut id = Sqe::new(AdminOpcode::Identify.code(), 54);
+    id.set_nsid(2);
+    id.set_sgl(Sgl::transport(4096));
+    assert!(admin(&mut admin_q, &mut rig, id).status.is_success());
+    let ns = admin_q.read.remove(&54).unwrap();
+    assert_eq!(
+        u32::from_le_bytes(ns[92..96].try_into().unwrap()),
+        2,
+        "ANAGRPID"
+    );
 }

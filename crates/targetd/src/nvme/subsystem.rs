@@ -261,6 +261,7 @@ impl NvmeSubsystem {
             thin: ns.unit.thin && ns.unit.backend != "null",
             write_cache: ns.unit.write_cache,
             compare_and_write: unit.storage.atomic_compare_and_write(unit.block_size),
+            ana_group: nvme::ana::DEFAULT_GROUP,
         };
         Ok((namespace, Arc::new(unit)))
     }
