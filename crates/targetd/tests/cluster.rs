@@ -1159,11 +1159,20 @@ async fn linux_multipath_fails_over_to_a_standby_gateway() {
     let (killed_tx, killed_rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         if let Ok((mut c, _)) = killer.accept() {
+            use std::io::{BufRead, Write};
+            // The request read to its end first: a socket closed with bytes unread sends a
+            // reset, which wget reports as a failure after the answer.
+            let mut request = std::io::BufReader::new(c.try_clone().expect("the socket"));
+            let mut line = String::new();
+            while request.read_line(&mut line).is_ok_and(|n| n > 0) && line.trim() != "" {
+                line.clear();
+            }
             let _ = Process::new("kill")
                 .args(["-KILL", &pid.to_string()])
                 .status();
             let _ = killed_tx.send(std::time::Instant::now());
-            let _ = std::io::Write::write_all(&mut c, b"HTTP/1.0 200 OK\r\n\r\nkilled\n");
+            let _ = c.write_all(b"HTTP/1.0 200 OK\r\n\r\nkilled\n");
+            let _ = c.shutdown(std::net::Shutdown::Write);
         }
     });
     // The target's share of the failover: from the kill until B has fenced A (blocklisted,
