@@ -9,77 +9,39 @@ use std::time::Instant;
 use bytes::Bytes;
 use criterion::{criterion_group, criterion_main, Criterion};
 use nvme::controller::{Answer, Namespace, Queue, Subsystem, SubsystemConfig};
-use nvme::fabrics::{property, Connect, ConnectData, PropertyAccess, CC_EN, CNTLID_DYNAMIC};
-use nvme::nvm::{IoCommand, NamespaceGeometry};
-use nvme::opcode::{AdminOpcode, FabricsType, NvmOpcode};
+use nvme::fabrics::CNTLID_DYNAMIC;
+use nvme::nvm::IoCommand;
+use nvme::opcode::NvmOpcode;
 use nvme::sqe::{Sgl, Sqe};
 use nvme::tcp::pdu::{data_digest, encode, Digests, Framing, Header, IcReq};
 use nvme::tcp::{ControllerQueue, QueueEvent, QueueSettings};
-use nvme::{Cqe, Status};
+use nvme::{testing, Cqe, Status};
 
 /// A subsystem with an enabled controller and an I/O queue's connection, initialized with
 /// `digests`.
 fn connected(digests: Digests) -> (Subsystem, Queue, ControllerQueue) {
     let now = Instant::now();
     let mut s = Subsystem::new(SubsystemConfig {
-        nqn: "nqn.2026-11.io.example:bench".into(),
-        serial: "bench".into(),
-        model: "targetd".into(),
-        firmware: "0.1.0".into(),
-        hosts: vec![],
         max_io_queues: 1,
-        max_queue_entries: 128,
-        max_in_capsule_data: 8192,
-        mdts: 5,
+        ..testing::subsystem_config("nqn.2026-11.io.example:bench", &[])
     });
     s.add_namespace(Namespace {
-        nsid: 1,
-        geometry: NamespaceGeometry {
-            block_size: 512,
-            blocks: 1 << 20,
-            read_only: false,
-        },
-        nguid: [1; 16],
-        uuid: [2; 16],
         thin: false,
-        write_cache: true,
-        compare_and_write: 8,
-        ana_group: 1,
+        ..testing::namespace(1, 512, 1 << 20)
     });
     let data = |cntlid| {
-        ConnectData {
-            hostid: [3; 16],
+        testing::connect_data(
+            [3; 16],
             cntlid,
-            subnqn: "nqn.2026-11.io.example:bench".into(),
-            hostnqn: "nqn.2014-08.org.nvmexpress:uuid:bench".into(),
-        }
-        .to_bytes()
+            "nqn.2026-11.io.example:bench",
+            "nqn.2014-08.org.nvmexpress:uuid:bench",
+        )
     };
-    let connect = |qid| {
-        let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 1);
-        sqe.set_fctype(FabricsType::Connect.code());
-        Connect {
-            recfmt: 0,
-            qid,
-            sqsize: 127,
-            cattr: 0,
-            kato: 0,
-        }
-        .to_sqe(&mut sqe);
-        sqe
-    };
+    let connect = |qid| testing::connect_sqe(1, qid, 127, 0, 0);
     let (admin, _) = s
         .connect(now, &connect(0), &data(CNTLID_DYNAMIC)[..])
         .unwrap();
-    let mut set = Sqe::new(AdminOpcode::Fabrics.code(), 2);
-    set.set_fctype(FabricsType::PropertySet.code());
-    PropertyAccess {
-        eight_bytes: false,
-        offset: property::CC,
-        value: u64::from(CC_EN | 6 << 16 | 4 << 20),
-    }
-    .to_sqe(&mut set);
-    s.command(now, &admin, &set, &[]);
+    s.command(now, &admin, &testing::enable_sqe(2), &[]);
     let (io, _) = s
         .connect(now, &connect(1), &data(admin.cntlid)[..])
         .unwrap();

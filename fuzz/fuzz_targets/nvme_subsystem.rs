@@ -16,11 +16,12 @@ use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use nvme::controller::{Answer, Namespace, Queue, Subsystem, SubsystemConfig, MAX_AERS};
-use nvme::fabrics::{Connect, ConnectData, CNTLID_DYNAMIC};
-use nvme::nvm::{IoCommand, NamespaceGeometry};
-use nvme::opcode::{AdminOpcode, FabricsType};
+use nvme::controller::{Answer, Queue, Subsystem, SubsystemConfig, MAX_AERS};
+use nvme::fabrics::CNTLID_DYNAMIC;
+use nvme::nvm::IoCommand;
+use nvme::opcode::AdminOpcode;
 use nvme::sqe::{Sgl, Sqe};
+use nvme::testing;
 use nvme::Status;
 
 const NQN: &str = "nqn.2026-11.io.example:fuzz";
@@ -77,15 +78,11 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
     // The subsystem's own terms: 0 to 3 I/O queues; an NVM or a discovery subsystem.
     let (io_queues, discovery, steps) = input;
     let config = SubsystemConfig {
-        nqn: NQN.into(),
         serial: "fuzz".into(),
-        model: "targetd".into(),
-        firmware: "0.1.0".into(),
-        hosts: vec![HOST.into()],
         max_io_queues: u16::from(io_queues % 4),
         max_queue_entries: 64,
-        max_in_capsule_data: 8192,
         mdts: 3,
+        ..testing::subsystem_config(NQN, &[HOST])
     };
     let mut s = if discovery {
         Subsystem::discovery(config)
@@ -93,20 +90,7 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
         Subsystem::new(config)
     };
     let nqn = s.config().nqn.clone();
-    s.add_namespace(Namespace {
-        nsid: 1,
-        geometry: NamespaceGeometry {
-            block_size: 512,
-            blocks: BLOCKS,
-            read_only: false,
-        },
-        nguid: [1; 16],
-        uuid: [2; 16],
-        thin: true,
-        write_cache: true,
-        compare_and_write: 8,
-        ana_group: 1,
-    });
+    s.add_namespace(testing::namespace(1, 512, BLOCKS));
     let mut now = Instant::now();
     let mut conns: [Option<Queue>; 4] = [None; 4];
     let mut expired: Vec<u16> = Vec::new();
@@ -127,28 +111,22 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
                 second_hostid,
             } => {
                 let c = usize::from(conn % 4);
-                let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 9);
-                sqe.set_fctype(FabricsType::Connect.code());
-                Connect {
-                    recfmt: 0,
-                    qid: u16::from(qid % 4),
-                    sqsize: u16::from(sqsize),
-                    cattr: 0,
-                    kato: u32::from(kato),
-                }
-                .to_sqe(&mut sqe);
-                let data = ConnectData {
-                    hostid: if second_hostid { [4; 16] } else { [3; 16] },
-                    cntlid: cntlid.map_or(CNTLID_DYNAMIC, |c| u16::from(c % 4)),
-                    subnqn: if other_subsystem {
-                        "nqn.2026-11.x:y"
-                    } else {
-                        nqn.as_str()
-                    }
-                    .into(),
-                    hostnqn: if other_host { "nqn.2026-11.x:h" } else { HOST }.into(),
-                }
-                .to_bytes();
+                let sqe = testing::connect_sqe(
+                    9,
+                    u16::from(qid % 4),
+                    u16::from(sqsize),
+                    u32::from(kato),
+                    0,
+                );
+                let subnqn = if other_subsystem {
+                    "nqn.2026-11.x:y"
+                } else {
+                    nqn.as_str()
+                };
+                let hostnqn = if other_host { "nqn.2026-11.x:h" } else { HOST };
+                let hostid = if second_hostid { [4; 16] } else { [3; 16] };
+                let asked = cntlid.map_or(CNTLID_DYNAMIC, |c| u16::from(c % 4));
+                let data = testing::connect_data(hostid, asked, subnqn, hostnqn);
                 match s.connect(now, &sqe, &data[..]) {
                     Ok((q, cqe)) => {
                         assert!(cqe.status.is_success() && cqe.cid == 9);

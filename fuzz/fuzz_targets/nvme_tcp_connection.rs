@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use nvme::controller::{Namespace, Subsystem, SubsystemConfig};
-use nvme::fabrics::{property, Connect, ConnectData, PropertyAccess, CC_EN, CNTLID_DYNAMIC};
-use nvme::nvm::NamespaceGeometry;
-use nvme::opcode::{AdminOpcode, FabricsType, NvmOpcode};
+use nvme::controller::{Subsystem, SubsystemConfig};
+use nvme::fabrics::CNTLID_DYNAMIC;
+use nvme::opcode::NvmOpcode;
 use nvme::sqe::{Sgl, Sqe};
 use nvme::tcp::pdu::{data_digest, encode, DataHeader, Digests, Framing, Header, IcReq};
 use nvme::tcp::{ControllerConnection, Deframer, Limits, QueueSettings, Side};
+use nvme::testing;
 use scsi_core::transport::Event;
 use scsi_core::{BackendError, Output, TaskId};
 
@@ -74,61 +74,21 @@ enum Step {
 
 fuzz_target!(|steps: Vec<Step>| {
     let mut sub = Subsystem::new(SubsystemConfig {
-        nqn: NQN.into(),
         serial: "fuzz".into(),
-        model: "targetd".into(),
-        firmware: "0.1.0".into(),
-        hosts: vec![HOST.into()],
         max_io_queues: 2,
         max_queue_entries: 64,
-        max_in_capsule_data: 8192,
         mdts: 3,
+        ..testing::subsystem_config(NQN, &[HOST])
     });
-    sub.add_namespace(Namespace {
-        nsid: 1,
-        geometry: NamespaceGeometry {
-            block_size: BLOCK,
-            blocks: BLOCKS,
-            read_only: false,
-        },
-        nguid: [1; 16],
-        uuid: [2; 16],
-        thin: true,
-        write_cache: true,
-        compare_and_write: 8,
-        ana_group: 1,
-    });
+    sub.add_namespace(testing::namespace(1, BLOCK, BLOCKS));
     let mut now = Instant::now();
     // A controller enabled through its admin queue elsewhere: the fuzzed connection may join
     // it as an I/O queue and run block operations.
     let cntlid = {
-        let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 1);
-        sqe.set_fctype(FabricsType::Connect.code());
-        Connect {
-            recfmt: 0,
-            qid: 0,
-            sqsize: 31,
-            cattr: 0,
-            kato: 5000,
-        }
-        .to_sqe(&mut sqe);
-        let data = ConnectData {
-            hostid: [3; 16],
-            cntlid: CNTLID_DYNAMIC,
-            subnqn: NQN.into(),
-            hostnqn: HOST.into(),
-        }
-        .to_bytes();
-        let (admin, _) = sub.connect(now, &sqe, &data[..]).expect("the admin queue");
-        let mut set = Sqe::new(AdminOpcode::Fabrics.code(), 2);
-        set.set_fctype(FabricsType::PropertySet.code());
-        PropertyAccess {
-            eight_bytes: false,
-            offset: property::CC,
-            value: u64::from(CC_EN | 6 << 16 | 4 << 20),
-        }
-        .to_sqe(&mut set);
-        let _ = sub.command(now, &admin, &set, &[]);
+        let sqe = testing::connect_sqe(1, 0, 31, 5000, 0);
+        let data = testing::connect_data([3; 16], CNTLID_DYNAMIC, NQN, HOST);
+        let (admin, _) = sub.connect(now, &sqe, &data).expect("the admin queue");
+        let _ = sub.command(now, &admin, &testing::enable_sqe(2), &[]);
         admin.cntlid
     };
     let mut c: ControllerConnection<Vec<u8>> = ControllerConnection::new(QueueSettings::default());
@@ -171,25 +131,10 @@ fuzz_target!(|steps: Vec<Step>| {
                 b
             }
             Step::Connect { qid, cntlid: asked } => {
-                let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 7);
-                sqe.set_fctype(FabricsType::Connect.code());
-                sqe.set_sgl(Sgl::in_capsule(0, 1024));
-                Connect {
-                    recfmt: 0,
-                    qid: u16::from(qid % 3),
-                    sqsize: 31,
-                    cattr: 0,
-                    kato: 1000,
-                }
-                .to_sqe(&mut sqe);
-                let data = ConnectData {
-                    hostid: [3; 16],
-                    cntlid: asked.map_or(cntlid, |c| u16::from(c % 3)),
-                    subnqn: NQN.into(),
-                    hostnqn: HOST.into(),
-                }
-                .to_bytes();
-                framed(Header::CapsuleCmd(sqe), &data[..], &framing)
+                let sqe = testing::connect_sqe(7, u16::from(qid % 3), 31, 1000, 0);
+                let asked = asked.map_or(cntlid, |c| u16::from(c % 3));
+                let data = testing::connect_data([3; 16], asked, NQN, HOST);
+                framed(Header::CapsuleCmd(sqe), &data, &framing)
             }
             Step::Command {
                 sqe,

@@ -1497,64 +1497,29 @@ fn access(opcode: u8) -> Access {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fabrics::{property, ConnectData, CC_EN};
+    use crate::fabrics::{property, CC_EN};
     use crate::sqe::Sgl;
+    use crate::testing;
 
     const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:0d3f-host";
     const NQN: &str = "nqn.2026-11.io.example:sub";
 
     fn subsystem(hosts: Vec<String>) -> Subsystem {
+        let hosts: Vec<&str> = hosts.iter().map(String::as_str).collect();
         let mut s = Subsystem::new(SubsystemConfig {
-            nqn: NQN.into(),
             serial: "0123456789".into(),
-            model: "targetd".into(),
-            firmware: "0.1.0".into(),
-            hosts,
-            max_io_queues: 4,
-            max_queue_entries: 128,
-            max_in_capsule_data: 8192,
-            mdts: 5,
+            ..testing::subsystem_config(NQN, &hosts)
         });
-        s.add_namespace(Namespace {
-            nsid: 1,
-            geometry: NamespaceGeometry {
-                block_size: 512,
-                blocks: 2048,
-                read_only: false,
-            },
-            nguid: [1; 16],
-            uuid: [2; 16],
-            thin: true,
-            write_cache: true,
-            compare_and_write: 8,
-            ana_group: 1,
-        });
+        s.add_namespace(testing::namespace(1, 512, 2048));
         s
     }
 
     fn connect_sqe(qid: u16, sqsize: u16, kato: u32) -> Sqe {
-        let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 1);
-        sqe.set_fctype(FabricsType::Connect.code());
-        Connect {
-            recfmt: 0,
-            qid,
-            sqsize,
-            cattr: 0,
-            kato,
-        }
-        .to_sqe(&mut sqe);
-        sqe
+        testing::connect_sqe(1, qid, sqsize, kato, 0)
     }
 
     fn connect_data(cntlid: u16, host: &str, sub: &str) -> Vec<u8> {
-        ConnectData {
-            hostid: [7; 16],
-            cntlid,
-            subnqn: sub.into(),
-            hostnqn: host.into(),
-        }
-        .to_bytes()
-        .to_vec()
+        testing::connect_data([7; 16], cntlid, sub, host)
     }
 
     fn cmd(opcode: u8, cid: u16) -> Sqe {

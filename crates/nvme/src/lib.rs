@@ -38,6 +38,8 @@ pub mod reservation;
 pub mod sqe;
 pub mod status;
 pub mod tcp;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 
 pub use cqe::Cqe;
 pub use sqe::{Sgl, Sqe};

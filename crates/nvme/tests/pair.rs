@@ -11,19 +11,15 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use nvme::controller::{Namespace, Subsystem, SubsystemConfig};
-use nvme::fabrics::{
-    property, Connect, ConnectData, PropertyAccess, CATTR_SQ_FLOW_CONTROL_DISABLE, CC_EN,
-    CNTLID_DYNAMIC,
-};
-use nvme::nvm::NamespaceGeometry;
+use nvme::controller::{Subsystem, SubsystemConfig};
+use nvme::fabrics::{property, PropertyAccess, CATTR_SQ_FLOW_CONTROL_DISABLE, CNTLID_DYNAMIC};
 use nvme::opcode::{AdminOpcode, FabricsType, NvmOpcode};
 use nvme::sqe::{Sgl, Sqe};
 use nvme::tcp::pdu::Digests;
 use nvme::tcp::{
     ControllerConnection, HostEvent, HostQueue, HostSettings, QueueSettings, Transmit,
 };
-use nvme::{Cqe, Status};
+use nvme::{testing, Cqe, Status};
 use scsi_core::transport::Event;
 use scsi_core::MemoryBackend;
 
@@ -78,30 +74,10 @@ fn deliver<B: std::ops::Deref<Target = [u8]>>(t: Transmit<B>, corrupt: &mut bool
 impl Rig {
     fn new() -> Rig {
         let mut subsystem = Subsystem::new(SubsystemConfig {
-            nqn: NQN.into(),
-            serial: "pair".into(),
-            model: "targetd".into(),
-            firmware: "0.1.0".into(),
-            hosts: vec![HOST.into(), OTHER_HOST.into()],
             max_io_queues: 2,
-            max_queue_entries: 128,
-            max_in_capsule_data: 8192,
-            mdts: 5,
+            ..testing::subsystem_config(NQN, &[HOST, OTHER_HOST])
         });
-        subsystem.add_namespace(Namespace {
-            nsid: 1,
-            geometry: NamespaceGeometry {
-                block_size: BLOCK,
-                blocks: BLOCKS,
-                read_only: false,
-            },
-            nguid: [1; 16],
-            uuid: [2; 16],
-            thin: true,
-            write_cache: true,
-            compare_and_write: 8,
-            ana_group: 1,
-        });
+        subsystem.add_namespace(testing::namespace(1, BLOCK, BLOCKS));
         let mut medium = MemoryBackend::new(BLOCK, BLOCKS);
         let mut fill = vec![0xee; (u64::from(BLOCK) * BLOCKS) as usize];
         let all = scsi_core::Op::Write {
@@ -229,27 +205,10 @@ fn connect_as(
     hostid: [u8; 16],
     hostnqn: &str,
 ) -> Cqe {
-    let mut sqe = Sqe::new(AdminOpcode::Fabrics.code(), 100 + qid);
-    sqe.set_fctype(FabricsType::Connect.code());
-    sqe.set_sgl(Sgl::in_capsule(0, 1024));
-    Connect {
-        recfmt: 0,
-        qid,
-        sqsize: 31,
-        cattr,
-        kato: if qid == 0 { 5000 } else { 0 },
-    }
-    .to_sqe(&mut sqe);
-    let data = ConnectData {
-        hostid,
-        cntlid,
-        subnqn: NQN.into(),
-        hostnqn: hostnqn.into(),
-    }
-    .to_bytes();
-    l.host
-        .send_command(&sqe, Bytes::copy_from_slice(&data[..]))
-        .unwrap();
+    let kato = if qid == 0 { 5000 } else { 0 };
+    let sqe = testing::connect_sqe(100 + qid, qid, 31, kato, cattr);
+    let data = testing::connect_data(hostid, cntlid, NQN, hostnqn);
+    l.host.send_command(&sqe, Bytes::from(data)).unwrap();
     rig.run(l);
     l.done.remove(&(100 + qid)).expect("Connect's completion")
 }
@@ -271,15 +230,9 @@ fn admin_link_as(rig: &mut Rig, hostid: [u8; 16], hostnqn: &str) -> (Link, u16) 
     let c = connect_as(&mut a, rig, (0, CNTLID_DYNAMIC, 0), hostid, hostnqn);
     assert!(c.status.is_success(), "{c:?}");
     let cntlid = c.dw0 as u16;
-    let mut set = Sqe::new(AdminOpcode::Fabrics.code(), 1);
-    set.set_fctype(FabricsType::PropertySet.code());
-    PropertyAccess {
-        eight_bytes: false,
-        offset: property::CC,
-        value: u64::from(CC_EN | 6 << 16 | 4 << 20),
-    }
-    .to_sqe(&mut set);
-    assert!(admin(&mut a, rig, set).status.is_success());
+    assert!(admin(&mut a, rig, testing::enable_sqe(1))
+        .status
+        .is_success());
     let mut get = Sqe::new(AdminOpcode::Fabrics.code(), 2);
     get.set_fctype(FabricsType::PropertyGet.code());
     PropertyAccess {
