@@ -262,6 +262,7 @@ fn first_log_line(args: &[&str]) -> String {
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Running)
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let line = lines.next().expect("a log line").unwrap();
@@ -443,8 +444,33 @@ fn admin_changes_are_logged_with_who_asked() {
     );
 }
 
+/// A daemon started by a test, killed when the test ends however it ends (a failed assertion
+/// must not leave it running and holding its ports).
+struct Running(std::process::Child);
+
+impl std::ops::Deref for Running {
+    type Target = std::process::Child;
+
+    fn deref(&self) -> &std::process::Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Running {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// targetd on `path`, logging JSON at info to a pipe, once it listens (it says so on stdout).
-fn start_json(path: &std::path::Path) -> std::process::Child {
+fn start_json(path: &std::path::Path) -> Running {
     let mut child = Command::new(env!("CARGO_BIN_EXE_targetd"))
         .args(["--log-format", "json"])
         .arg(path)
@@ -452,6 +478,7 @@ fn start_json(path: &std::path::Path) -> std::process::Child {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Running)
         .unwrap();
     let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
     for line in out.by_ref() {
@@ -508,6 +535,7 @@ fn the_service_manager_hears_ready_reloading_and_stopping() {
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
+        .map(Running)
         .unwrap();
     assert_eq!(next_notification(&manager), "READY=1");
     // It listens by the time it says so.
@@ -620,6 +648,7 @@ fn engine_auto_serves_without_registered_buffers_when_locked_memory_is_short() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
+        .map(Running)
         .unwrap();
     let stdout = BufReader::new(child.stdout.take().unwrap());
     let listening = stdout
