@@ -91,6 +91,9 @@ pub struct Namespace {
     /// Its ANA group (ANAGRPID, 1 to [`ana::MAX_GROUP_ID`]): namespaces whose paths are
     /// alike on every gateway share one ([`ana::DEFAULT_GROUP`] alone).
     pub ana_group: u32,
+    /// Whether it takes reservation commands (RESCAP): not where they would bind this
+    /// gateway's hosts only while others export the namespace too.
+    pub reservations: bool,
 }
 
 /// A connected queue: the controller it belongs to, its ID and size.
@@ -877,6 +880,10 @@ impl Subsystem {
         let Some(a) = self.namespaces.get(&sqe.nsid()) else {
             return done(Status::INVALID_NAMESPACE);
         };
+        if !a.ns.reservations {
+            // As Linux's nvmet answers for a namespace without reservations.
+            return done(Status::INVALID_OPCODE);
+        }
         if let ReservationCommand::Report { len, extended } = cmd {
             if !extended {
                 // Hosts on a fabric have 128-bit Host Identifiers only.
@@ -1150,7 +1157,7 @@ impl Subsystem {
                     block_size: n.geometry.block_size,
                     thin: n.thin,
                     shared: true,
-                    rescap,
+                    rescap: if n.reservations { rescap } else { 0 },
                     anagrpid: n.ana_group,
                     write_protected: n.geometry.read_only,
                     nguid: n.nguid,

@@ -25,7 +25,7 @@ pub fn subsystem_config(nqn: &str, hosts: &[&str]) -> SubsystemConfig {
 }
 
 /// Namespace `nsid` of `blocks` blocks of `block_size` bytes: thin, a volatile write cache,
-/// fused Compare and Write of up to 8 blocks, in the default ANA group.
+/// fused Compare and Write of up to 8 blocks, in the default ANA group, with reservations.
 pub fn namespace(nsid: u32, block_size: u32, blocks: u64) -> Namespace {
     Namespace {
         nsid,
@@ -40,6 +40,7 @@ pub fn namespace(nsid: u32, block_size: u32, blocks: u64) -> Namespace {
         write_cache: true,
         compare_and_write: 8,
         ana_group: crate::ana::DEFAULT_GROUP,
+        reservations: true,
     }
 }
 

@@ -1351,19 +1351,6 @@ impl Config {
                         format!("namespace {} is defined twice in this subsystem", ns.nsid),
                     );
                 }
-                for (k, set) in [
-                    ("preferred_gateway", ns.unit.preferred_gateway.is_some()),
-                    ("standby", ns.unit.standby),
-                ] {
-                    if set {
-                        return fail(
-                            nkey(k),
-                            "a namespace is served by this gateway alone: ANA groups across \
-                             gateways are not there yet"
-                                .into(),
-                        );
-                    }
-                }
                 self.validate_unit(&nkey, &ns.unit, paths)?;
             }
         }

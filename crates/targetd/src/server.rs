@@ -179,16 +179,16 @@ impl Server {
                 None => None,
             };
             let store = store.map(|s| Box::new(s) as Box<dyn scsi_core::pr::PrStore>);
-            let s = crate::nvme::NvmeSubsystem::new(sub, &config.nvme, store).map_err(
-                |(nsid, r)| {
-                    let n = sub
-                        .namespaces
-                        .iter()
-                        .position(|n| n.nsid == nsid)
-                        .unwrap_or(0);
-                    unit_error(&format!("subsystems[{i}].namespaces[{n}]"), r)
-                },
-            )?;
+            let s =
+                crate::nvme::NvmeSubsystem::new(sub, &config.nvme, store, config.cluster.is_some())
+                    .map_err(|(nsid, r)| {
+                        let n = sub
+                            .namespaces
+                            .iter()
+                            .position(|n| n.nsid == nsid)
+                            .unwrap_or(0);
+                        unit_error(&format!("subsystems[{i}].namespaces[{n}]"), r)
+                    })?;
             subsystems.push(s);
         }
         let mut nvme_listeners = Vec::new();
@@ -275,6 +275,7 @@ impl Server {
             *lock(&registry.nvme_portals) = (io.to_vec(), discovery.to_vec());
             registry.update_discovery();
         }
+        follow_ana(&registry);
         let settings = reactor::Settings {
             engine,
             arena: ArenaConfig::default(),
@@ -522,6 +523,38 @@ fn flush(registry: &Registry) {
                 tracing::error!(subsystem = %s.nqn, nsid, "flush: {e}");
             }
         }
+    }
+}
+
+/// How often a gateway of a cluster derives its shared namespaces' ANA states from the
+/// membership again (the membership itself moves on every `membership_interval`).
+const ANA_PERIOD: Duration = Duration::from_millis(200);
+
+/// In a cluster, a thread that keeps the shared namespaces' ANA states those the cluster's
+/// membership gives this gateway, until the daemon stops.
+fn follow_ana(registry: &Arc<Registry>) {
+    let (Some(cluster), Some(port_group)) = (
+        registry.target_env.cluster.clone(),
+        registry.config().cluster.as_ref().map(|c| c.port_group),
+    ) else {
+        return;
+    };
+    let registry = Arc::downgrade(registry);
+    let spawned = std::thread::Builder::new()
+        .name("nvme-ana".into())
+        .spawn(move || loop {
+            let Some(r) = registry.upgrade().filter(|r| !r.stopping()) else {
+                return;
+            };
+            let (membership, fenced) = (cluster.membership(), cluster.is_fenced());
+            for s in r.subsystems() {
+                s.follow_membership(&membership, port_group, fenced);
+            }
+            drop(r);
+            std::thread::sleep(ANA_PERIOD);
+        });
+    if let Err(e) = spawned {
+        tracing::error!("no thread to follow the cluster's ANA states: {e}");
     }
 }
 

@@ -1634,3 +1634,131 @@ async fn an_initiators_set_target_port_groups_moves_the_optimized_gateway_everyw
     drop((one, two, a, b));
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }
+
+/// Gateway `port_group` of cluster `name` exporting `lun_image` as LUN 0 and `ns_image` as
+/// namespace 1 of an NVM subsystem (`extra` keys in the namespace's table), and its NVMe/TCP
+/// portal.
+fn nvme_gateway(
+    ceph: &Ceph,
+    name: &str,
+    port_group: u16,
+    (lun_image, ns_image): (&str, &str),
+    extra: &str,
+) -> (Daemon, std::net::SocketAddr) {
+    let keyring = ceph.keyring_key();
+    let text = gateway_config(ceph, name, port_group, lun_image).replacen(
+        "[server]\n",
+        "[server]\nnvme_portals = [\"127.0.0.1:0\"]\n",
+        1,
+    ) + &format!(
+        "\n[[subsystems]]\nnqn = \"{NVME_NQN}\"\n\n[[subsystems.namespaces]]\nnsid = 1\n\
+         backend = \"rbd\"\npool = \"{}\"\nimage = \"{ns_image}\"\nsize = \"64MiB\"\n\
+         ceph_conf = \"{}\"\nclient = \"{}\"\n{keyring}{extra}\n",
+        ceph.pool,
+        ceph.conf.display(),
+        ceph.client
+    );
+    let portal = std::sync::Mutex::new(None);
+    let d = Daemon::start_with(&text, |s| {
+        *portal.lock().unwrap() = Some(s.nvme_portals()[0])
+    });
+    let portal = portal.into_inner().unwrap().expect("an NVMe/TCP portal");
+    (d, portal)
+}
+
+const NVME_NQN: &str = "nqn.2026-11.io.example:gateways";
+
+/// The ANA state (ANAS) of namespace `nsid`'s group through controller `c`.
+async fn ana_state_of(c: &initiator_bench::nvme::NvmeController, nsid: u32) -> Option<u8> {
+    let mut log = nvme::sqe::Sqe::new(nvme::opcode::AdminOpcode::GetLogPage.code(), 0);
+    log.set_cdw(10, 0x0c | (4096 / 4 - 1) << 16);
+    let (_, page) = c.admin(log, Bytes::new(), 4096).await.ok()?;
+    let groups = u16::from_le_bytes([page[8], page[9]]);
+    let mut at = 16;
+    for _ in 0..groups {
+        let n = u32::from_le_bytes(page[at + 4..at + 8].try_into().ok()?) as usize;
+        let state = page[at + 16];
+        let nsids = &page[at + 32..at + 32 + 4 * n];
+        if nsids
+            .chunks(4)
+            .any(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) == nsid)
+        {
+            return Some(state);
+        }
+        at += 32 + 4 * n;
+    }
+    None
+}
+
+/// Waits up to `secs` for namespace 1's ANA state through `c` to be `want`.
+async fn expect_ana(c: &initiator_bench::nvme::NvmeController, want: u8, secs: u64, what: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    loop {
+        let now = ana_state_of(c, 1).await;
+        if now == Some(want) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: ANA state {now:?}, not {want:#x}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// NVMe/TCP across gateways: a namespace on one RBD image that both gateways of a cluster
+/// export is an ANA group of its own. Its preferred gateway reports it optimized and the
+/// other non-optimized, each through its own controllers; what one writes the other reads
+/// (written through); reservation commands are refused (they would bind one gateway's hosts
+/// only); when the preferred gateway stops, the other reports the namespace optimized.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nvme_namespaces_follow_the_gateways_as_ana_groups() {
+    use initiator_bench::nvme::{NvmeController, NvmeError, NvmeOptions, NvmeUrl};
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let (lun_image, ns_image) = (unique("nvme-lun"), unique("nvme-ns"));
+    let name = unique("gws");
+    let images = (lun_image.as_str(), ns_image.as_str());
+    let prefer_a = "preferred_gateway = \"gw1\"\n";
+    let (a, at_a) = nvme_gateway(&ceph, &name, 1, images, prefer_a);
+    let (b, at_b) = nvme_gateway(&ceph, &name, 2, images, prefer_a);
+    let url = |at| NvmeUrl::parse(&format!("nvme://{at}/{NVME_NQN}/1")).unwrap();
+    let via_a = NvmeController::connect(&url(at_a), &NvmeOptions::default())
+        .await
+        .expect("through A");
+    let via_b = NvmeController::connect(&url(at_b), &NvmeOptions::default())
+        .await
+        .expect("through B");
+    expect_ana(&via_a, 0x01, 20, "A, preferred").await;
+    expect_ana(&via_b, 0x02, 20, "B").await;
+    // One image: written through A, read through B.
+    let data = pattern(4096, 11);
+    via_a.write(64, data.clone()).await.unwrap();
+    assert_eq!(via_b.read(64, 8).await.unwrap(), data);
+    // Reservations would bind B's hosts only: refused.
+    let mut register = nvme::sqe::Sqe::new(nvme::opcode::NvmOpcode::ReservationRegister.code(), 0);
+    register.set_nsid(1);
+    let e = via_b
+        .io(register, Bytes::from(vec![0u8; 16]), 0)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, NvmeError::Status { status, .. } if status == nvme::Status::INVALID_OPCODE),
+        "{e}"
+    );
+    // A stops: B's controllers report the namespace optimized.
+    drop(via_a);
+    let stopped = std::time::Instant::now();
+    a.stop();
+    expect_ana(&via_b, 0x01, 30, "B after A stopped").await;
+    eprintln!(
+        "B reports the namespace optimized {:.1} s after A stopped",
+        stopped.elapsed().as_secs_f64()
+    );
+    assert_eq!(via_b.read(64, 8).await.unwrap(), data);
+    drop(via_b);
+    b.stop();
+    for image in [&lun_image, &ns_image] {
+        ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    }
+}

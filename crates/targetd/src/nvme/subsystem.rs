@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};
 
 use md5::{Digest, Md5};
+use nvme::ana::AnaState;
 use nvme::controller::{Namespace, Subsystem, SubsystemConfig};
 use nvme::nvm::NamespaceGeometry;
 
@@ -37,6 +38,9 @@ pub struct NvmeSubsystem {
     /// Held while a namespace's size changes, so a resize here and one seen through the
     /// image's watch do not interleave.
     resizing: Mutex<()>,
+    /// The daemon is a gateway of a `[cluster]`: its namespaces on RBD images are exported by
+    /// the other gateways too ([`NvmeSubsystem::open_namespace`]).
+    clustered: bool,
     /// Moves on when something may wait in the machine for the controllers' connections
     /// (asynchronous events for admin queues, a Preempt and Abort's aborts and completion for
     /// I/O queues), which watch it: a change made while one was busy is seen at its next wait.
@@ -72,6 +76,7 @@ impl NvmeSubsystem {
         config: &config::Subsystem,
         nvme: &config::Nvme,
         store: Option<Box<dyn scsi_core::pr::PrStore>>,
+        clustered: bool,
     ) -> Result<Arc<NvmeSubsystem>, (u32, String)> {
         let serial = config.serial.clone().unwrap_or_else(|| {
             let d = derived("serial", &config.nqn);
@@ -100,6 +105,7 @@ impl NvmeSubsystem {
             removed: Default::default(),
             this: this.clone(),
             resizing: Mutex::new(()),
+            clustered,
             events: tokio::sync::watch::Sender::new(0),
         });
         for ns in &config.namespaces {
@@ -111,6 +117,7 @@ impl NvmeSubsystem {
     /// The discovery subsystem: its controllers tell hosts which subsystems they may reach
     /// and where ([`NvmeSubsystem::set_discovery_log`]).
     pub fn discovery(nvme: &config::Nvme) -> Arc<NvmeSubsystem> {
+        let clustered = false;
         let machine = Subsystem::discovery(SubsystemConfig {
             nqn: nvme::fabrics::DISCOVERY_NQN.into(),
             serial: "discovery".into(),
@@ -137,6 +144,7 @@ impl NvmeSubsystem {
             removed: Default::default(),
             this: this.clone(),
             resizing: Mutex::new(()),
+            clustered,
             events: tokio::sync::watch::Sender::new(0),
         })
     }
@@ -232,8 +240,23 @@ impl NvmeSubsystem {
     }
 
     /// Opens the storage of namespace `ns` (creating a missing file), not yet attached.
+    ///
+    /// In a cluster of gateways a namespace on an RBD image is exported by every gateway:
+    /// it is written through (librbd's cache would keep a write on this gateway until a
+    /// flush), it is an ANA group of its own (ANAGRPID = NSID) whose state follows which
+    /// gateways are alive ([`NvmeSubsystem::set_ana_state`]), and it takes no reservation
+    /// commands, which would bind this gateway's hosts only.
     pub fn open_namespace(&self, ns: &config::Namespace) -> Result<(Namespace, Arc<Lun>), String> {
-        let unit = Lun::open(&ns.unit, Arc::new(LunStats::default()))?;
+        let shared = self.is_shared(&ns.unit);
+        let config = if shared && ns.unit.write_cache {
+            std::borrow::Cow::Owned(config::Lun {
+                write_cache: false,
+                ..ns.unit.clone()
+            })
+        } else {
+            std::borrow::Cow::Borrowed(&ns.unit)
+        };
+        let unit = Lun::open(&config, Arc::new(LunStats::default()))?;
         // An RBD image resized by another client: the namespace takes its new size.
         let (this, nsid) = (self.this.clone(), ns.nsid);
         unit.storage.watch_size(Arc::new(move |bytes| {
@@ -259,9 +282,14 @@ impl NvmeSubsystem {
             nguid: derived("nguid", &key),
             uuid,
             thin: ns.unit.thin && ns.unit.backend != "null",
-            write_cache: ns.unit.write_cache,
+            write_cache: config.write_cache,
             compare_and_write: unit.storage.atomic_compare_and_write(unit.block_size),
-            ana_group: nvme::ana::DEFAULT_GROUP,
+            ana_group: if shared {
+                ns.nsid
+            } else {
+                nvme::ana::DEFAULT_GROUP
+            },
+            reservations: !shared,
         };
         Ok((namespace, Arc::new(unit)))
     }
@@ -354,6 +382,43 @@ impl NvmeSubsystem {
         }
     }
 
+    /// Whether a namespace on `unit` is exported by the other gateways of the cluster too.
+    fn is_shared(&self, unit: &config::Lun) -> bool {
+        self.clustered && unit.backend == "rbd"
+    }
+
+    /// The namespaces the other gateways of the cluster export too, each an ANA group of
+    /// its own (its NSID), with its path policy (`preferred_gateway`, `standby`).
+    pub fn shared_namespaces(&self) -> Vec<(u32, crate::cluster::PathPolicy)> {
+        self.namespaces()
+            .into_iter()
+            .filter(|(_, unit)| self.is_shared(&unit.config))
+            .map(|(nsid, unit)| (nsid, crate::cluster::policy_of(&unit.config)))
+            .collect()
+    }
+
+    /// Sets ANA group `group`'s state as this gateway's controllers report it; the hosts
+    /// that asked hear of a change.
+    pub fn set_ana_state(&self, group: u32, state: nvme::ana::AnaState) {
+        self.with_machine(|m| m.set_ana_state(group, state));
+    }
+
+    /// Derives the ANA state of each shared namespace from the cluster's `membership`, as
+    /// ALUA's port groups are derived for a LUN with the same policy, seen from this
+    /// gateway (`port_group`); every one inaccessible while this gateway is `fenced`.
+    pub fn follow_membership(
+        &self,
+        membership: &crate::cluster::Membership,
+        port_group: u16,
+        fenced: bool,
+    ) {
+        for (nsid, policy) in self.shared_namespaces() {
+            let groups = membership.port_groups(&policy);
+            let mine = groups.iter().find(|g| g.id == port_group).map(|g| g.state);
+            self.set_ana_state(nsid, ana_state(mine, fenced));
+        }
+    }
+
     /// Takes it out of service: its connections close at their next wake (this wakes
     /// them), and a Connect to it is refused from now on (the registry no longer lists it).
     pub fn remove(&self) {
@@ -379,5 +444,57 @@ impl NvmeSubsystem {
                 .map(|(id, h)| (id, h.to_string(), m.io_queues(id)))
                 .collect()
         })
+    }
+}
+
+/// The ANA state of a namespace whose port group here has ALUA state `state` (none: this
+/// gateway is not in the membership yet): optimized and non-optimized as ALUA says them;
+/// standby, unavailable and offline are inaccessible (a host sends nothing here while
+/// another path is optimized); transitioning is change. Fenced, inaccessible.
+pub fn ana_state(state: Option<scsi_core::spc::tpg::AccessState>, fenced: bool) -> AnaState {
+    use scsi_core::spc::tpg::AccessState;
+    match state {
+        _ if fenced => AnaState::Inaccessible,
+        Some(AccessState::ActiveOptimized) => AnaState::Optimized,
+        Some(AccessState::ActiveNonOptimized) => AnaState::NonOptimized,
+        Some(AccessState::Transitioning) => AnaState::Change,
+        Some(AccessState::Standby | AccessState::Unavailable | AccessState::Offline) | None => {
+            AnaState::Inaccessible
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use scsi_core::spc::tpg::AccessState;
+
+    #[test]
+    fn alua_states_map_onto_ana_states() {
+        assert_eq!(
+            ana_state(Some(AccessState::ActiveOptimized), false),
+            AnaState::Optimized
+        );
+        assert_eq!(
+            ana_state(Some(AccessState::ActiveNonOptimized), false),
+            AnaState::NonOptimized
+        );
+        assert_eq!(
+            ana_state(Some(AccessState::Standby), false),
+            AnaState::Inaccessible
+        );
+        assert_eq!(
+            ana_state(Some(AccessState::Unavailable), false),
+            AnaState::Inaccessible
+        );
+        assert_eq!(
+            ana_state(Some(AccessState::Transitioning), false),
+            AnaState::Change
+        );
+        assert_eq!(ana_state(None, false), AnaState::Inaccessible);
+        assert_eq!(
+            ana_state(Some(AccessState::ActiveOptimized), true),
+            AnaState::Inaccessible
+        );
     }
 }

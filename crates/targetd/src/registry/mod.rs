@@ -670,7 +670,7 @@ impl Registry {
                 None => None,
             };
             made.push(
-                NvmeSubsystem::new(sub, &old.nvme, store)
+                NvmeSubsystem::new(sub, &old.nvme, store, old.cluster.is_some())
                     .map_err(|(nsid, e)| format!("subsystem {} namespace {nsid}: {e}", sub.nqn))?,
             );
         }
