@@ -587,6 +587,8 @@ struct Process_ {
     /// `cluster.name`.
     cluster: String,
     addr: std::net::SocketAddr,
+    /// Its NVMe/TCP portal, when it has one.
+    nvme: Option<std::net::SocketAddr>,
     _dir: tempfile::TempDir,
 }
 
@@ -616,6 +618,12 @@ impl Process_ {
             ceph.conf.display(),
             ceph.client
         );
+        Process_::spawn(name, dir, &text)
+    }
+
+    /// targetd on `text` (its admin socket in `dir`) as a gateway of cluster `name`, once it
+    /// listens.
+    fn spawn(name: &str, dir: tempfile::TempDir, text: &str) -> Process_ {
         let path = dir.path().join("config.toml");
         std::fs::write(&path, text).unwrap();
         let mut child = Process::new(env!("CARGO_BIN_EXE_targetd"))
@@ -626,21 +634,29 @@ impl Process_ {
             .expect("targetd");
         let stdout = child.stdout.take().unwrap();
         let mut lines = std::io::BufRead::lines(std::io::BufReader::new(stdout));
-        let addr = loop {
+        let (mut addr, mut nvme) = (None, None);
+        loop {
             let line = lines
                 .next()
                 .expect("targetd ended before it listened")
                 .unwrap();
             if let Some(a) = line.strip_prefix("targetd: listening on ") {
-                break a.trim().parse().unwrap();
+                addr = addr.or(a.trim().parse().ok());
             }
-        };
+            if let Some(a) = line.strip_prefix("targetd: NVMe/TCP on ") {
+                nvme = nvme.or(a.trim().parse().ok());
+            }
+            if line.starts_with("targetd: engine") {
+                break;
+            }
+        }
         // Keep draining its output so it never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
         Process_ {
             child,
             cluster: name.to_string(),
-            addr,
+            addr: addr.expect("an iSCSI portal"),
+            nvme,
             _dir: dir,
         }
     }
@@ -1645,19 +1661,11 @@ fn nvme_gateway(
     (lun_image, ns_image): (&str, &str),
     extra: &str,
 ) -> (Daemon, std::net::SocketAddr) {
-    let keyring = ceph.keyring_key();
     let text = gateway_config(ceph, name, port_group, lun_image).replacen(
         "[server]\n",
         "[server]\nnvme_portals = [\"127.0.0.1:0\"]\n",
         1,
-    ) + &format!(
-        "\n[[subsystems]]\nnqn = \"{NVME_NQN}\"\n\n[[subsystems.namespaces]]\nnsid = 1\n\
-         backend = \"rbd\"\npool = \"{}\"\nimage = \"{ns_image}\"\nsize = \"64MiB\"\n\
-         ceph_conf = \"{}\"\nclient = \"{}\"\n{keyring}{extra}\n",
-        ceph.pool,
-        ceph.conf.display(),
-        ceph.client
-    );
+    ) + &nvme_subsystem_toml(ceph, ns_image, extra);
     let portal = std::sync::Mutex::new(None);
     let d = Daemon::start_with(&text, |s| {
         *portal.lock().unwrap() = Some(s.nvme_portals()[0])
@@ -1667,6 +1675,19 @@ fn nvme_gateway(
 }
 
 const NVME_NQN: &str = "nqn.2026-11.io.example:gateways";
+
+/// An NVM subsystem with namespace 1 on `image` (`extra` keys in its table).
+fn nvme_subsystem_toml(ceph: &Ceph, image: &str, extra: &str) -> String {
+    format!(
+        "\n[[subsystems]]\nnqn = \"{NVME_NQN}\"\n\n[[subsystems.namespaces]]\nnsid = 1\n\
+         backend = \"rbd\"\npool = \"{}\"\nimage = \"{image}\"\nsize = \"64MiB\"\n\
+         ceph_conf = \"{}\"\nclient = \"{}\"\n{}{extra}\n",
+        ceph.pool,
+        ceph.conf.display(),
+        ceph.client,
+        ceph.keyring_key()
+    )
+}
 
 /// The ANA state (ANAS) of namespace `nsid`'s group through controller `c`.
 async fn ana_state_of(c: &initiator_bench::nvme::NvmeController, nsid: u32) -> Option<u8> {
@@ -1761,4 +1782,64 @@ async fn nvme_namespaces_follow_the_gateways_as_ana_groups() {
     for image in [&lun_image, &ns_image] {
         ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
     }
+}
+
+/// A gateway killed with SIGKILL: the other gateway reports the namespace optimized once the
+/// membership counts the killed one gone (fenced first), and what was written through the
+/// killed gateway reads back through the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_gateways_nvme_namespace_becomes_optimized_on_the_other() {
+    use initiator_bench::nvme::{NvmeController, NvmeOptions, NvmeUrl};
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("nvme-kill");
+    let name = unique("gws");
+    let gateway = |port_group: u16| {
+        let dir = tempfile::tempdir().unwrap();
+        let text = format!(
+            "[server]\nportals = [\"127.0.0.1:0\"]\nnvme_portals = [\"127.0.0.1:0\"]\n\
+             admin_socket = \"{}\"\nreactors = 1\n\n[cluster]\nname = \"{name}\"\n\
+             gateway = \"gw{port_group}\"\nport_group = {port_group}\npool = \"{}\"\n\
+             ceph_conf = \"{}\"\nclient = \"{}\"\n{}",
+            dir.path().join("admin.sock").display(),
+            ceph.pool,
+            ceph.conf.display(),
+            ceph.client,
+            ceph.keyring_key()
+        ) + &nvme_subsystem_toml(&ceph, &image, "preferred_gateway = \"gw1\"\n");
+        Process_::spawn(&name, dir, &text)
+    };
+    let (a, b) = (gateway(1), gateway(2));
+    let url = |p: &Process_| {
+        NvmeUrl::parse(&format!(
+            "nvme://{}/{NVME_NQN}/1",
+            p.nvme.expect("an NVMe/TCP portal")
+        ))
+        .unwrap()
+    };
+    let via_a = NvmeController::connect(&url(&a), &NvmeOptions::default())
+        .await
+        .expect("through A");
+    let via_b = NvmeController::connect(&url(&b), &NvmeOptions::default())
+        .await
+        .expect("through B");
+    expect_ana(&via_a, 0x01, 20, "A, preferred").await;
+    expect_ana(&via_b, 0x02, 20, "B").await;
+    let data = pattern(4096, 12);
+    via_a.write(128, data.clone()).await.unwrap();
+    let killed = std::time::Instant::now();
+    a.signal("-KILL");
+    expect_ana(&via_b, 0x01, 60, "B after A was killed").await;
+    eprintln!(
+        "B reports the namespace optimized {:.1} s after A was killed",
+        killed.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        via_b.read(128, 8).await.unwrap(),
+        data,
+        "acknowledged through A"
+    );
+    drop((via_a, via_b));
+    drop((a, b));
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
 }

@@ -149,6 +149,12 @@ fn main() -> ExitCode {
         for t in &targets {
             println!("targetd: target {t}");
         }
+        for p in server.nvme_portals() {
+            println!("targetd: NVMe/TCP on {p}");
+        }
+        for s in registry.subsystems() {
+            println!("targetd: subsystem {}", s.nqn);
+        }
         println!(
             "targetd: engine {}; admin socket {}",
             registry.engine.lock().map(|e| e.clone()).unwrap_or_default(),
