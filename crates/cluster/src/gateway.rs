@@ -697,6 +697,7 @@ impl Gateway {
                 addresses: Vec::new(),
                 left: false,
                 srp: self.me.as_ref().is_some_and(|me| me.srp),
+                nvme_portals: Vec::new(),
             });
         }
         self.membership = m;

@@ -24,6 +24,9 @@ pub struct Member {
     pub port_group: u16,
     /// Its iSCSI portals.
     pub portals: Vec<std::net::SocketAddr>,
+    /// Its NVMe/TCP portals (a flag `nvme=ADDR,ADDR` after the addresses; a gateway that
+    /// does not know the flag skips it).
+    pub nvme_portals: Vec<std::net::SocketAddr>,
     /// Its object-store client instance id (how notify outcomes name it).
     pub instance: u64,
     /// The addresses of its object-store clients (the cluster session's and the images'):
@@ -49,8 +52,14 @@ impl Member {
         } else {
             self.addresses.join(",")
         };
+        let nvme = if self.nvme_portals.is_empty() {
+            String::new()
+        } else {
+            let p: Vec<String> = self.nvme_portals.iter().map(|p| p.to_string()).collect();
+            format!(" nvme={}", p.join(","))
+        };
         format!(
-            "gateway {} {} {portals} {} {addresses}{}{}\n",
+            "gateway {} {} {portals} {} {addresses}{}{}{nvme}\n",
             self.gateway,
             self.port_group,
             self.instance,
@@ -94,6 +103,14 @@ impl Member {
             // reads the first as `left` only when it is).
             left: w.iter().skip(6).any(|f| *f == "left"),
             srp: w.iter().skip(6).any(|f| *f == "srp"),
+            nvme_portals: w
+                .iter()
+                .skip(6)
+                .find_map(|f| f.strip_prefix("nvme="))
+                .into_iter()
+                .flat_map(|p| p.split(','))
+                .filter_map(|a| a.parse().ok())
+                .collect(),
         })
     }
 
@@ -284,13 +301,23 @@ mod tests {
             addresses: vec!["127.0.0.1:0/1".into(), "127.0.0.1:0/2".into()],
             left: true,
             srp: true,
+            nvme_portals: vec![
+                "127.0.0.1:4420".parse().unwrap(),
+                "[::1]:4420".parse().unwrap(),
+            ],
         };
+        assert!(
+            m.line().ends_with(" nvme=127.0.0.1:4420,[::1]:4420\n"),
+            "{}",
+            m.line()
+        );
         assert_eq!(Member::parse(&m.line()), Some(m.clone()));
         let bare = Member {
             portals: vec![],
             addresses: vec![],
             left: false,
             srp: false,
+            nvme_portals: vec![],
             ..m.clone()
         };
         assert_eq!(Member::parse(&bare.line()), Some(bare.clone()));
@@ -308,6 +335,7 @@ mod tests {
             addresses: vec!["c".into()],
             left: false,
             srp,
+            nvme_portals: vec![],
         };
         let a = m("a", 1, true);
         assert!(a.line().ends_with(" srp\n"), "{}", a.line());
@@ -343,6 +371,7 @@ mod tests {
             addresses: vec![],
             left: false,
             srp: false,
+            nvme_portals: vec![],
         };
         let m = Membership {
             members: vec![member("a", 1), member("b", 2), member("c", 3)],
@@ -385,6 +414,7 @@ mod tests {
             addresses: vec![],
             left: false,
             srp: false,
+            nvme_portals: vec![],
         };
         let p = Preference {
             oid: "gws.reservations.rbd/vm1".into(),

@@ -188,6 +188,7 @@ impl Sim {
             addresses: vec![format!("client.{instance}")],
             left: false,
             srp: false,
+            nvme_portals: Vec::new(),
         }
     }
 

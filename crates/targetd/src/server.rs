@@ -273,6 +273,9 @@ impl Server {
                 .collect();
             let (io, discovery) = bound.split_at(nvme_count.min(bound.len()));
             *lock(&registry.nvme_portals) = (io.to_vec(), discovery.to_vec());
+            if let Some(cluster) = &registry.target_env.cluster {
+                cluster.set_nvme_portals(io);
+            }
             registry.update_discovery();
         }
         follow_ana(&registry);
@@ -531,7 +534,8 @@ fn flush(registry: &Registry) {
 const ANA_PERIOD: Duration = Duration::from_millis(200);
 
 /// In a cluster, a thread that keeps the shared namespaces' ANA states those the cluster's
-/// membership gives this gateway, until the daemon stops.
+/// membership gives this gateway, and the discovery log naming the live gateways' NVMe/TCP
+/// portals, until the daemon stops.
 fn follow_ana(registry: &Arc<Registry>) {
     let (Some(cluster), Some(port_group)) = (
         registry.target_env.cluster.clone(),
@@ -540,6 +544,7 @@ fn follow_ana(registry: &Arc<Registry>) {
         return;
     };
     let registry = Arc::downgrade(registry);
+    let mut listed = Vec::new();
     let spawned = std::thread::Builder::new()
         .name("nvme-ana".into())
         .spawn(move || loop {
@@ -549,6 +554,11 @@ fn follow_ana(registry: &Arc<Registry>) {
             let (membership, fenced) = (cluster.membership(), cluster.is_fenced());
             for s in r.subsystems() {
                 s.follow_membership(&membership, port_group, fenced);
+            }
+            let others = r.other_gateways_nvme_portals();
+            if others != listed {
+                r.update_discovery();
+                listed = others;
             }
             drop(r);
             std::thread::sleep(ANA_PERIOD);

@@ -1727,11 +1727,39 @@ async fn expect_ana(c: &initiator_bench::nvme::NvmeController, want: u8, secs: u
     }
 }
 
+/// Waits up to 20 s for discovery through `at` to name the subsystem at exactly `want`
+/// (`address:port`, sorted or not).
+async fn expect_discovered(at: std::net::SocketAddr, want: &[String]) {
+    let mut want = want.to_vec();
+    want.sort();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let found = initiator_bench::nvme::discover(&at.to_string(), &Default::default())
+            .await
+            .expect("discovery");
+        let mut listed: Vec<String> = found
+            .iter()
+            .filter(|e| e.subtype == 2 && e.nqn == NVME_NQN)
+            .map(|e| format!("{}:{}", e.address, e.port))
+            .collect();
+        listed.sort();
+        if listed == want {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "discovery through {at}: {listed:?}, not {want:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
 /// NVMe/TCP across gateways: a namespace on one RBD image that both gateways of a cluster
 /// export is an ANA group of its own. Its preferred gateway reports it optimized and the
-/// other non-optimized, each through its own controllers; what one writes the other reads
-/// (written through); reservation commands are refused (they would bind one gateway's hosts
-/// only); when the preferred gateway stops, the other reports the namespace optimized.
+/// other non-optimized, each through its own controllers; discovery through either names both
+/// gateways' portals; what one writes the other reads (written through); reservation
+/// commands are refused (they would bind one gateway's hosts only); when the preferred
+/// gateway stops, the other reports the namespace optimized and discovery names it alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nvme_namespaces_follow_the_gateways_as_ana_groups() {
     use initiator_bench::nvme::{NvmeController, NvmeError, NvmeOptions, NvmeUrl};
@@ -1752,6 +1780,10 @@ async fn nvme_namespaces_follow_the_gateways_as_ana_groups() {
         .expect("through B");
     expect_ana(&via_a, 0x01, 20, "A, preferred").await;
     expect_ana(&via_b, 0x02, 20, "B").await;
+    // Discovery through either gateway names both gateways' portals.
+    let both = [at_a, at_b].map(|p| p.to_string()).to_vec();
+    expect_discovered(at_a, &both).await;
+    expect_discovered(at_b, &both).await;
     // One image: written through A, read through B.
     let data = pattern(4096, 11);
     via_a.write(64, data.clone()).await.unwrap();
@@ -1772,6 +1804,7 @@ async fn nvme_namespaces_follow_the_gateways_as_ana_groups() {
     let stopped = std::time::Instant::now();
     a.stop();
     expect_ana(&via_b, 0x01, 30, "B after A stopped").await;
+    expect_discovered(at_b, &[at_b.to_string()]).await;
     eprintln!(
         "B reports the namespace optimized {:.1} s after A stopped",
         stopped.elapsed().as_secs_f64()

@@ -500,6 +500,7 @@ impl Keeper {
             addresses: Vec::new(),
             left: false,
             srp: false,
+            nvme_portals: Vec::new(),
         });
         self.enter()?;
         let me = crate::lock(&self.me).clone();
@@ -554,10 +555,20 @@ impl Keeper {
     /// This gateway's iSCSI portals are now `portals` (a portal added or removed while
     /// running): listed again, so SendTargets through the other gateways names them.
     pub fn set_portals(&self, portals: &[std::net::SocketAddr]) {
+        self.relist(|me| me.portals = portals.to_vec());
+    }
+
+    /// Lists this gateway's NVMe/TCP portals in its line of the gateways object.
+    pub fn set_nvme_portals(&self, portals: &[std::net::SocketAddr]) {
+        self.relist(|me| me.nvme_portals = portals.to_vec());
+    }
+
+    /// Changes this gateway's line of the gateways object with `change` and publishes it.
+    fn relist(&self, change: impl FnOnce(&mut Member)) {
         let me = {
             let mut guard = self.me.lock().unwrap_or_else(PoisonError::into_inner);
             let Some(me) = guard.as_mut() else { return };
-            me.portals = portals.to_vec();
+            change(me);
             me.clone()
         };
         if let Err((_, e)) = self.publish(&me) {
@@ -1290,6 +1301,10 @@ impl super::Cluster for Keeper {
 
     fn set_portals(&self, portals: &[std::net::SocketAddr]) {
         Keeper::set_portals(self, portals);
+    }
+
+    fn set_nvme_portals(&self, portals: &[std::net::SocketAddr]) {
+        Keeper::set_nvme_portals(self, portals);
     }
 
     fn serve_srp(&self) {

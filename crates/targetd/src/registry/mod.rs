@@ -177,11 +177,26 @@ impl Registry {
     }
 
     /// Tells the discovery subsystem what there is now: every subsystem at every NVMe/TCP
-    /// portal (after a start, or a subsystem added or removed).
+    /// portal of this gateway and, in a cluster, of the other live gateways (after a start,
+    /// a subsystem added or removed, a gateway come or gone).
     pub fn update_discovery(&self) {
-        let (portals, discovery) = lock(&self.nvme_portals).clone();
+        let (mut portals, discovery) = lock(&self.nvme_portals).clone();
+        portals.extend(self.other_gateways_nvme_portals());
         self.nvme_discovery
             .set_discovery_log(&self.subsystems(), &portals, &discovery);
+    }
+
+    /// The NVMe/TCP portals of the cluster's other live gateways (none alone).
+    pub fn other_gateways_nvme_portals(&self) -> Vec<SocketAddr> {
+        let Some(c) = &self.target_env.cluster else {
+            return Vec::new();
+        };
+        let m = c.membership();
+        m.members
+            .iter()
+            .filter(|g| g.gateway != c.gateway() && m.live.contains(&g.gateway))
+            .flat_map(|g| g.nvme_portals.iter().copied())
+            .collect()
     }
 
     /// The NVM subsystems exported.
