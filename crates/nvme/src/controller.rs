@@ -1504,7 +1504,6 @@ fn access(opcode: u8) -> Access {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fabrics::{property, CC_EN};
     use crate::sqe::Sgl;
     use crate::testing;
 
@@ -1553,17 +1552,11 @@ mod tests {
             )
             .expect("the admin queue");
         assert_eq!(cqe.dw0, u32::from(admin.cntlid));
-        let mut set = Sqe::new(0x7f, 2);
-        set.set_fctype(FabricsType::PropertySet.code());
-        PropertyAccess {
-            eight_bytes: false,
-            offset: property::CC,
-            value: u64::from(CC_EN | 6 << 16 | 4 << 20),
-        }
-        .to_sqe(&mut set);
-        assert!(complete(s.command(now, &admin, &set, &[]))
-            .status
-            .is_success());
+        assert!(
+            complete(s.command(now, &admin, &testing::enable_sqe(2), &[]))
+                .status
+                .is_success()
+        );
         admin
     }
 

@@ -1343,11 +1343,7 @@ fn tree(c: &mut Client, json: bool) -> Result<()> {
         let luns = t["luns"].as_array().cloned().unwrap_or_default();
         println!("└── LUNs{}", if luns.is_empty() { ": none" } else { "" });
         for (i, l) in luns.iter().enumerate() {
-            let branch = if i + 1 == luns.len() {
-                "└──"
-            } else {
-                "├──"
-            };
+            let branch = branch(i, luns.len());
             let backing = match (&l["rbd"], l["path"].as_str()) {
                 (Value::Object(r), _) => format!(
                     "rbd {}/{}",
@@ -1372,6 +1368,15 @@ fn tree(c: &mut Client, json: bool) -> Result<()> {
         print_subsystem(s);
     }
     Ok(())
+}
+
+/// The tree's branch to item `i` of `len`: the last one closes the branch.
+fn branch(i: usize, len: usize) -> &'static str {
+    if i + 1 == len {
+        "└──"
+    } else {
+        "├──"
+    }
 }
 
 /// One NVM subsystem of `targetctl tree`.
@@ -1400,11 +1405,7 @@ fn print_subsystem(s: &Value) {
         if controllers.is_empty() { ": none" } else { "" }
     );
     for (i, c) in controllers.iter().enumerate() {
-        let branch = if i + 1 == controllers.len() {
-            "└──"
-        } else {
-            "├──"
-        };
+        let branch = branch(i, controllers.len());
         let queues = strs(&c["io_queues"]);
         println!(
             "│   {branch} {}: {}, I/O queues {}",
@@ -1423,11 +1424,7 @@ fn print_subsystem(s: &Value) {
         if namespaces.is_empty() { ": none" } else { "" }
     );
     for (i, n) in namespaces.iter().enumerate() {
-        let branch = if i + 1 == namespaces.len() {
-            "└──"
-        } else {
-            "├──"
-        };
+        let branch = branch(i, namespaces.len());
         let backing = n["path"].as_str().or(n["image"].as_str()).map_or_else(
             || text(&n["backend"]),
             |b| format!("{} {b}", text(&n["backend"])),
