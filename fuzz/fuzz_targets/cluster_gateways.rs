@@ -6,14 +6,17 @@
 //! and runs agrees with every other on each unit's state once all is quiet, and a gateway
 //! that was only slow (its answers arriving within the membership timeout) is never fenced.
 //! Initiators' SET TARGET PORT GROUPS come through any gateway too, and once all is quiet
-//! every gateway gives each unit the same port groups.
+//! every gateway gives each unit the same port groups. NVMe hosts' reservation commands come
+//! through any gateway as well, decided on the same state.
 #![no_main]
 
 use std::time::Duration;
 
 use arbitrary::Arbitrary;
-use cluster::testing::{change_id, nexus, preempt_and_abort, register, reserve, Sim};
+use cluster::ask::Ask;
+use cluster::testing::{change_id, nexus, nvme_host, preempt_and_abort, register, reserve, Sim};
 use libfuzzer_sys::fuzz_target;
+use nvme::opcode::NvmOpcode;
 use scsi_core::pr::ReservationRequest;
 use scsi_core::spc::tpg::{AccessState, TargetPortGroupRequest};
 
@@ -66,6 +69,17 @@ enum Step {
         gw: u8,
         tenths: u8,
     },
+    /// An NVMe reservation command (Register, Acquire or Release by `command`, its CDW10 as
+    /// given) from NVMe host `host` through a gateway, with keys 0 to 3.
+    Nvme {
+        gw: u8,
+        host: u8,
+        unit: u8,
+        command: u8,
+        cdw10: u32,
+        crkey: u8,
+        other: u8,
+    },
     /// SET TARGET PORT GROUPS through a gateway: `group` (0 to 4: some are nobody's) asked
     /// active/optimized, and another group asked `other`'s state when set.
     Prefer {
@@ -97,6 +111,42 @@ fuzz_target!(|steps: Vec<Step>| {
             submitted[g].push(c);
             sim.submit(g, c, u, nexus(g, host % 4), r);
         };
+        if let Step::Nvme {
+            gw: g,
+            host,
+            unit: u,
+            command,
+            cdw10,
+            crkey,
+            other,
+        } = step
+        {
+            // NVMe hosts share the units with the SCSI initiators: one state decides both.
+            let opcode = [
+                NvmOpcode::ReservationRegister,
+                NvmOpcode::ReservationAcquire,
+                NvmOpcode::ReservationRelease,
+            ][usize::from(command % 3)];
+            let mut sqe = nvme::sqe::Sqe::new(opcode.code(), 1);
+            sqe.set_cdw(10, cdw10);
+            if let Ok(command) = nvme::reservation::decode(&sqe) {
+                n += 1;
+                let c = change_id(unit(u), n);
+                submitted[gw(g)].push(c);
+                let mut data = [0; 16];
+                data[..8].copy_from_slice(&u64::from(crkey % 4).to_le_bytes());
+                data[8..].copy_from_slice(&u64::from(other % 4).to_le_bytes());
+                sim.submit(
+                    gw(g),
+                    c,
+                    unit(u),
+                    nvme_host(host % 4),
+                    Ask::Nvme { command, data },
+                );
+            }
+            sim.run();
+            continue;
+        }
         match step {
             Step::Register {
                 gw: g,
@@ -176,6 +226,7 @@ fuzz_target!(|steps: Vec<Step>| {
                 }
                 sim.submit_port_groups(gw(g), c, unit(u), &requests);
             }
+            Step::Nvme { .. } => {}
             Step::Slow { gw: g, tenths } => {
                 let delay = Duration::from_millis(u64::from(tenths % 20) * 100);
                 // At the timeout's edge counts as late: the clock moves in 100 ms steps.

@@ -9,20 +9,24 @@
 //! controller whose keep alive lapsed answers nothing but Keep Alive Timer Expired. Two hosts
 //! (two Host Identifiers) share the namespace, so reservations made by one fence the other;
 //! connections say at any step that the commands a Preempt and Abort aborted have ended, and
-//! at the end every Preempt and Abort held is answered once every queue has said so.
+//! at the end every Preempt and Abort held is answered once every queue has said so. When
+//! the namespace's reservations are shared by a cluster of gateways, every Register, Acquire
+//! and Release is held for the shell and answered once a step decides it (on a state the
+//! step keeps, as the cluster would) or refuses it; at the end every one is answered.
 #![no_main]
 
 use std::time::{Duration, Instant};
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use nvme::controller::{Answer, Queue, Subsystem, SubsystemConfig, MAX_AERS};
+use nvme::controller::{Answer, Namespace, Queue, Subsystem, SubsystemConfig, MAX_AERS};
 use nvme::fabrics::CNTLID_DYNAMIC;
 use nvme::nvm::IoCommand;
 use nvme::opcode::AdminOpcode;
 use nvme::sqe::{Sgl, Sqe};
 use nvme::testing;
 use nvme::Status;
+use scsi_core::pr::PrState;
 
 const NQN: &str = "nqn.2026-11.io.example:fuzz";
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:fuzz";
@@ -50,6 +54,11 @@ enum Step {
     Advance(u16),
     /// A connection carries out what a Preempt and Abort asks of it and takes completions.
     Abort(u8),
+    /// The cluster decides the next shared reservation change (refuses it, when set, as an
+    /// unreachable cluster would).
+    Decide {
+        refuse: bool,
+    },
     /// The shell sets an ANA group's state (a gateway of a cluster joined or left).
     Ana {
         group: u8,
@@ -59,7 +68,7 @@ enum Step {
 
 /// Every queue's connection says its aborted commands have ended; the completions of held
 /// commands that are ready, by queue.
-fn settle(s: &mut Subsystem, live: &[Queue], done: &mut Vec<(Queue, u16)>) {
+fn settle(s: &mut Subsystem, live: &[Queue], done: &mut Vec<(Queue, u16)>, shared: bool) {
     for q in live {
         while let Some((id, nsid)) = s.poll_abort(q) {
             assert_eq!(nsid, 1);
@@ -68,15 +77,42 @@ fn settle(s: &mut Subsystem, live: &[Queue], done: &mut Vec<(Queue, u16)>) {
     }
     for q in live {
         while let Some(c) = s.poll_completion(q) {
-            assert!(c.status.is_success());
+            // A shared change the cluster refused ends with its refusal.
+            assert!(c.status.is_success() || shared);
             done.push((*q, c.cid));
         }
     }
 }
 
-fuzz_target!(|input: (u8, bool, Vec<Step>)| {
-    // The subsystem's own terms: 0 to 3 I/O queues; an NVM or a discovery subsystem.
-    let (io_queues, discovery, steps) = input;
+/// What the cluster does with the next shared reservation change: decides it on `cluster`
+/// (applying what it decided here at the next version) or refuses it. Whether there was one.
+fn decide(s: &mut Subsystem, cluster: &mut PrState, version: &mut u64, refuse: bool) -> bool {
+    let Some(ask) = s.poll_shared_reservation() else {
+        return false;
+    };
+    assert!(!matches!(
+        ask.command,
+        nvme::reservation::ReservationCommand::Report { .. }
+    ));
+    let mut next = cluster.clone();
+    let decided = nvme::reservation::apply(&mut next, &ask.host, &ask.command, &ask.data, true);
+    match decided {
+        _ if refuse => s.shared_reservation_done(ask.id, Err(Status::NAMESPACE_NOT_READY)),
+        Ok(fx) => {
+            *cluster = next;
+            *version += 1;
+            assert!(s.apply_shared_reservations(ask.nsid, *version, cluster.clone(), &fx));
+            s.shared_reservation_done(ask.id, Ok(()));
+        }
+        Err(status) => s.shared_reservation_done(ask.id, Err(status)),
+    }
+    true
+}
+
+fuzz_target!(|input: (u8, bool, bool, Vec<Step>)| {
+    // The subsystem's own terms: 0 to 3 I/O queues; an NVM or a discovery subsystem; the
+    // namespace's reservations its own or a cluster's.
+    let (io_queues, discovery, shared, steps) = input;
     let config = SubsystemConfig {
         serial: "fuzz".into(),
         max_io_queues: u16::from(io_queues % 4),
@@ -90,7 +126,11 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
         Subsystem::new(config)
     };
     let nqn = s.config().nqn.clone();
-    s.add_namespace(testing::namespace(1, 512, BLOCKS));
+    s.add_namespace(Namespace {
+        shared_reservations: shared,
+        ..testing::namespace(1, 512, BLOCKS)
+    });
+    let (mut cluster, mut version) = (PrState::default(), 0u64);
     let mut now = Instant::now();
     let mut conns: [Option<Queue>; 4] = [None; 4];
     let mut expired: Vec<u16> = Vec::new();
@@ -189,6 +229,11 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
                             }
                         }
                     }
+                    Answer::Held if q.qid != 0 && shared => {
+                        // For the cluster to decide.
+                        assert!(nvme::reservation::is_reservation(sqe.opcode()));
+                        held.push((q, cid));
+                    }
                     Answer::Held if q.qid != 0 => {
                         // Preempt and Abort, waiting for the preempted host's queues.
                         assert_eq!(
@@ -217,8 +262,11 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
             }
             Step::Abort(conn) => {
                 if let Some(q) = conns[usize::from(conn % 4)] {
-                    settle(&mut s, &[q], &mut answered);
+                    settle(&mut s, &[q], &mut answered, shared);
                 }
+            }
+            Step::Decide { refuse } => {
+                decide(&mut s, &mut cluster, &mut version, refuse);
             }
             Step::Ana { group, state } => {
                 use nvme::ana::AnaState;
@@ -241,15 +289,16 @@ fuzz_target!(|input: (u8, bool, Vec<Step>)| {
             }
         }
     }
-    // Every queue says its aborted commands ended: every Preempt and Abort still held by a
-    // controller that is there is answered, once.
-    settle(&mut s, &live, &mut answered);
+    // The cluster decides what is left, and every queue says its aborted commands ended:
+    // every command still held by a controller that is there is answered, once.
+    while decide(&mut s, &mut cluster, &mut version, false) {}
+    settle(&mut s, &live, &mut answered, shared);
     for (q, cid) in &held {
         let there = s.controllers().any(|(id, _)| id == q.cntlid);
         let n = answered.iter().filter(|(o, c)| o == q && c == cid).count();
         assert!(
             !there || n >= 1,
-            "Preempt and Abort {cid} on {q:?} never answered"
+            "held command {cid} on {q:?} never answered"
         );
     }
     for (q, cid) in &answered {

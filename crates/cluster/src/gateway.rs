@@ -28,10 +28,11 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use scsi_core::pr::{PrError, ReservationEffects, ReservationRequest, Reservations};
+use scsi_core::pr::{PrError, ReservationEffects, Reservations};
 use scsi_core::spc::tpg::{self, AccessState, PortGroup, TargetPortGroupRequest};
 use scsi_core::{BackendError, ItNexus, Sense};
 
+use crate::ask::{Ask, Refusal};
 use crate::member::{Member, Membership, PathPolicy, Preference};
 use crate::store::{errno_text, CasError, NotifyOutcome, Versioned};
 
@@ -212,9 +213,9 @@ pub enum Event {
     Decided {
         /// The change.
         change: ChangeId,
-        /// GOOD, or RESERVATION CONFLICT, or sense (NOT READY when the cluster did not
-        /// answer: the initiator retries).
-        result: Result<(), PrError>,
+        /// Done, or refused in the asking protocol's words ([`Refusal::Unavailable`] when
+        /// the cluster did not answer: the host retries).
+        result: Result<(), Refusal>,
     },
     /// Tell [`Gateway::handle_aborts_ended`] with `token` once the tasks a change aborted on
     /// `unit` have ended.
@@ -270,10 +271,7 @@ struct Job {
 #[derive(Debug, Clone)]
 enum JobKind {
     /// The unit's reservations, as `nexus` asks.
-    Reservations {
-        nexus: ItNexus,
-        request: ReservationRequest,
-    },
+    Reservations { nexus: ItNexus, request: Ask },
     /// The gateway that is active/optimized for the unit (SET TARGET PORT GROUPS): a
     /// [`Preference`] in the gateways object.
     Prefer { gateway: String, instance: u64 },
@@ -459,20 +457,24 @@ impl Gateway {
         self.units.remove(&unit);
     }
 
-    /// Asks to decide `request` of `nexus` on unit `unit`; [`Event::Decided`] with `change`
-    /// tells the outcome.
+    /// Asks to decide `request` of `nexus` (a SCSI I_T nexus, or an NVMe host as
+    /// [`nvme::reservation::host`] names it) on unit `unit`; [`Event::Decided`] with
+    /// `change` tells the outcome.
     pub fn submit(
         &mut self,
         _now: Instant,
         change: ChangeId,
         unit: UnitId,
         nexus: ItNexus,
-        request: ReservationRequest,
+        request: impl Into<Ask>,
     ) {
         self.jobs.push_back(Job {
             change,
             unit,
-            what: JobKind::Reservations { nexus, request },
+            what: JobKind::Reservations {
+                nexus,
+                request: request.into(),
+            },
         });
         self.drive_changes();
     }
@@ -491,11 +493,11 @@ impl Gateway {
         requests: &[TargetPortGroupRequest],
     ) {
         let Some(u) = self.units.get(&unit) else {
-            return self.decided(change, Err(unavailable()));
+            return self.decided(change, Err(Refusal::Unavailable));
         };
         let optimized = match tpg::optimized_request(requests) {
             Ok(o) => o,
-            Err(sense) => return self.decided(change, Err(PrError::Sense(sense))),
+            Err(sense) => return self.decided(change, Err(Refusal::Scsi(PrError::Sense(sense)))),
         };
         let policy = self.membership.policy_for(&u.oid, &u.policy);
         let now_groups = self.groups_of(&policy);
@@ -532,7 +534,7 @@ impl Gateway {
         } else {
             Ok(())
         }) {
-            return self.decided(change, Err(PrError::Sense(sense)));
+            return self.decided(change, Err(Refusal::Scsi(PrError::Sense(sense))));
         }
         match chosen {
             // Already so: nothing to write.
@@ -736,7 +738,7 @@ impl Gateway {
             let Some(unit) = self.units.get(&job.unit) else {
                 let change = job.change;
                 self.jobs.pop_front();
-                self.decided(change, Err(unavailable()));
+                self.decided(change, Err(Refusal::Unavailable));
                 continue;
             };
             let (step, oid) = match job.what {
@@ -756,12 +758,12 @@ impl Gateway {
         }
     }
 
-    fn decided(&mut self, change: ChangeId, result: Result<(), PrError>) {
+    fn decided(&mut self, change: ChangeId, result: Result<(), Refusal>) {
         self.events.push_back(Event::Decided { change, result });
     }
 
     /// The head job ends with `result`; the next one starts.
-    fn finish_change(&mut self, result: Result<(), PrError>) {
+    fn finish_change(&mut self, result: Result<(), Refusal>) {
         self.change = None;
         if let Some(job) = self.jobs.pop_front() {
             self.decided(job.change, result);
@@ -774,7 +776,7 @@ impl Gateway {
             return;
         };
         let Some(oid) = self.units.get(&job.unit).map(|u| u.oid.clone()) else {
-            return self.finish_change(Err(unavailable()));
+            return self.finish_change(Err(Refusal::Unavailable));
         };
         match (step, outcome) {
             (ChangeStep::Reading { races }, Outcome::Read(read)) => {
@@ -783,20 +785,20 @@ impl Gateway {
                         Some(s) => (s, Some(v.version)),
                         None => {
                             tracing::error!(object = %oid, "the shared reservations are damaged");
-                            return self.finish_change(Err(unavailable()));
+                            return self.finish_change(Err(Refusal::Unavailable));
                         }
                     },
                     Ok(None) => (Reservations::default(), None),
                     Err(e) => {
                         tracing::warn!(object = %oid, "reading the reservations: {}", errno_text(e));
-                        return self.finish_change(Err(unavailable()));
+                        return self.finish_change(Err(Refusal::Unavailable));
                     }
                 };
                 let JobKind::Reservations { nexus, request } = &job.what else {
-                    return self.finish_change(Err(unavailable()));
+                    return self.finish_change(Err(Refusal::Unavailable));
                 };
                 let mut next = state.clone();
-                let effects = match next.apply(nexus, request) {
+                let effects = match request.apply(&mut next, nexus) {
                     Ok(fx) => fx,
                     Err(e) => return self.finish_change(Err(e)),
                 };
@@ -853,7 +855,7 @@ impl Gateway {
                             object = %oid,
                             "lost {MAX_RACES} races to change the reservations"
                         );
-                        return self.finish_change(Err(unavailable()));
+                        return self.finish_change(Err(Refusal::Unavailable));
                     }
                     self.change = Some(ChangeStep::Reading { races: races + 1 });
                     self.requests.push_back(Request::Read {
@@ -863,7 +865,7 @@ impl Gateway {
                 }
                 Err(CasError::Failed(e)) => {
                     tracing::warn!(object = %oid, "writing the reservations: {}", errno_text(e));
-                    self.finish_change(Err(unavailable()))
+                    self.finish_change(Err(Refusal::Unavailable))
                 }
             },
             (ChangeStep::Notifying, Outcome::Notified(n)) => match n {
@@ -918,14 +920,14 @@ impl Gateway {
             }
             (ChangeStep::ReadingGateways { races }, Outcome::Read(read)) => {
                 let JobKind::Prefer { gateway, instance } = job.what else {
-                    return self.finish_change(Err(unavailable()));
+                    return self.finish_change(Err(Refusal::Unavailable));
                 };
                 let (bytes, version) = match read {
                     Ok(Some(v)) => (v.data, Some(v.version)),
                     Ok(None) => (Vec::new(), None),
                     Err(e) => {
                         tracing::warn!("reading the cluster's gateways: {}", errno_text(e));
-                        return self.finish_change(Err(unavailable()));
+                        return self.finish_change(Err(Refusal::Unavailable));
                     }
                 };
                 let preference = Preference {
@@ -972,7 +974,7 @@ impl Gateway {
                 }
                 Err(e) => {
                     tracing::warn!("writing the chosen gateway: {e:?}");
-                    self.finish_change(Err(unavailable()))
+                    self.finish_change(Err(Refusal::Unavailable))
                 }
             },
             // The others read the object at once, or at their next round: the command ends
@@ -984,7 +986,7 @@ impl Gateway {
                     ?outcome,
                     "an outcome the change lane did not ask for"
                 );
-                self.finish_change(Err(unavailable()));
+                self.finish_change(Err(Refusal::Unavailable));
             }
         }
     }
@@ -1275,10 +1277,4 @@ impl Gateway {
         }
         groups
     }
-}
-
-/// NOT READY, LOGICAL UNIT IS IN PROCESS OF BECOMING READY: the cluster did not answer, the
-/// initiator retries.
-pub fn unavailable() -> PrError {
-    PrError::Sense(Sense::from(BackendError::Unavailable))
 }

@@ -1,7 +1,8 @@
 //! Several storage gateways as one target, as a sans-IO machine.
 //!
 //! Each gateway of a cluster runs a [`gateway::Gateway`]: it decides changes to the
-//! reservations of shared units by compare-and-swap over an object per unit, tells the other
+//! reservations of shared units (asked by SCSI initiators or NVMe hosts, [`ask`]) by
+//! compare-and-swap over an object per unit, tells the other
 //! gateways by notify and fences those that do not answer before a change completes; it asks
 //! who is alive and derives every unit's ALUA port groups from the answer
 //! ([`member::Membership::port_groups`]); and when it loses its own session it turns its
@@ -14,6 +15,7 @@
 //! one edited is recorded, the others warn where they differ.
 #![forbid(unsafe_code)]
 
+pub mod ask;
 pub mod change;
 pub mod definition;
 pub mod gateway;

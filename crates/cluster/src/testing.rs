@@ -8,10 +8,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use scsi_core::pr::{PrError, ReservationRequest, Reservations};
+use scsi_core::pr::{ReservationRequest, Reservations};
 use scsi_core::spc::tpg::PortGroup;
 use scsi_core::ItNexus;
 
+use crate::ask::{Ask, Refusal};
 use crate::gateway::{ChangeId, Event, Gateway, Lane, Outcome, Request, Settings, UnitId, Watched};
 use crate::member::{Member, PathPolicy};
 use crate::store::{CasError, NotifyOutcome, Versioned};
@@ -49,7 +50,7 @@ pub struct Node {
     /// Each unit's port groups as last given.
     pub groups: BTreeMap<UnitId, Vec<PortGroup>>,
     /// Changes decided, in order.
-    pub decided: Vec<(ChangeId, Result<(), PrError>)>,
+    pub decided: Vec<(ChangeId, Result<(), Refusal>)>,
     /// Tasks each unit still runs that a PREEMPT AND ABORT aborted.
     pub aborted_in_flight: BTreeMap<UnitId, usize>,
     /// Acknowledgements waiting for those tasks.
@@ -227,7 +228,7 @@ impl Sim {
         change: ChangeId,
         unit: UnitId,
         nexus: ItNexus,
-        request: ReservationRequest,
+        request: impl Into<Ask>,
     ) {
         let now = self.now;
         self.nodes[i]
@@ -586,8 +587,8 @@ impl Sim {
     }
 
     /// The safety property, at each change gateway `i` reports decided: every gateway that
-    /// watches the unit's object has applied a version at least as new as the object's at
-    /// that moment, or is blocklisted.
+    /// watches the unit's object has applied a version at least as new as the one the change
+    /// wrote, or is blocklisted.
     fn check_decided(&mut self, i: usize) {
         let Some((change, Ok(()))) = self.nodes[i].decided.last().cloned() else {
             return;
@@ -598,7 +599,15 @@ impl Sim {
         let Some(oid) = self.nodes[i].units.get(&unit).cloned() else {
             return;
         };
-        let Some(version) = self.objects.get(&oid).map(|v| v.version) else {
+        // The version this gateway wrote last to the unit's object: its change's (another
+        // gateway's newer write is that one's to see applied before it is decided).
+        let Some(version) = self
+            .writes
+            .iter()
+            .rev()
+            .find(|w| w.0 == i && w.2 == oid)
+            .map(|w| w.3)
+        else {
             return;
         };
         for (j, n) in self.nodes.iter().enumerate() {
@@ -648,6 +657,26 @@ pub fn reserve(key: u64) -> ReservationRequest {
 /// A PERSISTENT RESERVE OUT: PREEMPT AND ABORT of `victim` by `key` (Write Exclusive).
 pub fn preempt_and_abort(key: u64, victim: u64) -> ReservationRequest {
     prout(0x05, 0x01, key, victim)
+}
+
+/// NVMe host `n` (its Host Identifier sixteen times `n`), as reservations name it through
+/// any gateway.
+pub fn nvme_host(n: u8) -> ItNexus {
+    nvme::reservation::host([n; 16])
+}
+
+/// An NVMe reservation command `opcode` with CDW10 `cdw10` and the keys `first` (CRKEY) and
+/// `second` (NRKEY or PRKEY).
+pub fn nvme_ask(opcode: nvme::opcode::NvmOpcode, cdw10: u32, first: u64, second: u64) -> Ask {
+    let mut sqe = nvme::sqe::Sqe::new(opcode.code(), 1);
+    sqe.set_cdw(10, cdw10);
+    let mut data = [0; 16];
+    data[..8].copy_from_slice(&first.to_le_bytes());
+    data[8..].copy_from_slice(&second.to_le_bytes());
+    Ask::Nvme {
+        command: nvme::reservation::decode(&sqe).expect("a reservation command"),
+        data,
+    }
 }
 
 fn prout(action: u8, scope_type: u8, key: u64, sa_key: u64) -> ReservationRequest {

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use cluster::gateway::unavailable;
+use cluster::ask::Refusal;
 use cluster::testing::{change_id, nexus, preempt_and_abort, register, reserve, Sim};
 use scsi_core::pr::PrError;
 use scsi_core::spc::tpg::{AccessState, TargetPortGroupRequest};
@@ -96,7 +96,8 @@ fn racing_gateways_agree_on_one_holder() {
         sim.nodes[1].decided.last().unwrap().1,
     ];
     assert!(
-        results == [Ok(()), Err(PrError::Conflict)] || results == [Err(PrError::Conflict), Ok(())],
+        results == [Ok(()), Err(Refusal::Scsi(PrError::Conflict))]
+            || results == [Err(Refusal::Scsi(PrError::Conflict)), Ok(())],
         "{results:?}"
     );
     let holder = holder_key(&sim, 0, 0);
@@ -143,7 +144,7 @@ fn a_silent_gateway_is_fenced_before_a_change_completes_never_writes_then_rejoin
     sim.run();
     assert_eq!(
         sim.nodes[2].decided,
-        [(change_id(0, 2), Err(unavailable()))]
+        [(change_id(0, 2), Err(Refusal::Unavailable))]
     );
     assert!(
         sim.writes[writes..].iter().all(|w| w.1 != silent),
@@ -300,7 +301,7 @@ fn a_change_for_a_unit_not_shared_here_is_not_ready() {
     sim.run();
     assert_eq!(
         sim.nodes[0].decided,
-        [(change_id(5, 1), Err(unavailable()))]
+        [(change_id(5, 1), Err(Refusal::Unavailable))]
     );
 }
 
@@ -401,7 +402,7 @@ fn an_initiators_choice_of_the_optimized_gateway_reaches_every_gateway_while_it_
         sim.submit_port_groups(1, change_id(0, n as u64), 0, &bad);
         sim.run();
         let (_, result) = *sim.nodes[1].decided.last().unwrap();
-        let Err(PrError::Sense(sense)) = result else {
+        let Err(Refusal::Scsi(PrError::Sense(sense))) = result else {
             panic!("{result:?}");
         };
         assert_eq!(sense.asc, Asc::INVALID_FIELD_IN_PARAMETER_LIST);
@@ -442,4 +443,140 @@ fn an_initiators_choice_of_the_optimized_gateway_reaches_every_gateway_while_it_
     for i in 0..2 {
         assert_eq!(states(&sim, i, 0), before, "gw{i}");
     }
+}
+
+/// NVMe reservations across gateways: a host registers through one gateway, another acquires
+/// Write Exclusive through the other, and both gateways then refuse a third host's writes;
+/// Preempt and Abort ends only once the gateway running the preempted host's commands has
+/// ended them; refusals come back as NVMe statuses.
+#[test]
+fn nvme_reservations_are_one_state_on_every_gateway() {
+    use cluster::testing::{nvme_ask, nvme_host};
+    use nvme::opcode::NvmOpcode::{ReservationAcquire, ReservationRegister};
+    use nvme::status::Status;
+    use scsi_core::spc::opcodes::Access;
+    let mut sim = Sim::new(2, 1);
+    // Host 1 registers key 0xa through gw0, host 2 key 0xb through gw1.
+    sim.submit(
+        0,
+        change_id(0, 1),
+        0,
+        nvme_host(1),
+        nvme_ask(ReservationRegister, 0, 0, 0xa),
+    );
+    sim.submit(
+        1,
+        change_id(0, 2),
+        0,
+        nvme_host(2),
+        nvme_ask(ReservationRegister, 0, 0, 0xb),
+    );
+    sim.run();
+    // Host 2 acquires Write Exclusive (RTYPE 1) through gw1.
+    sim.submit(
+        1,
+        change_id(0, 3),
+        0,
+        nvme_host(2),
+        nvme_ask(ReservationAcquire, 1 << 8, 0xb, 0),
+    );
+    sim.run();
+    assert_eq!(sim.nodes[0].decided, [(change_id(0, 1), Ok(()))]);
+    assert_eq!(
+        sim.nodes[1].decided,
+        [(change_id(0, 2), Ok(())), (change_id(0, 3), Ok(()))]
+    );
+    for i in 0..2 {
+        let (_, st) = &sim.nodes[i].applied[&0];
+        let p = &st.persistent;
+        assert!(p.is_holder(&nvme_host(2)), "gw{i}");
+        assert!(!p.allows(&nvme_host(3), Access::Write), "gw{i}");
+        assert!(p.allows(&nvme_host(3), Access::Read), "gw{i}");
+        assert_eq!(p.registrations.len(), 2, "gw{i}");
+    }
+    // Host 1 acquiring through gw0 conflicts, in NVMe's words.
+    sim.submit(
+        0,
+        change_id(0, 4),
+        0,
+        nvme_host(1),
+        nvme_ask(ReservationAcquire, 1 << 8, 0xa, 0),
+    );
+    sim.run();
+    assert_eq!(
+        sim.nodes[0].decided.last(),
+        Some(&(
+            change_id(0, 4),
+            Err(Refusal::Nvme(Status::RESERVATION_CONFLICT))
+        ))
+    );
+    // Host 1 preempts host 2 with abort through gw0 while host 2's commands still run on
+    // gw1: decided only once they have ended there.
+    sim.nodes[1].aborted_in_flight.insert(0, 2);
+    sim.submit(
+        0,
+        change_id(0, 5),
+        0,
+        nvme_host(1),
+        nvme_ask(ReservationAcquire, 2 | 1 << 8, 0xa, 0xb),
+    );
+    sim.run();
+    assert!(
+        sim.nodes[0]
+            .decided
+            .iter()
+            .all(|(c, _)| *c != change_id(0, 5)),
+        "the preempt ended while gw1 still ran the aborted commands"
+    );
+    sim.end_aborted_tasks(1, 0);
+    assert_eq!(
+        sim.nodes[0].decided.last(),
+        Some(&(change_id(0, 5), Ok(())))
+    );
+    for i in 0..2 {
+        let (_, st) = &sim.nodes[i].applied[&0];
+        assert!(st.persistent.is_holder(&nvme_host(1)), "gw{i}");
+        assert_eq!(st.persistent.registrations.len(), 1, "gw{i}");
+    }
+    assert!(sim.blocklist.is_empty(), "nobody needed fencing");
+}
+
+/// Eight NVMe hosts on two gateways register and acquire at once: one holder, every
+/// registration, the same state on both gateways.
+#[test]
+fn eight_nvme_hosts_racing_on_two_gateways_end_in_one_state() {
+    use cluster::testing::{nvme_ask, nvme_host};
+    use nvme::opcode::NvmOpcode::{ReservationAcquire, ReservationRegister};
+    let mut sim = Sim::new(2, 1);
+    for h in 1..=8u8 {
+        let g = usize::from(h % 2);
+        let key = u64::from(h);
+        sim.submit(
+            g,
+            change_id(0, key),
+            0,
+            nvme_host(h),
+            nvme_ask(ReservationRegister, 0, 0, key),
+        );
+        sim.submit(
+            g,
+            change_id(0, 100 + key),
+            0,
+            nvme_host(h),
+            nvme_ask(ReservationAcquire, 1 << 8, key, 0),
+        );
+    }
+    sim.run();
+    let acquired: Vec<_> = sim
+        .nodes
+        .iter()
+        .flat_map(|n| n.decided.iter())
+        .filter(|(c, r)| *c & 0xffff_ffff > 100 && r.is_ok())
+        .collect();
+    assert_eq!(acquired.len(), 1, "one acquire won: {acquired:?}");
+    let (v0, s0) = &sim.nodes[0].applied[&0];
+    let (v1, s1) = &sim.nodes[1].applied[&0];
+    assert_eq!((v0, s0), (v1, s1), "the gateways disagree");
+    assert_eq!(s0.persistent.registrations.len(), 8);
+    assert!(s0.persistent.reservation.is_some());
 }

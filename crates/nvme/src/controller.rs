@@ -41,7 +41,7 @@ use crate::reservation::{self, ReservationCommand};
 use crate::sqe::{SglKind, Sqe};
 use crate::status::Status;
 use scsi_core::nexus::ItNexus;
-use scsi_core::pr::{PrState, PrStore};
+use scsi_core::pr::{PrState, PrStore, ReservationEffects};
 use scsi_core::spc::opcodes::Access;
 
 /// NVMe 1.4: the version the controller reports (ANA, reservations over fabrics).
@@ -91,9 +91,41 @@ pub struct Namespace {
     /// Its ANA group (ANAGRPID, 1 to [`ana::MAX_GROUP_ID`]): namespaces whose paths are
     /// alike on every gateway share one ([`ana::DEFAULT_GROUP`] alone).
     pub ana_group: u32,
-    /// Whether it takes reservation commands (RESCAP): not where they would bind this
-    /// gateway's hosts only while others export the namespace too.
+    /// Whether it takes reservation commands (RESCAP).
     pub reservations: bool,
+    /// Its reservations are kept by a cluster of gateways that export it together, which
+    /// decides each change: a Register, Acquire or Release waits for the shell to have the
+    /// cluster decide it ([`Subsystem::poll_shared_reservation`]), and every gateway applies
+    /// the outcome ([`Subsystem::apply_shared_reservations`]).
+    pub shared_reservations: bool,
+}
+
+/// A reservation change on a namespace whose reservations a cluster of gateways keeps
+/// ([`Namespace::shared_reservations`]), for the shell to have decided; it answers with
+/// [`Subsystem::shared_reservation_done`] and the same `id`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedReservation {
+    /// The subsystem's name for it.
+    pub id: u64,
+    /// The namespace.
+    pub nsid: u32,
+    /// The host, as reservations name it ([`reservation::host`]).
+    pub host: ItNexus,
+    /// Register, Acquire or Release.
+    pub command: ReservationCommand,
+    /// Its data: CRKEY, then NRKEY or PRKEY (zeros past what the command carries).
+    pub data: [u8; 16],
+}
+
+/// A shared reservation change under way: the command that waits for it.
+#[derive(Debug)]
+struct Asked {
+    id: u64,
+    nsid: u32,
+    cntlid: u16,
+    qid: u16,
+    cid: u16,
+    preempt_and_abort: bool,
 }
 
 /// A connected queue: the controller it belongs to, its ID and size.
@@ -207,6 +239,8 @@ const RESERVATION_MASK_BITS: u32 = 0b1110;
 struct Attached {
     ns: Namespace,
     reservations: PrState,
+    /// The version of the shared reservations applied last (0: none yet).
+    shared_version: u64,
 }
 
 /// A Preempt and Abort waiting for the preempted hosts' commands on its namespace to end.
@@ -214,10 +248,9 @@ struct Attached {
 struct Drain {
     id: u64,
     nsid: u32,
-    /// The preempting command: its controller, queue and CID.
-    cntlid: u16,
-    qid: u16,
-    cid: u16,
+    /// The preempting commands it answers once it ends: controller, queue and CID each
+    /// (none for a change another gateway made, until its command's decision comes here).
+    answers: Vec<(u16, u16, u16)>,
     /// Queues (CNTLID, QID) not yet told to abort.
     waiting: BTreeSet<(u16, u16)>,
     /// Queues told, whose commands have not all ended.
@@ -264,6 +297,11 @@ pub struct Subsystem {
     discovery: Option<Discovery>,
     /// The ANA groups' states as these controllers report them.
     ana: AnaGroups,
+    /// Shared reservation changes for the shell to have decided.
+    asks: VecDeque<SharedReservation>,
+    /// Those under way, with the commands that wait.
+    asked: Vec<Asked>,
+    next_ask: u64,
 }
 
 /// An entry of a discovery subsystem's log and the hosts that see it.
@@ -300,6 +338,9 @@ impl Subsystem {
             wake: false,
             discovery: None,
             ana: AnaGroups::default(),
+            asks: VecDeque::new(),
+            asked: Vec::new(),
+            next_ask: 0,
         }
     }
 
@@ -408,7 +449,20 @@ impl Subsystem {
                     .and_then(|s| s.0.load(&store_key(&ns)))
                     .and_then(|b| PrState::decode(&b))
                     .unwrap_or_default();
-                self.namespaces.insert(nsid, Attached { ns, reservations });
+                let reservations = if ns.shared_reservations {
+                    // The cluster's, applied once the shell has read them.
+                    PrState::default()
+                } else {
+                    reservations
+                };
+                self.namespaces.insert(
+                    nsid,
+                    Attached {
+                        ns,
+                        reservations,
+                        shared_version: 0,
+                    },
+                );
             }
         }
         self.namespace_changed(nsid);
@@ -654,8 +708,8 @@ impl Subsystem {
     pub fn disconnect(&mut self, queue: &Queue) {
         let gone =
             |cntlid: u16, qid: u16| cntlid == queue.cntlid && (queue.qid == 0 || qid == queue.qid);
-        self.drains.retain(|d| !gone(d.cntlid, d.qid));
         for d in &mut self.drains {
+            d.answers.retain(|&(c, q, _)| !gone(c, q));
             d.waiting.retain(|&(c, q)| !gone(c, q));
             d.told.retain(|&(c, q)| !gone(c, q));
         }
@@ -699,12 +753,85 @@ impl Subsystem {
             .position(|d| d.waiting.is_empty() && d.told.is_empty())
         {
             let d = self.drains.swap_remove(i);
-            if let Some(c) = self.controllers.get_mut(&d.cntlid) {
-                c.completions
-                    .push((d.qid, Cqe::new(d.cid, Status::SUCCESS)));
+            for (cntlid, qid, cid) in d.answers {
+                self.answer(cntlid, qid, Cqe::new(cid, Status::SUCCESS));
+            }
+        }
+    }
+
+    /// Queues completion `cqe` of a held command of controller `cntlid`'s queue `qid`
+    /// ([`Subsystem::poll_completion`]).
+    fn answer(&mut self, cntlid: u16, qid: u16, cqe: Cqe) {
+        if let Some(c) = self.controllers.get_mut(&cntlid) {
+            if qid == 0 || c.io_queues.contains(&qid) {
+                c.completions.push((qid, cqe));
                 self.wake = true;
             }
         }
+    }
+
+    /// The next reservation change on a shared namespace for the shell to have the cluster
+    /// decide; its command is held until [`Subsystem::shared_reservation_done`].
+    pub fn poll_shared_reservation(&mut self) -> Option<SharedReservation> {
+        self.asks.pop_front()
+    }
+
+    /// The cluster decided shared reservation change `id`: its command ends with `result`
+    /// (the new state has been applied here already, [`Subsystem::apply_shared_reservations`]).
+    /// A Preempt and Abort that succeeded ends once the commands it aborted here have.
+    pub fn shared_reservation_done(&mut self, id: u64, result: Result<(), Status>) {
+        let Some(i) = self.asked.iter().position(|a| a.id == id) else {
+            return;
+        };
+        let a = self.asked.swap_remove(i);
+        if a.preempt_and_abort && result.is_ok() {
+            let draining = self
+                .drains
+                .iter_mut()
+                .rev()
+                .find(|d| d.nsid == a.nsid && !(d.waiting.is_empty() && d.told.is_empty()));
+            if let Some(d) = draining {
+                d.answers.push((a.cntlid, a.qid, a.cid));
+                return;
+            }
+        }
+        let status = result.err().unwrap_or(Status::SUCCESS);
+        self.answer(a.cntlid, a.qid, Cqe::new(a.cid, status));
+    }
+
+    /// Namespace `nsid`'s shared reservations are `state` at `version` (a change decided
+    /// through this gateway or another, or the state read when it was attached), with
+    /// `effects` to carry out here: notices to this gateway's controllers of the hosts they
+    /// name, and the commands of preempted hosts aborted. An older or equal version changes
+    /// nothing: `false`.
+    pub fn apply_shared_reservations(
+        &mut self,
+        nsid: u32,
+        version: u64,
+        state: PrState,
+        effects: &ReservationEffects,
+    ) -> bool {
+        let Some(a) = self.namespaces.get_mut(&nsid) else {
+            return false;
+        };
+        if !a.ns.shared_reservations || a.shared_version >= version {
+            return false;
+        }
+        a.shared_version = version;
+        a.reservations = state;
+        self.tell(nsid, effects);
+        self.abort_preempted(nsid, effects, None);
+        true
+    }
+
+    /// How many queues still run commands on namespace `nsid` that a Preempt and Abort
+    /// aborted: a cluster acknowledges another gateway's Preempt and Abort once none do.
+    pub fn aborted_in_flight(&self, nsid: u32) -> usize {
+        self.drains
+            .iter()
+            .filter(|d| d.nsid == nsid)
+            .map(|d| d.waiting.len() + d.told.len())
+            .sum()
     }
 
     /// The next completion of a held I/O command of connection `queue` (a Preempt and Abort
@@ -942,6 +1069,39 @@ impl Subsystem {
         let Some(a) = self.namespaces.get_mut(&nsid) else {
             return done(Status::INVALID_NAMESPACE);
         };
+        if a.ns.shared_reservations {
+            if data.len() < cmd.data_len() {
+                return done(Status::DATA_SGL_LENGTH_INVALID);
+            }
+            let mut copied = [0u8; 16];
+            let n = cmd.data_len().min(16);
+            copied[..n].copy_from_slice(&data[..n]);
+            self.next_ask += 1;
+            let id = self.next_ask;
+            self.asks.push_back(SharedReservation {
+                id,
+                nsid,
+                host: me,
+                command: *cmd,
+                data: copied,
+            });
+            self.asked.push(Asked {
+                id,
+                nsid,
+                cntlid: queue.cntlid,
+                qid: queue.qid,
+                cid,
+                preempt_and_abort: matches!(
+                    cmd,
+                    ReservationCommand::Acquire {
+                        action: reservation::AcquireAction::PreemptAndAbort,
+                        ..
+                    }
+                ),
+            });
+            self.wake = true;
+            return Answer::Held;
+        }
         let mut next = a.reservations.clone();
         let fx = match reservation::apply(&mut next, &me, cmd, data, capable) {
             Ok(fx) => fx,
@@ -956,7 +1116,17 @@ impl Subsystem {
             }
         }
         a.reservations = next;
-        for (host, kind) in reservation::notices(&fx) {
+        self.tell(nsid, &fx);
+        if self.abort_preempted(nsid, &fx, Some((queue.cntlid, queue.qid, cid))) {
+            return Answer::Held;
+        }
+        done(Status::SUCCESS)
+    }
+
+    /// Queues the Reservation Notifications `fx` names for the controllers of their hosts
+    /// (those whose Reservation Notification Mask lets them through).
+    fn tell(&mut self, nsid: u32, fx: &ReservationEffects) {
+        for (host, kind) in reservation::notices(fx) {
             for c in self
                 .controllers
                 .values_mut()
@@ -982,29 +1152,39 @@ impl Subsystem {
                 self.wake = true;
             }
         }
-        if !fx.abort.is_empty() {
-            let mut waiting = BTreeSet::new();
-            for (id, c) in &self.controllers {
-                if fx.abort.contains(&c.host) {
-                    waiting.extend(c.io_queues.iter().map(|q| (*id, *q)));
-                }
-            }
-            if !waiting.is_empty() {
-                self.next_drain += 1;
-                self.drains.push(Drain {
-                    id: self.next_drain,
-                    nsid,
-                    cntlid: queue.cntlid,
-                    qid: queue.qid,
-                    cid,
-                    waiting,
-                    told: BTreeSet::new(),
-                });
-                self.wake = true;
-                return Answer::Held;
+    }
+
+    /// Aborts the commands on namespace `nsid` of the hosts `fx` preempted with abort, on
+    /// every queue of theirs here, and answers `answer` (the preempting command, when it came
+    /// here) once they have ended: whether any queue has to end commands first.
+    fn abort_preempted(
+        &mut self,
+        nsid: u32,
+        fx: &ReservationEffects,
+        answer: Option<(u16, u16, u16)>,
+    ) -> bool {
+        if fx.abort.is_empty() {
+            return false;
+        }
+        let mut waiting = BTreeSet::new();
+        for (id, c) in &self.controllers {
+            if fx.abort.contains(&c.host) {
+                waiting.extend(c.io_queues.iter().map(|q| (*id, *q)));
             }
         }
-        done(Status::SUCCESS)
+        if waiting.is_empty() {
+            return false;
+        }
+        self.next_drain += 1;
+        self.drains.push(Drain {
+            id: self.next_drain,
+            nsid,
+            answers: answer.into_iter().collect(),
+            waiting,
+            told: BTreeSet::new(),
+        });
+        self.wake = true;
+        true
     }
 
     fn io(&self, queue: &Queue, sqe: &Sqe) -> Answer {

@@ -41,6 +41,7 @@ pub fn namespace(nsid: u32, block_size: u32, blocks: u64) -> Namespace {
         compare_and_write: 8,
         ana_group: crate::ana::DEFAULT_GROUP,
         reservations: true,
+        shared_reservations: false,
     }
 }
 

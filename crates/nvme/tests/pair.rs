@@ -922,3 +922,120 @@ fn ana_states_reach_the_host_and_refuse_io_where_a_group_is_unreachable() {
         "ANAGRPID"
     );
 }
+
+/// A namespace whose reservations a cluster of gateways keeps: a reservation command is held
+/// and handed to the shell, which has the cluster decide it; the state the cluster decided
+/// (through this gateway or another) is applied with its effects, a version heard twice
+/// changes nothing, refusals come back as the cluster says them, and another gateway's
+/// Preempt and Abort aborts the preempted host's commands here and counts them until they
+/// end (the cluster acknowledges it only then).
+#[test]
+fn a_shared_namespace_has_the_cluster_decide_its_reservations() {
+    use nvme::reservation::{self, AcquireAction, ReservationCommand};
+    use scsi_core::pr::PrState;
+    let mut rig = Rig::new();
+    rig.subsystem.add_namespace(nvme::controller::Namespace {
+        shared_reservations: true,
+        ..testing::namespace(1, BLOCK, BLOCKS)
+    });
+    let (_a_admin, mut a) = host_links(&mut rig, [5; 16], HOST);
+    let mut cluster = PrState::default();
+    let mut version = 0;
+    // What a cluster does with an ask: decide on its state, apply it here, answer.
+    let decide = |rig: &mut Rig, cluster: &mut PrState, version: &mut u64| {
+        let ask = rig
+            .subsystem
+            .poll_shared_reservation()
+            .expect("an ask for the cluster");
+        let mut next = cluster.clone();
+        let result = reservation::apply(&mut next, &ask.host, &ask.command, &ask.data, true);
+        if let Ok(fx) = &result {
+            *cluster = next;
+            *version += 1;
+            assert!(rig
+                .subsystem
+                .apply_shared_reservations(1, *version, cluster.clone(), fx));
+            // Heard twice: nothing.
+            assert!(!rig
+                .subsystem
+                .apply_shared_reservations(1, *version, cluster.clone(), fx));
+        }
+        rig.subsystem
+            .shared_reservation_done(ask.id, result.map(|_| ()));
+        ask
+    };
+
+    // A registers: held until the cluster decides, then done.
+    let register = NvmOpcode::ReservationRegister;
+    assert!(reservation(&mut a, &mut rig, register, 40, 0, &keys(0, 0xa), false).is_none());
+    let ask = decide(&mut rig, &mut cluster, &mut version);
+    assert_eq!(ask.host, reservation::host([5; 16]));
+    assert_eq!(&ask.data[8..], &0xau64.to_le_bytes());
+    rig.run(&mut a);
+    assert!(a.done.remove(&40).expect("registered").status.is_success());
+
+    // Another gateway's host B registers and takes Write Exclusive: applied here, A's
+    // writes conflict, its Acquire too (as the cluster decides it).
+    let b = reservation::host([6; 16]);
+    let mut other = cluster.clone();
+    other.register(&b, None, 0xb, true, None).unwrap();
+    other
+        .reserve(&b, 0xb, scsi_core::pr::kind::WRITE_EXCLUSIVE)
+        .unwrap();
+    cluster = other;
+    version += 1;
+    assert!(rig.subsystem.apply_shared_reservations(
+        1,
+        version,
+        cluster.clone(),
+        &Default::default()
+    ));
+    let w = io_cmd(NvmOpcode::Write, 41, 0, 1, Sgl::in_capsule(0, 512));
+    a.host.send_command(&w, pattern(512, 1)).unwrap();
+    rig.run(&mut a);
+    assert_eq!(
+        a.done.remove(&41).unwrap().status,
+        Status::RESERVATION_CONFLICT
+    );
+    let acquire = NvmOpcode::ReservationAcquire;
+    assert!(reservation(&mut a, &mut rig, acquire, 42, 1 << 8, &keys(0xa, 0), false).is_none());
+    let ask = decide(&mut rig, &mut cluster, &mut version);
+    assert!(matches!(
+        ask.command,
+        ReservationCommand::Acquire {
+            action: AcquireAction::Acquire,
+            rtype: 1
+        }
+    ));
+    rig.run(&mut a);
+    assert_eq!(
+        a.done.remove(&42).unwrap().status,
+        Status::RESERVATION_CONFLICT
+    );
+
+    // B preempts A with abort through the other gateway while A's read runs here: A's
+    // command is aborted and counted until it ends.
+    a.hold = true;
+    let r = io_cmd(NvmOpcode::Read, 43, 0, 1, Sgl::transport(512));
+    a.host.send_command(&r, Bytes::new()).unwrap();
+    rig.run(&mut a);
+    assert_eq!(a.held.len(), 1);
+    let mut next = cluster.clone();
+    let fx = next
+        .preempt(&b, 0xb, 0xa, scsi_core::pr::kind::WRITE_EXCLUSIVE, true)
+        .unwrap();
+    assert_eq!(fx.abort, vec![reservation::host([5; 16])]);
+    version += 1;
+    assert!(rig
+        .subsystem
+        .apply_shared_reservations(1, version, next, &fx));
+    rig.run(&mut a);
+    assert_eq!(rig.subsystem.aborted_in_flight(1), 1);
+    let (task, op, mut buffer) = a.held.pop().unwrap();
+    let result = rig.medium.execute(&op, &mut buffer);
+    a.conn.handle_backend_done(rig.now, task, buffer, result);
+    a.hold = false;
+    rig.run(&mut a);
+    assert_eq!(a.done.remove(&43).unwrap().status, Status::ABORTED_PREEMPT);
+    assert_eq!(rig.subsystem.aborted_in_flight(1), 0);
+}

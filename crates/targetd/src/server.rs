@@ -172,23 +172,17 @@ impl Server {
         }
         let mut subsystems = Vec::new();
         for (i, sub) in config.subsystems.iter().enumerate() {
-            let store = match &config.server.state_dir {
-                Some(dir) => Some(scsi_core::pr::FileStore::new(dir).map_err(|e| {
-                    fail("server.state_dir".into(), format!("{}: {e}", dir.display()))
-                })?),
-                None => None,
-            };
-            let store = store.map(|s| Box::new(s) as Box<dyn scsi_core::pr::PrStore>);
-            let s =
-                crate::nvme::NvmeSubsystem::new(sub, &config.nvme, store, config.cluster.is_some())
-                    .map_err(|(nsid, r)| {
-                        let n = sub
-                            .namespaces
-                            .iter()
-                            .position(|n| n.nsid == nsid)
-                            .unwrap_or(0);
-                        unit_error(&format!("subsystems[{i}].namespaces[{n}]"), r)
-                    })?;
+            let store = env.reservation_store().map_err(|(k, r)| fail(k, r))?;
+            let s = crate::nvme::NvmeSubsystem::new(sub, &config.nvme, store, &env).map_err(
+                |(nsid, r)| {
+                    let n = sub
+                        .namespaces
+                        .iter()
+                        .position(|n| n.nsid == nsid)
+                        .unwrap_or(0);
+                    unit_error(&format!("subsystems[{i}].namespaces[{n}]"), r)
+                },
+            )?;
             subsystems.push(s);
         }
         let mut nvme_listeners = Vec::new();
@@ -278,7 +272,7 @@ impl Server {
             }
             registry.update_discovery();
         }
-        follow_ana(&registry);
+        follow_other_gateways_portals(&registry);
         let settings = reactor::Settings {
             engine,
             arena: ArenaConfig::default(),
@@ -529,42 +523,35 @@ fn flush(registry: &Registry) {
     }
 }
 
-/// How often a gateway of a cluster derives its shared namespaces' ANA states from the
-/// membership again (the membership itself moves on every `membership_interval`).
-const ANA_PERIOD: Duration = Duration::from_millis(200);
+/// How often a gateway of a cluster looks whether the other live gateways' NVMe/TCP portals
+/// changed (the membership itself moves on every `membership_interval`).
+const PORTALS_PERIOD: Duration = Duration::from_millis(200);
 
-/// In a cluster, a thread that keeps the shared namespaces' ANA states those the cluster's
-/// membership gives this gateway, and the discovery log naming the live gateways' NVMe/TCP
-/// portals, until the daemon stops.
-fn follow_ana(registry: &Arc<Registry>) {
-    let (Some(cluster), Some(port_group)) = (
-        registry.target_env.cluster.clone(),
-        registry.config().cluster.as_ref().map(|c| c.port_group),
-    ) else {
+/// In a cluster, a thread that keeps the discovery log naming the live gateways' NVMe/TCP
+/// portals, until the daemon stops. (The shared namespaces' ANA states follow the cluster's
+/// port groups as a shared LUN's do: [`crate::cluster::SharedTarget::set_port_groups`].)
+fn follow_other_gateways_portals(registry: &Arc<Registry>) {
+    if registry.target_env.cluster.is_none() {
         return;
-    };
+    }
     let registry = Arc::downgrade(registry);
     let mut listed = Vec::new();
     let spawned = std::thread::Builder::new()
-        .name("nvme-ana".into())
+        .name("nvme-portals".into())
         .spawn(move || loop {
             let Some(r) = registry.upgrade().filter(|r| !r.stopping()) else {
                 return;
             };
-            let (membership, fenced) = (cluster.membership(), cluster.is_fenced());
-            for s in r.subsystems() {
-                s.follow_membership(&membership, port_group, fenced);
-            }
             let others = r.other_gateways_nvme_portals();
             if others != listed {
                 r.update_discovery();
                 listed = others;
             }
             drop(r);
-            std::thread::sleep(ANA_PERIOD);
+            std::thread::sleep(PORTALS_PERIOD);
         });
     if let Err(e) = spawned {
-        tracing::error!("no thread to follow the cluster's ANA states: {e}");
+        tracing::error!("no thread to follow the other gateways' NVMe/TCP portals: {e}");
     }
 }
 

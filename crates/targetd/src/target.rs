@@ -72,6 +72,24 @@ impl TargetEnv {
         })
     }
 
+    /// Where a target or subsystem made now keeps the reservations that persist through a
+    /// power loss (APTPL, PTPL): `server.state_dir`, created if missing; `None` without
+    /// one. Errors name the key.
+    pub fn reservation_store(
+        &self,
+    ) -> Result<Option<Box<dyn scsi_core::pr::PrStore>>, (String, String)> {
+        let Some(dir) = self.state_dir.as_deref() else {
+            return Ok(None);
+        };
+        let store = FileStore::new(dir).map_err(|e| {
+            (
+                "server.state_dir".to_string(),
+                format!("{}: {e}", dir.display()),
+            )
+        })?;
+        Ok(Some(Box::new(store)))
+    }
+
     /// A lone gateway's environment with APTPL state in `state_dir`.
     pub fn alone(state_dir: Option<PathBuf>) -> TargetEnv {
         TargetEnv {
@@ -648,14 +666,8 @@ impl Target {
         let port = TargetPort::iscsi(&config.name, env.port_group);
         let mut device = Device::new(&config.name, vec![port]);
         device.set_delegation(true);
-        if let Some(dir) = env.state_dir.as_deref() {
-            let store = FileStore::new(dir).map_err(|e| {
-                (
-                    "server.state_dir".to_string(),
-                    format!("{}: {e}", dir.display()),
-                )
-            })?;
-            device.set_reservation_store(Box::new(store));
+        if let Some(store) = env.reservation_store()? {
+            device.set_reservation_store(store);
         }
         let target = Arc::new_cyclic(|this| Target {
             id: next_id(),
@@ -1164,6 +1176,10 @@ impl SharedTarget for Target {
         &self.name
     }
 
+    fn unit_label(&self, lun: u16) -> String {
+        format!("target {}\nlun {lun}\n", self.name)
+    }
+
     fn definition(&self) -> cluster::definition::Definition {
         Target::definition(self)
     }
@@ -1200,6 +1216,11 @@ impl SharedTarget for Target {
 
     fn task_management_change_done(&self, reference: u64) {
         Target::task_management_change_done(self, reference)
+    }
+
+    fn nvme_reservation_done(&self, id: u64, _: Result<(), nvme::Status>) {
+        // A target submits SCSI changes only.
+        tracing::debug!(target = %self.name, id, "an NVMe reservation change's end");
     }
 
     fn port_groups_change_done(&self, task: TaskId, result: Result<(), scsi_core::Sense>) {

@@ -1757,12 +1757,11 @@ async fn expect_discovered(at: std::net::SocketAddr, want: &[String]) {
 /// NVMe/TCP across gateways: a namespace on one RBD image that both gateways of a cluster
 /// export is an ANA group of its own. Its preferred gateway reports it optimized and the
 /// other non-optimized, each through its own controllers; discovery through either names both
-/// gateways' portals; what one writes the other reads (written through); reservation
-/// commands are refused (they would bind one gateway's hosts only); when the preferred
+/// gateways' portals; what one writes the other reads (written through); when the preferred
 /// gateway stops, the other reports the namespace optimized and discovery names it alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nvme_namespaces_follow_the_gateways_as_ana_groups() {
-    use initiator_bench::nvme::{NvmeController, NvmeError, NvmeOptions, NvmeUrl};
+    use initiator_bench::nvme::{NvmeController, NvmeOptions, NvmeUrl};
     let Some(ceph) = ceph() else { return };
     let _turn = turn();
     let (lun_image, ns_image) = (unique("nvme-lun"), unique("nvme-ns"));
@@ -1788,17 +1787,6 @@ async fn nvme_namespaces_follow_the_gateways_as_ana_groups() {
     let data = pattern(4096, 11);
     via_a.write(64, data.clone()).await.unwrap();
     assert_eq!(via_b.read(64, 8).await.unwrap(), data);
-    // Reservations would bind B's hosts only: refused.
-    let mut register = nvme::sqe::Sqe::new(nvme::opcode::NvmOpcode::ReservationRegister.code(), 0);
-    register.set_nsid(1);
-    let e = via_b
-        .io(register, Bytes::from(vec![0u8; 16]), 0)
-        .await
-        .unwrap_err();
-    assert!(
-        matches!(e, NvmeError::Status { status, .. } if status == nvme::Status::INVALID_OPCODE),
-        "{e}"
-    );
     // A stops: B's controllers report the namespace optimized.
     drop(via_a);
     let stopped = std::time::Instant::now();
@@ -1875,4 +1863,229 @@ async fn a_killed_gateways_nvme_namespace_becomes_optimized_on_the_other() {
     drop((via_a, via_b));
     drop((a, b));
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
+
+/// NVMe host `n` (Host Identifier sixteen times `n`) connected to namespace 1 through `at`.
+async fn nvme_host(at: std::net::SocketAddr, n: u8) -> initiator_bench::nvme::NvmeController {
+    use initiator_bench::nvme::{NvmeController, NvmeOptions, NvmeUrl};
+    let url = NvmeUrl::parse(&format!("nvme://{at}/{NVME_NQN}/1")).unwrap();
+    let o = NvmeOptions {
+        hostnqn: format!(
+            "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000{n:02x}"
+        ),
+        hostid: [n; 16],
+        queue_entries: 8,
+        ..NvmeOptions::default()
+    };
+    NvmeController::connect(&url, &o)
+        .await
+        .unwrap_or_else(|e| panic!("host {n} through {at}: {e}"))
+}
+
+/// Reservation command `op` on namespace 1 with CDW10 `cdw10` and the keys `first` (CRKEY)
+/// and `second` (NRKEY or PRKEY): its status.
+async fn nvme_reservation(
+    c: &initiator_bench::nvme::NvmeController,
+    op: nvme::opcode::NvmOpcode,
+    cdw10: u32,
+    first: u64,
+    second: u64,
+) -> nvme::Status {
+    let mut sqe = nvme::sqe::Sqe::new(op.code(), 0);
+    sqe.set_nsid(1);
+    sqe.set_cdw(10, cdw10);
+    let mut data = first.to_le_bytes().to_vec();
+    if op != nvme::opcode::NvmOpcode::ReservationRelease {
+        data.extend_from_slice(&second.to_le_bytes());
+    }
+    match c.io(sqe, Bytes::from(data), 0).await {
+        Ok(_) => nvme::Status::SUCCESS,
+        Err(initiator_bench::nvme::NvmeError::Status { status, .. }) => status,
+        Err(e) => panic!("{op:?}: {e}"),
+    }
+}
+
+/// Namespace 1's reservation status through `c` without the CNTLIDs (each gateway names its
+/// own controllers): generation, type, and each registrant's holder flag, key and Host
+/// Identifier, sorted.
+async fn nvme_report(c: &initiator_bench::nvme::NvmeController) -> (u32, u8, Vec<(u8, u64, u8)>) {
+    let mut sqe = nvme::sqe::Sqe::new(nvme::opcode::NvmOpcode::ReservationReport.code(), 0);
+    sqe.set_nsid(1);
+    sqe.set_cdw(10, 4096 / 4 - 1);
+    sqe.set_cdw(11, 1);
+    let (_, page) = c
+        .io(sqe, Bytes::new(), 4096)
+        .await
+        .expect("Reservation Report");
+    let generation = u32::from_le_bytes(page[0..4].try_into().unwrap());
+    let n = usize::from(u16::from_le_bytes([page[5], page[6]]));
+    let mut regs: Vec<(u8, u64, u8)> = (0..n)
+        .map(|i| {
+            let e = &page[64 + 64 * i..128 + 64 * i];
+            (
+                e[2],
+                u64::from_le_bytes(e[8..16].try_into().unwrap()),
+                e[16],
+            )
+        })
+        .collect();
+    regs.sort();
+    (generation, page[4], regs)
+}
+
+/// NVMe reservations across gateways, kept in RADOS as a shared LUN's are: host 1 registers
+/// through A, host 2 through B and acquires Write Exclusive there; at once a third host's
+/// write through A conflicts, and so does host 1's; both gateways report one state. Host 1
+/// then preempts host 2 with abort through A: host 2's writes through B conflict from the
+/// moment the command completed, and B's controller tells host 2 (Reservation Notification
+/// log page: registration preempted). Last, eight hosts on the two gateways register and
+/// acquire at once: one holds the reservation, every one is registered, and both gateways
+/// say so alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nvme_reservations_are_one_state_across_gateways() {
+    use nvme::opcode::{AdminOpcode, NvmOpcode};
+    use nvme::Status;
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let (lun_image, ns_image) = (unique("nvme-pr-lun"), unique("nvme-pr"));
+    let name = unique("gws");
+    let images = (lun_image.as_str(), ns_image.as_str());
+    let (a, at_a) = nvme_gateway(&ceph, &name, 1, images, "");
+    let (b, at_b) = nvme_gateway(&ceph, &name, 2, images, "");
+    let (h1, h2, h3) = (
+        nvme_host(at_a, 1).await,
+        nvme_host(at_b, 2).await,
+        nvme_host(at_a, 3).await,
+    );
+    // Both paths usable (A optimized, B non-optimized) before anything is asked.
+    expect_ana(&h1, 0x01, 20, "A").await;
+    expect_ana(&h2, 0x02, 20, "B").await;
+    let (register, acquire, release) = (
+        NvmOpcode::ReservationRegister,
+        NvmOpcode::ReservationAcquire,
+        NvmOpcode::ReservationRelease,
+    );
+    assert_eq!(
+        nvme_reservation(&h1, register, 0, 0, 0xa).await,
+        Status::SUCCESS
+    );
+    assert_eq!(
+        nvme_reservation(&h2, register, 0, 0, 0xb).await,
+        Status::SUCCESS
+    );
+    // Write Exclusive (RTYPE 1) through B.
+    assert_eq!(
+        nvme_reservation(&h2, acquire, 1 << 8, 0xb, 0).await,
+        Status::SUCCESS
+    );
+    let data = pattern(4096, 21);
+    for (who, host) in [("host 3", &h3), ("host 1", &h1)] {
+        let e = host.write(256, data.clone()).await.unwrap_err();
+        assert!(
+            matches!(e, initiator_bench::nvme::NvmeError::Status { status, .. } if status == Status::RESERVATION_CONFLICT),
+            "{who} through A: {e}"
+        );
+    }
+    h2.write(256, data.clone())
+        .await
+        .expect("the holder writes through B");
+    assert_eq!(h3.read(256, 8).await.unwrap(), data, "reads pass");
+    let (through_a, through_b) = (nvme_report(&h1).await, nvme_report(&h2).await);
+    assert_eq!(through_a, through_b, "the gateways disagree");
+    assert_eq!(through_a.1, 1, "Write Exclusive");
+    assert_eq!(through_a.2, vec![(0, 0xa, 1), (1, 0xb, 2)]);
+    // Acquiring what another holds conflicts, through either gateway.
+    assert_eq!(
+        nvme_reservation(&h1, acquire, 1 << 8, 0xa, 0).await,
+        Status::RESERVATION_CONFLICT
+    );
+
+    // Host 1 preempts host 2 and aborts its commands, through A.
+    assert_eq!(
+        nvme_reservation(&h1, acquire, 2 | 1 << 8, 0xa, 0xb).await,
+        Status::SUCCESS
+    );
+    let e = h2.write(256, pattern(4096, 22)).await.unwrap_err();
+    assert!(
+        matches!(e, initiator_bench::nvme::NvmeError::Status { status, .. } if status == Status::RESERVATION_CONFLICT),
+        "host 2 through B after the preempt: {e}"
+    );
+    assert_eq!(
+        h3.read(256, 8).await.unwrap(),
+        data,
+        "host 2's write never landed"
+    );
+    let mut log = nvme::sqe::Sqe::new(AdminOpcode::GetLogPage.code(), 0);
+    log.set_cdw(10, 0x80 | 15 << 16);
+    let (_, page) = h2
+        .admin(log, Bytes::new(), 64)
+        .await
+        .expect("the notification log");
+    assert_eq!(
+        (page[8], page[12]),
+        (1, 1),
+        "registration preempted, namespace 1"
+    );
+    let (through_a, through_b) = (nvme_report(&h1).await, nvme_report(&h2).await);
+    assert_eq!(
+        through_a, through_b,
+        "the gateways disagree after the preempt"
+    );
+    assert_eq!(through_a.2, vec![(1, 0xa, 1)]);
+
+    // Clear, then eight hosts on the two gateways register and acquire at once.
+    assert_eq!(
+        nvme_reservation(&h1, release, 1, 0xa, 0).await,
+        Status::SUCCESS
+    );
+    let mut hosts = Vec::new();
+    for n in 10..18u8 {
+        let at = if n % 2 == 0 { at_a } else { at_b };
+        hosts.push(std::sync::Arc::new(nvme_host(at, n).await));
+    }
+    let racing: Vec<_> = hosts
+        .iter()
+        .zip(10..18u8)
+        .map(|(h, n)| {
+            let h = h.clone();
+            tokio::spawn(async move {
+                let key = u64::from(n);
+                let registered = nvme_reservation(&h, register, 0, 0, key).await;
+                (
+                    registered,
+                    nvme_reservation(&h, acquire, 1 << 8, key, 0).await,
+                )
+            })
+        })
+        .collect();
+    let mut outcomes = Vec::new();
+    for r in racing {
+        outcomes.push(r.await.expect("a racing host"));
+    }
+    assert!(
+        outcomes.iter().all(|(r, _)| *r == Status::SUCCESS),
+        "{outcomes:?}"
+    );
+    let won = outcomes
+        .iter()
+        .filter(|(_, a)| *a == Status::SUCCESS)
+        .count();
+    assert_eq!(won, 1, "one acquire wins: {outcomes:?}");
+    assert!(outcomes
+        .iter()
+        .all(|(_, a)| *a == Status::SUCCESS || *a == Status::RESERVATION_CONFLICT));
+    let (through_a, through_b) = (nvme_report(&hosts[0]).await, nvme_report(&hosts[1]).await);
+    assert_eq!(through_a, through_b, "the gateways disagree after the race");
+    assert_eq!(through_a.2.len(), 8);
+    assert_eq!(
+        through_a.2.iter().filter(|r| r.0 == 1).count(),
+        1,
+        "one holder"
+    );
+    drop((h1, h2, h3, hosts));
+    a.stop();
+    b.stop();
+    for image in [&lun_image, &ns_image] {
+        ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    }
 }

@@ -45,6 +45,7 @@ use std::time::{Duration, Instant};
 
 use backend::rbd::rados::{CasError, Notification, Pool, Watch};
 use backend::rbd::{Cluster, ImageSpec};
+use cluster::ask::Refusal;
 use cluster::definition::{Comparison, Decision, Record, MAX_RECORD};
 use cluster::gateway::{ChangeId, Counters, Event, Outcome, Request, Settings, UnitId, MAX_OBJECT};
 use cluster::{store, Gateway, Lane, Watched};
@@ -96,6 +97,8 @@ struct Waiting {
     tmf: Option<u64>,
     /// A SET TARGET PORT GROUPS, not a change to reservations.
     port_groups: bool,
+    /// An NVMe reservation change: the subsystem's name for it.
+    nvme: Option<u64>,
 }
 
 /// This gateway's membership in a cluster of gateways: the machine, the pool of shared
@@ -430,15 +433,18 @@ impl Keeper {
                     match w.task {
                         Some(task) if w.port_groups => t.port_groups_change_done(
                             task,
-                            result.map_err(|e| match e {
+                            result.map_err(|e| match e.scsi() {
                                 scsi_core::pr::PrError::Sense(s) => s,
                                 scsi_core::pr::PrError::Conflict => {
                                     scsi_core::BackendError::Unavailable.into()
                                 }
                             }),
                         ),
-                        Some(task) => t.reservation_done(task, result),
+                        Some(task) => t.reservation_done(task, result.map_err(Refusal::scsi)),
                         None => {}
+                    }
+                    if let Some(id) = w.nvme {
+                        t.nvme_reservation_done(id, result.map_err(Refusal::nvme));
                     }
                     if let Some(reference) = w.tmf {
                         t.task_management_change_done(reference);
@@ -1101,23 +1107,22 @@ impl Keeper {
         self.settings.reservations_object(&image.to_string())
     }
 
-    /// Checks that this gateway exports `image` as the other gateways do: as the same LUN of
-    /// `target`, with the same block size and the same path policy (`preferred_gateway`,
-    /// `standby`). The first gateway to export it records that
+    /// Checks that this gateway exports `image` as the other gateways do: as the same unit
+    /// (`label`: the same LUN of the same target, or the same namespace of the same
+    /// subsystem; never a LUN on one gateway and a namespace on another, whose hosts could not
+    /// see each other's reservations), with the same block size and the same path policy
+    /// (`preferred_gateway`, `standby`). The first gateway to export it records that
     /// in `<cluster>.unit.<image>`; one that differs is refused, naming both, while any
     /// gateway serves the image (when none does, the new definition replaces the old).
     /// Errors start with the config key they are about.
     pub fn check_unit(
         &self,
         image: &ImageSpec,
-        target: &str,
+        label: &str,
         unit: &config::Lun,
     ) -> Result<(), String> {
         let oid = format!("{}.unit.{image}", self.config.name);
-        let mut mine = format!(
-            "target {target}\nlun {}\nblock_size {}\n",
-            unit.lun, unit.block_size
-        );
+        let mut mine = format!("{label}block_size {}\n", unit.block_size);
         // The paths' states are computed by every gateway alike: from the same policy.
         if let Some(g) = &unit.preferred_gateway {
             mine += &format!("preferred_gateway {g}\n");
@@ -1240,6 +1245,7 @@ impl Keeper {
                 task: change.task,
                 tmf: change.tmf,
                 port_groups: false,
+                nvme: None,
             },
         );
         let mut s = self.state();
@@ -1275,6 +1281,7 @@ impl Keeper {
                 task: Some(change.task),
                 tmf: None,
                 port_groups: true,
+                nvme: None,
             },
         );
         // Often decided at once (asked what is, or what cannot be): handed out now.
@@ -1378,12 +1385,11 @@ impl super::Cluster for Keeper {
             return Ok(None);
         };
         let me = self.this.upgrade().ok_or("the cluster's keeper stops")?;
-        let name = target
+        let label = target
             .upgrade()
             .ok_or("the target is gone")?
-            .name()
-            .to_string();
-        self.check_unit(image.spec(), &name, config)?;
+            .unit_label(config.lun);
+        self.check_unit(image.spec(), &label, config)?;
         let oid = self.object(image.spec());
         let (first, version) = self.load(&oid)?;
         adopt(version, first.clone())?;
@@ -1404,6 +1410,29 @@ impl super::Cluster for Keeper {
 
     fn submit(&self, target: Weak<dyn SharedTarget>, change: ReservationChange) {
         self.queue_change(target, change);
+    }
+
+    fn submit_nvme(
+        &self,
+        target: Weak<dyn SharedTarget>,
+        nsid: u16,
+        id: u64,
+        host: scsi_core::ItNexus,
+        ask: cluster::ask::Ask,
+    ) {
+        let (change, unit) = self.waiting(
+            nsid,
+            Waiting {
+                target,
+                task: None,
+                tmf: None,
+                port_groups: false,
+                nvme: Some(id),
+            },
+        );
+        let mut s = self.state();
+        s.machine.submit(Instant::now(), change, unit, host, ask);
+        self.route(&mut s);
     }
 
     fn submit_port_groups(&self, target: Weak<dyn SharedTarget>, change: PortGroupsChange) {

@@ -100,6 +100,19 @@ pub trait Cluster: Send + Sync + std::fmt::Debug {
     /// [`SharedTarget::task_management_change_done`]).
     fn submit(&self, target: Weak<dyn SharedTarget>, change: ReservationChange);
 
+    /// NVMe reservation change `ask` (Register, Acquire or Release of `host` on namespace
+    /// `nsid` of subsystem `target`), for the cluster to decide on the same state and with
+    /// the same fencing as a SCSI change; its end reaches `target` through
+    /// [`SharedTarget::nvme_reservation_done`] with `id`.
+    fn submit_nvme(
+        &self,
+        target: Weak<dyn SharedTarget>,
+        nsid: u16,
+        id: u64,
+        host: scsi_core::ItNexus,
+        ask: cluster::ask::Ask,
+    );
+
     /// SET TARGET PORT GROUPS on a shared unit of `target`, for the cluster to decide (the
     /// group asked active/optimized becomes the unit's preferred gateway on every gateway
     /// while it runs); its end reaches `target` through
@@ -131,10 +144,14 @@ pub fn start(config: &config::Config) -> Result<Option<Arc<dyn Cluster>>, (Strin
 }
 
 /// What the cluster needs of a target whose units it shares. The daemon's targets implement
-/// it; the cluster reaches them through this alone (it knows nothing else of a target).
+/// it, and so do its NVM subsystems (a unit is a namespace, its LUN the NSID); the cluster
+/// reaches them through this alone (it knows nothing else of a target).
 pub trait SharedTarget: Send + Sync {
     /// The target's name.
     fn name(&self) -> &str;
+    /// Unit `lun` as the cluster records which unit each image is, to refuse a gateway that
+    /// exports the image as another (`target T\nlun N\n`, or `subsystem S\nnsid N\n`).
+    fn unit_label(&self, lun: u16) -> String;
     /// The target as this gateway exports it now, to compare with the other gateways'.
     fn definition(&self) -> cluster::definition::Definition;
     /// The storage of unit `lun`.
@@ -156,6 +173,8 @@ pub trait SharedTarget: Send + Sync {
     fn reservation_holder(&self, lun: u16) -> Option<(String, Option<u8>)>;
     /// The change of reservation task `task` is decided.
     fn reservation_done(&self, task: TaskId, result: Result<(), PrError>);
+    /// The NVMe reservation change `id` is decided (a subsystem's; a target has none).
+    fn nvme_reservation_done(&self, id: u64, result: Result<(), nvme::Status>);
     /// The change task management function `reference` waits for is carried out.
     fn task_management_change_done(&self, reference: u64);
     /// SET TARGET PORT GROUPS task `task` is decided.

@@ -3,17 +3,19 @@
 //! its namespaces as units (what a LUN is made of: a store, its geometry, its counters).
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 
 use md5::{Digest, Md5};
 use nvme::ana::AnaState;
-use nvme::controller::{Namespace, Subsystem, SubsystemConfig};
+use nvme::controller::{Namespace, SharedReservation, Subsystem, SubsystemConfig};
 use nvme::nvm::NamespaceGeometry;
+use scsi_core::spc::tpg::PortGroup;
 
+use crate::cluster::{Cluster, Following, SharedTarget};
 use crate::config;
 use crate::lock;
 use crate::store::UnitStore;
-use crate::target::{next_id, Lun, LunStats};
+use crate::target::{next_id, Lun, LunStats, TargetEnv};
 
 /// The largest transfer of one command: 2^MDTS pages of 4 KiB, 1 MiB (Linux's host splits
 /// larger requests).
@@ -38,9 +40,15 @@ pub struct NvmeSubsystem {
     /// Held while a namespace's size changes, so a resize here and one seen through the
     /// image's watch do not interleave.
     resizing: Mutex<()>,
-    /// The daemon is a gateway of a `[cluster]`: its namespaces on RBD images are exported by
-    /// the other gateways too ([`NvmeSubsystem::open_namespace`]).
-    clustered: bool,
+    /// The cluster of gateways this daemon belongs to, and this gateway's port group: its
+    /// namespaces on RBD images are exported by the other gateways too
+    /// ([`NvmeSubsystem::open_namespace`]).
+    cluster: Option<(Arc<dyn Cluster>, u16)>,
+    /// The shared namespaces whose reservations and port groups this gateway follows, by
+    /// NSID: dropping one stops following it.
+    following: Mutex<BTreeMap<u32, Following>>,
+    /// Each shared namespace's port groups as the cluster gave them last.
+    port_groups: Mutex<BTreeMap<u32, Vec<PortGroup>>>,
     /// Moves on when something may wait in the machine for the controllers' connections
     /// (asynchronous events for admin queues, a Preempt and Abort's aborts and completion for
     /// I/O queues), which watch it: a change made while one was busy is seen at its next wait.
@@ -71,12 +79,13 @@ fn derived(what: &str, key: &str) -> [u8; 16] {
 impl NvmeSubsystem {
     /// Opens the namespaces of `config` (creating missing files); `Err((nsid, reason))` for
     /// the first that cannot be. Reservations that persist through power loss are kept in
-    /// `store` (`server.state_dir`); without one, hosts cannot ask for that.
+    /// `store` (`server.state_dir`); without one, hosts cannot ask for that. In `env`'s
+    /// cluster, namespaces on RBD images are shared with the other gateways.
     pub fn new(
         config: &config::Subsystem,
         nvme: &config::Nvme,
         store: Option<Box<dyn scsi_core::pr::PrStore>>,
-        clustered: bool,
+        env: &TargetEnv,
     ) -> Result<Arc<NvmeSubsystem>, (u32, String)> {
         let serial = config.serial.clone().unwrap_or_else(|| {
             let d = derived("serial", &config.nqn);
@@ -105,7 +114,9 @@ impl NvmeSubsystem {
             removed: Default::default(),
             this: this.clone(),
             resizing: Mutex::new(()),
-            clustered,
+            cluster: env.cluster.clone().map(|c| (c, env.port_group)),
+            following: Mutex::default(),
+            port_groups: Mutex::default(),
             events: tokio::sync::watch::Sender::new(0),
         });
         for ns in &config.namespaces {
@@ -117,7 +128,6 @@ impl NvmeSubsystem {
     /// The discovery subsystem: its controllers tell hosts which subsystems they may reach
     /// and where ([`NvmeSubsystem::set_discovery_log`]).
     pub fn discovery(nvme: &config::Nvme) -> Arc<NvmeSubsystem> {
-        let clustered = false;
         let machine = Subsystem::discovery(SubsystemConfig {
             nqn: nvme::fabrics::DISCOVERY_NQN.into(),
             serial: "discovery".into(),
@@ -144,7 +154,9 @@ impl NvmeSubsystem {
             removed: Default::default(),
             this: this.clone(),
             resizing: Mutex::new(()),
-            clustered,
+            cluster: None,
+            following: Mutex::default(),
+            port_groups: Mutex::default(),
             events: tokio::sync::watch::Sender::new(0),
         })
     }
@@ -200,16 +212,41 @@ impl NvmeSubsystem {
 
     /// `f` with the subsystem machine, under its lock. When the machine has something for
     /// other connections (asynchronous events, aborts of a Preempt and Abort, a held
-    /// completion), they are woken ([`NvmeSubsystem::events`]).
+    /// completion), they are woken ([`NvmeSubsystem::events`]); reservation changes on
+    /// shared namespaces go to the cluster, outside the lock.
     pub fn with_machine<T>(&self, f: impl FnOnce(&mut Subsystem) -> T) -> T {
         let mut m = lock(&self.machine);
         let out = f(&mut m);
         let wake = m.take_wakeup();
+        // No allocation while there is none (every I/O passes here).
+        let asks: Vec<SharedReservation> =
+            std::iter::from_fn(|| m.poll_shared_reservation()).collect();
         drop(m);
         if wake {
             self.events.send_modify(|n| *n += 1);
         }
+        for ask in asks {
+            self.submit_shared(ask);
+        }
         out
+    }
+
+    /// Has the cluster decide reservation change `ask` on a shared namespace.
+    fn submit_shared(&self, ask: SharedReservation) {
+        let nsid = u16::try_from(ask.nsid).ok();
+        match (&self.cluster, nsid) {
+            (Some((cluster, _)), Some(nsid)) => {
+                let me: Weak<dyn SharedTarget> = self.this.clone();
+                let request = cluster::ask::Ask::Nvme {
+                    command: ask.command,
+                    data: ask.data,
+                };
+                cluster.submit_nvme(me, nsid, ask.id, ask.host, request);
+            }
+            _ => self.with_machine(|m| {
+                m.shared_reservation_done(ask.id, Err(nvme::Status::NAMESPACE_NOT_READY))
+            }),
+        }
     }
 
     /// Namespace `nsid`'s unit.
@@ -235,8 +272,7 @@ impl NvmeSubsystem {
     /// Namespace Attribute Changed notice where their hosts asked for them).
     pub fn add_namespace(&self, ns: &config::Namespace) -> Result<(), String> {
         let opened = self.open_namespace(ns)?;
-        self.attach_namespace(opened);
-        Ok(())
+        self.attach_namespace(opened)
     }
 
     /// Opens the storage of namespace `ns` (creating a missing file), not yet attached.
@@ -244,8 +280,8 @@ impl NvmeSubsystem {
     /// In a cluster of gateways a namespace on an RBD image is exported by every gateway:
     /// it is written through (librbd's cache would keep a write on this gateway until a
     /// flush), it is an ANA group of its own (ANAGRPID = NSID) whose state follows which
-    /// gateways are alive ([`NvmeSubsystem::set_ana_state`]), and it takes no reservation
-    /// commands, which would bind this gateway's hosts only.
+    /// gateways are alive, and its reservations are the cluster's, decided and fenced as a
+    /// shared LUN's are ([`NvmeSubsystem::attach_namespace`]).
     pub fn open_namespace(&self, ns: &config::Namespace) -> Result<(Namespace, Arc<Lun>), String> {
         let shared = self.is_shared(&ns.unit);
         let config = if shared && ns.unit.write_cache {
@@ -256,14 +292,7 @@ impl NvmeSubsystem {
         } else {
             std::borrow::Cow::Borrowed(&ns.unit)
         };
-        let unit = Lun::open(&config, Arc::new(LunStats::default()))?;
-        // An RBD image resized by another client: the namespace takes its new size.
-        let (this, nsid) = (self.this.clone(), ns.nsid);
-        unit.storage.watch_size(Arc::new(move |bytes| {
-            if let Some(s) = this.upgrade() {
-                s.capacity_changed(nsid, bytes);
-            }
-        }))?;
+        let unit = self.open_unit(ns.nsid, &config, Arc::new(LunStats::default()))?;
         let key = unit.storage.identity_key().unwrap_or_else(|| {
             let path = ns.unit.path.as_ref().map(|p| p.display().to_string());
             format!("{}/{}/{}", self.nqn, ns.nsid, path.unwrap_or_default())
@@ -289,19 +318,99 @@ impl NvmeSubsystem {
             } else {
                 nvme::ana::DEFAULT_GROUP
             },
-            reservations: !shared,
+            reservations: true,
+            shared_reservations: shared,
         };
         Ok((namespace, Arc::new(unit)))
     }
 
+    /// Opens namespace `nsid`'s storage as `config` says, watching its size (an RBD image
+    /// resized by another client: the namespace takes its new size).
+    fn open_unit(
+        &self,
+        nsid: u32,
+        config: &config::Lun,
+        stats: Arc<LunStats>,
+    ) -> Result<Lun, String> {
+        let unit = Lun::open(config, stats)?;
+        let this = self.this.clone();
+        unit.storage.watch_size(Arc::new(move |bytes| {
+            if let Some(s) = this.upgrade() {
+                s.capacity_changed(nsid, bytes);
+            }
+        }))?;
+        Ok(unit)
+    }
+
     /// Attaches a namespace [`NvmeSubsystem::open_namespace`] opened; the controllers hear of
-    /// it.
-    pub fn attach_namespace(&self, (namespace, unit): (Namespace, Arc<Lun>)) {
+    /// it. A shared one enters in ANA state change (its I/O is retried) with no
+    /// reservations, takes the cluster's reservations, then follows them and its port
+    /// groups, which give its ANA state; when it cannot be shared (the cluster unreachable,
+    /// or another gateway exports the image otherwise) it is detached again and the error
+    /// says why.
+    pub fn attach_namespace(&self, (namespace, unit): (Namespace, Arc<Lun>)) -> Result<(), String> {
+        let (nsid, shared) = (namespace.nsid, namespace.shared_reservations);
         self.namespaces
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(namespace.nsid, unit);
-        self.with_machine(|m| m.add_namespace(namespace));
+            .insert(nsid, unit.clone());
+        self.with_machine(|m| {
+            m.add_namespace(namespace);
+            if shared {
+                m.set_ana_state(nsid, AnaState::Change);
+            }
+        });
+        if shared {
+            if let Err(e) = self.share(nsid, &unit) {
+                self.namespaces
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .remove(&nsid);
+                self.with_machine(|m| m.remove_namespace(nsid));
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Shares namespace `nsid` on `unit` with the cluster's other gateways: checks that they
+    /// export its image alike, takes the reservations the cluster keeps (what its hosts
+    /// missed since the state here was read, they hear), then follows them.
+    fn share(&self, nsid: u32, unit: &Lun) -> Result<(), String> {
+        let Some((cluster, _)) = &self.cluster else {
+            return Ok(());
+        };
+        let me: Weak<dyn SharedTarget> = self.this.clone();
+        let mut adopt = |version, state: scsi_core::pr::Reservations| {
+            self.with_machine(|m| {
+                let before = scsi_core::pr::Reservations {
+                    persistent: m.reservations(nsid).cloned().unwrap_or_default(),
+                    spc2: None,
+                };
+                let missed = scsi_core::pr::ReservationEffects::missed(&before, &state);
+                m.apply_shared_reservations(nsid, version, state.persistent, &missed);
+            });
+            Ok(())
+        };
+        let followed = cluster.share(me, &unit.config, &*unit.storage, &mut adopt)?;
+        if let Some(f) = followed {
+            lock(&self.following).insert(nsid, f);
+        }
+        Ok(())
+    }
+
+    /// Opens shared namespace `nsid` again on the process's connection to the cluster (after
+    /// this gateway rejoined), with the reservations the cluster keeps now.
+    fn reopen_namespace(&self, nsid: u32) -> Result<(), String> {
+        let _resizing = lock(&self.resizing);
+        let old = self.namespace(nsid).ok_or(format!("no namespace {nsid}"))?;
+        let unit = Arc::new(self.open_unit(nsid, &old.config, old.stats.clone())?);
+        lock(&self.following).remove(&nsid);
+        self.namespaces
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(nsid, unit.clone());
+        self.share(nsid, &unit)
     }
 
     /// Detaches namespace `nsid`; its commands in flight end on the store they started on.
@@ -314,6 +423,8 @@ impl NvmeSubsystem {
         if gone.is_none() {
             return Err(format!("no namespace {nsid}"));
         }
+        lock(&self.following).remove(&nsid);
+        lock(&self.port_groups).remove(&nsid);
         self.with_machine(|m| m.remove_namespace(nsid));
         Ok(())
     }
@@ -384,39 +495,13 @@ impl NvmeSubsystem {
 
     /// Whether a namespace on `unit` is exported by the other gateways of the cluster too.
     fn is_shared(&self, unit: &config::Lun) -> bool {
-        self.clustered && unit.backend == "rbd"
-    }
-
-    /// The namespaces the other gateways of the cluster export too, each an ANA group of
-    /// its own (its NSID), with its path policy (`preferred_gateway`, `standby`).
-    pub fn shared_namespaces(&self) -> Vec<(u32, crate::cluster::PathPolicy)> {
-        self.namespaces()
-            .into_iter()
-            .filter(|(_, unit)| self.is_shared(&unit.config))
-            .map(|(nsid, unit)| (nsid, crate::cluster::policy_of(&unit.config)))
-            .collect()
+        self.cluster.is_some() && unit.backend == "rbd"
     }
 
     /// Sets ANA group `group`'s state as this gateway's controllers report it; the hosts
     /// that asked hear of a change.
     pub fn set_ana_state(&self, group: u32, state: nvme::ana::AnaState) {
         self.with_machine(|m| m.set_ana_state(group, state));
-    }
-
-    /// Derives the ANA state of each shared namespace from the cluster's `membership`, as
-    /// ALUA's port groups are derived for a LUN with the same policy, seen from this
-    /// gateway (`port_group`); every one inaccessible while this gateway is `fenced`.
-    pub fn follow_membership(
-        &self,
-        membership: &crate::cluster::Membership,
-        port_group: u16,
-        fenced: bool,
-    ) {
-        for (nsid, policy) in self.shared_namespaces() {
-            let groups = membership.port_groups(&policy);
-            let mine = groups.iter().find(|g| g.id == port_group).map(|g| g.state);
-            self.set_ana_state(nsid, ana_state(mine, fenced));
-        }
     }
 
     /// Takes it out of service: its connections close at their next wake (this wakes
@@ -444,6 +529,120 @@ impl NvmeSubsystem {
                 .map(|(id, h)| (id, h.to_string(), m.io_queues(id)))
                 .collect()
         })
+    }
+}
+
+/// The cluster reaches a subsystem's shared namespaces as a target's units: a unit is a
+/// namespace, its LUN the NSID (at most [`config::MAX_NSID`], within a LUN's range).
+impl SharedTarget for NvmeSubsystem {
+    fn name(&self) -> &str {
+        &self.nqn
+    }
+
+    fn unit_label(&self, lun: u16) -> String {
+        format!("subsystem {}\nnsid {lun}\n", self.nqn)
+    }
+
+    /// The hosts it admits and each namespace's storage: what a host must find alike
+    /// through every gateway.
+    fn definition(&self) -> cluster::definition::Definition {
+        let mut d = cluster::definition::Definition::new();
+        let mut hosts = lock_read(&self.config).hosts.clone();
+        hosts.sort_unstable();
+        hosts.dedup();
+        let hosts = if hosts.is_empty() {
+            "any".to_string()
+        } else {
+            hosts.join(" ")
+        };
+        d.insert("hosts".into(), hosts);
+        let gateway = self.cluster.as_ref().map_or("", |(c, _)| c.gateway());
+        for (nsid, unit) in self.namespaces() {
+            let value = match unit.storage.identity_key() {
+                Some(storage) => format!(
+                    "{storage} block_size {} read_only {}",
+                    unit.block_size, unit.config.read_only
+                ),
+                None => format!(
+                    "{} storage of gateway {gateway} alone (another disk through each gateway)",
+                    unit.config.backend
+                ),
+            };
+            d.insert(format!("namespace.{nsid}"), value);
+        }
+        d
+    }
+
+    fn storage(&self, lun: u16) -> Option<Arc<dyn UnitStore>> {
+        Some(self.namespace(u32::from(lun))?.storage.clone())
+    }
+
+    fn apply_shared_reservations(
+        &self,
+        lun: u16,
+        version: u64,
+        state: scsi_core::pr::Reservations,
+        effects: &scsi_core::pr::ReservationEffects,
+    ) {
+        let nsid = u32::from(lun);
+        let applied = self.with_machine(|m| {
+            m.apply_shared_reservations(nsid, version, state.persistent, effects)
+        });
+        if !applied {
+            tracing::debug!(subsystem = %self.nqn, nsid, version, "a reservation change heard late or twice");
+        }
+    }
+
+    /// The namespace's ANA state follows this gateway's port group's access state.
+    fn set_port_groups(&self, lun: u16, groups: Vec<PortGroup>) {
+        let Some((_, port_group)) = &self.cluster else {
+            return;
+        };
+        let nsid = u32::from(lun);
+        let mine = groups.iter().find(|g| g.id == *port_group).map(|g| g.state);
+        let state = ana_state(mine, false);
+        lock(&self.port_groups).insert(nsid, groups);
+        let before = self.with_machine(|m| {
+            let before = m.ana_state(nsid);
+            m.set_ana_state(nsid, state);
+            before
+        });
+        if before != state {
+            tracing::info!(subsystem = %self.nqn, nsid, ?state, "ANA state changed");
+        }
+    }
+
+    fn port_groups(&self, lun: u16) -> Option<Vec<PortGroup>> {
+        lock(&self.port_groups).get(&u32::from(lun)).cloned()
+    }
+
+    /// The holder's Host Identifier and the SCSI TYPE of its reservation.
+    fn reservation_holder(&self, lun: u16) -> Option<(String, Option<u8>)> {
+        self.with_machine(|m| {
+            let r = m.reservations(u32::from(lun))?.reservation.as_ref()?;
+            Some((r.holder.initiator.name.clone(), Some(r.kind)))
+        })
+    }
+
+    fn reservation_done(&self, task: scsi_core::TaskId, _: Result<(), scsi_core::pr::PrError>) {
+        // A subsystem submits NVMe changes only.
+        tracing::debug!(subsystem = %self.nqn, ?task, "a SCSI reservation change's end");
+    }
+
+    fn nvme_reservation_done(&self, id: u64, result: Result<(), nvme::Status>) {
+        self.with_machine(|m| m.shared_reservation_done(id, result));
+    }
+
+    fn task_management_change_done(&self, _: u64) {}
+
+    fn port_groups_change_done(&self, _: scsi_core::TaskId, _: Result<(), scsi_core::Sense>) {}
+
+    fn aborted_tasks_in_flight(&self, lun: u16) -> usize {
+        self.with_machine(|m| m.aborted_in_flight(u32::from(lun)))
+    }
+
+    fn reopen_shared_lun(&self, lun: u16) -> Result<(), String> {
+        self.reopen_namespace(u32::from(lun))
     }
 }
 

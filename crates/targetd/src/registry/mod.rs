@@ -677,15 +677,12 @@ impl Registry {
         // Open every new subsystem and namespace before exporting or attaching any.
         let mut made = Vec::new();
         for sub in &added {
-            let store = match &old.server.state_dir {
-                Some(dir) => Some(Box::new(
-                    scsi_core::pr::FileStore::new(dir)
-                        .map_err(|e| format!("server.state_dir: {}: {e}", dir.display()))?,
-                ) as Box<dyn scsi_core::pr::PrStore>),
-                None => None,
-            };
+            let store = self
+                .target_env
+                .reservation_store()
+                .map_err(|(k, e)| format!("{k}: {e}"))?;
             made.push(
-                NvmeSubsystem::new(sub, &old.nvme, store, old.cluster.is_some())
+                NvmeSubsystem::new(sub, &old.nvme, store, &self.target_env)
                     .map_err(|(nsid, e)| format!("subsystem {} namespace {nsid}: {e}", sub.nqn))?,
             );
         }
@@ -697,11 +694,11 @@ impl Registry {
             opened.push((s, unit));
         }
         for (s, unit) in opened {
-            changes.push(format!(
-                "subsystem {} namespace {} added",
-                s.nqn, unit.0.nsid
-            ));
-            s.attach_namespace(unit);
+            let nsid = unit.0.nsid;
+            // A shared namespace can still be refused here: by the cluster.
+            s.attach_namespace(unit)
+                .map_err(|e| format!("subsystem {} namespace {nsid}: {e}", s.nqn))?;
+            changes.push(format!("subsystem {} namespace {nsid} added", s.nqn));
         }
         for (s, nsid) in removes {
             s.remove_namespace(nsid)?;
