@@ -961,11 +961,29 @@ fn a_gateway_that_exports_an_image_otherwise_is_refused_naming_both() {
     );
     assert_eq!(key, "cluster.port_group", "{reason}");
     assert!(reason.contains("gw1"), "{reason}");
+    // B exports it as an NVMe namespace: refused too (NVMe hosts and SCSI initiators could
+    // not see each other's reservations), naming both.
+    let other = unique("defs-lun");
+    let (key, reason) = common::refused(
+        &(gateway_config(&ceph, &name, 2, &other).replacen(
+            "[server]\n",
+            "[server]\nnvme_portals = [\"127.0.0.1:0\"]\n",
+            1,
+        ) + &nvme_subsystem_toml(&ceph, &image, "")),
+    );
+    assert_eq!(key, "subsystems[0].namespaces[0].image", "{reason}");
+    assert!(
+        reason.contains(&format!("target {TARGET}, lun 0"))
+            && reason.contains(&format!("subsystem {NVME_NQN}, nsid 1")),
+        "{reason}"
+    );
     // Once no gateway serves it, a new definition replaces the old.
     a.stop();
     let b = Daemon::start(&text);
     b.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    for image in [&image, &other] {
+        ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
