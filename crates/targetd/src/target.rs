@@ -509,6 +509,22 @@ pub struct Lun {
 }
 
 impl Lun {
+    /// The unit as a target's or subsystem's definition gives it: shared storage names itself
+    /// alike on every gateway (an RBD image: `rbd:<spec>`, with its block size and whether it
+    /// is read-only); any other is `gateway`'s own.
+    pub fn definition(&self, gateway: &str) -> String {
+        match self.storage.identity_key() {
+            Some(storage) => format!(
+                "{storage} block_size {} read_only {}",
+                self.block_size, self.config.read_only
+            ),
+            None => format!(
+                "{} storage of gateway {gateway} alone (another disk through each gateway)",
+                self.config.backend
+            ),
+        }
+    }
+
     /// Checks that `bytes` is a size this unit can take (a non-zero multiple of its block
     /// size) and resizes its storage: the new storage and its blocks.
     pub fn resize_storage(&self, bytes: u64) -> Result<(Arc<dyn UnitStore>, u64), String> {
@@ -801,16 +817,6 @@ impl Target {
     /// whether it is read-only, or this gateway's own storage).
     pub fn definition(&self) -> cluster::definition::Definition {
         let mut d = cluster::definition::Definition::new();
-        let listed = |items: Vec<String>| {
-            let mut items = items;
-            items.sort_unstable();
-            items.dedup();
-            if items.is_empty() {
-                "any".to_string()
-            } else {
-                items.join(" ")
-            }
-        };
         {
             let c = self.config.read().unwrap_or_else(PoisonError::into_inner);
             d.insert("initiators".into(), listed(c.initiators.clone()));
@@ -832,19 +838,7 @@ impl Target {
         }
         let gateway = self.cluster.as_ref().map(|c| c.gateway()).unwrap_or("");
         for lun in self.lun_list() {
-            let c = &lun.config;
-            // Shared storage names itself alike on every gateway (an RBD image: "rbd:<spec>").
-            let value = match lun.storage.identity_key() {
-                Some(storage) => format!(
-                    "{storage} block_size {} read_only {}",
-                    lun.block_size, c.read_only
-                ),
-                None => format!(
-                    "{} storage of gateway {gateway} alone (another disk through each gateway)",
-                    c.backend
-                ),
-            };
-            d.insert(format!("lun.{}", c.lun), value);
+            d.insert(format!("lun.{}", lun.config.lun), lun.definition(gateway));
         }
         d
     }
@@ -1161,6 +1155,18 @@ impl Target {
 /// A digest of a CHAP secret for comparing it across gateways: MD5 over the target, the user
 /// and the secret. It tells no more of the secret than one CHAP exchange on the wire (an MD5
 /// over the secret and a challenge) already does.
+/// A list as a definition gives it: sorted, each item once, space-separated; `any` when
+/// empty (no restriction).
+pub fn listed(mut items: Vec<String>) -> String {
+    items.sort_unstable();
+    items.dedup();
+    if items.is_empty() {
+        "any".to_string()
+    } else {
+        items.join(" ")
+    }
+}
+
 fn secret_digest(target: &str, user: &str, secret: &str) -> String {
     use md5::{Digest as _, Md5};
     let mut h = Md5::new();

@@ -547,28 +547,13 @@ impl SharedTarget for NvmeSubsystem {
     /// through every gateway.
     fn definition(&self) -> cluster::definition::Definition {
         let mut d = cluster::definition::Definition::new();
-        let mut hosts = lock_read(&self.config).hosts.clone();
-        hosts.sort_unstable();
-        hosts.dedup();
-        let hosts = if hosts.is_empty() {
-            "any".to_string()
-        } else {
-            hosts.join(" ")
-        };
-        d.insert("hosts".into(), hosts);
+        d.insert(
+            "hosts".into(),
+            crate::target::listed(lock_read(&self.config).hosts.clone()),
+        );
         let gateway = self.cluster.as_ref().map_or("", |(c, _)| c.gateway());
         for (nsid, unit) in self.namespaces() {
-            let value = match unit.storage.identity_key() {
-                Some(storage) => format!(
-                    "{storage} block_size {} read_only {}",
-                    unit.block_size, unit.config.read_only
-                ),
-                None => format!(
-                    "{} storage of gateway {gateway} alone (another disk through each gateway)",
-                    unit.config.backend
-                ),
-            };
-            d.insert(format!("namespace.{nsid}"), value);
+            d.insert(format!("namespace.{nsid}"), unit.definition(gateway));
         }
         d
     }
