@@ -68,7 +68,14 @@ pub struct SubsystemConfig {
     pub max_in_capsule_data: u32,
     /// MDTS: the largest transfer, 2^MDTS 4 KiB pages.
     pub mdts: u8,
+    /// The controller IDs its controllers take, first and last (within 1 to FFEFh). Where
+    /// several gateways export one subsystem each needs its own range: a host refuses a
+    /// second controller of a subsystem with a CNTLID it has already.
+    pub cntlids: (u16, u16),
 }
+
+/// Every controller ID a controller may take: 1 to FFEFh (the values above are reserved).
+pub const ALL_CNTLIDS: (u16, u16) = (1, 0xffef);
 
 /// A namespace of the subsystem.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -328,10 +335,10 @@ impl Subsystem {
     /// A subsystem with no namespace and no controller.
     pub fn new(config: SubsystemConfig) -> Subsystem {
         Subsystem {
+            next_cntlid: config.cntlids.0.clamp(ALL_CNTLIDS.0, ALL_CNTLIDS.1),
             config,
             namespaces: BTreeMap::new(),
             controllers: BTreeMap::new(),
-            next_cntlid: 1,
             store: None,
             drains: Vec::new(),
             next_drain: 0,
@@ -688,10 +695,11 @@ impl Subsystem {
     }
 
     fn free_cntlid(&mut self) -> Option<u16> {
-        // 1 to FFEFh: the values above are reserved.
-        for _ in 0..0xffef {
-            let id = self.next_cntlid;
-            self.next_cntlid = if id >= 0xffef { 1 } else { id + 1 };
+        let first = self.config.cntlids.0.max(ALL_CNTLIDS.0);
+        let last = self.config.cntlids.1.min(ALL_CNTLIDS.1);
+        for _ in first..=last {
+            let id = self.next_cntlid.clamp(first, last);
+            self.next_cntlid = if id >= last { first } else { id + 1 };
             if !self.controllers.contains_key(&id) {
                 return Some(id);
             }
@@ -1831,6 +1839,31 @@ mod tests {
             complete(s.command(now, &io, &read, &[])).status,
             Status::COMMAND_SEQUENCE_ERROR
         );
+    }
+
+    /// A gateway's controllers take IDs from its range only, in turn, and a full range is
+    /// Controller Busy.
+    #[test]
+    fn controller_ids_come_from_the_subsystems_range() {
+        let now = Instant::now();
+        let mut s = Subsystem::new(SubsystemConfig {
+            cntlids: (1025, 1026),
+            ..testing::subsystem_config(NQN, &[])
+        });
+        let admin = |s: &mut Subsystem| {
+            s.connect(
+                now,
+                &connect_sqe(0, 31, 0),
+                &connect_data(CNTLID_DYNAMIC, HOST, NQN),
+            )
+        };
+        let first = admin(&mut s).expect("the first").0;
+        let second = admin(&mut s).expect("the second").0;
+        assert_eq!((first.cntlid, second.cntlid), (1025, 1026));
+        let busy = admin(&mut s).expect_err("the range is full");
+        assert_eq!(busy.status, Status::CONNECT_CONTROLLER_BUSY);
+        s.disconnect(&first);
+        assert_eq!(admin(&mut s).expect("a free ID again").0.cntlid, 1025);
     }
 
     #[test]

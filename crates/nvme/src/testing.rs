@@ -21,6 +21,7 @@ pub fn subsystem_config(nqn: &str, hosts: &[&str]) -> SubsystemConfig {
         max_queue_entries: 128,
         max_in_capsule_data: 8192,
         mdts: 5,
+        cntlids: crate::controller::ALL_CNTLIDS,
     }
 }
 

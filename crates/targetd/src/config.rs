@@ -1681,6 +1681,20 @@ impl Config {
         if c.port_group == 0 {
             return fail("port_group", "0: must be 1 to 65535".into());
         }
+        let nvme = !self.subsystems.is_empty() || !self.server.nvme_portals.is_empty();
+        if nvme && crate::nvme::controller_ids(Some(c.port_group)).is_none() {
+            return fail(
+                "port_group",
+                format!(
+                    "{}: with NVMe subsystems, must be 1 to {} (each gateway's NVMe controllers \
+                     take {} controller IDs of their own: a host connected to several gateways \
+                     refuses two with one ID)",
+                    c.port_group,
+                    crate::nvme::MAX_NVME_PORT_GROUP,
+                    crate::nvme::CNTLIDS_PER_GATEWAY
+                ),
+            );
+        }
         if !self.server.rdma_portals.is_empty()
             && cluster::member::srp_relative_port(c.port_group).is_none()
         {
@@ -2101,6 +2115,15 @@ block_size = 4096
             .expect_err("no room for the SRP port");
         assert_eq!(key, "cluster.port_group");
         assert!(reason.contains("32767"), "{reason}");
+        // NVMe gateways need a range of controller IDs of their own.
+        let mut nvme = c.clone();
+        nvme.server.nvme_portals = vec!["127.0.0.1:4420".into()];
+        nvme.cluster.as_mut().expect("parsed").port_group = 63;
+        nvme.validate_cluster().expect("port group 63 with NVMe");
+        nvme.cluster.as_mut().expect("parsed").port_group = 64;
+        let (key, reason) = nvme.validate_cluster().expect_err("no controller IDs left");
+        assert_eq!(key, "cluster.port_group");
+        assert!(reason.contains("1 to 63"), "{reason}");
     }
 
     /// docs/config.md names every key targetd reads, and nothing else; its examples parse.

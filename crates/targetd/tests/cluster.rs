@@ -702,6 +702,73 @@ impl Drop for Process_ {
     }
 }
 
+/// Process `pid` killed with SIGKILL.
+fn kill(pid: u32) {
+    let _ = Process::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+}
+
+/// A port on the host's 127.0.0.1 where each HTTP request (a guest's `wget`, through
+/// 10.0.2.2) carries out the next of `actions`, then answers; each action's end is sent on the
+/// receiver.
+fn on_requests(
+    actions: Vec<Box<dyn FnOnce() + Send>>,
+) -> (u16, std::sync::mpsc::Receiver<std::time::Instant>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for action in actions {
+            let Ok((mut c, _)) = listener.accept() else {
+                return;
+            };
+            use std::io::{BufRead, Write};
+            // The request read to its end first: a socket closed with bytes unread sends a
+            // reset, which wget reports as a failure after the answer.
+            let mut request = std::io::BufReader::new(c.try_clone().expect("the socket"));
+            let mut line = String::new();
+            while request.read_line(&mut line).is_ok_and(|n| n > 0) && line.trim() != "" {
+                line.clear();
+            }
+            action();
+            let _ = done_tx.send(std::time::Instant::now());
+            let _ = c.write_all(b"HTTP/1.0 200 OK\r\n\r\ndone\n");
+            let _ = c.shutdown(std::net::Shutdown::Write);
+        }
+    });
+    (port, done_rx)
+}
+
+/// How long after the first instant `killed` sends the gateway with admin socket `socket`
+/// counted gw1 gone (it fenced it first); `None` after 60 s.
+fn until_gone(
+    socket: std::path::PathBuf,
+    killed: std::sync::mpsc::Receiver<std::time::Instant>,
+) -> std::thread::JoinHandle<Option<std::time::Duration>> {
+    std::thread::spawn(move || {
+        let killed = killed
+            .recv_timeout(std::time::Duration::from_secs(900))
+            .ok()?;
+        let viewer = Process_::viewer(socket);
+        loop {
+            let view = viewer();
+            let gone = view["members"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|g| g["gateway"] == "gw1" && g["live"] == false);
+            if gone {
+                return Some(killed.elapsed());
+            }
+            if killed.elapsed() > std::time::Duration::from_secs(60) {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_gateway_is_fenced_before_a_change_completes_serves_no_more_then_rejoins() {
     let Some(ceph) = ceph() else { return };
@@ -1187,52 +1254,11 @@ async fn linux_multipath_fails_over_to_a_standby_gateway() {
     drop(via_b);
     // The guest asks the host to kill A by connecting here (10.0.2.2 is the host's
     // 127.0.0.1 to it).
-    let killer = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let kill_port = killer.local_addr().unwrap().port();
     let pid = a.child.id();
-    let (killed_tx, killed_rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        if let Ok((mut c, _)) = killer.accept() {
-            use std::io::{BufRead, Write};
-            // The request read to its end first: a socket closed with bytes unread sends a
-            // reset, which wget reports as a failure after the answer.
-            let mut request = std::io::BufReader::new(c.try_clone().expect("the socket"));
-            let mut line = String::new();
-            while request.read_line(&mut line).is_ok_and(|n| n > 0) && line.trim() != "" {
-                line.clear();
-            }
-            let _ = Process::new("kill")
-                .args(["-KILL", &pid.to_string()])
-                .status();
-            let _ = killed_tx.send(std::time::Instant::now());
-            let _ = c.write_all(b"HTTP/1.0 200 OK\r\n\r\nkilled\n");
-            let _ = c.shutdown(std::net::Shutdown::Write);
-        }
-    });
+    let (kill_port, killed_rx) = on_requests(vec![Box::new(move || kill(pid))]);
     // The target's share of the failover: from the kill until B has fenced A (blocklisted,
     // its image lock broken) and counts it gone, as B's cluster view says.
-    let b_socket = b._dir.path().join("admin.sock");
-    let watcher = std::thread::spawn(move || {
-        let killed = killed_rx
-            .recv_timeout(std::time::Duration::from_secs(900))
-            .ok()?;
-        let viewer = Process_::viewer(b_socket);
-        loop {
-            let view = viewer();
-            let gone = view["members"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|g| g["gateway"] == "gw1" && g["live"] == false);
-            if gone {
-                return Some(killed.elapsed());
-            }
-            if killed.elapsed() > std::time::Duration::from_secs(60) {
-                return None;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-    });
+    let watcher = until_gone(b._dir.path().join("admin.sock"), killed_rx);
     // What the hosts' replacement_timeout is (5 s, as docs/ha.md has multipath hosts set it;
     // TARGETD_TEST_REPLACEMENT_TIMEOUT to try another).
     let replacement =
@@ -1833,21 +1859,8 @@ async fn a_killed_gateways_nvme_namespace_becomes_optimized_on_the_other() {
     let _turn = turn();
     let image = unique("nvme-kill");
     let name = unique("gws");
-    let gateway = |port_group: u16| {
-        let dir = tempfile::tempdir().unwrap();
-        let text = format!(
-            "[server]\nportals = [\"127.0.0.1:0\"]\nnvme_portals = [\"127.0.0.1:0\"]\n\
-             admin_socket = \"{}\"\nreactors = 1\n\n[cluster]\nname = \"{name}\"\n\
-             gateway = \"gw{port_group}\"\nport_group = {port_group}\npool = \"{}\"\n\
-             ceph_conf = \"{}\"\nclient = \"{}\"\n{}",
-            dir.path().join("admin.sock").display(),
-            ceph.pool,
-            ceph.conf.display(),
-            ceph.client,
-            ceph.keyring_key()
-        ) + &nvme_subsystem_toml(&ceph, &image, "preferred_gateway = \"gw1\"\n");
-        Process_::spawn(&name, dir, &text)
-    };
+    let prefer_a = "preferred_gateway = \"gw1\"\n";
+    let gateway = |port_group| nvme_process(&ceph, &name, port_group, &image, prefer_a, 0);
     let (a, b) = (gateway(1), gateway(2));
     let url = |p: &Process_| {
         NvmeUrl::parse(&format!(
@@ -1881,6 +1894,32 @@ async fn a_killed_gateways_nvme_namespace_becomes_optimized_on_the_other() {
     drop((via_a, via_b));
     drop((a, b));
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
+
+/// Gateway `port_group` of cluster `name` as a process of its own, exporting `image` as
+/// namespace 1 (`extra` keys in its table) on an NVMe/TCP portal at 127.0.0.1:`nvme_port`
+/// (0: any).
+fn nvme_process(
+    ceph: &Ceph,
+    name: &str,
+    port_group: u16,
+    image: &str,
+    extra: &str,
+    nvme_port: u16,
+) -> Process_ {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "[server]\nportals = [\"127.0.0.1:0\"]\nnvme_portals = [\"127.0.0.1:{nvme_port}\"]\n\
+         admin_socket = \"{}\"\nreactors = 1\n\n[cluster]\nname = \"{name}\"\n\
+         gateway = \"gw{port_group}\"\nport_group = {port_group}\npool = \"{}\"\n\
+         ceph_conf = \"{}\"\nclient = \"{}\"\n{}",
+        dir.path().join("admin.sock").display(),
+        ceph.pool,
+        ceph.conf.display(),
+        ceph.client,
+        ceph.keyring_key()
+    ) + &nvme_subsystem_toml(ceph, image, extra);
+    Process_::spawn(name, dir, &text)
 }
 
 /// NVMe host `n` (Host Identifier sixteen times `n`) connected to namespace 1 through `at`.
@@ -2107,3 +2146,210 @@ async fn nvme_reservations_are_one_state_across_gateways() {
         ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
     }
 }
+
+/// Linux's native NVMe multipath (nvme_core with multipath, nvme_tcp) in the guest of
+/// scripts/rdma-guest.sh, one host connected to both gateways of a namespace on one RBD image
+/// (A preferred): one multipath head with two paths, A optimized and B non-optimized as the
+/// host's ANA states say; 16 MiB of direct writes through the head go on while A is killed
+/// with SIGKILL, and read back; B becomes optimized; A started again (same portal) is
+/// reconnected by the host and optimized again, the data still there; then fio's verified
+/// random writes run while A is killed a second time, with no error. The longest write is
+/// printed: the stall as the application saw it. Needs a Ceph cluster, what the guest needs
+/// and nvme-cli and fio; says which is missing and skips (fails under `CI`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn linux_nvme_multipath_fails_over_between_gateways() {
+    use initiator_bench::nvme::{NvmeController, NvmeOptions, NvmeUrl};
+    let Some(ceph) = ceph() else { return };
+    let tools: Option<Vec<String>> = ["nvme", "fio"]
+        .iter()
+        .map(|t| common::guest::which(t))
+        .collect();
+    let Some(tools) = tools else {
+        return common::guest::skip("nvme-cli or fio is missing (Debian packages nvme-cli, fio)");
+    };
+    let _turn = turn();
+    let image = unique("nvme-mp");
+    let name = unique("gws");
+    let prefer_a = "preferred_gateway = \"gw1\"\n";
+    let a = nvme_process(&ceph, &name, 1, &image, prefer_a, 0);
+    let b = nvme_process(&ceph, &name, 2, &image, prefer_a, 0);
+    let (port_a, port_b) = (a.nvme.unwrap().port(), b.nvme.unwrap().port());
+    // Settled before the guest comes: A optimized, B non-optimized.
+    for (p, want) in [(&a, 0x01), (&b, 0x02)] {
+        let url = NvmeUrl::parse(&format!("nvme://{}/{NVME_NQN}/1", p.nvme.unwrap())).unwrap();
+        let c = NvmeController::connect(&url, &NvmeOptions::default())
+            .await
+            .expect("a probe");
+        expect_ana(&c, want, 20, "before the guest").await;
+    }
+    // The guest asks the host to kill A, to start it again on its portal, and to kill it
+    // again, by connecting here (10.0.2.2 is the host's 127.0.0.1 to it).
+    let a_now = std::sync::Arc::new(std::sync::Mutex::new(Some(a)));
+    let restart = {
+        let (slot, ceph, name, image) = (a_now.clone(), ceph.clone(), name.clone(), image.clone());
+        move || {
+            let again = nvme_process(&ceph, &name, 1, &image, prefer_a, port_a);
+            *slot.lock().unwrap() = Some(again);
+        }
+    };
+    let kill_a = |slot: std::sync::Arc<std::sync::Mutex<Option<Process_>>>| {
+        move || {
+            if let Some(p) = slot.lock().unwrap().as_ref() {
+                kill(p.child.id());
+            }
+        }
+    };
+    let (control, killed) = on_requests(vec![
+        Box::new(kill_a(a_now.clone())),
+        Box::new(restart),
+        Box::new(kill_a(a_now.clone())),
+    ]);
+    let watcher = until_gone(b._dir.path().join("admin.sock"), killed);
+    let script = LINUX_NVME_MULTIPATH
+        .replace("@NQN@", NVME_NQN)
+        .replace("@PORT_A@", &port_a.to_string())
+        .replace("@PORT_B@", &port_b.to_string())
+        .replace("@CONTROL@", &control.to_string());
+    let timeout = std::env::var("RDMA_GUEST_TIMEOUT").unwrap_or_else(|_| "900".into());
+    let run = tokio::task::spawn_blocking(move || {
+        common::guest::run(
+            "linux-nvme-multipath.sh",
+            &script,
+            &tools,
+            &[("RDMA_GUEST_TIMEOUT", timeout)],
+        )
+    })
+    .await
+    .unwrap();
+    let Some(run) = run else { return };
+    let report =
+        std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("linux-nvme-multipath.txt");
+    std::fs::write(&report, run.console.as_bytes()).unwrap();
+    assert!(
+        run.status.success(),
+        "the guest failed ({:?}): {}\nsee {}",
+        run.status.code(),
+        run.errors,
+        report.display()
+    );
+    for line in [
+        "nvme multipath: one head, two paths, A optimized and B non-optimized",
+        "nvme multipath: 16 MiB written across the failover and read back",
+        "nvme multipath: B optimized after A was killed",
+        "nvme multipath: A started again, reconnected and optimized, the data there",
+        "nvme multipath: fio verified random writes across a second kill",
+    ] {
+        assert!(
+            run.console.contains(line),
+            "{line:?} missing: see {}",
+            report.display()
+        );
+    }
+    for l in run.console.lines().filter(|l| {
+        [
+            "the longest write took",
+            "optimized after",
+            "reconnected and optimized",
+            "fio verified",
+        ]
+        .iter()
+        .any(|w| l.contains(w))
+    }) {
+        println!("{l}");
+    }
+    match watcher.join().unwrap() {
+        Some(d) => println!(
+            "nvme multipath: B had fenced A and counted it gone {:.2} s after the kill",
+            d.as_secs_f64()
+        ),
+        None => println!("nvme multipath: B did not count A gone within 60 s of the kill"),
+    }
+    drop(a_now.lock().unwrap().take());
+    drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
+
+/// In the guest: `nvme connect` to gateway A, then B, with one host NQN and Host Identifier
+/// (one multipath head, /dev/nvme0n1, its paths nvme0c0n1 through A and nvme0c1n1 through
+/// B); 256 direct 64 KiB writes through the head, the host kills A after the 64th; all read
+/// back; B optimized; A started again and reconnected (1 s reconnect delay); fio's verified
+/// writes while A is killed again.
+const LINUX_NVME_MULTIPATH: &str = r#"
+HOSTID=4c696e75-7800-4000-8000-6d756c746970
+HOSTNQN=nqn.2014-08.org.nvmexpress:uuid:$HOSTID
+connect() {
+  nvme connect -t tcp -a 10.0.2.2 -s $1 -n @NQN@ --hostnqn=$HOSTNQN --hostid=$HOSTID \
+    --reconnect-delay=1 --ctrl-loss-tmo=120 > /dev/null || fail "nvme multipath: connect to $1 failed"
+}
+# state C: the ANA state of namespace 1 through controller nvmeC, as the host has it.
+state() {
+  for f in /sys/block/nvme0c$1n1/ana_state /sys/class/nvme/nvme$1/nvme0c$1n1/ana_state; do
+    [ -e "$f" ] && { cat "$f"; return; }
+  done
+}
+# live C: whether controller nvmeC is connected (the ANA state of a path reconnecting is the
+# last one it had).
+live() { [ "$(cat /sys/class/nvme/nvme$1/state 2>/dev/null)" = live ]; }
+# wait_state C STATE SECONDS: waits for the path through nvmeC to be live in STATE; whether
+# it came.
+wait_state() {
+  for i in $(seq 1 $(($3 * 10))); do live $1 && [ "$(state $1)" = "$2" ] && return 0; sleep 0.1; done
+  return 1
+}
+uptime_now() { cut -d' ' -f1 /proc/uptime; }
+since() { echo "$1 $(uptime_now)" | awk '{ printf "%.1f", $2 - $1 }'; }
+connect @PORT_A@
+connect @PORT_B@
+for i in $(seq 1 200); do [ -e /dev/nvme0n1 ] && [ -n "$(state 0)" ] && [ -n "$(state 1)" ] && break; sleep 0.1; done
+wait_state 0 optimized 10; wait_state 1 non-optimized 10
+nvme list-subsys /dev/nvme0n1
+echo "nvme multipath: A $(state 0), B $(state 1)"
+[ "$(state 0)" = optimized ] && [ "$(state 1)" = non-optimized ] && [ -e /dev/nvme0n1 ] \
+  && echo "nvme multipath: one head, two paths, A optimized and B non-optimized"
+dd if=/dev/urandom of=/tmp/data bs=65536 count=256 2>/dev/null
+longest=0
+i=0
+while [ $i -lt 256 ]; do
+  t0=$(cut -d' ' -f1 /proc/uptime)
+  dd if=/tmp/data of=/dev/nvme0n1 bs=65536 skip=$i seek=$i count=1 oflag=direct 2>/dev/null || fail "nvme multipath: write $i failed"
+  t1=$(cut -d' ' -f1 /proc/uptime)
+  took=$(echo "$t0 $t1" | awk '{ printf "%.2f", $2 - $1 }')
+  longest=$(echo "$longest $took" | awk '{ print ($2 > $1) ? $2 : $1 }')
+  if [ $i -eq 64 ]; then
+    wget -qO- http://10.0.2.2:@CONTROL@/ > /dev/null || fail "nvme multipath: the host did not kill A"
+    killed=$(uptime_now)
+    echo "nvme multipath: A killed after write $i"
+    # When the host sees B optimized, while the writes go on.
+    ( wait_state 1 optimized 30 && echo "$(since $killed)" > /tmp/b-optimized ) &
+    poller=$!
+  fi
+  i=$((i + 1))
+done
+echo "nvme multipath: the longest write took $longest s"
+dd if=/dev/nvme0n1 of=/tmp/back bs=65536 count=256 iflag=direct 2>/dev/null || fail "nvme multipath: the read back failed"
+cmp /tmp/data /tmp/back && echo "nvme multipath: 16 MiB written across the failover and read back" || fail "nvme multipath: data differ"
+wait $poller
+[ -s /tmp/b-optimized ] || fail "nvme multipath: B is $(state 1) 30 s after A was killed"
+echo "nvme multipath: B optimized after A was killed ($(cat /tmp/b-optimized) s after the kill, as the host saw it)"
+nvme list-subsys /dev/nvme0n1
+wget -qO- http://10.0.2.2:@CONTROL@/ > /dev/null || fail "nvme multipath: the host did not start A again"
+started=$(uptime_now)
+wait_state 0 optimized 60 || fail "nvme multipath: A is $(cat /sys/class/nvme/nvme0/state) $(state 0) 60 s after it started again"
+wait_state 1 non-optimized 30 || fail "nvme multipath: B is $(state 1) with A back"
+echo "nvme multipath: A reconnected and optimized $(since $started) s after it started again"
+nvme list-subsys /dev/nvme0n1
+dd if=/dev/nvme0n1 of=/tmp/back bs=65536 count=256 iflag=direct 2>/dev/null || fail "nvme multipath: the read through A failed"
+cmp /tmp/data /tmp/back && echo "nvme multipath: A started again, reconnected and optimized, the data there"
+fio --name=mp --filename=/dev/nvme0n1 --rw=randwrite --bs=4k --iodepth=8 --ioengine=libaio \
+  --direct=1 --size=32m --verify=crc32c --do_verify=1 --verify_fatal=1 --thread \
+  --output=/tmp/fio.txt > /dev/null 2>&1 &
+fio=$!
+sleep 1
+wget -qO- http://10.0.2.2:@CONTROL@/ > /dev/null || fail "nvme multipath: the host did not kill A again"
+echo "nvme multipath: A killed again while fio ran"
+wait $fio
+status=$?
+grep -q "err= 0" /tmp/fio.txt && [ "$status" = 0 ] || { cat /tmp/fio.txt; fail "nvme multipath: fio failed"; }
+echo "nvme multipath: fio verified random writes across a second kill ($(grep -o "IOPS=[0-9.k]*" /tmp/fio.txt | head -1))"
+nvme disconnect-all > /dev/null
+"#;

@@ -9,4 +9,4 @@
 pub mod subsystem;
 pub mod tcp;
 
-pub use subsystem::NvmeSubsystem;
+pub use subsystem::{controller_ids, NvmeSubsystem, CNTLIDS_PER_GATEWAY, MAX_NVME_PORT_GROUP};

@@ -21,6 +21,26 @@ use crate::target::{next_id, Lun, LunStats, TargetEnv};
 /// larger requests).
 pub const MDTS: u8 = 8;
 
+/// Controller IDs each gateway of a cluster gives its controllers: a range of its own.
+pub const CNTLIDS_PER_GATEWAY: u16 = 1024;
+/// The largest port group whose range fits in NVMe's controller IDs (1 to FFEFh).
+pub const MAX_NVME_PORT_GROUP: u16 = 63;
+
+/// The controller IDs a subsystem's controllers take on the gateway of port group
+/// `port_group` (`None`: alone, every one): port group p takes (p - 1) x 1024 + 1 to
+/// p x 1024, so that a host connected to several gateways of a subsystem never sees one
+/// CNTLID twice (Linux's host refuses such a path). `None` past [`MAX_NVME_PORT_GROUP`].
+pub fn controller_ids(port_group: Option<u16>) -> Option<(u16, u16)> {
+    let Some(p) = port_group else {
+        return Some(nvme::controller::ALL_CNTLIDS);
+    };
+    if !(1..=MAX_NVME_PORT_GROUP).contains(&p) {
+        return None;
+    }
+    let first = (p - 1) * CNTLIDS_PER_GATEWAY + 1;
+    Some((first, first + CNTLIDS_PER_GATEWAY - 1))
+}
+
 /// An NVM subsystem the daemon exports.
 pub struct NvmeSubsystem {
     /// Unique for the daemon's life.
@@ -101,6 +121,9 @@ impl NvmeSubsystem {
             max_queue_entries: nvme.queue_entries,
             max_in_capsule_data: nvme.in_capsule_data_size,
             mdts: MDTS,
+            // The config refuses port groups without a range of their own.
+            cntlids: controller_ids(env.cluster.as_ref().map(|_| env.port_group))
+                .unwrap_or(nvme::controller::ALL_CNTLIDS),
         });
         if let Some(store) = store {
             machine.set_reservation_store(store);
@@ -138,6 +161,7 @@ impl NvmeSubsystem {
             max_queue_entries: 32,
             max_in_capsule_data: nvme.in_capsule_data_size,
             mdts: MDTS,
+            cntlids: nvme::controller::ALL_CNTLIDS,
         });
         Arc::new_cyclic(|this| NvmeSubsystem {
             id: next_id(),
@@ -652,6 +676,17 @@ pub fn ana_state(state: Option<scsi_core::spc::tpg::AccessState>, fenced: bool) 
 mod tests {
     use super::*;
     use scsi_core::spc::tpg::AccessState;
+
+    #[test]
+    fn each_gateway_has_controller_ids_of_its_own() {
+        assert_eq!(controller_ids(None), Some((1, 0xffef)));
+        assert_eq!(controller_ids(Some(1)), Some((1, 1024)));
+        assert_eq!(controller_ids(Some(2)), Some((1025, 2048)));
+        let last = controller_ids(Some(MAX_NVME_PORT_GROUP)).unwrap();
+        assert!(last.1 <= 0xffef, "{last:?}");
+        assert_eq!(controller_ids(Some(MAX_NVME_PORT_GROUP + 1)), None);
+        assert_eq!(controller_ids(Some(0)), None);
+    }
 
     #[test]
     fn alua_states_map_onto_ana_states() {
