@@ -61,9 +61,10 @@ pub(crate) enum Cmd {
         /// status 1). A --multipath run is not stopped, only judged.
         #[arg(long, default_value_t = 0)]
         max_errors: u64,
-        /// The URLs are paths to one logical unit (gateways of one target): a session per
-        /// path, I/O on the path ALUA calls active/optimized, a command that fails on its path
-        /// sent again on another; the report counts failovers and the longest wait.
+        /// The URLs are paths to one logical unit or namespace (gateways of one target or
+        /// subsystem): a session (controller) per path, I/O on the path ALUA (ANA) calls
+        /// optimized, a command that fails on its path sent again on another; the report
+        /// counts failovers and the longest wait.
         #[arg(long)]
         multipath: bool,
     },

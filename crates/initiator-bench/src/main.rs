@@ -104,6 +104,7 @@ fn main() -> anyhow::Result<()> {
                 json,
                 trace,
                 max_errors,
+                multipath,
                 ..
             } => {
                 let urls = urls
@@ -111,13 +112,18 @@ fn main() -> anyhow::Result<()> {
                     .map(|u| initiator_bench::nvme::NvmeUrl::parse(u))
                     .collect::<Result<Vec<_>, _>>()?;
                 let mut w = workload.workload()?;
-                w.max_errors = Some(max_errors);
                 w.trace = trace.is_some();
+                if !multipath {
+                    // As for iSCSI: a multipath run rides through failures, then is judged.
+                    w.max_errors = Some(max_errors);
+                }
                 let o = login.nvme_options(w.qd)?;
-                let report = with_progress(|progress| {
-                    initiator_bench::workload::run_nvme(&urls, &o, &w, progress)
-                })
-                .await?;
+                use initiator_bench::workload::{run_nvme, run_nvme_multipath};
+                let report = if multipath {
+                    with_progress(|p| run_nvme_multipath(&urls, &o, &w, p)).await?
+                } else {
+                    with_progress(|p| run_nvme(&urls, &o, &w, p)).await?
+                };
                 if let Some(path) = &trace {
                     write_trace(path, &report.trace, report.trace_dropped)?;
                 }

@@ -66,6 +66,25 @@ pub enum NvmeError {
     Protocol(String),
 }
 
+/// The ANA state namespace `nsid`'s group has in ANA log page `page`, if it lists it.
+pub fn ana_state_in(page: &[u8], nsid: u32) -> Option<u8> {
+    let groups = u16::from_le_bytes([*page.get(8)?, *page.get(9)?]);
+    let mut at = 16usize;
+    for _ in 0..groups {
+        let n = u32::from_le_bytes(page.get(at + 4..at + 8)?.try_into().ok()?) as usize;
+        let state = *page.get(at + 16)?;
+        let nsids = page.get(at + 32..at + 32 + 4 * n)?;
+        if nsids
+            .chunks(4)
+            .any(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) == nsid)
+        {
+            return Some(state);
+        }
+        at += 32 + 4 * n;
+    }
+    None
+}
+
 /// `nvme://HOST[:PORT]/SUBNQN/NSID`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NvmeUrl {
@@ -656,7 +675,16 @@ pub struct NamespaceInfo {
     pub blocks: u64,
     /// The block size of its current format.
     pub block_size: u32,
+    /// NGUID: the same through every controller (every path) that reaches it.
+    pub nguid: [u8; 16],
+    /// ANAGRPID: its ANA group (0: the controller reports none).
+    pub ana_group: u32,
 }
+
+/// ANA state (ANAS) optimized.
+pub const ANA_OPTIMIZED: u8 = 0x01;
+/// ANA state non-optimized.
+pub const ANA_NON_OPTIMIZED: u8 = 0x02;
 
 /// A controller of an NVM subsystem, connected: its admin queue and one I/O queue.
 #[derive(Debug)]
@@ -907,6 +935,8 @@ impl NvmeController {
             namespace: NamespaceInfo {
                 blocks,
                 block_size: 1 << lbads,
+                nguid: ns[104..120].try_into().expect("16 bytes"),
+                ana_group: u32::from_le_bytes(ns[92..96].try_into().expect("4 bytes")),
             },
             max_transfer,
             nqn: url.nqn.clone(),
@@ -959,6 +989,55 @@ impl NvmeController {
             )));
         }
         Ok(data)
+    }
+
+    /// Read of `blocks` blocks at `lba`, in commands of at most `max_blocks`.
+    pub async fn read_split(
+        &self,
+        lba: u64,
+        blocks: u32,
+        max_blocks: u32,
+    ) -> Result<Bytes, NvmeError> {
+        if blocks <= max_blocks {
+            return self.read(lba, blocks).await;
+        }
+        let bs = self.namespace.block_size as usize;
+        let mut out = bytes::BytesMut::with_capacity(blocks as usize * bs);
+        let mut at = 0;
+        while at < blocks {
+            let n = max_blocks.max(1).min(blocks - at);
+            out.extend_from_slice(&self.read(lba + u64::from(at), n).await?);
+            at += n;
+        }
+        Ok(out.freeze())
+    }
+
+    /// Write of `data` at `lba`, in commands of at most `max_blocks`.
+    pub async fn write_split(
+        &self,
+        lba: u64,
+        data: Bytes,
+        max_blocks: u32,
+    ) -> Result<(), NvmeError> {
+        let bs = self.namespace.block_size as usize;
+        let chunk = max_blocks.max(1) as usize * bs;
+        let mut at = 0;
+        while at < data.len() {
+            let end = (at + chunk).min(data.len());
+            self.write(lba + (at / bs) as u64, data.slice(at..end))
+                .await?;
+            at = end;
+        }
+        Ok(())
+    }
+
+    /// The ANA state (ANAS) of the namespace's group as this controller reports it, from the
+    /// ANA log page; `None` when the page does not list the namespace.
+    pub async fn ana_state(&self) -> Result<Option<u8>, NvmeError> {
+        let mut log = Sqe::new(AdminOpcode::GetLogPage.code(), 0);
+        log.set_cdw(10, 0x0c | (4096 / 4 - 1) << 16);
+        let (_, page) = self.admin(log, Bytes::new(), 4096).await?;
+        Ok(ana_state_in(&page, self.nsid))
     }
 
     /// Writes `data` (whole blocks) at `lba`.

@@ -19,7 +19,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::login::LoginOptions;
-use crate::multipath::Multipath;
+use crate::multipath::{Failovers, Multipath};
 use crate::nvme::{NvmeController, NvmeOptions, NvmeUrl};
 use crate::session::Session;
 use crate::url::IscsiUrl;
@@ -381,6 +381,26 @@ pub async fn run_multipath(
     run_on(sessions, vec![Io::Paths(m.clone())], Some(m), w, progress).await
 }
 
+/// Runs `w` on one NVMe namespace through every URL as a path ([`Multipath`]): a controller
+/// per path, the I/O on the path whose ANA state is optimized, failed commands sent again on
+/// another path. The report counts the failovers and the longest time I/O waited for one.
+pub async fn run_nvme_multipath(
+    urls: &[NvmeUrl],
+    opts: &NvmeOptions,
+    w: &Workload,
+    progress: Arc<Progress>,
+) -> Result<Report> {
+    let m = Arc::new(Multipath::connect_nvme(urls, opts).await?);
+    run_on(
+        Vec::new(),
+        vec![Io::NvmePaths(m.clone())],
+        Some(m),
+        w,
+        progress,
+    )
+    .await
+}
+
 /// Runs `w` against the NVMe/TCP namespaces of `urls`: `w.sessions` controllers (each its
 /// admin queue and one I/O queue), spread round-robin over the URLs.
 pub async fn run_nvme(
@@ -407,6 +427,7 @@ enum Io {
     One(Arc<Session>),
     Paths(Arc<Multipath>),
     Nvme(Arc<NvmeController>),
+    NvmePaths(Arc<Multipath<NvmeController>>),
 }
 
 impl Io {
@@ -414,6 +435,7 @@ impl Io {
     fn nvme(&self) -> Option<&Arc<NvmeController>> {
         match self {
             Io::Nvme(c) => Some(c),
+            Io::NvmePaths(m) => Some(m.controller()),
             _ => None,
         }
     }
@@ -423,14 +445,14 @@ impl Io {
         match self {
             Io::One(s) => Some(s),
             Io::Paths(m) => Some(m.session()),
-            Io::Nvme(_) => None,
+            Io::Nvme(_) | Io::NvmePaths(_) => None,
         }
     }
 
     /// Where the commands go, for a failure's message.
     fn portal(&self) -> String {
         match self {
-            Io::Nvme(c) => c.portal.clone(),
+            Io::Nvme(_) | Io::NvmePaths(_) => self.nvme().expect("a controller").portal.clone(),
             other => other
                 .session()
                 .map(|s| s.url().portal.clone())
@@ -441,7 +463,10 @@ impl Io {
     /// The unit's size in blocks and its block size.
     async fn capacity(&self) -> Result<(u64, u32)> {
         match self {
-            Io::Nvme(c) => Ok((c.namespace.blocks, c.namespace.block_size)),
+            Io::Nvme(_) | Io::NvmePaths(_) => {
+                let c = self.nvme().expect("a controller");
+                Ok((c.namespace.blocks, c.namespace.block_size))
+            }
             other => other.session().expect("a session").capacity().await,
         }
     }
@@ -449,7 +474,9 @@ impl Io {
     /// The most blocks Linux would put in one command to this unit.
     async fn linux_max_blocks(&self, block_size: u32) -> Result<u32> {
         match self {
-            Io::Nvme(c) => Ok(c.max_transfer / block_size),
+            Io::Nvme(_) | Io::NvmePaths(_) => {
+                Ok(self.nvme().expect("a controller").max_transfer / block_size)
+            }
             other => {
                 let limits = other.session().expect("a session").block_limits().await?;
                 Ok(limits.linux_max_blocks(block_size))
@@ -461,19 +488,8 @@ impl Io {
         match self {
             Io::One(s) => s.read_split(lba, blocks, bs, max).await,
             Io::Paths(m) => m.read_split(lba, blocks, bs, max).await,
-            Io::Nvme(c) => {
-                if blocks <= max {
-                    return Ok(c.read(lba, blocks).await?);
-                }
-                let mut out = bytes::BytesMut::with_capacity((blocks * bs) as usize);
-                let mut at = 0;
-                while at < blocks {
-                    let n = max.min(blocks - at);
-                    out.extend_from_slice(&c.read(lba + u64::from(at), n).await?);
-                    at += n;
-                }
-                Ok(out.freeze())
-            }
+            Io::Nvme(c) => Ok(c.read_split(lba, blocks, max).await?),
+            Io::NvmePaths(m) => m.read_split(lba, blocks, max).await,
         }
     }
 
@@ -481,17 +497,8 @@ impl Io {
         match self {
             Io::One(s) => s.write_split(lba, data, bs, max).await,
             Io::Paths(m) => m.write_split(lba, data, bs, max).await,
-            Io::Nvme(c) => {
-                let chunk = (max * bs) as usize;
-                let mut at = 0;
-                while at < data.len() {
-                    let end = (at + chunk).min(data.len());
-                    c.write(lba + (at / bs as usize) as u64, data.slice(at..end))
-                        .await?;
-                    at = end;
-                }
-                Ok(())
-            }
+            Io::Nvme(c) => Ok(c.write_split(lba, data, max).await?),
+            Io::NvmePaths(m) => m.write_split(lba, data, max).await,
         }
     }
 
@@ -499,8 +506,8 @@ impl Io {
         match self {
             Io::One(s) => s.read(lba, blocks, bs).await,
             Io::Paths(m) => m.read(lba, blocks, bs).await,
-            Io::Nvme(c) => {
-                let max = (c.max_transfer / bs).max(1);
+            Io::Nvme(_) | Io::NvmePaths(_) => {
+                let max = (self.nvme().expect("a controller").max_transfer / bs).max(1);
                 self.read_split(lba, blocks, bs, max).await
             }
         }
@@ -512,7 +519,7 @@ impl Io {
 async fn run_on(
     sessions: Vec<Arc<Session>>,
     ends: Vec<Io>,
-    multipath: Option<Arc<Multipath>>,
+    multipath: Option<Arc<dyn Failovers>>,
     w: &Workload,
     progress: Arc<Progress>,
 ) -> Result<Report> {

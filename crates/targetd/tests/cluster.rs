@@ -1177,16 +1177,7 @@ async fn initiator_bench_multipath_rides_through_a_killed_gateway_with_verified_
         initiator_bench::IscsiUrl::parse(&format!("iscsi://{}/{TARGET}/0", p.addr)).unwrap()
     };
     let urls = [url(&a), url(&b)];
-    // Random writes and reads for 12 s, 4 in flight, every block read back at the end.
-    let w = initiator_bench::workload::Workload {
-        rw: initiator_bench::workload::Rw::Randrw,
-        bs: 4096,
-        qd: 4,
-        time: std::time::Duration::from_secs(12),
-        size: Some(8 << 20),
-        verify: true,
-        ..Default::default()
-    };
+    let w = failover_workload();
     let run = tokio::spawn(async move {
         initiator_bench::workload::run_multipath(
             &urls,
@@ -1199,10 +1190,33 @@ async fn initiator_bench_multipath_rides_through_a_killed_gateway_with_verified_
     tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     a.signal("-KILL");
     let report = run.await.expect("the run").expect("a report");
-    // A read goes through B at once; a write waits until B holds the image's lock (A fenced,
-    // its lock broken): the longest I/O is the failover as the application sees it.
+    judge_failover("multipath run", &report);
+    drop(a);
+    drop(b);
+    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+}
+
+/// The workload of the initiator-bench multipath runs across a killed gateway: random
+/// writes and reads for 12 s, 4 in flight, every block read back at the end.
+fn failover_workload() -> initiator_bench::workload::Workload {
+    initiator_bench::workload::Workload {
+        rw: initiator_bench::workload::Rw::Randrw,
+        bs: 4096,
+        qd: 4,
+        time: std::time::Duration::from_secs(12),
+        size: Some(8 << 20),
+        verify: true,
+        ..Default::default()
+    }
+}
+
+/// A multipath run across a killed gateway, judged: every I/O succeeded on some path, no
+/// acknowledged write was lost, it left the killed gateway; its figures printed. A read goes
+/// through B at once; a write waits until B holds the image's lock (A fenced, its lock
+/// broken): the longest I/O is the failover as the application sees it.
+fn judge_failover(what: &str, report: &initiator_bench::workload::Report) {
     println!(
-        "multipath run: {} I/Os, {} failed, {} failovers, first success on B after {:.1} s, \
+        "{what}: {} I/Os, {} failed, {} failovers, first success on B after {:.1} s, \
          longest I/O {:.1} s, {} blocks verified, {} wrong",
         report.ios,
         report.errors,
@@ -1216,6 +1230,48 @@ async fn initiator_bench_multipath_rides_through_a_killed_gateway_with_verified_
     assert_eq!(report.verify_errors, 0, "an acknowledged write was lost");
     assert!(report.verified_blocks > 0);
     assert!(report.failovers >= 1, "it never left gateway A");
+}
+
+/// initiator-bench's NVMe/TCP multipath (`run --transport nvme-tcp --multipath`) on the two
+/// gateways of a namespace, A preferred: its I/O goes to A (ANA optimized), and when A is
+/// killed mid-run every I/O still succeeds on B and every block reads back as written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn initiator_bench_nvme_multipath_rides_through_a_killed_gateway_with_verified_writes() {
+    use initiator_bench::nvme::{NvmeController, NvmeOptions, NvmeUrl};
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("nvme-bench-mp");
+    let name = unique("gws");
+    let prefer_a = "preferred_gateway = \"gw1\"\n";
+    let a = nvme_process(&ceph, &name, 1, &image, prefer_a, 0);
+    let b = nvme_process(&ceph, &name, 2, &image, prefer_a, 0);
+    let url =
+        |p: &Process_| NvmeUrl::parse(&format!("nvme://{}/{NVME_NQN}/1", p.nvme.unwrap())).unwrap();
+    let urls = [url(&a), url(&b)];
+    for (u, want) in urls.iter().zip([0x01, 0x02]) {
+        let c = NvmeController::connect(u, &NvmeOptions::default())
+            .await
+            .expect("a probe");
+        expect_ana(&c, want, 20, "before the run").await;
+    }
+    let w = failover_workload();
+    let run = tokio::spawn(async move {
+        initiator_bench::workload::run_nvme_multipath(
+            &urls,
+            &NvmeOptions::default(),
+            &w,
+            Default::default(),
+        )
+        .await
+    });
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    a.signal("-KILL");
+    let report = run.await.expect("the run").expect("a report");
+    judge_failover("nvme multipath run", &report);
+    assert!(
+        report.per_session_ios.iter().sum::<u64>() > 0,
+        "no I/O through the paths"
+    );
     drop(a);
     drop(b);
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
@@ -1733,33 +1789,11 @@ fn nvme_subsystem_toml(ceph: &Ceph, image: &str, extra: &str) -> String {
     )
 }
 
-/// The ANA state (ANAS) of namespace `nsid`'s group through controller `c`.
-async fn ana_state_of(c: &initiator_bench::nvme::NvmeController, nsid: u32) -> Option<u8> {
-    let mut log = nvme::sqe::Sqe::new(nvme::opcode::AdminOpcode::GetLogPage.code(), 0);
-    log.set_cdw(10, 0x0c | (4096 / 4 - 1) << 16);
-    let (_, page) = c.admin(log, Bytes::new(), 4096).await.ok()?;
-    let groups = u16::from_le_bytes([page[8], page[9]]);
-    let mut at = 16;
-    for _ in 0..groups {
-        let n = u32::from_le_bytes(page[at + 4..at + 8].try_into().ok()?) as usize;
-        let state = page[at + 16];
-        let nsids = &page[at + 32..at + 32 + 4 * n];
-        if nsids
-            .chunks(4)
-            .any(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) == nsid)
-        {
-            return Some(state);
-        }
-        at += 32 + 4 * n;
-    }
-    None
-}
-
 /// Waits up to `secs` for namespace 1's ANA state through `c` to be `want`.
 async fn expect_ana(c: &initiator_bench::nvme::NvmeController, want: u8, secs: u64, what: &str) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
     loop {
-        let now = ana_state_of(c, 1).await;
+        let now = c.ana_state().await.ok().flatten();
         if now == Some(want) {
             return;
         }
