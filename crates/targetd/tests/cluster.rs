@@ -1326,39 +1326,23 @@ async fn linux_multipath_fails_over_to_a_standby_gateway() {
         .replace("@PORT_B@", &b.addr.port().to_string())
         .replace("@KILL@", &kill_port.to_string());
     let timeout = std::env::var("RDMA_GUEST_TIMEOUT").unwrap_or_else(|_| "900".into());
-    let run = tokio::task::spawn_blocking(move || {
-        common::guest::run(
-            "linux-multipath.sh",
+    let console = tokio::task::spawn_blocking(move || {
+        common::guest::run_checked(
+            "linux-multipath",
             &script,
             &tools,
             &[("RDMA_GUEST_TIMEOUT", timeout)],
+            &[
+                "linux multipath: both paths have 131072 sectors",
+                "linux multipath: the path through B is standby",
+                "linux multipath: 16 MiB written across the failover and read back",
+            ],
         )
     })
     .await
     .unwrap();
-    let Some(run) = run else { return };
-    let report = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("linux-multipath.txt");
-    std::fs::write(&report, run.console.as_bytes()).unwrap();
-    assert!(
-        run.status.success(),
-        "the guest failed ({:?}): {}\nsee {}",
-        run.status.code(),
-        run.errors,
-        report.display()
-    );
-    for line in [
-        "linux multipath: both paths have 131072 sectors",
-        "linux multipath: the path through B is standby",
-        "linux multipath: 16 MiB written across the failover and read back",
-    ] {
-        assert!(
-            run.console.contains(line),
-            "{line:?} missing: see {}",
-            report.display()
-        );
-    }
-    if let Some(l) = run
-        .console
+    let Some(console) = console else { return };
+    if let Some(l) = console
         .lines()
         .find(|l| l.contains("the longest write took"))
     {
@@ -2245,41 +2229,25 @@ async fn linux_nvme_multipath_fails_over_between_gateways() {
         .replace("@PORT_B@", &port_b.to_string())
         .replace("@CONTROL@", &control.to_string());
     let timeout = std::env::var("RDMA_GUEST_TIMEOUT").unwrap_or_else(|_| "900".into());
-    let run = tokio::task::spawn_blocking(move || {
-        common::guest::run(
-            "linux-nvme-multipath.sh",
+    let console = tokio::task::spawn_blocking(move || {
+        common::guest::run_checked(
+            "linux-nvme-multipath",
             &script,
             &tools,
             &[("RDMA_GUEST_TIMEOUT", timeout)],
+            &[
+                "nvme multipath: one head, two paths, A optimized and B non-optimized",
+                "nvme multipath: 16 MiB written across the failover and read back",
+                "nvme multipath: B optimized after A was killed",
+                "nvme multipath: A started again, reconnected and optimized, the data there",
+                "nvme multipath: fio verified random writes across a second kill",
+            ],
         )
     })
     .await
     .unwrap();
-    let Some(run) = run else { return };
-    let report =
-        std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("linux-nvme-multipath.txt");
-    std::fs::write(&report, run.console.as_bytes()).unwrap();
-    assert!(
-        run.status.success(),
-        "the guest failed ({:?}): {}\nsee {}",
-        run.status.code(),
-        run.errors,
-        report.display()
-    );
-    for line in [
-        "nvme multipath: one head, two paths, A optimized and B non-optimized",
-        "nvme multipath: 16 MiB written across the failover and read back",
-        "nvme multipath: B optimized after A was killed",
-        "nvme multipath: A started again, reconnected and optimized, the data there",
-        "nvme multipath: fio verified random writes across a second kill",
-    ] {
-        assert!(
-            run.console.contains(line),
-            "{line:?} missing: see {}",
-            report.display()
-        );
-    }
-    for l in run.console.lines().filter(|l| {
+    let Some(console) = console else { return };
+    for l in console.lines().filter(|l| {
         [
             "the longest write took",
             "optimized after",

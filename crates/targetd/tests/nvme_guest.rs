@@ -26,7 +26,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use common::guest;
@@ -325,24 +324,6 @@ fn linux_nvme_tcp_host_in_a_guest() {
         .replace("@HOST@", HOST);
     let started = Instant::now();
     let timeout = std::env::var("RDMA_GUEST_TIMEOUT").unwrap_or_else(|_| "1200".into());
-    let Some(run) = guest::run(
-        "nvme-guest.sh",
-        &text,
-        &exes,
-        &[("RDMA_GUEST_TIMEOUT", timeout)],
-    ) else {
-        return;
-    };
-    let console = &run.console;
-    let report = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nvme-guest.txt");
-    std::fs::write(&report, console.as_bytes()).expect("the report");
-    assert!(
-        run.status.success(),
-        "the guest failed ({:?}): {}\nsee {}",
-        run.status.code(),
-        run.errors,
-        report.display()
-    );
     let mut expected = Vec::new();
     for d in ["none", "--hdr-digest --data-digest"] {
         for what in [
@@ -386,13 +367,16 @@ fn linux_nvme_tcp_host_in_a_guest() {
     expected.push("two hosts: the second host's write got Reservation Conflict".into());
     expected.push("two hosts: after the clear the second host writes again".into());
     expected.push("nvme guest: done".into());
-    for line in &expected {
-        assert!(
-            console.contains(line.as_str()),
-            "{line:?} missing: see {}",
-            report.display()
-        );
-    }
+    let lines: Vec<&str> = expected.iter().map(String::as_str).collect();
+    let Some(console) = guest::run_checked(
+        "nvme-guest",
+        &text,
+        &exes,
+        &[("RDMA_GUEST_TIMEOUT", timeout)],
+        &lines,
+    ) else {
+        return;
+    };
     // The figures side by side (emulated CPU: a ratio between the two targets).
     for line in console.lines().filter(|l| l.contains("fio verified")) {
         println!("{line}");

@@ -77,3 +77,33 @@ pub fn run(name: &str, script: &str, exes: &[String], env: &[(&str, String)]) ->
     }
     Some(run)
 }
+
+/// [`run`], its console kept as `name` with `.txt` beside the tests' files, and checked: the
+/// guest ended well and printed every one of `lines`. The console, or `None` when the guest
+/// cannot run here (skipped, the reason said).
+pub fn run_checked(
+    name: &str,
+    script: &str,
+    exes: &[String],
+    env: &[(&str, String)],
+    lines: &[&str],
+) -> Option<String> {
+    let run = run(&format!("{name}.sh"), script, exes, env)?;
+    let report = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}.txt"));
+    std::fs::write(&report, run.console.as_bytes()).expect("the report");
+    assert!(
+        run.status.success(),
+        "the guest failed ({:?}): {}\nsee {}",
+        run.status.code(),
+        run.errors,
+        report.display()
+    );
+    for line in lines {
+        assert!(
+            run.console.contains(line),
+            "{line:?} missing: see {}",
+            report.display()
+        );
+    }
+    Some(run.console)
+}
