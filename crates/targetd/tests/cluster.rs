@@ -740,6 +740,17 @@ fn on_requests(
     (port, done_rx)
 }
 
+/// Prints what [`until_gone`] measured.
+fn print_gone(what: &str, watcher: std::thread::JoinHandle<Option<std::time::Duration>>) {
+    match watcher.join().unwrap() {
+        Some(d) => println!(
+            "{what}: B had fenced A and counted it gone {:.2} s after the kill",
+            d.as_secs_f64()
+        ),
+        None => println!("{what}: B did not count A gone within 60 s of the kill"),
+    }
+}
+
 /// How long after the first instant `killed` sends the gateway with admin socket `socket`
 /// counted gw1 gone (it fenced it first); `None` after 60 s.
 fn until_gone(
@@ -1288,15 +1299,12 @@ async fn initiator_bench_nvme_multipath_rides_through_a_killed_gateway_with_veri
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn linux_multipath_fails_over_to_a_standby_gateway() {
     let Some(ceph) = ceph() else { return };
-    let tools: Option<Vec<String>> = ["iscsid", "iscsiadm", "dmsetup"]
-        .iter()
-        .map(|t| common::guest::which(t))
-        .collect();
-    let Some(tools) = tools else {
-        return common::guest::skip(
-            "open-iscsi's iscsid and iscsiadm or dmsetup are missing (Debian packages \
-             open-iscsi, dmsetup)",
-        );
+    let Some(tools) = common::guest::tools(
+        &["iscsid", "iscsiadm", "dmsetup"],
+        "open-iscsi's iscsid and iscsiadm or dmsetup are missing (Debian packages open-iscsi, \
+         dmsetup)",
+    ) else {
+        return;
     };
     let _turn = turn();
     let image = unique("linux-mp");
@@ -1348,13 +1356,7 @@ async fn linux_multipath_fails_over_to_a_standby_gateway() {
     {
         println!("{l} (replacement_timeout {replacement} s)");
     }
-    match watcher.join().unwrap() {
-        Some(d) => println!(
-            "linux multipath: B had fenced A and counted it gone {:.2} s after the kill",
-            d.as_secs_f64()
-        ),
-        None => println!("linux multipath: B did not count A gone within 60 s of the kill"),
-    }
+    print_gone("linux multipath", watcher);
     drop(a);
     drop(b);
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
@@ -2178,12 +2180,11 @@ async fn nvme_reservations_are_one_state_across_gateways() {
 async fn linux_nvme_multipath_fails_over_between_gateways() {
     use initiator_bench::nvme::{NvmeController, NvmeOptions, NvmeUrl};
     let Some(ceph) = ceph() else { return };
-    let tools: Option<Vec<String>> = ["nvme", "fio"]
-        .iter()
-        .map(|t| common::guest::which(t))
-        .collect();
-    let Some(tools) = tools else {
-        return common::guest::skip("nvme-cli or fio is missing (Debian packages nvme-cli, fio)");
+    let Some(tools) = common::guest::tools(
+        &["nvme", "fio"],
+        "nvme-cli or fio is missing (Debian packages nvme-cli, fio)",
+    ) else {
+        return;
     };
     let _turn = turn();
     let image = unique("nvme-mp");
@@ -2259,13 +2260,7 @@ async fn linux_nvme_multipath_fails_over_between_gateways() {
     }) {
         println!("{l}");
     }
-    match watcher.join().unwrap() {
-        Some(d) => println!(
-            "nvme multipath: B had fenced A and counted it gone {:.2} s after the kill",
-            d.as_secs_f64()
-        ),
-        None => println!("nvme multipath: B did not count A gone within 60 s of the kill"),
-    }
+    print_gone("nvme multipath", watcher);
     drop(a_now.lock().unwrap().take());
     drop(b);
     ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);

@@ -46,21 +46,17 @@ fn iser_over_soft_roce_with_libiscsi_in_a_linux_guest() {
         return; // The guest runs only its side.
     }
     let me = std::env::current_exe().expect("this test's path");
-    let tools: Option<Vec<String>> = ["iscsi-inq", "iscsi-readcapacity16", "iscsi-test-cu"]
-        .iter()
-        .map(|t| guest::which(t))
-        .collect();
-    let Some(mut exes) = tools else {
-        return guest::skip("libiscsi's tools are missing (Debian package libiscsi-bin)");
+    let Some(mut exes) = guest::tools(
+        &["iscsi-inq", "iscsi-readcapacity16", "iscsi-test-cu"],
+        "libiscsi's tools are missing (Debian package libiscsi-bin)",
+    ) else {
+        return;
     };
-    let open_iscsi: Option<Vec<String>> = ["iscsid", "iscsiadm"]
-        .iter()
-        .map(|t| guest::which(t))
-        .collect();
-    let Some(open_iscsi) = open_iscsi else {
-        return guest::skip(
-            "open-iscsi's iscsid and iscsiadm are missing (Debian package open-iscsi)",
-        );
+    let Some(open_iscsi) = guest::tools(
+        &["iscsid", "iscsiadm"],
+        "open-iscsi's iscsid and iscsiadm are missing (Debian package open-iscsi)",
+    ) else {
+        return;
     };
     exes.extend(open_iscsi);
     exes.insert(0, env!("CARGO_BIN_EXE_targetd").to_string());

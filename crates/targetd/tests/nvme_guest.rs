@@ -312,9 +312,11 @@ echo "nvme guest: done"
 
 #[test]
 fn linux_nvme_tcp_host_in_a_guest() {
-    let tools: Option<Vec<String>> = ["nvme", "fio"].iter().map(|t| guest::which(t)).collect();
-    let Some(mut exes) = tools else {
-        return guest::skip("nvme-cli or fio is missing (Debian packages nvme-cli, fio)");
+    let Some(mut exes) = guest::tools(
+        &["nvme", "fio"],
+        "nvme-cli or fio is missing (Debian packages nvme-cli, fio)",
+    ) else {
+        return;
     };
     exes.insert(0, env!("CARGO_BIN_EXE_targetd").to_string());
     exes.insert(1, env!("CARGO_BIN_EXE_targetctl").to_string());

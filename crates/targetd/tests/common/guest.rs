@@ -107,3 +107,13 @@ pub fn run_checked(
     }
     Some(run.console)
 }
+
+/// Where each of `tools` is ([`which`]); when one is missing, says `why` ([`skip`]) and gives
+/// `None`.
+pub fn tools(tools: &[&str], why: &str) -> Option<Vec<String>> {
+    let found: Option<Vec<String>> = tools.iter().map(|t| which(t)).collect();
+    if found.is_none() {
+        skip(why);
+    }
+    found
+}
