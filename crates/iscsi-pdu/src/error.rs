@@ -2,7 +2,6 @@
 //! connection goes on; a broken frame (header digest, oversized segment) closes the connection.
 
 use crate::bhs::Bhs;
-use crate::pdu::reject::RejectReason;
 
 /// Why one PDU could not be decoded although its frame was intact. Answered with a Reject
 /// carrying [`PduError::reject_reason`] and the offending header.
@@ -28,17 +27,6 @@ pub enum PduError {
         /// The digest that came with it.
         received: u32,
     },
-}
-
-impl PduError {
-    /// The Reject reason RFC 7143 section 11.17.1 prescribes for this error.
-    pub fn reject_reason(&self) -> RejectReason {
-        match self {
-            PduError::UnsupportedOpcode(_) => RejectReason::CommandNotSupported,
-            PduError::InvalidField { .. } => RejectReason::InvalidPduField,
-            PduError::DataDigest { .. } => RejectReason::DataDigestError,
-        }
-    }
 }
 
 /// The error of [`crate::Pdu::decode`] and of the [`crate::Deframer`].
@@ -89,18 +77,6 @@ impl DecodeError {
             self,
             DecodeError::HeaderDigest { .. } | DecodeError::DataSegmentTooLong { .. }
         )
-    }
-
-    /// The Reject this error should be answered with, if any: its reason and the header to
-    /// return in its data segment.
-    pub fn reject(&self) -> Option<(RejectReason, &Bhs)> {
-        match self {
-            DecodeError::Malformed { header, error } => Some((error.reject_reason(), header)),
-            DecodeError::DataSegmentTooLong { header, .. } => {
-                Some((RejectReason::ProtocolError, header))
-            }
-            _ => None,
-        }
     }
 }
 

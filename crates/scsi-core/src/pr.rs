@@ -11,7 +11,23 @@ use std::path::{Path, PathBuf};
 
 use crate::nexus::{ItNexus, TransportId};
 use crate::sense::{Asc, FieldPointer, Sense, SenseKey};
-use crate::spc::opcodes::Access;
+
+/// What a command does to the medium, for reservation conflicts (SPC-4 table 45) and unit
+/// attention handling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Never conflicts, and is neither blocked by a unit attention nor clears one (INQUIRY,
+    /// REPORT LUNS, REQUEST SENSE).
+    Exempt,
+    /// Allowed under any persistent reservation; conflicts with an SPC-2 reservation.
+    Always,
+    /// Allowed under any reservation, both kinds.
+    Unrestricted,
+    /// Reads: conflicts with the exclusive-access types.
+    Read,
+    /// Writes or changes state: conflicts with every type for a nexus without access.
+    Write,
+}
 
 /// Reservation TYPE values.
 pub mod kind {

@@ -4,7 +4,7 @@ use bytes::Bytes;
 
 use super::{code_enum, no_ahs, Body, Pdu};
 use crate::bhs::{Bhs, Fields, Opcode, View, BHS_LEN};
-use crate::error::DecodeError;
+use crate::error::{DecodeError, PduError};
 use crate::serial::SerialNumber;
 use crate::types::RESERVED_TAG;
 
@@ -33,6 +33,33 @@ code_enum! {
         NegotiationReset = 0x0b,
         /// 0x0c: waiting for logout.
         WaitingForLogout = 0x0c,
+    }
+}
+
+// The errors' Rejects are said here, beside the reasons, so that the errors need not know
+// the Reject PDU.
+impl PduError {
+    /// The Reject reason RFC 7143 section 11.17.1 prescribes for this error.
+    pub fn reject_reason(&self) -> RejectReason {
+        match self {
+            PduError::UnsupportedOpcode(_) => RejectReason::CommandNotSupported,
+            PduError::InvalidField { .. } => RejectReason::InvalidPduField,
+            PduError::DataDigest { .. } => RejectReason::DataDigestError,
+        }
+    }
+}
+
+impl DecodeError {
+    /// The Reject this error should be answered with, if any: its reason and the header to
+    /// return in its data segment.
+    pub fn reject(&self) -> Option<(RejectReason, &Bhs)> {
+        match self {
+            DecodeError::Malformed { header, error } => Some((error.reject_reason(), header)),
+            DecodeError::DataSegmentTooLong { header, .. } => {
+                Some((RejectReason::ProtocolError, header))
+            }
+            _ => None,
+        }
     }
 }
 

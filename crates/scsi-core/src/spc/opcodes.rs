@@ -6,22 +6,9 @@ use crate::dispatch::Handler;
 use crate::sense::{FieldPointer, Sense};
 use crate::{sbc, spc};
 
-/// What a command does to the medium, for reservation conflicts (SPC-4 table 45) and unit
-/// attention handling.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Access {
-    /// Never conflicts, and is neither blocked by a unit attention nor clears one (INQUIRY,
-    /// REPORT LUNS, REQUEST SENSE).
-    Exempt,
-    /// Allowed under any persistent reservation; conflicts with an SPC-2 reservation.
-    Always,
-    /// Allowed under any reservation, both kinds.
-    Unrestricted,
-    /// Reads: conflicts with the exclusive-access types.
-    Read,
-    /// Writes or changes state: conflicts with every type for a nexus without access.
-    Write,
-}
+/// What a command does to the medium: the reservations' word for it, kept where conflicts
+/// are decided.
+pub use crate::pr::Access;
 
 /// One supported command.
 #[derive(Debug)]
