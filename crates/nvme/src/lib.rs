@@ -20,6 +20,9 @@
 //!   ([`tcp::Deframer`]) that checks each header against the negotiated limits before it
 //!   buffers any data, and names a fatal error with the Fatal Error Status the specification
 //!   gives (the C2HTermReq a controller sends).
+//! - [`rdma`]: the NVMe/RDMA transport (NVM Express RDMA Transport Specification 1.0b): the
+//!   connection manager's private data that sets up a queue ([`rdma::cm`]); the queue itself
+//!   is the next step.
 //!
 //! The names are the specification's: SQE, CQE, CID, NSID, SGL, ICReq, CapsuleCmd, H2CData,
 //! R2T, HPDA/CPDA, MAXH2CDATA, FES.
@@ -34,6 +37,7 @@ pub mod identify;
 pub mod log_page;
 pub mod nvm;
 pub mod opcode;
+pub mod rdma;
 pub mod reservation;
 pub mod sqe;
 pub mod status;
