@@ -1211,47 +1211,24 @@ fn tree(c: &mut Client, json: bool) -> Result<()> {
     let luns = c.call(&AdminRequest::Luns { target: None })?;
     let config: toml::Table = toml::from_str(dump.as_str().unwrap_or_default())?;
     let server = config.get("server").and_then(|v| v.as_table());
-    let list = |key: &str| -> Vec<String> {
-        server
-            .and_then(|s| s.get(key))
-            .and_then(|v| v.as_array())
+    let list = |key: &str| toml_strings(server.and_then(|s| s.get(key)));
+    let labelled = |portals: Vec<String>, kind: &str| -> Vec<String> {
+        portals
             .into_iter()
-            .flatten()
-            .filter_map(|v| v.as_str().map(str::to_string))
+            .map(|p| format!("{p} ({kind})"))
             .collect()
     };
-    let mut portals: Vec<String> = status["portals"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|p| format!("{} (iSCSI)", text(p)))
-        .collect();
-    portals.extend(
-        list("iser_portals")
-            .into_iter()
-            .map(|p| format!("{p} (iSER)")),
-    );
-    portals.extend(
-        list("rdma_portals")
-            .into_iter()
-            .map(|p| format!("{p} (SRP)")),
-    );
+    let mut portals = labelled(strings(&status["portals"]), "iSCSI");
+    portals.extend(labelled(list("iser_portals"), "iSER"));
+    portals.extend(labelled(list("rdma_portals"), "SRP"));
     let targets = config.get("targets").and_then(|v| v.as_array());
     let mut out = Vec::new();
     for t in targets.into_iter().flatten() {
         let name = t.get("name").and_then(|v| v.as_str()).unwrap_or_default();
-        let strings = |key: &str| -> Vec<String> {
-            t.get(key)
-                .and_then(|v| v.as_array())
-                .into_iter()
-                .flatten()
-                .filter_map(|v| v.as_str().map(str::to_string))
-                .collect()
-        };
         let (initiators, networks, srp) = (
-            strings("initiators"),
-            strings("networks"),
-            strings("srp_initiators"),
+            toml_strings(t.get("initiators")),
+            toml_strings(t.get("networks")),
+            toml_strings(t.get("srp_initiators")),
         );
         let user = |key: &str| {
             t.get(key)
@@ -1279,12 +1256,7 @@ fn tree(c: &mut Client, json: bool) -> Result<()> {
     }
     // NVM subsystems follow the targets: their portals, who may connect, the controllers
     // connected with their I/O queues, the namespaces.
-    let nvme_portals: Vec<String> = status["nvme_portals"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|p| format!("{} (NVMe/TCP)", text(p)))
-        .collect();
+    let nvme_portals = labelled(strings(&status["nvme_portals"]), "NVMe/TCP");
     let subsystems = c.call(&AdminRequest::Subsystems)?;
     for sub in subsystems.as_array().into_iter().flatten() {
         out.push(serde_json::json!({
@@ -1307,18 +1279,8 @@ fn tree(c: &mut Client, json: bool) -> Result<()> {
     let out = targets;
     for t in &out {
         println!("{}", text(&t["target"]));
-        let strs =
-            |v: &Value| -> Vec<String> { v.as_array().into_iter().flatten().map(text).collect() };
-        let portals = strs(&t["portals"]);
-        println!(
-            "├── portals: {}",
-            if portals.is_empty() {
-                "none".into()
-            } else {
-                portals.join(", ")
-            }
-        );
-        let (initiators, networks) = (strs(&t["initiators"]), strs(&t["networks"]));
+        print_portals(&t["portals"]);
+        let (initiators, networks) = (strings(&t["initiators"]), strings(&t["networks"]));
         let access = match (initiators.is_empty(), networks.is_empty()) {
             (true, true) => "any initiator".to_string(),
             (false, true) => format!("initiators {}", initiators.join(", ")),
@@ -1330,7 +1292,7 @@ fn tree(c: &mut Client, json: bool) -> Result<()> {
             ),
         };
         println!("├── access: {access}");
-        let srp = strs(&t["srp_initiators"]);
+        let srp = strings(&t["srp_initiators"]);
         if !srp.is_empty() {
             println!("├── SRP initiator ports: {}", srp.join(", "));
         }
@@ -1370,6 +1332,33 @@ fn tree(c: &mut Client, json: bool) -> Result<()> {
     Ok(())
 }
 
+/// The items of JSON array `v` as text (none when it is not one).
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array().into_iter().flatten().map(text).collect()
+}
+
+/// The strings of TOML array `v` (none when absent or not one).
+fn toml_strings(v: Option<&toml::Value>) -> Vec<String> {
+    v.and_then(|v| v.as_array())
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.as_str().map(str::to_string))
+        .collect()
+}
+
+/// A tree's portals line.
+fn print_portals(portals: &Value) {
+    let portals = strings(portals);
+    println!(
+        "├── portals: {}",
+        if portals.is_empty() {
+            "none".into()
+        } else {
+            portals.join(", ")
+        }
+    );
+}
+
 /// The tree's branch to item `i` of `len`: the last one closes the branch.
 fn branch(i: usize, len: usize) -> &'static str {
     if i + 1 == len {
@@ -1381,19 +1370,9 @@ fn branch(i: usize, len: usize) -> &'static str {
 
 /// One NVM subsystem of `targetctl tree`.
 fn print_subsystem(s: &Value) {
-    let strs =
-        |v: &Value| -> Vec<String> { v.as_array().into_iter().flatten().map(text).collect() };
     println!("{}", text(&s["subsystem"]));
-    let portals = strs(&s["portals"]);
-    println!(
-        "├── portals: {}",
-        if portals.is_empty() {
-            "none".into()
-        } else {
-            portals.join(", ")
-        }
-    );
-    let hosts = strs(&s["hosts"]);
+    print_portals(&s["portals"]);
+    let hosts = strings(&s["hosts"]);
     if hosts.is_empty() {
         println!("├── access: any host");
     } else {
@@ -1406,7 +1385,7 @@ fn print_subsystem(s: &Value) {
     );
     for (i, c) in controllers.iter().enumerate() {
         let branch = branch(i, controllers.len());
-        let queues = strs(&c["io_queues"]);
+        let queues = strings(&c["io_queues"]);
         println!(
             "│   {branch} {}: {}, I/O queues {}",
             c["cntlid"],
