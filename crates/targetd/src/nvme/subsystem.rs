@@ -609,7 +609,7 @@ impl SharedTarget for NvmeSubsystem {
         };
         let nsid = u32::from(lun);
         let mine = groups.iter().find(|g| g.id == *port_group).map(|g| g.state);
-        let state = ana_state(mine, false);
+        let state = ana_state(mine);
         lock(&self.port_groups).insert(nsid, groups);
         let before = self.with_machine(|m| {
             let before = m.ana_state(nsid);
@@ -658,11 +658,11 @@ impl SharedTarget for NvmeSubsystem {
 /// The ANA state of a namespace whose port group here has ALUA state `state` (none: this
 /// gateway is not in the membership yet): optimized and non-optimized as ALUA says them;
 /// standby, unavailable and offline are inaccessible (a host sends nothing here while
-/// another path is optimized); transitioning is change. Fenced, inaccessible.
-pub fn ana_state(state: Option<scsi_core::spc::tpg::AccessState>, fenced: bool) -> AnaState {
+/// another path is optimized); transitioning is change. A fenced gateway's own group comes
+/// from the cluster unavailable: inaccessible.
+pub fn ana_state(state: Option<scsi_core::spc::tpg::AccessState>) -> AnaState {
     use scsi_core::spc::tpg::AccessState;
     match state {
-        _ if fenced => AnaState::Inaccessible,
         Some(AccessState::ActiveOptimized) => AnaState::Optimized,
         Some(AccessState::ActiveNonOptimized) => AnaState::NonOptimized,
         Some(AccessState::Transitioning) => AnaState::Change,
@@ -691,29 +691,25 @@ mod tests {
     #[test]
     fn alua_states_map_onto_ana_states() {
         assert_eq!(
-            ana_state(Some(AccessState::ActiveOptimized), false),
+            ana_state(Some(AccessState::ActiveOptimized)),
             AnaState::Optimized
         );
         assert_eq!(
-            ana_state(Some(AccessState::ActiveNonOptimized), false),
+            ana_state(Some(AccessState::ActiveNonOptimized)),
             AnaState::NonOptimized
         );
         assert_eq!(
-            ana_state(Some(AccessState::Standby), false),
+            ana_state(Some(AccessState::Standby)),
             AnaState::Inaccessible
         );
         assert_eq!(
-            ana_state(Some(AccessState::Unavailable), false),
+            ana_state(Some(AccessState::Unavailable)),
             AnaState::Inaccessible
         );
         assert_eq!(
-            ana_state(Some(AccessState::Transitioning), false),
+            ana_state(Some(AccessState::Transitioning)),
             AnaState::Change
         );
-        assert_eq!(ana_state(None, false), AnaState::Inaccessible);
-        assert_eq!(
-            ana_state(Some(AccessState::ActiveOptimized), true),
-            AnaState::Inaccessible
-        );
+        assert_eq!(ana_state(None), AnaState::Inaccessible);
     }
 }
