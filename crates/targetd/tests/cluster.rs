@@ -230,7 +230,7 @@ async fn a_reservation_through_one_gateway_binds_the_other() {
     drop(two);
     a.stop();
     b.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -292,7 +292,7 @@ async fn racing_gateways_agree_on_one_holder() {
     drop(sessions);
     a.stop();
     b.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -334,7 +334,7 @@ async fn without_aptpl_reservations_end_when_every_gateway_restarts() {
     assert_eq!(keys(&s).await, (0, vec![]), "state without APTPL survived");
     drop(s);
     a.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 #[test]
@@ -394,7 +394,7 @@ fn libiscsi_reservation_tests_across_gateways() {
     assert_eq!(failures, 0, "see {}", path.display());
     a.stop();
     b.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// REPORT TARGET PORT GROUPS: (group, state code, preferred) of each descriptor.
@@ -578,7 +578,7 @@ async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
     drop(two);
     a.stop();
     b.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// A gateway as a process of its own (its own RADOS client, which fencing blocklists).
@@ -890,7 +890,7 @@ async fn a_silent_gateway_is_fenced_before_a_change_completes_serves_no_more_the
     drop((one, two));
     drop(a);
     drop(b);
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// The RADOS client addresses gateway `gateway` of `cluster` lists for itself.
@@ -962,7 +962,7 @@ async fn a_blocklisted_gateway_stops_serving_and_rejoins_with_what_it_missed() {
     drop((one, two));
     drop(a);
     drop(b);
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1014,7 +1014,7 @@ async fn a_units_preferred_gateway_is_optimized_and_the_others_standby() {
     assert_eq!(read_status(&one).await, ScsiStatus::GOOD);
     drop(one);
     a.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 #[test]
@@ -1060,7 +1060,7 @@ fn a_gateway_that_exports_an_image_otherwise_is_refused_naming_both() {
     let b = Daemon::start(&text);
     b.stop();
     for image in [&image, &other] {
-        ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+        ceph.remove_image(image);
     }
 }
 
@@ -1124,7 +1124,7 @@ async fn a_killed_gateways_initiator_continues_on_the_other_and_loses_no_acknowl
     drop(via_b);
     drop(a);
     drop(b);
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// COMPARE AND WRITE of one block at `lba`: `expect` compared, `new` written.
@@ -1174,7 +1174,7 @@ async fn compare_and_write_from_two_gateways_on_one_block_has_one_winner_each_ro
     drop((one, two));
     a.stop();
     b.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1204,7 +1204,7 @@ async fn initiator_bench_multipath_rides_through_a_killed_gateway_with_verified_
     judge_failover("multipath run", &report);
     drop(a);
     drop(b);
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// The workload of the initiator-bench multipath runs across a killed gateway: random
@@ -1285,7 +1285,7 @@ async fn initiator_bench_nvme_multipath_rides_through_a_killed_gateway_with_veri
     );
     drop(a);
     drop(b);
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// Linux as a multipath host (iscsi_tcp, scsi_dh_alua, dm-multipath with the alua hardware
@@ -1359,7 +1359,7 @@ async fn linux_multipath_fails_over_to_a_standby_gateway() {
     print_gone("linux multipath", watcher);
     drop(a);
     drop(b);
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// In the guest: open-iscsi logs in to gateway A, then B (so A's disk is sda); dm-multipath
@@ -1561,7 +1561,7 @@ async fn srp_ports_of_a_cluster_have_their_own_relative_ports_and_access_states(
     .unwrap();
     drop(a);
     drop(b);
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// The first entry of `d`'s `targetctl cluster` targets once `done` holds for it, within
@@ -1656,7 +1656,7 @@ fn gateways_compare_whole_targets_and_the_last_edited_is_recorded() {
     assert!(!differences.contains(secret), "{at_a}");
     b.stop();
     a.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// SET TARGET PORT GROUPS asking `(state, group)` for each descriptor: the response's status
@@ -1734,7 +1734,7 @@ async fn an_initiators_set_target_port_groups_moves_the_optimized_gateway_everyw
     let two = b.session("two").await;
     expect_groups(&two, &before, 20).await;
     drop((one, two, a, b));
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// Gateway `port_group` of cluster `name` exporting `lun_image` as LUN 0 and `ns_image` as
@@ -1865,7 +1865,7 @@ async fn nvme_namespaces_follow_the_gateways_as_ana_groups() {
     drop(via_b);
     b.stop();
     for image in [&lun_image, &ns_image] {
-        ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+        ceph.remove_image(image);
     }
 }
 
@@ -1913,7 +1913,7 @@ async fn a_killed_gateways_nvme_namespace_becomes_optimized_on_the_other() {
     );
     drop((via_a, via_b));
     drop((a, b));
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// Gateway `port_group` of cluster `name` as a process of its own, exporting `image` as
@@ -2163,7 +2163,7 @@ async fn nvme_reservations_are_one_state_across_gateways() {
     a.stop();
     b.stop();
     for image in [&lun_image, &ns_image] {
-        ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+        ceph.remove_image(image);
     }
 }
 
@@ -2263,7 +2263,7 @@ async fn linux_nvme_multipath_fails_over_between_gateways() {
     print_gone("nvme multipath", watcher);
     drop(a_now.lock().unwrap().take());
     drop(b);
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// In the guest: `nvme connect` to gateway A, then B, with one host NQN and Host Identifier

@@ -84,7 +84,7 @@ fn libiscsi_all_on_an_rbd_lun() {
         report.display()
     );
     d.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,7 +166,7 @@ async fn data_lives_in_ceph_and_two_gateways_share_it() {
     }
     drop(sc);
     c.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -202,7 +202,7 @@ async fn a_resize_made_with_the_rbd_cli_reaches_the_initiator() {
     assert_eq!(s.read((48 << 20) / 512 - 8, 8, 512).await.unwrap(), tail);
     drop(s);
     d.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 #[test]
@@ -235,7 +235,7 @@ fn srp_reaches_an_rbd_lun_too() {
     assert_eq!((r.errors, r.verify_errors), (0, 0));
     assert!(r.ios >= 1024, "{} I/Os", r.ios);
     d.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,7 +343,7 @@ async fn rbd_luns_are_added_live_and_refusals_name_the_key() {
     drop(s);
     d.stop();
     for image in [first, second] {
-        ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+        ceph.remove_image(&image);
     }
 }
 
@@ -455,7 +455,7 @@ async fn an_osd_that_stops_answering_fails_commands_retryably_and_io_resumes() {
         );
     }
     d.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }
 
 /// Server::start on `targets`; the error's key and reason.
@@ -574,5 +574,5 @@ async fn a_resize_made_with_the_rbd_cli_reaches_the_nvme_host() {
     assert_eq!(c.read((48 << 20) / 512 - 8, 8).await.unwrap(), tail);
     drop(c);
     d.stop();
-    ceph.rbd(&["rm", &format!("{}/{image}", ceph.pool)]);
+    ceph.remove_image(&image);
 }

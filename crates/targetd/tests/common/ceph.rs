@@ -36,6 +36,8 @@ pub trait CephExt {
     fn target(&self, image: &str, size: &str, extra: &str) -> String;
     /// Runs the `rbd` CLI as the test's client.
     fn rbd(&self, args: &[&str]) -> std::process::Output;
+    /// Removes image `image` of the test's pool (a test's end).
+    fn remove_image(&self, image: &str);
     /// Runs a Ceph CLI (`rbd`, `rados`, `ceph`) as the test's client.
     fn tool(&self, tool: &str, args: &[&str]) -> std::process::Output;
     /// QEMU's URI of `image` for its rbd driver.
@@ -68,6 +70,10 @@ impl CephExt for Ceph {
 
     fn rbd(&self, args: &[&str]) -> std::process::Output {
         self.tool("rbd", args)
+    }
+
+    fn remove_image(&self, image: &str) {
+        self.rbd(&["rm", &format!("{}/{image}", self.pool)]);
     }
 
     fn tool(&self, tool: &str, args: &[&str]) -> std::process::Output {
