@@ -21,8 +21,11 @@
 //!   buffers any data, and names a fatal error with the Fatal Error Status the specification
 //!   gives (the C2HTermReq a controller sends).
 //! - [`rdma`]: the NVMe/RDMA transport (NVM Express RDMA Transport Specification 1.0b): the
-//!   connection manager's private data that sets up a queue ([`rdma::cm`]); the queue itself
-//!   is the next step.
+//!   connection manager's private data that sets up a queue ([`rdma::cm`]) and the queue
+//!   machine ([`rdma::RdmaQueue`]) that turns capsules and keyed SGLs into SENDs, RDMA READs
+//!   and RDMA WRITEs for the shell's verbs.
+//! - [`connection`]: the controller's end of a queue with its commands carried out, the same
+//!   over every transport ([`transport::Transport`] is what it needs of one).
 //!
 //! The names are the specification's: SQE, CQE, CID, NSID, SGL, ICReq, CapsuleCmd, H2CData,
 //! R2T, HPDA/CPDA, MAXH2CDATA, FES.
@@ -30,6 +33,7 @@
 #![doc = include_str!("../README.md")]
 
 pub mod ana;
+pub mod connection;
 pub mod controller;
 pub mod cqe;
 pub mod fabrics;
@@ -44,6 +48,7 @@ pub mod status;
 pub mod tcp;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod transport;
 
 pub use cqe::Cqe;
 pub use sqe::{Sgl, Sqe};

@@ -224,6 +224,9 @@ impl Sgl {
     /// SGL Identifier of data the transport moves: Transport SGL Data Block, sub type
     /// transport specific.
     pub const TRANSPORT: u8 = 0x5a;
+    /// SGL Identifier of the host's registered memory: Keyed SGL Data Block, sub type
+    /// Address.
+    pub const KEYED: u8 = 0x40;
 
     /// From its 16 bytes.
     pub fn from_bytes(b: [u8; Sgl::LEN]) -> Sgl {
@@ -268,6 +271,19 @@ impl Sgl {
     /// `length` bytes the transport moves.
     pub fn transport(length: u32) -> Sgl {
         Sgl::with_length(Sgl::TRANSPORT, 0, length)
+    }
+
+    /// `length` bytes (at most 2^24 - 1) of the host's memory at `address`, registered with
+    /// `key`: a Keyed SGL Data Block, sub type Address (NVMe/RDMA's data outside the capsule).
+    pub fn keyed(address: u64, length: u32, key: u32) -> Sgl {
+        let mut specific = [0u8; 7];
+        specific[..3].copy_from_slice(&length.to_le_bytes()[..3]);
+        specific[3..].copy_from_slice(&key.to_le_bytes());
+        Sgl {
+            address,
+            specific,
+            id: Sgl::KEYED,
+        }
     }
 
     /// What it describes.

@@ -8,8 +8,9 @@
 //! capsules, C2HData and R2Ts. An error in a PDU header ends the connection with a TermReq
 //! whose Fatal Error Status names it.
 //!
-//! [`ControllerConnection`] is the controller's end with its commands carried out: the
-//! queue machine joined to the subsystem and to the block operations a shell runs.
+//! [`ControllerConnection`] (the transport-free part of a controller's connection, over
+//! [`ControllerQueue`]) is the controller's end with its commands carried out: the queue
+//! machine joined to the subsystem and to the block operations a shell runs.
 
 pub mod connection;
 pub mod deframer;

@@ -25,6 +25,8 @@ use super::pdu::{
 };
 use crate::cqe::Cqe;
 use crate::sqe::Sqe;
+pub use crate::transport::Payload;
+use crate::transport::{Arrival, Transport};
 
 /// What the controller offers every connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,47 +109,6 @@ pub enum QueueEvent {
         /// The field in error.
         fei: u32,
     },
-}
-
-/// The data of a PDU to send: bytes of its own, or the first `len` bytes of a buffer the
-/// shell lent (a read's data where the backend put it, sent without a copy and given back
-/// when the send is done).
-pub enum Payload<B> {
-    /// Bytes of its own (a log page, an error's header).
-    Bytes(Bytes),
-    /// The first `len` bytes of `buffer`.
-    Buffer {
-        /// The buffer.
-        buffer: B,
-        /// Bytes of it to send.
-        len: usize,
-    },
-}
-
-impl<B: Deref<Target = [u8]>> Deref for Payload<B> {
-    type Target = [u8];
-
-    fn deref(&self) -> &[u8] {
-        match self {
-            Payload::Bytes(b) => b,
-            Payload::Buffer { buffer, len } => &buffer[..*len],
-        }
-    }
-}
-
-impl<B> From<Bytes> for Payload<B> {
-    fn from(b: Bytes) -> Self {
-        Payload::Bytes(b)
-    }
-}
-
-impl<B> std::fmt::Debug for Payload<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Payload::Bytes(b) => write!(f, "Bytes({} bytes)", b.len()),
-            Payload::Buffer { len, .. } => write!(f, "Buffer({len} bytes)"),
-        }
-    }
 }
 
 /// Bytes to send, in order: a header (with its digest and padding), data, and the data's
@@ -564,6 +525,78 @@ impl<B: Deref<Target = [u8]>> Receiving for ControllerQueue<B> {
 
     fn fail(&mut self, e: DeframeError) {
         ControllerQueue::fail(self, e)
+    }
+}
+
+/// NVMe/TCP under a controller's connection: a write's data comes in H2CData answering an
+/// R2T, copied into the command's buffer; a read's goes in one C2HData, which carries the
+/// command's success when the host disabled SQ flow control.
+impl<B: Deref<Target = [u8]>> Transport<B> for ControllerQueue<B> {
+    type Error = QueueError;
+    const DATA_CARRIES_SUCCESS: bool = true;
+
+    fn poll_arrival(&mut self) -> Option<Arrival<B>> {
+        Some(match self.poll_event()? {
+            QueueEvent::Command {
+                sqe,
+                data,
+                data_digest_ok,
+            } => Arrival::Command {
+                sqe,
+                data,
+                data_digest_ok,
+            },
+            QueueEvent::Data {
+                cid,
+                offset,
+                data,
+                last,
+                data_digest_ok,
+            } => Arrival::Data {
+                cid,
+                offset,
+                data,
+                last,
+                data_digest_ok,
+            },
+            QueueEvent::Initialized(_) | QueueEvent::Terminated(_) | QueueEvent::Failed { .. } => {
+                Arrival::Other
+            }
+        })
+    }
+
+    fn peek_command(&self) -> Option<(&Sqe, &[u8])> {
+        match self.peek_event()? {
+            QueueEvent::Command { sqe, data, .. } => Some((sqe, data)),
+            _ => None,
+        }
+    }
+
+    fn has_arrival(&self) -> bool {
+        self.peek_event().is_some()
+    }
+
+    fn request_data(
+        &mut self,
+        cid: u16,
+        len: u32,
+        buffer: B,
+        _at: usize,
+    ) -> Result<Option<B>, QueueError> {
+        ControllerQueue::request_data(self, cid, 0, len)?;
+        Ok(Some(buffer))
+    }
+
+    fn send_data(&mut self, cid: u16, data: Payload<B>, success: bool) -> Result<(), QueueError> {
+        ControllerQueue::send_data(self, cid, 0, data, true, success)
+    }
+
+    fn complete(&mut self, cqe: Cqe) -> Result<(), QueueError> {
+        ControllerQueue::complete(self, cqe)
+    }
+
+    fn is_over(&self) -> bool {
+        ControllerQueue::is_over(self)
     }
 }
 
