@@ -160,6 +160,8 @@ pub struct ControllerConnection<B, Q> {
     now: Option<Instant>,
     /// The local address the host reached (the shell's socket), for the discovery log.
     local_address: Option<std::net::IpAddr>,
+    /// Set in each task's index beside its CID ([`ControllerConnection::set_task_space`]).
+    task_space: u32,
 }
 
 impl<B: DerefMut<Target = [u8]>, Q: Transport<B>> ControllerConnection<B, Q> {
@@ -179,7 +181,15 @@ impl<B: DerefMut<Target = [u8]>, Q: Transport<B>> ControllerConnection<B, Q> {
             trace: Points::default(),
             now: None,
             local_address: None,
+            task_space: 0,
         }
+    }
+
+    /// Tasks of this connection carry `space` beside their CID: connections whose backend
+    /// operations end in one shared inbox (an RDMA port's) each take a space no other live
+    /// one has, so no two of them hand out the same task.
+    pub fn set_task_space(&mut self, space: u16) {
+        self.task_space = u32::from(space) << 16;
     }
 
     /// The local address of the connection (the shell's socket): a discovery log entry for
@@ -654,7 +664,9 @@ impl<B: DerefMut<Target = [u8]>, Q: Transport<B>> ControllerConnection<B, Q> {
     /// Takes command `c` in as `cid`: it gets its task and asks for its buffer.
     fn admit(&mut self, cid: u16, mut c: Command<B>) {
         self.generation = self.generation.wrapping_add(1);
-        c.task = TaskId::from_bits(u64::from(self.generation) << 32 | u64::from(cid));
+        c.task = TaskId::from_bits(
+            u64::from(self.generation) << 32 | u64::from(self.task_space | u32::from(cid)),
+        );
         self.events.push_back(Event::BufferWanted {
             tag: u64::from(cid),
             len: c.len,

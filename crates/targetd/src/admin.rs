@@ -813,6 +813,7 @@ fn status(registry: &Registry) -> Value {
         "sessions": registry.sessions.all().len(),
         "connections": registry.connection_count(),
         "iser_portals": c.server.iser_portals,
+        "nvme_rdma_portals": c.server.nvme_rdma_portals,
         "nvme_portals": registry.nvme_portals.lock().map(|p| p.0.iter().map(|a| a.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
         "nvme_discovery_portals": registry.nvme_portals.lock().map(|p| p.1.iter().map(|a| a.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
         "subsystems": registry.subsystems().len(),

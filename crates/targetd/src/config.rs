@@ -170,6 +170,10 @@ pub struct Server {
     /// iSER (iSCSI over RDMA) listen addresses (feature `rdma`).
     #[serde(default)]
     pub iser_portals: Vec<String>,
+    /// NVMe/RDMA listen addresses, `address:port` (feature `rdma`; 4420 is NVMe/RDMA's
+    /// port): the subsystems of `[[subsystems]]` over RDMA.
+    #[serde(default)]
+    pub nvme_rdma_portals: Vec<String>,
     /// NVMe/TCP listen addresses, `host:port` (4420 is NVMe/TCP's port); the subsystems
     /// of `[[subsystems]]` are reached through each.
     #[serde(default)]
@@ -780,6 +784,11 @@ impl Server {
                 show(&other.nvme_portals),
             ),
             (
+                "nvme_rdma_portals",
+                show(&self.nvme_rdma_portals),
+                show(&other.nvme_rdma_portals),
+            ),
+            (
                 "nvme_discovery_portals",
                 show(&self.nvme_discovery_portals),
                 show(&other.nvme_discovery_portals),
@@ -912,7 +921,7 @@ fn rdma_unavailable() -> Option<String> {
     #[cfg(not(feature = "rdma"))]
     {
         Some(
-            "RDMA (SRP and iSER) needs targetd built with the feature rdma \
+            "RDMA (SRP, iSER and NVMe/RDMA) needs targetd built with the feature rdma \
              (cargo build --release --features rdma); this build has no RDMA support"
                 .into(),
         )
@@ -1091,6 +1100,7 @@ impl Config {
             ("rdma_portals", &s.rdma_portals),
             ("iser_portals", &s.iser_portals),
             ("nvme_portals", &s.nvme_portals),
+            ("nvme_rdma_portals", &s.nvme_rdma_portals),
             ("nvme_discovery_portals", &s.nvme_discovery_portals),
         ] {
             for (i, p) in list.iter().enumerate() {
@@ -1151,6 +1161,7 @@ impl Config {
         for (key, list) in [
             ("rdma_portals", &s.rdma_portals),
             ("iser_portals", &s.iser_portals),
+            ("nvme_rdma_portals", &s.nvme_rdma_portals),
         ] {
             if !list.is_empty() {
                 if let Some(why) = rdma_unavailable() {
@@ -1268,6 +1279,17 @@ impl Config {
                 "in_capsule_data_size",
                 format!(
                     "{}: must be a multiple of 16 bytes, at most 131072",
+                    n.in_capsule_data_size
+                ),
+            );
+        }
+        let rdma_most = crate::fabric::NVME_MAX_IN_CAPSULE_DATA;
+        if !self.server.nvme_rdma_portals.is_empty() && n.in_capsule_data_size > rdma_most {
+            return fail(
+                "in_capsule_data_size",
+                format!(
+                    "{}: at most {rdma_most} bytes with server.nvme_rdma_portals (a capsule is \
+                     received into one message buffer)",
                     n.in_capsule_data_size
                 ),
             );
@@ -2435,6 +2457,26 @@ block_size = 4096
         assert!(e.contains("--features rdma"), "{e}");
         #[cfg(feature = "rdma")]
         assert!(e.contains("RDMA device"), "{e}");
+    }
+
+    #[test]
+    fn in_capsule_data_beyond_a_message_buffer_is_refused_with_nvme_rdma_portals() {
+        let mut c = parse(&format!("{GOOD}\n[nvme]\nin_capsule_data_size = 16384\n"))
+            .expect("over TCP alone it is taken");
+        c.server.nvme_rdma_portals = vec!["192.0.2.10:4420".into()];
+        let (key, reason) = c.validate_nvme().expect_err("refused over RDMA");
+        assert_eq!(key, "nvme.in_capsule_data_size");
+        assert!(reason.contains("server.nvme_rdma_portals"), "{reason}");
+        c.nvme.in_capsule_data_size = 8192;
+        c.validate_nvme().expect("8 KiB fits a message buffer");
+        // Without RDMA the portal is refused with the reason, naming its key.
+        if rdma_unavailable().is_some() {
+            let text = GOOD.replace(
+                "admin_socket = \"targetd.sock\"",
+                "nvme_rdma_portals = [\"0.0.0.0:4420\"]",
+            );
+            assert!(refused(&text).contains("server.nvme_rdma_portals"));
+        }
     }
 
     #[test]

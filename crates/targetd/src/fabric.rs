@@ -83,6 +83,10 @@ pub trait Fabric {
 /// any message a target sends.
 pub const MESSAGE_LEN: usize = rdma::verbs::MESSAGE_BUFFER_LEN;
 
+/// The most in-capsule data an NVMe/RDMA command capsule may carry: what a message buffer
+/// holds behind the SQE, in the 16-byte units IOCCSZ counts.
+pub const NVME_MAX_IN_CAPSULE_DATA: u32 = ((MESSAGE_LEN - nvme::Sqe::LEN) as u32) & !15;
+
 /// A port on the software fabric: a [`Switch`] endpoint listening on a service name.
 #[derive(Debug)]
 pub struct FabricPort {

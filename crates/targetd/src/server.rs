@@ -319,6 +319,27 @@ impl Server {
             crate::port::start_on(reactor, registry.clone(), open, crate::iser::serve)
                 .map_err(|r| fail(key, format!("{p}: {r}")))?;
         }
+        #[cfg(feature = "rdma")]
+        for (i, p) in registry
+            .config()
+            .server
+            .nvme_rdma_portals
+            .iter()
+            .enumerate()
+        {
+            let key = format!("server.nvme_rdma_portals[{i}]");
+            let addr: SocketAddr = p
+                .parse()
+                .map_err(|_| fail(key.clone(), format!("{p:?} is not an address:port")))?;
+            let reactor = &reactors[(i + rdma_portals.len() + iser_portals.len()) % reactors.len()];
+            let (slots, depth) = crate::nvme::rdma::rdma_sizes(&registry);
+            let open = move |io: &crate::reactor::Io| {
+                crate::fabric::device::RdmaPort::open(addr, &io.arena, slots, depth)
+                    .map_err(|e| e.to_string())
+            };
+            crate::port::start_on(reactor, registry.clone(), open, crate::nvme::rdma::serve)
+                .map_err(|r| fail(key, format!("{p}: {r}")))?;
+        }
         Ok(Server {
             registry,
             listeners,
@@ -378,6 +399,19 @@ impl Server {
         service: &str,
     ) -> Result<(), StartError> {
         self.serve_fabric(switch, node, service, "iSER", crate::iser::serve)
+    }
+
+    /// Serves NVMe/RDMA on the software fabric `switch` as its node `node`, listening on
+    /// `service`: the subsystems of `[[subsystems]]` over RDMA in the process, for an
+    /// embedding's or a test's host on the same switch. The portal runs on the least loaded
+    /// reactor until the daemon stops.
+    pub fn serve_nvme_rdma_fabric(
+        &self,
+        switch: &Arc<rdma::switch::Switch>,
+        node: rdma::fabric::NodeId,
+        service: &str,
+    ) -> Result<(), StartError> {
+        self.serve_fabric(switch, node, service, "NVMe/RDMA", crate::nvme::rdma::serve)
     }
 
     /// A port of `protocol` served by `run` on the software fabric.

@@ -998,6 +998,7 @@ fn print_human(request: &AdminRequest, v: &Value) {
                 ("iSER portals", list("iser_portals")),
                 ("SRP portals", list("srp_portals")),
                 ("NVMe/TCP portals", list("nvme_portals")),
+                ("NVMe/RDMA portals", list("nvme_rdma_portals")),
                 ("NVMe discovery", list("nvme_discovery_portals")),
                 ("cluster gateway", field("cluster_gateway")),
                 ("targets", field("targets")),
@@ -1256,7 +1257,8 @@ fn tree(c: &mut Client, json: bool) -> Result<()> {
     }
     // NVM subsystems follow the targets: their portals, who may connect, the controllers
     // connected with their I/O queues, the namespaces.
-    let nvme_portals = labelled(strings(&status["nvme_portals"]), "NVMe/TCP");
+    let mut nvme_portals = labelled(strings(&status["nvme_portals"]), "NVMe/TCP");
+    nvme_portals.extend(labelled(list("nvme_rdma_portals"), "NVMe/RDMA"));
     let subsystems = c.call(&AdminRequest::Subsystems)?;
     for sub in subsystems.as_array().into_iter().flatten() {
         out.push(serde_json::json!({

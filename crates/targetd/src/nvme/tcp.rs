@@ -18,19 +18,18 @@ use std::time::{Duration, Instant};
 
 use backend::{Buffer, Share};
 use nvme::tcp::{ControllerConnection, QueueSettings, Transmit};
-use scsi_core::transport::Accounting;
-use scsi_core::{BackendError, Output, TaskId};
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 
+use super::queue::Link;
 use super::NvmeSubsystem;
-use crate::carrier::{self, granted, Carried, Carrier};
+use crate::carrier::{self, granted, Carrier};
 use crate::control::{Control, Request};
 use crate::iscsi::connection::{wait_for, CONNECTION_SHARE};
 use crate::iscsi::wire::write_all_vectored;
 use crate::reactor::Io;
 use crate::registry::Registry;
-use crate::target::{next_id, Lun};
+use crate::target::next_id;
 
 /// How long a closing connection waits for its commands' block operations.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -93,73 +92,18 @@ struct Conn {
     poked: bool,
 }
 
-/// The machine and its subsystem as the carrier reaches them.
-struct Link<'a> {
-    machine: &'a mut ControllerConnection<Buffer>,
-    subsystem: Option<&'a NvmeSubsystem>,
-}
-
-impl Carried for Link<'_> {
-    fn account(&self, done: &Accounting) {
-        if let Some(s) = self.subsystem {
-            s.account(done);
-        }
-    }
-
-    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
-        self.subsystem?.namespace(u32::from(lun))
-    }
-
-    fn backend_done(
-        &mut self,
-        now: Instant,
-        task: TaskId,
-        buffer: Buffer,
-        result: Result<Output, BackendError>,
-    ) {
-        self.machine.handle_backend_done(now, task, buffer, result);
-    }
-
-    fn buffer(&mut self, now: Instant, tag: u64, buffer: Option<Buffer>) {
-        self.machine.handle_buffer(now, tag, buffer);
-    }
-}
-
 impl Conn {
     /// Lets the machine do all it can now: find the subsystem a Connect names, take what
     /// came, carry out the block operations that ended and the events it hands out.
     fn pump(&mut self, registry: &Registry, peer: SocketAddr) {
         let now = Instant::now();
-        while self.subsystem.is_none() && self.machine.has_pending() {
-            let Some(nqn) = self.machine.connect_nqn() else {
-                self.machine.refuse_next();
-                continue;
-            };
-            match registry.subsystem(&nqn) {
-                Some(s) => self.subsystem = Some(s),
-                None => {
-                    registry.refused(peer, "-", &nqn, "no NVM subsystem has this NQN");
-                    self.machine.refuse_next();
-                }
-            }
-        }
         let Conn {
             machine,
             carrier,
             subsystem,
             poked,
         } = self;
-        // The subsystem's lock only when something came, on an admin queue (whose
-        // asynchronous events wait in the subsystem), when the subsystem said something waits
-        // (a Preempt and Abort's), or when the machine has news for it.
-        let admin = machine.bound().is_some_and(|q| q.qid == 0);
-        let wanted = admin || std::mem::take(poked) || machine.wants_subsystem();
-        if let Some(s) = subsystem
-            .as_deref()
-            .filter(|_| wanted || machine.has_pending())
-        {
-            s.with_machine(|m| machine.handle(now, m));
-        }
+        super::queue::take_arrivals(machine, subsystem, poked, registry, peer, now);
         let mut link = Link {
             machine,
             subsystem: subsystem.as_deref(),
