@@ -14,7 +14,8 @@
 # find_disk, check_disk; the EXEs are in /bin, with busybox's tools; the modules of
 # Linux's SRP, iSER and iSCSI/TCP initiators (ib_srp, ib_iser, iscsi_tcp), of SCSI disks with
 # ALUA (scsi_dh_alua), of dm-multipath, of LIO's file backstore, of the NVMe/TCP host
-# (nvme_tcp) and target (nvmet_tcp, configfs mounted) are loaded; Linux's SRP target, ib_srpt, is in /lib/modules/extra for a script to
+# (nvme_tcp) and target (nvmet_tcp, configfs mounted) and of the NVMe/RDMA host (nvme_rdma)
+# are loaded; Linux's SRP target, ib_srpt, is in /lib/modules/extra for a script to
 # insmod with its parameters) in /tmp with RDMA_ADDR=10.0.2.15,
 # and powers off. Everything the guest prints comes out on stdout; the exit status is
 # SCRIPT's (2 when the guest did not say, 3 when it did not finish in RDMA_GUEST_TIMEOUT
@@ -98,10 +99,10 @@ def visit(m):
 # its iSCSI/TCP initiator with ALUA and dm-multipath (iscsi_tcp, scsi_dh_alua, dm_multipath,
 # dm_round_robin), as a multipath host runs them.
 # Linux's NVMe/TCP host (nvme_tcp, with native multipath in nvme_core) and its NVMe/TCP
-# target (nvmet_tcp), as a peer to compare with.
+# target (nvmet_tcp), as a peer to compare with; its NVMe/RDMA host (nvme_rdma).
 for m in ["crc32_generic", "crc32c_generic", "virtio_pci", "virtio_net", "rdma_rxe", "ib_uverbs", "rdma_ucm",
           "ib_srp", "ib_iser", "sd_mod", "target_core_file", "scsi_dh_alua", "iscsi_tcp",
-          "dm_multipath", "dm_round_robin", "nvme_tcp", "nvmet_tcp"]:
+          "dm_multipath", "dm_round_robin", "nvme_tcp", "nvmet_tcp", "nvme_rdma"]:
     visit(m)
 # Linux's SRP target, loaded by a script that wants it (with its parameters): what it
 # needs is loaded.
