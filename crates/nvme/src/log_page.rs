@@ -169,6 +169,8 @@ pub fn ana(change_count: u64, groups: &[AnaGroup], groups_only: bool) -> Vec<u8>
     b
 }
 
+/// TRTYPE: RDMA.
+pub const TRTYPE_RDMA: u8 = 1;
 /// TRTYPE: TCP.
 pub const TRTYPE_TCP: u8 = 3;
 /// ADRFAM: IPv4.
@@ -205,6 +207,9 @@ pub struct DiscoveryEntry {
 
 /// The discovery log page (LID 70h): GENCTR, the number of records, and each entry; CNTLID
 /// FFFFh (dynamic controllers), an admin queue of 32 entries, no secure channel required.
+/// An RDMA entry's transport specific address subtype says how to reach it: a reliable
+/// connected queue pair (RDMA_QPTYPE 1), any RDMA provider (RDMA_PRTYPE 1), set up through
+/// the RDMA connection manager (RDMA_CMS 1), as Linux's host and target both expect.
 pub fn discovery(genctr: u64, entries: &[&DiscoveryEntry]) -> Vec<u8> {
     let mut b = vec![0u8; DISCOVERY_RECORD_LEN * (1 + entries.len())];
     b[0..8].copy_from_slice(&genctr.to_le_bytes());
@@ -228,6 +233,9 @@ pub fn discovery(genctr: u64, entries: &[&DiscoveryEntry]) -> Vec<u8> {
         text(r, 32, 32, &e.trsvcid);
         text(r, 256, 256, &e.subnqn);
         text(r, 512, 256, &e.traddr);
+        if e.trtype == TRTYPE_RDMA {
+            r[768..771].copy_from_slice(&[1, 1, 1]);
+        }
     }
     b
 }
@@ -285,6 +293,14 @@ mod tests {
         assert_eq!(&r[256..280], b"nqn.2026-11.io.example:a");
         assert_eq!(r[280], 0);
         assert_eq!(&r[512..521], b"192.0.2.1");
+        assert_eq!(&r[768..771], &[0, 0, 0], "TCP's TSAS: none");
+        let rdma = DiscoveryEntry {
+            trtype: TRTYPE_RDMA,
+            ..e
+        };
+        let r = discovery(8, &[&rdma])[1024..2048].to_vec();
+        assert_eq!(r[0], 1);
+        assert_eq!(&r[768..772], &[1, 1, 1, 0], "RC, any provider, RDMA_CM");
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //! under QEMU (scripts/rdma-guest.sh: Debian's kernel, soft-RoCE on its virtio interface,
 //! nvme_rdma loaded, nvme-cli and fio copied in with their libraries) runs targetd with
 //! `nvme_rdma_portals` on the rxe device's address, then `nvme connect -t rdma` with default
-//! host options (an admin queue and an I/O queue per CPU, Connect's data and every command's
+//! host options after `nvme discover -t rdma` at the same portal (an admin queue and an I/O
+//! queue per CPU, Connect's data and every command's
 //! data by keyed SGL, small writes in the capsule): `nvme list`, `id-ctrl`, `id-ns`; 8 MiB
 //! written and read back in 4 KiB and 1 MiB direct I/O; fio's verified random writes of
 //! 4 KiB and 128 KiB at queue depth 16; Flush and Write Zeroes; `nvme disconnect`. Then
@@ -74,6 +75,12 @@ fio_job() {
   echo "$1: fio verified $2 random writes ($iops)"
 }
 
+# Discovery over RDMA at the I/O portal: the subsystem, reached over RDMA by rdma_cm.
+nvme discover -t rdma -a $RDMA_ADDR -s 4420 --hostnqn="$HOST" > /tmp/disc.txt \
+  || { cat /tmp/disc.txt; tail -n 40 /tmp/targetd.log; fail "nvme discover -t rdma failed"; }
+cat /tmp/disc.txt
+grep -q "subnqn: *$NQN" /tmp/disc.txt && grep -q "trtype: *rdma" /tmp/disc.txt \
+  && grep -q "rdma_cms: *rdma-cm" /tmp/disc.txt && echo "nvme-rdma discover: names the subsystem over rdma"
 nvme connect -t rdma -a $RDMA_ADDR -s 4420 -n "$NQN" --hostnqn="$HOST" --reconnect-delay=1 \
   --ctrl-loss-tmo=60 || { tail -n 40 /tmp/targetd.log; dmesg | tail -n 20; fail "nvme connect -t rdma failed"; }
 wait_ns 1
@@ -137,6 +144,7 @@ fn linux_nvme_rdma_host_over_soft_roce_in_a_guest() {
     let started = Instant::now();
     let timeout = std::env::var("RDMA_GUEST_TIMEOUT").unwrap_or_else(|_| "1200".into());
     let lines = [
+        "nvme-rdma discover: names the subsystem over rdma",
         "nvme-rdma: connected",
         "nvme-rdma: listed",
         "nvme-rdma: the host's transport is rdma",

@@ -186,18 +186,25 @@ impl NvmeSubsystem {
     }
 
     /// A discovery subsystem's log from now on: each of `subsystems` at each of `portals`
-    /// (the NVMe/TCP listeners' addresses, each a port of its own), for the hosts each
-    /// admits; and the discovery service itself at each of `discovery_portals`.
+    /// (the NVMe/TCP listeners' addresses, each a port of its own) and of `rdma_portals`
+    /// (NVMe/RDMA's), for the hosts each admits; and the discovery service itself at each of
+    /// `discovery_portals`.
     pub fn set_discovery_log(
         &self,
         subsystems: &[Arc<NvmeSubsystem>],
         portals: &[std::net::SocketAddr],
+        rdma_portals: &[std::net::SocketAddr],
         discovery_portals: &[std::net::SocketAddr],
     ) {
         use nvme::controller::DiscoveryRecord;
         use nvme::log_page::{self as lp, DiscoveryEntry};
+        // Each listening address a port of its own: TCP's, then RDMA's, then discovery's.
+        let trtype = |i: usize| match i.checked_sub(portals.len()) {
+            Some(r) if r < rdma_portals.len() => lp::TRTYPE_RDMA,
+            _ => lp::TRTYPE_TCP,
+        };
         let entry = |i: usize, at: &std::net::SocketAddr, subtype: u8, nqn: &str| DiscoveryEntry {
-            trtype: lp::TRTYPE_TCP,
+            trtype: trtype(i),
             adrfam: if at.is_ipv4() {
                 lp::ADRFAM_IPV4
             } else {
@@ -212,7 +219,7 @@ impl NvmeSubsystem {
         let mut records = Vec::new();
         for s in subsystems {
             let hosts = lock_read(&s.config).hosts.clone();
-            for (i, at) in portals.iter().enumerate() {
+            for (i, at) in portals.iter().chain(rdma_portals).enumerate() {
                 records.push(DiscoveryRecord {
                     entry: entry(i, at, lp::SUBTYPE_NVM, &s.nqn),
                     hosts: hosts.clone(),
@@ -222,7 +229,7 @@ impl NvmeSubsystem {
         for (i, at) in discovery_portals.iter().enumerate() {
             records.push(DiscoveryRecord {
                 entry: entry(
-                    portals.len() + i,
+                    portals.len() + rdma_portals.len() + i,
                     at,
                     lp::SUBTYPE_CURRENT_DISCOVERY,
                     &self.nqn,

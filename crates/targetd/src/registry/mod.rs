@@ -176,14 +176,22 @@ impl Registry {
             .cloned()
     }
 
-    /// Tells the discovery subsystem what there is now: every subsystem at every NVMe/TCP
-    /// portal of this gateway and, in a cluster, of the other live gateways (after a start,
+    /// Tells the discovery subsystem what there is now: every subsystem at every NVMe/TCP and
+    /// NVMe/RDMA portal of this gateway and, in a cluster, at the other live gateways' NVMe/TCP
+    /// portals (after a start,
     /// a subsystem added or removed, a gateway come or gone).
     pub fn update_discovery(&self) {
         let (mut portals, discovery) = lock(&self.nvme_portals).clone();
         portals.extend(self.other_gateways_nvme_portals());
+        let rdma: Vec<SocketAddr> = self
+            .config()
+            .server
+            .nvme_rdma_portals
+            .iter()
+            .filter_map(|p| p.parse().ok())
+            .collect();
         self.nvme_discovery
-            .set_discovery_log(&self.subsystems(), &portals, &discovery);
+            .set_discovery_log(&self.subsystems(), &portals, &rdma, &discovery);
     }
 
     /// The NVMe/TCP portals of the cluster's other live gateways (none alone).
