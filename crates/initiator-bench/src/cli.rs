@@ -38,7 +38,8 @@ pub(crate) enum Cmd {
         /// or srp://ADDR:PORT/TARGET/LUN on an RDMA device (feature rdma), TARGET a targetd
         /// target's name or a target port identifier in 32 hex digits. With `--transport iser`:
         /// iser://ADDR[:PORT]/IQN/LUN on an RDMA device (feature rdma). With `--transport
-        /// nvme-tcp`: nvme://HOST[:PORT]/SUBNQN/NSID (port 4420 when absent).
+        /// nvme-tcp`: nvme://HOST[:PORT]/SUBNQN/NSID (port 4420 when absent); with
+        /// `--transport nvme-rdma` the same, ADDR the RDMA device's (feature rdma).
         #[arg(required = true)]
         urls: Vec<String>,
         /// The transport.
@@ -233,11 +234,14 @@ pub(crate) enum Transport {
     Iser,
     /// NVMe over TCP (nvme://HOST[:PORT]/SUBNQN/NSID).
     NvmeTcp,
+    /// NVMe over RDMA on an RDMA device (nvme://ADDR[:PORT]/SUBNQN/NSID).
+    NvmeRdma,
 }
 
 #[derive(Args, Clone)]
 pub(crate) struct SrpArgs {
-    /// SRP and iSER: how the initiator registers its buffers (per-command, cache, pool).
+    /// SRP, iSER and NVMe/RDMA: how the initiator registers its buffers (per-command, cache,
+    /// pool).
     #[arg(long, default_value = "pool")]
     pub(crate) registration: Registration,
     /// SRP: regions each command's buffer is cut into (1 = contiguous; more = an indirect

@@ -157,6 +157,31 @@ pub(crate) fn run_iser_device(
         .into())
 }
 
+/// Runs a workload against an NVMe/RDMA subsystem on this machine's RDMA device.
+#[cfg(feature = "rdma")]
+pub(crate) fn run_nvme_rdma_device(
+    url: &initiator_bench::nvme::NvmeUrl,
+    host: &initiator_bench::nvme::NvmeOptions,
+    w: &initiator_bench::workload::Workload,
+    o: &RdmaOptions,
+) -> Result<initiator_bench::rdma::RdmaReport, String> {
+    initiator_bench::nvme_rdma::run_rdma(url, host, w, o)
+}
+
+#[cfg(not(feature = "rdma"))]
+pub(crate) fn run_nvme_rdma_device(
+    _: &initiator_bench::nvme::NvmeUrl,
+    _: &initiator_bench::nvme::NvmeOptions,
+    _: &initiator_bench::workload::Workload,
+    _: &RdmaOptions,
+) -> Result<initiator_bench::rdma::RdmaReport, String> {
+    Err(
+        "NVMe/RDMA needs initiator-bench built with the feature rdma \
+         (cargo build --release -p storage-target-initiator-bench --features rdma)"
+            .into(),
+    )
+}
+
 /// Prints an RDMA run's report (JSON with `json`) and fails on verification errors or on
 /// more failed I/Os than `max_errors`.
 pub(crate) fn rdma_outcome(

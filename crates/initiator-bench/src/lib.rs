@@ -29,6 +29,7 @@ pub use scsi::{Command, Response, Sense};
 pub use session::{discover, DiscoveredTarget, PendingCommand, Session};
 pub use url::IscsiUrl;
 pub mod iser;
+pub mod nvme_rdma;
 pub mod plot;
 pub mod proxy;
 pub mod rdma;

@@ -98,6 +98,26 @@ fn main() -> anyhow::Result<()> {
             }
             Cmd::Run {
                 urls,
+                transport: Transport::NvmeRdma,
+                srp,
+                workload,
+                login,
+                json,
+                max_errors,
+                ..
+            } => {
+                if urls.len() != 1 {
+                    bail!("--transport nvme-rdma runs against one subsystem: nvme://...");
+                }
+                let w = workload.workload()?;
+                let url = initiator_bench::nvme::NvmeUrl::parse(&urls[0])?;
+                let host = login.nvme_options(w.qd)?;
+                let report = run_nvme_rdma_device(&url, &host, &w, &srp.options())
+                    .map_err(|e| anyhow::anyhow!(e))?;
+                rdma_outcome(&report, json, max_errors)
+            }
+            Cmd::Run {
+                urls,
                 transport: Transport::NvmeTcp,
                 workload,
                 login,

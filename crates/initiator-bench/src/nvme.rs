@@ -712,8 +712,29 @@ impl Drop for NvmeController {
     }
 }
 
+/// What Identify Namespace data `ns` says of namespace `nsid`, or why it cannot take I/O.
+pub(crate) fn namespace_info(ns: &[u8], nsid: u32) -> Result<NamespaceInfo, NvmeError> {
+    if ns.len() < 4096 {
+        return Err(NvmeError::Protocol("short Identify Namespace data".into()));
+    }
+    let blocks = u64::from_le_bytes(ns[0..8].try_into().expect("8 bytes"));
+    let format = usize::from(ns[26] & 0x0f);
+    let lbads = ns[128 + 4 * format + 2];
+    if blocks == 0 || !(9..=16).contains(&lbads) {
+        return Err(NvmeError::Protocol(format!(
+            "namespace {nsid} is not active (NSZE {blocks}, LBADS {lbads})"
+        )));
+    }
+    Ok(NamespaceInfo {
+        blocks,
+        block_size: 1 << lbads,
+        nguid: ns[104..120].try_into().expect("16 bytes"),
+        ana_group: u32::from_le_bytes(ns[92..96].try_into().expect("4 bytes")),
+    })
+}
+
 /// `sqe` of a Connect to queue `qid` of `url`'s subsystem, and its data.
-fn connect_command(
+pub(crate) fn connect_command(
     url: &NvmeUrl,
     o: &NvmeOptions,
     qid: u16,
@@ -748,7 +769,7 @@ fn connect_command(
     (sqe, Bytes::copy_from_slice(&data[..]))
 }
 
-fn property(offset: u32, value: Option<u32>) -> Sqe {
+pub(crate) fn property(offset: u32, value: Option<u32>) -> Sqe {
     property_sized(offset, value, false)
 }
 
@@ -894,18 +915,7 @@ impl NvmeController {
         let (_, ns) = admin
             .command(identify(cns::NAMESPACE, url.nsid), Bytes::new(), 4096)
             .await?;
-        if ns.len() < 4096 {
-            return Err(NvmeError::Protocol("short Identify Namespace data".into()));
-        }
-        let blocks = u64::from_le_bytes(ns[0..8].try_into().expect("8 bytes"));
-        let format = usize::from(ns[26] & 0x0f);
-        let lbads = ns[128 + 4 * format + 2];
-        if blocks == 0 || !(9..=16).contains(&lbads) {
-            return Err(NvmeError::Protocol(format!(
-                "namespace {} is not active (NSZE {blocks}, LBADS {lbads})",
-                url.nsid
-            )));
-        }
+        let namespace = namespace_info(&ns, url.nsid)?;
         let mut io = QueueHandle::open(&url.portal, o.digests, entries).await?;
         io.in_capsule = (ioccsz * 16).saturating_sub(64);
         let sqsize = entries - 1;
@@ -932,12 +942,7 @@ impl NvmeController {
             portal: url.portal.clone(),
             cntlid,
             nsid: url.nsid,
-            namespace: NamespaceInfo {
-                blocks,
-                block_size: 1 << lbads,
-                nguid: ns[104..120].try_into().expect("16 bytes"),
-                ana_group: u32::from_le_bytes(ns[92..96].try_into().expect("4 bytes")),
-            },
+            namespace,
             max_transfer,
             nqn: url.nqn.clone(),
             keep_alive,

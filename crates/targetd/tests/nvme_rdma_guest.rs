@@ -21,6 +21,9 @@ use std::time::Instant;
 
 use common::guest;
 
+/// Set in the guest: the test binary runs initiator-bench's NVMe/RDMA host there.
+const GUEST: &str = "TARGETD_NVME_RDMA_GUEST";
+
 const NQN: &str = "nqn.2026-11.io.example:rdma-guest";
 const HOST: &str = "nqn.2014-08.org.nvmexpress:uuid:4c696e75-7800-4000-8000-6e766d652d72";
 
@@ -118,6 +121,9 @@ done
 [ -n "$back" ] && echo "nvme-rdma restart: the host reconnected and read back what it wrote before" \
   || { dmesg | tail -n 30; tail -n 40 /tmp/targetd.log; fail "no reconnection after the restart"; }
 nvme disconnect -n "$NQN" | grep -q "disconnected 1" && echo "nvme-rdma: disconnected"
+# initiator-bench's NVMe/RDMA host: this test binary's guest side.
+TARGETD_NVME_RDMA_GUEST=1 /bin/@ME@ --exact initiator_bench_over_nvme_rdma_in_the_guest --nocapture --test-threads 1 \
+  || { tail -n 40 /tmp/targetd.log; fail "initiator-bench nvme-rdma: the run failed"; }
 kill $daemon
 sleep 1
 tail -n ${LOG_LINES:-20} /tmp/targetd.log
@@ -127,6 +133,10 @@ echo "nvme-rdma guest: done"
 
 #[test]
 fn linux_nvme_rdma_host_over_soft_roce_in_a_guest() {
+    if std::env::var_os(GUEST).is_some() {
+        return; // The guest runs only its side.
+    }
+    let me = std::env::current_exe().expect("this test's path");
     let Some(mut exes) = guest::tools(
         &["nvme", "fio"],
         "nvme-cli or fio is missing (Debian packages nvme-cli, fio)",
@@ -134,7 +144,9 @@ fn linux_nvme_rdma_host_over_soft_roce_in_a_guest() {
         return;
     };
     exes.insert(0, env!("CARGO_BIN_EXE_targetd").to_string());
+    exes.push(me.display().to_string());
     let text = GUEST_SCRIPT
+        .replace("@ME@", &me.file_name().unwrap().to_string_lossy())
         .replace("@NQN@", NQN)
         .replace("@HOST@", HOST)
         .replace(
@@ -158,6 +170,9 @@ fn linux_nvme_rdma_host_over_soft_roce_in_a_guest() {
         "nvme-rdma: write-zeroes read back as zeros",
         "nvme-rdma restart: the host reconnected and read back what it wrote before",
         "nvme-rdma: disconnected",
+        "initiator-bench nvme-rdma: 4096-byte I/Os verified",
+        "initiator-bench nvme-rdma: 65536-byte I/Os verified",
+        "initiator-bench nvme-rdma: 1048576-byte I/Os verified",
         "nvme-rdma guest: done",
     ];
     let Some(console) = guest::run_checked(
@@ -169,11 +184,68 @@ fn linux_nvme_rdma_host_over_soft_roce_in_a_guest() {
     ) else {
         return;
     };
-    for line in console.lines().filter(|l| l.contains("fio verified")) {
+    for line in console
+        .lines()
+        .filter(|l| l.contains("fio verified") || l.starts_with("initiator-bench"))
+    {
         println!("{line}");
     }
     println!(
         "Linux's NVMe/RDMA host served over soft-RoCE in {:.0} s",
         started.elapsed().as_secs_f64()
     );
+}
+
+/// In the guest (`TARGETD_NVME_RDMA_GUEST`): initiator-bench's NVMe/RDMA host against the
+/// targetd the script started, over rxe0, as `run --transport nvme-rdma` runs it: verified
+/// random reads and writes of 4 KiB, 64 KiB and 1 MiB, under each way of registering, every
+/// block written read back.
+#[test]
+fn initiator_bench_over_nvme_rdma_in_the_guest() {
+    use initiator_bench::nvme::{NvmeOptions, NvmeUrl};
+    use initiator_bench::nvme_rdma::run_rdma;
+    use initiator_bench::rdma::RdmaOptions;
+    use initiator_bench::srp::LinkModel;
+    use initiator_bench::workload::{Rw, Workload};
+    use srp::initiator::Registration;
+    if std::env::var_os(GUEST).is_none() {
+        return; // Only in the guest.
+    }
+    let addr = guest::rdma_addr();
+    let url = NvmeUrl::parse(&format!("nvme://{addr}:4420/{NQN}/1")).expect("the URL");
+    let host = NvmeOptions {
+        hostnqn: HOST.into(),
+        ..NvmeOptions::default()
+    };
+    for (bs, ios, registration) in [
+        (4096, 400, Registration::Pool),
+        (65536, 200, Registration::Cache),
+        (1 << 20, 40, Registration::PerCommand),
+    ] {
+        let w = Workload {
+            rw: Rw::Randrw,
+            bs,
+            qd: 8,
+            ios: Some(ios),
+            size: Some(16 << 20),
+            verify: true,
+            ..Workload::default()
+        };
+        let o = RdmaOptions {
+            registration,
+            regions: 1,
+            link: LinkModel::Free,
+            immediate_data: false,
+        };
+        let r = run_rdma(&url, &host, &w, &o).expect("the run");
+        assert_eq!((r.ios, r.errors, r.verify_errors), (ios, 0, 0), "{bs}");
+        assert!(r.verified_blocks > 0, "reads were checked");
+        println!(
+            "initiator-bench nvme-rdma: {bs}-byte I/Os verified ({ios} random, {} blocks read \
+             back, {:.0} IOPS, registration {})",
+            r.verified_blocks,
+            r.iops,
+            registration.name()
+        );
+    }
 }
