@@ -1,8 +1,8 @@
 //! The zero-copy data path allocates nothing per I/O in steady state: a counting allocator
 //! counts heap allocations made on the reactor threads while an initiator runs 4 KiB reads and
 //! writes, after a warm-up that lets every table and queue reach its working size; over iSCSI,
-//! then over SRP and over iSER (the daemon's ports on the software fabric). Over SRP and iSER
-//! the count must be 0: the fabric's queues are sized when a queue pair is made and each
+//! then over SRP, iSER and NVMe/RDMA (the daemon's ports on the software fabric), and over
+//! NVMe/TCP. Over SRP, iSER and NVMe/RDMA the count must be 0: the fabric's queues are sized when a queue pair is made and each
 //! endpoint provisions its staging copies when receives are posted, so nothing on the reactor
 //! depends on how far the initiator's thread lags. Over TCP a few are tolerated for tokio's own
 //! bookkeeping (0 in every run measured).
@@ -79,6 +79,17 @@ async fn reads_and_writes_allocate_nothing_on_the_reactors_in_steady_state() {
     assert_eq!(
         during, 0,
         "{during} heap allocations on the reactors for 4096 iSER I/Os"
+    );
+    let during = tokio::task::spawn_blocking(nvme_rdma_round_trips)
+        .await
+        .unwrap();
+    println!(
+        "reactor allocations during 4096 NVMe/RDMA I/Os in steady state (reads, writes by RDMA \
+         READ, writes in the capsule): {during}"
+    );
+    assert_eq!(
+        during, 0,
+        "{during} heap allocations on the reactors for 4096 NVMe/RDMA I/Os"
     );
     let [reads, writes, r2t_writes] = nvme_round_trips().await;
     println!(
@@ -178,6 +189,41 @@ fn iser_round_trips() -> u64 {
                 _ => i.command(&rw10(0x28, lba), None, 0, 4096),
             };
             assert_eq!(r.status, iscsi_pdu::ScsiStatus::GOOD);
+        }
+    };
+    round(4096);
+    let before = REACTOR_ALLOCATIONS.load(Ordering::Relaxed);
+    round(4096);
+    let during = REACTOR_ALLOCATIONS.load(Ordering::Relaxed) - before;
+    d.stop();
+    during
+}
+
+/// The same over NVMe/RDMA (the daemon's portal on the software fabric): 4 KiB reads, writes
+/// whose data the target reads by RDMA READ, and writes in the capsule, one at a time.
+fn nvme_rdma_round_trips() -> u64 {
+    use common::nvme_rdma::{controller, daemon, io, Queue, NQN};
+    use nvme::opcode::NvmOpcode;
+    use nvme::sqe::Sgl;
+
+    let (switch, d) = daemon();
+    let (_admin, cntlid) = controller(&switch);
+    let mut q = Queue::open(&switch, 1, 128);
+    assert!(q.connect(1, cntlid, NQN).status.is_success());
+    let data = pattern(4096, 1);
+    q.put(65536, &data);
+    let mut round = |n: u32| {
+        for k in 0..n {
+            let lba = u64::from(k % 64) * 8;
+            let cqe = match k % 3 {
+                0 => q.run(io(NvmOpcode::Write, lba, 8, q.keyed(65536, 4096)), &[]),
+                1 => q.run(
+                    io(NvmOpcode::Write, lba, 8, Sgl::in_capsule(0, 4096)),
+                    &data,
+                ),
+                _ => q.run(io(NvmOpcode::Read, lba, 8, q.keyed(1 << 20, 4096)), &[]),
+            };
+            assert!(cqe.status.is_success(), "{cqe:?}");
         }
     };
     round(4096);

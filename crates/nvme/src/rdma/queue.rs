@@ -27,13 +27,16 @@ use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasherDefault;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 
 use crate::cqe::Cqe;
 use crate::fabrics::CONNECT_DATA_LEN;
 use crate::opcode::{AdminOpcode, FabricsType};
 use crate::sqe::{Sgl, SglKind, Sqe};
 use crate::transport::{Arrival, CidHasher, Payload, Transport};
+
+/// Bytes the in-capsule data store grows by at once.
+const CAPSULE_POOL: usize = 64 * 1024;
 
 /// Bytes of the host's registered memory, as a Keyed SGL Data Block names them: what an
 /// RDMA READ or WRITE of the shell's verbs reaches.
@@ -142,6 +145,10 @@ pub struct RdmaQueue<B> {
     /// Commands that came with the CID of one in flight: the connection refuses each (Command
     /// ID Conflict), and that response must leave the first command's memory alone.
     conflicts: Vec<u16>,
+    /// Where in-capsule data is kept until its command copies it into its buffer: one
+    /// allocation reused once the data handed out has been let go, so a capsule costs no
+    /// allocation in steady state.
+    capsules: BytesMut,
 }
 
 impl<B> RdmaQueue<B> {
@@ -154,6 +161,7 @@ impl<B> RdmaQueue<B> {
             work: VecDeque::with_capacity(256),
             connecting: None,
             conflicts: Vec::new(),
+            capsules: BytesMut::new(),
         }
     }
 
@@ -215,13 +223,16 @@ impl<B> RdmaQueue<B> {
                 }
             }
         }
+        let data = if data.is_empty() {
+            Bytes::new()
+        } else {
+            self.capsules.reserve(CAPSULE_POOL.max(data.len()));
+            self.capsules.extend_from_slice(data);
+            self.capsules.split().freeze()
+        };
         self.arrivals.push_back(Arrival::Command {
             sqe,
-            data: if data.is_empty() {
-                Bytes::new()
-            } else {
-                Bytes::copy_from_slice(data)
-            },
+            data,
             data_digest_ok: true,
         });
         Ok(())

@@ -15,6 +15,7 @@ use targetd::{Config, Registry, Server};
 pub mod ceph;
 pub mod guest;
 pub mod iser;
+pub mod nvme_rdma;
 pub mod raw;
 pub mod srp_client;
 
