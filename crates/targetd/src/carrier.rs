@@ -10,7 +10,7 @@
 //! [`Carrier::completions`] brings the engine's results back to the machine that asked. A
 //! shell says only how to reach its machine ([`Carried`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;
@@ -220,6 +220,17 @@ impl Carrier {
             }
             Event::Completed(a) => conn.account(&a),
         }
+    }
+
+    /// Hands each finished backend operation to its connection among `conns` (a port's, by
+    /// id); whether there were any.
+    pub fn deliver_all<C: Carried>(&mut self, conns: &mut BTreeMap<u64, C>) -> bool {
+        let now = Instant::now();
+        self.completions(|id, done| {
+            if let Some(c) = conns.get_mut(&id) {
+                deliver(c, now, done);
+            }
+        })
     }
 
     /// Hands each finished backend operation to `deliver` with the connection that asked

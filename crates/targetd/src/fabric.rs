@@ -9,7 +9,7 @@ use std::ops::DerefMut;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use backend::Buffer;
+use backend::{Buffer, Share};
 use rdma::fabric::NodeId;
 use rdma::switch::{ConnectRequest, Endpoint, Switch, SwitchError};
 use rdma::verbs::{MessageBuffers, PortBuffer, Verbs};
@@ -86,6 +86,27 @@ pub const MESSAGE_LEN: usize = rdma::verbs::MESSAGE_BUFFER_LEN;
 /// The most in-capsule data an NVMe/RDMA command capsule may carry: what a message buffer
 /// holds behind the SQE, in the 16-byte units IOCCSZ counts.
 pub const NVME_MAX_IN_CAPSULE_DATA: u32 = ((MESSAGE_LEN - nvme::Sqe::LEN) as u32) & !15;
+
+/// `bytes` (parameter data: an Identify, a log page, an INQUIRY) in registered memory for an
+/// RDMA WRITE: one of the verbs' message buffers when they fit, else slots of the port's share
+/// of the arena; `None` while neither has room (the work waits for the next turn).
+pub fn registered<F: Fabric>(
+    verbs: &mut F::Verbs,
+    share: &Share,
+    bytes: &[u8],
+) -> Option<FabricBuffer<F::Message>> {
+    let n = bytes.len();
+    if n <= MESSAGE_LEN {
+        return verbs.message_buffer().map(|mut b| {
+            b[..n].copy_from_slice(bytes);
+            PortBuffer::Message(b)
+        });
+    }
+    share.try_alloc(n).ok().flatten().map(|mut b| {
+        b[..n].copy_from_slice(bytes);
+        PortBuffer::Data(b)
+    })
+}
 
 /// A port on the software fabric: a [`Switch`] endpoint listening on a service name.
 #[derive(Debug)]

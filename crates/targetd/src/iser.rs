@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use backend::{Buffer, Share};
+use backend::Buffer;
 use bytes::BytesMut;
 use iscsi_pdu::iser::{
     self, CmReply, DataOutRead, IserConnection, IserHeader, IserPlan, RemoteBuffer, Work,
@@ -39,7 +39,7 @@ use rdma::verbs::{MessageBuffers, PortBuffer, RemoteRegion, Verbs, WorkOp};
 use scsi_core::{BackendError, TaskId};
 use tokio::sync::mpsc;
 
-use crate::carrier::{self, Carried, Carrier, Want};
+use crate::carrier::{Carried, Carrier, Want};
 use crate::control::{Control, Request};
 use crate::fabric::{Fabric, FabricBuffer, Qp, MESSAGE_LEN};
 use crate::iscsi::connection::{Link, Scope, SessionStep};
@@ -279,18 +279,14 @@ const NO_ADDRESS: SocketAddr =
 
 /// Serves iSER on `fabric` until the daemon stops: the task a reactor runs for an iSER portal.
 pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
-    let id = next_id();
-    let control = Arc::new(Control::default());
-    registry.register(id, control.clone());
-    let share = Share::new(&io.arena, io.arena.len() / 2);
     let portal = fabric
         .portal()
         .replacen("fabric:", "iser-fabric:", 1)
         .replacen("rdma:", "iser:", 1);
     let mut p = Portal {
-        portal,
+        portal: portal.clone(),
         fabric,
-        carrier: Carrier::shared(io, share),
+        carrier: crate::port::shared_carrier(io),
         registry: registry.clone(),
         conns: BTreeMap::new(),
         logging_out: false,
@@ -298,10 +294,7 @@ pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
         events: Vec::with_capacity(256),
         next_wr: 1,
     };
-    tracing::info!(portal = %p.portal, reactor = p.carrier.io().index, "iSER portal listening");
-    crate::port::serve(&mut p, &control).await;
-    registry.unregister(id);
-    tracing::info!(portal = %p.portal, "iSER portal stopped");
+    crate::port::run(&mut p, &registry, "iSER portal", &portal).await;
 }
 
 impl<F: Fabric> crate::port::Port for Portal<F> {
@@ -453,13 +446,7 @@ impl<F: Fabric> Portal<F> {
 
     /// Hands finished backend operations to their connections.
     fn backend_completions(&mut self) -> bool {
-        let now = Instant::now();
-        let conns = &mut self.conns;
-        self.carrier.completions(|id, done| {
-            if let Some(c) = conns.get_mut(&id) {
-                carrier::deliver(c, now, done);
-            }
-        })
+        self.carrier.deliver_all(&mut self.conns)
     }
 
     /// One connection's completions, core events, timers, requests and work; its end once it
@@ -843,22 +830,9 @@ impl<F: Fabric> Portal<F> {
                     let buffer: FabricBuffer<F::Message> = match payload {
                         Payload::Buffer(b) => PortBuffer::Data(b),
                         Payload::Bytes(bytes) => {
-                            // Parameter data: into registered memory first.
-                            let n = bytes.len();
-                            let b = if n <= MESSAGE_LEN {
-                                verbs.message_buffer().map(|mut b| {
-                                    b[..n].copy_from_slice(&bytes);
-                                    PortBuffer::Message(b)
-                                })
-                            } else {
-                                self.carrier.waits.share().try_alloc(n).ok().flatten().map(
-                                    |mut b| {
-                                        b[..n].copy_from_slice(&bytes);
-                                        PortBuffer::Data(b)
-                                    },
-                                )
-                            };
-                            let Some(b) = b else {
+                            let share = self.carrier.waits.share();
+                            let Some(b) = crate::fabric::registered::<F>(verbs, share, &bytes)
+                            else {
                                 c.pending.push_front(Work::RdmaWrite {
                                     itt,
                                     payload: Payload::Bytes(bytes),

@@ -9,14 +9,14 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use backend::Buffer;
+use backend::{Buffer, Share};
 
 use crate::carrier::{Carrier, Want};
 use crate::control::{Control, Request};
 use crate::fabric::Fabric;
 use crate::reactor::Io;
 use crate::registry::Registry;
-use crate::target::{Outbox, Routed};
+use crate::target::{next_id, Outbox, Routed};
 
 /// A port's protocol side, driven by [`serve`].
 pub trait Port {
@@ -77,6 +77,26 @@ pub fn start_on<F: Fabric + 'static, Fut: std::future::Future<Output = ()> + 'st
     }
     rx.recv()
         .map_err(|_| format!("reactor {} ended", reactor.index))?
+}
+
+/// The carrier of a port's connections on `io`: their buffers from half the reactor's arena,
+/// as an iSCSI connection's share, the rest staying for the reactor's other connections.
+pub fn shared_carrier(io: Rc<Io>) -> Carrier {
+    let share = Share::new(&io.arena, io.arena.len() / 2);
+    Carrier::shared(io, share)
+}
+
+/// Serves `p` as one of the daemon's ports until the daemon stops: registered under a
+/// control of its own, through which the stop asks it to log its connections out and close.
+/// `what` and `portal` name it in the log ("iSER portal", "iser:192.0.2.10:3260").
+pub async fn run(p: &mut impl Port, registry: &Registry, what: &str, portal: &str) {
+    let id = next_id();
+    let control = Arc::new(Control::default());
+    registry.register(id, control.clone());
+    tracing::info!(portal, reactor = p.carrier().io().index, "{what} listening");
+    serve(p, &control).await;
+    registry.unregister(id);
+    tracing::info!(portal, "{what} stopped");
 }
 
 /// Moves the core events other connections routed to a connection into its outbox; whether

@@ -35,8 +35,7 @@ use srp::target_port::{
 };
 use tokio::sync::mpsc;
 
-use crate::carrier::{self, Carried, Carrier, Want};
-use crate::control::Control;
+use crate::carrier::{Carried, Carrier, Want};
 use crate::fabric::{Fabric, FabricBuffer, Qp, MESSAGE_LEN};
 use crate::lock;
 use crate::reactor::Io;
@@ -284,27 +283,19 @@ pub fn start_port<F: Fabric + 'static>(
 
 /// Serves SRP on `fabric` until the daemon stops: the task a reactor runs for an SRP portal.
 pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
-    let id = next_id();
-    let control = Arc::new(Control::default());
-    registry.register(id, control.clone());
-    // Half the arena, as an iSCSI connection's share: the rest stays for the other
-    // connections of the reactor.
-    let share = Share::new(&io.arena, io.arena.len() / 2);
     let settings = port_settings(&registry.config().server, fabric.address());
+    let portal = fabric.portal();
     let mut port = Port {
         logins: Logins::new(settings),
-        portal: fabric.portal(),
+        portal: portal.clone(),
         fabric,
-        carrier: Carrier::shared(io, share),
+        carrier: crate::port::shared_carrier(io),
         registry: registry.clone(),
         channels: BTreeMap::new(),
         logging_out: false,
         events: Vec::with_capacity(256),
     };
-    tracing::info!(portal = %port.portal, reactor = port.carrier.io().index, "SRP port listening");
-    crate::port::serve(&mut port, &control).await;
-    registry.unregister(id);
-    tracing::info!(portal = %port.portal, "SRP port stopped");
+    crate::port::run(&mut port, &registry, "SRP port", &portal).await;
 }
 
 impl<F: Fabric> crate::port::Port for Port<F> {
@@ -545,13 +536,7 @@ impl<F: Fabric> Port<F> {
 
     /// Hands finished backend operations to their channels.
     fn backend_completions(&mut self) -> bool {
-        let now = Instant::now();
-        let channels = &mut self.channels;
-        self.carrier.completions(|id, done| {
-            if let Some(c) = channels.get_mut(&id) {
-                carrier::deliver(c, now, done);
-            }
-        })
+        self.carrier.deliver_all(&mut self.channels)
     }
 
     /// One channel's completions, core actions, transmissions and events; its end once it is

@@ -25,21 +25,23 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use backend::{Buffer, Share};
+use backend::Buffer;
 use nvme::rdma::{
     CmReject, CmRequest, ControllerConnection, Keyed, QueueLimits, QueueTerms, RdmaQueue, Work,
 };
 use rdma::verbs::{MessageBuffers, PortBuffer, RemoteRegion, Verbs, WorkOp};
+use scsi_core::transport::Accounting;
+use scsi_core::{BackendError, Output, TaskId};
 use tokio::sync::watch;
 
 use super::queue::Link;
 use super::NvmeSubsystem;
-use crate::carrier::{self, Carrier, Want};
+use crate::carrier::{Carried, Carrier, Want};
 use crate::control::{Control, Request};
-use crate::fabric::{Fabric, FabricBuffer, Qp, MESSAGE_LEN, NVME_MAX_IN_CAPSULE_DATA};
+use crate::fabric::{Fabric, FabricBuffer, Qp, NVME_MAX_IN_CAPSULE_DATA};
 use crate::reactor::Io;
 use crate::registry::{ConnectionSlot, Registry};
-use crate::target::next_id;
+use crate::target::{next_id, Lun};
 
 /// The most entries an I/O queue over RDMA takes (`nvme.queue_entries` when smaller): each is
 /// a receive buffer posted for the queue's life. Linux's host asks 128.
@@ -120,6 +122,33 @@ impl<Q> Conn<Q> {
     }
 }
 
+/// What the carrier hands a queue: its machine and subsystem, as an NVMe/TCP connection's.
+impl<Q> Carried for Conn<Q> {
+    fn account(&self, done: &Accounting) {
+        if let Some(s) = &self.subsystem {
+            s.account(done);
+        }
+    }
+
+    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
+        self.link().unit(lun)
+    }
+
+    fn backend_done(
+        &mut self,
+        now: Instant,
+        task: TaskId,
+        buffer: Buffer,
+        result: Result<Output, BackendError>,
+    ) {
+        self.link().backend_done(now, task, buffer, result);
+    }
+
+    fn buffer(&mut self, now: Instant, tag: u64, buffer: Option<Buffer>) {
+        self.link().buffer(now, tag, buffer);
+    }
+}
+
 /// A portal: its fabric and its queues.
 struct Portal<F: Fabric> {
     fabric: F,
@@ -139,27 +168,20 @@ const NO_ADDRESS: SocketAddr =
 
 /// Serves NVMe/RDMA on `fabric` until the daemon stops: the task a reactor runs for a portal.
 pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
-    let id = next_id();
-    let control = Arc::new(Control::default());
-    registry.register(id, control.clone());
-    let share = Share::new(&io.arena, io.arena.len() / 2);
     let portal = fabric
         .portal()
         .replacen("fabric:", "nvme-rdma-fabric:", 1)
         .replacen("rdma:", "nvme-rdma:", 1);
     let mut p = Portal {
-        portal,
+        portal: portal.clone(),
         fabric,
-        carrier: Carrier::shared(io, share),
+        carrier: crate::port::shared_carrier(io),
         registry: registry.clone(),
         conns: BTreeMap::new(),
         logging_out: false,
         next_wr: 1,
     };
-    tracing::info!(portal = %p.portal, reactor = p.carrier.io().index, "NVMe/RDMA portal listening");
-    crate::port::serve(&mut p, &control).await;
-    registry.unregister(id);
-    tracing::info!(portal = %p.portal, "NVMe/RDMA portal stopped");
+    crate::port::run(&mut p, &registry, "NVMe/RDMA portal", &portal).await;
 }
 
 impl<F: Fabric> crate::port::Port for Portal<F> {
@@ -168,13 +190,7 @@ impl<F: Fabric> crate::port::Port for Portal<F> {
     }
 
     fn backend_completions(&mut self) -> bool {
-        let now = Instant::now();
-        let conns = &mut self.conns;
-        self.carrier.completions(|id, done| {
-            if let Some(c) = conns.get_mut(&id) {
-                carrier::deliver(&mut c.link(), now, done);
-            }
-        })
+        self.carrier.deliver_all(&mut self.conns)
     }
 
     fn ids(&self, ids: &mut Vec<u64>) {
@@ -535,23 +551,9 @@ impl<F: Fabric> Portal<F> {
                     let buffer: FabricBuffer<F::Message> = match payload {
                         nvme::transport::Payload::Buffer { buffer, .. } => PortBuffer::Data(buffer),
                         nvme::transport::Payload::Bytes(bytes) => {
-                            // Parameter data (a log page, Identify): into registered memory
-                            // first.
-                            let n = bytes.len();
-                            let b = if n <= MESSAGE_LEN {
-                                verbs.message_buffer().map(|mut b| {
-                                    b[..n].copy_from_slice(&bytes);
-                                    PortBuffer::Message(b)
-                                })
-                            } else {
-                                self.carrier.waits.share().try_alloc(n).ok().flatten().map(
-                                    |mut b| {
-                                        b[..n].copy_from_slice(&bytes);
-                                        PortBuffer::Data(b)
-                                    },
-                                )
-                            };
-                            let Some(b) = b else {
+                            let share = self.carrier.waits.share();
+                            let Some(b) = crate::fabric::registered::<F>(verbs, share, &bytes)
+                            else {
                                 c.pending.push_front(Work::Write {
                                     cid,
                                     payload: nvme::transport::Payload::Bytes(bytes),
