@@ -700,6 +700,7 @@ impl Gateway {
                 left: false,
                 srp: self.me.as_ref().is_some_and(|me| me.srp),
                 nvme_portals: Vec::new(),
+                nvme_rdma_portals: Vec::new(),
             });
         }
         self.membership = m;

@@ -15,6 +15,17 @@ pub fn srp_relative_port(port_group: u16) -> Option<u16> {
     (port_group > 0 && port_group < SRP_PORT_OFFSET).then(|| SRP_PORT_OFFSET + port_group)
 }
 
+/// The addresses of flag `prefix` (`nvme=`) among a line's words `w`, after its addresses.
+fn flagged(w: &[&str], prefix: &str) -> Vec<std::net::SocketAddr> {
+    w.iter()
+        .skip(6)
+        .find_map(|f| f.strip_prefix(prefix))
+        .into_iter()
+        .flat_map(|p| p.split(','))
+        .filter_map(|a| a.parse().ok())
+        .collect()
+}
+
 /// One gateway as the cluster's gateways object lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Member {
@@ -27,6 +38,8 @@ pub struct Member {
     /// Its NVMe/TCP portals (a flag `nvme=ADDR,ADDR` after the addresses; a gateway that
     /// does not know the flag skips it).
     pub nvme_portals: Vec<std::net::SocketAddr>,
+    /// Its NVMe/RDMA portals (a flag `nvme-rdma=ADDR,ADDR`, as `nvme=`).
+    pub nvme_rdma_portals: Vec<std::net::SocketAddr>,
     /// Its object-store client instance id (how notify outcomes name it).
     pub instance: u64,
     /// The addresses of its object-store clients (the cluster session's and the images'):
@@ -52,12 +65,14 @@ impl Member {
         } else {
             self.addresses.join(",")
         };
-        let nvme = if self.nvme_portals.is_empty() {
-            String::new()
-        } else {
-            let p: Vec<String> = self.nvme_portals.iter().map(|p| p.to_string()).collect();
-            format!(" nvme={}", p.join(","))
+        let flag = |name: &str, portals: &[std::net::SocketAddr]| {
+            if portals.is_empty() {
+                return String::new();
+            }
+            let p: Vec<String> = portals.iter().map(|p| p.to_string()).collect();
+            format!(" {name}={}", p.join(","))
         };
+        let nvme = flag("nvme", &self.nvme_portals) + &flag("nvme-rdma", &self.nvme_rdma_portals);
         format!(
             "gateway {} {} {portals} {} {addresses}{}{}{nvme}\n",
             self.gateway,
@@ -103,14 +118,8 @@ impl Member {
             // reads the first as `left` only when it is).
             left: w.iter().skip(6).any(|f| *f == "left"),
             srp: w.iter().skip(6).any(|f| *f == "srp"),
-            nvme_portals: w
-                .iter()
-                .skip(6)
-                .find_map(|f| f.strip_prefix("nvme="))
-                .into_iter()
-                .flat_map(|p| p.split(','))
-                .filter_map(|a| a.parse().ok())
-                .collect(),
+            nvme_portals: flagged(&w, "nvme="),
+            nvme_rdma_portals: flagged(&w, "nvme-rdma="),
         })
     }
 
@@ -305,9 +314,11 @@ mod tests {
                 "127.0.0.1:4420".parse().unwrap(),
                 "[::1]:4420".parse().unwrap(),
             ],
+            nvme_rdma_portals: vec!["192.0.2.10:4420".parse().unwrap()],
         };
         assert!(
-            m.line().ends_with(" nvme=127.0.0.1:4420,[::1]:4420\n"),
+            m.line()
+                .ends_with(" nvme=127.0.0.1:4420,[::1]:4420 nvme-rdma=192.0.2.10:4420\n"),
             "{}",
             m.line()
         );
@@ -318,6 +329,7 @@ mod tests {
             left: false,
             srp: false,
             nvme_portals: vec![],
+            nvme_rdma_portals: vec![],
             ..m.clone()
         };
         assert_eq!(Member::parse(&bare.line()), Some(bare.clone()));
@@ -336,6 +348,7 @@ mod tests {
             left: false,
             srp,
             nvme_portals: vec![],
+            nvme_rdma_portals: vec![],
         };
         let a = m("a", 1, true);
         assert!(a.line().ends_with(" srp\n"), "{}", a.line());
@@ -372,6 +385,7 @@ mod tests {
             left: false,
             srp: false,
             nvme_portals: vec![],
+            nvme_rdma_portals: vec![],
         };
         let m = Membership {
             members: vec![member("a", 1), member("b", 2), member("c", 3)],
@@ -415,6 +429,7 @@ mod tests {
             left: false,
             srp: false,
             nvme_portals: vec![],
+            nvme_rdma_portals: vec![],
         };
         let p = Preference {
             oid: "gws.reservations.rbd/vm1".into(),

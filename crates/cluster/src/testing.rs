@@ -190,6 +190,7 @@ impl Sim {
             left: false,
             srp: false,
             nvme_portals: Vec::new(),
+            nvme_rdma_portals: Vec::new(),
         }
     }
 

@@ -268,7 +268,7 @@ impl Server {
             let (io, discovery) = bound.split_at(nvme_count.min(bound.len()));
             *lock(&registry.nvme_portals) = (io.to_vec(), discovery.to_vec());
             if let Some(cluster) = &registry.target_env.cluster {
-                cluster.set_nvme_portals(io);
+                cluster.set_nvme_portals(io, &registry.nvme_rdma_portals());
             }
             registry.update_discovery();
         }
@@ -569,7 +569,7 @@ fn follow_other_gateways_portals(registry: &Arc<Registry>) {
         return;
     }
     let registry = Arc::downgrade(registry);
-    let mut listed = Vec::new();
+    let mut listed = (Vec::new(), Vec::new());
     let spawned = std::thread::Builder::new()
         .name("nvme-portals".into())
         .spawn(move || loop {

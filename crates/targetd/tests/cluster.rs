@@ -2350,3 +2350,207 @@ grep -q "err= 0" /tmp/fio.txt && [ "$status" = 0 ] || { cat /tmp/fio.txt; fail "
 echo "nvme multipath: fio verified random writes across a second kill ($(grep -o "IOPS=[0-9.k]*" /tmp/fio.txt | head -1))"
 nvme disconnect-all > /dev/null
 "#;
+
+/// One NVMe/TCP queue of a host driven by hand (crates/nvme's host machine on a blocking
+/// socket): what holds a write's data back after the controller asked for it with an R2T.
+struct RawNvmeQueue {
+    socket: std::net::TcpStream,
+    host: nvme::tcp::HostQueue,
+    next_cid: u16,
+}
+
+impl RawNvmeQueue {
+    /// A queue to `at`, initialized (ICReq, ICResp).
+    fn open(at: std::net::SocketAddr) -> RawNvmeQueue {
+        let socket = std::net::TcpStream::connect(at).expect("the portal");
+        socket
+            .set_read_timeout(Some(std::time::Duration::from_secs(30)))
+            .unwrap();
+        let mut q = RawNvmeQueue {
+            socket,
+            host: nvme::tcp::HostQueue::new(nvme::tcp::HostSettings::default()),
+            next_cid: 1,
+        };
+        q.flush();
+        match q.event() {
+            nvme::tcp::HostEvent::Initialized(_) => q,
+            other => panic!("not an ICResp: {other:?}"),
+        }
+    }
+
+    fn flush(&mut self) {
+        use std::io::Write;
+        while let Some(t) = self.host.poll_transmit() {
+            self.socket.write_all(t.header.as_bytes()).unwrap();
+            self.socket.write_all(&t.data).unwrap();
+            if let Some(d) = t.digest {
+                self.socket.write_all(&d).unwrap();
+            }
+        }
+    }
+
+    /// The next event, reading what it takes.
+    fn event(&mut self) -> nvme::tcp::HostEvent {
+        use std::io::Read;
+        loop {
+            if let Some(e) = self.host.poll_event() {
+                return e;
+            }
+            let mut b = [0u8; 65536];
+            let n = self.socket.read(&mut b).expect("the controller answers");
+            assert!(n > 0, "the controller closed the connection");
+            self.host.receive(&b[..n]);
+        }
+    }
+
+    /// Sends `sqe` (its CID set here) with in-capsule `data`: its CID.
+    fn send(&mut self, mut sqe: nvme::sqe::Sqe, data: Bytes) -> u16 {
+        let cid = self.next_cid;
+        self.next_cid += 1;
+        sqe.set_cid(cid);
+        self.host.send_command(&sqe, data).unwrap();
+        self.flush();
+        cid
+    }
+
+    /// Runs `sqe` to its completion.
+    fn run(&mut self, sqe: nvme::sqe::Sqe, data: Bytes) -> nvme::Cqe {
+        let cid = self.send(sqe, data);
+        match self.event() {
+            nvme::tcp::HostEvent::Response(c) if c.cid == cid => c,
+            other => panic!("not the response to {cid}: {other:?}"),
+        }
+    }
+}
+
+/// A controller of host `n` (as `nvme_host` names it) through `at` with one I/O queue, set up
+/// by hand: its admin queue (kept: its controller lives while it does) and its I/O queue.
+fn raw_nvme_controller(at: std::net::SocketAddr, n: u8) -> (RawNvmeQueue, RawNvmeQueue) {
+    use nvme::fabrics::CNTLID_DYNAMIC;
+    use nvme::opcode::AdminOpcode;
+    let hostnqn =
+        format!("nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000000{n:02x}");
+    let connect = |q: &mut RawNvmeQueue, qid: u16, cntlid: u16| {
+        let sqe = nvme::testing::connect_sqe(0, qid, 31, if qid == 0 { 30_000 } else { 0 }, 0);
+        let data = nvme::testing::connect_data([n; 16], cntlid, NVME_NQN, &hostnqn);
+        let c = q.run(sqe, Bytes::from(data));
+        assert!(c.status.is_success(), "Connect {qid}: {c:?}");
+        c.dw0 as u16
+    };
+    let mut admin = RawNvmeQueue::open(at);
+    let cntlid = connect(&mut admin, 0, CNTLID_DYNAMIC);
+    assert!(admin
+        .run(nvme::testing::enable_sqe(0), Bytes::new())
+        .status
+        .is_success());
+    let mut queues = nvme::sqe::Sqe::new(AdminOpcode::SetFeatures.code(), 0);
+    queues.set_cdw(10, 0x07);
+    assert!(admin.run(queues, Bytes::new()).status.is_success());
+    let mut io = RawNvmeQueue::open(at);
+    connect(&mut io, 1, cntlid);
+    (admin, io)
+}
+
+/// A write held on gateway A (its R2T unanswered) while another host preempts its writer with
+/// abort through gateway B: the preempt completes, the held write then ends with Command
+/// Aborted due to Preempt and Abort when its data comes, and none of it ever reaches the image.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_nvme_write_held_on_one_gateway_never_lands_after_a_preempt_and_abort_on_the_other() {
+    use nvme::opcode::NvmOpcode;
+    use nvme::Status;
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let (lun_image, ns_image) = (unique("nvme-held-lun"), unique("nvme-held"));
+    let name = unique("gws");
+    let images = (lun_image.as_str(), ns_image.as_str());
+    let (a, at_a) = nvme_gateway(&ceph, &name, 1, images, "");
+    let (b, at_b) = nvme_gateway(&ceph, &name, 2, images, "");
+    // Host 2 registers and holds Write Exclusive through B; host 4 registers through B.
+    let (h2, h4) = (nvme_host(at_b, 2).await, nvme_host(at_b, 4).await);
+    let (register, acquire) = (
+        NvmOpcode::ReservationRegister,
+        NvmOpcode::ReservationAcquire,
+    );
+    assert_eq!(
+        nvme_reservation(&h2, register, 0, 0, 0xb).await,
+        Status::SUCCESS
+    );
+    assert_eq!(
+        nvme_reservation(&h4, register, 0, 0, 0xd).await,
+        Status::SUCCESS
+    );
+    assert_eq!(
+        nvme_reservation(&h2, acquire, 1 << 8, 0xb, 0).await,
+        Status::SUCCESS
+    );
+    let before = pattern(65536, 31);
+    h2.write(1024, before.clone())
+        .await
+        .expect("the holder writes");
+    // Host 2's own controller on A: a 64 KiB write (beyond the capsule: an R2T asks for its
+    // data), held with its data unsent.
+    let (_admin, mut io) = tokio::task::spawn_blocking(move || raw_nvme_controller(at_a, 2))
+        .await
+        .unwrap();
+    let mut write = nvme::sqe::Sqe::new(NvmOpcode::Write.code(), 0);
+    write.set_nsid(1);
+    write.set_qword(10, 1024);
+    write.set_cdw(12, 127);
+    write.set_sgl(nvme::sqe::Sgl::transport(65536));
+    let (mut io, cid, r2t) = tokio::task::spawn_blocking(move || {
+        let cid = io.send(write, Bytes::new());
+        match io.event() {
+            nvme::tcp::HostEvent::R2T(r) if r.cccid == cid => (io, cid, r),
+            other => panic!("not an R2T: {other:?}"),
+        }
+    })
+    .await
+    .unwrap();
+    // Host 4 preempts host 2 with abort (RACQA 2, Write Exclusive) through B, the write held.
+    let started = std::time::Instant::now();
+    assert_eq!(
+        nvme_reservation(&h4, acquire, 2 | 1 << 8, 0xd, 0xb).await,
+        Status::SUCCESS
+    );
+    println!(
+        "the preempt and abort through B completed in {:.0} ms with host 2's write held on A",
+        started.elapsed().as_secs_f64() * 1000.0
+    );
+    // Now the held data goes: the command ends aborted, and nothing of it lands.
+    let held = pattern(65536, 32);
+    let cqe = tokio::task::spawn_blocking(move || {
+        io.host.send_data(&r2t, held).unwrap();
+        io.flush();
+        match io.event() {
+            nvme::tcp::HostEvent::Response(c) if c.cid == cid => (io, c),
+            other => panic!("not the write's response: {other:?}"),
+        }
+    })
+    .await
+    .unwrap();
+    let (mut io, cqe) = cqe;
+    assert_eq!(cqe.status, Status::ABORTED_PREEMPT, "{cqe:?}");
+    for wait in [0, 1000] {
+        tokio::time::sleep(std::time::Duration::from_millis(wait)).await;
+        assert_eq!(
+            h4.read(1024, 128).await.unwrap(),
+            before,
+            "the held write landed ({wait} ms after its end)"
+        );
+    }
+    // Host 2, preempted, conflicts on A from now on.
+    let mut again = nvme::sqe::Sqe::new(NvmOpcode::Write.code(), 0);
+    again.set_nsid(1);
+    again.set_qword(10, 1024);
+    again.set_cdw(12, 7);
+    again.set_sgl(nvme::sqe::Sgl::in_capsule(0, 4096));
+    let status = tokio::task::spawn_blocking(move || io.run(again, pattern(4096, 33)).status)
+        .await
+        .unwrap();
+    assert_eq!(status, Status::RESERVATION_CONFLICT);
+    drop((h2, h4));
+    a.stop();
+    b.stop();
+    ceph.remove_image(&ns_image);
+    ceph.remove_image(&lun_image);
+}

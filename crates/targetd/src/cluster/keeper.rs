@@ -507,6 +507,7 @@ impl Keeper {
             left: false,
             srp: false,
             nvme_portals: Vec::new(),
+            nvme_rdma_portals: Vec::new(),
         });
         self.enter()?;
         let me = crate::lock(&self.me).clone();
@@ -565,8 +566,11 @@ impl Keeper {
     }
 
     /// Lists this gateway's NVMe/TCP portals in its line of the gateways object.
-    pub fn set_nvme_portals(&self, portals: &[std::net::SocketAddr]) {
-        self.relist(|me| me.nvme_portals = portals.to_vec());
+    pub fn set_nvme_portals(&self, tcp: &[std::net::SocketAddr], rdma: &[std::net::SocketAddr]) {
+        self.relist(|me| {
+            me.nvme_portals = tcp.to_vec();
+            me.nvme_rdma_portals = rdma.to_vec();
+        });
     }
 
     /// Changes this gateway's line of the gateways object with `change` and publishes it.
@@ -1310,8 +1314,8 @@ impl super::Cluster for Keeper {
         Keeper::set_portals(self, portals);
     }
 
-    fn set_nvme_portals(&self, portals: &[std::net::SocketAddr]) {
-        Keeper::set_nvme_portals(self, portals);
+    fn set_nvme_portals(&self, tcp: &[std::net::SocketAddr], rdma: &[std::net::SocketAddr]) {
+        Keeper::set_nvme_portals(self, tcp, rdma);
     }
 
     fn serve_srp(&self) {

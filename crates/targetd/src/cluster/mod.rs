@@ -52,9 +52,9 @@ pub trait Cluster: Send + Sync + std::fmt::Debug {
     /// This gateway's iSCSI portals are now `portals`.
     fn set_portals(&self, portals: &[SocketAddr]);
 
-    /// This gateway's NVMe/TCP portals are now `portals`: the other gateways' discovery
-    /// logs list them.
-    fn set_nvme_portals(&self, portals: &[SocketAddr]);
+    /// This gateway's NVMe/TCP portals are now `tcp` and its NVMe/RDMA portals `rdma`: the
+    /// other gateways' discovery logs list them.
+    fn set_nvme_portals(&self, tcp: &[SocketAddr], rdma: &[SocketAddr]);
 
     /// This gateway serves SRP ports from now on: its port group has its SRP port
     /// ([`srp_relative_port`]) too, here at once and on the other gateways within a round.

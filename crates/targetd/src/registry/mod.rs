@@ -182,29 +182,40 @@ impl Registry {
     /// a subsystem added or removed, a gateway come or gone).
     pub fn update_discovery(&self) {
         let (mut portals, discovery) = lock(&self.nvme_portals).clone();
-        portals.extend(self.other_gateways_nvme_portals());
-        let rdma: Vec<SocketAddr> = self
-            .config()
-            .server
-            .nvme_rdma_portals
-            .iter()
-            .filter_map(|p| p.parse().ok())
-            .collect();
+        let mut rdma = self.nvme_rdma_portals();
+        let (tcp_there, rdma_there) = self.other_gateways_nvme_portals();
+        portals.extend(tcp_there);
+        rdma.extend(rdma_there);
         self.nvme_discovery
             .set_discovery_log(&self.subsystems(), &portals, &rdma, &discovery);
     }
 
-    /// The NVMe/TCP portals of the cluster's other live gateways (none alone).
-    pub fn other_gateways_nvme_portals(&self) -> Vec<SocketAddr> {
+    /// This gateway's NVMe/RDMA portals (`server.nvme_rdma_portals`, a restart key).
+    pub fn nvme_rdma_portals(&self) -> Vec<SocketAddr> {
+        self.config()
+            .server
+            .nvme_rdma_portals
+            .iter()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    }
+
+    /// The NVMe/TCP and NVMe/RDMA portals of the cluster's other live gateways (none alone).
+    pub fn other_gateways_nvme_portals(&self) -> (Vec<SocketAddr>, Vec<SocketAddr>) {
         let Some(c) = &self.target_env.cluster else {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         };
         let m = c.membership();
-        m.members
+        let others: Vec<_> = m
+            .members
             .iter()
             .filter(|g| g.gateway != c.gateway() && m.live.contains(&g.gateway))
-            .flat_map(|g| g.nvme_portals.iter().copied())
-            .collect()
+            .collect();
+        let tcp = others.iter().flat_map(|g| g.nvme_portals.iter().copied());
+        let rdma = others
+            .iter()
+            .flat_map(|g| g.nvme_rdma_portals.iter().copied());
+        (tcp.collect(), rdma.collect())
     }
 
     /// The NVM subsystems exported.
