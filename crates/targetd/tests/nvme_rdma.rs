@@ -203,3 +203,42 @@ fn initiator_bench_runs_verified_workloads_over_nvme_rdma() {
     }
     d.stop();
 }
+
+#[test]
+fn a_host_that_stops_sending_keep_alive_loses_its_controller_and_queues() {
+    let (switch, d) = daemon();
+    let mut admin = Queue::open(&switch, 0, 32);
+    let c = admin.connect_with(0, CNTLID_DYNAMIC, NQN, 1000);
+    assert!(c.status.is_success(), "{c:?}");
+    let cntlid = c.dw0 as u16;
+    assert!(admin
+        .run(nvme::testing::enable_sqe(0), &[])
+        .status
+        .is_success());
+    let mut queues = Sqe::new(AdminOpcode::SetFeatures.code(), 0);
+    queues.set_cdw(10, 0x07);
+    queues.set_cdw(11, 1 | 1 << 16);
+    assert!(admin.run(queues, &[]).status.is_success());
+    let mut q = Queue::open(&switch, 1, 32);
+    assert!(q.connect(1, cntlid, NQN).status.is_success());
+    // Keep Alive within the timeout keeps it.
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(400));
+        let ka = Sqe::new(AdminOpcode::KeepAlive.code(), 0);
+        assert!(admin.run(ka, &[]).status.is_success());
+    }
+    // Then silence: the controller fails and its admin queue pair is disconnected.
+    let started = Instant::now();
+    assert!(admin.response().is_none(), "the admin queue ends");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(500), "{waited:?}");
+    println!("the silent host's admin queue ended {waited:?} after its last Keep Alive");
+    // Its I/O queue ends too, at its next command at the latest.
+    let r = io(NvmOpcode::Read, 0, 8, q.keyed(4096, 4096));
+    q.send(&r, &[]);
+    match q.response() {
+        None => {}
+        Some(c) => assert!(!c.status.is_success(), "{c:?}"),
+    }
+    d.stop();
+}

@@ -171,6 +171,11 @@ impl Queue {
     /// Connect, its data by keyed SGL from the start of the host's memory.
     pub fn connect(&mut self, qid: u16, cntlid: u16, nqn: &str) -> Cqe {
         let kato = if qid == 0 { 5000 } else { 0 };
+        self.connect_with(qid, cntlid, nqn, kato)
+    }
+
+    /// Connect with the keep alive timeout `kato` (ms).
+    pub fn connect_with(&mut self, qid: u16, cntlid: u16, nqn: &str, kato: u32) -> Cqe {
         let mut sqe = testing::connect_sqe(0, qid, 31, kato, 0);
         self.put(0, &testing::connect_data([9; 16], cntlid, nqn, HOST));
         sqe.set_sgl(self.keyed(0, CONNECT_DATA_LEN));
