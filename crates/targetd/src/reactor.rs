@@ -7,7 +7,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::rc::Rc;
@@ -64,7 +64,7 @@ pub struct Io {
     pub arena: Arena,
     /// Turns the machines' instants into trace time (`cmdtrace`).
     pub clock: cmdtrace::Clock,
-    luns: RefCell<HashMap<u64, OpenLun>>,
+    luns: RefCell<scsi_core::transport::TagMap<u64, OpenLun>>,
     in_flight: RefCell<slab_lite::Slab<InFlight>>,
     kick: Notify,
     kicked: Cell<bool>,
@@ -359,7 +359,7 @@ fn build_io(index: usize, settings: &Settings) -> std::io::Result<Io> {
         engine,
         arena,
         clock: cmdtrace::Clock::new(),
-        luns: RefCell::new(HashMap::new()),
+        luns: RefCell::new(scsi_core::transport::tag_map(16)),
         in_flight: RefCell::new(slab_lite::Slab::new()),
         kick: Notify::new(),
         kicked: Cell::new(false),

@@ -33,7 +33,7 @@
 //! The session and the SCSI core behind it are reached through the [`Core`] trait: the daemon
 //! implements it over its shared state, a test over one in-process device.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::ops::{Deref, Range};
 use std::time::{Duration, Instant};
 
@@ -364,7 +364,7 @@ pub struct Connection<B> {
     tasks: TaskTable<IscsiTask, B>,
     next_ttt: u32,
     /// Outstanding R2Ts by TTT: (ITT, next DataSN).
-    r2ts: HashMap<u32, (u32, u32)>,
+    r2ts: scsi_core::transport::TagMap<u32, (u32, u32)>,
     /// Task management functions in the core: (reference, ITT, who asked).
     tmfs: Vec<(u64, u32, Tmf)>,
     text: TextExchange,
@@ -436,7 +436,7 @@ impl<B: TaskBuffer> Connection<B> {
             stat_sn,
             tasks: TaskTable::new(),
             next_ttt: 1,
-            r2ts: HashMap::with_capacity(256),
+            r2ts: scsi_core::transport::tag_map(256),
             tmfs: Vec::new(),
             text: TextExchange::default(),
             receiving: None,
