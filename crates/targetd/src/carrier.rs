@@ -187,8 +187,9 @@ impl Carrier {
         &self.io
     }
 
-    /// Carries out `e`, an event of connection `id`'s machine (`conn`).
-    pub fn carry(&mut self, id: u64, conn: &mut impl Carried, e: Event<Buffer>) {
+    /// Carries out `e`, an event of connection `id`'s machine (`conn`), at `now`: the clock
+    /// its turn read once, not again for each event.
+    pub fn carry(&mut self, now: Instant, id: u64, conn: &mut impl Carried, e: Event<Buffer>) {
         match e {
             Event::Backend {
                 task,
@@ -204,7 +205,7 @@ impl Carrier {
                 }
                 None => {
                     let gone = Err(BackendError::Internal);
-                    conn.backend_done(Instant::now(), task, buffer, gone);
+                    conn.backend_done(now, task, buffer, gone);
                 }
             },
             Event::BufferWanted { tag, len } => {
@@ -215,7 +216,7 @@ impl Carrier {
                     data_out: false,
                 };
                 if let Some(buffer) = self.waits.want(w) {
-                    conn.buffer(Instant::now(), tag, buffer);
+                    conn.buffer(now, tag, buffer);
                 }
             }
             Event::Completed(a) => conn.account(&a),

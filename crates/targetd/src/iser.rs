@@ -716,7 +716,7 @@ impl<F: Fabric> Portal<F> {
                 drop(nexus);
                 for ev in events.drain(..) {
                     progress = true;
-                    self.event(id, ev);
+                    self.event(now, id, ev);
                 }
                 self.events = events;
             }
@@ -725,9 +725,9 @@ impl<F: Fabric> Portal<F> {
     }
 
     /// Carries out what a connection's machine asked.
-    fn event(&mut self, id: u64, e: Event<Buffer>) {
+    fn event(&mut self, now: Instant, id: u64, e: Event<Buffer>) {
         if let Some(c) = self.conns.get_mut(&id) {
-            self.carrier.carry(id, c, e);
+            self.carrier.carry(now, id, c, e);
         }
     }
 

@@ -581,16 +581,16 @@ impl<F: Fabric> Port<F> {
         }
         crate::trace::record_points(c.machine.trace_points(), c.trace_session, self.carrier.io());
         for e in events.drain(..) {
-            self.event(id, e);
+            self.event(now, id, e);
         }
         self.events = events;
         progress | self.end_if_over(id)
     }
 
     /// Carries out what a channel asked.
-    fn event(&mut self, id: u64, e: Event<Buffer>) {
+    fn event(&mut self, now: Instant, id: u64, e: Event<Buffer>) {
         if let Some(c) = self.channels.get_mut(&id) {
-            self.carrier.carry(id, c, e);
+            self.carrier.carry(now, id, c, e);
         }
     }
 

@@ -866,7 +866,7 @@ impl Turn<'_> {
                 machine: self.machine,
                 nexus: &mut self.nexus,
             };
-            self.carrier.carry(0, &mut m, ev);
+            self.carrier.carry(now, 0, &mut m, ev);
         }
         self.trace();
     }

@@ -505,7 +505,7 @@ impl<F: Fabric> Portal<F> {
                 machine: &mut c.machine,
                 subsystem: c.subsystem.as_deref(),
             };
-            self.carrier.carry(id, &mut link, e);
+            self.carrier.carry(now, id, &mut link, e);
         }
         progress
     }

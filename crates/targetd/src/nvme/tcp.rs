@@ -121,7 +121,7 @@ impl Conn {
             }
             let mut carried = false;
             while let Some(e) = link.machine.poll_event() {
-                carrier.carry(0, &mut link, e);
+                carrier.carry(now, 0, &mut link, e);
                 carried = true;
             }
             if !done && !carried {
