@@ -76,6 +76,14 @@ pub trait Fabric {
         let _ = request;
         None
     }
+
+    /// The portal as a protocol's port names it in logs and lists (`iser`: "iser:ADDR" on a
+    /// device, "iser-fabric:SERVICE" on the software fabric).
+    fn portal_of(&self, protocol: &str) -> String {
+        self.portal()
+            .replacen("fabric:", &format!("{protocol}-fabric:"), 1)
+            .replacen("rdma:", &format!("{protocol}:"), 1)
+    }
 }
 
 /// The length of every message buffer: the largest SRP IU an initiator may send (srp's
@@ -107,6 +115,11 @@ pub fn registered<F: Fabric>(
         PortBuffer::Data(b)
     })
 }
+
+/// The address a connection on a fabric without IP addressing is known by: a network ACL
+/// admits none such.
+pub const NO_ADDRESS: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
 
 /// A port on the software fabric: a [`Switch`] endpoint listening on a service name.
 #[derive(Debug)]

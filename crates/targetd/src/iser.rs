@@ -16,7 +16,6 @@
 //! timers, and the per-connection closes asked through the session registry).
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -41,7 +40,7 @@ use tokio::sync::mpsc;
 
 use crate::carrier::{Carried, Carrier, Want};
 use crate::control::{Control, Request};
-use crate::fabric::{Fabric, FabricBuffer, Qp, MESSAGE_LEN};
+use crate::fabric::{Fabric, FabricBuffer, Qp, MESSAGE_LEN, NO_ADDRESS};
 use crate::iscsi::connection::{Link, Scope, SessionStep};
 use crate::iscsi::login::Outcome;
 use crate::reactor::Io;
@@ -272,17 +271,9 @@ struct Portal<F: Fabric> {
     next_wr: u64,
 }
 
-/// The address a connection on a fabric without IP addressing is known by: a network ACL
-/// admits none such.
-const NO_ADDRESS: SocketAddr =
-    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
-
 /// Serves iSER on `fabric` until the daemon stops: the task a reactor runs for an iSER portal.
 pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
-    let portal = fabric
-        .portal()
-        .replacen("fabric:", "iser-fabric:", 1)
-        .replacen("rdma:", "iser:", 1);
+    let portal = fabric.portal_of("iser");
     let mut p = Portal {
         portal: portal.clone(),
         fabric,

@@ -38,7 +38,7 @@ use super::queue::Link;
 use super::NvmeSubsystem;
 use crate::carrier::{Carried, Carrier, Want};
 use crate::control::{Control, Request};
-use crate::fabric::{Fabric, FabricBuffer, Qp, NVME_MAX_IN_CAPSULE_DATA};
+use crate::fabric::{Fabric, FabricBuffer, Qp, NO_ADDRESS, NVME_MAX_IN_CAPSULE_DATA};
 use crate::reactor::Io;
 use crate::registry::{ConnectionSlot, Registry};
 use crate::target::{next_id, Lun};
@@ -162,16 +162,9 @@ struct Portal<F: Fabric> {
     next_wr: u64,
 }
 
-/// The address a queue on a fabric without IP addressing is known by.
-const NO_ADDRESS: SocketAddr =
-    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED), 0);
-
 /// Serves NVMe/RDMA on `fabric` until the daemon stops: the task a reactor runs for a portal.
 pub async fn serve<F: Fabric>(fabric: F, io: Rc<Io>, registry: Arc<Registry>) {
-    let portal = fabric
-        .portal()
-        .replacen("fabric:", "nvme-rdma-fabric:", 1)
-        .replacen("rdma:", "nvme-rdma:", 1);
+    let portal = fabric.portal_of("nvme-rdma");
     let mut p = Portal {
         portal: portal.clone(),
         fabric,
