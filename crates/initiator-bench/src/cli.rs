@@ -122,10 +122,11 @@ pub(crate) enum Cmd {
         /// Rounds of A and B, the order swapped every round.
         #[arg(long, default_value_t = 3)]
         rounds: usize,
-        /// A target's process (`pidof targetd`): its CPU per I/O is measured around every
-        /// run, for targets on this machine.
-        #[arg(long)]
-        target_pid: Option<u32>,
+        /// The targets' processes (`pidof targetd`), for targets on this machine: their CPU
+        /// per I/O is measured around every run. Once: one process serves A and B; twice:
+        /// A's, then B's (two builds of a target compared with this client fixed).
+        #[arg(long, num_args = 1, value_name = "PID")]
+        target_pid: Vec<u32>,
         #[command(flatten)]
         workload: WorkloadArgs,
         #[command(flatten)]

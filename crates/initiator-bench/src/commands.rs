@@ -795,21 +795,22 @@ pub(crate) async fn compare(
     a: &Endpoint,
     b: &Endpoint,
     rounds: usize,
-    target_pid: Option<u32>,
+    target_pids: Option<(u32, u32)>,
     w: &Workload,
     login: &LoginArgs,
     json: bool,
 ) -> anyhow::Result<()> {
     let mut pairs = Vec::new();
+    let (pid_a, pid_b) = (target_pids.map(|p| p.0), target_pids.map(|p| p.1));
     for round in 0..rounds.max(1) {
         // A then B, B then A: neither always runs on a machine the other just warmed.
-        let one = |end, name| measured(end, login, w, target_pid, round, name);
+        let one = |end, pid, name| measured(end, login, w, pid, round, name);
         let (ra, rb) = if round % 2 == 0 {
-            let ra = one(a, "A").await?;
-            (ra, one(b, "B").await?)
+            let ra = one(a, pid_a, "A").await?;
+            (ra, one(b, pid_b, "B").await?)
         } else {
-            let rb = one(b, "B").await?;
-            (one(a, "A").await?, rb)
+            let rb = one(b, pid_b, "B").await?;
+            (one(a, pid_a, "A").await?, rb)
         };
         pairs.push((ra, rb));
     }
@@ -820,7 +821,7 @@ pub(crate) async fn compare(
         ("p99 us", |r| r.report.latency_us.p99),
         ("CPU us/IO", |r| per_io(r.report.cpu_seconds, &r.report)),
     ];
-    if target_pid.is_some() {
+    if target_pids.is_some() {
         metrics.push(("target CPU us/IO", |r| {
             per_io(r.target_cpu.unwrap_or(f64::NAN), &r.report)
         }));

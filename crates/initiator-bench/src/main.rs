@@ -273,11 +273,17 @@ fn main() -> anyhow::Result<()> {
                 login,
                 json,
             } => {
+                let pids = match target_pid[..] {
+                    [] => None,
+                    [one] => Some((one, one)),
+                    [a, b] => Some((a, b)),
+                    _ => anyhow::bail!("--target-pid: at most two, A's and B's"),
+                };
                 compare(
                     &Endpoint::parse(&url_a)?,
                     &Endpoint::parse(&url_b)?,
                     rounds,
-                    target_pid,
+                    pids,
                     &workload.workload()?,
                     &login,
                     json,

@@ -233,3 +233,65 @@ fn man_pages_and_completions_are_complete() {
         "{script}"
     );
 }
+
+/// `compare` measures each target's own process when given two (two builds of a target
+/// compared with this client fixed): every round reports a target CPU per I/O for A and
+/// for B; a third process is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compare_measures_the_cpu_of_a_process_per_target() {
+    let (a, b) = (
+        ScriptedTarget::start(Config::default()).await,
+        ScriptedTarget::start(Config::default()).await,
+    );
+    // Both scripted targets run in this test's process.
+    let pid = std::process::id().to_string();
+    let args = |pids: usize| -> Vec<String> {
+        let mut v: Vec<String> = [
+            "compare",
+            &a.url(),
+            &b.url(),
+            "--rounds",
+            "2",
+            "--rw",
+            "randread",
+            "--bs",
+            "4k",
+            "--qd",
+            "2",
+            "--ios",
+            "200",
+            "--json",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        for _ in 0..pids {
+            v.extend(["--target-pid".to_string(), pid.clone()]);
+        }
+        v
+    };
+    let out = bench(args(2)).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("one JSON object");
+    let rounds = report["rounds"].as_array().expect("rounds");
+    assert_eq!(rounds.len(), 2);
+    for r in rounds {
+        let cpu = &r["target CPU us/IO"];
+        for side in ["a", "b"] {
+            let us = cpu[side].as_f64().unwrap_or(f64::NAN);
+            assert!(us.is_finite() && us >= 0.0, "{side}: {r}");
+        }
+    }
+    let out = bench(args(3)).await;
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--target-pid: at most two"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -20,7 +20,7 @@ use scsi_core::transport::{Accounting, Event};
 use scsi_core::{BackendError, Output, TaskId};
 
 use crate::reactor::{Done, Inbox, Io};
-use crate::target::Lun;
+use crate::unit::Lun;
 
 /// A connection or channel as the carrier reaches it: its machine's task-layer inputs (each
 /// taken with whatever core step the machine needs), its units, and where a finished command
@@ -28,7 +28,7 @@ use crate::target::Lun;
 /// as well.
 pub trait Carried {
     /// Counts a finished command on its unit (nothing for a discovery session).
-    fn account(&self, done: &Accounting);
+    fn account(&mut self, done: &Accounting);
     /// The unit a backend operation for LUN index `lun` runs on
     /// (the target's `unit_for` with the connection's cache); `None` when it is gone.
     fn unit(&mut self, lun: u16) -> Option<Arc<Lun>>;

@@ -45,7 +45,8 @@ use crate::iscsi::connection::{Link, Scope, SessionStep};
 use crate::iscsi::login::Outcome;
 use crate::reactor::Io;
 use crate::registry::{AdmissionState, ConnectionSlot, Peer, Registry};
-use crate::target::{next_id, Lun, Routed};
+use crate::target::Routed;
+use crate::unit::{next_id, Lun};
 
 /// The most data a Send to the target may carry (TargetRecvDataSegmentLength): what an IU
 /// buffer holds behind the iSER header, the BHS and the most AHS a PDU may have, rounded
@@ -182,10 +183,10 @@ enum Phase {
 
 /// What the carrier hands a connection: only one in full feature phase has tasks.
 impl<Q, I> Carried for Conn<Q, I> {
-    fn account(&self, done: &scsi_core::transport::Accounting) {
-        if let Phase::Full(f) = &self.phase {
+    fn account(&mut self, done: &scsi_core::transport::Accounting) {
+        if let Phase::Full(f) = &mut self.phase {
             if let Some(target) = f.scope.target() {
-                target.account(done);
+                target.account(&mut f.link.units, done);
             }
         }
     }
@@ -194,8 +195,7 @@ impl<Q, I> Carried for Conn<Q, I> {
         let Phase::Full(f) = &mut self.phase else {
             return None;
         };
-        let target = f.scope.target().map(|t| &**t);
-        crate::target::unit_for(&mut f.link.unit, target, lun)
+        f.scope.target()?.cached_lun(&mut f.link.units, lun)
     }
 
     fn backend_done(

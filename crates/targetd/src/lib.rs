@@ -42,6 +42,7 @@ pub mod srp;
 pub mod store;
 pub mod target;
 pub mod trace;
+pub mod unit;
 
 pub use config::{Config, ConfigError};
 

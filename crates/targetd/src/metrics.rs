@@ -439,7 +439,7 @@ fn units(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::Result
     for t in &targets {
         f.sample(&vec![("target", t.name.clone())], t.core_acquisitions())?;
     }
-    let units: Vec<(Labels, Arc<crate::target::Lun>)> = targets
+    let units: Vec<(Labels, Arc<crate::unit::Lun>)> = targets
         .iter()
         .flat_map(|t| {
             t.lun_list().into_iter().map(|lun| {
@@ -470,7 +470,7 @@ fn namespaces(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::R
             s.controllers().len() as u64,
         )?;
     }
-    let units: Vec<(Labels, Arc<crate::target::Lun>)> = subsystems
+    let units: Vec<(Labels, Arc<crate::unit::Lun>)> = subsystems
         .iter()
         .flat_map(|s| {
             s.namespaces().into_iter().map(|(nsid, unit)| {
@@ -488,9 +488,9 @@ fn unit_families(
     e: &mut DescriptorEncoder<'_>,
     kind: &str,
     error: &str,
-    units: &[(Labels, Arc<crate::target::Lun>)],
+    units: &[(Labels, Arc<crate::unit::Lun>)],
 ) -> std::fmt::Result {
-    type Field = fn(&crate::target::LunStats) -> &std::sync::atomic::AtomicU64;
+    type Field = fn(&crate::unit::LunStats) -> &std::sync::atomic::AtomicU64;
     let counters: [(&str, String, Field); 6] = [
         (
             "read_commands_total",
@@ -531,9 +531,9 @@ fn unit_families(
 fn latency_histograms(
     e: &mut DescriptorEncoder<'_>,
     kind: &str,
-    units: &[(Labels, Arc<crate::target::Lun>)],
+    units: &[(Labels, Arc<crate::unit::Lun>)],
 ) -> std::fmt::Result {
-    use crate::target::LATENCY_BOUNDS_US;
+    use crate::unit::LATENCY_BOUNDS_US;
     for read in [true, false] {
         let dir = if read { "read" } else { "write" };
         let name = format!("targetd_{kind}_{dir}_latency_seconds");

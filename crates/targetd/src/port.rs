@@ -16,7 +16,8 @@ use crate::control::{Control, Request};
 use crate::fabric::Fabric;
 use crate::reactor::Io;
 use crate::registry::Registry;
-use crate::target::{next_id, Outbox, Routed};
+use crate::target::{Outbox, Routed};
+use crate::unit::next_id;
 
 /// A port's protocol side, driven by [`serve`].
 pub trait Port {

@@ -21,7 +21,7 @@ use scsi_core::{Backend, BackendError, Op, Output, TaskId};
 use tokio::sync::{mpsc, Notify};
 
 use crate::registry::counters::ArenaGauge;
-use crate::target::Lun;
+use crate::unit::Lun;
 
 /// A backend operation's result, on its way back to the connection that asked.
 #[derive(Debug)]

@@ -40,7 +40,8 @@ use crate::fabric::{Fabric, FabricBuffer, Qp, MESSAGE_LEN};
 use crate::lock;
 use crate::reactor::Io;
 use crate::registry::{ConnectionSlot, Registry, SrpChannelInfo};
-use crate::target::{next_id, Lun, Outbox, Route, Routed, Target, SRP_RELATIVE_PORT};
+use crate::target::{Outbox, Route, Routed, Target, SRP_RELATIVE_PORT};
+use crate::unit::{next_id, Lun, UnitCache};
 
 /// The SRP target port identifier of the target `name`: what an initiator names in its
 /// SRP_LOGIN_REQ to reach it ([`srp::target_port::port_id_for`]); `targetctl targets` shows it.
@@ -185,7 +186,8 @@ struct Chan<Q> {
     route: Route,
     rx: mpsc::UnboundedReceiver<Routed>,
     out: Outbox,
-    unit: Option<Arc<Lun>>,
+    /// The target's units as this channel last found them.
+    units: UnitCache<u16>,
     /// The channel is over (logged out or disconnected) and waits for its tasks to end.
     lost: bool,
     _slot: ConnectionSlot,
@@ -207,19 +209,19 @@ impl<Q> Chan<Q> {
                 Some((&self.target, self.nexus)),
                 &self.route,
                 &mut self.out,
-                &mut self.unit,
+                &mut self.units,
             ),
         )
     }
 }
 
 impl<Q> Carried for Chan<Q> {
-    fn account(&self, done: &scsi_core::transport::Accounting) {
-        self.target.account(done);
+    fn account(&mut self, done: &scsi_core::transport::Accounting) {
+        self.target.account(&mut self.units, done);
     }
 
     fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
-        crate::target::unit_for(&mut self.unit, Some(&self.target), lun)
+        self.target.cached_lun(&mut self.units, lun)
     }
 
     fn backend_done(
@@ -527,7 +529,7 @@ impl<F: Fabric> Port<F> {
                 route,
                 rx,
                 out: Outbox::new(id),
-                unit: None,
+                units: UnitCache::default(),
                 lost: false,
                 _slot: slot,
             },

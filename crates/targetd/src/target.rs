@@ -17,24 +17,21 @@
 //! `Target::awaiting` before it lets the lock go, and a connection that queues a retirement
 //! and sees it takes the lock to apply the queue.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 
-use backend::Faults;
 use iscsi_pdu::target_node::{Sink, TargetCore};
 use scsi_core::pr::FileStore;
 use scsi_core::transport::TaskCore;
-use scsi_core::{
-    BackendError, Device, Geometry, Identity, Limits, LogicalUnit, NexusId, Output, TargetPort,
-    TaskId, TmfFunction,
-};
+use scsi_core::{BackendError, Device, NexusId, Output, TargetPort, TaskId, TmfFunction};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::cluster::{Cluster, Following, SharedTarget};
+use crate::cluster::{Cluster, SharedTarget};
 use crate::config;
 use crate::store::UnitStore;
+use crate::unit::{next_id, Lun, LunStats, UnitCache, UnitMap};
 
 /// The target portal group tag of every portal of a gateway on its own (one group, implicit
 /// ALUA active/optimized); in a cluster each gateway has its own (`cluster.port_group`).
@@ -224,9 +221,8 @@ pub(crate) struct CoreStep<'a> {
     route: &'a Route,
     /// Where the core's answers go: this connection's, and others' until the step ends.
     pub(crate) out: &'a mut Outbox,
-    /// The unit whose block size the machine asked for last: the backend operation that
-    /// follows runs on it without a second lookup.
-    pub(crate) unit: &'a mut Option<Arc<Lun>>,
+    /// The connection's cache of the target's units.
+    pub(crate) units: &'a mut UnitCache<u16>,
     /// The core's lock, once this step has taken it.
     guard: Option<MutexGuard<'a, Core>>,
 }
@@ -237,13 +233,13 @@ impl<'a> CoreStep<'a> {
         target: Option<(&'a Target, NexusId)>,
         route: &'a Route,
         out: &'a mut Outbox,
-        unit: &'a mut Option<Arc<Lun>>,
+        units: &'a mut UnitCache<u16>,
     ) -> CoreStep<'a> {
         CoreStep {
             target,
             route,
             out,
-            unit,
+            units,
             guard: None,
         }
     }
@@ -319,23 +315,8 @@ impl TaskCore for CoreStep<'_> {
 
     fn block_size(&mut self, lun: u16) -> Option<u32> {
         let (target, _) = self.target?;
-        let unit = target.lun(lun)?;
-        let block_size = unit.block_size;
-        *self.unit = Some(unit);
-        Some(block_size)
+        self.units.block_size(&target.luns, lun)
     }
-}
-
-/// The unit a backend operation for LUN index `lun` runs on: the one the machine's block-size
-/// question just found (`cached`, taken: no second lookup), else `target`'s; `None` when it is
-/// gone (removed while the task ran), which the machine hears as a backend error.
-pub(crate) fn unit_for(
-    cached: &mut Option<Arc<Lun>>,
-    target: Option<&Target>,
-    lun: u16,
-) -> Option<Arc<Lun>> {
-    let unit = cached.take().filter(|u| u.config.lun == lun);
-    unit.or_else(|| target?.lun(lun))
 }
 
 /// How many ended delegated tasks a target queues for retirement before a connection takes the
@@ -417,147 +398,6 @@ impl Retirements {
     }
 }
 
-/// Counters of one logical unit, for `targetctl stats` and the metrics endpoint.
-#[derive(Debug, Default)]
-pub struct LunStats {
-    /// Commands that read blocks.
-    pub read_commands: AtomicU64,
-    /// Commands that wrote blocks.
-    pub write_commands: AtomicU64,
-    /// Other commands.
-    pub other_commands: AtomicU64,
-    /// Bytes read.
-    pub read_bytes: AtomicU64,
-    /// Bytes written.
-    pub write_bytes: AtomicU64,
-    /// Sum of read command latencies, nanoseconds (arrival to status).
-    pub read_latency_ns: AtomicU64,
-    /// Sum of write command latencies, nanoseconds.
-    pub write_latency_ns: AtomicU64,
-    /// Commands that ended with CHECK CONDITION.
-    pub errors: AtomicU64,
-    /// Reads by latency: how many fell in each of [`LATENCY_BOUNDS_US`] (not cumulative; the
-    /// last bucket past every bound).
-    pub read_latency_buckets: [AtomicU64; LATENCY_BUCKETS],
-    /// Writes by latency, as `read_latency_buckets`.
-    pub write_latency_buckets: [AtomicU64; LATENCY_BUCKETS],
-}
-
-impl LunStats {
-    /// Counts a finished command (a SCSI task's or an NVMe command's).
-    pub fn count(&self, a: &scsi_core::transport::Accounting) {
-        let s = self;
-        let ns = a.latency.as_nanos() as u64;
-        if a.error {
-            s.errors.fetch_add(1, Ordering::Relaxed);
-        }
-        if a.read_bytes > 0 {
-            s.read_commands.fetch_add(1, Ordering::Relaxed);
-            s.read_bytes.fetch_add(a.read_bytes, Ordering::Relaxed);
-            s.read_latency_ns.fetch_add(ns, Ordering::Relaxed);
-            s.read_latency_buckets[latency_bucket(ns)].fetch_add(1, Ordering::Relaxed);
-        } else if a.write_bytes > 0 {
-            s.write_commands.fetch_add(1, Ordering::Relaxed);
-            s.write_bytes.fetch_add(a.write_bytes, Ordering::Relaxed);
-            s.write_latency_ns.fetch_add(ns, Ordering::Relaxed);
-            s.write_latency_buckets[latency_bucket(ns)].fetch_add(1, Ordering::Relaxed);
-        } else {
-            s.other_commands.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-}
-
-/// The upper bounds of the latency histograms' buckets, microseconds: 50 us to 5 s, so a p99
-/// of a fast unit and of a stalled one both show.
-pub const LATENCY_BOUNDS_US: [u64; 19] = [
-    5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000,
-    500_000, 1_000_000, 2_500_000, 5_000_000,
-];
-
-/// Buckets of a latency histogram: one per bound and one past them.
-pub const LATENCY_BUCKETS: usize = LATENCY_BOUNDS_US.len() + 1;
-
-/// The bucket a latency of `ns` falls in.
-pub fn latency_bucket(ns: u64) -> usize {
-    let us = ns / 1000;
-    LATENCY_BOUNDS_US
-        .iter()
-        .position(|&b| us < b || (us == b && ns % 1000 == 0))
-        .unwrap_or(LATENCY_BOUNDS_US.len())
-}
-
-/// A logical unit: its config, its storage and its counters. Replaced as a whole when it
-/// changes (resize), so a reactor that opened the old one opens the new one afresh.
-#[derive(Debug)]
-pub struct Lun {
-    /// Unique for the daemon's life.
-    pub id: u64,
-    /// The config it was made from.
-    pub config: config::Lun,
-    /// Block size in bytes.
-    pub block_size: u32,
-    /// Capacity in blocks.
-    pub blocks: u64,
-    /// Where its blocks are.
-    pub storage: Arc<dyn UnitStore>,
-    /// Counters (kept across a resize).
-    pub stats: Arc<LunStats>,
-    /// Faults armed by `targetctl lun fault` (kept across a resize).
-    pub faults: Arc<Faults>,
-    /// The shared state this gateway follows (a unit on shared storage in a cluster).
-    pub shared: Option<Following>,
-}
-
-impl Lun {
-    /// The unit as a target's or subsystem's definition gives it: shared storage names itself
-    /// alike on every gateway (an RBD image: `rbd:<spec>`, with its block size and whether it
-    /// is read-only); any other is `gateway`'s own.
-    pub fn definition(&self, gateway: &str) -> String {
-        match self.storage.identity_key() {
-            Some(storage) => format!(
-                "{storage} block_size {} read_only {}",
-                self.block_size, self.config.read_only
-            ),
-            None => format!(
-                "{} storage of gateway {gateway} alone (another disk through each gateway)",
-                self.config.backend
-            ),
-        }
-    }
-
-    /// Checks that `bytes` is a size this unit can take (a non-zero multiple of its block
-    /// size) and resizes its storage: the new storage and its blocks.
-    pub fn resize_storage(&self, bytes: u64) -> Result<(Arc<dyn UnitStore>, u64), String> {
-        let bs = u64::from(self.block_size);
-        if bytes == 0 || bytes % bs != 0 {
-            return Err(format!(
-                "{bytes} is not a non-zero multiple of the block size {bs}"
-            ));
-        }
-        let storage = self.storage.resize(self.block_size, self.blocks, bytes)?;
-        Ok((storage, bytes / bs))
-    }
-
-    /// This unit at its new size on `storage` (resized): a new identity for the reactors'
-    /// open backends, the counters and faults kept.
-    pub fn resized(&self, storage: Arc<dyn UnitStore>, blocks: u64) -> Lun {
-        let mut config = self.config.clone();
-        config.size = Some(config::Size(blocks * u64::from(self.block_size)));
-        Lun {
-            id: next_id(),
-            config,
-            block_size: self.block_size,
-            blocks,
-            storage,
-            stats: self.stats.clone(),
-            faults: self.faults.clone(),
-            shared: self.shared.clone(),
-        }
-    }
-}
-
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
 /// "port group 1 active/optimized, port group 2 standby": for the log line of a change.
 pub fn port_group_states(groups: &[scsi_core::spc::tpg::PortGroup]) -> String {
     groups
@@ -565,77 +405,6 @@ pub fn port_group_states(groups: &[scsi_core::spc::tpg::PortGroup]) -> String {
         .map(|g| format!("port group {} {}", g.id, g.state.name()))
         .collect::<Vec<_>>()
         .join(", ")
-}
-
-/// A fresh id for a target, LUN or connection.
-pub fn next_id() -> u64 {
-    NEXT_ID.fetch_add(1, Ordering::Relaxed)
-}
-
-impl Lun {
-    /// Opens (creating a missing file) the storage `config` describes.
-    pub fn open(config: &config::Lun, stats: Arc<LunStats>) -> Result<Lun, String> {
-        let bs = config.block_size;
-        let (storage, blocks) = crate::store::open(config)?;
-        Ok(Lun {
-            id: next_id(),
-            config: config.clone(),
-            block_size: bs,
-            blocks,
-            storage,
-            stats,
-            faults: Arc::default(),
-            shared: None,
-        })
-    }
-
-    /// How the SCSI core describes this unit. The identity derives from the storage when
-    /// it is shared (an RBD image: every gateway names it alike), or else from the target
-    /// name, the LUN and the backing path, so it is stable across restarts and unique per
-    /// unit; and, for a gateway of a cluster (`gateway`), from the gateway's name too: one
-    /// gateway's own file or memory is another disk than another gateway's under the same
-    /// target and LUN, and an initiator's multipath must not take them for one.
-    pub fn logical_unit(&self, target: &str, gateway: Option<&str>) -> LogicalUnit {
-        let c = &self.config;
-        let key = self.storage.identity_key().unwrap_or_else(|| {
-            let own = format!(
-                "{target}/{}/{}",
-                c.lun,
-                c.path
-                    .as_ref()
-                    .map(|p| p.display().to_string())
-                    .unwrap_or_default()
-            );
-            match gateway {
-                Some(g) => format!("{own}@{g}"),
-                None => own,
-            }
-        });
-        LogicalUnit {
-            identity: Identity::new(
-                "TARGETD",
-                &format!("{} disk", c.backend),
-                "0001",
-                key.as_bytes(),
-            ),
-            geometry: Geometry {
-                block_size: self.block_size,
-                blocks: self.blocks,
-                thin: c.thin && c.backend != "null",
-                write_cache: c.write_cache,
-                read_only: c.read_only,
-            },
-            limits: {
-                let (max_transfer, optimal_transfer) = c.transfer_lengths();
-                let limits = Limits {
-                    max_transfer,
-                    optimal_transfer,
-                    ..Limits::default()
-                };
-                self.storage.limits(self.block_size, limits)
-            },
-        }
-    }
 }
 
 /// A target: name, access rules, logical units and its SCSI device.
@@ -646,8 +415,8 @@ pub struct Target {
     pub name: String,
     /// Access rules and CHAP (the `luns` list here is not kept current; see [`Target::luns`]).
     pub config: RwLock<config::Target>,
-    /// The logical units by LUN.
-    pub luns: RwLock<BTreeMap<u16, Arc<Lun>>>,
+    /// The logical units by LUN index.
+    pub luns: UnitMap<u16>,
     core: Mutex<Core>,
     /// How often `core` was locked: the figure the lock-per-command goal is checked by.
     acquisitions: AtomicU64,
@@ -689,7 +458,7 @@ impl Target {
             id: next_id(),
             name: config.name.clone(),
             config: RwLock::new(config.clone()),
-            luns: RwLock::new(BTreeMap::new()),
+            luns: UnitMap::default(),
             core: Mutex::new(Core::new(device)),
             acquisitions: AtomicU64::new(0),
             retired: Retirements::new(RETIREMENTS),
@@ -763,12 +532,17 @@ impl Target {
         any
     }
 
-    /// Adds a finished task to its unit's counters.
-    pub fn account(&self, a: &scsi_core::transport::Accounting) {
-        let Some(lun) = scsi_core::lun_index(a.lun).and_then(|i| self.lun(i)) else {
-            return;
-        };
-        lun.stats.count(a);
+    /// Counts a finished task on its unit, through a connection's cache of the units.
+    pub fn account(&self, cache: &mut UnitCache<u16>, a: &scsi_core::transport::Accounting) {
+        if let Some(index) = scsi_core::lun_index(a.lun) {
+            cache.account(&self.luns, index, a);
+        }
+    }
+
+    /// Unit `index` for a backend operation, through a connection's cache; `None` when it
+    /// is gone (removed while the task ran), which the machine hears as a backend error.
+    pub fn cached_lun(&self, cache: &mut UnitCache<u16>, index: u16) -> Option<Arc<Lun>> {
+        cache.unit(&self.luns, index)
     }
 
     /// A delegated task has ended at its connection, which does not hold the core's lock:
@@ -794,21 +568,12 @@ impl Target {
 
     /// A logical unit by LUN index.
     pub fn lun(&self, index: u16) -> Option<Arc<Lun>> {
-        self.luns
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&index)
-            .cloned()
+        self.luns.get(index)
     }
 
     /// Every logical unit, by LUN.
     pub fn lun_list(&self) -> Vec<Arc<Lun>> {
-        self.luns
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .values()
-            .cloned()
-            .collect()
+        self.luns.list().into_iter().map(|(_, u)| u).collect()
     }
 
     /// The target as this gateway exports it, for the cluster's comparison of whole targets
@@ -890,10 +655,7 @@ impl Target {
             self.with_core(|core, out| core.router().add_unit(config.lun, unit, out))
                 .map_err(|e| e.to_string())?;
         }
-        self.luns
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(config.lun, Arc::new(lun));
+        self.luns.insert(config.lun, Arc::new(lun));
         Ok(())
     }
 
@@ -901,10 +663,7 @@ impl Target {
     pub fn remove_lun(&self, index: u16) -> Result<(), String> {
         self.with_core(|core, out| core.router().remove_unit(index, out))
             .map_err(|e| e.to_string())?;
-        self.luns
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&index);
+        self.luns.remove(index);
         Ok(())
     }
 
@@ -927,10 +686,7 @@ impl Target {
     ) -> Result<(), String> {
         let index = old.config.lun;
         let lun = old.resized(storage, blocks);
-        self.luns
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(index, Arc::new(lun));
+        self.luns.insert(index, Arc::new(lun));
         self.with_core(|core, out| core.router().resize_unit(index, blocks, out))
             .map_err(|e| e.to_string())
     }
@@ -1008,10 +764,7 @@ impl Target {
         if lun.shared.is_none() {
             return Err("its storage is no longer shared".into());
         }
-        self.luns
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(index, Arc::new(lun));
+        self.luns.insert(index, Arc::new(lun));
         Ok(())
     }
 
@@ -1320,27 +1073,5 @@ mod tests {
             .map(TaskId::to_bits)
             .collect();
         assert_eq!(rest, [1, 2, 3, 9]);
-    }
-}
-
-#[cfg(test)]
-mod latency_tests {
-    use super::{latency_bucket, LATENCY_BOUNDS_US};
-
-    #[test]
-    fn a_latency_falls_in_the_first_bucket_whose_bound_holds_it() {
-        assert_eq!(latency_bucket(0), 0);
-        assert_eq!(latency_bucket(5_000), 0, "5 us is within le=0.000005");
-        assert_eq!(
-            latency_bucket(8_000),
-            1,
-            "a fast read has buckets below 50 us"
-        );
-        assert_eq!(latency_bucket(50_000), 3, "50 us is within le=0.00005");
-        assert_eq!(latency_bucket(50_001), 4);
-        assert_eq!(latency_bucket(999_999), 7);
-        assert_eq!(latency_bucket(1_000_000), 7, "1 ms is within le=0.001");
-        assert_eq!(latency_bucket(5_000_000_000), 18);
-        assert_eq!(latency_bucket(60_000_000_000), LATENCY_BOUNDS_US.len());
     }
 }

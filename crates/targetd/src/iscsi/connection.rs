@@ -34,7 +34,8 @@ use crate::config::MAX_IO;
 use crate::control::{Control, Request};
 use crate::reactor::Io;
 use crate::registry::{Peer, Registry};
-use crate::target::{next_id, Core, CoreStep, Outbox, Route, Routed, Target};
+use crate::target::{Core, CoreStep, Outbox, Route, Routed, Target};
+use crate::unit::{next_id, Lun, UnitCache};
 use iscsi_pdu::target_node::Core as _;
 
 /// How long a closing connection waits for its tasks' backend operations.
@@ -130,9 +131,8 @@ pub(crate) struct Link {
     pub(crate) registry: Arc<Registry>,
     pub(crate) route: Route,
     pub(crate) out: Outbox,
-    /// The unit whose block size the machine asked for last: the backend operation that
-    /// follows runs on it without a second lookup.
-    pub(crate) unit: Option<Arc<crate::target::Lun>>,
+    /// The target's units as this connection last found them.
+    pub(crate) units: UnitCache<u16>,
 }
 
 /// The session and the target as one step of the connection reaches them (a PDU read, a turn
@@ -160,11 +160,11 @@ impl<'a> SessionStep<'a> {
             registry,
             route,
             out,
-            unit,
+            units,
         } = link;
         let target = scope.session().map(|s| (&*s.target, s.nexus));
         SessionStep {
-            core: CoreStep::new(target, route, out, unit),
+            core: CoreStep::new(target, route, out, units),
             scope,
             id: *id,
             peer: *peer,
@@ -361,15 +361,15 @@ struct Machine<'t, 'a> {
 }
 
 impl Carried for Machine<'_, '_> {
-    fn account(&self, done: &scsi_core::transport::Accounting) {
+    fn account(&mut self, done: &scsi_core::transport::Accounting) {
         if let Some(target) = self.nexus.scope.target() {
-            target.account(done);
+            target.account(self.nexus.core.units, done);
         }
     }
 
-    fn unit(&mut self, lun: u16) -> Option<Arc<crate::target::Lun>> {
-        let target = self.nexus.scope.target().map(|t| &**t);
-        crate::target::unit_for(self.nexus.core.unit, target, lun)
+    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
+        let target = self.nexus.scope.target()?;
+        target.cached_lun(self.nexus.core.units, lun)
     }
 
     fn backend_done(
@@ -457,7 +457,7 @@ pub(crate) fn enter<B: scsi_core::transport::TaskBuffer>(
         registry: registry.clone(),
         route: Route { conn: peer.id, tx },
         out: Outbox::new(peer.id),
-        unit: None,
+        units: UnitCache::default(),
     };
     Entered {
         machine,
@@ -561,8 +561,9 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
         {
             let mut c = conn.borrow_mut();
             let mut t = c.turn();
-            t.absorb();
-            t.pump(Instant::now());
+            let now = Instant::now();
+            t.absorb(now);
+            t.pump(now);
             while t.machine.poll_transmit().is_some() {}
             if t.machine.is_idle() && t.nexus.core.out.local.is_empty() {
                 return;
@@ -591,8 +592,7 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
     };
     loop {
         let incoming = reader.next().await;
-        let (mut plan, mut closing) = step(conn, |t| {
-            let now = Instant::now();
+        let (mut plan, mut closing) = step(conn, |t, now| {
             Ok(match incoming {
                 Ok(Incoming::Whole(pdu)) => t.machine.handle_pdu(now, pdu, &mut t.nexus),
                 Ok(Incoming::Payload { pdu, len, header }) => {
@@ -615,9 +615,9 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
                 }
                 Plan::Allocate(len) => {
                     let buffer = write_buffer(conn, &share, len as usize).await;
-                    (plan, closing) = step(conn, |t| {
+                    (plan, closing) = step(conn, |t, now| {
                         let nexus = &mut t.nexus;
-                        Ok(t.machine.handle_allocated(Instant::now(), buffer, nexus))
+                        Ok(t.machine.handle_allocated(now, buffer, nexus))
                     })?;
                 }
                 Plan::Receive {
@@ -626,10 +626,10 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
                     len,
                 } => {
                     let r = reader.payload(&mut buffer[at..at + len]).await;
-                    (plan, closing) = step(conn, |t| {
+                    (plan, closing) = step(conn, |t, now| {
                         let nexus = &mut t.nexus;
                         match r {
-                            Ok(()) => t.machine.handle_payload(Instant::now(), buffer, nexus),
+                            Ok(()) => t.machine.handle_payload(now, buffer, nexus),
                             Err(ReadError::Reject { reason, header }) => t
                                 .machine
                                 .handle_payload_error(buffer, reason, &header, nexus),
@@ -676,22 +676,23 @@ async fn write_buffer(
 }
 
 /// One step of the reader: `f` on the machine and, unless it leaves a payload to read, what
-/// the core and the machine then ask for, all under at most one acquisition of the core's lock.
-/// Returns the plan and whether the connection is closing.
+/// the core and the machine then ask for, all under at most one acquisition of the core's lock,
+/// at one reading of the clock. Returns the plan and whether the connection is closing.
 ///
 /// Backend completions are left to the worker: taking them here as well saved no acquisition
 /// at queue depth 32 (1.03 per command either way) and split the worker's response batches.
 fn step(
     conn: &Rc<RefCell<Conn>>,
-    f: impl FnOnce(&mut Turn<'_>) -> Result<Plan<Buffer>, ReadError>,
+    f: impl FnOnce(&mut Turn<'_>, Instant) -> Result<Plan<Buffer>, ReadError>,
 ) -> Result<(Plan<Buffer>, bool), ReadError> {
     let mut c = conn.borrow_mut();
     let mut t = c.turn();
     // Tracing switched on since the last step covers this step's PDU from its arrival.
     t.trace();
-    let plan = f(&mut t)?;
+    let now = Instant::now();
+    let plan = f(&mut t, now)?;
     if matches!(plan, Plan::Next | Plan::Discard) {
-        t.pump(Instant::now());
+        t.pump(now);
     }
     Ok((plan, t.machine.closing().is_some()))
 }
@@ -748,8 +749,9 @@ async fn work_loop(
             while let Ok(ev) = rx.try_recv() {
                 t.nexus.core.out.local.push_back(ev);
             }
-            t.absorb();
-            t.pump(Instant::now());
+            let now = Instant::now();
+            t.absorb(now);
+            t.pump(now);
             let mut request = control.get();
             if discovery && request == Request::Logout {
                 // A discovery session is simply closed when the daemon stops.
@@ -847,9 +849,8 @@ impl Conn {
 }
 
 impl Turn<'_> {
-    /// Moves backend completions into the machine (and through it the core).
-    fn absorb(&mut self) {
-        let now = Instant::now();
+    /// Moves backend completions into the machine (and through it the core), at `now`.
+    fn absorb(&mut self, now: Instant) {
         let mut m = Machine {
             machine: self.machine,
             nexus: &mut self.nexus,

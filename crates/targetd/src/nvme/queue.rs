@@ -14,7 +14,7 @@ use scsi_core::{BackendError, Output, TaskId};
 
 use crate::carrier::Carried;
 use crate::registry::Registry;
-use crate::target::Lun;
+use crate::unit::{Lun, UnitCache};
 
 use super::NvmeSubsystem;
 
@@ -61,17 +61,19 @@ pub struct Link<'a, Q> {
     pub machine: &'a mut ControllerConnection<Buffer, Q>,
     /// The subsystem its Connect named, once it did.
     pub subsystem: Option<&'a NvmeSubsystem>,
+    /// The subsystem's namespaces as the queue last found them.
+    pub units: &'a mut UnitCache<u32>,
 }
 
 impl<Q: Transport<Buffer>> Carried for Link<'_, Q> {
-    fn account(&self, done: &Accounting) {
+    fn account(&mut self, done: &Accounting) {
         if let Some(s) = self.subsystem {
-            s.account(done);
+            s.account(self.units, done);
         }
     }
 
     fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
-        self.subsystem?.namespace(u32::from(lun))
+        self.subsystem?.cached_namespace(self.units, u32::from(lun))
     }
 
     fn backend_done(

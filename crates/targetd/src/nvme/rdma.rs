@@ -41,7 +41,7 @@ use crate::control::{Control, Request};
 use crate::fabric::{Fabric, FabricBuffer, Qp, NO_ADDRESS, NVME_MAX_IN_CAPSULE_DATA};
 use crate::reactor::Io;
 use crate::registry::{ConnectionSlot, Registry};
-use crate::target::{next_id, Lun};
+use crate::unit::{next_id, Lun, UnitCache};
 
 /// The most entries an I/O queue over RDMA takes (`nvme.queue_entries` when smaller): each is
 /// a receive buffer posted for the queue's life. Linux's host asks 128.
@@ -94,6 +94,8 @@ struct Conn<Q> {
     events: Option<watch::Receiver<u64>>,
     /// The subsystem said something may wait for this queue.
     poked: bool,
+    /// The subsystem's namespaces as this queue last found them.
+    units: UnitCache<u32>,
     /// Work the machine asked for that waits for a message buffer or room on the send queue.
     pending: VecDeque<Work<Buffer>>,
     /// RDMA READs of command data in flight: the command's CID, by work request id.
@@ -118,16 +120,15 @@ impl<Q> Conn<Q> {
         Link {
             machine: &mut self.machine,
             subsystem: self.subsystem.as_deref(),
+            units: &mut self.units,
         }
     }
 }
 
 /// What the carrier hands a queue: its machine and subsystem, as an NVMe/TCP connection's.
 impl<Q> Carried for Conn<Q> {
-    fn account(&self, done: &Accounting) {
-        if let Some(s) = &self.subsystem {
-            s.account(done);
-        }
+    fn account(&mut self, done: &Accounting) {
+        self.link().account(done);
     }
 
     fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
@@ -366,6 +367,7 @@ impl<F: Fabric> Portal<F> {
                     subsystem: None,
                     events: None,
                     poked: false,
+                    units: UnitCache::default(),
                     pending: VecDeque::new(),
                     reads: HashMap::new(),
                     fetching: None,
@@ -494,11 +496,7 @@ impl<F: Fabric> Portal<F> {
         let mut progress = false;
         while let Some(e) = c.machine.poll_event() {
             progress = true;
-            let mut link = Link {
-                machine: &mut c.machine,
-                subsystem: c.subsystem.as_deref(),
-            };
-            self.carrier.carry(now, id, &mut link, e);
+            self.carrier.carry(now, id, &mut c.link(), e);
         }
         progress
     }

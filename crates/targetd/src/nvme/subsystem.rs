@@ -15,7 +15,8 @@ use crate::cluster::{Cluster, Following, SharedTarget};
 use crate::config;
 use crate::lock;
 use crate::store::UnitStore;
-use crate::target::{next_id, Lun, LunStats, TargetEnv};
+use crate::target::TargetEnv;
+use crate::unit::{next_id, Lun, LunStats, UnitCache, UnitMap};
 
 /// The largest transfer of one command: 2^MDTS pages of 4 KiB, 1 MiB (Linux's host splits
 /// larger requests).
@@ -51,7 +52,7 @@ pub struct NvmeSubsystem {
     /// [`NvmeSubsystem::namespaces`]).
     pub config: RwLock<config::Subsystem>,
     machine: Mutex<Subsystem>,
-    namespaces: RwLock<BTreeMap<u32, Arc<Lun>>>,
+    namespaces: UnitMap<u32>,
     /// Removed from the daemon (`targetctl subsystem remove`, a reload): its connections
     /// close at their next wake.
     removed: std::sync::atomic::AtomicBool,
@@ -133,7 +134,7 @@ impl NvmeSubsystem {
             nqn: config.nqn.clone(),
             config: RwLock::new(config.clone()),
             machine: Mutex::new(machine),
-            namespaces: RwLock::default(),
+            namespaces: UnitMap::default(),
             removed: Default::default(),
             this: this.clone(),
             resizing: Mutex::new(()),
@@ -174,7 +175,7 @@ impl NvmeSubsystem {
                 namespaces: Vec::new(),
             }),
             machine: Mutex::new(machine),
-            namespaces: RwLock::default(),
+            namespaces: UnitMap::default(),
             removed: Default::default(),
             this: this.clone(),
             resizing: Mutex::new(()),
@@ -282,21 +283,12 @@ impl NvmeSubsystem {
 
     /// Namespace `nsid`'s unit.
     pub fn namespace(&self, nsid: u32) -> Option<Arc<Lun>> {
-        self.namespaces
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get(&nsid)
-            .cloned()
+        self.namespaces.get(nsid)
     }
 
     /// The namespaces, by NSID.
     pub fn namespaces(&self) -> Vec<(u32, Arc<Lun>)> {
-        self.namespaces
-            .read()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .map(|(n, l)| (*n, l.clone()))
-            .collect()
+        self.namespaces.list()
     }
 
     /// Opens namespace `ns` and attaches it: the controllers connected hear of it (a
@@ -381,10 +373,7 @@ impl NvmeSubsystem {
     /// says why.
     pub fn attach_namespace(&self, (namespace, unit): (Namespace, Arc<Lun>)) -> Result<(), String> {
         let (nsid, shared) = (namespace.nsid, namespace.shared_reservations);
-        self.namespaces
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(nsid, unit.clone());
+        self.namespaces.insert(nsid, unit.clone());
         self.with_machine(|m| {
             m.add_namespace(namespace);
             if shared {
@@ -393,10 +382,7 @@ impl NvmeSubsystem {
         });
         if shared {
             if let Err(e) = self.share(nsid, &unit) {
-                self.namespaces
-                    .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .remove(&nsid);
+                self.namespaces.remove(nsid);
                 self.with_machine(|m| m.remove_namespace(nsid));
                 return Err(e);
             }
@@ -437,20 +423,13 @@ impl NvmeSubsystem {
         let old = self.namespace(nsid).ok_or(format!("no namespace {nsid}"))?;
         let unit = Arc::new(self.open_unit(nsid, &old.config, old.stats.clone())?);
         lock(&self.following).remove(&nsid);
-        self.namespaces
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(nsid, unit.clone());
+        self.namespaces.insert(nsid, unit.clone());
         self.share(nsid, &unit)
     }
 
     /// Detaches namespace `nsid`; its commands in flight end on the store they started on.
     pub fn remove_namespace(&self, nsid: u32) -> Result<(), String> {
-        let gone = self
-            .namespaces
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(&nsid);
+        let gone = self.namespaces.remove(nsid);
         if gone.is_none() {
             return Err(format!("no namespace {nsid}"));
         }
@@ -506,8 +485,6 @@ impl NvmeSubsystem {
     /// Linux's host rereads Identify Namespace). Reservations stay.
     fn replace_resized(&self, nsid: u32, old: &Lun, storage: Arc<dyn UnitStore>, blocks: u64) {
         self.namespaces
-            .write()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(nsid, Arc::new(old.resized(storage, blocks)));
         self.with_machine(|m| {
             if let Some(mut ns) = m.namespace(nsid).cloned() {
@@ -517,11 +494,16 @@ impl NvmeSubsystem {
         });
     }
 
-    /// Counts a finished command on its namespace.
-    pub fn account(&self, a: &scsi_core::transport::Accounting) {
-        if let Some(unit) = u32::try_from(a.lun).ok().and_then(|n| self.namespace(n)) {
-            unit.stats.count(a);
+    /// Counts a finished command on its namespace, through a connection's cache of them.
+    pub fn account(&self, cache: &mut UnitCache<u32>, a: &scsi_core::transport::Accounting) {
+        if let Ok(nsid) = u32::try_from(a.lun) {
+            cache.account(&self.namespaces, nsid, a);
         }
+    }
+
+    /// Namespace `nsid`'s unit for a backend operation, through a connection's cache.
+    pub fn cached_namespace(&self, cache: &mut UnitCache<u32>, nsid: u32) -> Option<Arc<Lun>> {
+        cache.unit(&self.namespaces, nsid)
     }
 
     /// Whether a namespace on `unit` is exported by the other gateways of the cluster too.

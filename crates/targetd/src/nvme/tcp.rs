@@ -29,7 +29,7 @@ use crate::iscsi::connection::{wait_for, CONNECTION_SHARE};
 use crate::iscsi::wire::write_all_vectored;
 use crate::reactor::Io;
 use crate::registry::Registry;
-use crate::target::next_id;
+use crate::unit::{next_id, UnitCache};
 
 /// How long a closing connection waits for its commands' block operations.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -73,6 +73,7 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
         carrier: Carrier::single(io, share),
         subsystem: None,
         poked: false,
+        units: UnitCache::default(),
     };
     match run(&mut conn, stream, &registry, &control, peer).await {
         Ok(()) => tracing::debug!(%peer, "NVMe/TCP connection closed"),
@@ -90,6 +91,8 @@ struct Conn {
     subsystem: Option<Arc<NvmeSubsystem>>,
     /// The subsystem said something may wait for this connection.
     poked: bool,
+    /// The subsystem's namespaces as this connection last found them.
+    units: UnitCache<u32>,
 }
 
 impl Conn {
@@ -102,11 +105,13 @@ impl Conn {
             carrier,
             subsystem,
             poked,
+            units,
         } = self;
         super::queue::take_arrivals(machine, subsystem, poked, registry, peer, now);
         let mut link = Link {
             machine,
             subsystem: subsystem.as_deref(),
+            units,
         };
         // Until nothing moves: an operation a backend ends at once (memory, null) is answered
         // in this pass, its data in the same write as the rest of the burst.
@@ -158,11 +163,13 @@ impl Conn {
                 machine,
                 carrier,
                 subsystem,
+                units,
                 ..
             } = self;
             let mut link = Link {
                 machine,
                 subsystem: subsystem.as_deref(),
+                units,
             };
             let now = Instant::now();
             carrier.completions(|_, done| carrier::deliver(&mut link, now, done));
