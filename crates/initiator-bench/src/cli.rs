@@ -199,6 +199,18 @@ pub(crate) enum Cmd {
         #[command(flatten)]
         login: LoginArgs,
     },
+    /// Ping a target with iSCSI NOP-Outs, one at a time, and report the round trips: 48
+    /// bytes each way through the target's connection and session, the floor under any
+    /// command's latency (a read at queue depth 1 is this plus the read).
+    Ping {
+        /// iscsi://[user%secret@]host[:port]/IQN/LUN
+        url: String,
+        /// Pings (after 100 not counted, to warm up).
+        #[arg(long, default_value_t = 10_000)]
+        count: usize,
+        #[command(flatten)]
+        login: LoginArgs,
+    },
 }
 
 #[derive(Subcommand)]

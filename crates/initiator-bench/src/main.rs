@@ -315,6 +315,27 @@ fn main() -> anyhow::Result<()> {
                 }
                 Ok(())
             }
+            Cmd::Ping { url, count, login } => {
+                let s = initiator_bench::Session::connect(&IscsiUrl::parse(&url)?, login.options()?)
+                    .await?;
+                for _ in 0..100 {
+                    s.nop().await?;
+                }
+                let mut ns = Vec::with_capacity(count);
+                for _ in 0..count.max(1) {
+                    let t = std::time::Instant::now();
+                    s.nop().await?;
+                    ns.push(t.elapsed().as_nanos() as u64);
+                }
+                s.logout().await?;
+                let mean = ns.iter().sum::<u64>() as f64 / ns.len() as f64 / 1e3;
+                let p = initiator_bench::trace::percentiles(ns).expect("at least one");
+                println!(
+                    "{} NOP-Out round trips to {url}: p50 {:.1} us  p90 {:.1}  p99 {:.1}  max {:.1}  mean {mean:.1}",
+                    p.count, p.p50, p.p90, p.p99, p.max
+                );
+                Ok(())
+            }
             Cmd::Discover { url, login } => {
                 for t in discover(&IscsiUrl::parse(&url)?, &login.options()?).await? {
                     println!("{} {}", t.name, t.addresses.join(" "));

@@ -165,7 +165,8 @@ pub struct Percentiles {
     pub max: f64,
 }
 
-fn percentiles(mut ns: Vec<u64>) -> Option<Percentiles> {
+/// The percentiles of `ns` (nanoseconds); `None` for none.
+pub fn percentiles(mut ns: Vec<u64>) -> Option<Percentiles> {
     if ns.is_empty() {
         return None;
     }

@@ -295,3 +295,20 @@ async fn compare_measures_the_cpu_of_a_process_per_target() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `ping` reports the round trips of as many NOP-Outs as asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ping_reports_nop_out_round_trips() {
+    let t = ScriptedTarget::start(Config::default()).await;
+    let out = bench(vec!["ping".into(), t.url(), "--count".into(), "50".into()]).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.starts_with("50 NOP-Out round trips to ") && stdout.contains(" p50 "),
+        "{stdout}"
+    );
+}

@@ -129,6 +129,7 @@ pub fn turn(p: &mut impl Port, ids: &mut Vec<u64>) {
         if !progress {
             break;
         }
+        p.carrier().io().active();
     }
 }
 

@@ -276,7 +276,15 @@ impl Server {
         let settings = reactor::Settings {
             engine,
             arena: ArenaConfig::default(),
+            busy_poll: registry.config().server.busy_poll,
         };
+        if !settings.busy_poll.is_zero() {
+            tracing::info!(
+                "reactors keep polling for {} after their connections' last request \
+                 (server.busy_poll): a core each while busy",
+                units::format_duration(settings.busy_poll)
+            );
+        }
         let mut reactors = Vec::new();
         let mut threads = Vec::new();
         for i in 0..count {

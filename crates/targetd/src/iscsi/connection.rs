@@ -790,7 +790,13 @@ async fn work_loop(
             writer.max_send = c.machine.max_send_data_segment_length();
         }
         if !batch.is_empty() {
-            let (exp, max) = conn.borrow().scope.window();
+            let (exp, max) = {
+                let c = conn.borrow();
+                // Answers going out: with busy polling on, the reactor keeps polling for the
+                // next request (once per batch, not per PDU).
+                c.carrier.io().active();
+                c.scope.window()
+            };
             writer.send(&batch, exp, max).await?;
             if cmdtrace::enabled() {
                 sent(&conn.borrow(), &batch);

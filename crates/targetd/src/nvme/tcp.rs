@@ -270,7 +270,10 @@ async fn run(
                 rd.read_buf(b)
             } => match r? {
                 0 => return Ok(()),
-                _ => conn.machine.received(),
+                _ => {
+                    conn.carrier.io().active();
+                    conn.machine.received()
+                }
             },
             (tag, b) = granted(&mut waiting) => {
                 if conn.carrier.waits.front().is_some_and(|w| w.tag == tag) {
