@@ -39,6 +39,18 @@ pub(crate) struct Cdb<'a> {
 /// What a command table entry runs ([`opcodes::CommandInfo`]).
 pub(crate) type Handler = fn(&mut Device, &Cdb<'_>) -> Result<Step, TaskError>;
 
+/// The handlers of [`opcodes::for_each_command`]'s list, in its order.
+macro_rules! command_handlers {
+    ($( $op:literal $(/ $sa:literal)? $access:ident $name:literal [$($u:literal),*]
+        => $group:ident :: $handler:ident ;)*) => {
+        /// What runs each command of [`opcodes::COMMANDS`], by its index there.
+        static HANDLERS: [Handler; opcodes::COMMAND_COUNT] =
+            [$(crate::$group::commands::$handler),*];
+    };
+}
+
+opcodes::for_each_command!(command_handlers);
+
 pub(crate) fn internal() -> TaskError {
     Sense::new(SenseKey::HardwareError, Asc::INTERNAL_TARGET_FAILURE).into()
 }
@@ -108,7 +120,7 @@ impl Device {
             limits: lu.unit.limits,
             swp: lu.swp,
         };
-        (info.handler)(self, &command)
+        HANDLERS[info.index](self, &command)
     }
 
     /// A block transfer of `c`: READ-like ops return data, write-like ops fetch it first.

@@ -2,9 +2,7 @@
 //! REPORT SUPPORTED OPERATION CODES (SPC-4 section 6.35) built from that table.
 
 use crate::cdb::check_control;
-use crate::dispatch::Handler;
 use crate::sense::{FieldPointer, Sense};
-use crate::{sbc, spc};
 
 /// What a command does to the medium: the reservations' word for it, kept where conflicts
 /// are decided.
@@ -23,28 +21,18 @@ pub struct CommandInfo {
     pub access: Access,
     /// Name, for logs.
     pub name: &'static str,
-    /// What runs it.
-    pub(crate) handler: Handler,
+    /// Its place in [`COMMANDS`], where the dispatcher finds what runs it.
+    pub(crate) index: usize,
 }
 
-macro_rules! commands {
-    ($( $op:literal $(/ $sa:literal)? $access:ident $name:literal [$($u:literal),*]
-        => $group:ident :: $handler:ident ;)*) => {
-        /// Every supported command, by opcode and service action.
-        pub static COMMANDS: &[CommandInfo] = &[$(CommandInfo {
-            opcode: $op,
-            service_action: commands!(@sa $($sa)?),
-            usage: &[$op, $($u),*],
-            access: Access::$access,
-            name: $name,
-            handler: $group::commands::$handler,
-        }),*];
-    };
-    (@sa) => { None };
-    (@sa $sa:literal) => { Some($sa) };
-}
-
-commands! {
+/// Every supported command, for the macro `$m` to make a table of, in (opcode, service
+/// action) order: `OPCODE[/SERVICE ACTION] ACCESS "NAME" [CDB USAGE after the opcode] =>
+/// GROUP::HANDLER;`. The table here ([`COMMANDS`]) takes all but the handler; the dispatcher,
+/// a layer above the device, takes the handlers in the same order, so this layer (which the
+/// device looks commands up in) names no code that runs on the device.
+macro_rules! for_each_command {
+    ($m:ident) => {
+        $m! {
     0x00 Always "TEST UNIT READY" [0, 0, 0, 0, 0] => spc::test_unit_ready;
     0x03 Exempt "REQUEST SENSE" [0x01, 0, 0, 0xff, 0] => spc::request_sense;
     0x04 Write "FORMAT UNIT" [0, 0, 0, 0, 0] => sbc::format_unit;
@@ -109,7 +97,37 @@ commands! {
     0xae Write "WRITE AND VERIFY(12)" [0x16, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x3f, 0] => sbc::write_and_verify;
     0xaf Read "VERIFY(12)" [0x16, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x3f, 0] => sbc::verify;
     0xb7 Read "READ DEFECT DATA(12)" [0x1f, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0, 0] => sbc::read_defect_data;
+        }
+    };
 }
+pub(crate) use for_each_command;
+
+/// [`COMMANDS`] from [`for_each_command`]'s list, each entry numbered by its place (one entry
+/// at a time, the count carried along).
+macro_rules! command_infos {
+    (@table [$($done:tt)*] $n:expr ;) => {
+        /// Every supported command, by opcode and service action.
+        pub static COMMANDS: &[CommandInfo] = &[$($done)*];
+        /// How many commands [`COMMANDS`] has.
+        pub(crate) const COMMAND_COUNT: usize = $n;
+    };
+    (@table [$($done:tt)*] $n:expr ; $op:literal $(/ $sa:literal)? $access:ident $name:literal
+        [$($u:literal),*] => $group:ident :: $handler:ident ; $($rest:tt)*) => {
+        command_infos! { @table [$($done)* CommandInfo {
+            opcode: $op,
+            service_action: command_infos!(@sa $($sa)?),
+            usage: &[$op, $($u),*],
+            access: Access::$access,
+            name: $name,
+            index: $n,
+        },] $n + 1 ; $($rest)* }
+    };
+    (@sa) => { None };
+    (@sa $sa:literal) => { Some($sa) };
+    ($($list:tt)*) => { command_infos! { @table [] 0 ; $($list)* } };
+}
+
+for_each_command!(command_infos);
 
 /// Whether the opcode's CDB carries a service action in byte 1 bits 4-0.
 pub fn has_service_action(opcode: u8) -> bool {
@@ -236,6 +254,10 @@ mod tests {
 
     #[test]
     fn table_is_consistent() {
+        assert_eq!(COMMANDS.len(), COMMAND_COUNT);
+        for (i, c) in COMMANDS.iter().enumerate() {
+            assert_eq!(c.index, i, "{} is numbered by its place", c.name);
+        }
         for c in COMMANDS {
             assert_eq!(cdb_length(c.opcode), Some(c.usage.len()), "{}", c.name);
             assert_eq!(
