@@ -293,7 +293,11 @@ impl Server {
             let (h, t) = reactor::spawn(i, settings.clone(), gauge)
                 .map_err(|e| fail("server.engine".into(), format!("reactor {i}: {e}")))?;
             if i == 0 {
-                *lock(&registry.engine) = h.engine.clone();
+                // What `targetctl status` says runs, busy polling included.
+                *lock(&registry.engine) = match settings.busy_poll {
+                    d if d.is_zero() => h.engine.clone(),
+                    d => format!("{}, busy polling {}", h.engine, units::format_duration(d)),
+                };
             }
             reactors.push(h);
             threads.push(t);

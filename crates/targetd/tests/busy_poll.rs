@@ -58,6 +58,10 @@ async fn busy_polling_reactors_serve_spin_while_busy_and_sleep_when_idle() {
     let d = Daemon::start_with(&text, |s| *nvme.lock().unwrap() = Some(s.nvme_portals()[0]));
     let nvme_addr = nvme.into_inner().unwrap().expect("an NVMe/TCP portal");
 
+    // `targetctl status` says so with the engine.
+    let engine = d.registry.engine.lock().unwrap().clone();
+    assert!(engine.ends_with(", busy polling 1s"), "{engine}");
+
     // Nothing connected yet: the reactor sleeps.
     let idle = cpu_over(Duration::from_millis(500)).await;
     assert!(
