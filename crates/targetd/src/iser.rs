@@ -43,6 +43,7 @@ use crate::control::{Control, Request};
 use crate::fabric::{Fabric, FabricBuffer, Qp, MESSAGE_LEN, NO_ADDRESS};
 use crate::iscsi::connection::{Link, Scope, SessionStep};
 use crate::iscsi::login::Outcome;
+use crate::port::{Post, SendQueue};
 use crate::reactor::Io;
 use crate::registry::{AdmissionState, ConnectionSlot, Peer, Registry};
 use crate::target::Routed;
@@ -228,8 +229,9 @@ struct Conn<Q, I> {
     qp: Q,
     peer: Peer,
     phase: Phase,
-    /// Work the machine asked for that waits for an IU buffer or room on the send queue.
-    pending: VecDeque<Work<Buffer>>,
+    /// The work the machine asked for, posted or waiting for an IU buffer or room on the
+    /// send queue.
+    sends: SendQueue<Work<Buffer>>,
     /// A received message whose write waits for its data buffer.
     held: Option<I>,
     /// Messages received behind the held one, in order (each with its length): handled once
@@ -238,8 +240,6 @@ struct Conn<Q, I> {
     deferred: VecDeque<(I, usize)>,
     /// RDMA READs in flight, by work request id.
     reads: HashMap<u64, DataOutRead>,
-    /// Sends, writes and reads posted and not yet completed.
-    in_flight: usize,
     /// Everything queued is to be sent, then the connection closes (a logout, a refused
     /// login).
     flush_then_close: bool,
@@ -419,11 +419,10 @@ impl<F: Fabric> Portal<F> {
                         state: AdmissionState::default(),
                         deadline: Instant::now() + login_timeout(&self.registry),
                     })),
-                    pending: VecDeque::new(),
+                    sends: SendQueue::new(SEND_DEPTH),
                     held: None,
                     deferred: VecDeque::new(),
                     reads: HashMap::new(),
-                    in_flight: 0,
                     flush_then_close: false,
                     linger_until: None,
                     lost: false,
@@ -467,7 +466,7 @@ impl<F: Fabric> Portal<F> {
             let failed = wc.result.is_err();
             let c = self.conns.get_mut(&id).expect("present");
             if wc.op != WorkOp::Recv {
-                c.in_flight = c.in_flight.saturating_sub(1);
+                c.sends.completed();
             }
             if failed && !c.lost {
                 tracing::debug!(portal = %self.portal, id, op = ?wc.op, "iSER work request failed: {:?}", wc.result);
@@ -635,8 +634,7 @@ impl<F: Fabric> Portal<F> {
         };
         let session = done.as_ref().and_then(|_| policy.0.take_session());
         lp.state = policy.0.into_state();
-        c.pending
-            .push_back(Work::Send(Pdu::LoginResponse(response)));
+        c.sends.push(Work::Send(Pdu::LoginResponse(response)));
         if let Some(done) = done {
             self.full_feature(id, *done, session, now);
         }
@@ -763,50 +761,39 @@ impl<F: Fabric> Portal<F> {
     /// Posts what a connection's machine asked, in order, as far as IU buffers and the send
     /// queue allow.
     fn post_work(&mut self, id: u64) -> bool {
-        let mut progress = false;
         let Some(c) = self.conns.get_mut(&id) else {
             return false;
         };
         if let Phase::Full(f) = &mut c.phase {
             let mut nexus = SessionStep::new(&mut f.link, &f.scope);
             while let Some(w) = f.machine.poll_work(&mut nexus) {
-                c.pending.push_back(w);
+                c.sends.push(w);
             }
         }
-        let qp = c.qp;
-        while c.in_flight < SEND_DEPTH {
-            let Some(w) = c.pending.pop_front() else {
-                break;
-            };
-            if c.lost {
-                // Nothing more goes out; buffers go back.
-                continue;
-            }
-            let wr = self.next_wr;
-            self.next_wr += 1;
-            let verbs = self.fabric.verbs();
+        let (qp, verbs, share) = (c.qp, self.fabric.verbs(), self.carrier.waits.share());
+        let (reads, scratch, counters) = (&mut c.reads, &mut self.scratch, &self.registry.counters);
+        let portal = &self.portal;
+        c.sends.post(c.lost, &mut self.next_wr, |w, wr| {
             match w {
                 Work::Send(pdu) => {
-                    self.scratch.clear();
-                    iser::encode(&pdu, &IserHeader::default(), &mut self.scratch);
+                    scratch.clear();
+                    iser::encode(&pdu, &IserHeader::default(), scratch);
                     let Some(mut b) = verbs.message_buffer() else {
-                        c.pending.push_front(Work::Send(pdu));
-                        break;
+                        return Post::Wait(Work::Send(pdu));
                     };
-                    let n = self.scratch.len();
+                    let n = scratch.len();
                     if n > b.len() {
-                        tracing::error!(portal = %self.portal, id, "a PDU of {n} bytes is longer than an IU buffer: dropped");
+                        tracing::error!(%portal, id, "a PDU of {n} bytes is longer than an IU buffer: dropped");
                         verbs.recycle_message(b);
-                        continue;
+                        return Post::Dropped;
                     }
-                    b[..n].copy_from_slice(&self.scratch);
-                    tracing::trace!(portal = %self.portal, id, len = n, pdu = ?pdu.opcode(), "iSER send");
+                    b[..n].copy_from_slice(scratch);
+                    tracing::trace!(%portal, id, len = n, pdu = ?pdu.opcode(), "iSER send");
                     verbs.post_send(qp, wr, PortBuffer::Message(b), n);
                 }
                 Work::HelloReply(r) => {
                     let Some(mut b) = verbs.message_buffer() else {
-                        c.pending.push_front(Work::HelloReply(r));
-                        break;
+                        return Post::Wait(Work::HelloReply(r));
                     };
                     let bytes = r.encode();
                     b[..bytes.len()].copy_from_slice(&bytes);
@@ -821,25 +808,20 @@ impl<F: Fabric> Portal<F> {
                     let buffer: FabricBuffer<F::Message> = match payload {
                         Payload::Buffer(b) => PortBuffer::Data(b),
                         Payload::Bytes(bytes) => {
-                            let share = self.carrier.waits.share();
                             let Some(b) = crate::fabric::registered::<F>(verbs, share, &bytes)
                             else {
-                                c.pending.push_front(Work::RdmaWrite {
+                                return Post::Wait(Work::RdmaWrite {
                                     itt,
                                     payload: Payload::Bytes(bytes),
                                     len,
                                     remote,
                                 });
-                                break;
                             };
                             b
                         }
                     };
                     verbs.post_rdma_write(qp, wr, buffer, 0, len as usize, &[region(remote, len)]);
-                    self.registry
-                        .counters
-                        .iser_rdma_writes
-                        .fetch_add(1, Ordering::Relaxed);
+                    counters.iser_rdma_writes.fetch_add(1, Ordering::Relaxed);
                 }
                 Work::RdmaRead {
                     read,
@@ -848,19 +830,14 @@ impl<F: Fabric> Portal<F> {
                     len,
                     remote,
                 } => {
-                    c.reads.insert(wr, read);
+                    reads.insert(wr, read);
                     let d = region(remote, len as u32);
                     verbs.post_rdma_read(qp, wr, PortBuffer::Data(buffer), at, len, &[d]);
-                    self.registry
-                        .counters
-                        .iser_rdma_reads
-                        .fetch_add(1, Ordering::Relaxed);
+                    counters.iser_rdma_reads.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            c.in_flight += 1;
-            progress = true;
-        }
-        progress
+            Post::Sent
+        })
     }
 
     /// Ends a connection once it is over: a flushed logout or refusal, a lost queue pair, a
@@ -873,7 +850,7 @@ impl<F: Fabric> Portal<F> {
         };
         let qp = c.qp;
         let broken = self.fabric.verbs().is_error(qp);
-        let flushed = c.flush_then_close && c.pending.is_empty() && c.in_flight == 0;
+        let flushed = c.flush_then_close && c.sends.is_idle();
         let now = Instant::now();
         let lingered = match (flushed, c.linger_until) {
             (false, _) => false,
@@ -909,7 +886,7 @@ impl<F: Fabric> Portal<F> {
                 return progress;
             }
         }
-        if c.in_flight > 0 {
+        if c.sends.in_flight() > 0 {
             // Flushed work requests come back through the completions.
             return progress;
         }

@@ -100,6 +100,96 @@ pub async fn run(p: &mut impl Port, registry: &Registry, what: &str, portal: &st
     tracing::info!(portal, "{what} stopped");
 }
 
+/// What became of one piece of work [`SendQueue::post`] offered.
+#[derive(Debug)]
+pub enum Post<W> {
+    /// Posted: it takes a place on the send queue until its completion.
+    Sent,
+    /// Given up (it could never go; its buffers went back).
+    Dropped,
+    /// It waits (no message buffer yet): it goes first next time.
+    Wait(W),
+}
+
+/// A connection's work for its queue pair's send queue (SENDs, RDMA READs and WRITEs), posted
+/// in order as far as the send queue's depth allows: what each RDMA port's connection keeps.
+#[derive(Debug)]
+pub struct SendQueue<W> {
+    pending: std::collections::VecDeque<W>,
+    in_flight: usize,
+    depth: usize,
+}
+
+impl<W> SendQueue<W> {
+    /// A send queue of `depth` work requests.
+    pub fn new(depth: usize) -> SendQueue<W> {
+        SendQueue {
+            pending: std::collections::VecDeque::new(),
+            in_flight: 0,
+            depth,
+        }
+    }
+
+    /// Queues `w` behind what waits.
+    pub fn push(&mut self, w: W) {
+        self.pending.push_back(w);
+    }
+
+    /// A posted work request has completed (or was flushed).
+    pub fn completed(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+    }
+
+    /// Work requests posted and not completed.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Nothing waits and nothing is posted.
+    pub fn is_idle(&self) -> bool {
+        self.pending.is_empty() && self.in_flight == 0
+    }
+
+    /// Drops what waits (its buffers go back).
+    pub fn clear(&mut self) {
+        self.pending.clear();
+    }
+
+    /// Offers the waiting work to `post` in order, each with the next work request id of
+    /// `next_wr`, while the send queue has room and until a piece must wait; with `lost`
+    /// (the queue pair is gone) the work is dropped instead. Whether any was posted.
+    pub fn post(
+        &mut self,
+        lost: bool,
+        next_wr: &mut u64,
+        mut post: impl FnMut(W, u64) -> Post<W>,
+    ) -> bool {
+        let mut progress = false;
+        while self.in_flight < self.depth {
+            let Some(w) = self.pending.pop_front() else {
+                break;
+            };
+            if lost {
+                continue;
+            }
+            let wr = *next_wr;
+            *next_wr += 1;
+            match post(w, wr) {
+                Post::Sent => {
+                    self.in_flight += 1;
+                    progress = true;
+                }
+                Post::Dropped => {}
+                Post::Wait(w) => {
+                    self.pending.push_front(w);
+                    break;
+                }
+            }
+        }
+        progress
+    }
+}
+
 /// Moves the core events other connections routed to a connection into its outbox; whether
 /// there were any (the port has something to do).
 pub fn take_routed(

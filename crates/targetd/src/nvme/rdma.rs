@@ -18,7 +18,7 @@
 //! NVMe has no logout: when the daemon stops, or the admin interface closes a queue, its
 //! queue pair is disconnected and the host reconnects (Linux: `ctrl_loss_tmo`).
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -39,6 +39,7 @@ use super::NvmeSubsystem;
 use crate::carrier::{Carried, Carrier, Want};
 use crate::control::{Control, Request};
 use crate::fabric::{Fabric, FabricBuffer, Qp, NO_ADDRESS, NVME_MAX_IN_CAPSULE_DATA};
+use crate::port::{Post, SendQueue};
 use crate::reactor::Io;
 use crate::registry::{ConnectionSlot, Registry};
 use crate::unit::{next_id, Lun, UnitCache};
@@ -96,14 +97,13 @@ struct Conn<Q> {
     poked: bool,
     /// The subsystem's namespaces as this queue last found them.
     units: UnitCache<u32>,
-    /// Work the machine asked for that waits for a message buffer or room on the send queue.
-    pending: VecDeque<Work<Buffer>>,
+    /// The work the machine asked for, posted or waiting for a message buffer or room on the
+    /// send queue.
+    sends: SendQueue<Work<Buffer>>,
     /// RDMA READs of command data in flight: the command's CID, by work request id.
     reads: HashMap<u64, u16>,
     /// The RDMA READ of a Connect's data in flight, by work request id.
     fetching: Option<u64>,
-    /// Work requests posted and not yet completed.
-    in_flight: usize,
     /// The queue pair is gone (or is being taken down): the queue's commands end, then it
     /// goes.
     lost: bool,
@@ -368,10 +368,9 @@ impl<F: Fabric> Portal<F> {
                     events: None,
                     poked: false,
                     units: UnitCache::default(),
-                    pending: VecDeque::new(),
+                    sends: SendQueue::new(SEND_DEPTH),
                     reads: HashMap::new(),
                     fetching: None,
-                    in_flight: 0,
                     lost: false,
                     torn_down: None,
                     control,
@@ -398,7 +397,7 @@ impl<F: Fabric> Portal<F> {
             progress = true;
             let ok = wc.result.is_ok();
             if wc.op != WorkOp::Recv {
-                c.in_flight = c.in_flight.saturating_sub(1);
+                c.sends.completed();
             }
             if !ok && !c.lost {
                 tracing::debug!(portal = %self.portal, id, op = ?wc.op, "NVMe/RDMA work request failed: {:?}", wc.result);
@@ -504,30 +503,19 @@ impl<F: Fabric> Portal<F> {
     /// Posts what a queue's machine asked, in order, as far as message buffers and the send
     /// queue allow.
     fn post_work(&mut self, id: u64) -> bool {
-        let mut progress = false;
         let Some(c) = self.conns.get_mut(&id) else {
             return false;
         };
         while let Some(w) = c.machine.transport_mut().poll_work() {
-            c.pending.push_back(w);
+            c.sends.push(w);
         }
-        let qp = c.qp;
-        while c.in_flight < SEND_DEPTH {
-            let Some(w) = c.pending.pop_front() else {
-                break;
-            };
-            if c.lost {
-                // Nothing more goes out; buffers go back.
-                continue;
-            }
-            let wr = self.next_wr;
-            self.next_wr += 1;
-            let verbs = self.fabric.verbs();
+        let (qp, verbs, share) = (c.qp, self.fabric.verbs(), self.carrier.waits.share());
+        let (reads, fetching) = (&mut c.reads, &mut c.fetching);
+        c.sends.post(c.lost, &mut self.next_wr, |w, wr| {
             match w {
                 Work::Respond(cqe) => {
                     let Some(mut b) = verbs.message_buffer() else {
-                        c.pending.push_front(Work::Respond(cqe));
-                        break;
+                        return Post::Wait(Work::Respond(cqe));
                     };
                     let bytes = cqe.to_bytes();
                     b[..bytes.len()].copy_from_slice(&bytes);
@@ -542,15 +530,13 @@ impl<F: Fabric> Portal<F> {
                     let buffer: FabricBuffer<F::Message> = match payload {
                         nvme::transport::Payload::Buffer { buffer, .. } => PortBuffer::Data(buffer),
                         nvme::transport::Payload::Bytes(bytes) => {
-                            let share = self.carrier.waits.share();
                             let Some(b) = crate::fabric::registered::<F>(verbs, share, &bytes)
                             else {
-                                c.pending.push_front(Work::Write {
+                                return Post::Wait(Work::Write {
                                     cid,
                                     payload: nvme::transport::Payload::Bytes(bytes),
                                     remote,
                                 });
-                                break;
                             };
                             b
                         }
@@ -564,25 +550,21 @@ impl<F: Fabric> Portal<F> {
                     len,
                     remote,
                 } => {
-                    c.reads.insert(wr, cid);
+                    reads.insert(wr, cid);
                     let d = region(remote);
                     verbs.post_rdma_read(qp, wr, PortBuffer::Data(buffer), at, len as usize, &[d]);
                 }
                 Work::FetchConnectData { cid, len, remote } => {
                     let Some(b) = verbs.message_buffer() else {
-                        c.pending
-                            .push_front(Work::FetchConnectData { cid, len, remote });
-                        break;
+                        return Post::Wait(Work::FetchConnectData { cid, len, remote });
                     };
-                    c.fetching = Some(wr);
+                    *fetching = Some(wr);
                     let d = region(remote);
                     verbs.post_rdma_read(qp, wr, PortBuffer::Message(b), 0, len as usize, &[d]);
                 }
             }
-            c.in_flight += 1;
-            progress = true;
-        }
-        progress
+            Post::Sent
+        })
     }
 
     /// Ends a queue once it is over: a lost queue pair, a failed controller, the daemon or
@@ -595,7 +577,7 @@ impl<F: Fabric> Portal<F> {
         };
         let qp = c.qp;
         let broken = self.fabric.verbs().is_error(qp);
-        let over = c.machine.is_over() && c.pending.is_empty() && c.in_flight == 0;
+        let over = c.machine.is_over() && c.sends.is_idle();
         if !(c.lost || broken || over) {
             return false;
         }
@@ -612,7 +594,7 @@ impl<F: Fabric> Portal<F> {
                 if let Some(s) = c.subsystem.clone() {
                     s.with_machine(|m| c.machine.close(m));
                 }
-                c.pending.clear();
+                c.sends.clear();
                 now
             }
         };
@@ -623,7 +605,7 @@ impl<F: Fabric> Portal<F> {
         if !drained {
             tracing::warn!(portal = %self.portal, id, "a closed NVMe/RDMA queue's commands did not finish in {DRAIN_TIMEOUT:?}");
         }
-        if c.in_flight > 0 && now.duration_since(since) < DRAIN_TIMEOUT {
+        if c.sends.in_flight() > 0 && now.duration_since(since) < DRAIN_TIMEOUT {
             // Flushed work requests come back through the completions.
             return progress;
         }
