@@ -6,6 +6,17 @@
 //! reactor tick. Completions (from the ring or the pool) are signalled on one eventfd, which
 //! tokio watches with `AsyncFd`: on readiness, [`Engine::clear_event`], then poll every
 //! backend. Each logical unit has a queue-depth limit; beyond it, operations wait in order.
+//!
+//! Writes through the page cache are tried on the ring with `RWF_NOWAIT` first. A file system
+//! that takes them without blocking (XFS, btrfs) completes them inline in the submitting system
+//! call; one that cannot (ext4 has no non-blocking buffered writes) refuses them at once instead
+//! of io_uring handing each to its worker thread, which here cost more than the engine's own
+//! threads (whole writes serialised per file behind one io-wq worker, and a wake-up of it per
+//! write). A refused write goes to the engine's writer thread; a unit whose first
+//! [`NOWAIT_PROBES`] writes were all refused sends its writes there directly from then on.
+//! One writer per engine, not the helper pool: a file system that refuses them serialises a
+//! file's buffered writes on its inode lock anyway, and two threads contending for it cost
+//! 1.3x the IOPS here (docs/performance.md).
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
@@ -88,6 +99,24 @@ const FILE_TABLE: u32 = 256;
 /// Largest single SQE transfer.
 const MAX_SQE_BYTES: usize = 1 << 30;
 
+/// Buffered writes a unit tries with `RWF_NOWAIT` before, none taken, it stops trying.
+pub const NOWAIT_PROBES: u8 = 16;
+
+/// Where a unit's writes through the page cache go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BufferedWrites {
+    /// Not known yet: tried on the ring without blocking; `refused` so far, none taken.
+    Probe {
+        /// Writes refused so far.
+        refused: u8,
+    },
+    /// The file system took one without blocking: tried on the ring first, each refused one
+    /// on the engine's threads.
+    Ring,
+    /// The file system refused every probe: on the engine's threads.
+    Threads,
+}
+
 /// One reactor's engine. Cloning shares it; it is not Send (one per reactor thread).
 #[derive(Clone)]
 pub struct Engine(Rc<RefCell<Inner>>);
@@ -110,6 +139,7 @@ struct Lu {
     waiting: VecDeque<usize>,
     completions: VecDeque<(u64, Result<Output, BackendError>, Buffer)>,
     closed: bool,
+    buffered_writes: BufferedWrites,
 }
 
 struct Request {
@@ -119,12 +149,17 @@ struct Request {
     buf: Buffer,
     /// Bytes moved so far by a read or write (short transfers are resubmitted).
     done: usize,
+    /// The SQE in flight is a write with `RWF_NOWAIT`: `-EAGAIN` means "not without blocking".
+    nowait: bool,
 }
 
 // Field order is drop order: the pool joins (finishing its jobs) and the ring drains before
 // the buffers in `requests` are freed, and both before the eventfd closes.
 struct Inner {
     pool: Pool,
+    /// The thread for writes through the page cache that the ring refused, started at the
+    /// first one.
+    writer: Option<Pool>,
     uring: Option<Uring>,
     requests: Slab<Request>,
     lus: Slab<Lu>,
@@ -178,9 +213,10 @@ impl Engine {
         } else {
             config.threads
         };
-        let pool = Pool::new(threads, fd)?;
+        let pool = Pool::new(threads, fd, "backend-io")?;
         Ok(Engine(Rc::new(RefCell::new(Inner {
             pool,
+            writer: None,
             uring,
             requests: Slab::with_capacity(1024),
             lus: Slab::new(),
@@ -272,6 +308,7 @@ impl Engine {
             waiting: VecDeque::with_capacity(queue_depth as usize),
             completions: VecDeque::with_capacity(queue_depth as usize),
             closed: false,
+            buffered_writes: BufferedWrites::Probe { refused: 0 },
         });
         FileBackend {
             engine: self.clone(),
@@ -358,6 +395,7 @@ impl Engine {
             op,
             buf,
             done: 0,
+            nowait: false,
         });
         if l.in_flight >= l.queue_depth || !l.waiting.is_empty() {
             l.waiting.push_back(id);
@@ -582,8 +620,30 @@ impl Inner {
                 return;
             }
         }
+        self.on_threads(id);
+    }
+
+    /// Runs request `id` whole on the engine's threads (a write begun on the ring is written
+    /// again from its start: the same bytes from the same buffer): a write through the page
+    /// cache on the writer, anything else on the helper pool.
+    fn on_threads(&mut self, id: usize) {
+        let req = &mut self.requests[id];
+        req.nowait = false;
+        let lu = &self.lus[req.lu];
         let len = req.buf.len();
-        self.pool.push(Job {
+        let bs = lu.file.block_size();
+        let pool = if self.uring.is_some() && page_cache_write(lu, req, bs) {
+            if self.writer.is_none() {
+                match Pool::new(1, self.eventfd.as_raw_fd(), "backend-write") {
+                    Ok(w) => self.writer = Some(w),
+                    Err(e) => tracing::warn!("cannot start the engine's writer thread: {e}"),
+                }
+            }
+            self.writer.as_ref().unwrap_or(&self.pool)
+        } else {
+            &self.pool
+        };
+        pool.push(Job {
             request: id,
             file: lu.file.clone(),
             op: req.op,
@@ -610,6 +670,9 @@ impl Inner {
         }
         let mut reaped = std::mem::take(&mut self.reaped);
         self.pool.take_done(&mut reaped);
+        if let Some(w) = &self.writer {
+            w.take_done(&mut reaped);
+        }
         for (id, result) in reaped.drain(..) {
             self.finish(id, result);
         }
@@ -625,6 +688,26 @@ impl Inner {
             _ => 0,
         };
         let writing = !matches!(req.op, Op::Read { .. });
+        if req.nowait {
+            let lu = &mut self.lus[req.lu];
+            if res == -libc::EAGAIN || res == -libc::EOPNOTSUPP {
+                if let BufferedWrites::Probe { refused } = &mut lu.buffered_writes {
+                    *refused += 1;
+                    if *refused >= NOWAIT_PROBES {
+                        lu.buffered_writes = BufferedWrites::Threads;
+                        tracing::debug!(
+                            path = %lu.file.path().display(),
+                            "writes through the page cache go to the engine's threads: the \
+                             file system does not take them without blocking"
+                        );
+                    }
+                }
+                return self.on_threads(id);
+            }
+            if res >= 0 {
+                lu.buffered_writes = BufferedWrites::Ring;
+            }
+        }
         if res < 0 {
             let e = errno_to_error(-res, writing, lba_at(req.done));
             return self.finish(id, Err(e));
@@ -710,6 +793,19 @@ macro_rules! on_file {
     };
 }
 
+/// Whether what is left of `req` is a write, neither FUA nor on an O_DSYNC file, through the
+/// page cache.
+fn page_cache_write(lu: &Lu, req: &Request, bs: u32) -> bool {
+    match transfer(&req.op, bs, req.done) {
+        Some((at, off, remaining, true, false)) if !lu.file.write_through() => {
+            let len = remaining.min(MAX_SQE_BYTES);
+            let (_, primary) = lu.file.fd_for(req.buf[off..].as_ptr(), at, len);
+            lu.file.buffered(primary)
+        }
+        _ => false,
+    }
+}
+
 /// The SQE for a request, when the ring can run it.
 fn ring_entry(u: &Uring, lu: &Lu, req: &mut Request, bs: u32) -> Option<io_uring::squeue::Entry> {
     if let Some((at, off, remaining, writing, fua)) = transfer(&req.op, bs, req.done) {
@@ -720,11 +816,23 @@ fn ring_entry(u: &Uring, lu: &Lu, req: &mut Request, bs: u32) -> Option<io_uring
         if (fixed_buf && !u.support.fixed) || (!fixed_buf && !u.support.read_write) {
             return None;
         }
-        let rw_flags = if fua && !lu.file.write_through() {
+        let mut rw_flags = if fua && !lu.file.write_through() {
             libc::RWF_DSYNC
         } else {
             0
         };
+        // Through the page cache, not synchronous (a synchronous write blocks anyway): tried
+        // without blocking, or straight to the writer once the unit is known to refuse.
+        req.nowait = false;
+        if page_cache_write(lu, req, bs) {
+            match lu.buffered_writes {
+                BufferedWrites::Threads => return None,
+                BufferedWrites::Probe { .. } | BufferedWrites::Ring => {
+                    rw_flags |= libc::RWF_NOWAIT;
+                    req.nowait = true;
+                }
+            }
+        }
         // The O_DIRECT descriptor is the registered one; the buffered one never is.
         let slot = lu.fixed.filter(|_| primary);
         return Some(on_file!(slot, fd, |f| match (writing, fixed_buf) {
@@ -806,6 +914,12 @@ impl FileBackend {
     /// The engine driving it.
     pub fn engine(&self) -> &Engine {
         &self.engine
+    }
+
+    /// Where this unit's writes through the page cache go on this engine (learnt from its
+    /// first writes; see the module's documentation).
+    pub fn buffered_writes(&self) -> BufferedWrites {
+        self.engine.0.borrow().lus[self.lu].buffered_writes
     }
 
     /// Changes this unit's queue-depth limit.

@@ -125,6 +125,8 @@ pub struct FileHandle {
     blocks: u64,
     block_device: bool,
     write_through: bool,
+    /// The primary descriptor is O_DIRECT.
+    direct: bool,
 }
 
 impl FileHandle {
@@ -193,6 +195,7 @@ impl FileHandle {
             blocks,
             block_device,
             write_through: config.write_through,
+            direct: config.direct,
         })
     }
 
@@ -236,7 +239,10 @@ impl FileHandle {
     /// Wraps an already open descriptor of `blocks` blocks, e.g. a character device such as
     /// /dev/full in tests, or a file the embedder opened itself.
     pub fn from_file(file: File, block_size: u32, blocks: u64) -> FileHandle {
+        // Safety: F_GETFL reads the open file's status flags and takes no argument.
+        let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
         FileHandle {
+            direct: flags >= 0 && flags & libc::O_DIRECT != 0,
             file,
             buffered: None,
             path: PathBuf::new(),
@@ -280,6 +286,12 @@ impl FileHandle {
         self.file.set_len(blocks * u64::from(self.block_size))?;
         self.blocks = blocks;
         Ok(())
+    }
+
+    /// Whether I/O on the descriptor [`fd_for`](Self::fd_for) chose (`primary` or not) goes
+    /// through the page cache.
+    pub fn buffered(&self, primary: bool) -> bool {
+        !primary || !self.direct
     }
 
     /// The descriptor to use for `len` bytes at file offset `at` from memory `ptr`: the

@@ -27,7 +27,10 @@ pub mod rbd;
 pub use arena::{Alloc, Arena, ArenaConfig, ArenaError, Buffer, HugePages, Share, ShareAlloc};
 #[cfg(feature = "tokio")]
 pub use engine::Readiness;
-pub use engine::{Engine, EngineChoice, EngineConfig, EngineKind, FileBackend, UringSupport};
+pub use engine::{
+    BufferedWrites, Engine, EngineChoice, EngineConfig, EngineKind, FileBackend, UringSupport,
+    NOWAIT_PROBES,
+};
 pub use fault::{Fault, FaultError, FaultOps, Faults, Faulty};
 pub use file::{FileConfig, FileHandle, OpenError};
 pub use immediate::{Execute, Immediate, MemoryBackend, Null, NullBackend, SharedMemoryBackend};

@@ -40,8 +40,9 @@ pub(crate) struct Pool {
 }
 
 impl Pool {
-    /// Starts `threads` workers that signal `eventfd` (which must outlive the pool).
-    pub fn new(threads: usize, eventfd: i32) -> std::io::Result<Pool> {
+    /// Starts `threads` workers named `name-N` that signal `eventfd` (which must outlive the
+    /// pool).
+    pub fn new(threads: usize, eventfd: i32, name: &str) -> std::io::Result<Pool> {
         let shared = Arc::new(Shared {
             jobs: Mutex::new((VecDeque::new(), false)),
             ready: Condvar::new(),
@@ -52,7 +53,7 @@ impl Pool {
             .map(|i| {
                 let shared = shared.clone();
                 std::thread::Builder::new()
-                    .name(format!("backend-io-{i}"))
+                    .name(format!("{name}-{i}"))
                     .spawn(move || work(&shared))
             })
             .collect::<std::io::Result<_>>()?;

@@ -4,8 +4,9 @@
 use std::os::unix::fs::MetadataExt;
 
 use backend::{
-    AnyBackend, Arena, ArenaConfig, Buffer, Engine, EngineChoice, EngineConfig, EngineKind,
-    FileBackend, FileConfig, FileHandle, MemoryBackend, NullBackend, OpenError,
+    AnyBackend, Arena, ArenaConfig, Buffer, BufferedWrites, Engine, EngineChoice, EngineConfig,
+    EngineKind, FileBackend, FileConfig, FileHandle, MemoryBackend, NullBackend, OpenError,
+    NOWAIT_PROBES,
 };
 use proptest::prelude::*;
 
@@ -106,6 +107,18 @@ impl Rig {
         assert_eq!(self.op(op, data), Ok(Output::Done));
     }
 
+    /// A write without FUA.
+    fn write_plain(&mut self, lba: u64, data: &[u8]) {
+        let blocks = (data.len() / BS as usize) as u32;
+        let op = Op::Write {
+            lba,
+            blocks,
+            offset: 0,
+            fua: false,
+        };
+        assert_eq!(self.op(op, data), Ok(Output::Done));
+    }
+
     fn read(&mut self, lba: u64, blocks: u32) -> Vec<u8> {
         let buf = self.buf(&vec![0xee; (blocks * BS) as usize]);
         let op = Op::Read {
@@ -174,6 +187,74 @@ fn reads_what_was_written_with_and_without_fua() {
         let on_disk = std::fs::read(&r.path).unwrap();
         assert_eq!(&on_disk[10 * 512..10 * 512 + data.len()], &data[..]);
     });
+}
+
+/// Writes through the page cache are tried on the ring without blocking; where the file system
+/// refuses (ext4 has no non-blocking buffered writes) they go to the engine's writer thread,
+/// and after NOWAIT_PROBES refusals straight there. Whichever way, every byte lands; FUA
+/// writes and O_DIRECT writes never probe.
+#[test]
+fn buffered_writes_find_their_way_and_land() {
+    let Some(c) = uring() else { return };
+    let mut r = rig(c, 8192, false);
+    assert_eq!(r.lu.buffered_writes(), BufferedWrites::Probe { refused: 0 });
+    // FUA (even LBAs in Rig::write) is synchronous: never tried without blocking.
+    r.write(4000, &pattern(9, 4096));
+    assert_eq!(r.lu.buffered_writes(), BufferedWrites::Probe { refused: 0 });
+    let n = u64::from(NOWAIT_PROBES) + 8;
+    for i in 0..n {
+        r.write(8 * i + 1, &pattern(i as u8, 4096));
+    }
+    let route = r.lu.buffered_writes();
+    println!("buffered writes on this file system: {route:?}");
+    assert_ne!(route, BufferedWrites::Probe { refused: 0 });
+    if fs_type(&r.path) == Some(EXT4_SUPER_MAGIC) {
+        assert_eq!(
+            route,
+            BufferedWrites::Threads,
+            "ext4 refuses RWF_NOWAIT buffered writes"
+        );
+    }
+    for i in 0..n {
+        assert!(r.read(8 * i + 1, 8) == pattern(i as u8, 4096), "write {i}");
+    }
+    let on_disk = std::fs::read(&r.path).unwrap();
+    for i in 0..n {
+        let at = (8 * i + 1) as usize * 512;
+        assert!(
+            on_disk[at..at + 4096] == pattern(i as u8, 4096),
+            "write {i} on disk"
+        );
+    }
+    assert!(on_disk[4000 * 512..4000 * 512 + 4096] == pattern(9, 4096));
+
+    // O_DIRECT: aligned writes go to the device as before; a misaligned one (the buffered
+    // descriptor) probes.
+    let mut d = rig(c, 8192, true);
+    for i in 0..4 {
+        d.write_plain(8 * i + 8, &pattern(i as u8, 4096));
+    }
+    let aligned = d.lu.buffered_writes();
+    d.write(3, &pattern(3, 512));
+    println!(
+        "O_DIRECT unit after aligned writes: {aligned:?}, after a misaligned one: {:?}",
+        d.lu.buffered_writes()
+    );
+    assert_eq!(aligned, BufferedWrites::Probe { refused: 0 });
+    assert_ne!(d.lu.buffered_writes(), BufferedWrites::Probe { refused: 0 });
+    assert_eq!(d.read(3, 1), pattern(3, 512));
+}
+
+const EXT4_SUPER_MAGIC: i64 = 0xEF53;
+
+/// The file system type of `path` (statfs' f_type, from coreutils' stat), if it can be read.
+fn fs_type(path: &std::path::Path) -> Option<i64> {
+    let out = std::process::Command::new("stat")
+        .args(["-f", "-c", "%t"])
+        .arg(path)
+        .output()
+        .ok()?;
+    i64::from_str_radix(String::from_utf8_lossy(&out.stdout).trim(), 16).ok()
 }
 
 #[test]

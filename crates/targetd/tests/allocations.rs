@@ -1,7 +1,7 @@
 //! The zero-copy data path allocates nothing per I/O in steady state: a counting allocator
 //! counts heap allocations made on the reactor threads while an initiator runs 4 KiB reads and
-//! writes, after a warm-up that lets every table and queue reach its working size; over iSCSI,
-//! then over SRP, iSER and NVMe/RDMA (the daemon's ports on the software fabric), and over
+//! writes, after a warm-up that lets every table and queue reach its working size; over iSCSI
+//! (on a memory LUN, then on a file LUN through the I/O engine), then over SRP, iSER and NVMe/RDMA (the daemon's ports on the software fabric), and over
 //! NVMe/TCP. Over SRP, iSER and NVMe/RDMA the count must be 0: the fabric's queues are sized when a queue pair is made and each
 //! endpoint provisions its staging copies when receives are posted, so nothing on the reactor
 //! depends on how far the initiator's thread lags. Over TCP a few are tolerated for tokio's own
@@ -65,6 +65,27 @@ async fn reads_and_writes_allocate_nothing_on_the_reactors_in_steady_state() {
     assert!(
         during < 16,
         "{during} heap allocations on the reactors for 4096 I/Os"
+    );
+    s.logout().await.unwrap();
+    d.stop();
+    // A file LUN through the page cache: reads on the reactor's ring, writes on the ring
+    // without blocking or (ext4) on the engine's writer thread.
+    let d = Daemon::start(&config(
+        "",
+        &format!(
+            "[[targets]]\nname = \"{TARGET}\"\n\n[[targets.luns]]\nlun = 0\nbackend = \"file\"\n\
+             path = \"@DIR@/disk.img\"\nsize = \"64MiB\"\n"
+        ),
+    ));
+    let s = d.session(opts()).await;
+    let _ = s
+        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await;
+    let during = steady_state(&s).await;
+    println!("reactor allocations during 4096 I/Os on a file LUN in steady state: {during}");
+    assert!(
+        during < 16,
+        "{during} heap allocations on the reactors for 4096 I/Os on a file LUN"
     );
     s.logout().await.unwrap();
     d.stop();
