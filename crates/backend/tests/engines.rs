@@ -96,25 +96,23 @@ impl Rig {
         run(&self.engine, &mut self.lu, op, buf).0
     }
 
+    /// A write, with FUA at even LBAs.
     fn write(&mut self, lba: u64, data: &[u8]) {
-        let blocks = (data.len() / BS as usize) as u32;
-        let op = Op::Write {
-            lba,
-            blocks,
-            offset: 0,
-            fua: lba % 2 == 0,
-        };
-        assert_eq!(self.op(op, data), Ok(Output::Done));
+        self.write_fua(lba, data, lba % 2 == 0);
     }
 
     /// A write without FUA.
     fn write_plain(&mut self, lba: u64, data: &[u8]) {
+        self.write_fua(lba, data, false);
+    }
+
+    fn write_fua(&mut self, lba: u64, data: &[u8], fua: bool) {
         let blocks = (data.len() / BS as usize) as u32;
         let op = Op::Write {
             lba,
             blocks,
             offset: 0,
-            fua: false,
+            fua,
         };
         assert_eq!(self.op(op, data), Ok(Output::Done));
     }

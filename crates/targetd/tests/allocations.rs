@@ -55,40 +55,17 @@ static GLOBAL: Counting = Counting;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_and_writes_allocate_nothing_on_the_reactors_in_steady_state() {
     targetd::reactor::on_reactor_thread(|| ON_REACTOR.with(|f| f.set(true)));
-    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
-    let s = d.session(opts()).await;
-    let _ = s
-        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
-        .await;
-    let during = steady_state(&s).await;
-    println!("reactor allocations during 4096 I/Os in steady state: {during}");
-    assert!(
-        during < 16,
-        "{during} heap allocations on the reactors for 4096 I/Os"
-    );
-    s.logout().await.unwrap();
-    d.stop();
+    iscsi_steady_state("", &memory_target(TARGET, "")).await;
     // A file LUN through the page cache: reads on the reactor's ring, writes on the ring
     // without blocking or (ext4) on the engine's writer thread.
-    let d = Daemon::start(&config(
-        "",
+    iscsi_steady_state(
+        " on a file LUN",
         &format!(
             "[[targets]]\nname = \"{TARGET}\"\n\n[[targets.luns]]\nlun = 0\nbackend = \"file\"\n\
              path = \"@DIR@/disk.img\"\nsize = \"64MiB\"\n"
         ),
-    ));
-    let s = d.session(opts()).await;
-    let _ = s
-        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
-        .await;
-    let during = steady_state(&s).await;
-    println!("reactor allocations during 4096 I/Os on a file LUN in steady state: {during}");
-    assert!(
-        during < 16,
-        "{during} heap allocations on the reactors for 4096 I/Os on a file LUN"
-    );
-    s.logout().await.unwrap();
-    d.stop();
+    )
+    .await;
     let during = tokio::task::spawn_blocking(srp_round_trips).await.unwrap();
     println!("reactor allocations during 4096 SRP I/Os in steady state: {during}");
     assert_eq!(
@@ -275,26 +252,15 @@ async fn rbd_round_trips() {
         .unwrap_or_default();
     let client = var("CEPH_CLIENT").unwrap_or_else(|| "admin".into());
     let image = format!("allocations-{}", std::process::id());
-    let d = Daemon::start(&config(
-        "",
+    iscsi_steady_state(
+        " on an RBD LUN",
         &format!(
             "[[targets]]\nname = \"{TARGET}\"\n\n[[targets.luns]]\nlun = 0\nbackend = \"rbd\"\n\
              pool = \"{pool}\"\nimage = \"{image}\"\nsize = \"16MiB\"\nceph_conf = \"{conf}\"\n\
              client = \"{client}\"\n{keyring}"
         ),
-    ));
-    let s = d.session(opts()).await;
-    let _ = s
-        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
-        .await;
-    let during = steady_state(&s).await;
-    println!("reactor allocations during 4096 RBD I/Os in steady state: {during}");
-    assert!(
-        during < 16,
-        "{during} heap allocations on the reactors for 4096 RBD I/Os"
-    );
-    s.logout().await.unwrap();
-    d.stop();
+    )
+    .await;
     let _ = std::process::Command::new("rbd")
         .args(["-c", &conf, "--id", &client])
         .args(
@@ -308,6 +274,24 @@ async fn rbd_round_trips() {
 
 /// Reactor allocations during 4096 4 KiB I/Os on `s`, after as many to warm up: reads and
 /// writes, 16 in flight at a time, over 64 different blocks.
+/// A daemon on `target` (a `[[targets]]` table), one iSCSI session, [`steady_state`]'s count
+/// printed and checked (`what` names the case), then logout and stop.
+async fn iscsi_steady_state(what: &str, target: &str) {
+    let d = Daemon::start(&config("", target));
+    let s = d.session(opts()).await;
+    let _ = s
+        .execute(Command::new(s.lun(), cdb::test_unit_ready()))
+        .await;
+    let during = steady_state(&s).await;
+    println!("reactor allocations during 4096 I/Os{what} in steady state: {during}");
+    assert!(
+        during < 16,
+        "{during} heap allocations on the reactors for 4096 I/Os{what}"
+    );
+    s.logout().await.unwrap();
+    d.stop();
+}
+
 async fn steady_state(s: &initiator_bench::Session) -> u64 {
     let data = pattern(4096, 1);
     let round = |n: u64| {
