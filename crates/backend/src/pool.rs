@@ -67,10 +67,12 @@ impl Pool {
         self.shared.ready.notify_one();
     }
 
-    /// Moves finished jobs into `out` (swapping buffers, so neither side allocates once warm).
+    /// Appends finished jobs to `out` (which may hold another pool's already: the engine takes
+    /// its helpers' and its writer's into one list). Both keep their capacity, so neither side
+    /// allocates once warm.
     pub fn take_done(&self, out: &mut Vec<Done>) {
         let mut done = self.shared.done.lock().unwrap_or_else(|e| e.into_inner());
-        std::mem::swap(&mut *done, out);
+        out.append(&mut done);
     }
 }
 

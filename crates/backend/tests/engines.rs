@@ -213,6 +213,45 @@ fn buffered_writes_find_their_way_and_land() {
             "ext4 refuses RWF_NOWAIT buffered writes"
         );
     }
+    // Composite operations (the helper threads) and writes (the writer) alternating, each
+    // waited for as a reactor does, by the eventfd: its completion is there after the signal
+    // that announced it, whichever thread finished it.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let completions = r.engine.completions().unwrap();
+        for i in 0..4u64 {
+            let cmp = Op::Compare {
+                lba: 8 * i + 1,
+                blocks: 8,
+                offset: 0,
+                same: false,
+            };
+            let write = Op::Write {
+                lba: 8 * i + 1,
+                blocks: 8,
+                offset: 0,
+                fua: false,
+            };
+            for op in [cmp, write] {
+                r.lu.submit(i, op, r.buf(&pattern(i as u8, 4096)));
+                r.engine.submit_pending().unwrap();
+                let done = loop {
+                    let signal = tokio::time::timeout(
+                        std::time::Duration::from_secs(5),
+                        completions.ready(),
+                    );
+                    signal.await.expect("no completion signalled").unwrap();
+                    if let Some(done) = r.lu.poll_completion() {
+                        break done;
+                    }
+                };
+                assert_eq!((done.0, done.1), (i, Ok(Output::Done)), "{op:?}");
+            }
+        }
+    });
     for i in 0..n {
         assert!(r.read(8 * i + 1, 8) == pattern(i as u8, 4096), "write {i}");
     }
