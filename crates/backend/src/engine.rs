@@ -149,8 +149,10 @@ struct Request {
     buf: Buffer,
     /// Bytes moved so far by a read or write (short transfers are resubmitted).
     done: usize,
-    /// The SQE in flight is a write with `RWF_NOWAIT`: `-EAGAIN` means "not without blocking".
-    nowait: bool,
+    /// What is left of it is a write through the page cache, neither FUA nor O_DSYNC (set by
+    /// `ring_entry`): on the ring it carries `RWF_NOWAIT`, so `-EAGAIN` means "not without
+    /// blocking"; on the threads it goes to the writer.
+    page_cache: bool,
 }
 
 // Field order is drop order: the pool joins (finishing its jobs) and the ring drains before
@@ -395,7 +397,7 @@ impl Engine {
             op,
             buf,
             done: 0,
-            nowait: false,
+            page_cache: false,
         });
         if l.in_flight >= l.queue_depth || !l.waiting.is_empty() {
             l.waiting.push_back(id);
@@ -628,11 +630,9 @@ impl Inner {
     /// cache on the writer, anything else on the helper pool.
     fn on_threads(&mut self, id: usize) {
         let req = &mut self.requests[id];
-        req.nowait = false;
         let lu = &self.lus[req.lu];
         let len = req.buf.len();
-        let bs = lu.file.block_size();
-        let pool = if self.uring.is_some() && page_cache_write(lu, req, bs) {
+        let pool = if req.page_cache {
             if self.writer.is_none() {
                 match Pool::new(1, self.eventfd.as_raw_fd(), "backend-write") {
                     Ok(w) => self.writer = Some(w),
@@ -688,7 +688,7 @@ impl Inner {
             _ => 0,
         };
         let writing = !matches!(req.op, Op::Read { .. });
-        if req.nowait {
+        if req.page_cache {
             let lu = &mut self.lus[req.lu];
             if res == -libc::EAGAIN || res == -libc::EOPNOTSUPP {
                 if let BufferedWrites::Probe { refused } = &mut lu.buffered_writes {
@@ -793,21 +793,9 @@ macro_rules! on_file {
     };
 }
 
-/// Whether what is left of `req` is a write, neither FUA nor on an O_DSYNC file, through the
-/// page cache.
-fn page_cache_write(lu: &Lu, req: &Request, bs: u32) -> bool {
-    match transfer(&req.op, bs, req.done) {
-        Some((at, off, remaining, true, false)) if !lu.file.write_through() => {
-            let len = remaining.min(MAX_SQE_BYTES);
-            let (_, primary) = lu.file.fd_for(req.buf[off..].as_ptr(), at, len);
-            lu.file.buffered(primary)
-        }
-        _ => false,
-    }
-}
-
 /// The SQE for a request, when the ring can run it.
 fn ring_entry(u: &Uring, lu: &Lu, req: &mut Request, bs: u32) -> Option<io_uring::squeue::Entry> {
+    req.page_cache = false;
     if let Some((at, off, remaining, writing, fua)) = transfer(&req.op, bs, req.done) {
         let len = remaining.min(MAX_SQE_BYTES) as u32;
         let ptr = req.buf[off..].as_mut_ptr();
@@ -823,15 +811,12 @@ fn ring_entry(u: &Uring, lu: &Lu, req: &mut Request, bs: u32) -> Option<io_uring
         };
         // Through the page cache, not synchronous (a synchronous write blocks anyway): tried
         // without blocking, or straight to the writer once the unit is known to refuse.
-        req.nowait = false;
-        if page_cache_write(lu, req, bs) {
-            match lu.buffered_writes {
-                BufferedWrites::Threads => return None,
-                BufferedWrites::Probe { .. } | BufferedWrites::Ring => {
-                    rw_flags |= libc::RWF_NOWAIT;
-                    req.nowait = true;
-                }
+        req.page_cache = writing && !fua && !lu.file.write_through() && lu.file.buffered(primary);
+        if req.page_cache {
+            if lu.buffered_writes == BufferedWrites::Threads {
+                return None;
             }
+            rw_flags |= libc::RWF_NOWAIT;
         }
         // The O_DIRECT descriptor is the registered one; the buffered one never is.
         let slot = lu.fixed.filter(|_| primary);
