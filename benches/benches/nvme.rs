@@ -15,6 +15,7 @@ use nvme::opcode::NvmOpcode;
 use nvme::sqe::{Sgl, Sqe};
 use nvme::tcp::pdu::{data_digest, encode, Digests, Framing, Header, IcReq};
 use nvme::tcp::{ControllerQueue, QueueEvent, QueueSettings};
+use nvme::transport::CommandCapsule;
 use nvme::{testing, Cqe, Status};
 
 /// A subsystem with an enabled controller and an I/O queue's connection, initialized with
@@ -100,7 +101,9 @@ fn commands(c: &mut Criterion) {
             |b| {
                 b.iter(|| {
                     q.receive(black_box(&read));
-                    let Some(QueueEvent::Command { sqe, data, .. }) = q.poll_event() else {
+                    let Some(QueueEvent::Command(CommandCapsule { sqe, data, .. })) =
+                        q.poll_event()
+                    else {
                         unreachable!()
                     };
                     let Answer::Io {
@@ -127,7 +130,9 @@ fn commands(c: &mut Criterion) {
             |b| {
                 b.iter(|| {
                     q.receive(black_box(&write));
-                    let Some(QueueEvent::Command { sqe, data, .. }) = q.poll_event() else {
+                    let Some(QueueEvent::Command(CommandCapsule { sqe, data, .. })) =
+                        q.poll_event()
+                    else {
                         unreachable!()
                     };
                     let Answer::Io {

@@ -12,6 +12,7 @@ use libfuzzer_sys::fuzz_target;
 use nvme::sqe::{Sgl, Sqe};
 use nvme::tcp::pdu::{data_digest, encode, DataHeader, Digests, Framing, Header, IcReq};
 use nvme::tcp::{ControllerQueue, Deframer, Limits, QueueEvent, QueueSettings, Side};
+use nvme::transport::WriteData;
 use nvme::{Cqe, Status};
 
 #[derive(Arbitrary, Debug)]
@@ -170,13 +171,13 @@ fuzz_target!(|steps: Vec<Step>| {
                         pda: 0,
                     };
                 }
-                QueueEvent::Data {
+                QueueEvent::Data(WriteData {
                     cid,
                     offset,
                     data,
                     last,
                     ..
-                } => {
+                }) => {
                     let end = offset + data.len() as u32;
                     let i = asked
                         .iter()
@@ -189,7 +190,7 @@ fuzz_target!(|steps: Vec<Step>| {
                     }
                 }
                 QueueEvent::Terminated(_) | QueueEvent::Failed { .. } => over = true,
-                QueueEvent::Command { .. } => {}
+                QueueEvent::Command(_) => {}
             }
         }
         // What the controller sends reads back on a host's deframer.

@@ -35,7 +35,7 @@ use crate::opcode::AdminOpcode;
 use crate::opcode::NvmOpcode;
 use crate::sqe::{Fuse, Sqe};
 use crate::status::Status;
-use crate::transport::{Arrival, CidHasher, Payload, Transport};
+use crate::transport::{Arrival, CidHasher, CommandCapsule, Payload, Transport, WriteData};
 
 /// What an I/O command does once its buffer (and data) are in.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -249,18 +249,18 @@ impl<B: DerefMut<Target = [u8]>, Q: Transport<B>> ControllerConnection<B, Q> {
         self.now = Some(now);
         while let Some(a) = self.queue.poll_arrival() {
             match a {
-                Arrival::Command {
+                Arrival::Command(CommandCapsule {
                     sqe,
                     data,
                     data_digest_ok,
-                } => self.command(now, subsystem, sqe, data, data_digest_ok),
-                Arrival::Data {
+                }) => self.command(now, subsystem, sqe, data, data_digest_ok),
+                Arrival::Data(WriteData {
                     cid,
                     offset,
                     data,
                     last,
                     data_digest_ok,
-                } => self.data(now, subsystem, cid, offset, &data, last, data_digest_ok),
+                }) => self.data(now, subsystem, cid, offset, &data, last, data_digest_ok),
                 Arrival::Placed {
                     cid,
                     buffer,
@@ -347,7 +347,8 @@ impl<B: DerefMut<Target = [u8]>, Q: Transport<B>> ControllerConnection<B, Q> {
     /// a Connect ends with Connect Invalid Parameters naming SUBNQN (no subsystem has that
     /// name), any other command with Command Sequence Error (nothing comes before Connect).
     pub fn refuse_next(&mut self) {
-        if let Some(Arrival::Command { sqe, data, .. }) = self.queue.poll_arrival() {
+        if let Some(Arrival::Command(CommandCapsule { sqe, data, .. })) = self.queue.poll_arrival()
+        {
             let connect =
                 sqe.opcode() == AdminOpcode::Fabrics.code() && ConnectData::parse(&data).is_ok();
             if !connect {

@@ -16,33 +16,42 @@ use bytes::Bytes;
 use crate::cqe::Cqe;
 use crate::sqe::Sqe;
 
+/// A command capsule, with its in-capsule data (empty when none), as any transport hands it
+/// up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommandCapsule {
+    /// The SQE.
+    pub sqe: Sqe,
+    /// In-capsule data.
+    pub data: Bytes,
+    /// False when the data digest did not match: the command ends with Transient Transport
+    /// Error.
+    pub data_digest_ok: bool,
+}
+
+/// Data of a write that arrives to be copied in (NVMe/TCP's H2CData answering an R2T):
+/// `data` is the command's bytes at `offset`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WriteData {
+    /// The command's CID.
+    pub cid: u16,
+    /// Offset in the command's data.
+    pub offset: u32,
+    /// The data.
+    pub data: Bytes,
+    /// The last of what was asked.
+    pub last: bool,
+    /// False when the data digest did not match.
+    pub data_digest_ok: bool,
+}
+
 /// What arrived on a queue, for the connection.
 #[derive(Debug)]
 pub enum Arrival<B> {
-    /// A command capsule, with its in-capsule data (empty when none).
-    Command {
-        /// The SQE.
-        sqe: Sqe,
-        /// In-capsule data.
-        data: Bytes,
-        /// False when the data digest did not match: the command ends with Transient
-        /// Transport Error.
-        data_digest_ok: bool,
-    },
-    /// Data of a write copied in as it comes ([`Transport::request_data`] kept no buffer):
-    /// `data` is the command's bytes at `offset`.
-    Data {
-        /// The command's CID.
-        cid: u16,
-        /// Offset in the command's data.
-        offset: u32,
-        /// The data.
-        data: Bytes,
-        /// The last of what was asked.
-        last: bool,
-        /// False when the data digest did not match.
-        data_digest_ok: bool,
-    },
+    /// A command capsule.
+    Command(CommandCapsule),
+    /// Data of a write copied in as it comes ([`Transport::request_data`] kept no buffer).
+    Data(WriteData),
     /// The buffer [`Transport::request_data`] took, back with all the data asked for in
     /// place (`placed` false when the transport could not move it).
     Placed {

@@ -33,7 +33,7 @@ use crate::cqe::Cqe;
 use crate::fabrics::CONNECT_DATA_LEN;
 use crate::opcode::{AdminOpcode, FabricsType};
 use crate::sqe::{Sgl, SglKind, Sqe};
-use crate::transport::{Arrival, CidHasher, Payload, Transport};
+use crate::transport::{Arrival, CidHasher, CommandCapsule, Payload, Transport};
 
 /// Bytes the in-capsule data store grows by at once.
 const CAPSULE_POOL: usize = 64 * 1024;
@@ -230,11 +230,11 @@ impl<B> RdmaQueue<B> {
             self.capsules.extend_from_slice(data);
             self.capsules.split().freeze()
         };
-        self.arrivals.push_back(Arrival::Command {
+        self.arrivals.push_back(Arrival::Command(CommandCapsule {
             sqe,
             data,
             data_digest_ok: true,
-        });
+        }));
         Ok(())
     }
 
@@ -246,11 +246,11 @@ impl<B> RdmaQueue<B> {
         };
         let data = data.map(|d| &d[..d.len().min(CONNECT_DATA_LEN)]);
         sqe.set_sgl(Sgl::in_capsule(0, data.map_or(0, |d| d.len() as u32)));
-        self.arrivals.push_back(Arrival::Command {
+        self.arrivals.push_back(Arrival::Command(CommandCapsule {
             sqe,
             data: data.map_or_else(Bytes::new, Bytes::copy_from_slice),
             data_digest_ok: data.is_some(),
-        });
+        }));
     }
 
     /// The buffer of a [`Work::Read`] back; `placed` false when the read failed (the queue
@@ -303,7 +303,7 @@ impl<B: std::ops::Deref<Target = [u8]>> Transport<B> for RdmaQueue<B> {
 
     fn peek_command(&self) -> Option<(&Sqe, &[u8])> {
         match self.arrivals.front()? {
-            Arrival::Command { sqe, data, .. } => Some((sqe, data)),
+            Arrival::Command(c) => Some((&c.sqe, &c.data)),
             _ => None,
         }
     }

@@ -26,7 +26,7 @@ use super::pdu::{
 use crate::cqe::Cqe;
 use crate::sqe::Sqe;
 pub use crate::transport::Payload;
-use crate::transport::{Arrival, Transport};
+use crate::transport::{Arrival, CommandCapsule, Transport, WriteData};
 
 /// What the controller offers every connection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,29 +77,10 @@ pub struct Negotiated {
 pub enum QueueEvent {
     /// ICReq came and ICResp went: commands may follow.
     Initialized(Negotiated),
-    /// A command capsule, with its in-capsule data (empty when none).
-    Command {
-        /// The SQE.
-        sqe: Sqe,
-        /// In-capsule data.
-        data: Bytes,
-        /// False when the data digest did not match: end the command with Transient
-        /// Transport Error.
-        data_digest_ok: bool,
-    },
+    /// A command capsule.
+    Command(CommandCapsule),
     /// Data of a write, answering an R2T ([`ControllerQueue::request_data`]).
-    Data {
-        /// The command's CID.
-        cid: u16,
-        /// Offset in the command's data.
-        offset: u32,
-        /// The data.
-        data: Bytes,
-        /// The last of what the R2T asked.
-        last: bool,
-        /// False when the data digest did not match.
-        data_digest_ok: bool,
-    },
+    Data(WriteData),
     /// The host ended the connection with an H2CTermReq.
     Terminated(TermReq),
     /// A fatal error: the C2HTermReq that says so is queued; close once it is sent.
@@ -462,11 +443,11 @@ impl<B: Deref<Target = [u8]>> ControllerQueue<B> {
                 if pdu.data.len() > self.settings.max_in_capsule_data as usize {
                     return fatal(FatalError::DataLimitExceeded, 4, header_bytes());
                 }
-                self.events.push_back(QueueEvent::Command {
+                self.events.push_back(QueueEvent::Command(CommandCapsule {
                     sqe,
                     data: pdu.data,
                     data_digest_ok: pdu.data_digest_ok,
-                });
+                }));
                 Ok(())
             }
             (State::Ready, Header::H2CData(d)) => {
@@ -495,13 +476,13 @@ impl<B: Deref<Target = [u8]>> ControllerQueue<B> {
                 } else {
                     self.r2ts[i].next = next;
                 }
-                self.events.push_back(QueueEvent::Data {
+                self.events.push_back(QueueEvent::Data(WriteData {
                     cid: d.cccid,
                     offset: d.datao,
                     data: pdu.data,
                     last: done,
                     data_digest_ok: pdu.data_digest_ok,
-                });
+                }));
                 Ok(())
             }
             // An ICReq again, or anything before it.
@@ -537,28 +518,8 @@ impl<B: Deref<Target = [u8]>> Transport<B> for ControllerQueue<B> {
 
     fn poll_arrival(&mut self) -> Option<Arrival<B>> {
         Some(match self.poll_event()? {
-            QueueEvent::Command {
-                sqe,
-                data,
-                data_digest_ok,
-            } => Arrival::Command {
-                sqe,
-                data,
-                data_digest_ok,
-            },
-            QueueEvent::Data {
-                cid,
-                offset,
-                data,
-                last,
-                data_digest_ok,
-            } => Arrival::Data {
-                cid,
-                offset,
-                data,
-                last,
-                data_digest_ok,
-            },
+            QueueEvent::Command(c) => Arrival::Command(c),
+            QueueEvent::Data(d) => Arrival::Data(d),
             QueueEvent::Initialized(_) | QueueEvent::Terminated(_) | QueueEvent::Failed { .. } => {
                 Arrival::Other
             }
@@ -567,7 +528,7 @@ impl<B: Deref<Target = [u8]>> Transport<B> for ControllerQueue<B> {
 
     fn peek_command(&self) -> Option<(&Sqe, &[u8])> {
         match self.peek_event()? {
-            QueueEvent::Command { sqe, data, .. } => Some((sqe, data)),
+            QueueEvent::Command(c) => Some((&c.sqe, &c.data)),
             _ => None,
         }
     }
@@ -712,11 +673,11 @@ mod tests {
             let (mut c, mut h) = connected(digests);
             // In-capsule data.
             c.receive(&h.pdu(Header::CapsuleCmd(write(1, 512, true)), &[7; 512]));
-            let Some(QueueEvent::Command {
+            let Some(QueueEvent::Command(CommandCapsule {
                 sqe,
                 data,
                 data_digest_ok: true,
-            }) = c.poll_event()
+            })) = c.poll_event()
             else {
                 panic!("a command");
             };
@@ -727,7 +688,7 @@ mod tests {
 
             // 8 KiB through an R2T, sent as two H2CData.
             c.receive(&h.pdu(Header::CapsuleCmd(write(2, 8192, false)), &[]));
-            assert!(matches!(c.poll_event(), Some(QueueEvent::Command { .. })));
+            assert!(matches!(c.poll_event(), Some(QueueEvent::Command(_))));
             c.request_data(2, 0, 8192).unwrap();
             assert_eq!(c.request_data(2, 0, 8192), Err(QueueError::R2tLimit(2)));
             let got = h.read(&mut c);
@@ -749,13 +710,13 @@ mod tests {
                     success: false,
                 });
                 c.receive(&h.pdu(d, &[offset as u8; 4096]));
-                let Some(QueueEvent::Data {
+                let Some(QueueEvent::Data(WriteData {
                     cid: 2,
                     offset: o,
                     data,
                     last: l,
                     ..
-                }) = c.poll_event()
+                })) = c.poll_event()
                 else {
                     panic!("data");
                 };
@@ -884,10 +845,10 @@ mod tests {
         c.receive(&b);
         assert!(matches!(
             c.poll_event(),
-            Some(QueueEvent::Command {
+            Some(QueueEvent::Command(CommandCapsule {
                 data_digest_ok: false,
                 ..
-            })
+            }))
         ));
         assert!(!c.is_over());
     }
