@@ -111,9 +111,9 @@ pub enum BufferedWrites {
         refused: u8,
     },
     /// The file system took one without blocking: tried on the ring first, each refused one
-    /// on the engine's threads.
+    /// on the engine's writer thread.
     Ring,
-    /// The file system refused every probe: on the engine's threads.
+    /// The file system refused every probe: on the engine's writer thread.
     Threads,
 }
 
@@ -155,8 +155,8 @@ struct Request {
     page_cache: bool,
 }
 
-// Field order is drop order: the pool joins (finishing its jobs) and the ring drains before
-// the buffers in `requests` are freed, and both before the eventfd closes.
+// Field order is drop order: the pool and the writer join (finishing their jobs) and the ring
+// drains before the buffers in `requests` are freed, and all before the eventfd closes.
 struct Inner {
     pool: Pool,
     /// The thread for writes through the page cache that the ring refused, started at the
