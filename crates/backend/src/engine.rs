@@ -8,12 +8,15 @@
 //! backend. Each logical unit has a queue-depth limit; beyond it, operations wait in order.
 //!
 //! Writes through the page cache are tried on the ring with `RWF_NOWAIT` first. A file system
-//! that takes them without blocking (XFS, btrfs) completes them inline in the submitting system
+//! that takes them without blocking (XFS) completes them inline in the submitting system
 //! call; one that cannot (ext4 has no non-blocking buffered writes) refuses them at once instead
 //! of io_uring handing each to its worker thread, which here cost more than the engine's own
 //! threads (whole writes serialised per file behind one io-wq worker, and a wake-up of it per
-//! write). A refused write goes to the engine's writer thread; a unit whose first
-//! [`NOWAIT_PROBES`] writes were all refused sends its writes there directly from then on.
+//! write). A refused write goes to the engine's writer thread. XFS refuses too until a write
+//! that may block has brought the file's timestamps up to date, and then takes them (one is
+//! refused again when the timestamp's granularity has passed); ext4 refuses every one. So a
+//! unit whose [`NOWAIT_PROBES`] writes tried after one of its writes completed on the writer
+//! were all refused, none taken, sends its writes to the writer directly from then on.
 //! One writer per engine, not the helper pool: a file system that refuses them serialises a
 //! file's buffered writes on its inode lock anyway, and two threads contending for it cost
 //! 1.3x the IOPS here (docs/performance.md).
@@ -140,6 +143,21 @@ struct Lu {
     completions: VecDeque<(u64, Result<Output, BackendError>, Buffer)>,
     closed: bool,
     buffered_writes: BufferedWrites,
+    /// A write of this unit completed on the writer: a refusal from now on is the file
+    /// system's way, not stale timestamps.
+    wrote_blocking: bool,
+}
+
+/// A request's write through the page cache (neither FUA nor O_DSYNC), if it is one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PageCacheWrite {
+    /// Not such a write.
+    No,
+    /// On the ring with `RWF_NOWAIT` (`-EAGAIN`: "not without blocking"); `probe` when a
+    /// refusal counts towards sending the unit's writes to the writer.
+    Ring { probe: bool },
+    /// On the writer thread.
+    Writer,
 }
 
 struct Request {
@@ -149,10 +167,8 @@ struct Request {
     buf: Buffer,
     /// Bytes moved so far by a read or write (short transfers are resubmitted).
     done: usize,
-    /// What is left of it is a write through the page cache, neither FUA nor O_DSYNC (set by
-    /// `ring_entry`): on the ring it carries `RWF_NOWAIT`, so `-EAGAIN` means "not without
-    /// blocking"; on the threads it goes to the writer.
-    page_cache: bool,
+    /// What is left of it as a write through the page cache (set by `ring_entry`).
+    page_cache: PageCacheWrite,
 }
 
 // Field order is drop order: the pool and the writer join (finishing their jobs) and the ring
@@ -311,6 +327,7 @@ impl Engine {
             completions: VecDeque::with_capacity(queue_depth as usize),
             closed: false,
             buffered_writes: BufferedWrites::Probe { refused: 0 },
+            wrote_blocking: false,
         });
         FileBackend {
             engine: self.clone(),
@@ -397,7 +414,7 @@ impl Engine {
             op,
             buf,
             done: 0,
-            page_cache: false,
+            page_cache: PageCacheWrite::No,
         });
         if l.in_flight >= l.queue_depth || !l.waiting.is_empty() {
             l.waiting.push_back(id);
@@ -632,7 +649,8 @@ impl Inner {
         let req = &mut self.requests[id];
         let lu = &self.lus[req.lu];
         let len = req.buf.len();
-        let pool = if req.page_cache {
+        let pool = if req.page_cache != PageCacheWrite::No {
+            req.page_cache = PageCacheWrite::Writer;
             if self.writer.is_none() {
                 match Pool::new(1, self.eventfd.as_raw_fd(), "backend-write") {
                     Ok(w) => self.writer = Some(w),
@@ -688,10 +706,11 @@ impl Inner {
             _ => 0,
         };
         let writing = !matches!(req.op, Op::Read { .. });
-        if req.page_cache {
+        if let PageCacheWrite::Ring { probe } = req.page_cache {
             let lu = &mut self.lus[req.lu];
             if res == -libc::EAGAIN || res == -libc::EOPNOTSUPP {
-                if let BufferedWrites::Probe { refused } = &mut lu.buffered_writes {
+                if let (true, BufferedWrites::Probe { refused }) = (probe, &mut lu.buffered_writes)
+                {
                     *refused += 1;
                     if *refused >= NOWAIT_PROBES {
                         lu.buffered_writes = BufferedWrites::Threads;
@@ -736,6 +755,9 @@ impl Inner {
         let lu = req.lu;
         let l = &mut self.lus[lu];
         l.in_flight -= 1;
+        if req.page_cache == PageCacheWrite::Writer && result.is_ok() {
+            l.wrote_blocking = true;
+        }
         if l.closed {
             drop(req);
             if l.in_flight == 0 {
@@ -795,7 +817,7 @@ macro_rules! on_file {
 
 /// The SQE for a request, when the ring can run it.
 fn ring_entry(u: &Uring, lu: &Lu, req: &mut Request, bs: u32) -> Option<io_uring::squeue::Entry> {
-    req.page_cache = false;
+    req.page_cache = PageCacheWrite::No;
     if let Some((at, off, remaining, writing, fua)) = transfer(&req.op, bs, req.done) {
         let len = remaining.min(MAX_SQE_BYTES) as u32;
         let ptr = req.buf[off..].as_mut_ptr();
@@ -811,11 +833,14 @@ fn ring_entry(u: &Uring, lu: &Lu, req: &mut Request, bs: u32) -> Option<io_uring
         };
         // Through the page cache, not synchronous (a synchronous write blocks anyway): tried
         // without blocking, or straight to the writer once the unit is known to refuse.
-        req.page_cache = writing && !fua && !lu.file.write_through() && lu.file.buffered(primary);
-        if req.page_cache {
+        if writing && !fua && !lu.file.write_through() && lu.file.buffered(primary) {
             if lu.buffered_writes == BufferedWrites::Threads {
+                req.page_cache = PageCacheWrite::Writer;
                 return None;
             }
+            req.page_cache = PageCacheWrite::Ring {
+                probe: lu.wrote_blocking,
+            };
             rw_flags |= libc::RWF_NOWAIT;
         }
         // The O_DIRECT descriptor is the registered one; the buffered one never is.
