@@ -108,10 +108,13 @@ pub const NOWAIT_PROBES: u8 = 16;
 /// Where a unit's writes through the page cache go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BufferedWrites {
-    /// Not known yet: tried on the ring without blocking; `refused` so far, none taken.
+    /// Not known yet: tried on the ring without blocking, none taken so far.
     Probe {
-        /// Writes refused so far.
+        /// Refusals counted so far.
         refused: u8,
+        /// One of the unit's writes completed on the writer, so the file's timestamps are up
+        /// to date: a refusal from now on is the file system's way, and counts.
+        counting: bool,
     },
     /// The file system took one without blocking: tried on the ring first, each refused one
     /// on the engine's writer thread.
@@ -143,9 +146,6 @@ struct Lu {
     completions: VecDeque<(u64, Result<Output, BackendError>, Buffer)>,
     closed: bool,
     buffered_writes: BufferedWrites,
-    /// A write of this unit completed on the writer: a refusal from now on is the file
-    /// system's way, not stale timestamps.
-    wrote_blocking: bool,
 }
 
 /// A request's write through the page cache (neither FUA nor O_DSYNC), if it is one.
@@ -326,8 +326,10 @@ impl Engine {
             waiting: VecDeque::with_capacity(queue_depth as usize),
             completions: VecDeque::with_capacity(queue_depth as usize),
             closed: false,
-            buffered_writes: BufferedWrites::Probe { refused: 0 },
-            wrote_blocking: false,
+            buffered_writes: BufferedWrites::Probe {
+                refused: 0,
+                counting: false,
+            },
         });
         FileBackend {
             engine: self.clone(),
@@ -709,15 +711,14 @@ impl Inner {
         if let PageCacheWrite::Ring { probe } = req.page_cache {
             let lu = &mut self.lus[req.lu];
             if res == -libc::EAGAIN || res == -libc::EOPNOTSUPP {
-                if let (true, BufferedWrites::Probe { refused }) = (probe, &mut lu.buffered_writes)
-                {
-                    *refused += 1;
+                if let BufferedWrites::Probe { refused, .. } = &mut lu.buffered_writes {
+                    *refused += u8::from(probe);
                     if *refused >= NOWAIT_PROBES {
                         lu.buffered_writes = BufferedWrites::Threads;
                         tracing::debug!(
                             path = %lu.file.path().display(),
-                            "writes through the page cache go to the engine's threads: the \
-                             file system does not take them without blocking"
+                            "writes through the page cache go to the engine's writer thread: \
+                             the file system does not take them without blocking"
                         );
                     }
                 }
@@ -755,8 +756,10 @@ impl Inner {
         let lu = req.lu;
         let l = &mut self.lus[lu];
         l.in_flight -= 1;
-        if req.page_cache == PageCacheWrite::Writer && result.is_ok() {
-            l.wrote_blocking = true;
+        if let (PageCacheWrite::Writer, Ok(_), BufferedWrites::Probe { counting, .. }) =
+            (req.page_cache, &result, &mut l.buffered_writes)
+        {
+            *counting = true;
         }
         if l.closed {
             drop(req);
@@ -839,7 +842,10 @@ fn ring_entry(u: &Uring, lu: &Lu, req: &mut Request, bs: u32) -> Option<io_uring
                 return None;
             }
             req.page_cache = PageCacheWrite::Ring {
-                probe: lu.wrote_blocking,
+                probe: matches!(
+                    lu.buffered_writes,
+                    BufferedWrites::Probe { counting: true, .. }
+                ),
             };
             rw_flags |= libc::RWF_NOWAIT;
         }
