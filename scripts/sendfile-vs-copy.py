@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""What sending file data by reference would save a target, measured on this machine before it
-is built: 128 KiB chunks at random offsets of a cached file sent over a loopback TCP socket,
-each behind a 48-byte header (an iSCSI Data-In's basic header segment), two ways:
+"""What sending file data by reference saves a target, measured on this machine: chunks (128 KiB
+unless told) at random offsets of a cached file sent over a loopback TCP socket, each behind a
+48-byte header (an iSCSI Data-In's basic header segment), two ways:
 
 - copy:     pread into a buffer, then one send of header and buffer (what targetd does today
             for a file LUN through the page cache: two copies, page cache to buffer to socket);
@@ -12,7 +12,7 @@ The sender runs on CPU 1 and the receiver, draining, on CPU 0. Prints the sender
 per chunk (thread CPU time, which on loopback includes the kernel's delivery to the receiving
 socket) and the wall time. Run each mode several times, alternating; compare the ratio.
 
-    scripts/sendfile-vs-copy.py FILE [COUNT]     # FILE: at least 128 KiB, read once to cache it
+    scripts/sendfile-vs-copy.py FILE [COUNT [CHUNK_KIB]]   # FILE: at least one chunk, cached
 """
 import os
 import random
@@ -20,15 +20,14 @@ import socket
 import sys
 import time
 
-CHUNK = 128 * 1024
 HEADER = b"\0" * 48
 
 
-def run(mode, path, count):
+def run(mode, path, count, chunk):
     fd = os.open(path, os.O_RDONLY)
-    chunks = os.fstat(fd).st_size // CHUNK
+    chunks = os.fstat(fd).st_size // chunk
     if chunks == 0:
-        sys.exit(f"{path} is smaller than 128 KiB")
+        sys.exit(f"{path} is smaller than {chunk // 1024} KiB")
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -44,10 +43,10 @@ def run(mode, path, count):
     os.sched_setaffinity(0, {1})
     sock, _ = listener.accept()
     rng = random.Random(1)
-    offsets = [rng.randrange(chunks) * CHUNK for _ in range(count)]
+    offsets = [rng.randrange(chunks) * chunk for _ in range(count)]
     for o in offsets:
         os.pread(fd, 1, o)
-    whole = memoryview(bytearray(len(HEADER) + CHUNK))
+    whole = memoryview(bytearray(len(HEADER) + chunk))
     whole[: len(HEADER)] = HEADER
     payload = whole[len(HEADER):]
     out = sock.fileno()
@@ -59,13 +58,13 @@ def run(mode, path, count):
         else:
             sock.send(HEADER, socket.MSG_MORE)
             sent = 0
-            while sent < CHUNK:
-                sent += os.sendfile(out, fd, o + sent, CHUNK - sent)
+            while sent < chunk:
+                sent += os.sendfile(out, fd, o + sent, chunk - sent)
     cpu, wall = time.thread_time() - cpu, time.time() - wall
     sock.close()
     os.waitpid(child, 0)
     os.close(fd)
-    print(f"{mode:8} {count} x 128 KiB: sender CPU {1e6 * cpu / count:.1f} us per chunk, "
+    print(f"{mode:8} {count} x {chunk // 1024} KiB: sender CPU {1e6 * cpu / count:.1f} us per chunk, "
           f"wall {1e6 * wall / count:.1f} us")
 
 
@@ -74,9 +73,10 @@ def main():
         sys.exit(__doc__)
     path = sys.argv[1]
     count = int(sys.argv[2]) if len(sys.argv) > 2 else 20000
+    chunk = (int(sys.argv[3]) if len(sys.argv) > 3 else 128) * 1024
     for _ in range(3):
-        run("copy", path, count)
-        run("sendfile", path, count)
+        run("copy", path, count, chunk)
+        run("sendfile", path, count, chunk)
 
 
 if __name__ == "__main__":
