@@ -6,6 +6,7 @@ pub mod chap;
 pub mod deframer;
 pub mod digest;
 pub mod error;
+pub mod handover;
 pub mod initiator;
 pub mod iser;
 pub mod names;

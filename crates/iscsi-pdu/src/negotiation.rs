@@ -850,6 +850,29 @@ impl Negotiator {
         }
     }
 
+    /// A negotiator for a connection whose login ended in another process, which handed
+    /// the connection over ([`crate::handover`]): `session` and `connection` are what was
+    /// agreed there; only text exchanges are left to it, so authentication is done.
+    pub fn established(
+        role: Role,
+        settings: Settings,
+        session: SessionParams,
+        connection: ConnectionParams,
+    ) -> Self {
+        Negotiator {
+            role,
+            settings,
+            leading: false,
+            entropy: [0; ENTROPY_LEN],
+            session,
+            connection,
+            settled: Vec::new(),
+            pending: Vec::new(),
+            sent: Vec::new(),
+            auth: Auth::Done,
+        }
+    }
+
     /// The session parameters agreed so far.
     pub fn session(&self) -> &SessionParams {
         &self.session

@@ -1121,3 +1121,89 @@ fn whole_pdus_with_their_data_inline_lose_none_of_it() {
     rig.send_whole(0, Pdu::ScsiCommand(read));
     assert!(matches!(&rig.responses()[..], [Pdu::Reject(_)]));
 }
+
+/// A quiescent connection handed over (its state encoded and decoded, then resumed as a new
+/// machine, as a new process would) goes on where it stopped: the next response carries the
+/// next StatSN, digests and segment lengths are as negotiated, and reads return what was
+/// written before. While a task is in flight it is not handed over.
+#[test]
+fn a_quiescent_connection_is_handed_over_and_goes_on() {
+    use iscsi_pdu::handover::SessionState;
+    use iscsi_pdu::negotiation::{Negotiator, Role};
+    use iscsi_pdu::target_node::testing::ISID;
+    use iscsi_pdu::target_node::{Busy, Connection};
+
+    let options = offers(&[
+        ("HeaderDigest", "CRC32C"),
+        ("DataDigest", "CRC32C"),
+        ("MaxRecvDataSegmentLength", "16384"),
+    ]);
+    let (mut rig, mut i) = rig(options.clone());
+    let data = pattern(64 << 10, 3);
+    write(&mut rig, &mut i, 100, &data, (true, false, 256 << 10));
+    assert!(read(&mut rig, &mut i, 100, 128) == data);
+
+    // A read whose backend operation has not returned: not yet.
+    rig.hold_backend = true;
+    let cmd = i.command(&cdb10(0x28, 100, 8), 4096, 0, Bytes::new());
+    rig.send(&Pdu::ScsiCommand(cmd));
+    assert_eq!(rig.conn().handover(), Err(Busy::Tasks));
+    rig.hold_backend = false;
+    assert!(rig.release_backend());
+    assert_eq!(
+        rig.responses().len(),
+        1,
+        "the read's Data-In with its status"
+    );
+
+    let state = rig.conn().handover().expect("quiescent");
+    let (exp, max) = rig.window();
+    let session = SessionState {
+        tsih: rig.conns[0].tsih,
+        isid: ISID,
+        params: rig.conn().session_params().clone(),
+        exp_cmd_sn: exp,
+        cmd_window: max.0.wrapping_sub(exp.0) + 1,
+        connections: vec![state],
+    };
+    let back = SessionState::decode(&session.encode()).expect("its own encoding");
+    assert_eq!(back, session);
+    let c = &back.connections[0];
+    assert!(c.params.header_digest && c.params.data_digest);
+    assert_eq!(c.params.max_send_data_segment_length, 16384);
+    let next_stat_sn = rig.conn().stat_sn();
+
+    let negotiator = Negotiator::established(
+        Role::Target,
+        options.target.clone(),
+        back.params.clone(),
+        c.params,
+    );
+    let settings = iscsi_pdu::target_node::Settings {
+        cid: c.cid,
+        ..options.settings
+    };
+    rig.conns[0].conn =
+        Connection::resume(rig.now, settings, negotiator, back.params.operational, c);
+    assert_eq!(rig.conn().stat_sn(), next_stat_sn);
+    assert_eq!(rig.conn().max_send_data_segment_length(), 16384);
+
+    // The same session goes on: a NOP-Out answered with the next StatSN, then I/O.
+    let ping = NopOut {
+        initiator_task_tag: 0x7000,
+        target_transfer_tag: RESERVED_TAG,
+        cmd_sn: i.next_cmd_sn(),
+        immediate: false,
+        ..NopOut::default()
+    };
+    rig.send(&Pdu::NopOut(ping));
+    match &rig.responses()[..] {
+        [Pdu::NopIn(n)] => assert_eq!(n.stat_sn, next_stat_sn),
+        other => panic!("{other:?}"),
+    }
+    assert!(read(&mut rig, &mut i, 100, 128) == data);
+    let more = pattern(32 << 10, 4);
+    write(&mut rig, &mut i, 1000, &more, (true, false, 256 << 10));
+    assert!(read(&mut rig, &mut i, 1000, 64) == more);
+    assert!(rig.closed().is_none());
+}

@@ -49,7 +49,8 @@ use scsi_core::{
 };
 
 use super::text::TextExchange;
-use crate::negotiation::{Negotiator, OperationalParams, SessionType};
+use crate::handover::ConnectionState;
+use crate::negotiation::{Negotiator, OperationalParams, SessionParams, SessionType};
 use crate::text::TextParams;
 use crate::{
     data_digest, padding, AsyncEvent, AsyncMessage, Bhs, DataIn, DataInStatus, DataOut, Digests,
@@ -281,6 +282,29 @@ pub enum NoBuffer {
     Busy,
 }
 
+/// What keeps a connection from being handed over ([`Connection::handover`]) now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Busy {
+    /// Tasks (or their R2Ts or task management functions) are not over.
+    #[error("tasks in flight")]
+    Tasks,
+    /// A payload is being read into a buffer.
+    #[error("a payload half read")]
+    Receiving,
+    /// A text exchange is half done.
+    #[error("a text exchange in pieces")]
+    Text,
+    /// Output or events wait for the shell.
+    #[error("output not yet taken")]
+    Output,
+    /// A NOP-In ping waits for its answer.
+    #[error("a ping unanswered")]
+    Ping,
+    /// The connection is closing.
+    #[error("closing")]
+    Closing,
+}
+
 /// Why the connection is to close.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Close {
@@ -450,6 +474,65 @@ impl<B: TaskBuffer> Connection<B> {
             now,
             trace: Points::default(),
         }
+    }
+
+    /// A connection handed over by another process ([`crate::handover`]) where `state` left
+    /// it: its StatSN, Target Transfer Tags and logout request go on from there. `negotiator`
+    /// is [`Negotiator::established`] with what was agreed, `op` the session's operational
+    /// parameters, `settings.cid` the state's CID. The bytes the old reader had not made
+    /// into PDUs (`state.unread`) are the shell's to feed first.
+    pub fn resume(
+        now: Instant,
+        settings: Settings,
+        negotiator: Negotiator,
+        op: OperationalParams,
+        state: &ConnectionState,
+    ) -> Connection<B> {
+        let mut c = Connection::new(now, settings, negotiator, op, state.stat_sn);
+        c.next_ttt = state.next_ttt;
+        c.logout_asked = state.logout_asked;
+        c
+    }
+
+    /// The connection's state for another process to resume it ([`Connection::resume`]),
+    /// when it is quiescent: no task (nor backend operation, R2T or task management
+    /// function) left, no text exchange half done, nothing waiting to be read into a buffer
+    /// or sent, no ping unanswered, not closing. Else [`Busy`] says what is left; the shell
+    /// stops reading new PDUs and lets that end first. `unread` is left empty for the shell,
+    /// which holds the bytes read ahead.
+    pub fn handover(&self) -> Result<ConnectionState, Busy> {
+        let busy = if !self.tasks.is_empty() || !self.r2ts.is_empty() || !self.tmfs.is_empty() {
+            Some(Busy::Tasks)
+        } else if self.receiving.is_some() {
+            Some(Busy::Receiving)
+        } else if !self.text.is_idle() {
+            Some(Busy::Text)
+        } else if !self.transmits.is_empty() || !self.events.is_empty() {
+            Some(Busy::Output)
+        } else if self.ping.is_some() {
+            Some(Busy::Ping)
+        } else if self.closing.is_some() {
+            Some(Busy::Closing)
+        } else {
+            None
+        };
+        if let Some(b) = busy {
+            return Err(b);
+        }
+        Ok(ConnectionState {
+            cid: self.settings.cid,
+            params: *self.negotiator.connection(),
+            stat_sn: self.stat_sn,
+            next_ttt: self.next_ttt,
+            logout_asked: self.logout_asked,
+            unread: Vec::new(),
+        })
+    }
+
+    /// What the session's login (and text exchanges since) agreed, as this connection knows
+    /// it: with [`Connection::handover`], the session's part of a handover.
+    pub fn session_params(&self) -> &SessionParams {
+        self.negotiator.session()
     }
 
     /// Its trace points (each command's stages, `cmdtrace`): off until set on; the shell

@@ -16,8 +16,8 @@ pub mod text;
 
 pub use self::core::{Route, Sink, TargetCore};
 pub use connection::{
-    Close, Connection, Core, CoreEvent, Event, IscsiTask, NoBuffer, OrderedCommand, Payload, Plan,
-    Settings, TaskCore, Transmit, LOGOUT_GRACE,
+    Busy, Close, Connection, Core, CoreEvent, Event, IscsiTask, NoBuffer, OrderedCommand, Payload,
+    Plan, Settings, TaskCore, Transmit, LOGOUT_GRACE,
 };
 pub use local::{Admitted, ConnectionCore, LocalLogin, LocalTarget};
 pub use login::{Completed, Login, LoginPolicy, Step};

@@ -19,6 +19,11 @@ pub struct TextExchange {
 }
 
 impl TextExchange {
+    /// Whether no exchange is half done (neither a request nor a response in pieces).
+    pub fn is_idle(&self) -> bool {
+        self.rest.is_none() && !self.request.in_progress()
+    }
+
     /// Answers one Text Request. `send_targets` gives the SendTargets answer for a value. The
     /// response's StatSN, ExpCmdSN and MaxCmdSN are the caller's to fill.
     pub fn request(
