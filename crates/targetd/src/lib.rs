@@ -26,6 +26,7 @@ pub mod config;
 pub mod config_file;
 pub mod control;
 pub mod fabric;
+pub mod handover;
 pub mod iscsi;
 pub mod iser;
 pub mod manual;

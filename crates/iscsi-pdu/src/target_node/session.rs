@@ -76,6 +76,9 @@ pub enum SessionError {
     /// The table holds as many sessions as it may, or every TSIH is in use ("out of
     /// resources").
     TooManySessions,
+    /// A session handed over from another process ([`SessionTable::adopt`]) names a TSIH
+    /// (0 or one in the table) or an I_T nexus (a live session's) that is taken.
+    Taken,
 }
 
 impl SessionError {
@@ -84,7 +87,7 @@ impl SessionError {
         match self {
             SessionError::NoSession => LoginStatus::SESSION_DOES_NOT_EXIST,
             SessionError::TooManyConnections => LoginStatus::TOO_MANY_CONNECTIONS,
-            SessionError::TooManySessions => LoginStatus::OUT_OF_RESOURCES,
+            SessionError::TooManySessions | SessionError::Taken => LoginStatus::OUT_OF_RESOURCES,
         }
     }
 }
@@ -177,6 +180,53 @@ impl<S, C: Clone> SessionTable<S, C> {
         Ok(Created { tsih, reinstated })
     }
 
+    /// Takes in a session another process handed over ([`crate::handover`]) under the TSIH
+    /// its initiator knows it by, with its connections (CID and the caller's state, at least
+    /// one, each CID once, at most `max_connections`). Refused with [`SessionError::Taken`]
+    /// when the TSIH is 0 or in the table, or a live session has the same initiator port and
+    /// target, and with [`SessionError::TooManySessions`] when the table is full.
+    pub fn adopt(
+        &mut self,
+        tsih: u16,
+        key: SessionKey,
+        max_connections: u16,
+        connections: Vec<(u16, C)>,
+        value: S,
+    ) -> Result<(), SessionError> {
+        if self.sessions.len() >= self.limit {
+            return Err(SessionError::TooManySessions);
+        }
+        let nexus_taken = self
+            .sessions
+            .values()
+            .any(|s| !s.ending && s.key.matches(key.isid, &key.initiator, &key.target));
+        if tsih == 0 || self.sessions.contains_key(&tsih) || nexus_taken {
+            return Err(SessionError::Taken);
+        }
+        let cids_unique = connections
+            .iter()
+            .enumerate()
+            .all(|(i, (cid, _))| connections[..i].iter().all(|(c, _)| c != cid));
+        if connections.is_empty()
+            || connections.len() > usize::from(max_connections.max(1))
+            || !cids_unique
+        {
+            return Err(SessionError::TooManyConnections);
+        }
+        self.sessions.insert(
+            tsih,
+            SessionEntry {
+                tsih,
+                key,
+                max_connections: max_connections.max(1),
+                connections,
+                ending: false,
+                value,
+            },
+        );
+        Ok(())
+    }
+
     /// Adds connection `conn` with CID `cid` to the session `tsih` of this initiator port and
     /// target. A connection of the session with the same CID is replaced and handed back to
     /// close (connection reinstatement, RFC 7143 section 6.3.4).
@@ -262,6 +312,58 @@ impl<S, C: Clone> SessionTable<S, C> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_handed_over_session_keeps_its_tsih_and_takes_joins_and_reinstatement() {
+        let mut t = SessionTable::<&str, u64>::new();
+        let a = t.create(key(1, T), 4, 0, 10, |_| "a").unwrap();
+        // Adopted beside a session made here: its TSIH as it was.
+        t.adopt(700, key(2, T), 2, vec![(0, 20), (3, 23)], "handed")
+            .unwrap();
+        let e = t.get(700).expect("adopted");
+        assert_eq!((e.value, e.connections.len()), ("handed", 2));
+        assert_eq!(
+            t.adopt(700, key(3, T), 2, vec![(0, 30)], "again"),
+            Err(SessionError::Taken),
+            "its TSIH is taken"
+        );
+        assert_eq!(
+            t.adopt(a.tsih, key(3, T), 2, vec![(0, 30)], "again"),
+            Err(SessionError::Taken)
+        );
+        assert_eq!(
+            t.adopt(0, key(3, T), 2, vec![(0, 30)], "zero"),
+            Err(SessionError::Taken)
+        );
+        assert_eq!(
+            t.adopt(701, key(1, T), 2, vec![(0, 30)], "same nexus"),
+            Err(SessionError::Taken),
+            "a live session of that initiator port and target"
+        );
+        assert_eq!(
+            t.adopt(702, key(4, T), 1, vec![(0, 40), (1, 41)], "too many"),
+            Err(SessionError::TooManyConnections)
+        );
+        assert_eq!(
+            t.adopt(702, key(4, T), 2, vec![(1, 40), (1, 41)], "same cid"),
+            Err(SessionError::TooManyConnections)
+        );
+        assert_eq!(
+            t.adopt(702, key(4, T), 2, vec![], "none"),
+            Err(SessionError::TooManyConnections)
+        );
+        // It is a session like any other: a full one refuses a join, a leading login of its
+        // initiator port reinstates it, and new TSIHs pass over it.
+        assert_eq!(
+            t.join(700, key(2, T).isid, I, T, 5, 25),
+            Err(SessionError::TooManyConnections)
+        );
+        let b = t.create(key(2, T), 4, 0, 50, |_| "b").unwrap();
+        assert_eq!(b.reinstated, [20, 23]);
+        assert_ne!(b.tsih, 700);
+        assert_eq!(t.leave(700, |&c| c == 20), Left::Stays);
+        assert_eq!(t.leave(700, |&c| c == 23), Left::Ended("handed"));
+    }
 
     const I: &str = "iqn.2026-11.io.example:i";
     const T: &str = "iqn.2026-11.io.example:t";

@@ -1,0 +1,242 @@
+//! Frames of an upgrade's handover between the running targetd and its successor over a UNIX
+//! socket: bytes (an encoded session state, [`iscsi_pdu::handover`]) with the descriptors
+//! they speak of (listening sockets, each connection's socket) passed beside them as
+//! SCM_RIGHTS, so that a connection goes on in the new process on the same TCP socket.
+//!
+//! A frame is a 16-byte header (magic, the number of descriptors, the payload's length) sent
+//! in one `sendmsg` with the descriptors, then the payload. The receiver checks the header
+//! before it allocates for the payload, and that every descriptor announced came (the kernel
+//! drops those that do not fit its control buffer); descriptors that arrive with a frame it
+//! refuses are closed. Blocking I/O: the handover runs on a thread of its own, beside the
+//! reactors, which go on serving until it is done.
+
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+
+use rustix::net::{
+    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
+    SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
+};
+
+/// The first bytes of a frame.
+const MAGIC: [u8; 4] = *b"tdHF";
+
+/// Bytes of a frame's header.
+const HEADER: usize = 16;
+
+/// The most descriptors one frame carries (the kernel's SCM_MAX_FD).
+pub const MAX_FDS: usize = 253;
+
+/// The longest payload a receiver accepts: an encoded session state at its largest.
+pub const MAX_PAYLOAD: u64 =
+    iscsi_pdu::handover::MAX_BODY as u64 + iscsi_pdu::handover::HEADER_LEN as u64 + 4;
+
+/// Why a frame could not be sent or was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The socket failed.
+    #[error("handover socket: {0}")]
+    Io(#[from] io::Error),
+    /// The peer closed the socket before a frame began.
+    #[error("the other process closed the handover socket")]
+    Closed,
+    /// The bytes are not a frame's header.
+    #[error("not a handover frame")]
+    NotAFrame,
+    /// More descriptors than one frame carries.
+    #[error("{0} descriptors in one frame, at most {MAX_FDS}")]
+    TooManyFds(usize),
+    /// Fewer descriptors came than the header announced.
+    #[error("{announced} descriptors announced, {received} received")]
+    FdsMissing {
+        /// The header's count.
+        announced: usize,
+        /// What came.
+        received: usize,
+    },
+    /// The payload is longer than [`MAX_PAYLOAD`].
+    #[error("a payload of {0} bytes exceeds the limit")]
+    TooLong(u64),
+}
+
+/// One frame received: its payload and the descriptors that came with it, in the order sent.
+#[derive(Debug)]
+pub struct Frame {
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// The descriptors.
+    pub fds: Vec<OwnedFd>,
+}
+
+/// Sends `payload` with `fds` (at most [`MAX_FDS`]) as one frame.
+pub fn send_frame(
+    socket: &UnixStream,
+    payload: &[u8],
+    fds: &[BorrowedFd<'_>],
+) -> Result<(), FrameError> {
+    if fds.len() > MAX_FDS {
+        return Err(FrameError::TooManyFds(fds.len()));
+    }
+    let mut header = [0u8; HEADER];
+    header[..4].copy_from_slice(&MAGIC);
+    header[4..8].copy_from_slice(&(fds.len() as u32).to_le_bytes());
+    header[8..].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() {
+        let pushed = control.push(SendAncillaryMessage::ScmRights(fds));
+        debug_assert!(pushed, "the buffer holds MAX_FDS descriptors");
+    }
+    // The descriptors go with the header's first bytes; what a short send leaves goes after.
+    let sent = sendmsg(
+        socket,
+        &[IoSlice::new(&header)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )
+    .map_err(io::Error::from)?;
+    let mut w = socket;
+    w.write_all(&header[sent..])?;
+    w.write_all(payload)?;
+    Ok(())
+}
+
+/// Receives one frame, checking its header before reading the payload.
+pub fn receive_frame(socket: &UnixStream) -> Result<Frame, FrameError> {
+    let mut header = [0u8; HEADER];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let got = recvmsg(
+        socket,
+        &mut [IoSliceMut::new(&mut header)],
+        &mut control,
+        RecvFlags::CMSG_CLOEXEC,
+    )
+    .map_err(io::Error::from)?;
+    // Taken before anything is checked, so that they are closed if the frame is refused.
+    let mut fds = Vec::new();
+    for message in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(received) = message {
+            fds.extend(received);
+        }
+    }
+    if got.bytes == 0 {
+        return Err(FrameError::Closed);
+    }
+    let mut r = socket;
+    r.read_exact(&mut header[got.bytes..])?;
+    if header[..4] != MAGIC {
+        return Err(FrameError::NotAFrame);
+    }
+    let announced = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes")) as usize;
+    if announced > MAX_FDS {
+        return Err(FrameError::TooManyFds(announced));
+    }
+    if fds.len() != announced || got.flags.contains(ReturnFlags::CTRUNC) {
+        return Err(FrameError::FdsMissing {
+            announced,
+            received: fds.len(),
+        });
+    }
+    let len = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
+    if len > MAX_PAYLOAD {
+        return Err(FrameError::TooLong(len));
+    }
+    let mut payload = vec![0u8; len as usize];
+    r.read_exact(&mut payload)?;
+    Ok(Frame { payload, fds })
+}
+
+/// Borrows each of `fds` for [`send_frame`].
+pub fn borrowed<F: AsFd>(fds: &[F]) -> Vec<BorrowedFd<'_>> {
+    fds.iter().map(|f| f.as_fd()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{TcpListener, TcpStream};
+
+    #[test]
+    fn listeners_and_connections_go_on_in_the_receiver() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let mut client = TcpStream::connect(addr).unwrap();
+        let (served, _) = listener.accept().unwrap();
+        send_frame(&a, b"state", &borrowed(&[listener.as_fd(), served.as_fd()])).unwrap();
+        // The sender lets go of its copies, as an old process exits.
+        drop((listener, served));
+        let frame = receive_frame(&b).unwrap();
+        assert_eq!(frame.payload, b"state");
+        let mut fds = frame.fds.into_iter();
+        let listener = TcpListener::from(fds.next().unwrap());
+        let mut served = TcpStream::from(fds.next().unwrap());
+        // The established connection: bytes both ways.
+        client.write_all(b"ping").unwrap();
+        let mut got = [0u8; 4];
+        served.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"ping");
+        served.write_all(b"pong").unwrap();
+        client.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"pong");
+        // The listener takes new connections.
+        let _second = TcpStream::connect(addr).unwrap();
+        listener.accept().unwrap();
+        // A frame without descriptors, and a large payload.
+        let big = vec![7u8; 3 << 20];
+        let sender = std::thread::spawn(move || send_frame(&a, &big, &[]).map(|_| a));
+        let frame = receive_frame(&b).unwrap();
+        assert!(frame.fds.is_empty() && frame.payload.len() == 3 << 20);
+        drop(sender.join().unwrap().unwrap());
+        assert!(matches!(receive_frame(&b), Err(FrameError::Closed)));
+    }
+
+    #[test]
+    fn a_frame_that_does_not_hold_is_refused_before_its_payload() {
+        let header = |magic: &[u8; 4], fds: u32, len: u64| {
+            let mut h = magic.to_vec();
+            h.extend_from_slice(&fds.to_le_bytes());
+            h.extend_from_slice(&len.to_le_bytes());
+            h
+        };
+        // The bytes, then the sender's end closed (nothing more comes).
+        let raw = |bytes: Vec<u8>| {
+            let (mut a, b) = UnixStream::pair().unwrap();
+            a.write_all(&bytes).unwrap();
+            drop(a);
+            receive_frame(&b)
+        };
+        assert!(matches!(
+            raw(header(b"nope", 0, 0)),
+            Err(FrameError::NotAFrame)
+        ));
+        assert!(matches!(
+            raw(header(&MAGIC, 0, MAX_PAYLOAD + 1)),
+            Err(FrameError::TooLong(_))
+        ));
+        assert!(matches!(
+            raw(header(&MAGIC, 2, 0)),
+            Err(FrameError::FdsMissing {
+                announced: 2,
+                received: 0
+            })
+        ));
+        assert!(matches!(
+            raw(header(&MAGIC, 1000, 0)),
+            Err(FrameError::TooManyFds(1000))
+        ));
+        // A payload cut short by the sender's end.
+        assert!(matches!(raw(header(&MAGIC, 0, 10)), Err(FrameError::Io(_))));
+        let (a, _b) = UnixStream::pair().unwrap();
+        let many: Vec<OwnedFd> = (0..MAX_FDS + 1)
+            .map(|_| a.as_fd().try_clone_to_owned().unwrap())
+            .collect();
+        assert!(matches!(
+            send_frame(&a, b"", &borrowed(&many)),
+            Err(FrameError::TooManyFds(254))
+        ));
+    }
+}
