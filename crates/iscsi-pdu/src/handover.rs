@@ -1,6 +1,6 @@
 //! A session's state as one target process hands it to the next, so that an upgrade keeps the
-//! session: what login negotiated, the CmdSN window, and for each connection its StatSN, its
-//! digests and segment lengths, and the bytes its reader had taken off the socket but not yet
+//! session: what login negotiated, the CmdSN window, the unit attentions its I_T nexus has
+//! pending, and for each connection its StatSN, its digests and segment lengths, and the bytes its reader had taken off the socket but not yet
 //! made into PDUs. The connection's socket itself goes beside it (SCM_RIGHTS); what went on
 //! in it before is not here, because a connection is handed over only when quiescent: no task
 //! in flight, nothing queued to send, no exchange half done
@@ -18,6 +18,7 @@ use crate::negotiation::{
     TaskReporting,
 };
 use crate::{crc32c, Isid, SerialNumber};
+use scsi_core::Asc;
 
 /// The first bytes of an encoded handover.
 pub const MAGIC: [u8; 4] = *b"iSHO";
@@ -86,6 +87,9 @@ pub struct SessionState {
     pub exp_cmd_sn: SerialNumber,
     /// The CmdSN window's width: MaxCmdSN is ExpCmdSN plus this, less one.
     pub cmd_window: u32,
+    /// The unit attentions pending for its I_T nexus (LUN index, ASC and ASCQ), oldest first
+    /// ([`scsi_core::Device::pending_unit_attentions`]).
+    pub unit_attentions: Vec<(u16, Asc)>,
     /// Its connections, at least one, at most MaxConnections, each CID once.
     pub connections: Vec<ConnectionState>,
 }
@@ -155,6 +159,11 @@ impl SessionState {
         put_params(w, &self.params);
         w.extend_from_slice(&self.exp_cmd_sn.0.to_le_bytes());
         w.extend_from_slice(&self.cmd_window.to_le_bytes());
+        w.extend_from_slice(&(self.unit_attentions.len() as u32).to_le_bytes());
+        for (lun, asc) in &self.unit_attentions {
+            w.extend_from_slice(&lun.to_le_bytes());
+            w.extend_from_slice(&[asc.0, asc.1]);
+        }
         w.extend_from_slice(&(self.connections.len() as u16).to_le_bytes());
         for c in &self.connections {
             w.extend_from_slice(&c.cid.to_le_bytes());
@@ -176,6 +185,16 @@ impl SessionState {
         let params = get_params(r)?;
         let exp_cmd_sn = SerialNumber(r.u32()?);
         let cmd_window = r.u32()?;
+        let attentions = r.u32()? as usize;
+        if attentions.saturating_mul(4) > r.0.len() {
+            return Err(HandoverError::Truncated);
+        }
+        let mut unit_attentions = Vec::with_capacity(attentions);
+        for _ in 0..attentions {
+            let lun = r.u16()?;
+            let [asc, ascq] = r.array()?;
+            unit_attentions.push((lun, Asc(asc, ascq)));
+        }
         let count = r.u16()?;
         // Each connection takes at least 25 bytes: the count is checked against what is left
         // before anything is reserved for it.
@@ -214,6 +233,7 @@ impl SessionState {
             params,
             exp_cmd_sn,
             cmd_window,
+            unit_attentions,
             connections,
         })
     }
@@ -261,6 +281,10 @@ impl SessionState {
         // Serial arithmetic orders two numbers only less than 2^31 apart.
         if self.cmd_window == 0 || self.cmd_window >= 1 << 31 {
             return bad("cmd_window");
+        }
+        // A LUN index is at most 16383 (SAM's flat space addressing).
+        if self.unit_attentions.iter().any(|(lun, _)| *lun > 16383) {
+            return bad("unit_attentions");
         }
         if self.connections.is_empty() {
             return bad("connections");
@@ -565,10 +589,21 @@ mod tests {
             0u8..3,
             0u8..3,
             (any::<u32>(), 1u32..(1 << 31)),
+            proptest::collection::vec((0u16..16384, any::<[u8; 2]>()), 0..5),
             proptest::collection::vec(connection, 1..4),
         )
             .prop_map(
-                |(tsih, isid, declared, mut operational, tr, auth, (exp, window), mut conns)| {
+                |(
+                    tsih,
+                    isid,
+                    declared,
+                    mut operational,
+                    tr,
+                    auth,
+                    (exp, window),
+                    uas,
+                    mut conns,
+                )| {
                     operational.max_connections =
                         operational.max_connections.max(conns.len() as u16);
                     for (i, c) in conns.iter_mut().enumerate() {
@@ -590,6 +625,10 @@ mod tests {
                         },
                         exp_cmd_sn: SerialNumber(exp),
                         cmd_window: window,
+                        unit_attentions: uas
+                            .into_iter()
+                            .map(|(lun, [a, q])| (lun, Asc(a, q)))
+                            .collect(),
                         connections: conns,
                     }
                 },
@@ -642,6 +681,7 @@ mod tests {
             },
             exp_cmd_sn: SerialNumber(77),
             cmd_window: 128,
+            unit_attentions: vec![(1, Asc::POWER_ON_RESET)],
             connections: vec![ConnectionState {
                 cid: 1,
                 params: ConnectionParams::default(),
@@ -709,6 +749,12 @@ mod tests {
         assert_eq!(
             SessionState::decode(&resigned(&two, |_| {})),
             Err(HandoverError::Invalid("cid"))
+        );
+        let mut far = s.clone();
+        far.unit_attentions.push((16384, Asc::POWER_ON_RESET));
+        assert_eq!(
+            SessionState::decode(&resigned(&far, |_| {})),
+            Err(HandoverError::Invalid("unit_attentions"))
         );
         let mut small = s.clone();
         small.connections[0].params.max_send_data_segment_length = 100;

@@ -1164,6 +1164,7 @@ fn a_quiescent_connection_is_handed_over_and_goes_on() {
         params: rig.conn().session_params().clone(),
         exp_cmd_sn: exp,
         cmd_window: max.0.wrapping_sub(exp.0) + 1,
+        unit_attentions: Vec::new(),
         connections: vec![state],
     };
     let back = SessionState::decode(&session.encode()).expect("its own encoding");

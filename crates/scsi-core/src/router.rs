@@ -110,6 +110,18 @@ impl<R: Clone> Router<R> {
         self.device.open_nexus(initiator, relative_port)
     }
 
+    /// Opens a nexus handed over from another process with its pending unit attentions
+    /// ([`Device::adopt_nexus`]).
+    pub fn adopt_nexus(
+        &mut self,
+        initiator: TransportId,
+        relative_port: u16,
+        unit_attentions: Vec<(u16, crate::Asc)>,
+    ) -> NexusId {
+        self.device
+            .adopt_nexus(initiator, relative_port, unit_attentions)
+    }
+
     /// Adds logical unit `index` (an administrator's `lun add`); the nexuses hear REPORTED
     /// LUNS DATA HAS CHANGED.
     pub fn add_unit(

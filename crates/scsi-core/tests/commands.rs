@@ -25,6 +25,49 @@ fn new_nexus_sees_power_on_then_tur_is_good() {
     }
 }
 
+/// A nexus handed over from another process goes on with the unit attentions pending there,
+/// not with POWER ON, RESET: its initiator saw no reset. Those of units the device does not
+/// have are dropped.
+#[test]
+fn an_adopted_nexus_keeps_its_pending_unit_attentions_and_no_power_on() {
+    use scsi_core::{Asc, TransportId};
+    for delegate in [false, true] {
+        let mut h = harness_with(delegate);
+        let old = h
+            .device
+            .open_nexus(TransportId::iscsi("iqn.x:a", [1; 6]), 1);
+        good(&h.command(old, 1, &[0x12, 0, 0, 0, 96, 0], &[], 96));
+        check(&h.command(old, 0, &[0; 6], &[], 0), 6, 0x29, 0x00);
+        // What the old process hands over: LUN 1's power-on is still pending.
+        let pending = h.device.pending_unit_attentions(old).unwrap();
+        assert_eq!(pending, [(1, Asc::POWER_ON_RESET)]);
+        let mut carried = pending.clone();
+        carried.push((0, Asc::CAPACITY_DATA_HAS_CHANGED));
+        carried.push((9, Asc::POWER_ON_RESET));
+        let n = h
+            .device
+            .adopt_nexus(TransportId::iscsi("iqn.x:b", [2; 6]), 1, carried);
+        assert_eq!(
+            h.device.pending_unit_attentions(n).unwrap(),
+            [
+                (1, Asc::POWER_ON_RESET),
+                (0, Asc::CAPACITY_DATA_HAS_CHANGED)
+            ],
+            "LUN 9 is not here"
+        );
+        check(&h.command(n, 0, &[0; 6], &[], 0), 6, 0x2a, 0x09);
+        good(&h.command(n, 0, &[0; 6], &[], 0));
+        check(&h.command(n, 1, &[0; 6], &[], 0), 6, 0x29, 0x00);
+        good(&h.command(n, 1, &[0; 6], &[], 0));
+        // Nothing pending: good at once.
+        let quiet = h
+            .device
+            .adopt_nexus(TransportId::iscsi("iqn.x:c", [3; 6]), 1, Vec::new());
+        good(&h.command(quiet, 0, &[0; 6], &[], 0));
+        good(&h.command(quiet, 1, &[0; 6], &[], 0));
+    }
+}
+
 #[test]
 fn absent_lun() {
     for delegate in [false, true] {

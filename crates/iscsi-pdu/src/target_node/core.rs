@@ -73,11 +73,34 @@ impl<R: Route> TargetCore<R> {
         window: u32,
     ) -> NexusId {
         let nexus = self.router.open_nexus(initiator, relative_port);
+        self.order_from(nexus, cmd_sn, window);
+        nexus
+    }
+
+    /// Starts the CmdSN order of the session of `nexus` at `cmd_sn`.
+    fn order_from(&mut self, nexus: NexusId, cmd_sn: SerialNumber, window: u32) {
         let i = nexus.index();
         if self.orders.len() <= i {
             self.orders.resize_with(i + 1, || None);
         }
         self.orders[i] = Some((nexus, CommandOrder::new(cmd_sn, window)));
+    }
+
+    /// Opens a session handed over from another process ([`crate::handover`]): its nexus
+    /// with the unit attentions pending there (not POWER ON, RESET), its CmdSN order going on
+    /// from ExpCmdSN `exp_cmd_sn` with the same window.
+    pub fn adopt_session(
+        &mut self,
+        initiator: TransportId,
+        relative_port: u16,
+        exp_cmd_sn: SerialNumber,
+        window: u32,
+        unit_attentions: Vec<(u16, scsi_core::Asc)>,
+    ) -> NexusId {
+        let nexus = self
+            .router
+            .adopt_nexus(initiator, relative_port, unit_attentions);
+        self.order_from(nexus, exp_cmd_sn, window);
         nexus
     }
 

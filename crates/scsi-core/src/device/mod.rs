@@ -552,6 +552,12 @@ impl Device {
         Ok(())
     }
 
+    /// The unit attentions pending for nexus `id` (LUN index, ASC and ASCQ), oldest first:
+    /// what a handover carries for [`Device::adopt_nexus`].
+    pub fn pending_unit_attentions(&self, id: NexusId) -> Result<Vec<(u16, Asc)>, DeviceError> {
+        Ok(self.nexus(id)?.unit_attentions.clone())
+    }
+
     /// Changes a unit's capacity; every nexus gets CAPACITY DATA HAS CHANGED.
     pub fn resize_lu(&mut self, index: u16, blocks: u64) -> Result<(), DeviceError> {
         let lu = self.lu_mut(index).ok_or(DeviceError::Lun(index))?;
@@ -563,6 +569,25 @@ impl Device {
     /// Opens an I_T nexus for `initiator` through the target port `relative_port`; it starts
     /// with a POWER ON, RESET unit attention on every unit.
     pub fn open_nexus(&mut self, initiator: TransportId, relative_port: u16) -> NexusId {
+        let power_on: Vec<(u16, Asc)> = self
+            .luns()
+            .into_iter()
+            .map(|l| (l, Asc::POWER_ON_RESET))
+            .collect();
+        self.adopt_nexus(initiator, relative_port, power_on)
+    }
+
+    /// Opens an I_T nexus that goes on from another process (an upgrade that hands sessions
+    /// over): it starts with the unit attentions that were pending there (LUN index, ASC and
+    /// ASCQ, oldest first; those of units this device does not have are dropped), not with
+    /// POWER ON, RESET, since for its initiator nothing was reset.
+    pub fn adopt_nexus(
+        &mut self,
+        initiator: TransportId,
+        relative_port: u16,
+        mut unit_attentions: Vec<(u16, Asc)>,
+    ) -> NexusId {
+        unit_attentions.retain(|(lun, _)| self.lu(*lun).is_some());
         let mut nexus = Nexus {
             name: ItNexus {
                 initiator,
@@ -573,11 +598,7 @@ impl Device {
                 generation: 0,
             },
             announce: false,
-            unit_attentions: self
-                .luns()
-                .into_iter()
-                .map(|l| (l, Asc::POWER_ON_RESET))
-                .collect(),
+            unit_attentions,
         };
         let index = match self.nexuses.iter().position(|s| s.value.is_none()) {
             Some(i) => i,
