@@ -115,6 +115,14 @@ impl Deframer {
         &mut self.buf
     }
 
+    /// The bytes taken in and not yet made into PDUs, when the deframer is between PDUs (no
+    /// header-first payload pending); `None` in the middle of one. A connection handed to
+    /// another process ([`crate::handover`]) carries them, for that process's deframer to
+    /// [`feed`](Self::feed) before anything read from the socket.
+    pub fn unread(&self) -> Option<&[u8]> {
+        self.payload.is_none().then_some(&self.buf[..])
+    }
+
     /// Bytes buffered and not yet yielded.
     pub fn buffered(&self) -> usize {
         self.buf.len()

@@ -104,6 +104,48 @@ fn receive(wire: &[u8], chunk: usize, digests: Digests) -> Result<Vec<Pdu>, Deco
     }
 }
 
+/// A stream cut anywhere between two deframers, as a connection handed to another process
+/// is: what the first has not made into PDUs (`unread`), fed to the second before the rest of
+/// the wire, gives the same PDUs. In the middle of a header-first payload there is nothing to
+/// hand over yet.
+#[test]
+fn unread_bytes_go_on_in_another_deframer() {
+    for digests in [Digests::NONE, Digests::BOTH] {
+        let (pdus, wire) = stream(digests);
+        for cut in 0..=wire.len() {
+            let new = || {
+                let mut d = Deframer::new();
+                d.set_digests(digests);
+                d.set_max_recv_data_segment_length(65536);
+                d
+            };
+            let mut first = new();
+            first.feed(&wire[..cut]);
+            let mut got = Vec::new();
+            while let Some(p) = first.next_pdu().unwrap() {
+                got.push(p);
+            }
+            let mut second = new();
+            second.feed(first.unread().expect("between PDUs"));
+            second.feed(&wire[cut..]);
+            while let Some(p) = second.next_pdu().unwrap() {
+                got.push(p);
+            }
+            assert_eq!(got, pdus, "cut at {cut}");
+            assert_eq!(second.unread(), Some(&[][..]));
+        }
+        let mut d = Deframer::new();
+        d.set_digests(digests);
+        d.feed(&wire);
+        assert!(matches!(d.next_header(direct), Ok(Some(Received::Pdu(_)))));
+        assert!(matches!(
+            d.next_header(direct),
+            Ok(Some(Received::Header { .. }))
+        ));
+        assert_eq!(d.unread(), None, "a payload is pending");
+    }
+}
+
 #[test]
 fn every_split_with_and_without_digests() {
     for digests in [
