@@ -116,14 +116,7 @@ impl SessionState {
     pub fn encode(&self) -> Vec<u8> {
         let mut body = Vec::with_capacity(256);
         self.put(&mut body);
-        let mut out = Vec::with_capacity(HEADER_LEN + body.len() + 4);
-        out.extend_from_slice(&MAGIC);
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&[0, 0]);
-        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        out.extend_from_slice(&body);
-        out.extend_from_slice(&crc32c(&body).to_le_bytes());
-        out
+        sealed(&body)
     }
 
     /// Decodes and checks an encoded state, which must be all of `bytes`.
@@ -308,6 +301,18 @@ impl SessionState {
         }
         Ok(())
     }
+}
+
+/// `body` behind its header and before its CRC32C: an encoded handover.
+fn sealed(body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len() + 4);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&[0, 0]);
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(body);
+    out.extend_from_slice(&crc32c(body).to_le_bytes());
+    out
 }
 
 /// The body's length from a handover's header, after checking its magic, version and bound:
@@ -699,13 +704,7 @@ mod tests {
         let mut body = Vec::new();
         s.put(&mut body);
         change(&mut body);
-        let mut out = MAGIC.to_vec();
-        out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&[0, 0]);
-        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        out.extend_from_slice(&body);
-        out.extend_from_slice(&crc32c(&body).to_le_bytes());
-        out
+        sealed(&body)
     }
 
     #[test]

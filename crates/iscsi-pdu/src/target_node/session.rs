@@ -180,50 +180,36 @@ impl<S, C: Clone> SessionTable<S, C> {
         Ok(Created { tsih, reinstated })
     }
 
-    /// Takes in a session another process handed over ([`crate::handover`]) under the TSIH
-    /// its initiator knows it by, with its connections (CID and the caller's state, at least
-    /// one, each CID once, at most `max_connections`). Refused with [`SessionError::Taken`]
-    /// when the TSIH is 0 or in the table, or a live session has the same initiator port and
-    /// target, and with [`SessionError::TooManySessions`] when the table is full.
-    pub fn adopt(
-        &mut self,
-        tsih: u16,
-        key: SessionKey,
-        max_connections: u16,
-        connections: Vec<(u16, C)>,
-        value: S,
-    ) -> Result<(), SessionError> {
+    /// Takes in a live session another process handed over ([`crate::handover`]) under the
+    /// TSIH its initiator knows it by, with its connections (CID and the caller's state, at
+    /// least one, each CID once, at most its MaxConnections). Refused with
+    /// [`SessionError::Taken`] when the TSIH is 0 or in the table, or a live session has the
+    /// same initiator port and target, and with [`SessionError::TooManySessions`] when the
+    /// table is full.
+    pub fn adopt(&mut self, mut session: SessionEntry<S, C>) -> Result<(), SessionError> {
         if self.sessions.len() >= self.limit {
             return Err(SessionError::TooManySessions);
         }
+        let key = &session.key;
         let nexus_taken = self
             .sessions
             .values()
             .any(|s| !s.ending && s.key.matches(key.isid, &key.initiator, &key.target));
+        let tsih = session.tsih;
         if tsih == 0 || self.sessions.contains_key(&tsih) || nexus_taken {
             return Err(SessionError::Taken);
         }
-        let cids_unique = connections
+        let conns = &session.connections;
+        let cids_unique = conns
             .iter()
             .enumerate()
-            .all(|(i, (cid, _))| connections[..i].iter().all(|(c, _)| c != cid));
-        if connections.is_empty()
-            || connections.len() > usize::from(max_connections.max(1))
-            || !cids_unique
-        {
+            .all(|(i, (cid, _))| conns[..i].iter().all(|(c, _)| c != cid));
+        session.max_connections = session.max_connections.max(1);
+        if conns.is_empty() || conns.len() > usize::from(session.max_connections) || !cids_unique {
             return Err(SessionError::TooManyConnections);
         }
-        self.sessions.insert(
-            tsih,
-            SessionEntry {
-                tsih,
-                key,
-                max_connections: max_connections.max(1),
-                connections,
-                ending: false,
-                value,
-            },
-        );
+        session.ending = false;
+        self.sessions.insert(tsih, session);
         Ok(())
     }
 
@@ -317,41 +303,47 @@ mod tests {
     fn a_handed_over_session_keeps_its_tsih_and_takes_joins_and_reinstatement() {
         let mut t = SessionTable::<&str, u64>::new();
         let a = t.create(key(1, T), 4, 0, 10, |_| "a").unwrap();
+        let handed = |tsih, isid, max, connections: Vec<(u16, u64)>| SessionEntry {
+            tsih,
+            key: key(isid, T),
+            max_connections: max,
+            connections,
+            ending: false,
+            value: "handed",
+        };
         // Adopted beside a session made here: its TSIH as it was.
-        t.adopt(700, key(2, T), 2, vec![(0, 20), (3, 23)], "handed")
-            .unwrap();
+        t.adopt(handed(700, 2, 2, vec![(0, 20), (3, 23)])).unwrap();
         let e = t.get(700).expect("adopted");
         assert_eq!((e.value, e.connections.len()), ("handed", 2));
-        assert_eq!(
-            t.adopt(700, key(3, T), 2, vec![(0, 30)], "again"),
-            Err(SessionError::Taken),
-            "its TSIH is taken"
-        );
-        assert_eq!(
-            t.adopt(a.tsih, key(3, T), 2, vec![(0, 30)], "again"),
-            Err(SessionError::Taken)
-        );
-        assert_eq!(
-            t.adopt(0, key(3, T), 2, vec![(0, 30)], "zero"),
-            Err(SessionError::Taken)
-        );
-        assert_eq!(
-            t.adopt(701, key(1, T), 2, vec![(0, 30)], "same nexus"),
-            Err(SessionError::Taken),
-            "a live session of that initiator port and target"
-        );
-        assert_eq!(
-            t.adopt(702, key(4, T), 1, vec![(0, 40), (1, 41)], "too many"),
-            Err(SessionError::TooManyConnections)
-        );
-        assert_eq!(
-            t.adopt(702, key(4, T), 2, vec![(1, 40), (1, 41)], "same cid"),
-            Err(SessionError::TooManyConnections)
-        );
-        assert_eq!(
-            t.adopt(702, key(4, T), 2, vec![], "none"),
-            Err(SessionError::TooManyConnections)
-        );
+        for (tsih, isid, max, conns, why) in [
+            (700, 3, 2, vec![(0, 30)], "its TSIH is taken"),
+            (a.tsih, 3, 2, vec![(0, 30)], "a TSIH made here"),
+            (0, 3, 2, vec![(0, 30)], "TSIH 0"),
+            (
+                701,
+                1,
+                2,
+                vec![(0, 30)],
+                "a live session of that port and target",
+            ),
+        ] {
+            assert_eq!(
+                t.adopt(handed(tsih, isid, max, conns)),
+                Err(SessionError::Taken),
+                "{why}"
+            );
+        }
+        for conns in [
+            vec![(0, 40), (1, 41), (2, 42)],
+            vec![(1, 40), (1, 41)],
+            vec![],
+        ] {
+            assert_eq!(
+                t.adopt(handed(702, 4, 2, conns.clone())),
+                Err(SessionError::TooManyConnections),
+                "{conns:?}"
+            );
+        }
         // It is a session like any other: a full one refuses a join, a leading login of its
         // initiator port reinstates it, and new TSIHs pass over it.
         assert_eq!(
