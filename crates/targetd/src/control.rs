@@ -1,17 +1,56 @@
 //! What a connection of any transport (iSCSI, iSER, SRP) is asked to do from outside its
 //! task: carry on, ask its initiator to log out (the daemon is stopping), or close (an admin
-//! command, a logout of its session on another connection, a reinstatement).
+//! command, a logout of its session on another connection, a reinstatement); and, apart
+//! from those, to park for a handover (an upgrade): stop reading at a PDU boundary, finish
+//! what is in flight, report its state and its socket, then serve on or let go.
 
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Mutex;
 
-use tokio::sync::Notify;
+use iscsi_pdu::handover::ConnectionState;
+use tokio::sync::{mpsc, Notify};
 
 /// What a connection is asked to do from outside.
 #[derive(Debug, Default)]
 pub struct Control {
     state: AtomicU8,
-    /// Signalled when `state` changes.
+    /// Signalled when `state` or the park request changes.
     pub notify: Notify,
+    /// [`Park`] as a number: apart from `state`, since a park is withdrawn when a handover
+    /// fails, and `state` only ever rises.
+    park: AtomicU8,
+    /// Wakes the connection's reader: a park asked or withdrawn, or the worker found that a
+    /// parked reader must read on (a ping went out).
+    pub reader: Notify,
+    /// Where the connection reports once parked.
+    report: Mutex<Option<mpsc::UnboundedSender<Parked>>>,
+}
+
+/// A handover's request to a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Park {
+    /// Serve (no handover, or it failed and the connection goes on here).
+    Serve,
+    /// Stop reading at a PDU boundary once nothing begun waits for the initiator, let the
+    /// tasks in flight finish, and report.
+    Park,
+    /// Another process serves the connection now: let it go without a word to the
+    /// initiator (its socket lives on in the other process).
+    Release,
+}
+
+/// A connection parked for a handover: its state and a duplicate of its socket.
+#[derive(Debug)]
+pub struct Parked {
+    /// The connection's daemon-wide id.
+    pub id: u64,
+    /// Its session's TSIH.
+    pub tsih: u16,
+    /// Its machine's state, with the bytes read ahead.
+    pub state: ConnectionState,
+    /// Its TCP socket.
+    pub socket: OwnedFd,
 }
 
 /// Requests a [`Control`] carries, strongest last.
@@ -31,6 +70,45 @@ impl Control {
     pub fn request(&self, r: Request) {
         self.state.fetch_max(r as u8, Ordering::SeqCst);
         self.notify.notify_one();
+    }
+
+    /// Asks the connection to park and to report to `report` once it has.
+    pub fn park(&self, report: mpsc::UnboundedSender<Parked>) {
+        *crate::lock(&self.report) = Some(report);
+        self.set_park(Park::Park);
+    }
+
+    /// Withdraws a park: the connection serves on, here.
+    pub fn serve(&self) {
+        self.set_park(Park::Serve);
+    }
+
+    /// Lets a parked connection go: another process serves it now.
+    pub fn release(&self) {
+        self.set_park(Park::Release);
+    }
+
+    fn set_park(&self, p: Park) {
+        self.park.store(p as u8, Ordering::SeqCst);
+        self.notify.notify_one();
+        self.reader.notify_one();
+    }
+
+    /// The park request in force.
+    pub fn parking(&self) -> Park {
+        match self.park.load(Ordering::SeqCst) {
+            0 => Park::Serve,
+            1 => Park::Park,
+            _ => Park::Release,
+        }
+    }
+
+    /// Reports a parked connection; false when nobody listens any more (the handover gave
+    /// up), and the connection serves on.
+    pub fn report(&self, parked: Parked) -> bool {
+        crate::lock(&self.report)
+            .as_ref()
+            .is_some_and(|tx| tx.send(parked).is_ok())
     }
 
     /// The request in force.

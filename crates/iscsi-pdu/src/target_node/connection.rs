@@ -529,6 +529,19 @@ impl<B: TaskBuffer> Connection<B> {
         })
     }
 
+    /// Whether something begun waits for the initiator's next PDUs: a task's data-out
+    /// (solicited or not), a payload half read, a text exchange's next request, the answer
+    /// to a ping. A shell quiescing the connection for a [`Connection::handover`] stops
+    /// reading only when this is false: a task that cannot finish without more input would
+    /// keep it busy for good.
+    pub fn awaits_initiator(&self) -> bool {
+        self.tasks.awaits_data_out()
+            || !self.r2ts.is_empty()
+            || self.receiving.is_some()
+            || !self.text.is_idle()
+            || self.ping.is_some()
+    }
+
     /// What the session's login (and text exchanges since) agreed, as this connection knows
     /// it: with [`Connection::handover`], the session's part of a handover.
     pub fn session_params(&self) -> &SessionParams {

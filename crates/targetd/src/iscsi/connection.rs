@@ -11,6 +11,7 @@
 
 use std::cell::RefCell;
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,7 +32,7 @@ use super::session::Session;
 use super::wire::{Incoming, ReadError, Reader, SendStalled, Writer};
 use crate::carrier::{self, granted, Carried, Carrier, Waiting};
 use crate::config::MAX_IO;
-use crate::control::{Control, Request};
+use crate::control::{Control, Park, Parked, Request};
 use crate::reactor::Io;
 use crate::registry::{Peer, Registry};
 use crate::target::{Core, CoreStep, Outbox, Route, Routed, Target};
@@ -313,6 +314,9 @@ struct Conn {
     /// wait for them in arrival order, the head's allocation a future of the worker, which
     /// the arena wakes.
     carrier: Carrier,
+    /// The reader has stopped at a PDU boundary for a park ([`Park::Park`]) and waits: the
+    /// worker parks the connection once its tasks are over.
+    reader_parked: bool,
 }
 
 /// The part of its reactor's arena one connection's buffers may hold: half. Without a bound,
@@ -345,6 +349,7 @@ impl Conn {
             link,
             scope,
             carrier,
+            ..
         } = self;
         Turn {
             machine,
@@ -498,29 +503,87 @@ async fn full_feature(
         link,
         scope,
         carrier: Carrier::single(io, share),
+        reader_parked: false,
     }));
     let mut rx = rx;
-    tokio::select! {
-        r = read_loop(&conn, &mut reader) => {
-            if let Err(e) = r {
-                tracing::debug!(peer = %peer.addr, "connection ends: {e}");
-            }
-        }
-        r = work_loop(&conn, &mut rx, &mut writer, &peer.control) => {
-            match r {
-                Err(e) if SendStalled::is(&e) => {
-                    registry.counters.send_timeouts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::info!(peer = %peer.addr, "connection dropped: {e}");
+    loop {
+        tokio::select! {
+            r = read_loop(&conn, &mut reader, &peer.control) => {
+                if let Err(e) = r {
+                    tracing::debug!(peer = %peer.addr, "connection ends: {e}");
                 }
-                Err(e) => tracing::debug!(peer = %peer.addr, "connection ends: {e}"),
-                Ok(()) => {}
             }
-            let _ = writer.shutdown().await;
+            r = work_loop(&conn, &mut rx, &mut writer, &peer.control) => {
+                match r {
+                    Ok(Worked::Parked) => {
+                        // The reader waits at a PDU boundary (it parked first), so dropping
+                        // its future loses nothing.
+                        match park(&conn, &reader, peer).await {
+                            Park::Release => {
+                                tracing::info!(peer = %peer.addr, "connection handed over");
+                                return;
+                            }
+                            _ => continue,
+                        }
+                    }
+                    Err(e) if SendStalled::is(&e) => {
+                        registry.counters.send_timeouts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        tracing::info!(peer = %peer.addr, "connection dropped: {e}");
+                    }
+                    Err(e) => tracing::debug!(peer = %peer.addr, "connection ends: {e}"),
+                    Ok(Worked::Closed) => {}
+                }
+                let _ = writer.shutdown().await;
+            }
         }
+        break;
     }
     drop(reader);
     drop(writer);
     teardown(&conn, &mut rx).await;
+}
+
+/// A quiescent connection ([`Worked::Parked`]): reports its state and a duplicate of its
+/// socket to the handover, then waits for its word: [`Park::Release`] (another process
+/// serves it now: it ends without a word to the initiator or its session) or
+/// [`Park::Serve`] (the handover is withdrawn or failed: it serves on where it stopped).
+/// Nothing is read or sent meanwhile; the initiator's PDUs wait in the socket.
+async fn park(conn: &Rc<RefCell<Conn>>, reader: &Reader, peer: &Peer) -> Park {
+    let control = &peer.control;
+    let parked = {
+        let c = conn.borrow();
+        let tsih = c.scope.session().map(|s| s.tsih);
+        let state = c.machine.handover().ok();
+        let unread = reader.unread();
+        let socket = reader.socket().as_fd().try_clone_to_owned();
+        match (tsih, state, unread, socket) {
+            (Some(tsih), Some(mut state), Some(unread), Ok(socket)) => {
+                state.unread = unread.to_vec();
+                Some(Parked {
+                    id: peer.id,
+                    tsih,
+                    state,
+                    socket,
+                })
+            }
+            (.., Err(e)) => {
+                tracing::warn!(peer = %peer.addr, "parking: duplicating the socket: {e}");
+                None
+            }
+            _ => None,
+        }
+    };
+    conn.borrow_mut().reader_parked = false;
+    if !parked.is_some_and(|p| control.report(p)) {
+        return Park::Serve;
+    }
+    loop {
+        let notified = control.notify.notified();
+        match control.parking() {
+            Park::Park => notified.await,
+            p => return p,
+        }
+    }
 }
 
 /// The connection is gone: end its tasks. The last connection of a session closes the I_T
@@ -585,13 +648,31 @@ async fn teardown(conn: &Rc<RefCell<Conn>>, rx: &mut mpsc::UnboundedReceiver<Rou
 
 /// Takes PDUs off the socket until it closes or breaks, putting each payload where the
 /// machine's plan says.
-async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), ReadError> {
+async fn read_loop(
+    conn: &Rc<RefCell<Conn>>,
+    reader: &mut Reader,
+    control: &Control,
+) -> Result<(), ReadError> {
     let (inbox, share) = {
         let c = conn.borrow();
         (c.carrier.inbox().clone(), c.carrier.waits.share().clone())
     };
     loop {
-        let incoming = reader.next().await;
+        if control.parking() == Park::Park && may_stop_reading(conn) {
+            // Stopped between two PDUs: the worker parks the connection once its tasks are
+            // over, which drops this future here; or it wakes it to read on.
+            conn.borrow_mut().reader_parked = true;
+            inbox.notify.notify_one();
+            control.reader.notified().await;
+            conn.borrow_mut().reader_parked = false;
+            continue;
+        }
+        // The header's read is cancel-safe: a wake to park (or a spurious one) loses nothing.
+        let incoming = tokio::select! {
+            biased;
+            r = reader.next() => r,
+            _ = control.reader.notified() => continue,
+        };
         let (mut plan, mut closing) = step(conn, |t, now| {
             Ok(match incoming {
                 Ok(Incoming::Whole(pdu)) => t.machine.handle_pdu(now, pdu, &mut t.nexus),
@@ -648,6 +729,24 @@ async fn read_loop(conn: &Rc<RefCell<Conn>>, reader: &mut Reader) -> Result<(), 
     }
 }
 
+/// Whether the reader may stop for a park now: nothing begun waits for the initiator (the
+/// connection's data-out, a ping's answer, a text exchange) and its session holds no
+/// command waiting for an earlier CmdSN (which another connection of the session, or this
+/// one, has still to bring). A discovery session is not parked: it is closed instead.
+fn may_stop_reading(conn: &Rc<RefCell<Conn>>) -> bool {
+    let mut c = conn.borrow_mut();
+    if c.machine.awaits_initiator() || c.scope.session().is_none() {
+        return false;
+    }
+    let mut t = c.turn();
+    let queued = t
+        .nexus
+        .session_core(|session, core, _, _| core.queued(session.nexus))
+        .unwrap_or(0);
+    t.nexus.release();
+    queued == 0
+}
+
 /// A write's data buffer from the connection's share: at once when there is room; else by
 /// waiting (the connection's backpressure) when the machine may wait, which holds nothing
 /// that waits for data behind this command; else [`NoBuffer::Busy`] (TASK SET FULL).
@@ -700,6 +799,14 @@ fn step(
 /// Far enough ahead to mean "no timer".
 const NEVER: Duration = Duration::from_secs(86400 * 365);
 
+/// How the worker ended, when the socket did not fail.
+enum Worked {
+    /// The connection is to close.
+    Closed,
+    /// Parked for a handover: the reader stopped between two PDUs and every task is over.
+    Parked,
+}
+
 /// Runs what the core and the backend hand back, keeps the machine's timer, and writes the
 /// output.
 async fn work_loop(
@@ -707,7 +814,7 @@ async fn work_loop(
     rx: &mut mpsc::UnboundedReceiver<Routed>,
     writer: &mut Writer,
     control: &Arc<Control>,
-) -> std::io::Result<()> {
+) -> std::io::Result<Worked> {
     let (inbox, share) = {
         let c = conn.borrow();
         (c.carrier.inbox().clone(), c.carrier.waits.share().clone())
@@ -804,7 +911,16 @@ async fn work_loop(
             batch.clear();
         }
         if close {
-            return Ok(());
+            return Ok(Worked::Closed);
+        }
+        if control.parking() == Park::Park && conn.borrow().reader_parked {
+            let c = conn.borrow();
+            if c.machine.awaits_initiator() {
+                // A ping went out while parked: its answer must be read.
+                control.reader.notify_one();
+            } else if c.machine.handover().is_ok() && c.link.out.local.is_empty() && rx.is_empty() {
+                return Ok(Worked::Parked);
+            }
         }
     }
 }

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
+use iscsi_pdu::handover::{ConnectionState, SessionState};
 use iscsi_pdu::negotiation::SessionParams;
 use iscsi_pdu::target_node::{Left, OrderedCommand, SessionError, SessionKey, SessionTable};
 use iscsi_pdu::{Isid, SerialNumber};
@@ -87,6 +88,34 @@ impl Session {
         let taken = core.take_cmd_sn(self.nexus, cmd_sn, out);
         self.mirror(core);
         taken
+    }
+
+    /// Its state for a handover, with its parked connections' `connections`: what login
+    /// agreed, where its CmdSN order stands and the unit attentions its I_T nexus has
+    /// pending. `None` while a command waits in its order for an earlier CmdSN, which a
+    /// connection still has to bring (or when the core no longer knows the session).
+    pub fn handover_state(&self, connections: Vec<ConnectionState>) -> Option<SessionState> {
+        self.target.with_core(|core, _| {
+            if core.queued(self.nexus) > 0 {
+                return None;
+            }
+            let (exp_cmd_sn, _) = core.window(self.nexus)?;
+            let unit_attentions = core.device().pending_unit_attentions(self.nexus).ok()?;
+            Some(SessionState {
+                tsih: self.tsih,
+                isid: self.isid,
+                params: self.params.clone(),
+                exp_cmd_sn,
+                cmd_window: self.window,
+                unit_attentions,
+                connections,
+            })
+        })
+    }
+
+    /// How many of its commands wait in its CmdSN order for an earlier one.
+    pub fn queued(&self) -> usize {
+        self.target.with_core(|core, _| core.queued(self.nexus))
     }
 
     /// Keeps the lock-free copy of ExpCmdSN current.

@@ -155,6 +155,17 @@ impl Reader {
     pub fn discard(&mut self) {
         self.deframer.discard_payload();
     }
+
+    /// The bytes read off the socket and not yet made into PDUs, between two PDUs (`None`
+    /// while a payload is half read): what a handed-over connection goes on from.
+    pub fn unread(&self) -> Option<&[u8]> {
+        self.deframer.unread()
+    }
+
+    /// The connection's socket (for a handover, which passes a duplicate of it).
+    pub fn socket(&self) -> &tokio::net::TcpStream {
+        self.rd.as_ref()
+    }
 }
 
 impl From<DecodeError> for ReadError {

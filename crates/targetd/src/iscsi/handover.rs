@@ -1,0 +1,160 @@
+//! An upgrade's handover of iSCSI sessions, the running process's half: every normal
+//! session's connections parked ([`Control::park`]: each stops reading between two PDUs,
+//! finishes its tasks and reports its state and a duplicate of its socket), each session's
+//! state gathered for the successor ([`SessionState`], the encoding `iscsi_pdu::handover`
+//! checks). Until [`ParkedSessions::release`], nothing is lost: dropping the parked sessions
+//! (the successor failed, refused the state or timed out) lets every connection serve on
+//! where it stopped, and the initiators see only a pause.
+//!
+//! Sessions with an iSER connection are not parked (a queue pair cannot move between
+//! processes); nor are discovery sessions, which are closed instead.
+
+use std::collections::BTreeMap;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+use std::time::Duration;
+
+use iscsi_pdu::handover::SessionState;
+use tokio::sync::mpsc;
+
+use crate::control::{Control, Parked};
+use crate::registry::Registry;
+
+/// How often the parking looks for a session whose stopped connections hold back its
+/// CmdSN order (and those it let read on are asked to park again).
+const REOPEN_TICK: Duration = Duration::from_millis(20);
+
+/// Why the sessions could not be parked; every connection serves on.
+#[derive(Debug, thiserror::Error)]
+pub enum ParkError {
+    /// Connections still had tasks (or data owed by their initiators) at the deadline.
+    #[error("{left} of {asked} connections did not quiesce within {within:?}")]
+    Timeout {
+        /// Connections that did not report.
+        left: usize,
+        /// Connections asked to park.
+        asked: usize,
+        /// The deadline.
+        within: Duration,
+    },
+    /// A session's connections changed (one joined or left) or its CmdSN order held a
+    /// command while parking.
+    #[error("session {0:#x} changed while it was parked")]
+    Changed(u16),
+}
+
+/// Every handed-over session parked: their states and sockets, for the successor.
+#[derive(Debug)]
+pub struct ParkedSessions {
+    /// Each session's state and its connections' sockets, in the order of its
+    /// `connections`.
+    pub sessions: Vec<(SessionState, Vec<OwnedFd>)>,
+    /// The parked connections' controls: told to serve on when this is dropped, or to let
+    /// go once released.
+    controls: Vec<Arc<Control>>,
+}
+
+impl ParkedSessions {
+    /// The successor serves them: every parked connection ends here without a word to its
+    /// initiator (its socket lives on in the successor).
+    pub fn release(mut self) {
+        for c in self.controls.drain(..) {
+            c.release();
+        }
+    }
+}
+
+impl Drop for ParkedSessions {
+    /// Not released: the handover failed, and every connection serves on here.
+    fn drop(&mut self) {
+        for c in self.controls.drain(..) {
+            c.serve();
+        }
+    }
+}
+
+/// Parks every normal iSCSI session over TCP within `within`: each connection stops reading
+/// between two PDUs once nothing begun waits for its initiator, and reports once its tasks
+/// are over. On any failure every connection serves on.
+pub async fn park_sessions(
+    registry: &Registry,
+    within: Duration,
+) -> Result<ParkedSessions, ParkError> {
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let mut parked = ParkedSessions {
+        sessions: Vec::new(),
+        controls: Vec::new(),
+    };
+    let mut asked = Vec::new();
+    for session in registry.sessions.all() {
+        let conns = registry.sessions.connections(&session);
+        if conns.is_empty() || conns.iter().any(|c| c.iser) {
+            continue;
+        }
+        for c in &conns {
+            c.control.park(tx.clone());
+            parked.controls.push(c.control.clone());
+        }
+        asked.push((session, conns));
+    }
+    let expected: usize = asked.iter().map(|(_, c)| c.len()).sum();
+    let mut reports: BTreeMap<u64, Parked> = BTreeMap::new();
+    let mut reopened: Vec<Arc<Control>> = Vec::new();
+    let deadline = tokio::time::Instant::now() + within;
+    let mut tick = tokio::time::interval(REOPEN_TICK);
+    while reports.len() < expected {
+        tokio::select! {
+            p = rx.recv() => {
+                if let Some(p) = p {
+                    reports.insert(p.id, p);
+                }
+            }
+            _ = tick.tick() => {
+                for c in reopened.drain(..) {
+                    c.park(tx.clone());
+                }
+                // Of two connections of a session, one may have stopped with the next
+                // command in its socket while the other read the one after, which then waits
+                // for it: the stopped ones read on, and are parked again at the next tick.
+                for (session, conns) in &asked {
+                    let stopped: Vec<_> =
+                        conns.iter().filter(|c| reports.contains_key(&c.id)).collect();
+                    if !stopped.is_empty() && stopped.len() < conns.len() && session.queued() > 0 {
+                        for c in stopped {
+                            reports.remove(&c.id);
+                            c.control.serve();
+                            reopened.push(c.control.clone());
+                        }
+                    }
+                }
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                return Err(ParkError::Timeout {
+                    left: expected - reports.len(),
+                    asked: expected,
+                    within,
+                });
+            }
+        }
+    }
+    for (session, conns) in asked {
+        let now = registry.sessions.connections(&session);
+        let same = now.len() == conns.len() && now.iter().zip(&conns).all(|(a, b)| a.id == b.id);
+        let mut states = Vec::with_capacity(conns.len());
+        let mut sockets = Vec::with_capacity(conns.len());
+        for c in &conns {
+            match reports.remove(&c.id) {
+                Some(p) if same && p.tsih == session.tsih => {
+                    states.push(p.state);
+                    sockets.push(p.socket);
+                }
+                _ => return Err(ParkError::Changed(session.tsih)),
+            }
+        }
+        let state = session
+            .handover_state(states)
+            .ok_or(ParkError::Changed(session.tsih))?;
+        parked.sessions.push((state, sockets));
+    }
+    Ok(parked)
+}
