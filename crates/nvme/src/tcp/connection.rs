@@ -41,6 +41,13 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         self.transport_mut().receive_buffer()
     }
 
+    /// Makes room in [`Self::receive_buffer`] for a read of at least `read` bytes, the
+    /// buffer sized once for every later read so that steady state allocates nothing
+    /// ([`super::Deframer::reserve_for_read`]).
+    pub fn reserve_for_read(&mut self, read: usize) {
+        self.transport_mut().reserve_for_read(read);
+    }
+
     /// Takes the PDUs the bytes read into [`Self::receive_buffer`] complete.
     pub fn received(&mut self) {
         self.transport_mut().received();

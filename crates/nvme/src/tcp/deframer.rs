@@ -163,6 +163,8 @@ pub struct Deframer {
     side: Side,
     limits: Limits,
     failed: Option<DeframeError>,
+    /// The capacity [`Deframer::reserve_for_read`] sized the buffer to.
+    sized: usize,
 }
 
 impl Deframer {
@@ -173,6 +175,7 @@ impl Deframer {
             side,
             limits: Limits::INITIAL,
             failed: None,
+            sized: 0,
         }
     }
 
@@ -200,6 +203,31 @@ impl Deframer {
     /// never grows it beyond the next PDU at the peer's word.
     pub fn buffer_mut(&mut self) -> &mut BytesMut {
         &mut self.buf
+    }
+
+    /// Makes room for a read of at least `read` bytes (more when the next PDU needs more).
+    /// The first call under the limits in force sizes the buffer for every later one: room
+    /// for the read beside a PDU of the largest size they allow kept at the front and as many
+    /// bytes before it, which is the most a reclaim in place needs. Later calls then only
+    /// reclaim the space of the PDUs handed out, and allocate nothing while no PDU's data is
+    /// still held; a buffer that grew whenever a part PDU first outgrew its slack would
+    /// allocate at a time no one chose, long after the connection began.
+    pub fn reserve_for_read(&mut self, read: usize) {
+        let floor = read + 2 * self.max_pdu_len();
+        if self.sized < floor {
+            self.buf.reserve(floor);
+            self.sized = floor;
+        }
+        self.buf.reserve(self.needed().max(read));
+    }
+
+    /// The longest PDU the limits in force let through: the longest header with its digest,
+    /// the padding up to the data alignment, the most data and its digest.
+    pub fn max_pdu_len(&self) -> usize {
+        MAX_HLEN
+            + 2 * DIGEST_LEN
+            + (usize::from(self.limits.pda) + 1) * 4
+            + self.limits.max_data as usize
     }
 
     /// Bytes buffered and not yet handed out.
@@ -404,6 +432,61 @@ mod tests {
         let mut sqe = Sqe::new(0x01, 7);
         sqe.set_sgl(Sgl::in_capsule(0, len));
         Header::CapsuleCmd(sqe)
+    }
+
+    /// Once sized by `reserve_for_read`, the buffer is never moved to a new allocation,
+    /// whatever the reads cut: capsules of 4 KiB and H2CData of 8 KiB read in pieces of
+    /// every length from 1 byte to the whole room, each PDU dropped once taken, stay in the
+    /// one allocation (its data pointers all inside it), and come out intact.
+    #[test]
+    fn a_sized_buffer_is_reclaimed_in_place_whatever_the_reads_cut() {
+        let framing = Framing {
+            digests: both(),
+            pda: 0,
+        };
+        let mut d = controller(Limits {
+            digests: both(),
+            pda: 0,
+            max_data: 8192,
+        });
+        let data: Vec<u8> = (0..8192u32).map(|i| (i * 7) as u8).collect();
+        let cmd = pdu(write_capsule(4096), &data[..4096], &framing);
+        let h2c = pdu(
+            Header::H2CData(DataHeader {
+                cccid: 7,
+                ttag: 1,
+                datao: 0,
+                datal: 8192,
+                last: true,
+                success: false,
+            }),
+            &data,
+            &framing,
+        );
+        let stream: Vec<u8> = (0..64)
+            .flat_map(|i| if i % 3 == 0 { h2c.clone() } else { cmd.clone() })
+            .collect();
+        const READ: usize = 16 * 1024;
+        d.reserve_for_read(READ);
+        let base = d.buffer_mut().as_ptr() as usize;
+        let end = base + d.buffer_mut().capacity();
+        let (mut at, mut cut, mut pdus) = (0, 1usize, 0);
+        while at < stream.len() {
+            d.reserve_for_read(READ);
+            let b = d.buffer_mut();
+            let p = b.as_ptr() as usize;
+            assert!(p >= base && p + b.capacity() <= end, "moved at byte {at}");
+            let n = cut.min(b.capacity() - b.len()).min(stream.len() - at);
+            b.extend_from_slice(&stream[at..at + n]);
+            at += n;
+            cut = cut * 5 % 40_009 + 1;
+            while let Some(p) = d.next_pdu().unwrap() {
+                assert!(p.data_digest_ok);
+                assert_eq!(&p.data[..], &data[..p.data.len()]);
+                pdus += 1;
+            }
+        }
+        assert_eq!(pdus, 64);
     }
 
     /// An ICReq, then a command capsule with in-capsule data and an H2CData, fed a byte at a

@@ -263,6 +263,12 @@ impl<B: Deref<Target = [u8]>> ControllerQueue<B> {
         self.deframer.buffer_mut()
     }
 
+    /// Makes room in [`Self::receive_buffer`] for a read of at least `read` bytes
+    /// ([`super::Deframer::reserve_for_read`]: sized once, then reclaimed in place).
+    pub fn reserve_for_read(&mut self, read: usize) {
+        self.deframer.reserve_for_read(read);
+    }
+
     /// Takes the PDUs the bytes read into [`Self::receive_buffer`] complete.
     pub fn received(&mut self) {
         self.take_buffered();

@@ -264,10 +264,8 @@ async fn run(
             r = {
                 // Straight into the deframer's buffer: a write's data is copied once more,
                 // into its arena buffer, and no other time.
-                let want = conn.machine.needed().max(READ_RESERVE);
-                let b = conn.machine.receive_buffer();
-                b.reserve(want);
-                rd.read_buf(b)
+                conn.machine.reserve_for_read(READ_RESERVE);
+                rd.read_buf(conn.machine.receive_buffer())
             } => match r? {
                 0 => return Ok(()),
                 _ => {
