@@ -16,6 +16,7 @@ use bytes::Bytes;
 use common::raw::Raw;
 use common::{config, memory_target, opts, pattern, Daemon, TARGET};
 use initiator_bench::scsi::cdb;
+use initiator_bench::Session;
 use iscsi_pdu::handover::SessionState;
 use iscsi_pdu::negotiation::DigestAlgorithm;
 use iscsi_pdu::{DataOut, Lun, Pdu, ScsiCommand, ScsiStatus, SerialNumber};
@@ -33,26 +34,7 @@ async fn parked_sessions_report_their_state_and_serve_on_when_withdrawn() {
     o.settings.data_digest = vec![DigestAlgorithm::Crc32c];
     let s = Arc::new(d.session(o).await);
     let _ = s.capacity().await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let workers: Vec<_> = (0..8u64)
-        .map(|w| {
-            let (s, stop, done) = (s.clone(), stop.clone(), done.clone());
-            tokio::spawn(async move {
-                let mut k = 0u64;
-                while !stop.load(Relaxed) {
-                    // Each worker its own 128 blocks; 8 KiB writes, read back at once.
-                    let lba = w * 128 + (k % 8) * 16;
-                    let data = pattern(8192, (w * 1000 + k) as usize);
-                    s.write(lba, data.clone(), 512).await.expect("write");
-                    let back = s.read(lba, 16, 512).await.expect("read");
-                    assert!(back == data, "worker {w} round {k}: other data read back");
-                    done.fetch_add(1, Relaxed);
-                    k += 1;
-                }
-            })
-        })
-        .collect();
+    let (stop, done, workers) = load(&s);
     let tsih = s.info().tsih;
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -126,6 +108,74 @@ async fn both_connections_of_a_session_park_between_bursts() {
     d.stop();
 }
 
+/// The in-process half of an upgrade: a session with digests, writers and readers running,
+/// is parked in one server and taken in by another serving the same file LUN (as a new
+/// binary would), then let go by the first: the I/O goes on over the same TCP connection
+/// under the same TSIH without a new login, every block reads back, and the first server's
+/// stop does not touch the session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_taken_in_by_another_server_goes_on_on_its_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let targets = format!(
+        "[[targets]]\nname = \"{TARGET}\"\n\n[[targets.luns]]\nlun = 0\nbackend = \"file\"\n\
+         path = \"{}\"\nsize = \"64MiB\"\n",
+        dir.path().join("disk.img").display()
+    );
+    let a = Daemon::start(&config("", &targets));
+    let mut o = opts();
+    o.settings.header_digest = vec![DigestAlgorithm::Crc32c];
+    o.settings.data_digest = vec![DigestAlgorithm::Crc32c];
+    let s = Arc::new(a.session(o).await);
+    let _ = s.capacity().await;
+    let tsih = s.info().tsih;
+    let (stop, done, workers) = load(&s);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let started = std::time::Instant::now();
+    let mut parked = park_sessions(&a.registry, Duration::from_secs(10))
+        .await
+        .expect("parked");
+    let park = started.elapsed();
+    let taken = std::mem::take(&mut parked.sessions);
+    let adopted = std::sync::Mutex::new(Vec::new());
+    let b = Daemon::start_with(&config("", &targets), |server| {
+        *adopted.lock().unwrap() = server.adopt_sessions(taken);
+    });
+    let adopted = adopted.into_inner().unwrap();
+    assert!(matches!(adopted[..], [Ok(t)] if t == tsih), "{adopted:?}");
+    parked.release();
+    let before = done.load(Relaxed);
+    while done.load(Relaxed) == before && started.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    println!(
+        "handover: parked in {park:?}, the next I/O done {:?} after the park began \
+         (a second server started in between)",
+        started.elapsed()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        done.load(Relaxed) > before,
+        "no I/O went on after the handover"
+    );
+    assert!(
+        a.registry.sessions.all().is_empty(),
+        "the first server kept it"
+    );
+    assert_eq!(b.registry.sessions.all().len(), 1);
+    a.stop();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Relaxed);
+    for w in workers {
+        w.await.expect("a worker failed");
+    }
+    assert_eq!(s.info().tsih, tsih, "the session logged in again");
+    // Every worker's last block, written through either server, reads back through B.
+    let data = pattern(8192, 77);
+    s.write(2048, data.clone(), 512).await.expect("write after");
+    assert!(s.read(2048, 16, 512).await.expect("read after") == data);
+    b.stop();
+}
+
 /// A WRITE whose data the initiator has not sent (it waits for an R2T's answer) keeps its
 /// connection from parking: the park gives up at its deadline naming the connection, and
 /// the connection serves on: the data sent then completes the WRITE, which reads back.
@@ -177,6 +227,38 @@ async fn a_connection_owed_data_does_not_park_and_serves_on() {
     drop(parked);
     assert!(raw.ping(9).await, "the connection serves on after the park");
     d.stop();
+}
+
+/// Eight workers on `s`, each writing 8 KiB into its own 128 blocks and reading it back at
+/// once, until `stop`; `done` counts their rounds.
+#[allow(clippy::type_complexity)]
+fn load(
+    s: &Arc<Session>,
+) -> (
+    Arc<AtomicBool>,
+    Arc<AtomicU64>,
+    Vec<tokio::task::JoinHandle<()>>,
+) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let workers = (0..8u64)
+        .map(|w| {
+            let (s, stop, done) = (s.clone(), stop.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut k = 0u64;
+                while !stop.load(Relaxed) {
+                    let lba = w * 128 + (k % 8) * 16;
+                    let data = pattern(8192, (w * 1000 + k) as usize);
+                    s.write(lba, data.clone(), 512).await.expect("write");
+                    let back = s.read(lba, 16, 512).await.expect("read");
+                    assert!(back == data, "worker {w} round {k}: other data read back");
+                    done.fetch_add(1, Relaxed);
+                    k += 1;
+                }
+            })
+        })
+        .collect();
+    (stop, done, workers)
 }
 
 /// A SCSI command without immediate data.

@@ -79,6 +79,37 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
     registry.unregister(id);
 }
 
+/// Serves a connection of a session another process handed over ([`super::handover::adopt`])
+/// from where that process left it: its socket, its machine's state and the bytes it had
+/// read ahead. No login runs; the initiator sees the next answer, StatSN in sequence.
+pub async fn resume(
+    stream: std::net::TcpStream,
+    io: Rc<Io>,
+    registry: Arc<Registry>,
+    peer: Peer,
+    outcome: Outcome,
+    unread: Vec<u8>,
+) {
+    let stream = match stream
+        .set_nonblocking(true)
+        .and_then(|()| TcpStream::from_std(stream))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(peer = %peer.addr, "an adopted connection's socket: {e}");
+            registry.unregister(peer.id);
+            return;
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    let (rd, wr) = stream.into_split();
+    let reader = Reader::resume(rd, &unread);
+    let stall = Duration::from_secs(registry.config().server.send_timeout);
+    let writer = Writer::new(wr, stall);
+    full_feature(reader, writer, outcome, io, &registry, &peer).await;
+    registry.unregister(peer.id);
+}
+
 /// Resolves once `control` asks for `at_least`.
 pub async fn wait_for(control: &Control, at_least: Request) {
     loop {
@@ -412,12 +443,22 @@ pub(crate) fn enter<B: scsi_core::transport::TaskBuffer>(
     peer: &Peer,
     now: Instant,
 ) -> Entered<B> {
+    let mut adopted = None;
     let (scope, negotiator, stat_sn) = match outcome {
         Outcome::Normal {
             session,
             negotiator,
             stat_sn,
         } => (Scope::Session(session), negotiator, stat_sn),
+        Outcome::Adopted {
+            session,
+            negotiator,
+            state,
+        } => {
+            let stat_sn = state.stat_sn;
+            adopted = Some(state);
+            (Scope::Session(session), negotiator, stat_sn)
+        }
         Outcome::Discovery {
             negotiator,
             initiator,
@@ -453,7 +494,10 @@ pub(crate) fn enter<B: scsi_core::transport::TaskBuffer>(
             data_out_timeout: Duration::from_secs(s.data_out_timeout),
         }
     };
-    let machine = target_node::Connection::new(now, settings, negotiator, op, stat_sn);
+    let machine = match &adopted {
+        Some(state) => target_node::Connection::resume(now, settings, negotiator, op, state),
+        None => target_node::Connection::new(now, settings, negotiator, op, stat_sn),
+    };
     let (tx, rx) = mpsc::unbounded_channel();
     let link = Link {
         id: peer.id,
@@ -520,6 +564,7 @@ async fn full_feature(
                         // its future loses nothing.
                         match park(&conn, &reader, peer).await {
                             Park::Release => {
+                                release(&conn, reader, writer);
                                 tracing::info!(peer = %peer.addr, "connection handed over");
                                 return;
                             }
@@ -541,6 +586,19 @@ async fn full_feature(
     drop(reader);
     drop(writer);
     teardown(&conn, &mut rx).await;
+}
+
+/// A parked connection another process serves now: it leaves its session here without a
+/// word to the initiator and without closing the session's I_T nexus (whose end would reach
+/// the other gateways of a cluster as an I_T nexus reset), and its socket is let go without
+/// a shutdown. This process's core keeps the nexus until it exits.
+fn release(conn: &Rc<RefCell<Conn>>, reader: Reader, writer: Writer) {
+    writer.release();
+    drop(reader);
+    let c = conn.borrow();
+    if let Some(session) = c.scope.session() {
+        c.link.registry.sessions.leave(session, c.link.id);
+    }
 }
 
 /// A quiescent connection ([`Worked::Parked`]): reports its state and a duplicate of its

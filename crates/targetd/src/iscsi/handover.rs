@@ -6,6 +6,10 @@
 //! (the successor failed, refused the state or timed out) lets every connection serve on
 //! where it stopped, and the initiators see only a pause.
 //!
+//! The successor's half, [`adopt`]: a session taken in under its TSIH (its I_T nexus
+//! reopened with the unit attentions pending in the old process, its CmdSN order going on),
+//! each connection served on a reactor from its state and socket, no login run.
+//!
 //! Sessions with an iSER connection are not parked (a queue pair cannot move between
 //! processes); nor are discovery sessions, which are closed instead.
 
@@ -17,8 +21,15 @@ use std::time::Duration;
 use iscsi_pdu::handover::SessionState;
 use tokio::sync::mpsc;
 
+use iscsi_pdu::negotiation::{Negotiator, Role};
+use iscsi_pdu::target_node::SessionError;
+
+use super::login::Outcome;
+use super::session::ConnectionInfo;
 use crate::control::{Control, Parked};
-use crate::registry::Registry;
+use crate::reactor::{Handle, Task};
+use crate::registry::{Peer, Registry};
+use crate::unit::next_id;
 
 /// How often the parking looks for a session whose stopped connections hold back its
 /// CmdSN order (and those it let read on are asked to park again).
@@ -157,4 +168,143 @@ pub async fn park_sessions(
         parked.sessions.push((state, sockets));
     }
     Ok(parked)
+}
+
+/// Why a handed-over session was not taken in; its sockets are closed, and its initiator
+/// logs in again.
+#[derive(Debug, thiserror::Error)]
+pub enum AdoptError {
+    /// Not one socket per connection of the state.
+    #[error("{sockets} sockets for {connections} connections")]
+    Sockets {
+        /// Sockets that came.
+        sockets: usize,
+        /// Connections in the state.
+        connections: usize,
+    },
+    /// The state names no target, or one this process does not serve.
+    #[error("no target {0:?} here")]
+    NoTarget(String),
+    /// The state names no initiator.
+    #[error("the state names no InitiatorName")]
+    NoInitiator,
+    /// A socket is not a connected TCP socket.
+    #[error("a connection's socket: {0}")]
+    Socket(std::io::Error),
+    /// `server.max_connections` are open.
+    #[error("server.max_connections connections are open")]
+    TooManyConnections,
+    /// The session table refused it (its TSIH or I_T nexus is taken, the table is full).
+    #[error("the session table refused it: {0:?}")]
+    Session(SessionError),
+    /// No reactor runs.
+    #[error("no reactor runs")]
+    NoReactor,
+}
+
+/// Takes in a session another process parked and handed over, `sockets` its connections'
+/// in the order of `state.connections`, each served on the least loaded of `reactors`.
+/// Returns its TSIH.
+pub fn adopt(
+    registry: &Arc<Registry>,
+    reactors: &[Handle],
+    state: SessionState,
+    sockets: Vec<OwnedFd>,
+) -> Result<u16, AdoptError> {
+    if sockets.len() != state.connections.len() {
+        return Err(AdoptError::Sockets {
+            sockets: sockets.len(),
+            connections: state.connections.len(),
+        });
+    }
+    let declared = &state.params.declared;
+    let name = declared.target_name.clone().unwrap_or_default();
+    let target = registry
+        .target(&name)
+        .ok_or_else(|| AdoptError::NoTarget(name.clone()))?;
+    let initiator = declared
+        .initiator_name
+        .clone()
+        .ok_or(AdoptError::NoInitiator)?;
+    // Every connection's place, reactor and socket first: nothing is registered unless all
+    // of them are had.
+    let mut conns = Vec::with_capacity(sockets.len());
+    for (c, fd) in state.connections.iter().zip(sockets) {
+        let stream = std::net::TcpStream::from(fd);
+        let (addr, local) = stream
+            .peer_addr()
+            .and_then(|a| stream.local_addr().map(|l| (a, l)))
+            .map_err(AdoptError::Socket)?;
+        let slot = registry
+            .open_connection()
+            .ok_or(AdoptError::TooManyConnections)?;
+        let reactor = reactors
+            .iter()
+            .min_by_key(|r| r.connections.load(std::sync::atomic::Ordering::Relaxed))
+            .ok_or(AdoptError::NoReactor)?;
+        let peer = Peer {
+            id: next_id(),
+            addr,
+            local,
+            reactor: reactor.index,
+            control: Arc::new(Control::default()),
+            iser: false,
+            max_window: u32::MAX,
+        };
+        let info = ConnectionInfo {
+            cid: c.cid,
+            id: peer.id,
+            peer: addr,
+            local,
+            reactor: reactor.index,
+            digests: (c.params.header_digest, c.params.data_digest),
+            iser: false,
+            segment_lengths: (
+                c.params.max_recv_data_segment_length,
+                c.params.max_send_data_segment_length,
+            ),
+            control: peer.control.clone(),
+        };
+        conns.push((c.clone(), stream, slot, reactor, peer, info));
+    }
+    let infos = conns.iter().map(|c| c.5.clone()).collect();
+    let session = registry
+        .sessions
+        .adopt(&state, &initiator, target, infos)
+        .map_err(AdoptError::Session)?;
+    let settings = registry.settings();
+    for (c, stream, slot, reactor, peer, _) in conns {
+        registry.register(peer.id, peer.control.clone());
+        let negotiator = Negotiator::established(
+            Role::Target,
+            settings.clone(),
+            state.params.clone(),
+            c.params,
+        );
+        let mut c = c;
+        let unread = std::mem::take(&mut c.unread);
+        let outcome = Outcome::Adopted {
+            session: session.clone(),
+            negotiator,
+            state: c,
+        };
+        let registry = registry.clone();
+        let (id, index) = (peer.id, reactor.index);
+        let task: Task = Box::new(move |io| {
+            Box::pin(async move {
+                super::connection::resume(stream, io, registry, peer, outcome, unread).await;
+                drop(slot);
+            })
+        });
+        if !reactor.spawn(task) {
+            tracing::error!(connection = id, "reactor {index} is gone");
+        }
+    }
+    tracing::info!(
+        tsih = state.tsih,
+        initiator,
+        target = name,
+        "session adopted"
+    );
+    Ok(state.tsih)
 }

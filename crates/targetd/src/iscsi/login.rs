@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use iscsi_pdu::handover::ConnectionState;
 use iscsi_pdu::negotiation::Negotiator;
 use iscsi_pdu::target_node::{Completed, Login, Step};
 use iscsi_pdu::{Pdu, SerialNumber};
@@ -35,6 +36,16 @@ pub enum Outcome {
         negotiator: Negotiator,
         /// The next StatSN.
         stat_sn: SerialNumber,
+    },
+    /// A connection of a normal session another process handed over
+    /// ([`super::handover::adopt`]): no login ran here; the machine goes on from `state`.
+    Adopted {
+        /// The session, adopted.
+        session: Arc<Session>,
+        /// What was agreed in the other process.
+        negotiator: Negotiator,
+        /// The connection's state as handed over.
+        state: ConnectionState,
     },
 }
 

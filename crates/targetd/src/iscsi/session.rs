@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 
 use iscsi_pdu::handover::{ConnectionState, SessionState};
 use iscsi_pdu::negotiation::SessionParams;
-use iscsi_pdu::target_node::{Left, OrderedCommand, SessionError, SessionKey, SessionTable};
+use iscsi_pdu::target_node::{
+    Left, OrderedCommand, SessionEntry, SessionError, SessionKey, SessionTable,
+};
 use iscsi_pdu::{Isid, SerialNumber};
 use scsi_core::NexusId;
 
@@ -185,6 +187,61 @@ impl Sessions {
             .get(made.tsih)
             .map(|s| s.value.clone())
             .expect("just made"))
+    }
+
+    /// Takes in a session another process handed over ([`SessionState`]) under its TSIH,
+    /// with its connections (`conns`, one per connection of the state, same CIDs): its I_T
+    /// nexus reopened in `target`'s core with the unit attentions pending there (not POWER
+    /// ON), its CmdSN order going on from ExpCmdSN. Refused as [`SessionTable::adopt`]
+    /// refuses, and then nothing is left of it.
+    pub fn adopt(
+        &self,
+        state: &SessionState,
+        initiator: &str,
+        target: Arc<Target>,
+        conns: Vec<ConnectionInfo>,
+    ) -> Result<Arc<Session>, SessionError> {
+        let id = scsi_core::TransportId::iscsi(initiator, state.isid.0);
+        let port = target.port_group.max(1);
+        let nexus = target.with_core(|core, _| {
+            core.adopt_session(
+                id,
+                port,
+                state.exp_cmd_sn,
+                state.cmd_window,
+                state.unit_attentions.clone(),
+            )
+        });
+        let session = Arc::new(Session {
+            tsih: state.tsih,
+            isid: state.isid,
+            initiator: initiator.to_string(),
+            target: target.clone(),
+            nexus,
+            params: state.params.clone(),
+            window: state.cmd_window,
+            exp_cmd_sn: AtomicU32::new(state.exp_cmd_sn.0),
+        });
+        let entry = SessionEntry {
+            tsih: state.tsih,
+            key: SessionKey {
+                isid: state.isid,
+                initiator: initiator.to_string(),
+                target: target.name.clone(),
+            },
+            max_connections: state.params.operational.max_connections,
+            connections: conns.into_iter().map(|c| (c.cid, c)).collect(),
+            ending: false,
+            value: session.clone(),
+        };
+        let adopted = lock(&self.table).adopt(entry);
+        match adopted {
+            Ok(()) => Ok(session),
+            Err(e) => {
+                target.with_core(|core, out| core.close_session(nexus, out));
+                Err(e)
+            }
+        }
     }
 
     /// Adds a connection to the session `tsih` of `initiator`/`isid`; a connection with the

@@ -89,6 +89,14 @@ impl Reader {
         Reader { rd, deframer }
     }
 
+    /// Wraps the read half of a handed-over connection's socket: `unread`, the bytes the
+    /// other process had read and not made into PDUs, come first.
+    pub fn resume(rd: OwnedReadHalf, unread: &[u8]) -> Reader {
+        let mut r = Reader::new(rd);
+        r.deframer.feed(unread);
+        r
+    }
+
     /// Switches digests on or off (after the login phase).
     pub fn set_digests(&mut self, digests: Digests) {
         self.deframer.set_digests(digests);
@@ -340,6 +348,16 @@ impl<W: AsyncWrite + Unpin> Writer<W> {
     /// Shuts the sending direction down.
     pub async fn shutdown(&mut self) -> io::Result<()> {
         self.wr.shutdown().await
+    }
+}
+
+impl Writer {
+    /// Lets the socket go without shutting its sending direction down (which dropping the
+    /// write half would do, and which would end the connection for every process holding
+    /// it): another process serves the connection now. Only the descriptor is closed, with
+    /// the read half.
+    pub fn release(self) {
+        self.wr.forget();
     }
 }
 
