@@ -149,6 +149,68 @@ pub fn receive_frame(socket: &UnixStream) -> Result<Frame, FrameError> {
     Ok(Frame { payload, fds })
 }
 
+/// A session as it travels: its state and its connections' sockets, in the order of
+/// `state.connections`.
+pub type SessionHandover = (iscsi_pdu::handover::SessionState, Vec<OwnedFd>);
+
+/// Why the sessions handed over were refused: the successor takes none of them.
+#[derive(Debug, thiserror::Error)]
+pub enum ReceiveError {
+    /// A frame did not hold.
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    /// A session's state did not decode (another version, a changed or cut byte).
+    #[error("a session's state: {0}")]
+    State(#[from] iscsi_pdu::handover::HandoverError),
+    /// A session came without one socket per connection.
+    #[error("session {tsih:#x}: {sockets} sockets for {connections} connections")]
+    Sockets {
+        /// Its TSIH.
+        tsih: u16,
+        /// Sockets that came.
+        sockets: usize,
+        /// Its connections.
+        connections: usize,
+    },
+    /// Two sessions under one TSIH.
+    #[error("session {0:#x} came twice")]
+    Twice(u16),
+}
+
+/// Sends parked sessions, one frame each (its encoded state and its sockets), then an empty
+/// frame that ends them.
+pub fn send_sessions(socket: &UnixStream, sessions: &[SessionHandover]) -> Result<(), FrameError> {
+    for (state, sockets) in sessions {
+        send_frame(socket, &state.encode(), &borrowed(sockets))?;
+    }
+    send_frame(socket, &[], &[])
+}
+
+/// Receives the sessions [`send_sessions`] sent, each state decoded and checked and its
+/// sockets counted, all of them before any is taken in: a successor takes every session or
+/// none, so that no connection is ever served by two processes.
+pub fn receive_sessions(socket: &UnixStream) -> Result<Vec<SessionHandover>, ReceiveError> {
+    let mut sessions: Vec<SessionHandover> = Vec::new();
+    loop {
+        let frame = receive_frame(socket)?;
+        if frame.payload.is_empty() && frame.fds.is_empty() {
+            return Ok(sessions);
+        }
+        let state = iscsi_pdu::handover::SessionState::decode(&frame.payload)?;
+        if frame.fds.len() != state.connections.len() {
+            return Err(ReceiveError::Sockets {
+                tsih: state.tsih,
+                sockets: frame.fds.len(),
+                connections: state.connections.len(),
+            });
+        }
+        if sessions.iter().any(|(s, _)| s.tsih == state.tsih) {
+            return Err(ReceiveError::Twice(state.tsih));
+        }
+        sessions.push((state, frame.fds));
+    }
+}
+
 /// Borrows each of `fds` for [`send_frame`].
 pub fn borrowed<F: AsFd>(fds: &[F]) -> Vec<BorrowedFd<'_>> {
     fds.iter().map(|f| f.as_fd()).collect()
@@ -192,6 +254,67 @@ mod tests {
         assert!(frame.fds.is_empty() && frame.payload.len() == 3 << 20);
         drop(sender.join().unwrap().unwrap());
         assert!(matches!(receive_frame(&b), Err(FrameError::Closed)));
+    }
+
+    /// A session of `conns` connections (CIDs 1, 2, ...) under `tsih`.
+    fn session(tsih: u16, conns: u16) -> iscsi_pdu::handover::SessionState {
+        let mut params = iscsi_pdu::negotiation::SessionParams::default();
+        params.operational.max_connections = 4;
+        params.declared.initiator_name = Some("iqn.2026-12.io.example:i".into());
+        params.declared.target_name = Some("iqn.2026-12.io.example:t".into());
+        iscsi_pdu::handover::SessionState {
+            tsih,
+            isid: iscsi_pdu::Isid([0x80, 0, 0, 0, 0, 1]),
+            params,
+            exp_cmd_sn: iscsi_pdu::SerialNumber(7),
+            cmd_window: 32,
+            unit_attentions: Vec::new(),
+            connections: (1..=conns)
+                .map(|cid| iscsi_pdu::handover::ConnectionState {
+                    cid,
+                    params: Default::default(),
+                    stat_sn: iscsi_pdu::SerialNumber(3),
+                    next_ttt: 1,
+                    logout_asked: false,
+                    unread: vec![1, 2, 3],
+                })
+                .collect(),
+        }
+    }
+
+    /// Sessions go as sent, each with its sockets; one without a socket per connection, or
+    /// two under one TSIH, are refused, and then none is taken.
+    #[test]
+    fn sessions_arrive_whole_or_are_refused() {
+        let sockets = |n: usize| -> Vec<OwnedFd> {
+            (0..n)
+                .map(|_| OwnedFd::from(TcpListener::bind("127.0.0.1:0").unwrap()))
+                .collect()
+        };
+        let (a, b) = UnixStream::pair().unwrap();
+        let sent = vec![(session(1, 2), sockets(2)), (session(2, 1), sockets(1))];
+        send_sessions(&a, &sent).unwrap();
+        let got = receive_sessions(&b).unwrap();
+        assert_eq!(got.len(), 2);
+        for ((s, f), (t, g)) in got.iter().zip(&sent) {
+            assert_eq!((s, f.len()), (t, g.len()));
+        }
+        send_frame(&a, &session(3, 2).encode(), &borrowed(&sockets(1))).unwrap();
+        assert!(matches!(
+            receive_sessions(&b),
+            Err(ReceiveError::Sockets {
+                tsih: 3,
+                sockets: 1,
+                connections: 2
+            })
+        ));
+        let (a, b) = UnixStream::pair().unwrap();
+        send_sessions(
+            &a,
+            &[(session(4, 1), sockets(1)), (session(4, 1), sockets(1))],
+        )
+        .unwrap();
+        assert!(matches!(receive_sessions(&b), Err(ReceiveError::Twice(4))));
     }
 
     #[test]

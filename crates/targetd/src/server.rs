@@ -460,19 +460,14 @@ impl Server {
     }
 
     /// Takes in sessions another process parked and handed over (an upgrade's successor,
-    /// [`crate::iscsi::handover`]): each served on these reactors from where it stopped,
-    /// under its TSIH. Each session's TSIH, or why it was not taken in (its sockets are then
-    /// closed and its initiator logs in again).
+    /// [`crate::iscsi::handover`]), every one or none: each served on these reactors from
+    /// where it stopped, under its TSIH. Their TSIHs, or why none was taken in (nothing is
+    /// then served here, and the old process serves on).
     pub fn adopt_sessions(
         &self,
-        sessions: Vec<(iscsi_pdu::handover::SessionState, Vec<std::os::fd::OwnedFd>)>,
-    ) -> Vec<Result<u16, crate::iscsi::handover::AdoptError>> {
-        sessions
-            .into_iter()
-            .map(|(state, sockets)| {
-                crate::iscsi::handover::adopt(&self.registry, &self.reactors, state, sockets)
-            })
-            .collect()
+        sessions: Vec<crate::handover::SessionHandover>,
+    ) -> Result<Vec<u16>, crate::iscsi::handover::AdoptError> {
+        crate::iscsi::handover::adopt(&self.registry, &self.reactors, sessions)
     }
 
     /// The registry every part shares (for embedding and tests).

@@ -20,7 +20,9 @@ use initiator_bench::Session;
 use iscsi_pdu::handover::SessionState;
 use iscsi_pdu::negotiation::DigestAlgorithm;
 use iscsi_pdu::{DataOut, Lun, Pdu, ScsiCommand, ScsiStatus, SerialNumber};
-use targetd::iscsi::handover::{park_sessions, ParkError};
+use std::os::unix::net::UnixStream;
+use targetd::handover::{borrowed, receive_sessions, send_frame, send_sessions, ReceiveError};
+use targetd::iscsi::handover::{park_sessions, AdoptError, ParkError};
 
 /// Writers and readers on a session with digests go on across three parks that are
 /// withdrawn: while parked no command is answered; each park reports the session's TSIH, its
@@ -135,13 +137,19 @@ async fn a_session_taken_in_by_another_server_goes_on_on_its_socket() {
         .await
         .expect("parked");
     let park = started.elapsed();
+    // As between two processes: each session's state encoded, with its sockets, over a
+    // UNIX socket; decoded and checked on the other end.
     let taken = std::mem::take(&mut parked.sessions);
-    let adopted = std::sync::Mutex::new(Vec::new());
+    let (old_end, new_end) = UnixStream::pair().unwrap();
+    let sent = std::thread::spawn(move || send_sessions(&old_end, &taken));
+    let received = receive_sessions(&new_end).expect("the sessions received");
+    sent.join().unwrap().expect("the sessions sent");
+    let adopted = std::sync::Mutex::new(None);
     let b = Daemon::start_with(&config("", &targets), |server| {
-        *adopted.lock().unwrap() = server.adopt_sessions(taken);
+        *adopted.lock().unwrap() = Some(server.adopt_sessions(received));
     });
-    let adopted = adopted.into_inner().unwrap();
-    assert!(matches!(adopted[..], [Ok(t)] if t == tsih), "{adopted:?}");
+    let adopted = adopted.into_inner().unwrap().unwrap();
+    assert_eq!(adopted.expect("adopted"), [tsih]);
     parked.release();
     let before = done.load(Relaxed);
     while done.load(Relaxed) == before && started.elapsed() < Duration::from_secs(10) {
@@ -174,6 +182,61 @@ async fn a_session_taken_in_by_another_server_goes_on_on_its_socket() {
     s.write(2048, data.clone(), 512).await.expect("write after");
     assert!(s.read(2048, 16, 512).await.expect("read after") == data);
     b.stop();
+}
+
+/// A successor that cannot take the sessions in leaves the first server serving them: a
+/// state altered on its way is refused before anything is adopted, and so is a session of a
+/// target the successor does not serve; the parked session then goes on where it was, same
+/// TSIH, its I/O verified, and the successor serves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_successor_that_refuses_leaves_the_first_server_serving() {
+    let a = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let s = Arc::new(a.session(opts()).await);
+    let _ = s.capacity().await;
+    let tsih = s.info().tsih;
+    let (stop, done, workers) = load(&s);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let parked = park_sessions(&a.registry, Duration::from_secs(10))
+        .await
+        .expect("parked");
+    let (state, sockets) = &parked.sessions[0];
+    // One byte of the state changed on its way.
+    let mut bytes = state.encode();
+    let n = bytes.len();
+    bytes[n / 2] ^= 1;
+    let (old_end, new_end) = UnixStream::pair().unwrap();
+    send_frame(&old_end, &bytes, &borrowed(sockets)).unwrap();
+    send_frame(&old_end, &[], &[]).unwrap();
+    match receive_sessions(&new_end) {
+        Err(ReceiveError::State(_)) => {}
+        other => panic!("an altered state was taken: {other:?}"),
+    }
+    // A successor whose config has no such target.
+    let (old_end, new_end) = UnixStream::pair().unwrap();
+    send_sessions(&old_end, &parked.sessions).unwrap();
+    let received = receive_sessions(&new_end).expect("received");
+    let refused = std::sync::Mutex::new(None);
+    let b = Daemon::start_with(
+        &config("", &memory_target("iqn.2026-11.io.example:other", "")),
+        |server| *refused.lock().unwrap() = Some(server.adopt_sessions(received)),
+    );
+    match refused.into_inner().unwrap().unwrap() {
+        Err(AdoptError::NoTarget(t)) => assert_eq!(t, TARGET),
+        other => panic!("expected the session refused, got {other:?}"),
+    }
+    assert!(b.registry.sessions.all().is_empty());
+    b.stop();
+    // The handover failed: the first server serves on.
+    drop(parked);
+    let before = done.load(Relaxed);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(done.load(Relaxed) > before, "the session did not go on");
+    stop.store(true, Relaxed);
+    for w in workers {
+        w.await.expect("a worker failed");
+    }
+    assert_eq!(s.info().tsih, tsih);
+    a.stop();
 }
 
 /// A WRITE whose data the initiator has not sent (it waits for an R2T's answer) keeps its

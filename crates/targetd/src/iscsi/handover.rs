@@ -18,7 +18,7 @@ use std::os::fd::OwnedFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use iscsi_pdu::handover::SessionState;
+use iscsi_pdu::handover::{ConnectionState, SessionState};
 use tokio::sync::mpsc;
 
 use iscsi_pdu::negotiation::{Negotiator, Role};
@@ -202,15 +202,108 @@ pub enum AdoptError {
     NoReactor,
 }
 
-/// Takes in a session another process parked and handed over, `sockets` its connections'
-/// in the order of `state.connections`, each served on the least loaded of `reactors`.
-/// Returns its TSIH.
+/// One connection of a session being taken in: everything it needs to be served, had
+/// before anything is registered.
+struct Taken<'r> {
+    state: ConnectionState,
+    stream: std::net::TcpStream,
+    slot: crate::registry::ConnectionSlot,
+    reactor: &'r Handle,
+    peer: Peer,
+    info: ConnectionInfo,
+}
+
+/// Takes in the sessions another process parked and handed over (`sockets` each session's
+/// connections' in the order of its `state.connections`), every one or none: each is checked
+/// and its connections' places, reactors and sockets had first, then all are entered in the
+/// session table (one refused takes the others out again), and only then is any connection
+/// served, on the least loaded of `reactors`. So a refusal leaves nothing served here, and the
+/// old process, told so, serves on. Returns their TSIHs.
 pub fn adopt(
     registry: &Arc<Registry>,
     reactors: &[Handle],
-    state: SessionState,
+    sessions: Vec<(SessionState, Vec<OwnedFd>)>,
+) -> Result<Vec<u16>, AdoptError> {
+    let mut prepared = Vec::with_capacity(sessions.len());
+    for (state, sockets) in sessions {
+        let (target, initiator, conns) = prepare(registry, reactors, &state, sockets)?;
+        prepared.push((state, target, initiator, conns));
+    }
+    let mut entered: Vec<(Arc<super::session::Session>, Vec<Taken>)> = Vec::new();
+    for (state, target, initiator, conns) in prepared {
+        let infos = conns.iter().map(|c| c.info.clone()).collect();
+        match registry.sessions.adopt(&state, &initiator, target, infos) {
+            Ok(session) => entered.push((session, conns)),
+            Err(e) => {
+                for (session, conns) in entered {
+                    for c in &conns {
+                        registry.sessions.leave(&session, c.peer.id);
+                    }
+                    let nexus = session.nexus;
+                    session
+                        .target
+                        .with_core(|core, out| core.close_session(nexus, out));
+                }
+                return Err(AdoptError::Session(e));
+            }
+        }
+    }
+    let settings = registry.settings();
+    let mut tsihs = Vec::with_capacity(entered.len());
+    for (session, conns) in entered {
+        tsihs.push(session.tsih);
+        tracing::info!(
+            tsih = session.tsih,
+            initiator = session.initiator,
+            target = session.target.name,
+            "session adopted"
+        );
+        for Taken {
+            mut state,
+            stream,
+            slot,
+            reactor,
+            peer,
+            ..
+        } in conns
+        {
+            registry.register(peer.id, peer.control.clone());
+            let negotiator = Negotiator::established(
+                Role::Target,
+                settings.clone(),
+                session.params.clone(),
+                state.params,
+            );
+            let unread = std::mem::take(&mut state.unread);
+            let outcome = Outcome::Adopted {
+                session: session.clone(),
+                negotiator,
+                state,
+            };
+            let registry = registry.clone();
+            let (id, index) = (peer.id, reactor.index);
+            let task: Task = Box::new(move |io| {
+                Box::pin(async move {
+                    super::connection::resume(stream, io, registry, peer, outcome, unread).await;
+                    drop(slot);
+                })
+            });
+            if !reactor.spawn(task) {
+                tracing::error!(connection = id, "reactor {index} is gone");
+            }
+        }
+    }
+    Ok(tsihs)
+}
+
+/// Checks a handed-over session against this process (its target served here, its initiator
+/// named, one socket per connection) and has each connection's place, reactor and socket.
+fn prepare<'r>(
+    registry: &Registry,
+    reactors: &'r [Handle],
+    state: &SessionState,
     sockets: Vec<OwnedFd>,
-) -> Result<u16, AdoptError> {
+) -> Result<(Arc<crate::target::Target>, String, Vec<Taken<'r>>), AdoptError> {
     if sockets.len() != state.connections.len() {
         return Err(AdoptError::Sockets {
             sockets: sockets.len(),
@@ -226,8 +319,6 @@ pub fn adopt(
         .initiator_name
         .clone()
         .ok_or(AdoptError::NoInitiator)?;
-    // Every connection's place, reactor and socket first: nothing is registered unless all
-    // of them are had.
     let mut conns = Vec::with_capacity(sockets.len());
     for (c, fd) in state.connections.iter().zip(sockets) {
         let stream = std::net::TcpStream::from(fd);
@@ -265,46 +356,14 @@ pub fn adopt(
             ),
             control: peer.control.clone(),
         };
-        conns.push((c.clone(), stream, slot, reactor, peer, info));
-    }
-    let infos = conns.iter().map(|c| c.5.clone()).collect();
-    let session = registry
-        .sessions
-        .adopt(&state, &initiator, target, infos)
-        .map_err(AdoptError::Session)?;
-    let settings = registry.settings();
-    for (c, stream, slot, reactor, peer, _) in conns {
-        registry.register(peer.id, peer.control.clone());
-        let negotiator = Negotiator::established(
-            Role::Target,
-            settings.clone(),
-            state.params.clone(),
-            c.params,
-        );
-        let mut c = c;
-        let unread = std::mem::take(&mut c.unread);
-        let outcome = Outcome::Adopted {
-            session: session.clone(),
-            negotiator,
-            state: c,
-        };
-        let registry = registry.clone();
-        let (id, index) = (peer.id, reactor.index);
-        let task: Task = Box::new(move |io| {
-            Box::pin(async move {
-                super::connection::resume(stream, io, registry, peer, outcome, unread).await;
-                drop(slot);
-            })
+        conns.push(Taken {
+            state: c.clone(),
+            stream,
+            slot,
+            reactor,
+            peer,
+            info,
         });
-        if !reactor.spawn(task) {
-            tracing::error!(connection = id, "reactor {index} is gone");
-        }
     }
-    tracing::info!(
-        tsih = state.tsih,
-        initiator,
-        target = name,
-        "session adopted"
-    );
-    Ok(state.tsih)
+    Ok((target, initiator, conns))
 }
