@@ -1197,6 +1197,20 @@ fn a_quiescent_connection_is_handed_over_and_goes_on() {
         immediate: false,
         ..NopOut::default()
     };
+    // The resumed connection first tells the initiator the window (which the old process
+    // held back while it parked): a NOP-In that asks for no answer and takes no StatSN.
+    rig.announce_window();
+    match &rig.responses()[..] {
+        [Pdu::NopIn(n)] => {
+            assert_eq!(
+                (n.initiator_task_tag, n.target_transfer_tag),
+                (RESERVED_TAG, RESERVED_TAG)
+            );
+            assert_eq!((n.exp_cmd_sn, n.max_cmd_sn), rig.window());
+            assert_eq!(n.stat_sn, next_stat_sn);
+        }
+        other => panic!("{other:?}"),
+    }
     rig.send(&Pdu::NopOut(ping));
     match &rig.responses()[..] {
         [Pdu::NopIn(n)] => assert_eq!(n.stat_sn, next_stat_sn),

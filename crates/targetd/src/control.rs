@@ -5,7 +5,7 @@
 //! what is in flight, report its state and its socket, then serve on or let go.
 
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
 
 use iscsi_pdu::handover::ConnectionState;
@@ -20,6 +20,9 @@ pub struct Control {
     /// [`Park`] as a number: apart from `state`, since a park is withdrawn when a handover
     /// fails, and `state` only ever rises.
     park: AtomicU8,
+    /// Counts the park requests' changes: a parked connection told to serve and asked to park
+    /// again before it woke still sees that it was told to read on.
+    turns: AtomicU64,
     /// Wakes the connection's reader: a park asked or withdrawn, or the worker found that a
     /// parked reader must read on (a ping went out).
     pub reader: Notify,
@@ -89,9 +92,15 @@ impl Control {
     }
 
     fn set_park(&self, p: Park) {
+        self.turns.fetch_add(1, Ordering::SeqCst);
         self.park.store(p as u8, Ordering::SeqCst);
         self.notify.notify_one();
         self.reader.notify_one();
+    }
+
+    /// How many times the park request changed.
+    pub fn park_turns(&self) -> u64 {
+        self.turns.load(Ordering::SeqCst)
     }
 
     /// The park request in force.

@@ -529,6 +529,24 @@ impl<B: TaskBuffer> Connection<B> {
         })
     }
 
+    /// Tells the initiator the command window as it is now (ExpCmdSN, MaxCmdSN) with a NOP-In
+    /// that asks for no answer: ITT and TTT 0xffffffff, StatSN not advanced (RFC 7143 section
+    /// 11.19). After a handover held MaxCmdSN back (the window closes as commands are taken),
+    /// an initiator with nothing in flight would otherwise wait for an answer that never
+    /// comes to learn that it may send again.
+    pub fn announce_window(&mut self, nexus: &mut impl Core) {
+        let (exp, max) = nexus.window();
+        self.transmit(Pdu::NopIn(NopIn {
+            lun: Lun::ZERO,
+            initiator_task_tag: RESERVED_TAG,
+            target_transfer_tag: RESERVED_TAG,
+            stat_sn: self.stat_sn,
+            exp_cmd_sn: exp,
+            max_cmd_sn: max,
+            data: Bytes::new(),
+        }));
+    }
+
     /// Whether something begun waits for the initiator's next PDUs: a task's data-out
     /// (solicited or not), a payload half read, a text exchange's next request, the answer
     /// to a ping. A shell quiescing the connection for a [`Connection::handover`] stops

@@ -547,6 +547,13 @@ impl Rig {
         self.run();
     }
 
+    /// Connection 0 tells the initiator the window ([`Connection::announce_window`]).
+    pub fn announce_window(&mut self) {
+        let (t, c) = (&mut self.target, &mut self.conns[0]);
+        c.conn.announce_window(&mut via(t, 0, c));
+        self.run();
+    }
+
     /// Connection 0 drops (the initiator went away).
     pub fn drop_connection(&mut self) {
         self.shut(0, "dropped");

@@ -526,6 +526,7 @@ async fn full_feature(
     registry: &Arc<Registry>,
     peer: &Peer,
 ) {
+    let adopted = matches!(outcome, Outcome::Adopted { .. });
     let Entered {
         machine,
         link,
@@ -549,6 +550,10 @@ async fn full_feature(
         carrier: Carrier::single(io, share),
         reader_parked: false,
     }));
+    if adopted {
+        // The old process held the window back while it parked the session.
+        announce_window(&conn);
+    }
     let mut rx = rx;
     loop {
         tokio::select! {
@@ -568,7 +573,10 @@ async fn full_feature(
                                 tracing::info!(peer = %peer.addr, "connection handed over");
                                 return;
                             }
-                            _ => continue,
+                            _ => {
+                                announce_window(&conn);
+                                continue;
+                            }
                         }
                     }
                     Err(e) if SendStalled::is(&e) => {
@@ -586,6 +594,19 @@ async fn full_feature(
     drop(reader);
     drop(writer);
     teardown(&conn, &mut rx).await;
+}
+
+/// Tells the initiator the window (a NOP-In that asks for no answer): after a park, which
+/// held it back, or once adopted.
+fn announce_window(conn: &Rc<RefCell<Conn>>) {
+    let mut c = conn.borrow_mut();
+    let mut t = c.turn();
+    t.machine.announce_window(&mut t.nexus);
+    t.nexus.release();
+    drop(t);
+    // The worker sends it at its next wake, which this is: the initiator may have nothing
+    // in flight to wake it otherwise.
+    c.carrier.inbox().notify.notify_one();
 }
 
 /// A parked connection another process serves now: it leaves its session here without a
@@ -632,12 +653,15 @@ async fn park(conn: &Rc<RefCell<Conn>>, reader: &Reader, peer: &Peer) -> Park {
         }
     };
     conn.borrow_mut().reader_parked = false;
+    let turns = control.park_turns();
     if !parked.is_some_and(|p| control.report(p)) {
         return Park::Serve;
     }
     loop {
         let notified = control.notify.notified();
         match control.parking() {
+            // Told to read on and asked to park again since: read on, then report anew.
+            Park::Park if control.park_turns() != turns => return Park::Serve,
             Park::Park => notified.await,
             p => return p,
         }

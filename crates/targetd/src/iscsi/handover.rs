@@ -25,7 +25,7 @@ use iscsi_pdu::negotiation::{Negotiator, Role};
 use iscsi_pdu::target_node::SessionError;
 
 use super::login::Outcome;
-use super::session::ConnectionInfo;
+use super::session::{ConnectionInfo, Session};
 use crate::control::{Control, Parked};
 use crate::reactor::{Handle, Task};
 use crate::registry::{Peer, Registry};
@@ -63,12 +63,15 @@ pub struct ParkedSessions {
     /// The parked connections' controls: told to serve on when this is dropped, or to let
     /// go once released.
     controls: Vec<Arc<Control>>,
+    /// The sessions whose windows are held: let go when this is dropped.
+    frozen: Vec<Arc<Session>>,
 }
 
 impl ParkedSessions {
     /// The successor serves them: every parked connection ends here without a word to its
     /// initiator (its socket lives on in the successor).
     pub fn release(mut self) {
+        self.frozen.clear();
         for c in self.controls.drain(..) {
             c.release();
         }
@@ -78,6 +81,9 @@ impl ParkedSessions {
 impl Drop for ParkedSessions {
     /// Not released: the handover failed, and every connection serves on here.
     fn drop(&mut self) {
+        for s in self.frozen.drain(..) {
+            s.thaw_window();
+        }
         for c in self.controls.drain(..) {
             c.serve();
         }
@@ -95,6 +101,7 @@ pub async fn park_sessions(
     let mut parked = ParkedSessions {
         sessions: Vec::new(),
         controls: Vec::new(),
+        frozen: Vec::new(),
     };
     let mut asked = Vec::new();
     for session in registry.sessions.all() {
@@ -102,6 +109,8 @@ pub async fn park_sessions(
         if conns.is_empty() || conns.iter().any(|c| c.iser) {
             continue;
         }
+        session.freeze_window();
+        parked.frozen.push(session.clone());
         for c in &conns {
             c.control.park(tx.clone());
             parked.controls.push(c.control.clone());
@@ -128,6 +137,12 @@ pub async fn park_sessions(
                 // command in its socket while the other read the one after, which then waits
                 // for it: the stopped ones read on, and are parked again at the next tick.
                 for (session, conns) in &asked {
+                    // A reader that could not stop when asked (a command of its session
+                    // waited for an earlier one) waits for bytes that, the window held, may
+                    // never come: it looks again.
+                    for c in conns.iter().filter(|c| !reports.contains_key(&c.id)) {
+                        c.control.reader.notify_one();
+                    }
                     let stopped: Vec<_> =
                         conns.iter().filter(|c| reports.contains_key(&c.id)).collect();
                     if !stopped.is_empty() && stopped.len() < conns.len() && session.queued() > 0 {
@@ -229,7 +244,7 @@ pub fn adopt(
         let (target, initiator, conns) = prepare(registry, reactors, &state, sockets)?;
         prepared.push((state, target, initiator, conns));
     }
-    let mut entered: Vec<(Arc<super::session::Session>, Vec<Taken>)> = Vec::new();
+    let mut entered: Vec<(Arc<Session>, Vec<Taken>)> = Vec::new();
     for (state, target, initiator, conns) in prepared {
         let infos = conns.iter().map(|c| c.info.clone()).collect();
         match registry.sessions.adopt(&state, &initiator, target, infos) {

@@ -4,7 +4,7 @@
 //! connections wherever they run, is kept under its target's core lock ([`Core::deliver`]).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use iscsi_pdu::handover::{ConnectionState, SessionState};
@@ -61,13 +61,39 @@ pub struct Session {
     /// ExpCmdSN as the core's order last left it, read without the core's lock for every
     /// response.
     exp_cmd_sn: AtomicU32,
+    /// MaxCmdSN held where it was while the session parks for a handover: 0 when it is not,
+    /// else `1 << 32 | MaxCmdSN`.
+    frozen: AtomicU64,
 }
 
 impl Session {
     /// ExpCmdSN and MaxCmdSN to advertise now.
     pub fn window(&self) -> (SerialNumber, SerialNumber) {
         let exp = SerialNumber(self.exp_cmd_sn.load(Ordering::Acquire));
-        (exp, exp + (self.window - 1))
+        let max = exp + (self.window - 1);
+        match self.frozen.load(Ordering::Acquire) {
+            0 => (exp, max),
+            f => {
+                let f = SerialNumber(f as u32);
+                (exp, if f.lt(max) { f } else { max })
+            }
+        }
+    }
+
+    /// Holds MaxCmdSN where it is (a park for a handover): the window closes as the commands
+    /// already allowed come in, so that the initiator stops sending at a point every
+    /// connection of the session reaches, rather than each connection stopping at a
+    /// different command.
+    pub fn freeze_window(&self) {
+        let (_, max) = self.window();
+        self.frozen
+            .store(1 << 32 | u64::from(max.0), Ordering::Release);
+    }
+
+    /// Lets the window move again; the connections announce it
+    /// ([`Connection::announce_window`](iscsi_pdu::target_node::Connection::announce_window)).
+    pub fn thaw_window(&self) {
+        self.frozen.store(0, Ordering::Release);
     }
 
     /// Hands a SCSI command to the core in CmdSN order ([`Core::deliver`]); `core` is the
@@ -177,6 +203,7 @@ impl Sessions {
                 params,
                 window,
                 exp_cmd_sn: AtomicU32::new(cmd_sn.0),
+                frozen: AtomicU64::new(0),
             })
         })?;
         if !made.reinstated.is_empty() {
@@ -221,6 +248,7 @@ impl Sessions {
             params: state.params.clone(),
             window: state.cmd_window,
             exp_cmd_sn: AtomicU32::new(state.exp_cmd_sn.0),
+            frozen: AtomicU64::new(0),
         });
         let entry = SessionEntry {
             tsih: state.tsih,
