@@ -34,7 +34,7 @@ pub use backend::{Backend, BackendError, BlockStore, MemoryBackend, Op, Output, 
 pub use cdb::BlockIo;
 pub use device::{
     lun_index, lun_number, Device, DeviceError, PortGroupsChange, ReservationChange, TaskError,
-    MAX_LUN,
+    UnitState, MAX_LUN,
 };
 pub use lu::{Geometry, Identity, Limits, LogicalUnit, TargetPort};
 pub use nexus::{ItNexus, TransportId};

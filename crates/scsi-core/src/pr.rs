@@ -942,7 +942,7 @@ impl ReservationEffects {
 }
 
 /// An I_T nexus as four words: protocol, relative port, initiator name, port ("-" for none).
-fn encode_nexus(n: &ItNexus) -> String {
+pub(crate) fn encode_nexus(n: &ItNexus) -> String {
     format!(
         "{} {} {} {}",
         n.initiator.protocol,
@@ -952,7 +952,7 @@ fn encode_nexus(n: &ItNexus) -> String {
     )
 }
 
-fn decode_nexus(w: &[&str]) -> Option<ItNexus> {
+pub(crate) fn decode_nexus(w: &[&str]) -> Option<ItNexus> {
     Some(ItNexus {
         initiator: TransportId {
             protocol: w.first()?.parse().ok()?,

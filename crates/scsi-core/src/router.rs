@@ -99,6 +99,16 @@ impl<R: Clone> Router<R> {
         &self.device
     }
 
+    /// Takes in unit `lun`'s state from the process before (an upgrade's handover), before
+    /// the sessions that reach it ([`Device::adopt_unit_state`]).
+    pub fn adopt_unit_state(
+        &mut self,
+        lun: u16,
+        state: crate::UnitState,
+    ) -> Result<(), crate::DeviceError> {
+        self.device.adopt_unit_state(lun, state)
+    }
+
     /// Adds a target port (a transport's first login through it); false when the device has
     /// it already. See [`Device::add_port`].
     pub fn add_port(&mut self, port: TargetPort) -> bool {

@@ -153,7 +153,7 @@ pub fn receive_frame(socket: &UnixStream) -> Result<Frame, FrameError> {
 /// `state.connections`.
 pub type SessionHandover = (iscsi_pdu::handover::SessionState, Vec<OwnedFd>);
 
-/// Why the sessions handed over were refused: the successor takes none of them.
+/// Why a handover was refused: the successor takes none of it.
 #[derive(Debug, thiserror::Error)]
 pub enum ReceiveError {
     /// A frame did not hold.
@@ -175,26 +175,120 @@ pub enum ReceiveError {
     /// Two sessions under one TSIH.
     #[error("session {0:#x} came twice")]
     Twice(u16),
+    /// The units' states did not decode.
+    #[error("the units' states are damaged")]
+    Units,
 }
 
-/// Sends parked sessions, one frame each (its encoded state and its sockets), then an empty
-/// frame that ends them.
-pub fn send_sessions(socket: &UnixStream, sessions: &[SessionHandover]) -> Result<(), FrameError> {
+/// A logical unit's state as it travels: the target and LUN index it is under, its serial
+/// number (the successor checks it has the same unit there) and the state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnitHandover {
+    /// The target's name.
+    pub target: String,
+    /// The LUN index.
+    pub lun: u16,
+    /// The unit's serial number.
+    pub serial: String,
+    /// What it holds beyond its nexuses and medium.
+    pub state: scsi_core::UnitState,
+}
+
+/// Everything one process hands the next: the units' states and the parked sessions.
+#[derive(Debug, Default)]
+pub struct Handover {
+    /// The units' states, taken in before the sessions.
+    pub units: Vec<UnitHandover>,
+    /// The sessions.
+    pub sessions: Vec<SessionHandover>,
+}
+
+/// The first bytes of the units' frame.
+const UNITS_MAGIC: [u8; 4] = *b"tdUN";
+
+/// The units' frame's payload: magic, count, then per unit the target's name, the LUN index,
+/// the serial number and the state (each length-prefixed), and a CRC32C of all before it.
+pub fn encode_units(units: &[UnitHandover]) -> Vec<u8> {
+    let mut b = UNITS_MAGIC.to_vec();
+    b.extend_from_slice(&(units.len() as u32).to_le_bytes());
+    for u in units {
+        let state = u.state.encode();
+        b.extend_from_slice(&(u.target.len() as u16).to_le_bytes());
+        b.extend_from_slice(u.target.as_bytes());
+        b.extend_from_slice(&u.lun.to_le_bytes());
+        b.extend_from_slice(&(u.serial.len() as u16).to_le_bytes());
+        b.extend_from_slice(u.serial.as_bytes());
+        b.extend_from_slice(&(state.len() as u32).to_le_bytes());
+        b.extend_from_slice(&state);
+    }
+    let crc = iscsi_pdu::digest::crc32c(&b);
+    b.extend_from_slice(&crc.to_le_bytes());
+    b
+}
+
+/// Parses the units' frame: `None` when its magic, checksum, any length or any state does
+/// not hold, or bytes are left over. Every length is checked against the bytes there before
+/// anything is taken.
+fn decode_units(bytes: &[u8]) -> Option<Vec<UnitHandover>> {
+    let (body, crc) = bytes.split_at_checked(bytes.len().checked_sub(4)?)?;
+    if iscsi_pdu::digest::crc32c(body).to_le_bytes() != crc {
+        return None;
+    }
+    let mut r = body.strip_prefix(&UNITS_MAGIC)?;
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let (a, rest) = r.split_at_checked(n)?;
+        r = rest;
+        Some(a)
+    };
+    let count = u32::from_le_bytes(take(4)?.try_into().ok()?);
+    let mut units = Vec::new();
+    for _ in 0..count {
+        let len = u16::from_le_bytes(take(2)?.try_into().ok()?);
+        let target = std::str::from_utf8(take(usize::from(len))?)
+            .ok()?
+            .to_string();
+        let lun = u16::from_le_bytes(take(2)?.try_into().ok()?);
+        let len = u16::from_le_bytes(take(2)?.try_into().ok()?);
+        let serial = std::str::from_utf8(take(usize::from(len))?)
+            .ok()?
+            .to_string();
+        let len = u32::from_le_bytes(take(4)?.try_into().ok()?);
+        let state = scsi_core::UnitState::decode(take(len as usize)?)?;
+        units.push(UnitHandover {
+            target,
+            lun,
+            serial,
+            state,
+        });
+    }
+    r.is_empty().then_some(units)
+}
+
+/// Sends a handover: the units' states in one frame, then the parked sessions, one frame
+/// each (its encoded state and its sockets), then an empty frame that ends them.
+pub fn send_handover(
+    socket: &UnixStream,
+    units: &[UnitHandover],
+    sessions: &[SessionHandover],
+) -> Result<(), FrameError> {
+    send_frame(socket, &encode_units(units), &[])?;
     for (state, sockets) in sessions {
         send_frame(socket, &state.encode(), &borrowed(sockets))?;
     }
     send_frame(socket, &[], &[])
 }
 
-/// Receives the sessions [`send_sessions`] sent, each state decoded and checked and its
-/// sockets counted, all of them before any is taken in: a successor takes every session or
+/// Receives what [`send_handover`] sent, each state decoded and checked and each session's
+/// sockets counted, all of it before any is taken in: a successor takes every session or
 /// none, so that no connection is ever served by two processes.
-pub fn receive_sessions(socket: &UnixStream) -> Result<Vec<SessionHandover>, ReceiveError> {
+pub fn receive_handover(socket: &UnixStream) -> Result<Handover, ReceiveError> {
+    let frame = receive_frame(socket)?;
+    let units = decode_units(&frame.payload).ok_or(ReceiveError::Units)?;
     let mut sessions: Vec<SessionHandover> = Vec::new();
     loop {
         let frame = receive_frame(socket)?;
         if frame.payload.is_empty() && frame.fds.is_empty() {
-            return Ok(sessions);
+            return Ok(Handover { units, sessions });
         }
         let state = iscsi_pdu::handover::SessionState::decode(&frame.payload)?;
         if frame.fds.len() != state.connections.len() {
@@ -293,15 +387,21 @@ mod tests {
         };
         let (a, b) = UnixStream::pair().unwrap();
         let sent = vec![(session(1, 2), sockets(2)), (session(2, 1), sockets(1))];
-        send_sessions(&a, &sent).unwrap();
-        let got = receive_sessions(&b).unwrap();
-        assert_eq!(got.len(), 2);
-        for ((s, f), (t, g)) in got.iter().zip(&sent) {
+        let units = vec![
+            unit("iqn.2026-12.io.example:t", 0),
+            unit("iqn.2026-12.io.example:t", 3),
+        ];
+        send_handover(&a, &units, &sent).unwrap();
+        let got = receive_handover(&b).unwrap();
+        assert_eq!(got.units, units);
+        assert_eq!(got.sessions.len(), 2);
+        for ((s, f), (t, g)) in got.sessions.iter().zip(&sent) {
             assert_eq!((s, f.len()), (t, g.len()));
         }
+        send_frame(&a, &encode_units(&[]), &[]).unwrap();
         send_frame(&a, &session(3, 2).encode(), &borrowed(&sockets(1))).unwrap();
         assert!(matches!(
-            receive_sessions(&b),
+            receive_handover(&b),
             Err(ReceiveError::Sockets {
                 tsih: 3,
                 sockets: 1,
@@ -309,12 +409,48 @@ mod tests {
             })
         ));
         let (a, b) = UnixStream::pair().unwrap();
-        send_sessions(
-            &a,
-            &[(session(4, 1), sockets(1)), (session(4, 1), sockets(1))],
-        )
-        .unwrap();
-        assert!(matches!(receive_sessions(&b), Err(ReceiveError::Twice(4))));
+        let twice = [(session(4, 1), sockets(1)), (session(4, 1), sockets(1))];
+        send_handover(&a, &[], &twice).unwrap();
+        assert!(matches!(receive_handover(&b), Err(ReceiveError::Twice(4))));
+    }
+
+    fn unit(target: &str, lun: u16) -> UnitHandover {
+        UnitHandover {
+            target: target.into(),
+            lun,
+            serial: format!("{lun:016x}"),
+            state: scsi_core::UnitState {
+                reservations: Some(Default::default()),
+                write_cache: lun % 2 == 0,
+                d_sense: true,
+                swp: false,
+                stopped: false,
+                prevent: Vec::new(),
+            },
+        }
+    }
+
+    /// The units' frame: what is encoded decodes; any cut, any changed byte and any byte
+    /// added are refused.
+    #[test]
+    fn the_units_frame_holds_or_is_refused() {
+        let units = vec![
+            unit("iqn.2026-12.io.example:t", 0),
+            unit("iqn.2026-12.io.example:u", 7),
+        ];
+        let bytes = encode_units(&units);
+        assert_eq!(decode_units(&bytes), Some(units));
+        for cut in 0..bytes.len() {
+            assert_eq!(decode_units(&bytes[..cut]), None, "cut at {cut}");
+        }
+        for at in 0..bytes.len() {
+            let mut b = bytes.clone();
+            b[at] ^= 0x20;
+            assert_eq!(decode_units(&b), None, "byte {at} changed");
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert_eq!(decode_units(&longer), None);
     }
 
     #[test]

@@ -460,14 +460,15 @@ impl Server {
     }
 
     /// Takes in sessions another process parked and handed over (an upgrade's successor,
-    /// [`crate::iscsi::handover`]), every one or none: each served on these reactors from
-    /// where it stopped, under its TSIH. Their TSIHs, or why none was taken in (nothing is
+    /// [`crate::iscsi::handover`]), every one or none: the units' states first (their
+    /// reservations and mode pages), then each session served on these reactors from where
+    /// it stopped, under its TSIH. Their TSIHs, or why none was taken in (nothing is
     /// then served here, and the old process serves on).
     pub fn adopt_sessions(
         &self,
-        sessions: Vec<crate::handover::SessionHandover>,
+        handover: crate::handover::Handover,
     ) -> Result<Vec<u16>, crate::iscsi::handover::AdoptError> {
-        crate::iscsi::handover::adopt(&self.registry, &self.reactors, sessions)
+        crate::iscsi::handover::adopt(&self.registry, &self.reactors, handover)
     }
 
     /// The registry every part shares (for embedding and tests).

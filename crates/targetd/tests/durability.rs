@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{config, memory_target, opts, Daemon, TARGET};
+use common::{config, keys, memory_target, opts, pr_in, pr_out, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
 use initiator_bench::{IscsiUrl, LoginOptions, Session};
 use iscsi_pdu::{Isid, Lun, ScsiStatus};
@@ -25,42 +25,6 @@ const RESERVE: u8 = 0x01;
 const REGISTER_AND_IGNORE_EXISTING_KEY: u8 = 0x06;
 /// Write Exclusive – Registrants Only: what fence_scsi reserves.
 const WRITE_EXCLUSIVE_REGISTRANTS_ONLY: u8 = 0x05;
-
-/// PERSISTENT RESERVE OUT with a basic parameter list.
-fn pr_out(lun: Lun, action: u8, kind: u8, key: u64, new_key: u64, aptpl: bool) -> Command {
-    let mut c = [0u8; 16];
-    c[0] = 0x5f;
-    c[1] = action;
-    c[2] = kind;
-    c[5..9].copy_from_slice(&24u32.to_be_bytes());
-    let mut p = vec![0u8; 24];
-    p[0..8].copy_from_slice(&key.to_be_bytes());
-    p[8..16].copy_from_slice(&new_key.to_be_bytes());
-    p[20] = u8::from(aptpl);
-    Command::write(lun, c, Bytes::from(p))
-}
-
-/// PERSISTENT RESERVE IN of `action` (0 READ KEYS, 1 READ RESERVATION): the data.
-async fn pr_in(s: &Session, action: u8) -> Bytes {
-    let mut c = [0u8; 16];
-    c[0] = 0x5e;
-    c[1] = action;
-    c[7..9].copy_from_slice(&512u16.to_be_bytes());
-    let r = s.execute_good(Command::read(s.lun(), c, 512)).await;
-    r.expect("PERSISTENT RESERVE IN").data
-}
-
-/// The registered keys (READ KEYS), sorted.
-async fn keys(s: &Session) -> Vec<u64> {
-    let d = pr_in(s, 0).await;
-    let len = u32::from_be_bytes(d[4..8].try_into().unwrap()) as usize;
-    let mut k: Vec<u64> = d[8..8 + len]
-        .chunks(8)
-        .map(|c| u64::from_be_bytes(c.try_into().unwrap()))
-        .collect();
-    k.sort_unstable();
-    k
-}
 
 /// The reservation (READ RESERVATION): its holder's key and its type.
 async fn reservation(s: &Session) -> Option<(u64, u8)> {

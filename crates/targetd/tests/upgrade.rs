@@ -12,14 +12,16 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::raw::Raw;
-use common::{config, memory_target, opts, pattern, Daemon, TARGET};
-use initiator_bench::scsi::cdb;
-use initiator_bench::Session;
+use common::{config, keys, memory_target, opts, pattern, pr_out, Daemon, TARGET};
+use initiator_bench::scsi::{cdb, Command};
+use initiator_bench::{LoginOptions, Session};
 use iscsi_pdu::handover::SessionState;
 use iscsi_pdu::negotiation::DigestAlgorithm;
 use iscsi_pdu::{DataOut, Lun, Pdu, ScsiCommand, ScsiStatus, SerialNumber};
 use std::os::unix::net::UnixStream;
-use targetd::handover::{borrowed, receive_sessions, send_frame, send_sessions, ReceiveError};
+use targetd::handover::{
+    borrowed, encode_units, receive_handover, send_frame, send_handover, ReceiveError,
+};
 use targetd::iscsi::handover::{park_sessions, AdoptError, ParkError};
 
 /// Writers and readers on a session with digests go on across three parks that are
@@ -123,6 +125,14 @@ async fn a_session_taken_in_by_another_server_goes_on_on_its_socket() {
     let s = Arc::new(a.session(o).await);
     let _ = s.capacity().await;
     let tsih = s.info().tsih;
+    // A persistent reservation (Write Exclusive) the session holds through the first server.
+    for (action, kind, key, new_key) in [(0x00, 0, 0, 0xa1), (0x01, 1, 0xa1, 0)] {
+        let cmd = pr_out(s.lun(), action, kind, key, new_key, false);
+        assert_eq!(
+            s.execute(cmd).await.expect("PR OUT").status,
+            ScsiStatus::GOOD
+        );
+    }
     let (stop, done, workers) = load(&s);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let started = std::time::Instant::now();
@@ -133,9 +143,10 @@ async fn a_session_taken_in_by_another_server_goes_on_on_its_socket() {
     // As between two processes: each session's state encoded, with its sockets, over a
     // UNIX socket; decoded and checked on the other end.
     let taken = std::mem::take(&mut parked.sessions);
+    let units = std::mem::take(&mut parked.units);
     let (old_end, new_end) = UnixStream::pair().unwrap();
-    let sent = std::thread::spawn(move || send_sessions(&old_end, &taken));
-    let received = receive_sessions(&new_end).expect("the sessions received");
+    let sent = std::thread::spawn(move || send_handover(&old_end, &units, &taken));
+    let received = receive_handover(&new_end).expect("the sessions received");
     sent.join().unwrap().expect("the sessions sent");
     let adopted = std::sync::Mutex::new(None);
     let b = Daemon::start_with(&config("", &targets), |server| {
@@ -163,6 +174,20 @@ async fn a_session_taken_in_by_another_server_goes_on_on_its_socket() {
         "the first server kept it"
     );
     assert_eq!(b.registry.sessions.all().len(), 1);
+    // The reservation came along: another initiator logging in to the second server may not
+    // write, and the holder's key is there.
+    let other = b
+        .session(LoginOptions {
+            initiator_name: "iqn.2026-11.io.example:other".into(),
+            ..opts()
+        })
+        .await;
+    let tur = Command::new(other.lun(), cdb::test_unit_ready());
+    let _ = other.execute_past_unit_attentions(tur).await;
+    let write = Command::write(other.lun(), cdb::write(4000, 1), pattern(512, 1));
+    let status = other.execute(write).await.expect("a response").status;
+    assert_eq!(status, ScsiStatus::RESERVATION_CONFLICT);
+    assert_eq!(keys(&s).await, [0xa1]);
     a.stop();
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.store(true, Relaxed);
@@ -198,16 +223,17 @@ async fn a_successor_that_refuses_leaves_the_first_server_serving() {
     let n = bytes.len();
     bytes[n / 2] ^= 1;
     let (old_end, new_end) = UnixStream::pair().unwrap();
+    send_frame(&old_end, &encode_units(&parked.units), &[]).unwrap();
     send_frame(&old_end, &bytes, &borrowed(sockets)).unwrap();
     send_frame(&old_end, &[], &[]).unwrap();
-    match receive_sessions(&new_end) {
+    match receive_handover(&new_end) {
         Err(ReceiveError::State(_)) => {}
         other => panic!("an altered state was taken: {other:?}"),
     }
     // A successor whose config has no such target.
     let (old_end, new_end) = UnixStream::pair().unwrap();
-    send_sessions(&old_end, &parked.sessions).unwrap();
-    let received = receive_sessions(&new_end).expect("received");
+    send_handover(&old_end, &parked.units, &parked.sessions).unwrap();
+    let received = receive_handover(&new_end).expect("received");
     let refused = std::sync::Mutex::new(None);
     let b = Daemon::start_with(
         &config("", &memory_target("iqn.2026-11.io.example:other", "")),

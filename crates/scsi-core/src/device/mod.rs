@@ -24,6 +24,8 @@ use crate::task::{
 };
 
 mod alua;
+mod handover;
+pub use handover::UnitState;
 mod attention;
 mod reservations;
 mod tasks;

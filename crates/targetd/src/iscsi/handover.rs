@@ -27,6 +27,7 @@ use iscsi_pdu::target_node::SessionError;
 use super::login::Outcome;
 use super::session::{ConnectionInfo, Session};
 use crate::control::{Control, Parked};
+use crate::handover::{Handover, UnitHandover};
 use crate::reactor::{Handle, Task};
 use crate::registry::{Peer, Registry};
 use crate::unit::next_id;
@@ -54,12 +55,16 @@ pub enum ParkError {
     Changed(u16),
 }
 
-/// Every handed-over session parked: their states and sockets, for the successor.
+/// Every handed-over session parked: their states and sockets, and the units' states, for
+/// the successor.
 #[derive(Debug)]
 pub struct ParkedSessions {
     /// Each session's state and its connections' sockets, in the order of its
     /// `connections`.
     pub sessions: Vec<(SessionState, Vec<OwnedFd>)>,
+    /// Every unit's state beyond its nexuses (reservations, mode pages), taken once every
+    /// session was parked.
+    pub units: Vec<UnitHandover>,
     /// The parked connections' controls: told to serve on when this is dropped, or to let
     /// go once released.
     controls: Vec<Arc<Control>>,
@@ -100,6 +105,7 @@ pub async fn park_sessions(
     let (tx, mut rx) = mpsc::unbounded_channel();
     let mut parked = ParkedSessions {
         sessions: Vec::new(),
+        units: Vec::new(),
         controls: Vec::new(),
         frozen: Vec::new(),
     };
@@ -182,6 +188,19 @@ pub async fn park_sessions(
             .ok_or(ParkError::Changed(session.tsih))?;
         parked.sessions.push((state, sockets));
     }
+    // Nothing of the parked sessions runs now: their units' reservations and mode pages are
+    // what the successor must start from.
+    for target in registry.targets() {
+        let states = target.with_core(|core, _| core.device().unit_states());
+        parked
+            .units
+            .extend(states.into_iter().map(|(lun, serial, state)| UnitHandover {
+                target: target.name.clone(),
+                lun,
+                serial,
+                state,
+            }));
+    }
     Ok(parked)
 }
 
@@ -237,12 +256,42 @@ struct Taken<'r> {
 pub fn adopt(
     registry: &Arc<Registry>,
     reactors: &[Handle],
-    sessions: Vec<(SessionState, Vec<OwnedFd>)>,
+    handover: Handover,
 ) -> Result<Vec<u16>, AdoptError> {
+    let Handover { units, sessions } = handover;
     let mut prepared = Vec::with_capacity(sessions.len());
     for (state, sockets) in sessions {
         let (target, initiator, conns) = prepare(registry, reactors, &state, sockets)?;
         prepared.push((state, target, initiator, conns));
+    }
+    // The units first, so that the sessions find their reservations as they left them. A
+    // unit this process does not serve under that target and LUN, or serves with another
+    // serial number (another unit), keeps its own state.
+    for u in units {
+        let Some(target) = registry.target(&u.target) else {
+            tracing::warn!(
+                target = u.target,
+                lun = u.lun,
+                "a unit's state for a target not served here: dropped"
+            );
+            continue;
+        };
+        let adopted = target.with_core(|core, _| {
+            let same = core
+                .device()
+                .unit_states()
+                .iter()
+                .any(|(lun, serial, _)| *lun == u.lun && *serial == u.serial);
+            same.then(|| core.router().adopt_unit_state(u.lun, u.state))
+        });
+        if !matches!(adopted, Some(Ok(()))) {
+            tracing::warn!(
+                target = u.target,
+                lun = u.lun,
+                serial = u.serial,
+                "a unit's state for a unit not served here: dropped"
+            );
+        }
     }
     let mut entered: Vec<(Arc<Session>, Vec<Taken>)> = Vec::new();
     for (state, target, initiator, conns) in prepared {

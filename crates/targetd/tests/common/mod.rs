@@ -241,3 +241,48 @@ pub fn srp_channel(
     .expect("the channel's memory");
     (verbs, ch)
 }
+
+/// PERSISTENT RESERVE OUT with a basic parameter list.
+pub fn pr_out(
+    lun: iscsi_pdu::Lun,
+    action: u8,
+    kind: u8,
+    key: u64,
+    new_key: u64,
+    aptpl: bool,
+) -> initiator_bench::scsi::Command {
+    let mut c = [0u8; 16];
+    c[0] = 0x5f;
+    c[1] = action;
+    c[2] = kind;
+    c[5..9].copy_from_slice(&24u32.to_be_bytes());
+    let mut p = vec![0u8; 24];
+    p[0..8].copy_from_slice(&key.to_be_bytes());
+    p[8..16].copy_from_slice(&new_key.to_be_bytes());
+    p[20] = u8::from(aptpl);
+    initiator_bench::scsi::Command::write(lun, c, bytes::Bytes::from(p))
+}
+
+/// PERSISTENT RESERVE IN of `action` (0 READ KEYS, 1 READ RESERVATION): the data.
+pub async fn pr_in(s: &Session, action: u8) -> bytes::Bytes {
+    let mut c = [0u8; 16];
+    c[0] = 0x5e;
+    c[1] = action;
+    c[7..9].copy_from_slice(&512u16.to_be_bytes());
+    let r = s
+        .execute_good(initiator_bench::scsi::Command::read(s.lun(), c, 512))
+        .await;
+    r.expect("PERSISTENT RESERVE IN").data
+}
+
+/// The registered keys (READ KEYS), sorted.
+pub async fn keys(s: &Session) -> Vec<u64> {
+    let d = pr_in(s, 0).await;
+    let len = u32::from_be_bytes(d[4..8].try_into().unwrap()) as usize;
+    let mut k: Vec<u64> = d[8..8 + len]
+        .chunks(8)
+        .map(|c| u64::from_be_bytes(c.try_into().unwrap()))
+        .collect();
+    k.sort_unstable();
+    k
+}
