@@ -129,6 +129,12 @@ impl Device {
             .collect()
     }
 
+    /// Unit `lun`'s serial number (which a handover checks the next process has the same
+    /// unit under).
+    pub fn unit_serial(&self, lun: u16) -> Option<&str> {
+        self.lu(lun).map(|lu| lu.unit.identity.serial.as_str())
+    }
+
     /// Takes in unit `lun`'s state from the process before (a handover): it replaces what
     /// this one has (an APTPL state loaded at the start is older than the handed-over one).
     /// Reservations a keeper shares are left to it.

@@ -277,11 +277,7 @@ pub fn adopt(
             continue;
         };
         let adopted = target.with_core(|core, _| {
-            let same = core
-                .device()
-                .unit_states()
-                .iter()
-                .any(|(lun, serial, _)| *lun == u.lun && *serial == u.serial);
+            let same = core.device().unit_serial(u.lun) == Some(u.serial.as_str());
             same.then(|| core.router().adopt_unit_state(u.lun, u.state))
         });
         if !matches!(adopted, Some(Ok(()))) {
