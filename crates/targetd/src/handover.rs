@@ -178,6 +178,12 @@ pub enum ReceiveError {
     /// The units' states did not decode.
     #[error("the units' states are damaged")]
     Units,
+    /// The listeners' frame did not decode.
+    #[error("the listening sockets' frame is damaged")]
+    Listeners,
+    /// A step of the handshake did not decode.
+    #[error("not a step of the handover")]
+    Step,
 }
 
 /// A logical unit's state as it travels: the target and LUN index it is under, its serial
@@ -230,30 +236,17 @@ pub fn encode_units(units: &[UnitHandover]) -> Vec<u8> {
 /// not hold, or bytes are left over. Every length is checked against the bytes there before
 /// anything is taken.
 fn decode_units(bytes: &[u8]) -> Option<Vec<UnitHandover>> {
-    let (body, crc) = bytes.split_at_checked(bytes.len().checked_sub(4)?)?;
-    if iscsi_pdu::digest::crc32c(body).to_le_bytes() != crc {
-        return None;
-    }
-    let mut r = body.strip_prefix(&UNITS_MAGIC)?;
-    let mut take = |n: usize| -> Option<&[u8]> {
-        let (a, rest) = r.split_at_checked(n)?;
-        r = rest;
-        Some(a)
-    };
-    let count = u32::from_le_bytes(take(4)?.try_into().ok()?);
+    let mut r = Checked::new(bytes, &UNITS_MAGIC)?;
+    let count = r.u32()?;
     let mut units = Vec::new();
     for _ in 0..count {
-        let len = u16::from_le_bytes(take(2)?.try_into().ok()?);
-        let target = std::str::from_utf8(take(usize::from(len))?)
-            .ok()?
-            .to_string();
-        let lun = u16::from_le_bytes(take(2)?.try_into().ok()?);
-        let len = u16::from_le_bytes(take(2)?.try_into().ok()?);
-        let serial = std::str::from_utf8(take(usize::from(len))?)
-            .ok()?
-            .to_string();
-        let len = u32::from_le_bytes(take(4)?.try_into().ok()?);
-        let state = scsi_core::UnitState::decode(take(len as usize)?)?;
+        let len = r.u16()?;
+        let target = r.text(usize::from(len))?;
+        let lun = r.u16()?;
+        let len = r.u16()?;
+        let serial = r.text(usize::from(len))?;
+        let len = r.u32()?;
+        let state = scsi_core::UnitState::decode(r.take(len as usize)?)?;
         units.push(UnitHandover {
             target,
             lun,
@@ -261,7 +254,7 @@ fn decode_units(bytes: &[u8]) -> Option<Vec<UnitHandover>> {
             state,
         });
     }
-    r.is_empty().then_some(units)
+    r.end().then_some(units)
 }
 
 /// Sends a handover: the units' states in one frame, then the parked sessions, one frame
@@ -302,6 +295,205 @@ pub fn receive_handover(socket: &UnixStream) -> Result<Handover, ReceiveError> {
             return Err(ReceiveError::Twice(state.tsih));
         }
         sessions.push((state, frame.fds));
+    }
+}
+
+/// What a listening socket handed to a successor serves: it takes the one whose kind and
+/// configured address match a socket it would bind, instead of binding (which the running
+/// process's socket would refuse), so that no connection attempt is refused across an upgrade.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenerKind {
+    /// An iSCSI portal (`server.portals`).
+    Iscsi,
+    /// An NVMe/TCP portal (`server.nvme_portals`).
+    NvmeTcp,
+    /// An NVMe/TCP discovery portal (`server.nvme_discovery_portals`).
+    NvmeDiscovery,
+    /// The metrics endpoint (`server.metrics_listen`).
+    Metrics,
+    /// The admin socket (`server.admin_socket`), a UNIX socket.
+    Admin,
+}
+
+impl ListenerKind {
+    const ALL: [ListenerKind; 5] = [
+        ListenerKind::Iscsi,
+        ListenerKind::NvmeTcp,
+        ListenerKind::NvmeDiscovery,
+        ListenerKind::Metrics,
+        ListenerKind::Admin,
+    ];
+
+    fn code(self) -> u8 {
+        match self {
+            ListenerKind::Iscsi => 1,
+            ListenerKind::NvmeTcp => 2,
+            ListenerKind::NvmeDiscovery => 3,
+            ListenerKind::Metrics => 4,
+            ListenerKind::Admin => 5,
+        }
+    }
+}
+
+/// A listening socket as it travels: what it serves, the address the config names it by (the
+/// admin socket's path) and the socket.
+#[derive(Debug)]
+pub struct ListeningSocket {
+    /// What it serves.
+    pub kind: ListenerKind,
+    /// The configured address (`host:port` as written, or the admin socket's path).
+    pub address: String,
+    /// The socket.
+    pub socket: OwnedFd,
+}
+
+/// The first bytes of the listeners' frame.
+const LISTENERS_MAGIC: [u8; 4] = *b"tdLS";
+
+/// Sends the listening sockets in one frame: magic, count, each one's kind and address
+/// (length-prefixed), a CRC32C; the sockets beside them in the same order.
+pub fn send_listeners(
+    socket: &UnixStream,
+    listeners: &[ListeningSocket],
+) -> Result<(), FrameError> {
+    let mut b = LISTENERS_MAGIC.to_vec();
+    b.extend_from_slice(&(listeners.len() as u32).to_le_bytes());
+    for l in listeners {
+        b.push(l.kind.code());
+        b.extend_from_slice(&(l.address.len() as u16).to_le_bytes());
+        b.extend_from_slice(l.address.as_bytes());
+    }
+    let crc = iscsi_pdu::digest::crc32c(&b);
+    b.extend_from_slice(&crc.to_le_bytes());
+    let fds: Vec<BorrowedFd<'_>> = listeners.iter().map(|l| l.socket.as_fd()).collect();
+    send_frame(socket, &b, &fds)
+}
+
+/// Receives what [`send_listeners`] sent, refused when the frame does not hold (its magic,
+/// checksum, a length, a kind, or one socket per entry).
+pub fn receive_listeners(socket: &UnixStream) -> Result<Vec<ListeningSocket>, ReceiveError> {
+    let frame = receive_frame(socket)?;
+    decode_listeners(&frame.payload, frame.fds).ok_or(ReceiveError::Listeners)
+}
+
+fn decode_listeners(bytes: &[u8], fds: Vec<OwnedFd>) -> Option<Vec<ListeningSocket>> {
+    let mut r = Checked::new(bytes, &LISTENERS_MAGIC)?;
+    let count = r.u32()? as usize;
+    if count != fds.len() {
+        return None;
+    }
+    let mut listeners = Vec::with_capacity(count);
+    for socket in fds {
+        let code = r.take(1)?[0];
+        let kind = *ListenerKind::ALL.iter().find(|k| k.code() == code)?;
+        let len = r.u16()?;
+        let address = r.text(usize::from(len))?;
+        listeners.push(ListeningSocket {
+            kind,
+            address,
+            socket,
+        });
+    }
+    r.end().then_some(listeners)
+}
+
+/// A step of an upgrade's handshake, after the listeners, each in a frame of its own: the
+/// successor is `Ready` for the sessions once it started; it answers them `Adopted` (taken in,
+/// not yet read from) or `Refused`; the running process answers `Adopted` with `Released`
+/// (it let go of them, and only then does the successor read from them).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Step {
+    /// The successor started: its units are open, it listens, its reactors run.
+    Ready,
+    /// The successor took in this many sessions; none is served until `Released`.
+    Adopted(u32),
+    /// The successor took nothing in, for this reason.
+    Refused(String),
+    /// The running process let go of the sessions: the successor serves them.
+    Released,
+}
+
+/// The first bytes of a step's frame.
+const STEP_MAGIC: [u8; 4] = *b"tdST";
+
+/// Sends one step.
+pub fn send_step(socket: &UnixStream, step: &Step) -> Result<(), FrameError> {
+    let mut b = STEP_MAGIC.to_vec();
+    match step {
+        Step::Ready => b.push(1),
+        Step::Adopted(n) => {
+            b.push(2);
+            b.extend_from_slice(&n.to_le_bytes());
+        }
+        Step::Refused(why) => {
+            b.push(3);
+            b.extend_from_slice(why.as_bytes());
+        }
+        Step::Released => b.push(4),
+    }
+    send_frame(socket, &b, &[])
+}
+
+/// Receives one step; a frame that is not one (or brings descriptors) is refused.
+pub fn receive_step(socket: &UnixStream) -> Result<Step, ReceiveError> {
+    let frame = receive_frame(socket)?;
+    if !frame.fds.is_empty() {
+        return Err(ReceiveError::Step);
+    }
+    let body = frame
+        .payload
+        .strip_prefix(&STEP_MAGIC)
+        .ok_or(ReceiveError::Step)?;
+    match body.split_first() {
+        Some((1, [])) => Ok(Step::Ready),
+        Some((2, n)) => Ok(Step::Adopted(u32::from_le_bytes(
+            n.try_into().map_err(|_| ReceiveError::Step)?,
+        ))),
+        Some((3, why)) => Ok(Step::Refused(String::from_utf8_lossy(why).into_owned())),
+        Some((4, [])) => Ok(Step::Released),
+        _ => Err(ReceiveError::Step),
+    }
+}
+
+/// Reads a checked payload (magic first, CRC32C of everything before it last): every length
+/// is checked against the bytes there before anything is taken.
+struct Checked<'a> {
+    rest: &'a [u8],
+}
+
+impl<'a> Checked<'a> {
+    /// The body between `magic` and the checksum, when both hold.
+    fn new(bytes: &'a [u8], magic: &[u8; 4]) -> Option<Checked<'a>> {
+        let (body, crc) = bytes.split_at_checked(bytes.len().checked_sub(4)?)?;
+        if iscsi_pdu::digest::crc32c(body).to_le_bytes() != crc {
+            return None;
+        }
+        Some(Checked {
+            rest: body.strip_prefix(magic)?,
+        })
+    }
+
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (a, rest) = self.rest.split_at_checked(n)?;
+        self.rest = rest;
+        Some(a)
+    }
+
+    fn u16(&mut self) -> Option<u16> {
+        Some(u16::from_le_bytes(self.take(2)?.try_into().ok()?))
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+
+    fn text(&mut self, len: usize) -> Option<String> {
+        Some(std::str::from_utf8(self.take(len)?).ok()?.to_string())
+    }
+
+    /// Whether every byte was read.
+    fn end(&self) -> bool {
+        self.rest.is_empty()
     }
 }
 
@@ -412,6 +604,104 @@ mod tests {
         let twice = [(session(4, 1), sockets(1)), (session(4, 1), sockets(1))];
         send_handover(&a, &[], &twice).unwrap();
         assert!(matches!(receive_handover(&b), Err(ReceiveError::Twice(4))));
+    }
+
+    /// Listening sockets arrive with their kinds and addresses and still listen; a listeners'
+    /// frame with a changed byte, or with a socket more or less than it names, is refused.
+    #[test]
+    fn listening_sockets_arrive_named_or_are_refused() {
+        let tcp = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = tcp.local_addr().unwrap();
+        let sent = vec![
+            ListeningSocket {
+                kind: ListenerKind::Iscsi,
+                address: "127.0.0.1:0".into(),
+                socket: tcp.into(),
+            },
+            ListeningSocket {
+                kind: ListenerKind::Admin,
+                address: "/run/targetd/targetd.sock".into(),
+                socket: TcpListener::bind("127.0.0.1:0").unwrap().into(),
+            },
+        ];
+        let (a, b) = UnixStream::pair().unwrap();
+        send_listeners(&a, &sent).unwrap();
+        drop(sent);
+        let got = receive_listeners(&b).unwrap();
+        let named: Vec<_> = got.iter().map(|l| (l.kind, l.address.as_str())).collect();
+        assert_eq!(
+            named,
+            [
+                (ListenerKind::Iscsi, "127.0.0.1:0"),
+                (ListenerKind::Admin, "/run/targetd/targetd.sock")
+            ]
+        );
+        let listener = TcpListener::from(got.into_iter().next().unwrap().socket);
+        let _client = TcpStream::connect(addr).unwrap();
+        listener.accept().unwrap();
+        let one = || {
+            vec![ListeningSocket {
+                kind: ListenerKind::Metrics,
+                address: "[::1]:9100".into(),
+                socket: TcpListener::bind("127.0.0.1:0").unwrap().into(),
+            }]
+        };
+        let mut payload = Vec::new();
+        {
+            let (a, b) = UnixStream::pair().unwrap();
+            send_listeners(&a, &one()).unwrap();
+            let frame = receive_frame(&b).unwrap();
+            payload.extend_from_slice(&frame.payload);
+            assert_eq!(
+                decode_listeners(&payload, frame.fds).map(|l| l.len()),
+                Some(1)
+            );
+        }
+        for at in 0..payload.len() {
+            let mut p = payload.clone();
+            p[at] ^= 0x01;
+            let fds = one().into_iter().map(|l| l.socket).collect();
+            assert!(decode_listeners(&p, fds).is_none(), "byte {at} changed");
+        }
+        assert!(decode_listeners(&payload, Vec::new()).is_none());
+        let two = one().into_iter().chain(one()).map(|l| l.socket).collect();
+        assert!(decode_listeners(&payload, two).is_none());
+    }
+
+    /// Each step arrives as sent; anything else is refused.
+    #[test]
+    fn steps_arrive_as_sent() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let steps = [
+            Step::Ready,
+            Step::Adopted(3),
+            Step::Refused("session 0x1: no such target".into()),
+            Step::Released,
+        ];
+        for s in &steps {
+            send_step(&a, s).unwrap();
+            assert_eq!(&receive_step(&b).unwrap(), s);
+        }
+        for bad in [
+            &b"tdST"[..],
+            b"tdST\x05",
+            b"tdST\x01\x00",
+            b"tdST\x02\x01",
+            b"xxxx\x01",
+        ] {
+            send_frame(&a, bad, &[]).unwrap();
+            assert!(
+                matches!(receive_step(&b), Err(ReceiveError::Step)),
+                "{bad:?}"
+            );
+        }
+        send_frame(&a, b"tdST\x04", &[a.as_fd()]).unwrap();
+        assert!(matches!(receive_step(&b), Err(ReceiveError::Step)));
+        drop(a);
+        assert!(matches!(
+            receive_step(&b),
+            Err(ReceiveError::Frame(FrameError::Closed))
+        ));
     }
 
     fn unit(target: &str, lun: u16) -> UnitHandover {

@@ -3,6 +3,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use backend::{ArenaConfig, EngineChoice};
 
 use crate::config::Config;
 use crate::control::Request;
+use crate::handover::{ListenerKind, ListeningSocket};
 use crate::iscsi::connection::LOGOUT_GRACE;
 use crate::lock;
 use crate::reactor;
@@ -65,9 +67,11 @@ pub struct Check {
 pub struct Server {
     registry: Arc<Registry>,
     listeners: Vec<std::net::TcpListener>,
-    nvme_listeners: Vec<std::net::TcpListener>,
+    /// Each NVMe/TCP listener with what it serves and its configured address.
+    nvme_listeners: Vec<(ListenerKind, String, std::net::TcpListener)>,
     admin: Option<(std::os::unix::net::UnixListener, PathBuf)>,
-    metrics: Option<std::net::TcpListener>,
+    /// The metrics endpoint's listener and its configured address.
+    metrics: Option<(String, std::net::TcpListener)>,
     reactors: Vec<reactor::Handle>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
@@ -153,6 +157,20 @@ impl Server {
 
     /// Opens every logical unit, binds every portal and the admin socket, starts the reactors.
     pub fn start(config: Config, config_path: PathBuf) -> Result<Server, StartError> {
+        Server::start_inheriting(config, config_path, Vec::new())
+    }
+
+    /// Starts as [`start`](Self::start) does, but listens on the sockets of `inherited` (an
+    /// upgrade's predecessor's, [`crate::upgrade`]) where one has the kind and configured
+    /// address of a socket it would bind: the predecessor still holds them, so binding would
+    /// fail, and a connection waiting in their backlog is not refused. Those not named by
+    /// this config are closed.
+    pub fn start_inheriting(
+        config: Config,
+        config_path: PathBuf,
+        inherited: Vec<ListeningSocket>,
+    ) -> Result<Server, StartError> {
+        let mut inherited = Inherited(inherited);
         let fail = |key: String, reason: String| StartError { key, reason };
         let env = TargetEnv::start(&config).map_err(|(k, r)| fail(k, r))?;
         let mut targets = Vec::new();
@@ -201,19 +219,21 @@ impl Server {
             let i = counts.entry(list).or_insert(0usize);
             let key = format!("server.{list}[{i}]");
             *i += 1;
-            let l = std::net::TcpListener::bind(p)
+            let kind = match list {
+                "nvme_portals" => ListenerKind::NvmeTcp,
+                _ => ListenerKind::NvmeDiscovery,
+            };
+            let l = inherited
+                .listen(kind, p)
                 .map_err(|e| fail(key.clone(), format!("{p}: {e}")))?;
-            l.set_nonblocking(true)
-                .map_err(|e| fail(key.clone(), e.to_string()))?;
-            nvme_listeners.push(l);
+            nvme_listeners.push((kind, p.clone(), l));
         }
         let mut listeners = Vec::new();
         let mut portals = Vec::new();
         for (i, p) in config.server.portals.iter().enumerate() {
-            let l = std::net::TcpListener::bind(p)
+            let l = inherited
+                .listen(ListenerKind::Iscsi, p)
                 .map_err(|e| fail(format!("server.portals[{i}]"), format!("{p}: {e}")))?;
-            l.set_nonblocking(true)
-                .map_err(|e| fail(format!("server.portals[{i}]"), e.to_string()))?;
             portals.push(
                 l.local_addr()
                     .map_err(|e| fail(format!("server.portals[{i}]"), e.to_string()))?,
@@ -221,17 +241,33 @@ impl Server {
             listeners.push(l);
         }
         let metrics = match &config.server.metrics_listen {
-            Some(m) => {
-                let l = std::net::TcpListener::bind(m)
-                    .map_err(|e| fail("server.metrics_listen".into(), format!("{m}: {e}")))?;
-                l.set_nonblocking(true)
-                    .map_err(|e| fail("server.metrics_listen".into(), e.to_string()))?;
-                Some(l)
-            }
+            Some(m) => Some((
+                m.clone(),
+                inherited
+                    .listen(ListenerKind::Metrics, m)
+                    .map_err(|e| fail("server.metrics_listen".into(), format!("{m}: {e}")))?,
+            )),
             None => None,
         };
-        let admin = crate::admin::bind(&config.server.admin_socket)
-            .map_err(|reason| fail("server.admin_socket".into(), reason))?;
+        let admin_path = &config.server.admin_socket;
+        let admin = match inherited.take(ListenerKind::Admin, &admin_path.display().to_string()) {
+            Some(socket) => {
+                let l = std::os::unix::net::UnixListener::from(socket);
+                l.set_nonblocking(true)
+                    .map_err(|e| fail("server.admin_socket".into(), e.to_string()))?;
+                Some((l, admin_path.clone()))
+            }
+            None => crate::admin::bind(admin_path)
+                .map_err(|reason| fail("server.admin_socket".into(), reason))?,
+        };
+        for unused in &inherited.0 {
+            tracing::info!(
+                "the predecessor's {:?} listener on {} is not in this config: closed",
+                unused.kind,
+                unused.address
+            );
+        }
+        drop(inherited);
         let engine = match config.server.engine.as_str() {
             "uring" => EngineChoice::Uring,
             "threads" => EngineChoice::Threads,
@@ -263,7 +299,7 @@ impl Server {
         {
             let bound: Vec<SocketAddr> = nvme_listeners
                 .iter()
-                .filter_map(|l| l.local_addr().ok())
+                .filter_map(|(_, _, l)| l.local_addr().ok())
                 .collect();
             let (io, discovery) = bound.split_at(nvme_count.min(bound.len()));
             *lock(&registry.nvme_portals) = (io.to_vec(), discovery.to_vec());
@@ -365,7 +401,7 @@ impl Server {
 
     /// The address the metrics endpoint listens on (`server.metrics_listen`), if any.
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
-        self.metrics.as_ref().and_then(|m| m.local_addr().ok())
+        self.metrics.as_ref().and_then(|(_, m)| m.local_addr().ok())
     }
 
     /// The addresses the portals listen on.
@@ -461,13 +497,14 @@ impl Server {
 
     /// Takes in sessions another process parked and handed over (an upgrade's successor,
     /// [`crate::iscsi::handover`]), every one or none: the units' states first (their
-    /// reservations and mode pages), then each session served on these reactors from where
-    /// it stopped, under its TSIH. Their TSIHs, or why none was taken in (nothing is
-    /// then served here, and the old process serves on).
+    /// reservations and mode pages), then each session put on these reactors under its
+    /// TSIH, to be served from where it stopped once the old process let go of it
+    /// ([`Adopted::serve`](crate::iscsi::handover::Adopted::serve)). Or why none was taken
+    /// in (nothing is then served here, and the old process serves on).
     pub fn adopt_sessions(
         &self,
         handover: crate::handover::Handover,
-    ) -> Result<Vec<u16>, crate::iscsi::handover::AdoptError> {
+    ) -> Result<crate::iscsi::handover::Adopted, crate::iscsi::handover::AdoptError> {
         crate::iscsi::handover::adopt(&self.registry, &self.reactors, handover)
     }
 
@@ -495,8 +532,32 @@ impl Server {
             start_accepting(&registry, reactors.clone()),
             texts.into_iter().zip(listeners).collect(),
         );
+        // Duplicates of what listens besides the iSCSI portals (the registry keeps theirs),
+        // for an upgrade's successor.
+        let keep = |kind, address: String, socket: std::io::Result<OwnedFd>| match socket {
+            Ok(s) => registry.succession.keep(kind, address, s),
+            Err(e) => tracing::warn!("{address}: no duplicate for an upgrade: {e}"),
+        };
+        for (kind, address, l) in &nvme_listeners {
+            keep(*kind, address.clone(), l.try_clone().map(OwnedFd::from));
+        }
+        if let Some((address, l)) = &metrics {
+            keep(
+                ListenerKind::Metrics,
+                address.clone(),
+                l.try_clone().map(OwnedFd::from),
+            );
+        }
+        if let Some((l, path)) = &admin {
+            let address = path.display().to_string();
+            keep(
+                ListenerKind::Admin,
+                address,
+                l.try_clone().map(OwnedFd::from),
+            );
+        }
         let mut nvme_accepting = Vec::new();
-        for l in nvme_listeners {
+        for (_, _, l) in nvme_listeners {
             match tokio::net::TcpListener::from_std(l) {
                 Ok(l) => nvme_accepting.push(tokio::spawn(accept(
                     l,
@@ -517,7 +578,7 @@ impl Server {
                 Err(e) => tracing::error!("admin socket: {e}"),
             }
         }
-        if let Some(m) = metrics {
+        if let Some((_, m)) = metrics {
             match tokio::net::TcpListener::from_std(m) {
                 Ok(l) => {
                     tasks.spawn(crate::metrics::serve(l, registry.clone()));
@@ -525,7 +586,10 @@ impl Server {
                 Err(e) => tracing::error!("metrics listener: {e}"),
             }
         }
-        stop.await;
+        tokio::select! {
+            () = stop => {}
+            () = registry.succession.succeeded_wait() => {}
+        }
         tracing::info!("stopping: asking initiators to log out");
         registry.stop();
         tasks.abort_all();
@@ -551,6 +615,11 @@ impl Server {
         })
         .await;
         flush(&registry);
+        if registry.succession.succeeded() {
+            // The successor serves on the admin socket's file and listens on the portals.
+            tracing::info!("stopped: the upgraded targetd serves");
+            return;
+        }
         // A planned stop: the other gateways hear it left rather than fence it as failed.
         if let Some(cluster) = &registry.target_env.cluster {
             cluster.leave();
@@ -652,8 +721,19 @@ async fn accept(
     registry: Arc<Registry>,
     protocol: Protocol,
 ) {
+    let mut hold = registry.succession.accept_hold();
     loop {
-        let (stream, peer) = match listener.accept().await {
+        // Held while an upgrade parks the sessions: connections wait in the backlog for
+        // whichever process serves next.
+        if hold.wait_for(|held| !held).await.is_err() {
+            return;
+        }
+        let accepted = tokio::select! {
+            biased;
+            _ = hold.changed() => continue,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!("accept: {e}");
@@ -697,5 +777,34 @@ async fn accept(
         if !r.spawn(connection) {
             tracing::error!("reactor {} is gone", r.index);
         }
+    }
+}
+
+/// The listening sockets a predecessor handed over, taken as the start binds.
+struct Inherited(Vec<ListeningSocket>);
+
+impl Inherited {
+    /// The socket of `kind` configured as `address`, if one came (the first, for an address
+    /// named twice).
+    fn take(&mut self, kind: ListenerKind, address: &str) -> Option<OwnedFd> {
+        let i = self
+            .0
+            .iter()
+            .position(|l| l.kind == kind && l.address == address)?;
+        Some(self.0.remove(i).socket)
+    }
+
+    /// A non-blocking TCP listener on `address`: the inherited one, or bound now.
+    fn listen(
+        &mut self,
+        kind: ListenerKind,
+        address: &str,
+    ) -> std::io::Result<std::net::TcpListener> {
+        let l = match self.take(kind, address) {
+            Some(socket) => std::net::TcpListener::from(socket),
+            None => std::net::TcpListener::bind(address)?,
+        };
+        l.set_nonblocking(true)?;
+        Ok(l)
     }
 }

@@ -152,9 +152,18 @@ async fn a_session_taken_in_by_another_server_goes_on_on_its_socket() {
     let b = Daemon::start_with(&config("", &targets), |server| {
         *adopted.lock().unwrap() = Some(server.adopt_sessions(received));
     });
-    let adopted = adopted.into_inner().unwrap().unwrap();
-    assert_eq!(adopted.expect("adopted"), [tsih]);
+    let adopted = adopted.into_inner().unwrap().unwrap().expect("adopted");
+    assert_eq!(adopted.tsihs, [tsih]);
+    // Nothing is served by the second server before the first let go.
+    let parked_done = done.load(Relaxed);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(
+        done.load(Relaxed),
+        parked_done,
+        "served before the first let go"
+    );
     parked.release();
+    adopted.serve();
     let before = done.load(Relaxed);
     while done.load(Relaxed) == before && started.elapsed() < Duration::from_secs(10) {
         tokio::time::sleep(Duration::from_millis(1)).await;

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use iscsi_pdu::handover::{ConnectionState, SessionState};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 
 use iscsi_pdu::negotiation::{Negotiator, Role};
 use iscsi_pdu::target_node::SessionError;
@@ -236,6 +236,25 @@ pub enum AdoptError {
     NoReactor,
 }
 
+/// Sessions taken in ([`adopt`]), their connections on the reactors but not reading or
+/// writing yet: the old process has not let go of them. [`serve`](Self::serve) once it has;
+/// dropped without, each connection ends without a word (its socket closed, not shut down, so
+/// that the old process serves on on it).
+#[derive(Debug)]
+pub struct Adopted {
+    /// Their TSIHs.
+    pub tsihs: Vec<u16>,
+    go: watch::Sender<bool>,
+}
+
+impl Adopted {
+    /// The old process let go: every connection reads from where it stopped, its first PDU
+    /// announcing the command window.
+    pub fn serve(self) {
+        self.go.send_replace(true);
+    }
+}
+
 /// One connection of a session being taken in: everything it needs to be served, had
 /// before anything is registered.
 struct Taken<'r> {
@@ -252,12 +271,12 @@ struct Taken<'r> {
 /// and its connections' places, reactors and sockets had first, then all are entered in the
 /// session table (one refused takes the others out again), and only then is any connection
 /// served, on the least loaded of `reactors`. So a refusal leaves nothing served here, and the
-/// old process, told so, serves on. Returns their TSIHs.
+/// old process, told so, serves on. The connections wait for [`Adopted::serve`].
 pub fn adopt(
     registry: &Arc<Registry>,
     reactors: &[Handle],
     handover: Handover,
-) -> Result<Vec<u16>, AdoptError> {
+) -> Result<Adopted, AdoptError> {
     let Handover { units, sessions } = handover;
     let mut prepared = Vec::with_capacity(sessions.len());
     for (state, sockets) in sessions {
@@ -309,6 +328,7 @@ pub fn adopt(
         }
     }
     let settings = registry.settings();
+    let (go, waiting) = watch::channel(false);
     let mut tsihs = Vec::with_capacity(entered.len());
     for (session, conns) in entered {
         tsihs.push(session.tsih);
@@ -342,8 +362,20 @@ pub fn adopt(
             };
             let registry = registry.clone();
             let (id, index) = (peer.id, reactor.index);
+            let mut waiting = waiting.clone();
             let task: Task = Box::new(move |io| {
                 Box::pin(async move {
+                    if waiting.wait_for(|go| *go).await.is_err() {
+                        // Not let go of by the old process, which serves on: the socket is
+                        // closed without a shutdown, and the connection leaves its session
+                        // here without closing the nexus.
+                        if let Outcome::Adopted { session, .. } = &outcome {
+                            registry.sessions.leave(session, id);
+                        }
+                        registry.unregister(id);
+                        drop(slot);
+                        return;
+                    }
                     super::connection::resume(stream, io, registry, peer, outcome, unread).await;
                     drop(slot);
                 })
@@ -353,7 +385,7 @@ pub fn adopt(
             }
         }
     }
-    Ok(tsihs)
+    Ok(Adopted { tsihs, go })
 }
 
 /// Checks a handed-over session against this process (its target served here, its initiator

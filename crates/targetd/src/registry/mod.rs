@@ -5,6 +5,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, RwLockReadGuard};
@@ -18,6 +19,7 @@ use iscsi_pdu::{Isid, LoginStatus, SerialNumber};
 
 pub mod channels;
 pub mod counters;
+pub mod succession;
 
 pub use channels::SrpChannelInfo;
 pub use counters::{ArenaGauge, ConnectionSlot, Counters};
@@ -77,6 +79,8 @@ pub struct Registry {
     pub auth: Mutex<crate::iscsi::throttle::AuthThrottle>,
     /// SRP channels logged in, by their daemon-wide id.
     pub(crate) srp_channels: Mutex<std::collections::BTreeMap<u64, SrpChannelInfo>>,
+    /// What an upgrade needs of this process ([`crate::upgrade`]).
+    pub succession: succession::Succession,
 }
 
 /// A hash of the file at `path` as it is now (none when it cannot be read): what changed on
@@ -160,6 +164,7 @@ impl Registry {
             listeners: Mutex::new(None),
             auth: Mutex::default(),
             srp_channels: Mutex::default(),
+            succession: Default::default(),
         }
     }
 
@@ -236,7 +241,7 @@ impl Registry {
         self.stopping.store(true, Ordering::SeqCst);
         // No more connections; and the reactors' handles go, so that they end.
         if let Some(l) = lock(&self.listeners).take() {
-            for (_, _, task) in l.accepting {
+            for (_, _, task, _) in l.accepting {
                 task.abort();
             }
         }
@@ -264,8 +269,26 @@ impl Registry {
         l.as_ref()?
             .accepting
             .iter()
-            .find(|(text, bound, _)| text == address || bound.to_string() == address)
-            .map(|(text, _, _)| text.clone())
+            .find(|(text, bound, _, _)| text == address || bound.to_string() == address)
+            .map(|(text, _, _, _)| text.clone())
+    }
+
+    /// Duplicates of every socket this process listens on, for an upgrade's successor: the
+    /// iSCSI portals' as they run now (what a reload or `targetctl portal` changed included),
+    /// and the others the server keeps ([`succession::Succession::keep`]).
+    pub fn listening_sockets(&self) -> std::io::Result<Vec<crate::handover::ListeningSocket>> {
+        let mut all = Vec::new();
+        if let Some(l) = lock(&self.listeners).as_ref() {
+            for (text, _, _, socket) in &l.accepting {
+                all.push(crate::handover::ListeningSocket {
+                    kind: crate::handover::ListenerKind::Iscsi,
+                    address: text.clone(),
+                    socket: socket.try_clone()?,
+                });
+            }
+        }
+        all.extend(self.succession.sockets()?);
+        Ok(all)
     }
 
     /// Makes the listeners those `portals` names: listens on each one not listened on yet
@@ -282,7 +305,7 @@ impl Registry {
         // Bind what is new first: a failure leaves everything as it was.
         let mut bound = Vec::new();
         for (i, text) in portals.iter().enumerate() {
-            let have = l.accepting.iter().filter(|(t, _, _)| t == text).count();
+            let have = l.accepting.iter().filter(|(t, _, _, _)| t == text).count();
             if count(&portals[..=i], text) <= have {
                 continue;
             }
@@ -310,14 +333,14 @@ impl Registry {
         while k > 0 {
             k -= 1;
             let text = l.accepting[k].0.clone();
-            let have = l.accepting.iter().filter(|(t, _, _)| *t == text).count();
+            let have = l.accepting.iter().filter(|(t, _, _, _)| *t == text).count();
             if have > count(portals, &text) {
-                let (_, at, task) = l.accepting.remove(k);
+                let (_, at, task, _) = l.accepting.remove(k);
                 task.abort();
                 changes.push(format!("server.portals: no longer listening on {at}"));
             }
         }
-        let now: Vec<SocketAddr> = l.accepting.iter().map(|(_, at, _)| *at).collect();
+        let now: Vec<SocketAddr> = l.accepting.iter().map(|(_, at, _, _)| *at).collect();
         drop(guard);
         *lock(&self.portals) = now.clone();
         if let Some(c) = &self.target_env.cluster {
@@ -1176,8 +1199,9 @@ pub type StartAccepting =
 /// The iSCSI listeners of a running server.
 struct Listeners {
     start: StartAccepting,
-    /// Each portal's config text, the address it listens on, and its accept loop.
-    accepting: Vec<(String, SocketAddr, tokio::task::AbortHandle)>,
+    /// Each portal's config text, the address it listens on, its accept loop, and a
+    /// duplicate of its socket for an upgrade's successor.
+    accepting: Vec<(String, SocketAddr, tokio::task::AbortHandle, OwnedFd)>,
 }
 
 impl Listeners {
@@ -1190,8 +1214,13 @@ impl Listeners {
         let at = listener
             .local_addr()
             .map_err(|e| format!("server.portals: {text}: {e}"))?;
+        let kept = OwnedFd::from(
+            listener
+                .try_clone()
+                .map_err(|e| format!("server.portals: {text}: {e}"))?,
+        );
         let task = (self.start)(listener).map_err(|e| format!("server.portals: {text}: {e}"))?;
-        self.accepting.push((text, at, task));
+        self.accepting.push((text, at, task, kept));
         Ok(at)
     }
 }
