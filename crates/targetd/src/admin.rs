@@ -215,6 +215,23 @@ pub enum AdminRequest {
     },
     /// Stops the trace and writes its file.
     TraceStop,
+    /// Hands every listening socket and iSCSI/TCP session to a new targetd binary, which
+    /// serves on; this daemon then exits ([`crate::upgrade`]). On any failure this daemon
+    /// serves on as before.
+    Upgrade {
+        /// The new binary (absolute); the one running when absent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        binary: Option<PathBuf>,
+        /// Also when memory units would come up empty or unsaved changes would be lost.
+        #[serde(default)]
+        force: bool,
+        /// Seconds the new binary may take to start (60 when absent).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        start_timeout_seconds: Option<f64>,
+        /// Seconds the sessions may take to finish their commands and park (10 when absent).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        park_timeout_seconds: Option<f64>,
+    },
 }
 
 /// The daemon's answer.
@@ -376,10 +393,30 @@ async fn client(
     let (rd, mut wr) = stream.into_split();
     let mut lines = BufReader::new(rd).lines();
     while let Some(line) = lines.next_line().await? {
+        let mut upgraded = false;
         let response = match serde_json::from_str::<AdminRequest>(&line) {
             Ok(req) => {
                 let what = req.is_change().then(|| req.audit_text());
-                let result = handle_with(registry, tracer, req);
+                let result = match req {
+                    AdminRequest::Upgrade {
+                        binary,
+                        force,
+                        start_timeout_seconds,
+                        park_timeout_seconds,
+                    } => {
+                        let result = upgrade(
+                            registry,
+                            binary,
+                            force,
+                            start_timeout_seconds,
+                            park_timeout_seconds,
+                        )
+                        .await;
+                        upgraded = result.is_ok();
+                        result
+                    }
+                    req => handle_with(registry, tracer, req),
+                };
                 if let Some(what) = what {
                     match &result {
                         Ok(changes) => tracing::info!(
@@ -418,9 +455,46 @@ async fn client(
         };
         let mut out = serde_json::to_vec(&response).unwrap_or_default();
         out.push(b'\n');
-        wr.write_all(&out).await?;
+        let written = wr.write_all(&out).await;
+        if upgraded {
+            // Answered (or the asker left): the successor serves, this daemon stops.
+            registry.succession.succeed();
+        }
+        written?;
     }
     Ok(())
+}
+
+/// `targetctl upgrade`: the options checked, then [`crate::upgrade::upgrade`].
+async fn upgrade(
+    registry: &Registry,
+    binary: Option<PathBuf>,
+    force: bool,
+    start_timeout: Option<f64>,
+    park_timeout: Option<f64>,
+) -> Result<Value, String> {
+    let seconds = |s: Option<f64>, default: Duration, what: &str| match s {
+        None => Ok(default),
+        Some(s) if s > 0.0 && s <= 3600.0 => Ok(Duration::from_secs_f64(s)),
+        Some(s) => Err(format!("{what} {s} s is outside (0, 3600]")),
+    };
+    if let Some(b) = binary.as_ref().filter(|b| !b.is_absolute()) {
+        return Err(format!(
+            "{}: the binary's path must be absolute",
+            b.display()
+        ));
+    }
+    let defaults = crate::upgrade::UpgradeOptions::default();
+    let options = crate::upgrade::UpgradeOptions {
+        binary,
+        force,
+        start_within: seconds(start_timeout, defaults.start_within, "start timeout")?,
+        park_within: seconds(park_timeout, defaults.park_within, "park timeout")?,
+    };
+    crate::upgrade::upgrade(registry, options)
+        .await
+        .map(|u| json!(u))
+        .map_err(|e| e.to_string())
 }
 
 /// Runs one request.
@@ -462,6 +536,9 @@ pub fn handle(registry: &Registry, req: AdminRequest) -> Result<Value, String> {
         }
         AdminRequest::TraceStart { .. } | AdminRequest::TraceStop => {
             Err("traces are started and stopped through the admin socket".into())
+        }
+        AdminRequest::Upgrade { .. } => {
+            Err("an upgrade runs through the admin socket (crate::upgrade::upgrade)".into())
         }
         AdminRequest::SessionKill { tsih } => {
             let s = registry
@@ -806,6 +883,7 @@ fn status(registry: &Registry) -> Value {
     let c = registry.config();
     json!({
         "version": env!("CARGO_PKG_VERSION"),
+        "pid": std::process::id(),
         "uptime_seconds": registry.started.elapsed().as_secs(),
         "portals": registry.portals.lock().map(|p| p.iter().map(|a| a.to_string()).collect::<Vec<_>>()).unwrap_or_default(),
         "engine": registry.engine.lock().map(|e| e.clone()).unwrap_or_default(),

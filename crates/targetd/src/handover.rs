@@ -400,7 +400,10 @@ fn decode_listeners(bytes: &[u8], fds: Vec<OwnedFd>) -> Option<Vec<ListeningSock
 /// A step of an upgrade's handshake, after the listeners, each in a frame of its own: the
 /// successor is `Ready` for the sessions once it started; it answers them `Adopted` (taken in,
 /// not yet read from) or `Refused`; the running process answers `Adopted` with `Released`
-/// (it let go of them, and only then does the successor read from them).
+/// (from now on it serves them on only if the successor dies before saying `Serving`); the
+/// successor says `Serving` before it reads a byte of them. A stream socket delivers what
+/// was sent before the sender died before it tells of its end, so the running process,
+/// reading the end without `Serving` first, knows that the successor read nothing.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Step {
     /// The successor started: its units are open, it listens, its reactors run.
@@ -409,8 +412,10 @@ pub enum Step {
     Adopted(u32),
     /// The successor took nothing in, for this reason.
     Refused(String),
-    /// The running process let go of the sessions: the successor serves them.
+    /// The running process lets the successor serve the sessions.
     Released,
+    /// The successor serves them (said before it reads from them).
+    Serving,
 }
 
 /// The first bytes of a step's frame.
@@ -430,6 +435,7 @@ pub fn send_step(socket: &UnixStream, step: &Step) -> Result<(), FrameError> {
             b.extend_from_slice(why.as_bytes());
         }
         Step::Released => b.push(4),
+        Step::Serving => b.push(5),
     }
     send_frame(socket, &b, &[])
 }
@@ -451,6 +457,7 @@ pub fn receive_step(socket: &UnixStream) -> Result<Step, ReceiveError> {
         ))),
         Some((3, why)) => Ok(Step::Refused(String::from_utf8_lossy(why).into_owned())),
         Some((4, [])) => Ok(Step::Released),
+        Some((5, [])) => Ok(Step::Serving),
         _ => Err(ReceiveError::Step),
     }
 }
@@ -677,6 +684,7 @@ mod tests {
             Step::Adopted(3),
             Step::Refused("session 0x1: no such target".into()),
             Step::Released,
+            Step::Serving,
         ];
         for s in &steps {
             send_step(&a, s).unwrap();
@@ -684,7 +692,7 @@ mod tests {
         }
         for bad in [
             &b"tdST"[..],
-            b"tdST\x05",
+            b"tdST\x06",
             b"tdST\x01\x00",
             b"tdST\x02\x01",
             b"xxxx\x01",

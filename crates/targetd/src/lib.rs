@@ -15,6 +15,8 @@
 //! - [`iscsi`]: login, discovery, sessions and the full feature phase over TCP; [`iser`]: the
 //!   same over RDMA; [`srp`]: SRP target ports; [`nvme`]: NVM subsystems and their namespaces
 //!   over NVMe/TCP.
+//! - [`handover`], [`upgrade`] and [`takeover`]: `targetctl upgrade`, live sessions handed
+//!   to a new binary (the frames, the running process's half, the successor's).
 //! - [`admin`]: the `targetctl` socket; [`metrics`]: the Prometheus endpoint; [`notify`]:
 //!   readiness for systemd (`Type=notify`); [`manual`]: man pages and completions of the
 //!   programs.
@@ -41,9 +43,11 @@ pub mod registry;
 pub mod server;
 pub mod srp;
 pub mod store;
+pub mod takeover;
 pub mod target;
 pub mod trace;
 pub mod unit;
+pub mod upgrade;
 
 pub use config::{Config, ConfigError};
 

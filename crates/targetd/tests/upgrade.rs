@@ -330,6 +330,19 @@ fn load(
     Arc<AtomicU64>,
     Vec<tokio::task::JoinHandle<()>>,
 ) {
+    load_at(s, 0)
+}
+
+/// As [`load`], the workers' blocks from `base` on.
+#[allow(clippy::type_complexity)]
+fn load_at(
+    s: &Arc<Session>,
+    base: u64,
+) -> (
+    Arc<AtomicBool>,
+    Arc<AtomicU64>,
+    Vec<tokio::task::JoinHandle<()>>,
+) {
     let stop = Arc::new(AtomicBool::new(false));
     let done = Arc::new(AtomicU64::new(0));
     let workers = (0..8u64)
@@ -338,7 +351,7 @@ fn load(
             tokio::spawn(async move {
                 let mut k = 0u64;
                 while !stop.load(Relaxed) {
-                    let lba = w * 128 + (k % 8) * 16;
+                    let lba = base + w * 128 + (k % 8) * 16;
                     let data = pattern(8192, (w * 1000 + k) as usize);
                     s.write(lba, data.clone(), 512).await.expect("write");
                     let back = s.read(lba, 16, 512).await.expect("read");
@@ -366,4 +379,330 @@ fn command(itt: u32, cmd_sn: u32, cdb: [u8; 16], write: bool, len: u32) -> Pdu {
         data: Bytes::new(),
         ..ScsiCommand::default()
     })
+}
+
+/// targetd run as a program (its binary), as an upgrade needs: its own process, its config
+/// and a file LUN in a directory of its own, its stdout read for the portal it listens on.
+/// Its log level is `TEST_TARGETD_LOG` (as `RUST_LOG`; `info` when unset).
+struct Program {
+    child: std::process::Child,
+    addr: std::net::SocketAddr,
+    socket: std::path::PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl Program {
+    fn start() -> Program {
+        use std::io::BufRead;
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("admin.sock");
+        let text = format!(
+            "[server]\nportals = [\"127.0.0.1:0\"]\nadmin_socket = \"{}\"\nreactors = 2\n\
+             nop_interval = 0\n\n[[targets]]\nname = \"{TARGET}\"\n\n[[targets.luns]]\nlun = 0\n\
+             backend = \"file\"\npath = \"disk.img\"\nsize = \"64MiB\"\n",
+            socket.display()
+        );
+        let config = dir.path().join("config.toml");
+        std::fs::write(&config, text).unwrap();
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_targetd"))
+            .arg(&config)
+            .current_dir(dir.path())
+            .env(
+                "RUST_LOG",
+                std::env::var("TEST_TARGETD_LOG").unwrap_or("info".into()),
+            )
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let addr = loop {
+            let line = lines
+                .next()
+                .expect("targetd said where it listens")
+                .unwrap();
+            if let Some(a) = line.strip_prefix("targetd: listening on ") {
+                break a.parse().unwrap();
+            }
+        };
+        // The rest (its successors' too: they inherit the pipe) is read and dropped.
+        std::thread::spawn(move || lines.for_each(drop));
+        Program {
+            child,
+            addr,
+            socket,
+            dir,
+        }
+    }
+
+    async fn session(&self, o: LoginOptions) -> Session {
+        let url = format!("iscsi://{}/{TARGET}/0", self.addr);
+        Session::connect(&initiator_bench::IscsiUrl::parse(&url).unwrap(), o)
+            .await
+            .expect("login")
+    }
+
+    /// `targetctl upgrade ARGS`: its JSON answer, or what it said on failure.
+    async fn upgrade(&self, args: &[&str]) -> Result<serde_json::Value, String> {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"));
+        c.arg("--socket")
+            .arg(&self.socket)
+            .args(["--json", "upgrade"]);
+        c.args(args);
+        let out = tokio::task::spawn_blocking(move || c.output().unwrap())
+            .await
+            .unwrap();
+        match out.status.success() {
+            true => Ok(serde_json::from_slice(&out.stdout).expect("JSON")),
+            // With --json the error is a JSON object on stdout.
+            false => Err(format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )),
+        }
+    }
+
+    /// `targetctl status`, from whichever process serves the admin socket.
+    fn status(&self) -> serde_json::Value {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(["--json", "status"])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    /// A script standing in for a new binary: `--check` runs the real one; the start runs
+    /// `start` (a shell command line; `$@` are targetd's arguments).
+    fn binary(&self, name: &str, start: &str) -> String {
+        use std::os::unix::fs::PermissionsExt;
+        let path = self.dir.path().join(name);
+        let real = env!("CARGO_BIN_EXE_targetd");
+        let script =
+            format!("#!/bin/sh\nif [ \"$1\" = --check ]; then exec {real} \"$@\"; fi\n{start}\n");
+        std::fs::write(&path, script).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        path.display().to_string()
+    }
+}
+
+impl Drop for Program {
+    /// A test that failed leaves no targetd behind: the one serving the admin socket now (a
+    /// successor, maybe) and the first.
+    fn drop(&mut self) {
+        let serving = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(["--json", "status"])
+            .output()
+            .ok()
+            .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())
+            .and_then(|s| s["pid"].as_u64());
+        if let Some(pid) = serving {
+            terminate(pid);
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whether process `pid` runs (not ended, not a zombie waiting to be reaped).
+fn running(pid: u64) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rsplit_once(") ")
+            .is_some_and(|(_, rest)| !rest.starts_with('Z'))
+    })
+}
+
+/// Stops the targetd process `pid` (SIGTERM: a drain) and waits for it to end.
+fn terminate(pid: u64) {
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    while running(pid) && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `targetctl upgrade` to the binary itself, twice (the successor upgrades in turn): a session
+/// with digests and an MC/S session of two connections, both loaded with writes read back at
+/// once, go on over the same TCP connections under the same TSIHs without a new login (the
+/// initiator would see its I/O fail) and without a failed I/O; the old process exits, the new
+/// one answers on the admin socket and holds the reservation made through the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_to_a_new_binary_keeps_every_session_on_its_connection() {
+    let mut first = Program::start();
+    let mut o = opts();
+    o.settings.header_digest = vec![DigestAlgorithm::Crc32c];
+    o.settings.data_digest = vec![DigestAlgorithm::Crc32c];
+    let digests = Arc::new(first.session(o).await);
+    let mut o = opts();
+    o.initiator_name = "iqn.2026-11.io.example:mcs".into();
+    o.connections = 2;
+    o.settings.operational.max_connections = 2;
+    let mcs = Arc::new(first.session(o).await);
+    assert_eq!(mcs.info().connections, 2);
+    let tsihs = [digests.info().tsih, mcs.info().tsih];
+    let _ = digests.capacity().await;
+    let _ = mcs.capacity().await;
+    let cmd = pr_out(digests.lun(), 0x00, 0, 0, 0xb2, false);
+    assert_eq!(digests.execute(cmd).await.unwrap().status, ScsiStatus::GOOD);
+    // Each session's workers on blocks of their own: the MC/S session's above 4096.
+    let (stop_a, done_a, workers_a) = load(&digests);
+    let (stop_b, done_b, workers_b) = load_at(&mcs, 4096);
+    let mut pid = u64::from(first.child.id());
+    for round in 0..2 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let upgraded = first.upgrade(&[]).await.expect("upgraded");
+        println!("upgrade {round}: {upgraded}");
+        assert_eq!(upgraded["sessions"], 2, "{upgraded}");
+        let new = upgraded["pid"].as_u64().unwrap();
+        assert_ne!(new, pid);
+        if round == 0 {
+            let status = first.child.wait().expect("the first targetd exits");
+            assert!(status.success(), "{status}");
+        } else {
+            let until = std::time::Instant::now() + Duration::from_secs(30);
+            while running(pid) && std::time::Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            assert!(!running(pid), "the previous targetd did not exit");
+        }
+        pid = new;
+        let (a, b) = (done_a.load(Relaxed), done_b.load(Relaxed));
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(done_a.load(Relaxed) > a, "the session with digests stopped");
+        assert!(done_b.load(Relaxed) > b, "the MC/S session stopped");
+        let status = first.status();
+        assert_eq!(status["pid"], pid, "{status}");
+        assert_eq!(status["sessions"], 2, "{status}");
+        assert_eq!(status["connections"], 3, "{status}");
+    }
+    stop_a.store(true, Relaxed);
+    stop_b.store(true, Relaxed);
+    for w in workers_a.into_iter().chain(workers_b) {
+        w.await.expect("a worker failed");
+    }
+    assert_eq!([digests.info().tsih, mcs.info().tsih], tsihs);
+    assert_eq!(keys(&digests).await, [0xb2]);
+    terminate(pid);
+    assert!(!running(pid));
+}
+
+/// Every way an upgrade can fail leaves the running targetd serving its session as before,
+/// no I/O failed and no new login: a new binary whose check refuses the config, one that
+/// exits at once, one that never connects (the start timeout), one that crashes after it
+/// started, after the sessions came, after it took them in and after it was let serve them,
+/// and one that refuses them (as an encoding it cannot read). New logins are taken after
+/// each; then an upgrade to the real binary succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_upgrade_leaves_the_running_targetd_serving() {
+    let mut first = Program::start();
+    let s = Arc::new(first.session(opts()).await);
+    let tsih = s.info().tsih;
+    let _ = s.capacity().await;
+    let (stop, done, workers) = load(&s);
+    let pid = u64::from(first.child.id());
+    let fault = |f: &str| {
+        format!(
+            "{}={f} exec {} \"$@\"",
+            targetd::takeover::FAULT_VARIABLE,
+            env!("CARGO_BIN_EXE_targetd")
+        )
+    };
+    let cases = [
+        ("check", first.binary("check", ""), "--check refused"),
+        (
+            "exit",
+            first.binary("exit", &fault("exit-at-start")),
+            "exited",
+        ),
+        (
+            "hang",
+            first.binary("hang", "exec sleep 60"),
+            "took too long (connecting)",
+        ),
+        (
+            "ready",
+            first.binary("ready", &fault("crash-after-ready")),
+            "broke",
+        ),
+        (
+            "handover",
+            first.binary("handover", &fault("crash-after-handover")),
+            "broke",
+        ),
+        (
+            "adopted",
+            first.binary("adopted", &fault("crash-after-adopted")),
+            "",
+        ),
+        (
+            "released",
+            first.binary("released", &fault("crash-after-released")),
+            "broke",
+        ),
+        (
+            "refuse",
+            first.binary("refuse", &fault("refuse")),
+            "refused on purpose",
+        ),
+    ];
+    // The check's script refuses outright.
+    std::fs::write(
+        &cases[0].1,
+        "#!/bin/sh\necho 'this binary refuses' >&2\nexit 1\n",
+    )
+    .unwrap();
+    for (name, binary, said) in &cases {
+        let before = done.load(Relaxed);
+        let failed = first
+            .upgrade(&["--binary", binary, "--start-timeout", "2s"])
+            .await
+            .expect_err(name);
+        println!("{name}: {}", failed.trim());
+        assert!(failed.contains(said), "{name}: {failed}");
+        assert!(
+            first.child.try_wait().unwrap().is_none(),
+            "{name}: it exited"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(done.load(Relaxed) > before, "{name}: the I/O stopped");
+        let status = first.status();
+        assert_eq!(
+            (status["pid"].as_u64(), status["sessions"].as_u64()),
+            (Some(pid), Some(1)),
+            "{name}"
+        );
+        // It accepts again.
+        let other = first
+            .session(LoginOptions {
+                initiator_name: format!("iqn.2026-11.io.example:{name}"),
+                ..opts()
+            })
+            .await;
+        other.logout().await.expect("logout");
+    }
+    let upgraded = first.upgrade(&[]).await.expect("upgraded at last");
+    assert_eq!(upgraded["sessions"], 1);
+    assert!(first.child.wait().unwrap().success());
+    let before = done.load(Relaxed);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        done.load(Relaxed) > before,
+        "the I/O stopped after the upgrade"
+    );
+    stop.store(true, Relaxed);
+    for w in workers {
+        w.await.expect("a worker failed");
+    }
+    assert_eq!(s.info().tsih, tsih);
+    terminate(upgraded["pid"].as_u64().unwrap());
 }

@@ -118,6 +118,26 @@ enum Command {
         #[command(subcommand)]
         action: TraceAction,
     },
+    /// Replaces the running targetd by a new binary without ending a session: the new one
+    /// (its `--check` first) takes over every listening socket and every iSCSI/TCP session on
+    /// its connection (initiators see a pause, no logout); the old one then exits. iSER and
+    /// SRP sessions and NVMe/TCP controllers are asked to log out or are closed, and
+    /// reconnect. Any failure leaves the old one serving every session as before.
+    Upgrade {
+        /// The new binary (default: the running one's path, as after a package upgrade).
+        #[arg(long)]
+        binary: Option<PathBuf>,
+        /// Also when memory units would come up empty in the new process, or what targetctl
+        /// made live and nobody saved would be lost.
+        #[arg(long)]
+        force: bool,
+        /// How long the new binary may take to start (1m, 90s; a bare number is seconds).
+        #[arg(long, default_value = "60s", value_parser = parse_duration)]
+        start_timeout: Duration,
+        /// How long the sessions may take to finish their commands in flight and park.
+        #[arg(long, default_value = "10s", value_parser = parse_duration)]
+        park_timeout: Duration,
+    },
 }
 
 #[derive(Subcommand)]
@@ -544,6 +564,11 @@ impl Client {
         })
     }
 
+    /// Waits at most `d` for an answer (60 s unless told).
+    fn wait_at_most(&mut self, d: Duration) -> Result<()> {
+        Ok(self.stream.get_ref().set_read_timeout(Some(d))?)
+    }
+
     fn call(&mut self, req: &AdminRequest) -> Result<Value> {
         let mut line = serde_json::to_vec(req)?;
         line.push(b'\n');
@@ -797,6 +822,21 @@ fn run(args: Args) -> Result<()> {
         Command::Trace {
             action: TraceAction::Stop,
         } => AdminRequest::TraceStop,
+        Command::Upgrade {
+            binary,
+            force,
+            start_timeout,
+            park_timeout,
+        } => {
+            // The daemon waits for the new binary's start and the park.
+            c.wait_at_most(start_timeout + park_timeout + Duration::from_secs(30))?;
+            AdminRequest::Upgrade {
+                binary: binary.map(absolute).transpose()?,
+                force,
+                start_timeout_seconds: Some(start_timeout.as_secs_f64()),
+                park_timeout_seconds: Some(park_timeout.as_secs_f64()),
+            }
+        }
     };
     let result = c.call(&request)?;
     if args.json {
@@ -810,6 +850,15 @@ fn run(args: Args) -> Result<()> {
 fn print_human(request: &AdminRequest, v: &Value) {
     match (request, v) {
         (AdminRequest::ConfigDump, Value::String(s)) => print!("{s}"),
+        (AdminRequest::Upgrade { .. }, Value::Object(u)) => println!(
+            "upgraded: {} (pid {}) serves {} iSCSI session(s) handed over; parked in {:.1} ms, \
+             initiators paused {:.1} ms",
+            text(&u["binary"]),
+            u["pid"],
+            u["sessions"],
+            u["parked_ms"].as_f64().unwrap_or(0.0),
+            u["paused_ms"].as_f64().unwrap_or(0.0)
+        ),
         (AdminRequest::LunFault { .. }, Value::Array(faults)) => {
             if faults.is_empty() {
                 println!("no faults armed");
@@ -992,6 +1041,7 @@ fn print_human(request: &AdminRequest, v: &Value) {
                 .map(|s| units::format_duration(Duration::from_secs(s)));
             let rows = [
                 ("version", field("version")),
+                ("pid", field("pid")),
                 ("uptime", uptime),
                 ("engine", field("engine")),
                 ("iSCSI portals", list("portals")),

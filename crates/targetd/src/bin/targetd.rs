@@ -35,6 +35,10 @@ struct Args {
     /// Print a completion script for this shell (bash, zsh, fish, elvish, powershell) and exit.
     #[arg(long, exclusive = true, value_name = "SHELL")]
     completions: Option<clap_complete::Shell>,
+    /// Take over from the running targetd that started this one (`targetctl upgrade`): its
+    /// listening sockets and sessions come over the UNIX socket at PATH.
+    #[arg(long, value_name = "PATH", hide = true, conflicts_with = "check")]
+    take_over: Option<PathBuf>,
 }
 
 /// What a run (not `--man` or `--completions`) was asked.
@@ -42,6 +46,7 @@ struct Run {
     config: PathBuf,
     check: bool,
     log_format: LogFormat,
+    take_over: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -73,6 +78,7 @@ fn main() -> ExitCode {
         config: path,
         check: args.check,
         log_format: args.log_format,
+        take_over: args.take_over,
     };
     let config = match Config::load(&args.config) {
         Ok(c) => c,
@@ -134,15 +140,34 @@ fn main() -> ExitCode {
     rt.block_on(async move {
         let targets: Vec<String> = config.targets.iter().map(|t| t.name.clone()).collect();
         let named = config.clone();
-        let server = match Server::start(config, args.config.clone()) {
-            Ok(s) => s,
-            Err(e) => {
-                let key = named.describe_key(&e.key);
-                eprintln!("targetd: {}: {key}: {}", args.config.display(), e.reason);
-                return ExitCode::FAILURE;
-            }
+        let server = match &args.take_over {
+            Some(link) => match targetd::takeover::take_over(link, config, args.config.clone()) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("targetd: taking over: {e}");
+                    return ExitCode::FAILURE;
+                }
+            },
+            None => match Server::start(config, args.config.clone()) {
+                Ok(s) => s,
+                Err(e) => {
+                    let key = named.describe_key(&e.key);
+                    eprintln!("targetd: {}: {key}: {}", args.config.display(), e.reason);
+                    return ExitCode::FAILURE;
+                }
+            },
         };
         let registry = server.registry();
+        // What `targetctl upgrade` starts unless told another binary: this one, as it was
+        // (a package upgrade replaces the file under the same path), with the same log format.
+        if let Ok(exe) = std::env::current_exe() {
+            let log_format = match args.log_format {
+                LogFormat::Text => "text",
+                LogFormat::Json => "json",
+            };
+            let options = vec!["--log-format".to_string(), log_format.to_string()];
+            registry.succession.set_executable(exe, options);
+        }
         for p in server.portals() {
             println!("targetd: listening on {p}");
         }
@@ -168,7 +193,10 @@ fn main() -> ExitCode {
             eprintln!("targetd: cannot install signal handlers");
             return ExitCode::FAILURE;
         };
-        targetd::notify::notify("READY=1");
+        if args.take_over.is_none() {
+            // A successor is made the service's main process, ready, by its predecessor.
+            targetd::notify::notify("READY=1");
+        }
         let reload = registry.clone();
         let stop = async move {
             loop {

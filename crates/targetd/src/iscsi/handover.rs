@@ -147,6 +147,7 @@ pub async fn park_sessions(
                     // waited for an earlier one) waits for bytes that, the window held, may
                     // never come: it looks again.
                     for c in conns.iter().filter(|c| !reports.contains_key(&c.id)) {
+                        tracing::debug!(tsih = session.tsih, connection = c.id, queued = session.queued(), "not parked yet: looks again");
                         c.control.reader.notify_one();
                     }
                     let stopped: Vec<_> =

@@ -510,11 +510,7 @@ impl Registry {
     pub fn reload(&self, force: bool) -> Result<Vec<String>, String> {
         let seen = file_fingerprint(&self.config_path);
         let new = Config::load(&self.config_path).map_err(|e| e.to_string())?;
-        let lost: Vec<String> = lock(&self.unsaved)
-            .iter()
-            .filter(|what| !holds(&new, what))
-            .cloned()
-            .collect();
+        let lost = self.unsaved_missing_from(&new);
         if !lost.is_empty() && !force {
             return Err(format!(
                 "the file would remove what targetctl made live since the last save: {}; save \
@@ -526,6 +522,16 @@ impl Registry {
         lock(&self.unsaved).clear();
         *lock(&self.config_seen) = seen;
         Ok(changes)
+    }
+
+    /// What targetctl made live since the last save that `config` does not have ("target
+    /// IQN", "IQN LUN N"): what serving `config` instead of the running one would lose.
+    pub fn unsaved_missing_from(&self, config: &Config) -> Vec<String> {
+        lock(&self.unsaved)
+            .iter()
+            .filter(|what| !holds(config, what))
+            .cloned()
+            .collect()
     }
 
     /// The sessions (iSCSI) and channels (SRP) logged in to `target` now.

@@ -22,8 +22,9 @@ pub struct Succession {
     /// admin socket), duplicated as the server started serving on them.
     sockets: Mutex<Vec<ListeningSocket>>,
     /// The binary this process runs, as it was when it started (a package upgrade replaces
-    /// the file under the same path): what `targetctl upgrade` starts unless told another.
-    executable: Mutex<Option<PathBuf>>,
+    /// the file under the same path), and the options to start its successor with beside the
+    /// config (the log format): what `targetctl upgrade` starts unless told another binary.
+    executable: Mutex<Option<(PathBuf, Vec<String>)>>,
     /// An upgrade is under way.
     running: AtomicBool,
     /// A successor serves this process's sessions and listeners.
@@ -79,13 +80,14 @@ impl Succession {
             .collect()
     }
 
-    /// Names the binary this process runs (targetd's `main` does, at start).
-    pub fn set_executable(&self, path: PathBuf) {
-        *lock(&self.executable) = Some(path);
+    /// Names the binary this process runs and the options its successor is to be started
+    /// with (targetd's `main` does, at start).
+    pub fn set_executable(&self, path: PathBuf, options: Vec<String>) {
+        *lock(&self.executable) = Some((path, options));
     }
 
-    /// The binary this process runs, if named.
-    pub fn executable(&self) -> Option<PathBuf> {
+    /// The binary this process runs and its successor's options, if named.
+    pub fn executable(&self) -> Option<(PathBuf, Vec<String>)> {
         lock(&self.executable).clone()
     }
 
