@@ -320,6 +320,45 @@ async fn a_connection_owed_data_does_not_park_and_serves_on() {
     d.stop();
 }
 
+/// A connection that leaves while the others park (its initiator went away owing data) fails
+/// the park at once rather than at its deadline, and the sessions that parked serve on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_leaves_fails_the_park_at_once() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let s = Arc::new(d.session(opts()).await);
+    let _ = s.capacity().await;
+    let mut raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 0x46], 0).await.unwrap();
+    let sn = raw.take_cmd_sn();
+    raw.send(command(1, sn, cdb::read(0, 1), false, 512)).await;
+    raw.finish(1).await.expect("the power on unit attention");
+    let sn = raw.take_cmd_sn();
+    raw.send(command(2, sn, cdb::write(8, 8), true, 4096)).await;
+    loop {
+        if let Pdu::ReadyToTransfer(_) = raw.next().await.expect("an R2T") {
+            break;
+        }
+    }
+    let started = std::time::Instant::now();
+    let park = {
+        let registry = d.registry.clone();
+        tokio::spawn(async move { park_sessions(&registry, Duration::from_secs(20)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(raw);
+    match park.await.unwrap() {
+        Err(ParkError::Changed(_)) => {}
+        other => panic!("expected the park to fail as the connection left, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "the park waited for its deadline"
+    );
+    let data = pattern(4096, 3);
+    s.write(64, data.clone(), 512).await.expect("serves on");
+    assert_eq!(s.read(64, 8, 512).await.unwrap(), data);
+    d.stop();
+}
+
 /// Eight workers on `s`, each writing 8 KiB into its own 128 blocks and reading it back at
 /// once, until `stop`; `done` counts their rounds.
 #[allow(clippy::type_complexity)]

@@ -112,7 +112,10 @@ pub async fn park_sessions(
     let mut asked = Vec::new();
     for session in registry.sessions.all() {
         let conns = registry.sessions.connections(&session);
-        if conns.is_empty() || conns.iter().any(|c| c.iser) {
+        // An ending session (logged out, reinstated, killed) is not handed over: its
+        // connections close rather than report.
+        let ending = registry.sessions.get(session.tsih).is_none();
+        if ending || conns.is_empty() || conns.iter().any(|c| c.iser) {
             continue;
         }
         session.freeze_window();
@@ -143,11 +146,22 @@ pub async fn park_sessions(
                 // command in its socket while the other read the one after, which then waits
                 // for it: the stopped ones read on, and are parked again at the next tick.
                 for (session, conns) in &asked {
+                    // A connection that left (its initiator logged out or it broke) never
+                    // reports: the park fails now rather than at its deadline.
+                    let now = registry.sessions.connections(session);
+                    if now.len() != conns.len() || now.iter().zip(conns).any(|(a, b)| a.id != b.id) {
+                        return Err(ParkError::Changed(session.tsih));
+                    }
                     // A reader that could not stop when asked (a command of its session
                     // waited for an earlier one) waits for bytes that, the window held, may
                     // never come: it looks again.
                     for c in conns.iter().filter(|c| !reports.contains_key(&c.id)) {
-                        tracing::debug!(tsih = session.tsih, connection = c.id, queued = session.queued(), "not parked yet: looks again");
+                        tracing::debug!(
+                            tsih = session.tsih,
+                            connection = c.id,
+                            queued = session.queued(),
+                            "not parked yet: looks again"
+                        );
                         c.control.reader.notify_one();
                     }
                     let stopped: Vec<_> =
