@@ -132,6 +132,22 @@ impl Bhs {
         u32::from_be_bytes([self.0[16], self.0[17], self.0[18], self.0[19]])
     }
 
+    /// The CmdSN a request takes in its session's order: that of a non-immediate NOP-Out,
+    /// SCSI Command, Task Management, Text or Logout Request (bytes 24..28); `None` for an
+    /// immediate request and for every other PDU, which take none.
+    pub fn taken_cmd_sn(&self) -> Option<crate::SerialNumber> {
+        use Opcode::*;
+        let takes = matches!(
+            self.opcode(),
+            Some(NopOut | ScsiCommand | TaskManagementRequest | TextRequest | LogoutRequest)
+        );
+        (takes && !self.immediate()).then(|| {
+            crate::SerialNumber(u32::from_be_bytes([
+                self.0[24], self.0[25], self.0[26], self.0[27],
+            ]))
+        })
+    }
+
     /// The length of the whole PDU this header announces, with the given digests.
     pub fn frame_length(&self, digests: Digests) -> usize {
         frame_length(self.0[4], self.data_segment_length(), digests)
@@ -338,4 +354,49 @@ pub(crate) fn frame(input: &[u8], digests: Digests, max_data: u32) -> Result<Fra
         data_digest,
         len,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pdu::{DataOut, NopOut, Pdu};
+    use crate::{Lun, SerialNumber};
+
+    fn header(pdu: &Pdu) -> Bhs {
+        let mut b = bytes::BytesMut::new();
+        pdu.encode(Digests::default(), &mut b);
+        Bhs(*b[..BHS_LEN].first_chunk().unwrap())
+    }
+
+    /// Only a non-immediate request takes a CmdSN; a Data-Out or an immediate request none.
+    #[test]
+    fn the_cmd_sn_a_header_takes() {
+        let nop = |immediate| {
+            Pdu::NopOut(NopOut {
+                immediate,
+                lun: Lun::ZERO,
+                initiator_task_tag: 9,
+                target_transfer_tag: 0xffff_ffff,
+                cmd_sn: SerialNumber(0x0102_0304),
+                exp_stat_sn: SerialNumber(5),
+                data: bytes::Bytes::new(),
+            })
+        };
+        assert_eq!(
+            header(&nop(false)).taken_cmd_sn(),
+            Some(SerialNumber(0x0102_0304))
+        );
+        assert_eq!(header(&nop(true)).taken_cmd_sn(), None);
+        let data_out = Pdu::DataOut(DataOut {
+            final_bit: true,
+            lun: Lun::ZERO,
+            initiator_task_tag: 9,
+            target_transfer_tag: 3,
+            exp_stat_sn: SerialNumber(5),
+            data_sn: 0,
+            buffer_offset: 0,
+            data: bytes::Bytes::from_static(&[0; 4]),
+        });
+        assert_eq!(header(&data_out).taken_cmd_sn(), None);
+    }
 }

@@ -40,9 +40,11 @@ async fn parked_sessions_report_their_state_and_serve_on_when_withdrawn() {
     let tsih = s.info().tsih;
     for _ in 0..3 {
         tokio::time::sleep(Duration::from_millis(100)).await;
+        let started = std::time::Instant::now();
         let parked = park_sessions(&d.registry, Duration::from_secs(10))
             .await
             .expect("parked");
+        println!("the MC/S session parked in {:?}", started.elapsed());
         assert_eq!(parked.sessions.len(), 1);
         let (state, sockets) = &parked.sessions[0];
         assert_eq!(state.tsih, tsih);

@@ -124,6 +124,11 @@ impl<R: Route> TargetCore<R> {
         self.order_of(nexus).map_or(0, CommandOrder::waiting)
     }
 
+    /// The highest CmdSN the session `nexus` has taken ([`CommandOrder::highest_taken`]).
+    pub fn highest_taken(&self, nexus: NexusId) -> Option<SerialNumber> {
+        self.order_of(nexus).map(CommandOrder::highest_taken)
+    }
+
     fn order_of(&self, nexus: NexusId) -> Option<&SessionOrder<R>> {
         match self.orders.get(nexus.index()) {
             Some(Some((n, order))) if *n == nexus => Some(order),

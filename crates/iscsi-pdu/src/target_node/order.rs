@@ -79,11 +79,39 @@ impl<T> CommandOrder<T> {
     pub fn waiting(&self) -> usize {
         self.pending.len()
     }
+
+    /// The highest CmdSN taken so far: the highest waiting, else ExpCmdSN - 1. A request at
+    /// or below it fills a gap; one above it is new. (A park for a handover reads only the
+    /// former, so that the session's connections stop where no gap is left.)
+    pub fn highest_taken(&self) -> SerialNumber {
+        let mut highest = SerialNumber(self.exp_cmd_sn.0.wrapping_sub(1));
+        for (sn, _) in &self.pending {
+            if sn.gt(highest) {
+                highest = *sn;
+            }
+        }
+        highest
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_highest_cmd_sn_taken_is_the_highest_waiting_or_the_last_run() {
+        let mut o = CommandOrder::new(SerialNumber(u32::MAX - 1), 8);
+        assert_eq!(o.highest_taken(), SerialNumber(u32::MAX - 2));
+        assert!(o.admit(SerialNumber(1), Some(1)));
+        assert!(o.admit(SerialNumber(u32::MAX), Some(0)));
+        // Serial arithmetic: 1 comes after u32::MAX.
+        assert_eq!(o.highest_taken(), SerialNumber(1));
+        assert!(o.admit(SerialNumber(u32::MAX - 1), Some(9)));
+        assert!(o.admit(SerialNumber(0), Some(5)));
+        while o.next_ready().is_some() {}
+        assert_eq!(o.waiting(), 0);
+        assert_eq!(o.highest_taken(), SerialNumber(1));
+    }
 
     #[test]
     fn releases_in_order_across_gaps_and_markers() {

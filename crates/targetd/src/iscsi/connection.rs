@@ -740,7 +740,20 @@ async fn read_loop(
         (c.carrier.inbox().clone(), c.carrier.waits.share().clone())
     };
     loop {
-        if control.parking() == Park::Park && may_stop_reading(conn) {
+        let stop = control.parking() == Park::Park
+            && (may_stop_reading(conn)
+                || (!conn.borrow().machine.awaits_initiator() && {
+                    // The session's order waits for a command: read only those that fill a
+                    // gap, not a new one (which would open another gap behind it on another
+                    // connection, and the connections would never all stop).
+                    let next = tokio::select! {
+                        biased;
+                        r = reader.peek_cmd_sn() => r?,
+                        _ = control.reader.notified() => continue,
+                    };
+                    next.is_some_and(|sn| highest_taken(conn).is_some_and(|h| sn.gt(h)))
+                }));
+        if stop {
             // Stopped between two PDUs: the worker parks the connection once its tasks are
             // over, which drops this future here; or it wakes it to read on.
             conn.borrow_mut().reader_parked = true;
@@ -827,6 +840,19 @@ fn may_stop_reading(conn: &Rc<RefCell<Conn>>) -> bool {
         .unwrap_or(0);
     t.nexus.release();
     queued == 0
+}
+
+/// The highest CmdSN the connection's session has taken
+/// ([`iscsi_pdu::target_node::CommandOrder::highest_taken`]).
+fn highest_taken(conn: &Rc<RefCell<Conn>>) -> Option<SerialNumber> {
+    let mut c = conn.borrow_mut();
+    let mut t = c.turn();
+    let highest = t
+        .nexus
+        .session_core(|session, core, _, _| core.highest_taken(session.nexus))
+        .flatten();
+    t.nexus.release();
+    highest
 }
 
 /// A write's data buffer from the connection's share: at once when there is room; else by

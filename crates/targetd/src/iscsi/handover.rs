@@ -128,7 +128,6 @@ pub async fn park_sessions(
     }
     let expected: usize = asked.iter().map(|(_, c)| c.len()).sum();
     let mut reports: BTreeMap<u64, Parked> = BTreeMap::new();
-    let mut reopened: Vec<Arc<Control>> = Vec::new();
     let deadline = tokio::time::Instant::now() + within;
     let mut tick = tokio::time::interval(REOPEN_TICK);
     while reports.len() < expected {
@@ -139,12 +138,10 @@ pub async fn park_sessions(
                 }
             }
             _ = tick.tick() => {
-                for c in reopened.drain(..) {
-                    c.park(tx.clone());
-                }
                 // Of two connections of a session, one may have stopped with the next
                 // command in its socket while the other read the one after, which then waits
-                // for it: the stopped ones read on, and are parked again at the next tick.
+                // for it: the stopped ones are asked to park anew, and read on to the gap's
+                // end (only what fills it) before they stop again.
                 for (session, conns) in &asked {
                     // A connection that left (its initiator logged out or it broke) never
                     // reports: the park fails now rather than at its deadline.
@@ -170,7 +167,7 @@ pub async fn park_sessions(
                         for c in stopped {
                             reports.remove(&c.id);
                             c.control.serve();
-                            reopened.push(c.control.clone());
+                            c.control.park(tx.clone());
                         }
                     }
                 }

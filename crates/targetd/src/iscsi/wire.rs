@@ -117,6 +117,22 @@ impl Reader {
         Ok(())
     }
 
+    /// The CmdSN the next PDU takes ([`Bhs::taken_cmd_sn`]), read from its header without
+    /// taking the PDU: a park reads only the requests that fill a gap in the session's order.
+    /// `None` when it takes none, or in the middle of a PDU. Waits for the header's bytes;
+    /// cancel-safe.
+    pub async fn peek_cmd_sn(&mut self) -> Result<Option<SerialNumber>, ReadError> {
+        loop {
+            let Some(unread) = self.deframer.unread() else {
+                return Ok(None);
+            };
+            if let Some(header) = unread.first_chunk::<{ iscsi_pdu::BHS_LEN }>() {
+                return Ok(Bhs(*header).taken_cmd_sn());
+            }
+            self.fill().await?;
+        }
+    }
+
     /// Reads the next PDU's header (and, except for payload-carrying PDUs, its data segment).
     pub async fn next(&mut self) -> Result<Incoming, ReadError> {
         loop {
