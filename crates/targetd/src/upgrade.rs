@@ -333,10 +333,23 @@ async fn hand_over(
     options: &UpgradeOptions,
 ) -> Result<(usize, Duration, Duration), UpgradeError> {
     let left = || deadline.saturating_duration_since(Instant::now());
-    let stream = tokio::select! {
-        accepted = link.listener.accept() => accepted?.0,
-        status = child.wait() => return Err(UpgradeError::Exited(exit_text(status))),
-        () = tokio::time::sleep(left()) => return Err(UpgradeError::Timeout("connecting")),
+    let me = rustix::process::geteuid().as_raw();
+    let stream = loop {
+        let stream = tokio::select! {
+            accepted = link.listener.accept() => accepted?.0,
+            status = child.wait() => return Err(UpgradeError::Exited(exit_text(status))),
+            () = tokio::time::sleep(left()) => return Err(UpgradeError::Timeout("connecting")),
+        };
+        // The listening sockets go only to a process of this user (the socket's directory
+        // should let no other in; the temporary directory would).
+        match stream.peer_cred() {
+            Ok(c) if c.uid() == me => break stream,
+            Ok(c) => tracing::warn!(
+                uid = c.uid(),
+                "upgrade: a process of another user connected: closed"
+            ),
+            Err(e) => tracing::warn!("upgrade: a connection without credentials: {e}"),
+        }
     };
     let stream = Arc::new(stream.into_std()?);
     stream.set_nonblocking(false)?;

@@ -1,0 +1,137 @@
+//! `targetctl upgrade` under Linux's own iSCSI initiator: a Linux guest under QEMU
+//! (scripts/rdma-guest.sh: Debian's kernel with iscsi_tcp, busybox, open-iscsi and fio copied
+//! in with their libraries) runs targetd on its loopback with a file LUN, logs in with
+//! open-iscsi's iscsid and iscsiadm (default settings), and runs fio's verified random writes
+//! on the disk while targetd upgrades to its own binary twice. Checked: fio's writes all read
+//! back (`--verify_fatal`), no I/O error, no connection error and no session recovery in the
+//! guest's kernel log, the same TSIH before and after, the successors' metrics count no login
+//! (the session came over, it did not log in again), and the old processes are gone. The
+//! longest write fio saw (its completion latency's max, of the writes made across the
+//! upgrades) is printed beside the pause each upgrade reported.
+//!
+//! Needs what scripts/rdma-guest.sh needs (qemu-system-x86_64, Debian's archive for the
+//! kernel, iproute2's `rdma`, the rxe provider), open-iscsi and fio; without them it says
+//! which is missing and skips, and fails under `CI`.
+
+mod common;
+
+use std::time::Instant;
+
+use common::{guest, TARGET};
+
+const GUEST_SCRIPT: &str = r#"
+cat > /tmp/targetd.toml <<CONFIG
+[server]
+portals = ["127.0.0.1:3260"]
+admin_socket = "/tmp/targetd.sock"
+metrics_listen = "127.0.0.1:9100"
+reactors = 1
+log = "info"
+
+[[targets]]
+name = "@TARGET@"
+
+[[targets.luns]]
+lun = 0
+backend = "file"
+path = "/tmp/disk.img"
+size = "64MiB"
+CONFIG
+start_targetd /tmp/targetd.toml
+first=$daemon
+mkdir -p /etc/iscsi/nodes /etc/iscsi/send_targets /etc/iscsi/ifaces /run/lock/iscsi /var/lock /var/lib/iscsi
+echo "InitiatorName=iqn.2026-12.io.example:linux-upgrade" > /etc/iscsi/initiatorname.iscsi
+# iscsid lets only root's iscsiadm in, by name.
+echo "root:x:0:0:root:/root:/bin/sh" > /etc/passwd
+echo "root:x:0:" > /etc/group
+# open-iscsi's defaults (NOP-Outs every 5 s, replacement_timeout 120 s), but no automatic login.
+printf 'node.startup = manual\n' > /etc/iscsi/iscsid.conf
+/bin/iscsid -f > /tmp/iscsid.log 2>&1 &
+sleep 1
+/bin/iscsiadm -m discovery -t st -p 127.0.0.1:3260 > /dev/null || fail "linux: discovery failed"
+/bin/iscsiadm -m node -T @TARGET@ -p 127.0.0.1:3260 --login > /dev/null || fail "linux: login failed"
+find_disk "linux"
+tsih() { /bin/targetctl --socket /tmp/targetd.sock --json sessions | grep -o '"tsih": *[0-9]*' | grep -o '[0-9]*$'; }
+before=$(tsih)
+echo "linux: session $before"
+seen=$(dmesg | wc -l)
+fio --name=upgrade --filename=$disk --rw=randwrite --bs=4k --iodepth=16 --ioengine=libaio \
+  --direct=1 --size=48m --verify=crc32c --do_verify=1 --verify_fatal=1 --thread \
+  --output=/tmp/fio.txt > /dev/null 2>&1 &
+fio=$!
+for round in 1 2; do
+  sleep 3
+  /bin/targetctl --socket /tmp/targetd.sock upgrade > /tmp/upgrade.txt 2>&1 || { cat /tmp/upgrade.txt; fail "upgrade $round failed"; }
+  echo "upgrade $round: $(cat /tmp/upgrade.txt)"
+done
+wait $fio
+status=$?
+grep -q "err= 0" /tmp/fio.txt && [ "$status" = 0 ] || { cat /tmp/fio.txt; fail "fio failed across the upgrades"; }
+echo "fio: verified 48 MiB of random 4 KiB writes across two upgrades"
+# Each direction's line (its IOPS) and its completion latencies (the writes; the reads are
+# fio's verification after them).
+grep -E "^ *(read|write): |^ *clat .*max=" /tmp/fio.txt | awk '{$1=$1; print "fio: " $0}'
+after=$(tsih)
+[ -n "$before" ] && [ "$before" = "$after" ] && echo "linux: the same session after the upgrades ($after)"
+new=$(dmesg | awk "NR > $seen")
+echo "$new" | grep -iE "conn error|connection[0-9:]* error|recovery|I/O error|blk_update_request|timed out|offline" \
+  && fail "the kernel saw trouble across the upgrades" \
+  || echo "linux: no connection error, recovery or I/O error in the kernel log"
+wget -qO /tmp/metrics http://127.0.0.1:9100/metrics
+grep 'targetd_logins_total{transport="tcp",status="success"}' /tmp/metrics
+grep -q 'targetd_logins_total{transport="tcp",status="success"} 0' /tmp/metrics \
+  && echo "targetd: no login in the process serving now"
+kill -0 $first 2>/dev/null && fail "the first targetd still runs" || echo "targetd: the first process exited"
+/bin/iscsiadm -m node -T @TARGET@ -p 127.0.0.1:3260 --logout > /dev/null && echo "linux: logged out"
+serving=$(/bin/targetctl --socket /tmp/targetd.sock --json status | grep -o '"pid": *[0-9]*' | grep -o '[0-9]*$')
+kill $serving
+sleep 1
+grep -E "upgrade|adopted|handed over|WARN|ERROR" /tmp/targetd.log | tail -n 20
+"#;
+
+#[test]
+fn open_iscsi_with_fio_goes_on_across_two_upgrades_in_a_linux_guest() {
+    let Some(mut exes) = guest::tools(
+        &["iscsid", "iscsiadm"],
+        "open-iscsi's iscsid and iscsiadm are missing (Debian package open-iscsi)",
+    ) else {
+        return;
+    };
+    let Some(fio) = guest::tools(&["fio"], "fio is missing (Debian package fio)") else {
+        return;
+    };
+    exes.extend(fio);
+    exes.insert(0, env!("CARGO_BIN_EXE_targetd").to_string());
+    exes.insert(1, env!("CARGO_BIN_EXE_targetctl").to_string());
+    let script = GUEST_SCRIPT.replace("@TARGET@", TARGET);
+    let started = Instant::now();
+    let Some(console) = guest::run_checked(
+        "upgrade-guest",
+        &script,
+        &exes,
+        &[],
+        &[
+            "linux: logged in",
+            "upgrade 1: upgraded:",
+            "upgrade 2: upgraded:",
+            "fio: verified 48 MiB of random 4 KiB writes across two upgrades",
+            "linux: the same session after the upgrades",
+            "linux: no connection error, recovery or I/O error in the kernel log",
+            "targetd: no login in the process serving now",
+            "targetd: the first process exited",
+            "linux: logged out",
+        ],
+    ) else {
+        return;
+    };
+    for line in console
+        .lines()
+        .filter(|l| l.starts_with("upgrade ") || l.starts_with("fio: "))
+    {
+        println!("{line}");
+    }
+    println!(
+        "open-iscsi with fio across two upgrades in {:.0} s",
+        started.elapsed().as_secs_f64()
+    );
+}
