@@ -505,10 +505,20 @@ impl Program {
 
     /// `targetctl status`, from whichever process serves the admin socket.
     fn status(&self) -> serde_json::Value {
+        self.targetctl("status")
+    }
+
+    /// `targetctl sessions`.
+    fn sessions(&self) -> serde_json::Value {
+        self.targetctl("sessions")
+    }
+
+    /// `targetctl --json COMMAND`'s answer.
+    fn targetctl(&self, command: &str) -> serde_json::Value {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
             .arg("--socket")
             .arg(&self.socket)
-            .args(["--json", "status"])
+            .args(["--json", command])
             .output()
             .unwrap();
         assert!(
@@ -635,6 +645,82 @@ async fn an_upgrade_to_a_new_binary_keeps_every_session_on_its_connection() {
     assert_eq!(keys(&digests).await, [0xb2]);
     terminate(pid);
     assert!(!running(pid));
+}
+
+/// libiscsi's client across an upgrade: `iscsi-perf` (random 4 KiB reads, 32 in flight,
+/// `-x 0`: no reconnect allowed) goes on under the same TSIH, its connection never lost, and
+/// keeps reading from the new process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn libiscsi_reads_on_across_an_upgrade() {
+    if !common::tool("iscsi-perf") {
+        return;
+    }
+    let mut first = Program::start();
+    let initiator = "iqn.2026-12.io.example:libiscsi-perf";
+    let out = first.dir.path().join("perf.txt");
+    let started = std::time::Instant::now();
+    let mut perf = std::process::Command::new("iscsi-perf")
+        .args(["-r", "-x", "0", "-i", initiator])
+        .arg(format!("iscsi://{}/{TARGET}/0", first.addr))
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let tsih = |p: &Program| -> Option<u64> {
+        let sessions = p.sessions();
+        sessions
+            .as_array()?
+            .iter()
+            .find(|s| s["initiator"] == initiator)?["tsih"]
+            .as_u64()
+    };
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while tsih(&first).is_none() && std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let before = tsih(&first).expect("iscsi-perf logged in");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let upgraded = first.upgrade(&[]).await.expect("upgraded");
+    let upgraded_at = started.elapsed();
+    assert_eq!(upgraded["sessions"], 1, "{upgraded}");
+    assert!(first.child.wait().unwrap().success());
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    let read = || std::fs::read_to_string(&out).unwrap().replace('\r', "\n");
+    assert!(
+        perf.try_wait().unwrap().is_none(),
+        "iscsi-perf ended: {}",
+        read()
+    );
+    assert_eq!(tsih(&first), Some(before), "not the same session");
+    // Its CTRL-C: it prints what it has and ends.
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &perf.id().to_string()])
+        .status();
+    let _ = perf.wait();
+    let text = read();
+    println!("{}", text.trim());
+    assert!(!text.to_lowercase().contains("reconnect"), "{text}");
+    // Each line counts the second before its time since iscsi-perf started: those from a
+    // whole second after the upgrade on are reads the new process served.
+    let after: Vec<u64> = text
+        .lines()
+        .filter_map(|l| {
+            let (time, rest) = l.split_once(" - ")?;
+            let secs = time
+                .split(':')
+                .try_fold(0u64, |t, part| Some(t * 60 + part.parse::<u64>().ok()?))?;
+            let iops = rest
+                .split("iops current ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?;
+            (secs > upgraded_at.as_secs() + 1).then(|| iops.parse().ok())?
+        })
+        .collect();
+    assert!(
+        after.iter().any(|&n| n > 0),
+        "no reads after the upgrade ({upgraded_at:?}): {text}"
+    );
 }
 
 /// Every way an upgrade can fail leaves the running targetd serving its session as before,
