@@ -737,57 +737,36 @@ async fn a_failed_upgrade_leaves_the_running_targetd_serving() {
     let _ = s.capacity().await;
     let (stop, done, workers) = load(&s);
     let pid = u64::from(first.child.id());
-    let fault = |f: &str| {
-        format!(
-            "{}={f} exec {} \"$@\"",
-            targetd::takeover::FAULT_VARIABLE,
-            env!("CARGO_BIN_EXE_targetd")
-        )
-    };
-    let cases = [
+    // A new binary that refuses the config, one that never connects, and one per failure
+    // the successor injects (TARGETD_UPGRADE_FAULT), each with what the refusal says.
+    let mut cases = vec![
         ("check", first.binary("check", ""), "--check refused"),
-        (
-            "exit",
-            first.binary("exit", &fault("exit-at-start")),
-            "exited",
-        ),
         (
             "hang",
             first.binary("hang", "exec sleep 60"),
             "took too long (connecting)",
         ),
-        (
-            "ready",
-            first.binary("ready", &fault("crash-after-ready")),
-            "broke",
-        ),
-        (
-            "handover",
-            first.binary("handover", &fault("crash-after-handover")),
-            "broke",
-        ),
-        (
-            "adopted",
-            first.binary("adopted", &fault("crash-after-adopted")),
-            "",
-        ),
-        (
-            "released",
-            first.binary("released", &fault("crash-after-released")),
-            "broke",
-        ),
-        (
-            "refuse",
-            first.binary("refuse", &fault("refuse")),
-            "refused on purpose",
-        ),
     ];
-    // The check's script refuses outright.
     std::fs::write(
         &cases[0].1,
         "#!/bin/sh\necho 'this binary refuses' >&2\nexit 1\n",
     )
     .unwrap();
+    for (fault, said) in [
+        ("exit-at-start", "exited"),
+        ("crash-after-ready", "broke"),
+        ("crash-after-handover", "broke"),
+        ("crash-after-adopted", "broke"),
+        ("crash-after-released", "broke"),
+        ("refuse", "refused on purpose"),
+    ] {
+        let start = format!(
+            "{}={fault} exec {} \"$@\"",
+            targetd::takeover::FAULT_VARIABLE,
+            env!("CARGO_BIN_EXE_targetd")
+        );
+        cases.push((fault, first.binary(fault, &start), said));
+    }
     for (name, binary, said) in &cases {
         let before = done.load(Relaxed);
         let failed = first
