@@ -288,9 +288,19 @@ async fn a_connection_owed_data_does_not_park_and_serves_on() {
         }
     };
     match park_sessions(&d.registry, Duration::from_millis(500)).await {
-        Err(ParkError::Timeout {
-            left: 1, asked: 1, ..
-        }) => {}
+        Err(
+            e @ ParkError::Timeout {
+                left: 1, asked: 1, ..
+            },
+        ) => {
+            // The log names the connection.
+            let said = e.to_string();
+            let tsih = raw.tsih;
+            assert!(
+                said.contains(&format!("session {tsih:#x} connection ")),
+                "{said}"
+            );
+        }
         other => panic!("expected the park to time out, got {other:?}"),
     }
     let data = pattern(4096, 7);

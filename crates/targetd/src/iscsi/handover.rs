@@ -40,7 +40,10 @@ const REOPEN_TICK: Duration = Duration::from_millis(20);
 #[derive(Debug, thiserror::Error)]
 pub enum ParkError {
     /// Connections still had tasks (or data owed by their initiators) at the deadline.
-    #[error("{left} of {asked} connections did not quiesce within {within:?}")]
+    #[error(
+        "{left} of {asked} connections did not quiesce within {within:?}: {}",
+        stuck.join(", ")
+    )]
     Timeout {
         /// Connections that did not report.
         left: usize,
@@ -48,6 +51,10 @@ pub enum ParkError {
         asked: usize,
         /// The deadline.
         within: Duration,
+        /// Each of those that did not, for the log: its session's TSIH, its CID, its
+        /// initiator's address, and how many commands its session held waiting for an
+        /// earlier CmdSN.
+        stuck: Vec<String>,
     },
     /// A session's connections changed (one joined or left) or its CmdSN order held a
     /// command while parking.
@@ -173,10 +180,27 @@ pub async fn park_sessions(
                 }
             }
             _ = tokio::time::sleep_until(deadline) => {
+                let stuck = asked
+                    .iter()
+                    .flat_map(|(session, conns)| {
+                        let queued = session.queued();
+                        conns
+                            .iter()
+                            .filter(|c| !reports.contains_key(&c.id))
+                            .map(move |c| {
+                                format!(
+                                    "session {:#x} connection {} from {} ({queued} commands \
+                                     waiting for an earlier CmdSN)",
+                                    session.tsih, c.cid, c.peer
+                                )
+                            })
+                    })
+                    .collect();
                 return Err(ParkError::Timeout {
                     left: expected - reports.len(),
                     asked: expected,
                     within,
+                    stuck,
                 });
             }
         }
