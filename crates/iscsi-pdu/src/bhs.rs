@@ -359,44 +359,42 @@ pub(crate) fn frame(input: &[u8], digests: Digests, max_data: u32) -> Result<Fra
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pdu::{DataOut, NopOut, Pdu};
-    use crate::{Lun, SerialNumber};
+    use crate::SerialNumber;
 
-    fn header(pdu: &Pdu) -> Bhs {
-        let mut b = bytes::BytesMut::new();
-        pdu.encode(Digests::default(), &mut b);
-        Bhs(*b[..BHS_LEN].first_chunk().unwrap())
+    /// A header of `opcode` (with the I bit when `immediate`) whose bytes 24..28 hold
+    /// 0x01020304.
+    fn header(opcode: Opcode, immediate: bool) -> Bhs {
+        let mut b = [0u8; BHS_LEN];
+        b[0] = opcode as u8 | if immediate { 0x40 } else { 0 };
+        b[24..28].copy_from_slice(&[1, 2, 3, 4]);
+        Bhs(b)
     }
 
-    /// Only a non-immediate request takes a CmdSN; a Data-Out or an immediate request none.
+    /// Only a non-immediate request takes a CmdSN; a Data-Out, a SNACK, an immediate request
+    /// or a target's PDU none.
     #[test]
     fn the_cmd_sn_a_header_takes() {
-        let nop = |immediate| {
-            Pdu::NopOut(NopOut {
-                immediate,
-                lun: Lun::ZERO,
-                initiator_task_tag: 9,
-                target_transfer_tag: 0xffff_ffff,
-                cmd_sn: SerialNumber(0x0102_0304),
-                exp_stat_sn: SerialNumber(5),
-                data: bytes::Bytes::new(),
-            })
-        };
-        assert_eq!(
-            header(&nop(false)).taken_cmd_sn(),
-            Some(SerialNumber(0x0102_0304))
-        );
-        assert_eq!(header(&nop(true)).taken_cmd_sn(), None);
-        let data_out = Pdu::DataOut(DataOut {
-            final_bit: true,
-            lun: Lun::ZERO,
-            initiator_task_tag: 9,
-            target_transfer_tag: 3,
-            exp_stat_sn: SerialNumber(5),
-            data_sn: 0,
-            buffer_offset: 0,
-            data: bytes::Bytes::from_static(&[0; 4]),
-        });
-        assert_eq!(header(&data_out).taken_cmd_sn(), None);
+        use Opcode::*;
+        for op in [
+            NopOut,
+            ScsiCommand,
+            TaskManagementRequest,
+            TextRequest,
+            LogoutRequest,
+        ] {
+            let sn = Some(SerialNumber(0x0102_0304));
+            assert_eq!(header(op, false).taken_cmd_sn(), sn, "{op:?}");
+            assert_eq!(header(op, true).taken_cmd_sn(), None, "{op:?} immediate");
+        }
+        for op in [
+            DataOut,
+            SnackRequest,
+            LoginRequest,
+            ScsiResponse,
+            NopIn,
+            DataIn,
+        ] {
+            assert_eq!(header(op, false).taken_cmd_sn(), None, "{op:?}");
+        }
     }
 }

@@ -12,13 +12,12 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use bytes::Bytes;
-use common::raw::Raw;
+use common::raw::{read, write, Raw};
 use common::{config, memory_target, opts, pattern, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command, Sense};
 use initiator_bench::Session;
 use iscsi_pdu::{
-    DataOut, Lun, Pdu, RejectReason, ScsiCommand, ScsiStatus, SerialNumber, TextRequest,
-    RESERVED_TAG,
+    DataOut, Lun, Pdu, RejectReason, ScsiStatus, SerialNumber, TextRequest, RESERVED_TAG,
 };
 use scsi_core::{Asc, SenseKey};
 
@@ -99,20 +98,6 @@ fn reactor_panics() -> usize {
         }));
     });
     PANICS.load(Relaxed)
-}
-
-/// A READ(10) of `blocks` 512-byte blocks at `lba`.
-fn read(itt: u32, cmd_sn: u32, lba: u32, blocks: u16) -> Pdu {
-    Pdu::ScsiCommand(ScsiCommand {
-        final_bit: true,
-        read: true,
-        lun: Lun::ZERO,
-        initiator_task_tag: itt,
-        expected_data_transfer_length: u32::from(blocks) * 512,
-        cmd_sn: SerialNumber(cmd_sn),
-        cdb: cdb::read(u64::from(lba), u32::from(blocks)),
-        ..ScsiCommand::default()
-    })
 }
 
 /// Logs in and sends 128 READs of 1 MiB (twice the reactor's 64 MiB arena), reading nothing.
@@ -234,21 +219,6 @@ async fn an_initiator_that_owes_data_out_is_dropped_after_the_data_out_timeout()
         raw.send(write(0x100 + i, sn, 0, 2048, Bytes::new())).await;
     }
     dropped_and_counted(&d, &by, &data, "targetd_data_out_timeouts_total").await;
-}
-
-/// A WRITE(10) of `blocks` 512-byte blocks at `lba`, `data` as immediate data.
-fn write(itt: u32, cmd_sn: u32, lba: u32, blocks: u16, data: Bytes) -> Pdu {
-    Pdu::ScsiCommand(ScsiCommand {
-        final_bit: true,
-        write: true,
-        lun: Lun::ZERO,
-        initiator_task_tag: itt,
-        expected_data_transfer_length: u32::from(blocks) * 512,
-        cmd_sn: SerialNumber(cmd_sn),
-        cdb: cdb::write(u64::from(lba), u32::from(blocks)),
-        data,
-        ..ScsiCommand::default()
-    })
 }
 
 fn data_out(itt: u32, ttt: u32, offset: u32, data: Bytes) -> Pdu {

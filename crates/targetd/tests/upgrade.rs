@@ -11,13 +11,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::raw::Raw;
+use common::raw::{read, write, Raw};
 use common::{config, keys, memory_target, opts, pattern, pr_out, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
 use initiator_bench::{LoginOptions, Session};
 use iscsi_pdu::handover::SessionState;
 use iscsi_pdu::negotiation::DigestAlgorithm;
-use iscsi_pdu::{DataOut, Lun, Pdu, ScsiCommand, ScsiStatus, SerialNumber};
+use iscsi_pdu::{DataOut, Lun, Pdu, ScsiStatus, SerialNumber};
 use std::os::unix::net::UnixStream;
 use targetd::handover::{
     borrowed, encode_units, receive_handover, send_frame, send_handover, ReceiveError,
@@ -277,10 +277,10 @@ async fn a_connection_owed_data_does_not_park_and_serves_on() {
     let d = Daemon::start(&config("", &memory_target(TARGET, "")));
     let mut raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 0x45], 0).await.unwrap();
     let sn = raw.take_cmd_sn();
-    raw.send(command(1, sn, cdb::read(0, 1), false, 512)).await;
+    raw.send(read(1, sn, 0, 1)).await;
     raw.finish(1).await.expect("the power on unit attention");
     let sn = raw.take_cmd_sn();
-    raw.send(command(2, sn, cdb::write(8, 8), true, 4096)).await;
+    raw.send(write(2, sn, 8, 8, Bytes::new())).await;
     let ttt = loop {
         match raw.next().await.expect("an R2T") {
             Pdu::ReadyToTransfer(r) if r.initiator_task_tag == 2 => break r.target_transfer_tag,
@@ -318,7 +318,7 @@ async fn a_connection_owed_data_does_not_park_and_serves_on() {
     let (status, _) = raw.finish(2).await.expect("the WRITE's status");
     assert_eq!(status, ScsiStatus::GOOD);
     let sn = raw.take_cmd_sn();
-    raw.send(command(3, sn, cdb::read(8, 8), false, 4096)).await;
+    raw.send(read(3, sn, 8, 8)).await;
     let (status, back) = raw.finish(3).await.expect("the READ's status");
     assert_eq!(status, ScsiStatus::GOOD);
     assert_eq!(&back[..], &data[..]);
@@ -341,10 +341,10 @@ async fn a_connection_that_leaves_fails_the_park_at_once() {
     let _ = s.capacity().await;
     let mut raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 0x46], 0).await.unwrap();
     let sn = raw.take_cmd_sn();
-    raw.send(command(1, sn, cdb::read(0, 1), false, 512)).await;
+    raw.send(read(1, sn, 0, 1)).await;
     raw.finish(1).await.expect("the power on unit attention");
     let sn = raw.take_cmd_sn();
-    raw.send(command(2, sn, cdb::write(8, 8), true, 4096)).await;
+    raw.send(write(2, sn, 8, 8, Bytes::new())).await;
     loop {
         if let Pdu::ReadyToTransfer(_) = raw.next().await.expect("an R2T") {
             break;
@@ -414,22 +414,6 @@ fn load_at(
         })
         .collect();
     (stop, done, workers)
-}
-
-/// A SCSI command without immediate data.
-fn command(itt: u32, cmd_sn: u32, cdb: [u8; 16], write: bool, len: u32) -> Pdu {
-    Pdu::ScsiCommand(ScsiCommand {
-        final_bit: true,
-        read: !write,
-        write,
-        lun: Lun::ZERO,
-        initiator_task_tag: itt,
-        expected_data_transfer_length: len,
-        cmd_sn: SerialNumber(cmd_sn),
-        cdb,
-        data: Bytes::new(),
-        ..ScsiCommand::default()
-    })
 }
 
 /// targetd run as a program (its binary), as an upgrade needs: its own process, its config

@@ -4,10 +4,11 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use initiator_bench::scsi::cdb;
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{
-    Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, ScsiStatus, SerialNumber,
-    Stage, RESERVED_TAG,
+    Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, ScsiCommand, ScsiStatus,
+    SerialNumber, Stage, RESERVED_TAG,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -185,4 +186,34 @@ impl Raw {
             }
         }
     }
+}
+
+/// A READ (10) of `blocks` 512-byte blocks at `lba` on LUN 0.
+pub fn read(itt: u32, cmd_sn: u32, lba: u32, blocks: u16) -> Pdu {
+    Pdu::ScsiCommand(ScsiCommand {
+        final_bit: true,
+        read: true,
+        lun: Lun::ZERO,
+        initiator_task_tag: itt,
+        expected_data_transfer_length: u32::from(blocks) * 512,
+        cmd_sn: SerialNumber(cmd_sn),
+        cdb: cdb::read(u64::from(lba), u32::from(blocks)),
+        ..ScsiCommand::default()
+    })
+}
+
+/// A WRITE (10) of `blocks` 512-byte blocks at `lba` on LUN 0, `data` its immediate data
+/// (empty: all of it owed, to be asked for by R2T).
+pub fn write(itt: u32, cmd_sn: u32, lba: u32, blocks: u16, data: Bytes) -> Pdu {
+    Pdu::ScsiCommand(ScsiCommand {
+        final_bit: true,
+        write: true,
+        lun: Lun::ZERO,
+        initiator_task_tag: itt,
+        expected_data_transfer_length: u32::from(blocks) * 512,
+        cmd_sn: SerialNumber(cmd_sn),
+        cdb: cdb::write(u64::from(lba), u32::from(blocks)),
+        data,
+        ..ScsiCommand::default()
+    })
 }
