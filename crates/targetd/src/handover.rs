@@ -347,6 +347,17 @@ pub struct ListeningSocket {
     pub socket: OwnedFd,
 }
 
+impl ListeningSocket {
+    /// Another of it: the same socket under a second descriptor.
+    pub fn try_clone(&self) -> io::Result<ListeningSocket> {
+        Ok(ListeningSocket {
+            kind: self.kind,
+            address: self.address.clone(),
+            socket: self.socket.try_clone()?,
+        })
+    }
+}
+
 /// The first bytes of the listeners' frame.
 const LISTENERS_MAGIC: [u8; 4] = *b"tdLS";
 

@@ -70,13 +70,7 @@ impl Succession {
     pub fn sockets(&self) -> std::io::Result<Vec<ListeningSocket>> {
         lock(&self.sockets)
             .iter()
-            .map(|l| {
-                Ok(ListeningSocket {
-                    kind: l.kind,
-                    address: l.address.clone(),
-                    socket: l.socket.try_clone()?,
-                })
-            })
+            .map(ListeningSocket::try_clone)
             .collect()
     }
 
