@@ -12,6 +12,9 @@
 //! - [`NullBackend`]: reads zeros, discards writes.
 //! - `rbd::RbdBackend` (feature `rbd`): a Ceph RBD image on librbd's asynchronous API.
 //!
+//! [`passed`] takes the descriptors a service manager passed at start (sd_listen_fds(3)): it
+//! needs unsafe code, which lives here and not in the daemon.
+//!
 //! [`AnyBackend`] is whichever of the three a logical unit's config names; [`Faulty`] wraps any
 //! backend to fail chosen operations as a failing disk would.
 
@@ -20,6 +23,7 @@ mod engine;
 pub mod fault;
 pub mod file;
 mod immediate;
+pub mod passed;
 mod pool;
 #[cfg(feature = "rbd")]
 pub mod rbd;

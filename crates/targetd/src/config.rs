@@ -255,6 +255,15 @@ pub struct Server {
     #[serde(default)]
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub save_on_change: bool,
+    /// On SIGTERM from a service manager with a file descriptor store (systemd's
+    /// `FileDescriptorStoreMax=`), park the iSCSI/TCP sessions and put their connections,
+    /// the listening sockets and the sessions' state in the store instead of asking the
+    /// initiators to log out, so that the next start (`systemctl restart`) serves them on
+    /// where they stopped. A stop that is not followed by a start then closes those
+    /// connections without a logout (the initiators reconnect once targetd is back).
+    #[serde(default)]
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub restart_keeps_sessions: bool,
     /// SRP ports (RDMA portals and the software fabric): the largest IU an initiator may
     /// send, bytes, from 80 to 9288 (the ports' receive buffers); 8276 by default, as Linux's
     /// ib_srpt: ib_srp's default login with 8 KiB of immediate data asks for 8260.

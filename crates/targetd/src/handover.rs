@@ -235,7 +235,7 @@ pub fn encode_units(units: &[UnitHandover]) -> Vec<u8> {
 /// Parses the units' frame: `None` when its magic, checksum, any length or any state does
 /// not hold, or bytes are left over. Every length is checked against the bytes there before
 /// anything is taken.
-fn decode_units(bytes: &[u8]) -> Option<Vec<UnitHandover>> {
+pub(crate) fn decode_units(bytes: &[u8]) -> Option<Vec<UnitHandover>> {
     let mut r = Checked::new(bytes, &UNITS_MAGIC)?;
     let count = r.u32()?;
     let mut units = Vec::new();
@@ -359,14 +359,21 @@ impl ListeningSocket {
 }
 
 /// The first bytes of the listeners' frame.
-const LISTENERS_MAGIC: [u8; 4] = *b"tdLS";
+pub(crate) const LISTENERS_MAGIC: [u8; 4] = *b"tdLS";
 
-/// Sends the listening sockets in one frame: magic, count, each one's kind and address
-/// (length-prefixed), a CRC32C; the sockets beside them in the same order.
+/// Sends the listening sockets in one frame ([`encode_listeners`]), the sockets beside them
+/// in the same order.
 pub fn send_listeners(
     socket: &UnixStream,
     listeners: &[ListeningSocket],
 ) -> Result<(), FrameError> {
+    let fds: Vec<BorrowedFd<'_>> = listeners.iter().map(|l| l.socket.as_fd()).collect();
+    send_frame(socket, &encode_listeners(listeners), &fds)
+}
+
+/// What the listeners' frame says of them: magic, count, each one's kind and address
+/// (length-prefixed), a CRC32C; their sockets travel beside it, in the same order.
+pub fn encode_listeners(listeners: &[ListeningSocket]) -> Vec<u8> {
     let mut b = LISTENERS_MAGIC.to_vec();
     b.extend_from_slice(&(listeners.len() as u32).to_le_bytes());
     for l in listeners {
@@ -376,8 +383,7 @@ pub fn send_listeners(
     }
     let crc = iscsi_pdu::digest::crc32c(&b);
     b.extend_from_slice(&crc.to_le_bytes());
-    let fds: Vec<BorrowedFd<'_>> = listeners.iter().map(|l| l.socket.as_fd()).collect();
-    send_frame(socket, &b, &fds)
+    b
 }
 
 /// Receives what [`send_listeners`] sent, refused when the frame does not hold (its magic,
@@ -387,7 +393,10 @@ pub fn receive_listeners(socket: &UnixStream) -> Result<Vec<ListeningSocket>, Re
     decode_listeners(&frame.payload, frame.fds).ok_or(ReceiveError::Listeners)
 }
 
-fn decode_listeners(bytes: &[u8], fds: Vec<OwnedFd>) -> Option<Vec<ListeningSocket>> {
+/// The listeners [`encode_listeners`] described, with their sockets `fds` in the same order:
+/// `None` when its magic, checksum, a length or a kind does not hold, or the count is not
+/// that of `fds`.
+pub fn decode_listeners(bytes: &[u8], fds: Vec<OwnedFd>) -> Option<Vec<ListeningSocket>> {
     let mut r = Checked::new(bytes, &LISTENERS_MAGIC)?;
     let count = r.u32()? as usize;
     if count != fds.len() {
@@ -475,13 +484,13 @@ pub fn receive_step(socket: &UnixStream) -> Result<Step, ReceiveError> {
 
 /// Reads a checked payload (magic first, CRC32C of everything before it last): every length
 /// is checked against the bytes there before anything is taken.
-struct Checked<'a> {
+pub(crate) struct Checked<'a> {
     rest: &'a [u8],
 }
 
 impl<'a> Checked<'a> {
     /// The body between `magic` and the checksum, when both hold.
-    fn new(bytes: &'a [u8], magic: &[u8; 4]) -> Option<Checked<'a>> {
+    pub(crate) fn new(bytes: &'a [u8], magic: &[u8; 4]) -> Option<Checked<'a>> {
         let (body, crc) = bytes.split_at_checked(bytes.len().checked_sub(4)?)?;
         if iscsi_pdu::digest::crc32c(body).to_le_bytes() != crc {
             return None;
@@ -491,26 +500,26 @@ impl<'a> Checked<'a> {
         })
     }
 
-    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+    pub(crate) fn take(&mut self, n: usize) -> Option<&'a [u8]> {
         let (a, rest) = self.rest.split_at_checked(n)?;
         self.rest = rest;
         Some(a)
     }
 
-    fn u16(&mut self) -> Option<u16> {
+    pub(crate) fn u16(&mut self) -> Option<u16> {
         Some(u16::from_le_bytes(self.take(2)?.try_into().ok()?))
     }
 
-    fn u32(&mut self) -> Option<u32> {
+    pub(crate) fn u32(&mut self) -> Option<u32> {
         Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
     }
 
-    fn text(&mut self, len: usize) -> Option<String> {
+    pub(crate) fn text(&mut self, len: usize) -> Option<String> {
         Some(std::str::from_utf8(self.take(len)?).ok()?.to_string())
     }
 
     /// Whether every byte was read.
-    fn end(&self) -> bool {
+    pub(crate) fn end(&self) -> bool {
         self.rest.is_empty()
     }
 }
@@ -521,7 +530,7 @@ pub fn borrowed<F: AsFd>(fds: &[F]) -> Vec<BorrowedFd<'_>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::net::{TcpListener, TcpStream};
 
@@ -561,7 +570,7 @@ mod tests {
     }
 
     /// A session of `conns` connections (CIDs 1, 2, ...) under `tsih`.
-    fn session(tsih: u16, conns: u16) -> iscsi_pdu::handover::SessionState {
+    pub(crate) fn session(tsih: u16, conns: u16) -> iscsi_pdu::handover::SessionState {
         let mut params = iscsi_pdu::negotiation::SessionParams::default();
         params.operational.max_connections = 4;
         params.declared.initiator_name = Some("iqn.2026-12.io.example:i".into());
@@ -723,7 +732,7 @@ mod tests {
         ));
     }
 
-    fn unit(target: &str, lun: u16) -> UnitHandover {
+    pub(crate) fn unit(target: &str, lun: u16) -> UnitHandover {
         UnitHandover {
             target: target.into(),
             lun,

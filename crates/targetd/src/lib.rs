@@ -28,6 +28,7 @@ pub mod config;
 pub mod config_file;
 pub mod control;
 pub mod fabric;
+pub mod fdstore;
 pub mod handover;
 pub mod iscsi;
 pub mod iser;

@@ -590,6 +590,20 @@ impl Server {
             () = stop => {}
             () = registry.succession.succeeded_wait() => {}
         }
+        if !registry.succession.succeeded() && registry.config().server.restart_keeps_sessions {
+            match crate::fdstore::store_sessions(&registry).await {
+                Ok(s) => tracing::info!(
+                    sessions = s.sessions,
+                    descriptors = s.descriptors,
+                    "stopping: the sessions wait in the service manager's store for the next \
+                     start (parked in {:?})",
+                    s.parked
+                ),
+                Err(e) => {
+                    tracing::warn!("stopping: the sessions are not kept for the next start: {e}")
+                }
+            }
+        }
         tracing::info!("stopping: asking initiators to log out");
         registry.stop();
         tasks.abort_all();

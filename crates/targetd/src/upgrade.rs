@@ -210,52 +210,89 @@ pub async fn upgrade(
 /// What an upgrade refuses to do: with `[cluster]` (the successor would join as this gateway
 /// while it is still a member), and unless forced, when it would lose data or changes.
 fn refusals(registry: &Registry, force: bool) -> Result<(), UpgradeError> {
-    if registry.target_env.cluster.is_some() {
-        return Err(UpgradeError::Refused(
+    match Loss::of(registry) {
+        None => Ok(()),
+        Some(Loss::Cluster) => Err(UpgradeError::Refused(
             "not with [cluster]: restart the gateways one at a time (the others serve the \
              paths meanwhile)"
                 .into(),
-        ));
+        )),
+        Some(_) if force => Ok(()),
+        Some(loss) => Err(UpgradeError::Refused(format!("{loss}; or --force"))),
     }
-    if force {
-        return Ok(());
+}
+
+/// What a process that takes this one's sessions over (an upgrade's successor, the next
+/// start after a restart through the service manager's store) would lose or get wrong.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Loss {
+    /// This gateway is a cluster member: the next process would join under its name while
+    /// it still is one.
+    Cluster,
+    /// Memory units keep their data in this process: the next one starts them empty, under
+    /// sessions that wrote to them.
+    Memory(Vec<String>),
+    /// What targetctl made live and nobody saved: the next process reads the file.
+    Unsaved(Vec<String>),
+    /// The config file does not load (the next process would not start).
+    Config(String),
+}
+
+impl Loss {
+    /// The first loss a takeover from `registry` would bring, if any.
+    pub fn of(registry: &Registry) -> Option<Loss> {
+        if registry.target_env.cluster.is_some() {
+            return Some(Loss::Cluster);
+        }
+        let running = registry.config();
+        let memory: Vec<String> = running
+            .targets
+            .iter()
+            .flat_map(|t| {
+                t.luns
+                    .iter()
+                    .filter(|l| l.backend == "memory")
+                    .map(move |l| format!("{} LUN {}", t.name, l.lun))
+            })
+            .chain(running.subsystems.iter().flat_map(|s| {
+                s.namespaces
+                    .iter()
+                    .filter(|n| n.unit.backend == "memory")
+                    .map(move |n| format!("{} namespace {}", s.nqn, n.nsid))
+            }))
+            .collect();
+        drop(running);
+        if !memory.is_empty() {
+            return Some(Loss::Memory(memory));
+        }
+        let file = match Config::load(&registry.config_path) {
+            Ok(f) => f,
+            Err(e) => return Some(Loss::Config(e.to_string())),
+        };
+        let lost = registry.unsaved_missing_from(&file);
+        (!lost.is_empty()).then_some(Loss::Unsaved(lost))
     }
-    let running = registry.config();
-    let memory: Vec<String> = running
-        .targets
-        .iter()
-        .flat_map(|t| {
-            t.luns
-                .iter()
-                .filter(|l| l.backend == "memory")
-                .map(move |l| format!("{} LUN {}", t.name, l.lun))
-        })
-        .chain(running.subsystems.iter().flat_map(|s| {
-            s.namespaces
-                .iter()
-                .filter(|n| n.unit.backend == "memory")
-                .map(move |n| format!("{} namespace {}", s.nqn, n.nsid))
-        }))
-        .collect();
-    drop(running);
-    if !memory.is_empty() {
-        return Err(UpgradeError::Refused(format!(
-            "memory units keep their data in this process, and the new one would start them \
-             empty: {}; --force to upgrade anyway",
-            memory.join(", ")
-        )));
+}
+
+impl std::fmt::Display for Loss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Loss::Cluster => write!(f, "this gateway is a member of [cluster]"),
+            Loss::Memory(units) => write!(
+                f,
+                "memory units keep their data in this process, and the next one would start \
+                 them empty: {}",
+                units.join(", ")
+            ),
+            Loss::Unsaved(what) => write!(
+                f,
+                "the next targetd reads the config file, which lacks what targetctl made live \
+                 since the last save: {}; save it first (targetctl config save)",
+                what.join(", ")
+            ),
+            Loss::Config(e) => write!(f, "the next targetd reads the config: {e}"),
+        }
     }
-    let file = Config::load(&registry.config_path)
-        .map_err(|e| UpgradeError::Refused(format!("the new targetd reads the config: {e}")))?;
-    let lost = registry.unsaved_missing_from(&file);
-    if !lost.is_empty() {
-        return Err(UpgradeError::Refused(format!(
-            "the new targetd reads the config file, which lacks what targetctl made live \
-             since the last save: {}; save it first (targetctl config save) or --force",
-            lost.join(", ")
-        )));
-    }
-    Ok(())
 }
 
 /// Runs `binary --check config`: the new binary must accept the config before it starts.

@@ -6,15 +6,16 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::program::{load, load_at, running, terminate, Program};
 use common::raw::{read, write, Raw};
 use common::{config, keys, memory_target, opts, pattern, pr_out, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
-use initiator_bench::{LoginOptions, Session};
+use initiator_bench::LoginOptions;
 use iscsi_pdu::handover::SessionState;
 use iscsi_pdu::negotiation::DigestAlgorithm;
 use iscsi_pdu::{DataOut, Lun, Pdu, ScsiStatus, SerialNumber};
@@ -369,211 +370,6 @@ async fn a_connection_that_leaves_fails_the_park_at_once() {
     s.write(64, data.clone(), 512).await.expect("serves on");
     assert_eq!(s.read(64, 8, 512).await.unwrap(), data);
     d.stop();
-}
-
-/// Eight workers on `s`, each writing 8 KiB into its own 128 blocks and reading it back at
-/// once, until `stop`; `done` counts their rounds.
-#[allow(clippy::type_complexity)]
-fn load(
-    s: &Arc<Session>,
-) -> (
-    Arc<AtomicBool>,
-    Arc<AtomicU64>,
-    Vec<tokio::task::JoinHandle<()>>,
-) {
-    load_at(s, 0)
-}
-
-/// As [`load`], the workers' blocks from `base` on.
-#[allow(clippy::type_complexity)]
-fn load_at(
-    s: &Arc<Session>,
-    base: u64,
-) -> (
-    Arc<AtomicBool>,
-    Arc<AtomicU64>,
-    Vec<tokio::task::JoinHandle<()>>,
-) {
-    let stop = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let workers = (0..8u64)
-        .map(|w| {
-            let (s, stop, done) = (s.clone(), stop.clone(), done.clone());
-            tokio::spawn(async move {
-                let mut k = 0u64;
-                while !stop.load(Relaxed) {
-                    let lba = base + w * 128 + (k % 8) * 16;
-                    let data = pattern(8192, (w * 1000 + k) as usize);
-                    s.write(lba, data.clone(), 512).await.expect("write");
-                    let back = s.read(lba, 16, 512).await.expect("read");
-                    assert!(back == data, "worker {w} round {k}: other data read back");
-                    done.fetch_add(1, Relaxed);
-                    k += 1;
-                }
-            })
-        })
-        .collect();
-    (stop, done, workers)
-}
-
-/// targetd run as a program (its binary), as an upgrade needs: its own process, its config
-/// and a file LUN in a directory of its own, its stdout read for the portal it listens on.
-/// Its log level is `TEST_TARGETD_LOG` (as `RUST_LOG`; `info` when unset).
-struct Program {
-    child: std::process::Child,
-    addr: std::net::SocketAddr,
-    socket: std::path::PathBuf,
-    dir: tempfile::TempDir,
-}
-
-impl Program {
-    fn start() -> Program {
-        use std::io::BufRead;
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("admin.sock");
-        let text = format!(
-            "[server]\nportals = [\"127.0.0.1:0\"]\nadmin_socket = \"{}\"\nreactors = 2\n\
-             nop_interval = 0\n\n[[targets]]\nname = \"{TARGET}\"\n\n[[targets.luns]]\nlun = 0\n\
-             backend = \"file\"\npath = \"disk.img\"\nsize = \"64MiB\"\n",
-            socket.display()
-        );
-        let config = dir.path().join("config.toml");
-        std::fs::write(&config, text).unwrap();
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_targetd"))
-            .arg(&config)
-            .current_dir(dir.path())
-            .env(
-                "RUST_LOG",
-                std::env::var("TEST_TARGETD_LOG").unwrap_or("info".into()),
-            )
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-        let addr = loop {
-            let line = lines
-                .next()
-                .expect("targetd said where it listens")
-                .unwrap();
-            if let Some(a) = line.strip_prefix("targetd: listening on ") {
-                break a.parse().unwrap();
-            }
-        };
-        // The rest (its successors' too: they inherit the pipe) is read and dropped.
-        std::thread::spawn(move || lines.for_each(drop));
-        Program {
-            child,
-            addr,
-            socket,
-            dir,
-        }
-    }
-
-    async fn session(&self, o: LoginOptions) -> Session {
-        let url = format!("iscsi://{}/{TARGET}/0", self.addr);
-        Session::connect(&initiator_bench::IscsiUrl::parse(&url).unwrap(), o)
-            .await
-            .expect("login")
-    }
-
-    /// `targetctl upgrade ARGS`: its JSON answer, or what it said on failure.
-    async fn upgrade(&self, args: &[&str]) -> Result<serde_json::Value, String> {
-        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"));
-        c.arg("--socket")
-            .arg(&self.socket)
-            .args(["--json", "upgrade"]);
-        c.args(args);
-        let out = tokio::task::spawn_blocking(move || c.output().unwrap())
-            .await
-            .unwrap();
-        match out.status.success() {
-            true => Ok(serde_json::from_slice(&out.stdout).expect("JSON")),
-            // With --json the error is a JSON object on stdout.
-            false => Err(format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )),
-        }
-    }
-
-    /// `targetctl status`, from whichever process serves the admin socket.
-    fn status(&self) -> serde_json::Value {
-        self.targetctl("status")
-    }
-
-    /// `targetctl sessions`.
-    fn sessions(&self) -> serde_json::Value {
-        self.targetctl("sessions")
-    }
-
-    /// `targetctl --json COMMAND`'s answer.
-    fn targetctl(&self, command: &str) -> serde_json::Value {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
-            .arg("--socket")
-            .arg(&self.socket)
-            .args(["--json", command])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
-    }
-
-    /// A script standing in for a new binary: `--check` runs the real one; the start runs
-    /// `start` (a shell command line; `$@` are targetd's arguments).
-    fn binary(&self, name: &str, start: &str) -> String {
-        use std::os::unix::fs::PermissionsExt;
-        let path = self.dir.path().join(name);
-        let real = env!("CARGO_BIN_EXE_targetd");
-        let script =
-            format!("#!/bin/sh\nif [ \"$1\" = --check ]; then exec {real} \"$@\"; fi\n{start}\n");
-        std::fs::write(&path, script).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-        path.display().to_string()
-    }
-}
-
-impl Drop for Program {
-    /// A test that failed leaves no targetd behind: the one serving the admin socket now (a
-    /// successor, maybe) and the first.
-    fn drop(&mut self) {
-        let serving = std::process::Command::new(env!("CARGO_BIN_EXE_targetctl"))
-            .arg("--socket")
-            .arg(&self.socket)
-            .args(["--json", "status"])
-            .output()
-            .ok()
-            .and_then(|o| serde_json::from_slice::<serde_json::Value>(&o.stdout).ok())
-            .and_then(|s| s["pid"].as_u64());
-        if let Some(pid) = serving {
-            terminate(pid);
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Whether process `pid` runs (not ended, not a zombie waiting to be reaped).
-fn running(pid: u64) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
-        s.rsplit_once(") ")
-            .is_some_and(|(_, rest)| !rest.starts_with('Z'))
-    })
-}
-
-/// Stops the targetd process `pid` (SIGTERM: a drain) and waits for it to end.
-fn terminate(pid: u64) {
-    let _ = std::process::Command::new("kill")
-        .args(["-TERM", &pid.to_string()])
-        .status();
-    let until = std::time::Instant::now() + Duration::from_secs(30);
-    while running(pid) && std::time::Instant::now() < until {
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// `targetctl upgrade` to the binary itself, twice (the successor upgrades in turn): a session

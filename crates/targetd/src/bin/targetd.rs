@@ -56,6 +56,9 @@ enum LogFormat {
 }
 
 fn main() -> ExitCode {
+    // First, as it changes the environment: what a service manager passed (its file
+    // descriptor store after a `systemctl restart`, targetd::fdstore).
+    let passed = backend::passed::take_passed_fds();
     let mut args = Args::parse();
     if args.man {
         let cmd = <Args as clap::CommandFactory>::command();
@@ -148,14 +151,28 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             },
-            None => match Server::start(config, args.config.clone()) {
-                Ok(s) => s,
-                Err(e) => {
-                    let key = named.describe_key(&e.key);
-                    eprintln!("targetd: {}: {key}: {}", args.config.display(), e.reason);
-                    return ExitCode::FAILURE;
+            None => {
+                let passed = passed.unwrap_or_else(|e| {
+                    tracing::error!("the descriptors the service manager passed: {e}");
+                    Vec::new()
+                });
+                let mut restored = targetd::fdstore::Restored::take(passed);
+                let listeners = std::mem::take(&mut restored.listeners);
+                // A start that fails leaves the store as it was, for the next attempt.
+                let server = match Server::start_inheriting(config, args.config.clone(), listeners) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let key = named.describe_key(&e.key);
+                        eprintln!("targetd: {}: {key}: {}", args.config.display(), e.reason);
+                        return ExitCode::FAILURE;
+                    }
+                };
+                if !restored.is_empty() {
+                    let sessions = restored.serve(|h| server.adopt_sessions(h));
+                    tracing::info!(sessions, "restart: serving the sessions the service manager kept");
                 }
-            },
+                server
+            }
         };
         let registry = server.registry();
         // What `targetctl upgrade` starts unless told another binary: this one, as it was

@@ -16,6 +16,7 @@ pub mod ceph;
 pub mod guest;
 pub mod iser;
 pub mod nvme_rdma;
+pub mod program;
 pub mod raw;
 pub mod srp_client;
 
