@@ -709,37 +709,6 @@ fn kill(pid: u32) {
         .status();
 }
 
-/// A port on the host's 127.0.0.1 where each HTTP request (a guest's `wget`, through
-/// 10.0.2.2) carries out the next of `actions`, then answers; each action's end is sent on the
-/// receiver.
-fn on_requests(
-    actions: Vec<Box<dyn FnOnce() + Send>>,
-) -> (u16, std::sync::mpsc::Receiver<std::time::Instant>) {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (done_tx, done_rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for action in actions {
-            let Ok((mut c, _)) = listener.accept() else {
-                return;
-            };
-            use std::io::{BufRead, Write};
-            // The request read to its end first: a socket closed with bytes unread sends a
-            // reset, which wget reports as a failure after the answer.
-            let mut request = std::io::BufReader::new(c.try_clone().expect("the socket"));
-            let mut line = String::new();
-            while request.read_line(&mut line).is_ok_and(|n| n > 0) && line.trim() != "" {
-                line.clear();
-            }
-            action();
-            let _ = done_tx.send(std::time::Instant::now());
-            let _ = c.write_all(b"HTTP/1.0 200 OK\r\n\r\ndone\n");
-            let _ = c.shutdown(std::net::Shutdown::Write);
-        }
-    });
-    (port, done_rx)
-}
-
 /// Prints what [`until_gone`] measured.
 fn print_gone(what: &str, watcher: std::thread::JoinHandle<Option<std::time::Duration>>) {
     match watcher.join().unwrap() {
@@ -1319,7 +1288,7 @@ async fn linux_multipath_fails_over_to_a_standby_gateway() {
     // The guest asks the host to kill A by connecting here (10.0.2.2 is the host's
     // 127.0.0.1 to it).
     let pid = a.child.id();
-    let (kill_port, killed_rx) = on_requests(vec![Box::new(move || kill(pid))]);
+    let (kill_port, killed_rx) = common::guest::on_requests(vec![Box::new(move || kill(pid))]);
     // The target's share of the failover: from the kill until B has fenced A (blocklisted,
     // its image lock broken) and counts it gone, as B's cluster view says.
     let watcher = until_gone(b._dir.path().join("admin.sock"), killed_rx);
@@ -2218,7 +2187,7 @@ async fn linux_nvme_multipath_fails_over_between_gateways() {
             }
         }
     };
-    let (control, killed) = on_requests(vec![
+    let (control, killed) = common::guest::on_requests(vec![
         Box::new(kill_a(a_now.clone())),
         Box::new(restart),
         Box::new(kill_a(a_now.clone())),

@@ -117,3 +117,34 @@ pub fn tools(tools: &[&str], why: &str) -> Option<Vec<String>> {
     }
     found
 }
+
+/// A port on the host's 127.0.0.1 where each HTTP request (a guest's `wget`, through
+/// 10.0.2.2) carries out the next of `actions`, then answers; each action's end is sent on the
+/// receiver.
+pub fn on_requests(
+    actions: Vec<Box<dyn FnOnce() + Send>>,
+) -> (u16, std::sync::mpsc::Receiver<std::time::Instant>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for action in actions {
+            let Ok((mut c, _)) = listener.accept() else {
+                return;
+            };
+            use std::io::{BufRead, Write};
+            // The request read to its end first: a socket closed with bytes unread sends a
+            // reset, which wget reports as a failure after the answer.
+            let mut request = std::io::BufReader::new(c.try_clone().expect("the socket"));
+            let mut line = String::new();
+            while request.read_line(&mut line).is_ok_and(|n| n > 0) && line.trim() != "" {
+                line.clear();
+            }
+            action();
+            let _ = done_tx.send(std::time::Instant::now());
+            let _ = c.write_all(b"HTTP/1.0 200 OK\r\n\r\ndone\n");
+            let _ = c.shutdown(std::net::Shutdown::Write);
+        }
+    });
+    (port, done_rx)
+}
