@@ -597,6 +597,17 @@ fn the_unit_file_runs_what_targetd_offers() {
     );
     let path = packaged.targets[0].luns[0].path.as_deref().unwrap();
     assert!(path.starts_with("/var/lib/targetd/"), "{}", path.display());
+    // `systemctl restart` keeps sessions: the store holds every connection the config lets
+    // in, the listeners and the state.
+    assert!(packaged.server.restart_keeps_sessions);
+    let store: usize = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("FileDescriptorStoreMax="))
+        .expect("the unit gives targetd a file descriptor store")
+        .parse()
+        .unwrap();
+    let needed = packaged.server.max_connections + packaged.server.portals.len() + 2;
+    assert!(store >= needed, "FileDescriptorStoreMax={store}, {needed} needed");
     // The repository's config passes the unit's check.
     let out = Command::new(env!("CARGO_BIN_EXE_targetd"))
         .arg("--check")
