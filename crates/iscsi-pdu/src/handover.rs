@@ -17,7 +17,8 @@ use crate::negotiation::{
     AuthMethod, ConnectionParams, Declarations, OperationalParams, SessionParams, SessionType,
     TaskReporting,
 };
-use crate::{crc32c, Isid, SerialNumber};
+use crate::{Isid, SerialNumber};
+use scsi_core::sealed::{Reader, Seal, SealError};
 use scsi_core::Asc;
 
 /// The first bytes of an encoded handover.
@@ -27,7 +28,7 @@ pub const MAGIC: [u8; 4] = *b"iSHO";
 pub const VERSION: u16 = 1;
 
 /// Bytes of the header: magic, version, two reserved bytes, the body's length.
-pub const HEADER_LEN: usize = 12;
+pub const HEADER_LEN: usize = scsi_core::sealed::HEADER_LEN;
 
 /// The longest body a reader accepts, checked before it allocates for one.
 pub const MAX_BODY: u32 = 64 << 20;
@@ -41,37 +42,16 @@ const MAX_TEXT: usize = 4096;
 /// The largest MaxRecvDataSegmentLength, MaxBurstLength and FirstBurstLength.
 const MAX_SEGMENT: u32 = (1 << 24) - 1;
 
-/// Why an encoded handover was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum HandoverError {
-    /// It does not start with [`MAGIC`].
-    #[error("not a session handover")]
-    NotHandover,
-    /// Another version of the encoding than this build reads.
-    #[error("handover encoding version {found}; this build reads version {supported}")]
-    Version {
-        /// The version found.
-        found: u16,
-        /// The one this build reads.
-        supported: u16,
-    },
-    /// The body is longer than [`MAX_BODY`].
-    #[error("handover body of {0} bytes exceeds the limit")]
-    TooLong(u32),
-    /// The bytes end before the state does.
-    #[error("handover truncated")]
-    Truncated,
-    /// The body's CRC32C does not match.
-    #[error("handover checksum mismatch")]
-    Checksum,
-    /// A field holds a value outside its range (the field's name).
-    #[error("handover field {0} out of range")]
-    Invalid(&'static str),
-    /// Bytes follow the state.
-    #[error("{0} bytes after the handover")]
-    Trailing(usize),
-}
+/// Why an encoded handover was refused: the envelope's or a field's reason
+/// ([`scsi_core::sealed`]).
+pub type HandoverError = SealError;
+
+/// The envelope of an iSCSI session's state.
+const SEAL: Seal = Seal {
+    magic: MAGIC,
+    version: VERSION,
+    max_body: MAX_BODY,
+};
 
 /// A quiescent session as handed over: the one this process keeps for the initiator port
 /// (ISID, names) and target.
@@ -116,32 +96,14 @@ impl SessionState {
     pub fn encode(&self) -> Vec<u8> {
         let mut body = Vec::with_capacity(256);
         self.put(&mut body);
-        sealed(&body)
+        SEAL.seal(&body)
     }
 
     /// Decodes and checks an encoded state, which must be all of `bytes`.
     pub fn decode(bytes: &[u8]) -> Result<SessionState, HandoverError> {
-        let header: &[u8; HEADER_LEN] = bytes
-            .get(..HEADER_LEN)
-            .and_then(|h| h.try_into().ok())
-            .ok_or(HandoverError::Truncated)?;
-        let len = body_len(header)?;
-        let rest = &bytes[HEADER_LEN..];
-        if rest.len() < len + 4 {
-            return Err(HandoverError::Truncated);
-        }
-        if rest.len() > len + 4 {
-            return Err(HandoverError::Trailing(rest.len() - len - 4));
-        }
-        let (body, crc) = rest.split_at(len);
-        if crc32c(body).to_le_bytes() != crc {
-            return Err(HandoverError::Checksum);
-        }
-        let mut r = Reader(body);
+        let mut r = Reader::new(SEAL.open(bytes)?);
         let state = SessionState::get(&mut r)?;
-        if !r.0.is_empty() {
-            return Err(HandoverError::Trailing(r.0.len()));
-        }
+        r.end()?;
         state.check()?;
         Ok(state)
     }
@@ -179,7 +141,7 @@ impl SessionState {
         let exp_cmd_sn = SerialNumber(r.u32()?);
         let cmd_window = r.u32()?;
         let attentions = r.u32()? as usize;
-        if attentions.saturating_mul(4) > r.0.len() {
+        if attentions.saturating_mul(4) > r.rest().len() {
             return Err(HandoverError::Truncated);
         }
         let mut unit_attentions = Vec::with_capacity(attentions);
@@ -191,7 +153,7 @@ impl SessionState {
         let count = r.u16()?;
         // Each connection takes at least 25 bytes: the count is checked against what is left
         // before anything is reserved for it.
-        if usize::from(count) * 25 > r.0.len() {
+        if usize::from(count) * 25 > r.rest().len() {
             return Err(HandoverError::Truncated);
         }
         let mut connections = Vec::with_capacity(count.into());
@@ -303,39 +265,10 @@ impl SessionState {
     }
 }
 
-/// `body` behind its header and before its CRC32C: an encoded handover.
-fn sealed(body: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEADER_LEN + body.len() + 4);
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&VERSION.to_le_bytes());
-    out.extend_from_slice(&[0, 0]);
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(body);
-    out.extend_from_slice(&crc32c(body).to_le_bytes());
-    out
-}
-
 /// The body's length from a handover's header, after checking its magic, version and bound:
 /// what a shell reads next off the socket the state comes over.
 pub fn body_len(header: &[u8; HEADER_LEN]) -> Result<usize, HandoverError> {
-    if header[..4] != MAGIC {
-        return Err(HandoverError::NotHandover);
-    }
-    let version = u16::from_le_bytes([header[4], header[5]]);
-    if version != VERSION {
-        return Err(HandoverError::Version {
-            found: version,
-            supported: VERSION,
-        });
-    }
-    if header[6..8] != [0, 0] {
-        return Err(HandoverError::Invalid("reserved"));
-    }
-    let len = u32::from_le_bytes([header[8], header[9], header[10], header[11]]);
-    if len > MAX_BODY {
-        return Err(HandoverError::TooLong(len));
-    }
-    Ok(len as usize)
+    SEAL.body_len(header)
 }
 
 fn put_bool(w: &mut Vec<u8>, b: bool) {
@@ -409,10 +342,10 @@ fn get_params(r: &mut Reader<'_>) -> Result<SessionParams, HandoverError> {
     };
     let declared = Declarations {
         session_type,
-        initiator_name: r.text("initiator_name")?,
-        initiator_alias: r.text("initiator_alias")?,
-        target_name: r.text("target_name")?,
-        target_alias: r.text("target_alias")?,
+        initiator_name: get_text(r, "initiator_name")?,
+        initiator_alias: get_text(r, "initiator_alias")?,
+        target_name: get_text(r, "target_name")?,
+        target_alias: get_text(r, "target_alias")?,
         target_portal_group_tag: match r.u8()? {
             0 => None,
             1 => Some(r.u16()?),
@@ -454,58 +387,20 @@ fn get_params(r: &mut Reader<'_>) -> Result<SessionParams, HandoverError> {
     })
 }
 
-/// Checked reads off the body.
-struct Reader<'a>(&'a [u8]);
-
-impl<'a> Reader<'a> {
-    fn bytes(&mut self, n: usize) -> Result<&'a [u8], HandoverError> {
-        if self.0.len() < n {
-            return Err(HandoverError::Truncated);
-        }
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        Ok(head)
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], HandoverError> {
-        let b = self.bytes(N)?;
-        Ok(b.try_into().expect("N bytes"))
-    }
-
-    fn u8(&mut self) -> Result<u8, HandoverError> {
-        Ok(self.array::<1>()?[0])
-    }
-
-    fn u16(&mut self) -> Result<u16, HandoverError> {
-        Ok(u16::from_le_bytes(self.array()?))
-    }
-
-    fn u32(&mut self) -> Result<u32, HandoverError> {
-        Ok(u32::from_le_bytes(self.array()?))
-    }
-
-    fn bool(&mut self, field: &'static str) -> Result<bool, HandoverError> {
-        match self.u8()? {
-            0 => Ok(false),
-            1 => Ok(true),
-            _ => Err(HandoverError::Invalid(field)),
-        }
-    }
-
-    fn text(&mut self, field: &'static str) -> Result<Option<String>, HandoverError> {
-        match self.u8()? {
-            0 => Ok(None),
-            1 => {
-                let n = usize::from(self.u16()?);
-                if n > MAX_TEXT {
-                    return Err(HandoverError::Invalid(field));
-                }
-                let s = std::str::from_utf8(self.bytes(n)?)
-                    .map_err(|_| HandoverError::Invalid(field))?;
-                Ok(Some(s.to_string()))
+/// A name or alias: absent (0), or present (1) behind its u16 length, at most `MAX_TEXT`
+/// bytes of UTF-8; anything else is `field` out of range.
+fn get_text(r: &mut Reader<'_>, field: &'static str) -> Result<Option<String>, HandoverError> {
+    match r.u8()? {
+        0 => Ok(None),
+        1 => {
+            let n = usize::from(r.u16()?);
+            if n > MAX_TEXT {
+                return Err(HandoverError::Invalid(field));
             }
-            _ => Err(HandoverError::Invalid(field)),
+            let s = std::str::from_utf8(r.bytes(n)?).map_err(|_| HandoverError::Invalid(field))?;
+            Ok(Some(s.to_string()))
         }
+        _ => Err(HandoverError::Invalid(field)),
     }
 }
 
@@ -704,7 +599,7 @@ mod tests {
         let mut body = Vec::new();
         s.put(&mut body);
         change(&mut body);
-        sealed(&body)
+        SEAL.seal(&body)
     }
 
     #[test]

@@ -23,6 +23,7 @@ pub mod nexus;
 pub mod pr;
 mod router;
 pub mod sbc;
+pub mod sealed;
 pub mod sense;
 pub mod spc;
 pub mod task;

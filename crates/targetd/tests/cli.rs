@@ -607,7 +607,10 @@ fn the_unit_file_runs_what_targetd_offers() {
         .parse()
         .unwrap();
     let needed = packaged.server.max_connections + packaged.server.portals.len() + 2;
-    assert!(store >= needed, "FileDescriptorStoreMax={store}, {needed} needed");
+    assert!(
+        store >= needed,
+        "FileDescriptorStoreMax={store}, {needed} needed"
+    );
     // The repository's config passes the unit's check.
     let out = Command::new(env!("CARGO_BIN_EXE_targetd"))
         .arg("--check")
