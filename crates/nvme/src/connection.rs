@@ -185,6 +185,42 @@ impl<B: DerefMut<Target = [u8]>, Q: Transport<B>> ControllerConnection<B, Q> {
         }
     }
 
+    /// A connection on transport queue `queue` already bound to `bound` (a handed-over
+    /// queue, [`crate::handover`]), the next completion reporting SQ head `sqhd`.
+    pub fn bound_on(queue: Q, bound: Queue, sqhd: u16) -> ControllerConnection<B, Q> {
+        let mut c = ControllerConnection::on(queue);
+        c.bound = Some(bound);
+        c.sqhd = sqhd;
+        c
+    }
+
+    /// The queue it is bound to and its SQ head, once nothing is under way on it (no
+    /// command in flight, no block operation, no event for the shell, no half pair, no
+    /// Preempt and Abort waiting for it): what a handover carries of it.
+    pub fn quiescent(&self) -> Result<(Queue, u16), crate::handover::Busy> {
+        use crate::handover::Busy;
+        let bound = self.bound.ok_or(Busy::NotConnected)?;
+        if self.dropped {
+            return Err(Busy::Dropped);
+        }
+        if !self.commands.is_empty() {
+            return Err(Busy::InFlight(self.commands.len()));
+        }
+        if self.in_backend > 0 {
+            return Err(Busy::InBackend(self.in_backend));
+        }
+        if !self.events.is_empty() {
+            return Err(Busy::Events(self.events.len()));
+        }
+        if self.fused_first.is_some() {
+            return Err(Busy::Fused);
+        }
+        if !self.draining.is_empty() {
+            return Err(Busy::Draining);
+        }
+        Ok((bound, self.sqhd))
+    }
+
     /// Tasks of this connection carry `space` beside their CID: connections whose backend
     /// operations end in one shared inbox (an RDMA port's) each take a space no other live
     /// one has, so no two of them hand out the same task.

@@ -1661,6 +1661,188 @@ impl Subsystem {
     }
 }
 
+/// Why a handed-over controller or namespace state was not taken in.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdoptError {
+    /// The state is for another subsystem.
+    #[error("the state is for subsystem {0}")]
+    Subsystem(String),
+    /// A controller of that CNTLID is live here.
+    #[error("controller {0} is live here")]
+    Taken(u16),
+    /// This subsystem does not admit the host, or is a discovery subsystem.
+    #[error("host {0} is not admitted here")]
+    Host(String),
+    /// A queue this subsystem would not have granted (too many, too large).
+    #[error("queue {qid}: {reason}")]
+    Queue {
+        /// The queue.
+        qid: u16,
+        /// Why.
+        reason: &'static str,
+    },
+    /// More of something than a controller here holds.
+    #[error("more {0} than a controller here holds")]
+    Limit(&'static str),
+    /// No namespace of that NSID and NGUID here.
+    #[error("no namespace {0} with that NGUID here")]
+    Namespace(u32),
+    /// The reservations' encoding does not decode.
+    #[error("namespace {0}: the reservations do not decode")]
+    Reservations(u32),
+}
+
+impl Subsystem {
+    /// Controller `cntlid`'s state for a handover, its queues left for their connections to
+    /// fill in ([`crate::tcp::ControllerConnection::handover`]); `None` when there is no such
+    /// controller, it failed, or it has completions waiting to go (not quiescent).
+    pub fn controller_state(&self, cntlid: u16) -> Option<crate::handover::ControllerState> {
+        let c = self.controllers.get(&cntlid)?;
+        if c.failed || !c.completions.is_empty() {
+            return None;
+        }
+        Some(crate::handover::ControllerState {
+            subnqn: self.config.nqn.clone(),
+            cntlid,
+            hostnqn: c.hostnqn.clone(),
+            hostid: c.hostid,
+            cap: c.properties.cap,
+            vs: c.properties.vs,
+            cc: c.properties.cc,
+            csts: c.properties.csts,
+            aec: c.features.aec,
+            vwc: c.features.vwc,
+            io_queues_granted: c.features.io_queues,
+            kato_ms: c
+                .kato
+                .map_or(0, |k| k.as_millis().min(u128::from(u32::MAX)) as u32),
+            aers: c.aers.clone(),
+            notices: c.notices.clone(),
+            changed: c.changed.iter().copied().collect(),
+            namespace_notice_masked: c.namespace_notice_masked,
+            discovery_notice_masked: c.discovery_notice_masked,
+            reservation_notice_masked: c.reservation_notice_masked,
+            ana_notice_masked: c.ana_notice_masked,
+            reached: c.reached,
+            reservation_log: c.reservation_log.iter().copied().collect(),
+            reservation_count: c.reservation_count,
+            reservation_masks: c.reservation_masks.iter().map(|(k, v)| (*k, *v)).collect(),
+            queues: Vec::new(),
+        })
+    }
+
+    /// Takes in a controller another process handed over, under its CNTLID, with the I/O
+    /// queues its state names connected; its keep alive starts anew at `now`. The queues to
+    /// bind its connections to, in the order of `state.queues`. Refused, changing nothing,
+    /// when the state is another subsystem's, its CNTLID is live here, its host is not
+    /// admitted, or a queue is one this subsystem would not have granted.
+    pub fn adopt_controller(
+        &mut self,
+        now: Instant,
+        state: &crate::handover::ControllerState,
+    ) -> Result<Vec<Queue>, AdoptError> {
+        if state.subnqn != self.config.nqn {
+            return Err(AdoptError::Subsystem(state.subnqn.clone()));
+        }
+        if self.controllers.contains_key(&state.cntlid) {
+            return Err(AdoptError::Taken(state.cntlid));
+        }
+        if !self.config.hosts.is_empty() && !self.config.hosts.contains(&state.hostnqn) {
+            return Err(AdoptError::Host(state.hostnqn.clone()));
+        }
+        if state.aers.len() > MAX_AERS {
+            return Err(AdoptError::Limit("Asynchronous Event Requests"));
+        }
+        if state.reservation_log.len() > MAX_RESERVATION_NOTICES {
+            return Err(AdoptError::Limit("reservation notifications"));
+        }
+        let max = u32::from(self.config.max_queue_entries.max(32));
+        let granted = state.io_queues_granted.unwrap_or(self.config.max_io_queues);
+        let mut queues = Vec::with_capacity(state.queues.len());
+        for q in &state.queues {
+            let refuse = |reason| AdoptError::Queue { qid: q.qid, reason };
+            if q.size > max {
+                return Err(refuse("more entries than this subsystem grants"));
+            }
+            if q.qid > 0 && (self.discovery.is_some() || q.qid > granted) {
+                return Err(refuse("an I/O queue this subsystem does not grant"));
+            }
+            queues.push(Queue {
+                cntlid: state.cntlid,
+                qid: q.qid,
+                size: q.size,
+                sq_flow_control_disabled: q.sq_flow_control_disabled,
+            });
+        }
+        self.controllers.insert(
+            state.cntlid,
+            Controller {
+                hostnqn: state.hostnqn.clone(),
+                hostid: state.hostid,
+                properties: Properties {
+                    cap: state.cap,
+                    vs: state.vs,
+                    cc: state.cc,
+                    csts: state.csts,
+                },
+                features: Features {
+                    aec: state.aec,
+                    vwc: state.vwc,
+                    io_queues: state.io_queues_granted,
+                },
+                kato: (state.kato_ms > 0).then(|| Duration::from_millis(u64::from(state.kato_ms))),
+                alive_at: now,
+                io_queues: queues.iter().map(|q| q.qid).filter(|&q| q > 0).collect(),
+                aers: state.aers.clone(),
+                notices: state.notices.clone(),
+                changed: state.changed.iter().copied().collect(),
+                namespace_notice_masked: state.namespace_notice_masked,
+                discovery_notice_masked: state.discovery_notice_masked,
+                reached: state.reached,
+                failed: false,
+                host: reservation::host(state.hostid),
+                reservation_log: state.reservation_log.iter().copied().collect(),
+                reservation_count: state.reservation_count,
+                reservation_notice_masked: state.reservation_notice_masked,
+                ana_notice_masked: state.ana_notice_masked,
+                reservation_masks: state.reservation_masks.iter().copied().collect(),
+                completions: Vec::new(),
+            },
+        );
+        Ok(queues)
+    }
+
+    /// Every namespace's reservations for a handover, but those a cluster shares (the next
+    /// process reads them from the cluster).
+    pub fn namespace_states(&self) -> Vec<crate::handover::NamespaceState> {
+        self.namespaces
+            .values()
+            .filter(|a| !a.ns.shared_reservations)
+            .map(|a| crate::handover::NamespaceState {
+                nsid: a.ns.nsid,
+                nguid: a.ns.nguid,
+                reservations: a.reservations.encode(),
+            })
+            .collect()
+    }
+
+    /// Takes in a namespace's reservations another process handed over: the namespace of
+    /// that NSID must be here with the same NGUID (the same storage).
+    pub fn adopt_namespace_state(
+        &mut self,
+        state: &crate::handover::NamespaceState,
+    ) -> Result<(), AdoptError> {
+        let a = self
+            .namespaces
+            .get_mut(&state.nsid)
+            .filter(|a| a.ns.nguid == state.nguid && !a.ns.shared_reservations)
+            .ok_or(AdoptError::Namespace(state.nsid))?;
+        a.reservations =
+            PrState::decode(&state.reservations).ok_or(AdoptError::Reservations(state.nsid))?;
+        Ok(())
+    }
+}
+
 /// Feature identifiers.
 pub mod feature {
     /// Volatile Write Cache.

@@ -24,6 +24,8 @@
 //!   connection manager's private data that sets up a queue ([`rdma::cm`]) and the queue
 //!   machine ([`rdma::RdmaQueue`]) that turns capsules and keyed SGLs into SENDs, RDMA READs
 //!   and RDMA WRITEs for the shell's verbs.
+//! - [`handover`]: a quiescent NVMe/TCP controller's state with its queues, and a
+//!   namespace's reservations, as one process hands them to the next (an upgrade).
 //! - [`connection`]: the controller's end of a queue with its commands carried out, the same
 //!   over every transport ([`transport::Transport`] is what it needs of one).
 //!
@@ -37,6 +39,7 @@ pub mod connection;
 pub mod controller;
 pub mod cqe;
 pub mod fabrics;
+pub mod handover;
 pub mod identify;
 pub mod log_page;
 pub mod nvm;

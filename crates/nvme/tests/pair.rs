@@ -1039,3 +1039,128 @@ fn a_shared_namespace_has_the_cluster_decide_its_reservations() {
     assert_eq!(a.done.remove(&43).unwrap().status, Status::ABORTED_PREEMPT);
     assert_eq!(rig.subsystem.aborted_in_flight(1), 0);
 }
+
+/// A controller handed over while quiescent goes on in another subsystem (another process's,
+/// on the same storage): its admin queue and an I/O queue with digests resume where they
+/// stopped, the bytes of a command half read go on in the new deframer, the Asynchronous
+/// Event Request it held answers a namespace change made there, and the reservation its
+/// host made holds. While a command is in flight the connection says it is busy; the same
+/// controller is not taken in twice.
+#[test]
+fn a_quiescent_controller_goes_on_in_another_subsystem() {
+    use nvme::handover::{Busy, ControllerState};
+    let mut rig = Rig::new();
+    let (mut a, cntlid) = admin_link(&mut rig);
+    let digests = Digests {
+        header: true,
+        data: true,
+    };
+    let mut io = rig.link(digests);
+    assert!(
+        connect(&mut io, &mut rig, 1, cntlid, CATTR_SQ_FLOW_CONTROL_DISABLE)
+            .status
+            .is_success()
+    );
+    // Namespace attribute notices on, and an Asynchronous Event Request held.
+    let mut aec = Sqe::new(AdminOpcode::SetFeatures.code(), 5);
+    aec.set_cdw(10, 0x0b);
+    aec.set_cdw(11, nvme::controller::AEC_NAMESPACE_ATTRIBUTE);
+    assert!(admin(&mut a, &mut rig, aec).status.is_success());
+    let aer = Sqe::new(AdminOpcode::AsyncEventRequest.code(), 6);
+    a.host.send_command(&aer, Bytes::new()).unwrap();
+    rig.run(&mut a);
+    assert!(!a.done.contains_key(&6), "the AER is held");
+    // Its host registers a key.
+    let mut register = io_cmd(
+        NvmOpcode::ReservationRegister,
+        9,
+        0,
+        1,
+        Sgl::in_capsule(0, 16),
+    );
+    register.set_cdw(10, 0);
+    io.host
+        .send_command(&register, keys(0, 0xb2).into())
+        .unwrap();
+    rig.run(&mut io);
+    assert!(io.done.remove(&9).unwrap().status.is_success());
+    // 4 KiB written through an R2T.
+    let data = pattern(4096, 3);
+    io.outgoing.insert(10, data.clone());
+    let w = io_cmd(NvmOpcode::Write, 10, 16, 8, Sgl::transport(4096));
+    io.host.send_command(&w, Bytes::new()).unwrap();
+    rig.run(&mut io);
+    assert!(io.done.remove(&10).unwrap().status.is_success());
+
+    // A command in flight: busy.
+    io.hold = true;
+    let r = io_cmd(NvmOpcode::Read, 11, 16, 8, Sgl::transport(4096));
+    io.host.send_command(&r, Bytes::new()).unwrap();
+    rig.run(&mut io);
+    assert_eq!(io.conn.handover(), Err(Busy::InFlight(1)));
+    for (task, op, mut buffer) in std::mem::take(&mut io.held) {
+        let result = rig.medium.execute(&op, &mut buffer);
+        io.conn.handle_backend_done(rig.now, task, buffer, result);
+    }
+    io.hold = false;
+    rig.run(&mut io);
+    assert!(io.done.remove(&11).unwrap().status.is_success());
+    assert_eq!(&io.read.remove(&11).unwrap()[..], &data[..]);
+
+    // A read whose capsule is half read when the controller stops: the rest waits in the
+    // "socket" for the next process.
+    let r = io_cmd(NvmOpcode::Read, 12, 16, 8, Sgl::transport(4096));
+    io.host.send_command(&r, Bytes::new()).unwrap();
+    let capsule = deliver(io.host.poll_transmit().unwrap(), &mut false);
+    let (first, rest) = capsule.split_at(20);
+    io.conn.receive(first);
+    rig.run(&mut io);
+    assert!(!io.done.contains_key(&12));
+
+    let mut state = rig.subsystem.controller_state(cntlid).unwrap();
+    state.queues = vec![a.conn.handover().unwrap(), io.conn.handover().unwrap()];
+    assert_eq!(state.queues[1].unread, first);
+    assert_eq!(state.aers, [6]);
+    let namespaces = rig.subsystem.namespace_states();
+    let state = ControllerState::decode(&state.encode()).unwrap();
+
+    // The next process, on the same storage.
+    let mut next = Rig::new();
+    next.medium = std::mem::replace(&mut rig.medium, MemoryBackend::new(BLOCK, 1));
+    for n in &namespaces {
+        next.subsystem.adopt_namespace_state(n).unwrap();
+    }
+    let queues = next.subsystem.adopt_controller(next.now, &state).unwrap();
+    assert_eq!(
+        next.subsystem.adopt_controller(next.now, &state),
+        Err(nvme::controller::AdoptError::Taken(cntlid))
+    );
+    let grants = QueueSettings::default().digests;
+    a.conn = ControllerConnection::resume(&state.queues[0], queues[0], grants);
+    io.conn = ControllerConnection::resume(&state.queues[1], queues[1], grants);
+    io.conn.receive(rest);
+    next.run(&mut io);
+    assert!(io.done.remove(&12).unwrap().status.is_success());
+    assert_eq!(&io.read.remove(&12).unwrap()[..], &data[..]);
+    // The held AER answers a resize made in the next process.
+    next.subsystem
+        .add_namespace(testing::namespace(1, BLOCK, BLOCKS * 2));
+    next.run(&mut a);
+    let notice = a.done.remove(&6).expect("the AER answered");
+    assert!(notice.status.is_success(), "{notice:?}");
+    // The key its host registered holds in the next process.
+    let mut report = Sqe::new(NvmOpcode::ReservationReport.code(), 13);
+    report.set_nsid(1);
+    report.set_cdw(10, 127 / 4);
+    report.set_cdw(11, 1);
+    report.set_sgl(Sgl::transport(128));
+    io.host.send_command(&report, Bytes::new()).unwrap();
+    next.run(&mut io);
+    assert!(io.done.remove(&13).unwrap().status.is_success());
+    let r = io.read.remove(&13).unwrap();
+    assert_eq!(r[5], 1, "one registrant");
+    assert_eq!(r[64 + 8..64 + 16], 0xb2u64.to_le_bytes(), "its key");
+    // Keep Alive on the admin queue.
+    let ka = Sqe::new(AdminOpcode::KeepAlive.code(), 7);
+    assert!(admin(&mut a, &mut next, ka).status.is_success());
+}

@@ -19,6 +19,29 @@ impl<B: DerefMut<Target = [u8]>> ControllerConnection<B> {
         ControllerConnection::on(ControllerQueue::new(settings))
     }
 
+    /// Its part of a handover ([`crate::handover::QueueState`]) once quiescent: its binding
+    /// and SQ head, what ICReq settled and the bytes read ahead.
+    pub fn handover(&self) -> Result<crate::handover::QueueState, crate::handover::Busy> {
+        let (bound, sqhd) = self.quiescent()?;
+        let mut state = self.transport().handover()?;
+        state.qid = bound.qid;
+        state.size = bound.size;
+        state.sq_flow_control_disabled = bound.sq_flow_control_disabled;
+        state.sqhd = sqhd;
+        Ok(state)
+    }
+
+    /// The connection a handover describes, bound to `bound` (what
+    /// [`crate::controller::Subsystem::adopt_controller`] gave for it), taking commands where
+    /// the old process stopped; `digests` what this controller grants when asked.
+    pub fn resume(
+        state: &crate::handover::QueueState,
+        bound: crate::controller::Queue,
+        digests: super::pdu::Digests,
+    ) -> ControllerConnection<B> {
+        ControllerConnection::bound_on(ControllerQueue::resume(state, digests), bound, state.sqhd)
+    }
+
     /// The connection machine (what ICReq settled).
     pub fn queue(&self) -> &ControllerQueue<B> {
         self.transport()

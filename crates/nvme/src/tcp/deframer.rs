@@ -230,6 +230,13 @@ impl Deframer {
             + self.limits.max_data as usize
     }
 
+    /// The bytes taken in and not yet made into PDUs (the start of the next one), unless
+    /// the deframer failed. A connection handed to another process ([`crate::handover`])
+    /// carries them, for that process's deframer to [`feed`](Self::feed) first.
+    pub fn unread(&self) -> Option<&[u8]> {
+        self.failed.is_none().then_some(&self.buf[..])
+    }
+
     /// Bytes buffered and not yet handed out.
     pub fn buffered(&self) -> usize {
         self.buf.len()

@@ -237,6 +237,77 @@ impl<B: Deref<Target = [u8]>> ControllerQueue<B> {
         }
     }
 
+    /// The queue's part of a handover: what ICResp told the host and ICReq settled, the next
+    /// transfer tag and the bytes read ahead, once nothing is half done (no R2T outstanding,
+    /// no event untaken, nothing unsent). The connection fills in its binding
+    /// ([`crate::tcp::ControllerConnection::handover`]).
+    pub fn handover(&self) -> Result<crate::handover::QueueState, crate::handover::Busy> {
+        use crate::handover::Busy;
+        let n = match self.state {
+            State::AwaitingIcReq => return Err(Busy::NotConnected),
+            State::Over => return Err(Busy::Over),
+            State::Ready => self.negotiated.ok_or(Busy::NotConnected)?,
+        };
+        if !self.r2ts.is_empty() {
+            return Err(Busy::R2ts(self.r2ts.len()));
+        }
+        if !self.events.is_empty() {
+            return Err(Busy::Events(self.events.len()));
+        }
+        if !self.transmits.is_empty() {
+            return Err(Busy::Transmits(self.transmits.len()));
+        }
+        let unread = self.deframer.unread().ok_or(Busy::Over)?;
+        Ok(crate::handover::QueueState {
+            qid: 0,
+            size: 0,
+            sq_flow_control_disabled: false,
+            sqhd: 0,
+            cpda: self.settings.cpda,
+            maxh2cdata: self.settings.maxh2cdata,
+            max_in_capsule_data: self.settings.max_in_capsule_data,
+            digests: n.digests,
+            hpda: n.hpda,
+            max_r2t: n.max_r2t,
+            next_ttag: self.next_ttag,
+            unread: unread.to_vec(),
+        })
+    }
+
+    /// The queue a handover describes, ready for commands where the old process stopped:
+    /// its terms as they were told to the host (whatever this process's settings are), the
+    /// bytes read ahead taken first. `digests` are what this controller grants when asked
+    /// (no new ICReq comes; kept for what the settings report).
+    pub fn resume(state: &crate::handover::QueueState, digests: Digests) -> ControllerQueue<B> {
+        let settings = QueueSettings {
+            digests,
+            cpda: state.cpda.min(MAX_PDA),
+            maxh2cdata: state.maxh2cdata.max(MIN_MAXH2CDATA),
+            max_in_capsule_data: state.max_in_capsule_data,
+            max_r2t: state.max_r2t.max(1),
+        };
+        let mut q = ControllerQueue::new(settings);
+        let n = Negotiated {
+            digests: state.digests,
+            hpda: state.hpda.min(MAX_PDA),
+            max_r2t: state.max_r2t.max(1),
+        };
+        q.framing = Framing {
+            digests: n.digests,
+            pda: n.hpda,
+        };
+        q.deframer.set_limits(Limits {
+            digests: n.digests,
+            pda: settings.cpda,
+            max_data: settings.maxh2cdata.max(settings.max_in_capsule_data),
+        });
+        q.negotiated = Some(n);
+        q.state = State::Ready;
+        q.next_ttag = state.next_ttag;
+        q.receive(&state.unread);
+        q
+    }
+
     /// What ICReq settled, once it came.
     pub fn negotiated(&self) -> Option<Negotiated> {
         self.negotiated
