@@ -1,4 +1,4 @@
-//! What a connection of any transport (iSCSI, iSER, SRP) is asked to do from outside its
+//! What a connection of any transport (iSCSI, iSER, SRP, NVMe) is asked to do from outside its
 //! task: carry on, ask its initiator to log out (the daemon is stopping), or close (an admin
 //! command, a logout of its session on another connection, a reinstatement); and, apart
 //! from those, to park for a handover (an upgrade): stop reading at a PDU boundary, finish
@@ -48,12 +48,25 @@ pub enum Park {
 pub struct Parked {
     /// The connection's daemon-wide id.
     pub id: u64,
-    /// Its session's TSIH.
-    pub tsih: u16,
     /// Its machine's state, with the bytes read ahead.
-    pub state: ConnectionState,
+    pub state: ParkedState,
     /// Its TCP socket.
     pub socket: OwnedFd,
+}
+
+/// What a parked connection's machine holds, by transport.
+#[derive(Debug)]
+pub enum ParkedState {
+    /// An iSCSI connection of session `tsih`.
+    Iscsi {
+        /// Its session's TSIH.
+        tsih: u16,
+        /// The connection's state.
+        state: ConnectionState,
+    },
+    /// An NVMe/TCP queue (its controller's state is the subsystem's, taken once all of its
+    /// queues are parked).
+    NvmeTcp(nvme::handover::QueueState),
 }
 
 /// Requests a [`Control`] carries, strongest last.

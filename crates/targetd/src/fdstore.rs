@@ -29,8 +29,8 @@ use std::time::{Duration, Instant};
 use backend::passed::PassedFd;
 
 use crate::handover::{
-    decode_listeners, decode_units, encode_listeners, encode_units, Checked, Handover,
-    ListenerKind, ListeningSocket, SessionHandover, LISTENERS_MAGIC,
+    decode_listeners, decode_namespaces, decode_units, encode_listeners, encode_namespaces,
+    encode_units, Checked, Handover, ListenerKind, ListeningSocket, LISTENERS_MAGIC,
 };
 use crate::iscsi::handover::{park_sessions, AdoptError, Adopted, ParkError};
 use crate::registry::Registry;
@@ -65,6 +65,12 @@ fn connection_name(s: usize, c: usize) -> String {
     format!("{PREFIX}connection-{s}-{c}")
 }
 
+/// The name in the store of queue `q` of NVMe/TCP controller `c` (in the memory file's
+/// order).
+fn queue_name(c: usize, q: usize) -> String {
+    format!("{PREFIX}nvme-{c}-{q}")
+}
+
 /// Why the sessions were not put in the store; they are asked to log out instead.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -93,7 +99,7 @@ pub enum StoreError {
 /// What [`store_sessions`] put in the store.
 #[derive(Debug, Clone, Copy)]
 pub struct Stored {
-    /// Sessions.
+    /// Sessions and NVMe/TCP controllers.
     pub sessions: usize,
     /// Descriptors (listening sockets, connections and the memory file).
     pub descriptors: usize,
@@ -125,17 +131,32 @@ pub async fn store_sessions(registry: &Registry) -> Result<Stored, StoreError> {
     let started = Instant::now();
     let mut parked = park_sessions(registry, PARK_WITHIN).await?;
     let parked_in = started.elapsed();
-    let sessions = std::mem::take(&mut parked.sessions);
-    let units = std::mem::take(&mut parked.units);
-    let needed = listening.len() + sessions.iter().map(|(_, c)| c.len()).sum::<usize>() + 1;
+    let handover = Handover {
+        units: std::mem::take(&mut parked.units),
+        sessions: std::mem::take(&mut parked.sessions),
+        namespaces: std::mem::take(&mut parked.namespaces),
+        controllers: std::mem::take(&mut parked.controllers),
+    };
+    let needed = listening.len()
+        + handover
+            .sessions
+            .iter()
+            .map(|(_, c)| c.len())
+            .sum::<usize>()
+        + handover
+            .controllers
+            .iter()
+            .map(|(_, c)| c.len())
+            .sum::<usize>()
+        + 1;
     if let Some(max) = store_size() {
         if max < needed {
             return Err(StoreError::TooSmall { max, needed });
         }
     }
-    let count = sessions.len();
-    let state = encode_state(&listening, &units, &sessions);
-    let put = tokio::task::spawn_blocking(move || put(&listening, &sessions, &state))
+    let count = handover.sessions.len() + handover.controllers.len();
+    let state = encode_state(&listening, &handover);
+    let put = tokio::task::spawn_blocking(move || put(&listening, &handover, &state))
         .await
         .map_err(|e| io::Error::other(e.to_string()))?;
     put?;
@@ -155,19 +176,20 @@ fn store_size() -> Option<usize> {
 
 /// Puts the listeners, the sessions' connections and the memory file with `state` in the
 /// store, and waits until the manager read them. On failure takes out again what went in.
-fn put(
-    listening: &[ListeningSocket],
-    sessions: &[SessionHandover],
-    state: &[u8],
-) -> io::Result<()> {
+fn put(listening: &[ListeningSocket], handover: &Handover, state: &[u8]) -> io::Result<()> {
     let mut names = Vec::new();
     let result = (|| {
         for (i, l) in listening.iter().enumerate() {
             store(&mut names, listener_name(i), l.socket.as_fd())?;
         }
-        for (s, (_, conns)) in sessions.iter().enumerate() {
+        for (s, (_, conns)) in handover.sessions.iter().enumerate() {
             for (c, socket) in conns.iter().enumerate() {
                 store(&mut names, connection_name(s, c), socket.as_fd())?;
+            }
+        }
+        for (c, (_, queues)) in handover.controllers.iter().enumerate() {
+            for (q, socket) in queues.iter().enumerate() {
+                store(&mut names, queue_name(c, q), socket.as_fd())?;
             }
         }
         let file = state_file(state)?;
@@ -220,20 +242,21 @@ fn state_file(state: &[u8]) -> io::Result<OwnedFd> {
 /// encoded state, each length-prefixed; a CRC32C of everything before it. Listener `i` is
 /// stored as [`listener_name`]`(i)`, connection `c` of session `s` as
 /// [`connection_name`]`(s, c)`.
-fn encode_state(
-    listening: &[ListeningSocket],
-    units: &[crate::handover::UnitHandover],
-    sessions: &[SessionHandover],
-) -> Vec<u8> {
+fn encode_state(listening: &[ListeningSocket], handover: &Handover) -> Vec<u8> {
     let mut b = STATE_MAGIC.to_vec();
     let part = |b: &mut Vec<u8>, bytes: &[u8]| {
         b.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
         b.extend_from_slice(bytes);
     };
     part(&mut b, &encode_listeners(listening));
-    part(&mut b, &encode_units(units));
-    b.extend_from_slice(&(sessions.len() as u32).to_le_bytes());
-    for (state, _) in sessions {
+    part(&mut b, &encode_units(&handover.units));
+    b.extend_from_slice(&(handover.sessions.len() as u32).to_le_bytes());
+    for (state, _) in &handover.sessions {
+        part(&mut b, &state.encode());
+    }
+    part(&mut b, &encode_namespaces(&handover.namespaces));
+    b.extend_from_slice(&(handover.controllers.len() as u32).to_le_bytes());
+    for (state, _) in &handover.controllers {
         part(&mut b, &state.encode());
     }
     let crc = iscsi_pdu::digest::crc32c(&b);
@@ -249,6 +272,10 @@ struct StateParts<'a> {
     units: &'a [u8],
     /// Each session's state.
     sessions: Vec<&'a [u8]>,
+    /// The NVMe namespaces' reservations ([`encode_namespaces`]).
+    namespaces: &'a [u8],
+    /// Each NVMe/TCP controller's state.
+    controllers: Vec<&'a [u8]>,
 }
 
 /// The memory file's parts, checked (its magic, checksum and every length) but not decoded
@@ -259,17 +286,28 @@ fn split_state(bytes: &[u8]) -> Option<StateParts<'_>> {
     let listeners = r.take(len as usize)?;
     let len = r.u32()?;
     let units = r.take(len as usize)?;
-    let count = r.u32()?;
-    let mut sessions = Vec::new();
-    for _ in 0..count {
-        let len = r.u32()?;
-        sessions.push(r.take(len as usize)?);
-    }
+    let sessions = parts(&mut r)?;
+    let len = r.u32()?;
+    let namespaces = r.take(len as usize)?;
+    let controllers = parts(&mut r)?;
     r.end().then_some(StateParts {
         listeners,
         units,
         sessions,
+        namespaces,
+        controllers,
     })
+}
+
+/// A count, then that many length-prefixed parts.
+fn parts<'a>(r: &mut Checked<'a>) -> Option<Vec<&'a [u8]>> {
+    let count = r.u32()?;
+    let mut parts = Vec::new();
+    for _ in 0..count {
+        let len = r.u32()?;
+        parts.push(r.take(len as usize)?);
+    }
+    Some(parts)
 }
 
 /// Why what the store held was not taken in: the process starts as if it had held nothing,
@@ -357,6 +395,8 @@ impl Restored {
             listeners,
             units,
             sessions: states,
+            namespaces,
+            controllers: controller_states,
         } = split_state(&bytes).ok_or(RestoreError::Damaged)?;
         let count = listeners_count(listeners).ok_or(RestoreError::Part("listeners"))?;
         let mut fds = Vec::with_capacity(count);
@@ -396,12 +436,43 @@ impl Restored {
             }
             sessions.push((state, conns.into_iter().flatten().collect()));
         }
+        let namespaces =
+            decode_namespaces(namespaces).ok_or(RestoreError::Part("NVMe namespaces"))?;
+        let mut controllers = Vec::new();
+        for (c, bytes) in controller_states.into_iter().enumerate() {
+            let state = match nvme::handover::ControllerState::decode(bytes) {
+                Ok(state) => state,
+                Err(e) => {
+                    tracing::error!(
+                        controller = c,
+                        "a stored NVMe controller's state: {e}; closed"
+                    );
+                    continue;
+                }
+            };
+            let queues: Vec<Option<OwnedFd>> = (0..state.queues.len())
+                .map(|q| take(&queue_name(c, q)))
+                .collect();
+            if queues.iter().any(Option::is_none) {
+                tracing::warn!(
+                    controller = state.cntlid,
+                    "a stored NVMe controller lost a queue while targetd restarted: closed"
+                );
+                continue;
+            }
+            controllers.push((state, queues.into_iter().flatten().collect()));
+        }
         for p in ours {
             tracing::warn!(name = p.name, "a stored descriptor no state names: closed");
         }
         Ok(Restored {
             listeners,
-            handover: Handover { units, sessions },
+            handover: Handover {
+                units,
+                sessions,
+                namespaces,
+                controllers,
+            },
             names: Vec::new(),
         })
     }
@@ -416,12 +487,19 @@ impl Restored {
     /// out of the store, then serves the sessions taken in. A session `adopt` refuses is
     /// closed, and its initiator logs in again. The sessions served.
     pub fn serve(self, mut adopt: impl FnMut(Handover) -> Result<Adopted, AdoptError>) -> usize {
-        let Handover { units, sessions } = self.handover;
+        let Handover {
+            units,
+            sessions,
+            namespaces,
+            controllers,
+        } = self.handover;
         let mut adopted = Vec::new();
-        // The units first, on their own: a session refused does not keep them back.
+        // The units and namespaces first, on their own: a session refused does not keep them
+        // back.
         match adopt(Handover {
             units,
-            sessions: Vec::new(),
+            namespaces,
+            ..Handover::default()
         }) {
             Ok(a) => adopted.push(a),
             Err(e) => tracing::error!("the units' stored states: {e}"),
@@ -429,11 +507,21 @@ impl Restored {
         for (state, sockets) in sessions {
             let tsih = state.tsih;
             match adopt(Handover {
-                units: Vec::new(),
                 sessions: vec![(state, sockets)],
+                ..Handover::default()
             }) {
                 Ok(a) => adopted.push(a),
                 Err(e) => tracing::error!(tsih, "a stored session: {e}; closed"),
+            }
+        }
+        for (state, sockets) in controllers {
+            let cntlid = state.cntlid;
+            match adopt(Handover {
+                controllers: vec![(state, sockets)],
+                ..Handover::default()
+            }) {
+                Ok(a) => adopted.push(a),
+                Err(e) => tracing::error!(cntlid, "a stored NVMe controller: {e}; closed"),
             }
         }
         // Out of the store before a byte is read: a process that served them and died
@@ -441,7 +529,7 @@ impl Restored {
         forget(&self.names);
         let mut served = 0;
         for a in adopted {
-            served += a.tsihs.len();
+            served += a.tsihs.len() + a.cntlids.len();
             a.serve();
         }
         served
@@ -457,7 +545,7 @@ fn listeners_count(bytes: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::handover::tests::{session, unit};
+    use crate::handover::tests::{controller, session, unit};
     use std::net::TcpListener;
 
     fn sockets(n: usize) -> Vec<OwnedFd> {
@@ -486,19 +574,31 @@ mod tests {
     #[test]
     fn the_state_holds_or_is_refused() {
         let units = vec![unit("iqn.2026-12.io.example:t", 0)];
-        let sessions = vec![(session(1, 2), sockets(2)), (session(2, 1), sockets(1))];
-        let bytes = encode_state(&listening(), &units, &sessions);
+        let handover = Handover {
+            units: units.clone(),
+            sessions: vec![(session(1, 2), sockets(2)), (session(2, 1), sockets(1))],
+            namespaces: Vec::new(),
+            controllers: vec![(controller(5, 2), sockets(2))],
+        };
+        let bytes = encode_state(&listening(), &handover);
         let StateParts {
             listeners: l,
             units: u,
             sessions: s,
+            namespaces: n,
+            controllers: c,
         } = split_state(&bytes).unwrap();
         assert_eq!(l, encode_listeners(&listening()));
         assert_eq!(decode_units(u), Some(units));
         assert_eq!(s.len(), 2);
         assert_eq!(
             iscsi_pdu::handover::SessionState::decode(s[1]).unwrap(),
-            sessions[1].0
+            handover.sessions[1].0
+        );
+        assert_eq!(decode_namespaces(n), Some(Vec::new()));
+        assert_eq!(
+            nvme::handover::ControllerState::decode(c[0]).unwrap(),
+            handover.controllers[0].0
         );
         for cut in 0..bytes.len() {
             assert!(split_state(&bytes[..cut]).is_none(), "cut at {cut}");
@@ -519,12 +619,21 @@ mod tests {
     #[test]
     fn a_start_takes_what_came_whole() {
         let units = vec![unit("iqn.2026-12.io.example:t", 0)];
-        let sessions = vec![
-            (session(1, 2), sockets(2)),
-            (session(2, 1), sockets(1)),
-            (session(3, 2), sockets(2)),
-        ];
-        let state = encode_state(&listening(), &units, &sessions);
+        let handover = Handover {
+            units: units.clone(),
+            sessions: vec![
+                (session(1, 2), sockets(2)),
+                (session(2, 1), sockets(1)),
+                (session(3, 2), sockets(2)),
+            ],
+            namespaces: Vec::new(),
+            controllers: vec![
+                (controller(5, 2), sockets(2)),
+                (controller(6, 1), sockets(1)),
+            ],
+        };
+        let sessions = &handover.sessions;
+        let state = encode_state(&listening(), &handover);
         let passed = |skip: &str| {
             let mut p = vec![PassedFd {
                 name: "unknown".into(),
@@ -533,6 +642,9 @@ mod tests {
             let mut names = vec![listener_name(0), listener_name(1), "targetd-stray".into()];
             for (s, (state, _)) in sessions.iter().enumerate() {
                 names.extend((0..state.connections.len()).map(|c| connection_name(s, c)));
+            }
+            for (c, (state, _)) in handover.controllers.iter().enumerate() {
+                names.extend((0..state.queues.len()).map(|q| queue_name(c, q)));
             }
             for name in names.into_iter().filter(|n| n != skip) {
                 p.push(PassedFd {
@@ -547,6 +659,20 @@ mod tests {
             p
         };
         let r = Restored::take(passed(&connection_name(2, 1)));
+        // The first controller lost a queue; the second came whole.
+        let r = {
+            let mut p = passed(&connection_name(2, 1));
+            p.retain(|f| f.name != queue_name(0, 1));
+            drop(r);
+            Restored::take(p)
+        };
+        let cntlids: Vec<u16> = r
+            .handover
+            .controllers
+            .iter()
+            .map(|(c, _)| c.cntlid)
+            .collect();
+        assert_eq!(cntlids, [6]);
         assert!(!r.is_empty());
         let kinds: Vec<_> = r
             .listeners

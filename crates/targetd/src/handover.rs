@@ -153,6 +153,13 @@ pub fn receive_frame(socket: &UnixStream) -> Result<Frame, FrameError> {
 /// `state.connections`.
 pub type SessionHandover = (iscsi_pdu::handover::SessionState, Vec<OwnedFd>);
 
+/// An NVMe/TCP controller as it travels: its state (its queues' in it) and its queues'
+/// sockets, in the order of `state.queues`.
+pub type ControllerHandover = (nvme::handover::ControllerState, Vec<OwnedFd>);
+
+/// An NVMe namespace's reservations as they travel, under its subsystem's NQN.
+pub type NamespaceHandover = (String, nvme::handover::NamespaceState);
+
 /// Why a handover was refused: the successor takes none of it.
 #[derive(Debug, thiserror::Error)]
 pub enum ReceiveError {
@@ -184,6 +191,22 @@ pub enum ReceiveError {
     /// A step of the handshake did not decode.
     #[error("not a step of the handover")]
     Step,
+    /// An NVMe/TCP controller's state did not decode.
+    #[error("an NVMe controller's state: {0}")]
+    Controller(iscsi_pdu::handover::HandoverError),
+    /// A controller came without one socket per queue, or twice.
+    #[error("NVMe controller {cntlid}: {sockets} sockets for {queues} queues, or it came twice")]
+    ControllerSockets {
+        /// Its CNTLID.
+        cntlid: u16,
+        /// Sockets that came.
+        sockets: usize,
+        /// Its queues.
+        queues: usize,
+    },
+    /// The NVMe namespaces' reservations did not decode.
+    #[error("the NVMe namespaces' reservations are damaged")]
+    Namespaces,
 }
 
 /// A logical unit's state as it travels: the target and LUN index it is under, its serial
@@ -200,13 +223,63 @@ pub struct UnitHandover {
     pub state: scsi_core::UnitState,
 }
 
-/// Everything one process hands the next: the units' states and the parked sessions.
+/// Everything one process hands the next: the units' states and the parked sessions, the
+/// NVMe namespaces' reservations and the parked NVMe/TCP controllers.
 #[derive(Debug, Default)]
 pub struct Handover {
     /// The units' states, taken in before the sessions.
     pub units: Vec<UnitHandover>,
     /// The sessions.
     pub sessions: Vec<SessionHandover>,
+    /// The NVMe namespaces' reservations, taken in before the controllers.
+    pub namespaces: Vec<NamespaceHandover>,
+    /// The NVMe/TCP controllers.
+    pub controllers: Vec<ControllerHandover>,
+}
+
+/// The first bytes of the NVMe namespaces' frame.
+const NAMESPACES_MAGIC: [u8; 4] = *b"tdNS";
+
+/// The NVMe namespaces' frame's payload: magic, count, then per namespace its subsystem's
+/// NQN (length-prefixed), NSID, NGUID and reservations (length-prefixed), and a CRC32C.
+pub fn encode_namespaces(namespaces: &[NamespaceHandover]) -> Vec<u8> {
+    let mut b = NAMESPACES_MAGIC.to_vec();
+    b.extend_from_slice(&(namespaces.len() as u32).to_le_bytes());
+    for (nqn, n) in namespaces {
+        b.extend_from_slice(&(nqn.len() as u16).to_le_bytes());
+        b.extend_from_slice(nqn.as_bytes());
+        b.extend_from_slice(&n.nsid.to_le_bytes());
+        b.extend_from_slice(&n.nguid);
+        b.extend_from_slice(&(n.reservations.len() as u32).to_le_bytes());
+        b.extend_from_slice(&n.reservations);
+    }
+    let crc = iscsi_pdu::digest::crc32c(&b);
+    b.extend_from_slice(&crc.to_le_bytes());
+    b
+}
+
+/// Parses the NVMe namespaces' frame: `None` when anything does not hold.
+pub(crate) fn decode_namespaces(bytes: &[u8]) -> Option<Vec<NamespaceHandover>> {
+    let mut r = Checked::new(bytes, &NAMESPACES_MAGIC)?;
+    let count = r.u32()?;
+    let mut namespaces = Vec::new();
+    for _ in 0..count {
+        let len = r.u16()?;
+        let nqn = r.text(usize::from(len))?;
+        let nsid = r.u32()?;
+        let nguid = r.take(16)?.try_into().ok()?;
+        let len = r.u32()?;
+        let reservations = r.take(len as usize)?.to_vec();
+        namespaces.push((
+            nqn,
+            nvme::handover::NamespaceState {
+                nsid,
+                nguid,
+                reservations,
+            },
+        ));
+    }
+    r.end().then_some(namespaces)
 }
 
 /// The first bytes of the units' frame.
@@ -258,14 +331,16 @@ pub(crate) fn decode_units(bytes: &[u8]) -> Option<Vec<UnitHandover>> {
 }
 
 /// Sends a handover: the units' states in one frame, then the parked sessions, one frame
-/// each (its encoded state and its sockets), then an empty frame that ends them.
-pub fn send_handover(
-    socket: &UnixStream,
-    units: &[UnitHandover],
-    sessions: &[SessionHandover],
-) -> Result<(), FrameError> {
-    send_frame(socket, &encode_units(units), &[])?;
-    for (state, sockets) in sessions {
+/// each (its encoded state and its sockets), then the NVMe namespaces' reservations in one
+/// frame and each NVMe/TCP controller in one (its encoded state and its queues' sockets),
+/// then an empty frame that ends them.
+pub fn send_handover(socket: &UnixStream, handover: &Handover) -> Result<(), FrameError> {
+    send_frame(socket, &encode_units(&handover.units), &[])?;
+    for (state, sockets) in &handover.sessions {
+        send_frame(socket, &state.encode(), &borrowed(sockets))?;
+    }
+    send_frame(socket, &encode_namespaces(&handover.namespaces), &[])?;
+    for (state, sockets) in &handover.controllers {
         send_frame(socket, &state.encode(), &borrowed(sockets))?;
     }
     send_frame(socket, &[], &[])
@@ -277,12 +352,37 @@ pub fn send_handover(
 pub fn receive_handover(socket: &UnixStream) -> Result<Handover, ReceiveError> {
     let frame = receive_frame(socket)?;
     let units = decode_units(&frame.payload).ok_or(ReceiveError::Units)?;
-    let mut sessions: Vec<SessionHandover> = Vec::new();
+    let mut h = Handover {
+        units,
+        ..Handover::default()
+    };
     loop {
         let frame = receive_frame(socket)?;
         if frame.payload.is_empty() && frame.fds.is_empty() {
-            return Ok(Handover { units, sessions });
+            return Ok(h);
         }
+        if frame.payload.starts_with(&NAMESPACES_MAGIC) {
+            h.namespaces = decode_namespaces(&frame.payload).ok_or(ReceiveError::Namespaces)?;
+            continue;
+        }
+        if frame.payload.starts_with(&nvme::handover::MAGIC) {
+            let state = nvme::handover::ControllerState::decode(&frame.payload)
+                .map_err(ReceiveError::Controller)?;
+            let twice = h
+                .controllers
+                .iter()
+                .any(|(c, _)| c.cntlid == state.cntlid && c.subnqn == state.subnqn);
+            if frame.fds.len() != state.queues.len() || twice {
+                return Err(ReceiveError::ControllerSockets {
+                    cntlid: state.cntlid,
+                    sockets: frame.fds.len(),
+                    queues: state.queues.len(),
+                });
+            }
+            h.controllers.push((state, frame.fds));
+            continue;
+        }
+        let sessions = &mut h.sessions;
         let state = iscsi_pdu::handover::SessionState::decode(&frame.payload)?;
         if frame.fds.len() != state.connections.len() {
             return Err(ReceiveError::Sockets {
@@ -605,18 +705,43 @@ pub(crate) mod tests {
                 .collect()
         };
         let (a, b) = UnixStream::pair().unwrap();
-        let sent = vec![(session(1, 2), sockets(2)), (session(2, 1), sockets(1))];
         let units = vec![
             unit("iqn.2026-12.io.example:t", 0),
             unit("iqn.2026-12.io.example:t", 3),
         ];
-        send_handover(&a, &units, &sent).unwrap();
+        let namespaces = vec![(
+            "nqn.2026-12.io.example:s".to_string(),
+            nvme::handover::NamespaceState {
+                nsid: 1,
+                nguid: [3; 16],
+                reservations: b"some reservations".to_vec(),
+            },
+        )];
+        let sent = Handover {
+            units: units.clone(),
+            sessions: vec![(session(1, 2), sockets(2)), (session(2, 1), sockets(1))],
+            namespaces: namespaces.clone(),
+            controllers: vec![(controller(7, 3), sockets(3))],
+        };
+        send_handover(&a, &sent).unwrap();
         let got = receive_handover(&b).unwrap();
         assert_eq!(got.units, units);
         assert_eq!(got.sessions.len(), 2);
-        for ((s, f), (t, g)) in got.sessions.iter().zip(&sent) {
+        for ((s, f), (t, g)) in got.sessions.iter().zip(&sent.sessions) {
             assert_eq!((s, f.len()), (t, g.len()));
         }
+        assert_eq!(got.namespaces, namespaces);
+        assert_eq!(got.controllers.len(), 1);
+        assert_eq!(got.controllers[0].0, sent.controllers[0].0);
+        assert_eq!(got.controllers[0].1.len(), 3);
+        // A controller without a socket per queue is refused.
+        send_frame(&a, &encode_units(&[]), &[]).unwrap();
+        send_frame(&a, &controller(8, 2).encode(), &borrowed(&sockets(1))).unwrap();
+        assert!(matches!(
+            receive_handover(&b),
+            Err(ReceiveError::ControllerSockets { cntlid: 8, .. })
+        ));
+        let (a, b) = UnixStream::pair().unwrap();
         send_frame(&a, &encode_units(&[]), &[]).unwrap();
         send_frame(&a, &session(3, 2).encode(), &borrowed(&sockets(1))).unwrap();
         assert!(matches!(
@@ -628,8 +753,11 @@ pub(crate) mod tests {
             })
         ));
         let (a, b) = UnixStream::pair().unwrap();
-        let twice = [(session(4, 1), sockets(1)), (session(4, 1), sockets(1))];
-        send_handover(&a, &[], &twice).unwrap();
+        let twice = Handover {
+            sessions: vec![(session(4, 1), sockets(1)), (session(4, 1), sockets(1))],
+            ..Handover::default()
+        };
+        send_handover(&a, &twice).unwrap();
         assert!(matches!(receive_handover(&b), Err(ReceiveError::Twice(4))));
     }
 
@@ -730,6 +858,51 @@ pub(crate) mod tests {
             receive_step(&b),
             Err(ReceiveError::Frame(FrameError::Closed))
         ));
+    }
+
+    /// NVMe/TCP controller `cntlid` with `queues` queues (the admin queue and I/O queues).
+    pub(crate) fn controller(cntlid: u16, queues: u16) -> nvme::handover::ControllerState {
+        nvme::handover::ControllerState {
+            subnqn: "nqn.2026-12.io.example:s".into(),
+            cntlid,
+            hostnqn: "nqn.2014-08.org.nvmexpress:uuid:h".into(),
+            hostid: [9; 16],
+            cap: 0x20_1e01_007f,
+            vs: nvme::controller::VERSION,
+            cc: 0x46_0001,
+            csts: 1,
+            aec: 0,
+            vwc: true,
+            io_queues_granted: Some(queues - 1),
+            kato_ms: 5000,
+            aers: vec![3],
+            notices: Vec::new(),
+            changed: Vec::new(),
+            namespace_notice_masked: false,
+            discovery_notice_masked: false,
+            reservation_notice_masked: false,
+            ana_notice_masked: false,
+            reached: None,
+            reservation_log: Vec::new(),
+            reservation_count: 0,
+            reservation_masks: Vec::new(),
+            queues: (0..queues)
+                .map(|qid| nvme::handover::QueueState {
+                    qid,
+                    size: 128,
+                    sq_flow_control_disabled: false,
+                    sqhd: 1,
+                    cpda: 0,
+                    maxh2cdata: 131_072,
+                    max_in_capsule_data: 8192,
+                    digests: Default::default(),
+                    hpda: 0,
+                    max_r2t: 1,
+                    next_ttag: 1,
+                    unread: Vec::new(),
+                })
+                .collect(),
+        }
     }
 
     pub(crate) fn unit(target: &str, lun: u16) -> UnitHandover {

@@ -91,7 +91,8 @@ fn run(socket: &UnixStream, config: Config, config_path: PathBuf) -> Result<Serv
         return Err(TakeOverError::Injected);
     }
     let adopted = server.adopt_sessions(handover)?;
-    let count = adopted.tsihs.len() as u32;
+    let (adopted_sessions, adopted_controllers) = (adopted.tsihs.len(), adopted.cntlids.len());
+    let count = (adopted_sessions + adopted_controllers) as u32;
     send_step(socket, &Step::Adopted(count)).map_err(crate::handover::ReceiveError::from)?;
     fault("crash-after-adopted");
     match crate::handover::receive_step(socket) {
@@ -102,8 +103,9 @@ fn run(socket: &UnixStream, config: Config, config_path: PathBuf) -> Result<Serv
             send_step(socket, &Step::Serving).map_err(crate::handover::ReceiveError::from)?;
             adopted.serve();
             tracing::info!(
-                sessions = count,
-                "upgrade: serving the sessions handed over"
+                sessions = adopted_sessions,
+                controllers = adopted_controllers,
+                "upgrade: serving the sessions and controllers handed over"
             );
             Ok(server)
         }

@@ -66,6 +66,8 @@ pub struct Upgraded {
     pub binary: PathBuf,
     /// iSCSI sessions it serves now, on the same connections.
     pub sessions: usize,
+    /// NVMe/TCP controllers it serves now, on the same connections.
+    pub controllers: usize,
     /// How long the sessions took to park, in milliseconds.
     pub parked_ms: f64,
     /// How long the initiators got no answer: from the park's start to the successor
@@ -176,12 +178,13 @@ pub async fn upgrade(
     let result = hand_over(registry, &listener, &mut child, deadline, &options).await;
     drop(listener);
     match result {
-        Ok((sessions, parked, paused)) => {
+        Ok(((sessions, controllers), parked, paused)) => {
             // The successor accepts from here; this process stops.
             running.succeeded = true;
             tracing::info!(
                 pid,
                 sessions,
+                controllers,
                 "upgrade: the new targetd serves (parked in {parked:?}, initiators paused \
                  {paused:?})"
             );
@@ -191,6 +194,7 @@ pub async fn upgrade(
                 pid,
                 binary,
                 sessions,
+                controllers,
                 parked_ms: parked.as_secs_f64() * 1e3,
                 paused_ms: paused.as_secs_f64() * 1e3,
             })
@@ -360,15 +364,18 @@ impl Drop for Link {
     }
 }
 
-/// Steps 1 to 5 with the started `child`: the sessions handed over, their count, how long
-/// they took to park and how long the initiators were paused.
+/// What a handover moved: (iSCSI sessions, NVMe/TCP controllers), how long they took to park
+/// and how long the initiators were paused.
+type Moved = ((usize, usize), Duration, Duration);
+
+/// Steps 1 to 5 with the started `child`: what was handed over.
 async fn hand_over(
     registry: &Registry,
     link: &Link,
     child: &mut tokio::process::Child,
     deadline: Instant,
     options: &UpgradeOptions,
-) -> Result<(usize, Duration, Duration), UpgradeError> {
+) -> Result<Moved, UpgradeError> {
     let left = || deadline.saturating_duration_since(Instant::now());
     let me = rustix::process::geteuid().as_raw();
     let stream = loop {
@@ -406,12 +413,17 @@ async fn hand_over(
     let paused = Instant::now();
     let mut parked = park_sessions(registry, options.park_within).await?;
     let parked_in = paused.elapsed();
-    let sessions = std::mem::take(&mut parked.sessions);
-    let units = std::mem::take(&mut parked.units);
-    let count = sessions.len();
+    let handover = crate::handover::Handover {
+        units: std::mem::take(&mut parked.units),
+        sessions: std::mem::take(&mut parked.sessions),
+        namespaces: std::mem::take(&mut parked.namespaces),
+        controllers: std::mem::take(&mut parked.controllers),
+    };
+    let moved = (handover.sessions.len(), handover.controllers.len());
+    let count = moved.0 + moved.1;
     let within = options.start_within;
     blocking(&stream, within, move |s| {
-        send_handover(s, &units, &sessions).map_err(Into::into)
+        send_handover(s, &handover).map_err(Into::into)
     })
     .await?;
     match blocking(&stream, within, |s| Ok(receive_step(s)?)).await {
@@ -440,7 +452,7 @@ async fn hand_over(
     }
     // The successor serves them: each connection here ends without a word.
     parked.release();
-    Ok((count, parked_in, paused.elapsed()))
+    Ok((moved, parked_in, paused.elapsed()))
 }
 
 /// Runs a blocking step of the handshake on a thread of its own, `within` at most for each

@@ -21,7 +21,7 @@ use iscsi_pdu::negotiation::DigestAlgorithm;
 use iscsi_pdu::{DataOut, Lun, Pdu, ScsiStatus, SerialNumber};
 use std::os::unix::net::UnixStream;
 use targetd::handover::{
-    borrowed, encode_units, receive_handover, send_frame, send_handover, ReceiveError,
+    borrowed, encode_units, receive_handover, send_frame, send_handover, Handover, ReceiveError,
 };
 use targetd::iscsi::handover::{park_sessions, AdoptError, ParkError};
 
@@ -145,10 +145,13 @@ async fn a_session_taken_in_by_another_server_goes_on_on_its_socket() {
     let park = started.elapsed();
     // As between two processes: each session's state encoded, with its sockets, over a
     // UNIX socket; decoded and checked on the other end.
-    let taken = std::mem::take(&mut parked.sessions);
-    let units = std::mem::take(&mut parked.units);
+    let handover = Handover {
+        units: std::mem::take(&mut parked.units),
+        sessions: std::mem::take(&mut parked.sessions),
+        ..Handover::default()
+    };
     let (old_end, new_end) = UnixStream::pair().unwrap();
-    let sent = std::thread::spawn(move || send_handover(&old_end, &units, &taken));
+    let sent = std::thread::spawn(move || send_handover(&old_end, &handover));
     let received = receive_handover(&new_end).expect("the sessions received");
     sent.join().unwrap().expect("the sessions sent");
     let adopted = std::sync::Mutex::new(None);
@@ -226,7 +229,7 @@ async fn a_successor_that_refuses_leaves_the_first_server_serving() {
     let tsih = s.info().tsih;
     let (stop, done, workers) = load(&s);
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let parked = park_sessions(&a.registry, Duration::from_secs(10))
+    let mut parked = park_sessions(&a.registry, Duration::from_secs(10))
         .await
         .expect("parked");
     let (state, sockets) = &parked.sessions[0];
@@ -244,7 +247,12 @@ async fn a_successor_that_refuses_leaves_the_first_server_serving() {
     }
     // A successor whose config has no such target.
     let (old_end, new_end) = UnixStream::pair().unwrap();
-    send_handover(&old_end, &parked.units, &parked.sessions).unwrap();
+    let handover = Handover {
+        units: std::mem::take(&mut parked.units),
+        sessions: std::mem::take(&mut parked.sessions),
+        ..Handover::default()
+    };
+    send_handover(&old_end, &handover).unwrap();
     let received = receive_handover(&new_end).expect("received");
     let refused = std::sync::Mutex::new(None);
     let b = Daemon::start_with(
@@ -601,4 +609,104 @@ async fn a_failed_upgrade_leaves_the_running_targetd_serving() {
     }
     assert_eq!(s.info().tsih, tsih);
     terminate(upgraded["pid"].as_u64().unwrap());
+}
+
+/// An NVMe/TCP controller (its admin queue and an I/O queue, digests on), loaded with writes
+/// read back at once, goes on across two upgrades and then a restart through the service
+/// manager's store, on the same connections: no failed command (the host here does not
+/// reconnect), each new process says it took the controller in, the old ones exit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_nvme_tcp_controller_goes_on_across_upgrades_and_a_restart() {
+    use initiator_bench::nvme::{NvmeController, NvmeOptions, NvmeUrl};
+    const NQN: &str = "nqn.2026-12.io.example:upgrade";
+    let manager = common::program::Manager::new();
+    let server = format!(
+        "restart_keeps_sessions = true\nnvme_portals = [\"127.0.0.1:0\"]\n\n[[subsystems]]\n\
+         nqn = \"{NQN}\"\n\n[[subsystems.namespaces]]\nnsid = 1\nbackend = \"file\"\n\
+         path = \"ns.img\"\nsize = \"64MiB\"\n"
+    );
+    let mut p = Program::start_with(&server, Some(&manager));
+    let url = NvmeUrl::parse(&format!("nvme://{}/{NQN}/1", p.nvme.unwrap())).unwrap();
+    let o = NvmeOptions {
+        digests: nvme::tcp::Digests {
+            header: true,
+            data: true,
+        },
+        ..NvmeOptions::default()
+    };
+    let c = Arc::new(NvmeController::connect(&url, &o).await.expect("connect"));
+    let cntlid = c.cntlid;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let workers: Vec<_> = (0..4u64)
+        .map(|w| {
+            let (c, stop, done) = (c.clone(), stop.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut k = 0u64;
+                while !stop.load(Relaxed) {
+                    let lba = w * 256 + (k % 8) * 16;
+                    let data = pattern(8192, (w * 1000 + k) as usize);
+                    c.write(lba, data.clone()).await.expect("write");
+                    let back = c.read(lba, 16).await.expect("read");
+                    assert!(back == data, "worker {w} round {k}: other data read back");
+                    done.fetch_add(1, Relaxed);
+                    k += 1;
+                }
+            })
+        })
+        .collect();
+    let progress = |what: &str| {
+        let (done, what) = (done.clone(), what.to_string());
+        async move {
+            let before = done.load(Relaxed);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            assert!(done.load(Relaxed) > before, "{what}: the I/O stopped");
+        }
+    };
+    progress("before").await;
+    let mut pid = u64::from(p.child.id());
+    for round in 0..2 {
+        let upgraded = p.upgrade(&[]).await.expect("upgraded");
+        println!("upgrade {round}: {upgraded}");
+        assert_eq!(
+            (
+                upgraded["sessions"].as_u64(),
+                upgraded["controllers"].as_u64()
+            ),
+            (Some(0), Some(1)),
+            "{upgraded}"
+        );
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        while running(pid) && std::time::Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(!running(pid), "the previous targetd did not exit");
+        if round == 0 {
+            p.child.wait().unwrap();
+        }
+        pid = upgraded["pid"].as_u64().unwrap();
+        progress(&format!("upgrade {round}")).await;
+    }
+    // `systemctl restart`: SIGTERM to the serving process, then a start with the store.
+    terminate(pid);
+    let names = manager.names();
+    assert!(
+        names
+            .iter()
+            .filter(|n| n.starts_with("targetd-nvme-"))
+            .count()
+            == 2,
+        "{names:?}: {}",
+        p.log()
+    );
+    tokio::task::block_in_place(|| p.start_again(Some(&manager)));
+    progress("restart").await;
+    assert!(manager.names().is_empty());
+    stop.store(true, Relaxed);
+    for w in workers {
+        w.await.expect("a worker failed");
+    }
+    assert_eq!(c.cntlid, cntlid);
+    let log = p.log();
+    assert_eq!(log.matches("NVMe controller adopted").count(), 3, "{log}");
 }

@@ -308,6 +308,11 @@ impl<B: Deref<Target = [u8]>> ControllerQueue<B> {
         q
     }
 
+    /// R2Ts sent and not answered in full: data the host owes.
+    pub fn r2ts_outstanding(&self) -> usize {
+        self.r2ts.len()
+    }
+
     /// What ICReq settled, once it came.
     pub fn negotiated(&self) -> Option<Negotiated> {
         self.negotiated

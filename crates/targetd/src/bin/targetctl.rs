@@ -851,11 +851,12 @@ fn print_human(request: &AdminRequest, v: &Value) {
     match (request, v) {
         (AdminRequest::ConfigDump, Value::String(s)) => print!("{s}"),
         (AdminRequest::Upgrade { .. }, Value::Object(u)) => println!(
-            "upgraded: {} (pid {}) serves {} iSCSI session(s) handed over; parked in {:.1} ms, \
-             initiators paused {:.1} ms",
+            "upgraded: {} (pid {}) serves {} iSCSI session(s) and {} NVMe/TCP controller(s) \
+             handed over; parked in {:.1} ms, initiators paused {:.1} ms",
             text(&u["binary"]),
             u["pid"],
             u["sessions"],
+            u["controllers"],
             u["parked_ms"].as_f64().unwrap_or(0.0),
             u["paused_ms"].as_f64().unwrap_or(0.0)
         ),

@@ -32,7 +32,7 @@ use super::session::Session;
 use super::wire::{Incoming, ReadError, Reader, SendStalled, Writer};
 use crate::carrier::{self, granted, Carried, Carrier, Waiting};
 use crate::config::MAX_IO;
-use crate::control::{Control, Park, Parked, Request};
+use crate::control::{Control, Park, Parked, ParkedState, Request};
 use crate::reactor::Io;
 use crate::registry::{Peer, Registry};
 use crate::target::{Core, CoreStep, Outbox, Route, Routed, Target};
@@ -640,8 +640,7 @@ async fn park(conn: &Rc<RefCell<Conn>>, reader: &Reader, peer: &Peer) -> Park {
                 state.unread = unread.to_vec();
                 Some(Parked {
                     id: peer.id,
-                    tsih,
-                    state,
+                    state: ParkedState::Iscsi { tsih, state },
                     socket,
                 })
             }

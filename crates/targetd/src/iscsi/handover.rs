@@ -26,8 +26,9 @@ use iscsi_pdu::target_node::SessionError;
 
 use super::login::Outcome;
 use super::session::{ConnectionInfo, Session};
-use crate::control::{Control, Parked};
+use crate::control::{Control, Parked, ParkedState};
 use crate::handover::{Handover, UnitHandover};
+use crate::nvme::handover::{ControllerError, ControllerHandover, NamespaceHandover};
 use crate::reactor::{Handle, Task};
 use crate::registry::{Peer, Registry};
 use crate::unit::next_id;
@@ -60,6 +61,9 @@ pub enum ParkError {
     /// command while parking.
     #[error("session {0:#x} changed while it was parked")]
     Changed(u16),
+    /// An NVMe/TCP controller's queues changed while parking.
+    #[error(transparent)]
+    Controller(#[from] ControllerError),
 }
 
 /// Every handed-over session parked: their states and sockets, and the units' states, for
@@ -72,6 +76,10 @@ pub struct ParkedSessions {
     /// Every unit's state beyond its nexuses (reservations, mode pages), taken once every
     /// session was parked.
     pub units: Vec<UnitHandover>,
+    /// Each NVMe/TCP controller's state with its queues' sockets ([`crate::nvme::handover`]).
+    pub controllers: Vec<ControllerHandover>,
+    /// Every NVMe namespace's reservations.
+    pub namespaces: Vec<NamespaceHandover>,
     /// The parked connections' controls: told to serve on when this is dropped, or to let
     /// go once released.
     controls: Vec<Arc<Control>>,
@@ -113,6 +121,8 @@ pub async fn park_sessions(
     let mut parked = ParkedSessions {
         sessions: Vec::new(),
         units: Vec::new(),
+        controllers: Vec::new(),
+        namespaces: Vec::new(),
         controls: Vec::new(),
         frozen: Vec::new(),
     };
@@ -133,7 +143,13 @@ pub async fn park_sessions(
         }
         asked.push((session, conns));
     }
-    let expected: usize = asked.iter().map(|(_, c)| c.len()).sum();
+    // NVMe/TCP controllers park beside them, on the same deadline.
+    let controllers = crate::nvme::handover::ask(registry, &tx);
+    parked
+        .controls
+        .extend(controllers.iter().flat_map(|a| a.controls().cloned()));
+    let expected: usize = asked.iter().map(|(_, c)| c.len()).sum::<usize>()
+        + controllers.iter().map(|a| a.ids().count()).sum::<usize>();
     let mut reports: BTreeMap<u64, Parked> = BTreeMap::new();
     let deadline = tokio::time::Instant::now() + within;
     let mut tick = tokio::time::interval(REOPEN_TICK);
@@ -145,6 +161,10 @@ pub async fn park_sessions(
                 }
             }
             _ = tick.tick() => {
+                // A queue that left never reports: the park fails now.
+                if let Some(a) = controllers.iter().find(|a| !a.unchanged(registry)) {
+                    return Err(ParkError::Controller(a.changed()));
+                }
                 // Of two connections of a session, one may have stopped with the next
                 // command in its socket while the other read the one after, which then waits
                 // for it: the stopped ones are asked to park anew, and read on to the gap's
@@ -195,6 +215,7 @@ pub async fn park_sessions(
                                 )
                             })
                     })
+                    .chain(controllers.iter().filter(|a| a.ids().any(|id| !reports.contains_key(&id))).map(|a| a.describe()))
                     .collect();
                 return Err(ParkError::Timeout {
                     left: expected - reports.len(),
@@ -212,9 +233,13 @@ pub async fn park_sessions(
         let mut sockets = Vec::with_capacity(conns.len());
         for c in &conns {
             match reports.remove(&c.id) {
-                Some(p) if same && p.tsih == session.tsih => {
-                    states.push(p.state);
-                    sockets.push(p.socket);
+                Some(Parked {
+                    state: ParkedState::Iscsi { tsih, state },
+                    socket,
+                    ..
+                }) if same && tsih == session.tsih => {
+                    states.push(state);
+                    sockets.push(socket);
                 }
                 _ => return Err(ParkError::Changed(session.tsih)),
             }
@@ -224,6 +249,9 @@ pub async fn park_sessions(
             .ok_or(ParkError::Changed(session.tsih))?;
         parked.sessions.push((state, sockets));
     }
+    let (nvme, namespaces) = crate::nvme::handover::gather(registry, &controllers, &mut reports)?;
+    parked.controllers = nvme;
+    parked.namespaces = namespaces;
     // Nothing of the parked sessions runs now: their units' reservations and mode pages are
     // what the successor must start from.
     for target in registry.targets() {
@@ -270,6 +298,9 @@ pub enum AdoptError {
     /// No reactor runs.
     #[error("no reactor runs")]
     NoReactor,
+    /// An NVMe/TCP controller was not taken in.
+    #[error(transparent)]
+    Controller(#[from] ControllerError),
 }
 
 /// Sessions taken in ([`adopt`]), their connections on the reactors but not reading or
@@ -280,6 +311,8 @@ pub enum AdoptError {
 pub struct Adopted {
     /// Their TSIHs.
     pub tsihs: Vec<u16>,
+    /// The NVMe/TCP controllers taken in beside them, by CNTLID.
+    pub cntlids: Vec<u16>,
     go: watch::Sender<bool>,
 }
 
@@ -313,12 +346,20 @@ pub fn adopt(
     reactors: &[Handle],
     handover: Handover,
 ) -> Result<Adopted, AdoptError> {
-    let Handover { units, sessions } = handover;
+    let Handover {
+        units,
+        sessions,
+        namespaces,
+        controllers,
+    } = handover;
     let mut prepared = Vec::with_capacity(sessions.len());
     for (state, sockets) in sessions {
         let (target, initiator, conns) = prepare(registry, reactors, &state, sockets)?;
         prepared.push((state, target, initiator, conns));
     }
+    // The NVMe/TCP controllers, every one or none, before any session is entered: a
+    // session refused below takes them out again.
+    let nvme = crate::nvme::handover::adopt(registry, reactors, controllers, namespaces)?;
     // The units first, so that the sessions find their reservations as they left them. A
     // unit this process does not serve under that target and LUN, or serves with another
     // serial number (another unit), keeps its own state.
@@ -350,6 +391,7 @@ pub fn adopt(
         match registry.sessions.adopt(&state, &initiator, target, infos) {
             Ok(session) => entered.push((session, conns)),
             Err(e) => {
+                crate::nvme::handover::undo(&nvme);
                 for (session, conns) in entered {
                     for c in &conns {
                         registry.sessions.leave(&session, c.peer.id);
@@ -365,6 +407,7 @@ pub fn adopt(
     }
     let settings = registry.settings();
     let (go, waiting) = watch::channel(false);
+    let cntlids = crate::nvme::handover::spawn(registry, nvme, &waiting);
     let mut tsihs = Vec::with_capacity(entered.len());
     for (session, conns) in entered {
         tsihs.push(session.tsih);
@@ -421,7 +464,7 @@ pub fn adopt(
             }
         }
     }
-    Ok(Adopted { tsihs, go })
+    Ok(Adopted { tsihs, cntlids, go })
 }
 
 /// Checks a handed-over session against this process (its target served here, its initiator

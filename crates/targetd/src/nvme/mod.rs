@@ -7,6 +7,7 @@
 //! reactor engines and arenas, the same counters), and a connection's events are carried by
 //! the one carrier every transport uses.
 
+pub mod handover;
 pub mod queue;
 pub mod rdma;
 pub mod subsystem;

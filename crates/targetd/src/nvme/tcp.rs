@@ -24,7 +24,7 @@ use tokio::net::TcpStream;
 use super::queue::Link;
 use super::NvmeSubsystem;
 use crate::carrier::{self, granted, Carrier};
-use crate::control::{Control, Request};
+use crate::control::{Control, Park, Request};
 use crate::iscsi::connection::{wait_for, CONNECTION_SHARE};
 use crate::iscsi::wire::write_all_vectored;
 use crate::reactor::Io;
@@ -56,6 +56,30 @@ pub fn settings(nvme: &crate::config::Nvme) -> QueueSettings {
 
 /// Serves a new NVMe/TCP connection until the host or the daemon ends it.
 pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
+    let machine = ControllerConnection::new(settings(&registry.config().nvme));
+    serve_machine(stream, io, registry, machine, None).await;
+}
+
+/// Serves a connection another process handed over (an upgrade's successor,
+/// [`super::handover`]): `machine` resumed from its state and bound to its queue of
+/// `subsystem`'s controller, which took the controller in.
+pub async fn resume(
+    stream: TcpStream,
+    io: Rc<Io>,
+    registry: Arc<Registry>,
+    machine: ControllerConnection<Buffer>,
+    subsystem: Arc<NvmeSubsystem>,
+) {
+    serve_machine(stream, io, registry, machine, Some(subsystem)).await;
+}
+
+async fn serve_machine(
+    stream: TcpStream,
+    io: Rc<Io>,
+    registry: Arc<Registry>,
+    mut machine: ControllerConnection<Buffer>,
+    subsystem: Option<Arc<NvmeSubsystem>>,
+) {
     let Ok(peer) = stream.peer_addr() else {
         return;
     };
@@ -64,22 +88,46 @@ pub async fn serve(stream: TcpStream, io: Rc<Io>, registry: Arc<Registry>) {
     let control = Arc::new(Control::default());
     registry.register(id, control.clone());
     let share = Share::new(&io.arena, io.arena.len() / CONNECTION_SHARE);
-    let mut machine = ControllerConnection::new(settings(&registry.config().nvme));
     if let Ok(local) = stream.local_addr() {
         machine.set_local_address(local.ip());
     }
     let mut conn = Conn {
         machine,
         carrier: Carrier::single(io, share),
-        subsystem: None,
+        subsystem,
         poked: false,
         units: UnitCache::default(),
     };
-    match run(&mut conn, stream, &registry, &control, peer).await {
-        Ok(()) => tracing::debug!(%peer, "NVMe/TCP connection closed"),
+    let ended = run(&mut conn, stream, &registry, &control, peer, id).await;
+    finish(&mut conn, ended, &registry, id, peer).await;
+}
+
+/// How a connection's loop ended.
+enum Ended {
+    /// The host, the daemon or an error closed it.
+    Closed,
+    /// Another process serves it now (an upgrade's handover): it ends here without a word
+    /// and without leaving its controller.
+    Released,
+}
+
+/// Ends a connection as its loop ended: closed, it leaves its controller once its block
+/// operations ended; released, it just goes.
+async fn finish(
+    conn: &mut Conn,
+    ended: std::io::Result<Ended>,
+    registry: &Registry,
+    id: u64,
+    peer: SocketAddr,
+) {
+    match &ended {
+        Ok(Ended::Closed) => tracing::debug!(%peer, "NVMe/TCP connection closed"),
+        Ok(Ended::Released) => tracing::debug!(%peer, "NVMe/TCP connection handed over"),
         Err(e) => tracing::info!(%peer, "NVMe/TCP connection ends: {e}"),
     }
-    conn.close().await;
+    if !matches!(ended, Ok(Ended::Released)) {
+        conn.close().await;
+    }
     registry.unregister(id);
 }
 
@@ -196,10 +244,12 @@ async fn run(
     conn: &mut Conn,
     stream: TcpStream,
     registry: &Registry,
-    control: &Control,
+    control: &Arc<Control>,
     peer: SocketAddr,
-) -> std::io::Result<()> {
+    id: u64,
+) -> std::io::Result<Ended> {
     let (mut rd, mut wr) = stream.into_split();
+    let mut entered = false;
     let stall = Duration::from_secs(registry.config().server.send_timeout);
     let inbox = conn.carrier.inbox().clone();
     let share = conn.carrier.waits.share().clone();
@@ -211,7 +261,7 @@ async fn run(
     loop {
         if conn.subsystem.as_ref().is_some_and(|s| s.is_removed()) {
             tracing::info!(%peer, "NVMe/TCP connection ends: its subsystem was removed");
-            return Ok(());
+            return Ok(Ended::Closed);
         }
         conn.pump(registry, peer);
         // Tracing on, or just turned off (its points then go off too).
@@ -232,11 +282,40 @@ async fn run(
             batch.clear();
         }
         if conn.machine.is_over() {
-            return Ok(());
+            return Ok(Ended::Closed);
         }
         if control.get() >= Request::Logout {
             // NVMe/TCP has no logout to ask for: the host reconnects (ctrl_loss_tmo).
-            return Ok(());
+            return Ok(Ended::Closed);
+        }
+        if !entered {
+            if let (Some(queue), Some(subsystem)) = (conn.machine.bound(), &conn.subsystem) {
+                entered = true;
+                registry.nvme_queue_bound(
+                    id,
+                    crate::registry::NvmeQueue {
+                        subsystem: subsystem.clone(),
+                        queue,
+                        control: control.clone(),
+                    },
+                );
+            }
+        }
+        let parking = control.parking() == Park::Park;
+        if parking {
+            if let Ok(state) = conn.machine.handover() {
+                match park(control, id, &rd, state).await {
+                    Park::Release => {
+                        // Without shutting the sending direction down (which dropping the
+                        // write half would do, ending the connection for the other
+                        // process too): only the descriptor is closed, with the read half.
+                        wr.forget();
+                        return Ok(Ended::Released);
+                    }
+                    // Serves on where it stopped: its keep alive counts from now.
+                    _ => continue,
+                }
+            }
         }
         let admin = conn.machine.bound().is_some_and(|q| q.qid == 0);
         if conn.machine.bound().is_some() && events.is_none() {
@@ -266,8 +345,8 @@ async fn run(
                 // into its arena buffer, and no other time.
                 conn.machine.reserve_for_read(READ_RESERVE);
                 rd.read_buf(conn.machine.receive_buffer())
-            } => match r? {
-                0 => return Ok(()),
+            }, if !parking || conn.machine.queue().r2ts_outstanding() > 0 => match r? {
+                0 => return Ok(Ended::Closed),
                 _ => {
                     conn.carrier.io().active();
                     conn.machine.received()
@@ -280,7 +359,9 @@ async fn run(
                 let b = b.map_err(|e| tracing::error!("buffer for command {tag:#x}: {e}")).ok();
                 conn.machine.handle_buffer(Instant::now(), tag, b);
             }
-            _ = &mut timer, if due.is_some() => {
+            // While parking only the data its R2Ts asked for is read: new commands wait in
+            // the socket, for whichever process serves next.
+            _ = &mut timer, if due.is_some() && !parking => {
                 if let Some(s) = &conn.subsystem {
                     s.with_machine(|m| conn.machine.handle_timeout(Instant::now(), m));
                 }
@@ -300,6 +381,48 @@ async fn run(
                 }
             }
             _ = wait_for(control, Request::Logout) => {}
+            _ = control.reader.notified() => {}
+        }
+    }
+}
+
+/// A quiescent queue: reports its state and a duplicate of its socket to the handover, then
+/// waits for its word: [`Park::Release`] (another process serves it now) or [`Park::Serve`]
+/// (the handover was withdrawn: it serves on where it stopped). Nothing is read or sent
+/// meanwhile; the host's PDUs wait in the socket.
+async fn park(
+    control: &Control,
+    id: u64,
+    rd: &tokio::net::tcp::OwnedReadHalf,
+    state: nvme::handover::QueueState,
+) -> Park {
+    use std::os::fd::AsFd;
+    let socket = match rd.as_ref().as_fd().try_clone_to_owned() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("parking an NVMe/TCP queue: duplicating the socket: {e}");
+            // Not reported: the park fails at its deadline and everything serves on.
+            return wait_unparked(control).await;
+        }
+    };
+    let parked = crate::control::Parked {
+        id,
+        state: crate::control::ParkedState::NvmeTcp(state),
+        socket,
+    };
+    if !control.report(parked) {
+        return Park::Serve;
+    }
+    wait_unparked(control).await
+}
+
+/// Waits until the park request is no longer `Park`.
+async fn wait_unparked(control: &Control) -> Park {
+    loop {
+        let notified = control.reader.notified();
+        match control.parking() {
+            Park::Park => notified.await,
+            other => return other,
         }
     }
 }

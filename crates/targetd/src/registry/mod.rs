@@ -63,6 +63,8 @@ pub struct Registry {
     pub started: Instant,
     stopping: AtomicBool,
     controls: Mutex<HashMap<u64, Arc<Control>>>,
+    /// NVMe/TCP connections bound to a queue, by connection id: what a handover parks.
+    nvme_queues: Mutex<HashMap<u64, NvmeQueue>>,
     /// Connections accepted and not yet closed (`server.max_connections`).
     open: Arc<AtomicUsize>,
     /// What the connections, ports and reactors counted.
@@ -158,6 +160,7 @@ impl Registry {
             started: Instant::now(),
             stopping: AtomicBool::new(false),
             controls: Mutex::new(HashMap::new()),
+            nvme_queues: Mutex::default(),
             engine: Mutex::new(String::new()),
             refusals: Mutex::new((None, 0)),
             portals: Mutex::new(portals),
@@ -403,6 +406,20 @@ impl Registry {
     /// Forgets a connection.
     pub fn unregister(&self, id: u64) {
         lock(&self.controls).remove(&id);
+        lock(&self.nvme_queues).remove(&id);
+    }
+
+    /// Records that NVMe/TCP connection `id` serves a queue (Connect bound it).
+    pub fn nvme_queue_bound(&self, id: u64, queue: NvmeQueue) {
+        lock(&self.nvme_queues).insert(id, queue);
+    }
+
+    /// The NVMe/TCP connections bound to a queue, with their ids.
+    pub fn nvme_queues(&self) -> Vec<(u64, NvmeQueue)> {
+        lock(&self.nvme_queues)
+            .iter()
+            .map(|(id, q)| (*id, q.clone()))
+            .collect()
     }
 
     /// A place for one more connection, `None` when `server.max_connections` are open: the
@@ -1229,4 +1246,15 @@ impl Listeners {
         self.accepting.push((text, at, task, kept));
         Ok(at)
     }
+}
+
+/// An NVMe/TCP connection bound to a queue, as a handover finds it.
+#[derive(Clone)]
+pub struct NvmeQueue {
+    /// Its subsystem.
+    pub subsystem: Arc<NvmeSubsystem>,
+    /// The queue: controller, QID, size.
+    pub queue: nvme::controller::Queue,
+    /// Its control (park, serve, release).
+    pub control: Arc<Control>,
 }

@@ -64,6 +64,8 @@ pub fn load_at(
 pub struct Program {
     pub child: std::process::Child,
     pub addr: std::net::SocketAddr,
+    /// Its first NVMe/TCP portal, when it has one.
+    pub nvme: Option<std::net::SocketAddr>,
     pub socket: std::path::PathBuf,
     pub dir: tempfile::TempDir,
 }
@@ -86,10 +88,11 @@ impl Program {
             socket.display()
         );
         std::fs::write(dir.path().join("config.toml"), text).unwrap();
-        let (child, addr) = spawn(dir.path(), manager);
+        let (child, addr, nvme) = spawn(dir.path(), manager);
         Program {
             child,
             addr,
+            nvme,
             socket,
             dir,
         }
@@ -98,9 +101,10 @@ impl Program {
     /// Starts targetd again on the same config (the previous one has ended), under
     /// `manager` as [`start_with`](Self::start_with) does: `systemctl restart`'s start.
     pub fn start_again(&mut self, manager: Option<&Manager>) {
-        let (child, addr) = spawn(self.dir.path(), manager);
+        let (child, addr, nvme) = spawn(self.dir.path(), manager);
         self.child = child;
         self.addr = addr;
+        self.nvme = nvme;
     }
 
     /// What targetd logged so far (its stderr, in `targetd.log` of its directory).
@@ -217,8 +221,15 @@ pub fn terminate(pid: u64) {
 
 /// Starts targetd on `dir`'s config.toml (under `manager`: its notification socket, and
 /// what its store holds passed as systemd passes it), its stderr appended to `targetd.log`
-/// there; returns it and the portal it says it listens on.
-fn spawn(dir: &Path, manager: Option<&Manager>) -> (std::process::Child, std::net::SocketAddr) {
+/// there; returns it, the portal it says it listens on and its first NVMe/TCP portal.
+fn spawn(
+    dir: &Path,
+    manager: Option<&Manager>,
+) -> (
+    std::process::Child,
+    std::net::SocketAddr,
+    Option<std::net::SocketAddr>,
+) {
     use std::io::BufRead;
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -249,7 +260,9 @@ fn spawn(dir: &Path, manager: Option<&Manager>) -> (std::process::Child, std::ne
     // The child has its copies.
     drop(passed);
     let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let addr = loop {
+    let (mut addr, mut nvme) = (None, None);
+    // Its last line of the start says the engine.
+    loop {
         let line = match lines.next() {
             Some(line) => line.unwrap(),
             None => panic!(
@@ -258,12 +271,19 @@ fn spawn(dir: &Path, manager: Option<&Manager>) -> (std::process::Child, std::ne
             ),
         };
         if let Some(a) = line.strip_prefix("targetd: listening on ") {
-            break a.parse().unwrap();
+            addr = addr.or(Some(a.parse().unwrap()));
         }
-    };
+        if let Some(a) = line.strip_prefix("targetd: NVMe/TCP on ") {
+            nvme = nvme.or(Some(a.parse().unwrap()));
+        }
+        if line.starts_with("targetd: engine ") {
+            break;
+        }
+    }
+    let addr = addr.expect("targetd said where it listens");
     // The rest (its successors' too: they inherit the pipe) is read and dropped.
     std::thread::spawn(move || lines.for_each(drop));
-    (child, addr)
+    (child, addr, nvme)
 }
 
 /// A stand-in for systemd's service manager as targetd meets it: the datagram socket
