@@ -256,7 +256,8 @@ pub struct Server {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub save_on_change: bool,
     /// On SIGTERM from a service manager with a file descriptor store (systemd's
-    /// `FileDescriptorStoreMax=`), park the iSCSI/TCP sessions and put their connections,
+    /// `FileDescriptorStoreMax=`), park the iSCSI/TCP sessions and NVMe/TCP controllers and
+    /// put their connections,
     /// the listening sockets and the sessions' state in the store instead of asking the
     /// initiators to log out, so that the next start (`systemctl restart`) serves them on
     /// where they stopped. A stop that is not followed by a start then closes those

@@ -119,10 +119,10 @@ enum Command {
         action: TraceAction,
     },
     /// Replaces the running targetd by a new binary without ending a session: the new one
-    /// (its `--check` first) takes over every listening socket and every iSCSI/TCP session on
-    /// its connection (initiators see a pause, no logout); the old one then exits. iSER and
-    /// SRP sessions and NVMe/TCP controllers are asked to log out or are closed, and
-    /// reconnect. Any failure leaves the old one serving every session as before.
+    /// (its `--check` first) takes over every listening socket, every iSCSI/TCP session and
+    /// every NVMe/TCP controller on its connections (initiators see a pause, no logout); the
+    /// old one then exits. iSER and SRP sessions are asked to log out and reconnect. Any
+    /// failure leaves the old one serving every session as before.
     Upgrade {
         /// The new binary (default: the running one's path, as after a package upgrade).
         #[arg(long)]
