@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::program::{load, load_at, running, terminate, Program};
+use common::program::{load, load_at, load_nvme, nvme_server, running, terminate, Program};
 use common::raw::{read, write, Raw};
 use common::{config, keys, memory_target, opts, pattern, pr_out, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
@@ -529,11 +529,14 @@ async fn libiscsi_reads_on_across_an_upgrade() {
 /// each; then an upgrade to the real binary succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_upgrade_leaves_the_running_targetd_serving() {
-    let mut first = Program::start();
+    const NQN: &str = "nqn.2026-12.io.example:failed";
+    let mut first = Program::start_with(&nvme_server(NQN), None);
     let s = Arc::new(first.session(opts()).await);
     let tsih = s.info().tsih;
     let _ = s.capacity().await;
     let (stop, done, workers) = load(&s);
+    let c = Arc::new(first.nvme_controller(NQN).await);
+    let (stop_nvme, done_nvme, workers_nvme) = load_nvme(&c);
     let pid = u64::from(first.child.id());
     // A new binary that refuses the config, one that never connects, and one per failure
     // the successor injects (TARGETD_UPGRADE_FAULT), each with what the refusal says.
@@ -567,6 +570,7 @@ async fn a_failed_upgrade_leaves_the_running_targetd_serving() {
     }
     for (name, binary, said) in &cases {
         let before = done.load(Relaxed);
+        let before_nvme = done_nvme.load(Relaxed);
         let failed = first
             .upgrade(&["--binary", binary, "--start-timeout", "2s"])
             .await
@@ -579,6 +583,10 @@ async fn a_failed_upgrade_leaves_the_running_targetd_serving() {
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert!(done.load(Relaxed) > before, "{name}: the I/O stopped");
+        assert!(
+            done_nvme.load(Relaxed) > before_nvme,
+            "{name}: the NVMe/TCP I/O stopped"
+        );
         let status = first.status();
         assert_eq!(
             (status["pid"].as_u64(), status["sessions"].as_u64()),
@@ -596,15 +604,21 @@ async fn a_failed_upgrade_leaves_the_running_targetd_serving() {
     }
     let upgraded = first.upgrade(&[]).await.expect("upgraded at last");
     assert_eq!(upgraded["sessions"], 1);
+    assert_eq!(upgraded["controllers"], 1);
     assert!(first.child.wait().unwrap().success());
-    let before = done.load(Relaxed);
+    let (before, before_nvme) = (done.load(Relaxed), done_nvme.load(Relaxed));
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert!(
         done.load(Relaxed) > before,
         "the I/O stopped after the upgrade"
     );
+    assert!(
+        done_nvme.load(Relaxed) > before_nvme,
+        "the NVMe/TCP I/O stopped after the upgrade"
+    );
     stop.store(true, Relaxed);
-    for w in workers {
+    stop_nvme.store(true, Relaxed);
+    for w in workers.into_iter().chain(workers_nvme) {
         w.await.expect("a worker failed");
     }
     assert_eq!(s.info().tsih, tsih);
@@ -617,44 +631,13 @@ async fn a_failed_upgrade_leaves_the_running_targetd_serving() {
 /// reconnect), each new process says it took the controller in, the old ones exit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_nvme_tcp_controller_goes_on_across_upgrades_and_a_restart() {
-    use initiator_bench::nvme::{NvmeController, NvmeOptions, NvmeUrl};
     const NQN: &str = "nqn.2026-12.io.example:upgrade";
     let manager = common::program::Manager::new();
-    let server = format!(
-        "restart_keeps_sessions = true\nnvme_portals = [\"127.0.0.1:0\"]\n\n[[subsystems]]\n\
-         nqn = \"{NQN}\"\n\n[[subsystems.namespaces]]\nnsid = 1\nbackend = \"file\"\n\
-         path = \"ns.img\"\nsize = \"64MiB\"\n"
-    );
+    let server = format!("restart_keeps_sessions = true\n{}", nvme_server(NQN));
     let mut p = Program::start_with(&server, Some(&manager));
-    let url = NvmeUrl::parse(&format!("nvme://{}/{NQN}/1", p.nvme.unwrap())).unwrap();
-    let o = NvmeOptions {
-        digests: nvme::tcp::Digests {
-            header: true,
-            data: true,
-        },
-        ..NvmeOptions::default()
-    };
-    let c = Arc::new(NvmeController::connect(&url, &o).await.expect("connect"));
+    let c = Arc::new(p.nvme_controller(NQN).await);
     let cntlid = c.cntlid;
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let workers: Vec<_> = (0..4u64)
-        .map(|w| {
-            let (c, stop, done) = (c.clone(), stop.clone(), done.clone());
-            tokio::spawn(async move {
-                let mut k = 0u64;
-                while !stop.load(Relaxed) {
-                    let lba = w * 256 + (k % 8) * 16;
-                    let data = pattern(8192, (w * 1000 + k) as usize);
-                    c.write(lba, data.clone()).await.expect("write");
-                    let back = c.read(lba, 16).await.expect("read");
-                    assert!(back == data, "worker {w} round {k}: other data read back");
-                    done.fetch_add(1, Relaxed);
-                    k += 1;
-                }
-            })
-        })
-        .collect();
+    let (stop, done, workers) = load_nvme(&c);
     let progress = |what: &str| {
         let (done, what) = (done.clone(), what.to_string());
         async move {

@@ -58,6 +58,48 @@ pub fn load_at(
     (stop, done, workers)
 }
 
+/// As [`load`], on an NVMe/TCP controller's namespace: four workers, each writing 8 KiB
+/// into its own 256 blocks and reading it back at once.
+#[allow(clippy::type_complexity)]
+pub fn load_nvme(
+    c: &Arc<initiator_bench::nvme::NvmeController>,
+) -> (
+    Arc<AtomicBool>,
+    Arc<AtomicU64>,
+    Vec<tokio::task::JoinHandle<()>>,
+) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let workers = (0..4u64)
+        .map(|w| {
+            let (c, stop, done) = (c.clone(), stop.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut k = 0u64;
+                while !stop.load(Relaxed) {
+                    let lba = w * 256 + (k % 8) * 16;
+                    let data = pattern(8192, (w * 1000 + k) as usize);
+                    c.write(lba, data.clone()).await.expect("write");
+                    let back = c.read(lba, 16).await.expect("read");
+                    assert!(back == data, "worker {w} round {k}: other data read back");
+                    done.fetch_add(1, Relaxed);
+                    k += 1;
+                }
+            })
+        })
+        .collect();
+    (stop, done, workers)
+}
+
+/// The `[server]` lines (and the subsystem after them) of a Program with an NVMe/TCP portal
+/// and subsystem `nqn` with a 64 MiB file namespace.
+pub fn nvme_server(nqn: &str) -> String {
+    format!(
+        "nvme_portals = [\"127.0.0.1:0\"]\n\n[[subsystems]]\nnqn = \"{nqn}\"\n\n\
+         [[subsystems.namespaces]]\nnsid = 1\nbackend = \"file\"\npath = \"ns.img\"\n\
+         size = \"64MiB\"\n"
+    )
+}
+
 /// targetd run as a program (its binary), as an upgrade needs: its own process, its config
 /// and a file LUN in a directory of its own, its stdout read for the portal it listens on.
 /// Its log level is `TEST_TARGETD_LOG` (as `RUST_LOG`; `info` when unset).
@@ -73,6 +115,21 @@ pub struct Program {
 impl Program {
     pub fn start() -> Program {
         Program::start_with("", None)
+    }
+
+    /// A controller of its subsystem `nqn` (namespace 1) through its NVMe/TCP portal, with
+    /// header and data digests.
+    pub async fn nvme_controller(&self, nqn: &str) -> initiator_bench::nvme::NvmeController {
+        use initiator_bench::nvme::{NvmeController, NvmeOptions, NvmeUrl};
+        let url = NvmeUrl::parse(&format!("nvme://{}/{nqn}/1", self.nvme.unwrap())).unwrap();
+        let o = NvmeOptions {
+            digests: nvme::tcp::Digests {
+                header: true,
+                data: true,
+            },
+            ..NvmeOptions::default()
+        };
+        NvmeController::connect(&url, &o).await.expect("connect")
     }
 
     /// Starts targetd with `server` (lines) added to its `[server]` table, under `manager`
