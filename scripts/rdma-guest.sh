@@ -171,6 +171,19 @@ start_targetd() {
   for i in $(seq 1 100); do wget -qO /dev/null http://127.0.0.1:9100/metrics && return 0; sleep 0.1; done
   fail "targetd did not start"
 }
+# start_iscsid INITIATOR [CONF]: open-iscsi's iscsid for initiator name INITIATOR, its
+# iscsid.conf `node.startup = manual` and then CONF's lines (printf's escapes), its log in
+# /tmp/iscsid.log. iscsid lets only root's iscsiadm in, by name: /etc/passwd and /etc/group
+# name root.
+start_iscsid() {
+  mkdir -p /etc/iscsi/nodes /etc/iscsi/send_targets /etc/iscsi/ifaces /run/lock/iscsi /var/lock /var/lib/iscsi
+  echo "InitiatorName=$1" > /etc/iscsi/initiatorname.iscsi
+  echo "root:x:0:0:root:/root:/bin/sh" > /etc/passwd
+  echo "root:x:0:" > /etc/group
+  printf "node.startup = manual\n${2:-}" > /etc/iscsi/iscsid.conf
+  /bin/iscsid -f > /tmp/iscsid.log 2>&1 &
+  sleep 1
+}
 # find_disk WHO: waits for the SCSI disk an initiator made and sets $disk.
 find_disk() {
   disk=

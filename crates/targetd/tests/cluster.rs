@@ -1335,14 +1335,8 @@ async fn linux_multipath_fails_over_to_a_standby_gateway() {
 /// puts them in two path groups with the alua handler; 256 direct 64 KiB writes go through
 /// it, the host kills A after the 64th, and everything is read back.
 const LINUX_MULTIPATH: &str = r#"
-mkdir -p /etc/iscsi/nodes /etc/iscsi/send_targets /etc/iscsi/ifaces /run/lock/iscsi /var/lock /var/lib/iscsi
-echo "InitiatorName=iqn.2026-11.io.example:linux-multipath" > /etc/iscsi/initiatorname.iscsi
-echo "root:x:0:0:root:/root:/bin/sh" > /etc/passwd
-echo "root:x:0:" > /etc/group
 # What dm-multipath hosts set: a lost path is given up after a few seconds, not open-iscsi's 120.
-printf 'node.startup = manual\nnode.session.timeo.replacement_timeout = @REPLACEMENT@\n' > /etc/iscsi/iscsid.conf
-/bin/iscsid -f > /tmp/iscsid.log 2>&1 &
-sleep 1
+start_iscsid iqn.2026-11.io.example:linux-multipath 'node.session.timeo.replacement_timeout = @REPLACEMENT@\n'
 disks() { ls -d /sys/block/sd* 2>/dev/null | wc -l; }
 login() {
   /bin/iscsiadm -m node -o new -T @TARGET@ -p 10.0.2.2:$1 > /dev/null || fail "linux multipath: node $1"

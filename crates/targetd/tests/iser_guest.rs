@@ -204,14 +204,7 @@ url=iser://$RDMA_ADDR:3260/@TARGET@/0
 /bin/iscsi-inq $url > /tmp/inq 2>&1 || { cat /tmp/inq /tmp/targetd.log; exit 1; }
 grep -q "Peripheral" /tmp/inq && echo "iser: iscsi-inq answered before Linux's initiator"
 # Linux's iSER initiator: discovery over TCP, the node bound to the iser interface.
-mkdir -p /etc/iscsi/nodes /etc/iscsi/send_targets /etc/iscsi/ifaces /run/lock/iscsi /var/lock /var/lib/iscsi
-echo "InitiatorName=iqn.2026-11.io.example:linux-iser" > /etc/iscsi/initiatorname.iscsi
-# iscsid lets only root's iscsiadm in, by name.
-echo "root:x:0:0:root:/root:/bin/sh" > /etc/passwd
-echo "root:x:0:" > /etc/group
-printf 'node.startup = manual\nnode.session.timeo.replacement_timeout = 20\n' > /etc/iscsi/iscsid.conf
-/bin/iscsid -f > /tmp/iscsid.log 2>&1 &
-sleep 1
+start_iscsid iqn.2026-11.io.example:linux-iser 'node.session.timeo.replacement_timeout = 20\n'
 /bin/iscsiadm -m discovery -t st -p $RDMA_ADDR:3260 -I iser || fail "linux iser: discovery failed"
 /bin/iscsiadm -m node -T @TARGET@ -p $RDMA_ADDR:3260 -I iser --login || fail "linux iser: login failed"
 find_disk "linux iser"

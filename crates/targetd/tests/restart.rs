@@ -7,14 +7,10 @@
 
 mod common;
 
-use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::program::{load, load_at, running, Manager, Program};
-use common::{keys, opts, pr_out};
-use iscsi_pdu::negotiation::DigestAlgorithm;
-use iscsi_pdu::ScsiStatus;
+use common::opts;
+use common::program::{running, Manager, Program, TwoSessions};
 
 const KEEP: &str = "restart_keeps_sessions = true";
 
@@ -36,24 +32,7 @@ fn stop(p: &mut Program) -> std::process::ExitStatus {
 async fn a_restart_through_the_store_keeps_every_session_on_its_connection() {
     let manager = Manager::new();
     let mut p = Program::start_with(KEEP, Some(&manager));
-    let mut o = opts();
-    o.settings.header_digest = vec![DigestAlgorithm::Crc32c];
-    o.settings.data_digest = vec![DigestAlgorithm::Crc32c];
-    let digests = Arc::new(p.session(o).await);
-    let mut o = opts();
-    o.initiator_name = "iqn.2026-11.io.example:mcs".into();
-    o.connections = 2;
-    o.settings.operational.max_connections = 2;
-    let mcs = Arc::new(p.session(o).await);
-    assert_eq!(mcs.info().connections, 2);
-    let tsihs = [digests.info().tsih, mcs.info().tsih];
-    // The unit attention of a new nexus, taken before the reservation.
-    let _ = digests.capacity().await;
-    let _ = mcs.capacity().await;
-    let cmd = pr_out(digests.lun(), 0x00, 0, 0, 0xb2, false);
-    assert_eq!(digests.execute(cmd).await.unwrap().status, ScsiStatus::GOOD);
-    let (stop_a, done_a, workers_a) = load(&digests);
-    let (stop_b, done_b, workers_b) = load_at(&mcs, 4096);
+    let two = TwoSessions::start(&p).await;
     for round in 0..2 {
         tokio::time::sleep(Duration::from_millis(300)).await;
         let old = u64::from(p.child.id());
@@ -87,18 +66,9 @@ async fn a_restart_through_the_store_keeps_every_session_on_its_connection() {
         assert_eq!(status["connections"], 3, "{status}");
         // Taken out of the store before the sessions were served.
         assert!(manager.names().is_empty(), "{:?}", manager.names());
-        let (a, b) = (done_a.load(Relaxed), done_b.load(Relaxed));
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(done_a.load(Relaxed) > a, "the session with digests stopped");
-        assert!(done_b.load(Relaxed) > b, "the MC/S session stopped");
+        two.go_on(&format!("restart {round}")).await;
     }
-    stop_a.store(true, Relaxed);
-    stop_b.store(true, Relaxed);
-    for w in workers_a.into_iter().chain(workers_b) {
-        w.await.expect("a worker failed");
-    }
-    assert_eq!([digests.info().tsih, mcs.info().tsih], tsihs);
-    assert_eq!(keys(&digests).await, [0xb2]);
+    two.finish().await;
     let log = p.log();
     if std::env::var_os("TEST_PRINT_LOG").is_some() {
         println!("{log}");

@@ -22,15 +22,8 @@ use common::program::{Manager, Program};
 use common::{guest, TARGET};
 
 const GUEST_SCRIPT: &str = r#"
-mkdir -p /etc/iscsi/nodes /etc/iscsi/send_targets /etc/iscsi/ifaces /run/lock/iscsi /var/lock /var/lib/iscsi
-echo "InitiatorName=iqn.2026-12.io.example:linux-restart" > /etc/iscsi/initiatorname.iscsi
-# iscsid lets only root's iscsiadm in, by name.
-echo "root:x:0:0:root:/root:/bin/sh" > /etc/passwd
-echo "root:x:0:" > /etc/group
 # open-iscsi's defaults (NOP-Outs every 5 s, replacement_timeout 120 s), but no automatic login.
-printf 'node.startup = manual\n' > /etc/iscsi/iscsid.conf
-/bin/iscsid -f > /tmp/iscsid.log 2>&1 &
-sleep 1
+start_iscsid iqn.2026-12.io.example:linux-restart
 /bin/iscsiadm -m node -o new -T @TARGET@ -p 10.0.2.2:@PORT@ > /dev/null || fail "linux: node"
 /bin/iscsiadm -m node -T @TARGET@ -p 10.0.2.2:@PORT@ --login > /dev/null || fail "linux: login failed"
 find_disk "linux"
@@ -67,16 +60,12 @@ fn tsih(p: &Program) -> Option<u64> {
 
 #[test]
 fn open_iscsi_with_fio_goes_on_across_two_restarts_through_the_store() {
-    let Some(mut exes) = guest::tools(
-        &["iscsid", "iscsiadm"],
-        "open-iscsi's iscsid and iscsiadm are missing (Debian package open-iscsi)",
+    let Some(exes) = guest::tools(
+        &["iscsid", "iscsiadm", "fio"],
+        "open-iscsi or fio is missing (Debian packages open-iscsi, fio)",
     ) else {
         return;
     };
-    let Some(fio) = guest::tools(&["fio"], "fio is missing (Debian package fio)") else {
-        return;
-    };
-    exes.extend(fio);
     let manager = Arc::new(Manager::new());
     let program = Program::start_with("restart_keeps_sessions = true", Some(&manager));
     let port = program.addr.port();

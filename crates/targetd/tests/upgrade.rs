@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::program::{load, load_at, load_nvme, nvme_server, running, terminate, Program};
+use common::program::{
+    finish, goes_on, load, load_nvme, nvme_server, running, terminate, Program, TwoSessions,
+};
 use common::raw::{read, write, Raw};
 use common::{config, keys, memory_target, opts, pattern, pr_out, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
@@ -388,24 +390,7 @@ async fn a_connection_that_leaves_fails_the_park_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_to_a_new_binary_keeps_every_session_on_its_connection() {
     let mut first = Program::start();
-    let mut o = opts();
-    o.settings.header_digest = vec![DigestAlgorithm::Crc32c];
-    o.settings.data_digest = vec![DigestAlgorithm::Crc32c];
-    let digests = Arc::new(first.session(o).await);
-    let mut o = opts();
-    o.initiator_name = "iqn.2026-11.io.example:mcs".into();
-    o.connections = 2;
-    o.settings.operational.max_connections = 2;
-    let mcs = Arc::new(first.session(o).await);
-    assert_eq!(mcs.info().connections, 2);
-    let tsihs = [digests.info().tsih, mcs.info().tsih];
-    let _ = digests.capacity().await;
-    let _ = mcs.capacity().await;
-    let cmd = pr_out(digests.lun(), 0x00, 0, 0, 0xb2, false);
-    assert_eq!(digests.execute(cmd).await.unwrap().status, ScsiStatus::GOOD);
-    // Each session's workers on blocks of their own: the MC/S session's above 4096.
-    let (stop_a, done_a, workers_a) = load(&digests);
-    let (stop_b, done_b, workers_b) = load_at(&mcs, 4096);
+    let two = TwoSessions::start(&first).await;
     let mut pid = u64::from(first.child.id());
     for round in 0..2 {
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -425,22 +410,13 @@ async fn an_upgrade_to_a_new_binary_keeps_every_session_on_its_connection() {
             assert!(!running(pid), "the previous targetd did not exit");
         }
         pid = new;
-        let (a, b) = (done_a.load(Relaxed), done_b.load(Relaxed));
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert!(done_a.load(Relaxed) > a, "the session with digests stopped");
-        assert!(done_b.load(Relaxed) > b, "the MC/S session stopped");
+        two.go_on(&format!("upgrade {round}")).await;
         let status = first.status();
         assert_eq!(status["pid"], pid, "{status}");
         assert_eq!(status["sessions"], 2, "{status}");
         assert_eq!(status["connections"], 3, "{status}");
     }
-    stop_a.store(true, Relaxed);
-    stop_b.store(true, Relaxed);
-    for w in workers_a.into_iter().chain(workers_b) {
-        w.await.expect("a worker failed");
-    }
-    assert_eq!([digests.info().tsih, mcs.info().tsih], tsihs);
-    assert_eq!(keys(&digests).await, [0xb2]);
+    two.finish().await;
     terminate(pid);
     assert!(!running(pid));
 }
@@ -637,16 +613,8 @@ async fn an_nvme_tcp_controller_goes_on_across_upgrades_and_a_restart() {
     let mut p = Program::start_with(&server, Some(&manager));
     let c = Arc::new(p.nvme_controller(NQN).await);
     let cntlid = c.cntlid;
-    let (stop, done, workers) = load_nvme(&c);
-    let progress = |what: &str| {
-        let (done, what) = (done.clone(), what.to_string());
-        async move {
-            let before = done.load(Relaxed);
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            assert!(done.load(Relaxed) > before, "{what}: the I/O stopped");
-        }
-    };
-    progress("before").await;
+    let nvme_load = load_nvme(&c);
+    goes_on(&nvme_load, "before").await;
     let mut pid = u64::from(p.child.id());
     for round in 0..2 {
         let upgraded = p.upgrade(&[]).await.expect("upgraded");
@@ -668,7 +636,7 @@ async fn an_nvme_tcp_controller_goes_on_across_upgrades_and_a_restart() {
             p.child.wait().unwrap();
         }
         pid = upgraded["pid"].as_u64().unwrap();
-        progress(&format!("upgrade {round}")).await;
+        goes_on(&nvme_load, &format!("upgrade {round}")).await;
     }
     // `systemctl restart`: SIGTERM to the serving process, then a start with the store.
     terminate(pid);
@@ -683,12 +651,9 @@ async fn an_nvme_tcp_controller_goes_on_across_upgrades_and_a_restart() {
         p.log()
     );
     tokio::task::block_in_place(|| p.start_again(Some(&manager)));
-    progress("restart").await;
+    goes_on(&nvme_load, "restart").await;
     assert!(manager.names().is_empty());
-    stop.store(true, Relaxed);
-    for w in workers {
-        w.await.expect("a worker failed");
-    }
+    finish(nvme_load).await;
     assert_eq!(c.cntlid, cntlid);
     let log = p.log();
     assert_eq!(log.matches("NVMe controller adopted").count(), 3, "{log}");

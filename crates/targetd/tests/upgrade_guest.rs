@@ -52,15 +52,8 @@ size = "64MiB"
 CONFIG
 start_targetd /tmp/targetd.toml
 first=$daemon
-mkdir -p /etc/iscsi/nodes /etc/iscsi/send_targets /etc/iscsi/ifaces /run/lock/iscsi /var/lock /var/lib/iscsi
-echo "InitiatorName=iqn.2026-12.io.example:linux-upgrade" > /etc/iscsi/initiatorname.iscsi
-# iscsid lets only root's iscsiadm in, by name.
-echo "root:x:0:0:root:/root:/bin/sh" > /etc/passwd
-echo "root:x:0:" > /etc/group
 # open-iscsi's defaults (NOP-Outs every 5 s, replacement_timeout 120 s), but no automatic login.
-printf 'node.startup = manual\n' > /etc/iscsi/iscsid.conf
-/bin/iscsid -f > /tmp/iscsid.log 2>&1 &
-sleep 1
+start_iscsid iqn.2026-12.io.example:linux-upgrade
 /bin/iscsiadm -m discovery -t st -p 127.0.0.1:3260 > /dev/null || fail "linux: discovery failed"
 /bin/iscsiadm -m node -T @TARGET@ -p 127.0.0.1:3260 --login > /dev/null || fail "linux: login failed"
 find_disk "linux"
@@ -128,20 +121,11 @@ grep -E "upgrade|adopted|handed over|WARN|ERROR" /tmp/targetd.log | tail -n 20
 #[test]
 fn open_iscsi_and_linux_nvme_tcp_with_fio_go_on_across_two_upgrades_in_a_linux_guest() {
     let Some(mut exes) = guest::tools(
-        &["iscsid", "iscsiadm"],
-        "open-iscsi's iscsid and iscsiadm are missing (Debian package open-iscsi)",
+        &["iscsid", "iscsiadm", "nvme", "fio"],
+        "open-iscsi, nvme-cli or fio is missing (Debian packages open-iscsi, nvme-cli, fio)",
     ) else {
         return;
     };
-    let Some(fio) = guest::tools(&["fio"], "fio is missing (Debian package fio)") else {
-        return;
-    };
-    exes.extend(fio);
-    let Some(nvme_cli) = guest::tools(&["nvme"], "nvme-cli is missing (Debian package nvme-cli)")
-    else {
-        return;
-    };
-    exes.extend(nvme_cli);
     exes.insert(0, env!("CARGO_BIN_EXE_targetd").to_string());
     exes.insert(1, env!("CARGO_BIN_EXE_targetctl").to_string());
     let script = GUEST_SCRIPT

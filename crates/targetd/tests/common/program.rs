@@ -9,85 +9,156 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use bytes::Bytes;
 use initiator_bench::{LoginOptions, Session};
 
 use super::{pattern, TARGET};
 
-/// Eight workers on `s`, each writing 8 KiB into its own 128 blocks and reading it back at
-/// once, until `stop`; `done` counts their rounds.
+/// Workers loading a disk: `stop` ends them, `done` counts their rounds.
 #[allow(clippy::type_complexity)]
-pub fn load(
-    s: &Arc<Session>,
-) -> (
+pub type Load = (
     Arc<AtomicBool>,
     Arc<AtomicU64>,
     Vec<tokio::task::JoinHandle<()>>,
-) {
+);
+
+/// A disk the workers write to and read back from, 512-byte blocks.
+pub trait Disk: Send + Sync + 'static {
+    /// Writes `data` at `lba`; panics on an error.
+    fn put(&self, lba: u64, data: Bytes) -> impl std::future::Future<Output = ()> + Send;
+    /// Reads `blocks` at `lba`; panics on an error.
+    fn get(&self, lba: u64, blocks: u32) -> impl std::future::Future<Output = Bytes> + Send;
+}
+
+impl Disk for Session {
+    async fn put(&self, lba: u64, data: Bytes) {
+        self.write(lba, data, 512).await.expect("write");
+    }
+    async fn get(&self, lba: u64, blocks: u32) -> Bytes {
+        self.read(lba, blocks, 512).await.expect("read")
+    }
+}
+
+impl Disk for initiator_bench::nvme::NvmeController {
+    async fn put(&self, lba: u64, data: Bytes) {
+        self.write(lba, data).await.expect("write");
+    }
+    async fn get(&self, lba: u64, blocks: u32) -> Bytes {
+        self.read(lba, blocks).await.expect("read")
+    }
+}
+
+/// `n` workers on `d`, each writing 8 KiB into its own `span` blocks from `base` on and
+/// reading it back at once, until stopped.
+pub fn load_on<D: Disk>(d: &Arc<D>, n: u64, span: u64, base: u64) -> Load {
+    let stop = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicU64::new(0));
+    let workers = (0..n)
+        .map(|w| {
+            let (d, stop, done) = (d.clone(), stop.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut k = 0u64;
+                while !stop.load(Relaxed) {
+                    let lba = base + w * span + (k % 8) * 16;
+                    let data = pattern(8192, (w * 1000 + k) as usize);
+                    d.put(lba, data.clone()).await;
+                    let back = d.get(lba, 16).await;
+                    assert!(back == data, "worker {w} round {k}: other data read back");
+                    done.fetch_add(1, Relaxed);
+                    k += 1;
+                }
+            })
+        })
+        .collect();
+    (stop, done, workers)
+}
+
+/// Eight workers on `s`, each writing 8 KiB into its own 128 blocks and reading it back at
+/// once, until `stop`; `done` counts their rounds.
+pub fn load(s: &Arc<Session>) -> Load {
     load_at(s, 0)
 }
 
 /// As [`load`], the workers' blocks from `base` on.
-#[allow(clippy::type_complexity)]
-pub fn load_at(
-    s: &Arc<Session>,
-    base: u64,
-) -> (
-    Arc<AtomicBool>,
-    Arc<AtomicU64>,
-    Vec<tokio::task::JoinHandle<()>>,
-) {
-    let stop = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let workers = (0..8u64)
-        .map(|w| {
-            let (s, stop, done) = (s.clone(), stop.clone(), done.clone());
-            tokio::spawn(async move {
-                let mut k = 0u64;
-                while !stop.load(Relaxed) {
-                    let lba = base + w * 128 + (k % 8) * 16;
-                    let data = pattern(8192, (w * 1000 + k) as usize);
-                    s.write(lba, data.clone(), 512).await.expect("write");
-                    let back = s.read(lba, 16, 512).await.expect("read");
-                    assert!(back == data, "worker {w} round {k}: other data read back");
-                    done.fetch_add(1, Relaxed);
-                    k += 1;
-                }
-            })
-        })
-        .collect();
-    (stop, done, workers)
+pub fn load_at(s: &Arc<Session>, base: u64) -> Load {
+    load_on(s, 8, 128, base)
 }
 
-/// As [`load`], on an NVMe/TCP controller's namespace: four workers, each writing 8 KiB
-/// into its own 256 blocks and reading it back at once.
-#[allow(clippy::type_complexity)]
-pub fn load_nvme(
-    c: &Arc<initiator_bench::nvme::NvmeController>,
-) -> (
-    Arc<AtomicBool>,
-    Arc<AtomicU64>,
-    Vec<tokio::task::JoinHandle<()>>,
-) {
-    let stop = Arc::new(AtomicBool::new(false));
-    let done = Arc::new(AtomicU64::new(0));
-    let workers = (0..4u64)
-        .map(|w| {
-            let (c, stop, done) = (c.clone(), stop.clone(), done.clone());
-            tokio::spawn(async move {
-                let mut k = 0u64;
-                while !stop.load(Relaxed) {
-                    let lba = w * 256 + (k % 8) * 16;
-                    let data = pattern(8192, (w * 1000 + k) as usize);
-                    c.write(lba, data.clone()).await.expect("write");
-                    let back = c.read(lba, 16).await.expect("read");
-                    assert!(back == data, "worker {w} round {k}: other data read back");
-                    done.fetch_add(1, Relaxed);
-                    k += 1;
-                }
-            })
-        })
-        .collect();
-    (stop, done, workers)
+/// As [`load`], on an NVMe/TCP controller's namespace: four workers, each in its own 256
+/// blocks.
+pub fn load_nvme(c: &Arc<initiator_bench::nvme::NvmeController>) -> Load {
+    load_on(c, 4, 256, 0)
+}
+
+/// Asserts that `load`'s workers go on: more rounds within half a second.
+pub async fn goes_on(load: &Load, what: &str) {
+    let before = load.1.load(Relaxed);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(load.1.load(Relaxed) > before, "{what}: the I/O stopped");
+}
+
+/// Stops `load`'s workers and waits for them; panics when one failed.
+pub async fn finish(load: Load) {
+    load.0.store(true, Relaxed);
+    for w in load.2 {
+        w.await.expect("a worker failed");
+    }
+}
+
+/// A session with header and data digests and an MC/S session of two connections, each
+/// loaded (the MC/S session's workers above block 4096), the first holding a registration
+/// of key 0xb2: what the tests of an upgrade and of a restart carry across.
+pub struct TwoSessions {
+    pub digests: Arc<Session>,
+    pub mcs: Arc<Session>,
+    tsihs: [u16; 2],
+    loads: [Load; 2],
+}
+
+impl TwoSessions {
+    pub async fn start(p: &Program) -> TwoSessions {
+        use iscsi_pdu::negotiation::DigestAlgorithm;
+        let mut o = super::opts();
+        o.settings.header_digest = vec![DigestAlgorithm::Crc32c];
+        o.settings.data_digest = vec![DigestAlgorithm::Crc32c];
+        let digests = Arc::new(p.session(o).await);
+        let mut o = super::opts();
+        o.initiator_name = "iqn.2026-11.io.example:mcs".into();
+        o.connections = 2;
+        o.settings.operational.max_connections = 2;
+        let mcs = Arc::new(p.session(o).await);
+        assert_eq!(mcs.info().connections, 2);
+        let tsihs = [digests.info().tsih, mcs.info().tsih];
+        // The unit attention of a new nexus, taken before the reservation.
+        let _ = digests.capacity().await;
+        let _ = mcs.capacity().await;
+        let cmd = super::pr_out(digests.lun(), 0x00, 0, 0, 0xb2, false);
+        let status = digests.execute(cmd).await.unwrap().status;
+        assert_eq!(status, iscsi_pdu::ScsiStatus::GOOD);
+        let loads = [load(&digests), load_at(&mcs, 4096)];
+        TwoSessions {
+            digests,
+            mcs,
+            tsihs,
+            loads,
+        }
+    }
+
+    /// Asserts that both sessions' workers go on.
+    pub async fn go_on(&self, what: &str) {
+        goes_on(&self.loads[0], &format!("{what}: the session with digests")).await;
+        goes_on(&self.loads[1], &format!("{what}: the MC/S session")).await;
+    }
+
+    /// Stops the workers, and checks that no I/O failed, the TSIHs are the same and the
+    /// registration holds.
+    pub async fn finish(self) {
+        let [a, b] = self.loads;
+        finish(a).await;
+        finish(b).await;
+        assert_eq!([self.digests.info().tsih, self.mcs.info().tsih], self.tsihs);
+        assert_eq!(super::keys(&self.digests).await, [0xb2]);
+    }
 }
 
 /// The `[server]` lines (and the subsystem after them) of a Program with an NVMe/TCP portal
