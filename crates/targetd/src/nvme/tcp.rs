@@ -312,7 +312,9 @@ async fn run(
                         wr.forget();
                         return Ok(Ended::Released);
                     }
-                    // Serves on where it stopped: its keep alive counts from now.
+                    // Serves on where it stopped. What the host sent meanwhile (its Keep
+                    // Alive too) is read before the keep alive timer is looked at: the
+                    // select below is biased, the read before the timer.
                     _ => continue,
                 }
             }
@@ -340,6 +342,8 @@ async fn run(
         tokio::select! {
             biased;
             _ = inbox.notify.notified() => {}
+            // While parking only the data its R2Ts asked for is read: new commands wait in
+            // the socket, for whichever process serves next.
             r = {
                 // Straight into the deframer's buffer: a write's data is copied once more,
                 // into its arena buffer, and no other time.
@@ -359,8 +363,7 @@ async fn run(
                 let b = b.map_err(|e| tracing::error!("buffer for command {tag:#x}: {e}")).ok();
                 conn.machine.handle_buffer(Instant::now(), tag, b);
             }
-            // While parking only the data its R2Ts asked for is read: new commands wait in
-            // the socket, for whichever process serves next.
+            // Not while parking: the host's Keep Alive waits in the socket meanwhile.
             _ = &mut timer, if due.is_some() && !parking => {
                 if let Some(s) = &conn.subsystem {
                     s.with_machine(|m| conn.machine.handle_timeout(Instant::now(), m));
