@@ -184,6 +184,17 @@ start_iscsid() {
   /bin/iscsid -f > /tmp/iscsid.log 2>&1 &
   sleep 1
 }
+# wait_ns NSID: waits (30 s at most) for the block device of NVMe namespace NSID
+# (/dev/nvme*n$1) and sets $ns.
+wait_ns() {
+  ns=
+  for i in $(seq 1 300); do
+    for b in /sys/block/nvme*n$1; do [ -e "$b" ] && ns=/dev/${b##*/}; done
+    [ -n "$ns" ] && [ -e "$ns" ] && return 0
+    sleep 0.1
+  done
+  fail "no namespace $1 appeared"
+}
 # find_disk WHO: waits for the SCSI disk an initiator made and sets $disk.
 find_disk() {
   disk=

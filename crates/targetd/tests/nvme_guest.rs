@@ -76,17 +76,6 @@ size = "16MiB"
 EOF
 start_targetd /tmp/targetd.toml
 
-# wait_ns NSID: waits for /dev/nvme*n$1 and sets $ns.
-wait_ns() {
-  ns=
-  for i in $(seq 1 200); do
-    for b in /sys/block/nvme*n$1; do [ -e "$b" ] && ns=/dev/${b##*/}; done
-    [ -n "$ns" ] && [ -e "$ns" ] && return 0
-    sleep 0.1
-  done
-  fail "no namespace $1 appeared"
-}
-
 # resv_report NS: the Reservation Status with 128-bit Host Identifiers (nvme-cli's --eds, or
 # CDW11 bit 0 where it has no such option).
 resv_report() {

@@ -51,17 +51,6 @@ size = "128MiB"
 EOF
 start_targetd /tmp/targetd.toml
 
-# wait_ns NSID: waits for /dev/nvme*n$1 and sets $ns.
-wait_ns() {
-  ns=
-  for i in $(seq 1 300); do
-    for b in /sys/block/nvme*n$1; do [ -e "$b" ] && ns=/dev/${b##*/}; done
-    [ -n "$ns" ] && [ -e "$ns" ] && return 0
-    sleep 0.1
-  done
-  fail "no namespace $1 appeared"
-}
-
 # zeros FILE: whether FILE holds only zeros.
 zeros() {
   [ -z "$(od -An -v -tx1 "$1" | tr -d ' 0\n')" ]

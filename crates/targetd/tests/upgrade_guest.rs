@@ -59,13 +59,7 @@ start_iscsid iqn.2026-12.io.example:linux-upgrade
 find_disk "linux"
 # Linux's NVMe/TCP host with its defaults (keep alive 5 s, reconnect after 10 s).
 nvme connect -t tcp -a 127.0.0.1 -s 4420 -n @NQN@ --hostnqn=@HOST@ > /dev/null || fail "nvme connect failed"
-ns=
-for i in $(seq 1 200); do
-  for b in /sys/block/nvme*n1; do [ -e "$b" ] && ns=/dev/${b##*/}; done
-  [ -n "$ns" ] && [ -e "$ns" ] && break
-  sleep 0.1
-done
-[ -n "$ns" ] || fail "no NVMe namespace appeared"
+wait_ns 1
 echo "nvme: connected, $ns"
 cntlid() { cat /sys/class/nvme/nvme*/cntlid 2>/dev/null | head -n 1; }
 cntlid_before=$(cntlid)
