@@ -414,54 +414,24 @@ impl Restored {
         }
         let listeners = decode_listeners(listeners, fds).ok_or(RestoreError::Part("listeners"))?;
         let units = decode_units(units).ok_or(RestoreError::Part("units' states"))?;
-        let mut sessions = Vec::new();
-        for (s, bytes) in states.into_iter().enumerate() {
-            let state = match iscsi_pdu::handover::SessionState::decode(bytes) {
-                Ok(state) => state,
-                Err(e) => {
-                    tracing::error!(session = s, "a stored session's state: {e}; closed");
-                    continue;
-                }
-            };
-            let conns: Vec<Option<OwnedFd>> = (0..state.connections.len())
-                .map(|c| take(&connection_name(s, c)))
-                .collect();
-            // The manager closes a socket it sees hang up: that session's initiator left.
-            if conns.iter().any(Option::is_none) {
-                tracing::warn!(
-                    tsih = state.tsih,
-                    "a stored session lost a connection while targetd restarted: closed"
-                );
-                continue;
-            }
-            sessions.push((state, conns.into_iter().flatten().collect()));
-        }
+        let sessions = whole(
+            "session",
+            states,
+            iscsi_pdu::handover::SessionState::decode,
+            |s| s.connections.len(),
+            connection_name,
+            &mut take,
+        );
         let namespaces =
             decode_namespaces(namespaces).ok_or(RestoreError::Part("NVMe namespaces"))?;
-        let mut controllers = Vec::new();
-        for (c, bytes) in controller_states.into_iter().enumerate() {
-            let state = match nvme::handover::ControllerState::decode(bytes) {
-                Ok(state) => state,
-                Err(e) => {
-                    tracing::error!(
-                        controller = c,
-                        "a stored NVMe controller's state: {e}; closed"
-                    );
-                    continue;
-                }
-            };
-            let queues: Vec<Option<OwnedFd>> = (0..state.queues.len())
-                .map(|q| take(&queue_name(c, q)))
-                .collect();
-            if queues.iter().any(Option::is_none) {
-                tracing::warn!(
-                    controller = state.cntlid,
-                    "a stored NVMe controller lost a queue while targetd restarted: closed"
-                );
-                continue;
-            }
-            controllers.push((state, queues.into_iter().flatten().collect()));
-        }
+        let controllers = whole(
+            "NVMe controller",
+            controller_states,
+            nvme::handover::ControllerState::decode,
+            |c| c.queues.len(),
+            queue_name,
+            &mut take,
+        );
         for p in ours {
             tracing::warn!(name = p.name, "a stored descriptor no state names: closed");
         }
@@ -493,35 +463,37 @@ impl Restored {
             namespaces,
             controllers,
         } = self.handover;
+        // The units and namespaces first, then each session and each controller on its own:
+        // one refused does not keep the others back.
+        let parts = std::iter::once((
+            "the units' and namespaces' states".to_string(),
+            Handover {
+                units,
+                namespaces,
+                ..Handover::default()
+            },
+        ))
+        .chain(sessions.into_iter().map(|s| {
+            let what = format!("stored session {:#x}", s.0.tsih);
+            let h = Handover {
+                sessions: vec![s],
+                ..Handover::default()
+            };
+            (what, h)
+        }))
+        .chain(controllers.into_iter().map(|c| {
+            let what = format!("stored NVMe controller {}", c.0.cntlid);
+            let h = Handover {
+                controllers: vec![c],
+                ..Handover::default()
+            };
+            (what, h)
+        }));
         let mut adopted = Vec::new();
-        // The units and namespaces first, on their own: a session refused does not keep them
-        // back.
-        match adopt(Handover {
-            units,
-            namespaces,
-            ..Handover::default()
-        }) {
-            Ok(a) => adopted.push(a),
-            Err(e) => tracing::error!("the units' stored states: {e}"),
-        }
-        for (state, sockets) in sessions {
-            let tsih = state.tsih;
-            match adopt(Handover {
-                sessions: vec![(state, sockets)],
-                ..Handover::default()
-            }) {
+        for (what, h) in parts {
+            match adopt(h) {
                 Ok(a) => adopted.push(a),
-                Err(e) => tracing::error!(tsih, "a stored session: {e}; closed"),
-            }
-        }
-        for (state, sockets) in controllers {
-            let cntlid = state.cntlid;
-            match adopt(Handover {
-                controllers: vec![(state, sockets)],
-                ..Handover::default()
-            }) {
-                Ok(a) => adopted.push(a),
-                Err(e) => tracing::error!(cntlid, "a stored NVMe controller: {e}; closed"),
+                Err(e) => tracing::error!("{what}: {e}; closed"),
             }
         }
         // Out of the store before a byte is read: a process that served them and died
@@ -534,6 +506,37 @@ impl Restored {
         }
         served
     }
+}
+
+/// Each of `states` decoded, with its sockets (`sockets(state)` of them, stored as
+/// `name(i, j)`) taken from what was passed; one that does not decode, or lost a socket (the
+/// manager closes a socket it sees hang up: its peer left while targetd restarted), is left
+/// out and its sockets closed.
+fn whole<T, E: std::fmt::Display>(
+    what: &str,
+    states: Vec<&[u8]>,
+    decode: impl Fn(&[u8]) -> Result<T, E>,
+    sockets: impl Fn(&T) -> usize,
+    name: impl Fn(usize, usize) -> String,
+    take: &mut impl FnMut(&str) -> Option<OwnedFd>,
+) -> Vec<(T, Vec<OwnedFd>)> {
+    let mut taken = Vec::new();
+    for (i, bytes) in states.into_iter().enumerate() {
+        let state = match decode(bytes) {
+            Ok(state) => state,
+            Err(e) => {
+                tracing::error!("stored {what} {i}: {e}; closed");
+                continue;
+            }
+        };
+        let fds: Vec<Option<OwnedFd>> = (0..sockets(&state)).map(|j| take(&name(i, j))).collect();
+        if fds.iter().any(Option::is_none) {
+            tracing::warn!("stored {what} {i} lost a connection while targetd restarted: closed");
+            continue;
+        }
+        taken.push((state, fds.into_iter().flatten().collect()));
+    }
+    taken
 }
 
 /// The count the listeners' description gives, checked against its checksum.
