@@ -1670,6 +1670,9 @@ pub enum AdoptError {
     /// A controller of that CNTLID is live here.
     #[error("controller {0} is live here")]
     Taken(u16),
+    /// The CNTLID is outside the range this subsystem hands out.
+    #[error("controller {0} is outside this subsystem's CNTLIDs")]
+    Cntlid(u16),
     /// This subsystem does not admit the host, or is a discovery subsystem.
     #[error("host {0} is not admitted here")]
     Host(String),
@@ -1746,6 +1749,11 @@ impl Subsystem {
         }
         if self.controllers.contains_key(&state.cntlid) {
             return Err(AdoptError::Taken(state.cntlid));
+        }
+        // Another gateway's range (a cluster's gateways hand out CNTLIDs apart).
+        let (first, last) = self.config.cntlids;
+        if state.cntlid < first.max(ALL_CNTLIDS.0) || state.cntlid > last.min(ALL_CNTLIDS.1) {
+            return Err(AdoptError::Cntlid(state.cntlid));
         }
         if !self.config.hosts.is_empty() && !self.config.hosts.contains(&state.hostnqn) {
             return Err(AdoptError::Host(state.hostnqn.clone()));

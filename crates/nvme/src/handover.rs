@@ -360,8 +360,8 @@ impl ControllerState {
 }
 
 impl QueueState {
-    /// The fewest bytes one queue takes encoded.
-    const MIN_LEN: usize = 27;
+    /// The bytes one queue takes encoded with no unread bytes.
+    const MIN_LEN: usize = 31;
 
     fn put(&self, w: &mut Vec<u8>) {
         w.extend_from_slice(&self.qid.to_le_bytes());

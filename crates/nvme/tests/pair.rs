@@ -1135,6 +1135,15 @@ fn a_quiescent_controller_goes_on_in_another_subsystem() {
         next.subsystem.adopt_controller(next.now, &state),
         Err(nvme::controller::AdoptError::Taken(cntlid))
     );
+    // A subsystem that hands out other CNTLIDs (another gateway's range) refuses it.
+    let mut other = Subsystem::new(SubsystemConfig {
+        cntlids: (0x100, 0x1ff),
+        ..testing::subsystem_config(NQN, &[HOST])
+    });
+    assert_eq!(
+        other.adopt_controller(next.now, &state),
+        Err(nvme::controller::AdoptError::Cntlid(cntlid))
+    );
     let grants = QueueSettings::default().digests;
     a.conn = ControllerConnection::resume(&state.queues[0], queues[0], grants);
     io.conn = ControllerConnection::resume(&state.queues[1], queues[1], grants);
