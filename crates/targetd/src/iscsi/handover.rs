@@ -11,7 +11,9 @@
 //! each connection served on a reactor from its state and socket, no login run.
 //!
 //! Sessions with an iSER connection are not parked (a queue pair cannot move between
-//! processes); nor are discovery sessions, which are closed instead.
+//! processes); nor are discovery sessions, which are closed instead. NVMe/TCP controllers
+//! park and are taken in beside the sessions, on the same deadline and in the same
+//! every-one-or-none adoption ([`crate::nvme::handover`]).
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
@@ -215,7 +217,12 @@ pub async fn park_sessions(
                                 )
                             })
                     })
-                    .chain(controllers.iter().filter(|a| a.ids().any(|id| !reports.contains_key(&id))).map(|a| a.describe()))
+                    .chain(
+                        controllers
+                            .iter()
+                            .filter(|a| a.ids().any(|id| !reports.contains_key(&id)))
+                            .map(|a| a.describe()),
+                    )
                     .collect();
                 return Err(ParkError::Timeout {
                     left: expected - reports.len(),
