@@ -17,29 +17,13 @@ use rustix::net::{
 /// Sends `state` (e.g. `"READY=1"`) to the service manager, if there is one. Failures are
 /// logged, never fatal: the daemon serves either way.
 pub fn notify(state: &str) {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+    if !has_manager() {
         return;
-    };
-    if let Err(e) = send(&path, state) {
-        tracing::warn!(socket = ?path, "telling the service manager {state:?}: {e}");
     }
-}
-
-fn send(path: &std::ffi::OsStr, state: &str) -> std::io::Result<()> {
-    let socket = UnixDatagram::unbound()?;
-    let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path);
-    match bytes.strip_prefix(b"@") {
-        // An abstract socket (systemd's default since v254).
-        Some(name) => {
-            use std::os::linux::net::SocketAddrExt;
-            let addr = std::os::unix::net::SocketAddr::from_abstract_name(name)?;
-            socket.send_to_addr(state.as_bytes(), &addr)?;
-        }
-        None => {
-            socket.send_to(state.as_bytes(), path)?;
-        }
+    if let Err(e) = notify_with_fds(state, &[]) {
+        let socket = std::env::var_os("NOTIFY_SOCKET");
+        tracing::warn!(?socket, "telling the service manager {state:?}: {e}");
     }
-    Ok(())
 }
 
 /// `RELOADING=1` with the monotonic time systemd wants beside it (`MONOTONIC_USEC`).
@@ -61,6 +45,7 @@ pub fn notify_with_fds(state: &str, fds: &[BorrowedFd<'_>]) -> io::Result<()> {
         .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "NOTIFY_SOCKET is not set"))?;
     let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str());
     let addr = match bytes.strip_prefix(b"@") {
+        // An abstract socket (systemd's default since v254).
         Some(name) => SocketAddrUnix::new_abstract_name(name)?,
         None => SocketAddrUnix::new(bytes)?,
     };
