@@ -161,6 +161,12 @@ impl<R: Route> TargetCore<R> {
         let Some(order) = self.order(nexus) else {
             return false;
         };
+        // In turn with nothing waiting: straight to the device, neither queued nor its route
+        // cloned (nothing waits, so nothing is released after it).
+        if order.take_next(cmd.cmd_sn) {
+            self.submit_ordered(nexus, &cmd, route, out);
+            return true;
+        }
         if !order.admit(cmd.cmd_sn, Some((cmd, route.clone()))) {
             return false;
         }

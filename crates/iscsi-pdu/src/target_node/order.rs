@@ -51,6 +51,19 @@ impl<T> CommandOrder<T> {
         true
     }
 
+    /// Takes `cmd_sn` for a request to run at once when its turn has come and nothing waits:
+    /// `cmd_sn` is ExpCmdSN, which advances past it. What [`CommandOrder::admit`] then
+    /// [`CommandOrder::next_ready`] would do, without queueing the request: on a session
+    /// whose commands come in order (one connection, the usual case) none is ever queued.
+    /// False (nothing changed) otherwise; the caller admits it.
+    pub fn take_next(&mut self, cmd_sn: SerialNumber) -> bool {
+        if cmd_sn != self.exp_cmd_sn || !self.pending.is_empty() {
+            return false;
+        }
+        self.exp_cmd_sn = cmd_sn.next();
+        true
+    }
+
     /// The next request whose turn has come, advancing ExpCmdSN past it and past every
     /// number-only request before it; `None` while the next CmdSN has not arrived.
     pub fn next_ready(&mut self) -> Option<T> {
@@ -111,6 +124,61 @@ mod tests {
         while o.next_ready().is_some() {}
         assert_eq!(o.waiting(), 0);
         assert_eq!(o.highest_taken(), SerialNumber(1));
+    }
+
+    #[test]
+    fn a_request_in_turn_with_nothing_waiting_runs_at_once() {
+        let mut o = CommandOrder::new(SerialNumber(u32::MAX), 4);
+        assert!(o.take_next(SerialNumber(u32::MAX)));
+        assert_eq!(
+            o.window(),
+            (SerialNumber(0), SerialNumber(3)),
+            "ExpCmdSN wraps"
+        );
+        assert!(!o.take_next(SerialNumber(u32::MAX)), "taken already");
+        assert!(!o.take_next(SerialNumber(1)), "not its turn");
+        assert!(o.admit(SerialNumber(1), Some("b")));
+        assert!(
+            !o.take_next(SerialNumber(0)),
+            "1 waits: 0 goes through the queue, which releases both in order"
+        );
+        assert!(o.admit(SerialNumber(0), Some("a")));
+        assert_eq!(o.next_ready(), Some("a"));
+        assert_eq!(o.next_ready(), Some("b"));
+        assert!(o.take_next(SerialNumber(2)));
+        assert_eq!(o.window(), (SerialNumber(3), SerialNumber(6)));
+    }
+
+    /// Against the queue alone: taking a request at once when `take_next` allows it leaves the
+    /// order where admitting and releasing it would, for any arrival order.
+    #[test]
+    fn taking_at_once_is_admitting_and_releasing() {
+        use proptest::prelude::*;
+        proptest!(|(start in any::<u32>(), arrivals in proptest::collection::vec(0u32..12, 0..40))| {
+            let mut fast = CommandOrder::new(SerialNumber(start), 8);
+            let mut slow = CommandOrder::new(SerialNumber(start), 8);
+            let (mut ran_fast, mut ran_slow) = (Vec::new(), Vec::new());
+            for a in arrivals {
+                let sn = SerialNumber(start.wrapping_add(a));
+                let admitted_slow = slow.admit(sn, Some(a));
+                while let Some(r) = slow.next_ready() {
+                    ran_slow.push(r);
+                }
+                let admitted_fast = if fast.take_next(sn) {
+                    ran_fast.push(a);
+                    true
+                } else {
+                    fast.admit(sn, Some(a))
+                };
+                while let Some(r) = fast.next_ready() {
+                    ran_fast.push(r);
+                }
+                prop_assert_eq!(admitted_fast, admitted_slow);
+                prop_assert_eq!(&ran_fast, &ran_slow);
+                prop_assert_eq!(fast.window(), slow.window());
+                prop_assert_eq!(fast.waiting(), slow.waiting());
+            }
+        });
     }
 
     #[test]
