@@ -767,7 +767,7 @@ async fn read_loop(
             r = reader.next() => r,
             _ = control.reader.notified() => continue,
         };
-        let (mut plan, mut closing) = step(conn, |t, now| {
+        let (mut plan, mut closing) = step(conn, Some(reader.arrived()), |t, now| {
             Ok(match incoming {
                 Ok(Incoming::Whole(pdu)) => t.machine.handle_pdu(now, pdu, &mut t.nexus),
                 Ok(Incoming::Payload { pdu, len, header }) => {
@@ -790,7 +790,7 @@ async fn read_loop(
                 }
                 Plan::Allocate(len) => {
                     let buffer = write_buffer(conn, &share, len as usize).await;
-                    (plan, closing) = step(conn, |t, now| {
+                    (plan, closing) = step(conn, None, |t, now| {
                         let nexus = &mut t.nexus;
                         Ok(t.machine.handle_allocated(now, buffer, nexus))
                     })?;
@@ -801,7 +801,7 @@ async fn read_loop(
                     len,
                 } => {
                     let r = reader.payload(&mut buffer[at..at + len]).await;
-                    (plan, closing) = step(conn, |t, now| {
+                    (plan, closing) = step(conn, None, |t, now| {
                         let nexus = &mut t.nexus;
                         match r {
                             Ok(()) => t.machine.handle_payload(now, buffer, nexus),
@@ -885,17 +885,26 @@ async fn write_buffer(
 /// the core and the machine then ask for, all under at most one acquisition of the core's lock,
 /// at one reading of the clock. Returns the plan and whether the connection is closing.
 ///
+/// `arrived`, for a PDU's header, is when the socket read that completed it returned
+/// ([`Reader::arrived`]): the step's time unless commands are traced, so that the PDUs one
+/// read brought (a queue depth's burst) cost one reading of the clock, not one each. Traced,
+/// each step reads the clock, and the stages keep their own times.
+///
 /// Backend completions are left to the worker: taking them here as well saved no acquisition
 /// at queue depth 32 (1.03 per command either way) and split the worker's response batches.
 fn step(
     conn: &Rc<RefCell<Conn>>,
+    arrived: Option<Instant>,
     f: impl FnOnce(&mut Turn<'_>, Instant) -> Result<Plan<Buffer>, ReadError>,
 ) -> Result<(Plan<Buffer>, bool), ReadError> {
     let mut c = conn.borrow_mut();
     let mut t = c.turn();
     // Tracing switched on since the last step covers this step's PDU from its arrival.
     t.trace();
-    let now = Instant::now();
+    let now = match arrived {
+        Some(at) if !t.machine.trace_points().is_on() => at,
+        _ => Instant::now(),
+    };
     let plan = f(&mut t, now)?;
     if matches!(plan, Plan::Next | Plan::Discard) {
         t.pump(now);

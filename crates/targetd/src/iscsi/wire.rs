@@ -6,7 +6,7 @@ use std::future::Future;
 use std::io::{self, IoSlice};
 use std::ops::Range;
 use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use backend::Buffer;
 use bytes::{BufMut, BytesMut};
@@ -70,6 +70,8 @@ pub enum Incoming {
 pub struct Reader {
     rd: OwnedReadHalf,
     deframer: Deframer,
+    /// When the last read off the socket returned ([`Reader::arrived`]).
+    arrived: Instant,
 }
 
 /// Headers and control PDUs are read in chunks of up to this much; a payload with at least
@@ -86,7 +88,18 @@ impl Reader {
     pub fn new(rd: OwnedReadHalf) -> Reader {
         let mut deframer = Deframer::new();
         deframer.buffer_mut().reserve(2 * READ_BUFFER);
-        Reader { rd, deframer }
+        Reader {
+            rd,
+            deframer,
+            arrived: Instant::now(),
+        }
+    }
+
+    /// When the last read off the socket returned: the arrival of every PDU it completed
+    /// (with one read, a burst of commands arrives at once). A PDU [`Reader::next`] returns
+    /// arrived then.
+    pub fn arrived(&self) -> Instant {
+        self.arrived
     }
 
     /// Wraps the read half of a handed-over connection's socket: `unread`, the bytes the
@@ -114,6 +127,7 @@ impl Reader {
         if self.rd.read_buf(buf).await? == 0 {
             return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
         }
+        self.arrived = Instant::now();
         Ok(())
     }
 
