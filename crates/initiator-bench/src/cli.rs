@@ -42,9 +42,10 @@ pub(crate) enum Cmd {
         /// `--transport nvme-rdma` the same, ADDR the RDMA device's (feature rdma).
         #[arg(required = true)]
         urls: Vec<String>,
-        /// The transport.
-        #[arg(long, value_enum, default_value = "iscsi")]
-        transport: Transport,
+        /// The transport; when not given, the URLs' scheme says: nvme:// NVMe/TCP, iser://
+        /// iSER, srp:// (or `fabric`) SRP, anything else iSCSI.
+        #[arg(long, value_enum)]
+        transport: Option<Transport>,
         #[command(flatten)]
         srp: SrpArgs,
         #[command(flatten)]
@@ -237,7 +238,7 @@ pub(crate) enum TraceCmd {
     },
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub(crate) enum Transport {
     /// iSCSI over TCP.
     Iscsi,
@@ -249,6 +250,20 @@ pub(crate) enum Transport {
     NvmeTcp,
     /// NVMe over RDMA on an RDMA device (nvme://ADDR[:PORT]/SUBNQN/NSID).
     NvmeRdma,
+}
+
+impl Transport {
+    /// The transport the first URL's scheme names (as `compare` tells iSCSI from NVMe/TCP):
+    /// nvme:// NVMe/TCP (NVMe/RDMA only when asked for), iser:// iSER, srp:// or `fabric`
+    /// SRP, anything else iSCSI.
+    pub(crate) fn of_urls(urls: &[String]) -> Transport {
+        match urls.first().map(String::as_str) {
+            Some(u) if u.starts_with("nvme://") => Transport::NvmeTcp,
+            Some(u) if u.starts_with("iser://") => Transport::Iser,
+            Some(u) if u.starts_with("srp://") || u == "fabric" => Transport::Srp,
+            _ => Transport::Iscsi,
+        }
+    }
 }
 
 #[derive(Args, Clone)]
@@ -478,5 +493,30 @@ impl LoginArgs {
             .validate()
             .map_err(|e| anyhow::anyhow!("login settings: {e}"))?;
         Ok(o)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_without_transport_takes_the_urls_scheme() {
+        let of = |u: &str| Transport::of_urls(&[u.to_string()]);
+        assert_eq!(
+            of("nvme://127.0.0.1/nqn.2026-12.io.example:a/1"),
+            Transport::NvmeTcp
+        );
+        assert_eq!(
+            of("iser://10.0.0.1/iqn.2026-12.io.example:a/0"),
+            Transport::Iser
+        );
+        assert_eq!(of("srp://10.0.0.1:5000/t/0"), Transport::Srp);
+        assert_eq!(of("fabric"), Transport::Srp);
+        assert_eq!(
+            of("iscsi://127.0.0.1/iqn.2026-12.io.example:a/0"),
+            Transport::Iscsi
+        );
+        assert_eq!(Transport::of_urls(&[]), Transport::Iscsi);
     }
 }

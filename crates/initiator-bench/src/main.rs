@@ -22,7 +22,13 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if let Cmd::Run {
+        urls, transport, ..
+    } = &mut cli.command
+    {
+        transport.get_or_insert_with(|| Transport::of_urls(urls));
+    }
     // From the definitions in cli.rs, so they cannot drift from what is parsed.
     match &cli.command {
         Cmd::Completions { shell } => {
@@ -56,7 +62,7 @@ fn main() -> anyhow::Result<()> {
         match cli.command {
             Cmd::Run {
                 urls,
-                transport: Transport::Srp,
+                transport: Some(Transport::Srp),
                 srp,
                 workload,
                 json,
@@ -79,7 +85,7 @@ fn main() -> anyhow::Result<()> {
             }
             Cmd::Run {
                 urls,
-                transport: Transport::Iser,
+                transport: Some(Transport::Iser),
                 srp,
                 workload,
                 json,
@@ -98,7 +104,7 @@ fn main() -> anyhow::Result<()> {
             }
             Cmd::Run {
                 urls,
-                transport: Transport::NvmeRdma,
+                transport: Some(Transport::NvmeRdma),
                 srp,
                 workload,
                 login,
@@ -118,7 +124,7 @@ fn main() -> anyhow::Result<()> {
             }
             Cmd::Run {
                 urls,
-                transport: Transport::NvmeTcp,
+                transport: Some(Transport::NvmeTcp),
                 workload,
                 login,
                 json,
