@@ -58,7 +58,7 @@ fn connected(digests: Digests) -> (Subsystem, Queue, ControllerQueue) {
         &Framing::default(),
     )
     .unwrap();
-    q.receive(icreq.as_bytes());
+    q.receive(&icreq.to_vec());
     while q.poll_event().is_some() {}
     while q.poll_transmit().is_some() {}
     (s, io, q)
@@ -68,7 +68,7 @@ fn connected(digests: Digests) -> (Subsystem, Queue, ControllerQueue) {
 fn capsule(sqe: &Sqe, data: &[u8], digests: Digests) -> Vec<u8> {
     let framing = Framing { digests, pda: 0 };
     let e = encode(&Header::CapsuleCmd(*sqe), data.len() as u32, &framing).unwrap();
-    let mut v = e.as_bytes().to_vec();
+    let mut v = e.to_vec();
     v.extend_from_slice(data);
     if e.needs_data_digest() {
         v.extend_from_slice(&data_digest([data]));

@@ -100,7 +100,7 @@ fuzz_target!(|steps: Vec<Step>| {
     for step in steps.into_iter().take(64) {
         let framed = |h: Header, data: &[u8], framing: &Framing| -> Option<Vec<u8>> {
             let e = encode(&h, data.len() as u32, framing)?;
-            let mut v = e.as_bytes().to_vec();
+            let mut v = e.to_vec();
             v.extend_from_slice(data);
             if e.needs_data_digest() {
                 v.extend_from_slice(&data_digest([data]));
@@ -283,10 +283,8 @@ fuzz_target!(|steps: Vec<Step>| {
         assert_eq!(c.in_backend(), running.len(), "operations running");
         assert!(ended <= started, "{ended} ended of {started} started");
         while let Some(t) = c.poll_transmit() {
-            host.feed(t.header.as_bytes());
-            host.feed(&t.data);
-            if let Some(d) = t.digest {
-                host.feed(&d);
+            for s in t.slices() {
+                host.feed(s);
             }
             loop {
                 match host.next_pdu() {

@@ -470,13 +470,7 @@ async fn flush(
     }
     let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(batch.len() * 3);
     for t in &batch {
-        slices.push(IoSlice::new(t.header.as_bytes()));
-        if !t.data.is_empty() {
-            slices.push(IoSlice::new(&t.data));
-        }
-        if let Some(d) = &t.digest {
-            slices.push(IoSlice::new(d));
-        }
+        slices.extend(t.slices().map(IoSlice::new));
     }
     let mut iov = &mut slices[..];
     while !iov.is_empty() {

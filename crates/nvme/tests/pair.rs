@@ -58,7 +58,7 @@ struct Rig {
 }
 
 fn deliver<B: std::ops::Deref<Target = [u8]>>(t: Transmit<B>, corrupt: &mut bool) -> Vec<u8> {
-    let mut v = t.header.as_bytes().to_vec();
+    let mut v = t.header.to_vec();
     let at = v.len();
     v.extend_from_slice(&t.data);
     if let Some(d) = t.digest {

@@ -70,7 +70,7 @@ proptest! {
         };
         let framing = Framing { digests, pda };
         let e = encode(&header, data.len() as u32, &framing).unwrap();
-        let mut wire = e.as_bytes().to_vec();
+        let mut wire = e.to_vec();
         wire.extend_from_slice(&data);
         if e.needs_data_digest() {
             wire.extend_from_slice(&data_digest([&data[..]]));

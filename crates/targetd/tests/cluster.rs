@@ -2344,10 +2344,8 @@ impl RawNvmeQueue {
     fn flush(&mut self) {
         use std::io::Write;
         while let Some(t) = self.host.poll_transmit() {
-            self.socket.write_all(t.header.as_bytes()).unwrap();
-            self.socket.write_all(&t.data).unwrap();
-            if let Some(d) = t.digest {
-                self.socket.write_all(&d).unwrap();
+            for s in t.slices() {
+                self.socket.write_all(s).unwrap();
             }
         }
     }

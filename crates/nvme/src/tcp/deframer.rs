@@ -421,7 +421,7 @@ mod tests {
 
     fn pdu(header: Header, data: &[u8], framing: &Framing) -> Vec<u8> {
         let e = encode(&header, data.len() as u32, framing).unwrap();
-        let mut v = e.as_bytes().to_vec();
+        let mut v = e.to_vec();
         v.extend_from_slice(data);
         if e.needs_data_digest() {
             v.extend_from_slice(&super::super::pdu::data_digest([data]));

@@ -241,7 +241,7 @@ impl HostQueue {
     ) -> Result<(), DeframeError> {
         let fatal = |fes, fei| {
             let bytes = encode(&header, data.len() as u32, &self.framing)
-                .map(|e| e.as_bytes().to_vec())
+                .map(|e| e.to_vec())
                 .unwrap_or_default();
             Err(DeframeError::from_parts(fes, fei, &bytes))
         };

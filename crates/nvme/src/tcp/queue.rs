@@ -135,7 +135,7 @@ impl<B: Deref<Target = [u8]>> Transmit<B> {
     /// C2HData's data sent (its CID and length) and, with SUCCESS, its command ended; a
     /// CapsuleResp's command ended.
     pub fn sent_stages(&self) -> [Option<(Stage, u16, u32)>; 2] {
-        let h = self.header.as_bytes();
+        let h = self.header.head();
         let le16 = |at: usize| h.get(at..at + 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
         match h.first().copied().and_then(PduType::from_code) {
             Some(PduType::C2HData) => {
@@ -156,9 +156,25 @@ impl<B: Deref<Target = [u8]>> Transmit<B> {
         }
     }
 
+    /// Its bytes in order, as the slices of one vectored write: the header's own bytes, its
+    /// trailing zeros (reserved bytes, padding up to PDO), the data, the data digest; none
+    /// empty.
+    pub fn slices(&self) -> impl Iterator<Item = &[u8]> {
+        let [head, zeros] = self.header.slices();
+        [
+            Some(head),
+            Some(zeros),
+            Some(&self.data[..]),
+            self.digest.as_ref().map(|d| &d[..]),
+        ]
+        .into_iter()
+        .flatten()
+        .filter(|s| !s.is_empty())
+    }
+
     /// Its length on the wire.
     pub fn len(&self) -> usize {
-        self.header.as_bytes().len() + self.data.len() + self.digest.map_or(0, |d| d.len())
+        self.header.len() + self.data.len() + self.digest.map_or(0, |d| d.len())
     }
 
     /// Whether it is empty (never: every PDU has a header).
@@ -470,7 +486,7 @@ impl<B: Deref<Target = [u8]>> ControllerQueue<B> {
     fn take(&mut self, pdu: Pdu) -> Result<(), DeframeError> {
         let header_bytes = || -> Vec<u8> {
             encode(&pdu.header, pdu.data.len() as u32, &self.framing)
-                .map(|e| e.as_bytes().to_vec())
+                .map(|e| e.to_vec())
                 .unwrap_or_default()
         };
         let fatal = |fes, fei, bytes: Vec<u8>| Err(DeframeError::from_parts(fes, fei, &bytes));
@@ -666,7 +682,7 @@ mod tests {
 
         fn pdu(&self, header: Header, data: &[u8]) -> Vec<u8> {
             let e = encode(&header, data.len() as u32, &self.framing).unwrap();
-            let mut v = e.as_bytes().to_vec();
+            let mut v = e.to_vec();
             v.extend_from_slice(data);
             if e.needs_data_digest() {
                 v.extend_from_slice(&data_digest([data]));
@@ -678,10 +694,8 @@ mod tests {
         fn read(&mut self, c: &mut ControllerQueue) -> Vec<Pdu> {
             let mut out = Vec::new();
             while let Some(t) = c.poll_transmit() {
-                self.deframer.feed(t.header.as_bytes());
-                self.deframer.feed(&t.data);
-                if let Some(d) = t.digest {
-                    self.deframer.feed(&d);
+                for s in t.slices() {
+                    self.deframer.feed(s);
                 }
                 while let Some(p) = self.deframer.next_pdu().unwrap() {
                     if let Header::IcResp(r) = p.header {

@@ -454,15 +454,7 @@ async fn send(
     batch: &[Transmit<Buffer>],
     stall: Duration,
 ) -> std::io::Result<()> {
-    let mut slices = batch.iter().flat_map(|t| {
-        [
-            Some(t.header.as_bytes()),
-            Some(&t.data[..]).filter(|d| !d.is_empty()),
-            t.digest.as_ref().map(|d| &d[..]),
-        ]
-        .into_iter()
-        .flatten()
-    });
+    let mut slices = batch.iter().flat_map(Transmit::slices);
     loop {
         let mut iov = [IoSlice::new(&[]); IOV_MAX];
         let mut n = 0;
