@@ -257,10 +257,16 @@ impl Transport {
     /// nvme:// NVMe/TCP (NVMe/RDMA only when asked for), iser:// iSER, srp:// or `fabric`
     /// SRP, anything else iSCSI.
     pub(crate) fn of_urls(urls: &[String]) -> Transport {
-        match urls.first().map(String::as_str) {
-            Some(u) if u.starts_with("nvme://") => Transport::NvmeTcp,
-            Some(u) if u.starts_with("iser://") => Transport::Iser,
-            Some(u) if u.starts_with("srp://") || u == "fabric" => Transport::Srp,
+        urls.first()
+            .map_or(Transport::Iscsi, |u| Transport::of_url(u))
+    }
+
+    /// The transport one URL's scheme names (see [`Transport::of_urls`]).
+    pub(crate) fn of_url(url: &str) -> Transport {
+        match url {
+            u if u.starts_with("nvme://") => Transport::NvmeTcp,
+            u if u.starts_with("iser://") => Transport::Iser,
+            u if u.starts_with("srp://") || u == "fabric" => Transport::Srp,
             _ => Transport::Iscsi,
         }
     }

@@ -710,7 +710,7 @@ pub(crate) enum Endpoint {
 
 impl Endpoint {
     pub(crate) fn parse(url: &str) -> anyhow::Result<Endpoint> {
-        Ok(if url.starts_with("nvme://") {
+        Ok(if Transport::of_url(url) == Transport::NvmeTcp {
             Endpoint::Nvme(NvmeUrl::parse(url)?)
         } else {
             Endpoint::Iscsi(IscsiUrl::parse(url)?)

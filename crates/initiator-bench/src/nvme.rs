@@ -468,7 +468,8 @@ async fn flush(
     if batch.is_empty() {
         return Ok(());
     }
-    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(batch.len() * 3);
+    // Header, its zeros (padding to PDO), data, data digest.
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(batch.len() * 4);
     for t in &batch {
         slices.extend(t.slices().map(IoSlice::new));
     }

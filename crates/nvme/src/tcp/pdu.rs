@@ -533,38 +533,43 @@ pub fn encode(header: &Header, data_len: u32, framing: &Framing) -> Option<Encod
     let plen = u32::try_from(plen).ok()?;
     let len = if pdo > 0 { pdo } else { hlen + hd };
     debug_assert!(len <= MAX_ENCODED_HEADER);
-    // ICReq and ICResp (no digests, no data) are 128 bytes of which only the first 16 are not
-    // reserved: written whole into a scratch buffer, their reserved bytes go out as zeros.
-    let mut scratch = [0u8; 128];
-    let h: &mut [u8] = if hlen + hd <= INLINE_HEADER {
-        &mut scratch[..INLINE_HEADER]
-    } else {
-        &mut scratch[..]
-    };
-    h[0] = t.code();
-    h[1] = header.flags() | if digests.header { HDGSTF } else { 0 } | if dd { DDGSTF } else { 0 };
-    h[2] = hlen as u8;
-    h[3] = pdo as u8;
-    h[4..8].copy_from_slice(&plen.to_le_bytes());
-    header.write_specific(&mut h[..hlen]);
-    if digests.header {
-        let crc = crc_fast::crc32_iscsi(&h[..hlen]);
-        h[hlen..hlen + DIGEST_LEN].copy_from_slice(&crc.to_le_bytes());
-    }
     // What is held: up to the last byte that may not be zero.
     let held = if hlen + hd <= INLINE_HEADER {
         hlen + hd
     } else {
         IC_FIELDS_END
     };
-    debug_assert!(h[held..hlen + hd].iter().all(|&b| b == 0));
     let mut out = EncodedHeader {
         bytes: [0; INLINE_HEADER],
         len: held as u8,
         zeros: u8::try_from(len - held).ok()?,
         data_digest: dd,
     };
-    out.bytes[..held].copy_from_slice(&h[..held]);
+    let fill = |h: &mut [u8]| {
+        h[0] = t.code();
+        h[1] =
+            header.flags() | if digests.header { HDGSTF } else { 0 } | if dd { DDGSTF } else { 0 };
+        h[2] = hlen as u8;
+        h[3] = pdo as u8;
+        h[4..8].copy_from_slice(&plen.to_le_bytes());
+        header.write_specific(&mut h[..hlen]);
+        if digests.header {
+            let crc = crc_fast::crc32_iscsi(&h[..hlen]);
+            h[hlen..hlen + DIGEST_LEN].copy_from_slice(&crc.to_le_bytes());
+        }
+    };
+    if hlen + hd <= INLINE_HEADER {
+        // Every header that goes with data (and its digest) is written where it is held.
+        fill(&mut out.bytes[..hlen + hd]);
+    } else {
+        // ICReq and ICResp (no digests, no data) are 128 bytes of which only the first 16
+        // are not reserved: written whole into a scratch buffer, their reserved bytes go out
+        // as zeros.
+        let mut scratch = [0u8; 128];
+        fill(&mut scratch[..hlen + hd]);
+        debug_assert!(scratch[held..hlen + hd].iter().all(|&b| b == 0));
+        out.bytes[..held].copy_from_slice(&scratch[..held]);
+    }
     Some(out)
 }
 
