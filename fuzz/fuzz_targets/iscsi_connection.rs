@@ -97,6 +97,8 @@ enum Step {
     ReleaseBackend,
     HoldBuffers(bool),
     GrantBuffers,
+    /// A handover's park ran out of time: the writes owed data-out are aborted.
+    ParkOverdue,
 }
 
 fn cdb_bytes(c: &Cdb) -> [u8; 16] {
@@ -274,6 +276,14 @@ fuzz_target!(|input: (Setup, Vec<Step>)| {
             }
             Step::HoldBuffers(h) => rig.hold_buffers = h,
             Step::GrantBuffers => rig.grant_buffers(),
+            Step::ParkOverdue => {
+                rig.abort_awaiting_data_out();
+                assert_eq!(
+                    rig.abort_awaiting_data_out(),
+                    0,
+                    "a write aborted twice, or one still owed data"
+                );
+            }
         }
         // Checks the stream as the initiator reads it.
         let _ = rig.responses();

@@ -589,6 +589,62 @@ fn an_initiator_that_owes_data_out_is_dropped_after_the_data_out_timeout() {
     assert_eq!(rig.conn().closing(), None);
 }
 
+/// A handover's park that runs out of time aborts the writes still waiting for data-out:
+/// each ends with TASK ABORTED (which initiators retry), a write whose data is all in and a
+/// read in the backend are left to end as they do, nothing then waits for the initiator and
+/// the connection is quiescent; the aborted write's Data-Out arriving late is discarded
+/// without a Reject, and the write sent again lands.
+#[test]
+fn a_park_that_runs_out_of_time_aborts_the_writes_owed_data() {
+    use iscsi_pdu::target_node::Busy;
+
+    let (mut rig, mut i) = rig(offers(&[("InitialR2T", "Yes"), ("ImmediateData", "No")]));
+    let data = pattern(8192, 11);
+    let (owed, r2t) = write_to_its_r2t(&mut rig, &mut i, 0, 16);
+    // A read whose operation is in the backend.
+    rig.hold_backend = true;
+    let cmd = i.command(&cdb10(0x28, 100, 8), 4096, 0, Bytes::new());
+    let read_itt = cmd.initiator_task_tag;
+    rig.send(&Pdu::ScsiCommand(cmd));
+    assert!(rig.conn().awaits_initiator());
+    assert_eq!(
+        rig.abort_awaiting_data_out(),
+        1,
+        "the write owed data alone"
+    );
+    assert_eq!(
+        rig.abort_awaiting_data_out(),
+        0,
+        "asked again: already aborted"
+    );
+    let r = rig.responses();
+    assert_eq!(status_of(&r, owed), Some(ScsiStatus::TASK_ABORTED), "{r:?}");
+    assert_eq!(r.len(), 1, "{r:?}");
+    assert!(!rig.conn().awaits_initiator());
+    assert_eq!(rig.conn().handover(), Err(Busy::Tasks), "the read runs");
+    rig.hold_backend = false;
+    assert!(rig.release_backend());
+    assert_eq!(
+        status_of(&rig.responses(), read_itt),
+        Some(ScsiStatus::GOOD)
+    );
+    assert!(rig.conn().handover().is_ok(), "quiescent");
+    // The initiator had sent the data before it saw the status: dropped without a word.
+    rig.send(&Pdu::DataOut(DataOut {
+        final_bit: true,
+        initiator_task_tag: owed,
+        target_transfer_tag: r2t.target_transfer_tag,
+        data: data.clone(),
+        ..DataOut::default()
+    }));
+    assert_eq!(rig.responses(), Vec::<Pdu>::new());
+    assert_eq!(rig.closed(), None);
+    assert_eq!(read(&mut rig, &mut i, 0, 16), Bytes::from(vec![0u8; 8192]));
+    // Its retry lands.
+    write(&mut rig, &mut i, 0, &data, (false, true, 0));
+    assert_eq!(read(&mut rig, &mut i, 0, 16), data);
+}
+
 #[test]
 fn abort_task_and_lun_reset() {
     let (mut rig, mut i) = rig(Options::default());

@@ -140,6 +140,15 @@ impl<T, B> TaskEntry<T, B> {
         self.failed
     }
 
+    /// Whether the task holds a buffer that only more data-out from the initiator lets go:
+    /// its data-out is not all in, or not yet handed on ([`TaskTable::awaits_data_out`]).
+    pub fn awaits_data_out(&self) -> bool {
+        self.data_out_len > 0
+            && !self.data_delivered
+            && self.failed.is_none()
+            && self.buffer.is_some()
+    }
+
     /// Whether a backend operation waits for a buffer.
     pub fn is_parked(&self) -> bool {
         self.parked.is_some()
@@ -373,9 +382,7 @@ impl<T, B: TaskBuffer> TaskTable<T, B> {
     /// frees the space may be behind the command it would wait for. Costs a pass over the
     /// table, so ask only when an allocation has failed.
     pub fn awaits_data_out(&self) -> bool {
-        self.tasks.values().any(|t| {
-            t.data_out_len > 0 && !t.data_delivered && t.failed.is_none() && t.buffer.is_some()
-        })
+        self.tasks.values().any(TaskEntry::awaits_data_out)
     }
 
     /// Backend operations waiting for a buffer.

@@ -28,6 +28,8 @@ pub struct Control {
     pub reader: Notify,
     /// Where the connection reports once parked.
     report: Mutex<Option<mpsc::UnboundedSender<Parked>>>,
+    /// The park turn whose deadline passed ([`Control::overdue`]), plus one; 0 for none.
+    overdue: AtomicU64,
 }
 
 /// A handover's request to a connection.
@@ -102,6 +104,20 @@ impl Control {
     /// Lets a parked connection go: another process serves it now.
     pub fn release(&self) {
         self.set_park(Park::Release);
+    }
+
+    /// The park's deadline passed: what keeps the connection from parking because it waits
+    /// for the initiator (a write's data-out) is aborted, and the connection parks without
+    /// it. Withdrawn by the next park request.
+    pub fn overdue(&self) {
+        self.overdue.store(self.park_turns() + 1, Ordering::SeqCst);
+        self.notify.notify_one();
+        self.reader.notify_one();
+    }
+
+    /// Whether the park in force is past its deadline ([`Control::overdue`]).
+    pub fn is_overdue(&self) -> bool {
+        self.parking() == Park::Park && self.overdue.load(Ordering::SeqCst) == self.park_turns() + 1
     }
 
     fn set_park(&self, p: Park) {

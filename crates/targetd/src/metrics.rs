@@ -352,6 +352,13 @@ fn connections(e: &mut DescriptorEncoder<'_>, registry: &Registry) -> std::fmt::
                 registry.counters.data_out_timeouts.load(Relaxed),
             ),
             (
+                "targetd_park_aborts_total",
+                Counter,
+                "writes aborted (TASK ABORTED) because their data-out was still owed when an \
+                 upgrade's park ran out of time",
+                registry.counters.park_aborts.load(Relaxed),
+            ),
+            (
                 "targetd_task_set_full_total",
                 Counter,
                 "writes answered TASK SET FULL: their connection's share of the arena held \

@@ -12,13 +12,11 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use bytes::Bytes;
-use common::raw::{read, write, Raw};
+use common::raw::{data_out, read, write, Raw};
 use common::{config, memory_target, opts, pattern, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command, Sense};
 use initiator_bench::Session;
-use iscsi_pdu::{
-    DataOut, Lun, Pdu, RejectReason, ScsiStatus, SerialNumber, TextRequest, RESERVED_TAG,
-};
+use iscsi_pdu::{Lun, Pdu, RejectReason, ScsiStatus, SerialNumber, TextRequest, RESERVED_TAG};
 use scsi_core::{Asc, SenseKey};
 
 /// The bystander's own target, so nothing a hostile initiator writes can touch its data.
@@ -219,19 +217,6 @@ async fn an_initiator_that_owes_data_out_is_dropped_after_the_data_out_timeout()
         raw.send(write(0x100 + i, sn, 0, 2048, Bytes::new())).await;
     }
     dropped_and_counted(&d, &by, &data, "targetd_data_out_timeouts_total").await;
-}
-
-fn data_out(itt: u32, ttt: u32, offset: u32, data: Bytes) -> Pdu {
-    Pdu::DataOut(DataOut {
-        final_bit: true,
-        lun: Lun::ZERO,
-        initiator_task_tag: itt,
-        target_transfer_tag: ttt,
-        exp_stat_sn: SerialNumber(0),
-        data_sn: 0,
-        buffer_offset: offset,
-        data,
-    })
 }
 
 /// A raw session on the test's target, its first command's unit attention (power on) taken.

@@ -1,8 +1,8 @@
 //! The running process's half of an upgrade that keeps sessions: iSCSI sessions parked for a
 //! handover (every connection stopped between two PDUs, its tasks over) report states that
 //! the successor's decoder accepts, and serve on where they stopped when the handover is
-//! withdrawn; a connection whose initiator owes data cannot park, and the park gives up
-//! without harm.
+//! withdrawn; a write whose initiator owes its data at the park's deadline is aborted; a
+//! session waiting for a CmdSN cannot park, and the park gives up without harm.
 
 mod common;
 
@@ -14,13 +14,13 @@ use bytes::Bytes;
 use common::program::{
     finish, goes_on, load, load_nvme, nvme_server, running, terminate, Program, TwoSessions,
 };
-use common::raw::{read, write, Raw};
+use common::raw::{data_out, read, write, Raw};
 use common::{config, keys, memory_target, opts, pattern, pr_out, Daemon, TARGET};
 use initiator_bench::scsi::{cdb, Command};
 use initiator_bench::LoginOptions;
 use iscsi_pdu::handover::SessionState;
 use iscsi_pdu::negotiation::DigestAlgorithm;
-use iscsi_pdu::{DataOut, Lun, Pdu, ScsiStatus, SerialNumber};
+use iscsi_pdu::{Pdu, ScsiStatus};
 use std::os::unix::net::UnixStream;
 use targetd::handover::{
     borrowed, encode_units, receive_handover, send_frame, send_handover, Handover, ReceiveError,
@@ -280,25 +280,77 @@ async fn a_successor_that_refuses_leaves_the_first_server_serving() {
     a.stop();
 }
 
-/// A WRITE whose data the initiator has not sent (it waits for an R2T's answer) keeps its
-/// connection from parking: the park gives up at its deadline naming the connection, and
-/// the connection serves on: the data sent then completes the WRITE, which reads back.
+/// A WRITE whose data the initiator has not sent by the park's deadline (it waits for an
+/// R2T's answer) is aborted: it ends TASK ABORTED, counted, and the connection parks (after
+/// the deadline, within its grace). When the park is withdrawn the connection serves on:
+/// the WRITE's data arriving late is dropped without a word, the WRITE sent again lands and
+/// reads back, and the aborted one wrote nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connection_owed_data_does_not_park_and_serves_on() {
+async fn a_write_owed_data_at_the_park_deadline_is_aborted_and_sent_again() {
     let d = Daemon::start(&config("", &memory_target(TARGET, "")));
-    let mut raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 0x45], 0).await.unwrap();
+    let mut raw = past_the_unit_attention(&d, 0x45).await;
+    let sn = raw.take_cmd_sn();
+    raw.send(write(2, sn, 8, 8, Bytes::new())).await;
+    let ttt = raw.r2t(2).await;
+    let within = Duration::from_millis(500);
+    let started = std::time::Instant::now();
+    let parked = park_sessions(&d.registry, within)
+        .await
+        .expect("parked once the write was aborted");
+    let took = started.elapsed();
+    assert!(took >= within, "parked in {took:?}, before its deadline");
+    assert_eq!(parked.sessions[0].0.tsih, raw.tsih);
+    let (status, _) = raw.finish(2).await.expect("the WRITE's status");
+    assert_eq!(status, ScsiStatus::TASK_ABORTED);
+    assert_eq!(d.registry.counters.park_aborts.load(Relaxed), 1);
+    drop(parked);
+    let data = pattern(4096, 7);
+    // Sent before the initiator saw the status.
+    raw.send(data_out(2, ttt, 0, data.clone())).await;
+    assert!(raw.ping(9).await, "the connection serves on after the park");
+    let sn = raw.take_cmd_sn();
+    raw.send(read(3, sn, 8, 8)).await;
+    let (status, back) = raw.finish(3).await.expect("the READ's status");
+    assert_eq!(status, ScsiStatus::GOOD);
+    assert!(back.iter().all(|&b| b == 0), "the aborted WRITE wrote");
+    // Sent again, it lands.
+    let sn = raw.take_cmd_sn();
+    raw.send(write(4, sn, 8, 8, Bytes::new())).await;
+    let ttt = raw.r2t(4).await;
+    raw.send(data_out(4, ttt, 0, data.clone())).await;
+    let (status, _) = raw.finish(4).await.expect("the WRITE's status");
+    assert_eq!(status, ScsiStatus::GOOD);
+    let sn = raw.take_cmd_sn();
+    raw.send(read(5, sn, 8, 8)).await;
+    let (status, back) = raw.finish(5).await.expect("the READ's status");
+    assert_eq!(status, ScsiStatus::GOOD);
+    assert_eq!(&back[..], &data[..]);
+    d.stop();
+}
+
+/// A raw session (its ISID ending in `isid`) whose READ with ITT 1 has met the power on
+/// unit attention.
+async fn past_the_unit_attention(d: &Daemon, isid: u8) -> Raw {
+    let mut raw = Raw::login(d, [0x80, 0, 0, 0, 0, isid], 0).await.unwrap();
     let sn = raw.take_cmd_sn();
     raw.send(read(1, sn, 0, 1)).await;
     raw.finish(1).await.expect("the power on unit attention");
+    raw
+}
+
+/// A session whose CmdSN order waits for a command that does not come (the initiator sent
+/// the next one first) cannot park: nothing of it can be aborted to make it, and the park
+/// gives up at its deadline and grace naming the connection, which serves on: the missing
+/// command sent then completes both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_waiting_for_a_cmd_sn_does_not_park_and_serves_on() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let mut raw = past_the_unit_attention(&d, 0x46).await;
+    let missing = raw.take_cmd_sn();
     let sn = raw.take_cmd_sn();
-    raw.send(write(2, sn, 8, 8, Bytes::new())).await;
-    let ttt = loop {
-        match raw.next().await.expect("an R2T") {
-            Pdu::ReadyToTransfer(r) if r.initiator_task_tag == 2 => break r.target_transfer_tag,
-            _ => continue,
-        }
-    };
-    match park_sessions(&d.registry, Duration::from_millis(500)).await {
+    raw.send(read(3, sn, 0, 1)).await;
+    assert!(raw.ping(8).await, "the read waits, the connection answers");
+    match park_sessions(&d.registry, Duration::from_millis(300)).await {
         Err(
             e @ ParkError::Timeout {
                 left: 1, asked: 1, ..
@@ -314,25 +366,12 @@ async fn a_connection_owed_data_does_not_park_and_serves_on() {
         }
         other => panic!("expected the park to time out, got {other:?}"),
     }
-    let data = pattern(4096, 7);
-    raw.send(Pdu::DataOut(DataOut {
-        final_bit: true,
-        lun: Lun::ZERO,
-        initiator_task_tag: 2,
-        target_transfer_tag: ttt,
-        exp_stat_sn: SerialNumber(0),
-        data_sn: 0,
-        buffer_offset: 0,
-        data: data.clone(),
-    }))
-    .await;
-    let (status, _) = raw.finish(2).await.expect("the WRITE's status");
-    assert_eq!(status, ScsiStatus::GOOD);
-    let sn = raw.take_cmd_sn();
-    raw.send(read(3, sn, 8, 8)).await;
-    let (status, back) = raw.finish(3).await.expect("the READ's status");
-    assert_eq!(status, ScsiStatus::GOOD);
-    assert_eq!(&back[..], &data[..]);
+    assert_eq!(d.registry.counters.park_aborts.load(Relaxed), 0);
+    raw.send(read(2, missing, 0, 1)).await;
+    for itt in [2, 3] {
+        let (status, _) = raw.finish(itt).await.expect("a READ's status");
+        assert_eq!(status, ScsiStatus::GOOD);
+    }
     // Now nothing is owed: it parks.
     let parked = park_sessions(&d.registry, Duration::from_secs(5))
         .await
@@ -350,10 +389,7 @@ async fn a_connection_that_leaves_fails_the_park_at_once() {
     let d = Daemon::start(&config("", &memory_target(TARGET, "")));
     let s = Arc::new(d.session(opts()).await);
     let _ = s.capacity().await;
-    let mut raw = Raw::login(&d, [0x80, 0, 0, 0, 0, 0x46], 0).await.unwrap();
-    let sn = raw.take_cmd_sn();
-    raw.send(read(1, sn, 0, 1)).await;
-    raw.finish(1).await.expect("the power on unit attention");
+    let mut raw = past_the_unit_attention(&d, 0x46).await;
     let sn = raw.take_cmd_sn();
     raw.send(write(2, sn, 8, 8, Bytes::new())).await;
     loop {

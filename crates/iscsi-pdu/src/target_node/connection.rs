@@ -362,6 +362,9 @@ enum Tmf {
     ColdReset,
     /// A logout of the session waiting for its nexus to let go: then the Logout Response.
     Logout,
+    /// A handover's park ran out of time while the task waited for its data-out: the task
+    /// ends with TASK ABORTED status ([`Connection::abort_awaiting_data_out`]).
+    Park,
 }
 
 /// A payload being read into a task's buffer.
@@ -1065,6 +1068,39 @@ impl<B: TaskBuffer> Connection<B> {
         }
     }
 
+    /// A handover's park ran out of time while tasks still wait for data-out that the
+    /// initiator has not sent: each is aborted as ABORT TASK would abort it, and ends with
+    /// TASK ABORTED status, which initiators retry (Linux's SCSI midlayer does at once), as
+    /// after another initiator's CLEAR TASK SET with TAS set. Then nothing of the connection
+    /// waits for the initiator, and it can stop reading between two PDUs; Data-Out still on
+    /// its way for those tasks is discarded, here or by the process the connection moves
+    /// to, as for any task that has ended. Tasks whose operation runs in the backend, and
+    /// commands waiting for their CmdSN turn, are left: the one ends when its operation does,
+    /// the other is the session's order. Returns how many tasks it aborted.
+    pub fn abort_awaiting_data_out(&mut self, nexus: &mut impl Core) -> usize {
+        let waiting: Vec<(u64, u64)> = self
+            .tasks
+            .iter()
+            .filter(|(tag, t)| {
+                t.task().is_some()
+                    && t.awaits_data_out()
+                    && !self
+                        .tmfs
+                        .iter()
+                        .any(|&(_, itt, kind)| kind == Tmf::Park && u64::from(itt) == *tag)
+            })
+            .map(|(tag, t)| (tag, t.lun))
+            .collect();
+        let mut aborted = 0;
+        for (itt, lun) in waiting {
+            if let Some(r) = nexus.task_management(lun, TmfFunction::AbortTask(itt)) {
+                self.tmfs.push((r, itt as u32, Tmf::Park));
+                aborted += 1;
+            }
+        }
+        aborted
+    }
+
     /// Drops the connection: `what` happened for `after`.
     fn give_up(&mut self, why: Close, what: &str, after: Duration) {
         let cid = self.settings.cid;
@@ -1551,6 +1587,24 @@ impl<B: TaskBuffer> Connection<B> {
         };
         let (_, itt, kind) = self.tmfs.swap_remove(i);
         if kind == Tmf::Internal {
+            return;
+        }
+        if kind == Tmf::Park {
+            // A task that ended before the abort reached it has had its own status.
+            if response != TmfResponse::Complete {
+                return;
+            }
+            // The task is gone (its R2Ts with it): its status says it was aborted.
+            let (exp, max) = nexus.window();
+            let r = ScsiResponse {
+                status: ScsiStatus::TASK_ABORTED,
+                initiator_task_tag: itt,
+                stat_sn: self.next_stat_sn(),
+                exp_cmd_sn: exp,
+                max_cmd_sn: max,
+                ..ScsiResponse::default()
+            };
+            self.transmit(Pdu::ScsiResponse(r));
             return;
         }
         if kind == Tmf::Logout {

@@ -554,6 +554,15 @@ impl Rig {
         self.run();
     }
 
+    /// A handover's park ran out of time: connection 0 aborts its tasks waiting for data-out
+    /// ([`Connection::abort_awaiting_data_out`]); how many.
+    pub fn abort_awaiting_data_out(&mut self) -> usize {
+        let (t, c) = (&mut self.target, &mut self.conns[0]);
+        let n = c.conn.abort_awaiting_data_out(&mut via(t, 0, c));
+        self.run();
+        n
+    }
+
     /// Connection 0 drops (the initiator went away).
     pub fn drop_connection(&mut self) {
         self.shut(0, "dropped");

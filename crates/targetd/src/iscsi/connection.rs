@@ -983,6 +983,24 @@ async fn work_loop(
             if request == Request::Logout {
                 t.machine.ask_logout(&mut t.nexus);
             }
+            if control.is_overdue() {
+                // The park's deadline passed: writes still owed data-out end TASK ABORTED
+                // (their initiators send them again), and the reader may stop.
+                let aborted = t.machine.abort_awaiting_data_out(&mut t.nexus);
+                if aborted > 0 {
+                    tracing::warn!(
+                        aborted,
+                        "the park's deadline passed: writes still owed data-out aborted"
+                    );
+                    t.nexus
+                        .registry
+                        .counters
+                        .park_aborts
+                        .fetch_add(aborted as u64, std::sync::atomic::Ordering::Relaxed);
+                    t.pump(now);
+                    control.reader.notify_one();
+                }
+            }
             match t.machine.closing() {
                 Some(Close::NoPingAnswer) => {
                     return Err(std::io::Error::new(

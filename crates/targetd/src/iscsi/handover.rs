@@ -39,12 +39,19 @@ use crate::unit::next_id;
 /// CmdSN order (and those it let read on are asked to park again).
 const REOPEN_TICK: Duration = Duration::from_millis(20);
 
+/// How much longer than its deadline a park waits once it has aborted the writes still owed
+/// data-out: for those aborts to be answered and the commands whose backend operation runs
+/// to end (at most the park's own time).
+pub const OVERDUE_GRACE: Duration = Duration::from_secs(1);
+
 /// Why the sessions could not be parked; every connection serves on.
 #[derive(Debug, thiserror::Error)]
 pub enum ParkError {
-    /// Connections still had tasks (or data owed by their initiators) at the deadline.
+    /// Connections still had tasks (commands whose backend operation runs, commands waiting
+    /// for an earlier CmdSN) at the deadline and [`OVERDUE_GRACE`] after it.
     #[error(
-        "{left} of {asked} connections did not quiesce within {within:?}: {}",
+        "{left} of {asked} connections did not quiesce within {within:?} and the grace after \
+         it: {}",
         stuck.join(", ")
     )]
     Timeout {
@@ -114,7 +121,9 @@ impl Drop for ParkedSessions {
 
 /// Parks every normal iSCSI session over TCP within `within`: each connection stops reading
 /// between two PDUs once nothing begun waits for its initiator, and reports once its tasks
-/// are over. On any failure every connection serves on.
+/// are over. At the deadline, the writes still owed data-out are aborted (they end TASK
+/// ABORTED, and their initiators send them again), and the connections get
+/// [`OVERDUE_GRACE`] more. On any failure every connection serves on.
 pub async fn park_sessions(
     registry: &Registry,
     within: Duration,
@@ -153,7 +162,8 @@ pub async fn park_sessions(
     let expected: usize = asked.iter().map(|(_, c)| c.len()).sum::<usize>()
         + controllers.iter().map(|a| a.ids().count()).sum::<usize>();
     let mut reports: BTreeMap<u64, Parked> = BTreeMap::new();
-    let deadline = tokio::time::Instant::now() + within;
+    let mut deadline = tokio::time::Instant::now() + within;
+    let mut overdue = false;
     let mut tick = tokio::time::interval(REOPEN_TICK);
     while reports.len() < expected {
         tokio::select! {
@@ -197,11 +207,30 @@ pub async fn park_sessions(
                             reports.remove(&c.id);
                             c.control.serve();
                             c.control.park(tx.clone());
+                            if overdue {
+                                c.control.overdue();
+                            }
                         }
                     }
                 }
             }
-            _ = tokio::time::sleep_until(deadline) => {
+            _ = tokio::time::sleep_until(deadline), if !overdue => {
+                // What waits for its initiator's data-out is aborted as ABORT TASK would
+                // (it ends TASK ABORTED, and the initiator sends it again): those
+                // connections can stop reading, and get a little longer to park.
+                overdue = true;
+                deadline = tokio::time::Instant::now() + within.min(OVERDUE_GRACE);
+                for (_, conns) in &asked {
+                    for c in conns.iter().filter(|c| !reports.contains_key(&c.id)) {
+                        c.control.overdue();
+                    }
+                }
+                tracing::info!(
+                    left = expected - reports.len(),
+                    "not parked within {within:?}: aborting the writes still owed data-out"
+                );
+            }
+            _ = tokio::time::sleep_until(deadline), if overdue => {
                 let stuck = asked
                     .iter()
                     .flat_map(|(session, conns)| {

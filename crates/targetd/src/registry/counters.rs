@@ -19,6 +19,9 @@ pub struct Counters {
     /// Connections dropped because they owed data-out and sent none for
     /// `server.data_out_timeout`.
     pub data_out_timeouts: AtomicU64,
+    /// Writes aborted (TASK ABORTED) because their data-out was still owed at a handover's
+    /// park deadline.
+    pub park_aborts: AtomicU64,
     /// Each reactor's buffer arena as it last reported it, in reactor order.
     pub arenas: Mutex<Vec<Arc<ArenaGauge>>>,
     /// SRP logins refused (SRP_LOGIN_REJ).

@@ -7,8 +7,8 @@ use bytes::{Bytes, BytesMut};
 use initiator_bench::scsi::cdb;
 use iscsi_pdu::text::TextParams;
 use iscsi_pdu::{
-    Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, ScsiCommand, ScsiStatus,
-    SerialNumber, Stage, RESERVED_TAG,
+    DataOut, Deframer, Digests, Isid, LoginRequest, LoginStatus, Lun, NopOut, Pdu, ScsiCommand,
+    ScsiStatus, SerialNumber, Stage, RESERVED_TAG,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -167,6 +167,18 @@ impl Raw {
         sn.0
     }
 
+    /// The Target Transfer Tag of the next R2T for task `itt`, skipping anything else.
+    pub async fn r2t(&mut self, itt: u32) -> u32 {
+        loop {
+            match self.next().await.expect("an R2T") {
+                Pdu::ReadyToTransfer(r) if r.initiator_task_tag == itt => {
+                    return r.target_transfer_tag
+                }
+                _ => continue,
+            }
+        }
+    }
+
     /// How the command `itt` ended: its status and the data of its Data-In, skipping
     /// anything else (R2T, NOP-In, other tasks); `None` when the target closed the connection.
     pub async fn finish(&mut self, itt: u32) -> Option<(ScsiStatus, BytesMut)> {
@@ -215,5 +227,20 @@ pub fn write(itt: u32, cmd_sn: u32, lba: u32, blocks: u16, data: Bytes) -> Pdu {
         cdb: cdb::write(u64::from(lba), u32::from(blocks)),
         data,
         ..ScsiCommand::default()
+    })
+}
+
+/// A Data-Out on LUN 0 answering the R2T `ttt` of task `itt` (DataSN 0, final): `data` at
+/// `offset`.
+pub fn data_out(itt: u32, ttt: u32, offset: u32, data: Bytes) -> Pdu {
+    Pdu::DataOut(DataOut {
+        final_bit: true,
+        lun: Lun::ZERO,
+        initiator_task_tag: itt,
+        target_transfer_tag: ttt,
+        exp_stat_sn: SerialNumber(0),
+        data_sn: 0,
+        buffer_offset: offset,
+        data,
     })
 }
