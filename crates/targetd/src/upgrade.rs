@@ -73,6 +73,9 @@ pub struct Upgraded {
     /// How long the initiators got no answer: from the park's start to the successor
     /// serving, in milliseconds.
     pub paused_ms: f64,
+    /// WRITEs whose initiators still owed their data at the park's deadline: aborted (TASK
+    /// ABORTED), for the initiators to send again.
+    pub aborted_writes: u64,
 }
 
 /// Why an upgrade did not happen; this process serves on as before.
@@ -178,13 +181,20 @@ pub async fn upgrade(
     let result = hand_over(registry, &listener, &mut child, deadline, &options).await;
     drop(listener);
     match result {
-        Ok(((sessions, controllers), parked, paused)) => {
+        Ok(Moved {
+            sessions,
+            controllers,
+            parked,
+            paused,
+            aborted,
+        }) => {
             // The successor accepts from here; this process stops.
             running.succeeded = true;
             tracing::info!(
                 pid,
                 sessions,
                 controllers,
+                aborted,
                 "upgrade: the new targetd serves (parked in {parked:?}, initiators paused \
                  {paused:?})"
             );
@@ -197,6 +207,7 @@ pub async fn upgrade(
                 controllers,
                 parked_ms: parked.as_secs_f64() * 1e3,
                 paused_ms: paused.as_secs_f64() * 1e3,
+                aborted_writes: aborted,
             })
         }
         Err(e) => {
@@ -364,9 +375,19 @@ impl Drop for Link {
     }
 }
 
-/// What a handover moved: (iSCSI sessions, NVMe/TCP controllers), how long they took to park
-/// and how long the initiators were paused.
-type Moved = ((usize, usize), Duration, Duration);
+/// What a handover moved.
+struct Moved {
+    /// iSCSI sessions.
+    sessions: usize,
+    /// NVMe/TCP controllers.
+    controllers: usize,
+    /// How long they took to park.
+    parked: Duration,
+    /// How long the initiators were paused.
+    paused: Duration,
+    /// WRITEs aborted at the park's deadline, still owed data-out.
+    aborted: u64,
+}
 
 /// Steps 1 to 5 with the started `child`: what was handed over.
 async fn hand_over(
@@ -419,8 +440,8 @@ async fn hand_over(
         namespaces: std::mem::take(&mut parked.namespaces),
         controllers: std::mem::take(&mut parked.controllers),
     };
-    let moved = (handover.sessions.len(), handover.controllers.len());
-    let count = moved.0 + moved.1;
+    let (sessions, controllers) = (handover.sessions.len(), handover.controllers.len());
+    let count = sessions + controllers;
     let within = options.start_within;
     blocking(&stream, within, move |s| {
         send_handover(s, &handover).map_err(Into::into)
@@ -451,8 +472,15 @@ async fn hand_over(
         Err(e) => return Err(e),
     }
     // The successor serves them: each connection here ends without a word.
+    let aborted = parked.aborted;
     parked.release();
-    Ok((moved, parked_in, paused.elapsed()))
+    Ok(Moved {
+        sessions,
+        controllers,
+        parked: parked_in,
+        paused: paused.elapsed(),
+        aborted,
+    })
 }
 
 /// Runs a blocking step of the handshake on a thread of its own, `within` at most for each

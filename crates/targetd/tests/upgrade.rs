@@ -20,7 +20,7 @@ use initiator_bench::scsi::{cdb, Command};
 use initiator_bench::LoginOptions;
 use iscsi_pdu::handover::SessionState;
 use iscsi_pdu::negotiation::DigestAlgorithm;
-use iscsi_pdu::{Pdu, ScsiStatus};
+use iscsi_pdu::{Digests, Pdu, ScsiStatus};
 use std::os::unix::net::UnixStream;
 use targetd::handover::{
     borrowed, encode_units, receive_handover, send_frame, send_handover, Handover, ReceiveError,
@@ -288,7 +288,7 @@ async fn a_successor_that_refuses_leaves_the_first_server_serving() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_owed_data_at_the_park_deadline_is_aborted_and_sent_again() {
     let d = Daemon::start(&config("", &memory_target(TARGET, "")));
-    let mut raw = past_the_unit_attention(&d, 0x45).await;
+    let mut raw = past_the_unit_attention(d.addr, 0x45).await;
     let sn = raw.take_cmd_sn();
     raw.send(write(2, sn, 8, 8, Bytes::new())).await;
     let ttt = raw.r2t(2).await;
@@ -300,6 +300,7 @@ async fn a_write_owed_data_at_the_park_deadline_is_aborted_and_sent_again() {
     let took = started.elapsed();
     assert!(took >= within, "parked in {took:?}, before its deadline");
     assert_eq!(parked.sessions[0].0.tsih, raw.tsih);
+    assert_eq!(parked.aborted, 1);
     let (status, _) = raw.finish(2).await.expect("the WRITE's status");
     assert_eq!(status, ScsiStatus::TASK_ABORTED);
     assert_eq!(d.registry.counters.park_aborts.load(Relaxed), 1);
@@ -314,6 +315,24 @@ async fn a_write_owed_data_at_the_park_deadline_is_aborted_and_sent_again() {
     assert_eq!(status, ScsiStatus::GOOD);
     assert!(back.iter().all(|&b| b == 0), "the aborted WRITE wrote");
     // Sent again, it lands.
+    sent_again_it_lands(&mut raw, &data).await;
+    d.stop();
+}
+
+/// A raw session with the target at `addr` (its ISID ending in `isid`) whose READ with ITT 1
+/// has met the power on unit attention.
+async fn past_the_unit_attention(addr: std::net::SocketAddr, isid: u8) -> Raw {
+    let mut raw = Raw::login_at(addr, [0x80, 0, 0, 0, 0, isid], 0, Digests::NONE)
+        .await
+        .unwrap();
+    let sn = raw.take_cmd_sn();
+    raw.send(read(1, sn, 0, 1)).await;
+    raw.finish(1).await.expect("the power on unit attention");
+    raw
+}
+
+/// The aborted WRITE (8 blocks at LBA 8) sent again as ITT 4 lands, and reads back as ITT 5.
+async fn sent_again_it_lands(raw: &mut Raw, data: &Bytes) {
     let sn = raw.take_cmd_sn();
     raw.send(write(4, sn, 8, 8, Bytes::new())).await;
     let ttt = raw.r2t(4).await;
@@ -325,17 +344,6 @@ async fn a_write_owed_data_at_the_park_deadline_is_aborted_and_sent_again() {
     let (status, back) = raw.finish(5).await.expect("the READ's status");
     assert_eq!(status, ScsiStatus::GOOD);
     assert_eq!(&back[..], &data[..]);
-    d.stop();
-}
-
-/// A raw session (its ISID ending in `isid`) whose READ with ITT 1 has met the power on
-/// unit attention.
-async fn past_the_unit_attention(d: &Daemon, isid: u8) -> Raw {
-    let mut raw = Raw::login(d, [0x80, 0, 0, 0, 0, isid], 0).await.unwrap();
-    let sn = raw.take_cmd_sn();
-    raw.send(read(1, sn, 0, 1)).await;
-    raw.finish(1).await.expect("the power on unit attention");
-    raw
 }
 
 /// A session whose CmdSN order waits for a command that does not come (the initiator sent
@@ -345,7 +353,7 @@ async fn past_the_unit_attention(d: &Daemon, isid: u8) -> Raw {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_waiting_for_a_cmd_sn_does_not_park_and_serves_on() {
     let d = Daemon::start(&config("", &memory_target(TARGET, "")));
-    let mut raw = past_the_unit_attention(&d, 0x46).await;
+    let mut raw = past_the_unit_attention(d.addr, 0x46).await;
     let missing = raw.take_cmd_sn();
     let sn = raw.take_cmd_sn();
     raw.send(read(3, sn, 0, 1)).await;
@@ -389,7 +397,7 @@ async fn a_connection_that_leaves_fails_the_park_at_once() {
     let d = Daemon::start(&config("", &memory_target(TARGET, "")));
     let s = Arc::new(d.session(opts()).await);
     let _ = s.capacity().await;
-    let mut raw = past_the_unit_attention(&d, 0x46).await;
+    let mut raw = past_the_unit_attention(d.addr, 0x46).await;
     let sn = raw.take_cmd_sn();
     raw.send(write(2, sn, 8, 8, Bytes::new())).await;
     loop {
@@ -455,6 +463,37 @@ async fn an_upgrade_to_a_new_binary_keeps_every_session_on_its_connection() {
     two.finish().await;
     terminate(pid);
     assert!(!running(pid));
+}
+
+/// `targetctl upgrade` while an initiator owes a WRITE's data and does not send it: at the
+/// park's deadline the WRITE is aborted (TASK ABORTED) and the upgrade goes through, saying
+/// so; the session goes on in the new process on the same connection under the same TSIH:
+/// the WRITE's data arriving late is dropped there, the WRITE sent again lands and reads back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_aborts_a_write_owed_data_at_its_deadline_and_the_session_goes_on() {
+    let first = Program::start();
+    let mut raw = past_the_unit_attention(first.addr, 0x47).await;
+    let sn = raw.take_cmd_sn();
+    raw.send(write(2, sn, 8, 8, Bytes::new())).await;
+    let ttt = raw.r2t(2).await;
+    let upgraded = first
+        .upgrade(&["--park-timeout", "500ms"])
+        .await
+        .expect("upgraded");
+    println!("{upgraded}");
+    assert_eq!(upgraded["sessions"], 1, "{upgraded}");
+    assert_eq!(upgraded["aborted_writes"], 1, "{upgraded}");
+    let pid = upgraded["pid"].as_u64().unwrap();
+    let (status, _) = raw.finish(2).await.expect("the WRITE's status");
+    assert_eq!(status, ScsiStatus::TASK_ABORTED);
+    let data = pattern(4096, 9);
+    raw.send(data_out(2, ttt, 0, data.clone())).await;
+    assert!(raw.ping(9).await, "the new process serves the connection");
+    sent_again_it_lands(&mut raw, &data).await;
+    let status = first.status();
+    assert_eq!(status["pid"], pid, "{status}");
+    assert_eq!(status["sessions"], 1, "{status}");
+    terminate(pid);
 }
 
 /// libiscsi's client across an upgrade: `iscsi-perf` (random 4 KiB reads, 32 in flight,

@@ -134,7 +134,9 @@ enum Command {
         /// How long the new binary may take to start (1m, 90s; a bare number is seconds).
         #[arg(long, default_value = "60s", value_parser = parse_duration)]
         start_timeout: Duration,
-        /// How long the sessions may take to finish their commands in flight and park.
+        /// How long the sessions may take to finish their commands in flight and park; at
+        /// this deadline WRITEs whose data their initiators still owe are aborted (TASK
+        /// ABORTED, sent again by the initiator), and the rest gets one second more.
         #[arg(long, default_value = "10s", value_parser = parse_duration)]
         park_timeout: Duration,
     },
@@ -850,16 +852,25 @@ fn run(args: Args) -> Result<()> {
 fn print_human(request: &AdminRequest, v: &Value) {
     match (request, v) {
         (AdminRequest::ConfigDump, Value::String(s)) => print!("{s}"),
-        (AdminRequest::Upgrade { .. }, Value::Object(u)) => println!(
-            "upgraded: {} (pid {}) serves {} iSCSI session(s) and {} NVMe/TCP controller(s) \
-             handed over; parked in {:.1} ms, initiators paused {:.1} ms",
-            text(&u["binary"]),
-            u["pid"],
-            u["sessions"],
-            u["controllers"],
-            u["parked_ms"].as_f64().unwrap_or(0.0),
-            u["paused_ms"].as_f64().unwrap_or(0.0)
-        ),
+        (AdminRequest::Upgrade { .. }, Value::Object(u)) => {
+            println!(
+                "upgraded: {} (pid {}) serves {} iSCSI session(s) and {} NVMe/TCP \
+                 controller(s) handed over; parked in {:.1} ms, initiators paused {:.1} ms",
+                text(&u["binary"]),
+                u["pid"],
+                u["sessions"],
+                u["controllers"],
+                u["parked_ms"].as_f64().unwrap_or(0.0),
+                u["paused_ms"].as_f64().unwrap_or(0.0)
+            );
+            let aborted = u["aborted_writes"].as_u64().unwrap_or(0);
+            if aborted > 0 {
+                println!(
+                    "{aborted} WRITE(s) still owed their data at the park's deadline: aborted \
+                     (TASK ABORTED), for their initiators to send again"
+                );
+            }
+        }
         (AdminRequest::LunFault { .. }, Value::Array(faults)) => {
             if faults.is_empty() {
                 println!("no faults armed");

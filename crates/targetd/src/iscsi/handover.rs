@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -89,6 +90,8 @@ pub struct ParkedSessions {
     pub controllers: Vec<ControllerHandover>,
     /// Every NVMe namespace's reservations.
     pub namespaces: Vec<NamespaceHandover>,
+    /// WRITEs aborted at the deadline because their data-out was still owed.
+    pub aborted: u64,
     /// The parked connections' controls: told to serve on when this is dropped, or to let
     /// go once released.
     controls: Vec<Arc<Control>>,
@@ -134,9 +137,11 @@ pub async fn park_sessions(
         units: Vec::new(),
         controllers: Vec::new(),
         namespaces: Vec::new(),
+        aborted: 0,
         controls: Vec::new(),
         frozen: Vec::new(),
     };
+    let aborts_before = registry.counters.park_aborts.load(Ordering::Relaxed);
     let mut asked = Vec::new();
     for session in registry.sessions.all() {
         let conns = registry.sessions.connections(&session);
@@ -288,6 +293,12 @@ pub async fn park_sessions(
     let (nvme, namespaces) = crate::nvme::handover::gather(registry, &controllers, &mut reports)?;
     parked.controllers = nvme;
     parked.namespaces = namespaces;
+    // Every connection that aborted a write did so before it reported.
+    parked.aborted = registry
+        .counters
+        .park_aborts
+        .load(Ordering::Relaxed)
+        .saturating_sub(aborts_before);
     // Nothing of the parked sessions runs now: their units' reservations and mode pages are
     // what the successor must start from.
     for target in registry.targets() {

@@ -35,7 +35,17 @@ impl Raw {
         tsih: u16,
         digests: Digests,
     ) -> Result<Raw, LoginStatus> {
-        let mut stream = TcpStream::connect(d.addr).await.unwrap();
+        Raw::login_at(d.addr, isid, tsih, digests).await
+    }
+
+    /// A login to the target at `addr` (a daemon in another process).
+    pub async fn login_at(
+        addr: std::net::SocketAddr,
+        isid: [u8; 6],
+        tsih: u16,
+        digests: Digests,
+    ) -> Result<Raw, LoginStatus> {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
         let mut text = TextParams::new();
         text.push("InitiatorName", "iqn.2026-11.io.example:raw");
         text.push("TargetName", TARGET);
