@@ -322,7 +322,7 @@ async fn a_write_owed_data_at_the_park_deadline_is_aborted_and_sent_again() {
 /// A raw session with the target at `addr` (its ISID ending in `isid`) whose READ with ITT 1
 /// has met the power on unit attention.
 async fn past_the_unit_attention(addr: std::net::SocketAddr, isid: u8) -> Raw {
-    let mut raw = Raw::login_at(addr, [0x80, 0, 0, 0, 0, isid], 0, Digests::NONE)
+    let mut raw = Raw::login_at(addr, [0x80, 0, 0, 0, 0, isid], 0, Digests::NONE, 0)
         .await
         .unwrap();
     let sn = raw.take_cmd_sn();
@@ -344,6 +344,42 @@ async fn sent_again_it_lands(raw: &mut Raw, data: &Bytes) {
     let (status, back) = raw.finish(5).await.expect("the READ's status");
     assert_eq!(status, ScsiStatus::GOOD);
     assert_eq!(&back[..], &data[..]);
+}
+
+/// MC/S: of a session's two connections one owes a WRITE's data at the park's deadline, the
+/// other is idle: the WRITE is aborted and both connections park; withdrawn, the session
+/// serves on over both (a READ on the other connection finds nothing written, the WRITE sent
+/// again lands).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mcs_session_owing_a_write_parks_at_its_deadline_on_both_connections() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let mut a = past_the_unit_attention(d.addr, 0x48).await;
+    let mut b = Raw::login_at(d.addr, [0x80, 0, 0, 0, 0, 0x48], a.tsih, Digests::NONE, 1)
+        .await
+        .expect("a second connection joins");
+    let sn = a.take_cmd_sn();
+    a.send(write(2, sn, 8, 8, Bytes::new())).await;
+    let ttt = a.r2t(2).await;
+    assert!(b.ping(7).await);
+    let parked = park_sessions(&d.registry, Duration::from_millis(500))
+        .await
+        .expect("parked once the write was aborted");
+    assert_eq!(parked.sessions.len(), 1);
+    assert_eq!(parked.sessions[0].0.connections.len(), 2);
+    assert_eq!(parked.aborted, 1);
+    let (status, _) = a.finish(2).await.expect("the WRITE's status");
+    assert_eq!(status, ScsiStatus::TASK_ABORTED);
+    drop(parked);
+    let data = pattern(4096, 5);
+    a.send(data_out(2, ttt, 0, data.clone())).await;
+    // The session's CmdSN count goes on over the other connection.
+    let sn = a.take_cmd_sn();
+    b.send(read(3, sn, 8, 8)).await;
+    let (status, back) = b.finish(3).await.expect("the READ's status");
+    assert_eq!(status, ScsiStatus::GOOD);
+    assert!(back.iter().all(|&x| x == 0), "the aborted WRITE wrote");
+    sent_again_it_lands(&mut a, &data).await;
+    d.stop();
 }
 
 /// A session whose CmdSN order waits for a command that does not come (the initiator sent

@@ -35,21 +35,24 @@ impl Raw {
         tsih: u16,
         digests: Digests,
     ) -> Result<Raw, LoginStatus> {
-        Raw::login_at(d.addr, isid, tsih, digests).await
+        Raw::login_at(d.addr, isid, tsih, digests, 0).await
     }
 
-    /// A login to the target at `addr` (a daemon in another process).
+    /// A login to the target at `addr` (a daemon in another process) as connection `cid`.
     pub async fn login_at(
         addr: std::net::SocketAddr,
         isid: [u8; 6],
         tsih: u16,
         digests: Digests,
+        cid: u16,
     ) -> Result<Raw, LoginStatus> {
         let mut stream = TcpStream::connect(addr).await.unwrap();
         let mut text = TextParams::new();
         text.push("InitiatorName", "iqn.2026-11.io.example:raw");
         text.push("TargetName", TARGET);
         text.push("SessionType", "Normal");
+        // Room for a second connection (MC/S), which a test may join as another CID.
+        text.push("MaxConnections", "2");
         let digest = |on: bool| if on { "CRC32C" } else { "None" };
         text.push("HeaderDigest", digest(digests.header));
         text.push("DataDigest", digest(digests.data));
@@ -59,6 +62,7 @@ impl Raw {
             next_stage: Stage::FullFeaturePhase,
             isid: Isid(isid),
             tsih,
+            cid,
             initiator_task_tag: 1,
             cmd_sn: SerialNumber(1),
             data: text.encode(),
