@@ -135,8 +135,14 @@ impl Member {
     /// preferences of gateways still listed kept after them: how a gateway lists itself,
     /// leaves or forgets another without losing an initiator's choice.
     pub fn rewrite_all(bytes: &[u8], members: &mut [Member]) -> Vec<u8> {
+        Member::rewrite(members, &Preference::parse_all(bytes))
+    }
+
+    /// The gateways object's bytes for `members` (in port group order) and those of
+    /// `preferences` whose gateway is still listed.
+    pub fn rewrite(members: &mut [Member], preferences: &[Preference]) -> Vec<u8> {
         let mut data = Member::encode_all(members);
-        for p in Preference::parse_all(bytes) {
+        for p in preferences {
             if members.iter().any(|m| m.gateway == p.gateway) {
                 data.extend_from_slice(p.line().as_bytes());
             }
@@ -186,6 +192,19 @@ impl Preference {
                 instance: instance.parse().ok()?,
             }),
             _ => None,
+        }
+    }
+
+    /// An upgrade's successor takes `predecessor`'s place as `instance`: the initiators'
+    /// choices of the predecessor go on for it, since their sessions go on too (a restart
+    /// that ends them leaves the choices to lapse). Choices of an older instance of the same
+    /// gateway stay lapsed.
+    pub fn carry_over(preferences: &mut [Preference], predecessor: &Member, instance: u64) {
+        for p in preferences
+            .iter_mut()
+            .filter(|p| p.gateway == predecessor.gateway && p.instance == predecessor.instance)
+        {
+            p.instance = instance;
         }
     }
 
@@ -478,5 +497,54 @@ mod tests {
         let prefs = Preference::parse_all(&edited);
         assert_eq!(prefs.len(), 2, "{}", String::from_utf8_lossy(&edited));
         assert!(prefs.contains(&again));
+    }
+
+    /// An upgrade's successor keeps the choices of the process it succeeds, not those of an
+    /// older instance of its gateway, nor another gateway's.
+    #[test]
+    fn a_successor_carries_over_its_predecessors_choices_only() {
+        let b = Member {
+            gateway: "b".into(),
+            port_group: 2,
+            portals: vec![],
+            instance: 8,
+            addresses: vec![],
+            left: false,
+            srp: false,
+            nvme_portals: vec![],
+            nvme_rdma_portals: vec![],
+        };
+        let choice = |oid: &str, gateway: &str, instance| Preference {
+            oid: oid.into(),
+            gateway: gateway.into(),
+            instance,
+        };
+        let mut prefs = vec![
+            choice("vm1", "b", 8),
+            choice("vm2", "b", 5),
+            choice("vm3", "a", 8),
+        ];
+        Preference::carry_over(&mut prefs, &b, 11);
+        assert_eq!(
+            prefs,
+            [
+                choice("vm1", "b", 11),
+                choice("vm2", "b", 5),
+                choice("vm3", "a", 8)
+            ]
+        );
+        let mut members = vec![Member {
+            instance: 11,
+            ..b.clone()
+        }];
+        let text = Member::rewrite(&mut members, &prefs);
+        assert_eq!(Member::parse_all(&text), members);
+        let policy = Membership {
+            members,
+            live: vec!["b".into()],
+            preferences: Preference::parse_all(&text),
+        }
+        .policy_for("vm1", &PathPolicy::default());
+        assert_eq!(policy.preferred.as_deref(), Some("b"));
     }
 }

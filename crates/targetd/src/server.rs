@@ -20,6 +20,17 @@ use crate::reactor;
 use crate::registry::{Registry, StartAccepting};
 use crate::target::{Target, TargetEnv};
 
+/// How a starting gateway of a cluster of gateways (`[cluster]`) enters it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClusterEntry {
+    /// At once: it lists itself and answers "who is alive" (any start, a restart through
+    /// the service manager's store too).
+    Now,
+    /// As an upgrade's successor: its predecessor stays the gateway until it has parked its
+    /// sessions ([`Server::take_cluster_place`]).
+    AtHandover,
+}
+
 /// Why the daemon could not start: the config key at fault and the reason.
 #[derive(Debug, thiserror::Error)]
 #[error("{key}: {reason}")]
@@ -157,18 +168,19 @@ impl Server {
 
     /// Opens every logical unit, binds every portal and the admin socket, starts the reactors.
     pub fn start(config: Config, config_path: PathBuf) -> Result<Server, StartError> {
-        Server::start_inheriting(config, config_path, Vec::new())
+        Server::start_inheriting(config, config_path, Vec::new(), ClusterEntry::Now)
     }
 
     /// Starts as [`start`](Self::start) does, but listens on the sockets of `inherited` (an
     /// upgrade's predecessor's, [`crate::upgrade`]) where one has the kind and configured
     /// address of a socket it would bind: the predecessor still holds them, so binding would
     /// fail, and a connection waiting in their backlog is not refused. Those not named by
-    /// this config are closed.
+    /// this config are closed. A gateway of a cluster enters it as `entry` says.
     pub fn start_inheriting(
         config: Config,
         config_path: PathBuf,
         inherited: Vec<ListeningSocket>,
+        entry: ClusterEntry,
     ) -> Result<Server, StartError> {
         let mut inherited = Inherited(inherited);
         let fail = |key: String, reason: String| StartError { key, reason };
@@ -282,7 +294,11 @@ impl Server {
         #[cfg(feature = "rdma")]
         let iser_portals = config.server.iser_portals.clone();
         if let Some(cluster) = &env.cluster {
-            cluster.join(&portals).map_err(|(k, r)| fail(k, r))?;
+            match entry {
+                ClusterEntry::Now => cluster.join(&portals),
+                ClusterEntry::AtHandover => cluster.join_as_successor(&portals),
+            }
+            .map_err(|(k, r)| fail(k, r))?;
             if !config.server.rdma_portals.is_empty() {
                 cluster.serve_srp();
             }
@@ -506,6 +522,15 @@ impl Server {
         handover: crate::handover::Handover,
     ) -> Result<crate::iscsi::handover::Adopted, crate::iscsi::handover::AdoptError> {
         crate::iscsi::handover::adopt(&self.registry, &self.reactors, handover)
+    }
+
+    /// An upgrade's successor, its predecessor parked: this process becomes the cluster's
+    /// gateway ([`crate::cluster::Cluster::take_place`]); nothing to do outside a cluster.
+    pub fn take_cluster_place(&self) -> Result<(), String> {
+        match &self.registry.target_env.cluster {
+            Some(cluster) => cluster.take_place(),
+            None => Ok(()),
+        }
     }
 
     /// The registry every part shares (for embedding and tests).

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::handover::{receive_handover, receive_listeners, send_step, Step};
-use crate::server::Server;
+use crate::server::{ClusterEntry, Server};
 use crate::Config;
 
 /// How long the successor waits for each word of the running process. The running process
@@ -43,6 +43,9 @@ pub enum TakeOverError {
     /// The sessions were not taken in.
     #[error("the sessions: {0}")]
     Adopt(#[from] crate::iscsi::handover::AdoptError),
+    /// Taking the predecessor's place in the cluster of gateways failed.
+    #[error("taking the gateway's place in the cluster: {0}")]
+    Cluster(String),
     /// The running process did not let go of the sessions.
     #[error("the running targetd did not let go of the sessions ({0:?})")]
     NotReleased(Option<Step>),
@@ -82,7 +85,8 @@ pub fn take_over(
 
 fn run(socket: &UnixStream, config: Config, config_path: PathBuf) -> Result<Server, TakeOverError> {
     let listeners = receive_listeners(socket)?;
-    let server = Server::start_inheriting(config, config_path, listeners)?;
+    let server =
+        Server::start_inheriting(config, config_path, listeners, ClusterEntry::AtHandover)?;
     send_step(socket, &Step::Ready).map_err(crate::handover::ReceiveError::from)?;
     fault("crash-after-ready");
     let handover = receive_handover(socket)?;
@@ -91,6 +95,12 @@ fn run(socket: &UnixStream, config: Config, config_path: PathBuf) -> Result<Serv
         return Err(TakeOverError::Injected);
     }
     let adopted = server.adopt_sessions(handover)?;
+    // The predecessor has parked: this process becomes the cluster's gateway before it says
+    // it took the sessions in (a failure here leaves them to the predecessor, which lists
+    // itself again).
+    server
+        .take_cluster_place()
+        .map_err(TakeOverError::Cluster)?;
     let (adopted_sessions, adopted_controllers) = (adopted.tsihs.len(), adopted.cntlids.len());
     let count = (adopted_sessions + adopted_controllers) as u32;
     send_step(socket, &Step::Adopted(count)).map_err(crate::handover::ReceiveError::from)?;

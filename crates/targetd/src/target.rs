@@ -957,6 +957,10 @@ impl SharedTarget for Target {
         Target::apply_shared_reservations(self, lun, version, state, effects)
     }
 
+    fn shared_reservations(&self, lun: u16) -> Option<scsi_core::pr::Reservations> {
+        self.with_core(|core, _| core.device().reservations(lun).map(|(r, _)| r.clone()))
+    }
+
     fn set_port_groups(&self, lun: u16, groups: Vec<scsi_core::spc::tpg::PortGroup>) {
         Target::set_port_groups(self, lun, groups)
     }

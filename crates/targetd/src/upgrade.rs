@@ -213,6 +213,10 @@ pub async fn upgrade(
         Err(e) => {
             tracing::error!(pid, "upgrade failed, serving on: {e}");
             let _ = child.start_kill();
+            // The successor may have taken this gateway's place in the cluster already.
+            if let Some(cluster) = registry.target_env.cluster.clone() {
+                let _ = tokio::task::spawn_blocking(move || cluster.list_again()).await;
+            }
             // Reaped in the background: a successor killed mid-start may take a moment.
             tokio::spawn(async move {
                 let _ = child.wait().await;
@@ -222,16 +226,11 @@ pub async fn upgrade(
     }
 }
 
-/// What an upgrade refuses to do: with `[cluster]` (the successor would join as this gateway
-/// while it is still a member), and unless forced, when it would lose data or changes.
+/// What an upgrade refuses to do unless forced: lose data or changes. (A gateway of a
+/// cluster is upgraded too: its successor takes its place at the handover.)
 fn refusals(registry: &Registry, force: bool) -> Result<(), UpgradeError> {
     match Loss::of(registry) {
         None => Ok(()),
-        Some(Loss::Cluster) => Err(UpgradeError::Refused(
-            "not with [cluster]: restart the gateways one at a time (the others serve the \
-             paths meanwhile)"
-                .into(),
-        )),
         Some(_) if force => Ok(()),
         Some(loss) => Err(UpgradeError::Refused(format!("{loss}; or --force"))),
     }
@@ -241,8 +240,9 @@ fn refusals(registry: &Registry, force: bool) -> Result<(), UpgradeError> {
 /// start after a restart through the service manager's store) would lose or get wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Loss {
-    /// This gateway is a cluster member: the next process would join under its name while
-    /// it still is one.
+    /// A restart through the store, of a gateway of a cluster: the next process would clear
+    /// the shared reservations of the sessions it keeps where no other gateway serves them
+    /// (an upgrade, whose successor takes this gateway's place at the handover, keeps them).
     Cluster,
     /// Memory units keep their data in this process: the next one starts them empty, under
     /// sessions that wrote to them.
@@ -254,11 +254,9 @@ pub enum Loss {
 }
 
 impl Loss {
-    /// The first loss a takeover from `registry` would bring, if any.
+    /// The first loss a takeover from `registry` would bring, if any (but
+    /// [`Loss::Cluster`], the store's own: [`Loss::of_restart`]).
     pub fn of(registry: &Registry) -> Option<Loss> {
-        if registry.target_env.cluster.is_some() {
-            return Some(Loss::Cluster);
-        }
         let running = registry.config();
         let memory: Vec<String> = running
             .targets
@@ -287,12 +285,24 @@ impl Loss {
         let lost = registry.unsaved_missing_from(&file);
         (!lost.is_empty()).then_some(Loss::Unsaved(lost))
     }
+
+    /// The first loss a restart through the service manager's store would bring.
+    pub fn of_restart(registry: &Registry) -> Option<Loss> {
+        if registry.target_env.cluster.is_some() {
+            return Some(Loss::Cluster);
+        }
+        Loss::of(registry)
+    }
 }
 
 impl std::fmt::Display for Loss {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Loss::Cluster => write!(f, "this gateway is a member of [cluster]"),
+            Loss::Cluster => write!(
+                f,
+                "this gateway is a member of [cluster], whose restart through the store is not \
+                 supported; upgrade it instead (targetctl upgrade)"
+            ),
             Loss::Memory(units) => write!(
                 f,
                 "memory units keep their data in this process, and the next one would start \

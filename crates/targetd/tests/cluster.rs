@@ -15,6 +15,9 @@
 //! - COMPARE AND WRITE from both gateways on one block: one winner each round.
 //! - A gateway that exports an image otherwise than the others is refused, naming both; one
 //!   whose whole target differs (access rules, CHAP) warns, and the last edited is recorded.
+//! - Upgrades: a gateway upgraded under a reservation keeps its session, its reservation and
+//!   its place (the others fence nobody, and its successor follows their changes); one whose
+//!   successor dies after taking its place is listed again and serves on.
 //! - Linux's own initiator (iscsi_tcp, scsi_dh_alua, dm-multipath) in a QEMU guest, through a
 //!   standby gateway: the disk has its size on both paths, and writes go on when the
 //!   optimized gateway is killed.
@@ -605,6 +608,18 @@ impl Process_ {
         image: &str,
         lun_keys: &str,
     ) -> Process_ {
+        Process_::start_in(ceph, name, port_group, image, lun_keys, &[])
+    }
+
+    /// The same with the environment variables `env` (which an upgrade's successor inherits).
+    fn start_in(
+        ceph: &Ceph,
+        name: &str,
+        port_group: u16,
+        image: &str,
+        lun_keys: &str,
+        env: &[(&str, &str)],
+    ) -> Process_ {
         let dir = tempfile::tempdir().unwrap();
         let keyring = ceph.keyring_key();
         let text = format!(
@@ -618,15 +633,26 @@ impl Process_ {
             ceph.conf.display(),
             ceph.client
         );
-        Process_::spawn(name, dir, &text)
+        Process_::spawn_with(name, dir, &text, env)
     }
 
     /// targetd on `text` (its admin socket in `dir`) as a gateway of cluster `name`, once it
     /// listens.
     fn spawn(name: &str, dir: tempfile::TempDir, text: &str) -> Process_ {
+        Process_::spawn_with(name, dir, text, &[])
+    }
+
+    /// The same with the environment variables `env` (which an upgrade's successor inherits).
+    fn spawn_with(
+        name: &str,
+        dir: tempfile::TempDir,
+        text: &str,
+        env: &[(&str, &str)],
+    ) -> Process_ {
         let path = dir.path().join("config.toml");
         std::fs::write(&path, text).unwrap();
         let mut child = Process::new(env!("CARGO_BIN_EXE_targetd"))
+            .envs(env.iter().copied())
             .arg(&path)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::inherit())
@@ -683,6 +709,29 @@ impl Process_ {
             let a: serde_json::Value = serde_json::from_str(&answer).expect("json");
             a["result"].clone()
         }
+    }
+
+    /// Asks the gateway to upgrade (to the binary it runs): the admin socket's answer.
+    async fn upgrade(&self) -> serde_json::Value {
+        let path = self._dir.path().join("admin.sock");
+        tokio::task::spawn_blocking(move || {
+            use std::io::{BufRead, Write};
+            let mut s = std::os::unix::net::UnixStream::connect(&path).expect("the admin socket");
+            let request = AdminRequest::Upgrade {
+                binary: None,
+                force: false,
+                start_timeout_seconds: None,
+                park_timeout_seconds: None,
+            };
+            let mut line = serde_json::to_vec(&request).unwrap();
+            line.push(b'\n');
+            s.write_all(&line).unwrap();
+            let mut answer = String::new();
+            std::io::BufReader::new(&s).read_line(&mut answer).unwrap();
+            serde_json::from_str(&answer).expect("json")
+        })
+        .await
+        .unwrap()
     }
 
     fn signal(&self, sig: &str) {
@@ -864,6 +913,19 @@ async fn a_silent_gateway_is_fenced_before_a_change_completes_serves_no_more_the
 
 /// The RADOS client addresses gateway `gateway` of `cluster` lists for itself.
 fn addresses_of(ceph: &Ceph, cluster: &str, gateway: &str) -> Vec<String> {
+    listed(ceph, cluster, gateway)[5]
+        .split(',')
+        .map(str::to_string)
+        .collect()
+}
+
+/// The RADOS client instance gateway `gateway` of `cluster` lists for itself.
+fn instance_of(ceph: &Ceph, cluster: &str, gateway: &str) -> u64 {
+    listed(ceph, cluster, gateway)[4].parse().unwrap()
+}
+
+/// The words of gateway `gateway`'s line in the gateways object of `cluster`.
+fn listed(ceph: &Ceph, cluster: &str, gateway: &str) -> Vec<String> {
     let object = format!("{cluster}.gateways");
     let out = ceph.tool("rados", &["-p", &ceph.pool, "get", &object, "-"]);
     assert!(out.status.success(), "rados get {object}: {out:?}");
@@ -872,8 +934,155 @@ fn addresses_of(ceph: &Ceph, cluster: &str, gateway: &str) -> Vec<String> {
         .lines()
         .find(|l| l.split_whitespace().nth(1) == Some(gateway))
         .unwrap_or_else(|| panic!("{gateway} not in {object}: {text}"));
-    let fields: Vec<&str> = line.split_whitespace().collect();
-    fields[5].split(',').map(str::to_string).collect()
+    line.split_whitespace().map(str::to_string).collect()
+}
+
+/// Process `pid` (an upgrade's successor, not this test's child) stopped when dropped: SIGTERM
+/// (it leaves the cluster and closes its images), SIGKILL if it is still there after 20 s.
+struct Successor(u32);
+
+impl Drop for Successor {
+    fn drop(&mut self) {
+        let signal = |sig: &str| {
+            Process::new("kill")
+                .args([sig, &self.0.to_string()])
+                .stderr(std::process::Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        signal("-TERM");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while signal("-0") && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        kill(self.0);
+    }
+}
+
+/// Gateway `gw1`'s members entry in the cluster view `view`.
+fn member_view(view: &serde_json::Value, gateway: &str) -> serde_json::Value {
+    view["members"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|m| m["gateway"] == gateway)
+        .cloned()
+        .unwrap_or_else(|| panic!("no {gateway} in {view}"))
+}
+
+/// A PREEMPT through B of the registration of `one` (on A) reaches `one` as REGISTRATIONS
+/// PREEMPTED and locks it out: the process serving A follows B's changes.
+async fn preempted_through_b(one: &Session, two: &Session) {
+    assert_eq!(prout(two, 4, 1, 0xb, 0xa).await, ScsiStatus::GOOD);
+    let mut heard = Vec::new();
+    while let Some(sense) = tur_sense(one).await {
+        heard.push(sense);
+    }
+    assert!(
+        heard.contains(&(6, 0x2a, 0x05)),
+        "REGISTRATIONS PREEMPTED on A's session: {heard:?}"
+    );
+    assert_eq!(write_status(one, 3).await, ScsiStatus::RESERVATION_CONFLICT);
+    assert_eq!(keys(one).await.1, vec![0xb]);
+}
+
+/// One initiator on gateway A of two registers and reserves (WRITE EXCLUSIVE), one on B
+/// registers and is locked out of writes.
+async fn reserved_through_a(one: &Session, two: &Session) {
+    assert_eq!(prout(one, 0, 0, 0, 0xa).await, ScsiStatus::GOOD);
+    assert_eq!(prout(one, 1, 1, 0xa, 0).await, ScsiStatus::GOOD);
+    assert_eq!(prout(two, 0, 0, 0, 0xb).await, ScsiStatus::GOOD);
+    while tur_sense(two).await.is_some() {}
+    assert_eq!(write_status(two, 1).await, ScsiStatus::RESERVATION_CONFLICT);
+    assert_eq!(write_status(one, 1).await, ScsiStatus::GOOD);
+}
+
+/// Gateway A of two upgraded while its initiator holds a WRITE EXCLUSIVE reservation and B's
+/// is registered, A's successor started with `env`: A (the old or the new process, as the
+/// upgrade went) serves on in the cluster: its session writes on its connection, B's still
+/// conflicts, B counts A live and has fenced nobody, both report the same port groups, and A
+/// follows B's changes. The admin socket's answer, A's RADOS instance before and after, and
+/// the successor's pid when it served (killed by then).
+async fn upgrade_a_under_a_reservation(
+    ceph: &Ceph,
+    prefix: &str,
+    env: &[(&str, &str)],
+) -> (serde_json::Value, u64, u64, Option<u32>) {
+    let image = unique(prefix);
+    let name = unique("gws");
+    let a = Process_::start_in(ceph, &name, 1, &image, "", env);
+    let b = Process_::start(ceph, &name, 2, &image);
+    let one = a.session("one").await;
+    let two = b.session("two").await;
+    let both = [(1, 0x0, true), (2, 0x1, false)];
+    expect_groups(&one, &both, 20).await;
+    expect_groups(&two, &both, 20).await;
+    reserved_through_a(&one, &two).await;
+    let before = instance_of(ceph, &name, "gw1");
+    let view_b = Process_::viewer(b._dir.path().join("admin.sock"));
+    let fenced_before = view_b()["fenced_by_this_gateway"].as_u64();
+
+    let answer = a.upgrade().await;
+    let successor = answer["result"]["pid"]
+        .as_u64()
+        .map(|pid| Successor(pid as u32));
+    let after = instance_of(ceph, &name, "gw1");
+    assert_eq!(write_status(&one, 2).await, ScsiStatus::GOOD);
+    assert_eq!(
+        write_status(&two, 1).await,
+        ScsiStatus::RESERVATION_CONFLICT
+    );
+    // Some rounds of "who is alive".
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    let view = view_b();
+    assert_eq!(member_view(&view, "gw1")["live"], true, "{view}");
+    assert_eq!(
+        view["fenced_by_this_gateway"].as_u64(),
+        fenced_before,
+        "{view}"
+    );
+    expect_groups(&one, &both, 5).await;
+    expect_groups(&two, &both, 5).await;
+    preempted_through_b(&one, &two).await;
+    drop((one, two));
+    let pid = successor.as_ref().map(|s| s.0);
+    drop(successor);
+    drop(a);
+    drop(b);
+    ceph.remove_image(&image);
+    (answer, before, after, pid)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgraded_gateway_keeps_its_sessions_reservations_and_place_in_the_cluster() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let (answer, before, after, successor) =
+        upgrade_a_under_a_reservation(&ceph, "upgrade", &[]).await;
+    assert_eq!(answer["ok"], true, "{answer}");
+    assert!(successor.is_some(), "{answer}");
+    assert_eq!(answer["result"]["sessions"], 1, "{answer}");
+    println!(
+        "upgraded gateway A: initiators paused {} ms",
+        answer["result"]["paused_ms"]
+    );
+    // A's line is the successor's: fencing A blocklists the process that serves.
+    assert_ne!(after, before, "the successor lists its own client");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_successor_that_dies_after_taking_a_gateways_place_leaves_the_old_process_listed_and_serving(
+) {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    // A's successor aborts once it has taken A's place and taken the sessions in.
+    let fault = [(targetd::takeover::FAULT_VARIABLE, "crash-after-adopted")];
+    let (answer, before, after, _) =
+        upgrade_a_under_a_reservation(&ceph, "upgrade-crash", &fault).await;
+    assert_eq!(answer["ok"], false, "{answer}");
+    println!("the upgrade failed as injected: {}", answer["error"]);
+    // The old process listed itself again: fencing A blocklists it.
+    assert_eq!(after, before, "the old process lists its own client again");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -159,7 +159,12 @@ fn main() -> ExitCode {
                 let mut restored = targetd::fdstore::Restored::take(passed);
                 let listeners = std::mem::take(&mut restored.listeners);
                 // A start that fails leaves the store as it was, for the next attempt.
-                let server = match Server::start_inheriting(config, args.config.clone(), listeners) {
+                let server = match Server::start_inheriting(
+                    config,
+                    args.config.clone(),
+                    listeners,
+                    targetd::server::ClusterEntry::Now,
+                ) {
                     Ok(s) => s,
                     Err(e) => {
                         let key = named.describe_key(&e.key);

@@ -55,6 +55,7 @@ use scsi_core::{PortGroupsChange, ReservationChange, TaskId};
 use super::{policy_of, Following, Member, Membership, SharedTarget};
 use crate::config;
 use crate::store::UnitStore;
+use cluster::member::Preference;
 
 /// How many tries a compare-and-swap edit of an object makes before it gives up.
 const MAX_RACES: usize = cluster::gateway::MAX_RACES;
@@ -135,6 +136,9 @@ pub struct Keeper {
     compare_soon: AtomicBool,
     /// The daemon stops: the lane threads end.
     stopping: AtomicBool,
+    /// An upgrade's successor that has not taken its predecessor's place yet
+    /// ([`Keeper::join_as_successor`]): its line is not written.
+    standby: AtomicBool,
     this: Weak<Keeper>,
 }
 
@@ -202,6 +206,7 @@ impl Keeper {
             targets: Mutex::default(),
             compare_soon: AtomicBool::new(true),
             stopping: AtomicBool::new(false),
+            standby: AtomicBool::new(false),
         });
         for lane in [Lane::Changes, Lane::Membership] {
             let weak = Arc::downgrade(&keeper);
@@ -498,6 +503,27 @@ impl Keeper {
         self: &Arc<Self>,
         portals: &[std::net::SocketAddr],
     ) -> Result<(), (String, String)> {
+        self.join_with(portals, false)
+    }
+
+    /// Joins as an upgrade's successor, while the process it succeeds is still this gateway:
+    /// the units are shared and followed and "who is alive" is asked as [`Keeper::join`]
+    /// does, but this gateway's line (the predecessor's) is not rewritten and this process
+    /// does not answer for it until [`Keeper::take_place`], once the predecessor has parked.
+    /// Until then a gateway that fences this one blocklists the predecessor, the process that
+    /// serves; and what a change told this process in vain is read again at the handover.
+    pub fn join_as_successor(
+        self: &Arc<Self>,
+        portals: &[std::net::SocketAddr],
+    ) -> Result<(), (String, String)> {
+        self.join_with(portals, true)
+    }
+
+    fn join_with(
+        self: &Arc<Self>,
+        portals: &[std::net::SocketAddr],
+        successor: bool,
+    ) -> Result<(), (String, String)> {
         *crate::lock(&self.me) = Some(Member {
             gateway: self.config.gateway.clone(),
             port_group: self.config.port_group,
@@ -509,7 +535,13 @@ impl Keeper {
             nvme_portals: Vec::new(),
             nvme_rdma_portals: Vec::new(),
         });
-        self.enter()?;
+        if successor {
+            self.standby.store(true, Ordering::Release);
+            let me = self.identify().map_err(|e| ("cluster".to_string(), e))?;
+            self.state().machine.relisted(me);
+        } else {
+            self.enter(false)?;
+        }
         let me = crate::lock(&self.me).clone();
         if let Some(me) = me {
             self.input(|m, now| m.joined(now, me));
@@ -529,21 +561,32 @@ impl Keeper {
         Ok(())
     }
 
+    /// This gateway's line with the current connection's instance and addresses.
+    fn identify(&self) -> Result<Member, String> {
+        let instance = self.pool().cluster().instance_id();
+        let addresses = self.addresses().map_err(|e| e.to_string())?;
+        let mut guard = self.me.lock().unwrap_or_else(PoisonError::into_inner);
+        let me = guard.as_mut().ok_or("not joined")?;
+        me.instance = instance;
+        me.addresses = addresses;
+        Ok(me.clone())
+    }
+
     /// Writes this gateway's line (with the current connection's instance and addresses)
     /// in the gateways object and watches it: from now on this gateway answers "who is
-    /// alive", and the others hear at once that it joined.
-    fn enter(self: &Arc<Self>) -> Result<(), (String, String)> {
+    /// alive", and the others hear at once that it joined. `succeeding`: the line replaces
+    /// the predecessor's of an upgrade, whose initiators' choices of this gateway go on.
+    fn enter(self: &Arc<Self>, succeeding: bool) -> Result<(), (String, String)> {
         let fail = |e: String| ("cluster".to_string(), e);
         let oid = self.gateways_object();
-        let pool = self.pool();
-        let me = {
-            let mut guard = self.me.lock().unwrap_or_else(PoisonError::into_inner);
-            let me = guard.as_mut().ok_or_else(|| fail("not joined".into()))?;
-            me.instance = pool.cluster().instance_id();
-            me.addresses = self.addresses().map_err(|e| fail(e.to_string()))?;
-            me.clone()
-        };
-        self.publish(&me)?;
+        let me = self.identify().map_err(fail)?;
+        if self.standby.load(Ordering::Acquire) {
+            // A successor rejoining before it took its predecessor's place: still not the
+            // gateway.
+            self.state().machine.relisted(me);
+            return Ok(());
+        }
+        self.publish(&me, succeeding)?;
         let watch = self
             .watch(&oid, Watched::Gateways)
             .map_err(|e| fail(rados_text(e)))?;
@@ -554,8 +597,82 @@ impl Keeper {
             .replace(watch);
         drop(old);
         // The others look again now rather than at their next round.
-        let _ = pool.notify(&oid, b"joined", self.settings.membership_timeout);
+        let _ = self
+            .pool()
+            .notify(&oid, b"joined", self.settings.membership_timeout);
         self.state().machine.relisted(me.clone());
+        Ok(())
+    }
+
+    /// An upgrade's successor takes its predecessor's place, once the predecessor has
+    /// parked its sessions and before this process serves them: its line (this process's
+    /// instance and addresses) replaces the predecessor's, so fencing this gateway from now
+    /// on blocklists this process; it answers "who is alive"; and every shared unit's
+    /// reservations are read again, in case a change was told to this process while it
+    /// could not be fenced for not applying it.
+    pub fn take_place(self: &Arc<Self>) -> Result<(), String> {
+        self.standby.store(false, Ordering::Release);
+        self.enter(true).map_err(|(_, e)| e)?;
+        self.catch_up()?;
+        tracing::info!(
+            gateway = %self.config.gateway,
+            instance = self.pool().cluster().instance_id(),
+            "took the predecessor's place in the cluster"
+        );
+        Ok(())
+    }
+
+    /// An upgrade failed after its successor may have taken this gateway's place: this
+    /// process lists itself again before it serves on, and reads every shared unit's
+    /// reservations again (a change told to it meanwhile could not fence it).
+    pub fn list_again(self: &Arc<Self>) {
+        // A successor that listed itself is fenced first (it was killed; blocklisted, its
+        // watches end at once rather than hold every notify up to their timeout).
+        let listed = self.pool().read(&self.gateways_object(), MAX_OBJECT);
+        let instance = self.pool().cluster().instance_id();
+        let successor = listed.ok().flatten().and_then(|v| {
+            Member::parse_all(&v.data)
+                .into_iter()
+                .find(|m| m.gateway == self.config.gateway && m.instance != instance)
+        });
+        if let Some(successor) = successor {
+            match self.fence(&successor) {
+                Ok(()) => tracing::info!(
+                    addresses = ?successor.addresses,
+                    "fenced the failed successor that had taken this gateway's place"
+                ),
+                Err(e) => tracing::warn!("fencing the failed successor: {e}"),
+            }
+        }
+        if let Err((_, e)) = self.enter(false) {
+            tracing::warn!("listing this gateway again after the upgrade failed: {e}");
+        }
+        if let Err(e) = self.catch_up() {
+            tracing::warn!("reading the shared reservations again: {e}");
+        }
+    }
+
+    /// Reads every shared unit's reservations and applies those newer than the unit's, with
+    /// the unit attentions of what the nexuses here missed.
+    fn catch_up(&self) -> Result<(), String> {
+        for (target, lun) in self.shared_units() {
+            let Some(t) = target.upgrade() else { continue };
+            let Some(storage) = t.storage(lun) else {
+                continue;
+            };
+            let Some(image) = crate::rbd::image_of(&*storage) else {
+                continue;
+            };
+            let oid = self.object(image.spec());
+            let Some(read) = self.pool().read(&oid, MAX_OBJECT).map_err(rados_text)? else {
+                continue;
+            };
+            let state = Reservations::decode(&read.data)
+                .ok_or_else(|| format!("the reservations in object {oid} are damaged"))?;
+            let before = t.shared_reservations(lun).unwrap_or_default();
+            let missed = scsi_core::pr::ReservationEffects::missed(&before, &state);
+            t.apply_shared_reservations(lun, read.version, state, &missed);
+        }
         Ok(())
     }
 
@@ -581,7 +698,7 @@ impl Keeper {
             change(me);
             me.clone()
         };
-        if let Err((_, e)) = self.publish(&me) {
+        if let Err((_, e)) = self.publish(&me, false) {
             tracing::warn!("listing this gateway's portals: {e}");
         }
         self.state().machine.relisted(me.clone());
@@ -625,7 +742,7 @@ impl Keeper {
             t.reopen_shared_lun(lun)
                 .map_err(|e| format!("target {} LUN {lun}: {e}", t.name()))?;
         }
-        self.enter()
+        self.enter(false)
             .map_err(|(_, e)| format!("listing this gateway: {e}"))?;
         tracing::info!(
             gateway = %self.config.gateway,
@@ -672,9 +789,14 @@ impl Keeper {
         }
     }
 
-    /// Writes (or rewrites) this gateway's line in the gateways object.
-    fn publish(&self, me: &Member) -> Result<(), (String, String)> {
-        self.edit_members(|members| {
+    /// Writes (or rewrites) this gateway's line in the gateways object; with `succeeding`,
+    /// the initiators' choices of the process it replaces go on for it. Nothing while this
+    /// process is an upgrade's successor that has not taken its predecessor's place.
+    fn publish(&self, me: &Member, succeeding: bool) -> Result<(), (String, String)> {
+        if self.standby.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.edit_members(|members, preferences| {
             if let Some(other) = members
                 .iter()
                 .find(|m| m.port_group == me.port_group && m.gateway != me.gateway)
@@ -687,18 +809,23 @@ impl Keeper {
                     ),
                 ));
             }
+            if let Some(predecessor) = members.iter().find(|m| m.gateway == me.gateway) {
+                if succeeding {
+                    Preference::carry_over(preferences, predecessor, me.instance);
+                }
+            }
             members.retain(|m| m.gateway != me.gateway);
             members.push(me.clone());
             Ok(())
         })
     }
 
-    /// Changes the gateways object by `edit` (which may refuse, changing nothing): read, edit,
-    /// and written back only if nobody wrote it meanwhile (compare-and-swap), again after a
-    /// lost race.
+    /// Changes the gateways object's members and initiators' choices by `edit` (which may
+    /// refuse, changing nothing): read, edit, and written back only if nobody wrote it
+    /// meanwhile (compare-and-swap), again after a lost race.
     fn edit_members(
         &self,
-        edit: impl Fn(&mut Vec<Member>) -> Result<(), (String, String)>,
+        edit: impl Fn(&mut Vec<Member>, &mut Vec<Preference>) -> Result<(), (String, String)>,
     ) -> Result<(), (String, String)> {
         let fail = |e: String| ("cluster".to_string(), e);
         let oid = self.gateways_object();
@@ -715,8 +842,9 @@ impl Keeper {
                 None => (String::new(), None),
             };
             let mut members: Vec<Member> = text.lines().filter_map(Member::parse).collect();
-            edit(&mut members)?;
-            let data = Member::rewrite_all(text.as_bytes(), &mut members);
+            let mut preferences = Preference::parse_all(text.as_bytes());
+            edit(&mut members, &mut preferences)?;
+            let data = Member::rewrite(&mut members, &preferences);
             match self.pool().replace(&oid, version, &data) {
                 Ok(_) => return Ok(()),
                 Err(CasError::Conflict) => continue,
@@ -737,7 +865,7 @@ impl Keeper {
     pub fn leave(&self) {
         self.state().machine.leave();
         let gateway = self.config.gateway.clone();
-        if let Err((_, e)) = self.edit_members(|members| {
+        if let Err((_, e)) = self.edit_members(|members, _| {
             for m in members.iter_mut().filter(|m| m.gateway == gateway) {
                 m.left = true;
             }
@@ -775,7 +903,7 @@ impl Keeper {
             ));
         }
         let known = std::sync::atomic::AtomicBool::new(false);
-        self.edit_members(|members| {
+        self.edit_members(|members, _| {
             let before = members.len();
             members.retain(|m| m.gateway != name);
             known.store(members.len() != before, Ordering::Relaxed);
@@ -822,7 +950,7 @@ impl Keeper {
             me.addresses = addresses;
             me.clone()
         };
-        if let Err((_, e)) = self.publish(&me) {
+        if let Err((_, e)) = self.publish(&me, false) {
             tracing::warn!("listing this gateway's RADOS clients: {e}");
         }
         self.state().machine.relisted(me);
@@ -1306,6 +1434,24 @@ impl super::Cluster for Keeper {
         Keeper::join(&me, portals)
     }
 
+    fn join_as_successor(&self, portals: &[std::net::SocketAddr]) -> Result<(), (String, String)> {
+        let me = self
+            .this
+            .upgrade()
+            .ok_or(("cluster".to_string(), "stopping".to_string()))?;
+        Keeper::join_as_successor(&me, portals)
+    }
+
+    fn take_place(&self) -> Result<(), String> {
+        Keeper::take_place(&self.this().ok_or("the cluster's keeper stops")?)
+    }
+
+    fn list_again(&self) {
+        if let Some(me) = self.this() {
+            Keeper::list_again(&me);
+        }
+    }
+
     fn leave(&self) {
         Keeper::leave(self);
     }
@@ -1331,7 +1477,7 @@ impl super::Cluster for Keeper {
         // This gateway's own groups list the port at once; the others when they read the
         // gateways object next (within a round).
         self.state().machine.relisted(me.clone());
-        if let Err((_, e)) = self.publish(&me) {
+        if let Err((_, e)) = self.publish(&me, false) {
             tracing::warn!("listing this gateway's SRP port: {e}");
         }
         self.input(|m, _| m.refresh_port_groups());

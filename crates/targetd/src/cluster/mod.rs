@@ -46,6 +46,19 @@ pub trait Cluster: Send + Sync + std::fmt::Debug {
     /// returns once it knows who else is (or after a few seconds). Errors name the key.
     fn join(&self, portals: &[SocketAddr]) -> Result<(), (String, String)>;
 
+    /// Joins as an upgrade's successor while its predecessor still is this gateway: as
+    /// [`Cluster::join`], but the gateway's line stays the predecessor's until
+    /// [`Cluster::take_place`].
+    fn join_as_successor(&self, portals: &[SocketAddr]) -> Result<(), (String, String)>;
+
+    /// The predecessor has parked: this process becomes the gateway (its line, its answers),
+    /// every shared unit's reservations read again.
+    fn take_place(&self) -> Result<(), String>;
+
+    /// An upgrade failed after the successor may have taken this gateway's place: this
+    /// process lists itself again, every shared unit's reservations read again.
+    fn list_again(&self);
+
     /// A planned stop: this gateway leaves without being fenced.
     fn leave(&self);
 
@@ -165,6 +178,8 @@ pub trait SharedTarget: Send + Sync {
         state: Reservations,
         effects: &ReservationEffects,
     );
+    /// Unit `lun`'s shared reservations as applied here (to tell what a reload missed).
+    fn shared_reservations(&self, lun: u16) -> Option<Reservations>;
     /// Unit `lun`'s port groups are now `groups`.
     fn set_port_groups(&self, lun: u16, groups: Vec<PortGroup>);
     /// Unit `lun`'s port groups now.

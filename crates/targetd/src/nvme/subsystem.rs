@@ -591,6 +591,14 @@ impl SharedTarget for NvmeSubsystem {
         }
     }
 
+    fn shared_reservations(&self, lun: u16) -> Option<scsi_core::pr::Reservations> {
+        let persistent = self.with_machine(|m| m.reservations(u32::from(lun)).cloned())?;
+        Some(scsi_core::pr::Reservations {
+            persistent,
+            spc2: None,
+        })
+    }
+
     /// The namespace's ANA state follows this gateway's port group's access state.
     fn set_port_groups(&self, lun: u16, groups: Vec<PortGroup>) {
         let Some((_, port_group)) = &self.cluster else {
