@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use scsi_core::pr::{ReservationRequest, Reservations};
 use scsi_core::testing::{Harness, Outcome};
-use scsi_core::{Asc, Device, NexusId, Status, TaskAttribute};
+use scsi_core::{Asc, Device, NexusId, Status, TaskAttribute, TransportId};
 
 /// The shared state and its version, as one RADOS object would hold them.
 #[derive(Default)]
@@ -503,6 +503,65 @@ fn a_gateway_that_missed_changes_hears_their_outcome_when_it_comes_back() {
         .unit_attentions
         .iter()
         .all(|(_, asc)| *asc == Asc::RESERVATIONS_RELEASED));
+}
+
+/// A gateway's sessions handed to its next process (an upgrade): a PREEMPT made through
+/// another gateway after the old process took its snapshot, which the new process applied
+/// before the sessions' nexuses existed in it, still reaches them as a unit attention.
+#[test]
+fn a_change_made_while_sessions_move_to_the_next_process_reaches_them() {
+    let (mut a, mut b, mut k, na, nb) = two_gateways();
+    {
+        let mut gws = [&mut a, &mut b];
+        good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
+        good(&prout(&mut k, &mut gws, 1, nb, 0, 0, 0, 0xb));
+        good(&prout(&mut k, &mut gws, 0, na, 1, 5, 0xa, 0));
+    }
+    // The old process of A parks and takes its units' state.
+    let (_, _, handed) = a.device.unit_states().remove(0);
+    // The next process of A has the unit and its shared state, and follows the changes.
+    let mut next = gateway();
+    assert!(next
+        .device
+        .apply_reservations(0, k.version, k.state.clone(), &Default::default()));
+    // B preempts A's initiator before the sessions are in the next process.
+    good(&prout(
+        &mut k,
+        &mut [&mut b, &mut next],
+        0,
+        nb,
+        4,
+        5,
+        0xb,
+        0xa,
+    ));
+    // The sessions come in: the unit's state, then the nexus with what it had pending.
+    next.device.adopt_unit_state(0, handed).expect("LUN 0");
+    let one = TransportId::iscsi("iqn.x:one", [0x80, 0, 0, 0, 0, 1]);
+    let n = next.device.adopt_nexus(one, 1, Vec::new());
+    let mut gws = [&mut next, &mut b];
+    let o = command(&mut k, &mut gws, 0, n, &[0; 6], &[], 0);
+    let asc = Asc::REGISTRATIONS_PREEMPTED;
+    assert_eq!(o.sense_code(), Some((6, asc.0, asc.1)));
+    good(&command(&mut k, &mut gws, 0, n, &[0; 6], &[], 0));
+    let w = command(
+        &mut k,
+        &mut gws,
+        0,
+        n,
+        &cdb10(0x2a, 0, 0, 1),
+        &pattern(1, 0),
+        512,
+    );
+    assert_eq!(w.status, Some(Status::ReservationConflict));
+    // A new login of another initiator hears POWER ON, RESET only.
+    let fresh = next
+        .device
+        .open_nexus(TransportId::iscsi("iqn.x:three", [0x80, 0, 0, 0, 0, 3]), 1);
+    assert_eq!(
+        next.device.pending_unit_attentions(fresh).unwrap(),
+        [(0, Asc::POWER_ON_RESET)]
+    );
 }
 
 #[test]

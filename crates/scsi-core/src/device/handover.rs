@@ -1,18 +1,20 @@
 //! A logical unit's state beyond its I_T nexuses and its medium, as an upgrade hands it to
-//! the next process: its reservations (unless a keeper shares them, which keeps them), the
+//! the next process: its reservations (those a keeper shares only to tell what the sessions
+//! missed: the keeper keeps them), the
 //! mode page values MODE SELECT changed, whether START STOP UNIT stopped it and which I_T
 //! nexuses prevent medium removal. Without it, a session handed over would find its
 //! persistent reservation gone in the new process, and another initiator's writes allowed.
 
 use super::{Device, DeviceError};
 use crate::nexus::ItNexus;
-use crate::pr::{decode_nexus, encode_nexus, Reservations};
+use crate::pr::{decode_nexus, encode_nexus, ReservationEffects, Reservations};
 
 /// What a unit holds that is neither an I_T nexus's nor on its medium.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnitState {
-    /// Its reservations; `None` when a keeper shares them with other gateways (the keeper
-    /// keeps them, and the next process reads them there).
+    /// Its reservations. Those a keeper shares with other gateways are the keeper's (the
+    /// next process reads them there): these say what the sessions handed over have heard
+    /// of; `None` from a process that did not send them.
     pub reservations: Option<Reservations>,
     /// The Caching mode page's WCE as it stands.
     pub write_cache: bool,
@@ -117,7 +119,7 @@ impl Device {
             .filter_map(|(i, lu)| {
                 let lu = lu.as_ref()?;
                 let state = UnitState {
-                    reservations: lu.shared.is_none().then(|| lu.reservations.clone()),
+                    reservations: Some(lu.reservations.clone()),
                     write_cache: lu.unit.geometry.write_cache,
                     d_sense: lu.d_sense,
                     swp: lu.swp,
@@ -137,12 +139,26 @@ impl Device {
 
     /// Takes in unit `lun`'s state from the process before (a handover): it replaces what
     /// this one has (an APTPL state loaded at the start is older than the handed-over one).
-    /// Reservations a keeper shares are left to it.
+    /// Reservations a keeper shares are left to it: what they went through since the
+    /// process before took its state (another gateway's PREEMPT while the sessions moved)
+    /// reaches the sessions' nexuses as unit attentions when they are adopted.
     pub fn adopt_unit_state(&mut self, lun: u16, state: UnitState) -> Result<(), DeviceError> {
         let lu = self.lu_mut(lun).ok_or(DeviceError::Lun(lun))?;
-        if let (Some(r), None) = (state.reservations, lu.shared) {
-            lu.reservations = r;
+        match (state.reservations, lu.shared) {
+            (Some(r), None) => lu.reservations = r,
+            (Some(heard), Some(_)) => {
+                let missed = ReservationEffects::missed(&heard, &lu.reservations);
+                self.handed_unit_attentions.retain(|(_, l, _)| *l != lun);
+                self.handed_unit_attentions.extend(
+                    missed
+                        .unit_attentions
+                        .into_iter()
+                        .map(|(nexus, asc)| (nexus, lun, asc)),
+                );
+            }
+            (None, _) => {}
         }
+        let lu = self.lu_mut(lun).ok_or(DeviceError::Lun(lun))?;
         lu.unit.geometry.write_cache = state.write_cache;
         lu.d_sense = state.d_sense;
         lu.swp = state.swp;

@@ -314,6 +314,11 @@ pub struct Device {
     /// Reused by `retry_lock_waiters` (the waiters it goes through, the ranges of those that
     /// stay), so a write released by another's end allocates nothing.
     scratch: (Vec<TaskId>, Vec<(u64, u64)>),
+    /// Unit attentions for I_T nexuses a handover is about to bring (LUN index, ASC): what
+    /// shared reservations went through between the process before and this one's reading
+    /// of them ([`Device::adopt_unit_state`]), given to each nexus as [`Device::adopt_nexus`]
+    /// opens it.
+    handed_unit_attentions: Vec<(ItNexus, u16, Asc)>,
 }
 
 impl std::fmt::Debug for Device {
@@ -427,6 +432,7 @@ impl Device {
             drains: Vec::new(),
             delegate: false,
             scratch: (Vec::new(), Vec::new()),
+            handed_unit_attentions: Vec::new(),
         }
     }
 
@@ -571,6 +577,9 @@ impl Device {
     /// Opens an I_T nexus for `initiator` through the target port `relative_port`; it starts
     /// with a POWER ON, RESET unit attention on every unit.
     pub fn open_nexus(&mut self, initiator: TransportId, relative_port: u16) -> NexusId {
+        // A new login, not a nexus handed over: POWER ON, RESET says all it must hear.
+        self.handed_unit_attentions
+            .retain(|(n, _, _)| !(n.initiator == initiator && n.relative_port == relative_port));
         let power_on: Vec<(u16, Asc)> = self
             .luns()
             .into_iter()
@@ -582,19 +591,30 @@ impl Device {
     /// Opens an I_T nexus that goes on from another process (an upgrade that hands sessions
     /// over): it starts with the unit attentions that were pending there (LUN index, ASC and
     /// ASCQ, oldest first; those of units this device does not have are dropped), not with
-    /// POWER ON, RESET, since for its initiator nothing was reset.
+    /// POWER ON, RESET, since for its initiator nothing was reset; then those of the shared
+    /// reservations' changes it missed meanwhile ([`Device::adopt_unit_state`]).
     pub fn adopt_nexus(
         &mut self,
         initiator: TransportId,
         relative_port: u16,
         mut unit_attentions: Vec<(u16, Asc)>,
     ) -> NexusId {
+        let name = ItNexus {
+            initiator,
+            relative_port,
+        };
+        self.handed_unit_attentions.retain(|(n, lun, asc)| {
+            if *n != name {
+                return true;
+            }
+            if !unit_attentions.contains(&(*lun, *asc)) {
+                unit_attentions.push((*lun, *asc));
+            }
+            false
+        });
         unit_attentions.retain(|(lun, _)| self.lu(*lun).is_some());
         let mut nexus = Nexus {
-            name: ItNexus {
-                initiator,
-                relative_port,
-            },
+            name,
             id: NexusId {
                 index: 0,
                 generation: 0,
