@@ -115,7 +115,7 @@ pub async fn store_sessions(registry: &Registry) -> Result<Stored, StoreError> {
     if !crate::notify::has_manager() {
         return Err(StoreError::NoManager);
     }
-    if let Some(loss) = Loss::of_restart(registry) {
+    if let Some(loss) = Loss::of(registry) {
         return Err(StoreError::Loss(loss));
     }
     // The admin socket is not kept: the manager removes its directory (RuntimeDirectory=)

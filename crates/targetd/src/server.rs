@@ -23,9 +23,11 @@ use crate::target::{Target, TargetEnv};
 /// How a starting gateway of a cluster of gateways (`[cluster]`) enters it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClusterEntry {
-    /// At once: it lists itself and answers "who is alive" (any start, a restart through
-    /// the service manager's store too).
+    /// At once: it lists itself and answers "who is alive".
     Now,
+    /// At once, with sessions kept through the service manager's store: the shared
+    /// reservations they hold stay where no other gateway serves them.
+    KeepingSessions,
     /// As an upgrade's successor: its predecessor stays the gateway until it has parked its
     /// sessions ([`Server::take_cluster_place`]).
     AtHandover,
@@ -185,6 +187,9 @@ impl Server {
         let mut inherited = Inherited(inherited);
         let fail = |key: String, reason: String| StartError { key, reason };
         let env = TargetEnv::start(&config).map_err(|(k, r)| fail(k, r))?;
+        if let (Some(cluster), ClusterEntry::KeepingSessions) = (&env.cluster, entry) {
+            cluster.keep_sessions();
+        }
         let mut targets = Vec::new();
         for (i, t) in config.targets.iter().enumerate() {
             let target = Target::new(t, &env).map_err(|(k, r)| {
@@ -295,7 +300,7 @@ impl Server {
         let iser_portals = config.server.iser_portals.clone();
         if let Some(cluster) = &env.cluster {
             match entry {
-                ClusterEntry::Now => cluster.join(&portals),
+                ClusterEntry::Now | ClusterEntry::KeepingSessions => cluster.join(&portals),
                 ClusterEntry::AtHandover => cluster.join_as_successor(&portals),
             }
             .map_err(|(k, r)| fail(k, r))?;

@@ -240,10 +240,6 @@ fn refusals(registry: &Registry, force: bool) -> Result<(), UpgradeError> {
 /// start after a restart through the service manager's store) would lose or get wrong.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Loss {
-    /// A restart through the store, of a gateway of a cluster: the next process would clear
-    /// the shared reservations of the sessions it keeps where no other gateway serves them
-    /// (an upgrade, whose successor takes this gateway's place at the handover, keeps them).
-    Cluster,
     /// Memory units keep their data in this process: the next one starts them empty, under
     /// sessions that wrote to them.
     Memory(Vec<String>),
@@ -254,8 +250,7 @@ pub enum Loss {
 }
 
 impl Loss {
-    /// The first loss a takeover from `registry` would bring, if any (but
-    /// [`Loss::Cluster`], the store's own: [`Loss::of_restart`]).
+    /// The first loss a takeover from `registry` would bring, if any.
     pub fn of(registry: &Registry) -> Option<Loss> {
         let running = registry.config();
         let memory: Vec<String> = running
@@ -285,24 +280,11 @@ impl Loss {
         let lost = registry.unsaved_missing_from(&file);
         (!lost.is_empty()).then_some(Loss::Unsaved(lost))
     }
-
-    /// The first loss a restart through the service manager's store would bring.
-    pub fn of_restart(registry: &Registry) -> Option<Loss> {
-        if registry.target_env.cluster.is_some() {
-            return Some(Loss::Cluster);
-        }
-        Loss::of(registry)
-    }
 }
 
 impl std::fmt::Display for Loss {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Loss::Cluster => write!(
-                f,
-                "this gateway is a member of [cluster], whose restart through the store is not \
-                 supported; upgrade it instead (targetctl upgrade)"
-            ),
             Loss::Memory(units) => write!(
                 f,
                 "memory units keep their data in this process, and the next one would start \

@@ -17,7 +17,9 @@
 //!   whose whole target differs (access rules, CHAP) warns, and the last edited is recorded.
 //! - Upgrades: a gateway upgraded under a reservation keeps its session, its reservation and
 //!   its place (the others fence nobody, and its successor follows their changes); one whose
-//!   successor dies after taking its place is listed again and serves on.
+//!   successor dies after taking its place is listed again and serves on. A restart through
+//!   the service manager's store keeps the sessions' reservations, and tells them what
+//!   another gateway changed meanwhile.
 //! - Linux's own initiator (iscsi_tcp, scsi_dh_alua, dm-multipath) in a QEMU guest, through a
 //!   standby gateway: the disk has its size on both paths, and writes go on when the
 //!   optimized gateway is killed.
@@ -584,6 +586,32 @@ async fn gateways_report_one_set_of_port_groups_and_fail_over_when_one_stops() {
     ceph.remove_image(&image);
 }
 
+/// The config of gateway `port_group` of cluster `name` as a process of its own: one reactor,
+/// its admin socket at `socket`, `server_keys` in `[server]`, LUN 0 on `image` with
+/// `lun_keys`.
+fn process_config(
+    ceph: &Ceph,
+    name: &str,
+    port_group: u16,
+    image: &str,
+    lun_keys: &str,
+    server_keys: &str,
+    socket: &std::path::Path,
+) -> String {
+    let keyring = ceph.keyring_key();
+    format!(
+        "[server]\nportals = [\"127.0.0.1:0\"]\nadmin_socket = \"{}\"\nreactors = 1\n\
+         nop_interval = 0\n{server_keys}\n\n{}\n[cluster]\nname = \"{name}\"\n\
+         gateway = \"gw{port_group}\"\nport_group = {port_group}\npool = \"{}\"\n\
+         ceph_conf = \"{}\"\nclient = \"{}\"\n{keyring}",
+        socket.display(),
+        ceph.target(image, "64MiB", lun_keys),
+        ceph.pool,
+        ceph.conf.display(),
+        ceph.client
+    )
+}
+
 /// A gateway as a process of its own (its own RADOS client, which fencing blocklists).
 struct Process_ {
     child: std::process::Child,
@@ -621,18 +649,8 @@ impl Process_ {
         env: &[(&str, &str)],
     ) -> Process_ {
         let dir = tempfile::tempdir().unwrap();
-        let keyring = ceph.keyring_key();
-        let text = format!(
-            "[server]\nportals = [\"127.0.0.1:0\"]\nadmin_socket = \"{}\"\nreactors = 1\n\
-             nop_interval = 0\n\n{}\n[cluster]\nname = \"{name}\"\ngateway = \"gw{port_group}\"\n\
-             port_group = {port_group}\npool = \"{}\"\nceph_conf = \"{}\"\nclient = \"{}\"\n\
-             {keyring}",
-            dir.path().join("admin.sock").display(),
-            ceph.target(image, "64MiB", lun_keys),
-            ceph.pool,
-            ceph.conf.display(),
-            ceph.client
-        );
+        let socket = dir.path().join("admin.sock");
+        let text = process_config(ceph, name, port_group, image, lun_keys, "", &socket);
         Process_::spawn_with(name, dir, &text, env)
     }
 
@@ -1083,6 +1101,97 @@ async fn a_successor_that_dies_after_taking_a_gateways_place_leaves_the_old_proc
     println!("the upgrade failed as injected: {}", answer["error"]);
     // The old process listed itself again: fencing A blocklists it.
     assert_eq!(after, before, "the old process lists its own client again");
+}
+
+/// SIGTERM to `p` (a stop under its service manager), and its end.
+fn stop_program(p: &mut common::program::Program) {
+    let _ = Process::new("kill")
+        .args(["-TERM", &p.child.id().to_string()])
+        .status();
+    let status = p.child.wait().unwrap();
+    assert!(status.success(), "{status}: {}", p.log());
+}
+
+/// `systemctl restart` of a gateway that keeps its sessions through the service manager's
+/// store: alone in its cluster, its initiator's reservation (without APTPL) stays; with a
+/// second gateway, a PREEMPT made there while the first is down reaches the kept session as
+/// REGISTRATIONS PREEMPTED, and its writes conflict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_restarted_through_the_store_keeps_its_sessions_and_their_reservations() {
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("store");
+    let name = unique("gws");
+    let manager = common::program::Manager::new();
+    let config = |socket: &std::path::Path| {
+        let keep = "restart_keeps_sessions = true";
+        process_config(&ceph, &name, 1, &image, "", keep, socket)
+    };
+    let mut a = common::program::Program::start_config(config, Some(&manager));
+    let url = initiator_bench::IscsiUrl::parse(&format!("iscsi://{}/{TARGET}/0", a.addr)).unwrap();
+    let one = Session::connect(&url, as_initiator("one"))
+        .await
+        .expect("login");
+    while tur_sense(&one).await.is_some() {}
+    assert_eq!(prout(&one, 0, 0, 0, 0xa).await, ScsiStatus::GOOD);
+    assert_eq!(prout(&one, 1, 1, 0xa, 0).await, ScsiStatus::GOOD);
+
+    // Alone: no gateway watches the reservations while it restarts, and they stay.
+    tokio::task::block_in_place(|| {
+        stop_program(&mut a);
+        a.start_again(Some(&manager));
+    });
+    assert!(
+        a.log().contains("restart: serving the sessions"),
+        "{}",
+        a.log()
+    );
+    assert_eq!(write_status(&one, 1).await, ScsiStatus::GOOD);
+    assert_eq!(keys(&one).await.1, vec![0xa]);
+    let holder = prin(&one, 1).await;
+    assert_eq!(&holder[8..16], &0xau64.to_be_bytes(), "the holder stays");
+
+    // With B: B's initiator is locked out; B preempts while A is down.
+    let b = Process_::start(&ceph, &name, 2, &image);
+    let two = b.session("two").await;
+    while tur_sense(&two).await.is_some() {}
+    assert_eq!(prout(&two, 0, 0, 0, 0xb).await, ScsiStatus::GOOD);
+    assert_eq!(
+        write_status(&two, 1).await,
+        ScsiStatus::RESERVATION_CONFLICT
+    );
+    tokio::task::block_in_place(|| stop_program(&mut a));
+    // (B's initiator hears that A left as a unit attention first.)
+    let mut status = ScsiStatus::CHECK_CONDITION;
+    for _ in 0..10 {
+        status = prout(&two, 4, 1, 0xb, 0xa).await;
+        if status != ScsiStatus::CHECK_CONDITION {
+            break;
+        }
+    }
+    assert_eq!(status, ScsiStatus::GOOD);
+    tokio::task::block_in_place(|| a.start_again(Some(&manager)));
+    let mut heard = Vec::new();
+    while let Some(sense) = tur_sense(&one).await {
+        heard.push(sense);
+    }
+    assert!(
+        heard.contains(&(6, 0x2a, 0x05)),
+        "REGISTRATIONS PREEMPTED on the kept session: {heard:?}"
+    );
+    assert_eq!(
+        write_status(&one, 2).await,
+        ScsiStatus::RESERVATION_CONFLICT
+    );
+    // A is back in the cluster: both gateways live.
+    let both = [(1, 0x0, true), (2, 0x1, false)];
+    expect_groups(&two, &both, 20).await;
+    assert_eq!(write_status(&two, 2).await, ScsiStatus::GOOD);
+    drop((one, two));
+    drop(b);
+    tokio::task::block_in_place(|| stop_program(&mut a));
+    drop(a);
+    ceph.remove_image(&image);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

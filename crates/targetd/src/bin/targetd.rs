@@ -158,12 +158,17 @@ fn main() -> ExitCode {
                 });
                 let mut restored = targetd::fdstore::Restored::take(passed);
                 let listeners = std::mem::take(&mut restored.listeners);
+                let entry = if restored.is_empty() {
+                    targetd::server::ClusterEntry::Now
+                } else {
+                    targetd::server::ClusterEntry::KeepingSessions
+                };
                 // A start that fails leaves the store as it was, for the next attempt.
                 let server = match Server::start_inheriting(
                     config,
                     args.config.clone(),
                     listeners,
-                    targetd::server::ClusterEntry::Now,
+                    entry,
                 ) {
                     Ok(s) => s,
                     Err(e) => {

@@ -139,6 +139,9 @@ pub struct Keeper {
     /// An upgrade's successor that has not taken its predecessor's place yet
     /// ([`Keeper::join_as_successor`]): its line is not written.
     standby: AtomicBool,
+    /// This start serves sessions kept through the service manager's store: the shared
+    /// reservations they hold stay even where no gateway watches them ([`Keeper::load`]).
+    keeps_sessions: AtomicBool,
     this: Weak<Keeper>,
 }
 
@@ -207,6 +210,7 @@ impl Keeper {
             compare_soon: AtomicBool::new(true),
             stopping: AtomicBool::new(false),
             standby: AtomicBool::new(false),
+            keeps_sessions: AtomicBool::new(false),
         });
         for lane in [Lane::Changes, Lane::Membership] {
             let weak = Arc::downgrade(&keeper);
@@ -1294,7 +1298,9 @@ impl Keeper {
     }
 
     /// The shared state of `oid` and its version, created empty when absent. When no gateway
-    /// watches it (all restarted) and APTPL is off, it is cleared first.
+    /// watches it (all restarted) and APTPL is off, it is cleared first, as a power loss
+    /// clears a lone target's; but not by a start that serves sessions kept through the
+    /// service manager's store, whose nexuses, and so their reservations, live on.
     pub fn load(&self, oid: &str) -> Result<(Reservations, u64), String> {
         for _ in 0..MAX_RACES {
             let read = self.pool().read(oid, MAX_OBJECT).map_err(rados_text)?;
@@ -1311,6 +1317,7 @@ impl Keeper {
                 .ok_or_else(|| format!("the reservations in object {oid} are damaged"))?;
             if state != Reservations::default()
                 && !state.persistent.aptpl
+                && !self.keeps_sessions.load(Ordering::Acquire)
                 && self.nobody_watches(oid)?
             {
                 match self
@@ -1454,6 +1461,10 @@ impl super::Cluster for Keeper {
 
     fn leave(&self) {
         Keeper::leave(self);
+    }
+
+    fn keep_sessions(&self) {
+        self.keeps_sessions.store(true, Ordering::Release);
     }
 
     fn set_portals(&self, portals: &[std::net::SocketAddr]) {

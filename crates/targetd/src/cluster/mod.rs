@@ -62,6 +62,11 @@ pub trait Cluster: Send + Sync + std::fmt::Debug {
     /// A planned stop: this gateway leaves without being fenced.
     fn leave(&self);
 
+    /// This start serves sessions kept through the service manager's store (called before
+    /// any unit is shared): the shared reservations they hold are not cleared where no
+    /// gateway watches them.
+    fn keep_sessions(&self);
+
     /// This gateway's iSCSI portals are now `portals`.
     fn set_portals(&self, portals: &[SocketAddr]);
 

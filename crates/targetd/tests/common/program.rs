@@ -216,6 +216,26 @@ impl Program {
             socket.display()
         );
         std::fs::write(dir.path().join("config.toml"), text).unwrap();
+        Program::spawned(dir, socket, manager)
+    }
+
+    /// Starts targetd on the config `config(admin socket)` (its admin socket in the
+    /// program's directory), under `manager` when one is given.
+    pub fn start_config(
+        config: impl FnOnce(&Path) -> String,
+        manager: Option<&Manager>,
+    ) -> Program {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("admin.sock");
+        std::fs::write(dir.path().join("config.toml"), config(&socket)).unwrap();
+        Program::spawned(dir, socket, manager)
+    }
+
+    fn spawned(
+        dir: tempfile::TempDir,
+        socket: std::path::PathBuf,
+        manager: Option<&Manager>,
+    ) -> Program {
         let (child, addr, nvme) = spawn(dir.path(), manager);
         Program {
             child,
