@@ -1112,6 +1112,55 @@ fn stop_program(p: &mut common::program::Program) {
     assert!(status.success(), "{status}: {}", p.log());
 }
 
+/// An NVMe host of gateway A holding a Write Exclusive reservation across A's upgrade: its
+/// controller goes on in the new process on its connection and writes, B's host still
+/// conflicts, and a preempt through B reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgraded_gateways_nvme_host_goes_on_with_its_reservation() {
+    use nvme::opcode::NvmOpcode;
+    use nvme::Status;
+    let Some(ceph) = ceph() else { return };
+    let _turn = turn();
+    let image = unique("upgrade-nvme");
+    let name = unique("gws");
+    let a = nvme_process(&ceph, &name, 1, &image, "", 0);
+    let b = nvme_process(&ceph, &name, 2, &image, "", 0);
+    let h1 = nvme_host(a.nvme.expect("A's NVMe/TCP portal"), 1).await;
+    let h2 = nvme_host(b.nvme.expect("B's NVMe/TCP portal"), 2).await;
+    expect_ana(&h1, 0x01, 20, "A").await;
+    expect_ana(&h2, 0x02, 20, "B").await;
+    nvme_hold_write_exclusive((&h1, 0xa), (&h2, 0xb)).await;
+    let acquire = NvmOpcode::ReservationAcquire;
+    let conflicts = |e: initiator_bench::nvme::NvmeError| matches!(e, initiator_bench::nvme::NvmeError::Status { status, .. } if status == Status::RESERVATION_CONFLICT);
+    assert!(conflicts(h2.write(8, pattern(4096, 1)).await.unwrap_err()));
+
+    let answer = a.upgrade().await;
+    assert_eq!(answer["ok"], true, "{answer}");
+    let successor = Successor(answer["result"]["pid"].as_u64().unwrap() as u32);
+    assert_eq!(answer["result"]["controllers"], 1, "{answer}");
+    let data = pattern(4096, 2);
+    h1.write(16, data.clone())
+        .await
+        .expect("the holder writes through the new process");
+    assert_eq!(h1.read(16, 8).await.unwrap(), data);
+    assert!(conflicts(h2.write(8, pattern(4096, 3)).await.unwrap_err()));
+    expect_ana(&h1, 0x01, 5, "A after the upgrade").await;
+    // Host 2 preempts host 1 through B: the new process applies it.
+    assert_eq!(
+        nvme_reservation(&h2, acquire, 1 | 1 << 8, 0xb, 0xa).await,
+        Status::SUCCESS
+    );
+    assert!(conflicts(h1.write(16, pattern(4096, 4)).await.unwrap_err()));
+    h2.write(16, pattern(4096, 5))
+        .await
+        .expect("the new holder writes");
+    drop((h1, h2));
+    drop(successor);
+    drop(a);
+    drop(b);
+    ceph.remove_image(&image);
+}
+
 /// `systemctl restart` of a gateway that keeps its sessions through the service manager's
 /// store: alone in its cluster, its initiator's reservation (without APTPL) stays; with a
 /// second gateway, a PREEMPT made there while the first is down reaches the kept session as
@@ -2263,6 +2312,28 @@ async fn nvme_reservation(
     }
 }
 
+/// `holder` registers its key and holds Write Exclusive on namespace 1; `other` registers
+/// its key.
+async fn nvme_hold_write_exclusive(
+    (holder, key): (&initiator_bench::nvme::NvmeController, u64),
+    (other, other_key): (&initiator_bench::nvme::NvmeController, u64),
+) {
+    use nvme::opcode::NvmOpcode::{ReservationAcquire, ReservationRegister};
+    use nvme::Status;
+    assert_eq!(
+        nvme_reservation(holder, ReservationRegister, 0, 0, key).await,
+        Status::SUCCESS
+    );
+    assert_eq!(
+        nvme_reservation(other, ReservationRegister, 0, 0, other_key).await,
+        Status::SUCCESS
+    );
+    assert_eq!(
+        nvme_reservation(holder, ReservationAcquire, 1 << 8, key, 0).await,
+        Status::SUCCESS
+    );
+}
+
 /// Namespace 1's reservation status through `c` without the CNTLIDs (each gateway names its
 /// own controllers): generation, type, and each registrant's holder flag, key and Host
 /// Identifier, sorted.
@@ -2746,22 +2817,8 @@ async fn an_nvme_write_held_on_one_gateway_never_lands_after_a_preempt_and_abort
     let (b, at_b) = nvme_gateway(&ceph, &name, 2, images, "");
     // Host 2 registers and holds Write Exclusive through B; host 4 registers through B.
     let (h2, h4) = (nvme_host(at_b, 2).await, nvme_host(at_b, 4).await);
-    let (register, acquire) = (
-        NvmOpcode::ReservationRegister,
-        NvmOpcode::ReservationAcquire,
-    );
-    assert_eq!(
-        nvme_reservation(&h2, register, 0, 0, 0xb).await,
-        Status::SUCCESS
-    );
-    assert_eq!(
-        nvme_reservation(&h4, register, 0, 0, 0xd).await,
-        Status::SUCCESS
-    );
-    assert_eq!(
-        nvme_reservation(&h2, acquire, 1 << 8, 0xb, 0).await,
-        Status::SUCCESS
-    );
+    nvme_hold_write_exclusive((&h2, 0xb), (&h4, 0xd)).await;
+    let acquire = NvmOpcode::ReservationAcquire;
     let before = pattern(65536, 31);
     h2.write(1024, before.clone())
         .await
