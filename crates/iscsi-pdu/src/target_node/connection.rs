@@ -1473,14 +1473,10 @@ impl<B: TaskBuffer> Connection<B> {
                 return;
             }
         }
-        let (exp, max) = nexus.window();
         let r = ScsiResponse {
             residual,
             status,
             initiator_task_tag: itt,
-            stat_sn: self.next_stat_sn(),
-            exp_cmd_sn: exp,
-            max_cmd_sn: max,
             exp_data_sn: data_pdus,
             data: c
                 .sense
@@ -1488,6 +1484,13 @@ impl<B: TaskBuffer> Connection<B> {
                 .unwrap_or_default(),
             ..ScsiResponse::default()
         };
+        self.send_scsi_response(r, nexus);
+    }
+
+    /// Sends SCSI Response `r` with the next StatSN and the session's command window.
+    fn send_scsi_response(&mut self, mut r: ScsiResponse, nexus: &mut impl Core) {
+        (r.exp_cmd_sn, r.max_cmd_sn) = nexus.window();
+        r.stat_sn = self.next_stat_sn();
         self.transmit(Pdu::ScsiResponse(r));
     }
 
@@ -1595,16 +1598,12 @@ impl<B: TaskBuffer> Connection<B> {
                 return;
             }
             // The task is gone (its R2Ts with it): its status says it was aborted.
-            let (exp, max) = nexus.window();
             let r = ScsiResponse {
                 status: ScsiStatus::TASK_ABORTED,
                 initiator_task_tag: itt,
-                stat_sn: self.next_stat_sn(),
-                exp_cmd_sn: exp,
-                max_cmd_sn: max,
                 ..ScsiResponse::default()
             };
-            self.transmit(Pdu::ScsiResponse(r));
+            self.send_scsi_response(r, nexus);
             return;
         }
         if kind == Tmf::Logout {

@@ -219,23 +219,24 @@ pub async fn park_sessions(
                     }
                 }
             }
-            _ = tokio::time::sleep_until(deadline), if !overdue => {
-                // What waits for its initiator's data-out is aborted as ABORT TASK would
-                // (it ends TASK ABORTED, and the initiator sends it again): those
-                // connections can stop reading, and get a little longer to park.
-                overdue = true;
-                deadline = tokio::time::Instant::now() + within.min(OVERDUE_GRACE);
-                for (_, conns) in &asked {
-                    for c in conns.iter().filter(|c| !reports.contains_key(&c.id)) {
-                        c.control.overdue();
+            _ = tokio::time::sleep_until(deadline) => {
+                if !overdue {
+                    // What waits for its initiator's data-out is aborted as ABORT TASK would
+                    // (it ends TASK ABORTED, and the initiator sends it again): those
+                    // connections can stop reading, and get a little longer to park.
+                    overdue = true;
+                    deadline = tokio::time::Instant::now() + within.min(OVERDUE_GRACE);
+                    for (_, conns) in &asked {
+                        for c in conns.iter().filter(|c| !reports.contains_key(&c.id)) {
+                            c.control.overdue();
+                        }
                     }
+                    tracing::info!(
+                        left = expected - reports.len(),
+                        "not parked within {within:?}: aborting the writes still owed data-out"
+                    );
+                    continue;
                 }
-                tracing::info!(
-                    left = expected - reports.len(),
-                    "not parked within {within:?}: aborting the writes still owed data-out"
-                );
-            }
-            _ = tokio::time::sleep_until(deadline), if overdue => {
                 let stuck = asked
                     .iter()
                     .flat_map(|(session, conns)| {
