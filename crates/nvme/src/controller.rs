@@ -309,6 +309,10 @@ pub struct Subsystem {
     /// Those under way, with the commands that wait.
     asked: Vec<Asked>,
     next_ask: u64,
+    /// What shared reservations went through between the process before and this one's
+    /// reading of them, by NSID ([`Subsystem::adopt_namespace_state`]): told to each
+    /// controller of a host it names as the controller is adopted.
+    handed_notices: Vec<(u32, ReservationEffects)>,
 }
 
 /// An entry of a discovery subsystem's log and the hosts that see it.
@@ -348,6 +352,7 @@ impl Subsystem {
             asks: VecDeque::new(),
             asked: Vec::new(),
             next_ask: 0,
+            handed_notices: Vec::new(),
         }
     }
 
@@ -1140,24 +1145,7 @@ impl Subsystem {
                 .values_mut()
                 .filter(|c| c.host == *host && !c.failed)
             {
-                let mask = c.reservation_masks.get(&nsid).copied().unwrap_or(0);
-                if mask & 1 << kind != 0 {
-                    continue;
-                }
-                c.reservation_count = c.reservation_count.wrapping_add(1).max(1);
-                if c.reservation_log.len() >= MAX_RESERVATION_NOTICES {
-                    c.reservation_log.pop_front();
-                }
-                c.reservation_log
-                    .push_back((c.reservation_count, kind, nsid));
-                if !c.reservation_notice_masked {
-                    c.reservation_notice_masked = true;
-                    // I/O command specific status (type 6), Reservation Log Page Available
-                    // (info 0), log page 80h.
-                    c.notices
-                        .push(0x6 | u32::from(log_page::lid::RESERVATION_NOTIFICATION) << 16);
-                }
-                self.wake = true;
+                self.wake |= notify(c, nsid, kind);
             }
         }
     }
@@ -1817,15 +1805,26 @@ impl Subsystem {
                 completions: Vec::new(),
             },
         );
+        // What its host missed on shared namespaces while it moved.
+        if let Some(c) = self.controllers.get_mut(&state.cntlid) {
+            let host = c.host.clone();
+            for (nsid, fx) in &self.handed_notices {
+                for (_, kind) in reservation::notices(fx)
+                    .into_iter()
+                    .filter(|(h, _)| **h == host)
+                {
+                    self.wake |= notify(c, *nsid, kind);
+                }
+            }
+        }
         Ok(queues)
     }
 
-    /// Every namespace's reservations for a handover, but those a cluster shares (the next
-    /// process reads them from the cluster).
+    /// Every namespace's reservations for a handover (those a cluster shares as this
+    /// process's hosts last heard them: the next process reads them from the cluster).
     pub fn namespace_states(&self) -> Vec<crate::handover::NamespaceState> {
         self.namespaces
             .values()
-            .filter(|a| !a.ns.shared_reservations)
             .map(|a| crate::handover::NamespaceState {
                 nsid: a.ns.nsid,
                 nguid: a.ns.nguid,
@@ -1835,7 +1834,10 @@ impl Subsystem {
     }
 
     /// Takes in a namespace's reservations another process handed over: the namespace of
-    /// that NSID must be here with the same NGUID (the same storage).
+    /// that NSID must be here with the same NGUID (the same storage). Those a cluster shares
+    /// stay as read from it; what they went through since the hosts last heard (another
+    /// gateway's preempt while the controllers moved) is told to each controller adopted
+    /// after this.
     pub fn adopt_namespace_state(
         &mut self,
         state: &crate::handover::NamespaceState,
@@ -1843,12 +1845,50 @@ impl Subsystem {
         let a = self
             .namespaces
             .get_mut(&state.nsid)
-            .filter(|a| a.ns.nguid == state.nguid && !a.ns.shared_reservations)
+            .filter(|a| a.ns.nguid == state.nguid)
             .ok_or(AdoptError::Namespace(state.nsid))?;
-        a.reservations =
+        let handed =
             PrState::decode(&state.reservations).ok_or(AdoptError::Reservations(state.nsid))?;
+        if !a.ns.shared_reservations {
+            a.reservations = handed;
+            return Ok(());
+        }
+        let heard = scsi_core::pr::Reservations {
+            persistent: handed,
+            spc2: None,
+        };
+        let now = scsi_core::pr::Reservations {
+            persistent: a.reservations.clone(),
+            spc2: None,
+        };
+        let missed = ReservationEffects::missed(&heard, &now);
+        self.handed_notices.retain(|(nsid, _)| *nsid != state.nsid);
+        self.handed_notices.push((state.nsid, missed));
         Ok(())
     }
+}
+
+/// Logs reservation notice `kind` on namespace `nsid` for controller `c` unless its mask
+/// hides it, with an Asynchronous Event once per log read: whether it was logged.
+fn notify(c: &mut Controller, nsid: u32, kind: u8) -> bool {
+    let mask = c.reservation_masks.get(&nsid).copied().unwrap_or(0);
+    if mask & 1 << kind != 0 {
+        return false;
+    }
+    c.reservation_count = c.reservation_count.wrapping_add(1).max(1);
+    if c.reservation_log.len() >= MAX_RESERVATION_NOTICES {
+        c.reservation_log.pop_front();
+    }
+    c.reservation_log
+        .push_back((c.reservation_count, kind, nsid));
+    if !c.reservation_notice_masked {
+        c.reservation_notice_masked = true;
+        // I/O command specific status (type 6), Reservation Log Page Available (info 0), log
+        // page 80h.
+        c.notices
+            .push(0x6 | u32::from(log_page::lid::RESERVATION_NOTIFICATION) << 16);
+    }
+    true
 }
 
 /// Feature identifiers.

@@ -1040,6 +1040,61 @@ fn a_shared_namespace_has_the_cluster_decide_its_reservations() {
     assert_eq!(rig.subsystem.aborted_in_flight(1), 0);
 }
 
+/// Controllers handed to the next process while a shared namespace's reservations change
+/// (another gateway preempts their host after this process took its state, before the next
+/// one has the controller) hear it: a Registration Preempted notice and its event.
+#[test]
+fn a_preempt_while_controllers_move_to_the_next_process_is_told_to_them() {
+    use nvme::reservation::{self, notice};
+    use scsi_core::pr::{kind::WRITE_EXCLUSIVE, PrState};
+    let shared = || nvme::controller::Namespace {
+        shared_reservations: true,
+        ..testing::namespace(1, BLOCK, BLOCKS)
+    };
+    let mut rig = Rig::new();
+    rig.subsystem.add_namespace(shared());
+    let (_admin, _io) = host_links(&mut rig, [5; 16], HOST);
+    let (cntlid, _) = rig.subsystem.controllers().next().expect("a controller");
+    // Host A (on this gateway) and host B (on another) registered; A holds Write Exclusive.
+    let (a, b) = (reservation::host([5; 16]), reservation::host([6; 16]));
+    let mut cluster = PrState::default();
+    cluster.register(&a, None, 0xa, true, None).unwrap();
+    cluster.register(&b, None, 0xb, true, None).unwrap();
+    cluster.reserve(&a, 0xa, WRITE_EXCLUSIVE).unwrap();
+    let none = Default::default();
+    assert!(rig
+        .subsystem
+        .apply_shared_reservations(1, 1, cluster.clone(), &none));
+    let state = rig.subsystem.controller_state(cntlid).unwrap();
+    assert!(state.reservation_log.is_empty());
+    let namespaces = rig.subsystem.namespace_states();
+
+    // The next process reads the cluster's state; then B preempts A through its gateway.
+    let mut next = Rig::new();
+    next.subsystem.add_namespace(shared());
+    assert!(next
+        .subsystem
+        .apply_shared_reservations(1, 1, cluster.clone(), &none));
+    let fx = cluster
+        .preempt(&b, 0xb, 0xa, WRITE_EXCLUSIVE, false)
+        .unwrap();
+    assert!(next
+        .subsystem
+        .apply_shared_reservations(1, 2, cluster.clone(), &fx));
+    for n in &namespaces {
+        next.subsystem.adopt_namespace_state(n).unwrap();
+    }
+    next.subsystem.adopt_controller(next.now, &state).unwrap();
+    let adopted = next.subsystem.controller_state(cntlid).unwrap();
+    assert_eq!(
+        adopted.reservation_log,
+        [(1, notice::REGISTRATION_PREEMPTED, 1)]
+    );
+    assert!(adopted.notices.contains(&(0x6 | 0x80 << 16)));
+    // The state is the cluster's, not the one handed over.
+    assert_eq!(next.subsystem.reservations(1), Some(&cluster));
+}
+
 /// A controller handed over while quiescent goes on in another subsystem (another process's,
 /// on the same storage): its admin queue and an I/O queue with digests resume where they
 /// stopped, the bytes of a command half read go on in the new deframer, the Asynchronous
