@@ -837,6 +837,24 @@ impl Subsystem {
         true
     }
 
+    /// Namespace `nsid`'s shared reservations are `state` at `version`, read from the cluster
+    /// after changes this gateway may have missed (it was cut off, or attaches the namespace
+    /// anew): applied as [`Subsystem::apply_shared_reservations`] applies a change, with the
+    /// notices of the net outcome against the state its hosts last heard
+    /// ([`ReservationEffects::missed`]).
+    pub fn catch_up_shared_reservations(
+        &mut self,
+        nsid: u32,
+        version: u64,
+        state: PrState,
+    ) -> bool {
+        let Some(a) = self.namespaces.get(&nsid) else {
+            return false;
+        };
+        let missed = ReservationEffects::missed(&a.reservations, &state);
+        self.apply_shared_reservations(nsid, version, state, &missed)
+    }
+
     /// How many queues still run commands on namespace `nsid` that a Preempt and Abort
     /// aborted: a cluster acknowledges another gateway's Preempt and Abort once none do.
     pub fn aborted_in_flight(&self, nsid: u32) -> usize {
@@ -1853,15 +1871,7 @@ impl Subsystem {
             a.reservations = handed;
             return Ok(());
         }
-        let heard = scsi_core::pr::Reservations {
-            persistent: handed,
-            spc2: None,
-        };
-        let now = scsi_core::pr::Reservations {
-            persistent: a.reservations.clone(),
-            spc2: None,
-        };
-        let missed = ReservationEffects::missed(&heard, &now);
+        let missed = ReservationEffects::missed(&handed, &a.reservations);
         self.handed_notices.retain(|(nsid, _)| *nsid != state.nsid);
         self.handed_notices.push((state.nsid, missed));
         Ok(())

@@ -878,9 +878,9 @@ impl ReservationEffects {
     /// changed is RESERVATIONS RELEASED or RESERVATIONS PREEMPTED to the registrants that
     /// remain. The exact effects of each change were told to the servers that were there;
     /// this one learns the net outcome, which is what its initiators must re-read.
-    pub fn missed(before: &Reservations, after: &Reservations) -> ReservationEffects {
+    /// Only persistent reservations count: an SPC-2 reservation is not shared.
+    pub fn missed(old: &PrState, new: &PrState) -> ReservationEffects {
         let mut fx = ReservationEffects::default();
-        let (old, new) = (&before.persistent, &after.persistent);
         let registered = |st: &PrState, n: &ItNexus| st.registrations.iter().any(|r| r.nexus == *n);
         for r in &old.registrations {
             if !registered(new, &r.nexus) {

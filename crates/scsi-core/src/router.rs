@@ -220,6 +220,21 @@ impl<R: Clone> Router<R> {
         applied
     }
 
+    /// The keeper says unit `lun`'s shared reservations are `state` at `version`, which this
+    /// server may have missed changes before ([`Device::catch_up_reservations`]); the unit
+    /// attentions and aborts that follow are routed.
+    pub fn catch_up_reservations(
+        &mut self,
+        lun: u16,
+        version: u64,
+        state: Reservations,
+        out: &mut impl Sink<R>,
+    ) -> bool {
+        let applied = self.device.catch_up_reservations(lun, version, state);
+        self.drain(out);
+        applied
+    }
+
     /// The keeper has decided the change of reservation task `task`
     /// ([`Device::reservation_done`]); the task's end is routed.
     pub fn reservation_done(

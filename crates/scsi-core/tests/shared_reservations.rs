@@ -468,14 +468,13 @@ fn a_gateway_that_missed_changes_hears_their_outcome_when_it_comes_back() {
         "A heard nothing"
     );
     // A comes back: it loads the shared state and tells its nexuses what they missed.
-    let fx = scsi_core::pr::ReservationEffects::missed(&before, &k.state);
     assert!(a
         .device
-        .apply_reservations(0, k.version, k.state.clone(), &fx));
+        .catch_up_reservations(0, k.version, k.state.clone()));
     // The same version heard again (a late notify) changes nothing, and says so.
     assert!(!a
         .device
-        .apply_reservations(0, k.version, k.state.clone(), &fx));
+        .catch_up_reservations(0, k.version, k.state.clone()));
     let mut gws = [&mut a, &mut b];
     let o = command(&mut k, &mut gws, 0, na, &[0; 6], &[], 0);
     let asc = Asc::REGISTRATIONS_PREEMPTED;
@@ -492,12 +491,12 @@ fn a_gateway_that_missed_changes_hears_their_outcome_when_it_comes_back() {
     );
     assert_eq!(w.status, Some(Status::ReservationConflict));
     // B's own nexus was there for the change: it hears nothing more.
-    let fx_b = scsi_core::pr::ReservationEffects::missed(&k.state, &k.state);
+    let fx_b = scsi_core::pr::ReservationEffects::missed(&k.state.persistent, &k.state.persistent);
     assert_eq!(fx_b, Default::default());
     // A registrant that stays hears that the reservation it knew went.
     let mut released = before.clone();
     released.persistent.reservation = None;
-    let fx = scsi_core::pr::ReservationEffects::missed(&before, &released);
+    let fx = scsi_core::pr::ReservationEffects::missed(&before.persistent, &released.persistent);
     assert_eq!(fx.unit_attentions.len(), 2);
     assert!(fx
         .unit_attentions
@@ -561,6 +560,63 @@ fn a_change_made_while_sessions_move_to_the_next_process_reaches_them() {
     assert_eq!(
         next.device.pending_unit_attentions(fresh).unwrap(),
         [(0, Asc::POWER_ON_RESET)]
+    );
+}
+
+/// A gateway's next process whose configuration no longer shares the unit (its cluster
+/// section went): the unit keeps the reservations its sessions held, now as its own, and
+/// enforces them without a keeper.
+#[test]
+fn a_unit_no_longer_shared_in_the_next_process_keeps_the_reservations_its_sessions_held() {
+    let (mut a, mut b, mut k, na, nb) = two_gateways();
+    {
+        let mut gws = [&mut a, &mut b];
+        good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
+        good(&prout(&mut k, &mut gws, 1, nb, 0, 0, 0, 0xb));
+        good(&prout(&mut k, &mut gws, 0, na, 1, 5, 0xa, 0));
+    }
+    let held = a.device.reservations(0).expect("LUN 0").0.clone();
+    let (_, _, handed) = a.device.unit_states().remove(0);
+    let mut next = Harness::new(Device::new("iqn.2026-11.io.example:t", ports()));
+    next.add_lu(0, unit(true, b"lu0"));
+    next.device.adopt_unit_state(0, handed).expect("LUN 0");
+    assert_eq!(next.device.reservations(0).expect("LUN 0"), (&held, None));
+    let one = TransportId::iscsi("iqn.x:one", [0x80, 0, 0, 0, 0, 1]);
+    let n = next.device.adopt_nexus(one, 1, Vec::new());
+    let two = next
+        .device
+        .open_nexus(TransportId::iscsi("iqn.x:two", [0x80, 0, 0, 0, 0, 2]), 2);
+    let mut lone = Keeper::default();
+    let mut gws = [&mut next];
+    good(&command(&mut lone, &mut gws, 0, n, &[0; 6], &[], 0));
+    good(&command(
+        &mut lone,
+        &mut gws,
+        0,
+        n,
+        &cdb10(0x2a, 0, 0, 1),
+        &pattern(1, 0),
+        512,
+    ));
+    // The other registrant logs in here anew (POWER ON first): still registered, it writes
+    // (WRITE EXCLUSIVE - REGISTRANTS ONLY); an initiator that never registered conflicts.
+    let o = command(&mut lone, &mut gws, 0, two, &[0; 6], &[], 0);
+    assert_eq!(o.sense_code().map(|(k, _, _)| k), Some(6));
+    let write = |k: &mut Keeper, gws: &mut [&mut Harness], n| {
+        command(k, gws, 0, n, &cdb10(0x2a, 0, 0, 1), &pattern(1, 0), 512).status
+    };
+    assert_eq!(write(&mut lone, &mut gws, two), Some(Status::Good));
+    let three = gws[0]
+        .device
+        .open_nexus(TransportId::iscsi("iqn.x:three", [0x80, 0, 0, 0, 0, 3]), 1);
+    command(&mut lone, &mut gws, 0, three, &[0; 6], &[], 0);
+    assert_eq!(
+        write(&mut lone, &mut gws, three),
+        Some(Status::ReservationConflict)
+    );
+    assert!(
+        lone.state.persistent.registrations.is_empty(),
+        "no keeper was asked"
     );
 }
 

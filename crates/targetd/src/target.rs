@@ -747,13 +747,7 @@ impl Target {
                 if blocks != old.blocks {
                     router.resize_unit(index, blocks, out)?;
                 }
-                let before = router
-                    .device()
-                    .reservations(index)
-                    .map(|(r, _)| r.clone())
-                    .unwrap_or_default();
-                let missed = scsi_core::pr::ReservationEffects::missed(&before, &state);
-                Ok(router.apply_reservations(index, version, state, &missed, out))
+                Ok(router.catch_up_reservations(index, version, state, out))
             });
             if !applied.map_err(|e: scsi_core::DeviceError| e.to_string())? {
                 tracing::debug!(target = %self.name, lun = index, version, "the reservations were current already");
@@ -957,8 +951,19 @@ impl SharedTarget for Target {
         Target::apply_shared_reservations(self, lun, version, state, effects)
     }
 
-    fn shared_reservations(&self, lun: u16) -> Option<scsi_core::pr::Reservations> {
-        self.with_core(|core, _| core.device().reservations(lun).map(|(r, _)| r.clone()))
+    fn catch_up_shared_reservations(
+        &self,
+        lun: u16,
+        version: u64,
+        state: scsi_core::pr::Reservations,
+    ) {
+        let applied = self.with_core(|core, out| {
+            core.router()
+                .catch_up_reservations(lun, version, state, out)
+        });
+        if !applied {
+            tracing::debug!(target = %self.name, lun, version, "the reservations were current already");
+        }
     }
 
     fn set_port_groups(&self, lun: u16, groups: Vec<scsi_core::spc::tpg::PortGroup>) {

@@ -144,27 +144,33 @@ impl Device {
     /// reaches the sessions' nexuses as unit attentions when they are adopted.
     pub fn adopt_unit_state(&mut self, lun: u16, state: UnitState) -> Result<(), DeviceError> {
         let lu = self.lu_mut(lun).ok_or(DeviceError::Lun(lun))?;
-        match (state.reservations, lu.shared) {
-            (Some(r), None) => lu.reservations = r,
-            (Some(heard), Some(_)) => {
-                let missed = ReservationEffects::missed(&heard, &lu.reservations);
-                self.handed_unit_attentions.retain(|(_, l, _)| *l != lun);
-                self.handed_unit_attentions.extend(
-                    missed
-                        .unit_attentions
-                        .into_iter()
-                        .map(|(nexus, asc)| (nexus, lun, asc)),
-                );
-            }
-            (None, _) => {}
-        }
-        let lu = self.lu_mut(lun).ok_or(DeviceError::Lun(lun))?;
         lu.unit.geometry.write_cache = state.write_cache;
         lu.d_sense = state.d_sense;
         lu.swp = state.swp;
         lu.stopped = state.stopped;
         lu.prevent = state.prevent;
+        let Some(heard) = state.reservations else {
+            return Ok(());
+        };
+        if lu.shared.is_none() {
+            lu.reservations = heard;
+            return Ok(());
+        }
+        let missed = ReservationEffects::missed(&heard.persistent, &lu.reservations.persistent);
+        self.hand_unit_attentions(lun, missed);
         Ok(())
+    }
+
+    /// Keeps the unit attentions of what the nexuses of shared unit `lun` missed while they
+    /// moved, for each to hear once adopted (those of an earlier handover of the unit go).
+    fn hand_unit_attentions(&mut self, lun: u16, missed: ReservationEffects) {
+        self.handed_unit_attentions.retain(|(_, l, _)| *l != lun);
+        self.handed_unit_attentions.extend(
+            missed
+                .unit_attentions
+                .into_iter()
+                .map(|(nexus, asc)| (nexus, lun, asc)),
+        );
     }
 }
 

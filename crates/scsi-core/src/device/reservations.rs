@@ -80,6 +80,19 @@ impl Device {
         true
     }
 
+    /// The keeper says unit `lun`'s shared reservations are `state` at `version`, and this
+    /// server may have missed changes before it (it was cut off from its peers, or read the
+    /// state anew): the nexuses here hear the net outcome against the state they last heard
+    /// ([`ReservationEffects::missed`]) as [`Device::apply_reservations`] applies it.
+    #[must_use = "a state not applied (not newer than the last) is news the caller may log"]
+    pub fn catch_up_reservations(&mut self, lun: u16, version: u64, state: Reservations) -> bool {
+        let Some(lu) = self.lu(lun) else {
+            return false;
+        };
+        let missed = ReservationEffects::missed(&lu.reservations.persistent, &state.persistent);
+        self.apply_reservations(lun, version, state, &missed)
+    }
+
     /// The keeper has decided the change of reservation task `task` (and, when it succeeded,
     /// applied it here): the command ends with GOOD, RESERVATION CONFLICT or the sense.
     pub fn reservation_done(

@@ -673,9 +673,7 @@ impl Keeper {
             };
             let state = Reservations::decode(&read.data)
                 .ok_or_else(|| format!("the reservations in object {oid} are damaged"))?;
-            let before = t.shared_reservations(lun).unwrap_or_default();
-            let missed = scsi_core::pr::ReservationEffects::missed(&before, &state);
-            t.apply_shared_reservations(lun, read.version, state, &missed);
+            t.catch_up_shared_reservations(lun, read.version, state);
         }
         Ok(())
     }
@@ -1563,8 +1561,7 @@ impl super::Cluster for Keeper {
         self.compare_soon.store(true, Ordering::Release);
         if let (true, Some(t)) = (now > version, target.upgrade()) {
             // Changed between the read and the watch: the nexuses here hear what they missed.
-            let missed = scsi_core::pr::ReservationEffects::missed(&first, &state);
-            t.apply_shared_reservations(config.lun, now, state, &missed);
+            t.catch_up_shared_reservations(config.lun, now, state);
         }
         Ok(Some(Arc::new(followed)))
     }

@@ -183,8 +183,10 @@ pub trait SharedTarget: Send + Sync {
         state: Reservations,
         effects: &ReservationEffects,
     );
-    /// Unit `lun`'s shared reservations as applied here (to tell what a reload missed).
-    fn shared_reservations(&self, lun: u16) -> Option<Reservations>;
+    /// Unit `lun`'s shared reservations are `state` at `version`, read after changes this
+    /// gateway may have missed: applied with the unit attentions (or notices) of the net
+    /// outcome against what the nexuses here last heard.
+    fn catch_up_shared_reservations(&self, lun: u16, version: u64, state: Reservations);
     /// Unit `lun`'s port groups are now `groups`.
     fn set_port_groups(&self, lun: u16, groups: Vec<PortGroup>);
     /// Unit `lun`'s port groups now.

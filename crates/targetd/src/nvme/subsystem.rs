@@ -390,6 +390,16 @@ impl NvmeSubsystem {
         Ok(())
     }
 
+    /// Namespace `nsid`'s shared reservations are `state` at `version`, read after changes
+    /// its hosts may have missed (they hear the net outcome).
+    fn catch_up(&self, nsid: u32, version: u64, state: scsi_core::pr::Reservations) {
+        let applied =
+            self.with_machine(|m| m.catch_up_shared_reservations(nsid, version, state.persistent));
+        if !applied {
+            tracing::debug!(subsystem = %self.nqn, nsid, version, "the reservations were current already");
+        }
+    }
+
     /// Shares namespace `nsid` on `unit` with the cluster's other gateways: checks that they
     /// export its image alike, takes the reservations the cluster keeps (what its hosts
     /// missed since the state here was read, they hear), then follows them.
@@ -398,15 +408,8 @@ impl NvmeSubsystem {
             return Ok(());
         };
         let me: Weak<dyn SharedTarget> = self.this.clone();
-        let mut adopt = |version, state: scsi_core::pr::Reservations| {
-            self.with_machine(|m| {
-                let before = scsi_core::pr::Reservations {
-                    persistent: m.reservations(nsid).cloned().unwrap_or_default(),
-                    spc2: None,
-                };
-                let missed = scsi_core::pr::ReservationEffects::missed(&before, &state);
-                m.apply_shared_reservations(nsid, version, state.persistent, &missed);
-            });
+        let mut adopt = |version, state| {
+            self.catch_up(nsid, version, state);
             Ok(())
         };
         let followed = cluster.share(me, &unit.config, &*unit.storage, &mut adopt)?;
@@ -591,12 +594,13 @@ impl SharedTarget for NvmeSubsystem {
         }
     }
 
-    fn shared_reservations(&self, lun: u16) -> Option<scsi_core::pr::Reservations> {
-        let persistent = self.with_machine(|m| m.reservations(u32::from(lun)).cloned())?;
-        Some(scsi_core::pr::Reservations {
-            persistent,
-            spc2: None,
-        })
+    fn catch_up_shared_reservations(
+        &self,
+        lun: u16,
+        version: u64,
+        state: scsi_core::pr::Reservations,
+    ) {
+        self.catch_up(u32::from(lun), version, state)
     }
 
     /// The namespace's ANA state follows this gateway's port group's access state.
