@@ -509,7 +509,7 @@ impl<F: Fabric> Port<F> {
             target = %target.name,
             "SRP channel logged in"
         );
-        let route = Route { conn: id, tx };
+        let route = Route::new(id, tx);
         // The nexus's unit attentions are reported at once (SRP_AER_REQ) on its newest
         // channel.
         let announced =

@@ -100,13 +100,25 @@ impl TargetEnv {
 /// What the core sends to a task's connection: the connection machine's [`CoreEvent`](iscsi_pdu::target_node::CoreEvent).
 pub use iscsi_pdu::target_node::CoreEvent as Routed;
 
-/// Where a task's actions go.
+/// Where a task's actions go. The core keeps a clone for every task it runs, so the channel
+/// is behind one `Arc`: a clone and a drop are one atomic operation each, where cloning the
+/// sender itself takes two (its count of senders and its channel's) and dropping it two more.
 #[derive(Debug, Clone)]
 pub struct Route {
     /// The connection's id (unique for the life of the daemon).
     pub conn: u64,
     /// Its channel.
-    pub tx: UnboundedSender<Routed>,
+    pub tx: Arc<UnboundedSender<Routed>>,
+}
+
+impl Route {
+    /// The route to connection `conn` over `tx`.
+    pub fn new(conn: u64, tx: UnboundedSender<Routed>) -> Route {
+        Route {
+            conn,
+            tx: Arc::new(tx),
+        }
+    }
 }
 
 impl iscsi_pdu::target_node::Route for Route {
@@ -258,11 +270,13 @@ impl<'a> CoreStep<'a> {
         Some(f(core, nexus, self.route, self.out))
     }
 
-    /// Lets the core's lock go ([`Target::unlock_core`]: what the core routed to other
+    /// Adds the commands the step counted to their units' counters ([`UnitCache::flush`]) and
+    /// lets the core's lock go ([`Target::unlock_core`]: what the core routed to other
     /// connections is sent, and its reservation changes reach the keeper); done before taking
     /// locks that are taken before it elsewhere (the session registry's), and when the step
-    /// ends.
+    /// ends, before anything it made is sent.
     pub(crate) fn release(&mut self) {
+        self.units.flush();
         match (self.guard.take(), self.target) {
             (Some(core), Some((target, _))) => target.unlock_core(core, self.out),
             _ => self.out.send_remote(),
@@ -493,8 +507,10 @@ impl Target {
     /// only unlocks.
     pub(crate) fn lock_core(&self, out: &mut Outbox) -> MutexGuard<'_, Core> {
         let mut core = self.core.lock().unwrap_or_else(PoisonError::into_inner);
-        // Counted under the lock: the counter's cache line moves with the lock's anyway.
-        self.acquisitions.fetch_add(1, Ordering::Relaxed);
+        // Counted under the lock, so only its holder writes: a load and a store, not a locked
+        // read-modify-write (the lock orders one holder's store before the next one's load).
+        let n = self.acquisitions.load(Ordering::Relaxed);
+        self.acquisitions.store(n + 1, Ordering::Relaxed);
         self.retire_queued(&mut core, out);
         core
     }
@@ -536,6 +552,14 @@ impl Target {
     pub fn account(&self, cache: &mut UnitCache<u16>, a: &scsi_core::transport::Accounting) {
         if let Some(index) = scsi_core::lun_index(a.lun) {
             cache.account(&self.luns, index, a);
+        }
+    }
+
+    /// Counts a finished task on its unit in a connection's tally ([`UnitCache::tally`]),
+    /// which its step adds to the unit's counters when it ends.
+    pub fn tally(&self, cache: &mut UnitCache<u16>, a: &scsi_core::transport::Accounting) {
+        if let Some(index) = scsi_core::lun_index(a.lun) {
+            cache.tally(&self.luns, index, a);
         }
     }
 

@@ -48,25 +48,81 @@ pub struct LunStats {
 }
 
 impl LunStats {
+    /// Adds what a connection counted on this unit since it last did ([`Tally`]) and clears
+    /// the tally: one atomic addition per counter that moved, however many commands it holds.
+    fn take(&self, t: &mut Tally) {
+        let add = |c: &AtomicU64, n: u64| {
+            if n > 0 {
+                c.fetch_add(n, Ordering::Relaxed);
+            }
+        };
+        add(&self.read_commands, t.read_commands);
+        add(&self.write_commands, t.write_commands);
+        add(&self.other_commands, t.other_commands);
+        add(&self.read_bytes, t.read_bytes);
+        add(&self.write_bytes, t.write_bytes);
+        add(&self.read_latency_ns, t.read_latency_ns);
+        add(&self.write_latency_ns, t.write_latency_ns);
+        add(&self.errors, t.errors);
+        for (bucket, n) in self
+            .read_latency_buckets
+            .iter()
+            .zip(&t.read_latency_buckets)
+        {
+            add(bucket, u64::from(*n));
+        }
+        for (bucket, n) in self
+            .write_latency_buckets
+            .iter()
+            .zip(&t.write_latency_buckets)
+        {
+            add(bucket, u64::from(*n));
+        }
+        *t = Tally::default();
+    }
+}
+
+/// Finished commands on one unit that a connection has counted and not yet added to the
+/// unit's [`LunStats`]. The counters are shared by every reactor; adding each command to them
+/// took five atomic read-modify-writes, so an iSCSI connection tallies a step's commands here
+/// and adds them when the step ends ([`UnitCache::tally`], [`UnitCache::flush`]), before
+/// anything of the step is sent: whoever saw a command's answer sees it counted.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Commands in it.
+    commands: u32,
+    read_commands: u64,
+    write_commands: u64,
+    other_commands: u64,
+    read_bytes: u64,
+    write_bytes: u64,
+    read_latency_ns: u64,
+    write_latency_ns: u64,
+    errors: u64,
+    read_latency_buckets: [u32; LATENCY_BUCKETS],
+    write_latency_buckets: [u32; LATENCY_BUCKETS],
+}
+
+impl Tally {
     /// Counts a finished command (a SCSI task's or an NVMe command's).
-    pub fn count(&self, a: &scsi_core::transport::Accounting) {
-        let s = self;
+    fn count(&mut self, a: &Accounting) {
         let ns = a.latency.as_nanos() as u64;
+        self.commands += 1;
         if a.error {
-            s.errors.fetch_add(1, Ordering::Relaxed);
+            self.errors += 1;
         }
         if a.read_bytes > 0 {
-            s.read_commands.fetch_add(1, Ordering::Relaxed);
-            s.read_bytes.fetch_add(a.read_bytes, Ordering::Relaxed);
-            s.read_latency_ns.fetch_add(ns, Ordering::Relaxed);
-            s.read_latency_buckets[latency_bucket(ns)].fetch_add(1, Ordering::Relaxed);
+            self.read_commands += 1;
+            self.read_bytes += a.read_bytes;
+            self.read_latency_ns += ns;
+            self.read_latency_buckets[latency_bucket(ns)] += 1;
         } else if a.write_bytes > 0 {
-            s.write_commands.fetch_add(1, Ordering::Relaxed);
-            s.write_bytes.fetch_add(a.write_bytes, Ordering::Relaxed);
-            s.write_latency_ns.fetch_add(ns, Ordering::Relaxed);
-            s.write_latency_buckets[latency_bucket(ns)].fetch_add(1, Ordering::Relaxed);
+            self.write_commands += 1;
+            self.write_bytes += a.write_bytes;
+            self.write_latency_ns += ns;
+            self.write_latency_buckets[latency_bucket(ns)] += 1;
         } else {
-            s.other_commands.fetch_add(1, Ordering::Relaxed);
+            self.other_commands += 1;
         }
     }
 }
@@ -300,6 +356,8 @@ pub struct UnitCache<K> {
     entries: Vec<Cached<K>>,
     /// The entry the next one replaces once `entries` is full.
     next: usize,
+    /// Some entry holds a tally ([`UnitCache::tally`]).
+    tallied: bool,
 }
 
 #[derive(Debug)]
@@ -308,6 +366,17 @@ struct Cached<K> {
     unit: Weak<Lun>,
     block_size: u32,
     stats: Arc<LunStats>,
+    /// Commands counted and not yet added to `stats`.
+    tally: Tally,
+}
+
+impl<K> Cached<K> {
+    /// Adds the tally to the unit's counters.
+    fn flush(&mut self) {
+        if self.tally.commands > 0 {
+            self.stats.take(&mut self.tally);
+        }
+    }
 }
 
 impl<K> Default for UnitCache<K> {
@@ -316,7 +385,15 @@ impl<K> Default for UnitCache<K> {
             generation: 0,
             entries: Vec::new(),
             next: 0,
+            tallied: false,
         }
+    }
+}
+
+/// A connection's last tallies reach the counters when it ends.
+impl<K> Drop for UnitCache<K> {
+    fn drop(&mut self) {
+        self.entries.iter_mut().for_each(Cached::flush);
     }
 }
 
@@ -337,10 +414,30 @@ impl<K: Ord + Copy> UnitCache<K> {
         Some(self.entries[i].block_size)
     }
 
-    /// Counts a finished command on the unit under `key` (nothing when it is gone).
+    /// Counts a finished command on the unit under `key` (nothing when it is gone), on its
+    /// counters at once.
     pub fn account(&mut self, map: &UnitMap<K>, key: K, done: &Accounting) {
         if let Some(i) = self.find(map, key) {
-            self.entries[i].stats.count(done);
+            let entry = &mut self.entries[i];
+            entry.tally.count(done);
+            entry.flush();
+        }
+    }
+
+    /// Counts a finished command on the unit under `key` (nothing when it is gone) in this
+    /// cache's tally, which [`UnitCache::flush`] adds to the unit's counters: the caller
+    /// flushes before it sends anything that answers the command.
+    pub fn tally(&mut self, map: &UnitMap<K>, key: K, done: &Accounting) {
+        if let Some(i) = self.find(map, key) {
+            self.entries[i].tally.count(done);
+            self.tallied = true;
+        }
+    }
+
+    /// Adds every tally to its unit's counters.
+    pub fn flush(&mut self) {
+        if std::mem::take(&mut self.tallied) {
+            self.entries.iter_mut().for_each(Cached::flush);
         }
     }
 
@@ -348,6 +445,8 @@ impl<K: Ord + Copy> UnitCache<K> {
     fn find(&mut self, map: &UnitMap<K>, key: K) -> Option<usize> {
         let generation = map.generation.load(Ordering::Acquire);
         if generation != self.generation {
+            // The counters of a unit replaced (a resize) are the new one's too.
+            self.flush();
             self.entries.clear();
             self.next = 0;
             self.generation = generation;
@@ -361,12 +460,14 @@ impl<K: Ord + Copy> UnitCache<K> {
             unit: Arc::downgrade(&unit),
             block_size: unit.block_size,
             stats: unit.stats.clone(),
+            tally: Tally::default(),
         };
         if self.entries.len() < CACHED_UNITS {
             self.entries.push(entry);
             return Some(self.entries.len() - 1);
         }
         let i = self.next;
+        self.entries[i].flush();
         self.entries[i] = entry;
         self.next = (i + 1) % CACHED_UNITS;
         Some(i)
@@ -482,6 +583,44 @@ mod cache_tests {
         map.insert(0, Arc::new(a.resized(a.storage.clone(), a.blocks)));
         cache.account(&map, 0, &read(0));
         assert_eq!(a.stats.read_commands.load(Ordering::Relaxed), 4);
+    }
+
+    /// A tally reaches the counters when it is flushed, when the map changes under the cache
+    /// and when the cache is dropped (its connection ended), never twice.
+    #[test]
+    fn tallied_commands_reach_the_counters_once_flushed() {
+        let map = UnitMap::default();
+        let a = unit(0, 512);
+        map.insert(0u16, a.clone());
+        let reads = |u: &Lun| u.stats.read_commands.load(Ordering::Relaxed);
+        let mut cache = UnitCache::default();
+        for _ in 0..3 {
+            cache.tally(&map, 0, &read(0));
+        }
+        assert_eq!(reads(&a), 0, "tallied, not yet added");
+        cache.flush();
+        assert_eq!(reads(&a), 3);
+        assert_eq!(a.stats.read_bytes.load(Ordering::Relaxed), 3 * 4096);
+        let buckets: u64 = a
+            .stats
+            .read_latency_buckets
+            .iter()
+            .map(|b| b.load(Ordering::Relaxed))
+            .sum();
+        assert_eq!(buckets, 3);
+        cache.flush();
+        assert_eq!(reads(&a), 3, "added once");
+        // The map changes (a resize): the tally goes to the counters the units share.
+        cache.tally(&map, 0, &read(0));
+        map.insert(0, Arc::new(a.resized(a.storage.clone(), a.blocks)));
+        cache.tally(&map, 0, &read(0));
+        assert_eq!(reads(&a), 4);
+        // Immediate accounting adds at once, and what was tallied with it.
+        cache.account(&map, 0, &read(0));
+        assert_eq!(reads(&a), 6);
+        cache.tally(&map, 0, &read(0));
+        drop(cache);
+        assert_eq!(reads(&a), 7, "the connection's end adds its tally");
     }
 
     #[test]

@@ -16,8 +16,8 @@ use initiator_bench::{discover, Error, LoginOptions, Session};
 use iscsi_pdu::chap::ChapCredentials;
 use iscsi_pdu::negotiation::{AuthMethod, DigestAlgorithm};
 use iscsi_pdu::{
-    Digests, LoginStatus, Lun, Pdu, Residual, SerialNumber, TaskAttribute, TaskManagementFunction,
-    TextRequest, TmfResponse, RESERVED_TAG,
+    Digests, LoginStatus, Lun, Pdu, Residual, ScsiStatus, SerialNumber, TaskAttribute,
+    TaskManagementFunction, TextRequest, TmfResponse, RESERVED_TAG,
 };
 use targetd::admin::{handle, AdminRequest};
 use tokio::io::AsyncReadExt;
@@ -972,6 +972,76 @@ async fn a_read_or_write_takes_the_core_lock_once() {
     );
     eprintln!("core lock acquisitions per command: writes {writes}/{n}, reads {reads}/{n}, writes with R2Ts {solicited}/{big}, {n} reads in flight {concurrent}/{n}");
     s.logout().await.unwrap();
+}
+
+/// The commands one socket read brings are taken in one step of the reader: a burst of reads
+/// takes the core's lock about once, not once per read (a queue depth's commands arrive this
+/// way), and every one is answered with its own data. Writes with immediate data in the same
+/// burst end a batch (their data is read into its buffer first) and are answered too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_commands_in_one_read_takes_the_core_lock_about_once() {
+    let d = Daemon::start(&config("", &memory_target(TARGET, "")));
+    let mut r = Raw::login(&d, [0x80, 0, 0, 0, 0, 0x2c], 0).await.unwrap();
+    // The nexus's POWER ON unit attention goes to the first command.
+    let sn = r.take_cmd_sn();
+    r.send(common::raw::read(1, sn, 0, 1)).await;
+    r.finish(1).await.expect("answered");
+    let target = d.registry.targets()[0].clone();
+    let n = 32u32;
+    // Every command's status, and its data by tag, however the answers interleave.
+    async fn answers(r: &mut Raw, tags: std::ops::Range<u32>) -> Vec<BytesMut> {
+        let mut data: Vec<BytesMut> = tags.clone().map(|_| BytesMut::new()).collect();
+        let mut left = tags.len();
+        while left > 0 {
+            let (itt, status, bytes) = match r.next().await.expect("answered") {
+                Pdu::DataIn(d) => (d.initiator_task_tag, d.status.map(|s| s.status), d.data),
+                Pdu::ScsiResponse(s) => (s.initiator_task_tag, Some(s.status), Bytes::new()),
+                _ => continue,
+            };
+            let i = (itt - tags.start) as usize;
+            data[i].extend_from_slice(&bytes);
+            if let Some(status) = status {
+                assert_eq!(status, ScsiStatus::GOOD, "task {itt}");
+                left -= 1;
+            }
+        }
+        data
+    }
+    // Writes of 4 KiB with immediate data and reads between them, in one segment.
+    let mut burst = BytesMut::new();
+    for i in 0..n {
+        let sn = r.take_cmd_sn();
+        let data = pattern(4096, i as usize);
+        burst.extend_from_slice(&r.encode(common::raw::write(100 + 2 * i, sn, i * 8, 8, data)));
+        let sn = r.take_cmd_sn();
+        burst.extend_from_slice(&r.encode(common::raw::read(101 + 2 * i, sn, i * 8, 8)));
+    }
+    r.send_bytes(&burst).await;
+    let mixed = answers(&mut r, 100..100 + 2 * n).await;
+    for i in 0..n as usize {
+        assert!(mixed[2 * i].is_empty(), "a write sends no data");
+        assert!(
+            mixed[2 * i + 1] == pattern(4096, i),
+            "the read behind write {i} reads its data"
+        );
+    }
+    // Reads only, in one segment: one step takes them all.
+    let before = target.core_acquisitions();
+    let mut burst = BytesMut::new();
+    for i in 0..n {
+        let sn = r.take_cmd_sn();
+        burst.extend_from_slice(&r.encode(common::raw::read(200 + i, sn, i * 8, 8)));
+    }
+    r.send_bytes(&burst).await;
+    let reads = answers(&mut r, 200..200 + n).await;
+    for (i, data) in reads.iter().enumerate() {
+        assert!(*data == pattern(4096, i), "read {i}");
+    }
+    let taken = target.core_acquisitions() - before;
+    // One segment is one socket read unless the reader woke in the middle of it: a few
+    // steps at most. Taken once per command, it would be 32.
+    assert!(taken <= 4, "{taken} acquisitions for a burst of {n} reads");
+    eprintln!("core lock acquisitions for a burst of {n} reads in one segment: {taken}");
 }
 
 /// The Block Limits page: by default a 32 MiB maximum (what one command may hold of the arena)

@@ -399,7 +399,7 @@ struct Machine<'t, 'a> {
 impl Carried for Machine<'_, '_> {
     fn account(&mut self, done: &scsi_core::transport::Accounting) {
         if let Some(target) = self.nexus.scope.target() {
-            target.account(self.nexus.core.units, done);
+            target.tally(self.nexus.core.units, done);
         }
     }
 
@@ -504,7 +504,7 @@ pub(crate) fn enter<B: scsi_core::transport::TaskBuffer>(
         peer: peer.addr,
         portal: peer.local,
         registry: registry.clone(),
-        route: Route { conn: peer.id, tx },
+        route: Route::new(peer.id, tx),
         out: Outbox::new(peer.id),
         units: UnitCache::default(),
     };
@@ -768,18 +768,27 @@ async fn read_loop(
             _ = control.reader.notified() => continue,
         };
         let (mut plan, mut closing) = step(conn, Some(reader.arrived()), |t, now| {
-            Ok(match incoming {
-                Ok(Incoming::Whole(pdu)) => t.machine.handle_pdu(now, pdu, &mut t.nexus),
-                Ok(Incoming::Payload { pdu, len, header }) => {
-                    t.machine
-                        .handle_header(now, pdu, &header, len, &mut t.nexus)
+            let mut plan = t.take(now, incoming)?;
+            // The other PDUs the same socket read brought, in the same step: a queue depth's
+            // burst of commands takes the core's lock once, not once per command. Bounded, so
+            // that the lock is let go for other connections of the target now and then; a
+            // PDU whose data is still to be read, a park, a closing or tracing (whose stages
+            // read the clock per step) ends the batch.
+            for _ in 1..READ_BATCH {
+                if !matches!(plan, Plan::Next)
+                    || t.machine.closing().is_some()
+                    || control.parking() != Park::Serve
+                    || t.machine.trace_points().is_on()
+                {
+                    break;
                 }
-                Err(ReadError::Reject { reason, header }) => {
-                    t.machine.handle_reject(now, reason, &header, &mut t.nexus);
-                    Plan::Next
-                }
-                Err(e) => return Err(e),
-            })
+                let Some(incoming) = reader.try_next() else {
+                    break;
+                };
+                t.pump(now);
+                plan = t.take(now, incoming)?;
+            }
+            Ok(plan)
         })?;
         loop {
             match plan {
@@ -880,6 +889,10 @@ async fn write_buffer(
     }
     share.alloc(len).await.map_err(|_| NoBuffer::TooLarge)
 }
+
+/// The most PDUs one step of the reader takes from what one socket read brought
+/// ([`read_loop`]).
+const READ_BATCH: usize = 64;
 
 /// One step of the reader: `f` on the machine and, unless it leaves a payload to read, what
 /// the core and the machine then ask for, all under at most one acquisition of the core's lock,
@@ -1105,6 +1118,28 @@ impl Conn {
 }
 
 impl Turn<'_> {
+    /// Hands the machine a PDU (or its header) the reader took off the socket, or the Reject
+    /// its header earned; what it plans for the rest of that PDU.
+    fn take(
+        &mut self,
+        now: Instant,
+        incoming: Result<Incoming, ReadError>,
+    ) -> Result<Plan<Buffer>, ReadError> {
+        Ok(match incoming {
+            Ok(Incoming::Whole(pdu)) => self.machine.handle_pdu(now, pdu, &mut self.nexus),
+            Ok(Incoming::Payload { pdu, len, header }) => {
+                self.machine
+                    .handle_header(now, pdu, &header, len, &mut self.nexus)
+            }
+            Err(ReadError::Reject { reason, header }) => {
+                self.machine
+                    .handle_reject(now, reason, &header, &mut self.nexus);
+                Plan::Next
+            }
+            Err(e) => return Err(e),
+        })
+    }
+
     /// Moves backend completions into the machine (and through it the core), at `now`.
     fn absorb(&mut self, now: Instant) {
         let mut m = Machine {

@@ -150,14 +150,24 @@ impl Reader {
     /// Reads the next PDU's header (and, except for payload-carrying PDUs, its data segment).
     pub async fn next(&mut self) -> Result<Incoming, ReadError> {
         loop {
-            match self.deframer.next_header(direct) {
-                Ok(Some(Received::Pdu(pdu))) => return Ok(Incoming::Whole(pdu)),
-                Ok(Some(Received::Header { pdu, header, len })) => {
-                    return Ok(Incoming::Payload { pdu, len, header })
-                }
-                Ok(None) => self.fill().await?,
-                Err(e) => return Err(e.into()),
+            match self.try_next() {
+                Some(r) => return r,
+                None => self.fill().await?,
             }
+        }
+    }
+
+    /// The next PDU if the bytes already read hold its header (and, for a PDU whose data is
+    /// not read straight into a buffer, its data): what [`Reader::next`] would return at once,
+    /// without reading the socket. `None` when more bytes are needed.
+    pub fn try_next(&mut self) -> Option<Result<Incoming, ReadError>> {
+        match self.deframer.next_header(direct) {
+            Ok(Some(Received::Pdu(pdu))) => Some(Ok(Incoming::Whole(pdu))),
+            Ok(Some(Received::Header { pdu, header, len })) => {
+                Some(Ok(Incoming::Payload { pdu, len, header }))
+            }
+            Ok(None) => None,
+            Err(e) => Some(Err(e.into())),
         }
     }
 
