@@ -65,10 +65,19 @@ pub struct Link<'a, Q> {
     pub units: &'a mut UnitCache<u32>,
 }
 
+/// The commands counted through the link reach their namespaces' counters when it goes: an
+/// NVMe/TCP connection's link lives for one pass of its machine (a burst of commands), an
+/// NVMe/RDMA queue's for one call.
+impl<Q> Drop for Link<'_, Q> {
+    fn drop(&mut self) {
+        self.units.flush();
+    }
+}
+
 impl<Q: Transport<Buffer>> Carried for Link<'_, Q> {
     fn account(&mut self, done: &Accounting) {
         if let Some(s) = self.subsystem {
-            s.account(self.units, done);
+            s.tally(self.units, done);
         }
     }
 

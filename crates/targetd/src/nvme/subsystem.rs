@@ -497,10 +497,12 @@ impl NvmeSubsystem {
         });
     }
 
-    /// Counts a finished command on its namespace, through a connection's cache of them.
-    pub fn account(&self, cache: &mut UnitCache<u32>, a: &scsi_core::transport::Accounting) {
+    /// Counts a finished command on its namespace in a connection's tally
+    /// ([`UnitCache::tally`]); the queue's [`Link`](super::queue::Link) adds it to the
+    /// namespace's counters when it is dropped, before what it made is sent.
+    pub fn tally(&self, cache: &mut UnitCache<u32>, a: &scsi_core::transport::Accounting) {
         if let Ok(nsid) = u32::try_from(a.lun) {
-            cache.account(&self.namespaces, nsid, a);
+            cache.tally(&self.namespaces, nsid, a);
         }
     }
 
