@@ -71,7 +71,10 @@ def main():
         a = ip - start + pgoff + delta
         total += n
         p = prev.get(a)
-        if p is not None and (ins[p].startswith("lock") or ins[p].startswith("xchg")):
+        if p is None:
+            continue
+        # `xchg %ax,%ax` is a two-byte no-op, not an exchange with memory.
+        if ins[p].startswith("lock") or (ins[p].startswith("xchg") and "(" in ins[p]):
             behind[(func[p], ins[p])] += n
     if total == 0:
         sys.exit(f"{data}: no samples in {name}")
