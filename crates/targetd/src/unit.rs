@@ -64,19 +64,16 @@ impl LunStats {
         add(&self.read_latency_ns, t.read_latency_ns);
         add(&self.write_latency_ns, t.write_latency_ns);
         add(&self.errors, t.errors);
-        for (bucket, n) in self
-            .read_latency_buckets
-            .iter()
-            .zip(&t.read_latency_buckets)
-        {
-            add(bucket, u64::from(*n));
+        let buckets = |shared: &[AtomicU64; LATENCY_BUCKETS], counted: &[u32; LATENCY_BUCKETS]| {
+            for (bucket, n) in shared.iter().zip(counted) {
+                add(bucket, u64::from(*n));
+            }
+        };
+        if t.read_commands > 0 {
+            buckets(&self.read_latency_buckets, &t.read_latency_buckets);
         }
-        for (bucket, n) in self
-            .write_latency_buckets
-            .iter()
-            .zip(&t.write_latency_buckets)
-        {
-            add(bucket, u64::from(*n));
+        if t.write_commands > 0 {
+            buckets(&self.write_latency_buckets, &t.write_latency_buckets);
         }
         *t = Tally::default();
     }
@@ -84,9 +81,10 @@ impl LunStats {
 
 /// Finished commands on one unit that a connection has counted and not yet added to the
 /// unit's [`LunStats`]. The counters are shared by every reactor; adding each command to them
-/// took five atomic read-modify-writes, so an iSCSI connection tallies a step's commands here
-/// and adds them when the step ends ([`UnitCache::tally`], [`UnitCache::flush`]), before
-/// anything of the step is sent: whoever saw a command's answer sees it counted.
+/// took five atomic read-modify-writes, so an iSCSI connection or an NVMe queue tallies a
+/// step's commands here and adds them when the step ends ([`UnitCache::tally`],
+/// [`UnitCache::flush`]), before anything of the step is sent: whoever saw a command's answer
+/// sees it counted.
 #[derive(Debug, Default)]
 struct Tally {
     /// Commands in it.
