@@ -12,7 +12,6 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::rc::Rc;
-use std::sync::Arc;
 use std::time::Instant;
 
 use backend::{Buffer, Share};
@@ -20,7 +19,7 @@ use scsi_core::transport::{Accounting, Event};
 use scsi_core::{BackendError, Output, TaskId};
 
 use crate::reactor::{Done, Inbox, Io};
-use crate::unit::Lun;
+use crate::unit::CachedUnit;
 
 /// A connection or channel as the carrier reaches it: its machine's task-layer inputs (each
 /// taken with whatever core step the machine needs), its units, and where a finished command
@@ -31,7 +30,7 @@ pub trait Carried {
     fn account(&mut self, done: &Accounting);
     /// The unit a backend operation for LUN index `lun` runs on
     /// (the target's `unit_for` with the connection's cache); `None` when it is gone.
-    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>>;
+    fn unit(&mut self, lun: u16) -> Option<CachedUnit<'_>>;
     /// Hands the machine the result of its backend operation for `task`.
     fn backend_done(
         &mut self,
@@ -201,7 +200,7 @@ impl Carrier {
                     if let Some(owners) = &mut self.owners {
                         owners.insert(task, id);
                     }
-                    self.io.submit(&unit, op, buffer, &self.inbox, task);
+                    self.io.submit(unit, op, buffer, &self.inbox, task);
                 }
                 None => {
                     let gone = Err(BackendError::Internal);

@@ -47,7 +47,7 @@ use crate::port::{Post, SendQueue};
 use crate::reactor::Io;
 use crate::registry::{AdmissionState, ConnectionSlot, Peer, Registry};
 use crate::target::Routed;
-use crate::unit::{next_id, Lun};
+use crate::unit::{next_id, CachedUnit};
 
 /// The most data a Send to the target may carry (TargetRecvDataSegmentLength): what an IU
 /// buffer holds behind the iSER header, the BHS and the most AHS a PDU may have, rounded
@@ -192,7 +192,7 @@ impl<Q, I> Carried for Conn<Q, I> {
         }
     }
 
-    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
+    fn unit(&mut self, lun: u16) -> Option<CachedUnit<'_>> {
         let Phase::Full(f) = &mut self.phase else {
             return None;
         };

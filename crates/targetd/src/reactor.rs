@@ -21,7 +21,7 @@ use scsi_core::{Backend, BackendError, Op, Output, TaskId};
 use tokio::sync::{mpsc, Notify};
 
 use crate::registry::counters::ArenaGauge;
-use crate::unit::Lun;
+use crate::unit::{CachedUnit, Lun};
 
 /// A backend operation's result, on its way back to the connection that asked.
 #[derive(Debug)]
@@ -136,20 +136,34 @@ impl Io {
         }
     }
 
-    /// Runs `op` on `lun` with `buffer`; the result goes to `inbox`.
-    pub fn submit(&self, lun: &Arc<Lun>, op: Op, buffer: Buffer, inbox: &Rc<Inbox>, task: TaskId) {
+    /// Runs `op` on `unit` with `buffer`; the result goes to `inbox`.
+    pub fn submit(
+        &self,
+        unit: CachedUnit<'_>,
+        op: Op,
+        buffer: Buffer,
+        inbox: &Rc<Inbox>,
+        task: TaskId,
+    ) {
         let mut luns = self.luns.borrow_mut();
-        if let Entry::Vacant(v) = luns.entry(lun.id) {
-            match self.open(lun) {
+        if let Entry::Vacant(v) = luns.entry(unit.id) {
+            // The one count taken on the unit: to open its backend on this reactor.
+            let opened = match unit.unit.upgrade() {
+                Some(lun) => self
+                    .open(&lun)
+                    .map_err(|e| format!("LUN {}: {e}", lun.config.lun)),
+                None => Err("the unit is gone".to_string()),
+            };
+            match opened {
                 Ok(backend) => {
                     v.insert(OpenLun {
-                        lun: Arc::downgrade(lun),
+                        lun: unit.unit.clone(),
                         backend,
                         in_flight: 0,
                     });
                 }
                 Err(e) => {
-                    tracing::error!(lun = lun.config.lun, "cannot open the backend: {e}");
+                    tracing::error!("cannot open the backend: {e}");
                     inbox.done.borrow_mut().push_back(Done {
                         task,
                         result: Err(BackendError::Internal),
@@ -160,7 +174,7 @@ impl Io {
                 }
             }
         }
-        let open = luns.get_mut(&lun.id).expect("inserted above");
+        let open = luns.get_mut(&unit.id).expect("inserted above");
         let token = self.in_flight.borrow_mut().insert(InFlight {
             inbox: inbox.clone(),
             task,

@@ -41,7 +41,7 @@ use crate::lock;
 use crate::reactor::Io;
 use crate::registry::{ConnectionSlot, Registry, SrpChannelInfo};
 use crate::target::{Outbox, Route, Routed, Target, SRP_RELATIVE_PORT};
-use crate::unit::{next_id, Lun, UnitCache};
+use crate::unit::{next_id, CachedUnit, UnitCache};
 
 /// The SRP target port identifier of the target `name`: what an initiator names in its
 /// SRP_LOGIN_REQ to reach it ([`srp::target_port::port_id_for`]); `targetctl targets` shows it.
@@ -220,7 +220,7 @@ impl<Q> Carried for Chan<Q> {
         self.target.account(&mut self.units, done);
     }
 
-    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
+    fn unit(&mut self, lun: u16) -> Option<CachedUnit<'_>> {
         self.target.cached_lun(&mut self.units, lun)
     }
 

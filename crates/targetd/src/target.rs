@@ -31,7 +31,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::cluster::{Cluster, SharedTarget};
 use crate::config;
 use crate::store::UnitStore;
-use crate::unit::{next_id, Lun, LunStats, UnitCache, UnitMap};
+use crate::unit::{next_id, CachedUnit, Lun, LunStats, UnitCache, UnitMap};
 
 /// The target portal group tag of every portal of a gateway on its own (one group, implicit
 /// ALUA active/optimized); in a cluster each gateway has its own (`cluster.port_group`).
@@ -565,7 +565,11 @@ impl Target {
 
     /// Unit `index` for a backend operation, through a connection's cache; `None` when it
     /// is gone (removed while the task ran), which the machine hears as a backend error.
-    pub fn cached_lun(&self, cache: &mut UnitCache<u16>, index: u16) -> Option<Arc<Lun>> {
+    pub fn cached_lun<'c>(
+        &self,
+        cache: &'c mut UnitCache<u16>,
+        index: u16,
+    ) -> Option<CachedUnit<'c>> {
         cache.unit(&self.luns, index)
     }
 

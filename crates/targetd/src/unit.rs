@@ -358,9 +358,21 @@ pub struct UnitCache<K> {
     tallied: bool,
 }
 
+/// A unit as a connection's cache holds it, for one backend operation: taking a count on it
+/// (an atomic increment and decrement per operation) is left to whoever needs one, the
+/// reactor only when it opens the unit's backend.
+#[derive(Debug, Clone, Copy)]
+pub struct CachedUnit<'a> {
+    /// [`Lun::id`].
+    pub id: u64,
+    /// The unit.
+    pub unit: &'a Weak<Lun>,
+}
+
 #[derive(Debug)]
 struct Cached<K> {
     key: K,
+    id: u64,
     unit: Weak<Lun>,
     block_size: u32,
     stats: Arc<LunStats>,
@@ -397,13 +409,19 @@ impl<K> Drop for UnitCache<K> {
 
 impl<K: Ord + Copy> UnitCache<K> {
     /// The unit under `key` in `map`, for a backend operation; `None` when there is none.
-    pub fn unit(&mut self, map: &UnitMap<K>, key: K) -> Option<Arc<Lun>> {
-        let i = self.find(map, key)?;
-        match self.entries[i].unit.upgrade() {
-            Some(unit) => Some(unit),
+    pub fn unit(&mut self, map: &UnitMap<K>, key: K) -> Option<CachedUnit<'_>> {
+        let mut i = self.find(map, key)?;
+        if self.entries[i].unit.strong_count() == 0 {
             // Dropped by a change whose generation this did not see yet: as the map says.
-            None => map.get(key),
+            self.entries.swap_remove(i).flush();
+            self.next = 0;
+            i = self.find(map, key)?;
         }
+        let entry = &self.entries[i];
+        Some(CachedUnit {
+            id: entry.id,
+            unit: &entry.unit,
+        })
     }
 
     /// The block size of the unit under `key`.
@@ -455,6 +473,7 @@ impl<K: Ord + Copy> UnitCache<K> {
         let unit = map.get(key)?;
         let entry = Cached {
             key,
+            id: unit.id,
             unit: Arc::downgrade(&unit),
             block_size: unit.block_size,
             stats: unit.stats.clone(),
@@ -516,6 +535,14 @@ mod cache_tests {
         Arc::new(Lun::open(&config.targets[0].luns[0], Arc::default()).expect("a memory unit"))
     }
 
+    /// The unit a cache lends, counted.
+    fn upgrade(unit: Option<super::CachedUnit<'_>>) -> Arc<Lun> {
+        let unit = unit.expect("a unit");
+        let strong = unit.unit.upgrade().expect("alive");
+        assert_eq!(unit.id, strong.id);
+        strong
+    }
+
     fn read(lun: u64) -> Accounting {
         Accounting {
             lun,
@@ -533,18 +560,42 @@ mod cache_tests {
         map.insert(0u16, first.clone());
         let mut cache = UnitCache::default();
         assert_eq!(cache.block_size(&map, 0), Some(512));
-        assert!(Arc::ptr_eq(&cache.unit(&map, 0).unwrap(), &first));
+        assert!(Arc::ptr_eq(&upgrade(cache.unit(&map, 0)), &first));
         assert!(cache.unit(&map, 1).is_none(), "no unit 1");
 
         // Replaced (a resize, a reload): the next look finds the new one.
         let second = unit(0, 4096);
         map.insert(0, second.clone());
         assert_eq!(cache.block_size(&map, 0), Some(4096));
-        assert!(Arc::ptr_eq(&cache.unit(&map, 0).unwrap(), &second));
+        assert!(Arc::ptr_eq(&upgrade(cache.unit(&map, 0)), &second));
 
         map.remove(0);
         assert!(cache.unit(&map, 0).is_none());
         assert!(cache.block_size(&map, 0).is_none());
+    }
+
+    /// A unit replaced by a change whose generation a cache reads before the change bumps it
+    /// (the map's write lock is let go after the bump, a reader may look between): the cache
+    /// lends the map's unit, not the dropped one.
+    #[test]
+    fn a_dropped_unit_is_looked_up_again_before_the_generation_moves() {
+        let map = UnitMap::default();
+        map.insert(0u16, unit(0, 512));
+        let mut cache = UnitCache::default();
+        cache.tally(&map, 0, &read(0));
+        let replaced = map.get(0).expect("unit 0").stats.clone();
+        let second = unit(0, 4096);
+        map.insert(0, second.clone());
+        map.generation.fetch_sub(1, Ordering::Release);
+        assert!(Arc::ptr_eq(&upgrade(cache.unit(&map, 0)), &second));
+        assert_eq!(cache.block_size(&map, 0), Some(4096));
+        assert_eq!(
+            replaced.read_commands.load(Ordering::Relaxed),
+            1,
+            "its tally flushed"
+        );
+        map.remove(0);
+        assert!(cache.unit(&map, 0).is_none());
     }
 
     /// A connection that sends nothing more after a unit is removed does not keep it (its
@@ -634,7 +685,7 @@ mod cache_tests {
         let mut cache = UnitCache::default();
         for round in 0..3 {
             for (i, u) in units.iter().enumerate() {
-                let found = cache.unit(&map, i as u16).expect("every unit");
+                let found = upgrade(cache.unit(&map, i as u16));
                 assert!(Arc::ptr_eq(&found, u), "round {round} unit {i}");
             }
         }

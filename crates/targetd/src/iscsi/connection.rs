@@ -36,7 +36,7 @@ use crate::control::{Control, Park, Parked, ParkedState, Request};
 use crate::reactor::Io;
 use crate::registry::{Peer, Registry};
 use crate::target::{Core, CoreStep, Outbox, Route, Routed, Target};
-use crate::unit::{next_id, Lun, UnitCache};
+use crate::unit::{next_id, CachedUnit, UnitCache};
 use iscsi_pdu::target_node::Core as _;
 
 /// How long a closing connection waits for its tasks' backend operations.
@@ -403,7 +403,7 @@ impl Carried for Machine<'_, '_> {
         }
     }
 
-    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
+    fn unit(&mut self, lun: u16) -> Option<CachedUnit<'_>> {
         let target = self.nexus.scope.target()?;
         target.cached_lun(self.nexus.core.units, lun)
     }

@@ -14,7 +14,7 @@ use scsi_core::{BackendError, Output, TaskId};
 
 use crate::carrier::Carried;
 use crate::registry::Registry;
-use crate::unit::{Lun, UnitCache};
+use crate::unit::{CachedUnit, UnitCache};
 
 use super::NvmeSubsystem;
 
@@ -81,7 +81,7 @@ impl<Q: Transport<Buffer>> Carried for Link<'_, Q> {
         }
     }
 
-    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
+    fn unit(&mut self, lun: u16) -> Option<CachedUnit<'_>> {
         self.subsystem?.cached_namespace(self.units, u32::from(lun))
     }
 

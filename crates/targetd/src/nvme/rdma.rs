@@ -42,7 +42,7 @@ use crate::fabric::{Fabric, FabricBuffer, Qp, NO_ADDRESS, NVME_MAX_IN_CAPSULE_DA
 use crate::port::{Post, SendQueue};
 use crate::reactor::Io;
 use crate::registry::{ConnectionSlot, Registry};
-use crate::unit::{next_id, Lun, UnitCache};
+use crate::unit::{next_id, CachedUnit, UnitCache};
 
 /// The most entries an I/O queue over RDMA takes (`nvme.queue_entries` when smaller): each is
 /// a receive buffer posted for the queue's life. Linux's host asks 128.
@@ -131,8 +131,10 @@ impl<Q> Carried for Conn<Q> {
         self.link().account(done);
     }
 
-    fn unit(&mut self, lun: u16) -> Option<Arc<Lun>> {
-        self.link().unit(lun)
+    fn unit(&mut self, lun: u16) -> Option<CachedUnit<'_>> {
+        self.subsystem
+            .as_deref()?
+            .cached_namespace(&mut self.units, u32::from(lun))
     }
 
     fn backend_done(

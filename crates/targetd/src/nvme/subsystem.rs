@@ -16,7 +16,7 @@ use crate::config;
 use crate::lock;
 use crate::store::UnitStore;
 use crate::target::TargetEnv;
-use crate::unit::{next_id, Lun, LunStats, UnitCache, UnitMap};
+use crate::unit::{next_id, CachedUnit, Lun, LunStats, UnitCache, UnitMap};
 
 /// The largest transfer of one command: 2^MDTS pages of 4 KiB, 1 MiB (Linux's host splits
 /// larger requests).
@@ -507,7 +507,11 @@ impl NvmeSubsystem {
     }
 
     /// Namespace `nsid`'s unit for a backend operation, through a connection's cache.
-    pub fn cached_namespace(&self, cache: &mut UnitCache<u32>, nsid: u32) -> Option<Arc<Lun>> {
+    pub fn cached_namespace<'c>(
+        &self,
+        cache: &'c mut UnitCache<u32>,
+        nsid: u32,
+    ) -> Option<CachedUnit<'c>> {
         cache.unit(&self.namespaces, nsid)
     }
 
