@@ -87,8 +87,6 @@ impl LunStats {
 /// sees it counted.
 #[derive(Debug, Default)]
 struct Tally {
-    /// Commands in it.
-    commands: u32,
     read_commands: u64,
     write_commands: u64,
     other_commands: u64,
@@ -102,10 +100,14 @@ struct Tally {
 }
 
 impl Tally {
+    /// Whether it counts no command.
+    fn is_empty(&self) -> bool {
+        self.read_commands == 0 && self.write_commands == 0 && self.other_commands == 0
+    }
+
     /// Counts a finished command (a SCSI task's or an NVMe command's).
     fn count(&mut self, a: &Accounting) {
         let ns = a.latency.as_nanos() as u64;
-        self.commands += 1;
         if a.error {
             self.errors += 1;
         }
@@ -383,7 +385,7 @@ struct Cached<K> {
 impl<K> Cached<K> {
     /// Adds the tally to the unit's counters.
     fn flush(&mut self) {
-        if self.tally.commands > 0 {
+        if !self.tally.is_empty() {
             self.stats.take(&mut self.tally);
         }
     }
@@ -400,10 +402,19 @@ impl<K> Default for UnitCache<K> {
     }
 }
 
+impl<K> UnitCache<K> {
+    /// Adds every tally to its unit's counters.
+    pub fn flush(&mut self) {
+        if std::mem::take(&mut self.tallied) {
+            self.entries.iter_mut().for_each(Cached::flush);
+        }
+    }
+}
+
 /// A connection's last tallies reach the counters when it ends.
 impl<K> Drop for UnitCache<K> {
     fn drop(&mut self) {
-        self.entries.iter_mut().for_each(Cached::flush);
+        self.flush();
     }
 }
 
@@ -447,13 +458,6 @@ impl<K: Ord + Copy> UnitCache<K> {
         if let Some(i) = self.find(map, key) {
             self.entries[i].tally.count(done);
             self.tallied = true;
-        }
-    }
-
-    /// Adds every tally to its unit's counters.
-    pub fn flush(&mut self) {
-        if std::mem::take(&mut self.tallied) {
-            self.entries.iter_mut().for_each(Cached::flush);
         }
     }
 
