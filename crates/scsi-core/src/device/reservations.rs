@@ -89,6 +89,10 @@ impl Device {
         let Some(lu) = self.lu(lun) else {
             return false;
         };
+        // Not newer than the last applied: nothing changes, so what was missed is not worked out.
+        if !matches!(lu.shared, Some(v) if v < version) {
+            return false;
+        }
         let missed = ReservationEffects::missed(&lu.reservations.persistent, &state.persistent);
         self.apply_reservations(lun, version, state, &missed)
     }
