@@ -109,6 +109,11 @@ impl<R: Clone> Router<R> {
         self.device.adopt_unit_state(lun, state)
     }
 
+    /// The handover's nexuses are all adopted ([`Device::end_handover`]).
+    pub fn end_handover(&mut self) {
+        self.device.end_handover();
+    }
+
     /// Adds a target port (a transport's first login through it); false when the device has
     /// it already. See [`Device::add_port`].
     pub fn add_port(&mut self, port: TargetPort) -> bool {

@@ -563,6 +563,39 @@ fn a_change_made_while_sessions_move_to_the_next_process_reaches_them() {
     );
 }
 
+/// What a handover kept for nexuses it did not bring is gone once it ends: a nexus of that
+/// name adopted later (none is, in practice: later ones log in) hears none of it.
+#[test]
+fn a_handovers_unit_attentions_for_nexuses_it_did_not_bring_go_when_it_ends() {
+    let (mut a, mut b, mut k, na, nb) = two_gateways();
+    {
+        let mut gws = [&mut a, &mut b];
+        good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
+        good(&prout(&mut k, &mut gws, 1, nb, 0, 0, 0, 0xb));
+        good(&prout(&mut k, &mut gws, 0, na, 1, 5, 0xa, 0));
+    }
+    let (_, _, handed) = a.device.unit_states().remove(0);
+    let mut next = gateway();
+    assert!(next
+        .device
+        .apply_reservations(0, k.version, k.state.clone(), &Default::default()));
+    good(&prout(
+        &mut k,
+        &mut [&mut b, &mut next],
+        0,
+        nb,
+        4,
+        5,
+        0xb,
+        0xa,
+    ));
+    next.device.adopt_unit_state(0, handed).expect("LUN 0");
+    next.device.end_handover();
+    let one = TransportId::iscsi("iqn.x:one", [0x80, 0, 0, 0, 0, 1]);
+    let n = next.device.adopt_nexus(one, 1, Vec::new());
+    assert_eq!(next.device.pending_unit_attentions(n).unwrap(), []);
+}
+
 /// A gateway's next process whose configuration no longer shares the unit (its cluster
 /// section went): the unit keeps the reservations its sessions held, now as its own, and
 /// enforces them without a keeper.

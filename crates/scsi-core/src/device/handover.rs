@@ -161,6 +161,14 @@ impl Device {
         Ok(())
     }
 
+    /// The handover is over, every nexus it brought adopted: the unit attentions kept for
+    /// nexuses it did not bring go. They are a shared unit's registrants that reach it through
+    /// another gateway, or sessions the handover refused; a nexus that logs in here later
+    /// starts with POWER ON, RESET, which says all they would.
+    pub fn end_handover(&mut self) {
+        self.handed_unit_attentions = Vec::new();
+    }
+
     /// Keeps the unit attentions of what the nexuses of shared unit `lun` missed while they
     /// moved, for each to hear once adopted (those of an earlier handover of the unit go).
     fn hand_unit_attentions(&mut self, lun: u16, missed: ReservationEffects) {

@@ -449,10 +449,12 @@ pub fn adopt(
                         .target
                         .with_core(|core, out| core.close_session(nexus, out));
                 }
+                end_handover(registry);
                 return Err(AdoptError::Session(e));
             }
         }
     }
+    end_handover(registry);
     let settings = registry.settings();
     let (go, waiting) = watch::channel(false);
     let cntlids = crate::nvme::handover::spawn(registry, nvme, &waiting);
@@ -513,6 +515,14 @@ pub fn adopt(
         }
     }
     Ok(Adopted { tsihs, cntlids, go })
+}
+
+/// Every handed session is in (or none is): what the units' states kept for nexuses that did
+/// not come goes ([`scsi_core::Device::end_handover`]).
+fn end_handover(registry: &Registry) {
+    for target in registry.targets() {
+        target.with_core(|core, _| core.router().end_handover());
+    }
 }
 
 /// Checks a handed-over session against this process (its target served here, its initiator
