@@ -9,7 +9,7 @@ mod common;
 use common::*;
 use scsi_core::pr::{ReservationRequest, Reservations};
 use scsi_core::testing::{Harness, Outcome};
-use scsi_core::{Asc, Device, NexusId, Status, TaskAttribute, TransportId};
+use scsi_core::{Asc, Device, NexusId, Status, TaskAttribute, TransportId, UnitState};
 
 /// The shared state and its version, as one RADOS object would hold them.
 #[derive(Default)]
@@ -504,11 +504,11 @@ fn a_gateway_that_missed_changes_hears_their_outcome_when_it_comes_back() {
         .all(|(_, asc)| *asc == Asc::RESERVATIONS_RELEASED));
 }
 
-/// A gateway's sessions handed to its next process (an upgrade): a PREEMPT made through
-/// another gateway after the old process took its snapshot, which the new process applied
-/// before the sessions' nexuses existed in it, still reaches them as a unit attention.
-#[test]
-fn a_change_made_while_sessions_move_to_the_next_process_reaches_them() {
+/// Gateway A's initiator registered and holding the reservation, A's old process parked with
+/// its units' state taken, A's next process following the shared state, and B then
+/// preempting A's initiator before the sessions are in: (A's next process, B, the keeper, the
+/// state A's old process hands over).
+fn preempted_while_handed_over() -> (Harness, Harness, Keeper, UnitState) {
     let (mut a, mut b, mut k, na, nb) = two_gateways();
     {
         let mut gws = [&mut a, &mut b];
@@ -516,14 +516,11 @@ fn a_change_made_while_sessions_move_to_the_next_process_reaches_them() {
         good(&prout(&mut k, &mut gws, 1, nb, 0, 0, 0, 0xb));
         good(&prout(&mut k, &mut gws, 0, na, 1, 5, 0xa, 0));
     }
-    // The old process of A parks and takes its units' state.
     let (_, _, handed) = a.device.unit_states().remove(0);
-    // The next process of A has the unit and its shared state, and follows the changes.
     let mut next = gateway();
     assert!(next
         .device
         .apply_reservations(0, k.version, k.state.clone(), &Default::default()));
-    // B preempts A's initiator before the sessions are in the next process.
     good(&prout(
         &mut k,
         &mut [&mut b, &mut next],
@@ -534,6 +531,15 @@ fn a_change_made_while_sessions_move_to_the_next_process_reaches_them() {
         0xb,
         0xa,
     ));
+    (next, b, k, handed)
+}
+
+/// A gateway's sessions handed to its next process (an upgrade): a PREEMPT made through
+/// another gateway after the old process took its snapshot, which the new process applied
+/// before the sessions' nexuses existed in it, still reaches them as a unit attention.
+#[test]
+fn a_change_made_while_sessions_move_to_the_next_process_reaches_them() {
+    let (mut next, mut b, mut k, handed) = preempted_while_handed_over();
     // The sessions come in: the unit's state, then the nexus with what it had pending.
     next.device.adopt_unit_state(0, handed).expect("LUN 0");
     let one = TransportId::iscsi("iqn.x:one", [0x80, 0, 0, 0, 0, 1]);
@@ -567,28 +573,7 @@ fn a_change_made_while_sessions_move_to_the_next_process_reaches_them() {
 /// name adopted later (none is, in practice: later ones log in) hears none of it.
 #[test]
 fn a_handovers_unit_attentions_for_nexuses_it_did_not_bring_go_when_it_ends() {
-    let (mut a, mut b, mut k, na, nb) = two_gateways();
-    {
-        let mut gws = [&mut a, &mut b];
-        good(&prout(&mut k, &mut gws, 0, na, 0, 0, 0, 0xa));
-        good(&prout(&mut k, &mut gws, 1, nb, 0, 0, 0, 0xb));
-        good(&prout(&mut k, &mut gws, 0, na, 1, 5, 0xa, 0));
-    }
-    let (_, _, handed) = a.device.unit_states().remove(0);
-    let mut next = gateway();
-    assert!(next
-        .device
-        .apply_reservations(0, k.version, k.state.clone(), &Default::default()));
-    good(&prout(
-        &mut k,
-        &mut [&mut b, &mut next],
-        0,
-        nb,
-        4,
-        5,
-        0xb,
-        0xa,
-    ));
+    let (mut next, _, _, handed) = preempted_while_handed_over();
     next.device.adopt_unit_state(0, handed).expect("LUN 0");
     next.device.end_handover();
     let one = TransportId::iscsi("iqn.x:one", [0x80, 0, 0, 0, 0, 1]);
