@@ -425,7 +425,6 @@ impl<K: Ord + Copy> UnitCache<K> {
         if self.entries[i].unit.strong_count() == 0 {
             // Dropped by a change whose generation this did not see yet: as the map says.
             self.entries.swap_remove(i).flush();
-            self.next = 0;
             i = self.find(map, key)?;
         }
         let entry = &self.entries[i];
@@ -578,9 +577,9 @@ mod cache_tests {
         assert!(cache.block_size(&map, 0).is_none());
     }
 
-    /// A unit replaced by a change whose generation a cache reads before the change bumps it
-    /// (the map's write lock is let go after the bump, a reader may look between): the cache
-    /// lends the map's unit, not the dropped one.
+    /// A unit replaced and dropped by a change whose generation the cache has not seen (the
+    /// map changes its units, then bumps the generation; a cache may look in between): the
+    /// cache lends the map's unit, not the dropped one.
     #[test]
     fn a_dropped_unit_is_looked_up_again_before_the_generation_moves() {
         let map = UnitMap::default();
