@@ -529,6 +529,13 @@ impl Server {
         crate::iscsi::handover::adopt(&self.registry, &self.reactors, handover)
     }
 
+    /// Every part of a handover has been through [`Server::adopt_sessions`]: the unit
+    /// attentions the units' states kept for nexuses that did not come go
+    /// ([`crate::iscsi::handover::end_handover`]).
+    pub fn end_handover(&self) {
+        crate::iscsi::handover::end_handover(&self.registry);
+    }
+
     /// An upgrade's successor, its predecessor parked: this process becomes the cluster's
     /// gateway ([`crate::cluster::Cluster::take_place`]); nothing to do outside a cluster.
     pub fn take_cluster_place(&self) -> Result<(), String> {

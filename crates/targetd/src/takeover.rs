@@ -95,6 +95,7 @@ fn run(socket: &UnixStream, config: Config, config_path: PathBuf) -> Result<Serv
         return Err(TakeOverError::Injected);
     }
     let adopted = server.adopt_sessions(handover)?;
+    server.end_handover();
     // The predecessor has parked: this process becomes the cluster's gateway before it says
     // it took the sessions in (a failure here leaves them to the predecessor, which lists
     // itself again).

@@ -179,6 +179,7 @@ fn main() -> ExitCode {
                 };
                 if !restored.is_empty() {
                     let sessions = restored.serve(|h| server.adopt_sessions(h));
+                    server.end_handover();
                     tracing::info!(sessions, "restart: serving the sessions the service manager kept");
                 }
                 server

@@ -449,12 +449,10 @@ pub fn adopt(
                         .target
                         .with_core(|core, out| core.close_session(nexus, out));
                 }
-                end_handover(registry);
                 return Err(AdoptError::Session(e));
             }
         }
     }
-    end_handover(registry);
     let settings = registry.settings();
     let (go, waiting) = watch::channel(false);
     let cntlids = crate::nvme::handover::spawn(registry, nvme, &waiting);
@@ -517,9 +515,11 @@ pub fn adopt(
     Ok(Adopted { tsihs, cntlids, go })
 }
 
-/// Every handed session is in (or none is): what the units' states kept for nexuses that did
-/// not come goes ([`scsi_core::Device::end_handover`]).
-fn end_handover(registry: &Registry) {
+/// Every part of a handover has been through [`adopt`] (an upgrade hands everything in one,
+/// a restart through the service manager's store the units and then each session on its
+/// own): what the units' states kept for nexuses that did not come goes
+/// ([`scsi_core::Device::end_handover`]).
+pub fn end_handover(registry: &Registry) {
     for target in registry.targets() {
         target.with_core(|core, _| core.router().end_handover());
     }
